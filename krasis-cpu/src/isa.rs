@@ -1,0 +1,78 @@
+//! Instruction-set selection: detected once at run time, overridable with `KRASIS_ISA`.
+
+use std::sync::OnceLock;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    Scalar,
+    /// AVX2 + FMA.
+    Avx2,
+    /// AVX-512 F/BW/VNNI.
+    Avx512,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The best ISA this CPU supports.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Every ISA this host can run, lowest first (for tests that compare them).
+    pub fn available() -> Vec<Isa> {
+        let best = Isa::detect();
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|&i| i <= best).collect()
+    }
+}
+
+/// Parse a `KRASIS_ISA` value.
+pub fn parse_isa(s: &str) -> Option<Isa> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "scalar" => Some(Isa::Scalar),
+        "avx2" => Some(Isa::Avx2),
+        "avx512" => Some(Isa::Avx512),
+        _ => None,
+    }
+}
+
+/// The ISA the kernels use: the detected one, lowered by `KRASIS_ISA` if set. Asking for more
+/// than the CPU has, or an unknown name, falls back to the detected ISA with a warning.
+pub fn active() -> Isa {
+    static ACTIVE: OnceLock<Isa> = OnceLock::new();
+    *ACTIVE.get_or_init(|| {
+        let best = Isa::detect();
+        match std::env::var("KRASIS_ISA") {
+            Err(_) => best,
+            Ok(v) => match parse_isa(&v) {
+                Some(req) if req <= best => req,
+                Some(req) => {
+                    eprintln!("warning: KRASIS_ISA={} is not supported by this CPU; using {}", req.name(), best.name());
+                    best
+                }
+                None => {
+                    eprintln!("warning: KRASIS_ISA={v:?} is not one of scalar|avx2|avx512; using {}", best.name());
+                    best
+                }
+            },
+        }
+    })
+}

@@ -1,0 +1,13 @@
+//! CPU execution. Today: ISA detection and the dense f32 ops of the reference path (linear with
+//! f32/bf16/f16 weights, RMSNorm, RoPE, causal attention over a cache, SiLU gating). Every SIMD
+//! kernel sits next to its scalar twin; tests compare them.
+
+pub mod activation;
+pub mod attention;
+pub mod isa;
+pub mod linear;
+pub mod norm;
+pub mod rope;
+
+pub use isa::Isa;
+pub use linear::WeightRows;

@@ -1,0 +1,244 @@
+//! Dense linear `y = x · Wᵀ` with f32 activations and f32/bf16/f16 weights (the reference path:
+//! weights are used exactly as stored, converted to f32 a block of rows at a time).
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::isa::{self, Isa};
+
+/// Weight rows `[n, k]`, row-major, in their stored type.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl WeightRows<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            WeightRows::F32(s) => s.len(),
+            WeightRows::Bf16(s) | WeightRows::F16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Row `r` (of width `k`) as f32 into `out`.
+    pub fn row_into(&self, r: usize, k: usize, out: &mut [f32]) {
+        match self {
+            WeightRows::F32(s) => out.copy_from_slice(&s[r * k..(r + 1) * k]),
+            WeightRows::Bf16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[r * k..(r + 1) * k]) {
+                    *o = f32::from_bits((b as u32) << 16);
+                }
+            }
+            WeightRows::F16(s) => {
+                for (o, &b) in out.iter_mut().zip(&s[r * k..(r + 1) * k]) {
+                    *o = f16::from_bits(b).to_f32();
+                }
+            }
+        }
+    }
+}
+
+/// Weight rows converted per task: 8 rows × K floats stays in L2 while every x row passes by.
+const ROWS_PER_TASK: usize = 8;
+
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint columns of `y`; see `linear`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at` must be in bounds and no other thread may write it.
+    unsafe fn write(&self, at: usize, v: f32) {
+        *self.0.add(at) = v;
+    }
+}
+
+/// `y[m, n] = x[m, k] · w[n, k]ᵀ`, parallel over blocks of weight rows.
+pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mut [f32]) {
+    assert_eq!(x.len(), m * k, "linear: x is {} floats, expected {m}×{k}", x.len());
+    assert_eq!(w.len(), n * k, "linear: w is {} elements, expected {n}×{k}", w.len());
+    assert_eq!(y.len(), m * n, "linear: y is {} floats, expected {m}×{n}", y.len());
+    let isa = isa::active();
+    let out = OutPtr(y.as_mut_ptr());
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    (0..tasks).into_par_iter().for_each_init(
+        || vec![0f32; ROWS_PER_TASK * k],
+        |buf, t| {
+            let r0 = t * ROWS_PER_TASK;
+            let r1 = (r0 + ROWS_PER_TASK).min(n);
+            for r in r0..r1 {
+                w.row_into(r, k, &mut buf[(r - r0) * k..(r - r0 + 1) * k]);
+            }
+            for i in 0..m {
+                let xi = &x[i * k..(i + 1) * k];
+                for r in r0..r1 {
+                    let d = dot(isa, xi, &buf[(r - r0) * k..(r - r0 + 1) * k]);
+                    // SAFETY: (i, r) is in bounds (asserted above) and column r belongs to this
+                    // task alone.
+                    unsafe { out.write(i * n + r, d) };
+                }
+            }
+        },
+    );
+}
+
+/// Scalar twin of [`linear`]: the definition, one output at a time.
+pub fn linear_scalar(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mut [f32]) {
+    let mut row = vec![0f32; k];
+    for r in 0..n {
+        w.row_into(r, k, &mut row);
+        for i in 0..m {
+            y[i * n + r] = dot_scalar(&x[i * k..(i + 1) * k], &row);
+        }
+    }
+}
+
+/// Dot product on the given ISA.
+#[inline]
+pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { dot_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dot_avx2(a, b) },
+        _ => dot_scalar(a, b),
+    }
+}
+
+/// Scalar dot with eight interleaved partial sums (so the rounding resembles the SIMD ones).
+pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, a_j) in acc.iter_mut().enumerate() {
+            let off = i + 8 * j;
+            *a_j = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(off)), _mm256_loadu_ps(pb.add(off)), *a_j);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+        i += 8;
+    }
+    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), s);
+    let mut total: f32 = lanes.iter().sum();
+    while i < n {
+        total += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let mut i = 0;
+    while i + 32 <= n {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+        i += 32;
+    }
+    if i < n {
+        // Masked tail: up to two partial 16-lane loads.
+        let rem = n - i;
+        let m0: __mmask16 = if rem >= 16 { 0xffff } else { ((1u32 << rem) - 1) as u16 };
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m0, pa.add(i)), _mm512_maskz_loadu_ps(m0, pb.add(i)), acc0);
+        if rem > 16 {
+            let m1: __mmask16 = ((1u32 << (rem - 16)) - 1) as u16;
+            acc1 = _mm512_fmadd_ps(
+                _mm512_maskz_loadu_ps(m1, pa.add(i + 16)),
+                _mm512_maskz_loadu_ps(m1, pb.add(i + 16)),
+                acc1,
+            );
+        }
+    }
+    _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn close(a: f32, b: f32, scale: f32) -> bool {
+        (a - b).abs() <= 1e-5 * scale.max(1.0)
+    }
+
+    proptest! {
+        #[test]
+        fn dot_every_isa_matches_scalar(n in 0usize..300, seed in any::<u64>()) {
+            let a = data(n, seed);
+            let b = data(n, seed ^ 0x9e37);
+            let want = dot_scalar(&a, &b);
+            let mag: f32 = a.iter().zip(&b).map(|(x, y)| (x * y).abs()).sum();
+            for isa in Isa::available() {
+                let got = dot(isa, &a, &b);
+                prop_assert!(close(got, want, mag), "{isa:?} n={n}: {got} vs {want}");
+            }
+        }
+
+        #[test]
+        fn linear_matches_scalar_twin(m in 1usize..6, k in 1usize..90, n in 1usize..40, seed in any::<u64>()) {
+            let x = data(m * k, seed);
+            let wf = data(n * k, seed ^ 1);
+            let wb: Vec<u16> = wf.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let wh: Vec<u16> = wf.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            for w in [WeightRows::F32(&wf), WeightRows::Bf16(&wb), WeightRows::F16(&wh)] {
+                let mut y = vec![0f32; m * n];
+                let mut y0 = vec![0f32; m * n];
+                linear(&x, m, k, w, n, &mut y);
+                linear_scalar(&x, m, k, w, n, &mut y0);
+                for (a, b) in y.iter().zip(&y0) {
+                    prop_assert!(close(*a, *b, k as f32), "{a} vs {b}");
+                }
+            }
+        }
+    }
+}

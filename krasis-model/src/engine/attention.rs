@@ -1,0 +1,161 @@
+//! Attention layers of the reference path. MLA runs in the absorbed form for prefill and decode
+//! alike: `W_UK` is folded into the query and `W_UV` applied after attending over the latent.
+
+use krasis_cpu::attention::causal_attention;
+use krasis_cpu::isa;
+use krasis_cpu::linear::dot;
+use krasis_cpu::norm::rms_norm_rows;
+use krasis_cpu::rope::{rotate, Pairing};
+use rayon::prelude::*;
+
+use super::kv::LayerKv;
+use crate::linear::LinearOp;
+
+/// cos/sin for the positions of one forward call, `[t, half_dim]` each.
+pub struct RopeBatch {
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+    pub half: usize,
+    pub pairing: Pairing,
+}
+
+impl RopeBatch {
+    fn rotate(&self, token: usize, x: &mut [f32]) {
+        let r = token * self.half..(token + 1) * self.half;
+        rotate(x, &self.cos[r.clone()], &self.sin[r], self.pairing);
+    }
+}
+
+pub trait AttentionLayer: Send + Sync {
+    /// `x`: normalised hidden states `[t, hidden]` at positions `kv.len()..kv.len()+t`;
+    /// appends them to `kv` and writes the attention output `[t, hidden]`.
+    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]);
+    fn new_cache(&self) -> LayerKv;
+}
+
+pub struct MlaAttention {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_dim: usize,
+    pub latent: usize,
+    pub eps: f32,
+    pub scale: f32,
+    /// `Some((q_a_proj, q_a_layernorm, q_b_proj))` with a query LoRA, else `q_proj` in `q_b`.
+    pub q_a: Option<(Box<dyn LinearOp>, Vec<f32>)>,
+    pub q_b: Box<dyn LinearOp>,
+    pub kv_a: Box<dyn LinearOp>,
+    pub kv_a_norm: Vec<f32>,
+    /// `kv_b_proj` in f32, `[heads · (nope + v_dim), latent]`: per head `W_UK` rows then `W_UV` rows.
+    pub kv_b: Vec<f32>,
+    pub o_proj: Box<dyn LinearOp>,
+}
+
+impl AttentionLayer for MlaAttention {
+    fn new_cache(&self) -> LayerKv {
+        LayerKv::latent(self.latent + self.rope, self.latent)
+    }
+
+    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
+        let (h, nope, rd, lat, vd) = (self.heads, self.nope, self.rope, self.latent, self.v_dim);
+        let qk = nope + rd;
+        let mut q = vec![0f32; t * h * qk];
+        match &self.q_a {
+            Some((q_a, norm)) => {
+                let mut qa = vec![0f32; t * q_a.out_dim()];
+                q_a.forward(x, t, &mut qa);
+                rms_norm_rows(&mut qa, norm, self.eps);
+                self.q_b.forward(&qa, t, &mut q);
+            }
+            None => self.q_b.forward(x, t, &mut q),
+        }
+        let row = lat + rd;
+        let mut kva = vec![0f32; t * row];
+        self.kv_a.forward(x, t, &mut kva);
+        for (i, r) in kva.chunks_exact_mut(row).enumerate() {
+            rms_norm_rows(&mut r[..lat], &self.kv_a_norm, self.eps);
+            rope.rotate(i, &mut r[lat..]);
+        }
+        let q_start = kv.len();
+        kv.append(&kva, None);
+
+        // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head).
+        let per_head = nope + vd;
+        let mut q_abs = vec![0f32; t * h * row];
+        q_abs.par_chunks_mut(row).enumerate().for_each(|(idx, qa)| {
+            let (i, hh) = (idx / h, idx % h);
+            let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
+            let (lat_part, pe_part) = qa.split_at_mut(lat);
+            lat_part.fill(0.0);
+            for (d, &qn) in qh[..nope].iter().enumerate() {
+                let w = &self.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
+                for (a, &b) in lat_part.iter_mut().zip(w) {
+                    *a += qn * b;
+                }
+            }
+            pe_part.copy_from_slice(&qh[nope..]);
+            rope.rotate(i, pe_part);
+        });
+
+        let mut o_lat = vec![0f32; t * h * lat];
+        causal_attention(&q_abs, t, h, q_start, &kv.view(), self.scale, &mut o_lat);
+
+        // Apply W_UV per head.
+        let isa = isa::active();
+        let mut o = vec![0f32; t * h * vd];
+        o.par_chunks_mut(vd).enumerate().for_each(|(idx, ov)| {
+            let hh = idx % h;
+            let ol = &o_lat[idx * lat..(idx + 1) * lat];
+            for (j, v) in ov.iter_mut().enumerate() {
+                let r = hh * per_head + nope + j;
+                *v = dot(isa, &self.kv_b[r * lat..(r + 1) * lat], ol);
+            }
+        });
+        self.o_proj.forward(&o, t, out);
+    }
+}
+
+pub struct GqaAttention {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub scale: f32,
+    pub q_proj: Box<dyn LinearOp>,
+    pub k_proj: Box<dyn LinearOp>,
+    pub v_proj: Box<dyn LinearOp>,
+    pub o_proj: Box<dyn LinearOp>,
+    /// Per-head RMSNorm weights for q and k (Qwen3's qk-norm).
+    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+impl AttentionLayer for GqaAttention {
+    fn new_cache(&self) -> LayerKv {
+        LayerKv::separate(self.kv_heads, self.head_dim)
+    }
+
+    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
+        let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let mut q = vec![0f32; t * h * hd];
+        let mut k = vec![0f32; t * kvh * hd];
+        let mut v = vec![0f32; t * kvh * hd];
+        self.q_proj.forward(x, t, &mut q);
+        self.k_proj.forward(x, t, &mut k);
+        self.v_proj.forward(x, t, &mut v);
+        if let Some((qn, kn)) = &self.qk_norm {
+            rms_norm_rows(&mut q, qn, self.eps);
+            rms_norm_rows(&mut k, kn, self.eps);
+        }
+        for (idx, head) in q.chunks_exact_mut(hd).enumerate() {
+            rope.rotate(idx / h, head);
+        }
+        for (idx, head) in k.chunks_exact_mut(hd).enumerate() {
+            rope.rotate(idx / kvh, head);
+        }
+        let q_start = kv.len();
+        kv.append(&k, Some(&v));
+        let mut o = vec![0f32; t * h * hd];
+        causal_attention(&q, t, h, q_start, &kv.view(), self.scale, &mut o);
+        self.o_proj.forward(&o, t, out);
+    }
+}

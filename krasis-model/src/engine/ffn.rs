@@ -1,0 +1,64 @@
+//! Feed-forward blocks: the gated MLP (dense layers, shared experts) and the MoE block
+//! (router → expert executor, plus the shared expert).
+
+use krasis_cpu::activation::silu_mul;
+
+use super::experts::{ExpertExecutor, Routes};
+use crate::linear::LinearOp;
+use crate::router::route;
+use crate::spec::RoutingRule;
+
+pub struct Mlp {
+    pub gate: Box<dyn LinearOp>,
+    pub up: Box<dyn LinearOp>,
+    pub down: Box<dyn LinearOp>,
+}
+
+impl Mlp {
+    /// `out[t, hidden] = down(silu(gate(x)) · up(x))`.
+    pub fn forward(&self, x: &[f32], t: usize, out: &mut [f32]) {
+        let i = self.gate.out_dim();
+        let mut g = vec![0f32; t * i];
+        let mut u = vec![0f32; t * i];
+        self.gate.forward(x, t, &mut g);
+        self.up.forward(x, t, &mut u);
+        let mut a = vec![0f32; t * i];
+        silu_mul(&g, &u, &mut a);
+        self.down.forward(&a, t, out);
+    }
+}
+
+pub struct MoeBlock {
+    pub layer: usize,
+    pub router: Box<dyn LinearOp>,
+    pub bias: Option<Vec<f32>>,
+    pub rule: RoutingRule,
+    pub shared: Option<Mlp>,
+}
+
+impl MoeBlock {
+    pub fn forward(&self, experts: &dyn ExpertExecutor, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
+        let e = self.router.out_dim();
+        let mut logits = vec![0f32; t * e];
+        self.router.forward(x, t, &mut logits);
+        let mut routes = Routes::with_capacity(t, self.rule.top_k);
+        for row in logits.chunks_exact(e) {
+            let (ids, w) = route(&self.rule, row, self.bias.as_deref());
+            routes.push(&ids, &w);
+        }
+        out.fill(0.0);
+        experts.run(self.layer, x, t, &routes, out);
+        if let Some(shared) = &self.shared {
+            let mut s = vec![0f32; t * hidden];
+            shared.forward(x, t, &mut s);
+            for (o, v) in out.iter_mut().zip(&s) {
+                *o += v;
+            }
+        }
+    }
+}
+
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(MoeBlock),
+}

@@ -1,0 +1,291 @@
+//! The engine: a loaded model and its forward pass over a session's KV cache. The layer math is
+//! written once against [`AttentionLayer`], [`LinearOp`] and [`ExpertExecutor`].
+
+pub mod attention;
+pub mod experts;
+pub mod ffn;
+pub mod kv;
+
+use std::path::Path;
+
+use krasis_cpu::norm::rms_norm_rows;
+
+use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch};
+use self::experts::{ExpertExecutor, ReferenceExperts};
+use self::ffn::{Ffn, Mlp, MoeBlock};
+use self::kv::LayerKv;
+use crate::config::load_config;
+use crate::error::{ModelError, Result};
+use crate::linear::{DenseLinear, LinearOp};
+use crate::rope::RotaryTables;
+use crate::source::{SafetensorsDir, WeightSource};
+use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
+use crate::weights::WeightLoader;
+
+struct Layer {
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    attention: Box<dyn AttentionLayer>,
+    ffn: Ffn,
+}
+
+pub struct Model {
+    pub spec: ModelSpec,
+    embed: DenseLinear,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    lm_head: Option<DenseLinear>,
+    experts: Box<dyn ExpertExecutor>,
+    rope: RotaryTables,
+}
+
+/// One conversation's state: the KV cache of every layer.
+pub struct Session {
+    kv: Vec<LayerKv>,
+}
+
+impl Session {
+    pub fn position(&self) -> usize {
+        self.kv.first().map_or(0, |k| k.len())
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(|k| k.bytes()).sum()
+    }
+}
+
+/// Which positions get logits from a forward call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    All,
+    Last,
+}
+
+fn boxed(l: DenseLinear) -> Box<dyn LinearOp> {
+    Box::new(l)
+}
+
+impl Model {
+    /// Load a hub-format directory for the CPU reference path.
+    pub fn load(dir: &Path) -> Result<Model> {
+        let spec = load_config(dir)?;
+        let source = SafetensorsDir::open(dir)?;
+        Self::from_source(spec, &source)
+    }
+
+    pub fn from_source(spec: ModelSpec, source: &dyn WeightSource) -> Result<Model> {
+        let w = WeightLoader::new(source, &spec.source_quant);
+        let h = spec.hidden_size;
+        let eps = spec.rms_norm_eps;
+        let embed = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
+        let mlp = |prefix: &str, inter: usize| -> Result<Mlp> {
+            Ok(Mlp {
+                gate: boxed(w.matrix(&format!("{prefix}.gate_proj.weight"), inter, h)?),
+                up: boxed(w.matrix(&format!("{prefix}.up_proj.weight"), inter, h)?),
+                down: boxed(w.matrix(&format!("{prefix}.down_proj.weight"), h, inter)?),
+            })
+        };
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        let mut expert_layers = Vec::with_capacity(spec.num_layers);
+        for (l, kind) in spec.layers.iter().enumerate() {
+            let p = ModelSpec::layer_prefix(l);
+            let a = format!("{p}.self_attn");
+            let attention: Box<dyn AttentionLayer> = match spec.attention {
+                AttentionSpec::Mla {
+                    heads,
+                    q_lora_rank,
+                    kv_lora_rank,
+                    qk_nope_head_dim,
+                    qk_rope_head_dim,
+                    v_head_dim,
+                } => {
+                    let qk = qk_nope_head_dim + qk_rope_head_dim;
+                    let (q_a, q_b) = match q_lora_rank {
+                        Some(r) => (
+                            Some((
+                                boxed(w.matrix(&format!("{a}.q_a_proj.weight"), r, h)?),
+                                w.vector(&format!("{a}.q_a_layernorm.weight"), r)?,
+                            )),
+                            w.matrix(&format!("{a}.q_b_proj.weight"), heads * qk, r)?,
+                        ),
+                        None => (None, w.matrix(&format!("{a}.q_proj.weight"), heads * qk, h)?),
+                    };
+                    let kv_b_rows = heads * (qk_nope_head_dim + v_head_dim);
+                    let kv_b = w.matrix(&format!("{a}.kv_b_proj.weight"), kv_b_rows, kv_lora_rank)?;
+                    let mut kv_b_f32 = vec![0f32; kv_b_rows * kv_lora_rank];
+                    for (r, row) in kv_b_f32.chunks_exact_mut(kv_lora_rank).enumerate() {
+                        kv_b.row_into(r, row);
+                    }
+                    Box::new(MlaAttention {
+                        heads,
+                        nope: qk_nope_head_dim,
+                        rope: qk_rope_head_dim,
+                        v_dim: v_head_dim,
+                        latent: kv_lora_rank,
+                        eps,
+                        scale: spec.softmax_scale,
+                        q_a,
+                        q_b: boxed(q_b),
+                        kv_a: boxed(w.matrix(
+                            &format!("{a}.kv_a_proj_with_mqa.weight"),
+                            kv_lora_rank + qk_rope_head_dim,
+                            h,
+                        )?),
+                        kv_a_norm: w.vector(&format!("{a}.kv_a_layernorm.weight"), kv_lora_rank)?,
+                        kv_b: kv_b_f32,
+                        o_proj: boxed(w.matrix(&format!("{a}.o_proj.weight"), h, heads * v_head_dim)?),
+                    })
+                }
+                AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => Box::new(GqaAttention {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    eps,
+                    scale: spec.softmax_scale,
+                    q_proj: boxed(w.matrix(&format!("{a}.q_proj.weight"), heads * head_dim, h)?),
+                    k_proj: boxed(w.matrix(&format!("{a}.k_proj.weight"), kv_heads * head_dim, h)?),
+                    v_proj: boxed(w.matrix(&format!("{a}.v_proj.weight"), kv_heads * head_dim, h)?),
+                    o_proj: boxed(w.matrix(&format!("{a}.o_proj.weight"), h, heads * head_dim)?),
+                    qk_norm: if qk_norm {
+                        Some((
+                            w.vector(&format!("{a}.q_norm.weight"), head_dim)?,
+                            w.vector(&format!("{a}.k_norm.weight"), head_dim)?,
+                        ))
+                    } else {
+                        None
+                    },
+                }),
+            };
+            let m = format!("{p}.mlp");
+            let (ffn, experts) = match kind {
+                FfnKind::Dense { intermediate_size } => (Ffn::Dense(mlp(&m, *intermediate_size)?), Vec::new()),
+                FfnKind::Moe => {
+                    let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
+                    let e = moe.n_routed_experts;
+                    let bias = match moe.routing.topk {
+                        TopkMethod::NoauxTc { .. } => Some(w.vector(&format!("{m}.gate.e_score_correction_bias"), e)?),
+                        _ => None,
+                    };
+                    let experts = (0..e)
+                        .map(|x| mlp(&format!("{m}.experts.{x}"), moe.moe_intermediate_size))
+                        .collect::<Result<Vec<_>>>()?;
+                    let shared = if moe.shared_intermediate_size > 0 {
+                        Some(mlp(&format!("{m}.shared_experts"), moe.shared_intermediate_size)?)
+                    } else {
+                        None
+                    };
+                    let block = MoeBlock {
+                        layer: l,
+                        router: boxed(w.matrix(&format!("{m}.gate.weight"), e, h)?),
+                        bias,
+                        rule: moe.routing,
+                        shared,
+                    };
+                    (Ffn::Moe(block), experts)
+                }
+            };
+            layers.push(Layer {
+                input_norm: w.vector(&format!("{p}.input_layernorm.weight"), h)?,
+                post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                attention,
+                ffn,
+            });
+            expert_layers.push(experts);
+        }
+        let final_norm = w.vector("model.norm.weight", h)?;
+        let lm_head =
+            if spec.tie_word_embeddings { None } else { Some(w.matrix("lm_head.weight", spec.vocab_size, h)?) };
+        Ok(Model {
+            rope: RotaryTables::new(&spec.rope),
+            experts: Box::new(ReferenceExperts { hidden: h, layers: expert_layers }),
+            spec,
+            embed,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    pub fn expert_executor(&self) -> &dyn ExpertExecutor {
+        self.experts.as_ref()
+    }
+
+    pub fn new_session(&self) -> Session {
+        Session { kv: self.layers.iter().map(|l| l.attention.new_cache()).collect() }
+    }
+
+    /// Check token ids against the vocabulary.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        for (pos, &id) in tokens.iter().enumerate() {
+            if id as usize >= self.spec.vocab_size {
+                return Err(ModelError::TokenOutOfRange { id: id as u64, pos, vocab: self.spec.vocab_size });
+            }
+        }
+        Ok(())
+    }
+
+    /// Run `tokens` through the model after what `session` already holds, extending its cache.
+    /// Returns logits `[positions, vocab]` for the requested positions. `observe(i, h)` sees the
+    /// hidden states `[t, hidden]` entering layer `i` (i = 0 is the embedding output) and, at
+    /// `i = num_layers`, the final-normed output.
+    pub fn forward(
+        &self,
+        session: &mut Session,
+        tokens: &[u32],
+        which: Logits,
+        mut observe: Option<&mut dyn FnMut(usize, &[f32])>,
+    ) -> Result<Vec<f32>> {
+        self.check_tokens(tokens)?;
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ModelError::Invalid("forward called with no tokens".into()));
+        }
+        let h = self.spec.hidden_size;
+        let eps = self.spec.rms_norm_eps;
+        let mut x = vec![0f32; t * h];
+        for (i, &id) in tokens.iter().enumerate() {
+            self.embed.row_into(id as usize, &mut x[i * h..(i + 1) * h]);
+        }
+        let (cos, sin) = self.rope.table(session.position(), t);
+        let rope = RopeBatch { cos, sin, half: self.rope.half_dim(), pairing: self.rope.pairing };
+        let mut xn = vec![0f32; t * h];
+        let mut y = vec![0f32; t * h];
+        for (l, layer) in self.layers.iter().enumerate() {
+            if let Some(f) = observe.as_mut() {
+                f(l, &x);
+            }
+            xn.copy_from_slice(&x);
+            rms_norm_rows(&mut xn, &layer.input_norm, eps);
+            layer.attention.forward(&xn, t, &mut session.kv[l], &rope, &mut y);
+            for (a, b) in x.iter_mut().zip(&y) {
+                *a += b;
+            }
+            xn.copy_from_slice(&x);
+            rms_norm_rows(&mut xn, &layer.post_norm, eps);
+            match &layer.ffn {
+                Ffn::Dense(mlp) => mlp.forward(&xn, t, &mut y),
+                Ffn::Moe(block) => block.forward(self.experts.as_ref(), &xn, t, h, &mut y),
+            }
+            for (a, b) in x.iter_mut().zip(&y) {
+                *a += b;
+            }
+        }
+        rms_norm_rows(&mut x, &self.final_norm, eps);
+        if let Some(f) = observe.as_mut() {
+            f(self.layers.len(), &x);
+        }
+        let rows: &[f32] = match which {
+            Logits::All => &x,
+            Logits::Last => &x[(t - 1) * h..],
+        };
+        let m = rows.len() / h;
+        let v = self.spec.vocab_size;
+        let mut logits = vec![0f32; m * v];
+        match &self.lm_head {
+            Some(head) => head.forward(rows, m, &mut logits),
+            None => self.embed.forward(rows, m, &mut logits),
+        }
+        Ok(logits)
+    }
+}

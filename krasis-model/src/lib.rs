@@ -1,0 +1,16 @@
+//! Architectures (config → layer plan), weight sources, tokenizer and chat template, the engine
+//! (prefill/decode orchestration, sampling, KV cache) and synthetic models.
+
+pub mod config;
+pub mod error;
+pub mod source;
+pub mod spec;
+pub mod tensors;
+
+pub use error::{ModelError, Result};
+pub use spec::ModelSpec;
+pub mod engine;
+pub mod linear;
+pub mod rope;
+pub mod router;
+pub mod weights;

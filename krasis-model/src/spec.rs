@@ -1,0 +1,164 @@
+//! `ModelSpec`: a parsed `config.json` turned into a per-layer plan. This is the only place where
+//! architecture names appear; everything downstream works from the plan.
+
+/// Supported architectures (the `model_type` values of `config.json`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    DeepseekV2,
+    DeepseekV3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe"];
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::DeepseekV2 => "deepseek_v2",
+            Arch::DeepseekV3 => "deepseek_v3",
+            Arch::Qwen3Moe => "qwen3_moe",
+        }
+    }
+}
+
+/// How the two halves of a rotary pair are laid out in a head vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopePairing {
+    /// Pairs are adjacent elements (2i, 2i+1): DeepSeek checkpoints (`rope_interleave`).
+    Interleaved,
+    /// Pairs are (i, i + d/2): the `rotate_half` convention of Llama/Qwen.
+    Halves,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f64,
+    },
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        attention_factor: Option<f64>,
+        truncate: bool,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    pub theta: f64,
+    /// Number of rotated dimensions per head.
+    pub dim: usize,
+    pub pairing: RopePairing,
+    pub scaling: RopeScaling,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttentionSpec {
+    /// Multi-head latent attention (DeepSeek V2/V3).
+    Mla {
+        heads: usize,
+        q_lora_rank: Option<usize>,
+        kv_lora_rank: usize,
+        qk_nope_head_dim: usize,
+        qk_rope_head_dim: usize,
+        v_head_dim: usize,
+    },
+    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3).
+    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool },
+}
+
+impl AttentionSpec {
+    pub fn heads(&self) -> usize {
+        match self {
+            AttentionSpec::Mla { heads, .. } | AttentionSpec::Gqa { heads, .. } => *heads,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoringFunc {
+    Softmax,
+    Sigmoid,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TopkMethod {
+    /// Plain top-k over the scores.
+    Greedy,
+    /// Keep the `topk_group` groups with the highest max score, then top-k (DeepSeek-V2).
+    GroupLimitedGreedy { n_group: usize, topk_group: usize },
+    /// Scores plus `e_score_correction_bias` choose; groups ranked by their top-2 sum (DeepSeek-V3).
+    NoauxTc { n_group: usize, topk_group: usize },
+}
+
+/// How the router turns logits into (expert, weight) pairs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RoutingRule {
+    pub scoring: ScoringFunc,
+    pub topk: TopkMethod,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSpec {
+    pub n_routed_experts: usize,
+    pub moe_intermediate_size: usize,
+    /// Intermediate size of the fused shared expert (0 when there is none).
+    pub shared_intermediate_size: usize,
+    pub routing: RoutingRule,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FfnKind {
+    Dense { intermediate_size: usize },
+    Moe,
+}
+
+/// Weight-quantisation scheme the checkpoint ships with.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceQuant {
+    None,
+    /// FP8 E4M3 weights with one f32 `weight_scale_inv` per block (DeepSeek-V3, Kimi-K2).
+    Fp8Block {
+        block_rows: usize,
+        block_cols: usize,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_layers: usize,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub max_position_embeddings: usize,
+    pub attention: AttentionSpec,
+    pub rope: RopeSpec,
+    /// Softmax scale of attention scores (includes YaRN's mscale² for DeepSeek).
+    pub softmax_scale: f32,
+    pub moe: Option<MoeSpec>,
+    pub layers: Vec<FfnKind>,
+    pub source_quant: SourceQuant,
+}
+
+impl ModelSpec {
+    pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.iter().enumerate().filter(|(_, k)| matches!(k, FfnKind::Moe)).map(|(i, _)| i)
+    }
+
+    /// Tensor prefix of layer `l` in the canonical (HF) naming.
+    pub fn layer_prefix(l: usize) -> String {
+        format!("model.layers.{l}")
+    }
+}
