@@ -1,1 +1,38 @@
-fn main() {}
+//! `krasis`: the command-line front end. Thin: parses flags, calls the library, prints results.
+
+mod cmd_generate;
+mod cmd_info;
+mod cmd_synth;
+mod dump;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "krasis", version, about = "Mixture-of-Experts LLM runtime: GPU prefill, CPU decode")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt.
+    Generate(cmd_generate::Args),
+    /// Write a random-weight model in HF hub format (for tests and benchmarks).
+    Synth(cmd_synth::Args),
+    /// Describe a model: architecture, parameters, memory, and system checks.
+    Info(cmd_info::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => cmd_generate::run(a),
+        Command::Synth(a) => cmd_synth::run(a),
+        Command::Info(a) => cmd_info::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -34,7 +34,7 @@ pub fn causal_attention(
     scale: f32,
     out: &mut [f32],
 ) {
-    assert!(heads % kv.kv_heads == 0, "heads {heads} not a multiple of kv_heads {}", kv.kv_heads);
+    assert!(heads.is_multiple_of(kv.kv_heads), "heads {heads} not a multiple of kv_heads {}", kv.kv_heads);
     assert_eq!(q.len(), tq * heads * kv.k_dim);
     assert_eq!(out.len(), tq * heads * kv.v_dim);
     assert!(q_start + tq <= kv.len, "queries reach position {} but cache holds {}", q_start + tq, kv.len);

@@ -178,7 +178,7 @@ fn parse_rope(f: &Fields, dim: usize, pairing: RopePairing, max_pos: usize) -> R
         Some(v) => v.as_f64().ok_or_else(|| f.err("rope_parameters.rope_theta", "expected a number"))?,
         None => f.f64_opt("rope_theta")?.unwrap_or(10000.0),
     };
-    if !(theta > 1.0) {
+    if theta.is_nan() || theta <= 1.0 {
         return Err(f.err("rope_theta", format!("{theta} must be greater than 1")));
     }
     let Some(s) = sub else {
@@ -191,7 +191,7 @@ fn parse_rope(f: &Fields, dim: usize, pairing: RopePairing, max_pos: usize) -> R
     };
     let factor = |s: &Fields| -> Result<f64> {
         let v = s.f64_opt("factor")?.ok_or_else(|| f.err(&field("factor"), "missing"))?;
-        if !(v >= 1.0) {
+        if v.is_nan() || v < 1.0 {
             return Err(f.err(&field("factor"), format!("{v} must be >= 1")));
         }
         Ok(v)

@@ -5,12 +5,17 @@ pub mod config;
 pub mod error;
 pub mod source;
 pub mod spec;
+pub mod synth;
 pub mod tensors;
 
 pub use error::{ModelError, Result};
 pub use spec::ModelSpec;
 pub mod engine;
+pub mod generate;
 pub mod linear;
+pub mod memory;
 pub mod rope;
 pub mod router;
+pub mod sampling;
+pub mod tokenizer;
 pub mod weights;

@@ -8,6 +8,9 @@ use crate::linear::{DenseLinear, MatrixData};
 use crate::source::{StoredTensor, WeightSource};
 use crate::spec::SourceQuant;
 
+const FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
+const MATRIX_DTYPES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3];
+
 pub struct WeightLoader<'a> {
     pub source: &'a dyn WeightSource,
     pub quant: &'a SourceQuant,
@@ -18,8 +21,13 @@ impl<'a> WeightLoader<'a> {
         WeightLoader { source, quant }
     }
 
-    fn checked(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
+    /// The tensor, after checking its dtype is one of `dtypes` and its shape is `shape`.
+    fn checked(&self, name: &str, shape: &[usize], dtypes: &[DType]) -> Result<StoredTensor> {
         let t = self.source.tensor(name)?;
+        if !dtypes.contains(&t.dtype) {
+            let allowed: Vec<String> = dtypes.iter().map(|d| d.to_string()).collect();
+            return Err(Self::dtype_err(&t, name, &format!("expected one of {}", allowed.join(", "))));
+        }
         if t.shape != shape {
             return Err(ModelError::Shape {
                 name: name.into(),
@@ -37,20 +45,17 @@ impl<'a> WeightLoader<'a> {
 
     /// A 1-D or small tensor as f32 (norm weights, biases).
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let t = self.checked(name, &[len])?;
-        match t.dtype {
-            DType::F32 | DType::BF16 | DType::F16 => Ok(t.view().to_f32_vec().expect("float dtype converts")),
-            _ => Err(Self::dtype_err(&t, name, "expected F32, BF16 or F16")),
-        }
+        let t = self.checked(name, &[len], FLOATS)?;
+        Ok(t.view().to_f32_vec().expect("float dtype converts"))
     }
 
     /// A `[rows, cols]` matrix as a reference linear op.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseLinear> {
-        let t = self.checked(name, &[rows, cols])?;
+        let t = self.checked(name, &[rows, cols], MATRIX_DTYPES)?;
         let data = match t.dtype {
             DType::F32 | DType::BF16 | DType::F16 => {
                 let align = t.dtype.size_bytes();
-                if (t.bytes.as_slice().as_ptr() as usize) % align == 0 {
+                if (t.bytes.as_slice().as_ptr() as usize).is_multiple_of(align) {
                     MatrixData::Mapped { bytes: t.bytes.clone(), dtype: t.dtype }
                 } else {
                     MatrixData::Owned(t.view().to_f32_vec().expect("float dtype converts"))
@@ -72,11 +77,8 @@ impl<'a> WeightLoader<'a> {
         };
         let scale_name = format!("{}_scale_inv", name);
         let (gr, gc) = krasis_quant::fp8_block::scale_grid(rows, cols, block_rows, block_cols);
-        let st = self.checked(&scale_name, &[gr, gc])?;
-        let scales = match st.dtype {
-            DType::F32 | DType::BF16 | DType::F16 => st.view().to_f32_vec().expect("float"),
-            _ => return Err(Self::dtype_err(&st, &scale_name, "expected a floating-point scale")),
-        };
+        let st = self.checked(&scale_name, &[gr, gc], FLOATS)?;
+        let scales = st.view().to_f32_vec().expect("float dtype converts");
         krasis_quant::fp8_block::dequantize(t.bytes.as_slice(), &scales, rows, cols, block_rows, block_cols)
             .map_err(|e| ModelError::Invalid(format!("tensor `{name}` in {}: {e}", t.file.display())))
     }

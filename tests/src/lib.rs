@@ -73,3 +73,44 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
     }
     (num / den.max(1e-300)).sqrt()
 }
+
+/// Write a 2-layer `tiny` synthetic model into `dir` (no fixtures needed).
+pub fn tiny_model(dir: &Path) {
+    use krasis_model::synth::{synthesize, Preset, SynthOptions};
+    synthesize(&SynthOptions {
+        preset: Preset::Tiny,
+        layers: Some(2),
+        seed: 7,
+        out: dir.to_path_buf(),
+        router_skew: 0.0,
+        force: true,
+    })
+    .expect("synthesize tiny");
+}
+
+/// The model's weight files, sorted.
+pub fn weight_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Rewrite a safetensors file's JSON header in place (the data section is kept byte for byte).
+pub fn edit_header(file: &Path, edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) {
+    let bytes = std::fs::read(file).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    edit(header.as_object_mut().unwrap());
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(file, out).unwrap();
+}

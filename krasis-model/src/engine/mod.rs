@@ -55,6 +55,9 @@ impl Session {
     }
 }
 
+/// Sees `(layer index, hidden states [t, hidden])` during a forward pass (tests, debugging).
+pub type HiddenObserver<'a> = dyn FnMut(usize, &[f32]) + 'a;
+
 /// Which positions get logits from a forward call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -234,7 +237,7 @@ impl Model {
         session: &mut Session,
         tokens: &[u32],
         which: Logits,
-        mut observe: Option<&mut dyn FnMut(usize, &[f32])>,
+        mut observe: Option<&mut HiddenObserver<'_>>,
     ) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         let t = tokens.len();

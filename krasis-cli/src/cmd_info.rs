@@ -1,0 +1,119 @@
+//! `krasis info`: what a model is and what it will cost on this machine.
+
+use std::path::PathBuf;
+
+use clap::Args as ClapArgs;
+use krasis_core::budget::{format_bytes, ram_limit_bytes};
+use krasis_model::config::load_config;
+use krasis_model::memory::{estimate, ExpertFormat};
+use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
+use krasis_model::tensors::param_counts;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+}
+
+fn billions(n: u64) -> String {
+    if n >= 1_000_000_000 {
+        format!("{:.2} B", n as f64 / 1e9)
+    } else {
+        format!("{:.2} M", n as f64 / 1e6)
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let spec = load_config(&a.model)?;
+    let counts = param_counts(&spec);
+    println!("model        {}", a.model.display());
+    println!("architecture {}", spec.arch.model_type());
+    println!(
+        "shape        {} layers, hidden {}, vocab {}, max positions {}",
+        spec.num_layers, spec.hidden_size, spec.vocab_size, spec.max_position_embeddings
+    );
+    match spec.attention {
+        AttentionSpec::Mla { heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim } => {
+            println!(
+                "attention    MLA: {heads} heads, kv_lora {kv_lora_rank}, q_lora {}, qk {qk_nope_head_dim}+{qk_rope_head_dim} (rope), v {v_head_dim}",
+                q_lora_rank.map_or("none".to_string(), |r| r.to_string())
+            )
+        }
+        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => println!(
+            "attention    GQA: {heads} heads / {kv_heads} kv heads, head dim {head_dim}{}",
+            if qk_norm { ", qk-norm" } else { "" }
+        ),
+    }
+    let rope = match &spec.rope.scaling {
+        RopeScaling::None => "none".to_string(),
+        RopeScaling::Linear { factor } => format!("linear ×{factor}"),
+        RopeScaling::Yarn { factor, original_max_position_embeddings, .. } => {
+            format!("YaRN ×{factor} from {original_max_position_embeddings}")
+        }
+    };
+    println!("rope         theta {}, dim {}, scaling {rope}", spec.rope.theta, spec.rope.dim);
+    let dense = spec.layers.iter().filter(|k| matches!(k, FfnKind::Dense { .. })).count();
+    if let Some(moe) = &spec.moe {
+        let r = &moe.routing;
+        println!(
+            "experts      {} MoE layers + {dense} dense; {} routed (top-{}), intermediate {}, shared intermediate {}",
+            spec.moe_layers().count(),
+            moe.n_routed_experts,
+            r.top_k,
+            moe.moe_intermediate_size,
+            moe.shared_intermediate_size
+        );
+        println!(
+            "routing      {:?} scores, {:?}, norm_topk_prob {}, scale {}",
+            r.scoring, r.topk, r.norm_topk_prob, r.routed_scaling_factor
+        );
+    }
+    println!(
+        "parameters   {} total, {} active per token, {} in routed experts",
+        billions(counts.total),
+        billions(counts.active),
+        billions(counts.routed_expert)
+    );
+    if counts.per_expert > 0 {
+        println!(
+            "per expert   {} params: bf16 {}, int8 {}, int4 {}",
+            counts.per_expert,
+            format_bytes(ExpertFormat::Bf16.bytes_for(counts.per_expert)),
+            format_bytes(ExpertFormat::Int8.bytes_for(counts.per_expert)),
+            format_bytes(ExpertFormat::Int4.bytes_for(counts.per_expert)),
+        );
+    }
+    let sys = krasis_core::hw::probe();
+    println!(
+        "memory (CPU reference path, 4K context; limit {} = 95% of RAM):",
+        format_bytes(ram_limit_bytes(sys.mem_total_bytes))
+    );
+    for f in [ExpertFormat::Bf16, ExpertFormat::Int8, ExpertFormat::Int4] {
+        let e = estimate(&spec, f);
+        println!(
+            "  experts {:<10} dense {} + experts {} + KV {}/token → {}",
+            f.name(),
+            format_bytes(e.dense_bytes),
+            format_bytes(e.expert_bytes),
+            format_bytes(e.kv_bytes_per_token),
+            format_bytes(e.total(4096))
+        );
+    }
+    println!(
+        "system       {}; {} logical CPUs, {} physical cores, SMT {}, {} NUMA node(s), RAM {} ({} available), THP {}, governor {}",
+        sys.cpu_model,
+        sys.logical_cpus,
+        sys.physical_cores,
+        if sys.smt_active { "on" } else { "off" },
+        sys.numa_nodes.len(),
+        format_bytes(sys.mem_total_bytes),
+        format_bytes(sys.mem_available_bytes),
+        sys.thp_enabled.as_deref().unwrap_or("unknown"),
+        if sys.governors.is_empty() { "unknown".to_string() } else { sys.governors.join(",") }
+    );
+    for w in sys.warnings() {
+        println!("warning      {w}");
+    }
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! Memory arithmetic: bytes per expert in each storage format and the resident-set estimate
+//! used by the budget check and `krasis info`.
+
+use crate::spec::{ModelSpec, SourceQuant};
+use crate::tensors::{expected_tensors, TensorRole};
+
+/// Group size of the INT4/INT8 expert formats (per the design; scales are 2 bytes each).
+pub const DEFAULT_GROUP_SIZE: u64 = 128;
+
+/// How routed experts are held in RAM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertFormat {
+    Bf16,
+    Int8,
+    Int4,
+}
+
+impl ExpertFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertFormat::Bf16 => "bf16",
+            ExpertFormat::Int8 => "int8 g128",
+            ExpertFormat::Int4 => "int4 g128",
+        }
+    }
+
+    /// Bytes to store `params` weights (plus one 2-byte scale per group for the integer formats).
+    pub fn bytes_for(self, params: u64) -> u64 {
+        let scales = params.div_ceil(DEFAULT_GROUP_SIZE) * 2;
+        match self {
+            ExpertFormat::Bf16 => params * 2,
+            ExpertFormat::Int8 => params + scales,
+            ExpertFormat::Int4 => params.div_ceil(2) + scales,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Everything but the routed experts, as the reference path holds it.
+    pub dense_bytes: u64,
+    pub expert_bytes: u64,
+    /// KV cache per token of context (f32 reference cache).
+    pub kv_bytes_per_token: u64,
+}
+
+impl MemoryEstimate {
+    pub fn total(&self, context_tokens: u64) -> u64 {
+        self.dense_bytes + self.expert_bytes + self.kv_bytes_per_token * context_tokens
+    }
+}
+
+/// Resident estimate of the CPU reference path: source weights as stored (FP8 is dequantised to
+/// f32), MLA's `kv_b_proj` kept again in f32, experts in `format`.
+pub fn estimate(spec: &ModelSpec, format: ExpertFormat) -> MemoryEstimate {
+    let src_bytes_per_param: u64 = match spec.source_quant {
+        SourceQuant::Fp8Block { .. } => 4,
+        SourceQuant::None => 2,
+    };
+    let mut est = MemoryEstimate::default();
+    let mut expert_params = 0u64;
+    for t in expected_tensors(spec) {
+        let n = t.numel() as u64;
+        match t.role {
+            TensorRole::RoutedExpert { .. } => expert_params += n,
+            TensorRole::Norm | TensorRole::RouterBias => est.dense_bytes += n * 2,
+            _ => est.dense_bytes += n * src_bytes_per_param,
+        }
+        if t.name.ends_with("kv_b_proj.weight") {
+            est.dense_bytes += n * 4;
+        }
+    }
+    est.expert_bytes = match (format, &spec.source_quant) {
+        (ExpertFormat::Bf16, SourceQuant::Fp8Block { .. }) => expert_params * 4,
+        (f, _) => f.bytes_for(expert_params),
+    };
+    let per_layer = match spec.attention {
+        crate::spec::AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => kv_lora_rank + qk_rope_head_dim,
+        crate::spec::AttentionSpec::Gqa { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,
+    };
+    est.kv_bytes_per_token = (per_layer * spec.num_layers * 4) as u64;
+    est
+}

@@ -1,0 +1,250 @@
+//! The presets: `config.json` contents of real model shapes (and one tiny one for tests).
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde_json::{json, Value};
+
+/// A model shape `krasis synth` can generate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Preset {
+    /// A DeepSeek-V2-style model that runs in seconds (vocab 512, hidden 256, 4 layers, 8 experts).
+    Tiny,
+    /// DeepSeek-V2-Lite exactly (15.7 B parameters, ~31 GB of BF16).
+    V2Lite,
+    /// Qwen3-30B-A3B exactly (30.5 B parameters, ~61 GB of BF16).
+    Qwen3_30bA3b,
+    /// DeepSeek-V3 routing (noaux_tc, sigmoid, groups) and MLA with q_lora at reduced width.
+    V3Mini,
+}
+
+impl Preset {
+    pub const ALL: [Preset; 4] = [Preset::Tiny, Preset::V2Lite, Preset::Qwen3_30bA3b, Preset::V3Mini];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::V2Lite => "v2-lite",
+            Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
+            Preset::V3Mini => "v3-mini",
+        }
+    }
+
+    /// The preset's full depth (`num_hidden_layers` without `--layers`).
+    pub fn num_layers(self) -> usize {
+        match self {
+            Preset::Tiny => 4,
+            Preset::V2Lite => 27,
+            Preset::Qwen3_30bA3b => 48,
+            Preset::V3Mini => 8,
+        }
+    }
+
+    /// Validate a `--layers` override: `1..=num_layers()`. Returns the depth to generate.
+    pub fn check_layers(self, layers: Option<usize>) -> crate::Result<usize> {
+        let max = self.num_layers();
+        match layers {
+            None => Ok(max),
+            Some(l) if (1..=max).contains(&l) => Ok(l),
+            Some(l) => Err(crate::ModelError::Invalid(format!(
+                "--layers {l} is out of range for preset {self}: it has {max} layers (allowed 1..={max})"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Preset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Preset {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Preset::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+            format!("unknown preset `{s}` (available: {})", names.join(", "))
+        })
+    }
+}
+
+/// DeepSeek's YaRN block (V2-Lite, V3).
+fn deepseek_yarn() -> Value {
+    json!({
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707
+    })
+}
+
+/// The `config.json` of `preset`, with `num_hidden_layers` trimmed to `layers` when given.
+///
+/// `layers` is clamped into `1..=preset.num_layers()`; validate it first with
+/// [`Preset::check_layers`] (which [`super::synthesize`] does) to report a bad value.
+pub fn preset_config(preset: Preset, layers: Option<usize>) -> Value {
+    let n = layers.unwrap_or(preset.num_layers()).clamp(1, preset.num_layers());
+    match preset {
+        Preset::Tiny => json!({
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "vocab_size": 512,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_hidden_layers": n,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_shared_experts": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "kv_lora_rank": 64,
+            "q_lora_rank": null,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "rope_theta": 10000,
+            "rope_scaling": deepseek_yarn(),
+            "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": false,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::V2Lite => json!({
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "vocab_size": 102400,
+            "hidden_size": 2048,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": n,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "n_shared_experts": 2,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "kv_lora_rank": 512,
+            "q_lora_rank": null,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": deepseek_yarn(),
+            "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6,
+            "topk_method": "greedy",
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": false,
+            "routed_scaling_factor": 1.0,
+            "scoring_func": "softmax",
+            "aux_loss_alpha": 0.001,
+            "seq_aux": true,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::Qwen3_30bA3b => json!({
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": n,
+            "max_window_layers": n,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": true,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_theta": 1000000.0,
+            "rope_scaling": null,
+            "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6,
+            "router_aux_loss_coef": 0.001,
+            "output_router_logits": false,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "use_sliding_window": false,
+            "sliding_window": null,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::V3Mini => json!({
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 512,
+            "num_hidden_layers": n,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "n_shared_experts": 1,
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "first_k_dense_replace": 1,
+            "moe_layer_freq": 1,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 768,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "rope_theta": 10000,
+            "rope_scaling": deepseek_yarn(),
+            "max_position_embeddings": 163840,
+            "rms_norm_eps": 1e-6,
+            "topk_method": "noaux_tc",
+            "n_group": 8,
+            "topk_group": 4,
+            "norm_topk_prob": true,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+    }
+}

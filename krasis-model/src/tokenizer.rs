@@ -1,0 +1,150 @@
+//! Text ↔ token ids (`tokenizer.json` through the `tokenizers` crate) and the chat template of
+//! `tokenizer_config.json` (rendered with minijinja).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+pub struct TextCodec {
+    tokenizer: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    add_bos_token: bool,
+    bos_id: Option<u32>,
+    config_path: PathBuf,
+}
+
+/// A special-token entry may be a string or `{"content": "..."}`.
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl TextCodec {
+    /// Load `tokenizer.json` (required) and `tokenizer_config.json` (optional) from `dir`.
+    pub fn load(dir: &Path) -> Result<TextCodec> {
+        let tok_path = dir.join("tokenizer.json");
+        if !tok_path.exists() {
+            return Err(ModelError::Tokenizer(format!(
+                "{} not found (use --prompt-ids to bypass the tokenizer)",
+                tok_path.display()
+            )));
+        }
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let cfg: Value = if config_path.exists() {
+            let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
+            serde_json::from_str(&text)
+                .map_err(|e| ModelError::Json { path: config_path.clone(), msg: e.to_string() })?
+        } else {
+            Value::Null
+        };
+        let chat_template = match cfg.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            // A list of named templates: take "default".
+            Some(Value::Array(a)) => a
+                .iter()
+                .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            _ => None,
+        };
+        let bos_token = token_string(cfg.get("bos_token"));
+        let bos_id = bos_token.as_deref().and_then(|b| tokenizer.token_to_id(b));
+        Ok(TextCodec {
+            add_bos_token: cfg.get("add_bos_token").and_then(Value::as_bool).unwrap_or(false),
+            eos_token: token_string(cfg.get("eos_token")),
+            bos_token,
+            bos_id,
+            chat_template,
+            tokenizer,
+            config_path,
+        })
+    }
+
+    /// Encode plain text: the tokenizer's post-processor applies, plus a BOS when
+    /// `add_bos_token` asks for one and none is there yet.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if self.add_bos_token {
+            if let Some(b) = self.bos_id {
+                if ids.first() != Some(&b) {
+                    ids.insert(0, b);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Wrap `prompt` as one user message through the chat template and encode the result
+    /// (the template places any special tokens itself).
+    pub fn encode_chat(&self, prompt: &str) -> Result<Vec<u32>> {
+        let text = self.render_chat(prompt)?;
+        let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn render_chat(&self, prompt: &str) -> Result<String> {
+        let template = self.chat_template.as_deref().ok_or_else(|| {
+            ModelError::Template(format!("{} has no chat_template; drop --chat", self.config_path.display()))
+        })?;
+        let mut env = minijinja::Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| ModelError::Template(e.to_string()))?;
+        let ctx = minijinja::context! {
+            messages => vec![minijinja::context! { role => "user", content => prompt }],
+            add_generation_prompt => true,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+        };
+        env.get_template("chat").and_then(|t| t.render(ctx)).map_err(|e| ModelError::Template(e.to_string()))
+    }
+
+    /// Decode ids to text, dropping special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, true).map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
+}
+
+/// Turns a growing id sequence into text deltas, holding back incomplete UTF-8 sequences.
+pub struct TextStream {
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl TextStream {
+    pub fn new() -> Self {
+        TextStream { ids: Vec::new(), printed: 0 }
+    }
+
+    /// Add one id; returns the newly completed text, if any.
+    pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = codec.decode(&self.ids)?;
+        if text.ends_with('\u{fffd}') || text.len() < self.printed || !text.is_char_boundary(self.printed) {
+            return Ok(String::new());
+        }
+        let delta = text[self.printed..].to_string();
+        self.printed = text.len();
+        Ok(delta)
+    }
+}
+
+impl Default for TextStream {
+    fn default() -> Self {
+        Self::new()
+    }
+}
