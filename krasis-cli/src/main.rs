@@ -25,6 +25,13 @@ enum Command {
 }
 
 fn main() {
+    // Behave like other Unix tools when stdout closes early (`krasis info | head`): end quietly
+    // on SIGPIPE instead of panicking inside println!.
+    #[cfg(unix)]
+    // SAFETY: setting a signal disposition to its default before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => cmd_generate::run(a),
