@@ -4,6 +4,7 @@
 pub mod budget;
 pub mod dtype;
 pub mod hw;
+pub mod memory;
 pub mod tensor;
 
 pub use dtype::DType;
