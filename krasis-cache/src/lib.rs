@@ -1,5 +1,109 @@
-//! On-disk expert caches (`experts_cpu_int{b}_g{gs}.bin`, `experts_marlin_int{b}_g{gs}.bin`):
-//! streaming atomic build, validation, mmap load with NUMA placement and pinning.
+//! On-disk expert caches (`experts_cpu_int{b}_g{gs}.bin`): streaming atomic build, validation,
+//! and load into one anonymous page-aligned buffer with NUMA placement and transparent huge pages.
 //!
-//! Not built yet: it arrives with the CPU-expert issue. The crate exists so the dependency
-//! graph (core ← quant ← {cpu, gpu, cache} ← model ← cli) is fixed from day one.
+//! A cache holds the routed experts of every MoE layer, one record per (MoE layer, expert), each
+//! record `w13_bytes` (fused gate+up) then `w2_bytes` (down) of packer output that this crate treats
+//! as opaque bytes. Records are contiguous and 4 KiB-aligned, checksummed with xxh3-64, and laid
+//! out layer-major. The file format is specified in docs/FORMATS.md and [`format`].
+//!
+//! ```no_run
+//! # use krasis_cache::*;
+//! # fn f(model_dir: &std::path::Path, expected: CacheHeader,
+//! #      produce: &(dyn Fn(usize, usize) -> Result<Vec<u8>, String> + Sync)) -> Result<(), CacheError> {
+//! let path = default_cache_dir(model_dir).join(cache_file_name(4, 128));
+//! let (cache, outcome) = open_or_build(&path, &expected, produce, &|_p| {}, LoadOptions::default())?;
+//! if let CacheOutcome::Built { reason } = &outcome { eprintln!("rebuilt expert cache: {reason}"); }
+//! eprintln!("{}", describe(&cache));
+//! let _w13: &[u8] = cache.w13(0, 3);
+//! # Ok(()) }
+//! ```
+
+mod build;
+mod error;
+pub mod format;
+mod load;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+
+pub use build::{build, clean_stale_tmp_files, BuildProgress, BuildReport, Produce};
+pub use error::CacheError;
+pub use format::{cache_file_name, CacheHeader, FORMAT_VERSION, MAGIC};
+pub use load::{describe, open, ExpertCache, LoadOptions, LoadReport, Placement};
+
+/// Whether `open_or_build` found a usable cache or had to build one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheOutcome {
+    Hit,
+    /// Built because the cache was missing, stale or damaged; `reason` says which (e.g.
+    /// `"stale: config_hash differs (cache 0x…, model 0x…)"`).
+    Built {
+        reason: String,
+    },
+}
+
+/// Open the cache at `path`; if it is missing, stale or damaged, build it with `produce` and open
+/// the result. Errors that rebuilding cannot cure (I/O such as permission denied, a failing
+/// `produce`, a bad placement) are returned. Temp files of interrupted builds are removed.
+pub fn open_or_build(
+    path: &Path,
+    expected: &CacheHeader,
+    produce: &Produce<'_>,
+    progress: &dyn Fn(BuildProgress),
+    load: LoadOptions<'_>,
+) -> Result<(ExpertCache, CacheOutcome), CacheError> {
+    clean_stale_tmp_files(path);
+    let reason = match open(path, expected, load) {
+        Ok(cache) => return Ok((cache, CacheOutcome::Hit)),
+        Err(e) if e.is_rebuildable() => e.reason(),
+        Err(e) => return Err(e),
+    };
+    build(path, expected, produce, progress)?;
+    let cache = open(path, expected, load)?;
+    Ok((cache, CacheOutcome::Built { reason }))
+}
+
+/// `<model>/.krasis_cache` if it can be created and written (probed by creating a file in it),
+/// else `$XDG_CACHE_HOME/krasis/<hash>` or `~/.cache/krasis/<hash>`, where `<hash>` is 16 hex
+/// digits of the xxh3-64 of the canonical model path. The fallback is not created here.
+pub fn default_cache_dir(model_dir: &Path) -> PathBuf {
+    default_cache_dir_with(model_dir, std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
+}
+
+fn default_cache_dir_with(
+    model_dir: &Path,
+    xdg_cache_home: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> PathBuf {
+    let local = model_dir.join(".krasis_cache");
+    if dir_is_writable(&local) {
+        return local;
+    }
+    let base = match (xdg_cache_home, home) {
+        (Some(x), _) if Path::new(&x).is_absolute() => PathBuf::from(x),
+        (_, Some(h)) if !h.is_empty() => Path::new(&h).join(".cache"),
+        _ => std::env::temp_dir(),
+    };
+    let canonical = std::fs::canonicalize(model_dir)
+        .unwrap_or_else(|_| std::env::current_dir().map(|d| d.join(model_dir)).unwrap_or(model_dir.to_path_buf()));
+    use std::os::unix::ffi::OsStrExt;
+    let hash = xxhash_rust::xxh3::xxh3_64(canonical.as_os_str().as_bytes());
+    base.join("krasis").join(format!("{hash:016x}"))
+}
+
+/// Create `dir` if needed and probe it by creating (and removing) a file in it.
+fn dir_is_writable(dir: &Path) -> bool {
+    if std::fs::create_dir_all(dir).is_err() {
+        return false;
+    }
+    let probe = dir.join(format!(".probe.{}", std::process::id()));
+    match std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&probe) {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            true
+        }
+        Err(_) => false,
+    }
+}

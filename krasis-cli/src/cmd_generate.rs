@@ -8,9 +8,10 @@ use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, ValueEnum};
 use krasis_core::budget::{check_ram_budget, format_bytes};
 use krasis_model::config::load_config;
-use krasis_model::engine::Model;
 use krasis_model::generate::{generate, GenerateRequest};
+use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::memory::{estimate, ExpertFormat};
+use krasis_model::quantized::WeightBits;
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
 
@@ -22,13 +23,88 @@ pub enum Device {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum ExpertBits {
+pub enum Bits {
     #[value(name = "bf16")]
     Bf16,
     #[value(name = "8")]
     Int8,
     #[value(name = "4")]
     Int4,
+}
+
+impl Bits {
+    pub fn weight_bits(self) -> WeightBits {
+        match self {
+            Bits::Bf16 => WeightBits::Bf16,
+            Bits::Int8 => WeightBits::Int8,
+            Bits::Int4 => WeightBits::Int4,
+        }
+    }
+
+    pub fn expert_format(self) -> ExpertFormat {
+        match self {
+            Bits::Bf16 => ExpertFormat::Bf16,
+            Bits::Int8 => ExpertFormat::Int8,
+            Bits::Int4 => ExpertFormat::Int4,
+        }
+    }
+}
+
+/// Precision and placement flags shared by `generate`, `bench` and `convert`.
+#[derive(ClapArgs, Clone, Debug)]
+pub struct EngineArgs {
+    /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised;
+    /// 8 or 4 = INT8/INT4 from the expert cache (built on first use).
+    #[arg(long, value_enum, default_value_t = Bits::Bf16)]
+    pub cpu_expert_bits: Bits,
+    /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU.
+    #[arg(long, value_enum, default_value_t = Bits::Bf16)]
+    pub cpu_dense_bits: Bits,
+    /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
+    #[arg(long, default_value_t = 128)]
+    pub group_size: usize,
+    /// Where expert caches live (default: <model>/.krasis_cache, else a per-user cache dir).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// CPU worker threads (default: one per physical core).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Load even if the memory estimate exceeds 95% of RAM.
+    #[arg(long)]
+    pub force: bool,
+}
+
+impl EngineArgs {
+    pub fn options(&self) -> anyhow::Result<EngineOptions> {
+        if !(32..=1024).contains(&self.group_size) || !self.group_size.is_multiple_of(32) {
+            bail!("--group-size {} must be a multiple of 32 between 32 and 1024", self.group_size);
+        }
+        if let Some(dir) = &self.cache_dir {
+            if dir.exists() && !dir.is_dir() {
+                bail!("--cache-dir {} exists and is not a directory", dir.display());
+            }
+        }
+        if self.threads == Some(0) {
+            bail!("--threads must be at least 1");
+        }
+        Ok(EngineOptions {
+            expert_bits: self.cpu_expert_bits.weight_bits(),
+            dense_bits: self.cpu_dense_bits.weight_bits(),
+            group_size: self.group_size,
+            cache_dir: self.cache_dir.clone(),
+            threads: self.threads,
+        })
+    }
+
+    /// Refuse (unless --force) when the estimate exceeds the RAM budget; returns the estimate.
+    pub fn check_budget(&self, spec: &krasis_model::ModelSpec, context: u64) -> anyhow::Result<u64> {
+        let est = estimate(spec, self.cpu_expert_bits.expert_format()).total(context);
+        let mem_total = krasis_core::hw::probe().mem_total_bytes;
+        if let Some(w) = check_ram_budget(est, mem_total, self.force)? {
+            eprintln!("warning: {w}");
+        }
+        Ok(est)
+    }
 }
 
 #[derive(ClapArgs)]
@@ -63,18 +139,11 @@ pub struct Args {
     ignore_eos: bool,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
-    /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised.
-    #[arg(long, value_enum, default_value_t = ExpertBits::Bf16)]
-    cpu_expert_bits: ExpertBits,
-    /// Where expert caches live (default: <model>/.krasis_cache).
-    #[arg(long)]
-    cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    engine: EngineArgs,
     /// Write prefill_logits, step_logits and generated_ids to this safetensors file.
     #[arg(long)]
     dump_logits: Option<PathBuf>,
-    /// Load even if the memory estimate exceeds 95% of RAM.
-    #[arg(long)]
-    force: bool,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -91,26 +160,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
-    if a.cpu_expert_bits != ExpertBits::Bf16 {
-        bail!("--cpu-expert-bits {:?}: INT8/INT4 CPU experts are not supported yet; use bf16", a.cpu_expert_bits);
-    }
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
-    if let Some(dir) = &a.cache_dir {
-        if dir.exists() && !dir.is_dir() {
-            bail!("--cache-dir {} exists and is not a directory", dir.display());
-        }
-    }
-
+    let opts = a.engine.options()?;
     let spec = load_config(&a.model)?;
-    let mem_total = krasis_core::hw::probe().mem_total_bytes;
-    let est = estimate(&spec, ExpertFormat::Bf16).total(4096);
-    if let Some(w) = check_ram_budget(est, mem_total, a.force)? {
-        eprintln!("warning: {w}");
+    let est = a.engine.check_budget(&spec, 4096)?;
+    for w in krasis_core::hw::probe().warnings() {
+        eprintln!("system: {w}");
     }
     let codec = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
         Some(TextCodec::load(&a.model)?)
@@ -134,14 +194,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
 
     let t_load = Instant::now();
-    let model = Model::load(&a.model)?;
+    let loaded = load_model(&a.model, &opts)?;
+    for line in &loaded.log {
+        eprintln!("{line}");
+    }
+    let model = &loaded.model;
     model.check_tokens(&prompt_ids)?;
     eprintln!(
-        "loaded {} ({} layers) in {:.2} s; experts: {}; estimate {}",
+        "loaded {} ({} layers) in {:.2} s; memory estimate {}",
         a.model.display(),
         model.spec.num_layers,
         t_load.elapsed().as_secs_f64(),
-        model.expert_executor().describe(),
         format_bytes(est)
     );
 
@@ -154,7 +217,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let mut stream = TextStream::new();
     let stdout = std::io::stdout();
-    let out = generate(&model, &req, |id| {
+    let out = generate(model, &req, |id| {
         let mut lock = stdout.lock();
         let piece = match &codec {
             Some(c) => stream.push(c, id)?,
@@ -175,6 +238,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out.decode_tok_s(),
         if out.stopped_at_eos { "; stopped at end-of-sequence" } else { "" }
     );
+    if a.engine.cpu_expert_bits != Bits::Bf16 {
+        // Every routed expert is resident after loading the cache and every dense weight has been
+        // read by now, so RSS should match the estimate.
+        if let Some(rss) = krasis_core::hw::current_rss_bytes() {
+            match krasis_core::budget::rss_deviation_warning(est, rss) {
+                Some(w) => eprintln!("warning: {w}"),
+                None => eprintln!("memory: RSS {} within 10% of the estimate {}", format_bytes(rss), format_bytes(est)),
+            }
+        }
+    }
     if let Some(path) = &a.dump_logits {
         crate::dump::write_logits(path, model.spec.vocab_size, &out.prefill_logits, &out.step_logits, &out.generated)
             .with_context(|| format!("--dump-logits {}", path.display()))?;

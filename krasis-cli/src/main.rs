@@ -1,5 +1,7 @@
 //! `krasis`: the command-line front end. Thin: parses flags, calls the library, prints results.
 
+mod cmd_bench;
+mod cmd_convert;
 mod cmd_generate;
 mod cmd_info;
 mod cmd_synth;
@@ -22,6 +24,10 @@ enum Command {
     Synth(cmd_synth::Args),
     /// Describe a model: architecture, parameters, memory, and system checks.
     Info(cmd_info::Args),
+    /// Build the CPU expert cache (INT4/INT8) ahead of the first run.
+    Convert(cmd_convert::Args),
+    /// Measure memory bandwidth and CPU decode throughput.
+    Bench(cmd_bench::Args),
 }
 
 fn main() {
@@ -37,6 +43,8 @@ fn main() {
         Command::Generate(a) => cmd_generate::run(a),
         Command::Synth(a) => cmd_synth::run(a),
         Command::Info(a) => cmd_info::run(a),
+        Command::Convert(a) => cmd_convert::run(a),
+        Command::Bench(a) => cmd_bench::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -6,7 +6,11 @@ pub mod activation;
 pub mod attention;
 pub mod isa;
 pub mod linear;
+pub mod membw;
+pub mod moe;
 pub mod norm;
+pub mod pool;
+pub mod quant;
 pub mod rope;
 
 pub use isa::Isa;

@@ -1,4 +1,9 @@
 //! Pure quantisation functions. Every packer has an unpacker and a scalar reference.
-//! Today: FP8 E4M3 block dequantisation (DeepSeek-V3 / Kimi-K2 checkpoints).
+//! Today: FP8 E4M3 block dequantisation (DeepSeek-V3 / Kimi-K2 checkpoints); symmetric per-group
+//! INT4/INT8 quantisation along K (`group`) and its CPU packed layout (`cpu_layout`).
 
+pub mod cpu_layout;
 pub mod fp8_block;
+pub mod group;
+
+pub use group::{Bits, QuantError, QuantizedMatrix};

@@ -114,3 +114,49 @@ pub fn edit_header(file: &Path, edit: impl FnOnce(&mut serde_json::Map<String, s
     out.extend_from_slice(&bytes[8 + n..]);
     std::fs::write(file, out).unwrap();
 }
+
+/// Per-position fidelity of `logits` `[T, V]` against the oracle's, as `quant_bounds.json` measures it.
+#[derive(Clone, Copy, Debug)]
+pub struct Fidelity {
+    pub mean_cos: f64,
+    pub min_cos: f64,
+    pub top1: f64,
+}
+
+fn argmax(v: &[f32]) -> usize {
+    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
+}
+
+pub fn fidelity(logits: &[f32], reference: &[f32], vocab: usize) -> Fidelity {
+    let rows = reference.len() / vocab;
+    let (mut sum, mut min, mut agree) = (0f64, f64::INFINITY, 0usize);
+    for r in 0..rows {
+        let (a, b) = (&logits[r * vocab..(r + 1) * vocab], &reference[r * vocab..(r + 1) * vocab]);
+        let dot: f64 = a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum();
+        let na: f64 = a.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let nb: f64 = b.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let c = dot / (na * nb).max(1e-300);
+        sum += c;
+        min = min.min(c);
+        agree += usize::from(argmax(a) == argmax(b));
+    }
+    Fidelity { mean_cos: sum / rows as f64, min_cos: min, top1: agree as f64 / rows as f64 }
+}
+
+/// One entry of `quant_bounds.json` (`fixtures.<name>.<int8|int4|bf16>`).
+pub struct Bound {
+    pub mean_cos: f64,
+    pub top1: f64,
+    pub first_token_same: Option<bool>,
+}
+
+pub fn quant_bound(fixtures: &Path, fixture: &str, kind: &str) -> Bound {
+    let text = std::fs::read_to_string(fixtures.join("quant_bounds.json")).expect("quant_bounds.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("quant_bounds.json is JSON");
+    let e = &v["fixtures"][fixture][kind];
+    Bound {
+        mean_cos: e["mean_cos"].as_f64().unwrap_or_else(|| panic!("no {fixture}.{kind}.mean_cos")),
+        top1: e["top1"].as_f64().unwrap_or_else(|| panic!("no {fixture}.{kind}.top1")),
+        first_token_same: e["first_token_same"].as_bool(),
+    }
+}

@@ -31,6 +31,8 @@ pub trait AttentionLayer: Send + Sync {
     /// appends them to `kv` and writes the attention output `[t, hidden]`.
     fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]);
     fn new_cache(&self) -> LayerKv;
+    /// Weight bytes read per token.
+    fn weight_bytes(&self) -> usize;
 }
 
 pub struct MlaAttention {
@@ -54,6 +56,14 @@ pub struct MlaAttention {
 impl AttentionLayer for MlaAttention {
     fn new_cache(&self) -> LayerKv {
         LayerKv::latent(self.latent + self.rope, self.latent)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.q_a.as_ref().map_or(0, |(a, _)| a.weight_bytes())
+            + self.q_b.weight_bytes()
+            + self.kv_a.weight_bytes()
+            + self.kv_b.len() * 4
+            + self.o_proj.weight_bytes()
     }
 
     fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
@@ -132,6 +142,13 @@ pub struct GqaAttention {
 impl AttentionLayer for GqaAttention {
     fn new_cache(&self) -> LayerKv {
         LayerKv::separate(self.kv_heads, self.head_dim)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.q_proj.weight_bytes()
+            + self.k_proj.weight_bytes()
+            + self.v_proj.weight_bytes()
+            + self.o_proj.weight_bytes()
     }
 
     fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {

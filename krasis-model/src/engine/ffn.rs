@@ -15,6 +15,10 @@ pub struct Mlp {
 }
 
 impl Mlp {
+    pub fn weight_bytes(&self) -> usize {
+        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+    }
+
     /// `out[t, hidden] = down(silu(gate(x)) · up(x))`.
     pub fn forward(&self, x: &[f32], t: usize, out: &mut [f32]) {
         let i = self.gate.out_dim();
@@ -37,7 +41,15 @@ pub struct MoeBlock {
 }
 
 impl MoeBlock {
-    pub fn forward(&self, experts: &dyn ExpertExecutor, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
+    pub fn forward(
+        &self,
+        experts: &dyn ExpertExecutor,
+        stats: &super::ForwardStats,
+        x: &[f32],
+        t: usize,
+        hidden: usize,
+        out: &mut [f32],
+    ) {
         let e = self.router.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.forward(x, t, &mut logits);
@@ -47,7 +59,9 @@ impl MoeBlock {
             routes.push(&ids, &w);
         }
         out.fill(0.0);
+        let started = std::time::Instant::now();
         experts.run(self.layer, x, t, &routes, out);
+        stats.add_expert(started.elapsed());
         if let Some(shared) = &self.shared {
             let mut s = vec![0f32; t * hidden];
             shared.forward(x, t, &mut s);

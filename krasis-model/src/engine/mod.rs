@@ -34,10 +34,35 @@ pub struct Model {
     embed: DenseLinear,
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
-    /// `None` when tied to the embedding.
-    lm_head: Option<DenseLinear>,
+    lm_head: Box<dyn LinearOp>,
     experts: Box<dyn ExpertExecutor>,
     rope: RotaryTables,
+    stats: ForwardStats,
+}
+
+/// Where forward time goes (for `krasis bench`): routed-expert execution vs everything.
+#[derive(Default)]
+pub struct ForwardStats {
+    expert_ns: std::sync::atomic::AtomicU64,
+    total_ns: std::sync::atomic::AtomicU64,
+}
+
+impl ForwardStats {
+    /// (routed-expert seconds, total forward seconds) since the last reset.
+    pub fn seconds(&self) -> (f64, f64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.expert_ns.load(Relaxed) as f64 * 1e-9, self.total_ns.load(Relaxed) as f64 * 1e-9)
+    }
+
+    pub fn reset(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.expert_ns.store(0, Relaxed);
+        self.total_ns.store(0, Relaxed);
+    }
+
+    pub(crate) fn add_expert(&self, d: std::time::Duration) {
+        self.expert_ns.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// One conversation's state: the KV cache of every layer.
@@ -69,26 +94,55 @@ fn boxed(l: DenseLinear) -> Box<dyn LinearOp> {
     Box::new(l)
 }
 
+/// Turns a loaded dense matrix into the op that runs it: the reference op itself, or a
+/// quantised copy (`--cpu-dense-bits`). Called for attention projections, shared experts, dense
+/// MLPs and the LM head; routers, `kv_b_proj` (used in f32 by absorbed MLA) and embeddings stay
+/// in their source precision.
+pub type DenseFactory<'a> = dyn Fn(DenseLinear, &str) -> Result<Box<dyn LinearOp>> + 'a;
+
+/// The reference choice: every dense matrix as stored.
+pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>> {
+    Ok(boxed(l))
+}
+
 impl Model {
     /// Load a hub-format directory for the CPU reference path.
     pub fn load(dir: &Path) -> Result<Model> {
         let spec = load_config(dir)?;
         let source = SafetensorsDir::open(dir)?;
-        Self::from_source(spec, &source)
+        Self::from_source(spec, &source, &reference_dense, None)
     }
 
-    pub fn from_source(spec: ModelSpec, source: &dyn WeightSource) -> Result<Model> {
+    /// Build a model from `source`. `dense` chooses how dense matrices run; `experts` runs the
+    /// routed experts (`None`: the reference executor over the source weights).
+    pub fn from_source(
+        spec: ModelSpec,
+        source: &dyn WeightSource,
+        dense: &DenseFactory<'_>,
+        experts: Option<Box<dyn ExpertExecutor>>,
+    ) -> Result<Model> {
         let w = WeightLoader::new(source, &spec.source_quant);
         let h = spec.hidden_size;
         let eps = spec.rms_norm_eps;
         let embed = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
+        let lin = |name: &str, rows: usize, cols: usize| -> Result<Box<dyn LinearOp>> {
+            dense(w.matrix(name, rows, cols)?, name)
+        };
         let mlp = |prefix: &str, inter: usize| -> Result<Mlp> {
+            Ok(Mlp {
+                gate: lin(&format!("{prefix}.gate_proj.weight"), inter, h)?,
+                up: lin(&format!("{prefix}.up_proj.weight"), inter, h)?,
+                down: lin(&format!("{prefix}.down_proj.weight"), h, inter)?,
+            })
+        };
+        let expert_mlp = |prefix: &str, inter: usize| -> Result<Mlp> {
             Ok(Mlp {
                 gate: boxed(w.matrix(&format!("{prefix}.gate_proj.weight"), inter, h)?),
                 up: boxed(w.matrix(&format!("{prefix}.up_proj.weight"), inter, h)?),
                 down: boxed(w.matrix(&format!("{prefix}.down_proj.weight"), h, inter)?),
             })
         };
+        let reference_experts = experts.is_none();
         let mut layers = Vec::with_capacity(spec.num_layers);
         let mut expert_layers = Vec::with_capacity(spec.num_layers);
         for (l, kind) in spec.layers.iter().enumerate() {
@@ -107,12 +161,12 @@ impl Model {
                     let (q_a, q_b) = match q_lora_rank {
                         Some(r) => (
                             Some((
-                                boxed(w.matrix(&format!("{a}.q_a_proj.weight"), r, h)?),
+                                lin(&format!("{a}.q_a_proj.weight"), r, h)?,
                                 w.vector(&format!("{a}.q_a_layernorm.weight"), r)?,
                             )),
-                            w.matrix(&format!("{a}.q_b_proj.weight"), heads * qk, r)?,
+                            lin(&format!("{a}.q_b_proj.weight"), heads * qk, r)?,
                         ),
-                        None => (None, w.matrix(&format!("{a}.q_proj.weight"), heads * qk, h)?),
+                        None => (None, lin(&format!("{a}.q_proj.weight"), heads * qk, h)?),
                     };
                     let kv_b_rows = heads * (qk_nope_head_dim + v_head_dim);
                     let kv_b = w.matrix(&format!("{a}.kv_b_proj.weight"), kv_b_rows, kv_lora_rank)?;
@@ -129,15 +183,11 @@ impl Model {
                         eps,
                         scale: spec.softmax_scale,
                         q_a,
-                        q_b: boxed(q_b),
-                        kv_a: boxed(w.matrix(
-                            &format!("{a}.kv_a_proj_with_mqa.weight"),
-                            kv_lora_rank + qk_rope_head_dim,
-                            h,
-                        )?),
+                        q_b,
+                        kv_a: lin(&format!("{a}.kv_a_proj_with_mqa.weight"), kv_lora_rank + qk_rope_head_dim, h)?,
                         kv_a_norm: w.vector(&format!("{a}.kv_a_layernorm.weight"), kv_lora_rank)?,
                         kv_b: kv_b_f32,
-                        o_proj: boxed(w.matrix(&format!("{a}.o_proj.weight"), h, heads * v_head_dim)?),
+                        o_proj: lin(&format!("{a}.o_proj.weight"), h, heads * v_head_dim)?,
                     })
                 }
                 AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => Box::new(GqaAttention {
@@ -146,10 +196,10 @@ impl Model {
                     head_dim,
                     eps,
                     scale: spec.softmax_scale,
-                    q_proj: boxed(w.matrix(&format!("{a}.q_proj.weight"), heads * head_dim, h)?),
-                    k_proj: boxed(w.matrix(&format!("{a}.k_proj.weight"), kv_heads * head_dim, h)?),
-                    v_proj: boxed(w.matrix(&format!("{a}.v_proj.weight"), kv_heads * head_dim, h)?),
-                    o_proj: boxed(w.matrix(&format!("{a}.o_proj.weight"), h, heads * head_dim)?),
+                    q_proj: lin(&format!("{a}.q_proj.weight"), heads * head_dim, h)?,
+                    k_proj: lin(&format!("{a}.k_proj.weight"), kv_heads * head_dim, h)?,
+                    v_proj: lin(&format!("{a}.v_proj.weight"), kv_heads * head_dim, h)?,
+                    o_proj: lin(&format!("{a}.o_proj.weight"), h, heads * head_dim)?,
                     qk_norm: if qk_norm {
                         Some((
                             w.vector(&format!("{a}.q_norm.weight"), head_dim)?,
@@ -170,9 +220,13 @@ impl Model {
                         TopkMethod::NoauxTc { .. } => Some(w.vector(&format!("{m}.gate.e_score_correction_bias"), e)?),
                         _ => None,
                     };
-                    let experts = (0..e)
-                        .map(|x| mlp(&format!("{m}.experts.{x}"), moe.moe_intermediate_size))
-                        .collect::<Result<Vec<_>>>()?;
+                    let experts = if reference_experts {
+                        (0..e)
+                            .map(|x| expert_mlp(&format!("{m}.experts.{x}"), moe.moe_intermediate_size))
+                            .collect::<Result<Vec<_>>>()?
+                    } else {
+                        Vec::new()
+                    };
                     let shared = if moe.shared_intermediate_size > 0 {
                         Some(mlp(&format!("{m}.shared_experts"), moe.shared_intermediate_size)?)
                     } else {
@@ -197,17 +251,44 @@ impl Model {
             expert_layers.push(experts);
         }
         let final_norm = w.vector("model.norm.weight", h)?;
-        let lm_head =
-            if spec.tie_word_embeddings { None } else { Some(w.matrix("lm_head.weight", spec.vocab_size, h)?) };
+        let lm_head: Box<dyn LinearOp> = if spec.tie_word_embeddings {
+            let tied = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
+            dense(tied, "lm_head.weight (tied to model.embed_tokens.weight)")?
+        } else {
+            lin("lm_head.weight", spec.vocab_size, h)?
+        };
         Ok(Model {
             rope: RotaryTables::new(&spec.rope),
-            experts: Box::new(ReferenceExperts { hidden: h, layers: expert_layers }),
+            experts: experts.unwrap_or_else(|| Box::new(ReferenceExperts { hidden: h, layers: expert_layers })),
+            stats: ForwardStats::default(),
             spec,
             embed,
             layers,
             final_norm,
             lm_head,
         })
+    }
+
+    /// Weight bytes a decode step reads outside the routed experts: attention, dense MLPs,
+    /// shared experts, routers, one embedding row and the LM head.
+    pub fn dense_bytes_per_token(&self) -> u64 {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.attention.weight_bytes()
+                    + match &l.ffn {
+                        Ffn::Dense(m) => m.weight_bytes(),
+                        Ffn::Moe(b) => b.router.weight_bytes() + b.shared.as_ref().map_or(0, |s| s.weight_bytes()),
+                    }
+            })
+            .sum();
+        let embed_row = self.embed.weight_bytes() / self.spec.vocab_size.max(1);
+        (layers + self.lm_head.weight_bytes() + embed_row) as u64
+    }
+
+    pub fn stats(&self) -> &ForwardStats {
+        &self.stats
     }
 
     pub fn expert_executor(&self) -> &dyn ExpertExecutor {
@@ -239,6 +320,7 @@ impl Model {
         which: Logits,
         mut observe: Option<&mut HiddenObserver<'_>>,
     ) -> Result<Vec<f32>> {
+        let started = std::time::Instant::now();
         self.check_tokens(tokens)?;
         let t = tokens.len();
         if t == 0 {
@@ -268,7 +350,7 @@ impl Model {
             rms_norm_rows(&mut xn, &layer.post_norm, eps);
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&xn, t, &mut y),
-                Ffn::Moe(block) => block.forward(self.experts.as_ref(), &xn, t, h, &mut y),
+                Ffn::Moe(block) => block.forward(self.experts.as_ref(), &self.stats, &xn, t, h, &mut y),
             }
             for (a, b) in x.iter_mut().zip(&y) {
                 *a += b;
@@ -285,10 +367,8 @@ impl Model {
         let m = rows.len() / h;
         let v = self.spec.vocab_size;
         let mut logits = vec![0f32; m * v];
-        match &self.lm_head {
-            Some(head) => head.forward(rows, m, &mut logits),
-            None => self.embed.forward(rows, m, &mut logits),
-        }
+        self.lm_head.forward(rows, m, &mut logits);
+        self.stats.total_ns.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(logits)
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use krasis_core::{DType, TensorView};
 use memmap2::Mmap;
 
-pub use self::safetensors::{SafetensorsDir, SafetensorsFile};
+pub use self::safetensors::{fnv1a, SafetensorsDir, SafetensorsFile};
 
 use crate::error::Result;
 

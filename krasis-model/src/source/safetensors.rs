@@ -29,6 +29,18 @@ pub struct SafetensorsFile {
     path: PathBuf,
     map: Arc<Mmap>,
     entries: HashMap<String, Entry>,
+    /// FNV-1a of the file length and JSON header: identifies the file's layout cheaply.
+    header_hash: u64,
+}
+
+/// FNV-1a, 64-bit: a stable, dependency-free identity hash (not for security).
+pub fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
+    let mut h = if seed == 0 { 0xcbf2_9ce4_8422_2325 } else { seed };
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }
 
 fn parse_dtype(s: &str) -> Option<DType> {
@@ -110,7 +122,8 @@ impl SafetensorsFile {
                 Entry { dtype, shape, start: data_start + b as usize, end: data_start + e as usize },
             );
         }
-        Ok(SafetensorsFile { path: path.to_path_buf(), map: Arc::new(map), entries })
+        let header_hash = fnv1a(fnv1a(0, &len.to_le_bytes()), &map[8..data_start]);
+        Ok(SafetensorsFile { path: path.to_path_buf(), map: Arc::new(map), entries, header_hash })
     }
 
     pub fn path(&self) -> &Path {
@@ -199,6 +212,15 @@ impl SafetensorsDir {
             }
         }
         Ok(SafetensorsDir { dir: dir.to_path_buf(), files, index })
+    }
+
+    /// Identity of the weights: every file's name, size and header. Changes when the weights are
+    /// replaced by different ones; survives copying the directory elsewhere.
+    pub fn fingerprint(&self) -> u64 {
+        self.files.iter().fold(0, |h, f| {
+            let name = f.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            fnv1a(fnv1a(h, name.as_bytes()), &f.header_hash.to_le_bytes())
+        })
     }
 
     pub fn file_of(&self, name: &str) -> Option<&SafetensorsFile> {

@@ -484,7 +484,7 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
         prefix: ModelSpec::layer_prefix(layer),
         zeros: Arc::new(zeros),
     };
-    let model = Model::from_source(spec.clone(), &source).unwrap();
+    let model = Model::from_source(spec.clone(), &source, &crate::engine::reference_dense, None).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
     let tokens: Vec<u32> = (0..t).map(|_| rng.random_range(2..spec.vocab_size as u32)).collect();
     let mut after: Vec<f32> = Vec::new();

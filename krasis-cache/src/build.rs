@@ -1,0 +1,332 @@
+//! Streaming, atomic build: one layer at a time, records produced in parallel, written at their
+//! offsets to `<path>.tmp.<pid>`, checksum table + header + preamble last, fsync, rename.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::format::{header_json, Layout, Preamble, FORMAT_VERSION, MAGIC, PREAMBLE_BYTES};
+use crate::{CacheError, CacheHeader};
+
+/// Produces the record of (MoE layer index, expert): `w13_bytes` then `w2_bytes`, back to back.
+pub type Produce<'a> = dyn Fn(usize, usize) -> Result<Vec<u8>, String> + Sync + 'a;
+
+/// Progress of a build, reported after every record (in order, from the calling thread).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BuildProgress {
+    pub records_done: u64,
+    pub records_total: u64,
+    /// MoE layers completely written.
+    pub layers_done: usize,
+    pub layers_total: usize,
+    /// File bytes of the records written so far (strides, padding included).
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub seconds: f64,
+    pub gb_per_s: f64,
+}
+
+/// What a finished build did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BuildReport {
+    pub path: PathBuf,
+    /// Size of the file written.
+    pub bytes: u64,
+    pub records: u64,
+    pub seconds: f64,
+    /// File bytes per second, 1e9 based.
+    pub gb_per_s: f64,
+}
+
+/// `<path>.tmp.<pid>` (same directory, so the rename is atomic).
+pub(crate) fn tmp_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp.{}", std::process::id()));
+    path.with_file_name(name)
+}
+
+fn pid_alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else { return false };
+    if p <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Remove `<path>.tmp.<pid>` files left by builds whose process is gone (an interrupted build).
+/// Temp files of live processes (a concurrent build) and names that do not end in a pid are left
+/// alone. Returns the files removed; errors are ignored (the files are never read anyway).
+pub fn clean_stale_tmp_files(path: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else { return removed };
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    let prefix = format!("{}.tmp.", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    for entry in entries.flatten() {
+        let fname = entry.file_name();
+        let Some(pid) = fname.to_str().and_then(|f| f.strip_prefix(&prefix)).and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !pid_alive(pid) && std::fs::remove_file(entry.path()).is_ok() {
+            removed.push(entry.path());
+        }
+    }
+    removed
+}
+
+/// Removes the temp file unless disarmed (error, panic).
+struct TmpGuard<'a> {
+    path: &'a Path,
+    armed: bool,
+}
+
+impl Drop for TmpGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = std::fs::remove_file(self.path);
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn start_writeback(f: &File, off: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advisory syscall on an open fd.
+    unsafe {
+        libc::sync_file_range(f.as_raw_fd(), off as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE);
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn finish_writeback_and_drop(f: &File, off: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+    // SAFETY: advisory syscalls on an open fd.
+    unsafe {
+        libc::sync_file_range(f.as_raw_fd(), off as i64, len as i64, flags);
+        libc::posix_fadvise(f.as_raw_fd(), off as i64, len as i64, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn start_writeback(_: &File, _: u64, _: u64) {}
+
+#[cfg(not(target_os = "linux"))]
+fn finish_writeback_and_drop(_: &File, _: u64, _: u64) {}
+
+/// Drop the page-cache copy of `[off, off+len)` (`len` 0: to the end of the file).
+pub(crate) fn drop_page_cache(f: &File, off: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: advisory syscall on an open fd.
+        unsafe {
+            libc::posix_fadvise(f.as_raw_fd(), off as i64, len as i64, libc::POSIX_FADV_DONTNEED);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (f, off, len);
+}
+
+/// Bytes available to this user on the file system of `dir` (`None` if unknown).
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain old data, all-zero is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a statvfs struct to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+}
+
+static ZEROS: [u8; 4096] = [0; 4096];
+
+/// Build the cache at `path` for `header`, calling `produce(layer_idx, expert)` for every record.
+///
+/// Streaming: the records of one MoE layer are produced in parallel (rayon), checksummed and written
+/// at their offsets; the next layer starts only when the whole layer is on its way to disk, whose
+/// page-cache copy is dropped once written back, so memory holds about one layer. The file is
+/// `<path>.tmp.<pid>` until complete; checksum table, header and preamble are written last, then
+/// fsync and rename over `path`. On any error (or panic) the temp file is removed and `path` is
+/// left as it was.
+pub fn build(
+    path: &Path,
+    header: &CacheHeader,
+    produce: &Produce<'_>,
+    progress: &dyn Fn(BuildProgress),
+) -> Result<BuildReport, CacheError> {
+    let t0 = Instant::now();
+    if header.format_version != FORMAT_VERSION {
+        return Err(CacheError::InvalidRequest(format!(
+            "format_version {} (this build writes {FORMAT_VERSION})",
+            header.format_version
+        )));
+    }
+    let json = header_json(header).map_err(CacheError::InvalidRequest)?;
+    let layout = Layout::new(header, json.len() as u64).map_err(CacheError::InvalidRequest)?;
+
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(dir).map_err(|e| CacheError::io(dir, "create cache directory", e))?;
+    clean_stale_tmp_files(path);
+    if let Some(available) = free_bytes(dir) {
+        // The file being replaced (if any) is freed only at the rename.
+        if available < layout.file_len {
+            return Err(CacheError::NoSpace {
+                path: path.to_path_buf(),
+                dir: dir.to_path_buf(),
+                needed: layout.file_len,
+                available,
+            });
+        }
+    }
+
+    let tmp = tmp_path(path);
+    let mut guard = TmpGuard { path: &tmp, armed: false };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&tmp)
+        .map_err(|e| CacheError::io(&tmp, "create temp file", e))?;
+    guard.armed = true;
+    file.set_len(layout.file_len).map_err(|e| CacheError::io(&tmp, "set length", e))?;
+
+    let n_layers = header.moe_layers.len();
+    let n_experts = header.n_experts as usize;
+    let bytes_total = layout.records_bytes();
+
+    // Records are produced and written on rayon's pool (driven from a scoped thread); this thread
+    // relays progress in order, so `progress` need not be `Sync`.
+    let sums = std::thread::scope(|s| {
+        let (tx, rx) = mpsc::channel::<()>();
+        let worker = s.spawn(|| write_layers(path, &file, header, &layout, produce, tx));
+        let mut done = 0u64;
+        for () in rx {
+            done += 1;
+            let seconds = t0.elapsed().as_secs_f64();
+            let bytes_done = done * layout.stride;
+            progress(BuildProgress {
+                records_done: done,
+                records_total: layout.record_count,
+                layers_done: (done / n_experts as u64) as usize,
+                layers_total: n_layers,
+                bytes_done,
+                bytes_total,
+                seconds,
+                gb_per_s: bytes_done as f64 / seconds.max(1e-9) / 1e9,
+            });
+        }
+        match worker.join() {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    })?;
+
+    let table: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let pre = Preamble {
+        magic: MAGIC,
+        format_version: FORMAT_VERSION,
+        header_len: json.len() as u64,
+        header_xxh3: xxhash_rust::xxh3::xxh3_64(&json),
+        table_xxh3: xxhash_rust::xxh3::xxh3_64(&table),
+        reserved_zero: true,
+    };
+    let w = |bytes: &[u8], off: u64, what| file.write_all_at(bytes, off).map_err(|e| CacheError::io(&tmp, what, e));
+    w(&table, layout.table_offset, "write checksum table")?;
+    w(&json, PREAMBLE_BYTES, "write header")?;
+    w(&pre.encode(), 0, "write preamble")?;
+    file.sync_all().map_err(|e| CacheError::io(&tmp, "fsync", e))?;
+    drop_page_cache(&file, 0, 0);
+    drop(file);
+    std::fs::rename(&tmp, path).map_err(|e| CacheError::io(path, "rename temp file into place", e))?;
+    guard.armed = false;
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(BuildReport {
+        path: path.to_path_buf(),
+        bytes: layout.file_len,
+        records: layout.record_count,
+        seconds,
+        gb_per_s: layout.file_len as f64 / seconds.max(1e-9) / 1e9,
+    })
+}
+
+/// Produce, checksum and write every record, layer by layer; returns the checksums in record order.
+fn write_layers(
+    path: &Path,
+    file: &File,
+    header: &CacheHeader,
+    layout: &Layout,
+    produce: &Produce<'_>,
+    tx: mpsc::Sender<()>,
+) -> Result<Vec<u64>, CacheError> {
+    let n_experts = header.n_experts as usize;
+    let (w13, w2) = (header.w13_bytes as usize, header.w2_bytes as usize);
+    let w2_off = layout.w2_offset as usize;
+    let stride = layout.stride as usize;
+    let layer_bytes = n_experts as u64 * layout.stride;
+    let mut sums = Vec::with_capacity(layout.record_count as usize);
+    for (l, &layer) in header.moe_layers.iter().enumerate() {
+        let layer_sums = (0..n_experts)
+            .into_par_iter()
+            .map(|e| {
+                let produce_err = |message: String| CacheError::Produce {
+                    path: path.to_path_buf(),
+                    layer_idx: l,
+                    layer,
+                    expert: e,
+                    message,
+                };
+                let rec = produce(l, e).map_err(produce_err)?;
+                if rec.len() != w13 + w2 {
+                    return Err(produce_err(format!(
+                        "record is {} bytes, expected {} (w13 {w13} + w2 {w2})",
+                        rec.len(),
+                        w13 + w2
+                    )));
+                }
+                let mut h = Xxh3::new();
+                h.update(&rec[..w13]);
+                h.update(&ZEROS[..w2_off - w13]);
+                h.update(&rec[w13..]);
+                let mut pad = stride - w2_off - w2;
+                while pad > 0 {
+                    let n = pad.min(ZEROS.len());
+                    h.update(&ZEROS[..n]);
+                    pad -= n;
+                }
+                let off = layout.record_offset(l * n_experts + e);
+                // The padding is already zero: the file was extended with set_len.
+                file.write_all_at(&rec[..w13], off).map_err(|er| CacheError::io(path, "write record", er))?;
+                file.write_all_at(&rec[w13..], off + w2_off as u64)
+                    .map_err(|er| CacheError::io(path, "write record", er))?;
+                let _ = tx.send(());
+                Ok(h.digest())
+            })
+            .collect::<Result<Vec<u64>, CacheError>>()?;
+        sums.extend(layer_sums);
+        // Keep at most ~two layers of dirty page cache: start writing this layer back, wait for the
+        // previous one and drop its pages.
+        let off = layout.record_offset(l * n_experts);
+        start_writeback(file, off, layer_bytes);
+        if l > 0 {
+            finish_writeback_and_drop(file, off - layer_bytes, layer_bytes);
+        }
+    }
+    Ok(sums)
+}

@@ -1,0 +1,347 @@
+//! The file format: preamble, JSON header, checksum table, records (spec in docs/FORMATS.md).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::CacheError;
+
+/// First eight bytes of every expert cache file.
+pub const MAGIC: [u8; 8] = *b"KRASISXC";
+/// Version of the file layout described in docs/FORMATS.md; a file of another version is stale.
+pub const FORMAT_VERSION: u32 = 1;
+/// Size of the fixed binary preamble at offset 0.
+pub const PREAMBLE_BYTES: u64 = 64;
+/// Alignment of every record in the file (and in memory once loaded).
+pub const RECORD_ALIGN: u64 = 4096;
+/// Alignment of the w2 part inside a record.
+pub const W2_ALIGN: u64 = 64;
+/// Name of the per-record checksum, as written in the header.
+pub const CHECKSUM_NAME: &str = "xxh3-64";
+/// Record order, as written in the header.
+pub const RECORD_ORDER: &str = "layer-major, expert-minor";
+/// Headers larger than this are refused as corrupt (a real one is a few KiB).
+pub const MAX_HEADER_BYTES: u64 = 16 << 20;
+
+/// What a cache holds and how it was made. The caller builds the expected header from the model
+/// (and the packer's layout name and record sizes); `open` refuses a file whose header differs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheHeader {
+    /// Must be [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Record layout name from the packer, e.g. `"cpu-rb16-v1"`.
+    pub layout: String,
+    /// Hash of the model's config and weight-file identity, computed by the caller.
+    pub config_hash: u64,
+    pub bits: u8,
+    pub group_size_hidden: u32,
+    pub group_size_intermediate: u32,
+    pub hidden: u32,
+    pub intermediate: u32,
+    pub n_experts: u32,
+    /// Model layer indices of the MoE layers, in order; records are indexed by position in this list.
+    pub moe_layers: Vec<u32>,
+    /// Bytes of the fused gate+up part of a record.
+    pub w13_bytes: u64,
+    /// Bytes of the down part of a record.
+    pub w2_bytes: u64,
+}
+
+/// `experts_cpu_int{bits}_g{group_size}.bin`
+pub fn cache_file_name(bits: u8, group_size: u32) -> String {
+    format!("experts_cpu_int{bits}_g{group_size}.bin")
+}
+
+pub(crate) fn round_up(x: u64, a: u64) -> Option<u64> {
+    x.checked_add(a - 1).map(|v| v / a * a)
+}
+
+/// Where everything lies in a file with this header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub w2_offset: u64,
+    pub stride: u64,
+    pub record_count: u64,
+    pub header_len: u64,
+    pub table_offset: u64,
+    pub records_offset: u64,
+    pub file_len: u64,
+}
+
+impl Layout {
+    /// Record geometry: `(w2_offset, stride, record_count)`.
+    pub fn geometry(h: &CacheHeader) -> Result<(u64, u64, u64), String> {
+        if h.w13_bytes == 0 || h.w2_bytes == 0 {
+            return Err(format!("empty record part (w13_bytes {}, w2_bytes {})", h.w13_bytes, h.w2_bytes));
+        }
+        if h.n_experts == 0 || h.moe_layers.is_empty() {
+            return Err(format!("no records ({} MoE layers, {} experts)", h.moe_layers.len(), h.n_experts));
+        }
+        let overflow = || "record sizes overflow".to_string();
+        let w2_offset = round_up(h.w13_bytes, W2_ALIGN).ok_or_else(overflow)?;
+        let stride =
+            round_up(w2_offset.checked_add(h.w2_bytes).ok_or_else(overflow)?, RECORD_ALIGN).ok_or_else(overflow)?;
+        let count = (h.moe_layers.len() as u64).checked_mul(h.n_experts as u64).ok_or_else(overflow)?;
+        Ok((w2_offset, stride, count))
+    }
+
+    pub fn new(h: &CacheHeader, header_len: u64) -> Result<Layout, String> {
+        let (w2_offset, stride, record_count) = Self::geometry(h)?;
+        let overflow = || "file size overflows".to_string();
+        let table_offset = round_up(PREAMBLE_BYTES + header_len, 8).ok_or_else(overflow)?;
+        let table_end = record_count.checked_mul(8).and_then(|t| t.checked_add(table_offset)).ok_or_else(overflow)?;
+        let records_offset = round_up(table_end, RECORD_ALIGN).ok_or_else(overflow)?;
+        let file_len =
+            record_count.checked_mul(stride).and_then(|r| r.checked_add(records_offset)).ok_or_else(overflow)?;
+        if usize::try_from(record_count * stride).is_err() {
+            return Err(overflow());
+        }
+        Ok(Layout { w2_offset, stride, record_count, header_len, table_offset, records_offset, file_len })
+    }
+
+    pub fn record_offset(&self, index: usize) -> u64 {
+        self.records_offset + index as u64 * self.stride
+    }
+
+    pub fn records_bytes(&self) -> u64 {
+        self.record_count * self.stride
+    }
+}
+
+/// The fixed binary preamble at offset 0 (little-endian).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Preamble {
+    pub magic: [u8; 8],
+    pub format_version: u32,
+    pub header_len: u64,
+    pub header_xxh3: u64,
+    pub table_xxh3: u64,
+    /// Whether the reserved bytes (12..16 and 40..64) are all zero.
+    pub reserved_zero: bool,
+}
+
+impl Preamble {
+    pub fn encode(&self) -> [u8; PREAMBLE_BYTES as usize] {
+        let mut b = [0u8; PREAMBLE_BYTES as usize];
+        b[0..8].copy_from_slice(&self.magic);
+        b[8..12].copy_from_slice(&self.format_version.to_le_bytes());
+        b[16..24].copy_from_slice(&self.header_len.to_le_bytes());
+        b[24..32].copy_from_slice(&self.header_xxh3.to_le_bytes());
+        b[32..40].copy_from_slice(&self.table_xxh3.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8; PREAMBLE_BYTES as usize]) -> Preamble {
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        Preamble {
+            magic: b[0..8].try_into().unwrap(),
+            format_version: u32::from_le_bytes(b[8..12].try_into().unwrap()),
+            header_len: u64_at(16),
+            header_xxh3: u64_at(24),
+            table_xxh3: u64_at(32),
+            reserved_zero: b[12..16].iter().chain(&b[40..64]).all(|&x| x == 0),
+        }
+    }
+}
+
+/// The JSON header as stored in the file.
+#[derive(Serialize, Deserialize)]
+struct DiskHeader {
+    format_version: u32,
+    layout: String,
+    config_hash: String,
+    bits: u8,
+    group_size_hidden: u32,
+    group_size_intermediate: u32,
+    hidden: u32,
+    intermediate: u32,
+    n_experts: u32,
+    moe_layers: Vec<u32>,
+    w13_bytes: u64,
+    w2_bytes: u64,
+    w2_offset: u64,
+    record_stride: u64,
+    record_count: u64,
+    record_order: String,
+    checksum: String,
+    writer: String,
+}
+
+/// The JSON header bytes for `h` (which must have valid geometry).
+pub(crate) fn header_json(h: &CacheHeader) -> Result<Vec<u8>, String> {
+    let (w2_offset, stride, count) = Layout::geometry(h)?;
+    let d = DiskHeader {
+        format_version: h.format_version,
+        layout: h.layout.clone(),
+        config_hash: format!("{:#018x}", h.config_hash),
+        bits: h.bits,
+        group_size_hidden: h.group_size_hidden,
+        group_size_intermediate: h.group_size_intermediate,
+        hidden: h.hidden,
+        intermediate: h.intermediate,
+        n_experts: h.n_experts,
+        moe_layers: h.moe_layers.clone(),
+        w13_bytes: h.w13_bytes,
+        w2_bytes: h.w2_bytes,
+        w2_offset,
+        record_stride: stride,
+        record_count: count,
+        record_order: RECORD_ORDER.into(),
+        checksum: CHECKSUM_NAME.into(),
+        writer: concat!("krasis-cache ", env!("CARGO_PKG_VERSION")).into(),
+    };
+    serde_json::to_vec(&d).map_err(|e| e.to_string())
+}
+
+fn parse_header_json(bytes: &[u8]) -> Result<CacheHeader, String> {
+    let d: DiskHeader = serde_json::from_slice(bytes).map_err(|e| format!("not a valid header: {e}"))?;
+    let hex = d.config_hash.strip_prefix("0x").ok_or("config_hash is not 0x-prefixed hex")?;
+    let config_hash = u64::from_str_radix(hex, 16).map_err(|e| format!("config_hash {:?}: {e}", d.config_hash))?;
+    if d.format_version != FORMAT_VERSION {
+        return Err(format!("header says format version {}, preamble says {FORMAT_VERSION}", d.format_version));
+    }
+    if d.checksum != CHECKSUM_NAME {
+        return Err(format!("checksum {:?}, expected {CHECKSUM_NAME:?}", d.checksum));
+    }
+    if d.record_order != RECORD_ORDER {
+        return Err(format!("record order {:?}, expected {RECORD_ORDER:?}", d.record_order));
+    }
+    let h = CacheHeader {
+        format_version: d.format_version,
+        layout: d.layout,
+        config_hash,
+        bits: d.bits,
+        group_size_hidden: d.group_size_hidden,
+        group_size_intermediate: d.group_size_intermediate,
+        hidden: d.hidden,
+        intermediate: d.intermediate,
+        n_experts: d.n_experts,
+        moe_layers: d.moe_layers,
+        w13_bytes: d.w13_bytes,
+        w2_bytes: d.w2_bytes,
+    };
+    let (w2_offset, stride, count) = Layout::geometry(&h)?;
+    if (d.w2_offset, d.record_stride, d.record_count) != (w2_offset, stride, count) {
+        return Err(format!(
+            "w2_offset/record_stride/record_count {}/{}/{} disagree with the record sizes ({}/{}/{})",
+            d.w2_offset, d.record_stride, d.record_count, w2_offset, stride, count
+        ));
+    }
+    Ok(h)
+}
+
+fn show_layers(v: &[u32]) -> String {
+    if v.len() <= 8 {
+        format!("{v:?}")
+    } else {
+        let head: Vec<String> = v[..3].iter().map(|x| x.to_string()).collect();
+        format!("[{}, …, {}] ({} layers)", head.join(", "), v[v.len() - 1], v.len())
+    }
+}
+
+/// The first field in which `cache` differs from `expected`: `(field, cache value, expected value)`.
+pub(crate) fn first_difference(cache: &CacheHeader, expected: &CacheHeader) -> Option<(&'static str, String, String)> {
+    macro_rules! cmp {
+        ($f:ident) => {
+            if cache.$f != expected.$f {
+                return Some((stringify!($f), cache.$f.to_string(), expected.$f.to_string()));
+            }
+        };
+    }
+    if cache.config_hash != expected.config_hash {
+        return Some((
+            "config_hash",
+            format!("{:#018x}", cache.config_hash),
+            format!("{:#018x}", expected.config_hash),
+        ));
+    }
+    cmp!(format_version);
+    if cache.layout != expected.layout {
+        return Some(("layout", format!("{:?}", cache.layout), format!("{:?}", expected.layout)));
+    }
+    cmp!(bits);
+    cmp!(group_size_hidden);
+    cmp!(group_size_intermediate);
+    cmp!(hidden);
+    cmp!(intermediate);
+    cmp!(n_experts);
+    if cache.moe_layers != expected.moe_layers {
+        return Some(("moe_layers", show_layers(&cache.moe_layers), show_layers(&expected.moe_layers)));
+    }
+    cmp!(w13_bytes);
+    cmp!(w2_bytes);
+    None
+}
+
+/// Read and check everything but the records: preamble, header, size, checksum table.
+/// Returns the header, the layout and the per-record checksums.
+pub(crate) fn read_header(file: &File, path: &Path) -> Result<(CacheHeader, Layout, Vec<u64>), CacheError> {
+    let p = || path.to_path_buf();
+    let len = file.metadata().map_err(|e| CacheError::io(path, "stat", e))?.len();
+    if len < PREAMBLE_BYTES {
+        return Err(CacheError::SizeMismatch {
+            path: p(),
+            actual: len,
+            expected: PREAMBLE_BYTES,
+            what: "the preamble alone needs",
+        });
+    }
+    let mut pre = [0u8; PREAMBLE_BYTES as usize];
+    file.read_exact_at(&mut pre, 0).map_err(|e| CacheError::io(path, "read preamble", e))?;
+    let pre = Preamble::decode(&pre);
+    if pre.magic != MAGIC {
+        return Err(CacheError::BadMagic { path: p(), found: pre.magic });
+    }
+    if pre.format_version != FORMAT_VERSION {
+        return Err(CacheError::FormatVersion { path: p(), found: pre.format_version, supported: FORMAT_VERSION });
+    }
+    if !pre.reserved_zero {
+        return Err(CacheError::HeaderInvalid { path: p(), detail: "reserved preamble bytes are not zero".into() });
+    }
+    if pre.header_len > MAX_HEADER_BYTES {
+        return Err(CacheError::HeaderInvalid {
+            path: p(),
+            detail: format!("header length {} exceeds {MAX_HEADER_BYTES}", pre.header_len),
+        });
+    }
+    if PREAMBLE_BYTES + pre.header_len > len {
+        return Err(CacheError::SizeMismatch {
+            path: p(),
+            actual: len,
+            expected: PREAMBLE_BYTES + pre.header_len,
+            what: "the header alone needs",
+        });
+    }
+    let mut json = vec![0u8; pre.header_len as usize];
+    file.read_exact_at(&mut json, PREAMBLE_BYTES).map_err(|e| CacheError::io(path, "read header", e))?;
+    let computed = xxhash_rust::xxh3::xxh3_64(&json);
+    if computed != pre.header_xxh3 {
+        return Err(CacheError::HeaderChecksum { path: p(), section: "header", stored: pre.header_xxh3, computed });
+    }
+    let header = parse_header_json(&json).map_err(|detail| CacheError::HeaderInvalid { path: p(), detail })?;
+    let layout =
+        Layout::new(&header, pre.header_len).map_err(|detail| CacheError::HeaderInvalid { path: p(), detail })?;
+    if len != layout.file_len {
+        return Err(CacheError::SizeMismatch {
+            path: p(),
+            actual: len,
+            expected: layout.file_len,
+            what: "the header implies",
+        });
+    }
+    let mut table = vec![0u8; layout.record_count as usize * 8];
+    file.read_exact_at(&mut table, layout.table_offset).map_err(|e| CacheError::io(path, "read checksum table", e))?;
+    let computed = xxhash_rust::xxh3::xxh3_64(&table);
+    if computed != pre.table_xxh3 {
+        return Err(CacheError::HeaderChecksum {
+            path: p(),
+            section: "checksum table",
+            stored: pre.table_xxh3,
+            computed,
+        });
+    }
+    let sums = table.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    Ok((header, layout, sums))
+}

@@ -1,0 +1,554 @@
+//! Round trips and every way a cache can be bad: each is detected, and rebuilt by `open_or_build`
+//! (or refused with the reason), never used.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::format::{read_header, Layout, PREAMBLE_BYTES};
+use crate::*;
+
+fn hdr(config_hash: u64) -> CacheHeader {
+    CacheHeader {
+        format_version: FORMAT_VERSION,
+        layout: "test-v1".into(),
+        config_hash,
+        bits: 4,
+        group_size_hidden: 128,
+        group_size_intermediate: 64,
+        hidden: 256,
+        intermediate: 96,
+        n_experts: 5,
+        moe_layers: vec![1, 3, 4],
+        w13_bytes: 6001,
+        w2_bytes: 3003,
+    }
+}
+
+/// Deterministic pseudo-random record of (layer_idx, expert).
+fn fake(l: usize, e: usize, len: usize) -> Vec<u8> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((l as u64) << 32 | e as u64).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn producer(h: &CacheHeader) -> impl Fn(usize, usize) -> Result<Vec<u8>, String> + Sync {
+    let len = (h.w13_bytes + h.w2_bytes) as usize;
+    move |l, e| Ok(fake(l, e, len))
+}
+
+fn quiet(_: BuildProgress) {}
+
+fn cache_path(dir: &Path) -> PathBuf {
+    dir.join(cache_file_name(4, 128))
+}
+
+fn build_ok(path: &Path, h: &CacheHeader) -> BuildReport {
+    build(path, h, &producer(h), &quiet).unwrap()
+}
+
+fn layout_of(path: &Path) -> Layout {
+    read_header(&File::open(path).unwrap(), path).unwrap().1
+}
+
+fn flip_byte(path: &Path, off: u64) {
+    let f = OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, off).unwrap();
+    b[0] ^= 0x20;
+    f.write_all_at(&b, off).unwrap();
+}
+
+fn dir_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// Every record equals what the producer made, with the promised alignment.
+fn check_contents(c: &ExpertCache, h: &CacheHeader) {
+    assert_eq!(c.header(), h);
+    let (w13, w2) = (h.w13_bytes as usize, h.w2_bytes as usize);
+    for l in 0..h.moe_layers.len() {
+        for e in 0..h.n_experts as usize {
+            let rec = fake(l, e, w13 + w2);
+            assert_eq!(c.w13(l, e), &rec[..w13], "w13 of ({l}, {e})");
+            assert_eq!(c.w2(l, e), &rec[w13..], "w2 of ({l}, {e})");
+            let (p, len) = c.record_ptr_range(l, e);
+            assert_eq!(p as usize % 4096, 0, "record ({l}, {e}) not 4 KiB-aligned");
+            assert_eq!(len % 4096, 0);
+            assert_eq!(len, c.stride());
+            assert_eq!(c.w13(l, e).as_ptr(), p);
+            assert_eq!(c.w2(l, e).as_ptr() as usize % 64, 0, "w2 of ({l}, {e}) not 64-aligned");
+        }
+    }
+    assert_eq!(c.resident_bytes(), h.moe_layers.len() * h.n_experts as usize * c.stride());
+}
+
+/// `open_or_build` must rebuild the bad cache (with a reason matching `expect_reason`) and the
+/// result must be good.
+fn assert_rebuilt(path: &Path, h: &CacheHeader, expect_reason: &str) {
+    let (c, outcome) = open_or_build(path, h, &producer(h), &quiet, LoadOptions::default()).unwrap();
+    match outcome {
+        CacheOutcome::Built { reason } => assert!(reason.contains(expect_reason), "reason {reason:?}"),
+        CacheOutcome::Hit => panic!("a bad cache was used"),
+    }
+    check_contents(&c, h);
+    let (_, again) = open_or_build(path, h, &producer(h), &quiet, LoadOptions::default()).unwrap();
+    assert_eq!(again, CacheOutcome::Hit);
+}
+
+#[test]
+fn file_names() {
+    assert_eq!(cache_file_name(4, 128), "experts_cpu_int4_g128.bin");
+    assert_eq!(cache_file_name(8, 64), "experts_cpu_int8_g64.bin");
+}
+
+#[test]
+fn round_trip_is_byte_identical_and_aligned() {
+    let tiny = CacheHeader { w13_bytes: 77, w2_bytes: 33, ..hdr(7) };
+    let exact = CacheHeader { w13_bytes: 4096, w2_bytes: 4096, ..hdr(8) };
+    for h in [hdr(1), tiny, exact] {
+        let d = tempfile::tempdir().unwrap();
+        let p = cache_path(d.path());
+        let rep = build_ok(&p, &h);
+        assert_eq!(rep.records, 15);
+        assert_eq!(rep.bytes, std::fs::metadata(&p).unwrap().len());
+        let c = open(&p, &h, LoadOptions::default()).unwrap();
+        check_contents(&c, &h);
+        let r = c.load_report();
+        assert!(r.verified && !r.numa_bound);
+        assert_eq!(r.bytes, c.resident_bytes() as u64);
+        assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)], "no temp files left behind");
+    }
+}
+
+#[test]
+fn on_disk_layout_matches_the_spec() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(0xdead_beef_0123_4567);
+    build_ok(&p, &h);
+    let bytes = std::fs::read(&p).unwrap();
+    assert_eq!(&bytes[0..8], b"KRASISXC");
+    assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), FORMAT_VERSION);
+    let header_len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let json: serde_json::Value = serde_json::from_slice(&bytes[64..64 + header_len]).unwrap();
+    assert_eq!(json["config_hash"], "0xdeadbeef01234567");
+    assert_eq!(json["moe_layers"], serde_json::json!([1, 3, 4]));
+    assert_eq!(json["checksum"], "xxh3-64");
+    // w2 at round_up(6001, 64) = 6016; stride round_up(6016 + 3003, 4096) = 12288.
+    assert_eq!(json["w2_offset"], 6016);
+    assert_eq!(json["record_stride"], 12288);
+    assert_eq!(json["record_count"], 15);
+    let table_offset = (64 + header_len).div_ceil(8) * 8;
+    let records_offset = (table_offset + 15 * 8).div_ceil(4096) * 4096;
+    assert_eq!(bytes.len(), records_offset + 15 * 12288);
+    let table_xxh3 = u64::from_le_bytes(bytes[32..40].try_into().unwrap());
+    assert_eq!(xxhash_rust::xxh3::xxh3_64(&bytes[table_offset..table_offset + 120]), table_xxh3);
+    for i in 0..15 {
+        let rec = &bytes[records_offset + i * 12288..][..12288];
+        let want = fake(i / 5, i % 5, 9004);
+        assert_eq!(&rec[..6001], &want[..6001]);
+        assert!(rec[6001..6016].iter().all(|&b| b == 0), "padding before w2 is zero");
+        assert_eq!(&rec[6016..9019], &want[6001..]);
+        assert!(rec[9019..].iter().all(|&b| b == 0), "padding after w2 is zero");
+        let sum = u64::from_le_bytes(bytes[table_offset + 8 * i..][..8].try_into().unwrap());
+        assert_eq!(xxhash_rust::xxh3::xxh3_64(rec), sum, "record {i} checksum covers the whole stride");
+    }
+}
+
+#[test]
+fn progress_is_reported_in_order() {
+    let d = tempfile::tempdir().unwrap();
+    let h = hdr(2);
+    let seen = Mutex::new(Vec::new());
+    build(&cache_path(d.path()), &h, &producer(&h), &|p| seen.lock().unwrap().push(p)).unwrap();
+    let seen = seen.into_inner().unwrap();
+    assert_eq!(seen.len(), 15);
+    for (i, p) in seen.iter().enumerate() {
+        assert_eq!(p.records_done, i as u64 + 1);
+        assert_eq!(p.records_total, 15);
+        assert_eq!(p.bytes_done, (i as u64 + 1) * 12288);
+        assert_eq!(p.layers_done, (i + 1) / 5);
+        assert_eq!(p.layers_total, 3);
+    }
+    assert_eq!(seen.last().unwrap().bytes_done, seen.last().unwrap().bytes_total);
+}
+
+#[test]
+fn truncated_file_is_detected_and_rebuilt() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(3);
+    for keep in [None, Some(PREAMBLE_BYTES + 10), Some(10)] {
+        build_ok(&p, &h);
+        let len = std::fs::metadata(&p).unwrap().len();
+        let new_len = keep.unwrap_or(len - 1);
+        OpenOptions::new().write(true).open(&p).unwrap().set_len(new_len).unwrap();
+        let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+        assert!(matches!(err, CacheError::SizeMismatch { actual, .. } if actual == new_len), "{err}");
+        assert!(err.to_string().contains(&p.display().to_string()), "the message names the file: {err}");
+        assert!(err.to_string().contains("truncated"), "{err}");
+        assert_rebuilt(&p, &h, "truncated or extended");
+    }
+}
+
+#[test]
+fn extended_file_is_detected_and_rebuilt() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(4);
+    build_ok(&p, &h);
+    let len = std::fs::metadata(&p).unwrap().len();
+    OpenOptions::new().append(true).open(&p).unwrap().write_all_at(b"junk", len).unwrap();
+    let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+    match &err {
+        CacheError::SizeMismatch { actual, expected, .. } => assert_eq!((*actual, *expected), (len + 4, len)),
+        e => panic!("{e}"),
+    }
+    assert_rebuilt(&p, &h, &format!("file is {} bytes but the header implies {len}", len + 4));
+}
+
+#[test]
+fn flipped_byte_in_a_record_names_layer_and_expert() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(5);
+    // In w13, in w2, and in the zero padding after w2: all are inside the checksummed record.
+    for (l, e, within) in [(1usize, 2usize, 17u64), (2, 4, 6016 + 3000), (0, 0, 12000)] {
+        build_ok(&p, &h);
+        let lay = layout_of(&p);
+        flip_byte(&p, lay.record_offset(l * 5 + e) + within);
+        let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+        match &err {
+            CacheError::RecordChecksum { layer_idx, layer, expert, .. } => {
+                assert_eq!((*layer_idx, *layer, *expert), (l, h.moe_layers[l], e))
+            }
+            e => panic!("{e}"),
+        }
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("layer {}", h.moe_layers[l])) && msg.contains(&format!("expert {e}")), "{msg}");
+        assert_rebuilt(&p, &h, &format!("record checksum mismatch at layer {}", h.moe_layers[l]));
+    }
+}
+
+#[test]
+fn cache_from_another_config_is_stale() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let old = hdr(0x1111);
+    let cases: Vec<(CacheHeader, &str, &str)> = vec![
+        (hdr(0x2222), "config_hash", "stale: config_hash differs (cache 0x0000000000001111, model 0x0000000000002222)"),
+        (CacheHeader { bits: 8, ..old.clone() }, "bits", "stale: bits differs (cache 4, model 8)"),
+        (CacheHeader { group_size_hidden: 64, ..old.clone() }, "group_size_hidden", "group_size_hidden differs"),
+        (CacheHeader { moe_layers: vec![1, 2, 3], ..old.clone() }, "moe_layers", "(cache [1, 3, 4], model [1, 2, 3])"),
+        (CacheHeader { layout: "cpu-other".into(), ..old.clone() }, "layout", "layout differs"),
+        (CacheHeader { n_experts: 6, ..old.clone() }, "n_experts", "n_experts differs (cache 5, model 6)"),
+        (CacheHeader { w2_bytes: 3004, ..old.clone() }, "w2_bytes", "w2_bytes differs"),
+    ];
+    for (new, field, reason) in cases {
+        build_ok(&p, &old);
+        let err = open(&p, &new, LoadOptions::default()).unwrap_err();
+        match &err {
+            CacheError::Stale { field: f, .. } => assert_eq!(*f, field),
+            e => panic!("{e}"),
+        }
+        assert!(err.to_string().contains(&p.display().to_string()));
+        assert_rebuilt(&p, &new, reason);
+    }
+}
+
+#[test]
+fn header_corruption_is_detected_and_rebuilt() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(6);
+    type Check = fn(&CacheError) -> bool;
+    type Damage = Box<dyn Fn(&Path, &Layout)>;
+    let cases: Vec<(&str, Damage, Check, &str)> = vec![
+        ("magic", Box::new(|p, _| flip_byte(p, 3)), |e| matches!(e, CacheError::BadMagic { .. }), "bad magic"),
+        (
+            "version",
+            Box::new(|p, _| flip_byte(p, 8)),
+            |e| matches!(e, CacheError::FormatVersion { found: 33, .. }),
+            "format version 33",
+        ),
+        ("reserved", Box::new(|p, _| flip_byte(p, 50)), |e| matches!(e, CacheError::HeaderInvalid { .. }), "reserved"),
+        (
+            "header json",
+            Box::new(|p, _| flip_byte(p, PREAMBLE_BYTES + 20)),
+            |e| matches!(e, CacheError::HeaderChecksum { section: "header", .. }),
+            "header checksum mismatch",
+        ),
+        (
+            "header checksum",
+            Box::new(|p, _| flip_byte(p, 26)),
+            |e| matches!(e, CacheError::HeaderChecksum { section: "header", .. }),
+            "header checksum mismatch",
+        ),
+        (
+            "header length",
+            Box::new(|p, _| flip_byte(p, 17)),
+            |e| matches!(e, CacheError::HeaderChecksum { .. } | CacheError::SizeMismatch { .. }),
+            "damaged",
+        ),
+        (
+            "checksum table",
+            Box::new(|p, lay| flip_byte(p, lay.table_offset + 8 * 7 + 3)),
+            |e| matches!(e, CacheError::HeaderChecksum { section: "checksum table", .. }),
+            "checksum table checksum mismatch",
+        ),
+        (
+            "zeroed preamble (never finished)",
+            Box::new(|p, _| OpenOptions::new().write(true).open(p).unwrap().write_all_at(&[0; 64], 0).unwrap()),
+            |e| matches!(e, CacheError::BadMagic { .. }),
+            "bad magic",
+        ),
+    ];
+    for (what, damage, check, reason) in cases {
+        build_ok(&p, &h);
+        damage(&p, &layout_of(&p));
+        let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+        assert!(check(&err), "{what}: {err}");
+        assert!(err.is_rebuildable(), "{what}");
+        assert!(err.to_string().contains(&p.display().to_string()), "{what}: {err}");
+        assert_rebuilt(&p, &h, reason);
+    }
+}
+
+#[test]
+fn write_interrupted_before_rename_is_rebuilt_and_cleaned() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(7);
+    let name = cache_file_name(4, 128);
+    // An interrupted build: a partial temp file of a process that no longer exists, no final file.
+    let dead = d.path().join(format!("{name}.tmp.999999999"));
+    std::fs::write(&dead, fake(0, 0, 10000)).unwrap();
+    // A concurrent build's temp file (pid 1 is alive) and an unrelated file stay.
+    let live = d.path().join(format!("{name}.tmp.1"));
+    std::fs::write(&live, b"partial").unwrap();
+    let other = d.path().join(format!("{name}.tmp.notapid"));
+    std::fs::write(&other, b"x").unwrap();
+
+    assert!(matches!(open(&p, &h, LoadOptions::default()), Err(CacheError::Missing { .. })));
+    assert_rebuilt(&p, &h, "missing");
+    assert!(!dead.exists(), "the interrupted build's temp file is removed");
+    assert!(live.exists() && other.exists());
+
+    // Interrupted while a good cache exists: the old cache is untouched and used, the temp removed.
+    std::fs::write(&dead, b"partial").unwrap();
+    let (c, outcome) = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap();
+    assert_eq!(outcome, CacheOutcome::Hit);
+    check_contents(&c, &h);
+    assert!(!dead.exists());
+}
+
+#[test]
+fn produce_error_leaves_no_file() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(8);
+    let good = producer(&h);
+    let failing =
+        |l: usize, e: usize| if (l, e) == (1, 2) { Err("source tensor missing".to_string()) } else { good(l, e) };
+    let err = build(&p, &h, &failing, &quiet).unwrap_err();
+    match &err {
+        CacheError::Produce { layer_idx: 1, layer: 3, expert: 2, message, .. } => {
+            assert_eq!(message, "source tensor missing")
+        }
+        e => panic!("{e}"),
+    }
+    assert!(dir_names(d.path()).is_empty(), "no final file, no temp file: {:?}", dir_names(d.path()));
+
+    // Through open_or_build: returned, not retried; an old (stale) cache is left as it was.
+    let err = open_or_build(&p, &h, &failing, &quiet, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CacheError::Produce { .. }) && !err.is_rebuildable());
+    assert!(dir_names(d.path()).is_empty());
+    build_ok(&p, &hdr(9));
+    let before = std::fs::read(&p).unwrap();
+    assert!(open_or_build(&p, &h, &failing, &quiet, LoadOptions::default()).is_err());
+    assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)]);
+    assert_eq!(std::fs::read(&p).unwrap(), before);
+
+    // A record of the wrong size is a producer error too.
+    let short = |l: usize, e: usize| {
+        good(l, e).map(|mut v| {
+            v.pop();
+            v
+        })
+    };
+    let err = build(&d.path().join("x.bin"), &h, &short, &quiet).unwrap_err();
+    assert!(err.to_string().contains("record is 9003 bytes, expected 9004"), "{err}");
+    assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)]);
+}
+
+#[test]
+fn produce_panic_removes_the_temp_file() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(10);
+    let good = producer(&h);
+    let panicking = |l: usize, e: usize| {
+        assert!((l, e) != (2, 0), "boom");
+        good(l, e)
+    };
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| build(&p, &h, &panicking, &quiet)));
+    assert!(r.is_err());
+    assert!(dir_names(d.path()).is_empty(), "{:?}", dir_names(d.path()));
+}
+
+#[test]
+fn build_streams_one_layer_at_a_time() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = CacheHeader { n_experts: 16, moe_layers: vec![0, 1, 2, 3, 4, 5], ..hdr(11) };
+    let n = 16;
+    let len = (h.w13_bytes + h.w2_bytes) as usize;
+    let started: Vec<AtomicUsize> = (0..6).map(|_| AtomicUsize::new(0)).collect();
+    let finished: Vec<AtomicUsize> = (0..6).map(|_| AtomicUsize::new(0)).collect();
+    let tmp = crate::build::tmp_path(&p);
+    let violations = Mutex::new(Vec::<String>::new());
+    let produce = |l: usize, e: usize| {
+        started[l].fetch_add(1, Ordering::SeqCst);
+        if l + 1 < 6 && started[l + 1].load(Ordering::SeqCst) > 0 {
+            violations.lock().unwrap().push(format!("layer {} started before layer {l}", l + 1));
+        }
+        if l > 0 {
+            // The whole previous layer was produced and is already in the file at its offset.
+            if finished[l - 1].load(Ordering::SeqCst) != n {
+                violations.lock().unwrap().push(format!("layer {l} started before layer {} finished", l - 1));
+            }
+            let f = File::open(&tmp).unwrap();
+            let mut hd = [0u8; 64];
+            f.read_exact_at(&mut hd, 0).unwrap();
+            let header_len = u64::from_le_bytes(hd[16..24].try_into().unwrap()) as usize;
+            // The header is not written yet (preamble still zero): compute the offsets ourselves.
+            assert_eq!(header_len, 0);
+            let json = crate::format::header_json(&h).unwrap();
+            let lay = Layout::new(&h, json.len() as u64).unwrap();
+            let mut rec = vec![0u8; h.w13_bytes as usize];
+            f.read_exact_at(&mut rec, lay.record_offset((l - 1) * n + (e % n))).unwrap();
+            if rec[..] != fake(l - 1, e % n, len)[..h.w13_bytes as usize] {
+                violations.lock().unwrap().push(format!("record ({}, {e}) not written before layer {l}", l - 1));
+            }
+        }
+        let r = fake(l, e, len);
+        finished[l].fetch_add(1, Ordering::SeqCst);
+        Ok(r)
+    };
+    build(&p, &h, &produce, &quiet).unwrap();
+    assert_eq!(violations.into_inner().unwrap(), Vec::<String>::new());
+    assert!(started.iter().all(|s| s.load(Ordering::SeqCst) == n), "each record produced exactly once");
+    check_contents(&open(&p, &h, LoadOptions::default()).unwrap(), &h);
+}
+
+#[test]
+fn io_errors_are_returned_not_rebuilt() {
+    let d = tempfile::tempdir().unwrap();
+    // The "directory" is a regular file: not a cache problem, nothing to rebuild.
+    let not_dir = d.path().join("plainfile");
+    std::fs::write(&not_dir, b"x").unwrap();
+    let p = not_dir.join(cache_file_name(4, 128));
+    let h = hdr(12);
+    let err = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CacheError::Io { .. }) && !err.is_rebuildable(), "{err}");
+    let err = build(&p, &h, &producer(&h), &quiet).unwrap_err();
+    assert!(matches!(err, CacheError::Io { op: "create cache directory", .. }), "{err}");
+}
+
+#[test]
+fn invalid_headers_are_refused_by_build() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    for bad in [
+        CacheHeader { w13_bytes: 0, ..hdr(13) },
+        CacheHeader { n_experts: 0, ..hdr(13) },
+        CacheHeader { moe_layers: vec![], ..hdr(13) },
+        CacheHeader { format_version: FORMAT_VERSION + 1, ..hdr(13) },
+        CacheHeader { w2_bytes: u64::MAX - 10, ..hdr(13) },
+    ] {
+        let err = build(&p, &bad, &producer(&hdr(13)), &quiet).unwrap_err();
+        assert!(matches!(err, CacheError::InvalidRequest(_)), "{err}");
+    }
+    assert!(dir_names(d.path()).is_empty());
+}
+
+#[test]
+fn build_refuses_early_without_disk_space() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = CacheHeader { w13_bytes: 1 << 50, n_experts: 1, moe_layers: vec![0], ..hdr(16) };
+    let err = build(&p, &h, &|_, _| panic!("nothing is produced"), &quiet).unwrap_err();
+    assert!(matches!(err, CacheError::NoSpace { needed, .. } if needed > 1 << 50), "{err}");
+    assert!(err.to_string().contains("not enough disk space"), "{err}");
+    assert!(dir_names(d.path()).is_empty());
+}
+
+#[test]
+fn placement_and_load_options() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(14);
+    build_ok(&p, &h);
+    // Node 0 exists everywhere; a kernel without NUMA reports numa_bound = false.
+    let calls = AtomicUsize::new(0);
+    let node0 = |_l: usize, _e: usize| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Some(0)
+    };
+    let c = open(&p, &h, LoadOptions { placement: Some(&node0), ..Default::default() }).unwrap();
+    check_contents(&c, &h);
+    assert_eq!(calls.load(Ordering::SeqCst), 15, "placement asked once per record");
+    eprintln!("{}", describe(&c));
+    let none = |_l: usize, _e: usize| None;
+    let c = open(&p, &h, LoadOptions { placement: Some(&none), huge_pages: false, verify: false }).unwrap();
+    check_contents(&c, &h);
+    assert!(!c.load_report().numa_bound && !c.load_report().verified);
+}
+
+#[test]
+fn describe_is_one_line() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(15);
+    let (c, _) = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap();
+    let s = describe(&c);
+    assert!(!s.contains('\n'));
+    for part in [&p.display().to_string()[..], "GB/s", "THP", "NUMA bound: no", "3 MoE layers × 5 experts"] {
+        assert!(s.contains(part), "{part:?} missing from {s:?}");
+    }
+}
+
+#[test]
+fn default_cache_dir_prefers_the_model_directory() {
+    let d = tempfile::tempdir().unwrap();
+    let model = d.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    assert_eq!(default_cache_dir(&model), model.join(".krasis_cache"));
+    assert!(model.join(".krasis_cache").is_dir());
+    assert_eq!(dir_names(&model.join(".krasis_cache")), Vec::<String>::new(), "the probe file is removed");
+
+    // Not writable (here: below a regular file, since root ignores permissions): per-user dir.
+    let file = d.path().join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let model = file.join("model");
+    let xdg = crate::default_cache_dir_with(&model, Some("/xdg".into()), Some("/home/u".into()));
+    assert!(xdg.starts_with("/xdg/krasis"), "{}", xdg.display());
+    let hash = xdg.file_name().unwrap().to_str().unwrap();
+    assert!(hash.len() == 16 && hash.chars().all(|c| c.is_ascii_hexdigit()), "{hash}");
+    let home = crate::default_cache_dir_with(&model, Some("relative".into()), Some("/home/u".into()));
+    assert_eq!(home, Path::new("/home/u/.cache/krasis").join(hash));
+    let other = crate::default_cache_dir_with(&file.join("other"), None, Some("/home/u".into()));
+    assert_ne!(other, home, "different models get different directories");
+}

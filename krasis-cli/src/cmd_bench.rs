@@ -1,0 +1,239 @@
+//! `krasis bench`: the memory-bandwidth probe and CPU decode throughput, in one run so every
+//! GB/s figure comes with the machine's own measured bandwidth.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::bail;
+use clap::Args as ClapArgs;
+use krasis_core::memory::PageBuffer;
+use krasis_cpu::isa::Isa;
+use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
+use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
+use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_model::config::load_config;
+use krasis_model::engine::Logits;
+use krasis_model::load::load_model;
+use krasis_model::sampling::argmax;
+use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
+use krasis_quant::group::quantize;
+use krasis_quant::Bits;
+use serde_json::json;
+
+use crate::cmd_generate::EngineArgs;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Model directory (omit with --membw for the bandwidth probe alone).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).
+    #[arg(long)]
+    membw: bool,
+    /// Bytes for the bandwidth probe (default 2 GiB, less on small machines).
+    #[arg(long)]
+    membw_bytes: Option<usize>,
+    /// Decode steps to time.
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// Prompt length before decoding (random ids).
+    #[arg(long, default_value_t = 16)]
+    prompt_tokens: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
+    /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
+    /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
+    #[arg(long)]
+    expert_gemv: bool,
+    /// Bytes of distinct expert copies for --expert-gemv.
+    #[arg(long, default_value_t = 2 << 30)]
+    gemv_bytes: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
+fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
+    let (h, i) = (2048usize, 1408usize);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    };
+    let gate = quantize(&rnd(i * h), i, h, bits, 128);
+    let up = quantize(&rnd(i * h), i, h, bits, 128);
+    let down = quantize(&rnd(h * i), h, i, bits, 128);
+    let (w13, l13) = pack_w13(&gate, &up).expect("shapes");
+    (w13, l13, pack(&down), PackedLayout::of(&down))
+}
+
+/// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
+/// pair, and the top-6 of a token per dispatch pair.
+fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow::Result<(f64, f64)> {
+    let (w13, l13, w2, l2) = packed_expert(bits);
+    let rec = w13.len() + w2.len();
+    let n = (total / rec).max(8);
+    let mut buf = PageBuffer::new(n * rec)?;
+    buf.advise_huge_pages();
+    for (e, chunk) in buf.as_mut_slice().chunks_exact_mut(rec).enumerate() {
+        chunk[..w13.len()].copy_from_slice(&w13);
+        chunk[w13.len()..].copy_from_slice(&w2);
+        chunk[0] = e as u8; // distinct pages, same numbers of note
+    }
+    let runner = PoolExperts::new(pool, l13, l2);
+    let x: Vec<f32> = (0..l13.k).map(|k| ((k * 7919) % 101) as f32 / 50.0 - 1.0).collect();
+    let mut out = vec![0f32; l13.k];
+    let data = buf.as_slice();
+    let expert = |e: usize| ExpertWeights {
+        w13: &data[e * rec..e * rec + w13.len()],
+        w2: &data[e * rec + w13.len()..(e + 1) * rec],
+        node: 0,
+    };
+    let tok = [(0usize, 1.0f32)];
+    let mut time = |group: usize| -> f64 {
+        let mut best = 0f64;
+        for _ in 0..3 {
+            let t = Instant::now();
+            for start in (0..n - n % group).step_by(group) {
+                let jobs: Vec<ExpertJob> =
+                    (start..start + group).map(|e| ExpertJob { weights: expert(e), tokens: &tok }).collect();
+                runner.run(pool, isa, &x, l13.k, &jobs, &mut out);
+            }
+            best = best.max(((n - n % group) * rec) as f64 / 1e9 / t.elapsed().as_secs_f64());
+        }
+        best
+    };
+    let one = time(1);
+    let six = time(6);
+    Ok((one, six))
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.model.is_none() && !a.membw && !a.expert_gemv {
+        bail!("give --model DIR (decode benchmark), --membw (bandwidth probe) and/or --expert-gemv");
+    }
+    if a.decode_tokens == 0 || a.prompt_tokens == 0 {
+        bail!("--decode-tokens and --prompt-tokens must be at least 1");
+    }
+    let sys = krasis_core::hw::probe();
+    let probe_pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+    let bytes = a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys));
+    let bw = read_bandwidth(&probe_pool, bytes, 5)?;
+    drop(probe_pool);
+    let mut out = json!({
+        "membw": { "gb_per_s": bw.gb_per_s, "median_gb_per_s": bw.median_gb_per_s, "bytes": bw.bytes,
+                   "threads": bw.threads, "isa": bw.isa.name(), "pinned": bw.pinned },
+        "cpu": sys.cpu_model, "physical_cores": sys.physical_cores,
+    });
+    if !a.json {
+        println!("{}", bw.summary());
+    }
+    if a.expert_gemv {
+        let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+        let mut rows = Vec::new();
+        for isa in Isa::available() {
+            for bits in [Bits::Int4, Bits::Int8] {
+                let (one, six) = expert_gemv(&pool, isa, bits, a.gemv_bytes)?;
+                if !a.json {
+                    println!(
+                        "expert GEMV M=1 {:<6} int{}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw), {six:6.1} GB/s top-6 per dispatch ({:.0}%)",
+                        isa.name(),
+                        bits.bits(),
+                        100.0 * one / bw.gb_per_s,
+                        100.0 * six / bw.gb_per_s
+                    );
+                }
+                rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "one_expert_gb_per_s": one,
+                                  "top6_gb_per_s": six, "one_fraction": one / bw.gb_per_s, "top6_fraction": six / bw.gb_per_s }));
+            }
+        }
+        out["expert_gemv"] = json!(rows);
+    }
+    if let Some(dir) = &a.model {
+        let spec = load_config(dir)?;
+        a.engine.check_budget(&spec, (a.prompt_tokens + a.decode_tokens) as u64)?;
+        let t = Instant::now();
+        let loaded = load_model(dir, &a.engine.options()?)?;
+        let load_s = t.elapsed().as_secs_f64();
+        if !a.json {
+            for l in &loaded.log {
+                println!("{l}");
+            }
+        }
+        let model = &loaded.model;
+        let v = model.spec.vocab_size as u64;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let prompt: Vec<u32> = (0..a.prompt_tokens)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (2 + x % (v - 2)) as u32
+            })
+            .collect();
+        let mut session = model.new_session();
+        let t = Instant::now();
+        let logits = model.forward(&mut session, &prompt, Logits::Last, None)?;
+        let prefill_s = t.elapsed().as_secs_f64();
+        let mut next = argmax(&logits) as u32;
+        model.stats().reset();
+        let t = Instant::now();
+        for _ in 0..a.decode_tokens {
+            let l = model.forward(&mut session, &[next], Logits::Last, None)?;
+            next = argmax(&l) as u32;
+        }
+        let decode_s = t.elapsed().as_secs_f64();
+        let (expert_s, _) = model.stats().seconds();
+        let n = a.decode_tokens as f64;
+        let moe_layers = model.spec.moe_layers().count() as u64;
+        let top_k = model.spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
+        let expert_bytes = moe_layers * top_k * loaded.expert_bytes;
+        let dense_bytes = model.dense_bytes_per_token();
+        let ms = decode_s * 1e3 / n;
+        let expert_ms = expert_s * 1e3 / n;
+        let expert_gbs = expert_bytes as f64 / 1e9 / (expert_s / n).max(1e-12);
+        let total_gbs = (expert_bytes + dense_bytes) as f64 / 1e9 / (decode_s / n);
+        out["model"] = json!(dir.display().to_string());
+        out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
+                                "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
+                                "experts": model.expert_executor().describe() });
+        out["load_s"] = json!(load_s);
+        out["prefill"] =
+            json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s });
+        out["decode"] = json!({
+            "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
+            "experts_ms_per_token": expert_ms, "rest_ms_per_token": ms - expert_ms,
+            "expert_bytes_per_token": expert_bytes, "dense_bytes_per_token": dense_bytes,
+            "expert_gb_per_s": expert_gbs, "expert_fraction_of_membw": expert_gbs / bw.gb_per_s,
+            "total_gb_per_s": total_gbs, "total_fraction_of_membw": total_gbs / bw.gb_per_s,
+        });
+        if !a.json {
+            println!(
+                "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.2} tok/s, {ms:.1} ms/token = experts {expert_ms:.1} + rest {:.1}",
+                a.prompt_tokens,
+                a.prompt_tokens as f64 / prefill_s,
+                a.decode_tokens,
+                n / decode_s,
+                ms - expert_ms
+            );
+            println!(
+                "bytes/token: experts {:.1} MB + dense {:.1} MB; experts {expert_gbs:.1} GB/s ({:.0}% of membw), all weights {total_gbs:.1} GB/s ({:.0}%)",
+                expert_bytes as f64 / 1e6,
+                dense_bytes as f64 / 1e6,
+                100.0 * expert_gbs / bw.gb_per_s,
+                100.0 * total_gbs / bw.gb_per_s
+            );
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    }
+    Ok(())
+}

@@ -1,0 +1,267 @@
+//! AVX2 twin of [`super::scalar`] (`maddubs`/`madd` family). A 64-byte chunk is two ymm: rows
+//! 0–7 and rows 8–15, each row's 4 bytes adjacent.
+//!
+//! - INT4: nibbles split in registers (`and`, `srli`+`and`) give u4 in 1..=15; `maddubs(u4, x)`
+//!   (u8 × s8 → pairwise i16 sums, at most 2·15·127 = 3810, no saturation) for the low and the
+//!   high nibbles, summed in i16 over 4 chunks (≤ 8·3810 = 30480 < 2¹⁵), then `madd(·, 1)` folds
+//!   each row's pair of i16 into its i32 lane. The +8 offset is removed per group with the
+//!   activation sums, as in the scalar reference.
+//! - INT8: `maddubs(u8 = q + 128, x)` could saturate (2·255·127 > 2¹⁵), so the stored byte is
+//!   turned back into `q` (`xor 0x80`) and the sign moved onto the activation:
+//!   `maddubs(|q|, sign(x, q))` — at most 2·127·127 = 32258, exact — then `madd(·, 1)`. This
+//!   yields `Σ q·x` directly, the same integer as the scalar `Σ u·x − 128·Σx`.
+//!
+//! The per-group float epilogue is the scalar's `fma((acc − corr) as f32, s_w · s_x, y)`.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::Bits;
+
+use super::{Prefetch, PrefetchHint, QuantizedActs};
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+#[inline(always)]
+unsafe fn prefetch<const HINT: i32>(p: *const u8) {
+    _mm_prefetch::<HINT>(p as *const i8);
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn load2(p: *const u8) -> (__m256i, __m256i) {
+    (_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(32) as *const __m256i))
+}
+
+/// `Σ q·x` per row (i32 lanes) of 8 rows × 4 k of INT8 stored as `q + 128`, for broadcast `x`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_i8(v: __m256i, x: __m256i, ones: __m256i) -> __m256i {
+    let q = _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)), ones)
+}
+
+/// Per-group float epilogue for 8 rows (as the scalar twin: one fma).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn epilogue(acc: __m256i, corr: i32, sw: __m256, sx: f32, y: __m256) -> __m256 {
+    let d = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_set1_epi32(corr)));
+    _mm256_fmadd_ps(d, _mm256_mul_ps(sw, _mm256_set1_ps(sx)), y)
+}
+
+/// The 16 scales of group `g`, as two halves of 8.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn load_scales(blk: *const u8, l: &PackedLayout, g: usize) -> (__m256, __m256) {
+    let p = blk.add(l.scales_offset(g));
+    (
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i)),
+    )
+}
+
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; arguments checked by [`super::matmul_packed_with`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    pf: Prefetch,
+) {
+    match (l.bits, pf.hint) {
+        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run<const INT4: bool, const HINT: i32>(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    pfd: usize,
+) {
+    let ncols = blocks.len() * ROW_BLOCK;
+    let bb = l.block_bytes();
+    for (bi, b) in blocks.enumerate() {
+        let blk = w.as_ptr().add(b * bb);
+        let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if acts.m == 1 {
+            block_m1::<INT4, HINT>(blk, l, acts, y, pfd);
+        } else {
+            for i in 0..acts.m {
+                _mm256_storeu_ps(y.add(i * ncols), _mm256_setzero_ps());
+                _mm256_storeu_ps(y.add(i * ncols + 8), _mm256_setzero_ps());
+            }
+            for g in 0..l.groups() {
+                let mut i = 0;
+                let mut pfd_g = pfd;
+                while i < acts.m {
+                    let left = acts.m - i;
+                    let t = if left >= 4 {
+                        group_tile::<INT4, HINT, 4>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    } else if left >= 2 {
+                        group_tile::<INT4, HINT, 2>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    } else {
+                        group_tile::<INT4, HINT, 1>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    };
+                    i += t;
+                    pfd_g = 0;
+                }
+            }
+        }
+    }
+}
+
+/// One row block at M = 1: writes its 16 outputs to `y`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_m1<const INT4: bool, const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    pfd: usize,
+) {
+    let gs = l.gs;
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let (mut ya, mut yb) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let xq = acts.q.as_ptr();
+    if pfd != 0 {
+        prefetch::<HINT>(blk.wrapping_add(pfd));
+    }
+    for g in 0..l.groups() {
+        let wp = blk.add(l.weights_offset(g));
+        let xg = xq.add(g * gs);
+        let (mut aa, mut ab) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        // 4 chunks per step (always a whole number of steps per group).
+        let mut c = 0;
+        while c < nchunks {
+            let p = wp.add(c * CHUNK);
+            if pfd != 0 {
+                for u in 0..4 {
+                    prefetch::<HINT>(p.wrapping_add(pfd + u * CHUNK));
+                }
+            }
+            if INT4 {
+                let (mut sa, mut sb) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                for u in 0..4 {
+                    let (va, vb) = load2(p.add(u * CHUNK));
+                    let xk = xg.add((c + u) * 8);
+                    let (xl, xh) = (bcast4(xk), bcast4(xk.add(4)));
+                    let la = _mm256_and_si256(va, mask);
+                    let ha = _mm256_and_si256(_mm256_srli_epi16::<4>(va), mask);
+                    let lb = _mm256_and_si256(vb, mask);
+                    let hb = _mm256_and_si256(_mm256_srli_epi16::<4>(vb), mask);
+                    sa = _mm256_add_epi16(
+                        sa,
+                        _mm256_add_epi16(_mm256_maddubs_epi16(la, xl), _mm256_maddubs_epi16(ha, xh)),
+                    );
+                    sb = _mm256_add_epi16(
+                        sb,
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lb, xl), _mm256_maddubs_epi16(hb, xh)),
+                    );
+                }
+                aa = _mm256_add_epi32(aa, _mm256_madd_epi16(sa, ones));
+                ab = _mm256_add_epi32(ab, _mm256_madd_epi16(sb, ones));
+            } else {
+                for u in 0..4 {
+                    let (va, vb) = load2(p.add(u * CHUNK));
+                    let x = bcast4(xg.add((c + u) * 4));
+                    aa = _mm256_add_epi32(aa, dot_i8(va, x, ones));
+                    ab = _mm256_add_epi32(ab, dot_i8(vb, x, ones));
+                }
+            }
+            c += 4;
+        }
+        let corr = if INT4 { 8 * acts.sums[g] } else { 0 };
+        let (swa, swb) = load_scales(blk, l, g);
+        let sx = acts.scales[g];
+        ya = epilogue(aa, corr, swa, sx, ya);
+        yb = epilogue(ab, corr, swb, sx, yb);
+    }
+    _mm256_storeu_ps(y, ya);
+    _mm256_storeu_ps(y.add(8), yb);
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const INT4: bool, const HINT: i32, const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let wp = blk.add(l.weights_offset(g));
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    let mut aa = [_mm256_setzero_si256(); T];
+    let mut ab = [_mm256_setzero_si256(); T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            prefetch::<HINT>(p.wrapping_add(pfd));
+        }
+        let (va, vb) = load2(p);
+        if INT4 {
+            let la = _mm256_and_si256(va, mask);
+            let ha = _mm256_and_si256(_mm256_srli_epi16::<4>(va), mask);
+            let lb = _mm256_and_si256(vb, mask);
+            let hb = _mm256_and_si256(_mm256_srli_epi16::<4>(vb), mask);
+            for t in 0..T {
+                let (xl, xh) = (bcast4(xq[t].add(c * 8)), bcast4(xq[t].add(c * 8 + 4)));
+                let sa = _mm256_add_epi16(_mm256_maddubs_epi16(la, xl), _mm256_maddubs_epi16(ha, xh));
+                let sb = _mm256_add_epi16(_mm256_maddubs_epi16(lb, xl), _mm256_maddubs_epi16(hb, xh));
+                aa[t] = _mm256_add_epi32(aa[t], _mm256_madd_epi16(sa, ones));
+                ab[t] = _mm256_add_epi32(ab[t], _mm256_madd_epi16(sb, ones));
+            }
+        } else {
+            let s80 = _mm256_set1_epi8(-128);
+            let (qa, qb) = (_mm256_xor_si256(va, s80), _mm256_xor_si256(vb, s80));
+            let (ua, ub) = (_mm256_abs_epi8(qa), _mm256_abs_epi8(qb));
+            for t in 0..T {
+                let x = bcast4(xq[t].add(c * 4));
+                let pa = _mm256_maddubs_epi16(ua, _mm256_sign_epi8(x, qa));
+                let pb = _mm256_maddubs_epi16(ub, _mm256_sign_epi8(x, qb));
+                aa[t] = _mm256_add_epi32(aa[t], _mm256_madd_epi16(pa, ones));
+                ab[t] = _mm256_add_epi32(ab[t], _mm256_madd_epi16(pb, ones));
+            }
+        }
+    }
+    let (swa, swb) = load_scales(blk, l, g);
+    for t in 0..T {
+        let i = i0 + t;
+        let corr = if INT4 { 8 * acts.sums[i * ng + g] } else { 0 };
+        let sx = acts.scales[i * ng + g];
+        let yp = y.add(i * ncols);
+        _mm256_storeu_ps(yp, epilogue(aa[t], corr, swa, sx, _mm256_loadu_ps(yp)));
+        _mm256_storeu_ps(yp.add(8), epilogue(ab[t], corr, swb, sx, _mm256_loadu_ps(yp.add(8))));
+    }
+    T
+}

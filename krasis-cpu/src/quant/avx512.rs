@@ -1,0 +1,220 @@
+//! AVX-512 F/BW + VNNI twin of [`super::scalar`]. One 64-byte weight chunk is one zmm: 16 rows ×
+//! 4 adjacent k as unsigned bytes, so `vpdpbusd(acc, chunk, broadcast(x[k0..k0+4]))` adds the
+//! four products of every row into its own i32 lane. INT4 chunks are split into their low and
+//! high nibbles (`and`, `srli`+`and`) in registers and fed to two `vpdpbusd` with `x[k0..k0+4]`
+//! and `x[k0+4..k0+8]`. The stored weights carry an offset (+128 / +8), removed per group with
+//! the precomputed activation sums: `acc − off·Σx`.
+//!
+//! M = 1 runs a dedicated loop: four independent i32 accumulators (so `vpdpbusd`'s latency never
+//! limits the stream), the f32 result of the row block held in one register. M > 1 walks the
+//! groups once and, per group, applies each weight chunk to tiles of up to 8 activation rows
+//! (the group's weights, ≤ 2 KiB, stay in L1 between tiles), accumulating straight into `out`.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::Bits;
+
+use super::{Prefetch, PrefetchHint, QuantizedActs};
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast4(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+#[inline(always)]
+unsafe fn prefetch<const HINT: i32>(p: *const u8) {
+    _mm_prefetch::<HINT>(p as *const i8);
+}
+
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    pf: Prefetch,
+) {
+    match (l.bits, pf.hint) {
+        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
+        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn run<const INT4: bool, const HINT: i32>(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    pfd: usize,
+) {
+    let ncols = blocks.len() * ROW_BLOCK;
+    let bb = l.block_bytes();
+    for (bi, b) in blocks.enumerate() {
+        let blk = w.as_ptr().add(b * bb);
+        let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if acts.m == 1 {
+            block_m1::<INT4, HINT>(blk, l, acts, y, pfd);
+        } else {
+            for i in 0..acts.m {
+                _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+            }
+            for g in 0..l.groups() {
+                let mut i = 0;
+                let mut pfd_g = pfd;
+                while i < acts.m {
+                    let left = acts.m - i;
+                    let t = if left >= 8 {
+                        group_tile::<INT4, HINT, 8>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    } else if left >= 4 {
+                        group_tile::<INT4, HINT, 4>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    } else if left >= 2 {
+                        group_tile::<INT4, HINT, 2>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    } else {
+                        group_tile::<INT4, HINT, 1>(blk, l, acts, g, i, y, ncols, pfd_g)
+                    };
+                    i += t;
+                    pfd_g = 0; // the first tile brought the group in; later ones hit L1
+                }
+            }
+        }
+    }
+}
+
+/// Per-group float epilogue: `y + (acc − corr) · (s_w · s_x)` (one fma, as the scalar twin).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn epilogue(acc: __m512i, corr: i32, sw: __m512, sx: f32, y: __m512) -> __m512 {
+    let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
+    _mm512_fmadd_ps(d, _mm512_mul_ps(sw, _mm512_set1_ps(sx)), y)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn load_scales(blk: *const u8, l: &PackedLayout, g: usize) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
+}
+
+/// One row block at M = 1: writes its 16 outputs to `y`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_m1<const INT4: bool, const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    pfd: usize,
+) {
+    let gs = l.gs;
+    let off = l.offset();
+    let gwb = l.group_weight_bytes();
+    let nchunks = gwb / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let mut yv = _mm512_setzero_ps();
+    let xq = acts.q.as_ptr();
+    if pfd != 0 {
+        // The scale header (the weights' lines are prefetched as the loop goes).
+        prefetch::<HINT>(blk.wrapping_add(pfd));
+    }
+    for g in 0..l.groups() {
+        let wp = blk.add(l.weights_offset(g));
+        let xg = xq.add(g * gs);
+        let mut a = [_mm512_setzero_si512(); 4];
+        // 4 chunks per step (a group has ≥ 4 INT4 / ≥ 8 INT8 chunks, always a multiple of 4).
+        let mut c = 0;
+        while c < nchunks {
+            let p = wp.add(c * CHUNK);
+            if pfd != 0 {
+                for u in 0..4 {
+                    prefetch::<HINT>(p.wrapping_add(pfd + u * CHUNK));
+                }
+            }
+            if INT4 {
+                for u in 0..4 {
+                    let v = _mm512_loadu_si512(p.add(u * CHUNK) as *const _);
+                    let lo = _mm512_and_si512(v, mask);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+                    let xk = xg.add((c + u) * 8);
+                    let e = 2 * (u % 2);
+                    a[e] = _mm512_dpbusd_epi32(a[e], lo, bcast4(xk));
+                    a[e + 1] = _mm512_dpbusd_epi32(a[e + 1], hi, bcast4(xk.add(4)));
+                }
+            } else {
+                for (u, acc) in a.iter_mut().enumerate() {
+                    let v = _mm512_loadu_si512(p.add(u * CHUNK) as *const _);
+                    *acc = _mm512_dpbusd_epi32(*acc, v, bcast4(xg.add((c + u) * 4)));
+                }
+            }
+            c += 4;
+        }
+        let acc = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+        let corr = off * acts.sums[g];
+        yv = epilogue(acc, corr, load_scales(blk, l, g), acts.scales[g], yv);
+    }
+    _mm512_storeu_ps(y, yv);
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const INT4: bool, const HINT: i32, const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let wp = blk.add(l.weights_offset(g));
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    // INT4: separate accumulators for the low and high nibbles (two independent chains).
+    let mut alo = [_mm512_setzero_si512(); T];
+    let mut ahi = [_mm512_setzero_si512(); T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            prefetch::<HINT>(p.wrapping_add(pfd));
+        }
+        let v = _mm512_loadu_si512(p as *const _);
+        if INT4 {
+            let lo = _mm512_and_si512(v, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            for t in 0..T {
+                alo[t] = _mm512_dpbusd_epi32(alo[t], lo, bcast4(xq[t].add(c * 8)));
+                ahi[t] = _mm512_dpbusd_epi32(ahi[t], hi, bcast4(xq[t].add(c * 8 + 4)));
+            }
+        } else {
+            for t in 0..T {
+                alo[t] = _mm512_dpbusd_epi32(alo[t], v, bcast4(xq[t].add(c * 4)));
+            }
+        }
+    }
+    let sw = load_scales(blk, l, g);
+    let off = l.offset();
+    for t in 0..T {
+        let i = i0 + t;
+        let acc = if INT4 { _mm512_add_epi32(alo[t], ahi[t]) } else { alo[t] };
+        let yp = y.add(i * ncols);
+        let yv = epilogue(acc, off * acts.sums[i * ng + g], sw, acts.scales[i * ng + g], _mm512_loadu_ps(yp));
+        _mm512_storeu_ps(yp, yv);
+    }
+    T
+}

@@ -1,0 +1,347 @@
+//! Quantised expert matmuls on the CPU packed layout of `krasis_quant::cpu_layout` (INT4/INT8
+//! weights, per-group f16 scales along K), with INT8 activations quantised once per token.
+//!
+//! `y[i][r] = Σ_g s_w[r,g] · s_x[i,g] · (Σ_{k∈g} u[r,k] · q_x[i,k] − off · Σ_{k∈g} q_x[i,k])` where
+//! `u = q_w + off` is the stored unsigned weight (off = 128 for INT8, 8 for INT4). The integer
+//! part is exact in every implementation; the float epilogue is one fma per group in K order
+//! (`y = fma(d, s_w · s_x, y)`), the same in all of them, so the ISAs agree bit for bit.
+//!
+//! Implementations: `scalar` (reference), `avx2` (`maddubs`/`madd`), `avx512` (VNNI `vpdpbusd`),
+//! chosen by the [`Isa`] argument. The kernels stream the weights once, front to back, with a
+//! software prefetch a little ahead (see [`Prefetch`]); for M > 1 every weight chunk is applied to
+//! all activation rows while it is in L1.
+//!
+//! Threading is the caller's: [`matmul_packed`] computes any sub-range of row blocks into its own
+//! output, so workers can split a matrix by row blocks (and w13 by block pairs, see
+//! [`silu_mul_w13`]).
+
+use std::ops::Range;
+
+pub use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
+use krasis_quant::group::check_group_size;
+pub use krasis_quant::Bits;
+
+use crate::activation::silu;
+use crate::isa::Isa;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+mod scalar;
+#[cfg(test)]
+mod tests;
+
+/// Activations quantised to INT8 per group of the weights' group size: `x ≈ q · scale`,
+/// `scale = amax / 127` per (row, group), `q` rounded half to even.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QuantizedActs {
+    pub m: usize,
+    pub k: usize,
+    pub gs: usize,
+    /// `[m, k]`, each in `[-127, 127]`.
+    pub q: Vec<i8>,
+    /// `[m, k / gs]`.
+    pub scales: Vec<f32>,
+    /// `[m, k / gs]`: `Σ q` over the group (for the unsigned-weight offset correction).
+    pub sums: Vec<i32>,
+}
+
+impl QuantizedActs {
+    pub fn new() -> QuantizedActs {
+        QuantizedActs::default()
+    }
+
+    pub fn groups(&self) -> usize {
+        self.k.checked_div(self.gs).unwrap_or(0)
+    }
+
+    /// Dequantised row-major `[m, k]` (for tests and diagnostics).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let ng = self.groups();
+        (0..self.m * self.k)
+            .map(|e| self.q[e] as f32 * self.scales[(e / self.k) * ng + (e % self.k) / self.gs])
+            .collect()
+    }
+}
+
+/// Round half to even for |v| < 2²², in plain arithmetic (vectorises without SSE4.1).
+#[inline(always)]
+fn round_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³
+    (v + MAGIC) - MAGIC
+}
+
+/// Quantise `x[m, k]` into `out` (its buffers are reused: no allocation once they are large
+/// enough). `gs` must divide `k` (use the weights' group size).
+pub fn quantize_acts(x: &[f32], m: usize, k: usize, gs: usize, out: &mut QuantizedActs) {
+    assert_eq!(x.len(), m * k, "quantize_acts: x has {} floats, expected {m}×{k}", x.len());
+    assert!(gs > 0 && k.is_multiple_of(gs), "quantize_acts: group size {gs} does not divide K = {k}");
+    let ng = k / gs;
+    out.m = m;
+    out.k = k;
+    out.gs = gs;
+    out.q.resize(m * k, 0);
+    out.scales.resize(m * ng, 0.0);
+    out.sums.resize(m * ng, 0);
+    for (gi, (xg, qg)) in x.chunks_exact(gs).zip(out.q.chunks_exact_mut(gs)).enumerate() {
+        // |x| ordered by its bit pattern (non-negative floats order like their bits): vectorises.
+        let amax = f32::from_bits(xg.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff)));
+        if amax == 0.0 || !amax.is_finite() {
+            qg.fill(0);
+            out.sums[gi] = 0;
+            // Non-finite input: NaN scale so the outputs say so rather than hide it.
+            out.scales[gi] = if amax == 0.0 { 0.0 } else { f32::NAN };
+            continue;
+        }
+        let inv = 127.0 / amax;
+        let mut sum = 0i32;
+        for (o, &v) in qg.iter_mut().zip(xg) {
+            let r = round_even(v * inv).clamp(-127.0, 127.0) as i32;
+            *o = r as i8;
+            sum += r;
+        }
+        out.sums[gi] = sum;
+        out.scales[gi] = amax / 127.0;
+    }
+}
+
+/// Software prefetch hint for the weight stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefetchHint {
+    /// No software prefetch (hardware prefetchers only).
+    None,
+    /// `prefetchnta`: into L1, bypassing (or marked first-out in) the outer caches, so the
+    /// once-read weights do not evict the activations and other hot data.
+    Nta,
+    /// `prefetcht0`: into all levels.
+    T0,
+    /// `prefetcht1`: into L2 and L3.
+    T1,
+}
+
+/// Software prefetch of the weight stream: one prefetch per 64-byte line, `distance` bytes ahead
+/// of the line being read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Prefetch {
+    pub hint: PrefetchHint,
+    pub distance: usize,
+}
+
+impl Prefetch {
+    pub const OFF: Prefetch = Prefetch { hint: PrefetchHint::None, distance: 0 };
+
+    fn distance_if_on(&self) -> usize {
+        if self.hint == PrefetchHint::None {
+            0
+        } else {
+            self.distance
+        }
+    }
+}
+
+/// What [`matmul_packed`] uses (chosen by the prefetch sweep of `benches/quant_matmul.rs`).
+pub const DEFAULT_PREFETCH: Prefetch = Prefetch { hint: PrefetchHint::T0, distance: 4096 };
+
+/// Bytes [`prefetch_matrix_start`] touches.
+pub const PREFETCH_START_BYTES: usize = 4096;
+
+/// Prefetch the first [`PREFETCH_START_BYTES`] of a packed matrix into L2 (`prefetcht1`), e.g.
+/// the next expert's while the current one finishes, so its stream starts without a DRAM stall.
+pub fn prefetch_matrix_start(w: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let n = w.len().min(PREFETCH_START_BYTES);
+        for off in (0..n).step_by(64) {
+            // SAFETY: prefetch never faults; the address is inside `w`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(w.as_ptr().add(off) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = w;
+}
+
+/// Whether this CPU runs the kernels of `isa` (AVX2 also needs F16C for the f16 scales).
+pub fn isa_supported(isa: Isa) -> bool {
+    match isa {
+        Isa::Scalar => true,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => false,
+    }
+}
+
+/// `out[m, blocks.len()·16] = acts · W[blocks]ᵀ` for row blocks `blocks` of the packed matrix `w`:
+/// column `16·(b − blocks.start) + j` is row `16·b + j` (padding rows of the last block give 0).
+/// With [`DEFAULT_PREFETCH`].
+///
+/// # Panics
+/// On inconsistent shapes (`acts` vs `layout`, `w` shorter than the layout, `blocks` past the
+/// end, `out` not `m · blocks.len() · 16`), or an `isa` this CPU lacks.
+pub fn matmul_packed(
+    isa: Isa,
+    w: &[u8],
+    layout: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+) {
+    matmul_packed_with(isa, w, layout, acts, blocks, out, DEFAULT_PREFETCH)
+}
+
+/// [`matmul_packed`] with an explicit prefetch setting (benchmarks, tuning).
+pub fn matmul_packed_with(
+    isa: Isa,
+    w: &[u8],
+    layout: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    out: &mut [f32],
+    prefetch: Prefetch,
+) {
+    let l = layout;
+    if let Err(e) = check_group_size(l.k, l.gs) {
+        panic!("matmul_packed: {e}");
+    }
+    assert!(
+        l.rows_padded.is_multiple_of(ROW_BLOCK) && l.rows_padded >= l.rows && l.rows_padded < l.rows + ROW_BLOCK,
+        "matmul_packed: inconsistent layout {l:?}"
+    );
+    assert!(w.len() >= l.bytes(), "matmul_packed: weights are {} bytes, the layout needs {}", w.len(), l.bytes());
+    assert!(
+        acts.k == l.k && acts.gs == l.gs,
+        "matmul_packed: activations are K={} g{}, weights K={} g{}",
+        acts.k,
+        acts.gs,
+        l.k,
+        l.gs
+    );
+    let ng = l.groups();
+    assert!(
+        acts.q.len() >= acts.m * acts.k && acts.scales.len() >= acts.m * ng && acts.sums.len() >= acts.m * ng,
+        "matmul_packed: activation buffers shorter than m={}",
+        acts.m
+    );
+    assert!(
+        blocks.start <= blocks.end && blocks.end <= l.row_blocks(),
+        "matmul_packed: blocks {blocks:?} outside 0..{}",
+        l.row_blocks()
+    );
+    assert_eq!(
+        out.len(),
+        acts.m * blocks.len() * ROW_BLOCK,
+        "matmul_packed: out must be m×(blocks·16) = {}×{}",
+        acts.m,
+        blocks.len() * ROW_BLOCK
+    );
+    if acts.m == 0 || blocks.is_empty() {
+        return;
+    }
+    assert!(isa_supported(isa), "matmul_packed: this CPU cannot run {}", isa.name());
+    match isa {
+        Isa::Scalar => scalar::matmul(w, l, acts, blocks, out),
+        // SAFETY: the CPU has the features (checked above); shapes checked above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::matmul(w, l, acts, blocks, out, prefetch) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::matmul(w, l, acts, blocks, out, prefetch) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => scalar::matmul(w, l, acts, blocks, out),
+    }
+    let _ = prefetch;
+}
+
+/// SiLU-gate the output of a fused w13 matmul: `h13` is `[m, 32·pairs]` with row blocks
+/// interleaved (16 gate columns, then the 16 up columns of the same rows, …), `out` is
+/// `[m, 16·pairs]` with `out = silu(gate) · up`.
+pub fn silu_mul_w13(h13: &[f32], m: usize, out: &mut [f32]) {
+    assert_eq!(h13.len() % (m.max(1) * 2 * ROW_BLOCK), 0, "silu_mul_w13: h13 is not m × 32·pairs");
+    let pairs = h13.len() / (m.max(1) * 2 * ROW_BLOCK);
+    assert_eq!(out.len(), m * pairs * ROW_BLOCK, "silu_mul_w13: out must be m × 16·pairs");
+    for (hp, op) in h13.chunks_exact(2 * ROW_BLOCK).zip(out.chunks_exact_mut(ROW_BLOCK)) {
+        let (gate, up) = hp.split_at(ROW_BLOCK);
+        for ((o, &g), &u) in op.iter_mut().zip(gate).zip(up) {
+            *o = silu(g) * u;
+        }
+    }
+}
+
+/// Reusable buffers of [`expert_forward`] (grow once, then no allocation).
+#[derive(Clone, Debug, Default)]
+pub struct ExpertScratch {
+    /// The token's activations (input of w13).
+    pub acts: QuantizedActs,
+    /// `silu(gate) · up`, quantised (input of w2).
+    pub acts_mid: QuantizedActs,
+    pub h13: Vec<f32>,
+    pub mid: Vec<f32>,
+    pub y: Vec<f32>,
+}
+
+/// One expert, single-threaded: `out[m, h] += weight · (silu(x·gateᵀ) · (x·upᵀ)) · w2ᵀ`, with
+/// `w13` packed by `pack_w13` (`[2·inter, h]`) and `w2` (`[h, inter]`) by `pack`.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_forward(
+    isa: Isa,
+    w13: &[u8],
+    w13_layout: &PackedLayout,
+    w2: &[u8],
+    w2_layout: &PackedLayout,
+    x: &[f32],
+    m: usize,
+    weight: f32,
+    out: &mut [f32],
+    scratch: &mut ExpertScratch,
+) {
+    let mut acts = std::mem::take(&mut scratch.acts);
+    quantize_acts(x, m, w13_layout.k, w13_layout.gs, &mut acts);
+    expert_forward_quantized(isa, w13, w13_layout, w2, w2_layout, &acts, weight, out, scratch);
+    scratch.acts = acts;
+}
+
+/// [`expert_forward`] on activations already quantised with [`quantize_acts`] (shared by all
+/// the experts of a token).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_forward_quantized(
+    isa: Isa,
+    w13: &[u8],
+    w13_layout: &PackedLayout,
+    w2: &[u8],
+    w2_layout: &PackedLayout,
+    acts: &QuantizedActs,
+    weight: f32,
+    out: &mut [f32],
+    scratch: &mut ExpertScratch,
+) {
+    let m = acts.m;
+    let h = w2_layout.rows;
+    let inter = w13_layout.rows / 2;
+    assert!(w13_layout.rows.is_multiple_of(2 * ROW_BLOCK), "expert_forward: w13 is not a fused gate+up layout");
+    assert_eq!(w2_layout.k, inter, "expert_forward: w2 K = {} but w13 gives {inter}", w2_layout.k);
+    assert_eq!(out.len(), m * h, "expert_forward: out must be m×{h}");
+    let nb13 = w13_layout.row_blocks();
+    scratch.h13.resize(m * nb13 * ROW_BLOCK, 0.0);
+    matmul_packed(isa, w13, w13_layout, acts, 0..nb13, &mut scratch.h13);
+    scratch.mid.resize(m * inter, 0.0);
+    silu_mul_w13(&scratch.h13, m, &mut scratch.mid);
+    quantize_acts(&scratch.mid, m, inter, w2_layout.gs, &mut scratch.acts_mid);
+    let nb2 = w2_layout.row_blocks();
+    let hp = nb2 * ROW_BLOCK;
+    scratch.y.resize(m * hp, 0.0);
+    matmul_packed(isa, w2, w2_layout, &scratch.acts_mid, 0..nb2, &mut scratch.y);
+    for (orow, yrow) in out.chunks_exact_mut(h).zip(scratch.y.chunks_exact(hp)) {
+        for (o, &v) in orow.iter_mut().zip(yrow) {
+            *o += weight * v;
+        }
+    }
+}

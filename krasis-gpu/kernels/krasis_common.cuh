@@ -1,0 +1,47 @@
+// Shared helpers for krasis kernels. Header-free on purpose: NVRTC compiles these with no CUDA
+// headers at all (no cuda_bf16.h), so every GPU architecture and every NVRTC release that
+// krasis supports can build them, including the PyPI libnvrtc used by CI.
+#pragma once
+
+typedef unsigned short bf16_t;  // bfloat16 bits
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// bf16 -> f32 is exact: the bf16 bits are the top half of the f32.
+__device__ __forceinline__ float bf16_to_f32(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+
+// f32 -> bf16, round to nearest even; NaN stays a (quiet) NaN. Same as krasis_core::dtype::f32_to_bf16.
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float krasis_nan() { return __uint_as_float(0x7fc00000u); }
+
+// Loads/stores that let one kernel body serve f32 and bf16 tensors.
+__device__ __forceinline__ float load_f(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float load_f(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
+__device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_f(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the block; every thread gets the result. blockDim.x must be a multiple of 32.
+// `scratch` must hold 32 floats of shared memory; the call ends with a barrier, so the same
+// scratch can be reused by a following call.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();
+    return t;
+}

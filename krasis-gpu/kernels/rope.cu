@@ -1,0 +1,54 @@
+// Rotary position embedding applied in place from precomputed tables (the host computes them,
+// YaRN frequency correction and attention scaling included):
+//   cos_t, sin_t: f32 [max_pos, rot_dim/2]; pair i of a head rotates by angle (pos, i).
+// x holds n_tokens x n_heads heads; element j of head h of token t is at
+//   x[t*token_stride + h*head_stride + rot_offset + j],   0 <= j < rot_dim,
+// so a partial rotary slice (DeepSeek's qk_rope_head_dim at the end of each head) is covered.
+// Pairing: interleaved = (2i, 2i+1) (DeepSeek, GPT-J style); halves = (i, i + rot_dim/2) (Llama/Qwen,
+// HF rotate_half). Both: a' = a*cos - b*sin, b' = b*cos + a*sin.
+// A position outside [0, max_pos) writes NaN into the rotated slice (loud); the host checks positions.
+#include "krasis_common.cuh"
+
+template <typename T>
+__device__ __forceinline__ void rope_body(T* __restrict__ x, const int* __restrict__ positions,
+                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                          int n_tokens, int n_heads, long long token_stride, long long head_stride,
+                                          int rot_offset, int rot_dim, int interleaved, int max_pos) {
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    const int half = rot_dim >> 1;
+    const int pos = positions[t];
+    const bool ok = pos >= 0 && pos < max_pos;
+    const float* ct = cos_t + (long long)(ok ? pos : 0) * half;
+    const float* st = sin_t + (long long)(ok ? pos : 0) * half;
+    const int work = n_heads * half;
+    for (int k = threadIdx.x; k < work; k += blockDim.x) {
+        const int h = k / half, i = k - h * half;
+        const long long base = (long long)t * token_stride + (long long)h * head_stride + rot_offset;
+        const long long ia = base + (interleaved ? 2 * i : i);
+        const long long ib = base + (interleaved ? 2 * i + 1 : i + half);
+        if (!ok) {
+            store_f(x, ia, krasis_nan());
+            store_f(x, ib, krasis_nan());
+            continue;
+        }
+        const float c = ct[i], s = st[i];
+        const float a = load_f(x, ia), b = load_f(x, ib);
+        store_f(x, ia, a * c - b * s);
+        store_f(x, ib, b * c + a * s);
+    }
+}
+
+extern "C" __global__ void rope_f32(float* x, const int* positions, const float* cos_t, const float* sin_t,
+                                    int n_tokens, int n_heads, long long token_stride, long long head_stride,
+                                    int rot_offset, int rot_dim, int interleaved, int max_pos) {
+    rope_body(x, positions, cos_t, sin_t, n_tokens, n_heads, token_stride, head_stride, rot_offset, rot_dim,
+              interleaved, max_pos);
+}
+
+extern "C" __global__ void rope_bf16(bf16_t* x, const int* positions, const float* cos_t, const float* sin_t,
+                                     int n_tokens, int n_heads, long long token_stride, long long head_stride,
+                                     int rot_offset, int rot_dim, int interleaved, int max_pos) {
+    rope_body(x, positions, cos_t, sin_t, n_tokens, n_heads, token_stride, head_stride, rot_offset, rot_dim,
+              interleaved, max_pos);
+}

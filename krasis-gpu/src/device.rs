@@ -1,0 +1,448 @@
+//! Finding the driver and the device, the context, streams, events, and budgeted allocations.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUdevice_attribute_enum as Attr};
+use cudarc::driver::{
+    result, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, DeviceSlice, PinnedHostSlice, SyncOnDrop, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::budget::{VramBudget, VramBudgetSpec, VramCharge};
+use crate::cache::{CacheStats, KernelCompiler};
+use crate::error::panic_text;
+use crate::kernels::KernelSource;
+use crate::nvrtc::{ImageKind, Target};
+use crate::GpuError;
+
+/// What the driver says about one GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    /// How many CUDA devices the driver sees.
+    pub device_count: usize,
+    pub name: String,
+    /// Compute capability `(major, minor)`, e.g. `(9, 0)` for Hopper.
+    pub compute_capability: (i32, i32),
+    pub total_bytes: u64,
+    /// Free device memory when it was measured (needs a context: `None` from [`probe`]).
+    pub free_bytes: Option<u64>,
+    /// The driver's CUDA version, e.g. `(13, 0)`.
+    pub driver_version: (i32, i32),
+    pub multiprocessors: i32,
+}
+
+impl DeviceInfo {
+    /// `major * 10 + minor` (90 for sm_90).
+    pub fn arch(&self) -> i32 {
+        self.compute_capability.0 * 10 + self.compute_capability.1
+    }
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use krasis_core::budget::format_bytes as fb;
+        write!(
+            f,
+            "GPU {} of {}: {} (sm_{}, {} SMs, {}",
+            self.ordinal,
+            self.device_count,
+            self.name,
+            self.arch(),
+            self.multiprocessors,
+            fb(self.total_bytes)
+        )?;
+        if let Some(free) = self.free_bytes {
+            write!(f, ", {} free", fb(free))?;
+        }
+        write!(f, "), driver CUDA {}.{}", self.driver_version.0, self.driver_version.1)
+    }
+}
+
+/// Runs `f`, turning a panic inside cudarc (its dynamic loader panics on a missing library or
+/// symbol) into an error.
+fn guarded<T>(op: &'static str, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T, GpuError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(GpuError::Panicked { op, detail: panic_text(p) }))
+}
+
+/// Loads libcuda once, without panicking when it is absent.
+fn driver_loaded() -> Result<(), GpuError> {
+    static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            // SAFETY: only dlopen/dlclose of the driver library.
+            if !unsafe { sys::is_culib_present() } {
+                return Err("libcuda.so.1 not loadable".to_string());
+            }
+            catch_unwind(|| {
+                // SAFETY: loads the library (present, checked above) into cudarc's static.
+                unsafe { sys::culib() };
+            })
+            .map_err(|p| format!("libcuda.so.1 failed to load: {}", panic_text(p)))
+        })
+        .clone()
+        .map_err(|detail| GpuError::NoDriver { detail })
+}
+
+fn init_and_count() -> Result<usize, GpuError> {
+    driver_loaded()?;
+    guarded("cuInit", || {
+        result::init().map_err(|e| GpuError::NoDevice { detail: format!("cuInit failed: {e}") })?;
+        let n = result::device::get_count().map_err(|e| GpuError::NoDevice { detail: e.to_string() })?;
+        if n <= 0 {
+            return Err(GpuError::NoDevice { detail: "the driver reports 0 devices".into() });
+        }
+        Ok(n as usize)
+    })
+}
+
+fn device_info(ordinal: usize, count: usize) -> Result<DeviceInfo, GpuError> {
+    if ordinal >= count {
+        return Err(GpuError::BadOrdinal { ordinal, count });
+    }
+    guarded("device query", || {
+        let d = |op, e| GpuError::driver(op, e);
+        let dev = result::device::get(ordinal as i32).map_err(|e| d("cuDeviceGet", e))?;
+        let name = result::device::get_name(dev).map_err(|e| d("cuDeviceGetName", e))?;
+        // SAFETY: `dev` came from cuDeviceGet.
+        let attr = |a| unsafe { result::device::get_attribute(dev, a) }.map_err(|e| d("cuDeviceGetAttribute", e));
+        let major = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms = attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        // SAFETY: as above.
+        let total = unsafe { result::device::total_mem(dev) }.map_err(|e| d("cuDeviceTotalMem", e))?;
+        let mut v = 0;
+        // SAFETY: writes one int.
+        unsafe { sys::cuDriverGetVersion(&mut v) }.result().map_err(|e| d("cuDriverGetVersion", e))?;
+        Ok(DeviceInfo {
+            ordinal,
+            device_count: count,
+            name,
+            compute_capability: (major, minor),
+            total_bytes: total as u64,
+            free_bytes: None,
+            driver_version: (v / 1000, (v % 1000) / 10),
+            multiprocessors: sms,
+        })
+    })
+}
+
+/// Looks for a usable GPU (device 0) without creating a context: loads the driver, initialises
+/// it and reads the device's properties. Never panics; the error is one line such as
+/// "no CUDA driver found (libcuda.so.1 not loadable)".
+pub fn probe() -> Result<DeviceInfo, GpuError> {
+    probe_ordinal(0)
+}
+
+/// [`probe`] for device `ordinal` (`--gpu N`).
+pub fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, GpuError> {
+    let n = init_and_count()?;
+    device_info(ordinal, n)
+}
+
+/// A device buffer whose bytes are charged against the device's [`VramBudget`] for as long as it
+/// lives. Use it wherever cudarc takes a [`DevicePtr`]/[`DevicePtrMut`].
+#[derive(Debug)]
+pub struct DeviceBuffer<T> {
+    // Field order matters: the memory is freed before the charge is released.
+    slice: CudaSlice<T>,
+    charge: VramCharge,
+}
+
+impl<T> DeviceBuffer<T> {
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// Bytes charged against the budget.
+    pub fn charged_bytes(&self) -> u64 {
+        self.charge.bytes()
+    }
+
+    /// The cudarc slice (for launch arguments and views).
+    pub fn slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+}
+
+impl<T> DeviceSlice<T> for DeviceBuffer<T> {
+    fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.slice.stream()
+    }
+}
+
+impl<T> DevicePtr<T> for DeviceBuffer<T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.slice.device_ptr(stream)
+    }
+}
+
+impl<T> DevicePtrMut<T> for DeviceBuffer<T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.slice.device_ptr_mut(stream)
+    }
+}
+
+/// One GPU opened for krasis: the primary context, a compute stream, the VRAM budget, and the
+/// kernels loaded so far.
+///
+/// cudarc's automatic per-buffer event tracking is disabled: it creates two events per
+/// allocation and records them around every launch, which costs in decode loops. The rule that
+/// replaces it: every buffer is allocated and used on [`GpuDevice::stream`]; work on another
+/// stream (e.g. a copy stream from [`GpuDevice::new_stream`]) must be ordered with explicit events
+/// ([`CudaStream::record_event`] / [`CudaStream::wait`]), and a buffer must not be dropped while
+/// another stream may still use it.
+pub struct GpuDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    budget: Arc<VramBudget>,
+    target: Target,
+    compiler: KernelCompiler,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDevice").field("info", &self.info).field("budget", &self.budget).finish()
+    }
+}
+
+impl GpuDevice {
+    /// Opens device `ordinal` (`--gpu N`) with the VRAM budget `budget` (`--vram-budget`). Also
+    /// loads NVRTC, since every op needs kernels; fails with one line if anything is missing.
+    pub fn open(ordinal: usize, budget: VramBudgetSpec) -> Result<Self, GpuError> {
+        let n = init_and_count()?;
+        let mut info = device_info(ordinal, n)?;
+        let compiler = KernelCompiler::with_default_dir()?;
+        let nv = compiler.nvrtc();
+        let target = Target::choose(info.arch(), nv.supported_archs()).ok_or_else(|| GpuError::Nvrtc {
+            op: "target selection",
+            detail: format!(
+                "NVRTC {}.{} ({}) supports none of the architectures that sm_{} can run",
+                nv.version().0,
+                nv.version().1,
+                nv.path(),
+                info.arch()
+            ),
+        })?;
+        guarded("context creation", || {
+            let ctx = CudaContext::new(ordinal).map_err(|e| GpuError::driver("cuDevicePrimaryCtxRetain", e))?;
+            // SAFETY: see the type's docs: single compute stream, explicit events across streams.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().map_err(|e| GpuError::driver("cuStreamCreate", e))?;
+            let (free, _total) = ctx.mem_get_info().map_err(|e| GpuError::driver("cuMemGetInfo", e))?;
+            info.free_bytes = Some(free as u64);
+            let bytes = budget.resolve(free as u64, ordinal, &info.name)?;
+            Ok(GpuDevice {
+                ctx,
+                stream,
+                info,
+                budget: VramBudget::new(bytes),
+                target,
+                compiler,
+                modules: Mutex::new(HashMap::new()),
+                functions: Mutex::new(HashMap::new()),
+            })
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn budget(&self) -> &Arc<VramBudget> {
+        &self.budget
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The compute stream: every op and every allocation runs on it.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The NVRTC target kernels are built for (`sm_90`, or `compute_XY` PTX when NVRTC is older
+    /// than the GPU).
+    pub fn target(&self) -> Target {
+        self.target
+    }
+
+    /// Kernel-cache hits and misses on this device.
+    pub fn kernel_cache_stats(&self) -> CacheStats {
+        self.compiler.stats()
+    }
+
+    pub fn compiler(&self) -> &KernelCompiler {
+        &self.compiler
+    }
+
+    /// Another non-blocking stream (e.g. for copies); order it against [`GpuDevice::stream`] with
+    /// events.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>, GpuError> {
+        self.ctx.new_stream().map_err(|e| GpuError::driver("cuStreamCreate", e))
+    }
+
+    /// An event; `timing` enables [`CudaEvent::elapsed_ms`] (otherwise the cheaper
+    /// timing-disabled kind, for ordering only).
+    pub fn new_event(&self, timing: bool) -> Result<CudaEvent, GpuError> {
+        let flags =
+            if timing { sys::CUevent_flags::CU_EVENT_DEFAULT } else { sys::CUevent_flags::CU_EVENT_DISABLE_TIMING };
+        self.ctx.new_event(Some(flags)).map_err(|e| GpuError::driver("cuEventCreate", e))
+    }
+
+    /// Waits for all work on the compute stream.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().map_err(|e| GpuError::driver("cuStreamSynchronize", e))
+    }
+
+    /// `(free, total)` device memory now.
+    pub fn mem_info(&self) -> Result<(u64, u64), GpuError> {
+        let (f, t) = self.ctx.mem_get_info().map_err(|e| GpuError::driver("cuMemGetInfo", e))?;
+        Ok((f as u64, t as u64))
+    }
+
+    fn charge<T>(&self, len: usize, what: &str) -> Result<VramCharge, GpuError> {
+        let bytes = (len as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        self.budget.charge(bytes, what)
+    }
+
+    fn map_alloc_err(&self, e: cudarc::driver::DriverError, bytes: u64, what: &str) -> GpuError {
+        if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+            GpuError::OutOfMemory { requested: bytes, what: what.to_string() }
+        } else {
+            GpuError::driver("cuMemAllocAsync", e)
+        }
+    }
+
+    /// `len` zeroed elements, charged to the budget as `what`.
+    pub fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+        what: &str,
+    ) -> Result<DeviceBuffer<T>, GpuError> {
+        let charge = self.charge::<T>(len, what)?;
+        let slice = self.stream.alloc_zeros::<T>(len).map_err(|e| self.map_alloc_err(e, charge.bytes(), what))?;
+        Ok(DeviceBuffer { slice, charge })
+    }
+
+    /// `len` uninitialised elements, charged to the budget as `what`.
+    ///
+    /// # Safety
+    /// The contents are whatever the memory held; write before reading.
+    pub unsafe fn alloc_uninit<T: DeviceRepr>(&self, len: usize, what: &str) -> Result<DeviceBuffer<T>, GpuError> {
+        let charge = self.charge::<T>(len, what)?;
+        let slice = self.stream.alloc::<T>(len).map_err(|e| self.map_alloc_err(e, charge.bytes(), what))?;
+        Ok(DeviceBuffer { slice, charge })
+    }
+
+    /// A device copy of `host`, charged to the budget as `what`.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<DeviceBuffer<T>, GpuError> {
+        // SAFETY: fully overwritten by the copy below before anything can read it.
+        let mut buf = unsafe { self.alloc_uninit::<T>(host.len(), what)? };
+        if !host.is_empty() {
+            self.stream.memcpy_htod(host, &mut buf.slice).map_err(|e| GpuError::driver("cuMemcpyHtoDAsync", e))?;
+        }
+        Ok(buf)
+    }
+
+    /// Copies device memory into `host` (synchronises the compute stream).
+    pub fn download_into<T: DeviceRepr>(&self, src: &impl DevicePtr<T>, host: &mut [T]) -> Result<(), GpuError> {
+        if src.len() != host.len() {
+            return Err(GpuError::shape("download", format!("{} device elements into {}", src.len(), host.len())));
+        }
+        if !host.is_empty() {
+            self.stream.memcpy_dtoh(src, host).map_err(|e| GpuError::driver("cuMemcpyDtoHAsync", e))?;
+        }
+        self.synchronize()
+    }
+
+    /// Copies device memory to a new `Vec` (synchronises the compute stream).
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, src: &impl DevicePtr<T>) -> Result<Vec<T>, GpuError> {
+        let mut v = vec![T::default(); src.len()];
+        self.download_into(src, &mut v)?;
+        Ok(v)
+    }
+
+    /// Page-locked host memory for DMA (not charged to the VRAM budget).
+    ///
+    /// # Safety
+    /// The contents are uninitialised.
+    pub unsafe fn alloc_pinned<T: DeviceRepr>(&self, len: usize) -> Result<PinnedHostSlice<T>, GpuError> {
+        self.ctx.alloc_pinned::<T>(len).map_err(|e| GpuError::driver("cuMemHostAlloc", e))
+    }
+
+    fn module(&self, kernel: &KernelSource) -> Result<Arc<CudaModule>, GpuError> {
+        if let Some(m) = self.modules.lock().unwrap_or_else(|p| p.into_inner()).get(kernel.name) {
+            return Ok(Arc::clone(m));
+        }
+        let load = |bytes: Vec<u8>| {
+            let ptx = match self.target.kind {
+                ImageKind::Cubin => Ptx::from_binary(bytes),
+                ImageKind::Ptx => {
+                    let mut b = bytes;
+                    while b.last() == Some(&0) {
+                        b.pop();
+                    }
+                    Ptx::from_src(String::from_utf8_lossy(&b).into_owned())
+                }
+            };
+            self.ctx.load_module(ptx)
+        };
+        let image = self.compiler.image(kernel, self.target)?;
+        let module = match load(image.bytes) {
+            Ok(m) => m,
+            Err(e) if image.from_cache => {
+                eprintln!("krasis-gpu: cached kernel {} was refused by the driver ({e}); recompiling", kernel.name);
+                self.compiler.evict(kernel, self.target);
+                let image = self.compiler.image(kernel, self.target)?;
+                load(image.bytes).map_err(|e| GpuError::driver("cuModuleLoadData", e))?
+            }
+            Err(e) => return Err(GpuError::driver("cuModuleLoadData", e)),
+        };
+        let mut map = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(Arc::clone(map.entry(kernel.name).or_insert(module)))
+    }
+
+    /// The kernel function `name` from `kernel`, compiling (or reading the disk cache) and loading
+    /// the module on first use.
+    pub fn function(&self, kernel: &KernelSource, name: &'static str) -> Result<CudaFunction, GpuError> {
+        let key = (kernel.name, name);
+        if let Some(f) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(f.clone());
+        }
+        let m = self.module(kernel)?;
+        let f = m.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction", e))?;
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).insert(key, f.clone());
+        Ok(f)
+    }
+
+    /// Compiles and loads every kernel and resolves every function (e.g. at start-up, so the
+    /// first forward pass does not pay for compiles).
+    pub fn warm_up_kernels(&self) -> Result<(), GpuError> {
+        for k in crate::kernels::ALL {
+            for f in k.functions {
+                self.function(k, f)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,82 @@
+//! The one error type of the crate. Every variant displays as one line a user can act on, except
+//! [`GpuError::Compile`], which carries the NVRTC log after its first line.
+
+use krasis_core::budget::format_bytes;
+
+/// Why the GPU cannot be used, or why a GPU operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// `libcuda.so.1` could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver found ({detail})")]
+    NoDriver { detail: String },
+    /// The driver loaded but reports no usable device (or `cuInit` failed).
+    #[error("CUDA driver found but no GPU is usable: {detail}")]
+    NoDevice { detail: String },
+    /// `--gpu N` names a device that does not exist.
+    #[error("GPU {ordinal} does not exist: the CUDA driver sees {count} device(s)")]
+    BadOrdinal { ordinal: usize, count: usize },
+    /// A CUDA driver call failed.
+    #[error("CUDA error in {op}: {detail}")]
+    Driver { op: &'static str, detail: String },
+    /// The dynamic loader (or a CUDA library) panicked; caught so that it cannot abort the run.
+    #[error("CUDA library failure in {op}: {detail}")]
+    Panicked { op: &'static str, detail: String },
+    /// No libnvrtc could be loaded, so kernels cannot be compiled.
+    #[error(
+        "no NVRTC library found ({detail}); set KRASIS_NVRTC_LIB=/path/to/libnvrtc.so.12 or install the CUDA toolkit"
+    )]
+    NoNvrtc { detail: String },
+    /// NVRTC rejected a kernel; `log` is NVRTC's program log.
+    #[error("NVRTC failed to compile kernel `{kernel}` for {arch}:\n{log}")]
+    Compile { kernel: String, arch: String, log: String },
+    /// An NVRTC call other than the compile itself failed.
+    #[error("NVRTC error in {op}: {detail}")]
+    Nvrtc { op: &'static str, detail: String },
+    /// An allocation would take the charged VRAM above `--vram-budget`.
+    #[error(
+        "VRAM budget exceeded allocating {what}: {} requested, {} already in use of a {} budget \
+         (--vram-budget); raise the budget or choose a smaller configuration",
+        format_bytes(*.requested), format_bytes(*.used), format_bytes(*.budget)
+    )]
+    VramBudget { requested: u64, used: u64, budget: u64, what: String },
+    /// An explicit `--vram-budget` larger than the memory the device has free.
+    #[error(
+        "--vram-budget {} is more than the {} free on GPU {ordinal} ({name}); use --vram-budget auto or a smaller value",
+        format_bytes(*.budget), format_bytes(*.free)
+    )]
+    BudgetAboveFree { budget: u64, free: u64, ordinal: usize, name: String },
+    /// The driver itself ran out of memory inside the budget (another process took VRAM).
+    #[error(
+        "GPU out of memory allocating {what} ({}) although the VRAM budget allowed it: another process \
+         is probably using the GPU; lower --vram-budget",
+        format_bytes(*.requested)
+    )]
+    OutOfMemory { requested: u64, what: String },
+    /// A `--vram-budget` value that does not parse.
+    #[error("--vram-budget {value:?}: {reason}")]
+    BadBudget { value: String, reason: String },
+    /// A caller passed buffers whose sizes do not match the shapes.
+    #[error("invalid arguments to {op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+}
+
+impl GpuError {
+    pub(crate) fn driver(op: &'static str, e: cudarc::driver::DriverError) -> Self {
+        GpuError::Driver { op, detail: e.to_string() }
+    }
+
+    pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
+        GpuError::Shape { op, detail: detail.into() }
+    }
+}
+
+/// Turns a panic payload into text.
+pub(crate) fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}

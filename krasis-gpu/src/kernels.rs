@@ -1,0 +1,447 @@
+//! The CUDA C kernel sources (compiled by NVRTC at first use) and the ops that launch them.
+//!
+//! Every op validates its shapes on the host, launches on the device's compute stream and does
+//! not synchronise. Tensors are row-major; BF16 is passed as its `u16` bits.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::nvrtc::Header;
+use crate::{GpuDevice, GpuError};
+
+/// One `.cu` file: its name (the cache key's prefix and NVRTC's file name), source, the headers it
+/// may include, and the `extern "C"` kernels it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    pub name: &'static str,
+    pub src: &'static str,
+    pub headers: &'static [Header],
+    pub functions: &'static [&'static str],
+}
+
+/// Headers every kernel may `#include "..."`.
+pub const HEADERS: &[Header] =
+    &[Header { name: "krasis_common.cuh", src: include_str!("../kernels/krasis_common.cuh") }];
+
+pub const EMBEDDING: KernelSource = KernelSource {
+    name: "embedding",
+    src: include_str!("../kernels/embedding.cu"),
+    headers: HEADERS,
+    functions: &["embedding_gather_bf16_f32", "embedding_gather_bf16_bf16"],
+};
+
+pub const RMSNORM: KernelSource = KernelSource {
+    name: "rmsnorm",
+    src: include_str!("../kernels/rmsnorm.cu"),
+    headers: HEADERS,
+    functions: &["rmsnorm_residual"],
+};
+
+pub const ROPE: KernelSource = KernelSource {
+    name: "rope",
+    src: include_str!("../kernels/rope.cu"),
+    headers: HEADERS,
+    functions: &["rope_f32", "rope_bf16"],
+};
+
+pub const SILU_MUL: KernelSource = KernelSource {
+    name: "silu_mul",
+    src: include_str!("../kernels/silu_mul.cu"),
+    headers: HEADERS,
+    functions: &["silu_mul_f32", "silu_mul_bf16", "silu_mul_f32_bf16"],
+};
+
+/// Every kernel source; CI compiles each of them for sm_80, sm_89 and sm_90.
+pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL];
+
+/// Threads per block of the row-wise kernels.
+const BLOCK: u32 = 256;
+
+fn cfg_rows(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::shape(op, detail()))
+    }
+}
+
+fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
+    i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
+}
+
+fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Driver { op, detail: e.to_string() }
+}
+
+/// Which elements of a head RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopePairing {
+    /// `(2i, 2i+1)`: DeepSeek (complex-multiply form), GPT-J.
+    Interleaved,
+    /// `(i, i + rot_dim/2)`: Llama, Qwen (HF `rotate_half`).
+    Halves,
+}
+
+/// Where RoPE applies inside a `[tokens, heads, head_dim]`-like tensor (strides in elements).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeLayout {
+    pub n_tokens: usize,
+    pub n_heads: usize,
+    pub token_stride: usize,
+    pub head_stride: usize,
+    /// First rotated element inside a head.
+    pub rot_offset: usize,
+    /// Rotated elements per head (even).
+    pub rot_dim: usize,
+    pub pairing: RopePairing,
+}
+
+impl RopeLayout {
+    /// Rotating all `head_dim` elements of contiguous `[tokens, heads, head_dim]`.
+    pub fn contiguous(n_tokens: usize, n_heads: usize, head_dim: usize, pairing: RopePairing) -> Self {
+        RopeLayout {
+            n_tokens,
+            n_heads,
+            token_stride: n_heads * head_dim,
+            head_stride: head_dim,
+            rot_offset: 0,
+            rot_dim: head_dim,
+            pairing,
+        }
+    }
+
+    /// One past the last element touched.
+    fn extent(&self) -> usize {
+        if self.n_tokens == 0 || self.n_heads == 0 {
+            return 0;
+        }
+        (self.n_tokens - 1) * self.token_stride + (self.n_heads - 1) * self.head_stride + self.rot_offset + self.rot_dim
+    }
+}
+
+/// Rows/columns layout of a SiLU·mul (strides in elements between rows).
+#[derive(Clone, Copy, Debug)]
+pub struct SwiGluLayout {
+    pub rows: usize,
+    pub cols: usize,
+    pub gate_stride: usize,
+    pub up_stride: usize,
+    pub out_stride: usize,
+}
+
+impl SwiGluLayout {
+    /// Separate contiguous `[rows, cols]` gate, up and out.
+    pub fn separate(rows: usize, cols: usize) -> Self {
+        SwiGluLayout { rows, cols, gate_stride: cols, up_stride: cols, out_stride: cols }
+    }
+
+    /// Fused `gate_up [rows, 2*cols]` (gate first): pass the same buffer as gate and up; `up` is
+    /// read from offset `cols`.
+    pub fn fused(rows: usize, cols: usize) -> Self {
+        SwiGluLayout { rows, cols, gate_stride: 2 * cols, up_stride: 2 * cols, out_stride: cols }
+    }
+
+    fn need(rows: usize, cols: usize, stride: usize) -> usize {
+        if rows == 0 || cols == 0 {
+            0
+        } else {
+            (rows - 1) * stride + cols
+        }
+    }
+}
+
+impl GpuDevice {
+    /// `out[t, :] = table[ids[t], :]` for a BF16 `table [vocab, hidden]` into f32
+    /// `out [ids.len(), hidden]`. Ids outside `[0, vocab)` give NaN rows.
+    pub fn embedding_gather_f32(
+        &self,
+        table: &impl DevicePtr<u16>,
+        vocab: usize,
+        hidden: usize,
+        ids: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        let n = out.len();
+        let (out_p, _g) = out.device_ptr_mut(self.stream());
+        self.embedding_launch("embedding_gather_bf16_f32", table, vocab, hidden, ids, out_p, n)
+    }
+
+    /// [`GpuDevice::embedding_gather_f32`] into a BF16 `out` (an exact copy of the rows).
+    pub fn embedding_gather_bf16(
+        &self,
+        table: &impl DevicePtr<u16>,
+        vocab: usize,
+        hidden: usize,
+        ids: &impl DevicePtr<i32>,
+        out: &mut impl DevicePtrMut<u16>,
+    ) -> Result<(), GpuError> {
+        let n = out.len();
+        let (out_p, _g) = out.device_ptr_mut(self.stream());
+        self.embedding_launch("embedding_gather_bf16_bf16", table, vocab, hidden, ids, out_p, n)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn embedding_launch(
+        &self,
+        fname: &'static str,
+        table: &impl DevicePtr<u16>,
+        vocab: usize,
+        hidden: usize,
+        ids: &impl DevicePtr<i32>,
+        out_p: u64,
+        out_len: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "embedding_gather";
+        let n = ids.len();
+        check(OP, table.len() == vocab * hidden, || {
+            format!("table has {} elements, not {vocab}x{hidden}", table.len())
+        })?;
+        check(OP, out_len == n * hidden, || format!("out has {out_len} elements, not {n}x{hidden}"))?;
+        if n == 0 || hidden == 0 {
+            return Ok(());
+        }
+        let (n_i, h_i, v_i) = (to_i32(OP, "tokens", n)?, to_i32(OP, "hidden", hidden)?, to_i32(OP, "vocab", vocab)?);
+        let s = self.stream();
+        let (table_p, _g1) = table.device_ptr(s);
+        let (ids_p, _g2) = ids.device_ptr(s);
+        let f = self.function(&EMBEDDING, fname)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&table_p).arg(&ids_p).arg(&out_p).arg(&n_i).arg(&h_i).arg(&v_i);
+        // SAFETY: argument list matches the kernel's signature; lengths checked above.
+        unsafe { b.launch(cfg_rows(n)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// RMSNorm fused with the residual add, over `rows` rows of `hidden`:
+    /// `x += delta` (when a delta is given; f32 or BF16), then `y = x / sqrt(mean(x²) + eps) · w`,
+    /// written to `y_f32` and/or `y_bf16`. With no delta, `x` is left unchanged.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_residual(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        delta_f32: Option<&dyn DevicePtr<f32>>,
+        delta_bf16: Option<&dyn DevicePtr<u16>>,
+        w: &impl DevicePtr<u16>,
+        y_f32: Option<&mut dyn DevicePtrMut<f32>>,
+        y_bf16: Option<&mut dyn DevicePtrMut<u16>>,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "rmsnorm_residual";
+        check(OP, hidden > 0 && x.len() % hidden == 0, || format!("x has {} elements, not rows x {hidden}", x.len()))?;
+        let n = x.len();
+        let rows = n / hidden;
+        check(OP, w.len() == hidden, || format!("weight has {} elements, not {hidden}", w.len()))?;
+        check(OP, delta_f32.is_none() || delta_bf16.is_none(), || "give at most one delta".into())?;
+        check(OP, y_f32.is_some() || y_bf16.is_some(), || "no output given".into())?;
+        let lens = [
+            delta_f32.map(|d| d.len()),
+            delta_bf16.map(|d| d.len()),
+            y_f32.as_ref().map(|y| y.len()),
+            y_bf16.as_ref().map(|y| y.len()),
+        ];
+        check(OP, lens.iter().all(|l| l.is_none_or(|l| l == n)), || format!("x has {n} elements; others {lens:?}"))?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (rows_i, h_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "hidden", hidden)?);
+        let s = self.stream();
+        let (x_p, _g0) = x.device_ptr_mut(s);
+        let (df_p, _g1) = match delta_f32 {
+            Some(d) => {
+                let (p, g) = d.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (db_p, _g2) = match delta_bf16 {
+            Some(d) => {
+                let (p, g) = d.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (w_p, _g3) = w.device_ptr(s);
+        let (yf_p, _g4) = match y_f32 {
+            Some(y) => {
+                let (p, g) = y.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (yb_p, _g5) = match y_bf16 {
+            Some(y) => {
+                let (p, g) = y.device_ptr_mut(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let f = self.function(&RMSNORM, "rmsnorm_residual")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&x_p).arg(&df_p).arg(&db_p).arg(&w_p).arg(&yf_p).arg(&yb_p).arg(&rows_i).arg(&h_i).arg(&eps);
+        // SAFETY: argument list matches the kernel's signature; lengths checked above.
+        unsafe { b.launch(cfg_rows(rows)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_launch(
+        &self,
+        fname: &'static str,
+        x_p: u64,
+        x_len: usize,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+        l: &RopeLayout,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "rope";
+        check(OP, l.rot_dim & 1 == 0 && l.rot_dim > 0, || format!("rot_dim {} must be even and > 0", l.rot_dim))?;
+        check(OP, l.rot_offset + l.rot_dim <= l.head_stride || l.n_heads <= 1, || {
+            format!("rot_offset {} + rot_dim {} exceeds head_stride {}", l.rot_offset, l.rot_dim, l.head_stride)
+        })?;
+        check(OP, l.extent() <= x_len, || format!("layout {l:?} reaches element {} of {x_len}", l.extent()))?;
+        check(OP, positions.len() == l.n_tokens, || {
+            format!("{} positions for {} tokens", positions.len(), l.n_tokens)
+        })?;
+        let half = l.rot_dim / 2;
+        check(OP, cos.len() == max_pos * half && sin.len() == max_pos * half, || {
+            format!("cos/sin have {}/{} elements, not {max_pos}x{half}", cos.len(), sin.len())
+        })?;
+        if l.n_tokens == 0 || l.n_heads == 0 {
+            return Ok(());
+        }
+        let n_i = to_i32(OP, "tokens", l.n_tokens)?;
+        let h_i = to_i32(OP, "heads", l.n_heads)?;
+        to_i32(OP, "heads * rot_dim", l.n_heads * l.rot_dim)?;
+        let (ts, hs) = (l.token_stride as i64, l.head_stride as i64);
+        let (off, rd) = (to_i32(OP, "rot_offset", l.rot_offset)?, to_i32(OP, "rot_dim", l.rot_dim)?);
+        let inter: i32 = (l.pairing == RopePairing::Interleaved) as i32;
+        let mp = to_i32(OP, "max_pos", max_pos)?;
+        let s = self.stream();
+        let (pos_p, _g1) = positions.device_ptr(s);
+        let (cos_p, _g2) = cos.device_ptr(s);
+        let (sin_p, _g3) = sin.device_ptr(s);
+        let f = self.function(&ROPE, fname)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&x_p).arg(&pos_p).arg(&cos_p).arg(&sin_p).arg(&n_i).arg(&h_i).arg(&ts).arg(&hs);
+        b.arg(&off).arg(&rd).arg(&inter).arg(&mp);
+        let cfg = LaunchConfig { grid_dim: (l.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument list matches the kernel's signature; extents checked above.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// RoPE in place on f32 `x` with tables `cos`/`sin` `[max_pos, rot_dim/2]` (f32, computed on
+    /// the host, YaRN included) at `positions[t]`. Positions outside `[0, max_pos)` give NaN.
+    pub fn rope_f32(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+        layout: &RopeLayout,
+    ) -> Result<(), GpuError> {
+        let len = x.len();
+        let (x_p, _g) = x.device_ptr_mut(self.stream());
+        self.rope_launch("rope_f32", x_p, len, positions, cos, sin, max_pos, layout)
+    }
+
+    /// [`GpuDevice::rope_f32`] on BF16 `x` (computed in f32, rounded once).
+    pub fn rope_bf16(
+        &self,
+        x: &mut impl DevicePtrMut<u16>,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+        layout: &RopeLayout,
+    ) -> Result<(), GpuError> {
+        let len = x.len();
+        let (x_p, _g) = x.device_ptr_mut(self.stream());
+        self.rope_launch("rope_bf16", x_p, len, positions, cos, sin, max_pos, layout)
+    }
+
+    /// `out = silu(gate) · up` elementwise over `layout`, all f32. For the fused `gate_up` layout
+    /// ([`SwiGluLayout::fused`]) pass `gate_up` as both `gate` and `up` with `up_offset = cols`;
+    /// otherwise `up_offset = 0`.
+    pub fn silu_mul_f32(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        up_offset: usize,
+        out: &mut impl DevicePtrMut<f32>,
+        layout: &SwiGluLayout,
+    ) -> Result<(), GpuError> {
+        self.silu_mul_launch("silu_mul_f32", 4, gate, up, up_offset, out, layout)
+    }
+
+    /// [`GpuDevice::silu_mul_f32`] with BF16 inputs and output (computed in f32, rounded once).
+    pub fn silu_mul_bf16(
+        &self,
+        gate: &impl DevicePtr<u16>,
+        up: &impl DevicePtr<u16>,
+        up_offset: usize,
+        out: &mut impl DevicePtrMut<u16>,
+        layout: &SwiGluLayout,
+    ) -> Result<(), GpuError> {
+        self.silu_mul_launch("silu_mul_bf16", 2, gate, up, up_offset, out, layout)
+    }
+
+    /// [`GpuDevice::silu_mul_f32`] with f32 inputs and a BF16 output (e.g. straight into a BF16 GEMM).
+    pub fn silu_mul_f32_to_bf16(
+        &self,
+        gate: &impl DevicePtr<f32>,
+        up: &impl DevicePtr<f32>,
+        up_offset: usize,
+        out: &mut impl DevicePtrMut<u16>,
+        layout: &SwiGluLayout,
+    ) -> Result<(), GpuError> {
+        self.silu_mul_launch("silu_mul_f32_bf16", 4, gate, up, up_offset, out, layout)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn silu_mul_launch<In, Out>(
+        &self,
+        fname: &'static str,
+        in_size: usize,
+        gate: &impl DevicePtr<In>,
+        up: &impl DevicePtr<In>,
+        up_offset: usize,
+        out: &mut impl DevicePtrMut<Out>,
+        layout: &SwiGluLayout,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "silu_mul";
+        let l = layout;
+        check(OP, SwiGluLayout::need(l.rows, l.cols, l.gate_stride) <= gate.len(), || {
+            format!("gate has {} elements, layout {l:?} needs more", gate.len())
+        })?;
+        check(OP, up_offset + SwiGluLayout::need(l.rows, l.cols, l.up_stride) <= up.len(), || {
+            format!("up has {} elements, layout {l:?} from offset {up_offset} needs more", up.len())
+        })?;
+        check(OP, SwiGluLayout::need(l.rows, l.cols, l.out_stride) <= out.len(), || {
+            format!("out has {} elements, layout {l:?} needs more", out.len())
+        })?;
+        if l.rows == 0 || l.cols == 0 {
+            return Ok(());
+        }
+        let (r_i, c_i) = (to_i32(OP, "rows", l.rows)?, to_i32(OP, "cols", l.cols)?);
+        let (gs, us, os) = (l.gate_stride as i64, l.up_stride as i64, l.out_stride as i64);
+        let s = self.stream();
+        let (g_p, _g1) = gate.device_ptr(s);
+        let (u_p, _g2) = up.device_ptr(s);
+        let u_p = u_p + (up_offset * in_size) as u64;
+        let (o_p, _g3) = out.device_ptr_mut(s);
+        let f = self.function(&SILU_MUL, fname)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&g_p).arg(&u_p).arg(&o_p).arg(&r_i).arg(&c_i).arg(&gs).arg(&us).arg(&os);
+        // SAFETY: argument list matches the kernel's signature; extents checked above.
+        unsafe { b.launch(cfg_rows(l.rows)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,456 @@
+//! Every kernel against a scalar CPU twin (written here, in plain loops) on random shapes,
+//! ragged ones included. Inputs are pre-rounded to BF16 so the comparison isolates the kernel;
+//! outputs are poisoned with NaN before each launch so an unwritten element fails.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" (past the harness's capture) and passes;
+//! with `KRASIS_REQUIRE_GPU=1` a missing GPU fails instead.
+
+#![allow(clippy::needless_range_loop)] // the scalar twins are plain index loops on purpose
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use krasis_gpu::{
+    DeviceBuffer, GpuDevice, GpuError, RopeLayout, RopePairing, SwiGluLayout, VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
+
+fn gpu(test: &str) -> Option<&'static GpuDevice> {
+    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
+        Ok(info) => {
+            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
+                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
+            let _ = writeln!(
+                std::io::stderr(),
+                "GPU: {}; kernels target {}; NVRTC {:?} from {}; {}",
+                d.info(),
+                d.target(),
+                d.compiler().nvrtc().version(),
+                d.compiler().nvrtc().path(),
+                d.budget()
+            );
+            Ok(d)
+        }
+        Err(e) => Err(e.to_string()),
+    });
+    match d {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            None
+        }
+    }
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Random values exactly representable in BF16.
+fn rand_bf16_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(-1.0f32..1.0) * scale))).collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| f32_to_bf16(x)).collect()
+}
+
+fn from_bf16(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&x| bf16_to_f32(x)).collect()
+}
+
+fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
+    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A buffer of `n` NaNs (f32) so that unwritten outputs fail the comparison.
+fn poisoned_f32(d: &GpuDevice, n: usize) -> DeviceBuffer<f32> {
+    up(d, &vec![f32::NAN; n], "poisoned output")
+}
+
+fn poisoned_bf16(d: &GpuDevice, n: usize) -> DeviceBuffer<u16> {
+    up(d, &vec![0x7fc0u16; n], "poisoned output")
+}
+
+fn down<T: krasis_gpu::cudarc::driver::DeviceRepr + Default + Clone>(d: &GpuDevice, b: &DeviceBuffer<T>) -> Vec<T> {
+    d.download(b).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Every element within `atol + rtol·|want|`; NaN only where NaN is expected. Returns the worst
+/// relative-to-tolerance error for the log.
+fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0.0f32;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w.is_nan() {
+            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
+            continue;
+        }
+        let tol = atol + rtol * w.abs();
+        let err = (g - w).abs();
+        assert!(err <= tol, "{what}[{i}]: got {g}, want {w} (err {err:e} > tol {tol:e})");
+        worst = worst.max(err / tol);
+    }
+    worst
+}
+
+/// BF16 outputs against the twin's f32 value: each within `atol` plus one BF16 ulp (the kernel
+/// and the twin can round last-bit-different f32 values across a rounding boundary), and at most
+/// 5% not bit-identical to the twin rounded (a truncating or otherwise wrong rounding differs in
+/// about half of all elements).
+fn assert_bf16_close(what: &str, got: &[u16], want_f32: &[f32], atol: f32) {
+    assert_eq!(got.len(), want_f32.len(), "{what}: lengths");
+    let mut inexact = 0;
+    for (i, (&g, &w)) in got.iter().zip(want_f32).enumerate() {
+        let gf = bf16_to_f32(g);
+        if w.is_nan() {
+            assert!(gf.is_nan(), "{what}[{i}]: got {gf}, want NaN");
+            continue;
+        }
+        if g != f32_to_bf16(w) {
+            let tol = atol + w.abs() / 128.0;
+            assert!((gf - w).abs() <= tol, "{what}[{i}]: got {gf} ({g:#06x}), want {w} (tol {tol:e})");
+            inexact += 1;
+        }
+    }
+    assert!(inexact * 20 <= got.len().max(20), "{what}: {inexact} of {} elements not the twin rounded", got.len());
+}
+
+// ---------------------------------------------------------------- scalar twins
+
+fn twin_embedding(table: &[u16], vocab: usize, hidden: usize, ids: &[i32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(ids.len() * hidden);
+    for &id in ids {
+        if id < 0 || id as usize >= vocab {
+            out.extend(std::iter::repeat_n(f32::NAN, hidden));
+        } else {
+            let r = id as usize * hidden;
+            out.extend(table[r..r + hidden].iter().map(|&b| bf16_to_f32(b)));
+        }
+    }
+    out
+}
+
+/// Returns (x after the add, y).
+fn twin_rmsnorm(x: &[f32], delta: Option<&[f32]>, w: &[f32], hidden: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let mut xo = x.to_vec();
+    if let Some(d) = delta {
+        for (a, b) in xo.iter_mut().zip(d) {
+            *a += *b;
+        }
+    }
+    let mut y = vec![0.0f32; x.len()];
+    for (xr, yr) in xo.chunks(hidden).zip(y.chunks_mut(hidden)) {
+        let ss: f64 = xr.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let scale = 1.0 / ((ss / hidden as f64) as f32 + eps).sqrt();
+        for i in 0..hidden {
+            yr[i] = xr[i] * scale * w[i];
+        }
+    }
+    (xo, y)
+}
+
+fn twin_rope(x: &mut [f32], positions: &[i32], cos: &[f32], sin: &[f32], max_pos: usize, l: &RopeLayout) {
+    let half = l.rot_dim / 2;
+    for t in 0..l.n_tokens {
+        let p = positions[t];
+        for h in 0..l.n_heads {
+            let base = t * l.token_stride + h * l.head_stride + l.rot_offset;
+            for i in 0..half {
+                let (ia, ib) = match l.pairing {
+                    RopePairing::Interleaved => (base + 2 * i, base + 2 * i + 1),
+                    RopePairing::Halves => (base + i, base + i + half),
+                };
+                if p < 0 || p as usize >= max_pos {
+                    x[ia] = f32::NAN;
+                    x[ib] = f32::NAN;
+                    continue;
+                }
+                let (c, s) = (cos[p as usize * half + i], sin[p as usize * half + i]);
+                let (a, b) = (x[ia], x[ib]);
+                x[ia] = a * c - b * s;
+                x[ib] = b * c + a * s;
+            }
+        }
+    }
+}
+
+fn twin_silu_mul(gate: &[f32], up: &[f32], up_offset: usize, l: &SwiGluLayout) -> Vec<f32> {
+    let mut out = vec![f32::NAN; if l.rows == 0 { 0 } else { (l.rows - 1) * l.out_stride + l.cols }];
+    for r in 0..l.rows {
+        for c in 0..l.cols {
+            let g = gate[r * l.gate_stride + c];
+            let u = up[up_offset + r * l.up_stride + c];
+            out[r * l.out_stride + c] = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    out
+}
+
+/// YaRN-like tables: angle = pos · inv_freq_i, scaled by an attention factor as YaRN does.
+fn rope_tables(max_pos: usize, rot_dim: usize, mscale: f32) -> (Vec<f32>, Vec<f32>) {
+    let half = rot_dim / 2;
+    let mut cos = Vec::with_capacity(max_pos * half);
+    let mut sin = Vec::with_capacity(max_pos * half);
+    for p in 0..max_pos {
+        for i in 0..half {
+            let inv = 10000f64.powf(-(2.0 * i as f64) / rot_dim as f64);
+            let a = p as f64 * inv;
+            cos.push((a.cos() as f32) * mscale);
+            sin.push((a.sin() as f32) * mscale);
+        }
+    }
+    (cos, sin)
+}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn embedding_gather_matches_twin() {
+    let Some(d) = gpu("embedding_gather_matches_twin") else { return };
+    let mut r = rng(1);
+    for (case, &(vocab, hidden, tokens)) in
+        [(1000, 8, 1), (1000, 7, 5), (517, 64, 33), (3000, 2048, 17), (129, 7168, 9), (50, 4099, 130), (10, 1, 3)]
+            .iter()
+            .enumerate()
+    {
+        let table = to_bf16(&rand_bf16_f32(&mut r, vocab * hidden, 2.0));
+        let mut ids: Vec<i32> = (0..tokens).map(|_| r.random_range(0..vocab as i32)).collect();
+        if tokens >= 5 {
+            ids[1] = -1;
+            ids[3] = vocab as i32; // out of range: NaN rows
+            ids[4] = vocab as i32 - 1;
+        }
+        let want = twin_embedding(&table, vocab, hidden, &ids);
+        let t_d = up(d, &table, "embedding table");
+        let ids_d = up(d, &ids, "token ids");
+        let mut out_f = poisoned_f32(d, tokens * hidden);
+        d.embedding_gather_f32(&t_d, vocab, hidden, &ids_d, &mut out_f).unwrap();
+        let got = down(d, &out_f);
+        assert_close(&format!("embedding f32 case {case}"), &got, &want, 0.0, 0.0);
+        let mut out_b = poisoned_bf16(d, tokens * hidden);
+        d.embedding_gather_bf16(&t_d, vocab, hidden, &ids_d, &mut out_b).unwrap();
+        let got = from_bf16(&down(d, &out_b));
+        assert_close(&format!("embedding bf16 case {case}"), &got, &want, 0.0, 0.0);
+    }
+    // Shape errors are errors, not launches.
+    let t_d = up(d, &[0u16; 12], "t");
+    let ids_d = up(d, &[0i32; 2], "ids");
+    let mut o = poisoned_f32(d, 5);
+    let e = d.embedding_gather_f32(&t_d, 3, 4, &ids_d, &mut o).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }), "{e}");
+}
+
+#[test]
+fn rmsnorm_residual_matches_twin() {
+    let Some(d) = gpu("rmsnorm_residual_matches_twin") else { return };
+    let mut r = rng(2);
+    let eps = 1e-6f32;
+    for (case, &(rows, hidden)) in
+        [(1, 1), (1, 7), (3, 64), (17, 128), (5, 1000), (64, 2048), (9, 5120), (2, 7168), (33, 4097)].iter().enumerate()
+    {
+        let n = rows * hidden;
+        let x = rand_bf16_f32(&mut r, n, 4.0);
+        let delta = rand_bf16_f32(&mut r, n, 1.0);
+        let w = rand_bf16_f32(&mut r, hidden, 1.5);
+        let w_d = up(d, &to_bf16(&w), "norm weight");
+
+        // Residual add with an f32 delta; both outputs.
+        let (x_want, y_want) = twin_rmsnorm(&x, Some(&delta), &w, hidden, eps);
+        let mut x_d = up(d, &x, "x");
+        let delta_d = up(d, &delta, "delta");
+        let mut yf = poisoned_f32(d, n);
+        let mut yb = poisoned_bf16(d, n);
+        d.rmsnorm_residual(&mut x_d, Some(&delta_d), None, &w_d, Some(&mut yf), Some(&mut yb), hidden, eps).unwrap();
+        assert_close(&format!("rmsnorm x case {case}"), &down(d, &x_d), &x_want, 0.0, 0.0);
+        let worst = assert_close(&format!("rmsnorm y case {case}"), &down(d, &yf), &y_want, 2e-6, 1e-6);
+        assert_bf16_close(&format!("rmsnorm y bf16 case {case}"), &down(d, &yb), &y_want, 1e-6);
+
+        // BF16 delta.
+        let mut x_d = up(d, &x, "x");
+        let delta_b = up(d, &to_bf16(&delta), "delta bf16");
+        let mut yf = poisoned_f32(d, n);
+        d.rmsnorm_residual(&mut x_d, None, Some(&delta_b), &w_d, Some(&mut yf), None, hidden, eps).unwrap();
+        assert_close(&format!("rmsnorm x (bf16 delta) case {case}"), &down(d, &x_d), &x_want, 0.0, 0.0);
+        assert_close(&format!("rmsnorm y (bf16 delta) case {case}"), &down(d, &yf), &y_want, 2e-6, 1e-6);
+
+        // No delta: plain RMSNorm, x untouched.
+        let (_, y_plain) = twin_rmsnorm(&x, None, &w, hidden, eps);
+        let mut x_d = up(d, &x, "x");
+        let mut yf = poisoned_f32(d, n);
+        d.rmsnorm_residual(&mut x_d, None, None, &w_d, Some(&mut yf), None, hidden, eps).unwrap();
+        assert_close(&format!("rmsnorm plain x case {case}"), &down(d, &x_d), &x, 0.0, 0.0);
+        assert_close(&format!("rmsnorm plain y case {case}"), &down(d, &yf), &y_plain, 2e-6, 1e-6);
+        eprintln!("rmsnorm case {case} rows={rows} hidden={hidden}: worst err/tol {worst:.3}");
+    }
+}
+
+#[test]
+fn rope_matches_twin_for_both_pairings() {
+    let Some(d) = gpu("rope_matches_twin_for_both_pairings") else { return };
+    let mut r = rng(3);
+    let max_pos = 4096;
+    // (name, layout, buffer length)
+    let mut cases: Vec<(&str, RopeLayout, usize)> = Vec::new();
+    for pairing in [RopePairing::Halves, RopePairing::Interleaved] {
+        // Qwen3-like q: [T, 32 heads, 128], all dims rotated.
+        cases.push(("contiguous 32x128", RopeLayout::contiguous(19, 32, 128, pairing), 19 * 32 * 128));
+        // DeepSeek q: heads of 192 = 128 nope + 64 rope at the end.
+        let l = RopeLayout {
+            n_tokens: 7,
+            n_heads: 16,
+            token_stride: 16 * 192,
+            head_stride: 192,
+            rot_offset: 128,
+            rot_dim: 64,
+            pairing,
+        };
+        cases.push(("mla q_pe", l, 7 * 16 * 192));
+        // DeepSeek k_pe inside the [T, 576] latent row (512 latent + 64 rope).
+        let l = RopeLayout {
+            n_tokens: 33,
+            n_heads: 1,
+            token_stride: 576,
+            head_stride: 576,
+            rot_offset: 512,
+            rot_dim: 64,
+            pairing,
+        };
+        cases.push(("mla k_pe", l, 33 * 576));
+        // Ragged: 3 heads of 10 with 6 rotated dims starting at 2, 1 token; and 130 tokens of 1x2.
+        let l = RopeLayout {
+            n_tokens: 5,
+            n_heads: 3,
+            token_stride: 31,
+            head_stride: 10,
+            rot_offset: 2,
+            rot_dim: 6,
+            pairing,
+        };
+        cases.push(("ragged", l, 5 * 31));
+        cases.push(("tiny", RopeLayout::contiguous(130, 1, 2, pairing), 130 * 2));
+    }
+    for (case, (name, l, len)) in cases.iter().enumerate() {
+        let (cos, sin) = rope_tables(max_pos, l.rot_dim, 1.0 + 0.1 * (case % 3) as f32);
+        let mut positions: Vec<i32> = (0..l.n_tokens).map(|_| r.random_range(0..max_pos as i32)).collect();
+        positions[0] = 0;
+        if l.n_tokens > 2 {
+            positions[l.n_tokens - 1] = max_pos as i32 - 1;
+            positions[1] = max_pos as i32; // out of range: NaN in the rotated slice only
+        }
+        let x = rand_bf16_f32(&mut r, *len, 3.0);
+        let mut want = x.clone();
+        twin_rope(&mut want, &positions, &cos, &sin, max_pos, l);
+        let (cos_d, sin_d, pos_d) = (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &positions, "positions"));
+
+        let mut x_d = up(d, &x, "x");
+        d.rope_f32(&mut x_d, &pos_d, &cos_d, &sin_d, max_pos, l).unwrap();
+        let what = format!("rope f32 {name} {:?}", l.pairing);
+        let worst = assert_close(&what, &down(d, &x_d), &want, 1e-6, 4e-6);
+
+        let mut xb_d = up(d, &to_bf16(&x), "x bf16");
+        d.rope_bf16(&mut xb_d, &pos_d, &cos_d, &sin_d, max_pos, l).unwrap();
+        assert_bf16_close(&format!("rope bf16 {name} {:?}", l.pairing), &down(d, &xb_d), &want, 4e-6);
+        eprintln!("{what}: worst err/tol {worst:.3}");
+    }
+    // A layout that runs past the buffer is refused.
+    let mut x_d = up(d, &[0.0f32; 100], "x");
+    let (cos, sin) = rope_tables(8, 4, 1.0);
+    let (cos_d, sin_d, pos_d) = (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &[0i32; 3], "pos"));
+    let bad = RopeLayout::contiguous(3, 10, 4, RopePairing::Halves);
+    let e = d.rope_f32(&mut x_d, &pos_d, &cos_d, &sin_d, 8, &bad).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }), "{e}");
+}
+
+#[test]
+fn silu_mul_matches_twin() {
+    let Some(d) = gpu("silu_mul_matches_twin") else { return };
+    let mut r = rng(4);
+    for (case, &(rows, cols)) in [(1, 1), (3, 7), (17, 1408), (64, 333), (5, 10944), (130, 64)].iter().enumerate() {
+        // Separate f32 gate/up -> f32 and -> bf16.
+        let l = SwiGluLayout::separate(rows, cols);
+        let g = rand_bf16_f32(&mut r, rows * cols, 8.0);
+        let u = rand_bf16_f32(&mut r, rows * cols, 2.0);
+        let want = twin_silu_mul(&g, &u, 0, &l);
+        let (g_d, u_d) = (up(d, &g, "gate"), up(d, &u, "up"));
+        let mut o = poisoned_f32(d, rows * cols);
+        d.silu_mul_f32(&g_d, &u_d, 0, &mut o, &l).unwrap();
+        let worst = assert_close(&format!("silu f32 case {case}"), &down(d, &o), &want, 2e-6, 1e-7);
+        let mut ob = poisoned_bf16(d, rows * cols);
+        d.silu_mul_f32_to_bf16(&g_d, &u_d, 0, &mut ob, &l).unwrap();
+        assert_bf16_close(&format!("silu f32->bf16 case {case}"), &down(d, &ob), &want, 1e-7);
+
+        // Fused BF16 gate_up [rows, 2*cols] -> BF16.
+        let l = SwiGluLayout::fused(rows, cols);
+        let gu = rand_bf16_f32(&mut r, rows * 2 * cols, 8.0);
+        let want = twin_silu_mul(&gu, &gu, cols, &l);
+        let gu_d = up(d, &to_bf16(&gu), "gate_up");
+        let mut ob = poisoned_bf16(d, rows * cols);
+        d.silu_mul_bf16(&gu_d, &gu_d, cols, &mut ob, &l).unwrap();
+        assert_bf16_close(&format!("silu fused bf16 case {case}"), &down(d, &ob), &want, 1e-7);
+        eprintln!("silu case {case} rows={rows} cols={cols}: worst err/tol {worst:.3}");
+    }
+}
+
+#[test]
+fn vram_budget_refuses_instead_of_oom() {
+    let Some(d) = gpu("vram_budget_refuses_instead_of_oom") else { return };
+    let info = d.info();
+    let free = info.free_bytes.unwrap();
+    // auto = free at open minus the named margin.
+    assert_eq!(d.budget().budget(), free.saturating_sub(AUTO_VRAM_SAFETY_MARGIN));
+
+    // A small explicit budget on a second handle to the same GPU.
+    let small = GpuDevice::open(info.ordinal, VramBudgetSpec::Bytes(1 << 20)).unwrap();
+    let a = small.alloc_zeros::<f32>(200_000, "activations").unwrap(); // 800 KB
+    let e = small.alloc_zeros::<f32>(100_000, "the KV cache").unwrap_err(); // +400 KB > 1 MiB
+    let msg = e.to_string();
+    assert!(matches!(e, GpuError::VramBudget { requested: 400_000, .. }), "{e:?}");
+    assert!(msg.contains("the KV cache") && !msg.contains('\n'), "{msg}");
+    eprintln!("budget refusal: {msg}");
+    drop(a);
+    let b = small.alloc_zeros::<f32>(100_000, "the KV cache").unwrap();
+    assert_eq!(small.budget().used(), b.charged_bytes());
+
+    // Asking for more than the whole card: refused at open, in one line.
+    let e = GpuDevice::open(info.ordinal, VramBudgetSpec::Bytes(info.total_bytes * 2)).unwrap_err();
+    assert!(matches!(e, GpuError::BudgetAboveFree { .. }), "{e:?}");
+    eprintln!("budget above free: {e}");
+    // A huge allocation under auto: a budget error, not a CUDA OOM.
+    let e = d.alloc_zeros::<u8>(info.total_bytes as usize + (1 << 30), "a too-large tensor").unwrap_err();
+    assert!(matches!(e, GpuError::VramBudget { .. }), "{e:?}");
+}
+
+#[test]
+fn events_time_a_kernel_and_kernels_are_cached() {
+    let Some(d) = gpu("events_time_a_kernel_and_kernels_are_cached") else { return };
+    d.warm_up_kernels().unwrap();
+    let (start, end) = (d.new_event(true).unwrap(), d.new_event(true).unwrap());
+    let (rows, cols) = (4096, 4096);
+    let mut r = rng(5);
+    let g = up(d, &rand_bf16_f32(&mut r, rows * cols, 4.0), "gate");
+    let mut o = d.alloc_zeros::<f32>(rows * cols, "out").unwrap();
+    start.record(d.stream()).unwrap();
+    d.silu_mul_f32(&g, &g, 0, &mut o, &SwiGluLayout::separate(rows, cols)).unwrap();
+    end.record(d.stream()).unwrap();
+    end.synchronize().unwrap();
+    let ms = start.elapsed_ms(&end).unwrap();
+    let gbs = (3 * rows * cols * 4) as f64 / (ms as f64 * 1e-3) / 1e9;
+    eprintln!("silu_mul_f32 {rows}x{cols} (cold-ish, one launch): {ms:.3} ms, {gbs:.0} GB/s");
+    assert!(ms > 0.0);
+    // A second device handle finds every kernel in the disk cache.
+    let again = GpuDevice::open(d.info().ordinal, VramBudgetSpec::Auto).unwrap();
+    again.warm_up_kernels().unwrap();
+    let s = again.kernel_cache_stats();
+    eprintln!("kernel cache on reopen: {s:?}");
+    if d.compiler().cache_dir().is_some() {
+        assert_eq!((s.hits, s.misses), (krasis_gpu::kernels::ALL.len() as u64, 0));
+    }
+}

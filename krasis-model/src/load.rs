@@ -1,0 +1,102 @@
+//! Loading a model for a chosen precision: the reference path, or quantised experts from the
+//! expert cache (built on first use) and optionally quantised dense weights, on a pinned pool.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use krasis_cache::CacheOutcome;
+use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_quant::group::DEFAULT_GROUP_SIZE;
+
+use crate::config::load_config;
+use crate::engine::experts::ExpertExecutor;
+use crate::engine::{reference_dense, Model};
+use crate::error::{ModelError, Result};
+use crate::linear::{DenseLinear, LinearOp};
+use crate::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::source::SafetensorsDir;
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub expert_bits: WeightBits,
+    pub dense_bits: WeightBits,
+    /// Preferred quantisation group along K (halved while a dimension is not divisible, ≥ 32).
+    pub group_size: usize,
+    pub cache_dir: Option<PathBuf>,
+    /// Worker threads (default: one per physical core).
+    pub threads: Option<usize>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            expert_bits: WeightBits::Bf16,
+            dense_bits: WeightBits::Bf16,
+            group_size: DEFAULT_GROUP_SIZE,
+            cache_dir: None,
+            threads: None,
+        }
+    }
+}
+
+/// A loaded model and what loading did, for logs and benchmarks.
+pub struct Loaded {
+    pub model: Model,
+    /// Human-readable lines: pool, cache hit/build and its load speed, huge pages, NUMA.
+    pub log: Vec<String>,
+    /// Bytes of one routed expert as executed (for bytes-per-token arithmetic).
+    pub expert_bytes: u64,
+    pub pool: Option<Arc<WorkerPool>>,
+}
+
+fn make_pool(threads: Option<usize>) -> Result<Arc<WorkerPool>> {
+    let plan = PoolPlan::from_system(&krasis_core::hw::probe(), threads);
+    WorkerPool::new(plan).map(Arc::new).map_err(|e| ModelError::Invalid(format!("starting the worker pool: {e}")))
+}
+
+pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
+    let spec = load_config(dir)?;
+    let source = SafetensorsDir::open(dir)?;
+    let mut log = Vec::new();
+    let quantised = opts.expert_bits != WeightBits::Bf16 || opts.dense_bits != WeightBits::Bf16;
+    let pool = if quantised { Some(make_pool(opts.threads)?) } else { None };
+    if let Some(p) = &pool {
+        log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
+    }
+    let moe_per_expert =
+        spec.moe.as_ref().map_or(0, |m| 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64 * 2);
+    let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (opts.expert_bits.quant_bits(), &pool) {
+        (Some(bits), Some(pool)) if spec.moe.is_some() => {
+            let t = Instant::now();
+            let (cache, outcome) =
+                open_expert_cache(dir, &spec, &source, bits, opts.group_size, opts.cache_dir.as_deref(), pool)?;
+            match &outcome {
+                CacheOutcome::Hit => log.push(format!("expert cache hit: {}", cache.path().display())),
+                CacheOutcome::Built { reason } => {
+                    log.push(format!("expert cache built ({reason}): {}", cache.path().display()))
+                }
+            }
+            log.push(format!("{} ({:.2} s)", krasis_cache::describe(&cache), t.elapsed().as_secs_f64()));
+            let ex = CpuQuantExperts::new(cache, &spec, pool.clone())?;
+            let bytes = ex.expert_bytes();
+            (Some(Box::new(ex)), bytes)
+        }
+        _ => (None, moe_per_expert),
+    };
+    let dense_bits = opts.dense_bits.quant_bits();
+    let group = opts.group_size;
+    let quant_dense = |l: DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
+        match (dense_bits, &pool) {
+            (Some(bits), Some(pool)) => Ok(Box::new(QuantLinear::from_dense(&l, bits, group, pool.clone(), name)?)),
+            _ => reference_dense(l, name),
+        }
+    };
+    let t = Instant::now();
+    let model = Model::from_source(spec, &source, &quant_dense, experts)?;
+    if dense_bits.is_some() {
+        log.push(format!("dense weights quantised to {:?} in {:.2} s", opts.dense_bits, t.elapsed().as_secs_f64()));
+    }
+    log.push(format!("routed experts: {}", model.expert_executor().describe()));
+    Ok(Loaded { model, log, expert_bytes, pool })
+}

@@ -1,0 +1,292 @@
+//! Quantised CPU weights: the routed experts from the on-disk expert cache, and dense matrices
+//! (`--cpu-dense-bits`) quantised at load. Both run through the same packed kernels over the
+//! pinned worker pool.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LoadOptions};
+use krasis_cpu::isa::{self, Isa};
+use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, PoolMatmul};
+use krasis_cpu::pool::WorkerPool;
+use krasis_quant::cpu_layout::{pack, pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
+use krasis_quant::group::{group_size_for, quantize};
+use krasis_quant::Bits;
+use rayon::prelude::*;
+
+use crate::engine::experts::{ExpertExecutor, Routes};
+use crate::error::{ModelError, Result};
+use crate::linear::{DenseLinear, LinearOp};
+use crate::source::{fnv1a, SafetensorsDir};
+use crate::spec::{FfnKind, ModelSpec};
+use crate::weights::WeightLoader;
+
+/// Name of the packed layout stored in caches (bump when `krasis_quant::cpu_layout` changes).
+pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
+
+/// Precision of a class of CPU weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightBits {
+    /// The source weights, unquantised (the reference path).
+    Bf16,
+    Int8,
+    Int4,
+}
+
+impl WeightBits {
+    pub fn quant_bits(self) -> Option<Bits> {
+        match self {
+            WeightBits::Bf16 => None,
+            WeightBits::Int8 => Some(Bits::Int8),
+            WeightBits::Int4 => Some(Bits::Int4),
+        }
+    }
+}
+
+fn quant_err(what: &str, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Invalid(format!("{what}: {e}"))
+}
+
+/// Rows of `m` converted to f32, in parallel.
+fn rows_f32(m: &DenseLinear) -> Vec<f32> {
+    let k = m.in_dim();
+    let mut out = vec![0f32; m.out_dim() * k];
+    out.par_chunks_mut(k).enumerate().for_each(|(r, row)| m.row_into(r, row));
+    out
+}
+
+/// A dense matrix quantised at load to the packed CPU layout.
+pub struct QuantLinear {
+    layout: PackedLayout,
+    packed: Vec<u8>,
+    pool: Arc<WorkerPool>,
+    matmul: PoolMatmul,
+    isa: Isa,
+}
+
+/// Rows quantised and packed per task (whole row blocks, so chunks concatenate to the full pack).
+const QUANTIZE_ROWS_PER_TASK: usize = 64 * ROW_BLOCK;
+
+impl QuantLinear {
+    pub fn from_dense(m: &DenseLinear, bits: Bits, group: usize, pool: Arc<WorkerPool>, name: &str) -> Result<Self> {
+        let (rows, k) = (m.out_dim(), m.in_dim());
+        let gs = group_size_for(k, group).map_err(|e| quant_err(name, e))?;
+        let layout = PackedLayout::new(rows, k, gs, bits).map_err(|e| quant_err(name, e))?;
+        let w = rows_f32(m);
+        let chunks: Vec<Vec<u8>> =
+            w.par_chunks(QUANTIZE_ROWS_PER_TASK * k).map(|c| pack(&quantize(c, c.len() / k, k, bits, gs))).collect();
+        let packed = chunks.concat();
+        debug_assert_eq!(packed.len(), layout.bytes());
+        Ok(QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() })
+    }
+}
+
+impl LinearOp for QuantLinear {
+    fn in_dim(&self) -> usize {
+        self.layout.k
+    }
+
+    fn out_dim(&self) -> usize {
+        self.layout.rows
+    }
+
+    fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
+        self.matmul.run(&self.pool, self.isa, &self.packed, &self.layout, x, m, y);
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.packed.len()
+    }
+}
+
+/// Identity of the model for cache keys: config.json bytes and the weight files' headers.
+pub fn model_hash(dir: &Path, source: &SafetensorsDir) -> Result<u64> {
+    let cfg_path = dir.join("config.json");
+    let cfg = std::fs::read(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+    Ok(fnv1a(fnv1a(0, &cfg), &source.fingerprint().to_le_bytes()))
+}
+
+/// What the expert cache must contain for this model and precision.
+pub fn expected_cache_header(spec: &ModelSpec, config_hash: u64, bits: Bits, group: usize) -> Result<CacheHeader> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    let gs_h = group_size_for(h, group).map_err(|e| quant_err("hidden_size", e))?;
+    let gs_i = group_size_for(i, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    if !i.is_multiple_of(ROW_BLOCK) {
+        return Err(ModelError::Invalid(format!(
+            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
+        )));
+    }
+    let w13 = PackedLayout::new(2 * i, h, gs_h, bits).map_err(|e| quant_err("w13", e))?;
+    let w2 = PackedLayout::new(h, i, gs_i, bits).map_err(|e| quant_err("w2", e))?;
+    Ok(CacheHeader {
+        format_version: krasis_cache::FORMAT_VERSION,
+        layout: CPU_LAYOUT_NAME.into(),
+        config_hash,
+        bits: bits.bits() as u8,
+        group_size_hidden: gs_h as u32,
+        group_size_intermediate: gs_i as u32,
+        hidden: h as u32,
+        intermediate: i as u32,
+        n_experts: moe.n_routed_experts as u32,
+        moe_layers: spec.moe_layers().map(|l| l as u32).collect(),
+        w13_bytes: w13.bytes() as u64,
+        w2_bytes: w2.bytes() as u64,
+    })
+}
+
+fn layouts(h: &CacheHeader, bits: Bits) -> (PackedLayout, PackedLayout) {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    (
+        PackedLayout::new(2 * i, hid, h.group_size_hidden as usize, bits).expect("validated header"),
+        PackedLayout::new(hid, i, h.group_size_intermediate as usize, bits).expect("validated header"),
+    )
+}
+
+/// Quantise and pack one expert into a cache record (`w13` then `w2`).
+fn expert_record(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    h: &CacheHeader,
+    layer: usize,
+    e: usize,
+    bits: Bits,
+) -> Result<Vec<u8>> {
+    let (hid, i) = (spec.hidden_size, h.intermediate as usize);
+    let p = format!("{}.mlp.experts.{e}", ModelSpec::layer_prefix(layer));
+    let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
+    let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
+    let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
+    let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+    let mut rec = vec![0u8; (h.w13_bytes + h.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(h.w13_bytes as usize);
+    pack_w13_into(&quantize(&gate, i, hid, bits, gs_h), &quantize(&up, i, hid, bits, gs_h), a)
+        .map_err(|e| quant_err(&p, e))?;
+    pack_into(&quantize(&down, hid, i, bits, gs_i), b).map_err(|e| quant_err(&p, e))?;
+    Ok(rec)
+}
+
+/// Where the cache of this precision lives.
+pub fn cache_path(model_dir: &Path, cache_dir: Option<&Path>, bits: Bits, group: usize) -> PathBuf {
+    let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| krasis_cache::default_cache_dir(model_dir));
+    dir.join(krasis_cache::cache_file_name(bits.bits() as u8, group as u32))
+}
+
+/// Open the expert cache, building it (with a progress bar) when missing, stale or damaged.
+pub fn open_expert_cache(
+    model_dir: &Path,
+    spec: &ModelSpec,
+    source: &SafetensorsDir,
+    bits: Bits,
+    group: usize,
+    cache_dir: Option<&Path>,
+    pool: &WorkerPool,
+) -> Result<(ExpertCache, CacheOutcome)> {
+    let header = expected_cache_header(spec, model_hash(model_dir, source)?, bits, group)?;
+    let path = cache_path(model_dir, cache_dir, bits, group);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    }
+    let loader = WeightLoader::new(source, &spec.source_quant);
+    let layers = header.moe_layers.clone();
+    let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
+        expert_record(&loader, spec, &header, layers[li] as usize, e, bits).map_err(|err| err.to_string())
+    };
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("converting experts {bar:40} {bytes}/{total_bytes} {msg} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let progress = |p: krasis_cache::BuildProgress| {
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_done);
+        bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
+    };
+    let nodes = pool.nodes();
+    let placement = |_li: usize, e: usize| -> Option<usize> { (nodes > 1).then(|| pool.os_node(e % nodes)) };
+    let load = LoadOptions { placement: Some(&placement), ..LoadOptions::default() };
+    let r = open_or_build(&path, &header, &produce, &progress, load).map_err(|e| ModelError::Invalid(e.to_string()));
+    bar.finish_and_clear();
+    r
+}
+
+/// Routed experts from the cache, on the pinned pool (INT4/INT8).
+pub struct CpuQuantExperts {
+    cache: ExpertCache,
+    pool: Arc<WorkerPool>,
+    runner: PoolExperts,
+    /// Model layer → index into the cache's MoE layers.
+    moe_index: Vec<Option<usize>>,
+    hidden: usize,
+    isa: Isa,
+    bits: Bits,
+}
+
+impl CpuQuantExperts {
+    pub fn new(cache: ExpertCache, spec: &ModelSpec, pool: Arc<WorkerPool>) -> Result<Self> {
+        let h = cache.header().clone();
+        let bits =
+            Bits::from_bits(h.bits as u32).ok_or_else(|| ModelError::Invalid(format!("cache bits {}", h.bits)))?;
+        let (l13, l2) = layouts(&h, bits);
+        let mut moe_index = vec![None; spec.num_layers];
+        for (li, &l) in h.moe_layers.iter().enumerate() {
+            moe_index[l as usize] = Some(li);
+        }
+        debug_assert!(spec.layers.iter().enumerate().all(|(l, k)| matches!(k, FfnKind::Moe) == moe_index[l].is_some()));
+        Ok(CpuQuantExperts {
+            runner: PoolExperts::new(&pool, l13, l2),
+            cache,
+            pool,
+            moe_index,
+            hidden: spec.hidden_size,
+            isa: isa::active(),
+            bits,
+        })
+    }
+
+    pub fn cache(&self) -> &ExpertCache {
+        &self.cache
+    }
+
+    /// Bytes of one expert record (w13 + w2) read per activation.
+    pub fn expert_bytes(&self) -> u64 {
+        self.cache.header().w13_bytes + self.cache.header().w2_bytes
+    }
+}
+
+impl ExpertExecutor for CpuQuantExperts {
+    fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
+        let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
+        let n = self.cache.header().n_experts as usize;
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
+        for tok in 0..t {
+            for j in 0..routes.k {
+                let s = tok * routes.k + j;
+                by_expert[routes.ids[s]].push((tok, routes.weights[s]));
+            }
+        }
+        let nodes = self.pool.nodes();
+        let jobs: Vec<ExpertJob<'_>> = by_expert
+            .iter()
+            .enumerate()
+            .filter(|(_, toks)| !toks.is_empty())
+            .map(|(e, toks)| ExpertJob {
+                weights: ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % nodes },
+                tokens: toks,
+            })
+            .collect();
+        self.runner.run(&self.pool, self.isa, x, self.hidden, &jobs, out);
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu int{} g{}/{} {} on {}",
+            self.bits.bits(),
+            self.cache.header().group_size_hidden,
+            self.cache.header().group_size_intermediate,
+            self.isa.name(),
+            self.pool.describe()
+        )
+    }
+}

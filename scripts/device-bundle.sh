@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build here what the GPU box needs (it has no Rust and no network) into device-bundle/:
+# the krasis binary, the CPU/quant/GPU test binaries, criterion benches, the HF oracle fixtures
+# and scripts/device-run.sh. Then run it there with the device tool:
+#   run(command="bash device-bundle/device-run.sh", carry=["device-bundle"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=device-bundle
+rm -rf "$out" && mkdir -p "$out/bin" "$out/tests"
+cargo build --release -p krasis-cli
+cp target/release/krasis "$out/bin/"
+# Test and bench executables, located through cargo's JSON messages.
+exes() {
+    cargo "$@" --release --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] != ["bin"]:
+        print(m["target"]["name"], m["executable"])'
+}
+exes test -p krasis-cpu -p krasis-quant -p krasis-core -p krasis-gpu -p krasis-tests --lib --tests | while read -r name exe; do
+    cp "$exe" "$out/tests/$name-$(basename "$(dirname "$exe")")-$(basename "$exe" | tr -cd 'a-z0-9_-')"
+done
+strip "$out"/bin/* "$out"/tests/*
+fixtures="${KRASIS_FIXTURES:-../shared/fixtures}"
+[ -d "$fixtures" ] && cp -r "$fixtures" "$out/fixtures"
+cp -r krasis-gpu/kernels "$out/kernels" 2>/dev/null || true
+cp scripts/device-run.sh "$out/"
+du -sh "$out"
