@@ -109,10 +109,16 @@ fn extras(s: &Setup) {
     let (pool, rp) = (&s.pool, &s.rayon);
     let t = pool.threads();
     println!("pool: {}", pool.describe());
-    let bytes = membw::default_probe_bytes(&probe());
-    match membw::read_bandwidth(pool, bytes, 7) {
-        Ok(r) => println!("{}; per rep GB/s: {:.1?}", r.summary(), r.per_rep),
-        Err(e) => println!("membw probe failed: {e}"),
+    // KRASIS_MEMBW_MIB=512,2048,8192 probes several sizes (to see where caches stop helping).
+    let sizes: Vec<usize> = match std::env::var("KRASIS_MEMBW_MIB") {
+        Ok(v) => v.split(',').filter_map(|m| m.trim().parse::<usize>().ok()).map(|m| m << 20).collect(),
+        Err(_) => vec![membw::default_probe_bytes(&probe())],
+    };
+    for bytes in sizes {
+        match membw::read_bandwidth(pool, bytes, 7) {
+            Ok(r) => println!("{}; per rep GB/s: {:.1?}", r.summary(), r.per_rep),
+            Err(e) => println!("membw probe failed: {e}"),
+        }
     }
     for gap in [Duration::from_micros(200), SPIN_BEFORE_PARK * 3] {
         let (pm, p9) = cold(gap, || pool.run(t, &|i, _| noop(i)));

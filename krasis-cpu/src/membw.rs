@@ -34,6 +34,27 @@ pub fn default_probe_bytes(r: &SystemReport) -> usize {
     }
 }
 
+/// The largest cache of CPU 0 per sysfs (`/sys/devices/system/cpu/cpu0/cache/index*/size`), in
+/// bytes. Inside VMs this may be the host's whole L3, shared with other guests.
+pub fn llc_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("size")).ok())
+        .filter_map(|s| parse_cache_size(&s))
+        .max()
+}
+
+/// "32768K", "300M", "1G" or plain bytes.
+fn parse_cache_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.trim().parse::<usize>().ok()?.checked_mul(mult)
+}
+
 /// What the probe measured.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MembwReport {
@@ -54,6 +75,8 @@ pub struct MembwReport {
     pub slices_bound: usize,
     /// Bytes in transparent huge pages after first touch (`None`: unreadable).
     pub huge_bytes: Option<u64>,
+    /// Size of the last-level cache as sysfs reports it (see [`llc_bytes`]).
+    pub llc_bytes: Option<usize>,
 }
 
 impl MembwReport {
@@ -63,9 +86,17 @@ impl MembwReport {
             Some(b) => format!("{:.2} GiB in huge pages", b as f64 / (1u64 << 30) as f64),
             None => "huge pages unknown".to_owned(),
         };
+        let llc = match self.llc_bytes {
+            Some(l) if l > 0 => {
+                let x = self.bytes as f64 / l as f64;
+                let warn = if x < 4.0 { " — TOO SMALL, caches inflate the figure" } else { "" };
+                format!(", {x:.1}× the {} MiB last-level cache{warn}", l >> 20)
+            }
+            _ => String::new(),
+        };
         format!(
-            "memory read bandwidth: {:.1} GB/s best, {:.1} GB/s median of {} reps over {:.2} GiB, {} {} workers ({}), \
-             {}/{} slices node-bound, {huge}",
+            "memory read bandwidth: {:.1} GB/s best, {:.1} GB/s median of {} reps over {:.2} GiB{llc}, {} {} workers \
+             ({}), {}/{} slices node-bound, {huge}",
             self.gb_per_s,
             self.median_gb_per_s,
             self.per_rep.len(),
@@ -157,6 +188,7 @@ pub fn read_bandwidth_with(pool: &WorkerPool, bytes: usize, reps: usize, isa: Is
         pinned: pool.is_pinned(),
         slices_bound,
         huge_bytes,
+        llc_bytes: llc_bytes(),
     })
 }
 
@@ -271,6 +303,16 @@ mod tests {
                 assert!(r.per_rep.iter().all(|&g| g > 0.0 && g <= r.gb_per_s));
             }
         }
+    }
+
+    #[test]
+    fn cache_sizes_parse() {
+        assert_eq!(parse_cache_size("32768K\n"), Some(32 << 20));
+        assert_eq!(parse_cache_size("300M"), Some(300 << 20));
+        assert_eq!(parse_cache_size("1G"), Some(1 << 30));
+        assert_eq!(parse_cache_size("4096"), Some(4096));
+        assert_eq!(parse_cache_size("x"), None);
+        assert_eq!(parse_cache_size(""), None);
     }
 
     #[test]
