@@ -124,21 +124,42 @@ fn split(nb: usize, t: usize) -> Vec<Range<usize>> {
     (0..t).map(|i| nb * i / t..nb * (i + 1) / t).collect()
 }
 
-/// Pin the calling thread to CPU `cpu` (Linux; best effort), as the decode pool pins its workers.
-/// `KRASIS_BENCH_PIN=0` turns it off.
-fn pin(cpu: usize) {
-    #[cfg(target_os = "linux")]
-    if std::env::var("KRASIS_BENCH_PIN").map(|v| v != "0").unwrap_or(true) {
-        // SAFETY: a zeroed cpu_set_t is valid; CPU_SET stays in bounds for cpu < CPU_SETSIZE.
-        unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            libc::CPU_SET(cpu % libc::CPU_SETSIZE as usize, &mut set);
-            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-        }
+/// Pin the calling thread to CPU `cpu` (Linux; best effort), as the decode pool pins its workers,
+/// returning the previous affinity for [`unpin`]. `KRASIS_BENCH_PIN=0` turns it off.
+#[cfg(target_os = "linux")]
+fn pin(cpu: usize) -> Option<libc::cpu_set_t> {
+    if std::env::var("KRASIS_BENCH_PIN").map(|v| v == "0").unwrap_or(false) {
+        return None;
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = cpu;
+    // SAFETY: zeroed cpu_set_t values are valid; CPU_SET stays in bounds (cpu < CPU_SETSIZE).
+    unsafe {
+        let size = std::mem::size_of::<libc::cpu_set_t>();
+        let mut old: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, size, &mut old) != 0 {
+            return None;
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu % libc::CPU_SETSIZE as usize, &mut set);
+        libc::sched_setaffinity(0, size, &set);
+        Some(old)
+    }
 }
+
+#[cfg(target_os = "linux")]
+fn unpin(old: Option<libc::cpu_set_t>) {
+    if let Some(old) = old {
+        // SAFETY: restores a mask read by sched_getaffinity.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &old) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pin(_cpu: usize) -> Option<()> {
+    None
+}
+
+#[cfg(not(target_os = "linux"))]
+fn unpin(_old: Option<()>) {}
 
 /// Run `work(thread, iteration)` for `iters` iterations on `threads` threads (barrier between
 /// iterations), returning the time of the iterations alone.
@@ -155,7 +176,7 @@ fn timed_parallel(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Sync)
         for t in 1..threads {
             let barrier = &barrier;
             s.spawn(move || {
-                pin(t);
+                let _ = pin(t);
                 barrier.wait();
                 for it in 0..iters {
                     work(t, it);
@@ -163,14 +184,16 @@ fn timed_parallel(threads: usize, iters: u64, work: &(dyn Fn(usize, u64) + Sync)
                 }
             });
         }
-        pin(0);
+        let saved = pin(0);
         barrier.wait();
         let t0 = Instant::now();
         for it in 0..iters {
             work(0, it);
             barrier.wait();
         }
-        t0.elapsed()
+        let dt = t0.elapsed();
+        unpin(saved); // the main thread gets its full affinity back (criterion, thread counts)
+        dt
     })
 }
 
@@ -284,7 +307,8 @@ fn bench_one(
 }
 
 fn thread_counts() -> Vec<usize> {
-    let all = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    static ALL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let all = *ALL.get_or_init(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     if all > 1 {
         vec![1, all]
     } else {

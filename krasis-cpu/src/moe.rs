@@ -19,17 +19,25 @@ use crate::isa::Isa;
 use crate::pool::WorkerPool;
 use crate::quant::{matmul_packed, quantize_acts, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK};
 
-/// Row-block pairs of w13 per task: 4 pairs = 128 rows; V2-Lite (1408 intermediate) gives 22
-/// tasks per expert, enough to balance 16 workers over top-6 experts without tiny tasks.
-const W13_PAIRS_PER_TASK: usize = 4;
-/// Row blocks of w2 (or a dense matrix) per task: 128 rows, ~128 KB of INT4 weights at K=2048.
-const BLOCKS_PER_TASK: usize = 8;
+/// Tasks per worker a dispatch aims for: fewer leaves workers idle in the last round (one V2-Lite
+/// expert's w13 in 4-pair tasks kept 16 workers only 69 % busy, measured), more pays the atomic
+/// claim per task for nothing.
+const TASKS_PER_WORKER: usize = 4;
+
+/// Units (row blocks or block pairs) per task for `total` units over `workers`.
+fn units_per_task(total: usize, workers: usize) -> usize {
+    (total / (TASKS_PER_WORKER * workers.max(1))).max(1)
+}
 
 /// Quantise `x[m, k]` as `2m` INT8 rows: row `2i` is `x_i` quantised, row `2i+1` the residual
 /// `x_i − deq(row 2i)` quantised, so `deq(2i) + deq(2i+1) ≈ x_i` to ~1/127² of the group max.
 /// Outputs of a matmul on these rows are summed pairwise with [`sum_split_rows`].
 pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, tmp: &mut Vec<f32>, out: &mut QuantizedActs) {
     assert_eq!(x.len(), m * k);
+    if split_factor() == 1 {
+        quantize_acts(x, m, k, gs, out);
+        return;
+    }
     let mut hi = QuantizedActs::new();
     std::mem::swap(&mut hi, out);
     quantize_acts(x, m, k, gs, &mut hi);
@@ -48,9 +56,19 @@ pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, tmp: &mut V
     debug_assert_eq!(&out.q[..k], &hi.q[..k]);
 }
 
+/// INT8 rows per token: 2 (value + residual, the default) or 1 with `KRASIS_ACT_SPLIT=0`, which
+/// trades accuracy for half the integer work (for measuring what the residual costs).
+pub fn split_factor() -> usize {
+    static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *S.get_or_init(|| if std::env::var("KRASIS_ACT_SPLIT").is_ok_and(|v| v == "0") { 1 } else { 2 })
+}
+
 /// `y[i] = out[2i] + out[2i+1]` for rows of width `w` (in place: the result occupies the first
-/// `m·w` elements).
+/// `m·w` elements); nothing to do when activations are not split.
 pub fn sum_split_rows(out: &mut [f32], m: usize, w: usize) {
+    if split_factor() == 1 {
+        return;
+    }
     for i in 0..m {
         for j in 0..w {
             out[i * w + j] = out[2 * i * w + j] + out[(2 * i + 1) * w + j];
@@ -119,13 +137,14 @@ impl PoolMatmul {
         quantize_acts_split(x, m, layout.k, layout.gs, tmp, acts);
         let acts = &*acts;
         let nb = layout.row_blocks();
-        let tasks = nb.div_ceil(BLOCKS_PER_TASK);
+        let per = units_per_task(nb, pool.threads());
+        let tasks = nb.div_ceil(per);
         let out = OutPtr(y.as_mut_ptr());
         pool.run(tasks, &|t, ctx| {
-            let b0 = t * BLOCKS_PER_TASK;
-            let b1 = (b0 + BLOCKS_PER_TASK).min(nb);
+            let b0 = t * per;
+            let b1 = (b0 + per).min(nb);
             let cols = (b1 - b0) * ROW_BLOCK;
-            self.scratch.with(ctx.worker, 2 * m * cols, |tmp| {
+            self.scratch.with(ctx.worker, split_factor() * m * cols, |tmp| {
                 matmul_packed(isa, w, layout, acts, b0..b1, tmp);
                 sum_split_rows(tmp, m, cols);
                 let keep = cols.min(rows - b0 * ROW_BLOCK);
@@ -237,17 +256,17 @@ impl PoolExperts {
 
         // Phase 1: w13 pairs → silu(gate)·up into mid[e] columns.
         let pairs = l13.row_blocks() / 2;
-        Self::plan(step, jobs, pairs, W13_PAIRS_PER_TASK, pool.nodes());
+        Self::plan(step, jobs, pairs, units_per_task(pairs * n, pool.threads()), pool.nodes());
         {
             let mids: Vec<OutPtr> = step.mid.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
             let (tasks, acts) = (&step.tasks, &step.acts);
             pool.run_on_nodes(&step.counts, &|node, t, ctx| {
                 let (e, p0, p1) = tasks[node][t];
-                let m = acts[e].m / 2;
+                let m = acts[e].m / split_factor();
                 let cols13 = (p1 - p0) * 2 * ROW_BLOCK;
                 let cols = (p1 - p0) * ROW_BLOCK;
-                self.scratch.with(ctx.worker, 2 * m * cols13 + m * cols, |tmp| {
-                    let (h13, act) = tmp.split_at_mut(2 * m * cols13);
+                self.scratch.with(ctx.worker, split_factor() * m * cols13 + m * cols, |tmp| {
+                    let (h13, act) = tmp.split_at_mut(split_factor() * m * cols13);
                     matmul_packed(isa, jobs[e].weights.w13, l13, &acts[e], 2 * p0..2 * p1, h13);
                     sum_split_rows(h13, m, cols13);
                     silu_mul_w13(&h13[..m * cols13], m, act);
@@ -265,15 +284,15 @@ impl PoolExperts {
 
         // Phase 2: w2 row blocks → y[e].
         let nb2 = l2.row_blocks();
-        Self::plan(step, jobs, nb2, BLOCKS_PER_TASK, pool.nodes());
+        Self::plan(step, jobs, nb2, units_per_task(nb2 * n, pool.threads()), pool.nodes());
         {
             let ys: Vec<OutPtr> = step.y.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
             let (tasks, acts) = (&step.tasks, &step.mid_acts);
             pool.run_on_nodes(&step.counts, &|node, t, ctx| {
                 let (e, b0, b1) = tasks[node][t];
-                let m = acts[e].m / 2;
+                let m = acts[e].m / split_factor();
                 let cols = (b1 - b0) * ROW_BLOCK;
-                self.scratch.with(ctx.worker, 2 * m * cols, |tmp| {
+                self.scratch.with(ctx.worker, split_factor() * m * cols, |tmp| {
                     matmul_packed(isa, jobs[e].weights.w2, l2, &acts[e], b0..b1, tmp);
                     sum_split_rows(tmp, m, cols);
                     let keep = cols.min(hidden - b0 * ROW_BLOCK);

@@ -29,6 +29,16 @@ unsafe fn prefetch<const HINT: i32>(p: *const u8) {
     _mm_prefetch::<HINT>(p as *const i8);
 }
 
+/// Prefetch the four chunks `pfd` bytes past `p` (the unit of the M = 1 and M = 2 loops).
+#[inline(always)]
+unsafe fn prefetch4<const HINT: i32>(p: *const u8, pfd: usize) {
+    if pfd != 0 {
+        for u in 0..4 {
+            prefetch::<HINT>(p.wrapping_add(pfd + u * CHUNK));
+        }
+    }
+}
+
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
@@ -66,6 +76,8 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
         if acts.m == 1 {
             block_m1::<INT4, HINT>(blk, l, acts, y, pfd);
+        } else if acts.m == 2 {
+            block_m2::<INT4, HINT>(blk, l, acts, y, ncols, pfd);
         } else {
             for i in 0..acts.m {
                 _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
@@ -135,11 +147,7 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
         let mut c = 0;
         while c < nchunks {
             let p = wp.add(c * CHUNK);
-            if pfd != 0 {
-                for u in 0..4 {
-                    prefetch::<HINT>(p.wrapping_add(pfd + u * CHUNK));
-                }
-            }
+            prefetch4::<HINT>(p, pfd);
             if INT4 {
                 for u in 0..4 {
                     let v = _mm512_loadu_si512(p.add(u * CHUNK) as *const _);
@@ -163,6 +171,65 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
         yv = epilogue(acc, corr, load_scales(blk, l, g), acts.scales[g], yv);
     }
     _mm512_storeu_ps(y, yv);
+}
+
+/// One row block at M = 2 (a token as value + residual rows, see `moe::quantize_acts_split`):
+/// both rows' accumulators stay in registers, so the weight stream is read once and the kernel
+/// stays memory-bound like [`block_m1`]. Writes 16 outputs to `y` and 16 to `y + ncols`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_m2<const INT4: bool, const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+) {
+    let (gs, k, ng) = (l.gs, l.k, l.groups());
+    let off = l.offset();
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let (mut y0, mut y1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let (x0, x1) = (acts.q.as_ptr(), acts.q.as_ptr().add(k));
+    if pfd != 0 {
+        prefetch::<HINT>(blk.wrapping_add(pfd));
+    }
+    for g in 0..ng {
+        let wp = blk.add(l.weights_offset(g));
+        let (x0g, x1g) = (x0.add(g * gs), x1.add(g * gs));
+        // Two independent chains per row (even/odd chunk), as block_m1.
+        let mut a0 = [_mm512_setzero_si512(); 2];
+        let mut a1 = [_mm512_setzero_si512(); 2];
+        let mut c = 0;
+        while c < nchunks {
+            let p = wp.add(c * CHUNK);
+            prefetch4::<HINT>(p, pfd);
+            for u in 0..4 {
+                let v = _mm512_loadu_si512(p.add(u * CHUNK) as *const _);
+                let e = u % 2;
+                if INT4 {
+                    let lo = _mm512_and_si512(v, mask);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+                    let kk = (c + u) * 8;
+                    a0[e] = _mm512_dpbusd_epi32(a0[e], lo, bcast4(x0g.add(kk)));
+                    a0[e] = _mm512_dpbusd_epi32(a0[e], hi, bcast4(x0g.add(kk + 4)));
+                    a1[e] = _mm512_dpbusd_epi32(a1[e], lo, bcast4(x1g.add(kk)));
+                    a1[e] = _mm512_dpbusd_epi32(a1[e], hi, bcast4(x1g.add(kk + 4)));
+                } else {
+                    let kk = (c + u) * 4;
+                    a0[e] = _mm512_dpbusd_epi32(a0[e], v, bcast4(x0g.add(kk)));
+                    a1[e] = _mm512_dpbusd_epi32(a1[e], v, bcast4(x1g.add(kk)));
+                }
+            }
+            c += 4;
+        }
+        let sw = load_scales(blk, l, g);
+        y0 = epilogue(_mm512_add_epi32(a0[0], a0[1]), off * acts.sums[g], sw, acts.scales[g], y0);
+        y1 = epilogue(_mm512_add_epi32(a1[0], a1[1]), off * acts.sums[ng + g], sw, acts.scales[ng + g], y1);
+    }
+    _mm512_storeu_ps(y, y0);
+    _mm512_storeu_ps(y.add(ncols), y1);
 }
 
 /// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.

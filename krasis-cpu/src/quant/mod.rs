@@ -111,8 +111,8 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize, gs: usize, out: &mut Quantiz
 pub enum PrefetchHint {
     /// No software prefetch (hardware prefetchers only).
     None,
-    /// `prefetchnta`: into L1, bypassing (or marked first-out in) the outer caches, so the
-    /// once-read weights do not evict the activations and other hot data.
+    /// `prefetchnta`: into L1, bypassing (or marked first-out in) the outer caches. Measured
+    /// slower than no software prefetch at all on the Xeon (see [`DEFAULT_PREFETCH`]).
     Nta,
     /// `prefetcht0`: into all levels.
     T0,
@@ -140,8 +140,35 @@ impl Prefetch {
     }
 }
 
-/// What [`matmul_packed`] uses (chosen by the prefetch sweep of `benches/quant_matmul.rs`).
+/// What [`matmul_packed`] uses, chosen by the prefetch sweep of `benches/quant_matmul.rs`
+/// (16-core Xeon, AVX-512, INT4 w13, M = 1, DRAM-resident). One thread: none 10.4 GiB/s, NTA
+/// 7.0–9.1 (worse at every distance: the lines skip L2 and get evicted before use), T0/T1 at
+/// 1 KiB 11.3, at 4–16 KiB 13.3–14.2 against a 15.7 GiB/s plain read. 16 threads: none 108,
+/// T0 4 KiB 129, T0 16 KiB 132 against a 140 GiB/s read. Far-ahead T0 also crosses the 4 KiB
+/// page boundaries the hardware streamer stops at.
 pub const DEFAULT_PREFETCH: Prefetch = Prefetch { hint: PrefetchHint::T0, distance: 4096 };
+
+/// The prefetch [`matmul_packed`] uses: [`DEFAULT_PREFETCH`], or `KRASIS_PREFETCH=none|nta|t0|t1[:distance]`
+/// (read once; for tuning on a new machine).
+pub fn active_prefetch() -> Prefetch {
+    static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let Ok(v) = std::env::var("KRASIS_PREFETCH") else { return DEFAULT_PREFETCH };
+        let (hint, dist) = v.split_once(':').unwrap_or((v.as_str(), ""));
+        let hint = match hint.trim() {
+            "none" => PrefetchHint::None,
+            "nta" => PrefetchHint::Nta,
+            "t0" => PrefetchHint::T0,
+            "t1" => PrefetchHint::T1,
+            other => {
+                eprintln!("warning: KRASIS_PREFETCH hint {other:?} is not none|nta|t0|t1; using the default");
+                return DEFAULT_PREFETCH;
+            }
+        };
+        let distance = dist.trim().parse().unwrap_or(DEFAULT_PREFETCH.distance);
+        Prefetch { hint, distance }
+    })
+}
 
 /// Bytes [`prefetch_matrix_start`] touches.
 pub const PREFETCH_START_BYTES: usize = 4096;
@@ -183,7 +210,7 @@ pub fn isa_supported(isa: Isa) -> bool {
 
 /// `out[m, blocks.len()·16] = acts · W[blocks]ᵀ` for row blocks `blocks` of the packed matrix `w`:
 /// column `16·(b − blocks.start) + j` is row `16·b + j` (padding rows of the last block give 0).
-/// With [`DEFAULT_PREFETCH`].
+/// With [`active_prefetch`].
 ///
 /// # Panics
 /// On inconsistent shapes (`acts` vs `layout`, `w` shorter than the layout, `blocks` past the
@@ -196,7 +223,7 @@ pub fn matmul_packed(
     blocks: Range<usize>,
     out: &mut [f32],
 ) {
-    matmul_packed_with(isa, w, layout, acts, blocks, out, DEFAULT_PREFETCH)
+    matmul_packed_with(isa, w, layout, acts, blocks, out, active_prefetch())
 }
 
 /// [`matmul_packed`] with an explicit prefetch setting (benchmarks, tuning).
