@@ -4,8 +4,6 @@
 //! single "head" whose key is `[latent ‖ rope key]` and whose value is the latent itself (both
 //! views of the same cache rows, hence the separate strides).
 
-use rayon::prelude::*;
-
 use crate::isa;
 use crate::linear::dot;
 
@@ -40,9 +38,8 @@ pub fn causal_attention(
     assert!(q_start + tq <= kv.len, "queries reach position {} but cache holds {}", q_start + tq, kv.len);
     let group = heads / kv.kv_heads;
     let isa = isa::active();
-    out.par_chunks_mut(kv.v_dim).enumerate().for_each_init(
-        || Vec::with_capacity(kv.len),
-        |scores, (idx, o)| {
+    crate::par::for_each_chunk_mut(out, kv.v_dim, &|idx, o| {
+        SCORES.with_borrow_mut(|scores| {
             let (i, h) = (idx / heads, idx % heads);
             let kvh = h / group;
             let qv = &q[idx * kv.k_dim..(idx + 1) * kv.k_dim];
@@ -68,8 +65,13 @@ pub fn causal_attention(
                     *a += w * b;
                 }
             }
-        },
-    );
+        })
+    });
+}
+
+thread_local! {
+    /// Per-thread score buffer (grows to the longest context seen).
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]

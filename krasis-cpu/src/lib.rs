@@ -9,6 +9,7 @@ pub mod linear;
 pub mod membw;
 pub mod moe;
 pub mod norm;
+pub mod par;
 pub mod pool;
 pub mod quant;
 pub mod rope;

@@ -2,7 +2,6 @@
 //! weights are used exactly as stored, converted to f32 a block of rows at a time).
 
 use half::f16;
-use rayon::prelude::*;
 
 use crate::isa::{self, Isa};
 
@@ -68,9 +67,11 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
     let isa = isa::active();
     let out = OutPtr(y.as_mut_ptr());
     let tasks = n.div_ceil(ROWS_PER_TASK);
-    (0..tasks).into_par_iter().for_each_init(
-        || vec![0f32; ROWS_PER_TASK * k],
-        |buf, t| {
+    crate::par::for_each(tasks, &|t| {
+        ROW_BUF.with_borrow_mut(|buf| {
+            if buf.len() < ROWS_PER_TASK * k {
+                buf.resize(ROWS_PER_TASK * k, 0.0);
+            }
             let r0 = t * ROWS_PER_TASK;
             let r1 = (r0 + ROWS_PER_TASK).min(n);
             for r in r0..r1 {
@@ -85,8 +86,13 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
                     unsafe { out.write(i * n + r, d) };
                 }
             }
-        },
-    );
+        })
+    });
+}
+
+thread_local! {
+    /// Per-thread buffer of converted weight rows (grows once to `ROWS_PER_TASK × K`).
+    static ROW_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Scalar twin of [`linear`]: the definition, one output at a time.

@@ -62,6 +62,7 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
     let quantised = opts.expert_bits != WeightBits::Bf16 || opts.dense_bits != WeightBits::Bf16;
     let pool = if quantised { Some(make_pool(opts.threads)?) } else { None };
     if let Some(p) = &pool {
+        krasis_cpu::par::install(p.clone());
         log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
     }
     let moe_per_expert =

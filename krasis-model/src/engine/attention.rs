@@ -6,7 +6,6 @@ use krasis_cpu::isa;
 use krasis_cpu::linear::dot;
 use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::{rotate, Pairing};
-use rayon::prelude::*;
 
 use super::kv::LayerKv;
 use crate::linear::LinearOp;
@@ -92,7 +91,7 @@ impl AttentionLayer for MlaAttention {
         // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head).
         let per_head = nope + vd;
         let mut q_abs = vec![0f32; t * h * row];
-        q_abs.par_chunks_mut(row).enumerate().for_each(|(idx, qa)| {
+        krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
             let (i, hh) = (idx / h, idx % h);
             let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
             let (lat_part, pe_part) = qa.split_at_mut(lat);
@@ -113,7 +112,7 @@ impl AttentionLayer for MlaAttention {
         // Apply W_UV per head.
         let isa = isa::active();
         let mut o = vec![0f32; t * h * vd];
-        o.par_chunks_mut(vd).enumerate().for_each(|(idx, ov)| {
+        krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
             let hh = idx % h;
             let ol = &o_lat[idx * lat..(idx + 1) * lat];
             for (j, v) in ov.iter_mut().enumerate() {
