@@ -24,6 +24,14 @@ fn main() -> anyhow::Result<()> {
     match args.first().map(String::as_str) {
         Some("bench") => {
             let extra: Vec<&str> = args[1..].iter().map(String::as_str).collect();
+            // The quantised kernels take the ISA as a parameter and sweep every one the host
+            // has; the pool dispatch bench compares with rayon.
+            for bench in ["quant_matmul", "dispatch"] {
+                let mut a = vec!["bench", "-p", "krasis-cpu", "--bench", bench, "--"];
+                a.extend(&extra);
+                cargo(&a, &[])?;
+            }
+            // The dense f32 reference kernels pick their ISA once per process: one run per ISA.
             for isa in ["scalar", "avx2", "avx512"] {
                 let mut a = vec!["bench", "-p", "krasis-cpu", "--bench", "dense", "--"];
                 a.extend(&extra);
