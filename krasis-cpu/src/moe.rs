@@ -24,9 +24,21 @@ use crate::quant::{matmul_packed, quantize_acts, silu_mul_w13, PackedLayout, Qua
 /// claim per task for nothing.
 const TASKS_PER_WORKER: usize = 4;
 
+/// [`TASKS_PER_WORKER`], or `KRASIS_TASKS_PER_WORKER` (read once; a tuning knob).
+fn tasks_per_worker() -> usize {
+    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        std::env::var("KRASIS_TASKS_PER_WORKER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&t| t > 0)
+            .unwrap_or(TASKS_PER_WORKER)
+    })
+}
+
 /// Units (row blocks or block pairs) per task for `total` units over `workers`.
 fn units_per_task(total: usize, workers: usize) -> usize {
-    (total / (TASKS_PER_WORKER * workers.max(1))).max(1)
+    total.div_ceil(tasks_per_worker() * workers.max(1)).max(1)
 }
 
 /// Quantise `x[m, k]` as `2m` INT8 rows: row `2i` is `x_i` quantised, row `2i+1` the residual
