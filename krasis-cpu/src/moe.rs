@@ -17,7 +17,9 @@ use std::sync::Mutex;
 
 use crate::isa::Isa;
 use crate::pool::WorkerPool;
-use crate::quant::{matmul_packed, quantize_acts, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK};
+use crate::quant::{
+    matmul_packed, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
+};
 
 /// Tasks per worker a dispatch aims for: fewer leaves workers idle in the last round (one V2-Lite
 /// expert's w13 in 4-pair tasks kept 16 workers only 69 % busy, measured), more pays the atomic
@@ -43,29 +45,39 @@ fn units_per_task(total: usize, workers: usize) -> usize {
 
 /// Quantise `x[m, k]` as `2m` INT8 rows: row `2i` is `x_i` quantised, row `2i+1` the residual
 /// `x_i − deq(row 2i)` quantised, so `deq(2i) + deq(2i+1) ≈ x_i` to ~1/127² of the group max.
-/// Outputs of a matmul on these rows are summed pairwise with [`sum_split_rows`].
-pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, tmp: &mut Vec<f32>, out: &mut QuantizedActs) {
+/// Outputs of a matmul on these rows are summed pairwise with [`sum_split_rows`]. Each group is
+/// quantised once and its residual straight after (`resid` holds one group; reused).
+pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, resid: &mut Vec<f32>, out: &mut QuantizedActs) {
     assert_eq!(x.len(), m * k);
     if split_factor() == 1 {
         quantize_acts(x, m, k, gs, out);
         return;
     }
-    let mut hi = QuantizedActs::new();
-    std::mem::swap(&mut hi, out);
-    quantize_acts(x, m, k, gs, &mut hi);
+    assert!(gs > 0 && k.is_multiple_of(gs), "quantize_acts_split: group size {gs} does not divide K = {k}");
     let ng = k / gs;
-    tmp.clear();
-    tmp.reserve(2 * m * k);
+    out.m = 2 * m;
+    out.k = k;
+    out.gs = gs;
+    out.q.resize(2 * m * k, 0);
+    out.scales.resize(2 * m * ng, 0.0);
+    out.sums.resize(2 * m * ng, 0);
+    resid.resize(gs, 0.0);
     for i in 0..m {
-        tmp.extend_from_slice(&x[i * k..(i + 1) * k]);
-        for (j, &v) in x[i * k..(i + 1) * k].iter().enumerate() {
-            let s = hi.scales[i * ng + j / gs];
-            tmp.push(v - hi.q[i * k + j] as f32 * s);
+        let (hi_q, lo_q) = out.q[2 * i * k..(2 * i + 2) * k].split_at_mut(k);
+        for g in 0..ng {
+            let xg = &x[i * k + g * gs..i * k + (g + 1) * gs];
+            let qg = &mut hi_q[g * gs..(g + 1) * gs];
+            let (s, sum) = quantize_group(xg, qg);
+            out.scales[2 * i * ng + g] = s;
+            out.sums[2 * i * ng + g] = sum;
+            for ((r, &v), &q) in resid.iter_mut().zip(xg).zip(qg.iter()) {
+                *r = v - q as f32 * s;
+            }
+            let (s, sum) = quantize_group(resid, &mut lo_q[g * gs..(g + 1) * gs]);
+            out.scales[(2 * i + 1) * ng + g] = s;
+            out.sums[(2 * i + 1) * ng + g] = sum;
         }
     }
-    quantize_acts(tmp, 2 * m, k, gs, out);
-    // Row 2i must be exactly the first quantisation (it is: same input, same rounding).
-    debug_assert_eq!(&out.q[..k], &hi.q[..k]);
 }
 
 /// INT8 rows per token: 2 (value + residual, the default) or 1 with `KRASIS_ACT_SPLIT=0`, which
@@ -185,6 +197,7 @@ struct StepScratch {
     mid_acts: Vec<QuantizedActs>,
     y: Vec<Vec<f32>>,
     rows: Vec<f32>,
+    /// One group's residual for [`quantize_acts_split`].
     split_tmp: Vec<f32>,
     /// Per node: (expert slot, first unit, end unit) task list.
     tasks: Vec<Vec<(usize, usize, usize)>>,
@@ -445,6 +458,18 @@ mod tests {
         let mut single = QuantizedActs::new();
         quantize_acts(&x, m, k, gs, &mut single);
         assert!(rel_l2(&single.dequantize(), &x) > 20.0 * e, "the residual row must matter");
+        // Row 2i is exactly the plain quantisation of x_i; row 2i+1 that of the residual.
+        let ng = k / gs;
+        let resid: Vec<f32> = (0..m * k).map(|j| x[j] - single.q[j] as f32 * single.scales[j / gs]).collect();
+        let mut lo = QuantizedActs::new();
+        quantize_acts(&resid, m, k, gs, &mut lo);
+        for i in 0..m {
+            assert_eq!(&acts.q[2 * i * k..(2 * i + 1) * k], &single.q[i * k..(i + 1) * k]);
+            assert_eq!(&acts.scales[2 * i * ng..(2 * i + 1) * ng], &single.scales[i * ng..(i + 1) * ng]);
+            assert_eq!(&acts.sums[2 * i * ng..(2 * i + 1) * ng], &single.sums[i * ng..(i + 1) * ng]);
+            assert_eq!(&acts.q[(2 * i + 1) * k..(2 * i + 2) * k], &lo.q[i * k..(i + 1) * k]);
+            assert_eq!(&acts.scales[(2 * i + 1) * ng..(2 * i + 2) * ng], &lo.scales[i * ng..(i + 1) * ng]);
+        }
     }
 
     #[test]

@@ -85,25 +85,29 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize, gs: usize, out: &mut Quantiz
     out.scales.resize(m * ng, 0.0);
     out.sums.resize(m * ng, 0);
     for (gi, (xg, qg)) in x.chunks_exact(gs).zip(out.q.chunks_exact_mut(gs)).enumerate() {
-        // |x| ordered by its bit pattern (non-negative floats order like their bits): vectorises.
-        let amax = f32::from_bits(xg.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff)));
-        if amax == 0.0 || !amax.is_finite() {
-            qg.fill(0);
-            out.sums[gi] = 0;
-            // Non-finite input: NaN scale so the outputs say so rather than hide it.
-            out.scales[gi] = if amax == 0.0 { 0.0 } else { f32::NAN };
-            continue;
-        }
-        let inv = 127.0 / amax;
-        let mut sum = 0i32;
-        for (o, &v) in qg.iter_mut().zip(xg) {
-            let r = round_even(v * inv).clamp(-127.0, 127.0) as i32;
-            *o = r as i8;
-            sum += r;
-        }
+        let (scale, sum) = quantize_group(xg, qg);
+        out.scales[gi] = scale;
         out.sums[gi] = sum;
-        out.scales[gi] = amax / 127.0;
     }
+}
+
+/// Quantise one group `xg` into `qg` (same length); returns (scale, Σq). An all-zero group gets
+/// scale 0; a non-finite one scale NaN, so the outputs say so rather than hide it.
+pub(crate) fn quantize_group(xg: &[f32], qg: &mut [i8]) -> (f32, i32) {
+    // |x| ordered by its bit pattern (non-negative floats order like their bits): vectorises.
+    let amax = f32::from_bits(xg.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff)));
+    if amax == 0.0 || !amax.is_finite() {
+        qg.fill(0);
+        return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0);
+    }
+    let inv = 127.0 / amax;
+    let mut sum = 0i32;
+    for (o, &v) in qg.iter_mut().zip(xg) {
+        let r = round_even(v * inv).clamp(-127.0, 127.0) as i32;
+        *o = r as i8;
+        sum += r;
+    }
+    (amax / 127.0, sum)
 }
 
 /// Software prefetch hint for the weight stream.
