@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use krasis_model::sampling::argmax;
 use krasis_model::source::SafetensorsFile;
 
 pub const FIXTURE_NAMES: &[&str] =
@@ -121,10 +122,6 @@ pub struct Fidelity {
     pub mean_cos: f64,
     pub min_cos: f64,
     pub top1: f64,
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0
 }
 
 pub fn fidelity(logits: &[f32], reference: &[f32], vocab: usize) -> Fidelity {

@@ -2,6 +2,7 @@
 //! per-layer hidden states, prefill logits, greedy ids and the logits each was chosen from.
 
 use krasis_model::engine::{Logits, Model};
+use krasis_model::sampling::argmax;
 use krasis_tests::{fixtures_dir, load_reference, rel_l2, FIXTURE_NAMES};
 
 const TOL: f64 = 1e-4;
@@ -41,9 +42,7 @@ fn check_fixture(name: &str) -> Vec<String> {
         let e = rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]);
         worst = worst.max(e);
         assert!(e <= TOL, "{name}: step {i} logits relative L2 error {e:.3e}");
-        let got =
-            step.iter().enumerate().fold((0usize, f32::NEG_INFINITY), |b, (j, &x)| if x > b.1 { (j, x) } else { b }).0
-                as u32;
+        let got = argmax(&step) as u32;
         assert_eq!(got, want_id, "{name}: greedy token {i}");
         if i + 1 < r.greedy_ids.len() {
             step = model.forward(&mut session, &[got], Logits::Last, None).unwrap();

@@ -9,6 +9,7 @@ use std::path::Path;
 use krasis_model::engine::Logits;
 use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::quantized::WeightBits;
+use krasis_model::sampling::argmax;
 use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, FIXTURE_NAMES};
 
 fn prefill(dir: &Path, experts: WeightBits, dense: WeightBits, cache: &Path) -> Vec<f32> {
@@ -31,10 +32,7 @@ fn check(name: &str) {
     let r = load_reference(&dir);
     let vocab = r.prefill_logits.len() / r.prompt_ids.len();
     let tmp = tempfile::tempdir().unwrap();
-    let last = |l: &[f32]| {
-        let row = &l[l.len() - vocab..];
-        row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b }).0 as u32
-    };
+    let last = |l: &[f32]| argmax(&l[l.len() - vocab..]) as u32;
     for (kind, bits) in [("int8", WeightBits::Int8), ("int4", WeightBits::Int4)] {
         let ideal = quant_bound(&root, name, kind);
         let logits = prefill(&dir, bits, WeightBits::Bf16, tmp.path());
