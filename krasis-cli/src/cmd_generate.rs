@@ -10,7 +10,7 @@ use krasis_core::budget::{check_ram_budget, format_bytes};
 use krasis_model::config::load_config;
 use krasis_model::generate::{generate, GenerateRequest};
 use krasis_model::load::{load_model, EngineOptions};
-use krasis_model::memory::{estimate, ExpertFormat};
+use krasis_model::memory::estimate;
 use krasis_model::quantized::WeightBits;
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
@@ -38,14 +38,6 @@ impl Bits {
             Bits::Bf16 => WeightBits::Bf16,
             Bits::Int8 => WeightBits::Int8,
             Bits::Int4 => WeightBits::Int4,
-        }
-    }
-
-    pub fn expert_format(self) -> ExpertFormat {
-        match self {
-            Bits::Bf16 => ExpertFormat::Bf16,
-            Bits::Int8 => ExpertFormat::Int8,
-            Bits::Int4 => ExpertFormat::Int4,
         }
     }
 }
@@ -98,7 +90,7 @@ impl EngineArgs {
 
     /// Refuse (unless --force) when the estimate exceeds the RAM budget; returns the estimate.
     pub fn check_budget(&self, spec: &krasis_model::ModelSpec, context: u64) -> anyhow::Result<u64> {
-        let est = estimate(spec, self.cpu_expert_bits.expert_format()).total(context);
+        let est = estimate(spec, self.cpu_expert_bits.weight_bits()).total(context);
         let mem_total = krasis_core::hw::probe().mem_total_bytes;
         if let Some(w) = check_ram_budget(est, mem_total, self.force)? {
             eprintln!("warning: {w}");

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
 use krasis_model::config::load_config;
-use krasis_model::memory::{estimate, ExpertFormat};
+use krasis_model::memory::{estimate, WeightBits};
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
 use krasis_model::tensors::param_counts;
 
@@ -79,9 +79,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!(
             "per expert   {} params: bf16 {}, int8 {}, int4 {}",
             counts.per_expert,
-            format_bytes(ExpertFormat::Bf16.bytes_for(counts.per_expert)),
-            format_bytes(ExpertFormat::Int8.bytes_for(counts.per_expert)),
-            format_bytes(ExpertFormat::Int4.bytes_for(counts.per_expert)),
+            format_bytes(WeightBits::Bf16.bytes_for(counts.per_expert)),
+            format_bytes(WeightBits::Int8.bytes_for(counts.per_expert)),
+            format_bytes(WeightBits::Int4.bytes_for(counts.per_expert)),
         );
     }
     let sys = krasis_core::hw::probe();
@@ -89,7 +89,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "memory (CPU reference path, 4K context; limit {} = 95% of RAM):",
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
-    for f in [ExpertFormat::Bf16, ExpertFormat::Int8, ExpertFormat::Int4] {
+    for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
         let e = estimate(&spec, f);
         println!(
             "  experts {:<10} dense {} + experts {} + KV {}/token → {}",

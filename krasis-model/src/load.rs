@@ -65,8 +65,10 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
         krasis_cpu::par::install(p.clone());
         log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
     }
-    let moe_per_expert =
-        spec.moe.as_ref().map_or(0, |m| 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64 * 2);
+    let moe_per_expert = spec
+        .moe
+        .as_ref()
+        .map_or(0, |m| WeightBits::Bf16.bytes_for(3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64));
     let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (opts.expert_bits.quant_bits(), &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
             let t = Instant::now();

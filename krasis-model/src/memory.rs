@@ -1,36 +1,29 @@
 //! Memory arithmetic: bytes per expert in each storage format and the resident-set estimate
 //! used by the budget check and `krasis info`.
 
+use krasis_quant::group::DEFAULT_GROUP_SIZE;
+
 use crate::spec::{ModelSpec, SourceQuant};
 use crate::tensors::{expected_tensors, TensorRole};
 
-/// Group size of the INT4/INT8 expert formats (per the design; scales are 2 bytes each).
-pub const DEFAULT_GROUP_SIZE: u64 = 128;
+pub use crate::quantized::WeightBits;
 
-/// How routed experts are held in RAM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExpertFormat {
-    Bf16,
-    Int8,
-    Int4,
-}
-
-impl ExpertFormat {
+impl WeightBits {
     pub fn name(self) -> &'static str {
         match self {
-            ExpertFormat::Bf16 => "bf16",
-            ExpertFormat::Int8 => "int8 g128",
-            ExpertFormat::Int4 => "int4 g128",
+            WeightBits::Bf16 => "bf16",
+            WeightBits::Int8 => "int8 g128",
+            WeightBits::Int4 => "int4 g128",
         }
     }
 
     /// Bytes to store `params` weights (plus one 2-byte scale per group for the integer formats).
     pub fn bytes_for(self, params: u64) -> u64 {
-        let scales = params.div_ceil(DEFAULT_GROUP_SIZE) * 2;
+        let scales = params.div_ceil(DEFAULT_GROUP_SIZE as u64) * 2;
         match self {
-            ExpertFormat::Bf16 => params * 2,
-            ExpertFormat::Int8 => params + scales,
-            ExpertFormat::Int4 => params.div_ceil(2) + scales,
+            WeightBits::Bf16 => params * 2,
+            WeightBits::Int8 => params + scales,
+            WeightBits::Int4 => params.div_ceil(2) + scales,
         }
     }
 }
@@ -52,7 +45,7 @@ impl MemoryEstimate {
 
 /// Resident estimate of the CPU reference path: source weights as stored (FP8 is dequantised to
 /// f32), MLA's `kv_b_proj` kept again in f32, experts in `format`.
-pub fn estimate(spec: &ModelSpec, format: ExpertFormat) -> MemoryEstimate {
+pub fn estimate(spec: &ModelSpec, format: WeightBits) -> MemoryEstimate {
     let src_bytes_per_param: u64 = match spec.source_quant {
         SourceQuant::Fp8Block { .. } => 4,
         SourceQuant::None => 2,
@@ -71,7 +64,7 @@ pub fn estimate(spec: &ModelSpec, format: ExpertFormat) -> MemoryEstimate {
         }
     }
     est.expert_bytes = match (format, &spec.source_quant) {
-        (ExpertFormat::Bf16, SourceQuant::Fp8Block { .. }) => expert_params * 4,
+        (WeightBits::Bf16, SourceQuant::Fp8Block { .. }) => expert_params * 4,
         (f, _) => f.bytes_for(expert_params),
     };
     let per_layer = match spec.attention {
