@@ -13,7 +13,7 @@ use krasis_model::quantized::open_expert_cache;
 use krasis_model::source::SafetensorsDir;
 use krasis_model::tensors::param_counts;
 
-use crate::cmd_generate::Bits;
+use crate::cmd_generate::{check_group_size_flag, Bits};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -35,9 +35,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let Some(bits) = a.cpu_expert_bits.weight_bits().quant_bits() else {
         bail!("--cpu-expert-bits bf16 needs no conversion; choose 4 or 8");
     };
-    if !(32..=1024).contains(&a.group_size) || !a.group_size.is_multiple_of(32) {
-        bail!("--group-size {} must be a multiple of 32 between 32 and 1024", a.group_size);
-    }
+    check_group_size_flag(a.group_size)?;
     let spec = load_config(&a.model)?;
     let source = SafetensorsDir::open(&a.model)?;
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None))?;

@@ -42,6 +42,15 @@ impl Bits {
     }
 }
 
+/// `--group-size`: a multiple of the smallest group the layout takes, up to the largest.
+pub fn check_group_size_flag(gs: usize) -> anyhow::Result<()> {
+    use krasis_quant::group::{MAX_GROUP_SIZE, MIN_GROUP_SIZE};
+    if !(MIN_GROUP_SIZE..=MAX_GROUP_SIZE).contains(&gs) || !gs.is_multiple_of(MIN_GROUP_SIZE) {
+        bail!("--group-size {gs} must be a multiple of {MIN_GROUP_SIZE} between {MIN_GROUP_SIZE} and {MAX_GROUP_SIZE}");
+    }
+    Ok(())
+}
+
 /// Precision and placement flags shared by `generate`, `bench` and `convert`.
 #[derive(ClapArgs, Clone, Debug)]
 pub struct EngineArgs {
@@ -68,9 +77,7 @@ pub struct EngineArgs {
 
 impl EngineArgs {
     pub fn options(&self) -> anyhow::Result<EngineOptions> {
-        if !(32..=1024).contains(&self.group_size) || !self.group_size.is_multiple_of(32) {
-            bail!("--group-size {} must be a multiple of 32 between 32 and 1024", self.group_size);
-        }
+        check_group_size_flag(self.group_size)?;
         if let Some(dir) = &self.cache_dir {
             if dir.exists() && !dir.is_dir() {
                 bail!("--cache-dir {} exists and is not a directory", dir.display());
