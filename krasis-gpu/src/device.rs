@@ -216,6 +216,11 @@ pub struct GpuDevice {
     compiler: KernelCompiler,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    /// Host-blocking calls so far (stream synchronisations, device→host copies): the decode
+    /// loop's budget is one per token (the sampled id).
+    host_syncs: std::sync::atomic::AtomicU64,
+    /// Host→device copies so far (pageable copies can block the host while staging).
+    uploads: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -259,6 +264,8 @@ impl GpuDevice {
                 compiler,
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
+                host_syncs: Default::default(),
+                uploads: Default::default(),
             })
         })
     }
@@ -309,8 +316,16 @@ impl GpuDevice {
         self.ctx.new_event(Some(flags)).map_err(|e| GpuError::driver("cuEventCreate", e))
     }
 
-    /// Waits for all work on the compute stream.
+    /// `(host synchronisations, host→device uploads)` since the device was opened: the debug
+    /// counters behind "no host synchronisation inside a decode step".
+    pub fn sync_counters(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.host_syncs.load(Relaxed), self.uploads.load(Relaxed))
+    }
+
+    /// Waits for all work on the compute stream (counted in [`GpuDevice::sync_counters`]).
     pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.stream.synchronize().map_err(|e| GpuError::driver("cuStreamSynchronize", e))
     }
 
@@ -358,10 +373,21 @@ impl GpuDevice {
     pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<DeviceBuffer<T>, GpuError> {
         // SAFETY: fully overwritten by the copy below before anything can read it.
         let mut buf = unsafe { self.alloc_uninit::<T>(host.len(), what)? };
-        if !host.is_empty() {
-            self.stream.memcpy_htod(host, &mut buf.slice).map_err(|e| GpuError::driver("cuMemcpyHtoDAsync", e))?;
-        }
+        self.copy_to_device(host, &mut buf)?;
         Ok(buf)
+    }
+
+    /// Copies `host` into the start of `dst` (counted in [`GpuDevice::sync_counters`]).
+    pub fn copy_to_device<T: DeviceRepr>(&self, host: &[T], dst: &mut DeviceBuffer<T>) -> Result<(), GpuError> {
+        if host.len() > dst.len() {
+            return Err(GpuError::shape("upload", format!("{} host elements into {}", host.len(), dst.len())));
+        }
+        if !host.is_empty() {
+            self.uploads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mut view = dst.slice.slice_mut(..host.len());
+            self.stream.memcpy_htod(host, &mut view).map_err(|e| GpuError::driver("cuMemcpyHtoDAsync", e))?;
+        }
+        Ok(())
     }
 
     /// Copies device memory into `host` (synchronises the compute stream).

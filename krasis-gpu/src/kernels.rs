@@ -51,16 +51,16 @@ pub const SILU_MUL: KernelSource = KernelSource {
 };
 
 /// Every kernel source; CI compiles each of them for sm_80, sm_89 and sm_90.
-pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL];
+pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL, crate::elementwise::ELEMENTWISE];
 
 /// Threads per block of the row-wise kernels.
 const BLOCK: u32 = 256;
 
-fn cfg_rows(rows: usize) -> LaunchConfig {
+pub(crate) fn cfg_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
-fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
+pub(crate) fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
     if ok {
         Ok(())
     } else {
@@ -68,11 +68,11 @@ fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<
     }
 }
 
-fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
+pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
     i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
 }
 
-fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+pub(crate) fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
     move |e| GpuError::Driver { op, detail: e.to_string() }
 }
 

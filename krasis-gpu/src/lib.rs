@@ -60,12 +60,14 @@
 pub mod budget;
 pub mod cache;
 mod device;
+pub mod elementwise;
 mod error;
 pub mod kernels;
 pub mod nvrtc;
 
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
+pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
 

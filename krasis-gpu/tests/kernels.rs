@@ -12,7 +12,8 @@ use std::sync::OnceLock;
 
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::{
-    DeviceBuffer, GpuDevice, GpuError, RopeLayout, RopePairing, SwiGluLayout, VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
+    DeviceBuffer, GpuDevice, GpuError, RopeLayout, RopePairing, RowsView, SwiGluLayout, VramBudgetSpec,
+    AUTO_VRAM_SAFETY_MARGIN,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -452,5 +453,73 @@ fn events_time_a_kernel_and_kernels_are_cached() {
     eprintln!("kernel cache on reopen: {s:?}");
     if d.compiler().cache_dir().is_some() {
         assert_eq!((s.hits, s.misses), (krasis_gpu::kernels::ALL.len() as u64, 0));
+    }
+}
+
+// ---------------------------------------------------------------- glue ops (elementwise.rs)
+
+#[test]
+fn glue_ops_match_twins() {
+    let Some(d) = gpu("glue_ops_match_twins") else { return };
+    let mut r = rng(41);
+    // iota
+    let mut pos = up(d, &[-1i32; 37], "positions");
+    d.iota_i32(&mut pos, 1000, 33).unwrap();
+    let got = down(d, &pos);
+    assert!(got[..33].iter().enumerate().all(|(i, &p)| p == 1000 + i as i32), "{got:?}");
+    assert!(got[33..].iter().all(|&p| p == -1), "iota wrote past n: {got:?}");
+    // add_inplace on a ragged length
+    for n in [1usize, 255, 1023, 70_001] {
+        let a = rand_bf16_f32(&mut r, n, 3.0);
+        let b = rand_bf16_f32(&mut r, n, 3.0);
+        let mut ya = up(d, &a, "y");
+        d.add_inplace_f32(&mut ya, &up(d, &b, "x"), n).unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        assert_close("add_inplace", &down(d, &ya), &want, 0.0, 0.0);
+    }
+    // strided row copies, f32 and to bf16
+    for (rows, cols, stride, offset) in
+        [(1usize, 1usize, 1usize, 0usize), (7, 13, 29, 5), (300, 576, 576, 0), (5, 64, 576, 512)]
+    {
+        let src = rand_bf16_f32(&mut r, offset + (rows - 1) * stride + cols + 3, 2.0);
+        let from = RowsView { rows, cols, stride, offset };
+        let to = RowsView { rows, cols, stride: cols + 2, offset: 1 };
+        let n_dst = 1 + rows * (cols + 2);
+        let mut want = vec![f32::NAN; n_dst];
+        for i in 0..rows {
+            for j in 0..cols {
+                want[1 + i * (cols + 2) + j] = src[offset + i * stride + j];
+            }
+        }
+        let s = up(d, &src, "src");
+        let mut df = poisoned_f32(d, n_dst);
+        d.copy_rows_f32(&s, from, &mut df, to).unwrap();
+        assert_close("copy_rows_f32", &down(d, &df), &want, 0.0, 0.0);
+        let mut db = poisoned_bf16(d, n_dst);
+        d.copy_rows_to_bf16(&s, from, &mut db, to).unwrap();
+        assert_bf16_close("copy_rows_to_bf16", &down(d, &db), &want, 0.0);
+    }
+    // a view past the end is a shape error, not a launch
+    let s = up(d, &[0f32; 10], "src");
+    let mut df = poisoned_f32(d, 10);
+    let e =
+        d.copy_rows_f32(&s, RowsView { rows: 2, cols: 6, stride: 6, offset: 0 }, &mut df, RowsView::contiguous(2, 6));
+    assert!(matches!(e, Err(GpuError::Shape { .. })), "{e:?}");
+    // in-place RMSNorm over a prefix of strided rows
+    for (rows, cols, stride) in [(1usize, 1usize, 1usize), (3, 48, 56), (17, 512, 576), (64, 24, 24)] {
+        let mut x = rand_bf16_f32(&mut r, rows * stride, 4.0);
+        let w = rand_bf16_f32(&mut r, cols, 1.5);
+        let mut xb = up(d, &x, "x");
+        d.rmsnorm_rows_inplace(&mut xb, RowsView { rows, cols, stride, offset: 0 }, &up(d, &to_bf16(&w), "w"), 1e-6)
+            .unwrap();
+        for i in 0..rows {
+            let row = &mut x[i * stride..i * stride + cols];
+            let ss: f64 = row.iter().map(|&v| (v as f64).powi(2)).sum();
+            let inv = (1.0 / (ss / cols as f64 + 1e-6).sqrt()) as f32;
+            for (v, &wv) in row.iter_mut().zip(&w) {
+                *v = *v * inv * wv;
+            }
+        }
+        assert_close("rmsnorm_rows_inplace", &down(d, &xb), &x, 2e-6, 1e-6);
     }
 }

@@ -34,6 +34,8 @@ pub enum ModelError {
     TokenOutOfRange { id: u64, pos: usize, vocab: usize },
     #[error("{0}")]
     Invalid(String),
+    #[error("GPU: {0}")]
+    Gpu(#[from] krasis_gpu::GpuError),
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;

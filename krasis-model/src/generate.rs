@@ -27,6 +27,8 @@ pub struct GenerateOutput {
     pub prefill_time: Duration,
     pub decode_time: Duration,
     pub stopped_at_eos: bool,
+    /// Host synchronisations per decode step (GPU engines, when logits were not recorded).
+    pub host_syncs_per_token: Option<f64>,
 }
 
 impl GenerateOutput {
@@ -44,8 +46,61 @@ impl GenerateOutput {
     }
 }
 
-pub fn generate(
-    model: &Model,
+/// What the generation loop needs from an engine (the CPU [`Model`] or the GPU model): run
+/// tokens after a session's cache and choose the next token.
+pub trait Decoder {
+    type Session;
+    fn spec(&self) -> &crate::ModelSpec;
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()>;
+    fn new_session(&self) -> Result<Self::Session>;
+    /// Runs `tokens` after what `session` holds and picks the next token from the last position
+    /// with `sampler`. With `record`, also returns the logits of every position of this call
+    /// (`[tokens, vocab]`).
+    fn step(
+        &self,
+        session: &mut Self::Session,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        record: bool,
+    ) -> Result<(u32, Option<Vec<f32>>)>;
+    /// Host synchronisations so far (GPU engines; `None` where the notion does not apply).
+    fn host_syncs(&self) -> Option<u64> {
+        None
+    }
+}
+
+impl Decoder for Model {
+    type Session = crate::engine::Session;
+
+    fn spec(&self) -> &crate::ModelSpec {
+        &self.spec
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        Model::check_tokens(self, tokens)
+    }
+
+    fn new_session(&self) -> Result<Self::Session> {
+        Ok(Model::new_session(self))
+    }
+
+    fn step(
+        &self,
+        session: &mut Self::Session,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        record: bool,
+    ) -> Result<(u32, Option<Vec<f32>>)> {
+        let which = if record { Logits::All } else { Logits::Last };
+        let logits = self.forward(session, tokens, which, None)?;
+        let v = self.spec.vocab_size;
+        let id = sampler.sample(&logits[logits.len() - v..]);
+        Ok((id, record.then_some(logits)))
+    }
+}
+
+pub fn generate<D: Decoder>(
+    model: &D,
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32) -> Result<()>,
 ) -> Result<GenerateOutput> {
@@ -53,39 +108,46 @@ pub fn generate(
         return Err(ModelError::Invalid("the prompt is empty: nothing to run".into()));
     }
     model.check_tokens(&req.prompt_ids)?;
-    let v = model.spec.vocab_size;
+    let v = model.spec().vocab_size;
     let mut out = GenerateOutput::default();
-    let mut session = model.new_session();
+    let mut session = model.new_session()?;
     let mut sampler = Sampler::new(req.sampling);
 
     let t0 = Instant::now();
-    let which = if req.record_logits { Logits::All } else { Logits::Last };
-    let logits = model.forward(&mut session, &req.prompt_ids, which, None)?;
+    let (mut id, logits) = model.step(&mut session, &req.prompt_ids, &mut sampler, req.record_logits)?;
     out.prefill_time = t0.elapsed();
-    let mut step = logits[logits.len() - v..].to_vec();
-    if req.record_logits {
-        out.prefill_logits = logits;
+    if let Some(l) = logits {
+        out.step_logits.extend_from_slice(&l[l.len() - v..]);
+        out.prefill_logits = l;
     }
     if req.max_new_tokens == 0 {
+        out.step_logits.clear();
         return Ok(out);
     }
     let t1 = Instant::now();
+    let syncs0 = model.host_syncs();
     loop {
-        let id = sampler.sample(&step);
-        if req.record_logits {
-            out.step_logits.extend_from_slice(&step);
-        }
         out.generated.push(id);
         on_token(id)?;
-        if !req.ignore_eos && model.spec.eos_token_ids.contains(&id) {
+        if !req.ignore_eos && model.spec().eos_token_ids.contains(&id) {
             out.stopped_at_eos = true;
             break;
         }
         if out.generated.len() >= req.max_new_tokens {
             break;
         }
-        step = model.forward(&mut session, &[id], Logits::Last, None)?;
+        let (next, logits) = model.step(&mut session, &[id], &mut sampler, req.record_logits)?;
+        if let Some(l) = logits {
+            out.step_logits.extend_from_slice(&l);
+        }
+        id = next;
     }
     out.decode_time = t1.elapsed();
+    let steps = out.generated.len().saturating_sub(1);
+    if let (Some(a), Some(b)) = (syncs0, model.host_syncs()) {
+        if steps > 0 && !req.record_logits {
+            out.host_syncs_per_token = Some((b - a) as f64 / steps as f64);
+        }
+    }
     Ok(out)
 }

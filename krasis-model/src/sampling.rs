@@ -41,44 +41,68 @@ impl Sampler {
         Sampler { params, rng: ChaCha8Rng::seed_from_u64(params.seed) }
     }
 
+    pub fn params(&self) -> SamplingParams {
+        self.params
+    }
+
+    /// Whether this sampler is greedy (argmax, no random draw).
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 || self.params.top_k == 1
+    }
+
+    /// The uniform draw in `[0, 1)` the next non-greedy sample consumes (`None` for greedy: no
+    /// draw). The GPU sampler takes this value, so both paths use the RNG identically.
+    pub fn next_uniform(&mut self) -> Option<f64> {
+        if self.is_greedy() {
+            None
+        } else {
+            Some(self.rng.random())
+        }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = self.params;
-        if p.temperature <= 0.0 || p.top_k == 1 {
-            return argmax(logits) as u32;
+        match self.next_uniform() {
+            None => argmax(logits) as u32,
+            Some(u) => sample_with(&self.params, logits, u),
         }
-        let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / p.temperature).enumerate().collect();
-        cand.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
-        let z: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= z);
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let mut keep = probs.len();
-            for (i, &x) in probs.iter().enumerate() {
-                cum += x;
-                if cum >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            probs.truncate(keep);
-            let z: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|x| *x /= z);
-        }
-        let r: f64 = self.rng.random();
+    }
+}
+
+/// The non-greedy choice for uniform draw `u`: candidates sorted by (logit desc, id asc),
+/// cut to `top_k`, softmax at `temperature` in f64, cut to the smallest prefix whose mass reaches
+/// `top_p`, renormalised, then the first candidate whose cumulative mass exceeds `u`.
+pub fn sample_with(p: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+    let mut cand: Vec<(usize, f32)> = logits.iter().map(|&l| l / p.temperature).enumerate().collect();
+    cand.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap_or(std::cmp::Ordering::Equal).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k);
+    }
+    let max = cand[0].1;
+    let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+    let z: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|x| *x /= z);
+    if p.top_p < 1.0 {
         let mut cum = 0.0;
+        let mut keep = probs.len();
         for (i, &x) in probs.iter().enumerate() {
             cum += x;
-            if r < cum {
-                return cand[i].0 as u32;
+            if cum >= p.top_p as f64 {
+                keep = i + 1;
+                break;
             }
         }
-        cand[probs.len() - 1].0 as u32
+        probs.truncate(keep);
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= z);
     }
+    let mut cum = 0.0;
+    for (i, &x) in probs.iter().enumerate() {
+        cum += x;
+        if u < cum {
+            return cand[i].0 as u32;
+        }
+    }
+    cand[probs.len() - 1].0 as u32
 }
 
 #[cfg(test)]

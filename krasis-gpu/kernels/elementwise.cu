@@ -1,0 +1,51 @@
+// Small glue kernels the engine needs between the big ops: positions, residual adds, strided
+// row copies with an optional cast to BF16, and an in-place RMSNorm over a prefix of strided
+// rows (MLA's latent, Qwen3's per-head q/k norm).
+#include "krasis_common.cuh"
+
+// out[i] = start + i
+extern "C" __global__ void iota_i32(int* out, int start, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = start + i;
+}
+
+// y[i] += x[i]
+extern "C" __global__ void add_inplace_f32(float* y, const float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += x[i];
+}
+
+// dst[r, c] = src[r * src_stride + c] for c < cols, dst row stride dst_stride. One block row per
+// grid.y row; threads along the columns.
+template <typename T>
+__device__ void copy_rows(const float* src, long long src_stride, T* dst, long long dst_stride, int rows, int cols) {
+    int r = blockIdx.y;
+    if (r >= rows) return;
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        store_f(dst, (long long)r * dst_stride + c, src[(long long)r * src_stride + c]);
+}
+
+extern "C" __global__ void copy_rows_f32(const float* src, long long src_stride, float* dst, long long dst_stride,
+                                        int rows, int cols) {
+    copy_rows(src, src_stride, dst, dst_stride, rows, cols);
+}
+
+extern "C" __global__ void copy_rows_f32_bf16(const float* src, long long src_stride, bf16_t* dst,
+                                             long long dst_stride, int rows, int cols) {
+    copy_rows(src, src_stride, dst, dst_stride, rows, cols);
+}
+
+// In place: for each row r, x[r*stride .. r*stride+n] = x / sqrt(mean(x^2) + eps) * w (w BF16 [n]).
+// One block per row.
+extern "C" __global__ void rmsnorm_strided_inplace(float* x, long long stride, const bf16_t* w, int rows, int n,
+                                                  float eps) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    float* row = x + (long long)r * stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += row[i] * row[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);  // as rmsnorm.cu: no rsqrtf
+    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * inv * bf16_to_f32(w[i]);
+}
