@@ -146,7 +146,7 @@ impl GpuRouter {
         match cfg.topk {
             RouterTopk::Greedy => {}
             RouterTopk::GroupLimited { n_group, topk_group } | RouterTopk::NoauxTc { n_group, topk_group } => {
-                if n_group == 0 || e % n_group != 0 {
+                if n_group == 0 || !e.is_multiple_of(n_group) {
                     return Err(bad(name, format!("n_group = {n_group} does not divide n_experts = {e}")));
                 }
                 if topk_group == 0 || topk_group > n_group {

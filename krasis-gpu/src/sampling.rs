@@ -169,7 +169,7 @@ mod tests {
     fn scale_bits_keep_the_total_in_64_bits() {
         for v in [1usize, 2, 3, 1000, 151_936, 160_000, 1 << 17, (1 << 17) + 1, SAMPLER_MAX_VOCAB] {
             let s = mass_scale_bits(v);
-            assert!(s <= 62 && s >= 39, "vocab {v}: S = {s}");
+            assert!((39..=62).contains(&s), "vocab {v}: S = {s}");
             assert!((v as u128) << s <= 1u128 << 63, "vocab {v}: S = {s} overflows");
             // And it is the largest such S (one more bit would overflow), unless capped at 62.
             assert!(s == 62 || (v as u128) << (s + 1) > 1u128 << 63, "vocab {v}: S = {s} wastes a bit");
