@@ -64,12 +64,16 @@ pub mod elementwise;
 mod error;
 pub mod kernels;
 pub mod nvrtc;
+pub mod router;
+pub mod sampling;
 
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};
+pub use sampling::{GpuSampler, GpuSamplingParams};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.
 pub use cudarc;

@@ -1,0 +1,189 @@
+// MoE router on the GPU: gate logits, then scores and top-k as krasis-model's CPU `route` does.
+//
+// router_logits: logits[t, e] = dot(w[e, :], x[t, :]) in f32. One warp per expert, a tile of
+//   ROUTER_TOK_TILE tokens per block row, so each weight element is read once per tile.
+// router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token:
+//   scores   softmax: m = max (f32), e = exp((double)(x - m)), z = sum e (f64), s = (float)(e / z)
+//            sigmoid: s = 1 / (1 + expf(-x)) in f32, expf evaluated as (float)exp((double)-x),
+//                     i.e. correctly rounded, as glibc's expf (the CPU's) is to within its 0.5 ulp
+//   choice   = s (+ e_score_correction_bias for noaux_tc)
+//   groups   group-limited: group score = max of the group's choice; noaux_tc: sum of its two
+//            largest; the topk_group best groups are kept (value desc, index asc), the others'
+//            choice is set to 0.0 (not -inf: the reference's masked_fill(…, 0.0))
+//   top-k    the top_k largest choices (value desc, index asc), in that order
+//   weights  w = s[id] (unbiased); if norm: w /= (sum w [+ 1e-20 for sigmoid]), summed in id
+//            order in f32; then w *= routed_scaling_factor
+// Ranking treats NaN as -inf (the CPU's order with NaN is unspecified), so ids are always a
+// valid set of distinct experts. The softmax sum is a tree sum in f64 where the CPU sums in
+// index order: the rounded f32 scores can differ only when the f64 quotient sits within a few
+// f64 ulps of an f32 rounding boundary.
+#include "krasis_common.cuh"
+
+#define ROUTER_MAX_E 512
+#define ROUTER_MAX_K 16
+#define ROUTER_TOK_TILE 8
+
+__device__ __forceinline__ float rt_neg_inf() { return __uint_as_float(0xff800000u); }
+
+// NaN ranks as -inf.
+__device__ __forceinline__ float rt_rank_val(float v) { return v != v ? rt_neg_inf() : v; }
+
+// True when (a, ia) comes before (b, ib): larger value first, lower index on equal values.
+__device__ __forceinline__ bool rt_before(float a, int ia, float b, int ib) {
+    return a > b || (a == b && ia < ib);
+}
+
+__device__ __forceinline__ float rt_block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nwarps ? scratch[lane] : rt_neg_inf();
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, o));
+    __syncthreads();
+    return t;
+}
+
+__device__ __forceinline__ double rt_block_sum_d(double v, double* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    double t = lane < nwarps ? scratch[lane] : 0.0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    __syncthreads();
+    return t;
+}
+
+// grid (ceil(E / warps per block), ceil(t / ROUTER_TOK_TILE)); block = 32 * warps.
+extern "C" __global__ void router_logits(const float* __restrict__ w, const float* __restrict__ x,
+                                         float* __restrict__ logits, int n_experts, int hidden, int t) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int e = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int t0 = blockIdx.y * ROUTER_TOK_TILE;
+    if (e >= n_experts || t0 >= t) return;  // whole warps only: no block barrier below
+    const int nt = min(ROUTER_TOK_TILE, t - t0);
+    const float* wr = w + (long long)e * hidden;
+    const float* xt = x + (long long)t0 * hidden;
+    float acc[ROUTER_TOK_TILE];
+#pragma unroll
+    for (int k = 0; k < ROUTER_TOK_TILE; k++) acc[k] = 0.0f;
+    for (int i = lane; i < hidden; i += 32) {
+        const float wv = wr[i];
+#pragma unroll
+        for (int k = 0; k < ROUTER_TOK_TILE; k++)
+            if (k < nt) acc[k] += wv * xt[(long long)k * hidden + i];
+    }
+#pragma unroll
+    for (int k = 0; k < ROUTER_TOK_TILE; k++) {
+        const float v = warp_sum(acc[k]);
+        if (lane == 0 && k < nt) logits[(long long)(t0 + k) * n_experts + e] = v;
+    }
+}
+
+// scoring: 0 softmax, 1 sigmoid. method: 0 greedy, 1 group-limited, 2 noaux_tc.
+// bias may be 0 (noaux_tc without a bias; ignored by the other methods).
+// grid = t blocks; blockDim a multiple of 32, at most 1024.
+extern "C" __global__ void router_topk(const float* __restrict__ logits, const float* __restrict__ bias,
+                                       int* __restrict__ ids_out, float* __restrict__ w_out, int t, int n_experts,
+                                       int scoring, int method, int n_group, int topk_group, int top_k,
+                                       int norm_topk_prob, float routed_scaling_factor) {
+    __shared__ float score[ROUTER_MAX_E];
+    __shared__ float choice[ROUTER_MAX_E];
+    __shared__ float gscore[ROUTER_MAX_E];
+    __shared__ int gkeep[ROUTER_MAX_E];
+    __shared__ int sel[ROUTER_MAX_K];
+    __shared__ double scratch_d[32];
+    __shared__ float scratch_f[32];
+    const int tok = blockIdx.x;
+    if (tok >= t) return;
+    const int E = n_experts;
+    const float* row = logits + (long long)tok * E;
+
+    if (scoring == 0) {
+        float m = rt_neg_inf();
+        for (int i = threadIdx.x; i < E; i += blockDim.x) m = fmaxf(m, row[i]);
+        m = rt_block_max(m, scratch_f);
+        double part = 0.0;
+        for (int i = threadIdx.x; i < E; i += blockDim.x) part += exp((double)(row[i] - m));
+        const double z = rt_block_sum_d(part, scratch_d);
+        for (int i = threadIdx.x; i < E; i += blockDim.x) score[i] = (float)(exp((double)(row[i] - m)) / z);
+    } else {
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {
+            const float ex = (float)exp(-(double)row[i]);
+            score[i] = 1.0f / (1.0f + ex);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        float c = score[i];
+        if (method == 2 && bias) c = c + bias[i];
+        choice[i] = c;
+    }
+    __syncthreads();
+
+    if (method != 0) {
+        const int per = E / n_group;
+        for (int g = threadIdx.x; g < n_group; g += blockDim.x) {
+            const float* c = choice + g * per;
+            float gs;
+            if (method == 1) {
+                gs = rt_neg_inf();
+                for (int j = 0; j < per; j++) gs = fmaxf(gs, c[j]);
+            } else {
+                // The two largest (as values: the pair's sum does not depend on which ties win).
+                float a = rt_neg_inf(), b = rt_neg_inf();
+                for (int j = 0; j < per; j++) {
+                    const float v = rt_rank_val(c[j]);
+                    if (j == 0 || v > a) {
+                        if (j > 0) b = a;
+                        a = v;
+                    } else if (j == 1 || v > b) {
+                        b = v;
+                    }
+                }
+                gs = per >= 2 ? a + b : a;
+            }
+            gscore[g] = gs;
+        }
+        __syncthreads();
+        for (int g = threadIdx.x; g < n_group; g += blockDim.x) {
+            const float v = rt_rank_val(gscore[g]);
+            int rank = 0;
+            for (int h = 0; h < n_group; h++) rank += rt_before(rt_rank_val(gscore[h]), h, v, g) ? 1 : 0;
+            gkeep[g] = rank < topk_group;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < E; i += blockDim.x)
+            if (!gkeep[i / per]) choice[i] = 0.0f;
+        __syncthreads();
+    }
+
+    // Rank of every expert in (choice desc, index asc); those ranked below top_k are the ids.
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        const float v = rt_rank_val(choice[i]);
+        int rank = 0;
+        for (int j = 0; j < E && rank < top_k; j++) rank += rt_before(rt_rank_val(choice[j]), j, v, i) ? 1 : 0;
+        if (rank < top_k) sel[rank] = i;
+    }
+    __syncthreads();
+
+    if (threadIdx.x == 0) {
+        float w[ROUTER_MAX_K];
+        for (int r = 0; r < top_k; r++) w[r] = score[sel[r]];
+        if (norm_topk_prob) {
+            float s = 0.0f;
+            for (int r = 0; r < top_k; r++) s = s + w[r];
+            const float denom = scoring == 1 ? s + 1e-20f : s;
+            for (int r = 0; r < top_k; r++) w[r] = w[r] / denom;
+        }
+        for (int r = 0; r < top_k; r++) {
+            ids_out[(long long)tok * top_k + r] = sel[r];
+            w_out[(long long)tok * top_k + r] = w[r] * routed_scaling_factor;
+        }
+    }
+}

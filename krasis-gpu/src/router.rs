@@ -1,0 +1,288 @@
+//! The MoE router on the GPU: gate logits (f32) → scores → top-k (expert id, weight) per token,
+//! with the same ids, in the same order, and the same weights as krasis-model's CPU `route`.
+//!
+//! Two kernels (`kernels/router.cu`): `router_logits` computes `logits[t, E] = x · Wᵀ` in f32
+//! (one warp per expert, a tile of tokens per block, so decode spreads over E/4 blocks), into a
+//! scratch buffer the router keeps and grows to the largest `t` seen; `router_topk` runs one block
+//! per token and applies the routing rule: softmax (f64 sum) or sigmoid scores, the optional
+//! group limit (DeepSeek-V2 group max, DeepSeek-V3 `noaux_tc` top-2 sum of bias-corrected scores,
+//! others set to 0.0), the top-k by (value desc, index asc), then weights from the unbiased
+//! scores, optionally renormalised (`+1e-20` for sigmoid) and scaled. The kernel file's header
+//! says where results may differ from the CPU in the last bit.
+//!
+//! krasis-gpu does not depend on krasis-model: [`RouterConfig`] mirrors its `RoutingRule`
+//! (`ScoringFunc` → [`RouterScoring`], `TopkMethod` → [`RouterTopk`]).
+
+use std::sync::Mutex;
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::kernels::{KernelSource, HEADERS};
+use crate::{DeviceBuffer, GpuDevice, GpuError};
+
+pub const ROUTER: KernelSource = KernelSource {
+    name: "router",
+    src: include_str!("../kernels/router.cu"),
+    headers: HEADERS,
+    functions: &["router_logits", "router_topk"],
+};
+
+/// Most experts per router: `router_topk` keeps a token's scores in shared-memory arrays of this
+/// size (`ROUTER_MAX_E` in router.cu).
+pub const ROUTER_MAX_EXPERTS: usize = 512;
+/// Most experts per token: thread 0 finalises the weights in a register array of this size
+/// (`ROUTER_MAX_K` in router.cu); real models route to ≤ 16.
+pub const ROUTER_MAX_TOP_K: usize = 16;
+/// Warps (= experts) per `router_logits` block: small, so that decode (t = 1) still spreads the
+/// weight read over E/4 blocks.
+const LOGITS_WARPS: u32 = 4;
+/// Tokens per `router_logits` block row (`ROUTER_TOK_TILE` in router.cu): each weight element
+/// loaded serves this many tokens.
+const LOGITS_TOK_TILE: usize = 8;
+/// Threads of a `router_topk` block: E ≤ 512 scores, two per thread at most.
+const TOPK_BLOCK: u32 = 256;
+
+/// How logits become scores (krasis-model `ScoringFunc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterScoring {
+    Softmax,
+    Sigmoid,
+}
+
+/// How experts are chosen from the scores (krasis-model `TopkMethod`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouterTopk {
+    /// Plain top-k over the scores.
+    Greedy,
+    /// Keep the `topk_group` groups with the highest max score, then top-k (DeepSeek-V2).
+    GroupLimited { n_group: usize, topk_group: usize },
+    /// Scores plus `e_score_correction_bias` choose; groups ranked by their top-2 sum
+    /// (DeepSeek-V3). The bias is optional, as on the CPU.
+    NoauxTc { n_group: usize, topk_group: usize },
+}
+
+/// The routing rule (krasis-model `RoutingRule`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterConfig {
+    pub scoring: RouterScoring,
+    pub topk: RouterTopk,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+    pub routed_scaling_factor: f32,
+}
+
+/// A router's gate weight `[n_experts, hidden]` (f32) and optional `e_score_correction_bias`
+/// `[n_experts]` on the device, with its rule.
+pub struct GpuRouter {
+    name: String,
+    n_experts: usize,
+    hidden: usize,
+    cfg: RouterConfig,
+    weight: DeviceBuffer<f32>,
+    /// Uploaded only for `NoauxTc`: the other methods ignore a bias, as the CPU does.
+    bias: Option<DeviceBuffer<f32>>,
+    /// `[t, n_experts]` logits, grown to the largest `t` seen. Reuse across calls is safe because
+    /// every launch is on the device's compute stream (and a replaced buffer is freed
+    /// stream-ordered).
+    logits: Mutex<Option<DeviceBuffer<f32>>>,
+}
+
+impl std::fmt::Debug for GpuRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRouter")
+            .field("name", &self.name)
+            .field("n_experts", &self.n_experts)
+            .field("hidden", &self.hidden)
+            .field("cfg", &self.cfg)
+            .field("bias", &self.bias.is_some())
+            .finish()
+    }
+}
+
+const OP: &str = "router";
+
+fn bad(name: &str, detail: String) -> GpuError {
+    GpuError::shape(OP, format!("router {name}: {detail}"))
+}
+
+impl GpuRouter {
+    /// Checks the shapes and the rule without a device: what [`GpuRouter::new`] refuses.
+    pub fn validate(
+        name: &str,
+        weight_len: usize,
+        n_experts: usize,
+        hidden: usize,
+        bias_len: Option<usize>,
+        cfg: &RouterConfig,
+    ) -> Result<(), GpuError> {
+        let e = n_experts;
+        if e == 0 || e > ROUTER_MAX_EXPERTS {
+            return Err(bad(name, format!("n_experts = {e}; must be 1..={ROUTER_MAX_EXPERTS}")));
+        }
+        if hidden == 0 {
+            return Err(bad(name, "hidden = 0".into()));
+        }
+        if i32::try_from(hidden).is_err() || Some(weight_len) != e.checked_mul(hidden) {
+            return Err(bad(name, format!("gate weight has {weight_len} elements, not [{e}, {hidden}]")));
+        }
+        if let Some(b) = bias_len {
+            if b != e {
+                return Err(bad(name, format!("e_score_correction_bias has {b} elements, not {e}")));
+            }
+        }
+        let k = cfg.top_k;
+        if k == 0 || k > e || k > ROUTER_MAX_TOP_K {
+            return Err(bad(
+                name,
+                format!(
+                    "top_k = {k}; must be 1..={} (n_experts {e}, GPU limit {ROUTER_MAX_TOP_K})",
+                    e.min(ROUTER_MAX_TOP_K)
+                ),
+            ));
+        }
+        if !cfg.routed_scaling_factor.is_finite() {
+            return Err(bad(name, format!("routed_scaling_factor = {} is not finite", cfg.routed_scaling_factor)));
+        }
+        match cfg.topk {
+            RouterTopk::Greedy => {}
+            RouterTopk::GroupLimited { n_group, topk_group } | RouterTopk::NoauxTc { n_group, topk_group } => {
+                if n_group == 0 || !e.is_multiple_of(n_group) {
+                    return Err(bad(name, format!("n_group = {n_group} does not divide n_experts = {e}")));
+                }
+                if topk_group == 0 || topk_group > n_group {
+                    return Err(bad(name, format!("topk_group = {topk_group}; must be 1..={n_group} (n_group)")));
+                }
+                let kept = topk_group * (e / n_group);
+                if k > kept {
+                    return Err(bad(
+                        name,
+                        format!(
+                            "top_k = {k} exceeds the {kept} experts in the {topk_group} kept groups \
+                             ({n_group} groups of {})",
+                            e / n_group
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Uploads the gate weight `[n_experts, hidden]` (f32, row-major) and the optional
+    /// `e_score_correction_bias` (kept only for [`RouterTopk::NoauxTc`]; ignored otherwise, as on
+    /// the CPU), charged to the budget under `name`.
+    pub fn new(
+        dev: &GpuDevice,
+        name: &str,
+        weight: &[f32],
+        n_experts: usize,
+        hidden: usize,
+        bias: Option<&[f32]>,
+        cfg: RouterConfig,
+    ) -> Result<Self, GpuError> {
+        Self::validate(name, weight.len(), n_experts, hidden, bias.map(|b| b.len()), &cfg)?;
+        let w = dev.upload(weight, &format!("router {name} gate weight"))?;
+        let b = match (bias, cfg.topk) {
+            (Some(b), RouterTopk::NoauxTc { .. }) => Some(dev.upload(b, &format!("router {name} score bias"))?),
+            _ => None,
+        };
+        Ok(GpuRouter { name: name.to_string(), n_experts, hidden, cfg, weight: w, bias: b, logits: Mutex::new(None) })
+    }
+
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    /// Routes `t` tokens of `x [t, hidden]` (f32): writes `ids [t, top_k]` (i32) and
+    /// `weights [t, top_k]` (f32), each row in the CPU's order (choice value desc, index asc).
+    /// Launches on the compute stream; never synchronises.
+    pub fn forward(
+        &self,
+        dev: &GpuDevice,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        ids: &mut impl DevicePtrMut<i32>,
+        weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        let (e, h, k) = (self.n_experts, self.hidden, self.cfg.top_k);
+        let name = &self.name;
+        if Some(x.len()) != t.checked_mul(h) {
+            return Err(bad(name, format!("x has {} elements, not [{t}, {h}]", x.len())));
+        }
+        if ids.len() != t * k || weights.len() != t * k {
+            return Err(bad(
+                name,
+                format!("ids/weights have {}/{} elements, not [{t}, {k}]", ids.len(), weights.len()),
+            ));
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let tiles = t.div_ceil(LOGITS_TOK_TILE);
+        let t_i = i32::try_from(t)
+            .ok()
+            .filter(|_| tiles <= 65535)
+            .ok_or_else(|| bad(name, format!("t = {t} tokens exceeds one launch ({} max)", 65535 * LOGITS_TOK_TILE)))?;
+        let mut scratch = self.logits.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|b| b.len() < t * e) {
+            *scratch = None; // release the old charge first
+                             // SAFETY: router_logits writes every element of [t, E] before router_topk reads it.
+            *scratch = Some(unsafe { dev.alloc_uninit::<f32>(t * e, &format!("router {name} logits"))? });
+        }
+        let logits = scratch.as_mut().expect("allocated above");
+        let (cfg, s) = (&self.cfg, dev.stream());
+        let (e_i, h_i, k_i) = (e as i32, h as i32, k as i32);
+        let launch_err = |e: cudarc::driver::DriverError| GpuError::Driver { op: OP, detail: e.to_string() };
+        {
+            let (w_p, _g0) = self.weight.device_ptr(s);
+            let (x_p, _g1) = x.device_ptr(s);
+            let (l_p, _g2) = logits.device_ptr_mut(s);
+            let f = dev.function(&ROUTER, "router_logits")?;
+            let mut b = s.launch_builder(&f);
+            b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i);
+            let lc = LaunchConfig {
+                grid_dim: ((e as u32).div_ceil(LOGITS_WARPS), tiles as u32, 1),
+                block_dim: (32 * LOGITS_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument list matches the kernel; w is [E, h], x is [t, h], logits ≥ [t, E].
+            unsafe { b.launch(lc) }.map_err(launch_err)?;
+        }
+        let scoring: i32 = match cfg.scoring {
+            RouterScoring::Softmax => 0,
+            RouterScoring::Sigmoid => 1,
+        };
+        let (method, n_group, topk_group): (i32, i32, i32) = match cfg.topk {
+            RouterTopk::Greedy => (0, 1, 1),
+            RouterTopk::GroupLimited { n_group, topk_group } => (1, n_group as i32, topk_group as i32),
+            RouterTopk::NoauxTc { n_group, topk_group } => (2, n_group as i32, topk_group as i32),
+        };
+        let norm: i32 = cfg.norm_topk_prob as i32;
+        let (l_p, _g0) = logits.device_ptr(s);
+        let (b_p, _g1) = match &self.bias {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        let (i_p, _g2) = ids.device_ptr_mut(s);
+        let (o_p, _g3) = weights.device_ptr_mut(s);
+        let f = dev.function(&ROUTER, "router_topk")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&l_p).arg(&b_p).arg(&i_p).arg(&o_p).arg(&t_i).arg(&e_i).arg(&scoring).arg(&method);
+        b.arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&cfg.routed_scaling_factor);
+        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (TOPK_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
+        unsafe { b.launch(lc) }.map_err(launch_err)?;
+        Ok(())
+    }
+}
