@@ -59,15 +59,20 @@
 
 pub mod budget;
 pub mod cache;
+pub mod cublas;
 mod device;
 mod error;
 pub mod kernels;
+pub mod linear;
+pub mod moe;
 pub mod nvrtc;
 
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use error::GpuError;
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use linear::{GemmContext, GpuLinear, LinearQuant};
+pub use moe::GpuExperts;
 
 /// Re-exported so callers name cudarc's types without depending on it directly.
 pub use cudarc;
