@@ -55,6 +55,12 @@ pub enum GpuError {
     /// A `--vram-budget` value that does not parse.
     #[error("--vram-budget {value:?}: {reason}")]
     BadBudget { value: String, reason: String },
+    /// No libcublas could be loaded, so the dense linears cannot run.
+    #[error("{detail}")]
+    NoCublas { detail: String },
+    /// A cuBLAS call failed; `detail` is the status name and code.
+    #[error("cuBLAS error in {op}: {detail}")]
+    Cublas { op: &'static str, detail: String },
     /// A caller passed buffers whose sizes do not match the shapes.
     #[error("invalid arguments to {op}: {detail}")]
     Shape { op: &'static str, detail: String },

@@ -59,6 +59,8 @@ pub const ALL: &[KernelSource] = &[
     crate::elementwise::ELEMENTWISE,
     crate::router::ROUTER,
     crate::sampling::SAMPLING,
+    crate::linear::LINEAR,
+    crate::moe::MOE,
 ];
 
 /// Threads per block of the row-wise kernels.

@@ -59,10 +59,13 @@
 
 pub mod budget;
 pub mod cache;
+pub mod cublas;
 mod device;
 pub mod elementwise;
 mod error;
 pub mod kernels;
+pub mod linear;
+pub mod moe;
 pub mod nvrtc;
 pub mod router;
 pub mod sampling;
@@ -72,6 +75,8 @@ pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use linear::{GemmContext, GpuLinear, LinearQuant};
+pub use moe::GpuExperts;
 pub use router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};
 pub use sampling::{GpuSampler, GpuSamplingParams};
 

@@ -1,0 +1,617 @@
+//! Dense linears on the GPU: `y[m, rows] = x[m, cols] · Wᵀ` with f32 activations.
+//!
+//! * **BF16** weights: x is rounded to BF16 (a small kernel, into the [`GemmContext`]'s scratch)
+//!   and cuBLAS `GemmEx` multiplies BF16 × BF16 into an f32 `y` with compute type 32F, as
+//!   transformers does for a BF16 model.
+//! * **INT8** weight-only, symmetric per output row ([`quantize_int8_rows`]): for
+//!   `m <= INT8_GEMV_MAX_M` (decode) our own GEMV reads every weight byte once with f32 `x` and f32
+//!   accumulation and applies the row scale at the end. For larger `m` the INT8 rows are expanded
+//!   to BF16 tile by tile (exact: no scale applied, `|q| <= 127` fits BF16's significand), cuBLAS
+//!   multiplies them with BF16-rounded `x` on the tensor cores, and one kernel scales `y`'s rows.
+//!   Why not a hand-written tiled INT8 kernel: prefill-sized GEMMs are compute bound, and cuBLAS's
+//!   tensor-core BF16 GEMM is far faster than a CUDA-core kernel; the expansion costs 3 extra bytes
+//!   of traffic per weight, small next to the `2·m` FLOPs per weight once `m` is in the tens.
+//!   The two INT8 paths therefore differ in one respect: the GEMV uses f32 `x`, the tiled path
+//!   BF16-rounded `x` (like the BF16 path).
+//!
+//! Nothing here synchronises; every launch goes on the device's compute stream.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::cublas::{self, CublasHandle};
+use crate::kernels::{KernelSource, HEADERS};
+use crate::{DeviceBuffer, GpuDevice, GpuError};
+
+pub const LINEAR: KernelSource = KernelSource {
+    name: "linear",
+    src: include_str!("../kernels/linear.cu"),
+    headers: HEADERS,
+    functions: &[
+        "f32_to_bf16_pad",
+        "int8_dequant_bf16",
+        "scale_rows_f32",
+        "int8_gemv_m1_r1",
+        "int8_gemv_m2_r1",
+        "int8_gemv_m4_r1",
+        "int8_gemv_m8_r1",
+        "int8_gemv_m1_r4",
+        "int8_gemv_m2_r4",
+        "int8_gemv_m4_r4",
+        "int8_gemv_m8_r4",
+    ],
+};
+
+/// Largest `m` served by the INT8 GEMV: up to 8 tokens it stays bound by the weight bytes (x is
+/// re-read from L1 per token); beyond that, expanding to BF16 for the tensor cores wins.
+pub const INT8_GEMV_MAX_M: usize = 8;
+/// INT8 rows are padded to this many bytes so that every row starts 16-byte aligned (one vector
+/// load per lane per step).
+const INT8_ROW_ALIGN: usize = 16;
+/// Threads per GEMV block (8 warps, one output row or four per warp).
+const GEMV_BLOCK: u32 = 256;
+/// Target resident warps per SM for the GEMV before it gives each warp 4 rows (which re-uses each
+/// x load 4 times): enough loads in flight to saturate HBM on A100/H100.
+const GEMV_WARPS_PER_SM: usize = 32;
+/// BF16 bytes expanded per INT8 tile in the large-`m` path: each cuBLAS call then covers
+/// thousands of rows (many waves of tensor-core tiles) while the scratch stays small.
+const INT8_DEQUANT_TILE_BYTES: usize = 32 << 20;
+/// cuBLAS workspace we hand it (charged to the budget): NVIDIA's recommended size for Hopper,
+/// ample for Ampere/Ada, and it keeps cuBLAS from allocating behind the budget's back.
+const CUBLAS_WORKSPACE_BYTES: usize = 32 << 20;
+/// Scratch sub-buffers start on this boundary (cuBLAS's preferred alignment).
+const SCRATCH_ALIGN: usize = 256;
+/// Threads per block of the elementwise kernels.
+const EW_BLOCK: u32 = 256;
+/// Grid cap of the grid-stride elementwise kernels (enough blocks to fill any current GPU).
+const EW_MAX_BLOCKS: usize = 4096;
+
+/// How a [`GpuLinear`] stores its weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LinearQuant {
+    /// The BF16 checkpoint values.
+    Bf16,
+    /// Weight-only INT8, symmetric per output row, f32 scales.
+    Int8,
+}
+
+impl FromStr for LinearQuant {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(LinearQuant::Bf16),
+            "int8" => Ok(LinearQuant::Int8),
+            _ => Err(format!("unknown linear precision {s:?}: expected bf16 or int8")),
+        }
+    }
+}
+
+impl fmt::Display for LinearQuant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LinearQuant::Bf16 => "bf16",
+            LinearQuant::Int8 => "int8",
+        })
+    }
+}
+
+/// Weight-only symmetric INT8 per row of a row-major BF16 `[rows, cols]` matrix:
+/// `s_r = max_c |w[r, c]| / 127`, `q = round(w / s_r)` (half away from zero), `s_r = 0` and
+/// `q = 0` for an all-zero row. Returns `(q [rows, cols], s [rows])`, or the first row holding a
+/// non-finite value.
+pub fn quantize_int8_rows(w: &[u16], rows: usize, cols: usize) -> Result<(Vec<i8>, Vec<f32>), usize> {
+    let mut q = Vec::with_capacity(rows * cols);
+    let mut s = Vec::with_capacity(rows);
+    for (r, row) in w.chunks_exact(cols.max(1)).take(rows).enumerate() {
+        let vals = row.iter().map(|&b| krasis_core::dtype::bf16_to_f32(b));
+        let mut amax = 0.0f32;
+        for v in vals.clone() {
+            if !v.is_finite() {
+                return Err(r);
+            }
+            amax = amax.max(v.abs());
+        }
+        let scale = amax / 127.0;
+        s.push(scale);
+        if scale == 0.0 {
+            q.extend(std::iter::repeat_n(0i8, cols));
+        } else {
+            q.extend(vals.map(|v| (v / scale).round().clamp(-127.0, 127.0) as i8));
+        }
+    }
+    Ok((q, s))
+}
+
+pub(crate) fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::shape(op, detail()))
+    }
+}
+
+pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
+    i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
+}
+
+pub(crate) fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
+    move |e| GpuError::Driver { op, detail: e.to_string() }
+}
+
+pub(crate) fn align_up(v: usize, a: usize) -> usize {
+    v.div_ceil(a) * a
+}
+
+/// Grid for a grid-stride loop over `n` elements.
+pub(crate) fn ew_cfg(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(EW_BLOCK as usize).clamp(1, EW_MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (EW_BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Per-device state of the GEMM paths: a cuBLAS handle bound to the device's compute stream, the
+/// cuBLAS workspace, and a growable scratch buffer (BF16 activations, expanded INT8 tiles, the
+/// MoE intermediates), all charged to the VRAM budget. Ops lock it for the span of their
+/// launches; since everything runs on one stream, the scratch is reused safely call after call.
+pub struct GemmContext {
+    inner: Mutex<Inner>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+pub(crate) struct Inner {
+    // Field order: the handle is destroyed before its workspace is freed.
+    handle: CublasHandle,
+    _workspace: Option<DeviceBuffer<u8>>,
+    scratch: Option<DeviceBuffer<u8>>,
+    scratch_ptr: u64,
+}
+
+impl Inner {
+    /// Device address of the scratch (valid while the lock is held); 0 when none was needed.
+    pub(crate) fn scratch_ptr(&self) -> u64 {
+        self.scratch_ptr
+    }
+
+    pub(crate) fn handle(&self) -> &CublasHandle {
+        &self.handle
+    }
+}
+
+impl GemmContext {
+    /// Loads cuBLAS (see [`crate::cublas`]), creates a handle on `dev`'s compute stream and gives
+    /// it a budget-charged workspace.
+    pub fn new(dev: &GpuDevice) -> Result<Self, GpuError> {
+        let lib = cublas::cublas()?;
+        let ctx = Arc::clone(dev.context());
+        ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the stream belongs to `ctx`, current on this thread, and outlives the handle (both
+        // are held by the GemmContext, the stream through `self.stream`).
+        let handle = unsafe { CublasHandle::new(lib, dev.stream().cu_stream())? };
+        let ws = dev.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
+        let (ws_ptr, _g) = ws.device_ptr(dev.stream());
+        // SAFETY: the workspace lives in `Inner` next to the handle and is dropped after it.
+        let used = unsafe { handle.set_workspace(ws_ptr, CUBLAS_WORKSPACE_BYTES)? };
+        drop(_g);
+        let inner = Inner { handle, _workspace: used.then_some(ws), scratch: None, scratch_ptr: 0 };
+        Ok(GemmContext { inner: Mutex::new(inner), stream: Arc::clone(dev.stream()), ctx })
+    }
+
+    /// Where libcublas was loaded from.
+    pub fn cublas_path(&self) -> &'static str {
+        cublas::cublas().map(|c| c.path()).unwrap_or("")
+    }
+
+    /// Current scratch size in bytes.
+    pub fn scratch_bytes(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).scratch.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Grows the scratch to at least `bytes` now (e.g. before capturing a CUDA graph, so that no
+    /// forward call allocates).
+    pub fn reserve(&self, dev: &GpuDevice, bytes: usize) -> Result<(), GpuError> {
+        self.lock(dev, "GemmContext::reserve", bytes).map(|_| ())
+    }
+
+    /// Locks the context for one op: checks it belongs to `dev`'s stream, binds the CUDA context
+    /// to this thread, and makes the scratch at least `bytes` long. Growth allocates on the
+    /// stream; the old buffer is freed stream-ordered, after the work already queued on it.
+    pub(crate) fn lock(
+        &self,
+        dev: &GpuDevice,
+        op: &'static str,
+        bytes: usize,
+    ) -> Result<MutexGuard<'_, Inner>, GpuError> {
+        check(op, Arc::ptr_eq(&self.stream, dev.stream()), || {
+            "the GemmContext was created for another GpuDevice (stream)".to_string()
+        })?;
+        self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let have = g.scratch.as_ref().map_or(0, |b| b.len());
+        if bytes > have {
+            g.scratch = None;
+            g.scratch_ptr = 0;
+            // Grow by at least half again so a slowly rising m does not reallocate every call;
+            // fall back to the exact size when the headroom does not fit the budget.
+            let roomy = bytes.max(have + have / 2);
+            // SAFETY: scratch contents are always written by an op before being read.
+            let buf = match unsafe { dev.alloc_uninit::<u8>(roomy, "GEMM scratch") } {
+                Ok(b) => b,
+                Err(GpuError::VramBudget { .. }) if roomy > bytes => unsafe {
+                    dev.alloc_uninit::<u8>(bytes, "GEMM scratch")?
+                },
+                Err(e) => return Err(e),
+            };
+            let (p, _g) = buf.device_ptr(dev.stream());
+            g.scratch_ptr = p;
+            drop(_g);
+            g.scratch = Some(buf);
+        }
+        Ok(g)
+    }
+}
+
+impl Drop for GemmContext {
+    fn drop(&mut self) {
+        // cublasDestroy needs the handle's context current; errors at teardown are ignored.
+        let _ = self.ctx.bind_to_thread();
+    }
+}
+
+impl fmt::Debug for GemmContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GemmContext").field("scratch_bytes", &self.scratch_bytes()).finish()
+    }
+}
+
+/// Carves 256-byte-aligned sub-buffers out of the scratch.
+pub(crate) struct Carve {
+    base: u64,
+    off: usize,
+}
+
+impl Carve {
+    pub(crate) fn new(base: u64) -> Self {
+        Carve { base, off: 0 }
+    }
+
+    /// Bytes needed for the given sub-buffer sizes.
+    pub(crate) fn total(sizes: &[usize]) -> usize {
+        sizes.iter().map(|&s| align_up(s, SCRATCH_ALIGN)).sum()
+    }
+
+    pub(crate) fn take(&mut self, bytes: usize) -> u64 {
+        let p = self.base + self.off as u64;
+        self.off += align_up(bytes, SCRATCH_ALIGN);
+        p
+    }
+}
+
+enum Weights {
+    Bf16(DeviceBuffer<u16>),
+    /// `q [rows, ldw]` (zero padded), `scale [rows]`.
+    Int8 {
+        q: DeviceBuffer<i8>,
+        scale: DeviceBuffer<f32>,
+        ldw: usize,
+    },
+}
+
+/// One dense linear layer resident on the GPU.
+pub struct GpuLinear {
+    name: String,
+    rows: usize,
+    cols: usize,
+    w: Weights,
+}
+
+impl fmt::Debug for GpuLinear {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuLinear")
+            .field("name", &self.name)
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("quant", &self.quant())
+            .finish()
+    }
+}
+
+impl GpuLinear {
+    /// `w`: BF16 bits, row-major `[rows, cols]` (HF `out × in`). `Int8` quantises with
+    /// [`quantize_int8_rows`] on the host. Allocations are charged to the budget as `name`.
+    pub fn new(
+        dev: &GpuDevice,
+        name: &str,
+        w: &[u16],
+        rows: usize,
+        cols: usize,
+        quant: LinearQuant,
+    ) -> Result<Self, GpuError> {
+        const OP: &str = "GpuLinear::new";
+        check(OP, rows > 0 && cols > 0, || format!("{name}: empty weight [{rows}, {cols}]"))?;
+        check(OP, rows.checked_mul(cols) == Some(w.len()), || {
+            format!("{name}: weight has {} elements, not [{rows}, {cols}]", w.len())
+        })?;
+        to_i32(OP, "rows", rows)?;
+        to_i32(OP, "cols", align_up(cols, INT8_ROW_ALIGN))?;
+        let w = match quant {
+            LinearQuant::Bf16 => Weights::Bf16(dev.upload(w, name)?),
+            LinearQuant::Int8 => {
+                let ldw = align_up(cols, INT8_ROW_ALIGN);
+                // Charge before building the host copy, so an over-budget layer fails fast.
+                let need = rows as u64 * (ldw as u64 + 4);
+                let remaining = dev.budget().remaining();
+                if need > remaining {
+                    return Err(GpuError::VramBudget {
+                        requested: need,
+                        used: dev.budget().used(),
+                        budget: dev.budget().budget(),
+                        what: name.to_string(),
+                    });
+                }
+                let (q, scale) = quantize_int8_rows(w, rows, cols)
+                    .map_err(|r| GpuError::shape(OP, format!("{name}: row {r} holds a non-finite weight")))?;
+                let mut padded = vec![0i8; rows * ldw];
+                for (dst, src) in padded.chunks_exact_mut(ldw).zip(q.chunks_exact(cols)) {
+                    dst[..cols].copy_from_slice(src);
+                }
+                let q = dev.upload(&padded, name)?;
+                let scale = dev.upload(&scale, &format!("{name} scales"))?;
+                Weights::Int8 { q, scale, ldw }
+            }
+        };
+        Ok(GpuLinear { name: name.to_string(), rows, cols, w })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn quant(&self) -> LinearQuant {
+        match self.w {
+            Weights::Bf16(_) => LinearQuant::Bf16,
+            Weights::Int8 { .. } => LinearQuant::Int8,
+        }
+    }
+
+    /// Device bytes of the weight (and scales), padding included.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.w {
+            Weights::Bf16(b) => b.len() * 2,
+            Weights::Int8 { q, scale, .. } => q.len() + scale.len() * 4,
+        }
+    }
+
+    /// `y[m, rows] = x[m, cols] · Wᵀ`; `x` and `y` f32 row-major, f32 accumulation. `y` is
+    /// overwritten. Never synchronises.
+    pub fn forward(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward";
+        let (rows, cols) = (self.rows, self.cols);
+        check(OP, x.len() == m * cols, || format!("{}: x has {} elements, not [{m}, {cols}]", self.name, x.len()))?;
+        check(OP, y.len() == m * rows, || format!("{}: y has {} elements, not [{m}, {rows}]", self.name, y.len()))?;
+        if m == 0 {
+            return Ok(());
+        }
+        let m_i = to_i32(OP, "m", m)?;
+        let s = dev.stream();
+        let (x_p, _gx) = x.device_ptr(s);
+        let (y_p, _gy) = y.device_ptr_mut(s);
+        match &self.w {
+            Weights::Bf16(w) => {
+                let ldx = align_up(cols, 8);
+                let g = ctx.lock(dev, OP, m * ldx * 2)?;
+                let xb = g.scratch_ptr();
+                convert_x(dev, x_p, xb, m_i, cols, ldx)?;
+                let (w_p, _gw) = w.device_ptr(s);
+                gemm_bf16(g.handle(), w_p, rows, cols, cols, xb, ldx, m_i, y_p, rows)
+            }
+            Weights::Int8 { q, scale, ldw } => {
+                let (q_p, _gq) = q.device_ptr(s);
+                let (s_p, _gs) = scale.device_ptr(s);
+                if m <= INT8_GEMV_MAX_M {
+                    self.int8_gemv(dev, q_p, s_p, *ldw, x_p, m, y_p)
+                } else {
+                    self.int8_tiled(dev, ctx, q_p, s_p, *ldw, x_p, m, y_p)
+                }
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn int8_gemv(
+        &self,
+        dev: &GpuDevice,
+        q: u64,
+        scale: u64,
+        ldw: usize,
+        x: u64,
+        m: usize,
+        y: u64,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward (int8 gemv)";
+        let mt = m.next_power_of_two();
+        let warps_wanted = GEMV_WARPS_PER_SM * dev.info().multiprocessors.max(1) as usize;
+        let r = if self.rows / 4 >= warps_wanted { 4 } else { 1 };
+        let fname: &'static str = match (mt, r) {
+            (1, 1) => "int8_gemv_m1_r1",
+            (2, 1) => "int8_gemv_m2_r1",
+            (4, 1) => "int8_gemv_m4_r1",
+            (8, 1) => "int8_gemv_m8_r1",
+            (1, _) => "int8_gemv_m1_r4",
+            (2, _) => "int8_gemv_m2_r4",
+            (4, _) => "int8_gemv_m4_r4",
+            _ => "int8_gemv_m8_r4",
+        };
+        let warps = self.rows.div_ceil(r);
+        let warps_per_block = GEMV_BLOCK as usize / 32;
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(warps_per_block) as u32, 1, 1),
+            block_dim: (GEMV_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (m_i, rows_i, cols_i, ldw_i) = (m as i32, self.rows as i32, self.cols as i32, ldw as i32);
+        let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
+        let s = dev.stream();
+        let f = dev.function(&LINEAR, fname)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&q).arg(&scale).arg(&x).arg(&y).arg(&m_i).arg(&rows_i).arg(&cols_i).arg(&ldw_i).arg(&x_vec4);
+        // SAFETY: arguments match the kernel's signature; shapes checked by `forward`.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn int8_tiled(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        q: u64,
+        scale: u64,
+        ldw: usize,
+        x: u64,
+        m: usize,
+        y: u64,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward (int8 tiled)";
+        let (rows, cols) = (self.rows, self.cols);
+        let ldx = align_up(cols, 8);
+        let tile_rows = (INT8_DEQUANT_TILE_BYTES / (ldw * 2)).clamp(1, rows);
+        let xb_bytes = m * ldx * 2;
+        let g = ctx.lock(dev, OP, Carve::total(&[xb_bytes, tile_rows * ldw * 2]))?;
+        let mut carve = Carve::new(g.scratch_ptr());
+        let (xb, wb) = (carve.take(xb_bytes), carve.take(tile_rows * ldw * 2));
+        let m_i = to_i32(OP, "m", m)?;
+        convert_x(dev, x, xb, m_i, cols, ldx)?;
+        let s = dev.stream();
+        let deq = dev.function(&LINEAR, "int8_dequant_bf16")?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let tr = tile_rows.min(rows - r0);
+            let n16 = (tr * ldw / 16) as i64;
+            let src = q + (r0 * ldw) as u64;
+            let mut b = s.launch_builder(&deq);
+            b.arg(&src).arg(&wb).arg(&n16);
+            // SAFETY: `src` covers `tr` padded rows, `wb` holds `tile_rows * ldw` BF16.
+            unsafe { b.launch(ew_cfg(n16 as usize)) }.map_err(launch_err(OP))?;
+            // Rows r0..r0+tr of y's column-major [rows, m] view: pointer offset r0, ldc = rows.
+            gemm_bf16(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y + (r0 * 4) as u64, rows)?;
+            r0 += tr;
+        }
+        let rows_i = to_i32(OP, "rows", rows)?;
+        let f = dev.function(&LINEAR, "scale_rows_f32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&y).arg(&scale).arg(&m_i).arg(&rows_i);
+        // SAFETY: y is [m, rows], scale [rows].
+        unsafe { b.launch(ew_cfg(m * rows)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+}
+
+/// `xb[t, c] = bf16(x[t, c])` into `[m, ldx]` (padding zeroed).
+fn convert_x(dev: &GpuDevice, x: u64, xb: u64, m: i32, cols: usize, ldx: usize) -> Result<(), GpuError> {
+    const OP: &str = "f32_to_bf16_pad";
+    let (c_i, ld_i) = (to_i32(OP, "cols", cols)?, to_i32(OP, "ld", ldx)?);
+    let f = dev.function(&LINEAR, "f32_to_bf16_pad")?;
+    let s = dev.stream();
+    let mut b = s.launch_builder(&f);
+    b.arg(&x).arg(&xb).arg(&m).arg(&c_i).arg(&ld_i);
+    let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (EW_BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: x is [m, cols] f32, xb [m, ldx] BF16 in the scratch.
+    unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+    Ok(())
+}
+
+/// Row-major `y[m, n] (ld ldy) = x[m, k] (ld ldx, BF16) · W[n, k]ᵀ (ld ldw, BF16)`, f32 output:
+/// in cuBLAS's column-major terms `Yᵀ[n, m] = op_T(W) · Xᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16(
+    h: &CublasHandle,
+    w: u64,
+    n: usize,
+    k: usize,
+    ldw: usize,
+    xb: u64,
+    ldx: usize,
+    m: i32,
+    y: u64,
+    ldy: usize,
+) -> Result<(), GpuError> {
+    const OP: &str = "cublasGemmEx";
+    let (n, k, ldw, ldx, ldy) = (
+        to_i32(OP, "n", n)?,
+        to_i32(OP, "k", k)?,
+        to_i32(OP, "ldw", ldw)?,
+        to_i32(OP, "ldx", ldx)?,
+        to_i32(OP, "ldy", ldy)?,
+    );
+    // SAFETY: the callers pass device buffers of the stated shapes on the handle's stream.
+    unsafe {
+        h.gemm_ex_f32_compute(
+            (cublas::OP_T, cublas::OP_N),
+            (n, m, k),
+            1.0,
+            (w, cublas::R_16BF, ldw),
+            (xb, cublas::R_16BF, ldx),
+            0.0,
+            (y, cublas::R_32F, ldy),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+
+    #[test]
+    fn quant_parse_and_display() {
+        for q in [LinearQuant::Bf16, LinearQuant::Int8] {
+            assert_eq!(q.to_string().parse::<LinearQuant>().unwrap(), q);
+        }
+        assert_eq!("INT8".parse::<LinearQuant>().unwrap(), LinearQuant::Int8);
+        assert!("int4".parse::<LinearQuant>().unwrap_err().contains("bf16 or int8"));
+    }
+
+    #[test]
+    fn int8_rows_round_trip_within_half_a_step() {
+        let (rows, cols) = (5, 13);
+        let w: Vec<u16> = (0..rows * cols).map(|i| f32_to_bf16(((i * 37 % 23) as f32 - 11.0) * 0.173)).collect();
+        let mut w = w;
+        w[2 * cols..3 * cols].fill(0); // all-zero row
+        let (q, s) = quantize_int8_rows(&w, rows, cols).unwrap();
+        assert_eq!((q.len(), s.len()), (rows * cols, rows));
+        assert_eq!(s[2], 0.0);
+        for r in 0..rows {
+            let row = &w[r * cols..(r + 1) * cols];
+            let amax = row.iter().map(|&b| bf16_to_f32(b).abs()).fold(0.0f32, f32::max);
+            assert!(amax == 0.0 || q[r * cols..(r + 1) * cols].iter().any(|&v| v.abs() == 127), "row {r}");
+            for c in 0..cols {
+                let err = (q[r * cols + c] as f32 * s[r] - bf16_to_f32(row[c])).abs();
+                assert!(err <= s[r] * 0.5 * (1.0 + 1e-5), "row {r} col {c}: err {err}");
+            }
+        }
+        let mut bad = w.clone();
+        bad[3 * cols + 4] = 0x7f80; // +inf
+        assert_eq!(quantize_int8_rows(&bad, rows, cols).unwrap_err(), 3);
+    }
+}

@@ -1,0 +1,270 @@
+//! Routed experts in BF16 on the GPU through a simple grouped path with no host synchronisation:
+//! the expert ids stay on the device, and the kernels in `kernels/moe.cu` group the
+//! (token, slot) pairs by expert (count / offsets / scatter), then run one block per
+//! (expert tile of `MOE_TM` pairs, `MOE_BN` output columns), so each selected expert's weights are
+//! read once per tile: once in total at decode (t = 1), once per 16 routed tokens in prefill.
+//! Activations and accumulation are f32; the SwiGLU intermediate is f32. The result is
+//! deterministic (see the kernel file): per pair, one thread sums each output over k in order,
+//! and the combine sums the top-k slots in ascending order.
+//!
+//! Ids outside `[0, n_experts)` never index the weights: such a pair is left out of the grouping
+//! and its token's output row is NaN (as the embedding gather does for bad token ids).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::kernels::{KernelSource, HEADERS};
+use crate::linear::{align_up, check, launch_err, to_i32, Carve, GemmContext};
+use crate::{DeviceBuffer, GpuDevice, GpuError};
+
+pub const MOE: KernelSource = KernelSource {
+    name: "moe",
+    src: include_str!("../kernels/moe.cu"),
+    headers: HEADERS,
+    functions: &["moe_route", "moe_gate_up", "moe_down", "moe_combine"],
+};
+
+/// Pairs per tile (`MOE_TM` in moe.cu): 16 tokens share each weight chunk in shared memory.
+const MOE_TM: usize = 16;
+/// Output columns per block (`MOE_BN` in moe.cu).
+const MOE_BN: usize = 32;
+/// Weight rows are padded to a multiple of this (`MOE_KC` in moe.cu, the k chunk).
+const MOE_KC: usize = 64;
+/// Threads of a GEMM block (`MOE_THREADS` in moe.cu).
+const MOE_THREADS: u32 = 256;
+/// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
+pub const MOE_MAX_EXPERTS: usize = 4096;
+/// Threads of the single routing block.
+const ROUTE_THREADS: u32 = 1024;
+/// Scratch (f32 intermediates of the pairs) per pass: long prompts are processed in passes of as
+/// many tokens as fit, so the scratch stays bounded; 128 MiB holds ~3.6k pairs at hidden 7168 +
+/// inter 2048 (14 pairs per expert for 256 experts), enough to fill most tiles.
+const MOE_PASS_SCRATCH_BYTES: usize = 128 << 20;
+/// Threads per block of the combine (one block per token).
+const COMBINE_THREADS: u32 = 256;
+
+/// The routed experts of one MoE layer, BF16, resident on the GPU.
+pub struct GpuExperts {
+    name: String,
+    n_experts: usize,
+    hidden: usize,
+    inter: usize,
+    /// `[E, 2·inter, hidden_pad]`: gate rows then up rows of each expert, zero padded.
+    w13: DeviceBuffer<u16>,
+    /// `[E, hidden, inter_pad]`, zero padded.
+    w2: DeviceBuffer<u16>,
+    hidden_pad: usize,
+    inter_pad: usize,
+    /// Tokens per pass (bounds the scratch); see [`GpuExperts::set_max_tokens_per_pass`].
+    max_pass_tokens: usize,
+}
+
+impl std::fmt::Debug for GpuExperts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuExperts")
+            .field("name", &self.name)
+            .field("n_experts", &self.n_experts)
+            .field("hidden", &self.hidden)
+            .field("inter", &self.inter)
+            .finish()
+    }
+}
+
+impl GpuExperts {
+    /// Allocates (zeroed, budget-charged as `name`) room for `n_experts` experts.
+    pub fn new(dev: &GpuDevice, name: &str, n_experts: usize, hidden: usize, inter: usize) -> Result<Self, GpuError> {
+        const OP: &str = "GpuExperts::new";
+        check(OP, n_experts > 0 && hidden > 0 && inter > 0, || {
+            format!("{name}: empty shape (experts {n_experts}, hidden {hidden}, inter {inter})")
+        })?;
+        check(OP, n_experts <= MOE_MAX_EXPERTS, || {
+            format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
+        })?;
+        let (hidden_pad, inter_pad) = (align_up(hidden, MOE_KC), align_up(inter, MOE_KC));
+        to_i32(OP, "2·inter·hidden_pad", 2 * inter * hidden_pad)?;
+        to_i32(OP, "hidden·inter_pad", hidden * inter_pad)?;
+        let n13 = n_experts.checked_mul(2 * inter * hidden_pad);
+        let n2 = n_experts.checked_mul(hidden * inter_pad);
+        let (Some(n13), Some(n2)) = (n13, n2) else {
+            return Err(GpuError::shape(OP, format!("{name}: expert weights overflow usize")));
+        };
+        let w13 = dev.alloc_zeros::<u16>(n13, &format!("{name} w13"))?;
+        let w2 = dev.alloc_zeros::<u16>(n2, &format!("{name} w2"))?;
+        let max_pass_tokens = usize::MAX;
+        Ok(GpuExperts {
+            name: name.to_string(),
+            n_experts,
+            hidden,
+            inter,
+            w13,
+            w2,
+            hidden_pad,
+            inter_pad,
+            max_pass_tokens,
+        })
+    }
+
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    pub fn inter(&self) -> usize {
+        self.inter
+    }
+
+    /// Copies expert `e`'s BF16 weights in: `gate` and `up` `[inter, hidden]`, `down`
+    /// `[hidden, inter]` (HF `out × in`). Padding stays zero.
+    pub fn upload_expert(
+        &mut self,
+        dev: &GpuDevice,
+        e: usize,
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuExperts::upload_expert";
+        let (h, i, name) = (self.hidden, self.inter, &self.name);
+        check(OP, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
+        for (what, v, want) in [("gate", gate, i * h), ("up", up, i * h), ("down", down, h * i)] {
+            check(OP, v.len() == want, || format!("{name} expert {e}: {what} has {} elements, not {want}", v.len()))?;
+        }
+        let (hp, ip) = (self.hidden_pad, self.inter_pad);
+        let mut w13 = vec![0u16; 2 * i * hp];
+        for (r, src) in gate.chunks_exact(h).chain(up.chunks_exact(h)).enumerate() {
+            w13[r * hp..r * hp + h].copy_from_slice(src);
+        }
+        let mut w2 = vec![0u16; h * ip];
+        for (r, src) in down.chunks_exact(i).enumerate() {
+            w2[r * ip..r * ip + i].copy_from_slice(src);
+        }
+        let s = dev.stream();
+        let mut dst13 = self.w13.slice_mut().slice_mut(e * w13.len()..(e + 1) * w13.len());
+        s.memcpy_htod(&w13, &mut dst13).map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
+        let mut dst2 = self.w2.slice_mut().slice_mut(e * w2.len()..(e + 1) * w2.len());
+        s.memcpy_htod(&w2, &mut dst2).map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
+        Ok(())
+    }
+
+    /// Device bytes of all expert weights (padding included).
+    pub fn weight_bytes(&self) -> usize {
+        (self.w13.len() + self.w2.len()) * 2
+    }
+
+    /// Caps the tokens one pass of [`GpuExperts::forward`] handles (at least 1), on top of the
+    /// built-in scratch bound of 128 MiB per pass: a smaller cap means less scratch, a larger
+    /// one fuller expert tiles.
+    pub fn set_max_tokens_per_pass(&mut self, tokens: usize) {
+        self.max_pass_tokens = tokens.max(1);
+    }
+
+    /// Tokens per pass at `top_k`, bounded by [`MOE_PASS_SCRATCH_BYTES`] and the caller's cap.
+    fn tokens_per_pass(&self, top_k: usize) -> usize {
+        let per_pair = (self.inter + self.hidden + 1) * 4;
+        (MOE_PASS_SCRATCH_BYTES / per_pair / top_k).clamp(1, self.max_pass_tokens)
+    }
+
+    /// `out[t, :] = Σ_j weights[t, j] · down_e(silu(gate_e x_t) · up_e x_t)` with `e = ids[t, j]`,
+    /// `j` ascending; `x`, `out` `[t, hidden]` f32, `ids`, `weights` `[t, top_k]` on the device.
+    /// `out` is overwritten; a token with an id outside `[0, n_experts)` gets a NaN row. Never
+    /// synchronises.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        ids: &impl DevicePtr<i32>,
+        weights: &impl DevicePtr<f32>,
+        top_k: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuExperts::forward";
+        let (h, i, name) = (self.hidden, self.inter, &self.name);
+        check(OP, top_k > 0, || format!("{name}: top_k = 0"))?;
+        check(OP, x.len() == t * h, || format!("{name}: x has {} elements, not [{t}, {h}]", x.len()))?;
+        check(OP, out.len() == t * h, || format!("{name}: out has {} elements, not [{t}, {h}]", out.len()))?;
+        check(OP, ids.len() == t * top_k, || format!("{name}: ids has {} elements, not [{t}, {top_k}]", ids.len()))?;
+        check(OP, weights.len() == t * top_k, || {
+            format!("{name}: weights has {} elements, not [{t}, {top_k}]", weights.len())
+        })?;
+        if t == 0 {
+            return Ok(());
+        }
+        to_i32(OP, "tokens·top_k", t * top_k)?;
+        let e = self.n_experts;
+        let pass = self.tokens_per_pass(top_k).min(t);
+        let max_pairs = pass * top_k;
+        let sizes = |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * i * 4, pairs * h * 4];
+        let g = ctx.lock(dev, OP, Carve::total(&sizes(max_pairs)))?;
+        let mut carve = Carve::new(g.scratch_ptr());
+        let [offsets, tile_offsets, sorted, act, ypair] = sizes(max_pairs).map(|b| carve.take(b));
+
+        let s = dev.stream();
+        let (x_p, _g1) = x.device_ptr(s);
+        let (ids_p, _g2) = ids.device_ptr(s);
+        let (w_p, _g3) = weights.device_ptr(s);
+        let (out_p, _g4) = out.device_ptr_mut(s);
+        let (w13_p, _g5) = self.w13.device_ptr(s);
+        let (w2_p, _g6) = self.w2.device_ptr(s);
+        let (route, gate_up, down, combine) = (
+            dev.function(&MOE, "moe_route")?,
+            dev.function(&MOE, "moe_gate_up")?,
+            dev.function(&MOE, "moe_down")?,
+            dev.function(&MOE, "moe_combine")?,
+        );
+        let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
+        let (ldw13, ldw2) = (self.hidden_pad as i32, self.inter_pad as i32);
+
+        let mut t0 = 0;
+        while t0 < t {
+            let nt = pass.min(t - t0);
+            let pairs = nt * top_k;
+            let (nt_i, pairs_i) = (nt as i32, pairs as i32);
+            let ids_t = ids_p + (t0 * top_k * 4) as u64;
+            let w_t = w_p + (t0 * top_k * 4) as u64;
+            let x_t = x_p + (t0 * h * 4) as u64;
+            let out_t = out_p + (t0 * h * 4) as u64;
+
+            let mut b = s.launch_builder(&route);
+            b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
+            let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: ids [pairs]; offsets/tile_offsets [E+1] and sorted [pairs] in the scratch.
+            unsafe { b.launch(one) }.map_err(launch_err(OP))?;
+
+            // Upper bound on the tiles: each non-empty expert adds at most one partial tile, and
+            // no tile is empty. Blocks past the device-side count exit at once.
+            let max_tiles = pairs.min(pairs.div_ceil(MOE_TM) + e.min(pairs)) as u32;
+            let grid = |n_out: usize| LaunchConfig {
+                grid_dim: (max_tiles, n_out.div_ceil(MOE_BN) as u32, 1),
+                block_dim: (MOE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = s.launch_builder(&gate_up);
+            b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&x_t).arg(&k_i).arg(&act);
+            b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+            // SAFETY: w13 [E, 2·inter, ldw13], x [nt, hidden], act [pairs, inter]; rows of A are
+            // pair / top_k < nt, and pairs with bad ids are never in `sorted`.
+            unsafe { b.launch(grid(i)) }.map_err(launch_err(OP))?;
+
+            let mut b = s.launch_builder(&down);
+            b.arg(&w2_p).arg(&ldw2).arg(&i_i).arg(&h_i).arg(&act).arg(&ypair);
+            b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+            // SAFETY: w2 [E, hidden, ldw2], act [pairs, inter], ypair [pairs, hidden].
+            unsafe { b.launch(grid(h)) }.map_err(launch_err(OP))?;
+
+            let mut b = s.launch_builder(&combine);
+            b.arg(&ypair).arg(&ids_t).arg(&w_t).arg(&out_t).arg(&nt_i).arg(&k_i).arg(&h_i).arg(&e_i);
+            let cfg =
+                LaunchConfig { grid_dim: (nt as u32, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: ypair [pairs, hidden] (rows of bad pairs are read but discarded), out [nt, hidden].
+            unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+            t0 += nt;
+        }
+        drop(g);
+        Ok(())
+    }
+}

@@ -1,0 +1,317 @@
+//! `GpuLinear` (BF16 through cuBLAS, INT8 GEMV and INT8 tiled) against scalar f64 twins on random
+//! and ragged shapes. Weights are BF16 by construction; `x` is deliberately *not* pre-rounded in
+//! half of the cases, because rounding `x` to BF16 is part of the BF16 path's contract (the twin
+//! rounds it the same way, round-to-nearest-even). Outputs are poisoned with NaN before each
+//! launch so an unwritten element fails.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" (past the harness's capture) and passes;
+//! with `KRASIS_REQUIRE_GPU=1` a missing GPU fails instead.
+
+#![allow(clippy::needless_range_loop)] // the scalar twins are plain index loops on purpose
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use krasis_gpu::cudarc::driver::DevicePtr;
+use krasis_gpu::linear::INT8_GEMV_MAX_M;
+use krasis_gpu::{DeviceBuffer, GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+static DEVICE: OnceLock<Result<(GpuDevice, GemmContext), String>> = OnceLock::new();
+
+fn gpu(test: &str) -> Option<&'static (GpuDevice, GemmContext)> {
+    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
+        Ok(info) => {
+            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
+                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
+            let ctx = GemmContext::new(&d).unwrap_or_else(|e| panic!("GPU present but no cuBLAS: {e}"));
+            let _ = writeln!(std::io::stderr(), "GPU: {}; cuBLAS from {}; {}", d.info(), ctx.cublas_path(), d.budget());
+            Ok((d, ctx))
+        }
+        Err(e) => Err(e.to_string()),
+    });
+    match d {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            None
+        }
+    }
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn rand_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| r.random_range(-1.0f32..1.0) * scale).collect()
+}
+
+fn round_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect()
+}
+
+fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
+    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn poisoned(d: &GpuDevice, n: usize) -> DeviceBuffer<f32> {
+    up(d, &vec![f32::NAN; n], "poisoned output")
+}
+
+fn down(d: &GpuDevice, b: &impl DevicePtr<f32>) -> Vec<f32> {
+    d.download(b).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Unit roundoff of f32.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+/// Tolerance in units of the rounding-error model below. A sum of products rounded step by step
+/// in f32 has an error close to a random walk of `u·|S_j|` steps over its partial sums `S_j`,
+/// i.e. about `u·sqrt(Σ S_j²)`; blocked or tree orders (cuBLAS, the GEMV's lanes + warp
+/// reduction) have smaller partial sums. 64× that estimate leaves room for tensor-core
+/// accumulation details while a single wrong or missing term (about `|S|/sqrt(k)` or more) still
+/// fails.
+const TOL_SIGMAS: f64 = 64.0;
+
+/// `Σ a_i b_i` in f64 and the rounding-error estimate `sqrt(Σ S_j²)` of accumulating it in f32.
+fn dot_est(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (mut s, mut ss) = (0.0f64, 0.0f64);
+    for (x, y) in a.zip(b) {
+        s += x * y;
+        ss += s * s;
+    }
+    (s, ss.sqrt())
+}
+
+/// Independent INT8 quantiser (the twin of `quantize_int8_rows`).
+fn twin_quant(w: &[u16], rows: usize, cols: usize) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; rows * cols];
+    let mut s = vec![0f32; rows];
+    for r in 0..rows {
+        let amax = (0..cols).map(|c| bf16_to_f32(w[r * cols + c]).abs()).fold(0.0f32, f32::max);
+        s[r] = amax / 127.0;
+        for c in 0..cols {
+            if s[r] > 0.0 {
+                q[r * cols + c] = (bf16_to_f32(w[r * cols + c]) / s[r]).round().clamp(-127.0, 127.0) as i8;
+            }
+        }
+    }
+    (q, s)
+}
+
+/// y = x · Wᵀ with `wv` the weight values as f64 (`[rows, cols]`), each row times `scale[r]`.
+/// Returns (y, tolerance) per element.
+fn twin_linear(x: &[f32], m: usize, wv: &[f64], scale: &[f64], rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut y = vec![0f32; m * rows];
+    let mut tol = vec![0f32; m * rows];
+    for t in 0..m {
+        for r in 0..rows {
+            let (s, est) = dot_est(
+                x[t * cols..(t + 1) * cols].iter().map(|&v| v as f64),
+                wv[r * cols..(r + 1) * cols].iter().copied(),
+            );
+            let v = s * scale[r];
+            y[t * rows + r] = v as f32;
+            tol[t * rows + r] = (TOL_SIGMAS * U * (est * scale[r].abs() + 4.0 * v.abs())) as f32 + 1e-30;
+        }
+    }
+    (y, tol)
+}
+
+fn assert_within(what: &str, got: &[f32], want: &[f32], tol: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0.0f32;
+    for i in 0..got.len() {
+        let err = (got[i] - want[i]).abs();
+        assert!(err <= tol[i], "{what}[{i}]: got {}, want {} (err {err:e} > tol {:e})", got[i], want[i], tol[i]);
+        worst = worst.max(err / tol[i]);
+    }
+    worst
+}
+
+const MS: [usize; 6] = [1, 2, 3, 17, 64, 129];
+/// (rows, cols): ragged, odd, not multiples of 4/8/16, plus aligned ones.
+const SHAPES: [(usize, usize); 8] =
+    [(1, 1), (7, 13), (33, 100), (129, 257), (64, 64), (300, 1000), (1000, 301), (256, 2048)];
+
+#[test]
+fn bf16_linear_matches_twin() {
+    let Some((d, ctx)) = gpu("bf16_linear_matches_twin") else { return };
+    let mut r = rng(11);
+    for (case, &(rows, cols)) in SHAPES.iter().enumerate() {
+        let w: Vec<u16> = rand_f32(&mut r, rows * cols, 0.5).iter().map(|&v| f32_to_bf16(v)).collect();
+        let wv: Vec<f64> = w.iter().map(|&b| bf16_to_f32(b) as f64).collect();
+        let lin = GpuLinear::new(d, "test bf16 linear", &w, rows, cols, LinearQuant::Bf16).unwrap();
+        assert_eq!(
+            (lin.rows(), lin.cols(), lin.quant(), lin.weight_bytes()),
+            (rows, cols, LinearQuant::Bf16, rows * cols * 2)
+        );
+        for &m in &MS {
+            let x = rand_f32(&mut r, m * cols, 2.0);
+            let x = if (case + m) % 2 == 0 { round_bf16(&x) } else { x };
+            let (want, tol) = twin_linear(&round_bf16(&x), m, &wv, &vec![1.0; rows], rows, cols);
+            let x_d = up(d, &x, "x");
+            let mut y = poisoned(d, m * rows);
+            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+            let worst = assert_within(&format!("bf16 [{rows}x{cols}] m={m}"), &down(d, &y), &want, &tol);
+            if m == 129 {
+                eprintln!("bf16 [{rows}x{cols}]: worst err/tol {worst:.3}");
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_linear_matches_twin() {
+    let Some((d, ctx)) = gpu("int8_linear_matches_twin") else { return };
+    let mut r = rng(12);
+    // The SHAPES, plus rows enough for the 4-rows-per-warp GEMV on any GPU, and a weight over
+    // 32 MiB as BF16 so the tiled path expands it in more than one tile.
+    let mut shapes: Vec<(usize, usize, &[usize])> = SHAPES.iter().map(|&(a, b)| (a, b, &MS[..])).collect();
+    shapes.push((40_000, 40, &[1, 3, 8, 9]));
+    shapes.push((20_000, 1000, &[1, 17]));
+    for (case, &(rows, cols, ms)) in shapes.iter().enumerate() {
+        let mut wf = rand_f32(&mut r, rows * cols, 0.5);
+        wf[..cols.min(3)].fill(0.0); // row 0 partly zero
+        if rows > 2 {
+            wf[2 * cols..3 * cols].fill(0.0); // an all-zero row: scale 0
+        }
+        let w: Vec<u16> = wf.iter().map(|&v| f32_to_bf16(v)).collect();
+        let (q, s) = twin_quant(&w, rows, cols);
+        assert_eq!(krasis_gpu::linear::quantize_int8_rows(&w, rows, cols).unwrap(), (q.clone(), s.clone()));
+        let qv: Vec<f64> = q.iter().map(|&v| v as f64).collect();
+        let sv: Vec<f64> = s.iter().map(|&v| v as f64).collect();
+        let lin = GpuLinear::new(d, "test int8 linear", &w, rows, cols, LinearQuant::Int8).unwrap();
+        assert_eq!(lin.quant(), LinearQuant::Int8);
+        assert_eq!(lin.weight_bytes(), rows * cols.div_ceil(16) * 16 + rows * 4);
+        for &m in ms {
+            let x = rand_f32(&mut r, m * cols, 2.0);
+            let x = if (case + m) % 2 == 0 { round_bf16(&x) } else { x };
+            // Decode GEMV: f32 x. Tiled: x rounded to BF16, like the BF16 path.
+            let x_twin = if m <= INT8_GEMV_MAX_M { x.clone() } else { round_bf16(&x) };
+            let (want, tol) = twin_linear(&x_twin, m, &qv, &sv, rows, cols);
+            let x_d = up(d, &x, "x");
+            let mut y = poisoned(d, m * rows);
+            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+            let worst = assert_within(&format!("int8 [{rows}x{cols}] m={m}"), &down(d, &y), &want, &tol);
+            eprintln!("int8 [{rows}x{cols}] m={m}: worst err/tol {worst:.3}");
+        }
+    }
+}
+
+/// x as a view one element into a buffer: not 16-byte aligned, so the GEMV must take its scalar
+/// x path even when cols % 4 == 0.
+#[test]
+fn int8_gemv_handles_unaligned_x() {
+    let Some((d, ctx)) = gpu("int8_gemv_handles_unaligned_x") else { return };
+    let mut r = rng(13);
+    let (rows, cols, m) = (77, 256, 3);
+    let w: Vec<u16> = rand_f32(&mut r, rows * cols, 1.0).iter().map(|&v| f32_to_bf16(v)).collect();
+    let (q, s) = twin_quant(&w, rows, cols);
+    let lin = GpuLinear::new(d, "unaligned", &w, rows, cols, LinearQuant::Int8).unwrap();
+    let x = rand_f32(&mut r, m * cols + 1, 1.0);
+    let qv: Vec<f64> = q.iter().map(|&v| v as f64).collect();
+    let sv: Vec<f64> = s.iter().map(|&v| v as f64).collect();
+    let (want, tol) = twin_linear(&x[1..], m, &qv, &sv, rows, cols);
+    let x_d = up(d, &x, "x");
+    let view = x_d.slice().slice(1..);
+    let mut y = poisoned(d, m * rows);
+    lin.forward(d, ctx, &view, m, &mut y).unwrap();
+    assert_within("int8 unaligned x", &down(d, &y), &want, &tol);
+}
+
+#[test]
+fn linear_shape_errors_and_zero_m() {
+    let Some((d, ctx)) = gpu("linear_shape_errors_and_zero_m") else { return };
+    let w = vec![f32_to_bf16(1.0); 12];
+    let e = GpuLinear::new(d, "bad", &w, 5, 3, LinearQuant::Bf16).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("bad"), "{e}");
+    let e = GpuLinear::new(d, "empty", &[], 0, 3, LinearQuant::Int8).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }), "{e}");
+    let mut nan_w = w.clone();
+    nan_w[7] = 0x7fc0;
+    let e = GpuLinear::new(d, "nan", &nan_w, 4, 3, LinearQuant::Int8).unwrap_err();
+    assert!(e.to_string().contains("row 2"), "{e}");
+    for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
+        let lin = GpuLinear::new(d, "ok", &w, 4, 3, quant).unwrap();
+        let x = up(d, &[1.0f32; 6], "x");
+        let mut y = poisoned(d, 8);
+        let e = lin.forward(d, ctx, &x, 3, &mut y).unwrap_err();
+        assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("x has 6"), "{e}");
+        let mut y_bad = poisoned(d, 7);
+        let e = lin.forward(d, ctx, &x, 2, &mut y_bad).unwrap_err();
+        assert!(e.to_string().contains("y has 7"), "{e}");
+        // m = 0: nothing to do, not an error (empty views, no zero-byte allocation).
+        let mut y0 = poisoned(d, 1);
+        lin.forward(d, ctx, &x.slice().slice(0..0), 0, &mut y0.slice_mut().slice_mut(0..0)).unwrap();
+        lin.forward(d, ctx, &x, 2, &mut y).unwrap();
+        for v in down(d, &y) {
+            assert!((v - 3.0).abs() <= 1e-6, "{quant}: all-ones 4x3 weight times ones gave {v}");
+        }
+    }
+    // A context belongs to its device handle's stream.
+    let other = GpuDevice::open(d.info().ordinal, VramBudgetSpec::Auto).unwrap();
+    let lin = GpuLinear::new(&other, "ok", &w, 4, 3, LinearQuant::Bf16).unwrap();
+    let (x, mut y) = (up(&other, &[1.0f32; 3], "x"), up(&other, &[0.0f32; 4], "y"));
+    let e = lin.forward(&other, ctx, &x, 1, &mut y).unwrap_err();
+    assert!(e.to_string().contains("another GpuDevice"), "{e}");
+}
+
+#[test]
+fn linear_over_budget_is_a_budget_error() {
+    let Some((d, _)) = gpu("linear_over_budget_is_a_budget_error") else { return };
+    let small = GpuDevice::open(d.info().ordinal, VramBudgetSpec::Bytes(64 << 20)).unwrap();
+    let ctx = GemmContext::new(&small).unwrap(); // takes the 32 MiB cuBLAS workspace
+    let (rows, cols) = (12288, 4096); // 96 MiB BF16, 48 MiB INT8: both over the remaining ~32 MiB
+    let w = vec![f32_to_bf16(0.25); rows * cols];
+    for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
+        let e = GpuLinear::new(&small, "lm_head", &w, rows, cols, quant).unwrap_err();
+        assert!(matches!(e, GpuError::VramBudget { .. }), "{quant}: {e:?}");
+        assert!(e.to_string().contains("lm_head"), "{e}");
+        eprintln!("{quant}: {e}");
+    }
+    // A fitting layer still works, and a scratch that would not fit is a budget error too.
+    let lin = GpuLinear::new(&small, "small", &w[..64 * 64], 64, 64, LinearQuant::Bf16).unwrap();
+    let m = 40_000; // 40k x 64 BF16 x = 5 MiB scratch: fits
+    let x = up(&small, &vec![1.0f32; m * 64], "x"); // 10 MiB
+    let mut y = up(&small, &vec![0.0f32; m * 64], "y"); // 10 MiB
+    lin.forward(&small, &ctx, &x, m, &mut y).unwrap();
+    let e = ctx.reserve(&small, 1 << 30).unwrap_err();
+    assert!(matches!(e, GpuError::VramBudget { .. }), "{e:?}");
+    assert_eq!(down(&small, &y)[..4], [16.0f32; 4]);
+}
+
+/// Timings for the lead (printed; asserts only that the runs complete).
+#[test]
+fn linear_timings() {
+    let Some((d, ctx)) = gpu("linear_timings") else { return };
+    let mut r = rng(14);
+    for &(rows, cols) in &[(4096usize, 4096usize), (7168, 2048), (2048, 7168)] {
+        let w: Vec<u16> = rand_f32(&mut r, rows * cols, 0.1).iter().map(|&v| f32_to_bf16(v)).collect();
+        for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
+            let lin = GpuLinear::new(d, "timed", &w, rows, cols, quant).unwrap();
+            for m in [1usize, 8, 512] {
+                let x = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
+                let mut y = d.alloc_zeros::<f32>(m * rows, "y").unwrap();
+                lin.forward(d, ctx, &x, m, &mut y).unwrap(); // warm-up: compiles, scratch
+                let (a, b) = (d.new_event(true).unwrap(), d.new_event(true).unwrap());
+                const REPS: usize = 20;
+                a.record(d.stream()).unwrap();
+                for _ in 0..REPS {
+                    lin.forward(d, ctx, &x, m, &mut y).unwrap();
+                }
+                b.record(d.stream()).unwrap();
+                b.synchronize().unwrap();
+                let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPS as f64;
+                let gbs = lin.weight_bytes() as f64 / (us * 1e-6) / 1e9;
+                let tflops = 2.0 * (m * rows * cols) as f64 / (us * 1e-6) / 1e12;
+                eprintln!("{quant} [{rows}x{cols}] m={m}: {us:.1} us, weights {gbs:.0} GB/s, {tflops:.2} TFLOP/s");
+            }
+        }
+    }
+}

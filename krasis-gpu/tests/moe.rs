@@ -1,0 +1,370 @@
+//! `GpuExperts` (grouped BF16 routed experts) against a scalar f64 twin: decode (t = 1), prefill
+//! (t ≈ 100), duplicate experts across and within tokens, every token on one expert, ragged
+//! shapes (hidden / inter not multiples of the kernel's 64-element chunk or 32-column tile),
+//! several passes, out-of-range ids, and bitwise determinism. Weights and x are pre-rounded to
+//! BF16; outputs are poisoned with NaN before each launch.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" (past the harness's capture) and passes;
+//! with `KRASIS_REQUIRE_GPU=1` a missing GPU fails instead.
+
+#![allow(clippy::needless_range_loop)] // the scalar twin is plain index loops on purpose
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use krasis_gpu::{DeviceBuffer, GemmContext, GpuDevice, GpuError, GpuExperts, VramBudgetSpec};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+static DEVICE: OnceLock<Result<(GpuDevice, GemmContext), String>> = OnceLock::new();
+
+fn gpu(test: &str) -> Option<&'static (GpuDevice, GemmContext)> {
+    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
+        Ok(info) => {
+            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
+                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
+            let ctx = GemmContext::new(&d).unwrap_or_else(|e| panic!("GPU present but no cuBLAS: {e}"));
+            let _ = writeln!(std::io::stderr(), "GPU: {}; {}", d.info(), d.budget());
+            Ok((d, ctx))
+        }
+        Err(e) => Err(e.to_string()),
+    });
+    match d {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            None
+        }
+    }
+}
+
+fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
+    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Random BF16 bits with values in `[-scale, scale)`.
+fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<u16> {
+    (0..n).map(|_| f32_to_bf16(r.random_range(-1.0f32..1.0) * scale)).collect()
+}
+
+/// Unit roundoff of f32.
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+/// Tolerance in units of the rounding-error model of the twin (see `twin_moe`): each f32 dot
+/// product is modelled as a random walk of `u·|S_j|` steps over its partial sums `S_j`, errors of
+/// the intermediate are propagated through the down projection as independent (root sum of
+/// squares), and the combine adds its own. 64× that estimate is loose enough for `expf` (≤ 2 ulp)
+/// and FMA contraction, while a wrong expert, a dropped k chunk or a missing slot is off by
+/// orders of magnitude more.
+const TOL_SIGMAS: f64 = 64.0;
+
+struct Expert {
+    gate: Vec<u16>,
+    up: Vec<u16>,
+    down: Vec<u16>,
+}
+
+fn dot_est(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (mut s, mut ss) = (0.0f64, 0.0f64);
+    for (x, y) in a.zip(b) {
+        s += x * y;
+        ss += s * s;
+    }
+    (s, ss.sqrt())
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// f64 twin: (out [t, hidden], tolerance per element). Tokens with an id outside the experts
+/// give NaN rows.
+fn twin_moe(
+    experts: &[Expert],
+    hidden: usize,
+    inter: usize,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    top_k: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let t = x.len() / hidden;
+    let f = |v: &[u16]| -> Vec<f64> { v.iter().map(|&b| bf16_to_f32(b) as f64).collect() };
+    let ew: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> = experts.iter().map(|e| (f(&e.gate), f(&e.up), f(&e.down))).collect();
+    let mut out = vec![0f32; t * hidden];
+    let mut tol = vec![0f32; t * hidden];
+    for tok in 0..t {
+        let xt: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| v as f64).collect();
+        if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= experts.len()) {
+            out[tok * hidden..(tok + 1) * hidden].fill(f32::NAN);
+            continue;
+        }
+        // Per slot: y[h] and its error estimate (in units of u).
+        let mut ys = Vec::new();
+        for j in 0..top_k {
+            let (g_w, u_w, d_w) = &ew[ids[tok * top_k + j] as usize];
+            let mut act = vec![0f64; inter];
+            let mut act_err = vec![0f64; inter];
+            for i in 0..inter {
+                let (g, eg) = dot_est(xt.iter().copied(), g_w[i * hidden..(i + 1) * hidden].iter().copied());
+                let (u, eu) = dot_est(xt.iter().copied(), u_w[i * hidden..(i + 1) * hidden].iter().copied());
+                act[i] = silu(g) * u;
+                // |silu'| <= 1.1; 4u for expf, the division and the product.
+                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 4.0 * act[i].abs();
+            }
+            let mut y = vec![(0f64, 0f64); hidden];
+            for h in 0..hidden {
+                let row = &d_w[h * inter..(h + 1) * inter];
+                let (v, e_sum) = dot_est(act.iter().copied(), row.iter().copied());
+                let e_prop: f64 = (0..inter).map(|i| (row[i] * act_err[i]).powi(2)).sum::<f64>().sqrt();
+                y[h] = (v, e_sum + e_prop);
+            }
+            ys.push(y);
+        }
+        for h in 0..hidden {
+            let (mut acc, mut ss, mut e) = (0f64, 0f64, 0f64);
+            for j in 0..top_k {
+                let w = weights[tok * top_k + j] as f64;
+                acc += w * ys[j][h].0;
+                ss += acc * acc;
+                e += w.abs() * ys[j][h].1;
+            }
+            out[tok * hidden + h] = acc as f32;
+            tol[tok * hidden + h] = (TOL_SIGMAS * U * (e + ss.sqrt() + acc.abs())) as f32 + 1e-30;
+        }
+    }
+    (out, tol)
+}
+
+struct Case {
+    name: &'static str,
+    n_experts: usize,
+    hidden: usize,
+    inter: usize,
+    top_k: usize,
+    t: usize,
+    /// Id pattern: random distinct per token, all on expert 0, or random with repeats.
+    ids: Ids,
+    pass_tokens: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Ids {
+    Distinct,
+    AllOne,
+    Repeats,
+    SomeBad,
+}
+
+fn make_ids(r: &mut ChaCha8Rng, c: &Case) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(c.t * c.top_k);
+    for tok in 0..c.t {
+        match c.ids {
+            Ids::Distinct | Ids::SomeBad => {
+                let mut row: Vec<i32> = Vec::new();
+                while row.len() < c.top_k {
+                    let e = r.random_range(0..c.n_experts as i32);
+                    if !row.contains(&e) {
+                        row.push(e);
+                    }
+                }
+                ids.extend(row);
+            }
+            Ids::AllOne => ids.extend(std::iter::repeat_n(0, c.top_k)),
+            Ids::Repeats => ids.extend((0..c.top_k).map(|_| r.random_range(0..c.n_experts as i32))),
+        }
+        if matches!(c.ids, Ids::SomeBad) && tok % 7 == 3 {
+            let j = tok % c.top_k;
+            ids[tok * c.top_k + j] = if tok % 2 == 0 { -1 } else { c.n_experts as i32 + tok as i32 };
+        }
+    }
+    ids
+}
+
+fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let (h, i) = (c.hidden, c.inter);
+    let experts: Vec<Expert> = (0..c.n_experts)
+        .map(|_| Expert {
+            gate: rand_bf16(&mut r, i * h, 2.0 / (h as f32).sqrt()),
+            up: rand_bf16(&mut r, i * h, 2.0 / (h as f32).sqrt()),
+            down: rand_bf16(&mut r, h * i, 2.0 / (i as f32).sqrt()),
+        })
+        .collect();
+    let mut ge = GpuExperts::new(d, c.name, c.n_experts, h, i).unwrap();
+    for (e, ex) in experts.iter().enumerate() {
+        ge.upload_expert(d, e, &ex.gate, &ex.up, &ex.down).unwrap();
+    }
+    ge.set_max_tokens_per_pass(c.pass_tokens);
+    assert!(ge.weight_bytes() >= c.n_experts * 3 * h * i * 2);
+    let x: Vec<f32> = rand_bf16(&mut r, c.t * h, 1.5).iter().map(|&b| bf16_to_f32(b)).collect();
+    let ids = make_ids(&mut r, c);
+    let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(0.0f32..1.0)))).collect();
+    let (want, tol) = twin_moe(&experts, h, i, &x, &ids, &weights, c.top_k);
+
+    let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
+    let mut out = up(d, &vec![f32::NAN; c.t * h], "poisoned out");
+    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
+    let got = d.download(&out).unwrap();
+    let mut worst = 0f32;
+    for k in 0..got.len() {
+        if want[k].is_nan() {
+            assert!(got[k].is_nan(), "{}: out[{k}] = {}, want NaN (bad id)", c.name, got[k]);
+            continue;
+        }
+        let err = (got[k] - want[k]).abs();
+        assert!(err <= tol[k], "{}: out[{k}] = {}, want {} (err {err:e} > tol {:e})", c.name, got[k], want[k], tol[k]);
+        worst = worst.max(err / tol[k]);
+    }
+    // Deterministic: a second run (fresh poison) is bitwise identical.
+    let mut again = up(d, &vec![f32::NAN; c.t * h], "poisoned out");
+    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
+    let got2 = d.download(&again).unwrap();
+    assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: not deterministic", c.name);
+    eprintln!(
+        "moe {}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
+        c.name, c.n_experts, c.top_k, c.t
+    );
+}
+
+#[test]
+fn moe_matches_twin() {
+    let Some((d, ctx)) = gpu("moe_matches_twin") else { return };
+    let m = usize::MAX;
+    let cases = [
+        Case {
+            name: "decode",
+            n_experts: 16,
+            hidden: 128,
+            inter: 64,
+            top_k: 4,
+            t: 1,
+            ids: Ids::Distinct,
+            pass_tokens: m,
+        },
+        Case {
+            name: "decode ragged",
+            n_experts: 9,
+            hidden: 200,
+            inter: 77,
+            top_k: 3,
+            t: 1,
+            ids: Ids::Distinct,
+            pass_tokens: m,
+        },
+        Case { name: "tiny", n_experts: 5, hidden: 7, inter: 3, top_k: 3, t: 17, ids: Ids::Repeats, pass_tokens: m },
+        Case {
+            name: "prefill",
+            n_experts: 64,
+            hidden: 256,
+            inter: 96,
+            top_k: 8,
+            t: 100,
+            ids: Ids::Distinct,
+            pass_tokens: m,
+        },
+        Case {
+            name: "prefill ragged",
+            n_experts: 6,
+            hidden: 257,
+            inter: 70,
+            top_k: 2,
+            t: 99,
+            ids: Ids::Repeats,
+            pass_tokens: m,
+        },
+        Case {
+            name: "all on one expert",
+            n_experts: 8,
+            hidden: 130,
+            inter: 40,
+            top_k: 4,
+            t: 64,
+            ids: Ids::AllOne,
+            pass_tokens: m,
+        },
+        Case {
+            name: "three passes",
+            n_experts: 12,
+            hidden: 96,
+            inter: 33,
+            top_k: 2,
+            t: 101,
+            ids: Ids::Distinct,
+            pass_tokens: 40,
+        },
+        Case {
+            name: "bad ids",
+            n_experts: 10,
+            hidden: 64,
+            inter: 32,
+            top_k: 4,
+            t: 30,
+            ids: Ids::SomeBad,
+            pass_tokens: 8,
+        },
+    ];
+    for (k, c) in cases.iter().enumerate() {
+        run_case(d, ctx, c, 100 + k as u64);
+    }
+}
+
+#[test]
+fn moe_shape_errors() {
+    let Some((d, ctx)) = gpu("moe_shape_errors") else { return };
+    let mut ge = GpuExperts::new(d, "layer 3 experts", 4, 8, 4).unwrap();
+    let e = ge.upload_expert(d, 4, &[0; 32], &[0; 32], &[0; 32]).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("expert 4 of 4"), "{e}");
+    let e = ge.upload_expert(d, 0, &[0; 32], &[0; 31], &[0; 32]).unwrap_err();
+    assert!(e.to_string().contains("up has 31"), "{e}");
+    let (x, ids, w) = (up(d, &[0.0f32; 16], "x"), up(d, &[0i32; 4], "ids"), up(d, &[0.0f32; 4], "w"));
+    let mut out = up(d, &[0.0f32; 16], "out");
+    let e = ge.forward(d, ctx, &x, 2, &ids, &w, 3, &mut out).unwrap_err();
+    assert!(e.to_string().contains("ids has 4"), "{e}");
+    let e = ge.forward(d, ctx, &x, 2, &ids, &w, 0, &mut out).unwrap_err();
+    assert!(e.to_string().contains("top_k = 0"), "{e}");
+    assert!(GpuExperts::new(d, "none", 0, 8, 4).is_err());
+    // Over the budget: a clean budget error naming the layer.
+    let small = GpuDevice::open(d.info().ordinal, VramBudgetSpec::Bytes(16 << 20)).unwrap();
+    let e = GpuExperts::new(&small, "layer 7 experts", 64, 1024, 512).unwrap_err();
+    assert!(matches!(e, GpuError::VramBudget { .. }) && e.to_string().contains("layer 7 experts"), "{e:?}");
+}
+
+/// Timings for the lead (printed; asserts only that the runs complete): a Qwen3-30B-A3B-like
+/// layer (128 experts, hidden 2048, inter 768, top-8).
+#[test]
+fn moe_timings() {
+    let Some((d, ctx)) = gpu("moe_timings") else { return };
+    let (e, h, i, k) = (128usize, 2048usize, 768usize, 8usize);
+    let mut r = ChaCha8Rng::seed_from_u64(7);
+    let mut ge = GpuExperts::new(d, "timed experts", e, h, i).unwrap();
+    let w = rand_bf16(&mut r, i * h, 0.05);
+    for x in 0..e {
+        ge.upload_expert(d, x, &w, &w, &w).unwrap();
+    }
+    for t in [1usize, 16, 512] {
+        let x = up(d, &vec![0.5f32; t * h], "x");
+        let ids: Vec<i32> = (0..t * k).map(|_| r.random_range(0..e as i32)).collect();
+        let ids = up(d, &ids, "ids");
+        let wts = up(d, &vec![0.125f32; t * k], "weights");
+        let mut out = d.alloc_zeros::<f32>(t * h, "out").unwrap();
+        ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
+        let (a, b) = (d.new_event(true).unwrap(), d.new_event(true).unwrap());
+        const REPS: usize = 10;
+        a.record(d.stream()).unwrap();
+        for _ in 0..REPS {
+            ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
+        }
+        b.record(d.stream()).unwrap();
+        b.synchronize().unwrap();
+        let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPS as f64;
+        let touched = (t * k).min(e) * 3 * h * i * 2;
+        eprintln!(
+            "moe E={e} h={h} i={i} top{k} t={t}: {us:.1} us, ≥{:.0} GB/s of expert weights",
+            touched as f64 / (us * 1e-6) / 1e9
+        );
+    }
+}
