@@ -51,7 +51,7 @@ pub const SILU_MUL: KernelSource = KernelSource {
 };
 
 /// Every kernel source; CI compiles each of them for sm_80, sm_89 and sm_90.
-pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL];
+pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL, crate::flash_prefill::FLASH_PREFILL];
 
 /// Threads per block of the row-wise kernels.
 const BLOCK: u32 = 256;

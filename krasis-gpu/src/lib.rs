@@ -61,12 +61,14 @@ pub mod budget;
 pub mod cache;
 mod device;
 mod error;
+pub mod flash_prefill;
 pub mod kernels;
 pub mod nvrtc;
 
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use error::GpuError;
+pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.
