@@ -174,7 +174,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b
 __device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p)));
+                 : "r"(smem_addr(p))
+                 : "memory");  // reads shared memory written by other threads before a barrier
 }
 
 // Stages MMA_BK rows (tokens tok0..tok0+63 of head `head`) of one part into shared memory at column
