@@ -61,6 +61,7 @@ pub const ALL: &[KernelSource] = &[
     crate::sampling::SAMPLING,
     crate::linear::LINEAR,
     crate::moe::MOE,
+    crate::flash_prefill::FLASH_PREFILL,
 ];
 
 /// Threads per block of the row-wise kernels.

@@ -63,6 +63,7 @@ pub mod cublas;
 mod device;
 pub mod elementwise;
 mod error;
+pub mod flash_prefill;
 pub mod kernels;
 pub mod linear;
 pub mod moe;
@@ -74,6 +75,7 @@ pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;
 pub use error::GpuError;
+pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
 pub use linear::{GemmContext, GpuLinear, LinearQuant};
 pub use moe::GpuExperts;

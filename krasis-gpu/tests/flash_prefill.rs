@@ -1,0 +1,469 @@
+//! Causal prefill attention (both kernels) against an f64 twin in plain loops, on random and
+//! ragged shapes, MLA two-part and GQA layouts, packed strided views, a continued prefix, and one
+//! 10K-token context. Inputs are BF16-exact; outputs are poisoned with NaN before each launch.
+//!
+//! Tolerances (relative to `vmax = max |v|`, the scale of every output):
+//! - SIMT: f32 dot products and an f32 online softmax. Score errors are ~1e-6 and the running sum
+//!   over S ≤ 10K keys drifts by ~√S·2⁻²⁴; `1e-4·vmax` leaves a wide margin.
+//! - MMA: Q·K and P·V accumulate in f32, but P is rounded to BF16 (relative error ≤ 2⁻⁹ per weight)
+//!   before P·V while the denominator sums the unrounded P, so
+//!   `|out − exact| ≤ Σ p_s·2⁻⁹·|v_s| / Σ p_s ≤ 2⁻⁹·vmax`. The test allows twice that, `2⁻⁸·vmax`.
+//!   Small-T cases (T ≤ 200, few keys per row) still catch a wrong mask or swapped fragment
+//!   elements: those move outputs by a sizeable fraction of `vmax`.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails instead.
+
+#![allow(clippy::needless_range_loop)] // the twin is plain index loops on purpose
+
+use std::io::Write;
+use std::sync::OnceLock;
+
+use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use krasis_gpu::cudarc::driver::DevicePtr;
+use krasis_gpu::{
+    bench_gqa_prefill, bench_mla_prefill, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice, GpuError,
+    HeadsLayout, VramBudgetSpec,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
+
+fn gpu(test: &str) -> Option<&'static GpuDevice> {
+    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
+        Ok(info) => {
+            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
+                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
+            let _ = writeln!(std::io::stderr(), "GPU: {}; kernels target {}", d.info(), d.target());
+            Ok(d)
+        }
+        Err(e) => Err(e.to_string()),
+    });
+    match d {
+        Ok(d) => Some(d),
+        Err(e) => {
+            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
+            }
+            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            None
+        }
+    }
+}
+
+/// SIMT tolerance as a fraction of max |v| (see the module docs).
+const SIMT_TOL: f64 = 1e-4;
+/// MMA tolerance: twice the 2⁻⁹·vmax bound of rounding P to BF16.
+const MMA_TOL: f64 = 1.0 / 256.0;
+
+/// One input tensor: which host buffer, from which element, with which layout.
+#[derive(Clone, Copy, Debug)]
+struct Tensor {
+    buf: usize,
+    offset: usize,
+    layout: HeadsLayout,
+}
+
+/// A test case: the call's arguments and where each tensor lives.
+struct Case {
+    name: String,
+    args: FlashPrefillArgs,
+    /// BF16-exact host buffers.
+    bufs: Vec<Vec<f32>>,
+    q_a: Tensor,
+    q_b: Option<Tensor>,
+    k_a: Tensor,
+    k_b: Option<Tensor>,
+    v: Tensor,
+    out_len: usize,
+}
+
+fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(-1.0f32..1.0) * scale))).collect()
+}
+
+/// Separate contiguous buffers; part b's key shared by all heads.
+#[allow(clippy::too_many_arguments)]
+fn contiguous_case(
+    r: &mut ChaCha8Rng,
+    name: &str,
+    (n_q, q_start, extra_kv): (usize, usize, usize),
+    (heads, kv_heads): (usize, usize),
+    (da, db, dv): (usize, usize, usize),
+    score_gain: f32,
+) -> Case {
+    let n_kv = q_start + n_q + extra_kv;
+    let lay = |h: usize, d: usize| HeadsLayout::contiguous(h, d);
+    let mut bufs = vec![
+        rand_bf16(r, n_q * heads * da, score_gain),
+        rand_bf16(r, n_kv * kv_heads * da, 1.0),
+        rand_bf16(r, n_kv * kv_heads * dv, 1.5),
+    ];
+    let t = |buf, layout| Tensor { buf, offset: 0, layout };
+    let (q_b, k_b, lq_b, lk_b) = if db > 0 {
+        bufs.push(rand_bf16(r, n_q * heads * db, score_gain));
+        bufs.push(rand_bf16(r, n_kv * db, 1.0));
+        (Some(t(3, lay(heads, db))), Some(t(4, HeadsLayout::shared(db))), lay(heads, db), HeadsLayout::shared(db))
+    } else {
+        (None, None, HeadsLayout::none(), HeadsLayout::none())
+    };
+    let args = FlashPrefillArgs {
+        n_q,
+        n_kv,
+        q_start,
+        heads,
+        kv_heads,
+        scale: 1.0 / ((da + db) as f32).sqrt(),
+        q_a: lay(heads, da),
+        q_b: lq_b,
+        k_a: lay(kv_heads, da),
+        k_b: lk_b,
+        v: lay(kv_heads, dv),
+        out: lay(heads, dv),
+    };
+    Case {
+        name: format!("{name} T={n_q} S={n_kv} q_start={q_start} heads={heads}/{kv_heads} dims={da}+{db}/{dv}"),
+        args,
+        bufs,
+        q_a: t(0, args.q_a),
+        q_b,
+        k_a: t(1, args.k_a),
+        k_b,
+        v: t(2, args.v),
+        out_len: n_q * heads * dv,
+    }
+}
+
+/// The engine's MLA layout: q `[T, H, da+db]` (nope then rope), kv_b output `[S, H, da+dv]` (k
+/// nope then v), rope key inside a latent row `[S, lat+db]` at offset `lat`; optionally a
+/// heads-major `[H, T, dv]` output.
+#[allow(clippy::too_many_arguments)]
+fn packed_mla_case(
+    r: &mut ChaCha8Rng,
+    name: &str,
+    (n_q, q_start): (usize, usize),
+    heads: usize,
+    (da, db, dv, lat): (usize, usize, usize, usize),
+    heads_major_out: bool,
+) -> Case {
+    let n_kv = q_start + n_q;
+    let (qw, kvw, lw) = (da + db, da + dv, lat + db);
+    let bufs =
+        vec![rand_bf16(r, n_q * heads * qw, 2.0), rand_bf16(r, n_kv * heads * kvw, 1.0), rand_bf16(r, n_kv * lw, 1.0)];
+    let l = |ts, hs, dim| HeadsLayout { token_stride: ts, head_stride: hs, dim };
+    let out = if heads_major_out { l(dv, n_q * dv, dv) } else { l(heads * dv, dv, dv) };
+    let args = FlashPrefillArgs {
+        n_q,
+        n_kv,
+        q_start,
+        heads,
+        kv_heads: heads,
+        scale: 1.0 / (qw as f32).sqrt(),
+        q_a: l(heads * qw, qw, da),
+        q_b: l(heads * qw, qw, db),
+        k_a: l(heads * kvw, kvw, da),
+        k_b: l(lw, 0, db),
+        v: l(heads * kvw, kvw, dv),
+        out,
+    };
+    Case {
+        name: format!("{name} packed MLA T={n_q} q_start={q_start} heads={heads} dims={da}+{db}/{dv}"),
+        args,
+        bufs,
+        q_a: Tensor { buf: 0, offset: 0, layout: args.q_a },
+        q_b: Some(Tensor { buf: 0, offset: da, layout: args.q_b }),
+        k_a: Tensor { buf: 1, offset: 0, layout: args.k_a },
+        k_b: Some(Tensor { buf: 2, offset: lat, layout: args.k_b }),
+        v: Tensor { buf: 1, offset: da, layout: args.v },
+        out_len: n_q * heads * dv,
+    }
+}
+
+fn at(c: &Case, t: &Tensor, tok: usize, head: usize, d: usize) -> f64 {
+    c.bufs[t.buf][t.offset + tok * t.layout.token_stride + head * t.layout.head_stride + d] as f64
+}
+
+/// The f64 twin for query rows `rows`: `[rows.len(), heads, dv]`.
+fn twin(c: &Case, rows: &[usize]) -> Vec<f64> {
+    let a = &c.args;
+    let (dv, group) = (a.v.dim, a.heads / a.kv_heads);
+    let mut out = vec![0.0f64; rows.len() * a.heads * dv];
+    let mut scores = Vec::new();
+    for (ri, &i) in rows.iter().enumerate() {
+        for h in 0..a.heads {
+            let g = h / group;
+            scores.clear();
+            for s in 0..=a.q_start + i {
+                let mut dot = 0.0f64;
+                for d in 0..a.q_a.dim {
+                    dot += at(c, &c.q_a, i, h, d) * at(c, &c.k_a, s, g, d);
+                }
+                if let (Some(qb), Some(kb)) = (&c.q_b, &c.k_b) {
+                    for d in 0..a.q_b.dim {
+                        dot += at(c, qb, i, h, d) * at(c, kb, s, g, d);
+                    }
+                }
+                scores.push(dot * a.scale as f64);
+            }
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+            let o = &mut out[(ri * a.heads + h) * dv..][..dv];
+            for (s, x) in scores.iter().enumerate() {
+                let w = (x - m).exp() / z;
+                for d in 0..dv {
+                    o[d] += w * at(c, &c.v, s, g, d);
+                }
+            }
+        }
+    }
+    out
+}
+
+struct Uploaded {
+    bufs: Vec<DeviceBuffer<u16>>,
+}
+
+fn upload(d: &GpuDevice, c: &Case) -> Uploaded {
+    let bufs = c
+        .bufs
+        .iter()
+        .map(|b| {
+            let bits: Vec<u16> = b.iter().map(|&x| f32_to_bf16(x)).collect();
+            d.upload(&bits, "test input").unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    Uploaded { bufs }
+}
+
+/// Runs `kernel` (or the automatic choice) on a NaN-poisoned output and downloads it.
+fn run(d: &GpuDevice, c: &Case, u: &Uploaded, kernel: Option<FlashKernel>) -> Result<Vec<f32>, GpuError> {
+    let view = |t: &Tensor| u.bufs[t.buf].slice().slice(t.offset..);
+    let (q_a, k_a, v) = (view(&c.q_a), view(&c.k_a), view(&c.v));
+    let q_b = c.q_b.as_ref().map(view);
+    let k_b = c.k_b.as_ref().map(view);
+    let qb = q_b.as_ref().map(|x| x as &dyn DevicePtr<u16>);
+    let kb = k_b.as_ref().map(|x| x as &dyn DevicePtr<u16>);
+    let mut out = d.upload(&vec![f32::NAN; c.out_len], "poisoned output")?;
+    match kernel {
+        Some(k) => d.flash_prefill_with(k, &c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
+        None => d.flash_prefill(&c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
+    }
+    d.download(&out)
+}
+
+/// Compares rows `rows` of `got` with the twin; returns the worst err/tol.
+fn compare(what: &str, c: &Case, got: &[f32], rows: &[usize], want: &[f64], tol_frac: f64) -> f64 {
+    let a = &c.args;
+    let vmax = c.bufs[c.v.buf].iter().fold(0.0f64, |m, &x| m.max((x as f64).abs())).max(1e-30);
+    let tol = tol_frac * vmax;
+    let mut worst = 0.0f64;
+    for (ri, &i) in rows.iter().enumerate() {
+        for h in 0..a.heads {
+            for dd in 0..a.v.dim {
+                let g = got[i * a.out.token_stride + h * a.out.head_stride + dd] as f64;
+                let w = want[(ri * a.heads + h) * a.v.dim + dd];
+                let err = (g - w).abs();
+                assert!(
+                    err <= tol,
+                    "{what}: {}: out[{i}, {h}, {dd}] = {g}, want {w} (err {err:e} > tol {tol:e})",
+                    c.name
+                );
+                worst = worst.max(err / tol);
+            }
+        }
+    }
+    worst
+}
+
+/// Both kernels (MMA where it supports the shapes; otherwise forcing it must be a shape error) and
+/// the automatic choice, against the twin on `rows` (all rows when `None`).
+fn check_case(d: &GpuDevice, c: &Case, rows: Option<&[usize]>) {
+    let all: Vec<usize> = (0..c.args.n_q).collect();
+    let rows = rows.unwrap_or(&all);
+    let want = twin(c, rows);
+    let u = upload(d, c);
+    let got = run(d, c, &u, Some(FlashKernel::Simt)).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+    let w_simt = compare("simt", c, &got, rows, &want, SIMT_TOL);
+    let auto = d.flash_prefill_kernel(&c.args).unwrap();
+    let mut line = format!("{}: simt err/tol {w_simt:.3}", c.name);
+    match run(d, c, &u, Some(FlashKernel::Mma)) {
+        Ok(got) => {
+            assert_eq!(auto, FlashKernel::Mma, "{}: MMA ran but the rule picks {auto}", c.name);
+            let w = compare("mma", c, &got, rows, &want, MMA_TOL);
+            line += &format!(", mma err/tol {w:.3}");
+        }
+        Err(e) => {
+            assert!(matches!(e, GpuError::Shape { .. }), "{}: {e:?}", c.name);
+            assert_eq!(auto, FlashKernel::Simt, "{}: MMA refused ({e}) but the rule picks it", c.name);
+            line += &format!(", mma refused ({e})");
+        }
+    }
+    let got = run(d, c, &u, None).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+    compare("auto", c, &got, rows, &want, if auto == FlashKernel::Mma { MMA_TOL } else { SIMT_TOL });
+    eprintln!("{line}; auto = {auto}");
+}
+
+/// The twin itself, on cases with known answers (runs without a GPU): one visible key gives that
+/// key's value; equal keys give the mean of the visible values; a dominant key takes all weight.
+#[test]
+fn twin_has_known_answers() {
+    let mut r = ChaCha8Rng::seed_from_u64(40);
+    let mut c = contiguous_case(&mut r, "twin", (4, 0, 2), (2, 1), (8, 4, 5), 1.0);
+    let (da, db, dv) = (8, 4, 5);
+    // Row 0 sees key 0 only.
+    let want = twin(&c, &[0]);
+    for h in 0..2 {
+        for d in 0..dv {
+            assert!((want[h * dv + d] - c.bufs[2][d] as f64).abs() < 1e-12);
+        }
+    }
+    // All keys equal: row 3 (keys 0..=3) averages v over those keys, not over keys 4..5.
+    let k0a: Vec<f32> = c.bufs[1][..da].to_vec();
+    let k0b: Vec<f32> = c.bufs[4][..db].to_vec();
+    for s in 0..6 {
+        c.bufs[1][s * da..(s + 1) * da].copy_from_slice(&k0a);
+        c.bufs[4][s * db..(s + 1) * db].copy_from_slice(&k0b);
+    }
+    let want = twin(&c, &[3]);
+    for d in 0..dv {
+        let mean = (0..4).map(|s| c.bufs[2][s * dv + d] as f64).sum::<f64>() / 4.0;
+        assert!((want[d] - mean).abs() < 1e-12, "{} vs {mean}", want[d]);
+    }
+    // Key 2 aligned with a huge query of head 1: row 3's head-1 output is v[2].
+    for x in c.bufs[1][2 * da..3 * da].iter_mut() {
+        *x = 1.0;
+    }
+    for x in c.bufs[0][(3 * 2 + 1) * da..(3 * 2 + 2) * da].iter_mut() {
+        *x = 512.0;
+    }
+    let want = twin(&c, &[3]);
+    for d in 0..dv {
+        assert!((want[dv + d] - c.bufs[2][2 * dv + d] as f64).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn flash_prefill_matches_twin_on_ragged_shapes() {
+    let Some(d) = gpu("flash_prefill_matches_twin_on_ragged_shapes") else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(41);
+    let cases = [
+        // (name, (T, q_start, extra keys), (heads, kv_heads), (da, db, dv), score gain)
+        ("single query", (1, 0, 0), (2, 2), (16, 0, 16), 2.0),
+        ("decode-like", (1, 37, 5), (4, 1), (24, 8, 16), 2.0),
+        ("three", (3, 0, 0), (4, 4), (8, 0, 8), 2.0),
+        ("three continued", (3, 5, 2), (8, 2), (48, 16, 24), 2.0),
+        ("dim 1", (9, 2, 0), (2, 1), (1, 1, 1), 2.0),
+        ("odd dims", (70, 0, 0), (3, 3), (13, 7, 11), 2.0),
+        ("gqa x8", (200, 0, 0), (8, 1), (24, 0, 48), 2.0),
+        ("gqa x4", (130, 64, 3), (8, 2), (40, 0, 40), 2.0),
+        ("sharp softmax", (65, 0, 0), (2, 2), (64, 0, 32), 12.0),
+        ("mma max qk", (77, 10, 0), (2, 1), (192, 64, 128), 2.0),
+        ("simt only qk", (33, 0, 0), (2, 2), (200, 56, 64), 2.0),
+        ("simt only v", (40, 3, 0), (4, 2), (256, 0, 256), 2.0),
+    ];
+    for (name, tq, hh, dims, gain) in cases {
+        check_case(d, &contiguous_case(&mut r, name, tq, hh, dims, gain), None);
+    }
+    // Random shapes.
+    for k in 0..16 {
+        let heads = [1, 2, 4, 8][r.random_range(0..4)];
+        let divisors: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&g| heads % g == 0).collect();
+        let kv_heads = divisors[r.random_range(0..divisors.len())];
+        let n_q = [1, 2, 3, 17, 63, 64, 65, 130][r.random_range(0..8)];
+        let q_start = if r.random_bool(0.5) { 0 } else { r.random_range(0..100) };
+        let db = if r.random_bool(0.5) { 0 } else { r.random_range(1..=40) };
+        let dims = (r.random_range(1..=80), db, r.random_range(1..=72));
+        let extra = r.random_range(0..4);
+        let c = contiguous_case(&mut r, &format!("random {k}"), (n_q, q_start, extra), (heads, kv_heads), dims, 2.0);
+        check_case(d, &c, None);
+    }
+}
+
+#[test]
+fn flash_prefill_engine_layouts() {
+    let Some(d) = gpu("flash_prefill_engine_layouts") else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(42);
+    // DeepSeek-V2-Lite: 16 heads, nope 128 + rope 64, v 128, rope key inside the 512+64 latent row.
+    check_case(d, &packed_mla_case(&mut r, "V2-Lite", (200, 0), 16, (128, 64, 128, 512), false), None);
+    // Continuing a 300-token prefix, heads-major output.
+    check_case(d, &packed_mla_case(&mut r, "V2-Lite prefix", (77, 300), 16, (128, 64, 128, 512), true), None);
+    // Ragged fixture-sized MLA (not 16-byte aligned: the plain-load path).
+    check_case(d, &packed_mla_case(&mut r, "tiny MLA", (50, 7), 4, (12, 6, 10, 5), false), None);
+    check_case(d, &packed_mla_case(&mut r, "tiny MLA aligned", (90, 0), 4, (16, 8, 24, 8), true), None);
+    // Qwen3 GQA: 32 q heads over 4 kv heads of 128.
+    check_case(d, &contiguous_case(&mut r, "Qwen3 GQA", (130, 0, 0), (32, 4), (128, 0, 128), 2.0), None);
+}
+
+#[test]
+fn flash_prefill_long_context_10k_tokens() {
+    let Some(d) = gpu("flash_prefill_long_context_10k_tokens") else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(43);
+    let t = 10_240;
+    let c = contiguous_case(&mut r, "10K", (t, 0, 0), (4, 2), (32, 16, 32), 2.0);
+    // Rows at tile edges, the very end, and a few random ones.
+    let mut rows = vec![0, 1, 63, 64, 65, 127, 4095, 4096, 8191, 10_175, 10_176, t - 2, t - 1];
+    rows.extend((0..12).map(|_| r.random_range(0..t)));
+    let want = twin(&c, &rows);
+    let u = upload(d, &c);
+    // Warm up (module load) before measuring: the op itself must allocate nothing.
+    run(d, &c, &u, Some(FlashKernel::Simt)).unwrap();
+    let used = d.budget().used();
+    let mut line = format!("{}:", c.name);
+    for k in [FlashKernel::Simt, FlashKernel::Mma] {
+        let got = run(d, &c, &u, Some(k)).unwrap_or_else(|e| panic!("{k}: {e}"));
+        // The only extra allocation is the test's own poisoned output (freed on return).
+        assert_eq!(d.budget().used(), used, "{k}: flash_prefill allocated device memory");
+        let w = compare(&k.to_string(), &c, &got, &rows, &want, if k == FlashKernel::Mma { MMA_TOL } else { SIMT_TOL });
+        assert!(got.iter().all(|x| x.is_finite()), "{k}: unwritten or non-finite outputs");
+        line += &format!(" {k} err/tol {w:.3}");
+    }
+    eprintln!("{line}");
+}
+
+#[test]
+fn flash_prefill_rejects_bad_arguments() {
+    let Some(d) = gpu("flash_prefill_rejects_bad_arguments") else { return };
+    let mut r = ChaCha8Rng::seed_from_u64(44);
+    let c = contiguous_case(&mut r, "errors", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
+    let u = upload(d, &c);
+    let shape_err = |c: &Case| match run(d, c, &u, None) {
+        Err(e @ GpuError::Shape { .. }) => e.to_string(),
+        other => panic!("{}: expected a shape error, got {other:?}", c.name),
+    };
+    // A buffer shorter than its layout needs.
+    let mut bad = contiguous_case(&mut r, "errors", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
+    bad.args.n_q = 6;
+    bad.args.n_kv = 6;
+    assert!(shape_err(&bad).contains("q_a"), "{}", shape_err(&bad));
+    // S < q_start + T.
+    let mut bad = contiguous_case(&mut r, "errors", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
+    bad.args.q_start = 1;
+    assert!(shape_err(&bad).contains("n_kv"));
+    // Part b dims without buffers.
+    let mut bad = contiguous_case(&mut r, "errors", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
+    bad.q_b = None;
+    assert!(shape_err(&bad).contains("q_b is None"));
+    // Forcing MMA on a 256-wide v.
+    let big = contiguous_case(&mut r, "big v", (4, 0, 0), (1, 1), (16, 0, 256), 1.0);
+    let ub = upload(d, &big);
+    let e = run(d, &big, &ub, Some(FlashKernel::Mma)).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("MMA"), "{e}");
+    // T = 0 is a no-op: the (poisoned) output stays untouched.
+    let mut empty = contiguous_case(&mut r, "empty", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
+    empty.args.n_q = 0;
+    empty.out_len = 1;
+    assert!(run(d, &empty, &u, None).unwrap()[0].is_nan());
+}
+
+#[test]
+fn flash_prefill_bench_v2_lite_and_qwen3() {
+    let Some(d) = gpu("flash_prefill_bench_v2_lite_and_qwen3") else { return };
+    for t in [1024, 8192] {
+        let b = bench_mla_prefill(d, t, 5).unwrap();
+        assert!(b.seconds > 0.0 && b.tflops > 0.0, "{b}");
+        let pct = b.tflops / 989.0 * 100.0;
+        eprintln!("MLA {b} ({pct:.1}% of 989 TFLOP/s dense BF16)");
+        let b = bench_gqa_prefill(d, t, 5).unwrap();
+        eprintln!("GQA {b} ({:.1}% of 989 TFLOP/s dense BF16)", b.tflops / 989.0 * 100.0);
+    }
+}
