@@ -51,7 +51,8 @@ pub const SILU_MUL: KernelSource = KernelSource {
 };
 
 /// Every kernel source; CI compiles each of them for sm_80, sm_89 and sm_90.
-pub const ALL: &[KernelSource] = &[EMBEDDING, RMSNORM, ROPE, SILU_MUL];
+pub const ALL: &[KernelSource] =
+    &[EMBEDDING, RMSNORM, ROPE, SILU_MUL, crate::kv_cache::KV_CACHE, crate::attn_decode::ATTN_DECODE];
 
 /// Threads per block of the row-wise kernels.
 const BLOCK: u32 = 256;

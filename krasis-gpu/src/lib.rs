@@ -57,17 +57,21 @@
 //! `KRASIS_REQUIRE_NVRTC=1`. The kernel tests (`--test kernels`) compare each kernel with a scalar
 //! twin on random and ragged shapes; they skip visibly without a GPU.
 
+pub mod attn_decode;
 pub mod budget;
 pub mod cache;
 mod device;
 mod error;
 pub mod kernels;
+pub mod kv_cache;
 pub mod nvrtc;
 
+pub use attn_decode::{bench_mla_decode, DecodeBench, DecodeTiming, DecodeWorkspace};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use error::GpuError;
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.
 pub use cudarc;
