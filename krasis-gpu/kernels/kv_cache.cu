@@ -3,7 +3,7 @@
 // Storage of one (layer, plane): `capacity` rows of `row` elements, row-major, rows back to back
 // (BF16: 2 bytes per element; FP8: 1 byte). FP8 also keeps one f32 scale per `group` consecutive
 // elements of a row: scales [capacity, row / group]. A stored FP8 element decodes as
-// e4m3(code) * scale, where scale = amax(|group|) / 448 (0 for an all-zero group).
+// e4m3(code) * scale, where scale = amax(|group|) / 448 (codes 0 where that scale is 0).
 #include "krasis_common.cuh"
 
 // Largest finite E4M3 ("fn" variant) value.
@@ -70,8 +70,8 @@ extern "C" __global__ void kv_write_fp8(const float* __restrict__ src, unsigned 
         const float scale = amax / KV_FP8_MAX;
         for (int j = lane; j < group; j += 32) {
             const float x = sg[j];
-            // An all-zero group stores scale 0 and zero codes (x / 0 would be NaN for x = 0).
-            d[(long long)g * group + j] = amax == 0.0f ? (unsigned char)0 : kv_f32_to_e4m3(x / scale);
+            // A group whose scale is 0 (all zero, or amax / 448 underflows) stores zero codes.
+            d[(long long)g * group + j] = scale == 0.0f ? (unsigned char)0 : kv_f32_to_e4m3(x / scale);
         }
         if (lane == 0) sc[g] = scale;
     }

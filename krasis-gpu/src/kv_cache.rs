@@ -8,7 +8,8 @@
 //!
 //! FP8 quantisation of a group `x`: `scale = amax(|x|) / 448` (f32), each element stored as the
 //! E4M3 code nearest to `x / scale` (round to nearest even, saturating at ±448; NaN stays NaN);
-//! an all-zero group stores scale 0 and zero codes. A stored element decodes as
+//! a group whose scale is 0 (all zero, or amax so small that amax / 448 underflows) stores zero
+//! codes. A stored element decodes as
 //! `e4m3(code) · scale`, the code decoded exactly as [`krasis_core::dtype::fp8_e4m3_to_f32`].
 
 use std::fmt;

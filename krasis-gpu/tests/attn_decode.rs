@@ -254,7 +254,6 @@ fn rows_past_the_queries_are_never_read_and_workspace_settles() {
         let c = GpuKvCache::new(d, dtype, 1, 1, row, 64, KvCapacity::Tokens(cap)).unwrap();
         let (src, kv) = fill_src(d, &c, 0, 0, cap, &mut r);
         let mut ws = DecodeWorkspace::new();
-        let mut growths_after_first = None;
         for s in (1..2000).step_by(97) {
             // Poison the rows the query must not see.
             let poison = vec![f32::NAN; 5 * row];
@@ -267,10 +266,9 @@ fn rows_past_the_queries_are_never_read_and_workspace_settles() {
             assert_close(&format!("{dtype} S{s}"), &d.download(&out).unwrap(), &want, RTOL, ATOL);
             // Restore the poisoned rows (the same f32 rows store the same bytes).
             c.write(d, 0, 0, s, 5, &up(d, &src[s * row..(s + 5) * row])).unwrap();
-            growths_after_first.get_or_insert(ws.growths());
         }
-        assert_eq!(Some(ws.growths()), growths_after_first, "workspace grew after the first call");
-        assert!(ws.growths() <= 1, "{} growths", ws.growths());
+        // One allocation (at the first multi-split call) serves every context length.
+        assert_eq!(ws.growths(), 1, "workspace allocations");
     }
 }
 
