@@ -62,6 +62,8 @@ pub const ALL: &[KernelSource] = &[
     crate::linear::LINEAR,
     crate::moe::MOE,
     crate::flash_prefill::FLASH_PREFILL,
+    crate::kv_cache::KV_CACHE,
+    crate::attn_decode::ATTN_DECODE,
 ];
 
 /// Threads per block of the row-wise kernels.

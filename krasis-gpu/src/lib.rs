@@ -57,6 +57,7 @@
 //! `KRASIS_REQUIRE_NVRTC=1`. The kernel tests (`--test kernels`) compare each kernel with a scalar
 //! twin on random and ragged shapes; they skip visibly without a GPU.
 
+pub mod attn_decode;
 pub mod budget;
 pub mod cache;
 pub mod cublas;
@@ -65,18 +66,21 @@ pub mod elementwise;
 mod error;
 pub mod flash_prefill;
 pub mod kernels;
+pub mod kv_cache;
 pub mod linear;
 pub mod moe;
 pub mod nvrtc;
 pub mod router;
 pub mod sampling;
 
+pub use attn_decode::{bench_mla_decode, DecodeBench, DecodeTiming, DecodeWorkspace};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};
 pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 pub use linear::{GemmContext, GpuLinear, LinearQuant};
 pub use moe::GpuExperts;
 pub use router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};

@@ -1,0 +1,729 @@
+//! Decode attention read straight from the [`GpuKvCache`] (BF16 or FP8 + scales), split over the
+//! KV rows (flash-decoding), and the MLA weight-absorption ops around it.
+//!
+//! Each block takes up to 16 queries of one kv group (MLA: all heads of a token share the latent
+//! row, so the row is read once per block for every head; GQA: the heads of one kv head), stages
+//! 32 cache rows at a time into shared memory as f32 and keeps an online softmax; each split
+//! writes (max, sum, unnormalised output) into a [`DecodeWorkspace`] and a combine kernel merges
+//! them ([`decode_split_count`] is the rule for how many splits). With one split the attention
+//! kernel writes the output itself. Scores and sums are f32 with accurate `expf`.
+//!
+//! Limits: MLA latent ≤ [`MAX_LATENT`], rope ≤ [`MAX_ROPE`]; GQA head_dim ≤ [`MAX_HEAD_DIM`]; the
+//! shared memory a configuration needs must fit the device (V2-Lite's MLA needs ~113 KB with 16
+//! queries per block, fewer queries per block are used where the device allows less).
+
+use std::collections::HashMap;
+
+use cudarc::driver::sys::{CUdevice_attribute_enum as DevAttr, CUfunction_attribute_enum as FnAttr};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use crate::kernels::{KernelSource, HEADERS};
+use crate::kv_cache::{GpuKvCache, KvCapacity, KvDtype};
+use crate::{DeviceBuffer, GpuDevice, GpuError};
+
+pub const ATTN_DECODE: KernelSource = KernelSource {
+    name: "attn_decode",
+    src: include_str!("../kernels/attn_decode.cu"),
+    headers: HEADERS,
+    functions: &[
+        "attn_decode_bf16_c1_q4",
+        "attn_decode_bf16_c1_q8",
+        "attn_decode_bf16_c1_q16",
+        "attn_decode_bf16_c2_q4",
+        "attn_decode_bf16_c2_q8",
+        "attn_decode_bf16_c2_q16",
+        "attn_decode_bf16_c4_q4",
+        "attn_decode_bf16_c4_q8",
+        "attn_decode_bf16_c4_q16",
+        "attn_decode_fp8_c1_q4",
+        "attn_decode_fp8_c1_q8",
+        "attn_decode_fp8_c1_q16",
+        "attn_decode_fp8_c2_q4",
+        "attn_decode_fp8_c2_q8",
+        "attn_decode_fp8_c2_q16",
+        "attn_decode_fp8_c4_q4",
+        "attn_decode_fp8_c4_q8",
+        "attn_decode_fp8_c4_q16",
+        "attn_decode_combine",
+        "mla_absorb_q",
+        "mla_apply_uv",
+    ],
+};
+
+/// Largest MLA latent (values per head) the decode kernel supports: 4 output columns per thread.
+pub const MAX_LATENT: usize = 1024;
+/// Largest MLA rope-key width.
+pub const MAX_ROPE: usize = 256;
+/// Largest GQA head_dim.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Threads per attention block (must match `ATT_THREADS` in attn_decode.cu).
+const ATT_THREADS: u32 = 256;
+/// Cache rows per shared-memory tile (must match `ATT_ROWS`: one warp lane per row).
+const ATT_ROWS: usize = 32;
+/// Query-per-block variants compiled (`_q4`, `_q8`, `_q16`): the accumulators are registers.
+const QUERY_TILES: [usize; 3] = [4, 8, 16];
+/// A split streams at least two tiles: below that the per-block query staging (as many bytes as
+/// a tile for V2-Lite) and the combine traffic outweigh the rows it reads.
+pub const MIN_ROWS_PER_SPLIT: usize = 64;
+/// Target resident blocks per SM: V2-Lite's configuration takes ~113 KB of shared memory, so two
+/// fit an H100/H200 SM; more splits than that only add combine work.
+pub const BLOCKS_PER_SM: usize = 2;
+/// Upper bound on splits (the combine kernel keeps one weight per split in shared memory).
+pub const MAX_SPLITS: usize = 256;
+/// Threads of the combine kernel.
+const COMBINE_THREADS: u32 = 128;
+/// Latent columns per block of the absorb kernel (one per thread).
+const ABSORB_THREADS: u32 = 128;
+/// Threads of the W_UV kernel (one warp per output element).
+const UV_THREADS: u32 = 256;
+/// Kernel launches with more than this much dynamic shared memory must opt in.
+const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
+
+/// How many splits decode attention uses for `visible` rows when the rest of the grid has
+/// `base_blocks` blocks (kv heads × query tiles) on a device with `sms` multiprocessors: enough
+/// blocks for [`BLOCKS_PER_SM`] per SM, no split shorter than [`MIN_ROWS_PER_SPLIT`] rows, at most
+/// [`MAX_SPLITS`], at least 1.
+pub fn decode_split_count(visible: usize, base_blocks: usize, sms: usize) -> usize {
+    let want = (BLOCKS_PER_SM * sms.max(1)).div_ceil(base_blocks.max(1));
+    let by_len = visible.div_ceil(MIN_ROWS_PER_SPLIT);
+    want.min(by_len).clamp(1, MAX_SPLITS)
+}
+
+/// Split-KV partial results (per split and query: the running max, the sum and the unnormalised
+/// output) plus launch bookkeeping. Charged to the budget. It grows when a call needs more than it
+/// holds: it is sized for the most splits the rule can choose for that configuration, so growth
+/// happens only on the first call of each new (tokens, heads, value width) configuration — in
+/// decode, the first one or two calls — never as the context grows.
+#[derive(Debug, Default)]
+pub struct DecodeWorkspace {
+    o: Option<DeviceBuffer<f32>>,
+    ml: Option<DeviceBuffer<f32>>,
+    force_splits: Option<usize>,
+    last_splits: usize,
+    growths: usize,
+    smem_optin: Option<usize>,
+    smem_set: HashMap<&'static str, usize>,
+}
+
+impl DecodeWorkspace {
+    /// An empty workspace (allocates on first use).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forces the split count (tests, benchmarks); `None` restores [`decode_split_count`]. A
+    /// forced count is clamped to `1..=min(MAX_SPLITS, visible rows)` and splits are not rounded
+    /// to whole tiles.
+    pub fn force_splits(&mut self, n: Option<usize>) {
+        self.force_splits = n;
+    }
+
+    /// Splits used by the last call.
+    pub fn last_splits(&self) -> usize {
+        self.last_splits
+    }
+
+    /// How many times the buffers were (re)allocated.
+    pub fn growths(&self) -> usize {
+        self.growths
+    }
+
+    /// Bytes charged now.
+    pub fn charged_bytes(&self) -> u64 {
+        self.o.as_ref().map_or(0, |b| b.charged_bytes()) + self.ml.as_ref().map_or(0, |b| b.charged_bytes())
+    }
+
+    fn ensure(&mut self, dev: &GpuDevice, splits: usize, queries: usize, v_dim: usize) -> Result<(), GpuError> {
+        let need_o = splits * queries * v_dim;
+        let need_ml = splits * queries * 2;
+        if self.o.as_ref().is_some_and(|b| b.len() >= need_o) && self.ml.as_ref().is_some_and(|b| b.len() >= need_ml) {
+            return Ok(());
+        }
+        let keep_o = self.o.as_ref().map_or(0, |b| b.len());
+        let keep_ml = self.ml.as_ref().map_or(0, |b| b.len());
+        self.o = None;
+        self.ml = None;
+        // SAFETY: every element a kernel reads is written earlier in the same call.
+        unsafe {
+            self.o = Some(dev.alloc_uninit::<f32>(need_o.max(keep_o), "decode attention workspace")?);
+            self.ml = Some(dev.alloc_uninit::<f32>(need_ml.max(keep_ml), "decode attention workspace")?);
+        }
+        self.growths += 1;
+        Ok(())
+    }
+
+    fn smem_optin(&mut self, dev: &GpuDevice) -> Result<usize, GpuError> {
+        if let Some(v) = self.smem_optin {
+            return Ok(v);
+        }
+        let v = dev
+            .context()
+            .attribute(DevAttr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| GpuError::driver("cuDeviceGetAttribute", e))?;
+        let v = usize::try_from(v).unwrap_or(0).max(DEFAULT_SMEM_LIMIT);
+        self.smem_optin = Some(v);
+        Ok(v)
+    }
+}
+
+/// The kernel's argument block (`AttnArgs` in attn_decode.cu; same field order and types).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnArgs {
+    k: u64,
+    v: u64,
+    k_scales: u64,
+    v_scales: u64,
+    q: u64,
+    ws_o: u64,
+    ws_ml: u64,
+    out: u64,
+    t: i32,
+    heads: i32,
+    kv_heads: i32,
+    k_dim: i32,
+    v_dim: i32,
+    k_row: i32,
+    v_row: i32,
+    shared_kv: i32,
+    group: i32,
+    q_start: i32,
+    n_splits: i32,
+    split_rows: i32,
+    qt: i32,
+    ldq: i32,
+    ldk: i32,
+    ldv: i32,
+    vec_k: i32,
+    vec_v: i32,
+    scale: f32,
+}
+
+// SAFETY: plain-old-data with the C layout of the kernel's struct.
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// Which attention a call computes.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Mla { latent: usize },
+    Gqa { kv_heads: usize, head_dim: usize },
+}
+
+/// Widest staging load (elements) that divides everything a chunk must not straddle.
+fn stage_vec(dtype: KvDtype, row: usize, len: usize, group: usize) -> i32 {
+    let options: &[usize] = match dtype {
+        KvDtype::Fp8 => &[16, 8, 4, 1],
+        KvDtype::Bf16 => &[8, 4, 2, 1],
+    };
+    let ok = |v: usize| {
+        row.is_multiple_of(v) && len.is_multiple_of(v) && (dtype == KvDtype::Bf16 || group.is_multiple_of(v))
+    };
+    options.iter().copied().find(|&v| ok(v)).unwrap_or(1) as i32
+}
+
+fn smem_bytes(qt: usize, ldk: usize, ldv: Option<usize>) -> usize {
+    4 * (qt * ldk + ATT_ROWS * ldk + ldv.map_or(0, |l| ATT_ROWS * l) + ATT_ROWS * qt + 3 * qt)
+}
+
+fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::shape(op, detail()))
+    }
+}
+
+fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
+    i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
+}
+
+impl GpuDevice {
+    /// MLA absorbed decode attention: `q [t, heads, latent+rope]` f32 (q_lat ‖ q_pe), keys = the
+    /// cache rows `[S, latent+rope]` of `layer` (plane 0), values = their first `latent` elements;
+    /// `out [t, heads, latent]` f32. Query `i` (position `q_start + i`) sees rows `0..=q_start+i`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_decode_attention(
+        &self,
+        cache: &GpuKvCache,
+        layer: usize,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        latent: usize,
+        q_start: usize,
+        scale: f32,
+        out: &mut impl DevicePtrMut<f32>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<(), GpuError> {
+        self.decode_attention(cache, layer, Kind::Mla { latent }, q, t, heads, q_start, scale, out, ws)
+    }
+
+    /// GQA decode attention: `q [t, heads, head_dim]` f32, K = plane 0 and V = plane 1 of `layer`
+    /// (`[S, kv_heads, head_dim]` each); `out [t, heads, head_dim]` f32; causal as MLA.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gqa_decode_attention(
+        &self,
+        cache: &GpuKvCache,
+        layer: usize,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        q_start: usize,
+        scale: f32,
+        out: &mut impl DevicePtrMut<f32>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<(), GpuError> {
+        self.decode_attention(cache, layer, Kind::Gqa { kv_heads, head_dim }, q, t, heads, q_start, scale, out, ws)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attention(
+        &self,
+        cache: &GpuKvCache,
+        layer: usize,
+        kind: Kind,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        q_start: usize,
+        scale: f32,
+        out: &mut impl DevicePtrMut<f32>,
+        ws: &mut DecodeWorkspace,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "decode attention";
+        let lay = cache.layout();
+        let row = lay.row;
+        let (kv_heads, k_dim, v_dim, shared_kv) = match kind {
+            Kind::Mla { latent } => {
+                shape(OP, lay.planes == 1, || format!("MLA needs a 1-plane cache, this one has {}", lay.planes))?;
+                shape(OP, (1..=MAX_LATENT).contains(&latent) && latent < row && row - latent <= MAX_ROPE, || {
+                    format!(
+                        "MLA latent {latent} with cache row {row}: need 1 <= latent <= {MAX_LATENT} and \
+                         1 <= rope = row - latent <= {MAX_ROPE}"
+                    )
+                })?;
+                (1, row, latent, true)
+            }
+            Kind::Gqa { kv_heads, head_dim } => {
+                shape(OP, lay.planes == 2, || {
+                    format!("GQA needs a 2-plane (K, V) cache, this one has {}", lay.planes)
+                })?;
+                shape(OP, (1..=MAX_HEAD_DIM).contains(&head_dim), || {
+                    format!("head_dim {head_dim} outside 1..={MAX_HEAD_DIM}")
+                })?;
+                shape(OP, kv_heads >= 1 && kv_heads * head_dim == row, || {
+                    format!("kv_heads {kv_heads} x head_dim {head_dim} != cache row {row}")
+                })?;
+                (kv_heads, head_dim, head_dim, false)
+            }
+        };
+        shape(OP, heads >= 1 && heads.is_multiple_of(kv_heads), || {
+            format!("heads {heads} must be a positive multiple of kv_heads {kv_heads}")
+        })?;
+        shape(OP, q.len() == t * heads * k_dim, || format!("q has {} elements, not {t}x{heads}x{k_dim}", q.len()))?;
+        shape(OP, out.len() == t * heads * v_dim, || {
+            format!("out has {} elements, not {t}x{heads}x{v_dim}", out.len())
+        })?;
+        shape(OP, q_start.checked_add(t).is_some_and(|e| e <= cache.capacity()), || {
+            format!("queries at positions {q_start}..{q_start}+{t} exceed the KV cache capacity {}", cache.capacity())
+        })?;
+        let (k_base, k_scales) = cache.plane(OP, self, layer, 0)?;
+        let (v_base, v_scales) = if shared_kv { (k_base, k_scales) } else { cache.plane(OP, self, layer, 1)? };
+        if t == 0 {
+            return Ok(());
+        }
+        let visible = q_start + t;
+        let group_heads = heads / kv_heads;
+        let nq = t * group_heads;
+
+        // Queries per block: the smallest compiled tile that holds them all, smaller if the
+        // device's shared memory needs it.
+        let ldk = k_dim.next_multiple_of(4);
+        let ldv = if shared_kv { None } else { Some(v_dim) };
+        let limit = ws.smem_optin(self)?;
+        let mut qt = QUERY_TILES.iter().copied().find(|&q| q >= nq).unwrap_or(16);
+        while smem_bytes(qt, ldk, ldv) > limit && qt > QUERY_TILES[0] {
+            qt /= 2;
+        }
+        let smem = smem_bytes(qt, ldk, ldv);
+        shape(OP, smem <= limit, || {
+            format!(
+                "k_dim {k_dim} / v_dim {v_dim} need {smem} bytes of shared memory per block, the device allows {limit}"
+            )
+        })?;
+        let qtiles = nq.div_ceil(qt);
+        shape(OP, qtiles <= 65535 && kv_heads <= 65535, || {
+            format!("{qtiles} query tiles x {kv_heads} kv heads: grid too large")
+        })?;
+
+        // Splits.
+        let base = kv_heads * qtiles;
+        let sms = usize::try_from(self.info().multiprocessors).unwrap_or(1);
+        let (n_splits, split_rows) = match ws.force_splits {
+            Some(n) => {
+                let n = n.clamp(1, MAX_SPLITS.min(visible));
+                let rows = visible.div_ceil(n);
+                (visible.div_ceil(rows), rows)
+            }
+            None => {
+                let n = decode_split_count(visible, base, sms);
+                let rows = visible.div_ceil(n).next_multiple_of(ATT_ROWS);
+                (visible.div_ceil(rows), rows)
+            }
+        };
+        ws.last_splits = n_splits;
+        if n_splits > 1 {
+            // Size for the most splits the rule can pick for this configuration (or the forced count).
+            let most = ws.force_splits.map_or(decode_split_count(usize::MAX, base, sms), |_| n_splits);
+            ws.ensure(self, most.max(n_splits), t * heads, v_dim)?;
+        }
+
+        let cpt = v_dim.div_ceil(ATT_THREADS as usize).next_power_of_two();
+        let fname = kernel_name(lay.dtype, cpt, qt);
+        let f = self.function(&ATTN_DECODE, fname)?;
+        if smem > DEFAULT_SMEM_LIMIT && ws.smem_set.get(fname).is_none_or(|&s| s < smem) {
+            f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
+            ws.smem_set.insert(fname, smem);
+        }
+
+        let s = self.stream();
+        let (q_p, _gq) = q.device_ptr(s);
+        let (out_p, _go) = out.device_ptr_mut(s);
+        let (ws_o, ws_ml) = match (&ws.o, &ws.ml) {
+            (Some(o), Some(ml)) if n_splits > 1 => (o.device_ptr(s).0, ml.device_ptr(s).0),
+            _ => (0, 0),
+        };
+        let args = AttnArgs {
+            k: k_base,
+            v: v_base,
+            k_scales,
+            v_scales,
+            q: q_p,
+            ws_o,
+            ws_ml,
+            out: out_p,
+            t: i32_of(OP, "t", t)?,
+            heads: i32_of(OP, "heads", heads)?,
+            kv_heads: kv_heads as i32,
+            k_dim: k_dim as i32,
+            v_dim: v_dim as i32,
+            k_row: row as i32,
+            v_row: row as i32,
+            shared_kv: shared_kv as i32,
+            group: lay.scale_group as i32,
+            q_start: i32_of(OP, "q_start", q_start)?,
+            n_splits: n_splits as i32,
+            split_rows: i32_of(OP, "split rows", split_rows)?,
+            qt: qt as i32,
+            ldq: ldk as i32,
+            ldk: ldk as i32,
+            ldv: ldv.unwrap_or(0) as i32,
+            vec_k: stage_vec(lay.dtype, row, k_dim, lay.scale_group),
+            vec_v: stage_vec(lay.dtype, row, v_dim, lay.scale_group),
+            scale,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (n_splits as u32, kv_heads as u32, qtiles as u32),
+            block_dim: (ATT_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut b = s.launch_builder(&f);
+        b.arg(&args);
+        // SAFETY: `args` matches the kernel's struct; every extent was checked above and the
+        // workspace holds n_splits x t*heads x (v_dim + 2) floats when n_splits > 1.
+        unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+
+        if n_splits > 1 {
+            let f = self.function(&ATTN_DECODE, "attn_decode_combine")?;
+            let (nq_total, v_i, n_i) = (i32_of(OP, "t*heads", t * heads)?, v_dim as i32, n_splits as i32);
+            let mut b = s.launch_builder(&f);
+            b.arg(&ws_o).arg(&ws_ml).arg(&out_p).arg(&nq_total).arg(&v_i).arg(&n_i);
+            let cfg = LaunchConfig {
+                grid_dim: (nq_total as u32, 1, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: (n_splits * 4) as u32,
+            };
+            // SAFETY: as above.
+            unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+        }
+        Ok(())
+    }
+
+    /// MLA weight absorption with `kv_b` BF16 `[heads·(nope+v_dim), latent]` (per head: `nope`
+    /// rows of W_UK, then `v_dim` rows of W_UV): `dst[i,h,:latent] = Σ_d q[i,h,d] · W_UK[h][d,:]`
+    /// for `q [t, heads, nope+rope]` (q_nope first), and `dst[i,h,latent:] = q_pe`;
+    /// `dst [t, heads, latent+rope]` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_absorb_q(
+        &self,
+        kv_b: &impl DevicePtr<u16>,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        nope: usize,
+        rope: usize,
+        v_dim: usize,
+        latent: usize,
+        dst: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "mla_absorb_q";
+        shape(OP, kv_b.len() == heads * (nope + v_dim) * latent, || {
+            format!("kv_b has {} elements, not {heads}x({nope}+{v_dim})x{latent}", kv_b.len())
+        })?;
+        shape(OP, q.len() == t * heads * (nope + rope), || {
+            format!("q has {} elements, not {t}x{heads}x({nope}+{rope})", q.len())
+        })?;
+        shape(OP, dst.len() == t * heads * (latent + rope), || {
+            format!("dst has {} elements, not {t}x{heads}x({latent}+{rope})", dst.len())
+        })?;
+        shape(OP, nope <= 8192 && t <= 65535 && heads <= 65535, || {
+            format!("nope {nope} (max 8192), t {t} or heads {heads} (max 65535) too large")
+        })?;
+        if t == 0 || heads == 0 || latent + rope == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (w_p, _g1) = kv_b.device_ptr(s);
+        let (q_p, _g2) = q.device_ptr(s);
+        let (d_p, _g3) = dst.device_ptr_mut(s);
+        let ints = [heads, nope, rope, v_dim, latent].map(|v| v as i32);
+        let f = self.function(&ATTN_DECODE, "mla_absorb_q")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&w_p).arg(&q_p).arg(&d_p);
+        for v in &ints {
+            b.arg(v);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: ((latent.max(1)).div_ceil(ABSORB_THREADS as usize) as u32, heads as u32, t as u32),
+            block_dim: (ABSORB_THREADS, 1, 1),
+            shared_mem_bytes: (nope * 4) as u32,
+        };
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+        Ok(())
+    }
+
+    /// `out[i,h,j] = Σ_l W_UV[h][j,l] · o_lat[i,h,l]` with W_UV the last `v_dim` rows of each
+    /// head's block of `kv_b` (see [`GpuDevice::mla_absorb_q`]); `o_lat [t, heads, latent]`,
+    /// `out [t, heads, v_dim]` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_apply_uv(
+        &self,
+        kv_b: &impl DevicePtr<u16>,
+        o_lat: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        nope: usize,
+        v_dim: usize,
+        latent: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "mla_apply_uv";
+        shape(OP, kv_b.len() == heads * (nope + v_dim) * latent, || {
+            format!("kv_b has {} elements, not {heads}x({nope}+{v_dim})x{latent}", kv_b.len())
+        })?;
+        shape(OP, o_lat.len() == t * heads * latent, || {
+            format!("o_lat has {} elements, not {t}x{heads}x{latent}", o_lat.len())
+        })?;
+        shape(OP, out.len() == t * heads * v_dim, || {
+            format!("out has {} elements, not {t}x{heads}x{v_dim}", out.len())
+        })?;
+        let total = t * heads * v_dim;
+        if total == 0 {
+            return Ok(());
+        }
+        let warps = (UV_THREADS / 32) as usize;
+        let blocks = i32_of(OP, "blocks", total.div_ceil(warps))?;
+        let s = self.stream();
+        let (w_p, _g1) = kv_b.device_ptr(s);
+        let (o_p, _g2) = o_lat.device_ptr(s);
+        let (d_p, _g3) = out.device_ptr_mut(s);
+        let ints = [
+            i32_of(OP, "t", t)?,
+            i32_of(OP, "heads", heads)?,
+            nope as i32,
+            v_dim as i32,
+            i32_of(OP, "latent", latent)?,
+        ];
+        let f = self.function(&ATTN_DECODE, "mla_apply_uv")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&w_p).arg(&o_p).arg(&d_p);
+        for v in &ints {
+            b.arg(v);
+        }
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (UV_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: arguments match the kernel; sizes checked above.
+        unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+        Ok(())
+    }
+}
+
+fn kernel_name(dtype: KvDtype, cpt: usize, qt: usize) -> &'static str {
+    match (dtype, cpt, qt) {
+        (KvDtype::Bf16, 1, 4) => "attn_decode_bf16_c1_q4",
+        (KvDtype::Bf16, 1, 8) => "attn_decode_bf16_c1_q8",
+        (KvDtype::Bf16, 1, _) => "attn_decode_bf16_c1_q16",
+        (KvDtype::Bf16, 2, 4) => "attn_decode_bf16_c2_q4",
+        (KvDtype::Bf16, 2, 8) => "attn_decode_bf16_c2_q8",
+        (KvDtype::Bf16, 2, _) => "attn_decode_bf16_c2_q16",
+        (KvDtype::Bf16, _, 4) => "attn_decode_bf16_c4_q4",
+        (KvDtype::Bf16, _, 8) => "attn_decode_bf16_c4_q8",
+        (KvDtype::Bf16, _, _) => "attn_decode_bf16_c4_q16",
+        (KvDtype::Fp8, 1, 4) => "attn_decode_fp8_c1_q4",
+        (KvDtype::Fp8, 1, 8) => "attn_decode_fp8_c1_q8",
+        (KvDtype::Fp8, 1, _) => "attn_decode_fp8_c1_q16",
+        (KvDtype::Fp8, 2, 4) => "attn_decode_fp8_c2_q4",
+        (KvDtype::Fp8, 2, 8) => "attn_decode_fp8_c2_q8",
+        (KvDtype::Fp8, 2, _) => "attn_decode_fp8_c2_q16",
+        (KvDtype::Fp8, _, 4) => "attn_decode_fp8_c4_q4",
+        (KvDtype::Fp8, _, 8) => "attn_decode_fp8_c4_q8",
+        (KvDtype::Fp8, _, _) => "attn_decode_fp8_c4_q16",
+    }
+}
+
+/// One timing of [`bench_mla_decode`].
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeTiming {
+    /// Attention calls (layers) per timed step.
+    pub layers: usize,
+    /// Seconds per attention call (one layer; combine included).
+    pub seconds_per_call: f64,
+    /// KV-cache bytes one call reads (codes and scales).
+    pub kv_bytes_per_call: u64,
+    /// `kv_bytes_per_call / seconds_per_call`, in GB/s (10^9).
+    pub gb_per_s: f64,
+}
+
+/// [`bench_mla_decode`]'s result: one layer repeated, and [`BENCH_LAYERS`] layers' caches in
+/// sequence per step (the decode pattern; it keeps launch gaps from hiding the bandwidth).
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeBench {
+    pub context: usize,
+    pub dtype: KvDtype,
+    pub splits: usize,
+    pub one_layer: DecodeTiming,
+    pub many_layers: DecodeTiming,
+}
+
+/// Layers of the many-layer variant: DeepSeek-V2-Lite has 27.
+pub const BENCH_LAYERS: usize = 27;
+
+/// Times V2-Lite-shaped MLA decode attention (16 heads, latent 512, rope 64, t = 1) over
+/// `context` cached tokens with CUDA events, `iters` timed repetitions after one warm-up.
+pub fn bench_mla_decode(
+    dev: &GpuDevice,
+    context: usize,
+    dtype: KvDtype,
+    iters: usize,
+) -> Result<DecodeBench, GpuError> {
+    const OP: &str = "bench_mla_decode";
+    const HEADS: usize = 16;
+    const LATENT: usize = 512;
+    const ROPE: usize = 64;
+    if context == 0 || iters == 0 {
+        return Err(GpuError::shape(OP, "context and iters must be positive"));
+    }
+    let row = LATENT + ROPE;
+    let cache = GpuKvCache::new(dev, dtype, BENCH_LAYERS, 1, row, ROPE, KvCapacity::Tokens(context))?;
+    // Fill every layer with deterministic pseudo-random rows (chunked, to bound host memory).
+    let chunk = 1024.min(context);
+    let mut host = vec![0f32; chunk * row];
+    let mut x = 0x9e37_79b9u32;
+    for layer in 0..BENCH_LAYERS {
+        let mut pos = 0;
+        while pos < context {
+            let n = chunk.min(context - pos);
+            for v in host[..n * row].iter_mut() {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                *v = (x as f32 / u32::MAX as f32) * 2.0 - 1.0;
+            }
+            let src = dev.upload(&host[..n * row], "bench KV rows")?;
+            cache.write(dev, layer, 0, pos, n, &src)?;
+            pos += n;
+        }
+    }
+    let qh: Vec<f32> = (0..HEADS * row).map(|i| ((i * 37 % 101) as f32 / 101.0) - 0.5).collect();
+    let q = dev.upload(&qh, "bench q")?;
+    let mut out = dev.alloc_zeros::<f32>(HEADS * LATENT, "bench out")?;
+    let mut ws = DecodeWorkspace::new();
+    let scale = 1.0 / ((128 + ROPE) as f32).sqrt();
+    let q_start = context - 1;
+    let kv_bytes = (context * (row * dtype.elem_bytes() + cache.layout().groups_per_row() * 4)) as u64;
+    let mut run = |layers: usize| -> Result<DecodeTiming, GpuError> {
+        let step = |ws: &mut DecodeWorkspace, out: &mut DeviceBuffer<f32>| -> Result<(), GpuError> {
+            for l in 0..layers {
+                dev.mla_decode_attention(&cache, l, &q, 1, HEADS, LATENT, q_start, scale, out, ws)?;
+            }
+            Ok(())
+        };
+        step(&mut ws, &mut out)?;
+        let (e0, e1) = (dev.new_event(true)?, dev.new_event(true)?);
+        e0.record(dev.stream()).map_err(|e| GpuError::driver("cuEventRecord", e))?;
+        for _ in 0..iters {
+            step(&mut ws, &mut out)?;
+        }
+        e1.record(dev.stream()).map_err(|e| GpuError::driver("cuEventRecord", e))?;
+        let ms = e0.elapsed_ms(&e1).map_err(|e| GpuError::driver("cuEventElapsedTime", e))?;
+        let seconds_per_call = ms as f64 / 1e3 / (iters * layers) as f64;
+        Ok(DecodeTiming {
+            layers,
+            seconds_per_call,
+            kv_bytes_per_call: kv_bytes,
+            gb_per_s: kv_bytes as f64 / seconds_per_call / 1e9,
+        })
+    };
+    let one_layer = run(1)?;
+    let many_layers = run(BENCH_LAYERS)?;
+    let out_h = dev.download(&out)?;
+    if out_h.iter().any(|v| !v.is_finite()) {
+        return Err(GpuError::shape(OP, "the benchmark produced non-finite outputs"));
+    }
+    Ok(DecodeBench { context, dtype, splits: ws.last_splits(), one_layer, many_layers })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_rule() {
+        // V2-Lite, one query tile, 132 SMs: 4K context → 64 splits of 64 rows; long contexts cap
+        // at two blocks per SM; short ones never go below MIN_ROWS_PER_SPLIT rows per split.
+        assert_eq!(decode_split_count(4096, 1, 132), 64);
+        assert_eq!(decode_split_count(100_000, 1, 132), 256);
+        assert_eq!(decode_split_count(1, 1, 132), 1);
+        assert_eq!(decode_split_count(64, 1, 132), 1);
+        assert_eq!(decode_split_count(65, 1, 132), 2);
+        // Qwen3 GQA: 4 kv heads → fewer splits needed to fill the device.
+        assert_eq!(decode_split_count(100_000, 4, 132), 66);
+        // Degenerate inputs stay in range.
+        assert_eq!(decode_split_count(0, 0, 0), 1);
+        assert!(decode_split_count(usize::MAX, 1, 10_000) <= MAX_SPLITS);
+    }
+
+    #[test]
+    fn staging_vector_widths() {
+        assert_eq!(stage_vec(KvDtype::Bf16, 576, 576, 576), 8);
+        assert_eq!(stage_vec(KvDtype::Fp8, 576, 576, 64), 16);
+        assert_eq!(stage_vec(KvDtype::Fp8, 512, 128, 128), 16);
+        assert_eq!(stage_vec(KvDtype::Fp8, 72, 24, 24), 8);
+        assert_eq!(stage_vec(KvDtype::Bf16, 72, 24, 72), 8);
+        assert_eq!(stage_vec(KvDtype::Bf16, 40, 40, 40), 8);
+        assert_eq!(stage_vec(KvDtype::Bf16, 42, 42, 42), 2);
+        assert_eq!(stage_vec(KvDtype::Fp8, 42, 42, 6), 1);
+        assert_eq!(stage_vec(KvDtype::Bf16, 21, 7, 21), 1);
+    }
+
+    #[test]
+    fn shared_memory_of_the_v2_lite_configuration() {
+        // 16 queries x 576 + 32 rows x 576 + 32x16 probabilities + 3x16 state, f32.
+        assert_eq!(smem_bytes(16, 576, None), 4 * (16 * 576 + 32 * 576 + 512 + 48));
+        assert!(smem_bytes(16, 576, None) < 114 * 1024);
+    }
+}
