@@ -5,16 +5,21 @@
 //! `rng.random::<f64>()` per non-greedy token) and passes it in; the GPU does the rest and writes
 //! the token id to device memory, so decode can feed it to the next embedding without a sync.
 //!
-//! **Design** (`kernels/sampling.cu`, one block over the row):
-//! * greedy (`temperature <= 0` or `top_k == 1`, as the CPU decides): `sample_argmax`, a block
-//!   reduction keyed by (value desc, index asc), NaNs skipped as the CPU's `argmax` skips them.
+//! **Design** (`kernels/sampling.cu`): both kernels are cooperative launches of up to one block
+//! per SM, each block owning a contiguous slice of the row, meeting at grid barriers; every
+//! cross-block total is an integer sum or a max, so the result does not depend on timing.
+//! * greedy (`temperature <= 0` or `top_k == 1`, as the CPU decides): `sample_argmax`, per-block
+//!   maxima of (value desc, index asc) packed into a u64 and combined by `atomicMax`, NaNs
+//!   skipped as the CPU's `argmax` skips them.
 //! * otherwise `sample_topk_topp`: each logit becomes an order key of `l / T` and a fixed-point
 //!   mass `round(exp(l/T - max) · 2^S)` with `S = 63 - ceil(log2 vocab)` (so any sum fits in
 //!   64 bits and integer sums are exact and deterministic). The CPU's three cut points in its
 //!   sorted order (value desc, index asc) — the end of the top-k, the end of the top-p nucleus,
 //!   the sampled position — are each found by a 4-pass radix select (8-bit digits, histograms of
-//!   count and mass), plus integer arithmetic inside a run of equal values and one ordered scan
-//!   for the final index. Scratch: a key (u32) and a mass (u64) per vocabulary entry.
+//!   count and mass; the first digit's histogram is built once with the masses), plus integer
+//!   arithmetic inside a run of equal values and one ordered scan for the final index.
+//!   Scratch: a key (u32) and a mass (u64) per vocabulary entry, and a small state buffer
+//!   (barrier, histograms, per-block partials).
 //! * Where the result may differ from the CPU's: only when `u` (or `top_p`) lies within about
 //!   `vocab · 2^-S` (≤ 2.3e-9 for a 160K vocabulary; typically orders of magnitude less) of a
 //!   cumulative-probability boundary, since the CPU's boundaries are f64 running sums of
@@ -42,8 +47,16 @@ pub const SAMPLING: KernelSource = KernelSource {
 /// Largest vocabulary: the fixed-point masses keep `S = 63 - ceil(log2 vocab)` ≥ 39 fraction
 /// bits (a mass resolution of 2e-12 of the largest probability).
 pub const SAMPLER_MAX_VOCAB: usize = 1 << 24;
-/// Threads of the single sampling block: the most a block can have, since one SM does the work.
-const SAMPLE_BLOCK: u32 = 1024;
+/// Threads per block; the kernel maps one thread to each of its 256 histogram bins
+/// (`SM_THREADS` in sampling.cu).
+const SAMPLE_THREADS: u32 = 256;
+/// Fewest row elements per block: below this a grid barrier costs more than the block saves.
+const SAMPLE_MIN_PER_BLOCK: usize = 1024;
+/// Most blocks (`SM_MAX_BLOCKS` in sampling.cu: per-block slots in the state buffer).
+const SAMPLE_MAX_BLOCKS: usize = 1024;
+/// u64 words of the state buffer: 8 control words, 4 histograms of 512 words, two per-block
+/// arrays (`SM_ST_*` in sampling.cu).
+const SAMPLE_STATE_WORDS: usize = 8 + 8 * 256 + 2 * SAMPLE_MAX_BLOCKS;
 
 /// krasis-model's `SamplingParams` without the seed (the caller owns the RNG).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -87,6 +100,11 @@ pub struct GpuSampler {
     vocab: usize,
     keys: DeviceBuffer<u32>,
     mass: DeviceBuffer<u64>,
+    /// Barrier words, histograms and per-block partials; zeroed here, kept consistent by the
+    /// kernels (each leaves the barrier and argmax words at rest and zeroes its histograms).
+    state: DeviceBuffer<u64>,
+    /// Blocks per launch: all resident at once (cooperative launch), at most one per SM.
+    blocks: u32,
 }
 
 fn check_vocab(vocab: usize) -> Result<(), GpuError> {
@@ -103,7 +121,28 @@ impl GpuSampler {
         let keys = unsafe { dev.alloc_uninit::<u32>(vocab, "sampler keys")? };
         // SAFETY: as above.
         let mass = unsafe { dev.alloc_uninit::<u64>(vocab, "sampler masses")? };
-        Ok(GpuSampler { vocab, keys, mass })
+        let state = dev.alloc_zeros::<u64>(SAMPLE_STATE_WORDS, "sampler state")?;
+        let attr = |a| dev.context().attribute(a).map_err(|e| GpuError::driver("cuDeviceGetAttribute", e));
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        if attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? == 0 {
+            return Err(GpuError::shape("sample", "the device does not support cooperative launches"));
+        }
+        let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        // Every block of a cooperative launch must be resident: check that one per SM fits.
+        for name in SAMPLING.functions {
+            let f = dev.function(&SAMPLING, name)?;
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor(SAMPLE_THREADS, 0, None)
+                .map_err(|e| GpuError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?;
+            if per_sm == 0 {
+                return Err(GpuError::shape(
+                    "sample",
+                    format!("{name}: no block of {SAMPLE_THREADS} threads fits an SM"),
+                ));
+            }
+        }
+        let blocks = vocab.div_ceil(SAMPLE_MIN_PER_BLOCK).min(sms).clamp(1, SAMPLE_MAX_BLOCKS) as u32;
+        Ok(GpuSampler { vocab, keys, mass, state, blocks })
     }
 
     pub fn vocab(&self) -> usize {
@@ -112,7 +151,8 @@ impl GpuSampler {
 
     /// Samples from row `row` of `logits [rows, vocab]` (f32) with the uniform draw `u ∈ [0, 1)`
     /// (ignored when [`GpuSamplingParams::is_greedy`]); writes the token id to `out[0]`.
-    /// Launches on the compute stream (which also orders the reuse of the scratch); no sync.
+    /// Launches on the compute stream (which also orders the reuse of the scratch: one sampler
+    /// must not be used on two streams at once); no sync.
     pub fn sample(
         &self,
         dev: &GpuDevice,
@@ -136,14 +176,16 @@ impl GpuSampler {
         let l_p = l_p + (row * v * std::mem::size_of::<f32>()) as u64;
         let (o_p, _g1) = out.device_ptr_mut(s);
         let v_i = v as i32;
-        let lc = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (SAMPLE_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let lc = LaunchConfig { grid_dim: (self.blocks, 1, 1), block_dim: (SAMPLE_THREADS, 1, 1), shared_mem_bytes: 0 };
+        let (st_p, _g4) = self.state.device_ptr(s);
         let launch_err = |e: cudarc::driver::DriverError| GpuError::Driver { op: OP, detail: e.to_string() };
         if params.is_greedy() {
             let f = dev.function(&SAMPLING, "sample_argmax")?;
             let mut b = s.launch_builder(&f);
-            b.arg(&l_p).arg(&v_i).arg(&o_p);
-            // SAFETY: argument list matches the kernel; the row has `vocab` elements; out ≥ 1.
-            unsafe { b.launch(lc) }.map_err(launch_err)?;
+            b.arg(&l_p).arg(&v_i).arg(&st_p).arg(&o_p);
+            // SAFETY: argument list matches the kernel; the row has `vocab` elements; out ≥ 1;
+            // the state buffer is only used on this stream; `blocks` fit the device at once.
+            unsafe { b.launch_cooperative(lc) }.map_err(launch_err)?;
             return Ok(());
         }
         let top_k: i32 = if params.top_k >= v { 0 } else { params.top_k as i32 };
@@ -153,10 +195,10 @@ impl GpuSampler {
         let f = dev.function(&SAMPLING, "sample_topk_topp")?;
         let mut b = s.launch_builder(&f);
         b.arg(&l_p).arg(&v_i).arg(&params.temperature).arg(&top_k).arg(&params.top_p).arg(&u).arg(&scale);
-        b.arg(&k_p).arg(&m_p).arg(&o_p);
-        // SAFETY: argument list matches the kernel; keys/mass hold `vocab` elements each and are
-        // only used on this stream.
-        unsafe { b.launch(lc) }.map_err(launch_err)?;
+        b.arg(&k_p).arg(&m_p).arg(&st_p).arg(&o_p);
+        // SAFETY: argument list matches the kernel; keys/mass hold `vocab` elements each and,
+        // with the state buffer, are only used on this stream; `blocks` fit the device at once.
+        unsafe { b.launch_cooperative(lc) }.map_err(launch_err)?;
         Ok(())
     }
 }
