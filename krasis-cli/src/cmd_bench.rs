@@ -20,7 +20,7 @@ use krasis_quant::group::quantize;
 use krasis_quant::Bits;
 use serde_json::json;
 
-use crate::cmd_generate::EngineArgs;
+use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -51,6 +51,15 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Time the GPU attention kernels at V2-Lite shapes (MLA prefill at 8K tokens, absorbed MLA
+    /// decode at 4K context, GQA prefill) against the GPU's peaks.
+    #[arg(long)]
+    gpu_attention: bool,
+    /// Where --model runs: the CPU engine, or the whole model on the GPU.
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    #[command(flatten)]
+    gpu: GpuArgs,
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
@@ -116,11 +125,31 @@ fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow:
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if a.model.is_none() && !a.membw && !a.expert_gemv {
-        bail!("give --model DIR (decode benchmark), --membw (bandwidth probe) and/or --expert-gemv");
+    if a.model.is_none() && !a.membw && !a.expert_gemv && !a.gpu_attention {
+        bail!("give --model DIR (decode benchmark), --membw (bandwidth probe), --expert-gemv and/or --gpu-attention");
     }
     if a.decode_tokens == 0 || a.prompt_tokens == 0 {
         bail!("--decode-tokens and --prompt-tokens must be at least 1");
+    }
+    if a.gpu_attention || a.device != Device::Cpu {
+        if a.membw || a.expert_gemv {
+            bail!("--membw/--expert-gemv are CPU benchmarks; run them separately from --gpu-attention / --device gpu");
+        }
+        if let Err(e) = krasis_gpu::probe() {
+            bail!("GPU benchmark: {e}");
+        }
+        let mut out = json!({});
+        if a.gpu_attention {
+            out["attention"] = crate::cmd_bench_gpu::attention(a.gpu.gpu, a.gpu.vram_budget, !a.json)?;
+        }
+        if let Some(dir) = &a.model {
+            out["model"] =
+                crate::cmd_bench_gpu::model(dir, &a.gpu.options()?, a.prompt_tokens, a.decode_tokens, !a.json)?;
+        }
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        }
+        return Ok(());
     }
     let sys = krasis_core::hw::probe();
     let probe_pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;

@@ -7,13 +7,18 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::{Args as ClapArgs, ValueEnum};
 use krasis_core::budget::{check_ram_budget, format_bytes};
+use krasis_gpu::kv_cache::KvDtype;
+use krasis_gpu::linear::LinearQuant;
+use krasis_gpu::VramBudgetSpec;
 use krasis_model::config::load_config;
-use krasis_model::generate::{generate, GenerateRequest};
+use krasis_model::generate::{generate, Decoder, GenerateOutput, GenerateRequest};
+use krasis_model::gpu::{GpuModel, GpuOptions};
 use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::memory::estimate;
 use krasis_model::quantized::WeightBits;
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
+use krasis_model::ModelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
@@ -106,6 +111,90 @@ impl EngineArgs {
     }
 }
 
+/// `--device gpu` flags shared by `generate` and `bench`.
+#[derive(ClapArgs, Clone, Debug)]
+pub struct GpuArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// VRAM every allocation is charged against: bytes (suffixes K/M/G/KiB/MiB/GiB) or `auto`
+    /// (free memory minus 1 GiB).
+    #[arg(long, default_value = "auto")]
+    pub vram_budget: VramBudgetSpec,
+    /// KV cache precision on the GPU.
+    #[arg(long, default_value = "bf16")]
+    pub kv_dtype: KvDtype,
+    /// KV cache tokens per session (default: what the VRAM budget leaves, capped at the model's
+    /// max_position_embeddings).
+    #[arg(long)]
+    pub kv_tokens: Option<usize>,
+    /// Attention projections on the GPU: bf16, or int8 weight-only per output channel.
+    #[arg(long, default_value = "bf16")]
+    pub attention_quant: LinearQuant,
+    /// Shared experts on the GPU.
+    #[arg(long, default_value = "bf16")]
+    pub shared_expert_quant: LinearQuant,
+    /// Dense (non-MoE) layers' MLP on the GPU.
+    #[arg(long, default_value = "bf16")]
+    pub dense_mlp_quant: LinearQuant,
+    /// MLA kv_b_proj as used by prefill on the GPU.
+    #[arg(long, default_value = "bf16")]
+    pub kv_b_proj_quant: LinearQuant,
+    /// LM head on the GPU.
+    #[arg(long, default_value = "bf16")]
+    pub lm_head_quant: LinearQuant,
+}
+
+impl GpuArgs {
+    pub fn options(&self) -> anyhow::Result<GpuOptions> {
+        if self.kv_tokens == Some(0) {
+            bail!("--kv-tokens must be at least 1");
+        }
+        Ok(GpuOptions {
+            ordinal: self.gpu,
+            vram_budget: self.vram_budget,
+            kv_dtype: self.kv_dtype,
+            attention_quant: self.attention_quant,
+            shared_expert_quant: self.shared_expert_quant,
+            dense_mlp_quant: self.dense_mlp_quant,
+            kv_b_proj_quant: self.kv_b_proj_quant,
+            lm_head_quant: self.lm_head_quant,
+            kv_tokens: self.kv_tokens,
+        })
+    }
+}
+
+/// Which engine `--device` picks: `gpu` insists, `auto` takes the GPU when one is usable and no
+/// CPU-only precision flag was given, else the CPU with a one-line notice.
+pub fn choose_gpu(device: Device, engine: &EngineArgs) -> anyhow::Result<bool> {
+    let cpu_flags = engine.cpu_expert_bits != Bits::Bf16 || engine.cpu_dense_bits != Bits::Bf16;
+    match device {
+        Device::Cpu => Ok(false),
+        Device::Gpu => {
+            if let Err(e) = krasis_gpu::probe() {
+                bail!("--device gpu: {e}");
+            }
+            if cpu_flags {
+                bail!(
+                    "--device gpu runs the whole model on the GPU; --cpu-expert-bits/--cpu-dense-bits apply to --device cpu (the hybrid CPU-experts path is not built yet)"
+                );
+            }
+            Ok(true)
+        }
+        Device::Auto => match krasis_gpu::probe() {
+            Err(e) => {
+                eprintln!("notice: no GPU in use ({e}); running on the CPU");
+                Ok(false)
+            }
+            Ok(_) if cpu_flags => {
+                eprintln!("notice: --cpu-expert-bits/--cpu-dense-bits given; running on the CPU");
+                Ok(false)
+            }
+            Ok(_) => Ok(true),
+        },
+    }
+}
+
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model directory (HF format: config.json, *.safetensors, tokenizer.json).
@@ -140,25 +229,16 @@ pub struct Args {
     device: Device,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    gpu: GpuArgs,
     /// Write prefill_logits, step_logits and generated_ids to this safetensors file.
     #[arg(long)]
     dump_logits: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    match a.device {
-        Device::Cpu => {}
-        Device::Gpu => {
-            if let Err(e) = krasis_gpu::probe() {
-                bail!("--device gpu: {e}");
-            }
-        }
-        Device::Auto => {
-            if let Err(e) = krasis_gpu::probe() {
-                eprintln!("notice: no GPU in use ({e}); running on the CPU");
-            }
-        }
-    }
+    let mut use_gpu = choose_gpu(a.device, &a.engine)?;
+    let gpu_opts = a.gpu.options()?;
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }
@@ -167,7 +247,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let opts = a.engine.options()?;
     let spec = load_config(&a.model)?;
-    let est = a.engine.check_budget(&spec, 4096)?;
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");
     }
@@ -192,7 +271,46 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("the prompt encodes to no tokens");
     }
 
+    let req = GenerateRequest {
+        prompt_ids: prompt_ids.clone(),
+        max_new_tokens: a.max_new_tokens,
+        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        ignore_eos: a.ignore_eos,
+        record_logits: a.dump_logits.is_some(),
+    };
     let t_load = Instant::now();
+    let gpu_model = if use_gpu {
+        match GpuModel::load(&a.model, &gpu_opts) {
+            Ok(m) => Some(m),
+            Err(ModelError::Gpu(e)) if a.device == Device::Auto => {
+                eprintln!("notice: the GPU could not take the model ({e}); running on the CPU");
+                use_gpu = false;
+                None
+            }
+            Err(e) => return Err(e.into()),
+        }
+    } else {
+        None
+    };
+    if let Some(m) = &gpu_model {
+        for line in &m.log {
+            eprintln!("{line}");
+        }
+        m.check_tokens(&prompt_ids)?;
+        eprintln!(
+            "loaded {} ({} layers) on the GPU in {:.2} s",
+            a.model.display(),
+            m.spec.num_layers,
+            t_load.elapsed().as_secs_f64()
+        );
+        let out = run_generation(m, &req, codec.as_ref(), prompt_ids.len())?;
+        if let Some(r) = out.host_syncs_per_token {
+            eprintln!("host synchronisations per decoded token: {r:.2}");
+        }
+        return dump(&a, m.spec.vocab_size, &out);
+    }
+    debug_assert!(!use_gpu);
+    let est = a.engine.check_budget(&spec, 4096)?;
     let loaded = load_model(&a.model, &opts)?;
     for line in &loaded.log {
         eprintln!("{line}");
@@ -207,36 +325,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         format_bytes(est)
     );
 
-    let req = GenerateRequest {
-        prompt_ids: prompt_ids.clone(),
-        max_new_tokens: a.max_new_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
-        ignore_eos: a.ignore_eos,
-        record_logits: a.dump_logits.is_some(),
-    };
-    let mut stream = TextStream::new();
-    let stdout = std::io::stdout();
-    let out = generate(model, &req, |id| {
-        let mut lock = stdout.lock();
-        let piece = match &codec {
-            Some(c) => stream.push(c, id)?,
-            None => format!("{id} "),
-        };
-        // A closed stdout (e.g. piped into `head`) is not an engine error; stop printing quietly.
-        let _ = lock.write_all(piece.as_bytes()).and_then(|_| lock.flush());
-        Ok(())
-    })?;
-    println!();
-    eprintln!(
-        "prefill: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.2} tok/s){}",
-        prompt_ids.len(),
-        out.prefill_time.as_secs_f64(),
-        out.prefill_tok_s(prompt_ids.len()),
-        out.generated.len(),
-        out.decode_time.as_secs_f64(),
-        out.decode_tok_s(),
-        if out.stopped_at_eos { "; stopped at end-of-sequence" } else { "" }
-    );
+    let out = run_generation(model, &req, codec.as_ref(), prompt_ids.len())?;
     if a.engine.cpu_expert_bits != Bits::Bf16 {
         // Every routed expert is resident after loading the cache and every dense weight has been
         // read by now, so RSS should match the estimate.
@@ -247,8 +336,45 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
+    dump(&a, model.spec.vocab_size, &out)
+}
+
+/// Streams the generated text (or ids) to stdout and prints the timing line.
+fn run_generation<D: Decoder>(
+    model: &D,
+    req: &GenerateRequest,
+    codec: Option<&TextCodec>,
+    prompt_len: usize,
+) -> anyhow::Result<GenerateOutput> {
+    let mut stream = TextStream::new();
+    let stdout = std::io::stdout();
+    let out = generate(model, req, |id| {
+        let mut lock = stdout.lock();
+        let piece = match codec {
+            Some(c) => stream.push(c, id)?,
+            None => format!("{id} "),
+        };
+        // A closed stdout (e.g. piped into `head`) is not an engine error; stop printing quietly.
+        let _ = lock.write_all(piece.as_bytes()).and_then(|_| lock.flush());
+        Ok(())
+    })?;
+    println!();
+    eprintln!(
+        "prefill: {} tokens in {:.3} s ({:.1} tok/s); decode: {} tokens in {:.3} s ({:.2} tok/s){}",
+        prompt_len,
+        out.prefill_time.as_secs_f64(),
+        out.prefill_tok_s(prompt_len),
+        out.generated.len(),
+        out.decode_time.as_secs_f64(),
+        out.decode_tok_s(),
+        if out.stopped_at_eos { "; stopped at end-of-sequence" } else { "" }
+    );
+    Ok(out)
+}
+
+fn dump(a: &Args, vocab: usize, out: &GenerateOutput) -> anyhow::Result<()> {
     if let Some(path) = &a.dump_logits {
-        crate::dump::write_logits(path, model.spec.vocab_size, &out.prefill_logits, &out.step_logits, &out.generated)
+        crate::dump::write_logits(path, vocab, &out.prefill_logits, &out.step_logits, &out.generated)
             .with_context(|| format!("--dump-logits {}", path.display()))?;
         eprintln!("logits written to {}", path.display());
     }

@@ -1,6 +1,7 @@
 //! `krasis`: the command-line front end. Thin: parses flags, calls the library, prints results.
 
 mod cmd_bench;
+mod cmd_bench_gpu;
 mod cmd_convert;
 mod cmd_generate;
 mod cmd_info;

@@ -33,6 +33,8 @@ pub struct DeviceInfo {
     /// The driver's CUDA version, e.g. `(13, 0)`.
     pub driver_version: (i32, i32),
     pub multiprocessors: i32,
+    /// Theoretical DRAM bandwidth from the memory clock and bus width (bytes/s; 0 if unknown).
+    pub dram_peak_bytes_per_s: u64,
 }
 
 impl DeviceInfo {
@@ -112,6 +114,10 @@ fn device_info(ordinal: usize, count: usize) -> Result<DeviceInfo, GpuError> {
         let major = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
         let minor = attr(Attr::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = attr(Attr::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        // Memory clock in kHz, bus width in bits; DDR: two transfers per clock.
+        let mem_khz = attr(Attr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).unwrap_or(0);
+        let bus_bits = attr(Attr::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH).unwrap_or(0);
+        let dram_peak_bytes_per_s = 2 * mem_khz.max(0) as u64 * 1000 * bus_bits.max(0) as u64 / 8;
         // SAFETY: as above.
         let total = unsafe { result::device::total_mem(dev) }.map_err(|e| d("cuDeviceTotalMem", e))?;
         let mut v = 0;
@@ -126,6 +132,7 @@ fn device_info(ordinal: usize, count: usize) -> Result<DeviceInfo, GpuError> {
             free_bytes: None,
             driver_version: (v / 1000, (v % 1000) / 10),
             multiprocessors: sms,
+            dram_peak_bytes_per_s,
         })
     })
 }

@@ -12,6 +12,7 @@ pub use error::{ModelError, Result};
 pub use spec::ModelSpec;
 pub mod engine;
 pub mod generate;
+pub mod gpu;
 pub mod linear;
 pub mod load;
 pub mod memory;

@@ -1,0 +1,463 @@
+//! The decoder layers on the GPU: attention (MLA, GQA) and feed-forward (dense MLP, MoE with
+//! shared experts), each a sequence of krasis-gpu ops over the session's scratch buffers.
+
+use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout};
+use krasis_gpu::linear::{GemmContext, GpuLinear};
+use krasis_gpu::moe::GpuExperts;
+use krasis_gpu::router::GpuRouter;
+use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
+
+use super::session::{grow, GpuSession};
+use crate::error::Result;
+use crate::spec::{AttentionSpec, ModelSpec};
+
+/// What every layer of one forward call shares.
+pub(crate) struct Ctx<'a> {
+    pub dev: &'a GpuDevice,
+    pub gemm: &'a GemmContext,
+    pub cos: &'a DeviceBuffer<f32>,
+    pub sin: &'a DeviceBuffer<f32>,
+    pub max_pos: usize,
+    pub rope_half: usize,
+    pub pairing: RopePairing,
+    pub eps: f32,
+    /// Tokens in this call.
+    pub t: usize,
+    /// Position of the first of them (tokens already cached).
+    pub pos: usize,
+    /// Attention in the decode form (absorbed MLA / split-KV GQA).
+    pub decode: bool,
+}
+
+/// KV cache geometry `(planes, row, fp8 scale group)` of a model: MLA keeps one latent+rope row
+/// per token (the rope part gets its own FP8 scale), GQA a K and a V row (one scale per head).
+pub(crate) fn kv_geometry(spec: &ModelSpec) -> (usize, usize, usize) {
+    match spec.attention {
+        AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => {
+            (1, kv_lora_rank + qk_rope_head_dim, gcd(kv_lora_rank, qk_rope_head_dim))
+        }
+        AttentionSpec::Gqa { kv_heads, head_dim, .. } => (2, kv_heads * head_dim, head_dim),
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+pub(crate) struct GpuMlp {
+    pub gate: GpuLinear,
+    pub up: GpuLinear,
+    pub down: GpuLinear,
+}
+
+impl GpuMlp {
+    /// `out = down(silu(gate(x)) · up(x))` for `x` the session's `xn`, into `out_slot`'s first
+    /// `t·hidden` elements (f32 scratch slots 0–2 are used as temporaries).
+    fn forward(&self, c: &Ctx, s: &mut GpuSession, to_y: bool) -> Result<()> {
+        let t = c.t;
+        let inter = self.gate.rows();
+        let hidden = self.down.rows();
+        let sc = &mut s.scratch;
+        let [f0, f1, f2, f3, ..] = &mut sc.f;
+        let g = grow(c.dev, f0, t * inter, "mlp gate")?;
+        let u = grow(c.dev, f1, t * inter, "mlp up")?;
+        let a = grow(c.dev, f2, t * inter, "mlp activation")?;
+        let xn = sc.xn.slice().slice(..t * hidden);
+        self.gate.forward(c.dev, c.gemm, &xn, t, &mut g.slice_mut().slice_mut(..t * inter))?;
+        self.up.forward(c.dev, c.gemm, &xn, t, &mut u.slice_mut().slice_mut(..t * inter))?;
+        c.dev.silu_mul_f32(
+            &g.slice().slice(..t * inter),
+            &u.slice().slice(..t * inter),
+            0,
+            &mut a.slice_mut().slice_mut(..t * inter),
+            &SwiGluLayout::separate(t, inter),
+        )?;
+        let a = a.slice().slice(..t * inter);
+        if to_y {
+            self.down.forward(c.dev, c.gemm, &a, t, &mut sc.y.slice_mut().slice_mut(..t * hidden))?;
+        } else {
+            let o = grow(c.dev, f3, t * hidden, "shared expert output")?;
+            self.down.forward(c.dev, c.gemm, &a, t, &mut o.slice_mut().slice_mut(..t * hidden))?;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) struct GpuMla {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v_dim: usize,
+    pub latent: usize,
+    pub scale: f32,
+    pub q_a: Option<(GpuLinear, DeviceBuffer<u16>)>,
+    pub q_b: GpuLinear,
+    pub kv_a: GpuLinear,
+    pub kv_a_norm: DeviceBuffer<u16>,
+    /// `kv_b_proj` as a linear (prefill's expansion of the latent, `--kv-b-proj-quant`).
+    pub kv_b: GpuLinear,
+    /// `kv_b_proj` in BF16 for the absorbed decode form.
+    pub kv_b_bf16: DeviceBuffer<u16>,
+    pub o_proj: GpuLinear,
+}
+
+pub(crate) struct GpuGqa {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub q: GpuLinear,
+    pub k: GpuLinear,
+    pub v: GpuLinear,
+    pub o: GpuLinear,
+    pub qk_norm: Option<(DeviceBuffer<u16>, DeviceBuffer<u16>)>,
+}
+
+pub(crate) enum GpuAttention {
+    Mla(Box<GpuMla>),
+    Gqa(Box<GpuGqa>),
+}
+
+pub(crate) enum GpuFfn {
+    Dense(Box<GpuMlp>),
+    Moe(Box<GpuMoe>),
+}
+
+pub(crate) struct GpuMoe {
+    pub router: GpuRouter,
+    pub experts: GpuExperts,
+    pub top_k: usize,
+    pub shared: Option<GpuMlp>,
+}
+
+pub(crate) struct GpuLayer {
+    pub hidden: usize,
+    pub input_norm: DeviceBuffer<u16>,
+    pub post_norm: DeviceBuffer<u16>,
+    pub attention: GpuAttention,
+    pub ffn: GpuFfn,
+}
+
+impl GpuLayer {
+    /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
+    pub fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession, add_prev: bool) -> Result<()> {
+        let n = c.t * self.hidden;
+        self.norm(c, s, &self.input_norm, add_prev, n)?;
+        match &self.attention {
+            GpuAttention::Mla(a) => a.forward(c, l, s)?,
+            GpuAttention::Gqa(a) => a.forward(c, l, s)?,
+        }
+        self.norm(c, s, &self.post_norm, true, n)?;
+        match &self.ffn {
+            GpuFfn::Dense(m) => m.forward(c, s, true)?,
+            GpuFfn::Moe(moe) => {
+                let GpuMoe { router, experts, top_k, shared } = moe.as_ref();
+                let (t, k) = (c.t, *top_k);
+                {
+                    let sc = &mut s.scratch;
+                    let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+                    let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+                    let xn = sc.xn.slice().slice(..n);
+                    let mut ids_v = ids.slice_mut().slice_mut(..t * k);
+                    let mut w_v = w.slice_mut().slice_mut(..t * k);
+                    router.forward(c.dev, &xn, t, &mut ids_v, &mut w_v)?;
+                    experts.forward(
+                        c.dev,
+                        c.gemm,
+                        &xn,
+                        t,
+                        &ids.slice().slice(..t * k),
+                        &w.slice().slice(..t * k),
+                        k,
+                        &mut sc.y.slice_mut().slice_mut(..n),
+                    )?;
+                }
+                if let Some(sh) = shared {
+                    sh.forward(c, s, false)?;
+                    let sc = &mut s.scratch;
+                    let o = sc.f[3].as_ref().expect("written by the shared expert");
+                    c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `x += y` (when `add`), `xn = rmsnorm(x) · w`.
+    fn norm(&self, c: &Ctx, s: &mut GpuSession, w: &DeviceBuffer<u16>, add: bool, n: usize) -> Result<()> {
+        let sc = &mut s.scratch;
+        let mut x = sc.x.slice_mut().slice_mut(..n);
+        let y = sc.y.slice().slice(..n);
+        let mut xn = sc.xn.slice_mut().slice_mut(..n);
+        let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = if add { Some(&y) } else { None };
+        c.dev.rmsnorm_residual(&mut x, delta, None, w, Some(&mut xn), None, self.hidden, c.eps)?;
+        Ok(())
+    }
+}
+
+fn rope_layout(c: &Ctx, heads: usize, token_stride: usize, head_stride: usize, offset: usize) -> RopeLayout {
+    RopeLayout {
+        n_tokens: c.t,
+        n_heads: heads,
+        token_stride,
+        head_stride,
+        rot_offset: offset,
+        rot_dim: 2 * c.rope_half,
+        pairing: c.pairing,
+    }
+}
+
+impl GpuMla {
+    fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
+        let (t, hh, nope, rd, lat, vd) = (c.t, self.heads, self.nope, self.rope, self.latent, self.v_dim);
+        let hidden = self.o_proj.rows();
+        let qk = nope + rd;
+        let row = lat + rd;
+        let dev = c.dev;
+        let sc = &mut s.scratch;
+        let [f0, f1, f2, f3, f4, f5, f6, f7] = &mut sc.f;
+        let xn = sc.xn.slice().slice(..t * hidden);
+
+        // q (with the optional LoRA), then RoPE on each head's rope part.
+        let q = grow(dev, f0, t * hh * qk, "mla q")?;
+        match &self.q_a {
+            Some((q_a, norm)) => {
+                let r = q_a.rows();
+                let qa = grow(dev, f1, t * r, "mla q_a")?;
+                q_a.forward(dev, c.gemm, &xn, t, &mut qa.slice_mut().slice_mut(..t * r))?;
+                dev.rmsnorm_rows_inplace(qa, RowsView::contiguous(t, r), norm, c.eps)?;
+                self.q_b.forward(
+                    dev,
+                    c.gemm,
+                    &qa.slice().slice(..t * r),
+                    t,
+                    &mut q.slice_mut().slice_mut(..t * hh * qk),
+                )?;
+            }
+            None => self.q_b.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * qk))?,
+        }
+        dev.rope_f32(
+            q,
+            &sc.positions.slice().slice(..t),
+            c.cos,
+            c.sin,
+            c.max_pos,
+            &rope_layout(c, hh, hh * qk, qk, nope),
+        )?;
+
+        // The latent row: kv_a → RMSNorm on the latent part, RoPE on the rope part → cache.
+        let kva = grow(dev, f2, t * row, "mla kv_a")?;
+        self.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
+        dev.rmsnorm_rows_inplace(kva, RowsView { rows: t, cols: lat, stride: row, offset: 0 }, &self.kv_a_norm, c.eps)?;
+        dev.rope_f32(
+            kva,
+            &sc.positions.slice().slice(..t),
+            c.cos,
+            c.sin,
+            c.max_pos,
+            &rope_layout(c, 1, row, row, lat),
+        )?;
+        s.kv.write(dev, l, 0, c.pos, t, &kva.slice().slice(..t * row))?;
+        let n_kv = c.pos + t;
+
+        let o = grow(dev, f5, t * hh * vd, "mla attention output")?;
+        if c.decode {
+            // Absorbed: q_lat = W_UKᵀ q_nope per head, attend over the latent rows, W_UV after.
+            let q_abs = grow(dev, f3, t * hh * row, "mla absorbed q")?;
+            dev.mla_absorb_q(
+                &self.kv_b_bf16,
+                &q.slice().slice(..t * hh * qk),
+                t,
+                hh,
+                nope,
+                rd,
+                vd,
+                lat,
+                &mut q_abs.slice_mut().slice_mut(..t * hh * row),
+            )?;
+            let o_lat = grow(dev, f4, t * hh * lat, "mla latent output")?;
+            dev.mla_decode_attention(
+                &s.kv,
+                l,
+                &q_abs.slice().slice(..t * hh * row),
+                t,
+                hh,
+                lat,
+                c.pos,
+                self.scale,
+                &mut o_lat.slice_mut().slice_mut(..t * hh * lat),
+                &mut s.ws,
+            )?;
+            dev.mla_apply_uv(
+                &self.kv_b_bf16,
+                &o_lat.slice().slice(..t * hh * lat),
+                t,
+                hh,
+                nope,
+                vd,
+                lat,
+                &mut o.slice_mut().slice_mut(..t * hh * vd),
+            )?;
+        } else {
+            // Expanded: the whole latent cache through kv_b into per-head K_nope/V, then flash.
+            let lat_rows = grow(dev, f6, n_kv * row, "mla cached latent rows")?;
+            s.kv.read_f32(dev, l, 0, 0, n_kv, &mut lat_rows.slice_mut().slice_mut(..n_kv * row))?;
+            let cmat = grow(dev, f7, n_kv * lat, "mla latent")?;
+            dev.copy_rows_f32(
+                lat_rows,
+                RowsView { rows: n_kv, cols: lat, stride: row, offset: 0 },
+                cmat,
+                RowsView::contiguous(n_kv, lat),
+            )?;
+            let [b0, b1, b2, ..] = &mut sc.b;
+            let kpe = grow(dev, b0, n_kv * rd, "mla rope keys (bf16)")?;
+            dev.copy_rows_to_bf16(
+                lat_rows,
+                RowsView { rows: n_kv, cols: rd, stride: row, offset: lat },
+                kpe,
+                RowsView::contiguous(n_kv, rd),
+            )?;
+            let kvb_cols = hh * (nope + vd);
+            let kvb = grow(dev, f3, n_kv * kvb_cols, "mla expanded k/v")?;
+            self.kv_b.forward(
+                dev,
+                c.gemm,
+                &cmat.slice().slice(..n_kv * lat),
+                n_kv,
+                &mut kvb.slice_mut().slice_mut(..n_kv * kvb_cols),
+            )?;
+            let kvb16 = grow(dev, b1, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
+            dev.copy_rows_to_bf16(
+                kvb,
+                RowsView::contiguous(n_kv, kvb_cols),
+                kvb16,
+                RowsView::contiguous(n_kv, kvb_cols),
+            )?;
+            let q16 = grow(dev, b2, t * hh * qk, "mla q (bf16)")?;
+            dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * qk), q16, RowsView::contiguous(t, hh * qk))?;
+            let args = FlashPrefillArgs {
+                n_q: t,
+                n_kv,
+                q_start: c.pos,
+                heads: hh,
+                kv_heads: hh,
+                scale: self.scale,
+                q_a: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: nope },
+                q_b: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: rd },
+                k_a: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: nope },
+                k_b: HeadsLayout { token_stride: rd, head_stride: 0, dim: rd },
+                v: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: vd },
+                out: HeadsLayout { token_stride: hh * vd, head_stride: vd, dim: vd },
+            };
+            let q_a = q16.slice().slice(..t * hh * qk);
+            let q_b = q16.slice().slice(nope..t * hh * qk);
+            let k_a = kvb16.slice().slice(..n_kv * kvb_cols);
+            let v = kvb16.slice().slice(nope..n_kv * kvb_cols);
+            let k_b = kpe.slice().slice(..n_kv * rd);
+            dev.flash_prefill(
+                &args,
+                &q_a,
+                Some(&q_b),
+                &k_a,
+                Some(&k_b),
+                &v,
+                &mut o.slice_mut().slice_mut(..t * hh * vd),
+            )?;
+        }
+        self.o_proj.forward(
+            dev,
+            c.gemm,
+            &o.slice().slice(..t * hh * vd),
+            t,
+            &mut sc.y.slice_mut().slice_mut(..t * hidden),
+        )?;
+        Ok(())
+    }
+}
+
+impl GpuGqa {
+    fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
+        let (t, hh, kvh, hd) = (c.t, self.heads, self.kv_heads, self.head_dim);
+        let hidden = self.o.rows();
+        let dev = c.dev;
+        let sc = &mut s.scratch;
+        let [f0, f1, f2, f3, ..] = &mut sc.f;
+        let xn = sc.xn.slice().slice(..t * hidden);
+        let q = grow(dev, f0, t * hh * hd, "gqa q")?;
+        let k = grow(dev, f1, t * kvh * hd, "gqa k")?;
+        let v = grow(dev, f2, t * kvh * hd, "gqa v")?;
+        self.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
+        self.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
+        self.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh, hd), qn, c.eps)?;
+            dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh, hd), kn, c.eps)?;
+        }
+        let pos = sc.positions.slice().slice(..t);
+        dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
+        dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
+        s.kv.write(dev, l, 0, c.pos, t, &k.slice().slice(..t * kvh * hd))?;
+        s.kv.write(dev, l, 1, c.pos, t, &v.slice().slice(..t * kvh * hd))?;
+        let n_kv = c.pos + t;
+        let o = grow(dev, f3, t * hh * hd, "gqa attention output")?;
+        if c.decode {
+            dev.gqa_decode_attention(
+                &s.kv,
+                l,
+                &q.slice().slice(..t * hh * hd),
+                t,
+                hh,
+                kvh,
+                hd,
+                c.pos,
+                self.scale,
+                &mut o.slice_mut().slice_mut(..t * hh * hd),
+                &mut s.ws,
+            )?;
+        } else {
+            let [b0, b1, b2, ..] = &mut sc.b;
+            let row = kvh * hd;
+            let k16 = grow(dev, b0, n_kv * row, "gqa keys (bf16)")?;
+            let v16 = grow(dev, b1, n_kv * row, "gqa values (bf16)")?;
+            s.kv.read_bf16(dev, l, 0, 0, n_kv, &mut k16.slice_mut().slice_mut(..n_kv * row))?;
+            s.kv.read_bf16(dev, l, 1, 0, n_kv, &mut v16.slice_mut().slice_mut(..n_kv * row))?;
+            let q16 = grow(dev, b2, t * hh * hd, "gqa q (bf16)")?;
+            dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
+            let args = FlashPrefillArgs {
+                n_q: t,
+                n_kv,
+                q_start: c.pos,
+                heads: hh,
+                kv_heads: kvh,
+                scale: self.scale,
+                q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
+                q_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
+                k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
+                k_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
+                v: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
+                out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
+            };
+            dev.flash_prefill(
+                &args,
+                &q16.slice().slice(..t * hh * hd),
+                None,
+                &k16.slice().slice(..n_kv * row),
+                None,
+                &v16.slice().slice(..n_kv * row),
+                &mut o.slice_mut().slice_mut(..t * hh * hd),
+            )?;
+        }
+        self.o.forward(
+            dev,
+            c.gemm,
+            &o.slice().slice(..t * hh * hd),
+            t,
+            &mut sc.y.slice_mut().slice_mut(..t * hidden),
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,260 @@
+//! The whole model on one GPU (`--device gpu`): every weight in VRAM (BF16, or weight-only INT8
+//! per output channel where a `--*-quant int8` flag asks for it), the KV cache on the device in
+//! BF16 or FP8, and a forward pass that never waits for the device except to read back the sampled
+//! token.
+//!
+//! The layer math mirrors the CPU reference engine (`crate::engine`) op for op; activations and the
+//! residual stream stay f32 between ops, matrix inputs are rounded to BF16 at each GEMM (as
+//! transformers' BF16 run does). MLA runs in two forms: prefill expands the latent cache into
+//! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
+//! absorbed form over the latent cache.
+
+mod layers;
+mod load;
+mod session;
+
+use krasis_gpu::attn_decode::DecodeWorkspace;
+use krasis_gpu::kv_cache::{GpuKvCache, KvDtype};
+use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
+use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
+use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
+
+use self::layers::GpuLayer;
+pub use self::session::GpuSession;
+use crate::error::{ModelError, Result};
+use crate::generate::Decoder;
+use crate::sampling::Sampler;
+use crate::ModelSpec;
+
+/// `--device gpu` settings.
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    /// `--gpu N`.
+    pub ordinal: usize,
+    /// `--vram-budget BYTES|auto`.
+    pub vram_budget: VramBudgetSpec,
+    /// `--kv-dtype`.
+    pub kv_dtype: KvDtype,
+    /// `--attention-quant`: q/kv_a/o (and q_a/q_b) projections, GQA q/k/v/o.
+    pub attention_quant: LinearQuant,
+    /// `--shared-expert-quant`.
+    pub shared_expert_quant: LinearQuant,
+    /// `--dense-mlp-quant`: the dense (non-MoE) layers' MLP.
+    pub dense_mlp_quant: LinearQuant,
+    /// `--kv-b-proj-quant`: MLA's `kv_b_proj` as used by prefill (decode's absorbed form reads
+    /// the BF16 copy).
+    pub kv_b_proj_quant: LinearQuant,
+    /// `--lm-head-quant`.
+    pub lm_head_quant: LinearQuant,
+    /// KV capacity in tokens; `None`: what the budget leaves after the weights (minus
+    /// [`KV_RESERVE_BYTES`]), capped at the model's `max_position_embeddings`.
+    pub kv_tokens: Option<usize>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            ordinal: 0,
+            vram_budget: VramBudgetSpec::Auto,
+            kv_dtype: KvDtype::Bf16,
+            attention_quant: LinearQuant::Bf16,
+            shared_expert_quant: LinearQuant::Bf16,
+            dense_mlp_quant: LinearQuant::Bf16,
+            kv_b_proj_quant: LinearQuant::Bf16,
+            lm_head_quant: LinearQuant::Bf16,
+            kv_tokens: None,
+        }
+    }
+}
+
+/// VRAM left out of the KV cache when it is sized from the budget: activations and workspaces of
+/// a prefill chunk (a 10K-token MLA prefill of V2-Lite needs ≈ 1.3 GB of expanded K/V and scratch).
+pub const KV_RESERVE_BYTES: u64 = 2 << 30;
+
+/// Largest query count that runs attention in the decode form (absorbed MLA / split-KV GQA); more
+/// tokens take the flash prefill kernel. One: decode steps.
+const DECODE_MAX_TOKENS: usize = 1;
+
+/// A model loaded onto one GPU.
+pub struct GpuModel {
+    pub spec: ModelSpec,
+    dev: GpuDevice,
+    gemm: GemmContext,
+    embed: DeviceBuffer<u16>,
+    layers: Vec<GpuLayer>,
+    final_norm: DeviceBuffer<u16>,
+    lm_head: GpuLinear,
+    /// RoPE tables for positions `0..max_pos`, `[max_pos, rot_dim/2]`.
+    cos: DeviceBuffer<f32>,
+    sin: DeviceBuffer<f32>,
+    rope_half: usize,
+    rope_pairing: krasis_gpu::RopePairing,
+    max_pos: usize,
+    sampler: GpuSampler,
+    kv_dtype: KvDtype,
+    kv_tokens: usize,
+    /// Human-readable lines about what loading did.
+    pub log: Vec<String>,
+}
+
+impl GpuModel {
+    pub fn device(&self) -> &GpuDevice {
+        &self.dev
+    }
+
+    /// Tokens of KV cache each session holds.
+    pub fn kv_capacity(&self) -> usize {
+        self.kv_tokens
+    }
+
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        for (pos, &id) in tokens.iter().enumerate() {
+            if id as usize >= self.spec.vocab_size {
+                return Err(ModelError::TokenOutOfRange { id: id as u64, pos, vocab: self.spec.vocab_size });
+            }
+        }
+        Ok(())
+    }
+
+    /// A session with its own KV cache of [`GpuModel::kv_capacity`] tokens.
+    pub fn new_session(&self) -> Result<GpuSession> {
+        let (planes, row, group) = layers::kv_geometry(&self.spec);
+        let cache = GpuKvCache::new(
+            &self.dev,
+            self.kv_dtype,
+            self.spec.num_layers,
+            planes,
+            row,
+            group,
+            krasis_gpu::kv_cache::KvCapacity::Tokens(self.kv_tokens),
+        )?;
+        Ok(GpuSession::new(cache, DecodeWorkspace::new()))
+    }
+
+    /// Runs `tokens` after what `session` holds; the logits of the last position (or of every
+    /// position with `all`) stay on the device in `session`'s logits buffer, `[rows, vocab]`.
+    /// Returns the number of logit rows.
+    fn run(&self, s: &mut GpuSession, tokens: Option<&[u32]>, all: bool) -> Result<usize> {
+        let t = tokens.map_or(1, |t| t.len());
+        if t == 0 {
+            return Err(ModelError::Invalid("forward called with no tokens".into()));
+        }
+        let pos = s.position;
+        if pos + t > self.kv_tokens {
+            return Err(ModelError::Invalid(format!(
+                "context full: {pos} cached + {t} new tokens exceed the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
+                self.kv_tokens
+            )));
+        }
+        let h = self.spec.hidden_size;
+        let eps = self.spec.rms_norm_eps;
+        s.scratch.ensure(&self.dev, t, h)?;
+        if let Some(ids) = tokens {
+            let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+            self.dev.copy_to_device(&ids, &mut s.scratch.ids)?;
+        } else {
+            // The previous step's sampled id is already on the device.
+            s.scratch.copy_next_id_to_ids(&self.dev)?;
+        }
+        self.dev.iota_i32(&mut *s.scratch.positions, pos, t)?;
+        {
+            let sc = &mut s.scratch;
+            let ids = sc.ids.slice().slice(..t);
+            let mut x = sc.x.slice_mut().slice_mut(..t * h);
+            self.dev.embedding_gather_f32(&self.embed, self.spec.vocab_size, h, &ids, &mut x)?;
+        }
+        let ctx = layers::Ctx {
+            dev: &self.dev,
+            gemm: &self.gemm,
+            cos: &self.cos,
+            sin: &self.sin,
+            max_pos: self.max_pos,
+            rope_half: self.rope_half,
+            pairing: self.rope_pairing,
+            eps,
+            t,
+            pos,
+            decode: t <= DECODE_MAX_TOKENS,
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            layer.forward(&ctx, l, s, l > 0)?;
+        }
+        // Final norm (adding the last FFN output), then the LM head over the requested rows.
+        let sc = &mut s.scratch;
+        {
+            let mut x = sc.x.slice_mut().slice_mut(..t * h);
+            let y = sc.y.slice().slice(..t * h);
+            let mut xn = sc.xn.slice_mut().slice_mut(..t * h);
+            self.dev.rmsnorm_residual(&mut x, Some(&y), None, &self.final_norm, Some(&mut xn), None, h, eps)?;
+        }
+        let rows = if all { t } else { 1 };
+        let v = self.spec.vocab_size;
+        sc.ensure_logits(&self.dev, rows * v)?;
+        let first = t - rows;
+        let xn = sc.xn.slice().slice(first * h..t * h);
+        let mut logits = sc.logits.slice_mut().slice_mut(..rows * v);
+        self.lm_head.forward(&self.dev, &self.gemm, &xn, rows, &mut logits)?;
+        s.position += t;
+        Ok(rows)
+    }
+
+    /// Prefill/decode logits for tests: runs `tokens` and downloads the logits (`[t, vocab]` with
+    /// `all`, else the last row).
+    pub fn forward_logits(&self, s: &mut GpuSession, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
+        self.check_tokens(tokens)?;
+        let rows = self.run(s, Some(tokens), all)?;
+        let v = self.spec.vocab_size;
+        Ok(self.dev.download(&s.scratch.logits.slice().slice(..rows * v))?)
+    }
+}
+
+impl Decoder for GpuModel {
+    type Session = GpuSession;
+
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        GpuModel::check_tokens(self, tokens)
+    }
+
+    fn new_session(&self) -> Result<GpuSession> {
+        GpuModel::new_session(self)
+    }
+
+    fn step(
+        &self,
+        s: &mut GpuSession,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        record: bool,
+    ) -> Result<(u32, Option<Vec<f32>>)> {
+        self.check_tokens(tokens)?;
+        // A decode step whose token is the one just sampled reads it from the device.
+        let resident = tokens.len() == 1 && s.last_sampled == Some(tokens[0]);
+        let rows = self.run(s, if resident { None } else { Some(tokens) }, record)?;
+        let v = self.spec.vocab_size;
+        let p = sampler.params();
+        let u = sampler.next_uniform();
+        let params = match u {
+            None => GpuSamplingParams { temperature: 0.0, top_k: 1, top_p: 1.0 },
+            Some(_) => GpuSamplingParams { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p },
+        };
+        let logits = s.scratch.logits.slice().slice(..rows * v);
+        self.sampler.sample(&self.dev, &logits, rows - 1, params, u.unwrap_or(0.0), &mut *s.scratch.next_id)?;
+        let recorded = if record { Some(self.dev.download(&logits)?) } else { None };
+        let mut id = [0i32];
+        self.dev.download_into(&*s.scratch.next_id, &mut id)?;
+        let id = u32::try_from(id[0])
+            .ok()
+            .filter(|&i| (i as usize) < v)
+            .ok_or_else(|| ModelError::Invalid(format!("GPU sampler returned token id {} (vocab {v})", id[0])))?;
+        s.last_sampled = Some(id);
+        Ok((id, recorded))
+    }
+
+    fn host_syncs(&self) -> Option<u64> {
+        Some(self.dev.sync_counters().0)
+    }
+}

@@ -1,0 +1,122 @@
+//! One conversation on the GPU: its KV cache, the decode workspace and the activation buffers,
+//! which grow to the largest call seen and are then reused (decode steps allocate nothing).
+
+use krasis_gpu::attn_decode::DecodeWorkspace;
+use krasis_gpu::cudarc::driver::DeviceRepr;
+use krasis_gpu::kv_cache::GpuKvCache;
+use krasis_gpu::{DeviceBuffer, GpuDevice, GpuError};
+
+use crate::error::Result;
+
+/// A buffer that grows on demand.
+pub(crate) type Slot<T> = Option<DeviceBuffer<T>>;
+
+/// `slot` with room for at least `n` elements (reallocated, contents lost, when smaller).
+pub(crate) fn grow<'a, T: DeviceRepr>(
+    dev: &GpuDevice,
+    slot: &'a mut Slot<T>,
+    n: usize,
+    what: &str,
+) -> std::result::Result<&'a mut DeviceBuffer<T>, GpuError> {
+    if slot.as_ref().is_none_or(|b| b.len() < n) {
+        *slot = None; // release first so the budget sees the old charge go
+                      // SAFETY: scratch: every user writes the elements it reads in the same call.
+        *slot = Some(unsafe { dev.alloc_uninit::<T>(n.max(1), what)? });
+    }
+    Ok(slot.as_mut().expect("just allocated"))
+}
+
+/// Activation buffers of one session.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    pub tokens: usize,
+    pub ids: DeviceBufferOr<i32>,
+    pub positions: DeviceBufferOr<i32>,
+    pub next_id: DeviceBufferOr<i32>,
+    pub x: DeviceBufferOr<f32>,
+    pub xn: DeviceBufferOr<f32>,
+    pub y: DeviceBufferOr<f32>,
+    pub logits: DeviceBufferOr<f32>,
+    /// Per-layer temporaries (f32), named by their use in `layers.rs`.
+    pub f: [Slot<f32>; 8],
+    /// Per-layer temporaries (BF16).
+    pub b: [Slot<u16>; 4],
+    /// Router output.
+    pub route_ids: Slot<i32>,
+    pub route_w: Slot<f32>,
+}
+
+/// A device buffer that exists after the first [`Scratch::ensure`]. Deref panics before that,
+/// which would be a bug in this module, not an input error.
+pub(crate) struct DeviceBufferOr<T>(Slot<T>);
+
+impl<T> Default for DeviceBufferOr<T> {
+    fn default() -> Self {
+        DeviceBufferOr(None)
+    }
+}
+
+impl<T> std::ops::Deref for DeviceBufferOr<T> {
+    type Target = DeviceBuffer<T>;
+    fn deref(&self) -> &DeviceBuffer<T> {
+        self.0.as_ref().expect("scratch used before Scratch::ensure")
+    }
+}
+
+impl<T> std::ops::DerefMut for DeviceBufferOr<T> {
+    fn deref_mut(&mut self) -> &mut DeviceBuffer<T> {
+        self.0.as_mut().expect("scratch used before Scratch::ensure")
+    }
+}
+
+impl Scratch {
+    /// Room for a call of `t` tokens of `hidden`.
+    pub fn ensure(&mut self, dev: &GpuDevice, t: usize, hidden: usize) -> Result<()> {
+        grow(dev, &mut self.next_id.0, 1, "sampled token id")?;
+        if t > self.tokens || self.x.0.is_none() {
+            grow(dev, &mut self.ids.0, t, "token ids")?;
+            grow(dev, &mut self.positions.0, t, "positions")?;
+            grow(dev, &mut self.x.0, t * hidden, "residual stream")?;
+            grow(dev, &mut self.xn.0, t * hidden, "normed activations")?;
+            grow(dev, &mut self.y.0, t * hidden, "layer output")?;
+            self.tokens = t;
+        }
+        Ok(())
+    }
+
+    pub fn ensure_logits(&mut self, dev: &GpuDevice, n: usize) -> Result<()> {
+        grow(dev, &mut self.logits.0, n, "logits")?;
+        Ok(())
+    }
+
+    /// ids[0] = next_id[0], on the device (no host round trip).
+    pub fn copy_next_id_to_ids(&mut self, dev: &GpuDevice) -> Result<()> {
+        let src = self.next_id.slice().slice(..1);
+        let mut dst = self.ids.slice_mut().slice_mut(..1);
+        dev.copy_device(&src, &mut dst)?;
+        Ok(())
+    }
+}
+
+pub struct GpuSession {
+    pub(crate) kv: GpuKvCache,
+    pub(crate) ws: DecodeWorkspace,
+    pub(crate) scratch: Scratch,
+    pub(crate) position: usize,
+    /// The token the last step sampled (its id is still on the device).
+    pub(crate) last_sampled: Option<u32>,
+}
+
+impl GpuSession {
+    pub(crate) fn new(kv: GpuKvCache, ws: DecodeWorkspace) -> Self {
+        GpuSession { kv, ws, scratch: Scratch::default(), position: 0, last_sampled: None }
+    }
+
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.capacity() * self.kv.bytes_per_token()
+    }
+}
