@@ -48,6 +48,14 @@ pub struct Args {
     /// Bytes of distinct expert copies for --expert-gemv.
     #[arg(long, default_value_t = 2 << 30)]
     gemv_bytes: usize,
+    /// Only these ISAs for --expert-gemv (comma-separated: scalar,avx2,avx512; default all this
+    /// CPU has).
+    #[arg(long, value_delimiter = ',')]
+    gemv_isa: Vec<String>,
+    /// Pin the calling thread to worker 0's core during --expert-gemv (the engine does not; for
+    /// diagnosis).
+    #[arg(long)]
+    gemv_pin_caller: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -137,8 +145,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if a.expert_gemv {
         let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+        let _pin = if a.gemv_pin_caller { Some(pool.pin_caller()?) } else { None };
+        let mut isas = Isa::available();
+        if !a.gemv_isa.is_empty() {
+            let mut want = Vec::new();
+            for name in &a.gemv_isa {
+                match krasis_cpu::isa::parse_isa(name) {
+                    Some(i) => want.push(i),
+                    None => bail!("--gemv-isa: unknown ISA {name:?} (scalar, avx2, avx512)"),
+                }
+            }
+            isas.retain(|i| want.contains(i));
+        }
         let mut rows = Vec::new();
-        for isa in Isa::available() {
+        for isa in isas {
             for bits in [Bits::Int4, Bits::Int8] {
                 let (one, six) = expert_gemv(&pool, isa, bits, a.gemv_bytes)?;
                 if !a.json {
