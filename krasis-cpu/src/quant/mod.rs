@@ -204,6 +204,31 @@ pub fn prefetch_matrix_start(w: &[u8]) {
     let _ = w;
 }
 
+/// Issue the prefetches for the first `distance` bytes of `w` at once. The kernels prefetch
+/// `distance` ahead of the line they read, so without this the start of each range arrives one
+/// demand miss at a time; a pool task covers only ~20–300 KiB, so its first 4 KiB matter.
+pub fn prefetch_burst(w: &[u8], pf: Prefetch) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
+        let n = w.len().min(pf.distance_if_on());
+        for off in (0..n).step_by(64) {
+            let p = w[off..].as_ptr() as *const i8;
+            // SAFETY: prefetch never faults; the address is inside `w`.
+            unsafe {
+                match pf.hint {
+                    PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(p),
+                    PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(p),
+                    PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(p),
+                    PrefetchHint::None => {}
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (w, pf);
+}
+
 /// Prefetch all of `w` into L2 (`prefetcht1`, one per 64-byte line): for a thread that has to
 /// wait before it can compute on `w`, so the wait still moves its bytes from DRAM.
 pub fn prefetch_l2(w: &[u8]) {
@@ -305,6 +330,10 @@ pub fn matmul_packed_with(
         return;
     }
     assert!(isa_supported(isa), "matmul_packed: this CPU cannot run {}", isa.name());
+    if isa != Isa::Scalar {
+        let bb = l.block_bytes();
+        prefetch_burst(&w[blocks.start * bb..blocks.end * bb], prefetch);
+    }
     match isa {
         Isa::Scalar => scalar::matmul(w, l, acts, blocks, out),
         // SAFETY: the CPU has the features (checked above); shapes checked above.
