@@ -24,26 +24,27 @@ use crate::quant::{
 };
 use krasis_quant::group::MAX_GROUP_SIZE;
 
-/// Tasks per worker a dispatch aims for: fewer leaves workers idle in the last round (one V2-Lite
-/// expert's w13 in 4-pair tasks kept 16 workers only 69 % busy, measured), more pays the atomic
-/// claim per task for nothing.
-const TASKS_PER_WORKER: usize = 4;
+/// Tasks per worker each phase of a [`PoolExperts`] dispatch aims for. Measured on the 16-core
+/// Xeon with the one-dispatch runner (2026-11-21): one V2-Lite INT4 expert per dispatch
+/// 123 GB/s at 2 against 101–109 at 4 (every task start begins a fresh DRAM stream), top-6 the
+/// same at 2, 3 and 4; the older two-dispatch runner had been worse at 1 (idle workers in the
+/// last round).
+const TASKS_PER_WORKER: usize = 2;
 
-/// [`TASKS_PER_WORKER`], or `KRASIS_TASKS_PER_WORKER` (read once; a tuning knob).
-fn tasks_per_worker() -> usize {
-    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *T.get_or_init(|| {
-        std::env::var("KRASIS_TASKS_PER_WORKER")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&t| t > 0)
-            .unwrap_or(TASKS_PER_WORKER)
-    })
+/// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
+/// the atomic claim per task for nothing; not re-measured with the expert runner's change).
+const MATMUL_TASKS_PER_WORKER: usize = 4;
+
+/// `KRASIS_TASKS_PER_WORKER`, if set (read once; a tuning knob for both runners).
+fn tasks_per_worker_env() -> Option<usize> {
+    static T: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var("KRASIS_TASKS_PER_WORKER").ok().and_then(|v| v.parse().ok()).filter(|&t| t > 0))
 }
 
-/// Units (row blocks or block pairs) per task for `total` units over `workers`.
+/// Units (row blocks) per [`PoolMatmul`] task for `total` units over `workers`.
 fn units_per_task(total: usize, workers: usize) -> usize {
-    total.div_ceil(tasks_per_worker() * workers.max(1)).max(1)
+    let t = tasks_per_worker_env().unwrap_or(MATMUL_TASKS_PER_WORKER);
+    total.div_ceil(t * workers.max(1)).max(1)
 }
 
 /// Quantise `x[m, k]` as `2m` INT8 rows: row `2i` is `x_i` quantised, row `2i+1` the residual
@@ -207,26 +208,44 @@ pub struct ExpertWeights<'a> {
 /// One task of [`PoolExperts::run`]'s dispatch.
 #[derive(Clone, Copy, Debug)]
 enum Task {
-    /// w13 block pairs `p0..p1` of job `e`: SiLU(gate)·up into `mid[e]`, and quantisation of
-    /// every w2 group of `mid[e]` this task completes.
+    /// Groups `g0..g1` (along the hidden size) of activation set `a`: its tokens' rows of `x`,
+    /// quantised as [`quantize_acts_split`] does.
+    X { a: usize, g0: usize, g1: usize },
+    /// w13 block pairs `p0..p1` of job `e`, once its activation set is quantised:
+    /// SiLU(gate)·up into `mid[e]`, and quantisation of every w2 group of `mid[e]` this task
+    /// completes.
     W13 { e: usize, p0: usize, p1: usize },
     /// w2 row blocks `b0..b1` of job `e` into `y[e]`, once all of `mid[e]` is quantised.
     W2 { e: usize, b0: usize, b1: usize },
 }
 
-/// Raw views of one job's step buffers, for disjoint writes (and reads after the writes, ordered
-/// by the progress counters) from pool tasks.
+/// Raw view of a [`QuantizedActs`]' buffers (`[rows, k]` i8, `[rows, groups]` scales and sums),
+/// for disjoint writes from pool tasks (and reads after the writes, ordered by the progress
+/// counters).
 #[derive(Clone, Copy)]
-struct JobBufs {
-    /// `[m, inter]` f32 intermediate.
-    mid: *mut f32,
-    /// Quantised intermediate: `[split·m, inter]` i8, `[split·m, groups]` scales and sums.
+struct ActBufs {
     q: *mut i8,
     scales: *mut f32,
     sums: *mut i32,
 }
 // SAFETY: every task writes a disjoint set of elements, and reads only what the progress
 // counters say is complete (argued at each use).
+unsafe impl Send for ActBufs {}
+unsafe impl Sync for ActBufs {}
+
+impl ActBufs {
+    fn of(a: &mut QuantizedActs) -> ActBufs {
+        ActBufs { q: a.q.as_mut_ptr(), scales: a.scales.as_mut_ptr(), sums: a.sums.as_mut_ptr() }
+    }
+}
+
+/// Raw views of one job's step buffers: the `[m, inter]` f32 intermediate and its quantisation.
+#[derive(Clone, Copy)]
+struct JobBufs {
+    mid: *mut f32,
+    acts: ActBufs,
+}
+// SAFETY: as for ActBufs.
 unsafe impl Send for JobBufs {}
 unsafe impl Sync for JobBufs {}
 
@@ -237,13 +256,16 @@ struct StepScratch {
     acts: Vec<QuantizedActs>,
     /// Index into `acts` of each job.
     acts_of: Vec<usize>,
+    /// Per activation set: the first job that uses it (its token list gives the rows).
+    act_src: Vec<usize>,
+    /// Per activation set: hidden-size groups quantised so far.
+    x_ready: Vec<AtomicUsize>,
+    xbufs: Vec<ActBufs>,
     mid: Vec<Vec<f32>>,
     mid_acts: Vec<QuantizedActs>,
     y: Vec<Vec<f32>>,
-    rows: Vec<f32>,
-    /// One group's residual for [`quantize_acts_split`].
-    split_tmp: Vec<f32>,
-    /// Per node: its task list (all w13 tasks of the node's jobs, then all their w2 tasks).
+    /// Per node: its task list (the activation sets its jobs introduce, then all w13 tasks of
+    /// the node's jobs, then all their w2 tasks).
     tasks: Vec<Vec<Task>>,
     counts: Vec<usize>,
     /// Per (job, w2 group): intermediate columns of the group computed so far.
@@ -287,6 +309,9 @@ impl Drop for FailOnUnwind<'_> {
 /// task (more workers than free cores) gets its core back quickly.
 const SPINS_PER_YIELD: u32 = 64;
 
+/// Bytes of its weights a w13 task pulls towards L2 while it waits for its activations.
+const X_WAIT_PREFETCH: usize = 16 << 10;
+
 /// Wait until `ready` reaches `want`; before spinning, pull `upcoming` (the weights the waiter
 /// reads next) towards L2 so the wait still streams memory. Panics if `failed` is set.
 fn wait_ready(ready: &AtomicUsize, want: usize, failed: &AtomicBool, upcoming: &[u8]) {
@@ -297,7 +322,7 @@ fn wait_ready(ready: &AtomicUsize, want: usize, failed: &AtomicBool, upcoming: &
     let mut spins = 0u32;
     while ready.load(Ordering::Acquire) < want {
         if failed.load(Ordering::Acquire) {
-            panic!("PoolExperts: a w13 task of this expert failed");
+            panic!("PoolExperts: a task this one depends on failed");
         }
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
@@ -314,7 +339,7 @@ impl PoolExperts {
         PoolExperts {
             w13_layout,
             w2_layout,
-            tasks_per_worker: tasks_per_worker(),
+            tasks_per_worker: tasks_per_worker_env().unwrap_or(TASKS_PER_WORKER),
             scratch: WorkerScratch::new(pool.threads()),
             step: Mutex::new(StepScratch::default()),
         }
@@ -340,17 +365,29 @@ impl PoolExperts {
         total.div_ceil(self.tasks_per_worker * workers.max(1)).max(1)
     }
 
-    /// Task lists per node: every job's w13 tasks, then every job's w2 tasks. A w2 task waits
-    /// for its job's w13 tasks, which sit earlier in the same node's list: by the time a worker
-    /// claims it, each of them has been claimed by a worker that is running it, so waits end.
+    /// Task lists per node: the activation quantisation tasks, every job's w13 tasks, then
+    /// every job's w2 tasks. A task waits only for tasks that sit earlier in a node's list (a w2
+    /// task for its job's w13 tasks, on the same node; a w13 task for its activation set, on the
+    /// node of the set's first job): by the time a worker claims it, each of those has been
+    /// claimed by a worker that is running it, or sits ahead in another node's list, whose
+    /// workers claim in order and never wait on later tasks; so waits end.
     fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], nodes: usize, workers: usize) {
         let pairs = self.w13_layout.row_blocks() / 2;
         let nb2 = self.w2_layout.row_blocks();
+        let ng13 = self.w13_layout.groups();
         let n = jobs.len();
         let per13 = self.units_per_task(pairs * n, workers);
         let per2 = self.units_per_task(nb2 * n, workers);
+        // Activation groups: one round over the workers (tiny tasks; decode has 16 groups).
+        let perx = ng13.div_ceil(workers.max(1)).max(1);
         step.tasks.resize_with(nodes, Vec::new);
         step.tasks.iter_mut().for_each(Vec::clear);
+        for (a, &e) in step.act_src.iter().enumerate() {
+            let node = jobs[e].weights.node.min(nodes - 1);
+            for g0 in (0..ng13).step_by(perx) {
+                step.tasks[node].push(Task::X { a, g0, g1: (g0 + perx).min(ng13) });
+            }
+        }
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
             for p0 in (0..pairs).step_by(per13) {
@@ -369,8 +406,9 @@ impl PoolExperts {
 
     /// `out[t, hidden] += Σ_jobs w · expert(x[t])` for each job's tokens. `x` is `[t, hidden]`.
     ///
-    /// One pool dispatch per call: w13 tasks write SiLU(gate)·up into the job's intermediate and
-    /// count the columns they finish per w2 group; the task that completes a group quantises it
+    /// One pool dispatch per call: tiny tasks quantise each distinct token list's rows of `x`
+    /// (by groups, in parallel); w13 tasks wait for theirs, write SiLU(gate)·up into the job's
+    /// intermediate and count the columns they finish per w2 group; the task that completes a group quantises it
     /// (value + residual rows, as [`quantize_acts_split`]); w2 tasks start once their job's
     /// groups are all quantised. The numbers are those of the phase-by-phase composition
     /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
@@ -387,10 +425,19 @@ impl PoolExperts {
         step.mid.resize_with(n, Vec::new);
         step.mid_acts.resize_with(n, QuantizedActs::new);
         step.y.resize_with(n, Vec::new);
-        // Activations: quantised once per distinct token list (in decode every expert of the
-        // token shares one), gathered rows for a list of several tokens.
+        for job in jobs {
+            for &(tok, _) in job.tokens {
+                assert!(
+                    (tok + 1) * hidden <= x.len(),
+                    "token {tok} is outside x ({} floats of width {hidden})",
+                    x.len()
+                );
+            }
+        }
+        // Activations: one set per distinct token list (in decode every expert of the token
+        // shares one), quantised inside the dispatch.
         step.acts_of.clear();
-        let mut distinct = 0;
+        step.act_src.clear();
         for (e, job) in jobs.iter().enumerate() {
             let same = (0..e).find(|&j| {
                 jobs[j].tokens.len() == job.tokens.len()
@@ -399,17 +446,13 @@ impl PoolExperts {
             if let Some(j) = same {
                 step.acts_of.push(step.acts_of[j]);
             } else {
-                step.acts_of.push(distinct);
-                if step.acts.len() <= distinct {
+                let a = step.act_src.len();
+                step.acts_of.push(a);
+                step.act_src.push(e);
+                if step.acts.len() <= a {
                     step.acts.push(QuantizedActs::new());
                 }
-                step.rows.clear();
-                for &(tok, _) in job.tokens {
-                    step.rows.extend_from_slice(&x[tok * hidden..(tok + 1) * hidden]);
-                }
-                let m = job.tokens.len();
-                quantize_acts_split(&step.rows, m, hidden, l13.gs, &mut step.split_tmp, &mut step.acts[distinct]);
-                distinct += 1;
+                shape_acts(&mut step.acts[a], split * job.tokens.len(), hidden, l13.gs);
             }
             let m = job.tokens.len();
             step.mid[e].resize(m * inter, 0.0);
@@ -420,26 +463,55 @@ impl PoolExperts {
         step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         step.groups_ready.resize_with(n, AtomicUsize::default);
         step.groups_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        let sets = step.act_src.len();
+        step.x_ready.resize_with(sets, AtomicUsize::default);
+        step.x_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        step.xbufs.clear();
+        for a in 0..sets {
+            step.xbufs.push(ActBufs::of(&mut step.acts[a]));
+        }
         self.plan(step, jobs, pool.nodes(), pool.threads());
 
         step.bufs.clear();
         step.ys.clear();
         for e in 0..n {
-            step.bufs.push(JobBufs {
-                mid: step.mid[e].as_mut_ptr(),
-                q: step.mid_acts[e].q.as_mut_ptr(),
-                scales: step.mid_acts[e].scales.as_mut_ptr(),
-                sums: step.mid_acts[e].sums.as_mut_ptr(),
-            });
+            step.bufs.push(JobBufs { mid: step.mid[e].as_mut_ptr(), acts: ActBufs::of(&mut step.mid_acts[e]) });
             step.ys.push(OutPtr(step.y[e].as_mut_ptr()));
         }
         let failed = AtomicBool::new(false);
         let (tasks, acts, acts_of, mid_acts) = (&step.tasks, &step.acts, &step.acts_of, &step.mid_acts);
         let (cols_done, groups_ready, bufs, ys) = (&step.cols_done, &step.groups_ready, &step.bufs, &step.ys);
+        let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
+        let ng13 = l13.groups();
         pool.run_on_nodes(&step.counts, &|node, t, ctx| {
             let _flag = FailOnUnwind(&failed);
             match tasks[node][t] {
+                Task::X { a, g0, g1 } => {
+                    let toks = jobs[act_src[a]].tokens;
+                    for g in g0..g1 {
+                        // SAFETY: tokens are inside x (checked above); group g of set a's rows
+                        // is written only by this task, and read by w13 tasks only after the
+                        // release below.
+                        unsafe {
+                            quantize_rows_group(
+                                |i| x[toks[i].0 * hidden..].as_ptr(),
+                                toks.len(),
+                                xbufs[a],
+                                hidden,
+                                l13.gs,
+                                g,
+                                split,
+                            )
+                        };
+                    }
+                    x_ready[a].fetch_add(g1 - g0, Ordering::Release);
+                }
                 Task::W13 { e, p0, p1 } => {
+                    let w13 = jobs[e].weights.w13;
+                    let bb = l13.block_bytes();
+                    let start = (2 * p0 * bb).min(w13.len());
+                    let upcoming = &w13[start..(start + X_WAIT_PREFETCH).min(2 * p1 * bb).min(w13.len())];
+                    wait_ready(&x_ready[acts_of[e]], ng13, &failed, upcoming);
                     let a = &acts[acts_of[e]];
                     let m = a.m / split;
                     let cols13 = (p1 - p0) * 2 * ROW_BLOCK;
@@ -447,7 +519,7 @@ impl PoolExperts {
                     let b = bufs[e];
                     self.scratch.with(ctx.worker, split * m * cols13 + m * cols, |tmp| {
                         let (h13, act) = tmp.split_at_mut(split * m * cols13);
-                        matmul_packed(isa, jobs[e].weights.w13, l13, a, 2 * p0..2 * p1, h13);
+                        matmul_packed(isa, w13, l13, a, 2 * p0..2 * p1, h13);
                         sum_split_rows(h13, m, cols13);
                         silu_mul_w13(&h13[..m * cols13], m, act);
                         for i in 0..m {
@@ -464,7 +536,7 @@ impl PoolExperts {
                             // SAFETY: all columns of group g are written (counter above) and no
                             // task writes them again; group g of the quantised rows is written
                             // only here, and read by w2 tasks only after the release below.
-                            unsafe { quantize_mid_group(b, m, inter, gs2, ng2, g, split) };
+                            unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
                             groups_ready[e].fetch_add(1, Ordering::Release);
                         }
                     }
@@ -501,29 +573,39 @@ impl PoolExperts {
     }
 }
 
-/// Quantise group `g` of every row of a job's intermediate (`m` rows of `inter`) into its
-/// quantised rows, as [`quantize_acts_split`] does for the whole matrix.
+/// Quantise group `g` of `m` rows of width `k` into `dst` (rows `split·i` and, when split,
+/// `2i+1`), as [`quantize_acts_split`] / [`quantize_acts`] do; `row(i)` points at row `i`.
 ///
 /// # Safety
-/// The group's intermediate columns must be complete and visible to this thread, and no other
-/// thread may access group `g` of the quantised rows meanwhile.
-unsafe fn quantize_mid_group(b: JobBufs, m: usize, inter: usize, gs: usize, ng: usize, g: usize, split: usize) {
+/// `row(i)` must point at `k` readable floats whose group `g` is complete and visible to this
+/// thread; `dst` must hold `split·m` rows of `k` (and their groups), and no other thread may
+/// access group `g` of those rows meanwhile.
+unsafe fn quantize_rows_group(
+    row: impl Fn(usize) -> *const f32,
+    m: usize,
+    dst: ActBufs,
+    k: usize,
+    gs: usize,
+    g: usize,
+    split: usize,
+) {
+    let ng = k / gs;
     let mut resid = [0f32; MAX_GROUP_SIZE];
     for i in 0..m {
-        let xg = std::slice::from_raw_parts(b.mid.add(i * inter + g * gs), gs);
+        let xg = std::slice::from_raw_parts(row(i).add(g * gs), gs);
         if split == 1 {
-            let q = std::slice::from_raw_parts_mut(b.q.add(i * inter + g * gs), gs);
+            let q = std::slice::from_raw_parts_mut(dst.q.add(i * k + g * gs), gs);
             let (s, sum) = quantize_group(xg, q);
-            *b.scales.add(i * ng + g) = s;
-            *b.sums.add(i * ng + g) = sum;
+            *dst.scales.add(i * ng + g) = s;
+            *dst.sums.add(i * ng + g) = sum;
         } else {
-            let hi = std::slice::from_raw_parts_mut(b.q.add(2 * i * inter + g * gs), gs);
-            let lo = std::slice::from_raw_parts_mut(b.q.add((2 * i + 1) * inter + g * gs), gs);
+            let hi = std::slice::from_raw_parts_mut(dst.q.add(2 * i * k + g * gs), gs);
+            let lo = std::slice::from_raw_parts_mut(dst.q.add((2 * i + 1) * k + g * gs), gs);
             let [(s0, c0), (s1, c1)] = quantize_group_split(xg, hi, lo, &mut resid[..gs]);
-            *b.scales.add(2 * i * ng + g) = s0;
-            *b.sums.add(2 * i * ng + g) = c0;
-            *b.scales.add((2 * i + 1) * ng + g) = s1;
-            *b.sums.add((2 * i + 1) * ng + g) = c1;
+            *dst.scales.add(2 * i * ng + g) = s0;
+            *dst.sums.add(2 * i * ng + g) = c0;
+            *dst.scales.add((2 * i + 1) * ng + g) = s1;
+            *dst.sums.add((2 * i + 1) * ng + g) = c1;
         }
     }
 }
