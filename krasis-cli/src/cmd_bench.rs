@@ -48,6 +48,14 @@ pub struct Args {
     /// Bytes of distinct expert copies for --expert-gemv.
     #[arg(long, default_value_t = 2 << 30)]
     gemv_bytes: usize,
+    /// Only these ISAs for --expert-gemv (comma-separated: scalar,avx2,avx512; default all this
+    /// CPU has).
+    #[arg(long, value_delimiter = ',')]
+    gemv_isa: Vec<String>,
+    /// Pin the calling thread to worker 0's core during --expert-gemv (the engine does not; for
+    /// diagnosis).
+    #[arg(long)]
+    gemv_pin_caller: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -85,7 +93,8 @@ fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
 /// pair, and the top-6 of a token per dispatch pair.
-fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow::Result<(f64, f64)> {
+/// Also returns the bytes of one expert.
+fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow::Result<(f64, f64, usize)> {
     let (w13, l13, w2, l2) = packed_expert(bits);
     let rec = w13.len() + w2.len();
     let n = (total / rec).max(8);
@@ -121,7 +130,7 @@ fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow:
     };
     let one = time(1);
     let six = time(6);
-    Ok((one, six))
+    Ok((one, six, rec))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -166,17 +175,32 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if a.expert_gemv {
         let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+        let _pin = if a.gemv_pin_caller { Some(pool.pin_caller()?) } else { None };
+        let mut isas = Isa::available();
+        if !a.gemv_isa.is_empty() {
+            let mut want = Vec::new();
+            for name in &a.gemv_isa {
+                match krasis_cpu::isa::parse_isa(name) {
+                    Some(i) => want.push(i),
+                    None => bail!("--gemv-isa: unknown ISA {name:?} (scalar, avx2, avx512)"),
+                }
+            }
+            isas.retain(|i| want.contains(i));
+        }
         let mut rows = Vec::new();
-        for isa in Isa::available() {
+        for isa in isas {
             for bits in [Bits::Int4, Bits::Int8] {
-                let (one, six) = expert_gemv(&pool, isa, bits, a.gemv_bytes)?;
+                let (one, six, rec) = expert_gemv(&pool, isa, bits, a.gemv_bytes)?;
+                let us = |gbps: f64, experts: usize| (rec * experts) as f64 / gbps / 1e3;
                 if !a.json {
                     println!(
-                        "expert GEMV M=1 {:<6} int{}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw), {six:6.1} GB/s top-6 per dispatch ({:.0}%)",
+                        "expert GEMV M=1 {:<6} int{}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw, {:.1} µs), {six:6.1} GB/s top-6 per dispatch ({:.0}%, {:.1} µs)",
                         isa.name(),
                         bits.bits(),
                         100.0 * one / bw.gb_per_s,
-                        100.0 * six / bw.gb_per_s
+                        us(one, 1),
+                        100.0 * six / bw.gb_per_s,
+                        us(six, 6)
                     );
                 }
                 rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "one_expert_gb_per_s": one,

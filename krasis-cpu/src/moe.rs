@@ -2,9 +2,10 @@
 //! inside each matrix (by row blocks) and across experts, and each expert's tasks run on the
 //! workers of the NUMA node that holds its weights.
 //!
-//! One decode step of a MoE layer is two dispatches: all experts' w13 row-block pairs (each task
-//! applies SiLU(gate)·up to its own pairs), then all experts' w2 row blocks. Between them the
-//! caller thread quantises each expert's intermediate activation once.
+//! One decode step of a MoE layer is one dispatch: all experts' w13 row-block pairs (each task
+//! applies SiLU(gate)·up to its own pairs; the task that completes a group of the intermediate
+//! quantises it), then all experts' w2 row blocks, each waiting only for its own expert's
+//! intermediate (see [`PoolExperts::run`]). No serial step and no second wake-up between them.
 //!
 //! Activations enter the integer kernels as two INT8 rows per token ([`quantize_acts_split`]):
 //! the INT8 quantisation and its INT8-quantised residual. Their outputs add up to the product with
@@ -13,34 +14,37 @@
 //! weight chunk to both rows while it is in registers, so the weight stream (the decode bound) is
 //! unchanged; the integer work doubles.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::isa::Isa;
 use crate::pool::WorkerPool;
 use crate::quant::{
-    matmul_packed, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
+    matmul_packed, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
 };
+use krasis_quant::group::MAX_GROUP_SIZE;
 
-/// Tasks per worker a dispatch aims for: fewer leaves workers idle in the last round (one V2-Lite
-/// expert's w13 in 4-pair tasks kept 16 workers only 69 % busy, measured), more pays the atomic
-/// claim per task for nothing.
-const TASKS_PER_WORKER: usize = 4;
+/// Tasks per worker each phase of a [`PoolExperts`] dispatch aims for. Measured on the 16-core
+/// Xeon with the one-dispatch runner (2026-11-21): one V2-Lite INT4 expert per dispatch
+/// 123 GB/s at 2 against 101–109 at 4 (every task start begins a fresh DRAM stream), top-6 the
+/// same at 2, 3 and 4; the older two-dispatch runner had been worse at 1 (idle workers in the
+/// last round).
+const TASKS_PER_WORKER: usize = 2;
 
-/// [`TASKS_PER_WORKER`], or `KRASIS_TASKS_PER_WORKER` (read once; a tuning knob).
-fn tasks_per_worker() -> usize {
-    static T: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *T.get_or_init(|| {
-        std::env::var("KRASIS_TASKS_PER_WORKER")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&t| t > 0)
-            .unwrap_or(TASKS_PER_WORKER)
-    })
+/// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
+/// the atomic claim per task for nothing; not re-measured with the expert runner's change).
+const MATMUL_TASKS_PER_WORKER: usize = 4;
+
+/// `KRASIS_TASKS_PER_WORKER`, if set (read once; a tuning knob for both runners).
+fn tasks_per_worker_env() -> Option<usize> {
+    static T: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var("KRASIS_TASKS_PER_WORKER").ok().and_then(|v| v.parse().ok()).filter(|&t| t > 0))
 }
 
-/// Units (row blocks or block pairs) per task for `total` units over `workers`.
+/// Units (row blocks) per [`PoolMatmul`] task for `total` units over `workers`.
 fn units_per_task(total: usize, workers: usize) -> usize {
-    total.div_ceil(tasks_per_worker() * workers.max(1)).max(1)
+    let t = tasks_per_worker_env().unwrap_or(MATMUL_TASKS_PER_WORKER);
+    total.div_ceil(t * workers.max(1)).max(1)
 }
 
 /// Quantise `x[m, k]` as `2m` INT8 rows: row `2i` is `x_i` quantised, row `2i+1` the residual
@@ -55,29 +59,41 @@ pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, resid: &mut
     }
     assert!(gs > 0 && k.is_multiple_of(gs), "quantize_acts_split: group size {gs} does not divide K = {k}");
     let ng = k / gs;
-    out.m = 2 * m;
-    out.k = k;
-    out.gs = gs;
-    out.q.resize(2 * m * k, 0);
-    out.scales.resize(2 * m * ng, 0.0);
-    out.sums.resize(2 * m * ng, 0);
+    shape_acts(out, 2 * m, k, gs);
     resid.resize(gs, 0.0);
     for i in 0..m {
         let (hi_q, lo_q) = out.q[2 * i * k..(2 * i + 2) * k].split_at_mut(k);
         for g in 0..ng {
             let xg = &x[i * k + g * gs..i * k + (g + 1) * gs];
-            let qg = &mut hi_q[g * gs..(g + 1) * gs];
-            let (s, sum) = quantize_group(xg, qg);
-            out.scales[2 * i * ng + g] = s;
-            out.sums[2 * i * ng + g] = sum;
-            for ((r, &v), &q) in resid.iter_mut().zip(xg).zip(qg.iter()) {
-                *r = v - q as f32 * s;
-            }
-            let (s, sum) = quantize_group(resid, &mut lo_q[g * gs..(g + 1) * gs]);
-            out.scales[(2 * i + 1) * ng + g] = s;
-            out.sums[(2 * i + 1) * ng + g] = sum;
+            let [(s0, c0), (s1, c1)] =
+                quantize_group_split(xg, &mut hi_q[g * gs..(g + 1) * gs], &mut lo_q[g * gs..(g + 1) * gs], resid);
+            out.scales[2 * i * ng + g] = s0;
+            out.sums[2 * i * ng + g] = c0;
+            out.scales[(2 * i + 1) * ng + g] = s1;
+            out.sums[(2 * i + 1) * ng + g] = c1;
         }
     }
+}
+
+/// One group of [`quantize_acts_split`]: `xg` into `hi` (value) and `lo` (residual), with
+/// `resid` (the group's length) as scratch; returns (scale, Σq) of each.
+fn quantize_group_split(xg: &[f32], hi: &mut [i8], lo: &mut [i8], resid: &mut [f32]) -> [(f32, i32); 2] {
+    let (s, sum) = quantize_group(xg, hi);
+    for ((r, &v), &q) in resid.iter_mut().zip(xg).zip(hi.iter()) {
+        *r = v - q as f32 * s;
+    }
+    [(s, sum), quantize_group(resid, lo)]
+}
+
+/// Size `a` for `m` rows of `k` in groups of `gs` (contents left as they were).
+fn shape_acts(a: &mut QuantizedActs, m: usize, k: usize, gs: usize) {
+    let ng = k / gs;
+    a.m = m;
+    a.k = k;
+    a.gs = gs;
+    a.q.resize(m * k, 0);
+    a.scales.resize(m * ng, 0.0);
+    a.sums.resize(m * ng, 0);
 }
 
 /// INT8 rows per token: 2 (value + residual, the default) or 1 with `KRASIS_ACT_SPLIT=0`, which
@@ -189,25 +205,83 @@ pub struct ExpertWeights<'a> {
     pub node: usize,
 }
 
+/// One task of [`PoolExperts::run`]'s dispatch.
+#[derive(Clone, Copy, Debug)]
+enum Task {
+    /// Groups `g0..g1` (along the hidden size) of activation set `a`: its tokens' rows of `x`,
+    /// quantised as [`quantize_acts_split`] does.
+    X { a: usize, g0: usize, g1: usize },
+    /// w13 block pairs `p0..p1` of job `e`, once its activation set is quantised:
+    /// SiLU(gate)·up into `mid[e]`, and quantisation of every w2 group of `mid[e]` this task
+    /// completes.
+    W13 { e: usize, p0: usize, p1: usize },
+    /// w2 row blocks `b0..b1` of job `e` into `y[e]`, once all of `mid[e]` is quantised.
+    W2 { e: usize, b0: usize, b1: usize },
+}
+
+/// Raw view of a [`QuantizedActs`]' buffers (`[rows, k]` i8, `[rows, groups]` scales and sums),
+/// for disjoint writes from pool tasks (and reads after the writes, ordered by the progress
+/// counters).
+#[derive(Clone, Copy)]
+struct ActBufs {
+    q: *mut i8,
+    scales: *mut f32,
+    sums: *mut i32,
+}
+// SAFETY: every task writes a disjoint set of elements, and reads only what the progress
+// counters say is complete (argued at each use).
+unsafe impl Send for ActBufs {}
+unsafe impl Sync for ActBufs {}
+
+impl ActBufs {
+    fn of(a: &mut QuantizedActs) -> ActBufs {
+        ActBufs { q: a.q.as_mut_ptr(), scales: a.scales.as_mut_ptr(), sums: a.sums.as_mut_ptr() }
+    }
+}
+
+/// Raw views of one job's step buffers: the `[m, inter]` f32 intermediate and its quantisation.
+#[derive(Clone, Copy)]
+struct JobBufs {
+    mid: *mut f32,
+    acts: ActBufs,
+}
+// SAFETY: as for ActBufs.
+unsafe impl Send for JobBufs {}
+unsafe impl Sync for JobBufs {}
+
 /// Reusable buffers of [`PoolExperts::run`] (grow once, then no allocation per step).
 #[derive(Default)]
 struct StepScratch {
+    /// Quantised activations, one per distinct token list (decode: one for all experts).
     acts: Vec<QuantizedActs>,
+    /// Index into `acts` of each job.
+    acts_of: Vec<usize>,
+    /// Per activation set: the first job that uses it (its token list gives the rows).
+    act_src: Vec<usize>,
+    /// Per activation set: hidden-size groups quantised so far.
+    x_ready: Vec<AtomicUsize>,
+    xbufs: Vec<ActBufs>,
     mid: Vec<Vec<f32>>,
     mid_acts: Vec<QuantizedActs>,
     y: Vec<Vec<f32>>,
-    rows: Vec<f32>,
-    /// One group's residual for [`quantize_acts_split`].
-    split_tmp: Vec<f32>,
-    /// Per node: (expert slot, first unit, end unit) task list.
-    tasks: Vec<Vec<(usize, usize, usize)>>,
+    /// Per node: its task list (the activation sets its jobs introduce, then all w13 tasks of
+    /// the node's jobs, then all their w2 tasks).
+    tasks: Vec<Vec<Task>>,
     counts: Vec<usize>,
+    /// Per (job, w2 group): intermediate columns of the group computed so far.
+    cols_done: Vec<AtomicUsize>,
+    /// Per job: w2 groups of its intermediate quantised so far.
+    groups_ready: Vec<AtomicUsize>,
+    /// Per job: raw views of `mid`/`mid_acts` and of `y`, for the tasks.
+    bufs: Vec<JobBufs>,
+    ys: Vec<OutPtr>,
 }
 
 /// Runs the routed experts of one layer over the pool.
 pub struct PoolExperts {
     w13_layout: PackedLayout,
     w2_layout: PackedLayout,
+    tasks_per_worker: usize,
     scratch: WorkerScratch,
     step: Mutex<StepScratch>,
 }
@@ -219,6 +293,45 @@ pub struct ExpertJob<'a> {
     pub tokens: &'a [(usize, f32)],
 }
 
+/// Sets the flag if dropped while unwinding (a task panicked), so waiters stop waiting for work
+/// that will never complete.
+struct FailOnUnwind<'a>(&'a AtomicBool);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Spins between `sched_yield`s while a w2 task waits for its intermediate: a preempted w13
+/// task (more workers than free cores) gets its core back quickly.
+const SPINS_PER_YIELD: u32 = 64;
+
+/// Bytes of its weights a w13 task pulls towards L2 while it waits for its activations.
+const X_WAIT_PREFETCH: usize = 16 << 10;
+
+/// Wait until `ready` reaches `want`; before spinning, pull `upcoming` (the weights the waiter
+/// reads next) towards L2 so the wait still streams memory. Panics if `failed` is set.
+fn wait_ready(ready: &AtomicUsize, want: usize, failed: &AtomicBool, upcoming: &[u8]) {
+    if ready.load(Ordering::Acquire) >= want {
+        return;
+    }
+    prefetch_l2(upcoming);
+    let mut spins = 0u32;
+    while ready.load(Ordering::Acquire) < want {
+        if failed.load(Ordering::Acquire) {
+            panic!("PoolExperts: a task this one depends on failed");
+        }
+        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(SPINS_PER_YIELD) {
+            std::thread::yield_now();
+        }
+    }
+}
+
 impl PoolExperts {
     pub fn new(pool: &WorkerPool, w13_layout: PackedLayout, w2_layout: PackedLayout) -> Self {
         assert!(w13_layout.rows.is_multiple_of(2 * ROW_BLOCK), "w13 must be a fused gate+up layout");
@@ -226,9 +339,17 @@ impl PoolExperts {
         PoolExperts {
             w13_layout,
             w2_layout,
+            tasks_per_worker: tasks_per_worker_env().unwrap_or(TASKS_PER_WORKER),
             scratch: WorkerScratch::new(pool.threads()),
             step: Mutex::new(StepScratch::default()),
         }
+    }
+
+    /// Split each phase into about `t` tasks per worker (default [`TASKS_PER_WORKER`]); for
+    /// tests of odd task boundaries and for tuning.
+    pub fn with_tasks_per_worker(mut self, t: usize) -> Self {
+        self.tasks_per_worker = t.max(1);
+        self
     }
 
     pub fn w13_layout(&self) -> &PackedLayout {
@@ -239,15 +360,44 @@ impl PoolExperts {
         &self.w2_layout
     }
 
-    fn plan(step: &mut StepScratch, jobs: &[ExpertJob<'_>], units: usize, per_task: usize, nodes: usize) {
+    /// Units (block pairs or row blocks) per task for `total` units over `workers`.
+    fn units_per_task(&self, total: usize, workers: usize) -> usize {
+        total.div_ceil(self.tasks_per_worker * workers.max(1)).max(1)
+    }
+
+    /// Task lists per node: the activation quantisation tasks, every job's w13 tasks, then
+    /// every job's w2 tasks. A task waits only for tasks that sit earlier in a node's list (a w2
+    /// task for its job's w13 tasks, on the same node; a w13 task for its activation set, on the
+    /// node of the set's first job): by the time a worker claims it, each of those has been
+    /// claimed by a worker that is running it, or sits ahead in another node's list, whose
+    /// workers claim in order and never wait on later tasks; so waits end.
+    fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], nodes: usize, workers: usize) {
+        let pairs = self.w13_layout.row_blocks() / 2;
+        let nb2 = self.w2_layout.row_blocks();
+        let ng13 = self.w13_layout.groups();
+        let n = jobs.len();
+        let per13 = self.units_per_task(pairs * n, workers);
+        let per2 = self.units_per_task(nb2 * n, workers);
+        // Activation groups: one round over the workers (tiny tasks; decode has 16 groups).
+        let perx = ng13.div_ceil(workers.max(1)).max(1);
         step.tasks.resize_with(nodes, Vec::new);
         step.tasks.iter_mut().for_each(Vec::clear);
+        for (a, &e) in step.act_src.iter().enumerate() {
+            let node = jobs[e].weights.node.min(nodes - 1);
+            for g0 in (0..ng13).step_by(perx) {
+                step.tasks[node].push(Task::X { a, g0, g1: (g0 + perx).min(ng13) });
+            }
+        }
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
-            let mut u = 0;
-            while u < units {
-                step.tasks[node].push((e, u, (u + per_task).min(units)));
-                u += per_task;
+            for p0 in (0..pairs).step_by(per13) {
+                step.tasks[node].push(Task::W13 { e, p0, p1: (p0 + per13).min(pairs) });
+            }
+        }
+        for (e, job) in jobs.iter().enumerate() {
+            let node = job.weights.node.min(nodes - 1);
+            for b0 in (0..nb2).step_by(per2) {
+                step.tasks[node].push(Task::W2 { e, b0, b1: (b0 + per2).min(nb2) });
             }
         }
         step.counts.clear();
@@ -255,79 +405,161 @@ impl PoolExperts {
     }
 
     /// `out[t, hidden] += Σ_jobs w · expert(x[t])` for each job's tokens. `x` is `[t, hidden]`.
+    ///
+    /// One pool dispatch per call: tiny tasks quantise each distinct token list's rows of `x`
+    /// (by groups, in parallel); w13 tasks wait for theirs, write SiLU(gate)·up into the job's
+    /// intermediate and count the columns they finish per w2 group; the task that completes a group quantises it
+    /// (value + residual rows, as [`quantize_acts_split`]); w2 tasks start once their job's
+    /// groups are all quantised. The numbers are those of the phase-by-phase composition
+    /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
     pub fn run(&self, pool: &WorkerPool, isa: Isa, x: &[f32], hidden: usize, jobs: &[ExpertJob<'_>], out: &mut [f32]) {
         let (l13, l2) = (&self.w13_layout, &self.w2_layout);
         assert_eq!(l13.k, hidden, "x width {hidden} differs from the experts' hidden size {}", l13.k);
         assert_eq!(l2.rows, hidden);
         let inter = l13.rows / 2;
+        let (gs2, ng2) = (l2.gs, l2.groups());
+        let split = split_factor();
         let mut guard = self.step.lock().unwrap_or_else(|e| e.into_inner());
         let step = &mut *guard;
         let n = jobs.len();
-        step.acts.resize_with(n, QuantizedActs::new);
         step.mid.resize_with(n, Vec::new);
         step.mid_acts.resize_with(n, QuantizedActs::new);
         step.y.resize_with(n, Vec::new);
-        // Activations: each token's row quantised for every expert it routes to (shared weights
-        // of one token cost one small copy, not a second quantisation pass over the weights).
-        for (e, job) in jobs.iter().enumerate() {
-            step.rows.clear();
+        for job in jobs {
             for &(tok, _) in job.tokens {
-                step.rows.extend_from_slice(&x[tok * hidden..(tok + 1) * hidden]);
+                assert!(
+                    (tok + 1) * hidden <= x.len(),
+                    "token {tok} is outside x ({} floats of width {hidden})",
+                    x.len()
+                );
             }
-            quantize_acts_split(&step.rows, job.tokens.len(), hidden, l13.gs, &mut step.split_tmp, &mut step.acts[e]);
-            step.mid[e].resize(job.tokens.len() * inter, 0.0);
-            step.y[e].resize(job.tokens.len() * hidden, 0.0);
         }
-
-        // Phase 1: w13 pairs → silu(gate)·up into mid[e] columns.
-        let pairs = l13.row_blocks() / 2;
-        Self::plan(step, jobs, pairs, units_per_task(pairs * n, pool.threads()), pool.nodes());
-        {
-            let mids: Vec<OutPtr> = step.mid.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
-            let (tasks, acts) = (&step.tasks, &step.acts);
-            pool.run_on_nodes(&step.counts, &|node, t, ctx| {
-                let (e, p0, p1) = tasks[node][t];
-                let m = acts[e].m / split_factor();
-                let cols13 = (p1 - p0) * 2 * ROW_BLOCK;
-                let cols = (p1 - p0) * ROW_BLOCK;
-                self.scratch.with(ctx.worker, split_factor() * m * cols13 + m * cols, |tmp| {
-                    let (h13, act) = tmp.split_at_mut(split_factor() * m * cols13);
-                    matmul_packed(isa, jobs[e].weights.w13, l13, &acts[e], 2 * p0..2 * p1, h13);
-                    sum_split_rows(h13, m, cols13);
-                    silu_mul_w13(&h13[..m * cols13], m, act);
-                    for i in 0..m {
-                        // SAFETY: this task owns columns [16·p0, 16·p1) of expert e's mid rows.
-                        unsafe { mids[e].write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
-                    }
-                })
-            });
-        }
+        // Activations: one set per distinct token list (in decode every expert of the token
+        // shares one), quantised inside the dispatch.
+        step.acts_of.clear();
+        step.act_src.clear();
         for (e, job) in jobs.iter().enumerate() {
-            let m = job.tokens.len();
-            quantize_acts_split(&step.mid[e], m, inter, l2.gs, &mut step.split_tmp, &mut step.mid_acts[e]);
-        }
-
-        // Phase 2: w2 row blocks → y[e].
-        let nb2 = l2.row_blocks();
-        Self::plan(step, jobs, nb2, units_per_task(nb2 * n, pool.threads()), pool.nodes());
-        {
-            let ys: Vec<OutPtr> = step.y.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
-            let (tasks, acts) = (&step.tasks, &step.mid_acts);
-            pool.run_on_nodes(&step.counts, &|node, t, ctx| {
-                let (e, b0, b1) = tasks[node][t];
-                let m = acts[e].m / split_factor();
-                let cols = (b1 - b0) * ROW_BLOCK;
-                self.scratch.with(ctx.worker, split_factor() * m * cols, |tmp| {
-                    matmul_packed(isa, jobs[e].weights.w2, l2, &acts[e], b0..b1, tmp);
-                    sum_split_rows(tmp, m, cols);
-                    let keep = cols.min(hidden - b0 * ROW_BLOCK);
-                    for i in 0..m {
-                        // SAFETY: this task owns columns [16·b0, 16·b0 + keep) of expert e's y rows.
-                        unsafe { ys[e].write(i * hidden + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
-                    }
-                })
+            let same = (0..e).find(|&j| {
+                jobs[j].tokens.len() == job.tokens.len()
+                    && jobs[j].tokens.iter().zip(job.tokens).all(|(a, b)| a.0 == b.0)
             });
+            if let Some(j) = same {
+                step.acts_of.push(step.acts_of[j]);
+            } else {
+                let a = step.act_src.len();
+                step.acts_of.push(a);
+                step.act_src.push(e);
+                if step.acts.len() <= a {
+                    step.acts.push(QuantizedActs::new());
+                }
+                shape_acts(&mut step.acts[a], split * job.tokens.len(), hidden, l13.gs);
+            }
+            let m = job.tokens.len();
+            step.mid[e].resize(m * inter, 0.0);
+            shape_acts(&mut step.mid_acts[e], split * m, inter, gs2);
+            step.y[e].resize(m * hidden, 0.0);
         }
+        step.cols_done.resize_with(n * ng2, AtomicUsize::default);
+        step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        step.groups_ready.resize_with(n, AtomicUsize::default);
+        step.groups_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        let sets = step.act_src.len();
+        step.x_ready.resize_with(sets, AtomicUsize::default);
+        step.x_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        step.xbufs.clear();
+        for a in 0..sets {
+            step.xbufs.push(ActBufs::of(&mut step.acts[a]));
+        }
+        self.plan(step, jobs, pool.nodes(), pool.threads());
+
+        step.bufs.clear();
+        step.ys.clear();
+        for e in 0..n {
+            step.bufs.push(JobBufs { mid: step.mid[e].as_mut_ptr(), acts: ActBufs::of(&mut step.mid_acts[e]) });
+            step.ys.push(OutPtr(step.y[e].as_mut_ptr()));
+        }
+        let failed = AtomicBool::new(false);
+        let (tasks, acts, acts_of, mid_acts) = (&step.tasks, &step.acts, &step.acts_of, &step.mid_acts);
+        let (cols_done, groups_ready, bufs, ys) = (&step.cols_done, &step.groups_ready, &step.bufs, &step.ys);
+        let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
+        let ng13 = l13.groups();
+        pool.run_on_nodes(&step.counts, &|node, t, ctx| {
+            let _flag = FailOnUnwind(&failed);
+            match tasks[node][t] {
+                Task::X { a, g0, g1 } => {
+                    let toks = jobs[act_src[a]].tokens;
+                    for g in g0..g1 {
+                        // SAFETY: tokens are inside x (checked above); group g of set a's rows
+                        // is written only by this task, and read by w13 tasks only after the
+                        // release below.
+                        unsafe {
+                            quantize_rows_group(
+                                |i| x[toks[i].0 * hidden..].as_ptr(),
+                                toks.len(),
+                                xbufs[a],
+                                hidden,
+                                l13.gs,
+                                g,
+                                split,
+                            )
+                        };
+                    }
+                    x_ready[a].fetch_add(g1 - g0, Ordering::Release);
+                }
+                Task::W13 { e, p0, p1 } => {
+                    let w13 = jobs[e].weights.w13;
+                    let bb = l13.block_bytes();
+                    let start = (2 * p0 * bb).min(w13.len());
+                    let upcoming = &w13[start..(start + X_WAIT_PREFETCH).min(2 * p1 * bb).min(w13.len())];
+                    wait_ready(&x_ready[acts_of[e]], ng13, &failed, upcoming);
+                    let a = &acts[acts_of[e]];
+                    let m = a.m / split;
+                    let cols13 = (p1 - p0) * 2 * ROW_BLOCK;
+                    let cols = (p1 - p0) * ROW_BLOCK;
+                    let b = bufs[e];
+                    self.scratch.with(ctx.worker, split * m * cols13 + m * cols, |tmp| {
+                        let (h13, act) = tmp.split_at_mut(split * m * cols13);
+                        matmul_packed(isa, w13, l13, a, 2 * p0..2 * p1, h13);
+                        sum_split_rows(h13, m, cols13);
+                        silu_mul_w13(&h13[..m * cols13], m, act);
+                        for i in 0..m {
+                            // SAFETY: this task owns columns [16·p0, 16·p1) of job e's mid rows.
+                            unsafe { OutPtr(b.mid).write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
+                        }
+                    });
+                    let (c0, c1) = (p0 * ROW_BLOCK, p1 * ROW_BLOCK);
+                    for g in c0 / gs2..c1.div_ceil(gs2) {
+                        let mine = c1.min((g + 1) * gs2) - c0.max(g * gs2);
+                        // AcqRel: the task that completes the group sees every other task's
+                        // columns of it (release sequence of this counter).
+                        if cols_done[e * ng2 + g].fetch_add(mine, Ordering::AcqRel) + mine == gs2 {
+                            // SAFETY: all columns of group g are written (counter above) and no
+                            // task writes them again; group g of the quantised rows is written
+                            // only here, and read by w2 tasks only after the release below.
+                            unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
+                            groups_ready[e].fetch_add(1, Ordering::Release);
+                        }
+                    }
+                }
+                Task::W2 { e, b0, b1 } => {
+                    let w2 = jobs[e].weights.w2;
+                    let upcoming = &w2[(b0 * l2.block_bytes()).min(w2.len())..(b1 * l2.block_bytes()).min(w2.len())];
+                    wait_ready(&groups_ready[e], ng2, &failed, upcoming);
+                    let a = &mid_acts[e];
+                    let m = a.m / split;
+                    let cols = (b1 - b0) * ROW_BLOCK;
+                    self.scratch.with(ctx.worker, split * m * cols, |tmp| {
+                        matmul_packed(isa, w2, l2, a, b0..b1, tmp);
+                        sum_split_rows(tmp, m, cols);
+                        let keep = cols.min(hidden - b0 * ROW_BLOCK);
+                        for i in 0..m {
+                            // SAFETY: this task owns columns [16·b0, 16·b0 + keep) of job e's y rows.
+                            unsafe { ys[e].write(i * hidden + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
+                        }
+                    })
+                }
+            }
+        });
 
         // Weighted accumulate, in job order (deterministic).
         for (e, job) in jobs.iter().enumerate() {
@@ -337,6 +569,43 @@ impl PoolExperts {
                     *o += w * v;
                 }
             }
+        }
+    }
+}
+
+/// Quantise group `g` of `m` rows of width `k` into `dst` (rows `split·i` and, when split,
+/// `2i+1`), as [`quantize_acts_split`] / [`quantize_acts`] do; `row(i)` points at row `i`.
+///
+/// # Safety
+/// `row(i)` must point at `k` readable floats whose group `g` is complete and visible to this
+/// thread; `dst` must hold `split·m` rows of `k` (and their groups), and no other thread may
+/// access group `g` of those rows meanwhile.
+unsafe fn quantize_rows_group(
+    row: impl Fn(usize) -> *const f32,
+    m: usize,
+    dst: ActBufs,
+    k: usize,
+    gs: usize,
+    g: usize,
+    split: usize,
+) {
+    let ng = k / gs;
+    let mut resid = [0f32; MAX_GROUP_SIZE];
+    for i in 0..m {
+        let xg = std::slice::from_raw_parts(row(i).add(g * gs), gs);
+        if split == 1 {
+            let q = std::slice::from_raw_parts_mut(dst.q.add(i * k + g * gs), gs);
+            let (s, sum) = quantize_group(xg, q);
+            *dst.scales.add(i * ng + g) = s;
+            *dst.sums.add(i * ng + g) = sum;
+        } else {
+            let hi = std::slice::from_raw_parts_mut(dst.q.add(2 * i * k + g * gs), gs);
+            let lo = std::slice::from_raw_parts_mut(dst.q.add((2 * i + 1) * k + g * gs), gs);
+            let [(s0, c0), (s1, c1)] = quantize_group_split(xg, hi, lo, &mut resid[..gs]);
+            *dst.scales.add(2 * i * ng + g) = s0;
+            *dst.sums.add(2 * i * ng + g) = c0;
+            *dst.scales.add((2 * i + 1) * ng + g) = s1;
+            *dst.sums.add((2 * i + 1) * ng + g) = c1;
         }
     }
 }
@@ -372,9 +641,14 @@ mod tests {
     }
 
     fn expert(h: usize, inter: usize, bits: Bits, seed: u64) -> Expert {
-        let gate = quantize(&data(inter * h, seed), inter, h, bits, 32);
-        let up = quantize(&data(inter * h, seed + 1), inter, h, bits, 32);
-        let down = quantize(&data(h * inter, seed + 2), h, inter, bits, 32);
+        expert_gs(h, inter, bits, seed, 32, 32)
+    }
+
+    /// An expert with group size `gs13` along the hidden size and `gs2` along the intermediate.
+    fn expert_gs(h: usize, inter: usize, bits: Bits, seed: u64, gs13: usize, gs2: usize) -> Expert {
+        let gate = quantize(&data(inter * h, seed), inter, h, bits, gs13);
+        let up = quantize(&data(inter * h, seed + 1), inter, h, bits, gs13);
+        let down = quantize(&data(h * inter, seed + 2), h, inter, bits, gs2);
         let (w13, l13) = pack_w13(&gate, &up).unwrap();
         let w2 = pack(&down);
         Expert { w13, w2, l2: PackedLayout::of(&down), l13, f: [dequantize(&gate), dequantize(&up), dequantize(&down)] }
@@ -442,6 +716,122 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The phase-by-phase composition [`PoolExperts::run`] must equal bit for bit: quantise
+    /// each job's rows, w13, SiLU·up, quantise, w2, weighted sum in job order; one thread.
+    fn phased_reference(isa: Isa, experts: &[&Expert], routes: &[Vec<(usize, f32)>], x: &[f32], h: usize) -> Vec<f32> {
+        let t = x.len() / h;
+        let mut out = vec![0f32; t * h];
+        let (mut tmp, mut acts, mut mid_acts) = (Vec::new(), QuantizedActs::new(), QuantizedActs::new());
+        for (ex, toks) in experts.iter().zip(routes) {
+            let m = toks.len();
+            let rows: Vec<f32> = toks.iter().flat_map(|&(tok, _)| x[tok * h..(tok + 1) * h].iter().copied()).collect();
+            quantize_acts_split(&rows, m, h, ex.l13.gs, &mut tmp, &mut acts);
+            let c13 = ex.l13.row_blocks() * ROW_BLOCK;
+            let mut h13 = vec![f32::NAN; split_factor() * m * c13];
+            matmul_packed(isa, &ex.w13, &ex.l13, &acts, 0..ex.l13.row_blocks(), &mut h13);
+            sum_split_rows(&mut h13, m, c13);
+            let inter = c13 / 2;
+            let mut mid = vec![f32::NAN; m * inter];
+            silu_mul_w13(&h13[..m * c13], m, &mut mid);
+            quantize_acts_split(&mid, m, inter, ex.l2.gs, &mut tmp, &mut mid_acts);
+            let c2 = ex.l2.row_blocks() * ROW_BLOCK;
+            let mut y = vec![f32::NAN; split_factor() * m * c2];
+            matmul_packed(isa, &ex.w2, &ex.l2, &mid_acts, 0..ex.l2.row_blocks(), &mut y);
+            sum_split_rows(&mut y, m, c2);
+            for (r, &(tok, w)) in toks.iter().enumerate() {
+                for (o, v) in out[tok * h..(tok + 1) * h].iter_mut().zip(&y[r * c2..r * c2 + h]) {
+                    *o += w * v;
+                }
+            }
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+        /// One dispatch with in-task quantisation of the intermediate equals the phased
+        /// composition bit for bit, for random shapes, group sizes whose groups straddle task
+        /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
+        /// 1–5 workers per node, 1–7 tasks per worker.
+        #[test]
+        fn one_dispatch_equals_phased_composition(
+            h32 in 1usize..5,
+            inter16 in 1usize..13,
+            gs13_log in 0u32..2,
+            gs2_log in 0u32..2,
+            n_experts in 1usize..5,
+            t in 1usize..5,
+            nodes in 1usize..3,
+            per_node in 1usize..6,
+            tpw in 1usize..8,
+            int8 in proptest::prelude::any::<bool>(),
+            seed in 0u64..1000,
+        ) {
+            let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
+            let h = (h32 * 32).div_ceil(gs13) * gs13;
+            let inter = (inter16 * 16).div_ceil(gs2) * gs2;
+            let bits = if int8 { Bits::Int8 } else { Bits::Int4 };
+            let experts: Vec<Expert> =
+                (0..n_experts).map(|e| expert_gs(h, inter, bits, seed * 31 + 5 * e as u64, gs13, gs2)).collect();
+            let x = data(t * h, seed + 7);
+            // Expert e takes tokens e, e+1, … (mod t); every other expert also all tokens from 0,
+            // so some token lists repeat and some differ.
+            let routes: Vec<Vec<(usize, f32)>> = (0..n_experts)
+                .map(|e| {
+                    let len = 1 + (e + seed as usize) % t;
+                    let start = if e % 2 == 0 { 0 } else { e % t };
+                    (0..len).map(|j| ((start + j) % t, 0.25 + 0.5 * j as f32)).collect()
+                })
+                .collect();
+            let isa = crate::isa::active();
+            let refs: Vec<&Expert> = experts.iter().collect();
+            let want = phased_reference(isa, &refs, &routes, &x, h);
+            let pool = WorkerPool::new(PoolPlan::simulated(nodes, per_node)).unwrap();
+            let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2).with_tasks_per_worker(tpw);
+            let jobs: Vec<ExpertJob> = routes
+                .iter()
+                .enumerate()
+                .map(|(e, toks)| ExpertJob {
+                    weights: ExpertWeights { w13: &experts[e].w13, w2: &experts[e].w2, node: e % nodes },
+                    tokens: toks,
+                })
+                .collect();
+            for _ in 0..2 {
+                let mut got = vec![0f32; t * h];
+                runner.run(&pool, isa, &x, h, &jobs, &mut got);
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                proptest::prop_assert!(same, "differs from the phased composition");
+            }
+        }
+    }
+
+    /// A w13 task that panics (weights shorter than the layout) makes `run` panic instead of
+    /// leaving the expert's w2 tasks waiting forever; the pool stays usable.
+    #[test]
+    fn failing_w13_task_panics_instead_of_hanging() {
+        let (h, inter) = (64, 96);
+        let ex = expert(h, inter, Bits::Int4, 3);
+        let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
+        let runner = PoolExperts::new(&pool, ex.l13, ex.l2).with_tasks_per_worker(3);
+        let x = data(h, 1);
+        let toks = [(0usize, 1.0f32)];
+        let bad = ExpertJob {
+            weights: ExpertWeights { w13: &ex.w13[..ex.w13.len() / 2], w2: &ex.w2, node: 0 },
+            tokens: &toks,
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut out = vec![0f32; h];
+            runner.run(&pool, crate::isa::active(), &x, h, &[bad], &mut out);
+        }));
+        assert!(r.is_err(), "a short w13 must make run panic");
+        let good = ExpertJob { weights: ExpertWeights { w13: &ex.w13, w2: &ex.w2, node: 0 }, tokens: &toks };
+        let mut out = vec![0f32; h];
+        runner.run(&pool, crate::isa::active(), &x, h, &[good], &mut out);
+        let want = expert_f32(&ex, &x);
+        assert!(rel_l2(&out, &want) < 1e-3);
     }
 
     #[test]

@@ -92,6 +92,7 @@ pub struct PoolPlan {
     /// work between jobs, a driver or server thread, more threads than cores in tests) that
     /// thread runs now instead of queueing behind a spinner for a whole time slice. The price:
     /// on a box loaded with CPU-bound processes a yielding worker may lose its core for a slice.
+    /// [`PoolPlan::from_system`] turns it off with `KRASIS_POOL_YIELD=0` (for measuring).
     pub yield_spin: bool,
 }
 
@@ -142,7 +143,7 @@ impl PoolPlan {
             nodes: groups.into_iter().map(|(_, c)| c).collect(),
             pin: cfg!(target_os = "linux"),
             spin: SPIN_BEFORE_PARK,
-            yield_spin: true,
+            yield_spin: std::env::var("KRASIS_POOL_YIELD").map_or(true, |v| v != "0"),
         }
     }
 

@@ -65,12 +65,10 @@ impl QuantizedActs {
     }
 }
 
-/// Round half to even for |v| < 2²², in plain arithmetic (vectorises without SSE4.1).
-#[inline(always)]
-fn round_even(v: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2²³
-    (v + MAGIC) - MAGIC
-}
+/// 1.5 · 2²³: adding it to |v| < 2²² rounds `v` half to even (see [`round_clamp_127`]).
+const MAGIC: f32 = 12_582_912.0;
+/// Bit pattern of [`MAGIC`].
+const MAGIC_BITS: i32 = 0x4B40_0000;
 
 /// Quantise `x[m, k]` into `out` (its buffers are reused: no allocation once they are large
 /// enough). `gs` must divide `k` (use the weights' group size).
@@ -103,11 +101,24 @@ pub(crate) fn quantize_group(xg: &[f32], qg: &mut [i8]) -> (f32, i32) {
     let inv = 127.0 / amax;
     let mut sum = 0i32;
     for (o, &v) in qg.iter_mut().zip(xg) {
-        let r = round_even(v * inv).clamp(-127.0, 127.0) as i32;
+        let r = round_clamp_127(v * inv);
         *o = r as i8;
         sum += r;
     }
     (amax / 127.0, sum)
+}
+
+/// `c` rounded half to even and clamped to ±127 (NaN → 0), branch-free and without a float →
+/// int conversion, so the group loops vectorise: for |c| ≤ 127, `c + 1.5·2²³` lies in
+/// [2²³, 2²⁴) where the f32 spacing is 1, so the addition rounds `c` half to even and its low
+/// mantissa bits hold the result. Clamping before rounding gives the same integers as after
+/// (the bounds are integers).
+#[inline(always)]
+fn round_clamp_127(c: f32) -> i32 {
+    let c = c.clamp(-127.0, 127.0);
+    #[allow(clippy::eq_op)] // c == c is false only for NaN
+    let c = if c == c { c } else { 0.0 };
+    (c + MAGIC).to_bits() as i32 - MAGIC_BITS
 }
 
 /// Software prefetch hint for the weight stream.
@@ -185,6 +196,46 @@ pub fn prefetch_matrix_start(w: &[u8]) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let n = w.len().min(PREFETCH_START_BYTES);
         for off in (0..n).step_by(64) {
+            // SAFETY: prefetch never faults; the address is inside `w`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(w.as_ptr().add(off) as *const i8) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = w;
+}
+
+/// Issue the prefetches for the first `distance` bytes of `w` at once. The kernels prefetch
+/// `distance` ahead of the line they read, so without this the start of each range arrives one
+/// demand miss at a time; a pool task covers only ~20–300 KiB, so its first 4 KiB matter.
+pub fn prefetch_burst(w: &[u8], pf: Prefetch) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1};
+        let n = w.len().min(pf.distance_if_on());
+        for off in (0..n).step_by(64) {
+            let p = w[off..].as_ptr() as *const i8;
+            // SAFETY: prefetch never faults; the address is inside `w`.
+            unsafe {
+                match pf.hint {
+                    PrefetchHint::T0 => _mm_prefetch::<_MM_HINT_T0>(p),
+                    PrefetchHint::T1 => _mm_prefetch::<_MM_HINT_T1>(p),
+                    PrefetchHint::Nta => _mm_prefetch::<_MM_HINT_NTA>(p),
+                    PrefetchHint::None => {}
+                }
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (w, pf);
+}
+
+/// Prefetch all of `w` into L2 (`prefetcht1`, one per 64-byte line): for a thread that has to
+/// wait before it can compute on `w`, so the wait still moves its bytes from DRAM.
+pub fn prefetch_l2(w: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        for off in (0..w.len()).step_by(64) {
             // SAFETY: prefetch never faults; the address is inside `w`.
             unsafe { _mm_prefetch::<_MM_HINT_T1>(w.as_ptr().add(off) as *const i8) };
         }
@@ -279,6 +330,10 @@ pub fn matmul_packed_with(
         return;
     }
     assert!(isa_supported(isa), "matmul_packed: this CPU cannot run {}", isa.name());
+    if isa != Isa::Scalar {
+        let bb = l.block_bytes();
+        prefetch_burst(&w[blocks.start * bb..blocks.end * bb], prefetch);
+    }
     match isa {
         Isa::Scalar => scalar::matmul(w, l, acts, blocks, out),
         // SAFETY: the CPU has the features (checked above); shapes checked above.

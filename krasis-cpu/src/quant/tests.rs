@@ -272,3 +272,27 @@ fn prefetch_matrix_start_is_harmless() {
     prefetch_matrix_start(&[]);
     prefetch_matrix_start(&[1u8; 10_000]);
 }
+
+/// The branch-free rounding equals round-half-even then clamp then a saturating cast (NaN → 0),
+/// at ties, bounds, infinities and random values.
+#[test]
+fn round_clamp_127_matches_plain_rounding() {
+    let reference = |c: f32| -> i32 {
+        let r = c.round_ties_even().clamp(-127.0, 127.0);
+        if r.is_nan() {
+            0
+        } else {
+            r as i32
+        }
+    };
+    let mut cases = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, f32::MAX, f32::MIN, 1e-45];
+    for i in -300..=300 {
+        cases.push(i as f32 * 0.5); // every tie from -150 to 150
+        cases.push(i as f32 * 0.5 + 1e-3);
+        cases.push(i as f32 * 0.5 - 1e-3);
+    }
+    cases.extend(normal(10_000, 77).iter().map(|v| v * 60.0));
+    for c in cases {
+        assert_eq!(round_clamp_127(c), reference(c), "c = {c:?}");
+    }
+}
