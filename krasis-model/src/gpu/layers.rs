@@ -304,8 +304,19 @@ impl GpuMla {
             )?;
         } else {
             // Expanded: the whole latent cache through kv_b into per-head K_nope/V, then flash.
+            // Past positions from the cache (BF16 or FP8), this call's own positions from the
+            // fresh f32 rows: a prompt's tokens attend to each other at full precision and only
+            // what later calls read goes through the cache's rounding.
             let lat_rows = grow(dev, f6, n_kv * row, "mla cached latent rows")?;
-            s.kv.read_f32(dev, l, 0, 0, n_kv, &mut lat_rows.slice_mut().slice_mut(..n_kv * row))?;
+            if c.pos > 0 {
+                s.kv.read_f32(dev, l, 0, 0, c.pos, &mut lat_rows.slice_mut().slice_mut(..c.pos * row))?;
+            }
+            dev.copy_rows_f32(
+                kva,
+                RowsView::contiguous(t, row),
+                lat_rows,
+                RowsView { rows: t, cols: row, stride: row, offset: c.pos * row },
+            )?;
             let cmat = grow(dev, f7, n_kv * lat, "mla latent")?;
             dev.copy_rows_f32(
                 lat_rows,
@@ -423,8 +434,14 @@ impl GpuGqa {
             let row = kvh * hd;
             let k16 = grow(dev, b0, n_kv * row, "gqa keys (bf16)")?;
             let v16 = grow(dev, b1, n_kv * row, "gqa values (bf16)")?;
-            s.kv.read_bf16(dev, l, 0, 0, n_kv, &mut k16.slice_mut().slice_mut(..n_kv * row))?;
-            s.kv.read_bf16(dev, l, 1, 0, n_kv, &mut v16.slice_mut().slice_mut(..n_kv * row))?;
+            // Past positions from the cache, this call's own from the fresh rows (as for MLA).
+            if c.pos > 0 {
+                s.kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
+                s.kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
+            }
+            let fresh = RowsView { rows: t, cols: row, stride: row, offset: c.pos * row };
+            dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
+            dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
             let q16 = grow(dev, b2, t * hh * hd, "gqa q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
             let args = FlashPrefillArgs {
