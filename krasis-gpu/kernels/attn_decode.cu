@@ -8,27 +8,37 @@
 // v_dim = latent (values are the first `latent` elements of the key row). GQA: K = plane 0,
 // V = plane 1, k_dim = v_dim = head_dim.
 //
-// The queries of a block are (token i, head h) pairs of one kv group, at most QT of them, so every
-// K/V row is staged into shared memory once per block and used by all QT queries (all 16 heads of
-// V2-Lite's MLA share each latent row). Query i (absolute position q_start + i) sees rows
-// 0 ..= q_start + i.
+// The queries of a block are up to ATT_Q = 16 (token i, head h) pairs of one kv group: the M
+// dimension of the BF16 tensor-core MMA (mma.sync m16n8k16, f32 accumulate). Query i (absolute
+// position q_start + i) sees rows 0 ..= q_start + i.
+//
+// Exactness: every f32 operand x enters the MMA as two BF16 halves hi = bf16(x), lo = bf16(x - hi)
+// (|x - hi - lo| <= 2^-18 |x|); products of BF16 values are exact and accumulate in f32. Scores are
+// Qhi·K + Qlo·K (+ Qhi·Klo for FP8, whose dequantised code*scale is not a BF16 value; BF16 keys are
+// exact, so Klo = 0), the output P·V likewise with P = Phi + Plo. Dropped lo·lo terms are
+// <= 2^-18 relative, far inside the f32 accumulation error the tests allow.
 //
 // attn_decode_partial: grid (n_splits, kv_heads, query tiles), ATT_THREADS threads. Split s covers
-// rows [s*split_rows, min((s+1)*split_rows, q_start + t)). Rows are processed in tiles of
-// ATT_ROWS (= 32, one warp lane per row in the softmax step) rows:
-//   1. stage the tile's K (and GQA's V) rows into shared memory as f32 (FP8 decoded and scaled);
-//   2. scores: thread (row r = tid/8, part p = tid%8) dots row r with every query over the
-//      4-element chunks p, p+8, ... of the key, then the 8 parts are summed with shuffles;
-//   3. online softmax: one warp per query updates the running max m and sum l;
-//   4. output: thread owns columns tid, tid+256, ... (CPT of them) for every query and adds
-//      p * V over the tile's rows.
+// rows [s*split_rows, min((s+1)*split_rows, q_start + t)), in tiles of ATT_ROWS rows:
+//   1. the tile's K (and GQA's V) rows are stored into shared memory as BF16 (FP8: hi and lo
+//      planes); the next tile's raw bytes are loaded into registers meanwhile (one tile ahead);
+//   2. scores S[16 queries][32 rows]: warp w computes the 8-row MMA n-tile (w & 3) over half
+//      (w >> 2) of the key dimension; the halves are summed in the softmax step;
+//   3. online softmax: one warp per query (lane = row), one max/sum update per tile; P goes to
+//      shared memory as BF16 hi/lo;
+//   4. O = O*alpha + P·V: warp w owns the value n-tiles w, w+8, ... (NTW of them) in registers.
 // With one split the block writes the normalised output; otherwise (m, l, unnormalised O) go to the
 // workspace and attn_decode_combine merges the splits.
 #include "krasis_common.cuh"
 
 #define ATT_THREADS 256
-#define ATT_ROWS 32
-#define ATT_PARTS 8  // ATT_THREADS / ATT_ROWS threads share one row in the score step
+#define ATT_WARPS 8
+#define ATT_ROWS 32  // KV rows per tile: 4 MMA n-tiles, one lane per row in the softmax
+#define ATT_Q 16     // queries per block: the MMA's M
+#define ATT_PF 10    // 16-byte staging units a thread prefetches (a V2-Lite BF16 tile needs 9)
+#define ATT_QB 8     // query float4 loads a thread keeps in flight while staging Q
+#define ATT_SLD (ATT_ROWS + 4)  // f32 score row stride (padding against bank conflicts)
+#define ATT_PLD (ATT_ROWS + 8)  // BF16 probability row stride (conflict-free A fragments)
 
 // E4M3 code -> f32, exact; 0x7f / 0xff are NaN (see kv_cache.cu, which holds the same function).
 __device__ __forceinline__ float att_e4m3_to_f32(u32 c) {
@@ -40,73 +50,24 @@ __device__ __forceinline__ float att_e4m3_to_f32(u32 c) {
 
 __device__ __forceinline__ float att_neg_inf() { return __uint_as_float(0xff800000u); }
 
-// Loads NB bytes (4, 8 or 16; aligned) as 32-bit words.
-template <int NB>
-__device__ __forceinline__ void load_words(const unsigned char* p, u32* w) {
-    if constexpr (NB == 16) {
-        const uint4 v = *reinterpret_cast<const uint4*>(p);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (NB == 8) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x; w[1] = v.y;
-    } else {
-        w[0] = *reinterpret_cast<const u32*>(p);
-    }
+// x ~= hi + lo, both BF16 (see the exactness note above).
+__device__ __forceinline__ void att_split(float x, bf16_t& hi, bf16_t& lo) {
+    hi = f32_to_bf16(x);
+    lo = f32_to_bf16(x - bf16_to_f32(hi));
 }
 
-// Stages `n_r` rows (plane rows row0..row0+n_r) of `len` elements starting at element `off` of each
-// row into dst[r*ld + e] as f32. VEC elements per load (the host checks that VEC divides row, off,
-// len and, for FP8, the scale group, so a chunk never straddles two groups). VEC = 1 is the
-// unaligned fallback.
-template <bool FP8, int VEC>
-__device__ __forceinline__ void stage_rows(float* __restrict__ dst, int ld, const unsigned char* __restrict__ base,
-                                           const float* __restrict__ scales, long long row0, int n_r, int row,
-                                           int off, int len, int group) {
-    constexpr int ES = FP8 ? 1 : 2;
-    const int per_row = len / VEC;
-    const int groups = FP8 ? row / group : 0;
-    for (int idx = threadIdx.x; idx < n_r * per_row; idx += blockDim.x) {
-        const int r = idx / per_row;
-        const int c = (idx - r * per_row) * VEC;
-        const long long e = (row0 + r) * (long long)row + off + c;
-        const unsigned char* p = base + e * ES;
-        float v[VEC];
-        if constexpr (VEC == 1) {
-            v[0] = FP8 ? att_e4m3_to_f32(*p) : bf16_to_f32(*reinterpret_cast<const bf16_t*>(p));
-        } else {
-            constexpr int NB = VEC * ES;
-            u32 w[NB / 4];
-            load_words<NB>(p, w);
-#pragma unroll
-            for (int k = 0; k < VEC; k++) {
-                if constexpr (FP8) {
-                    v[k] = att_e4m3_to_f32((w[k >> 2] >> (8 * (k & 3))) & 0xffu);
-                } else {
-                    v[k] = bf16_to_f32((bf16_t)((w[k >> 1] >> (16 * (k & 1))) & 0xffffu));
-                }
-            }
-        }
-        if constexpr (FP8) {
-            const float s = scales[(row0 + r) * (long long)groups + (off + c) / group];
-#pragma unroll
-            for (int k = 0; k < VEC; k++) v[k] *= s;
-        }
-        float* d = dst + (long long)r * ld + c;
-#pragma unroll
-        for (int k = 0; k < VEC; k++) d[k] = v[k];
-    }
+__device__ __forceinline__ u32 att_ld2(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+__device__ __forceinline__ u32 att_pack(bf16_t lo_elem, bf16_t hi_elem) {
+    return (u32)lo_elem | ((u32)hi_elem << 16);
 }
 
-template <bool FP8>
-__device__ __forceinline__ void stage_any(int vec, float* dst, int ld, const unsigned char* base, const float* scales,
-                                          long long row0, int n_r, int row, int off, int len, int group) {
-    switch (vec) {
-        case 16: if constexpr (FP8) stage_rows<FP8, 16>(dst, ld, base, scales, row0, n_r, row, off, len, group); break;
-        case 8: stage_rows<FP8, 8>(dst, ld, base, scales, row0, n_r, row, off, len, group); break;
-        case 4: stage_rows<FP8, 4>(dst, ld, base, scales, row0, n_r, row, off, len, group); break;
-        case 2: if constexpr (!FP8) stage_rows<FP8, 2>(dst, ld, base, scales, row0, n_r, row, off, len, group); break;
-        default: stage_rows<FP8, 1>(dst, ld, base, scales, row0, n_r, row, off, len, group); break;
-    }
+// c[16x8] += a[16x16] · b[16x8], BF16 inputs, f32 accumulators (sm_80+).
+__device__ __forceinline__ void att_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 struct AttnArgs {
@@ -123,118 +84,248 @@ struct AttnArgs {
     int shared_kv;           // MLA: values are the first v_dim elements of the staged key row
     int group;               // FP8 scale group (elements)
     int q_start, n_splits, split_rows;
-    int qt;                  // queries per block (<= QT)
-    int ldq, ldk, ldv;       // shared-memory row strides (floats)
-    int vec_k, vec_v;        // staging vector widths (elements)
+    int ldk, ldv;            // shared-memory row strides (BF16 elements) of K and (GQA) V
+    int vec;                 // elements per staging unit: 16 bytes' worth, or 1 (unaligned shapes)
     float scale;
 };
 
-template <bool FP8, int CPT, int QT>
-__device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
-    extern __shared__ __align__(16) float smem[];
-    float* sQ = smem;                                            // [QT][ldq]
-    float* sK = sQ + QT * a.ldq;                                 // [ATT_ROWS][ldk]
-    float* sV = a.shared_kv ? sK : sK + ATT_ROWS * a.ldk;        // [ATT_ROWS][ldv]
-    float* sP = (a.shared_kv ? sK + ATT_ROWS * a.ldk : sV + ATT_ROWS * a.ldv);  // [ATT_ROWS][QT]
-    float* sM = sP + ATT_ROWS * QT;                              // [QT] running max
-    float* sL = sM + QT;                                         // [QT] running sum
-    float* sA = sL + QT;                                         // [QT] rescale of this tile
+// Staging unit u of a tile with n_r rows: K units first (pk per row), then GQA's V units.
+template <bool FP8>
+__device__ __forceinline__ void att_load_unit(const AttnArgs& a, int g, long long row0, int u, int nk, int pk,
+                                              int pv, uint4& w, float& sc) {
+    const bool is_v = u >= nk;
+    const int uu = is_v ? u - nk : u;
+    const int per = is_v ? pv : pk;
+    const int r = uu / per, c = (uu - r * per) * a.vec;
+    const unsigned char* base = is_v ? a.v : a.k;
+    const int rowlen = is_v ? a.v_row : a.k_row;
+    const int off = g * (is_v ? a.v_dim : a.k_dim) + c;
+    const long long e = (row0 + r) * (long long)rowlen + off;
+    if (a.vec > 1) {
+        w = *reinterpret_cast<const uint4*>(base + e * (FP8 ? 1 : 2));
+    } else {
+        w.x = FP8 ? (u32)base[e] : (u32)*reinterpret_cast<const bf16_t*>(base + e * 2);
+    }
+    if constexpr (FP8) {
+        const float* sp = is_v ? a.v_scales : a.k_scales;
+        sc = sp[(row0 + r) * (long long)(rowlen / a.group) + off / a.group];
+    }
+}
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+template <bool FP8>
+__device__ __forceinline__ void att_store_unit(const AttnArgs& a, int u, int nk, int pk, int pv, const uint4& w,
+                                               float sc, bf16_t* sKh, bf16_t* sKl, bf16_t* sVh, bf16_t* sVl) {
+    const bool is_v = u >= nk;
+    const int uu = is_v ? u - nk : u;
+    const int per = is_v ? pv : pk;
+    const int r = uu / per, c = (uu - r * per) * a.vec;
+    const int ld = is_v ? a.ldv : a.ldk;
+    bf16_t* dh = (is_v ? sVh : sKh) + r * ld + c;
+    if constexpr (!FP8) {
+        if (a.vec > 1) *reinterpret_cast<uint4*>(dh) = w;
+        else *dh = (bf16_t)w.x;
+    } else {
+        bf16_t* dl = (is_v ? sVl : sKl) + r * ld + c;
+        if (a.vec > 1) {
+            const u32 ww[4] = {w.x, w.y, w.z, w.w};
+            u32 hw[8], lw[8];
+#pragma unroll
+            for (int k = 0; k < 16; k += 2) {
+                bf16_t h0, l0, h1, l1;
+                att_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * (k & 3))) & 0xffu) * sc, h0, l0);
+                att_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * ((k + 1) & 3))) & 0xffu) * sc, h1, l1);
+                hw[k >> 1] = att_pack(h0, h1);
+                lw[k >> 1] = att_pack(l0, l1);
+            }
+            reinterpret_cast<uint4*>(dh)[0] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+            reinterpret_cast<uint4*>(dh)[1] = make_uint4(hw[4], hw[5], hw[6], hw[7]);
+            reinterpret_cast<uint4*>(dl)[0] = make_uint4(lw[0], lw[1], lw[2], lw[3]);
+            reinterpret_cast<uint4*>(dl)[1] = make_uint4(lw[4], lw[5], lw[6], lw[7]);
+        } else {
+            bf16_t h, l;
+            att_split(att_e4m3_to_f32(w.x & 0xffu) * sc, h, l);
+            *dh = h;
+            *dl = l;
+        }
+    }
+}
+
+template <bool FP8, int NTW>
+__device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
+    extern __shared__ __align__(16) unsigned char att_smem[];
+    constexpr int KP = FP8 ? 2 : 1;  // BF16 planes per staged tensor (hi, lo)
+    float* sS = reinterpret_cast<float*>(att_smem);  // [2 halves][ATT_Q][ATT_SLD]
+    float* sM = sS + 2 * ATT_Q * ATT_SLD;            // [ATT_Q] running max
+    float* sL = sM + ATT_Q;                          // [ATT_Q] running sum
+    float* sA = sL + ATT_Q;                          // [ATT_Q] rescale of this tile
+    bf16_t* sQh = reinterpret_cast<bf16_t*>(sA + ATT_Q);  // [ATT_Q][ldk]
+    bf16_t* sQl = sQh + ATT_Q * a.ldk;
+    bf16_t* sKh = sQl + ATT_Q * a.ldk;  // [ATT_ROWS][ldk]
+    bf16_t* sKl = FP8 ? sKh + ATT_ROWS * a.ldk : sKh;
+    bf16_t* after_k = sKh + KP * ATT_ROWS * a.ldk;
+    bf16_t* sVh = a.shared_kv ? sKh : after_k;  // [ATT_ROWS][ldv]
+    bf16_t* sVl = a.shared_kv ? sKl : (FP8 ? after_k + ATT_ROWS * a.ldv : sVh);
+    bf16_t* sPh = a.shared_kv ? after_k : after_k + KP * ATT_ROWS * a.ldv;  // [ATT_Q][ATT_PLD]
+    bf16_t* sPl = sPh + ATT_Q * ATT_PLD;
+    const int ldvs = a.shared_kv ? a.ldk : a.ldv;  // row stride of the staged values
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, gid = lane >> 2, tig = lane & 3;
     const int split = blockIdx.x, g = blockIdx.y, qtile = blockIdx.z;
     const int group_heads = a.heads / a.kv_heads;
     const int nq = a.t * group_heads;  // queries of this kv group
-    const int q0 = qtile * a.qt;
+    const int q0 = qtile * ATT_Q;
+    const int qn = min(ATT_Q, nq - q0);
 
-    // Stage the queries (zero-padded to ldq and to QT) and reset the running softmax state.
-    int last_i = 0;
-    for (int idx = tid; idx < QT * a.ldq; idx += blockDim.x) {
-        const int qq = idx / a.ldq, d = idx - qq * a.ldq;
-        const int j = q0 + qq;
-        float v = 0.0f;
-        if (qq < a.qt && j < nq && d < a.k_dim) {
-            const int i = j / group_heads, h = g * group_heads + (j - i * group_heads);
-            v = a.q[((long long)i * a.heads + h) * a.k_dim + d];
-        }
-        sQ[idx] = v;
-    }
-    if (tid < QT) {
-        sM[tid] = att_neg_inf();
-        sL[tid] = 0.0f;
-    }
-    {
-        const int jl = min(q0 + a.qt, nq) - 1;  // the block's last query sees the most rows
-        last_i = jl / group_heads;
-    }
+    const int last_i = (q0 + qn - 1) / group_heads;  // the block's last query sees the most rows
     const long long visible = (long long)a.q_start + a.t;
     const long long s_begin = (long long)split * a.split_rows;
     long long s_end = s_begin + a.split_rows;
     if (s_end > visible) s_end = visible;
     const long long block_end = min(s_end, (long long)a.q_start + last_i + 1);
 
-    float acc[CPT][QT];
+    const int pk = a.k_dim / a.vec, pv = a.shared_kv ? 0 : a.v_dim / a.vec;
+    // The first tile's bytes are requested before the queries are staged, so the two overlap.
+    uint4 pw[ATT_PF];
+    float ps[ATT_PF];
 #pragma unroll
-    for (int c = 0; c < CPT; c++)
+    for (int i = 0; i < ATT_PF; i++) ps[i] = 0.0f;
+    if (s_begin < block_end) {
+        const int n_r = (int)min((long long)ATT_ROWS, block_end - s_begin);
+        const int nk = n_r * pk, nu = n_r * (pk + pv);
 #pragma unroll
-        for (int q = 0; q < QT; q++) acc[c][q] = 0.0f;
-
-    const int r_mine = tid / ATT_PARTS, part = tid % ATT_PARTS;
-    const int chunks = a.ldq >> 2;  // 4-float chunks of a key (ldq == ldk, both padded with zeros)
-
-    for (long long row0 = s_begin; row0 < block_end; row0 += ATT_ROWS) {
-        const int n_r = (int)min((long long)ATT_ROWS, block_end - row0);
-        __syncthreads();  // the previous tile's sK/sV/sP are no longer read
-        stage_any<FP8>(a.vec_k, sK, a.ldk, a.k, a.k_scales, row0, n_r, a.k_row, g * a.k_dim, a.k_dim, a.group);
-        for (int idx = tid; idx < n_r * (a.ldk - a.k_dim); idx += blockDim.x) {  // zero key padding
-            const int w = a.ldk - a.k_dim, r = idx / w;
-            sK[r * a.ldk + a.k_dim + (idx - r * w)] = 0.0f;
+        for (int i = 0; i < ATT_PF; i++) {
+            const int u = tid + i * ATT_THREADS;
+            if (u < nu) att_load_unit<FP8>(a, g, s_begin, u, nk, pk, pv, pw[i], ps[i]);
         }
-        if (!a.shared_kv)
-            stage_any<FP8>(a.vec_v, sV, a.ldv, a.v, a.v_scales, row0, n_r, a.v_row, g * a.v_dim, a.v_dim, a.group);
-        __syncthreads();
+    }
 
-        // 2. Scores of row r_mine against every query.
-        {
-            float s[QT];
+    // Zero the K/V tiles once: padding columns and rows past a short last tile are read by the MMAs
+    // (multiplied by zero queries / probabilities), so they must hold finite values.
+    for (u32* p = reinterpret_cast<u32*>(sKh) + tid; p < reinterpret_cast<u32*>(sPh); p += ATT_THREADS) *p = 0u;
+    // Queries as BF16 hi/lo, zero-padded to ldk columns and to ATT_Q rows; 4 columns per item,
+    // ATT_QB items per thread in flight.
+    {
+        const int per = a.ldk >> 2, items = ATT_Q * per;
+        const bool v4 = (a.k_dim & 3) == 0;
+        for (int base = tid; base < items; base += ATT_THREADS * ATT_QB) {
+            float4 v[ATT_QB];
 #pragma unroll
-            for (int q = 0; q < QT; q++) s[q] = 0.0f;
-            if (r_mine < n_r) {
-                const float* kr = sK + r_mine * a.ldk;
-                for (int ch = part; ch < chunks; ch += ATT_PARTS) {
-                    const float4 kv = *reinterpret_cast<const float4*>(kr + 4 * ch);
-#pragma unroll
-                    for (int q = 0; q < QT; q++) {
-                        const float4 qv = *reinterpret_cast<const float4*>(sQ + q * a.ldq + 4 * ch);
-                        s[q] = fmaf(qv.x, kv.x, s[q]);
-                        s[q] = fmaf(qv.y, kv.y, s[q]);
-                        s[q] = fmaf(qv.z, kv.z, s[q]);
-                        s[q] = fmaf(qv.w, kv.w, s[q]);
+            for (int b = 0; b < ATT_QB; b++) {
+                v[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const int it = base + b * ATT_THREADS;
+                const int qq = it / per, d = (it - qq * per) * 4;
+                if (it < items && qq < qn && d < a.k_dim) {
+                    const int j = q0 + qq;
+                    const int i = j / group_heads, h = g * group_heads + (j - i * group_heads);
+                    const float* src = a.q + ((long long)i * a.heads + h) * a.k_dim + d;
+                    if (v4) {
+                        v[b] = *reinterpret_cast<const float4*>(src);
+                    } else {
+                        v[b].x = src[0];
+                        if (d + 1 < a.k_dim) v[b].y = src[1];
+                        if (d + 2 < a.k_dim) v[b].z = src[2];
+                        if (d + 3 < a.k_dim) v[b].w = src[3];
                     }
                 }
             }
 #pragma unroll
-            for (int q = 0; q < QT; q++) {
-#pragma unroll
-                for (int o = ATT_PARTS / 2; o > 0; o >>= 1) s[q] += __shfl_xor_sync(0xffffffffu, s[q], o);
+            for (int b = 0; b < ATT_QB; b++) {
+                const int it = base + b * ATT_THREADS;
+                if (it >= items) break;
+                const int qq = it / per, d = (it - qq * per) * 4;
+                bf16_t* dh = sQh + qq * a.ldk + d;
+                bf16_t* dl = sQl + qq * a.ldk + d;
+                att_split(v[b].x, dh[0], dl[0]);
+                att_split(v[b].y, dh[1], dl[1]);
+                att_split(v[b].z, dh[2], dl[2]);
+                att_split(v[b].w, dh[3], dl[3]);
             }
-            const long long abs_row = row0 + r_mine;
+        }
+    }
+    if (tid < ATT_Q) {
+        sM[tid] = att_neg_inf();
+        sL[tid] = 0.0f;
+    }
+
+
+    float acc[NTW][4];
 #pragma unroll
-            for (int q = 0; q < QT; q++) {
-                if (q % ATT_PARTS != part) continue;
-                const int j = q0 + q;
-                const bool ok = r_mine < n_r && q < a.qt && j < nq && abs_row <= (long long)a.q_start + j / group_heads;
-                sP[r_mine * QT + q] = ok ? s[q] * a.scale : att_neg_inf();
+    for (int i = 0; i < NTW; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) acc[i][e] = 0.0f;
+
+    const int ks_total = (a.k_dim + 15) >> 4;
+    const int ks_half = (ks_total + 1) >> 1;
+    const int ks0 = (warp >> 2) * ks_half, ks1 = min(ks_total, ks0 + ks_half);
+
+    for (long long row0 = s_begin; row0 < block_end; row0 += ATT_ROWS) {
+        const int n_r = (int)min((long long)ATT_ROWS, block_end - row0);
+        const int nk = n_r * pk, nu = n_r * (pk + pv);
+        __syncthreads();  // the previous tile is no longer read (first tile: zeroing done)
+#pragma unroll
+        for (int i = 0; i < ATT_PF; i++) {
+            const int u = tid + i * ATT_THREADS;
+            if (u < nu) att_store_unit<FP8>(a, u, nk, pk, pv, pw[i], ps[i], sKh, sKl, sVh, sVl);
+        }
+        for (int u = tid + ATT_PF * ATT_THREADS; u < nu; u += ATT_THREADS) {  // beyond the prefetch
+            uint4 w;
+            float sc = 0.0f;
+            att_load_unit<FP8>(a, g, row0, u, nk, pk, pv, w, sc);
+            att_store_unit<FP8>(a, u, nk, pk, pv, w, sc, sKh, sKl, sVh, sVl);
+        }
+        __syncthreads();
+        // Prefetch the next tile into registers; it lands while this one is computed.
+        if (row0 + ATT_ROWS < block_end) {
+            const long long nrow0 = row0 + ATT_ROWS;
+            const int n_r2 = (int)min((long long)ATT_ROWS, block_end - nrow0);
+            const int nk2 = n_r2 * pk, nu2 = n_r2 * (pk + pv);
+#pragma unroll
+            for (int i = 0; i < ATT_PF; i++) {
+                const int u = tid + i * ATT_THREADS;
+                if (u < nu2) att_load_unit<FP8>(a, g, nrow0, u, nk2, pk, pv, pw[i], ps[i]);
             }
+        }
+
+        // 2. Scores: n-tile (warp & 3), key half (warp >> 2).
+        {
+            const int nt = warp & 3;
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const bf16_t* kr = sKh + (nt * 8 + gid) * a.ldk + 2 * tig;
+            const bf16_t* qh = sQh + gid * a.ldk + 2 * tig;
+            const bf16_t* ql = sQl + gid * a.ldk + 2 * tig;
+            const int q8 = 8 * a.ldk;
+            for (int ks = ks0; ks < ks1; ks++) {
+                const int k0 = ks * 16;
+                const u32 ah[4] = {att_ld2(qh + k0), att_ld2(qh + q8 + k0), att_ld2(qh + k0 + 8),
+                                   att_ld2(qh + q8 + k0 + 8)};
+                const u32 al[4] = {att_ld2(ql + k0), att_ld2(ql + q8 + k0), att_ld2(ql + k0 + 8),
+                                   att_ld2(ql + q8 + k0 + 8)};
+                const u32 b0 = att_ld2(kr + k0), b1 = att_ld2(kr + k0 + 8);
+                att_mma(c, ah, b0, b1);
+                att_mma(c, al, b0, b1);
+                if constexpr (FP8) {
+                    const bf16_t* krl = sKl + (nt * 8 + gid) * a.ldk + 2 * tig;
+                    att_mma(c, ah, att_ld2(krl + k0), att_ld2(krl + k0 + 8));
+                }
+            }
+            float* so = sS + (warp >> 2) * ATT_Q * ATT_SLD + nt * 8 + 2 * tig;
+            so[gid * ATT_SLD] = c[0];
+            so[gid * ATT_SLD + 1] = c[1];
+            so[(gid + 8) * ATT_SLD] = c[2];
+            so[(gid + 8) * ATT_SLD + 1] = c[3];
         }
         __syncthreads();
 
         // 3. Online softmax, one warp per query; lane = row.
-        for (int q = warp; q < QT; q += ATT_THREADS / 32) {
-            const float sc = lane < n_r ? sP[lane * QT + q] : att_neg_inf();
+        for (int qq = warp; qq < ATT_Q; qq += ATT_WARPS) {
+            const int j = q0 + qq;
+            const bool ok = qq < qn && lane < n_r && row0 + lane <= (long long)a.q_start + j / group_heads;
+            const float raw = (sS[qq * ATT_SLD + lane] + sS[(ATT_Q + qq) * ATT_SLD + lane]) * a.scale;
+            const float sc = ok ? raw : att_neg_inf();
             float mx = sc;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_old = sM[q];
+            const float m_old = sM[qq];
             const float m_new = fmaxf(m_old, mx);
             float p = 0.0f, alpha = 1.0f;
             if (m_new != att_neg_inf()) {
@@ -244,120 +335,177 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
             float sum = p;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            sP[lane * QT + q] = p;
-            __syncwarp();
+            att_split(p, sPh[qq * ATT_PLD + lane], sPl[qq * ATT_PLD + lane]);
             if (lane == 0) {
-                sM[q] = m_new;
-                sL[q] = sL[q] * alpha + sum;
-                sA[q] = alpha;
+                sM[qq] = m_new;
+                sL[qq] = sL[qq] * alpha + sum;
+                sA[qq] = alpha;
             }
         }
         __syncthreads();
 
-        // 4. acc = acc * alpha + P · V over the tile's rows.
-        float al[QT];
+        // 4. O = O * alpha + P · V; warp owns value n-tiles warp, warp + 8, ...
+        {
+            const float al0 = sA[gid], al8 = sA[gid + 8];
 #pragma unroll
-        for (int q = 0; q < QT; q++) al[q] = sA[q];
-#pragma unroll
-        for (int c = 0; c < CPT; c++)
-#pragma unroll
-            for (int q = 0; q < QT; q++) acc[c][q] *= al[q];
-        for (int r = 0; r < n_r; r++) {
-            float pr[QT];
-#pragma unroll
-            for (int q = 0; q < QT; q += 4) {
-                const float4 v4 = *reinterpret_cast<const float4*>(sP + r * QT + q);
-                pr[q] = v4.x; pr[q + 1] = v4.y; pr[q + 2] = v4.z; pr[q + 3] = v4.w;
+            for (int i = 0; i < NTW; i++) {
+                acc[i][0] *= al0;
+                acc[i][1] *= al0;
+                acc[i][2] *= al8;
+                acc[i][3] *= al8;
             }
-            const float* vr = sV + r * (a.shared_kv ? a.ldk : a.ldv);
 #pragma unroll
-            for (int c = 0; c < CPT; c++) {
-                const int col = tid + c * ATT_THREADS;
-                const float vv = col < a.v_dim ? vr[col] : 0.0f;
+            for (int r0 = 0; r0 < ATT_ROWS; r0 += 16) {
+                const bf16_t* ph = sPh + gid * ATT_PLD + r0 + 2 * tig;
+                const bf16_t* pl = sPl + gid * ATT_PLD + r0 + 2 * tig;
+                const u32 pa[4] = {att_ld2(ph), att_ld2(ph + 8 * ATT_PLD), att_ld2(ph + 8), att_ld2(ph + 8 * ATT_PLD + 8)};
+                const u32 pb[4] = {att_ld2(pl), att_ld2(pl + 8 * ATT_PLD), att_ld2(pl + 8), att_ld2(pl + 8 * ATT_PLD + 8)};
 #pragma unroll
-                for (int q = 0; q < QT; q++) acc[c][q] = fmaf(pr[q], vv, acc[c][q]);
+                for (int i = 0; i < NTW; i++) {
+                    const int nt = warp + ATT_WARPS * i;
+                    if (nt * 8 >= a.v_dim) break;  // warp-uniform
+                    const bf16_t* vp = sVh + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
+                    const u32 b0 = att_pack(vp[0], vp[ldvs]), b1 = att_pack(vp[8 * ldvs], vp[9 * ldvs]);
+                    att_mma(acc[i], pa, b0, b1);
+                    att_mma(acc[i], pb, b0, b1);
+                    if constexpr (FP8) {
+                        const bf16_t* vl = sVl + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
+                        att_mma(acc[i], pa, att_pack(vl[0], vl[ldvs]), att_pack(vl[8 * ldvs], vl[9 * ldvs]));
+                    }
+                }
             }
         }
     }
     __syncthreads();
 
-    // Results: per query (token i, head h) -> global index i*heads + h.
+    // Results: query qq = (token i, head h) -> global index i*heads + h.
     const int nq_total = a.t * a.heads;
 #pragma unroll
-    for (int q = 0; q < QT; q++) {
-        const int j = q0 + q;
-        if (q >= a.qt || j >= nq) continue;
-        const int i = j / group_heads, h = g * group_heads + (j - i * group_heads);
-        const long long gq = (long long)i * a.heads + h;
-        const float m = sM[q], l = sL[q];
-        if (a.n_splits == 1) {
-            const float inv = 1.0f / l;
+    for (int i = 0; i < NTW; i++) {
+        const int col = (warp + ATT_WARPS * i) * 8 + 2 * tig;
 #pragma unroll
-            for (int c = 0; c < CPT; c++) {
-                const int col = tid + c * ATT_THREADS;
-                if (col < a.v_dim) a.out[gq * a.v_dim + col] = acc[c][q] * inv;
-            }
-        } else {
-            const long long base = (long long)split * nq_total + gq;
+        for (int half = 0; half < 2; half++) {
+            const int qq = gid + 8 * half;
+            if (qq >= qn) continue;
+            const int j = q0 + qq;
+            const int ti = j / group_heads, h = g * group_heads + (j - ti * group_heads);
+            const long long gq = (long long)ti * a.heads + h;
 #pragma unroll
-            for (int c = 0; c < CPT; c++) {
-                const int col = tid + c * ATT_THREADS;
-                if (col < a.v_dim) a.ws_o[base * a.v_dim + col] = acc[c][q];
-            }
-            if (tid == 0) {
-                a.ws_ml[base * 2] = m;
-                a.ws_ml[base * 2 + 1] = l;
+            for (int e = 0; e < 2; e++) {
+                if (col + e >= a.v_dim) continue;
+                const float v = acc[i][2 * half + e];
+                if (a.n_splits == 1) {
+                    a.out[gq * a.v_dim + col + e] = v * (1.0f / sL[qq]);
+                } else {
+                    a.ws_o[((long long)split * nq_total + gq) * a.v_dim + col + e] = v;
+                }
             }
         }
+    }
+    if (a.n_splits > 1 && tid < qn) {
+        const int j = q0 + tid;
+        const int ti = j / group_heads, h = g * group_heads + (j - ti * group_heads);
+        const long long base = (long long)split * nq_total + (long long)ti * a.heads + h;
+        a.ws_ml[base * 2] = sM[tid];
+        a.ws_ml[base * 2 + 1] = sL[tid];
     }
 }
 
-// One entry point per (dtype, columns per thread, queries per block).
-#define ATT_KERNEL(NAME, FP8, CPT, QT) \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(AttnArgs a) { attn_decode_body<FP8, CPT, QT>(a); }
+// One entry point per (dtype, value n-tiles per warp): NTW * 8 warps * 8 columns >= v_dim.
+#define ATT_KERNEL(NAME, FP8, NTW) \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(AttnArgs a) { attn_decode_body<FP8, NTW>(a); }
 
-ATT_KERNEL(attn_decode_bf16_c1_q4, false, 1, 4)
-ATT_KERNEL(attn_decode_bf16_c1_q8, false, 1, 8)
-ATT_KERNEL(attn_decode_bf16_c1_q16, false, 1, 16)
-ATT_KERNEL(attn_decode_bf16_c2_q4, false, 2, 4)
-ATT_KERNEL(attn_decode_bf16_c2_q8, false, 2, 8)
-ATT_KERNEL(attn_decode_bf16_c2_q16, false, 2, 16)
-ATT_KERNEL(attn_decode_bf16_c4_q4, false, 4, 4)
-ATT_KERNEL(attn_decode_bf16_c4_q8, false, 4, 8)
-ATT_KERNEL(attn_decode_bf16_c4_q16, false, 4, 16)
-ATT_KERNEL(attn_decode_fp8_c1_q4, true, 1, 4)
-ATT_KERNEL(attn_decode_fp8_c1_q8, true, 1, 8)
-ATT_KERNEL(attn_decode_fp8_c1_q16, true, 1, 16)
-ATT_KERNEL(attn_decode_fp8_c2_q4, true, 2, 4)
-ATT_KERNEL(attn_decode_fp8_c2_q8, true, 2, 8)
-ATT_KERNEL(attn_decode_fp8_c2_q16, true, 2, 16)
-ATT_KERNEL(attn_decode_fp8_c4_q4, true, 4, 4)
-ATT_KERNEL(attn_decode_fp8_c4_q8, true, 4, 8)
-ATT_KERNEL(attn_decode_fp8_c4_q16, true, 4, 16)
+ATT_KERNEL(attn_decode_bf16_n2, false, 2)
+ATT_KERNEL(attn_decode_bf16_n4, false, 4)
+ATT_KERNEL(attn_decode_bf16_n8, false, 8)
+ATT_KERNEL(attn_decode_bf16_n16, false, 16)
+ATT_KERNEL(attn_decode_fp8_n2, true, 2)
+ATT_KERNEL(attn_decode_fp8_n4, true, 4)
+ATT_KERNEL(attn_decode_fp8_n8, true, 8)
+ATT_KERNEL(attn_decode_fp8_n16, true, 16)
 
 // Merges the splits of every query: out = Σ_s e^(m_s - M) O_s / Σ_s e^(m_s - M) l_s.
-// Grid: (t*heads), block: any multiple of 32; shared memory: n_splits floats.
-extern "C" __global__ void attn_decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                                               float* __restrict__ out, int nq_total, int v_dim, int n_splits) {
-    extern __shared__ float sw[];
+// Grid: (t*heads, ceil(v_dim / COMB_COLS)), block: COMB_THREADS; shared memory: n_splits + 32
+// floats plus COMB_THREADS float4. Thread (column quad tid % 32, split lane tid / 32) sums the splits
+// s = lane, lane + 8, ... of 4 columns; the 8 partial sums are added in a fixed order, so the result
+// does not depend on timing.
+#define COMB_THREADS 256
+#define COMB_COLS 128
+extern "C" __global__ void __launch_bounds__(COMB_THREADS)
+    attn_decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, float* __restrict__ out,
+                        int nq_total, int v_dim, int n_splits) {
+    extern __shared__ __align__(16) float sw[];
+    float4* part = reinterpret_cast<float4*>(sw + ((n_splits + 32 + 3) & ~3));  // [COMB_THREADS]
+    float* red = sw + n_splits;
     const long long gq = blockIdx.x;
-    if (gq >= nq_total) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = COMB_THREADS / 32;
     float mx = att_neg_inf();
-    for (int s = 0; s < n_splits; s++) mx = fmaxf(mx, ws_ml[((long long)s * nq_total + gq) * 2]);
-    float denom = 0.0f;
-    for (int s = 0; s < n_splits; s++) {
+    for (int s = tid; s < n_splits; s += COMB_THREADS) mx = fmaxf(mx, ws_ml[((long long)s * nq_total + gq) * 2]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = att_neg_inf();
+    for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, red[w]);
+    __syncthreads();
+    float den = 0.0f;
+    for (int s = tid; s < n_splits; s += COMB_THREADS) {
         const float m = ws_ml[((long long)s * nq_total + gq) * 2];
         const float w = m == att_neg_inf() ? 0.0f : expf(m - mx);
-        denom += w * ws_ml[((long long)s * nq_total + gq) * 2 + 1];
-        if (threadIdx.x == 0) sw[s] = w;
+        sw[s] = w;
+        den += w * ws_ml[((long long)s * nq_total + gq) * 2 + 1];
     }
+    den = block_sum(den, red);  // ends with a barrier: sw is complete
+    const int c = blockIdx.y * COMB_COLS + (tid & 31) * 4;
+    const int sl = tid >> 5;
+    const long long stride = (long long)nq_total * v_dim;
+    const float* o = ws_o + gq * v_dim + c;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (c < v_dim) {
+        if ((v_dim & 3) == 0) {
+            for (int s = sl; s < n_splits; s += 4 * nwarps) {  // 4 loads in flight
+                float4 v[4];
+                float w[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const int ss = s + k * nwarps;
+                    w[k] = ss < n_splits ? sw[ss] : 0.0f;
+                    v[k] = ss < n_splits ? *reinterpret_cast<const float4*>(o + ss * stride)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    acc.x = fmaf(w[k], v[k].x, acc.x);
+                    acc.y = fmaf(w[k], v[k].y, acc.y);
+                    acc.z = fmaf(w[k], v[k].z, acc.z);
+                    acc.w = fmaf(w[k], v[k].w, acc.w);
+                }
+            }
+        } else {
+            for (int s = sl; s < n_splits; s += nwarps) {
+                const float w = sw[s];
+                const float* os = o + s * stride;
+                acc.x = fmaf(w, os[0], acc.x);
+                if (c + 1 < v_dim) acc.y = fmaf(w, os[1], acc.y);
+                if (c + 2 < v_dim) acc.z = fmaf(w, os[2], acc.z);
+                if (c + 3 < v_dim) acc.w = fmaf(w, os[3], acc.w);
+            }
+        }
+    }
+    part[tid] = acc;
     __syncthreads();
-    const float inv = 1.0f / denom;
-    for (int c = threadIdx.x; c < v_dim; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < n_splits; s++) acc = fmaf(sw[s], ws_o[((long long)s * nq_total + gq) * v_dim + c], acc);
-        out[gq * v_dim + c] = acc * inv;
+    if (sl != 0 || c >= v_dim) return;
+    float4 t = part[tid];
+    for (int k = 1; k < nwarps; k++) {
+        const float4 p = part[tid + 32 * k];
+        t.x += p.x;
+        t.y += p.y;
+        t.z += p.z;
+        t.w += p.w;
     }
+    const float inv = 1.0f / den;
+    const float r[4] = {t.x, t.y, t.z, t.w};
+    for (int e = 0; e < 4 && c + e < v_dim; e++) out[gq * v_dim + c + e] = r[e] * inv;
 }
 
 // MLA weight absorption: dst[i,h,0:latent] = Σ_d q[i,h,d] · kv_b[h*(nope+v) + d, :] (d < nope), and

@@ -3,14 +3,16 @@
 //!
 //! Each block takes up to 16 queries of one kv group (MLA: all heads of a token share the latent
 //! row, so the row is read once per block for every head; GQA: the heads of one kv head), stages
-//! 32 cache rows at a time into shared memory as f32 and keeps an online softmax; each split
-//! writes (max, sum, unnormalised output) into a [`DecodeWorkspace`] and a combine kernel merges
-//! them ([`decode_split_count`] is the rule for how many splits). With one split the attention
-//! kernel writes the output itself. Scores and sums are f32 with accurate `expf`.
+//! 32 cache rows at a time into shared memory as BF16 (the next tile's bytes are in flight while
+//! one is computed) and computes scores and P·V with BF16 tensor-core MMAs (f32 operands split
+//! into BF16 hi + lo halves, f32 accumulation: ~2^-17 relative, see attn_decode.cu), with one
+//! online-softmax update per tile; each split writes (max, sum, unnormalised output) into a
+//! [`DecodeWorkspace`] and a combine kernel merges them ([`decode_split_count`] is the rule for
+//! how many splits). With one split the attention kernel writes the output itself.
 //!
-//! Limits: MLA latent ≤ [`MAX_LATENT`], rope ≤ [`MAX_ROPE`]; GQA head_dim ≤ [`MAX_HEAD_DIM`]; the
-//! shared memory a configuration needs must fit the device (V2-Lite's MLA needs ~113 KB with 16
-//! queries per block, fewer queries per block are used where the device allows less).
+//! Needs sm_80+ (mma.sync BF16). Limits: MLA latent ≤ [`MAX_LATENT`], rope ≤ [`MAX_ROPE`]; GQA
+//! head_dim ≤ [`MAX_HEAD_DIM`]; the shared memory a configuration needs must fit the device
+//! (V2-Lite's MLA: ~80 KB BF16, ~118 KB FP8).
 
 use std::collections::HashMap;
 
@@ -26,31 +28,21 @@ pub const ATTN_DECODE: KernelSource = KernelSource {
     src: include_str!("../kernels/attn_decode.cu"),
     headers: HEADERS,
     functions: &[
-        "attn_decode_bf16_c1_q4",
-        "attn_decode_bf16_c1_q8",
-        "attn_decode_bf16_c1_q16",
-        "attn_decode_bf16_c2_q4",
-        "attn_decode_bf16_c2_q8",
-        "attn_decode_bf16_c2_q16",
-        "attn_decode_bf16_c4_q4",
-        "attn_decode_bf16_c4_q8",
-        "attn_decode_bf16_c4_q16",
-        "attn_decode_fp8_c1_q4",
-        "attn_decode_fp8_c1_q8",
-        "attn_decode_fp8_c1_q16",
-        "attn_decode_fp8_c2_q4",
-        "attn_decode_fp8_c2_q8",
-        "attn_decode_fp8_c2_q16",
-        "attn_decode_fp8_c4_q4",
-        "attn_decode_fp8_c4_q8",
-        "attn_decode_fp8_c4_q16",
+        "attn_decode_bf16_n2",
+        "attn_decode_bf16_n4",
+        "attn_decode_bf16_n8",
+        "attn_decode_bf16_n16",
+        "attn_decode_fp8_n2",
+        "attn_decode_fp8_n4",
+        "attn_decode_fp8_n8",
+        "attn_decode_fp8_n16",
         "attn_decode_combine",
         "mla_absorb_q",
         "mla_apply_uv",
     ],
 };
 
-/// Largest MLA latent (values per head) the decode kernel supports: 4 output columns per thread.
+/// Largest MLA latent (values per head) the decode kernel supports: 16 value n-tiles per warp.
 pub const MAX_LATENT: usize = 1024;
 /// Largest MLA rope-key width.
 pub const MAX_ROPE: usize = 256;
@@ -59,20 +51,26 @@ pub const MAX_HEAD_DIM: usize = 256;
 
 /// Threads per attention block (must match `ATT_THREADS` in attn_decode.cu).
 const ATT_THREADS: u32 = 256;
-/// Cache rows per shared-memory tile (must match `ATT_ROWS`: one warp lane per row).
+/// Cache rows per shared-memory tile (must match `ATT_ROWS`: 4 MMA n-tiles, one lane per row).
 const ATT_ROWS: usize = 32;
-/// Query-per-block variants compiled (`_q4`, `_q8`, `_q16`): the accumulators are registers.
-const QUERY_TILES: [usize; 3] = [4, 8, 16];
-/// A split streams at least two tiles: below that the per-block query staging (as many bytes as
-/// a tile for V2-Lite) and the combine traffic outweigh the rows it reads.
-pub const MIN_ROWS_PER_SPLIT: usize = 64;
-/// Target resident blocks per SM: V2-Lite's configuration takes ~113 KB of shared memory, so two
-/// fit an H100/H200 SM; more splits than that only add combine work.
+/// Queries per block (must match `ATT_Q`: the MMA's M).
+const ATT_Q: usize = 16;
+/// f32 score row stride and BF16 probability row stride (`ATT_SLD`, `ATT_PLD`).
+const ATT_SLD: usize = ATT_ROWS + 4;
+const ATT_PLD: usize = ATT_ROWS + 8;
+/// Value n-tiles per warp compiled (`_n2` .. `_n16`): 8 warps x 8 columns each.
+const VALUE_TILES: [usize; 4] = [2, 4, 8, 16];
+/// A split covers at least one tile: shorter splits leave MMA rows idle and only add combine work.
+pub const MIN_ROWS_PER_SPLIT: usize = 32;
+/// Target resident blocks per SM: V2-Lite's BF16 configuration takes ~80 KB of shared memory, so
+/// two fit an H100/H200 SM, and a second block hides the first one's load latency.
 pub const BLOCKS_PER_SM: usize = 2;
 /// Upper bound on splits (the combine kernel keeps one weight per split in shared memory).
 pub const MAX_SPLITS: usize = 256;
-/// Threads of the combine kernel.
-const COMBINE_THREADS: u32 = 128;
+/// Threads of the combine kernel (must match `COMB_THREADS`).
+const COMBINE_THREADS: u32 = 256;
+/// Output columns per combine block (must match `COMB_COLS`: 32 quads of columns).
+const COMBINE_COLS: usize = 128;
 /// Latent columns per block of the absorb kernel (one per thread).
 const ABSORB_THREADS: u32 = 128;
 /// Threads of the W_UV kernel (one warp per output element).
@@ -191,12 +189,9 @@ struct AttnArgs {
     q_start: i32,
     n_splits: i32,
     split_rows: i32,
-    qt: i32,
-    ldq: i32,
     ldk: i32,
     ldv: i32,
-    vec_k: i32,
-    vec_v: i32,
+    vec: i32,
     scale: f32,
 }
 
@@ -210,20 +205,30 @@ enum Kind {
     Gqa { kv_heads: usize, head_dim: usize },
 }
 
-/// Widest staging load (elements) that divides everything a chunk must not straddle.
+/// Elements per staging unit: 16 bytes' worth when every row, slice offset and (FP8) scale
+/// group is a multiple of it, else 1 (unaligned shapes take the element-wise path).
 fn stage_vec(dtype: KvDtype, row: usize, len: usize, group: usize) -> i32 {
-    let options: &[usize] = match dtype {
-        KvDtype::Fp8 => &[16, 8, 4, 1],
-        KvDtype::Bf16 => &[8, 4, 2, 1],
-    };
-    let ok = |v: usize| {
-        row.is_multiple_of(v) && len.is_multiple_of(v) && (dtype == KvDtype::Bf16 || group.is_multiple_of(v))
-    };
-    options.iter().copied().find(|&v| ok(v)).unwrap_or(1) as i32
+    let v = 16 / dtype.elem_bytes();
+    let ok = row.is_multiple_of(v) && len.is_multiple_of(v) && (dtype == KvDtype::Bf16 || group.is_multiple_of(v));
+    if ok {
+        v as i32
+    } else {
+        1
+    }
 }
 
-fn smem_bytes(qt: usize, ldk: usize, ldv: Option<usize>) -> usize {
-    4 * (qt * ldk + ATT_ROWS * ldk + ldv.map_or(0, |l| ATT_ROWS * l) + ATT_ROWS * qt + 3 * qt)
+/// Shared-memory row stride (BF16 elements) for `dim` columns: a multiple of 16 plus 8, so the
+/// MMA fragment loads of 8 rows hit 32 distinct banks and rows stay 16-byte aligned.
+fn smem_ld(dim: usize) -> usize {
+    dim.next_multiple_of(16) + 8
+}
+
+/// Dynamic shared memory of one block: scores, softmax state, Q hi/lo, K (and GQA V) tiles (FP8:
+/// hi and lo planes), P hi/lo.
+fn smem_bytes(dtype: KvDtype, ldk: usize, ldv: Option<usize>) -> usize {
+    let planes = if dtype == KvDtype::Fp8 { 2 } else { 1 };
+    4 * (2 * ATT_Q * ATT_SLD + 3 * ATT_Q)
+        + 2 * (2 * ATT_Q * ldk + planes * ATT_ROWS * (ldk + ldv.unwrap_or(0)) + 2 * ATT_Q * ATT_PLD)
 }
 
 fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
@@ -339,22 +344,16 @@ impl GpuDevice {
         let group_heads = heads / kv_heads;
         let nq = t * group_heads;
 
-        // Queries per block: the smallest compiled tile that holds them all, smaller if the
-        // device's shared memory needs it.
-        let ldk = k_dim.next_multiple_of(4);
-        let ldv = if shared_kv { None } else { Some(v_dim) };
+        let ldk = smem_ld(k_dim);
+        let ldv = if shared_kv { None } else { Some(smem_ld(v_dim)) };
         let limit = ws.smem_optin(self)?;
-        let mut qt = QUERY_TILES.iter().copied().find(|&q| q >= nq).unwrap_or(16);
-        while smem_bytes(qt, ldk, ldv) > limit && qt > QUERY_TILES[0] {
-            qt /= 2;
-        }
-        let smem = smem_bytes(qt, ldk, ldv);
+        let smem = smem_bytes(lay.dtype, ldk, ldv);
         shape(OP, smem <= limit, || {
             format!(
                 "k_dim {k_dim} / v_dim {v_dim} need {smem} bytes of shared memory per block, the device allows {limit}"
             )
         })?;
-        let qtiles = nq.div_ceil(qt);
+        let qtiles = nq.div_ceil(ATT_Q);
         shape(OP, qtiles <= 65535 && kv_heads <= 65535, || {
             format!("{qtiles} query tiles x {kv_heads} kv heads: grid too large")
         })?;
@@ -381,8 +380,9 @@ impl GpuDevice {
             ws.ensure(self, most.max(n_splits), t * heads, v_dim)?;
         }
 
-        let cpt = v_dim.div_ceil(ATT_THREADS as usize).next_power_of_two();
-        let fname = kernel_name(lay.dtype, cpt, qt);
+        let ntw = v_dim.div_ceil(8 * (ATT_THREADS as usize / 32));
+        let ntw = VALUE_TILES.iter().copied().find(|&n| n >= ntw).unwrap_or(16);
+        let fname = kernel_name(lay.dtype, ntw);
         let f = self.function(&ATTN_DECODE, fname)?;
         if smem > DEFAULT_SMEM_LIMIT && ws.smem_set.get(fname).is_none_or(|&s| s < smem) {
             f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -418,12 +418,14 @@ impl GpuDevice {
             q_start: i32_of(OP, "q_start", q_start)?,
             n_splits: n_splits as i32,
             split_rows: i32_of(OP, "split rows", split_rows)?,
-            qt: qt as i32,
-            ldq: ldk as i32,
             ldk: ldk as i32,
             ldv: ldv.unwrap_or(0) as i32,
-            vec_k: stage_vec(lay.dtype, row, k_dim, lay.scale_group),
-            vec_v: stage_vec(lay.dtype, row, v_dim, lay.scale_group),
+            vec: stage_vec(lay.dtype, row, k_dim, lay.scale_group).min(stage_vec(
+                lay.dtype,
+                row,
+                v_dim,
+                lay.scale_group,
+            )),
             scale,
         };
         let cfg = LaunchConfig {
@@ -443,9 +445,9 @@ impl GpuDevice {
             let mut b = s.launch_builder(&f);
             b.arg(&ws_o).arg(&ws_ml).arg(&out_p).arg(&nq_total).arg(&v_i).arg(&n_i);
             let cfg = LaunchConfig {
-                grid_dim: (nq_total as u32, 1, 1),
+                grid_dim: (nq_total as u32, v_dim.div_ceil(COMBINE_COLS) as u32, 1),
                 block_dim: (COMBINE_THREADS, 1, 1),
-                shared_mem_bytes: (n_splits * 4) as u32,
+                shared_mem_bytes: ((n_splits + 32).next_multiple_of(4) * 4 + COMBINE_THREADS as usize * 16) as u32,
             };
             // SAFETY: as above.
             unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
@@ -562,26 +564,16 @@ impl GpuDevice {
     }
 }
 
-fn kernel_name(dtype: KvDtype, cpt: usize, qt: usize) -> &'static str {
-    match (dtype, cpt, qt) {
-        (KvDtype::Bf16, 1, 4) => "attn_decode_bf16_c1_q4",
-        (KvDtype::Bf16, 1, 8) => "attn_decode_bf16_c1_q8",
-        (KvDtype::Bf16, 1, _) => "attn_decode_bf16_c1_q16",
-        (KvDtype::Bf16, 2, 4) => "attn_decode_bf16_c2_q4",
-        (KvDtype::Bf16, 2, 8) => "attn_decode_bf16_c2_q8",
-        (KvDtype::Bf16, 2, _) => "attn_decode_bf16_c2_q16",
-        (KvDtype::Bf16, _, 4) => "attn_decode_bf16_c4_q4",
-        (KvDtype::Bf16, _, 8) => "attn_decode_bf16_c4_q8",
-        (KvDtype::Bf16, _, _) => "attn_decode_bf16_c4_q16",
-        (KvDtype::Fp8, 1, 4) => "attn_decode_fp8_c1_q4",
-        (KvDtype::Fp8, 1, 8) => "attn_decode_fp8_c1_q8",
-        (KvDtype::Fp8, 1, _) => "attn_decode_fp8_c1_q16",
-        (KvDtype::Fp8, 2, 4) => "attn_decode_fp8_c2_q4",
-        (KvDtype::Fp8, 2, 8) => "attn_decode_fp8_c2_q8",
-        (KvDtype::Fp8, 2, _) => "attn_decode_fp8_c2_q16",
-        (KvDtype::Fp8, _, 4) => "attn_decode_fp8_c4_q4",
-        (KvDtype::Fp8, _, 8) => "attn_decode_fp8_c4_q8",
-        (KvDtype::Fp8, _, _) => "attn_decode_fp8_c4_q16",
+fn kernel_name(dtype: KvDtype, ntw: usize) -> &'static str {
+    match (dtype, ntw) {
+        (KvDtype::Bf16, 2) => "attn_decode_bf16_n2",
+        (KvDtype::Bf16, 4) => "attn_decode_bf16_n4",
+        (KvDtype::Bf16, 8) => "attn_decode_bf16_n8",
+        (KvDtype::Bf16, _) => "attn_decode_bf16_n16",
+        (KvDtype::Fp8, 2) => "attn_decode_fp8_n2",
+        (KvDtype::Fp8, 4) => "attn_decode_fp8_n4",
+        (KvDtype::Fp8, 8) => "attn_decode_fp8_n8",
+        (KvDtype::Fp8, _) => "attn_decode_fp8_n16",
     }
 }
 
@@ -693,13 +685,13 @@ mod tests {
 
     #[test]
     fn split_rule() {
-        // V2-Lite, one query tile, 132 SMs: 4K context → 64 splits of 64 rows; long contexts cap
-        // at two blocks per SM; short ones never go below MIN_ROWS_PER_SPLIT rows per split.
-        assert_eq!(decode_split_count(4096, 1, 132), 64);
+        // V2-Lite, one query tile, 132 SMs: 4K context → 128 one-tile splits; long contexts cap at
+        // MAX_SPLITS; short ones never go below MIN_ROWS_PER_SPLIT rows per split.
+        assert_eq!(decode_split_count(4096, 1, 132), 128);
         assert_eq!(decode_split_count(100_000, 1, 132), 256);
         assert_eq!(decode_split_count(1, 1, 132), 1);
-        assert_eq!(decode_split_count(64, 1, 132), 1);
-        assert_eq!(decode_split_count(65, 1, 132), 2);
+        assert_eq!(decode_split_count(32, 1, 132), 1);
+        assert_eq!(decode_split_count(33, 1, 132), 2);
         // Qwen3 GQA: 4 kv heads → fewer splits needed to fill the device.
         assert_eq!(decode_split_count(100_000, 4, 132), 66);
         // Degenerate inputs stay in range.
@@ -712,18 +704,23 @@ mod tests {
         assert_eq!(stage_vec(KvDtype::Bf16, 576, 576, 576), 8);
         assert_eq!(stage_vec(KvDtype::Fp8, 576, 576, 64), 16);
         assert_eq!(stage_vec(KvDtype::Fp8, 512, 128, 128), 16);
-        assert_eq!(stage_vec(KvDtype::Fp8, 72, 24, 24), 8);
+        assert_eq!(stage_vec(KvDtype::Fp8, 72, 24, 24), 1);
+        assert_eq!(stage_vec(KvDtype::Fp8, 576, 576, 8), 1);
         assert_eq!(stage_vec(KvDtype::Bf16, 72, 24, 72), 8);
         assert_eq!(stage_vec(KvDtype::Bf16, 40, 40, 40), 8);
-        assert_eq!(stage_vec(KvDtype::Bf16, 42, 42, 42), 2);
-        assert_eq!(stage_vec(KvDtype::Fp8, 42, 42, 6), 1);
+        assert_eq!(stage_vec(KvDtype::Bf16, 42, 42, 42), 1);
         assert_eq!(stage_vec(KvDtype::Bf16, 21, 7, 21), 1);
     }
 
     #[test]
     fn shared_memory_of_the_v2_lite_configuration() {
-        // 16 queries x 576 + 32 rows x 576 + 32x16 probabilities + 3x16 state, f32.
-        assert_eq!(smem_bytes(16, 576, None), 4 * (16 * 576 + 32 * 576 + 512 + 48));
-        assert!(smem_bytes(16, 576, None) < 114 * 1024);
+        // 576 columns → row stride 584; BF16: scores + state + Q hi/lo + one K tile + P hi/lo.
+        assert_eq!(smem_ld(576), 584);
+        assert_eq!(smem_ld(7), 24);
+        let bf16 = smem_bytes(KvDtype::Bf16, 584, None);
+        assert_eq!(bf16, 4 * (2 * 16 * 36 + 48) + 2 * (2 * 16 * 584 + 32 * 584 + 2 * 16 * 40));
+        // Two BF16 blocks fit an H100/H200 SM (228 KB); FP8 (hi/lo K planes) fits one block.
+        assert!(2 * bf16 < 227 * 1024);
+        assert!(smem_bytes(KvDtype::Fp8, 584, None) < 227 * 1024);
     }
 }
