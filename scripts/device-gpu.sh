@@ -42,6 +42,11 @@ if has model; then
     for kv in bf16 fp8; do
         timeout 300 $K bench --model $W/v2l --device gpu --kv-dtype $kv --decode-tokens 64 --prompt-tokens 512 2>&1 | tail -8
     done
+    echo "== 10K-token prompt through the whole model (flash prefill, O(T) memory)"
+    timeout 300 $K bench --model $W/v2l --device gpu --decode-tokens 16 --prompt-tokens 10240 2>&1 | tail -2
+    echo "== INT8 linears (all --*-quant int8)"
+    timeout 300 $K bench --model $W/v2l --device gpu --attention-quant int8 --shared-expert-quant int8 \
+        --dense-mlp-quant int8 --kv-b-proj-quant int8 --lm-head-quant int8 --decode-tokens 64 --prompt-tokens 512 2>&1 | tail -2
     echo "== generate smoke (--device gpu)"
     timeout 200 $K generate --model $W/v2l --device gpu --prompt "The experts live in VRAM" --max-new-tokens 16 2>&1 | tail -5
 fi

@@ -183,6 +183,40 @@ fn fp8_kv_against_bf16_kv() {
     assert!(failures.is_empty(), "against BF16 KV (need mean cos >= 0.999, top-1 >= 0.9): {failures:?}");
 }
 
+/// Every `--*-quant int8` flag at once (weight-only INT8 per output channel for attention, shared
+/// experts, dense MLP, kv_b_proj and the LM head) against the oracle. There is no fidelity bar for
+/// these flags in the issue; this prints the figures and catches a broken path (a wrong kernel
+/// gives cosines near 0, not 0.95).
+#[test]
+fn int8_linears_against_the_oracle() {
+    let Some(root) = fixtures_dir() else { return };
+    if !gpu_available("int8_linears_against_the_oracle") {
+        return;
+    }
+    use krasis_gpu::linear::LinearQuant::Int8;
+    for name in FIXTURE_NAMES {
+        let dir = root.join(name);
+        let r = load_reference(&dir);
+        let vocab = r.prefill_logits.len() / r.prompt_ids.len();
+        let opts = GpuOptions {
+            kv_tokens: Some(TEST_KV_TOKENS),
+            attention_quant: Int8,
+            shared_expert_quant: Int8,
+            dense_mlp_quant: Int8,
+            kv_b_proj_quant: Int8,
+            lm_head_quant: Int8,
+            ..GpuOptions::default()
+        };
+        let m = GpuModel::load(&dir, &opts).unwrap();
+        let mut s = m.new_session().unwrap();
+        let logits = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        assert!(logits.iter().all(|v| v.is_finite()), "{name}: non-finite logits with INT8 linears");
+        let f = fidelity(&logits, &r.prefill_logits, vocab);
+        eprintln!("{name} int8 linears: 1-cos {:.3e}, top1 {:.2}, min cos {:.5}", 1.0 - f.mean_cos, f.top1, f.min_cos);
+        assert!(f.mean_cos >= 0.95, "{name}: INT8 linears mean cos {:.4} against the oracle", f.mean_cos);
+    }
+}
+
 /// Greedy generation on the GPU: reports how many of the oracle's greedy tokens it reproduces
 /// (transformers' BF16 run reproduces `greedy_match_of_8`), and the host synchronisations per
 /// decoded token, which must be at most 2 (the sampled id's readback).
