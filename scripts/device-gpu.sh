@@ -22,7 +22,7 @@ if has tests; then
         $B/tests/sampling-* $B/tests/flash_prefill-* $B/tests/kv_cache-* $B/tests/attn_decode-*; do
         [ -x "$t" ] || continue
         echo "-- $t"
-        timeout 300 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|^GPU:|µs|us per|TFLOP|GB/s|failures:|^    [a-z_]+$|assert" | head -60
+        timeout 300 "$t" --test-threads=1 --nocapture 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|^GPU:|µs|us per|TFLOP|GB/s|failures:|^    [a-z_]+$|assert" | head -60
     done
 fi
 if has oracle; then
