@@ -7,63 +7,16 @@
 
 #![allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32};
-use krasis_gpu::kv_cache::{f32_to_fp8_e4m3, fp8_group_scale};
+use std::io::Write;
+
+use common::{assert_close, down, gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, twin_kv_row, up};
 use krasis_gpu::{
     bench_mla_decode, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype,
-    VramBudgetSpec,
 };
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; {}", d.info(), d.budget());
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T]) -> DeviceBuffer<T> {
-    d.upload(v, "test input").unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(-1.0f32..1.0) * scale))).collect()
-}
-
-/// What the cache stores for a row (the twin of `GpuKvCache::write`).
-fn stored(dtype: KvDtype, x: &[f32], group: usize) -> Vec<f32> {
-    match dtype {
-        KvDtype::Bf16 => x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect(),
-        KvDtype::Fp8 => x
-            .chunks(group)
-            .flat_map(|g| {
-                let s = fp8_group_scale(g);
-                g.iter().map(move |&v| fp8_e4m3_to_f32(if s == 0.0 { 0 } else { f32_to_fp8_e4m3(v / s) }) * s)
-            })
-            .collect(),
-    }
-}
 
 /// f64 causal attention: q [t, heads, kd]; keys of kv head g at k[p*k_stride + g*kd ..]; values at
 /// v[p*v_stride + g*vd ..].
@@ -105,14 +58,6 @@ fn twin_attention(
     out
 }
 
-fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let tol = atol + rtol * w.abs();
-        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w} (tol {tol:e})");
-    }
-}
-
 /// Output tolerance: f32 scores/sums over up to 5000 rows against the f64 twin.
 const RTOL: f32 = 2e-4;
 const ATOL: f32 = 2e-5;
@@ -143,19 +88,49 @@ fn fill_src(
     let mut pos = 0;
     while pos < rows {
         let n = (rows - pos).min(1 + pos % 700);
-        c.write(d, layer, plane, pos, n, &up(d, &src[pos * lay.row..(pos + n) * lay.row])).unwrap();
+        c.write(d, layer, plane, pos, n, &up(d, &src[pos * lay.row..(pos + n) * lay.row], "test input")).unwrap();
         pos += n;
     }
-    let st = src.chunks(lay.row).flat_map(|row| stored(lay.dtype, row, lay.scale_group)).collect();
+    let st = src.chunks(lay.row).flat_map(|row| twin_kv_row(lay.dtype, row, lay.scale_group)).collect();
     (src, st)
 }
 
 const CONTEXTS: [usize; 4] = [1, 7, 300, 5000];
 
+/// Every (context length S, queries t) with t ∈ {1, 3} and t <= S, for S in [`CONTEXTS`].
+fn context_steps() -> impl Iterator<Item = (usize, usize)> {
+    CONTEXTS.into_iter().flat_map(|s| [1usize, 3].into_iter().filter(move |&t| t <= s).map(move |t| (s, t)))
+}
+
+/// Runs `launch` into a NaN-poisoned output of `out_len` with the automatic split count, then 1,
+/// then `many` forced: each result against the twin's `want` (RTOL/ATOL), and the 1 and `many`
+/// results against each other (SPLIT_RTOL/SPLIT_ATOL). Returns the split count of the last run.
+fn check_split_counts(
+    d: &GpuDevice,
+    ws: &mut DecodeWorkspace,
+    many: usize,
+    out_len: usize,
+    want: &[f32],
+    what: &str,
+    mut launch: impl FnMut(&mut DeviceBuffer<f32>, &mut DecodeWorkspace) -> Result<(), GpuError>,
+) -> usize {
+    let mut results = Vec::new();
+    for force in [None, Some(1), Some(many)] {
+        ws.force_splits(force);
+        let mut out = poisoned_f32(d, out_len);
+        launch(&mut out, ws).unwrap();
+        let got = down(d, &out);
+        assert_close(&format!("{what} splits {force:?}->{}", ws.last_splits()), &got, want, RTOL, ATOL);
+        results.push(got);
+    }
+    assert_close("splits 1 vs many", &results[2], &results[1], SPLIT_RTOL, SPLIT_ATOL);
+    ws.last_splits()
+}
+
 #[test]
 fn mla_decode_matches_twin() {
     let Some(d) = gpu("mla_decode_matches_twin") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(21);
+    let mut r = rng(21);
     // (heads, latent, rope, scale group)
     for &(heads, latent, rope, group) in
         &[(16, 512, 64, 64), (4, 32, 8, 8), (3, 48, 16, 16), (5, 40, 8, 24), (2, 21, 3, 24)]
@@ -168,34 +143,18 @@ fn mla_decode_matches_twin() {
             let c = GpuKvCache::new(d, dtype, layers, 1, row, group, KvCapacity::Tokens(cap)).unwrap();
             let kv = fill(d, &c, 1, 0, cap, &mut r);
             let mut ws = DecodeWorkspace::new();
-            for &s in &CONTEXTS {
-                for t in [1usize, 3] {
-                    if t > s {
-                        continue;
-                    }
-                    let q_start = s - t;
-                    let q = rand_bf16(&mut r, t * heads * row, 2.0);
-                    let scale = 1.0 / ((128 + rope) as f32).sqrt();
-                    let want = twin_attention(&q, t, heads, 1, row, latent, &kv, row, &kv, row, q_start, scale);
-                    let q_d = up(d, &q);
-                    let mut results = Vec::new();
-                    for force in [None, Some(1), Some(37)] {
-                        ws.force_splits(force);
-                        let mut out = up(d, &vec![f32::NAN; t * heads * latent]);
-                        d.mla_decode_attention(&c, 1, &q_d, t, heads, latent, q_start, scale, &mut out, &mut ws)
-                            .unwrap();
-                        let got = d.download(&out).unwrap();
-                        let what = format!(
-                            "MLA {dtype} h{heads} lat{latent} rope{rope} S{s} t{t} splits {force:?}->{}",
-                            ws.last_splits()
-                        );
-                        assert_close(&what, &got, &want, RTOL, ATOL);
-                        results.push(got);
-                    }
-                    if s >= 300 {
-                        assert!(ws.last_splits() > 1, "forced 37 splits used {}", ws.last_splits());
-                    }
-                    assert_close("splits 1 vs many", &results[2], &results[1], SPLIT_RTOL, SPLIT_ATOL);
+            for (s, t) in context_steps() {
+                let q_start = s - t;
+                let q = rand_bf16_f32(&mut r, t * heads * row, 2.0);
+                let scale = 1.0 / ((128 + rope) as f32).sqrt();
+                let want = twin_attention(&q, t, heads, 1, row, latent, &kv, row, &kv, row, q_start, scale);
+                let q_d = up(d, &q, "q");
+                let what = format!("MLA {dtype} h{heads} lat{latent} rope{rope} S{s} t{t}");
+                let splits = check_split_counts(d, &mut ws, 37, t * heads * latent, &want, &what, |out, ws| {
+                    d.mla_decode_attention(&c, 1, &q_d, t, heads, latent, q_start, scale, out, ws)
+                });
+                if s >= 300 {
+                    assert!(splits > 1, "forced 37 splits used {splits}");
                 }
             }
         }
@@ -205,7 +164,7 @@ fn mla_decode_matches_twin() {
 #[test]
 fn gqa_decode_matches_twin() {
     let Some(d) = gpu("gqa_decode_matches_twin") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(22);
+    let mut r = rng(22);
     // (heads, kv_heads, head_dim)
     for &(heads, kv_heads, hd) in &[(32, 4, 128), (4, 2, 24), (6, 3, 16), (5, 5, 8), (8, 1, 64), (12, 2, 36), (3, 1, 7)]
     {
@@ -216,32 +175,16 @@ fn gqa_decode_matches_twin() {
             let k = fill(d, &c, 0, 0, cap, &mut r);
             let v = fill(d, &c, 0, 1, cap, &mut r);
             let mut ws = DecodeWorkspace::new();
-            for &s in &CONTEXTS {
-                for t in [1usize, 3] {
-                    if t > s {
-                        continue;
-                    }
-                    let q_start = s - t;
-                    let q = rand_bf16(&mut r, t * heads * hd, 3.0);
-                    let scale = 1.0 / (hd as f32).sqrt();
-                    let want = twin_attention(&q, t, heads, kv_heads, hd, hd, &k, row, &v, row, q_start, scale);
-                    let q_d = up(d, &q);
-                    let mut results = Vec::new();
-                    for force in [None, Some(1), Some(50)] {
-                        ws.force_splits(force);
-                        let mut out = up(d, &vec![f32::NAN; t * heads * hd]);
-                        d.gqa_decode_attention(&c, 0, &q_d, t, heads, kv_heads, hd, q_start, scale, &mut out, &mut ws)
-                            .unwrap();
-                        let got = d.download(&out).unwrap();
-                        let what = format!(
-                            "GQA {dtype} h{heads}/{kv_heads} hd{hd} S{s} t{t} splits {force:?}->{}",
-                            ws.last_splits()
-                        );
-                        assert_close(&what, &got, &want, RTOL, ATOL);
-                        results.push(got);
-                    }
-                    assert_close("splits 1 vs many", &results[2], &results[1], SPLIT_RTOL, SPLIT_ATOL);
-                }
+            for (s, t) in context_steps() {
+                let q_start = s - t;
+                let q = rand_bf16_f32(&mut r, t * heads * hd, 3.0);
+                let scale = 1.0 / (hd as f32).sqrt();
+                let want = twin_attention(&q, t, heads, kv_heads, hd, hd, &k, row, &v, row, q_start, scale);
+                let q_d = up(d, &q, "q");
+                let what = format!("GQA {dtype} h{heads}/{kv_heads} hd{hd} S{s} t{t}");
+                check_split_counts(d, &mut ws, 50, t * heads * hd, &want, &what, |out, ws| {
+                    d.gqa_decode_attention(&c, 0, &q_d, t, heads, kv_heads, hd, q_start, scale, out, ws)
+                });
             }
         }
     }
@@ -252,7 +195,7 @@ fn gqa_decode_matches_twin() {
 #[test]
 fn rows_past_the_queries_are_never_read_and_workspace_settles() {
     let Some(d) = gpu("rows_past_the_queries_are_never_read_and_workspace_settles") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(23);
+    let mut r = rng(23);
     let (heads, latent, rope) = (16, 512, 64);
     let row = latent + rope;
     let cap = 3000;
@@ -263,15 +206,15 @@ fn rows_past_the_queries_are_never_read_and_workspace_settles() {
         for s in (1..2000).step_by(97) {
             // Poison the rows the query must not see.
             let poison = vec![f32::NAN; 5 * row];
-            c.write(d, 0, 0, s, 5, &up(d, &poison)).unwrap();
-            let q = rand_bf16(&mut r, heads * row, 2.0);
+            c.write(d, 0, 0, s, 5, &up(d, &poison, "test input")).unwrap();
+            let q = rand_bf16_f32(&mut r, heads * row, 2.0);
             let scale = 0.07;
             let want = twin_attention(&q, 1, heads, 1, row, latent, &kv, row, &kv, row, s - 1, scale);
-            let mut out = up(d, &vec![f32::NAN; heads * latent]);
-            d.mla_decode_attention(&c, 0, &up(d, &q), 1, heads, latent, s - 1, scale, &mut out, &mut ws).unwrap();
-            assert_close(&format!("{dtype} S{s}"), &d.download(&out).unwrap(), &want, RTOL, ATOL);
+            let mut out = poisoned_f32(d, heads * latent);
+            d.mla_decode_attention(&c, 0, &up(d, &q, "q"), 1, heads, latent, s - 1, scale, &mut out, &mut ws).unwrap();
+            assert_close(&format!("{dtype} S{s}"), &down(d, &out), &want, RTOL, ATOL);
             // Restore the poisoned rows (the same f32 rows store the same bytes).
-            c.write(d, 0, 0, s, 5, &up(d, &src[s * row..(s + 5) * row])).unwrap();
+            c.write(d, 0, 0, s, 5, &up(d, &src[s * row..(s + 5) * row], "test input")).unwrap();
         }
         // One allocation (at the first multi-split call) serves every context length.
         assert_eq!(ws.growths(), 1, "workspace allocations");
@@ -284,8 +227,8 @@ fn shape_errors_are_errors() {
     let c = GpuKvCache::new(d, KvDtype::Bf16, 1, 1, 40, 0, KvCapacity::Tokens(8)).unwrap();
     let g = GpuKvCache::new(d, KvDtype::Bf16, 1, 2, 32, 0, KvCapacity::Tokens(8)).unwrap();
     let mut ws = DecodeWorkspace::new();
-    let q = up(d, &vec![0f32; 2 * 40]);
-    let mut out = up(d, &vec![0f32; 2 * 32]);
+    let q = up(d, &vec![0f32; 2 * 40], "test input");
+    let mut out = up(d, &vec![0f32; 2 * 32], "test input");
     let bad = [
         d.mla_decode_attention(&c, 0, &q, 1, 2, 32, 8, 1.0, &mut out, &mut ws), // past capacity
         d.mla_decode_attention(&c, 1, &q, 1, 2, 32, 0, 1.0, &mut out, &mut ws), // no layer 1
@@ -343,7 +286,7 @@ fn twin_uv(kv_b: &[f32], o_lat: &[f32], t: usize, heads: usize, nope: usize, vd:
 #[test]
 fn mla_absorb_and_uv_match_twins() {
     let Some(d) = gpu("mla_absorb_and_uv_match_twins") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(24);
+    let mut r = rng(24);
     // (t, heads, nope, rope, v_dim, latent)
     for &(t, heads, nope, rope, vd, lat) in &[
         (1, 16, 128, 64, 128, 512),
@@ -352,25 +295,25 @@ fn mla_absorb_and_uv_match_twins() {
         (1, 2, 7, 5, 9, 13),
         (4, 5, 33, 16, 20, 300),
     ] {
-        let kv_b = rand_bf16(&mut r, heads * (nope + vd) * lat, 0.2);
-        let kv_b_d = up(d, &kv_b.iter().map(|&v| f32_to_bf16(v)).collect::<Vec<u16>>());
-        let q = rand_bf16(&mut r, t * heads * (nope + rope), 1.0);
+        let kv_b = rand_bf16_f32(&mut r, heads * (nope + vd) * lat, 0.2);
+        let kv_b_d = up(d, &to_bf16(&kv_b), "kv_b");
+        let q = rand_bf16_f32(&mut r, t * heads * (nope + rope), 1.0);
         let want = twin_absorb(&kv_b, &q, t, heads, nope, rope, vd, lat);
-        let mut dst = up(d, &vec![f32::NAN; t * heads * (lat + rope)]);
-        d.mla_absorb_q(&kv_b_d, &up(d, &q), t, heads, nope, rope, vd, lat, &mut dst).unwrap();
+        let mut dst = poisoned_f32(d, t * heads * (lat + rope));
+        d.mla_absorb_q(&kv_b_d, &up(d, &q, "q"), t, heads, nope, rope, vd, lat, &mut dst).unwrap();
         let what = format!("absorb t{t} h{heads} nope{nope} rope{rope} v{vd} lat{lat}");
-        assert_close(&what, &d.download(&dst).unwrap(), &want, 1e-5, 1e-6);
+        assert_close(&what, &down(d, &dst), &want, 1e-5, 1e-6);
 
-        let o_lat = rand_bf16(&mut r, t * heads * lat, 1.0);
+        let o_lat = rand_bf16_f32(&mut r, t * heads * lat, 1.0);
         let want = twin_uv(&kv_b, &o_lat, t, heads, nope, vd, lat);
-        let mut out = up(d, &vec![f32::NAN; t * heads * vd]);
-        d.mla_apply_uv(&kv_b_d, &up(d, &o_lat), t, heads, nope, vd, lat, &mut out).unwrap();
-        assert_close(&format!("uv t{t} h{heads} lat{lat}"), &d.download(&out).unwrap(), &want, 1e-5, 1e-6);
+        let mut out = poisoned_f32(d, t * heads * vd);
+        d.mla_apply_uv(&kv_b_d, &up(d, &o_lat, "o_lat"), t, heads, nope, vd, lat, &mut out).unwrap();
+        assert_close(&format!("uv t{t} h{heads} lat{lat}"), &down(d, &out), &want, 1e-5, 1e-6);
     }
     // Size mismatches are errors.
-    let w = up(d, &[0u16; 10]);
-    let q = up(d, &[0f32; 10]);
-    let mut o = up(d, &[0f32; 10]);
+    let w = up(d, &[0u16; 10], "test input");
+    let q = up(d, &[0f32; 10], "test input");
+    let mut o = up(d, &[0f32; 10], "test input");
     assert!(matches!(d.mla_absorb_q(&w, &q, 1, 1, 2, 2, 2, 3, &mut o), Err(GpuError::Shape { .. })));
     assert!(matches!(d.mla_apply_uv(&w, &q, 1, 1, 2, 2, 3, &mut o), Err(GpuError::Shape { .. })));
 }

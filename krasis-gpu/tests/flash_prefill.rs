@@ -15,41 +15,15 @@
 
 #![allow(clippy::needless_range_loop)] // the twin is plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use common::{gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, up};
 use krasis_gpu::cudarc::driver::DevicePtr;
 use krasis_gpu::{
-    bench_gqa_prefill, bench_mla_prefill, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice, GpuError,
-    HeadsLayout, VramBudgetSpec,
+    bench_gqa_prefill, bench_mla_prefill, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice, GpuError, HeadsLayout,
 };
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; kernels target {}", d.info(), d.target());
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
 
 /// SIMT tolerance as a fraction of max |v| (see the module docs).
 const SIMT_TOL: f64 = 1e-4;
@@ -78,10 +52,6 @@ struct Case {
     out_len: usize,
 }
 
-fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(-1.0f32..1.0) * scale))).collect()
-}
-
 /// Separate contiguous buffers; part b's key shared by all heads.
 #[allow(clippy::too_many_arguments)]
 fn contiguous_case(
@@ -95,14 +65,14 @@ fn contiguous_case(
     let n_kv = q_start + n_q + extra_kv;
     let lay = |h: usize, d: usize| HeadsLayout::contiguous(h, d);
     let mut bufs = vec![
-        rand_bf16(r, n_q * heads * da, score_gain),
-        rand_bf16(r, n_kv * kv_heads * da, 1.0),
-        rand_bf16(r, n_kv * kv_heads * dv, 1.5),
+        rand_bf16_f32(r, n_q * heads * da, score_gain),
+        rand_bf16_f32(r, n_kv * kv_heads * da, 1.0),
+        rand_bf16_f32(r, n_kv * kv_heads * dv, 1.5),
     ];
     let t = |buf, layout| Tensor { buf, offset: 0, layout };
     let (q_b, k_b, lq_b, lk_b) = if db > 0 {
-        bufs.push(rand_bf16(r, n_q * heads * db, score_gain));
-        bufs.push(rand_bf16(r, n_kv * db, 1.0));
+        bufs.push(rand_bf16_f32(r, n_q * heads * db, score_gain));
+        bufs.push(rand_bf16_f32(r, n_kv * db, 1.0));
         (Some(t(3, lay(heads, db))), Some(t(4, HeadsLayout::shared(db))), lay(heads, db), HeadsLayout::shared(db))
     } else {
         (None, None, HeadsLayout::none(), HeadsLayout::none())
@@ -148,8 +118,11 @@ fn packed_mla_case(
 ) -> Case {
     let n_kv = q_start + n_q;
     let (qw, kvw, lw) = (da + db, da + dv, lat + db);
-    let bufs =
-        vec![rand_bf16(r, n_q * heads * qw, 2.0), rand_bf16(r, n_kv * heads * kvw, 1.0), rand_bf16(r, n_kv * lw, 1.0)];
+    let bufs = vec![
+        rand_bf16_f32(r, n_q * heads * qw, 2.0),
+        rand_bf16_f32(r, n_kv * heads * kvw, 1.0),
+        rand_bf16_f32(r, n_kv * lw, 1.0),
+    ];
     let l = |ts, hs, dim| HeadsLayout { token_stride: ts, head_stride: hs, dim };
     let out = if heads_major_out { l(dv, n_q * dv, dv) } else { l(heads * dv, dv, dv) };
     let args = FlashPrefillArgs {
@@ -224,15 +197,7 @@ struct Uploaded {
 }
 
 fn upload(d: &GpuDevice, c: &Case) -> Uploaded {
-    let bufs = c
-        .bufs
-        .iter()
-        .map(|b| {
-            let bits: Vec<u16> = b.iter().map(|&x| f32_to_bf16(x)).collect();
-            d.upload(&bits, "test input").unwrap_or_else(|e| panic!("{e}"))
-        })
-        .collect();
-    Uploaded { bufs }
+    Uploaded { bufs: c.bufs.iter().map(|b| up(d, &to_bf16(b), "test input")).collect() }
 }
 
 /// Runs `kernel` (or the automatic choice) on a NaN-poisoned output and downloads it.
@@ -243,7 +208,7 @@ fn run(d: &GpuDevice, c: &Case, u: &Uploaded, kernel: Option<FlashKernel>) -> Re
     let k_b = c.k_b.as_ref().map(view);
     let qb = q_b.as_ref().map(|x| x as &dyn DevicePtr<u16>);
     let kb = k_b.as_ref().map(|x| x as &dyn DevicePtr<u16>);
-    let mut out = d.upload(&vec![f32::NAN; c.out_len], "poisoned output")?;
+    let mut out = poisoned_f32(d, c.out_len);
     match kernel {
         Some(k) => d.flash_prefill_with(k, &c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
         None => d.flash_prefill(&c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
@@ -307,7 +272,7 @@ fn check_case(d: &GpuDevice, c: &Case, rows: Option<&[usize]>) {
 /// key's value; equal keys give the mean of the visible values; a dominant key takes all weight.
 #[test]
 fn twin_has_known_answers() {
-    let mut r = ChaCha8Rng::seed_from_u64(40);
+    let mut r = rng(40);
     let mut c = contiguous_case(&mut r, "twin", (4, 0, 2), (2, 1), (8, 4, 5), 1.0);
     let (da, db, dv) = (8, 4, 5);
     // Row 0 sees key 0 only.
@@ -345,7 +310,7 @@ fn twin_has_known_answers() {
 #[test]
 fn flash_prefill_matches_twin_on_ragged_shapes() {
     let Some(d) = gpu("flash_prefill_matches_twin_on_ragged_shapes") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(41);
+    let mut r = rng(41);
     let cases = [
         // (name, (T, q_start, extra keys), (heads, kv_heads), (da, db, dv), score gain)
         ("single query", (1, 0, 0), (2, 2), (16, 0, 16), 2.0),
@@ -382,7 +347,7 @@ fn flash_prefill_matches_twin_on_ragged_shapes() {
 #[test]
 fn flash_prefill_engine_layouts() {
     let Some(d) = gpu("flash_prefill_engine_layouts") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(42);
+    let mut r = rng(42);
     // DeepSeek-V2-Lite: 16 heads, nope 128 + rope 64, v 128, rope key inside the 512+64 latent row.
     check_case(d, &packed_mla_case(&mut r, "V2-Lite", (200, 0), 16, (128, 64, 128, 512), false), None);
     // Continuing a 300-token prefix, heads-major output.
@@ -397,7 +362,7 @@ fn flash_prefill_engine_layouts() {
 #[test]
 fn flash_prefill_long_context_10k_tokens() {
     let Some(d) = gpu("flash_prefill_long_context_10k_tokens") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(43);
+    let mut r = rng(43);
     let t = 10_240;
     let c = contiguous_case(&mut r, "10K", (t, 0, 0), (4, 2), (32, 16, 32), 2.0);
     // Rows at tile edges, the very end, and a few random ones.
@@ -423,7 +388,7 @@ fn flash_prefill_long_context_10k_tokens() {
 #[test]
 fn flash_prefill_rejects_bad_arguments() {
     let Some(d) = gpu("flash_prefill_rejects_bad_arguments") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(44);
+    let mut r = rng(44);
     let c = contiguous_case(&mut r, "errors", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
     let u = upload(d, &c);
     let shape_err = |c: &Case| match run(d, c, &u, None) {

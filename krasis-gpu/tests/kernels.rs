@@ -7,122 +7,16 @@
 
 #![allow(clippy::needless_range_loop)] // the scalar twins are plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
-use krasis_gpu::{
-    DeviceBuffer, GpuDevice, GpuError, RopeLayout, RopePairing, RowsView, SwiGluLayout, VramBudgetSpec,
-    AUTO_VRAM_SAFETY_MARGIN,
+use common::{
+    assert_bf16_close, assert_close, down, from_bf16, gpu, poisoned_bf16, poisoned_f32, rand_bf16_f32, rng, to_bf16, up,
 };
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(
-                std::io::stderr(),
-                "GPU: {}; kernels target {}; NVRTC {:?} from {}; {}",
-                d.info(),
-                d.target(),
-                d.compiler().nvrtc().version(),
-                d.compiler().nvrtc().path(),
-                d.budget()
-            );
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn rng(seed: u64) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(seed)
-}
-
-/// Random values exactly representable in BF16.
-fn rand_bf16_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(-1.0f32..1.0) * scale))).collect()
-}
-
-fn to_bf16(v: &[f32]) -> Vec<u16> {
-    v.iter().map(|&x| f32_to_bf16(x)).collect()
-}
-
-fn from_bf16(v: &[u16]) -> Vec<f32> {
-    v.iter().map(|&x| bf16_to_f32(x)).collect()
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
-    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A buffer of `n` NaNs (f32) so that unwritten outputs fail the comparison.
-fn poisoned_f32(d: &GpuDevice, n: usize) -> DeviceBuffer<f32> {
-    up(d, &vec![f32::NAN; n], "poisoned output")
-}
-
-fn poisoned_bf16(d: &GpuDevice, n: usize) -> DeviceBuffer<u16> {
-    up(d, &vec![0x7fc0u16; n], "poisoned output")
-}
-
-fn down<T: krasis_gpu::cudarc::driver::DeviceRepr + Default + Clone>(d: &GpuDevice, b: &DeviceBuffer<T>) -> Vec<T> {
-    d.download(b).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Every element within `atol + rtol·|want|`; NaN only where NaN is expected. Returns the worst
-/// relative-to-tolerance error for the log.
-fn assert_close(what: &str, got: &[f32], want: &[f32], rtol: f32, atol: f32) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut worst = 0.0f32;
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        if w.is_nan() {
-            assert!(g.is_nan(), "{what}[{i}]: got {g}, want NaN");
-            continue;
-        }
-        let tol = atol + rtol * w.abs();
-        let err = (g - w).abs();
-        assert!(err <= tol, "{what}[{i}]: got {g}, want {w} (err {err:e} > tol {tol:e})");
-        worst = worst.max(err / tol);
-    }
-    worst
-}
-
-/// BF16 outputs against the twin's f32 value: each within `atol` plus one BF16 ulp (the kernel
-/// and the twin can round last-bit-different f32 values across a rounding boundary), and at most
-/// 5% not bit-identical to the twin rounded (a truncating or otherwise wrong rounding differs in
-/// about half of all elements).
-fn assert_bf16_close(what: &str, got: &[u16], want_f32: &[f32], atol: f32) {
-    assert_eq!(got.len(), want_f32.len(), "{what}: lengths");
-    let mut inexact = 0;
-    for (i, (&g, &w)) in got.iter().zip(want_f32).enumerate() {
-        let gf = bf16_to_f32(g);
-        if w.is_nan() {
-            assert!(gf.is_nan(), "{what}[{i}]: got {gf}, want NaN");
-            continue;
-        }
-        if g != f32_to_bf16(w) {
-            let tol = atol + w.abs() / 128.0;
-            assert!((gf - w).abs() <= tol, "{what}[{i}]: got {gf} ({g:#06x}), want {w} (tol {tol:e})");
-            inexact += 1;
-        }
-    }
-    assert!(inexact * 20 <= got.len().max(20), "{what}: {inexact} of {} elements not the twin rounded", got.len());
-}
+use krasis_core::dtype::bf16_to_f32;
+use krasis_gpu::{
+    GpuDevice, GpuError, RopeLayout, RopePairing, RowsView, SwiGluLayout, VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
+};
+use rand::Rng;
 
 // ---------------------------------------------------------------- scalar twins
 

@@ -4,80 +4,29 @@
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; with `KRASIS_REQUIRE_GPU=1` a
 //! missing GPU fails instead.
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16, fp8_e4m3_to_f32};
-use krasis_gpu::kv_cache::{f32_to_fp8_e4m3, fp8_group_scale, KvLayout};
-use krasis_gpu::{DeviceBuffer, GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype, VramBudgetSpec};
-use rand::{Rng, SeedableRng};
+use common::{
+    assert_bitwise_eq, down, from_bf16, gpu, poisoned_bf16, poisoned_f32, rng, round_bf16, to_bf16, twin_kv_row, up,
+};
+use krasis_core::dtype::bf16_to_f32;
+use krasis_gpu::kv_cache::{fp8_group_scale, KvLayout};
+use krasis_gpu::{GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; {}", d.info(), d.budget());
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T]) -> DeviceBuffer<T> {
-    d.upload(v, "test input").unwrap_or_else(|e| panic!("{e}"))
-}
 
 fn read_f32(d: &GpuDevice, c: &GpuKvCache, layer: usize, plane: usize, start: usize, len: usize) -> Vec<f32> {
     let row = c.layout().row;
-    let mut out = up(d, &vec![f32::NAN; len * row]);
+    let mut out = poisoned_f32(d, len * row);
     c.read_f32(d, layer, plane, start, len, &mut out).unwrap();
-    d.download(&out).unwrap()
+    down(d, &out)
 }
 
 fn read_bf16(d: &GpuDevice, c: &GpuKvCache, layer: usize, plane: usize, start: usize, len: usize) -> Vec<u16> {
     let row = c.layout().row;
-    let mut out = up(d, &vec![0x7fc0u16; len * row]);
+    let mut out = poisoned_bf16(d, len * row);
     c.read_bf16(d, layer, plane, start, len, &mut out).unwrap();
-    d.download(&out).unwrap()
-}
-
-/// The twin of one stored row: what a read returns (f32).
-fn twin_row(dtype: KvDtype, x: &[f32], group: usize) -> Vec<f32> {
-    match dtype {
-        KvDtype::Bf16 => x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect(),
-        KvDtype::Fp8 => x
-            .chunks(group)
-            .flat_map(|g| {
-                let scale = fp8_group_scale(g);
-                g.iter().map(move |&v| {
-                    let code = if scale == 0.0 { 0 } else { f32_to_fp8_e4m3(v / scale) };
-                    fp8_e4m3_to_f32(code) * scale
-                })
-            })
-            .collect(),
-    }
-}
-
-/// Exact equality, NaN matching NaN.
-fn assert_same(what: &str, got: &[f32], want: &[f32]) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()), "{what}[{i}]: got {g:e}, want {w:e}");
-    }
+    down(d, &out)
 }
 
 /// Random rows with a spread of magnitudes (so FP8 groups exercise subnormal codes too).
@@ -93,7 +42,7 @@ fn rand_rows(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
 #[test]
 fn write_then_read_matches_twin() {
     let Some(d) = gpu("write_then_read_matches_twin") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(11);
+    let mut r = rng(11);
     // (layers, planes, row, scale_group)
     for &(layers, planes, row, group) in
         &[(2, 1, 576, 64), (3, 2, 512, 128), (1, 1, 40, 8), (2, 2, 72, 24), (1, 2, 7, 7), (1, 1, 1, 1)]
@@ -108,9 +57,9 @@ fn write_then_read_matches_twin() {
                 let t = r.random_range(1..=5);
                 let pos = r.random_range(0..=cap - t);
                 let src = rand_rows(&mut r, t * row);
-                c.write(d, layer, plane, pos, t, &up(d, &src)).unwrap();
+                c.write(d, layer, plane, pos, t, &up(d, &src, "test input")).unwrap();
                 for i in 0..t {
-                    let tw = twin_row(dtype, &src[i * row..(i + 1) * row], group);
+                    let tw = twin_kv_row(dtype, &src[i * row..(i + 1) * row], group);
                     want[layer * planes + plane][(pos + i) * row..(pos + i + 1) * row].copy_from_slice(&tw);
                 }
             }
@@ -119,12 +68,16 @@ fn write_then_read_matches_twin() {
                 for p in 0..planes {
                     let what = format!("{dtype} {layers}x{planes}x{row}/{group} l{l} p{p}");
                     let w = &want[l * planes + p];
-                    assert_same(&what, &read_f32(d, &c, l, p, 0, cap), w);
-                    let wb: Vec<f32> = w.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect();
-                    let gb: Vec<f32> = read_bf16(d, &c, l, p, 0, cap).iter().map(|&b| bf16_to_f32(b)).collect();
-                    assert_same(&format!("{what} (bf16 read)"), &gb, &wb);
+                    assert_bitwise_eq(&what, &read_f32(d, &c, l, p, 0, cap), w);
+                    let wb = round_bf16(w);
+                    let gb = from_bf16(&read_bf16(d, &c, l, p, 0, cap));
+                    assert_bitwise_eq(&format!("{what} (bf16 read)"), &gb, &wb);
                     // A sub-range read.
-                    assert_same(&format!("{what} (rows 3..8)"), &read_f32(d, &c, l, p, 3, 5), &w[3 * row..8 * row]);
+                    assert_bitwise_eq(
+                        &format!("{what} (rows 3..8)"),
+                        &read_f32(d, &c, l, p, 3, 5),
+                        &w[3 * row..8 * row],
+                    );
                 }
             }
         }
@@ -148,9 +101,9 @@ fn rounding_saturation_and_nan() {
         1e-40,
     ];
     let c = GpuKvCache::new(d, KvDtype::Bf16, 1, 1, ties.len(), 0, KvCapacity::Tokens(1)).unwrap();
-    c.write(d, 0, 0, 0, 1, &up(d, &ties)).unwrap();
+    c.write(d, 0, 0, 0, 1, &up(d, &ties, "test input")).unwrap();
     let got = read_bf16(d, &c, 0, 0, 0, 1);
-    let want: Vec<u16> = ties.iter().map(|&v| f32_to_bf16(v)).collect();
+    let want = to_bf16(&ties);
     assert_eq!(got[..4], want[..4]);
     assert_eq!(got[0], 0x3f80);
     assert_eq!(got[1], 0x3f82);
@@ -159,7 +112,7 @@ fn rounding_saturation_and_nan() {
 
     // FP8, groups of 8: a NaN group member, a huge outlier (the others flush towards 0), an
     // all-zero group, a group of one repeated value, random groups.
-    let mut r = ChaCha8Rng::seed_from_u64(5);
+    let mut r = rng(5);
     let mut x = vec![0f32; 8 * 8];
     x[..8].copy_from_slice(&[1.0, -2.0, f32::NAN, 0.5, 3.0, -7.0, 0.001, 0.0]);
     x[8..16].copy_from_slice(&[1e30, 1.0, -1.0, 1e25, -1e29, 2e-30, 0.0, 5e27]);
@@ -170,9 +123,9 @@ fn rounding_saturation_and_nan() {
     }
     x[32..40].fill(-1e-44); // amax / 448 underflows to a zero scale: stored as zeros
     let c = GpuKvCache::new(d, KvDtype::Fp8, 1, 1, 64, 8, KvCapacity::Tokens(2)).unwrap();
-    c.write(d, 0, 0, 1, 1, &up(d, &x)).unwrap();
+    c.write(d, 0, 0, 1, 1, &up(d, &x, "test input")).unwrap();
     let got = read_f32(d, &c, 0, 0, 1, 1);
-    assert_same("fp8 special groups", &got, &twin_row(KvDtype::Fp8, &x, 8));
+    assert_bitwise_eq("fp8 special groups", &got, &twin_kv_row(KvDtype::Fp8, &x, 8));
     assert!(got[2].is_nan() && !got[0].is_nan());
     assert_eq!(got[8], 448.0 * (1e30f32 / 448.0), "the group maximum maps onto 448·scale");
     assert!(got[16..24].iter().all(|&v| v == 0.0));
@@ -199,7 +152,7 @@ fn out_of_range_is_an_error_and_writes_nothing() {
     let Some(d) = gpu("out_of_range_is_an_error_and_writes_nothing") else { return };
     for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
         let c = GpuKvCache::new(d, dtype, 2, 2, 16, 8, KvCapacity::Tokens(10)).unwrap();
-        let src = up(d, &[1.5f32; 3 * 16]);
+        let src = up(d, &[1.5f32; 3 * 16], "test input");
         let e = c.write(d, 0, 0, 8, 3, &src).unwrap_err();
         assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("capacity 10"), "{e}");
         assert!(matches!(c.write(d, 2, 0, 0, 3, &src), Err(GpuError::Shape { .. })));
@@ -207,7 +160,7 @@ fn out_of_range_is_an_error_and_writes_nothing() {
         assert!(matches!(c.write(d, 0, 0, 0, 2, &src), Err(GpuError::Shape { .. })), "src length");
         assert!(matches!(c.write(d, 0, 0, usize::MAX, 3, &src), Err(GpuError::Shape { .. })));
         assert!(read_f32(d, &c, 0, 0, 0, 10).iter().all(|&v| v == 0.0), "{dtype}: a refused write wrote");
-        let mut dst = up(d, &[0f32; 3 * 16]);
+        let mut dst = up(d, &[0f32; 3 * 16], "test input");
         assert!(matches!(c.read_f32(d, 0, 0, 8, 3, &mut dst), Err(GpuError::Shape { .. })));
         c.write(d, 1, 1, 7, 3, &src).unwrap(); // the last rows are fine
         assert!(read_f32(d, &c, 1, 1, 7, 3).iter().all(|&v| v == 1.5));

@@ -9,84 +9,25 @@
 
 #![allow(clippy::needless_range_loop)] // the scalar twins are plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
+use common::{
+    assert_within, dot_est, down, from_bf16, gpu_gemm, poisoned_f32, rand_bf16_bits, rand_f32, rng, round_bf16,
+    time_us_per_call, to_bf16, up, U,
+};
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::DevicePtr;
 use krasis_gpu::linear::INT8_GEMV_MAX_M;
-use krasis_gpu::{DeviceBuffer, GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
-use rand::{Rng, SeedableRng};
+use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
 use rand_chacha::ChaCha8Rng;
 
-static DEVICE: OnceLock<Result<(GpuDevice, GemmContext), String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static (GpuDevice, GemmContext)> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let ctx = GemmContext::new(&d).unwrap_or_else(|e| panic!("GPU present but no cuBLAS: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; cuBLAS from {}; {}", d.info(), ctx.cublas_path(), d.budget());
-            Ok((d, ctx))
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn rng(seed: u64) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(seed)
-}
-
-fn rand_f32(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| r.random_range(-1.0f32..1.0) * scale).collect()
-}
-
-fn round_bf16(v: &[f32]) -> Vec<f32> {
-    v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect()
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
-    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn poisoned(d: &GpuDevice, n: usize) -> DeviceBuffer<f32> {
-    up(d, &vec![f32::NAN; n], "poisoned output")
-}
-
-fn down(d: &GpuDevice, b: &impl DevicePtr<f32>) -> Vec<f32> {
-    d.download(b).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Unit roundoff of f32.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
-/// Tolerance in units of the rounding-error model below. A sum of products rounded step by step
-/// in f32 has an error close to a random walk of `u·|S_j|` steps over its partial sums `S_j`,
-/// i.e. about `u·sqrt(Σ S_j²)`; blocked or tree orders (cuBLAS, the GEMV's lanes + warp
-/// reduction) have smaller partial sums. 64× that estimate leaves room for tensor-core
-/// accumulation details while a single wrong or missing term (about `|S|/sqrt(k)` or more) still
-/// fails.
+/// Tolerance in units of the rounding-error model of `common::dot_est`. A sum of products
+/// rounded step by step in f32 has an error close to a random walk of `u·|S_j|` steps over its
+/// partial sums `S_j`, i.e. about `u·sqrt(Σ S_j²)`; blocked or tree orders (cuBLAS, the GEMV's
+/// lanes + warp reduction) have smaller partial sums. 64× that estimate leaves room for
+/// tensor-core accumulation details while a single wrong or missing term (about `|S|/sqrt(k)` or
+/// more) still fails.
 const TOL_SIGMAS: f64 = 64.0;
-
-/// `Σ a_i b_i` in f64 and the rounding-error estimate `sqrt(Σ S_j²)` of accumulating it in f32.
-fn dot_est(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (mut s, mut ss) = (0.0f64, 0.0f64);
-    for (x, y) in a.zip(b) {
-        s += x * y;
-        ss += s * s;
-    }
-    (s, ss.sqrt())
-}
 
 /// Independent INT8 quantiser (the twin of `quantize_int8_rows`).
 fn twin_quant(w: &[u16], rows: usize, cols: usize) -> (Vec<i8>, Vec<f32>) {
@@ -123,42 +64,61 @@ fn twin_linear(x: &[f32], m: usize, wv: &[f64], scale: &[f64], rows: usize, cols
     (y, tol)
 }
 
-fn assert_within(what: &str, got: &[f32], want: &[f32], tol: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut worst = 0.0f32;
-    for i in 0..got.len() {
-        let err = (got[i] - want[i]).abs();
-        assert!(err <= tol[i], "{what}[{i}]: got {}, want {} (err {err:e} > tol {:e})", got[i], want[i], tol[i]);
-        worst = worst.max(err / tol[i]);
-    }
-    worst
-}
-
 const MS: [usize; 6] = [1, 2, 3, 17, 64, 129];
 /// (rows, cols): ragged, odd, not multiples of 4/8/16, plus aligned ones.
 const SHAPES: [(usize, usize); 8] =
     [(1, 1), (7, 13), (33, 100), (129, 257), (64, 64), (300, 1000), (1000, 301), (256, 2048)];
 
+fn to_f64<T: Copy + Into<f64>>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|&x| x.into()).collect()
+}
+
+/// Random `x` for `[m, cols]`, pre-rounded to BF16 in every other case so both the exact and the
+/// rounding input paths are covered.
+fn rand_x(r: &mut ChaCha8Rng, m: usize, cols: usize, case: usize) -> Vec<f32> {
+    let x = rand_f32(r, m * cols, 2.0);
+    if (case + m).is_multiple_of(2) {
+        round_bf16(&x)
+    } else {
+        x
+    }
+}
+
+/// `lin.forward` into a NaN-poisoned `y`, checked element by element against the twin; returns
+/// the worst err/tol.
+#[allow(clippy::too_many_arguments)]
+fn forward_vs_twin(
+    d: &GpuDevice,
+    ctx: &GemmContext,
+    lin: &GpuLinear,
+    x: &impl DevicePtr<f32>,
+    m: usize,
+    want: &[f32],
+    tol: &[f32],
+    what: &str,
+) -> f32 {
+    let mut y = poisoned_f32(d, m * lin.rows());
+    lin.forward(d, ctx, x, m, &mut y).unwrap();
+    assert_within(what, &down(d, &y), want, tol)
+}
+
 #[test]
 fn bf16_linear_matches_twin() {
-    let Some((d, ctx)) = gpu("bf16_linear_matches_twin") else { return };
+    let Some((d, ctx)) = gpu_gemm("bf16_linear_matches_twin") else { return };
     let mut r = rng(11);
     for (case, &(rows, cols)) in SHAPES.iter().enumerate() {
-        let w: Vec<u16> = rand_f32(&mut r, rows * cols, 0.5).iter().map(|&v| f32_to_bf16(v)).collect();
-        let wv: Vec<f64> = w.iter().map(|&b| bf16_to_f32(b) as f64).collect();
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let wv = to_f64(&from_bf16(&w));
         let lin = GpuLinear::new(d, "test bf16 linear", &w, rows, cols, LinearQuant::Bf16).unwrap();
         assert_eq!(
             (lin.rows(), lin.cols(), lin.quant(), lin.weight_bytes()),
             (rows, cols, LinearQuant::Bf16, rows * cols * 2)
         );
         for &m in &MS {
-            let x = rand_f32(&mut r, m * cols, 2.0);
-            let x = if (case + m) % 2 == 0 { round_bf16(&x) } else { x };
+            let x = rand_x(&mut r, m, cols, case);
             let (want, tol) = twin_linear(&round_bf16(&x), m, &wv, &vec![1.0; rows], rows, cols);
-            let x_d = up(d, &x, "x");
-            let mut y = poisoned(d, m * rows);
-            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
-            let worst = assert_within(&format!("bf16 [{rows}x{cols}] m={m}"), &down(d, &y), &want, &tol);
+            let what = format!("bf16 [{rows}x{cols}] m={m}");
+            let worst = forward_vs_twin(d, ctx, &lin, &up(d, &x, "x"), m, &want, &tol, &what);
             if m == 129 {
                 eprintln!("bf16 [{rows}x{cols}]: worst err/tol {worst:.3}");
             }
@@ -168,7 +128,7 @@ fn bf16_linear_matches_twin() {
 
 #[test]
 fn int8_linear_matches_twin() {
-    let Some((d, ctx)) = gpu("int8_linear_matches_twin") else { return };
+    let Some((d, ctx)) = gpu_gemm("int8_linear_matches_twin") else { return };
     let mut r = rng(12);
     // The SHAPES, plus rows enough for the 4-rows-per-warp GEMV on any GPU, and a weight over
     // 32 MiB as BF16 so the tiled path expands it in more than one tile.
@@ -181,24 +141,20 @@ fn int8_linear_matches_twin() {
         if rows > 2 {
             wf[2 * cols..3 * cols].fill(0.0); // an all-zero row: scale 0
         }
-        let w: Vec<u16> = wf.iter().map(|&v| f32_to_bf16(v)).collect();
+        let w = to_bf16(&wf);
         let (q, s) = twin_quant(&w, rows, cols);
         assert_eq!(krasis_gpu::linear::quantize_int8_rows(&w, rows, cols).unwrap(), (q.clone(), s.clone()));
-        let qv: Vec<f64> = q.iter().map(|&v| v as f64).collect();
-        let sv: Vec<f64> = s.iter().map(|&v| v as f64).collect();
+        let (qv, sv) = (to_f64(&q), to_f64(&s));
         let lin = GpuLinear::new(d, "test int8 linear", &w, rows, cols, LinearQuant::Int8).unwrap();
         assert_eq!(lin.quant(), LinearQuant::Int8);
         assert_eq!(lin.weight_bytes(), rows * cols.div_ceil(16) * 16 + rows * 4);
         for &m in ms {
-            let x = rand_f32(&mut r, m * cols, 2.0);
-            let x = if (case + m) % 2 == 0 { round_bf16(&x) } else { x };
+            let x = rand_x(&mut r, m, cols, case);
             // Decode GEMV: f32 x. Tiled: x rounded to BF16, like the BF16 path.
             let x_twin = if m <= INT8_GEMV_MAX_M { x.clone() } else { round_bf16(&x) };
             let (want, tol) = twin_linear(&x_twin, m, &qv, &sv, rows, cols);
-            let x_d = up(d, &x, "x");
-            let mut y = poisoned(d, m * rows);
-            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
-            let worst = assert_within(&format!("int8 [{rows}x{cols}] m={m}"), &down(d, &y), &want, &tol);
+            let what = format!("int8 [{rows}x{cols}] m={m}");
+            let worst = forward_vs_twin(d, ctx, &lin, &up(d, &x, "x"), m, &want, &tol, &what);
             eprintln!("int8 [{rows}x{cols}] m={m}: worst err/tol {worst:.3}");
         }
     }
@@ -208,26 +164,21 @@ fn int8_linear_matches_twin() {
 /// x path even when cols % 4 == 0.
 #[test]
 fn int8_gemv_handles_unaligned_x() {
-    let Some((d, ctx)) = gpu("int8_gemv_handles_unaligned_x") else { return };
+    let Some((d, ctx)) = gpu_gemm("int8_gemv_handles_unaligned_x") else { return };
     let mut r = rng(13);
     let (rows, cols, m) = (77, 256, 3);
-    let w: Vec<u16> = rand_f32(&mut r, rows * cols, 1.0).iter().map(|&v| f32_to_bf16(v)).collect();
+    let w = rand_bf16_bits(&mut r, rows * cols, 1.0);
     let (q, s) = twin_quant(&w, rows, cols);
     let lin = GpuLinear::new(d, "unaligned", &w, rows, cols, LinearQuant::Int8).unwrap();
     let x = rand_f32(&mut r, m * cols + 1, 1.0);
-    let qv: Vec<f64> = q.iter().map(|&v| v as f64).collect();
-    let sv: Vec<f64> = s.iter().map(|&v| v as f64).collect();
-    let (want, tol) = twin_linear(&x[1..], m, &qv, &sv, rows, cols);
+    let (want, tol) = twin_linear(&x[1..], m, &to_f64(&q), &to_f64(&s), rows, cols);
     let x_d = up(d, &x, "x");
-    let view = x_d.slice().slice(1..);
-    let mut y = poisoned(d, m * rows);
-    lin.forward(d, ctx, &view, m, &mut y).unwrap();
-    assert_within("int8 unaligned x", &down(d, &y), &want, &tol);
+    forward_vs_twin(d, ctx, &lin, &x_d.slice().slice(1..), m, &want, &tol, "int8 unaligned x");
 }
 
 #[test]
 fn linear_shape_errors_and_zero_m() {
-    let Some((d, ctx)) = gpu("linear_shape_errors_and_zero_m") else { return };
+    let Some((d, ctx)) = gpu_gemm("linear_shape_errors_and_zero_m") else { return };
     let w = vec![f32_to_bf16(1.0); 12];
     let e = GpuLinear::new(d, "bad", &w, 5, 3, LinearQuant::Bf16).unwrap_err();
     assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("bad"), "{e}");
@@ -240,14 +191,14 @@ fn linear_shape_errors_and_zero_m() {
     for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
         let lin = GpuLinear::new(d, "ok", &w, 4, 3, quant).unwrap();
         let x = up(d, &[1.0f32; 6], "x");
-        let mut y = poisoned(d, 8);
+        let mut y = poisoned_f32(d, 8);
         let e = lin.forward(d, ctx, &x, 3, &mut y).unwrap_err();
         assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("x has 6"), "{e}");
-        let mut y_bad = poisoned(d, 7);
+        let mut y_bad = poisoned_f32(d, 7);
         let e = lin.forward(d, ctx, &x, 2, &mut y_bad).unwrap_err();
         assert!(e.to_string().contains("y has 7"), "{e}");
         // m = 0: nothing to do, not an error (empty views, no zero-byte allocation).
-        let mut y0 = poisoned(d, 1);
+        let mut y0 = poisoned_f32(d, 1);
         lin.forward(d, ctx, &x.slice().slice(0..0), 0, &mut y0.slice_mut().slice_mut(0..0)).unwrap();
         lin.forward(d, ctx, &x, 2, &mut y).unwrap();
         for v in down(d, &y) {
@@ -264,7 +215,7 @@ fn linear_shape_errors_and_zero_m() {
 
 #[test]
 fn linear_over_budget_is_a_budget_error() {
-    let Some((d, _)) = gpu("linear_over_budget_is_a_budget_error") else { return };
+    let Some((d, _)) = gpu_gemm("linear_over_budget_is_a_budget_error") else { return };
     let small = GpuDevice::open(d.info().ordinal, VramBudgetSpec::Bytes(64 << 20)).unwrap();
     let ctx = GemmContext::new(&small).unwrap(); // takes the 32 MiB cuBLAS workspace
     let (rows, cols) = (12288, 4096); // 96 MiB BF16, 48 MiB INT8: both over the remaining ~32 MiB
@@ -289,25 +240,17 @@ fn linear_over_budget_is_a_budget_error() {
 /// Timings for the lead (printed; asserts only that the runs complete).
 #[test]
 fn linear_timings() {
-    let Some((d, ctx)) = gpu("linear_timings") else { return };
+    let Some((d, ctx)) = gpu_gemm("linear_timings") else { return };
     let mut r = rng(14);
     for &(rows, cols) in &[(4096usize, 4096usize), (7168, 2048), (2048, 7168)] {
-        let w: Vec<u16> = rand_f32(&mut r, rows * cols, 0.1).iter().map(|&v| f32_to_bf16(v)).collect();
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.1);
         for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
             let lin = GpuLinear::new(d, "timed", &w, rows, cols, quant).unwrap();
             for m in [1usize, 8, 512] {
                 let x = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
                 let mut y = d.alloc_zeros::<f32>(m * rows, "y").unwrap();
                 lin.forward(d, ctx, &x, m, &mut y).unwrap(); // warm-up: compiles, scratch
-                let (a, b) = (d.new_event(true).unwrap(), d.new_event(true).unwrap());
-                const REPS: usize = 20;
-                a.record(d.stream()).unwrap();
-                for _ in 0..REPS {
-                    lin.forward(d, ctx, &x, m, &mut y).unwrap();
-                }
-                b.record(d.stream()).unwrap();
-                b.synchronize().unwrap();
-                let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPS as f64;
+                let us = time_us_per_call(d, 20, || lin.forward(d, ctx, &x, m, &mut y).unwrap());
                 let gbs = lin.weight_bytes() as f64 / (us * 1e-6) / 1e9;
                 let tflops = 2.0 * (m * rows * cols) as f64 / (us * 1e-6) / 1e12;
                 eprintln!("{quant} [{rows}x{cols}] m={m}: {us:.1} us, weights {gbs:.0} GB/s, {tflops:.2} TFLOP/s");

@@ -9,50 +9,17 @@
 
 #![allow(clippy::needless_range_loop)] // the scalar twin is plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
-use krasis_gpu::{DeviceBuffer, GemmContext, GpuDevice, GpuError, GpuExperts, VramBudgetSpec};
-use rand::{Rng, SeedableRng};
+use common::{
+    assert_within, bf16_round, dot_est, down, gpu_gemm, poisoned_f32, rand_bf16_bits, rand_bf16_f32, rng,
+    time_us_per_call, up, U,
+};
+use krasis_core::dtype::bf16_to_f32;
+use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuExperts, VramBudgetSpec};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
-static DEVICE: OnceLock<Result<(GpuDevice, GemmContext), String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static (GpuDevice, GemmContext)> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let ctx = GemmContext::new(&d).unwrap_or_else(|e| panic!("GPU present but no cuBLAS: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; {}", d.info(), d.budget());
-            Ok((d, ctx))
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
-    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Random BF16 bits with values in `[-scale, scale)`.
-fn rand_bf16(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<u16> {
-    (0..n).map(|_| f32_to_bf16(r.random_range(-1.0f32..1.0) * scale)).collect()
-}
-
-/// Unit roundoff of f32.
-const U: f64 = 1.0 / (1u64 << 24) as f64;
 /// Tolerance in units of the rounding-error model of the twin (see `twin_moe`): each f32 dot
 /// product is modelled as a random walk of `u·|S_j|` steps over its partial sums `S_j`, errors of
 /// the intermediate are propagated through the down projection as independent (root sum of
@@ -65,15 +32,6 @@ struct Expert {
     gate: Vec<u16>,
     up: Vec<u16>,
     down: Vec<u16>,
-}
-
-fn dot_est(a: impl Iterator<Item = f64>, b: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (mut s, mut ss) = (0.0f64, 0.0f64);
-    for (x, y) in a.zip(b) {
-        s += x * y;
-        ss += s * s;
-    }
-    (s, ss.sqrt())
 }
 
 fn silu(g: f64) -> f64 {
@@ -185,13 +143,13 @@ fn make_ids(r: &mut ChaCha8Rng, c: &Case) -> Vec<i32> {
 }
 
 fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
-    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let mut r = rng(seed);
     let (h, i) = (c.hidden, c.inter);
     let experts: Vec<Expert> = (0..c.n_experts)
         .map(|_| Expert {
-            gate: rand_bf16(&mut r, i * h, 2.0 / (h as f32).sqrt()),
-            up: rand_bf16(&mut r, i * h, 2.0 / (h as f32).sqrt()),
-            down: rand_bf16(&mut r, h * i, 2.0 / (i as f32).sqrt()),
+            gate: rand_bf16_bits(&mut r, i * h, 2.0 / (h as f32).sqrt()),
+            up: rand_bf16_bits(&mut r, i * h, 2.0 / (h as f32).sqrt()),
+            down: rand_bf16_bits(&mut r, h * i, 2.0 / (i as f32).sqrt()),
         })
         .collect();
     let mut ge = GpuExperts::new(d, c.name, c.n_experts, h, i).unwrap();
@@ -200,29 +158,20 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
     }
     ge.set_max_tokens_per_pass(c.pass_tokens);
     assert!(ge.weight_bytes() >= c.n_experts * 3 * h * i * 2);
-    let x: Vec<f32> = rand_bf16(&mut r, c.t * h, 1.5).iter().map(|&b| bf16_to_f32(b)).collect();
+    let x = rand_bf16_f32(&mut r, c.t * h, 1.5);
     let ids = make_ids(&mut r, c);
-    let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_to_f32(f32_to_bf16(r.random_range(0.0f32..1.0)))).collect();
+    let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
     let (want, tol) = twin_moe(&experts, h, i, &x, &ids, &weights, c.top_k);
 
     let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
-    let mut out = up(d, &vec![f32::NAN; c.t * h], "poisoned out");
+    let mut out = poisoned_f32(d, c.t * h);
     ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
-    let got = d.download(&out).unwrap();
-    let mut worst = 0f32;
-    for k in 0..got.len() {
-        if want[k].is_nan() {
-            assert!(got[k].is_nan(), "{}: out[{k}] = {}, want NaN (bad id)", c.name, got[k]);
-            continue;
-        }
-        let err = (got[k] - want[k]).abs();
-        assert!(err <= tol[k], "{}: out[{k}] = {}, want {} (err {err:e} > tol {:e})", c.name, got[k], want[k], tol[k]);
-        worst = worst.max(err / tol[k]);
-    }
+    let got = down(d, &out);
+    let worst = assert_within(c.name, &got, &want, &tol);
     // Deterministic: a second run (fresh poison) is bitwise identical.
-    let mut again = up(d, &vec![f32::NAN; c.t * h], "poisoned out");
+    let mut again = poisoned_f32(d, c.t * h);
     ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
-    let got2 = d.download(&again).unwrap();
+    let got2 = down(d, &again);
     assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: not deterministic", c.name);
     eprintln!(
         "moe {}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
@@ -232,7 +181,7 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
 
 #[test]
 fn moe_matches_twin() {
-    let Some((d, ctx)) = gpu("moe_matches_twin") else { return };
+    let Some((d, ctx)) = gpu_gemm("moe_matches_twin") else { return };
     let m = usize::MAX;
     let cases = [
         Case {
@@ -314,7 +263,7 @@ fn moe_matches_twin() {
 
 #[test]
 fn moe_shape_errors() {
-    let Some((d, ctx)) = gpu("moe_shape_errors") else { return };
+    let Some((d, ctx)) = gpu_gemm("moe_shape_errors") else { return };
     let mut ge = GpuExperts::new(d, "layer 3 experts", 4, 8, 4).unwrap();
     let e = ge.upload_expert(d, 4, &[0; 32], &[0; 32], &[0; 32]).unwrap_err();
     assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("expert 4 of 4"), "{e}");
@@ -337,11 +286,11 @@ fn moe_shape_errors() {
 /// layer (128 experts, hidden 2048, inter 768, top-8).
 #[test]
 fn moe_timings() {
-    let Some((d, ctx)) = gpu("moe_timings") else { return };
+    let Some((d, ctx)) = gpu_gemm("moe_timings") else { return };
     let (e, h, i, k) = (128usize, 2048usize, 768usize, 8usize);
-    let mut r = ChaCha8Rng::seed_from_u64(7);
+    let mut r = rng(7);
     let mut ge = GpuExperts::new(d, "timed experts", e, h, i).unwrap();
-    let w = rand_bf16(&mut r, i * h, 0.05);
+    let w = rand_bf16_bits(&mut r, i * h, 0.05);
     for x in 0..e {
         ge.upload_expert(d, x, &w, &w, &w).unwrap();
     }
@@ -352,15 +301,7 @@ fn moe_timings() {
         let wts = up(d, &vec![0.125f32; t * k], "weights");
         let mut out = d.alloc_zeros::<f32>(t * h, "out").unwrap();
         ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
-        let (a, b) = (d.new_event(true).unwrap(), d.new_event(true).unwrap());
-        const REPS: usize = 10;
-        a.record(d.stream()).unwrap();
-        for _ in 0..REPS {
-            ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
-        }
-        b.record(d.stream()).unwrap();
-        b.synchronize().unwrap();
-        let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / REPS as f64;
+        let us = time_us_per_call(d, 10, || ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap());
         let touched = (t * k).min(e) * 3 * h * i * 2;
         eprintln!(
             "moe E={e} h={h} i={i} top{k} t={t}: {us:.1} us, ≥{:.0} GB/s of expert weights",

@@ -13,47 +13,13 @@
 
 #![allow(clippy::needless_range_loop)] // the twin is plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
+use common::{down, gpu, rng, up};
 use krasis_gpu::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
-use krasis_gpu::{
-    DeviceBuffer, GpuDevice, GpuError, GpuRouter, RouterConfig, RouterScoring, RouterTopk, VramBudgetSpec,
-};
-use rand::{Rng, SeedableRng};
+use krasis_gpu::{GpuError, GpuRouter, RouterConfig, RouterScoring, RouterTopk};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; kernels target {}", d.info(), d.target());
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
-    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn down<T: krasis_gpu::cudarc::driver::DeviceRepr + Default + Clone>(d: &GpuDevice, b: &DeviceBuffer<T>) -> Vec<T> {
-    d.download(b).unwrap_or_else(|e| panic!("{e}"))
-}
 
 // ---------------------------------------------------------------- the twin (krasis-model route)
 
@@ -289,7 +255,7 @@ fn exact_logits(w: &[f32], x: &[f32], e: usize, h: usize, t: usize) -> Vec<f32> 
 #[test]
 fn router_matches_cpu_twin() {
     let Some(d) = gpu("router_matches_cpu_twin") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(11);
+    let mut r = rng(11);
     let (mut tokens, mut skipped, mut cases) = (0usize, 0usize, 0usize);
     let shapes = [(8usize, 7usize), (16, 33), (60, 100), (64, 257), (128, 1029), (256, 64), (512, 129)];
     for scoring in [RouterScoring::Softmax, RouterScoring::Sigmoid] {
@@ -359,7 +325,7 @@ fn router_rejects_bad_shapes_and_reuses_scratch() {
     let Some(d) = gpu("router_rejects_bad_shapes_and_reuses_scratch") else { return };
     let (e, h) = (16usize, 9usize);
     let c = cfg(RouterScoring::Softmax, RouterTopk::Greedy, 4, true, 1.0);
-    let mut r = ChaCha8Rng::seed_from_u64(3);
+    let mut r = rng(3);
     let w = exact_vals(&mut r, e * h, 64, 8);
     let router = GpuRouter::new(d, "shapes", &w, e, h, None, c).unwrap();
     let x_d = up(d, &exact_vals(&mut r, 3 * h, 64, 6), "x");

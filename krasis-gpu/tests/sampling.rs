@@ -14,45 +14,12 @@
 
 #![allow(clippy::needless_range_loop)] // the twin is plain index loops on purpose
 
-use std::io::Write;
-use std::sync::OnceLock;
+mod common;
 
-use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
-use krasis_gpu::{DeviceBuffer, GpuDevice, GpuError, GpuSampler, GpuSamplingParams, VramBudgetSpec};
-use rand::{Rng, SeedableRng};
+use common::{bf16_round, down, gpu, rng, up};
+use krasis_gpu::{GpuDevice, GpuError, GpuSampler, GpuSamplingParams};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-static DEVICE: OnceLock<Result<GpuDevice, String>> = OnceLock::new();
-
-fn gpu(test: &str) -> Option<&'static GpuDevice> {
-    let d = DEVICE.get_or_init(|| match krasis_gpu::probe() {
-        Ok(info) => {
-            let d = GpuDevice::open(0, VramBudgetSpec::Auto)
-                .unwrap_or_else(|e| panic!("probe found {info} but open failed: {e}"));
-            let _ = writeln!(std::io::stderr(), "GPU: {}; kernels target {}", d.info(), d.target());
-            Ok(d)
-        }
-        Err(e) => Err(e.to_string()),
-    });
-    match d {
-        Ok(d) => Some(d),
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            let _ = writeln!(std::io::stderr(), "*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            None
-        }
-    }
-}
-
-fn up<T: krasis_gpu::cudarc::driver::DeviceRepr>(d: &GpuDevice, v: &[T], what: &str) -> DeviceBuffer<T> {
-    d.upload(v, what).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn down<T: krasis_gpu::cudarc::driver::DeviceRepr + Default + Clone>(d: &GpuDevice, b: &DeviceBuffer<T>) -> Vec<T> {
-    d.download(b).unwrap_or_else(|e| panic!("{e}"))
-}
 
 // ---------------------------------------------------------------- the twin (krasis-model Sampler)
 
@@ -153,10 +120,6 @@ fn boundary_tolerance(vocab: usize) -> f64 {
 
 // ---------------------------------------------------------------- helpers
 
-fn bf16_round(v: f32) -> f32 {
-    bf16_to_f32(f32_to_bf16(v))
-}
-
 /// Logits like a language model's: most mass on a few tokens, a long tail.
 fn lm_logits(r: &mut ChaCha8Rng, vocab: usize, spread: f32) -> Vec<f32> {
     let mut v: Vec<f32> = (0..vocab).map(|_| bf16_round(r.random_range(-1.0f32..1.0) * spread)).collect();
@@ -202,7 +165,7 @@ fn params(temperature: f32, top_k: usize, top_p: f32) -> GpuSamplingParams {
 fn twin_matches_krasis_model_examples() {
     // krasis-model's own sampler tests, with draws from the same seeded generator.
     let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
-    let mut r = ChaCha8Rng::seed_from_u64(42);
+    let mut r = rng(42);
     let got: Vec<usize> = (0..100).map(|_| twin_sample(params(1.0, 3, 1.0), &logits, r.random::<f64>()).0).collect();
     assert!(got.iter().all(|id| [6, 13, 20].contains(id)), "{got:?}");
     assert!([6usize, 13, 20].iter().all(|id| got.contains(id)));
@@ -214,7 +177,7 @@ fn twin_matches_krasis_model_examples() {
 #[test]
 fn sampling_matches_cpu_twin() {
     let Some(d) = gpu("sampling_matches_cpu_twin") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(5);
+    let mut r = rng(5);
     let mut c = Checker { d, draws: 0, skipped: 0 };
     for &vocab in &[1usize, 2, 7, 50, 1000, 1023, 1025, 4099, 32_000, 151_936] {
         let s = GpuSampler::new(d, vocab).unwrap();
@@ -248,7 +211,7 @@ fn sampling_matches_cpu_twin() {
 #[test]
 fn sampling_ties_and_special_values() {
     let Some(d) = gpu("sampling_ties_and_special_values") else { return };
-    let mut r = ChaCha8Rng::seed_from_u64(9);
+    let mut r = rng(9);
     let mut c = Checker { d, draws: 0, skipped: 0 };
     // Exact ties everywhere: values from a short list, so top-k and top-p cut inside runs of
     // equal logits and ties resolve by index.
@@ -304,7 +267,7 @@ fn sampling_distribution_and_errors() {
     let Some(d) = gpu("sampling_distribution_and_errors") else { return };
     let vocab = 151_936;
     let s = GpuSampler::new(d, vocab).unwrap();
-    let mut r = ChaCha8Rng::seed_from_u64(17);
+    let mut r = rng(17);
     let logits = lm_logits(&mut r, vocab, 3.0);
     let l_d = up(d, &logits, "logits");
     let mut out = up(d, &[i32::MIN], "token");
