@@ -10,6 +10,7 @@ use krasis_core::memory::PageBuffer;
 use krasis_cpu::isa::Isa;
 use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
+use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::config::load_config;
 use krasis_model::engine::Logits;
@@ -56,6 +57,15 @@ pub struct Args {
     /// diagnosis).
     #[arg(long)]
     gemv_pin_caller: bool,
+    /// After timing --expert-gemv, run one more pass per case with per-task timestamps and print
+    /// where the time of a dispatch goes (wake-up, w13/w2 phases, waits, tail, serial sum).
+    #[arg(long)]
+    gemv_trace: bool,
+    /// After timing --expert-gemv, time runner variants (serial/fused sum, shared/per-worker
+    /// activation quantisation, even/guided tasks) in interleaved passes, so the machine's drift
+    /// affects all alike; best and median GB/s of this many passes each.
+    #[arg(long, default_value_t = 0)]
+    gemv_compare: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -94,7 +104,14 @@ fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
 /// pair, and the top-6 of a token per dispatch pair.
 /// Also returns the bytes of one expert.
-fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow::Result<(f64, f64, usize)> {
+/// With `trace`, also the timelines of one traced pass per case (one expert, top-6).
+fn expert_gemv(
+    pool: &WorkerPool,
+    isa: Isa,
+    bits: Bits,
+    total: usize,
+    trace: bool,
+) -> anyhow::Result<(f64, f64, usize, Option<[TraceSummary; 2]>)> {
     let (w13, l13, w2, l2) = packed_expert(bits);
     let rec = w13.len() + w2.len();
     let n = (total / rec).max(8);
@@ -106,6 +123,9 @@ fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow:
         chunk[0] = e as u8; // distinct pages, same numbers of note
     }
     let runner = PoolExperts::new(pool, l13, l2);
+    // Room for every task of one traced pass (at most one per row block, pair or group).
+    let traced =
+        trace.then(|| PoolExperts::new(pool, l13, l2).with_trace(pool, 3 * n * (l13.row_blocks() + l2.row_blocks())));
     let x: Vec<f32> = (0..l13.k).map(|k| ((k * 7919) % 101) as f32 / 50.0 - 1.0).collect();
     let mut out = vec![0f32; l13.k];
     let data = buf.as_slice();
@@ -115,22 +135,107 @@ fn expert_gemv(pool: &WorkerPool, isa: Isa, bits: Bits, total: usize) -> anyhow:
         node: 0,
     };
     let tok = [(0usize, 1.0f32)];
-    let mut time = |group: usize| -> f64 {
-        let mut best = 0f64;
-        for _ in 0..3 {
-            let t = Instant::now();
-            for start in (0..n - n % group).step_by(group) {
-                let jobs: Vec<ExpertJob> =
-                    (start..start + group).map(|e| ExpertJob { weights: expert(e), tokens: &tok }).collect();
-                runner.run(pool, isa, &x, l13.k, &jobs, &mut out);
-            }
-            best = best.max(((n - n % group) * rec) as f64 / 1e9 / t.elapsed().as_secs_f64());
+    let mut pass = |runner: &PoolExperts, group: usize| -> f64 {
+        let t = Instant::now();
+        for start in (0..n - n % group).step_by(group) {
+            let jobs: Vec<ExpertJob> =
+                (start..start + group).map(|e| ExpertJob { weights: expert(e), tokens: &tok }).collect();
+            runner.run(pool, isa, &x, l13.k, &jobs, &mut out);
         }
-        best
+        ((n - n % group) * rec) as f64 / 1e9 / t.elapsed().as_secs_f64()
     };
+    let mut time = |group: usize| (0..3).map(|_| pass(&runner, group)).fold(0f64, f64::max);
     let one = time(1);
     let six = time(6);
-    Ok((one, six, rec))
+    let summaries = traced.map(|r| {
+        [1, 6].map(|group| {
+            pass(&r, group);
+            r.take_trace_summary().expect("traced runner")
+        })
+    });
+    Ok((one, six, rec, summaries))
+}
+
+/// Runner variants of `--gemv-compare`: (name, fused sum, per-worker x rows, guided tasks, w2
+/// tasks per worker).
+const VARIANTS: [(&str, bool, usize, bool, usize); 7] = [
+    ("serial sum, shared x, even", false, 0, false, 2),
+    ("fused sum, shared x, even", true, 0, false, 2),
+    ("fused sum, local x, even", true, 2, false, 2),
+    ("fused sum, shared x, guided", true, 0, true, 2),
+    ("fused sum, local x, guided", true, 2, true, 2),
+    ("fused sum, shared x, even, w2 1", true, 0, false, 1),
+    ("fused sum, local x, guided, w2 1", true, 2, true, 1),
+];
+
+/// `--gemv-compare`: per variant, (best, median) GB/s one expert and top-6 per dispatch, over
+/// `reps` interleaved passes.
+fn expert_gemv_compare(
+    pool: &WorkerPool,
+    isa: Isa,
+    bits: Bits,
+    total: usize,
+    reps: usize,
+) -> anyhow::Result<Vec<(&'static str, [f64; 4])>> {
+    let (w13, l13, w2, l2) = packed_expert(bits);
+    let rec = w13.len() + w2.len();
+    let n = (total / rec).max(8);
+    let mut buf = PageBuffer::new(n * rec)?;
+    buf.advise_huge_pages();
+    for (e, chunk) in buf.as_mut_slice().chunks_exact_mut(rec).enumerate() {
+        chunk[..w13.len()].copy_from_slice(&w13);
+        chunk[w13.len()..].copy_from_slice(&w2);
+        chunk[0] = e as u8;
+    }
+    let runners: Vec<PoolExperts> = VARIANTS
+        .iter()
+        .map(|&(_, fused, local, guided, tpw2)| {
+            PoolExperts::new(pool, l13, l2)
+                .with_fused_sum(fused)
+                .with_local_x_rows(local)
+                .with_guided_tasks(guided)
+                .with_w2_tasks_per_worker(tpw2)
+        })
+        .collect();
+    let x: Vec<f32> = (0..l13.k).map(|k| ((k * 7919) % 101) as f32 / 50.0 - 1.0).collect();
+    let mut out = vec![0f32; l13.k];
+    let data = buf.as_slice();
+    let tok = [(0usize, 1.0f32)];
+    let mut samples = vec![[Vec::new(), Vec::new()]; VARIANTS.len()];
+    for _ in 0..reps.max(1) {
+        for (gi, group) in [1usize, 6].into_iter().enumerate() {
+            for (v, runner) in runners.iter().enumerate() {
+                let t = Instant::now();
+                for start in (0..n - n % group).step_by(group) {
+                    let jobs: Vec<ExpertJob> = (start..start + group)
+                        .map(|e| ExpertJob {
+                            weights: ExpertWeights {
+                                w13: &data[e * rec..e * rec + w13.len()],
+                                w2: &data[e * rec + w13.len()..(e + 1) * rec],
+                                node: 0,
+                            },
+                            tokens: &tok,
+                        })
+                        .collect();
+                    runner.run(pool, isa, &x, l13.k, &jobs, &mut out);
+                }
+                samples[v][gi].push(((n - n % group) * rec) as f64 / 1e9 / t.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let stats = |s: &mut Vec<f64>| {
+        s.sort_by(f64::total_cmp);
+        (s[s.len() - 1], s[s.len() / 2])
+    };
+    Ok(VARIANTS
+        .iter()
+        .zip(samples.iter_mut())
+        .map(|(&(name, ..), [one, six])| {
+            let (ob, om) = stats(one);
+            let (sb, sm) = stats(six);
+            (name, [ob, om, sb, sm])
+        })
+        .collect())
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -190,7 +295,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let mut rows = Vec::new();
         for isa in isas {
             for bits in [Bits::Int4, Bits::Int8] {
-                let (one, six, rec) = expert_gemv(&pool, isa, bits, a.gemv_bytes)?;
+                let (one, six, rec, traces) = expert_gemv(&pool, isa, bits, a.gemv_bytes, a.gemv_trace)?;
                 let us = |gbps: f64, experts: usize| (rec * experts) as f64 / gbps / 1e3;
                 if !a.json {
                     println!(
@@ -202,6 +307,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         100.0 * six / bw.gb_per_s,
                         us(six, 6)
                     );
+                    for t in traces.iter().flatten() {
+                        print!("{t}");
+                    }
+                }
+                if a.gemv_compare > 0 {
+                    let rows = expert_gemv_compare(&pool, isa, bits, a.gemv_bytes, a.gemv_compare)?;
+                    println!(
+                        "  variants, {} interleaved passes each: GB/s one expert best / median, top-6 best / median",
+                        a.gemv_compare
+                    );
+                    for (name, [ob, om, sb, sm]) in rows {
+                        println!("    {name:<34} {ob:6.1} / {om:6.1}   {sb:6.1} / {sm:6.1}");
+                    }
                 }
                 rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "one_expert_gb_per_s": one,
                                   "top6_gb_per_s": six, "one_fraction": one / bw.gb_per_s, "top6_fraction": six / bw.gb_per_s }));

@@ -8,6 +8,7 @@ pub mod isa;
 pub mod linear;
 pub mod membw;
 pub mod moe;
+pub mod moe_trace;
 pub mod norm;
 pub mod par;
 pub mod pool;

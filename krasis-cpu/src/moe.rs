@@ -5,7 +5,8 @@
 //! One decode step of a MoE layer is one dispatch: all experts' w13 row-block pairs (each task
 //! applies SiLU(gate)·up to its own pairs; the task that completes a group of the intermediate
 //! quantises it), then all experts' w2 row blocks, each waiting only for its own expert's
-//! intermediate (see [`PoolExperts::run`]). No serial step and no second wake-up between them.
+//! intermediate and adding its weighted output into the layer output (see [`PoolExperts::run`]).
+//! No serial step and no second wake-up between them, nor after them.
 //!
 //! Activations enter the integer kernels as two INT8 rows per token ([`quantize_acts_split`]):
 //! the INT8 quantisation and its INT8-quantised residual. Their outputs add up to the product with
@@ -18,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::isa::Isa;
+use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::quant::{
     matmul_packed, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
@@ -103,6 +105,12 @@ pub fn split_factor() -> usize {
     *S.get_or_init(|| if std::env::var("KRASIS_ACT_SPLIT").is_ok_and(|v| v == "0") { 1 } else { 2 })
 }
 
+/// `KRASIS_MOE_SUM=serial`: [`PoolExperts`] add the experts' outputs after the dispatch, on the
+/// calling thread (the former runner; for measuring what the in-dispatch sum saves).
+fn fused_sum_env() -> bool {
+    std::env::var("KRASIS_MOE_SUM").map_or(true, |v| v != "serial")
+}
+
 /// `y[i] = out[2i] + out[2i+1]` for rows of width `w` (in place: the result occupies the first
 /// `m·w` elements); nothing to do when activations are not split.
 pub fn sum_split_rows(out: &mut [f32], m: usize, w: usize) {
@@ -128,6 +136,17 @@ impl OutPtr {
     /// `at..at+src.len()` must be in bounds and written by no other task.
     unsafe fn write(self, at: usize, src: &[f32]) {
         std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len());
+    }
+
+    /// `self[at + j] += w · src[j]`.
+    ///
+    /// # Safety
+    /// `at..at+src.len()` must be in bounds and accessed by no other thread meanwhile.
+    unsafe fn add_scaled(self, at: usize, w: f32, src: &[f32]) {
+        let dst = std::slice::from_raw_parts_mut(self.0.add(at), src.len());
+        for (o, &v) in dst.iter_mut().zip(src) {
+            *o += w * v;
+        }
     }
 }
 
@@ -260,6 +279,10 @@ struct StepScratch {
     act_src: Vec<usize>,
     /// Per activation set: hidden-size groups quantised so far.
     x_ready: Vec<AtomicUsize>,
+    /// Per activation set: quantised by each w13 task's worker for itself (no X tasks).
+    local_x: Vec<bool>,
+    /// Calls of `run` so far (tells a worker's [`LocalActs`] of this call from stale ones).
+    serial: u64,
     xbufs: Vec<ActBufs>,
     mid: Vec<Vec<f32>>,
     mid_acts: Vec<QuantizedActs>,
@@ -275,6 +298,8 @@ struct StepScratch {
     /// Per job: raw views of `mid`/`mid_acts` and of `y`, for the tasks.
     bufs: Vec<JobBufs>,
     ys: Vec<OutPtr>,
+    /// Per w2 row block: jobs whose weighted output has been added to `out` there.
+    out_turn: Vec<AtomicUsize>,
 }
 
 /// Runs the routed experts of one layer over the pool.
@@ -282,8 +307,66 @@ pub struct PoolExperts {
     w13_layout: PackedLayout,
     w2_layout: PackedLayout,
     tasks_per_worker: usize,
+    /// Tasks per worker of the w2 phase, when it differs from `tasks_per_worker`.
+    w2_tasks_per_worker: Option<usize>,
     scratch: WorkerScratch,
     step: Mutex<StepScratch>,
+    fused_sum: bool,
+    /// Guided task sizes (see `plan`) for dispatches of at least this many jobs
+    /// ([`GUIDED_MIN_JOBS`]; `KRASIS_MOE_TASKS=even|guided`: never / always).
+    guided_min_jobs: usize,
+    trace: Option<Trace>,
+    /// Per worker: its own quantisation of a small activation set.
+    local_acts: Vec<Mutex<LocalActs>>,
+    /// Sets of at most this many tokens are quantised per worker (0, the default: none; see
+    /// [`LOCAL_X_MAX_ROWS`]).
+    local_x_max_rows: usize,
+}
+
+/// A worker's own quantisation of activation set `set` of call `serial`.
+#[derive(Default)]
+struct LocalActs {
+    key: Option<(u64, usize)>,
+    acts: QuantizedActs,
+}
+
+/// With `KRASIS_MOE_XQ=local`, activation sets of at most this many tokens are quantised by
+/// every worker for itself (each w13 task's worker, once per call) instead of by shared X tasks.
+/// Off by default: measured on the 16-core Xeon (2026-11-21, `--gemv-trace`, `--gemv-compare`)
+/// the shared X tasks have a token's activations ready ≈ 5 µs after the dispatch, but one core
+/// takes ≈ 4.5 µs to quantise a 2048-wide token (value + residual) on its own, so every w13
+/// stream started as late; one expert per dispatch INT4 109.4 GB/s median local against 112.0
+/// shared.
+const LOCAL_X_MAX_ROWS: usize = 2;
+
+/// Bytes of its weights a w13 task pulls towards L2 before quantising its activations itself:
+/// a few lines in flight, not a long burst (prefetches beyond the L2 miss queue stall the core:
+/// ≈ 8 µs per quantising task with 16 KiB, ≈ 4.5 with 4 KiB).
+const LOCAL_X_PREFETCH: usize = 4 << 10;
+
+/// `KRASIS_MOE_XQ=local`: quantise small activation sets per worker ([`LOCAL_X_MAX_ROWS`]).
+fn local_x_env() -> usize {
+    if std::env::var("KRASIS_MOE_XQ").is_ok_and(|v| v == "local") {
+        LOCAL_X_MAX_ROWS
+    } else {
+        0
+    }
+}
+
+/// [`PoolExperts`] dispatches of at least this many jobs shrink their tasks towards the end of
+/// each phase (see `plan`). Measured on the 16-core Xeon (2026-11-21, `--gemv-compare`,
+/// interleaved passes): top-6 INT4 147.6 GB/s median guided against 142.3 even (workers idled
+/// 10–20 µs at the end of a top-6 dispatch), INT8 154.0 against 150.7; one expert per dispatch
+/// 102.6 guided against 112.0 even (each extra task start costs more than the shorter tail).
+const GUIDED_MIN_JOBS: usize = 2;
+
+/// `KRASIS_MOE_TASKS=guided|even` overrides [`GUIDED_MIN_JOBS`] (always / never).
+fn guided_env() -> usize {
+    match std::env::var("KRASIS_MOE_TASKS").as_deref() {
+        Ok("guided") => 1,
+        Ok("even") => usize::MAX,
+        _ => GUIDED_MIN_JOBS,
+    }
 }
 
 /// The work of one expert in a step: its weights, its tokens' rows of `x` and their weights.
@@ -340,9 +423,56 @@ impl PoolExperts {
             w13_layout,
             w2_layout,
             tasks_per_worker: tasks_per_worker_env().unwrap_or(TASKS_PER_WORKER),
+            w2_tasks_per_worker: None,
             scratch: WorkerScratch::new(pool.threads()),
             step: Mutex::new(StepScratch::default()),
+            fused_sum: fused_sum_env(),
+            guided_min_jobs: guided_env(),
+            trace: None,
+            local_acts: (0..pool.threads()).map(|_| Mutex::new(LocalActs::default())).collect(),
+            local_x_max_rows: local_x_env(),
         }
+    }
+
+    /// Add the experts' weighted outputs inside the dispatch (default; each w2 task adds its
+    /// columns, in job order per row block) or serially after it (`false`; the former runner,
+    /// for comparison; `KRASIS_MOE_SUM=serial` sets it for every runner).
+    pub fn with_fused_sum(mut self, fused: bool) -> Self {
+        self.fused_sum = fused;
+        self
+    }
+
+    /// Split the w2 phase into about `t` tasks per worker (the w13 phase keeps
+    /// [`Self::with_tasks_per_worker`]'s); for tuning.
+    pub fn with_w2_tasks_per_worker(mut self, t: usize) -> Self {
+        self.w2_tasks_per_worker = Some(t.max(1));
+        self
+    }
+
+    /// Activation sets of at most `rows` tokens are quantised by each worker for itself (0: all
+    /// in shared tasks); for tests and tuning.
+    pub fn with_local_x_rows(mut self, rows: usize) -> Self {
+        self.local_x_max_rows = rows;
+        self
+    }
+
+    /// Guided task sizes (shrinking towards the end of each phase) or even ones; for tests
+    /// and tuning.
+    pub fn with_guided_tasks(mut self, guided: bool) -> Self {
+        self.guided_min_jobs = if guided { 1 } else { usize::MAX };
+        self
+    }
+
+    /// Record a timeline of up to `cap` dispatches (tasks per worker likewise) for
+    /// [`PoolExperts::take_trace_summary`]; bench-only (costs a few clock reads per task).
+    pub fn with_trace(mut self, pool: &WorkerPool, cap: usize) -> Self {
+        self.trace = Some(Trace::new(pool.threads(), cap));
+        self
+    }
+
+    /// Summary of the dispatches traced since the last call (`None` without [`Self::with_trace`]).
+    pub fn take_trace_summary(&self) -> Option<TraceSummary> {
+        self.trace.as_ref().map(Trace::take_summary)
     }
 
     /// Split each phase into about `t` tasks per worker (default [`TASKS_PER_WORKER`]); for
@@ -361,28 +491,46 @@ impl PoolExperts {
     }
 
     /// Units (block pairs or row blocks) per task for `total` units over `workers`.
-    fn units_per_task(&self, total: usize, workers: usize) -> usize {
-        total.div_ceil(self.tasks_per_worker * workers.max(1)).max(1)
+    fn units_per_task(total: usize, tpw: usize, workers: usize) -> usize {
+        total.div_ceil(tpw * workers.max(1)).max(1)
     }
 
     /// Task lists per node: the activation quantisation tasks, every job's w13 tasks, then
     /// every job's w2 tasks. A task waits only for tasks that sit earlier in a node's list (a w2
     /// task for its job's w13 tasks, on the same node; a w13 task for its activation set, on the
-    /// node of the set's first job): by the time a worker claims it, each of those has been
-    /// claimed by a worker that is running it, or sits ahead in another node's list, whose
-    /// workers claim in order and never wait on later tasks; so waits end.
+    /// node of the set's first job; with the fused sum, a w2 task also for the w2 tasks of
+    /// earlier jobs over the same blocks, which sit earlier in their nodes' lists): take the
+    /// first task in (phase, job) order that never ends; it is not waiting, as everything it
+    /// waits on comes earlier and ends; nor unclaimed, as its node's workers claim in order and
+    /// the tasks ahead of it end; so waits end. (Activation sets of ≤ [`LOCAL_X_MAX_ROWS`]
+    /// tokens have no X tasks: each w13 task's worker quantises them itself.)
     fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], nodes: usize, workers: usize) {
         let pairs = self.w13_layout.row_blocks() / 2;
         let nb2 = self.w2_layout.row_blocks();
         let ng13 = self.w13_layout.groups();
         let n = jobs.len();
-        let per13 = self.units_per_task(pairs * n, workers);
-        let per2 = self.units_per_task(nb2 * n, workers);
+        let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(self.tasks_per_worker));
+        let per13 = Self::units_per_task(pairs * n, tpw13, workers);
+        let per2 = Self::units_per_task(nb2 * n, tpw2, workers);
+        // Guided: a task's size shrinks with the units left in its phase, down to half the even
+        // size, so the phase ends in small tasks (less idle time at the w13 → w2 hand-over and
+        // at the end) while its bulk keeps long streams.
+        let guided = n >= self.guided_min_jobs;
+        let size = move |per: usize, tpw: usize, left: usize| {
+            if guided {
+                left.div_ceil(tpw * workers.max(1)).clamp(per.div_ceil(2), per)
+            } else {
+                per
+            }
+        };
         // Activation groups: one round over the workers (tiny tasks; decode has 16 groups).
         let perx = ng13.div_ceil(workers.max(1)).max(1);
         step.tasks.resize_with(nodes, Vec::new);
         step.tasks.iter_mut().for_each(Vec::clear);
         for (a, &e) in step.act_src.iter().enumerate() {
+            if step.local_x[a] {
+                continue;
+            }
             let node = jobs[e].weights.node.min(nodes - 1);
             for g0 in (0..ng13).step_by(perx) {
                 step.tasks[node].push(Task::X { a, g0, g1: (g0 + perx).min(ng13) });
@@ -390,14 +538,20 @@ impl PoolExperts {
         }
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
-            for p0 in (0..pairs).step_by(per13) {
-                step.tasks[node].push(Task::W13 { e, p0, p1: (p0 + per13).min(pairs) });
+            let mut p0 = 0;
+            while p0 < pairs {
+                let p1 = (p0 + size(per13, tpw13, pairs * (n - e) - p0)).min(pairs);
+                step.tasks[node].push(Task::W13 { e, p0, p1 });
+                p0 = p1;
             }
         }
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
-            for b0 in (0..nb2).step_by(per2) {
-                step.tasks[node].push(Task::W2 { e, b0, b1: (b0 + per2).min(nb2) });
+            let mut b0 = 0;
+            while b0 < nb2 {
+                let b1 = (b0 + size(per2, tpw2, nb2 * (n - e) - b0)).min(nb2);
+                step.tasks[node].push(Task::W2 { e, b0, b1 });
+                b0 = b1;
             }
         }
         step.counts.clear();
@@ -408,11 +562,13 @@ impl PoolExperts {
     ///
     /// One pool dispatch per call: tiny tasks quantise each distinct token list's rows of `x`
     /// (by groups, in parallel); w13 tasks wait for theirs, write SiLU(gate)·up into the job's
-    /// intermediate and count the columns they finish per w2 group; the task that completes a group quantises it
-    /// (value + residual rows, as [`quantize_acts_split`]); w2 tasks start once their job's
-    /// groups are all quantised. The numbers are those of the phase-by-phase composition
+    /// intermediate and count the columns they finish per w2 group; the task that completes a
+    /// group quantises it (value + residual rows, as [`quantize_acts_split`]); w2 tasks start
+    /// once their job's groups are all quantised and add `w · y` for their row blocks into
+    /// `out`, job after job (a per-block turn counter keeps the job order). The numbers are those of the phase-by-phase composition
     /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
     pub fn run(&self, pool: &WorkerPool, isa: Isa, x: &[f32], hidden: usize, jobs: &[ExpertJob<'_>], out: &mut [f32]) {
+        let t_call = self.trace.as_ref().map_or(0, Trace::now);
         let (l13, l2) = (&self.w13_layout, &self.w2_layout);
         assert_eq!(l13.k, hidden, "x width {hidden} differs from the experts' hidden size {}", l13.k);
         assert_eq!(l2.rows, hidden);
@@ -428,9 +584,10 @@ impl PoolExperts {
         for job in jobs {
             for &(tok, _) in job.tokens {
                 assert!(
-                    (tok + 1) * hidden <= x.len(),
-                    "token {tok} is outside x ({} floats of width {hidden})",
-                    x.len()
+                    (tok + 1) * hidden <= x.len() && (tok + 1) * hidden <= out.len(),
+                    "token {tok} is outside x ({} floats of width {hidden}) or out ({} floats)",
+                    x.len(),
+                    out.len()
                 );
             }
         }
@@ -467,10 +624,15 @@ impl PoolExperts {
         step.x_ready.resize_with(sets, AtomicUsize::default);
         step.x_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         step.xbufs.clear();
+        step.local_x.clear();
         for a in 0..sets {
             step.xbufs.push(ActBufs::of(&mut step.acts[a]));
+            step.local_x.push(jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
         }
+        step.serial = step.serial.wrapping_add(1);
         self.plan(step, jobs, pool.nodes(), pool.threads());
+        step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
+        step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
 
         step.bufs.clear();
         step.ys.clear();
@@ -482,10 +644,20 @@ impl PoolExperts {
         let (tasks, acts, acts_of, mid_acts) = (&step.tasks, &step.acts, &step.acts_of, &step.mid_acts);
         let (cols_done, groups_ready, bufs, ys) = (&step.cols_done, &step.groups_ready, &step.bufs, &step.ys);
         let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
+        let (local_x, serial) = (&step.local_x, step.serial);
+        let (out_turn, fused) = (&step.out_turn, self.fused_sum);
+        let out_ptr = OutPtr(out.as_mut_ptr());
         let ng13 = l13.groups();
+        let trace = self.trace.as_ref();
+        let d_index = trace.map_or(0, Trace::next_dispatch);
+        let t_dispatch = trace.map_or(0, Trace::now);
         pool.run_on_nodes(&step.counts, &|node, t, ctx| {
             let _flag = FailOnUnwind(&failed);
-            match tasks[node][t] {
+            let task = tasks[node][t];
+            let start = trace.map_or(0, Trace::now);
+            // (ready, computed) moments for the trace; 0 = as the task's start / end.
+            let (mut ready, mut computed) = (0u64, 0u64);
+            match task {
                 Task::X { a, g0, g1 } => {
                     let toks = jobs[act_src[a]].tokens;
                     for g in g0..g1 {
@@ -511,8 +683,42 @@ impl PoolExperts {
                     let bb = l13.block_bytes();
                     let start = (2 * p0 * bb).min(w13.len());
                     let upcoming = &w13[start..(start + X_WAIT_PREFETCH).min(2 * p1 * bb).min(w13.len())];
-                    wait_ready(&x_ready[acts_of[e]], ng13, &failed, upcoming);
-                    let a = &acts[acts_of[e]];
+                    let set = acts_of[e];
+                    let mut local =
+                        local_x[set].then(|| self.local_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner()));
+                    let a: &QuantizedActs = match local.as_deref_mut() {
+                        Some(la) => {
+                            if la.key != Some((serial, set)) {
+                                prefetch_l2(&upcoming[..upcoming.len().min(LOCAL_X_PREFETCH)]);
+                                let toks = jobs[act_src[set]].tokens;
+                                shape_acts(&mut la.acts, split * toks.len(), hidden, l13.gs);
+                                la.key = None;
+                                let dst = ActBufs::of(&mut la.acts);
+                                for g in 0..ng13 {
+                                    // SAFETY: tokens are inside x (checked above); `dst` is this
+                                    // worker's own buffer, shaped for these rows just above.
+                                    unsafe {
+                                        quantize_rows_group(
+                                            |i| x[toks[i].0 * hidden..].as_ptr(),
+                                            toks.len(),
+                                            dst,
+                                            hidden,
+                                            l13.gs,
+                                            g,
+                                            split,
+                                        )
+                                    };
+                                }
+                                la.key = Some((serial, set));
+                            }
+                            &la.acts
+                        }
+                        None => {
+                            wait_ready(&x_ready[set], ng13, &failed, upcoming);
+                            &acts[set]
+                        }
+                    };
+                    ready = trace.map_or(0, Trace::now);
                     let m = a.m / split;
                     let cols13 = (p1 - p0) * 2 * ROW_BLOCK;
                     let cols = (p1 - p0) * ROW_BLOCK;
@@ -545,6 +751,7 @@ impl PoolExperts {
                     let w2 = jobs[e].weights.w2;
                     let upcoming = &w2[(b0 * l2.block_bytes()).min(w2.len())..(b1 * l2.block_bytes()).min(w2.len())];
                     wait_ready(&groups_ready[e], ng2, &failed, upcoming);
+                    ready = trace.map_or(0, Trace::now);
                     let a = &mid_acts[e];
                     let m = a.m / split;
                     let cols = (b1 - b0) * ROW_BLOCK;
@@ -552,23 +759,78 @@ impl PoolExperts {
                         matmul_packed(isa, w2, l2, a, b0..b1, tmp);
                         sum_split_rows(tmp, m, cols);
                         let keep = cols.min(hidden - b0 * ROW_BLOCK);
-                        for i in 0..m {
-                            // SAFETY: this task owns columns [16·b0, 16·b0 + keep) of job e's y rows.
-                            unsafe { ys[e].write(i * hidden + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
+                        if !fused {
+                            for i in 0..m {
+                                // SAFETY: this task owns columns [16·b0, 16·b0 + keep) of job e's y rows.
+                                unsafe { ys[e].write(i * hidden + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
+                            }
+                            return;
+                        }
+                        computed = trace.map_or(0, Trace::now);
+                        // Jobs add into these columns of `out` in job order, block by block: the
+                        // tasks of jobs < e over these blocks sit earlier in their nodes' lists
+                        // (plan: w2 tasks in job order) and wait only on still earlier ones, so
+                        // this wait ends.
+                        let turns = &out_turn[b0..b1];
+                        for turn in turns {
+                            wait_ready(turn, e, &failed, &[]);
+                        }
+                        for (r, &(tok, w)) in jobs[e].tokens.iter().enumerate() {
+                            // SAFETY: tok is inside out (checked above); columns [16·b0, 16·b0 +
+                            // keep) of out are touched only by the tasks over these blocks, one
+                            // job at a time (the turn counter orders them).
+                            unsafe {
+                                out_ptr.add_scaled(tok * hidden + b0 * ROW_BLOCK, w, &tmp[r * cols..r * cols + keep])
+                            };
+                        }
+                        for turn in turns {
+                            turn.store(e + 1, Ordering::Release);
                         }
                     })
                 }
             }
+            if let Some(tr) = trace {
+                let end = tr.now();
+                let (kind, job) = match task {
+                    Task::X { a, .. } => (TaskKind::X, act_src[a]),
+                    Task::W13 { e, .. } => (TaskKind::W13, e),
+                    Task::W2 { e, .. } => (TaskKind::W2, e),
+                };
+                let ready = if ready == 0 { start } else { ready };
+                let computed = if computed == 0 { end } else { computed };
+                tr.task(TaskSpan {
+                    dispatch: d_index,
+                    worker: ctx.worker as u16,
+                    kind,
+                    job: job as u16,
+                    start,
+                    ready,
+                    computed,
+                    end,
+                });
+            }
         });
+        let t_back = trace.map_or(0, Trace::now);
 
-        // Weighted accumulate, in job order (deterministic).
-        for (e, job) in jobs.iter().enumerate() {
-            for (r, &(tok, w)) in job.tokens.iter().enumerate() {
-                let yr = &step.y[e][r * hidden..(r + 1) * hidden];
-                for (o, v) in out[tok * hidden..(tok + 1) * hidden].iter_mut().zip(yr) {
-                    *o += w * v;
+        if !fused {
+            // Weighted accumulate, in job order (deterministic).
+            for (e, job) in jobs.iter().enumerate() {
+                for (r, &(tok, w)) in job.tokens.iter().enumerate() {
+                    let yr = &step.y[e][r * hidden..(r + 1) * hidden];
+                    for (o, v) in out[tok * hidden..(tok + 1) * hidden].iter_mut().zip(yr) {
+                        *o += w * v;
+                    }
                 }
             }
+        }
+        if let Some(tr) = trace {
+            tr.dispatch(DispatchSpan {
+                jobs: n as u16,
+                call: t_call,
+                dispatch: t_dispatch,
+                back: t_back,
+                done: tr.now(),
+            });
         }
     }
 }
@@ -755,7 +1017,9 @@ mod tests {
         /// One dispatch with in-task quantisation of the intermediate equals the phased
         /// composition bit for bit, for random shapes, group sizes whose groups straddle task
         /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
-        /// 1–5 workers per node, 1–7 tasks per worker.
+        /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
+        /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens)
+        /// or in shared tasks.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -767,7 +1031,11 @@ mod tests {
             nodes in 1usize..3,
             per_node in 1usize..6,
             tpw in 1usize..8,
+            tpw2 in 1usize..8,
             int8 in proptest::prelude::any::<bool>(),
+            guided in proptest::prelude::any::<bool>(),
+            fused in proptest::prelude::any::<bool>(),
+            local_x in proptest::prelude::any::<bool>(),
             seed in 0u64..1000,
         ) {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
@@ -790,7 +1058,12 @@ mod tests {
             let refs: Vec<&Expert> = experts.iter().collect();
             let want = phased_reference(isa, &refs, &routes, &x, h);
             let pool = WorkerPool::new(PoolPlan::simulated(nodes, per_node)).unwrap();
-            let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2).with_tasks_per_worker(tpw);
+            let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2)
+                .with_tasks_per_worker(tpw)
+                .with_w2_tasks_per_worker(tpw2)
+                .with_guided_tasks(guided)
+                .with_fused_sum(fused)
+                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 });
             let jobs: Vec<ExpertJob> = routes
                 .iter()
                 .enumerate()
