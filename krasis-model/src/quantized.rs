@@ -221,6 +221,41 @@ pub struct CpuQuantExperts {
     hidden: usize,
     isa: Isa,
     bits: Bits,
+    /// A step's (token, weight) pairs grouped by expert (counting sort), reused across calls so a
+    /// decode step allocates nothing but the job list.
+    grouping: std::sync::Mutex<RouteGrouping>,
+}
+
+/// Counting-sort buffers: `pairs[offsets[e]..offsets[e + 1]]` are expert `e`'s (token, weight).
+#[derive(Default)]
+struct RouteGrouping {
+    offsets: Vec<usize>,
+    next: Vec<usize>,
+    pairs: Vec<(usize, f32)>,
+}
+
+impl RouteGrouping {
+    fn group(&mut self, n_experts: usize, t: usize, routes: &Routes) {
+        let o = &mut self.offsets;
+        o.clear();
+        o.resize(n_experts + 1, 0);
+        for &e in &routes.ids[..t * routes.k] {
+            o[e + 1] += 1;
+        }
+        for e in 0..n_experts {
+            o[e + 1] += o[e];
+        }
+        self.pairs.clear();
+        self.pairs.resize(t * routes.k, (0, 0.0));
+        self.next.clear();
+        self.next.extend_from_slice(&o[..n_experts]);
+        // Stable: each expert's pairs stay in (token, slot) order, as the reference groups them.
+        for s in 0..t * routes.k {
+            let e = routes.ids[s];
+            self.pairs[self.next[e]] = (s / routes.k, routes.weights[s]);
+            self.next[e] += 1;
+        }
+    }
 }
 
 impl CpuQuantExperts {
@@ -242,6 +277,7 @@ impl CpuQuantExperts {
             hidden: spec.hidden_size,
             isa: isa::active(),
             bits,
+            grouping: Default::default(),
         })
     }
 
@@ -259,21 +295,14 @@ impl ExpertExecutor for CpuQuantExperts {
     fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
         let n = self.cache.header().n_experts as usize;
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); n];
-        for tok in 0..t {
-            for j in 0..routes.k {
-                let s = tok * routes.k + j;
-                by_expert[routes.ids[s]].push((tok, routes.weights[s]));
-            }
-        }
+        let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
+        g.group(n, t, routes);
         let nodes = self.pool.nodes();
-        let jobs: Vec<ExpertJob<'_>> = by_expert
-            .iter()
-            .enumerate()
-            .filter(|(_, toks)| !toks.is_empty())
-            .map(|(e, toks)| ExpertJob {
+        let jobs: Vec<ExpertJob<'_>> = (0..n)
+            .filter(|&e| g.offsets[e + 1] > g.offsets[e])
+            .map(|e| ExpertJob {
                 weights: ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % nodes },
-                tokens: toks,
+                tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]],
             })
             .collect();
         self.runner.run(&self.pool, self.isa, x, self.hidden, &jobs, out);
@@ -288,5 +317,25 @@ impl ExpertExecutor for CpuQuantExperts {
             self.isa.name(),
             self.pool.describe()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_grouping_is_a_stable_counting_sort() {
+        let routes = Routes { k: 2, ids: vec![3, 0, 0, 3, 2, 3], weights: vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6] };
+        let mut g = RouteGrouping::default();
+        for _ in 0..2 {
+            // reused buffers give the same answer
+            g.group(5, 3, &routes);
+            let of = |e: usize| &g.pairs[g.offsets[e]..g.offsets[e + 1]];
+            assert_eq!(of(0), &[(0, 0.2), (1, 0.3)]);
+            assert!(of(1).is_empty() && of(4).is_empty());
+            assert_eq!(of(2), &[(2, 0.5)]);
+            assert_eq!(of(3), &[(0, 0.1), (1, 0.4), (2, 0.6)]);
+        }
     }
 }
