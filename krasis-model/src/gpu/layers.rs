@@ -62,10 +62,10 @@ impl GpuMlp {
         let inter = self.gate.rows();
         let hidden = self.down.rows();
         let sc = &mut s.scratch;
-        let [f0, f1, f2, f3, ..] = &mut sc.f;
-        let g = grow(c.dev, f0, t * inter, "mlp gate")?;
-        let u = grow(c.dev, f1, t * inter, "mlp up")?;
-        let a = grow(c.dev, f2, t * inter, "mlp activation")?;
+        let [gate_slot, up_slot, act_slot, shared_out_slot, ..] = &mut sc.f;
+        let g = grow(c.dev, gate_slot, t * inter, "mlp gate")?;
+        let u = grow(c.dev, up_slot, t * inter, "mlp up")?;
+        let a = grow(c.dev, act_slot, t * inter, "mlp activation")?;
         let xn = sc.xn.slice().slice(..t * hidden);
         self.gate.forward(c.dev, c.gemm, &xn, t, &mut g.slice_mut().slice_mut(..t * inter))?;
         self.up.forward(c.dev, c.gemm, &xn, t, &mut u.slice_mut().slice_mut(..t * inter))?;
@@ -80,7 +80,7 @@ impl GpuMlp {
         if to_y {
             self.down.forward(c.dev, c.gemm, &a, t, &mut sc.y.slice_mut().slice_mut(..t * hidden))?;
         } else {
-            let o = grow(c.dev, f3, t * hidden, "shared expert output")?;
+            let o = grow(c.dev, shared_out_slot, t * hidden, "shared expert output")?;
             self.down.forward(c.dev, c.gemm, &a, t, &mut o.slice_mut().slice_mut(..t * hidden))?;
         }
         Ok(())
@@ -219,15 +219,16 @@ impl GpuMla {
         let row = lat + rd;
         let dev = c.dev;
         let sc = &mut s.scratch;
-        let [f0, f1, f2, f3, f4, f5, f6, f7] = &mut sc.f;
+        let [q_slot, q_a_slot, kv_a_slot, absorbed_q_or_kv_slot, latent_out_slot, out_slot, cached_rows_slot, latent_slot] =
+            &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
 
         // q (with the optional LoRA), then RoPE on each head's rope part.
-        let q = grow(dev, f0, t * hh * qk, "mla q")?;
+        let q = grow(dev, q_slot, t * hh * qk, "mla q")?;
         match &self.q_a {
             Some((q_a, norm)) => {
                 let r = q_a.rows();
-                let qa = grow(dev, f1, t * r, "mla q_a")?;
+                let qa = grow(dev, q_a_slot, t * r, "mla q_a")?;
                 q_a.forward(dev, c.gemm, &xn, t, &mut qa.slice_mut().slice_mut(..t * r))?;
                 dev.rmsnorm_rows_inplace(qa, RowsView::contiguous(t, r), norm, c.eps)?;
                 self.q_b.forward(
@@ -250,7 +251,7 @@ impl GpuMla {
         )?;
 
         // The latent row: kv_a → RMSNorm on the latent part, RoPE on the rope part → cache.
-        let kva = grow(dev, f2, t * row, "mla kv_a")?;
+        let kva = grow(dev, kv_a_slot, t * row, "mla kv_a")?;
         self.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
         dev.rmsnorm_rows_inplace(kva, RowsView { rows: t, cols: lat, stride: row, offset: 0 }, &self.kv_a_norm, c.eps)?;
         dev.rope_f32(
@@ -264,10 +265,10 @@ impl GpuMla {
         s.kv.write(dev, l, 0, c.pos, t, &kva.slice().slice(..t * row))?;
         let n_kv = c.pos + t;
 
-        let o = grow(dev, f5, t * hh * vd, "mla attention output")?;
+        let o = grow(dev, out_slot, t * hh * vd, "mla attention output")?;
         if c.decode {
             // Absorbed: q_lat = W_UKᵀ q_nope per head, attend over the latent rows, W_UV after.
-            let q_abs = grow(dev, f3, t * hh * row, "mla absorbed q")?;
+            let q_abs = grow(dev, absorbed_q_or_kv_slot, t * hh * row, "mla absorbed q")?;
             dev.mla_absorb_q(
                 &self.kv_b_bf16,
                 &q.slice().slice(..t * hh * qk),
@@ -279,7 +280,7 @@ impl GpuMla {
                 lat,
                 &mut q_abs.slice_mut().slice_mut(..t * hh * row),
             )?;
-            let o_lat = grow(dev, f4, t * hh * lat, "mla latent output")?;
+            let o_lat = grow(dev, latent_out_slot, t * hh * lat, "mla latent output")?;
             dev.mla_decode_attention(
                 &s.kv,
                 l,
@@ -307,7 +308,7 @@ impl GpuMla {
             // Past positions from the cache (BF16 or FP8), this call's own positions from the
             // fresh f32 rows: a prompt's tokens attend to each other at full precision and only
             // what later calls read goes through the cache's rounding.
-            let lat_rows = grow(dev, f6, n_kv * row, "mla cached latent rows")?;
+            let lat_rows = grow(dev, cached_rows_slot, n_kv * row, "mla cached latent rows")?;
             if c.pos > 0 {
                 s.kv.read_f32(dev, l, 0, 0, c.pos, &mut lat_rows.slice_mut().slice_mut(..c.pos * row))?;
             }
@@ -317,15 +318,15 @@ impl GpuMla {
                 lat_rows,
                 RowsView { rows: t, cols: row, stride: row, offset: c.pos * row },
             )?;
-            let cmat = grow(dev, f7, n_kv * lat, "mla latent")?;
+            let cmat = grow(dev, latent_slot, n_kv * lat, "mla latent")?;
             dev.copy_rows_f32(
                 lat_rows,
                 RowsView { rows: n_kv, cols: lat, stride: row, offset: 0 },
                 cmat,
                 RowsView::contiguous(n_kv, lat),
             )?;
-            let [b0, b1, b2, ..] = &mut sc.b;
-            let kpe = grow(dev, b0, n_kv * rd, "mla rope keys (bf16)")?;
+            let [rope_key_slot, kv16_slot, q16_slot, ..] = &mut sc.b;
+            let kpe = grow(dev, rope_key_slot, n_kv * rd, "mla rope keys (bf16)")?;
             dev.copy_rows_to_bf16(
                 lat_rows,
                 RowsView { rows: n_kv, cols: rd, stride: row, offset: lat },
@@ -333,7 +334,7 @@ impl GpuMla {
                 RowsView::contiguous(n_kv, rd),
             )?;
             let kvb_cols = hh * (nope + vd);
-            let kvb = grow(dev, f3, n_kv * kvb_cols, "mla expanded k/v")?;
+            let kvb = grow(dev, absorbed_q_or_kv_slot, n_kv * kvb_cols, "mla expanded k/v")?;
             self.kv_b.forward(
                 dev,
                 c.gemm,
@@ -341,14 +342,14 @@ impl GpuMla {
                 n_kv,
                 &mut kvb.slice_mut().slice_mut(..n_kv * kvb_cols),
             )?;
-            let kvb16 = grow(dev, b1, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
+            let kvb16 = grow(dev, kv16_slot, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
             dev.copy_rows_to_bf16(
                 kvb,
                 RowsView::contiguous(n_kv, kvb_cols),
                 kvb16,
                 RowsView::contiguous(n_kv, kvb_cols),
             )?;
-            let q16 = grow(dev, b2, t * hh * qk, "mla q (bf16)")?;
+            let q16 = grow(dev, q16_slot, t * hh * qk, "mla q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * qk), q16, RowsView::contiguous(t, hh * qk))?;
             let args = FlashPrefillArgs {
                 n_q: t,
@@ -396,11 +397,11 @@ impl GpuGqa {
         let hidden = self.o.rows();
         let dev = c.dev;
         let sc = &mut s.scratch;
-        let [f0, f1, f2, f3, ..] = &mut sc.f;
+        let [q_slot, k_slot, v_slot, out_slot, ..] = &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
-        let q = grow(dev, f0, t * hh * hd, "gqa q")?;
-        let k = grow(dev, f1, t * kvh * hd, "gqa k")?;
-        let v = grow(dev, f2, t * kvh * hd, "gqa v")?;
+        let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
+        let k = grow(dev, k_slot, t * kvh * hd, "gqa k")?;
+        let v = grow(dev, v_slot, t * kvh * hd, "gqa v")?;
         self.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
         self.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
         self.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
@@ -414,7 +415,7 @@ impl GpuGqa {
         s.kv.write(dev, l, 0, c.pos, t, &k.slice().slice(..t * kvh * hd))?;
         s.kv.write(dev, l, 1, c.pos, t, &v.slice().slice(..t * kvh * hd))?;
         let n_kv = c.pos + t;
-        let o = grow(dev, f3, t * hh * hd, "gqa attention output")?;
+        let o = grow(dev, out_slot, t * hh * hd, "gqa attention output")?;
         if c.decode {
             dev.gqa_decode_attention(
                 &s.kv,
@@ -430,10 +431,10 @@ impl GpuGqa {
                 &mut s.ws,
             )?;
         } else {
-            let [b0, b1, b2, ..] = &mut sc.b;
+            let [k16_slot, v16_slot, q16_slot, ..] = &mut sc.b;
             let row = kvh * hd;
-            let k16 = grow(dev, b0, n_kv * row, "gqa keys (bf16)")?;
-            let v16 = grow(dev, b1, n_kv * row, "gqa values (bf16)")?;
+            let k16 = grow(dev, k16_slot, n_kv * row, "gqa keys (bf16)")?;
+            let v16 = grow(dev, v16_slot, n_kv * row, "gqa values (bf16)")?;
             // Past positions from the cache, this call's own from the fresh rows (as for MLA).
             if c.pos > 0 {
                 s.kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
@@ -442,7 +443,7 @@ impl GpuGqa {
             let fresh = RowsView { rows: t, cols: row, stride: row, offset: c.pos * row };
             dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
             dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
-            let q16 = grow(dev, b2, t * hh * hd, "gqa q (bf16)")?;
+            let q16 = grow(dev, q16_slot, t * hh * hd, "gqa q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
             let args = FlashPrefillArgs {
                 n_q: t,

@@ -37,9 +37,11 @@ pub(crate) struct Scratch {
     pub xn: DeviceBufferOr<f32>,
     pub y: DeviceBufferOr<f32>,
     pub logits: DeviceBufferOr<f32>,
-    /// Per-layer temporaries (f32), named by their use in `layers.rs`.
+    /// Per-layer temporaries (f32). A slot's role depends on the layer part using it (each part
+    /// destructures the array into named slots in `layers.rs`); parts run one after another, so
+    /// they share the memory. The budget names a slot by its first use.
     pub f: [Slot<f32>; 8],
-    /// Per-layer temporaries (BF16).
+    /// Per-layer BF16 temporaries (inputs of the flash kernel), shared the same way.
     pub b: [Slot<u16>; 4],
     /// Router output.
     pub route_ids: Slot<i32>,
