@@ -22,7 +22,8 @@ use crate::isa::Isa;
 use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::quant::{
-    matmul_packed, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
+    matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout,
+    QuantizedActs, ROW_BLOCK,
 };
 use krasis_quant::group::MAX_GROUP_SIZE;
 
@@ -234,7 +235,8 @@ enum Task {
     /// SiLU(gate)·up into `mid[e]`, and quantisation of every w2 group of `mid[e]` this task
     /// completes.
     W13 { e: usize, p0: usize, p1: usize },
-    /// w2 row blocks `b0..b1` of job `e` into `y[e]`, once all of `mid[e]` is quantised.
+    /// w2 row blocks `b0..b1` of job `e` into `y[e]` (or, fused, `out`), consuming `mid[e]`'s
+    /// quantised groups in K order as they become ready.
     W2 { e: usize, b0: usize, b1: usize },
 }
 
@@ -293,8 +295,8 @@ struct StepScratch {
     counts: Vec<usize>,
     /// Per (job, w2 group): intermediate columns of the group computed so far.
     cols_done: Vec<AtomicUsize>,
-    /// Per job: w2 groups of its intermediate quantised so far.
-    groups_ready: Vec<AtomicUsize>,
+    /// Per (job, w2 group): 1 once the group of the job's intermediate is quantised.
+    group_ok: Vec<AtomicUsize>,
     /// Per job: raw views of `mid`/`mid_acts` and of `y`, for the tasks.
     bufs: Vec<JobBufs>,
     ys: Vec<OutPtr>,
@@ -321,6 +323,17 @@ pub struct PoolExperts {
     /// Sets of at most this many tokens are quantised per worker (0, the default: none; see
     /// [`LOCAL_X_MAX_ROWS`]).
     local_x_max_rows: usize,
+    /// Per worker: the groups of an intermediate its w2 task has consumed so far (copied out of
+    /// the shared buffer, which other tasks are still filling).
+    w2_acts: Vec<Mutex<QuantizedActs>>,
+    /// w2 tasks consume the intermediate group by group as it is quantised (default), or wait
+    /// for all of it (`KRASIS_MOE_W2=whole`; the former runner, for comparison).
+    w2_by_groups: bool,
+}
+
+/// `KRASIS_MOE_W2=whole`: w2 tasks wait for their whole intermediate (see `w2_by_groups`).
+fn w2_by_groups_env() -> bool {
+    std::env::var("KRASIS_MOE_W2").map_or(true, |v| v != "whole")
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -431,6 +444,8 @@ impl PoolExperts {
             trace: None,
             local_acts: (0..pool.threads()).map(|_| Mutex::new(LocalActs::default())).collect(),
             local_x_max_rows: local_x_env(),
+            w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
+            w2_by_groups: w2_by_groups_env(),
         }
     }
 
@@ -439,6 +454,14 @@ impl PoolExperts {
     /// for comparison; `KRASIS_MOE_SUM=serial` sets it for every runner).
     pub fn with_fused_sum(mut self, fused: bool) -> Self {
         self.fused_sum = fused;
+        self
+    }
+
+    /// w2 tasks consume their intermediate group by group as it is quantised (`true`, the
+    /// default) or only once all of it is (`false`; `KRASIS_MOE_W2=whole` sets it for every
+    /// runner); for comparison and tests.
+    pub fn with_w2_by_groups(mut self, by_groups: bool) -> Self {
+        self.w2_by_groups = by_groups;
         self
     }
 
@@ -563,8 +586,9 @@ impl PoolExperts {
     /// One pool dispatch per call: tiny tasks quantise each distinct token list's rows of `x`
     /// (by groups, in parallel); w13 tasks wait for theirs, write SiLU(gate)·up into the job's
     /// intermediate and count the columns they finish per w2 group; the task that completes a
-    /// group quantises it (value + residual rows, as [`quantize_acts_split`]); w2 tasks start
-    /// once their job's groups are all quantised and add `w · y` for their row blocks into
+    /// group quantises it (value + residual rows, as [`quantize_acts_split`]); w2 tasks consume
+    /// their job's groups in K order as they are quantised (each kernel call continues the sums
+    /// over the next run of ready groups, see [`matmul_packed_groups`]) and add `w · y` for their row blocks into
     /// `out`, job after job (a per-block turn counter keeps the job order). The numbers are those of the phase-by-phase composition
     /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
     pub fn run(&self, pool: &WorkerPool, isa: Isa, x: &[f32], hidden: usize, jobs: &[ExpertJob<'_>], out: &mut [f32]) {
@@ -618,8 +642,8 @@ impl PoolExperts {
         }
         step.cols_done.resize_with(n * ng2, AtomicUsize::default);
         step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
-        step.groups_ready.resize_with(n, AtomicUsize::default);
-        step.groups_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        step.group_ok.resize_with(n * ng2, AtomicUsize::default);
+        step.group_ok.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         let sets = step.act_src.len();
         step.x_ready.resize_with(sets, AtomicUsize::default);
         step.x_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
@@ -641,8 +665,9 @@ impl PoolExperts {
             step.ys.push(OutPtr(step.y[e].as_mut_ptr()));
         }
         let failed = AtomicBool::new(false);
-        let (tasks, acts, acts_of, mid_acts) = (&step.tasks, &step.acts, &step.acts_of, &step.mid_acts);
-        let (cols_done, groups_ready, bufs, ys) = (&step.cols_done, &step.groups_ready, &step.bufs, &step.ys);
+        let (tasks, acts, acts_of) = (&step.tasks, &step.acts, &step.acts_of);
+        let (cols_done, group_ok, bufs, ys) = (&step.cols_done, &step.group_ok, &step.bufs, &step.ys);
+        let w2_by_groups = self.w2_by_groups;
         let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
         let (local_x, serial) = (&step.local_x, step.serial);
         let (out_turn, fused) = (&step.out_turn, self.fused_sum);
@@ -743,20 +768,46 @@ impl PoolExperts {
                             // task writes them again; group g of the quantised rows is written
                             // only here, and read by w2 tasks only after the release below.
                             unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
-                            groups_ready[e].fetch_add(1, Ordering::Release);
+                            group_ok[e * ng2 + g].store(1, Ordering::Release);
                         }
                     }
                 }
                 Task::W2 { e, b0, b1 } => {
                     let w2 = jobs[e].weights.w2;
                     let upcoming = &w2[(b0 * l2.block_bytes()).min(w2.len())..(b1 * l2.block_bytes()).min(w2.len())];
-                    wait_ready(&groups_ready[e], ng2, &failed, upcoming);
-                    ready = trace.map_or(0, Trace::now);
-                    let a = &mid_acts[e];
-                    let m = a.m / split;
+                    let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
+                    let ok = &group_ok[e * ng2..(e + 1) * ng2];
+                    let mut own = self.w2_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
+                    shape_acts(&mut own, split * m, inter, gs2);
                     self.scratch.with(ctx.worker, split * m * cols, |tmp| {
-                        matmul_packed(isa, w2, l2, a, b0..b1, tmp);
+                        // Consume the intermediate's groups as they are quantised, in K order:
+                        // each kernel call continues the row blocks' sums over the next run of
+                        // ready groups (or, with `w2_by_groups` off, one call once all are).
+                        let mut g0 = 0;
+                        while g0 < ng2 {
+                            wait_ready(&ok[g0], 1, &failed, if g0 == 0 { upcoming } else { &[] });
+                            let mut g1 = g0 + 1;
+                            if w2_by_groups {
+                                while g1 < ng2 && ok[g1].load(Ordering::Acquire) != 0 {
+                                    g1 += 1;
+                                }
+                            } else {
+                                for flag in &ok[g1..] {
+                                    wait_ready(flag, 1, &failed, &[]);
+                                }
+                                g1 = ng2;
+                            }
+                            if g0 == 0 {
+                                ready = trace.map_or(0, Trace::now);
+                            }
+                            // SAFETY: groups g0..g1 of job e's quantised intermediate are
+                            // complete (their flags, acquired above) and not written again in
+                            // this call; `own` is this worker's buffer, shaped for these rows.
+                            unsafe { copy_groups(bufs[e].acts, &mut own, g0..g1) };
+                            matmul_packed_groups(isa, w2, l2, &own, b0..b1, g0..g1, tmp);
+                            g0 = g1;
+                        }
                         sum_split_rows(tmp, m, cols);
                         let keep = cols.min(hidden - b0 * ROW_BLOCK);
                         if !fused {
@@ -832,6 +883,23 @@ impl PoolExperts {
                 done: tr.now(),
             });
         }
+    }
+}
+
+/// Copy groups `groups` of every row of `src` (shaped as `dst`) into `dst`.
+///
+/// # Safety
+/// `src` must hold `dst.m` rows of `dst.k` values (and their groups), and groups `groups` of them
+/// must be complete, visible to this thread and written by no thread meanwhile.
+unsafe fn copy_groups(src: ActBufs, dst: &mut QuantizedActs, groups: std::ops::Range<usize>) {
+    let (k, gs, ng) = (dst.k, dst.gs, dst.groups());
+    let (g0, g1) = (groups.start, groups.end);
+    for r in 0..dst.m {
+        let (q0, q1) = (r * k + g0 * gs, r * k + g1 * gs);
+        std::ptr::copy_nonoverlapping(src.q.add(q0), dst.q[q0..q1].as_mut_ptr(), q1 - q0);
+        let (s0, s1) = (r * ng + g0, r * ng + g1);
+        std::ptr::copy_nonoverlapping(src.scales.add(s0), dst.scales[s0..s1].as_mut_ptr(), s1 - s0);
+        std::ptr::copy_nonoverlapping(src.sums.add(s0), dst.sums[s0..s1].as_mut_ptr(), s1 - s0);
     }
 }
 
@@ -1019,7 +1087,7 @@ mod tests {
         /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
         /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
         /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens)
-        /// or in shared tasks.
+        /// or in shared tasks, w2 tasks consuming the intermediate group by group or whole.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1036,6 +1104,7 @@ mod tests {
             guided in proptest::prelude::any::<bool>(),
             fused in proptest::prelude::any::<bool>(),
             local_x in proptest::prelude::any::<bool>(),
+            w2_by_groups in proptest::prelude::any::<bool>(),
             seed in 0u64..1000,
         ) {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
@@ -1063,7 +1132,8 @@ mod tests {
                 .with_w2_tasks_per_worker(tpw2)
                 .with_guided_tasks(guided)
                 .with_fused_sum(fused)
-                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 });
+                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 })
+                .with_w2_by_groups(w2_by_groups);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
                 .enumerate()
