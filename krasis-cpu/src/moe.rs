@@ -22,8 +22,8 @@ use crate::isa::Isa;
 use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::quant::{
-    matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout,
-    QuantizedActs, ROW_BLOCK,
+    matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
+    silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
 };
 use krasis_quant::group::MAX_GROUP_SIZE;
 
@@ -76,16 +76,6 @@ pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, resid: &mut
             out.sums[(2 * i + 1) * ng + g] = c1;
         }
     }
-}
-
-/// One group of [`quantize_acts_split`]: `xg` into `hi` (value) and `lo` (residual), with
-/// `resid` (the group's length) as scratch; returns (scale, Σq) of each.
-fn quantize_group_split(xg: &[f32], hi: &mut [i8], lo: &mut [i8], resid: &mut [f32]) -> [(f32, i32); 2] {
-    let (s, sum) = quantize_group(xg, hi);
-    for ((r, &v), &q) in resid.iter_mut().zip(xg).zip(hi.iter()) {
-        *r = v - q as f32 * s;
-    }
-    [(s, sum), quantize_group(resid, lo)]
 }
 
 /// Size `a` for `m` rows of `k` in groups of `gs` (contents left as they were).

@@ -21,9 +21,12 @@ pub use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 use krasis_quant::group::check_group_size;
 pub use krasis_quant::Bits;
 
+pub(crate) use actq::{quantize_group, quantize_group_split};
+
 use crate::activation::silu;
 use crate::isa::Isa;
 
+mod actq;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -87,25 +90,6 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize, gs: usize, out: &mut Quantiz
         out.scales[gi] = scale;
         out.sums[gi] = sum;
     }
-}
-
-/// Quantise one group `xg` into `qg` (same length); returns (scale, Σq). An all-zero group gets
-/// scale 0; a non-finite one scale NaN, so the outputs say so rather than hide it.
-pub(crate) fn quantize_group(xg: &[f32], qg: &mut [i8]) -> (f32, i32) {
-    // |x| ordered by its bit pattern (non-negative floats order like their bits): vectorises.
-    let amax = f32::from_bits(xg.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff)));
-    if amax == 0.0 || !amax.is_finite() {
-        qg.fill(0);
-        return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0);
-    }
-    let inv = 127.0 / amax;
-    let mut sum = 0i32;
-    for (o, &v) in qg.iter_mut().zip(xg) {
-        let r = round_clamp_127(v * inv);
-        *o = r as i8;
-        sum += r;
-    }
-    (amax / 127.0, sum)
 }
 
 /// `c` rounded half to even and clamped to ±127 (NaN → 0), branch-free and without a float →
