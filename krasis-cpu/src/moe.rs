@@ -292,6 +292,10 @@ struct StepScratch {
     ys: Vec<OutPtr>,
     /// Per w2 row block: jobs whose weighted output has been added to `out` there.
     out_turn: Vec<AtomicUsize>,
+    /// What `tasks` was planned for (see `plan_key`); decode repeats it call after call.
+    plan_key: Vec<usize>,
+    /// This call's key, compared with `plan_key`.
+    key_now: Vec<usize>,
 }
 
 /// Runs the routed experts of one layer over the pool.
@@ -644,7 +648,17 @@ impl PoolExperts {
             step.local_x.push(jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
         }
         step.serial = step.serial.wrapping_add(1);
-        self.plan(step, jobs, pool.nodes(), pool.threads());
+        // The plan depends only on the job count, the jobs' nodes, which jobs share activation
+        // sets and which sets are quantised per worker: reuse it while they repeat.
+        step.key_now.clear();
+        step.key_now.extend([n, pool.nodes(), pool.threads()]);
+        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
+        step.key_now.extend(step.acts_of.iter().copied());
+        step.key_now.extend(step.local_x.iter().map(|&l| l as usize));
+        if step.key_now != step.plan_key {
+            self.plan(step, jobs, pool.nodes(), pool.threads());
+            std::mem::swap(&mut step.key_now, &mut step.plan_key);
+        }
         step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
         step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
 
@@ -1138,6 +1152,41 @@ mod tests {
                 let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 proptest::prop_assert!(same, "differs from the phased composition");
             }
+        }
+    }
+
+    /// Calls whose job sets change shape (count, nodes, shared token lists) and then repeat get
+    /// a fresh plan each time the shape changes and the cached one when it repeats; every call
+    /// equals the phased composition.
+    #[test]
+    fn cached_plan_follows_changing_job_sets() {
+        let (h, inter, t) = (64, 96, 3);
+        let experts: Vec<Expert> = (0..4).map(|e| expert(h, inter, Bits::Int4, 40 + e as u64)).collect();
+        let x = data(t * h, 5);
+        let pool = WorkerPool::new(PoolPlan::simulated(2, 2)).unwrap();
+        let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2);
+        let isa = crate::isa::active();
+        let sets: [Vec<Vec<(usize, f32)>>; 3] = [
+            vec![vec![(0, 0.5)], vec![(0, 0.25)], vec![(1, 1.0), (2, 0.5)]],
+            vec![vec![(2, 1.5)]],
+            vec![vec![(0, 0.5)], vec![(1, 0.25)], vec![(1, 1.0), (2, 0.5)]],
+        ];
+        for (round, s) in [0, 1, 0, 0, 2, 0, 1, 1].into_iter().enumerate() {
+            let routes = &sets[s];
+            let refs: Vec<&Expert> = (0..routes.len()).map(|e| &experts[e]).collect();
+            let want = phased_reference(isa, &refs, routes, &x, h);
+            let jobs: Vec<ExpertJob> = routes
+                .iter()
+                .enumerate()
+                .map(|(e, toks)| ExpertJob {
+                    weights: ExpertWeights { w13: &experts[e].w13, w2: &experts[e].w2, node: (e + s) % 2 },
+                    tokens: toks,
+                })
+                .collect();
+            let mut got = vec![0f32; t * h];
+            runner.run(&pool, isa, &x, h, &jobs, &mut got);
+            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "call {round} (set {s}) differs from the phased composition");
         }
     }
 
