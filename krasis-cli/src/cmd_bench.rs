@@ -159,13 +159,13 @@ fn expert_gemv(
 /// Runner variants of `--gemv-compare`: (name, fused sum, per-worker x rows, guided tasks, w2
 /// tasks per worker, w2 consuming the intermediate by groups).
 const VARIANTS: [(&str, bool, usize, bool, usize, bool); 7] = [
-    ("serial sum, even, w2 whole", false, 0, false, 2, false),
-    ("fused sum, even, w2 whole", true, 0, false, 2, false),
-    ("fused sum, even, w2 by groups", true, 0, false, 2, true),
-    ("fused sum, guided, w2 whole", true, 0, true, 2, false),
-    ("fused sum, guided, w2 by groups", true, 0, true, 2, true),
+    ("fused sum, even, w2 whole, w2 2", true, 0, false, 2, false),
+    ("fused sum, even, w2 by groups, w2 2", true, 0, false, 2, true),
     ("fused sum, even, w2 by groups, w2 1", true, 0, false, 1, true),
-    ("fused sum, guided, w2 by groups, local x", true, 2, true, 2, true),
+    ("fused sum, guided, w2 whole, w2 2", true, 0, true, 2, false),
+    ("fused sum, guided, w2 by groups, w2 2", true, 0, true, 2, true),
+    ("fused sum, guided, w2 by groups, w2 1", true, 0, true, 1, true),
+    ("fused sum, even, w2 by groups, w2 1, local x", true, 2, false, 1, true),
 ];
 
 /// `--gemv-compare`: per variant, (best, median) GB/s one expert and top-6 per dispatch, over

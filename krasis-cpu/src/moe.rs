@@ -34,6 +34,13 @@ use krasis_quant::group::MAX_GROUP_SIZE;
 /// last round).
 const TASKS_PER_WORKER: usize = 2;
 
+/// w2 tasks per worker when they consume the intermediate group by group: one, so every worker
+/// that runs out of w13 tasks holds all its w2 work at once, computes the groups already there
+/// and pulls the rest of its weights into L2 while the last w13 tasks end (with 2, half of the
+/// w2 tasks could only be claimed after the w13 phase; device log `-moe6.log`: 1 expert INT4
+/// 104.5 GB/s median by groups with 2 against 98.3 whole).
+const W2_TASKS_PER_WORKER_BY_GROUPS: usize = 1;
+
 /// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
 /// the atomic claim per task for nothing; not re-measured with the expert runner's change).
 const MATMUL_TASKS_PER_WORKER: usize = 4;
@@ -303,7 +310,8 @@ pub struct PoolExperts {
     w13_layout: PackedLayout,
     w2_layout: PackedLayout,
     tasks_per_worker: usize,
-    /// Tasks per worker of the w2 phase, when it differs from `tasks_per_worker`.
+    /// Tasks per worker of the w2 phase, when set (default: [`W2_TASKS_PER_WORKER_BY_GROUPS`]
+    /// with `w2_by_groups`, else `tasks_per_worker`).
     w2_tasks_per_worker: Option<usize>,
     scratch: WorkerScratch,
     step: Mutex<StepScratch>,
@@ -526,7 +534,8 @@ impl PoolExperts {
         let nb2 = self.w2_layout.row_blocks();
         let ng13 = self.w13_layout.groups();
         let n = jobs.len();
-        let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(self.tasks_per_worker));
+        let tpw2_default = if self.w2_by_groups { W2_TASKS_PER_WORKER_BY_GROUPS } else { self.tasks_per_worker };
+        let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(tpw2_default));
         let per13 = Self::units_per_task(pairs * n, tpw13, workers);
         let per2 = Self::units_per_task(nb2 * n, tpw2, workers);
         // Guided: a task's size shrinks with the units left in its phase, down to half the even
@@ -789,8 +798,21 @@ impl PoolExperts {
                         // each kernel call continues the row blocks' sums over the next run of
                         // ready groups (or, with `w2_by_groups` off, one call once all are).
                         let mut g0 = 0;
+                        let mut pulled = false;
                         while g0 < ng2 {
-                            wait_ready(&ok[g0], 1, &failed, if g0 == 0 { upcoming } else { &[] });
+                            if !pulled && w2_by_groups && ok[g0].load(Ordering::Acquire) == 0 {
+                                // About to wait for the rest of the intermediate: pull the rest
+                                // of this task's weights (groups g0.. of each block) into L2
+                                // meanwhile, so they stream from L2 once the groups come.
+                                pulled = true;
+                                let bb = l2.block_bytes();
+                                for blk in b0..b1 {
+                                    let end = ((blk + 1) * bb).min(w2.len());
+                                    prefetch_l2(&w2[(blk * bb + l2.weights_offset(g0)).min(end)..end]);
+                                }
+                            }
+                            let pf = if g0 == 0 && !w2_by_groups { upcoming } else { &[][..] };
+                            wait_ready(&ok[g0], 1, &failed, pf);
                             let mut g1 = g0 + 1;
                             if w2_by_groups {
                                 while g1 < ng2 && ok[g1].load(Ordering::Acquire) != 0 {
