@@ -34,13 +34,6 @@ use krasis_quant::group::MAX_GROUP_SIZE;
 /// last round).
 const TASKS_PER_WORKER: usize = 2;
 
-/// w2 tasks per worker when they consume the intermediate group by group: one, so every worker
-/// that runs out of w13 tasks holds all its w2 work at once, computes the groups already there
-/// and pulls the rest of its weights into L2 while the last w13 tasks end (with 2, half of the
-/// w2 tasks could only be claimed after the w13 phase; device log `-moe6.log`: 1 expert INT4
-/// 104.5 GB/s median by groups with 2 against 98.3 whole).
-const W2_TASKS_PER_WORKER_BY_GROUPS: usize = 1;
-
 /// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
 /// the atomic claim per task for nothing; not re-measured with the expert runner's change).
 const MATMUL_TASKS_PER_WORKER: usize = 4;
@@ -310,8 +303,9 @@ pub struct PoolExperts {
     w13_layout: PackedLayout,
     w2_layout: PackedLayout,
     tasks_per_worker: usize,
-    /// Tasks per worker of the w2 phase, when set (default: [`W2_TASKS_PER_WORKER_BY_GROUPS`]
-    /// with `w2_by_groups`, else `tasks_per_worker`).
+    /// Tasks per worker of the w2 phase, when it differs from `tasks_per_worker` (measured with
+    /// w2 by groups, device log `-moe7.log`: 1 instead of 2 gave one expert the same, top-6 INT4
+    /// 139.4 against 143.8 GB/s median).
     w2_tasks_per_worker: Option<usize>,
     scratch: WorkerScratch,
     step: Mutex<StepScratch>,
@@ -534,8 +528,7 @@ impl PoolExperts {
         let nb2 = self.w2_layout.row_blocks();
         let ng13 = self.w13_layout.groups();
         let n = jobs.len();
-        let tpw2_default = if self.w2_by_groups { W2_TASKS_PER_WORKER_BY_GROUPS } else { self.tasks_per_worker };
-        let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(tpw2_default));
+        let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(self.tasks_per_worker));
         let per13 = Self::units_per_task(pairs * n, tpw13, workers);
         let per2 = Self::units_per_task(nb2 * n, tpw2, workers);
         // Guided: a task's size shrinks with the units left in its phase, down to half the even
