@@ -4,8 +4,9 @@
 //!
 //! One decode step of a MoE layer is one dispatch: all experts' w13 row-block pairs (each task
 //! applies SiLU(gate)·up to its own pairs; the task that completes a group of the intermediate
-//! quantises it), then all experts' w2 row blocks, each waiting only for its own expert's
-//! intermediate and adding its weighted output into the layer output (see [`PoolExperts::run`]).
+//! quantises it), then all experts' w2 row blocks, each consuming its own expert's intermediate
+//! group by group as it is quantised and adding its weighted output into the layer output (see
+//! [`PoolExperts::run`]).
 //! No serial step and no second wake-up between them, nor after them.
 //!
 //! Activations enter the integer kernels as two INT8 rows per token ([`quantize_acts_split`]):
