@@ -157,15 +157,15 @@ fn expert_gemv(
 }
 
 /// Runner variants of `--gemv-compare`: (name, fused sum, per-worker x rows, guided tasks, w2
-/// tasks per worker).
-const VARIANTS: [(&str, bool, usize, bool, usize); 7] = [
-    ("serial sum, shared x, even", false, 0, false, 2),
-    ("fused sum, shared x, even", true, 0, false, 2),
-    ("fused sum, local x, even", true, 2, false, 2),
-    ("fused sum, shared x, guided", true, 0, true, 2),
-    ("fused sum, local x, guided", true, 2, true, 2),
-    ("fused sum, shared x, even, w2 1", true, 0, false, 1),
-    ("fused sum, local x, guided, w2 1", true, 2, true, 1),
+/// tasks per worker, w2 consuming the intermediate by groups).
+const VARIANTS: [(&str, bool, usize, bool, usize, bool); 7] = [
+    ("fused sum, even, w2 whole, w2 2", true, 0, false, 2, false),
+    ("fused sum, even, w2 by groups, w2 2", true, 0, false, 2, true),
+    ("fused sum, even, w2 by groups, w2 1", true, 0, false, 1, true),
+    ("fused sum, guided, w2 whole, w2 2", true, 0, true, 2, false),
+    ("fused sum, guided, w2 by groups, w2 2", true, 0, true, 2, true),
+    ("fused sum, guided, w2 by groups, w2 1", true, 0, true, 1, true),
+    ("fused sum, even, w2 by groups, w2 1, local x", true, 2, false, 1, true),
 ];
 
 /// `--gemv-compare`: per variant, (best, median) GB/s one expert and top-6 per dispatch, over
@@ -189,12 +189,13 @@ fn expert_gemv_compare(
     }
     let runners: Vec<PoolExperts> = VARIANTS
         .iter()
-        .map(|&(_, fused, local, guided, tpw2)| {
+        .map(|&(_, fused, local, guided, tpw2, by_groups)| {
             PoolExperts::new(pool, l13, l2)
                 .with_fused_sum(fused)
                 .with_local_x_rows(local)
                 .with_guided_tasks(guided)
                 .with_w2_tasks_per_worker(tpw2)
+                .with_w2_by_groups(by_groups)
         })
         .collect();
     let x: Vec<f32> = (0..l13.k).map(|k| ((k * 7919) % 101) as f32 / 50.0 - 1.0).collect();

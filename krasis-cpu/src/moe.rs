@@ -4,8 +4,9 @@
 //!
 //! One decode step of a MoE layer is one dispatch: all experts' w13 row-block pairs (each task
 //! applies SiLU(gate)·up to its own pairs; the task that completes a group of the intermediate
-//! quantises it), then all experts' w2 row blocks, each waiting only for its own expert's
-//! intermediate and adding its weighted output into the layer output (see [`PoolExperts::run`]).
+//! quantises it), then all experts' w2 row blocks, each consuming its own expert's intermediate
+//! group by group as it is quantised and adding its weighted output into the layer output (see
+//! [`PoolExperts::run`]).
 //! No serial step and no second wake-up between them, nor after them.
 //!
 //! Activations enter the integer kernels as two INT8 rows per token ([`quantize_acts_split`]):
@@ -22,7 +23,8 @@ use crate::isa::Isa;
 use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::quant::{
-    matmul_packed, prefetch_l2, quantize_acts, quantize_group, silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
+    matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
+    silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
 };
 use krasis_quant::group::MAX_GROUP_SIZE;
 
@@ -75,16 +77,6 @@ pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, resid: &mut
             out.sums[(2 * i + 1) * ng + g] = c1;
         }
     }
-}
-
-/// One group of [`quantize_acts_split`]: `xg` into `hi` (value) and `lo` (residual), with
-/// `resid` (the group's length) as scratch; returns (scale, Σq) of each.
-fn quantize_group_split(xg: &[f32], hi: &mut [i8], lo: &mut [i8], resid: &mut [f32]) -> [(f32, i32); 2] {
-    let (s, sum) = quantize_group(xg, hi);
-    for ((r, &v), &q) in resid.iter_mut().zip(xg).zip(hi.iter()) {
-        *r = v - q as f32 * s;
-    }
-    [(s, sum), quantize_group(resid, lo)]
 }
 
 /// Size `a` for `m` rows of `k` in groups of `gs` (contents left as they were).
@@ -234,7 +226,8 @@ enum Task {
     /// SiLU(gate)·up into `mid[e]`, and quantisation of every w2 group of `mid[e]` this task
     /// completes.
     W13 { e: usize, p0: usize, p1: usize },
-    /// w2 row blocks `b0..b1` of job `e` into `y[e]`, once all of `mid[e]` is quantised.
+    /// w2 row blocks `b0..b1` of job `e` into `y[e]` (or, fused, `out`), consuming `mid[e]`'s
+    /// quantised groups in K order as they become ready.
     W2 { e: usize, b0: usize, b1: usize },
 }
 
@@ -293,13 +286,17 @@ struct StepScratch {
     counts: Vec<usize>,
     /// Per (job, w2 group): intermediate columns of the group computed so far.
     cols_done: Vec<AtomicUsize>,
-    /// Per job: w2 groups of its intermediate quantised so far.
-    groups_ready: Vec<AtomicUsize>,
+    /// Per (job, w2 group): 1 once the group of the job's intermediate is quantised.
+    group_ok: Vec<AtomicUsize>,
     /// Per job: raw views of `mid`/`mid_acts` and of `y`, for the tasks.
     bufs: Vec<JobBufs>,
     ys: Vec<OutPtr>,
     /// Per w2 row block: jobs whose weighted output has been added to `out` there.
     out_turn: Vec<AtomicUsize>,
+    /// What `tasks` was planned for (see `plan_key`); decode repeats it call after call.
+    plan_key: Vec<usize>,
+    /// This call's key, compared with `plan_key`.
+    key_now: Vec<usize>,
 }
 
 /// Runs the routed experts of one layer over the pool.
@@ -307,7 +304,9 @@ pub struct PoolExperts {
     w13_layout: PackedLayout,
     w2_layout: PackedLayout,
     tasks_per_worker: usize,
-    /// Tasks per worker of the w2 phase, when it differs from `tasks_per_worker`.
+    /// Tasks per worker of the w2 phase, when it differs from `tasks_per_worker` (measured with
+    /// w2 by groups, device log `-moe7.log`: 1 instead of 2 gave one expert the same, top-6 INT4
+    /// 139.4 against 143.8 GB/s median).
     w2_tasks_per_worker: Option<usize>,
     scratch: WorkerScratch,
     step: Mutex<StepScratch>,
@@ -321,6 +320,17 @@ pub struct PoolExperts {
     /// Sets of at most this many tokens are quantised per worker (0, the default: none; see
     /// [`LOCAL_X_MAX_ROWS`]).
     local_x_max_rows: usize,
+    /// Per worker: the groups of an intermediate its w2 task has consumed so far (copied out of
+    /// the shared buffer, which other tasks are still filling).
+    w2_acts: Vec<Mutex<QuantizedActs>>,
+    /// w2 tasks consume the intermediate group by group as it is quantised (default), or wait
+    /// for all of it (`KRASIS_MOE_W2=whole`; the former runner, for comparison).
+    w2_by_groups: bool,
+}
+
+/// `KRASIS_MOE_W2=whole`: w2 tasks wait for their whole intermediate (see `w2_by_groups`).
+fn w2_by_groups_env() -> bool {
+    std::env::var("KRASIS_MOE_W2").map_or(true, |v| v != "whole")
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -431,6 +441,8 @@ impl PoolExperts {
             trace: None,
             local_acts: (0..pool.threads()).map(|_| Mutex::new(LocalActs::default())).collect(),
             local_x_max_rows: local_x_env(),
+            w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
+            w2_by_groups: w2_by_groups_env(),
         }
     }
 
@@ -439,6 +451,14 @@ impl PoolExperts {
     /// for comparison; `KRASIS_MOE_SUM=serial` sets it for every runner).
     pub fn with_fused_sum(mut self, fused: bool) -> Self {
         self.fused_sum = fused;
+        self
+    }
+
+    /// w2 tasks consume their intermediate group by group as it is quantised (`true`, the
+    /// default) or only once all of it is (`false`; `KRASIS_MOE_W2=whole` sets it for every
+    /// runner); for comparison and tests.
+    pub fn with_w2_by_groups(mut self, by_groups: bool) -> Self {
+        self.w2_by_groups = by_groups;
         self
     }
 
@@ -563,8 +583,9 @@ impl PoolExperts {
     /// One pool dispatch per call: tiny tasks quantise each distinct token list's rows of `x`
     /// (by groups, in parallel); w13 tasks wait for theirs, write SiLU(gate)·up into the job's
     /// intermediate and count the columns they finish per w2 group; the task that completes a
-    /// group quantises it (value + residual rows, as [`quantize_acts_split`]); w2 tasks start
-    /// once their job's groups are all quantised and add `w · y` for their row blocks into
+    /// group quantises it (value + residual rows, as [`quantize_acts_split`]); w2 tasks consume
+    /// their job's groups in K order as they are quantised (each kernel call continues the sums
+    /// over the next run of ready groups, see [`matmul_packed_groups`]) and add `w · y` for their row blocks into
     /// `out`, job after job (a per-block turn counter keeps the job order). The numbers are those of the phase-by-phase composition
     /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
     pub fn run(&self, pool: &WorkerPool, isa: Isa, x: &[f32], hidden: usize, jobs: &[ExpertJob<'_>], out: &mut [f32]) {
@@ -618,8 +639,8 @@ impl PoolExperts {
         }
         step.cols_done.resize_with(n * ng2, AtomicUsize::default);
         step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
-        step.groups_ready.resize_with(n, AtomicUsize::default);
-        step.groups_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        step.group_ok.resize_with(n * ng2, AtomicUsize::default);
+        step.group_ok.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         let sets = step.act_src.len();
         step.x_ready.resize_with(sets, AtomicUsize::default);
         step.x_ready.iter().for_each(|c| c.store(0, Ordering::Relaxed));
@@ -630,7 +651,17 @@ impl PoolExperts {
             step.local_x.push(jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
         }
         step.serial = step.serial.wrapping_add(1);
-        self.plan(step, jobs, pool.nodes(), pool.threads());
+        // The plan depends only on the job count, the jobs' nodes, which jobs share activation
+        // sets and which sets are quantised per worker: reuse it while they repeat.
+        step.key_now.clear();
+        step.key_now.extend([n, pool.nodes(), pool.threads()]);
+        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
+        step.key_now.extend(step.acts_of.iter().copied());
+        step.key_now.extend(step.local_x.iter().map(|&l| l as usize));
+        if step.key_now != step.plan_key {
+            self.plan(step, jobs, pool.nodes(), pool.threads());
+            std::mem::swap(&mut step.key_now, &mut step.plan_key);
+        }
         step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
         step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
 
@@ -641,8 +672,9 @@ impl PoolExperts {
             step.ys.push(OutPtr(step.y[e].as_mut_ptr()));
         }
         let failed = AtomicBool::new(false);
-        let (tasks, acts, acts_of, mid_acts) = (&step.tasks, &step.acts, &step.acts_of, &step.mid_acts);
-        let (cols_done, groups_ready, bufs, ys) = (&step.cols_done, &step.groups_ready, &step.bufs, &step.ys);
+        let (tasks, acts, acts_of) = (&step.tasks, &step.acts, &step.acts_of);
+        let (cols_done, group_ok, bufs, ys) = (&step.cols_done, &step.group_ok, &step.bufs, &step.ys);
+        let w2_by_groups = self.w2_by_groups;
         let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
         let (local_x, serial) = (&step.local_x, step.serial);
         let (out_turn, fused) = (&step.out_turn, self.fused_sum);
@@ -743,20 +775,59 @@ impl PoolExperts {
                             // task writes them again; group g of the quantised rows is written
                             // only here, and read by w2 tasks only after the release below.
                             unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
-                            groups_ready[e].fetch_add(1, Ordering::Release);
+                            group_ok[e * ng2 + g].store(1, Ordering::Release);
                         }
                     }
                 }
                 Task::W2 { e, b0, b1 } => {
                     let w2 = jobs[e].weights.w2;
                     let upcoming = &w2[(b0 * l2.block_bytes()).min(w2.len())..(b1 * l2.block_bytes()).min(w2.len())];
-                    wait_ready(&groups_ready[e], ng2, &failed, upcoming);
-                    ready = trace.map_or(0, Trace::now);
-                    let a = &mid_acts[e];
-                    let m = a.m / split;
+                    let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
+                    let ok = &group_ok[e * ng2..(e + 1) * ng2];
+                    let mut own = self.w2_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
+                    shape_acts(&mut own, split * m, inter, gs2);
                     self.scratch.with(ctx.worker, split * m * cols, |tmp| {
-                        matmul_packed(isa, w2, l2, a, b0..b1, tmp);
+                        // Consume the intermediate's groups as they are quantised, in K order:
+                        // each kernel call continues the row blocks' sums over the next run of
+                        // ready groups (or, with `w2_by_groups` off, one call once all are).
+                        let mut g0 = 0;
+                        let mut pulled = false;
+                        while g0 < ng2 {
+                            if !pulled && w2_by_groups && ok[g0].load(Ordering::Acquire) == 0 {
+                                // About to wait for the rest of the intermediate: pull the rest
+                                // of this task's weights (groups g0.. of each block) into L2
+                                // meanwhile, so they stream from L2 once the groups come.
+                                pulled = true;
+                                let bb = l2.block_bytes();
+                                for blk in b0..b1 {
+                                    let end = ((blk + 1) * bb).min(w2.len());
+                                    prefetch_l2(&w2[(blk * bb + l2.weights_offset(g0)).min(end)..end]);
+                                }
+                            }
+                            let pf = if g0 == 0 && !w2_by_groups { upcoming } else { &[][..] };
+                            wait_ready(&ok[g0], 1, &failed, pf);
+                            let mut g1 = g0 + 1;
+                            if w2_by_groups {
+                                while g1 < ng2 && ok[g1].load(Ordering::Acquire) != 0 {
+                                    g1 += 1;
+                                }
+                            } else {
+                                for flag in &ok[g1..] {
+                                    wait_ready(flag, 1, &failed, &[]);
+                                }
+                                g1 = ng2;
+                            }
+                            if g0 == 0 {
+                                ready = trace.map_or(0, Trace::now);
+                            }
+                            // SAFETY: groups g0..g1 of job e's quantised intermediate are
+                            // complete (their flags, acquired above) and not written again in
+                            // this call; `own` is this worker's buffer, shaped for these rows.
+                            unsafe { copy_groups(bufs[e].acts, &mut own, g0..g1) };
+                            matmul_packed_groups(isa, w2, l2, &own, b0..b1, g0..g1, tmp);
+                            g0 = g1;
+                        }
                         sum_split_rows(tmp, m, cols);
                         let keep = cols.min(hidden - b0 * ROW_BLOCK);
                         if !fused {
@@ -832,6 +903,23 @@ impl PoolExperts {
                 done: tr.now(),
             });
         }
+    }
+}
+
+/// Copy groups `groups` of every row of `src` (shaped as `dst`) into `dst`.
+///
+/// # Safety
+/// `src` must hold `dst.m` rows of `dst.k` values (and their groups), and groups `groups` of them
+/// must be complete, visible to this thread and written by no thread meanwhile.
+unsafe fn copy_groups(src: ActBufs, dst: &mut QuantizedActs, groups: std::ops::Range<usize>) {
+    let (k, gs, ng) = (dst.k, dst.gs, dst.groups());
+    let (g0, g1) = (groups.start, groups.end);
+    for r in 0..dst.m {
+        let (q0, q1) = (r * k + g0 * gs, r * k + g1 * gs);
+        std::ptr::copy_nonoverlapping(src.q.add(q0), dst.q[q0..q1].as_mut_ptr(), q1 - q0);
+        let (s0, s1) = (r * ng + g0, r * ng + g1);
+        std::ptr::copy_nonoverlapping(src.scales.add(s0), dst.scales[s0..s1].as_mut_ptr(), s1 - s0);
+        std::ptr::copy_nonoverlapping(src.sums.add(s0), dst.sums[s0..s1].as_mut_ptr(), s1 - s0);
     }
 }
 
@@ -1019,7 +1107,7 @@ mod tests {
         /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
         /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
         /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens)
-        /// or in shared tasks.
+        /// or in shared tasks, w2 tasks consuming the intermediate group by group or whole.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1036,6 +1124,7 @@ mod tests {
             guided in proptest::prelude::any::<bool>(),
             fused in proptest::prelude::any::<bool>(),
             local_x in proptest::prelude::any::<bool>(),
+            w2_by_groups in proptest::prelude::any::<bool>(),
             seed in 0u64..1000,
         ) {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
@@ -1063,7 +1152,8 @@ mod tests {
                 .with_w2_tasks_per_worker(tpw2)
                 .with_guided_tasks(guided)
                 .with_fused_sum(fused)
-                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 });
+                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 })
+                .with_w2_by_groups(w2_by_groups);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
                 .enumerate()
@@ -1078,6 +1168,41 @@ mod tests {
                 let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 proptest::prop_assert!(same, "differs from the phased composition");
             }
+        }
+    }
+
+    /// Calls whose job sets change shape (count, nodes, shared token lists) and then repeat get
+    /// a fresh plan each time the shape changes and the cached one when it repeats; every call
+    /// equals the phased composition.
+    #[test]
+    fn cached_plan_follows_changing_job_sets() {
+        let (h, inter, t) = (64, 96, 3);
+        let experts: Vec<Expert> = (0..4).map(|e| expert(h, inter, Bits::Int4, 40 + e as u64)).collect();
+        let x = data(t * h, 5);
+        let pool = WorkerPool::new(PoolPlan::simulated(2, 2)).unwrap();
+        let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2);
+        let isa = crate::isa::active();
+        let sets: [Vec<Vec<(usize, f32)>>; 3] = [
+            vec![vec![(0, 0.5)], vec![(0, 0.25)], vec![(1, 1.0), (2, 0.5)]],
+            vec![vec![(2, 1.5)]],
+            vec![vec![(0, 0.5)], vec![(1, 0.25)], vec![(1, 1.0), (2, 0.5)]],
+        ];
+        for (round, s) in [0, 1, 0, 0, 2, 0, 1, 1].into_iter().enumerate() {
+            let routes = &sets[s];
+            let refs: Vec<&Expert> = (0..routes.len()).map(|e| &experts[e]).collect();
+            let want = phased_reference(isa, &refs, routes, &x, h);
+            let jobs: Vec<ExpertJob> = routes
+                .iter()
+                .enumerate()
+                .map(|(e, toks)| ExpertJob {
+                    weights: ExpertWeights { w13: &experts[e].w13, w2: &experts[e].w2, node: (e + s) % 2 },
+                    tokens: toks,
+                })
+                .collect();
+            let mut got = vec![0f32; t * h];
+            runner.run(&pool, isa, &x, h, &jobs, &mut got);
+            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "call {round} (set {s}) differs from the phased composition");
         }
     }
 

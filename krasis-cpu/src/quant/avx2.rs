@@ -73,16 +73,18 @@ pub(super) unsafe fn matmul(
     l: &PackedLayout,
     acts: &QuantizedActs,
     blocks: Range<usize>,
+    groups: Range<usize>,
     out: &mut [f32],
     pf: Prefetch,
 ) {
+    let gr = groups;
     match (l.bits, pf.hint) {
-        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
-        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, gr, out, pf.distance_if_on()),
+        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, gr, out, pf.distance_if_on()),
     }
 }
 
@@ -92,6 +94,7 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
     l: &PackedLayout,
     acts: &QuantizedActs,
     blocks: Range<usize>,
+    groups: Range<usize>,
     out: &mut [f32],
     pfd: usize,
 ) {
@@ -101,13 +104,15 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
         if acts.m == 1 {
-            block_m1::<INT4, HINT>(blk, l, acts, y, pfd);
+            block_m1::<INT4, HINT>(blk, l, acts, y, groups.clone(), pfd);
         } else {
-            for i in 0..acts.m {
-                _mm256_storeu_ps(y.add(i * ncols), _mm256_setzero_ps());
-                _mm256_storeu_ps(y.add(i * ncols + 8), _mm256_setzero_ps());
+            if groups.start == 0 {
+                for i in 0..acts.m {
+                    _mm256_storeu_ps(y.add(i * ncols), _mm256_setzero_ps());
+                    _mm256_storeu_ps(y.add(i * ncols + 8), _mm256_setzero_ps());
+                }
             }
-            for g in 0..l.groups() {
+            for g in groups.clone() {
                 let mut i = 0;
                 let mut pfd_g = pfd;
                 while i < acts.m {
@@ -127,7 +132,8 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
     }
 }
 
-/// One row block at M = 1: writes its 16 outputs to `y`.
+/// One row block at M = 1, groups `groups` (in K order): writes its 16 outputs to `y`,
+/// continuing the sums `y` holds when `groups` does not start at 0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_m1<const INT4: bool, const HINT: i32>(
@@ -135,18 +141,23 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
     l: &PackedLayout,
     acts: &QuantizedActs,
     y: *mut f32,
+    groups: Range<usize>,
     pfd: usize,
 ) {
     let gs = l.gs;
     let nchunks = l.group_weight_bytes() / CHUNK;
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    let (mut ya, mut yb) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut ya, mut yb) = if groups.start == 0 {
+        (_mm256_setzero_ps(), _mm256_setzero_ps())
+    } else {
+        (_mm256_loadu_ps(y), _mm256_loadu_ps(y.add(8)))
+    };
     let xq = acts.q.as_ptr();
     if pfd != 0 {
         prefetch::<HINT>(blk.wrapping_add(pfd));
     }
-    for g in 0..l.groups() {
+    for g in groups {
         let wp = blk.add(l.weights_offset(g));
         let xg = xq.add(g * gs);
         let (mut aa, mut ab) = (_mm256_setzero_si256(), _mm256_setzero_si256());

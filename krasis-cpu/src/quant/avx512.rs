@@ -47,16 +47,18 @@ pub(super) unsafe fn matmul(
     l: &PackedLayout,
     acts: &QuantizedActs,
     blocks: Range<usize>,
+    groups: Range<usize>,
     out: &mut [f32],
     pf: Prefetch,
 ) {
+    let gr = groups;
     match (l.bits, pf.hint) {
-        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
-        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, out, pf.distance),
-        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, out, pf.distance_if_on()),
+        (Bits::Int4, PrefetchHint::T0) => run::<true, _MM_HINT_T0>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int4, PrefetchHint::T1) => run::<true, _MM_HINT_T1>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int4, _) => run::<true, _MM_HINT_NTA>(w, l, acts, blocks, gr, out, pf.distance_if_on()),
+        (Bits::Int8, PrefetchHint::T0) => run::<false, _MM_HINT_T0>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int8, PrefetchHint::T1) => run::<false, _MM_HINT_T1>(w, l, acts, blocks, gr, out, pf.distance),
+        (Bits::Int8, _) => run::<false, _MM_HINT_NTA>(w, l, acts, blocks, gr, out, pf.distance_if_on()),
     }
 }
 
@@ -66,6 +68,7 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
     l: &PackedLayout,
     acts: &QuantizedActs,
     blocks: Range<usize>,
+    groups: Range<usize>,
     out: &mut [f32],
     pfd: usize,
 ) {
@@ -75,14 +78,16 @@ unsafe fn run<const INT4: bool, const HINT: i32>(
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
         if acts.m == 1 {
-            block_m1::<INT4, HINT>(blk, l, acts, y, pfd);
+            block_m1::<INT4, HINT>(blk, l, acts, y, groups.clone(), pfd);
         } else if acts.m == 2 {
-            block_m2::<INT4, HINT>(blk, l, acts, y, ncols, pfd);
+            block_m2::<INT4, HINT>(blk, l, acts, y, ncols, groups.clone(), pfd);
         } else {
-            for i in 0..acts.m {
-                _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+            if groups.start == 0 {
+                for i in 0..acts.m {
+                    _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+                }
             }
-            for g in 0..l.groups() {
+            for g in groups.clone() {
                 let mut i = 0;
                 let mut pfd_g = pfd;
                 while i < acts.m {
@@ -125,7 +130,8 @@ unsafe fn load_scales(blk: *const u8, l: &PackedLayout, g: usize) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
 }
 
-/// One row block at M = 1: writes its 16 outputs to `y`.
+/// One row block at M = 1, groups `groups` (in K order): writes its 16 outputs to `y`,
+/// continuing the sums `y` holds when `groups` does not start at 0.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn block_m1<const INT4: bool, const HINT: i32>(
@@ -133,6 +139,7 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
     l: &PackedLayout,
     acts: &QuantizedActs,
     y: *mut f32,
+    groups: Range<usize>,
     pfd: usize,
 ) {
     let gs = l.gs;
@@ -140,13 +147,13 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
     let gwb = l.group_weight_bytes();
     let nchunks = gwb / CHUNK;
     let mask = _mm512_set1_epi8(0x0f);
-    let mut yv = _mm512_setzero_ps();
+    let mut yv = if groups.start == 0 { _mm512_setzero_ps() } else { _mm512_loadu_ps(y) };
     let xq = acts.q.as_ptr();
     if pfd != 0 {
         // The scale header (the weights' lines are prefetched as the loop goes).
         prefetch::<HINT>(blk.wrapping_add(pfd));
     }
-    for g in 0..l.groups() {
+    for g in groups {
         let wp = blk.add(l.weights_offset(g));
         let xg = xq.add(g * gs);
         let mut a = [_mm512_setzero_si512(); 4];
@@ -182,7 +189,8 @@ unsafe fn block_m1<const INT4: bool, const HINT: i32>(
 
 /// One row block at M = 2 (a token as value + residual rows, see `moe::quantize_acts_split`):
 /// both rows' accumulators stay in registers, so the weight stream is read once and the kernel
-/// stays memory-bound like [`block_m1`]. Writes 16 outputs to `y` and 16 to `y + ncols`.
+/// stays memory-bound like [`block_m1`]. Writes 16 outputs to `y` and 16 to `y + ncols`
+/// (groups `groups`; continuing from `y` as [`block_m1`]).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn block_m2<const INT4: bool, const HINT: i32>(
@@ -191,18 +199,23 @@ unsafe fn block_m2<const INT4: bool, const HINT: i32>(
     acts: &QuantizedActs,
     y: *mut f32,
     ncols: usize,
+    groups: Range<usize>,
     pfd: usize,
 ) {
     let (gs, k, ng) = (l.gs, l.k, l.groups());
     let off = l.offset();
     let nchunks = l.group_weight_bytes() / CHUNK;
     let mask = _mm512_set1_epi8(0x0f);
-    let (mut y0, mut y1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let (mut y0, mut y1) = if groups.start == 0 {
+        (_mm512_setzero_ps(), _mm512_setzero_ps())
+    } else {
+        (_mm512_loadu_ps(y), _mm512_loadu_ps(y.add(ncols)))
+    };
     let (x0, x1) = (acts.q.as_ptr(), acts.q.as_ptr().add(k));
     if pfd != 0 {
         prefetch::<HINT>(blk.wrapping_add(pfd));
     }
-    for g in 0..ng {
+    for g in groups {
         let wp = blk.add(l.weights_offset(g));
         let (x0g, x1g) = (x0.add(g * gs), x1.add(g * gs));
         // Four independent chains per row (even/odd chunk × low/high nibble), as block_m1: the

@@ -21,9 +21,12 @@ pub use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 use krasis_quant::group::check_group_size;
 pub use krasis_quant::Bits;
 
+pub(crate) use actq::{quantize_group, quantize_group_split};
+
 use crate::activation::silu;
 use crate::isa::Isa;
 
+mod actq;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -87,25 +90,6 @@ pub fn quantize_acts(x: &[f32], m: usize, k: usize, gs: usize, out: &mut Quantiz
         out.scales[gi] = scale;
         out.sums[gi] = sum;
     }
-}
-
-/// Quantise one group `xg` into `qg` (same length); returns (scale, Σq). An all-zero group gets
-/// scale 0; a non-finite one scale NaN, so the outputs say so rather than hide it.
-pub(crate) fn quantize_group(xg: &[f32], qg: &mut [i8]) -> (f32, i32) {
-    // |x| ordered by its bit pattern (non-negative floats order like their bits): vectorises.
-    let amax = f32::from_bits(xg.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff)));
-    if amax == 0.0 || !amax.is_finite() {
-        qg.fill(0);
-        return (if amax == 0.0 { 0.0 } else { f32::NAN }, 0);
-    }
-    let inv = 127.0 / amax;
-    let mut sum = 0i32;
-    for (o, &v) in qg.iter_mut().zip(xg) {
-        let r = round_clamp_127(v * inv);
-        *o = r as i8;
-        sum += r;
-    }
-    (amax / 127.0, sum)
 }
 
 /// `c` rounded half to even and clamped to ±127 (NaN → 0), branch-free and without a float →
@@ -291,6 +275,41 @@ pub fn matmul_packed_with(
     out: &mut [f32],
     prefetch: Prefetch,
 ) {
+    matmul_groups_with(isa, w, layout, acts, blocks, 0..layout.groups(), out, prefetch)
+}
+
+/// [`matmul_packed`] over the K groups `groups` only, continuing partial sums: with `groups =
+/// g0..g1`, `out` must hold the result of this call over groups `0..g0` (it is ignored, as if
+/// zero, when `g0 = 0`), and receives the result over `0..g1`. The per-group epilogue runs in K
+/// order either way, so calls over consecutive group ranges give exactly [`matmul_packed`]'s
+/// numbers. Only groups `groups` of `acts` are read (a caller may still be filling the
+/// others). With [`active_prefetch`].
+///
+/// # Panics
+/// As [`matmul_packed`], and when `groups` is not inside `0..layout.groups()`.
+pub fn matmul_packed_groups(
+    isa: Isa,
+    w: &[u8],
+    layout: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+) {
+    matmul_groups_with(isa, w, layout, acts, blocks, groups, out, active_prefetch())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_groups_with(
+    isa: Isa,
+    w: &[u8],
+    layout: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    prefetch: Prefetch,
+) {
     let l = layout;
     if let Err(e) = check_group_size(l.k, l.gs) {
         panic!("matmul_packed: {e}");
@@ -319,6 +338,7 @@ pub fn matmul_packed_with(
         "matmul_packed: blocks {blocks:?} outside 0..{}",
         l.row_blocks()
     );
+    assert!(groups.start <= groups.end && groups.end <= ng, "matmul_packed: groups {groups:?} outside 0..{ng}");
     assert_eq!(
         out.len(),
         acts.m * blocks.len() * ROW_BLOCK,
@@ -326,23 +346,23 @@ pub fn matmul_packed_with(
         acts.m,
         blocks.len() * ROW_BLOCK
     );
-    if acts.m == 0 || blocks.is_empty() {
+    if acts.m == 0 || blocks.is_empty() || groups.is_empty() {
         return;
     }
     assert!(isa_supported(isa), "matmul_packed: this CPU cannot run {}", isa.name());
-    if isa != Isa::Scalar {
+    if isa != Isa::Scalar && groups.start == 0 {
         let bb = l.block_bytes();
         prefetch_burst(&w[blocks.start * bb..blocks.end * bb], prefetch);
     }
     match isa {
-        Isa::Scalar => scalar::matmul(w, l, acts, blocks, out),
+        Isa::Scalar => scalar::matmul(w, l, acts, blocks, groups, out),
         // SAFETY: the CPU has the features (checked above); shapes checked above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::matmul(w, l, acts, blocks, out, prefetch) },
+        Isa::Avx2 => unsafe { avx2::matmul(w, l, acts, blocks, groups, out, prefetch) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::matmul(w, l, acts, blocks, out, prefetch) },
+        Isa::Avx512 => unsafe { avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => scalar::matmul(w, l, acts, blocks, out),
+        _ => scalar::matmul(w, l, acts, blocks, groups, out),
     }
     let _ = prefetch;
 }

@@ -39,7 +39,16 @@ fn group_dots(wg: &[u8], bits: Bits, xq: &[i8]) -> [i32; ROW_BLOCK] {
     acc
 }
 
-pub(super) fn matmul(w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: Range<usize>, out: &mut [f32]) {
+/// Groups `groups` of row blocks `blocks` (see [`super::matmul_packed_groups`]): `out` starts
+/// from 0 when `groups` starts at group 0 and from its contents otherwise.
+pub(super) fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+) {
     let (m, k, gs) = (acts.m, l.k, l.gs);
     let ng = l.groups();
     let ncols = blocks.len() * ROW_BLOCK;
@@ -47,10 +56,12 @@ pub(super) fn matmul(w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: R
     let gwb = l.group_weight_bytes();
     for (bi, b) in blocks.enumerate() {
         let blk = &w[l.block_range(b)];
-        for i in 0..m {
-            out[i * ncols + bi * ROW_BLOCK..i * ncols + (bi + 1) * ROW_BLOCK].fill(0.0);
+        if groups.start == 0 {
+            for i in 0..m {
+                out[i * ncols + bi * ROW_BLOCK..i * ncols + (bi + 1) * ROW_BLOCK].fill(0.0);
+            }
         }
-        for g in 0..ng {
+        for g in groups.clone() {
             let so = l.scales_offset(g);
             let sw: [f32; ROW_BLOCK] = std::array::from_fn(|j| {
                 f16::from_bits(u16::from_le_bytes([blk[so + 2 * j], blk[so + 2 * j + 1]])).to_f32()

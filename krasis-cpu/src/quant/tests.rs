@@ -154,6 +154,90 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// [`matmul_packed_groups`] over consecutive group ranges (random cuts, empty ranges
+    /// included) equals the scalar whole-K matmul bit for bit, on every ISA, for ragged rows,
+    /// M 1..=9 (the M = 1, M = 2 and tiled kernels) and sub-ranges of blocks; and each call reads
+    /// only its own groups of the activations: the others are poisoned (NaN scales, junk values
+    /// and sums) until their call comes, as a task that consumes groups while they are still
+    /// being written would see them.
+    #[test]
+    fn group_ranges_continue_to_the_whole_result(
+        rows in 1usize..70,
+        k32 in prop::sample::select(vec![1usize, 2, 3, 4, 5, 8, 12, 16]),
+        gpref in prop::sample::select(vec![32usize, 64, 128]),
+        m in 1usize..=9,
+        int8 in any::<bool>(),
+        cut in (0.0f64..1.0, 0.0f64..1.0),
+        splits in prop::collection::vec(0.0f64..1.0, 0..5),
+        seed in any::<u64>(),
+    ) {
+        let k = 32 * k32;
+        let gs = group_size_for(k, gpref).unwrap();
+        let ng = k / gs;
+        let bits = bits_of(int8);
+        let qm = quantize(&normal(rows * k, seed), rows, k, bits, gs);
+        let (p, l) = (pack(&qm), PackedLayout::of(&qm));
+        let mut a = QuantizedActs::new();
+        quantize_acts(&normal(m * k, seed ^ 0x77), m, k, gs, &mut a);
+        let nb = l.row_blocks();
+        let full = run(Isa::Scalar, &p, &l, &a, 0..nb);
+        let (mut b0, mut b1) = ((cut.0 * (nb + 1) as f64) as usize, (cut.1 * (nb + 1) as f64) as usize);
+        if b0 > b1 {
+            std::mem::swap(&mut b0, &mut b1);
+        }
+        let mut cuts: Vec<usize> = splits.iter().map(|f| (f * (ng + 1) as f64) as usize).collect();
+        cuts.push(0);
+        cuts.push(ng);
+        cuts.sort_unstable();
+        let nc = (b1 - b0) * ROW_BLOCK;
+        for isa in Isa::available() {
+            // Activations whose groups are revealed one range at a time.
+            let mut seen = a.clone();
+            for i in 0..m {
+                for g in 0..ng {
+                    seen.scales[i * ng + g] = f32::NAN;
+                    seen.sums[i * ng + g] = 12345;
+                    seen.q[i * k + g * gs..i * k + (g + 1) * gs].fill(99);
+                }
+            }
+            let mut out = vec![f32::NAN; m * nc];
+            for w in cuts.windows(2) {
+                let (g0, g1) = (w[0], w[1]);
+                for i in 0..m {
+                    seen.scales[i * ng + g0..i * ng + g1].copy_from_slice(&a.scales[i * ng + g0..i * ng + g1]);
+                    seen.sums[i * ng + g0..i * ng + g1].copy_from_slice(&a.sums[i * ng + g0..i * ng + g1]);
+                    seen.q[i * k + g0 * gs..i * k + g1 * gs].copy_from_slice(&a.q[i * k + g0 * gs..i * k + g1 * gs]);
+                }
+                matmul_packed_groups(isa, &p, &l, &seen, b0..b1, g0..g1, &mut out);
+            }
+            for i in 0..m {
+                for c in 0..nc {
+                    let got = out[i * nc + c];
+                    let want = full[i * nb * ROW_BLOCK + b0 * ROW_BLOCK + c];
+                    prop_assert!(
+                        got.to_bits() == want.to_bits(),
+                        "{isa:?} {bits:?} rows={rows} k={k} gs={gs} m={m} blocks={b0}..{b1} cuts={cuts:?} i={i} c={c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "groups")]
+fn group_range_past_the_end_panics() {
+    let qm = quantize(&normal(16 * 64, 1), 16, 64, Bits::Int4, 32);
+    let (p, l) = (pack(&qm), PackedLayout::of(&qm));
+    let mut a = QuantizedActs::new();
+    quantize_acts(&normal(64, 2), 1, 64, 32, &mut a);
+    let mut out = vec![0f32; ROW_BLOCK];
+    matmul_packed_groups(Isa::Scalar, &p, &l, &a, 0..1, 1..3, &mut out);
+}
+
 /// f32 reference of one expert: `weight · (silu(x gᵀ) ⊙ (x uᵀ)) w2ᵀ`.
 #[allow(clippy::too_many_arguments)]
 fn expert_f32(x: &[f32], m: usize, h: usize, inter: usize, g: &[f32], u: &[f32], w2: &[f32], weight: f32) -> Vec<f32> {
