@@ -124,6 +124,21 @@ pub fn model(
     // One untimed run compiles nothing new but settles allocations and clocks.
     generate(&m, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
     let out = generate(&m, &req, |_| Ok(()))?;
+    if text && std::env::var("KRASIS_GPU_PROFILE").as_deref() == Ok("1") {
+        // Device time per part (CUDA events), against the wall time of the same steps.
+        use krasis_model::generate::Decoder;
+        let mut s = m.new_session()?;
+        let mut sampler = krasis_model::sampling::Sampler::new(SamplingParams::default());
+        let (mut id, _) = m.step(&mut s, &req.prompt_ids, &mut sampler, false)?;
+        println!("prefill of {prompt_tokens} tokens: {}", m.profile_summary(&s).unwrap_or_default());
+        m.reset_profile(&mut s);
+        let t = Instant::now();
+        for _ in 0..decode_tokens {
+            id = m.step(&mut s, &[id], &mut sampler, false)?.0;
+        }
+        let wall_ms = t.elapsed().as_secs_f64() * 1e3 / decode_tokens as f64;
+        println!("decode: {}; wall {wall_ms:.3} ms per step", m.profile_summary(&s).unwrap_or_default());
+    }
     let prefill_tps = out.prefill_tok_s(prompt_tokens);
     let decode_tps = out.decode_tok_s();
     let syncs = out.host_syncs_per_token;

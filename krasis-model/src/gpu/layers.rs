@@ -7,6 +7,7 @@ use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
 
+use super::profile::Part;
 use super::session::{grow, GpuSession};
 use crate::error::Result;
 use crate::spec::{AttentionSpec, ModelSpec};
@@ -151,6 +152,9 @@ impl GpuLayer {
             GpuAttention::Mla(a) => a.forward(c, l, s)?,
             GpuAttention::Gqa(a) => a.forward(c, l, s)?,
         }
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(c.dev, Part::Attention)?;
+        }
         self.norm(c, s, &self.post_norm, true, n)?;
         match &self.ffn {
             GpuFfn::Dense(m) => m.forward(c, s, true)?,
@@ -183,6 +187,9 @@ impl GpuLayer {
                     c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
                 }
             }
+        }
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(c.dev, Part::Ffn)?;
         }
         Ok(())
     }

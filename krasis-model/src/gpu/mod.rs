@@ -11,6 +11,7 @@
 
 mod layers;
 mod load;
+mod profile;
 mod session;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
@@ -156,12 +157,18 @@ impl GpuModel {
             // The previous step's sampled id is already on the device.
             s.scratch.copy_next_id_to_ids(&self.dev)?;
         }
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(&self.dev, profile::Part::Start)?; // opens the call
+        }
         self.dev.iota_i32(&mut *s.scratch.positions, pos, t)?;
         {
             let sc = &mut s.scratch;
             let ids = sc.ids.slice().slice(..t);
             let mut x = sc.x.slice_mut().slice_mut(..t * h);
             self.dev.embedding_gather_f32(&self.embed, self.spec.vocab_size, h, &ids, &mut x)?;
+        }
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(&self.dev, profile::Part::Start)?;
         }
         let ctx = layers::Ctx {
             dev: &self.dev,
@@ -198,13 +205,32 @@ impl GpuModel {
         Ok(rows)
     }
 
+    /// With `KRASIS_GPU_PROFILE=1`: device time per part of the session's forward calls so far.
+    pub fn profile_summary(&self, s: &GpuSession) -> Option<String> {
+        s.profile.as_ref().map(|p| p.summary())
+    }
+
+    /// Starts the session's profile over (e.g. between prefill and decode).
+    pub fn reset_profile(&self, s: &mut GpuSession) {
+        if s.profile.is_some() {
+            s.profile = profile::StepProfile::from_env();
+        }
+    }
+
     /// Prefill/decode logits for tests: runs `tokens` and downloads the logits (`[t, vocab]` with
     /// `all`, else the last row).
     pub fn forward_logits(&self, s: &mut GpuSession, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         let rows = self.run(s, Some(tokens), all)?;
         let v = self.spec.vocab_size;
-        Ok(self.dev.download(&s.scratch.logits.slice().slice(..rows * v))?)
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(&self.dev, profile::Part::Head)?;
+        }
+        let logits = self.dev.download(&s.scratch.logits.slice().slice(..rows * v))?;
+        if let Some(p) = s.profile.as_mut() {
+            p.close_call()?;
+        }
+        Ok(logits)
     }
 }
 
@@ -244,8 +270,14 @@ impl Decoder for GpuModel {
         let logits = s.scratch.logits.slice().slice(..rows * v);
         self.sampler.sample(&self.dev, &logits, rows - 1, params, u.unwrap_or(0.0), &mut *s.scratch.next_id)?;
         let recorded = if record { Some(self.dev.download(&logits)?) } else { None };
+        if let Some(p) = s.profile.as_mut() {
+            p.mark(&self.dev, profile::Part::Head)?;
+        }
         let mut id = [0i32];
         self.dev.download_into(&*s.scratch.next_id, &mut id)?;
+        if let Some(p) = s.profile.as_mut() {
+            p.close_call()?;
+        }
         let id = u32::try_from(id[0])
             .ok()
             .filter(|&i| (i as usize) < v)

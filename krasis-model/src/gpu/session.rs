@@ -107,11 +107,20 @@ pub struct GpuSession {
     pub(crate) position: usize,
     /// The token the last step sampled (its id is still on the device).
     pub(crate) last_sampled: Option<u32>,
+    /// `KRASIS_GPU_PROFILE=1`: device time per part of each forward call.
+    pub(crate) profile: Option<super::profile::StepProfile>,
 }
 
 impl GpuSession {
     pub(crate) fn new(kv: GpuKvCache, ws: DecodeWorkspace) -> Self {
-        GpuSession { kv, ws, scratch: Scratch::default(), position: 0, last_sampled: None }
+        GpuSession {
+            kv,
+            ws,
+            scratch: Scratch::default(),
+            position: 0,
+            last_sampled: None,
+            profile: super::profile::StepProfile::from_env(),
+        }
     }
 
     pub fn position(&self) -> usize {
