@@ -13,6 +13,16 @@
 // tile or slot its pair lands in, so the result is bitwise deterministic even though the order
 // inside an expert's group (atomics in moe_route) is not.
 //
+// Decode path (few pairs, e.g. t * top_k <= 16): no grouping. Every pair reads its own expert's
+// rows, GEMV style, so at t = 1 each weight byte is read once with full 16-byte coalesced loads:
+//   moe_dec_gate_up: grid (pair, MOE_DEC_THREADS/32 * MOE_DEC_GU_COLS intermediate columns);
+//      each warp owns MOE_DEC_GU_COLS columns, i.e. 2 * MOE_DEC_GU_COLS weight rows in flight.
+//   moe_dec_down: grid (pair, MOE_DEC_THREADS/32 * MOE_DEC_DN_ROWS hidden rows), same scheme.
+//   then moe_combine as above. A pair whose id is outside [0, n_experts) exits at once (never
+//   indexes the weights); its ypair row stays unwritten and moe_combine discards it (NaN row).
+// Each output element is one warp's sum: per lane, one accumulator over its k positions in
+// ascending order, then a fixed butterfly over the lanes, so the result is deterministic.
+//
 // Weights are BF16 row-major with rows padded with zeros to a multiple of MOE_KC elements
 // (w13 [E, 2*inter, hidden_pad], gate rows then up rows; w2 [E, hidden, inter_pad]), so every
 // chunk load is a full aligned 16-byte vector.
@@ -23,6 +33,10 @@
 #define MOE_KC 64          // k elements per shared-memory chunk (= weight row padding, moe.rs)
 #define MOE_THREADS 256    // threads per GEMM block: MOE_TM pairs x 16 column pairs
 #define MOE_MAX_EXPERTS 4096  // moe_route's shared counters (must match moe.rs)
+#define MOE_DEC_THREADS 128   // decode path block (must match moe.rs): 4 warps, many blocks per SM
+#define MOE_DEC_GU_COLS 2     // intermediate columns per warp (gate+up: 4 rows of 16-byte loads in flight)
+#define MOE_DEC_DN_ROWS 4     // hidden rows per warp in the down projection (4 loads in flight)
+#define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
 extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts,
                                      int* __restrict__ offsets, int* __restrict__ tile_offsets,
@@ -151,6 +165,96 @@ extern "C" __global__ void moe_down(const bf16_t* w2, int ldw, int inter, int hi
                                     int n_experts) {
     moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act, inter, 1, ypair, hidden, sorted,
                     offsets, tile_offsets, n_experts);
+}
+
+// Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs
+// o = o0 + q: GATED: out[pair, o] = silu(w[o] . a) * (w[up_row0 + o] . a), else w[o] . a, where
+// a = a_rows[pair / a_div] (length k, zero padded to ldw in shared memory).
+template <bool GATED, int NC>
+__device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long long expert_stride, int ldw,
+                                             int n_out, int up_row0, int k, const float* __restrict__ a, int lda,
+                                             int a_div, float* __restrict__ out, int ldo,
+                                             const int* __restrict__ ids, int n_experts) {
+    constexpr int R = GATED ? 2 * NC : NC;  // weight rows per warp
+    __shared__ float4 xs4[MOE_DEC_KCH / 4];
+    float* xs = (float*)xs4;
+
+    const int pair = blockIdx.x;
+    const int e = ids[pair];
+    if (e < 0 || e >= n_experts) return;  // uniform over the block, before any barrier
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int o0 = (blockIdx.y * (MOE_DEC_THREADS / 32) + warp) * NC;
+    const bf16_t* we = w + (long long)e * expert_stride;
+    const bf16_t* rows[R];
+    bool ok[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int q = GATED && r >= NC ? r - NC : r;
+        const int grow = GATED && r >= NC ? up_row0 + o0 + q : o0 + q;
+        ok[r] = o0 + q < n_out;
+        rows[r] = we + (long long)(ok[r] ? grow : 0) * ldw;
+    }
+    const float* arow = a + (long long)(pair / a_div) * lda;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+
+    for (int k0 = 0; k0 < ldw; k0 += MOE_DEC_KCH) {
+        const int kn = min(MOE_DEC_KCH, ldw - k0);  // a multiple of 8: ldw is padded to MOE_KC
+        for (int j = threadIdx.x; j < kn; j += MOE_DEC_THREADS) xs[j] = k0 + j < k ? arow[k0 + j] : 0.0f;
+        __syncthreads();
+        // Two 256-element steps per iteration: 2R independent 16-byte loads per lane in flight.
+        for (int c = lane * 8; c < kn; c += 2 * 32 * 8) {
+            const bool second = c + 32 * 8 < kn;
+            uint4 v[2][R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 z = make_uint4(0, 0, 0, 0);
+                v[0][r] = ok[r] ? __ldg((const uint4*)(rows[r] + k0 + c)) : z;
+                v[1][r] = ok[r] && second ? __ldg((const uint4*)(rows[r] + k0 + c + 32 * 8)) : z;
+            }
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                if (s == 1 && !second) break;
+                const float4 xa = xs4[(c + s * 32 * 8) / 4], xb = xs4[(c + s * 32 * 8) / 4 + 1];
+                const float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 words[4] = {v[s][r].x, v[s][r].y, v[s][r].z, v[s][r].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[r] += bf16_to_f32((bf16_t)(words[j] & 0xffffu)) * xv[2 * j];
+                        acc[r] += bf16_to_f32((bf16_t)(words[j] >> 16)) * xv[2 * j + 1];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+    if (lane != 0) return;
+#pragma unroll
+    for (int q = 0; q < NC; ++q) {
+        if (!ok[q]) continue;
+        float v = acc[q];
+        if (GATED) v = v / (1.0f + expf(-v)) * acc[NC + q];
+        out[(long long)pair * ldo + o0 + q] = v;
+    }
+}
+
+// Decode path, act [n_pairs, inter] from x [tokens, hidden], ids [n_pairs], w13 [E, 2*inter, ldw].
+extern "C" __global__ void moe_dec_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const float* x,
+                                           int top_k, float* act, const int* ids, int n_experts) {
+    moe_dec_body<true, MOE_DEC_GU_COLS>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x, hidden, top_k,
+                                        act, inter, ids, n_experts);
+}
+
+// Decode path, ypair [n_pairs, hidden] from act [n_pairs, inter], ids [n_pairs], w2 [E, hidden, ldw].
+extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, int hidden, const float* act,
+                                        float* ypair, const int* ids, int n_experts) {
+    moe_dec_body<false, MOE_DEC_DN_ROWS>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act, inter, 1, ypair,
+                                         hidden, ids, n_experts);
 }
 
 // out [tokens, hidden] = sum over j ascending of weights[t, j] * ypair[t*top_k + j]; a token with

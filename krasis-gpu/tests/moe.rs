@@ -1,7 +1,9 @@
 //! `GpuExperts` (grouped BF16 routed experts) against a scalar f64 twin: decode (t = 1), prefill
 //! (t ≈ 100), duplicate experts across and within tokens, every token on one expert, ragged
 //! shapes (hidden / inter not multiples of the kernel's 64-element chunk or 32-column tile),
-//! several passes, out-of-range ids, and bitwise determinism. Weights and x are pre-rounded to
+//! several passes, out-of-range ids, and bitwise determinism. Every case runs through the default
+//! path choice, then forced through the grouped path and the decode (GEMV-style) path, each
+//! against the twin. Weights and x are pre-rounded to
 //! BF16; outputs are poisoned with NaN before each launch.
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" (past the harness's capture) and passes;
@@ -16,6 +18,7 @@ use common::{
     time_us_per_call, up, U,
 };
 use krasis_core::dtype::bf16_to_f32;
+use krasis_gpu::moe::DECODE_MAX_PAIRS;
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuExperts, VramBudgetSpec};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -142,7 +145,17 @@ fn make_ids(r: &mut ChaCha8Rng, c: &Case) -> Vec<i32> {
     ids
 }
 
-fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
+/// Which path `GpuExperts::forward` is made to take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    Default,
+    Grouped,
+    Decode,
+}
+
+/// Runs `c` through each path against the twin; returns whether the default choice took the
+/// decode path for (the first pass of) the case.
+fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) -> bool {
     let mut r = rng(seed);
     let (h, i) = (c.hidden, c.inter);
     let experts: Vec<Expert> = (0..c.n_experts)
@@ -164,19 +177,35 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, seed: u64) {
     let (want, tol) = twin_moe(&experts, h, i, &x, &ids, &weights, c.top_k);
 
     let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
-    let mut out = poisoned_f32(d, c.t * h);
-    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
-    let got = down(d, &out);
-    let worst = assert_within(c.name, &got, &want, &tol);
-    // Deterministic: a second run (fresh poison) is bitwise identical.
-    let mut again = poisoned_f32(d, c.t * h);
-    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
-    let got2 = down(d, &again);
-    assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{}: not deterministic", c.name);
-    eprintln!(
-        "moe {}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
-        c.name, c.n_experts, c.top_k, c.t
-    );
+    let default_decode = ge.uses_decode_path(c.t.min(c.pass_tokens), c.top_k);
+    for path in [Path::Default, Path::Grouped, Path::Decode] {
+        match path {
+            Path::Default => ge.set_decode_path_max_pairs(DECODE_MAX_PAIRS),
+            Path::Grouped => ge.set_decode_path_max_pairs(0),
+            Path::Decode => ge.set_decode_path_max_pairs(usize::MAX),
+        }
+        let name = format!("{} ({path:?} path)", c.name);
+        let first_pass = c.t.min(c.pass_tokens);
+        match path {
+            Path::Grouped => assert!(!ge.uses_decode_path(first_pass, c.top_k), "{name}"),
+            Path::Decode => assert!(ge.uses_decode_path(first_pass, c.top_k), "{name}"),
+            Path::Default => {}
+        }
+        let mut out = poisoned_f32(d, c.t * h);
+        ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
+        let got = down(d, &out);
+        let worst = assert_within(&name, &got, &want, &tol);
+        // Deterministic: a second run (fresh poison) is bitwise identical.
+        let mut again = poisoned_f32(d, c.t * h);
+        ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
+        let got2 = down(d, &again);
+        assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: not deterministic");
+        eprintln!(
+            "moe {name}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
+            c.n_experts, c.top_k, c.t
+        );
+    }
+    default_decode
 }
 
 #[test]
@@ -203,6 +232,36 @@ fn moe_matches_twin() {
             t: 1,
             ids: Ids::Distinct,
             pass_tokens: m,
+        },
+        Case {
+            name: "eight tokens at the threshold",
+            n_experts: 32,
+            hidden: 192,
+            inter: 96,
+            top_k: 8,
+            t: 8,
+            ids: Ids::Distinct,
+            pass_tokens: m,
+        },
+        Case {
+            name: "decode long rows",
+            n_experts: 3,
+            hidden: 4133,
+            inter: 4111,
+            top_k: 2,
+            t: 1,
+            ids: Ids::Repeats,
+            pass_tokens: m,
+        },
+        Case {
+            name: "decode bad ids",
+            n_experts: 10,
+            hidden: 64,
+            inter: 32,
+            top_k: 4,
+            t: 8,
+            ids: Ids::SomeBad,
+            pass_tokens: 1,
         },
         Case { name: "tiny", n_experts: 5, hidden: 7, inter: 3, top_k: 3, t: 17, ids: Ids::Repeats, pass_tokens: m },
         Case {
@@ -256,8 +315,20 @@ fn moe_matches_twin() {
             pass_tokens: 8,
         },
     ];
+    // Decode-sized cases (at most DECODE_MAX_PAIRS pairs per pass) must take the decode path by
+    // default, the rest the grouped one.
+    let decode_by_default = [
+        "decode",
+        "decode ragged",
+        "eight tokens at the threshold",
+        "decode long rows",
+        "decode bad ids",
+        "tiny",
+        "bad ids",
+    ];
     for (k, c) in cases.iter().enumerate() {
-        run_case(d, ctx, c, 100 + k as u64);
+        let took_decode = run_case(d, ctx, c, 100 + k as u64);
+        assert_eq!(took_decode, decode_by_default.contains(&c.name), "{}: default path", c.name);
     }
 }
 
@@ -283,7 +354,7 @@ fn moe_shape_errors() {
 }
 
 /// Timings for the lead (printed; asserts only that the runs complete): a Qwen3-30B-A3B-like
-/// layer (128 experts, hidden 2048, inter 768, top-8).
+/// layer (128 experts, hidden 2048, inter 768, top-8), each small t through both paths.
 #[test]
 fn moe_timings() {
     let Some((d, ctx)) = gpu_gemm("moe_timings") else { return };
@@ -294,18 +365,23 @@ fn moe_timings() {
     for x in 0..e {
         ge.upload_expert(d, x, &w, &w, &w).unwrap();
     }
-    for t in [1usize, 16, 512] {
+    for t in [1usize, 2, 4, 8, 16, 32, 512] {
         let x = up(d, &vec![0.5f32; t * h], "x");
         let ids: Vec<i32> = (0..t * k).map(|_| r.random_range(0..e as i32)).collect();
         let ids = up(d, &ids, "ids");
         let wts = up(d, &vec![0.125f32; t * k], "weights");
         let mut out = d.alloc_zeros::<f32>(t * h, "out").unwrap();
-        ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
-        let us = time_us_per_call(d, 10, || ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap());
-        let touched = (t * k).min(e) * 3 * h * i * 2;
-        eprintln!(
-            "moe E={e} h={h} i={i} top{k} t={t}: {us:.1} us, ≥{:.0} GB/s of expert weights",
-            touched as f64 / (us * 1e-6) / 1e9
-        );
+        let paths: &[(&str, usize)] =
+            if t * k <= 256 { &[("grouped", 0), ("decode", usize::MAX)] } else { &[("grouped", 0)] };
+        for &(path, max_pairs) in paths {
+            ge.set_decode_path_max_pairs(max_pairs);
+            ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
+            let us = time_us_per_call(d, 20, || ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap());
+            let touched = (t * k).min(e) * 3 * h * i * 2;
+            eprintln!(
+                "moe E={e} h={h} i={i} top{k} t={t} {path}: {us:.1} us, ≥{:.0} GB/s of expert weights",
+                touched as f64 / (us * 1e-6) / 1e9
+            );
+        }
     }
 }
