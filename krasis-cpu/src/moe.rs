@@ -249,7 +249,11 @@ pub enum W2Mode {
     /// continues its blocks' partial sums after the previous range's task over the same blocks.
     /// So the work that needs the last w13 round's groups is spread over all workers at the
     /// hand-over (each holding a slice it has pulled into L2 while waiting) instead of sitting
-    /// on the workers that finish w13 last.
+    /// on the workers that finish w13 last. Opt-in: measured worse on the 16-core Xeon
+    /// (2026-11-21, `--gemv-compare`, log `-moe8.log`): INT4 one expert 92.3 GB/s median
+    /// against 102.3 by groups, top-6 100.2 against 137.7 (the workers leaving w13 last still
+    /// claim first-range tasks, and the next range waits for them; each block's range is a
+    /// short stream the kernel's linear prefetch overruns).
     GroupMajor,
 }
 
@@ -360,6 +364,8 @@ pub struct PoolExperts {
     /// Sets of at most this many tokens are quantised per worker (0, the default: none; see
     /// [`LOCAL_X_MAX_ROWS`]).
     local_x_max_rows: usize,
+    /// ... and only in dispatches of at most this many jobs (`KRASIS_MOE_XQ=local1`: one).
+    local_x_max_jobs: usize,
     /// Per worker: the groups of an intermediate its w2 task has consumed so far (copied out of
     /// the shared buffer, which other tasks are still filling).
     w2_acts: Vec<Mutex<QuantizedActs>>,
@@ -388,12 +394,15 @@ const LOCAL_X_MAX_ROWS: usize = 2;
 /// ≈ 8 µs per quantising task with 16 KiB, ≈ 4.5 with 4 KiB).
 const LOCAL_X_PREFETCH: usize = 4 << 10;
 
-/// `KRASIS_MOE_XQ=local`: quantise small activation sets per worker ([`LOCAL_X_MAX_ROWS`]).
-fn local_x_env() -> usize {
-    if std::env::var("KRASIS_MOE_XQ").is_ok_and(|v| v == "local") {
-        LOCAL_X_MAX_ROWS
-    } else {
-        0
+/// `KRASIS_MOE_XQ=local|local1`: quantise small activation sets per worker
+/// ([`LOCAL_X_MAX_ROWS`]) in every dispatch / in one-job dispatches only; (rows, jobs). `local1`
+/// stays opt-in: measured (log `-moe8.log`) INT4 one expert 113.4 GB/s median against 102.3
+/// shared, but INT8 134.3 against 138.2.
+fn local_x_env() -> (usize, usize) {
+    match std::env::var("KRASIS_MOE_XQ").as_deref() {
+        Ok("local") => (LOCAL_X_MAX_ROWS, usize::MAX),
+        Ok("local1") => (LOCAL_X_MAX_ROWS, 1),
+        _ => (0, usize::MAX),
     }
 }
 
@@ -474,7 +483,8 @@ impl PoolExperts {
             guided_min_jobs: guided_env(),
             trace: None,
             local_acts: (0..pool.threads()).map(|_| Mutex::new(LocalActs::default())).collect(),
-            local_x_max_rows: local_x_env(),
+            local_x_max_rows: local_x_env().0,
+            local_x_max_jobs: local_x_env().1,
             w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
             w2_mode: W2Mode::from_env(),
         }
@@ -514,6 +524,13 @@ impl PoolExperts {
     /// in shared tasks); for tests and tuning.
     pub fn with_local_x_rows(mut self, rows: usize) -> Self {
         self.local_x_max_rows = rows;
+        self
+    }
+
+    /// Quantise activations per worker ([`Self::with_local_x_rows`]) only in dispatches of at
+    /// most `jobs` jobs (default: any); for tests and tuning.
+    pub fn with_local_x_max_jobs(mut self, jobs: usize) -> Self {
+        self.local_x_max_jobs = jobs;
         self
     }
 
@@ -715,7 +732,8 @@ impl PoolExperts {
         step.local_x.clear();
         for a in 0..sets {
             step.xbufs.push(ActBufs::of(&mut step.acts[a]));
-            step.local_x.push(jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
+            step.local_x
+                .push(n <= self.local_x_max_jobs && jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
         }
         step.serial = step.serial.wrapping_add(1);
         // The plan depends only on the job count, the jobs' nodes, which jobs share activation
@@ -1220,9 +1238,10 @@ mod tests {
         /// composition bit for bit, for random shapes, group sizes whose groups straddle task
         /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
         /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
-        /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens)
-        /// or in shared tasks, w2 tasks consuming the intermediate whole, group by group, or in
-        /// group-major tasks (1–7 group ranges) continuing each other's partial sums.
+        /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens;
+        /// in every dispatch or in one-job ones only) or in shared tasks, w2 tasks consuming the
+        /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
+        /// continuing each other's partial sums.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1238,7 +1257,7 @@ mod tests {
             int8 in proptest::prelude::any::<bool>(),
             guided in proptest::prelude::any::<bool>(),
             fused in proptest::prelude::any::<bool>(),
-            local_x in proptest::prelude::any::<bool>(),
+            local_x in 0usize..3,
             w2_mode in 0usize..3,
             seed in 0u64..1000,
         ) {
@@ -1267,7 +1286,8 @@ mod tests {
                 .with_w2_tasks_per_worker(tpw2)
                 .with_guided_tasks(guided)
                 .with_fused_sum(fused)
-                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 })
+                .with_local_x_rows(if local_x > 0 { LOCAL_X_MAX_ROWS } else { 0 })
+                .with_local_x_max_jobs(if local_x == 2 { 1 } else { usize::MAX })
                 .with_w2_mode([W2Mode::Whole, W2Mode::ByGroups, W2Mode::GroupMajor][w2_mode]);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
