@@ -9,7 +9,7 @@ use clap::Args as ClapArgs;
 use krasis_core::memory::PageBuffer;
 use krasis_cpu::isa::Isa;
 use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
-use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
+use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::config::load_config;
@@ -156,16 +156,19 @@ fn expert_gemv(
     Ok((one, six, rec, summaries))
 }
 
-/// Runner variants of `--gemv-compare`: (name, fused sum, per-worker x rows, guided tasks, w2
-/// tasks per worker, w2 consuming the intermediate by groups).
-const VARIANTS: [(&str, bool, usize, bool, usize, bool); 7] = [
-    ("fused sum, even, w2 whole, w2 2", true, 0, false, 2, false),
-    ("fused sum, even, w2 by groups, w2 2", true, 0, false, 2, true),
-    ("fused sum, even, w2 by groups, w2 1", true, 0, false, 1, true),
-    ("fused sum, guided, w2 whole, w2 2", true, 0, true, 2, false),
-    ("fused sum, guided, w2 by groups, w2 2", true, 0, true, 2, true),
-    ("fused sum, guided, w2 by groups, w2 1", true, 0, true, 1, true),
-    ("fused sum, even, w2 by groups, w2 1, local x", true, 2, false, 1, true),
+/// Runner variants of `--gemv-compare`: (name, per-worker x rows, guided tasks, w2 tasks per
+/// worker (group ranges when group-major), how w2 consumes the intermediate); all with the
+/// weighted sum inside the dispatch.
+const VARIANTS: [(&str, usize, bool, usize, W2Mode); 9] = [
+    ("even, w2 by groups, 2", 0, false, 2, W2Mode::ByGroups),
+    ("even, w2 group-major, 2 ranges", 0, false, 2, W2Mode::GroupMajor),
+    ("even, w2 group-major, 3 ranges", 0, false, 3, W2Mode::GroupMajor),
+    ("even, w2 group-major, 4 ranges", 0, false, 4, W2Mode::GroupMajor),
+    ("guided, w2 by groups, 2", 0, true, 2, W2Mode::ByGroups),
+    ("guided, w2 group-major, 2 ranges", 0, true, 2, W2Mode::GroupMajor),
+    ("guided, w2 group-major, 3 ranges", 0, true, 3, W2Mode::GroupMajor),
+    ("even, w2 by groups, 2, local x", 2, false, 2, W2Mode::ByGroups),
+    ("even, w2 group-major, 2 ranges, local x", 2, false, 2, W2Mode::GroupMajor),
 ];
 
 /// `--gemv-compare`: per variant, (best, median) GB/s one expert and top-6 per dispatch, over
@@ -189,13 +192,13 @@ fn expert_gemv_compare(
     }
     let runners: Vec<PoolExperts> = VARIANTS
         .iter()
-        .map(|&(_, fused, local, guided, tpw2, by_groups)| {
+        .map(|&(_, local, guided, tpw2, mode)| {
             PoolExperts::new(pool, l13, l2)
-                .with_fused_sum(fused)
+                .with_fused_sum(true)
                 .with_local_x_rows(local)
                 .with_guided_tasks(guided)
                 .with_w2_tasks_per_worker(tpw2)
-                .with_w2_by_groups(by_groups)
+                .with_w2_mode(mode)
         })
         .collect();
     let x: Vec<f32> = (0..l13.k).map(|k| ((k * 7919) % 101) as f32 / 50.0 - 1.0).collect();
@@ -319,7 +322,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         a.gemv_compare
                     );
                     for (name, [ob, om, sb, sm]) in rows {
-                        println!("    {name:<34} {ob:6.1} / {om:6.1}   {sb:6.1} / {sm:6.1}");
+                        println!("    {name:<40} {ob:6.1} / {om:6.1}   {sb:6.1} / {sm:6.1}");
                     }
                 }
                 rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "one_expert_gb_per_s": one,

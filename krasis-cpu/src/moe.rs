@@ -226,9 +226,46 @@ enum Task {
     /// SiLU(gate)·up into `mid[e]`, and quantisation of every w2 group of `mid[e]` this task
     /// completes.
     W13 { e: usize, p0: usize, p1: usize },
-    /// w2 row blocks `b0..b1` of job `e` into `y[e]` (or, fused, `out`), consuming `mid[e]`'s
-    /// quantised groups in K order as they become ready.
-    W2 { e: usize, b0: usize, b1: usize },
+    /// w2 row blocks `b0..b1` of job `e` over the intermediate's groups `g0..g1`, consuming
+    /// `mid[e]`'s quantised groups in K order as they become ready. Over all groups: into
+    /// `y[e]` (or, fused, `out`). Over part of them ([`W2Mode::GroupMajor`]): continuing the
+    /// blocks' partial sums in `part[e]` after the task over groups `..g0` (turn counter), and,
+    /// when `g1` is the last group, adding the result as above.
+    W2 { e: usize, b0: usize, b1: usize, g0: usize, g1: usize },
+}
+
+/// How [`PoolExperts`]' w2 tasks meet the intermediate their job's w13 tasks produce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum W2Mode {
+    /// Each task (a row-block range over all groups) waits until the whole intermediate is
+    /// quantised (the former runner; `KRASIS_MOE_W2=whole`).
+    Whole,
+    /// Each task (a row-block range over all groups) consumes the groups in K order as they are
+    /// quantised (the default; `KRASIS_MOE_W2=groups`).
+    ByGroups,
+    /// Group-major tasks (`KRASIS_MOE_W2=major`): a job's w2 is cut into group ranges (as many
+    /// as w2 tasks per worker, at most one per group) and each range into the same row-block
+    /// ranges (about one per worker over all jobs); tasks are listed range by range, and each
+    /// continues its blocks' partial sums after the previous range's task over the same blocks.
+    /// So the work that needs the last w13 round's groups is spread over all workers at the
+    /// hand-over (each holding a slice it has pulled into L2 while waiting) instead of sitting
+    /// on the workers that finish w13 last. Opt-in: measured worse on the 16-core Xeon
+    /// (2026-11-21, `--gemv-compare`, log `-moe8.log`): INT4 one expert 92.3 GB/s median
+    /// against 102.3 by groups, top-6 100.2 against 137.7 (the workers leaving w13 last still
+    /// claim first-range tasks, and the next range waits for them; each block's range is a
+    /// short stream the kernel's linear prefetch overruns).
+    GroupMajor,
+}
+
+impl W2Mode {
+    /// `KRASIS_MOE_W2=whole|groups|major` (default [`W2Mode::ByGroups`]).
+    fn from_env() -> W2Mode {
+        match std::env::var("KRASIS_MOE_W2").as_deref() {
+            Ok("whole") => W2Mode::Whole,
+            Ok("major") => W2Mode::GroupMajor,
+            _ => W2Mode::ByGroups,
+        }
+    }
 }
 
 /// Raw view of a [`QuantizedActs`]' buffers (`[rows, k]` i8, `[rows, groups]` scales and sums),
@@ -293,6 +330,13 @@ struct StepScratch {
     ys: Vec<OutPtr>,
     /// Per w2 row block: jobs whose weighted output has been added to `out` there.
     out_turn: Vec<AtomicUsize>,
+    /// [`W2Mode::GroupMajor`]: per job, the `[split·m, 16·blocks]` partial sums of w2, each
+    /// task's block range contiguous (at `split·m·16·b0`), and their raw views for the tasks.
+    part: Vec<Vec<f32>>,
+    parts: Vec<OutPtr>,
+    /// [`W2Mode::GroupMajor`]: per (job, first row block of a task's range): groups whose
+    /// partial sums are in `part` so far.
+    part_turn: Vec<AtomicUsize>,
     /// What `tasks` was planned for (see `plan_key`); decode repeats it call after call.
     plan_key: Vec<usize>,
     /// This call's key, compared with `plan_key`.
@@ -320,17 +364,13 @@ pub struct PoolExperts {
     /// Sets of at most this many tokens are quantised per worker (0, the default: none; see
     /// [`LOCAL_X_MAX_ROWS`]).
     local_x_max_rows: usize,
+    /// ... and only in dispatches of at most this many jobs (`KRASIS_MOE_XQ=local1`: one).
+    local_x_max_jobs: usize,
     /// Per worker: the groups of an intermediate its w2 task has consumed so far (copied out of
     /// the shared buffer, which other tasks are still filling).
     w2_acts: Vec<Mutex<QuantizedActs>>,
-    /// w2 tasks consume the intermediate group by group as it is quantised (default), or wait
-    /// for all of it (`KRASIS_MOE_W2=whole`; the former runner, for comparison).
-    w2_by_groups: bool,
-}
-
-/// `KRASIS_MOE_W2=whole`: w2 tasks wait for their whole intermediate (see `w2_by_groups`).
-fn w2_by_groups_env() -> bool {
-    std::env::var("KRASIS_MOE_W2").map_or(true, |v| v != "whole")
+    /// How w2 tasks consume the intermediate ([`W2Mode`]).
+    w2_mode: W2Mode,
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -354,12 +394,15 @@ const LOCAL_X_MAX_ROWS: usize = 2;
 /// ≈ 8 µs per quantising task with 16 KiB, ≈ 4.5 with 4 KiB).
 const LOCAL_X_PREFETCH: usize = 4 << 10;
 
-/// `KRASIS_MOE_XQ=local`: quantise small activation sets per worker ([`LOCAL_X_MAX_ROWS`]).
-fn local_x_env() -> usize {
-    if std::env::var("KRASIS_MOE_XQ").is_ok_and(|v| v == "local") {
-        LOCAL_X_MAX_ROWS
-    } else {
-        0
+/// `KRASIS_MOE_XQ=local|local1`: quantise small activation sets per worker
+/// ([`LOCAL_X_MAX_ROWS`]) in every dispatch / in one-job dispatches only; (rows, jobs). `local1`
+/// stays opt-in: measured (log `-moe8.log`) INT4 one expert 113.4 GB/s median against 102.3
+/// shared, but INT8 134.3 against 138.2.
+fn local_x_env() -> (usize, usize) {
+    match std::env::var("KRASIS_MOE_XQ").as_deref() {
+        Ok("local") => (LOCAL_X_MAX_ROWS, usize::MAX),
+        Ok("local1") => (LOCAL_X_MAX_ROWS, 1),
+        _ => (0, usize::MAX),
     }
 }
 
@@ -440,9 +483,10 @@ impl PoolExperts {
             guided_min_jobs: guided_env(),
             trace: None,
             local_acts: (0..pool.threads()).map(|_| Mutex::new(LocalActs::default())).collect(),
-            local_x_max_rows: local_x_env(),
+            local_x_max_rows: local_x_env().0,
+            local_x_max_jobs: local_x_env().1,
             w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
-            w2_by_groups: w2_by_groups_env(),
+            w2_mode: W2Mode::from_env(),
         }
     }
 
@@ -458,7 +502,14 @@ impl PoolExperts {
     /// default) or only once all of it is (`false`; `KRASIS_MOE_W2=whole` sets it for every
     /// runner); for comparison and tests.
     pub fn with_w2_by_groups(mut self, by_groups: bool) -> Self {
-        self.w2_by_groups = by_groups;
+        self.w2_mode = if by_groups { W2Mode::ByGroups } else { W2Mode::Whole };
+        self
+    }
+
+    /// How w2 tasks consume the intermediate (default [`W2Mode::ByGroups`]; `KRASIS_MOE_W2`
+    /// sets it for every runner); for comparison and tests.
+    pub fn with_w2_mode(mut self, mode: W2Mode) -> Self {
+        self.w2_mode = mode;
         self
     }
 
@@ -473,6 +524,13 @@ impl PoolExperts {
     /// in shared tasks); for tests and tuning.
     pub fn with_local_x_rows(mut self, rows: usize) -> Self {
         self.local_x_max_rows = rows;
+        self
+    }
+
+    /// Quantise activations per worker ([`Self::with_local_x_rows`]) only in dispatches of at
+    /// most `jobs` jobs (default: any); for tests and tuning.
+    pub fn with_local_x_max_jobs(mut self, jobs: usize) -> Self {
+        self.local_x_max_jobs = jobs;
         self
     }
 
@@ -523,7 +581,9 @@ impl PoolExperts {
     /// first task in (phase, job) order that never ends; it is not waiting, as everything it
     /// waits on comes earlier and ends; nor unclaimed, as its node's workers claim in order and
     /// the tasks ahead of it end; so waits end. (Activation sets of ≤ [`LOCAL_X_MAX_ROWS`]
-    /// tokens have no X tasks: each w13 task's worker quantises them itself.)
+    /// tokens have no X tasks: each w13 task's worker quantises them itself. In
+    /// [`W2Mode::GroupMajor`] a w2 task also waits for the previous group range's task over
+    /// its blocks, which the job's list holds earlier: ranges are listed in order.)
     fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], nodes: usize, workers: usize) {
         let pairs = self.w13_layout.row_blocks() / 2;
         let nb2 = self.w2_layout.row_blocks();
@@ -565,12 +625,29 @@ impl PoolExperts {
                 p0 = p1;
             }
         }
+        let ng2 = self.w2_layout.groups();
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
+            if self.w2_mode == W2Mode::GroupMajor {
+                // Group ranges (the w2 tasks per worker), each over the same block ranges of
+                // about one per worker over all jobs; a range's tasks all before the next's.
+                let ranges = tpw2.min(ng2).max(1);
+                let per = Self::units_per_task(nb2 * n, 1, workers);
+                for j in 0..ranges {
+                    let (g0, g1) = (j * ng2 / ranges, (j + 1) * ng2 / ranges);
+                    let mut b0 = 0;
+                    while b0 < nb2 {
+                        let b1 = (b0 + size(per, 1, nb2 * (n - e) - b0)).min(nb2);
+                        step.tasks[node].push(Task::W2 { e, b0, b1, g0, g1 });
+                        b0 = b1;
+                    }
+                }
+                continue;
+            }
             let mut b0 = 0;
             while b0 < nb2 {
                 let b1 = (b0 + size(per2, tpw2, nb2 * (n - e) - b0)).min(nb2);
-                step.tasks[node].push(Task::W2 { e, b0, b1 });
+                step.tasks[node].push(Task::W2 { e, b0, b1, g0: 0, g1: ng2 });
                 b0 = b1;
             }
         }
@@ -602,6 +679,10 @@ impl PoolExperts {
         step.mid.resize_with(n, Vec::new);
         step.mid_acts.resize_with(n, QuantizedActs::new);
         step.y.resize_with(n, Vec::new);
+        let major = self.w2_mode == W2Mode::GroupMajor;
+        if major {
+            step.part.resize_with(n, Vec::new);
+        }
         for job in jobs {
             for &(tok, _) in job.tokens {
                 assert!(
@@ -636,6 +717,9 @@ impl PoolExperts {
             step.mid[e].resize(m * inter, 0.0);
             shape_acts(&mut step.mid_acts[e], split * m, inter, gs2);
             step.y[e].resize(m * hidden, 0.0);
+            if major {
+                step.part[e].resize(split * m * l2.row_blocks() * ROW_BLOCK, 0.0);
+            }
         }
         step.cols_done.resize_with(n * ng2, AtomicUsize::default);
         step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
@@ -648,7 +732,8 @@ impl PoolExperts {
         step.local_x.clear();
         for a in 0..sets {
             step.xbufs.push(ActBufs::of(&mut step.acts[a]));
-            step.local_x.push(jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
+            step.local_x
+                .push(n <= self.local_x_max_jobs && jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
         }
         step.serial = step.serial.wrapping_add(1);
         // The plan depends only on the job count, the jobs' nodes, which jobs share activation
@@ -664,17 +749,26 @@ impl PoolExperts {
         }
         step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
         step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        if major {
+            step.part_turn.resize_with(n * l2.row_blocks(), AtomicUsize::default);
+            step.part_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        }
 
         step.bufs.clear();
         step.ys.clear();
+        step.parts.clear();
         for e in 0..n {
             step.bufs.push(JobBufs { mid: step.mid[e].as_mut_ptr(), acts: ActBufs::of(&mut step.mid_acts[e]) });
             step.ys.push(OutPtr(step.y[e].as_mut_ptr()));
+            if major {
+                step.parts.push(OutPtr(step.part[e].as_mut_ptr()));
+            }
         }
         let failed = AtomicBool::new(false);
         let (tasks, acts, acts_of) = (&step.tasks, &step.acts, &step.acts_of);
         let (cols_done, group_ok, bufs, ys) = (&step.cols_done, &step.group_ok, &step.bufs, &step.ys);
-        let w2_by_groups = self.w2_by_groups;
+        let w2_by_groups = self.w2_mode != W2Mode::Whole;
+        let (parts, part_turn, nb2) = (&step.parts, &step.part_turn, l2.row_blocks());
         let (act_src, x_ready, xbufs) = (&step.act_src, &step.x_ready, &step.xbufs);
         let (local_x, serial) = (&step.local_x, step.serial);
         let (out_turn, fused) = (&step.out_turn, self.fused_sum);
@@ -779,46 +873,56 @@ impl PoolExperts {
                         }
                     }
                 }
-                Task::W2 { e, b0, b1 } => {
+                Task::W2 { e, b0, b1, g0: ga, g1: gb } => {
                     let w2 = jobs[e].weights.w2;
-                    let upcoming = &w2[(b0 * l2.block_bytes()).min(w2.len())..(b1 * l2.block_bytes()).min(w2.len())];
+                    let bb = l2.block_bytes();
+                    let upcoming = &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())];
                     let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
                     let ok = &group_ok[e * ng2..(e + 1) * ng2];
                     let mut own = self.w2_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
                     shape_acts(&mut own, split * m, inter, gs2);
-                    self.scratch.with(ctx.worker, split * m * cols, |tmp| {
-                        // Consume the intermediate's groups as they are quantised, in K order:
-                        // each kernel call continues the row blocks' sums over the next run of
-                        // ready groups (or, with `w2_by_groups` off, one call once all are).
-                        let mut g0 = 0;
+                    // Pull groups g..gb of this task's blocks (and, for a range after the first,
+                    // the blocks' scale headers) into L2, so a wait still streams its weights.
+                    let pull = |g: usize| {
+                        for blk in b0..b1 {
+                            let (at, end) = (blk * bb, ((blk + 1) * bb).min(w2.len()));
+                            if ga > 0 && g == ga {
+                                prefetch_l2(&w2[at.min(end)..(at + l2.weights_offset(0)).min(end)]);
+                            }
+                            prefetch_l2(
+                                &w2[(at + l2.weights_offset(g)).min(end)..(at + l2.weights_offset(gb)).min(end)],
+                            );
+                        }
+                    };
+                    let mut body = |tmp: &mut [f32]| {
+                        // Consume the intermediate's groups ga..gb as they are quantised, in K
+                        // order: each kernel call continues the row blocks' sums over the next
+                        // run of ready groups (or, in `W2Mode::Whole`, one call once all are).
+                        let mut g0 = ga;
                         let mut pulled = false;
-                        while g0 < ng2 {
+                        while g0 < gb {
                             if !pulled && w2_by_groups && ok[g0].load(Ordering::Acquire) == 0 {
                                 // About to wait for the rest of the intermediate: pull the rest
-                                // of this task's weights (groups g0.. of each block) into L2
-                                // meanwhile, so they stream from L2 once the groups come.
+                                // of this task's weights into L2 meanwhile, so they stream from
+                                // L2 once the groups come.
                                 pulled = true;
-                                let bb = l2.block_bytes();
-                                for blk in b0..b1 {
-                                    let end = ((blk + 1) * bb).min(w2.len());
-                                    prefetch_l2(&w2[(blk * bb + l2.weights_offset(g0)).min(end)..end]);
-                                }
+                                pull(g0);
                             }
                             let pf = if g0 == 0 && !w2_by_groups { upcoming } else { &[][..] };
                             wait_ready(&ok[g0], 1, &failed, pf);
                             let mut g1 = g0 + 1;
                             if w2_by_groups {
-                                while g1 < ng2 && ok[g1].load(Ordering::Acquire) != 0 {
+                                while g1 < gb && ok[g1].load(Ordering::Acquire) != 0 {
                                     g1 += 1;
                                 }
                             } else {
-                                for flag in &ok[g1..] {
+                                for flag in &ok[g1..gb] {
                                     wait_ready(flag, 1, &failed, &[]);
                                 }
-                                g1 = ng2;
+                                g1 = gb;
                             }
-                            if g0 == 0 {
+                            if g0 == ga {
                                 ready = trace.map_or(0, Trace::now);
                             }
                             // SAFETY: groups g0..g1 of job e's quantised intermediate are
@@ -827,6 +931,10 @@ impl PoolExperts {
                             unsafe { copy_groups(bufs[e].acts, &mut own, g0..g1) };
                             matmul_packed_groups(isa, w2, l2, &own, b0..b1, g0..g1, tmp);
                             g0 = g1;
+                        }
+                        if gb < ng2 {
+                            // A group range before the last: the next range's task goes on.
+                            return;
                         }
                         sum_split_rows(tmp, m, cols);
                         let keep = cols.min(hidden - b0 * ROW_BLOCK);
@@ -857,7 +965,31 @@ impl PoolExperts {
                         for turn in turns {
                             turn.store(e + 1, Ordering::Release);
                         }
-                    })
+                    };
+                    if ga == 0 && gb == ng2 {
+                        self.scratch.with(ctx.worker, split * m * cols, &mut body);
+                    } else {
+                        // Group-major: continue the partial sums the task over groups ..ga left
+                        // for these blocks (it sits earlier in this node's list: plan lists the
+                        // ranges in order, so this wait ends).
+                        let turn = &part_turn[e * nb2 + b0];
+                        if turn.load(Ordering::Acquire) < ga {
+                            pull(ga);
+                            wait_ready(turn, ga, &failed, &[]);
+                        }
+                        // SAFETY: part[e] holds split·m rows of 16·nb2 columns; block range
+                        // b0..b1 owns the `split·m·cols` floats at `split·m·16·b0` (ranges
+                        // partition 0..nb2), and of the tasks over it only this one runs now:
+                        // the previous range's task has released the turn (acquired above), the
+                        // next waits for this one's release below.
+                        let tmp = unsafe {
+                            std::slice::from_raw_parts_mut(parts[e].0.add(split * m * ROW_BLOCK * b0), split * m * cols)
+                        };
+                        body(tmp);
+                        if gb < ng2 {
+                            turn.store(gb, Ordering::Release);
+                        }
+                    }
                 }
             }
             if let Some(tr) = trace {
@@ -1106,8 +1238,10 @@ mod tests {
         /// composition bit for bit, for random shapes, group sizes whose groups straddle task
         /// boundaries, several tokens per expert, shared and distinct token lists, 1–2 nodes and
         /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
-        /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens)
-        /// or in shared tasks, w2 tasks consuming the intermediate group by group or whole.
+        /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens;
+        /// in every dispatch or in one-job ones only) or in shared tasks, w2 tasks consuming the
+        /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
+        /// continuing each other's partial sums.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1123,8 +1257,8 @@ mod tests {
             int8 in proptest::prelude::any::<bool>(),
             guided in proptest::prelude::any::<bool>(),
             fused in proptest::prelude::any::<bool>(),
-            local_x in proptest::prelude::any::<bool>(),
-            w2_by_groups in proptest::prelude::any::<bool>(),
+            local_x in 0usize..3,
+            w2_mode in 0usize..3,
             seed in 0u64..1000,
         ) {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
@@ -1152,8 +1286,9 @@ mod tests {
                 .with_w2_tasks_per_worker(tpw2)
                 .with_guided_tasks(guided)
                 .with_fused_sum(fused)
-                .with_local_x_rows(if local_x { LOCAL_X_MAX_ROWS } else { 0 })
-                .with_w2_by_groups(w2_by_groups);
+                .with_local_x_rows(if local_x > 0 { LOCAL_X_MAX_ROWS } else { 0 })
+                .with_local_x_max_jobs(if local_x == 2 { 1 } else { usize::MAX })
+                .with_w2_mode([W2Mode::Whole, W2Mode::ByGroups, W2Mode::GroupMajor][w2_mode]);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
                 .enumerate()
