@@ -101,6 +101,39 @@ fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
     (w13, l13, pack(&down), PackedLayout::of(&down))
 }
 
+/// `n ≥ 8` distinct copies of one packed expert (w13 then w2, `rec` bytes each) filling `total`
+/// bytes of huge-page memory, so the timed loop streams from DRAM rather than cache.
+fn expert_copies(
+    bits: Bits,
+    total: usize,
+) -> anyhow::Result<(PageBuffer, usize, usize, usize, PackedLayout, PackedLayout)> {
+    let (w13, l13, w2, l2) = packed_expert(bits);
+    let rec = w13.len() + w2.len();
+    let n = (total / rec).max(8);
+    let mut buf = PageBuffer::new(n * rec)?;
+    buf.advise_huge_pages();
+    for (e, chunk) in buf.as_mut_slice().chunks_exact_mut(rec).enumerate() {
+        chunk[..w13.len()].copy_from_slice(&w13);
+        chunk[w13.len()..].copy_from_slice(&w2);
+        chunk[0] = e as u8; // distinct pages, same numbers of note
+    }
+    Ok((buf, n, rec, w13.len(), l13, l2))
+}
+
+/// `n` pseudo-random token ids in `2..vocab` (a fixed xorshift sequence: runs are comparable).
+pub(crate) fn random_prompt(vocab: usize, n: usize) -> Vec<u32> {
+    let v = vocab.max(3) as u64;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (2 + x % (v - 2)) as u32
+        })
+        .collect()
+}
+
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
 /// pair, and the top-6 of a token per dispatch pair.
 /// Also returns the bytes of one expert.
@@ -112,16 +145,7 @@ fn expert_gemv(
     total: usize,
     trace: bool,
 ) -> anyhow::Result<(f64, f64, usize, Option<[TraceSummary; 2]>)> {
-    let (w13, l13, w2, l2) = packed_expert(bits);
-    let rec = w13.len() + w2.len();
-    let n = (total / rec).max(8);
-    let mut buf = PageBuffer::new(n * rec)?;
-    buf.advise_huge_pages();
-    for (e, chunk) in buf.as_mut_slice().chunks_exact_mut(rec).enumerate() {
-        chunk[..w13.len()].copy_from_slice(&w13);
-        chunk[w13.len()..].copy_from_slice(&w2);
-        chunk[0] = e as u8; // distinct pages, same numbers of note
-    }
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, total)?;
     let runner = PoolExperts::new(pool, l13, l2);
     // Room for every task of one traced pass (at most one per row block, pair or group).
     let traced =
@@ -130,8 +154,8 @@ fn expert_gemv(
     let mut out = vec![0f32; l13.k];
     let data = buf.as_slice();
     let expert = |e: usize| ExpertWeights {
-        w13: &data[e * rec..e * rec + w13.len()],
-        w2: &data[e * rec + w13.len()..(e + 1) * rec],
+        w13: &data[e * rec..e * rec + w13_len],
+        w2: &data[e * rec + w13_len..(e + 1) * rec],
         node: 0,
     };
     let tok = [(0usize, 1.0f32)];
@@ -180,16 +204,7 @@ fn expert_gemv_compare(
     total: usize,
     reps: usize,
 ) -> anyhow::Result<Vec<(&'static str, [f64; 4])>> {
-    let (w13, l13, w2, l2) = packed_expert(bits);
-    let rec = w13.len() + w2.len();
-    let n = (total / rec).max(8);
-    let mut buf = PageBuffer::new(n * rec)?;
-    buf.advise_huge_pages();
-    for (e, chunk) in buf.as_mut_slice().chunks_exact_mut(rec).enumerate() {
-        chunk[..w13.len()].copy_from_slice(&w13);
-        chunk[w13.len()..].copy_from_slice(&w2);
-        chunk[0] = e as u8;
-    }
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, total)?;
     let runners: Vec<PoolExperts> = VARIANTS
         .iter()
         .map(|&(_, local, guided, tpw2, mode)| {
@@ -214,8 +229,8 @@ fn expert_gemv_compare(
                     let jobs: Vec<ExpertJob> = (start..start + group)
                         .map(|e| ExpertJob {
                             weights: ExpertWeights {
-                                w13: &data[e * rec..e * rec + w13.len()],
-                                w2: &data[e * rec + w13.len()..(e + 1) * rec],
+                                w13: &data[e * rec..e * rec + w13_len],
+                                w2: &data[e * rec + w13_len..(e + 1) * rec],
                                 node: 0,
                             },
                             tokens: &tok,
@@ -343,16 +358,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
         let model = &loaded.model;
-        let v = model.spec.vocab_size as u64;
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let prompt: Vec<u32> = (0..a.prompt_tokens)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (2 + x % (v - 2)) as u32
-            })
-            .collect();
+        let prompt = random_prompt(model.spec.vocab_size, a.prompt_tokens);
         let mut session = model.new_session();
         let t = Instant::now();
         let logits = model.forward(&mut session, &prompt, Logits::Last, None)?;

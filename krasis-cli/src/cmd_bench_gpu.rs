@@ -104,16 +104,7 @@ pub fn model(
             println!("{l}");
         }
     }
-    let v = m.spec.vocab_size as u64;
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let prompt: Vec<u32> = (0..prompt_tokens)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (2 + x % (v - 2)) as u32
-        })
-        .collect();
+    let prompt = crate::cmd_bench::random_prompt(m.spec.vocab_size, prompt_tokens);
     let req = GenerateRequest {
         prompt_ids: prompt,
         max_new_tokens: decode_tokens + 1,
