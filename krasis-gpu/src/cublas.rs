@@ -5,7 +5,6 @@
 //! resolved; their C ABI is the same in cuBLAS 12 and 13.
 
 use std::ffi::{c_int, c_void};
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUstream;
@@ -81,22 +80,7 @@ pub fn cublas() -> Result<&'static Cublas, GpuError> {
 /// sonames of cuBLAS 13 and 12 through the dynamic loader's search path, then the same names
 /// under `$CUDA_HOME`, `$CUDA_PATH` and `/usr/local/cuda`.
 pub fn candidates() -> Vec<String> {
-    if let Some(p) = std::env::var_os(CUBLAS_LIB_ENV).filter(|p| !p.is_empty()) {
-        return vec![p.to_string_lossy().into_owned()];
-    }
-    let names = ["libcublas.so.13", "libcublas.so.12", "libcublas.so"];
-    let mut out: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let mut roots: Vec<PathBuf> =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
-    roots.push(PathBuf::from("/usr/local/cuda"));
-    for root in roots {
-        for sub in ["lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {
-            for n in names {
-                out.push(root.join(sub).join(n).to_string_lossy().into_owned());
-            }
-        }
-    }
-    out
+    crate::libsearch::candidates(CUBLAS_LIB_ENV, &["libcublas.so.13", "libcublas.so.12", "libcublas.so"])
 }
 
 /// The name of a `cublasStatus_t`.
@@ -127,14 +111,11 @@ fn check(op: &'static str, s: Status) -> Result<(), GpuError> {
 impl Cublas {
     /// Tries each candidate in turn; the error names what was tried.
     pub fn load(cands: &[String]) -> Result<Cublas, String> {
-        let mut errors = Vec::new();
-        for c in cands {
-            // SAFETY: loading libcublas runs only its initialisers (no CUDA calls until used).
-            match unsafe { libloading::Library::new(c) } {
-                Ok(lib) => return Cublas::from_library(lib, c.clone()),
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
+        // SAFETY: loading libcublas runs only its initialisers (no CUDA calls until used).
+        let errors = match unsafe { crate::libsearch::open_first(cands) } {
+            Ok((lib, path)) => return Cublas::from_library(lib, path),
+            Err(errors) => errors,
+        };
         match cands {
             [one] => Err(format!("cuBLAS not found: tried {one}: {}", errors.join("; "))),
             _ => Err(format!(

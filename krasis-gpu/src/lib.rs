@@ -67,6 +67,7 @@ mod error;
 pub mod flash_prefill;
 pub mod kernels;
 pub mod kv_cache;
+mod libsearch;
 pub mod linear;
 pub mod moe;
 pub mod nvrtc;

@@ -3,7 +3,6 @@
 //! CI), and so that a missing library is an error, never a panic.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
 
 use crate::GpuError;
@@ -114,35 +113,20 @@ pub fn nvrtc() -> Result<&'static Nvrtc, GpuError> {
 /// sonames of NVRTC 13/12/11.2 through the dynamic loader's search path, then the same names under
 /// `$CUDA_HOME`, `$CUDA_PATH` and `/usr/local/cuda`.
 pub fn candidates() -> Vec<String> {
-    if let Some(p) = std::env::var_os(NVRTC_LIB_ENV).filter(|p| !p.is_empty()) {
-        return vec![p.to_string_lossy().into_owned()];
-    }
-    let names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", "libnvrtc.so.11.2"];
-    let mut out: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let mut roots: Vec<PathBuf> =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
-    roots.push(PathBuf::from("/usr/local/cuda"));
-    for root in roots {
-        for sub in ["lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {
-            for n in names {
-                out.push(root.join(sub).join(n).to_string_lossy().into_owned());
-            }
-        }
-    }
-    out
+    crate::libsearch::candidates(
+        NVRTC_LIB_ENV,
+        &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", "libnvrtc.so.11.2"],
+    )
 }
 
 impl Nvrtc {
     fn load() -> Result<Nvrtc, String> {
         let cands = candidates();
-        let mut errors = Vec::new();
-        for c in &cands {
-            // SAFETY: loading libnvrtc runs only its (side-effect free) initialisers.
-            match unsafe { libloading::Library::new(c) } {
-                Ok(lib) => return Nvrtc::from_library(lib, c.clone()),
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
+        // SAFETY: loading libnvrtc runs only its (side-effect free) initialisers.
+        let errors = match unsafe { crate::libsearch::open_first(&cands) } {
+            Ok((lib, path)) => return Nvrtc::from_library(lib, path),
+            Err(errors) => errors,
+        };
         if std::env::var_os(NVRTC_LIB_ENV).is_some_and(|p| !p.is_empty()) {
             Err(format!("{NVRTC_LIB_ENV}={} not loadable: {}", cands[0], errors.join("; ")))
         } else {
