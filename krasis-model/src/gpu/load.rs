@@ -9,7 +9,7 @@ use std::time::Instant;
 use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
-use krasis_gpu::kv_cache::KvCapacity;
+use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
 use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};
@@ -226,26 +226,12 @@ impl GpuModel {
             Some(n) => KvCapacity::Tokens(n),
             None => KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: max_ctx },
         };
-        // Size one probe cache to learn the token count, then free it: sessions allocate their own.
-        let kv_tokens = {
-            let probe = krasis_gpu::kv_cache::GpuKvCache::new(
-                &dev,
-                opts.kv_dtype,
-                spec.num_layers,
-                planes,
-                row,
-                group,
-                capacity,
-            )?;
-            log.push(format!(
-                "KV cache: {} tokens × {} per token ({}, {})",
-                probe.capacity(),
-                format_bytes(probe.bytes_per_token() as u64),
-                opts.kv_dtype,
-                format_bytes((probe.capacity() * probe.bytes_per_token()) as u64)
-            ));
-            probe.capacity()
-        };
+        // Sized by arithmetic on the layout (sessions allocate their own caches): nothing is
+        // allocated here, but an explicit --kv-tokens that cannot fit is refused now, at load.
+        let kv_layout = KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group)?;
+        let remaining = dev.budget().remaining();
+        let kv_tokens = kv_layout.tokens_for(capacity, remaining);
+        let kv_bytes = kv_tokens as u64 * kv_layout.bytes_per_token() as u64;
         if kv_tokens == 0 {
             return Err(ModelError::Invalid(format!(
                 "the VRAM budget {} leaves no room for a KV cache after {} of weights",
@@ -253,6 +239,21 @@ impl GpuModel {
                 format_bytes(weights_bytes)
             )));
         }
+        if kv_bytes > remaining {
+            return Err(krasis_gpu::GpuError::VramBudget {
+                requested: kv_bytes,
+                used: dev.budget().used(),
+                budget: dev.budget().budget(),
+                what: format!("the KV cache ({kv_tokens} tokens)"),
+            }
+            .into());
+        }
+        log.push(format!(
+            "KV cache: {kv_tokens} tokens × {} per token ({}, {})",
+            format_bytes(kv_layout.bytes_per_token() as u64),
+            opts.kv_dtype,
+            format_bytes(kv_bytes)
+        ));
         let rope = RotaryTables::new(&spec.rope);
         let (cos, sin) = rope.table(0, kv_tokens);
         let cos = dev.upload(&cos, "rope cos table")?;
@@ -281,7 +282,7 @@ impl GpuModel {
             cos,
             sin,
             sampler,
-            kv_dtype: opts.kv_dtype,
+            kv_layout,
             kv_tokens,
             log,
         })

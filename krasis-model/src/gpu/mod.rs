@@ -15,7 +15,7 @@ mod profile;
 mod session;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
-use krasis_gpu::kv_cache::{GpuKvCache, KvDtype};
+use krasis_gpu::kv_cache::{GpuKvCache, KvCapacity, KvDtype, KvLayout};
 use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
@@ -92,7 +92,7 @@ pub struct GpuModel {
     rope_pairing: krasis_gpu::RopePairing,
     max_pos: usize,
     sampler: GpuSampler,
-    kv_dtype: KvDtype,
+    kv_layout: KvLayout,
     kv_tokens: usize,
     /// Human-readable lines about what loading did.
     pub log: Vec<String>,
@@ -119,16 +119,7 @@ impl GpuModel {
 
     /// A session with its own KV cache of [`GpuModel::kv_capacity`] tokens.
     pub fn new_session(&self) -> Result<GpuSession> {
-        let (planes, row, group) = layers::kv_geometry(&self.spec);
-        let cache = GpuKvCache::new(
-            &self.dev,
-            self.kv_dtype,
-            self.spec.num_layers,
-            planes,
-            row,
-            group,
-            krasis_gpu::kv_cache::KvCapacity::Tokens(self.kv_tokens),
-        )?;
+        let cache = GpuKvCache::with_layout(&self.dev, self.kv_layout, KvCapacity::Tokens(self.kv_tokens))?;
         Ok(GpuSession::new(cache, DecodeWorkspace::new()))
     }
 
