@@ -34,8 +34,16 @@ pub enum ModelError {
     TokenOutOfRange { id: u64, pos: usize, vocab: usize },
     #[error("{0}")]
     Invalid(String),
+    /// Not marked `#[source]`: the message already carries the GPU error, and a source would
+    /// print it twice in the CLI's `{:#}` chain.
     #[error("GPU: {0}")]
-    Gpu(#[from] krasis_gpu::GpuError),
+    Gpu(krasis_gpu::GpuError),
+}
+
+impl From<krasis_gpu::GpuError> for ModelError {
+    fn from(e: krasis_gpu::GpuError) -> Self {
+        ModelError::Gpu(e)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ModelError>;
