@@ -13,7 +13,9 @@ use krasis_model::quantized::open_expert_cache;
 use krasis_model::source::SafetensorsDir;
 use krasis_model::tensors::param_counts;
 
-use crate::cmd_generate::{check_group_size_flag, Bits};
+use krasis_model::quantized::{quant_bits, WeightBits};
+
+use crate::cmd_generate::{check_group_size_flag, weight_bits_parser};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -21,8 +23,8 @@ pub struct Args {
     #[arg(long)]
     model: PathBuf,
     /// 4 or 8.
-    #[arg(long, value_enum, default_value_t = Bits::Int4)]
-    cpu_expert_bits: Bits,
+    #[arg(long, default_value = "4", value_parser = weight_bits_parser(&["4", "8"]))]
+    cpu_expert_bits: WeightBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
@@ -32,7 +34,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let Some(bits) = a.cpu_expert_bits.weight_bits().quant_bits() else {
+    let Some(bits) = quant_bits(a.cpu_expert_bits) else {
         bail!("--cpu-expert-bits bf16 needs no conversion; choose 4 or 8");
     };
     check_group_size_flag(a.group_size)?;

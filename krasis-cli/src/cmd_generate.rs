@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use clap::builder::TypedValueParser;
 use clap::{Args as ClapArgs, ValueEnum};
 use krasis_core::budget::{check_ram_budget, format_bytes};
 use krasis_gpu::kv_cache::KvDtype;
@@ -27,24 +28,10 @@ pub enum Device {
     Auto,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Bits {
-    #[value(name = "bf16")]
-    Bf16,
-    #[value(name = "8")]
-    Int8,
-    #[value(name = "4")]
-    Int4,
-}
-
-impl Bits {
-    pub fn weight_bits(self) -> WeightBits {
-        match self {
-            Bits::Bf16 => WeightBits::Bf16,
-            Bits::Int8 => WeightBits::Int8,
-            Bits::Int4 => WeightBits::Int4,
-        }
-    }
+/// Parses a precision flag (`bf16`, `8`, `4`), listing the values in `--help`.
+pub fn weight_bits_parser(values: &'static [&'static str]) -> impl TypedValueParser<Value = WeightBits> {
+    clap::builder::PossibleValuesParser::new(values)
+        .map(|s| s.parse::<WeightBits>().expect("every listed value parses"))
 }
 
 /// `--group-size`: a multiple of the smallest group the layout takes, up to the largest.
@@ -61,11 +48,11 @@ pub fn check_group_size_flag(gs: usize) -> anyhow::Result<()> {
 pub struct EngineArgs {
     /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised;
     /// 8 or 4 = INT8/INT4 from the expert cache (built on first use).
-    #[arg(long, value_enum, default_value_t = Bits::Bf16)]
-    pub cpu_expert_bits: Bits,
+    #[arg(long, default_value = "bf16", value_parser = weight_bits_parser(&WeightBits::FLAG_VALUES))]
+    pub cpu_expert_bits: WeightBits,
     /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU.
-    #[arg(long, value_enum, default_value_t = Bits::Bf16)]
-    pub cpu_dense_bits: Bits,
+    #[arg(long, default_value = "bf16", value_parser = weight_bits_parser(&WeightBits::FLAG_VALUES))]
+    pub cpu_dense_bits: WeightBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     pub group_size: usize,
@@ -92,8 +79,8 @@ impl EngineArgs {
             bail!("--threads must be at least 1");
         }
         Ok(EngineOptions {
-            expert_bits: self.cpu_expert_bits.weight_bits(),
-            dense_bits: self.cpu_dense_bits.weight_bits(),
+            expert_bits: self.cpu_expert_bits,
+            dense_bits: self.cpu_dense_bits,
             group_size: self.group_size,
             cache_dir: self.cache_dir.clone(),
             threads: self.threads,
@@ -102,7 +89,7 @@ impl EngineArgs {
 
     /// Refuse (unless --force) when the estimate exceeds the RAM budget; returns the estimate.
     pub fn check_budget(&self, spec: &krasis_model::ModelSpec, context: u64) -> anyhow::Result<u64> {
-        let est = estimate(spec, self.cpu_expert_bits.weight_bits()).total(context);
+        let est = estimate(spec, self.cpu_expert_bits).total(context);
         let mem_total = krasis_core::hw::probe().mem_total_bytes;
         if let Some(w) = check_ram_budget(est, mem_total, self.force)? {
             eprintln!("warning: {w}");
@@ -167,7 +154,7 @@ impl GpuArgs {
 /// Which engine `--device` picks: `gpu` insists, `auto` takes the GPU when one is usable and no
 /// CPU-only precision flag was given, else the CPU with a one-line notice.
 pub fn choose_gpu(device: Device, engine: &EngineArgs) -> anyhow::Result<bool> {
-    let cpu_flags = engine.cpu_expert_bits != Bits::Bf16 || engine.cpu_dense_bits != Bits::Bf16;
+    let cpu_flags = engine.cpu_expert_bits != WeightBits::Bf16 || engine.cpu_dense_bits != WeightBits::Bf16;
     match device {
         Device::Cpu => Ok(false),
         Device::Gpu => {
@@ -326,7 +313,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
 
     let out = run_generation(model, &req, codec.as_ref(), prompt_ids.len())?;
-    if a.engine.cpu_expert_bits != Bits::Bf16 {
+    if a.engine.cpu_expert_bits != WeightBits::Bf16 {
         // Every routed expert is resident after loading the cache and every dense weight has been
         // read by now, so RSS should match the estimate.
         if let Some(rss) = krasis_core::hw::current_rss_bytes() {

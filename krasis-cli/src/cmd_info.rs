@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
 use krasis_model::config::load_config;
-use krasis_model::memory::{estimate, WeightBits};
+use krasis_model::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
 use krasis_model::tensors::param_counts;
 
@@ -79,9 +79,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         println!(
             "per expert   {} params: bf16 {}, int8 {}, int4 {}",
             counts.per_expert,
-            format_bytes(WeightBits::Bf16.bytes_for(counts.per_expert)),
-            format_bytes(WeightBits::Int8.bytes_for(counts.per_expert)),
-            format_bytes(WeightBits::Int4.bytes_for(counts.per_expert)),
+            format_bytes(stored_bytes(WeightBits::Bf16, counts.per_expert)),
+            format_bytes(stored_bytes(WeightBits::Int8, counts.per_expert)),
+            format_bytes(stored_bytes(WeightBits::Int4, counts.per_expert)),
         );
     }
     let sys = krasis_core::hw::probe();
@@ -93,7 +93,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let e = estimate(&spec, f);
         println!(
             "  experts {:<10} dense {} + experts {} + KV {}/token → {}",
-            f.name(),
+            format_name(f),
             format_bytes(e.dense_bytes),
             format_bytes(e.expert_bytes),
             format_bytes(e.kv_bytes_per_token),

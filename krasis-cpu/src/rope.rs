@@ -1,27 +1,20 @@
 //! Rotary position embedding applied with precomputed per-position cos/sin tables.
 
-/// Which elements form a rotary pair.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Pairing {
-    /// (2i, 2i+1).
-    Interleaved,
-    /// (i, i + d/2).
-    Halves,
-}
+use krasis_core::spec::RopePairing;
 
 /// Rotate one head vector `x` (length `2·cos.len()`) by the angles whose cos/sin are given.
-pub fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], pairing: Pairing) {
+pub fn rotate(x: &mut [f32], cos: &[f32], sin: &[f32], pairing: RopePairing) {
     let half = cos.len();
     debug_assert_eq!(x.len(), 2 * half);
     match pairing {
-        Pairing::Interleaved => {
+        RopePairing::Interleaved => {
             for i in 0..half {
                 let (a, b) = (x[2 * i], x[2 * i + 1]);
                 x[2 * i] = a * cos[i] - b * sin[i];
                 x[2 * i + 1] = b * cos[i] + a * sin[i];
             }
         }
-        Pairing::Halves => {
+        RopePairing::Halves => {
             for i in 0..half {
                 let (a, b) = (x[i], x[i + half]);
                 x[i] = a * cos[i] - b * sin[i];
@@ -41,13 +34,13 @@ mod tests {
         let sin = [0.8f32, 1.0, 0.0];
         let x = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
         let mut a = x;
-        rotate(&mut a, &cos, &sin, Pairing::Interleaved);
+        rotate(&mut a, &cos, &sin, RopePairing::Interleaved);
         let n0: f32 = x.iter().map(|v| v * v).sum();
         let n1: f32 = a.iter().map(|v| v * v).sum();
         assert!((n0 - n1).abs() < 1e-4);
         // Halves on the de-interleaved vector gives the de-interleaved result.
         let mut h = [x[0], x[2], x[4], x[1], x[3], x[5]];
-        rotate(&mut h, &cos, &sin, Pairing::Halves);
+        rotate(&mut h, &cos, &sin, RopePairing::Halves);
         let expect = [a[0], a[2], a[4], a[1], a[3], a[5]];
         for (p, q) in h.iter().zip(expect) {
             assert!((p - q).abs() < 1e-6);

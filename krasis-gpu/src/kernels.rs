@@ -89,14 +89,7 @@ pub(crate) fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::Driver
     move |e| GpuError::Driver { op, detail: e.to_string() }
 }
 
-/// Which elements of a head RoPE rotates together.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RopePairing {
-    /// `(2i, 2i+1)`: DeepSeek (complex-multiply form), GPT-J.
-    Interleaved,
-    /// `(i, i + rot_dim/2)`: Llama, Qwen (HF `rotate_half`).
-    Halves,
-}
+pub use krasis_core::spec::RopePairing;
 
 /// Where RoPE applies inside a `[tokens, heads, head_dim]`-like tensor (strides in elements).
 #[derive(Clone, Copy, Debug)]

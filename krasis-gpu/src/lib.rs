@@ -84,7 +84,7 @@ pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
 pub use kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 pub use linear::{GemmContext, GpuLinear, LinearQuant};
 pub use moe::GpuExperts;
-pub use router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};
+pub use router::GpuRouter;
 pub use sampling::{GpuSampler, GpuSamplingParams};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.

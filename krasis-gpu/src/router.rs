@@ -10,12 +10,13 @@
 //! scores, optionally renormalised (`+1e-20` for sigmoid) and scaled. The kernel file's header
 //! says where results may differ from the CPU in the last bit.
 //!
-//! krasis-gpu does not depend on krasis-model: [`RouterConfig`] mirrors its `RoutingRule`
-//! (`ScoringFunc` → [`RouterScoring`], `TopkMethod` → [`RouterTopk`]).
+//! The rule is krasis-core's [`RoutingRule`], the same value the CPU router takes.
 
 use std::sync::Mutex;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
 
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
@@ -42,42 +43,13 @@ const LOGITS_TOK_TILE: usize = 8;
 /// Threads of a `router_topk` block: E ≤ 512 scores, two per thread at most.
 const TOPK_BLOCK: u32 = 256;
 
-/// How logits become scores (krasis-model `ScoringFunc`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RouterScoring {
-    Softmax,
-    Sigmoid,
-}
-
-/// How experts are chosen from the scores (krasis-model `TopkMethod`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RouterTopk {
-    /// Plain top-k over the scores.
-    Greedy,
-    /// Keep the `topk_group` groups with the highest max score, then top-k (DeepSeek-V2).
-    GroupLimited { n_group: usize, topk_group: usize },
-    /// Scores plus `e_score_correction_bias` choose; groups ranked by their top-2 sum
-    /// (DeepSeek-V3). The bias is optional, as on the CPU.
-    NoauxTc { n_group: usize, topk_group: usize },
-}
-
-/// The routing rule (krasis-model `RoutingRule`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct RouterConfig {
-    pub scoring: RouterScoring,
-    pub topk: RouterTopk,
-    pub top_k: usize,
-    pub norm_topk_prob: bool,
-    pub routed_scaling_factor: f32,
-}
-
 /// A router's gate weight `[n_experts, hidden]` (f32) and optional `e_score_correction_bias`
 /// `[n_experts]` on the device, with its rule.
 pub struct GpuRouter {
     name: String,
     n_experts: usize,
     hidden: usize,
-    cfg: RouterConfig,
+    cfg: RoutingRule,
     weight: DeviceBuffer<f32>,
     /// Uploaded only for `NoauxTc`: the other methods ignore a bias, as the CPU does.
     bias: Option<DeviceBuffer<f32>>,
@@ -113,7 +85,7 @@ impl GpuRouter {
         n_experts: usize,
         hidden: usize,
         bias_len: Option<usize>,
-        cfg: &RouterConfig,
+        cfg: &RoutingRule,
     ) -> Result<(), GpuError> {
         let e = n_experts;
         if e == 0 || e > ROUTER_MAX_EXPERTS {
@@ -144,8 +116,8 @@ impl GpuRouter {
             return Err(bad(name, format!("routed_scaling_factor = {} is not finite", cfg.routed_scaling_factor)));
         }
         match cfg.topk {
-            RouterTopk::Greedy => {}
-            RouterTopk::GroupLimited { n_group, topk_group } | RouterTopk::NoauxTc { n_group, topk_group } => {
+            TopkMethod::Greedy => {}
+            TopkMethod::GroupLimitedGreedy { n_group, topk_group } | TopkMethod::NoauxTc { n_group, topk_group } => {
                 if n_group == 0 || !e.is_multiple_of(n_group) {
                     return Err(bad(name, format!("n_group = {n_group} does not divide n_experts = {e}")));
                 }
@@ -169,7 +141,7 @@ impl GpuRouter {
     }
 
     /// Uploads the gate weight `[n_experts, hidden]` (f32, row-major) and the optional
-    /// `e_score_correction_bias` (kept only for [`RouterTopk::NoauxTc`]; ignored otherwise, as on
+    /// `e_score_correction_bias` (kept only for [`TopkMethod::NoauxTc`]; ignored otherwise, as on
     /// the CPU), charged to the budget under `name`.
     pub fn new(
         dev: &GpuDevice,
@@ -178,12 +150,12 @@ impl GpuRouter {
         n_experts: usize,
         hidden: usize,
         bias: Option<&[f32]>,
-        cfg: RouterConfig,
+        cfg: RoutingRule,
     ) -> Result<Self, GpuError> {
         Self::validate(name, weight.len(), n_experts, hidden, bias.map(|b| b.len()), &cfg)?;
         let w = dev.upload(weight, &format!("router {name} gate weight"))?;
         let b = match (bias, cfg.topk) {
-            (Some(b), RouterTopk::NoauxTc { .. }) => Some(dev.upload(b, &format!("router {name} score bias"))?),
+            (Some(b), TopkMethod::NoauxTc { .. }) => Some(dev.upload(b, &format!("router {name} score bias"))?),
             _ => None,
         };
         Ok(GpuRouter { name: name.to_string(), n_experts, hidden, cfg, weight: w, bias: b, logits: Mutex::new(None) })
@@ -197,7 +169,7 @@ impl GpuRouter {
         self.hidden
     }
 
-    pub fn config(&self) -> &RouterConfig {
+    pub fn config(&self) -> &RoutingRule {
         &self.cfg
     }
 
@@ -257,13 +229,13 @@ impl GpuRouter {
             unsafe { b.launch(lc) }.map_err(launch_err)?;
         }
         let scoring: i32 = match cfg.scoring {
-            RouterScoring::Softmax => 0,
-            RouterScoring::Sigmoid => 1,
+            ScoringFunc::Softmax => 0,
+            ScoringFunc::Sigmoid => 1,
         };
         let (method, n_group, topk_group): (i32, i32, i32) = match cfg.topk {
-            RouterTopk::Greedy => (0, 1, 1),
-            RouterTopk::GroupLimited { n_group, topk_group } => (1, n_group as i32, topk_group as i32),
-            RouterTopk::NoauxTc { n_group, topk_group } => (2, n_group as i32, topk_group as i32),
+            TopkMethod::Greedy => (0, 1, 1),
+            TopkMethod::GroupLimitedGreedy { n_group, topk_group } => (1, n_group as i32, topk_group as i32),
+            TopkMethod::NoauxTc { n_group, topk_group } => (2, n_group as i32, topk_group as i32),
         };
         let norm: i32 = cfg.norm_topk_prob as i32;
         let (l_p, _g0) = logits.device_ptr(s);

@@ -16,8 +16,9 @@
 mod common;
 
 use common::{down, gpu, rng, up};
+use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
 use krasis_gpu::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
-use krasis_gpu::{GpuError, GpuRouter, RouterConfig, RouterScoring, RouterTopk};
+use krasis_gpu::{GpuError, GpuRouter};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -45,10 +46,10 @@ fn rel_gap(a: f32, b: f32) -> f64 {
 }
 
 /// krasis-model's `route`, plus the decision margin.
-fn twin_route(cfg: &RouterConfig, logits: &[f32], bias: Option<&[f32]>) -> Routed {
+fn twin_route(cfg: &RoutingRule, logits: &[f32], bias: Option<&[f32]>) -> Routed {
     let e = logits.len();
     let scores: Vec<f32> = match cfg.scoring {
-        RouterScoring::Softmax => {
+        ScoringFunc::Softmax => {
             let mut m = f32::NEG_INFINITY;
             for &x in logits {
                 m = m.max(x);
@@ -63,16 +64,16 @@ fn twin_route(cfg: &RouterConfig, logits: &[f32], bias: Option<&[f32]>) -> Route
             }
             (0..e).map(|i| (ex[i] / z) as f32).collect()
         }
-        RouterScoring::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
+        ScoringFunc::Sigmoid => logits.iter().map(|&x| 1.0 / (1.0 + (-x).exp())).collect(),
     };
     let mut choice = scores.clone();
     // What each choice value comes from: equal origins are exact ties on both sides.
     let mut origin: Vec<(u32, u32, bool)> = logits.iter().map(|&l| (l.to_bits(), 0, false)).collect();
     let mut margin = f64::INFINITY;
     let groups = match cfg.topk {
-        RouterTopk::Greedy => None,
-        RouterTopk::GroupLimited { n_group, topk_group } => Some((n_group, topk_group, false)),
-        RouterTopk::NoauxTc { n_group, topk_group } => Some((n_group, topk_group, true)),
+        TopkMethod::Greedy => None,
+        TopkMethod::GroupLimitedGreedy { n_group, topk_group } => Some((n_group, topk_group, false)),
+        TopkMethod::NoauxTc { n_group, topk_group } => Some((n_group, topk_group, true)),
     };
     if let Some((n_group, topk_group, noaux)) = groups {
         if noaux {
@@ -130,7 +131,7 @@ fn twin_route(cfg: &RouterConfig, logits: &[f32], bias: Option<&[f32]>) -> Route
         for &x in &w {
             s += x;
         }
-        let denom = if cfg.scoring == RouterScoring::Sigmoid { s + 1e-20 } else { s };
+        let denom = if cfg.scoring == ScoringFunc::Sigmoid { s + 1e-20 } else { s };
         for x in &mut w {
             *x /= denom;
         }
@@ -141,20 +142,20 @@ fn twin_route(cfg: &RouterConfig, logits: &[f32], bias: Option<&[f32]>) -> Route
     Routed { ids, w, margin }
 }
 
-fn cfg(scoring: RouterScoring, topk: RouterTopk, top_k: usize, norm: bool, scale: f32) -> RouterConfig {
-    RouterConfig { scoring, topk, top_k, norm_topk_prob: norm, routed_scaling_factor: scale }
+fn cfg(scoring: ScoringFunc, topk: TopkMethod, top_k: usize, norm: bool, scale: f32) -> RoutingRule {
+    RoutingRule { scoring, topk, top_k, norm_topk_prob: norm, routed_scaling_factor: scale }
 }
 
 /// The twin reproduces krasis-model's own router unit tests (so it is a faithful copy).
 #[test]
 fn twin_reproduces_krasis_model_examples() {
-    let r = twin_route(&cfg(RouterScoring::Softmax, RouterTopk::Greedy, 2, false, 2.0), &[0.0, 2.0, 1.0, -1.0], None);
+    let r = twin_route(&cfg(ScoringFunc::Softmax, TopkMethod::Greedy, 2, false, 2.0), &[0.0, 2.0, 1.0, -1.0], None);
     assert_eq!(r.ids, vec![1, 2]);
     let z: f32 = [0.0f32, 2.0, 1.0, -1.0].iter().map(|x| x.exp()).sum();
     assert!((r.w[0] - 2.0 * 2f32.exp() / z).abs() < 1e-6);
-    let c = cfg(RouterScoring::Softmax, RouterTopk::GroupLimited { n_group: 3, topk_group: 2 }, 3, false, 1.0);
+    let c = cfg(ScoringFunc::Softmax, TopkMethod::GroupLimitedGreedy { n_group: 3, topk_group: 2 }, 3, false, 1.0);
     assert_eq!(twin_route(&c, &[0.9, 0.7, 0.8, 0.79, 0.85, 0.1], None).ids, vec![0, 4, 1]);
-    let c = cfg(RouterScoring::Sigmoid, RouterTopk::NoauxTc { n_group: 2, topk_group: 1 }, 2, true, 2.5);
+    let c = cfg(ScoringFunc::Sigmoid, TopkMethod::NoauxTc { n_group: 2, topk_group: 1 }, 2, true, 2.5);
     let r = twin_route(&c, &[0.0, 0.0, 1.0, 1.0], Some(&[1.0, 0.9, 0.0, 0.0]));
     assert_eq!(r.ids, vec![0, 1]);
     assert!((r.w[0] - 1.25).abs() < 1e-6 && (r.w[1] - 1.25).abs() < 1e-6);
@@ -164,24 +165,24 @@ fn twin_reproduces_krasis_model_examples() {
 
 #[test]
 fn validation_rejects_bad_configs() {
-    let ok = cfg(RouterScoring::Sigmoid, RouterTopk::NoauxTc { n_group: 8, topk_group: 4 }, 8, true, 2.5);
+    let ok = cfg(ScoringFunc::Sigmoid, TopkMethod::NoauxTc { n_group: 8, topk_group: 4 }, 8, true, 2.5);
     let v =
-        |e: usize, h: usize, wl: usize, bl: Option<usize>, c: RouterConfig| GpuRouter::validate("r", wl, e, h, bl, &c);
+        |e: usize, h: usize, wl: usize, bl: Option<usize>, c: RoutingRule| GpuRouter::validate("r", wl, e, h, bl, &c);
     assert!(v(256, 7, 256 * 7, Some(256), ok).is_ok());
     assert!(v(256, 7, 256 * 7, None, ok).is_ok(), "noaux_tc without a bias is allowed, as on the CPU");
     /// (rule, n_experts, hidden, weight length, bias length, expected text in the error)
-    type Case = (RouterConfig, usize, usize, usize, Option<usize>, &'static str);
+    type Case = (RoutingRule, usize, usize, usize, Option<usize>, &'static str);
     let cases: Vec<Case> = vec![
-        (RouterConfig { top_k: 0, ..ok }, 256, 7, 256 * 7, None, "top_k = 0"),
-        (RouterConfig { top_k: 17, ..ok }, 256, 7, 256 * 7, None, "top_k = 17"),
-        (RouterConfig { top_k: 9, topk: RouterTopk::Greedy, ..ok }, 8, 7, 8 * 7, None, "top_k = 9"),
+        (RoutingRule { top_k: 0, ..ok }, 256, 7, 256 * 7, None, "top_k = 0"),
+        (RoutingRule { top_k: 17, ..ok }, 256, 7, 256 * 7, None, "top_k = 17"),
+        (RoutingRule { top_k: 9, topk: TopkMethod::Greedy, ..ok }, 8, 7, 8 * 7, None, "top_k = 9"),
         (ok, 0, 7, 0, None, "n_experts = 0"),
         (ok, ROUTER_MAX_EXPERTS + 8, 7, (ROUTER_MAX_EXPERTS + 8) * 7, None, "n_experts = 520"),
         (ok, 256, 0, 0, None, "hidden = 0"),
         (ok, 256, 7, 256 * 7 - 1, None, "gate weight has 1791"),
         (ok, 256, 7, 256 * 7, Some(255), "e_score_correction_bias has 255"),
         (
-            RouterConfig { topk: RouterTopk::NoauxTc { n_group: 3, topk_group: 1 }, ..ok },
+            RoutingRule { topk: TopkMethod::NoauxTc { n_group: 3, topk_group: 1 }, ..ok },
             256,
             7,
             1792,
@@ -189,7 +190,7 @@ fn validation_rejects_bad_configs() {
             "n_group = 3",
         ),
         (
-            RouterConfig { topk: RouterTopk::GroupLimited { n_group: 0, topk_group: 1 }, ..ok },
+            RoutingRule { topk: TopkMethod::GroupLimitedGreedy { n_group: 0, topk_group: 1 }, ..ok },
             256,
             7,
             1792,
@@ -197,7 +198,7 @@ fn validation_rejects_bad_configs() {
             "n_group = 0",
         ),
         (
-            RouterConfig { topk: RouterTopk::NoauxTc { n_group: 8, topk_group: 9 }, ..ok },
+            RoutingRule { topk: TopkMethod::NoauxTc { n_group: 8, topk_group: 9 }, ..ok },
             256,
             7,
             1792,
@@ -205,7 +206,7 @@ fn validation_rejects_bad_configs() {
             "topk_group = 9",
         ),
         (
-            RouterConfig { topk: RouterTopk::NoauxTc { n_group: 8, topk_group: 0 }, ..ok },
+            RoutingRule { topk: TopkMethod::NoauxTc { n_group: 8, topk_group: 0 }, ..ok },
             256,
             7,
             1792,
@@ -213,14 +214,14 @@ fn validation_rejects_bad_configs() {
             "topk_group = 0",
         ),
         (
-            RouterConfig { topk: RouterTopk::GroupLimited { n_group: 64, topk_group: 2 }, top_k: 9, ..ok },
+            RoutingRule { topk: TopkMethod::GroupLimitedGreedy { n_group: 64, topk_group: 2 }, top_k: 9, ..ok },
             256,
             7,
             1792,
             None,
             "exceeds the 8 experts",
         ),
-        (RouterConfig { routed_scaling_factor: f32::NAN, ..ok }, 256, 7, 1792, None, "routed_scaling_factor"),
+        (RoutingRule { routed_scaling_factor: f32::NAN, ..ok }, 256, 7, 1792, None, "routed_scaling_factor"),
     ];
     for (c, e, h, wl, bl, want) in cases {
         let err = v(e, h, wl, bl, c).expect_err(want);
@@ -258,7 +259,7 @@ fn router_matches_cpu_twin() {
     let mut r = rng(11);
     let (mut tokens, mut skipped, mut cases) = (0usize, 0usize, 0usize);
     let shapes = [(8usize, 7usize), (16, 33), (60, 100), (64, 257), (128, 1029), (256, 64), (512, 129)];
-    for scoring in [RouterScoring::Softmax, RouterScoring::Sigmoid] {
+    for scoring in [ScoringFunc::Softmax, ScoringFunc::Sigmoid] {
         for method in 0..3 {
             for &(e, h) in &shapes {
                 for &t in &[1usize, 3, 64] {
@@ -266,9 +267,9 @@ fn router_matches_cpu_twin() {
                     let n_group = divisors[r.random_range(0..divisors.len())];
                     let topk_group = r.random_range(1..=n_group);
                     let topk = match method {
-                        0 => RouterTopk::Greedy,
-                        1 => RouterTopk::GroupLimited { n_group, topk_group },
-                        _ => RouterTopk::NoauxTc { n_group, topk_group },
+                        0 => TopkMethod::Greedy,
+                        1 => TopkMethod::GroupLimitedGreedy { n_group, topk_group },
+                        _ => TopkMethod::NoauxTc { n_group, topk_group },
                     };
                     let kept = if method == 0 { e } else { topk_group * (e / n_group) };
                     let top_k = r.random_range(1..=kept.min(ROUTER_MAX_TOP_K));
@@ -324,7 +325,7 @@ fn router_matches_cpu_twin() {
 fn router_rejects_bad_shapes_and_reuses_scratch() {
     let Some(d) = gpu("router_rejects_bad_shapes_and_reuses_scratch") else { return };
     let (e, h) = (16usize, 9usize);
-    let c = cfg(RouterScoring::Softmax, RouterTopk::Greedy, 4, true, 1.0);
+    let c = cfg(ScoringFunc::Softmax, TopkMethod::Greedy, 4, true, 1.0);
     let mut r = rng(3);
     let w = exact_vals(&mut r, e * h, 64, 8);
     let router = GpuRouter::new(d, "shapes", &w, e, h, None, c).unwrap();

@@ -4,7 +4,7 @@
 pub mod config;
 pub mod error;
 pub mod source;
-pub mod spec;
+pub use krasis_core::spec;
 pub mod synth;
 pub mod tensors;
 

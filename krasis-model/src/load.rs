@@ -14,7 +14,7 @@ use crate::engine::experts::ExpertExecutor;
 use crate::engine::{reference_dense, Model};
 use crate::error::{ModelError, Result};
 use crate::linear::{DenseLinear, LinearOp};
-use crate::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::quantized::{open_expert_cache, quant_bits, CpuQuantExperts, QuantLinear, WeightBits};
 use crate::source::SafetensorsDir;
 
 #[derive(Clone, Debug)]
@@ -65,11 +65,10 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
         krasis_cpu::par::install(p.clone());
         log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
     }
-    let moe_per_expert = spec
-        .moe
-        .as_ref()
-        .map_or(0, |m| WeightBits::Bf16.bytes_for(3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64));
-    let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (opts.expert_bits.quant_bits(), &pool) {
+    let moe_per_expert = spec.moe.as_ref().map_or(0, |m| {
+        crate::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
+    });
+    let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (quant_bits(opts.expert_bits), &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
             let t = Instant::now();
             let (cache, outcome) =
@@ -87,7 +86,7 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
         }
         _ => (None, moe_per_expert),
     };
-    let dense_bits = opts.dense_bits.quant_bits();
+    let dense_bits = quant_bits(opts.dense_bits);
     let group = opts.group_size;
     let quant_dense = |l: DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
         match (dense_bits, &pool) {

@@ -8,23 +8,22 @@ use crate::tensors::{expected_tensors, TensorRole};
 
 pub use crate::quantized::WeightBits;
 
-impl WeightBits {
-    pub fn name(self) -> &'static str {
-        match self {
-            WeightBits::Bf16 => "bf16",
-            WeightBits::Int8 => "int8 g128",
-            WeightBits::Int4 => "int4 g128",
-        }
+/// How `krasis info` names a storage format.
+pub fn format_name(w: WeightBits) -> &'static str {
+    match w {
+        WeightBits::Bf16 => "bf16",
+        WeightBits::Int8 => "int8 g128",
+        WeightBits::Int4 => "int4 g128",
     }
+}
 
-    /// Bytes to store `params` weights (plus one 2-byte scale per group for the integer formats).
-    pub fn bytes_for(self, params: u64) -> u64 {
-        let scales = params.div_ceil(DEFAULT_GROUP_SIZE as u64) * 2;
-        match self {
-            WeightBits::Bf16 => params * 2,
-            WeightBits::Int8 => params + scales,
-            WeightBits::Int4 => params.div_ceil(2) + scales,
-        }
+/// Bytes to store `params` weights (plus one 2-byte scale per group for the integer formats).
+pub fn stored_bytes(w: WeightBits, params: u64) -> u64 {
+    let scales = params.div_ceil(DEFAULT_GROUP_SIZE as u64) * 2;
+    match w {
+        WeightBits::Bf16 => params * 2,
+        WeightBits::Int8 => params + scales,
+        WeightBits::Int4 => params.div_ceil(2) + scales,
     }
 }
 
@@ -65,7 +64,7 @@ pub fn estimate(spec: &ModelSpec, format: WeightBits) -> MemoryEstimate {
     }
     est.expert_bytes = match (format, &spec.source_quant) {
         (WeightBits::Bf16, SourceQuant::Fp8Block { .. }) => expert_params * 4,
-        (f, _) => f.bytes_for(expert_params),
+        (f, _) => stored_bytes(f, expert_params),
     };
     let per_layer = match spec.attention {
         crate::spec::AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => kv_lora_rank + qk_rope_head_dim,

@@ -25,22 +25,14 @@ use crate::weights::WeightLoader;
 /// Name of the packed layout stored in caches (bump when `krasis_quant::cpu_layout` changes).
 pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
 
-/// Precision of a class of CPU weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightBits {
-    /// The source weights, unquantised (the reference path).
-    Bf16,
-    Int8,
-    Int4,
-}
+pub use krasis_core::spec::WeightBits;
 
-impl WeightBits {
-    pub fn quant_bits(self) -> Option<Bits> {
-        match self {
-            WeightBits::Bf16 => None,
-            WeightBits::Int8 => Some(Bits::Int8),
-            WeightBits::Int4 => Some(Bits::Int4),
-        }
+/// The packed-kernel format of a precision (`None` for the unquantised source weights).
+pub fn quant_bits(w: WeightBits) -> Option<Bits> {
+    match w {
+        WeightBits::Bf16 => None,
+        WeightBits::Int8 => Some(Bits::Int8),
+        WeightBits::Int4 => Some(Bits::Int4),
     }
 }
 
@@ -154,7 +146,7 @@ fn expert_record(
     bits: Bits,
 ) -> Result<Vec<u8>> {
     let (hid, i) = (spec.hidden_size, h.intermediate as usize);
-    let p = format!("{}.mlp.experts.{e}", ModelSpec::layer_prefix(layer));
+    let p = format!("{}.mlp.experts.{e}", crate::tensors::layer_prefix(layer));
     let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
     let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
     let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);

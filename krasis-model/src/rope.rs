@@ -2,15 +2,13 @@
 //! cos/sin. Mirrors how transformers builds them: inverse frequencies and angles in f32, the
 //! YaRN attention factor folded into cos/sin.
 
-use krasis_cpu::rope::Pairing;
-
 use crate::config::yarn_get_mscale;
 use crate::spec::{RopePairing, RopeScaling, RopeSpec};
 
 pub struct RotaryTables {
     inv_freq: Vec<f32>,
     attention_factor: f32,
-    pub pairing: Pairing,
+    pub pairing: RopePairing,
 }
 
 impl RotaryTables {
@@ -63,10 +61,7 @@ impl RotaryTables {
         RotaryTables {
             inv_freq: inv_freq.iter().map(|&f| f as f32).collect(),
             attention_factor: attention_factor as f32,
-            pairing: match spec.pairing {
-                RopePairing::Interleaved => Pairing::Interleaved,
-                RopePairing::Halves => Pairing::Halves,
-            },
+            pairing: spec.pairing,
         }
     }
 

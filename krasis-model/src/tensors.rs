@@ -34,6 +34,11 @@ pub fn is_matrix(t: &TensorSpec) -> bool {
     t.shape.len() == 2 && !matches!(t.role, TensorRole::Embedding | TensorRole::Router)
 }
 
+/// Tensor prefix of layer `l` in the canonical (HF) naming.
+pub fn layer_prefix(l: usize) -> String {
+    format!("model.layers.{l}")
+}
+
 pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
     let h = spec.hidden_size;
     let mut out = Vec::new();
@@ -42,7 +47,7 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
     };
     push("model.embed_tokens.weight".into(), vec![spec.vocab_size, h], TensorRole::Embedding);
     for (l, ffn) in spec.layers.iter().enumerate() {
-        let p = ModelSpec::layer_prefix(l);
+        let p = layer_prefix(l);
         push(format!("{p}.input_layernorm.weight"), vec![h], TensorRole::Norm);
         push(format!("{p}.post_attention_layernorm.weight"), vec![h], TensorRole::Norm);
         let a = format!("{p}.self_attn");

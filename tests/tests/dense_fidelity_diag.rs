@@ -15,7 +15,6 @@ use krasis_model::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, W
 use krasis_model::source::SafetensorsDir;
 use krasis_model::spec::{RoutingRule, ScoringFunc, TopkMethod};
 use krasis_model::weights::WeightLoader;
-use krasis_model::ModelSpec;
 use krasis_quant::group::{dequantize, group_size_for, quantize};
 use krasis_quant::Bits;
 use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, FIXTURE_NAMES};
@@ -287,9 +286,14 @@ fn dense_int8_route_margins() {
         eprintln!("== {name} (dense {mode:?} g{g}): 1-cos {:.3e} vs base {:.3e}", 1.0 - q.cos, 1.0 - base.cos);
         let mut ratios: Vec<(f64, String)> = Vec::new();
         for (i, ((layer, ids0), (_, ids1))) in base.routes.iter().zip(&q.routes).enumerate() {
-            let router = w.matrix(&format!("{}.mlp.gate.weight", ModelSpec::layer_prefix(*layer)), e, h).unwrap();
+            let router =
+                w.matrix(&format!("{}.mlp.gate.weight", krasis_model::tensors::layer_prefix(*layer)), e, h).unwrap();
             let bias = matches!(moe.routing.topk, TopkMethod::NoauxTc { .. }).then(|| {
-                w.vector(&format!("{}.mlp.gate.e_score_correction_bias", ModelSpec::layer_prefix(*layer)), e).unwrap()
+                w.vector(
+                    &format!("{}.mlp.gate.e_score_correction_bias", krasis_model::tensors::layer_prefix(*layer)),
+                    e,
+                )
+                .unwrap()
             });
             let (x0, x1) = (&base.xs[i], &q.xs[i]);
             let t = x0.len() / h;

@@ -1,11 +1,12 @@
 //! Attention layers of the reference path. MLA runs in the absorbed form for prefill and decode
 //! alike: `W_UK` is folded into the query and `W_UV` applied after attending over the latent.
 
+use krasis_core::spec::RopePairing;
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
 use krasis_cpu::linear::dot;
 use krasis_cpu::norm::rms_norm_rows;
-use krasis_cpu::rope::{rotate, Pairing};
+use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
 use crate::linear::LinearOp;
@@ -15,7 +16,7 @@ pub struct RopeBatch {
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
     pub half: usize,
-    pub pairing: Pairing,
+    pub pairing: RopePairing,
 }
 
 impl RopeBatch {

@@ -146,7 +146,7 @@ impl Model {
         let mut layers = Vec::with_capacity(spec.num_layers);
         let mut expert_layers = Vec::with_capacity(spec.num_layers);
         for (l, kind) in spec.layers.iter().enumerate() {
-            let p = ModelSpec::layer_prefix(l);
+            let p = crate::tensors::layer_prefix(l);
             let a = format!("{p}.self_attn");
             let attention: Box<dyn AttentionLayer> = match spec.attention {
                 AttentionSpec::Mla {

@@ -12,7 +12,7 @@ use krasis_cpu::linear::WeightRows;
 use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
 use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::moe::GpuExperts;
-use krasis_gpu::router::{GpuRouter, RouterConfig, RouterScoring, RouterTopk};
+use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
@@ -23,7 +23,7 @@ use crate::error::{ModelError, Result};
 use crate::linear::{DenseLinear, LinearOp};
 use crate::rope::RotaryTables;
 use crate::source::{SafetensorsDir, WeightSource};
-use crate::spec::{AttentionSpec, FfnKind, ModelSpec, ScoringFunc, TopkMethod};
+use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
 use crate::weights::WeightLoader;
 
 /// A matrix's elements as BF16 bits (zero-copy when the source is BF16).
@@ -82,7 +82,7 @@ impl GpuModel {
         let aq = opts.attention_quant;
         let mut layers = Vec::with_capacity(spec.num_layers);
         for (l, kind) in spec.layers.iter().enumerate() {
-            let p = ModelSpec::layer_prefix(l);
+            let p = crate::tensors::layer_prefix(l);
             let a = format!("{p}.self_attn");
             let attention = match spec.attention {
                 AttentionSpec::Mla {
@@ -164,25 +164,9 @@ impl GpuModel {
                         TopkMethod::NoauxTc { .. } => Some(w.vector(&format!("{m}.gate.e_score_correction_bias"), e)?),
                         _ => None,
                     };
-                    let cfg = RouterConfig {
-                        scoring: match r.scoring {
-                            ScoringFunc::Softmax => RouterScoring::Softmax,
-                            ScoringFunc::Sigmoid => RouterScoring::Sigmoid,
-                        },
-                        topk: match r.topk {
-                            TopkMethod::Greedy => RouterTopk::Greedy,
-                            TopkMethod::GroupLimitedGreedy { n_group, topk_group } => {
-                                RouterTopk::GroupLimited { n_group, topk_group }
-                            }
-                            TopkMethod::NoauxTc { n_group, topk_group } => RouterTopk::NoauxTc { n_group, topk_group },
-                        },
-                        top_k: r.top_k,
-                        norm_topk_prob: r.norm_topk_prob,
-                        routed_scaling_factor: r.routed_scaling_factor,
-                    };
                     let gate_name = format!("{m}.gate.weight");
                     let gate = f32_values(&w.matrix(&gate_name, e, h)?);
-                    let router = GpuRouter::new(&dev, &gate_name, &gate, e, h, bias.as_deref(), cfg)?;
+                    let router = GpuRouter::new(&dev, &gate_name, &gate, e, h, bias.as_deref(), r)?;
                     let mut experts = GpuExperts::new(&dev, &format!("{m}.experts"), e, h, inter)?;
                     for x in 0..e {
                         let ep = format!("{m}.experts.{x}");
@@ -267,10 +251,7 @@ impl GpuModel {
         ));
         Ok(GpuModel {
             rope_half: rope.half_dim(),
-            rope_pairing: match rope.pairing {
-                krasis_cpu::rope::Pairing::Interleaved => krasis_gpu::RopePairing::Interleaved,
-                krasis_cpu::rope::Pairing::Halves => krasis_gpu::RopePairing::Halves,
-            },
+            rope_pairing: rope.pairing,
             max_pos: kv_tokens,
             spec,
             dev,

@@ -481,7 +481,7 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
     let zeros = MmapOptions::new().len(64 << 20).map_anon().unwrap().make_read_only().unwrap();
     let source = ZeroExperts {
         inner: SafetensorsDir::open(dir).unwrap(),
-        prefix: ModelSpec::layer_prefix(layer),
+        prefix: crate::tensors::layer_prefix(layer),
         zeros: Arc::new(zeros),
     };
     let model = Model::from_source(spec.clone(), &source, &crate::engine::reference_dense, None).unwrap();
@@ -496,7 +496,7 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
     let mut session = model.new_session();
     model.forward(&mut session, &tokens, Logits::Last, Some(&mut observe)).unwrap();
 
-    let p = ModelSpec::layer_prefix(layer);
+    let p = crate::tensors::layer_prefix(layer);
     let tensor = |name: String| source.inner.tensor(&name).unwrap().view().to_f32_vec().unwrap();
     let norm = tensor(format!("{p}.post_attention_layernorm.weight"));
     let router = tensor(format!("{p}.mlp.gate.weight"));

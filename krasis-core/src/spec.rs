@@ -1,5 +1,7 @@
-//! `ModelSpec`: a parsed `config.json` turned into a per-layer plan. This is the only place where
-//! architecture names appear; everything downstream works from the plan.
+//! `ModelSpec`: a model's architecture as a per-layer plan (attention kind, routing rule, RoPE
+//! pairing, FFN kind per layer, source quantisation). The only place where architecture names
+//! appear: krasis-model parses configs into it, the CPU and GPU crates take its rule types directly
+//! (no mirror enums), and nothing downstream matches on model names.
 
 /// Supported architectures (the `model_type` values of `config.json`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,9 +158,67 @@ impl ModelSpec {
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
         self.layers.iter().enumerate().filter(|(_, k)| matches!(k, FfnKind::Moe)).map(|(i, _)| i)
     }
+}
 
-    /// Tensor prefix of layer `l` in the canonical (HF) naming.
-    pub fn layer_prefix(l: usize) -> String {
-        format!("model.layers.{l}")
+/// Precision of a class of weights as an engine runs them: the source weights unquantised (the
+/// reference path), or INT8 / INT4 group-quantised.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightBits {
+    Bf16,
+    Int8,
+    Int4,
+}
+
+impl WeightBits {
+    /// The values the command line takes (`--cpu-expert-bits`, `--cpu-dense-bits`).
+    pub const FLAG_VALUES: [&'static str; 3] = ["bf16", "8", "4"];
+
+    /// Integer bits per weight, `None` for the unquantised source weights.
+    pub fn int_bits(self) -> Option<u8> {
+        match self {
+            WeightBits::Bf16 => None,
+            WeightBits::Int8 => Some(8),
+            WeightBits::Int4 => Some(4),
+        }
+    }
+
+    pub fn flag_value(self) -> &'static str {
+        match self {
+            WeightBits::Bf16 => "bf16",
+            WeightBits::Int8 => "8",
+            WeightBits::Int4 => "4",
+        }
+    }
+}
+
+impl std::str::FromStr for WeightBits {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(WeightBits::Bf16),
+            "8" | "int8" => Ok(WeightBits::Int8),
+            "4" | "int4" => Ok(WeightBits::Int4),
+            _ => Err(format!("unknown weight precision `{s}`: expected bf16, 8 or 4")),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightBits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.flag_value())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WeightBits;
+
+    #[test]
+    fn weight_bits_flag_values_round_trip() {
+        for v in WeightBits::FLAG_VALUES {
+            let w: WeightBits = v.parse().unwrap();
+            assert_eq!(w.flag_value(), v);
+        }
+        assert!("16".parse::<WeightBits>().is_err());
     }
 }
