@@ -12,8 +12,8 @@ use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::config::load_config;
 use krasis_model::engine::Logits;
+use krasis_model::files::ModelFiles;
 use krasis_model::load::load_model;
 use krasis_model::sampling::argmax;
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
@@ -347,10 +347,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["expert_gemv"] = json!(rows);
     }
     if let Some(dir) = &a.model {
-        let spec = load_config(dir)?;
-        a.engine.check_budget(&spec, (a.prompt_tokens + a.decode_tokens) as u64)?;
+        let files = ModelFiles::open(dir)?;
+        a.engine.check_budget(files.spec(), (a.prompt_tokens + a.decode_tokens) as u64)?;
         let t = Instant::now();
-        let loaded = load_model(dir, &a.engine.options()?)?;
+        let loaded = load_model(&files, &a.engine.options()?)?;
         let load_s = t.elapsed().as_secs_f64();
         if !a.json {
             for l in &loaded.log {

@@ -98,6 +98,8 @@ pub fn model(
 ) -> anyhow::Result<Value> {
     let t = Instant::now();
     let m = GpuModel::load(dir, opts).with_context(|| format!("loading {} onto the GPU", dir.display()))?;
+    let engine = krasis_model::runtime::DecoderEngine::new(m);
+    let m = engine.decoder();
     let load_s = t.elapsed().as_secs_f64();
     if text {
         for l in &m.log {
@@ -113,8 +115,8 @@ pub fn model(
         record_logits: false,
     };
     // One untimed run compiles nothing new but settles allocations and clocks.
-    generate(&m, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
-    let out = generate(&m, &req, |_| Ok(()))?;
+    generate(&engine, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
+    let out = generate(&engine, &req, |_| Ok(()))?;
     if text && std::env::var("KRASIS_GPU_PROFILE").as_deref() == Ok("1") {
         // Device time per part (CUDA events), against the wall time of the same steps.
         use krasis_model::generate::Decoder;

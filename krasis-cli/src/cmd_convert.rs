@@ -8,9 +8,8 @@ use clap::Args as ClapArgs;
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::config::load_config;
+use krasis_model::files::ModelFiles;
 use krasis_model::quantized::open_expert_cache;
-use krasis_model::source::SafetensorsDir;
 use krasis_model::tensors::param_counts;
 
 use krasis_model::quantized::{quant_bits, WeightBits};
@@ -38,13 +37,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--cpu-expert-bits bf16 needs no conversion; choose 4 or 8");
     };
     check_group_size_flag(a.group_size)?;
-    let spec = load_config(&a.model)?;
-    let source = SafetensorsDir::open(&a.model)?;
+    let files = ModelFiles::open(&a.model)?;
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None))?;
-    let source_bytes = param_counts(&spec).routed_expert * 2;
+    let source_bytes = param_counts(files.spec()).routed_expert * 2;
     let t = Instant::now();
-    let (cache, outcome) =
-        open_expert_cache(&a.model, &spec, &source, bits, a.group_size, a.cache_dir.as_deref(), &pool)?;
+    let (cache, outcome) = open_expert_cache(&files, bits, a.group_size, a.cache_dir.as_deref(), &pool)?;
     let total = t.elapsed().as_secs_f64();
     let load = cache.load_report().seconds;
     match outcome {

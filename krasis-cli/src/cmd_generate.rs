@@ -11,12 +11,13 @@ use krasis_core::budget::{check_ram_budget, format_bytes};
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
-use krasis_model::config::load_config;
-use krasis_model::generate::{generate, Decoder, GenerateOutput, GenerateRequest};
+use krasis_model::files::ModelFiles;
+use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
 use krasis_model::gpu::{GpuModel, GpuOptions};
 use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::memory::estimate;
 use krasis_model::quantized::WeightBits;
+use krasis_model::runtime::{DecoderEngine, Engine};
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
 use krasis_model::ModelError;
@@ -233,19 +234,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
     let opts = a.engine.options()?;
-    let spec = load_config(&a.model)?;
+    let files = ModelFiles::open(&a.model)?;
+    let spec = files.spec().clone();
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");
     }
-    let codec = if a.prompt.is_some() || a.model.join("tokenizer.json").exists() {
-        Some(TextCodec::load(&a.model)?)
-    } else {
-        None
-    };
+    let codec = if a.prompt.is_some() || files.has_tokenizer() { Some(files.text_codec()?) } else { None };
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
-            let codec = codec.as_ref().expect("loaded for --prompt");
+            let codec = codec.expect("loaded for --prompt");
             if a.chat {
                 codec.encode_chat(text)?
             } else {
@@ -267,7 +265,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let t_load = Instant::now();
     let gpu_model = if use_gpu {
-        match GpuModel::load(&a.model, &gpu_opts) {
+        match GpuModel::from_files(&files, &gpu_opts) {
             Ok(m) => Some(m),
             Err(ModelError::Gpu(e)) if a.device == Device::Auto => {
                 eprintln!("notice: the GPU could not take the model ({e}); running on the CPU");
@@ -279,7 +277,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
-    if let Some(m) = &gpu_model {
+    if let Some(m) = gpu_model {
         for line in &m.log {
             eprintln!("{line}");
         }
@@ -290,29 +288,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             m.spec.num_layers,
             t_load.elapsed().as_secs_f64()
         );
-        let out = run_generation(m, &req, codec.as_ref(), prompt_ids.len())?;
+        let m = DecoderEngine::new(m);
+        let out = run_generation(&m, &req, codec, prompt_ids.len())?;
         if let Some(r) = out.host_syncs_per_token {
             eprintln!("host synchronisations per decoded token: {r:.2}");
         }
-        return dump(&a, m.spec.vocab_size, &out);
+        return dump(&a, m.spec().vocab_size, &out);
     }
     debug_assert!(!use_gpu);
     let est = a.engine.check_budget(&spec, 4096)?;
-    let loaded = load_model(&a.model, &opts)?;
+    let loaded = load_model(&files, &opts)?;
     for line in &loaded.log {
         eprintln!("{line}");
     }
-    let model = &loaded.model;
+    let model = DecoderEngine::new(loaded.model);
     model.check_tokens(&prompt_ids)?;
     eprintln!(
         "loaded {} ({} layers) in {:.2} s; memory estimate {}",
         a.model.display(),
-        model.spec.num_layers,
+        model.spec().num_layers,
         t_load.elapsed().as_secs_f64(),
         format_bytes(est)
     );
 
-    let out = run_generation(model, &req, codec.as_ref(), prompt_ids.len())?;
+    let out = run_generation(&model, &req, codec, prompt_ids.len())?;
     if a.engine.cpu_expert_bits != WeightBits::Bf16 {
         // Every routed expert is resident after loading the cache and every dense weight has been
         // read by now, so RSS should match the estimate.
@@ -323,12 +322,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
-    dump(&a, model.spec.vocab_size, &out)
+    dump(&a, model.spec().vocab_size, &out)
 }
 
 /// Streams the generated text (or ids) to stdout and prints the timing line.
-fn run_generation<D: Decoder>(
-    model: &D,
+fn run_generation(
+    model: &dyn Engine,
     req: &GenerateRequest,
     codec: Option<&TextCodec>,
     prompt_len: usize,

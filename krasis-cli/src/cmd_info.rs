@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
-use krasis_model::config::load_config;
+use krasis_model::files::ModelFiles;
 use krasis_model::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
 use krasis_model::tensors::param_counts;
@@ -25,8 +25,9 @@ fn billions(n: u64) -> String {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let spec = load_config(&a.model)?;
-    let counts = param_counts(&spec);
+    let files = ModelFiles::open(&a.model)?;
+    let spec = files.spec();
+    let counts = param_counts(spec);
     println!("model        {}", a.model.display());
     println!("architecture {}", spec.arch.model_type());
     println!(
@@ -90,7 +91,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
-        let e = estimate(&spec, f);
+        let e = estimate(spec, f);
         println!(
             "  experts {:<10} dense {} + experts {} + KV {}/token → {}",
             format_name(f),

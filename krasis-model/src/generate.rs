@@ -1,10 +1,13 @@
 //! The generation loop: one prefill pass over the prompt, then token-by-token decode reusing the
-//! KV cache, sampling each step and streaming ids to a callback.
+//! KV cache, sampling each step and streaming ids to a callback. It drives any [`Engine`]; the
+//! [`Decoder`] trait is what the concrete engines implement underneath the Engine API.
 
+use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use crate::engine::{Logits, Model};
 use crate::error::{ModelError, Result};
+use crate::runtime::{CancelToken, Engine};
 use crate::sampling::{Sampler, SamplingParams};
 
 #[derive(Clone, Debug)]
@@ -29,6 +32,34 @@ pub struct GenerateOutput {
     pub stopped_at_eos: bool,
     /// Host synchronisations per decode step (GPU engines, when logits were not recorded).
     pub host_syncs_per_token: Option<f64>,
+    /// Why generation ended.
+    pub stop: StopReason,
+}
+
+/// Why a generation ended (none of these is an error).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StopReason {
+    /// `max_new_tokens` reached.
+    #[default]
+    MaxTokens,
+    /// The model produced an end-of-sequence token.
+    Eos,
+    /// The token callback returned [`ControlFlow::Break`].
+    StopRequested,
+    /// The [`CancelToken`] was cancelled.
+    Cancelled,
+}
+
+impl StopReason {
+    /// How an OpenAI-style response names it (`finish_reason`): `length` or `stop`, `None`
+    /// for a cancelled generation.
+    pub fn finish_reason(self) -> Option<&'static str> {
+        match self {
+            StopReason::MaxTokens => Some("length"),
+            StopReason::Eos | StopReason::StopRequested => Some("stop"),
+            StopReason::Cancelled => None,
+        }
+    }
 }
 
 impl GenerateOutput {
@@ -99,24 +130,44 @@ impl Decoder for Model {
     }
 }
 
-pub fn generate<D: Decoder>(
-    model: &D,
+/// Runs `req` on `engine` (prefill once, then decode), passing each generated id to `on_token`.
+/// Stops at end-of-sequence (unless `ignore_eos`) or after `max_new_tokens`; an error from
+/// `on_token` ends generation with that error.
+pub fn generate(
+    engine: &dyn Engine,
     req: &GenerateRequest,
     mut on_token: impl FnMut(u32) -> Result<()>,
+) -> Result<GenerateOutput> {
+    generate_with(engine, req, &CancelToken::new(), |id| on_token(id).map(|()| ControlFlow::Continue(())))
+}
+
+/// [`generate`] with a way to stop early without an error: `on_token` returning
+/// [`ControlFlow::Break`] stops after that token ([`StopReason::StopRequested`]), and `cancel`
+/// is checked before every forward step ([`StopReason::Cancelled`]). The output's `stop` says
+/// why generation ended.
+pub fn generate_with(
+    engine: &dyn Engine,
+    req: &GenerateRequest,
+    cancel: &CancelToken,
+    mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<GenerateOutput> {
     if req.prompt_ids.is_empty() {
         return Err(ModelError::Invalid("the prompt is empty: nothing to run".into()));
     }
-    model.check_tokens(&req.prompt_ids)?;
-    let v = model.spec().vocab_size;
+    engine.check_tokens(&req.prompt_ids)?;
+    let v = engine.spec().vocab_size;
     let mut out = GenerateOutput::default();
-    let mut session = model.new_session()?;
+    if cancel.is_cancelled() {
+        out.stop = StopReason::Cancelled;
+        return Ok(out);
+    }
+    let mut session = engine.new_session()?;
     let mut sampler = Sampler::new(req.sampling);
 
     let t0 = Instant::now();
-    let (mut id, logits) = model.step(&mut session, &req.prompt_ids, &mut sampler, req.record_logits)?;
+    let first = engine.step_one(session.as_mut(), &req.prompt_ids, &mut sampler, req.record_logits)?;
     out.prefill_time = t0.elapsed();
-    if let Some(l) = logits {
+    if let Some(l) = first.logits {
         out.step_logits.extend_from_slice(&l[l.len() - v..]);
         out.prefill_logits = l;
     }
@@ -125,26 +176,35 @@ pub fn generate<D: Decoder>(
         return Ok(out);
     }
     let t1 = Instant::now();
-    let syncs0 = model.host_syncs();
+    let syncs0 = engine.host_syncs();
+    let mut id = first.token;
     loop {
         out.generated.push(id);
-        on_token(id)?;
-        if !req.ignore_eos && model.spec().eos_token_ids.contains(&id) {
+        if on_token(id)?.is_break() {
+            out.stop = StopReason::StopRequested;
+            break;
+        }
+        if !req.ignore_eos && engine.spec().eos_token_ids.contains(&id) {
             out.stopped_at_eos = true;
+            out.stop = StopReason::Eos;
             break;
         }
         if out.generated.len() >= req.max_new_tokens {
             break;
         }
-        let (next, logits) = model.step(&mut session, &[id], &mut sampler, req.record_logits)?;
-        if let Some(l) = logits {
+        if cancel.is_cancelled() {
+            out.stop = StopReason::Cancelled;
+            break;
+        }
+        let next = engine.step_one(session.as_mut(), &[id], &mut sampler, req.record_logits)?;
+        if let Some(l) = next.logits {
             out.step_logits.extend_from_slice(&l);
         }
-        id = next;
+        id = next.token;
     }
     out.decode_time = t1.elapsed();
     let steps = out.generated.len().saturating_sub(1);
-    if let (Some(a), Some(b)) = (syncs0, model.host_syncs()) {
+    if let (Some(a), Some(b)) = (syncs0, engine.host_syncs()) {
         if steps > 0 && !req.record_logits {
             out.host_syncs_per_token = Some((b - a) as f64 / steps as f64);
         }

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod error;
+pub mod files;
 pub mod source;
 pub use krasis_core::spec;
 pub mod synth;
@@ -19,6 +20,7 @@ pub mod memory;
 pub mod quantized;
 pub mod rope;
 pub mod router;
+pub mod runtime;
 pub mod sampling;
 pub mod tokenizer;
 pub mod weights;

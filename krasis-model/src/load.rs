@@ -1,7 +1,7 @@
 //! Loading a model for a chosen precision: the reference path, or quantised experts from the
 //! expert cache (built on first use) and optionally quantised dense weights, on a pinned pool.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,13 +9,12 @@ use krasis_cache::CacheOutcome;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_quant::group::DEFAULT_GROUP_SIZE;
 
-use crate::config::load_config;
 use crate::engine::experts::ExpertExecutor;
 use crate::engine::{reference_dense, Model};
 use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
 use crate::quantized::{open_expert_cache, quant_bits, CpuQuantExperts, QuantLinear, WeightBits};
-use crate::source::SafetensorsDir;
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -55,9 +54,10 @@ fn make_pool(threads: Option<usize>) -> Result<Arc<WorkerPool>> {
     WorkerPool::new(plan).map(Arc::new).map_err(|e| ModelError::Invalid(format!("starting the worker pool: {e}")))
 }
 
-pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
-    let spec = load_config(dir)?;
-    let source = SafetensorsDir::open(dir)?;
+/// Loads `files` for the CPU engine at the precisions of `opts` (the expert cache is opened, or
+/// built on first use, when the experts are quantised).
+pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
+    let spec = files.spec().clone();
     let mut log = Vec::new();
     let quantised = opts.expert_bits != WeightBits::Bf16 || opts.dense_bits != WeightBits::Bf16;
     let pool = if quantised { Some(make_pool(opts.threads)?) } else { None };
@@ -71,8 +71,7 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
     let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (quant_bits(opts.expert_bits), &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
             let t = Instant::now();
-            let (cache, outcome) =
-                open_expert_cache(dir, &spec, &source, bits, opts.group_size, opts.cache_dir.as_deref(), pool)?;
+            let (cache, outcome) = open_expert_cache(files, bits, opts.group_size, opts.cache_dir.as_deref(), pool)?;
             match &outcome {
                 CacheOutcome::Hit => log.push(format!("expert cache hit: {}", cache.path().display())),
                 CacheOutcome::Built { reason } => {
@@ -95,7 +94,7 @@ pub fn load_model(dir: &Path, opts: &EngineOptions) -> Result<Loaded> {
         }
     };
     let t = Instant::now();
-    let model = Model::from_source(spec, &source, &quant_dense, experts)?;
+    let model = Model::from_source(spec, files.weights(), &quant_dense, experts)?;
     if dense_bits.is_some() {
         log.push(format!("dense weights quantised to {:?} in {:.2} s", opts.dense_bits, t.elapsed().as_secs_f64()));
     }

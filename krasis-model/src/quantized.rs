@@ -17,8 +17,8 @@ use rayon::prelude::*;
 
 use crate::engine::experts::{ExpertExecutor, Routes};
 use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
-use crate::source::{fnv1a, SafetensorsDir};
 use crate::spec::{FfnKind, ModelSpec};
 use crate::weights::WeightLoader;
 
@@ -92,13 +92,6 @@ impl LinearOp for QuantLinear {
     }
 }
 
-/// Identity of the model for cache keys: config.json bytes and the weight files' headers.
-pub fn model_hash(dir: &Path, source: &SafetensorsDir) -> Result<u64> {
-    let cfg_path = dir.join("config.json");
-    let cfg = std::fs::read(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-    Ok(fnv1a(fnv1a(0, &cfg), &source.fingerprint().to_le_bytes()))
-}
-
 /// What the expert cache must contain for this model and precision.
 pub fn expected_cache_header(spec: &ModelSpec, config_hash: u64, bits: Bits, group: usize) -> Result<CacheHeader> {
     let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
@@ -166,21 +159,21 @@ pub fn cache_path(model_dir: &Path, cache_dir: Option<&Path>, bits: Bits, group:
 }
 
 /// Open the expert cache, building it (with a progress bar) when missing, stale or damaged.
+/// The cache is keyed by [`ModelFiles::fingerprint`].
 pub fn open_expert_cache(
-    model_dir: &Path,
-    spec: &ModelSpec,
-    source: &SafetensorsDir,
+    files: &ModelFiles,
     bits: Bits,
     group: usize,
     cache_dir: Option<&Path>,
     pool: &WorkerPool,
 ) -> Result<(ExpertCache, CacheOutcome)> {
-    let header = expected_cache_header(spec, model_hash(model_dir, source)?, bits, group)?;
-    let path = cache_path(model_dir, cache_dir, bits, group);
+    let spec = files.spec();
+    let header = expected_cache_header(spec, files.fingerprint(), bits, group)?;
+    let path = cache_path(files.path(), cache_dir, bits, group);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
     }
-    let loader = WeightLoader::new(source, &spec.source_quant);
+    let loader = WeightLoader::new(files.weights(), &spec.source_quant);
     let layers = header.moe_layers.clone();
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
         expert_record(&loader, spec, &header, layers[li] as usize, e, bits).map_err(|err| err.to_string())

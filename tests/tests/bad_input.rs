@@ -5,6 +5,7 @@ use std::path::Path;
 
 use krasis_model::engine::Model;
 use krasis_model::generate::{generate, GenerateRequest};
+use krasis_model::runtime::DecoderEngine;
 use krasis_model::sampling::SamplingParams;
 use krasis_tests::{edit_header, tiny_model, weight_files};
 use serde_json::{json, Value};
@@ -161,8 +162,8 @@ fn wrong_dtype() {
 #[test]
 fn prompt_id_outside_the_vocabulary_and_empty_prompt() {
     let (_t, dir) = fresh();
-    let model = Model::load(&dir).unwrap();
-    let vocab = model.spec.vocab_size as u32;
+    let model = DecoderEngine::new(Model::load(&dir).unwrap());
+    let vocab = model.decoder().spec.vocab_size as u32;
     let req = |ids: Vec<u32>| GenerateRequest {
         prompt_ids: ids,
         max_new_tokens: 2,

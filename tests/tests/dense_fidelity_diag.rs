@@ -6,13 +6,12 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use krasis_model::config::load_config;
 use krasis_model::engine::experts::{ExpertExecutor, Routes};
 use krasis_model::engine::{reference_dense, Logits, Model};
+use krasis_model::files::ModelFiles;
 use krasis_model::linear::{DenseLinear, LinearOp, MatrixData};
 use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
-use krasis_model::source::SafetensorsDir;
 use krasis_model::spec::{RoutingRule, ScoringFunc, TopkMethod};
 use krasis_model::weights::WeightLoader;
 use krasis_quant::group::{dequantize, group_size_for, quantize};
@@ -117,11 +116,11 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
         threads: Some(2),
         ..EngineOptions::default()
     };
-    let loaded = load_model(dir, &opts).unwrap();
+    let files = ModelFiles::open(dir).unwrap();
+    let loaded = load_model(&files, &opts).unwrap();
     let pool = loaded.pool.clone().unwrap();
-    let spec = load_config(dir).unwrap();
-    let source = SafetensorsDir::open(dir).unwrap();
-    let (c, _) = open_expert_cache(dir, &spec, &source, Bits::Int8, 128, Some(cache), &pool).unwrap();
+    let spec = files.spec().clone();
+    let (c, _) = open_expert_cache(&files, Bits::Int8, 128, Some(cache), &pool).unwrap();
     let ex = CpuQuantExperts::new(c, &spec, pool.clone()).unwrap();
     let rec = Arc::new(Recorder { inner: Box::new(ex), routes: Mutex::new(Vec::new()), xs: Mutex::new(Vec::new()) });
     let werr = Mutex::new((0f64, 0f64));
@@ -155,7 +154,7 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
             }
         }
     };
-    let model = Model::from_source(spec, &source, &factory, Some(Box::new(Shared(rec.clone())))).unwrap();
+    let model = Model::from_source(spec, files.weights(), &factory, Some(Box::new(Shared(rec.clone())))).unwrap();
     let r = load_reference(dir);
     let vocab = r.prefill_logits.len() / r.prompt_ids.len();
     let mut s = model.new_session();
@@ -278,9 +277,9 @@ fn dense_int8_route_margins() {
         let tmp = tempfile::tempdir().unwrap();
         let base = run(&dir, tmp.path(), &[], Mode::Kernel, 128);
         let q = run(&dir, tmp.path(), &all, mode, g);
-        let spec = load_config(&dir).unwrap();
-        let source = SafetensorsDir::open(&dir).unwrap();
-        let w = WeightLoader::new(&source, &spec.source_quant);
+        let files = ModelFiles::open(&dir).unwrap();
+        let spec = files.spec();
+        let w = WeightLoader::new(files.weights(), &spec.source_quant);
         let moe = spec.moe.as_ref().unwrap();
         let (h, e, k) = (spec.hidden_size, moe.n_routed_experts, moe.routing.top_k);
         eprintln!("== {name} (dense {mode:?} g{g}): 1-cos {:.3e} vs base {:.3e}", 1.0 - q.cos, 1.0 - base.cos);

@@ -232,7 +232,7 @@ fn greedy_generation_and_sync_count() {
         let dir = root.join(name);
         let r = load_reference(&dir);
         let opts = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
-        let m = GpuModel::load(&dir, &opts).unwrap();
+        let m = krasis_model::runtime::DecoderEngine::new(GpuModel::load(&dir, &opts).unwrap());
         let req = GenerateRequest {
             prompt_ids: r.prompt_ids.clone(),
             max_new_tokens: r.greedy_ids.len(),

@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use krasis_model::engine::Logits;
+use krasis_model::files::ModelFiles;
 use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::quantized::WeightBits;
 use krasis_model::sampling::argmax;
@@ -20,7 +21,9 @@ fn prefill(dir: &Path, experts: WeightBits, dense: WeightBits, cache: &Path) -> 
         threads: Some(2),
         ..EngineOptions::default()
     };
-    let loaded = load_model(dir, &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let loaded = ModelFiles::open(dir)
+        .and_then(|files| load_model(&files, &opts))
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let r = load_reference(dir);
     let mut s = loaded.model.new_session();
     loaded.model.forward(&mut s, &r.prompt_ids, Logits::All, None).unwrap()

@@ -1,12 +1,14 @@
 //! Tokenizer and chat template on a fixture's `tokenizer.json` / `tokenizer_config.json`.
 
-use krasis_model::tokenizer::{TextCodec, TextStream};
+use krasis_model::files::ModelFiles;
+use krasis_model::tokenizer::TextStream;
 use krasis_tests::fixtures_dir;
 
 #[test]
 fn encode_decode_round_trip_and_chat_template() {
     let Some(root) = fixtures_dir() else { return };
-    let codec = TextCodec::load(&root.join("dsv2-lite-tiny")).unwrap();
+    let files = ModelFiles::open(&root.join("dsv2-lite-tiny")).unwrap();
+    let codec = files.text_codec().unwrap();
     let text = "Hello, world! The experts live in RAM.";
     let ids = codec.encode(text).unwrap();
     assert!(!ids.is_empty());
@@ -22,7 +24,7 @@ fn encode_decode_round_trip_and_chat_template() {
     let mut stream = TextStream::new();
     let mut streamed = String::new();
     for &id in &ids {
-        streamed.push_str(&stream.push(&codec, id).unwrap());
+        streamed.push_str(&stream.push(codec, id).unwrap());
     }
     assert_eq!(streamed, text);
 }

@@ -14,11 +14,11 @@ use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch};
 use self::experts::{ExpertExecutor, ReferenceExperts};
 use self::ffn::{Ffn, Mlp, MoeBlock};
 use self::kv::LayerKv;
-use crate::config::load_config;
 use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
 use crate::rope::RotaryTables;
-use crate::source::{SafetensorsDir, WeightSource};
+use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
 use crate::weights::WeightLoader;
 
@@ -106,11 +106,14 @@ pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>>
 }
 
 impl Model {
-    /// Load a hub-format directory for the CPU reference path.
+    /// Load a hub-format directory for the CPU reference path (opens [`ModelFiles`] first).
     pub fn load(dir: &Path) -> Result<Model> {
-        let spec = load_config(dir)?;
-        let source = SafetensorsDir::open(dir)?;
-        Self::from_source(spec, &source, &reference_dense, None)
+        Self::from_files(&ModelFiles::open(dir)?)
+    }
+
+    /// The CPU reference path over opened model files.
+    pub fn from_files(files: &ModelFiles) -> Result<Model> {
+        Self::from_source(files.spec().clone(), files.weights(), &reference_dense, None)
     }
 
     /// Build a model from `source`. `dense` chooses how dense matrices run; `experts` runs the

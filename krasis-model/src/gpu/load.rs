@@ -18,11 +18,11 @@ use krasis_gpu::{DeviceBuffer, GpuDevice};
 
 use super::layers::{kv_geometry, GpuAttention, GpuFfn, GpuGqa, GpuLayer, GpuMla, GpuMlp, GpuMoe};
 use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
-use crate::config::load_config;
 use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
 use crate::rope::RotaryTables;
-use crate::source::{SafetensorsDir, WeightSource};
+use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
 use crate::weights::WeightLoader;
 
@@ -47,11 +47,14 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
 }
 
 impl GpuModel {
-    /// Loads a hub-format directory onto GPU `opts.ordinal`.
+    /// Loads a hub-format directory onto GPU `opts.ordinal` (opens [`ModelFiles`] first).
     pub fn load(dir: &Path, opts: &GpuOptions) -> Result<GpuModel> {
-        let spec = load_config(dir)?;
-        let source = SafetensorsDir::open(dir)?;
-        Self::from_source(spec, &source, opts)
+        Self::from_files(&ModelFiles::open(dir)?, opts)
+    }
+
+    /// Loads opened model files onto GPU `opts.ordinal`.
+    pub fn from_files(files: &ModelFiles, opts: &GpuOptions) -> Result<GpuModel> {
+        Self::from_source(files.spec().clone(), files.weights(), opts)
     }
 
     pub fn from_source(spec: ModelSpec, source: &dyn WeightSource, opts: &GpuOptions) -> Result<GpuModel> {

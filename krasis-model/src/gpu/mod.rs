@@ -9,6 +9,7 @@
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
 //! absorbed form over the latent cache.
 
+pub mod hybrid;
 mod layers;
 mod load;
 mod profile;

@@ -10,10 +10,11 @@ use serde_json::Value;
 use super::init::{expert_preferences, layer_of, CHUNK_ELEMS};
 use super::tokenizer::{tokenizer_json, BASE_VOCAB};
 use super::*;
-use crate::config::{load_config, parse_config};
+use crate::config::parse_config;
 use crate::engine::{Logits, Model};
 use crate::error::Result;
-use crate::source::{SafetensorsDir, SharedBytes, StoredTensor, WeightSource};
+use crate::files::ModelFiles;
+use crate::source::{SharedBytes, StoredTensor, WeightSource};
 use crate::spec::ModelSpec;
 use crate::tensors::{param_counts, TensorSpec};
 
@@ -128,9 +129,9 @@ fn weight_scales_follow_fan_in() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("m");
     write(&tiny_config(), &out, 5, 0.0, SHARD_BYTES);
-    let dir = SafetensorsDir::open(&out).unwrap();
+    let files = ModelFiles::open(&out).unwrap();
     let get = |name: &str| {
-        let t = dir.tensor(name).unwrap();
+        let t = files.weights().tensor(name).unwrap();
         assert_eq!(t.dtype, DType::BF16, "{name}");
         (bf16_values(t.bytes.as_slice()), t.shape.clone())
     };
@@ -267,7 +268,8 @@ fn small_shard_limit_cuts_at_layer_boundaries() {
     check_index(&mid, &spec);
 
     // Same tensors, same bytes, same model, whatever the sharding.
-    let (a, b) = (SafetensorsDir::open(&one).unwrap(), SafetensorsDir::open(&many).unwrap());
+    let (a, b) = (ModelFiles::open(&one).unwrap(), ModelFiles::open(&many).unwrap());
+    let (a, b) = (a.weights(), b.weights());
     for t in expected_tensors(&spec) {
         assert_eq!(a.tensor(&t.name).unwrap().bytes.as_slice(), b.tensor(&t.name).unwrap().bytes.as_slice());
     }
@@ -447,7 +449,7 @@ fn tokenizer_covers_the_vocabulary() {
 /// A weight source that serves zeros for the routed and shared experts of one layer, so that the
 /// hidden state after that layer is exactly the MoE block's input residual (x + attention).
 struct ZeroExperts {
-    inner: SafetensorsDir,
+    inner: Arc<dyn WeightSource>,
     prefix: String,
     zeros: Arc<memmap2::Mmap>,
 }
@@ -476,11 +478,12 @@ impl WeightSource for ZeroExperts {
 /// How often each expert of the first MoE layer is chosen over `t` random tokens, computed with
 /// the engine's own attention and router on the synthesised weights.
 fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
-    let spec = load_config(dir).unwrap();
+    let files = ModelFiles::open(dir).unwrap();
+    let spec = files.spec().clone();
     let layer = spec.moe_layers().next().unwrap();
     let zeros = MmapOptions::new().len(64 << 20).map_anon().unwrap().make_read_only().unwrap();
     let source = ZeroExperts {
-        inner: SafetensorsDir::open(dir).unwrap(),
+        inner: Arc::clone(files.source()),
         prefix: crate::tensors::layer_prefix(layer),
         zeros: Arc::new(zeros),
     };
@@ -578,8 +581,8 @@ fn router_skew_makes_hot_experts_noaux_tc() {
     for skew in [0.0f32, 2.0] {
         let out = tmp.path().join(format!("s{skew}"));
         write(&cfg, &out, 4, skew, SHARD_BYTES);
-        let dir = SafetensorsDir::open(&out).unwrap();
-        let bias = dir.tensor("model.layers.1.mlp.gate.e_score_correction_bias").unwrap();
+        let files = ModelFiles::open(&out).unwrap();
+        let bias = files.weights().tensor("model.layers.1.mlp.gate.e_score_correction_bias").unwrap();
         assert_eq!(bias.dtype, DType::F32);
         let bias = bias.view().to_f32_vec().unwrap();
         let want: Vec<f32> = expert_preferences(4, 1, 16, skew).iter().map(|p| p / 4.0).collect();

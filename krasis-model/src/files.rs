@@ -1,0 +1,137 @@
+//! The front door: [`ModelFiles::open`] turns a path into everything read from disk — the
+//! architecture ([`ModelSpec`]), the weights (an `Arc<dyn WeightSource>`), the tokenizer and chat
+//! template (loaded on first use) and a fingerprint for cache keys. Every entry point (the CPU and
+//! GPU loaders, the expert cache, the CLI, the tests) starts here, so a new on-disk format (GGUF)
+//! is one more branch in [`ModelFiles::open`] and nothing else changes.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use crate::config::load_config;
+use crate::error::{ModelError, Result};
+use crate::source::{fnv1a, SafetensorsDir, WeightSource};
+use crate::spec::ModelSpec;
+use crate::tokenizer::TextCodec;
+
+/// A model on disk, opened: its spec, its weights and (lazily) its tokenizer.
+pub struct ModelFiles {
+    path: PathBuf,
+    spec: ModelSpec,
+    source: Arc<dyn WeightSource>,
+    fingerprint: u64,
+    codec: OnceLock<TextCodec>,
+}
+
+impl ModelFiles {
+    /// Opens a hub-format model directory: `config.json` (parsed into the spec) and the
+    /// `*.safetensors` weights (memory-mapped, headers validated). The tokenizer is not read
+    /// until [`ModelFiles::text_codec`] asks for it, so `--prompt-ids` runs need no
+    /// `tokenizer.json`.
+    pub fn open(path: &Path) -> Result<ModelFiles> {
+        let spec = load_config(path)?;
+        let weights = SafetensorsDir::open(path)?;
+        let fingerprint = safetensors_fingerprint(path, &weights)?;
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            spec,
+            source: Arc::new(weights),
+            fingerprint,
+            codec: OnceLock::new(),
+        })
+    }
+
+    /// Where the model was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The architecture read from the model's configuration.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The weights, by canonical tensor name.
+    pub fn source(&self) -> &Arc<dyn WeightSource> {
+        &self.source
+    }
+
+    /// The weights as a plain trait object (what the loaders take).
+    pub fn weights(&self) -> &dyn WeightSource {
+        self.source.as_ref()
+    }
+
+    /// Identity of the model for cache keys: changes when the configuration or the weights do,
+    /// survives copying the model elsewhere.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Whether the model ships a tokenizer (`tokenizer.json`).
+    pub fn has_tokenizer(&self) -> bool {
+        self.path.join("tokenizer.json").exists()
+    }
+
+    /// The tokenizer and chat template, loaded on the first call and kept. A missing or broken
+    /// `tokenizer.json` is an error naming the file (and `--prompt-ids` as the way around it).
+    pub fn text_codec(&self) -> Result<&TextCodec> {
+        if let Some(codec) = self.codec.get() {
+            return Ok(codec);
+        }
+        let loaded = TextCodec::load(&self.path)?;
+        Ok(self.codec.get_or_init(|| loaded))
+    }
+}
+
+/// The cache-key fingerprint of a safetensors model: `config.json`'s bytes, then the weight
+/// files' names and headers (the value expert caches written so far were keyed with).
+fn safetensors_fingerprint(dir: &Path, weights: &SafetensorsDir) -> Result<u64> {
+    let cfg_path = dir.join("config.json");
+    let cfg = std::fs::read(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+    Ok(fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes()))
+}
+
+impl std::fmt::Debug for ModelFiles {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelFiles")
+            .field("path", &self.path)
+            .field("model_type", &self.spec.arch.model_type())
+            .field("fingerprint", &format_args!("{:016x}", self.fingerprint))
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{synthesize, Preset, SynthOptions};
+
+    #[test]
+    fn opens_spec_weights_and_fingerprint_and_loads_the_tokenizer_lazily() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("tiny");
+        synthesize(&SynthOptions { layers: Some(2), ..SynthOptions::new(Preset::Tiny, &out) }).unwrap();
+        let files = ModelFiles::open(&out).unwrap();
+        assert_eq!(files.path(), out);
+        assert_eq!(files.spec(), &load_config(&out).unwrap());
+        assert!(files.weights().contains("model.embed_tokens.weight"));
+        // The value expert caches were keyed with before the front door existed.
+        let cfg = std::fs::read(out.join("config.json")).unwrap();
+        let weights = SafetensorsDir::open(&out).unwrap();
+        assert_eq!(files.fingerprint(), fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes()));
+        assert!(files.has_tokenizer());
+        assert!(!files.text_codec().unwrap().encode("hello").unwrap().is_empty());
+
+        // Without tokenizer.json the model still opens; asking for the tokenizer names the file.
+        std::fs::remove_file(out.join("tokenizer.json")).unwrap();
+        let files = ModelFiles::open(&out).unwrap();
+        assert!(!files.has_tokenizer());
+        let e = files.text_codec().err().expect("no tokenizer").to_string();
+        assert!(e.contains("tokenizer.json") && e.contains("--prompt-ids"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_directory_is_named() {
+        let e = ModelFiles::open(Path::new("/nonexistent/krasis-model")).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/krasis-model") && e.contains("does not exist"), "{e}");
+    }
+}

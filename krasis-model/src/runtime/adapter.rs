@@ -1,0 +1,152 @@
+//! [`DecoderEngine`]: any [`Decoder`] (the CPU `Model`, the `GpuModel`) behind the object-safe
+//! [`Engine`], its sessions boxed as [`EngineSession`]s and downcast back on each step.
+
+use std::any::Any;
+
+use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput, WeightBytesPerToken};
+use crate::engine::ForwardStats;
+use crate::error::{ModelError, Result};
+use crate::generate::Decoder;
+use crate::spec::ModelSpec;
+
+/// What a [`Decoder`] tells the Engine API beyond running tokens. Everything but the device and
+/// the description is optional.
+pub trait EngineDecoder: Decoder + Send + Sync + 'static {
+    /// Which device path this decoder is.
+    fn device(&self) -> DevicePath;
+    /// One line: what runs where.
+    fn describe(&self) -> String;
+    /// Tokens of KV cache each session holds, where fixed at load.
+    fn kv_capacity(&self) -> Option<usize> {
+        None
+    }
+    /// Forward-time split (routed experts vs all), where measured.
+    fn forward_stats(&self) -> Option<&ForwardStats> {
+        None
+    }
+    /// Weight bytes a decode step reads outside the routed experts, where known.
+    fn dense_bytes_per_token(&self) -> Option<u64> {
+        None
+    }
+    /// Device time per part of the session's forward calls, where profiled.
+    fn profile_summary(&self, _session: &Self::Session) -> Option<String> {
+        None
+    }
+    /// Starts the session's profile over.
+    fn reset_profile(&self, _session: &mut Self::Session) {}
+}
+
+/// A [`Decoder`] as an [`Engine`].
+pub struct DecoderEngine<D> {
+    decoder: D,
+    /// Bytes of one routed expert as executed (for bytes-per-token arithmetic).
+    expert_bytes: Option<u64>,
+}
+
+impl<D> DecoderEngine<D> {
+    pub fn new(decoder: D) -> Self {
+        DecoderEngine { decoder, expert_bytes: None }
+    }
+
+    /// Records the bytes of one routed expert as executed, so the engine can report
+    /// [`WeightBytesPerToken`].
+    pub fn with_expert_bytes(mut self, bytes: u64) -> Self {
+        self.expert_bytes = Some(bytes);
+        self
+    }
+
+    /// The wrapped decoder.
+    pub fn decoder(&self) -> &D {
+        &self.decoder
+    }
+
+    pub fn into_inner(self) -> D {
+        self.decoder
+    }
+}
+
+fn foreign_session() -> ModelError {
+    ModelError::Invalid("a session from another kind of engine was passed to this engine's step".into())
+}
+
+impl<D> Engine for DecoderEngine<D>
+where
+    D: EngineDecoder,
+    D::Session: EngineSession,
+{
+    fn spec(&self) -> &ModelSpec {
+        self.decoder.spec()
+    }
+
+    fn device(&self) -> DevicePath {
+        self.decoder.device()
+    }
+
+    fn describe(&self) -> String {
+        self.decoder.describe()
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        self.decoder.check_tokens(tokens)
+    }
+
+    fn new_session(&self) -> Result<Box<dyn EngineSession>> {
+        Ok(Box::new(self.decoder.new_session()?))
+    }
+
+    fn step(&self, batch: &mut [SequenceStep<'_>]) -> Result<Vec<StepOutput>> {
+        for (i, seq) in batch.iter_mut().enumerate() {
+            if seq.tokens.is_empty() {
+                return Err(ModelError::Invalid(format!("sequence {i} of the batch has no tokens to run")));
+            }
+            self.decoder.check_tokens(seq.tokens)?;
+            let any: &mut dyn Any = &mut *seq.session;
+            if !any.is::<D::Session>() {
+                return Err(foreign_session());
+            }
+        }
+        // One sequence after another for now; batched kernels replace this loop later.
+        let mut out = Vec::with_capacity(batch.len());
+        for seq in batch.iter_mut() {
+            let any: &mut dyn Any = &mut *seq.session;
+            let session = any.downcast_mut::<D::Session>().ok_or_else(foreign_session)?;
+            let (token, logits) = self.decoder.step(session, seq.tokens, seq.sampler, seq.want_logits)?;
+            out.push(StepOutput { token, logits });
+        }
+        Ok(out)
+    }
+
+    fn host_syncs(&self) -> Option<u64> {
+        self.decoder.host_syncs()
+    }
+
+    fn kv_capacity(&self) -> Option<usize> {
+        self.decoder.kv_capacity()
+    }
+
+    fn forward_stats(&self) -> Option<&ForwardStats> {
+        self.decoder.forward_stats()
+    }
+
+    fn weight_bytes_per_token(&self) -> Option<WeightBytesPerToken> {
+        let spec = self.decoder.spec();
+        let moe_layers = spec.moe_layers().count() as u64;
+        let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
+        Some(WeightBytesPerToken {
+            routed_experts: moe_layers * top_k * self.expert_bytes?,
+            dense: self.decoder.dense_bytes_per_token()?,
+        })
+    }
+
+    fn profile_summary(&self, session: &dyn EngineSession) -> Option<String> {
+        let any: &dyn Any = session;
+        self.decoder.profile_summary(any.downcast_ref::<D::Session>()?)
+    }
+
+    fn reset_profile(&self, session: &mut dyn EngineSession) {
+        let any: &mut dyn Any = session;
+        if let Some(s) = any.downcast_mut::<D::Session>() {
+            self.decoder.reset_profile(s);
+        }
+    }
+}

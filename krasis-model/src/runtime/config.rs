@@ -1,0 +1,81 @@
+//! What an engine is opened with: the device policy, the CPU and GPU options and the budgets.
+
+use crate::gpu::GpuOptions;
+use crate::load::EngineOptions;
+use crate::quantized::WeightBits;
+
+/// Where the model should run (`--device`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DevicePolicy {
+    /// The CPU engine.
+    Cpu,
+    /// The whole model on the GPU.
+    Gpu,
+    /// Routed experts on the CPU, everything else on the GPU.
+    Hybrid,
+    /// The GPU when one is usable and the model fits it, else the CPU.
+    #[default]
+    Auto,
+}
+
+/// The device path an engine was opened on (what [`DevicePolicy::Auto`] resolved to).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DevicePath {
+    Cpu,
+    Gpu,
+    Hybrid,
+}
+
+impl DevicePath {
+    /// The name `--device` uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            DevicePath::Cpu => "cpu",
+            DevicePath::Gpu => "gpu",
+            DevicePath::Hybrid => "hybrid",
+        }
+    }
+}
+
+impl std::fmt::Display for DevicePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Everything [`open_engine`](super::open_engine) needs besides the model files.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub device: DevicePolicy,
+    /// The CPU engine's precisions, cache and threads.
+    pub cpu: EngineOptions,
+    /// The GPU's ordinal, VRAM budget, KV cache and per-linear precisions.
+    pub gpu: GpuOptions,
+    /// Tokens of context the RAM estimate of the CPU path assumes.
+    pub context_tokens: u64,
+    /// Load even when the RAM estimate exceeds the budget (a warning instead of an error).
+    pub force: bool,
+}
+
+/// Context the RAM estimate assumes unless told otherwise.
+pub const DEFAULT_CONTEXT_TOKENS: u64 = 4096;
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            device: DevicePolicy::Auto,
+            cpu: EngineOptions::default(),
+            gpu: GpuOptions::default(),
+            context_tokens: DEFAULT_CONTEXT_TOKENS,
+            force: false,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Whether a CPU-only precision (quantised experts or dense weights) was asked for: the
+    /// whole-model GPU path does not take those.
+    pub fn wants_cpu_precisions(&self) -> bool {
+        self.cpu.expert_bits != WeightBits::Bf16 || self.cpu.dense_bits != WeightBits::Bf16
+    }
+}

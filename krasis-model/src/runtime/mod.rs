@@ -1,0 +1,129 @@
+//! The Engine API: one object-safe [`Engine`] that the CLI, the benchmarks and the server drive,
+//! whatever runs underneath (the CPU engine, the whole model on the GPU, later the hybrid).
+//!
+//! - [`open_engine`] takes the opened [`ModelFiles`](crate::files::ModelFiles) and an
+//!   [`EngineConfig`] (device policy, precisions, budgets) and returns the engine with a log and
+//!   one line saying which device path was chosen and why.
+//! - An engine makes [`EngineSession`]s (a conversation's KV cache and position) and advances
+//!   several of them in one batch-shaped [`Engine::step`], each with its own tokens and sampler.
+//! - [`crate::generate::generate_with`] runs prefill + decode over one session with a
+//!   [`CancelToken`] and a token callback that may stop generation without an error.
+
+mod adapter;
+mod cancel;
+mod config;
+mod open;
+mod sessions;
+
+use std::any::Any;
+
+pub use self::adapter::{DecoderEngine, EngineDecoder};
+pub use self::cancel::CancelToken;
+pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
+pub use self::open::{open_cpu, open_engine, open_gpu, Opened};
+
+use crate::engine::ForwardStats;
+use crate::error::{ModelError, Result};
+use crate::sampling::Sampler;
+use crate::spec::ModelSpec;
+
+/// One conversation's state inside an engine: its KV cache and how many positions it holds.
+/// A session belongs to the engine that made it; engines downcast it (through [`Any`]) in
+/// [`Engine::step`].
+pub trait EngineSession: Any + Send {
+    /// Tokens processed so far (the next token's position).
+    fn position(&self) -> usize;
+    /// Most tokens the session's KV cache can hold (`None`: it grows as needed).
+    fn kv_capacity(&self) -> Option<usize>;
+    /// Bytes the session's KV cache holds now.
+    fn kv_bytes(&self) -> usize;
+}
+
+/// One sequence of a batch [`Engine::step`]: run `tokens` after what `session` holds and sample
+/// the next token from the last position with `sampler`.
+pub struct SequenceStep<'a> {
+    pub session: &'a mut dyn EngineSession,
+    /// The prompt (prefill) or the last sampled token (decode); never empty.
+    pub tokens: &'a [u32],
+    /// The sequence's own sampler (its parameters and random state carry across steps).
+    pub sampler: &'a mut Sampler,
+    /// Also return the logits of every position of `tokens` (`[tokens, vocab]`).
+    pub want_logits: bool,
+}
+
+/// What [`Engine::step`] gives back for one sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOutput {
+    /// The sampled next token.
+    pub token: u32,
+    /// `[tokens, vocab]` when the step asked for logits.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// Weight bytes a decode step reads (for bandwidth arithmetic in benchmarks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightBytesPerToken {
+    /// The routed experts a token activates, summed over the MoE layers.
+    pub routed_experts: u64,
+    /// Everything else: attention, dense MLPs, shared experts, routers, one embedding row, LM head.
+    pub dense: u64,
+}
+
+/// A loaded model that runs sessions. Object-safe: the CLI, the benchmarks and the server hold a
+/// `Box<dyn Engine>` and never know which device path is underneath.
+pub trait Engine: Send + Sync {
+    /// The architecture.
+    fn spec(&self) -> &ModelSpec;
+    /// Which device path this engine is.
+    fn device(&self) -> DevicePath;
+    /// One line: what runs where (e.g. the routed experts' executor, the GPU).
+    fn describe(&self) -> String;
+    /// Checks token ids against the vocabulary (the error names the id and its position).
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()>;
+    /// A fresh session with an empty KV cache.
+    fn new_session(&self) -> Result<Box<dyn EngineSession>>;
+    /// Advances every sequence of `batch` by its tokens and samples its next token; one output
+    /// per sequence, in order. Every sequence is checked (tokens, session) before any runs, so
+    /// bad input fails the call without advancing any sequence.
+    fn step(&self, batch: &mut [SequenceStep<'_>]) -> Result<Vec<StepOutput>>;
+
+    /// [`Engine::step`] for one sequence.
+    fn step_one(
+        &self,
+        session: &mut dyn EngineSession,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+        want_logits: bool,
+    ) -> Result<StepOutput> {
+        let mut batch = [SequenceStep { session, tokens, sampler, want_logits }];
+        self.step(&mut batch)?
+            .pop()
+            .ok_or_else(|| ModelError::Invalid("the engine returned no output for a one-sequence step".into()))
+    }
+
+    /// Host synchronisations so far (GPU engines; `None` where the notion does not apply).
+    fn host_syncs(&self) -> Option<u64> {
+        None
+    }
+    /// Tokens of KV cache each session holds, where that is fixed at load (GPU).
+    fn kv_capacity(&self) -> Option<usize> {
+        None
+    }
+    /// Where forward time goes (routed experts vs all), where the engine measures it (CPU).
+    fn forward_stats(&self) -> Option<&ForwardStats> {
+        None
+    }
+    /// Weight bytes per decoded token, where the engine knows them (CPU).
+    fn weight_bytes_per_token(&self) -> Option<WeightBytesPerToken> {
+        None
+    }
+    /// Device time per part of `session`'s forward calls (GPU with `KRASIS_GPU_PROFILE=1`).
+    fn profile_summary(&self, _session: &dyn EngineSession) -> Option<String> {
+        None
+    }
+    /// Starts `session`'s profile over (e.g. between prefill and decode).
+    fn reset_profile(&self, _session: &mut dyn EngineSession) {}
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,119 @@
+//! [`open_engine`]: the device policy. `cpu` and `gpu` do as told; `auto` takes the GPU when one
+//! is usable, no CPU-only precision was asked for and the model fits the VRAM budget, else the
+//! CPU; `hybrid` is one call into `gpu::hybrid`. The CPU path checks the RAM estimate first.
+
+use krasis_core::budget::{check_ram_budget, format_bytes, rss_deviation_warning};
+
+use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig};
+use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
+use crate::gpu::GpuModel;
+use crate::load::load_model;
+use crate::memory::estimate;
+use crate::quantized::WeightBits;
+
+/// An opened engine and what opening it did.
+pub struct Opened {
+    pub engine: Box<dyn Engine>,
+    /// Human-readable lines about loading (pool, caches, GPU, budget warnings prefixed
+    /// `warning: `), in order.
+    pub log: Vec<String>,
+    /// One line: which device path was chosen and why, e.g. `device: cpu (auto: no GPU in use
+    /// (...); running on the CPU)`.
+    pub why: String,
+    /// The resident-memory estimate of the CPU path (`None` on the GPU).
+    pub memory_estimate: Option<u64>,
+    /// Whether the estimate should match the resident set once the model has run (quantised
+    /// experts are resident after loading the cache, dense weights after the first pass).
+    pub check_rss: bool,
+}
+
+impl Opened {
+    /// After a forward pass: the resident set against the estimate, as one line (`memory: ...`
+    /// when within tolerance, `warning: ...` when not); `None` where no check applies.
+    pub fn rss_report(&self) -> Option<String> {
+        let est = self.memory_estimate.filter(|_| self.check_rss)?;
+        let rss = krasis_core::hw::current_rss_bytes()?;
+        Some(match rss_deviation_warning(est, rss) {
+            Some(w) => format!("warning: {w}"),
+            None => format!("memory: RSS {} within 10% of the estimate {}", format_bytes(rss), format_bytes(est)),
+        })
+    }
+}
+
+fn device_line(path: DevicePath, why: &str) -> String {
+    format!("device: {path} ({why})")
+}
+
+/// Opens `files` as `config` asks; see the module documentation for the policy.
+pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+    let ordinal = config.gpu.ordinal;
+    match config.device {
+        DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
+        DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, config),
+        DevicePolicy::Gpu => {
+            if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
+                return Err(ModelError::Invalid(format!("--device gpu: {e}")));
+            }
+            if config.wants_cpu_precisions() {
+                return Err(ModelError::Invalid(
+                    "--device gpu runs the whole model on the GPU; --cpu-expert-bits/--cpu-dense-bits apply to --device cpu and --device hybrid".into(),
+                ));
+            }
+            open_gpu(files, config, &format!("as asked: the whole model on CUDA device {ordinal}"))
+        }
+        DevicePolicy::Auto => match krasis_gpu::probe_ordinal(ordinal) {
+            Err(e) => open_cpu(files, config, &format!("auto: no GPU in use ({e}); running on the CPU")),
+            Ok(_) if config.wants_cpu_precisions() => {
+                open_cpu(files, config, "auto: --cpu-expert-bits/--cpu-dense-bits given; running on the CPU")
+            }
+            Ok(_) => {
+                let why = format!("auto: CUDA device {ordinal} found, the model fits the VRAM budget");
+                match open_gpu(files, config, &why) {
+                    Err(ModelError::Gpu(e)) => open_cpu(
+                        files,
+                        config,
+                        &format!("auto: the GPU could not take the model ({e}); running on the CPU"),
+                    ),
+                    other => other,
+                }
+            }
+        },
+    }
+}
+
+/// The CPU engine, after checking the RAM estimate (refused above the budget unless
+/// `config.force`). `why` goes into [`Opened::why`].
+pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
+    let est = estimate(files.spec(), config.cpu.expert_bits).total(config.context_tokens);
+    let mem_total = krasis_core::hw::probe().mem_total_bytes;
+    let mut log = Vec::new();
+    match check_ram_budget(est, mem_total, config.force) {
+        Ok(Some(w)) => log.push(format!("warning: {w}")),
+        Ok(None) => {}
+        Err(e) => return Err(ModelError::Invalid(e.to_string())),
+    }
+    let loaded = load_model(files, &config.cpu)?;
+    log.extend(loaded.log);
+    let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);
+    Ok(Opened {
+        engine: Box::new(engine),
+        log,
+        why: device_line(DevicePath::Cpu, why),
+        memory_estimate: Some(est),
+        check_rss: config.cpu.expert_bits != WeightBits::Bf16,
+    })
+}
+
+/// The whole model on GPU `config.gpu.ordinal`. `why` goes into [`Opened::why`].
+pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
+    let mut model = GpuModel::from_files(files, &config.gpu)?;
+    let log = std::mem::take(&mut model.log);
+    Ok(Opened {
+        engine: Box::new(DecoderEngine::new(model)),
+        log,
+        why: device_line(DevicePath::Gpu, why),
+        memory_estimate: None,
+        check_rss: false,
+    })
+}

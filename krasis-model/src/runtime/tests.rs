@@ -1,0 +1,226 @@
+//! The Engine API on a synthesized tiny model: the same ids as the direct `Decoder` path, a
+//! batch step equal to each sequence alone, and early stops without errors.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::engine::Model;
+use crate::files::ModelFiles;
+use crate::generate::{generate, generate_with, Decoder, GenerateRequest, StopReason};
+use crate::sampling::SamplingParams;
+use crate::synth::{synthesize, Preset, SynthOptions};
+
+fn tiny(dir: &Path) -> PathBuf {
+    let out = dir.join("tiny");
+    let opts = SynthOptions { layers: Some(2), seed: 7, ..SynthOptions::new(Preset::Tiny, &out) };
+    synthesize(&opts).unwrap();
+    out
+}
+
+fn cpu_config() -> EngineConfig {
+    EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() }
+}
+
+fn open_cpu_engine(dir: &Path) -> Opened {
+    open_engine(&ModelFiles::open(dir).unwrap(), &cpu_config()).unwrap()
+}
+
+const SAMPLED: SamplingParams = SamplingParams { temperature: 0.8, top_k: 20, top_p: 0.9, seed: 3 };
+
+fn request(prompt: &[u32], max_new_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids: prompt.to_vec(),
+        max_new_tokens,
+        sampling: SAMPLED,
+        ignore_eos: true,
+        record_logits: false,
+    }
+}
+
+/// The loop `generate` runs, written directly against the concrete `Decoder`.
+fn direct_ids(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = Decoder::new_session(model).unwrap();
+    let mut sampler = Sampler::new(SAMPLED);
+    let (mut id, _) = model.step(&mut s, prompt, &mut sampler, false).unwrap();
+    let mut ids = vec![id];
+    while ids.len() < n {
+        id = model.step(&mut s, &[id], &mut sampler, false).unwrap().0;
+        ids.push(id);
+    }
+    ids
+}
+
+#[test]
+fn generation_through_the_engine_matches_the_direct_decoder_path() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny(tmp.path());
+    let opened = open_cpu_engine(&dir);
+    assert_eq!(opened.engine.device(), DevicePath::Cpu);
+    assert_eq!(opened.why, "device: cpu (as asked)");
+    assert!(opened.memory_estimate.is_some() && !opened.check_rss);
+    let prompt = [5u32, 9, 200, 3, 77];
+    let out = generate(opened.engine.as_ref(), &request(&prompt, 12), |_| Ok(())).unwrap();
+    assert_eq!(out.stop, StopReason::MaxTokens);
+    let model = Model::load(&dir).unwrap();
+    assert_eq!(out.generated, direct_ids(&model, &prompt, 12));
+    // The engine's own session bookkeeping: prompt + 11 decode steps (the 12th id is not run).
+    let mut s = opened.engine.new_session().unwrap();
+    let mut sampler = Sampler::new(SAMPLED);
+    opened.engine.step_one(s.as_mut(), &prompt, &mut sampler, false).unwrap();
+    assert_eq!(s.position(), prompt.len());
+    assert!(s.kv_bytes() > 0 && s.kv_capacity().is_none());
+}
+
+#[test]
+fn a_batch_step_of_two_sequences_equals_each_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = open_cpu_engine(&tiny(tmp.path())).engine;
+    let prompts: [&[u32]; 2] = [&[5, 9, 200, 3], &[17, 4, 300, 11, 2, 8, 90]];
+    let params = [SAMPLED, SamplingParams { seed: 11, temperature: 1.1, ..SAMPLED }];
+    let steps = 4;
+
+    // Each alone: prefill, then decode steps, keeping every token and the logits.
+    let alone: Vec<Vec<StepOutput>> = (0..2)
+        .map(|i| {
+            let mut s = engine.new_session().unwrap();
+            let mut sampler = Sampler::new(params[i]);
+            let mut outs = vec![engine.step_one(s.as_mut(), prompts[i], &mut sampler, true).unwrap()];
+            for _ in 1..steps {
+                let last = outs.last().unwrap().token;
+                outs.push(engine.step_one(s.as_mut(), &[last], &mut sampler, true).unwrap());
+            }
+            outs
+        })
+        .collect();
+
+    // Together: one call per step advances both.
+    let (mut s0, mut s1) = (engine.new_session().unwrap(), engine.new_session().unwrap());
+    let (mut r0, mut r1) = (Sampler::new(params[0]), Sampler::new(params[1]));
+    let mut tokens: [Vec<u32>; 2] = [prompts[0].to_vec(), prompts[1].to_vec()];
+    let mut together: Vec<Vec<StepOutput>> = vec![Vec::new(), Vec::new()];
+    for _ in 0..steps {
+        let mut batch = [
+            SequenceStep { session: s0.as_mut(), tokens: &tokens[0], sampler: &mut r0, want_logits: true },
+            SequenceStep { session: s1.as_mut(), tokens: &tokens[1], sampler: &mut r1, want_logits: true },
+        ];
+        let outs = engine.step(&mut batch).unwrap();
+        assert_eq!(outs.len(), 2);
+        tokens = [vec![outs[0].token], vec![outs[1].token]];
+        for (seq, o) in together.iter_mut().zip(outs) {
+            seq.push(o);
+        }
+    }
+    assert!(together == alone, "a batch step differs from the sequences run alone");
+    assert_eq!(s0.position(), prompts[0].len() + steps - 1);
+    assert_eq!(s1.position(), prompts[1].len() + steps - 1);
+}
+
+#[test]
+fn bad_batches_fail_without_advancing_any_sequence() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = open_cpu_engine(&tiny(tmp.path())).engine;
+    let vocab = engine.spec().vocab_size as u32;
+    let (mut s0, mut s1) = (engine.new_session().unwrap(), engine.new_session().unwrap());
+    let (mut r0, mut r1) = (Sampler::new(SAMPLED), Sampler::new(SAMPLED));
+    let mut batch = [
+        SequenceStep { session: s0.as_mut(), tokens: &[1, 2], sampler: &mut r0, want_logits: false },
+        SequenceStep { session: s1.as_mut(), tokens: &[3, vocab], sampler: &mut r1, want_logits: false },
+    ];
+    let e = engine.step(&mut batch).unwrap_err().to_string();
+    assert!(e.contains("outside the vocabulary") && e.contains("position 1"), "{e}");
+    let mut batch = [SequenceStep { session: s1.as_mut(), tokens: &[], sampler: &mut r1, want_logits: false }];
+    let e = engine.step(&mut batch).unwrap_err().to_string();
+    assert!(e.contains("no tokens"), "{e}");
+    assert_eq!((s0.position(), s1.position()), (0, 0));
+
+    /// A session of some other engine.
+    struct Foreign;
+    impl EngineSession for Foreign {
+        fn position(&self) -> usize {
+            0
+        }
+        fn kv_capacity(&self) -> Option<usize> {
+            None
+        }
+        fn kv_bytes(&self) -> usize {
+            0
+        }
+    }
+    let e = engine.step_one(&mut Foreign, &[1], &mut r0, false).unwrap_err().to_string();
+    assert!(e.contains("another kind of engine"), "{e}");
+}
+
+#[test]
+fn a_callback_stop_and_a_cancel_token_end_generation_without_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let engine = open_cpu_engine(&tiny(tmp.path())).engine;
+    let req = request(&[5, 9, 200, 3], 10);
+    let full = generate(engine.as_ref(), &req, |_| Ok(())).unwrap();
+    assert_eq!(full.generated.len(), 10);
+
+    // The callback asks to stop after the third token.
+    let mut seen = 0;
+    let never = CancelToken::new();
+    let out = generate_with(engine.as_ref(), &req, &never, |_| {
+        seen += 1;
+        Ok(if seen == 3 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
+    })
+    .unwrap();
+    assert_eq!(out.stop, StopReason::StopRequested);
+    assert_eq!(out.generated, full.generated[..3]);
+    assert!(!out.stopped_at_eos);
+
+    // Another holder of the token cancels after the second token: no further step runs.
+    let cancel = CancelToken::new();
+    let remote = cancel.clone();
+    let mut seen = 0;
+    let out = generate_with(engine.as_ref(), &req, &cancel, |_| {
+        seen += 1;
+        if seen == 2 {
+            remote.cancel();
+        }
+        Ok(ControlFlow::Continue(()))
+    })
+    .unwrap();
+    assert_eq!(out.stop, StopReason::Cancelled);
+    assert_eq!(out.generated, full.generated[..2]);
+    assert_eq!(out.stop.finish_reason(), None);
+
+    // Cancelled before it starts: nothing runs.
+    let out = generate_with(engine.as_ref(), &req, &cancel, |_| Ok(ControlFlow::Continue(()))).unwrap();
+    assert_eq!(out.stop, StopReason::Cancelled);
+    assert!(out.generated.is_empty());
+
+    // An error from the callback is still an error.
+    let e = generate(engine.as_ref(), &req, |_| Err(crate::ModelError::Invalid("client gone".into()))).unwrap_err();
+    assert!(e.to_string().contains("client gone"));
+}
+
+#[test]
+fn hybrid_is_one_call_that_says_it_is_not_built_yet() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let config = EngineConfig { device: DevicePolicy::Hybrid, ..EngineConfig::default() };
+    let e = open_engine(&files, &config).err().expect("hybrid is a stub").to_string();
+    assert!(e.contains("--device hybrid is not built yet"), "{e}");
+}
+
+#[test]
+fn auto_without_a_gpu_runs_on_the_cpu_and_says_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let gpu = krasis_gpu::probe_ordinal(0).is_ok();
+    let opened = open_engine(&files, &EngineConfig::default()).unwrap();
+    if gpu {
+        assert_eq!(opened.engine.device(), DevicePath::Gpu, "{}", opened.why);
+        assert!(opened.why.starts_with("device: gpu (auto: CUDA device 0 found"), "{}", opened.why);
+    } else {
+        assert_eq!(opened.engine.device(), DevicePath::Cpu);
+        assert!(opened.why.starts_with("device: cpu (auto: no GPU in use"), "{}", opened.why);
+        assert!(opened.why.ends_with("running on the CPU)"), "{}", opened.why);
+        let config = EngineConfig { device: DevicePolicy::Gpu, ..EngineConfig::default() };
+        let e = open_engine(&files, &config).err().expect("no GPU").to_string();
+        assert!(e.starts_with("--device gpu: "), "{e}");
+    }
+}
