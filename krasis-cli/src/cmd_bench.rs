@@ -12,10 +12,9 @@ use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::engine::Logits;
 use krasis_model::files::ModelFiles;
-use krasis_model::load::load_model;
-use krasis_model::sampling::argmax;
+use krasis_model::runtime::{open_engine, Engine};
+use krasis_model::sampling::{Sampler, SamplingParams};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
 use krasis_quant::group::quantize;
 use krasis_quant::Bits;
@@ -73,7 +72,8 @@ pub struct Args {
     /// decode at 4K context, GQA prefill) against the GPU's peaks.
     #[arg(long)]
     gpu_attention: bool,
-    /// Where --model runs: the CPU engine, or the whole model on the GPU.
+    /// Where --model runs: cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the
+    /// rest on the GPU) | auto
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     #[command(flatten)]
@@ -132,6 +132,26 @@ pub(crate) fn random_prompt(vocab: usize, n: usize) -> Vec<u32> {
             (2 + x % (v - 2)) as u32
         })
         .collect()
+}
+
+/// Greedy prefill of a random prompt, then `decode_tokens` decode steps on `engine`: (prefill
+/// seconds, decode seconds). The forward statistics are reset between the two, so afterwards
+/// they cover the decode steps alone.
+fn time_greedy_decode(engine: &dyn Engine, prompt_tokens: usize, decode_tokens: usize) -> anyhow::Result<(f64, f64)> {
+    let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
+    let mut session = engine.new_session()?;
+    let mut greedy = Sampler::new(SamplingParams::default());
+    let t = Instant::now();
+    let mut next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
+    let prefill_s = t.elapsed().as_secs_f64();
+    if let Some(stats) = engine.forward_stats() {
+        stats.reset();
+    }
+    let t = Instant::now();
+    for _ in 0..decode_tokens {
+        next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
+    }
+    Ok((prefill_s, t.elapsed().as_secs_f64()))
 }
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
@@ -276,8 +296,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             out["attention"] = crate::cmd_bench_gpu::attention(a.gpu.gpu, a.gpu.vram_budget, !a.json)?;
         }
         if let Some(dir) = &a.model {
-            out["model"] =
-                crate::cmd_bench_gpu::model(dir, &a.gpu.options()?, a.prompt_tokens, a.decode_tokens, !a.json)?;
+            let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+            out["model"] = crate::cmd_bench_gpu::model(dir, &config, a.prompt_tokens, a.decode_tokens, !a.json)?;
         }
         if a.json {
             println!("{}", serde_json::to_string_pretty(&out)?);
@@ -348,35 +368,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if let Some(dir) = &a.model {
         let files = ModelFiles::open(dir)?;
-        a.engine.check_budget(files.spec(), (a.prompt_tokens + a.decode_tokens) as u64)?;
+        let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let t = Instant::now();
-        let loaded = load_model(&files, &a.engine.options()?)?;
+        let opened = open_engine(&files, &config)?;
         let load_s = t.elapsed().as_secs_f64();
+        for w in &opened.warnings {
+            eprintln!("warning: {w}");
+        }
         if !a.json {
-            for l in &loaded.log {
+            println!("{}", opened.why);
+            for l in &opened.log {
                 println!("{l}");
             }
         }
-        let model = &loaded.model;
-        let prompt = random_prompt(model.spec.vocab_size, a.prompt_tokens);
-        let mut session = model.new_session();
-        let t = Instant::now();
-        let logits = model.forward(&mut session, &prompt, Logits::Last, None)?;
-        let prefill_s = t.elapsed().as_secs_f64();
-        let mut next = argmax(&logits) as u32;
-        model.stats().reset();
-        let t = Instant::now();
-        for _ in 0..a.decode_tokens {
-            let l = model.forward(&mut session, &[next], Logits::Last, None)?;
-            next = argmax(&l) as u32;
-        }
-        let decode_s = t.elapsed().as_secs_f64();
-        let (expert_s, _) = model.stats().seconds();
+        let engine = opened.engine.as_ref();
+        let (prefill_s, decode_s) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
+        let (expert_s, _) = engine.forward_stats().map_or((0.0, 0.0), |s| s.seconds());
         let n = a.decode_tokens as f64;
-        let moe_layers = model.spec.moe_layers().count() as u64;
-        let top_k = model.spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
-        let expert_bytes = moe_layers * top_k * loaded.expert_bytes;
-        let dense_bytes = model.dense_bytes_per_token();
+        let bytes = engine.weight_bytes_per_token();
+        let (expert_bytes, dense_bytes) = bytes.map_or((0, 0), |b| (b.routed_experts, b.dense));
         let ms = decode_s * 1e3 / n;
         let expert_ms = expert_s * 1e3 / n;
         let expert_gbs = expert_bytes as f64 / 1e9 / (expert_s / n).max(1e-12);
@@ -384,7 +394,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
-                                "experts": model.expert_executor().describe() });
+                                "experts": engine.describe() });
         out["load_s"] = json!(load_s);
         out["prefill"] =
             json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s });

@@ -9,9 +9,10 @@ use anyhow::Context;
 use krasis_gpu::flash_prefill::{bench_gqa_prefill, bench_mla_prefill};
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::{bench_mla_decode, GpuDevice, VramBudgetSpec};
+use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateRequest};
-use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_model::sampling::SamplingParams;
+use krasis_model::runtime::{open_engine, EngineConfig};
+use krasis_model::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
 
 /// Dense BF16 tensor-core peak (FLOP/s) of the GPUs we measure on, from NVIDIA's data sheets
@@ -88,25 +89,31 @@ pub fn attention(ordinal: usize, budget: VramBudgetSpec, text: bool) -> anyhow::
                "prefill_attention": prefill, "decode_attention": decode }))
 }
 
-/// Whole-model GPU prefill + greedy decode of random prompt ids.
+/// Prefill + greedy decode of random prompt ids on the engine `config` opens (the whole model on
+/// the GPU, or what `--device` names).
 pub fn model(
     dir: &Path,
-    opts: &GpuOptions,
+    config: &EngineConfig,
     prompt_tokens: usize,
     decode_tokens: usize,
     text: bool,
 ) -> anyhow::Result<Value> {
     let t = Instant::now();
-    let m = GpuModel::load(dir, opts).with_context(|| format!("loading {} onto the GPU", dir.display()))?;
-    let engine = krasis_model::runtime::DecoderEngine::new(m);
-    let m = engine.decoder();
+    let opened = ModelFiles::open(dir)
+        .and_then(|files| open_engine(&files, config))
+        .with_context(|| format!("loading {} onto the GPU", dir.display()))?;
     let load_s = t.elapsed().as_secs_f64();
+    for w in &opened.warnings {
+        eprintln!("warning: {w}");
+    }
     if text {
-        for l in &m.log {
+        println!("{}", opened.why);
+        for l in &opened.log {
             println!("{l}");
         }
     }
-    let prompt = crate::cmd_bench::random_prompt(m.spec.vocab_size, prompt_tokens);
+    let engine = opened.engine.as_ref();
+    let prompt = crate::cmd_bench::random_prompt(engine.spec().vocab_size, prompt_tokens);
     let req = GenerateRequest {
         prompt_ids: prompt,
         max_new_tokens: decode_tokens + 1,
@@ -115,36 +122,36 @@ pub fn model(
         record_logits: false,
     };
     // One untimed run compiles nothing new but settles allocations and clocks.
-    generate(&engine, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
-    let out = generate(&engine, &req, |_| Ok(()))?;
+    generate(engine, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
+    let out = generate(engine, &req, |_| Ok(()))?;
     if text && std::env::var("KRASIS_GPU_PROFILE").as_deref() == Ok("1") {
         // Device time per part (CUDA events), against the wall time of the same steps.
-        use krasis_model::generate::Decoder;
-        let mut s = m.new_session()?;
-        let mut sampler = krasis_model::sampling::Sampler::new(SamplingParams::default());
-        let (mut id, _) = m.step(&mut s, &req.prompt_ids, &mut sampler, false)?;
-        println!("prefill of {prompt_tokens} tokens: {}", m.profile_summary(&s).unwrap_or_default());
-        m.reset_profile(&mut s);
+        let mut s = engine.new_session()?;
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let mut id = engine.step_one(s.as_mut(), &req.prompt_ids, &mut sampler, false)?.token;
+        println!("prefill of {prompt_tokens} tokens: {}", engine.profile_summary(s.as_ref()).unwrap_or_default());
+        engine.reset_profile(s.as_mut());
         let t = Instant::now();
         for _ in 0..decode_tokens {
-            id = m.step(&mut s, &[id], &mut sampler, false)?.0;
+            id = engine.step_one(s.as_mut(), &[id], &mut sampler, false)?.token;
         }
         let wall_ms = t.elapsed().as_secs_f64() * 1e3 / decode_tokens as f64;
-        println!("decode: {}; wall {wall_ms:.3} ms per step", m.profile_summary(&s).unwrap_or_default());
+        println!("decode: {}; wall {wall_ms:.3} ms per step", engine.profile_summary(s.as_ref()).unwrap_or_default());
     }
     let prefill_tps = out.prefill_tok_s(prompt_tokens);
     let decode_tps = out.decode_tok_s();
     let syncs = out.host_syncs_per_token;
     if text {
         println!(
-            "GPU prefill {prompt_tokens} tokens: {:.3} s ({prefill_tps:.0} tok/s); decode {decode_tokens} tokens: {decode_tps:.1} tok/s ({:.2} ms/token); host syncs per decoded token {}",
+            "{} prefill {prompt_tokens} tokens: {:.3} s ({prefill_tps:.0} tok/s); decode {decode_tokens} tokens: {decode_tps:.1} tok/s ({:.2} ms/token); host syncs per decoded token {}",
+            engine.device().name().to_uppercase(),
             out.prefill_time.as_secs_f64(),
             1e3 / decode_tps.max(1e-9),
             syncs.map_or("n/a".into(), |s| format!("{s:.2}"))
         );
     }
-    Ok(json!({ "model": dir.display().to_string(), "device": "gpu", "load_s": load_s, "kv_tokens": m.kv_capacity(),
-               "kv_dtype": opts.kv_dtype.to_string(),
+    Ok(json!({ "model": dir.display().to_string(), "device": engine.device().name(), "load_s": load_s,
+               "kv_tokens": engine.kv_capacity(), "kv_dtype": config.gpu.kv_dtype.to_string(),
                "prefill": { "tokens": prompt_tokens, "seconds": out.prefill_time.as_secs_f64(), "tok_per_s": prefill_tps },
                "decode": { "tokens": decode_tokens, "tok_per_s": decode_tps, "host_syncs_per_token": syncs } }))
 }

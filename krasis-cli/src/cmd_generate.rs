@@ -7,26 +7,37 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
 use clap::{Args as ClapArgs, ValueEnum};
-use krasis_core::budget::{check_ram_budget, format_bytes};
+use krasis_core::budget::format_bytes;
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
-use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_model::load::{load_model, EngineOptions};
-use krasis_model::memory::estimate;
+use krasis_model::gpu::GpuOptions;
+use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
-use krasis_model::runtime::{DecoderEngine, Engine};
+use krasis_model::runtime::{open_engine, DevicePath, DevicePolicy, Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS};
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
-use krasis_model::ModelError;
 
+/// `--device`: which device policy the engine opens with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
     Cpu,
     Gpu,
+    Hybrid,
     Auto,
+}
+
+impl From<Device> for DevicePolicy {
+    fn from(d: Device) -> Self {
+        match d {
+            Device::Cpu => DevicePolicy::Cpu,
+            Device::Gpu => DevicePolicy::Gpu,
+            Device::Hybrid => DevicePolicy::Hybrid,
+            Device::Auto => DevicePolicy::Auto,
+        }
+    }
 }
 
 /// Parses a precision flag (`bf16`, `8`, `4`), listing the values in `--help`.
@@ -88,14 +99,16 @@ impl EngineArgs {
         })
     }
 
-    /// Refuse (unless --force) when the estimate exceeds the RAM budget; returns the estimate.
-    pub fn check_budget(&self, spec: &krasis_model::ModelSpec, context: u64) -> anyhow::Result<u64> {
-        let est = estimate(spec, self.cpu_expert_bits).total(context);
-        let mem_total = krasis_core::hw::probe().mem_total_bytes;
-        if let Some(w) = check_ram_budget(est, mem_total, self.force)? {
-            eprintln!("warning: {w}");
-        }
-        Ok(est)
+    /// The library's engine configuration from these flags, `--device` and the GPU flags; the
+    /// RAM estimate assumes `context_tokens` of context.
+    pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
+        Ok(EngineConfig {
+            device: device.into(),
+            cpu: self.options()?,
+            gpu: gpu.options()?,
+            context_tokens,
+            force: self.force,
+        })
     }
 }
 
@@ -152,37 +165,6 @@ impl GpuArgs {
     }
 }
 
-/// Which engine `--device` picks: `gpu` insists, `auto` takes the GPU when one is usable and no
-/// CPU-only precision flag was given, else the CPU with a one-line notice.
-pub fn choose_gpu(device: Device, engine: &EngineArgs) -> anyhow::Result<bool> {
-    let cpu_flags = engine.cpu_expert_bits != WeightBits::Bf16 || engine.cpu_dense_bits != WeightBits::Bf16;
-    match device {
-        Device::Cpu => Ok(false),
-        Device::Gpu => {
-            if let Err(e) = krasis_gpu::probe() {
-                bail!("--device gpu: {e}");
-            }
-            if cpu_flags {
-                bail!(
-                    "--device gpu runs the whole model on the GPU; --cpu-expert-bits/--cpu-dense-bits apply to --device cpu (the hybrid CPU-experts path is not built yet)"
-                );
-            }
-            Ok(true)
-        }
-        Device::Auto => match krasis_gpu::probe() {
-            Err(e) => {
-                eprintln!("notice: no GPU in use ({e}); running on the CPU");
-                Ok(false)
-            }
-            Ok(_) if cpu_flags => {
-                eprintln!("notice: --cpu-expert-bits/--cpu-dense-bits given; running on the CPU");
-                Ok(false)
-            }
-            Ok(_) => Ok(true),
-        },
-    }
-}
-
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model directory (HF format: config.json, *.safetensors, tokenizer.json).
@@ -213,6 +195,7 @@ pub struct Args {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
+    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) | auto
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]
@@ -225,17 +208,14 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let mut use_gpu = choose_gpu(a.device, &a.engine)?;
-    let gpu_opts = a.gpu.options()?;
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
-    let opts = a.engine.options()?;
+    let config = a.engine.config(a.device, &a.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
-    let spec = files.spec().clone();
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");
     }
@@ -255,86 +235,61 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-
     let req = GenerateRequest {
-        prompt_ids: prompt_ids.clone(),
+        prompt_ids,
         max_new_tokens: a.max_new_tokens,
         sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
         ignore_eos: a.ignore_eos,
         record_logits: a.dump_logits.is_some(),
     };
+
     let t_load = Instant::now();
-    let gpu_model = if use_gpu {
-        match GpuModel::from_files(&files, &gpu_opts) {
-            Ok(m) => Some(m),
-            Err(ModelError::Gpu(e)) if a.device == Device::Auto => {
-                eprintln!("notice: the GPU could not take the model ({e}); running on the CPU");
-                use_gpu = false;
-                None
-            }
-            Err(e) => return Err(e.into()),
-        }
-    } else {
-        None
-    };
-    if let Some(m) = gpu_model {
-        for line in &m.log {
-            eprintln!("{line}");
-        }
-        m.check_tokens(&prompt_ids)?;
-        eprintln!(
-            "loaded {} ({} layers) on the GPU in {:.2} s",
-            a.model.display(),
-            m.spec.num_layers,
-            t_load.elapsed().as_secs_f64()
-        );
-        let m = DecoderEngine::new(m);
-        let out = run_generation(&m, &req, codec, prompt_ids.len())?;
-        if let Some(r) = out.host_syncs_per_token {
-            eprintln!("host synchronisations per decoded token: {r:.2}");
-        }
-        return dump(&a, m.spec().vocab_size, &out);
+    let opened = open_engine(&files, &config)?;
+    eprintln!("{}", opened.why);
+    for w in &opened.warnings {
+        eprintln!("warning: {w}");
     }
-    debug_assert!(!use_gpu);
-    let est = a.engine.check_budget(&spec, 4096)?;
-    let loaded = load_model(&files, &opts)?;
-    for line in &loaded.log {
+    for line in &opened.log {
         eprintln!("{line}");
     }
-    let model = DecoderEngine::new(loaded.model);
-    model.check_tokens(&prompt_ids)?;
+    let engine = opened.engine.as_ref();
+    engine.check_tokens(&req.prompt_ids)?;
+    let place = match engine.device() {
+        DevicePath::Cpu => "",
+        DevicePath::Gpu => " on the GPU",
+        DevicePath::Hybrid => " on the GPU and the CPU",
+    };
+    let estimate = opened.memory_estimate.map(|e| format!("; memory estimate {}", format_bytes(e)));
     eprintln!(
-        "loaded {} ({} layers) in {:.2} s; memory estimate {}",
+        "loaded {} ({} layers){place} in {:.2} s{}",
         a.model.display(),
-        model.spec().num_layers,
+        engine.spec().num_layers,
         t_load.elapsed().as_secs_f64(),
-        format_bytes(est)
+        estimate.unwrap_or_default()
     );
 
-    let out = run_generation(&model, &req, codec, prompt_ids.len())?;
-    if a.engine.cpu_expert_bits != WeightBits::Bf16 {
-        // Every routed expert is resident after loading the cache and every dense weight has been
-        // read by now, so RSS should match the estimate.
-        if let Some(rss) = krasis_core::hw::current_rss_bytes() {
-            match krasis_core::budget::rss_deviation_warning(est, rss) {
-                Some(w) => eprintln!("warning: {w}"),
-                None => eprintln!("memory: RSS {} within 10% of the estimate {}", format_bytes(rss), format_bytes(est)),
-            }
-        }
+    let out = run_generation(engine, &req, codec, req.prompt_ids.len())?;
+    if let Some(r) = out.host_syncs_per_token {
+        eprintln!("host synchronisations per decoded token: {r:.2}");
     }
-    dump(&a, model.spec().vocab_size, &out)
+    // Every routed expert is resident after loading the cache and every dense weight has been
+    // read by now, so RSS should match the estimate.
+    if let Some(line) = opened.rss_report() {
+        eprintln!("{line}");
+    }
+    dump(&a, engine.spec().vocab_size, &out)
 }
 
 /// Streams the generated text (or ids) to stdout and prints the timing line.
 fn run_generation(
-    model: &dyn Engine,
+    engine: &dyn Engine,
     req: &GenerateRequest,
     codec: Option<&TextCodec>,
     prompt_len: usize,
 ) -> anyhow::Result<GenerateOutput> {
     let mut stream = TextStream::new();
     let stdout = std::io::stdout();
-    let out = generate(model, req, |id| {
+    let out = generate(engine, req, |id| {
         let mut lock = stdout.lock();
         let piece = match codec {
             Some(c) => stream.push(c, id)?,

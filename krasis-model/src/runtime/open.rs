@@ -15,11 +15,12 @@ use crate::quantized::WeightBits;
 /// An opened engine and what opening it did.
 pub struct Opened {
     pub engine: Box<dyn Engine>,
-    /// Human-readable lines about loading (pool, caches, GPU, budget warnings prefixed
-    /// `warning: `), in order.
+    /// Human-readable lines about loading (pool, caches, GPU), in order.
     pub log: Vec<String>,
-    /// One line: which device path was chosen and why, e.g. `device: cpu (auto: no GPU in use
-    /// (...); running on the CPU)`.
+    /// Things the user should know (e.g. a RAM budget overridden by `force`).
+    pub warnings: Vec<String>,
+    /// One line: which device path was chosen and why, e.g. `device: cpu (auto: no GPU in use:
+    /// no CUDA driver found (...); running on the CPU)`.
     pub why: String,
     /// The resident-memory estimate of the CPU path (`None` on the GPU).
     pub memory_estimate: Option<u64>,
@@ -63,7 +64,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
             open_gpu(files, config, &format!("as asked: the whole model on CUDA device {ordinal}"))
         }
         DevicePolicy::Auto => match krasis_gpu::probe_ordinal(ordinal) {
-            Err(e) => open_cpu(files, config, &format!("auto: no GPU in use ({e}); running on the CPU")),
+            Err(e) => open_cpu(files, config, &format!("auto: no GPU in use: {e}; running on the CPU")),
             Ok(_) if config.wants_cpu_precisions() => {
                 open_cpu(files, config, "auto: --cpu-expert-bits/--cpu-dense-bits given; running on the CPU")
             }
@@ -73,7 +74,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
                     Err(ModelError::Gpu(e)) => open_cpu(
                         files,
                         config,
-                        &format!("auto: the GPU could not take the model ({e}); running on the CPU"),
+                        &format!("auto: the GPU could not take the model: {e}; running on the CPU"),
                     ),
                     other => other,
                 }
@@ -87,18 +88,16 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let est = estimate(files.spec(), config.cpu.expert_bits).total(config.context_tokens);
     let mem_total = krasis_core::hw::probe().mem_total_bytes;
-    let mut log = Vec::new();
-    match check_ram_budget(est, mem_total, config.force) {
-        Ok(Some(w)) => log.push(format!("warning: {w}")),
-        Ok(None) => {}
-        Err(e) => return Err(ModelError::Invalid(e.to_string())),
-    }
+    let warnings = check_ram_budget(est, mem_total, config.force)
+        .map_err(|e| ModelError::Invalid(e.to_string()))?
+        .into_iter()
+        .collect();
     let loaded = load_model(files, &config.cpu)?;
-    log.extend(loaded.log);
     let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);
     Ok(Opened {
         engine: Box::new(engine),
-        log,
+        log: loaded.log,
+        warnings,
         why: device_line(DevicePath::Cpu, why),
         memory_estimate: Some(est),
         check_rss: config.cpu.expert_bits != WeightBits::Bf16,
@@ -112,6 +111,7 @@ pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
     Ok(Opened {
         engine: Box::new(DecoderEngine::new(model)),
         log,
+        warnings: Vec::new(),
         why: device_line(DevicePath::Gpu, why),
         memory_estimate: None,
         check_rss: false,

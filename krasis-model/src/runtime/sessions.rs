@@ -23,8 +23,9 @@ impl EngineDecoder for Model {
         DevicePath::Cpu
     }
 
+    /// The routed experts' executor (everything runs on the CPU; the experts are what differ).
     fn describe(&self) -> String {
-        format!("cpu; routed experts: {}", self.expert_executor().describe())
+        self.expert_executor().describe()
     }
 
     fn forward_stats(&self) -> Option<&ForwardStats> {
