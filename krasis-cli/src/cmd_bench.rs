@@ -27,21 +27,21 @@ use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
 pub struct Args {
     /// Model directory (omit with --membw for the bandwidth probe alone).
     #[arg(long)]
-    model: Option<PathBuf>,
+    pub(crate) model: Option<PathBuf>,
     /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).
     #[arg(long)]
     membw: bool,
     /// Bytes for the bandwidth probe (default 2 GiB, less on small machines).
     #[arg(long)]
-    membw_bytes: Option<usize>,
+    pub(crate) membw_bytes: Option<usize>,
     /// Decode steps to time.
     #[arg(long, default_value_t = 32)]
-    decode_tokens: usize,
+    pub(crate) decode_tokens: usize,
     /// Prompt length before decoding (random ids).
     #[arg(long, default_value_t = 16)]
-    prompt_tokens: usize,
+    pub(crate) prompt_tokens: usize,
     #[command(flatten)]
-    engine: EngineArgs,
+    pub(crate) engine: EngineArgs,
     /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
@@ -68,16 +68,17 @@ pub struct Args {
     gemv_compare: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Time the GPU attention kernels at V2-Lite shapes (MLA prefill at 8K tokens, absorbed MLA
     /// decode at 4K context, GQA prefill) against the GPU's peaks.
     #[arg(long)]
     gpu_attention: bool,
-    /// Where --model runs: the CPU engine, or the whole model on the GPU.
+    /// Where --model runs: the CPU engine, the whole model on the GPU, or hybrid (routed experts
+    /// on the CPU, the rest on the GPU; also measures the bandwidth probe in the same run).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     #[command(flatten)]
-    gpu: GpuArgs,
+    pub(crate) gpu: GpuArgs,
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
@@ -276,8 +277,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             out["attention"] = crate::cmd_bench_gpu::attention(a.gpu.gpu, a.gpu.vram_budget, !a.json)?;
         }
         if let Some(dir) = &a.model {
-            out["model"] =
-                crate::cmd_bench_gpu::model(dir, &a.gpu.options()?, a.prompt_tokens, a.decode_tokens, !a.json)?;
+            out["model"] = if a.device == Device::Hybrid {
+                crate::cmd_bench_hybrid::model(dir, &a, !a.json)?
+            } else {
+                crate::cmd_bench_gpu::model(dir, &a.gpu.options()?, a.prompt_tokens, a.decode_tokens, !a.json)?
+            };
         }
         if a.json {
             println!("{}", serde_json::to_string_pretty(&out)?);
@@ -384,7 +388,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
-                                "experts": model.expert_executor().describe() });
+                                "experts": model.experts_description() });
         out["load_s"] = json!(load_s);
         out["prefill"] =
             json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s });

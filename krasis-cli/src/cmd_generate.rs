@@ -23,8 +23,12 @@ use krasis_model::ModelError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
+    /// Every op on the CPU.
     Cpu,
+    /// The whole model on the GPU.
     Gpu,
+    /// Routed experts on the CPU (INT4/INT8 cache), everything else on the GPU.
+    Hybrid,
     Auto,
 }
 
@@ -157,6 +161,12 @@ pub fn choose_gpu(device: Device, engine: &EngineArgs) -> anyhow::Result<bool> {
     let cpu_flags = engine.cpu_expert_bits != WeightBits::Bf16 || engine.cpu_dense_bits != WeightBits::Bf16;
     match device {
         Device::Cpu => Ok(false),
+        Device::Hybrid => {
+            if let Err(e) = krasis_gpu::probe() {
+                bail!("--device hybrid: {e}");
+            }
+            Ok(true)
+        }
         Device::Gpu => {
             if let Err(e) = krasis_gpu::probe() {
                 bail!("--device gpu: {e}");
@@ -267,7 +277,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let t_load = Instant::now();
     let gpu_model = if use_gpu {
-        match GpuModel::load(&a.model, &gpu_opts) {
+        let loaded = if a.device == Device::Hybrid {
+            GpuModel::load_hybrid(&a.model, &gpu_opts, &opts)
+        } else {
+            GpuModel::load(&a.model, &gpu_opts)
+        };
+        match loaded {
             Ok(m) => Some(m),
             Err(ModelError::Gpu(e)) if a.device == Device::Auto => {
                 eprintln!("notice: the GPU could not take the model ({e}); running on the CPU");
@@ -285,9 +300,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         m.check_tokens(&prompt_ids)?;
         eprintln!(
-            "loaded {} ({} layers) on the GPU in {:.2} s",
+            "loaded {} ({} layers) on the GPU{} in {:.2} s",
             a.model.display(),
             m.spec.num_layers,
+            if a.device == Device::Hybrid { " (routed experts on the CPU)" } else { "" },
             t_load.elapsed().as_secs_f64()
         );
         let out = run_generation(m, &req, codec.as_ref(), prompt_ids.len())?;
