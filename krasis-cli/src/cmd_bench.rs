@@ -26,21 +26,21 @@ use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
 pub struct Args {
     /// Model directory (omit with --membw for the bandwidth probe alone).
     #[arg(long)]
-    model: Option<PathBuf>,
+    pub(crate) model: Option<PathBuf>,
     /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).
     #[arg(long)]
     membw: bool,
     /// Bytes for the bandwidth probe (default 2 GiB, less on small machines).
     #[arg(long)]
-    membw_bytes: Option<usize>,
+    pub(crate) membw_bytes: Option<usize>,
     /// Decode steps to time.
     #[arg(long, default_value_t = 32)]
-    decode_tokens: usize,
+    pub(crate) decode_tokens: usize,
     /// Prompt length before decoding (random ids).
     #[arg(long, default_value_t = 16)]
-    prompt_tokens: usize,
+    pub(crate) prompt_tokens: usize,
     #[command(flatten)]
-    engine: EngineArgs,
+    pub(crate) engine: EngineArgs,
     /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
@@ -67,17 +67,17 @@ pub struct Args {
     gemv_compare: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Time the GPU attention kernels at V2-Lite shapes (MLA prefill at 8K tokens, absorbed MLA
     /// decode at 4K context, GQA prefill) against the GPU's peaks.
     #[arg(long)]
     gpu_attention: bool,
     /// Where --model runs: cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the
-    /// rest on the GPU) | auto
+    /// rest on the GPU; also measures the bandwidth probe in the same run) | auto
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     #[command(flatten)]
-    gpu: GpuArgs,
+    pub(crate) gpu: GpuArgs,
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
@@ -297,7 +297,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         if let Some(dir) = &a.model {
             let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
-            out["model"] = crate::cmd_bench_gpu::model(dir, &config, a.prompt_tokens, a.decode_tokens, !a.json)?;
+            out["model"] = if a.device == Device::Hybrid {
+                crate::cmd_bench_hybrid::model(dir, &a, &config, !a.json)?
+            } else {
+                crate::cmd_bench_gpu::model(dir, &config, a.prompt_tokens, a.decode_tokens, !a.json)?
+            };
         }
         if a.json {
             println!("{}", serde_json::to_string_pretty(&out)?);
@@ -385,8 +389,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let (prefill_s, decode_s) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
         let (expert_s, _) = engine.forward_stats().map_or((0.0, 0.0), |s| s.seconds());
         let n = a.decode_tokens as f64;
-        let bytes = engine.weight_bytes_per_token();
-        let (expert_bytes, dense_bytes) = bytes.map_or((0, 0), |b| (b.routed_experts, b.dense));
+        let spec = engine.spec();
+        let moe_layers = spec.moe_layers().count() as u64;
+        let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
+        let expert_bytes = moe_layers * top_k * engine.expert_bytes().unwrap_or(0);
+        let dense_bytes = engine.dense_bytes_per_token().unwrap_or(0);
         let ms = decode_s * 1e3 / n;
         let expert_ms = expert_s * 1e3 / n;
         let expert_gbs = expert_bytes as f64 / 1e9 / (expert_s / n).max(1e-12);

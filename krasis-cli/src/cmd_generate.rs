@@ -23,9 +23,13 @@ use krasis_model::tokenizer::{TextCodec, TextStream};
 /// `--device`: which device policy the engine opens with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
+    /// Every op on the CPU.
     Cpu,
+    /// The whole model on the GPU.
     Gpu,
+    /// Routed experts on the CPU (INT4/INT8 cache), everything else on the GPU.
     Hybrid,
+    /// The GPU when one is usable and the model fits its VRAM budget, else the CPU.
     Auto,
 }
 
@@ -223,7 +227,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let prompt_ids = match (&a.prompt, &a.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
-            let codec = codec.expect("loaded for --prompt");
+            let codec = codec.as_deref().expect("loaded for --prompt");
             if a.chat {
                 codec.encode_chat(text)?
             } else {
@@ -245,6 +249,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
     let t_load = Instant::now();
     let opened = open_engine(&files, &config)?;
+    // The engine holds what it needs; the source mapping goes, so weights uploaded to the GPU
+    // are not kept in host memory.
+    drop(files);
     eprintln!("{}", opened.why);
     for w in &opened.warnings {
         eprintln!("warning: {w}");
@@ -257,7 +264,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let place = match engine.device() {
         DevicePath::Cpu => "",
         DevicePath::Gpu => " on the GPU",
-        DevicePath::Hybrid => " on the GPU and the CPU",
+        DevicePath::Hybrid => " on the GPU (routed experts on the CPU)",
     };
     let estimate = opened.memory_estimate.map(|e| format!("; memory estimate {}", format_bytes(e)));
     eprintln!(
@@ -268,7 +275,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         estimate.unwrap_or_default()
     );
 
-    let out = run_generation(engine, &req, codec, req.prompt_ids.len())?;
+    let out = run_generation(engine, &req, codec.as_deref(), req.prompt_ids.len())?;
     if let Some(r) = out.host_syncs_per_token {
         eprintln!("host synchronisations per decoded token: {r:.2}");
     }

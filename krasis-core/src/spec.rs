@@ -74,7 +74,36 @@ pub enum AttentionSpec {
     Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool },
 }
 
+/// MLA's per-head geometry, as the attention kernels use it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlaDims {
+    pub heads: usize,
+    /// Non-rotary query/key dimensions per head.
+    pub nope: usize,
+    /// Rotary query/key dimensions per head (shared rotary key).
+    pub rope: usize,
+    pub v_dim: usize,
+    /// Latent (compressed KV) rank.
+    pub latent: usize,
+}
+
 impl AttentionSpec {
+    /// MLA's geometry (`None` for GQA).
+    pub fn mla_dims(&self) -> Option<MlaDims> {
+        match *self {
+            AttentionSpec::Mla { heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, .. } => {
+                Some(MlaDims {
+                    heads,
+                    nope: qk_nope_head_dim,
+                    rope: qk_rope_head_dim,
+                    v_dim: v_head_dim,
+                    latent: kv_lora_rank,
+                })
+            }
+            AttentionSpec::Gqa { .. } => None,
+        }
+    }
+
     pub fn heads(&self) -> usize {
         match self {
             AttentionSpec::Mla { heads, .. } | AttentionSpec::Gqa { heads, .. } => *heads,

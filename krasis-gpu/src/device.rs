@@ -415,12 +415,64 @@ impl GpuDevice {
         Ok(v)
     }
 
-    /// Page-locked host memory for DMA (not charged to the VRAM budget).
+    /// Page-locked, CPU-cached host memory for DMA (not charged to the VRAM budget). Cached, not
+    /// write-combined: the host reads what the device copies here (the hybrid engine's hand-off).
     ///
     /// # Safety
     /// The contents are uninitialised.
     pub unsafe fn alloc_pinned<T: DeviceRepr>(&self, len: usize) -> Result<PinnedHostSlice<T>, GpuError> {
-        self.ctx.alloc_pinned::<T>(len).map_err(|e| GpuError::driver("cuMemHostAlloc", e))
+        self.ctx.alloc_pinned_with_flags::<T>(len, 0).map_err(|e| GpuError::driver("cuMemHostAlloc", e))
+    }
+
+    /// Enqueues a device→host copy on the compute stream and returns at once.
+    ///
+    /// # Safety
+    /// `host` must be page-locked (from [`GpuDevice::alloc_pinned`]) and must be neither read
+    /// nor freed until the stream has passed this copy (an event recorded after it has completed).
+    pub unsafe fn copy_to_host_async<T: DeviceRepr>(
+        &self,
+        src: &impl DevicePtr<T>,
+        host: &mut [T],
+    ) -> Result<(), GpuError> {
+        if src.len() != host.len() {
+            return Err(GpuError::shape("download", format!("{} device elements into {}", src.len(), host.len())));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtoh(src, host).map_err(|e| GpuError::driver("cuMemcpyDtoHAsync", e))
+    }
+
+    /// Enqueues a host→device copy on the compute stream and returns at once.
+    ///
+    /// # Safety
+    /// `host` must be page-locked and must not be written or freed until the stream has passed
+    /// this copy.
+    pub unsafe fn copy_to_device_async<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), GpuError> {
+        if host.len() != dst.len() {
+            return Err(GpuError::shape("upload", format!("{} host elements into {}", host.len(), dst.len())));
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        self.uploads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.stream.memcpy_htod(host, dst).map_err(|e| GpuError::driver("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Records `event` on the compute stream (after everything enqueued so far).
+    pub fn record(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        event.record(&self.stream).map_err(|e| GpuError::driver("cuEventRecord", e))
+    }
+
+    /// Waits on the host until `event` has completed (counted in
+    /// [`GpuDevice::sync_counters`]): the planned hand-off points of the hybrid engine.
+    pub fn wait_event(&self, event: &CudaEvent) -> Result<(), GpuError> {
+        self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        event.synchronize().map_err(|e| GpuError::driver("cuEventSynchronize", e))
     }
 
     fn module(&self, kernel: &KernelSource) -> Result<Arc<CudaModule>, GpuError> {

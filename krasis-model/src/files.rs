@@ -19,7 +19,7 @@ pub struct ModelFiles {
     spec: ModelSpec,
     source: Arc<dyn WeightSource>,
     fingerprint: u64,
-    codec: OnceLock<TextCodec>,
+    codec: OnceLock<Arc<TextCodec>>,
 }
 
 impl ModelFiles {
@@ -71,14 +71,16 @@ impl ModelFiles {
         self.path.join("tokenizer.json").exists()
     }
 
-    /// The tokenizer and chat template, loaded on the first call and kept. A missing or broken
-    /// `tokenizer.json` is an error naming the file (and `--prompt-ids` as the way around it).
-    pub fn text_codec(&self) -> Result<&TextCodec> {
+    /// The tokenizer and chat template, loaded on the first call and kept (shared: it outlives
+    /// the `ModelFiles`, whose weight mapping callers may drop once an engine is built). A
+    /// missing or broken `tokenizer.json` is an error naming the file (and `--prompt-ids` as the
+    /// way around it).
+    pub fn text_codec(&self) -> Result<Arc<TextCodec>> {
         if let Some(codec) = self.codec.get() {
-            return Ok(codec);
+            return Ok(Arc::clone(codec));
         }
-        let loaded = TextCodec::load(&self.path)?;
-        Ok(self.codec.get_or_init(|| loaded))
+        let loaded = Arc::new(TextCodec::load(&self.path)?);
+        Ok(Arc::clone(self.codec.get_or_init(|| loaded)))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Architectures (config → layer plan), weight sources, tokenizer and chat template, the engine
 //! (prefill/decode orchestration, sampling, KV cache) and synthetic models.
 
+pub mod build;
 pub mod config;
 pub mod error;
 pub mod files;

@@ -54,34 +54,57 @@ fn make_pool(threads: Option<usize>) -> Result<Arc<WorkerPool>> {
     WorkerPool::new(plan).map(Arc::new).map_err(|e| ModelError::Invalid(format!("starting the worker pool: {e}")))
 }
 
+/// The quantised routed experts of every MoE layer on the pinned pool, from the expert cache
+/// (built on first use).
+pub struct CpuExperts {
+    pub executor: Arc<CpuQuantExperts>,
+    /// Bytes of one routed expert as executed.
+    pub expert_bytes: u64,
+}
+
+/// Starts the worker pool and installs it for the CPU kernels (logged).
+pub fn start_pool(threads: Option<usize>, log: &mut Vec<String>) -> Result<Arc<WorkerPool>> {
+    let p = make_pool(threads)?;
+    krasis_cpu::par::install(p.clone());
+    log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
+    Ok(p)
+}
+
+/// Opens (or builds) the expert cache for `bits` and puts the experts on `pool`.
+pub fn open_cpu_experts(
+    files: &ModelFiles,
+    bits: krasis_quant::Bits,
+    opts: &EngineOptions,
+    pool: &Arc<WorkerPool>,
+    log: &mut Vec<String>,
+) -> Result<CpuExperts> {
+    let t = Instant::now();
+    let (cache, outcome) = open_expert_cache(files, bits, opts.group_size, opts.cache_dir.as_deref(), pool)?;
+    match &outcome {
+        CacheOutcome::Hit => log.push(format!("expert cache hit: {}", cache.path().display())),
+        CacheOutcome::Built { reason } => {
+            log.push(format!("expert cache built ({reason}): {}", cache.path().display()))
+        }
+    }
+    log.push(format!("{} ({:.2} s)", krasis_cache::describe(&cache), t.elapsed().as_secs_f64()));
+    let ex = CpuQuantExperts::new(cache, files.spec(), pool.clone())?;
+    Ok(CpuExperts { expert_bytes: ex.expert_bytes(), executor: Arc::new(ex) })
+}
+
 /// Loads `files` for the CPU engine at the precisions of `opts` (the expert cache is opened, or
 /// built on first use, when the experts are quantised).
 pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     let spec = files.spec().clone();
     let mut log = Vec::new();
     let quantised = opts.expert_bits != WeightBits::Bf16 || opts.dense_bits != WeightBits::Bf16;
-    let pool = if quantised { Some(make_pool(opts.threads)?) } else { None };
-    if let Some(p) = &pool {
-        krasis_cpu::par::install(p.clone());
-        log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
-    }
+    let pool = if quantised { Some(start_pool(opts.threads, &mut log)?) } else { None };
     let moe_per_expert = spec.moe.as_ref().map_or(0, |m| {
         crate::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
     });
-    let (experts, expert_bytes): (Option<Box<dyn ExpertExecutor>>, u64) = match (quant_bits(opts.expert_bits), &pool) {
+    let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (quant_bits(opts.expert_bits), &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
-            let t = Instant::now();
-            let (cache, outcome) = open_expert_cache(files, bits, opts.group_size, opts.cache_dir.as_deref(), pool)?;
-            match &outcome {
-                CacheOutcome::Hit => log.push(format!("expert cache hit: {}", cache.path().display())),
-                CacheOutcome::Built { reason } => {
-                    log.push(format!("expert cache built ({reason}): {}", cache.path().display()))
-                }
-            }
-            log.push(format!("{} ({:.2} s)", krasis_cache::describe(&cache), t.elapsed().as_secs_f64()));
-            let ex = CpuQuantExperts::new(cache, &spec, pool.clone())?;
-            let bytes = ex.expert_bytes();
-            (Some(Box::new(ex)), bytes)
+            let ex = open_cpu_experts(files, bits, opts, pool, &mut log)?;
+            (Some(ex.executor as Arc<dyn ExpertExecutor>), ex.expert_bytes)
         }
         _ => (None, moe_per_expert),
     };
@@ -98,6 +121,6 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     if dense_bits.is_some() {
         log.push(format!("dense weights quantised to {:?} in {:.2} s", opts.dense_bits, t.elapsed().as_secs_f64()));
     }
-    log.push(format!("routed experts: {}", model.expert_executor().describe()));
+    log.push(format!("routed experts: {}", model.experts_description()));
     Ok(Loaded { model, log, expert_bytes, pool })
 }

@@ -39,86 +39,202 @@ pub fn layer_prefix(l: usize) -> String {
     format!("model.layers.{l}")
 }
 
-pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
+/// A gated MLP's three projections (dense layers, shared experts, each routed expert).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlpTensors {
+    pub gate: TensorSpec,
+    pub up: TensorSpec,
+    pub down: TensorSpec,
+}
+
+/// MLA's query path: one projection, or a low-rank pair with a norm between.
+#[derive(Clone, Debug, PartialEq)]
+pub enum QueryTensors {
+    Direct(TensorSpec),
+    LowRank { a: TensorSpec, norm: TensorSpec, b: TensorSpec },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttentionTensors {
+    Mla { q: QueryTensors, kv_a: TensorSpec, kv_a_norm: TensorSpec, kv_b: TensorSpec, o: TensorSpec },
+    Gqa { q: TensorSpec, k: TensorSpec, v: TensorSpec, o: TensorSpec, qk_norm: Option<(TensorSpec, TensorSpec)> },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum FfnTensors {
+    Dense(MlpTensors),
+    Moe { router: TensorSpec, bias: Option<TensorSpec>, experts: Vec<MlpTensors>, shared: Option<MlpTensors> },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerTensors {
+    pub input_norm: TensorSpec,
+    pub post_norm: TensorSpec,
+    pub attention: AttentionTensors,
+    pub ffn: FfnTensors,
+}
+
+/// Every tensor a model has, by the part it plays: the one place canonical names are spelled.
+/// Builders walk this ([`crate::build`]), the loader validates against it, `krasis synth` writes
+/// it, `krasis info` counts it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelTensors {
+    pub embed: TensorSpec,
+    pub layers: Vec<LayerTensors>,
+    pub final_norm: TensorSpec,
+    /// The LM head; with tied embeddings it names the embedding matrix.
+    pub lm_head: TensorSpec,
+    pub tied_lm_head: bool,
+}
+
+fn tensor(name: String, shape: Vec<usize>, role: TensorRole) -> TensorSpec {
+    TensorSpec { name, shape, role }
+}
+
+fn mlp_tensors(prefix: &str, inter: usize, hidden: usize, role: TensorRole) -> MlpTensors {
+    MlpTensors {
+        gate: tensor(format!("{prefix}.gate_proj.weight"), vec![inter, hidden], role),
+        up: tensor(format!("{prefix}.up_proj.weight"), vec![inter, hidden], role),
+        down: tensor(format!("{prefix}.down_proj.weight"), vec![hidden, inter], role),
+    }
+}
+
+/// Routed expert `e` of MoE layer `l`.
+pub fn expert_tensors(spec: &ModelSpec, l: usize, e: usize) -> MlpTensors {
+    let inter = spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
+    let prefix = format!("{}.mlp.experts.{e}", layer_prefix(l));
+    mlp_tensors(&prefix, inter, spec.hidden_size, TensorRole::RoutedExpert { layer: l, expert: e })
+}
+
+fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
     let h = spec.hidden_size;
-    let mut out = Vec::new();
-    let mut push = |name: String, shape: Vec<usize>, role: TensorRole| {
-        out.push(TensorSpec { name, shape, role });
-    };
-    push("model.embed_tokens.weight".into(), vec![spec.vocab_size, h], TensorRole::Embedding);
-    for (l, ffn) in spec.layers.iter().enumerate() {
-        let p = layer_prefix(l);
-        push(format!("{p}.input_layernorm.weight"), vec![h], TensorRole::Norm);
-        push(format!("{p}.post_attention_layernorm.weight"), vec![h], TensorRole::Norm);
-        let a = format!("{p}.self_attn");
-        match spec.attention {
-            AttentionSpec::Mla { heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim } => {
-                let qk = qk_nope_head_dim + qk_rope_head_dim;
-                match q_lora_rank {
-                    Some(r) => {
-                        push(format!("{a}.q_a_proj.weight"), vec![r, h], TensorRole::Attention);
-                        push(format!("{a}.q_a_layernorm.weight"), vec![r], TensorRole::Norm);
-                        push(format!("{a}.q_b_proj.weight"), vec![heads * qk, r], TensorRole::Attention);
-                    }
-                    None => push(format!("{a}.q_proj.weight"), vec![heads * qk, h], TensorRole::Attention),
-                }
-                push(
-                    format!("{a}.kv_a_proj_with_mqa.weight"),
-                    vec![kv_lora_rank + qk_rope_head_dim, h],
-                    TensorRole::Attention,
-                );
-                push(format!("{a}.kv_a_layernorm.weight"), vec![kv_lora_rank], TensorRole::Norm);
-                push(
-                    format!("{a}.kv_b_proj.weight"),
-                    vec![heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank],
-                    TensorRole::Attention,
-                );
-                push(format!("{a}.o_proj.weight"), vec![h, heads * v_head_dim], TensorRole::Attention);
+    let a = format!("{}.self_attn", layer_prefix(l));
+    let t = |name: &str, shape: Vec<usize>, role: TensorRole| tensor(format!("{a}.{name}.weight"), shape, role);
+    let proj = |name: &str, shape: Vec<usize>| t(name, shape, TensorRole::Attention);
+    match spec.attention {
+        AttentionSpec::Mla { heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim } => {
+            let qk = qk_nope_head_dim + qk_rope_head_dim;
+            AttentionTensors::Mla {
+                q: match q_lora_rank {
+                    Some(r) => QueryTensors::LowRank {
+                        a: proj("q_a_proj", vec![r, h]),
+                        norm: t("q_a_layernorm", vec![r], TensorRole::Norm),
+                        b: proj("q_b_proj", vec![heads * qk, r]),
+                    },
+                    None => QueryTensors::Direct(proj("q_proj", vec![heads * qk, h])),
+                },
+                kv_a: proj("kv_a_proj_with_mqa", vec![kv_lora_rank + qk_rope_head_dim, h]),
+                kv_a_norm: t("kv_a_layernorm", vec![kv_lora_rank], TensorRole::Norm),
+                kv_b: proj("kv_b_proj", vec![heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]),
+                o: proj("o_proj", vec![h, heads * v_head_dim]),
             }
-            AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => {
-                push(format!("{a}.q_proj.weight"), vec![heads * head_dim, h], TensorRole::Attention);
-                push(format!("{a}.k_proj.weight"), vec![kv_heads * head_dim, h], TensorRole::Attention);
-                push(format!("{a}.v_proj.weight"), vec![kv_heads * head_dim, h], TensorRole::Attention);
-                push(format!("{a}.o_proj.weight"), vec![h, heads * head_dim], TensorRole::Attention);
-                if qk_norm {
-                    push(format!("{a}.q_norm.weight"), vec![head_dim], TensorRole::Norm);
-                    push(format!("{a}.k_norm.weight"), vec![head_dim], TensorRole::Norm);
+        }
+        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => AttentionTensors::Gqa {
+            q: proj("q_proj", vec![heads * head_dim, h]),
+            k: proj("k_proj", vec![kv_heads * head_dim, h]),
+            v: proj("v_proj", vec![kv_heads * head_dim, h]),
+            o: proj("o_proj", vec![h, heads * head_dim]),
+            qk_norm: qk_norm.then(|| {
+                (t("q_norm", vec![head_dim], TensorRole::Norm), t("k_norm", vec![head_dim], TensorRole::Norm))
+            }),
+        },
+    }
+}
+
+fn ffn_tensors(spec: &ModelSpec, l: usize, kind: &FfnKind) -> FfnTensors {
+    let h = spec.hidden_size;
+    let m = format!("{}.mlp", layer_prefix(l));
+    match kind {
+        FfnKind::Dense { intermediate_size: i } => FfnTensors::Dense(mlp_tensors(&m, *i, h, TensorRole::DenseMlp)),
+        FfnKind::Moe => {
+            let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
+            let e = moe.n_routed_experts;
+            let s = moe.shared_intermediate_size;
+            FfnTensors::Moe {
+                router: tensor(format!("{m}.gate.weight"), vec![e, h], TensorRole::Router),
+                bias: matches!(moe.routing.topk, TopkMethod::NoauxTc { .. })
+                    .then(|| tensor(format!("{m}.gate.e_score_correction_bias"), vec![e], TensorRole::RouterBias)),
+                experts: (0..e).map(|x| expert_tensors(spec, l, x)).collect(),
+                shared: (s > 0).then(|| mlp_tensors(&format!("{m}.shared_experts"), s, h, TensorRole::SharedExpert)),
+            }
+        }
+    }
+}
+
+pub fn model_tensors(spec: &ModelSpec) -> ModelTensors {
+    let h = spec.hidden_size;
+    let embed = tensor("model.embed_tokens.weight".into(), vec![spec.vocab_size, h], TensorRole::Embedding);
+    let layers = spec
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(l, kind)| LayerTensors {
+            input_norm: tensor(format!("{}.input_layernorm.weight", layer_prefix(l)), vec![h], TensorRole::Norm),
+            post_norm: tensor(
+                format!("{}.post_attention_layernorm.weight", layer_prefix(l)),
+                vec![h],
+                TensorRole::Norm,
+            ),
+            attention: attention_tensors(spec, l),
+            ffn: ffn_tensors(spec, l, kind),
+        })
+        .collect();
+    let tied = spec.tie_word_embeddings;
+    let lm_head_name = if tied { embed.name.clone() } else { "lm_head.weight".into() };
+    ModelTensors {
+        lm_head: tensor(lm_head_name, vec![spec.vocab_size, h], TensorRole::LmHead),
+        embed,
+        layers,
+        final_norm: tensor("model.norm.weight".into(), vec![h], TensorRole::Norm),
+        tied_lm_head: tied,
+    }
+}
+
+impl MlpTensors {
+    fn push_into(&self, out: &mut Vec<TensorSpec>) {
+        out.extend([self.gate.clone(), self.up.clone(), self.down.clone()]);
+    }
+}
+
+/// The stored tensors, in file order (a tied LM head is not stored twice).
+pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
+    let m = model_tensors(spec);
+    let mut out = vec![m.embed];
+    for layer in m.layers {
+        out.push(layer.input_norm);
+        out.push(layer.post_norm);
+        match layer.attention {
+            AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
+                match q {
+                    QueryTensors::LowRank { a, norm, b } => out.extend([a, norm, b]),
+                    QueryTensors::Direct(q) => out.push(q),
+                }
+                out.extend([kv_a, kv_a_norm, kv_b, o]);
+            }
+            AttentionTensors::Gqa { q, k, v, o, qk_norm } => {
+                out.extend([q, k, v, o]);
+                if let Some((qn, kn)) = qk_norm {
+                    out.extend([qn, kn]);
                 }
             }
         }
-        let m = format!("{p}.mlp");
-        match ffn {
-            FfnKind::Dense { intermediate_size: i } => {
-                push(format!("{m}.gate_proj.weight"), vec![*i, h], TensorRole::DenseMlp);
-                push(format!("{m}.up_proj.weight"), vec![*i, h], TensorRole::DenseMlp);
-                push(format!("{m}.down_proj.weight"), vec![h, *i], TensorRole::DenseMlp);
-            }
-            FfnKind::Moe => {
-                let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
-                let e = moe.n_routed_experts;
-                let i = moe.moe_intermediate_size;
-                push(format!("{m}.gate.weight"), vec![e, h], TensorRole::Router);
-                if matches!(moe.routing.topk, TopkMethod::NoauxTc { .. }) {
-                    push(format!("{m}.gate.e_score_correction_bias"), vec![e], TensorRole::RouterBias);
+        match layer.ffn {
+            FfnTensors::Dense(mlp) => mlp.push_into(&mut out),
+            FfnTensors::Moe { router, bias, experts, shared } => {
+                out.push(router);
+                out.extend(bias);
+                for e in &experts {
+                    e.push_into(&mut out);
                 }
-                for x in 0..e {
-                    let role = TensorRole::RoutedExpert { layer: l, expert: x };
-                    push(format!("{m}.experts.{x}.gate_proj.weight"), vec![i, h], role);
-                    push(format!("{m}.experts.{x}.up_proj.weight"), vec![i, h], role);
-                    push(format!("{m}.experts.{x}.down_proj.weight"), vec![h, i], role);
-                }
-                let s = moe.shared_intermediate_size;
-                if s > 0 {
-                    push(format!("{m}.shared_experts.gate_proj.weight"), vec![s, h], TensorRole::SharedExpert);
-                    push(format!("{m}.shared_experts.up_proj.weight"), vec![s, h], TensorRole::SharedExpert);
-                    push(format!("{m}.shared_experts.down_proj.weight"), vec![h, s], TensorRole::SharedExpert);
+                if let Some(s) = shared {
+                    s.push_into(&mut out);
                 }
             }
         }
     }
-    push("model.norm.weight".into(), vec![h], TensorRole::Norm);
-    if !spec.tie_word_embeddings {
-        push("lm_head.weight".into(), vec![spec.vocab_size, h], TensorRole::LmHead);
+    out.push(m.final_norm);
+    if !m.tied_lm_head {
+        out.push(m.lm_head);
     }
     out
 }

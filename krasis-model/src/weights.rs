@@ -7,6 +7,7 @@ use crate::error::{ModelError, Result};
 use crate::linear::{DenseLinear, MatrixData};
 use crate::source::{StoredTensor, WeightSource};
 use crate::spec::SourceQuant;
+use crate::tensors::TensorSpec;
 
 const FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 const MATRIX_DTYPES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3];
@@ -41,6 +42,16 @@ impl<'a> WeightLoader<'a> {
 
     fn dtype_err(t: &StoredTensor, name: &str, msg: &str) -> ModelError {
         ModelError::DType { name: name.into(), path: t.file.clone(), found: t.dtype.to_string(), msg: msg.into() }
+    }
+
+    /// A tensor of the inventory as a reference linear op (its shape is `[rows, cols]`).
+    pub fn matrix_of(&self, t: &TensorSpec) -> Result<DenseLinear> {
+        self.matrix(&t.name, t.shape[0], t.shape[1])
+    }
+
+    /// A 1-D tensor of the inventory as f32.
+    pub fn vector_of(&self, t: &TensorSpec) -> Result<Vec<f32>> {
+        self.vector(&t.name, t.shape[0])
     }
 
     /// A 1-D or small tensor as f32 (norm weights, biases).

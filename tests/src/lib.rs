@@ -157,3 +157,75 @@ pub fn quant_bound(fixtures: &Path, fixture: &str, kind: &str) -> Bound {
         first_token_same: e["first_token_same"].as_bool(),
     }
 }
+
+/// A fixture opened for a GPU test.
+pub struct GpuFixture {
+    pub root: PathBuf,
+    pub dir: PathBuf,
+    pub reference: Reference,
+    pub vocab: usize,
+}
+
+/// The fixture `name` with its oracle outputs, or `None` (after a visible skip line) when the
+/// fixtures or a GPU are missing.
+pub fn gpu_fixture(name: &str) -> Option<GpuFixture> {
+    let root = fixtures_dir()?;
+    if !gpu_available(name) {
+        return None;
+    }
+    let dir = root.join(name);
+    let reference = load_reference(&dir);
+    let vocab = reference.prefill_logits.len() / reference.prompt_ids.len();
+    Some(GpuFixture { root, dir, reference, vocab })
+}
+
+/// Whether a GPU is usable; without one prints a visible skip line (or panics under
+/// `KRASIS_REQUIRE_GPU=1`, as on the GPU box).
+pub fn gpu_available(test: &str) -> bool {
+    match krasis_gpu::probe() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
+            }
+            eprintln!("*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            false
+        }
+    }
+}
+
+/// One `#[test]` per oracle fixture, each calling `$check(fixture_name)`.
+#[macro_export]
+macro_rules! per_fixture_tests {
+    ($check:path) => {
+        #[test]
+        fn dsv2_lite() {
+            $check($crate::FIXTURE_NAMES[0]);
+        }
+
+        #[test]
+        fn dsv2_k256() {
+            $check($crate::FIXTURE_NAMES[1]);
+        }
+
+        #[test]
+        fn dsv2_grouped() {
+            $check($crate::FIXTURE_NAMES[2]);
+        }
+
+        #[test]
+        fn dsv3() {
+            $check($crate::FIXTURE_NAMES[3]);
+        }
+
+        #[test]
+        fn dsv3_fp8() {
+            $check($crate::FIXTURE_NAMES[4]);
+        }
+
+        #[test]
+        fn qwen3moe() {
+            $check($crate::FIXTURE_NAMES[5]);
+        }
+    };
+}

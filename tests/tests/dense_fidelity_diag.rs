@@ -124,15 +124,6 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
     let ex = CpuQuantExperts::new(c, &spec, pool.clone()).unwrap();
     let rec = Arc::new(Recorder { inner: Box::new(ex), routes: Mutex::new(Vec::new()), xs: Mutex::new(Vec::new()) });
     let werr = Mutex::new((0f64, 0f64));
-    struct Shared(Arc<Recorder>);
-    impl ExpertExecutor for Shared {
-        fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
-            self.0.run(layer, x, t, routes, out)
-        }
-        fn describe(&self) -> String {
-            self.0.describe()
-        }
-    }
     let factory = |l: DenseLinear, name: &str| -> krasis_model::Result<Box<dyn LinearOp>> {
         if !classes.contains(&class(name)) {
             return reference_dense(l, name);
@@ -154,7 +145,8 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
             }
         }
     };
-    let model = Model::from_source(spec, files.weights(), &factory, Some(Box::new(Shared(rec.clone())))).unwrap();
+    let model =
+        Model::from_source(spec, files.weights(), &factory, Some(rec.clone() as Arc<dyn ExpertExecutor>)).unwrap();
     let r = load_reference(dir);
     let vocab = r.prefill_logits.len() / r.prompt_ids.len();
     let mut s = model.new_session();

@@ -13,20 +13,10 @@ use std::path::Path;
 
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, Fidelity, FIXTURE_NAMES};
-
-fn gpu_available(test: &str) -> bool {
-    match krasis_gpu::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("KRASIS_REQUIRE_GPU=1 but {e}");
-            }
-            eprintln!("*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
-            false
-        }
-    }
-}
+use krasis_tests::{
+    fidelity, fixtures_dir, gpu_available, gpu_fixture, load_reference, quant_bound, Fidelity, GpuFixture,
+    FIXTURE_NAMES,
+};
 
 /// KV tokens per session in these tests: the fixtures' prompts plus the decode steps fit easily.
 const TEST_KV_TOKENS: usize = 512;
@@ -83,13 +73,7 @@ fn report(name: &str, what: &str, f: &Fidelity, bar: f64) {
 }
 
 fn check(name: &str) {
-    let Some(root) = fixtures_dir() else { return };
-    if !gpu_available(name) {
-        return;
-    }
-    let dir = root.join(name);
-    let r = load_reference(&dir);
-    let vocab = r.prefill_logits.len() / r.prompt_ids.len();
+    let Some(GpuFixture { root, dir, reference: r, vocab }) = gpu_fixture(name) else { return };
     let b = quant_bound(&root, name, "bf16");
     let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
     let bf16 = run(&dir, KvDtype::Bf16);
@@ -115,35 +99,7 @@ fn check(name: &str) {
     assert!(f.top1 >= 0.9, "{name}: decode path vs prefill path top-1 {:.2} < 0.9", f.top1);
 }
 
-#[test]
-fn dsv2_lite() {
-    check(FIXTURE_NAMES[0]);
-}
-
-#[test]
-fn dsv2_k256() {
-    check(FIXTURE_NAMES[1]);
-}
-
-#[test]
-fn dsv2_grouped() {
-    check(FIXTURE_NAMES[2]);
-}
-
-#[test]
-fn dsv3() {
-    check(FIXTURE_NAMES[3]);
-}
-
-#[test]
-fn dsv3_fp8() {
-    check(FIXTURE_NAMES[4]);
-}
-
-#[test]
-fn qwen3moe() {
-    check(FIXTURE_NAMES[5]);
-}
+krasis_tests::per_fixture_tests!(check);
 
 /// `--kv-dtype fp8` against BF16 KV on the same path, every fixture (issue #4: mean cos ≥ 0.999,
 /// top-1 ≥ 0.9). A call's own tokens attend to each other from fresh rows, so single-call

@@ -24,7 +24,7 @@ fn encode_decode_round_trip_and_chat_template() {
     let mut stream = TextStream::new();
     let mut streamed = String::new();
     for &id in &ids {
-        streamed.push_str(&stream.push(codec, id).unwrap());
+        streamed.push_str(&stream.push(&codec, id).unwrap());
     }
     assert_eq!(streamed, text);
 }

@@ -1,7 +1,7 @@
 //! Attention layers of the reference path. MLA runs in the absorbed form for prefill and decode
 //! alike: `W_UK` is folded into the query and `W_UV` applied after attending over the latent.
 
-use krasis_core::spec::RopePairing;
+use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
 use krasis_cpu::linear::dot;
@@ -36,11 +36,7 @@ pub trait AttentionLayer: Send + Sync {
 }
 
 pub struct MlaAttention {
-    pub heads: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub v_dim: usize,
-    pub latent: usize,
+    pub dims: MlaDims,
     pub eps: f32,
     pub scale: f32,
     /// `Some((q_a_proj, q_a_layernorm, q_b_proj))` with a query LoRA, else `q_proj` in `q_b`.
@@ -55,7 +51,7 @@ pub struct MlaAttention {
 
 impl AttentionLayer for MlaAttention {
     fn new_cache(&self) -> LayerKv {
-        LayerKv::latent(self.latent + self.rope, self.latent)
+        LayerKv::latent(self.dims.latent + self.dims.rope, self.dims.latent)
     }
 
     fn weight_bytes(&self) -> usize {
@@ -67,7 +63,7 @@ impl AttentionLayer for MlaAttention {
     }
 
     fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
-        let (h, nope, rd, lat, vd) = (self.heads, self.nope, self.rope, self.latent, self.v_dim);
+        let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let qk = nope + rd;
         let mut q = vec![0f32; t * h * qk];
         match &self.q_a {

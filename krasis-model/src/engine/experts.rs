@@ -1,7 +1,11 @@
-//! Expert executors: who runs the routed experts of a MoE layer. The layer math hands over the
-//! normalised hidden states and the routing; the executor adds `Σ w · expert(x)` into the output.
-//! The reference executor runs f32 math on the source weights; quantised CPU and GPU executors
-//! plug in here.
+//! Expert backends on the host: who runs the routed experts of a MoE layer. The layer math hands
+//! over the normalised hidden states and the routing; the backend adds `Σ w · expert(x)` into the
+//! output. Each MoE layer holds its own [`LayerExperts`]: the reference backend runs f32 math on
+//! the source weights; a model-wide [`ExpertExecutor`] (the quantised CPU pool over the expert
+//! cache) serves every layer through [`ExecutorLayer`]. GPU layers use the same host backends in
+//! the hybrid engine (`crate::gpu`).
+
+use std::sync::Arc;
 
 use super::ffn::Mlp;
 
@@ -27,6 +31,15 @@ impl Routes {
     }
 }
 
+/// The routed experts of one MoE layer, on the host.
+pub trait LayerExperts: Send + Sync {
+    /// Accumulate the routed experts' weighted outputs for `t` tokens into `out` (`[t, hidden]`).
+    fn run(&self, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]);
+    /// A short description for logs ("reference f32", "cpu int4 g128 avx512", …).
+    fn describe(&self) -> String;
+}
+
+/// Routed experts of every MoE layer behind one object (the cache-backed CPU pool).
 pub trait ExpertExecutor: Send + Sync {
     /// Accumulate the routed experts' weighted outputs for `t` tokens into `out` (`[t, hidden]`).
     fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]);
@@ -34,18 +47,50 @@ pub trait ExpertExecutor: Send + Sync {
     fn describe(&self) -> String;
 }
 
-/// Routed experts as gated MLPs over the source weights, tokens grouped per expert.
-pub struct ReferenceExperts {
-    pub hidden: usize,
-    /// `layers[l]` is empty for dense layers.
-    pub layers: Vec<Vec<Mlp>>,
+/// Layer `layer` of a model-wide executor.
+pub struct ExecutorLayer {
+    pub executor: Arc<dyn ExpertExecutor>,
+    pub layer: usize,
 }
 
-impl ExpertExecutor for ReferenceExperts {
-    fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
+impl LayerExperts for ExecutorLayer {
+    fn run(&self, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
+        self.executor.run(self.layer, x, t, routes, out)
+    }
+
+    fn describe(&self) -> String {
+        self.executor.describe()
+    }
+}
+
+/// One layer's routed experts as gated MLPs over the source weights, tokens grouped per expert.
+pub struct ReferenceExperts {
+    pub hidden: usize,
+    pub experts: Vec<Mlp>,
+}
+
+impl ReferenceExperts {
+    /// One layer's experts over the source weights (zero-copy where the stored bytes allow).
+    pub fn load(
+        w: &crate::weights::WeightLoader<'_>,
+        hidden: usize,
+        experts: &[crate::tensors::MlpTensors],
+    ) -> crate::Result<Self> {
+        let mlp = |m: &crate::tensors::MlpTensors| -> crate::Result<Mlp> {
+            Ok(Mlp {
+                gate: Box::new(w.matrix_of(&m.gate)?),
+                up: Box::new(w.matrix_of(&m.up)?),
+                down: Box::new(w.matrix_of(&m.down)?),
+            })
+        };
+        Ok(ReferenceExperts { hidden, experts: experts.iter().map(mlp).collect::<crate::Result<Vec<_>>>()? })
+    }
+}
+
+impl LayerExperts for ReferenceExperts {
+    fn run(&self, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
         let h = self.hidden;
-        let experts = &self.layers[layer];
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); experts.len()];
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); self.experts.len()];
         for tok in 0..t {
             for j in 0..routes.k {
                 let slot = tok * routes.k + j;
@@ -62,7 +107,7 @@ impl ExpertExecutor for ReferenceExperts {
                 xs.extend_from_slice(&x[tok * h..(tok + 1) * h]);
             }
             let mut y = vec![0f32; n * h];
-            experts[e].forward(&xs, n, &mut y);
+            self.experts[e].forward(&xs, n, &mut y);
             for (r, &(tok, w)) in toks.iter().enumerate() {
                 for (o, v) in out[tok * h..(tok + 1) * h].iter_mut().zip(&y[r * h..(r + 1) * h]) {
                     *o += w * v;

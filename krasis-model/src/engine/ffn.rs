@@ -3,7 +3,7 @@
 
 use krasis_cpu::activation::silu_mul;
 
-use super::experts::{ExpertExecutor, Routes};
+use super::experts::{LayerExperts, Routes};
 use crate::linear::LinearOp;
 use crate::router::route;
 use crate::spec::RoutingRule;
@@ -33,23 +33,16 @@ impl Mlp {
 }
 
 pub struct MoeBlock {
-    pub layer: usize,
     pub router: Box<dyn LinearOp>,
     pub bias: Option<Vec<f32>>,
     pub rule: RoutingRule,
     pub shared: Option<Mlp>,
+    /// This layer's expert backend.
+    pub experts: Box<dyn LayerExperts>,
 }
 
 impl MoeBlock {
-    pub fn forward(
-        &self,
-        experts: &dyn ExpertExecutor,
-        stats: &super::ForwardStats,
-        x: &[f32],
-        t: usize,
-        hidden: usize,
-        out: &mut [f32],
-    ) {
+    pub fn forward(&self, stats: &super::ForwardStats, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
         let e = self.router.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.forward(x, t, &mut logits);
@@ -60,7 +53,7 @@ impl MoeBlock {
         }
         out.fill(0.0);
         let started = std::time::Instant::now();
-        experts.run(self.layer, x, t, &routes, out);
+        self.experts.run(x, t, &routes, out);
         stats.add_expert(started.elapsed());
         if let Some(shared) = &self.shared {
             let mut s = vec![0f32; t * hidden];

@@ -1,5 +1,6 @@
 //! The engine: a loaded model and its forward pass over a session's KV cache. The layer math is
-//! written once against [`AttentionLayer`], [`LinearOp`] and [`ExpertExecutor`].
+//! written once against [`AttentionLayer`], [`LinearOp`] and [`LayerExperts`]; the weights come from
+//! the one build walk ([`crate::build`]) through a CPU [`WeightBuilder`].
 
 pub mod attention;
 pub mod experts;
@@ -7,19 +8,22 @@ pub mod ffn;
 pub mod kv;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use krasis_cpu::norm::rms_norm_rows;
 
 use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch};
-use self::experts::{ExpertExecutor, ReferenceExperts};
+use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{Ffn, Mlp, MoeBlock};
 use self::kv::LayerKv;
+use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, QueryWeights, WeightBuilder};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
+use crate::spec::{AttentionSpec, ModelSpec, RoutingRule};
+use crate::tensors::{MlpTensors, TensorRole, TensorSpec};
 use crate::weights::WeightLoader;
 
 struct Layer {
@@ -35,7 +39,6 @@ pub struct Model {
     layers: Vec<Layer>,
     final_norm: Vec<f32>,
     lm_head: Box<dyn LinearOp>,
-    experts: Box<dyn ExpertExecutor>,
     rope: RotaryTables,
     stats: ForwardStats,
 }
@@ -105,8 +108,119 @@ pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>>
     Ok(boxed(l))
 }
 
+/// Builds the CPU engine's weights: dense matrices through the [`DenseFactory`], routers and MLA's
+/// `kv_b_proj` in their source precision, routed experts from a model-wide executor (quantised
+/// pool) or, without one, the reference experts over the source weights.
+struct CpuBuilder<'a> {
+    w: WeightLoader<'a>,
+    dense: &'a DenseFactory<'a>,
+    executor: Option<Arc<dyn ExpertExecutor>>,
+    hidden: usize,
+}
+
+/// A router on the CPU: gate matrix, optional score-correction bias, rule.
+struct CpuRouter {
+    gate: Box<dyn LinearOp>,
+    bias: Option<Vec<f32>>,
+    rule: RoutingRule,
+}
+
+impl WeightBuilder for CpuBuilder<'_> {
+    type Linear = Box<dyn LinearOp>;
+    type Vector = Vec<f32>;
+    type Embedding = DenseLinear;
+    type KvB = Vec<f32>;
+    type Router = CpuRouter;
+    type Experts = Box<dyn LayerExperts>;
+
+    fn embedding(&mut self, t: &TensorSpec) -> Result<DenseLinear> {
+        self.w.matrix_of(t)
+    }
+
+    fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Box<dyn LinearOp>> {
+        let name = match (class, t.role) {
+            (LinearClass::LmHead, TensorRole::LmHead) if t.name != "lm_head.weight" => {
+                format!("lm_head.weight (tied to {})", t.name)
+            }
+            _ => t.name.clone(),
+        };
+        (self.dense)(self.w.matrix_of(t)?, &name)
+    }
+
+    fn vector(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
+        self.w.vector_of(t)
+    }
+
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
+        let m = self.w.matrix_of(t)?;
+        let cols = m.in_dim();
+        let mut f = vec![0f32; m.out_dim() * cols];
+        for (r, row) in f.chunks_exact_mut(cols).enumerate() {
+            m.row_into(r, row);
+        }
+        Ok(f)
+    }
+
+    fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<CpuRouter> {
+        Ok(CpuRouter {
+            gate: boxed(self.w.matrix_of(weight)?),
+            bias: bias.map(|b| self.w.vector_of(b)).transpose()?,
+            rule: *rule,
+        })
+    }
+
+    fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<Box<dyn LayerExperts>> {
+        if let Some(executor) = &self.executor {
+            return Ok(Box::new(ExecutorLayer { executor: executor.clone(), layer }));
+        }
+        Ok(Box::new(ReferenceExperts::load(&self.w, self.hidden, experts)?))
+    }
+}
+
+fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Mlp {
+    Mlp { gate: m.gate, up: m.up, down: m.down }
+}
+
+fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<dyn AttentionLayer> {
+    let eps = spec.rms_norm_eps;
+    match (a, &spec.attention) {
+        (AttentionWeights::Mla { q, kv_a, kv_a_norm, kv_b, o }, mla @ AttentionSpec::Mla { .. }) => {
+            let (q_a, q_b) = match q {
+                QueryWeights::Direct(q) => (None, q),
+                QueryWeights::LowRank { a, norm, b } => (Some((a, norm)), b),
+            };
+            Box::new(MlaAttention {
+                dims: mla.mla_dims().expect("MLA"),
+                eps,
+                scale: spec.softmax_scale,
+                q_a,
+                q_b,
+                kv_a,
+                kv_a_norm,
+                kv_b,
+                o_proj: o,
+            })
+        }
+        (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
+            Box::new(GqaAttention {
+                heads,
+                kv_heads,
+                head_dim,
+                eps,
+                scale: spec.softmax_scale,
+                q_proj: q,
+                k_proj: k,
+                v_proj: v,
+                o_proj: o,
+                qk_norm,
+            })
+        }
+        _ => unreachable!("the walk builds the attention the spec names"),
+    }
+}
+
 impl Model {
-    /// Load a hub-format directory for the CPU reference path (opens [`ModelFiles`] first).
+    /// Load a hub-format directory for the CPU reference path.
     pub fn load(dir: &Path) -> Result<Model> {
         Self::from_files(&ModelFiles::open(dir)?)
     }
@@ -122,153 +236,39 @@ impl Model {
         spec: ModelSpec,
         source: &dyn WeightSource,
         dense: &DenseFactory<'_>,
-        experts: Option<Box<dyn ExpertExecutor>>,
+        experts: Option<Arc<dyn ExpertExecutor>>,
     ) -> Result<Model> {
-        let w = WeightLoader::new(source, &spec.source_quant);
-        let h = spec.hidden_size;
-        let eps = spec.rms_norm_eps;
-        let embed = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
-        let lin = |name: &str, rows: usize, cols: usize| -> Result<Box<dyn LinearOp>> {
-            dense(w.matrix(name, rows, cols)?, name)
-        };
-        let mlp = |prefix: &str, inter: usize| -> Result<Mlp> {
-            Ok(Mlp {
-                gate: lin(&format!("{prefix}.gate_proj.weight"), inter, h)?,
-                up: lin(&format!("{prefix}.up_proj.weight"), inter, h)?,
-                down: lin(&format!("{prefix}.down_proj.weight"), h, inter)?,
+        let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
+        let mut builder =
+            CpuBuilder { w: WeightLoader::new(source, &quant), dense, executor: experts, hidden: spec.hidden_size };
+        let weights = build(&spec, &mut builder)?;
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| Layer {
+                input_norm: l.input_norm,
+                post_norm: l.post_norm,
+                attention: cpu_attention(&spec, l.attention),
+                ffn: match l.ffn {
+                    FfnWeights::Dense(m) => Ffn::Dense(cpu_mlp(m)),
+                    FfnWeights::Moe { router, experts, shared } => Ffn::Moe(MoeBlock {
+                        router: router.gate,
+                        bias: router.bias,
+                        rule: router.rule,
+                        shared: shared.map(cpu_mlp),
+                        experts,
+                    }),
+                },
             })
-        };
-        let expert_mlp = |prefix: &str, inter: usize| -> Result<Mlp> {
-            Ok(Mlp {
-                gate: boxed(w.matrix(&format!("{prefix}.gate_proj.weight"), inter, h)?),
-                up: boxed(w.matrix(&format!("{prefix}.up_proj.weight"), inter, h)?),
-                down: boxed(w.matrix(&format!("{prefix}.down_proj.weight"), h, inter)?),
-            })
-        };
-        let reference_experts = experts.is_none();
-        let mut layers = Vec::with_capacity(spec.num_layers);
-        let mut expert_layers = Vec::with_capacity(spec.num_layers);
-        for (l, kind) in spec.layers.iter().enumerate() {
-            let p = crate::tensors::layer_prefix(l);
-            let a = format!("{p}.self_attn");
-            let attention: Box<dyn AttentionLayer> = match spec.attention {
-                AttentionSpec::Mla {
-                    heads,
-                    q_lora_rank,
-                    kv_lora_rank,
-                    qk_nope_head_dim,
-                    qk_rope_head_dim,
-                    v_head_dim,
-                } => {
-                    let qk = qk_nope_head_dim + qk_rope_head_dim;
-                    let (q_a, q_b) = match q_lora_rank {
-                        Some(r) => (
-                            Some((
-                                lin(&format!("{a}.q_a_proj.weight"), r, h)?,
-                                w.vector(&format!("{a}.q_a_layernorm.weight"), r)?,
-                            )),
-                            lin(&format!("{a}.q_b_proj.weight"), heads * qk, r)?,
-                        ),
-                        None => (None, lin(&format!("{a}.q_proj.weight"), heads * qk, h)?),
-                    };
-                    let kv_b_rows = heads * (qk_nope_head_dim + v_head_dim);
-                    let kv_b = w.matrix(&format!("{a}.kv_b_proj.weight"), kv_b_rows, kv_lora_rank)?;
-                    let mut kv_b_f32 = vec![0f32; kv_b_rows * kv_lora_rank];
-                    for (r, row) in kv_b_f32.chunks_exact_mut(kv_lora_rank).enumerate() {
-                        kv_b.row_into(r, row);
-                    }
-                    Box::new(MlaAttention {
-                        heads,
-                        nope: qk_nope_head_dim,
-                        rope: qk_rope_head_dim,
-                        v_dim: v_head_dim,
-                        latent: kv_lora_rank,
-                        eps,
-                        scale: spec.softmax_scale,
-                        q_a,
-                        q_b,
-                        kv_a: lin(&format!("{a}.kv_a_proj_with_mqa.weight"), kv_lora_rank + qk_rope_head_dim, h)?,
-                        kv_a_norm: w.vector(&format!("{a}.kv_a_layernorm.weight"), kv_lora_rank)?,
-                        kv_b: kv_b_f32,
-                        o_proj: lin(&format!("{a}.o_proj.weight"), h, heads * v_head_dim)?,
-                    })
-                }
-                AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => Box::new(GqaAttention {
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    eps,
-                    scale: spec.softmax_scale,
-                    q_proj: lin(&format!("{a}.q_proj.weight"), heads * head_dim, h)?,
-                    k_proj: lin(&format!("{a}.k_proj.weight"), kv_heads * head_dim, h)?,
-                    v_proj: lin(&format!("{a}.v_proj.weight"), kv_heads * head_dim, h)?,
-                    o_proj: lin(&format!("{a}.o_proj.weight"), h, heads * head_dim)?,
-                    qk_norm: if qk_norm {
-                        Some((
-                            w.vector(&format!("{a}.q_norm.weight"), head_dim)?,
-                            w.vector(&format!("{a}.k_norm.weight"), head_dim)?,
-                        ))
-                    } else {
-                        None
-                    },
-                }),
-            };
-            let m = format!("{p}.mlp");
-            let (ffn, experts) = match kind {
-                FfnKind::Dense { intermediate_size } => (Ffn::Dense(mlp(&m, *intermediate_size)?), Vec::new()),
-                FfnKind::Moe => {
-                    let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
-                    let e = moe.n_routed_experts;
-                    let bias = match moe.routing.topk {
-                        TopkMethod::NoauxTc { .. } => Some(w.vector(&format!("{m}.gate.e_score_correction_bias"), e)?),
-                        _ => None,
-                    };
-                    let experts = if reference_experts {
-                        (0..e)
-                            .map(|x| expert_mlp(&format!("{m}.experts.{x}"), moe.moe_intermediate_size))
-                            .collect::<Result<Vec<_>>>()?
-                    } else {
-                        Vec::new()
-                    };
-                    let shared = if moe.shared_intermediate_size > 0 {
-                        Some(mlp(&format!("{m}.shared_experts"), moe.shared_intermediate_size)?)
-                    } else {
-                        None
-                    };
-                    let block = MoeBlock {
-                        layer: l,
-                        router: boxed(w.matrix(&format!("{m}.gate.weight"), e, h)?),
-                        bias,
-                        rule: moe.routing,
-                        shared,
-                    };
-                    (Ffn::Moe(block), experts)
-                }
-            };
-            layers.push(Layer {
-                input_norm: w.vector(&format!("{p}.input_layernorm.weight"), h)?,
-                post_norm: w.vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                attention,
-                ffn,
-            });
-            expert_layers.push(experts);
-        }
-        let final_norm = w.vector("model.norm.weight", h)?;
-        let lm_head: Box<dyn LinearOp> = if spec.tie_word_embeddings {
-            let tied = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
-            dense(tied, "lm_head.weight (tied to model.embed_tokens.weight)")?
-        } else {
-            lin("lm_head.weight", spec.vocab_size, h)?
-        };
+            .collect();
         Ok(Model {
             rope: RotaryTables::new(&spec.rope),
-            experts: experts.unwrap_or_else(|| Box::new(ReferenceExperts { hidden: h, layers: expert_layers })),
             stats: ForwardStats::default(),
             spec,
-            embed,
+            embed: weights.embed,
             layers,
-            final_norm,
-            lm_head,
+            final_norm: weights.final_norm,
+            lm_head: weights.lm_head,
         })
     }
 
@@ -294,8 +294,15 @@ impl Model {
         &self.stats
     }
 
-    pub fn expert_executor(&self) -> &dyn ExpertExecutor {
-        self.experts.as_ref()
+    /// How the routed experts run (the first MoE layer's backend), for logs.
+    pub fn experts_description(&self) -> String {
+        self.layers
+            .iter()
+            .find_map(|l| match &l.ffn {
+                Ffn::Moe(b) => Some(b.experts.describe()),
+                Ffn::Dense(_) => None,
+            })
+            .unwrap_or_else(|| "none (no MoE layers)".into())
     }
 
     pub fn new_session(&self) -> Session {
@@ -353,7 +360,7 @@ impl Model {
             rms_norm_rows(&mut xn, &layer.post_norm, eps);
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&xn, t, &mut y),
-                Ffn::Moe(block) => block.forward(self.experts.as_ref(), &self.stats, &xn, t, h, &mut y),
+                Ffn::Moe(block) => block.forward(&self.stats, &xn, t, h, &mut y),
             }
             for (a, b) in x.iter_mut().zip(&y) {
                 *a += b;

@@ -1,11 +1,38 @@
-//! `--device hybrid`: routed experts on the CPU, everything else on the GPU. Not built yet: the
-//! Engine API calls [`open_hybrid`] for [`DevicePolicy::Hybrid`](crate::runtime::DevicePolicy).
+//! `--device hybrid`: routed experts on the CPU (the expert cache on the pinned pool), everything
+//! else on the GPU. The Engine API calls [`open_hybrid`] for
+//! [`DevicePolicy::Hybrid`](crate::runtime::DevicePolicy).
 
+use super::GpuModel;
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
-use crate::runtime::{EngineConfig, Opened};
+use crate::memory::estimate;
+use crate::runtime::{check_ram, device_line, DecoderEngine, DevicePath, EngineConfig, Opened};
 
-/// Opens the hybrid engine (a stub until the hybrid path lands).
-pub fn open_hybrid(_files: &ModelFiles, _config: &EngineConfig) -> Result<Opened> {
-    Err(ModelError::Invalid("--device hybrid is not built yet".into()))
+/// Opens the hybrid engine on GPU `config.gpu.ordinal`, after checking the host RAM the routed
+/// experts take against the budget.
+pub fn open_hybrid(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+    let ordinal = config.gpu.ordinal;
+    if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
+        return Err(ModelError::Invalid(format!("--device hybrid: {e}")));
+    }
+    let host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
+    let warnings = check_ram(host_bytes, config)?;
+    let mut model = GpuModel::hybrid_from_files(files, &config.gpu, &config.cpu)?;
+    let log = std::mem::take(&mut model.log);
+    let expert_bytes = model.host_expert_bytes;
+    let mut engine = DecoderEngine::new(model);
+    if let Some(b) = expert_bytes {
+        engine = engine.with_expert_bytes(b);
+    }
+    Ok(Opened {
+        engine: Box::new(engine),
+        log,
+        warnings,
+        why: device_line(
+            DevicePath::Hybrid,
+            &format!("as asked: routed experts on the CPU, the rest on CUDA device {ordinal}"),
+        ),
+        memory_estimate: None,
+        check_rss: false,
+    })
 }

@@ -7,10 +7,12 @@ use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
 
+use super::host_experts::HandoffShape;
 use super::profile::Part;
 use super::session::{grow, GpuSession};
+use crate::engine::experts::LayerExperts;
 use crate::error::Result;
-use crate::spec::{AttentionSpec, ModelSpec};
+use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
 
 /// What every layer of one forward call shares.
 pub(crate) struct Ctx<'a> {
@@ -89,11 +91,7 @@ impl GpuMlp {
 }
 
 pub(crate) struct GpuMla {
-    pub heads: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub v_dim: usize,
-    pub latent: usize,
+    pub dims: MlaDims,
     pub scale: f32,
     pub q_a: Option<(GpuLinear, DeviceBuffer<u16>)>,
     pub q_b: GpuLinear,
@@ -128,9 +126,18 @@ pub(crate) enum GpuFfn {
     Moe(Box<GpuMoe>),
 }
 
+/// Where a GPU MoE layer's routed experts run: its expert backend.
+pub(crate) enum GpuExpertBackend {
+    /// Every expert in VRAM (BF16), through the grouped / GEMV MoE kernels.
+    Resident(Box<GpuExperts>),
+    /// On the host (the hybrid engine): a CPU expert backend behind the hand-off of
+    /// [`super::host_experts`].
+    Host(Box<dyn LayerExperts>),
+}
+
 pub(crate) struct GpuMoe {
     pub router: GpuRouter,
-    pub experts: GpuExperts,
+    pub experts: GpuExpertBackend,
     pub top_k: usize,
     pub shared: Option<GpuMlp>,
 }
@@ -169,19 +176,52 @@ impl GpuLayer {
                     let mut ids_v = ids.slice_mut().slice_mut(..t * k);
                     let mut w_v = w.slice_mut().slice_mut(..t * k);
                     router.forward(c.dev, &xn, t, &mut ids_v, &mut w_v)?;
-                    experts.forward(
-                        c.dev,
-                        c.gemm,
-                        &xn,
-                        t,
-                        &ids.slice().slice(..t * k),
-                        &w.slice().slice(..t * k),
-                        k,
-                        &mut sc.y.slice_mut().slice_mut(..n),
-                    )?;
                 }
-                if let Some(sh) = shared {
-                    sh.forward(c, s, false)?;
+                match experts {
+                    GpuExpertBackend::Resident(experts) => {
+                        let sc = &mut s.scratch;
+                        let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
+                        experts.forward(
+                            c.dev,
+                            c.gemm,
+                            &sc.xn.slice().slice(..n),
+                            t,
+                            &ids.slice().slice(..t * k),
+                            &w.slice().slice(..t * k),
+                            k,
+                            &mut sc.y.slice_mut().slice_mut(..n),
+                        )?;
+                        if let Some(sh) = shared {
+                            sh.forward(c, s, false)?;
+                        }
+                    }
+                    GpuExpertBackend::Host(experts) => {
+                        {
+                            let sc = &mut s.scratch;
+                            let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
+                            s.host.send(
+                                c.dev,
+                                &sc.xn.slice().slice(..n),
+                                &ids.slice().slice(..t * k),
+                                &w.slice().slice(..t * k),
+                                HandoffShape { t, hidden: self.hidden, k },
+                            )?;
+                        }
+                        // The shared expert runs on the GPU while the CPU computes the routed ones.
+                        if let Some(sh) = shared {
+                            sh.forward(c, s, false)?;
+                        }
+                        let mut y = s.scratch.y.slice_mut().slice_mut(..n);
+                        s.host.run_and_return(
+                            c.dev,
+                            experts.as_ref(),
+                            router.n_experts(),
+                            &mut y,
+                            HandoffShape { t, hidden: self.hidden, k },
+                        )?;
+                    }
+                }
+                if shared.is_some() {
                     let sc = &mut s.scratch;
                     let o = sc.f[3].as_ref().expect("written by the shared expert");
                     c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
@@ -220,7 +260,8 @@ fn rope_layout(c: &Ctx, heads: usize, token_stride: usize, head_stride: usize, o
 
 impl GpuMla {
     fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
-        let (t, hh, nope, rd, lat, vd) = (c.t, self.heads, self.nope, self.rope, self.latent, self.v_dim);
+        let MlaDims { heads: hh, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
+        let t = c.t;
         let hidden = self.o_proj.rows();
         let qk = nope + rd;
         let row = lat + rd;

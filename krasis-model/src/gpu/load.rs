@@ -4,26 +4,32 @@
 
 use std::borrow::Cow;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
 use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
-use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
+use krasis_gpu::linear::{GemmContext, GpuLinear};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
-use super::layers::{kv_geometry, GpuAttention, GpuFfn, GpuGqa, GpuLayer, GpuMla, GpuMlp, GpuMoe};
+use super::layers::{kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuLayer, GpuMla, GpuMlp, GpuMoe};
 use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
+use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, QueryWeights, WeightBuilder};
+use crate::engine::experts::{ExecutorLayer, ExpertExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
+use crate::load::{open_cpu_experts, start_pool, EngineOptions};
+use crate::quantized::quant_bits;
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
+use crate::spec::{AttentionSpec, ModelSpec, RoutingRule};
+use crate::tensors::{MlpTensors, TensorSpec};
 use crate::weights::WeightLoader;
 
 /// A matrix's elements as BF16 bits (zero-copy when the source is BF16).
@@ -46,6 +52,147 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
     out
 }
 
+/// Where a GPU build puts the routed experts.
+pub enum ExpertPlacement {
+    /// Uploaded to VRAM (BF16), the whole model on the GPU.
+    Gpu,
+    /// On the host (the hybrid engine): a quantised model-wide executor (the expert cache on the
+    /// CPU pool) ...
+    Host(Arc<dyn ExpertExecutor>),
+    /// ... or the reference f32 experts over the source weights.
+    HostReference,
+}
+
+/// Builds the GPU engine's weights: every dense part in VRAM (BF16, or INT8 per class of linear);
+/// the routed experts resident in VRAM, or on the host behind a CPU expert backend (hybrid).
+struct GpuBuilder<'a> {
+    dev: &'a GpuDevice,
+    w: WeightLoader<'a>,
+    opts: &'a GpuOptions,
+    spec: &'a ModelSpec,
+    experts: ExpertPlacement,
+}
+
+impl GpuBuilder<'_> {
+    fn bf16_matrix(&self, t: &TensorSpec) -> Result<(DenseLinear, usize, usize)> {
+        Ok((self.w.matrix_of(t)?, t.shape[0], t.shape[1]))
+    }
+}
+
+impl WeightBuilder for GpuBuilder<'_> {
+    type Linear = GpuLinear;
+    type Vector = DeviceBuffer<u16>;
+    type Embedding = DeviceBuffer<u16>;
+    type KvB = (GpuLinear, DeviceBuffer<u16>);
+    type Router = GpuRouter;
+    type Experts = GpuExpertBackend;
+
+    fn embedding(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
+        let (m, _, _) = self.bf16_matrix(t)?;
+        Ok(self.dev.upload(&bf16_bits(&m), &t.name)?)
+    }
+
+    fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<GpuLinear> {
+        let q = match class {
+            LinearClass::Attention => self.opts.attention_quant,
+            LinearClass::SharedExpert => self.opts.shared_expert_quant,
+            LinearClass::DenseMlp => self.opts.dense_mlp_quant,
+            LinearClass::LmHead => self.opts.lm_head_quant,
+        };
+        let name = if class == LinearClass::LmHead && t.name != "lm_head.weight" {
+            "lm_head.weight (tied)".to_string()
+        } else {
+            t.name.clone()
+        };
+        let (m, rows, cols) = self.bf16_matrix(t)?;
+        Ok(GpuLinear::new(self.dev, &name, &bf16_bits(&m), rows, cols, q)?)
+    }
+
+    fn vector(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
+        let v: Vec<u16> = self.w.vector_of(t)?.iter().map(|&x| f32_to_bf16(x)).collect();
+        Ok(self.dev.upload(&v, &t.name)?)
+    }
+
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<(GpuLinear, DeviceBuffer<u16>)> {
+        let (m, rows, cols) = self.bf16_matrix(t)?;
+        let bits = bf16_bits(&m);
+        Ok((
+            GpuLinear::new(self.dev, &t.name, &bits, rows, cols, self.opts.kv_b_proj_quant)?,
+            self.dev.upload(&bits, &format!("{} (absorbed, bf16)", t.name))?,
+        ))
+    }
+
+    fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<GpuRouter> {
+        let (e, h) = (weight.shape[0], weight.shape[1]);
+        let gate = f32_values(&self.w.matrix_of(weight)?);
+        let bias = bias.map(|b| self.w.vector_of(b)).transpose()?;
+        Ok(GpuRouter::new(self.dev, &weight.name, &gate, e, h, bias.as_deref(), *rule)?)
+    }
+
+    fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<GpuExpertBackend> {
+        let h = self.spec.hidden_size;
+        match &self.experts {
+            ExpertPlacement::Host(executor) => {
+                return Ok(GpuExpertBackend::Host(Box::new(ExecutorLayer { executor: executor.clone(), layer })))
+            }
+            ExpertPlacement::HostReference => {
+                return Ok(GpuExpertBackend::Host(Box::new(ReferenceExperts::load(&self.w, h, experts)?)))
+            }
+            ExpertPlacement::Gpu => {}
+        }
+        let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
+        let name = format!("{}.mlp.experts", crate::tensors::layer_prefix(layer));
+        let mut resident = GpuExperts::new(self.dev, &name, experts.len(), h, inter)?;
+        for (x, m) in experts.iter().enumerate() {
+            let g = self.w.matrix_of(&m.gate)?;
+            let u = self.w.matrix_of(&m.up)?;
+            let d = self.w.matrix_of(&m.down)?;
+            resident.upload_expert(self.dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
+        }
+        Ok(GpuExpertBackend::Resident(Box::new(resident)))
+    }
+}
+
+fn gpu_mlp(m: MlpWeights<GpuBuilder<'_>>) -> GpuMlp {
+    GpuMlp { gate: m.gate, up: m.up, down: m.down }
+}
+
+fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAttention {
+    match (a, &spec.attention) {
+        (AttentionWeights::Mla { q, kv_a, kv_a_norm, kv_b: (kv_b, kv_b_bf16), o }, mla @ AttentionSpec::Mla { .. }) => {
+            let (q_a, q_b) = match q {
+                QueryWeights::Direct(q) => (None, q),
+                QueryWeights::LowRank { a, norm, b } => (Some((a, norm)), b),
+            };
+            GpuAttention::Mla(Box::new(GpuMla {
+                dims: mla.mla_dims().expect("MLA"),
+                scale: spec.softmax_scale,
+                q_a,
+                q_b,
+                kv_a,
+                kv_a_norm,
+                kv_b,
+                kv_b_bf16,
+                o_proj: o,
+            }))
+        }
+        (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
+            GpuAttention::Gqa(Box::new(GpuGqa {
+                heads,
+                kv_heads,
+                head_dim,
+                scale: spec.softmax_scale,
+                q,
+                k,
+                v,
+                o,
+                qk_norm,
+            }))
+        }
+        _ => unreachable!("the walk builds the attention the spec names"),
+    }
+}
+
 impl GpuModel {
     /// Loads a hub-format directory onto GPU `opts.ordinal` (opens [`ModelFiles`] first).
     pub fn load(dir: &Path, opts: &GpuOptions) -> Result<GpuModel> {
@@ -54,156 +201,84 @@ impl GpuModel {
 
     /// Loads opened model files onto GPU `opts.ordinal`.
     pub fn from_files(files: &ModelFiles, opts: &GpuOptions) -> Result<GpuModel> {
-        Self::from_source(files.spec().clone(), files.weights(), opts)
+        Self::from_source(files.spec().clone(), files.weights(), opts, ExpertPlacement::Gpu)
     }
 
-    pub fn from_source(spec: ModelSpec, source: &dyn WeightSource, opts: &GpuOptions) -> Result<GpuModel> {
+    /// [`GpuModel::hybrid_from_files`] for a hub-format directory.
+    pub fn load_hybrid(dir: &Path, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
+        Self::hybrid_from_files(&ModelFiles::open(dir)?, gpu, cpu)
+    }
+
+    /// Loads the hybrid engine from a hub-format directory: everything but the routed experts on
+    /// GPU `gpu.ordinal`; the routed experts on the CPU, from the INT4/INT8 expert cache on the
+    /// pinned pool (`cpu.expert_bits` 4 or 8; bf16: the reference f32 experts over the source
+    /// weights). The GPU's weights are not kept in host memory once the caller drops `files`
+    /// (the source mapping lives there).
+    pub fn hybrid_from_files(files: &ModelFiles, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
+        let spec = files.spec().clone();
+        let mut log = Vec::new();
+        let mut expert_bytes = None;
+        let placement = match quant_bits(cpu.expert_bits) {
+            Some(bits) if spec.moe.is_some() => {
+                let pool = start_pool(cpu.threads, &mut log)?;
+                let ex = open_cpu_experts(files, bits, cpu, &pool, &mut log)?;
+                log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
+                expert_bytes = Some(ex.expert_bytes);
+                ExpertPlacement::Host(ex.executor)
+            }
+            _ => {
+                log.push("routed experts on the CPU: reference f32 over the source weights".into());
+                ExpertPlacement::HostReference
+            }
+        };
+        let mut m = Self::from_source(spec, files.weights(), gpu, placement)?;
+        log.append(&mut m.log);
+        m.log = log;
+        m.host_expert_bytes = expert_bytes;
+        m.experts_on_host = true;
+        Ok(m)
+    }
+
+    /// Builds the model on the GPU from `source`, its routed experts placed by `experts`.
+    pub fn from_source(
+        spec: ModelSpec,
+        source: &dyn WeightSource,
+        opts: &GpuOptions,
+        experts: ExpertPlacement,
+    ) -> Result<GpuModel> {
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];
         dev.warm_up_kernels()?;
         let gemm = GemmContext::new(&dev)?;
-        let w = WeightLoader::new(source, &spec.source_quant);
         let h = spec.hidden_size;
-        let vec16 = |name: &str, len: usize| -> Result<DeviceBuffer<u16>> {
-            let v: Vec<u16> = w.vector(name, len)?.iter().map(|&x| f32_to_bf16(x)).collect();
-            Ok(dev.upload(&v, name)?)
-        };
-        let lin = |name: &str, rows: usize, cols: usize, q: LinearQuant| -> Result<GpuLinear> {
-            let m = w.matrix(name, rows, cols)?;
-            Ok(GpuLinear::new(&dev, name, &bf16_bits(&m), rows, cols, q)?)
-        };
-        let mlp = |prefix: &str, inter: usize, q: LinearQuant| -> Result<GpuMlp> {
-            Ok(GpuMlp {
-                gate: lin(&format!("{prefix}.gate_proj.weight"), inter, h, q)?,
-                up: lin(&format!("{prefix}.up_proj.weight"), inter, h, q)?,
-                down: lin(&format!("{prefix}.down_proj.weight"), h, inter, q)?,
-            })
-        };
-        let embed_m = w.matrix("model.embed_tokens.weight", spec.vocab_size, h)?;
-        let embed = dev.upload(&bf16_bits(&embed_m), "model.embed_tokens.weight")?;
-        let aq = opts.attention_quant;
-        let mut layers = Vec::with_capacity(spec.num_layers);
-        for (l, kind) in spec.layers.iter().enumerate() {
-            let p = crate::tensors::layer_prefix(l);
-            let a = format!("{p}.self_attn");
-            let attention = match spec.attention {
-                AttentionSpec::Mla {
-                    heads,
-                    q_lora_rank,
-                    kv_lora_rank,
-                    qk_nope_head_dim,
-                    qk_rope_head_dim,
-                    v_head_dim,
-                } => {
-                    let qk = qk_nope_head_dim + qk_rope_head_dim;
-                    let (q_a, q_b) = match q_lora_rank {
-                        Some(r) => (
-                            Some((
-                                lin(&format!("{a}.q_a_proj.weight"), r, h, aq)?,
-                                vec16(&format!("{a}.q_a_layernorm.weight"), r)?,
-                            )),
-                            lin(&format!("{a}.q_b_proj.weight"), heads * qk, r, aq)?,
-                        ),
-                        None => (None, lin(&format!("{a}.q_proj.weight"), heads * qk, h, aq)?),
-                    };
-                    let kv_b_name = format!("{a}.kv_b_proj.weight");
-                    let kv_b_rows = heads * (qk_nope_head_dim + v_head_dim);
-                    let kv_b_m = w.matrix(&kv_b_name, kv_b_rows, kv_lora_rank)?;
-                    let kv_b_bits = bf16_bits(&kv_b_m);
-                    GpuAttention::Mla(Box::new(GpuMla {
-                        heads,
-                        nope: qk_nope_head_dim,
-                        rope: qk_rope_head_dim,
-                        v_dim: v_head_dim,
-                        latent: kv_lora_rank,
-                        scale: spec.softmax_scale,
-                        q_a,
-                        q_b,
-                        kv_a: lin(&format!("{a}.kv_a_proj_with_mqa.weight"), kv_lora_rank + qk_rope_head_dim, h, aq)?,
-                        kv_a_norm: vec16(&format!("{a}.kv_a_layernorm.weight"), kv_lora_rank)?,
-                        kv_b: GpuLinear::new(
-                            &dev,
-                            &kv_b_name,
-                            &kv_b_bits,
-                            kv_b_rows,
-                            kv_lora_rank,
-                            opts.kv_b_proj_quant,
-                        )?,
-                        kv_b_bf16: dev.upload(&kv_b_bits, &format!("{kv_b_name} (absorbed, bf16)"))?,
-                        o_proj: lin(&format!("{a}.o_proj.weight"), h, heads * v_head_dim, aq)?,
-                    }))
-                }
-                AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => GpuAttention::Gqa(Box::new(GpuGqa {
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    scale: spec.softmax_scale,
-                    q: lin(&format!("{a}.q_proj.weight"), heads * head_dim, h, aq)?,
-                    k: lin(&format!("{a}.k_proj.weight"), kv_heads * head_dim, h, aq)?,
-                    v: lin(&format!("{a}.v_proj.weight"), kv_heads * head_dim, h, aq)?,
-                    o: lin(&format!("{a}.o_proj.weight"), h, heads * head_dim, aq)?,
-                    qk_norm: if qk_norm {
-                        Some((
-                            vec16(&format!("{a}.q_norm.weight"), head_dim)?,
-                            vec16(&format!("{a}.k_norm.weight"), head_dim)?,
-                        ))
-                    } else {
-                        None
-                    },
-                })),
-            };
-            let m = format!("{p}.mlp");
-            let ffn = match kind {
-                FfnKind::Dense { intermediate_size } => {
-                    GpuFfn::Dense(Box::new(mlp(&m, *intermediate_size, opts.dense_mlp_quant)?))
-                }
-                FfnKind::Moe => {
-                    let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
-                    let e = moe.n_routed_experts;
-                    let inter = moe.moe_intermediate_size;
-                    let r = moe.routing;
-                    let bias = match r.topk {
-                        TopkMethod::NoauxTc { .. } => Some(w.vector(&format!("{m}.gate.e_score_correction_bias"), e)?),
-                        _ => None,
-                    };
-                    let gate_name = format!("{m}.gate.weight");
-                    let gate = f32_values(&w.matrix(&gate_name, e, h)?);
-                    let router = GpuRouter::new(&dev, &gate_name, &gate, e, h, bias.as_deref(), r)?;
-                    let mut experts = GpuExperts::new(&dev, &format!("{m}.experts"), e, h, inter)?;
-                    for x in 0..e {
-                        let ep = format!("{m}.experts.{x}");
-                        let g = w.matrix(&format!("{ep}.gate_proj.weight"), inter, h)?;
-                        let u = w.matrix(&format!("{ep}.up_proj.weight"), inter, h)?;
-                        let d = w.matrix(&format!("{ep}.down_proj.weight"), h, inter)?;
-                        experts.upload_expert(&dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
-                    }
-                    let shared = if moe.shared_intermediate_size > 0 {
-                        Some(mlp(
-                            &format!("{m}.shared_experts"),
-                            moe.shared_intermediate_size,
-                            opts.shared_expert_quant,
-                        )?)
-                    } else {
-                        None
-                    };
-                    GpuFfn::Moe(Box::new(GpuMoe { router, experts, top_k: r.top_k, shared }))
-                }
-            };
-            layers.push(GpuLayer {
+        let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
+        let spec_ref = spec.clone();
+        let mut builder =
+            GpuBuilder { dev: &dev, w: WeightLoader::new(source, &quant), opts, spec: &spec_ref, experts };
+        let weights = build(&spec_ref, &mut builder)?;
+        let embed = weights.embed;
+        let layers = weights
+            .layers
+            .into_iter()
+            .map(|l| GpuLayer {
                 hidden: h,
-                input_norm: vec16(&format!("{p}.input_layernorm.weight"), h)?,
-                post_norm: vec16(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                attention,
-                ffn,
-            });
-        }
-        let final_norm = vec16("model.norm.weight", h)?;
-        let lm_head = if spec.tie_word_embeddings {
-            GpuLinear::new(&dev, "lm_head.weight (tied)", &bf16_bits(&embed_m), spec.vocab_size, h, opts.lm_head_quant)?
-        } else {
-            lin("lm_head.weight", spec.vocab_size, h, opts.lm_head_quant)?
-        };
+                input_norm: l.input_norm,
+                post_norm: l.post_norm,
+                attention: gpu_attention(&spec, l.attention),
+                ffn: match l.ffn {
+                    FfnWeights::Dense(m) => GpuFfn::Dense(Box::new(gpu_mlp(m))),
+                    FfnWeights::Moe { router, experts, shared } => GpuFfn::Moe(Box::new(GpuMoe {
+                        top_k: router.config().top_k,
+                        router,
+                        experts,
+                        shared: shared.map(gpu_mlp),
+                    })),
+                },
+            })
+            .collect::<Vec<_>>();
+        let final_norm = weights.final_norm;
+        let lm_head = weights.lm_head;
         let weights_bytes = dev.budget().used();
 
         // KV capacity: asked for, or what the budget leaves (minus the activation reserve).
@@ -269,6 +344,8 @@ impl GpuModel {
             kv_layout,
             kv_tokens,
             log,
+            host_expert_bytes: None,
+            experts_on_host: false,
         })
     }
 }

@@ -9,6 +9,7 @@
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
 //! absorbed form over the latent cache.
 
+mod host_experts;
 pub mod hybrid;
 mod layers;
 mod load;
@@ -21,7 +22,9 @@ use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
+pub use self::host_experts::HandoffStats;
 use self::layers::GpuLayer;
+pub use self::load::ExpertPlacement;
 pub use self::session::GpuSession;
 use crate::error::{ModelError, Result};
 use crate::generate::Decoder;
@@ -97,6 +100,11 @@ pub struct GpuModel {
     kv_tokens: usize,
     /// Human-readable lines about what loading did.
     pub log: Vec<String>,
+    /// Bytes of one routed expert as the host reads it, when the experts run on the host from
+    /// the expert cache (the hybrid engine): for bytes-per-token arithmetic.
+    pub host_expert_bytes: Option<u64>,
+    /// Whether the routed experts run on the host (the hybrid engine).
+    pub experts_on_host: bool,
 }
 
 impl GpuModel {

@@ -104,6 +104,8 @@ pub struct GpuSession {
     pub(crate) kv: GpuKvCache,
     pub(crate) ws: DecodeWorkspace,
     pub(crate) scratch: Scratch,
+    /// Pinned hand-off buffers of the hybrid engine (empty when the experts are on the GPU).
+    pub(crate) host: super::host_experts::HostStaging,
     pub(crate) position: usize,
     /// The token the last step sampled (its id is still on the device).
     pub(crate) last_sampled: Option<u32>,
@@ -117,6 +119,7 @@ impl GpuSession {
             kv,
             ws,
             scratch: Scratch::default(),
+            host: Default::default(),
             position: 0,
             last_sampled: None,
             profile: super::profile::StepProfile::from_env(),
@@ -125,6 +128,11 @@ impl GpuSession {
 
     pub fn position(&self) -> usize {
         self.position
+    }
+
+    /// Where the hybrid hand-off time went so far (zero when the experts are on the GPU).
+    pub fn handoff_stats(&self) -> super::host_experts::HandoffStats {
+        self.host.stats
     }
 
     pub fn kv_bytes(&self) -> usize {

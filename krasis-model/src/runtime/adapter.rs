@@ -3,7 +3,7 @@
 
 use std::any::Any;
 
-use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput, WeightBytesPerToken};
+use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput};
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
 use crate::generate::Decoder;
@@ -48,8 +48,7 @@ impl<D> DecoderEngine<D> {
         DecoderEngine { decoder, expert_bytes: None }
     }
 
-    /// Records the bytes of one routed expert as executed, so the engine can report
-    /// [`WeightBytesPerToken`].
+    /// Records the bytes of one routed expert as executed ([`Engine::expert_bytes`]).
     pub fn with_expert_bytes(mut self, bytes: u64) -> Self {
         self.expert_bytes = Some(bytes);
         self
@@ -128,14 +127,12 @@ where
         self.decoder.forward_stats()
     }
 
-    fn weight_bytes_per_token(&self) -> Option<WeightBytesPerToken> {
-        let spec = self.decoder.spec();
-        let moe_layers = spec.moe_layers().count() as u64;
-        let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
-        Some(WeightBytesPerToken {
-            routed_experts: moe_layers * top_k * self.expert_bytes?,
-            dense: self.decoder.dense_bytes_per_token()?,
-        })
+    fn expert_bytes(&self) -> Option<u64> {
+        self.expert_bytes
+    }
+
+    fn dense_bytes_per_token(&self) -> Option<u64> {
+        self.decoder.dense_bytes_per_token()
     }
 
     fn profile_summary(&self, session: &dyn EngineSession) -> Option<String> {

@@ -20,10 +20,12 @@ use std::any::Any;
 pub use self::adapter::{DecoderEngine, EngineDecoder};
 pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
+pub(crate) use self::open::{check_ram, device_line};
 pub use self::open::{open_cpu, open_engine, open_gpu, Opened};
 
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
+use crate::gpu::HandoffStats;
 use crate::sampling::Sampler;
 use crate::spec::ModelSpec;
 
@@ -37,6 +39,10 @@ pub trait EngineSession: Any + Send {
     fn kv_capacity(&self) -> Option<usize>;
     /// Bytes the session's KV cache holds now.
     fn kv_bytes(&self) -> usize;
+    /// Where the hybrid engine's CPU hand-off time went so far (`None` on other paths).
+    fn handoff_stats(&self) -> Option<HandoffStats> {
+        None
+    }
 }
 
 /// One sequence of a batch [`Engine::step`]: run `tokens` after what `session` holds and sample
@@ -58,15 +64,6 @@ pub struct StepOutput {
     pub token: u32,
     /// `[tokens, vocab]` when the step asked for logits.
     pub logits: Option<Vec<f32>>,
-}
-
-/// Weight bytes a decode step reads (for bandwidth arithmetic in benchmarks).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WeightBytesPerToken {
-    /// The routed experts a token activates, summed over the MoE layers.
-    pub routed_experts: u64,
-    /// Everything else: attention, dense MLPs, shared experts, routers, one embedding row, LM head.
-    pub dense: u64,
 }
 
 /// A loaded model that runs sessions. Object-safe: the CLI, the benchmarks and the server hold a
@@ -113,8 +110,13 @@ pub trait Engine: Send + Sync {
     fn forward_stats(&self) -> Option<&ForwardStats> {
         None
     }
-    /// Weight bytes per decoded token, where the engine knows them (CPU).
-    fn weight_bytes_per_token(&self) -> Option<WeightBytesPerToken> {
+    /// Bytes of one routed expert as the CPU reads it (quantised CPU and hybrid paths), for
+    /// bandwidth arithmetic: a token reads `top_k` of them per MoE layer.
+    fn expert_bytes(&self) -> Option<u64> {
+        None
+    }
+    /// Weight bytes a decode step reads outside the routed experts, where known (CPU).
+    fn dense_bytes_per_token(&self) -> Option<u64> {
         None
     }
     /// Device time per part of `session`'s forward calls (GPU with `KRASIS_GPU_PROFILE=1`).

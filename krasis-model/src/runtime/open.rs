@@ -42,7 +42,8 @@ impl Opened {
     }
 }
 
-fn device_line(path: DevicePath, why: &str) -> String {
+/// The `device: <path> (<why>)` line of [`Opened::why`].
+pub(crate) fn device_line(path: DevicePath, why: &str) -> String {
     format!("device: {path} ({why})")
 }
 
@@ -87,11 +88,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
 /// `config.force`). `why` goes into [`Opened::why`].
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let est = estimate(files.spec(), config.cpu.expert_bits).total(config.context_tokens);
-    let mem_total = krasis_core::hw::probe().mem_total_bytes;
-    let warnings = check_ram_budget(est, mem_total, config.force)
-        .map_err(|e| ModelError::Invalid(e.to_string()))?
-        .into_iter()
-        .collect();
+    let warnings = check_ram(est, config)?;
     let loaded = load_model(files, &config.cpu)?;
     let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);
     Ok(Opened {
@@ -102,6 +99,15 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
         memory_estimate: Some(est),
         check_rss: config.cpu.expert_bits != WeightBits::Bf16,
     })
+}
+
+/// Refuses (unless `config.force`) when `estimate` bytes exceed the RAM budget; the warnings to
+/// show otherwise.
+pub(crate) fn check_ram(estimate: u64, config: &EngineConfig) -> Result<Vec<String>> {
+    let mem_total = krasis_core::hw::probe().mem_total_bytes;
+    let warning =
+        check_ram_budget(estimate, mem_total, config.force).map_err(|e| ModelError::Invalid(e.to_string()))?;
+    Ok(warning.into_iter().collect())
 }
 
 /// The whole model on GPU `config.gpu.ordinal`. `why` goes into [`Opened::why`].

@@ -2,7 +2,7 @@
 
 use super::{DevicePath, EngineDecoder, EngineSession};
 use crate::engine::{ForwardStats, Model, Session};
-use crate::gpu::{GpuModel, GpuSession};
+use crate::gpu::{GpuModel, GpuSession, HandoffStats};
 
 impl EngineSession for Session {
     fn position(&self) -> usize {
@@ -25,7 +25,7 @@ impl EngineDecoder for Model {
 
     /// The routed experts' executor (everything runs on the CPU; the experts are what differ).
     fn describe(&self) -> String {
-        self.expert_executor().describe()
+        self.experts_description()
     }
 
     fn forward_stats(&self) -> Option<&ForwardStats> {
@@ -49,16 +49,26 @@ impl EngineSession for GpuSession {
     fn kv_bytes(&self) -> usize {
         GpuSession::kv_bytes(self)
     }
+
+    fn handoff_stats(&self) -> Option<HandoffStats> {
+        Some(GpuSession::handoff_stats(self))
+    }
 }
 
 impl EngineDecoder for GpuModel {
     fn device(&self) -> DevicePath {
-        DevicePath::Gpu
+        if self.experts_on_host {
+            DevicePath::Hybrid
+        } else {
+            DevicePath::Gpu
+        }
     }
 
     fn describe(&self) -> String {
+        let what =
+            if self.experts_on_host { "all but the routed experts (those on the CPU)" } else { "the whole model" };
         format!(
-            "gpu {}: the whole model, {} tokens of KV cache per session",
+            "gpu {}: {what}, {} tokens of KV cache per session",
             GpuModel::device(self).info(),
             GpuModel::kv_capacity(self)
         )

@@ -198,12 +198,21 @@ fn a_callback_stop_and_a_cancel_token_end_generation_without_an_error() {
 }
 
 #[test]
-fn hybrid_is_one_call_that_says_it_is_not_built_yet() {
+fn hybrid_opens_on_a_gpu_and_names_the_missing_gpu_otherwise() {
     let tmp = tempfile::tempdir().unwrap();
     let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
     let config = EngineConfig { device: DevicePolicy::Hybrid, ..EngineConfig::default() };
-    let e = open_engine(&files, &config).err().expect("hybrid is a stub").to_string();
-    assert!(e.contains("--device hybrid is not built yet"), "{e}");
+    match krasis_gpu::probe_ordinal(0) {
+        Ok(_) => {
+            let opened = open_engine(&files, &config).unwrap();
+            assert_eq!(opened.engine.device(), DevicePath::Hybrid);
+            assert!(opened.why.starts_with("device: hybrid (as asked"), "{}", opened.why);
+        }
+        Err(_) => {
+            let e = open_engine(&files, &config).err().expect("no GPU").to_string();
+            assert!(e.starts_with("--device hybrid: "), "{e}");
+        }
+    }
 }
 
 #[test]

@@ -1,0 +1,111 @@
+//! `krasis bench --model DIR --device hybrid`: the hybrid engine's prefill and decode, with the
+//! decode step split into CPU expert time (and its GB/s against the host's bandwidth probe,
+//! measured in the same run before the model loads), GPU time as the host waits for it, and the
+//! rest; plus load time and resident memory against one copy of the quantised experts.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::Context;
+use krasis_core::budget::format_bytes;
+use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
+use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_model::files::ModelFiles;
+use krasis_model::runtime::{open_engine, EngineConfig};
+use krasis_model::sampling::{Sampler, SamplingParams};
+use serde_json::{json, Value};
+
+use crate::cmd_bench::Args;
+
+pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow::Result<Value> {
+    let sys = krasis_core::hw::probe();
+    let bw = {
+        let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+        read_bandwidth(&pool, a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys)), 5)?
+    };
+    if text {
+        println!("host read bandwidth (in-run probe): {:.1} GB/s on {} threads", bw.gb_per_s, bw.threads);
+    }
+    let t = Instant::now();
+    let opened = ModelFiles::open(dir)
+        .and_then(|files| open_engine(&files, config))
+        .with_context(|| format!("loading {} (hybrid)", dir.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    let rss_loaded = krasis_core::hw::current_rss_bytes();
+    for w in &opened.warnings {
+        eprintln!("warning: {w}");
+    }
+    if text {
+        println!("{}", opened.why);
+        for l in &opened.log {
+            println!("{l}");
+        }
+    }
+    let m = opened.engine.as_ref();
+    let spec = m.spec();
+    let moe_layers = spec.moe_layers().count() as u64;
+    let (top_k, n_experts) = spec.moe.as_ref().map_or((0, 0), |x| (x.routing.top_k as u64, x.n_routed_experts as u64));
+    let expert_bytes = m.expert_bytes().unwrap_or(0);
+    let prompt = crate::cmd_bench::random_prompt(spec.vocab_size, a.prompt_tokens);
+    let mut sampler = Sampler::new(SamplingParams::default());
+    // A short warm-up call settles allocations and clocks.
+    {
+        let mut s = m.new_session()?;
+        m.step_one(s.as_mut(), &prompt[..prompt.len().min(8)], &mut sampler, false)?;
+    }
+    let mut s = m.new_session()?;
+    let t = Instant::now();
+    let mut id = m.step_one(s.as_mut(), &prompt, &mut sampler, false)?.token;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let h0 = s.handoff_stats().unwrap_or_default();
+    let syncs0 = m.host_syncs().unwrap_or(0);
+    let t = Instant::now();
+    for _ in 0..a.decode_tokens {
+        id = m.step_one(s.as_mut(), &[id], &mut sampler, false)?.token;
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    let h1 = s.handoff_stats().unwrap_or_default();
+    let syncs = (m.host_syncs().unwrap_or(0) - syncs0) as f64 / a.decode_tokens.max(1) as f64;
+    let rss_after = krasis_core::hw::current_rss_bytes();
+    let n = a.decode_tokens.max(1) as f64;
+    let ms = decode_s * 1e3 / n;
+    let experts_ms = (h1.experts - h0.experts).as_secs_f64() * 1e3 / n;
+    let wait_ms = (h1.wait - h0.wait).as_secs_f64() * 1e3 / n;
+    let rest_ms = ms - experts_ms - wait_ms;
+    let bytes_per_token = moe_layers * top_k * expert_bytes;
+    let expert_gbs = bytes_per_token as f64 / 1e6 / experts_ms.max(1e-9);
+    let one_copy = moe_layers * n_experts * expert_bytes;
+    if text {
+        println!(
+            "hybrid prefill {} tokens: {:.3} s ({:.0} tok/s); decode {} tokens at {}+ context: {:.1} tok/s ({ms:.2} ms/token)",
+            a.prompt_tokens,
+            prefill_s,
+            a.prompt_tokens as f64 / prefill_s,
+            a.decode_tokens,
+            a.prompt_tokens,
+            1e3 / ms
+        );
+        println!(
+            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {wait_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}",
+            bytes_per_token as f64 / 1e6,
+            100.0 * expert_gbs / bw.gb_per_s
+        );
+        println!(
+            "load {load_s:.2} s; RSS after load {}, after decode {}; one copy of the routed experts {} ({:.2}x)",
+            rss_loaded.map_or("n/a".into(), format_bytes),
+            rss_after.map_or("n/a".into(), format_bytes),
+            format_bytes(one_copy),
+            rss_after.map_or(0.0, |r| r as f64 / one_copy.max(1) as f64)
+        );
+    }
+    Ok(json!({
+        "model": dir.display().to_string(), "device": m.device().name(), "load_s": load_s,
+        "membw_gb_per_s": bw.gb_per_s,
+        "prefill": { "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s },
+        "decode": { "tokens": a.decode_tokens, "tok_per_s": 1e3 / ms, "ms_per_token": ms,
+                    "cpu_experts_ms_per_token": experts_ms, "gpu_wait_ms_per_token": wait_ms, "rest_ms_per_token": rest_ms,
+                    "expert_bytes_per_token": bytes_per_token, "expert_gb_per_s": expert_gbs,
+                    "expert_fraction_of_membw": expert_gbs / bw.gb_per_s, "host_syncs_per_token": syncs },
+        "memory": { "rss_after_load": rss_loaded, "rss_after_decode": rss_after, "one_copy_of_experts": one_copy },
+    }))
+}

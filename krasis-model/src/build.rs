@@ -1,0 +1,146 @@
+//! The one build walk: every engine (the CPU reference and quantised engine, the whole-model GPU
+//! engine, the hybrid) is built by [`build`] walking [`ModelTensors`] and asking a
+//! [`WeightBuilder`] to turn each tensor into what its backend runs. The walk decides which
+//! tensors a model has and what part each plays; a builder decides only where a weight lives and
+//! in which format. Layer math then consumes the typed [`Weights`] tree.
+
+use crate::error::Result;
+use crate::spec::{ModelSpec, RoutingRule};
+use crate::tensors::{model_tensors, AttentionTensors, FfnTensors, LayerTensors, MlpTensors, QueryTensors, TensorSpec};
+
+/// What a dense projection is for: builders choose its precision by class
+/// (`--cpu-dense-bits`, `--attention-quant`, …).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearClass {
+    /// q / kv_a / o projections (and q_a / q_b), GQA q/k/v/o.
+    Attention,
+    SharedExpert,
+    /// The MLP of a dense (non-MoE) layer.
+    DenseMlp,
+    LmHead,
+}
+
+/// Turns the tensors the walk visits into one backend's weights.
+pub trait WeightBuilder {
+    /// A dense projection as this backend runs it.
+    type Linear;
+    /// A norm weight (or other small vector).
+    type Vector;
+    type Embedding;
+    /// MLA's `kv_b_proj`: the CPU keeps it in f32 for the absorbed form, the GPU as a linear
+    /// plus a BF16 copy.
+    type KvB;
+    type Router;
+    /// The routed experts of one MoE layer: the layer's expert backend.
+    type Experts;
+
+    fn embedding(&mut self, t: &TensorSpec) -> Result<Self::Embedding>;
+    fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Self::Linear>;
+    fn vector(&mut self, t: &TensorSpec) -> Result<Self::Vector>;
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<Self::KvB>;
+    fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<Self::Router>;
+    fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<Self::Experts>;
+    /// Called once per layer after it is built (progress, budget logs).
+    fn layer_done(&mut self, _layer: usize) {}
+}
+
+pub struct MlpWeights<B: WeightBuilder> {
+    pub gate: B::Linear,
+    pub up: B::Linear,
+    pub down: B::Linear,
+}
+
+pub enum QueryWeights<B: WeightBuilder> {
+    Direct(B::Linear),
+    LowRank { a: B::Linear, norm: B::Vector, b: B::Linear },
+}
+
+pub enum AttentionWeights<B: WeightBuilder> {
+    Mla { q: QueryWeights<B>, kv_a: B::Linear, kv_a_norm: B::Vector, kv_b: B::KvB, o: B::Linear },
+    Gqa { q: B::Linear, k: B::Linear, v: B::Linear, o: B::Linear, qk_norm: Option<(B::Vector, B::Vector)> },
+}
+
+pub enum FfnWeights<B: WeightBuilder> {
+    Dense(MlpWeights<B>),
+    Moe { router: B::Router, experts: B::Experts, shared: Option<MlpWeights<B>> },
+}
+
+pub struct LayerWeights<B: WeightBuilder> {
+    pub input_norm: B::Vector,
+    pub post_norm: B::Vector,
+    pub attention: AttentionWeights<B>,
+    pub ffn: FfnWeights<B>,
+}
+
+/// A whole model's weights as one backend holds them.
+pub struct Weights<B: WeightBuilder> {
+    pub embed: B::Embedding,
+    pub layers: Vec<LayerWeights<B>>,
+    pub final_norm: B::Vector,
+    pub lm_head: B::Linear,
+}
+
+fn mlp<B: WeightBuilder>(b: &mut B, t: &MlpTensors, class: LinearClass) -> Result<MlpWeights<B>> {
+    Ok(MlpWeights { gate: b.linear(&t.gate, class)?, up: b.linear(&t.up, class)?, down: b.linear(&t.down, class)? })
+}
+
+fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<AttentionWeights<B>> {
+    let a = LinearClass::Attention;
+    Ok(match t {
+        AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => AttentionWeights::Mla {
+            q: match q {
+                QueryTensors::Direct(q) => QueryWeights::Direct(b.linear(q, a)?),
+                QueryTensors::LowRank { a: qa, norm, b: qb } => {
+                    QueryWeights::LowRank { a: b.linear(qa, a)?, norm: b.vector(norm)?, b: b.linear(qb, a)? }
+                }
+            },
+            kv_a: b.linear(kv_a, a)?,
+            kv_a_norm: b.vector(kv_a_norm)?,
+            kv_b: b.kv_b(kv_b)?,
+            o: b.linear(o, a)?,
+        },
+        AttentionTensors::Gqa { q, k, v, o, qk_norm } => AttentionWeights::Gqa {
+            q: b.linear(q, a)?,
+            k: b.linear(k, a)?,
+            v: b.linear(v, a)?,
+            o: b.linear(o, a)?,
+            qk_norm: match qk_norm {
+                Some((qn, kn)) => Some((b.vector(qn)?, b.vector(kn)?)),
+                None => None,
+            },
+        },
+    })
+}
+
+fn layer<B: WeightBuilder>(b: &mut B, spec: &ModelSpec, l: usize, t: &LayerTensors) -> Result<LayerWeights<B>> {
+    let attention = attention(b, &t.attention)?;
+    let ffn = match &t.ffn {
+        FfnTensors::Dense(m) => FfnWeights::Dense(mlp(b, m, LinearClass::DenseMlp)?),
+        FfnTensors::Moe { router, bias, experts, shared } => {
+            let rule = spec.moe.as_ref().expect("MoE layer implies a MoE spec").routing;
+            FfnWeights::Moe {
+                router: b.router(router, bias.as_ref(), &rule)?,
+                experts: b.experts(l, experts)?,
+                shared: match shared {
+                    Some(s) => Some(mlp(b, s, LinearClass::SharedExpert)?),
+                    None => None,
+                },
+            }
+        }
+    };
+    Ok(LayerWeights { input_norm: b.vector(&t.input_norm)?, post_norm: b.vector(&t.post_norm)?, attention, ffn })
+}
+
+/// Builds every weight of `spec` with `b`, layer by layer.
+pub fn build<B: WeightBuilder>(spec: &ModelSpec, b: &mut B) -> Result<Weights<B>> {
+    let t = model_tensors(spec);
+    let embed = b.embedding(&t.embed)?;
+    let mut layers = Vec::with_capacity(t.layers.len());
+    for (l, lt) in t.layers.iter().enumerate() {
+        layers.push(layer(b, spec, l, lt)?);
+        b.layer_done(l);
+    }
+    let final_norm = b.vector(&t.final_norm)?;
+    let lm_head = b.linear(&t.lm_head, LinearClass::LmHead)?;
+    Ok(Weights { embed, layers, final_norm, lm_head })
+}
