@@ -1,10 +1,10 @@
 //! `krasis bench`: the memory-bandwidth probe and CPU decode throughput, in one run so every
 //! GB/s figure comes with the machine's own measured bandwidth.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_core::memory::PageBuffer;
 use krasis_cpu::isa::Isa;
@@ -13,7 +13,7 @@ use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::files::ModelFiles;
-use krasis_model::runtime::{open_engine, Engine};
+use krasis_model::runtime::{open_engine, Engine, EngineConfig, Opened};
 use krasis_model::sampling::{Sampler, SamplingParams};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
 use krasis_quant::group::quantize;
@@ -132,6 +132,26 @@ pub(crate) fn random_prompt(vocab: usize, n: usize) -> Vec<u32> {
             (2 + x % (v - 2)) as u32
         })
         .collect()
+}
+
+/// Opens `dir` as `config` asks: warnings to stderr and, with `text`, the device line and the load
+/// log to stdout. Returns the engine and the load time in seconds.
+pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> anyhow::Result<(Opened, f64)> {
+    let t = Instant::now();
+    let opened = ModelFiles::open(dir)
+        .and_then(|files| open_engine(&files, config))
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    for w in &opened.warnings {
+        eprintln!("warning: {w}");
+    }
+    if text {
+        println!("{}", opened.why);
+        for l in &opened.log {
+            println!("{l}");
+        }
+    }
+    Ok((opened, load_s))
 }
 
 /// Greedy prefill of a random prompt, then `decode_tokens` decode steps on `engine`: (prefill
@@ -371,20 +391,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["expert_gemv"] = json!(rows);
     }
     if let Some(dir) = &a.model {
-        let files = ModelFiles::open(dir)?;
         let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
-        let t = Instant::now();
-        let opened = open_engine(&files, &config)?;
-        let load_s = t.elapsed().as_secs_f64();
-        for w in &opened.warnings {
-            eprintln!("warning: {w}");
-        }
-        if !a.json {
-            println!("{}", opened.why);
-            for l in &opened.log {
-                println!("{l}");
-            }
-        }
+        let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
         let (prefill_s, decode_s) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
         let (expert_s, _) = engine.forward_stats().map_or((0.0, 0.0), |s| s.seconds());

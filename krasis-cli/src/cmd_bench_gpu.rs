@@ -5,13 +5,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Context;
 use krasis_gpu::flash_prefill::{bench_gqa_prefill, bench_mla_prefill};
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::{bench_mla_decode, GpuDevice, VramBudgetSpec};
-use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateRequest};
-use krasis_model::runtime::{open_engine, EngineConfig};
+use krasis_model::runtime::EngineConfig;
 use krasis_model::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
 
@@ -98,20 +96,7 @@ pub fn model(
     decode_tokens: usize,
     text: bool,
 ) -> anyhow::Result<Value> {
-    let t = Instant::now();
-    let opened = ModelFiles::open(dir)
-        .and_then(|files| open_engine(&files, config))
-        .with_context(|| format!("loading {} onto the GPU", dir.display()))?;
-    let load_s = t.elapsed().as_secs_f64();
-    for w in &opened.warnings {
-        eprintln!("warning: {w}");
-    }
-    if text {
-        println!("{}", opened.why);
-        for l in &opened.log {
-            println!("{l}");
-        }
-    }
+    let (opened, load_s) = crate::cmd_bench::open_for_bench(dir, config, text)?;
     let engine = opened.engine.as_ref();
     let prompt = crate::cmd_bench::random_prompt(engine.spec().vocab_size, prompt_tokens);
     let req = GenerateRequest {

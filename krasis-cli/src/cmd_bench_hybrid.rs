@@ -6,12 +6,10 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Context;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::files::ModelFiles;
-use krasis_model::runtime::{open_engine, EngineConfig};
+use krasis_model::runtime::EngineConfig;
 use krasis_model::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
 
@@ -26,21 +24,8 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     if text {
         println!("host read bandwidth (in-run probe): {:.1} GB/s on {} threads", bw.gb_per_s, bw.threads);
     }
-    let t = Instant::now();
-    let opened = ModelFiles::open(dir)
-        .and_then(|files| open_engine(&files, config))
-        .with_context(|| format!("loading {} (hybrid)", dir.display()))?;
-    let load_s = t.elapsed().as_secs_f64();
+    let (opened, load_s) = crate::cmd_bench::open_for_bench(dir, config, text)?;
     let rss_loaded = krasis_core::hw::current_rss_bytes();
-    for w in &opened.warnings {
-        eprintln!("warning: {w}");
-    }
-    if text {
-        println!("{}", opened.why);
-        for l in &opened.log {
-            println!("{l}");
-        }
-    }
     let m = opened.engine.as_ref();
     let spec = m.spec();
     let moe_layers = spec.moe_layers().count() as u64;
