@@ -49,6 +49,7 @@ fn synth_generate_info_and_dump_logits() {
     let e = stderr(&o);
     assert!(e.contains("prefill:") && e.contains("tok/s"), "timings go to stderr: {e}");
     assert!(e.contains("running on the CPU"), "auto falls back with a notice: {e}");
+    assert!(e.contains("device: cpu (auto: no GPU in use"), "one line says which device and why: {e}");
 
     // Sampled generation with a logits dump; the same seed reproduces the same tokens.
     let sampled = |dump: &Path| {
@@ -123,6 +124,11 @@ fn bad_input_fails_cleanly() {
         &krasis(&["generate", "--model", m, "--prompt-ids", "1", "--device", "gpu"]),
         1,
         "--device gpu",
+    );
+    assert_clean_failure(
+        &krasis(&["generate", "--model", m, "--prompt-ids", "1", "--device", "hybrid"]),
+        1,
+        "--device hybrid",
     );
     assert_clean_failure(&krasis(&["generate", "--model", m, "--prompt-ids", "1", "--top-p", "0"]), 1, "--top-p");
     assert_clean_failure(&krasis(&["synth", "--preset", "huge", "--out", "/tmp/x"]), 2, "invalid value 'huge'");
