@@ -94,7 +94,9 @@ impl HostFlag {
 
     /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes
     /// everything without writing `v`, or stays busy past a generous limit.
+    /// Counted as a host synchronisation in [`GpuDevice::sync_counters`].
     pub fn spin_until_geq(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
+        dev.note_host_sync();
         let started = Instant::now();
         let mut spins = 0u32;
         loop {

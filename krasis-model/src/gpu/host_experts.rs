@@ -19,6 +19,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
 use krasis_gpu::{GpuDevice, HostFlag};
 
@@ -201,6 +202,7 @@ pub(crate) fn with_expert_thread<R>(
     dev: &GpuDevice,
     staging: &mut HostStaging,
     experts: &[Option<&dyn LayerExperts>],
+    pool: Option<&WorkerPool>,
     shape: HandoffShape,
     enqueue: impl FnOnce(&mut HostStaging) -> Result<R>,
 ) -> Result<R> {
@@ -209,7 +211,11 @@ pub(crate) fn with_expert_thread<R>(
     let (tx, rx) = channel();
     staging.work = Some(tx);
     let (result, served) = std::thread::scope(|scope| {
-        let thread = scope.spawn(move || serve(dev, rx, windows, &ready, &go, experts));
+        let thread = scope.spawn(move || {
+            // The thread is worker 0 of the pool during each expert call: give it worker 0's core.
+            let _pin = pool.map(WorkerPool::pin_caller);
+            serve(dev, rx, windows, &ready, &go, experts)
+        });
         let r = enqueue(staging);
         staging.work = None; // closes the channel: the thread ends after the last hand-off
         (r, thread.join())

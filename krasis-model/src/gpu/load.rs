@@ -211,9 +211,11 @@ impl GpuModel {
         let source = SafetensorsDir::open(dir)?;
         let mut log = Vec::new();
         let mut expert_bytes = None;
+        let mut host_pool = None;
         let placement = match quant_bits(cpu.expert_bits) {
             Some(bits) if spec.moe.is_some() => {
                 let pool = start_pool(cpu.threads, &mut log)?;
+                host_pool = Some(pool.clone());
                 let ex = open_cpu_experts(dir, &spec, &source, bits, cpu, &pool, &mut log)?;
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
                 expert_bytes = Some(ex.expert_bytes);
@@ -228,6 +230,7 @@ impl GpuModel {
         log.append(&mut m.log);
         m.log = log;
         m.host_expert_bytes = expert_bytes;
+        m.host_pool = host_pool;
         Ok(m)
     }
 
@@ -337,6 +340,7 @@ impl GpuModel {
             kv_tokens,
             log,
             host_expert_bytes: None,
+            host_pool: None,
         })
     }
 }

@@ -103,6 +103,8 @@ pub struct GpuModel {
     /// Bytes of one routed expert as the host reads it, when the experts run on the host from
     /// the expert cache (the hybrid engine): for bytes-per-token arithmetic.
     pub host_expert_bytes: Option<u64>,
+    /// The CPU pool the host experts run on (hybrid), for pinning the expert thread.
+    host_pool: Option<std::sync::Arc<krasis_cpu::pool::WorkerPool>>,
 }
 
 impl GpuModel {
@@ -192,7 +194,14 @@ impl GpuModel {
         let r = if host.iter().any(Option::is_some) {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
             let shape = host_experts::HandoffShape { t, hidden: h, k };
-            host_experts::with_expert_thread(&self.dev, &mut staging, &host, shape, enqueue_layers)
+            host_experts::with_expert_thread(
+                &self.dev,
+                &mut staging,
+                &host,
+                self.host_pool.as_deref(),
+                shape,
+                enqueue_layers,
+            )
         } else {
             enqueue_layers(&mut staging)
         };
