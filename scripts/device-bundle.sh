@@ -28,7 +28,7 @@ case "${1:-all}" in
 esac
 {
     exes test "${sel[@]}"
-    if [ "${1:-all}" = gpu ]; then exes test -p krasis-tests --test gpu_oracle; fi
+    if [ "${1:-all}" = gpu ]; then exes test -p krasis-tests --test gpu_oracle --test hybrid_oracle; fi
 } | while read -r name exe; do
     cp "$exe" "$out/tests/$name-$(basename "$(dirname "$exe")")-$(basename "$exe" | tr -cd 'a-z0-9_-')"
 done
@@ -36,5 +36,5 @@ strip "$out"/bin/* "$out"/tests/*
 fixtures="${KRASIS_FIXTURES:-../shared/fixtures}"
 [ -d "$fixtures" ] && cp -r "$fixtures" "$out/fixtures"
 cp -r krasis-gpu/kernels "$out/kernels" 2>/dev/null || true
-cp scripts/device-run.sh scripts/device-gpu.sh "$out/"
+cp scripts/device-run.sh scripts/device-gpu.sh scripts/device-hybrid.sh "$out/"
 du -sh "$out"

@@ -330,6 +330,12 @@ impl GpuDevice {
         (self.host_syncs.load(Relaxed), self.uploads.load(Relaxed))
     }
 
+    /// Counts a host-side wait for the device that does not go through the calls above (a
+    /// [`crate::HostFlag`] spin).
+    pub(crate) fn note_host_sync(&self) {
+        self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Waits for all work on the compute stream (counted in [`GpuDevice::sync_counters`]).
     pub fn synchronize(&self) -> Result<(), GpuError> {
         self.host_syncs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -85,6 +85,8 @@ pub use kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 pub use linear::{GemmContext, GpuLinear, LinearQuant};
 pub use moe::GpuExperts;
 pub use router::GpuRouter;
+pub mod host_flag;
+pub use host_flag::HostFlag;
 pub use sampling::{GpuSampler, GpuSamplingParams};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.

@@ -7,7 +7,7 @@ use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
 
-use super::host_experts::HandoffShape;
+use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::profile::Part;
 use super::session::{grow, GpuSession};
 use crate::engine::experts::LayerExperts;
@@ -151,8 +151,19 @@ pub(crate) struct GpuLayer {
 }
 
 impl GpuLayer {
+    /// This layer's host expert backend, when its routed experts run on the CPU (hybrid).
+    pub fn host_experts(&self) -> Option<&dyn LayerExperts> {
+        match &self.ffn {
+            GpuFfn::Moe(m) => match &m.experts {
+                GpuExpertBackend::Host(e) => Some(e.as_ref()),
+                GpuExpertBackend::Resident(_) => None,
+            },
+            GpuFfn::Dense(_) => None,
+        }
+    }
+
     /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
-    pub fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession, add_prev: bool) -> Result<()> {
+    pub fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession, add_prev: bool, host: &mut HostStaging) -> Result<()> {
         let n = c.t * self.hidden;
         self.norm(c, s, &self.input_norm, add_prev, n)?;
         match &self.attention {
@@ -195,30 +206,25 @@ impl GpuLayer {
                             sh.forward(c, s, false)?;
                         }
                     }
-                    GpuExpertBackend::Host(experts) => {
-                        {
+                    GpuExpertBackend::Host(_) => {
+                        let shape = HandoffShape { t, hidden: self.hidden, k };
+                        let seq = {
                             let sc = &mut s.scratch;
                             let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
-                            s.host.send(
+                            host.send(
                                 c.dev,
                                 &sc.xn.slice().slice(..n),
                                 &ids.slice().slice(..t * k),
                                 &w.slice().slice(..t * k),
-                                HandoffShape { t, hidden: self.hidden, k },
-                            )?;
-                        }
+                                shape,
+                            )?
+                        };
                         // The shared expert runs on the GPU while the CPU computes the routed ones.
                         if let Some(sh) = shared {
                             sh.forward(c, s, false)?;
                         }
-                        let mut y = s.scratch.y.slice_mut().slice_mut(..n);
-                        s.host.run_and_return(
-                            c.dev,
-                            experts.as_ref(),
-                            router.n_experts(),
-                            &mut y,
-                            HandoffShape { t, hidden: self.hidden, k },
-                        )?;
+                        let work = HostWork { seq, layer: l, n_experts: router.n_experts(), shape };
+                        host.receive(c.dev, work, &mut s.scratch.y.slice_mut().slice_mut(..n))?;
                     }
                 }
                 if shared.is_some() {

@@ -218,9 +218,11 @@ impl GpuModel {
         let spec = files.spec().clone();
         let mut log = Vec::new();
         let mut expert_bytes = None;
+        let mut host_pool = None;
         let placement = match quant_bits(cpu.expert_bits) {
             Some(bits) if spec.moe.is_some() => {
                 let pool = start_pool(cpu.threads, &mut log)?;
+                host_pool = Some(pool.clone());
                 let ex = open_cpu_experts(files, bits, cpu, &pool, &mut log)?;
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
                 expert_bytes = Some(ex.expert_bytes);
@@ -236,6 +238,7 @@ impl GpuModel {
         m.log = log;
         m.host_expert_bytes = expert_bytes;
         m.experts_on_host = true;
+        m.host_pool = host_pool;
         Ok(m)
     }
 
@@ -346,6 +349,7 @@ impl GpuModel {
             log,
             host_expert_bytes: None,
             experts_on_host: false,
+            host_pool: None,
         })
     }
 }

@@ -26,6 +26,7 @@ pub use self::host_experts::HandoffStats;
 use self::layers::GpuLayer;
 pub use self::load::ExpertPlacement;
 pub use self::session::GpuSession;
+use crate::engine::experts::LayerExperts;
 use crate::error::{ModelError, Result};
 use crate::generate::Decoder;
 use crate::sampling::Sampler;
@@ -105,6 +106,8 @@ pub struct GpuModel {
     pub host_expert_bytes: Option<u64>,
     /// Whether the routed experts run on the host (the hybrid engine).
     pub experts_on_host: bool,
+    /// The CPU pool the host experts run on (hybrid), for pinning the expert thread.
+    host_pool: Option<std::sync::Arc<krasis_cpu::pool::WorkerPool>>,
 }
 
 impl GpuModel {
@@ -183,9 +186,30 @@ impl GpuModel {
             pos,
             decode: t <= DECODE_MAX_TOKENS,
         };
-        for (l, layer) in self.layers.iter().enumerate() {
-            layer.forward(&ctx, l, s, l > 0)?;
-        }
+        let host: Vec<Option<&dyn LayerExperts>> = self.layers.iter().map(|l| l.host_experts()).collect();
+        let mut staging = std::mem::take(&mut s.host);
+        let mut enqueue_layers = |staging: &mut host_experts::HostStaging| -> Result<()> {
+            for (l, layer) in self.layers.iter().enumerate() {
+                layer.forward(&ctx, l, s, l > 0, staging)?;
+            }
+            Ok(())
+        };
+        let r = if host.iter().any(Option::is_some) {
+            let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
+            let shape = host_experts::HandoffShape { t, hidden: h, k };
+            host_experts::with_expert_thread(
+                &self.dev,
+                &mut staging,
+                &host,
+                self.host_pool.as_deref(),
+                shape,
+                enqueue_layers,
+            )
+        } else {
+            enqueue_layers(&mut staging)
+        };
+        s.host = staging;
+        r?;
         // Final norm (adding the last FFN output), then the LM head over the requested rows.
         let sc = &mut s.scratch;
         {

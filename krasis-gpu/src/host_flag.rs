@@ -1,0 +1,134 @@
+//! A 64-bit counter in page-locked, device-mapped host memory through which the host and the
+//! compute stream signal each other without a host synchronisation: the stream can wait until
+//! the counter reaches a value (`cuStreamWaitValue64`) or write a value once the work before it
+//! is done (`cuStreamWriteValue64`, with a memory barrier so earlier copies are visible first);
+//! the host can spin until it reaches a value or store to it.
+//!
+//! The hybrid engine uses two per session: the stream announces "this layer's activations are
+//! on the host" and waits for "the CPU experts' output is in the pinned buffer". With the waits on
+//! the stream, the host enqueues the next layers while the CPU computes, so kernel launches leave
+//! the critical path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{self, CUdeviceptr};
+use cudarc::driver::PinnedHostSlice;
+
+use crate::{GpuDevice, GpuError};
+
+/// Spins between checks of the stream's health while waiting (a dead stream never writes).
+const SPINS_PER_STREAM_CHECK: u32 = 4096;
+/// A wait this long with the stream still busy is reported as a hang.
+const WAIT_LIMIT: Duration = Duration::from_secs(120);
+
+pub struct HostFlag {
+    /// Keeps the allocation alive; its one element is the counter.
+    _mem: PinnedHostSlice<u64>,
+    host: *const AtomicU64,
+    device: CUdeviceptr,
+}
+
+// SAFETY: the counter is only accessed atomically (host) or by the stream (device).
+unsafe impl Send for HostFlag {}
+unsafe impl Sync for HostFlag {}
+
+fn check(op: &'static str, r: sys::CUresult) -> Result<(), GpuError> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Driver { op, detail: format!("{r:?}") })
+    }
+}
+
+impl HostFlag {
+    /// A counter starting at 0.
+    pub fn new(dev: &GpuDevice) -> Result<Self, GpuError> {
+        // SAFETY: one u64, initialised below before any use.
+        let mut mem = unsafe {
+            dev.context()
+                .alloc_pinned_with_flags::<u64>(1, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map_err(|e| GpuError::driver("cuMemHostAlloc", e))?;
+        let ptr = mem.as_mut_ptr().map_err(|e| GpuError::driver("cuEventSynchronize", e))?;
+        // SAFETY: `ptr` is a live, aligned u64 of the allocation.
+        unsafe { ptr.write(0) };
+        let mut device: CUdeviceptr = 0;
+        dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `ptr` was allocated with DEVICEMAP in this context.
+        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, ptr.cast(), 0) })?;
+        Ok(HostFlag { _mem: mem, host: ptr as *const AtomicU64, device })
+    }
+
+    fn atomic(&self) -> &AtomicU64 {
+        // SAFETY: points into `_mem`, aligned, alive as long as `self`.
+        unsafe { &*self.host }
+    }
+
+    pub fn load(&self) -> u64 {
+        self.atomic().load(Ordering::Acquire)
+    }
+
+    /// Stores `v` (release: host writes before it are visible to a stream that sees `v`).
+    pub fn store(&self, v: u64) {
+        self.atomic().store(v, Ordering::Release);
+    }
+
+    /// Enqueues on the compute stream: wait until the counter is ≥ `v`.
+    pub fn stream_wait_geq(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
+        let s = dev.stream();
+        dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+        // SAFETY: the address is the device mapping of a live pinned allocation.
+        check("cuStreamWaitValue64", unsafe { sys::cuStreamWaitValue64_v2(s.cu_stream(), self.device, v, flags) })
+    }
+
+    /// Enqueues on the compute stream: once everything before it is done, write `v`.
+    pub fn stream_write(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
+        let s = dev.stream();
+        dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+        // SAFETY: as above.
+        check("cuStreamWriteValue64", unsafe { sys::cuStreamWriteValue64_v2(s.cu_stream(), self.device, v, flags) })
+    }
+
+    /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes
+    /// everything without writing `v`, or stays busy past a generous limit.
+    /// Counted as a host synchronisation in [`GpuDevice::sync_counters`].
+    pub fn spin_until_geq(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
+        dev.note_host_sync();
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if self.load() >= v {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins.is_multiple_of(SPINS_PER_STREAM_CHECK) {
+                dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+                // SAFETY: a query of a live stream.
+                let r = unsafe { sys::cuStreamQuery(dev.stream().cu_stream()) };
+                match r {
+                    sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    sys::CUresult::CUDA_SUCCESS => {
+                        if self.load() >= v {
+                            return Ok(());
+                        }
+                        return Err(GpuError::Driver {
+                            op: "host flag wait",
+                            detail: format!("the stream is idle but the flag is {} < {v}", self.load()),
+                        });
+                    }
+                    e => return Err(GpuError::Driver { op: "cuStreamQuery", detail: format!("{e:?}") }),
+                }
+                if started.elapsed() > WAIT_LIMIT {
+                    return Err(GpuError::Driver {
+                        op: "host flag wait",
+                        detail: format!("no progress for {} s (flag {} < {v})", WAIT_LIMIT.as_secs(), self.load()),
+                    });
+                }
+            }
+        }
+    }
+}
