@@ -26,6 +26,11 @@ use krasis_gpu::{GpuDevice, HostFlag};
 use crate::engine::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
 
+/// Most tokens per call into the host expert backend (longer prompts go in chunks): bounds the
+/// backend's per-call scratch, which otherwise grows with the prompt (measured on the H100 box,
+/// v2-lite INT4: RSS 1.11× the expert copy after a 512-token prefill, 1.25× after 2 048).
+const HOST_EXPERT_CHUNK_TOKENS: usize = 512;
+
 /// The shape of one hand-off: `t` tokens of `hidden`, `k` routes each.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct HandoffShape {
@@ -277,24 +282,26 @@ fn serve_one(
     let (x, ids, weights, out) = unsafe {
         (w.x.slice_mut(t * hidden), w.ids.slice_mut(t * k), w.weights.slice_mut(t * k), w.out.slice_mut(t * hidden))
     };
-    routes.k = k;
-    routes.ids.clear();
-    routes.weights.clear();
-    for &id in ids.iter() {
-        match usize::try_from(id) {
-            Ok(e) if e < work.n_experts => routes.ids.push(e),
-            _ => {
-                return Err(ModelError::Invalid(format!(
-                    "the GPU router returned expert id {id} (of {}) at layer {}; non-finite hidden states?",
-                    work.n_experts, work.layer
-                )))
-            }
-        }
+    if let Some(&id) = ids.iter().find(|&&id| usize::try_from(id).map_or(true, |e| e >= work.n_experts)) {
+        return Err(ModelError::Invalid(format!(
+            "the GPU router returned expert id {id} (of {}) at layer {}; non-finite hidden states?",
+            work.n_experts, work.layer
+        )));
     }
-    routes.weights.extend_from_slice(weights);
     let backend = experts[work.layer].expect("hand-offs come from host MoE layers");
     out.fill(0.0);
-    backend.run(x, t, routes, out);
+    // Long prompts in chunks: the backend's scratch grows with the tokens of a call, and a chunk
+    // of this size still reads each expert once per ~100 routed tokens.
+    for c0 in (0..t).step_by(HOST_EXPERT_CHUNK_TOKENS) {
+        let n = HOST_EXPERT_CHUNK_TOKENS.min(t - c0);
+        routes.k = k;
+        routes.ids.clear();
+        routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().map(|&id| id as usize));
+        routes.weights.clear();
+        routes.weights.extend_from_slice(&weights[c0 * k..(c0 + n) * k]);
+        let rows = c0 * hidden..(c0 + n) * hidden;
+        backend.run(&x[rows.clone()], n, routes, &mut out[rows]);
+    }
     stats.calls += 1;
     stats.wait += t1 - t0;
     stats.experts += t1.elapsed();
