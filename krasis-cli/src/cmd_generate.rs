@@ -199,7 +199,8 @@ pub struct Args {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
-    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) | auto
+    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) |
+    /// auto (the GPU when the whole model fits its VRAM budget, else hybrid; the CPU without a GPU)
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     #[command(flatten)]

@@ -150,6 +150,19 @@ pub fn probe_ordinal(ordinal: usize) -> Result<DeviceInfo, GpuError> {
     device_info(ordinal, n)
 }
 
+/// The VRAM budget `spec` resolves to on device `ordinal` now (`auto`: free memory minus the
+/// reserve), for deciding where a model goes before loading it. Creates (and releases) the
+/// device's primary context to read the free memory.
+pub fn vram_budget_bytes(ordinal: usize, spec: VramBudgetSpec) -> Result<u64, GpuError> {
+    let n = init_and_count()?;
+    let info = device_info(ordinal, n)?;
+    guarded("cuMemGetInfo", || {
+        let ctx = CudaContext::new(ordinal).map_err(|e| GpuError::driver("cuDevicePrimaryCtxRetain", e))?;
+        let (free, _total) = ctx.mem_get_info().map_err(|e| GpuError::driver("cuMemGetInfo", e))?;
+        spec.resolve(free as u64, ordinal, &info.name)
+    })
+}
+
 /// A device buffer whose bytes are charged against the device's [`VramBudget`] for as long as it
 /// lives. Use it wherever cudarc takes a [`DevicePtr`]/[`DevicePtrMut`].
 #[derive(Debug)]

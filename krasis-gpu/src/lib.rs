@@ -76,7 +76,7 @@ pub mod sampling;
 
 pub use attn_decode::{bench_mla_decode, DecodeBench, DecodeTiming, DecodeWorkspace};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
-pub use device::{probe, probe_ordinal, DeviceBuffer, DeviceInfo, GpuDevice};
+pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};

@@ -11,6 +11,12 @@ use crate::runtime::{check_ram, device_line, DecoderEngine, DevicePath, EngineCo
 /// Opens the hybrid engine on GPU `config.gpu.ordinal`, after checking the host RAM the routed
 /// experts take against the budget.
 pub fn open_hybrid(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+    let why = format!("as asked: routed experts on the CPU, the rest on CUDA device {}", config.gpu.ordinal);
+    open_hybrid_because(files, config, &why)
+}
+
+/// [`open_hybrid`] with the reason the device line gives.
+pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let ordinal = config.gpu.ordinal;
     if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
         return Err(ModelError::Invalid(format!("--device hybrid: {e}")));
@@ -28,10 +34,7 @@ pub fn open_hybrid(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
         engine: Box::new(engine),
         log,
         warnings,
-        why: device_line(
-            DevicePath::Hybrid,
-            &format!("as asked: routed experts on the CPU, the rest on CUDA device {ordinal}"),
-        ),
+        why: device_line(DevicePath::Hybrid, why),
         memory_estimate: None,
         check_rss: false,
     })

@@ -52,6 +52,41 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
     out
 }
 
+/// Context the whole-model-on-the-GPU estimate keeps room for (below this, `--device auto` takes
+/// the hybrid path): a model that loads but holds a few hundred tokens of KV is of no use.
+pub const MIN_USEFUL_KV_TOKENS: usize = 4096;
+
+/// VRAM the whole model needs on the GPU at `opts`' precisions: every weight (BF16, or INT8 plus
+/// a scale per row where a `--*-quant int8` flag asks), routers in f32, MLA's BF16 `kv_b` copy
+/// for the absorbed decode, [`MIN_USEFUL_KV_TOKENS`] of KV cache and the activation reserve.
+pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
+    use crate::tensors::{expected_tensors, TensorRole};
+    let int8 = |q: krasis_gpu::linear::LinearQuant| q == krasis_gpu::linear::LinearQuant::Int8;
+    let mut bytes = 0u64;
+    for t in expected_tensors(spec) {
+        let n = t.numel() as u64;
+        let rows = t.shape[0] as u64;
+        let linear = |q| if int8(q) { n + 4 * rows } else { 2 * n };
+        bytes += match t.role {
+            TensorRole::Router => 4 * n,
+            TensorRole::Attention if t.name.ends_with("kv_b_proj.weight") => 2 * n + linear(opts.kv_b_proj_quant),
+            TensorRole::Attention => linear(opts.attention_quant),
+            TensorRole::SharedExpert => linear(opts.shared_expert_quant),
+            TensorRole::DenseMlp => linear(opts.dense_mlp_quant),
+            TensorRole::LmHead => linear(opts.lm_head_quant),
+            TensorRole::Embedding if spec.tie_word_embeddings => 2 * n + linear(opts.lm_head_quant),
+            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias | TensorRole::RoutedExpert { .. } => {
+                2 * n
+            }
+        };
+    }
+    let (planes, row, group) = kv_geometry(spec);
+    let kv_per_token =
+        KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group).map_or(0, |l| l.bytes_per_token() as u64);
+    let min_ctx = MIN_USEFUL_KV_TOKENS.min(spec.max_position_embeddings.max(1)) as u64;
+    bytes + kv_per_token * min_ctx + KV_RESERVE_BYTES
+}
+
 /// Where a GPU build puts the routed experts.
 pub enum ExpertPlacement {
     /// Uploaded to VRAM (BF16), the whole model on the GPU.

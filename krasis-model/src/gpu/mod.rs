@@ -24,7 +24,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
 pub use self::host_experts::HandoffStats;
 use self::layers::GpuLayer;
-pub use self::load::ExpertPlacement;
+pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
 use crate::engine::experts::LayerExperts;
 use crate::error::{ModelError, Result};

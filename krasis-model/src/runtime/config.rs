@@ -13,7 +13,8 @@ pub enum DevicePolicy {
     Gpu,
     /// Routed experts on the CPU, everything else on the GPU.
     Hybrid,
-    /// The GPU when one is usable and the model fits it, else the CPU.
+    /// Without a usable GPU the CPU; with one, the whole model on it when it fits the VRAM
+    /// budget, else hybrid (routed experts on the CPU).
     #[default]
     Auto,
 }

@@ -1,6 +1,7 @@
-//! [`open_engine`]: the device policy. `cpu` and `gpu` do as told; `auto` takes the GPU when one
-//! is usable, no CPU-only precision was asked for and the model fits the VRAM budget, else the
-//! CPU; `hybrid` is one call into `gpu::hybrid`. The CPU path checks the RAM estimate first.
+//! [`open_engine`]: the device policy. `cpu`, `gpu` and `hybrid` do as told; `auto` takes the CPU
+//! without a usable GPU (or with `--cpu-dense-bits`), else the whole model on the GPU when it
+//! fits the VRAM budget, else hybrid (routed experts on the CPU). The CPU path checks the RAM
+//! estimate first.
 
 use krasis_core::budget::{check_ram_budget, format_bytes, rss_deviation_warning};
 
@@ -66,21 +67,51 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
         }
         DevicePolicy::Auto => match krasis_gpu::probe_ordinal(ordinal) {
             Err(e) => open_cpu(files, config, &format!("auto: no GPU in use: {e}; running on the CPU")),
-            Ok(_) if config.wants_cpu_precisions() => {
-                open_cpu(files, config, "auto: --cpu-expert-bits/--cpu-dense-bits given; running on the CPU")
+            Ok(_) if config.cpu.dense_bits != WeightBits::Bf16 => {
+                open_cpu(files, config, "auto: --cpu-dense-bits applies to the CPU path; running on the CPU")
             }
-            Ok(_) => {
-                let why = format!("auto: CUDA device {ordinal} found, the model fits the VRAM budget");
-                match open_gpu(files, config, &why) {
-                    Err(ModelError::Gpu(e)) => open_cpu(
-                        files,
-                        config,
-                        &format!("auto: the GPU could not take the model: {e}; running on the CPU"),
-                    ),
-                    other => other,
-                }
-            }
+            Ok(_) => open_auto_gpu(files, config),
         },
+    }
+}
+
+/// `--device auto` with a usable GPU: the whole model on it when it fits the VRAM budget at the
+/// chosen precisions (with room for [`crate::gpu::MIN_USEFUL_KV_TOKENS`] of context) and no CPU
+/// expert precision was asked for; otherwise hybrid, with INT4 experts unless
+/// `--cpu-expert-bits` says 8. A whole-model load the GPU refuses falls back to hybrid too.
+fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+    let ordinal = config.gpu.ordinal;
+    let need = crate::gpu::whole_model_vram_bytes(files.spec(), &config.gpu);
+    let budget = krasis_gpu::vram_budget_bytes(ordinal, config.gpu.vram_budget)?;
+    let hybrid = |reason: String| -> Result<Opened> {
+        let mut cfg = config.clone();
+        if cfg.cpu.expert_bits == WeightBits::Bf16 {
+            cfg.cpu.expert_bits = WeightBits::Int4;
+        }
+        let why = format!(
+            "auto: {reason}; routed experts INT{} on the CPU, the rest on CUDA device {ordinal}",
+            if cfg.cpu.expert_bits == WeightBits::Int8 { 8 } else { 4 }
+        );
+        crate::gpu::hybrid::open_hybrid_because(files, &cfg, &why)
+    };
+    if config.cpu.expert_bits != WeightBits::Bf16 {
+        return hybrid(format!("--cpu-expert-bits {} given", config.cpu.expert_bits));
+    }
+    if need > budget {
+        return hybrid(format!(
+            "the whole model needs {} of VRAM, over the budget of {}",
+            format_bytes(need),
+            format_bytes(budget)
+        ));
+    }
+    let why = format!(
+        "auto: the whole model ({}) fits the VRAM budget of {} on CUDA device {ordinal}",
+        format_bytes(need),
+        format_bytes(budget)
+    );
+    match open_gpu(files, config, &why) {
+        Err(ModelError::Gpu(e)) => hybrid(format!("the GPU could not take the whole model ({e})")),
+        other => other,
     }
 }
 

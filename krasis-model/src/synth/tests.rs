@@ -613,3 +613,17 @@ fn preferences_rank_every_expert_once() {
     assert_ne!(p, q);
     assert!(expert_preferences(1, 3, 64, 0.0).iter().all(|&x| x == 0.0));
 }
+
+#[test]
+fn whole_model_vram_estimate_counts_every_weight_and_the_flags() {
+    use crate::gpu::{whole_model_vram_bytes, GpuOptions};
+    use krasis_gpu::linear::LinearQuant;
+    let v2 = spec_of(&preset_config(Preset::V2Lite, None));
+    let bf16 = whole_model_vram_bytes(&v2, &GpuOptions::default());
+    let weights = 2 * param_counts(&v2).total;
+    // Every weight in BF16, plus KV, routers in f32, the absorbed kv_b copy and the reserve.
+    assert!(bf16 > weights && bf16 < weights + (4 << 30), "{bf16} vs {weights} bytes of BF16 weights");
+    let int8 =
+        GpuOptions { attention_quant: LinearQuant::Int8, lm_head_quant: LinearQuant::Int8, ..GpuOptions::default() };
+    assert!(whole_model_vram_bytes(&v2, &int8) < bf16, "INT8 linears need less VRAM");
+}
