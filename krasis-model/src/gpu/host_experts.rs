@@ -49,6 +49,9 @@ pub struct HandoffStats {
     pub wait: Duration,
     /// Expert-thread time in the CPU expert backend.
     pub experts: Duration,
+    /// Expert-thread time waiting for the launching thread to enqueue the next hand-off (the
+    /// launcher falling behind; also the start of each call).
+    pub launch_wait: Duration,
 }
 
 /// One hand-off the expert thread serves: MoE layer `layer`, sequence number `seq`.
@@ -230,6 +233,7 @@ pub(crate) fn with_expert_thread<R>(
     staging.stats.calls += stats.calls;
     staging.stats.wait += stats.wait;
     staging.stats.experts += stats.experts;
+    staging.stats.launch_wait += stats.launch_wait;
     result
 }
 
@@ -247,7 +251,10 @@ fn serve(
     let mut stats = HandoffStats::default();
     let mut routes = Routes::with_capacity(0, 0);
     let mut failure = None;
-    for work in rx {
+    loop {
+        let t = Instant::now();
+        let Ok(work) = rx.recv() else { break };
+        stats.launch_wait += t.elapsed();
         if failure.is_some() {
             go.store(work.seq);
             continue;
