@@ -6,8 +6,8 @@
 //! works); a wait until the `go` flag reaches the sequence number; the copy of the CPU's weighted
 //! sum from the pinned output buffer into the layer output. Both flags are host memory the stream
 //! reads and writes itself ([`krasis_gpu::HostFlag`]), so the host thread that launches kernels
-//! never waits: it enqueues the whole forward pass, while an expert thread (worker 0 of the CPU
-//! pool during each expert call) spins on `ready`, runs the layer's CPU expert backend and stores
+//! never waits: it enqueues the whole forward pass, while the model's expert thread
+//! ([`ExpertServer`], pinned to worker 0's core of the CPU pool) spins on `ready`, runs the layer's CPU expert backend and stores
 //! `go`. Kernel launches leave the critical path, which becomes CPU experts + GPU kernel time.
 //!
 //! One set of pinned buffers serves every layer: stream order puts layer l+1's copies into them
@@ -15,8 +15,9 @@
 //! layer l+1's output only after `ready(l+1)`, i.e. after the copy of layer l's output. Buffers
 //! grow to the largest call seen; decode steps allocate nothing on the device or in pinned memory.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use krasis_cpu::pool::WorkerPool;
@@ -126,8 +127,8 @@ pub(crate) struct HostStaging {
     /// The last sequence number handed out (flags only grow).
     seq: u64,
     windows: Option<Windows>,
-    /// Where the current call's hand-offs go (set while an expert thread serves the call).
-    work: Option<Sender<HostWork>>,
+    /// Where the current call's hand-offs go (set while the expert thread serves the call).
+    work: Option<SyncSender<Msg>>,
     pub stats: HandoffStats,
 }
 
@@ -198,38 +199,101 @@ impl HostStaging {
         self.work
             .as_ref()
             .expect("an expert thread serves this call")
-            .send(work)
+            .send(Msg::Work(work))
             .map_err(|_| ModelError::Invalid("the CPU expert thread stopped early".into()))
     }
 }
 
-/// Runs one forward call with an expert thread serving its hand-offs: `enqueue` launches the
-/// call's GPU work (handing each host MoE layer over through `staging`), while the thread serves
-/// them in order with the host expert backends of `experts[layer]`.
-pub(crate) fn with_expert_thread<R>(
+/// Bound of the messages in flight to the expert thread (a ring, allocated once): more than the
+/// hand-offs of any one call need, so the launcher never blocks on it in practice.
+const SERVER_QUEUE: usize = 1024;
+
+enum Msg {
+    /// A forward call starts: its pinned windows and flags, and the device it runs on.
+    Begin {
+        windows: Windows,
+        ready: Arc<HostFlag>,
+        go: Arc<HostFlag>,
+        dev: DevicePtrForThread,
+    },
+    Work(HostWork),
+    /// The call's last hand-off was posted: reply with what the call's hand-offs did.
+    End,
+}
+
+/// `&GpuDevice` sent to the expert thread for the length of one call.
+#[derive(Clone, Copy)]
+struct DevicePtrForThread(*const GpuDevice);
+
+// SAFETY: the launching thread keeps the device alive and waits for `End`'s reply before the call
+// returns, so the pointer is only used while it is valid; `GpuDevice` is `Sync`.
+unsafe impl Send for DevicePtrForThread {}
+
+/// The thread that serves a hybrid model's hand-offs: one per model, pinned to worker 0's core of
+/// the CPU pool (it is worker 0 during each expert call), started at load and stopped on drop.
+/// Per call it gets a `Begin`, the hand-offs in order and an `End`, through a preallocated ring:
+/// a decode step allocates nothing and starts no thread.
+pub(crate) struct ExpertServer {
+    tx: SyncSender<Msg>,
+    /// The replies to `End`; locked for a whole call, which serialises the calls of different
+    /// sessions (their messages must not interleave).
+    replies: std::sync::Mutex<Receiver<Result<HandoffStats>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ExpertServer {
+    /// Starts the thread over the host expert backend of each layer (`None` where the layer has
+    /// none).
+    pub fn start(experts: Vec<Option<Arc<dyn LayerExperts>>>, pool: Option<Arc<WorkerPool>>) -> Result<Self> {
+        let (tx, rx) = sync_channel(SERVER_QUEUE);
+        let (reply_tx, replies) = sync_channel(1);
+        let thread = std::thread::Builder::new()
+            .name("krasis-experts".into())
+            .spawn(move || {
+                let _pin = pool.as_deref().map(WorkerPool::pin_caller);
+                serve(rx, reply_tx, &experts)
+            })
+            .map_err(|e| ModelError::Invalid(format!("starting the CPU expert thread: {e}")))?;
+        Ok(ExpertServer { tx, replies: std::sync::Mutex::new(replies), thread: Some(thread) })
+    }
+
+    fn send(&self, m: Msg) -> Result<()> {
+        self.tx.send(m).map_err(|_| ModelError::Invalid("the CPU expert thread has stopped".into()))
+    }
+}
+
+impl Drop for ExpertServer {
+    fn drop(&mut self) {
+        // Closing the ring ends the thread's loop.
+        let (dead, _) = sync_channel(1);
+        drop(std::mem::replace(&mut self.tx, dead));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Runs one forward call with `server` serving its hand-offs: `enqueue` launches the call's GPU
+/// work (handing each host MoE layer over through `staging`) while the expert thread serves them
+/// in order.
+pub(crate) fn with_expert_server<R>(
     dev: &GpuDevice,
     staging: &mut HostStaging,
-    experts: &[Option<&dyn LayerExperts>],
-    pool: Option<&WorkerPool>,
+    server: &ExpertServer,
     shape: HandoffShape,
     enqueue: impl FnOnce(&mut HostStaging) -> Result<R>,
 ) -> Result<R> {
+    let replies = server.replies.lock().unwrap_or_else(|p| p.into_inner());
     let (ready, go) = staging.prepare(dev, shape.t, shape.hidden, shape.k)?;
     let windows = staging.windows.expect("prepared");
-    let (tx, rx) = channel();
-    staging.work = Some(tx);
-    let (result, served) = std::thread::scope(|scope| {
-        let thread = scope.spawn(move || {
-            // The thread is worker 0 of the pool during each expert call: give it worker 0's core.
-            let _pin = pool.map(WorkerPool::pin_caller);
-            serve(dev, rx, windows, &ready, &go, experts)
-        });
-        let r = enqueue(staging);
-        staging.work = None; // closes the channel: the thread ends after the last hand-off
-        (r, thread.join())
-    });
-    let served = served.map_err(|_| ModelError::Invalid("the CPU expert thread panicked".into()))?;
-    let stats = served?;
+    server.send(Msg::Begin { windows, ready, go, dev: DevicePtrForThread(dev) })?;
+    staging.work = Some(server.tx.clone());
+    let result = enqueue(staging);
+    staging.work = None;
+    // Always close the call, also after an error: the thread must not keep the device pointer.
+    server.send(Msg::End)?;
+    let stats =
+        replies.recv().map_err(|_| ModelError::Invalid("the CPU expert thread stopped during a call".into()))??;
     staging.stats.calls += stats.calls;
     staging.stats.wait += stats.wait;
     staging.stats.experts += stats.experts;
@@ -237,37 +301,48 @@ pub(crate) fn with_expert_thread<R>(
     result
 }
 
-/// The expert thread: for each hand-off, spin until the stream says its inputs are on the host,
-/// run the layer's experts, release the stream. On an error the stream is released anyway (with
-/// every later hand-off) so that the launching thread's final synchronisation cannot hang.
-fn serve(
-    dev: &GpuDevice,
-    rx: Receiver<HostWork>,
-    w: Windows,
-    ready: &HostFlag,
-    go: &HostFlag,
-    experts: &[Option<&dyn LayerExperts>],
-) -> Result<HandoffStats> {
-    let mut stats = HandoffStats::default();
+/// The expert thread's loop: for each hand-off of a call, spin until the stream says its inputs
+/// are on the host, run the layer's experts, release the stream. After an error the stream is
+/// still released (with every later hand-off of the call), so the launching thread's final
+/// synchronisation cannot hang; the error is the call's reply.
+fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: &[Option<Arc<dyn LayerExperts>>]) {
     let mut routes = Routes::with_capacity(0, 0);
-    let mut failure = None;
-    loop {
-        let t = Instant::now();
-        let Ok(work) = rx.recv() else { break };
-        stats.launch_wait += t.elapsed();
-        if failure.is_some() {
-            go.store(work.seq);
-            continue;
+    let mut call: Option<(Windows, Arc<HostFlag>, Arc<HostFlag>, DevicePtrForThread)> = None;
+    let mut stats = HandoffStats::default();
+    let mut failure: Option<ModelError> = None;
+    let mut since = Instant::now();
+    while let Ok(m) = rx.recv() {
+        match m {
+            Msg::Begin { windows, ready, go, dev } => {
+                call = Some((windows, ready, go, dev));
+                stats = HandoffStats::default();
+                failure = None;
+                since = Instant::now();
+            }
+            Msg::Work(work) => {
+                stats.launch_wait += since.elapsed();
+                let Some((w, ready, go, dev)) = call.as_ref() else { continue };
+                if failure.is_none() {
+                    // SAFETY: see `DevicePtrForThread`.
+                    let dev = unsafe { &*dev.0 };
+                    if let Err(e) = serve_one(dev, work, *w, ready, experts, &mut routes, &mut stats) {
+                        failure = Some(e);
+                    }
+                }
+                go.store(work.seq);
+                since = Instant::now();
+            }
+            Msg::End => {
+                call = None;
+                let r = match failure.take() {
+                    Some(e) => Err(e),
+                    None => Ok(stats),
+                };
+                if replies.send(r).is_err() {
+                    return;
+                }
+            }
         }
-        let r = serve_one(dev, work, w, ready, experts, &mut routes, &mut stats);
-        go.store(work.seq);
-        if let Err(e) = r {
-            failure = Some(e);
-        }
-    }
-    match failure {
-        Some(e) => Err(e),
-        None => Ok(stats),
     }
 }
 
@@ -276,7 +351,7 @@ fn serve_one(
     work: HostWork,
     w: Windows,
     ready: &HostFlag,
-    experts: &[Option<&dyn LayerExperts>],
+    experts: &[Option<Arc<dyn LayerExperts>>],
     routes: &mut Routes,
     stats: &mut HandoffStats,
 ) -> Result<()> {
@@ -295,7 +370,7 @@ fn serve_one(
             work.n_experts, work.layer
         )));
     }
-    let backend = experts[work.layer].expect("hand-offs come from host MoE layers");
+    let backend = experts[work.layer].as_deref().expect("hand-offs come from host MoE layers");
     out.fill(0.0);
     // Long prompts in chunks: the backend's scratch grows with the tokens of a call, and a chunk
     // of this size still reads each expert once per ~100 routed tokens.

@@ -132,7 +132,7 @@ pub(crate) enum GpuExpertBackend {
     Resident(Box<GpuExperts>),
     /// On the host (the hybrid engine): a CPU expert backend behind the hand-off of
     /// [`super::host_experts`].
-    Host(Box<dyn LayerExperts>),
+    Host(std::sync::Arc<dyn LayerExperts>),
 }
 
 pub(crate) struct GpuMoe {
@@ -152,10 +152,10 @@ pub(crate) struct GpuLayer {
 
 impl GpuLayer {
     /// This layer's host expert backend, when its routed experts run on the CPU (hybrid).
-    pub fn host_experts(&self) -> Option<&dyn LayerExperts> {
+    pub fn host_experts(&self) -> Option<std::sync::Arc<dyn LayerExperts>> {
         match &self.ffn {
             GpuFfn::Moe(m) => match &m.experts {
-                GpuExpertBackend::Host(e) => Some(e.as_ref()),
+                GpuExpertBackend::Host(e) => Some(e.clone()),
                 GpuExpertBackend::Resident(_) => None,
             },
             GpuFfn::Dense(_) => None,

@@ -10,6 +10,7 @@ use std::time::Instant;
 use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
+use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
 use krasis_gpu::linear::{GemmContext, GpuLinear};
 use krasis_gpu::moe::GpuExperts;
@@ -17,6 +18,7 @@ use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
+use super::host_experts::ExpertServer;
 use super::layers::{kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuLayer, GpuMla, GpuMlp, GpuMoe};
 use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
 use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, QueryWeights, WeightBuilder};
@@ -92,8 +94,8 @@ pub enum ExpertPlacement {
     /// Uploaded to VRAM (BF16), the whole model on the GPU.
     Gpu,
     /// On the host (the hybrid engine): a quantised model-wide executor (the expert cache on the
-    /// CPU pool) ...
-    Host(Arc<dyn ExpertExecutor>),
+    /// CPU pool, whose worker 0's core the expert thread takes) ...
+    Host { executor: Arc<dyn ExpertExecutor>, pool: Option<Arc<WorkerPool>> },
     /// ... or the reference f32 experts over the source weights.
     HostReference,
 }
@@ -167,11 +169,11 @@ impl WeightBuilder for GpuBuilder<'_> {
     fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<GpuExpertBackend> {
         let h = self.spec.hidden_size;
         match &self.experts {
-            ExpertPlacement::Host(executor) => {
-                return Ok(GpuExpertBackend::Host(Box::new(ExecutorLayer { executor: executor.clone(), layer })))
+            ExpertPlacement::Host { executor, .. } => {
+                return Ok(GpuExpertBackend::Host(Arc::new(ExecutorLayer { executor: executor.clone(), layer })))
             }
             ExpertPlacement::HostReference => {
-                return Ok(GpuExpertBackend::Host(Box::new(ReferenceExperts::load(&self.w, h, experts)?)))
+                return Ok(GpuExpertBackend::Host(Arc::new(ReferenceExperts::load(&self.w, h, experts)?)))
             }
             ExpertPlacement::Gpu => {}
         }
@@ -253,15 +255,13 @@ impl GpuModel {
         let spec = files.spec().clone();
         let mut log = Vec::new();
         let mut expert_bytes = None;
-        let mut host_pool = None;
         let placement = match quant_bits(cpu.expert_bits) {
             Some(bits) if spec.moe.is_some() => {
                 let pool = start_pool(cpu.threads, &mut log)?;
-                host_pool = Some(pool.clone());
                 let ex = open_cpu_experts(files, bits, cpu, &pool, &mut log)?;
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
                 expert_bytes = Some(ex.expert_bytes);
-                ExpertPlacement::Host(ex.executor)
+                ExpertPlacement::Host { executor: ex.executor, pool: Some(pool) }
             }
             _ => {
                 log.push("routed experts on the CPU: reference f32 over the source weights".into());
@@ -273,7 +273,6 @@ impl GpuModel {
         m.log = log;
         m.host_expert_bytes = expert_bytes;
         m.experts_on_host = true;
-        m.host_pool = host_pool;
         Ok(m)
     }
 
@@ -315,6 +314,13 @@ impl GpuModel {
                 },
             })
             .collect::<Vec<_>>();
+        // Host experts: one thread serves their hand-offs for the model's life.
+        let host: Vec<_> = layers.iter().map(GpuLayer::host_experts).collect();
+        let expert_server = match (host.iter().any(Option::is_some), &builder.experts) {
+            (false, _) => None,
+            (true, ExpertPlacement::Host { pool, .. }) => Some(ExpertServer::start(host, pool.clone())?),
+            (true, _) => Some(ExpertServer::start(host, None)?),
+        };
         let final_norm = weights.final_norm;
         let lm_head = weights.lm_head;
         let weights_bytes = dev.budget().used();
@@ -384,7 +390,7 @@ impl GpuModel {
             log,
             host_expert_bytes: None,
             experts_on_host: false,
-            host_pool: None,
+            expert_server,
         })
     }
 }

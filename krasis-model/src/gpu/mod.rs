@@ -26,7 +26,6 @@ pub use self::host_experts::HandoffStats;
 use self::layers::GpuLayer;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
-use crate::engine::experts::LayerExperts;
 use crate::error::{ModelError, Result};
 use crate::generate::Decoder;
 use crate::sampling::Sampler;
@@ -106,8 +105,8 @@ pub struct GpuModel {
     pub host_expert_bytes: Option<u64>,
     /// Whether the routed experts run on the host (the hybrid engine).
     pub experts_on_host: bool,
-    /// The CPU pool the host experts run on (hybrid), for pinning the expert thread.
-    host_pool: Option<std::sync::Arc<krasis_cpu::pool::WorkerPool>>,
+    /// The thread serving the host experts' hand-offs (hybrid).
+    expert_server: Option<host_experts::ExpertServer>,
 }
 
 impl GpuModel {
@@ -186,7 +185,6 @@ impl GpuModel {
             pos,
             decode: t <= DECODE_MAX_TOKENS,
         };
-        let host: Vec<Option<&dyn LayerExperts>> = self.layers.iter().map(|l| l.host_experts()).collect();
         let mut staging = std::mem::take(&mut s.host);
         let mut enqueue_layers = |staging: &mut host_experts::HostStaging| -> Result<()> {
             for (l, layer) in self.layers.iter().enumerate() {
@@ -194,17 +192,10 @@ impl GpuModel {
             }
             Ok(())
         };
-        let r = if host.iter().any(Option::is_some) {
+        let r = if let Some(server) = &self.expert_server {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
             let shape = host_experts::HandoffShape { t, hidden: h, k };
-            host_experts::with_expert_thread(
-                &self.dev,
-                &mut staging,
-                &host,
-                self.host_pool.as_deref(),
-                shape,
-                enqueue_layers,
-            )
+            host_experts::with_expert_server(&self.dev, &mut staging, server, shape, enqueue_layers)
         } else {
             enqueue_layers(&mut staging)
         };
