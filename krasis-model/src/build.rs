@@ -24,6 +24,8 @@ pub enum LinearClass {
 pub trait WeightBuilder {
     /// A dense projection as this backend runs it.
     type Linear;
+    /// A gated MLP's gate and up projections (a backend may fuse them into one matrix).
+    type GateUp;
     /// A norm weight (or other small vector).
     type Vector;
     type Embedding;
@@ -36,6 +38,7 @@ pub trait WeightBuilder {
 
     fn embedding(&mut self, t: &TensorSpec) -> Result<Self::Embedding>;
     fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Self::Linear>;
+    fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<Self::GateUp>;
     fn vector(&mut self, t: &TensorSpec) -> Result<Self::Vector>;
     fn kv_b(&mut self, t: &TensorSpec) -> Result<Self::KvB>;
     fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<Self::Router>;
@@ -45,8 +48,7 @@ pub trait WeightBuilder {
 }
 
 pub struct MlpWeights<B: WeightBuilder> {
-    pub gate: B::Linear,
-    pub up: B::Linear,
+    pub gate_up: B::GateUp,
     pub down: B::Linear,
 }
 
@@ -81,7 +83,7 @@ pub struct Weights<B: WeightBuilder> {
 }
 
 fn mlp<B: WeightBuilder>(b: &mut B, t: &MlpTensors, class: LinearClass) -> Result<MlpWeights<B>> {
-    Ok(MlpWeights { gate: b.linear(&t.gate, class)?, up: b.linear(&t.up, class)?, down: b.linear(&t.down, class)? })
+    Ok(MlpWeights { gate_up: b.gate_up(&t.gate, &t.up, class)?, down: b.linear(&t.down, class)? })
 }
 
 fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<AttentionWeights<B>> {

@@ -127,6 +127,7 @@ struct CpuRouter {
 
 impl WeightBuilder for CpuBuilder<'_> {
     type Linear = Box<dyn LinearOp>;
+    type GateUp = (Box<dyn LinearOp>, Box<dyn LinearOp>);
     type Vector = Vec<f32>;
     type Embedding = DenseLinear;
     type KvB = Vec<f32>;
@@ -145,6 +146,10 @@ impl WeightBuilder for CpuBuilder<'_> {
             _ => t.name.clone(),
         };
         (self.dense)(self.w.matrix_of(t)?, &name)
+    }
+
+    fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<Self::GateUp> {
+        Ok((self.linear(gate, class)?, self.linear(up, class)?))
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
@@ -178,7 +183,7 @@ impl WeightBuilder for CpuBuilder<'_> {
 }
 
 fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Mlp {
-    Mlp { gate: m.gate, up: m.up, down: m.down }
+    Mlp { gate: m.gate_up.0, up: m.gate_up.1, down: m.down }
 }
 
 fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<dyn AttentionLayer> {

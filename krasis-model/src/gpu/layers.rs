@@ -52,32 +52,31 @@ fn gcd(a: usize, b: usize) -> usize {
 }
 
 pub(crate) struct GpuMlp {
-    pub gate: GpuLinear,
-    pub up: GpuLinear,
+    /// Gate rows then up rows, `[2·inter, hidden]`.
+    pub gate_up: GpuLinear,
     pub down: GpuLinear,
 }
 
 impl GpuMlp {
-    /// `out = down(silu(gate(x)) · up(x))` for `x` the session's `xn`, into `out_slot`'s first
-    /// `t·hidden` elements (f32 scratch slots 0–2 are used as temporaries).
+    /// `out = down(silu(gate(x)) · up(x))` for `x` the session's `xn`, into `y` (`to_y`) or f32
+    /// scratch slot 3 (the shared expert's output); slots 0 and 2 are temporaries.
     fn forward(&self, c: &Ctx, s: &mut GpuSession, to_y: bool) -> Result<()> {
         let t = c.t;
-        let inter = self.gate.rows();
+        let inter = self.gate_up.rows() / 2;
         let hidden = self.down.rows();
         let sc = &mut s.scratch;
-        let [gate_slot, up_slot, act_slot, shared_out_slot, ..] = &mut sc.f;
-        let g = grow(c.dev, gate_slot, t * inter, "mlp gate")?;
-        let u = grow(c.dev, up_slot, t * inter, "mlp up")?;
+        let [gate_up_slot, _, act_slot, shared_out_slot, ..] = &mut sc.f;
+        let gu = grow(c.dev, gate_up_slot, t * 2 * inter, "mlp gate+up")?;
         let a = grow(c.dev, act_slot, t * inter, "mlp activation")?;
         let xn = sc.xn.slice().slice(..t * hidden);
-        self.gate.forward(c.dev, c.gemm, &xn, t, &mut g.slice_mut().slice_mut(..t * inter))?;
-        self.up.forward(c.dev, c.gemm, &xn, t, &mut u.slice_mut().slice_mut(..t * inter))?;
+        self.gate_up.forward(c.dev, c.gemm, &xn, t, &mut gu.slice_mut().slice_mut(..t * 2 * inter))?;
+        let gu = gu.slice().slice(..t * 2 * inter);
         c.dev.silu_mul_f32(
-            &g.slice().slice(..t * inter),
-            &u.slice().slice(..t * inter),
-            0,
+            &gu,
+            &gu,
+            inter,
             &mut a.slice_mut().slice_mut(..t * inter),
-            &SwiGluLayout::separate(t, inter),
+            &SwiGluLayout::fused(t, inter),
         )?;
         let a = a.slice().slice(..t * inter);
         if to_y {

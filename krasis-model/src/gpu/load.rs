@@ -12,7 +12,7 @@ use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
 use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
-use krasis_gpu::linear::{GemmContext, GpuLinear};
+use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
@@ -111,6 +111,15 @@ struct GpuBuilder<'a> {
 }
 
 impl GpuBuilder<'_> {
+    fn quant_of(&self, class: LinearClass) -> LinearQuant {
+        match class {
+            LinearClass::Attention => self.opts.attention_quant,
+            LinearClass::SharedExpert => self.opts.shared_expert_quant,
+            LinearClass::DenseMlp => self.opts.dense_mlp_quant,
+            LinearClass::LmHead => self.opts.lm_head_quant,
+        }
+    }
+
     fn bf16_matrix(&self, t: &TensorSpec) -> Result<(DenseLinear, usize, usize)> {
         Ok((self.w.matrix_of(t)?, t.shape[0], t.shape[1]))
     }
@@ -118,6 +127,8 @@ impl GpuBuilder<'_> {
 
 impl WeightBuilder for GpuBuilder<'_> {
     type Linear = GpuLinear;
+    /// Gate and up rows stacked into one `[2·inter, hidden]` matrix: one GEMV at decode.
+    type GateUp = GpuLinear;
     type Vector = DeviceBuffer<u16>;
     type Embedding = DeviceBuffer<u16>;
     type KvB = (GpuLinear, DeviceBuffer<u16>);
@@ -130,12 +141,7 @@ impl WeightBuilder for GpuBuilder<'_> {
     }
 
     fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<GpuLinear> {
-        let q = match class {
-            LinearClass::Attention => self.opts.attention_quant,
-            LinearClass::SharedExpert => self.opts.shared_expert_quant,
-            LinearClass::DenseMlp => self.opts.dense_mlp_quant,
-            LinearClass::LmHead => self.opts.lm_head_quant,
-        };
+        let q = self.quant_of(class);
         let name = if class == LinearClass::LmHead && t.name != "lm_head.weight" {
             "lm_head.weight (tied)".to_string()
         } else {
@@ -143,6 +149,15 @@ impl WeightBuilder for GpuBuilder<'_> {
         };
         let (m, rows, cols) = self.bf16_matrix(t)?;
         Ok(GpuLinear::new(self.dev, &name, &bf16_bits(&m), rows, cols, q)?)
+    }
+
+    fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<GpuLinear> {
+        let (g, rows, cols) = self.bf16_matrix(gate)?;
+        let (u, up_rows, _) = self.bf16_matrix(up)?;
+        let mut both = bf16_bits(&g).into_owned();
+        both.extend_from_slice(&bf16_bits(&u));
+        let name = format!("{} + up_proj", gate.name);
+        Ok(GpuLinear::new(self.dev, &name, &both, rows + up_rows, cols, self.quant_of(class))?)
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
@@ -191,7 +206,7 @@ impl WeightBuilder for GpuBuilder<'_> {
 }
 
 fn gpu_mlp(m: MlpWeights<GpuBuilder<'_>>) -> GpuMlp {
-    GpuMlp { gate: m.gate, up: m.up, down: m.down }
+    GpuMlp { gate_up: m.gate_up, down: m.down }
 }
 
 fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAttention {
