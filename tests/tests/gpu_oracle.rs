@@ -13,7 +13,7 @@ use std::path::Path;
 
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, Fidelity, FIXTURE_NAMES};
+use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, report_skip, Fidelity, FIXTURE_NAMES};
 
 fn gpu_available(test: &str) -> bool {
     match krasis_gpu::probe() {
@@ -22,7 +22,7 @@ fn gpu_available(test: &str) -> bool {
             if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
                 panic!("KRASIS_REQUIRE_GPU=1 but {e}");
             }
-            eprintln!("*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            report_skip(&format!("no GPU ({test}): {e}"));
             false
         }
     }
