@@ -21,7 +21,7 @@ use krasis_quant::group::quantize;
 use krasis_quant::Bits;
 use serde_json::json;
 
-use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
+use crate::cmd_generate::{choose_gpu, Device, EngineArgs, GpuArgs};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -31,8 +31,8 @@ pub struct Args {
     /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).
     #[arg(long)]
     membw: bool,
-    /// Bytes for the bandwidth probe (default 2 GiB, less on small machines).
-    #[arg(long)]
+    /// Bytes for the bandwidth probe, e.g. 512MiB (default 2 GiB, less on small machines).
+    #[arg(long, value_parser = parse_size)]
     membw_bytes: Option<usize>,
     /// Decode steps to time.
     #[arg(long, default_value_t = 32)]
@@ -46,8 +46,8 @@ pub struct Args {
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
     expert_gemv: bool,
-    /// Bytes of distinct expert copies for --expert-gemv.
-    #[arg(long, default_value_t = 2 << 30)]
+    /// Bytes of distinct expert copies for --expert-gemv, e.g. 512MiB (default 2 GiB).
+    #[arg(long, default_value = "2GiB", hide_default_value = true, value_parser = parse_size)]
     gemv_bytes: usize,
     /// Only these ISAs for --expert-gemv (comma-separated: scalar,avx2,avx512; default all this
     /// CPU has).
@@ -73,11 +73,18 @@ pub struct Args {
     /// decode at 4K context, GQA prefill) against the GPU's peaks.
     #[arg(long)]
     gpu_attention: bool,
-    /// Where --model runs: the CPU engine, or the whole model on the GPU.
+    /// Where --model runs: the CPU engine, the whole model on the GPU, or `auto` (the GPU when
+    /// there is one, else the CPU with a notice).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     #[command(flatten)]
     gpu: GpuArgs,
+}
+
+/// A size flag: a byte count or a size with a binary unit (`2GiB`, `512M`).
+fn parse_size(s: &str) -> Result<usize, String> {
+    let b = krasis_core::budget::parse_bytes(s).map_err(String::from)?;
+    usize::try_from(b).map_err(|_| "too large".to_string())
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
@@ -264,7 +271,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.decode_tokens == 0 || a.prompt_tokens == 0 {
         bail!("--decode-tokens and --prompt-tokens must be at least 1");
     }
-    if a.gpu_attention || a.device != Device::Cpu {
+    let opts = a.engine.options()?;
+    let use_gpu = choose_gpu(a.device, &a.engine)?;
+    if a.gpu_attention || use_gpu {
         if a.membw || a.expert_gemv {
             bail!("--membw/--expert-gemv are CPU benchmarks; run them separately from --gpu-attention / --device gpu");
         }
@@ -350,7 +359,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let spec = load_config(dir)?;
         a.engine.check_budget(&spec, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let t = Instant::now();
-        let loaded = load_model(dir, &a.engine.options()?)?;
+        let loaded = load_model(dir, &opts)?;
         let load_s = t.elapsed().as_secs_f64();
         if !a.json {
             for l in &loaded.log {

@@ -1,13 +1,16 @@
 //! `krasis info`: what a model is and what it will cost on this machine.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use anyhow::bail;
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
 use krasis_model::config::load_config;
 use krasis_model::memory::{estimate, WeightBits};
+use krasis_model::source::SafetensorsDir;
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
-use krasis_model::tensors::param_counts;
+use krasis_model::tensors::{missing_tensors, param_counts};
+use krasis_model::ModelSpec;
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -24,10 +27,33 @@ fn billions(n: u64) -> String {
     }
 }
 
+/// Checks that the weights are there and whole (headers, byte ranges against file sizes, every
+/// tensor the config implies; nothing is read beyond the headers). Returns the report line.
+fn check_weights(dir: &Path, spec: &ModelSpec) -> anyhow::Result<String> {
+    let source = SafetensorsDir::open(dir)?;
+    let missing = missing_tensors(spec, &source);
+    if let Some(first) = missing.first() {
+        bail!(
+            "{}: {} of the tensors config.json implies are missing from the weights (first: {first})",
+            dir.display(),
+            missing.len()
+        );
+    }
+    let files = source.files();
+    let bytes: u64 = files.iter().map(|f| f.len_bytes()).sum();
+    Ok(format!(
+        "{} safetensors file(s), {}; headers, sizes and tensor names check out",
+        files.len(),
+        format_bytes(bytes)
+    ))
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let spec = load_config(&a.model)?;
+    let weights = check_weights(&a.model, &spec)?;
     let counts = param_counts(&spec);
     println!("model        {}", a.model.display());
+    println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
     println!(
         "shape        {} layers, hidden {}, vocab {}, max positions {}",

@@ -130,6 +130,11 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// The file's size in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
     }
@@ -221,6 +226,11 @@ impl SafetensorsDir {
             let name = f.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             fnv1a(fnv1a(h, name.as_bytes()), &f.header_hash.to_le_bytes())
         })
+    }
+
+    /// The weight files, sorted by name.
+    pub fn files(&self) -> &[SafetensorsFile] {
+        &self.files
     }
 
     pub fn file_of(&self, name: &str) -> Option<&SafetensorsFile> {
