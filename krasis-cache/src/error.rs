@@ -105,7 +105,7 @@ impl CacheError {
         }
     }
 
-    /// A short reason, without the path, for log lines such as "rebuilding: <reason>".
+    /// A short reason, without the path, for log lines such as `"rebuilding: <reason>"`.
     pub fn reason(&self) -> String {
         match self {
             CacheError::Missing { .. } => "missing".into(),

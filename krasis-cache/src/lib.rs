@@ -4,7 +4,7 @@
 //! A cache holds the routed experts of every MoE layer, one record per (MoE layer, expert), each
 //! record `w13_bytes` (fused gate+up) then `w2_bytes` (down) of packer output that this crate treats
 //! as opaque bytes. Records are contiguous and 4 KiB-aligned, checksummed with xxh3-64, and laid
-//! out layer-major. The file format is specified in docs/FORMATS.md and [`format`].
+//! out layer-major. The file format is specified in docs/FORMATS.md and [`mod@format`].
 //!
 //! ```no_run
 //! # use krasis_cache::*;

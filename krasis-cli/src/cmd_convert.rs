@@ -35,7 +35,7 @@ pub struct Args {
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
-    /// Where the cache goes (default: <model>/.krasis_cache, else a per-user cache dir).
+    /// Where the cache goes (default: `<model>/.krasis_cache`, else a per-user cache dir).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
 }

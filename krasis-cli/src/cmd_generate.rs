@@ -71,7 +71,7 @@ pub struct EngineArgs {
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     pub group_size: usize,
-    /// Where expert caches live (default: <model>/.krasis_cache, else a per-user cache dir).
+    /// Where expert caches live (default: `<model>/.krasis_cache`, else a per-user cache dir).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// CPU worker threads (default: one per physical core).
