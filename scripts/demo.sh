@@ -1,18 +1,11 @@
 #!/usr/bin/env bash
 # Build krasis, synthesize the `tiny` model and generate text from it (random weights, so the
-# text is random too). Honours CARGO_TARGET_DIR: the binary is the one cargo reports building.
+# text is random too). Honours CARGO_TARGET_DIR: it runs the binary cargo reports building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "demo: building the krasis binary (cargo build --release -p krasis-cli); the first build" \
     "compiles about 120 crates and takes 3-5 minutes on 2 cores, later ones a few seconds" >&2
-# cargo prints one JSON line per artifact on stdout (progress and errors still go to stderr);
-# the binary's line carries its path wherever the target directory is.
-krasis=$(cargo build --release -p krasis-cli --bin krasis --message-format=json-render-diagnostics |
-    grep -o '"executable":"[^"]*/krasis"' | tail -n 1 | cut -d'"' -f4)
-if [ -z "$krasis" ] || [ ! -x "$krasis" ]; then
-    echo "demo: cargo did not report the krasis binary" >&2
-    exit 1
-fi
+krasis=$(scripts/build-krasis.sh)
 out="${KRASIS_DEMO_DIR:-$(dirname "$(dirname "$krasis")")/demo-tiny}"
 "$krasis" synth --preset tiny --out "$out" --force
 "$krasis" generate --model "$out" --prompt "${1:-Once upon a time}" --max-new-tokens 32 --ignore-eos
