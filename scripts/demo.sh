@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Build krasis, synthesize the `tiny` model and generate text from it.
+# Build krasis, synthesize the `tiny` model and generate text from it (random weights, so the
+# text is random too). Honours CARGO_TARGET_DIR: it runs the binary cargo reports building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --quiet -p krasis-cli
-out="${KRASIS_DEMO_DIR:-target/demo-tiny}"
-./target/release/krasis synth --preset tiny --out "$out" --force
-./target/release/krasis generate --model "$out" --prompt "${1:-Once upon a time}" --max-new-tokens 32 --ignore-eos
+echo "demo: building the krasis binary (cargo build --release -p krasis-cli); the first build" \
+    "compiles about 120 crates and takes 3-6 minutes on 2 cores, later ones a few seconds" >&2
+krasis=$(scripts/build-krasis.sh)
+out="${KRASIS_DEMO_DIR:-$(dirname "$(dirname "$krasis")")/demo-tiny}"
+"$krasis" synth --preset tiny --out "$out" --force
+"$krasis" generate --model "$out" --prompt "${1:-Once upon a time}" --max-new-tokens 32 --ignore-eos

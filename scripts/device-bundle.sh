@@ -10,8 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=device-bundle
 rm -rf "$out" && mkdir -p "$out/bin" "$out/tests"
-cargo build --release -p krasis-cli
-cp target/release/krasis "$out/bin/"
+cp "$(scripts/build-krasis.sh)" "$out/bin/"
 # Test and bench executables, located through cargo's JSON messages.
 exes() {
     cargo "$@" --release --no-run --message-format=json 2>/dev/null |

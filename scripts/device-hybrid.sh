@@ -19,10 +19,16 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores"
 if has tests; then
-    for t in $B/tests/host_flag-* $B/tests/router-* $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-*; do
+    for t in $B/tests/krasis_gpu-* $B/tests/kernels-* $B/tests/linear-* $B/tests/moe-* $B/tests/router-* \
+        $B/tests/sampling-* $B/tests/flash_prefill-* $B/tests/kv_cache-* $B/tests/attn_decode-* $B/tests/host_flag-*; do
         [ -x "$t" ] || continue
         T "-- $t"
-        timeout 400 "$t" --test-threads=1 --nocapture 2>&1 | grep -vE "^\s*$|^running|^test .* ok$" | head -60
+        timeout 300 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|failures:|^    [a-z_0-9]+$|assert" | head -30
+    done
+    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-*; do
+        [ -x "$t" ] || continue
+        T "-- $t"
+        timeout 400 "$t" --test-threads=1 --nocapture 2>&1 | grep -vE "^\s*$|^running|^test .* ok$|compiled kernel" | head -60
     done
 fi
 if has model; then
@@ -38,6 +44,11 @@ if has model; then
         T "previous version ($PREV), same bench"
         timeout 300 $PREV bench --model $V2L $H --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -4
     fi
+    T "hybrid, 15 expert threads (one core left to the launching thread)"
+    timeout 300 $K bench --model $V2L $H --threads 15 --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -3
+    T "--device auto picks (whole model fits 80 GB: gpu; with a 20 GiB budget: hybrid)"
+    timeout 200 $K generate --model $V2L --prompt "Hi" --max-new-tokens 4 --cache-dir $C 2>&1 | grep -E "^device:"
+    timeout 200 $K generate --model $V2L --vram-budget 20GiB --prompt "Hi" --max-new-tokens 4 --cache-dir $C 2>&1 | grep -E "^device:|decode"
     T "hybrid, 2K prompt"
     timeout 300 $K bench --model $V2L $H --prompt-tokens 2048 --decode-tokens 32 2>&1 | tail -4
     T "hybrid, generate smoke"

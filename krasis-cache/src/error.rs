@@ -62,6 +62,11 @@ pub enum CacheError {
 
     #[error("expert cache {}: {op}: {source}", path.display())]
     Io { path: PathBuf, op: &'static str, source: io::Error },
+
+    /// The cache was found missing, stale or damaged (`reason`), and building it anew failed.
+    /// `error` is not a `source`: the message carries it already.
+    #[error("expert cache {} was found {reason}, and rebuilding it failed: {error}", path.display())]
+    Rebuild { path: PathBuf, reason: String, error: Box<CacheError> },
 }
 
 fn show_magic(m: &[u8; 8]) -> String {
@@ -90,7 +95,17 @@ impl CacheError {
         )
     }
 
-    /// A short reason, without the path, for log lines such as "rebuilding: <reason>".
+    /// Whether the cache's directory is at fault (cannot be written, no space), so another
+    /// directory would help.
+    pub fn is_location(&self) -> bool {
+        match self {
+            CacheError::Io { .. } | CacheError::NoSpace { .. } => true,
+            CacheError::Rebuild { error, .. } => error.is_location(),
+            _ => false,
+        }
+    }
+
+    /// A short reason, without the path, for log lines such as `"rebuilding: <reason>"`.
     pub fn reason(&self) -> String {
         match self {
             CacheError::Missing { .. } => "missing".into(),

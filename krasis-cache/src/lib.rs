@@ -4,7 +4,7 @@
 //! A cache holds the routed experts of every MoE layer, one record per (MoE layer, expert), each
 //! record `w13_bytes` (fused gate+up) then `w2_bytes` (down) of packer output that this crate treats
 //! as opaque bytes. Records are contiguous and 4 KiB-aligned, checksummed with xxh3-64, and laid
-//! out layer-major. The file format is specified in docs/FORMATS.md and [`format`].
+//! out layer-major. The file format is specified in docs/FORMATS.md and [`mod@format`].
 //!
 //! ```no_run
 //! # use krasis_cache::*;
@@ -46,7 +46,9 @@ pub enum CacheOutcome {
 
 /// Open the cache at `path`; if it is missing, stale or damaged, build it with `produce` and open
 /// the result. Errors that rebuilding cannot cure (I/O such as permission denied, a failing
-/// `produce`, a bad placement) are returned. Temp files of interrupted builds are removed.
+/// `produce`, a bad placement) are returned; a failed rebuild of a cache that was there but
+/// stale or damaged is [`CacheError::Rebuild`], saying so. Temp files of interrupted builds are
+/// removed.
 pub fn open_or_build(
     path: &Path,
     expected: &CacheHeader,
@@ -55,12 +57,20 @@ pub fn open_or_build(
     load: LoadOptions<'_>,
 ) -> Result<(ExpertCache, CacheOutcome), CacheError> {
     clean_stale_tmp_files(path);
-    let reason = match open(path, expected, load) {
+    let (reason, found) = match open(path, expected, load) {
         Ok(cache) => return Ok((cache, CacheOutcome::Hit)),
-        Err(e) if e.is_rebuildable() => e.reason(),
+        Err(e) if e.is_rebuildable() => (e.reason(), !matches!(e, CacheError::Missing { .. })),
         Err(e) => return Err(e),
     };
-    build(path, expected, produce, progress)?;
+    tracing::debug!("expert cache {}: {reason}; building it", path.display());
+    if let Err(error) = build(path, expected, produce, progress) {
+        // A cache that was there but unusable is news the build error alone would hide.
+        return Err(if found {
+            CacheError::Rebuild { path: path.to_path_buf(), reason, error: Box::new(error) }
+        } else {
+            error
+        });
+    }
     let cache = open(path, expected, load)?;
     Ok((cache, CacheOutcome::Built { reason }))
 }

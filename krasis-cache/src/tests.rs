@@ -468,6 +468,26 @@ fn io_errors_are_returned_not_rebuilt() {
 }
 
 #[test]
+fn failed_rebuild_of_a_damaged_cache_says_it_was_damaged() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(17);
+    build_ok(&p, &h);
+    flip_byte(&p, 0);
+    // The rebuild cannot create its temp file (a directory is in the way; root ignores
+    // permissions, so a read-only directory would not do here).
+    std::fs::create_dir(crate::build::tmp_path(&p)).unwrap();
+    let err = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, CacheError::Rebuild { .. }) && err.is_location(), "{msg}");
+    assert!(msg.contains("was found damaged: bad magic") && msg.contains("rebuilding it failed"), "{msg}");
+    // A missing cache that cannot be built is just the build's error.
+    std::fs::remove_file(&p).unwrap();
+    let err = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CacheError::Io { .. }), "{err}");
+}
+
+#[test]
 fn invalid_headers_are_refused_by_build() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());

@@ -30,8 +30,8 @@ pub struct Args {
     /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).
     #[arg(long)]
     membw: bool,
-    /// Bytes for the bandwidth probe (default 2 GiB, less on small machines).
-    #[arg(long)]
+    /// Bytes for the bandwidth probe, e.g. 512MiB (default 2 GiB, less on small machines).
+    #[arg(long, value_parser = parse_size)]
     pub(crate) membw_bytes: Option<usize>,
     /// Decode steps to time.
     #[arg(long, default_value_t = 32)]
@@ -45,8 +45,8 @@ pub struct Args {
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
     expert_gemv: bool,
-    /// Bytes of distinct expert copies for --expert-gemv.
-    #[arg(long, default_value_t = 2 << 30)]
+    /// Bytes of distinct expert copies for --expert-gemv, e.g. 512MiB (default 2 GiB).
+    #[arg(long, default_value = "2GiB", hide_default_value = true, value_parser = parse_size)]
     gemv_bytes: usize,
     /// Only these ISAs for --expert-gemv (comma-separated: scalar,avx2,avx512; default all this
     /// CPU has).
@@ -78,6 +78,12 @@ pub struct Args {
     device: Device,
     #[command(flatten)]
     pub(crate) gpu: GpuArgs,
+}
+
+/// A size flag: a byte count or a size with a binary unit (`2GiB`, `512M`).
+fn parse_size(s: &str) -> Result<usize, String> {
+    let b = krasis_core::budget::parse_bytes(s).map_err(String::from)?;
+    usize::try_from(b).map_err(|_| "too large".to_string())
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
@@ -304,7 +310,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.decode_tokens == 0 || a.prompt_tokens == 0 {
         bail!("--decode-tokens and --prompt-tokens must be at least 1");
     }
-    if a.gpu_attention || a.device != Device::Cpu {
+    // `auto` without a GPU benchmarks the CPU, as `generate` runs there; with one, the engine's
+    // policy picks the whole-GPU or hybrid path.
+    let device = match a.device {
+        Device::Auto => match krasis_gpu::probe() {
+            Err(e) => {
+                eprintln!("notice: no GPU in use ({e}); running on the CPU");
+                Device::Cpu
+            }
+            Ok(_) => Device::Auto,
+        },
+        d => d,
+    };
+    if a.gpu_attention || device != Device::Cpu {
         if a.membw || a.expert_gemv {
             bail!("--membw/--expert-gemv are CPU benchmarks; run them separately from --gpu-attention / --device gpu");
         }
@@ -316,8 +334,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             out["attention"] = crate::cmd_bench_gpu::attention(a.gpu.gpu, a.gpu.vram_budget, !a.json)?;
         }
         if let Some(dir) = &a.model {
-            let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
-            out["model"] = if a.device == Device::Hybrid {
+            let config = a.engine.config(device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+            out["model"] = if device == Device::Hybrid {
                 crate::cmd_bench_hybrid::model(dir, &a, &config, !a.json)?
             } else {
                 crate::cmd_bench_gpu::model(dir, &config, a.prompt_tokens, a.decode_tokens, !a.json)?

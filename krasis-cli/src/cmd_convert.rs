@@ -3,38 +3,46 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::bail;
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, ValueEnum};
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::files::ModelFiles;
 use krasis_model::quantized::open_expert_cache;
 use krasis_model::tensors::param_counts;
+use krasis_quant::Bits;
 
-use krasis_model::quantized::{quant_bits, WeightBits};
+use crate::cmd_generate::check_group_size_flag;
 
-use crate::cmd_generate::{check_group_size_flag, weight_bits_parser};
+/// The widths an expert cache holds (bf16 experts are read from the model and need none).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CacheBits {
+    #[value(name = "4")]
+    Int4,
+    #[value(name = "8")]
+    Int8,
+}
 
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// 4 or 8.
-    #[arg(long, default_value = "4", value_parser = weight_bits_parser(&["4", "8"]))]
-    cpu_expert_bits: WeightBits,
+    /// INT4 or INT8 routed experts.
+    #[arg(long, value_enum, default_value_t = CacheBits::Int4)]
+    cpu_expert_bits: CacheBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
-    /// Where the cache goes (default: <model>/.krasis_cache, else a per-user cache dir).
+    /// Where the cache goes (default: `<model>/.krasis_cache`, else a per-user cache dir).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let Some(bits) = quant_bits(a.cpu_expert_bits) else {
-        bail!("--cpu-expert-bits bf16 needs no conversion; choose 4 or 8");
+    let bits = match a.cpu_expert_bits {
+        CacheBits::Int4 => Bits::Int4,
+        CacheBits::Int8 => Bits::Int8,
     };
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;

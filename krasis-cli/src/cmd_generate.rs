@@ -2,10 +2,11 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use clap::builder::TypedValueParser;
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args as ClapArgs, ValueEnum};
 use krasis_core::budget::format_bytes;
 use krasis_gpu::kv_cache::KvDtype;
@@ -23,13 +24,10 @@ use krasis_model::tokenizer::{TextCodec, TextStream};
 /// `--device`: which device policy the engine opens with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
-    /// Every op on the CPU.
+    // The values are described in `--device`'s own help, one line like every flag's.
     Cpu,
-    /// The whole model on the GPU.
     Gpu,
-    /// Routed experts on the CPU (INT4/INT8 cache), everything else on the GPU.
     Hybrid,
-    /// The GPU when one is usable and the model fits its VRAM budget, else the CPU.
     Auto,
 }
 
@@ -72,7 +70,7 @@ pub struct EngineArgs {
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     pub group_size: usize,
-    /// Where expert caches live (default: <model>/.krasis_cache, else a per-user cache dir).
+    /// Where expert caches live (default: `<model>/.krasis_cache`, else a per-user cache dir).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// CPU worker threads (default: one per physical core).
@@ -93,6 +91,12 @@ impl EngineArgs {
         }
         if self.threads == Some(0) {
             bail!("--threads must be at least 1");
+        }
+        if let Some(t) = self.threads {
+            let cores = krasis_core::hw::probe().one_cpu_per_core().len();
+            if t > cores {
+                eprintln!("notice: --threads {t} is more than the {cores} physical cores; using {cores}");
+            }
         }
         Ok(EngineOptions {
             expert_bits: self.cpu_expert_bits,
@@ -116,6 +120,19 @@ impl EngineArgs {
     }
 }
 
+/// The names `LinearQuant` parses, listed in `--help`.
+const LINEAR_QUANTS: &[&str] = &["bf16", "int8"];
+
+/// A value parser for a library type: accepts exactly `names` (so `--help` lists them) and
+/// converts with the type's own `FromStr`.
+fn one_of<T>(names: &'static [&'static str]) -> impl TypedValueParser<Value = T>
+where
+    T: FromStr + Clone + Send + Sync + 'static,
+    T::Err: std::fmt::Display,
+{
+    PossibleValuesParser::new(names).try_map(|s| s.parse::<T>().map_err(|e| e.to_string()))
+}
+
 /// `--device gpu` flags shared by `generate` and `bench`.
 #[derive(ClapArgs, Clone, Debug)]
 pub struct GpuArgs {
@@ -126,27 +143,27 @@ pub struct GpuArgs {
     /// (free memory minus 1 GiB).
     #[arg(long, default_value = "auto")]
     pub vram_budget: VramBudgetSpec,
-    /// KV cache precision on the GPU.
-    #[arg(long, default_value = "bf16")]
+    /// KV cache precision on the GPU (fp8 holds twice the tokens).
+    #[arg(long, default_value = "bf16", value_parser = one_of::<KvDtype>(&["bf16", "fp8"]))]
     pub kv_dtype: KvDtype,
     /// KV cache tokens per session (default: what the VRAM budget leaves, capped at the model's
     /// max_position_embeddings).
     #[arg(long)]
     pub kv_tokens: Option<usize>,
     /// Attention projections on the GPU: bf16, or int8 weight-only per output channel.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub attention_quant: LinearQuant,
     /// Shared experts on the GPU.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub shared_expert_quant: LinearQuant,
     /// Dense (non-MoE) layers' MLP on the GPU.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub dense_mlp_quant: LinearQuant,
     /// MLA kv_b_proj as used by prefill on the GPU.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub kv_b_proj_quant: LinearQuant,
     /// LM head on the GPU.
-    #[arg(long, default_value = "bf16")]
+    #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub lm_head_quant: LinearQuant,
 }
 
@@ -183,6 +200,7 @@ pub struct Args {
     /// Wrap --prompt as a user message with the model's chat template.
     #[arg(long, conflicts_with = "prompt_ids")]
     chat: bool,
+    /// Tokens to generate after the prompt (fewer if the model ends the sequence).
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// 0 = greedy.
@@ -194,6 +212,7 @@ pub struct Args {
     /// Nucleus sampling mass (1.0 = off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Random seed for sampling (the same seed and flags give the same tokens).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Keep generating past the end-of-sequence token.
@@ -213,6 +232,9 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if let Some(path) = &a.dump_logits {
+        crate::dump::check_path(path)?;
+    }
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }

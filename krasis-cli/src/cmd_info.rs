@@ -2,12 +2,13 @@
 
 use std::path::PathBuf;
 
+use anyhow::bail;
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
 use krasis_model::files::ModelFiles;
 use krasis_model::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
-use krasis_model::tensors::param_counts;
+use krasis_model::tensors::{missing_tensors, param_counts};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -24,11 +25,27 @@ fn billions(n: u64) -> String {
     }
 }
 
+/// Checks that the weights are there and whole (headers, byte ranges against file sizes, every
+/// tensor the config implies; nothing is read beyond the headers). Returns the report line.
+fn check_weights(files: &ModelFiles) -> anyhow::Result<String> {
+    let missing = missing_tensors(files.spec(), files.weights());
+    if let Some(first) = missing.first() {
+        bail!(
+            "{}: {} of the tensors config.json implies are missing from the weights (first: {first})",
+            files.path().display(),
+            missing.len()
+        );
+    }
+    Ok(format!("{}; headers, sizes and tensor names check out", files.weights().describe()))
+}
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     let files = ModelFiles::open(&a.model)?;
     let spec = files.spec();
+    let weights = check_weights(&files)?;
     let counts = param_counts(spec);
     println!("model        {}", a.model.display());
+    println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
     println!(
         "shape        {} layers, hidden {}, vocab {}, max positions {}",

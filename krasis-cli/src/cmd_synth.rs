@@ -14,6 +14,7 @@ pub struct Args {
     /// Keep only the first N layers.
     #[arg(long)]
     layers: Option<usize>,
+    /// Seed of the random weights (the same seed writes the same model).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Output directory (must be empty or absent unless --force).

@@ -8,11 +8,16 @@ mod cmd_generate;
 mod cmd_info;
 mod cmd_synth;
 mod dump;
+mod logging;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "krasis", version, about = "Mixture-of-Experts LLM runtime: GPU prefill, CPU decode")]
+#[command(
+    name = "krasis",
+    version,
+    about = "Mixture-of-Experts LLM runtime: the whole model on one GPU, or on the CPU (hybrid GPU prefill + CPU decode is next)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,8 +33,17 @@ enum Command {
     Info(cmd_info::Args),
     /// Build the CPU expert cache (INT4/INT8) ahead of the first run.
     Convert(cmd_convert::Args),
-    /// Measure memory bandwidth and CPU decode throughput.
+    /// Benchmarks: memory bandwidth, expert GEMV, decode throughput on the CPU or the GPU, GPU
+    /// attention kernels.
     Bench(cmd_bench::Args),
+}
+
+/// The parser, with every value flag taking negative numbers (`--temperature -1`), so that the
+/// flag's own check answers rather than clap's "unexpected argument '-1'".
+fn command() -> clap::Command {
+    Cli::command().mut_subcommands(|sub| {
+        sub.mut_args(|a| if a.get_action().takes_values() { a.allow_negative_numbers(true) } else { a })
+    })
 }
 
 fn main() {
@@ -40,7 +54,8 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    logging::init();
+    let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
         Command::Generate(a) => cmd_generate::run(a),
         Command::Synth(a) => cmd_synth::run(a),

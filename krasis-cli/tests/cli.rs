@@ -1,7 +1,7 @@
 //! End-to-end: the `krasis` binary on a synthesized tiny model, and its behaviour on bad input
 //! (one `error:` line, non-zero exit, never a panic).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn krasis(args: &[&str]) -> Output {
@@ -24,6 +24,14 @@ fn synth_tiny(dir: &Path) {
     assert!(o.status.success(), "synth failed: {}", stderr(&o));
 }
 
+/// A fresh temp dir with a synthesized `tiny` model at `<tmp>/tiny`.
+fn tiny() -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("tiny");
+    synth_tiny(&dir);
+    (t, dir)
+}
+
 /// Read one F32/I64 tensor's shape and raw bytes from a small safetensors file.
 fn read_tensor(file: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
     let b = std::fs::read(file).unwrap();
@@ -38,9 +46,7 @@ fn read_tensor(file: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
 
 #[test]
 fn synth_generate_info_and_dump_logits() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("tiny");
-    synth_tiny(&dir);
+    let (t, dir) = tiny();
     let m = dir.to_str().unwrap();
 
     let o = krasis(&["generate", "--model", m, "--prompt", "Hello there", "--max-new-tokens", "8", "--ignore-eos"]);
@@ -103,9 +109,7 @@ fn synth_generate_info_and_dump_logits() {
 
 #[test]
 fn bad_input_fails_cleanly() {
-    let t = tempfile::tempdir().unwrap();
-    let dir = t.path().join("tiny");
-    synth_tiny(&dir);
+    let (_t, dir) = tiny();
     let m = dir.to_str().unwrap();
     assert_clean_failure(&krasis(&["generate", "--model", "/nonexistent/m", "--prompt-ids", "1"]), 1, "/nonexistent/m");
     assert_clean_failure(
@@ -135,4 +139,188 @@ fn bad_input_fails_cleanly() {
     assert_clean_failure(&krasis(&["synth", "--preset", "tiny", "--out", m]), 1, m);
     std::fs::write(dir.join("config.json"), "not json").unwrap();
     assert_clean_failure(&krasis(&["info", "--model", m]), 1, "config.json");
+}
+
+fn krasis_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_krasis")).args(args).envs(env.iter().copied()).output().expect("run krasis")
+}
+
+#[test]
+fn bench_device_auto_falls_back_to_the_cpu() {
+    let (_t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let args = ["bench", "--model", m, "--device", "auto", "--decode-tokens", "2", "--prompt-tokens", "2"];
+    let o = krasis(&[&args[..], &["--membw-bytes", "16MiB"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("running on the CPU"), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("decode 2 tokens"));
+}
+
+#[test]
+fn negative_numbers_reach_the_flags_own_checks() {
+    let (_t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let gen = |flag: &str, v: &str| krasis(&["generate", "--model", m, "--prompt-ids", "1", flag, v]);
+    assert_clean_failure(&gen("--temperature", "-1"), 1, "--temperature -1 must be a finite number >= 0");
+    assert_clean_failure(&gen("--top-p", "-0.5"), 1, "--top-p -0.5 must be in (0, 1]");
+    assert_clean_failure(&gen("--seed", "-1"), 2, "invalid value '-1' for '--seed <SEED>'");
+}
+
+#[test]
+fn dump_logits_path_is_checked_before_generating() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let out = t.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    let before = names(t.path());
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--dump-logits", out.to_str().unwrap()]);
+    assert_clean_failure(&o, 1, "is a directory");
+    assert!(o.stdout.is_empty() && !stderr(&o).contains("prefill:"), "nothing was generated: {}", stderr(&o));
+    assert_eq!(names(t.path()), before, "no temp file beside the directory");
+    let missing = t.path().join("no/such/dir/l.safetensors");
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--dump-logits", missing.to_str().unwrap()]);
+    assert_clean_failure(&o, 1, "does not exist");
+    assert!(o.stdout.is_empty());
+    // A plain file name lands in the working directory, with no temp file left.
+    let o = Command::new(env!("CARGO_BIN_EXE_krasis"))
+        .args(["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--dump-logits", "l.st"])
+        .current_dir(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(names(&out), vec!["l.st".to_string()]);
+}
+
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn cache_dir_errors_say_what_and_suggest_the_flag() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let file = t.path().join("plainfile");
+    std::fs::write(&file, b"x").unwrap();
+    let bad = file.join("cache");
+    fn gen<'a>(m: &'a str, cache: &'a str) -> Vec<&'a str> {
+        let args = ["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "1", "--device", "cpu"];
+        [&args[..], &["--cpu-expert-bits", "4", "--cache-dir", cache]].concat()
+    }
+    let o = krasis(&gen(m, bad.to_str().unwrap()));
+    assert_clean_failure(&o, 1, "cannot create the expert cache directory");
+    let e = stderr(&o);
+    assert!(e.contains("--cache-dir") && e.matches("os error").count() == 1, "{e}");
+
+    // A damaged cache that cannot be rebuilt (here: writes beyond 64 KiB fail, which holds for
+    // root too, unlike a read-only directory) is reported as damaged, not as a bare I/O error.
+    let cache = t.path().join("cache");
+    let o = krasis(&gen(m, cache.to_str().unwrap()));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let file = cache.join("experts_cpu_int4_g128.bin");
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[0] ^= 0xff;
+    std::fs::write(&file, bytes).unwrap();
+    let o = small_files_only(Command::new(env!("CARGO_BIN_EXE_krasis")).args(gen(m, cache.to_str().unwrap())));
+    assert_clean_failure(&o, 1, "was found damaged");
+    assert!(stderr(&o).contains("rebuilding it failed") && stderr(&o).contains("--cache-dir"), "{}", stderr(&o));
+}
+
+/// Runs `cmd` with writes past 64 KiB failing (`EFBIG`) instead of succeeding.
+fn small_files_only(cmd: &mut Command) -> Output {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit { rlim_cur: 64 << 10, rlim_max: 64 << 10 };
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.output().expect("run krasis")
+}
+
+#[test]
+fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
+    let o = krasis(&["convert", "--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("[possible values: 4, 8]") && !help.contains("bf16"), "{help}");
+    assert_clean_failure(
+        &krasis(&["convert", "--model", "/x", "--cpu-expert-bits", "bf16"]),
+        2,
+        "invalid value 'bf16'",
+    );
+
+    let (_t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1", "--max-new-tokens", "1", "--threads", "100000"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o).matches("--threads 100000 is more than the").count(), 1, "{}", stderr(&o));
+}
+
+#[test]
+fn info_checks_that_the_weights_are_there_and_whole() {
+    let (_t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let o = krasis(&["info", "--model", m]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("headers, sizes and tensor names check out"));
+
+    let weights = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .expect("a weight file");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() - 100]).unwrap();
+    assert_clean_failure(&krasis(&["info", "--model", m]), 1, "truncated");
+    assert!(krasis(&["info", "--model", m]).stdout.is_empty(), "no report on broken weights");
+    std::fs::remove_file(&weights).unwrap();
+    assert_clean_failure(&krasis(&["info", "--model", m]), 1, "No such file");
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    assert_clean_failure(&krasis(&["info", "--model", m]), 1, "no *.safetensors weight files");
+}
+
+#[test]
+fn every_flag_is_described_in_help() {
+    for cmd in ["generate", "synth", "info", "convert", "bench"] {
+        let o = krasis(&[cmd, "--help"]);
+        let help = String::from_utf8_lossy(&o.stdout);
+        let lines: Vec<&str> = help.lines().collect();
+        for (i, l) in lines.iter().enumerate() {
+            let l = l.trim();
+            if !l.starts_with('-') {
+                continue;
+            }
+            // The description follows the flag on its line (short help) or on the next (long help).
+            let text = match l.split_once("  ") {
+                Some((_, inline)) => inline.trim_start(),
+                None => lines.get(i + 1).map_or("", |n| n.trim_start()),
+            };
+            assert!(
+                !text.is_empty() && !text.starts_with('-') && !text.starts_with('['),
+                "{cmd}: {l} has no description"
+            );
+        }
+    }
+    let bench = String::from_utf8_lossy(&krasis(&["bench", "--help"]).stdout).into_owned();
+    assert!(bench.contains("(default 2 GiB)") && !bench.contains("2147483648") && bench.contains("GPU"), "{bench}");
+    let top = String::from_utf8_lossy(&krasis(&["--help"]).stdout).into_owned();
+    assert!(!top.contains("GPU prefill, CPU decode\n"), "{top}");
+}
+
+#[test]
+fn library_logs_keep_the_cli_format_and_honour_rust_log() {
+    let o = krasis_env(&["bench", "--membw", "--membw-bytes", "1MiB"], &[("KRASIS_ISA", "bogus")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("warning: KRASIS_ISA=\"bogus\" is not one of scalar|avx2|avx512"), "{e}");
+    assert!(!e.contains("debug"), "{e}");
+    let o = krasis_env(&["bench", "--membw", "--membw-bytes", "1MiB"], &[("RUST_LOG", "krasis_cpu=debug")]);
+    assert!(stderr(&o).contains("debug krasis_cpu::isa: kernels use"), "{}", stderr(&o));
 }

@@ -104,11 +104,52 @@ fn gib(b: u64) -> f64 {
     b as f64 / GIB
 }
 
+/// Parses a byte count (`17179869184`) or a size with a binary unit: `512M`, `24G`, `24GiB`,
+/// `1.5T` (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; `B` is optional). The error says why
+/// not, without the value.
+pub fn parse_bytes(s: &str) -> Result<u64, &'static str> {
+    const EXPECTED: &str = "expected a byte count or a size such as 24G or 512MiB";
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        _ => return Err(EXPECTED),
+    };
+    if num.is_empty() {
+        return Err(EXPECTED);
+    }
+    if mult == 1 {
+        return num.parse::<u64>().map_err(|_| "a byte count must be a whole number");
+    }
+    let x: f64 = num.parse().map_err(|_| "not a number")?;
+    let b = x * mult as f64;
+    if !(b.is_finite() && b < u64::MAX as f64) {
+        return Err("too large");
+    }
+    Ok(b.round() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const GIB_U: u64 = 1 << 30;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("2147483648"), Ok(2 << 30));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes(" 64 m "), Ok(64 << 20));
+        assert_eq!(parse_bytes("0.5K"), Ok(512));
+        for bad in ["", "G", "12X", "-5", "1.5", "1e400G"] {
+            assert!(parse_bytes(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn limit_is_95_percent() {

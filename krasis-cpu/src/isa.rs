@@ -60,19 +60,21 @@ pub fn active() -> Isa {
     static ACTIVE: OnceLock<Isa> = OnceLock::new();
     *ACTIVE.get_or_init(|| {
         let best = Isa::detect();
-        match std::env::var("KRASIS_ISA") {
+        let isa = match std::env::var("KRASIS_ISA") {
             Err(_) => best,
             Ok(v) => match parse_isa(&v) {
                 Some(req) if req <= best => req,
                 Some(req) => {
-                    eprintln!("warning: KRASIS_ISA={} is not supported by this CPU; using {}", req.name(), best.name());
+                    tracing::warn!("KRASIS_ISA={} is not supported by this CPU; using {}", req.name(), best.name());
                     best
                 }
                 None => {
-                    eprintln!("warning: KRASIS_ISA={v:?} is not one of scalar|avx2|avx512; using {}", best.name());
+                    tracing::warn!("KRASIS_ISA={v:?} is not one of scalar|avx2|avx512; using {}", best.name());
                     best
                 }
             },
-        }
+        };
+        tracing::debug!("kernels use {} (the CPU has {})", isa.name(), best.name());
+        isa
     })
 }

@@ -33,7 +33,7 @@ use krasis_quant::group::MAX_GROUP_SIZE;
 /// 123 GB/s at 2 against 101–109 at 4 (every task start begins a fresh DRAM stream), top-6 the
 /// same at 2, 3 and 4; the older two-dispatch runner had been worse at 1 (idle workers in the
 /// last round).
-const TASKS_PER_WORKER: usize = 2;
+pub const TASKS_PER_WORKER: usize = 2;
 
 /// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
 /// the atomic claim per task for nothing; not re-measured with the expert runner's change).

@@ -49,41 +49,17 @@ impl fmt::Display for VramBudgetSpec {
     }
 }
 
-/// Parses `auto`, a byte count (`17179869184`), or a size with a binary unit: `512M`, `24G`,
-/// `24GiB`, `1.5T` (K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; `B` is optional).
+/// Parses `auto` or a size as [`krasis_core::budget::parse_bytes`] does (`17179869184`, `512M`,
+/// `24GiB`, `1.5T`).
 impl FromStr for VramBudgetSpec {
     type Err = GpuError;
 
     fn from_str(s: &str) -> Result<Self, GpuError> {
         let bad = |reason: &str| GpuError::BadBudget { value: s.to_string(), reason: reason.to_string() };
-        let t = s.trim();
-        if t.eq_ignore_ascii_case("auto") {
+        if s.trim().eq_ignore_ascii_case("auto") {
             return Ok(VramBudgetSpec::Auto);
         }
-        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-        let (num, unit) = t.split_at(split);
-        let unit = unit.trim();
-        let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "k" | "kb" | "kib" => 1 << 10,
-            "m" | "mb" | "mib" => 1 << 20,
-            "g" | "gb" | "gib" => 1 << 30,
-            "t" | "tb" | "tib" => 1 << 40,
-            _ => return Err(bad("expected auto, a byte count, or a size such as 24G or 512MiB")),
-        };
-        if num.is_empty() {
-            return Err(bad("expected auto, a byte count, or a size such as 24G or 512MiB"));
-        }
-        let bytes = if mult == 1 {
-            num.parse::<u64>().map_err(|_| bad("a byte count must be a whole number"))?
-        } else {
-            let x: f64 = num.parse().map_err(|_| bad("not a number"))?;
-            let b = x * mult as f64;
-            if !(b.is_finite() && b < u64::MAX as f64) {
-                return Err(bad("too large"));
-            }
-            b.round() as u64
-        };
+        let bytes = krasis_core::budget::parse_bytes(s).map_err(|r| bad(&format!("{r}, or auto")))?;
         if bytes == 0 {
             return Err(bad("the budget must be more than 0 bytes"));
         }

@@ -158,12 +158,17 @@ impl KernelCompiler {
     }
 
     /// The image of `kernel` for `target`: from the cache when present, else compiled and stored.
-    /// A cache directory that cannot be written only costs the caching (a warning is printed).
+    /// A cache directory that cannot be written only costs the caching (a warning is logged).
     pub fn image(&self, kernel: &KernelSource, target: Target) -> Result<CompiledImage, GpuError> {
         let path = self.cache_path(kernel, target);
         if let Some(p) = &path {
             if let Ok(bytes) = fs::read(p) {
                 if !bytes.is_empty() {
+                    tracing::debug!(
+                        "krasis-gpu: kernel {} for {target} from the cache at {}",
+                        kernel.name,
+                        p.display()
+                    );
                     self.hits.fetch_add(1, Ordering::Relaxed);
                     return Ok(CompiledImage { bytes, target, from_cache: true, path });
                 }
@@ -176,18 +181,18 @@ impl KernelCompiler {
         let (maj, min) = self.nvrtc.version();
         match &path {
             Some(p) => match write_atomic(p, &bytes) {
-                Ok(()) => eprintln!(
+                Ok(()) => tracing::info!(
                     "krasis-gpu: compiled kernel {} for {target} with NVRTC {maj}.{min} in {ms:.0} ms; cached at {}",
                     kernel.name,
                     p.display()
                 ),
-                Err(e) => eprintln!(
-                    "krasis-gpu: compiled kernel {} for {target} in {ms:.0} ms; warning: cannot cache it at {}: {e}",
+                Err(e) => tracing::warn!(
+                    "krasis-gpu: compiled kernel {} for {target} in {ms:.0} ms but cannot cache it at {}: {e}",
                     kernel.name,
                     p.display()
                 ),
             },
-            None => eprintln!(
+            None => tracing::info!(
                 "krasis-gpu: compiled kernel {} for {target} in {ms:.0} ms; no cache directory (set {CACHE_DIR_ENV})",
                 kernel.name
             ),

@@ -515,7 +515,10 @@ impl GpuDevice {
         let module = match load(image.bytes) {
             Ok(m) => m,
             Err(e) if image.from_cache => {
-                eprintln!("krasis-gpu: cached kernel {} was refused by the driver ({e}); recompiling", kernel.name);
+                tracing::warn!(
+                    "krasis-gpu: cached kernel {} was refused by the driver ({e}); recompiling",
+                    kernel.name
+                );
                 self.compiler.evict(kernel, self.target);
                 let image = self.compiler.image(kernel, self.target)?;
                 load(image.bytes).map_err(|e| GpuError::driver("cuModuleLoadData", e))?

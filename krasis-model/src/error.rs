@@ -6,12 +6,10 @@ use std::path::PathBuf;
 pub enum ModelError {
     #[error("model directory {0} does not exist or is not a directory")]
     MissingDir(PathBuf),
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// Not a `source`: the message already carries the OS error, and a source would print it
+    /// twice in the CLI's `{:#}` chain.
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: malformed JSON: {msg}")]
     Json { path: PathBuf, msg: String },
     #[error("{path}: field `{field}`: {msg}")]
@@ -50,6 +48,6 @@ pub type Result<T> = std::result::Result<T, ModelError>;
 
 impl ModelError {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ModelError::Io { path: path.into(), source }
+        ModelError::Io { path: path.into(), err: source }
     }
 }

@@ -152,6 +152,9 @@ fn expert_record(
     Ok(rec)
 }
 
+/// Appended to errors that another cache directory would cure.
+const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
+
 /// Where the cache of this precision lives.
 pub fn cache_path(model_dir: &Path, cache_dir: Option<&Path>, bits: Bits, group: usize) -> PathBuf {
     let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| krasis_cache::default_cache_dir(model_dir));
@@ -171,7 +174,12 @@ pub fn open_expert_cache(
     let header = expected_cache_header(spec, files.fingerprint(), bits, group)?;
     let path = cache_path(files.path(), cache_dir, bits, group);
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            ModelError::Invalid(format!(
+                "cannot create the expert cache directory {}: {e}{CACHE_DIR_HINT}",
+                dir.display()
+            ))
+        })?;
     }
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
     let layers = header.moe_layers.clone();
@@ -191,7 +199,10 @@ pub fn open_expert_cache(
     let nodes = pool.nodes();
     let placement = |_li: usize, e: usize| -> Option<usize> { (nodes > 1).then(|| pool.os_node(e % nodes)) };
     let load = LoadOptions { placement: Some(&placement), ..LoadOptions::default() };
-    let r = open_or_build(&path, &header, &produce, &progress, load).map_err(|e| ModelError::Invalid(e.to_string()));
+    let r = open_or_build(&path, &header, &produce, &progress, load).map_err(|e| {
+        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
+        ModelError::Invalid(format!("{e}{hint}"))
+    });
     bar.finish_and_clear();
     r
 }

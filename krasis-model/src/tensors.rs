@@ -1,6 +1,7 @@
 //! The tensor inventory a [`ModelSpec`] implies: canonical (HF) names, logical shapes and roles.
 //! The loader validates against it, `krasis synth` writes it, `krasis info` counts it.
 
+use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,6 +238,11 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
         out.push(m.lm_head);
     }
     out
+}
+
+/// The names of the tensors `spec` needs that `source` lacks, in inventory order.
+pub fn missing_tensors(spec: &ModelSpec, source: &dyn WeightSource) -> Vec<String> {
+    expected_tensors(spec).into_iter().map(|t| t.name).filter(|n| !source.contains(n)).collect()
 }
 
 /// Parameter counts: total, and active per token (routed experts counted `top_k` times per MoE layer).

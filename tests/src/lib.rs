@@ -12,8 +12,21 @@ pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
 
-/// `KRASIS_FIXTURES`, or `../shared/fixtures` from the workspace root. `None` (after a loud
-/// message) when absent — unless `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`), which panics.
+/// Says that the running test checked nothing, and why, on the process's stderr itself: the
+/// harness captures `eprintln!` of passing tests, so a skip reported that way never shows. The
+/// line starts `*** SKIPPED` (`.ci/run` counts these lines).
+pub fn report_skip(why: &str) {
+    use std::io::Write;
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("a test");
+    // One write, so parallel tests' output does not split the line.
+    let line = format!("*** SKIPPED {test}: {why} — it checked nothing ***\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// `KRASIS_FIXTURES`, or `../shared/fixtures` from the workspace root. `None` (after a visible
+/// [`report_skip`]) when absent — unless `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`), which
+/// panics.
 pub fn fixtures_dir() -> Option<PathBuf> {
     let dir = std::env::var_os("KRASIS_FIXTURES")
         .map(PathBuf::from)
@@ -24,10 +37,7 @@ pub fn fixtures_dir() -> Option<PathBuf> {
     if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
         panic!("KRASIS_REQUIRE_FIXTURES=1 but no HF oracle fixtures at {}", dir.display());
     }
-    eprintln!(
-        "\n*** SKIPPED: HF oracle fixtures not found at {} (set KRASIS_FIXTURES) — this test checked nothing ***\n",
-        dir.display()
-    );
+    report_skip(&format!("HF oracle fixtures not found at {} (set KRASIS_FIXTURES)", dir.display()));
     None
 }
 
@@ -188,7 +198,7 @@ pub fn gpu_available(test: &str) -> bool {
             if std::env::var("KRASIS_REQUIRE_GPU").as_deref() == Ok("1") {
                 panic!("KRASIS_REQUIRE_GPU=1 but {e}");
             }
-            eprintln!("*** SKIPPED: no GPU: {test} checked nothing: {e} ***");
+            report_skip(&format!("no GPU ({test}): {e}"));
             false
         }
     }

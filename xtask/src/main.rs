@@ -1,5 +1,6 @@
 //! Developer tasks: `cargo xtask bench` (criterion microbenchmarks of the kernels, once per ISA
-//! the host supports) and `cargo xtask ci` (what `.ci/run` runs, minus the environment set-up).
+//! the host supports) and `cargo xtask ci` (what `.ci/run` runs, minus the environment set-up and
+//! the NVRTC kernel check).
 
 use std::process::Command;
 
@@ -42,6 +43,7 @@ fn main() -> anyhow::Result<()> {
         Some("ci") => {
             cargo(&["fmt", "--all", "--check"], &[])?;
             cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &[])?;
+            cargo(&["doc", "--no-deps", "--workspace"], &[("RUSTDOCFLAGS", "-D warnings")])?;
             cargo(&["test", "--workspace"], &[])
         }
         _ => {

@@ -160,7 +160,7 @@ pub fn active_prefetch() -> Prefetch {
             "t0" => PrefetchHint::T0,
             "t1" => PrefetchHint::T1,
             other => {
-                eprintln!("warning: KRASIS_PREFETCH hint {other:?} is not none|nta|t0|t1; using the default");
+                tracing::warn!("KRASIS_PREFETCH hint {other:?} is not none|nta|t0|t1; using the default");
                 return DEFAULT_PREFETCH;
             }
         };

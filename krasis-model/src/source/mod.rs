@@ -53,4 +53,6 @@ pub trait WeightSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// The stored tensor, or `ModelError::MissingTensor`.
     fn tensor(&self, name: &str) -> Result<StoredTensor>;
+    /// One line for reports: the files and their size.
+    fn describe(&self) -> String;
 }

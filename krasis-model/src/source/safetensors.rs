@@ -130,6 +130,11 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// The file's size in bytes.
+    pub fn len_bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(String::as_str)
     }
@@ -223,6 +228,11 @@ impl SafetensorsDir {
         })
     }
 
+    /// The weight files, sorted by name.
+    pub fn files(&self) -> &[SafetensorsFile] {
+        &self.files
+    }
+
     pub fn file_of(&self, name: &str) -> Option<&SafetensorsFile> {
         self.index.get(name).map(|&i| &self.files[i])
     }
@@ -241,5 +251,10 @@ impl WeightSource for SafetensorsDir {
         self.file_of(name)
             .and_then(|f| f.stored(name))
             .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })
+    }
+
+    fn describe(&self) -> String {
+        let bytes: u64 = self.files.iter().map(|f| f.len_bytes()).sum();
+        format!("{} safetensors file(s), {}", self.files.len(), krasis_core::budget::format_bytes(bytes))
     }
 }

@@ -473,6 +473,10 @@ impl WeightSource for ZeroExperts {
         }
         Ok(t)
     }
+
+    fn describe(&self) -> String {
+        format!("{} with zeroed experts", self.inner.describe())
+    }
 }
 
 /// How often each expert of the first MoE layer is chosen over `t` random tokens, computed with
