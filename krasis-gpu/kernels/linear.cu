@@ -1,8 +1,9 @@
 // Dense linears: y[m, rows] = x[m, cols] . W^T, W row-major [rows, cols].
 //
-// BF16 weights go through cuBLAS; these kernels are the pieces around it (x to BF16) and the
-// INT8 weight-only path: W8 row-major [rows, ldw] (ldw = cols rounded up to 16, zero padded, so
-// every row starts 16-byte aligned), one f32 scale per output row, y = scale_r * sum_c q[r,c] x[c].
+// BF16 weights: our own GEMV for m <= 8 (bf16_gemv_*), cuBLAS above that. These kernels are the
+// pieces around cuBLAS (x to BF16), the BF16 GEMV, and the INT8 weight-only path: W8 row-major
+// [rows, ldw] (ldw = cols rounded up to 16, zero padded, so every row starts 16-byte aligned),
+// one f32 scale per output row, y = scale_r * sum_c q[r,c] x[c].
 #include "krasis_common.cuh"
 
 // Sign-extended byte `b` (0..3, little-endian) of a 32-bit word, as float (exact).
@@ -120,3 +121,155 @@ KRASIS_INT8_GEMV(1, 4)
 KRASIS_INT8_GEMV(2, 4)
 KRASIS_INT8_GEMV(4, 4)
 KRASIS_INT8_GEMV(8, 4)
+
+// ---------------------------------------------------------------- BF16 GEMV (small m, decode)
+
+// The two halves of a word holding two BF16 (element 2j in the low half), as f32 (exact).
+__device__ __forceinline__ float bf16_lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+// 16-byte weight loads each lane keeps in flight per chunk (R rows x U column steps, U = 8 / R):
+// 4 KiB per warp, so a few warps per SM cover HBM's bandwidth-delay product. The host mirrors
+// this as BF16_GEMV_LOADS (a chunk is 8 / R steps of 256 columns, i.e. 2048 / R columns).
+#define BF16_GEMV_LOADS 8
+
+// Eight BF16 of row `row` from column c (c < cols): one 16-byte load when rows are 16-byte aligned
+// (w_vec: cols % 8 == 0), else eight 2-byte loads with columns >= cols read as zero.
+__device__ __forceinline__ uint4 bf16_gemv_load(const bf16_t* __restrict__ w, long long row, int cols, int c,
+                                                int w_vec) {
+    const bf16_t* p = w + row * cols + c;
+    if (w_vec) return __ldg((const uint4*)p);
+    u32 h[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h[j] = c + j < cols ? (u32)__ldg(p + j) : 0u;
+    return make_uint4(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16));
+}
+
+// One chunk of weights, columns c0 .. c0 + U * 256 of rows r0 .. r0 + R, into wv (zeros outside
+// [rows, cols]); lane `lane` takes columns c0 + (u * 32 + lane) * 8 .. + 8 of step u.
+template <int R, int U>
+__device__ __forceinline__ void bf16_gemv_load_chunk(uint4 (&wv)[R][U], const bf16_t* __restrict__ w, int r0,
+                                                     int rows, int cols, int c0, int lane, int w_vec) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + (u * 32 + lane) * 8;
+            wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+            if (r0 + r < rows && c < cols) wv[r][u] = bf16_gemv_load(w, r0 + r, cols, c, w_vec);
+        }
+}
+
+// y[m, rows] = bf16(x)[m, cols] . W^T for m <= MT, W BF16 row-major [rows, cols] (no padding).
+//
+// Each warp owns R consecutive rows; a lane reads 8 consecutive weights (16 bytes) per row per
+// step, the warp 256 consecutive columns (coalesced), and a chunk is U = 8 / R steps, so every
+// lane has 8 independent 16-byte loads in flight. Every weight byte is read once for all m tokens.
+// x is rounded to BF16 (round to nearest even, as f32_to_bf16_pad does for the cuBLAS path) and
+// staged in shared memory as BF16, `tile` columns at a time ([m, tile], tile a multiple of the
+// chunk, 2048 / R columns); the first chunk's weight loads are issued before the staging, so the
+// x round trip overlaps them. Accumulation is f32 per lane, then a warp-shuffle reduction.
+// Ragged rows are predicated (no early exit: the staging has block barriers); ragged cols are
+// zero-filled in both x and W.
+template <int MT, int R>
+__device__ __forceinline__ void bf16_gemv_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
+                                               float* __restrict__ y, int m, int rows, int cols, int tile, int w_vec,
+                                               int x_vec4) {
+    constexpr int U = BF16_GEMV_LOADS / R;
+    constexpr int CHUNK = U * 32 * 8;
+    extern __shared__ __align__(16) unsigned char bf16_gemv_smem[];
+    bf16_t* xs = (bf16_t*)bf16_gemv_smem;  // [m, tile]
+    const int lane = threadIdx.x & 31;
+    const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+
+    uint4 wv[R][U];
+    float acc[MT][R];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
+
+    bf16_gemv_load_chunk<R, U>(wv, w, r0, rows, cols, 0, lane, w_vec);
+    for (int t0 = 0; t0 < cols; t0 += tile) {
+        const int tl = min(tile, cols - t0);
+        const int tl8 = (tl + 7) & ~7;
+        if (t0 > 0) __syncthreads();  // every warp is done with the previous tile
+        // Stage x[:, t0 .. t0 + tl8) as BF16 (zeros past cols), 4 columns per thread per step.
+#pragma unroll 4
+        for (int e = threadIdx.x * 4; e < m * tl8; e += blockDim.x * 4) {
+            const int i = e / tl8, c = e - i * tl8;
+            const float* xr = x + (long long)i * cols + t0 + c;
+            float v[4];
+            if (x_vec4 && c + 4 <= tl) {
+                const float4 f = __ldg((const float4*)xr);
+                v[0] = f.x;
+                v[1] = f.y;
+                v[2] = f.z;
+                v[3] = f.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) v[j] = c + j < tl ? __ldg(xr + j) : 0.0f;
+            }
+            *(uint2*)(xs + i * tile + c) = make_uint2((u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16),
+                                                      (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16));
+        }
+        __syncthreads();
+        for (int c0 = t0; c0 < t0 + tl; c0 += CHUNK) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = c0 + (u * 32 + lane) * 8;  // < t0 + tl whenever < cols
+                if (c >= cols) continue;
+                float wf[R][8];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 q[4] = {wv[r][u].x, wv[r][u].y, wv[r][u].z, wv[r][u].w};
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        wf[r][2 * j] = bf16_lo(q[j]);
+                        wf[r][2 * j + 1] = bf16_hi(q[j]);
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < MT; ++i) {
+                    if (i >= m) break;
+                    const uint4 xv = *(const uint4*)(xs + i * tile + (c - t0));
+                    const u32 q[4] = {xv.x, xv.y, xv.z, xv.w};
+                    float xf[8];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        xf[2 * j] = bf16_lo(q[j]);
+                        xf[2 * j + 1] = bf16_hi(q[j]);
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[i][r] = fmaf(wf[r][j], xf[j], acc[i][r]);
+                }
+            }
+            // The next chunk may lie in the next tile: its loads are issued before that tile's staging.
+            if (c0 + CHUNK < cols) bf16_gemv_load_chunk<R, U>(wv, w, r0, rows, cols, c0 + CHUNK, lane, w_vec);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[i][r]);
+            // Spread the stores over the lanes; every lane holds the sum.
+            if (lane == ((i * R + r) & 31) && i < m && r0 + r < rows) y[(long long)i * rows + r0 + r] = v;
+        }
+}
+
+#define KRASIS_BF16_GEMV(MT, R)                                                                              \
+    extern "C" __global__ void bf16_gemv_m##MT##_r##R(const bf16_t* w, const float* x, float* y, int m,    \
+                                                      int rows, int cols, int tile, int w_vec, int x_vec4) { \
+        bf16_gemv_body<MT, R>(w, x, y, m, rows, cols, tile, w_vec, x_vec4);                                  \
+    }
+KRASIS_BF16_GEMV(1, 1)
+KRASIS_BF16_GEMV(2, 1)
+KRASIS_BF16_GEMV(4, 1)
+KRASIS_BF16_GEMV(8, 1)
+KRASIS_BF16_GEMV(1, 4)
+KRASIS_BF16_GEMV(2, 4)
+KRASIS_BF16_GEMV(4, 4)
+KRASIS_BF16_GEMV(8, 4)

@@ -1,8 +1,11 @@
 //! Dense linears on the GPU: `y[m, rows] = x[m, cols] · Wᵀ` with f32 activations.
 //!
-//! * **BF16** weights: x is rounded to BF16 (a small kernel, into the [`GemmContext`]'s scratch)
-//!   and cuBLAS `GemmEx` multiplies BF16 × BF16 into an f32 `y` with compute type 32F, as
-//!   transformers does for a BF16 model.
+//! * **BF16** weights: x is rounded to BF16 and multiplied with f32 accumulation, as transformers
+//!   does for a BF16 model. For `m <= BF16_GEMV_MAX_M` (decode) our own GEMV does it in one
+//!   launch: it rounds x to BF16 as it stages it in shared memory and streams every weight byte
+//!   once with 16-byte loads. For larger `m` x is rounded by a small kernel (into the
+//!   [`GemmContext`]'s scratch) and cuBLAS `GemmEx` multiplies BF16 × BF16 into an f32 `y` with
+//!   compute type 32F.
 //! * **INT8** weight-only, symmetric per output row ([`quantize_int8_rows`]): for
 //!   `m <= INT8_GEMV_MAX_M` (decode) our own GEMV reads every weight byte once with f32 `x` and f32
 //!   accumulation and applies the row scale at the end. For larger `m` the INT8 rows are expanded
@@ -42,6 +45,14 @@ pub const LINEAR: KernelSource = KernelSource {
         "int8_gemv_m2_r4",
         "int8_gemv_m4_r4",
         "int8_gemv_m8_r4",
+        "bf16_gemv_m1_r1",
+        "bf16_gemv_m2_r1",
+        "bf16_gemv_m4_r1",
+        "bf16_gemv_m8_r1",
+        "bf16_gemv_m1_r4",
+        "bf16_gemv_m2_r4",
+        "bf16_gemv_m4_r4",
+        "bf16_gemv_m8_r4",
     ],
 };
 
@@ -56,6 +67,30 @@ const GEMV_BLOCK: u32 = 256;
 /// Target resident warps per SM for the GEMV before it gives each warp 4 rows (which re-uses each
 /// x load 4 times): enough loads in flight to saturate HBM on A100/H100.
 const GEMV_WARPS_PER_SM: usize = 32;
+/// Largest `m` served by the BF16 GEMV: up to 8 tokens its CUDA-core work (2 FLOPs per weight
+/// per token, plus BF16 unpacking) stays under the time to stream the weight bytes; beyond that
+/// cuBLAS's tensor cores win, and the conversion launch in front of them is amortised.
+pub const BF16_GEMV_MAX_M: usize = 8;
+/// 16-byte weight loads each BF16 GEMV lane keeps in flight (`BF16_GEMV_LOADS` in linear.cu; the
+/// two must agree): with `R` rows per warp a chunk is `8 / R` steps of 256 columns.
+const BF16_GEMV_LOADS: usize = 8;
+/// Columns one warp covers per step of the BF16 GEMV: 32 lanes × 8 BF16 (one 16-byte load each).
+const BF16_GEMV_STEP_COLS: usize = 256;
+/// Shared memory for the BF16 GEMV's staged x (BF16 `[m, tile]`): 2048 columns of 8 tokens (a
+/// whole V2-Lite hidden row in one tile), 16K columns of 1 token, and room for several blocks
+/// per SM on every target (sm_89 has 100 KiB); under the 48 KiB that needs no opt-in.
+const BF16_GEMV_X_SMEM_BYTES: usize = 32 << 10;
+/// Warps per SM the BF16 GEMV wants before it gives each warp 4 rows (for m < 4): every warp
+/// keeps 4 KiB of weight loads in flight, so 16 per SM is ~8 MiB on an H100 — several times
+/// HBM3's bandwidth-delay product (~2.5 MiB), leaving slack for the reductions and stores.
+const BF16_GEMV_WARPS_PER_SM: usize = 16;
+/// The same for m >= 4, where 4 rows per warp pay more (a quarter of the x reads and unpacking
+/// per weight, which at m = 8 would otherwise rival the weight streaming): 4 warps per SM keep
+/// ~2 MiB in flight on an H100, about the bandwidth-delay product.
+const BF16_GEMV_MIN_WARPS_PER_SM: usize = 4;
+/// Most warps per BF16 GEMV block (256 threads, like the INT8 GEMV); fewer when the rows would
+/// not give every SM a block, so that small matrices (kv_a: 576 rows) still spread over the GPU.
+const BF16_GEMV_MAX_WARPS_PER_BLOCK: usize = 8;
 /// BF16 bytes expanded per INT8 tile in the large-`m` path: each cuBLAS call then covers
 /// thousands of rows (many waves of tensor-core tiles) while the scratch stays small.
 const INT8_DEQUANT_TILE_BYTES: usize = 32 << 20;
@@ -216,6 +251,13 @@ impl GemmContext {
         self.lock(dev, "GemmContext::reserve", bytes).map(|_| ())
     }
 
+    /// Checks that the context belongs to `dev`'s stream.
+    pub(crate) fn check_device(&self, dev: &GpuDevice, op: &'static str) -> Result<(), GpuError> {
+        check(op, Arc::ptr_eq(&self.stream, dev.stream()), || {
+            "the GemmContext was created for another GpuDevice (stream)".to_string()
+        })
+    }
+
     /// Locks the context for one op: checks it belongs to `dev`'s stream, binds the CUDA context
     /// to this thread, and makes the scratch at least `bytes` long. Growth allocates on the
     /// stream; the old buffer is freed stream-ordered, after the work already queued on it.
@@ -225,9 +267,7 @@ impl GemmContext {
         op: &'static str,
         bytes: usize,
     ) -> Result<MutexGuard<'_, Inner>, GpuError> {
-        check(op, Arc::ptr_eq(&self.stream, dev.stream()), || {
-            "the GemmContext was created for another GpuDevice (stream)".to_string()
-        })?;
+        self.check_device(dev, op)?;
         self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let have = g.scratch.as_ref().map_or(0, |b| b.len());
@@ -300,12 +340,38 @@ enum Weights {
     },
 }
 
+/// Which kernel multiplies by a BF16 weight (see [`GpuLinear::set_bf16_path`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// The GEMV for `m <= BF16_GEMV_MAX_M` with [`bf16_gemv_rows_per_warp`]'s rule, else cuBLAS.
+    #[default]
+    Auto,
+    /// cuBLAS for every `m`.
+    Cublas,
+    /// The GEMV with this many rows per warp (1 or 4) for `m <= BF16_GEMV_MAX_M`, else cuBLAS.
+    Gemv { rows_per_warp: usize },
+}
+
+/// Rows per warp of the BF16 GEMV for a `[rows, _]` weight, `m` tokens and `sms` SMs: 4 when
+/// that still leaves `BF16_GEMV_WARPS_PER_SM` warps per SM (or `BF16_GEMV_MIN_WARPS_PER_SM`
+/// for `m >= 4`, where re-using each staged x value for 4 rows pays most), else 1.
+pub fn bf16_gemv_rows_per_warp(rows: usize, m: usize, sms: usize) -> usize {
+    let per_sm = if m >= 4 { BF16_GEMV_MIN_WARPS_PER_SM } else { BF16_GEMV_WARPS_PER_SM };
+    if rows / 4 >= per_sm * sms.max(1) {
+        4
+    } else {
+        1
+    }
+}
+
 /// One dense linear layer resident on the GPU.
 pub struct GpuLinear {
     name: String,
     rows: usize,
     cols: usize,
     w: Weights,
+    bf16_path: Bf16Path,
 }
 
 impl fmt::Debug for GpuLinear {
@@ -363,7 +429,7 @@ impl GpuLinear {
                 Weights::Int8 { q, scale, ldw }
             }
         };
-        Ok(GpuLinear { name: name.to_string(), rows, cols, w })
+        Ok(GpuLinear { name: name.to_string(), rows, cols, w, bf16_path: Bf16Path::Auto })
     }
 
     pub fn name(&self) -> &str {
@@ -395,8 +461,15 @@ impl GpuLinear {
         }
     }
 
+    /// Forces the kernel of a BF16 weight (no effect on INT8). For tests and tuning: every path
+    /// rounds x to BF16 and accumulates in f32, so they agree up to f32 rounding order.
+    #[doc(hidden)]
+    pub fn set_bf16_path(&mut self, path: Bf16Path) {
+        self.bf16_path = path;
+    }
+
     /// `y[m, rows] = x[m, cols] · Wᵀ`; `x` and `y` f32 row-major, f32 accumulation. `y` is
-    /// overwritten. Never synchronises.
+    /// overwritten. `ctx` must belong to `dev`. Never synchronises.
     pub fn forward(
         &self,
         dev: &GpuDevice,
@@ -409,6 +482,7 @@ impl GpuLinear {
         let (rows, cols) = (self.rows, self.cols);
         check(OP, x.len() == m * cols, || format!("{}: x has {} elements, not [{m}, {cols}]", self.name, x.len()))?;
         check(OP, y.len() == m * rows, || format!("{}: y has {} elements, not [{m}, {rows}]", self.name, y.len()))?;
+        ctx.check_device(dev, OP)?;
         if m == 0 {
             return Ok(());
         }
@@ -418,11 +492,22 @@ impl GpuLinear {
         let (y_p, _gy) = y.device_ptr_mut(s);
         match &self.w {
             Weights::Bf16(w) => {
+                let gemv_rows = match self.bf16_path {
+                    _ if m > BF16_GEMV_MAX_M => None,
+                    Bf16Path::Auto => {
+                        Some(bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize))
+                    }
+                    Bf16Path::Cublas => None,
+                    Bf16Path::Gemv { rows_per_warp } => Some(rows_per_warp),
+                };
+                let (w_p, _gw) = w.device_ptr(s);
+                if let Some(r) = gemv_rows {
+                    return self.bf16_gemv(dev, w_p, x_p, m, y_p, r);
+                }
                 let ldx = align_up(cols, 8);
                 let g = ctx.lock(dev, OP, m * ldx * 2)?;
                 let xb = g.scratch_ptr();
                 convert_x(dev, x_p, xb, m_i, cols, ldx)?;
-                let (w_p, _gw) = w.device_ptr(s);
                 gemm_bf16(g.handle(), w_p, rows, cols, cols, xb, ldx, m_i, y_p, rows)
             }
             Weights::Int8 { q, scale, ldw } => {
@@ -435,6 +520,46 @@ impl GpuLinear {
                 }
             }
         }
+    }
+
+    /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
+    fn bf16_gemv(&self, dev: &GpuDevice, w: u64, x: u64, m: usize, y: u64, r: usize) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward (bf16 gemv)";
+        let fname: &'static str = match (m.next_power_of_two(), r) {
+            (1, 1) => "bf16_gemv_m1_r1",
+            (2, 1) => "bf16_gemv_m2_r1",
+            (4, 1) => "bf16_gemv_m4_r1",
+            (8, 1) => "bf16_gemv_m8_r1",
+            (1, 4) => "bf16_gemv_m1_r4",
+            (2, 4) => "bf16_gemv_m2_r4",
+            (4, 4) => "bf16_gemv_m4_r4",
+            (8, 4) => "bf16_gemv_m8_r4",
+            _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
+        };
+        let sms = dev.info().multiprocessors.max(1) as usize;
+        let warps = self.rows.div_ceil(r);
+        let wpb = (warps / sms).clamp(1, BF16_GEMV_MAX_WARPS_PER_BLOCK);
+        let wpb = 1usize << wpb.ilog2(); // a power of two: 1, 2, 4 or 8
+                                         // x is staged `tile` columns at a time; a tile is a whole number of chunks.
+        let chunk = BF16_GEMV_LOADS / r * BF16_GEMV_STEP_COLS;
+        let tile = (BF16_GEMV_X_SMEM_BYTES / (2 * m) / chunk * chunk).max(chunk).min(align_up(self.cols, chunk));
+        let cfg = LaunchConfig {
+            grid_dim: (warps.div_ceil(wpb) as u32, 1, 1),
+            block_dim: (wpb as u32 * 32, 1, 1),
+            shared_mem_bytes: (m * tile * 2) as u32,
+        };
+        let (m_i, rows_i, cols_i) = (m as i32, self.rows as i32, self.cols as i32);
+        let tile_i = to_i32(OP, "tile", tile)?;
+        let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16));
+        let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
+        let s = dev.stream();
+        let f = dev.function(&LINEAR, fname)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&w).arg(&x).arg(&y).arg(&m_i).arg(&rows_i).arg(&cols_i).arg(&tile_i).arg(&w_vec).arg(&x_vec4);
+        // SAFETY: arguments match the kernel's signature; shapes checked by `forward`; the dynamic
+        // shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in).
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -590,6 +715,24 @@ mod tests {
         }
         assert_eq!("INT8".parse::<LinearQuant>().unwrap(), LinearQuant::Int8);
         assert!("int4".parse::<LinearQuant>().unwrap_err().contains("bf16 or int8"));
+    }
+
+    #[test]
+    fn bf16_gemv_rows_per_warp_rule() {
+        // An H100 (132 SMs): 1 row per warp spreads V2-Lite's decode linears over enough warps;
+        // lm_head, or m >= 4 with rows to spare, takes 4.
+        let sms = 132;
+        for (rows, m, want) in
+            [(3072, 1, 1), (576, 8, 1), (2048, 8, 1), (3072, 2, 1), (3072, 4, 4), (2816, 8, 4), (102400, 1, 4)]
+        {
+            assert_eq!(bf16_gemv_rows_per_warp(rows, m, sms), want, "rows {rows}, m {m}");
+        }
+        assert_eq!(bf16_gemv_rows_per_warp(1, 1, 0), 1);
+        // Both kernels' chunk (2048 / R columns) fits the x tile of 8 tokens.
+        for r in [1, 4] {
+            let chunk = BF16_GEMV_LOADS / r * BF16_GEMV_STEP_COLS;
+            assert!(BF16_GEMV_X_SMEM_BYTES / (2 * BF16_GEMV_MAX_M) >= chunk);
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `GpuLinear` (BF16 through cuBLAS, INT8 GEMV and INT8 tiled) against scalar f64 twins on random
+//! `GpuLinear` (BF16 GEMV and cuBLAS, INT8 GEMV and INT8 tiled) against scalar f64 twins on random
 //! and ragged shapes. Weights are BF16 by construction; `x` is deliberately *not* pre-rounded in
 //! half of the cases, because rounding `x` to BF16 is part of the BF16 path's contract (the twin
 //! rounds it the same way, round-to-nearest-even). Outputs are poisoned with NaN before each
@@ -17,8 +17,9 @@ use common::{
 };
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::linear::INT8_GEMV_MAX_M;
+use krasis_gpu::linear::{bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, INT8_GEMV_MAX_M};
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
 /// Tolerance in units of the rounding-error model of `common::dot_est`. A sum of products
@@ -121,6 +122,143 @@ fn bf16_linear_matches_twin() {
             let worst = forward_vs_twin(d, ctx, &lin, &up(d, &x, "x"), m, &want, &tol, &what);
             if m == 129 {
                 eprintln!("bf16 [{rows}x{cols}]: worst err/tol {worst:.3}");
+            }
+        }
+    }
+}
+
+/// The BF16 twin: `y = bf16(x) · Wᵀ` (x rounded to nearest even, as every BF16 path does).
+fn twin_bf16(x: &[f32], m: usize, wv: &[f64], rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+    twin_linear(&round_bf16(x), m, wv, &vec![1.0; rows], rows, cols)
+}
+
+/// The BF16 GEMV with each rows-per-warp variant forced, for every m in 1..=BF16_GEMV_MAX_M, on
+/// random ragged shapes (rows 1..300, cols 1..700, mostly not multiples of 8: the unaligned
+/// weight path) and fixed edges: tiny, odd, multiples of 8 (the 16-byte path), and cols past one
+/// staged x tile (2048 columns at m = 8, 16384 at m = 1) so the multi-tile staging runs.
+#[test]
+fn bf16_gemv_matches_twin() {
+    let Some((d, ctx)) = gpu_gemm("bf16_gemv_matches_twin") else { return };
+    let mut r = rng(15);
+    let mut shapes: Vec<(usize, usize)> =
+        vec![(1, 1), (3, 7), (31, 8), (33, 255), (65, 257), (300, 700), (64, 512), (17, 2501), (9, 4104), (5, 16500)];
+    for _ in 0..10 {
+        shapes.push((r.random_range(1..300), r.random_range(1..700)));
+    }
+    for (case, &(rows, cols)) in shapes.iter().enumerate() {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let wv = to_f64(&from_bf16(&w));
+        let mut lin = GpuLinear::new(d, "test bf16 gemv", &w, rows, cols, LinearQuant::Bf16).unwrap();
+        for m in 1..=BF16_GEMV_MAX_M {
+            let x = rand_x(&mut r, m, cols, case);
+            let (want, tol) = twin_bf16(&x, m, &wv, rows, cols);
+            let x_d = up(d, &x, "x");
+            for rows_per_warp in [1, 4] {
+                lin.set_bf16_path(Bf16Path::Gemv { rows_per_warp });
+                let what = format!("bf16 gemv r{rows_per_warp} [{rows}x{cols}] m={m}");
+                forward_vs_twin(d, ctx, &lin, &x_d, m, &want, &tol, &what);
+            }
+        }
+    }
+}
+
+/// x as a view one element into a buffer (not 16-byte aligned: the GEMV stages it with scalar
+/// loads even though cols % 4 == 0), and x with NaN/inf/huge values (rounding to BF16 keeps NaN
+/// a NaN; a finite value past BF16's range rounds to inf), on both variants.
+#[test]
+fn bf16_gemv_unaligned_x_and_specials() {
+    let Some((d, ctx)) = gpu_gemm("bf16_gemv_unaligned_x_and_specials") else { return };
+    let mut r = rng(16);
+    let (rows, cols) = (77, 264);
+    let w = rand_bf16_bits(&mut r, rows * cols, 1.0);
+    let wv = to_f64(&from_bf16(&w));
+    let mut lin = GpuLinear::new(d, "unaligned", &w, rows, cols, LinearQuant::Bf16).unwrap();
+    for m in [1, 3, 8] {
+        let x = rand_f32(&mut r, m * cols + 1, 1.0);
+        let (want, tol) = twin_bf16(&x[1..], m, &wv, rows, cols);
+        let x_d = up(d, &x, "x");
+        for rows_per_warp in [1, 4] {
+            lin.set_bf16_path(Bf16Path::Gemv { rows_per_warp });
+            let what = format!("bf16 gemv r{rows_per_warp} unaligned x m={m}");
+            forward_vs_twin(d, ctx, &lin, &x_d.slice().slice(1..), m, &want, &tol, &what);
+        }
+    }
+    // Token 0 gets a NaN (every output NaN), token 1 a finite value that rounds to +inf in BF16
+    // (every output inf with the sign of its weight, NaN for a zero weight); token 2 stays finite.
+    let m = 3;
+    let mut x = rand_f32(&mut r, m * cols, 1.0);
+    x[5] = f32::NAN;
+    x[cols + 9] = f32::MAX;
+    let x_d = up(d, &x, "x");
+    for rows_per_warp in [1, 4] {
+        lin.set_bf16_path(Bf16Path::Gemv { rows_per_warp });
+        let mut y = poisoned_f32(d, m * rows);
+        lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+        let y = down(d, &y);
+        assert!(y[..rows].iter().all(|v| v.is_nan()), "r{rows_per_warp}: a NaN in x must give a NaN row");
+        for (row, &v) in y[rows..2 * rows].iter().enumerate() {
+            let wt = bf16_to_f32(w[row * cols + 9]);
+            let ok = if wt == 0.0 { v.is_nan() } else { v.is_infinite() && (v > 0.0) == (wt > 0.0) };
+            assert!(ok, "r{rows_per_warp}: row {row}: weight {wt} times inf gave {v}");
+        }
+        let (want, tol) = twin_bf16(&x[2 * cols..], 1, &wv, rows, cols);
+        assert_within(&format!("r{rows_per_warp}: finite token"), &y[2 * rows..], &want, &tol);
+    }
+}
+
+/// DeepSeek-V2-Lite's dense BF16 linears through `forward`'s own choice (and each variant
+/// forced), m = 1, 3, 8; lm_head at m = 1.
+#[test]
+fn bf16_gemv_v2_lite_shapes() {
+    let Some((d, ctx)) = gpu_gemm("bf16_gemv_v2_lite_shapes") else { return };
+    let mut r = rng(17);
+    let sms = d.info().multiprocessors as usize;
+    let shapes: [(&str, usize, usize, &[usize]); 7] = [
+        ("q_proj", 3072, 2048, &[1, 3, 8]),
+        ("kv_a_proj", 576, 2048, &[1, 3, 8]),
+        ("kv_b_proj", 4096, 512, &[1, 3, 8]),
+        ("o_proj", 2048, 2048, &[1, 3, 8]),
+        ("shared gate_up", 2816, 2048, &[1, 3, 8]),
+        ("shared down", 2048, 2816, &[1, 3, 8]),
+        ("lm_head", 102400, 2048, &[1]),
+    ];
+    for (name, rows, cols, ms) in shapes {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.05);
+        let wv = to_f64(&from_bf16(&w));
+        let mut lin = GpuLinear::new(d, name, &w, rows, cols, LinearQuant::Bf16).unwrap();
+        for &m in ms {
+            let x = rand_f32(&mut r, m * cols, 1.0);
+            let (want, tol) = twin_bf16(&x, m, &wv, rows, cols);
+            let x_d = up(d, &x, "x");
+            let auto = bf16_gemv_rows_per_warp(rows, m, sms);
+            for path in [Bf16Path::Auto, Bf16Path::Gemv { rows_per_warp: 1 }, Bf16Path::Gemv { rows_per_warp: 4 }] {
+                lin.set_bf16_path(path);
+                let what = format!("{name} [{rows}x{cols}] m={m} {path:?} (auto: r{auto})");
+                let worst = forward_vs_twin(d, ctx, &lin, &x_d, m, &want, &tol, &what);
+                eprintln!("{what}: worst err/tol {worst:.3}");
+            }
+        }
+    }
+}
+
+/// cuBLAS (forced, and `forward`'s own choice above BF16_GEMV_MAX_M) still matches the twin;
+/// at m <= BF16_GEMV_MAX_M the same inputs go through the GEMV under Auto.
+#[test]
+fn bf16_cublas_path_still_matches() {
+    let Some((d, ctx)) = gpu_gemm("bf16_cublas_path_still_matches") else { return };
+    let mut r = rng(18);
+    for (case, &(rows, cols)) in [(129usize, 257usize), (256, 2048), (1000, 301)].iter().enumerate() {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let wv = to_f64(&from_bf16(&w));
+        let mut lin = GpuLinear::new(d, "test bf16 cublas", &w, rows, cols, LinearQuant::Bf16).unwrap();
+        for m in [1, 8, BF16_GEMV_MAX_M + 1, 33] {
+            let x = rand_x(&mut r, m, cols, case);
+            let (want, tol) = twin_bf16(&x, m, &wv, rows, cols);
+            let x_d = up(d, &x, "x");
+            for path in [Bf16Path::Cublas, Bf16Path::Auto] {
+                lin.set_bf16_path(path);
+                let what = format!("bf16 {path:?} [{rows}x{cols}] m={m}");
+                forward_vs_twin(d, ctx, &lin, &x_d, m, &want, &tol, &what);
             }
         }
     }
@@ -235,6 +373,48 @@ fn linear_over_budget_is_a_budget_error() {
     let e = ctx.reserve(&small, 1 << 30).unwrap_err();
     assert!(matches!(e, GpuError::VramBudget { .. }), "{e:?}");
     assert_eq!(down(&small, &y)[..4], [16.0f32; 4]);
+}
+
+/// BF16 decode timings for the lead on DeepSeek-V2-Lite's shapes: the GEMV (each variant, and
+/// `forward`'s own choice) against the old conversion + cuBLAS path, m = 1, 2, 4, 8. Printed as
+/// µs per call and weight GB/s; asserts only that the runs complete.
+#[test]
+fn bf16_gemv_timings() {
+    let Some((d, ctx)) = gpu_gemm("bf16_gemv_timings") else { return };
+    let mut r = rng(19);
+    let sms = d.info().multiprocessors as usize;
+    let shapes = [
+        ("q_proj", 3072usize, 2048usize),
+        ("kv_a_proj", 576, 2048),
+        ("kv_b_proj", 4096, 512),
+        ("o_proj", 2048, 2048),
+        ("shared gate_up", 2816, 2048),
+        ("shared down", 2048, 2816),
+        ("lm_head", 102400, 2048),
+    ];
+    for (name, rows, cols) in shapes {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.1);
+        let mut lin = GpuLinear::new(d, name, &w, rows, cols, LinearQuant::Bf16).unwrap();
+        for m in [1usize, 2, 4, 8] {
+            let x = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
+            let mut y = d.alloc_zeros::<f32>(m * rows, "y").unwrap();
+            let auto = bf16_gemv_rows_per_warp(rows, m, sms);
+            let mut line = format!("bf16 {name:<14} [{rows}x{cols}] m={m} (auto r{auto}):");
+            for (label, path) in [
+                ("cublas", Bf16Path::Cublas),
+                ("gemv r1", Bf16Path::Gemv { rows_per_warp: 1 }),
+                ("gemv r4", Bf16Path::Gemv { rows_per_warp: 4 }),
+                ("auto", Bf16Path::Auto),
+            ] {
+                lin.set_bf16_path(path);
+                lin.forward(d, ctx, &x, m, &mut y).unwrap(); // warm-up: compiles, scratch
+                let us = time_us_per_call(d, 50, || lin.forward(d, ctx, &x, m, &mut y).unwrap());
+                let gbs = lin.weight_bytes() as f64 / (us * 1e-6) / 1e9;
+                line += &format!("  {label} {us:.1} us {gbs:.0} GB/s");
+            }
+            eprintln!("{line}");
+        }
+    }
 }
 
 /// Timings for the lead (printed; asserts only that the runs complete).
