@@ -2,7 +2,8 @@
 //! with the same ids, in the same order, and the same weights as krasis-model's CPU `route`.
 //!
 //! Two kernels (`kernels/router.cu`): `router_logits` computes `logits[t, E] = x · Wᵀ` in f32
-//! (one warp per expert, a tile of tokens per block, so decode spreads over E/4 blocks), into a
+//! (one block of 256 threads per (expert, tile of 8 tokens), the hidden dimension split over the
+//! block with 16-byte loads, so decode spreads over E blocks), into a
 //! scratch buffer the router keeps and grows to the largest `t` seen; `router_topk` runs one block
 //! per token and applies the routing rule: softmax (f64 sum) or sigmoid scores, the optional
 //! group limit (DeepSeek-V2 group max, DeepSeek-V3 `noaux_tc` top-2 sum of bias-corrected scores,
@@ -34,9 +35,10 @@ pub const ROUTER_MAX_EXPERTS: usize = 512;
 /// Most experts per token: thread 0 finalises the weights in a register array of this size
 /// (`ROUTER_MAX_K` in router.cu); real models route to ≤ 16.
 pub const ROUTER_MAX_TOP_K: usize = 16;
-/// Warps (= experts) per `router_logits` block: small, so that decode (t = 1) still spreads the
-/// weight read over E/4 blocks.
-const LOGITS_WARPS: u32 = 4;
+/// Threads of a `router_logits` block (`ROUTER_LOGITS_THREADS` in router.cu): one block per
+/// expert and token tile, the hidden dimension split over all of them, so that decode (t = 1)
+/// spreads the weight read over E blocks with every load in flight at once.
+const LOGITS_THREADS: u32 = 256;
 /// Tokens per `router_logits` block row (`ROUTER_TOK_TILE` in router.cu): each weight element
 /// loaded serves this many tokens.
 const LOGITS_TOK_TILE: usize = 8;
@@ -221,8 +223,8 @@ impl GpuRouter {
             let mut b = s.launch_builder(&f);
             b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i);
             let lc = LaunchConfig {
-                grid_dim: ((e as u32).div_ceil(LOGITS_WARPS), tiles as u32, 1),
-                block_dim: (32 * LOGITS_WARPS, 1, 1),
+                grid_dim: (e as u32, tiles as u32, 1),
+                block_dim: (LOGITS_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument list matches the kernel; w is [E, h], x is [t, h], logits ≥ [t, E].
