@@ -446,8 +446,11 @@ impl GpuDevice {
         let f = self.function(&SILU_MUL, fname)?;
         let mut b = s.launch_builder(&f);
         b.arg(&g_p).arg(&u_p).arg(&o_p).arg(&r_i).arg(&c_i).arg(&gs).arg(&us).arg(&os);
+        // Rows on x, column chunks of BLOCK on y (capped; the kernel strides over the rest).
+        let chunks = l.cols.div_ceil(BLOCK as usize).min(65535) as u32;
+        let cfg = LaunchConfig { grid_dim: (l.rows as u32, chunks, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel's signature; extents checked above.
-        unsafe { b.launch(cfg_rows(l.rows)) }.map_err(launch_err(OP))?;
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }
 }
