@@ -526,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
 #define ABS_WARPS 8
 #define ABS_COLS 64
 #define ABS_TT 4
-extern "C" __global__ void __launch_bounds__(ABS_THREADS)
+extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
     mla_absorb_q(const bf16_t* __restrict__ kv_b, const float* __restrict__ q, float* __restrict__ dst, int t,
                  int heads, int nope, int rope, int v_dim, int latent) {
     __shared__ float part[ABS_WARPS][ABS_TT][ABS_COLS];
@@ -543,19 +543,27 @@ extern "C" __global__ void __launch_bounds__(ABS_THREADS)
     // Paired (4-byte) loads need a 4-byte aligned kv_b, an even row length (rows then start 4-byte
     // aligned) and both columns in range.
     const bool pair = ((unsigned long long)kv_b & 3ull) == 0 && (latent & 1) == 0 && c0 + 1 < latent;
-    if (c0 < latent) {
+    // The branch is outside the row loops, so each loop's loads batch across unrolled rows.
+    if (pair) {
+#pragma unroll 8  // 8 rows' loads issued together (V2-Lite: 16 rows per warp, two batches)
+        for (int d = warp; d < nope; d += ABS_WARPS) {
+            const u32 u = *reinterpret_cast<const u32*>(wh + (long long)d * latent + c0);
+            const float w0 = __uint_as_float(u << 16), w1 = __uint_as_float(u & 0xffff0000u);
+#pragma unroll
+            for (int k = 0; k < ABS_TT; k++) {
+                if (k < nt) {
+                    const float qv = __ldg(qb + k * qstride + d);
+                    acc0[k] = fmaf(qv, w0, acc0[k]);
+                    acc1[k] = fmaf(qv, w1, acc1[k]);
+                }
+            }
+        }
+    } else if (c0 < latent) {
+        const bool two = c0 + 1 < latent;
 #pragma unroll 4
         for (int d = warp; d < nope; d += ABS_WARPS) {
             const bf16_t* wr = wh + (long long)d * latent + c0;
-            float w0, w1 = 0.0f;
-            if (pair) {
-                const u32 u = *reinterpret_cast<const u32*>(wr);
-                w0 = __uint_as_float(u << 16);
-                w1 = __uint_as_float(u & 0xffff0000u);
-            } else {
-                w0 = bf16_to_f32(wr[0]);
-                if (c0 + 1 < latent) w1 = bf16_to_f32(wr[1]);
-            }
+            const float w0 = bf16_to_f32(wr[0]), w1 = two ? bf16_to_f32(wr[1]) : 0.0f;
 #pragma unroll
             for (int k = 0; k < ABS_TT; k++) {
                 if (k < nt) {

@@ -90,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
         const int h4 = hidden >> 2;
         const float4* w4 = reinterpret_cast<const float4*>(wr);
         const float4* x4 = reinterpret_cast<const float4*>(xt);
+#pragma unroll 2  // hidden 2048: both of a thread's groups loaded together
         for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
             const float4 wv = w4[i];
 #pragma unroll
