@@ -526,6 +526,19 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
 #define ABS_WARPS 8
 #define ABS_COLS 64
 #define ABS_TT 4
+// acc{0,1}[k] += q[token k][d] * w{0,1} for the nt (<= ABS_TT) tokens of the tile; qd = &q[token 0][d].
+__device__ __forceinline__ void abs_accumulate(float* acc0, float* acc1, const float* qd, long long qstride, int nt,
+                                               float w0, float w1) {
+#pragma unroll
+    for (int k = 0; k < ABS_TT; k++) {
+        if (k < nt) {
+            const float qv = __ldg(qd + k * qstride);
+            acc0[k] = fmaf(qv, w0, acc0[k]);
+            acc1[k] = fmaf(qv, w1, acc1[k]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
     mla_absorb_q(const bf16_t* __restrict__ kv_b, const float* __restrict__ q, float* __restrict__ dst, int t,
                  int heads, int nope, int rope, int v_dim, int latent) {
@@ -549,14 +562,7 @@ extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
         for (int d = warp; d < nope; d += ABS_WARPS) {
             const u32 u = *reinterpret_cast<const u32*>(wh + (long long)d * latent + c0);
             const float w0 = __uint_as_float(u << 16), w1 = __uint_as_float(u & 0xffff0000u);
-#pragma unroll
-            for (int k = 0; k < ABS_TT; k++) {
-                if (k < nt) {
-                    const float qv = __ldg(qb + k * qstride + d);
-                    acc0[k] = fmaf(qv, w0, acc0[k]);
-                    acc1[k] = fmaf(qv, w1, acc1[k]);
-                }
-            }
+            abs_accumulate(acc0, acc1, qb + d, qstride, nt, w0, w1);
         }
     } else if (c0 < latent) {
         const bool two = c0 + 1 < latent;
@@ -564,14 +570,7 @@ extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
         for (int d = warp; d < nope; d += ABS_WARPS) {
             const bf16_t* wr = wh + (long long)d * latent + c0;
             const float w0 = bf16_to_f32(wr[0]), w1 = two ? bf16_to_f32(wr[1]) : 0.0f;
-#pragma unroll
-            for (int k = 0; k < ABS_TT; k++) {
-                if (k < nt) {
-                    const float qv = __ldg(qb + k * qstride + d);
-                    acc0[k] = fmaf(qv, w0, acc0[k]);
-                    acc1[k] = fmaf(qv, w1, acc1[k]);
-                }
-            }
+            abs_accumulate(acc0, acc1, qb + d, qstride, nt, w0, w1);
         }
     }
 #pragma unroll
