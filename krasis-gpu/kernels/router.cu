@@ -11,7 +11,9 @@
 //   scalar path: elements j, j + 256, ...); the 32 lanes of a warp are combined by a butterfly
 //   (warp_sum), then the 8 warp sums are added in warp order 0..7. This differs from the CPU's
 //   sequential order in the last bits in general (the tests use data exact in any order).
-// router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token:
+// router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token; the block
+//   has E rounded up to a warp, 32..=256 threads (every loop strides by blockDim, so any such
+//   size computes the same ids; only the f64 softmax sum's tree shape depends on it):
 //   scores   softmax: m = max (f32), e = exp((double)(x - m)), z = sum e (f64), s = (float)(e / z)
 //            sigmoid: s = 1 / (1 + expf(-x)) in f32, expf evaluated as (float)exp((double)-x),
 //                     i.e. correctly rounded, as glibc's expf (the CPU's) is to within its 0.5 ulp

@@ -42,7 +42,8 @@ const LOGITS_THREADS: u32 = 256;
 /// Tokens per `router_logits` block row (`ROUTER_TOK_TILE` in router.cu): each weight element
 /// loaded serves this many tokens.
 const LOGITS_TOK_TILE: usize = 8;
-/// Threads of a `router_topk` block: E ≤ 512 scores, two per thread at most.
+/// Most threads of a `router_topk` block: E ≤ 512 scores, two per thread at most. A block has
+/// E rounded up to a warp (32..=256) threads, so a 64-expert router runs 2 warps, not 8 mostly idle.
 const TOPK_BLOCK: u32 = 256;
 
 /// A router's gate weight `[n_experts, hidden]` (f32) and optional `e_score_correction_bias`
@@ -254,7 +255,8 @@ impl GpuRouter {
         let mut b = s.launch_builder(&f);
         b.arg(&l_p).arg(&b_p).arg(&i_p).arg(&o_p).arg(&t_i).arg(&e_i).arg(&scoring).arg(&method);
         b.arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&cfg.routed_scaling_factor);
-        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (TOPK_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let threads = (e as u32).next_multiple_of(32).clamp(32, TOPK_BLOCK);
+        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
         unsafe { b.launch(lc) }.map_err(launch_err)?;
         Ok(())
