@@ -510,30 +510,88 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
 
 // MLA weight absorption: dst[i,h,0:latent] = Σ_d q[i,h,d] · kv_b[h*(nope+v) + d, :] (d < nope), and
 // dst[i,h,latent:latent+rope] = q[i,h,nope:nope+rope].
-// Grid: (ceil(latent / blockDim.x), heads, t); shared memory: nope floats.
-extern "C" __global__ void mla_absorb_q(const bf16_t* __restrict__ kv_b, const float* __restrict__ q,
-                                        float* __restrict__ dst, int heads, int nope, int rope, int v_dim,
-                                        int latent) {
-    extern __shared__ float s_qn[];
-    const int h = blockIdx.y, i = blockIdx.z;
-    const float* qh = q + ((long long)i * heads + h) * (nope + rope);
-    float* dh = dst + ((long long)i * heads + h) * (latent + rope);
-    for (int d = threadIdx.x; d < nope; d += blockDim.x) s_qn[d] = qh[d];
-    __syncthreads();
-    const int l = blockIdx.x * blockDim.x + threadIdx.x;
-    if (l < latent) {
-        const bf16_t* w = kv_b + (long long)h * (nope + v_dim) * latent + l;
-        float acc0 = 0.0f, acc1 = 0.0f;  // two chains for ILP; summed in a fixed order
-        int d = 0;
-        for (; d + 1 < nope; d += 2) {
-            acc0 = fmaf(s_qn[d], bf16_to_f32(w[(long long)d * latent]), acc0);
-            acc1 = fmaf(s_qn[d + 1], bf16_to_f32(w[(long long)(d + 1) * latent]), acc1);
+//
+// Launch: grid (ceil(latent / ABS_COLS), heads, ceil(t / ABS_TT)), ABS_THREADS = 256 threads, no
+// dynamic shared memory. A block owns ABS_COLS = 64 latent columns of one head for up to ABS_TT = 4
+// tokens; lane c of every warp owns columns 2c, 2c+1 of the tile (one 4-byte bf16x2 load per row:
+// a warp reads 128 contiguous bytes of a kv_b row), and the nope (d) range is split over the 8
+// warps, warp w taking rows d = w, w + 8, w + 16, ... Why: at decode (t = 1) the old
+// one-thread-per-column layout gave latent/128 x heads = 64 blocks, each thread walking all nope
+// rows serially; this gives latent/64 x heads = 128 blocks (V2-Lite) of 8 warps, each warp with
+// nope/8 rows of independent loads in flight, and each weight element read once per ABS_TT tokens.
+// Summation order (deterministic, independent of timing): each thread sums its rows in increasing
+// d in one fmaf chain; the 8 warp partials are then added in warp order 0..7 (from shared memory)
+// by one thread per (token, column).
+#define ABS_THREADS 256
+#define ABS_WARPS 8
+#define ABS_COLS 64
+#define ABS_TT 4
+// acc{0,1}[k] += q[token k][d] * w{0,1} for the nt (<= ABS_TT) tokens of the tile; qd = &q[token 0][d].
+__device__ __forceinline__ void abs_accumulate(float* acc0, float* acc1, const float* qd, long long qstride, int nt,
+                                               float w0, float w1) {
+#pragma unroll
+    for (int k = 0; k < ABS_TT; k++) {
+        if (k < nt) {
+            const float qv = __ldg(qd + k * qstride);
+            acc0[k] = fmaf(qv, w0, acc0[k]);
+            acc1[k] = fmaf(qv, w1, acc1[k]);
         }
-        if (d < nope) acc0 = fmaf(s_qn[d], bf16_to_f32(w[(long long)d * latent]), acc0);
-        dh[l] = acc0 + acc1;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
+    mla_absorb_q(const bf16_t* __restrict__ kv_b, const float* __restrict__ q, float* __restrict__ dst, int t,
+                 int heads, int nope, int rope, int v_dim, int latent) {
+    __shared__ float part[ABS_WARPS][ABS_TT][ABS_COLS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.y, i0 = blockIdx.z * ABS_TT;
+    const int nt = min(ABS_TT, t - i0);
+    const int c0 = blockIdx.x * ABS_COLS + 2 * lane;  // this lane's first column
+    const bf16_t* wh = kv_b + (long long)h * (nope + v_dim) * latent;
+    const float* qb = q + ((long long)i0 * heads + h) * (nope + rope);  // token i0's q for head h
+    const long long qstride = (long long)heads * (nope + rope);           // next token
+    float acc0[ABS_TT], acc1[ABS_TT];
+#pragma unroll
+    for (int k = 0; k < ABS_TT; k++) acc0[k] = acc1[k] = 0.0f;
+    // Paired (4-byte) loads need a 4-byte aligned kv_b, an even row length (rows then start 4-byte
+    // aligned) and both columns in range.
+    const bool pair = ((unsigned long long)kv_b & 3ull) == 0 && (latent & 1) == 0 && c0 + 1 < latent;
+    // The branch is outside the row loops, so each loop's loads batch across unrolled rows.
+    if (pair) {
+#pragma unroll 8  // 8 rows' loads issued together (V2-Lite: 16 rows per warp, two batches)
+        for (int d = warp; d < nope; d += ABS_WARPS) {
+            const u32 u = *reinterpret_cast<const u32*>(wh + (long long)d * latent + c0);
+            const float w0 = __uint_as_float(u << 16), w1 = __uint_as_float(u & 0xffff0000u);
+            abs_accumulate(acc0, acc1, qb + d, qstride, nt, w0, w1);
+        }
+    } else if (c0 < latent) {
+        const bool two = c0 + 1 < latent;
+#pragma unroll 4
+        for (int d = warp; d < nope; d += ABS_WARPS) {
+            const bf16_t* wr = wh + (long long)d * latent + c0;
+            const float w0 = bf16_to_f32(wr[0]), w1 = two ? bf16_to_f32(wr[1]) : 0.0f;
+            abs_accumulate(acc0, acc1, qb + d, qstride, nt, w0, w1);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < ABS_TT; k++) {
+        part[warp][k][2 * lane] = acc0[k];
+        part[warp][k][2 * lane + 1] = acc1[k];
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < ABS_TT * ABS_COLS; o += ABS_THREADS) {
+        const int k = o / ABS_COLS, c = o % ABS_COLS, l = blockIdx.x * ABS_COLS + c;
+        if (k >= nt || l >= latent) continue;
+        float s = part[0][k][c];
+#pragma unroll
+        for (int w = 1; w < ABS_WARPS; w++) s += part[w][k][c];
+        dst[((long long)(i0 + k) * heads + h) * (latent + rope) + l] = s;
     }
     if (blockIdx.x == 0)
-        for (int r = threadIdx.x; r < rope; r += blockDim.x) dh[latent + r] = qh[nope + r];
+        for (int o = threadIdx.x; o < nt * rope; o += ABS_THREADS) {
+            const int k = o / rope, r = o % rope;
+            dst[((long long)(i0 + k) * heads + h) * (latent + rope) + latent + r] = qb[k * qstride + nope + r];
+        }
 }
 
 // out[i,h,j] = Σ_l kv_b[h*(nope+v) + nope + j, l] · o_lat[i,h,l]. One warp per (i, h, j).

@@ -258,7 +258,11 @@ extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, in
 }
 
 // out [tokens, hidden] = sum over j ascending of weights[t, j] * ypair[t*top_k + j]; a token with
-// any id outside [0, n_experts) gets a NaN row. One block per token.
+// any id outside [0, n_experts) gets a NaN row. Launch: grid (tokens, ceil(hidden / blockDim.x)
+// capped at 65535), 256 threads; block (t, y) covers columns y*256 + j, stepping by
+// gridDim.y*256. Why: one block per token put decode (tokens = 1, hidden 2048) on one SM with
+// each thread walking 8 columns serially; now 8 blocks of one column per thread. Each element is
+// the same f32 sum (j ascending) whatever the grid.
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
                                        const float* __restrict__ weights, float* __restrict__ out, int tokens,
                                        int top_k, int hidden, int n_experts) {
@@ -269,7 +273,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const in
         const int e = ids[(long long)t * top_k + j];
         valid = valid && e >= 0 && e < n_experts;
     }
-    for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
+    for (int h = blockIdx.y * blockDim.x + threadIdx.x; h < hidden; h += gridDim.y * blockDim.x) {
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) {
             const long long p = (long long)t * top_k + j;

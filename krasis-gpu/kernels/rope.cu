@@ -7,6 +7,8 @@
 // Pairing: interleaved = (2i, 2i+1) (DeepSeek, GPT-J style); halves = (i, i + rot_dim/2) (Llama/Qwen,
 // HF rotate_half). Both: a' = a*cos - b*sin, b' = b*cos + a*sin.
 // A position outside [0, max_pos) writes NaN into the rotated slice (loud); the host checks positions.
+// Launch: grid = n_tokens, blockDim = heads * rot_dim/2 rounded up to a warp, within 32..=512, so
+// a token's pairs are one per thread (the loop strides only past 512 pairs).
 #include "krasis_common.cuh"
 
 template <typename T>

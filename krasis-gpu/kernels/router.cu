@@ -1,8 +1,19 @@
 // MoE router on the GPU: gate logits, then scores and top-k as krasis-model's CPU `route` does.
 //
-// router_logits: logits[t, e] = dot(w[e, :], x[t, :]) in f32. One warp per expert, a tile of
-//   ROUTER_TOK_TILE tokens per block row, so each weight element is read once per tile.
-// router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token:
+// router_logits: logits[t, e] = dot(w[e, :], x[t, :]) in f32. Launch: grid (E, ceil(t /
+//   ROUTER_TOK_TILE)), ROUTER_LOGITS_THREADS = 256 threads: one block per (expert, tile of up to
+//   8 tokens), the hidden (K) dimension split over all 256 threads, so each weight element is read
+//   once per tile. Why: at decode (t = 1) one warp per expert (E/4 blocks, each lane walking
+//   hidden/32 elements serially) was latency-bound; now E blocks each issue their whole weight row
+//   at once (hidden 2048: two float4 loads per thread). 16-byte loads when hidden % 4 == 0 and w,
+//   x are 16-byte aligned, else scalar loads. Summation order (deterministic): thread j sums, in
+//   one fmaf chain per token, float4 groups j, j + 256, ... (each group's x, y, z, w in order;
+//   scalar path: elements j, j + 256, ...); the 32 lanes of a warp are combined by a butterfly
+//   (warp_sum), then the 8 warp sums are added in warp order 0..7. This differs from the CPU's
+//   sequential order in the last bits in general (the tests use data exact in any order).
+// router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token; the block
+//   has E rounded up to a warp, 32..=256 threads (every loop strides by blockDim, so any such
+//   size computes the same ids; only the f64 softmax sum's tree shape depends on it):
 //   scores   softmax: m = max (f32), e = exp((double)(x - m)), z = sum e (f64), s = (float)(e / z)
 //            sigmoid: s = 1 / (1 + expf(-x)) in f32, expf evaluated as (float)exp((double)-x),
 //                     i.e. correctly rounded, as glibc's expf (the CPU's) is to within its 0.5 ulp
@@ -59,29 +70,64 @@ __device__ __forceinline__ double rt_block_sum_d(double v, double* scratch) {
     return t;
 }
 
-// grid (ceil(E / warps per block), ceil(t / ROUTER_TOK_TILE)); block = 32 * warps.
-extern "C" __global__ void router_logits(const float* __restrict__ w, const float* __restrict__ x,
-                                         float* __restrict__ logits, int n_experts, int hidden, int t) {
+#define ROUTER_LOGITS_THREADS 256
+#define ROUTER_LOGITS_WARPS (ROUTER_LOGITS_THREADS / 32)
+
+// grid (E, ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS.
+extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
+    router_logits(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
+                  int n_experts, int hidden, int t) {
+    __shared__ float red[ROUTER_TOK_TILE][ROUTER_LOGITS_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x * (blockDim.x >> 5) + warp;
+    const int e = blockIdx.x;
     const int t0 = blockIdx.y * ROUTER_TOK_TILE;
-    if (e >= n_experts || t0 >= t) return;  // whole warps only: no block barrier below
-    const int nt = min(ROUTER_TOK_TILE, t - t0);
+    const int nt = min(ROUTER_TOK_TILE, t - t0);  // >= 1: the grid has exactly ceil(t / tile) rows
     const float* wr = w + (long long)e * hidden;
     const float* xt = x + (long long)t0 * hidden;
     float acc[ROUTER_TOK_TILE];
 #pragma unroll
     for (int k = 0; k < ROUTER_TOK_TILE; k++) acc[k] = 0.0f;
-    for (int i = lane; i < hidden; i += 32) {
-        const float wv = wr[i];
+    const bool vec = (hidden & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15ull) == 0;
+    if (vec) {
+        const int h4 = hidden >> 2;
+        const float4* w4 = reinterpret_cast<const float4*>(wr);
+        const float4* x4 = reinterpret_cast<const float4*>(xt);
+#pragma unroll 2  // hidden 2048: both of a thread's groups loaded together
+        for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
+            const float4 wv = w4[i];
 #pragma unroll
-        for (int k = 0; k < ROUTER_TOK_TILE; k++)
-            if (k < nt) acc[k] += wv * xt[(long long)k * hidden + i];
+            for (int k = 0; k < ROUTER_TOK_TILE; k++) {
+                if (k < nt) {
+                    const float4 xv = x4[(long long)k * h4 + i];
+                    float a = acc[k];
+                    a = fmaf(wv.x, xv.x, a);
+                    a = fmaf(wv.y, xv.y, a);
+                    a = fmaf(wv.z, xv.z, a);
+                    a = fmaf(wv.w, xv.w, a);
+                    acc[k] = a;
+                }
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < hidden; i += ROUTER_LOGITS_THREADS) {
+            const float wv = wr[i];
+#pragma unroll
+            for (int k = 0; k < ROUTER_TOK_TILE; k++)
+                if (k < nt) acc[k] = fmaf(wv, xt[(long long)k * hidden + i], acc[k]);
+        }
     }
 #pragma unroll
     for (int k = 0; k < ROUTER_TOK_TILE; k++) {
         const float v = warp_sum(acc[k]);
-        if (lane == 0 && k < nt) logits[(long long)(t0 + k) * n_experts + e] = v;
+        if (lane == 0) red[k][warp] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < nt) {
+        const int k = threadIdx.x;
+        float s = red[k][0];
+#pragma unroll
+        for (int j = 1; j < ROUTER_LOGITS_WARPS; j++) s += red[k][j];
+        logits[(long long)(t0 + k) * n_experts + e] = s;
     }
 }
 

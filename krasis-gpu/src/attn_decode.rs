@@ -71,8 +71,12 @@ pub const MAX_SPLITS: usize = 256;
 const COMBINE_THREADS: u32 = 256;
 /// Output columns per combine block (must match `COMB_COLS`: 32 quads of columns).
 const COMBINE_COLS: usize = 128;
-/// Latent columns per block of the absorb kernel (one per thread).
-const ABSORB_THREADS: u32 = 128;
+/// Threads of the absorb kernel (`ABS_THREADS`: 8 warps splitting the nope rows).
+const ABSORB_THREADS: u32 = 256;
+/// Latent columns per absorb block (`ABS_COLS`: two per lane).
+const ABSORB_COLS: usize = 64;
+/// Tokens per absorb block (`ABS_TT`): each weight element loaded serves this many tokens.
+const ABSORB_TOK_TILE: usize = 4;
 /// Threads of the W_UV kernel (one warp per output element).
 const UV_THREADS: u32 = 256;
 /// Kernel launches with more than this much dynamic shared memory must opt in.
@@ -492,7 +496,7 @@ impl GpuDevice {
         let (w_p, _g1) = kv_b.device_ptr(s);
         let (q_p, _g2) = q.device_ptr(s);
         let (d_p, _g3) = dst.device_ptr_mut(s);
-        let ints = [heads, nope, rope, v_dim, latent].map(|v| v as i32);
+        let ints = [t, heads, nope, rope, v_dim, latent].map(|v| v as i32);
         let f = self.function(&ATTN_DECODE, "mla_absorb_q")?;
         let mut b = s.launch_builder(&f);
         b.arg(&w_p).arg(&q_p).arg(&d_p);
@@ -500,9 +504,9 @@ impl GpuDevice {
             b.arg(v);
         }
         let cfg = LaunchConfig {
-            grid_dim: ((latent.max(1)).div_ceil(ABSORB_THREADS as usize) as u32, heads as u32, t as u32),
+            grid_dim: (latent.max(1).div_ceil(ABSORB_COLS) as u32, heads as u32, t.div_ceil(ABSORB_TOK_TILE) as u32),
             block_dim: (ABSORB_THREADS, 1, 1),
-            shared_mem_bytes: (nope * 4) as u32,
+            shared_mem_bytes: 0,
         };
         // SAFETY: arguments match the kernel; sizes checked above.
         unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;

@@ -336,7 +336,10 @@ impl GpuDevice {
         let mut b = s.launch_builder(&f);
         b.arg(&x_p).arg(&pos_p).arg(&cos_p).arg(&sin_p).arg(&n_i).arg(&h_i).arg(&ts).arg(&hs);
         b.arg(&off).arg(&rd).arg(&inter).arg(&mp);
-        let cfg = LaunchConfig { grid_dim: (l.n_tokens as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // One thread per rotated pair (heads x rot_dim/2 of them, rounded up to whole warps), 32 to
+        // 512 threads: decode's 16 heads x 32 pairs are one pass instead of four per thread.
+        let threads = (l.n_heads * half).next_multiple_of(32).clamp(32, 512) as u32;
+        let cfg = LaunchConfig { grid_dim: (l.n_tokens as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel's signature; extents checked above.
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
@@ -446,8 +449,11 @@ impl GpuDevice {
         let f = self.function(&SILU_MUL, fname)?;
         let mut b = s.launch_builder(&f);
         b.arg(&g_p).arg(&u_p).arg(&o_p).arg(&r_i).arg(&c_i).arg(&gs).arg(&us).arg(&os);
+        // Rows on x, column chunks of BLOCK on y (capped; the kernel strides over the rest).
+        let chunks = l.cols.div_ceil(BLOCK as usize).min(65535) as u32;
+        let cfg = LaunchConfig { grid_dim: (l.rows as u32, chunks, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel's signature; extents checked above.
-        unsafe { b.launch(cfg_rows(l.rows)) }.map_err(launch_err(OP))?;
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }
 }

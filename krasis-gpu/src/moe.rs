@@ -57,7 +57,7 @@ const MOE_DEC_THREADS: u32 = 128;
 const MOE_DEC_GU_BLOCK_COLS: usize = 8;
 /// Hidden rows per decode-path down block: 4 warps × `MOE_DEC_DN_ROWS` (4) in moe.cu.
 const MOE_DEC_DN_BLOCK_ROWS: usize = 16;
-/// Threads per block of the combine (one block per token).
+/// Threads per block of the combine (a block per token and chunk of this many columns).
 const COMBINE_THREADS: u32 = 256;
 
 /// The routed experts of one MoE layer, BF16, resident on the GPU.
@@ -258,8 +258,13 @@ impl GpuExperts {
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
             let mut b = s.launch_builder(&combine);
             b.arg(ypair).arg(ids_t).arg(w_t).arg(out_t).arg(&nt_i).arg(&k_i).arg(&h_i).arg(&e_i);
-            let cfg =
-                LaunchConfig { grid_dim: (nt_i as u32, 1, 1), block_dim: (COMBINE_THREADS, 1, 1), shared_mem_bytes: 0 };
+            // Tokens on x, column chunks of COMBINE_THREADS on y (capped; the kernel strides).
+            let chunks = h.div_ceil(COMBINE_THREADS as usize).min(65535) as u32;
+            let cfg = LaunchConfig {
+                grid_dim: (nt_i as u32, chunks, 1),
+                block_dim: (COMBINE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
             // SAFETY: ypair [pairs, hidden] (rows of bad pairs are read but discarded), out [nt, hidden].
             unsafe { b.launch(cfg) }.map_err(launch_err(OP))
         };

@@ -2,7 +2,8 @@
 //! with the same ids, in the same order, and the same weights as krasis-model's CPU `route`.
 //!
 //! Two kernels (`kernels/router.cu`): `router_logits` computes `logits[t, E] = x · Wᵀ` in f32
-//! (one warp per expert, a tile of tokens per block, so decode spreads over E/4 blocks), into a
+//! (one block of 256 threads per (expert, tile of 8 tokens), the hidden dimension split over the
+//! block with 16-byte loads, so decode spreads over E blocks), into a
 //! scratch buffer the router keeps and grows to the largest `t` seen; `router_topk` runs one block
 //! per token and applies the routing rule: softmax (f64 sum) or sigmoid scores, the optional
 //! group limit (DeepSeek-V2 group max, DeepSeek-V3 `noaux_tc` top-2 sum of bias-corrected scores,
@@ -34,13 +35,15 @@ pub const ROUTER_MAX_EXPERTS: usize = 512;
 /// Most experts per token: thread 0 finalises the weights in a register array of this size
 /// (`ROUTER_MAX_K` in router.cu); real models route to ≤ 16.
 pub const ROUTER_MAX_TOP_K: usize = 16;
-/// Warps (= experts) per `router_logits` block: small, so that decode (t = 1) still spreads the
-/// weight read over E/4 blocks.
-const LOGITS_WARPS: u32 = 4;
+/// Threads of a `router_logits` block (`ROUTER_LOGITS_THREADS` in router.cu): one block per
+/// expert and token tile, the hidden dimension split over all of them, so that decode (t = 1)
+/// spreads the weight read over E blocks with every load in flight at once.
+const LOGITS_THREADS: u32 = 256;
 /// Tokens per `router_logits` block row (`ROUTER_TOK_TILE` in router.cu): each weight element
 /// loaded serves this many tokens.
 const LOGITS_TOK_TILE: usize = 8;
-/// Threads of a `router_topk` block: E ≤ 512 scores, two per thread at most.
+/// Most threads of a `router_topk` block: E ≤ 512 scores, two per thread at most. A block has
+/// E rounded up to a warp (32..=256) threads, so a 64-expert router runs 2 warps, not 8 mostly idle.
 const TOPK_BLOCK: u32 = 256;
 
 /// A router's gate weight `[n_experts, hidden]` (f32) and optional `e_score_correction_bias`
@@ -221,8 +224,8 @@ impl GpuRouter {
             let mut b = s.launch_builder(&f);
             b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i);
             let lc = LaunchConfig {
-                grid_dim: ((e as u32).div_ceil(LOGITS_WARPS), tiles as u32, 1),
-                block_dim: (32 * LOGITS_WARPS, 1, 1),
+                grid_dim: (e as u32, tiles as u32, 1),
+                block_dim: (LOGITS_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument list matches the kernel; w is [E, h], x is [t, h], logits ≥ [t, E].
@@ -252,7 +255,8 @@ impl GpuRouter {
         let mut b = s.launch_builder(&f);
         b.arg(&l_p).arg(&b_p).arg(&i_p).arg(&o_p).arg(&t_i).arg(&e_i).arg(&scoring).arg(&method);
         b.arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&cfg.routed_scaling_factor);
-        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (TOPK_BLOCK, 1, 1), shared_mem_bytes: 0 };
+        let threads = (e as u32).next_multiple_of(32).clamp(32, TOPK_BLOCK);
+        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
         unsafe { b.launch(lc) }.map_err(launch_err)?;
         Ok(())

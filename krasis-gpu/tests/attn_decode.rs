@@ -294,6 +294,13 @@ fn mla_absorb_and_uv_match_twins() {
         (2, 3, 24, 8, 16, 32),
         (1, 2, 7, 5, 9, 13),
         (4, 5, 33, 16, 20, 300),
+        // The absorb kernel tiles 64 latent columns x 4 tokens per block and splits nope over 8
+        // warps: ragged token tiles (5, 9, 66), a partial last column tile (130, 65 odd: unpaired
+        // loads), fewer nope rows than warps (3, 7), no rope.
+        (5, 3, 40, 8, 16, 130),
+        (9, 2, 7, 3, 5, 65),
+        (66, 2, 3, 4, 8, 64),
+        (1, 4, 129, 0, 8, 200),
     ] {
         let kv_b = rand_bf16_f32(&mut r, heads * (nope + vd) * lat, 0.2);
         let kv_b_d = up(d, &to_bf16(&kv_b), "kv_b");

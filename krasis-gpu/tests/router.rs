@@ -258,7 +258,7 @@ fn router_matches_cpu_twin() {
     let Some(d) = gpu("router_matches_cpu_twin") else { return };
     let mut r = rng(11);
     let (mut tokens, mut skipped, mut cases) = (0usize, 0usize, 0usize);
-    let shapes = [(8usize, 7usize), (16, 33), (60, 100), (64, 257), (128, 1029), (256, 64), (512, 129)];
+    let shapes = [(8usize, 7usize), (16, 33), (60, 100), (64, 257), (128, 1029), (256, 64), (512, 129), (64, 2048)];
     for scoring in [ScoringFunc::Softmax, ScoringFunc::Sigmoid] {
         for method in 0..3 {
             for &(e, h) in &shapes {
