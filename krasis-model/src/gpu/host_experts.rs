@@ -7,8 +7,9 @@
 //! sum from the pinned output buffer into the layer output. Both flags are host memory the stream
 //! reads and writes itself ([`krasis_gpu::HostFlag`]), so the host thread that launches kernels
 //! never waits: it enqueues the whole forward pass, while the model's expert thread
-//! ([`ExpertServer`], pinned to worker 0's core of the CPU pool) spins on `ready`, runs the layer's CPU expert backend and stores
-//! `go`. Kernel launches leave the critical path, which becomes CPU experts + GPU kernel time.
+//! ([`ExpertServer`], pinned to worker 0's core of the CPU pool) spins on `ready`, runs the
+//! layer's CPU expert backend and stores `go`. Kernel launches leave the critical path, which
+//! becomes CPU experts + GPU kernel time.
 //!
 //! One set of pinned buffers serves every layer: stream order puts layer l+1's copies into them
 //! after `go(l)`, i.e. after the expert thread finished with layer l, and the expert thread writes
