@@ -52,13 +52,20 @@ pub struct MlpWeights<B: WeightBuilder> {
     pub down: B::Linear,
 }
 
-pub enum QueryWeights<B: WeightBuilder> {
-    Direct(B::Linear),
-    LowRank { a: B::Linear, norm: B::Vector, b: B::Linear },
+/// MLA's weights as a backend holds them (`L`: a linear, `V`: a norm weight, `K`: `kv_b_proj`).
+/// With a query LoRA `q_a` is `Some((q_a_proj, q_a_layernorm))` and `q_b` is `q_b_proj`; without,
+/// `q_a` is `None` and `q_b` is `q_proj`.
+pub struct MlaParts<L, V, K> {
+    pub q_a: Option<(L, V)>,
+    pub q_b: L,
+    pub kv_a: L,
+    pub kv_a_norm: V,
+    pub kv_b: K,
+    pub o: L,
 }
 
 pub enum AttentionWeights<B: WeightBuilder> {
-    Mla { q: QueryWeights<B>, kv_a: B::Linear, kv_a_norm: B::Vector, kv_b: B::KvB, o: B::Linear },
+    Mla(MlaParts<B::Linear, B::Vector, B::KvB>),
     Gqa { q: B::Linear, k: B::Linear, v: B::Linear, o: B::Linear, qk_norm: Option<(B::Vector, B::Vector)> },
 }
 
@@ -89,18 +96,22 @@ fn mlp<B: WeightBuilder>(b: &mut B, t: &MlpTensors, class: LinearClass) -> Resul
 fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<AttentionWeights<B>> {
     let a = LinearClass::Attention;
     Ok(match t {
-        AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => AttentionWeights::Mla {
-            q: match q {
-                QueryTensors::Direct(q) => QueryWeights::Direct(b.linear(q, a)?),
+        AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
+            let (q_a, q_b) = match q {
+                QueryTensors::Direct(q) => (None, b.linear(q, a)?),
                 QueryTensors::LowRank { a: qa, norm, b: qb } => {
-                    QueryWeights::LowRank { a: b.linear(qa, a)?, norm: b.vector(norm)?, b: b.linear(qb, a)? }
+                    (Some((b.linear(qa, a)?, b.vector(norm)?)), b.linear(qb, a)?)
                 }
-            },
-            kv_a: b.linear(kv_a, a)?,
-            kv_a_norm: b.vector(kv_a_norm)?,
-            kv_b: b.kv_b(kv_b)?,
-            o: b.linear(o, a)?,
-        },
+            };
+            AttentionWeights::Mla(MlaParts {
+                q_a,
+                q_b,
+                kv_a: b.linear(kv_a, a)?,
+                kv_a_norm: b.vector(kv_a_norm)?,
+                kv_b: b.kv_b(kv_b)?,
+                o: b.linear(o, a)?,
+            })
+        }
         AttentionTensors::Gqa { q, k, v, o, qk_norm } => AttentionWeights::Gqa {
             q: b.linear(q, a)?,
             k: b.linear(k, a)?,

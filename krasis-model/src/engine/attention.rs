@@ -9,6 +9,7 @@ use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
+use crate::build::MlaParts;
 use crate::linear::LinearOp;
 
 /// cos/sin for the positions of one forward call, `[t, half_dim]` each.
@@ -39,14 +40,9 @@ pub struct MlaAttention {
     pub dims: MlaDims,
     pub eps: f32,
     pub scale: f32,
-    /// `Some((q_a_proj, q_a_layernorm, q_b_proj))` with a query LoRA, else `q_proj` in `q_b`.
-    pub q_a: Option<(Box<dyn LinearOp>, Vec<f32>)>,
-    pub q_b: Box<dyn LinearOp>,
-    pub kv_a: Box<dyn LinearOp>,
-    pub kv_a_norm: Vec<f32>,
-    /// `kv_b_proj` in f32, `[heads · (nope + v_dim), latent]`: per head `W_UK` rows then `W_UV` rows.
-    pub kv_b: Vec<f32>,
-    pub o_proj: Box<dyn LinearOp>,
+    /// `kv_b` is `kv_b_proj` in f32, `[heads · (nope + v_dim), latent]`: per head `W_UK` rows then
+    /// `W_UV` rows.
+    pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, Vec<f32>>,
 }
 
 impl AttentionLayer for MlaAttention {
@@ -55,31 +51,31 @@ impl AttentionLayer for MlaAttention {
     }
 
     fn weight_bytes(&self) -> usize {
-        self.q_a.as_ref().map_or(0, |(a, _)| a.weight_bytes())
-            + self.q_b.weight_bytes()
-            + self.kv_a.weight_bytes()
-            + self.kv_b.len() * 4
-            + self.o_proj.weight_bytes()
+        self.w.q_a.as_ref().map_or(0, |(a, _)| a.weight_bytes())
+            + self.w.q_b.weight_bytes()
+            + self.w.kv_a.weight_bytes()
+            + self.w.kv_b.len() * 4
+            + self.w.o.weight_bytes()
     }
 
     fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let qk = nope + rd;
         let mut q = vec![0f32; t * h * qk];
-        match &self.q_a {
+        match &self.w.q_a {
             Some((q_a, norm)) => {
                 let mut qa = vec![0f32; t * q_a.out_dim()];
                 q_a.forward(x, t, &mut qa);
                 rms_norm_rows(&mut qa, norm, self.eps);
-                self.q_b.forward(&qa, t, &mut q);
+                self.w.q_b.forward(&qa, t, &mut q);
             }
-            None => self.q_b.forward(x, t, &mut q),
+            None => self.w.q_b.forward(x, t, &mut q),
         }
         let row = lat + rd;
         let mut kva = vec![0f32; t * row];
-        self.kv_a.forward(x, t, &mut kva);
+        self.w.kv_a.forward(x, t, &mut kva);
         for (i, r) in kva.chunks_exact_mut(row).enumerate() {
-            rms_norm_rows(&mut r[..lat], &self.kv_a_norm, self.eps);
+            rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
         }
         let q_start = kv.len();
@@ -94,7 +90,7 @@ impl AttentionLayer for MlaAttention {
             let (lat_part, pe_part) = qa.split_at_mut(lat);
             lat_part.fill(0.0);
             for (d, &qn) in qh[..nope].iter().enumerate() {
-                let w = &self.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
+                let w = &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
                 for (a, &b) in lat_part.iter_mut().zip(w) {
                     *a += qn * b;
                 }
@@ -114,10 +110,10 @@ impl AttentionLayer for MlaAttention {
             let ol = &o_lat[idx * lat..(idx + 1) * lat];
             for (j, v) in ov.iter_mut().enumerate() {
                 let r = hh * per_head + nope + j;
-                *v = dot(isa, &self.kv_b[r * lat..(r + 1) * lat], ol);
+                *v = dot(isa, &self.w.kv_b[r * lat..(r + 1) * lat], ol);
             }
         });
-        self.o_proj.forward(&o, t, out);
+        self.w.o.forward(&o, t, out);
     }
 }
 

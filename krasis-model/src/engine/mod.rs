@@ -16,7 +16,7 @@ use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch};
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{Ffn, Mlp, MoeBlock};
 use self::kv::LayerKv;
-use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, QueryWeights, WeightBuilder};
+use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
@@ -189,22 +189,8 @@ fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Mlp {
 fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<dyn AttentionLayer> {
     let eps = spec.rms_norm_eps;
     match (a, &spec.attention) {
-        (AttentionWeights::Mla { q, kv_a, kv_a_norm, kv_b, o }, mla @ AttentionSpec::Mla { .. }) => {
-            let (q_a, q_b) = match q {
-                QueryWeights::Direct(q) => (None, q),
-                QueryWeights::LowRank { a, norm, b } => (Some((a, norm)), b),
-            };
-            Box::new(MlaAttention {
-                dims: mla.mla_dims().expect("MLA"),
-                eps,
-                scale: spec.softmax_scale,
-                q_a,
-                q_b,
-                kv_a,
-                kv_a_norm,
-                kv_b,
-                o_proj: o,
-            })
+        (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
+            Box::new(MlaAttention { dims: mla.mla_dims().expect("MLA"), eps, scale: spec.softmax_scale, w })
         }
         (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
             Box::new(GqaAttention {

@@ -10,6 +10,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, Swi
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::profile::Part;
 use super::session::{grow, GpuSession};
+use crate::build::MlaParts;
 use crate::engine::experts::LayerExperts;
 use crate::error::Result;
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
@@ -89,18 +90,17 @@ impl GpuMlp {
     }
 }
 
+/// MLA's `kv_b_proj` on the GPU: as a linear (prefill's expansion of the latent,
+/// `--kv-b-proj-quant`) and in BF16 for the absorbed decode form.
+pub(crate) struct GpuKvB {
+    pub linear: GpuLinear,
+    pub bf16: DeviceBuffer<u16>,
+}
+
 pub(crate) struct GpuMla {
     pub dims: MlaDims,
     pub scale: f32,
-    pub q_a: Option<(GpuLinear, DeviceBuffer<u16>)>,
-    pub q_b: GpuLinear,
-    pub kv_a: GpuLinear,
-    pub kv_a_norm: DeviceBuffer<u16>,
-    /// `kv_b_proj` as a linear (prefill's expansion of the latent, `--kv-b-proj-quant`).
-    pub kv_b: GpuLinear,
-    /// `kv_b_proj` in BF16 for the absorbed decode form.
-    pub kv_b_bf16: DeviceBuffer<u16>,
-    pub o_proj: GpuLinear,
+    pub w: MlaParts<GpuLinear, DeviceBuffer<u16>, GpuKvB>,
 }
 
 pub(crate) struct GpuGqa {
@@ -267,7 +267,7 @@ impl GpuMla {
     fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
         let MlaDims { heads: hh, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let t = c.t;
-        let hidden = self.o_proj.rows();
+        let hidden = self.w.o.rows();
         let qk = nope + rd;
         let row = lat + rd;
         let dev = c.dev;
@@ -278,13 +278,13 @@ impl GpuMla {
 
         // q (with the optional LoRA), then RoPE on each head's rope part.
         let q = grow(dev, q_slot, t * hh * qk, "mla q")?;
-        match &self.q_a {
+        match &self.w.q_a {
             Some((q_a, norm)) => {
                 let r = q_a.rows();
                 let qa = grow(dev, q_a_slot, t * r, "mla q_a")?;
                 q_a.forward(dev, c.gemm, &xn, t, &mut qa.slice_mut().slice_mut(..t * r))?;
                 dev.rmsnorm_rows_inplace(qa, RowsView::contiguous(t, r), norm, c.eps)?;
-                self.q_b.forward(
+                self.w.q_b.forward(
                     dev,
                     c.gemm,
                     &qa.slice().slice(..t * r),
@@ -292,7 +292,7 @@ impl GpuMla {
                     &mut q.slice_mut().slice_mut(..t * hh * qk),
                 )?;
             }
-            None => self.q_b.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * qk))?,
+            None => self.w.q_b.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * qk))?,
         }
         dev.rope_f32(
             q,
@@ -305,8 +305,13 @@ impl GpuMla {
 
         // The latent row: kv_a → RMSNorm on the latent part, RoPE on the rope part → cache.
         let kva = grow(dev, kv_a_slot, t * row, "mla kv_a")?;
-        self.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
-        dev.rmsnorm_rows_inplace(kva, RowsView { rows: t, cols: lat, stride: row, offset: 0 }, &self.kv_a_norm, c.eps)?;
+        self.w.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
+        dev.rmsnorm_rows_inplace(
+            kva,
+            RowsView { rows: t, cols: lat, stride: row, offset: 0 },
+            &self.w.kv_a_norm,
+            c.eps,
+        )?;
         dev.rope_f32(
             kva,
             &sc.positions.slice().slice(..t),
@@ -323,7 +328,7 @@ impl GpuMla {
             // Absorbed: q_lat = W_UKᵀ q_nope per head, attend over the latent rows, W_UV after.
             let q_abs = grow(dev, absorbed_q_or_kv_slot, t * hh * row, "mla absorbed q")?;
             dev.mla_absorb_q(
-                &self.kv_b_bf16,
+                &self.w.kv_b.bf16,
                 &q.slice().slice(..t * hh * qk),
                 t,
                 hh,
@@ -347,7 +352,7 @@ impl GpuMla {
                 &mut s.ws,
             )?;
             dev.mla_apply_uv(
-                &self.kv_b_bf16,
+                &self.w.kv_b.bf16,
                 &o_lat.slice().slice(..t * hh * lat),
                 t,
                 hh,
@@ -388,7 +393,7 @@ impl GpuMla {
             )?;
             let kvb_cols = hh * (nope + vd);
             let kvb = grow(dev, absorbed_q_or_kv_slot, n_kv * kvb_cols, "mla expanded k/v")?;
-            self.kv_b.forward(
+            self.w.kv_b.linear.forward(
                 dev,
                 c.gemm,
                 &cmat.slice().slice(..n_kv * lat),
@@ -433,7 +438,7 @@ impl GpuMla {
                 &mut o.slice_mut().slice_mut(..t * hh * vd),
             )?;
         }
-        self.o_proj.forward(
+        self.w.o.forward(
             dev,
             c.gemm,
             &o.slice().slice(..t * hh * vd),

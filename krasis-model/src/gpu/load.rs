@@ -19,9 +19,11 @@ use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
 use super::host_experts::ExpertServer;
-use super::layers::{kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuLayer, GpuMla, GpuMlp, GpuMoe};
+use super::layers::{
+    kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
+};
 use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
-use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, QueryWeights, WeightBuilder};
+use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
 use crate::engine::experts::{ExecutorLayer, ExpertExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
@@ -131,7 +133,7 @@ impl WeightBuilder for GpuBuilder<'_> {
     type GateUp = GpuLinear;
     type Vector = DeviceBuffer<u16>;
     type Embedding = DeviceBuffer<u16>;
-    type KvB = (GpuLinear, DeviceBuffer<u16>);
+    type KvB = GpuKvB;
     type Router = GpuRouter;
     type Experts = GpuExpertBackend;
 
@@ -165,13 +167,13 @@ impl WeightBuilder for GpuBuilder<'_> {
         Ok(self.dev.upload(&v, &t.name)?)
     }
 
-    fn kv_b(&mut self, t: &TensorSpec) -> Result<(GpuLinear, DeviceBuffer<u16>)> {
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<GpuKvB> {
         let (m, rows, cols) = self.bf16_matrix(t)?;
         let bits = bf16_bits(&m);
-        Ok((
-            GpuLinear::new(self.dev, &t.name, &bits, rows, cols, self.opts.kv_b_proj_quant)?,
-            self.dev.upload(&bits, &format!("{} (absorbed, bf16)", t.name))?,
-        ))
+        Ok(GpuKvB {
+            linear: GpuLinear::new(self.dev, &t.name, &bits, rows, cols, self.opts.kv_b_proj_quant)?,
+            bf16: self.dev.upload(&bits, &format!("{} (absorbed, bf16)", t.name))?,
+        })
     }
 
     fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<GpuRouter> {
@@ -211,22 +213,8 @@ fn gpu_mlp(m: MlpWeights<GpuBuilder<'_>>) -> GpuMlp {
 
 fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAttention {
     match (a, &spec.attention) {
-        (AttentionWeights::Mla { q, kv_a, kv_a_norm, kv_b: (kv_b, kv_b_bf16), o }, mla @ AttentionSpec::Mla { .. }) => {
-            let (q_a, q_b) = match q {
-                QueryWeights::Direct(q) => (None, q),
-                QueryWeights::LowRank { a, norm, b } => (Some((a, norm)), b),
-            };
-            GpuAttention::Mla(Box::new(GpuMla {
-                dims: mla.mla_dims().expect("MLA"),
-                scale: spec.softmax_scale,
-                q_a,
-                q_b,
-                kv_a,
-                kv_a_norm,
-                kv_b,
-                kv_b_bf16,
-                o_proj: o,
-            }))
+        (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
+            GpuAttention::Mla(Box::new(GpuMla { dims: mla.mla_dims().expect("MLA"), scale: spec.softmax_scale, w }))
         }
         (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
             GpuAttention::Gqa(Box::new(GpuGqa {
