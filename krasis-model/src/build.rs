@@ -1,5 +1,5 @@
 //! The one build walk: every engine (the CPU reference and quantised engine, the whole-model GPU
-//! engine, the hybrid) is built by [`build`] walking [`ModelTensors`] and asking a
+//! engine, the hybrid) is built by [`build`] walking [`crate::tensors::ModelTensors`] and asking a
 //! [`WeightBuilder`] to turn each tensor into what its backend runs. The walk decides which
 //! tensors a model has and what part each plays; a builder decides only where a weight lives and
 //! in which format. Layer math then consumes the typed [`Weights`] tree.
