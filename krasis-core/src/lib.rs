@@ -12,3 +12,14 @@ pub mod tensor;
 pub use dtype::DType;
 pub use spec::ModelSpec;
 pub use tensor::TensorView;
+
+/// Turns a caught panic's payload into text (for errors that report a panic instead of dying).
+pub fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}

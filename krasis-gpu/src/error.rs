@@ -76,13 +76,4 @@ impl GpuError {
     }
 }
 
-/// Turns a panic payload into text.
-pub(crate) fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
-}
+pub(crate) use krasis_core::panic_text;

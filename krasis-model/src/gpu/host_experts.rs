@@ -197,11 +197,14 @@ impl HostStaging {
         go.stream_wait_geq(dev, work.seq)?;
         // SAFETY: the copy runs after `go`, when the expert thread is done writing the window.
         unsafe { dev.copy_to_device_async(w.out.slice_mut(t * hidden), y)? };
-        self.work
-            .as_ref()
-            .expect("an expert thread serves this call")
-            .send(Msg::Work(work))
-            .map_err(|_| ModelError::Invalid("the CPU expert thread stopped early".into()))
+        let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
+        if sent.is_err() {
+            // Nobody will serve this hand-off: release the stream's wait ourselves, or the call's
+            // final synchronisation would never return.
+            go.store(work.seq);
+            return Err(ModelError::Invalid("the CPU expert thread stopped early".into()));
+        }
+        Ok(())
     }
 }
 
@@ -326,8 +329,21 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                 if failure.is_none() {
                     // SAFETY: see `DevicePtrForThread`.
                     let dev = unsafe { &*dev.0 };
-                    if let Err(e) = serve_one(dev, work, *w, ready, experts, &mut routes, &mut stats) {
-                        failure = Some(e);
+                    // A panic in an expert backend must not kill the thread before `go` is stored:
+                    // the stream would wait on it forever.
+                    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        serve_one(dev, work, *w, ready, experts, &mut routes, &mut stats)
+                    }));
+                    match served {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => failure = Some(e),
+                        Err(p) => {
+                            failure = Some(ModelError::Invalid(format!(
+                                "the CPU experts of layer {} panicked: {}",
+                                work.layer,
+                                krasis_core::panic_text(p)
+                            )));
+                        }
                     }
                 }
                 go.store(work.seq);
