@@ -47,6 +47,33 @@ pub trait ExpertExecutor: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// A model-wide executor bound after the model that calls it was built: the hybrid engine loads
+/// its expert cache on another thread while the GPU takes the rest of the model. Running it
+/// before [`LateExecutor::set`] is a bug in the loader (the loader sets it before returning).
+#[derive(Default)]
+pub struct LateExecutor(std::sync::OnceLock<Arc<dyn ExpertExecutor>>);
+
+impl LateExecutor {
+    /// Binds the executor (the first binding wins).
+    pub fn set(&self, executor: Arc<dyn ExpertExecutor>) {
+        let _ = self.0.set(executor);
+    }
+
+    fn get(&self) -> &dyn ExpertExecutor {
+        self.0.get().expect("LateExecutor used before the loader set it").as_ref()
+    }
+}
+
+impl ExpertExecutor for LateExecutor {
+    fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
+        self.get().run(layer, x, t, routes, out)
+    }
+
+    fn describe(&self) -> String {
+        self.get().describe()
+    }
+}
+
 /// Layer `layer` of a model-wide executor.
 pub struct ExecutorLayer {
     pub executor: Arc<dyn ExpertExecutor>,
@@ -118,5 +145,39 @@ impl LayerExperts for ReferenceExperts {
 
     fn describe(&self) -> String {
         "reference (f32 math on the source weights)".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct AddOne;
+
+    impl ExpertExecutor for AddOne {
+        fn run(&self, layer: usize, _x: &[f32], _t: usize, _routes: &Routes, out: &mut [f32]) {
+            out.iter_mut().for_each(|o| *o += 1.0 + layer as f32);
+        }
+
+        fn describe(&self) -> String {
+            "add one".into()
+        }
+    }
+
+    #[test]
+    fn late_executor_delegates_once_bound() {
+        let late = LateExecutor::default();
+        late.set(Arc::new(AddOne));
+        let layer = ExecutorLayer { executor: Arc::new(late), layer: 2 };
+        let mut out = [0.0f32; 3];
+        layer.run(&[0.0; 3], 1, &Routes::with_capacity(1, 1), &mut out);
+        assert_eq!(out, [3.0; 3]);
+        assert_eq!(layer.describe(), "add one");
+    }
+
+    #[test]
+    #[should_panic(expected = "before the loader set it")]
+    fn late_executor_unbound_is_a_loud_bug() {
+        LateExecutor::default().describe();
     }
 }

@@ -24,7 +24,7 @@ use super::layers::{
 };
 use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
 use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
-use crate::engine::experts::{ExecutorLayer, ExpertExecutor, ReferenceExperts};
+use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
@@ -258,20 +258,35 @@ impl GpuModel {
         let spec = files.spec().clone();
         let mut log = Vec::new();
         let mut expert_bytes = None;
-        let placement = match quant_bits(cpu.expert_bits) {
+        let mut m = match quant_bits(cpu.expert_bits) {
             Some(bits) if spec.moe.is_some() => {
                 let pool = start_pool(cpu.threads, &mut log)?;
-                let ex = open_cpu_experts(files, bits, cpu, &pool, &mut log)?;
+                let late = Arc::new(LateExecutor::default());
+                let placement = ExpertPlacement::Host { executor: late.clone(), pool: Some(pool.clone()) };
+                // The expert cache streams in from disk while the GPU takes the rest of the model.
+                let (cache, model) = std::thread::scope(|s| {
+                    let cache = s.spawn(|| {
+                        let mut cache_log = Vec::new();
+                        open_cpu_experts(files, bits, cpu, &pool, &mut cache_log).map(|ex| (ex, cache_log))
+                    });
+                    let model = Self::from_source(spec, files.weights(), gpu, placement);
+                    (cache.join(), model)
+                });
+                let (ex, mut cache_log) = cache.map_err(|p| {
+                    ModelError::Invalid(format!("loading the expert cache panicked: {}", krasis_core::panic_text(p)))
+                })??;
+                let model = model?;
+                late.set(ex.executor.clone());
+                log.append(&mut cache_log);
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
                 expert_bytes = Some(ex.expert_bytes);
-                ExpertPlacement::Host { executor: ex.executor, pool: Some(pool) }
+                model
             }
             _ => {
                 log.push("routed experts on the CPU: reference f32 over the source weights".into());
-                ExpertPlacement::HostReference
+                Self::from_source(spec, files.weights(), gpu, ExpertPlacement::HostReference)?
             }
         };
-        let mut m = Self::from_source(spec, files.weights(), gpu, placement)?;
         log.append(&mut m.log);
         m.log = log;
         m.host_expert_bytes = expert_bytes;
