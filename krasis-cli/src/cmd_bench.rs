@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_core::memory::PageBuffer;
 use krasis_cpu::isa::Isa;
-use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
+use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, MembwReport};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
@@ -127,6 +127,14 @@ fn expert_copies(
 }
 
 /// `n` pseudo-random token ids in `2..vocab` (a fixed xorshift sequence: runs are comparable).
+/// The host's streaming read bandwidth with `--threads` / `--membw-bytes`, on a pool of its own
+/// that is gone before any model loads: the figure every GB/s of a run is compared with.
+pub(crate) fn probe_bandwidth(a: &Args) -> anyhow::Result<MembwReport> {
+    let sys = krasis_core::hw::probe();
+    let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+    Ok(read_bandwidth(&pool, a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys)), 5)?)
+}
+
 pub(crate) fn random_prompt(vocab: usize, n: usize) -> Vec<u32> {
     let v = vocab.max(3) as u64;
     let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -347,10 +355,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     let sys = krasis_core::hw::probe();
-    let probe_pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
-    let bytes = a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys));
-    let bw = read_bandwidth(&probe_pool, bytes, 5)?;
-    drop(probe_pool);
+    let bw = probe_bandwidth(&a)?;
     let mut out = json!({
         "membw": { "gb_per_s": bw.gb_per_s, "median_gb_per_s": bw.median_gb_per_s, "bytes": bw.bytes,
                    "threads": bw.threads, "isa": bw.isa.name(), "pinned": bw.pinned },

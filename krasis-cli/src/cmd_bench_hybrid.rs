@@ -7,8 +7,6 @@ use std::path::Path;
 use std::time::Instant;
 
 use krasis_core::budget::format_bytes;
-use krasis_cpu::membw::{default_probe_bytes, read_bandwidth};
-use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::runtime::EngineConfig;
 use krasis_model::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
@@ -16,11 +14,7 @@ use serde_json::{json, Value};
 use crate::cmd_bench::Args;
 
 pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow::Result<Value> {
-    let sys = krasis_core::hw::probe();
-    let bw = {
-        let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
-        read_bandwidth(&pool, a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys)), 5)?
-    };
+    let bw = crate::cmd_bench::probe_bandwidth(a)?;
     if text {
         println!("host read bandwidth (in-run probe): {:.1} GB/s on {} threads", bw.gb_per_s, bw.threads);
     }
