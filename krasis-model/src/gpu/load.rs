@@ -290,7 +290,6 @@ impl GpuModel {
         log.append(&mut m.log);
         m.log = log;
         m.host_expert_bytes = expert_bytes;
-        m.experts_on_host = true;
         Ok(m)
     }
 
@@ -407,7 +406,6 @@ impl GpuModel {
             kv_tokens,
             log,
             host_expert_bytes: None,
-            experts_on_host: false,
             expert_server,
         })
     }

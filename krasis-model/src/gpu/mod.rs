@@ -103,8 +103,6 @@ pub struct GpuModel {
     /// Bytes of one routed expert as the host reads it, when the experts run on the host from
     /// the expert cache (the hybrid engine): for bytes-per-token arithmetic.
     pub host_expert_bytes: Option<u64>,
-    /// Whether the routed experts run on the host (the hybrid engine).
-    pub experts_on_host: bool,
     /// The thread serving the host experts' hand-offs (hybrid).
     expert_server: Option<host_experts::ExpertServer>,
 }
@@ -112,6 +110,11 @@ pub struct GpuModel {
 impl GpuModel {
     pub fn device(&self) -> &GpuDevice {
         &self.dev
+    }
+
+    /// Whether the routed experts run on the host (the hybrid engine).
+    pub fn experts_on_host(&self) -> bool {
+        self.expert_server.is_some()
     }
 
     /// Tokens of KV cache each session holds.

@@ -57,7 +57,7 @@ impl EngineSession for GpuSession {
 
 impl EngineDecoder for GpuModel {
     fn device(&self) -> DevicePath {
-        if self.experts_on_host {
+        if self.experts_on_host() {
             DevicePath::Hybrid
         } else {
             DevicePath::Gpu
@@ -66,7 +66,7 @@ impl EngineDecoder for GpuModel {
 
     fn describe(&self) -> String {
         let what =
-            if self.experts_on_host { "all but the routed experts (those on the CPU)" } else { "the whole model" };
+            if self.experts_on_host() { "all but the routed experts (those on the CPU)" } else { "the whole model" };
         format!(
             "gpu {}: {what}, {} tokens of KV cache per session",
             GpuModel::device(self).info(),
