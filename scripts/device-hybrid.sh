@@ -23,7 +23,7 @@ if has tests; then
         $B/tests/sampling-* $B/tests/flash_prefill-* $B/tests/kv_cache-* $B/tests/attn_decode-* $B/tests/host_flag-*; do
         [ -x "$t" ] || continue
         T "-- $t"
-        timeout 300 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|failures:|^    [a-z_0-9]+$|assert" | head -30
+        timeout 300 "$t" --test-threads=1 --nocapture 2>&1 | grep -E "test result|FAILED|panicked|failures:|^    [a-z_0-9]+$|assert|^bench|^router:" | head -30
     done
     for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-*; do
         [ -x "$t" ] || continue
@@ -41,11 +41,14 @@ if has model; then
     T "hybrid, cached start, 512-token prompt, 64 decode steps"
     timeout 300 $K bench --model $V2L $H --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -12
     if [ -x "${PREV:-}" ]; then
-        T "previous version ($PREV), same bench"
-        timeout 300 $PREV bench --model $V2L $H --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -4
+        # Alternating runs: instances drift (other tenants' memory traffic), so one pair can mislead.
+        for i in 1 2; do
+            T "previous version ($PREV), same bench ($i)"
+            timeout 300 $PREV bench --model $V2L $H --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -3
+            T "this version, same bench ($i)"
+            timeout 300 $K bench --model $V2L $H --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -3
+        done
     fi
-    T "hybrid, 15 expert threads (one core left to the launching thread)"
-    timeout 300 $K bench --model $V2L $H --threads 15 --prompt-tokens 512 --decode-tokens 64 2>&1 | tail -3
     T "--device auto picks (whole model fits 80 GB: gpu; with a 20 GiB budget: hybrid)"
     timeout 200 $K generate --model $V2L --prompt "Hi" --max-new-tokens 4 --cache-dir $C 2>&1 | grep -E "^device:"
     timeout 200 $K generate --model $V2L --vram-budget 20GiB --prompt "Hi" --max-new-tokens 4 --cache-dir $C 2>&1 | grep -E "^device:|decode"
@@ -63,7 +66,7 @@ if has model; then
 import csv, sys, collections
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))
         if r.get("Metric Name") == "gpu__time_duration.sum"]
-scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 ks = [(r["Kernel Name"].split("(")[0][:60], float(r["Metric Value"].replace(",", "")) * scale.get(r["Metric Unit"], 1.0)) for r in rows]
 last = max(i for i, (n, _) in enumerate(ks) if "embedding" in n)
 step = ks[last:]

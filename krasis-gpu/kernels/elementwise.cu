@@ -15,6 +15,12 @@ extern "C" __global__ void add_inplace_f32(float* y, const float* x, long long n
     if (i < n) y[i] += x[i];
 }
 
+// y[i] = x[i]
+extern "C" __global__ void copy_f32(float* y, const float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = x[i];
+}
+
 // dst[r, c] = src[r * src_stride + c] for c < cols, dst row stride dst_stride. One block row per
 // grid.y row; threads along the columns.
 template <typename T>
@@ -42,10 +48,5 @@ extern "C" __global__ void rmsnorm_strided_inplace(float* x, long long stride, c
     __shared__ float scratch[32];
     int r = blockIdx.x;
     if (r >= rows) return;
-    float* row = x + (long long)r * stride;
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += row[i] * row[i];
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);  // as rmsnorm.cu: no rsqrtf
-    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * inv * bf16_to_f32(w[i]);
+    rmsnorm_row_inplace(x + (long long)r * stride, n, w, eps, scratch);
 }

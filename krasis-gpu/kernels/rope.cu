@@ -11,13 +11,12 @@
 // a token's pairs are one per thread (the loop strides only past 512 pairs).
 #include "krasis_common.cuh"
 
+// Token t's pairs, strided over the block's threads.
 template <typename T>
-__device__ __forceinline__ void rope_body(T* __restrict__ x, const int* __restrict__ positions,
-                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
-                                          int n_tokens, int n_heads, long long token_stride, long long head_stride,
-                                          int rot_offset, int rot_dim, int interleaved, int max_pos) {
-    const int t = blockIdx.x;
-    if (t >= n_tokens) return;
+__device__ __forceinline__ void rope_token(T* __restrict__ x, int t, const int* __restrict__ positions,
+                                           const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                           int n_heads, long long token_stride, long long head_stride, int rot_offset,
+                                           int rot_dim, int interleaved, int max_pos) {
     const int half = rot_dim >> 1;
     const int pos = positions[t];
     const bool ok = pos >= 0 && pos < max_pos;
@@ -41,6 +40,17 @@ __device__ __forceinline__ void rope_body(T* __restrict__ x, const int* __restri
     }
 }
 
+template <typename T>
+__device__ __forceinline__ void rope_body(T* __restrict__ x, const int* __restrict__ positions,
+                                          const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                          int n_tokens, int n_heads, long long token_stride, long long head_stride,
+                                          int rot_offset, int rot_dim, int interleaved, int max_pos) {
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    rope_token(x, t, positions, cos_t, sin_t, n_heads, token_stride, head_stride, rot_offset, rot_dim, interleaved,
+               max_pos);
+}
+
 extern "C" __global__ void rope_f32(float* x, const int* positions, const float* cos_t, const float* sin_t,
                                     int n_tokens, int n_heads, long long token_stride, long long head_stride,
                                     int rot_offset, int rot_dim, int interleaved, int max_pos) {
@@ -53,4 +63,21 @@ extern "C" __global__ void rope_bf16(bf16_t* x, const int* positions, const floa
                                      int rot_offset, int rot_dim, int interleaved, int max_pos) {
     rope_body(x, positions, cos_t, sin_t, n_tokens, n_heads, token_stride, head_stride, rot_offset, rot_dim,
               interleaved, max_pos);
+}
+
+// MLA's per-token preparation in one launch: RoPE on the rope slice of each of q's heads, RoPE on
+// the rope slice of the kv_a row, and RMSNorm (weight w, norm_n elements from the row's start) of
+// the row's latent part: what rope_f32 (twice) and rmsnorm_strided_inplace do, with the same f32
+// operations per element. The three touch disjoint elements, so no barrier orders them.
+// Launch: grid = n_tokens, RMS_NORM_THREADS (a multiple of 32, for block_sum) threads.
+extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_hs, int q_heads, int q_off, float* kv,
+                                         long long kv_ts, int kv_off, const bf16_t* w, int norm_n, float eps,
+                                         const int* positions, const float* cos_t, const float* sin_t, int n_tokens,
+                                         int rot_dim, int interleaved, int max_pos) {
+    __shared__ float scratch[32];
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    rope_token(q, t, positions, cos_t, sin_t, q_heads, q_ts, q_hs, q_off, rot_dim, interleaved, max_pos);
+    rope_token(kv, t, positions, cos_t, sin_t, 1, kv_ts, kv_ts, kv_off, rot_dim, interleaved, max_pos);
+    rmsnorm_row_inplace(kv + (long long)t * kv_ts, norm_n, w, eps, scratch);
 }

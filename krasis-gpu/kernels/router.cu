@@ -24,6 +24,8 @@
 //   top-k    the top_k largest choices (value desc, index asc), in that order
 //   weights  w = s[id] (unbiased); if norm: w /= (sum w [+ 1e-20 for sigmoid]), summed in id
 //            order in f32; then w *= routed_scaling_factor
+// router_publish: both in one launch, with the routes and the activations written to mapped host
+//   memory and a host flag set (the hybrid engine's hand-off; see the kernel).
 // Ranking treats NaN as -inf (the CPU's order with NaN is unspecified), so ids are always a
 // valid set of distinct experts. The softmax sum is a tree sum in f64 where the CPU sums in
 // index order: the rounded f32 scores can differ only when the f64 quotient sits within a few
@@ -73,15 +75,13 @@ __device__ __forceinline__ double rt_block_sum_d(double v, double* scratch) {
 #define ROUTER_LOGITS_THREADS 256
 #define ROUTER_LOGITS_WARPS (ROUTER_LOGITS_THREADS / 32)
 
-// grid (E, ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS.
-extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
-    router_logits(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
-                  int n_experts, int hidden, int t) {
+// Logits of expert e for the tile of tokens t0 .. t0 + nt (nt >= 1) of x; block =
+// ROUTER_LOGITS_THREADS. Ends with a barrier; thread k < nt writes logits[(t0 + k) * E + e].
+__device__ __forceinline__ void rt_logits_tile(const float* __restrict__ w, const float* __restrict__ x,
+                                               float* __restrict__ logits, int n_experts, int hidden, int e, int t0,
+                                               int nt) {
     __shared__ float red[ROUTER_TOK_TILE][ROUTER_LOGITS_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int e = blockIdx.x;
-    const int t0 = blockIdx.y * ROUTER_TOK_TILE;
-    const int nt = min(ROUTER_TOK_TILE, t - t0);  // >= 1: the grid has exactly ceil(t / tile) rows
     const float* wr = w + (long long)e * hidden;
     const float* xt = x + (long long)t0 * hidden;
     float acc[ROUTER_TOK_TILE];
@@ -129,15 +129,26 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
         for (int j = 1; j < ROUTER_LOGITS_WARPS; j++) s += red[k][j];
         logits[(long long)(t0 + k) * n_experts + e] = s;
     }
+    __syncthreads();
 }
 
+// grid (E, ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS.
+extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
+    router_logits(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
+                  int n_experts, int hidden, int t) {
+    const int t0 = blockIdx.y * ROUTER_TOK_TILE;
+    // nt >= 1: the grid has exactly ceil(t / tile) rows.
+    rt_logits_tile(w, x, logits, n_experts, hidden, blockIdx.x, t0, min(ROUTER_TOK_TILE, t - t0));
+}
+
+// The routing rule for one token's logits `row` (any address space; E = n_experts values):
+// writes its top_k ids and weights to ids_out[0..top_k], w_out[0..top_k] (thread 0).
 // scoring: 0 softmax, 1 sigmoid. method: 0 greedy, 1 group-limited, 2 noaux_tc.
 // bias may be 0 (noaux_tc without a bias; ignored by the other methods).
-// grid = t blocks; blockDim a multiple of 32, at most 1024.
-extern "C" __global__ void router_topk(const float* __restrict__ logits, const float* __restrict__ bias,
-                                       int* __restrict__ ids_out, float* __restrict__ w_out, int t, int n_experts,
-                                       int scoring, int method, int n_group, int topk_group, int top_k,
-                                       int norm_topk_prob, float routed_scaling_factor) {
+// Every thread of the block calls it; blockDim a multiple of 32, at most 1024.
+__device__ void rt_topk_row(const float* row, const float* __restrict__ bias, int* ids_out, float* w_out,
+                            int n_experts, int scoring, int method, int n_group, int topk_group, int top_k,
+                            int norm_topk_prob, float routed_scaling_factor) {
     __shared__ float score[ROUTER_MAX_E];
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_E];
@@ -145,10 +156,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, const f
     __shared__ int sel[ROUTER_MAX_K];
     __shared__ double scratch_d[32];
     __shared__ float scratch_f[32];
-    const int tok = blockIdx.x;
-    if (tok >= t) return;
     const int E = n_experts;
-    const float* row = logits + (long long)tok * E;
 
     if (scoring == 0) {
         float m = rt_neg_inf();
@@ -228,8 +236,80 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, const f
             for (int r = 0; r < top_k; r++) w[r] = w[r] / denom;
         }
         for (int r = 0; r < top_k; r++) {
-            ids_out[(long long)tok * top_k + r] = sel[r];
-            w_out[(long long)tok * top_k + r] = w[r] * routed_scaling_factor;
+            ids_out[r] = sel[r];
+            w_out[r] = w[r] * routed_scaling_factor;
+        }
+    }
+    __syncthreads();  // the block's shared arrays may be reused by a following call
+}
+
+// grid = t blocks, one per token; blockDim a multiple of 32, at most 1024.
+extern "C" __global__ void router_topk(const float* __restrict__ logits, const float* __restrict__ bias,
+                                       int* __restrict__ ids_out, float* __restrict__ w_out, int t, int n_experts,
+                                       int scoring, int method, int n_group, int topk_group, int top_k,
+                                       int norm_topk_prob, float routed_scaling_factor) {
+    const int tok = blockIdx.x;
+    if (tok >= t) return;
+    rt_topk_row(logits + (long long)tok * n_experts, bias, ids_out + (long long)tok * top_k,
+                w_out + (long long)tok * top_k, n_experts, scoring, method, n_group, topk_group, top_k,
+                norm_topk_prob, routed_scaling_factor);
+}
+
+// The hybrid engine's hand-off in one launch: router_logits, then router_topk, then publication
+// to page-locked host memory the GPU maps (the CPU expert thread reads it):
+//   block (e, y) computes expert e's logits of token tile y as router_logits does, then counts
+//   itself done on tile_done[y]; the tile's last block (it sees E - 1) routes the tile's tokens
+//   with rt_topk_row (ids and weights straight into host_ids / host_w) and copies their x rows to
+//   host_x. It then counts the tile on all_done; the grid's last tile stores `seq` to the host
+//   flag, after a system-wide fence, so a host that sees the flag sees every published byte.
+// Counters are device memory, zero before the launch; the last blocks reset them to zero, so the
+// next launch finds them so. Logits of other blocks are read with ld.cg (L2): a block's L1 may
+// not hold lines it never loaded, but ld.cg states the intent.
+// grid (E, ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS.
+extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
+    router_publish(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
+                   int n_experts, int hidden, int t, const float* __restrict__ bias, int scoring, int method,
+                   int n_group, int topk_group, int top_k, int norm_topk_prob, float routed_scaling_factor,
+                   float* host_x, int* host_ids, float* host_w, u32* tile_done, u32* all_done,
+                   volatile u64* flag, u64 seq) {
+    __shared__ float row[ROUTER_MAX_E];
+    __shared__ int last;
+    const int e = blockIdx.x, y = blockIdx.y;
+    const int t0 = y * ROUTER_TOK_TILE;
+    const int nt = min(ROUTER_TOK_TILE, t - t0);
+    rt_logits_tile(w, x, logits, n_experts, hidden, e, t0, nt);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(&tile_done[y], 1u) == (u32)(n_experts - 1);
+    }
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x == 0) tile_done[y] = 0;
+    __threadfence();
+    for (int k = 0; k < nt; k++) {
+        const int tok = t0 + k;
+        for (int i = threadIdx.x; i < n_experts; i += blockDim.x) row[i] = __ldcg(logits + (long long)tok * n_experts + i);
+        __syncthreads();
+        rt_topk_row(row, bias, host_ids + (long long)tok * top_k, host_w + (long long)tok * top_k, n_experts, scoring,
+                    method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor);
+    }
+    const long long n = (long long)nt * hidden;
+    const float* src = x + (long long)t0 * hidden;
+    float* dst = host_x + (long long)t0 * hidden;
+    if ((hidden & 3) == 0 && (((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
+        for (long long i = threadIdx.x; i < n / 4; i += blockDim.x)
+            reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
+    } else {
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 tiles = gridDim.y;
+        if (atomicAdd(all_done, 1u) == tiles - 1) {
+            *all_done = 0;
+            __threadfence_system();
+            *flag = seq;
         }
     }
 }

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUdeviceptr};
-use cudarc::driver::PinnedHostSlice;
 
+use crate::mapped::MappedHost;
 use crate::{GpuDevice, GpuError};
 
 /// Spins between checks of the stream's health while waiting (a dead stream never writes).
@@ -23,15 +23,9 @@ const SPINS_PER_STREAM_CHECK: u32 = 4096;
 const WAIT_LIMIT: Duration = Duration::from_secs(120);
 
 pub struct HostFlag {
-    /// Keeps the allocation alive; its one element is the counter.
-    _mem: PinnedHostSlice<u64>,
-    host: *const AtomicU64,
-    device: CUdeviceptr,
+    /// Its one element is the counter.
+    mem: MappedHost<u64>,
 }
-
-// SAFETY: the counter is only accessed atomically (host) or by the stream (device).
-unsafe impl Send for HostFlag {}
-unsafe impl Sync for HostFlag {}
 
 fn check(op: &'static str, r: sys::CUresult) -> Result<(), GpuError> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -44,25 +38,18 @@ fn check(op: &'static str, r: sys::CUresult) -> Result<(), GpuError> {
 impl HostFlag {
     /// A counter starting at 0.
     pub fn new(dev: &GpuDevice) -> Result<Self, GpuError> {
-        // SAFETY: one u64, initialised below before any use.
-        let mut mem = unsafe {
-            dev.context()
-                .alloc_pinned_with_flags::<u64>(1, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
-        }
-        .map_err(|e| GpuError::driver("cuMemHostAlloc", e))?;
-        let ptr = mem.as_mut_ptr().map_err(|e| GpuError::driver("cuEventSynchronize", e))?;
-        // SAFETY: `ptr` is a live, aligned u64 of the allocation.
-        unsafe { ptr.write(0) };
-        let mut device: CUdeviceptr = 0;
-        dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
-        // SAFETY: `ptr` was allocated with DEVICEMAP in this context.
-        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, ptr.cast(), 0) })?;
-        Ok(HostFlag { _mem: mem, host: ptr as *const AtomicU64, device })
+        Ok(HostFlag { mem: MappedHost::new(dev, 1)? })
+    }
+
+    /// The counter's device address (kernels may store to it: `volatile u64*`).
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.mem.device_ptr()
     }
 
     fn atomic(&self) -> &AtomicU64 {
-        // SAFETY: points into `_mem`, aligned, alive as long as `self`.
-        unsafe { &*self.host }
+        // SAFETY: one live, aligned u64 of the mapped allocation, alive as long as `self`; every
+        // host access to it is atomic.
+        unsafe { &*(self.mem.host_ptr() as *const AtomicU64) }
     }
 
     pub fn load(&self) -> u64 {
@@ -80,7 +67,9 @@ impl HostFlag {
         dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
         let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
         // SAFETY: the address is the device mapping of a live pinned allocation.
-        check("cuStreamWaitValue64", unsafe { sys::cuStreamWaitValue64_v2(s.cu_stream(), self.device, v, flags) })
+        check("cuStreamWaitValue64", unsafe {
+            sys::cuStreamWaitValue64_v2(s.cu_stream(), self.mem.device_ptr(), v, flags)
+        })
     }
 
     /// Enqueues on the compute stream: once everything before it is done, write `v`.
@@ -89,7 +78,9 @@ impl HostFlag {
         dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
         let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
         // SAFETY: as above.
-        check("cuStreamWriteValue64", unsafe { sys::cuStreamWriteValue64_v2(s.cu_stream(), self.device, v, flags) })
+        check("cuStreamWriteValue64", unsafe {
+            sys::cuStreamWriteValue64_v2(s.cu_stream(), self.mem.device_ptr(), v, flags)
+        })
     }
 
     /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes

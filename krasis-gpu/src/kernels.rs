@@ -40,7 +40,7 @@ pub const ROPE: KernelSource = KernelSource {
     name: "rope",
     src: include_str!("../kernels/rope.cu"),
     headers: HEADERS,
-    functions: &["rope_f32", "rope_bf16"],
+    functions: &["rope_f32", "rope_bf16", "mla_rope_norm"],
 };
 
 pub const SILU_MUL: KernelSource = KernelSource {
@@ -293,18 +293,17 @@ impl GpuDevice {
         Ok(())
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn rope_launch(
+    /// Checks a RoPE layout against its buffer and tables: `(tokens, heads)` as i32, or `None` when
+    /// there is nothing to rotate.
+    fn rope_check(
         &self,
-        fname: &'static str,
-        x_p: u64,
         x_len: usize,
         positions: &impl DevicePtr<i32>,
         cos: &impl DevicePtr<f32>,
         sin: &impl DevicePtr<f32>,
         max_pos: usize,
         l: &RopeLayout,
-    ) -> Result<(), GpuError> {
+    ) -> Result<Option<(i32, i32)>, GpuError> {
         const OP: &str = "rope";
         check(OP, l.rot_dim & 1 == 0 && l.rot_dim > 0, || format!("rot_dim {} must be even and > 0", l.rot_dim))?;
         check(OP, l.rot_offset + l.rot_dim <= l.head_stride || l.n_heads <= 1, || {
@@ -318,16 +317,34 @@ impl GpuDevice {
         check(OP, cos.len() == max_pos * half && sin.len() == max_pos * half, || {
             format!("cos/sin have {}/{} elements, not {max_pos}x{half}", cos.len(), sin.len())
         })?;
-        if l.n_tokens == 0 || l.n_heads == 0 {
-            return Ok(());
-        }
-        let n_i = to_i32(OP, "tokens", l.n_tokens)?;
-        let h_i = to_i32(OP, "heads", l.n_heads)?;
+        to_i32(OP, "max_pos", max_pos)?;
+        to_i32(OP, "rot_offset", l.rot_offset)?;
         to_i32(OP, "heads * rot_dim", l.n_heads * l.rot_dim)?;
+        if l.n_tokens == 0 || l.n_heads == 0 {
+            return Ok(None);
+        }
+        Ok(Some((to_i32(OP, "tokens", l.n_tokens)?, to_i32(OP, "heads", l.n_heads)?)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rope_launch(
+        &self,
+        fname: &'static str,
+        x_p: u64,
+        x_len: usize,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+        l: &RopeLayout,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "rope";
+        let Some((n_i, h_i)) = self.rope_check(x_len, positions, cos, sin, max_pos, l)? else { return Ok(()) };
+        let half = l.rot_dim / 2;
         let (ts, hs) = (l.token_stride as i64, l.head_stride as i64);
-        let (off, rd) = (to_i32(OP, "rot_offset", l.rot_offset)?, to_i32(OP, "rot_dim", l.rot_dim)?);
+        let (off, rd) = (l.rot_offset as i32, l.rot_dim as i32);
         let inter: i32 = (l.pairing == RopePairing::Interleaved) as i32;
-        let mp = to_i32(OP, "max_pos", max_pos)?;
+        let mp = max_pos as i32;
         let s = self.stream();
         let (pos_p, _g1) = positions.device_ptr(s);
         let (cos_p, _g2) = cos.device_ptr(s);
@@ -342,6 +359,59 @@ impl GpuDevice {
         let cfg = LaunchConfig { grid_dim: (l.n_tokens as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel's signature; extents checked above.
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// MLA's per-token preparation in one launch: [`GpuDevice::rope_f32`] on `q` with `q_rope`,
+    /// on the kv_a rows `kv` with `kv_rope` (one head), and [`GpuDevice::rmsnorm_rows_inplace`]
+    /// of the first `norm_w.len()` elements of each kv row (stride `kv_rope.token_stride`): the
+    /// same f32 operations per element as those three launches.
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_rope_norm(
+        &self,
+        q: &mut impl DevicePtrMut<f32>,
+        q_rope: &RopeLayout,
+        kv: &mut impl DevicePtrMut<f32>,
+        kv_rope: &RopeLayout,
+        norm_w: &impl DevicePtr<u16>,
+        eps: f32,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "mla_rope_norm";
+        let (ql, kl) = (q_rope, kv_rope);
+        check(
+            OP,
+            ql.n_tokens == kl.n_tokens && ql.rot_dim == kl.rot_dim && ql.pairing == kl.pairing && kl.n_heads == 1,
+            || format!("q layout {ql:?} and kv layout {kl:?} must share tokens, rot_dim and pairing (kv: one head)"),
+        )?;
+        let n = norm_w.len();
+        check(OP, n <= kl.rot_offset && n > 0, || {
+            format!("the norm's {n} elements must lie before the kv rope slice at {}", kl.rot_offset)
+        })?;
+        let q_ok = self.rope_check(q.len(), positions, cos, sin, max_pos, ql)?;
+        let kv_ok = self.rope_check(kv.len(), positions, cos, sin, max_pos, kl)?;
+        let (Some((n_i, qh_i)), Some(_)) = (q_ok, kv_ok) else { return Ok(()) };
+        let s = self.stream();
+        let (q_p, _g0) = q.device_ptr_mut(s);
+        let (kv_p, _g1) = kv.device_ptr_mut(s);
+        let (w_p, _g2) = norm_w.device_ptr(s);
+        let (pos_p, _g3) = positions.device_ptr(s);
+        let (cos_p, _g4) = cos.device_ptr(s);
+        let (sin_p, _g5) = sin.device_ptr(s);
+        let (q_ts, q_hs, q_off) = (ql.token_stride as i64, ql.head_stride as i64, ql.rot_offset as i32);
+        let (kv_ts, kv_off, n_norm) = (kl.token_stride as i64, kl.rot_offset as i32, n as i32);
+        let (rd, inter, mp) = (ql.rot_dim as i32, (ql.pairing == RopePairing::Interleaved) as i32, max_pos as i32);
+        let f = self.function(&ROPE, "mla_rope_norm")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&q_p).arg(&q_ts).arg(&q_hs).arg(&qh_i).arg(&q_off).arg(&kv_p).arg(&kv_ts).arg(&kv_off);
+        b.arg(&w_p).arg(&n_norm).arg(&eps).arg(&pos_p).arg(&cos_p).arg(&sin_p).arg(&n_i).arg(&rd).arg(&inter);
+        b.arg(&mp);
+        // SAFETY: argument list matches the kernel's signature; extents checked above (the norm's
+        // elements lie inside each kv row, before its rope slice).
+        unsafe { b.launch(cfg_rows(ql.n_tokens)) }.map_err(launch_err(OP))?;
         Ok(())
     }
 

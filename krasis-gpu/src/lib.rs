@@ -69,6 +69,7 @@ pub mod kernels;
 pub mod kv_cache;
 mod libsearch;
 pub mod linear;
+mod mapped;
 pub mod moe;
 pub mod nvrtc;
 pub mod router;
@@ -87,6 +88,7 @@ pub use moe::GpuExperts;
 pub use router::GpuRouter;
 pub mod host_flag;
 pub use host_flag::HostFlag;
+pub use mapped::MappedHost;
 pub use sampling::{GpuSampler, GpuSamplingParams};
 
 /// Re-exported so callers name cudarc's types without depending on it directly.

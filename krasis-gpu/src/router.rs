@@ -20,13 +20,13 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
 
 use crate::kernels::{KernelSource, HEADERS};
-use crate::{DeviceBuffer, GpuDevice, GpuError};
+use crate::{DeviceBuffer, GpuDevice, GpuError, HostFlag, MappedHost};
 
 pub const ROUTER: KernelSource = KernelSource {
     name: "router",
     src: include_str!("../kernels/router.cu"),
     headers: HEADERS,
-    functions: &["router_logits", "router_topk"],
+    functions: &["router_logits", "router_topk", "router_publish"],
 };
 
 /// Most experts per router: `router_topk` keeps a token's scores in shared-memory arrays of this
@@ -60,6 +60,22 @@ pub struct GpuRouter {
     /// every launch is on the device's compute stream (and a replaced buffer is freed
     /// stream-ordered).
     logits: Mutex<Option<DeviceBuffer<f32>>>,
+    /// [`GpuRouter::publish`]'s completion counters (one per token tile, then one for the grid),
+    /// zero between launches (the kernel's last blocks reset them).
+    counters: Mutex<Option<DeviceBuffer<u32>>>,
+}
+
+/// Where [`GpuRouter::publish`] puts a call's routes: mapped host memory, and the flag that
+/// announces them.
+pub struct PublishTarget<'a> {
+    /// `[t, hidden]`: a copy of the routed activations.
+    pub x: &'a MappedHost<f32>,
+    /// `[t, top_k]` expert ids and weights.
+    pub ids: &'a MappedHost<i32>,
+    pub weights: &'a MappedHost<f32>,
+    /// Set to `seq` once everything above is visible to the host.
+    pub flag: &'a HostFlag,
+    pub seq: u64,
 }
 
 impl std::fmt::Debug for GpuRouter {
@@ -161,7 +177,16 @@ impl GpuRouter {
             (Some(b), TopkMethod::NoauxTc { .. }) => Some(dev.upload(b, &format!("router {name} score bias"))?),
             _ => None,
         };
-        Ok(GpuRouter { name: name.to_string(), n_experts, hidden, cfg, weight: w, bias: b, logits: Mutex::new(None) })
+        Ok(GpuRouter {
+            name: name.to_string(),
+            n_experts,
+            hidden,
+            cfg,
+            weight: w,
+            bias: b,
+            logits: Mutex::new(None),
+            counters: Mutex::new(None),
+        })
     }
 
     pub fn n_experts(&self) -> usize {
@@ -187,35 +212,20 @@ impl GpuRouter {
         ids: &mut impl DevicePtrMut<i32>,
         weights: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
-        let (e, h, k) = (self.n_experts, self.hidden, self.cfg.top_k);
+        let (e, k) = (self.n_experts, self.cfg.top_k);
         let name = &self.name;
-        if Some(x.len()) != t.checked_mul(h) {
-            return Err(bad(name, format!("x has {} elements, not [{t}, {h}]", x.len())));
-        }
+        let call = self.check_call(x, t)?;
         if ids.len() != t * k || weights.len() != t * k {
             return Err(bad(
                 name,
                 format!("ids/weights have {}/{} elements, not [{t}, {k}]", ids.len(), weights.len()),
             ));
         }
-        if t == 0 {
-            return Ok(());
-        }
-        let tiles = t.div_ceil(LOGITS_TOK_TILE);
-        let t_i = i32::try_from(t)
-            .ok()
-            .filter(|_| tiles <= 65535)
-            .ok_or_else(|| bad(name, format!("t = {t} tokens exceeds one launch ({} max)", 65535 * LOGITS_TOK_TILE)))?;
-        let mut scratch = self.logits.lock().unwrap_or_else(|p| p.into_inner());
-        if scratch.as_ref().is_none_or(|b| b.len() < t * e) {
-            *scratch = None; // release the old charge first
-                             // SAFETY: router_logits writes every element of [t, E] before router_topk reads it.
-            *scratch = Some(unsafe { dev.alloc_uninit::<f32>(t * e, &format!("router {name} logits"))? });
-        }
-        let logits = scratch.as_mut().expect("allocated above");
-        let (cfg, s) = (&self.cfg, dev.stream());
-        let (e_i, h_i, k_i) = (e as i32, h as i32, k as i32);
-        let launch_err = |e: cudarc::driver::DriverError| GpuError::Driver { op: OP, detail: e.to_string() };
+        let Some((tiles, t_i)) = call else { return Ok(()) };
+        let s = dev.stream();
+        let (e_i, h_i) = (e as i32, self.hidden as i32);
+        let mut scratch = self.logits_scratch(dev, t)?;
+        let logits = scratch.as_mut().expect("allocated");
         {
             let (w_p, _g0) = self.weight.device_ptr(s);
             let (x_p, _g1) = x.device_ptr(s);
@@ -223,14 +233,132 @@ impl GpuRouter {
             let f = dev.function(&ROUTER, "router_logits")?;
             let mut b = s.launch_builder(&f);
             b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i);
-            let lc = LaunchConfig {
-                grid_dim: (e as u32, tiles as u32, 1),
-                block_dim: (LOGITS_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: argument list matches the kernel; w is [E, h], x is [t, h], logits ≥ [t, E].
-            unsafe { b.launch(lc) }.map_err(launch_err)?;
+            unsafe { b.launch(logits_config(e, tiles)) }.map_err(launch_err)?;
         }
+        let rule = self.rule_args();
+        let (l_p, _g0) = logits.device_ptr(s);
+        let (b_p, _g1) = self.bias_ptr(s);
+        let (i_p, _g2) = ids.device_ptr_mut(s);
+        let (o_p, _g3) = weights.device_ptr_mut(s);
+        let f = dev.function(&ROUTER, "router_topk")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&l_p).arg(&b_p).arg(&i_p).arg(&o_p).arg(&t_i).arg(&e_i);
+        rule.push(&mut b);
+        let threads = (e as u32).next_multiple_of(32).clamp(32, TOPK_BLOCK);
+        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
+        unsafe { b.launch(lc) }.map_err(launch_err)?;
+        Ok(())
+    }
+
+    /// [`GpuRouter::forward`] and the hand-off to a host thread in one launch: the routes and a
+    /// copy of `x` go straight to mapped host memory (`to`), then `to.flag` is set to `to.seq`
+    /// by the device, after a system-wide fence (no copy-engine operation, no stream memory
+    /// operation). Same routes as `forward` (the same rule code; the softmax's f64 sum may differ
+    /// in its tree shape, see router.cu). Launches on the compute stream; never synchronises.
+    pub fn publish(
+        &self,
+        dev: &GpuDevice,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        to: &PublishTarget<'_>,
+    ) -> Result<(), GpuError> {
+        let (e, h, k) = (self.n_experts, self.hidden, self.cfg.top_k);
+        let name = &self.name;
+        if to.x.len() < t * h || to.ids.len() < t * k || to.weights.len() < t * k {
+            return Err(bad(
+                name,
+                format!(
+                    "host buffers of {}/{}/{} elements cannot take [{t}, {h}] activations and [{t}, {k}] routes",
+                    to.x.len(),
+                    to.ids.len(),
+                    to.weights.len()
+                ),
+            ));
+        }
+        let Some((tiles, t_i)) = self.check_call(x, t)? else {
+            to.flag.store(to.seq);
+            return Ok(());
+        };
+        let s = dev.stream();
+        let (e_i, h_i) = (e as i32, h as i32);
+        let mut scratch = self.logits_scratch(dev, t)?;
+        let logits = scratch.as_mut().expect("allocated");
+        let mut counters = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        if counters.as_ref().is_none_or(|c| c.len() < tiles + 1) {
+            *counters = None;
+            *counters = Some(dev.alloc_zeros::<u32>(tiles + 1, &format!("router {name} hand-off counters"))?);
+        }
+        let c = counters.as_mut().expect("allocated");
+        let rule = self.rule_args();
+        let (w_p, _g0) = self.weight.device_ptr(s);
+        let (x_p, _g1) = x.device_ptr(s);
+        let (l_p, _g2) = logits.device_ptr_mut(s);
+        let (b_p, _g3) = self.bias_ptr(s);
+        let (c_p, _g4) = c.device_ptr_mut(s);
+        let all_p = c_p + (tiles * std::mem::size_of::<u32>()) as u64;
+        let (hx, hi, hw, fl) = (to.x.device_ptr(), to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
+        let f = dev.function(&ROUTER, "router_publish")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i).arg(&b_p);
+        rule.push(&mut b);
+        b.arg(&hx).arg(&hi).arg(&hw).arg(&c_p).arg(&all_p).arg(&fl).arg(&to.seq);
+        // SAFETY: argument list matches the kernel; w [E, h], x [t, h], logits ≥ [t, E], bias [E]
+        // or null, host buffers ≥ [t, h] / [t, k] (checked), counters [tiles + 1] zeroed.
+        unsafe { b.launch(logits_config(e, tiles)) }.map_err(launch_err)?;
+        Ok(())
+    }
+
+    /// Shape checks common to both entry points: `Some((tiles, t))` for a launch, `None` for
+    /// `t = 0`.
+    fn check_call(&self, x: &impl DevicePtr<f32>, t: usize) -> Result<Option<(usize, i32)>, GpuError> {
+        let (h, name) = (self.hidden, &self.name);
+        if Some(x.len()) != t.checked_mul(h) {
+            return Err(bad(name, format!("x has {} elements, not [{t}, {h}]", x.len())));
+        }
+        if t == 0 {
+            return Ok(None);
+        }
+        let tiles = t.div_ceil(LOGITS_TOK_TILE);
+        let t_i = i32::try_from(t)
+            .ok()
+            .filter(|_| tiles <= 65535)
+            .ok_or_else(|| bad(name, format!("t = {t} tokens exceeds one launch ({} max)", 65535 * LOGITS_TOK_TILE)))?;
+        Ok(Some((tiles, t_i)))
+    }
+
+    /// The logits scratch, grown to `[t, E]`.
+    fn logits_scratch(
+        &self,
+        dev: &GpuDevice,
+        t: usize,
+    ) -> Result<std::sync::MutexGuard<'_, Option<DeviceBuffer<f32>>>, GpuError> {
+        let e = self.n_experts;
+        let mut scratch = self.logits.lock().unwrap_or_else(|p| p.into_inner());
+        if scratch.as_ref().is_none_or(|b| b.len() < t * e) {
+            *scratch = None; // release the old charge first
+                             // SAFETY: the logits kernel writes every element of [t, E] before the rule reads it.
+            *scratch = Some(unsafe { dev.alloc_uninit::<f32>(t * e, &format!("router {} logits", self.name))? });
+        }
+        Ok(scratch)
+    }
+
+    fn bias_ptr<'s>(
+        &'s self,
+        s: &'s std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> (cudarc::driver::sys::CUdeviceptr, Option<cudarc::driver::SyncOnDrop<'s>>) {
+        match &self.bias {
+            Some(b) => {
+                let (p, g) = b.device_ptr(s);
+                (p, Some(g))
+            }
+            None => (0, None),
+        }
+    }
+
+    fn rule_args(&self) -> RuleArgs {
+        let cfg = &self.cfg;
         let scoring: i32 = match cfg.scoring {
             ScoringFunc::Softmax => 0,
             ScoringFunc::Sigmoid => 1,
@@ -240,25 +368,40 @@ impl GpuRouter {
             TopkMethod::GroupLimitedGreedy { n_group, topk_group } => (1, n_group as i32, topk_group as i32),
             TopkMethod::NoauxTc { n_group, topk_group } => (2, n_group as i32, topk_group as i32),
         };
-        let norm: i32 = cfg.norm_topk_prob as i32;
-        let (l_p, _g0) = logits.device_ptr(s);
-        let (b_p, _g1) = match &self.bias {
-            Some(b) => {
-                let (p, g) = b.device_ptr(s);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        let (i_p, _g2) = ids.device_ptr_mut(s);
-        let (o_p, _g3) = weights.device_ptr_mut(s);
-        let f = dev.function(&ROUTER, "router_topk")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&l_p).arg(&b_p).arg(&i_p).arg(&o_p).arg(&t_i).arg(&e_i).arg(&scoring).arg(&method);
-        b.arg(&n_group).arg(&topk_group).arg(&k_i).arg(&norm).arg(&cfg.routed_scaling_factor);
-        let threads = (e as u32).next_multiple_of(32).clamp(32, TOPK_BLOCK);
-        let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
-        unsafe { b.launch(lc) }.map_err(launch_err)?;
-        Ok(())
+        RuleArgs {
+            scoring,
+            method,
+            n_group,
+            topk_group,
+            top_k: cfg.top_k as i32,
+            norm: cfg.norm_topk_prob as i32,
+            scale: cfg.routed_scaling_factor,
+        }
     }
+}
+
+/// The routing rule as the kernels' trailing arguments (`scoring .. routed_scaling_factor`).
+struct RuleArgs {
+    scoring: i32,
+    method: i32,
+    n_group: i32,
+    topk_group: i32,
+    top_k: i32,
+    norm: i32,
+    scale: f32,
+}
+
+impl RuleArgs {
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.scoring).arg(&self.method).arg(&self.n_group).arg(&self.topk_group);
+        b.arg(&self.top_k).arg(&self.norm).arg(&self.scale);
+    }
+}
+
+fn logits_config(e: usize, tiles: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (e as u32, tiles as u32, 1), block_dim: (LOGITS_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn launch_err(e: cudarc::driver::DriverError) -> GpuError {
+    GpuError::Driver { op: OP, detail: e.to_string() }
 }

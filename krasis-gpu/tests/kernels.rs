@@ -264,6 +264,80 @@ fn rope_matches_twin_for_both_pairings() {
     assert!(matches!(e, GpuError::Shape { .. }), "{e}");
 }
 
+/// The fused MLA preparation equals the three launches it replaces (q RoPE, kv RoPE, kv latent
+/// RMSNorm), bit for bit: both run the same f32 operations per element (the twins of those three
+/// are checked above and in `elementwise_ops`). Ragged shapes, both pairings, an out-of-range
+/// position (NaN in the rope slices only).
+#[test]
+fn mla_rope_norm_equals_the_three_launches() {
+    let Some(d) = gpu("mla_rope_norm_equals_the_three_launches") else { return };
+    let mut r = rng(31);
+    let max_pos = 300;
+    // (tokens, heads, nope, rope, latent)
+    for &(t, hh, nope, rd, lat) in
+        &[(1usize, 16usize, 128usize, 64usize, 512usize), (3, 5, 7, 6, 9), (17, 2, 3, 2, 1), (2, 1, 0, 4, 33)]
+    {
+        for pairing in [RopePairing::Halves, RopePairing::Interleaved] {
+            let (qk, row) = (nope + rd, lat + rd);
+            let (cos, sin) = rope_tables(max_pos, rd, 1.1);
+            let mut positions: Vec<i32> = (0..t).map(|_| r.random_range(0..max_pos as i32)).collect();
+            if t > 2 {
+                positions[1] = max_pos as i32;
+            }
+            let q = rand_bf16_f32(&mut r, t * hh * qk, 3.0);
+            let kv = rand_bf16_f32(&mut r, t * row, 3.0);
+            let w = to_bf16(&rand_bf16_f32(&mut r, lat, 1.5));
+            let (cos_d, sin_d, pos_d, w_d) =
+                (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &positions, "pos"), up(d, &w, "w"));
+            let ql = RopeLayout {
+                n_tokens: t,
+                n_heads: hh,
+                token_stride: hh * qk,
+                head_stride: qk,
+                rot_offset: nope,
+                rot_dim: rd,
+                pairing,
+            };
+            let kl = RopeLayout {
+                n_tokens: t,
+                n_heads: 1,
+                token_stride: row,
+                head_stride: row,
+                rot_offset: lat,
+                rot_dim: rd,
+                pairing,
+            };
+            let (mut q1, mut kv1) = (up(d, &q, "q"), up(d, &kv, "kv"));
+            d.rope_f32(&mut q1, &pos_d, &cos_d, &sin_d, max_pos, &ql).unwrap();
+            d.rope_f32(&mut kv1, &pos_d, &cos_d, &sin_d, max_pos, &kl).unwrap();
+            d.rmsnorm_rows_inplace(&mut kv1, RowsView { rows: t, cols: lat, stride: row, offset: 0 }, &w_d, 1e-6)
+                .unwrap();
+            let (mut q2, mut kv2) = (up(d, &q, "q"), up(d, &kv, "kv"));
+            d.mla_rope_norm(&mut q2, &ql, &mut kv2, &kl, &w_d, 1e-6, &pos_d, &cos_d, &sin_d, max_pos).unwrap();
+            let what = format!("t{t} h{hh} nope{nope} rope{rd} lat{lat} {pairing:?}");
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert_eq!(bits(down(d, &q2)), bits(down(d, &q1)), "q, {what}");
+            assert_eq!(bits(down(d, &kv2)), bits(down(d, &kv1)), "kv row, {what}");
+        }
+    }
+    // A norm that reaches into the rope slice is refused.
+    let (cos, sin) = rope_tables(8, 2, 1.0);
+    let (cos_d, sin_d, pos_d) = (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &[0i32; 1], "pos"));
+    let (mut q, mut kv, w) = (up(d, &[0f32; 4], "q"), up(d, &[0f32; 4], "kv"), up(d, &[0u16; 3], "w"));
+    let l = RopeLayout::contiguous(1, 1, 2, RopePairing::Halves);
+    let kl = RopeLayout {
+        n_tokens: 1,
+        n_heads: 1,
+        token_stride: 4,
+        head_stride: 4,
+        rot_offset: 2,
+        rot_dim: 2,
+        pairing: RopePairing::Halves,
+    };
+    let e = d.mla_rope_norm(&mut q, &l, &mut kv, &kl, &w, 1e-6, &pos_d, &cos_d, &sin_d, 8).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }), "{e}");
+}
+
 #[test]
 fn silu_mul_matches_twin() {
     let Some(d) = gpu("silu_mul_matches_twin") else { return };
@@ -370,6 +444,15 @@ fn glue_ops_match_twins() {
         d.add_inplace_f32(&mut ya, &up(d, &b, "x"), n).unwrap();
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         assert_close("add_inplace", &down(d, &ya), &want, 0.0, 0.0);
+        // the same sum, and a plain store, with x in mapped host memory (the hybrid's return)
+        let xm = krasis_gpu::MappedHost::<f32>::new(d, n + 5).unwrap();
+        // SAFETY: the stream does not touch xm until the launches below.
+        unsafe { std::slice::from_raw_parts_mut(xm.host_ptr(), n).copy_from_slice(&b) };
+        for accumulate in [true, false] {
+            let mut ym = up(d, &a, "y");
+            d.add_mapped_f32(&mut ym, &xm, n, accumulate).unwrap();
+            assert_close("add_mapped", &down(d, &ym), if accumulate { &want } else { &b }, 0.0, 0.0);
+        }
     }
     // strided row copies, f32 and to bf16
     for (rows, cols, stride, offset) in

@@ -1,6 +1,7 @@
 //! The GPU router against a CPU twin that mirrors krasis-model's `router::route` (copied by hand
 //! in plain loops), over all three top-k methods × both scorings, ragged hidden sizes and
-//! t ∈ {1, 3, 64}.
+//! t ∈ {1, 3, 9, 64}; both entry points: `forward` (device outputs) and `publish` (the hybrid
+//! hand-off: routes and activations into mapped host memory, then a flag set by the device).
 //!
 //! Gate weights and activations are small multiples of powers of two, chosen so that every f32
 //! dot product is exact in any summation order: the GPU's logits equal the twin's bit for bit,
@@ -17,8 +18,8 @@ mod common;
 
 use common::{down, gpu, rng, up};
 use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
-use krasis_gpu::router::{ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
-use krasis_gpu::{GpuError, GpuRouter};
+use krasis_gpu::router::{PublishTarget, ROUTER_MAX_EXPERTS, ROUTER_MAX_TOP_K};
+use krasis_gpu::{GpuError, GpuRouter, HostFlag, MappedHost};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -262,7 +263,7 @@ fn router_matches_cpu_twin() {
     for scoring in [ScoringFunc::Softmax, ScoringFunc::Sigmoid] {
         for method in 0..3 {
             for &(e, h) in &shapes {
-                for &t in &[1usize, 3, 64] {
+                for &t in &[1usize, 3, 9, 64] {
                     let divisors: Vec<usize> = (1..=e.min(64)).filter(|g| e % g == 0).collect();
                     let n_group = divisors[r.random_range(0..divisors.len())];
                     let topk_group = r.random_range(1..=n_group);
@@ -289,28 +290,55 @@ fn router_matches_cpu_twin() {
                     let mut ids_d = up(d, &vec![-1i32; t * top_k], "ids");
                     let mut w_d = up(d, &vec![f32::NAN; t * top_k], "weights");
                     router.forward(d, &x_d, t, &mut ids_d, &mut w_d).unwrap();
+                    // The hand-off form: the same routes and a copy of x in mapped host memory,
+                    // then the flag, all from one launch (twice, so the counters' reset is used).
+                    let (hx, hi, hw) = (
+                        MappedHost::<f32>::new(d, t * h).unwrap(),
+                        MappedHost::<i32>::new(d, t * top_k).unwrap(),
+                        MappedHost::<f32>::new(d, t * top_k).unwrap(),
+                    );
+                    let flag = HostFlag::new(d).unwrap();
+                    for seq in [cases as u64 * 2 + 1, cases as u64 * 2 + 2] {
+                        let to = PublishTarget { x: &hx, ids: &hi, weights: &hw, flag: &flag, seq };
+                        router.publish(d, &x_d, t, &to).unwrap();
+                        flag.spin_until_geq(d, seq).unwrap();
+                        assert_eq!(flag.load(), seq, "the flag holds the last launch's number");
+                    }
+                    d.synchronize().unwrap();
+                    // SAFETY: the stream is idle; the buffers hold t·h, t·k, t·k elements.
+                    let (px, pi, pw) = unsafe {
+                        (
+                            std::slice::from_raw_parts(hx.host_ptr(), t * h).to_vec(),
+                            std::slice::from_raw_parts(hi.host_ptr(), t * top_k).to_vec(),
+                            std::slice::from_raw_parts(hw.host_ptr(), t * top_k).to_vec(),
+                        )
+                    };
+                    assert_eq!(px, x, "published activations, E {e}, h {h}, t {t}");
                     let (ids, ws) = (down(d, &ids_d), down(d, &w_d));
                     cases += 1;
-                    for ti in 0..t {
-                        tokens += 1;
-                        let want = twin_route(&c, &logits[ti * e..(ti + 1) * e], bias.as_deref());
-                        if want.margin < 1e-6 {
-                            skipped += 1;
-                            continue;
-                        }
-                        let got: Vec<usize> = ids[ti * top_k..(ti + 1) * top_k].iter().map(|&i| i as usize).collect();
-                        assert_eq!(
-                            got,
-                            want.ids,
-                            "ids, token {ti}, E {e}, h {h}, t {t}, {c:?}, bias {}",
-                            bias.is_some()
-                        );
-                        for j in 0..top_k {
-                            let (g, wv) = (ws[ti * top_k + j], want.w[j]);
-                            assert!(
-                                (g - wv).abs() <= 1e-5 * wv.abs() + 1e-30,
-                                "weight {j}, token {ti}: got {g}, want {wv}; E {e}, h {h}, {c:?}"
+                    for (form, ids, ws) in [("forward", &ids, &ws), ("publish", &pi, &pw)] {
+                        for ti in 0..t {
+                            tokens += 1;
+                            let want = twin_route(&c, &logits[ti * e..(ti + 1) * e], bias.as_deref());
+                            if want.margin < 1e-6 {
+                                skipped += 1;
+                                continue;
+                            }
+                            let got: Vec<usize> =
+                                ids[ti * top_k..(ti + 1) * top_k].iter().map(|&i| i as usize).collect();
+                            assert_eq!(
+                                got,
+                                want.ids,
+                                "{form}: ids, token {ti}, E {e}, h {h}, t {t}, {c:?}, bias {}",
+                                bias.is_some()
                             );
+                            for j in 0..top_k {
+                                let (g, wv) = (ws[ti * top_k + j], want.w[j]);
+                                assert!(
+                                    (g - wv).abs() <= 1e-5 * wv.abs() + 1e-30,
+                                    "{form}: weight {j}, token {ti}: got {g}, want {wv}; E {e}, h {h}, {c:?}"
+                                );
+                            }
                         }
                     }
                 }

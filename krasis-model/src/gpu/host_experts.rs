@@ -1,20 +1,23 @@
 //! The hybrid engine's hand-off: GPU MoE layers whose routed experts run on the host.
 //!
-//! Per MoE layer the compute stream gets, in order: the copies of the normed hidden states, the
-//! router's ids and weights into pinned host buffers, then a write of the hand-off's sequence
-//! number to the `ready` flag; the shared expert's kernels (the GPU computes them while the CPU
-//! works); a wait until the `go` flag reaches the sequence number; the copy of the CPU's weighted
-//! sum from the pinned output buffer into the layer output. Both flags are host memory the stream
-//! reads and writes itself ([`krasis_gpu::HostFlag`]), so the host thread that launches kernels
-//! never waits: it enqueues the whole forward pass, while the model's expert thread
-//! ([`ExpertServer`], pinned to worker 0's core of the CPU pool) spins on `ready`, runs the
-//! layer's CPU expert backend and stores `go`. Kernel launches leave the critical path, which
-//! becomes CPU experts + GPU kernel time.
+//! Per MoE layer the compute stream gets, in order: the router's one launch that computes the
+//! routes and publishes them with a copy of the normed hidden states into mapped host memory,
+//! then sets the `ready` flag to the hand-off's sequence number from the device
+//! ([`krasis_gpu::router::GpuRouter::publish`]); the shared expert's kernels (the GPU computes
+//! them while the CPU works); a wait until the `go` flag reaches the sequence number; one kernel
+//! that adds the CPU's weighted sum, read from mapped host memory, into the layer output. No
+//! copy-engine operation and one stream memory operation per layer: each costs microseconds of
+//! latency on the critical path, which is CPU experts + GPU kernel time. Both flags are host
+//! memory ([`krasis_gpu::HostFlag`]), so the host thread that launches kernels never waits: it
+//! enqueues the whole forward pass, while the model's expert thread ([`ExpertServer`], pinned to
+//! worker 0's core of the CPU pool) spins on `ready`, runs the layer's CPU expert backend and
+//! stores `go`.
 //!
-//! One set of pinned buffers serves every layer: stream order puts layer l+1's copies into them
-//! after `go(l)`, i.e. after the expert thread finished with layer l, and the expert thread writes
-//! layer l+1's output only after `ready(l+1)`, i.e. after the copy of layer l's output. Buffers
-//! grow to the largest call seen; decode steps allocate nothing on the device or in pinned memory.
+//! One set of mapped buffers serves every layer: stream order puts layer l+1's publication into
+//! them after `go(l)`, i.e. after the expert thread finished with layer l, and the expert thread
+//! writes layer l+1's output only after `ready(l+1)`, i.e. after the kernel that read layer l's
+//! output. Buffers grow to the largest call seen; decode steps allocate nothing on the device or
+//! in host memory.
 
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
@@ -22,8 +25,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use krasis_cpu::pool::WorkerPool;
-use krasis_gpu::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits};
-use krasis_gpu::{GpuDevice, HostFlag};
+use krasis_gpu::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use krasis_gpu::router::{GpuRouter, PublishTarget};
+use krasis_gpu::{GpuDevice, HostFlag, MappedHost};
 
 use crate::engine::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
@@ -65,26 +69,27 @@ pub(crate) struct HostWork {
     pub shape: HandoffShape,
 }
 
-/// A pinned buffer of `cap` elements, grown on demand.
-struct Pinned<T> {
-    buf: Option<PinnedHostSlice<T>>,
+/// A mapped host buffer, grown on demand.
+struct Mapped<T: DeviceRepr> {
+    buf: Option<MappedHost<T>>,
 }
 
-impl<T: DeviceRepr + ValidAsZeroBits> Pinned<T> {
+impl<T: DeviceRepr + ValidAsZeroBits> Mapped<T> {
     fn ensure(&mut self, dev: &GpuDevice, n: usize) -> Result<()> {
         if self.buf.as_ref().is_none_or(|b| b.len() < n) {
             self.buf = None;
-            // SAFETY: staging: every element a hand-off reads was written by its copy first.
-            self.buf = Some(unsafe { dev.alloc_pinned::<T>(n.max(1))? });
+            self.buf = Some(MappedHost::new(dev, n)?);
         }
         Ok(())
     }
 
-    /// The first `n` elements as a raw view (the buffer stays owned here).
-    fn raw(&mut self, n: usize) -> Result<RawSlice<T>> {
-        let b = self.buf.as_mut().expect("ensured");
-        let p = b.as_mut_ptr().map_err(|e| ModelError::Invalid(format!("pinned staging buffer: {e}")))?;
-        Ok(RawSlice { ptr: p, len: n })
+    fn get(&self) -> &MappedHost<T> {
+        self.buf.as_ref().expect("HostStaging::prepare ran for this call")
+    }
+
+    /// The first `n` elements as a raw window (the buffer stays owned here).
+    fn raw(&self, n: usize) -> RawSlice<T> {
+        RawSlice { ptr: self.get().host_ptr(), len: n }
     }
 }
 
@@ -117,13 +122,13 @@ struct Windows {
     out: RawSlice<f32>,
 }
 
-/// Pinned staging and flags of one session.
+/// Mapped staging and flags of one session.
 #[derive(Default)]
 pub(crate) struct HostStaging {
-    x: Pinned<f32>,
-    ids: Pinned<i32>,
-    weights: Pinned<f32>,
-    out: Pinned<f32>,
+    x: Mapped<f32>,
+    ids: Mapped<i32>,
+    weights: Mapped<f32>,
+    out: Mapped<f32>,
     flags: Option<(Arc<HostFlag>, Arc<HostFlag>)>,
     /// The last sequence number handed out (flags only grow).
     seq: u64,
@@ -133,9 +138,9 @@ pub(crate) struct HostStaging {
     pub stats: HandoffStats,
 }
 
-impl<T> Default for Pinned<T> {
+impl<T: DeviceRepr> Default for Mapped<T> {
     fn default() -> Self {
-        Pinned { buf: None }
+        Mapped { buf: None }
     }
 }
 
@@ -156,47 +161,44 @@ impl HostStaging {
         self.weights.ensure(dev, t * k)?;
         self.out.ensure(dev, t * hidden)?;
         self.windows = Some(Windows {
-            x: self.x.raw(t * hidden)?,
-            ids: self.ids.raw(t * k)?,
-            weights: self.weights.raw(t * k)?,
-            out: self.out.raw(t * hidden)?,
+            x: self.x.raw(t * hidden),
+            ids: self.ids.raw(t * k),
+            weights: self.weights.raw(t * k),
+            out: self.out.raw(t * hidden),
         });
         Ok(self.flags.clone().expect("created above"))
     }
 
-    /// Device side, first half: copies of `xn`, `ids`, `weights` to the host, then `ready = seq`.
-    /// Returns `seq`.
-    pub fn send(
-        &mut self,
-        dev: &GpuDevice,
-        xn: &CudaView<'_, f32>,
-        ids: &CudaView<'_, i32>,
-        weights: &CudaView<'_, f32>,
-        shape: HandoffShape,
-    ) -> Result<u64> {
-        let HandoffShape { t, hidden, k } = shape;
-        let w = self.windows.expect("HostStaging::prepare ran for this call");
-        let (ready, _) = self.flags.as_ref().expect("prepared");
-        // SAFETY: pinned windows; the expert thread touches them only after `ready` (module docs).
-        unsafe {
-            dev.copy_to_host_async(xn, w.x.slice_mut(t * hidden))?;
-            dev.copy_to_host_async(ids, w.ids.slice_mut(t * k))?;
-            dev.copy_to_host_async(weights, w.weights.slice_mut(t * k))?;
-        }
-        self.seq += 1;
-        ready.stream_write(dev, self.seq)?;
-        Ok(self.seq)
+    /// Device side, first half: `router` routes the `t` tokens of `xn` and publishes routes and
+    /// activations to the host, then `ready = seq`, all in one launch. Returns `seq`.
+    pub fn send(&mut self, dev: &GpuDevice, router: &GpuRouter, xn: &CudaView<'_, f32>, t: usize) -> Result<u64> {
+        let (ready, _) = self.flags.as_ref().expect("HostStaging::prepare ran for this call");
+        let seq = self.seq + 1;
+        router.publish(
+            dev,
+            xn,
+            t,
+            &PublishTarget { x: self.x.get(), ids: self.ids.get(), weights: self.weights.get(), flag: ready, seq },
+        )?;
+        self.seq = seq;
+        Ok(seq)
     }
 
     /// Device side, second half (after the shared expert was enqueued): wait for `go = seq`, then
-    /// copy the experts' weighted sum into `y`; and hand the layer to the expert thread.
-    pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    /// add the experts' weighted sum into `y` (`accumulate`, when `y` holds the shared expert's
+    /// output) or store it there; and hand the layer to the expert thread.
+    pub fn receive(
+        &mut self,
+        dev: &GpuDevice,
+        work: HostWork,
+        y: &mut CudaViewMut<'_, f32>,
+        accumulate: bool,
+    ) -> Result<()> {
         let HandoffShape { t, hidden, .. } = work.shape;
-        let w = self.windows.expect("prepared");
         let (_, go) = self.flags.as_ref().expect("prepared");
         go.stream_wait_geq(dev, work.seq)?;
-        // SAFETY: the copy runs after `go`, when the expert thread is done writing the window.
-        unsafe { dev.copy_to_device_async(w.out.slice_mut(t * hidden), y)? };
+        // The kernel runs after `go`, when the expert thread is done writing the window.
+        dev.add_mapped_f32(y, self.out.get(), t * hidden, accumulate)?;
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
             // Nobody will serve this hand-off: release the stream's wait ourselves, or the call's
@@ -376,8 +378,8 @@ fn serve_one(
     let t0 = Instant::now();
     ready.spin_until_geq(dev, work.seq)?;
     let t1 = Instant::now();
-    // SAFETY: `ready(seq)` says the stream's copies into the windows are complete, and the
-    // stream touches them again only after `go(seq)`.
+    // SAFETY: `ready(seq)` says the device's writes into the windows are complete and visible,
+    // and the stream touches them again only after `go(seq)`.
     let (x, ids, weights, out) = unsafe {
         (w.x.slice_mut(t * hidden), w.ids.slice_mut(t * k), w.weights.slice_mut(t * k), w.out.slice_mut(t * hidden))
     };

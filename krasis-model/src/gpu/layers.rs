@@ -178,23 +178,23 @@ impl GpuLayer {
             GpuFfn::Moe(moe) => {
                 let GpuMoe { router, experts, top_k, shared } = moe.as_ref();
                 let (t, k) = (c.t, *top_k);
-                {
-                    let sc = &mut s.scratch;
-                    let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
-                    let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
-                    let xn = sc.xn.slice().slice(..n);
-                    let mut ids_v = ids.slice_mut().slice_mut(..t * k);
-                    let mut w_v = w.slice_mut().slice_mut(..t * k);
-                    router.forward(c.dev, &xn, t, &mut ids_v, &mut w_v)?;
-                }
                 match experts {
                     GpuExpertBackend::Resident(experts) => {
                         let sc = &mut s.scratch;
-                        let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
+                        let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+                        let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+                        let xn = sc.xn.slice().slice(..n);
+                        router.forward(
+                            c.dev,
+                            &xn,
+                            t,
+                            &mut ids.slice_mut().slice_mut(..t * k),
+                            &mut w.slice_mut().slice_mut(..t * k),
+                        )?;
                         experts.forward(
                             c.dev,
                             c.gemm,
-                            &sc.xn.slice().slice(..n),
+                            &xn,
                             t,
                             &ids.slice().slice(..t * k),
                             &w.slice().slice(..t * k),
@@ -203,33 +203,22 @@ impl GpuLayer {
                         )?;
                         if let Some(sh) = shared {
                             sh.forward(c, s, false)?;
+                            let sc = &mut s.scratch;
+                            let o = sc.f[3].as_ref().expect("written by the shared expert");
+                            c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
                         }
                     }
                     GpuExpertBackend::Host(_) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
-                        let seq = {
-                            let sc = &mut s.scratch;
-                            let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
-                            host.send(
-                                c.dev,
-                                &sc.xn.slice().slice(..n),
-                                &ids.slice().slice(..t * k),
-                                &w.slice().slice(..t * k),
-                                shape,
-                            )?
-                        };
-                        // The shared expert runs on the GPU while the CPU computes the routed ones.
+                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
+                        // The shared expert runs on the GPU (into y) while the CPU computes the
+                        // routed ones, whose sum is then added to it.
                         if let Some(sh) = shared {
-                            sh.forward(c, s, false)?;
+                            sh.forward(c, s, true)?;
                         }
                         let work = HostWork { seq, layer: l, n_experts: router.n_experts(), shape };
-                        host.receive(c.dev, work, &mut s.scratch.y.slice_mut().slice_mut(..n))?;
+                        host.receive(c.dev, work, &mut s.scratch.y.slice_mut().slice_mut(..n), shared.is_some())?;
                     }
-                }
-                if shared.is_some() {
-                    let sc = &mut s.scratch;
-                    let o = sc.f[3].as_ref().expect("written by the shared expert");
-                    c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
                 }
             }
         }
@@ -276,7 +265,7 @@ impl GpuMla {
             &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
 
-        // q (with the optional LoRA), then RoPE on each head's rope part.
+        // q (with the optional LoRA).
         let q = grow(dev, q_slot, t * hh * qk, "mla q")?;
         match &self.w.q_a {
             Some((q_a, norm)) => {
@@ -294,31 +283,22 @@ impl GpuMla {
             }
             None => self.w.q_b.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * qk))?,
         }
-        dev.rope_f32(
-            q,
-            &sc.positions.slice().slice(..t),
-            c.cos,
-            c.sin,
-            c.max_pos,
-            &rope_layout(c, hh, hh * qk, qk, nope),
-        )?;
 
-        // The latent row: kv_a → RMSNorm on the latent part, RoPE on the rope part → cache.
+        // The latent row: kv_a; then RoPE on q's heads and on the row's rope part, RMSNorm on its
+        // latent part (one launch) → cache.
         let kva = grow(dev, kv_a_slot, t * row, "mla kv_a")?;
         self.w.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
-        dev.rmsnorm_rows_inplace(
+        dev.mla_rope_norm(
+            q,
+            &rope_layout(c, hh, hh * qk, qk, nope),
             kva,
-            RowsView { rows: t, cols: lat, stride: row, offset: 0 },
+            &rope_layout(c, 1, row, row, lat),
             &self.w.kv_a_norm,
             c.eps,
-        )?;
-        dev.rope_f32(
-            kva,
             &sc.positions.slice().slice(..t),
             c.cos,
             c.sin,
             c.max_pos,
-            &rope_layout(c, 1, row, row, lat),
         )?;
         s.kv.write(dev, l, 0, c.pos, t, &kva.slice().slice(..t * row))?;
         let n_kv = c.pos + t;
