@@ -15,12 +15,6 @@ extern "C" __global__ void add_inplace_f32(float* y, const float* x, long long n
     if (i < n) y[i] += x[i];
 }
 
-// y[i] = x[i]
-extern "C" __global__ void copy_f32(float* y, const float* x, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = x[i];
-}
-
 // dst[r, c] = src[r * src_stride + c] for c < cols, dst row stride dst_stride. One block row per
 // grid.y row; threads along the columns.
 template <typename T>

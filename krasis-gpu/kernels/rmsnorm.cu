@@ -1,5 +1,8 @@
 // RMSNorm fused with the residual add, one block per row of `hidden`:
 //   if a delta is given:  x += delta            (x is the f32 residual stream, updated in place)
+//   if a host delta too:  x += delta_host       (f32 in mapped host memory, read over PCIe: the
+//                                                hybrid engine's CPU expert output, added after
+//                                                `delta`, so x = (x + shared) + routed)
 //   y = x / sqrt(mean(x^2) + eps) * w           (w: BF16 weight; y in f32 and/or BF16)
 // Without a delta it is a plain RMSNorm of x (x unchanged), e.g. Qwen3's per-head qk-norm with
 // rows = tokens*heads and hidden = head_dim. Pointers that are unused are passed as 0.
@@ -23,7 +26,8 @@ __device__ __forceinline__ float4 rms_bf16x4(const bf16_t* p) {
 }
 
 extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* __restrict__ delta_f32,
-                                            const bf16_t* __restrict__ delta_bf16, const bf16_t* __restrict__ w,
+                                            const bf16_t* __restrict__ delta_bf16,
+                                            const float* __restrict__ delta_host, const bf16_t* __restrict__ w,
                                             float* __restrict__ y_f32, bf16_t* __restrict__ y_bf16, int rows,
                                             int hidden, float eps) {
     __shared__ float scratch[32];
@@ -31,8 +35,9 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
     if (r >= rows) return;
     float* xr = x + (long long)r * hidden;
     const long long base = (long long)r * hidden;
-    const bool has_delta = delta_f32 || delta_bf16;
-    const unsigned long long a16 = (unsigned long long)x | (unsigned long long)delta_f32 | (unsigned long long)y_f32;
+    const bool has_delta = delta_f32 || delta_bf16 || delta_host;
+    const unsigned long long a16 = (unsigned long long)x | (unsigned long long)delta_f32 |
+                                   (unsigned long long)delta_host | (unsigned long long)y_f32;
     const unsigned long long a8 = (unsigned long long)delta_bf16 | (unsigned long long)w | (unsigned long long)y_bf16;
     const bool vec = (hidden & 3) == 0 && (a16 & 15ull) == 0 && (a8 & 7ull) == 0;
     float ss = 0.0f;
@@ -41,15 +46,22 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
         float4* x4 = reinterpret_cast<float4*>(xr);
         for (int i = threadIdx.x; i < h4; i += blockDim.x) {
             float4 v = x4[i];
-            if (has_delta) {
+            if (delta_f32 || delta_bf16) {
                 const float4 d = delta_f32 ? reinterpret_cast<const float4*>(delta_f32 + base)[i]
                                            : rms_bf16x4(delta_bf16 + base + 4 * i);
                 v.x += d.x;
                 v.y += d.y;
                 v.z += d.z;
                 v.w += d.w;
-                x4[i] = v;
             }
+            if (delta_host) {
+                const float4 d = reinterpret_cast<const float4*>(delta_host + base)[i];
+                v.x += d.x;
+                v.y += d.y;
+                v.z += d.z;
+                v.w += d.w;
+            }
+            if (has_delta) x4[i] = v;
             ss += v.x * v.x;
             ss += v.y * v.y;
             ss += v.z * v.z;
@@ -80,6 +92,7 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
         float v = xr[i];
         if (delta_f32) v += delta_f32[base + i];
         if (delta_bf16) v += bf16_to_f32(delta_bf16[base + i]);
+        if (delta_host) v += delta_host[base + i];
         if (has_delta) xr[i] = v;
         ss += v * v;
     }

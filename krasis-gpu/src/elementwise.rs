@@ -4,20 +4,13 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{cfg_rows, check, launch_err, to_i32, KernelSource, HEADERS};
-use crate::{GpuDevice, GpuError, MappedHost};
+use crate::{GpuDevice, GpuError};
 
 pub const ELEMENTWISE: KernelSource = KernelSource {
     name: "elementwise",
     src: include_str!("../kernels/elementwise.cu"),
     headers: HEADERS,
-    functions: &[
-        "iota_i32",
-        "add_inplace_f32",
-        "copy_f32",
-        "copy_rows_f32",
-        "copy_rows_f32_bf16",
-        "rmsnorm_strided_inplace",
-    ],
+    functions: &["iota_i32", "add_inplace_f32", "copy_rows_f32", "copy_rows_f32_bf16", "rmsnorm_strided_inplace"],
 };
 
 /// Threads per block of the 1-D kernels.
@@ -102,47 +95,20 @@ impl GpuDevice {
         x: &impl DevicePtr<f32>,
         n: usize,
     ) -> Result<(), GpuError> {
-        let (xp, _g) = x.device_ptr(self.stream());
-        self.add_launch("add_inplace", "add_inplace_f32", y, xp, x.len(), n)
-    }
-
-    /// `y[..n] += x[..n]` (`accumulate`) or `y[..n] = x[..n]`, with `x` in mapped host memory:
-    /// the kernel reads it over PCIe, no copy-engine operation (the hybrid engine's return of the
-    /// CPU experts' output). The stream must be ordered after the host's last write to `x`.
-    pub fn add_mapped_f32(
-        &self,
-        y: &mut impl DevicePtrMut<f32>,
-        x: &MappedHost<f32>,
-        n: usize,
-        accumulate: bool,
-    ) -> Result<(), GpuError> {
-        let fname = if accumulate { "add_inplace_f32" } else { "copy_f32" };
-        self.add_launch("add_mapped", fname, y, x.device_ptr(), x.len(), n)
-    }
-
-    /// `fname(y, x, n)` (`add_inplace_f32` or `copy_f32`) over the first `n` elements, `x` at
-    /// device address `xp` with `x_len` elements.
-    fn add_launch(
-        &self,
-        op: &'static str,
-        fname: &'static str,
-        y: &mut impl DevicePtrMut<f32>,
-        xp: u64,
-        x_len: usize,
-        n: usize,
-    ) -> Result<(), GpuError> {
-        check(op, n <= y.len() && n <= x_len, || format!("{n} elements; y has {}, x {x_len}", y.len()))?;
+        const OP: &str = "add_inplace";
+        check(OP, n <= y.len() && n <= x.len(), || format!("{n} elements; y has {}, x {}", y.len(), x.len()))?;
         if n == 0 {
             return Ok(());
         }
         let n_i = n as i64;
         let s = self.stream();
         let (yp, _g1) = y.device_ptr_mut(s);
-        let f = self.function(&ELEMENTWISE, fname)?;
+        let (xp, _g2) = x.device_ptr(s);
+        let f = self.function(&ELEMENTWISE, "add_inplace_f32")?;
         let mut b = s.launch_builder(&f);
         b.arg(&yp).arg(&xp).arg(&n_i);
-        // SAFETY: matches the kernels' signature; lengths checked.
-        unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(op))?;
+        // SAFETY: matches the kernel's signature; lengths checked.
+        unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(OP))?;
         Ok(())
     }
 

@@ -6,7 +6,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::nvrtc::Header;
-use crate::{GpuDevice, GpuError};
+use crate::{GpuDevice, GpuError, MappedHost};
 
 /// One `.cu` file: its name (the cache key's prefix and NVRTC's file name), source, the headers it
 /// may include, and the `extern "C"` kernels it defines.
@@ -222,14 +222,17 @@ impl GpuDevice {
     }
 
     /// RMSNorm fused with the residual add, over `rows` rows of `hidden`:
-    /// `x += delta` (when a delta is given; f32 or BF16), then `y = x / sqrt(mean(x²) + eps) · w`,
-    /// written to `y_f32` and/or `y_bf16`. With no delta, `x` is left unchanged.
+    /// `x += delta` (when a delta is given; f32 or BF16), then `x += delta_host` (f32 in mapped
+    /// host memory, at least as long as `x`; the stream must be ordered after the host's writes),
+    /// then `y = x / sqrt(mean(x²) + eps) · w`, written to `y_f32` and/or `y_bf16`. With no delta,
+    /// `x` is left unchanged.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual(
         &self,
         x: &mut impl DevicePtrMut<f32>,
         delta_f32: Option<&dyn DevicePtr<f32>>,
         delta_bf16: Option<&dyn DevicePtr<u16>>,
+        delta_host: Option<&MappedHost<f32>>,
         w: &impl DevicePtr<u16>,
         y_f32: Option<&mut dyn DevicePtrMut<f32>>,
         y_bf16: Option<&mut dyn DevicePtrMut<u16>>,
@@ -250,6 +253,10 @@ impl GpuDevice {
             y_bf16.as_ref().map(|y| y.len()),
         ];
         check(OP, lens.iter().all(|l| l.is_none_or(|l| l == n)), || format!("x has {n} elements; others {lens:?}"))?;
+        check(OP, delta_host.is_none_or(|d| d.len() >= n), || {
+            format!("x has {n} elements, the host delta {}", delta_host.map_or(0, |d| d.len()))
+        })?;
+        let dh_p = delta_host.map_or(0, |d| d.device_ptr());
         if rows == 0 {
             return Ok(());
         }
@@ -287,7 +294,7 @@ impl GpuDevice {
         };
         let f = self.function(&RMSNORM, "rmsnorm_residual")?;
         let mut b = s.launch_builder(&f);
-        b.arg(&x_p).arg(&df_p).arg(&db_p).arg(&w_p).arg(&yf_p).arg(&yb_p).arg(&rows_i).arg(&h_i).arg(&eps);
+        b.arg(&x_p).arg(&df_p).arg(&db_p).arg(&dh_p).arg(&w_p).arg(&yf_p).arg(&yb_p).arg(&rows_i).arg(&h_i).arg(&eps);
         // SAFETY: argument list matches the kernel's signature; lengths checked above.
         unsafe { b.launch(cfg_rows(rows)) }.map_err(launch_err(OP))?;
         Ok(())

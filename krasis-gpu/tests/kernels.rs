@@ -163,7 +163,8 @@ fn rmsnorm_residual_matches_twin() {
         let delta_d = up(d, &delta, "delta");
         let mut yf = poisoned_f32(d, n);
         let mut yb = poisoned_bf16(d, n);
-        d.rmsnorm_residual(&mut x_d, Some(&delta_d), None, &w_d, Some(&mut yf), Some(&mut yb), hidden, eps).unwrap();
+        d.rmsnorm_residual(&mut x_d, Some(&delta_d), None, None, &w_d, Some(&mut yf), Some(&mut yb), hidden, eps)
+            .unwrap();
         assert_close(&format!("rmsnorm x case {case}"), &down(d, &x_d), &x_want, 0.0, 0.0);
         let worst = assert_close(&format!("rmsnorm y case {case}"), &down(d, &yf), &y_want, 2e-6, 1e-6);
         assert_bf16_close(&format!("rmsnorm y bf16 case {case}"), &down(d, &yb), &y_want, 1e-6);
@@ -172,15 +173,34 @@ fn rmsnorm_residual_matches_twin() {
         let mut x_d = up(d, &x, "x");
         let delta_b = up(d, &to_bf16(&delta), "delta bf16");
         let mut yf = poisoned_f32(d, n);
-        d.rmsnorm_residual(&mut x_d, None, Some(&delta_b), &w_d, Some(&mut yf), None, hidden, eps).unwrap();
+        d.rmsnorm_residual(&mut x_d, None, Some(&delta_b), None, &w_d, Some(&mut yf), None, hidden, eps).unwrap();
         assert_close(&format!("rmsnorm x (bf16 delta) case {case}"), &down(d, &x_d), &x_want, 0.0, 0.0);
         assert_close(&format!("rmsnorm y (bf16 delta) case {case}"), &down(d, &yf), &y_want, 2e-6, 1e-6);
+
+        // A device delta then a host delta (mapped memory: the hybrid's CPU expert output), and
+        // the host delta alone: x = (x + delta) + host, as the twin adds them.
+        let host = rand_bf16_f32(&mut r, n, 1.0);
+        let hm = krasis_gpu::MappedHost::<f32>::new(d, n + 3).unwrap();
+        // SAFETY: no launch touches hm until the ones below.
+        unsafe { std::slice::from_raw_parts_mut(hm.host_ptr(), n).copy_from_slice(&host) };
+        let x_plus: Vec<f32> = x.iter().zip(&delta).map(|(a, b)| a + b).collect();
+        for (with_device_delta, base) in [(true, &x_plus), (false, &x)] {
+            let (x_want, y_want) = twin_rmsnorm(base, Some(&host), &w, hidden, eps);
+            let mut x_d = up(d, &x, "x");
+            let mut yf = poisoned_f32(d, n);
+            let dd: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> =
+                if with_device_delta { Some(&delta_d) } else { None };
+            d.rmsnorm_residual(&mut x_d, dd, None, Some(&hm), &w_d, Some(&mut yf), None, hidden, eps).unwrap();
+            let what = format!("case {case}, device delta {with_device_delta}");
+            assert_close(&format!("rmsnorm x (host delta) {what}"), &down(d, &x_d), &x_want, 0.0, 0.0);
+            assert_close(&format!("rmsnorm y (host delta) {what}"), &down(d, &yf), &y_want, 2e-6, 1e-6);
+        }
 
         // No delta: plain RMSNorm, x untouched.
         let (_, y_plain) = twin_rmsnorm(&x, None, &w, hidden, eps);
         let mut x_d = up(d, &x, "x");
         let mut yf = poisoned_f32(d, n);
-        d.rmsnorm_residual(&mut x_d, None, None, &w_d, Some(&mut yf), None, hidden, eps).unwrap();
+        d.rmsnorm_residual(&mut x_d, None, None, None, &w_d, Some(&mut yf), None, hidden, eps).unwrap();
         assert_close(&format!("rmsnorm plain x case {case}"), &down(d, &x_d), &x, 0.0, 0.0);
         assert_close(&format!("rmsnorm plain y case {case}"), &down(d, &yf), &y_plain, 2e-6, 1e-6);
         eprintln!("rmsnorm case {case} rows={rows} hidden={hidden}: worst err/tol {worst:.3}");
@@ -444,15 +464,6 @@ fn glue_ops_match_twins() {
         d.add_inplace_f32(&mut ya, &up(d, &b, "x"), n).unwrap();
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         assert_close("add_inplace", &down(d, &ya), &want, 0.0, 0.0);
-        // the same sum, and a plain store, with x in mapped host memory (the hybrid's return)
-        let xm = krasis_gpu::MappedHost::<f32>::new(d, n + 5).unwrap();
-        // SAFETY: the stream does not touch xm until the launches below.
-        unsafe { std::slice::from_raw_parts_mut(xm.host_ptr(), n).copy_from_slice(&b) };
-        for accumulate in [true, false] {
-            let mut ym = up(d, &a, "y");
-            d.add_mapped_f32(&mut ym, &xm, n, accumulate).unwrap();
-            assert_close("add_mapped", &down(d, &ym), if accumulate { &want } else { &b }, 0.0, 0.0);
-        }
     }
     // strided row copies, f32 and to bf16
     for (rows, cols, stride, offset) in

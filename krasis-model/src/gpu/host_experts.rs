@@ -4,10 +4,11 @@
 //! routes and publishes them with a copy of the normed hidden states into mapped host memory,
 //! then sets the `ready` flag to the hand-off's sequence number from the device
 //! ([`krasis_gpu::router::GpuRouter::publish`]); the shared expert's kernels (the GPU computes
-//! them while the CPU works); a wait until the `go` flag reaches the sequence number; one kernel
-//! that adds the CPU's weighted sum, read from mapped host memory, into the layer output. No
-//! copy-engine operation and one stream memory operation per layer: each costs microseconds of
-//! latency on the critical path, which is CPU experts + GPU kernel time. Both flags are host
+//! them while the CPU works); a wait until the `go` flag reaches the sequence number; then the
+//! next residual norm adds the CPU's weighted sum, read from mapped host memory, with the shared
+//! expert's output. No copy-engine operation, no kernel of its own and one stream memory
+//! operation per layer: each costs microseconds of latency on the critical path, which is CPU
+//! experts + GPU kernel time. Both flags are host
 //! memory ([`krasis_gpu::HostFlag`]), so the host thread that launches kernels never waits: it
 //! enqueues the whole forward pass, while the model's expert thread ([`ExpertServer`], pinned to
 //! worker 0's core of the CPU pool) spins on `ready`, runs the layer's CPU expert backend and
@@ -15,7 +16,7 @@
 //!
 //! One set of mapped buffers serves every layer: stream order puts layer l+1's publication into
 //! them after `go(l)`, i.e. after the expert thread finished with layer l, and the expert thread
-//! writes layer l+1's output only after `ready(l+1)`, i.e. after the kernel that read layer l's
+//! writes layer l+1's output only after `ready(l+1)`, i.e. after the norm that read layer l's
 //! output. Buffers grow to the largest call seen; decode steps allocate nothing on the device or
 //! in host memory.
 
@@ -25,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use krasis_cpu::pool::WorkerPool;
-use krasis_gpu::cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+use krasis_gpu::cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
 use krasis_gpu::router::{GpuRouter, PublishTarget};
 use krasis_gpu::{GpuDevice, HostFlag, MappedHost};
 
@@ -135,6 +136,8 @@ pub(crate) struct HostStaging {
     windows: Option<Windows>,
     /// Where the current call's hand-offs go (set while the expert thread serves the call).
     work: Option<SyncSender<Msg>>,
+    /// Set by [`HostStaging::receive`] until the next residual norm adds the CPU experts' output.
+    pending: Option<bool>,
     pub stats: HandoffStats,
 }
 
@@ -156,6 +159,8 @@ impl HostStaging {
         if self.flags.is_none() {
             self.flags = Some((Arc::new(HostFlag::new(dev)?), Arc::new(HostFlag::new(dev)?)));
         }
+        // A call that failed midway may have left an output unconsumed; it belongs to no call now.
+        self.pending = None;
         self.x.ensure(dev, t * hidden)?;
         self.ids.ensure(dev, t * k)?;
         self.weights.ensure(dev, t * k)?;
@@ -184,21 +189,15 @@ impl HostStaging {
         Ok(seq)
     }
 
-    /// Device side, second half (after the shared expert was enqueued): wait for `go = seq`, then
-    /// add the experts' weighted sum into `y` (`accumulate`, when `y` holds the shared expert's
-    /// output) or store it there; and hand the layer to the expert thread.
-    pub fn receive(
-        &mut self,
-        dev: &GpuDevice,
-        work: HostWork,
-        y: &mut CudaViewMut<'_, f32>,
-        accumulate: bool,
-    ) -> Result<()> {
-        let HandoffShape { t, hidden, .. } = work.shape;
+    /// Device side, second half (after the shared expert was enqueued): wait for `go = seq`, and
+    /// hand the layer to the expert thread. The experts' weighted sum stays in mapped host memory:
+    /// the next residual norm adds it ([`HostStaging::take_pending`]), after the layer output `y`
+    /// when `y_holds_shared` (the shared expert's output), instead of `y` otherwise.
+    pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y_holds_shared: bool) -> Result<()> {
         let (_, go) = self.flags.as_ref().expect("prepared");
         go.stream_wait_geq(dev, work.seq)?;
-        // The kernel runs after `go`, when the expert thread is done writing the window.
-        dev.add_mapped_f32(y, self.out.get(), t * hidden, accumulate)?;
+        debug_assert!(self.pending.is_none(), "a hand-off's output was never added");
+        self.pending = Some(y_holds_shared);
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
             // Nobody will serve this hand-off: release the stream's wait ourselves, or the call's
@@ -207,6 +206,14 @@ impl HostStaging {
             return Err(ModelError::Invalid("the CPU expert thread stopped early".into()));
         }
         Ok(())
+    }
+
+    /// The CPU experts' output the next residual norm must add (ordered after their `go` by the
+    /// stream), and whether the layer output `y` holds the shared expert's part beside it; `None`
+    /// when the last FFN was not a host MoE layer.
+    pub fn take_pending(&mut self) -> Option<(&MappedHost<f32>, bool)> {
+        let y_holds_shared = self.pending.take()?;
+        Some((self.out.get(), y_holds_shared))
     }
 }
 

@@ -164,7 +164,7 @@ impl GpuLayer {
     /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
     pub fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession, add_prev: bool, host: &mut HostStaging) -> Result<()> {
         let n = c.t * self.hidden;
-        self.norm(c, s, &self.input_norm, add_prev, n)?;
+        self.norm(c, s, &self.input_norm, add_prev, n, host)?;
         match &self.attention {
             GpuAttention::Mla(a) => a.forward(c, l, s)?,
             GpuAttention::Gqa(a) => a.forward(c, l, s)?,
@@ -172,7 +172,7 @@ impl GpuLayer {
         if let Some(p) = s.profile.as_mut() {
             p.mark(c.dev, Part::Attention)?;
         }
-        self.norm(c, s, &self.post_norm, true, n)?;
+        self.norm(c, s, &self.post_norm, true, n, host)?;
         match &self.ffn {
             GpuFfn::Dense(m) => m.forward(c, s, true)?,
             GpuFfn::Moe(moe) => {
@@ -217,7 +217,7 @@ impl GpuLayer {
                             sh.forward(c, s, true)?;
                         }
                         let work = HostWork { seq, layer: l, n_experts: router.n_experts(), shape };
-                        host.receive(c.dev, work, &mut s.scratch.y.slice_mut().slice_mut(..n), shared.is_some())?;
+                        host.receive(c.dev, work, shared.is_some())?;
                     }
                 }
             }
@@ -228,16 +228,46 @@ impl GpuLayer {
         Ok(())
     }
 
-    /// `x += y` (when `add`), `xn = rmsnorm(x) · w`.
-    fn norm(&self, c: &Ctx, s: &mut GpuSession, w: &DeviceBuffer<u16>, add: bool, n: usize) -> Result<()> {
-        let sc = &mut s.scratch;
-        let mut x = sc.x.slice_mut().slice_mut(..n);
-        let y = sc.y.slice().slice(..n);
-        let mut xn = sc.xn.slice_mut().slice_mut(..n);
-        let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = if add { Some(&y) } else { None };
-        c.dev.rmsnorm_residual(&mut x, delta, None, w, Some(&mut xn), None, self.hidden, c.eps)?;
-        Ok(())
+    /// `x += y` (when `add`; with the CPU experts' output of a host MoE layer, see
+    /// [`residual_norm`]), `xn = rmsnorm(x) · w`.
+    fn norm(
+        &self,
+        c: &Ctx,
+        s: &mut GpuSession,
+        w: &DeviceBuffer<u16>,
+        add: bool,
+        n: usize,
+        host: &mut HostStaging,
+    ) -> Result<()> {
+        residual_norm(c.dev, s, w, add, n, self.hidden, c.eps, host)
     }
+}
+
+/// The residual norm between layers: `x += y` (when `add`), plus the CPU experts' output when the
+/// last FFN was a host MoE layer (then `y` counts only if it holds the shared expert's part), then
+/// `xn = rmsnorm(x) · w`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_norm(
+    dev: &GpuDevice,
+    s: &mut GpuSession,
+    w: &DeviceBuffer<u16>,
+    add: bool,
+    n: usize,
+    hidden: usize,
+    eps: f32,
+    host: &mut HostStaging,
+) -> Result<()> {
+    let sc = &mut s.scratch;
+    let mut x = sc.x.slice_mut().slice_mut(..n);
+    let y = sc.y.slice().slice(..n);
+    let mut xn = sc.xn.slice_mut().slice_mut(..n);
+    let (use_y, from_host) = match host.take_pending() {
+        Some((out, y_holds_shared)) => (y_holds_shared, Some(out)),
+        None => (add, None),
+    };
+    let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = if use_y { Some(&y) } else { None };
+    dev.rmsnorm_residual(&mut x, delta, None, from_host, w, Some(&mut xn), None, hidden, eps)?;
+    Ok(())
 }
 
 fn rope_layout(c: &Ctx, heads: usize, token_stride: usize, head_stride: usize, offset: usize) -> RopeLayout {

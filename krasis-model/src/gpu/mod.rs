@@ -202,16 +202,15 @@ impl GpuModel {
         } else {
             enqueue_layers(&mut staging)
         };
-        s.host = staging;
-        r?;
-        // Final norm (adding the last FFN output), then the LM head over the requested rows.
-        let sc = &mut s.scratch;
-        {
-            let mut x = sc.x.slice_mut().slice_mut(..t * h);
-            let y = sc.y.slice().slice(..t * h);
-            let mut xn = sc.xn.slice_mut().slice_mut(..t * h);
-            self.dev.rmsnorm_residual(&mut x, Some(&y), None, &self.final_norm, Some(&mut xn), None, h, eps)?;
+        if let Err(e) = r {
+            s.host = staging;
+            return Err(e);
         }
+        // Final norm (adding the last FFN output), then the LM head over the requested rows.
+        let normed = layers::residual_norm(&self.dev, s, &self.final_norm, true, t * h, h, eps, &mut staging);
+        s.host = staging;
+        normed?;
+        let sc = &mut s.scratch;
         let rows = if all { t } else { 1 };
         let v = self.spec.vocab_size;
         sc.ensure_logits(&self.dev, rows * v)?;
