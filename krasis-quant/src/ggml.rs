@@ -393,9 +393,10 @@ fn q3_k(b: &BlockQ3K, y: &mut [f32]) {
             for sub in 0..2 {
                 let dl = d_all * (scales[is] as i32 - 32) as f32;
                 is += 1;
-                for l in sub * 16..sub * 16 + 16 {
-                    let low = ((q[l] >> shift) & 3) as i32;
-                    let high = if b.hmask[l] & m != 0 { 0 } else { 4 };
+                let range = sub * 16..sub * 16 + 16;
+                for (&qb, &hb) in q[range.clone()].iter().zip(&b.hmask[range]) {
+                    let low = ((qb >> shift) & 3) as i32;
+                    let high = if hb & m != 0 { 0 } else { 4 };
                     y[out] = dl * (low - high) as f32;
                     out += 1;
                 }
