@@ -50,10 +50,12 @@ done
 if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
     Q=$LCPP/build/bin/llama-quantize
     if [ ! -x "$Q" ]; then
-        cmake -S "$LCPP" -B "$LCPP/build" -DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-            -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1
-        cmake --build "$LCPP/build" --target llama-quantize -j "$(nproc)" >>"$OUT/cmake.log" 2>&1
+        echo "make-gguf-fixtures: building llama-quantize (CPU only; log in $OUT/cmake.log)"
+        { cmake -S "$LCPP" -B "$LCPP/build" -DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+            -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1 &&
+          cmake --build "$LCPP/build" --target llama-quantize -j "$(nproc)" >>"$OUT/cmake.log" 2>&1; } \
+            || { tail -20 "$OUT/cmake.log" >&2; exit 1; }
     fi
     for f in "${FIXTURES[@]}"; do
         dst=$OUT/$f/model-q4_k_m.gguf

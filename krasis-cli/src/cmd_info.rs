@@ -12,7 +12,7 @@ use krasis_model::tensors::{missing_tensors, param_counts};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory.
+    /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
 }

@@ -52,3 +52,28 @@ fn dsv2_grouped_bf16() {
 fn dsv3_bf16() {
     check_bf16(GGUF_FIXTURE_NAMES[3]);
 }
+
+/// The tokenizer rebuilt from GGUF metadata encodes and decodes like the fixture's
+/// `tokenizer.json` on mixed text with special tokens, and the chat template comes through.
+#[test]
+fn gguf_tokenizer_matches_tokenizer_json() {
+    let Some((hf, gguf)) = paths(GGUF_FIXTURE_NAMES[0], "q8_0") else { return };
+    let theirs = ModelFiles::open(&hf).unwrap().text_codec().unwrap();
+    let files = ModelFiles::open(&gguf).unwrap();
+    assert!(files.has_tokenizer());
+    let ours = files.text_codec().unwrap();
+    let paragraph = "<|bos|>The experts live in RAM; attention lives on the GPU.\n\n  Prefill: 4,096 tokens \
+        at 10,372 tok/s — decode: 53.4 tok/s!<|eos|> Ünïcödé, emoji 🦀, tabs\tand CJK 混合专家 \
+        (MoE) x=3.14e-2 'quoted' \"double\" <|user|>Hi<|assistant|>\r\nend<|eos|>";
+    let a = ours.encode(paragraph).unwrap();
+    let b = theirs.encode(paragraph).unwrap();
+    assert_eq!(a, b, "token ids differ");
+    assert!(a.contains(&0) && a.contains(&1), "the special tokens are single ids");
+    assert!(a.len() > 60);
+    assert_eq!(ours.decode(&a).unwrap(), theirs.decode(&b).unwrap());
+    // Special tokens dropped on decode, everything else back byte for byte.
+    let plain = paragraph.replace("<|bos|>", "").replace("<|eos|>", "");
+    assert_eq!(ours.decode(&a).unwrap(), plain);
+    assert_eq!(ours.render_chat("Hi").unwrap(), theirs.render_chat("Hi").unwrap());
+    assert_eq!(ours.encode_chat("Hi").unwrap(), theirs.encode_chat("Hi").unwrap());
+}
