@@ -7,7 +7,9 @@
 #   fixtures from KRASIS_FIXTURES (default ../shared/fixtures), GGUFs to OUT (default
 #   KRASIS_GGUF_FIXTURES, else .gguf-fixtures in the checkout, git-ignored):
 #   OUT/<fixture>/model-{bf16,q8_0}.gguf, plus model-q4_k_m.gguf when KRASIS_GGUF_Q4KM=1 (builds
-#   llama-quantize with cmake, CPU only: slow on 2 cores). qwen3moe-tiny has a dense layer, which
+#   llama-quantize with cmake, CPU only: slow on 2 cores), and reference-{q8_0,q4_k_m}.safetensors:
+#   transformers in float64 on each quantised GGUF's dequantised weights
+#   (scripts/gguf-dequant-reference.py). qwen3moe-tiny has a dense layer, which
 #   llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
 set -euo pipefail
@@ -65,4 +67,14 @@ if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
         mv "$dst.tmp" "$dst"
     done
 fi
+# The oracle of each quantised GGUF: transformers in float64 on its dequantised weights.
+for f in "${FIXTURES[@]}"; do
+    for t in q8_0 q4_k_m; do
+        src=$OUT/$f/model-$t.gguf; dst=$OUT/$f/reference-$t.safetensors
+        [ -s "$src" ] || continue
+        [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue
+        GGUF_PY=$LCPP/gguf-py "$PY" "$ROOT/scripts/gguf-dequant-reference.py" "$FIX/$f" "$src" "$dst" \
+            >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
+    done
+done
 echo "make-gguf-fixtures: ${FIXTURES[*]} -> $OUT ($((SECONDS - t0)) s)"

@@ -89,7 +89,12 @@ fn floats(f: &SafetensorsFile, name: &str) -> (Vec<f32>, Vec<usize>) {
 }
 
 pub fn load_reference(dir: &Path) -> Reference {
-    let f = SafetensorsFile::open(&dir.join("reference.safetensors")).expect("reference.safetensors");
+    load_reference_file(&dir.join("reference.safetensors"))
+}
+
+/// A reference file in the layout of `reference.safetensors` (also the GGUF fixtures' own).
+pub fn load_reference_file(path: &Path) -> Reference {
+    let f = SafetensorsFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let (hidden_states, hidden_shape) = floats(&f, "hidden_states");
     Reference {
         prompt_ids: ints(&f, "prompt_ids"),
