@@ -165,6 +165,31 @@ pub fn check_against_reference(name: &str, model: &krasis_model::engine::Model, 
     report
 }
 
+/// Prefill logits `[T, V]` of the model at `path` (a directory or a GGUF) on `prompt`, with
+/// routed experts and dense weights at the given precisions (quantised experts from an expert
+/// cache in `cache`), on two worker threads.
+pub fn prefill_logits(
+    path: &Path,
+    experts: krasis_model::quantized::WeightBits,
+    dense: krasis_model::quantized::WeightBits,
+    cache: &Path,
+    prompt: &[u32],
+) -> Vec<f32> {
+    use krasis_model::load::{load_model, EngineOptions};
+    let opts = EngineOptions {
+        expert_bits: experts,
+        dense_bits: dense,
+        cache_dir: Some(cache.to_path_buf()),
+        threads: Some(2),
+        ..EngineOptions::default()
+    };
+    let loaded = krasis_model::files::ModelFiles::open(path)
+        .and_then(|files| load_model(&files, &opts))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut s = loaded.model.new_session();
+    loaded.model.forward(&mut s, prompt, krasis_model::engine::Logits::All, None).unwrap()
+}
+
 /// Write a 2-layer `tiny` synthetic model into `dir` (no fixtures needed).
 pub fn tiny_model(dir: &Path) {
     use krasis_model::synth::{synthesize, Preset, SynthOptions};

@@ -14,13 +14,12 @@
 
 use std::path::PathBuf;
 
-use krasis_model::engine::{Logits, Model};
+use krasis_model::engine::Model;
 use krasis_model::files::ModelFiles;
-use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::quantized::WeightBits;
 use krasis_tests::{
     check_against_reference, fidelity, fixtures_dir, gguf_fixtures_dir, load_reference, load_reference_file,
-    quant_bound, Reference, GGUF_FIXTURE_NAMES,
+    prefill_logits, quant_bound, Reference, GGUF_FIXTURE_NAMES,
 };
 
 fn paths(name: &str, kind: &str) -> Option<(PathBuf, PathBuf)> {
@@ -50,17 +49,7 @@ fn check_bf16(name: &str) {
 /// Prefill logits of the GGUF with routed experts at `bits` (from the expert cache in `cache`,
 /// or the exactly dequantised weights at `Bf16`).
 fn prefill(gguf: &std::path::Path, bits: WeightBits, cache: &std::path::Path, r: &Reference) -> Vec<f32> {
-    let opts = EngineOptions {
-        expert_bits: bits,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    };
-    let loaded = ModelFiles::open(gguf)
-        .and_then(|files| load_model(&files, &opts))
-        .unwrap_or_else(|e| panic!("{}: {e}", gguf.display()));
-    let mut s = loaded.model.new_session();
-    loaded.model.forward(&mut s, &r.prompt_ids, Logits::All, None).unwrap()
+    prefill_logits(gguf, bits, WeightBits::Bf16, cache, &r.prompt_ids)
 }
 
 /// A quantised GGUF (`kind` = q8_0 | q4_k_m) against its own float64 oracle and the original
