@@ -17,6 +17,8 @@ use std::collections::HashMap;
 
 use serde_json::{json, Map, Value as Json};
 
+use krasis_quant::ggml::GgmlType;
+
 use super::{gguf_err, GgufModel};
 use crate::config::parse_config;
 use crate::error::{ModelError, Result};
@@ -401,4 +403,26 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
         ));
     }
     Ok(map)
+}
+
+/// The stored types of the routed experts' projections (gate, up, down) per MoE layer, and the
+/// cache precision each suggests: INT4 from a 4-bit (or narrower) source, INT8 from 5/6/8-bit
+/// and float sources (a requantisation should not keep less than the source's own code bits,
+/// nor pretend to more).
+pub fn expert_source_types(m: &GgufModel, spec: &ModelSpec) -> Vec<(usize, [GgmlType; 3])> {
+    spec.moe_layers()
+        .filter_map(|l| {
+            let ty = |p: &str| m.tensor_info(&format!("blk.{l}.ffn_{p}_exps.weight")).map(|(_, t)| t.ty);
+            Some((l, [ty("gate")?, ty("up")?, ty("down")?]))
+        })
+        .collect()
+}
+
+/// The cache bits a source type suggests (see [`expert_source_types`]).
+pub fn suggested_bits(ty: GgmlType) -> u32 {
+    if ty.code_bits() <= 4 {
+        4
+    } else {
+        8
+    }
 }

@@ -260,6 +260,18 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// A key or tensor name as it appears in a message: control characters escaped (a name with a
+/// newline must not split the one-line error) and long names cut.
+pub fn shown(name: &str) -> String {
+    /// Characters of a name quoted in a message: real names are < 100.
+    const MAX_SHOWN: usize = 120;
+    let mut out: String = name.chars().take(MAX_SHOWN).flat_map(char::escape_debug).collect();
+    if name.chars().count() > MAX_SHOWN {
+        out.push('…');
+    }
+    out
+}
+
 fn align_up(x: usize, a: usize) -> Option<usize> {
     x.checked_add(a - 1).map(|v| v / a * a)
 }
@@ -298,11 +310,11 @@ pub fn parse(b: &[u8]) -> Res<Header> {
     for i in 0..n_kv {
         let key_r = c.string(&|| format!("metadata key {i}"))?;
         let key = std::str::from_utf8(&b[key_r]).expect("checked UTF-8").to_string();
-        let what = || format!("metadata `{key}`");
+        let what = || format!("metadata `{}`", shown(&key));
         let t = c.value_type(&what)?;
         let v = c.value(t, 0, &what)?;
         if kv.insert(key.clone(), v).is_some() {
-            return Err(format!("metadata key `{key}` appears twice"));
+            return Err(format!("metadata key `{}` appears twice", shown(&key)));
         }
     }
 
@@ -319,42 +331,41 @@ pub fn parse(b: &[u8]) -> Res<Header> {
     for i in 0..n_tensors {
         let name_r = c.string(&|| format!("tensor info {i}: name"))?;
         let name = std::str::from_utf8(&b[name_r]).expect("checked UTF-8").to_string();
-        let what = || format!("tensor `{name}`");
+        let sn = shown(&name);
+        let what = || format!("tensor `{sn}`");
         let n_dims = c.u32(&what)?;
         if n_dims == 0 || n_dims > MAX_DIMS {
-            return Err(format!("tensor `{name}`: {n_dims} dimensions (1 to {MAX_DIMS} allowed)"));
+            return Err(format!("tensor `{sn}`: {n_dims} dimensions (1 to {MAX_DIMS} allowed)"));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         let mut elements: u64 = 1;
         for d in 0..n_dims {
             let v = c.u64(&what)?;
             if v == 0 {
-                return Err(format!("tensor `{name}`: dimension {d} is 0"));
+                return Err(format!("tensor `{sn}`: dimension {d} is 0"));
             }
             elements = elements
                 .checked_mul(v)
                 .filter(|&e| e <= i64::MAX as u64)
-                .ok_or_else(|| format!("tensor `{name}`: element count overflows"))?;
+                .ok_or_else(|| format!("tensor `{sn}`: element count overflows"))?;
             dims.push(v as usize);
         }
         let type_id = c.u32(&what)?;
-        let ty = GgmlType::from_id(type_id).map_err(|e| format!("tensor `{name}`: {e}"))?;
+        let ty = GgmlType::from_id(type_id).map_err(|e| format!("tensor `{sn}`: {e}"))?;
         let offset = c.u64(&what)?;
         if !dims[0].is_multiple_of(ty.block_elems()) {
             return Err(format!(
-                "tensor `{name}`: first dimension {} is not a multiple of the {ty} block size {}",
+                "tensor `{sn}`: first dimension {} is not a multiple of the {ty} block size {}",
                 dims[0],
                 ty.block_elems()
             ));
         }
-        let bytes = ty.bytes_for(elements as usize).map_err(|e| format!("tensor `{name}`: {e}"))?;
+        let bytes = ty.bytes_for(elements as usize).map_err(|e| format!("tensor `{sn}`: {e}"))?;
         if !offset.is_multiple_of(alignment as u64) {
-            return Err(format!(
-                "tensor `{name}`: data offset {offset} is not a multiple of the alignment {alignment}"
-            ));
+            return Err(format!("tensor `{sn}`: data offset {offset} is not a multiple of the alignment {alignment}"));
         }
         if let Some(prev) = names.insert(name.clone(), raw.len()) {
-            return Err(format!("tensor `{name}` appears twice (tensor infos {prev} and {i})"));
+            return Err(format!("tensor `{sn}` appears twice (tensor infos {prev} and {i})"));
         }
         raw.push((name, dims, ty, offset, bytes));
     }
@@ -376,7 +387,8 @@ pub fn parse(b: &[u8]) -> Res<Header> {
                     Ok(TensorInfo { name, dims, ty, data: s as usize..e as usize })
                 }
                 _ => Err(format!(
-                    "tensor `{name}`: data [{offset}, +{bytes}) of the data section at {data_offset} runs past the end of the file ({} bytes)",
+                    "tensor `{}`: data [{offset}, +{bytes}) of the data section at {data_offset} runs past the end of the file ({} bytes)",
+                    shown(&name),
                     b.len()
                 )),
             }

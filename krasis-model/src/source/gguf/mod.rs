@@ -15,7 +15,7 @@ use krasis_core::DType;
 use krasis_quant::ggml::{self, GgmlType};
 use memmap2::Mmap;
 
-pub use self::arch::{spec_from_gguf, GgufTensorRef, TensorMap};
+pub use self::arch::{expert_source_types, spec_from_gguf, suggested_bits, GgufTensorRef, TensorMap};
 pub use self::header::{Header, TensorInfo, Value, ValueType};
 
 use super::{fnv1a, SharedBytes, StoredTensor, WeightSource};
@@ -115,7 +115,7 @@ impl GgufModel {
                 if let Some((prev, _)) = index.insert(t.name.clone(), (fi, ti)) {
                     return Err(gguf_err(
                         &f.path,
-                        format!("tensor `{}` is also in {}", t.name, files[prev].path.display()),
+                        format!("tensor `{}` is also in {}", header::shown(&t.name), files[prev].path.display()),
                     ));
                 }
             }
@@ -200,7 +200,7 @@ impl GgufSource {
         if !first.is_multiple_of(bs) || !elements.is_multiple_of(bs) || first + elements > t.elements() {
             return Err(gguf_err(
                 &file.path,
-                format!("tensor `{}`: slice {first}+{elements} is not whole blocks", t.name),
+                format!("tensor `{}`: slice {first}+{elements} is not whole blocks", header::shown(&t.name)),
             ));
         }
         let start = t.data.start + first / bs * t.ty.block_bytes();
@@ -212,7 +212,7 @@ impl GgufSource {
             GgmlType::BF16 => (DType::BF16, SharedBytes::new(Arc::clone(&file.map), raw)),
             ty => {
                 let v = ggml::dequantize_vec(ty, &file.map[raw], elements)
-                    .map_err(|e| gguf_err(&file.path, format!("tensor `{}`: {e}", t.name)))?;
+                    .map_err(|e| gguf_err(&file.path, format!("tensor `{}`: {e}", header::shown(&t.name))))?;
                 (DType::F32, SharedBytes::from_f32(v))
             }
         };

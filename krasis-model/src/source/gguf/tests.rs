@@ -188,6 +188,17 @@ fn other_malformed_headers_are_refused() {
 }
 
 #[test]
+fn names_with_control_characters_keep_the_error_on_one_line() {
+    // Found by the fuzz target: a tensor name with a newline split the message.
+    let e = err_of(&raw(1, 0, &[], &[info("a\nb", &[8], 0, 8)], &[0u8; 64]), "a\\nb");
+    assert!(e.contains("alignment"), "{e}");
+    let mut k = Vec::new();
+    s(&mut k, "x\ry");
+    k.extend(13u32.to_le_bytes());
+    err_of(&raw(0, 1, &[k], &[], &[]), "x\\ry");
+}
+
+#[test]
 fn a_file_error_names_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("bad.gguf");
