@@ -59,7 +59,9 @@ if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
           cmake --build "$LCPP/build" --target llama-quantize -j "$(nproc)" >>"$OUT/cmake.log" 2>&1; } \
             || { tail -20 "$OUT/cmake.log" >&2; exit 1; }
     fi
-    for f in "${FIXTURES[@]}"; do
+    # llama.cpp reads a deepseek2 file without q_lora_rank only at V2-Lite's 26/27 layers, so
+    # llama-quantize refuses the 2- and 3-layer q_lora-less fixtures (dsv2-lite, dsv2-k256).
+    for f in dsv2-grouped-tiny dsv3-tiny; do
         dst=$OUT/$f/model-q4_k_m.gguf
         [ -s "$dst" ] && [ "$dst" -nt "$OUT/$f/model-bf16.gguf" ] && continue
         "$Q" --allow-requantize "$OUT/$f/model-bf16.gguf" "$dst.tmp" Q4_K_M >"$OUT/$f/quantize.log" 2>&1 \
