@@ -24,7 +24,7 @@ use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory (omit with --membw for the bandwidth probe alone).
+    /// Model directory or GGUF file (omit with --membw for the bandwidth probe alone).
     #[arg(long)]
     pub(crate) model: Option<PathBuf>,
     /// Measure the host's streaming read bandwidth (all physical cores, buffer ≫ L3).

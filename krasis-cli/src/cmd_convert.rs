@@ -25,7 +25,7 @@ enum CacheBits {
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory.
+    /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
     /// INT4 or INT8 routed experts.

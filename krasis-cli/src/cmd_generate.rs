@@ -188,7 +188,8 @@ impl GpuArgs {
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory (HF format: config.json, *.safetensors, tokenizer.json).
+    /// Model: an HF directory (config.json, *.safetensors, tokenizer.json) or a GGUF file
+    /// (`*.gguf`; any split of a split model).
     #[arg(long)]
     model: PathBuf,
     /// Prompt text (tokenized with the model's tokenizer).

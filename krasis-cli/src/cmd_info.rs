@@ -12,7 +12,7 @@ use krasis_model::tensors::{missing_tensors, param_counts};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory.
+    /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
 }
@@ -47,6 +47,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("model        {}", a.model.display());
     println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
+    if let Some(m) = files.gguf() {
+        use krasis_model::source::gguf::{expert_source_types, suggested_bits};
+        let types = expert_source_types(m, spec);
+        let mut kinds: Vec<[krasis_quant::ggml::GgmlType; 3]> = types.iter().map(|(_, t)| *t).collect();
+        kinds.dedup();
+        for [g, u, d] in kinds {
+            let layers = types.iter().filter(|(_, t)| *t == [g, u, d]).count();
+            println!(
+                "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): requantise as w13 int{}, w2 int{} \
+                 (the cache holds one precision today: --cpu-expert-bits)",
+                suggested_bits(g).max(suggested_bits(u)),
+                suggested_bits(d)
+            );
+        }
+    }
     println!(
         "shape        {} layers, hidden {}, vocab {}, max positions {}",
         spec.num_layers, spec.hidden_size, spec.vocab_size, spec.max_position_embeddings

@@ -18,6 +18,8 @@ pub enum ModelError {
     UnsupportedArch { path: PathBuf, found: String, supported: String },
     #[error("{path}: {msg}")]
     Safetensors { path: PathBuf, msg: String },
+    #[error("{path}: GGUF: {msg}")]
+    Gguf { path: PathBuf, msg: String },
     #[error("tensor `{name}` not found in {dir}")]
     MissingTensor { name: String, dir: PathBuf },
     #[error("tensor `{name}` in {path}: expected shape {expected:?}, found {found:?}")]

@@ -9,6 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::config::load_config;
 use crate::error::{ModelError, Result};
+use crate::source::gguf::{spec_from_gguf, GgufModel, GgufSource};
 use crate::source::{fnv1a, SafetensorsDir, WeightSource};
 use crate::spec::ModelSpec;
 use crate::tokenizer::TextCodec;
@@ -20,6 +21,13 @@ pub struct ModelFiles {
     source: Arc<dyn WeightSource>,
     fingerprint: u64,
     codec: OnceLock<Arc<TextCodec>>,
+    /// The GGUF model when the weights are one (its metadata carries the tokenizer).
+    gguf: Option<Arc<GgufModel>>,
+}
+
+/// Whether `path` names a GGUF file (by extension; the magic is checked on open).
+pub fn is_gguf_path(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
 }
 
 impl ModelFiles {
@@ -27,7 +35,14 @@ impl ModelFiles {
     /// `*.safetensors` weights (memory-mapped, headers validated). The tokenizer is not read
     /// until [`ModelFiles::text_codec`] asks for it, so `--prompt-ids` runs need no
     /// `tokenizer.json`.
+    ///
+    /// A path ending in `.gguf` opens a GGUF model instead (any split of a split model opens
+    /// all of them): the spec from its metadata, the weights by llama.cpp's names mapped to the
+    /// canonical ones, the tokenizer and chat template from `tokenizer.*` metadata.
     pub fn open(path: &Path) -> Result<ModelFiles> {
+        if is_gguf_path(path) {
+            return Self::open_gguf(path);
+        }
         let spec = load_config(path)?;
         let weights = SafetensorsDir::open(path)?;
         let fingerprint = safetensors_fingerprint(path, &weights)?;
@@ -37,7 +52,41 @@ impl ModelFiles {
             source: Arc::new(weights),
             fingerprint,
             codec: OnceLock::new(),
+            gguf: None,
         })
+    }
+
+    fn open_gguf(path: &Path) -> Result<ModelFiles> {
+        let model = Arc::new(GgufModel::open(path)?);
+        let (spec, map) = spec_from_gguf(&model)?;
+        let fingerprint = model.fingerprint();
+        Ok(ModelFiles {
+            path: path.to_path_buf(),
+            spec,
+            source: Arc::new(GgufSource::new(Arc::clone(&model), map)),
+            fingerprint,
+            codec: OnceLock::new(),
+            gguf: Some(model),
+        })
+    }
+
+    /// The GGUF model, when the weights are one.
+    pub fn gguf(&self) -> Option<&Arc<GgufModel>> {
+        self.gguf.as_ref()
+    }
+
+    /// Where on-disk caches of this model go unless `--cache-dir` says otherwise: the model
+    /// directory's `.krasis_cache` (see `krasis_cache::default_cache_dir`), or for a GGUF file
+    /// `<its directory>/.krasis_cache/<file name>/`, so two GGUFs side by side never share one.
+    pub fn default_cache_dir(&self) -> PathBuf {
+        match &self.gguf {
+            None => krasis_cache::default_cache_dir(&self.path),
+            Some(_) => {
+                let dir = self.path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                krasis_cache::default_cache_dir(dir).join(name)
+            }
+        }
     }
 
     /// Where the model was opened from.
@@ -68,7 +117,10 @@ impl ModelFiles {
 
     /// Whether the model ships a tokenizer (`tokenizer.json`).
     pub fn has_tokenizer(&self) -> bool {
-        self.path.join("tokenizer.json").exists()
+        match &self.gguf {
+            Some(m) => m.meta("tokenizer.ggml.tokens").is_some(),
+            None => self.path.join("tokenizer.json").exists(),
+        }
     }
 
     /// The tokenizer and chat template, loaded on the first call and kept (shared: it outlives
@@ -79,7 +131,10 @@ impl ModelFiles {
         if let Some(codec) = self.codec.get() {
             return Ok(Arc::clone(codec));
         }
-        let loaded = Arc::new(TextCodec::load(&self.path)?);
+        let loaded = Arc::new(match &self.gguf {
+            Some(m) => TextCodec::from_gguf(m)?,
+            None => TextCodec::load(&self.path)?,
+        });
         Ok(Arc::clone(self.codec.get_or_init(|| loaded)))
     }
 }

@@ -156,8 +156,8 @@ fn expert_record(
 const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
 
 /// Where the cache of this precision lives.
-pub fn cache_path(model_dir: &Path, cache_dir: Option<&Path>, bits: Bits, group: usize) -> PathBuf {
-    let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| krasis_cache::default_cache_dir(model_dir));
+pub fn cache_path(files: &ModelFiles, cache_dir: Option<&Path>, bits: Bits, group: usize) -> PathBuf {
+    let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
     dir.join(krasis_cache::cache_file_name(bits.bits() as u8, group as u32))
 }
 
@@ -172,7 +172,7 @@ pub fn open_expert_cache(
 ) -> Result<(ExpertCache, CacheOutcome)> {
     let spec = files.spec();
     let header = expected_cache_header(spec, files.fingerprint(), bits, group)?;
-    let path = cache_path(files.path(), cache_dir, bits, group);
+    let path = cache_path(files, cache_dir, bits, group);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| {
             ModelError::Invalid(format!(

@@ -1,11 +1,38 @@
 //! Text ↔ token ids (`tokenizer.json` through the `tokenizers` crate) and the chat template of
-//! `tokenizer_config.json` (rendered with minijinja).
+//! `tokenizer_config.json` (rendered with minijinja); or both from a GGUF's `tokenizer.*` metadata
+//! ([`TextCodec::from_gguf`]).
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
+use crate::source::gguf::GgufModel;
+
+/// `tokenizer.ggml.pre` values [`TextCodec::from_gguf`] understands.
+pub const GGUF_PRE_TOKENIZERS: &[&str] = &["default", "gpt-2", "llama-bpe", "llama3", "qwen2"];
+
+/// The `tokenizers` pre-tokenizer of a llama.cpp pre-tokenizer name: GPT-2's byte-level regex, or
+/// the Llama-3 / Qwen2 split regexes (digits in runs of up to three, or one by one) before the
+/// byte-level mapping.
+fn gguf_pre_tokenizer(pre: &str) -> Option<Value> {
+    let split = |regex: &str| {
+        serde_json::json!({ "type": "Sequence", "pretokenizers": [
+            { "type": "Split", "pattern": { "Regex": regex }, "behavior": "Isolated", "invert": false },
+            { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
+        ]})
+    };
+    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    Some(match pre {
+        "default" | "gpt-2" => {
+            serde_json::json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true })
+        }
+        "llama-bpe" | "llama3" => split(LLAMA3),
+        "qwen2" => split(QWEN2),
+        _ => return None,
+    })
+}
 
 pub struct TextCodec {
     tokenizer: tokenizers::Tokenizer,
@@ -67,6 +94,93 @@ impl TextCodec {
             chat_template,
             tokenizer,
             config_path,
+        })
+    }
+
+    /// The tokenizer a GGUF carries: `tokenizer.ggml.model` = `gpt2` (byte-level BPE) with
+    /// `tokens`, `merges`, `token_type` (3 = control and 4 = user-defined tokens are added tokens,
+    /// control ones special), the pre-tokenizer named by `tokenizer.ggml.pre`, BOS/EOS ids,
+    /// `add_bos_token`, and `tokenizer.chat_template`.
+    pub fn from_gguf(m: &GgufModel) -> Result<TextCodec> {
+        let path = m.path().to_path_buf();
+        let bytes = m.main().bytes();
+        let err = |key: &str, msg: &str| {
+            ModelError::Tokenizer(format!(
+                "{}: metadata `{key}`: {msg} (use --prompt-ids to bypass the tokenizer)",
+                path.display()
+            ))
+        };
+        let model = m.meta_str("tokenizer.ggml.model").ok_or_else(|| err("tokenizer.ggml.model", "missing"))?;
+        if model != "gpt2" {
+            return Err(err("tokenizer.ggml.model", &format!("`{model}` is not supported (gpt2 byte-level BPE only)")));
+        }
+        let tokens = m
+            .meta("tokenizer.ggml.tokens")
+            .and_then(|v| v.as_str_array(bytes))
+            .ok_or_else(|| err("tokenizer.ggml.tokens", "missing or not a string array"))?;
+        let merges = m
+            .meta("tokenizer.ggml.merges")
+            .and_then(|v| v.as_str_array(bytes))
+            .ok_or_else(|| err("tokenizer.ggml.merges", "missing or not a string array"))?;
+        let types = match m.meta("tokenizer.ggml.token_type") {
+            None => vec![1; tokens.len()],
+            Some(v) => v.as_int_array(bytes).ok_or_else(|| err("tokenizer.ggml.token_type", "not an integer array"))?,
+        };
+        if types.len() != tokens.len() {
+            return Err(err(
+                "tokenizer.ggml.token_type",
+                &format!("{} entries for {} tokens", types.len(), tokens.len()),
+            ));
+        }
+        let pre = m.meta_str("tokenizer.ggml.pre").unwrap_or("default");
+        let pre_tokenizer = gguf_pre_tokenizer(pre).ok_or_else(|| {
+            err(
+                "tokenizer.ggml.pre",
+                &format!("`{pre}` is not supported (supported: {})", GGUF_PRE_TOKENIZERS.join(", ")),
+            )
+        })?;
+        let mut vocab = serde_json::Map::with_capacity(tokens.len());
+        let mut added = Vec::new();
+        for (id, (tok, ty)) in tokens.iter().zip(&types).enumerate() {
+            vocab.insert(tok.to_string(), Value::from(id));
+            // llama.cpp's token types: 3 control, 4 user-defined.
+            if *ty == 3 || *ty == 4 {
+                added.push(serde_json::json!({
+                    "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
+                    "normalized": false, "special": *ty == 3,
+                }));
+            }
+        }
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": null,
+            "decoder": { "type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true },
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab, "merges": merges,
+            },
+        });
+        let tokenizer: tokenizers::Tokenizer = json.to_string().parse().map_err(|e| {
+            ModelError::Tokenizer(format!("{}: building the tokenizer from GGUF metadata: {e}", path.display()))
+        })?;
+        let id =
+            |key: &str| -> Option<u32> { m.meta(key).and_then(|v| v.as_int()).and_then(|i| u32::try_from(i).ok()) };
+        let token = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize)).map(|t| t.to_string());
+        let bos_id = id("tokenizer.ggml.bos_token_id").filter(|&i| (i as usize) < tokens.len());
+        Ok(TextCodec {
+            add_bos_token: m.meta("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            bos_token: token(bos_id),
+            eos_token: token(id("tokenizer.ggml.eos_token_id")),
+            bos_id,
+            chat_template: m.meta_str("tokenizer.chat_template").map(str::to_string),
+            tokenizer,
+            config_path: path,
         })
     }
 

@@ -41,6 +41,33 @@ pub fn fixtures_dir() -> Option<PathBuf> {
     None
 }
 
+/// Fixtures with a GGUF twin (`scripts/make-gguf-fixtures.sh`): qwen3moe-tiny has a dense layer
+/// llama.cpp's qwen3moe cannot express, dsv3-fp8-tiny is FP8.
+pub const GGUF_FIXTURE_NAMES: &[&str] = &["dsv2-lite-tiny", "dsv2-k256-tiny", "dsv2-grouped-tiny", "dsv3-tiny"];
+
+/// `KRASIS_GGUF_FIXTURES`, or `.gguf-fixtures` in the checkout (where
+/// `scripts/make-gguf-fixtures.sh` writes them). `None` after a visible [`report_skip`] when
+/// absent — unless `KRASIS_REQUIRE_FIXTURES=1`, which panics (`.ci/run` makes them first).
+pub fn gguf_fixtures_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("KRASIS_GGUF_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".gguf-fixtures"));
+    if dir.join(GGUF_FIXTURE_NAMES[0]).join("model-bf16.gguf").exists() {
+        return Some(dir);
+    }
+    if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!(
+            "KRASIS_REQUIRE_FIXTURES=1 but no GGUF fixtures at {} (run scripts/make-gguf-fixtures.sh)",
+            dir.display()
+        );
+    }
+    report_skip(&format!(
+        "GGUF fixtures not found at {} (run scripts/make-gguf-fixtures.sh, or set KRASIS_GGUF_FIXTURES)",
+        dir.display()
+    ));
+    None
+}
+
 /// The oracle outputs of one fixture (`reference.safetensors`).
 pub struct Reference {
     pub prompt_ids: Vec<u32>,
@@ -62,7 +89,12 @@ fn floats(f: &SafetensorsFile, name: &str) -> (Vec<f32>, Vec<usize>) {
 }
 
 pub fn load_reference(dir: &Path) -> Reference {
-    let f = SafetensorsFile::open(&dir.join("reference.safetensors")).expect("reference.safetensors");
+    load_reference_file(&dir.join("reference.safetensors"))
+}
+
+/// A reference file in the layout of `reference.safetensors` (also the GGUF fixtures' own).
+pub fn load_reference_file(path: &Path) -> Reference {
+    let f = SafetensorsFile::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let (hidden_states, hidden_shape) = floats(&f, "hidden_states");
     Reference {
         prompt_ids: ints(&f, "prompt_ids"),
@@ -83,6 +115,79 @@ pub fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
         den += (y as f64).powi(2);
     }
     (num / den.max(1e-300)).sqrt()
+}
+
+/// The reference path's bar against the oracle (relative L2).
+pub const ORACLE_TOL: f64 = 1e-4;
+
+/// The CPU reference engine `model` against the oracle outputs `r` of fixture `name`: per-layer
+/// hidden states, prefill logits, greedy ids (exact) and the logits each was chosen from, all
+/// within [`ORACLE_TOL`]. Returns report lines; panics with the first miss.
+pub fn check_against_reference(name: &str, model: &krasis_model::engine::Model, r: &Reference) -> Vec<String> {
+    use krasis_model::engine::Logits;
+    let mut report = Vec::new();
+
+    // Prefill with per-layer hidden states.
+    let [layers_plus_one, t, h] = r.hidden_shape[..] else { panic!("hidden_states shape") };
+    let mut hidden: Vec<Vec<f32>> = Vec::new();
+    let mut session = model.new_session();
+    let mut observe = |_: usize, x: &[f32]| hidden.push(x.to_vec());
+    let logits = model.forward(&mut session, &r.prompt_ids, Logits::All, Some(&mut observe)).unwrap();
+    assert_eq!(hidden.len(), layers_plus_one, "{name}: hidden state count");
+    for (l, hs) in hidden.iter().enumerate() {
+        let want = &r.hidden_states[l * t * h..(l + 1) * t * h];
+        let e = rel_l2(hs, want);
+        report.push(format!("{name} hidden[{l}] rel {e:.2e}"));
+        assert!(
+            e <= ORACLE_TOL,
+            "{name}: hidden_states[{l}] relative L2 error {e:.3e} > {ORACLE_TOL:e} (bug at or before layer {l})"
+        );
+    }
+    let e = rel_l2(&logits, &r.prefill_logits);
+    report.push(format!("{name} prefill_logits rel {e:.2e}"));
+    assert!(e <= ORACLE_TOL, "{name}: prefill logits relative L2 error {e:.3e}");
+
+    // Greedy decode over the cache: ids exact, step logits close.
+    let v = model.spec.vocab_size;
+    let mut step = logits[(t - 1) * v..].to_vec();
+    let mut worst = 0f64;
+    for (i, &want_id) in r.greedy_ids.iter().enumerate() {
+        let e = rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]);
+        worst = worst.max(e);
+        assert!(e <= ORACLE_TOL, "{name}: step {i} logits relative L2 error {e:.3e}");
+        let got = argmax(&step) as u32;
+        assert_eq!(got, want_id, "{name}: greedy token {i}");
+        if i + 1 < r.greedy_ids.len() {
+            step = model.forward(&mut session, &[got], Logits::Last, None).unwrap();
+        }
+    }
+    report.push(format!("{name} greedy {} ids exact, worst step logits rel {worst:.2e}", r.greedy_ids.len()));
+    report
+}
+
+/// Prefill logits `[T, V]` of the model at `path` (a directory or a GGUF) on `prompt`, with
+/// routed experts and dense weights at the given precisions (quantised experts from an expert
+/// cache in `cache`), on two worker threads.
+pub fn prefill_logits(
+    path: &Path,
+    experts: krasis_model::quantized::WeightBits,
+    dense: krasis_model::quantized::WeightBits,
+    cache: &Path,
+    prompt: &[u32],
+) -> Vec<f32> {
+    use krasis_model::load::{load_model, EngineOptions};
+    let opts = EngineOptions {
+        expert_bits: experts,
+        dense_bits: dense,
+        cache_dir: Some(cache.to_path_buf()),
+        threads: Some(2),
+        ..EngineOptions::default()
+    };
+    let loaded = krasis_model::files::ModelFiles::open(path)
+        .and_then(|files| load_model(&files, &opts))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut s = loaded.model.new_session();
+    loaded.model.forward(&mut s, prompt, krasis_model::engine::Logits::All, None).unwrap()
 }
 
 /// Write a 2-layer `tiny` synthetic model into `dir` (no fixtures needed).

@@ -6,27 +6,12 @@
 
 use std::path::Path;
 
-use krasis_model::engine::Logits;
-use krasis_model::files::ModelFiles;
-use krasis_model::load::{load_model, EngineOptions};
 use krasis_model::quantized::WeightBits;
 use krasis_model::sampling::argmax;
-use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, FIXTURE_NAMES};
+use krasis_tests::{fidelity, fixtures_dir, load_reference, prefill_logits, quant_bound, FIXTURE_NAMES};
 
 fn prefill(dir: &Path, experts: WeightBits, dense: WeightBits, cache: &Path) -> Vec<f32> {
-    let opts = EngineOptions {
-        expert_bits: experts,
-        dense_bits: dense,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    };
-    let loaded = ModelFiles::open(dir)
-        .and_then(|files| load_model(&files, &opts))
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    let r = load_reference(dir);
-    let mut s = loaded.model.new_session();
-    loaded.model.forward(&mut s, &r.prompt_ids, Logits::All, None).unwrap()
+    prefill_logits(dir, experts, dense, cache, &load_reference(dir).prompt_ids)
 }
 
 fn check(name: &str) {

@@ -1,6 +1,7 @@
 //! Weight sources: canonical tensor names → typed views. Implemented by the safetensors
-//! directory today and by GGUF later; the loader above never knows which one it talks to.
+//! directory and by GGUF files; the loader above never knows which one it talks to.
 
+pub mod gguf;
 mod safetensors;
 
 use std::ops::Range;
@@ -14,21 +15,38 @@ pub use self::safetensors::{fnv1a, SafetensorsDir, SafetensorsFile};
 
 use crate::error::Result;
 
-/// Bytes of one tensor inside a shared, read-only mapping: cheap to clone, zero-copy.
+/// Bytes of one tensor: a range of a shared read-only mapping (zero-copy), or values a source
+/// produced on read (a dequantised GGUF block tensor). Cheap to clone either way.
 #[derive(Clone)]
 pub struct SharedBytes {
-    map: Arc<Mmap>,
+    backing: Backing,
     range: Range<usize>,
+}
+
+#[derive(Clone)]
+enum Backing {
+    Map(Arc<Mmap>),
+    /// f32 storage, so the bytes are 4-byte aligned and a loader keeps them without a copy.
+    Floats(Arc<[f32]>),
 }
 
 impl SharedBytes {
     pub fn new(map: Arc<Mmap>, range: Range<usize>) -> Self {
-        assert!(range.end <= map.len());
-        SharedBytes { map, range }
+        assert!(range.start <= range.end && range.end <= map.len());
+        SharedBytes { backing: Backing::Map(map), range }
+    }
+
+    /// Owned f32 values (little-endian bytes, as `DType::F32` reads them).
+    pub fn from_f32(values: Vec<f32>) -> Self {
+        let len = values.len() * 4;
+        SharedBytes { backing: Backing::Floats(values.into()), range: 0..len }
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        &self.map[self.range.clone()]
+        match &self.backing {
+            Backing::Map(m) => &m[self.range.clone()],
+            Backing::Floats(v) => &bytemuck::cast_slice(v)[self.range.clone()],
+        }
     }
 }
 

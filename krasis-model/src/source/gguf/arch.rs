@@ -1,0 +1,428 @@
+//! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`) → [`ModelSpec`],
+//! and llama.cpp's tensor names → the canonical (HF) names of [`crate::tensors`].
+//!
+//! The metadata is turned into the `config.json` object transformers would read and handed to
+//! the one config parser, so a GGUF model gets exactly the defaults and checks of its hub twin.
+//! What GGUF does not say is inferred as llama.cpp infers it:
+//! - DeepSeek routing: an `exp_probs_b` tensor means `noaux_tc` (V3), else `expert_group_count`
+//!   > 1 means `group_limited_greedy`, else `greedy`; `expert_gating_func` 2 is sigmoid.
+//! - YaRN: `rope.scaling.yarn_log_multiplier` is `0.1 · mscale_all_dim` (DeepSeek's convention in
+//!   llama.cpp's converter); `mscale` is taken equal to it (the released DeepSeek configs have
+//!   them equal, and llama.cpp's attention factor assumes it).
+//! - Qwen3-MoE: llama.cpp always normalises the top-k weights, so `norm_topk_prob` is true
+//!   unless `expert_weights_norm` says otherwise; every layer is MoE (llama.cpp's qwen3moe has no
+//!   dense layers).
+
+use std::collections::HashMap;
+
+use serde_json::{json, Map, Value as Json};
+
+use krasis_quant::ggml::GgmlType;
+
+use super::{gguf_err, GgufModel};
+use crate::config::parse_config;
+use crate::error::{ModelError, Result};
+use crate::spec::ModelSpec;
+use crate::tensors::{model_tensors, AttentionTensors, FfnTensors, MlpTensors, QueryTensors, TensorSpec};
+
+/// Where a canonical tensor's values are in the GGUF.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GgufTensorRef {
+    /// The whole GGUF tensor of this name.
+    Whole(String),
+    /// Expert `expert` of a stacked `[E, rows, cols]` tensor (`ffn_*_exps`).
+    Expert { stacked: String, expert: usize },
+    /// MLA's `kv_b_proj` rebuilt from llama.cpp's `attn_k_b` and `attn_v_b`.
+    KvB { k_b: String, v_b: String },
+}
+
+impl GgufTensorRef {
+    /// The GGUF tensor the values (mostly) come from.
+    pub fn primary(&self) -> &str {
+        match self {
+            GgufTensorRef::Whole(n) | GgufTensorRef::Expert { stacked: n, .. } => n,
+            GgufTensorRef::KvB { v_b, .. } => v_b,
+        }
+    }
+}
+
+/// Canonical tensor name → where it lives in the GGUF.
+pub type TensorMap = HashMap<String, GgufTensorRef>;
+
+/// Architectures this reader maps.
+pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe"];
+
+struct Meta<'a> {
+    m: &'a GgufModel,
+    arch: &'a str,
+}
+
+impl<'a> Meta<'a> {
+    fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    fn err(&self, key: &str, msg: impl std::fmt::Display) -> ModelError {
+        gguf_err(self.m.path(), format!("metadata `{key}`: {msg}"))
+    }
+
+    fn int_opt(&self, key: &str) -> Result<Option<usize>> {
+        match self.m.meta(key) {
+            None => Ok(None),
+            Some(v) => match v.as_int() {
+                Some(i) if (0..=u32::MAX as i128 * 1024).contains(&i) => Ok(Some(i as usize)),
+                _ => Err(self.err(key, format!("expected a non-negative integer, found {v:?}"))),
+            },
+        }
+    }
+
+    fn int(&self, key: &str) -> Result<usize> {
+        self.int_opt(key)?.ok_or_else(|| self.err(key, "missing"))
+    }
+
+    /// `<arch>.<k>`, required.
+    fn a(&self, k: &str) -> Result<usize> {
+        self.int(&self.key(k))
+    }
+
+    fn a_opt(&self, k: &str) -> Result<Option<usize>> {
+        self.int_opt(&self.key(k))
+    }
+
+    fn f_opt(&self, k: &str) -> Result<Option<f64>> {
+        let key = self.key(k);
+        match self.m.meta(&key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.err(&key, format!("expected a number, found {v:?}"))),
+        }
+    }
+
+    fn b_opt(&self, k: &str) -> Result<Option<bool>> {
+        let key = self.key(k);
+        match self.m.meta(&key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.err(&key, format!("expected a bool, found {v:?}"))),
+        }
+    }
+}
+
+fn put(o: &mut Map<String, Json>, k: &str, v: impl Into<Json>) {
+    o.insert(k.to_string(), v.into());
+}
+
+/// The embedding's row count (the vocabulary), from `token_embd.weight`.
+fn embed_rows(m: &GgufModel) -> Result<usize> {
+    let (_, t) = m
+        .tensor_info("token_embd.weight")
+        .ok_or_else(|| gguf_err(m.path(), "tensor `token_embd.weight` is missing"))?;
+    match t.shape()[..] {
+        [rows, _] => Ok(rows),
+        ref s => {
+            Err(gguf_err(m.path(), format!("tensor `token_embd.weight` has shape {s:?}, expected [vocab, hidden]")))
+        }
+    }
+}
+
+fn common(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
+    let m = meta.m;
+    let vocab = match meta.a_opt("vocab_size")? {
+        Some(v) => v,
+        None => embed_rows(m)?,
+    };
+    put(o, "vocab_size", vocab);
+    put(o, "hidden_size", meta.a("embedding_length")?);
+    put(o, "num_hidden_layers", meta.a("block_count")?);
+    put(o, "num_attention_heads", meta.a("attention.head_count")?);
+    if let Some(eps) = meta.f_opt("attention.layer_norm_rms_epsilon")? {
+        put(o, "rms_norm_eps", eps);
+    }
+    if let Some(c) = meta.a_opt("context_length")? {
+        put(o, "max_position_embeddings", c);
+    }
+    put(o, "tie_word_embeddings", !m.has_tensor("output.weight"));
+    for (key, field) in
+        [("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")]
+    {
+        if let Some(id) = meta.int_opt(key)? {
+            put(o, field, id);
+        }
+    }
+    let theta = meta.f_opt("rope.freq_base")?.unwrap_or(10000.0);
+    put(o, "rope_theta", theta);
+    put(o, "num_experts_per_tok", meta.a("expert_used_count")?);
+    put(o, "moe_intermediate_size", meta.a("expert_feed_forward_length")?);
+    Ok(())
+}
+
+fn rope_scaling(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
+    let key = meta.key("rope.scaling.type");
+    let kind = match meta.m.meta(&key) {
+        None => return Ok(()),
+        Some(v) => v.as_str(meta.m.main().bytes()).ok_or_else(|| meta.err(&key, "expected a string"))?,
+    };
+    let factor = meta.f_opt("rope.scaling.factor")?;
+    let s = match kind {
+        "none" => return Ok(()),
+        "linear" => json!({ "type": "linear", "factor": factor }),
+        "yarn" => {
+            let mut s = json!({ "type": "yarn", "factor": factor });
+            let so = s.as_object_mut().expect("object");
+            if let Some(c) = meta.a_opt("rope.scaling.original_context_length")? {
+                put(so, "original_max_position_embeddings", c);
+            }
+            if let Some(b) = meta.f_opt("rope.scaling.yarn_beta_fast")? {
+                put(so, "beta_fast", b);
+            }
+            if let Some(b) = meta.f_opt("rope.scaling.yarn_beta_slow")? {
+                put(so, "beta_slow", b);
+            }
+            if let Some(a) = meta.f_opt("rope.scaling.yarn_attn_factor")? {
+                put(so, "attention_factor", a);
+            }
+            if let Some(lm) = meta.f_opt("rope.scaling.yarn_log_multiplier")? {
+                put(so, "mscale_all_dim", lm / 0.1);
+                put(so, "mscale", lm / 0.1);
+            }
+            s
+        }
+        other => return Err(meta.err(&key, format!("`{other}` is not supported (none, linear, yarn)"))),
+    };
+    put(o, "rope_scaling", s);
+    Ok(())
+}
+
+fn deepseek2_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let m = meta.m;
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    let layers = meta.a("block_count")?;
+    let rope = meta.a("rope.dimension_count")?;
+    let key_len = match meta.a_opt("attention.key_length_mla")? {
+        Some(k) => k,
+        None => meta.a("attention.key_length")?,
+    };
+    let v_dim = match meta.a_opt("attention.value_length_mla")? {
+        Some(v) => v,
+        None => meta.a("attention.value_length")?,
+    };
+    if key_len <= rope {
+        return Err(
+            meta.err(&meta.key("attention.key_length_mla"), format!("{key_len} must exceed the rope dimension {rope}"))
+        );
+    }
+    put(&mut o, "qk_rope_head_dim", rope);
+    put(&mut o, "qk_nope_head_dim", key_len - rope);
+    put(&mut o, "v_head_dim", v_dim);
+    put(&mut o, "kv_lora_rank", meta.a("attention.kv_lora_rank")?);
+    if let Some(q) = meta.a_opt("attention.q_lora_rank")?.filter(|&q| q > 0) {
+        put(&mut o, "q_lora_rank", q);
+    }
+    put(&mut o, "intermediate_size", meta.a("feed_forward_length")?);
+    let first_dense = meta.a_opt("leading_dense_block_count")?.unwrap_or(0);
+    put(&mut o, "first_k_dense_replace", first_dense);
+    put(&mut o, "n_routed_experts", meta.a("expert_count")?);
+    put(&mut o, "n_shared_experts", meta.a_opt("expert_shared_count")?.unwrap_or(0));
+    put(&mut o, "routed_scaling_factor", meta.f_opt("expert_weights_scale")?.unwrap_or(1.0));
+    put(&mut o, "norm_topk_prob", meta.b_opt("expert_weights_norm")?.unwrap_or(false));
+    let scoring = match meta.a_opt("expert_gating_func")? {
+        None | Some(1) => "softmax",
+        Some(2) => "sigmoid",
+        Some(g) => {
+            return Err(
+                meta.err(&meta.key("expert_gating_func"), format!("{g} is not supported (1 softmax, 2 sigmoid)"))
+            )
+        }
+    };
+    put(&mut o, "scoring_func", scoring);
+    let groups = meta.a_opt("expert_group_count")?.unwrap_or(1);
+    let groups_used = meta.a_opt("expert_group_used_count")?.unwrap_or(1);
+    let has_bias = (first_dense..layers).any(|l| m.has_tensor(&format!("blk.{l}.exp_probs_b.bias")));
+    let (model_type, method) = if has_bias {
+        ("deepseek_v3", "noaux_tc")
+    } else if groups > 1 {
+        ("deepseek_v2", "group_limited_greedy")
+    } else {
+        ("deepseek_v2", "greedy")
+    };
+    put(&mut o, "model_type", model_type);
+    put(&mut o, "topk_method", method);
+    put(&mut o, "n_group", groups);
+    put(&mut o, "topk_group", groups_used);
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
+fn qwen3moe_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "qwen3_moe");
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(&mut o, "head_dim", d);
+    }
+    let moe_inter = meta.a("expert_feed_forward_length")?;
+    put(&mut o, "intermediate_size", meta.a_opt("feed_forward_length")?.filter(|&f| f > 0).unwrap_or(moe_inter));
+    put(&mut o, "num_experts", meta.a("expert_count")?);
+    put(&mut o, "norm_topk_prob", meta.b_opt("expert_weights_norm")?.unwrap_or(true));
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
+/// The spec of a GGUF model and where each canonical tensor lives in it.
+pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
+    let arch = m
+        .meta_str("general.architecture")
+        .ok_or_else(|| gguf_err(m.path(), "metadata `general.architecture` is missing or not a string"))?;
+    let meta = Meta { m, arch };
+    let config = match arch {
+        "deepseek2" => deepseek2_config(&meta)?,
+        "qwen3moe" => qwen3moe_config(&meta)?,
+        other => {
+            return Err(ModelError::UnsupportedArch {
+                path: m.path().to_path_buf(),
+                found: format!("{other} (general.architecture)"),
+                supported: SUPPORTED.join(", "),
+            })
+        }
+    };
+    let spec = parse_config(&Json::Object(config).to_string(), m.path())?;
+    let map = tensor_map(&spec, m)?;
+    Ok((spec, map))
+}
+
+struct Mapper<'a> {
+    m: &'a GgufModel,
+    map: TensorMap,
+    missing: Vec<String>,
+}
+
+impl Mapper<'_> {
+    fn need(&mut self, g: &str) {
+        if !self.m.has_tensor(g) {
+            self.missing.push(g.to_string());
+        }
+    }
+
+    fn whole(&mut self, t: &TensorSpec, g: String) {
+        self.need(&g);
+        self.map.insert(t.name.clone(), GgufTensorRef::Whole(g));
+    }
+
+    fn mlp(&mut self, t: &MlpTensors, l: usize, suffix: &str) {
+        self.whole(&t.gate, format!("blk.{l}.ffn_gate{suffix}.weight"));
+        self.whole(&t.up, format!("blk.{l}.ffn_up{suffix}.weight"));
+        self.whole(&t.down, format!("blk.{l}.ffn_down{suffix}.weight"));
+    }
+}
+
+/// Canonical → GGUF names for every tensor of the spec's inventory; names the first few GGUF
+/// tensors that are missing.
+fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
+    let inv = model_tensors(spec);
+    let mut x = Mapper { m, map: TensorMap::new(), missing: Vec::new() };
+    x.whole(&inv.embed, "token_embd.weight".into());
+    x.whole(&inv.final_norm, "output_norm.weight".into());
+    if !inv.tied_lm_head {
+        x.whole(&inv.lm_head, "output.weight".into());
+    }
+    for (l, layer) in inv.layers.iter().enumerate() {
+        let b = |s: &str| format!("blk.{l}.{s}");
+        x.whole(&layer.input_norm, b("attn_norm.weight"));
+        x.whole(&layer.post_norm, b("ffn_norm.weight"));
+        match &layer.attention {
+            AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
+                match q {
+                    QueryTensors::Direct(q) => x.whole(q, b("attn_q.weight")),
+                    QueryTensors::LowRank { a, norm, b: qb } => {
+                        x.whole(a, b("attn_q_a.weight"));
+                        x.whole(norm, b("attn_q_a_norm.weight"));
+                        x.whole(qb, b("attn_q_b.weight"));
+                    }
+                }
+                x.whole(kv_a, b("attn_kv_a_mqa.weight"));
+                x.whole(kv_a_norm, b("attn_kv_a_norm.weight"));
+                if m.has_tensor(&b("attn_kv_b.weight")) {
+                    x.whole(kv_b, b("attn_kv_b.weight"));
+                } else {
+                    let (k_b, v_b) = (b("attn_k_b.weight"), b("attn_v_b.weight"));
+                    x.need(&k_b);
+                    x.need(&v_b);
+                    x.map.insert(kv_b.name.clone(), GgufTensorRef::KvB { k_b, v_b });
+                }
+                x.whole(o, b("attn_output.weight"));
+            }
+            AttentionTensors::Gqa { q, k, v, o, qk_norm } => {
+                x.whole(q, b("attn_q.weight"));
+                x.whole(k, b("attn_k.weight"));
+                x.whole(v, b("attn_v.weight"));
+                x.whole(o, b("attn_output.weight"));
+                if let Some((qn, kn)) = qk_norm {
+                    x.whole(qn, b("attn_q_norm.weight"));
+                    x.whole(kn, b("attn_k_norm.weight"));
+                }
+            }
+        }
+        match &layer.ffn {
+            FfnTensors::Dense(d) => x.mlp(d, l, ""),
+            FfnTensors::Moe { router, bias, experts, shared } => {
+                x.whole(router, b("ffn_gate_inp.weight"));
+                if let Some(bias) = bias {
+                    x.whole(bias, b("exp_probs_b.bias"));
+                }
+                for proj in ["gate", "up", "down"] {
+                    let stacked = b(&format!("ffn_{proj}_exps.weight"));
+                    x.need(&stacked);
+                    for (e, t) in experts.iter().enumerate() {
+                        let t = match proj {
+                            "gate" => &t.gate,
+                            "up" => &t.up,
+                            _ => &t.down,
+                        };
+                        x.map.insert(t.name.clone(), GgufTensorRef::Expert { stacked: stacked.clone(), expert: e });
+                    }
+                }
+                if let Some(s) = shared {
+                    x.mlp(s, l, "_shexp");
+                }
+            }
+        }
+    }
+    let Mapper { map, missing, .. } = x;
+    if !missing.is_empty() {
+        let shown: Vec<&str> = missing.iter().take(5).map(String::as_str).collect();
+        return Err(gguf_err(
+            m.path(),
+            format!(
+                "{} tensor(s) the {} architecture needs are missing: {}{}",
+                missing.len(),
+                m.meta_str("general.architecture").unwrap_or("?"),
+                shown.join(", "),
+                if missing.len() > 5 { ", …" } else { "" }
+            ),
+        ));
+    }
+    Ok(map)
+}
+
+/// The stored types of the routed experts' projections (gate, up, down) per MoE layer, and the
+/// cache precision each suggests: INT4 from a 4-bit (or narrower) source, INT8 from 5/6/8-bit
+/// and float sources (a requantisation should not keep less than the source's own code bits,
+/// nor pretend to more).
+pub fn expert_source_types(m: &GgufModel, spec: &ModelSpec) -> Vec<(usize, [GgmlType; 3])> {
+    spec.moe_layers()
+        .filter_map(|l| {
+            let ty = |p: &str| m.tensor_info(&format!("blk.{l}.ffn_{p}_exps.weight")).map(|(_, t)| t.ty);
+            Some((l, [ty("gate")?, ty("up")?, ty("down")?]))
+        })
+        .collect()
+}
+
+/// The cache bits a source type suggests (see [`expert_source_types`]).
+pub fn suggested_bits(ty: GgmlType) -> u32 {
+    if ty.code_bits() <= 4 {
+        4
+    } else {
+        8
+    }
+}

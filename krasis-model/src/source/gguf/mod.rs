@@ -1,0 +1,322 @@
+//! GGUF input (llama.cpp's container): a validated, zero-copy reader over the file's mapping
+//! ([`header`]), split files (`name-00001-of-0000N.gguf`), llama.cpp's architectures and tensor
+//! names mapped to the canonical ones ([`arch`]), and a [`WeightSource`] that serves F32/F16/BF16
+//! tensors straight from the mapping and dequantises block types (`krasis_quant::ggml`) on read.
+
+pub mod arch;
+pub mod header;
+pub mod writer;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use krasis_core::DType;
+use krasis_quant::ggml::{self, GgmlType};
+use memmap2::Mmap;
+
+pub use self::arch::{expert_source_types, spec_from_gguf, suggested_bits, GgufTensorRef, TensorMap};
+pub use self::header::{Header, TensorInfo, Value, ValueType};
+
+use super::{fnv1a, SharedBytes, StoredTensor, WeightSource};
+use crate::error::{ModelError, Result};
+
+/// Split files in one model: llama.cpp's `gguf-split` caps it at 3 digits' worth; 4096 is far
+/// above any real model and bounds the files opened from a name.
+const MAX_SPLITS: usize = 4096;
+
+fn gguf_err(path: &Path, msg: impl Into<String>) -> ModelError {
+    ModelError::Gguf { path: path.to_path_buf(), msg: msg.into() }
+}
+
+/// One GGUF file: its mapping and validated header.
+pub struct GgufFile {
+    pub path: PathBuf,
+    pub map: Arc<Mmap>,
+    pub header: Header,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<GgufFile> {
+        let f = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        // SAFETY: read-only mapping; a file truncated under us is outside what any reader of a
+        // mapped model can defend against (the safetensors reader accepts the same).
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| ModelError::io(path, e))?;
+        let header = header::parse(&map).map_err(|m| gguf_err(path, m))?;
+        Ok(GgufFile { path: path.to_path_buf(), map: Arc::new(map), header })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// `(prefix, index, count)` of a split file name `prefix-00001-of-00003.gguf`.
+fn split_name(path: &Path) -> Option<(String, usize, usize)> {
+    let name = path.file_name()?.to_str()?;
+    let stem = name.strip_suffix(".gguf")?;
+    let (rest, count) = stem.rsplit_once("-of-")?;
+    let (prefix, index) = rest.rsplit_once('-')?;
+    let digits = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(index) || !digits(count) {
+        return None;
+    }
+    Some((prefix.to_string(), index.parse().ok()?, count.parse().ok()?))
+}
+
+/// A GGUF model: one file, or every split of a split model (any split's name opens all).
+pub struct GgufModel {
+    files: Vec<GgufFile>,
+    /// Tensor name → (file, tensor index).
+    index: HashMap<String, (usize, usize)>,
+}
+
+impl GgufModel {
+    pub fn open(path: &Path) -> Result<GgufModel> {
+        if !path.is_file() {
+            return Err(ModelError::MissingDir(path.to_path_buf()));
+        }
+        let paths = match split_name(path) {
+            Some((prefix, _, count)) => {
+                if count == 0 || count > MAX_SPLITS {
+                    return Err(gguf_err(
+                        path,
+                        format!("split count {count} in the file name is out of range 1..={MAX_SPLITS}"),
+                    ));
+                }
+                let dir = path.parent().unwrap_or(Path::new("."));
+                (1..=count).map(|i| dir.join(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect()
+            }
+            None => vec![path.to_path_buf()],
+        };
+        let mut files = Vec::with_capacity(paths.len());
+        for p in &paths {
+            if !p.is_file() {
+                return Err(gguf_err(p, format!("split file missing (opening {})", path.display())));
+            }
+            files.push(GgufFile::open(p)?);
+        }
+        if paths.len() > 1 {
+            for (i, f) in files.iter().enumerate() {
+                let want = |key: &str, v: usize| -> Result<()> {
+                    match f.header.kv.get(key).and_then(Value::as_int) {
+                        Some(x) if x == v as i128 => Ok(()),
+                        Some(x) => Err(gguf_err(&f.path, format!("metadata `{key}` is {x}, the file name says {v}"))),
+                        None => Ok(()),
+                    }
+                };
+                want("split.no", i)?;
+                want("split.count", paths.len())?;
+            }
+        }
+        let mut index = HashMap::new();
+        for (fi, f) in files.iter().enumerate() {
+            for (ti, t) in f.header.tensors.iter().enumerate() {
+                if let Some((prev, _)) = index.insert(t.name.clone(), (fi, ti)) {
+                    return Err(gguf_err(
+                        &f.path,
+                        format!("tensor `{}` is also in {}", header::shown(&t.name), files[prev].path.display()),
+                    ));
+                }
+            }
+        }
+        Ok(GgufModel { files, index })
+    }
+
+    /// The first (or only) file: where the model's metadata lives.
+    pub fn main(&self) -> &GgufFile {
+        &self.files[0]
+    }
+
+    pub fn files(&self) -> &[GgufFile] {
+        &self.files
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.files[0].path
+    }
+
+    /// A metadata value of the main file.
+    pub fn meta(&self, key: &str) -> Option<&Value> {
+        self.main().header.kv.get(key)
+    }
+
+    /// A string metadata value.
+    pub fn meta_str(&self, key: &str) -> Option<&str> {
+        self.meta(key).and_then(|v| v.as_str(self.main().bytes()))
+    }
+
+    /// A tensor's header entry and its file.
+    pub fn tensor_info(&self, name: &str) -> Option<(&GgufFile, &TensorInfo)> {
+        let &(fi, ti) = self.index.get(name)?;
+        let f = &self.files[fi];
+        Some((f, &f.header.tensors[ti]))
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Every tensor name, in file order.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.files.iter().flat_map(|f| f.header.tensors.iter().map(|t| t.name.as_str()))
+    }
+
+    /// Identity for cache keys: every file's name, size and header bytes (metadata and tensor
+    /// infos, which carry every tensor's type, shape and offset).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = fnv1a(0, b"gguf");
+        for f in &self.files {
+            let name = f.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            h = fnv1a(h, name.as_bytes());
+            h = fnv1a(h, &(f.map.len() as u64).to_le_bytes());
+            h = fnv1a(h, &f.map[..f.header.data_offset.min(f.map.len())]);
+        }
+        h
+    }
+}
+
+/// The weights of a GGUF model by canonical tensor name.
+pub struct GgufSource {
+    model: Arc<GgufModel>,
+    map: TensorMap,
+}
+
+impl GgufSource {
+    pub fn new(model: Arc<GgufModel>, map: TensorMap) -> Self {
+        GgufSource { model, map }
+    }
+
+    /// The ggml type a canonical tensor is stored in (for precision choices and reports).
+    pub fn stored_type(&self, name: &str) -> Option<GgmlType> {
+        let r = self.map.get(name)?;
+        self.model.tensor_info(r.primary()).map(|(_, t)| t.ty)
+    }
+
+    /// `elements` values of `t` starting at element `first` (whole blocks), as a stored tensor.
+    fn slice(&self, file: &GgufFile, t: &TensorInfo, first: usize, shape: Vec<usize>) -> Result<StoredTensor> {
+        let elements: usize = shape.iter().product();
+        let bs = t.ty.block_elems();
+        if !first.is_multiple_of(bs) || !elements.is_multiple_of(bs) || first + elements > t.elements() {
+            return Err(gguf_err(
+                &file.path,
+                format!("tensor `{}`: slice {first}+{elements} is not whole blocks", header::shown(&t.name)),
+            ));
+        }
+        let start = t.data.start + first / bs * t.ty.block_bytes();
+        let len = elements / bs * t.ty.block_bytes();
+        let raw = start..start + len;
+        let (dtype, bytes) = match t.ty {
+            GgmlType::F32 => (DType::F32, SharedBytes::new(Arc::clone(&file.map), raw)),
+            GgmlType::F16 => (DType::F16, SharedBytes::new(Arc::clone(&file.map), raw)),
+            GgmlType::BF16 => (DType::BF16, SharedBytes::new(Arc::clone(&file.map), raw)),
+            ty => {
+                let v = ggml::dequantize_vec(ty, &file.map[raw], elements)
+                    .map_err(|e| gguf_err(&file.path, format!("tensor `{}`: {e}", header::shown(&t.name))))?;
+                (DType::F32, SharedBytes::from_f32(v))
+            }
+        };
+        Ok(StoredTensor { dtype, shape, bytes, file: file.path.clone() })
+    }
+
+    fn whole(&self, name: &str) -> Result<(&GgufFile, &TensorInfo)> {
+        self.model
+            .tensor_info(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), dir: self.model.path().to_path_buf() })
+    }
+
+    /// MLA's `kv_b_proj` `[heads·(nope+v), rank]` rebuilt from llama.cpp's split form:
+    /// `attn_k_b` `[heads, rank, nope]` (transposed) and `attn_v_b` `[heads, v, rank]`.
+    fn kv_b(&self, k_b: &str, v_b: &str) -> Result<StoredTensor> {
+        let (kf, kt) = self.whole(k_b)?;
+        let (vf, vt) = self.whole(v_b)?;
+        let (ks, vs) = (kt.shape(), vt.shape());
+        let bad = || {
+            gguf_err(
+                &kf.path,
+                format!("`{k_b}` {ks:?} and `{v_b}` {vs:?} are not [heads, rank, nope] and [heads, v, rank]"),
+            )
+        };
+        let [heads, rank, nope] = ks[..] else { return Err(bad()) };
+        let [vh, v, vrank] = vs[..] else { return Err(bad()) };
+        if vh != heads || vrank != rank {
+            return Err(bad());
+        }
+        let k = self.slice(kf, kt, 0, ks.clone())?.view().to_f32_vec().ok_or_else(bad)?;
+        let vv = self.slice(vf, vt, 0, vs.clone())?.view().to_f32_vec().ok_or_else(bad)?;
+        let mut out = vec![0f32; heads * (nope + v) * rank];
+        for h in 0..heads {
+            let base = h * (nope + v) * rank;
+            for n in 0..nope {
+                for r in 0..rank {
+                    out[base + n * rank + r] = k[(h * rank + r) * nope + n];
+                }
+            }
+            let vsrc = &vv[h * v * rank..(h + 1) * v * rank];
+            out[base + nope * rank..base + (nope + v) * rank].copy_from_slice(vsrc);
+        }
+        Ok(StoredTensor {
+            dtype: DType::F32,
+            shape: vec![heads * (nope + v), rank],
+            bytes: SharedBytes::from_f32(out),
+            file: kf.path.clone(),
+        })
+    }
+}
+
+impl WeightSource for GgufSource {
+    fn location(&self) -> &Path {
+        self.model.path()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
+    fn tensor(&self, name: &str) -> Result<StoredTensor> {
+        let Some(r) = self.map.get(name) else {
+            return Err(ModelError::MissingTensor { name: name.into(), dir: self.model.path().to_path_buf() });
+        };
+        match r {
+            GgufTensorRef::Whole(g) => {
+                let (f, t) = self.whole(g)?;
+                self.slice(f, t, 0, t.shape())
+            }
+            GgufTensorRef::Expert { stacked, expert } => {
+                let (f, t) = self.whole(stacked)?;
+                let s = t.shape();
+                if s.len() != 3 || *expert >= s[0] {
+                    return Err(gguf_err(&f.path, format!("`{stacked}` {s:?} has no expert {expert}")));
+                }
+                self.slice(f, t, expert * s[1] * s[2], vec![s[1], s[2]])
+            }
+            GgufTensorRef::KvB { k_b, v_b } => self.kv_b(k_b, v_b),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let bytes: usize = self.model.files.iter().map(|f| f.map.len()).sum();
+        let mut types: Vec<(GgmlType, usize)> = Vec::new();
+        for f in &self.model.files {
+            for t in &f.header.tensors {
+                match types.iter_mut().find(|(ty, _)| *ty == t.ty) {
+                    Some((_, n)) => *n += 1,
+                    None => types.push((t.ty, 1)),
+                }
+            }
+        }
+        let types: Vec<String> = types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        format!(
+            "{} (GGUF v{}, {} file{}, {:.2} GiB; tensors: {})",
+            self.model.path().display(),
+            self.model.main().header.version,
+            self.model.files.len(),
+            if self.model.files.len() == 1 { "" } else { "s" },
+            bytes as f64 / (1u64 << 30) as f64,
+            types.join(", ")
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests;

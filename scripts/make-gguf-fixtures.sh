@@ -1,0 +1,82 @@
+#!/bin/bash
+# GGUF twins of the HF oracle fixtures, made with llama.cpp's own converter (convert_hf_to_gguf.py
+# + gguf-py from the llama-cpp-python sdist, pruned by shared/tools/peer-llama/prepare.sh) with the
+# pre-tokenizer pinned to gpt-2 (shared/tools/peer-llama/convert.py).
+#
+# usage: scripts/make-gguf-fixtures.sh [OUT]
+#   fixtures from KRASIS_FIXTURES (default ../shared/fixtures), GGUFs to OUT (default
+#   KRASIS_GGUF_FIXTURES, else .gguf-fixtures in the checkout, git-ignored):
+#   OUT/<fixture>/model-{bf16,q8_0}.gguf, plus model-q4_k_m.gguf when KRASIS_GGUF_Q4KM=1 (builds
+#   llama-quantize with cmake, CPU only: slow on 2 cores), and reference-{q8_0,q4_k_m}.safetensors:
+#   transformers in float64 on each quantised GGUF's dequantised weights
+#   (scripts/gguf-dequant-reference.py). qwen3moe-tiny has a dense layer, which
+#   llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
+# Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+FIX=${KRASIS_FIXTURES:-$ROOT/../shared/fixtures}
+OUT=${1:-${KRASIS_GGUF_FIXTURES:-$ROOT/.gguf-fixtures}}
+PEER=${KRASIS_PEER_TOOLS:-$ROOT/../shared/tools/peer-llama}
+FIXTURES=(dsv2-lite-tiny dsv2-grouped-tiny dsv2-k256-tiny dsv3-tiny)
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+[ -d "$FIX" ] || { echo "make-gguf-fixtures: no fixtures at $FIX (set KRASIS_FIXTURES)" >&2; exit 1; }
+t0=$SECONDS
+
+PY=${KRASIS_GGUF_PYTHON:-$OUT/.venv/bin/python}
+if ! "$PY" -c "import torch, transformers, safetensors, numpy" 2>/dev/null; then
+    echo "make-gguf-fixtures: creating $OUT/.venv (torch, transformers, safetensors, numpy)"
+    python3 -m venv "$OUT/.venv"; PY=$OUT/.venv/bin/python
+    "$PY" -m pip install -q --upgrade pip >/dev/null
+    "$PY" -m pip install -q torch transformers safetensors numpy sentencepiece protobuf
+fi
+LCPP=$OUT/.llama.cpp
+if [ ! -f "$LCPP/convert_hf_to_gguf.py" ]; then
+    bash "$PEER/prepare.sh" "$LCPP"
+fi
+# gguf-py's own dependencies (numpy, pyyaml, tqdm) for the converter
+"$PY" -c "import yaml, tqdm" 2>/dev/null || "$PY" -m pip install -q pyyaml tqdm
+
+for f in "${FIXTURES[@]}"; do
+    [ -f "$FIX/$f/config.json" ] || { echo "make-gguf-fixtures: $FIX/$f missing" >&2; exit 1; }
+    mkdir -p "$OUT/$f"
+    for t in bf16 q8_0; do
+        dst=$OUT/$f/model-$t.gguf
+        if [ ! -s "$dst" ] || [ "$dst" -ot "$FIX/$f/model.safetensors" ]; then
+            "$PY" "$PEER/convert.py" "$LCPP" "$FIX/$f" "$dst.tmp" "$t" >"$OUT/$f/convert-$t.log" 2>&1 \
+                || { tail -20 "$OUT/$f/convert-$t.log" >&2; exit 1; }
+            mv "$dst.tmp" "$dst"
+        fi
+    done
+done
+
+if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
+    Q=$LCPP/build/bin/llama-quantize
+    if [ ! -x "$Q" ]; then
+        echo "make-gguf-fixtures: building llama-quantize (CPU only; log in $OUT/cmake.log)"
+        { cmake -S "$LCPP" -B "$LCPP/build" -DGGML_NATIVE=OFF -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+            -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1 &&
+          cmake --build "$LCPP/build" --target llama-quantize -j "$(nproc)" >>"$OUT/cmake.log" 2>&1; } \
+            || { tail -20 "$OUT/cmake.log" >&2; exit 1; }
+    fi
+    # llama.cpp reads a deepseek2 file without q_lora_rank only at V2-Lite's 26/27 layers, so
+    # llama-quantize refuses the 2- and 3-layer q_lora-less fixtures (dsv2-lite, dsv2-k256).
+    for f in dsv2-grouped-tiny dsv3-tiny; do
+        dst=$OUT/$f/model-q4_k_m.gguf
+        [ -s "$dst" ] && [ "$dst" -nt "$OUT/$f/model-bf16.gguf" ] && continue
+        "$Q" --allow-requantize "$OUT/$f/model-bf16.gguf" "$dst.tmp" Q4_K_M >"$OUT/$f/quantize.log" 2>&1 \
+            || { tail -20 "$OUT/$f/quantize.log" >&2; exit 1; }
+        mv "$dst.tmp" "$dst"
+    done
+fi
+# The oracle of each quantised GGUF: transformers in float64 on its dequantised weights.
+for f in "${FIXTURES[@]}"; do
+    for t in q8_0 q4_k_m; do
+        src=$OUT/$f/model-$t.gguf; dst=$OUT/$f/reference-$t.safetensors
+        [ -s "$src" ] || continue
+        [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue
+        GGUF_PY=$LCPP/gguf-py "$PY" "$ROOT/scripts/gguf-dequant-reference.py" "$FIX/$f" "$src" "$dst" \
+            >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
+    done
+done
+echo "make-gguf-fixtures: ${FIXTURES[*]} -> $OUT ($((SECONDS - t0)) s)"
