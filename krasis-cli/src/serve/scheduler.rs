@@ -262,22 +262,36 @@ impl Worker {
         self.metrics.generated_tokens.fetch_add(sequences as u64, Relaxed);
         let eos = &self.engine.spec().eos_token_ids;
         let codec = &self.codec;
-        let mut finished = vec![false; sequences];
-        for ((r, out), done) in self.active.iter_mut().zip(outputs).zip(finished.iter_mut()) {
-            *done = advance(r, out.token, codec, eos);
+        let mut outcomes = Vec::with_capacity(sequences);
+        for (r, out) in self.active.iter_mut().zip(outputs) {
+            let o = advance(r, out.token, codec, eos);
+            if o == Outcome::Gone {
+                tracing::info!("{}: cancelled (client went away) after {} tokens", r.job.label, r.generated);
+                self.metrics.cancelled.fetch_add(1, Relaxed);
+            }
+            outcomes.push(o);
         }
         let mut i = 0;
         self.active.retain(|_| {
             i += 1;
-            !finished[i - 1]
+            outcomes[i - 1] == Outcome::Running
         });
         self.metrics.active.store(self.active.len() as u64, Relaxed);
     }
 }
 
+/// What became of a job after its token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Running,
+    /// Done, stopped or failed; its receiver has the last event.
+    Finished,
+    /// The receiver is gone (the client went away).
+    Gone,
+}
+
 /// Takes one sampled token for `r`: text out through the stop matcher, then the end checks.
-/// Returns whether the job is finished (done, stopped, or its client gone).
-fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> bool {
+fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outcome {
     r.generated += 1;
     r.next.clear();
     r.next.push(token);
@@ -286,12 +300,12 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> bool 
         Ok(d) => d,
         Err(e) => {
             let _ = r.job.events.send(Event::Failed(format!("detokenisation failed: {e}")));
-            return true;
+            return Outcome::Finished;
         }
     };
     let m = r.stop.push(&delta);
     if !m.emit.is_empty() && r.job.events.send(Event::Text(m.emit)).is_err() {
-        return true;
+        return Outcome::Gone;
     }
     let reason = if m.stopped {
         Some("stop")
@@ -302,7 +316,7 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> bool 
     } else {
         None
     };
-    let Some(mut reason) = reason else { return false };
+    let Some(mut reason) = reason else { return Outcome::Running };
     if !m.stopped {
         // The held-back tail: an incomplete character's bytes, then text that might have begun
         // a stop string.
@@ -326,6 +340,8 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> bool 
         r.generated,
         r.started.elapsed().as_secs_f64()
     );
-    let _ = r.job.events.send(Event::Done(finish));
-    true
+    match r.job.events.send(Event::Done(finish)) {
+        Ok(()) => Outcome::Finished,
+        Err(_) => Outcome::Gone,
+    }
 }
