@@ -3,6 +3,7 @@
 mod cmd_bench;
 mod cmd_bench_gpu;
 mod cmd_bench_hybrid;
+mod cmd_bench_streams;
 mod cmd_convert;
 mod cmd_generate;
 mod cmd_info;

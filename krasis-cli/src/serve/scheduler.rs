@@ -307,9 +307,7 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
     if !m.emit.is_empty() && r.job.events.send(Event::Text(m.emit)).is_err() {
         return Outcome::Gone;
     }
-    let reason = if m.stopped {
-        Some("stop")
-    } else if !r.job.ignore_eos && eos.contains(&token) {
+    let reason = if m.stopped || (!r.job.ignore_eos && eos.contains(&token)) {
         Some("stop")
     } else if r.generated >= r.job.max_tokens {
         Some("length")
