@@ -44,7 +44,7 @@ fn run_streams(
             stop: Vec::new(),
             ignore_eos: true,
             events: tx,
-            label: format!("bench stream {i}"),
+            label: None,
         };
         if scheduler.submit(job).is_err() {
             bail!("the scheduler refused bench stream {i}");

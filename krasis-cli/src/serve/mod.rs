@@ -24,7 +24,7 @@ use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
 
 pub(crate) use self::metrics::Metrics;
-use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
+use crate::cmd_generate::RunArgs;
 
 /// How long in-flight generations may run on after SIGINT/SIGTERM before they are cut off.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -63,14 +63,8 @@ pub struct Args {
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
-    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) |
-    /// auto (the GPU when the whole model fits its VRAM budget, else hybrid; the CPU without a GPU)
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
     #[command(flatten)]
-    engine: EngineArgs,
-    #[command(flatten)]
-    gpu: GpuArgs,
+    run: RunArgs,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -85,7 +79,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--api-key is empty");
     }
     let context_estimate = a.context.map_or(DEFAULT_CONTEXT_TOKENS, |c| c as u64) * a.max_batch as u64;
-    let config = a.engine.config(a.device, &a.gpu, context_estimate)?;
+    // Every session of the GPU paths holds a KV cache of `--kv-tokens`; left to itself the GPU
+    // loader sizes it to all the VRAM left, which would fit one session, not `--max-batch`.
+    let mut gpu = a.run.gpu.clone();
+    if gpu.kv_tokens.is_none() {
+        gpu.kv_tokens = Some(a.context.unwrap_or(DEFAULT_CONTEXT_TOKENS as usize));
+    }
+    let config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
     let files = ModelFiles::open(&a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         tracing::warn!("system: {w}");

@@ -177,10 +177,10 @@ async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) 
         }
     };
     let prompt = match req.prompt {
-        Prompt::Text(t) => encode(&s, &t)?,
-        Prompt::Texts(v) => {
+        Prompt::Text(t) => encode(&s, t).await?,
+        Prompt::Texts(mut v) => {
             one(v.len())?;
-            encode(&s, &v[0])?
+            encode(&s, v.swap_remove(0)).await?
         }
         Prompt::Ids(ids) => ids,
         Prompt::IdLists(mut v) => {
@@ -197,8 +197,14 @@ async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) 
     generate(s, Kind::Text, prompt, gen).await
 }
 
-fn encode(s: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    s.codec.encode(text).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+/// Tokenising a prompt of up to `--max-body-bytes` takes a while: off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))
+}
+
+async fn encode(s: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
+    let codec = s.codec.clone();
+    blocking(move || codec.encode(&text)).await?.map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
 }
 
 /// A seed for a request that names none.
@@ -245,7 +251,7 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
         stop: gen.stop.clone(),
         ignore_eos: gen.ignore_eos,
         events: tx,
-        label: format!("request {n} ({})", if kind == Kind::Chat { "chat" } else { "completion" }),
+        label: Some(format!("request {n} ({})", if kind == Kind::Chat { "chat" } else { "completion" })),
     };
     match s.scheduler.submit(job) {
         Ok(()) => {}

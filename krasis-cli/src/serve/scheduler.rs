@@ -31,8 +31,8 @@ pub struct Job {
     pub ignore_eos: bool,
     /// Where the text goes; dropping the receiver cancels the job.
     pub events: UnboundedSender<Event>,
-    /// For the request log line.
-    pub label: String,
+    /// Names the request in the log lines (`None`: no per-request log lines, as in benchmarks).
+    pub label: Option<String>,
 }
 
 /// What a job's receiver gets: text deltas, then exactly one `Done` or `Failed`.
@@ -185,7 +185,7 @@ impl Worker {
         self.active.retain(|r| {
             let gone = r.job.events.is_closed();
             if gone {
-                tracing::info!("{}: cancelled (client went away) after {} tokens", r.job.label, r.generated);
+                log_cancelled(r);
             }
             !gone
         });
@@ -219,7 +219,7 @@ impl Worker {
                     });
                 }
                 Err(e) => {
-                    tracing::warn!("{}: no session: {e}", job.label);
+                    tracing::warn!("{}: no session: {e}", job.label.as_deref().unwrap_or("a request"));
                     let _ = job.events.send(Event::Failed(format!("no session for the request: {e}")));
                 }
             }
@@ -266,7 +266,7 @@ impl Worker {
         for (r, out) in self.active.iter_mut().zip(outputs) {
             let o = advance(r, out.token, codec, eos);
             if o == Outcome::Gone {
-                tracing::info!("{}: cancelled (client went away) after {} tokens", r.job.label, r.generated);
+                log_cancelled(r);
                 self.metrics.cancelled.fetch_add(1, Relaxed);
             }
             outcomes.push(o);
@@ -277,6 +277,12 @@ impl Worker {
             outcomes[i - 1] == Outcome::Running
         });
         self.metrics.active.store(self.active.len() as u64, Relaxed);
+    }
+}
+
+fn log_cancelled(r: &Running) {
+    if let Some(label) = &r.job.label {
+        tracing::info!("{label}: cancelled (client went away) after {} tokens", r.generated);
     }
 }
 
@@ -331,13 +337,14 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
         }
     }
     let finish = Finish { reason, prompt_tokens, completion_tokens: r.generated };
-    tracing::info!(
-        "{}: {} prompt + {} generated tokens in {:.2} s, finish_reason {reason}",
-        r.job.label,
-        prompt_tokens,
-        r.generated,
-        r.started.elapsed().as_secs_f64()
-    );
+    if let Some(label) = &r.job.label {
+        tracing::info!(
+            "{label}: {} prompt + {} generated tokens in {:.2} s, finish_reason {reason}",
+            prompt_tokens,
+            r.generated,
+            r.started.elapsed().as_secs_f64()
+        );
+    }
     match r.job.events.send(Event::Done(finish)) {
         Ok(()) => Outcome::Finished,
         Err(_) => Outcome::Gone,
