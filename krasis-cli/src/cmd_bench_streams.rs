@@ -27,10 +27,15 @@ fn run_streams(
     n: usize,
     prompt_tokens: usize,
     decode_tokens: usize,
+    serial: bool,
 ) -> anyhow::Result<(u64, f64)> {
     let metrics = Arc::new(Metrics::default());
-    let (scheduler, worker) =
-        Scheduler::start(engine.clone(), codec.clone(), Config { max_batch: n, max_queue: n }, metrics.clone())?;
+    let (scheduler, worker) = Scheduler::start(
+        engine.clone(),
+        codec.clone(),
+        Config { max_batch: n, max_queue: n, serial },
+        metrics.clone(),
+    )?;
     let vocab = engine.spec().vocab_size;
     let mut receivers = Vec::with_capacity(n);
     for i in 0..n {
@@ -92,22 +97,30 @@ pub(crate) fn streams(
     if text {
         println!("{}", engine.describe());
     }
-    run_streams(&engine, &codec, 1, prompt_tokens, WARMUP_TOKENS)?;
+    run_streams(&engine, &codec, 1, prompt_tokens, WARMUP_TOKENS, false)?;
     let mut rows = Vec::new();
     let mut one = None;
     for &n in streams {
-        let (tokens, secs) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens)?;
+        let (tokens, secs) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens, false)?;
         let tok_s = tokens as f64 / secs.max(1e-9);
+        // The same streams with one engine step per sequence: what batching gains, in one run.
+        let serial_tok_s = if n > 1 {
+            let (t, s) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens, true)?;
+            Some(t as f64 / s.max(1e-9))
+        } else {
+            None
+        };
         let base = *one.get_or_insert(if n == 1 { tok_s } else { f64::NAN });
         if text {
             let vs = if base.is_nan() { String::new() } else { format!(", {:.2}× one stream", tok_s / base) };
+            let serial = serial_tok_s.map_or(String::new(), |s| format!("; one step per stream: {s:.2} tok/s"));
             println!(
-                "streams {n:>2}: aggregate decode {tok_s:8.2} tok/s ({:.2} tok/s per stream{vs}; {tokens} tokens in {secs:.2} s)",
+                "streams {n:>2}: aggregate decode {tok_s:8.2} tok/s ({:.2} tok/s per stream{vs}; {tokens} tokens in {secs:.2} s{serial})",
                 tok_s / n as f64
             );
         }
         rows.push(json!({"streams": n, "decode_tokens": tokens, "decode_s": secs, "aggregate_tok_s": tok_s,
-                         "per_stream_tok_s": tok_s / n as f64}));
+                         "per_stream_tok_s": tok_s / n as f64, "serial_aggregate_tok_s": serial_tok_s}));
     }
     Ok(json!({"device": engine.device().name(), "prompt_tokens": prompt_tokens,
                "decode_tokens_per_stream": decode_tokens, "runs": rows}))

@@ -129,7 +129,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (scheduler, worker) = scheduler::Scheduler::start(
         engine.clone(),
         codec.clone(),
-        scheduler::Config { max_batch: a.max_batch, max_queue: a.max_queue },
+        scheduler::Config { max_batch: a.max_batch, max_queue: a.max_queue, serial: false },
         metrics.clone(),
     )
     .context("starting the scheduler thread")?;

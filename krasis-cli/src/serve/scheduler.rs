@@ -77,6 +77,9 @@ pub struct Config {
     pub max_batch: usize,
     /// Requests that may wait for a slot; more get 429.
     pub max_queue: usize,
+    /// Run the admitted sequences one `Engine::step` each instead of one step for all (what
+    /// `step` did before it batched; `krasis bench --streams` measures both).
+    pub serial: bool,
 }
 
 impl Scheduler {
@@ -93,6 +96,7 @@ impl Scheduler {
             engine,
             codec,
             max_batch: config.max_batch.max(1),
+            serial: config.serial,
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -137,6 +141,7 @@ struct Worker {
     engine: Arc<dyn Engine>,
     codec: Arc<TextCodec>,
     max_batch: usize,
+    serial: bool,
     metrics: Arc<Metrics>,
     waiting: VecDeque<Box<Job>>,
     active: Vec<Running>,
@@ -243,7 +248,12 @@ impl Worker {
                     want_logits: false,
                 })
                 .collect();
-            self.engine.step(&mut batch)
+            if self.serial {
+                let mut outs = Vec::with_capacity(batch.len());
+                batch.chunks_mut(1).try_for_each(|one| self.engine.step(one).map(|o| outs.extend(o))).map(|()| outs)
+            } else {
+                self.engine.step(&mut batch)
+            }
         };
         let took = t0.elapsed();
         let outputs = match result {
