@@ -168,7 +168,17 @@ fn a_client_that_disconnects_mid_stream_frees_its_slot() {
     s.wait_for("the slot to be freed", |s| {
         s.metric("krasis_active_sequences") == 0.0 && s.metric("krasis_requests_cancelled_total") == 1.0
     });
-    assert!(s.metric("krasis_generation_tokens_total") < 3000.0, "generation went on after the disconnect");
+    // A non-streamed request whose client hangs up before the answer is cancelled too.
+    let body = chat_body("Go on forever", 1, 3000, false).to_string();
+    let mut conn = std::net::TcpStream::connect(&s.addr).unwrap();
+    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    std::io::Write::write_all(&mut conn, format!("{head}{body}").as_bytes()).unwrap();
+    s.wait_for("the non-streamed request to take the slot", |s| s.metric("krasis_active_sequences") == 1.0);
+    drop(conn);
+    s.wait_for("the second slot release", |s| {
+        s.metric("krasis_active_sequences") == 0.0 && s.metric("krasis_requests_cancelled_total") == 2.0
+    });
+    assert!(s.metric("krasis_generation_tokens_total") < 6000.0, "generation went on after the disconnect");
     // The one slot serves the next request.
     let (text, finish, _) = whole(&s.post("/v1/chat/completions", &chat_body("Next", 2, 4, false)), true);
     assert_eq!(finish, "length");
