@@ -64,3 +64,25 @@ fn streamed_deltas_never_split_a_character() {
     assert_eq!(out, "");
     assert!(stream.finish(&codec).unwrap().contains('\u{fffd}'));
 }
+
+/// A whole conversation goes through the chat template in order, ending with the generation
+/// prompt (the server's chat endpoint renders every message this way).
+#[test]
+fn a_conversation_renders_through_the_chat_template() {
+    use krasis_model::tokenizer::ChatMessage;
+    let tmp = tempfile::tempdir().unwrap();
+    krasis_tests::tiny_model(tmp.path());
+    let codec = ModelFiles::open(tmp.path()).unwrap().text_codec().unwrap();
+    assert!(codec.has_chat_template());
+    let conversation = [
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Hi"),
+        ChatMessage::new("assistant", "Hello."),
+        ChatMessage::new("user", "Again"),
+    ];
+    let text = codec.render_messages(&conversation).unwrap();
+    assert_eq!(text, "<|system|>Be brief.\n<|user|>Hi\n<|assistant|>Hello.\n<|user|>Again\n<|assistant|>");
+    let ids = codec.encode_messages(&conversation).unwrap();
+    assert_eq!(codec.decode(&ids).unwrap(), text);
+    assert_eq!(codec.render_chat("Hi").unwrap(), "<|user|>Hi\n<|assistant|>");
+}
