@@ -156,7 +156,7 @@ fn eight_concurrent_streams_each_equal_its_solo_run() {
 
 #[test]
 fn a_client_that_disconnects_mid_stream_frees_its_slot() {
-    let s = Server::start(&["--max-batch", "1"]);
+    let s = Server::start(&["--max-batch", "1", "--max-queue", "0"]);
     let body = chat_body("Go on forever", 1, 3000, true);
     let mut stream = EventStream::open(&s.addr, "/v1/chat/completions", &body);
     assert_eq!(stream.status, 200);
@@ -164,6 +164,9 @@ fn a_client_that_disconnects_mid_stream_frees_its_slot() {
         stream.next_data().expect("a chunk");
     }
     s.wait_for("the long request to hold the one slot", |s| s.metric("krasis_active_sequences") == 1.0);
+    // The one slot is busy and no request may wait: 429.
+    let e = assert_openai_error(&s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2})), 429, "busy");
+    assert_eq!(e["type"], "rate_limit_error");
     drop(stream);
     s.wait_for("the slot to be freed", |s| {
         s.metric("krasis_active_sequences") == 0.0 && s.metric("krasis_requests_cancelled_total") == 1.0

@@ -53,7 +53,7 @@ pub struct Args {
     /// Requests decoded together in one engine step (batch slots).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Requests that may wait for a slot; beyond that the server answers 429.
+    /// Requests that may wait while every batch slot is busy; beyond that the server answers 429.
     #[arg(long, default_value_t = 64)]
     max_queue: usize,
     /// Context per request: prompt + generated tokens (default: the engine's KV capacity, else

@@ -188,12 +188,6 @@ async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) 
             v.swap_remove(0)
         }
     };
-    if let Some((pos, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= s.vocab) {
-        return Err(ApiError::invalid_param(
-            "prompt",
-            format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
-        ));
-    }
     generate(s, Kind::Text, prompt, gen).await
 }
 
@@ -220,14 +214,23 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
     if s.shutting_down.load(Relaxed) {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
+    let param = if kind == Kind::Chat { "messages" } else { "prompt" };
     if prompt.is_empty() {
-        return Err(ApiError::invalid_param("prompt", "the prompt encodes to no tokens"));
+        return Err(ApiError::invalid_param(param, "the prompt encodes to no tokens"));
+    }
+    // Ids a client gave, or a tokenizer with more ids than the model's embedding: refused here,
+    // not in the engine step that would fail the whole batch.
+    if let Some((pos, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= s.vocab) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
+        ));
     }
     let room = s.context.saturating_sub(prompt.len());
     let max_tokens = gen.max_tokens.unwrap_or(room);
     if room == 0 || max_tokens > room {
         return Err(ApiError::invalid_param(
-            if kind == Kind::Chat { "messages" } else { "prompt" },
+            param,
             format!(
                 "this model's context is {} tokens; the request asks for {} ({} prompt + {} to generate)",
                 s.context,

@@ -61,6 +61,7 @@ enum Msg {
 pub struct Scheduler {
     tx: mpsc::Sender<Msg>,
     metrics: Arc<Metrics>,
+    max_batch: usize,
     max_queue: usize,
 }
 
@@ -75,7 +76,7 @@ pub enum Refused {
 pub struct Config {
     /// Sequences advanced together (batch slots).
     pub max_batch: usize,
-    /// Requests that may wait for a slot; more get 429.
+    /// Requests that may wait while every slot is busy; more get 429.
     pub max_queue: usize,
     /// Run the admitted sequences one `Engine::step` each instead of one step for all (what
     /// `step` did before it batched; `krasis bench --streams` measures both).
@@ -91,24 +92,26 @@ impl Scheduler {
         metrics: Arc<Metrics>,
     ) -> std::io::Result<(Scheduler, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
-        let max_queue = config.max_queue;
+        let (max_batch, max_queue) = (config.max_batch.max(1), config.max_queue);
         let worker = Worker {
             engine,
             codec,
-            max_batch: config.max_batch.max(1),
+            max_batch,
             serial: config.serial,
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
         };
         let handle = std::thread::Builder::new().name("krasis-scheduler".into()).spawn(move || worker.run(rx))?;
-        Ok((Scheduler { tx, metrics, max_queue }, handle))
+        Ok((Scheduler { tx, metrics, max_batch, max_queue }, handle))
     }
 
-    /// Queues a job (the job's receiver then gets its events).
+    /// Queues a job (the job's receiver then gets its events), unless every slot is busy and
+    /// `max_queue` jobs already wait.
     pub fn submit(&self, job: Job) -> Result<(), Refused> {
         let queued = self.metrics.queued.load(Relaxed) as usize;
-        if queued >= self.max_queue {
+        let active = self.metrics.active.load(Relaxed) as usize;
+        if queued + active >= self.max_queue + self.max_batch {
             return Err(Refused::Busy(queued));
         }
         self.metrics.queued.fetch_add(1, Relaxed);
