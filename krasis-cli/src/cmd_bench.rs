@@ -65,6 +65,10 @@ pub struct Args {
     /// affects all alike; best and median GB/s of this many passes each.
     #[arg(long, default_value_t = 0)]
     gemv_compare: usize,
+    /// Aggregate decode tok/s of this many concurrent streams through the server's scheduler,
+    /// each count in turn (e.g. 1,2,4,8), on --device; --decode-tokens per stream.
+    #[arg(long, value_delimiter = ',')]
+    streams: Vec<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub(crate) json: bool,
@@ -330,6 +334,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         },
         d => d,
     };
+    if !a.streams.is_empty() {
+        let dir = a.model.as_ref().context("--streams needs --model")?;
+        let config = a.engine.config(device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+        let out =
+            crate::cmd_bench_streams::streams(dir, &config, &a.streams, a.prompt_tokens, a.decode_tokens, !a.json)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        }
+        return Ok(());
+    }
     if a.gpu_attention || device != Device::Cpu {
         if a.membw || a.expert_gemv {
             bail!("--membw/--expert-gemv are CPU benchmarks; run them separately from --gpu-attention / --device gpu");

@@ -186,6 +186,19 @@ impl GpuArgs {
     }
 }
 
+/// Where and how the model runs: `--device` and every engine flag (`generate`, `serve`).
+#[derive(ClapArgs, Clone, Debug)]
+pub struct RunArgs {
+    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) |
+    /// auto (the GPU when the whole model fits its VRAM budget, else hybrid; the CPU without a GPU)
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+}
+
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model: an HF directory (config.json, *.safetensors, tokenizer.json) or a GGUF file
@@ -219,14 +232,8 @@ pub struct Args {
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
-    /// cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the rest on the GPU) |
-    /// auto (the GPU when the whole model fits its VRAM budget, else hybrid; the CPU without a GPU)
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    device: Device,
     #[command(flatten)]
-    engine: EngineArgs,
-    #[command(flatten)]
-    gpu: GpuArgs,
+    run: RunArgs,
     /// Write prefill_logits, step_logits and generated_ids to this safetensors file.
     #[arg(long)]
     dump_logits: Option<PathBuf>,
@@ -242,7 +249,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
-    let config = a.engine.config(a.device, &a.gpu, DEFAULT_CONTEXT_TOKENS)?;
+    let config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");

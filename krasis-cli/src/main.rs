@@ -3,12 +3,14 @@
 mod cmd_bench;
 mod cmd_bench_gpu;
 mod cmd_bench_hybrid;
+mod cmd_bench_streams;
 mod cmd_convert;
 mod cmd_generate;
 mod cmd_info;
 mod cmd_synth;
 mod dump;
 mod logging;
+mod serve;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -36,6 +38,8 @@ enum Command {
     /// Benchmarks: memory bandwidth, expert GEMV, decode throughput on the CPU or the GPU, GPU
     /// attention kernels.
     Bench(cmd_bench::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming).
+    Serve(serve::Args),
 }
 
 /// The parser, with every value flag taking negative numbers (`--temperature -1`), so that the
@@ -62,6 +66,7 @@ fn main() {
         Command::Info(a) => cmd_info::run(a),
         Command::Convert(a) => cmd_convert::run(a),
         Command::Bench(a) => cmd_bench::run(a),
+        Command::Serve(a) => serve::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -5,7 +5,7 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Logits, Model};
+use crate::engine::{BatchSeq, Logits, Model};
 use crate::error::{ModelError, Result};
 use crate::runtime::{CancelToken, Engine};
 use crate::sampling::{Sampler, SamplingParams};
@@ -94,10 +94,25 @@ pub trait Decoder {
         sampler: &mut Sampler,
         record: bool,
     ) -> Result<(u32, Option<Vec<f32>>)>;
+    /// [`Decoder::step`] for several sequences, one output per sequence in order. The default
+    /// runs them one after another; an engine that can batch (the CPU [`Model`]: one pass over
+    /// every sequence's rows) overrides it.
+    fn step_batch(&self, seqs: &mut [DecoderStep<'_, Self::Session>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
+        seqs.iter_mut().map(|s| self.step(s.session, s.tokens, s.sampler, s.record)).collect()
+    }
     /// Host synchronisations so far (GPU engines; `None` where the notion does not apply).
     fn host_syncs(&self) -> Option<u64> {
         None
     }
+}
+
+/// One sequence of [`Decoder::step_batch`].
+pub struct DecoderStep<'a, S> {
+    pub session: &'a mut S,
+    pub tokens: &'a [u32],
+    pub sampler: &'a mut Sampler,
+    /// Also return the logits of every position of `tokens`.
+    pub record: bool,
 }
 
 impl Decoder for Model {
@@ -122,11 +137,30 @@ impl Decoder for Model {
         sampler: &mut Sampler,
         record: bool,
     ) -> Result<(u32, Option<Vec<f32>>)> {
-        let which = if record { Logits::All } else { Logits::Last };
-        let logits = self.forward(session, tokens, which, None)?;
+        let mut one = [DecoderStep { session, tokens, sampler, record }];
+        let mut out = self.step_batch(&mut one)?;
+        Ok(out.pop().expect("one sequence in, one out"))
+    }
+
+    fn step_batch(&self, seqs: &mut [DecoderStep<'_, Self::Session>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
+        let mut batch: Vec<BatchSeq<'_>> = seqs
+            .iter_mut()
+            .map(|s| BatchSeq {
+                session: &mut *s.session,
+                tokens: s.tokens,
+                which: if s.record { Logits::All } else { Logits::Last },
+            })
+            .collect();
+        let logits = self.forward_batch(&mut batch)?;
         let v = self.spec.vocab_size;
-        let id = sampler.sample(&logits[logits.len() - v..]);
-        Ok((id, record.then_some(logits)))
+        Ok(seqs
+            .iter_mut()
+            .zip(logits)
+            .map(|(s, l)| {
+                let id = s.sampler.sample(&l[l.len() - v..]);
+                (id, s.record.then_some(l))
+            })
+            .collect())
     }
 }
 

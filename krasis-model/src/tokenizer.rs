@@ -202,12 +202,30 @@ impl TextCodec {
     /// Wrap `prompt` as one user message through the chat template and encode the result
     /// (the template places any special tokens itself).
     pub fn encode_chat(&self, prompt: &str) -> Result<Vec<u32>> {
-        let text = self.render_chat(prompt)?;
+        self.encode_messages(&[ChatMessage::new("user", prompt)])
+    }
+
+    /// Render a conversation through the chat template (with the generation prompt) and encode
+    /// the result; the template places any special tokens itself.
+    pub fn encode_messages(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.render_messages(messages)?;
         let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn render_chat(&self, prompt: &str) -> Result<String> {
+        self.render_messages(&[ChatMessage::new("user", prompt)])
+    }
+
+    /// Whether `tokenizer_config.json` has a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// `messages` through the chat template, ending with the generation prompt. A template that
+    /// rejects the conversation (`raise_exception`, say for a role it does not know) is a
+    /// [`ModelError::Template`] carrying its message.
+    pub fn render_messages(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             ModelError::Template(format!("{} has no chat_template; drop --chat", self.config_path.display()))
         })?;
@@ -218,8 +236,10 @@ impl TextCodec {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_template("chat", template).map_err(|e| ModelError::Template(e.to_string()))?;
+        let messages: Vec<minijinja::Value> =
+            messages.iter().map(|m| minijinja::context! { role => &m.role, content => &m.content }).collect();
         let ctx = minijinja::context! {
-            messages => vec![minijinja::context! { role => "user", content => prompt }],
+            messages => messages,
             add_generation_prompt => true,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -233,27 +253,65 @@ impl TextCodec {
     }
 }
 
-/// Turns a growing id sequence into text deltas, holding back incomplete UTF-8 sequences.
+/// One message of a conversation, as the chat template sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage { role: role.into(), content: content.into() }
+    }
+}
+
+/// Turns a growing id sequence into text deltas, never emitting half a UTF-8 character: bytes
+/// of an incomplete character wait for the ids that complete them. Each push decodes a short
+/// window (the ids since the last emitted text plus the ids before them that the decoder may need
+/// for context: a leading space, a merged character), so a long generation costs O(1) per token.
 pub struct TextStream {
+    /// Ids from the window's start on (earlier ones are done with).
     ids: Vec<u32>,
-    printed: usize,
+    /// `ids[..read]` has been emitted as text.
+    read: usize,
 }
 
 impl TextStream {
     pub fn new() -> Self {
-        TextStream { ids: Vec::new(), printed: 0 }
+        TextStream { ids: Vec::new(), read: 0 }
     }
 
     /// Add one id; returns the newly completed text, if any.
     pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String> {
         self.ids.push(id);
+        let done = codec.decode(&self.ids[..self.read])?;
         let text = codec.decode(&self.ids)?;
-        if text.ends_with('\u{fffd}') || text.len() < self.printed || !text.is_char_boundary(self.printed) {
+        if text.len() <= done.len()
+            || text.ends_with('\u{fffd}')
+            || !text.is_char_boundary(done.len())
+            || !text.starts_with(&done)
+        {
             return Ok(String::new());
         }
-        let delta = text[self.printed..].to_string();
-        self.printed = text.len();
+        let delta = text[done.len()..].to_string();
+        // The ids just emitted become the next window's context.
+        self.ids.drain(..self.read);
+        self.read = self.ids.len();
         Ok(delta)
+    }
+
+    /// The text still held back at the end of a generation (an incomplete character's bytes,
+    /// decoded as U+FFFD), so that the deltas add up to the one-shot decode.
+    pub fn finish(&mut self, codec: &TextCodec) -> Result<String> {
+        let done = codec.decode(&self.ids[..self.read])?;
+        let text = codec.decode(&self.ids)?;
+        self.ids.clear();
+        self.read = 0;
+        Ok(match text.strip_prefix(done.as_str()) {
+            Some(rest) => rest.to_string(),
+            None => String::new(),
+        })
     }
 }
 

@@ -12,7 +12,8 @@ use super::kv::LayerKv;
 use crate::build::MlaParts;
 use crate::linear::LinearOp;
 
-/// cos/sin for the positions of one forward call, `[t, half_dim]` each.
+/// cos/sin for the rows of one forward call, `[t, half_dim]` each: row `i`'s angles are those of
+/// its own position in its own sequence (a batch concatenates its sequences' tables).
 pub struct RopeBatch {
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
@@ -27,10 +28,39 @@ impl RopeBatch {
     }
 }
 
+/// One sequence's share of a batched attention call: its rows (consecutive in the batch, in
+/// sequence order) and its KV cache for this layer.
+pub struct SeqKv<'a> {
+    pub rows: usize,
+    pub kv: &'a mut LayerKv,
+}
+
+/// Calls `f(offset, rows, q_start, kv)` per sequence after appending its rows of `fresh` (`width`
+/// floats per row; `fresh_v` likewise, for caches with separate values) to its cache; `q_start`
+/// is the position of the sequence's first row.
+fn append_each(
+    seqs: &mut [SeqKv<'_>],
+    fresh: &[f32],
+    width: usize,
+    fresh_v: Option<(&[f32], usize)>,
+    mut f: impl FnMut(usize, usize, usize, &LayerKv),
+) {
+    let mut off = 0;
+    for s in seqs.iter_mut() {
+        let q_start = s.kv.len();
+        let v = fresh_v.map(|(v, w)| &v[off * w..(off + s.rows) * w]);
+        s.kv.append(&fresh[off * width..(off + s.rows) * width], v);
+        f(off, s.rows, q_start, s.kv);
+        off += s.rows;
+    }
+}
+
 pub trait AttentionLayer: Send + Sync {
-    /// `x`: normalised hidden states `[t, hidden]` at positions `kv.len()..kv.len()+t`;
-    /// appends them to `kv` and writes the attention output `[t, hidden]`.
-    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]);
+    /// `x`: normalised hidden states `[t, hidden]` of every sequence of the batch, `seqs[i].rows`
+    /// rows each, at positions `kv.len()..kv.len()+rows` of each sequence's cache. Projections
+    /// run once over all `t` rows (each weight read once per call); attention runs per sequence
+    /// over its own cache, after appending its rows. Writes the attention output `[t, hidden]`.
+    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]);
     fn new_cache(&self) -> LayerKv;
     /// Weight bytes read per token.
     fn weight_bytes(&self) -> usize;
@@ -58,8 +88,9 @@ impl AttentionLayer for MlaAttention {
             + self.w.o.weight_bytes()
     }
 
-    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
+    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
+        let t: usize = seqs.iter().map(|s| s.rows).sum();
         let qk = nope + rd;
         let mut q = vec![0f32; t * h * qk];
         match &self.w.q_a {
@@ -78,8 +109,6 @@ impl AttentionLayer for MlaAttention {
             rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
         }
-        let q_start = kv.len();
-        kv.append(&kva, None);
 
         // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head).
         let per_head = nope + vd;
@@ -100,7 +129,10 @@ impl AttentionLayer for MlaAttention {
         });
 
         let mut o_lat = vec![0f32; t * h * lat];
-        causal_attention(&q_abs, t, h, q_start, &kv.view(), self.scale, &mut o_lat);
+        append_each(seqs, &kva, row, None, |off, n, q_start, kv| {
+            let q = &q_abs[off * h * row..(off + n) * h * row];
+            causal_attention(q, n, h, q_start, &kv.view(), self.scale, &mut o_lat[off * h * lat..(off + n) * h * lat]);
+        });
 
         // Apply W_UV per head.
         let isa = isa::active();
@@ -143,8 +175,9 @@ impl AttentionLayer for GqaAttention {
             + self.o_proj.weight_bytes()
     }
 
-    fn forward(&self, x: &[f32], t: usize, kv: &mut LayerKv, rope: &RopeBatch, out: &mut [f32]) {
+    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
         let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let t: usize = seqs.iter().map(|s| s.rows).sum();
         let mut q = vec![0f32; t * h * hd];
         let mut k = vec![0f32; t * kvh * hd];
         let mut v = vec![0f32; t * kvh * hd];
@@ -161,10 +194,19 @@ impl AttentionLayer for GqaAttention {
         for (idx, head) in k.chunks_exact_mut(hd).enumerate() {
             rope.rotate(idx / kvh, head);
         }
-        let q_start = kv.len();
-        kv.append(&k, Some(&v));
         let mut o = vec![0f32; t * h * hd];
-        causal_attention(&q, t, h, q_start, &kv.view(), self.scale, &mut o);
+        let w = h * hd;
+        append_each(seqs, &k, kvh * hd, Some((&v, kvh * hd)), |off, n, q_start, kv| {
+            causal_attention(
+                &q[off * w..(off + n) * w],
+                n,
+                h,
+                q_start,
+                &kv.view(),
+                self.scale,
+                &mut o[off * w..(off + n) * w],
+            );
+        });
         self.o_proj.forward(&o, t, out);
     }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use krasis_cpu::norm::rms_norm_rows;
 
-use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch};
+use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch, SeqKv};
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{Ffn, Mlp, MoeBlock};
 use self::kv::LayerKv;
@@ -81,6 +81,14 @@ impl Session {
     pub fn kv_bytes(&self) -> usize {
         self.kv.iter().map(|k| k.bytes()).sum()
     }
+}
+
+/// One sequence of [`Model::forward_batch`]: its session, the tokens to run after what the
+/// session holds, and which positions get logits.
+pub struct BatchSeq<'a> {
+    pub session: &'a mut Session,
+    pub tokens: &'a [u32],
+    pub which: Logits,
 }
 
 /// Sees `(layer index, hidden states [t, hidden])` during a forward pass (tests, debugging).
@@ -319,21 +327,51 @@ impl Model {
         session: &mut Session,
         tokens: &[u32],
         which: Logits,
-        mut observe: Option<&mut HiddenObserver<'_>>,
+        observe: Option<&mut HiddenObserver<'_>>,
     ) -> Result<Vec<f32>> {
+        let mut batch = [BatchSeq { session, tokens, which }];
+        let mut out = self.forward_seqs(&mut batch, observe)?;
+        Ok(out.pop().expect("one sequence in, one out"))
+    }
+
+    /// [`Model::forward`] for several sequences at once, each after its own session: one pass
+    /// whose rows are every sequence's tokens, so each dense weight and each routed expert is read
+    /// once for the whole batch (the experts see all sequences' tokens grouped per expert);
+    /// attention runs per sequence over its own cache. Returns each sequence's logits, in order.
+    /// A row's result does not depend on the other rows of the batch.
+    pub fn forward_batch(&self, seqs: &mut [BatchSeq<'_>]) -> Result<Vec<Vec<f32>>> {
+        self.forward_seqs(seqs, None)
+    }
+
+    fn forward_seqs(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        mut observe: Option<&mut HiddenObserver<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
         let started = std::time::Instant::now();
-        self.check_tokens(tokens)?;
-        let t = tokens.len();
+        for s in seqs.iter() {
+            self.check_tokens(s.tokens)?;
+            if s.tokens.is_empty() {
+                return Err(ModelError::Invalid("forward called with no tokens".into()));
+            }
+        }
+        let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         if t == 0 {
-            return Err(ModelError::Invalid("forward called with no tokens".into()));
+            return Err(ModelError::Invalid("forward called with no sequences".into()));
         }
         let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
         let mut x = vec![0f32; t * h];
-        for (i, &id) in tokens.iter().enumerate() {
+        for (i, &id) in seqs.iter().flat_map(|s| s.tokens).enumerate() {
             self.embed.row_into(id as usize, &mut x[i * h..(i + 1) * h]);
         }
-        let (cos, sin) = self.rope.table(session.position(), t);
+        // Each row rotates by its own position in its own sequence.
+        let (mut cos, mut sin) = (Vec::with_capacity(t * self.rope.half_dim()), Vec::new());
+        for s in seqs.iter() {
+            let (c, si) = self.rope.table(s.session.position(), s.tokens.len());
+            cos.extend_from_slice(&c);
+            sin.extend_from_slice(&si);
+        }
         let rope = RopeBatch { cos, sin, half: self.rope.half_dim(), pairing: self.rope.pairing };
         let mut xn = vec![0f32; t * h];
         let mut y = vec![0f32; t * h];
@@ -343,7 +381,9 @@ impl Model {
             }
             xn.copy_from_slice(&x);
             rms_norm_rows(&mut xn, &layer.input_norm, eps);
-            layer.attention.forward(&xn, t, &mut session.kv[l], &rope, &mut y);
+            let mut kvs: Vec<SeqKv<'_>> =
+                seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect();
+            layer.attention.forward(&xn, &mut kvs, &rope, &mut y);
             for (a, b) in x.iter_mut().zip(&y) {
                 *a += b;
             }
@@ -361,15 +401,31 @@ impl Model {
         if let Some(f) = observe.as_mut() {
             f(self.layers.len(), &x);
         }
-        let rows: &[f32] = match which {
-            Logits::All => &x,
-            Logits::Last => &x[(t - 1) * h..],
-        };
+        // The rows that get logits, gathered so the LM head reads its weights once.
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(seqs.len());
+        let mut off = 0;
+        for s in seqs.iter() {
+            let n = s.tokens.len();
+            let keep = match s.which {
+                Logits::All => off..off + n,
+                Logits::Last => off + n - 1..off + n,
+            };
+            rows.extend_from_slice(&x[keep.start * h..keep.end * h]);
+            counts.push(keep.len());
+            off += n;
+        }
         let m = rows.len() / h;
         let v = self.spec.vocab_size;
         let mut logits = vec![0f32; m * v];
-        self.lm_head.forward(rows, m, &mut logits);
+        self.lm_head.forward(&rows, m, &mut logits);
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for n in counts {
+            out.push(logits[at * v..(at + n) * v].to_vec());
+            at += n;
+        }
         self.stats.total_ns.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-        Ok(logits)
+        Ok(out)
     }
 }

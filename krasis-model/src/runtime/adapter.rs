@@ -6,7 +6,7 @@ use std::any::Any;
 use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput};
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
-use crate::generate::Decoder;
+use crate::generate::{Decoder, DecoderStep};
 use crate::spec::ModelSpec;
 
 /// What a [`Decoder`] tells the Engine API beyond running tokens. Everything but the device and
@@ -104,15 +104,20 @@ where
                 return Err(foreign_session());
             }
         }
-        // One sequence after another for now; batched kernels replace this loop later.
-        let mut out = Vec::with_capacity(batch.len());
+        // Every session is of this engine's kind (checked above); the decoder batches what it can.
+        let mut steps = Vec::with_capacity(batch.len());
         for seq in batch.iter_mut() {
             let any: &mut dyn Any = &mut *seq.session;
             let session = any.downcast_mut::<D::Session>().ok_or_else(foreign_session)?;
-            let (token, logits) = self.decoder.step(session, seq.tokens, seq.sampler, seq.want_logits)?;
-            out.push(StepOutput { token, logits });
+            steps.push(DecoderStep {
+                session,
+                tokens: seq.tokens,
+                sampler: &mut *seq.sampler,
+                record: seq.want_logits,
+            });
         }
-        Ok(out)
+        let out = self.decoder.step_batch(&mut steps)?;
+        Ok(out.into_iter().map(|(token, logits)| StepOutput { token, logits }).collect())
     }
 
     fn host_syncs(&self) -> Option<u64> {

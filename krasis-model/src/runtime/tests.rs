@@ -116,6 +116,64 @@ fn a_batch_step_of_two_sequences_equals_each_alone() {
     assert_eq!(s1.position(), prompts[1].len() + steps - 1);
 }
 
+/// Sequences that join a batch at different steps (one prefills while the others decode), on
+/// the reference experts and on the INT4 pool: each sequence's tokens and logits are bit-for-bit
+/// those it gets alone, so a server's concurrent streams equal their solo runs.
+#[test]
+fn staggered_sequences_in_one_batch_equal_each_alone_reference_and_int4() {
+    use crate::quantized::WeightBits;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny(tmp.path());
+    for bits in [WeightBits::Bf16, WeightBits::Int4] {
+        let mut config = cpu_config();
+        config.cpu.expert_bits = bits;
+        config.cpu.cache_dir = Some(tmp.path().join("cache"));
+        let engine = open_engine(&ModelFiles::open(&dir).unwrap(), &config).unwrap().engine;
+        let prompts: [&[u32]; 3] = [&[5, 9, 200, 3], &[17, 4, 300, 11, 2, 8, 90], &[42]];
+        let starts = [0usize, 1, 3];
+        let steps = 5;
+        let params = |i: usize| SamplingParams { seed: 20 + i as u64, ..SAMPLED };
+        let alone: Vec<Vec<StepOutput>> = (0..3)
+            .map(|i| {
+                let mut s = engine.new_session().unwrap();
+                let mut sampler = Sampler::new(params(i));
+                let mut tokens = prompts[i].to_vec();
+                (0..steps)
+                    .map(|_| {
+                        let o = engine.step_one(s.as_mut(), &tokens, &mut sampler, true).unwrap();
+                        tokens = vec![o.token];
+                        o
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut sessions: Vec<_> = (0..3).map(|_| engine.new_session().unwrap()).collect();
+        let mut samplers: Vec<_> = (0..3).map(|i| Sampler::new(params(i))).collect();
+        let mut tokens: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+        let mut together: Vec<Vec<StepOutput>> = vec![Vec::new(); 3];
+        for step in 0..starts[2] + steps {
+            let live: Vec<usize> = (0..3).filter(|&i| step >= starts[i] && step < starts[i] + steps).collect();
+            let mut batch: Vec<SequenceStep<'_>> = sessions
+                .iter_mut()
+                .zip(samplers.iter_mut())
+                .zip(&tokens)
+                .enumerate()
+                .filter(|(i, _)| live.contains(i))
+                .map(|(_, ((s, r), t))| SequenceStep { session: s.as_mut(), tokens: t, sampler: r, want_logits: true })
+                .collect();
+            let outs = engine.step(&mut batch).unwrap();
+            drop(batch);
+            for (&i, o) in live.iter().zip(outs) {
+                tokens[i] = vec![o.token];
+                together[i].push(o);
+            }
+        }
+        for i in 0..3 {
+            assert!(together[i] == alone[i], "{bits:?}: sequence {i} differs in a batch from alone");
+        }
+    }
+}
+
 #[test]
 fn bad_batches_fail_without_advancing_any_sequence() {
     let tmp = tempfile::tempdir().unwrap();

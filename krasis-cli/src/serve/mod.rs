@@ -1,0 +1,232 @@
+//! `krasis serve`: an OpenAI-compatible HTTP server over the Engine API.
+//!
+//! - `routes`: axum routes, the API-key check, body limits, OpenAI's response and SSE shapes;
+//! - `api`: request bodies and their validation; `error`: OpenAI's error JSON;
+//! - `scheduler`: the thread that batches every admitted request into one engine step;
+//! - `stop`: stop strings across token boundaries; `metrics`: the Prometheus counters.
+
+mod api;
+mod error;
+mod metrics;
+mod routes;
+pub(crate) mod scheduler;
+mod stop;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args as ClapArgs;
+use krasis_model::files::ModelFiles;
+use krasis_model::runtime::{open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
+
+pub(crate) use self::metrics::Metrics;
+use crate::cmd_generate::RunArgs;
+
+/// How long in-flight generations may run on after SIGINT/SIGTERM before they are cut off.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Tokio worker threads: the HTTP side only parses, tokenises and forwards text; the engine's
+/// own threads (the scheduler and the CPU pool) do the work.
+const HTTP_THREADS: usize = 2;
+
+#[derive(ClapArgs)]
+pub struct Args {
+    /// Model directory (HF format: config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0: any free port; the startup line says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer <KEY>` on /v1 routes (default: no key; KRASIS_API_KEY
+    /// gives it without showing it in the process list).
+    #[arg(long)]
+    api_key: Option<String>,
+    /// The model id /v1/models lists and responses carry (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Requests decoded together in one engine step (batch slots).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Requests that may wait while every batch slot is busy; beyond that the server answers 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Context per request: prompt + generated tokens (default: the engine's KV capacity, else
+    /// 4096, never above the model's max_position_embeddings).
+    #[arg(long)]
+    context: Option<usize>,
+    /// Largest request body accepted (bytes); larger ones get 413.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    if a.context == Some(0) {
+        bail!("--context must be at least 1");
+    }
+    let api_key = a.api_key.clone().or_else(|| std::env::var("KRASIS_API_KEY").ok());
+    if api_key.as_deref().is_some_and(str::is_empty) {
+        bail!("--api-key is empty");
+    }
+    let context_estimate = a.context.map_or(DEFAULT_CONTEXT_TOKENS, |c| c as u64) * a.max_batch as u64;
+    // Every session of the GPU paths holds a KV cache of `--kv-tokens`; left to itself the GPU
+    // loader sizes it to all the VRAM left, which would fit one session, not `--max-batch`.
+    let mut gpu = a.run.gpu.clone();
+    if gpu.kv_tokens.is_none() {
+        gpu.kv_tokens = Some(a.context.unwrap_or(DEFAULT_CONTEXT_TOKENS as usize));
+    }
+    let config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
+    let files = ModelFiles::open(&a.model)?;
+    for w in krasis_core::hw::probe().warnings() {
+        tracing::warn!("system: {w}");
+    }
+    if !files.has_tokenizer() {
+        bail!("{} has no tokenizer.json: the server needs one to turn text into tokens", a.model.display());
+    }
+    let codec = files.text_codec()?;
+    let t_load = Instant::now();
+    let opened = open_engine(&files, &config)?;
+    drop(files);
+    tracing::info!("{}", opened.why);
+    for w in &opened.warnings {
+        tracing::warn!("{w}");
+    }
+    for line in &opened.log {
+        tracing::info!("{line}");
+    }
+    let engine: Arc<dyn Engine> = Arc::from(opened.engine);
+    let spec = engine.spec();
+    let limit = engine.kv_capacity().unwrap_or(DEFAULT_CONTEXT_TOKENS as usize).min(spec.max_position_embeddings);
+    let context = match a.context {
+        Some(c) if c > spec.max_position_embeddings => {
+            bail!("--context {c} exceeds the model's max_position_embeddings {}", spec.max_position_embeddings)
+        }
+        Some(c) => c.min(engine.kv_capacity().unwrap_or(c)),
+        None => limit,
+    };
+    tracing::info!(
+        "loaded {} ({} layers, {}) in {:.2} s; context {context} tokens per request, {} batch slots",
+        a.model.display(),
+        spec.num_layers,
+        engine.describe(),
+        t_load.elapsed().as_secs_f64(),
+        a.max_batch
+    );
+    let model_id = a.served_model_name.clone().unwrap_or_else(|| {
+        a.model.file_name().map_or_else(|| a.model.display().to_string(), |n| n.to_string_lossy().into_owned())
+    });
+    let metrics = Arc::new(Metrics::default());
+    let (scheduler, worker) = scheduler::Scheduler::start(
+        engine.clone(),
+        codec.clone(),
+        scheduler::Config { max_batch: a.max_batch, max_queue: a.max_queue, serial: false },
+        metrics.clone(),
+    )
+    .context("starting the scheduler thread")?;
+    let state = Arc::new(routes::AppState {
+        scheduler: scheduler.clone(),
+        codec,
+        metrics,
+        model_id,
+        context,
+        vocab: spec.vocab_size,
+        api_key,
+        started: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        shutting_down: AtomicBool::new(false),
+        next_id: AtomicU64::new(0),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(HTTP_THREADS)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result = rt.block_on(serve(&a, state));
+    scheduler.shutdown();
+    let _ = worker.join();
+    result
+}
+
+async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
+    let addr: SocketAddr = tokio::net::lookup_host((a.host.as_str(), a.port))
+        .await
+        .with_context(|| format!("--host {}", a.host))?
+        .next()
+        .with_context(|| format!("--host {} resolves to no address", a.host))?;
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listening on {addr}"))?;
+    let bound = listener.local_addr()?;
+    tracing::info!(
+        "serving `{}` at http://{bound}/v1 (OpenAI API{}); /health, /metrics",
+        state.model_id,
+        if state.api_key.is_some() { ", API key required" } else { "" }
+    );
+    let app = routes::router(state.clone(), a.max_body_bytes);
+    let (signalled_tx, signalled_rx) = tokio::sync::watch::channel(false);
+    let graceful = {
+        let state = state.clone();
+        async move {
+            let which = shutdown_signal().await;
+            state.shutting_down.store(true, Relaxed);
+            tracing::info!(
+                "{which}: shutting down (no new requests; running ones get up to {} s)",
+                SHUTDOWN_GRACE.as_secs()
+            );
+            let _ = signalled_tx.send(true);
+        }
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
+    // After the grace period the scheduler ends what is still running, which closes the streams
+    // and lets the graceful shutdown finish.
+    let scheduler = state.scheduler.clone();
+    let cutoff = async move {
+        let mut rx = signalled_rx;
+        while !*rx.borrow() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        tracing::info!("grace period over: ending the requests still running");
+        scheduler.shutdown();
+        std::future::pending::<()>().await
+    };
+    tokio::select! {
+        r = server => r.context("the HTTP server failed")?,
+        () = cutoff => {}
+    }
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// Waits for SIGINT (Ctrl-C) or SIGTERM; returns which.
+async fn shutdown_signal() -> &'static str {
+    let int = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = int => "SIGINT",
+        () = term => "SIGTERM",
+    }
+}

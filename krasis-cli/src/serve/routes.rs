@@ -1,0 +1,397 @@
+//! The HTTP side: routes, API-key check, request limits, and the OpenAI response and SSE shapes.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use krasis_model::tokenizer::TextCodec;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::api::{parse, ChatRequest, CompletionRequest, Generation, Prompt};
+use super::error::ApiError;
+use super::metrics::Metrics;
+use super::scheduler::{Event, Finish, Job, Refused, Scheduler};
+
+/// What every handler shares.
+pub struct AppState {
+    pub scheduler: Scheduler,
+    pub codec: Arc<TextCodec>,
+    pub metrics: Arc<Metrics>,
+    /// The id `/v1/models` lists and responses carry.
+    pub model_id: String,
+    /// Prompt + completion tokens one request may span.
+    pub context: usize,
+    pub vocab: usize,
+    pub api_key: Option<String>,
+    /// Unix time the server started (the model's `created`).
+    pub started: u64,
+    /// Set on SIGINT/SIGTERM: new generations get 503.
+    pub shutting_down: AtomicBool,
+    /// Numbers the response ids and request log lines.
+    pub next_id: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+pub fn router(state: Shared, max_body_bytes: usize) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::invalid("method not allowed on this route").with_status(StatusCode::METHOD_NOT_ALLOWED)
+        })
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), count_requests))
+        .with_state(state)
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Counts every answered request by route and status (`/metrics`), and logs it at debug.
+async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let method = req.method().clone();
+    let res = next.run(req).await;
+    s.metrics.record_request(&route, res.status().as_u16());
+    tracing::debug!("{method} {route} -> {}", res.status());
+    res
+}
+
+/// `Authorization: Bearer <key>` when the server has `--api-key`.
+async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+        match given.and_then(|v| v.strip_prefix("Bearer ")) {
+            None => {
+                return ApiError::unauthorized("no API key: send it as `Authorization: Bearer <key>`", None)
+                    .into_response()
+            }
+            Some(k) if !same_key(k.trim().as_bytes(), key.as_bytes()) => {
+                return ApiError::unauthorized("incorrect API key", Some("invalid_api_key")).into_response()
+            }
+            Some(_) => {}
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares keys in time that does not depend on where they differ.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    if s.shutting_down.load(Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "shutting down"}))).into_response();
+    }
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn metrics(State(s): State<Shared>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+}
+
+fn model_object(s: &AppState) -> Value {
+    json!({"id": s.model_id, "object": "model", "created": s.started, "owned_by": "krasis"})
+}
+
+async fn models(State(s): State<Shared>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&s)]}))
+}
+
+async fn model(State(s): State<Shared>, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+    if id == s.model_id {
+        Json(model_object(&s)).into_response()
+    } else {
+        ApiError::not_found(format!("the model `{id}` does not exist (this server serves `{}`)", s.model_id))
+            .with_code("model_not_found")
+            .into_response()
+    }
+}
+
+/// The body, or the OpenAI error for a body over the limit or unreadable.
+fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(|r| {
+        let status = r.status();
+        let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "the request body is larger than the server's limit (--max-body-bytes)".to_string()
+        } else {
+            r.body_text()
+        };
+        ApiError::invalid(msg).with_status(status)
+    })
+}
+
+/// Which endpoint a generation answers: the shapes differ, the work does not.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn chat(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse(&body(b)?)?;
+    let gen = req.common.validate(fresh_seed)?;
+    let conversation = req.conversation()?;
+    if !s.codec.has_chat_template() {
+        return Err(ApiError::invalid("the model has no chat template (tokenizer_config.json); use /v1/completions"));
+    }
+    let prompt =
+        s.codec.encode_messages(&conversation).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    generate(s, Kind::Chat, prompt, gen).await
+}
+
+async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse(&body(b)?)?;
+    let gen = req.common.validate(fresh_seed)?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid_param("echo", "echo is not supported"));
+    }
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid_param("prompt", format!("{n} prompts: one prompt per request")))
+        }
+    };
+    let prompt = match req.prompt {
+        Prompt::Text(t) => encode(&s, t).await?,
+        Prompt::Texts(mut v) => {
+            one(v.len())?;
+            encode(&s, v.swap_remove(0)).await?
+        }
+        Prompt::Ids(ids) => ids,
+        Prompt::IdLists(mut v) => {
+            one(v.len())?;
+            v.swap_remove(0)
+        }
+    };
+    generate(s, Kind::Text, prompt, gen).await
+}
+
+/// Tokenising a prompt of up to `--max-body-bytes` takes a while: off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("tokeniser task failed: {e}")))
+}
+
+async fn encode(s: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
+    let codec = s.codec.clone();
+    blocking(move || codec.encode(&text)).await?.map_err(|e| ApiError::invalid_param("prompt", e.to_string()))
+}
+
+/// A seed for a request that names none.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+/// Checks the prompt against the context, queues the job, and answers in the endpoint's shape.
+async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> Result<Response, ApiError> {
+    if s.shutting_down.load(Relaxed) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    let param = if kind == Kind::Chat { "messages" } else { "prompt" };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(param, "the prompt encodes to no tokens"));
+    }
+    // Ids a client gave, or a tokenizer with more ids than the model's embedding: refused here,
+    // not in the engine step that would fail the whole batch.
+    if let Some((pos, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= s.vocab) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
+        ));
+    }
+    let room = s.context.saturating_sub(prompt.len());
+    let max_tokens = gen.max_tokens.unwrap_or(room);
+    if room == 0 || max_tokens > room {
+        return Err(ApiError::invalid_param(
+            param,
+            format!(
+                "this model's context is {} tokens; the request asks for {} ({} prompt + {} to generate)",
+                s.context,
+                prompt.len().saturating_add(max_tokens.max(1)),
+                prompt.len(),
+                max_tokens.max(1)
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let n = s.next_id.fetch_add(1, Relaxed);
+    let id = match kind {
+        Kind::Chat => format!("chatcmpl-{:x}{n:06x}", s.started),
+        Kind::Text => format!("cmpl-{:x}{n:06x}", s.started),
+    };
+    let (tx, rx) = unbounded_channel();
+    let job = Job {
+        prompt,
+        max_tokens,
+        sampling: gen.sampling,
+        stop: gen.stop.clone(),
+        ignore_eos: gen.ignore_eos,
+        events: tx,
+        label: Some(format!("request {n} ({})", if kind == Kind::Chat { "chat" } else { "completion" })),
+    };
+    match s.scheduler.submit(job) {
+        Ok(()) => {}
+        Err(Refused::Busy(q)) => {
+            return Err(ApiError::busy(format!("{q} requests are already waiting; try again later (--max-queue)")))
+        }
+        Err(Refused::Stopped) => return Err(ApiError::unavailable("the server is shutting down")),
+    }
+    let shape = Shape { kind, id, created: now(), model: s.model_id.clone() };
+    if gen.stream {
+        Ok(Sse::new(sse(shape, rx, gen.include_usage)).into_response())
+    } else {
+        whole(shape, rx).await
+    }
+}
+
+/// The fixed parts of one response's objects.
+struct Shape {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+fn usage(f: &Finish) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    })
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        }
+    }
+
+    /// One streamed chunk: a text delta (chat: the first carries the role) or the final
+    /// `finish_reason`; `usage` is `null` in each when the client asked for usage.
+    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>, include_usage: bool) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+            }
+            Kind::Text => json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}),
+        };
+        let mut v = json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": null, "choices": [choice],
+        });
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The final chunk of `stream_options.include_usage`: no choices, the usage.
+    fn usage_chunk(&self, f: &Finish) -> Value {
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": null, "choices": [], "usage": usage(f),
+        })
+    }
+
+    fn whole(&self, text: String, f: &Finish) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null},
+                "logprobs": null,
+                "finish_reason": f.reason,
+            }),
+            Kind::Text => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": f.reason}),
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
+            "system_fingerprint": null, "choices": [choice], "usage": usage(f),
+        })
+    }
+}
+
+/// Waits for the whole generation (dropping this future, as a closed connection does, cancels it).
+async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    while let Some(e) = rx.recv().await {
+        match e {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(f) => return Ok(Json(shape.whole(text, &f)).into_response()),
+            Event::Failed(msg) => return Err(ApiError::internal(msg)),
+        }
+    }
+    Err(ApiError::unavailable("the server stopped before the generation finished"))
+}
+
+/// The SSE stream: chunks as the scheduler sends text, the final chunk, the usage chunk when
+/// asked, then `data: [DONE]`. Dropping it (the client went away) closes the receiver, which
+/// cancels the generation.
+fn sse(
+    shape: Shape,
+    rx: UnboundedReceiver<Event>,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    // Chat streams open with the role; completions start with the first text.
+    let opening = (shape.kind == Kind::Chat).then(|| data(shape.chunk(Some(""), true, None, include_usage)));
+    let body = stream::unfold((shape, rx, false), move |(shape, mut rx, done)| async move {
+        if done {
+            return None;
+        }
+        let events: Vec<SseEvent> = match rx.recv().await {
+            Some(Event::Text(t)) => vec![data(shape.chunk(Some(&t), false, None, include_usage))],
+            Some(Event::Done(f)) => {
+                let mut v = vec![data(shape.chunk(None, false, Some(f.reason), include_usage))];
+                if include_usage {
+                    v.push(data(shape.usage_chunk(&f)));
+                }
+                v.push(SseEvent::default().data("[DONE]"));
+                return Some((v, (shape, rx, true)));
+            }
+            Some(Event::Failed(msg)) => {
+                vec![data(ApiError::internal(msg).body()), SseEvent::default().data("[DONE]")]
+            }
+            None => return None,
+        };
+        let last = events.len() > 1;
+        Some((events, (shape, rx, last)))
+    });
+    stream::iter(opening).chain(body.flat_map(stream::iter)).map(Ok)
+}

@@ -1,0 +1,365 @@
+//! The scheduler: one thread that owns the engine's sessions and advances every admitted request
+//! together, one batched [`Engine::step`] per token. Requests wait in a FIFO queue until a batch
+//! slot frees; a new request's prompt runs in the same step as the others' decode tokens. Each
+//! request gets its text back through its own channel; a closed channel (the client went away)
+//! cancels the request before the next step and frees its slot.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use krasis_model::runtime::{Engine, EngineSession, SequenceStep};
+use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::tokenizer::{TextCodec, TextStream};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::Metrics;
+use super::stop::StopMatcher;
+
+/// Prompt tokens admitted into one step beyond the first new request: a burst of long prompts
+/// joins over several steps instead of stalling every running stream for all of them at once.
+const PREFILL_TOKENS_PER_STEP: usize = 2048;
+
+/// One request for the scheduler.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Where the text goes; dropping the receiver cancels the job.
+    pub events: UnboundedSender<Event>,
+    /// Names the request in the log lines (`None`: no per-request log lines, as in benchmarks).
+    pub label: Option<String>,
+}
+
+/// What a job's receiver gets: text deltas, then exactly one `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done(Finish),
+    Failed(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Finish {
+    /// OpenAI's `finish_reason`: `stop` (end-of-sequence or a stop string) or `length`.
+    pub reason: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+enum Msg {
+    Job(Box<Job>),
+    Shutdown,
+}
+
+/// The handle the routes hold.
+#[derive(Clone)]
+pub struct Scheduler {
+    tx: mpsc::Sender<Msg>,
+    metrics: Arc<Metrics>,
+    max_batch: usize,
+    max_queue: usize,
+}
+
+/// Why a job was not taken.
+pub enum Refused {
+    /// Every slot and queue place is taken.
+    Busy(usize),
+    /// The scheduler has stopped (shutdown).
+    Stopped,
+}
+
+pub struct Config {
+    /// Sequences advanced together (batch slots).
+    pub max_batch: usize,
+    /// Requests that may wait while every slot is busy; more get 429.
+    pub max_queue: usize,
+    /// Run the admitted sequences one `Engine::step` each instead of one step for all (what
+    /// `step` did before it batched; `krasis bench --streams` measures both).
+    pub serial: bool,
+}
+
+impl Scheduler {
+    /// Starts the scheduler thread over `engine`.
+    pub fn start(
+        engine: Arc<dyn Engine>,
+        codec: Arc<TextCodec>,
+        config: Config,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<(Scheduler, std::thread::JoinHandle<()>)> {
+        let (tx, rx) = mpsc::channel();
+        let (max_batch, max_queue) = (config.max_batch.max(1), config.max_queue);
+        let worker = Worker {
+            engine,
+            codec,
+            max_batch,
+            serial: config.serial,
+            metrics: metrics.clone(),
+            waiting: VecDeque::new(),
+            active: Vec::new(),
+        };
+        let handle = std::thread::Builder::new().name("krasis-scheduler".into()).spawn(move || worker.run(rx))?;
+        Ok((Scheduler { tx, metrics, max_batch, max_queue }, handle))
+    }
+
+    /// Queues a job (the job's receiver then gets its events), unless every slot is busy and
+    /// `max_queue` jobs already wait.
+    pub fn submit(&self, job: Job) -> Result<(), Refused> {
+        let queued = self.metrics.queued.load(Relaxed) as usize;
+        let active = self.metrics.active.load(Relaxed) as usize;
+        if queued + active >= self.max_queue + self.max_batch {
+            return Err(Refused::Busy(queued));
+        }
+        self.metrics.queued.fetch_add(1, Relaxed);
+        self.tx.send(Msg::Job(Box::new(job))).map_err(|_| {
+            self.metrics.queued.fetch_sub(1, Relaxed);
+            Refused::Stopped
+        })
+    }
+
+    /// Ends every job (their streams close) and stops the thread.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Msg::Shutdown);
+    }
+}
+
+/// One admitted job.
+struct Running {
+    job: Box<Job>,
+    session: Box<dyn EngineSession>,
+    sampler: Sampler,
+    /// What the next step runs: the prompt, then the last sampled token.
+    next: Vec<u32>,
+    generated: usize,
+    text: TextStream,
+    stop: StopMatcher,
+    started: Instant,
+}
+
+struct Worker {
+    engine: Arc<dyn Engine>,
+    codec: Arc<TextCodec>,
+    max_batch: usize,
+    serial: bool,
+    metrics: Arc<Metrics>,
+    waiting: VecDeque<Box<Job>>,
+    active: Vec<Running>,
+}
+
+impl Worker {
+    fn run(mut self, rx: mpsc::Receiver<Msg>) {
+        loop {
+            if self.active.is_empty() && self.waiting.is_empty() {
+                match rx.recv() {
+                    Ok(Msg::Job(j)) => self.waiting.push_back(j),
+                    Ok(Msg::Shutdown) | Err(_) => break,
+                }
+            }
+            let mut stop = false;
+            while let Ok(m) = rx.try_recv() {
+                match m {
+                    Msg::Job(j) => self.waiting.push_back(j),
+                    Msg::Shutdown => stop = true,
+                }
+            }
+            if stop {
+                break;
+            }
+            self.drop_abandoned();
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+        }
+        let n = self.active.len() + self.waiting.len();
+        self.metrics.queued.fetch_sub(self.waiting.len() as u64, Relaxed);
+        self.metrics.active.store(0, Relaxed);
+        if n > 0 {
+            tracing::info!("scheduler stopped with {n} request(s) unfinished; their streams end here");
+        }
+    }
+
+    /// Jobs whose client went away: cancelled before they cost another step.
+    fn drop_abandoned(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone_waiting = before - self.waiting.len();
+        self.metrics.queued.fetch_sub(gone_waiting as u64, Relaxed);
+        let before = self.active.len();
+        self.active.retain(|r| {
+            let gone = r.job.events.is_closed();
+            if gone {
+                log_cancelled(r);
+            }
+            !gone
+        });
+        let gone = gone_waiting + before - self.active.len();
+        self.metrics.cancelled.fetch_add(gone as u64, Relaxed);
+        self.metrics.active.store(self.active.len() as u64, Relaxed);
+    }
+
+    /// Moves waiting jobs into free slots (FIFO), up to the step's prefill budget.
+    fn admit(&mut self) {
+        let mut prefill = 0;
+        while self.active.len() < self.max_batch {
+            let Some(job) = self.waiting.front() else { break };
+            if prefill > 0 && prefill + job.prompt.len() > PREFILL_TOKENS_PER_STEP {
+                break;
+            }
+            let job = self.waiting.pop_front().expect("front exists");
+            self.metrics.queued.fetch_sub(1, Relaxed);
+            match self.engine.new_session() {
+                Ok(session) => {
+                    prefill += job.prompt.len();
+                    self.active.push(Running {
+                        sampler: Sampler::new(job.sampling),
+                        next: job.prompt.clone(),
+                        stop: StopMatcher::new(job.stop.clone()),
+                        job,
+                        session,
+                        generated: 0,
+                        text: TextStream::new(),
+                        started: Instant::now(),
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("{}: no session: {e}", job.label.as_deref().unwrap_or("a request"));
+                    let _ = job.events.send(Event::Failed(format!("no session for the request: {e}")));
+                }
+            }
+        }
+        self.metrics.active.store(self.active.len() as u64, Relaxed);
+    }
+
+    /// One engine step over every running job, then each job's token.
+    fn step(&mut self) {
+        let prompt_tokens: usize = self.active.iter().filter(|r| r.generated == 0).map(|r| r.next.len()).sum();
+        let sequences = self.active.len();
+        let t0 = Instant::now();
+        let result = {
+            let mut batch: Vec<SequenceStep<'_>> = self
+                .active
+                .iter_mut()
+                .map(|r| SequenceStep {
+                    session: r.session.as_mut(),
+                    tokens: &r.next,
+                    sampler: &mut r.sampler,
+                    want_logits: false,
+                })
+                .collect();
+            if self.serial {
+                let mut outs = Vec::with_capacity(batch.len());
+                batch.chunks_mut(1).try_for_each(|one| self.engine.step(one).map(|o| outs.extend(o))).map(|()| outs)
+            } else {
+                self.engine.step(&mut batch)
+            }
+        };
+        let took = t0.elapsed();
+        let outputs = match result {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::error!("engine step failed for {sequences} sequence(s): {e}");
+                for r in self.active.drain(..) {
+                    let _ = r.job.events.send(Event::Failed(format!("the engine failed: {e}")));
+                }
+                self.metrics.active.store(0, Relaxed);
+                return;
+            }
+        };
+        self.metrics.record_step(sequences, prompt_tokens, sequences, took);
+        self.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
+        self.metrics.generated_tokens.fetch_add(sequences as u64, Relaxed);
+        let eos = &self.engine.spec().eos_token_ids;
+        let codec = &self.codec;
+        let mut outcomes = Vec::with_capacity(sequences);
+        for (r, out) in self.active.iter_mut().zip(outputs) {
+            let o = advance(r, out.token, codec, eos);
+            if o == Outcome::Gone {
+                log_cancelled(r);
+                self.metrics.cancelled.fetch_add(1, Relaxed);
+            }
+            outcomes.push(o);
+        }
+        let mut i = 0;
+        self.active.retain(|_| {
+            i += 1;
+            outcomes[i - 1] == Outcome::Running
+        });
+        self.metrics.active.store(self.active.len() as u64, Relaxed);
+    }
+}
+
+fn log_cancelled(r: &Running) {
+    if let Some(label) = &r.job.label {
+        tracing::info!("{label}: cancelled (client went away) after {} tokens", r.generated);
+    }
+}
+
+/// What became of a job after its token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    Running,
+    /// Done, stopped or failed; its receiver has the last event.
+    Finished,
+    /// The receiver is gone (the client went away).
+    Gone,
+}
+
+/// Takes one sampled token for `r`: text out through the stop matcher, then the end checks.
+fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outcome {
+    r.generated += 1;
+    r.next.clear();
+    r.next.push(token);
+    let prompt_tokens = r.job.prompt.len();
+    let delta = match r.text.push(codec, token) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = r.job.events.send(Event::Failed(format!("detokenisation failed: {e}")));
+            return Outcome::Finished;
+        }
+    };
+    let m = r.stop.push(&delta);
+    if !m.emit.is_empty() && r.job.events.send(Event::Text(m.emit)).is_err() {
+        return Outcome::Gone;
+    }
+    let reason = if m.stopped || (!r.job.ignore_eos && eos.contains(&token)) {
+        Some("stop")
+    } else if r.generated >= r.job.max_tokens {
+        Some("length")
+    } else {
+        None
+    };
+    let Some(mut reason) = reason else { return Outcome::Running };
+    if !m.stopped {
+        // The held-back tail: an incomplete character's bytes, then text that might have begun
+        // a stop string.
+        let tail = r.text.finish(codec).unwrap_or_default();
+        let m = r.stop.push(&tail);
+        let mut rest = m.emit;
+        if m.stopped {
+            reason = "stop";
+        } else {
+            rest.push_str(&r.stop.flush());
+        }
+        if !rest.is_empty() {
+            let _ = r.job.events.send(Event::Text(rest));
+        }
+    }
+    let finish = Finish { reason, prompt_tokens, completion_tokens: r.generated };
+    if let Some(label) = &r.job.label {
+        tracing::info!(
+            "{label}: {} prompt + {} generated tokens in {:.2} s, finish_reason {reason}",
+            prompt_tokens,
+            r.generated,
+            r.started.elapsed().as_secs_f64()
+        );
+    }
+    match r.job.events.send(Event::Done(finish)) {
+        Ok(()) => Outcome::Finished,
+        Err(_) => Outcome::Gone,
+    }
+}

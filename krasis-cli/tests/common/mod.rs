@@ -1,0 +1,276 @@
+//! A `krasis serve` process on a synthesized tiny model, and a plain HTTP/1.1 client over
+//! `TcpStream` (no client library: the tests see the bytes the server writes).
+
+#![allow(dead_code)] // each test file uses part of it
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long a test waits for the server to start or a condition to hold.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A running `krasis serve`; killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
+    /// Everything the server wrote to stderr so far.
+    pub log: Arc<Mutex<String>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Synthesizes the tiny model (2 layers) and serves it on the CPU on a free port.
+    pub fn start(extra: &[&str]) -> Server {
+        Self::start_with_env(extra, &[])
+    }
+
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("tiny");
+        krasis_tests::tiny_model(&model);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_krasis"))
+            .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--device", "cpu", "--threads", "1"])
+            .args(extra)
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start krasis serve");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.split(" at http://").nth(1) {
+                    let _ = tx.send(rest.split('/').next().unwrap_or_default().to_string());
+                }
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(PATIENCE) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not start; stderr:\n{}", log.lock().unwrap());
+            }
+        };
+        Server { child, addr, log, _dir: dir }
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    pub fn get(&self, path: &str) -> Response {
+        request(&self.addr, "GET", path, &[], None)
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> Response {
+        request(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+    }
+
+    /// One value of `/metrics` (the first line starting with `name `).
+    pub fn metric(&self, name: &str) -> f64 {
+        let text = self.get("/metrics").text();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+    }
+
+    /// Polls `f` until it holds or [`PATIENCE`] runs out.
+    pub fn wait_for(&self, what: &str, mut f: impl FnMut(&Server) -> bool) {
+        let end = Instant::now() + PATIENCE;
+        while Instant::now() < end {
+            if f(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out waiting for {what}; server log:\n{}", self.log());
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Response {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Response {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("status {}: body is not JSON ({e}): {}", self.status, self.text()))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// The `data:` payloads of an SSE body.
+    pub fn sse_data(&self) -> Vec<String> {
+        sse_events(&self.text())
+    }
+}
+
+pub fn sse_events(text: &str) -> Vec<String> {
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+fn connect(addr: &str) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect to the server");
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    s
+}
+
+fn send_head(s: &mut TcpStream, addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) {
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        head.push_str(&format!("Content-Type: application/json\r\nContent-Length: {}\r\n", b.len()));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    if let Some(b) = body {
+        // A server that answers before reading all of an oversize body may close early.
+        let _ = s.write_all(b);
+    }
+}
+
+/// Reads the status line and headers.
+fn read_head(r: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
+    let mut line = String::new();
+    r.read_line(&mut line).expect("status line");
+    let status = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':') {
+            headers.push((k.trim().to_string(), v.trim().to_string()));
+        }
+    }
+    (status, headers)
+}
+
+/// One HTTP request on a fresh connection; the whole response.
+pub fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Response {
+    let mut s = connect(addr);
+    send_head(&mut s, addr, method, path, headers, body);
+    let mut r = BufReader::new(s);
+    let (status, headers) = read_head(&mut r);
+    let chunked = headers.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    let mut body = Vec::new();
+    if chunked {
+        while let Some(c) = read_chunk(&mut r) {
+            body.extend_from_slice(&c);
+        }
+    } else {
+        r.read_to_end(&mut body).unwrap();
+    }
+    Response { status, headers, body }
+}
+
+/// One chunk of a chunked body (`None` at the end).
+fn read_chunk(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
+    let mut line = String::new();
+    r.read_line(&mut line).ok()?;
+    let size = usize::from_str_radix(line.trim(), 16).ok()?;
+    let mut buf = vec![0u8; size + 2];
+    r.read_exact(&mut buf).ok()?;
+    buf.truncate(size);
+    (size > 0).then_some(buf)
+}
+
+/// A streaming response read event by event (to stop reading mid-stream).
+pub struct EventStream {
+    pub status: u16,
+    reader: BufReader<TcpStream>,
+    pending: String,
+}
+
+impl EventStream {
+    pub fn open(addr: &str, path: &str, body: &Value) -> EventStream {
+        let mut s = connect(addr);
+        send_head(&mut s, addr, "POST", path, &[], Some(body.to_string().as_bytes()));
+        let mut reader = BufReader::new(s);
+        let (status, _) = read_head(&mut reader);
+        EventStream { status, reader, pending: String::new() }
+    }
+
+    /// The next `data:` payload, `None` at the end of the stream.
+    pub fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(i) = self.pending.find("\n\n") {
+                let event: String = self.pending.drain(..i + 2).collect();
+                if let Some(d) = event.trim_end().strip_prefix("data: ") {
+                    return Some(d.to_string());
+                }
+                continue;
+            }
+            let c = read_chunk(&mut self.reader)?;
+            self.pending.push_str(&String::from_utf8_lossy(&c));
+        }
+    }
+}
+
+/// The text and the final usage of a streamed chat or completion, checking each chunk's shape.
+pub fn collect_stream(events: &[String], chat: bool) -> (String, Option<String>, Option<Value>) {
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "a stream ends with [DONE]: {events:?}");
+    let (mut text, mut finish, mut usage) = (String::new(), None, None);
+    for (i, e) in events[..events.len() - 1].iter().enumerate() {
+        let v: Value = serde_json::from_str(e).unwrap_or_else(|err| panic!("chunk {i} is not JSON ({err}): {e}"));
+        assert_eq!(v["object"], if chat { "chat.completion.chunk" } else { "text_completion" }, "{v}");
+        assert!(v["id"].as_str().is_some_and(|s| s.starts_with(if chat { "chatcmpl-" } else { "cmpl-" })), "{v}");
+        let choices = v["choices"].as_array().expect("choices");
+        if choices.is_empty() {
+            usage = Some(v["usage"].clone());
+            continue;
+        }
+        let c = &choices[0];
+        let piece = if chat {
+            if i == 0 {
+                assert_eq!(c["delta"]["role"], "assistant", "the first chat chunk carries the role: {v}");
+            }
+            c["delta"]["content"].as_str().unwrap_or("")
+        } else {
+            c["text"].as_str().expect("text")
+        };
+        text.push_str(piece);
+        if let Some(f) = c["finish_reason"].as_str() {
+            assert!(finish.is_none(), "one finish_reason per stream");
+            finish = Some(f.to_string());
+        }
+    }
+    (text, finish, usage)
+}
