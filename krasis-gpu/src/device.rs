@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUdevice_attribute_enum as Attr};
 use cudarc::driver::{
     result, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, DeviceSlice, PinnedHostSlice, SyncOnDrop, ValidAsZeroBits,
+    DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -432,54 +432,6 @@ impl GpuDevice {
         let mut v = vec![T::default(); src.len()];
         self.download_into(src, &mut v)?;
         Ok(v)
-    }
-
-    /// Page-locked, CPU-cached host memory for DMA (not charged to the VRAM budget). Cached, not
-    /// write-combined: the host reads what the device copies here (the hybrid engine's hand-off).
-    ///
-    /// # Safety
-    /// The contents are uninitialised.
-    pub unsafe fn alloc_pinned<T: DeviceRepr>(&self, len: usize) -> Result<PinnedHostSlice<T>, GpuError> {
-        self.ctx.alloc_pinned_with_flags::<T>(len, 0).map_err(|e| GpuError::driver("cuMemHostAlloc", e))
-    }
-
-    /// Enqueues a device→host copy on the compute stream and returns at once.
-    ///
-    /// # Safety
-    /// `host` must be page-locked (from [`GpuDevice::alloc_pinned`]) and must be neither read
-    /// nor freed until the stream has passed this copy (an event recorded after it has completed).
-    pub unsafe fn copy_to_host_async<T: DeviceRepr>(
-        &self,
-        src: &impl DevicePtr<T>,
-        host: &mut [T],
-    ) -> Result<(), GpuError> {
-        if src.len() != host.len() {
-            return Err(GpuError::shape("download", format!("{} device elements into {}", src.len(), host.len())));
-        }
-        if host.is_empty() {
-            return Ok(());
-        }
-        self.stream.memcpy_dtoh(src, host).map_err(|e| GpuError::driver("cuMemcpyDtoHAsync", e))
-    }
-
-    /// Enqueues a host→device copy on the compute stream and returns at once.
-    ///
-    /// # Safety
-    /// `host` must be page-locked and must not be written or freed until the stream has passed
-    /// this copy.
-    pub unsafe fn copy_to_device_async<T: DeviceRepr>(
-        &self,
-        host: &[T],
-        dst: &mut impl DevicePtrMut<T>,
-    ) -> Result<(), GpuError> {
-        if host.len() != dst.len() {
-            return Err(GpuError::shape("upload", format!("{} host elements into {}", host.len(), dst.len())));
-        }
-        if host.is_empty() {
-            return Ok(());
-        }
-        self.uploads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.stream.memcpy_htod(host, dst).map_err(|e| GpuError::driver("cuMemcpyHtoDAsync", e))
     }
 
     /// Records `event` on the compute stream (after everything enqueued so far).

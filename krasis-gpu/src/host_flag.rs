@@ -1,13 +1,13 @@
 //! A 64-bit counter in page-locked, device-mapped host memory through which the host and the
 //! compute stream signal each other without a host synchronisation: the stream can wait until
-//! the counter reaches a value (`cuStreamWaitValue64`) or write a value once the work before it
-//! is done (`cuStreamWriteValue64`, with a memory barrier so earlier copies are visible first);
-//! the host can spin until it reaches a value or store to it.
+//! the counter reaches a value (`cuStreamWaitValue64`), a kernel can store to it (its device
+//! address, after a system-wide fence so its earlier writes are visible first), and the host can
+//! spin until it reaches a value or store to it.
 //!
-//! The hybrid engine uses two per session: the stream announces "this layer's activations are
-//! on the host" and waits for "the CPU experts' output is in the pinned buffer". With the waits on
-//! the stream, the host enqueues the next layers while the CPU computes, so kernel launches leave
-//! the critical path.
+//! The hybrid engine uses two per session: the router's hand-off kernel announces "this layer's
+//! activations are on the host" ([`crate::router::GpuRouter::publish`]) and the stream waits for
+//! "the CPU experts' output is in mapped memory". With the wait on the stream, the host enqueues
+//! the next layers while the CPU computes, so kernel launches leave the critical path.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -69,17 +69,6 @@ impl HostFlag {
         // SAFETY: the address is the device mapping of a live pinned allocation.
         check("cuStreamWaitValue64", unsafe {
             sys::cuStreamWaitValue64_v2(s.cu_stream(), self.mem.device_ptr(), v, flags)
-        })
-    }
-
-    /// Enqueues on the compute stream: once everything before it is done, write `v`.
-    pub fn stream_write(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
-        let s = dev.stream();
-        dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
-        let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
-        // SAFETY: as above.
-        check("cuStreamWriteValue64", unsafe {
-            sys::cuStreamWriteValue64_v2(s.cu_stream(), self.mem.device_ptr(), v, flags)
         })
     }
 

@@ -1,35 +1,53 @@
-//! `HostFlag`: the compute stream waits for a host store and signals the host after earlier work,
-//! with the data copied before the signal visible when the host sees it.
+//! `HostFlag` in the hybrid engine's protocol: the compute stream waits for a host store, then
+//! the router's hand-off kernel publishes into mapped host memory and sets a second flag, with
+//! everything it wrote visible when the host sees that flag.
 
 mod common;
 
 use std::time::Duration;
 
-use krasis_gpu::HostFlag;
+use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
+use krasis_gpu::router::PublishTarget;
+use krasis_gpu::{GpuRouter, HostFlag, MappedHost};
 
 #[test]
-fn stream_waits_for_the_host_and_signals_back_after_its_copies() {
-    let Some(dev) = common::gpu("stream_waits_for_the_host_and_signals_back_after_its_copies") else { return };
+fn stream_waits_for_the_host_and_the_kernel_signals_back_after_its_writes() {
+    let name = "stream_waits_for_the_host_and_the_kernel_signals_back_after_its_writes";
+    let Some(dev) = common::gpu(name) else { return };
+    // As the model's load does: loading a module while the stream waits on the host would wait
+    // for the stream, which waits for this thread.
+    dev.warm_up_kernels().unwrap();
     let go = HostFlag::new(dev).unwrap();
     let ready = HostFlag::new(dev).unwrap();
-    let src: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5).collect();
-    let d = dev.upload(&src, "host flag test data").unwrap();
-    let mut host = unsafe { dev.alloc_pinned::<f32>(src.len()).unwrap() };
-    let host_ptr = host.as_mut_ptr().unwrap();
-    for round in 1..=3u64 {
+    let (e, h, t) = (8usize, 512usize, 8usize);
+    let w: Vec<f32> = (0..e * h).map(|i| ((i * 7 % 13) as f32 - 6.0) / 64.0).collect();
+    let rule = RoutingRule {
+        scoring: ScoringFunc::Softmax,
+        topk: TopkMethod::Greedy,
+        top_k: 2,
+        norm_topk_prob: false,
+        routed_scaling_factor: 1.0,
+    };
+    let router = GpuRouter::new(dev, "host flag test", &w, e, h, None, rule).unwrap();
+    let (hx, hi, hw) = (
+        MappedHost::<f32>::new(dev, t * h).unwrap(),
+        MappedHost::<i32>::new(dev, t * 2).unwrap(),
+        MappedHost::<f32>::new(dev, t * 2).unwrap(),
+    );
+    let srcs: Vec<Vec<f32>> = (1..=3u64).map(|r| (0..t * h).map(|i| (i as f32 + r as f32) * 0.5).collect()).collect();
+    let data: Vec<_> = srcs.iter().map(|s| dev.upload(s, "host flag test data").unwrap()).collect();
+    for (round, (src, d)) in (1..=3u64).zip(srcs.iter().zip(&data)) {
         go.stream_wait_geq(dev, round).unwrap();
-        // SAFETY: pinned; read only after `ready` reaches `round`.
-        unsafe {
-            dev.copy_to_host_async(&d.slice().slice(..), std::slice::from_raw_parts_mut(host_ptr, src.len())).unwrap();
-        }
-        ready.stream_write(dev, round).unwrap();
+        let to = PublishTarget { x: &hx, ids: &hi, weights: &hw, flag: &ready, seq: round };
+        router.publish(dev, d, t, &to).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(ready.load(), round - 1, "the stream ran past its wait before the host stored {round}");
         go.store(round);
         ready.spin_until_geq(dev, round).unwrap();
-        // SAFETY: the copy completed before the stream wrote `ready`.
-        let got = unsafe { std::slice::from_raw_parts(host_ptr, src.len()) };
-        assert_eq!(got, &src[..], "round {round}: data copied before the signal");
+        // SAFETY: the kernel's writes are complete and visible once `ready` reads `round`; the
+        // stream touches the buffer again only after the next `go`.
+        let got = unsafe { std::slice::from_raw_parts(hx.host_ptr(), t * h) };
+        assert_eq!(got, &src[..], "round {round}: data written before the signal");
     }
     dev.synchronize().unwrap();
 }

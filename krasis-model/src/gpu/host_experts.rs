@@ -94,8 +94,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> Mapped<T> {
     }
 }
 
-/// A window into pinned memory shared by the launching thread (which only names it in copies)
-/// and the expert thread (which reads and writes it between the flags).
+/// A window into mapped host memory that the device writes and reads (the router's hand-off
+/// kernel, the next residual norm) and the expert thread reads and writes between the flags.
 #[derive(Clone, Copy)]
 struct RawSlice<T> {
     ptr: *mut T,
@@ -114,7 +114,7 @@ impl<T> RawSlice<T> {
     }
 }
 
-/// The pinned windows of one forward call.
+/// The mapped windows of one forward call.
 #[derive(Clone, Copy)]
 struct Windows {
     x: RawSlice<f32>,
@@ -222,7 +222,7 @@ impl HostStaging {
 const SERVER_QUEUE: usize = 1024;
 
 enum Msg {
-    /// A forward call starts: its pinned windows and flags, and the device it runs on.
+    /// A forward call starts: its mapped windows and flags, and the device it runs on.
     Begin {
         windows: Windows,
         ready: Arc<HostFlag>,
