@@ -100,9 +100,27 @@ pub(crate) fn streams(
     run_streams(&engine, &codec, 1, prompt_tokens, WARMUP_TOKENS, false)?;
     let mut rows = Vec::new();
     let mut one = None;
+    let moe_layers = engine.spec().moe_layers().count() as u64;
     for &n in streams {
+        let before = engine.batch_handoff_stats();
         let (tokens, secs) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens, false)?;
         let tok_s = tokens as f64 / secs.max(1e-9);
+        // Hybrid: what the CPU did per batched step (the routed experts of all the streams).
+        let handoffs = match (before, engine.batch_handoff_stats()) {
+            (Some(b), Some(a)) if a.calls > b.calls && moe_layers > 0 => {
+                let steps = (a.calls - b.calls) as f64 / moe_layers as f64;
+                let reads = (a.experts_read - b.experts_read) as f64;
+                let experts_s = (a.experts - b.experts).as_secs_f64();
+                let bytes = reads * engine.expert_bytes().unwrap_or(0) as f64;
+                Some(
+                    json!({"batched_steps": steps, "distinct_experts_per_moe_layer": reads / (steps * moe_layers as f64),
+                            "cpu_experts_ms_per_step": 1e3 * experts_s / steps,
+                            "cpu_expert_gb_s": bytes / experts_s.max(1e-9) / 1e9,
+                            "gpu_wait_ms_per_step": 1e3 * (a.wait - b.wait).as_secs_f64() / steps}),
+                )
+            }
+            _ => None,
+        };
         // The same streams with one engine step per sequence: what batching gains, in one run.
         let serial_tok_s = if n > 1 {
             let (t, s) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens, true)?;
@@ -118,9 +136,19 @@ pub(crate) fn streams(
                 "streams {n:>2}: aggregate decode {tok_s:8.2} tok/s ({:.2} tok/s per stream{vs}; {tokens} tokens in {secs:.2} s{serial})",
                 tok_s / n as f64
             );
+            if let Some(h) = &handoffs {
+                println!(
+                    "            batched steps: {:.1} distinct routed experts per MoE layer, CPU experts {:.2} ms per step ({:.1} GB/s), waiting for the GPU {:.2} ms",
+                    h["distinct_experts_per_moe_layer"].as_f64().unwrap_or(f64::NAN),
+                    h["cpu_experts_ms_per_step"].as_f64().unwrap_or(f64::NAN),
+                    h["cpu_expert_gb_s"].as_f64().unwrap_or(f64::NAN),
+                    h["gpu_wait_ms_per_step"].as_f64().unwrap_or(f64::NAN)
+                );
+            }
         }
         rows.push(json!({"streams": n, "decode_tokens": tokens, "decode_s": secs, "aggregate_tok_s": tok_s,
-                         "per_stream_tok_s": tok_s / n as f64, "serial_aggregate_tok_s": serial_tok_s}));
+                         "per_stream_tok_s": tok_s / n as f64, "serial_aggregate_tok_s": serial_tok_s,
+                         "hybrid_batched_handoffs": handoffs}));
     }
     Ok(json!({"device": engine.device().name(), "prompt_tokens": prompt_tokens,
                "decode_tokens_per_stream": decode_tokens, "runs": rows}))

@@ -59,6 +59,9 @@ pub struct HandoffStats {
     /// Expert-thread time waiting for the launching thread to enqueue the next hand-off (the
     /// launcher falling behind; also the start of each call).
     pub launch_wait: Duration,
+    /// Routed experts the hand-offs read, each counted once per hand-off however many of the
+    /// hand-off's tokens chose it (a batch of sequences reads the union of their experts).
+    pub experts_read: u64,
 }
 
 /// One hand-off the expert thread serves: MoE layer `layer`, sequence number `seq`.
@@ -311,6 +314,7 @@ pub(crate) fn with_expert_server<R>(
     staging.stats.wait += stats.wait;
     staging.stats.experts += stats.experts;
     staging.stats.launch_wait += stats.launch_wait;
+    staging.stats.experts_read += stats.experts_read;
     result
 }
 
@@ -320,6 +324,7 @@ pub(crate) fn with_expert_server<R>(
 /// synchronisation cannot hang; the error is the call's reply.
 fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: &[Option<Arc<dyn LayerExperts>>]) {
     let mut routes = Routes::with_capacity(0, 0);
+    let mut seen = Vec::new();
     let mut call: Option<(Windows, Arc<HostFlag>, Arc<HostFlag>, DevicePtrForThread)> = None;
     let mut stats = HandoffStats::default();
     let mut failure: Option<ModelError> = None;
@@ -341,7 +346,7 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                     // A panic in an expert backend must not kill the thread before `go` is stored:
                     // the stream would wait on it forever.
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        serve_one(dev, work, *w, ready, experts, &mut routes, &mut stats)
+                        serve_one(dev, work, *w, ready, experts, &mut routes, &mut seen, &mut stats)
                     }));
                     match served {
                         Ok(Ok(())) => {}
@@ -372,6 +377,7 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn serve_one(
     dev: &GpuDevice,
     work: HostWork,
@@ -379,6 +385,7 @@ fn serve_one(
     ready: &HostFlag,
     experts: &[Option<Arc<dyn LayerExperts>>],
     routes: &mut Routes,
+    seen: &mut Vec<bool>,
     stats: &mut HandoffStats,
 ) -> Result<()> {
     let HandoffShape { t, hidden, k } = work.shape;
@@ -410,6 +417,13 @@ fn serve_one(
         let rows = c0 * hidden..(c0 + n) * hidden;
         backend.run(&x[rows.clone()], n, routes, &mut out[rows]);
     }
+    // Which experts the hand-off read (the ids were range-checked above).
+    seen.clear();
+    seen.resize(work.n_experts, false);
+    for &id in ids.iter() {
+        seen[id as usize] = true;
+    }
+    stats.experts_read += seen.iter().filter(|&&s| s).count() as u64;
     stats.calls += 1;
     stats.wait += t1 - t0;
     stats.experts += t1.elapsed();

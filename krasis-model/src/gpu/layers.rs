@@ -9,7 +9,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, Swi
 
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::profile::Part;
-use super::session::{grow, GpuSession};
+use super::session::{grow, StepIo};
 use crate::build::MlaParts;
 use crate::engine::experts::LayerExperts;
 use crate::error::Result;
@@ -61,11 +61,11 @@ pub(crate) struct GpuMlp {
 impl GpuMlp {
     /// `out = down(silu(gate(x)) · up(x))` for `x` the session's `xn`, into `y` (`to_y`) or f32
     /// scratch slot 3 (the shared expert's output); slots 0 and 2 are temporaries.
-    fn forward(&self, c: &Ctx, s: &mut GpuSession, to_y: bool) -> Result<()> {
+    fn forward(&self, c: &Ctx, s: &mut StepIo, to_y: bool) -> Result<()> {
         let t = c.t;
         let inter = self.gate_up.rows() / 2;
         let hidden = self.down.rows();
-        let sc = &mut s.scratch;
+        let sc = &mut *s.scratch;
         let [gate_up_slot, _, act_slot, shared_out_slot, ..] = &mut sc.f;
         let gu = grow(c.dev, gate_up_slot, t * 2 * inter, "mlp gate+up")?;
         let a = grow(c.dev, act_slot, t * inter, "mlp activation")?;
@@ -162,16 +162,14 @@ impl GpuLayer {
     }
 
     /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
-    pub fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession, add_prev: bool, host: &mut HostStaging) -> Result<()> {
+    pub fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo, add_prev: bool, host: &mut HostStaging) -> Result<()> {
         let n = c.t * self.hidden;
         self.norm(c, s, &self.input_norm, add_prev, n, host)?;
         match &self.attention {
             GpuAttention::Mla(a) => a.forward(c, l, s)?,
             GpuAttention::Gqa(a) => a.forward(c, l, s)?,
         }
-        if let Some(p) = s.profile.as_mut() {
-            p.mark(c.dev, Part::Attention)?;
-        }
+        s.mark(c.dev, Part::Attention)?;
         self.norm(c, s, &self.post_norm, true, n, host)?;
         match &self.ffn {
             GpuFfn::Dense(m) => m.forward(c, s, true)?,
@@ -180,7 +178,7 @@ impl GpuLayer {
                 let (t, k) = (c.t, *top_k);
                 match experts {
                     GpuExpertBackend::Resident(experts) => {
-                        let sc = &mut s.scratch;
+                        let sc = &mut *s.scratch;
                         let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
                         let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
                         let xn = sc.xn.slice().slice(..n);
@@ -203,7 +201,7 @@ impl GpuLayer {
                         )?;
                         if let Some(sh) = shared {
                             sh.forward(c, s, false)?;
-                            let sc = &mut s.scratch;
+                            let sc = &mut *s.scratch;
                             let o = sc.f[3].as_ref().expect("written by the shared expert");
                             c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
                         }
@@ -222,9 +220,7 @@ impl GpuLayer {
                 }
             }
         }
-        if let Some(p) = s.profile.as_mut() {
-            p.mark(c.dev, Part::Ffn)?;
-        }
+        s.mark(c.dev, Part::Ffn)?;
         Ok(())
     }
 
@@ -233,7 +229,7 @@ impl GpuLayer {
     fn norm(
         &self,
         c: &Ctx,
-        s: &mut GpuSession,
+        s: &mut StepIo,
         w: &DeviceBuffer<u16>,
         add: bool,
         n: usize,
@@ -249,7 +245,7 @@ impl GpuLayer {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn residual_norm(
     dev: &GpuDevice,
-    s: &mut GpuSession,
+    s: &mut StepIo,
     w: &DeviceBuffer<u16>,
     add: bool,
     n: usize,
@@ -257,7 +253,7 @@ pub(crate) fn residual_norm(
     eps: f32,
     host: &mut HostStaging,
 ) -> Result<()> {
-    let sc = &mut s.scratch;
+    let sc = &mut *s.scratch;
     let mut x = sc.x.slice_mut().slice_mut(..n);
     let y = sc.y.slice().slice(..n);
     let mut xn = sc.xn.slice_mut().slice_mut(..n);
@@ -283,14 +279,14 @@ fn rope_layout(c: &Ctx, heads: usize, token_stride: usize, head_stride: usize, o
 }
 
 impl GpuMla {
-    fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
+    fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo) -> Result<()> {
         let MlaDims { heads: hh, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let t = c.t;
         let hidden = self.w.o.rows();
         let qk = nope + rd;
         let row = lat + rd;
         let dev = c.dev;
-        let sc = &mut s.scratch;
+        let sc = &mut *s.scratch;
         let [q_slot, q_a_slot, kv_a_slot, absorbed_q_or_kv_slot, latent_out_slot, out_slot, cached_rows_slot, latent_slot] =
             &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
@@ -330,8 +326,9 @@ impl GpuMla {
             c.sin,
             c.max_pos,
         )?;
-        s.kv.write(dev, l, 0, c.pos, t, &kva.slice().slice(..t * row))?;
-        let n_kv = c.pos + t;
+        s.kv.for_each_seq(c, |kv, pos, r0, n| {
+            Ok(kv.write(dev, l, 0, pos, n, &kva.slice().slice(r0 * row..(r0 + n) * row))?)
+        })?;
 
         let o = grow(dev, out_slot, t * hh * vd, "mla attention output")?;
         if c.decode {
@@ -349,18 +346,21 @@ impl GpuMla {
                 &mut q_abs.slice_mut().slice_mut(..t * hh * row),
             )?;
             let o_lat = grow(dev, latent_out_slot, t * hh * lat, "mla latent output")?;
-            dev.mla_decode_attention(
-                &s.kv,
-                l,
-                &q_abs.slice().slice(..t * hh * row),
-                t,
-                hh,
-                lat,
-                c.pos,
-                self.scale,
-                &mut o_lat.slice_mut().slice_mut(..t * hh * lat),
-                &mut s.ws,
-            )?;
+            let ws = &mut *s.ws;
+            s.kv.for_each_seq(c, |kv, pos, r0, n| {
+                Ok(dev.mla_decode_attention(
+                    kv,
+                    l,
+                    &q_abs.slice().slice(r0 * hh * row..(r0 + n) * hh * row),
+                    n,
+                    hh,
+                    lat,
+                    pos,
+                    self.scale,
+                    &mut o_lat.slice_mut().slice_mut(r0 * hh * lat..(r0 + n) * hh * lat),
+                    ws,
+                )?)
+            })?;
             dev.mla_apply_uv(
                 &self.w.kv_b.bf16,
                 &o_lat.slice().slice(..t * hh * lat),
@@ -376,9 +376,11 @@ impl GpuMla {
             // Past positions from the cache (BF16 or FP8), this call's own positions from the
             // fresh f32 rows: a prompt's tokens attend to each other at full precision and only
             // what later calls read goes through the cache's rounding.
+            let kv = s.kv.seq("MLA prefill attention")?;
+            let n_kv = c.pos + t;
             let lat_rows = grow(dev, cached_rows_slot, n_kv * row, "mla cached latent rows")?;
             if c.pos > 0 {
-                s.kv.read_f32(dev, l, 0, 0, c.pos, &mut lat_rows.slice_mut().slice_mut(..c.pos * row))?;
+                kv.read_f32(dev, l, 0, 0, c.pos, &mut lat_rows.slice_mut().slice_mut(..c.pos * row))?;
             }
             dev.copy_rows_f32(
                 kva,
@@ -460,11 +462,11 @@ impl GpuMla {
 }
 
 impl GpuGqa {
-    fn forward(&self, c: &Ctx, l: usize, s: &mut GpuSession) -> Result<()> {
+    fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo) -> Result<()> {
         let (t, hh, kvh, hd) = (c.t, self.heads, self.kv_heads, self.head_dim);
         let hidden = self.o.rows();
         let dev = c.dev;
-        let sc = &mut s.scratch;
+        let sc = &mut *s.scratch;
         let [q_slot, k_slot, v_slot, out_slot, ..] = &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
         let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
@@ -480,33 +482,40 @@ impl GpuGqa {
         let pos = sc.positions.slice().slice(..t);
         dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
         dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
-        s.kv.write(dev, l, 0, c.pos, t, &k.slice().slice(..t * kvh * hd))?;
-        s.kv.write(dev, l, 1, c.pos, t, &v.slice().slice(..t * kvh * hd))?;
-        let n_kv = c.pos + t;
+        let row = kvh * hd;
+        s.kv.for_each_seq(c, |kv, pos, r0, n| {
+            kv.write(dev, l, 0, pos, n, &k.slice().slice(r0 * row..(r0 + n) * row))?;
+            Ok(kv.write(dev, l, 1, pos, n, &v.slice().slice(r0 * row..(r0 + n) * row))?)
+        })?;
         let o = grow(dev, out_slot, t * hh * hd, "gqa attention output")?;
         if c.decode {
-            dev.gqa_decode_attention(
-                &s.kv,
-                l,
-                &q.slice().slice(..t * hh * hd),
-                t,
-                hh,
-                kvh,
-                hd,
-                c.pos,
-                self.scale,
-                &mut o.slice_mut().slice_mut(..t * hh * hd),
-                &mut s.ws,
-            )?;
+            let ws = &mut *s.ws;
+            let q_row = hh * hd;
+            s.kv.for_each_seq(c, |kv, pos, r0, n| {
+                Ok(dev.gqa_decode_attention(
+                    kv,
+                    l,
+                    &q.slice().slice(r0 * q_row..(r0 + n) * q_row),
+                    n,
+                    hh,
+                    kvh,
+                    hd,
+                    pos,
+                    self.scale,
+                    &mut o.slice_mut().slice_mut(r0 * q_row..(r0 + n) * q_row),
+                    ws,
+                )?)
+            })?;
         } else {
+            let kv = s.kv.seq("GQA prefill attention")?;
+            let n_kv = c.pos + t;
             let [k16_slot, v16_slot, q16_slot, ..] = &mut sc.b;
-            let row = kvh * hd;
             let k16 = grow(dev, k16_slot, n_kv * row, "gqa keys (bf16)")?;
             let v16 = grow(dev, v16_slot, n_kv * row, "gqa values (bf16)")?;
             // Past positions from the cache, this call's own from the fresh rows (as for MLA).
             if c.pos > 0 {
-                s.kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
-                s.kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
+                kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
+                kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
             }
             let fresh = RowsView { rows: t, cols: row, stride: row, offset: c.pos * row };
             dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;

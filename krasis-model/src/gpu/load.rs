@@ -407,6 +407,7 @@ impl GpuModel {
             log,
             host_expert_bytes: None,
             expert_server,
+            batch: Default::default(),
         })
     }
 }

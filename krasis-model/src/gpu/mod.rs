@@ -26,8 +26,9 @@ pub use self::host_experts::HandoffStats;
 use self::layers::GpuLayer;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
+use self::session::{KvRows, StepIo};
 use crate::error::{ModelError, Result};
-use crate::generate::Decoder;
+use crate::generate::{Decoder, DecoderStep};
 use crate::sampling::Sampler;
 use crate::ModelSpec;
 
@@ -105,7 +106,28 @@ pub struct GpuModel {
     pub host_expert_bytes: Option<u64>,
     /// The thread serving the host experts' hand-offs (hybrid).
     expert_server: Option<host_experts::ExpertServer>,
+    /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
+    batch: std::sync::Mutex<BatchState>,
 }
+
+/// What a batched decode step needs besides the sessions' KV caches: activations for one row per
+/// sequence, the attention workspace and the hybrid hand-off buffers. Kept by the model, not by a
+/// session, because a batch spans sessions; grown to the largest batch seen.
+struct BatchState {
+    scratch: session::Scratch,
+    ws: DecodeWorkspace,
+    host: host_experts::HostStaging,
+}
+
+impl Default for BatchState {
+    fn default() -> Self {
+        BatchState { scratch: Default::default(), ws: DecodeWorkspace::new(), host: Default::default() }
+    }
+}
+
+/// Fewest decode steps that [`Decoder::step_batch`] runs as one batched forward pass; a single
+/// one keeps the session's own path (its sampled id stays on the device, its profile runs).
+const BATCH_MIN_SEQS: usize = 2;
 
 impl GpuModel {
     pub fn device(&self) -> &GpuDevice {
@@ -153,7 +175,6 @@ impl GpuModel {
             )));
         }
         let h = self.spec.hidden_size;
-        let eps = self.spec.rms_norm_eps;
         s.scratch.ensure(&self.dev, t, h)?;
         if let Some(ids) = tokens {
             let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
@@ -166,15 +187,34 @@ impl GpuModel {
             p.mark(&self.dev, profile::Part::Start)?; // opens the call
         }
         self.dev.iota_i32(&mut *s.scratch.positions, pos, t)?;
+        let GpuSession { kv, ws, scratch, host, profile, .. } = s;
+        let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv) };
+        let rows = if all { t } else { 1 };
+        self.forward(&mut io, host, t, pos, rows)?;
+        s.position += t;
+        Ok(rows)
+    }
+
+    /// The forward pass of a call whose token ids and positions are in `io`'s scratch: embedding,
+    /// every layer (handing host MoE layers to the expert thread through `staging`), the final
+    /// norm and the LM head over the last `logit_rows` rows into the scratch's logits.
+    fn forward(
+        &self,
+        io: &mut StepIo<'_>,
+        staging: &mut host_experts::HostStaging,
+        t: usize,
+        pos: usize,
+        logit_rows: usize,
+    ) -> Result<()> {
+        let h = self.spec.hidden_size;
+        let eps = self.spec.rms_norm_eps;
         {
-            let sc = &mut s.scratch;
+            let sc = &mut *io.scratch;
             let ids = sc.ids.slice().slice(..t);
             let mut x = sc.x.slice_mut().slice_mut(..t * h);
             self.dev.embedding_gather_f32(&self.embed, self.spec.vocab_size, h, &ids, &mut x)?;
         }
-        if let Some(p) = s.profile.as_mut() {
-            p.mark(&self.dev, profile::Part::Start)?;
-        }
+        io.mark(&self.dev, profile::Part::Start)?;
         let ctx = layers::Ctx {
             dev: &self.dev,
             gemm: &self.gemm,
@@ -186,40 +226,109 @@ impl GpuModel {
             eps,
             t,
             pos,
-            decode: t <= DECODE_MAX_TOKENS,
+            decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
         };
-        let mut staging = std::mem::take(&mut s.host);
         let mut enqueue_layers = |staging: &mut host_experts::HostStaging| -> Result<()> {
             for (l, layer) in self.layers.iter().enumerate() {
-                layer.forward(&ctx, l, s, l > 0, staging)?;
+                layer.forward(&ctx, l, io, l > 0, staging)?;
             }
             Ok(())
         };
-        let r = if let Some(server) = &self.expert_server {
+        if let Some(server) = &self.expert_server {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
             let shape = host_experts::HandoffShape { t, hidden: h, k };
-            host_experts::with_expert_server(&self.dev, &mut staging, server, shape, enqueue_layers)
+            host_experts::with_expert_server(&self.dev, staging, server, shape, enqueue_layers)?;
         } else {
-            enqueue_layers(&mut staging)
-        };
-        if let Err(e) = r {
-            s.host = staging;
-            return Err(e);
+            enqueue_layers(staging)?;
         }
         // Final norm (adding the last FFN output), then the LM head over the requested rows.
-        let normed = layers::residual_norm(&self.dev, s, &self.final_norm, true, t * h, h, eps, &mut staging);
-        s.host = staging;
-        normed?;
-        let sc = &mut s.scratch;
-        let rows = if all { t } else { 1 };
+        layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
+        let sc = &mut *io.scratch;
         let v = self.spec.vocab_size;
-        sc.ensure_logits(&self.dev, rows * v)?;
-        let first = t - rows;
+        sc.ensure_logits(&self.dev, logit_rows * v)?;
+        let first = t - logit_rows;
         let xn = sc.xn.slice().slice(first * h..t * h);
-        let mut logits = sc.logits.slice_mut().slice_mut(..rows * v);
-        self.lm_head.forward(&self.dev, &self.gemm, &xn, rows, &mut logits)?;
-        s.position += t;
-        Ok(rows)
+        let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
+        self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
+        Ok(())
+    }
+
+    /// The sampling parameters and uniform draw of `sampler`'s next token.
+    fn sampling_params(sampler: &mut Sampler) -> (GpuSamplingParams, f64) {
+        let p = sampler.params();
+        match sampler.next_uniform() {
+            None => (GpuSamplingParams { temperature: 0.0, top_k: 1, top_p: 1.0 }, 0.0),
+            Some(u) => (GpuSamplingParams { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p }, u),
+        }
+    }
+
+    /// A sampled id as a token of the vocabulary.
+    fn check_sampled(&self, id: i32) -> Result<u32> {
+        let v = self.spec.vocab_size;
+        u32::try_from(id)
+            .ok()
+            .filter(|&i| (i as usize) < v)
+            .ok_or_else(|| ModelError::Invalid(format!("GPU sampler returned token id {id} (vocab {v})")))
+    }
+
+    /// One decode step (one token each) for several sessions in one forward pass: every weight
+    /// is read once for all of them, attention runs per sequence over its own KV cache, and a
+    /// hybrid model hands each MoE layer's routed experts of all the sequences to the CPU in one
+    /// hand-off (grouped per expert there). One host synchronisation per step.
+    fn decode_batch(&self, seqs: &mut [DecoderStep<'_, GpuSession>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
+        let b = seqs.len();
+        let (h, v) = (self.spec.hidden_size, self.spec.vocab_size);
+        let mut ids = Vec::with_capacity(b);
+        let mut positions = Vec::with_capacity(b);
+        for st in seqs.iter() {
+            self.check_tokens(st.tokens)?;
+            let pos = st.session.position;
+            if pos + 1 > self.kv_tokens {
+                return Err(ModelError::Invalid(format!(
+                    "context full: {pos} cached + 1 new token exceed the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
+                    self.kv_tokens
+                )));
+            }
+            ids.push(st.tokens[0] as i32);
+            positions.push(pos as i32);
+        }
+        let mut guard = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        let BatchState { scratch, ws, host } = &mut *guard;
+        scratch.ensure(&self.dev, b, h)?;
+        scratch.ensure_next_ids(&self.dev, b)?;
+        self.dev.copy_to_device(&ids, &mut scratch.ids)?;
+        self.dev.copy_to_device(&positions, &mut scratch.positions)?;
+        {
+            let rows: Vec<(&krasis_gpu::kv_cache::GpuKvCache, usize)> =
+                seqs.iter().map(|st| (&st.session.kv, st.session.position)).collect();
+            let mut io = StepIo { scratch: &mut *scratch, ws, profile: None, kv: KvRows::PerRow(&rows) };
+            self.forward(&mut io, host, b, 0, b)?;
+        }
+        let logits = scratch.logits.slice().slice(..b * v);
+        let mut recorded = Vec::with_capacity(b);
+        for (i, st) in seqs.iter_mut().enumerate() {
+            let (params, u) = Self::sampling_params(st.sampler);
+            let mut out = scratch.next_id.slice_mut().slice_mut(i..i + 1);
+            self.sampler.sample(&self.dev, &logits, i, params, u, &mut out)?;
+            recorded.push(if st.record { Some(self.dev.download(&logits.slice(i * v..(i + 1) * v))?) } else { None });
+        }
+        let mut sampled = vec![0i32; b];
+        self.dev.download_into(&scratch.next_id.slice().slice(..b), &mut sampled)?;
+        let mut out = Vec::with_capacity(b);
+        for ((st, id), rec) in seqs.iter_mut().zip(sampled).zip(recorded) {
+            let id = self.check_sampled(id)?;
+            st.session.position += 1;
+            // The id is in the batch's buffers, not the session's: its next step uploads it.
+            st.session.last_sampled = None;
+            out.push((id, rec));
+        }
+        Ok(out)
+    }
+
+    /// Where the hybrid hand-off time of the batched decode steps went so far (zero when the
+    /// experts are on the GPU or nothing was batched).
+    pub fn batch_handoff_stats(&self) -> HandoffStats {
+        self.batch.lock().unwrap_or_else(|p| p.into_inner()).host.stats
     }
 
     /// With `KRASIS_GPU_PROFILE=1`: device time per part of the session's forward calls so far.
@@ -278,14 +387,9 @@ impl Decoder for GpuModel {
         let resident = tokens.len() == 1 && s.last_sampled == Some(tokens[0]);
         let rows = self.run(s, if resident { None } else { Some(tokens) }, record)?;
         let v = self.spec.vocab_size;
-        let p = sampler.params();
-        let u = sampler.next_uniform();
-        let params = match u {
-            None => GpuSamplingParams { temperature: 0.0, top_k: 1, top_p: 1.0 },
-            Some(_) => GpuSamplingParams { temperature: p.temperature, top_k: p.top_k, top_p: p.top_p },
-        };
+        let (params, u) = Self::sampling_params(sampler);
         let logits = s.scratch.logits.slice().slice(..rows * v);
-        self.sampler.sample(&self.dev, &logits, rows - 1, params, u.unwrap_or(0.0), &mut *s.scratch.next_id)?;
+        self.sampler.sample(&self.dev, &logits, rows - 1, params, u, &mut *s.scratch.next_id)?;
         let recorded = if record { Some(self.dev.download(&logits)?) } else { None };
         if let Some(p) = s.profile.as_mut() {
             p.mark(&self.dev, profile::Part::Head)?;
@@ -295,12 +399,38 @@ impl Decoder for GpuModel {
         if let Some(p) = s.profile.as_mut() {
             p.close_call()?;
         }
-        let id = u32::try_from(id[0])
-            .ok()
-            .filter(|&i| (i as usize) < v)
-            .ok_or_else(|| ModelError::Invalid(format!("GPU sampler returned token id {} (vocab {v})", id[0])))?;
+        let id = self.check_sampled(id[0])?;
         s.last_sampled = Some(id);
         Ok((id, recorded))
+    }
+
+    /// The decode steps (one token) of `seqs` as one batched forward pass when there are at least
+    /// [`BATCH_MIN_SEQS`] of them; prefill calls (more tokens) one by one before them.
+    fn step_batch(&self, seqs: &mut [DecoderStep<'_, GpuSession>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
+        let decodes = seqs.iter().filter(|st| st.tokens.len() == 1).count();
+        if decodes < BATCH_MIN_SEQS {
+            return seqs.iter_mut().map(|st| self.step(st.session, st.tokens, st.sampler, st.record)).collect();
+        }
+        let mut out: Vec<Option<(u32, Option<Vec<f32>>)>> = (0..seqs.len()).map(|_| None).collect();
+        let mut batch = Vec::with_capacity(decodes);
+        let mut batch_at = Vec::with_capacity(decodes);
+        for (i, st) in seqs.iter_mut().enumerate() {
+            if st.tokens.len() == 1 {
+                batch_at.push(i);
+                batch.push(DecoderStep {
+                    session: &mut *st.session,
+                    tokens: st.tokens,
+                    sampler: &mut *st.sampler,
+                    record: st.record,
+                });
+            } else {
+                out[i] = Some(self.step(st.session, st.tokens, st.sampler, st.record)?);
+            }
+        }
+        for (i, r) in batch_at.into_iter().zip(self.decode_batch(&mut batch)?) {
+            out[i] = Some(r);
+        }
+        Ok(out.into_iter().map(|r| r.expect("every sequence ran")).collect())
     }
 
     fn host_syncs(&self) -> Option<u64> {

@@ -6,7 +6,9 @@ use krasis_gpu::cudarc::driver::DeviceRepr;
 use krasis_gpu::kv_cache::GpuKvCache;
 use krasis_gpu::{DeviceBuffer, GpuDevice, GpuError};
 
-use crate::error::Result;
+use super::layers::Ctx;
+use super::profile::StepProfile;
+use crate::error::{ModelError, Result};
 
 /// A buffer that grows on demand.
 pub(crate) type Slot<T> = Option<DeviceBuffer<T>>;
@@ -86,6 +88,12 @@ impl Scratch {
         Ok(())
     }
 
+    /// Room for `n` sampled ids (one per sequence of a batched step).
+    pub fn ensure_next_ids(&mut self, dev: &GpuDevice, n: usize) -> Result<()> {
+        grow(dev, &mut self.next_id.0, n, "sampled token ids")?;
+        Ok(())
+    }
+
     pub fn ensure_logits(&mut self, dev: &GpuDevice, n: usize) -> Result<()> {
         grow(dev, &mut self.logits.0, n, "logits")?;
         Ok(())
@@ -100,6 +108,59 @@ impl Scratch {
     }
 }
 
+/// What the layers of one forward call read and write: the activations, the decode attention
+/// workspace, the profile, and the KV caches the call's tokens belong to.
+pub(crate) struct StepIo<'a> {
+    pub scratch: &'a mut Scratch,
+    pub ws: &'a mut DecodeWorkspace,
+    pub profile: Option<&'a mut StepProfile>,
+    pub kv: KvRows<'a>,
+}
+
+impl StepIo<'_> {
+    /// Marks the end of `part` in the profile, when one runs.
+    pub fn mark(&mut self, dev: &GpuDevice, part: super::profile::Part) -> Result<()> {
+        match self.profile.as_deref_mut() {
+            Some(p) => p.mark(dev, part),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Where the tokens of a forward call keep their keys and values.
+pub(crate) enum KvRows<'a> {
+    /// One sequence: the call's `t` tokens are consecutive, from [`Ctx::pos`].
+    Seq(&'a GpuKvCache),
+    /// Batched decode: one token per sequence, row `i` at position `rows[i].1` of cache `rows[i].0`.
+    PerRow(&'a [(&'a GpuKvCache, usize)]),
+}
+
+impl KvRows<'_> {
+    /// Calls `f(cache, first position, first row, rows)` for each run of the call's rows that
+    /// belongs to one sequence, in row order.
+    pub fn for_each_seq(
+        &self,
+        c: &Ctx,
+        mut f: impl FnMut(&GpuKvCache, usize, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            KvRows::Seq(kv) => f(kv, c.pos, 0, c.t),
+            KvRows::PerRow(rows) => {
+                debug_assert_eq!(rows.len(), c.t, "one row per sequence");
+                rows.iter().enumerate().try_for_each(|(i, &(kv, pos))| f(kv, pos, i, 1))
+            }
+        }
+    }
+
+    /// The one sequence's cache (prefill's expanded attention reads it whole).
+    pub fn seq(&self, what: &str) -> Result<&GpuKvCache> {
+        match self {
+            KvRows::Seq(kv) => Ok(kv),
+            KvRows::PerRow(_) => Err(ModelError::Invalid(format!("{what}: batched calls are decode steps only"))),
+        }
+    }
+}
+
 pub struct GpuSession {
     pub(crate) kv: GpuKvCache,
     pub(crate) ws: DecodeWorkspace,
@@ -110,7 +171,7 @@ pub struct GpuSession {
     /// The token the last step sampled (its id is still on the device).
     pub(crate) last_sampled: Option<u32>,
     /// `KRASIS_GPU_PROFILE=1`: device time per part of each forward call.
-    pub(crate) profile: Option<super::profile::StepProfile>,
+    pub(crate) profile: Option<StepProfile>,
 }
 
 impl GpuSession {

@@ -7,6 +7,7 @@ use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput};
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
 use crate::generate::{Decoder, DecoderStep};
+use crate::gpu::HandoffStats;
 use crate::spec::ModelSpec;
 
 /// What a [`Decoder`] tells the Engine API beyond running tokens. Everything but the device and
@@ -34,6 +35,10 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     }
     /// Starts the session's profile over.
     fn reset_profile(&self, _session: &mut Self::Session) {}
+    /// The hybrid hand-offs of batched steps so far (kept by the engine, not by a session).
+    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
+        None
+    }
 }
 
 /// A [`Decoder`] as an [`Engine`].
@@ -134,6 +139,10 @@ where
 
     fn expert_bytes(&self) -> Option<u64> {
         self.expert_bytes
+    }
+
+    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
+        self.decoder.batch_handoff_stats()
     }
 
     fn dense_bytes_per_token(&self) -> Option<u64> {

@@ -119,6 +119,11 @@ pub trait Engine: Send + Sync {
     fn dense_bytes_per_token(&self) -> Option<u64> {
         None
     }
+    /// Where the CPU hand-off time of batched decode steps went so far (hybrid; `None` on other
+    /// paths). A single sequence's steps count in its session ([`EngineSession::handoff_stats`]).
+    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
+        None
+    }
     /// Device time per part of `session`'s forward calls (GPU with `KRASIS_GPU_PROFILE=1`).
     fn profile_summary(&self, _session: &dyn EngineSession) -> Option<String> {
         None

@@ -78,6 +78,10 @@ impl EngineDecoder for GpuModel {
         Some(GpuModel::kv_capacity(self))
     }
 
+    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
+        self.experts_on_host().then(|| GpuModel::batch_handoff_stats(self))
+    }
+
     fn profile_summary(&self, session: &GpuSession) -> Option<String> {
         GpuModel::profile_summary(self, session)
     }
