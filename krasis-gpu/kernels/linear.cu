@@ -171,16 +171,26 @@ __device__ __forceinline__ void bf16_gemv_load_chunk(uint4 (&wv)[R][U], const bf
 // x round trip overlaps them. Accumulation is f32 per lane, then a warp-shuffle reduction.
 // Ragged rows are predicated (no early exit: the staging has block barriers); ragged cols are
 // zero-filled in both x and W.
+//
+// Two matrices in one launch (MLA's q and kv_a projections of the same x): rows [0, split) are
+// W [split, cols] into y [m, split], rows [split, rows) are W2 [rows - split, cols] into
+// y2 [m, rows - split]; split is a multiple of R, so a warp's rows lie in one of them. A single
+// matrix passes W2 = W, y2 = y, split = rows.
 template <int MT, int R>
-__device__ __forceinline__ void bf16_gemv_body(const bf16_t* __restrict__ w, const float* __restrict__ x,
-                                               float* __restrict__ y, int m, int rows, int cols, int tile, int w_vec,
-                                               int x_vec4) {
+__device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w2, const float* __restrict__ x,
+                                               float* y1, float* y2, int m, int all_rows, int split, int cols,
+                                               int tile, int w_vec, int x_vec4) {
     constexpr int U = BF16_GEMV_LOADS / R;
     constexpr int CHUNK = U * 32 * 8;
     extern __shared__ __align__(16) unsigned char bf16_gemv_smem[];
     bf16_t* xs = (bf16_t*)bf16_gemv_smem;  // [m, tile]
     const int lane = threadIdx.x & 31;
-    const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    const int g0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    const bool second = g0 >= split;  // warp-uniform
+    const bf16_t* __restrict__ w = second ? w2 : w1;
+    float* __restrict__ y = second ? y2 : y1;
+    const int r0 = second ? g0 - split : g0;
+    const int rows = second ? all_rows - split : split;
 
     uint4 wv[R][U];
     float acc[MT][R];
@@ -260,10 +270,11 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16_t* __restrict__ w, con
         }
 }
 
-#define KRASIS_BF16_GEMV(MT, R)                                                                              \
-    extern "C" __global__ void bf16_gemv_m##MT##_r##R(const bf16_t* w, const float* x, float* y, int m,    \
-                                                      int rows, int cols, int tile, int w_vec, int x_vec4) { \
-        bf16_gemv_body<MT, R>(w, x, y, m, rows, cols, tile, w_vec, x_vec4);                                  \
+#define KRASIS_BF16_GEMV(MT, R)                                                                            \
+    extern "C" __global__ void bf16_gemv_m##MT##_r##R(const bf16_t* w, const bf16_t* w2, const float* x,  \
+                                                      float* y, float* y2, int m, int rows, int split,     \
+                                                      int cols, int tile, int w_vec, int x_vec4) {         \
+        bf16_gemv_body<MT, R>(w, w2, x, y, y2, m, rows, split, cols, tile, w_vec, x_vec4);                 \
     }
 KRASIS_BF16_GEMV(1, 1)
 KRASIS_BF16_GEMV(2, 1)

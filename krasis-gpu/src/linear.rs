@@ -522,8 +522,74 @@ impl GpuLinear {
         }
     }
 
+    /// `y = x·Wᵀ` and `y_other = x·W_otherᵀ` for the same `x` (MLA's q and kv_a projections): one
+    /// GEMV launch over both matrices when both are BF16 on the automatic path with the same
+    /// columns, `m <= BF16_GEMV_MAX_M` and this one's rows a multiple of 4; two [`forward`] calls
+    /// otherwise. The values are those of two `forward` calls either way (a lane sums its columns
+    /// in the same order whatever the rows per warp).
+    ///
+    /// [`forward`]: GpuLinear::forward
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_pair(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        other: &GpuLinear,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<f32>,
+        y_other: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward_pair";
+        let fused = matches!((&self.w, &other.w), (Weights::Bf16(_), Weights::Bf16(_)))
+            && self.bf16_path == Bf16Path::Auto
+            && other.bf16_path == Bf16Path::Auto
+            && self.cols == other.cols
+            && (1..=BF16_GEMV_MAX_M).contains(&m)
+            && self.rows.is_multiple_of(4);
+        if !fused {
+            self.forward(dev, ctx, x, m, y)?;
+            return other.forward(dev, ctx, x, m, y_other);
+        }
+        let cols = self.cols;
+        check(OP, x.len() == m * cols, || format!("{}: x has {} elements, not [{m}, {cols}]", self.name, x.len()))?;
+        check(OP, y.len() == m * self.rows, || {
+            format!("{}: y has {} elements, not [{m}, {}]", self.name, y.len(), self.rows)
+        })?;
+        check(OP, y_other.len() == m * other.rows, || {
+            format!("{}: y has {} elements, not [{m}, {}]", other.name, y_other.len(), other.rows)
+        })?;
+        ctx.check_device(dev, OP)?;
+        let (Weights::Bf16(w), Weights::Bf16(w2)) = (&self.w, &other.w) else { unreachable!("checked above") };
+        let s = dev.stream();
+        let (x_p, _gx) = x.device_ptr(s);
+        let (y_p, _gy) = y.device_ptr_mut(s);
+        let (y2_p, _gy2) = y_other.device_ptr_mut(s);
+        let (w_p, _gw) = w.device_ptr(s);
+        let (w2_p, _gw2) = w2.device_ptr(s);
+        let rows = self.rows + other.rows;
+        let r = bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize);
+        self.bf16_gemv_launch(dev, w_p, x_p, m, y_p, r, Some((w2_p, y2_p, other.rows)))
+    }
+
     /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
     fn bf16_gemv(&self, dev: &GpuDevice, w: u64, x: u64, m: usize, y: u64, r: usize) -> Result<(), GpuError> {
+        self.bf16_gemv_launch(dev, w, x, m, y, r, None)
+    }
+
+    /// [`GpuLinear::bf16_gemv`], with `second = (W2, y2, rows2)`: a second matrix of the same
+    /// columns computed by the same launch (its rows after this one's; `self.rows % r == 0`).
+    #[allow(clippy::too_many_arguments)]
+    fn bf16_gemv_launch(
+        &self,
+        dev: &GpuDevice,
+        w: u64,
+        x: u64,
+        m: usize,
+        y: u64,
+        r: usize,
+        second: Option<(u64, u64, usize)>,
+    ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward (bf16 gemv)";
         let fname: &'static str = match (m.next_power_of_two(), r) {
             (1, 1) => "bf16_gemv_m1_r1",
@@ -536,8 +602,13 @@ impl GpuLinear {
             (8, 4) => "bf16_gemv_m8_r4",
             _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
         };
+        let (w2, y2, rows2) = second.unwrap_or((w, y, 0));
+        check(OP, self.rows.is_multiple_of(r) || rows2 == 0, || {
+            format!("{}: {} rows do not split at a multiple of {r}", self.name, self.rows)
+        })?;
+        let rows = self.rows + rows2;
         let sms = dev.info().multiprocessors.max(1) as usize;
-        let warps = self.rows.div_ceil(r);
+        let warps = rows.div_ceil(r);
         let wpb = (warps / sms).clamp(1, BF16_GEMV_MAX_WARPS_PER_BLOCK);
         let wpb = 1usize << wpb.ilog2(); // a power of two: 1, 2, 4 or 8
                                          // x is staged `tile` columns at a time; a tile is a whole number of chunks.
@@ -548,16 +619,17 @@ impl GpuLinear {
             block_dim: (wpb as u32 * 32, 1, 1),
             shared_mem_bytes: (m * tile * 2) as u32,
         };
-        let (m_i, rows_i, cols_i) = (m as i32, self.rows as i32, self.cols as i32);
+        let (m_i, rows_i, split_i, cols_i) = (m as i32, to_i32(OP, "rows", rows)?, self.rows as i32, self.cols as i32);
         let tile_i = to_i32(OP, "tile", tile)?;
-        let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16));
+        let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16) && w2.is_multiple_of(16));
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
         let s = dev.stream();
         let f = dev.function(&LINEAR, fname)?;
         let mut b = s.launch_builder(&f);
-        b.arg(&w).arg(&x).arg(&y).arg(&m_i).arg(&rows_i).arg(&cols_i).arg(&tile_i).arg(&w_vec).arg(&x_vec4);
-        // SAFETY: arguments match the kernel's signature; shapes checked by `forward`; the dynamic
-        // shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in).
+        b.arg(&w).arg(&w2).arg(&x).arg(&y).arg(&y2).arg(&m_i).arg(&rows_i).arg(&split_i).arg(&cols_i);
+        b.arg(&tile_i).arg(&w_vec).arg(&x_vec4);
+        // SAFETY: arguments match the kernel's signature; shapes checked by the callers; the
+        // dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in).
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }

@@ -241,6 +241,52 @@ fn bf16_gemv_v2_lite_shapes() {
     }
 }
 
+/// `forward_pair` (two matrices of the same columns in one GEMV launch, MLA's q and kv_a) gives
+/// bit for bit what two `forward` calls give, on V2-Lite's shapes and ragged ones (second
+/// matrix of any row count; the first's a multiple of 4, else it falls back to two launches),
+/// m = 1 ..= BF16_GEMV_MAX_M, and matches the twin.
+#[test]
+fn bf16_gemv_pair_equals_two_forwards() {
+    let Some((d, ctx)) = gpu_gemm("bf16_gemv_pair_equals_two_forwards") else { return };
+    let mut r = rng(23);
+    let mut shapes = vec![(3072, 576, 2048), (4, 1, 8), (64, 33, 257), (300, 7, 700), (1536, 576, 2048), (6, 5, 31)];
+    for _ in 0..6 {
+        shapes.push((4 * r.random_range(1..200), r.random_range(1..300), r.random_range(1..1200)));
+    }
+    for &(rows_a, rows_b, cols) in &shapes {
+        let wa = rand_bf16_bits(&mut r, rows_a * cols, 0.5);
+        let wb = rand_bf16_bits(&mut r, rows_b * cols, 0.5);
+        let a = GpuLinear::new(d, "pair a", &wa, rows_a, cols, LinearQuant::Bf16).unwrap();
+        let b = GpuLinear::new(d, "pair b", &wb, rows_b, cols, LinearQuant::Bf16).unwrap();
+        let wbv = to_f64(&from_bf16(&wb));
+        for m in 1..=BF16_GEMV_MAX_M {
+            let x = rand_f32(&mut r, m * cols, 1.0);
+            let x_d = up(d, &x, "x");
+            let mut ya = poisoned_f32(d, m * rows_a);
+            let mut yb = poisoned_f32(d, m * rows_b);
+            a.forward_pair(d, ctx, &b, &x_d, m, &mut ya, &mut yb).unwrap();
+            let mut ya1 = poisoned_f32(d, m * rows_a);
+            let mut yb1 = poisoned_f32(d, m * rows_b);
+            a.forward(d, ctx, &x_d, m, &mut ya1).unwrap();
+            b.forward(d, ctx, &x_d, m, &mut yb1).unwrap();
+            let what = format!("pair [{rows_a}+{rows_b}]x{cols} m={m}");
+            let (pa, pb) = (down(d, &ya), down(d, &yb));
+            assert_eq!(
+                pa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                down(d, &ya1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{what}: first matrix differs from forward"
+            );
+            assert_eq!(
+                pb.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                down(d, &yb1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{what}: second matrix differs from forward"
+            );
+            let (want, tol) = twin_bf16(&x, m, &wbv, rows_b, cols);
+            assert_within(&what, &pb, &want, &tol);
+        }
+    }
+}
+
 /// cuBLAS (forced, and `forward`'s own choice above BF16_GEMV_MAX_M) still matches the twin;
 /// at m <= BF16_GEMV_MAX_M the same inputs go through the GEMV under Auto.
 #[test]

@@ -291,8 +291,10 @@ impl GpuMla {
             &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
 
-        // q (with the optional LoRA).
+        // q (with the optional LoRA), and the latent row from kv_a; without the LoRA q and kv_a
+        // read the same x, so a decode step computes both in one GEMV launch.
         let q = grow(dev, q_slot, t * hh * qk, "mla q")?;
+        let kva = grow(dev, kv_a_slot, t * row, "mla kv_a")?;
         match &self.w.q_a {
             Some((q_a, norm)) => {
                 let r = q_a.rows();
@@ -307,13 +309,22 @@ impl GpuMla {
                     &mut q.slice_mut().slice_mut(..t * hh * qk),
                 )?;
             }
-            None => self.w.q_b.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * qk))?,
+            None => self.w.q_b.forward_pair(
+                dev,
+                c.gemm,
+                &self.w.kv_a,
+                &xn,
+                t,
+                &mut q.slice_mut().slice_mut(..t * hh * qk),
+                &mut kva.slice_mut().slice_mut(..t * row),
+            )?,
+        }
+        if self.w.q_a.is_some() {
+            self.w.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
         }
 
-        // The latent row: kv_a; then RoPE on q's heads and on the row's rope part, RMSNorm on its
-        // latent part (one launch) → cache.
-        let kva = grow(dev, kv_a_slot, t * row, "mla kv_a")?;
-        self.w.kv_a.forward(dev, c.gemm, &xn, t, &mut kva.slice_mut().slice_mut(..t * row))?;
+        // RoPE on q's heads and on the latent row's rope part, RMSNorm on its latent part (one
+        // launch) → cache.
         dev.mla_rope_norm(
             q,
             &rope_layout(c, hh, hh * qk, qk, nope),
