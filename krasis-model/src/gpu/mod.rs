@@ -162,7 +162,13 @@ impl GpuModel {
     /// Runs `tokens` after what `session` holds; the logits of the last position (or of every
     /// position with `all`) stay on the device in `session`'s logits buffer, `[rows, vocab]`.
     /// Returns the number of logit rows.
-    fn run(&self, s: &mut GpuSession, tokens: Option<&[u32]>, all: bool) -> Result<usize> {
+    fn run(
+        &self,
+        s: &mut GpuSession,
+        tokens: Option<&[u32]>,
+        all: bool,
+        tail: &mut dyn FnMut(&mut session::Scratch) -> Result<()>,
+    ) -> Result<usize> {
         let t = tokens.map_or(1, |t| t.len());
         if t == 0 {
             return Err(ModelError::Invalid("forward called with no tokens".into()));
@@ -190,7 +196,7 @@ impl GpuModel {
         let GpuSession { kv, ws, scratch, host, profile, .. } = s;
         let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv) };
         let rows = if all { t } else { 1 };
-        self.forward(&mut io, host, t, pos, rows)?;
+        self.forward(&mut io, host, t, pos, rows, tail)?;
         s.position += t;
         Ok(rows)
     }
@@ -205,6 +211,7 @@ impl GpuModel {
         t: usize,
         pos: usize,
         logit_rows: usize,
+        tail: &mut dyn FnMut(&mut session::Scratch) -> Result<()>,
     ) -> Result<()> {
         let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
@@ -228,29 +235,32 @@ impl GpuModel {
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
         };
-        let mut enqueue_layers = |staging: &mut host_experts::HostStaging| -> Result<()> {
+        // Everything the step runs on the device is enqueued before the launching thread waits
+        // for the expert thread's end-of-call reply: a wait that sleeps, so enqueueing the head
+        // after it would put the thread's wake-up on the critical path of every token.
+        let v = self.spec.vocab_size;
+        let mut enqueue = |staging: &mut host_experts::HostStaging| -> Result<()> {
             for (l, layer) in self.layers.iter().enumerate() {
                 layer.forward(&ctx, l, io, l > 0, staging)?;
             }
-            Ok(())
+            // Final norm (adding the last FFN output), the LM head over the requested rows, then
+            // the caller's tail (sampling).
+            layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
+            let sc = &mut *io.scratch;
+            sc.ensure_logits(&self.dev, logit_rows * v)?;
+            let first = t - logit_rows;
+            let xn = sc.xn.slice().slice(first * h..t * h);
+            let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
+            self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
+            tail(sc)
         };
         if let Some(server) = &self.expert_server {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
             let shape = host_experts::HandoffShape { t, hidden: h, k };
-            host_experts::with_expert_server(&self.dev, staging, server, shape, enqueue_layers)?;
+            host_experts::with_expert_server(&self.dev, staging, server, shape, enqueue)
         } else {
-            enqueue_layers(staging)?;
+            enqueue(staging)
         }
-        // Final norm (adding the last FFN output), then the LM head over the requested rows.
-        layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
-        let sc = &mut *io.scratch;
-        let v = self.spec.vocab_size;
-        sc.ensure_logits(&self.dev, logit_rows * v)?;
-        let first = t - logit_rows;
-        let xn = sc.xn.slice().slice(first * h..t * h);
-        let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
-        self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
-        Ok(())
     }
 
     /// The sampling parameters and uniform draw of `sampler`'s next token.
@@ -298,18 +308,26 @@ impl GpuModel {
         scratch.ensure_next_ids(&self.dev, b)?;
         self.dev.copy_to_device(&ids, &mut scratch.ids)?;
         self.dev.copy_to_device(&positions, &mut scratch.positions)?;
+        let params: Vec<(GpuSamplingParams, f64)> =
+            seqs.iter_mut().map(|st| Self::sampling_params(st.sampler)).collect();
         {
             let rows: Vec<(&krasis_gpu::kv_cache::GpuKvCache, usize)> =
                 seqs.iter().map(|st| (&st.session.kv, st.session.position)).collect();
+            let mut sample = |sc: &mut session::Scratch| -> Result<()> {
+                let logits = sc.logits.slice().slice(..b * v);
+                for (i, &(p, u)) in params.iter().enumerate() {
+                    let mut out = sc.next_id.slice_mut().slice_mut(i..i + 1);
+                    self.sampler.sample(&self.dev, &logits, i, p, u, &mut out)?;
+                }
+                Ok(())
+            };
             let mut io = StepIo { scratch: &mut *scratch, ws, profile: None, kv: KvRows::PerRow(&rows) };
-            self.forward(&mut io, host, b, 0, b)?;
+            self.forward(&mut io, host, b, 0, b, &mut sample)?;
         }
         let logits = scratch.logits.slice().slice(..b * v);
         let mut recorded = Vec::with_capacity(b);
-        for (i, st) in seqs.iter_mut().enumerate() {
-            let (params, u) = Self::sampling_params(st.sampler);
-            let mut out = scratch.next_id.slice_mut().slice_mut(i..i + 1);
-            self.sampler.sample(&self.dev, &logits, i, params, u, &mut out)?;
+        for st in seqs.iter() {
+            let i = recorded.len();
             recorded.push(if st.record { Some(self.dev.download(&logits.slice(i * v..(i + 1) * v))?) } else { None });
         }
         let mut sampled = vec![0i32; b];
@@ -347,7 +365,7 @@ impl GpuModel {
     /// `all`, else the last row).
     pub fn forward_logits(&self, s: &mut GpuSession, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
-        let rows = self.run(s, Some(tokens), all)?;
+        let rows = self.run(s, Some(tokens), all, &mut |_| Ok(()))?;
         let v = self.spec.vocab_size;
         if let Some(p) = s.profile.as_mut() {
             p.mark(&self.dev, profile::Part::Head)?;
@@ -385,11 +403,15 @@ impl Decoder for GpuModel {
         self.check_tokens(tokens)?;
         // A decode step whose token is the one just sampled reads it from the device.
         let resident = tokens.len() == 1 && s.last_sampled == Some(tokens[0]);
-        let rows = self.run(s, if resident { None } else { Some(tokens) }, record)?;
         let v = self.spec.vocab_size;
         let (params, u) = Self::sampling_params(sampler);
+        let rows = if record { tokens.len() } else { 1 };
+        let mut sample = |sc: &mut session::Scratch| -> Result<()> {
+            let logits = sc.logits.slice().slice(..rows * v);
+            Ok(self.sampler.sample(&self.dev, &logits, rows - 1, params, u, &mut *sc.next_id)?)
+        };
+        let rows = self.run(s, if resident { None } else { Some(tokens) }, record, &mut sample)?;
         let logits = s.scratch.logits.slice().slice(..rows * v);
-        self.sampler.sample(&self.dev, &logits, rows - 1, params, u, &mut *s.scratch.next_id)?;
         let recorded = if record { Some(self.dev.download(&logits)?) } else { None };
         if let Some(p) = s.profile.as_mut() {
             p.mark(&self.dev, profile::Part::Head)?;
