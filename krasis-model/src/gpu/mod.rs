@@ -427,7 +427,7 @@ impl Decoder for GpuModel {
     }
 
     /// The decode steps (one token) of `seqs` as one batched forward pass when there are at least
-    /// [`BATCH_MIN_SEQS`] of them; prefill calls (more tokens) one by one before them.
+    /// two of them (`BATCH_MIN_SEQS`); prefill calls (more tokens) one by one before them.
     fn step_batch(&self, seqs: &mut [DecoderStep<'_, GpuSession>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
         let decodes = seqs.iter().filter(|st| st.tokens.len() == 1).count();
         if decodes < BATCH_MIN_SEQS {
