@@ -407,6 +407,14 @@ impl ExpertExecutor for CpuQuantExperts {
 mod tests {
     use super::*;
     #[test]
+    fn auto_is_for_routed_experts_only() {
+        assert!(dense_quant_bits(WeightBits::Auto).unwrap_err().to_string().contains("routed experts only"));
+        assert_eq!(dense_quant_bits(WeightBits::Int8).unwrap(), Some(Bits::Int8));
+        assert_eq!(quant_bits(WeightBits::Auto), Some(CacheBits::Auto));
+        assert_eq!(quant_bits(WeightBits::Bf16), None);
+    }
+
+    #[test]
     fn route_grouping_is_a_stable_counting_sort() {
         let routes = Routes { k: 2, ids: vec![3, 0, 0, 3, 2, 3], weights: vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6] };
         let mut g = RouteGrouping::default();
