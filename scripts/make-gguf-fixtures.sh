@@ -6,8 +6,9 @@
 # usage: scripts/make-gguf-fixtures.sh [OUT]
 #   fixtures from KRASIS_FIXTURES (default ../shared/fixtures), GGUFs to OUT (default
 #   KRASIS_GGUF_FIXTURES, else .gguf-fixtures in the checkout, git-ignored):
-#   OUT/<fixture>/model-{bf16,q8_0}.gguf, plus model-q4_k_m.gguf when KRASIS_GGUF_Q4KM=1 (builds
-#   llama-quantize with cmake, CPU only: slow on 2 cores), and reference-{q8_0,q4_k_m}.safetensors:
+#   OUT/<fixture>/model-{bf16,q8_0}.gguf, plus model-{q4_k_m,q4_0_mixed}.gguf when KRASIS_GGUF_Q4KM=1
+#   (builds llama-quantize with cmake, CPU only: slow on 2 cores; q4_0_mixed is Q4_0 with layer 1's
+#   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
 #   (scripts/gguf-dequant-reference.py). qwen3moe-tiny has a dense layer, which
 #   llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
@@ -61,17 +62,26 @@ if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
     fi
     # llama.cpp reads a deepseek2 file without q_lora_rank only at V2-Lite's 26/27 layers, so
     # llama-quantize refuses the 2- and 3-layer q_lora-less fixtures (dsv2-lite, dsv2-k256).
+    # q4_0_mixed: Q4_0 (4-bit blocks of 32, which these rows allow) with layer 1's ffn_down_exps in
+    # Q8_0, the per-layer mix of widths Q4_K_M gives real models (Q6_K down in some layers), which
+    # the fixtures' Q4_K_M cannot show (its K-quants fall back to Q5_0 on rows of 128/192).
     for f in dsv2-grouped-tiny dsv3-tiny; do
-        dst=$OUT/$f/model-q4_k_m.gguf
-        [ -s "$dst" ] && [ "$dst" -nt "$OUT/$f/model-bf16.gguf" ] && continue
-        "$Q" --allow-requantize "$OUT/$f/model-bf16.gguf" "$dst.tmp" Q4_K_M >"$OUT/$f/quantize.log" 2>&1 \
-            || { tail -20 "$OUT/$f/quantize.log" >&2; exit 1; }
-        mv "$dst.tmp" "$dst"
+        for t in q4_k_m q4_0_mixed; do
+            dst=$OUT/$f/model-$t.gguf
+            [ -s "$dst" ] && [ "$dst" -nt "$OUT/$f/model-bf16.gguf" ] && continue
+            case $t in
+                q4_k_m) args=(Q4_K_M) ;;
+                q4_0_mixed) args=(--tensor-type 'blk\.1\.ffn_down_exps=q8_0' Q4_0) ;;
+            esac
+            "$Q" --allow-requantize "${args[@]:0:${#args[@]}-1}" "$OUT/$f/model-bf16.gguf" "$dst.tmp" "${args[-1]}" \
+                >"$OUT/$f/quantize-$t.log" 2>&1 || { tail -20 "$OUT/$f/quantize-$t.log" >&2; exit 1; }
+            mv "$dst.tmp" "$dst"
+        done
     done
 fi
 # The oracle of each quantised GGUF: transformers in float64 on its dequantised weights.
 for f in "${FIXTURES[@]}"; do
-    for t in q8_0 q4_k_m; do
+    for t in q8_0 q4_k_m q4_0_mixed; do
         src=$OUT/$f/model-$t.gguf; dst=$OUT/$f/reference-$t.safetensors
         [ -s "$src" ] || continue
         [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue

@@ -22,17 +22,15 @@ fn main() {
         format_version: FORMAT_VERSION,
         layout: "bench".into(),
         config_hash: 0x1234,
-        bits: 4,
         group_size_hidden: gs as u32,
         group_size_intermediate: gs as u32,
         hidden: hidden as u32,
         intermediate: inter as u32,
         n_experts: 64,
         moe_layers: (1..=layers).collect(),
-        w13_bytes: w13,
-        w2_bytes: w2,
+        parts: vec![LayerParts { w13_bits: 4, w2_bits: 4, w13_bytes: w13, w2_bytes: w2 }; layers as usize],
     };
-    let path = dir.join(cache_file_name(4, gs as u32));
+    let path = dir.join(cache_file_name(Some(4), gs as u32));
     let _ = std::fs::remove_file(&path);
     let len = (w13 + w2) as usize;
     let produce = |l: usize, e: usize| Ok(vec![(l * 64 + e) as u8 | 1; len]);

@@ -206,18 +206,18 @@ pub fn build(
 
     let n_layers = header.moe_layers.len();
     let n_experts = header.n_experts as usize;
-    let bytes_total = layout.records_bytes();
+    let bytes_total = layout.records_bytes;
 
     // Records are produced and written on rayon's pool (driven from a scoped thread); this thread
     // relays progress in order, so `progress` need not be `Sync`.
     let sums = std::thread::scope(|s| {
-        let (tx, rx) = mpsc::channel::<()>();
+        let (tx, rx) = mpsc::channel::<u64>();
         let worker = s.spawn(|| write_layers(path, &file, header, &layout, produce, tx));
-        let mut done = 0u64;
-        for () in rx {
+        let (mut done, mut bytes_done) = (0u64, 0u64);
+        for stride in rx {
             done += 1;
+            bytes_done += stride;
             let seconds = t0.elapsed().as_secs_f64();
-            let bytes_done = done * layout.stride;
             progress(BuildProgress {
                 records_done: done,
                 records_total: layout.record_count,
@@ -273,15 +273,17 @@ fn write_layers(
     header: &CacheHeader,
     layout: &Layout,
     produce: &Produce<'_>,
-    tx: mpsc::Sender<()>,
+    tx: mpsc::Sender<u64>,
 ) -> Result<Vec<u64>, CacheError> {
     let n_experts = header.n_experts as usize;
-    let (w13, w2) = (header.w13_bytes as usize, header.w2_bytes as usize);
-    let w2_off = layout.w2_offset as usize;
-    let stride = layout.stride as usize;
-    let layer_bytes = n_experts as u64 * layout.stride;
     let mut sums = Vec::with_capacity(layout.record_count as usize);
-    for (l, &layer) in header.moe_layers.iter().enumerate() {
+    let mut previous: Option<(u64, u64)> = None;
+    for (l, (&layer, parts)) in header.moe_layers.iter().zip(&header.parts).enumerate() {
+        let (w13, w2) = (parts.w13_bytes as usize, parts.w2_bytes as usize);
+        let geom = layout.layers[l];
+        let w2_off = geom.w2_offset as usize;
+        let stride = geom.stride as usize;
+        let layer_bytes = n_experts as u64 * geom.stride;
         let layer_sums = (0..n_experts)
             .into_par_iter()
             .map(|e| {
@@ -315,7 +317,7 @@ fn write_layers(
                 file.write_all_at(&rec[..w13], off).map_err(|er| CacheError::io(path, "write record", er))?;
                 file.write_all_at(&rec[w13..], off + w2_off as u64)
                     .map_err(|er| CacheError::io(path, "write record", er))?;
-                let _ = tx.send(());
+                let _ = tx.send(geom.stride);
                 Ok(h.digest())
             })
             .collect::<Result<Vec<u64>, CacheError>>()?;
@@ -324,9 +326,10 @@ fn write_layers(
         // previous one and drop its pages.
         let off = layout.record_offset(l * n_experts);
         start_writeback(file, off, layer_bytes);
-        if l > 0 {
-            finish_writeback_and_drop(file, off - layer_bytes, layer_bytes);
+        if let Some((prev_off, prev_bytes)) = previous {
+            finish_writeback_and_drop(file, prev_off, prev_bytes);
         }
+        previous = Some((off, layer_bytes));
     }
     Ok(sums)
 }

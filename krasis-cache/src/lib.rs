@@ -3,14 +3,15 @@
 //!
 //! A cache holds the routed experts of every MoE layer, one record per (MoE layer, expert), each
 //! record `w13_bytes` (fused gate+up) then `w2_bytes` (down) of packer output that this crate treats
-//! as opaque bytes. Records are contiguous and 4 KiB-aligned, checksummed with xxh3-64, and laid
-//! out layer-major. The file format is specified in docs/FORMATS.md and [`mod@format`].
+//! as opaque bytes; the header records each MoE layer's widths (`w13_bits`, `w2_bits`) and sizes,
+//! which may differ between layers. Records are contiguous and 4 KiB-aligned, checksummed with
+//! xxh3-64, and laid out layer-major. The file format is specified in docs/FORMATS.md and [`mod@format`].
 //!
 //! ```no_run
 //! # use krasis_cache::*;
 //! # fn f(model_dir: &std::path::Path, expected: CacheHeader,
 //! #      produce: &(dyn Fn(usize, usize) -> Result<Vec<u8>, String> + Sync)) -> Result<(), CacheError> {
-//! let path = default_cache_dir(model_dir).join(cache_file_name(4, 128));
+//! let path = default_cache_dir(model_dir).join(cache_file_name(Some(4), 128));
 //! let (cache, outcome) = open_or_build(&path, &expected, produce, &|_p| {}, LoadOptions::default())?;
 //! if let CacheOutcome::Built { reason } = &outcome { eprintln!("rebuilt expert cache: {reason}"); }
 //! eprintln!("{}", describe(&cache));
@@ -30,7 +31,7 @@ use std::path::{Path, PathBuf};
 
 pub use build::{build, clean_stale_tmp_files, BuildProgress, BuildReport, Produce};
 pub use error::CacheError;
-pub use format::{cache_file_name, CacheHeader, FORMAT_VERSION, MAGIC};
+pub use format::{cache_file_name, describe_widths, CacheHeader, LayerParts, FORMAT_VERSION, MAGIC};
 pub use load::{describe, open, ExpertCache, LoadOptions, LoadReport, Placement};
 
 /// Whether `open_or_build` found a usable cache or had to build one.

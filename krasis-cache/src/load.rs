@@ -54,8 +54,9 @@ pub struct LoadReport {
     pub verified: bool,
 }
 
-/// A loaded cache: every record resident in one anonymous buffer, record `i = layer_idx ·
-/// n_experts + expert` at `i · stride` (4 KiB-aligned), w2 at `w2_offset` inside it (64-aligned).
+/// A loaded cache: every record resident in one anonymous buffer, laid out as in the file: the
+/// layers one after another, a layer's records `stride(layer_idx)` apart (4 KiB-aligned), w2 at
+/// `w2_offset(layer_idx)` inside each (64-aligned).
 pub struct ExpertCache {
     path: PathBuf,
     header: CacheHeader,
@@ -69,7 +70,7 @@ impl std::fmt::Debug for ExpertCache {
         f.debug_struct("ExpertCache")
             .field("path", &self.path)
             .field("header", &self.header)
-            .field("stride", &self.layout.stride)
+            .field("records_bytes", &self.layout.records_bytes)
             .field("report", &self.report)
             .finish()
     }
@@ -84,14 +85,14 @@ impl ExpertCache {
         &self.path
     }
 
-    /// Bytes between consecutive records (a multiple of 4096).
-    pub fn stride(&self) -> usize {
-        self.layout.stride as usize
+    /// Bytes between consecutive records of MoE layer `layer_idx` (a multiple of 4096).
+    pub fn stride(&self, layer_idx: usize) -> usize {
+        self.layout.layers[layer_idx].stride as usize
     }
 
-    /// Offset of w2 inside a record (a multiple of 64).
-    pub fn w2_offset(&self) -> usize {
-        self.layout.w2_offset as usize
+    /// Offset of w2 inside a record of MoE layer `layer_idx` (a multiple of 64).
+    pub fn w2_offset(&self, layer_idx: usize) -> usize {
+        self.layout.layers[layer_idx].w2_offset as usize
     }
 
     fn index(&self, layer_idx: usize, expert: usize) -> usize {
@@ -101,29 +102,29 @@ impl ExpertCache {
     }
 
     fn record_start(&self, layer_idx: usize, expert: usize) -> usize {
-        self.index(layer_idx, expert) * self.layout.stride as usize
+        self.layout.record_start(self.index(layer_idx, expert)) as usize
     }
 
     /// The fused gate+up part of the record of (MoE layer index, expert).
     pub fn w13(&self, layer_idx: usize, expert: usize) -> &[u8] {
         let s = self.record_start(layer_idx, expert);
-        &self.buf.as_slice()[s..s + self.header.w13_bytes as usize]
+        &self.buf.as_slice()[s..s + self.header.parts[layer_idx].w13_bytes as usize]
     }
 
     /// The down part of the record of (MoE layer index, expert); 64-byte aligned.
     pub fn w2(&self, layer_idx: usize, expert: usize) -> &[u8] {
-        let s = self.record_start(layer_idx, expert) + self.layout.w2_offset as usize;
-        &self.buf.as_slice()[s..s + self.header.w2_bytes as usize]
+        let s = self.record_start(layer_idx, expert) + self.w2_offset(layer_idx);
+        &self.buf.as_slice()[s..s + self.header.parts[layer_idx].w2_bytes as usize]
     }
 
     /// The whole record of (MoE layer index, expert), padding included: a 4 KiB-aligned start and
-    /// a length of `stride` (whole pages), for pinning, DMA or NUMA moves.
+    /// a length of the layer's `stride` (whole pages), for pinning, DMA or NUMA moves.
     pub fn record_ptr_range(&self, layer_idx: usize, expert: usize) -> (*const u8, usize) {
         let s = self.record_start(layer_idx, expert);
-        (self.buf.as_slice()[s..].as_ptr(), self.layout.stride as usize)
+        (self.buf.as_slice()[s..].as_ptr(), self.stride(layer_idx))
     }
 
-    /// All records, back to back (`stride` apart).
+    /// All records, back to back (each layer's `stride` apart).
     pub fn records(&self) -> &[u8] {
         self.buf.as_slice()
     }
@@ -147,13 +148,13 @@ pub fn describe(c: &ExpertCache) -> String {
         None => "unknown".into(),
     };
     format!(
-        "expert cache {}: {} resident ({} MoE layers × {} experts, {} per record), loaded in {:.2} s at {:.2} GB/s{}; \
+        "expert cache {}: {} resident ({} MoE layers × {} experts, {}), loaded in {:.2} s at {:.2} GB/s{}; \
          THP {thp}; NUMA bound: {}",
         c.path.display(),
         format_bytes(c.resident_bytes() as u64),
         h.moe_layers.len(),
         h.n_experts,
-        format_bytes(c.layout.stride),
+        h.bits_summary(),
         r.seconds,
         r.gb_per_s,
         if r.verified { ", checksums verified" } else { ", not verified" },
@@ -174,8 +175,7 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
         return Err(CacheError::Stale { path: path.to_path_buf(), field, cache, expected });
     }
 
-    let total = layout.records_bytes() as usize;
-    let stride = layout.stride as usize;
+    let total = layout.records_bytes as usize;
     let n_experts = header.n_experts as usize;
     let mut buf = PageBuffer::new(total).map_err(|e| CacheError::io(path, "allocate record buffer", e))?;
     if load.huge_pages {
@@ -186,12 +186,23 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
         None => false,
     };
 
-    // Chunks of whole records: at least ~4 per thread for balance, at most ~64 MiB each.
+    // Chunks of whole records of one layer: at least ~4 per thread for balance, at most ~64 MiB.
     let threads = rayon::current_num_threads().max(1);
     let n = layout.record_count as usize;
-    let per_chunk = (64usize << 20).div_ceil(stride).min(n.div_ceil(4 * threads)).max(1);
+    let per_chunk_records = |stride: usize| (64usize << 20).div_ceil(stride).min(n.div_ceil(4 * threads)).max(1);
+    let mut chunks: Vec<(usize, usize, &mut [u8])> = Vec::new(); // (first record, stride, bytes)
+    let mut rest = buf.as_mut_slice();
+    for (l, g) in layout.layers.iter().enumerate() {
+        let stride = g.stride as usize;
+        let (layer, tail) = rest.split_at_mut(stride * n_experts);
+        rest = tail;
+        let per = per_chunk_records(stride);
+        for (ci, chunk) in layer.chunks_mut(per * stride).enumerate() {
+            chunks.push((l * n_experts + ci * per, stride, chunk));
+        }
+    }
     let verify = load.verify;
-    buf.as_mut_slice().par_chunks_mut(per_chunk * stride).enumerate().try_for_each(|(ci, chunk)| {
+    chunks.into_par_iter().try_for_each(|(first, stride, chunk)| {
         let f = reopen(&file).map_err(|e| CacheError::io(path, "reopen", e))?;
         #[cfg(target_os = "linux")]
         {
@@ -199,7 +210,6 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
             // SAFETY: advisory syscall on an open fd.
             unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
         }
-        let first = ci * per_chunk;
         for (j, rec) in chunk.chunks_mut(stride).enumerate() {
             let i = first + j;
             let off = layout.record_offset(i);
@@ -258,7 +268,6 @@ fn bind_records(
     n_experts: usize,
     place: &Placement<'_>,
 ) -> Result<bool, CacheError> {
-    let stride = layout.stride as usize;
     let n = layout.record_count as usize;
     let nodes: Vec<Option<usize>> = (0..n).map(|i| place(i / n_experts, i % n_experts)).collect();
     let mut any = false;
@@ -273,8 +282,10 @@ fn bind_records(
         while j < n && nodes[j] == Some(node) {
             j += 1;
         }
-        let ptr = buf.as_slice()[i * stride..].as_ptr();
-        let ok = bind_to_node(ptr, (j - i) * stride, node).map_err(|source| CacheError::Placement {
+        let start = layout.record_start(i) as usize;
+        let end = if j < n { layout.record_start(j) as usize } else { layout.records_bytes as usize };
+        let ptr = buf.as_slice()[start..].as_ptr();
+        let ok = bind_to_node(ptr, end - start, node).map_err(|source| CacheError::Placement {
             path: path.to_path_buf(),
             layer_idx: i / n_experts,
             expert: i % n_experts,

@@ -15,16 +15,37 @@ fn hdr(config_hash: u64) -> CacheHeader {
         format_version: FORMAT_VERSION,
         layout: "test-v1".into(),
         config_hash,
-        bits: 4,
         group_size_hidden: 128,
         group_size_intermediate: 64,
         hidden: 256,
         intermediate: 96,
         n_experts: 5,
         moe_layers: vec![1, 3, 4],
-        w13_bytes: 6001,
-        w2_bytes: 3003,
+        parts: vec![parts(4, 4, 6001, 3003); 3],
     }
+}
+
+fn parts(w13_bits: u8, w2_bits: u8, w13_bytes: u64, w2_bytes: u64) -> LayerParts {
+    LayerParts { w13_bits, w2_bits, w13_bytes, w2_bytes }
+}
+
+/// `h` with every layer's record parts `w13` and `w2` bytes long.
+fn sized(h: CacheHeader, w13: u64, w2: u64) -> CacheHeader {
+    let n = h.moe_layers.len();
+    CacheHeader { parts: vec![parts(4, 4, w13, w2); n], ..h }
+}
+
+/// Three MoE layers of different widths, as a Q4_K_M GGUF gives: w13 INT4 everywhere, w2 INT8
+/// in the first and last layer (sizes differ per layer, so do strides).
+fn mixed(config_hash: u64) -> CacheHeader {
+    CacheHeader {
+        parts: vec![parts(4, 8, 6001, 5990), parts(4, 4, 6001, 3003), parts(8, 8, 12000, 5990)],
+        ..hdr(config_hash)
+    }
+}
+
+fn record_len(h: &CacheHeader, l: usize) -> usize {
+    (h.parts[l].w13_bytes + h.parts[l].w2_bytes) as usize
 }
 
 /// Deterministic pseudo-random record of (layer_idx, expert).
@@ -41,14 +62,14 @@ fn fake(l: usize, e: usize, len: usize) -> Vec<u8> {
 }
 
 fn producer(h: &CacheHeader) -> impl Fn(usize, usize) -> Result<Vec<u8>, String> + Sync {
-    let len = (h.w13_bytes + h.w2_bytes) as usize;
-    move |l, e| Ok(fake(l, e, len))
+    let h = h.clone();
+    move |l, e| Ok(fake(l, e, record_len(&h, l)))
 }
 
 fn quiet(_: BuildProgress) {}
 
 fn cache_path(dir: &Path) -> PathBuf {
-    dir.join(cache_file_name(4, 128))
+    dir.join(cache_file_name(Some(4), 128))
 }
 
 fn build_ok(path: &Path, h: &CacheHeader) -> BuildReport {
@@ -77,8 +98,8 @@ fn dir_names(dir: &Path) -> Vec<String> {
 /// Every record equals what the producer made, with the promised alignment.
 fn check_contents(c: &ExpertCache, h: &CacheHeader) {
     assert_eq!(c.header(), h);
-    let (w13, w2) = (h.w13_bytes as usize, h.w2_bytes as usize);
     for l in 0..h.moe_layers.len() {
+        let (w13, w2) = (h.parts[l].w13_bytes as usize, h.parts[l].w2_bytes as usize);
         for e in 0..h.n_experts as usize {
             let rec = fake(l, e, w13 + w2);
             assert_eq!(c.w13(l, e), &rec[..w13], "w13 of ({l}, {e})");
@@ -86,12 +107,13 @@ fn check_contents(c: &ExpertCache, h: &CacheHeader) {
             let (p, len) = c.record_ptr_range(l, e);
             assert_eq!(p as usize % 4096, 0, "record ({l}, {e}) not 4 KiB-aligned");
             assert_eq!(len % 4096, 0);
-            assert_eq!(len, c.stride());
+            assert_eq!(len, c.stride(l));
             assert_eq!(c.w13(l, e).as_ptr(), p);
             assert_eq!(c.w2(l, e).as_ptr() as usize % 64, 0, "w2 of ({l}, {e}) not 64-aligned");
         }
     }
-    assert_eq!(c.resident_bytes(), h.moe_layers.len() * h.n_experts as usize * c.stride());
+    let strides: usize = (0..h.moe_layers.len()).map(|l| c.stride(l)).sum();
+    assert_eq!(c.resident_bytes(), h.n_experts as usize * strides);
 }
 
 /// `open_or_build` must rebuild the bad cache (with a reason matching `expect_reason`) and the
@@ -109,15 +131,16 @@ fn assert_rebuilt(path: &Path, h: &CacheHeader, expect_reason: &str) {
 
 #[test]
 fn file_names() {
-    assert_eq!(cache_file_name(4, 128), "experts_cpu_int4_g128.bin");
-    assert_eq!(cache_file_name(8, 64), "experts_cpu_int8_g64.bin");
+    assert_eq!(cache_file_name(Some(4), 128), "experts_cpu_int4_g128.bin");
+    assert_eq!(cache_file_name(Some(8), 64), "experts_cpu_int8_g64.bin");
+    assert_eq!(cache_file_name(None, 128), "experts_cpu_mixed_g128.bin");
 }
 
 #[test]
 fn round_trip_is_byte_identical_and_aligned() {
-    let tiny = CacheHeader { w13_bytes: 77, w2_bytes: 33, ..hdr(7) };
-    let exact = CacheHeader { w13_bytes: 4096, w2_bytes: 4096, ..hdr(8) };
-    for h in [hdr(1), tiny, exact] {
+    let tiny = sized(hdr(7), 77, 33);
+    let exact = sized(hdr(8), 4096, 4096);
+    for h in [hdr(1), tiny, exact, mixed(9)] {
         let d = tempfile::tempdir().unwrap();
         let p = cache_path(d.path());
         let rep = build_ok(&p, &h);
@@ -128,7 +151,7 @@ fn round_trip_is_byte_identical_and_aligned() {
         let r = c.load_report();
         assert!(r.verified && !r.numa_bound);
         assert_eq!(r.bytes, c.resident_bytes() as u64);
-        assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)], "no temp files left behind");
+        assert_eq!(dir_names(d.path()), vec![cache_file_name(Some(4), 128)], "no temp files left behind");
     }
 }
 
@@ -144,12 +167,16 @@ fn on_disk_layout_matches_the_spec() {
     let header_len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
     let json: serde_json::Value = serde_json::from_slice(&bytes[64..64 + header_len]).unwrap();
     assert_eq!(json["config_hash"], "0xdeadbeef01234567");
-    assert_eq!(json["moe_layers"], serde_json::json!([1, 3, 4]));
+    assert_eq!(json["format_version"], 2);
     assert_eq!(json["checksum"], "xxh3-64");
     // w2 at round_up(6001, 64) = 6016; stride round_up(6016 + 3003, 4096) = 12288.
-    assert_eq!(json["w2_offset"], 6016);
-    assert_eq!(json["record_stride"], 12288);
+    for (l, layer) in [1, 3, 4].into_iter().enumerate() {
+        let want = serde_json::json!({"layer": layer, "w13_bits": 4, "w2_bits": 4, "w13_bytes": 6001,
+            "w2_bytes": 3003, "w2_offset": 6016, "record_stride": 12288, "layer_offset": l * 5 * 12288});
+        assert_eq!(json["layers"][l], want);
+    }
     assert_eq!(json["record_count"], 15);
+    assert_eq!(json["records_bytes"], 15 * 12288);
     let table_offset = (64 + header_len).div_ceil(8) * 8;
     let records_offset = (table_offset + 15 * 8).div_ceil(4096) * 4096;
     assert_eq!(bytes.len(), records_offset + 15 * 12288);
@@ -249,12 +276,20 @@ fn cache_from_another_config_is_stale() {
     let old = hdr(0x1111);
     let cases: Vec<(CacheHeader, &str, &str)> = vec![
         (hdr(0x2222), "config_hash", "stale: config_hash differs (cache 0x0000000000001111, model 0x0000000000002222)"),
-        (CacheHeader { bits: 8, ..old.clone() }, "bits", "stale: bits differs (cache 4, model 8)"),
+        (
+            CacheHeader {
+                parts: vec![parts(4, 4, 6001, 3003), parts(4, 8, 6001, 3003), parts(4, 4, 6001, 3003)],
+                ..old.clone()
+            },
+            "w2_bits",
+            "stale: w2_bits differs (cache 4 at layer 3, model 8)",
+        ),
+        (mixed(0x1111), "w2_bits", "stale: w2_bits differs (cache 4 at layer 1, model 8)"),
         (CacheHeader { group_size_hidden: 64, ..old.clone() }, "group_size_hidden", "group_size_hidden differs"),
         (CacheHeader { moe_layers: vec![1, 2, 3], ..old.clone() }, "moe_layers", "(cache [1, 3, 4], model [1, 2, 3])"),
         (CacheHeader { layout: "cpu-other".into(), ..old.clone() }, "layout", "layout differs"),
         (CacheHeader { n_experts: 6, ..old.clone() }, "n_experts", "n_experts differs (cache 5, model 6)"),
-        (CacheHeader { w2_bytes: 3004, ..old.clone() }, "w2_bytes", "w2_bytes differs"),
+        (sized(old.clone(), 6001, 3004), "w2_bytes", "w2_bytes differs"),
     ];
     for (new, field, reason) in cases {
         build_ok(&p, &old);
@@ -280,8 +315,8 @@ fn header_corruption_is_detected_and_rebuilt() {
         (
             "version",
             Box::new(|p, _| flip_byte(p, 8)),
-            |e| matches!(e, CacheError::FormatVersion { found: 33, .. }),
-            "format version 33",
+            |e| matches!(e, CacheError::FormatVersion { found: 34, .. }),
+            "format version 34",
         ),
         ("reserved", Box::new(|p, _| flip_byte(p, 50)), |e| matches!(e, CacheError::HeaderInvalid { .. }), "reserved"),
         (
@@ -331,7 +366,7 @@ fn write_interrupted_before_rename_is_rebuilt_and_cleaned() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());
     let h = hdr(7);
-    let name = cache_file_name(4, 128);
+    let name = cache_file_name(Some(4), 128);
     // An interrupted build: a partial temp file of a process that no longer exists, no final file.
     let dead = d.path().join(format!("{name}.tmp.999999999"));
     std::fs::write(&dead, fake(0, 0, 10000)).unwrap();
@@ -378,7 +413,7 @@ fn produce_error_leaves_no_file() {
     build_ok(&p, &hdr(9));
     let before = std::fs::read(&p).unwrap();
     assert!(open_or_build(&p, &h, &failing, &quiet, LoadOptions::default()).is_err());
-    assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)]);
+    assert_eq!(dir_names(d.path()), vec![cache_file_name(Some(4), 128)]);
     assert_eq!(std::fs::read(&p).unwrap(), before);
 
     // A record of the wrong size is a producer error too.
@@ -390,7 +425,7 @@ fn produce_error_leaves_no_file() {
     };
     let err = build(&d.path().join("x.bin"), &h, &short, &quiet).unwrap_err();
     assert!(err.to_string().contains("record is 9003 bytes, expected 9004"), "{err}");
-    assert_eq!(dir_names(d.path()), vec![cache_file_name(4, 128)]);
+    assert_eq!(dir_names(d.path()), vec![cache_file_name(Some(4), 128)]);
 }
 
 #[test]
@@ -412,9 +447,10 @@ fn produce_panic_removes_the_temp_file() {
 fn build_streams_one_layer_at_a_time() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());
-    let h = CacheHeader { n_experts: 16, moe_layers: vec![0, 1, 2, 3, 4, 5], ..hdr(11) };
+    let h = sized(CacheHeader { n_experts: 16, moe_layers: vec![0, 1, 2, 3, 4, 5], ..hdr(11) }, 6001, 3003);
     let n = 16;
-    let len = (h.w13_bytes + h.w2_bytes) as usize;
+    let len = record_len(&h, 0);
+    let w13 = h.parts[0].w13_bytes as usize;
     let started: Vec<AtomicUsize> = (0..6).map(|_| AtomicUsize::new(0)).collect();
     let finished: Vec<AtomicUsize> = (0..6).map(|_| AtomicUsize::new(0)).collect();
     let tmp = crate::build::tmp_path(&p);
@@ -437,9 +473,9 @@ fn build_streams_one_layer_at_a_time() {
             assert_eq!(header_len, 0);
             let json = crate::format::header_json(&h).unwrap();
             let lay = Layout::new(&h, json.len() as u64).unwrap();
-            let mut rec = vec![0u8; h.w13_bytes as usize];
+            let mut rec = vec![0u8; w13];
             f.read_exact_at(&mut rec, lay.record_offset((l - 1) * n + (e % n))).unwrap();
-            if rec[..] != fake(l - 1, e % n, len)[..h.w13_bytes as usize] {
+            if rec[..] != fake(l - 1, e % n, len)[..w13] {
                 violations.lock().unwrap().push(format!("record ({}, {e}) not written before layer {l}", l - 1));
             }
         }
@@ -459,7 +495,7 @@ fn io_errors_are_returned_not_rebuilt() {
     // The "directory" is a regular file: not a cache problem, nothing to rebuild.
     let not_dir = d.path().join("plainfile");
     std::fs::write(&not_dir, b"x").unwrap();
-    let p = not_dir.join(cache_file_name(4, 128));
+    let p = not_dir.join(cache_file_name(Some(4), 128));
     let h = hdr(12);
     let err = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap_err();
     assert!(matches!(err, CacheError::Io { .. }) && !err.is_rebuildable(), "{err}");
@@ -492,11 +528,13 @@ fn invalid_headers_are_refused_by_build() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());
     for bad in [
-        CacheHeader { w13_bytes: 0, ..hdr(13) },
+        sized(hdr(13), 0, 3003),
+        CacheHeader { parts: vec![parts(4, 4, 6001, 3003); 2], ..hdr(13) },
         CacheHeader { n_experts: 0, ..hdr(13) },
         CacheHeader { moe_layers: vec![], ..hdr(13) },
         CacheHeader { format_version: FORMAT_VERSION + 1, ..hdr(13) },
-        CacheHeader { w2_bytes: u64::MAX - 10, ..hdr(13) },
+        sized(hdr(13), 6001, u64::MAX - 10),
+        sized(hdr(13), 6001, u64::MAX / 8),
     ] {
         let err = build(&p, &bad, &producer(&hdr(13)), &quiet).unwrap_err();
         assert!(matches!(err, CacheError::InvalidRequest(_)), "{err}");
@@ -508,7 +546,7 @@ fn invalid_headers_are_refused_by_build() {
 fn build_refuses_early_without_disk_space() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());
-    let h = CacheHeader { w13_bytes: 1 << 50, n_experts: 1, moe_layers: vec![0], ..hdr(16) };
+    let h = sized(CacheHeader { n_experts: 1, moe_layers: vec![0], ..hdr(16) }, 1 << 50, 3003);
     let err = build(&p, &h, &|_, _| panic!("nothing is produced"), &quiet).unwrap_err();
     assert!(matches!(err, CacheError::NoSpace { needed, .. } if needed > 1 << 50), "{err}");
     assert!(err.to_string().contains("not enough disk space"), "{err}");
@@ -571,4 +609,129 @@ fn default_cache_dir_prefers_the_model_directory() {
     assert_eq!(home, Path::new("/home/u/.cache/krasis").join(hash));
     let other = crate::default_cache_dir_with(&file.join("other"), None, Some("/home/u".into()));
     assert_ne!(other, home, "different models get different directories");
+}
+
+/// A cache file written by hand: `version` in the preamble, `json` as the header (checksummed as a
+/// writer would), an all-zero checksum table of `records` entries and `records_bytes` of zeros.
+fn write_raw_cache(path: &Path, version: u32, json: &[u8], records: u64, records_bytes: u64) {
+    let table_offset = (64 + json.len() as u64).div_ceil(8) * 8;
+    let records_offset = (table_offset + 8 * records).div_ceil(4096) * 4096;
+    let table = vec![0u8; 8 * records as usize];
+    let mut pre = [0u8; 64];
+    pre[0..8].copy_from_slice(b"KRASISXC");
+    pre[8..12].copy_from_slice(&version.to_le_bytes());
+    pre[16..24].copy_from_slice(&(json.len() as u64).to_le_bytes());
+    pre[24..32].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(json).to_le_bytes());
+    pre[32..40].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(&table).to_le_bytes());
+    let f = File::create(path).unwrap();
+    f.set_len(records_offset + records_bytes).unwrap();
+    f.write_all_at(&pre, 0).unwrap();
+    f.write_all_at(json, 64).unwrap();
+    f.write_all_at(&table, table_offset).unwrap();
+}
+
+/// The header of a version-1 cache (one `bits` and one record size per cache) for `hdr(..)`.
+fn v1_json(config_hash: u64) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "format_version": 1, "layout": "test-v1", "config_hash": format!("{config_hash:#018x}"), "bits": 4,
+        "group_size_hidden": 128, "group_size_intermediate": 64, "hidden": 256, "intermediate": 96,
+        "n_experts": 5, "moe_layers": [1, 3, 4], "w13_bytes": 6001, "w2_bytes": 3003, "w2_offset": 6016,
+        "record_stride": 12288, "record_count": 15, "record_order": "layer-major, expert-minor",
+        "checksum": "xxh3-64", "writer": "krasis-cache 0.1.0"
+    }))
+    .unwrap()
+}
+
+/// A cache of format version 1 (one width per cache) is refused by its version before its header
+/// is read, and rebuilt; a version-1 header behind a version-2 preamble is refused as invalid,
+/// never read as a version-2 one.
+#[test]
+fn version_1_cache_is_rejected_and_rebuilt() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = hdr(0x77);
+    write_raw_cache(&p, 1, &v1_json(0x77), 15, 15 * 12288);
+    let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CacheError::FormatVersion { found: 1, supported: 2, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("format version 1; this build reads version 2") && msg.contains(&p.display().to_string()));
+    assert_rebuilt(&p, &h, "stale: format version 1 (this build reads 2)");
+
+    write_raw_cache(&p, FORMAT_VERSION, &v1_json(0x77), 15, 15 * 12288);
+    let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+    assert!(matches!(&err, CacheError::HeaderInvalid { detail, .. } if detail.contains("unknown field")), "{err}");
+    assert_rebuilt(&p, &h, "damaged: invalid header");
+}
+
+/// Header fields that a writer derives (offsets, strides, counts) must agree with the record
+/// sizes, layer by layer; a header that lies about them is refused even with a valid checksum.
+#[test]
+fn header_geometry_that_disagrees_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let h = mixed(0x88);
+    build_ok(&p, &h);
+    let bytes = std::fs::read(&p).unwrap();
+    let header_len = u64::from_le_bytes(bytes[16..24].try_into().unwrap()) as usize;
+    let good: serde_json::Value = serde_json::from_slice(&bytes[64..64 + header_len]).unwrap();
+    let records_bytes = good["records_bytes"].as_u64().unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit, &str); 6] = [
+        (
+            "layer_offset",
+            |j| j["layers"][2]["layer_offset"] = 0.into(),
+            "layer 4: w2_offset/record_stride/layer_offset",
+        ),
+        ("record_stride", |j| j["layers"][1]["record_stride"] = 4096.into(), "layer 3: w2_offset/record_stride"),
+        ("records_bytes", |j| j["records_bytes"] = 4096.into(), "record_count/records_bytes"),
+        ("no layers", |j| j["layers"] = serde_json::json!([]), "no records"),
+        ("empty part", |j| j["layers"][0]["w2_bytes"] = 0.into(), "empty record part at layer 1"),
+        ("huge part", |j| j["layers"][0]["w13_bytes"] = u64::MAX.into(), "overflow"),
+    ];
+    for (what, edit, detail_part) in cases {
+        let mut j = good.clone();
+        edit(&mut j);
+        write_raw_cache(&p, FORMAT_VERSION, &serde_json::to_vec(&j).unwrap(), 15, records_bytes);
+        let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+        match &err {
+            CacheError::HeaderInvalid { detail, .. } => assert!(detail.contains(detail_part), "{what}: {detail}"),
+            e => panic!("{what}: {e}"),
+        }
+        assert_rebuilt(&p, &h, "damaged: invalid header");
+    }
+}
+
+/// Mixed widths: each layer's records have their own size and stride, all 4 KiB-aligned, and
+/// the log line names the widths.
+#[test]
+fn mixed_widths_round_trip_with_per_layer_strides() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join(cache_file_name(None, 128));
+    let h = mixed(0x99);
+    assert_eq!(h.uniform_bits(), None);
+    assert_eq!(hdr(1).uniform_bits(), Some(4));
+    let (c, outcome) = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap();
+    assert!(matches!(outcome, CacheOutcome::Built { .. }));
+    check_contents(&c, &h);
+    // w2 of layer 0: round_up(6001, 64) + 5990 = 12006 → 12288; layer 2: 12032 + 5990 → 20480.
+    assert_eq!((c.stride(0), c.stride(1), c.stride(2)), (12288, 12288, 20480));
+    assert_eq!((c.w2_offset(0), c.w2_offset(2)), (6016, 12032));
+    assert_eq!(c.resident_bytes(), 5 * (12288 + 12288 + 20480));
+    assert_eq!(
+        h.bits_summary(),
+        "w13 int4 / w2 int8 × 1 layer, w13 int4 / w2 int4 × 1 layer, w13 int8 / w2 int8 × 1 layer"
+    );
+    assert_eq!(hdr(1).bits_summary(), "int4");
+    assert_eq!(
+        describe_widths(&[(4, 8), (4, 4), (4, 8)]),
+        "w13 int4 / w2 int8 × 2 layers, w13 int4 / w2 int4 × 1 layer"
+    );
+    assert!(describe(&c).contains("w13 int4 / w2 int8 × 1 layer"), "{}", describe(&c));
+    let (_, again) = open_or_build(&p, &h, &producer(&h), &quiet, LoadOptions::default()).unwrap();
+    assert_eq!(again, CacheOutcome::Hit);
+    // A flipped byte in the last layer's record is found there.
+    let lay = layout_of(&p);
+    flip_byte(&p, lay.record_offset(2 * 5 + 3) + 12040);
+    let err = open(&p, &h, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, CacheError::RecordChecksum { layer_idx: 2, layer: 4, expert: 3, .. }), "{err}");
 }

@@ -8,6 +8,7 @@ use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::files::ModelFiles;
+use krasis_model::precision::{describe_layer_bits, CacheBits as Widths};
 use krasis_model::quantized::open_expert_cache;
 use krasis_model::tensors::param_counts;
 use krasis_quant::Bits;
@@ -17,6 +18,7 @@ use crate::cmd_generate::check_group_size_flag;
 /// The widths an expert cache holds (bf16 experts are read from the model and need none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CacheBits {
+    Auto,
     #[value(name = "4")]
     Int4,
     #[value(name = "8")]
@@ -28,8 +30,9 @@ pub struct Args {
     /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// INT4 or INT8 routed experts.
-    #[arg(long, value_enum, default_value_t = CacheBits::Int4)]
+    /// INT4 or INT8 routed experts, or auto: per projection from a GGUF's types (INT4 from 4-bit or
+    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model.
+    #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
     cpu_expert_bits: CacheBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
@@ -41,11 +44,13 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let bits = match a.cpu_expert_bits {
-        CacheBits::Int4 => Bits::Int4,
-        CacheBits::Int8 => Bits::Int8,
+        CacheBits::Auto => Widths::Auto,
+        CacheBits::Int4 => Widths::Uniform(Bits::Int4),
+        CacheBits::Int8 => Widths::Uniform(Bits::Int8),
     };
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;
+    eprintln!("routed experts: {}", describe_layer_bits(&bits.layer_bits(files.spec())));
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None))?;
     let source_bytes = param_counts(files.spec()).routed_expert * 2;
     let t = Instant::now();

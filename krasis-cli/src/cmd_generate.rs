@@ -61,8 +61,10 @@ pub fn check_group_size_flag(gs: usize) -> anyhow::Result<()> {
 #[derive(ClapArgs, Clone, Debug)]
 pub struct EngineArgs {
     /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised;
-    /// 8 or 4 = INT8/INT4 from the expert cache (built on first use).
-    #[arg(long, default_value = "bf16", value_parser = weight_bits_parser(&WeightBits::FLAG_VALUES))]
+    /// 8 or 4 = INT8/INT4 from the expert cache (built on first use); auto = per projection from a
+    /// GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and float), bf16 for a
+    /// safetensors model (hybrid fallback of --device auto: 4).
+    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
     pub cpu_expert_bits: WeightBits,
     /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU.
     #[arg(long, default_value = "bf16", value_parser = weight_bits_parser(&WeightBits::FLAG_VALUES))]

@@ -48,17 +48,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
     if let Some(m) = files.gguf() {
-        use krasis_model::source::gguf::{expert_source_types, suggested_bits};
+        use krasis_model::precision::{CacheBits, LayerBits};
+        use krasis_model::source::gguf::expert_source_types;
         let types = expert_source_types(m, spec);
-        let mut kinds: Vec<[krasis_quant::ggml::GgmlType; 3]> = types.iter().map(|(_, t)| *t).collect();
-        kinds.dedup();
-        for [g, u, d] in kinds {
+        let auto = CacheBits::Auto.layer_bits(spec);
+        let mut kinds: Vec<([krasis_quant::ggml::GgmlType; 3], LayerBits)> = Vec::new();
+        for (k, b) in types.iter().map(|(_, t)| *t).zip(auto.iter().copied()) {
+            if !kinds.contains(&(k, b)) {
+                kinds.push((k, b));
+            }
+        }
+        for ([g, u, d], b) in kinds {
             let layers = types.iter().filter(|(_, t)| *t == [g, u, d]).count();
             println!(
-                "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): requantise as w13 int{}, w2 int{} \
-                 (the cache holds one precision today: --cpu-expert-bits)",
-                suggested_bits(g).max(suggested_bits(u)),
-                suggested_bits(d)
+                "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): --cpu-expert-bits auto caches w13 int{}, w2 int{}",
+                b.w13.bits(),
+                b.w2.bits()
             );
         }
     }
@@ -122,7 +127,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "memory (CPU reference path, 4K context; limit {} = 95% of RAM):",
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
-    for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
+    let auto = files.gguf().is_some().then_some(WeightBits::Auto);
+    for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(auto) {
         let e = estimate(spec, f);
         println!(
             "  experts {:<10} dense {} + experts {} + KV {}/token → {}",

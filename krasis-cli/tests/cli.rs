@@ -249,7 +249,7 @@ fn small_files_only(cmd: &mut Command) -> Output {
 fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     let o = krasis(&["convert", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
-    assert!(help.contains("[possible values: 4, 8]") && !help.contains("bf16"), "{help}");
+    assert!(help.contains("[possible values: auto, 4, 8]") && !help.contains("bf16"), "{help}");
     assert_clean_failure(
         &krasis(&["convert", "--model", "/x", "--cpu-expert-bits", "bf16"]),
         2,
@@ -261,6 +261,23 @@ fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     let o = krasis(&["generate", "--model", m, "--prompt-ids", "1", "--max-new-tokens", "1", "--threads", "100000"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stderr(&o).matches("--threads 100000 is more than the").count(), 1, "{}", stderr(&o));
+
+    // `auto` (the default) on safetensors is the former default of each command: generate ran
+    // the reference experts (no cache), convert builds INT4.
+    let caches = || {
+        let d = dir.join(".krasis_cache");
+        if d.exists() {
+            names(&d).into_iter().filter(|n| n.starts_with("experts_")).count()
+        } else {
+            0
+        }
+    };
+    assert_eq!(caches(), 0, "generate with the default --cpu-expert-bits built a cache");
+    assert!(stderr(&o).contains("routed experts: reference"), "{}", stderr(&o));
+    let o = krasis(&["convert", "--model", m]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("routed experts: int4"), "{}", stderr(&o));
+    assert_eq!(names(&dir.join(".krasis_cache")), vec!["experts_cpu_int4_g128.bin".to_string()]);
 }
 
 #[test]

@@ -181,6 +181,11 @@ pub struct ModelSpec {
     pub moe: Option<MoeSpec>,
     pub layers: Vec<FfnKind>,
     pub source_quant: SourceQuant,
+    /// Per MoE layer, in `moe_layers()` order: the code bits of the stored routed-expert
+    /// projections `[gate, up, down]` where the weights carry a type per tensor (a GGUF: 4 for
+    /// Q4_K, 6 for Q6_K, 16 for BF16); empty for checkpoints without one (safetensors).
+    /// `--cpu-expert-bits auto` chooses each projection's width from it.
+    pub expert_source_bits: Vec<[u32; 3]>,
 }
 
 impl ModelSpec {
@@ -190,22 +195,27 @@ impl ModelSpec {
 }
 
 /// Precision of a class of weights as an engine runs them: the source weights unquantised (the
-/// reference path), or INT8 / INT4 group-quantised.
+/// reference path), or INT8 / INT4 group-quantised, or (routed experts only) `Auto`: chosen per
+/// projection from the source's own types (`krasis_model::precision` holds the rule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightBits {
     Bf16,
     Int8,
     Int4,
+    Auto,
 }
 
 impl WeightBits {
-    /// The values the command line takes (`--cpu-expert-bits`, `--cpu-dense-bits`).
+    /// The values `--cpu-dense-bits` takes.
     pub const FLAG_VALUES: [&'static str; 3] = ["bf16", "8", "4"];
+    /// The values `--cpu-expert-bits` takes.
+    pub const EXPERT_FLAG_VALUES: [&'static str; 4] = ["auto", "bf16", "8", "4"];
 
-    /// Integer bits per weight, `None` for the unquantised source weights.
+    /// Integer bits per weight, `None` for the unquantised source weights and for `Auto`
+    /// (decided per projection).
     pub fn int_bits(self) -> Option<u8> {
         match self {
-            WeightBits::Bf16 => None,
+            WeightBits::Bf16 | WeightBits::Auto => None,
             WeightBits::Int8 => Some(8),
             WeightBits::Int4 => Some(4),
         }
@@ -216,6 +226,7 @@ impl WeightBits {
             WeightBits::Bf16 => "bf16",
             WeightBits::Int8 => "8",
             WeightBits::Int4 => "4",
+            WeightBits::Auto => "auto",
         }
     }
 }
@@ -227,7 +238,8 @@ impl std::str::FromStr for WeightBits {
             "bf16" => Ok(WeightBits::Bf16),
             "8" | "int8" => Ok(WeightBits::Int8),
             "4" | "int4" => Ok(WeightBits::Int4),
-            _ => Err(format!("unknown weight precision `{s}`: expected bf16, 8 or 4")),
+            "auto" => Ok(WeightBits::Auto),
+            _ => Err(format!("unknown weight precision `{s}`: expected auto, bf16, 8 or 4")),
         }
     }
 }
@@ -244,7 +256,7 @@ mod tests {
 
     #[test]
     fn weight_bits_flag_values_round_trip() {
-        for v in WeightBits::FLAG_VALUES {
+        for v in WeightBits::EXPERT_FLAG_VALUES {
             let w: WeightBits = v.parse().unwrap();
             assert_eq!(w.flag_value(), v);
         }

@@ -1123,14 +1123,15 @@ mod tests {
     }
 
     fn expert(h: usize, inter: usize, bits: Bits, seed: u64) -> Expert {
-        expert_gs(h, inter, bits, seed, 32, 32)
+        expert_gs(h, inter, [bits, bits], seed, 32, 32)
     }
 
-    /// An expert with group size `gs13` along the hidden size and `gs2` along the intermediate.
-    fn expert_gs(h: usize, inter: usize, bits: Bits, seed: u64, gs13: usize, gs2: usize) -> Expert {
-        let gate = quantize(&data(inter * h, seed), inter, h, bits, gs13);
-        let up = quantize(&data(inter * h, seed + 1), inter, h, bits, gs13);
-        let down = quantize(&data(h * inter, seed + 2), h, inter, bits, gs2);
+    /// An expert with w13 at `bits[0]` and w2 at `bits[1]` (a cache may mix them), group size
+    /// `gs13` along the hidden size and `gs2` along the intermediate.
+    fn expert_gs(h: usize, inter: usize, bits: [Bits; 2], seed: u64, gs13: usize, gs2: usize) -> Expert {
+        let gate = quantize(&data(inter * h, seed), inter, h, bits[0], gs13);
+        let up = quantize(&data(inter * h, seed + 1), inter, h, bits[0], gs13);
+        let down = quantize(&data(h * inter, seed + 2), h, inter, bits[1], gs2);
         let (w13, l13) = pack_w13(&gate, &up).unwrap();
         let w2 = pack(&down);
         Expert { w13, w2, l2: PackedLayout::of(&down), l13, f: [dequantize(&gate), dequantize(&up), dequantize(&down)] }
@@ -1158,8 +1159,10 @@ mod tests {
     #[test]
     fn pool_experts_match_f32_on_dequantised_weights() {
         let (h, inter, t) = (96, 160, 5);
-        for bits in [Bits::Int4, Bits::Int8] {
-            let experts: Vec<Expert> = (0..3).map(|e| expert(h, inter, bits, 10 + 7 * e as u64)).collect();
+        let (i4, i8) = (Bits::Int4, Bits::Int8);
+        // Mixed widths too: a GGUF-sourced cache has w13 INT4 and w2 INT8 (or the reverse).
+        for bits in [[i4, i4], [i8, i8], [i4, i8], [i8, i4]] {
+            let experts: Vec<Expert> = (0..3).map(|e| expert_gs(h, inter, bits, 10 + 7 * e as u64, 32, 32)).collect();
             let x = data(t * h, 99);
             let routes: Vec<Vec<(usize, f32)>> =
                 vec![vec![(0, 0.5), (3, 0.25)], vec![(1, 1.0)], vec![(0, 0.3), (2, 0.7), (4, 1.5)]];
@@ -1241,7 +1244,7 @@ mod tests {
         /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens;
         /// in every dispatch or in one-job ones only) or in shared tasks, w2 tasks consuming the
         /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
-        /// continuing each other's partial sums.
+        /// continuing each other's partial sums; w13 and w2 each INT4 or INT8 (mixed widths).
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1254,7 +1257,8 @@ mod tests {
             per_node in 1usize..6,
             tpw in 1usize..8,
             tpw2 in 1usize..8,
-            int8 in proptest::prelude::any::<bool>(),
+            int8_13 in proptest::prelude::any::<bool>(),
+            int8_2 in proptest::prelude::any::<bool>(),
             guided in proptest::prelude::any::<bool>(),
             fused in proptest::prelude::any::<bool>(),
             local_x in 0usize..3,
@@ -1264,7 +1268,8 @@ mod tests {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
             let h = (h32 * 32).div_ceil(gs13) * gs13;
             let inter = (inter16 * 16).div_ceil(gs2) * gs2;
-            let bits = if int8 { Bits::Int8 } else { Bits::Int4 };
+            let width = |int8: bool| if int8 { Bits::Int8 } else { Bits::Int4 };
+            let bits = [width(int8_13), width(int8_2)];
             let experts: Vec<Expert> =
                 (0..n_experts).map(|e| expert_gs(h, inter, bits, seed * 31 + 5 * e as u64, gs13, gs2)).collect();
             let x = data(t * h, seed + 7);

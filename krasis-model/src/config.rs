@@ -390,6 +390,7 @@ fn parse_deepseek(f: &Fields, arch: Arch) -> Result<ModelSpec> {
         moe,
         layers,
         source_quant: parse_source_quant(f)?,
+        expert_source_bits: Vec::new(),
     })
 }
 
@@ -475,5 +476,6 @@ fn parse_qwen3_moe(f: &Fields) -> Result<ModelSpec> {
         moe,
         layers,
         source_quant: parse_source_quant(f)?,
+        expert_source_bits: Vec::new(),
     })
 }

@@ -18,6 +18,7 @@ pub mod gpu;
 pub mod linear;
 pub mod load;
 pub mod memory;
+pub mod precision;
 pub mod quantized;
 pub mod rope;
 pub mod router;

@@ -14,10 +14,14 @@ use crate::engine::{reference_dense, Model};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
-use crate::quantized::{open_expert_cache, quant_bits, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::precision::{resolve_expert_bits, CacheBits};
+use crate::quantized::{dense_quant_bits, open_expert_cache, quant_bits, CpuQuantExperts, QuantLinear, WeightBits};
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
+    /// `--cpu-expert-bits`. `Auto` (the CLI's default) is decided per projection from a GGUF's
+    /// types and means `Bf16` on safetensors (see [`crate::precision`]): [`load_model`] and
+    /// `open_engine` resolve it; a loader handed it unresolved builds an INT4 cache there.
     pub expert_bits: WeightBits,
     pub dense_bits: WeightBits,
     /// Preferred quantisation group along K (halved while a dimension is not divisible, ≥ 32).
@@ -70,10 +74,11 @@ pub fn start_pool(threads: Option<usize>, log: &mut Vec<String>) -> Result<Arc<W
     Ok(p)
 }
 
-/// Opens (or builds) the expert cache for `bits` and puts the experts on `pool`.
+/// Opens (or builds) the expert cache at the widths `bits` gives each layer and puts the experts
+/// on `pool`.
 pub fn open_cpu_experts(
     files: &ModelFiles,
-    bits: krasis_quant::Bits,
+    bits: CacheBits,
     opts: &EngineOptions,
     pool: &Arc<WorkerPool>,
     log: &mut Vec<String>,
@@ -96,19 +101,20 @@ pub fn open_cpu_experts(
 pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     let spec = files.spec().clone();
     let mut log = Vec::new();
-    let quantised = opts.expert_bits != WeightBits::Bf16 || opts.dense_bits != WeightBits::Bf16;
+    let expert_bits = resolve_expert_bits(&spec, opts.expert_bits);
+    let dense_bits = dense_quant_bits(opts.dense_bits)?;
+    let quantised = expert_bits != WeightBits::Bf16 || dense_bits.is_some();
     let pool = if quantised { Some(start_pool(opts.threads, &mut log)?) } else { None };
     let moe_per_expert = spec.moe.as_ref().map_or(0, |m| {
         crate::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
     });
-    let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (quant_bits(opts.expert_bits), &pool) {
+    let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (quant_bits(expert_bits), &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
             let ex = open_cpu_experts(files, bits, opts, pool, &mut log)?;
             (Some(ex.executor as Arc<dyn ExpertExecutor>), ex.expert_bytes)
         }
         _ => (None, moe_per_expert),
     };
-    let dense_bits = quant_bits(opts.dense_bits);
     let group = opts.group_size;
     let quant_dense = |l: DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
         match (dense_bits, &pool) {

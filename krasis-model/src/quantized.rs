@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LoadOptions};
+use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerParts, LoadOptions};
 use krasis_cpu::isa::{self, Isa};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, PoolMatmul};
 use krasis_cpu::pool::WorkerPool;
@@ -19,6 +19,7 @@ use crate::engine::experts::{ExpertExecutor, Routes};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
+use crate::precision::{describe_layer_bits, CacheBits, LayerBits};
 use crate::spec::{FfnKind, ModelSpec};
 use crate::weights::WeightLoader;
 
@@ -27,12 +28,22 @@ pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
 
 pub use krasis_core::spec::WeightBits;
 
-/// The packed-kernel format of a precision (`None` for the unquantised source weights).
-pub fn quant_bits(w: WeightBits) -> Option<Bits> {
+/// The expert cache widths of a `--cpu-expert-bits` value (`None` for the unquantised source
+/// weights); see [`crate::precision`].
+pub fn quant_bits(w: WeightBits) -> Option<CacheBits> {
+    crate::precision::cache_bits(w)
+}
+
+/// The packed-kernel format of a `--cpu-dense-bits` value (`None` for the unquantised source
+/// weights); `auto` is for routed experts only.
+pub fn dense_quant_bits(w: WeightBits) -> Result<Option<Bits>> {
     match w {
-        WeightBits::Bf16 => None,
-        WeightBits::Int8 => Some(Bits::Int8),
-        WeightBits::Int4 => Some(Bits::Int4),
+        WeightBits::Bf16 => Ok(None),
+        WeightBits::Int8 => Ok(Some(Bits::Int8)),
+        WeightBits::Int4 => Ok(Some(Bits::Int4)),
+        WeightBits::Auto => {
+            Err(ModelError::Invalid("dense weights take bf16, 8 or 4; `auto` applies to routed experts only".into()))
+        }
     }
 }
 
@@ -92,8 +103,14 @@ impl LinearOp for QuantLinear {
     }
 }
 
-/// What the expert cache must contain for this model and precision.
-pub fn expected_cache_header(spec: &ModelSpec, config_hash: u64, bits: Bits, group: usize) -> Result<CacheHeader> {
+/// What the expert cache must contain for this model at these per-layer widths (one entry per
+/// MoE layer, in order).
+pub fn expected_cache_header(
+    spec: &ModelSpec,
+    config_hash: u64,
+    bits: &[LayerBits],
+    group: usize,
+) -> Result<CacheHeader> {
     let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
     let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
     let gs_h = group_size_for(h, group).map_err(|e| quant_err("hidden_size", e))?;
@@ -103,76 +120,121 @@ pub fn expected_cache_header(spec: &ModelSpec, config_hash: u64, bits: Bits, gro
             "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
         )));
     }
-    let w13 = PackedLayout::new(2 * i, h, gs_h, bits).map_err(|e| quant_err("w13", e))?;
-    let w2 = PackedLayout::new(h, i, gs_i, bits).map_err(|e| quant_err("w2", e))?;
+    let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
+    if bits.len() != moe_layers.len() {
+        return Err(ModelError::Invalid(format!("{} expert widths for {} MoE layers", bits.len(), moe_layers.len())));
+    }
+    let parts = bits
+        .iter()
+        .map(|b| {
+            let w13 = PackedLayout::new(2 * i, h, gs_h, b.w13).map_err(|e| quant_err("w13", e))?;
+            let w2 = PackedLayout::new(h, i, gs_i, b.w2).map_err(|e| quant_err("w2", e))?;
+            Ok(LayerParts {
+                w13_bits: b.w13.bits() as u8,
+                w2_bits: b.w2.bits() as u8,
+                w13_bytes: w13.bytes() as u64,
+                w2_bytes: w2.bytes() as u64,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(CacheHeader {
         format_version: krasis_cache::FORMAT_VERSION,
         layout: CPU_LAYOUT_NAME.into(),
         config_hash,
-        bits: bits.bits() as u8,
         group_size_hidden: gs_h as u32,
         group_size_intermediate: gs_i as u32,
         hidden: h as u32,
         intermediate: i as u32,
         n_experts: moe.n_routed_experts as u32,
-        moe_layers: spec.moe_layers().map(|l| l as u32).collect(),
-        w13_bytes: w13.bytes() as u64,
-        w2_bytes: w2.bytes() as u64,
+        moe_layers,
+        parts,
     })
 }
 
-fn layouts(h: &CacheHeader, bits: Bits) -> (PackedLayout, PackedLayout) {
-    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
-    (
-        PackedLayout::new(2 * i, hid, h.group_size_hidden as usize, bits).expect("validated header"),
-        PackedLayout::new(hid, i, h.group_size_intermediate as usize, bits).expect("validated header"),
-    )
+/// The widths of MoE layer `li` of a cache header.
+fn parts_bits(h: &CacheHeader, li: usize) -> Result<LayerBits> {
+    let p = &h.parts[li];
+    let bits = |b: u8| {
+        Bits::from_bits(b as u32).ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "expert cache: {b}-bit weights at layer {} (4 or 8 expected)",
+                h.moe_layers[li]
+            ))
+        })
+    };
+    Ok(LayerBits { w13: bits(p.w13_bits)?, w2: bits(p.w2_bits)? })
 }
 
-/// Quantise and pack one expert into a cache record (`w13` then `w2`).
+/// The packed layouts of MoE layer `li`'s w13 and w2.
+fn layouts(h: &CacheHeader, li: usize) -> Result<(PackedLayout, PackedLayout)> {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    let b = parts_bits(h, li)?;
+    let l13 = PackedLayout::new(2 * i, hid, h.group_size_hidden as usize, b.w13).map_err(|e| quant_err("w13", e))?;
+    let l2 = PackedLayout::new(hid, i, h.group_size_intermediate as usize, b.w2).map_err(|e| quant_err("w2", e))?;
+    Ok((l13, l2))
+}
+
+/// Quantise and pack one expert of MoE layer `li` (model layer `layer`) into a cache record
+/// (`w13` then `w2`, at the layer's widths).
 fn expert_record(
     loader: &WeightLoader<'_>,
     spec: &ModelSpec,
     h: &CacheHeader,
+    li: usize,
     layer: usize,
     e: usize,
-    bits: Bits,
 ) -> Result<Vec<u8>> {
+    let bits = parts_bits(h, li)?;
+    let parts = h.parts[li];
     let (hid, i) = (spec.hidden_size, h.intermediate as usize);
     let p = format!("{}.mlp.experts.{e}", crate::tensors::layer_prefix(layer));
     let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
     let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
     let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
     let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
-    let mut rec = vec![0u8; (h.w13_bytes + h.w2_bytes) as usize];
-    let (a, b) = rec.split_at_mut(h.w13_bytes as usize);
-    pack_w13_into(&quantize(&gate, i, hid, bits, gs_h), &quantize(&up, i, hid, bits, gs_h), a)
+    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
+    pack_w13_into(&quantize(&gate, i, hid, bits.w13, gs_h), &quantize(&up, i, hid, bits.w13, gs_h), a)
         .map_err(|e| quant_err(&p, e))?;
-    pack_into(&quantize(&down, hid, i, bits, gs_i), b).map_err(|e| quant_err(&p, e))?;
+    pack_into(&quantize(&down, hid, i, bits.w2, gs_i), b).map_err(|e| quant_err(&p, e))?;
     Ok(rec)
 }
 
 /// Appended to errors that another cache directory would cure.
 const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
 
-/// Where the cache of this precision lives.
-pub fn cache_path(files: &ModelFiles, cache_dir: Option<&Path>, bits: Bits, group: usize) -> PathBuf {
+/// Where the cache of these per-layer widths lives: named by its width when all projections
+/// share one (so `auto` on an all-Q8_0 GGUF and `8` share a cache), `…_mixed_…` otherwise.
+pub fn cache_path(files: &ModelFiles, cache_dir: Option<&Path>, bits: &[LayerBits], group: usize) -> PathBuf {
     let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
-    dir.join(krasis_cache::cache_file_name(bits.bits() as u8, group as u32))
+    let uniform = bits.first().map(|b| b.w13).filter(|&b| bits.iter().all(|l| *l == LayerBits::uniform(b)));
+    dir.join(krasis_cache::cache_file_name(uniform.map(|b| b.bits() as u8), group as u32))
 }
 
 /// Open the expert cache, building it (with a progress bar) when missing, stale or damaged.
-/// The cache is keyed by [`ModelFiles::fingerprint`].
+/// The widths per layer come from `bits` ([`crate::precision`]); the cache is keyed by
+/// [`ModelFiles::fingerprint`].
 pub fn open_expert_cache(
     files: &ModelFiles,
-    bits: Bits,
+    bits: CacheBits,
+    group: usize,
+    cache_dir: Option<&Path>,
+    pool: &WorkerPool,
+) -> Result<(ExpertCache, CacheOutcome)> {
+    open_expert_cache_with(files, &bits.layer_bits(files.spec()), group, cache_dir, pool)
+}
+
+/// [`open_expert_cache`] at the given widths of each MoE layer (in order).
+pub fn open_expert_cache_with(
+    files: &ModelFiles,
+    layer_bits: &[LayerBits],
     group: usize,
     cache_dir: Option<&Path>,
     pool: &WorkerPool,
 ) -> Result<(ExpertCache, CacheOutcome)> {
     let spec = files.spec();
-    let header = expected_cache_header(spec, files.fingerprint(), bits, group)?;
-    let path = cache_path(files, cache_dir, bits, group);
+    let header = expected_cache_header(spec, files.fingerprint(), layer_bits, group)?;
+    let path = cache_path(files, cache_dir, layer_bits, group);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| {
             ModelError::Invalid(format!(
@@ -184,7 +246,7 @@ pub fn open_expert_cache(
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
     let layers = header.moe_layers.clone();
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
-        expert_record(&loader, spec, &header, layers[li] as usize, e, bits).map_err(|err| err.to_string())
+        expert_record(&loader, spec, &header, li, layers[li] as usize, e).map_err(|err| err.to_string())
     };
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -207,16 +269,20 @@ pub fn open_expert_cache(
     r
 }
 
-/// Routed experts from the cache, on the pinned pool (INT4/INT8).
+/// Routed experts from the cache, on the pinned pool (INT4/INT8, per projection and layer as the
+/// cache header says).
 pub struct CpuQuantExperts {
     cache: ExpertCache,
     pool: Arc<WorkerPool>,
-    runner: PoolExperts,
+    /// One runner per distinct (w13, w2) width pair of the cache's layers (at most four).
+    runners: Vec<PoolExperts>,
+    /// Per MoE layer index: its runner in `runners`.
+    runner_of: Vec<usize>,
     /// Model layer → index into the cache's MoE layers.
     moe_index: Vec<Option<usize>>,
     hidden: usize,
     isa: Isa,
-    bits: Bits,
+    bits: Vec<LayerBits>,
     /// A step's (token, weight) pairs grouped by expert (counting sort), reused across calls so a
     /// decode step allocates nothing but the job list.
     grouping: std::sync::Mutex<RouteGrouping>,
@@ -257,16 +323,30 @@ impl RouteGrouping {
 impl CpuQuantExperts {
     pub fn new(cache: ExpertCache, spec: &ModelSpec, pool: Arc<WorkerPool>) -> Result<Self> {
         let h = cache.header().clone();
-        let bits =
-            Bits::from_bits(h.bits as u32).ok_or_else(|| ModelError::Invalid(format!("cache bits {}", h.bits)))?;
-        let (l13, l2) = layouts(&h, bits);
+        let mut bits = Vec::with_capacity(h.moe_layers.len());
+        let (mut runners, mut runner_of, mut kinds) = (Vec::new(), Vec::new(), Vec::<LayerBits>::new());
+        for li in 0..h.moe_layers.len() {
+            let b = parts_bits(&h, li)?;
+            bits.push(b);
+            let k = match kinds.iter().position(|k| *k == b) {
+                Some(k) => k,
+                None => {
+                    let (l13, l2) = layouts(&h, li)?;
+                    runners.push(PoolExperts::new(&pool, l13, l2));
+                    kinds.push(b);
+                    kinds.len() - 1
+                }
+            };
+            runner_of.push(k);
+        }
         let mut moe_index = vec![None; spec.num_layers];
         for (li, &l) in h.moe_layers.iter().enumerate() {
             moe_index[l as usize] = Some(li);
         }
         debug_assert!(spec.layers.iter().enumerate().all(|(l, k)| matches!(k, FfnKind::Moe) == moe_index[l].is_some()));
         Ok(CpuQuantExperts {
-            runner: PoolExperts::new(&pool, l13, l2),
+            runners,
+            runner_of,
             cache,
             pool,
             moe_index,
@@ -281,9 +361,16 @@ impl CpuQuantExperts {
         &self.cache
     }
 
-    /// Bytes of one expert record (w13 + w2) read per activation.
+    /// Bytes of one expert record (w13 + w2) read per activation: the mean over MoE layers
+    /// when their widths differ.
     pub fn expert_bytes(&self) -> u64 {
-        self.cache.header().w13_bytes + self.cache.header().w2_bytes
+        let parts = &self.cache.header().parts;
+        parts.iter().map(|p| p.w13_bytes + p.w2_bytes).sum::<u64>() / parts.len().max(1) as u64
+    }
+
+    /// The widths of each MoE layer, in order.
+    pub fn layer_bits(&self) -> &[LayerBits] {
+        &self.bits
     }
 }
 
@@ -301,13 +388,13 @@ impl ExpertExecutor for CpuQuantExperts {
                 tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]],
             })
             .collect();
-        self.runner.run(&self.pool, self.isa, x, self.hidden, &jobs, out);
+        self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
     }
 
     fn describe(&self) -> String {
         format!(
-            "cpu int{} g{}/{} {} on {}",
-            self.bits.bits(),
+            "cpu {} g{}/{} {} on {}",
+            describe_layer_bits(&self.bits),
             self.cache.header().group_size_hidden,
             self.cache.header().group_size_intermediate,
             self.isa.name(),
@@ -319,6 +406,13 @@ impl ExpertExecutor for CpuQuantExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[test]
+    fn auto_is_for_routed_experts_only() {
+        assert!(dense_quant_bits(WeightBits::Auto).unwrap_err().to_string().contains("routed experts only"));
+        assert_eq!(dense_quant_bits(WeightBits::Int8).unwrap(), Some(Bits::Int8));
+        assert_eq!(quant_bits(WeightBits::Auto), Some(CacheBits::Auto));
+        assert_eq!(quant_bits(WeightBits::Bf16), None);
+    }
 
     #[test]
     fn route_grouping_is_a_stable_counting_sort() {

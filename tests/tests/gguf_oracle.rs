@@ -10,13 +10,18 @@
 //! 2 × the error of an ideal INT8 of experts and dense weights (`int8dense`) + 1e-4; requantised
 //! into the INT8/INT4 expert cache, within 3 × the ideal error at those bits of the exactly
 //! dequantised GGUF's own error added to it, and the extra error of double quantisation is
-//! printed.
+//! printed. `--cpu-expert-bits auto` (widths per projection from the GGUF's types) is held to the
+//! INT4 bar (it never keeps fewer bits than INT4), and its per-layer widths are checked: all INT8
+//! on Q8_0 and on the fixtures' Q4_K_M (whose K-quants fall back to Q5_0 on rows of 128/192), and
+//! mixed on `q4_0_mixed` (Q4_0 with layer 1's `ffn_down_exps` in Q8_0).
 
 use std::path::PathBuf;
 
 use krasis_model::engine::Model;
 use krasis_model::files::ModelFiles;
-use krasis_model::quantized::WeightBits;
+use krasis_model::precision::{CacheBits, LayerBits};
+use krasis_model::quantized::{expected_cache_header, WeightBits};
+use krasis_quant::Bits;
 use krasis_tests::{
     check_against_reference, fidelity, fixtures_dir, gguf_fixtures_dir, load_reference, load_reference_file,
     prefill_logits, quant_bound, Reference, GGUF_FIXTURE_NAMES,
@@ -39,6 +44,9 @@ fn check_bf16(name: &str) {
     a.softmax_scale = b.softmax_scale;
     a.rope = b.rope.clone();
     a.rms_norm_eps = b.rms_norm_eps;
+    // The GGUF says what each expert tensor is stored in (config.json does not): BF16 here.
+    assert_eq!(a.expert_source_bits, vec![[16; 3]; a.moe_layers().count()], "{name}: expert source types");
+    a.expert_source_bits = b.expert_source_bits.clone();
     assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
     let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name}: load failed: {e}"));
     for line in check_against_reference(name, &model, &load_reference(&hf)) {
@@ -91,14 +99,19 @@ fn check_quantised(name: &str, kind: &str, int8dense_bar: bool) {
     }
 
     // 3. Requantised into the expert cache: within 3 × the ideal error at those bits, on top of
-    //    what the GGUF's own quantisation already costs.
-    for (bits, key) in [(WeightBits::Int8, "int8"), (WeightBits::Int4, "int4")] {
-        let ideal = quant_bound(&root, name, key);
-        let f = fidelity(&prefill(&gguf, bits, tmp.path(), &r), &r.prefill_logits, vocab);
+    //    what the GGUF's own quantisation already costs; `auto` at INT4's bar. Each in its own
+    //    cache directory (`auto` on an all-INT8 file would otherwise reuse the `8` cache).
+    check_auto_widths(name, kind, &gguf);
+    for (bits, key, bar_key) in
+        [(WeightBits::Int8, "int8", "int8"), (WeightBits::Int4, "int4", "int4"), (WeightBits::Auto, "auto", "int4")]
+    {
+        let ideal = quant_bound(&root, name, bar_key);
+        let dir = tmp.path().join(key);
+        let f = fidelity(&prefill(&gguf, bits, &dir, &r), &r.prefill_logits, vocab);
         let err = 1.0 - f.mean_cos;
         let bar = exact_err + 3.0 * (1.0 - ideal.mean_cos) + 1e-4;
         eprintln!(
-            "{name} gguf {kind} → {key} cache vs oracle: 1-cos {err:.3e} (bar {bar:.3e}; ideal {key} {:.3e}; \
+            "{name} gguf {kind} → {key} cache vs oracle: 1-cos {err:.3e} (bar {bar:.3e}; ideal {bar_key} {:.3e}; \
              double-quantisation extra {:.3e}), top1 {:.2} (ideal {:.2})",
             1.0 - ideal.mean_cos,
             err - exact_err,
@@ -106,7 +119,49 @@ fn check_quantised(name: &str, kind: &str, int8dense_bar: bool) {
             ideal.top1
         );
         assert!(err <= bar, "{name} {kind} → {key}: 1 - mean cos {err:.3e} > {bar:.3e}");
+        if bits == WeightBits::Auto {
+            assert_auto_cache(name, kind, &gguf, &dir);
+        }
     }
+}
+
+/// The widths `auto` must give each MoE layer of a `kind` file with those MoE layers.
+fn auto_widths_of(kind: &str, moe_layers: impl Iterator<Item = usize>) -> Vec<LayerBits> {
+    let (i4, i8) = (Bits::Int4, Bits::Int8);
+    moe_layers
+        .map(|l| match kind {
+            // Q8_0 everywhere; the fixtures' Q4_K_M is Q5_0 (gate, up) and Q5_0/Q8_0 (down) after
+            // llama-quantize's fallback from K-quants on rows that are not multiples of 256.
+            "q8_0" | "q4_k_m" => LayerBits::uniform(i8),
+            "q4_0_mixed" if l == 1 => LayerBits { w13: i4, w2: i8 },
+            "q4_0_mixed" => LayerBits::uniform(i4),
+            other => panic!("no expected widths for {other}"),
+        })
+        .collect()
+}
+
+/// The rule on the file's own types gives `auto_widths_of(kind)`.
+fn check_auto_widths(name: &str, kind: &str, gguf: &std::path::Path) {
+    let files = ModelFiles::open(gguf).unwrap();
+    let got = CacheBits::Auto.layer_bits(files.spec());
+    let want = auto_widths_of(kind, files.spec().moe_layers());
+    assert_eq!(got, want, "{name} {kind}: auto widths from {:?}", files.spec().expert_source_bits);
+}
+
+/// The `auto` cache written in `dir` carries those widths in its header (its name says whether
+/// they are uniform) and opens against the header they imply.
+fn assert_auto_cache(name: &str, kind: &str, gguf: &std::path::Path, dir: &std::path::Path) {
+    let files = ModelFiles::open(gguf).unwrap();
+    let want = auto_widths_of(kind, files.spec().moe_layers());
+    let expected = expected_cache_header(files.spec(), files.fingerprint(), &want, 128).unwrap();
+    let file = if kind == "q4_0_mixed" { "experts_cpu_mixed_g128.bin" } else { "experts_cpu_int8_g128.bin" };
+    let path = dir.join(file);
+    let cache = krasis_cache::open(&path, &expected, krasis_cache::LoadOptions::default())
+        .unwrap_or_else(|e| panic!("{name} {kind}: the auto cache: {e}"));
+    let widths: Vec<(u8, u8)> = cache.header().parts.iter().map(|p| (p.w13_bits, p.w2_bits)).collect();
+    eprintln!("{name} gguf {kind} → auto cache {}: {}", path.display(), cache.header().bits_summary());
+    let want: Vec<(u8, u8)> = want.iter().map(|b| (b.w13.bits() as u8, b.w2.bits() as u8)).collect();
+    assert_eq!(widths, want, "{name} {kind}: widths in the cache header");
 }
 
 #[test]
@@ -147,6 +202,16 @@ fn dsv2_grouped_q4_k_m() {
 #[test]
 fn dsv3_q4_k_m() {
     check_quantised(GGUF_FIXTURE_NAMES[3], "q4_k_m", false);
+}
+
+#[test]
+fn dsv2_grouped_q4_0_mixed() {
+    check_quantised(GGUF_FIXTURE_NAMES[2], "q4_0_mixed", false);
+}
+
+#[test]
+fn dsv3_q4_0_mixed() {
+    check_quantised(GGUF_FIXTURE_NAMES[3], "q4_0_mixed", false);
 }
 
 /// llama.cpp's Q8_0 against the original oracle at 2 × an ideal INT8 of experts and dense

@@ -75,8 +75,9 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     /// Whether a CPU-only precision (quantised experts or dense weights) was asked for: the
-    /// whole-model GPU path does not take those.
+    /// whole-model GPU path does not take those. `--cpu-expert-bits auto` (the default) is not
+    /// asking: it applies only where experts run on the CPU.
     pub fn wants_cpu_precisions(&self) -> bool {
-        self.cpu.expert_bits != WeightBits::Bf16 || self.cpu.dense_bits != WeightBits::Bf16
+        !matches!(self.cpu.expert_bits, WeightBits::Bf16 | WeightBits::Auto) || self.cpu.dense_bits != WeightBits::Bf16
     }
 }

@@ -49,7 +49,12 @@ pub(crate) fn device_line(path: DevicePath, why: &str) -> String {
 }
 
 /// Opens `files` as `config` asks; see the module documentation for the policy.
+/// `--cpu-expert-bits auto` is resolved here first ([`crate::precision::resolve_expert_bits`]):
+/// the reference experts on safetensors, per-projection widths on a GGUF.
 pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+    let mut resolved = config.clone();
+    resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
+    let config = &resolved;
     let ordinal = config.gpu.ordinal;
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
@@ -77,8 +82,9 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
 
 /// `--device auto` with a usable GPU: the whole model on it when it fits the VRAM budget at the
 /// chosen precisions (with room for [`crate::gpu::MIN_USEFUL_KV_TOKENS`] of context) and no CPU
-/// expert precision was asked for; otherwise hybrid, with INT4 experts unless
-/// `--cpu-expert-bits` says 8. A whole-model load the GPU refuses falls back to hybrid too.
+/// expert precision was asked for (`auto` is not asking); otherwise hybrid, with INT4 experts
+/// unless `--cpu-expert-bits` says 8 (on a GGUF with `auto`: per projection from its types). A
+/// whole-model load the GPU refuses falls back to hybrid too.
 fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
     let ordinal = config.gpu.ordinal;
     let need = crate::gpu::whole_model_vram_bytes(files.spec(), &config.gpu);
@@ -89,12 +95,16 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
             cfg.cpu.expert_bits = WeightBits::Int4;
         }
         let why = format!(
-            "auto: {reason}; routed experts INT{} on the CPU, the rest on CUDA device {ordinal}",
-            if cfg.cpu.expert_bits == WeightBits::Int8 { 8 } else { 4 }
+            "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
+            match cfg.cpu.expert_bits {
+                WeightBits::Int8 => "INT8".to_string(),
+                WeightBits::Auto => crate::precision::describe_expert_bits(files.spec(), WeightBits::Auto),
+                _ => "INT4".to_string(),
+            }
         );
         crate::gpu::hybrid::open_hybrid_because(files, &cfg, &why)
     };
-    if config.cpu.expert_bits != WeightBits::Bf16 {
+    if !matches!(config.cpu.expert_bits, WeightBits::Bf16 | WeightBits::Auto) {
         return hybrid(format!("--cpu-expert-bits {} given", config.cpu.expert_bits));
     }
     if need > budget {

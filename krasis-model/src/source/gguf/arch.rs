@@ -286,8 +286,13 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
             })
         }
     };
-    let spec = parse_config(&Json::Object(config).to_string(), m.path())?;
+    let mut spec = parse_config(&Json::Object(config).to_string(), m.path())?;
     let map = tensor_map(&spec, m)?;
+    let types = expert_source_types(m, &spec);
+    // Every MoE layer's experts are stacked tensors (the mapping above checked they exist).
+    if types.len() == spec.moe_layers().count() {
+        spec.expert_source_bits = types.iter().map(|(_, t)| t.map(GgmlType::code_bits)).collect();
+    }
     Ok((spec, map))
 }
 
@@ -405,10 +410,8 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
     Ok(map)
 }
 
-/// The stored types of the routed experts' projections (gate, up, down) per MoE layer, and the
-/// cache precision each suggests: INT4 from a 4-bit (or narrower) source, INT8 from 5/6/8-bit
-/// and float sources (a requantisation should not keep less than the source's own code bits,
-/// nor pretend to more).
+/// The stored types of the routed experts' projections (gate, up, down) per MoE layer (the
+/// precision each suggests is `crate::precision`'s rule).
 pub fn expert_source_types(m: &GgufModel, spec: &ModelSpec) -> Vec<(usize, [GgmlType; 3])> {
     spec.moe_layers()
         .filter_map(|l| {
@@ -416,13 +419,4 @@ pub fn expert_source_types(m: &GgufModel, spec: &ModelSpec) -> Vec<(usize, [Ggml
             Some((l, [ty("gate")?, ty("up")?, ty("down")?]))
         })
         .collect()
-}
-
-/// The cache bits a source type suggests (see [`expert_source_types`]).
-pub fn suggested_bits(ty: GgmlType) -> u32 {
-    if ty.code_bits() <= 4 {
-        4
-    } else {
-        8
-    }
 }

@@ -15,7 +15,7 @@ use krasis_core::DType;
 use krasis_quant::ggml::{self, GgmlType};
 use memmap2::Mmap;
 
-pub use self::arch::{expert_source_types, spec_from_gguf, suggested_bits, GgufTensorRef, TensorMap};
+pub use self::arch::{expert_source_types, spec_from_gguf, GgufTensorRef, TensorMap};
 pub use self::header::{Header, TensorInfo, Value, ValueType};
 
 use super::{fnv1a, SharedBytes, StoredTensor, WeightSource};

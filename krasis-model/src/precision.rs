@@ -1,0 +1,192 @@
+//! `--cpu-expert-bits`: the width of each routed-expert projection in the CPU expert cache, and
+//! what `auto` means. This is the one place the choice rule lives: the loaders, the RAM estimate,
+//! `krasis info` and `krasis convert` all ask here.
+//!
+//! - **GGUF** (the spec carries each expert tensor's code bits): `auto` gives every projection
+//!   INT4 when its source type is 4-bit or narrower (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) and INT8 when it
+//!   is 5/6/8-bit or float (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, F16, BF16, F32): a requantisation should
+//!   not keep fewer bits than the source has, nor spend more than it has. The fused gate+up (w13)
+//!   is one matrix, so it takes the wider of gate's and up's choice. llama.cpp's Q4_K_M stores
+//!   `ffn_down_exps` in Q6_K in some layers and Q4_K in others, so the widths differ per layer.
+//! - **safetensors** (no per-tensor types): `auto` means what the default was before it existed.
+//!   An engine runs the reference experts over the source weights ([`resolve_expert_bits`] gives
+//!   `Bf16`); where a cache is built anyway (`krasis convert`, `--device auto`'s hybrid fallback,
+//!   a loader handed `auto` directly) it is INT4 everywhere, those paths' former default.
+//!
+//! Explicit `4`, `8` and `bf16` mean what they always did, whatever the source.
+
+use krasis_quant::Bits;
+
+use crate::spec::{ModelSpec, WeightBits};
+
+/// Widest source code (bits per weight) that `auto` keeps as INT4: Q2_K, Q3_K and the 4-bit types
+/// carry no more than INT4 holds, while 5-bit and wider sources would lose bits in INT4.
+pub const AUTO_INT4_MAX_SOURCE_BITS: u32 = 4;
+
+/// The `auto` rule for one projection stored with `source_code_bits` bits per weight (see
+/// `krasis_quant::ggml::GgmlType::code_bits`).
+pub fn auto_bits(source_code_bits: u32) -> Bits {
+    if source_code_bits <= AUTO_INT4_MAX_SOURCE_BITS {
+        Bits::Int4
+    } else {
+        Bits::Int8
+    }
+}
+
+/// The widths of one MoE layer's routed experts in the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LayerBits {
+    /// Fused gate+up.
+    pub w13: Bits,
+    /// Down.
+    pub w2: Bits,
+}
+
+impl LayerBits {
+    pub fn uniform(bits: Bits) -> LayerBits {
+        LayerBits { w13: bits, w2: bits }
+    }
+}
+
+/// How the widths of a cache are chosen: one for every projection, or `auto` (the module's rule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheBits {
+    Uniform(Bits),
+    Auto,
+}
+
+impl CacheBits {
+    /// The widths of every MoE layer of `spec`, in `moe_layers()` order.
+    pub fn layer_bits(self, spec: &ModelSpec) -> Vec<LayerBits> {
+        let layers = spec.moe_layers().count();
+        match self {
+            CacheBits::Uniform(b) => vec![LayerBits::uniform(b); layers],
+            CacheBits::Auto if spec.expert_source_bits.len() == layers => spec
+                .expert_source_bits
+                .iter()
+                .map(|&[gate, up, down]| LayerBits { w13: auto_bits(gate.max(up)), w2: auto_bits(down) })
+                .collect(),
+            CacheBits::Auto => vec![LayerBits::uniform(Bits::Int4); layers],
+        }
+    }
+}
+
+/// The widths a `--cpu-expert-bits` value asks the cache for (`None`: the reference experts over
+/// the source weights, no cache).
+pub fn cache_bits(w: WeightBits) -> Option<CacheBits> {
+    match w {
+        WeightBits::Bf16 => None,
+        WeightBits::Int8 => Some(CacheBits::Uniform(Bits::Int8)),
+        WeightBits::Int4 => Some(CacheBits::Uniform(Bits::Int4)),
+        WeightBits::Auto => Some(CacheBits::Auto),
+    }
+}
+
+/// Whether `spec`'s weights carry a type per expert tensor (a GGUF), so `auto` is decided from them.
+pub fn has_source_types(spec: &ModelSpec) -> bool {
+    spec.moe.is_some() && spec.expert_source_bits.len() == spec.moe_layers().count()
+}
+
+/// `--cpu-expert-bits` as an engine runs it on `spec`: `Auto` on weights without per-tensor
+/// types (safetensors) becomes `Bf16`, the reference experts (the default before `auto`); on a
+/// GGUF it stays `Auto`. Every other value is kept.
+pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBits {
+    match requested {
+        WeightBits::Auto if !has_source_types(spec) => WeightBits::Bf16,
+        w => w,
+    }
+}
+
+/// The widths `requested` gives every MoE layer of `spec` (`None`: no cache), for logs.
+pub fn describe_expert_bits(spec: &ModelSpec, requested: WeightBits) -> String {
+    match cache_bits(resolve_expert_bits(spec, requested)) {
+        None => "reference (the source weights)".into(),
+        Some(c) => describe_layer_bits(&c.layer_bits(spec)),
+    }
+}
+
+/// The per-layer widths for logs (`krasis_cache::describe_widths`: `"int4"`, or `"w13 int4 / w2
+/// int8 × 10 layers, w13 int4 / w2 int4 × 16 layers"`).
+pub fn describe_layer_bits(bits: &[LayerBits]) -> String {
+    let widths: Vec<(u8, u8)> = bits.iter().map(|b| (b.w13.bits() as u8, b.w2.bits() as u8)).collect();
+    krasis_cache::describe_widths(&widths)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use krasis_quant::ggml::GgmlType;
+
+    #[test]
+    fn the_rule_follows_the_source_code_bits() {
+        for ty in [GgmlType::Q2K, GgmlType::Q3K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q4K] {
+            assert_eq!(auto_bits(ty.code_bits()), Bits::Int4, "{ty}");
+        }
+        for ty in [
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::F32,
+        ] {
+            assert_eq!(auto_bits(ty.code_bits()), Bits::Int8, "{ty}");
+        }
+    }
+
+    fn tiny_spec() -> ModelSpec {
+        let config = crate::synth::preset_config(crate::synth::Preset::Tiny, Some(4)).to_string();
+        crate::config::parse_config(&config, std::path::Path::new("config.json")).unwrap()
+    }
+
+    /// On safetensors `auto` is the former default (reference experts for an engine, INT4 for
+    /// a cache); on a GGUF it is per layer and projection, and the RAM estimate counts exactly
+    /// the widths chosen.
+    #[test]
+    fn auto_follows_the_source() {
+        let mut spec = tiny_spec();
+        assert_eq!(spec.moe_layers().count(), 3);
+        let (i4, i8) = (Bits::Int4, Bits::Int8);
+        assert!(!has_source_types(&spec));
+        assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Bf16);
+        for w in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
+            assert_eq!(resolve_expert_bits(&spec, w), w, "explicit values are kept");
+        }
+        assert_eq!(CacheBits::Auto.layer_bits(&spec), vec![LayerBits::uniform(i4); 3]);
+        assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), "reference (the source weights)");
+        let est = |spec: &ModelSpec, w| crate::memory::estimate(spec, w).expert_bytes;
+        assert_eq!(est(&spec, WeightBits::Auto), est(&spec, WeightBits::Bf16));
+
+        // Q4_K_M-like: gate/up Q4_K, down Q6_K in the first MoE layer and Q4_K after; then a
+        // layer whose gate is 4-bit but up 5-bit (w13 is one matrix: the wider wins).
+        spec.expert_source_bits = vec![[4, 4, 6], [4, 4, 4], [4, 5, 4]];
+        assert!(has_source_types(&spec));
+        assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Auto);
+        assert_eq!(resolve_expert_bits(&spec, WeightBits::Int4), WeightBits::Int4);
+        let want = vec![LayerBits { w13: i4, w2: i8 }, LayerBits::uniform(i4), LayerBits { w13: i8, w2: i4 }];
+        assert_eq!(CacheBits::Auto.layer_bits(&spec), want);
+        assert_eq!(CacheBits::Uniform(i8).layer_bits(&spec), vec![LayerBits::uniform(i8); 3]);
+        assert_eq!(
+            describe_expert_bits(&spec, WeightBits::Auto),
+            "w13 int4 / w2 int8 × 1 layer, w13 int4 / w2 int4 × 1 layer, w13 int8 / w2 int4 × 1 layer"
+        );
+        // Estimate: per expert, w13 = 2·128·256 and w2 = 256·128 weights, each with one f16
+        // scale per 128; 8 experts per layer.
+        let (w13, w2) = (2 * 128 * 256u64, 256 * 128u64);
+        let int = |bits: u64, n: u64| n * bits / 8 + n / 128 * 2;
+        let layer = |a: u64, b: u64| 8 * (int(a, w13) + int(b, w2));
+        assert_eq!(est(&spec, WeightBits::Auto), layer(4, 8) + layer(4, 4) + layer(8, 4));
+        assert!(est(&spec, WeightBits::Int4) < est(&spec, WeightBits::Auto));
+        assert!(est(&spec, WeightBits::Auto) < est(&spec, WeightBits::Int8));
+    }
+
+    #[test]
+    fn describe_counts_runs_of_layers() {
+        let (i4, i8) = (LayerBits::uniform(Bits::Int4), LayerBits { w13: Bits::Int4, w2: Bits::Int8 });
+        assert_eq!(describe_layer_bits(&[i4, i4]), "int4");
+        assert_eq!(describe_layer_bits(&[LayerBits::uniform(Bits::Int8)]), "int8");
+        assert_eq!(describe_layer_bits(&[i8, i4, i8]), "w13 int4 / w2 int8 × 2 layers, w13 int4 / w2 int4 × 1 layer");
+    }
+}
