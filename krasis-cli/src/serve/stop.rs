@@ -86,6 +86,10 @@ mod tests {
         assert_eq!(run(&["END"], &["abc E", "N", "x"]), ("abc ENx".into(), false));
         // The earliest of several matches wins.
         assert_eq!(run(&["zz", "b"], &["a", "bzz"]), ("a".into(), true));
+        // The first stop string to complete ends the generation, even if a longer one that
+        // starts earlier would have completed with the next token (proptest found this case).
+        assert_eq!(run(&["bac", "a"], &["日b日日ba", "c"]), ("日b日日b".into(), true));
+        assert_eq!(run(&["bac", "a"], &["日b日日b", "ac"]), ("日b日日".into(), true));
         // Held text is emitted once it cannot start a stop string.
         let mut m = StopMatcher::new(vec!["</s>".into()]);
         assert_eq!(m.push("x</"), Matched { emit: "x".into(), stopped: false });
@@ -96,8 +100,11 @@ mod tests {
     }
 
     proptest! {
-        /// However the text is cut into deltas, the output is the text up to the first
-        /// occurrence of any stop string (all of it when none occurs).
+        /// However the text is cut into deltas, generation stops after the first delta that
+        /// completes a stop string, and the output is the text so far up to the earliest
+        /// occurrence of any stop string in it (all of the text when none occurs). A stop string
+        /// that would only complete later never gets the chance: with stops "bac" and "a" and the
+        /// deltas "..ba", "c", the "a" ends the generation.
         #[test]
         fn output_is_the_text_before_the_first_stop(
             text in "[abc日]{0,40}",
@@ -112,8 +119,15 @@ mod tests {
             let deltas: Vec<String> = bounds.windows(2).map(|w| chars[w[0]..w[1]].iter().collect()).collect();
             let refs: Vec<&str> = deltas.iter().map(String::as_str).collect();
             let stop_refs: Vec<&str> = stops.iter().map(String::as_str).collect();
-            let first = stops.iter().filter_map(|s| text.find(s.as_str())).min();
-            let want = match first { Some(i) => (text[..i].to_string(), true), None => (text.clone(), false) };
+            let mut want = (text.clone(), false);
+            let mut so_far = String::new();
+            for d in &deltas {
+                so_far.push_str(d);
+                if let Some(i) = stops.iter().filter_map(|s| so_far.find(s.as_str())).min() {
+                    want = (so_far[..i].to_string(), true);
+                    break;
+                }
+            }
             prop_assert_eq!(run(&stop_refs, &refs), want);
         }
     }
