@@ -27,7 +27,7 @@ case "${1:-all}" in
 esac
 {
     exes test "${sel[@]}"
-    if [ "${1:-all}" = gpu ]; then exes test -p krasis-tests --test gpu_oracle --test hybrid_oracle --test gpu_batch; fi
+    if [ "${1:-all}" = gpu ]; then exes test -p krasis-tests --test gpu_oracle --test hybrid_oracle --test gpu_batch --test hybrid_gguf; fi
 } | while read -r name exe; do
     cp "$exe" "$out/tests/$name-$(basename "$(dirname "$exe")")-$(basename "$exe" | tr -cd 'a-z0-9_-')"
 done

@@ -25,7 +25,7 @@ if has tests; then
         T "-- $t"
         timeout 300 "$t" --test-threads=1 --nocapture 2>&1 | grep -E "test result|FAILED|panicked|failures:|^    [a-z_0-9]+$|assert|^bench|^router:" | head -30
     done
-    for t in $B/tests/gpu_batch-* $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-*; do
+    for t in $B/tests/gpu_batch-* $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/hybrid_gguf-*; do
         [ -x "$t" ] || continue
         T "-- $t"
         timeout 400 "$t" --test-threads=1 --nocapture 2>&1 | grep -vE "^\s*$|^running|^test .* ok$|compiled kernel" | head -60
