@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::build::{clean_stale_tmp_files, drop_page_cache, free_bytes, tmp_path};
-use crate::format::{Preamble, MAX_HEADER_BYTES, PREAMBLE_BYTES};
+use crate::format::{Preamble, CHECKSUM_NAME, MAX_HEADER_BYTES, PREAMBLE_BYTES};
 use crate::CacheError;
 
 /// Reads the preamble and the JSON header of `file` and checks, in order: at least a preamble's
@@ -67,6 +67,25 @@ pub(crate) fn read_preamble_and_header(
         return Err(CacheError::HeaderChecksum { path: p(), section: "header", stored: pre.header_xxh3, computed });
     }
     Ok((pre, json, len))
+}
+
+/// Checks the header fields every cache has: `config_hash` (`"0x"` + hex, returned as a number),
+/// `format_version` (must equal the preamble's `version`) and the checksum name.
+pub(crate) fn check_common_fields(
+    config_hash: &str,
+    format_version: u32,
+    version: u32,
+    checksum: &str,
+) -> Result<u64, String> {
+    let hex = config_hash.strip_prefix("0x").ok_or("config_hash is not 0x-prefixed hex")?;
+    let hash = u64::from_str_radix(hex, 16).map_err(|e| format!("config_hash {config_hash:?}: {e}"))?;
+    if format_version != version {
+        return Err(format!("header says format version {format_version}, preamble says {version}"));
+    }
+    if checksum != CHECKSUM_NAME {
+        return Err(format!("checksum {checksum:?}, expected {CHECKSUM_NAME:?}"));
+    }
+    Ok(hash)
 }
 
 /// Reads the `count` checksums at `offset` and checks them against the preamble's table xxh3.

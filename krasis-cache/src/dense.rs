@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::build::{drop_page_cache, finish_writeback_and_drop};
-use crate::container::{read_checksum_table, read_hashed, read_preamble_and_header, AtomicWrite};
+use crate::container::{check_common_fields, read_checksum_table, read_hashed, read_preamble_and_header, AtomicWrite};
 use crate::format::{round_up, CHECKSUM_NAME, PREAMBLE_BYTES};
 use crate::load::reopen;
 use crate::{BuildReport, CacheError, CacheOutcome, LoadReport};
@@ -160,14 +160,7 @@ fn header_json(h: &DenseHeader, layout: &DenseLayout) -> Result<Vec<u8>, String>
 
 fn parse_header_json(bytes: &[u8], header_len: u64) -> Result<(DenseHeader, DenseLayout), String> {
     let d: DiskHeader = serde_json::from_slice(bytes).map_err(|e| format!("not a valid header: {e}"))?;
-    let hex = d.config_hash.strip_prefix("0x").ok_or("config_hash is not 0x-prefixed hex")?;
-    let config_hash = u64::from_str_radix(hex, 16).map_err(|e| format!("config_hash {:?}: {e}", d.config_hash))?;
-    if d.format_version != DENSE_FORMAT_VERSION {
-        return Err(format!("header says format version {}, preamble says {DENSE_FORMAT_VERSION}", d.format_version));
-    }
-    if d.checksum != CHECKSUM_NAME {
-        return Err(format!("checksum {:?}, expected {CHECKSUM_NAME:?}", d.checksum));
-    }
+    let config_hash = check_common_fields(&d.config_hash, d.format_version, DENSE_FORMAT_VERSION, &d.checksum)?;
     if d.entry_align != ENTRY_ALIGN {
         return Err(format!("entry_align {}, expected {ENTRY_ALIGN}", d.entry_align));
     }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::container::{read_checksum_table, read_preamble_and_header};
+use crate::container::{check_common_fields, read_checksum_table, read_preamble_and_header};
 use crate::CacheError;
 
 /// First eight bytes of every expert cache file.
@@ -52,6 +52,13 @@ pub struct CacheHeader {
 /// `experts_cpu_int{bits}_g{group_size}.bin`
 pub fn cache_file_name(bits: u8, group_size: u32) -> String {
     format!("experts_cpu_int{bits}_g{group_size}.bin")
+}
+
+/// Bytes of all records of a cache with this header (what a loaded cache holds resident);
+/// `None` when the header's sizes are invalid.
+pub fn records_bytes(h: &CacheHeader) -> Option<u64> {
+    let (_, stride, count) = Layout::geometry(h).ok()?;
+    stride.checked_mul(count)
 }
 
 pub(crate) fn round_up(x: u64, a: u64) -> Option<u64> {
@@ -197,14 +204,7 @@ pub(crate) fn header_json(h: &CacheHeader) -> Result<Vec<u8>, String> {
 
 fn parse_header_json(bytes: &[u8]) -> Result<CacheHeader, String> {
     let d: DiskHeader = serde_json::from_slice(bytes).map_err(|e| format!("not a valid header: {e}"))?;
-    let hex = d.config_hash.strip_prefix("0x").ok_or("config_hash is not 0x-prefixed hex")?;
-    let config_hash = u64::from_str_radix(hex, 16).map_err(|e| format!("config_hash {:?}: {e}", d.config_hash))?;
-    if d.format_version != FORMAT_VERSION {
-        return Err(format!("header says format version {}, preamble says {FORMAT_VERSION}", d.format_version));
-    }
-    if d.checksum != CHECKSUM_NAME {
-        return Err(format!("checksum {:?}, expected {CHECKSUM_NAME:?}", d.checksum));
-    }
+    let config_hash = check_common_fields(&d.config_hash, d.format_version, FORMAT_VERSION, &d.checksum)?;
     if d.record_order != RECORD_ORDER {
         return Err(format!("record order {:?}, expected {RECORD_ORDER:?}", d.record_order));
     }

@@ -1,4 +1,5 @@
-//! `krasis convert`: build (or check) the CPU expert cache ahead of the first run.
+//! `krasis convert`: build (or check) the CPU expert cache, and with `--cpu-dense-bits` the
+//! dense-weight cache, ahead of the first run.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -7,6 +8,7 @@ use clap::{Args as ClapArgs, ValueEnum};
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_model::dense_cache::open_dense_cache;
 use krasis_model::files::ModelFiles;
 use krasis_model::quantized::open_expert_cache;
 use krasis_model::tensors::param_counts;
@@ -31,6 +33,10 @@ pub struct Args {
     /// INT4 or INT8 routed experts.
     #[arg(long, value_enum, default_value_t = CacheBits::Int4)]
     cpu_expert_bits: CacheBits,
+    /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
+    /// dense MLPs, LM head), so a cached start quantises nothing.
+    #[arg(long, value_enum)]
+    cpu_dense_bits: Option<CacheBits>,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
@@ -40,10 +46,11 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let bits = match a.cpu_expert_bits {
+    let to_bits = |b: CacheBits| match b {
         CacheBits::Int4 => Bits::Int4,
         CacheBits::Int8 => Bits::Int8,
     };
+    let bits = to_bits(a.cpu_expert_bits);
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None))?;
@@ -65,5 +72,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     eprintln!("{}", krasis_cache::describe(&cache));
+    drop(cache);
+    if let Some(dense) = a.cpu_dense_bits {
+        let (cache, outcome) = open_dense_cache(&files, to_bits(dense), a.group_size, a.cache_dir.as_deref())?;
+        match outcome {
+            CacheOutcome::Hit => eprintln!("dense-weight cache up to date: {}", cache.path().display()),
+            CacheOutcome::Built { reason } => eprintln!("dense-weight cache built ({reason})"),
+        }
+        eprintln!("{}", krasis_cache::describe_dense(&cache));
+    }
     Ok(())
 }
