@@ -1,7 +1,7 @@
 //! The dense-weight cache (`dense_cpu_int{b}_g{gs}.bin`): every dense linear the CPU engine
 //! quantises (`--cpu-dense-bits`), packed, so a cached start reads them at disk or page-cache
 //! speed instead of quantising them again. Same container as the expert cache
-//! ([`crate::container`]: preamble, JSON header, checksum table, 4 KiB-aligned data; atomic write;
+//! (`container`: preamble, JSON header, checksum table, 4 KiB-aligned data; atomic write;
 //! every damage detected and the file rebuilt), with named entries of different sizes instead of
 //! uniform records. The entries' bytes are opaque here; the caller names, sizes and produces them.
 //! Specified in docs/FORMATS.md.
