@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::dense::*;
 use crate::format::PREAMBLE_BYTES;
+use crate::tests::flip_byte;
 use crate::{CacheError, CacheOutcome};
 
 fn hdr(config_hash: u64) -> DenseHeader {
@@ -24,15 +25,7 @@ fn hdr(config_hash: u64) -> DenseHeader {
 
 /// Deterministic pseudo-random bytes of entry `i`.
 fn fake(i: usize, len: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (i as u64 + 1).wrapping_mul(0xff51_afd7_ed55_8ccd);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    crate::tests::fake(0, i, len)
 }
 
 fn producer(h: &DenseHeader) -> impl Fn(usize) -> Result<Vec<u8>, String> + Sync + '_ {
@@ -43,13 +36,6 @@ fn quiet(_: u64, _: u64) {}
 
 fn path_in(dir: &Path) -> PathBuf {
     dir.join(dense_cache_file_name(8, 128))
-}
-
-fn flip_byte(path: &Path, off: u64) {
-    let f = OpenOptions::new().read(true).write(true).open(path).unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, off).unwrap();
-    f.write_all_at(&[b[0] ^ 0x21], off).unwrap();
 }
 
 fn check_contents(c: &DenseCache, h: &DenseHeader) {

@@ -179,3 +179,22 @@ fn the_estimate_counts_both_caches_exactly() {
     // The embedding is read through the mapping: one row (and the page it straddles) per token.
     assert_eq!(q.embed_bytes_per_token, 8192);
 }
+
+#[test]
+fn a_tied_lm_head_left_as_stored_holds_the_embedding_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let mut tied = files.spec().clone();
+    tied.tie_word_embeddings = true;
+    let untied = cpu_estimate(files.spec(), None, WeightBits::Int4, WeightBits::Bf16, 128);
+    let t = cpu_estimate(&tied, None, WeightBits::Int4, WeightBits::Bf16, 128);
+    // Untied: the LM head's own bytes, the embedding a row per token. Tied: the embedding's pages
+    // (the same size) read whole by the LM head, nothing per token.
+    assert_eq!(t.dense_bytes, untied.dense_bytes);
+    assert_eq!((t.embed_bytes_per_token, untied.embed_bytes_per_token), (0, 8192));
+    // Quantised, the tied head is a cache entry and the embedding is read a row per token again.
+    let q = cpu_estimate(&tied, None, WeightBits::Int4, WeightBits::Int8, 128);
+    assert_eq!(q.embed_bytes_per_token, 8192);
+    let plan = quantised_linears(&tied).unwrap();
+    assert_eq!(plan.last().unwrap().0, "lm_head.weight (tied to model.embed_tokens.weight)");
+}

@@ -124,7 +124,8 @@ pub fn cpu_estimate(
             },
             None => held(t),
         };
-        lm_head_whole |= t.role == TensorRole::Embedding && dense_quant.is_none();
+        // A tied LM head left as stored reads the whole embedding (its pages, counted here).
+        lm_head_whole |= t.role == TensorRole::LmHead && spec.tie_word_embeddings && dense_quant.is_none();
         est.dense_bytes += bytes;
     }
     let mut routed = 0u64;
@@ -139,7 +140,9 @@ pub fn cpu_estimate(
                 let whole = held(&t);
                 let mapped =
                     source.and_then(|s| s.stored_dtype(&t.name)).is_none_or(|d| matches!(d, DType::BF16 | DType::F16));
-                if lm_head_whole || !mapped {
+                if lm_head_whole {
+                    // The same mapped pages as the LM head, counted with the linears.
+                } else if !mapped {
                     est.dense_bytes += whole;
                 } else {
                     let row = whole / spec.vocab_size.max(1) as u64;
