@@ -1,7 +1,7 @@
 //! Streaming, atomic build: one layer at a time, records produced in parallel, written at their
 //! offsets to `<path>.tmp.<pid>`, checksum table + header + preamble last, fsync, rename.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
@@ -10,7 +10,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::format::{header_json, Layout, Preamble, FORMAT_VERSION, MAGIC, PREAMBLE_BYTES};
+use crate::container::AtomicWrite;
+use crate::format::{header_json, Layout, FORMAT_VERSION, MAGIC};
 use crate::{CacheError, CacheHeader};
 
 /// Produces the record of (MoE layer index, expert): `w13_bytes` then `w2_bytes`, back to back.
@@ -81,20 +82,6 @@ pub fn clean_stale_tmp_files(path: &Path) -> Vec<PathBuf> {
     removed
 }
 
-/// Removes the temp file unless disarmed (error, panic).
-struct TmpGuard<'a> {
-    path: &'a Path,
-    armed: bool,
-}
-
-impl Drop for TmpGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = std::fs::remove_file(self.path);
-        }
-    }
-}
-
 #[cfg(target_os = "linux")]
 fn start_writeback(f: &File, off: u64, len: u64) {
     use std::os::fd::AsRawFd;
@@ -105,7 +92,7 @@ fn start_writeback(f: &File, off: u64, len: u64) {
 }
 
 #[cfg(target_os = "linux")]
-fn finish_writeback_and_drop(f: &File, off: u64, len: u64) {
+pub(crate) fn finish_writeback_and_drop(f: &File, off: u64, len: u64) {
     use std::os::fd::AsRawFd;
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER;
     // SAFETY: advisory syscalls on an open fd.
@@ -119,7 +106,7 @@ fn finish_writeback_and_drop(f: &File, off: u64, len: u64) {
 fn start_writeback(_: &File, _: u64, _: u64) {}
 
 #[cfg(not(target_os = "linux"))]
-fn finish_writeback_and_drop(_: &File, _: u64, _: u64) {}
+pub(crate) fn finish_writeback_and_drop(_: &File, _: u64, _: u64) {}
 
 /// Drop the page-cache copy of `[off, off+len)` (`len` 0: to the end of the file).
 pub(crate) fn drop_page_cache(f: &File, off: u64, len: u64) {
@@ -136,7 +123,7 @@ pub(crate) fn drop_page_cache(f: &File, off: u64, len: u64) {
 }
 
 /// Bytes available to this user on the file system of `dir` (`None` if unknown).
-fn free_bytes(dir: &Path) -> Option<u64> {
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     // SAFETY: statvfs is plain old data, all-zero is a valid value.
@@ -174,35 +161,8 @@ pub fn build(
     let json = header_json(header).map_err(CacheError::InvalidRequest)?;
     let layout = Layout::new(header, json.len() as u64).map_err(CacheError::InvalidRequest)?;
 
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(dir).map_err(|e| CacheError::io(dir, "create cache directory", e))?;
-    clean_stale_tmp_files(path);
-    if let Some(available) = free_bytes(dir) {
-        // The file being replaced (if any) is freed only at the rename.
-        if available < layout.file_len {
-            return Err(CacheError::NoSpace {
-                path: path.to_path_buf(),
-                dir: dir.to_path_buf(),
-                needed: layout.file_len,
-                available,
-            });
-        }
-    }
-
-    let tmp = tmp_path(path);
-    let mut guard = TmpGuard { path: &tmp, armed: false };
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(|e| CacheError::io(&tmp, "create temp file", e))?;
-    guard.armed = true;
-    file.set_len(layout.file_len).map_err(|e| CacheError::io(&tmp, "set length", e))?;
+    let out = AtomicWrite::create(path, layout.file_len)?;
+    let file = out.file();
 
     let n_layers = header.moe_layers.len();
     let n_experts = header.n_experts as usize;
@@ -212,7 +172,7 @@ pub fn build(
     // relays progress in order, so `progress` need not be `Sync`.
     let sums = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<u64>();
-        let worker = s.spawn(|| write_layers(path, &file, header, &layout, produce, tx));
+        let worker = s.spawn(|| write_layers(path, file, header, &layout, produce, tx));
         let (mut done, mut bytes_done) = (0u64, 0u64);
         for stride in rx {
             done += 1;
@@ -235,27 +195,7 @@ pub fn build(
         }
     })?;
 
-    let table: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
-    let pre = Preamble {
-        magic: MAGIC,
-        format_version: FORMAT_VERSION,
-        header_len: json.len() as u64,
-        header_xxh3: xxhash_rust::xxh3::xxh3_64(&json),
-        table_xxh3: xxhash_rust::xxh3::xxh3_64(&table),
-        reserved_zero: true,
-    };
-    let w = |bytes: &[u8], off: u64, what| file.write_all_at(bytes, off).map_err(|e| CacheError::io(&tmp, what, e));
-    w(&table, layout.table_offset, "write checksum table")?;
-    w(&json, PREAMBLE_BYTES, "write header")?;
-    w(&pre.encode(), 0, "write preamble")?;
-    file.sync_all().map_err(|e| CacheError::io(&tmp, "fsync", e))?;
-    drop_page_cache(&file, 0, 0);
-    drop(file);
-    std::fs::rename(&tmp, path).map_err(|e| CacheError::io(path, "rename temp file into place", e))?;
-    guard.armed = false;
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
+    out.commit(MAGIC, FORMAT_VERSION, &json, layout.table_offset, &sums)?;
     let seconds = t0.elapsed().as_secs_f64();
     Ok(BuildReport {
         path: path.to_path_buf(),

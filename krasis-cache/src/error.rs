@@ -9,37 +9,43 @@ use krasis_core::budget::format_bytes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CacheError {
-    #[error("expert cache {} does not exist", path.display())]
+    #[error("{} {} does not exist", kind(path), path.display())]
     Missing { path: PathBuf },
 
-    #[error("expert cache {} is {actual} bytes but {what} {expected} (truncated or extended)", path.display())]
+    #[error("{} {} is {actual} bytes but {what} {expected} (truncated or extended)", kind(path), path.display())]
     SizeMismatch { path: PathBuf, actual: u64, expected: u64, what: &'static str },
 
-    #[error("{} is not a Krasis expert cache (magic {}, expected \"KRASISXC\")", path.display(), show_magic(found))]
-    BadMagic { path: PathBuf, found: [u8; 8] },
+    #[error("{} is not a Krasis {} (magic {}, expected \"{}\")", path.display(), kind(path), show_magic(found), show_magic(expected))]
+    BadMagic { path: PathBuf, found: [u8; 8], expected: [u8; 8] },
 
-    #[error("expert cache {} has format version {found}; this build reads version {supported}", path.display())]
+    #[error("{} {} has format version {found}; this build reads version {supported}", kind(path), path.display())]
     FormatVersion { path: PathBuf, found: u32, supported: u32 },
 
     #[error(
-        "expert cache {}: {section} checksum mismatch (stored {stored:#018x}, computed {computed:#018x})",
-        path.display()
+        "{} {}: {section} checksum mismatch (stored {stored:#018x}, computed {computed:#018x})",
+        kind(path), path.display()
     )]
     HeaderChecksum { path: PathBuf, section: &'static str, stored: u64, computed: u64 },
 
-    #[error("expert cache {}: invalid header: {detail}", path.display())]
+    #[error("{} {}: invalid header: {detail}", kind(path), path.display())]
     HeaderInvalid { path: PathBuf, detail: String },
 
-    #[error("expert cache {} is stale: {field} differs (cache {cache}, model {expected})", path.display())]
+    #[error("{} {} is stale: {field} differs (cache {cache}, model {expected})", kind(path), path.display())]
     Stale { path: PathBuf, field: &'static str, cache: String, expected: String },
 
     #[error(
-        "expert cache {}: checksum mismatch in the record of layer {layer} (MoE layer index {layer_idx}), expert {expert}",
-        path.display()
+        "{} {}: checksum mismatch in the record of layer {layer} (MoE layer index {layer_idx}), expert {expert}",
+        kind(path), path.display()
     )]
     RecordChecksum { path: PathBuf, layer_idx: usize, layer: u32, expert: usize },
 
-    #[error("invalid expert cache header: {0}")]
+    #[error("dense-weight cache {}: checksum mismatch in entry {index} (`{name}`)", path.display())]
+    EntryChecksum { path: PathBuf, index: usize, name: String },
+
+    #[error("building dense-weight cache {}: `{name}`: {message}", path.display())]
+    ProduceEntry { path: PathBuf, name: String, message: String },
+
+    #[error("invalid cache header: {0}")]
     InvalidRequest(String),
 
     #[error(
@@ -49,24 +55,35 @@ pub enum CacheError {
     Produce { path: PathBuf, layer_idx: usize, layer: u32, expert: usize, message: String },
 
     #[error(
-        "expert cache {}: binding MoE layer index {layer_idx}, expert {expert} to NUMA node {node}: {source}",
-        path.display()
+        "{} {}: binding MoE layer index {layer_idx}, expert {expert} to NUMA node {node}: {source}",
+        kind(path), path.display()
     )]
     Placement { path: PathBuf, layer_idx: usize, expert: usize, node: usize, source: io::Error },
 
     #[error(
-        "expert cache {}: not enough disk space in {} ({} needed, {} available)",
-        path.display(), dir.display(), format_bytes(*needed), format_bytes(*available)
+        "{} {}: not enough disk space in {} ({} needed, {} available)",
+        kind(path), path.display(), dir.display(), format_bytes(*needed), format_bytes(*available)
     )]
     NoSpace { path: PathBuf, dir: PathBuf, needed: u64, available: u64 },
 
-    #[error("expert cache {}: {op}: {source}", path.display())]
+    #[error("{} {}: {op}: {source}", kind(path), path.display())]
     Io { path: PathBuf, op: &'static str, source: io::Error },
 
     /// The cache was found missing, stale or damaged (`reason`), and building it anew failed.
     /// `error` is not a `source`: the message carries it already.
-    #[error("expert cache {} was found {reason}, and rebuilding it failed: {error}", path.display())]
+    #[error("{} {} was found {reason}, and rebuilding it failed: {error}", kind(path), path.display())]
     Rebuild { path: PathBuf, reason: String, error: Box<CacheError> },
+}
+
+/// What kind of cache a file is, by its name, for messages: `dense_…` files are dense-weight
+/// caches ([`crate::dense`]), anything else an expert cache.
+fn kind(path: &std::path::Path) -> &'static str {
+    let dense = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(crate::dense::FILE_PREFIX));
+    if dense {
+        "dense-weight cache"
+    } else {
+        "expert cache"
+    }
 }
 
 fn show_magic(m: &[u8; 8]) -> String {
@@ -92,6 +109,7 @@ impl CacheError {
                 | CacheError::HeaderInvalid { .. }
                 | CacheError::Stale { .. }
                 | CacheError::RecordChecksum { .. }
+                | CacheError::EntryChecksum { .. }
         )
     }
 
@@ -113,6 +131,7 @@ impl CacheError {
                 format!("damaged: file is {actual} bytes but {what} {expected} (truncated or extended)")
             }
             CacheError::BadMagic { found, .. } => format!("damaged: bad magic {}", show_magic(found)),
+            CacheError::EntryChecksum { name, .. } => format!("damaged: checksum mismatch in `{name}`"),
             CacheError::FormatVersion { found, supported, .. } => {
                 format!("stale: format version {found} (this build reads {supported})")
             }

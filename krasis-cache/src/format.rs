@@ -1,11 +1,11 @@
 //! The file format: preamble, JSON header, checksum table, records (spec in docs/FORMATS.md).
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::container::{check_common_fields, read_checksum_table, read_preamble_and_header};
 use crate::CacheError;
 
 /// First eight bytes of every expert cache file.
@@ -103,6 +103,13 @@ pub fn cache_file_name(bits: Option<u8>, group_size: u32) -> String {
         Some(b) => format!("experts_cpu_int{b}_g{group_size}.bin"),
         None => format!("experts_cpu_mixed_g{group_size}.bin"),
     }
+}
+
+/// Bytes of all records of a cache with this header (what a loaded cache holds resident);
+/// `None` when the header's sizes are invalid.
+pub fn records_bytes(h: &CacheHeader) -> Option<u64> {
+    let (_, _, bytes) = Layout::geometry(h).ok()?;
+    Some(bytes)
 }
 
 pub(crate) fn round_up(x: u64, a: u64) -> Option<u64> {
@@ -315,14 +322,7 @@ pub(crate) fn header_json(h: &CacheHeader) -> Result<Vec<u8>, String> {
 
 fn parse_header_json(bytes: &[u8]) -> Result<CacheHeader, String> {
     let d: DiskHeader = serde_json::from_slice(bytes).map_err(|e| format!("not a valid header: {e}"))?;
-    let hex = d.config_hash.strip_prefix("0x").ok_or("config_hash is not 0x-prefixed hex")?;
-    let config_hash = u64::from_str_radix(hex, 16).map_err(|e| format!("config_hash {:?}: {e}", d.config_hash))?;
-    if d.format_version != FORMAT_VERSION {
-        return Err(format!("header says format version {}, preamble says {FORMAT_VERSION}", d.format_version));
-    }
-    if d.checksum != CHECKSUM_NAME {
-        return Err(format!("checksum {:?}, expected {CHECKSUM_NAME:?}", d.checksum));
-    }
+    let config_hash = check_common_fields(&d.config_hash, d.format_version, FORMAT_VERSION, &d.checksum)?;
     if d.record_order != RECORD_ORDER {
         return Err(format!("record order {:?}, expected {RECORD_ORDER:?}", d.record_order));
     }
@@ -423,47 +423,7 @@ pub(crate) fn first_difference(cache: &CacheHeader, expected: &CacheHeader) -> O
 /// Returns the header, the layout and the per-record checksums.
 pub(crate) fn read_header(file: &File, path: &Path) -> Result<(CacheHeader, Layout, Vec<u64>), CacheError> {
     let p = || path.to_path_buf();
-    let len = file.metadata().map_err(|e| CacheError::io(path, "stat", e))?.len();
-    if len < PREAMBLE_BYTES {
-        return Err(CacheError::SizeMismatch {
-            path: p(),
-            actual: len,
-            expected: PREAMBLE_BYTES,
-            what: "the preamble alone needs",
-        });
-    }
-    let mut pre = [0u8; PREAMBLE_BYTES as usize];
-    file.read_exact_at(&mut pre, 0).map_err(|e| CacheError::io(path, "read preamble", e))?;
-    let pre = Preamble::decode(&pre);
-    if pre.magic != MAGIC {
-        return Err(CacheError::BadMagic { path: p(), found: pre.magic });
-    }
-    if pre.format_version != FORMAT_VERSION {
-        return Err(CacheError::FormatVersion { path: p(), found: pre.format_version, supported: FORMAT_VERSION });
-    }
-    if !pre.reserved_zero {
-        return Err(CacheError::HeaderInvalid { path: p(), detail: "reserved preamble bytes are not zero".into() });
-    }
-    if pre.header_len > MAX_HEADER_BYTES {
-        return Err(CacheError::HeaderInvalid {
-            path: p(),
-            detail: format!("header length {} exceeds {MAX_HEADER_BYTES}", pre.header_len),
-        });
-    }
-    if PREAMBLE_BYTES + pre.header_len > len {
-        return Err(CacheError::SizeMismatch {
-            path: p(),
-            actual: len,
-            expected: PREAMBLE_BYTES + pre.header_len,
-            what: "the header alone needs",
-        });
-    }
-    let mut json = vec![0u8; pre.header_len as usize];
-    file.read_exact_at(&mut json, PREAMBLE_BYTES).map_err(|e| CacheError::io(path, "read header", e))?;
-    let computed = xxhash_rust::xxh3::xxh3_64(&json);
-    if computed != pre.header_xxh3 {
-        return Err(CacheError::HeaderChecksum { path: p(), section: "header", stored: pre.header_xxh3, computed });
-    }
+    let (pre, json, len) = read_preamble_and_header(file, path, MAGIC, FORMAT_VERSION)?;
     let header = parse_header_json(&json).map_err(|detail| CacheError::HeaderInvalid { path: p(), detail })?;
     let layout =
         Layout::new(&header, pre.header_len).map_err(|detail| CacheError::HeaderInvalid { path: p(), detail })?;
@@ -475,17 +435,6 @@ pub(crate) fn read_header(file: &File, path: &Path) -> Result<(CacheHeader, Layo
             what: "the header implies",
         });
     }
-    let mut table = vec![0u8; layout.record_count as usize * 8];
-    file.read_exact_at(&mut table, layout.table_offset).map_err(|e| CacheError::io(path, "read checksum table", e))?;
-    let computed = xxhash_rust::xxh3::xxh3_64(&table);
-    if computed != pre.table_xxh3 {
-        return Err(CacheError::HeaderChecksum {
-            path: p(),
-            section: "checksum table",
-            stored: pre.table_xxh3,
-            computed,
-        });
-    }
-    let sums = table.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    let sums = read_checksum_table(file, path, &pre, layout.table_offset, layout.record_count)?;
     Ok((header, layout, sums))
 }

@@ -20,16 +20,24 @@
 //! ```
 
 mod build;
+mod container;
+pub mod dense;
 mod error;
 pub mod format;
 mod load;
 
+#[cfg(test)]
+mod dense_tests;
 #[cfg(test)]
 mod tests;
 
 use std::path::{Path, PathBuf};
 
 pub use build::{build, clean_stale_tmp_files, BuildProgress, BuildReport, Produce};
+pub use dense::{
+    build_dense, dense_cache_file_name, describe_dense, open_dense, open_or_build_dense, DenseCache, DenseEntry,
+    DenseHeader, DENSE_FORMAT_VERSION,
+};
 pub use error::CacheError;
 pub use format::{cache_file_name, describe_widths, CacheHeader, LayerParts, FORMAT_VERSION, MAGIC};
 pub use load::{describe, open, ExpertCache, LoadOptions, LoadReport, Placement};
@@ -57,14 +65,25 @@ pub fn open_or_build(
     progress: &dyn Fn(BuildProgress),
     load: LoadOptions<'_>,
 ) -> Result<(ExpertCache, CacheOutcome), CacheError> {
+    open_or_rebuild(path, || open(path, expected, load), || build(path, expected, produce, progress).map(|_| ()))
+}
+
+/// The rule both caches follow: try `open`; when the file is missing, stale or damaged, `build`
+/// and open again; errors rebuilding cannot cure are returned as they are. Temp files of
+/// interrupted builds are removed first.
+pub(crate) fn open_or_rebuild<T>(
+    path: &Path,
+    open: impl Fn() -> Result<T, CacheError>,
+    build: impl FnOnce() -> Result<(), CacheError>,
+) -> Result<(T, CacheOutcome), CacheError> {
     clean_stale_tmp_files(path);
-    let (reason, found) = match open(path, expected, load) {
+    let (reason, found) = match open() {
         Ok(cache) => return Ok((cache, CacheOutcome::Hit)),
         Err(e) if e.is_rebuildable() => (e.reason(), !matches!(e, CacheError::Missing { .. })),
         Err(e) => return Err(e),
     };
-    tracing::debug!("expert cache {}: {reason}; building it", path.display());
-    if let Err(error) = build(path, expected, produce, progress) {
+    tracing::debug!("cache {}: {reason}; building it", path.display());
+    if let Err(error) = build() {
         // A cache that was there but unusable is news the build error alone would hide.
         return Err(if found {
             CacheError::Rebuild { path: path.to_path_buf(), reason, error: Box::new(error) }
@@ -72,7 +91,7 @@ pub fn open_or_build(
             error
         });
     }
-    let cache = open(path, expected, load)?;
+    let cache = open()?;
     Ok((cache, CacheOutcome::Built { reason }))
 }
 

@@ -3,16 +3,15 @@
 //! drop the file's page-cache copy so the weights are resident once.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use krasis_core::budget::format_bytes;
 use krasis_core::memory::{bind_to_node, huge_page_bytes, PageBuffer};
 use rayon::prelude::*;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::build::drop_page_cache;
+use crate::container::read_hashed;
 use crate::format::{first_difference, read_header, Layout};
 use crate::{CacheError, CacheHeader};
 
@@ -213,16 +212,8 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
         for (j, rec) in chunk.chunks_mut(stride).enumerate() {
             let i = first + j;
             let off = layout.record_offset(i);
-            let mut h = Xxh3::new();
-            // Pieces small enough to hash while they are still in cache.
-            const PIECE: usize = 1 << 20;
-            for (k, piece) in rec.chunks_mut(PIECE).enumerate() {
-                f.read_exact_at(piece, off + (k * PIECE) as u64).map_err(|e| CacheError::io(path, "read record", e))?;
-                if verify {
-                    h.update(piece);
-                }
-            }
-            if verify && h.digest() != sums[i] {
+            let digest = read_hashed(&f, path, rec, off, verify)?;
+            if verify && digest != sums[i] {
                 let (l, e) = (i / n_experts, i % n_experts);
                 return Err(CacheError::RecordChecksum {
                     path: path.to_path_buf(),
@@ -254,7 +245,7 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
 /// A new open file description of the same inode (`/proc/self/fd/N`), so that each reader has its
 /// own sequential readahead state and a concurrent rebuild that renames over the path cannot mix
 /// files; a shared duplicate where /proc is unavailable.
-fn reopen(file: &File) -> std::io::Result<File> {
+pub(crate) fn reopen(file: &File) -> std::io::Result<File> {
     use std::os::fd::AsRawFd;
     File::open(format!("/proc/self/fd/{}", file.as_raw_fd())).or_else(|_| file.try_clone())
 }

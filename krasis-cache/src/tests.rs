@@ -49,7 +49,7 @@ fn record_len(h: &CacheHeader, l: usize) -> usize {
 }
 
 /// Deterministic pseudo-random record of (layer_idx, expert).
-fn fake(l: usize, e: usize, len: usize) -> Vec<u8> {
+pub(crate) fn fake(l: usize, e: usize, len: usize) -> Vec<u8> {
     let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ ((l as u64) << 32 | e as u64).wrapping_mul(0xff51_afd7_ed55_8ccd);
     (0..len)
         .map(|_| {
@@ -80,7 +80,7 @@ fn layout_of(path: &Path) -> Layout {
     read_header(&File::open(path).unwrap(), path).unwrap().1
 }
 
-fn flip_byte(path: &Path, off: u64) {
+pub(crate) fn flip_byte(path: &Path, off: u64) {
     let f = OpenOptions::new().read(true).write(true).open(path).unwrap();
     let mut b = [0u8];
     f.read_exact_at(&mut b, off).unwrap();

@@ -1,4 +1,5 @@
-//! `krasis convert`: build (or check) the CPU expert cache ahead of the first run.
+//! `krasis convert`: build (or check) the CPU expert cache, and with `--cpu-dense-bits` the
+//! dense-weight cache, ahead of the first run.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -7,6 +8,7 @@ use clap::{Args as ClapArgs, ValueEnum};
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_model::dense_cache::open_dense_cache;
 use krasis_model::files::ModelFiles;
 use krasis_model::precision::{describe_layer_bits, CacheBits as Widths};
 use krasis_model::quantized::open_expert_cache;
@@ -25,6 +27,15 @@ enum CacheBits {
     Int8,
 }
 
+/// The width of the dense-weight cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DenseBits {
+    #[value(name = "4")]
+    Int4,
+    #[value(name = "8")]
+    Int8,
+}
+
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model directory or GGUF file.
@@ -34,6 +45,10 @@ pub struct Args {
     /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model.
     #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
     cpu_expert_bits: CacheBits,
+    /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
+    /// dense MLPs, LM head), so a cached start quantises nothing.
+    #[arg(long, value_enum)]
+    cpu_dense_bits: Option<DenseBits>,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
@@ -70,5 +85,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     eprintln!("{}", krasis_cache::describe(&cache));
+    drop(cache);
+    if let Some(dense) = a.cpu_dense_bits {
+        let dense = match dense {
+            DenseBits::Int4 => Bits::Int4,
+            DenseBits::Int8 => Bits::Int8,
+        };
+        let (cache, outcome) = open_dense_cache(&files, dense, a.group_size, a.cache_dir.as_deref())?;
+        match outcome {
+            CacheOutcome::Hit => eprintln!("dense-weight cache up to date: {}", cache.path().display()),
+            CacheOutcome::Built { reason } => eprintln!("dense-weight cache built ({reason})"),
+        }
+        eprintln!("{}", krasis_cache::describe_dense(&cache));
+    }
     Ok(())
 }

@@ -17,7 +17,9 @@ use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
 use krasis_model::gpu::GpuOptions;
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
-use krasis_model::runtime::{open_engine, DevicePath, DevicePolicy, Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS};
+use krasis_model::runtime::{
+    cpu_memory_estimate, open_engine, DevicePath, DevicePolicy, Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
+};
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
 
@@ -282,6 +284,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
     let t_load = Instant::now();
     let opened = open_engine(&files, &config)?;
+    // For the RSS check after the run, at the context it held.
+    let held_estimate = cpu_memory_estimate(&files, &config);
     // The engine holds what it needs; the source mapping goes, so weights uploaded to the GPU
     // are not kept in host memory.
     drop(files);
@@ -314,7 +318,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     // Every routed expert is resident after loading the cache and every dense weight has been
     // read by now, so RSS should match the estimate.
-    if let Some(line) = opened.rss_report() {
+    let held = (req.prompt_ids.len() + out.generated.len()) as u64;
+    let report = match engine.device() {
+        DevicePath::Cpu => opened.rss_report_at(&held_estimate, held),
+        _ => opened.rss_report(),
+    };
+    if let Some(line) = report {
         eprintln!("{line}");
     }
     dump(&a, engine.spec().vocab_size, &out)

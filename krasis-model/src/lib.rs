@@ -3,6 +3,7 @@
 
 pub mod build;
 pub mod config;
+pub mod dense_cache;
 pub mod error;
 pub mod files;
 pub mod source;

@@ -9,8 +9,9 @@ use krasis_cache::CacheOutcome;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_quant::group::DEFAULT_GROUP_SIZE;
 
+use crate::dense_cache::{cached_linears, open_dense_cache};
 use crate::engine::experts::ExpertExecutor;
-use crate::engine::{reference_dense, Model};
+use crate::engine::{reference_dense, Model, PrebuiltDense};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
@@ -96,6 +97,27 @@ pub fn open_cpu_experts(
     Ok(CpuExperts { expert_bytes: ex.expert_bytes(), executor: Arc::new(ex) })
 }
 
+/// Opens (or builds) the dense-weight cache for `bits` and serves its entries as the engine's
+/// quantised linears.
+fn open_cached_dense(
+    files: &ModelFiles,
+    bits: krasis_quant::Bits,
+    opts: &EngineOptions,
+    pool: &Arc<WorkerPool>,
+    log: &mut Vec<String>,
+) -> Result<Box<PrebuiltDense<'static>>> {
+    let t = Instant::now();
+    let (cache, outcome) = open_dense_cache(files, bits, opts.group_size, opts.cache_dir.as_deref())?;
+    match &outcome {
+        CacheOutcome::Hit => log.push(format!("dense-weight cache hit: {}", cache.path().display())),
+        CacheOutcome::Built { reason } => {
+            log.push(format!("dense-weight cache built ({reason}): {}", cache.path().display()))
+        }
+    }
+    log.push(format!("{} ({:.2} s)", krasis_cache::describe_dense(&cache), t.elapsed().as_secs_f64()));
+    Ok(Box::new(cached_linears(Arc::new(cache), bits, pool.clone())))
+}
+
 /// Loads `files` for the CPU engine at the precisions of `opts` (the expert cache is opened, or
 /// built on first use, when the experts are quantised).
 pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
@@ -122,11 +144,15 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
             _ => reference_dense(l, name),
         }
     };
-    let t = Instant::now();
-    let model = Model::from_source(spec, files.weights(), &quant_dense, experts)?;
-    if dense_bits.is_some() {
-        log.push(format!("dense weights quantised to {:?} in {:.2} s", opts.dense_bits, t.elapsed().as_secs_f64()));
-    }
+    let cached = match (dense_bits, &pool) {
+        (Some(bits), Some(pool)) => Some(open_cached_dense(files, bits, opts, pool, &mut log)?),
+        _ => None,
+    };
+    let model = Model::from_source_with(spec, files.weights(), &quant_dense, cached.as_deref(), experts)?;
+    // Everything the engine keeps from the source is copied, quantised or read through the
+    // mapping on use (the embedding's rows, the routers), so the pages the load touched
+    // (quantising, building the expert cache) leave the resident set.
+    files.weights().release_resident();
     log.push(format!("routed experts: {}", model.experts_description()));
     Ok(Loaded { model, log, expert_bytes, pool })
 }

@@ -173,10 +173,11 @@ mod tests {
             "w13 int4 / w2 int8 × 1 layer, w13 int4 / w2 int4 × 1 layer, w13 int8 / w2 int4 × 1 layer"
         );
         // Estimate: per expert, w13 = 2·128·256 and w2 = 256·128 weights, each with one f16
-        // scale per 128; 8 experts per layer.
+        // scale per 128, in one record padded to 4 KiB (what the cache holds resident); 8 experts
+        // per layer.
         let (w13, w2) = (2 * 128 * 256u64, 256 * 128u64);
         let int = |bits: u64, n: u64| n * bits / 8 + n / 128 * 2;
-        let layer = |a: u64, b: u64| 8 * (int(a, w13) + int(b, w2));
+        let layer = |a: u64, b: u64| 8 * (int(a, w13) + int(b, w2)).next_multiple_of(4096);
         assert_eq!(est(&spec, WeightBits::Auto), layer(4, 8) + layer(4, 4) + layer(8, 4));
         assert!(est(&spec, WeightBits::Int4) < est(&spec, WeightBits::Auto));
         assert!(est(&spec, WeightBits::Auto) < est(&spec, WeightBits::Int8));

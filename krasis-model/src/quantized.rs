@@ -1,16 +1,16 @@
 //! Quantised CPU weights: the routed experts from the on-disk expert cache, and dense matrices
-//! (`--cpu-dense-bits`) quantised at load. Both run through the same packed kernels over the
+//! (`--cpu-dense-bits`) from the dense-weight cache ([`crate::dense_cache`]) or quantised at load. Both run through the same packed kernels over the
 //! pinned worker pool.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerParts, LoadOptions};
+use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, DenseCache, ExpertCache, LayerParts, LoadOptions};
 use krasis_cpu::isa::{self, Isa};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, PoolMatmul};
 use krasis_cpu::pool::WorkerPool;
-use krasis_quant::cpu_layout::{pack, pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
+use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::Bits;
 use rayon::prelude::*;
@@ -47,7 +47,7 @@ pub fn dense_quant_bits(w: WeightBits) -> Result<Option<Bits>> {
     }
 }
 
-fn quant_err(what: &str, e: impl std::fmt::Display) -> ModelError {
+pub(crate) fn quant_err(what: &str, e: impl std::fmt::Display) -> ModelError {
     ModelError::Invalid(format!("{what}: {e}"))
 }
 
@@ -59,29 +59,83 @@ fn rows_f32(m: &DenseLinear) -> Vec<f32> {
     out
 }
 
-/// A dense matrix quantised at load to the packed CPU layout.
+/// A dense matrix in the packed CPU layout: quantised at load, or a dense-weight cache entry.
 pub struct QuantLinear {
     layout: PackedLayout,
-    packed: Vec<u8>,
+    packed: Packed,
     pool: Arc<WorkerPool>,
     matmul: PoolMatmul,
     isa: Isa,
 }
 
+/// Where a [`QuantLinear`]'s packed bytes live.
+enum Packed {
+    Owned(Vec<u8>),
+    /// Entry `index` of a loaded dense-weight cache (shared by every linear of the model).
+    Cached {
+        cache: Arc<DenseCache>,
+        index: usize,
+    },
+}
+
 /// Rows quantised and packed per task (whole row blocks, so chunks concatenate to the full pack).
 const QUANTIZE_ROWS_PER_TASK: usize = 64 * ROW_BLOCK;
 
+/// `m` quantised and packed for `layout`. Rows are converted, quantised and packed per task, so
+/// the f32 copy in memory at once is a few tasks' rows, never the whole matrix.
+pub fn pack_dense(m: &DenseLinear, layout: &PackedLayout) -> Vec<u8> {
+    let (rows, k) = (layout.rows, layout.k);
+    let mut packed = vec![0u8; layout.bytes()];
+    let chunk_bytes = QUANTIZE_ROWS_PER_TASK / ROW_BLOCK * layout.block_bytes();
+    packed.par_chunks_mut(chunk_bytes).enumerate().for_each(|(ci, out)| {
+        let r0 = ci * QUANTIZE_ROWS_PER_TASK;
+        let n = QUANTIZE_ROWS_PER_TASK.min(rows - r0);
+        let mut w = vec![0f32; n * k];
+        for (r, row) in w.chunks_exact_mut(k).enumerate() {
+            m.row_into(r0 + r, row);
+        }
+        pack_into(&quantize(&w, n, k, layout.bits, layout.gs), out).expect("chunk sized from the layout");
+    });
+    packed
+}
+
+/// The packed layout of a `[rows, k]` dense matrix at `bits` and preferred group `group`.
+pub fn dense_layout(rows: usize, k: usize, bits: Bits, group: usize, name: &str) -> Result<PackedLayout> {
+    let gs = group_size_for(k, group).map_err(|e| quant_err(name, e))?;
+    PackedLayout::new(rows, k, gs, bits).map_err(|e| quant_err(name, e))
+}
+
 impl QuantLinear {
     pub fn from_dense(m: &DenseLinear, bits: Bits, group: usize, pool: Arc<WorkerPool>, name: &str) -> Result<Self> {
-        let (rows, k) = (m.out_dim(), m.in_dim());
-        let gs = group_size_for(k, group).map_err(|e| quant_err(name, e))?;
-        let layout = PackedLayout::new(rows, k, gs, bits).map_err(|e| quant_err(name, e))?;
-        let w = rows_f32(m);
-        let chunks: Vec<Vec<u8>> =
-            w.par_chunks(QUANTIZE_ROWS_PER_TASK * k).map(|c| pack(&quantize(c, c.len() / k, k, bits, gs))).collect();
-        let packed = chunks.concat();
-        debug_assert_eq!(packed.len(), layout.bytes());
+        let layout = dense_layout(m.out_dim(), m.in_dim(), bits, group, name)?;
+        let packed = Packed::Owned(pack_dense(m, &layout));
         Ok(QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() })
+    }
+
+    /// Entry `index` of a loaded dense-weight cache, without a copy; its size must be `layout`'s.
+    pub fn from_cache(
+        cache: Arc<DenseCache>,
+        index: usize,
+        layout: PackedLayout,
+        pool: Arc<WorkerPool>,
+    ) -> Result<Self> {
+        let (found, name) = (cache.entry(index).len(), &cache.header().entries[index].name);
+        if found != layout.bytes() {
+            return Err(ModelError::Invalid(format!(
+                "dense-weight cache {}: `{name}` holds {found} bytes, its layout needs {}",
+                cache.path().display(),
+                layout.bytes()
+            )));
+        }
+        let packed = Packed::Cached { cache, index };
+        Ok(QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.packed {
+            Packed::Owned(v) => v,
+            Packed::Cached { cache, index } => cache.entry(*index),
+        }
     }
 }
 
@@ -95,11 +149,11 @@ impl LinearOp for QuantLinear {
     }
 
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) {
-        self.matmul.run(&self.pool, self.isa, &self.packed, &self.layout, x, m, y);
+        self.matmul.run(&self.pool, self.isa, self.bytes(), &self.layout, x, m, y);
     }
 
     fn weight_bytes(&self) -> usize {
-        self.packed.len()
+        self.bytes().len()
     }
 }
 
@@ -201,14 +255,25 @@ fn expert_record(
 }
 
 /// Appended to errors that another cache directory would cure.
-const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
+pub(crate) const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
+
+/// A byte-counting progress bar (drawn on stderr, hidden when it is not a terminal).
+pub(crate) fn progress_bar(template: &str) -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar
+}
 
 /// Where the cache of these per-layer widths lives: named by its width when all projections
 /// share one (so `auto` on an all-Q8_0 GGUF and `8` share a cache), `…_mixed_…` otherwise.
 pub fn cache_path(files: &ModelFiles, cache_dir: Option<&Path>, bits: &[LayerBits], group: usize) -> PathBuf {
-    let dir = cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
     let uniform = bits.first().map(|b| b.w13).filter(|&b| bits.iter().all(|l| *l == LayerBits::uniform(b)));
-    dir.join(krasis_cache::cache_file_name(uniform.map(|b| b.bits() as u8), group as u32))
+    in_cache_dir(files, cache_dir, &krasis_cache::cache_file_name(uniform.map(|b| b.bits() as u8), group as u32))
+}
+
+/// `name` in `--cache-dir`, else in the model's default cache directory.
+pub(crate) fn in_cache_dir(files: &ModelFiles, cache_dir: Option<&Path>, name: &str) -> PathBuf {
+    cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir()).join(name)
 }
 
 /// Open the expert cache, building it (with a progress bar) when missing, stale or damaged.
@@ -248,11 +313,7 @@ pub fn open_expert_cache_with(
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
         expert_record(&loader, spec, &header, li, layers[li] as usize, e).map_err(|err| err.to_string())
     };
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("converting experts {bar:40} {bytes}/{total_bytes} {msg} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar("converting experts {bar:40} {bytes}/{total_bytes} {msg} eta {eta}");
     let progress = |p: krasis_cache::BuildProgress| {
         bar.set_length(p.bytes_total);
         bar.set_position(p.bytes_done);

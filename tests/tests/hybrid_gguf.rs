@@ -3,9 +3,9 @@
 //! Q8_0 — the `q4_0_mixed` fixtures — or INT8 throughout on the small fixtures' Q4_K_M, whose
 //! experts llama-quantize stores in Q5_0/Q8_0), and the hybrid engine runs that mixed cache through
 //! the same CPU expert backend as the CPU path. Held to the bar `gguf_oracle.rs` holds the CPU path
-//! to: against the HF oracle, (1 − mean cosine) ≤ the exactly dequantised file's own error
-//! + 3 × the ideal INT4 error + 1e-4; and the hybrid's logits are printed beside the CPU path's on
-//! the same cache.
+//! to: against the HF oracle, (1 − mean cosine) ≤ the exactly dequantised file's own error plus
+//! 3 × the ideal INT4 error plus 1e-4; and the hybrid's logits are printed beside the CPU path's
+//! on the same cache.
 //!
 //! Without a GPU, or without the GGUF fixtures (`scripts/make-gguf-fixtures.sh`), every test
 //! prints its SKIPPED line and passes; `KRASIS_REQUIRE_GPU=1` / `KRASIS_REQUIRE_FIXTURES=1` fail.

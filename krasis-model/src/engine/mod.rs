@@ -116,12 +116,28 @@ pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>>
     Ok(boxed(l))
 }
 
+/// Dense linears already in their run-time form, by [`linear_name`] (the dense-weight cache):
+/// `Some` skips the source tensor altogether, `None` loads it through the [`DenseFactory`].
+pub type PrebuiltDense<'a> = dyn Fn(&str) -> Option<Result<Box<dyn LinearOp>>> + 'a;
+
+/// The name a dense linear goes by in logs, errors and the dense-weight cache: its tensor's, or
+/// for an LM head tied to the embedding `lm_head.weight (tied to <embedding>)`.
+pub fn linear_name(t: &TensorSpec, class: LinearClass) -> String {
+    match (class, t.role) {
+        (LinearClass::LmHead, TensorRole::LmHead) if t.name != "lm_head.weight" => {
+            format!("lm_head.weight (tied to {})", t.name)
+        }
+        _ => t.name.clone(),
+    }
+}
+
 /// Builds the CPU engine's weights: dense matrices through the [`DenseFactory`], routers and MLA's
 /// `kv_b_proj` in their source precision, routed experts from a model-wide executor (quantised
 /// pool) or, without one, the reference experts over the source weights.
 struct CpuBuilder<'a> {
     w: WeightLoader<'a>,
     dense: &'a DenseFactory<'a>,
+    prebuilt: Option<&'a PrebuiltDense<'a>>,
     executor: Option<Arc<dyn ExpertExecutor>>,
     hidden: usize,
 }
@@ -147,12 +163,10 @@ impl WeightBuilder for CpuBuilder<'_> {
     }
 
     fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Box<dyn LinearOp>> {
-        let name = match (class, t.role) {
-            (LinearClass::LmHead, TensorRole::LmHead) if t.name != "lm_head.weight" => {
-                format!("lm_head.weight (tied to {})", t.name)
-            }
-            _ => t.name.clone(),
-        };
+        let name = linear_name(t, class);
+        if let Some(op) = self.prebuilt.and_then(|p| p(&name)) {
+            return op;
+        }
         (self.dense)(self.w.matrix_of(t)?, &name)
     }
 
@@ -237,9 +251,26 @@ impl Model {
         dense: &DenseFactory<'_>,
         experts: Option<Arc<dyn ExpertExecutor>>,
     ) -> Result<Model> {
+        Self::from_source_with(spec, source, dense, None, experts)
+    }
+
+    /// [`Model::from_source`], taking the dense linears `prebuilt` has (the dense-weight cache)
+    /// from it without reading their source tensors.
+    pub fn from_source_with(
+        spec: ModelSpec,
+        source: &dyn WeightSource,
+        dense: &DenseFactory<'_>,
+        prebuilt: Option<&PrebuiltDense<'_>>,
+        experts: Option<Arc<dyn ExpertExecutor>>,
+    ) -> Result<Model> {
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
-        let mut builder =
-            CpuBuilder { w: WeightLoader::new(source, &quant), dense, executor: experts, hidden: spec.hidden_size };
+        let mut builder = CpuBuilder {
+            w: WeightLoader::new(source, &quant),
+            dense,
+            prebuilt,
+            executor: experts,
+            hidden: spec.hidden_size,
+        };
         let weights = build(&spec, &mut builder)?;
         let layers = weights
             .layers

@@ -21,7 +21,7 @@ pub use self::adapter::{DecoderEngine, EngineDecoder};
 pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
 pub(crate) use self::open::{check_ram, device_line};
-pub use self::open::{open_cpu, open_engine, open_gpu, Opened};
+pub use self::open::{cpu_memory_estimate, open_cpu, open_engine, open_gpu, Opened};
 
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};

@@ -10,7 +10,7 @@ use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::gpu::GpuModel;
 use crate::load::load_model;
-use crate::memory::estimate;
+use crate::memory::{cpu_estimate, MemoryEstimate};
 use crate::quantized::WeightBits;
 
 /// An opened engine and what opening it did.
@@ -35,12 +35,30 @@ impl Opened {
     /// when within tolerance, `warning: ...` when not); `None` where no check applies.
     pub fn rss_report(&self) -> Option<String> {
         let est = self.memory_estimate.filter(|_| self.check_rss)?;
-        let rss = krasis_core::hw::current_rss_bytes()?;
-        Some(match rss_deviation_warning(est, rss) {
-            Some(w) => format!("warning: {w}"),
-            None => format!("memory: RSS {} within 10% of the estimate {}", format_bytes(rss), format_bytes(est)),
-        })
+        rss_line(est, "")
     }
+
+    /// [`Opened::rss_report`] against `estimate` at the context actually held (`tokens`), for
+    /// runs far shorter than the context the start-up estimate assumes.
+    pub fn rss_report_at(&self, estimate: &MemoryEstimate, tokens: u64) -> Option<String> {
+        self.memory_estimate.filter(|_| self.check_rss)?;
+        rss_line(estimate.total(tokens), &format!(" for {tokens} tokens of context"))
+    }
+}
+
+/// The RSS against `est`: `memory: …` within tolerance, `warning: …` not.
+fn rss_line(est: u64, context: &str) -> Option<String> {
+    let rss = krasis_core::hw::current_rss_bytes()?;
+    Some(match rss_deviation_warning(est, rss) {
+        Some(w) => format!("warning: {w}"),
+        None => format!("memory: RSS {} within 10% of the estimate {}{context}", format_bytes(rss), format_bytes(est)),
+    })
+}
+
+/// What the CPU engine of `config` will hold resident (see [`cpu_estimate`]).
+pub fn cpu_memory_estimate(files: &ModelFiles, config: &EngineConfig) -> MemoryEstimate {
+    let cpu = &config.cpu;
+    cpu_estimate(files.spec(), Some(files.weights()), cpu.expert_bits, cpu.dense_bits, cpu.group_size)
 }
 
 /// The `device: <path> (<why>)` line of [`Opened::why`].
@@ -128,7 +146,7 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
 /// The CPU engine, after checking the RAM estimate (refused above the budget unless
 /// `config.force`). `why` goes into [`Opened::why`].
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
-    let est = estimate(files.spec(), config.cpu.expert_bits).total(config.context_tokens);
+    let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
     let loaded = load_model(files, &config.cpu)?;
     let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);

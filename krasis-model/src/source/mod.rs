@@ -73,4 +73,25 @@ pub trait WeightSource: Send + Sync {
     fn tensor(&self, name: &str) -> Result<StoredTensor>;
     /// One line for reports: the files and their size.
     fn describe(&self) -> String;
+    /// The dtype [`WeightSource::tensor`] would serve `name` in, without reading it (`None`:
+    /// no such tensor).
+    fn stored_dtype(&self, name: &str) -> Option<DType> {
+        self.tensor(name).ok().map(|t| t.dtype)
+    }
+    /// Drops this process's resident copy of the mapped files ([`release_mapping`]), so weights
+    /// an engine has copied or quantised stop counting in its RSS; bytes still in use fault back
+    /// in from the page cache when next read. Default: nothing mapped.
+    fn release_resident(&self) {}
+}
+
+/// `madvise(MADV_DONTNEED)` over a read-only file mapping: its pages leave this process's
+/// resident set (the page cache keeps them while memory allows) and are read again on the next
+/// access. Advisory: a failure only means the pages stay resident.
+pub fn release_mapping(map: &Mmap) {
+    // SAFETY: the mapping is read-only and file-backed, so no data is lost: a later read of any
+    // byte faults the same file contents back in.
+    let r = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+    if let Err(e) = r {
+        tracing::debug!("madvise(MADV_DONTNEED) on a weight mapping failed: {e}");
+    }
 }

@@ -257,4 +257,10 @@ impl WeightSource for SafetensorsDir {
         let bytes: u64 = self.files.iter().map(|f| f.len_bytes()).sum();
         format!("{} safetensors file(s), {}", self.files.len(), krasis_core::budget::format_bytes(bytes))
     }
+
+    fn release_resident(&self) {
+        for f in &self.files {
+            super::release_mapping(&f.map);
+        }
+    }
 }

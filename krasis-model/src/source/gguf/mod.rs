@@ -294,6 +294,24 @@ impl WeightSource for GgufSource {
         }
     }
 
+    fn stored_dtype(&self, name: &str) -> Option<DType> {
+        // Block types are served dequantised; kv_b (rebuilt from two tensors) is served as f32.
+        Some(match self.map.get(name)? {
+            GgufTensorRef::KvB { .. } => DType::F32,
+            _ => match self.stored_type(name)? {
+                GgmlType::F16 => DType::F16,
+                GgmlType::BF16 => DType::BF16,
+                _ => DType::F32,
+            },
+        })
+    }
+
+    fn release_resident(&self) {
+        for f in &self.model.files {
+            crate::source::release_mapping(&f.map);
+        }
+    }
+
     fn describe(&self) -> String {
         let bytes: usize = self.model.files.iter().map(|f| f.map.len()).sum();
         let mut types: Vec<(GgmlType, usize)> = Vec::new();
