@@ -321,20 +321,21 @@ impl DenseCache {
 pub fn describe_dense(c: &DenseCache) -> String {
     let r = &c.report;
     format!(
-        "dense-weight cache {}: {} resident ({} matrices), loaded in {:.2} s at {:.2} GB/s{}",
+        "dense-weight cache {}: {} resident ({} matrices), loaded in {:.2} s at {:.2} GB/s{}; page cache {}",
         c.path.display(),
         format_bytes(c.resident_bytes() as u64),
         c.header.entries.len(),
         r.seconds,
         r.gb_per_s,
         if r.verified { ", checksums verified" } else { ", not verified" },
+        if r.page_cache_kept { "kept" } else { "dropped" },
     )
 }
 
 /// Opens and loads the cache at `path`, refusing it (with a distinct error) when it is missing,
 /// damaged, or differs from `expected`: the header is checked before anything is sized from it,
 /// and every entry's checksum (with `verify`) before the cache is returned. Entries are read in
-/// parallel into one buffer; the file's page cache is dropped behind them.
+/// parallel into one buffer; the file's page cache is dropped behind them unless [`crate::page_cache`] keeps it.
 pub fn open_dense(
     path: &Path,
     expected: &DenseHeader,
@@ -363,6 +364,7 @@ pub fn open_dense(
     }
     let sums = read_checksum_table(&file, path, &pre, layout.table_offset, header.entries.len() as u64)?;
 
+    let keep = crate::page_cache::keep_page_cache(layout.data_bytes);
     let mut buf =
         PageBuffer::new(layout.data_bytes as usize).map_err(|e| CacheError::io(path, "allocate entry buffer", e))?;
     buf.advise_huge_pages();
@@ -384,12 +386,16 @@ pub fn open_dense(
             if verify && digest != sums[i] {
                 return Err(CacheError::EntryChecksum { path: p(), index: i, name: header.entries[i].name.clone() });
             }
-            drop_page_cache(f, off, dst.len() as u64);
+            if !keep {
+                drop_page_cache(f, off, dst.len() as u64);
+            }
             progress(done.fetch_add(dst.len() as u64, Ordering::Relaxed) + dst.len() as u64, layout.data_bytes);
             Ok(())
         },
     )?;
-    drop_page_cache(&file, 0, 0);
+    if !keep {
+        drop_page_cache(&file, 0, 0);
+    }
 
     let seconds = t0.elapsed().as_secs_f64();
     let report = LoadReport {
@@ -399,6 +405,7 @@ pub fn open_dense(
         huge_page_bytes: huge_page_bytes(buf.as_ptr(), buf.len()),
         numa_bound: false,
         verified: verify,
+        page_cache_kept: keep,
     };
     let by_name = header.entries.iter().enumerate().map(|(i, e)| (e.name.clone(), i)).collect();
     Ok(DenseCache { path: p(), header, layout, by_name, buf, report })

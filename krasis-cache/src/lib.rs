@@ -25,6 +25,7 @@ pub mod dense;
 mod error;
 pub mod format;
 mod load;
+pub mod page_cache;
 
 #[cfg(test)]
 mod dense_tests;

@@ -1,6 +1,7 @@
 //! Open: validate the header, read every record into one anonymous page-aligned buffer (THP
-//! advised, NUMA-bound before first touch), verifying each record's checksum as it arrives, then
-//! drop the file's page-cache copy so the weights are resident once.
+//! advised, NUMA-bound before first touch), verifying each record's checksum as it arrives; the
+//! file's page-cache copy is dropped behind the reads unless RAM has room to keep it for the next
+//! start ([`crate::page_cache`]).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -51,6 +52,8 @@ pub struct LoadReport {
     pub numa_bound: bool,
     /// Whether record checksums were verified.
     pub verified: bool,
+    /// Whether the file's page-cache copy was kept for the next start ([`crate::page_cache`]).
+    pub page_cache_kept: bool,
 }
 
 /// A loaded cache: every record resident in one anonymous buffer, laid out as in the file: the
@@ -148,7 +151,7 @@ pub fn describe(c: &ExpertCache) -> String {
     };
     format!(
         "expert cache {}: {} resident ({} MoE layers × {} experts, {}), loaded in {:.2} s at {:.2} GB/s{}; \
-         THP {thp}; NUMA bound: {}",
+         THP {thp}; NUMA bound: {}; page cache {}",
         c.path.display(),
         format_bytes(c.resident_bytes() as u64),
         h.moe_layers.len(),
@@ -158,6 +161,7 @@ pub fn describe(c: &ExpertCache) -> String {
         r.gb_per_s,
         if r.verified { ", checksums verified" } else { ", not verified" },
         if r.numa_bound { "yes" } else { "no" },
+        if r.page_cache_kept { "kept" } else { "dropped" },
     )
 }
 
@@ -175,6 +179,7 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
     }
 
     let total = layout.records_bytes as usize;
+    let keep = crate::page_cache::keep_page_cache(total as u64);
     let n_experts = header.n_experts as usize;
     let mut buf = PageBuffer::new(total).map_err(|e| CacheError::io(path, "allocate record buffer", e))?;
     if load.huge_pages {
@@ -223,11 +228,15 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
                 });
             }
         }
-        drop_page_cache(&f, layout.record_offset(first), chunk.len() as u64);
+        if !keep {
+            drop_page_cache(&f, layout.record_offset(first), chunk.len() as u64);
+        }
         Ok(())
     })?;
-    // Header, table and anything the chunks missed: the page cache keeps no second copy.
-    drop_page_cache(&file, 0, 0);
+    if !keep {
+        // Header, table and anything the chunks missed: the page cache keeps no second copy.
+        drop_page_cache(&file, 0, 0);
+    }
 
     let thp = huge_page_bytes(buf.as_ptr(), buf.len());
     let seconds = t0.elapsed().as_secs_f64();
@@ -238,6 +247,7 @@ pub fn open(path: &Path, expected: &CacheHeader, load: LoadOptions<'_>) -> Resul
         huge_page_bytes: thp,
         numa_bound,
         verified: verify,
+        page_cache_kept: keep,
     };
     Ok(ExpertCache { path: path.to_path_buf(), header, layout, buf, report })
 }

@@ -116,6 +116,13 @@ pub struct SystemReport {
     pub isa: IsaFlags,
 }
 
+/// `MemAvailable` from `/proc/meminfo` now (falls back to `MemFree`; `None` if unreadable):
+/// the one field of [`probe`] that changes while a process runs.
+pub fn mem_available_bytes() -> Option<u64> {
+    let meminfo = read_string("/proc/meminfo")?;
+    parse_meminfo_bytes(&meminfo, "MemAvailable").or_else(|| parse_meminfo_bytes(&meminfo, "MemFree"))
+}
+
 /// Probes the machine. Never panics; unknown values fall back as documented on each field.
 pub fn probe() -> SystemReport {
     let meminfo = read_string("/proc/meminfo").unwrap_or_default();
