@@ -616,6 +616,18 @@ pub fn bench_mla_decode(
     dtype: KvDtype,
     iters: usize,
 ) -> Result<DecodeBench, GpuError> {
+    bench_mla_decode_splits(dev, context, dtype, iters, None)
+}
+
+/// [`bench_mla_decode`] with the split count forced (`None`: [`decode_split_count`]'s rule), to
+/// measure the rule against its alternatives.
+pub fn bench_mla_decode_splits(
+    dev: &GpuDevice,
+    context: usize,
+    dtype: KvDtype,
+    iters: usize,
+    splits: Option<usize>,
+) -> Result<DecodeBench, GpuError> {
     const OP: &str = "bench_mla_decode";
     const HEADS: usize = 16;
     const LATENT: usize = 512;
@@ -648,6 +660,7 @@ pub fn bench_mla_decode(
     let q = dev.upload(&qh, "bench q")?;
     let mut out = dev.alloc_zeros::<f32>(HEADS * LATENT, "bench out")?;
     let mut ws = DecodeWorkspace::new();
+    ws.force_splits(splits);
     let scale = 1.0 / ((128 + ROPE) as f32).sqrt();
     let q_start = context - 1;
     let kv_bytes = (context * (row * dtype.elem_bytes() + cache.layout().groups_per_row() * 4)) as u64;

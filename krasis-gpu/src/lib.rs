@@ -75,7 +75,7 @@ pub mod nvrtc;
 pub mod router;
 pub mod sampling;
 
-pub use attn_decode::{bench_mla_decode, DecodeBench, DecodeTiming, DecodeWorkspace};
+pub use attn_decode::{bench_mla_decode, bench_mla_decode_splits, DecodeBench, DecodeTiming, DecodeWorkspace};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;

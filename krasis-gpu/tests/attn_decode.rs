@@ -13,7 +13,8 @@ use std::io::Write;
 
 use common::{assert_close, down, gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, twin_kv_row, up};
 use krasis_gpu::{
-    bench_mla_decode, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype,
+    bench_mla_decode, bench_mla_decode_splits, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache,
+    KvCapacity, KvDtype,
 };
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -323,6 +324,28 @@ fn mla_absorb_and_uv_match_twins() {
     let mut o = up(d, &[0f32; 10], "test input");
     assert!(matches!(d.mla_absorb_q(&w, &q, 1, 1, 2, 2, 2, 3, &mut o), Err(GpuError::Shape { .. })));
     assert!(matches!(d.mla_apply_uv(&w, &q, 1, 1, 2, 2, 3, &mut o), Err(GpuError::Shape { .. })));
+}
+
+/// V2-Lite MLA decode at short contexts with the split count forced (prints): what the split rule
+/// (`decode_split_count`) gives against fewer, longer splits, where the per-split work (staging
+/// the queries, zeroing the tiles, the combine's reads) is a larger share.
+#[test]
+fn bench_mla_decode_split_counts() {
+    let Some(d) = gpu("bench_mla_decode_split_counts") else { return };
+    for context in [512usize, 2048, 8192] {
+        let rule = bench_mla_decode(d, context, KvDtype::Bf16, 50).unwrap();
+        let mut line = format!(
+            "bench MLA decode bf16 ctx {context}: rule {} splits {:.2} us/layer",
+            rule.splits,
+            rule.many_layers.seconds_per_call * 1e6
+        );
+        for splits in [1usize, 2, 4, 8, 16, 32] {
+            let b = bench_mla_decode_splits(d, context, KvDtype::Bf16, 50, Some(splits)).unwrap();
+            assert!(b.many_layers.seconds_per_call.is_finite() && b.many_layers.seconds_per_call > 0.0);
+            line += &format!("; {} splits {:.2}", b.splits, b.many_layers.seconds_per_call * 1e6);
+        }
+        let _ = writeln!(std::io::stderr(), "{line}");
+    }
 }
 
 /// V2-Lite MLA decode bandwidth (prints; the lead compares with HBM: H100 3.35 TB/s, H200 4.8 TB/s).
