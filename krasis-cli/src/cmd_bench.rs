@@ -432,7 +432,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
         let (prefill_s, decode_s) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
-        let (expert_s, _) = engine.forward_stats().map_or((0.0, 0.0), |s| s.seconds());
+        let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
+        let expert_s = parts.experts;
         let n = a.decode_tokens as f64;
         let spec = engine.spec();
         let moe_layers = spec.moe_layers().count() as u64;
@@ -456,6 +457,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "expert_bytes_per_token": expert_bytes, "dense_bytes_per_token": dense_bytes,
             "expert_gb_per_s": expert_gbs, "expert_fraction_of_membw": expert_gbs / bw.gb_per_s,
             "total_gb_per_s": total_gbs, "total_fraction_of_membw": total_gbs / bw.gb_per_s,
+            "attention_ms_per_token": parts.attention * 1e3 / n, "shared_experts_ms_per_token": parts.shared * 1e3 / n,
+            "lm_head_ms_per_token": parts.lm_head * 1e3 / n,
         });
         if !a.json {
             println!(
@@ -465,6 +468,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 a.decode_tokens,
                 n / decode_s,
                 ms - expert_ms
+            );
+            let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;
+            println!(
+                "rest per token: attention {:.2} ms + shared experts {:.2} ms + LM head {:.2} ms + other {:.2} ms (norms, routers, dense-layer MLPs) + sampling and step overhead {:.2} ms",
+                parts.attention * 1e3 / n,
+                parts.shared * 1e3 / n,
+                parts.lm_head * 1e3 / n,
+                other * 1e3 / n,
+                (decode_s - parts.total) * 1e3 / n
             );
             println!(
                 "bytes/token: experts {:.1} MB + dense {:.1} MB; experts {expert_gbs:.1} GB/s ({:.0}% of membw), all weights {total_gbs:.1} GB/s ({:.0}%)",

@@ -56,11 +56,13 @@ impl MoeBlock {
         self.experts.run(x, t, &routes, out);
         stats.add_expert(started.elapsed());
         if let Some(shared) = &self.shared {
+            let started = std::time::Instant::now();
             let mut s = vec![0f32; t * hidden];
             shared.forward(x, t, &mut s);
             for (o, v) in out.iter_mut().zip(&s) {
                 *o += v;
             }
+            stats.add_shared(started.elapsed());
         }
     }
 }

@@ -48,23 +48,59 @@ pub struct Model {
 pub struct ForwardStats {
     expert_ns: std::sync::atomic::AtomicU64,
     total_ns: std::sync::atomic::AtomicU64,
+    attention_ns: std::sync::atomic::AtomicU64,
+    shared_ns: std::sync::atomic::AtomicU64,
+    head_ns: std::sync::atomic::AtomicU64,
+}
+
+/// Where forward time went, in seconds since the last reset ([`ForwardStats::breakdown`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ForwardBreakdown {
+    /// The routed experts (the expert backend's calls).
+    pub experts: f64,
+    /// Attention layers: projections, RoPE, the attention core, MLA's absorption, o-proj.
+    pub attention: f64,
+    /// Shared experts of the MoE layers.
+    pub shared: f64,
+    /// The LM head.
+    pub lm_head: f64,
+    /// The whole forward pass (the rest: norms, routers, dense-layer MLPs, residual adds).
+    pub total: f64,
 }
 
 impl ForwardStats {
     /// (routed-expert seconds, total forward seconds) since the last reset.
     pub fn seconds(&self) -> (f64, f64) {
+        let b = self.breakdown();
+        (b.experts, b.total)
+    }
+
+    /// Seconds per part since the last reset.
+    pub fn breakdown(&self) -> ForwardBreakdown {
         use std::sync::atomic::Ordering::Relaxed;
-        (self.expert_ns.load(Relaxed) as f64 * 1e-9, self.total_ns.load(Relaxed) as f64 * 1e-9)
+        let s = |a: &std::sync::atomic::AtomicU64| a.load(Relaxed) as f64 * 1e-9;
+        ForwardBreakdown {
+            experts: s(&self.expert_ns),
+            attention: s(&self.attention_ns),
+            shared: s(&self.shared_ns),
+            lm_head: s(&self.head_ns),
+            total: s(&self.total_ns),
+        }
     }
 
     pub fn reset(&self) {
         use std::sync::atomic::Ordering::Relaxed;
-        self.expert_ns.store(0, Relaxed);
-        self.total_ns.store(0, Relaxed);
+        for a in [&self.expert_ns, &self.total_ns, &self.attention_ns, &self.shared_ns, &self.head_ns] {
+            a.store(0, Relaxed);
+        }
     }
 
     pub(crate) fn add_expert(&self, d: std::time::Duration) {
         self.expert_ns.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_shared(&self, d: std::time::Duration) {
+        self.shared_ns.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -414,7 +450,11 @@ impl Model {
             rms_norm_rows(&mut xn, &layer.input_norm, eps);
             let mut kvs: Vec<SeqKv<'_>> =
                 seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect();
+            let attention_started = std::time::Instant::now();
             layer.attention.forward(&xn, &mut kvs, &rope, &mut y);
+            self.stats
+                .attention_ns
+                .fetch_add(attention_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
             for (a, b) in x.iter_mut().zip(&y) {
                 *a += b;
             }
@@ -449,7 +489,9 @@ impl Model {
         let m = rows.len() / h;
         let v = self.spec.vocab_size;
         let mut logits = vec![0f32; m * v];
+        let head_started = std::time::Instant::now();
         self.lm_head.forward(&rows, m, &mut logits);
+        self.stats.head_ns.fetch_add(head_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut out = Vec::with_capacity(seqs.len());
         let mut at = 0;
         for n in counts {
