@@ -5,7 +5,15 @@
 //! views of the same cache rows, hence the separate strides).
 
 use crate::isa;
-use crate::linear::dot;
+use crate::linear::{axpy, dot};
+
+/// Fewest cache positions per task of one-token attention over shared keys
+/// ([`decode_shared_kv`]): a task's fixed work (staging its partial results, the combine) stays
+/// small against 32 rows × `group` heads of dot products and value updates.
+const SHARED_KV_MIN_ROWS: usize = 32;
+/// Most tasks per kv head of one-token attention over shared keys: enough for every worker of a
+/// 16-core pool with room to balance, while the partial results stay a few MB at long contexts.
+const SHARED_KV_MAX_TASKS: usize = 64;
 
 /// Keys and values of `len` cached positions.
 #[derive(Clone, Copy, Debug)]
@@ -37,6 +45,9 @@ pub fn causal_attention(
     assert_eq!(out.len(), tq * heads * kv.v_dim);
     assert!(q_start + tq <= kv.len, "queries reach position {} but cache holds {}", q_start + tq, kv.len);
     let group = heads / kv.kv_heads;
+    if tq == 1 && group > 1 {
+        return decode_shared_kv(q, heads, q_start, kv, scale, out);
+    }
     let isa = isa::active();
     crate::par::for_each_chunk_mut(out, kv.v_dim, &|idx, o| {
         SCORES.with_borrow_mut(|scores| {
@@ -66,6 +77,77 @@ pub fn causal_attention(
                 }
             }
         })
+    });
+}
+
+/// One query token whose heads share keys and values in groups (absorbed MLA: all 16 heads over one
+/// latent row; GQA with several heads per kv head): tasks split the visible positions, not the
+/// heads, so each cached row is read once for its whole group (one task per head read the whole
+/// cache once per head: 16 reads of every row for MLA), and each task keeps flash-decoding
+/// partials per head (running max, sum, unnormalised output) that a second pass combines. The
+/// split depends only on the visible length, so a sequence gets the same result alone or batched.
+fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_>, scale: f32, out: &mut [f32]) {
+    let group = heads / kv.kv_heads;
+    let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
+    let visible = q_start + 1;
+    let rows = visible.div_ceil(SHARED_KV_MAX_TASKS).max(SHARED_KV_MIN_ROWS);
+    let chunks = visible.div_ceil(rows);
+    // Per task (kv head g, chunk c): per head of the group its max, sum and output.
+    let part = group * (v_dim + 2);
+    let mut partials = vec![0f32; kv.kv_heads * chunks * part];
+    let isa = isa::active();
+    crate::par::for_each_chunk_mut(&mut partials, part, &|task, p| {
+        let (g, c) = (task / chunks, task % chunks);
+        let (p0, p1) = (c * rows, ((c + 1) * rows).min(visible));
+        let n = p1 - p0;
+        SCORES.with_borrow_mut(|scores| {
+            scores.clear();
+            scores.resize(group * n, 0.0);
+            for (j, pos) in (p0..p1).enumerate() {
+                let k = &kv.k[pos * kv.k_stride + g * k_dim..][..k_dim];
+                for h in 0..group {
+                    let qh = &q[(g * group + h) * k_dim..][..k_dim];
+                    scores[h * n + j] = dot(isa, qh, k) * scale;
+                }
+            }
+            let (ml, o) = p.split_at_mut(2 * group);
+            o.fill(0.0);
+            for h in 0..group {
+                let s = &mut scores[h * n..(h + 1) * n];
+                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for v in s.iter_mut() {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
+                ml[2 * h] = max;
+                ml[2 * h + 1] = sum;
+            }
+            for (j, pos) in (p0..p1).enumerate() {
+                let v = &kv.v[pos * kv.v_stride + g * v_dim..][..v_dim];
+                for h in 0..group {
+                    axpy(isa, scores[h * n + j], v, &mut o[h * v_dim..(h + 1) * v_dim]);
+                }
+            }
+        })
+    });
+    // Combine the chunks of each head: out = Σ e^(m_c − M) o_c / Σ e^(m_c − M) l_c.
+    crate::par::for_each_chunk_mut(out, v_dim, &|hh, o| {
+        let (g, h) = (hh / group, hh % group);
+        let at = |c: usize| &partials[(g * chunks + c) * part..][..part];
+        let m = (0..chunks).map(|c| at(c)[2 * h]).fold(f32::NEG_INFINITY, f32::max);
+        o.fill(0.0);
+        let mut denom = 0f32;
+        for c in 0..chunks {
+            let p = at(c);
+            let w = (p[2 * h] - m).exp();
+            denom += w * p[2 * h + 1];
+            axpy(isa, w, &p[2 * group + h * v_dim..][..v_dim], o);
+        }
+        let inv = 1.0 / denom;
+        for v in o.iter_mut() {
+            *v *= inv;
+        }
     });
 }
 
@@ -153,5 +235,39 @@ mod tests {
         for (a, b) in out.iter().zip(&want) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
+    }
+
+    /// One query token over shared keys (the position-split path): GQA groups and the
+    /// absorbed-MLA layout, contexts from one row to several chunks of rows (ragged last chunk),
+    /// against the f64 twin, on the active ISA (`KRASIS_ISA` lowers it; `axpy` and `dot` are
+    /// checked on every ISA against their scalar twins).
+    #[test]
+    fn one_token_over_shared_keys_matches_reference() {
+        use proptest::prelude::*;
+        let cfg = ProptestConfig { cases: 48, ..ProptestConfig::default() };
+        proptest!(cfg, |(kvh in 1usize..3, group in 2usize..6, dk in 1usize..40, dv in 1usize..40,
+                          len in 1usize..300, mla in any::<bool>(), seed in any::<u32>())| {
+            let heads = kvh * group;
+            let (k, v, kv_owned);
+            let kv = if mla {
+                // Value = the first dv elements of the key row (dv <= dk).
+                let dv = dv.min(dk);
+                kv_owned = data(len * kvh * dk, seed);
+                KvCacheView { k: &kv_owned, k_stride: kvh * dk, v: &kv_owned, v_stride: kvh * dk, kv_heads: kvh,
+                              k_dim: dk, v_dim: dv, len }
+            } else {
+                k = data(len * kvh * dk, seed);
+                v = data(len * kvh * dv, seed ^ 7);
+                KvCacheView { k: &k, k_stride: kvh * dk, v: &v, v_stride: kvh * dv, kv_heads: kvh, k_dim: dk,
+                              v_dim: dv, len }
+            };
+            let q = data(heads * kv.k_dim, seed ^ 11);
+            let want = reference(&q, 1, heads, len - 1, &kv, 0.25);
+            let mut out = vec![f32::NAN; heads * kv.v_dim];
+            causal_attention(&q, 1, heads, len - 1, &kv, 0.25, &mut out);
+            for (a, b) in out.iter().zip(&want) {
+                prop_assert!((a - b).abs() < 1e-5, "len {} heads {} ({} kv): {} vs {}", len, heads, kvh, a, b);
+            }
+        });
     }
 }

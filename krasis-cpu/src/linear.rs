@@ -119,6 +119,62 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// `y += a · x` on the given ISA.
+#[inline]
+pub fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
+    debug_assert_eq!(x.len(), y.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { axpy_avx512(a, x, y) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { axpy_avx2(a, x, y) },
+        _ => axpy_scalar(a, x, y),
+    }
+}
+
+/// Scalar twin of [`axpy`] (one fused multiply-add per element, as the SIMD versions do).
+pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = a.mul_add(v, *o);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_avx2(a: f32, x: &[f32], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = x.len().min(y.len());
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let va = _mm256_set1_ps(a);
+    let mut i = 0;
+    while i + 8 <= n {
+        _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))));
+        i += 8;
+    }
+    while i < n {
+        *py.add(i) = a.mul_add(*px.add(i), *py.add(i));
+        i += 1;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_avx512(a: f32, x: &[f32], y: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = x.len().min(y.len());
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let va = _mm512_set1_ps(a);
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm512_storeu_ps(py.add(i), _mm512_fmadd_ps(va, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i))));
+        i += 16;
+    }
+    while i < n {
+        *py.add(i) = a.mul_add(*px.add(i), *py.add(i));
+        i += 1;
+    }
+}
+
 /// Scalar dot with eight interleaved partial sums (so the rounding resembles the SIMD ones).
 pub fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -227,6 +283,21 @@ mod tests {
             for isa in Isa::available() {
                 let got = dot(isa, &a, &b);
                 prop_assert!(close(got, want, mag), "{isa:?} n={n}: {got} vs {want}");
+            }
+        }
+
+        /// Every ISA's axpy is the scalar twin bit for bit (one fused multiply-add per element),
+        /// on ragged lengths.
+        #[test]
+        fn axpy_every_isa_matches_scalar(n in 0usize..300, a in -2.0f32..2.0, seed in any::<u64>()) {
+            let x = data(n, seed);
+            let y0 = data(n, seed ^ 0x51);
+            let mut want = y0.clone();
+            axpy_scalar(a, &x, &mut want);
+            for isa in Isa::available() {
+                let mut got = y0.clone();
+                axpy(isa, a, &x, &mut got);
+                prop_assert_eq!(&got, &want, "{:?} n={}", isa, n);
             }
         }
 
