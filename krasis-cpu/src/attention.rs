@@ -8,12 +8,20 @@ use crate::isa;
 use crate::linear::{axpy, dot};
 
 /// Fewest cache positions per task of one-token attention over shared keys
-/// ([`decode_shared_kv`]): a task's fixed work (staging its partial results, the combine) stays
-/// small against 32 rows × `group` heads of dot products and value updates.
-const SHARED_KV_MIN_ROWS: usize = 32;
-/// Most tasks per kv head of one-token attention over shared keys: enough for every worker of a
-/// 16-core pool with room to balance, while the partial results stay a few MB at long contexts.
-const SHARED_KV_MAX_TASKS: usize = 64;
+/// ([`decode_shared_kv`]): short contexts still spread over several workers (64 positions: 8
+/// tasks), while a task's fixed work (its partials, their share of the combine) stays small
+/// against 8 rows × `group` heads of dot products and value updates.
+const SHARED_KV_MIN_ROWS: usize = 8;
+/// Most tasks per kv head of one-token attention over shared keys: two per worker of a 16-core
+/// pool, so the combine reads at most 32 partial outputs per head.
+const SHARED_KV_MAX_TASKS: usize = 32;
+
+/// `KRASIS_ATTN_SHARED_KV=0` turns the position split of [`decode_shared_kv`] off (one task per
+/// head, as for several query tokens): a diagnostic knob to measure the split against.
+fn shared_kv_split() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KRASIS_ATTN_SHARED_KV").map_or(true, |v| v != "0"))
+}
 
 /// Keys and values of `len` cached positions.
 #[derive(Clone, Copy, Debug)]
@@ -45,7 +53,7 @@ pub fn causal_attention(
     assert_eq!(out.len(), tq * heads * kv.v_dim);
     assert!(q_start + tq <= kv.len, "queries reach position {} but cache holds {}", q_start + tq, kv.len);
     let group = heads / kv.kv_heads;
-    if tq == 1 && group > 1 {
+    if tq == 1 && group > 1 && shared_kv_split() {
         return decode_shared_kv(q, heads, q_start, kv, scale, out);
     }
     let isa = isa::active();
