@@ -79,10 +79,7 @@ pub fn causal_attention(
             o.fill(0.0);
             for (p, &w) in scores.iter().enumerate() {
                 let v0 = p * kv.v_stride + kvh * kv.v_dim;
-                let w = w / denom;
-                for (a, &b) in o.iter_mut().zip(&kv.v[v0..v0 + kv.v_dim]) {
-                    *a += w * b;
-                }
+                axpy(isa, w / denom, &kv.v[v0..v0 + kv.v_dim], o);
             }
         })
     });

@@ -4,7 +4,7 @@
 use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
-use krasis_cpu::linear::dot;
+use krasis_cpu::linear::{axpy, dot};
 use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
 
@@ -111,6 +111,7 @@ impl AttentionLayer for MlaAttention {
         }
 
         // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head).
+        let isa = isa::active();
         let per_head = nope + vd;
         let mut q_abs = vec![0f32; t * h * row];
         krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
@@ -119,10 +120,7 @@ impl AttentionLayer for MlaAttention {
             let (lat_part, pe_part) = qa.split_at_mut(lat);
             lat_part.fill(0.0);
             for (d, &qn) in qh[..nope].iter().enumerate() {
-                let w = &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
-                for (a, &b) in lat_part.iter_mut().zip(w) {
-                    *a += qn * b;
-                }
+                axpy(isa, qn, &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
             }
             pe_part.copy_from_slice(&qh[nope..]);
             rope.rotate(i, pe_part);
@@ -135,7 +133,6 @@ impl AttentionLayer for MlaAttention {
         });
 
         // Apply W_UV per head.
-        let isa = isa::active();
         let mut o = vec![0f32; t * h * vd];
         krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
             let hh = idx % h;
