@@ -76,6 +76,17 @@ fn run_streams(
     Ok(metrics.decode_totals())
 }
 
+/// What the hybrid hand-offs of one run's batched steps did, per step.
+#[derive(Clone, Copy)]
+struct BatchedHandoffs {
+    steps: f64,
+    /// Distinct routed experts the CPU read per MoE layer.
+    distinct_experts: f64,
+    experts_ms: f64,
+    expert_gb_s: f64,
+    gpu_wait_ms: f64,
+}
+
 /// The benchmark over each count in `streams`; prints a table with `text`.
 pub(crate) fn streams(
     dir: &Path,
@@ -111,13 +122,13 @@ pub(crate) fn streams(
                 let steps = (a.calls - b.calls) as f64 / moe_layers as f64;
                 let reads = (a.experts_read - b.experts_read) as f64;
                 let experts_s = (a.experts - b.experts).as_secs_f64();
-                let bytes = reads * engine.expert_bytes().unwrap_or(0) as f64;
-                Some(
-                    json!({"batched_steps": steps, "distinct_experts_per_moe_layer": reads / (steps * moe_layers as f64),
-                            "cpu_experts_ms_per_step": 1e3 * experts_s / steps,
-                            "cpu_expert_gb_s": bytes / experts_s.max(1e-9) / 1e9,
-                            "gpu_wait_ms_per_step": 1e3 * (a.wait - b.wait).as_secs_f64() / steps}),
-                )
+                Some(BatchedHandoffs {
+                    steps,
+                    distinct_experts: reads / (steps * moe_layers as f64),
+                    experts_ms: 1e3 * experts_s / steps,
+                    expert_gb_s: reads * engine.expert_bytes().unwrap_or(0) as f64 / experts_s.max(1e-9) / 1e9,
+                    gpu_wait_ms: 1e3 * (a.wait - b.wait).as_secs_f64() / steps,
+                })
             }
             _ => None,
         };
@@ -139,16 +150,16 @@ pub(crate) fn streams(
             if let Some(h) = &handoffs {
                 println!(
                     "            batched steps: {:.1} distinct routed experts per MoE layer, CPU experts {:.2} ms per step ({:.1} GB/s), waiting for the GPU {:.2} ms",
-                    h["distinct_experts_per_moe_layer"].as_f64().unwrap_or(f64::NAN),
-                    h["cpu_experts_ms_per_step"].as_f64().unwrap_or(f64::NAN),
-                    h["cpu_expert_gb_s"].as_f64().unwrap_or(f64::NAN),
-                    h["gpu_wait_ms_per_step"].as_f64().unwrap_or(f64::NAN)
+                    h.distinct_experts, h.experts_ms, h.expert_gb_s, h.gpu_wait_ms
                 );
             }
         }
         rows.push(json!({"streams": n, "decode_tokens": tokens, "decode_s": secs, "aggregate_tok_s": tok_s,
                          "per_stream_tok_s": tok_s / n as f64, "serial_aggregate_tok_s": serial_tok_s,
-                         "hybrid_batched_handoffs": handoffs}));
+                         "hybrid_batched_handoffs": handoffs.map(|h| json!({
+                             "batched_steps": h.steps, "distinct_experts_per_moe_layer": h.distinct_experts,
+                             "cpu_experts_ms_per_step": h.experts_ms, "cpu_expert_gb_s": h.expert_gb_s,
+                             "gpu_wait_ms_per_step": h.gpu_wait_ms}))}));
     }
     Ok(json!({"device": engine.device().name(), "prompt_tokens": prompt_tokens,
                "decode_tokens_per_stream": decode_tokens, "runs": rows}))

@@ -159,6 +159,18 @@ impl GpuModel {
         Ok(GpuSession::new(cache, DecodeWorkspace::new()))
     }
 
+    /// A session holding `pos` tokens has room in its KV cache for `t` more.
+    fn check_room(&self, pos: usize, t: usize) -> Result<()> {
+        if pos + t > self.kv_tokens {
+            let what = if t == 1 { "token exceeds" } else { "tokens exceed" };
+            return Err(ModelError::Invalid(format!(
+                "context full: {pos} cached + {t} new {what} the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
+                self.kv_tokens
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs `tokens` after what `session` holds; the logits of the last position (or of every
     /// position with `all`) stay on the device in `session`'s logits buffer, `[rows, vocab]`.
     /// Returns the number of logit rows.
@@ -167,19 +179,14 @@ impl GpuModel {
         s: &mut GpuSession,
         tokens: Option<&[u32]>,
         all: bool,
-        tail: &mut dyn FnMut(&mut session::Scratch) -> Result<()>,
+        tail: &mut dyn FnMut(&mut session::Scratch, usize) -> Result<()>,
     ) -> Result<usize> {
         let t = tokens.map_or(1, |t| t.len());
         if t == 0 {
             return Err(ModelError::Invalid("forward called with no tokens".into()));
         }
         let pos = s.position;
-        if pos + t > self.kv_tokens {
-            return Err(ModelError::Invalid(format!(
-                "context full: {pos} cached + {t} new tokens exceed the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
-                self.kv_tokens
-            )));
-        }
+        self.check_room(pos, t)?;
         let h = self.spec.hidden_size;
         s.scratch.ensure(&self.dev, t, h)?;
         if let Some(ids) = tokens {
@@ -211,7 +218,7 @@ impl GpuModel {
         t: usize,
         pos: usize,
         logit_rows: usize,
-        tail: &mut dyn FnMut(&mut session::Scratch) -> Result<()>,
+        tail: &mut dyn FnMut(&mut session::Scratch, usize) -> Result<()>,
     ) -> Result<()> {
         let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
@@ -244,7 +251,7 @@ impl GpuModel {
                 layer.forward(&ctx, l, io, l > 0, staging)?;
             }
             // Final norm (adding the last FFN output), the LM head over the requested rows, then
-            // the caller's tail (sampling).
+            // the caller's tail (sampling), given the number of logit rows.
             layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
             let sc = &mut *io.scratch;
             sc.ensure_logits(&self.dev, logit_rows * v)?;
@@ -252,7 +259,7 @@ impl GpuModel {
             let xn = sc.xn.slice().slice(first * h..t * h);
             let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
             self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
-            tail(sc)
+            tail(sc, logit_rows)
         };
         if let Some(server) = &self.expert_server {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
@@ -293,12 +300,7 @@ impl GpuModel {
         for st in seqs.iter() {
             self.check_tokens(st.tokens)?;
             let pos = st.session.position;
-            if pos + 1 > self.kv_tokens {
-                return Err(ModelError::Invalid(format!(
-                    "context full: {pos} cached + 1 new token exceed the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
-                    self.kv_tokens
-                )));
-            }
+            self.check_room(pos, 1)?;
             ids.push(st.tokens[0] as i32);
             positions.push(pos as i32);
         }
@@ -313,8 +315,8 @@ impl GpuModel {
         {
             let rows: Vec<(&krasis_gpu::kv_cache::GpuKvCache, usize)> =
                 seqs.iter().map(|st| (&st.session.kv, st.session.position)).collect();
-            let mut sample = |sc: &mut session::Scratch| -> Result<()> {
-                let logits = sc.logits.slice().slice(..b * v);
+            let mut sample = |sc: &mut session::Scratch, n_rows: usize| -> Result<()> {
+                let logits = sc.logits.slice().slice(..n_rows * v);
                 for (i, &(p, u)) in params.iter().enumerate() {
                     let mut out = sc.next_id.slice_mut().slice_mut(i..i + 1);
                     self.sampler.sample(&self.dev, &logits, i, p, u, &mut out)?;
@@ -365,7 +367,7 @@ impl GpuModel {
     /// `all`, else the last row).
     pub fn forward_logits(&self, s: &mut GpuSession, tokens: &[u32], all: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
-        let rows = self.run(s, Some(tokens), all, &mut |_| Ok(()))?;
+        let rows = self.run(s, Some(tokens), all, &mut |_, _| Ok(()))?;
         let v = self.spec.vocab_size;
         if let Some(p) = s.profile.as_mut() {
             p.mark(&self.dev, profile::Part::Head)?;
@@ -405,8 +407,7 @@ impl Decoder for GpuModel {
         let resident = tokens.len() == 1 && s.last_sampled == Some(tokens[0]);
         let v = self.spec.vocab_size;
         let (params, u) = Self::sampling_params(sampler);
-        let rows = if record { tokens.len() } else { 1 };
-        let mut sample = |sc: &mut session::Scratch| -> Result<()> {
+        let mut sample = |sc: &mut session::Scratch, rows: usize| -> Result<()> {
             let logits = sc.logits.slice().slice(..rows * v);
             Ok(self.sampler.sample(&self.dev, &logits, rows - 1, params, u, &mut *sc.next_id)?)
         };
