@@ -435,6 +435,8 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
     attn_decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, float* __restrict__ out,
                         int nq_total, int v_dim, int n_splits) {
     extern __shared__ __align__(16) float sw[];
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     float4* part = reinterpret_cast<float4*>(sw + ((n_splits + 32 + 3) & ~3));  // [COMB_THREADS]
     float* red = sw + n_splits;
     const long long gq = blockIdx.x;
@@ -543,6 +545,8 @@ extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
     mla_absorb_q(const bf16_t* __restrict__ kv_b, const float* __restrict__ q, float* __restrict__ dst, int t,
                  int heads, int nope, int rope, int v_dim, int latent) {
     __shared__ float part[ABS_WARPS][ABS_TT][ABS_COLS];
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.y, i0 = blockIdx.z * ABS_TT;
     const int nt = min(ABS_TT, t - i0);
@@ -599,6 +603,8 @@ extern "C" __global__ void __launch_bounds__(ABS_THREADS, 1)
 extern "C" __global__ void mla_apply_uv(const bf16_t* __restrict__ kv_b, const float* __restrict__ o_lat,
                                         float* __restrict__ out, int t, int heads, int nope, int v_dim,
                                         int latent) {
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int lane = threadIdx.x & 31;
     const long long wid = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const long long total = (long long)t * heads * v_dim;

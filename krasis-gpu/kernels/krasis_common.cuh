@@ -56,3 +56,21 @@ __device__ __forceinline__ void rmsnorm_row_inplace(float* row, int n, const bf1
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * inv * bf16_to_f32(w[i]);
 }
+
+// Programmatic dependent launch (GpuDevice::launch_dependent, sm_90+): a kernel launched that way
+// may start while the previous kernel in the stream still runs. KRASIS_GRID_WAIT() blocks until
+// that kernel has finished and its writes are visible, so it must come before any access to
+// memory that earlier stream work writes or reads; KRASIS_GRID_LAUNCH_DEPENDENTS() lets the next
+// kernel's blocks be scheduled early (they still wait for this kernel to finish). Both are no-ops
+// below sm_90 and in a kernel launched the ordinary way.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KRASIS_GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define KRASIS_GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define KRASIS_GRID_WAIT() \
+    do {                   \
+    } while (0)
+#define KRASIS_GRID_LAUNCH_DEPENDENTS() \
+    do {                                \
+    } while (0)
+#endif

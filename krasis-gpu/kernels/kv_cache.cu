@@ -43,6 +43,8 @@ __device__ __forceinline__ float kv_e4m3_to_f32(u32 c) {
 // src f32 [t, row] -> rows pos..pos+t of a BF16 plane. Grid: (t), any block size.
 extern "C" __global__ void kv_write_bf16(const float* __restrict__ src, bf16_t* __restrict__ dst, int t, int row,
                                          long long pos) {
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int i = blockIdx.x;
     if (i >= t) return;
     const float* s = src + (long long)i * row;

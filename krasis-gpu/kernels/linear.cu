@@ -199,7 +199,11 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
 
+    // The weights are never written by stream work, so the first chunk's loads go out before the
+    // wait for the previous kernel (launched as a dependent launch, they overlap its tail).
     bf16_gemv_load_chunk<R, U>(wv, w, r0, rows, cols, 0, lane, w_vec);
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     for (int t0 = 0; t0 < cols; t0 += tile) {
         const int tl = min(tile, cols - t0);
         const int tl8 = (tl + 7) & ~7;

@@ -31,6 +31,8 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
                                             float* __restrict__ y_f32, bf16_t* __restrict__ y_bf16, int rows,
                                             int hidden, float eps) {
     __shared__ float scratch[32];
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int r = blockIdx.x;
     if (r >= rows) return;
     float* xr = x + (long long)r * hidden;

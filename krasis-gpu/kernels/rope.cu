@@ -75,6 +75,8 @@ extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_h
                                          const int* positions, const float* cos_t, const float* sin_t, int n_tokens,
                                          int rot_dim, int interleaved, int max_pos) {
     __shared__ float scratch[32];
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int t = blockIdx.x;
     if (t >= n_tokens) return;
     rope_token(q, t, positions, cos_t, sin_t, q_heads, q_ts, q_hs, q_off, rot_dim, interleaved, max_pos);

@@ -274,6 +274,8 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
                    volatile u64* flag, u64 seq) {
     __shared__ float row[ROUTER_MAX_E];
     __shared__ int last;
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int e = blockIdx.x, y = blockIdx.y;
     const int t0 = y * ROUTER_TOK_TILE;
     const int nt = min(ROUTER_TOK_TILE, t - t0);

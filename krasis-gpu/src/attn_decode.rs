@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use cudarc::driver::sys::{CUdevice_attribute_enum as DevAttr, CUfunction_attribute_enum as FnAttr};
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
+use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
@@ -101,9 +102,11 @@ pub fn decode_split_count(visible: usize, base_blocks: usize, sms: usize) -> usi
 pub struct DecodeWorkspace {
     o: Option<DeviceBuffer<f32>>,
     ml: Option<DeviceBuffer<f32>>,
-    force_splits: Option<usize>,
-    last_splits: usize,
+    pub(crate) force_splits: Option<usize>,
+    pub(crate) last_splits: usize,
     growths: usize,
+    /// Tests and A/B runs: skip the one-token MLA kernel of [`crate::mla_decode`].
+    general_only: bool,
     smem_optin: Option<usize>,
     smem_set: HashMap<&'static str, usize>,
 }
@@ -121,6 +124,18 @@ impl DecodeWorkspace {
         self.force_splits = n;
     }
 
+    /// Forces the general tensor-core kernel even where [`crate::mla_decode`]'s one-token MLA
+    /// kernel applies (tests comparing the two, A/B benchmarks); `KRASIS_MLA_DECODE=general` does
+    /// the same for a whole process.
+    pub fn force_general(&mut self, on: bool) {
+        self.general_only = on;
+    }
+
+    /// Whether a call may take the one-token MLA kernel.
+    pub(crate) fn allows_t1(&self) -> bool {
+        !self.general_only && !crate::mla_decode::disabled_by_env()
+    }
+
     /// Splits used by the last call.
     pub fn last_splits(&self) -> usize {
         self.last_splits
@@ -136,7 +151,13 @@ impl DecodeWorkspace {
         self.o.as_ref().map_or(0, |b| b.charged_bytes()) + self.ml.as_ref().map_or(0, |b| b.charged_bytes())
     }
 
-    fn ensure(&mut self, dev: &GpuDevice, splits: usize, queries: usize, v_dim: usize) -> Result<(), GpuError> {
+    pub(crate) fn ensure(
+        &mut self,
+        dev: &GpuDevice,
+        splits: usize,
+        queries: usize,
+        v_dim: usize,
+    ) -> Result<(), GpuError> {
         let need_o = splits * queries * v_dim;
         let need_ml = splits * queries * 2;
         if self.o.as_ref().is_some_and(|b| b.len() >= need_o) && self.ml.as_ref().is_some_and(|b| b.len() >= need_ml) {
@@ -153,6 +174,28 @@ impl DecodeWorkspace {
         }
         self.growths += 1;
         Ok(())
+    }
+
+    /// `(splits, rows per split)` for `visible` rows: the forced count if one is set, else
+    /// `rule` splits with their rows rounded up to a multiple of `round`; empty splits dropped.
+    /// Recorded as the last call's split count.
+    pub(crate) fn plan_splits(&mut self, visible: usize, rule: usize, round: usize) -> (usize, usize) {
+        let (n, round) = match self.force_splits {
+            Some(n) => (n.clamp(1, MAX_SPLITS.min(visible.max(1))), 1),
+            None => (rule.max(1), round.max(1)),
+        };
+        let rows = visible.div_ceil(n).next_multiple_of(round).max(1);
+        self.last_splits = visible.div_ceil(rows).max(1);
+        (self.last_splits, rows)
+    }
+
+    /// Device addresses of the partial outputs and the (max, sum) pairs (after [`Self::ensure`]).
+    pub(crate) fn ptrs(&self, dev: &GpuDevice) -> (u64, u64) {
+        let s = dev.stream();
+        match (&self.o, &self.ml) {
+            (Some(o), Some(ml)) => (o.device_ptr(s).0, ml.device_ptr(s).0),
+            _ => (0, 0),
+        }
     }
 
     fn smem_optin(&mut self, dev: &GpuDevice) -> Result<usize, GpuError> {
@@ -235,7 +278,7 @@ fn smem_bytes(dtype: KvDtype, ldk: usize, ldv: Option<usize>) -> usize {
         + 2 * (2 * ATT_Q * ldk + planes * ATT_ROWS * (ldk + ldv.unwrap_or(0)) + 2 * ATT_Q * ATT_PLD)
 }
 
-fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
+pub(crate) fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
     if ok {
         Ok(())
     } else {
@@ -243,7 +286,7 @@ fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<
     }
 }
 
-fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
+pub(crate) fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
     i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
 }
 
@@ -345,6 +388,13 @@ impl GpuDevice {
             return Ok(());
         }
         let visible = q_start + t;
+        if let Kind::Mla { latent } = kind {
+            if t == 1 && lay.dtype == KvDtype::Bf16 && ws.allows_t1() {
+                if let Some(fname) = crate::mla_decode::t1_kernel(row, latent, visible) {
+                    return self.mla_decode_t1(fname, k_base, q, heads, row, latent, visible, scale, out, ws);
+                }
+            }
+        }
         let group_heads = heads / kv_heads;
         let nq = t * group_heads;
 
@@ -365,19 +415,7 @@ impl GpuDevice {
         // Splits.
         let base = kv_heads * qtiles;
         let sms = usize::try_from(self.info().multiprocessors).unwrap_or(1);
-        let (n_splits, split_rows) = match ws.force_splits {
-            Some(n) => {
-                let n = n.clamp(1, MAX_SPLITS.min(visible));
-                let rows = visible.div_ceil(n);
-                (visible.div_ceil(rows), rows)
-            }
-            None => {
-                let n = decode_split_count(visible, base, sms);
-                let rows = visible.div_ceil(n).next_multiple_of(ATT_ROWS);
-                (visible.div_ceil(rows), rows)
-            }
-        };
-        ws.last_splits = n_splits;
+        let (n_splits, split_rows) = ws.plan_splits(visible, decode_split_count(visible, base, sms), ATT_ROWS);
         if n_splits > 1 {
             // Size for the most splits the rule can pick for this configuration (or the forced count).
             let most = ws.force_splits.map_or(decode_split_count(usize::MAX, base, sms), |_| n_splits);
@@ -444,19 +482,35 @@ impl GpuDevice {
         unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
 
         if n_splits > 1 {
-            let f = self.function(&ATTN_DECODE, "attn_decode_combine")?;
-            let (nq_total, v_i, n_i) = (i32_of(OP, "t*heads", t * heads)?, v_dim as i32, n_splits as i32);
-            let mut b = s.launch_builder(&f);
-            b.arg(&ws_o).arg(&ws_ml).arg(&out_p).arg(&nq_total).arg(&v_i).arg(&n_i);
-            let cfg = LaunchConfig {
-                grid_dim: (nq_total as u32, v_dim.div_ceil(COMBINE_COLS) as u32, 1),
-                block_dim: (COMBINE_THREADS, 1, 1),
-                shared_mem_bytes: ((n_splits + 32).next_multiple_of(4) * 4 + COMBINE_THREADS as usize * 16) as u32,
-            };
-            // SAFETY: as above.
-            unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+            self.combine_splits(ws_o, ws_ml, out_p, t * heads, v_dim, n_splits)?;
         }
         Ok(())
+    }
+
+    /// Merges `n_splits` partial results of the workspace (`ws_o [n_splits, nq, v_dim]`,
+    /// `ws_ml [n_splits, nq, 2]`) into `out [nq, v_dim]` (attn_decode_combine).
+    pub(crate) fn combine_splits(
+        &self,
+        ws_o: u64,
+        ws_ml: u64,
+        out_p: u64,
+        nq: usize,
+        v_dim: usize,
+        n_splits: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "decode attention combine";
+        let f = self.function(&ATTN_DECODE, "attn_decode_combine")?;
+        let (nq_total, v_i, n_i) =
+            (i32_of(OP, "t*heads", nq)?, i32_of(OP, "v_dim", v_dim)?, i32_of(OP, "splits", n_splits)?);
+        let mut args = kernel_args![&ws_o, &ws_ml, &out_p, &nq_total, &v_i, &n_i];
+        let cfg = LaunchConfig {
+            grid_dim: (nq as u32, v_dim.div_ceil(COMBINE_COLS) as u32, 1),
+            block_dim: (COMBINE_THREADS, 1, 1),
+            shared_mem_bytes: ((n_splits + 32).next_multiple_of(4) * 4 + COMBINE_THREADS as usize * 16) as u32,
+        };
+        // SAFETY: the caller's workspace holds n_splits x nq x (v_dim + 2) floats, all written
+        // earlier on this stream; `out` holds nq x v_dim; the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
     /// MLA weight absorption with `kv_b` BF16 `[heads·(nope+v_dim), latent]` (per head: `nope`
@@ -496,21 +550,16 @@ impl GpuDevice {
         let (w_p, _g1) = kv_b.device_ptr(s);
         let (q_p, _g2) = q.device_ptr(s);
         let (d_p, _g3) = dst.device_ptr_mut(s);
-        let ints = [t, heads, nope, rope, v_dim, latent].map(|v| v as i32);
+        let [t_i, h_i, n_i, r_i, v_i, l_i] = [t, heads, nope, rope, v_dim, latent].map(|v| v as i32);
         let f = self.function(&ATTN_DECODE, "mla_absorb_q")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&w_p).arg(&q_p).arg(&d_p);
-        for v in &ints {
-            b.arg(v);
-        }
+        let mut args = kernel_args![&w_p, &q_p, &d_p, &t_i, &h_i, &n_i, &r_i, &v_i, &l_i];
         let cfg = LaunchConfig {
             grid_dim: (latent.max(1).div_ceil(ABSORB_COLS) as u32, heads as u32, t.div_ceil(ABSORB_TOK_TILE) as u32),
             block_dim: (ABSORB_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
-        Ok(())
+        // SAFETY: arguments match the kernel; sizes checked above; the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
     /// `out[i,h,j] = Σ_l W_UV[h][j,l] · o_lat[i,h,l]` with W_UV the last `v_dim` rows of each
@@ -548,23 +597,18 @@ impl GpuDevice {
         let (w_p, _g1) = kv_b.device_ptr(s);
         let (o_p, _g2) = o_lat.device_ptr(s);
         let (d_p, _g3) = out.device_ptr_mut(s);
-        let ints = [
+        let (t_i, h_i, n_i, v_i, l_i) = (
             i32_of(OP, "t", t)?,
             i32_of(OP, "heads", heads)?,
             nope as i32,
             v_dim as i32,
             i32_of(OP, "latent", latent)?,
-        ];
+        );
         let f = self.function(&ATTN_DECODE, "mla_apply_uv")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&w_p).arg(&o_p).arg(&d_p);
-        for v in &ints {
-            b.arg(v);
-        }
+        let mut args = kernel_args![&w_p, &o_p, &d_p, &t_i, &h_i, &n_i, &v_i, &l_i];
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (UV_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: arguments match the kernel; sizes checked above.
-        unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
-        Ok(())
+        // SAFETY: arguments match the kernel; sizes checked above; the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 }
 
@@ -616,17 +660,19 @@ pub fn bench_mla_decode(
     dtype: KvDtype,
     iters: usize,
 ) -> Result<DecodeBench, GpuError> {
-    bench_mla_decode_splits(dev, context, dtype, iters, None)
+    bench_mla_decode_kernel(dev, context, dtype, iters, None, false)
 }
 
-/// [`bench_mla_decode`] with the split count forced (`None`: [`decode_split_count`]'s rule), to
-/// measure the rule against its alternatives.
-pub fn bench_mla_decode_splits(
+/// [`bench_mla_decode`] with the split count forced (`None`: the rule) and, with `general`, the
+/// general tensor-core kernel where the one-token kernel of [`crate::mla_decode`] would run: the
+/// rule against its alternatives, one kernel against the other.
+pub fn bench_mla_decode_kernel(
     dev: &GpuDevice,
     context: usize,
     dtype: KvDtype,
     iters: usize,
     splits: Option<usize>,
+    general: bool,
 ) -> Result<DecodeBench, GpuError> {
     const OP: &str = "bench_mla_decode";
     const HEADS: usize = 16;
@@ -661,6 +707,7 @@ pub fn bench_mla_decode_splits(
     let mut out = dev.alloc_zeros::<f32>(HEADS * LATENT, "bench out")?;
     let mut ws = DecodeWorkspace::new();
     ws.force_splits(splits);
+    ws.force_general(general);
     let scale = 1.0 / ((128 + ROPE) as f32).sqrt();
     let q_start = context - 1;
     let kv_bytes = (context * (row * dtype.elem_bytes() + cache.layout().groups_per_row() * 4)) as u64;

@@ -241,6 +241,20 @@ pub struct GpuDevice {
     host_syncs: std::sync::atomic::AtomicU64,
     /// Host→device copies so far (pageable copies can block the host while staging).
     uploads: std::sync::atomic::AtomicU64,
+    /// [`GpuDevice::launch_dependent`] asks for programmatic dependent launch (sm_90 kernels).
+    pdl: bool,
+}
+
+/// The parameter array of [`GpuDevice::launch_dependent`]: a pointer to each argument value (the
+/// values must outlive the launch call).
+macro_rules! kernel_args {
+    ($($a:expr),* $(,)?) => { [$($crate::device::kernel_arg($a)),*] };
+}
+pub(crate) use kernel_args;
+
+/// One entry of [`kernel_args!`].
+pub(crate) fn kernel_arg<T: DeviceRepr>(v: &T) -> *mut std::ffi::c_void {
+    v as *const T as *mut std::ffi::c_void
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -286,12 +300,69 @@ impl GpuDevice {
                 functions: Mutex::new(HashMap::new()),
                 host_syncs: Default::default(),
                 uploads: Default::default(),
+                pdl: target.arch >= 90 && std::env::var("KRASIS_PDL").as_deref() != Ok("0"),
             })
         })
     }
 
     pub fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    /// Whether [`GpuDevice::launch_dependent`] uses programmatic dependent launch.
+    pub fn dependent_launch(&self) -> bool {
+        self.pdl
+    }
+
+    /// Launches `f` on the compute stream with `args` (one pointer per kernel parameter, as
+    /// `cuLaunchKernel` takes them), as a *programmatic dependent launch* where the kernels are
+    /// built for sm_90+ (`KRASIS_PDL=0` turns it off): the kernel's blocks may be scheduled while
+    /// the previous kernel in the stream is still running (once all of that kernel's blocks have
+    /// executed `griddepcontrol.launch_dependents`), so its launch latency and its prologue overlap
+    /// the previous kernel's tail. Only the kernel-to-kernel edge is relaxed; copies and waits on the
+    /// stream order as usual.
+    ///
+    /// `early = false` launches the ordinary way (the kernel starts after everything before it):
+    /// for a kernel right after a stream wait or a copy it reads from, where only the
+    /// kernel-to-kernel edge may be relaxed and the caller would rather not rely on the driver
+    /// telling the two apart.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters, and the kernel must execute `KRASIS_GRID_WAIT()`
+    /// (krasis_common.cuh) before it reads or writes any memory that earlier stream work writes
+    /// or reads.
+    pub(crate) unsafe fn launch_dependent(
+        &self,
+        op: &'static str,
+        f: &CudaFunction,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+        early: bool,
+    ) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: zero is a valid bit pattern for the attribute struct (a tagged union).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl && early),
+        };
+        // SAFETY: the caller vouches for the arguments; the config and attribute live across the call.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(GpuError::Driver { op, detail: format!("{r:?}") })
+        }
     }
 
     pub fn budget(&self) -> &Arc<VramBudget> {

@@ -5,6 +5,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use crate::device::kernel_args;
 use crate::nvrtc::Header;
 use crate::{GpuDevice, GpuError, MappedHost};
 
@@ -64,6 +65,7 @@ pub const ALL: &[KernelSource] = &[
     crate::flash_prefill::FLASH_PREFILL,
     crate::kv_cache::KV_CACHE,
     crate::attn_decode::ATTN_DECODE,
+    crate::mla_decode::MLA_DECODE,
 ];
 
 /// Threads per block of the row-wise kernels.
@@ -293,11 +295,11 @@ impl GpuDevice {
             None => (0, None),
         };
         let f = self.function(&RMSNORM, "rmsnorm_residual")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&x_p).arg(&df_p).arg(&db_p).arg(&dh_p).arg(&w_p).arg(&yf_p).arg(&yb_p).arg(&rows_i).arg(&h_i).arg(&eps);
-        // SAFETY: argument list matches the kernel's signature; lengths checked above.
-        unsafe { b.launch(cfg_rows(rows)) }.map_err(launch_err(OP))?;
-        Ok(())
+        let mut args = kernel_args![&x_p, &df_p, &db_p, &dh_p, &w_p, &yf_p, &yb_p, &rows_i, &h_i, &eps];
+        // SAFETY: argument list matches the kernel's signature; lengths checked above; the kernel
+        // waits for the previous one first. After the host's output (a stream wait before this
+        // launch), the ordinary launch.
+        unsafe { self.launch_dependent(OP, &f, cfg_rows(rows), &mut args, delta_host.is_none()) }
     }
 
     /// Checks a RoPE layout against its buffer and tables: `(tokens, heads)` as i32, or `None` when
@@ -412,14 +414,13 @@ impl GpuDevice {
         let (kv_ts, kv_off, n_norm) = (kl.token_stride as i64, kl.rot_offset as i32, n as i32);
         let (rd, inter, mp) = (ql.rot_dim as i32, (ql.pairing == RopePairing::Interleaved) as i32, max_pos as i32);
         let f = self.function(&ROPE, "mla_rope_norm")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&q_p).arg(&q_ts).arg(&q_hs).arg(&qh_i).arg(&q_off).arg(&kv_p).arg(&kv_ts).arg(&kv_off);
-        b.arg(&w_p).arg(&n_norm).arg(&eps).arg(&pos_p).arg(&cos_p).arg(&sin_p).arg(&n_i).arg(&rd).arg(&inter);
-        b.arg(&mp);
+        let mut args = kernel_args![
+            &q_p, &q_ts, &q_hs, &qh_i, &q_off, &kv_p, &kv_ts, &kv_off, &w_p, &n_norm, &eps, &pos_p, &cos_p, &sin_p,
+            &n_i, &rd, &inter, &mp
+        ];
         // SAFETY: argument list matches the kernel's signature; extents checked above (the norm's
-        // elements lie inside each kv row, before its rope slice).
-        unsafe { b.launch(cfg_rows(ql.n_tokens)) }.map_err(launch_err(OP))?;
-        Ok(())
+        // elements lie inside each kv row, before its rope slice); the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg_rows(ql.n_tokens), &mut args, true) }
     }
 
     /// RoPE in place on f32 `x` with tables `cos`/`sin` `[max_pos, rot_dim/2]` (f32, computed on

@@ -17,6 +17,7 @@ use std::str::FromStr;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError, VramBudget};
 
@@ -319,10 +320,10 @@ impl GpuKvCache {
         match self.layout.dtype {
             KvDtype::Bf16 => {
                 let f = dev.function(&KV_CACHE, "kv_write_bf16")?;
-                let mut b = s.launch_builder(&f);
-                b.arg(&src_p).arg(&data).arg(&t_i).arg(&row_i).arg(&pos_l);
-                // SAFETY: arguments match the kernel; rows pos..pos+t lie inside the plane.
-                unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
+                let mut args = kernel_args![&src_p, &data, &t_i, &row_i, &pos_l];
+                // SAFETY: arguments match the kernel; rows pos..pos+t lie inside the plane; the
+                // kernel waits for the previous one first.
+                unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }?;
             }
             KvDtype::Fp8 => {
                 let group = self.layout.scale_group as i32;

@@ -70,12 +70,13 @@ pub mod kv_cache;
 mod libsearch;
 pub mod linear;
 mod mapped;
+pub mod mla_decode;
 pub mod moe;
 pub mod nvrtc;
 pub mod router;
 pub mod sampling;
 
-pub use attn_decode::{bench_mla_decode, bench_mla_decode_splits, DecodeBench, DecodeTiming, DecodeWorkspace};
+pub use attn_decode::{bench_mla_decode, bench_mla_decode_kernel, DecodeBench, DecodeTiming, DecodeWorkspace};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::cublas::{self, CublasHandle};
+use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
@@ -623,15 +624,12 @@ impl GpuLinear {
         let tile_i = to_i32(OP, "tile", tile)?;
         let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16) && w2.is_multiple_of(16));
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
-        let s = dev.stream();
         let f = dev.function(&LINEAR, fname)?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&w).arg(&w2).arg(&x).arg(&y).arg(&y2).arg(&m_i).arg(&rows_i).arg(&split_i).arg(&cols_i);
-        b.arg(&tile_i).arg(&w_vec).arg(&x_vec4);
+        let mut args = kernel_args![&w, &w2, &x, &y, &y2, &m_i, &rows_i, &split_i, &cols_i, &tile_i, &w_vec, &x_vec4];
         // SAFETY: arguments match the kernel's signature; shapes checked by the callers; the
-        // dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in).
-        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
-        Ok(())
+        // dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in);
+        // the kernel reads only the (static) weights before waiting for the previous kernel.
+        unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -19,6 +19,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
 
+use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError, HostFlag, MappedHost};
 
@@ -300,14 +301,34 @@ impl GpuRouter {
         let all_p = c_p + (tiles * std::mem::size_of::<u32>()) as u64;
         let (hx, hi, hw, fl) = (to.x.device_ptr(), to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
         let f = dev.function(&ROUTER, "router_publish")?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i).arg(&b_p);
-        rule.push(&mut b);
-        b.arg(&hx).arg(&hi).arg(&hw).arg(&c_p).arg(&all_p).arg(&fl).arg(&to.seq);
+        let r = &rule;
+        let mut args = kernel_args![
+            &w_p,
+            &x_p,
+            &l_p,
+            &e_i,
+            &h_i,
+            &t_i,
+            &b_p,
+            &r.scoring,
+            &r.method,
+            &r.n_group,
+            &r.topk_group,
+            &r.top_k,
+            &r.norm,
+            &r.scale,
+            &hx,
+            &hi,
+            &hw,
+            &c_p,
+            &all_p,
+            &fl,
+            &to.seq
+        ];
         // SAFETY: argument list matches the kernel; w [E, h], x [t, h], logits ≥ [t, E], bias [E]
-        // or null, host buffers ≥ [t, h] / [t, k] (checked), counters [tiles + 1] zeroed.
-        unsafe { b.launch(logits_config(e, tiles)) }.map_err(launch_err)?;
-        Ok(())
+        // or null, host buffers ≥ [t, h] / [t, k] (checked), counters [tiles + 1] zeroed; the
+        // kernel waits for the previous one first.
+        unsafe { dev.launch_dependent(OP, &f, logits_config(e, tiles), &mut args, true) }
     }
 
     /// Shape checks common to both entry points: `Some((tiles, t))` for a launch, `None` for

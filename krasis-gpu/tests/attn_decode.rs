@@ -13,7 +13,7 @@ use std::io::Write;
 
 use common::{assert_close, down, gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, twin_kv_row, up};
 use krasis_gpu::{
-    bench_mla_decode, bench_mla_decode_splits, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache,
+    bench_mla_decode, bench_mla_decode_kernel, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache,
     KvCapacity, KvDtype,
 };
 use rand::Rng;
@@ -158,6 +158,48 @@ fn mla_decode_matches_twin() {
                     assert!(splits > 1, "forced 37 splits used {splits}");
                 }
             }
+        }
+    }
+}
+
+/// The one-token MLA kernel (`krasis_gpu::mla_decode`: BF16 cache, the instantiated row shapes,
+/// taken by itself for t = 1) against the twin at ragged contexts and head counts (with the
+/// automatic, 1 and many splits), and against the general tensor-core kernel on the same inputs.
+#[test]
+fn mla_one_token_kernel_matches_twin_and_general_kernel() {
+    let Some(d) = gpu("mla_one_token_kernel_matches_twin_and_general_kernel") else { return };
+    let mut r = rng(23);
+    // (heads, latent, rope): V2-Lite, the oracle fixtures, heads not a multiple of 16 or of 2.
+    for &(heads, latent, rope) in &[(16, 512, 64), (4, 64, 16), (17, 512, 64), (3, 64, 16), (1, 512, 64)] {
+        let row = latent + rope;
+        let cap = 2100;
+        let c = GpuKvCache::new(d, KvDtype::Bf16, 2, 1, row, row, KvCapacity::Tokens(cap)).unwrap();
+        let kv = fill(d, &c, 1, 0, cap, &mut r);
+        let mut ws = DecodeWorkspace::new();
+        for s in [1usize, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 300, 513, 2047] {
+            let q_start = s - 1;
+            let q = rand_bf16_f32(&mut r, heads * row, 2.0);
+            let scale = 1.0 / ((128 + rope) as f32).sqrt();
+            let want = twin_attention(&q, 1, heads, 1, row, latent, &kv, row, &kv, row, q_start, scale);
+            let q_d = up(d, &q, "q");
+            let what = format!("MLA one-token h{heads} lat{latent} rope{rope} S{s}");
+            ws.force_general(false);
+            check_split_counts(d, &mut ws, 9, heads * latent, &want, &what, |out, ws| {
+                d.mla_decode_attention(&c, 1, &q_d, 1, heads, latent, q_start, scale, out, ws)
+            });
+            ws.force_splits(None);
+            let mut fast = poisoned_f32(d, heads * latent);
+            d.mla_decode_attention(&c, 1, &q_d, 1, heads, latent, q_start, scale, &mut fast, &mut ws).unwrap();
+            ws.force_general(true);
+            let mut general = poisoned_f32(d, heads * latent);
+            d.mla_decode_attention(&c, 1, &q_d, 1, heads, latent, q_start, scale, &mut general, &mut ws).unwrap();
+            assert_close(
+                &format!("{what}: one-token vs general"),
+                &down(d, &fast),
+                &down(d, &general),
+                SPLIT_RTOL,
+                SPLIT_ATOL,
+            );
         }
     }
 }
@@ -329,18 +371,45 @@ fn mla_absorb_and_uv_match_twins() {
 /// V2-Lite MLA decode at short contexts with the split count forced (prints): what the split rule
 /// (`decode_split_count`) gives against fewer, longer splits, where the per-split work (staging
 /// the queries, zeroing the tiles, the combine's reads) is a larger share.
+/// V2-Lite MLA decode: the one-token kernel against the general one, and its split counts
+/// (prints).
+#[test]
+fn bench_mla_one_token_kernel() {
+    let Some(d) = gpu("bench_mla_one_token_kernel") else { return };
+    for context in [64usize, 512, 2048, 4096, 8192] {
+        let general = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, None, true).unwrap();
+        let rule = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, None, false).unwrap();
+        let mut line = format!(
+            "bench MLA decode bf16 ctx {context}: general kernel ({} splits) {:.2} us/layer; one-token kernel ({} splits) {:.2}",
+            general.splits,
+            general.many_layers.seconds_per_call * 1e6,
+            rule.splits,
+            rule.many_layers.seconds_per_call * 1e6
+        );
+        for splits in [2usize, 4, 8, 16, 32, 64, 128, 256] {
+            if splits > context {
+                break;
+            }
+            let b = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, Some(splits), false).unwrap();
+            assert!(b.many_layers.seconds_per_call.is_finite() && b.many_layers.seconds_per_call > 0.0);
+            line += &format!("; {} splits {:.2}", b.splits, b.many_layers.seconds_per_call * 1e6);
+        }
+        let _ = writeln!(std::io::stderr(), "{line}");
+    }
+}
+
 #[test]
 fn bench_mla_decode_split_counts() {
     let Some(d) = gpu("bench_mla_decode_split_counts") else { return };
     for context in [512usize, 2048, 8192] {
-        let rule = bench_mla_decode(d, context, KvDtype::Bf16, 50).unwrap();
+        let rule = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, None, true).unwrap();
         let mut line = format!(
-            "bench MLA decode bf16 ctx {context}: rule {} splits {:.2} us/layer",
+            "bench MLA decode bf16 ctx {context} (general kernel): rule {} splits {:.2} us/layer",
             rule.splits,
             rule.many_layers.seconds_per_call * 1e6
         );
         for splits in [1usize, 2, 4, 8, 16, 32] {
-            let b = bench_mla_decode_splits(d, context, KvDtype::Bf16, 50, Some(splits)).unwrap();
+            let b = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, Some(splits), true).unwrap();
             assert!(b.many_layers.seconds_per_call.is_finite() && b.many_layers.seconds_per_call > 0.0);
             line += &format!("; {} splits {:.2}", b.splits, b.many_layers.seconds_per_call * 1e6);
         }

@@ -62,22 +62,44 @@ fn check(name: &str) {
         let (prefill, decoded, by_prefill) = run(&m, &r.prompt_ids, &r.greedy_ids, steps);
         let f = fidelity(&prefill, &r.prefill_logits, vocab);
         let d = fidelity(&decoded, &by_prefill, vocab);
+        let g = fidelity(&decoded, &r.greedy_logits, vocab);
+        let p = fidelity(&by_prefill, &r.greedy_logits, vocab);
         eprintln!(
-            "{name} hybrid {kind}: 1-cos {:.3e} (bar {bar:.3e}, ideal {:.3e}), top1 {:.2} (ideal {:.2}), min cos {:.5}; decode vs prefill path: mean cos {:.6}, top1 {:.2}",
+            "{name} hybrid {kind}: 1-cos {:.3e} (bar {bar:.3e}, ideal {:.3e}), top1 {:.2} (ideal {:.2}), min cos {:.5}; decode vs prefill path: mean cos {:.6}, top1 {:.2}; the oracle's greedy steps: decode 1-cos {:.3e} top1 {:.2}, prefill path 1-cos {:.3e} top1 {:.2}",
             1.0 - f.mean_cos,
             1.0 - ideal.mean_cos,
             f.top1,
             ideal.top1,
             f.min_cos,
             d.mean_cos,
-            d.top1
+            d.top1,
+            1.0 - g.mean_cos,
+            g.top1,
+            1.0 - p.mean_cos,
+            p.top1
         );
         assert!(1.0 - f.mean_cos <= bar, "{name} {kind}: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
         assert!(f.top1 >= ideal.top1 - 0.1, "{name} {kind}: top-1 {:.2} < ideal {:.2} - 0.1", f.top1, ideal.top1);
-        // The two attention forms differ by BF16 rounding; at INT4 that can flip a near-tied
-        // route at a position (dsv3-tiny: one position, mean cos 0.9975), so the bar is looser.
-        let want = if kind == "int8" { 0.999 } else { 0.99 };
-        assert!(d.mean_cos >= want, "{name} {kind}: decode vs prefill path mean cos {:.6} < {want}", d.mean_cos);
+        // The decode steps against the oracle's own greedy steps (HF, teacher-forced over the same
+        // ids): no farther from them than this engine's prefill path over the same positions.
+        let decode_bar = 2.0 * (1.0 - p.mean_cos) + bar;
+        assert!(
+            1.0 - g.mean_cos <= decode_bar,
+            "{name} {kind}: decode vs the oracle's greedy steps 1 - mean cos {:.3e} > {decode_bar:.3e}",
+            1.0 - g.mean_cos
+        );
+        assert!(
+            g.top1 >= p.top1 - 0.1,
+            "{name} {kind}: decode top-1 {:.2} < prefill path's {:.2} - 0.1",
+            g.top1,
+            p.top1
+        );
+        // The two attention forms (absorbed decode, expanded prefill) round differently, and a
+        // near-tied route can flip between them at a position: dsv3-tiny INT4 0.9975; dsv2-grouped
+        // INT8 0.9932 with the one-token decode kernel, whose steps are the *closer* to the
+        // oracle's (1 - cos 1.4e-4 against 6.9e-3 with the general kernel, which agrees with the
+        // prefill path's rounding). So this is a sanity bound; the check above is the fidelity one.
+        assert!(d.mean_cos >= 0.99, "{name} {kind}: decode vs prefill path mean cos {:.6} < 0.99", d.mean_cos);
     }
     // The hand-off itself is exact: reference f32 experts on the host vs the whole model on the GPU.
     let hybrid = load(&dir, WeightBits::Bf16, tmp.path());
