@@ -7,7 +7,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::device::kernel_args;
 use crate::nvrtc::Header;
-use crate::{GpuDevice, GpuError, MappedHost};
+use crate::{GpuDevice, GpuError, GpuKvCache, MappedHost};
 
 /// One `.cu` file: its name (the cache key's prefix and NVRTC's file name), source, the headers it
 /// may include, and the `extern "C"` kernels it defines.
@@ -388,7 +388,8 @@ impl GpuDevice {
         cos: &impl DevicePtr<f32>,
         sin: &impl DevicePtr<f32>,
         max_pos: usize,
-    ) -> Result<(), GpuError> {
+        cache_out: Option<(&GpuKvCache, usize, usize)>,
+    ) -> Result<bool, GpuError> {
         const OP: &str = "mla_rope_norm";
         let (ql, kl) = (q_rope, kv_rope);
         check(
@@ -402,7 +403,15 @@ impl GpuDevice {
         })?;
         let q_ok = self.rope_check(q.len(), positions, cos, sin, max_pos, ql)?;
         let kv_ok = self.rope_check(kv.len(), positions, cos, sin, max_pos, kl)?;
-        let (Some((n_i, qh_i)), Some(_)) = (q_ok, kv_ok) else { return Ok(()) };
+        let (Some((n_i, qh_i)), Some(_)) = (q_ok, kv_ok) else { return Ok(false) };
+        // The cache write rides along for a BF16 cache whose rows are the kv rows as laid out here.
+        let out = match cache_out {
+            Some((c, layer, pos)) if c.layout().planes == 1 && c.layout().row == kl.token_stride => {
+                c.bf16_rows(OP, self, layer, 0, pos, kl.n_tokens)?
+            }
+            _ => None,
+        };
+        let (out_p, out_pos, kv_row) = (out.unwrap_or(0), 0i64, to_i32(OP, "kv row", kl.token_stride)?);
         let s = self.stream();
         let (q_p, _g0) = q.device_ptr_mut(s);
         let (kv_p, _g1) = kv.device_ptr_mut(s);
@@ -416,11 +425,13 @@ impl GpuDevice {
         let f = self.function(&ROPE, "mla_rope_norm")?;
         let mut args = kernel_args![
             &q_p, &q_ts, &q_hs, &qh_i, &q_off, &kv_p, &kv_ts, &kv_off, &w_p, &n_norm, &eps, &pos_p, &cos_p, &sin_p,
-            &n_i, &rd, &inter, &mp
+            &n_i, &rd, &inter, &mp, &out_p, &out_pos, &kv_row
         ];
         // SAFETY: argument list matches the kernel's signature; extents checked above (the norm's
-        // elements lie inside each kv row, before its rope slice); the kernel waits first.
-        unsafe { self.launch_dependent(OP, &f, cfg_rows(ql.n_tokens), &mut args, true) }
+        // elements lie inside each kv row, before its rope slice; the cache rows pos..pos+t exist
+        // and are kv rows long); the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg_rows(ql.n_tokens), &mut args, true) }?;
+        Ok(out.is_some())
     }
 
     /// RoPE in place on f32 `x` with tables `cos`/`sin` `[max_pos, rot_dim/2]` (f32, computed on

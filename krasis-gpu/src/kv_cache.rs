@@ -262,6 +262,27 @@ impl GpuKvCache {
         }
     }
 
+    /// Device address of row `pos` of (layer, plane) for a BF16 cache with rows `pos..pos+n` in
+    /// range (`None` for FP8, whose rows carry scales): for kernels that write finished rows
+    /// straight into the cache.
+    pub(crate) fn bf16_rows(
+        &self,
+        op: &'static str,
+        dev: &GpuDevice,
+        layer: usize,
+        plane: usize,
+        pos: usize,
+        n: usize,
+    ) -> Result<Option<u64>, GpuError> {
+        if self.layout.dtype != KvDtype::Bf16 {
+            return Ok(None);
+        }
+        let idx = self.plane_index(op, layer, plane)?;
+        self.check_range(op, pos, n)?;
+        let (data, _) = self.plane_ptrs(dev, idx);
+        Ok(Some(data + (pos * self.layout.row * 2) as u64))
+    }
+
     /// Device addresses of the codes (element 0 of row 0) and the scales of one plane. The caller
     /// must use them on the device's stream while `self` lives.
     pub(crate) fn plane_ptrs(&self, dev: &GpuDevice, idx: usize) -> (u64, u64) {

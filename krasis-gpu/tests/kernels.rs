@@ -14,7 +14,8 @@ use common::{
 };
 use krasis_core::dtype::bf16_to_f32;
 use krasis_gpu::{
-    GpuDevice, GpuError, RopeLayout, RopePairing, RowsView, SwiGluLayout, VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
+    GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype, RopeLayout, RopePairing, RowsView, SwiGluLayout,
+    VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
 };
 use rand::Rng;
 
@@ -332,12 +333,43 @@ fn mla_rope_norm_equals_the_three_launches() {
             d.rope_f32(&mut kv1, &pos_d, &cos_d, &sin_d, max_pos, &kl).unwrap();
             d.rmsnorm_rows_inplace(&mut kv1, RowsView { rows: t, cols: lat, stride: row, offset: 0 }, &w_d, 1e-6)
                 .unwrap();
-            let (mut q2, mut kv2) = (up(d, &q, "q"), up(d, &kv, "kv"));
-            d.mla_rope_norm(&mut q2, &ql, &mut kv2, &kl, &w_d, 1e-6, &pos_d, &cos_d, &sin_d, max_pos).unwrap();
             let what = format!("t{t} h{hh} nope{nope} rope{rd} lat{lat} {pairing:?}");
             let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-            assert_eq!(bits(down(d, &q2)), bits(down(d, &q1)), "q, {what}");
-            assert_eq!(bits(down(d, &kv2)), bits(down(d, &kv1)), "kv row, {what}");
+            // Without a cache, then writing the rows into a BF16 cache (at layer 1, position 5)
+            // as the separate KV write would; an FP8 cache is left to that write.
+            let (bf16_cache, fp8_cache) = (
+                GpuKvCache::new(d, KvDtype::Bf16, 2, 1, row, row, KvCapacity::Tokens(t + 8)).unwrap(),
+                GpuKvCache::new(d, KvDtype::Fp8, 2, 1, row, row, KvCapacity::Tokens(t + 8)).unwrap(),
+            );
+            for (cache, writes) in [(None, false), (Some(&bf16_cache), true), (Some(&fp8_cache), false)] {
+                let (mut q2, mut kv2) = (up(d, &q, "q"), up(d, &kv, "kv"));
+                let wrote = d
+                    .mla_rope_norm(
+                        &mut q2,
+                        &ql,
+                        &mut kv2,
+                        &kl,
+                        &w_d,
+                        1e-6,
+                        &pos_d,
+                        &cos_d,
+                        &sin_d,
+                        max_pos,
+                        cache.map(|c| (c, 1, 5)),
+                    )
+                    .unwrap();
+                assert_eq!(wrote, writes, "{what}");
+                assert_eq!(bits(down(d, &q2)), bits(down(d, &q1)), "q, {what}");
+                assert_eq!(bits(down(d, &kv2)), bits(down(d, &kv1)), "kv row, {what}");
+                if writes {
+                    let twin = GpuKvCache::new(d, KvDtype::Bf16, 2, 1, row, row, KvCapacity::Tokens(t + 8)).unwrap();
+                    twin.write(d, 1, 0, 5, t, &kv1).unwrap();
+                    let (mut a, mut b) = (poisoned_f32(d, t * row), poisoned_f32(d, t * row));
+                    bf16_cache.read_f32(d, 1, 0, 5, t, &mut a).unwrap();
+                    twin.read_f32(d, 1, 0, 5, t, &mut b).unwrap();
+                    assert_eq!(bits(down(d, &a)), bits(down(d, &b)), "cache rows, {what}");
+                }
+            }
         }
     }
     // A norm that reaches into the rope slice is refused.
@@ -354,7 +386,7 @@ fn mla_rope_norm_equals_the_three_launches() {
         rot_dim: 2,
         pairing: RopePairing::Halves,
     };
-    let e = d.mla_rope_norm(&mut q, &l, &mut kv, &kl, &w, 1e-6, &pos_d, &cos_d, &sin_d, 8).unwrap_err();
+    let e = d.mla_rope_norm(&mut q, &l, &mut kv, &kl, &w, 1e-6, &pos_d, &cos_d, &sin_d, 8, None).unwrap_err();
     assert!(matches!(e, GpuError::Shape { .. }), "{e}");
 }
 

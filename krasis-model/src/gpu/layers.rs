@@ -9,7 +9,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, Swi
 
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::profile::Part;
-use super::session::{grow, StepIo};
+use super::session::{grow, KvRows, StepIo};
 use crate::build::MlaParts;
 use crate::engine::experts::LayerExperts;
 use crate::error::Result;
@@ -324,8 +324,12 @@ impl GpuMla {
         }
 
         // RoPE on q's heads and on the latent row's rope part, RMSNorm on its latent part (one
-        // launch) → cache.
-        dev.mla_rope_norm(
+        // launch) → cache (in the same launch for one sequence's BF16 cache).
+        let cache_out = match s.kv {
+            KvRows::Seq(kv) => Some((kv, l, c.pos)),
+            KvRows::PerRow(_) => None,
+        };
+        let cached = dev.mla_rope_norm(
             q,
             &rope_layout(c, hh, hh * qk, qk, nope),
             kva,
@@ -336,10 +340,13 @@ impl GpuMla {
             c.cos,
             c.sin,
             c.max_pos,
+            cache_out,
         )?;
-        s.kv.for_each_seq(c, |kv, pos, r0, n| {
-            Ok(kv.write(dev, l, 0, pos, n, &kva.slice().slice(r0 * row..(r0 + n) * row))?)
-        })?;
+        if !cached {
+            s.kv.for_each_seq(c, |kv, pos, r0, n| {
+                Ok(kv.write(dev, l, 0, pos, n, &kva.slice().slice(r0 * row..(r0 + n) * row))?)
+            })?;
+        }
 
         let o = grow(dev, out_slot, t * hh * vd, "mla attention output")?;
         if c.decode {
