@@ -11,8 +11,8 @@
 // Layout: grid (n_splits, ceil(heads / 16)), 256 threads = 8 warps; warp w of block (s, g) owns
 // heads 16g + 2w and 16g + 2w + 1 over split s's rows. Lane l holds the query elements
 // 2p, 2p+1 for p = l + 32j (j < NJ) of both heads in registers, pre-scaled by scale·log2(e), and
-// accumulates the output columns 2p, 2p+1 for p = l + 32j (j < NV). Rows go four at a time: every
-// lane loads its bf16 pairs of the four rows (the eight warps of a block read the same rows, so
+// accumulates the output columns 2p, 2p+1 for p = l + 32j (j < NV). Rows go four at a time (the
+// next four's loads issued before this four is computed): every lane loads its bf16 pairs of the four rows (the eight warps of a block read the same rows, so
 // L1 serves all but the first), forms 8 partial dot products (4 rows x 2 heads), and one
 // reduce-scatter + all-gather over the warp (17 shuffles) gives every lane the 8 scores. Online
 // softmax in base 2 per head, then the value update reuses the loaded latent pairs. No shared
@@ -76,6 +76,80 @@ __device__ __forceinline__ void mla1_allreduce8(float* v, int lane) {
     for (int k = 0; k < 8; k++) v[k] = __shfl_sync(0xffffffffu, y, k << 2);
 }
 
+// Lane's bf16 pairs p = lane + 32j of rows r0 .. r0+3 (zeros past r_end or the row).
+template <int NJ>
+__device__ __forceinline__ void mla1_load(u32 (&kw)[MLA1_ROWS][NJ], const MlaT1Args& a, int r0, int r_end, int lane) {
+#pragma unroll
+    for (int i = 0; i < MLA1_ROWS; i++) {
+        const bool ok = r0 + i < r_end;
+        const u32* rowp = a.kv + (long long)(r0 + i) * a.half_row;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const int p = lane + 32 * j;
+            kw[i][j] = (ok && p < a.half_row) ? __ldg(rowp + p) : 0u;
+        }
+    }
+}
+
+// Scores of rows r0 .. r0+3 for both heads, the online-softmax update and the value update.
+template <int NJ, int NV>
+__device__ __forceinline__ void mla1_step(const u32 (&kw)[MLA1_ROWS][NJ], int r0, int r_end, int lane,
+                                          const float2 (&qa)[NJ], const float2 (&qb)[NJ], float& ma, float& mb,
+                                          float& la, float& lb, float2 (&acca)[NV], float2 (&accb)[NV]) {
+    const float ninf = __uint_as_float(0xff800000u);
+    // s[i] = head a's score of row r0 + i, s[4 + i] head b's.
+    float s[8];
+#pragma unroll
+    for (int i = 0; i < MLA1_ROWS; i++) {
+        float sa = 0.0f, sb = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const float lo = mla1_lo(kw[i][j]), hi = mla1_hi(kw[i][j]);
+            sa = fmaf(qa[j].x, lo, sa);
+            sa = fmaf(qa[j].y, hi, sa);
+            sb = fmaf(qb[j].x, lo, sb);
+            sb = fmaf(qb[j].y, hi, sb);
+        }
+        s[i] = sa;
+        s[4 + i] = sb;
+    }
+    mla1_allreduce8(s, lane);
+#pragma unroll
+    for (int i = 0; i < MLA1_ROWS; i++) {
+        if (r0 + i >= r_end) s[i] = s[4 + i] = ninf;
+    }
+    // Online softmax (base 2) per head; the first row of every step is valid, so the new maxima
+    // are finite.
+    const float mna = fmaxf(ma, fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3])));
+    const float mnb = fmaxf(mb, fmaxf(fmaxf(s[4], s[5]), fmaxf(s[6], s[7])));
+    const float alpha_a = exp2f(ma - mna), alpha_b = exp2f(mb - mnb);  // exp2(-inf) = 0
+    float pa[MLA1_ROWS], pb[MLA1_ROWS];
+#pragma unroll
+    for (int i = 0; i < MLA1_ROWS; i++) {
+        pa[i] = exp2f(s[i] - mna);
+        pb[i] = exp2f(s[4 + i] - mnb);
+    }
+    la = la * alpha_a + ((pa[0] + pa[1]) + (pa[2] + pa[3]));
+    lb = lb * alpha_b + ((pb[0] + pb[1]) + (pb[2] + pb[3]));
+    ma = mna;
+    mb = mnb;
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        float2 xa = make_float2(acca[j].x * alpha_a, acca[j].y * alpha_a);
+        float2 xb = make_float2(accb[j].x * alpha_b, accb[j].y * alpha_b);
+#pragma unroll
+        for (int i = 0; i < MLA1_ROWS; i++) {
+            const float lo = mla1_lo(kw[i][j]), hi = mla1_hi(kw[i][j]);
+            xa.x = fmaf(pa[i], lo, xa.x);
+            xa.y = fmaf(pa[i], hi, xa.y);
+            xb.x = fmaf(pb[i], lo, xb.x);
+            xb.y = fmaf(pb[i], hi, xb.y);
+        }
+        acca[j] = xa;
+        accb[j] = xb;
+    }
+}
+
 template <int NJ, int NV>
 __device__ __forceinline__ void mla_decode_t1_body(const MlaT1Args& a) {
     KRASIS_GRID_WAIT();
@@ -110,69 +184,19 @@ __device__ __forceinline__ void mla_decode_t1_body(const MlaT1Args& a) {
 #pragma unroll
     for (int j = 0; j < NV; j++) acca[j] = accb[j] = make_float2(0.0f, 0.0f);
 
-    for (int r0 = r_begin; r0 < r_end; r0 += MLA1_ROWS) {
-        u32 kw[MLA1_ROWS][NJ];
-#pragma unroll
-        for (int i = 0; i < MLA1_ROWS; i++) {
-            const bool ok = r0 + i < r_end;
-            const u32* rowp = a.kv + (long long)(r0 + i) * a.half_row;
-#pragma unroll
-            for (int j = 0; j < NJ; j++) {
-                const int p = lane + 32 * j;
-                kw[i][j] = (ok && p < a.half_row) ? __ldg(rowp + p) : 0u;
-            }
-        }
-        // s[i] = head a's score of row r0 + i, s[4 + i] head b's.
-        float s[8];
-#pragma unroll
-        for (int i = 0; i < MLA1_ROWS; i++) {
-            float sa = 0.0f, sb = 0.0f;
-#pragma unroll
-            for (int j = 0; j < NJ; j++) {
-                const float lo = mla1_lo(kw[i][j]), hi = mla1_hi(kw[i][j]);
-                sa = fmaf(qa[j].x, lo, sa);
-                sa = fmaf(qa[j].y, hi, sa);
-                sb = fmaf(qb[j].x, lo, sb);
-                sb = fmaf(qb[j].y, hi, sb);
-            }
-            s[i] = sa;
-            s[4 + i] = sb;
-        }
-        mla1_allreduce8(s, lane);
-#pragma unroll
-        for (int i = 0; i < MLA1_ROWS; i++) {
-            if (r0 + i >= r_end) s[i] = s[4 + i] = ninf;
-        }
-        // Online softmax (base 2) per head; the first row of every step is valid, so the new
-        // maxima are finite.
-        const float mna = fmaxf(ma, fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3])));
-        const float mnb = fmaxf(mb, fmaxf(fmaxf(s[4], s[5]), fmaxf(s[6], s[7])));
-        const float alpha_a = exp2f(ma - mna), alpha_b = exp2f(mb - mnb);  // exp2(-inf) = 0
-        float pa[MLA1_ROWS], pb[MLA1_ROWS];
-#pragma unroll
-        for (int i = 0; i < MLA1_ROWS; i++) {
-            pa[i] = exp2f(s[i] - mna);
-            pb[i] = exp2f(s[4 + i] - mnb);
-        }
-        la = la * alpha_a + ((pa[0] + pa[1]) + (pa[2] + pa[3]));
-        lb = lb * alpha_b + ((pb[0] + pb[1]) + (pb[2] + pb[3]));
-        ma = mna;
-        mb = mnb;
-#pragma unroll
-        for (int j = 0; j < NV; j++) {
-            float2 xa = make_float2(acca[j].x * alpha_a, acca[j].y * alpha_a);
-            float2 xb = make_float2(accb[j].x * alpha_b, accb[j].y * alpha_b);
-#pragma unroll
-            for (int i = 0; i < MLA1_ROWS; i++) {
-                const float lo = mla1_lo(kw[i][j]), hi = mla1_hi(kw[i][j]);
-                xa.x = fmaf(pa[i], lo, xa.x);
-                xa.y = fmaf(pa[i], hi, xa.y);
-                xb.x = fmaf(pb[i], lo, xb.x);
-                xb.y = fmaf(pb[i], hi, xb.y);
-            }
-            acca[j] = xa;
-            accb[j] = xb;
-        }
+    // Rows four at a time, the next four's loads in flight while this four is computed.
+    u32 ka[MLA1_ROWS][NJ], kb[MLA1_ROWS][NJ];
+    int r0 = r_begin;
+    mla1_load<NJ>(ka, a, r0, r_end, lane);
+    while (r0 < r_end) {
+        const int r1 = r0 + MLA1_ROWS;
+        if (r1 < r_end) mla1_load<NJ>(kb, a, r1, r_end, lane);
+        mla1_step<NJ, NV>(ka, r0, r_end, lane, qa, qb, ma, mb, la, lb, acca, accb);
+        if (r1 >= r_end) break;
+        const int r2 = r1 + MLA1_ROWS;
+        if (r2 < r_end) mla1_load<NJ>(ka, a, r2, r_end, lane);
+        mla1_step<NJ, NV>(kb, r1, r_end, lane, qa, qb, ma, mb, la, lb, acca, accb);
+        r0 = r2;
     }
 
     // Results. Columns 2p, 2p+1 for p = lane + 32j < half_lat.

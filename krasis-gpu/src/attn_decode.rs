@@ -93,6 +93,14 @@ pub fn decode_split_count(visible: usize, base_blocks: usize, sms: usize) -> usi
     want.min(by_len).clamp(1, MAX_SPLITS)
 }
 
+/// The most splits [`decode_split_count`] picks for `t` queries of `heads` heads over `kv_heads`
+/// kv heads on `sms` multiprocessors (workspace sizing).
+pub(crate) fn most_splits(t: usize, heads: usize, kv_heads: usize, sms: usize) -> usize {
+    let kv_heads = kv_heads.max(1);
+    let base = kv_heads * (t * (heads / kv_heads)).div_ceil(ATT_Q);
+    decode_split_count(usize::MAX, base, sms)
+}
+
 /// Split-KV partial results (per split and query: the running max, the sum and the unnormalised
 /// output) plus launch bookkeeping. Charged to the budget. It grows when a call needs more than it
 /// holds: it is sized for the most splits the rule can choose for that configuration, so growth
@@ -418,7 +426,7 @@ impl GpuDevice {
         let (n_splits, split_rows) = ws.plan_splits(visible, decode_split_count(visible, base, sms), ATT_ROWS);
         if n_splits > 1 {
             // Size for the most splits the rule can pick for this configuration (or the forced count).
-            let most = ws.force_splits.map_or(decode_split_count(usize::MAX, base, sms), |_| n_splits);
+            let most = ws.force_splits.map_or(most_splits(t, heads, kv_heads, sms), |_| n_splits);
             ws.ensure(self, most.max(n_splits), t * heads, v_dim)?;
         }
 

@@ -29,15 +29,16 @@ pub const MLA_DECODE: KernelSource = KernelSource {
 const THREADS: u32 = 256;
 /// Heads per block: 8 warps × 2 heads (`MLA1_WARPS` × 2 in the kernel).
 const HEADS_PER_BLOCK: usize = 16;
-/// Rows per split at least. Measured on an H100 (V2-Lite shape, 27 layers back to back): at 64
-/// cached rows 8 splits take 10.1 µs per call against 12.6 with 4 (and 9.4 with 16).
-pub const T1_MIN_SPLIT_ROWS: usize = 8;
+/// Rows per split at least. Measured on an H100 (V2-Lite shape, 27 layers back to back, µs per
+/// call): 64 cached rows, 16 splits 7.9, 8 splits 8.8, 4 splits 11.9.
+pub const T1_MIN_SPLIT_ROWS: usize = 4;
 /// Splits at most: the combine reads every split's 16 × 512 partial outputs, so past this the
-/// splits cost more than they save (2K rows: 128 splits 18.5 µs, 256 splits 23.3 µs).
-pub const T1_MAX_SPLITS: usize = 128;
+/// splits cost more than they save (512 rows: 64 splits 10.6, 128 splits 15.7; 1024 rows: 64
+/// splits 14.5, 128 splits 17.0).
+pub const T1_MAX_SPLITS: usize = 64;
 /// Longest context this kernel takes; longer ones go to the general kernel, whose per-split
-/// partials are amortised over more rows. Measured on an H100 (27 layers back to back, µs per
-/// call, this kernel / general): 512 rows 10.2 / 17.1, 2048 rows 20.5 / 19.1, 4096 rows 27.5 / 21.1.
+/// partials are amortised over more rows. Same measurement, best split count here against the
+/// general kernel's rule: 1024 rows 14.5 / 17.4, 2048 rows 20.8 / 18.9, 4096 rows 28.3 / 21.1.
 pub const T1_MAX_ROWS: usize = 1536;
 
 /// Splits for `visible` rows: [`T1_MIN_SPLIT_ROWS`] rows each, at most [`T1_MAX_SPLITS`], at
@@ -108,7 +109,12 @@ impl GpuDevice {
         shape(OP, kv.is_multiple_of(4), || "the cache plane is not 4-byte aligned".into())?;
         let (n_splits, split_rows) = ws.plan_splits(visible, t1_split_count(visible), 1);
         if n_splits > 1 {
-            let most = ws.force_splits.map_or(T1_MAX_SPLITS, |_| n_splits);
+            // Room for the general kernel's most too: a context that outgrows this kernel then
+            // finds the workspace big enough.
+            let sms = usize::try_from(self.info().multiprocessors).unwrap_or(1);
+            let most = ws
+                .force_splits
+                .map_or(T1_MAX_SPLITS.max(crate::attn_decode::most_splits(1, heads, 1, sms)), |_| n_splits);
             ws.ensure(self, most.max(n_splits), heads, latent)?;
         }
         let s = self.stream();
@@ -167,11 +173,10 @@ mod tests {
     fn split_rule() {
         assert_eq!(t1_split_count(0), 1);
         assert_eq!(t1_split_count(1), 1);
-        assert_eq!(t1_split_count(8), 1);
-        assert_eq!(t1_split_count(9), 2);
-        assert_eq!(t1_split_count(64), 8);
+        assert_eq!(t1_split_count(4), 1);
+        assert_eq!(t1_split_count(5), 2);
+        assert_eq!(t1_split_count(64), 16);
         assert_eq!(t1_split_count(512), 64);
-        assert_eq!(t1_split_count(1024), 128);
         assert_eq!(t1_split_count(T1_MAX_ROWS), T1_MAX_SPLITS);
         const { assert!(T1_MAX_SPLITS <= crate::attn_decode::MAX_SPLITS) };
     }

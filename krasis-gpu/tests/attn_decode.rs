@@ -376,7 +376,7 @@ fn mla_absorb_and_uv_match_twins() {
 #[test]
 fn bench_mla_one_token_kernel() {
     let Some(d) = gpu("bench_mla_one_token_kernel") else { return };
-    for context in [64usize, 512, 2048, 4096, 8192] {
+    for context in [64usize, 512, 1024, 2048, 4096, 8192, 16384] {
         let general = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, None, true).unwrap();
         let rule = bench_mla_decode_kernel(d, context, KvDtype::Bf16, 50, None, false).unwrap();
         let mut line = format!(
