@@ -232,6 +232,16 @@ pub fn prefetch_l2(w: &[u8]) {
     let _ = w;
 }
 
+/// The kernels [`matmul_packed`] runs with `isa`, for the startup log: the ISA's name, and on
+/// AVX-512 whether AMX tiles take the many-row calls (see [`amx::enabled`]).
+pub fn describe_kernels(isa: Isa) -> String {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        return format!("{} ({})", isa.name(), amx::describe());
+    }
+    isa.name().to_string()
+}
+
 /// Whether this CPU runs the kernels of `isa` (AVX2 also needs F16C for the f16 scales).
 pub fn isa_supported(isa: Isa) -> bool {
     match isa {

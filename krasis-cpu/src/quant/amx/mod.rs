@@ -41,6 +41,11 @@ use tiles::{TileConfig, Tiles, TILE_A, TILE_B};
 /// Activation rows per A / C tile (the tile height).
 const TILE_ROWS: usize = 16;
 
+/// Activation tiles per row chunk: 128 rows × K (≤ 7168 in the supported models: ≤ 896 KiB,
+/// 256 KiB at V2-Lite's 2048) stay in L2 (2 MiB per Sapphire Rapids core) while the call's
+/// row blocks pass by.
+const ROW_CHUNK_TILES: usize = 8;
+
 /// Smallest M (activation rows: two per token, value + residual) that takes the AMX path.
 /// Not measured (the dev box has no AMX): 32 rows = two full tiles, 16 tokens, where the tile
 /// compute is already several times the VNNI kernel's while below it batched decode stays on
@@ -167,39 +172,44 @@ pub(crate) unsafe fn matmul<T: Tiles>(
         t.configure(&TileConfig::new(kt));
         let mut pass =
             Pass { l, acts, kt, ncols: blocks.len() * ROW_BLOCK, out: out.as_mut_ptr(), cbuf: CBuf([0; 1024]) };
-        let mut b = blocks.start;
-        while b < blocks.end {
-            let nb = (blocks.end - b).min(2);
-            for g in groups.clone() {
-                // The group's B rows and scales for the (one or two) row blocks of this pass.
-                let mut bsrc = [std::ptr::null::<u8>(); 2];
-                let mut sw = [std::arch::x86_64::_mm512_setzero_ps(); 2];
-                for bi in 0..nb {
-                    let blk = w.as_ptr().add((b + bi) * l.block_bytes());
-                    let wg = blk.add(l.weights_offset(g));
-                    bsrc[bi] = if l.bits == Bits::Int4 {
-                        let dst = s.unpacked.as_mut_ptr().add(bi * ROW_BLOCK * gs);
-                        unpack_int4(wg, gs, dst);
-                        dst
-                    } else {
-                        wg
-                    };
-                    sw[bi] = super::avx512::load_scales(blk, l, g);
-                }
-                let col0 = (b - blocks.start) * ROW_BLOCK;
-                let mut r = 0;
-                while r < ntiles {
-                    let na = (ntiles - r).min(2);
-                    match (na, nb) {
-                        (2, 2) => pass.run::<T, 2, 2>(t, [tile(r), tile(r + 1)], &bsrc, &sw, g, col0),
-                        (2, _) => pass.run::<T, 2, 1>(t, [tile(r), tile(r + 1)], &bsrc, &sw, g, col0),
-                        (_, 2) => pass.run::<T, 1, 2>(t, [tile(r)], &bsrc, &sw, g, col0),
-                        _ => pass.run::<T, 1, 1>(t, [tile(r)], &bsrc, &sw, g, col0),
+        // Row chunks outermost: a chunk's activations stay in L2 while every row block of the
+        // call passes by, so a call reads its activations from L3 once, however many blocks.
+        for c0 in (0..ntiles).step_by(ROW_CHUNK_TILES) {
+            let c1 = (c0 + ROW_CHUNK_TILES).min(ntiles);
+            let mut b = blocks.start;
+            while b < blocks.end {
+                let nb = (blocks.end - b).min(2);
+                for g in groups.clone() {
+                    // The group's B rows and scales for the (one or two) row blocks of this pass.
+                    let mut bsrc = [std::ptr::null::<u8>(); 2];
+                    let mut sw = [std::arch::x86_64::_mm512_setzero_ps(); 2];
+                    for bi in 0..nb {
+                        let blk = w.as_ptr().add((b + bi) * l.block_bytes());
+                        let wg = blk.add(l.weights_offset(g));
+                        bsrc[bi] = if l.bits == Bits::Int4 {
+                            let dst = s.unpacked.as_mut_ptr().add(bi * ROW_BLOCK * gs);
+                            unpack_int4(wg, gs, dst);
+                            dst
+                        } else {
+                            wg
+                        };
+                        sw[bi] = super::avx512::load_scales(blk, l, g);
                     }
-                    r += na;
+                    let col0 = (b - blocks.start) * ROW_BLOCK;
+                    let mut r = c0;
+                    while r < c1 {
+                        let na = (c1 - r).min(2);
+                        match (na, nb) {
+                            (2, 2) => pass.run::<T, 2, 2>(t, [tile(r), tile(r + 1)], &bsrc, &sw, g, col0),
+                            (2, _) => pass.run::<T, 2, 1>(t, [tile(r), tile(r + 1)], &bsrc, &sw, g, col0),
+                            (_, 2) => pass.run::<T, 1, 2>(t, [tile(r)], &bsrc, &sw, g, col0),
+                            _ => pass.run::<T, 1, 1>(t, [tile(r)], &bsrc, &sw, g, col0),
+                        }
+                        r += na;
+                    }
                 }
+                b += nb;
             }
-            b += nb;
         }
         t.release();
     });

@@ -57,15 +57,15 @@ struct Case {
     seed: u64,
 }
 
-/// Ragged rows and M (every tail of a 16-row tile, one and two tiles per pass, odd block
-/// counts), K multiples of 32 with groups of 32/64/128 (tile K 32 and 64), block sub-ranges and
-/// group ranges.
+/// Ragged rows and M (every tail of a 16-row tile, one and two tiles per pass, several row
+/// chunks, odd block counts), K multiples of 32 with groups of 32/64/128 (tile K 32 and 64),
+/// block sub-ranges and group ranges.
 fn cases() -> impl Strategy<Value = Case> {
     (
         1usize..70,
         prop::sample::select(vec![1usize, 2, 3, 4, 5, 8, 12, 16]),
         prop::sample::select(vec![32usize, 64, 128]),
-        prop_oneof![1usize..=40, 1usize..=100],
+        prop_oneof![2 => 1usize..=40, 2 => 1usize..=100, 1 => 120usize..=300],
         any::<bool>(),
         (0.0f64..1.0, 0.0f64..1.0),
         prop::collection::vec(0.0f64..1.0, 0..4),
