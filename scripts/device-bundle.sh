@@ -35,5 +35,5 @@ strip "$out"/bin/* "$out"/tests/*
 fixtures="${KRASIS_FIXTURES:-../shared/fixtures}"
 [ -d "$fixtures" ] && cp -r "$fixtures" "$out/fixtures"
 cp -r krasis-gpu/kernels "$out/kernels" 2>/dev/null || true
-cp scripts/device-run.sh scripts/device-gpu.sh scripts/device-hybrid.sh scripts/device-gguf.sh "$out/"
+cp scripts/device-run.sh scripts/device-gpu.sh scripts/device-hybrid.sh scripts/device-gguf.sh scripts/device-amx.sh "$out/"
 du -sh "$out"

@@ -12,6 +12,7 @@ use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, MembwReport};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
+use krasis_model::engine::ForwardBreakdown;
 use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{open_engine, Engine, EngineConfig, Opened};
 use krasis_model::sampling::{Sampler, SamplingParams};
@@ -175,13 +176,23 @@ pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> a
 /// Greedy prefill of a random prompt, then `decode_tokens` decode steps on `engine`: (prefill
 /// seconds, decode seconds). The forward statistics are reset between the two, so afterwards
 /// they cover the decode steps alone.
-fn time_greedy_decode(engine: &dyn Engine, prompt_tokens: usize, decode_tokens: usize) -> anyhow::Result<(f64, f64)> {
+/// Times a random prompt's prefill and `decode_tokens` greedy steps: (prefill s, decode s, where
+/// the prefill's forward time went). The engine's `ForwardStats` then hold the decode alone.
+fn time_greedy_decode(
+    engine: &dyn Engine,
+    prompt_tokens: usize,
+    decode_tokens: usize,
+) -> anyhow::Result<(f64, f64, ForwardBreakdown)> {
     let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
     let mut session = engine.new_session()?;
     let mut greedy = Sampler::new(SamplingParams::default());
+    if let Some(stats) = engine.forward_stats() {
+        stats.reset();
+    }
     let t = Instant::now();
     let mut next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
     let prefill_s = t.elapsed().as_secs_f64();
+    let prefill_parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
     if let Some(stats) = engine.forward_stats() {
         stats.reset();
     }
@@ -189,7 +200,7 @@ fn time_greedy_decode(engine: &dyn Engine, prompt_tokens: usize, decode_tokens: 
     for _ in 0..decode_tokens {
         next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
     }
-    Ok((prefill_s, t.elapsed().as_secs_f64()))
+    Ok((prefill_s, t.elapsed().as_secs_f64(), prefill_parts))
 }
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
@@ -431,7 +442,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
-        let (prefill_s, decode_s) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
+        let (prefill_s, decode_s, pp) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
         let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
         let expert_s = parts.experts;
         let n = a.decode_tokens as f64;
@@ -449,8 +460,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
                                 "experts": engine.describe() });
         out["load_s"] = json!(load_s);
-        out["prefill"] =
-            json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s });
+        out["prefill"] = json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s,
+                    "experts_s": pp.experts, "attention_s": pp.attention, "shared_experts_s": pp.shared,
+                    "lm_head_s": pp.lm_head, "forward_s": pp.total });
         out["decode"] = json!({
             "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
             "experts_ms_per_token": expert_ms, "rest_ms_per_token": ms - expert_ms,
@@ -468,6 +480,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 a.decode_tokens,
                 n / decode_s,
                 ms - expert_ms
+            );
+            println!(
+                "prefill: experts {:.3} s + attention {:.3} s + shared experts {:.3} s + LM head {:.3} s + other {:.3} s (norms, routers, dense-layer MLPs) + sampling and step overhead {:.3} s",
+                pp.experts,
+                pp.attention,
+                pp.shared,
+                pp.lm_head,
+                pp.total - pp.experts - pp.attention - pp.shared - pp.lm_head,
+                prefill_s - pp.total
             );
             let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;
             println!(

@@ -57,29 +57,41 @@ pub fn causal_attention(
         return decode_shared_kv(q, heads, q_start, kv, scale, out);
     }
     let isa = isa::active();
-    crate::par::for_each_chunk_mut(out, kv.v_dim, &|idx, o| {
+    let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
+    // One task per (query token, kv head) for the whole head group: each cached row is read once
+    // for the group's heads while it is in L1 (one task per head read the visible cache once per
+    // head: 16 times for MLA's shared latent). Each head's arithmetic, and its order, is what a
+    // task per head did, so the results are the same bits.
+    crate::par::for_each_chunk_mut(out, group * v_dim, &|idx, o| {
         SCORES.with_borrow_mut(|scores| {
-            let (i, h) = (idx / heads, idx % heads);
-            let kvh = h / group;
-            let qv = &q[idx * kv.k_dim..(idx + 1) * kv.k_dim];
+            let (i, g) = (idx / kv.kv_heads, idx % kv.kv_heads);
             let visible = q_start + i + 1;
+            let q0 = (i * heads + g * group) * k_dim;
             scores.clear();
-            let mut max = f32::NEG_INFINITY;
+            scores.resize(group * (visible + 1), 0.0);
+            let (scores, denoms) = scores.split_at_mut(group * visible);
             for p in 0..visible {
-                let k0 = p * kv.k_stride + kvh * kv.k_dim;
-                let s = dot(isa, qv, &kv.k[k0..k0 + kv.k_dim]) * scale;
-                max = max.max(s);
-                scores.push(s);
+                let k0 = p * kv.k_stride + g * k_dim;
+                let krow = &kv.k[k0..k0 + k_dim];
+                for h in 0..group {
+                    scores[h * visible + p] = dot(isa, &q[q0 + h * k_dim..q0 + (h + 1) * k_dim], krow) * scale;
+                }
             }
-            let mut denom = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                denom += *s;
+            for (s, denom) in scores.chunks_exact_mut(visible).zip(denoms.iter_mut()) {
+                let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                *denom = 0.0;
+                for v in s.iter_mut() {
+                    *v = (*v - max).exp();
+                    *denom += *v;
+                }
             }
             o.fill(0.0);
-            for (p, &w) in scores.iter().enumerate() {
-                let v0 = p * kv.v_stride + kvh * kv.v_dim;
-                axpy(isa, w / denom, &kv.v[v0..v0 + kv.v_dim], o);
+            for p in 0..visible {
+                let v0 = p * kv.v_stride + g * v_dim;
+                let vrow = &kv.v[v0..v0 + v_dim];
+                for (h, oh) in o.chunks_exact_mut(v_dim).enumerate() {
+                    axpy(isa, scores[h * visible + p] / denoms[h], vrow, oh);
+                }
             }
         })
     });

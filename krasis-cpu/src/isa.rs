@@ -44,12 +44,13 @@ impl Isa {
     }
 }
 
-/// Parse a `KRASIS_ISA` value.
+/// Parse a `KRASIS_ISA` value. `amx` is AVX-512 with the AMX tiles on (`quant::amx::enabled`:
+/// any other value turns them off), so it names the `Avx512` vector level.
 pub fn parse_isa(s: &str) -> Option<Isa> {
     match s.trim().to_ascii_lowercase().as_str() {
         "scalar" => Some(Isa::Scalar),
         "avx2" => Some(Isa::Avx2),
-        "avx512" => Some(Isa::Avx512),
+        "avx512" | "amx" => Some(Isa::Avx512),
         _ => None,
     }
 }
@@ -69,7 +70,7 @@ pub fn active() -> Isa {
                     best
                 }
                 None => {
-                    tracing::warn!("KRASIS_ISA={v:?} is not one of scalar|avx2|avx512; using {}", best.name());
+                    tracing::warn!("KRASIS_ISA={v:?} is not one of scalar|avx2|avx512|amx; using {}", best.name());
                     best
                 }
             },

@@ -71,7 +71,11 @@ pub struct CpuExperts {
 pub fn start_pool(threads: Option<usize>, log: &mut Vec<String>) -> Result<Arc<WorkerPool>> {
     let p = make_pool(threads)?;
     krasis_cpu::par::install(p.clone());
-    log.push(format!("worker pool: {}; kernels: {}", p.describe(), krasis_cpu::isa::active().name()));
+    log.push(format!(
+        "worker pool: {}; kernels: {}",
+        p.describe(),
+        krasis_cpu::quant::describe_kernels(krasis_cpu::isa::active())
+    ));
     Ok(p)
 }
 

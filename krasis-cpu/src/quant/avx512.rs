@@ -119,14 +119,14 @@ unsafe fn sum4(a: &[__m512i; 4]) -> __m512i {
 /// Per-group float epilogue: `y + (acc − corr) · (s_w · s_x)` (one fma, as the scalar twin).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn epilogue(acc: __m512i, corr: i32, sw: __m512, sx: f32, y: __m512) -> __m512 {
+pub(super) unsafe fn epilogue(acc: __m512i, corr: i32, sw: __m512, sx: f32, y: __m512) -> __m512 {
     let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(corr)));
     _mm512_fmadd_ps(d, _mm512_mul_ps(sw, _mm512_set1_ps(sx)), y)
 }
 
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn load_scales(blk: *const u8, l: &PackedLayout, g: usize) -> __m512 {
+pub(super) unsafe fn load_scales(blk: *const u8, l: &PackedLayout, g: usize) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
 }
 

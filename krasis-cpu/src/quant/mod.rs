@@ -7,7 +7,9 @@
 //! (`y = fma(d, s_w · s_x, y)`), the same in all of them, so the ISAs agree bit for bit.
 //!
 //! Implementations: `scalar` (reference), `avx2` (`maddubs`/`madd`), `avx512` (VNNI `vpdpbusd`),
-//! chosen by the [`Isa`] argument. The kernels stream the weights once, front to back, with a
+//! chosen by the [`Isa`] argument; with [`Isa::Avx512`] and at least [`amx::min_rows`] activation
+//! rows, `amx` (AMX-INT8 tiles, where the CPU and the OS allow them, see [`amx::enabled`]). The
+//! kernels stream the weights once, front to back, with a
 //! software prefetch a little ahead (see [`Prefetch`]); for M > 1 every weight chunk is applied to
 //! all activation rows while it is in L1.
 //!
@@ -27,6 +29,8 @@ use crate::activation::silu;
 use crate::isa::Isa;
 
 mod actq;
+#[cfg(target_arch = "x86_64")]
+pub mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -228,6 +232,16 @@ pub fn prefetch_l2(w: &[u8]) {
     let _ = w;
 }
 
+/// The kernels [`matmul_packed`] runs with `isa`, for the startup log: the ISA's name, and on
+/// AVX-512 whether AMX tiles take the many-row calls (see [`amx::enabled`]).
+pub fn describe_kernels(isa: Isa) -> String {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        return format!("{} ({})", isa.name(), amx::describe());
+    }
+    isa.name().to_string()
+}
+
 /// Whether this CPU runs the kernels of `isa` (AVX2 also needs F16C for the f16 scales).
 pub fn isa_supported(isa: Isa) -> bool {
     match isa {
@@ -359,6 +373,11 @@ fn matmul_groups_with(
         // SAFETY: the CPU has the features (checked above); shapes checked above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { avx2::matmul(w, l, acts, blocks, groups, out, prefetch) },
+        // SAFETY: as above; `amx::enabled` checked that the process may use the tiles.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if acts.m >= amx::min_rows() && amx::enabled() => unsafe {
+            amx::matmul(&mut amx::HwTiles, w, l, acts, blocks, groups, out)
+        },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => unsafe { avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
         #[cfg(not(target_arch = "x86_64"))]

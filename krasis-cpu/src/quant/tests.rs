@@ -4,7 +4,7 @@ use krasis_quant::group::{dequantize, group_size_for, quantize};
 use proptest::prelude::*;
 
 /// Deterministic pseudo-random values, roughly N(0, 1) (sum of 4 uniforms, rescaled).
-fn normal(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn normal(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     let mut u = move || {
         s ^= s << 13;

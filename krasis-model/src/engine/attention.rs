@@ -9,6 +9,15 @@ use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
+
+/// Tokens per task of MLA's W_UK absorption and W_UV product in long calls: each `kv_b` row
+/// (2 KiB) is then read once per 8 tokens instead of once per token and head pair (`kv_b` is
+/// 8 MiB of f32 in V2-Lite, far past L2, so per-token tasks re-read it from L3 every time).
+const ABSORB_TOKENS: usize = 8;
+/// Fewest rows of a call that take the token-blocked form: 16 tasks of [`ABSORB_TOKENS`] (a
+/// task per worker of a 16-core pool); shorter calls (decode) keep a task per (token, head) so
+/// one token's heads still spread over the pool.
+pub(crate) const ABSORB_BLOCK_MIN_ROWS: usize = 16 * ABSORB_TOKENS;
 use crate::build::MlaParts;
 use crate::linear::LinearOp;
 
@@ -114,17 +123,43 @@ impl AttentionLayer for MlaAttention {
         let isa = isa::active();
         let per_head = nope + vd;
         let mut q_abs = vec![0f32; t * h * row];
-        krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
-            let (i, hh) = (idx / h, idx % h);
-            let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
-            let (lat_part, pe_part) = qa.split_at_mut(lat);
-            lat_part.fill(0.0);
-            for (d, &qn) in qh[..nope].iter().enumerate() {
-                axpy(isa, qn, &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
-            }
-            pe_part.copy_from_slice(&qh[nope..]);
-            rope.rotate(i, pe_part);
-        });
+        let pe_of = |i: usize, hh: usize, pe: &mut [f32]| {
+            pe.copy_from_slice(&q[(i * h + hh) * qk + nope..(i * h + hh + 1) * qk]);
+            rope.rotate(i, pe);
+        };
+        if t >= ABSORB_BLOCK_MIN_ROWS {
+            // Tokens in blocks: each W_UK row is read once per block, and every output gets the
+            // same axpys in the same order as below.
+            krasis_cpu::par::for_each_chunk_mut(&mut q_abs, ABSORB_TOKENS * h * row, &|blk, qa| {
+                let (i0, nt) = (blk * ABSORB_TOKENS, qa.len() / (h * row));
+                for hh in 0..h {
+                    for ti in 0..nt {
+                        qa[(ti * h + hh) * row..(ti * h + hh) * row + lat].fill(0.0);
+                    }
+                    for d in 0..nope {
+                        let wrow = &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
+                        for ti in 0..nt {
+                            let qn = q[((i0 + ti) * h + hh) * qk + d];
+                            axpy(isa, qn, wrow, &mut qa[(ti * h + hh) * row..(ti * h + hh) * row + lat]);
+                        }
+                    }
+                    for ti in 0..nt {
+                        pe_of(i0 + ti, hh, &mut qa[(ti * h + hh) * row + lat..(ti * h + hh + 1) * row]);
+                    }
+                }
+            });
+        } else {
+            krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
+                let (i, hh) = (idx / h, idx % h);
+                let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
+                let (lat_part, pe_part) = qa.split_at_mut(lat);
+                lat_part.fill(0.0);
+                for (d, &qn) in qh[..nope].iter().enumerate() {
+                    axpy(isa, qn, &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
+                }
+                pe_of(i, hh, pe_part);
+            });
+        }
 
         let mut o_lat = vec![0f32; t * h * lat];
         append_each(seqs, &kva, row, None, |off, n, q_start, kv| {
@@ -132,16 +167,33 @@ impl AttentionLayer for MlaAttention {
             causal_attention(q, n, h, q_start, &kv.view(), self.scale, &mut o_lat[off * h * lat..(off + n) * h * lat]);
         });
 
-        // Apply W_UV per head.
+        // Apply W_UV per head (in token blocks for long calls, as the absorption above).
         let mut o = vec![0f32; t * h * vd];
-        krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
-            let hh = idx % h;
-            let ol = &o_lat[idx * lat..(idx + 1) * lat];
-            for (j, v) in ov.iter_mut().enumerate() {
-                let r = hh * per_head + nope + j;
-                *v = dot(isa, &self.w.kv_b[r * lat..(r + 1) * lat], ol);
-            }
-        });
+        let uv_row = |hh: usize, j: usize| {
+            let r = hh * per_head + nope + j;
+            &self.w.kv_b[r * lat..(r + 1) * lat]
+        };
+        if t >= ABSORB_BLOCK_MIN_ROWS {
+            krasis_cpu::par::for_each_chunk_mut(&mut o, ABSORB_TOKENS * h * vd, &|blk, ob| {
+                let (i0, nt) = (blk * ABSORB_TOKENS, ob.len() / (h * vd));
+                for hh in 0..h {
+                    for j in 0..vd {
+                        let wrow = uv_row(hh, j);
+                        for ti in 0..nt {
+                            let idx = (i0 + ti) * h + hh;
+                            ob[(ti * h + hh) * vd + j] = dot(isa, wrow, &o_lat[idx * lat..(idx + 1) * lat]);
+                        }
+                    }
+                }
+            });
+        } else {
+            krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
+                let ol = &o_lat[idx * lat..(idx + 1) * lat];
+                for (j, v) in ov.iter_mut().enumerate() {
+                    *v = dot(isa, uv_row(idx % h, j), ol);
+                }
+            });
+        }
         self.w.o.forward(&o, t, out);
     }
 }

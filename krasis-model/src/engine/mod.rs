@@ -6,6 +6,8 @@ pub mod attention;
 pub mod experts;
 pub mod ffn;
 pub mod kv;
+#[cfg(test)]
+mod prefill_tests;
 
 use std::path::Path;
 use std::sync::Arc;
