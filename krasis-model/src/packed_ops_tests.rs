@@ -45,6 +45,22 @@ proptest! {
         prop_assert_eq!(separate.weight_bytes(), pooled.weight_bytes());
     }
 
+    /// A fused w13 split back into two linears (multi-node pools, `KRASIS_MLP=linears`) gives
+    /// gate's and up's own packs.
+    #[test]
+    fn split_w13_gives_back_gate_and_up(hidden32 in 1usize..4, inter32 in 1usize..4, int8 in any::<bool>()) {
+        let (hidden, inter) = (32 * hidden32, 32 * inter32);
+        let bits = if int8 { Bits::Int8 } else { Bits::Int4 };
+        let pool = Arc::new(WorkerPool::new(PoolPlan::simulated(1, 1)).unwrap());
+        let (gate, up) = (dense(inter, hidden, 1), dense(inter, hidden, 2));
+        let l13 = w13_layout(inter, hidden, bits, 128, "w13").unwrap();
+        let (g, u) = crate::engine::split_w13(&pack_w13_dense(&gate, &up, &l13), &l13, &pool);
+        let one = crate::quantized::dense_layout(inter, hidden, bits, 128, "one").unwrap();
+        let (want_g, want_u) = (crate::quantized::pack_dense(&gate, &one), crate::quantized::pack_dense(&up, &one));
+        prop_assert_eq!(g.packed().unwrap().bytes, want_g.as_slice());
+        prop_assert_eq!(u.packed().unwrap().bytes, want_u.as_slice());
+    }
+
     /// `kv_b` per head in INT8 matches the f32 products on its dequantised weights, nope padded to
     /// a group or not.
     #[test]

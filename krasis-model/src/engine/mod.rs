@@ -175,6 +175,14 @@ pub trait PrebuiltDense {
     fn pool(&self) -> &Arc<WorkerPool>;
 }
 
+/// `KRASIS_MLP=linears` runs a cached fused gate+up as two linears (one dispatch for both,
+/// then down) instead of one pooled expert (read once; for measuring what the one-dispatch
+/// runner saves).
+fn mlp_linears_env() -> bool {
+    static L: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *L.get_or_init(|| std::env::var("KRASIS_MLP").is_ok_and(|v| v == "linears"))
+}
+
 /// `KRASIS_KV_B=f32` keeps MLA's `kv_b` in f32 even when the dense-weight cache has it packed
 /// (read once; for measuring what the INT8 form saves).
 fn kv_b_f32_env() -> bool {
@@ -303,8 +311,8 @@ fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Result<Mlp> {
     match m.gate_up {
         CpuGateUp::Separate(gate, up) => Ok(Mlp::Separate { gate, up, down: m.down }),
         // The one-expert runner keeps its tasks on one NUMA node; with several, the halves run
-        // as two linears over the whole pool.
-        CpuGateUp::Fused { w13, layout, pool } if pool.nodes() > 1 => {
+        // as two linears over the whole pool (and with `KRASIS_MLP=linears`, for A/B runs).
+        CpuGateUp::Fused { w13, layout, pool } if pool.nodes() > 1 || mlp_linears_env() => {
             let (gate, up) = split_w13(w13.as_slice(), &layout, &pool);
             Ok(Mlp::Separate { gate, up, down: m.down })
         }
@@ -315,7 +323,11 @@ fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Result<Mlp> {
 }
 
 /// A fused w13's gate and up row blocks as two packed linears.
-fn split_w13(w13: &[u8], l13: &PackedLayout, pool: &Arc<WorkerPool>) -> (Box<dyn LinearOp>, Box<dyn LinearOp>) {
+pub(crate) fn split_w13(
+    w13: &[u8],
+    l13: &PackedLayout,
+    pool: &Arc<WorkerPool>,
+) -> (Box<dyn LinearOp>, Box<dyn LinearOp>) {
     let one = PackedLayout::new(l13.rows / 2, l13.k, l13.gs, l13.bits).expect("half of a valid w13 layout");
     let bb = one.block_bytes();
     let half = |which: usize| -> Box<dyn LinearOp> {
