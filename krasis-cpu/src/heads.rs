@@ -16,8 +16,8 @@ use std::sync::Mutex;
 
 use crate::isa::Isa;
 use crate::moe::{
-    quantize_rows_group, shape_acts, split_factor, sum_split_rows, units_per_task, wait_ready, ActBufs, FailOnUnwind,
-    OutPtr, WorkerScratch,
+    caller_quantises, quantize_rows_group, shape_acts, split_factor, sum_split_rows, units_per_task, wait_ready,
+    ActBufs, FailOnUnwind, OutPtr, WorkerScratch,
 };
 use crate::pool::WorkerPool;
 use crate::quant::{matmul_packed, PackedLayout, QuantizedActs, ROW_BLOCK};
@@ -107,20 +107,29 @@ impl HeadMatmul {
         let per = units_per_task(total, pool.threads());
         let out = OutPtr(y.as_mut_ptr());
         let failed = AtomicBool::new(false);
-        pool.run(heads + total.div_ceil(per), &|t, ctx| {
-            let _guard = FailOnUnwind(&failed);
-            if t < heads {
-                for g in 0..k / gs {
-                    // SAFETY: rows of head t lie inside x (asserted); its buffers are written by
-                    // this task alone and read by matmul tasks only after the release below.
-                    unsafe {
-                        quantize_rows_group(|i| x[i * xs.token + t * xs.head..].as_ptr(), m, dst[t], k, gs, g, split)
-                    };
-                }
-                ready[t].store(1, Ordering::Release);
-                return;
+        let quantize = |h: usize| {
+            for g in 0..k / gs {
+                // SAFETY: rows of head h lie inside x (asserted); its buffers are written by this
+                // call alone and read by matmul tasks only after the release below.
+                unsafe {
+                    quantize_rows_group(|i| x[i * xs.token + h * xs.head..].as_ptr(), m, dst[h], k, gs, g, split)
+                };
             }
-            let t = t - heads;
+            ready[h].store(1, Ordering::Release);
+        };
+        // The first `nx` tasks quantise one head each (none: the caller already has).
+        let nx = if caller_quantises() {
+            (0..heads).for_each(quantize);
+            0
+        } else {
+            heads
+        };
+        pool.run(nx + total.div_ceil(per), &|t, ctx| {
+            let _guard = FailOnUnwind(&failed);
+            if t < nx {
+                return quantize(t);
+            }
+            let t = t - nx;
             let end = ((t + 1) * per).min(total);
             let mut u = t * per;
             while u < end {

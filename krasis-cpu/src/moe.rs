@@ -97,6 +97,15 @@ pub fn split_factor() -> usize {
     *S.get_or_init(|| if std::env::var("KRASIS_ACT_SPLIT").is_ok_and(|v| v == "0") { 1 } else { 2 })
 }
 
+/// `KRASIS_DENSE_XQ=caller`: [`PoolMatmul`] and [`crate::heads::HeadMatmul`] quantise their
+/// activations on the calling thread before the dispatch instead of in its first tasks (read
+/// once; for measuring what the in-dispatch quantisation saves, or costs where the workers'
+/// cores are shared and a waiting task spins while the quantising one is descheduled).
+pub(crate) fn caller_quantises() -> bool {
+    static C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *C.get_or_init(|| std::env::var("KRASIS_DENSE_XQ").is_ok_and(|v| v == "caller"))
+}
+
 /// `KRASIS_MOE_SUM=serial`: [`PoolExperts`] add the experts' outputs after the dispatch, on the
 /// calling thread (the former runner; for measuring what the in-dispatch sum saves).
 fn fused_sum_env() -> bool {
@@ -226,8 +235,16 @@ impl PoolMatmul {
         // and matmul tasks wait for all groups (a few µs) with their weights' first bytes
         // already on the way, instead of the caller quantising alone before the dispatch.
         let perx = ng.div_ceil(pool.threads()).max(1);
-        let nx = ng.div_ceil(perx);
+        let mut nx = ng.div_ceil(perx);
         let (x_ready, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+        if caller_quantises() {
+            for g in 0..ng {
+                // SAFETY: x is m×k (asserted); no task runs yet.
+                unsafe { quantize_rows_group(|i| x[i * k..].as_ptr(), m, dst, k, gs, g, split) };
+            }
+            x_ready.store(ng, Ordering::Release);
+            nx = 0;
+        }
         let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
         pool.run(nx + total.div_ceil(per), &|t, ctx| {
             let _guard = FailOnUnwind(&failed);
