@@ -30,7 +30,7 @@ pub const FILE_PREFIX: &str = "dense_";
 /// First eight bytes of every dense-weight cache file.
 pub const DENSE_MAGIC: [u8; 8] = *b"KRASISDC";
 /// Version of the layout in docs/FORMATS.md; a file of another version is stale.
-pub const DENSE_FORMAT_VERSION: u32 = 1;
+pub const DENSE_FORMAT_VERSION: u32 = 2;
 /// Alignment of every entry in the file and in memory: whole pages, so an entry is read straight
 /// into its place and starts on a cache line (the packed kernels' chunks are 64-byte aligned).
 pub const ENTRY_ALIGN: u64 = 4096;

@@ -173,7 +173,7 @@ fn hostile_header_sizes_are_refused_before_allocating() {
     let mut huge = hdr(5);
     huge.entries[0].bytes = 1 << 62;
     let json = serde_json::json!({
-        "format_version": 1, "layout": "test-v1", "config_hash": "0x0000000000000005", "bits": 8,
+        "format_version": DENSE_FORMAT_VERSION, "layout": "test-v1", "config_hash": "0x0000000000000005", "bits": 8,
         "group_size": 128, "entry_align": 4096, "data_bytes": (1u64 << 62) + 4096 + 12288,
         "entries": [
             {"name": "a.q", "rows": 16, "cols": 64, "group_size": 64, "bytes": 1u64 << 62, "offset": 0},
@@ -185,7 +185,7 @@ fn hostile_header_sizes_are_refused_before_allocating() {
     .to_string();
     let mut pre = [0u8; 64];
     pre[0..8].copy_from_slice(b"KRASISDC");
-    pre[8..12].copy_from_slice(&1u32.to_le_bytes());
+    pre[8..12].copy_from_slice(&DENSE_FORMAT_VERSION.to_le_bytes());
     pre[16..24].copy_from_slice(&(json.len() as u64).to_le_bytes());
     pre[24..32].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(json.as_bytes()).to_le_bytes());
     std::fs::write(&p, [&pre[..], json.as_bytes()].concat()).unwrap();

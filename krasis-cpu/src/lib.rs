@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod heads;
 pub mod isa;
 pub mod linear;
 pub mod membw;

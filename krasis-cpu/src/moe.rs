@@ -37,7 +37,7 @@ pub const TASKS_PER_WORKER: usize = 2;
 
 /// Tasks per worker of a [`PoolMatmul`] (fewer leaves workers idle in the last round, more pays
 /// the atomic claim per task for nothing; not re-measured with the expert runner's change).
-const MATMUL_TASKS_PER_WORKER: usize = 4;
+pub(crate) const MATMUL_TASKS_PER_WORKER: usize = 4;
 
 /// `KRASIS_TASKS_PER_WORKER`, if set (read once; a tuning knob for both runners).
 fn tasks_per_worker_env() -> Option<usize> {
@@ -46,7 +46,7 @@ fn tasks_per_worker_env() -> Option<usize> {
 }
 
 /// Units (row blocks) per [`PoolMatmul`] task for `total` units over `workers`.
-fn units_per_task(total: usize, workers: usize) -> usize {
+pub(crate) fn units_per_task(total: usize, workers: usize) -> usize {
     let t = tasks_per_worker_env().unwrap_or(MATMUL_TASKS_PER_WORKER);
     total.div_ceil(t * workers.max(1)).max(1)
 }
@@ -80,7 +80,7 @@ pub fn quantize_acts_split(x: &[f32], m: usize, k: usize, gs: usize, resid: &mut
 }
 
 /// Size `a` for `m` rows of `k` in groups of `gs` (contents left as they were).
-fn shape_acts(a: &mut QuantizedActs, m: usize, k: usize, gs: usize) {
+pub(crate) fn shape_acts(a: &mut QuantizedActs, m: usize, k: usize, gs: usize) {
     let ng = k / gs;
     a.m = m;
     a.k = k;
@@ -95,6 +95,15 @@ fn shape_acts(a: &mut QuantizedActs, m: usize, k: usize, gs: usize) {
 pub fn split_factor() -> usize {
     static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *S.get_or_init(|| if std::env::var("KRASIS_ACT_SPLIT").is_ok_and(|v| v == "0") { 1 } else { 2 })
+}
+
+/// `KRASIS_DENSE_XQ=caller`: [`PoolMatmul`] and [`crate::heads::HeadMatmul`] quantise their
+/// activations on the calling thread before the dispatch instead of in its first tasks (read
+/// once; for measuring what the in-dispatch quantisation saves, or costs where the workers'
+/// cores are shared and a waiting task spins while the quantising one is descheduled).
+pub(crate) fn caller_quantises() -> bool {
+    static C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *C.get_or_init(|| std::env::var("KRASIS_DENSE_XQ").is_ok_and(|v| v == "caller"))
 }
 
 /// `KRASIS_MOE_SUM=serial`: [`PoolExperts`] add the experts' outputs after the dispatch, on the
@@ -118,7 +127,7 @@ pub fn sum_split_rows(out: &mut [f32], m: usize, w: usize) {
 
 /// Raw pointer for disjoint writes from pool tasks.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+pub(crate) struct OutPtr(pub(crate) *mut f32);
 // SAFETY: every task writes a disjoint set of elements (argued at each use).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
@@ -126,7 +135,7 @@ unsafe impl Sync for OutPtr {}
 impl OutPtr {
     /// # Safety
     /// `at..at+src.len()` must be in bounds and written by no other task.
-    unsafe fn write(self, at: usize, src: &[f32]) {
+    pub(crate) unsafe fn write(self, at: usize, src: &[f32]) {
         std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len());
     }
 
@@ -143,14 +152,14 @@ impl OutPtr {
 }
 
 /// Per-worker scratch buffers, each touched only by its worker.
-struct WorkerScratch(Vec<Mutex<Vec<f32>>>);
+pub(crate) struct WorkerScratch(Vec<Mutex<Vec<f32>>>);
 
 impl WorkerScratch {
-    fn new(workers: usize) -> Self {
+    pub(crate) fn new(workers: usize) -> Self {
         WorkerScratch((0..workers).map(|_| Mutex::new(Vec::new())).collect())
     }
 
-    fn with<R>(&self, worker: usize, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    pub(crate) fn with<R>(&self, worker: usize, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
         let mut v = self.0[worker].lock().unwrap_or_else(|e| e.into_inner());
         if v.len() < len {
             v.resize(len, 0.0);
@@ -162,12 +171,12 @@ impl WorkerScratch {
 /// A packed matrix computed over the pool: `y[m, rows] = x · Wᵀ` (padding rows dropped).
 pub struct PoolMatmul {
     scratch: WorkerScratch,
-    acts: Mutex<(QuantizedActs, Vec<f32>)>,
+    acts: Mutex<QuantizedActs>,
 }
 
 impl PoolMatmul {
     pub fn new(pool: &WorkerPool) -> Self {
-        PoolMatmul { scratch: WorkerScratch::new(pool.threads()), acts: Mutex::new((QuantizedActs::new(), Vec::new())) }
+        PoolMatmul { scratch: WorkerScratch::new(pool.threads()), acts: Mutex::new(QuantizedActs::new()) }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -181,29 +190,97 @@ impl PoolMatmul {
         m: usize,
         y: &mut [f32],
     ) {
-        let rows = layout.rows;
-        assert_eq!(y.len(), m * rows, "PoolMatmul: y must be m×rows = {m}×{rows}");
+        self.run_many(pool, isa, &[(w, layout)], x, m, &mut [y]);
+    }
+
+    /// Several packed matrices of one input `x[m, k]` in one dispatch: `ys[j][m, rows_j] = x ·
+    /// W_jᵀ`. The activations are quantised once for all of them; the row blocks of all the
+    /// matrices form one task list. Each `ys[j]` gets exactly what [`PoolMatmul::run`] gives.
+    ///
+    /// # Panics
+    /// When the matrices differ in K or group size, or a `ys[j]` is not `m × rows_j`.
+    pub fn run_many(
+        &self,
+        pool: &WorkerPool,
+        isa: Isa,
+        mats: &[(&[u8], &PackedLayout)],
+        x: &[f32],
+        m: usize,
+        ys: &mut [&mut [f32]],
+    ) {
+        let Some(&(_, first)) = mats.first() else { return };
+        assert_eq!(mats.len(), ys.len(), "PoolMatmul: {} matrices, {} outputs", mats.len(), ys.len());
+        for ((_, l), y) in mats.iter().zip(ys.iter()) {
+            assert!(l.k == first.k && l.gs == first.gs, "PoolMatmul: matrices of one input differ in K or group size");
+            assert_eq!(y.len(), m * l.rows, "PoolMatmul: y must be m×rows = {m}×{}", l.rows);
+        }
+        assert_eq!(x.len(), m * first.k, "PoolMatmul: x must be m×k = {m}×{}", first.k);
+        let (k, gs, split) = (first.k, first.gs, split_factor());
+        let ng = k / gs;
         let mut guard = self.acts.lock().unwrap_or_else(|e| e.into_inner());
-        let (acts, tmp) = &mut *guard;
-        quantize_acts_split(x, m, layout.k, layout.gs, tmp, acts);
+        let acts = &mut *guard;
+        shape_acts(acts, split * m, k, gs);
+        let dst = ActBufs::of(acts);
         let acts = &*acts;
-        let nb = layout.row_blocks();
-        let per = units_per_task(nb, pool.threads());
-        let tasks = nb.div_ceil(per);
-        let out = OutPtr(y.as_mut_ptr());
-        pool.run(tasks, &|t, ctx| {
-            let b0 = t * per;
-            let b1 = (b0 + per).min(nb);
-            let cols = (b1 - b0) * ROW_BLOCK;
-            self.scratch.with(ctx.worker, split_factor() * m * cols, |tmp| {
-                matmul_packed(isa, w, layout, acts, b0..b1, tmp);
-                sum_split_rows(tmp, m, cols);
-                let keep = cols.min(rows - b0 * ROW_BLOCK);
-                for i in 0..m {
-                    // SAFETY: task t owns columns [16·b0, 16·b0 + keep) of every row of y.
-                    unsafe { out.write(i * rows + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
+        // Matrix j's row blocks are units starts[j]..starts[j + 1] of the one task list.
+        let mut starts = Vec::with_capacity(mats.len() + 1);
+        starts.push(0);
+        for (_, l) in mats {
+            starts.push(starts.last().copied().unwrap_or(0) + l.row_blocks());
+        }
+        let total = *starts.last().unwrap_or(&0);
+        let per = units_per_task(total, pool.threads());
+        // The activations are quantised inside the dispatch: the first `nx` tasks (claimed
+        // first: the pool hands out tasks in order) quantise about one round of group ranges,
+        // and matmul tasks wait for all groups (a few µs) with their weights' first bytes
+        // already on the way, instead of the caller quantising alone before the dispatch.
+        let perx = ng.div_ceil(pool.threads()).max(1);
+        let mut nx = ng.div_ceil(perx);
+        let (x_ready, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+        if caller_quantises() {
+            for g in 0..ng {
+                // SAFETY: x is m×k (asserted); no task runs yet.
+                unsafe { quantize_rows_group(|i| x[i * k..].as_ptr(), m, dst, k, gs, g, split) };
+            }
+            x_ready.store(ng, Ordering::Release);
+            nx = 0;
+        }
+        let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+        pool.run(nx + total.div_ceil(per), &|t, ctx| {
+            let _guard = FailOnUnwind(&failed);
+            if t < nx {
+                let (g0, g1) = (t * perx, ((t + 1) * perx).min(ng));
+                for g in g0..g1 {
+                    // SAFETY: x is m×k (asserted); group g of every row is written by this task
+                    // alone and read by matmul tasks only after the release below.
+                    unsafe { quantize_rows_group(|i| x[i * k..].as_ptr(), m, dst, k, gs, g, split) };
                 }
-            })
+                x_ready.fetch_add(g1 - g0, Ordering::Release);
+                return;
+            }
+            let t = t - nx;
+            let end = ((t + 1) * per).min(total);
+            let mut u = t * per;
+            while u < end {
+                let j = starts.partition_point(|&s| s <= u) - 1;
+                let (w, layout) = mats[j];
+                let (b0, rows) = (u - starts[j], layout.rows);
+                let b1 = (end - starts[j]).min(layout.row_blocks());
+                let bb = layout.block_bytes();
+                wait_ready(&x_ready, ng, &failed, &w[b0 * bb..(b0 * bb + X_WAIT_PREFETCH).min(b1 * bb)]);
+                let cols = (b1 - b0) * ROW_BLOCK;
+                self.scratch.with(ctx.worker, split * m * cols, |tmp| {
+                    matmul_packed(isa, w, layout, acts, b0..b1, tmp);
+                    sum_split_rows(tmp, m, cols);
+                    let keep = cols.min(rows - b0 * ROW_BLOCK);
+                    for i in 0..m {
+                        // SAFETY: this task alone owns columns [16·b0, 16·b0 + keep) of every row
+                        // of ys[j] (the tasks' unit ranges are disjoint); in bounds (asserted).
+                        unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
+                    }
+                });
+                u += b1 - b0;
+            }
         });
     }
 }
@@ -272,7 +349,7 @@ impl W2Mode {
 /// for disjoint writes from pool tasks (and reads after the writes, ordered by the progress
 /// counters).
 #[derive(Clone, Copy)]
-struct ActBufs {
+pub(crate) struct ActBufs {
     q: *mut i8,
     scales: *mut f32,
     sums: *mut i32,
@@ -283,7 +360,7 @@ unsafe impl Send for ActBufs {}
 unsafe impl Sync for ActBufs {}
 
 impl ActBufs {
-    fn of(a: &mut QuantizedActs) -> ActBufs {
+    pub(crate) fn of(a: &mut QuantizedActs) -> ActBufs {
         ActBufs { q: a.q.as_mut_ptr(), scales: a.scales.as_mut_ptr(), sums: a.sums.as_mut_ptr() }
     }
 }
@@ -431,7 +508,7 @@ pub struct ExpertJob<'a> {
 
 /// Sets the flag if dropped while unwinding (a task panicked), so waiters stop waiting for work
 /// that will never complete.
-struct FailOnUnwind<'a>(&'a AtomicBool);
+pub(crate) struct FailOnUnwind<'a>(pub(crate) &'a AtomicBool);
 
 impl Drop for FailOnUnwind<'_> {
     fn drop(&mut self) {
@@ -450,7 +527,7 @@ const X_WAIT_PREFETCH: usize = 16 << 10;
 
 /// Wait until `ready` reaches `want`; before spinning, pull `upcoming` (the weights the waiter
 /// reads next) towards L2 so the wait still streams memory. Panics if `failed` is set.
-fn wait_ready(ready: &AtomicUsize, want: usize, failed: &AtomicBool, upcoming: &[u8]) {
+pub(crate) fn wait_ready(ready: &AtomicUsize, want: usize, failed: &AtomicBool, upcoming: &[u8]) {
     if ready.load(Ordering::Acquire) >= want {
         return;
     }
@@ -1062,7 +1139,7 @@ unsafe fn copy_groups(src: ActBufs, dst: &mut QuantizedActs, groups: std::ops::R
 /// `row(i)` must point at `k` readable floats whose group `g` is complete and visible to this
 /// thread; `dst` must hold `split·m` rows of `k` (and their groups), and no other thread may
 /// access group `g` of those rows meanwhile.
-unsafe fn quantize_rows_group(
+pub(crate) unsafe fn quantize_rows_group(
     row: impl Fn(usize) -> *const f32,
     m: usize,
     dst: ActBufs,
@@ -1093,7 +1170,7 @@ unsafe fn quantize_rows_group(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::activation::silu;
     use crate::pool::PoolPlan;
@@ -1101,7 +1178,7 @@ mod tests {
     use krasis_quant::group::{dequantize, quantize};
     use krasis_quant::Bits;
 
-    fn data(n: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn data(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed | 1;
         (0..n)
             .map(|_| {
@@ -1150,7 +1227,7 @@ mod tests {
         matvec(&ex.f[2], &a)
     }
 
-    fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    pub(crate) fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
         let n: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let d: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (n / d).sqrt()
@@ -1415,6 +1492,53 @@ mod tests {
             let want = matvec(&wf, &x[i * k..(i + 1) * k]);
             let e = rel_l2(&y[i * rows..(i + 1) * rows], &want);
             assert!(e < 1e-4, "row {i}: {e:.2e}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 16, ..Default::default() })]
+
+        /// Matrices of one input in one dispatch give each exactly its own `run`'s numbers, for
+        /// ragged row counts, 1–4 matrices, 1–5 workers and 1–3 tokens.
+        #[test]
+        fn run_many_equals_one_run_per_matrix(
+            rows in proptest::collection::vec(1usize..70, 1..5),
+            k32 in 1usize..4,
+            m in 1usize..4,
+            workers in 1usize..6,
+        ) {
+            let k = 32 * k32;
+            let pool = WorkerPool::new(PoolPlan::simulated(1, workers)).unwrap();
+            let mats: Vec<(Vec<u8>, PackedLayout)> = rows
+                .iter()
+                .enumerate()
+                .map(|(j, &r)| {
+                    let q = quantize(&data(r * k, 20 + j as u64), r, k, if j % 2 == 0 { Bits::Int8 } else { Bits::Int4 }, 32);
+                    (pack(&q), PackedLayout::of(&q))
+                })
+                .collect();
+            let x = data(m * k, 9);
+            let pm = PoolMatmul::new(&pool);
+            let mut many: Vec<Vec<f32>> = rows.iter().map(|&r| vec![f32::NAN; m * r]).collect();
+            let refs: Vec<(&[u8], &PackedLayout)> = mats.iter().map(|(w, l)| (w.as_slice(), l)).collect();
+            let mut outs: Vec<&mut [f32]> = many.iter_mut().map(|v| v.as_mut_slice()).collect();
+            pm.run_many(&pool, crate::isa::active(), &refs, &x, m, &mut outs);
+            let (mut acts, mut resid) = (QuantizedActs::new(), Vec::new());
+            quantize_acts_split(&x, m, k, 32, &mut resid, &mut acts);
+            for ((w, l), got) in mats.iter().zip(&many) {
+                let mut want = vec![0f32; m * l.rows];
+                pm.run(&pool, crate::isa::active(), w, l, &x, m, &mut want);
+                proptest::prop_assert_eq!(got, &want);
+                // The in-dispatch quantisation is the caller-side one: the same numbers as
+                // quantising first and running the kernel over every block.
+                let cols = l.row_blocks() * ROW_BLOCK;
+                let mut serial = vec![0f32; split_factor() * m * cols];
+                matmul_packed(crate::isa::Isa::Scalar, w, l, &acts, 0..l.row_blocks(), &mut serial);
+                sum_split_rows(&mut serial, m, cols);
+                for i in 0..m {
+                    proptest::prop_assert_eq!(&got[i * l.rows..(i + 1) * l.rows], &serial[i * cols..i * cols + l.rows]);
+                }
+            }
         }
     }
 }

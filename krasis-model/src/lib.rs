@@ -19,6 +19,7 @@ pub mod gpu;
 pub mod linear;
 pub mod load;
 pub mod memory;
+pub mod packed_ops;
 pub mod precision;
 pub mod quantized;
 pub mod rope;

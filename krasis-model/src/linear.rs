@@ -2,7 +2,11 @@
 //! names a dtype, block format or instruction set.
 
 use krasis_core::DType;
+use krasis_cpu::isa::Isa;
 use krasis_cpu::linear::{linear, WeightRows};
+use krasis_cpu::moe::PoolMatmul;
+use krasis_cpu::pool::WorkerPool;
+use krasis_quant::cpu_layout::PackedLayout;
 
 use crate::source::SharedBytes;
 
@@ -13,6 +17,40 @@ pub trait LinearOp: Send + Sync {
     fn forward(&self, x: &[f32], m: usize, y: &mut [f32]);
     /// Bytes of weight this op reads per call.
     fn weight_bytes(&self) -> usize;
+    /// A quantised op's packed weights and how it runs them, for fused dispatches that read
+    /// them directly (`None`: not packed).
+    fn packed(&self) -> Option<PackedRef<'_>> {
+        None
+    }
+}
+
+/// A packed linear's weights, layout, pool and runner ([`LinearOp::packed`]).
+pub struct PackedRef<'a> {
+    pub bytes: &'a [u8],
+    pub layout: &'a PackedLayout,
+    pub pool: &'a WorkerPool,
+    pub matmul: &'a PoolMatmul,
+    pub isa: Isa,
+}
+
+/// `ys[j] = ops[j](x)` for linears of one input: one pool dispatch with the activations quantised
+/// once when all are packed alike on one pool (same K and group size), else one call each.
+pub fn forward_shared_input(ops: &[&dyn LinearOp], x: &[f32], m: usize, ys: &mut [&mut [f32]]) {
+    let packed: Option<Vec<PackedRef<'_>>> = ops.iter().map(|o| o.packed()).collect();
+    if let Some(p) = packed.filter(|p| {
+        p.iter().all(|r| {
+            std::ptr::eq(r.pool, p[0].pool)
+                && r.isa == p[0].isa
+                && r.layout.k == p[0].layout.k
+                && r.layout.gs == p[0].layout.gs
+        })
+    }) {
+        let mats: Vec<(&[u8], &PackedLayout)> = p.iter().map(|r| (r.bytes, r.layout)).collect();
+        return p[0].matmul.run_many(p[0].pool, p[0].isa, &mats, x, m, ys);
+    }
+    for (op, y) in ops.iter().zip(ys.iter_mut()) {
+        op.forward(x, m, y);
+    }
 }
 
 /// Weights as stored (zero-copy from the mapping) or dequantised into f32.

@@ -109,7 +109,7 @@ fn open_cached_dense(
     opts: &EngineOptions,
     pool: &Arc<WorkerPool>,
     log: &mut Vec<String>,
-) -> Result<Box<PrebuiltDense<'static>>> {
+) -> Result<Box<dyn PrebuiltDense>> {
     let t = Instant::now();
     let (cache, outcome) = open_dense_cache(files, bits, opts.group_size, opts.cache_dir.as_deref())?;
     match &outcome {

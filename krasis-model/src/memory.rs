@@ -5,9 +5,9 @@ use krasis_quant::group::DEFAULT_GROUP_SIZE;
 
 use krasis_core::DType;
 
-use crate::dense_cache::quantised_linears;
+use crate::dense_cache::{planned_entries, PlannedKind};
 use crate::precision::resolve_expert_bits;
-use crate::quantized::{dense_layout, dense_quant_bits, expected_cache_header, quant_bits};
+use crate::quantized::{dense_quant_bits, expected_cache_header, quant_bits};
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, SourceQuant};
 use crate::tensors::{expected_tensors, is_matrix, TensorRole, TensorSpec};
@@ -118,19 +118,26 @@ pub fn cpu_estimate(
     };
     let process_bytes = PROCESS_BYTES + spec.vocab_size as u64 * TOKENIZER_BYTES_PER_TOKEN;
     let mut est = MemoryEstimate { process_bytes, ..MemoryEstimate::default() };
-    let linears = quantised_linears(spec).unwrap_or_default();
-    let dense_quant = dense_quant_bits(dense).ok().flatten().filter(|_| !linears.is_empty());
+    let entries = planned_entries(spec).unwrap_or_default();
+    let dense_quant = dense_quant_bits(dense).ok().flatten().filter(|_| !entries.is_empty());
     let mut lm_head_whole = false;
-    for (name, t) in &linears {
-        let bytes = match dense_quant {
-            Some(bits) => match dense_layout(t.shape[0], t.shape[1], bits, group, name) {
-                Ok(l) => (l.bytes() as u64).div_ceil(PAGE) * PAGE,
-                Err(_) => held(t),
-            },
-            None => held(t),
+    // `kv_b` is in f32 unless the dense-weight cache holds it packed.
+    let mut kv_b_packed = false;
+    for p in &entries {
+        let kv_b = matches!(p.kind, PlannedKind::KvB { .. });
+        let bytes = match dense_quant.map(|bits| p.shape(bits, group)) {
+            Some(Ok(Some(s))) => {
+                kv_b_packed |= kv_b;
+                (s.bytes as u64).div_ceil(PAGE) * PAGE
+            }
+            // kv_b left in f32: counted with the tensors below.
+            _ if kv_b => 0,
+            _ => p.tensors().iter().map(|t| held(t)).sum(),
         };
         // A tied LM head left as stored reads the whole embedding (its pages, counted here).
-        lm_head_whole |= t.role == TensorRole::LmHead && spec.tie_word_embeddings && dense_quant.is_none();
+        lm_head_whole |= p.tensors().iter().any(|t| t.role == TensorRole::LmHead)
+            && spec.tie_word_embeddings
+            && dense_quant.is_none();
         est.dense_bytes += bytes;
     }
     let mut routed = 0u64;
@@ -140,7 +147,7 @@ pub fn cpu_estimate(
             TensorRole::RoutedExpert { .. } => routed += held(&t),
             TensorRole::Norm | TensorRole::RouterBias => est.dense_bytes += n * 4,
             TensorRole::Router => est.dense_bytes += held(&t),
-            TensorRole::Attention if t.name.ends_with("kv_b_proj.weight") => est.dense_bytes += n * 4,
+            TensorRole::Attention if t.name.ends_with("kv_b_proj.weight") && !kv_b_packed => est.dense_bytes += n * 4,
             TensorRole::Embedding => {
                 let whole = held(&t);
                 let mapped =

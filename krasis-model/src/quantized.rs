@@ -18,7 +18,8 @@ use rayon::prelude::*;
 use crate::engine::experts::{ExpertExecutor, Routes};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
-use crate::linear::{DenseLinear, LinearOp};
+use crate::linear::{DenseLinear, LinearOp, PackedRef};
+use crate::packed_ops::PackedBytes;
 use crate::precision::{describe_layer_bits, CacheBits, LayerBits};
 use crate::spec::{FfnKind, ModelSpec};
 use crate::weights::WeightLoader;
@@ -62,20 +63,10 @@ fn rows_f32(m: &DenseLinear) -> Vec<f32> {
 /// A dense matrix in the packed CPU layout: quantised at load, or a dense-weight cache entry.
 pub struct QuantLinear {
     layout: PackedLayout,
-    packed: Packed,
+    packed: PackedBytes,
     pool: Arc<WorkerPool>,
     matmul: PoolMatmul,
     isa: Isa,
-}
-
-/// Where a [`QuantLinear`]'s packed bytes live.
-enum Packed {
-    Owned(Vec<u8>),
-    /// Entry `index` of a loaded dense-weight cache (shared by every linear of the model).
-    Cached {
-        cache: Arc<DenseCache>,
-        index: usize,
-    },
 }
 
 /// Rows quantised and packed per task (whole row blocks, so chunks concatenate to the full pack).
@@ -108,7 +99,7 @@ pub fn dense_layout(rows: usize, k: usize, bits: Bits, group: usize, name: &str)
 impl QuantLinear {
     pub fn from_dense(m: &DenseLinear, bits: Bits, group: usize, pool: Arc<WorkerPool>, name: &str) -> Result<Self> {
         let layout = dense_layout(m.out_dim(), m.in_dim(), bits, group, name)?;
-        let packed = Packed::Owned(pack_dense(m, &layout));
+        let packed = PackedBytes::Owned(pack_dense(m, &layout));
         Ok(QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() })
     }
 
@@ -127,15 +118,18 @@ impl QuantLinear {
                 layout.bytes()
             )));
         }
-        let packed = Packed::Cached { cache, index };
+        let packed = PackedBytes::Cached { cache, index };
         Ok(QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() })
     }
 
+    /// Packed bytes already in `layout`'s form (e.g. one half of a fused w13).
+    pub fn from_packed(packed: PackedBytes, layout: PackedLayout, pool: Arc<WorkerPool>) -> Self {
+        assert_eq!(packed.as_slice().len(), layout.bytes(), "QuantLinear::from_packed: size");
+        QuantLinear { matmul: PoolMatmul::new(&pool), layout, packed, pool, isa: isa::active() }
+    }
+
     fn bytes(&self) -> &[u8] {
-        match &self.packed {
-            Packed::Owned(v) => v,
-            Packed::Cached { cache, index } => cache.entry(*index),
-        }
+        self.packed.as_slice()
     }
 }
 
@@ -154,6 +148,16 @@ impl LinearOp for QuantLinear {
 
     fn weight_bytes(&self) -> usize {
         self.bytes().len()
+    }
+
+    fn packed(&self) -> Option<PackedRef<'_>> {
+        Some(PackedRef {
+            bytes: self.bytes(),
+            layout: &self.layout,
+            pool: &self.pool,
+            matmul: &self.matmul,
+            isa: self.isa,
+        })
     }
 }
 

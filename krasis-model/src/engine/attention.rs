@@ -10,16 +10,9 @@ use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
 
-/// Tokens per task of MLA's W_UK absorption and W_UV product in long calls: each `kv_b` row
-/// (2 KiB) is then read once per 8 tokens instead of once per token and head pair (`kv_b` is
-/// 8 MiB of f32 in V2-Lite, far past L2, so per-token tasks re-read it from L3 every time).
-const ABSORB_TOKENS: usize = 8;
-/// Fewest rows of a call that take the token-blocked form: 16 tasks of [`ABSORB_TOKENS`] (a
-/// task per worker of a 16-core pool); shorter calls (decode) keep a task per (token, head) so
-/// one token's heads still spread over the pool.
-pub(crate) const ABSORB_BLOCK_MIN_ROWS: usize = 16 * ABSORB_TOKENS;
 use crate::build::MlaParts;
-use crate::linear::LinearOp;
+use crate::linear::{forward_shared_input, LinearOp};
+use crate::packed_ops::PackedKvB;
 
 /// cos/sin for the rows of one forward call, `[t, half_dim]` each: row `i`'s angles are those of
 /// its own position in its own sequence (a batch concatenates its sequences' tables).
@@ -75,13 +68,28 @@ pub trait AttentionLayer: Send + Sync {
     fn weight_bytes(&self) -> usize;
 }
 
+/// MLA's `kv_b_proj` as the absorbed form reads it.
+pub enum KvB {
+    /// `[heads · (nope + v_dim), latent]` in f32: per head `W_UK` rows then `W_UV` rows.
+    F32(Vec<f32>),
+    /// Per head `W_UKᵀ` and `W_UV`, INT8, each product one pool dispatch over all heads.
+    Packed(Box<PackedKvB>),
+}
+
+impl KvB {
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            KvB::F32(w) => w.len() * 4,
+            KvB::Packed(p) => p.weight_bytes(),
+        }
+    }
+}
+
 pub struct MlaAttention {
     pub dims: MlaDims,
     pub eps: f32,
     pub scale: f32,
-    /// `kv_b` is `kv_b_proj` in f32, `[heads · (nope + v_dim), latent]`: per head `W_UK` rows then
-    /// `W_UV` rows.
-    pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, Vec<f32>>,
+    pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>,
 }
 
 impl AttentionLayer for MlaAttention {
@@ -93,7 +101,7 @@ impl AttentionLayer for MlaAttention {
         self.w.q_a.as_ref().map_or(0, |(a, _)| a.weight_bytes())
             + self.w.q_b.weight_bytes()
             + self.w.kv_a.weight_bytes()
-            + self.w.kv_b.len() * 4
+            + self.w.kv_b.weight_bytes()
             + self.w.o.weight_bytes()
     }
 
@@ -102,63 +110,44 @@ impl AttentionLayer for MlaAttention {
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let qk = nope + rd;
         let mut q = vec![0f32; t * h * qk];
+        let row = lat + rd;
+        let mut kva = vec![0f32; t * row];
+        // The projections of x in one dispatch (activations quantised once).
         match &self.w.q_a {
             Some((q_a, norm)) => {
                 let mut qa = vec![0f32; t * q_a.out_dim()];
-                q_a.forward(x, t, &mut qa);
+                forward_shared_input(&[q_a.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut qa, &mut kva]);
                 rms_norm_rows(&mut qa, norm, self.eps);
                 self.w.q_b.forward(&qa, t, &mut q);
             }
-            None => self.w.q_b.forward(x, t, &mut q),
+            None => forward_shared_input(&[self.w.q_b.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut q, &mut kva]),
         }
-        let row = lat + rd;
-        let mut kva = vec![0f32; t * row];
-        self.w.kv_a.forward(x, t, &mut kva);
         for (i, r) in kva.chunks_exact_mut(row).enumerate() {
             rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
         }
 
-        // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head).
+        // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head); the rope part rotated beside it.
         let isa = isa::active();
         let per_head = nope + vd;
         let mut q_abs = vec![0f32; t * h * row];
-        let pe_of = |i: usize, hh: usize, pe: &mut [f32]| {
-            pe.copy_from_slice(&q[(i * h + hh) * qk + nope..(i * h + hh + 1) * qk]);
-            rope.rotate(i, pe);
-        };
-        if t >= ABSORB_BLOCK_MIN_ROWS {
-            // Tokens in blocks: each W_UK row is read once per block, and every output gets the
-            // same axpys in the same order as below.
-            krasis_cpu::par::for_each_chunk_mut(&mut q_abs, ABSORB_TOKENS * h * row, &|blk, qa| {
-                let (i0, nt) = (blk * ABSORB_TOKENS, qa.len() / (h * row));
-                for hh in 0..h {
-                    for ti in 0..nt {
-                        qa[(ti * h + hh) * row..(ti * h + hh) * row + lat].fill(0.0);
-                    }
-                    for d in 0..nope {
-                        let wrow = &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat];
-                        for ti in 0..nt {
-                            let qn = q[((i0 + ti) * h + hh) * qk + d];
-                            axpy(isa, qn, wrow, &mut qa[(ti * h + hh) * row..(ti * h + hh) * row + lat]);
-                        }
-                    }
-                    for ti in 0..nt {
-                        pe_of(i0 + ti, hh, &mut qa[(ti * h + hh) * row + lat..(ti * h + hh + 1) * row]);
-                    }
-                }
-            });
-        } else {
-            krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
+        match &self.w.kv_b {
+            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
                 let (i, hh) = (idx / h, idx % h);
                 let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
-                let (lat_part, pe_part) = qa.split_at_mut(lat);
+                let lat_part = &mut qa[..lat];
                 lat_part.fill(0.0);
                 for (d, &qn) in qh[..nope].iter().enumerate() {
-                    axpy(isa, qn, &self.w.kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
+                    axpy(isa, qn, &kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
                 }
-                pe_of(i, hh, pe_part);
-            });
+            }),
+            KvB::Packed(p) => p.absorb(&q, qk, t, &mut q_abs, row),
+        }
+        for (idx, qa) in q_abs.chunks_exact_mut(row).enumerate() {
+            let (i, hh) = (idx / h, idx % h);
+            let pe_part = &mut qa[lat..];
+            pe_part.copy_from_slice(&q[(i * h + hh) * qk + nope..(i * h + hh + 1) * qk]);
+            rope.rotate(i, pe_part);
         }
 
         let mut o_lat = vec![0f32; t * h * lat];
@@ -167,32 +156,18 @@ impl AttentionLayer for MlaAttention {
             causal_attention(q, n, h, q_start, &kv.view(), self.scale, &mut o_lat[off * h * lat..(off + n) * h * lat]);
         });
 
-        // Apply W_UV per head (in token blocks for long calls, as the absorption above).
+        // Apply W_UV per head.
         let mut o = vec![0f32; t * h * vd];
-        let uv_row = |hh: usize, j: usize| {
-            let r = hh * per_head + nope + j;
-            &self.w.kv_b[r * lat..(r + 1) * lat]
-        };
-        if t >= ABSORB_BLOCK_MIN_ROWS {
-            krasis_cpu::par::for_each_chunk_mut(&mut o, ABSORB_TOKENS * h * vd, &|blk, ob| {
-                let (i0, nt) = (blk * ABSORB_TOKENS, ob.len() / (h * vd));
-                for hh in 0..h {
-                    for j in 0..vd {
-                        let wrow = uv_row(hh, j);
-                        for ti in 0..nt {
-                            let idx = (i0 + ti) * h + hh;
-                            ob[(ti * h + hh) * vd + j] = dot(isa, wrow, &o_lat[idx * lat..(idx + 1) * lat]);
-                        }
-                    }
-                }
-            });
-        } else {
-            krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
+        match &self.w.kv_b {
+            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
+                let hh = idx % h;
                 let ol = &o_lat[idx * lat..(idx + 1) * lat];
                 for (j, v) in ov.iter_mut().enumerate() {
-                    *v = dot(isa, uv_row(idx % h, j), ol);
+                    let r = hh * per_head + nope + j;
+                    *v = dot(isa, &kv_b[r * lat..(r + 1) * lat], ol);
                 }
-            });
+            }),
+            KvB::Packed(p) => p.apply_uv(&o_lat, t, &mut o),
         }
         self.w.o.forward(&o, t, out);
     }
@@ -230,9 +205,8 @@ impl AttentionLayer for GqaAttention {
         let mut q = vec![0f32; t * h * hd];
         let mut k = vec![0f32; t * kvh * hd];
         let mut v = vec![0f32; t * kvh * hd];
-        self.q_proj.forward(x, t, &mut q);
-        self.k_proj.forward(x, t, &mut k);
-        self.v_proj.forward(x, t, &mut v);
+        let ops = [self.q_proj.as_ref(), self.k_proj.as_ref(), self.v_proj.as_ref()];
+        forward_shared_input(&ops, x, t, &mut [&mut q, &mut k, &mut v]);
         if let Some((qn, kn)) = &self.qk_norm {
             rms_norm_rows(&mut q, qn, self.eps);
             rms_norm_rows(&mut k, kn, self.eps);

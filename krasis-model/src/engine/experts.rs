@@ -104,7 +104,7 @@ impl ReferenceExperts {
         experts: &[crate::tensors::MlpTensors],
     ) -> crate::Result<Self> {
         let mlp = |m: &crate::tensors::MlpTensors| -> crate::Result<Mlp> {
-            Ok(Mlp {
+            Ok(Mlp::Separate {
                 gate: Box::new(w.matrix_of(&m.gate)?),
                 up: Box::new(w.matrix_of(&m.up)?),
                 down: Box::new(w.matrix_of(&m.down)?),

@@ -4,31 +4,57 @@
 use krasis_cpu::activation::silu_mul;
 
 use super::experts::{LayerExperts, Routes};
-use crate::linear::LinearOp;
+use crate::linear::{forward_shared_input, LinearOp};
+use crate::packed_ops::PooledMlp;
 use crate::router::route;
 use crate::spec::RoutingRule;
 
-pub struct Mlp {
-    pub gate: Box<dyn LinearOp>,
-    pub up: Box<dyn LinearOp>,
-    pub down: Box<dyn LinearOp>,
+pub enum Mlp {
+    /// Three linears, one after another (the reference path, or quantised linears).
+    Separate { gate: Box<dyn LinearOp>, up: Box<dyn LinearOp>, down: Box<dyn LinearOp> },
+    /// Fused gate+up and down from the dense-weight cache, one pool dispatch.
+    Pooled(Box<PooledMlp>),
 }
 
 impl Mlp {
     pub fn weight_bytes(&self) -> usize {
-        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+        match self {
+            Mlp::Separate { gate, up, down } => gate.weight_bytes() + up.weight_bytes() + down.weight_bytes(),
+            Mlp::Pooled(p) => p.weight_bytes(),
+        }
     }
 
     /// `out[t, hidden] = down(silu(gate(x)) · up(x))`.
     pub fn forward(&self, x: &[f32], t: usize, out: &mut [f32]) {
-        let i = self.gate.out_dim();
-        let mut g = vec![0f32; t * i];
-        let mut u = vec![0f32; t * i];
-        self.gate.forward(x, t, &mut g);
-        self.up.forward(x, t, &mut u);
-        let mut a = vec![0f32; t * i];
-        silu_mul(&g, &u, &mut a);
-        self.down.forward(&a, t, out);
+        match self {
+            Mlp::Separate { gate, up, down } => {
+                let i = gate.out_dim();
+                let mut g = vec![0f32; t * i];
+                let mut u = vec![0f32; t * i];
+                forward_shared_input(&[gate.as_ref(), up.as_ref()], x, t, &mut [&mut g, &mut u]);
+                let mut a = vec![0f32; t * i];
+                silu_mul(&g, &u, &mut a);
+                down.forward(&a, t, out);
+            }
+            Mlp::Pooled(p) => {
+                out.fill(0.0);
+                p.forward_add(x, t, out);
+            }
+        }
+    }
+
+    /// `out[t, hidden] += down(silu(gate(x)) · up(x))`.
+    pub fn forward_add(&self, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
+        match self {
+            Mlp::Separate { .. } => {
+                let mut s = vec![0f32; t * hidden];
+                self.forward(x, t, &mut s);
+                for (o, v) in out.iter_mut().zip(&s) {
+                    *o += v;
+                }
+            }
+            Mlp::Pooled(p) => p.forward_add(x, t, out),
+        }
     }
 }
 
@@ -57,11 +83,7 @@ impl MoeBlock {
         stats.add_expert(started.elapsed());
         if let Some(shared) = &self.shared {
             let started = std::time::Instant::now();
-            let mut s = vec![0f32; t * hidden];
-            shared.forward(x, t, &mut s);
-            for (o, v) in out.iter_mut().zip(&s) {
-                *o += v;
-            }
+            shared.forward_add(x, t, hidden, out);
             stats.add_shared(started.elapsed());
         }
     }

@@ -14,17 +14,24 @@ use std::sync::Arc;
 
 use krasis_cpu::norm::rms_norm_rows;
 
-use self::attention::{AttentionLayer, GqaAttention, MlaAttention, RopeBatch, SeqKv};
+use krasis_cpu::pool::WorkerPool;
+use krasis_quant::cpu_layout::PackedLayout;
+use krasis_quant::Bits;
+
+use self::attention::{AttentionLayer, GqaAttention, KvB, MlaAttention, RopeBatch, SeqKv};
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{Ffn, Mlp, MoeBlock};
 use self::kv::LayerKv;
 use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
+use crate::dense_cache::{kv_b_entry_name, w13_entry_name};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
+use crate::packed_ops::{kv_b_layouts, w13_layout, PackedBytes, PackedKvB, PooledMlp};
+use crate::quantized::QuantLinear;
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, ModelSpec, RoutingRule};
+use crate::spec::{AttentionSpec, MlaDims, ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorRole, TensorSpec};
 use crate::weights::WeightLoader;
 
@@ -154,9 +161,36 @@ pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>>
     Ok(boxed(l))
 }
 
-/// Dense linears already in their run-time form, by [`linear_name`] (the dense-weight cache):
-/// `Some` skips the source tensor altogether, `None` loads it through the [`DenseFactory`].
-pub type PrebuiltDense<'a> = dyn Fn(&str) -> Option<Result<Box<dyn LinearOp>>> + 'a;
+/// Dense weights already in their run-time form, by name (the dense-weight cache): `Some` skips
+/// the source tensor altogether, `None` loads it through the [`DenseFactory`] (a linear) or
+/// keeps it in f32 (`kv_b`) or as two linears (gate and up).
+pub trait PrebuiltDense {
+    /// The linear named [`linear_name`].
+    fn linear(&self, name: &str) -> Option<Result<Box<dyn LinearOp>>>;
+    /// The packed bytes of a fused entry (`crate::dense_cache::w13_entry_name`,
+    /// `crate::dense_cache::kv_b_entry_name`).
+    fn packed(&self, name: &str) -> Option<PackedBytes>;
+    /// The width of the packed linears.
+    fn bits(&self) -> Bits;
+    /// The group size asked for when packing (what fused entries' layouts derive from).
+    fn group(&self) -> usize;
+    fn pool(&self) -> &Arc<WorkerPool>;
+}
+
+/// `KRASIS_MLP=linears` runs a cached fused gate+up as two linears (one dispatch for both,
+/// then down) instead of one pooled expert (read once; for measuring what the one-dispatch
+/// runner saves).
+fn mlp_linears_env() -> bool {
+    static L: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *L.get_or_init(|| std::env::var("KRASIS_MLP").is_ok_and(|v| v == "linears"))
+}
+
+/// `KRASIS_KV_B=f32` keeps MLA's `kv_b` in f32 even when the dense-weight cache has it packed
+/// (read once; for measuring what the INT8 form saves).
+fn kv_b_f32_env() -> bool {
+    static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *F.get_or_init(|| std::env::var("KRASIS_KV_B").is_ok_and(|v| v == "f32"))
+}
 
 /// The name a dense linear goes by in logs, errors and the dense-weight cache: its tensor's, or
 /// for an LM head tied to the embedding `lm_head.weight (tied to <embedding>)`.
@@ -175,9 +209,21 @@ pub fn linear_name(t: &TensorSpec, class: LinearClass) -> String {
 struct CpuBuilder<'a> {
     w: WeightLoader<'a>,
     dense: &'a DenseFactory<'a>,
-    prebuilt: Option<&'a PrebuiltDense<'a>>,
+    prebuilt: Option<&'a dyn PrebuiltDense>,
     executor: Option<Arc<dyn ExpertExecutor>>,
     hidden: usize,
+    mla: Option<MlaDims>,
+}
+
+/// A gated MLP's gate and up as the CPU builder got them.
+enum CpuGateUp {
+    Separate(Box<dyn LinearOp>, Box<dyn LinearOp>),
+    /// One fused w13 from the dense-weight cache.
+    Fused {
+        w13: PackedBytes,
+        layout: PackedLayout,
+        pool: Arc<WorkerPool>,
+    },
 }
 
 /// A router on the CPU: gate matrix, optional score-correction bias, rule.
@@ -189,10 +235,10 @@ struct CpuRouter {
 
 impl WeightBuilder for CpuBuilder<'_> {
     type Linear = Box<dyn LinearOp>;
-    type GateUp = (Box<dyn LinearOp>, Box<dyn LinearOp>);
+    type GateUp = CpuGateUp;
     type Vector = Vec<f32>;
     type Embedding = DenseLinear;
-    type KvB = Vec<f32>;
+    type KvB = KvB;
     type Router = CpuRouter;
     type Experts = Box<dyn LayerExperts>;
 
@@ -202,28 +248,49 @@ impl WeightBuilder for CpuBuilder<'_> {
 
     fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Box<dyn LinearOp>> {
         let name = linear_name(t, class);
-        if let Some(op) = self.prebuilt.and_then(|p| p(&name)) {
+        if let Some(op) = self.prebuilt.and_then(|p| p.linear(&name)) {
             return op;
         }
         (self.dense)(self.w.matrix_of(t)?, &name)
     }
 
     fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<Self::GateUp> {
-        Ok((self.linear(gate, class)?, self.linear(up, class)?))
+        if let Some(p) = self.prebuilt {
+            if let Some(w13) = p.packed(&w13_entry_name(gate, up)) {
+                let (name, bits) = (w13_entry_name(gate, up), p.bits());
+                let layout = w13_layout(gate.shape[0], gate.shape[1], bits, p.group(), &name)?;
+                if w13.as_slice().len() != layout.bytes() {
+                    return Err(ModelError::Invalid(format!("dense-weight cache: `{name}` does not fit its layout")));
+                }
+                return Ok(CpuGateUp::Fused { w13, layout, pool: p.pool().clone() });
+            }
+        }
+        Ok(CpuGateUp::Separate(self.linear(gate, class)?, self.linear(up, class)?))
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
         self.w.vector_of(t)
     }
 
-    fn kv_b(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<KvB> {
+        let packed = |p: &dyn PrebuiltDense| {
+            let dims = self.mla?;
+            let layouts = kv_b_layouts(&dims, p.group())?;
+            let (uk, uv) = (p.packed(&kv_b_entry_name(t, true))?, p.packed(&kv_b_entry_name(t, false))?);
+            let fits = uk.as_slice().len() == dims.heads * layouts.uk.bytes()
+                && uv.as_slice().len() == dims.heads * layouts.uv.bytes();
+            fits.then(|| PackedKvB::new(uk, uv, layouts, dims, p.pool().clone()))
+        };
+        if let Some(k) = self.prebuilt.filter(|_| !kv_b_f32_env()).and_then(packed) {
+            return Ok(KvB::Packed(Box::new(k)));
+        }
         let m = self.w.matrix_of(t)?;
         let cols = m.in_dim();
         let mut f = vec![0f32; m.out_dim() * cols];
         for (r, row) in f.chunks_exact_mut(cols).enumerate() {
             m.row_into(r, row);
         }
-        Ok(f)
+        Ok(KvB::F32(f))
     }
 
     fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<CpuRouter> {
@@ -242,8 +309,34 @@ impl WeightBuilder for CpuBuilder<'_> {
     }
 }
 
-fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Mlp {
-    Mlp { gate: m.gate_up.0, up: m.gate_up.1, down: m.down }
+fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Result<Mlp> {
+    match m.gate_up {
+        CpuGateUp::Separate(gate, up) => Ok(Mlp::Separate { gate, up, down: m.down }),
+        // The one-expert runner keeps its tasks on one NUMA node; with several, the halves run
+        // as two linears over the whole pool (and with `KRASIS_MLP=linears`, for A/B runs).
+        CpuGateUp::Fused { w13, layout, pool } if pool.nodes() > 1 || mlp_linears_env() => {
+            let (gate, up) = split_w13(w13.as_slice(), &layout, &pool);
+            Ok(Mlp::Separate { gate, up, down: m.down })
+        }
+        CpuGateUp::Fused { w13, layout, pool } => PooledMlp::new(w13, layout, m.down, pool)
+            .map(|p| Mlp::Pooled(Box::new(p)))
+            .ok_or_else(|| ModelError::Invalid("a fused gate+up whose down projection is not packed to match".into())),
+    }
+}
+
+/// A fused w13's gate and up row blocks as two packed linears.
+pub(crate) fn split_w13(
+    w13: &[u8],
+    l13: &PackedLayout,
+    pool: &Arc<WorkerPool>,
+) -> (Box<dyn LinearOp>, Box<dyn LinearOp>) {
+    let one = PackedLayout::new(l13.rows / 2, l13.k, l13.gs, l13.bits).expect("half of a valid w13 layout");
+    let bb = one.block_bytes();
+    let half = |which: usize| -> Box<dyn LinearOp> {
+        let bytes: Vec<u8> = w13.chunks_exact(2 * bb).flat_map(|p| p[which * bb..(which + 1) * bb].to_vec()).collect();
+        Box::new(QuantLinear::from_packed(PackedBytes::Owned(bytes), one, pool.clone()))
+    };
+    (half(0), half(1))
 }
 
 fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<dyn AttentionLayer> {
@@ -292,13 +385,13 @@ impl Model {
         Self::from_source_with(spec, source, dense, None, experts)
     }
 
-    /// [`Model::from_source`], taking the dense linears `prebuilt` has (the dense-weight cache)
+    /// [`Model::from_source`], taking the dense weights `prebuilt` has (the dense-weight cache)
     /// from it without reading their source tensors.
     pub fn from_source_with(
         spec: ModelSpec,
         source: &dyn WeightSource,
         dense: &DenseFactory<'_>,
-        prebuilt: Option<&PrebuiltDense<'_>>,
+        prebuilt: Option<&dyn PrebuiltDense>,
         experts: Option<Arc<dyn ExpertExecutor>>,
     ) -> Result<Model> {
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
@@ -308,27 +401,30 @@ impl Model {
             prebuilt,
             executor: experts,
             hidden: spec.hidden_size,
+            mla: spec.attention.mla_dims(),
         };
         let weights = build(&spec, &mut builder)?;
         let layers = weights
             .layers
             .into_iter()
-            .map(|l| Layer {
-                input_norm: l.input_norm,
-                post_norm: l.post_norm,
-                attention: cpu_attention(&spec, l.attention),
-                ffn: match l.ffn {
-                    FfnWeights::Dense(m) => Ffn::Dense(cpu_mlp(m)),
-                    FfnWeights::Moe { router, experts, shared } => Ffn::Moe(MoeBlock {
-                        router: router.gate,
-                        bias: router.bias,
-                        rule: router.rule,
-                        shared: shared.map(cpu_mlp),
-                        experts,
-                    }),
-                },
+            .map(|l| {
+                Ok(Layer {
+                    input_norm: l.input_norm,
+                    post_norm: l.post_norm,
+                    attention: cpu_attention(&spec, l.attention),
+                    ffn: match l.ffn {
+                        FfnWeights::Dense(m) => Ffn::Dense(cpu_mlp(m)?),
+                        FfnWeights::Moe { router, experts, shared } => Ffn::Moe(MoeBlock {
+                            router: router.gate,
+                            bias: router.bias,
+                            rule: router.rule,
+                            shared: shared.map(cpu_mlp).transpose()?,
+                            experts,
+                        }),
+                    },
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>>>()?;
         Ok(Model {
             rope: RotaryTables::new(&spec.rope),
             stats: ForwardStats::default(),

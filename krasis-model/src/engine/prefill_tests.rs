@@ -1,6 +1,6 @@
-//! A long prefill in one call equals the same prompt in short calls, bit for bit: the long call
-//! takes the token-blocked MLA absorption (`attention::ABSORB_BLOCK_MIN_ROWS`), the short ones
-//! a task per (token, head), and every row's arithmetic must not depend on which.
+//! A long prefill in one call equals the same prompt in short calls, bit for bit: the calls'
+//! attention tasks are shaped by their lengths (a task per (token, kv head) over the head group,
+//! the absorbed products' dispatches), and every row's arithmetic must not depend on which.
 
 use super::{Logits, Model};
 use crate::synth::{synthesize, Preset, SynthOptions};
@@ -12,12 +12,13 @@ fn one_long_prefill_equals_short_calls() {
     synthesize(&SynthOptions { layers: Some(2), seed: 5, ..SynthOptions::new(Preset::Tiny, &dir) }).unwrap();
     let model = Model::load(&dir).unwrap();
     let vocab = model.spec.vocab_size as u32;
-    let n = super::attention::ABSORB_BLOCK_MIN_ROWS + 21; // a ragged last block
+    const LONG: usize = 128; // past every length-dependent task shape of a 2-core pool
+    let n = LONG + 21;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut whole = model.new_session();
     let all = model.forward(&mut whole, &prompt, Logits::All, None).unwrap();
     let mut parts = model.new_session();
-    let cut = super::attention::ABSORB_BLOCK_MIN_ROWS - 5;
+    let cut = LONG - 5;
     let mut pieces = model.forward(&mut parts, &prompt[..cut], Logits::All, None).unwrap();
     pieces.extend(model.forward(&mut parts, &prompt[cut..], Logits::All, None).unwrap());
     assert_eq!(all.len(), pieces.len());
