@@ -47,11 +47,11 @@ const TILE_ROWS: usize = 16;
 const ROW_CHUNK_TILES: usize = 8;
 
 /// Smallest M (activation rows: two per token, value + residual) that takes the AMX path.
-/// Not measured (the dev box has no AMX): 32 rows = two full tiles, 16 tokens, where the tile
-/// compute is already several times the VNNI kernel's while below it batched decode stays on
-/// the memory-bound VNNI loops; conservative. `KRASIS_AMX_MIN_ROWS` overrides it, the ignored
-/// test `amx_crossover` prints the measured crossover on an AMX machine.
-pub const AMX_MIN_ROWS: usize = 32;
+/// Measured on the GPU box's Xeon (`amx_crossover`, one thread, 2026-11-24): at 16 rows the tiles
+/// beat the VNNI kernel 1.5–1.9× on every V2-Lite shape (expert w13/w2, dense 2048², INT8 and
+/// INT4); at 8 rows the VNNI kernel still wins on half of them (0.85–1.19×). `KRASIS_AMX_MIN_ROWS`
+/// overrides it.
+pub const AMX_MIN_ROWS: usize = 16;
 
 /// Whether [`super::matmul_packed`] may use AMX: the hardware probe ([`detect`]) passes and
 /// `KRASIS_ISA` is unset or `amx` (naming a lower ISA, `avx512` included, turns AMX off).
