@@ -309,11 +309,6 @@ impl GpuDevice {
         &self.info
     }
 
-    /// Whether [`GpuDevice::launch_dependent`] uses programmatic dependent launch.
-    pub fn dependent_launch(&self) -> bool {
-        self.pdl
-    }
-
     /// Launches `f` on the compute stream with `args` (one pointer per kernel parameter, as
     /// `cuLaunchKernel` takes them), as a *programmatic dependent launch* where the kernels are
     /// built for sm_90+ (`KRASIS_PDL=0` turns it off): the kernel's blocks may be scheduled while

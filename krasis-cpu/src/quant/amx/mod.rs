@@ -1,4 +1,4 @@
-//! AMX-INT8 twin of [`super::scalar`] for many activation rows (prefill): the same integer sums
+//! AMX-INT8 twin of the scalar kernel (`quant::scalar`) for many activation rows (prefill): the same integer sums
 //! and the same per-group float epilogue in K order, so it agrees with every other ISA bit for
 //! bit and a row's result never depends on which kernel, or which batch, computed it.
 //!
