@@ -28,7 +28,6 @@
 #define MLA1_THREADS 256
 #define MLA1_WARPS 8
 #define MLA1_ROWS 4  // rows per step: 4 rows x 2 heads = 8 scores per reduction
-#define MLA1_LOG2E 1.4426950408889634f
 #define MLA1_LN2 0.6931471805599453f
 
 struct MlaT1Args {

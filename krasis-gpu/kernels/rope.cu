@@ -69,13 +69,14 @@ extern "C" __global__ void rope_bf16(bf16_t* x, const int* positions, const floa
 // the rope slice of the kv_a row, and RMSNorm (weight w, norm_n elements from the row's start) of
 // the row's latent part: what rope_f32 (twice) and rmsnorm_strided_inplace do, with the same f32
 // operations per element. The three touch disjoint elements, so no barrier orders them. With
-// kv_out (a BF16 KV cache plane, rows of kv_row elements), the finished kv rows are also written
-// there at positions out_pos + t (what kv_write_bf16 would do, one launch fewer).
+// kv_out (the first of the call's rows in a BF16 KV cache plane, rows of kv_row elements), the
+// finished kv rows are also written there, token t at row t (what kv_write_bf16 would do, one
+// launch fewer).
 // Launch: grid = n_tokens, RMS_NORM_THREADS (a multiple of 32, for block_sum) threads.
 extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_hs, int q_heads, int q_off, float* kv,
                                          long long kv_ts, int kv_off, const bf16_t* w, int norm_n, float eps,
                                          const int* positions, const float* cos_t, const float* sin_t, int n_tokens,
-                                         int rot_dim, int interleaved, int max_pos, bf16_t* kv_out, long long out_pos,
+                                         int rot_dim, int interleaved, int max_pos, bf16_t* kv_out,
                                          int kv_row) {
     __shared__ float scratch[32];
     KRASIS_GRID_WAIT();
@@ -85,10 +86,10 @@ extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_h
     rope_token(q, t, positions, cos_t, sin_t, q_heads, q_ts, q_hs, q_off, rot_dim, interleaved, max_pos);
     rope_token(kv, t, positions, cos_t, sin_t, 1, kv_ts, kv_ts, kv_off, rot_dim, interleaved, max_pos);
     rmsnorm_row_inplace(kv + (long long)t * kv_ts, norm_n, w, eps, scratch);
-    if (kv_out) {  // the finished row into the BF16 KV cache at position out_pos + t
+    if (kv_out) {  // the finished row into the BF16 KV cache, token t at row t
         __syncthreads();
         const float* src = kv + (long long)t * kv_ts;
-        bf16_t* dst = kv_out + (out_pos + t) * (long long)kv_row;
+        bf16_t* dst = kv_out + t * (long long)kv_row;
         for (int j = threadIdx.x; j < kv_row; j += blockDim.x) dst[j] = f32_to_bf16(src[j]);
     }
 }

@@ -411,7 +411,7 @@ impl GpuDevice {
             }
             _ => None,
         };
-        let (out_p, out_pos, kv_row) = (out.unwrap_or(0), 0i64, to_i32(OP, "kv row", kl.token_stride)?);
+        let (out_p, kv_row) = (out.unwrap_or(0), to_i32(OP, "kv row", kl.token_stride)?);
         let s = self.stream();
         let (q_p, _g0) = q.device_ptr_mut(s);
         let (kv_p, _g1) = kv.device_ptr_mut(s);
@@ -425,7 +425,7 @@ impl GpuDevice {
         let f = self.function(&ROPE, "mla_rope_norm")?;
         let mut args = kernel_args![
             &q_p, &q_ts, &q_hs, &qh_i, &q_off, &kv_p, &kv_ts, &kv_off, &w_p, &n_norm, &eps, &pos_p, &cos_p, &sin_p,
-            &n_i, &rd, &inter, &mp, &out_p, &out_pos, &kv_row
+            &n_i, &rd, &inter, &mp, &out_p, &kv_row
         ];
         // SAFETY: argument list matches the kernel's signature; extents checked above (the norm's
         // elements lie inside each kv row, before its rope slice; the cache rows pos..pos+t exist

@@ -277,10 +277,9 @@ impl GpuKvCache {
         if self.layout.dtype != KvDtype::Bf16 {
             return Ok(None);
         }
-        let idx = self.plane_index(op, layer, plane)?;
+        let (data, _) = self.plane(op, dev, layer, plane)?;
         self.check_range(op, pos, n)?;
-        let (data, _) = self.plane_ptrs(dev, idx);
-        Ok(Some(data + (pos * self.layout.row * 2) as u64))
+        Ok(Some(data + (pos * self.layout.row * self.layout.dtype.elem_bytes()) as u64))
     }
 
     /// Device addresses of the codes (element 0 of row 0) and the scales of one plane. The caller
