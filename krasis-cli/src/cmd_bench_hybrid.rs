@@ -51,7 +51,12 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     let experts_ms = (h1.experts - h0.experts).as_secs_f64() * 1e3 / n;
     let wait_ms = (h1.wait - h0.wait).as_secs_f64() * 1e3 / n;
     let launch_ms = (h1.launch_wait - h0.launch_wait).as_secs_f64() * 1e3 / n;
-    let rest_ms = ms - experts_ms - wait_ms - launch_ms;
+    // Prefetching fills the time the CPU would spend waiting for the GPU: both are its share.
+    let prefetch_ms = (h1.prefetch - h0.prefetch).as_secs_f64() * 1e3 / n;
+    let prefetch_mb = (h1.prefetch_bytes - h0.prefetch_bytes) as f64 / 1e6 / n;
+    let predicted = h1.predicted - h0.predicted;
+    let hit_rate = (h1.predicted_hits - h0.predicted_hits) as f64 / predicted.max(1) as f64;
+    let rest_ms = ms - experts_ms - wait_ms - prefetch_ms - launch_ms;
     let bytes_per_token = moe_layers * top_k * expert_bytes;
     let expert_gbs = bytes_per_token as f64 / 1e6 / experts_ms.max(1e-9);
     let one_copy = moe_layers * n_experts * expert_bytes;
@@ -66,10 +71,14 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             1e3 / ms
         );
         println!(
-            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {wait_ms:.2} ms, for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}",
+            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}",
             bytes_per_token as f64 / 1e6,
-            100.0 * expert_gbs / bw.gb_per_s
+            100.0 * expert_gbs / bw.gb_per_s,
+            wait_ms + prefetch_ms
         );
+        if predicted > 0 {
+            println!("next-layer route prediction: {:.1}% of {predicted} routes right", 100.0 * hit_rate);
+        }
         println!(
             "load {load_s:.2} s; RSS after load {}, after decode {}; one copy of the routed experts {} ({:.2}x)",
             rss_loaded.map_or("n/a".into(), format_bytes),
@@ -83,7 +92,7 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         "membw_gb_per_s": bw.gb_per_s,
         "prefill": { "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s },
         "decode": { "tokens": a.decode_tokens, "tok_per_s": 1e3 / ms, "ms_per_token": ms,
-                    "cpu_experts_ms_per_token": experts_ms, "gpu_wait_ms_per_token": wait_ms, "launch_wait_ms_per_token": launch_ms, "rest_ms_per_token": rest_ms,
+                    "cpu_experts_ms_per_token": experts_ms, "gpu_wait_ms_per_token": wait_ms + prefetch_ms, "prefetch_ms_per_token": prefetch_ms, "prefetch_mb_per_token": prefetch_mb, "route_prediction_hit_rate": if predicted > 0 { Some(hit_rate) } else { None }, "launch_wait_ms_per_token": launch_ms, "rest_ms_per_token": rest_ms,
                     "expert_bytes_per_token": bytes_per_token, "expert_gb_per_s": expert_gbs,
                     "expert_fraction_of_membw": expert_gbs / bw.gb_per_s, "host_syncs_per_token": syncs },
         "memory": { "rss_after_load": rss_loaded, "rss_after_decode": rss_after, "one_copy_of_experts": one_copy },

@@ -15,10 +15,12 @@
 //! Quick run: `cargo bench -p krasis-cpu --bench quant_matmul -- --warm-up-time 1 --measurement-time 2`
 //! (append a filter such as `w13_int4/avx512/m1` to select).
 
+mod support;
 use std::hint::black_box;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use support::rand_f32;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use krasis_cpu::isa::Isa;
@@ -34,18 +36,6 @@ use krasis_quant::Bits;
 /// brief asks ≥ 512 MB; the 16-core device box has a 300 MiB L3, so more is safer there).
 fn pool_bytes() -> usize {
     std::env::var("KRASIS_BENCH_POOL_MB").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(1024) << 20
-}
-
-fn rand_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 /// Many copies of one packed matrix, `stride` apart, the first at `base` (bytes past a 4 KiB

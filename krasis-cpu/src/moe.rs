@@ -398,6 +398,9 @@ struct StepScratch {
     /// the node's jobs, then all their w2 tasks).
     tasks: Vec<Vec<Task>>,
     counts: Vec<usize>,
+    /// Per node: its first w13 task (after the activation tasks), where the affine dispatch's
+    /// owned run starts (see [`PoolExperts::prefetch_first_tasks`]).
+    owned_from: Vec<usize>,
     /// Per (job, w2 group): intermediate columns of the group computed so far.
     cols_done: Vec<AtomicUsize>,
     /// Per (job, w2 group): 1 once the group of the job's intermediate is quantised.
@@ -448,6 +451,12 @@ pub struct PoolExperts {
     w2_acts: Vec<Mutex<QuantizedActs>>,
     /// How w2 tasks consume the intermediate ([`W2Mode`]).
     w2_mode: W2Mode,
+    /// Dispatch with each node's first round of w13 tasks owned by its workers
+    /// ([`WorkerPool::run_on_nodes_affine`]; default), so [`PoolExperts::prefetch_first_tasks`]
+    /// warms the caches the call reads first; `KRASIS_MOE_AFFINE=0`: plain dynamic claims.
+    affine: bool,
+    /// The plan of [`PoolExperts::prefetch_first_tasks`] (kept apart from the calls' own).
+    prefetch_step: Mutex<StepScratch>,
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -522,6 +531,11 @@ impl Drop for FailOnUnwind<'_> {
 /// task (more workers than free cores) gets its core back quickly.
 const SPINS_PER_YIELD: u32 = 64;
 
+/// Bytes [`PoolExperts::prefetch_first_tasks`] pulls between two looks at its `stop`: long
+/// enough that the check costs nothing, short enough that the pool leaves within about a
+/// microsecond of `stop`.
+const PREFETCH_STOP_CHECK_BYTES: usize = 4096;
+
 /// Bytes of its weights a w13 task pulls towards L2 while it waits for its activations.
 const X_WAIT_PREFETCH: usize = 16 << 10;
 
@@ -564,6 +578,8 @@ impl PoolExperts {
             local_x_max_jobs: local_x_env().1,
             w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
             w2_mode: W2Mode::from_env(),
+            affine: std::env::var("KRASIS_MOE_AFFINE").map_or(true, |v| v != "0"),
+            prefetch_step: Mutex::new(StepScratch::default()),
         }
     }
 
@@ -693,6 +709,8 @@ impl PoolExperts {
                 step.tasks[node].push(Task::X { a, g0, g1: (g0 + perx).min(ng13) });
             }
         }
+        step.owned_from.clear();
+        step.owned_from.extend(step.tasks.iter().map(Vec::len));
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
             let mut p0 = 0;
@@ -730,6 +748,74 @@ impl PoolExperts {
         }
         step.counts.clear();
         step.counts.extend(step.tasks.iter().map(Vec::len));
+    }
+
+    /// Pulls into each worker's L2 the weights of the task it will run first in a one-token
+    /// call of `experts` (in that order), up to `budget` bytes in all, until `stop()`: the
+    /// same affine dispatch plan as [`PoolExperts::run`]'s, so when the call comes with the same
+    /// experts each worker finds the start of its first w13 task in its own cache. Returns the
+    /// bytes requested. Does nothing when the runner dispatches without affinity.
+    pub fn prefetch_first_tasks(
+        &self,
+        pool: &WorkerPool,
+        experts: &[ExpertWeights<'_>],
+        budget: usize,
+        stop: &(dyn Fn() -> bool + Sync),
+    ) -> usize {
+        if !self.affine || experts.is_empty() || budget == 0 {
+            return 0;
+        }
+        const ONE_TOKEN: [(usize, f32); 1] = [(0, 0.0)];
+        let jobs: Vec<ExpertJob<'_>> =
+            experts.iter().map(|&weights| ExpertJob { weights, tokens: &ONE_TOKEN }).collect();
+        let mut guard = self.prefetch_step.lock().unwrap_or_else(|e| e.into_inner());
+        let step = &mut *guard;
+        // The activation sets of a one-token call, as `run` sets them up: one, shared by all.
+        step.act_src.clear();
+        step.act_src.push(0);
+        step.local_x.clear();
+        step.local_x.push(jobs.len() <= self.local_x_max_jobs && self.local_x_max_rows >= 1);
+        step.key_now.clear();
+        step.key_now.extend([jobs.len(), pool.nodes(), pool.threads()]);
+        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
+        if step.key_now != step.plan_key {
+            self.plan(step, &jobs, pool.nodes(), pool.threads());
+            std::mem::swap(&mut step.key_now, &mut step.plan_key);
+        }
+        // Tasks up to the end of each node's owned run (the ones before it do nothing here).
+        let counts: Vec<usize> = (0..step.tasks.len())
+            .map(|j| (step.owned_from[j] + pool.node_threads(j)).min(step.tasks[j].len()))
+            .collect();
+        let per_task = budget.div_ceil(pool.threads().max(1));
+        let (tasks, owned_from, l13, l2) = (&step.tasks, &step.owned_from, &self.w13_layout, &self.w2_layout);
+        let requested = AtomicUsize::new(0);
+        pool.run_on_nodes_affine(&counts, owned_from, &|node, t, _| {
+            if t < owned_from[node] {
+                return;
+            }
+            let w = match tasks[node][t] {
+                Task::W13 { e, p0, p1 } => {
+                    let (w13, bb) = (jobs[e].weights.w13, l13.block_bytes());
+                    &w13[(2 * p0 * bb).min(w13.len())..(2 * p1 * bb).min(w13.len())]
+                }
+                Task::W2 { e, b0, b1, .. } => {
+                    let (w2, bb) = (jobs[e].weights.w2, l2.block_bytes());
+                    &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())]
+                }
+                Task::X { .. } => return,
+            };
+            let w = &w[..w.len().min(per_task)];
+            let mut done = 0;
+            for piece in w.chunks(PREFETCH_STOP_CHECK_BYTES) {
+                if stop() {
+                    break;
+                }
+                prefetch_l2(piece);
+                done += piece.len();
+            }
+            requested.fetch_add(done, Ordering::Relaxed);
+        });
+        requested.into_inner()
     }
 
     /// `out[t, hidden] += Σ_jobs w · expert(x[t])` for each job's tokens. `x` is `[t, hidden]`.
@@ -854,7 +940,7 @@ impl PoolExperts {
         let trace = self.trace.as_ref();
         let d_index = trace.map_or(0, Trace::next_dispatch);
         let t_dispatch = trace.map_or(0, Trace::now);
-        pool.run_on_nodes(&step.counts, &|node, t, ctx| {
+        let body = |node: usize, t: usize, ctx: &crate::pool::WorkerCtx| {
             let _flag = FailOnUnwind(&failed);
             let task = tasks[node][t];
             let start = trace.map_or(0, Trace::now);
@@ -1089,7 +1175,12 @@ impl PoolExperts {
                     end,
                 });
             }
-        });
+        };
+        if self.affine {
+            pool.run_on_nodes_affine(&step.counts, &step.owned_from, &body);
+        } else {
+            pool.run_on_nodes(&step.counts, &body);
+        }
         let t_back = trace.map_or(0, Trace::now);
 
         if !fused {

@@ -456,6 +456,22 @@ impl ExpertExecutor for CpuQuantExperts {
         self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
     }
 
+    /// Pulls each worker's first task of a one-token call of `ids` into its cache (see
+    /// [`PoolExperts::prefetch_first_tasks`]); the jobs in the order `run` makes them.
+    fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
+        let Some(li) = self.moe_index.get(layer).copied().flatten() else { return 0 };
+        let n = self.cache.header().n_experts as usize;
+        let nodes = self.pool.nodes();
+        let mut sorted: Vec<usize> = ids.iter().copied().filter(|&e| e < n).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let experts: Vec<ExpertWeights<'_>> = sorted
+            .iter()
+            .map(|&e| ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % nodes })
+            .collect();
+        self.runners[self.runner_of[li]].prefetch_first_tasks(&self.pool, &experts, budget, stop)
+    }
+
     fn describe(&self) -> String {
         format!(
             "cpu {} g{}/{} {} on {}",

@@ -189,9 +189,19 @@ type EachFn = dyn Fn(&WorkerCtx) + Sync;
 #[derive(Clone, Copy)]
 enum Job {
     Idle,
-    Flat { n: usize, f: *const FlatFn },
-    Nodes { tasks: *const [usize], f: *const NodeFn },
-    Each { f: *const EachFn },
+    Flat {
+        n: usize,
+        f: *const FlatFn,
+    },
+    /// `owned`: per node, the first task of its owned run (see [`WorkerPool::run_on_nodes_affine`]).
+    Nodes {
+        tasks: *const [usize],
+        f: *const NodeFn,
+        owned: Option<*const [usize]>,
+    },
+    Each {
+        f: *const EachFn,
+    },
 }
 
 // Lifetime erasure (transmute between reference types that differ only in lifetimes). Callers
@@ -243,8 +253,14 @@ struct Shared {
     each_done: Padded<AtomicU32>,
     /// Next task of a flat job.
     counter: Padded<AtomicUsize>,
-    /// Next task of each node for a node job.
+    /// Next task of each node for a node job (for an affine job: the next claim, which skips
+    /// the node's owned run).
     node_counters: Box<[Padded<AtomicUsize>]>,
+    /// Per worker: its owned task of the current affine job has been claimed (by it or, if it
+    /// came late, by another worker); set for workers that own none.
+    owned_claimed: Box<[Padded<AtomicBool>]>,
+    /// Per node: its first worker's index (workers are numbered node by node).
+    node_base: Box<[usize]>,
     /// Written only by the dispatching caller while no worker can read it (module docs).
     job: UnsafeCell<Job>,
     panicked: AtomicBool,
@@ -322,22 +338,66 @@ impl Shared {
                     f(i, ctx);
                 }
             }
-            Job::Nodes { tasks, f } => {
+            Job::Nodes { tasks, f, owned } => {
                 let (tasks, f) = (&*tasks, &*f);
                 let n = tasks.get(ctx.node).copied().unwrap_or(0);
                 if n == 0 {
                     return;
                 }
                 let counter = &self.node_counters[ctx.node].0;
+                let Some(owned) = owned else {
+                    loop {
+                        let i = counter.fetch_add(1, Ordering::Relaxed);
+                        if i >= n {
+                            break;
+                        }
+                        f(ctx.node, i, ctx);
+                    }
+                    return;
+                };
+                // Claims before the owned run as usual; then this worker's owned task, then any
+                // owned task whose worker has not claimed it yet; then the rest after the run.
+                let (start, run) = self.owned_run(&*owned, tasks, ctx.node);
+                let mut owned_done = false;
                 loop {
-                    let i = counter.fetch_add(1, Ordering::Relaxed);
+                    let c = counter.fetch_add(1, Ordering::Relaxed);
+                    if c >= start && !owned_done {
+                        owned_done = true;
+                        self.claim_owned(ctx.node, start, run, ctx, f);
+                    }
+                    let i = if c < start { c } else { c + run };
                     if i >= n {
                         break;
                     }
                     f(ctx.node, i, ctx);
                 }
+                if !owned_done {
+                    self.claim_owned(ctx.node, start, run, ctx, f);
+                }
             }
             Job::Each { f } => (*f)(ctx),
+        }
+    }
+
+    /// Node `node`'s owned run of an affine job: its first task and length (one task per
+    /// worker of the node, fewer when the node's list ends first).
+    fn owned_run(&self, owned: &[usize], tasks: &[usize], node: usize) -> (usize, usize) {
+        let n = tasks.get(node).copied().unwrap_or(0);
+        let start = owned.get(node).copied().unwrap_or(n).min(n);
+        let workers = self.node_base.get(node + 1).copied().unwrap_or(self.ctxs.len()) - self.node_base[node];
+        (start, (n - start).min(workers))
+    }
+
+    /// Runs `ctx`'s owned task if nobody has claimed it, then every owned task of the node still
+    /// unclaimed (a worker that joins late, or never, does not hold up the tasks after the run).
+    /// After a panic, tasks are claimed but not run.
+    fn claim_owned(&self, node: usize, start: usize, run: usize, ctx: &WorkerCtx, f: &NodeFn) {
+        let base = self.node_base[node];
+        let ranks = std::iter::once(ctx.node_rank).chain(0..run);
+        for q in ranks.filter(|&q| q < run) {
+            if !self.owned_claimed[base + q].0.swap(true, Ordering::AcqRel) && !self.panicked.load(Ordering::Relaxed) {
+                f(node, start + q, ctx);
+            }
         }
     }
 
@@ -387,9 +447,19 @@ impl Shared {
     unsafe fn all_claimed(&self, job: Job, spawned: u32) -> bool {
         match job {
             Job::Idle | Job::Flat { .. } => true, // the caller's own claim loop ran dry
-            Job::Nodes { tasks, .. } => {
+            Job::Nodes { tasks, owned: None, .. } => {
                 let tasks = &*tasks;
                 tasks.iter().zip(self.node_counters.iter()).all(|(&n, c)| c.0.load(Ordering::Acquire) >= n)
+            }
+            Job::Nodes { tasks, owned: Some(owned), .. } => {
+                let (tasks, owned) = (&*tasks, &*owned);
+                let counters_done = tasks.iter().enumerate().all(|(j, &n)| {
+                    let (_, run) = self.owned_run(owned, tasks, j);
+                    self.node_counters[j].0.load(Ordering::Acquire) + run >= n
+                });
+                // After a panic nobody may be left to claim an owned task: stop waiting for them.
+                self.panicked.load(Ordering::Acquire)
+                    || (counters_done && self.owned_claimed.iter().all(|c| c.0.load(Ordering::Acquire)))
             }
             Job::Each { .. } => self.each_done.0.load(Ordering::Acquire) >= spawned,
         }
@@ -489,6 +559,8 @@ impl WorkerPool {
             each_done: Padded(AtomicU32::new(0)),
             counter: Padded(AtomicUsize::new(0)),
             node_counters: (0..plan.nodes.len()).map(|_| Padded(AtomicUsize::new(0))).collect(),
+            owned_claimed: (0..threads).map(|_| Padded(AtomicBool::new(true))).collect(),
+            node_base: plan.nodes.iter().scan(0, |acc, c| Some(std::mem::replace(acc, *acc + c.len()))).collect(),
             job: UnsafeCell::new(Job::Idle),
             panicked: AtomicBool::new(false),
             panic_payload: Mutex::new(None),
@@ -600,6 +672,16 @@ impl WorkerPool {
     /// If `tasks_per_node` is longer than `nodes()` (those tasks could never run), and in a
     /// nested call holding tasks for another node than the current worker's.
     pub fn run_on_nodes(&self, tasks_per_node: &[usize], f: &(dyn Fn(usize, usize, &WorkerCtx) + Sync)) {
+        self.node_job(tasks_per_node, None, f)
+    }
+
+    /// `run_on_nodes`, with an owned run per node when `owned` is given.
+    fn node_job(
+        &self,
+        tasks_per_node: &[usize],
+        owned: Option<&[usize]>,
+        f: &(dyn Fn(usize, usize, &WorkerCtx) + Sync),
+    ) {
         assert!(
             tasks_per_node.len() <= self.nodes(),
             "run_on_nodes got tasks for {} nodes but the pool has {}",
@@ -610,6 +692,7 @@ impl WorkerPool {
             return;
         }
         if let Some(ctx) = self.nested_ctx() {
+            // Inline, in list order (owned runs included: one worker runs everything).
             if let Some(j) = tasks_per_node.iter().enumerate().position(|(j, &n)| n > 0 && j != ctx.node) {
                 panic!("nested run_on_nodes from a node-{} worker holds tasks for node {j}", ctx.node);
             }
@@ -618,7 +701,31 @@ impl WorkerPool {
             }
             return;
         }
-        self.dispatch(Job::Nodes { tasks: tasks_per_node as *const [usize], f: erase_nodes(f) });
+        self.dispatch(Job::Nodes {
+            tasks: tasks_per_node as *const [usize],
+            f: erase_nodes(f),
+            owned: owned.map(|o| o as *const [usize]),
+        });
+    }
+
+    /// [`WorkerPool::run_on_nodes`], except that node `j`'s tasks `owned[j]..owned[j] + w` (`w`
+    /// its workers, or fewer where the list ends) are *owned*: task `owned[j] + q` runs on the
+    /// node's worker of rank `q`, right after the claims before the run are taken. A worker that
+    /// has not joined by the time another finishes its own owned task loses it to that worker,
+    /// so no task waits on a late worker for long. Two affine dispatches with the same
+    /// plan therefore run each owned task on the same core: one can warm that core's caches for
+    /// the other. Claims are otherwise in list order, as in `run_on_nodes`, with each node's owned
+    /// run claimed before any task after it. A missing entry of `owned` means no owned run.
+    ///
+    /// # Panics
+    /// As [`WorkerPool::run_on_nodes`].
+    pub fn run_on_nodes_affine(
+        &self,
+        tasks_per_node: &[usize],
+        owned: &[usize],
+        f: &(dyn Fn(usize, usize, &WorkerCtx) + Sync),
+    ) {
+        self.node_job(tasks_per_node, Some(owned), f)
     }
 
     /// Run `f(ctx)` exactly once on every worker (the calling thread as worker 0): per-worker
@@ -726,6 +833,18 @@ impl WorkerPool {
         }
         s.each_done.0.store(0, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
+        if let Job::Nodes { tasks, owned: Some(owned), .. } = job {
+            // SAFETY: the caller's own slices, alive for this call.
+            let (tasks, owned) = unsafe { (&*tasks, &*owned) };
+            for (j, &base) in s.node_base.iter().enumerate() {
+                let run = if j < tasks.len() { s.owned_run(owned, tasks, j).1 } else { 0 };
+                let end = s.node_base.get(j + 1).copied().unwrap_or(s.ctxs.len());
+                for q in 0..end - base {
+                    // Published to the workers by the job's opening below (SeqCst).
+                    s.owned_claimed[base + q].0.store(q >= run, Ordering::Relaxed);
+                }
+            }
+        }
         gate.open.store(e, Ordering::SeqCst);
         // Publishes everything above (SeqCst ⊇ Release); pairs with the sleepers check.
         gate.epoch.store(e, Ordering::SeqCst);

@@ -452,3 +452,94 @@ fn stress_mixed_jobs_with_late_joining_workers() {
         }
     }
 }
+
+#[test]
+fn affine_jobs_run_every_task_once() {
+    // Shapes: node task counts, owned-run starts inside, at and past the end of each list.
+    for plan in plans() {
+        let pool = WorkerPool::new(plan).unwrap();
+        let nodes = pool.nodes();
+        for round in 0..24usize {
+            let tasks: Vec<usize> = (0..nodes).map(|j| SIZES[(round * 5 + j * 3) % SIZES.len()].min(300)).collect();
+            let owned: Vec<usize> = tasks.iter().enumerate().map(|(j, &n)| (round * 7 + j) % (n + 2)).collect();
+            let c: Vec<Vec<AtomicUsize>> = tasks.iter().map(|&n| counts(n)).collect();
+            pool.run_on_nodes_affine(&tasks, &owned, &|node, i, ctx| {
+                assert_eq!(ctx.node, node);
+                c[node][i].fetch_add(1, Ordering::Relaxed);
+            });
+            for cj in &c {
+                assert_once(cj, "affine");
+            }
+        }
+        // A plain node job after affine ones is unaffected.
+        let c = counts(40);
+        pool.run_on_nodes(&[40], &|_, i, _| {
+            c[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert_once(&c, "plain after affine");
+    }
+}
+
+#[test]
+fn affine_owned_tasks_run_on_their_workers_when_all_join() {
+    // `pre` tasks first that each wait until `t` of them have started (so every worker, caller
+    // included, joined and holds exactly one), then the owned run, whose tasks wait until all
+    // of them have started (so no worker can finish its own and take another's): each owned
+    // task must then run on the worker of its rank.
+    for plan in plans() {
+        let pool = WorkerPool::new(plan).unwrap();
+        let t = pool.node_threads(0);
+        if pool.nodes() != 1 {
+            continue;
+        }
+        for extra in [0usize, 1, 5] {
+            let n = 2 * t + extra;
+            let (pre, owned_start) = (t, t);
+            let phase1 = AtomicUsize::new(0);
+            let phase2 = AtomicUsize::new(0);
+            let ran_on: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(usize::MAX)).collect();
+            pool.run_on_nodes_affine(&[n], &[owned_start], &|_, i, ctx| {
+                ran_on[i].store(ctx.node_rank, Ordering::SeqCst);
+                let gate = if i < pre {
+                    Some((&phase1, pre))
+                } else if i < owned_start + t {
+                    Some((&phase2, t))
+                } else {
+                    None
+                };
+                if let Some((g, want)) = gate {
+                    g.fetch_add(1, Ordering::SeqCst);
+                    while g.load(Ordering::SeqCst) < want {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+            for q in 0..t {
+                assert_eq!(ran_on[owned_start + q].load(Ordering::SeqCst), q, "owned task {q} of {t} workers");
+            }
+            assert!(ran_on.iter().all(|r| r.load(Ordering::SeqCst) < t));
+        }
+    }
+}
+
+#[test]
+fn affine_panics_propagate_and_the_pool_stays_usable() {
+    for plan in plans() {
+        let pool = WorkerPool::new(plan).unwrap();
+        for bad in [0usize, 3, 9] {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                pool.run_on_nodes_affine(&[12], &[2], &|_, i, _| {
+                    if i == bad {
+                        panic!("task {i} failed");
+                    }
+                })
+            }));
+            assert_eq!(panic_message(&r.expect_err("the panic reaches the caller")), format!("task {bad} failed"));
+            let c = counts(12);
+            pool.run_on_nodes_affine(&[12], &[2], &|_, i, _| {
+                c[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert_once(&c, "affine after panic");
+        }
+    }
+}

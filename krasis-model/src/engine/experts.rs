@@ -37,6 +37,14 @@ pub trait LayerExperts: Send + Sync {
     fn run(&self, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]);
     /// A short description for logs ("reference f32", "cpu int4 g128 avx512", …).
     fn describe(&self) -> String;
+    /// A hint: the next call will probably run the experts `ids`. A backend that streams weights
+    /// from memory may pull up to `budget` bytes of theirs, in the order the call reads them,
+    /// into the caches meanwhile, until `stop()` says the call is due; returns the bytes it
+    /// requested. Never required for correctness; the default does nothing.
+    fn prefetch(&self, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
+        let _ = (ids, budget, stop);
+        0
+    }
 }
 
 /// Routed experts of every MoE layer behind one object (the cache-backed CPU pool).
@@ -45,6 +53,11 @@ pub trait ExpertExecutor: Send + Sync {
     fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]);
     /// A short description for logs ("reference f32", "cpu int4 g128 avx512", …).
     fn describe(&self) -> String;
+    /// [`LayerExperts::prefetch`] for MoE layer `layer`.
+    fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
+        let _ = (layer, ids, budget, stop);
+        0
+    }
 }
 
 /// A model-wide executor bound after the model that calls it was built: the hybrid engine loads
@@ -72,6 +85,10 @@ impl ExpertExecutor for LateExecutor {
     fn describe(&self) -> String {
         self.get().describe()
     }
+
+    fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
+        self.0.get().map_or(0, |e| e.prefetch(layer, ids, budget, stop))
+    }
 }
 
 /// Layer `layer` of a model-wide executor.
@@ -87,6 +104,10 @@ impl LayerExperts for ExecutorLayer {
 
     fn describe(&self) -> String {
         self.executor.describe()
+    }
+
+    fn prefetch(&self, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
+        self.executor.prefetch(self.layer, ids, budget, stop)
     }
 }
 

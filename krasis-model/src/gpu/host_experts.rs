@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
 use krasis_gpu::router::{GpuRouter, PublishTarget};
-use krasis_gpu::{GpuDevice, HostFlag, MappedHost};
+use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost};
 
 use crate::engine::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
@@ -62,6 +62,43 @@ pub struct HandoffStats {
     /// Routed experts the hand-offs read, each counted once per hand-off however many of the
     /// hand-off's tokens chose it (a batch of sequences reads the union of their experts).
     pub experts_read: u64,
+    /// Expert-thread time pulling the predicted next experts into the caches (part of the time
+    /// the CPU waits for the GPU: `wait` + `prefetch` is the GPU's share).
+    pub prefetch: Duration,
+    /// Bytes of expert weights those pulls requested.
+    pub prefetch_bytes: u64,
+    /// Routes predicted for hand-offs that then ran, and how many of them the router chose.
+    pub predicted: u64,
+    pub predicted_hits: u64,
+}
+
+impl HandoffStats {
+    fn add(&mut self, o: &HandoffStats) {
+        self.calls += o.calls;
+        self.wait += o.wait;
+        self.experts += o.experts;
+        self.launch_wait += o.launch_wait;
+        self.experts_read += o.experts_read;
+        self.prefetch += o.prefetch;
+        self.prefetch_bytes += o.prefetch_bytes;
+        self.predicted += o.predicted;
+        self.predicted_hits += o.predicted_hits;
+    }
+}
+
+/// Default of `KRASIS_EXPERT_PREFETCH_MB`: at most this much of the predicted next experts is
+/// pulled per hand-off; the GPU's share of a layer (~60 µs at ~110 GB/s, ≈ 7 MB) usually ends it
+/// first. 16 MiB keeps the pulled lines within half the 16 cores' L2.
+const DEFAULT_EXPERT_PREFETCH_MB: usize = 16;
+
+/// Bytes of the next layer's predicted experts to pull while the GPU works (0: no route
+/// prediction and no pull); `KRASIS_EXPERT_PREFETCH_MB` overrides the default.
+pub(crate) fn expert_prefetch_budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let mb = std::env::var("KRASIS_EXPERT_PREFETCH_MB").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        mb.unwrap_or(DEFAULT_EXPERT_PREFETCH_MB) << 20
+    })
 }
 
 /// One hand-off the expert thread serves: MoE layer `layer`, sequence number `seq`.
@@ -124,6 +161,33 @@ struct Windows {
     ids: RawSlice<i32>,
     weights: RawSlice<f32>,
     out: RawSlice<f32>,
+    /// The predicted routes of the next hand-off, by the parity of the predicting hand-off's
+    /// sequence number (decode with prediction on).
+    predicted: Option<[RawSlice<i32>; 2]>,
+}
+
+/// One slot of route predictions: what the next MoE layer's router says of the current layer's
+/// hidden state (attention output + shared expert, the routed experts' part not yet in).
+struct PredictionSlot {
+    x: MappedHost<f32>,
+    ids: MappedHost<i32>,
+    weights: MappedHost<f32>,
+}
+
+/// Route prediction for the next MoE layer (one-token calls): the GPU runs the next layer's
+/// post-attention norm and router over this layer's hidden state while the CPU computes this
+/// layer's experts (the stream would idle then), and publishes the ids; once done with this layer,
+/// the expert thread pulls the start of those experts' weights into the caches while the GPU runs
+/// the next attention. Two slots, by sequence parity: the expert thread reads slot `seq & 1` right
+/// after storing `go(seq)`, and the GPU writes that slot again only during hand-off `seq + 2`,
+/// i.e. after `go(seq + 1)`, which that same thread stores later.
+struct Predictor {
+    /// Device scratch: the hidden state to route, and its norm.
+    h: DeviceBuffer<f32>,
+    hn: DeviceBuffer<f32>,
+    slots: [PredictionSlot; 2],
+    /// `= seq` once slot `seq & 1` holds the prediction made during hand-off `seq`.
+    flag: Arc<HostFlag>,
 }
 
 /// Mapped staging and flags of one session.
@@ -141,6 +205,8 @@ pub(crate) struct HostStaging {
     work: Option<SyncSender<Msg>>,
     /// Set by [`HostStaging::receive`] until the next residual norm adds the CPU experts' output.
     pending: Option<bool>,
+    /// Route prediction (allocated by the first one-token call when prefetching is on).
+    predictor: Option<Predictor>,
     pub stats: HandoffStats,
 }
 
@@ -168,13 +234,72 @@ impl HostStaging {
         self.ids.ensure(dev, t * k)?;
         self.weights.ensure(dev, t * k)?;
         self.out.ensure(dev, t * hidden)?;
+        let predicts = t == 1 && k > 0 && expert_prefetch_budget() > 0;
+        if predicts && self.predictor.is_none() {
+            let slot = || -> Result<PredictionSlot> {
+                Ok(PredictionSlot {
+                    x: MappedHost::new(dev, hidden)?,
+                    ids: MappedHost::new(dev, k)?,
+                    weights: MappedHost::new(dev, k)?,
+                })
+            };
+            self.predictor = Some(Predictor {
+                // SAFETY: written (copy, then norm) before every read in `predict`.
+                h: unsafe { dev.alloc_uninit(hidden, "route prediction")? },
+                hn: unsafe { dev.alloc_uninit(hidden, "route prediction")? },
+                slots: [slot()?, slot()?],
+                flag: Arc::new(HostFlag::new(dev)?),
+            });
+        }
+        let predicted = match &self.predictor {
+            Some(p) if predicts => Some([0, 1].map(|i| RawSlice { ptr: p.slots[i].ids.host_ptr(), len: k })),
+            _ => None,
+        };
         self.windows = Some(Windows {
             x: self.x.raw(t * hidden),
             ids: self.ids.raw(t * k),
             weights: self.weights.raw(t * k),
             out: self.out.raw(t * hidden),
+            predicted,
         });
         Ok(self.flags.clone().expect("created above"))
+    }
+
+    /// Device side, between `send` and `receive` of hand-off `seq` (one-token calls with
+    /// prediction on; otherwise nothing): routes `h + y` (this layer's residual stream after
+    /// attention, plus the shared expert's output when given) with the next MoE layer's
+    /// post-attention norm `norm` and `router`, and publishes the ids for the expert thread's
+    /// prefetch. Runs while the stream would wait for the CPU experts anyway.
+    #[allow(clippy::too_many_arguments)]
+    pub fn predict(
+        &mut self,
+        dev: &GpuDevice,
+        router: &GpuRouter,
+        norm: &DeviceBuffer<u16>,
+        h: &CudaView<'_, f32>,
+        y: Option<&CudaView<'_, f32>>,
+        eps: f32,
+        seq: u64,
+    ) -> Result<()> {
+        let Some(p) = self.predictor.as_mut() else { return Ok(()) };
+        if self.windows.is_none_or(|w| w.predicted.is_none()) || h.len() != p.h.len() {
+            return Ok(());
+        }
+        let hidden = p.h.len();
+        dev.copy_device(h, p.h.slice_mut())?;
+        let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = match y {
+            Some(y) => Some(y),
+            None => None,
+        };
+        dev.rmsnorm_residual(p.h.slice_mut(), delta, None, None, norm, Some(p.hn.slice_mut()), None, hidden, eps)?;
+        let slot = &p.slots[(seq & 1) as usize];
+        router.publish(
+            dev,
+            p.hn.slice(),
+            1,
+            &PublishTarget { x: &slot.x, ids: &slot.ids, weights: &slot.weights, flag: &p.flag, seq },
+        )?;
+        Ok(())
     }
 
     /// Device side, first half: `router` routes the `t` tokens of `xn` and publishes routes and
@@ -226,15 +351,20 @@ const SERVER_QUEUE: usize = 1024;
 
 enum Msg {
     /// A forward call starts: its mapped windows and flags, and the device it runs on.
-    Begin {
-        windows: Windows,
-        ready: Arc<HostFlag>,
-        go: Arc<HostFlag>,
-        dev: DevicePtrForThread,
-    },
+    Begin(Call),
     Work(HostWork),
     /// The call's last hand-off was posted: reply with what the call's hand-offs did.
     End,
+}
+
+/// What the expert thread needs for one forward call.
+struct Call {
+    windows: Windows,
+    ready: Arc<HostFlag>,
+    go: Arc<HostFlag>,
+    /// The route predictions' flag, when the call predicts (see [`Predictor`]).
+    predicted: Option<Arc<HostFlag>>,
+    dev: DevicePtrForThread,
 }
 
 /// `&GpuDevice` sent to the expert thread for the length of one call.
@@ -302,7 +432,8 @@ pub(crate) fn with_expert_server<R>(
     let replies = server.replies.lock().unwrap_or_else(|p| p.into_inner());
     let (ready, go) = staging.prepare(dev, shape.t, shape.hidden, shape.k)?;
     let windows = staging.windows.expect("prepared");
-    server.send(Msg::Begin { windows, ready, go, dev: DevicePtrForThread(dev) })?;
+    let predicted = windows.predicted.and(staging.predictor.as_ref()).map(|p| p.flag.clone());
+    server.send(Msg::Begin(Call { windows, ready, go, predicted, dev: DevicePtrForThread(dev) }))?;
     staging.work = Some(server.tx.clone());
     let result = enqueue(staging);
     staging.work = None;
@@ -310,11 +441,7 @@ pub(crate) fn with_expert_server<R>(
     server.send(Msg::End)?;
     let stats =
         replies.recv().map_err(|_| ModelError::Invalid("the CPU expert thread stopped during a call".into()))??;
-    staging.stats.calls += stats.calls;
-    staging.stats.wait += stats.wait;
-    staging.stats.experts += stats.experts;
-    staging.stats.launch_wait += stats.launch_wait;
-    staging.stats.experts_read += stats.experts_read;
+    staging.stats.add(&stats);
     result
 }
 
@@ -325,28 +452,30 @@ pub(crate) fn with_expert_server<R>(
 fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: &[Option<Arc<dyn LayerExperts>>]) {
     let mut routes = Routes::with_capacity(0, 0);
     let mut seen = Vec::new();
-    let mut call: Option<(Windows, Arc<HostFlag>, Arc<HostFlag>, DevicePtrForThread)> = None;
+    let mut guess = Guess::default();
+    let mut call: Option<Call> = None;
     let mut stats = HandoffStats::default();
     let mut failure: Option<ModelError> = None;
     let mut since = Instant::now();
     while let Ok(m) = rx.recv() {
         match m {
-            Msg::Begin { windows, ready, go, dev } => {
-                call = Some((windows, ready, go, dev));
+            Msg::Begin(c) => {
+                call = Some(c);
                 stats = HandoffStats::default();
                 failure = None;
+                guess.layer = None;
                 since = Instant::now();
             }
             Msg::Work(work) => {
                 stats.launch_wait += since.elapsed();
-                let Some((w, ready, go, dev)) = call.as_ref() else { continue };
+                let Some(c) = call.as_ref() else { continue };
                 if failure.is_none() {
                     // SAFETY: see `DevicePtrForThread`.
-                    let dev = unsafe { &*dev.0 };
+                    let dev = unsafe { &*c.dev.0 };
                     // A panic in an expert backend must not kill the thread before `go` is stored:
                     // the stream would wait on it forever.
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        serve_one(dev, work, *w, ready, experts, &mut routes, &mut seen, &mut stats)
+                        serve_one(dev, work, c.windows, &c.ready, experts, &mut routes, &mut seen, &guess, &mut stats)
                     }));
                     match served {
                         Ok(Ok(())) => {}
@@ -360,7 +489,18 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                         }
                     }
                 }
-                go.store(work.seq);
+                c.go.store(work.seq);
+                guess.layer = None;
+                if failure.is_none() {
+                    if let (Some(slots), Some(flag)) = (c.windows.predicted, c.predicted.as_deref()) {
+                        let t = Instant::now();
+                        let pulled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            prefetch_next(work, slots, flag, &c.ready, experts, &mut guess)
+                        }));
+                        stats.prefetch_bytes += pulled.unwrap_or(0) as u64;
+                        stats.prefetch += t.elapsed();
+                    }
+                }
                 since = Instant::now();
             }
             Msg::End => {
@@ -377,6 +517,39 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
     }
 }
 
+/// The routes predicted for the next hand-off (of MoE layer `layer`), kept to count hits.
+#[derive(Default)]
+struct Guess {
+    layer: Option<usize>,
+    ids: Vec<usize>,
+}
+
+/// After hand-off `work`: when the GPU's prediction for the next MoE layer is in (it normally
+/// is: the CPU experts took far longer), pull the start of those experts' weights into the
+/// caches until the next hand-off is ready. Returns the bytes requested.
+fn prefetch_next(
+    work: HostWork,
+    slots: [RawSlice<i32>; 2],
+    flag: &HostFlag,
+    ready: &HostFlag,
+    experts: &[Option<Arc<dyn LayerExperts>>],
+    guess: &mut Guess,
+) -> usize {
+    let Some(next) = (work.layer + 1..experts.len()).find(|&l| experts[l].is_some()) else { return 0 };
+    if work.shape.t != 1 || flag.load() != work.seq {
+        return 0;
+    }
+    let slot = slots[(work.seq & 1) as usize];
+    // SAFETY: the flag says the device finished writing this slot, and it writes it again only
+    // after a `go` this thread has not stored yet (see `Predictor`).
+    let ids = unsafe { slot.slice_mut(slot.len) };
+    guess.ids.clear();
+    guess.ids.extend(ids.iter().filter_map(|&i| usize::try_from(i).ok()).filter(|&i| i < work.n_experts));
+    guess.layer = Some(next);
+    let backend = experts[next].as_deref().expect("found above");
+    backend.prefetch(&guess.ids, expert_prefetch_budget(), &|| ready.load() > work.seq)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn serve_one(
     dev: &GpuDevice,
@@ -386,6 +559,7 @@ fn serve_one(
     experts: &[Option<Arc<dyn LayerExperts>>],
     routes: &mut Routes,
     seen: &mut Vec<bool>,
+    guess: &Guess,
     stats: &mut HandoffStats,
 ) -> Result<()> {
     let HandoffShape { t, hidden, k } = work.shape;
@@ -424,6 +598,10 @@ fn serve_one(
         seen[id as usize] = true;
     }
     stats.experts_read += seen.iter().filter(|&&s| s).count() as u64;
+    if guess.layer == Some(work.layer) && t == 1 {
+        stats.predicted += k as u64;
+        stats.predicted_hits += guess.ids.iter().filter(|&&g| seen[g]).count() as u64;
+    }
     stats.calls += 1;
     stats.wait += t1 - t0;
     stats.experts += t1.elapsed();

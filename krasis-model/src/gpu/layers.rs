@@ -161,8 +161,26 @@ impl GpuLayer {
         }
     }
 
+    /// The router and post-attention norm of this layer, when its routed experts run on the host
+    /// (what the previous layer's route prediction uses).
+    fn host_router(&self) -> Option<(&GpuRouter, &DeviceBuffer<u16>)> {
+        match &self.ffn {
+            GpuFfn::Moe(m) if matches!(m.experts, GpuExpertBackend::Host(_)) => Some((&m.router, &self.post_norm)),
+            _ => None,
+        }
+    }
+
     /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
-    pub fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo, add_prev: bool, host: &mut HostStaging) -> Result<()> {
+    /// `next` is the following layer (a host MoE layer there gets its routes predicted).
+    pub fn forward(
+        &self,
+        c: &Ctx,
+        l: usize,
+        s: &mut StepIo,
+        add_prev: bool,
+        host: &mut HostStaging,
+        next: Option<&GpuLayer>,
+    ) -> Result<()> {
         let n = c.t * self.hidden;
         self.norm(c, s, &self.input_norm, add_prev, n, host)?;
         match &self.attention {
@@ -213,6 +231,11 @@ impl GpuLayer {
                         // routed ones, whose sum is then added to it.
                         if let Some(sh) = shared {
                             sh.forward(c, s, true)?;
+                        }
+                        if let Some((router, norm)) = next.and_then(GpuLayer::host_router) {
+                            let sc = &*s.scratch;
+                            let y = shared.is_some().then(|| sc.y.slice().slice(..n));
+                            host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                         }
                         let work = HostWork { seq, layer: l, n_experts: router.n_experts(), shape };
                         host.receive(c.dev, work, shared.is_some())?;

@@ -248,7 +248,7 @@ impl GpuModel {
         let v = self.spec.vocab_size;
         let mut enqueue = |staging: &mut host_experts::HostStaging| -> Result<()> {
             for (l, layer) in self.layers.iter().enumerate() {
-                layer.forward(&ctx, l, io, l > 0, staging)?;
+                layer.forward(&ctx, l, io, l > 0, staging, self.layers.get(l + 1))?;
             }
             // Final norm (adding the last FFN output), the LM head over the requested rows, then
             // the caller's tail (sampling), given the number of logit rows.
