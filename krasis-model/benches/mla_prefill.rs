@@ -70,6 +70,32 @@ fn bench(c: &mut Criterion) {
         }
     }
     g.finish();
+
+    // Where the threshold constants come from: short calls, fresh or after a cached prefix.
+    let mut g = c.benchmark_group(format!("mla_threshold_v2lite_{}threads", pool.threads()));
+    g.sample_size(10);
+    for (t, prefix) in [(16usize, 0usize), (32, 0), (32, 480), (32, 992)] {
+        let q = data(t * d.heads * (d.nope + d.rope), 1);
+        let row = d.latent + d.rope;
+        let kva = data((prefix + t) * row, 2);
+        for mode in [MlaPrefillMode::Absorbed, MlaPrefillMode::Decompressed] {
+            let mut layer = layer(kv_b(true));
+            layer.prefill = mode;
+            let form = if mode == MlaPrefillMode::Absorbed { "absorbed" } else { "decompressed" };
+            g.bench_function(format!("t{t}_after{prefix}_packed_{form}"), |b| {
+                b.iter_batched_ref(
+                    || {
+                        let mut kv = layer.new_cache();
+                        kv.append(&kva[..prefix * row], None);
+                        kv
+                    },
+                    |kv| layer.attend(&q, &kva[prefix * row..], &mut [SeqKv { rows: t, kv }]),
+                    criterion::BatchSize::LargeInput,
+                )
+            });
+        }
+    }
+    g.finish();
 }
 
 criterion_group!(benches, bench);

@@ -89,14 +89,15 @@ impl KvB {
 }
 
 /// Fewest query rows of one sequence's call for which MLA attention runs decompressed
-/// ([`krasis_cpu::mla_prefill`]): measured on V2-Lite shapes (`cargo bench -p krasis-model --bench
-/// mla_prefill`), the decompressed form is faster from about 16 rows on a fresh prompt, while a
-/// decode step (1 row) and the few rows of speculative or chunked steps keep the absorbed form.
+/// ([`krasis_cpu::mla_prefill`]): measured on V2-Lite shapes (`mla_threshold` group of `cargo
+/// bench -p krasis-model --bench mla_prefill`, 2 threads) a fresh 16-row call ties and a 32-row
+/// one is 1.2× faster decompressed; decode (1 row) and short calls keep the absorbed form.
 pub const MLA_PREFILL_MIN_ROWS: usize = 32;
 /// Most keys per query row for which the decompressed form pays: it expands every cached key
 /// row once per call (`heads · (nope + v_dim) · latent` multiply-adds a row), which a short call
-/// after a long context does not earn back (measured break-even near 20 keys a row at 32 rows).
-pub const MLA_PREFILL_MAX_KEYS_PER_ROW: usize = 16;
+/// after a long context does not earn back (measured at 32 rows: 1.2× faster than absorbed at 1
+/// key a row, 1.4× slower at 16, level at 32).
+pub const MLA_PREFILL_MAX_KEYS_PER_ROW: usize = 8;
 
 /// `KRASIS_MLA_PREFILL=absorbed` keeps MLA prefill in the absorbed form (the former path, for
 /// A/B measurements); `decompressed` takes the decompressed form for every call of two rows or
