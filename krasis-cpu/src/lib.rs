@@ -4,10 +4,12 @@
 
 pub mod activation;
 pub mod attention;
+pub mod gemm;
 pub mod heads;
 pub mod isa;
 pub mod linear;
 pub mod membw;
+pub mod mla_prefill;
 pub mod moe;
 pub mod moe_trace;
 pub mod norm;

@@ -32,6 +32,10 @@ fn main() -> anyhow::Result<()> {
                 a.extend(&extra);
                 cargo(&a, &[])?;
             }
+            // MLA attention of one V2-Lite layer, absorbed against decompressed prefill.
+            let mut a = vec!["bench", "-p", "krasis-model", "--bench", "mla_prefill", "--"];
+            a.extend(&extra);
+            cargo(&a, &[])?;
             // The dense f32 reference kernels pick their ISA once per process: one run per ISA.
             for isa in ["scalar", "avx2", "avx512"] {
                 let mut a = vec!["bench", "-p", "krasis-cpu", "--bench", "dense", "--"];

@@ -1,10 +1,13 @@
-//! Attention layers of the reference path. MLA runs in the absorbed form for prefill and decode
-//! alike: `W_UK` is folded into the query and `W_UV` applied after attending over the latent.
+//! Attention layers of the reference path. MLA runs in the absorbed form for decode and short
+//! calls (`W_UK` folded into the query, `W_UV` applied after attending over the latent) and in
+//! the decompressed form for prefill (keys and values expanded from the latent with `kv_b`, a
+//! flash-attention loop per head: `krasis_cpu::mla_prefill`).
 
 use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
 use krasis_cpu::linear::{axpy, dot};
+use krasis_cpu::mla_prefill::{mla_prefill_attention, transpose_kv_b, MlaPrefillInputs};
 use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
 
@@ -85,11 +88,162 @@ impl KvB {
     }
 }
 
+/// Fewest query rows of one sequence's call for which MLA attention runs decompressed
+/// ([`krasis_cpu::mla_prefill`]): measured on V2-Lite shapes (`mla_threshold` group of `cargo
+/// bench -p krasis-model --bench mla_prefill`, 2 threads) a fresh 16-row call ties and a 32-row
+/// one is 1.2× faster decompressed; decode (1 row) and short calls keep the absorbed form.
+pub const MLA_PREFILL_MIN_ROWS: usize = 32;
+/// Most keys per query row for which the decompressed form pays: it expands every cached key
+/// row once per call (`heads · (nope + v_dim) · latent` multiply-adds a row), which a short call
+/// after a long context does not earn back (measured at 32 rows: 1.2× faster than absorbed at 1
+/// key a row, 1.4× slower at 16, level at 32).
+pub const MLA_PREFILL_MAX_KEYS_PER_ROW: usize = 8;
+
+/// `KRASIS_MLA_PREFILL=absorbed` keeps MLA prefill in the absorbed form (the former path, for
+/// A/B measurements); `decompressed` takes the decompressed form for every call of two rows or
+/// more; unset (or anything else), the rule of [`MLA_PREFILL_MIN_ROWS`] and
+/// [`MLA_PREFILL_MAX_KEYS_PER_ROW`]. Read once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaPrefillMode {
+    Auto,
+    Absorbed,
+    Decompressed,
+}
+
+impl MlaPrefillMode {
+    pub fn from_env() -> Self {
+        static M: std::sync::OnceLock<MlaPrefillMode> = std::sync::OnceLock::new();
+        *M.get_or_init(|| match std::env::var("KRASIS_MLA_PREFILL").as_deref() {
+            Ok("absorbed") => MlaPrefillMode::Absorbed,
+            Ok("decompressed") => MlaPrefillMode::Decompressed,
+            _ => MlaPrefillMode::Auto,
+        })
+    }
+
+    /// Whether a call of `rows` query rows after `cached` cache rows runs decompressed.
+    pub fn decompressed(self, rows: usize, cached: usize) -> bool {
+        match self {
+            MlaPrefillMode::Absorbed => false,
+            MlaPrefillMode::Decompressed => rows >= 2,
+            MlaPrefillMode::Auto => {
+                rows >= MLA_PREFILL_MIN_ROWS && cached + rows <= rows * MLA_PREFILL_MAX_KEYS_PER_ROW
+            }
+        }
+    }
+}
+
 pub struct MlaAttention {
     pub dims: MlaDims,
     pub eps: f32,
     pub scale: f32,
     pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>,
+    pub prefill: MlaPrefillMode,
+    /// `kv_b` as the decompressed prefill reads it (f32, per head transposed), made on the
+    /// first call that needs it: decode-only use never holds it.
+    kv_b_t: std::sync::OnceLock<Vec<f32>>,
+}
+
+impl MlaAttention {
+    pub fn new(dims: MlaDims, eps: f32, scale: f32, w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>) -> Self {
+        MlaAttention { dims, eps, scale, w, prefill: MlaPrefillMode::from_env(), kv_b_t: std::sync::OnceLock::new() }
+    }
+
+    fn kv_b_t(&self) -> &[f32] {
+        self.kv_b_t.get_or_init(|| match &self.w.kv_b {
+            KvB::F32(w) => transpose_kv_b(w, &self.dims).expect("kv_b is [heads·(nope+v_dim), latent]"),
+            KvB::Packed(p) => p.transposed_f32().expect("kv_b's packed bytes were sized from its layouts"),
+        })
+    }
+
+    /// The attention core after the projections: `q` `[t, heads, nope + rope]` with its rope
+    /// parts rotated, `kva` `[t, latent + rope]` the new cache rows (normalised latent, rotated
+    /// rope key), appended to each sequence's cache here. Returns the per-head values
+    /// `[t, heads, v_dim]` (`o_proj`'s input). Each sequence runs decompressed or absorbed by
+    /// its own rows ([`MlaPrefillMode::decompressed`]), so batching does not change its numbers.
+    pub fn attend(&self, q: &[f32], kva: &[f32], seqs: &mut [SeqKv<'_>]) -> Vec<f32> {
+        let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
+        let t: usize = seqs.iter().map(|s| s.rows).sum();
+        let (qk, row) = (nope + rd, lat + rd);
+        let dec: Vec<bool> = seqs.iter().map(|s| self.prefill.decompressed(s.rows, s.kv.len())).collect();
+        let any_absorbed = dec.iter().any(|d| !d);
+        let kv_b_t = if dec.iter().any(|&d| d) { self.kv_b_t() } else { &[] };
+
+        // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head); the rope part beside it.
+        let isa = isa::active();
+        let per_head = nope + vd;
+        let mut q_abs = vec![0f32; if any_absorbed { t * h * row } else { 0 }];
+        if any_absorbed {
+            match &self.w.kv_b {
+                KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
+                    let (i, hh) = (idx / h, idx % h);
+                    let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
+                    let lat_part = &mut qa[..lat];
+                    lat_part.fill(0.0);
+                    for (d, &qn) in qh[..nope].iter().enumerate() {
+                        axpy(isa, qn, &kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
+                    }
+                }),
+                KvB::Packed(p) => p.absorb(q, qk, t, &mut q_abs, row),
+            }
+            for (qa, qh) in q_abs.chunks_exact_mut(row).zip(q.chunks_exact(qk)) {
+                qa[lat..].copy_from_slice(&qh[nope..]);
+            }
+        }
+
+        let mut o = vec![0f32; t * h * vd];
+        let mut o_lat = vec![0f32; if any_absorbed { t * h * lat } else { 0 }];
+        let mut seq = 0;
+        append_each(seqs, kva, row, None, |off, n, q_start, kv| {
+            let view = kv.view();
+            if dec[seq] {
+                let inputs = MlaPrefillInputs {
+                    dims: self.dims,
+                    q: &q[off * h * qk..(off + n) * h * qk],
+                    t: n,
+                    q_start,
+                    cache: view.k,
+                    stride: view.k_stride,
+                    kv_b_t,
+                    scale: self.scale,
+                };
+                mla_prefill_attention(&inputs, &mut o[off * h * vd..(off + n) * h * vd])
+                    .expect("the layer sizes q, its cache and kv_b from its own dims");
+            } else {
+                let q = &q_abs[off * h * row..(off + n) * h * row];
+                causal_attention(q, n, h, q_start, &view, self.scale, &mut o_lat[off * h * lat..(off + n) * h * lat]);
+            }
+            seq += 1;
+        });
+        if !any_absorbed {
+            return o;
+        }
+
+        // Apply W_UV per head (into `o` itself when no sequence ran decompressed).
+        let mut o_abs = if dec.iter().any(|&d| d) { vec![0f32; t * h * vd] } else { std::mem::take(&mut o) };
+        match &self.w.kv_b {
+            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut o_abs, vd, &|idx, ov| {
+                let hh = idx % h;
+                let ol = &o_lat[idx * lat..(idx + 1) * lat];
+                for (j, v) in ov.iter_mut().enumerate() {
+                    let r = hh * per_head + nope + j;
+                    *v = dot(isa, &kv_b[r * lat..(r + 1) * lat], ol);
+                }
+            }),
+            KvB::Packed(p) => p.apply_uv(&o_lat, t, &mut o_abs),
+        }
+        if o.is_empty() {
+            return o_abs;
+        }
+        let mut off = 0;
+        for (s, &d) in seqs.iter().zip(&dec) {
+            let r = off * h * vd..(off + s.rows) * h * vd;
+            if !d {
+                o[r.clone()].copy_from_slice(&o_abs[r]);
+            }
+            off += s.rows;
+        }
+        o
+    }
 }
 
 impl AttentionLayer for MlaAttention {
@@ -106,7 +260,7 @@ impl AttentionLayer for MlaAttention {
     }
 
     fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
-        let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
+        let MlaDims { heads: h, nope, rope: rd, latent: lat, .. } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let qk = nope + rd;
         let mut q = vec![0f32; t * h * qk];
@@ -126,49 +280,10 @@ impl AttentionLayer for MlaAttention {
             rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
         }
-
-        // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head); the rope part rotated beside it.
-        let isa = isa::active();
-        let per_head = nope + vd;
-        let mut q_abs = vec![0f32; t * h * row];
-        match &self.w.kv_b {
-            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut q_abs, row, &|idx, qa| {
-                let (i, hh) = (idx / h, idx % h);
-                let qh = &q[(i * h + hh) * qk..(i * h + hh + 1) * qk];
-                let lat_part = &mut qa[..lat];
-                lat_part.fill(0.0);
-                for (d, &qn) in qh[..nope].iter().enumerate() {
-                    axpy(isa, qn, &kv_b[(hh * per_head + d) * lat..(hh * per_head + d + 1) * lat], lat_part);
-                }
-            }),
-            KvB::Packed(p) => p.absorb(&q, qk, t, &mut q_abs, row),
+        for (idx, qh) in q.chunks_exact_mut(qk).enumerate() {
+            rope.rotate(idx / h, &mut qh[nope..]);
         }
-        for (idx, qa) in q_abs.chunks_exact_mut(row).enumerate() {
-            let (i, hh) = (idx / h, idx % h);
-            let pe_part = &mut qa[lat..];
-            pe_part.copy_from_slice(&q[(i * h + hh) * qk + nope..(i * h + hh + 1) * qk]);
-            rope.rotate(i, pe_part);
-        }
-
-        let mut o_lat = vec![0f32; t * h * lat];
-        append_each(seqs, &kva, row, None, |off, n, q_start, kv| {
-            let q = &q_abs[off * h * row..(off + n) * h * row];
-            causal_attention(q, n, h, q_start, &kv.view(), self.scale, &mut o_lat[off * h * lat..(off + n) * h * lat]);
-        });
-
-        // Apply W_UV per head.
-        let mut o = vec![0f32; t * h * vd];
-        match &self.w.kv_b {
-            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut o, vd, &|idx, ov| {
-                let hh = idx % h;
-                let ol = &o_lat[idx * lat..(idx + 1) * lat];
-                for (j, v) in ov.iter_mut().enumerate() {
-                    let r = hh * per_head + nope + j;
-                    *v = dot(isa, &kv_b[r * lat..(r + 1) * lat], ol);
-                }
-            }),
-            KvB::Packed(p) => p.apply_uv(&o_lat, t, &mut o),
-        }
+        let o = self.attend(&q, &kva, seqs);
         self.w.o.forward(&o, t, out);
     }
 }

@@ -343,7 +343,7 @@ fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<d
     let eps = spec.rms_norm_eps;
     match (a, &spec.attention) {
         (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
-            Box::new(MlaAttention { dims: mla.mla_dims().expect("MLA"), eps, scale: spec.softmax_scale, w })
+            Box::new(MlaAttention::new(mla.mla_dims().expect("MLA"), eps, spec.softmax_scale, w))
         }
         (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
             Box::new(GqaAttention {

@@ -1,0 +1,352 @@
+//! MLA prefill attention in the decompressed form: the latent rows attended to are expanded with
+//! `kv_b` into per-head keys (`nope`) and values (`v_dim`), a tile of key rows at a time, and each
+//! head runs a flash-attention loop over them (blocks of queries × blocks of keys, online
+//! softmax) whose products are [`crate::gemm`]'s blocked kernels.
+//!
+//! Per query row this is `Σ_d q·k` over `nope + rope` and `P·V` over `v_dim` (192 and 128 on
+//! DeepSeek-V2) where the absorbed form ([`crate::attention::causal_attention`] over the latent)
+//! does `latent + rope` and `latent` (576 and 512), at the price of expanding every key row once
+//! per call (`heads × (nope + v_dim) × latent` multiply-adds a row): worth it when a call has many
+//! query rows, not for decode.
+//!
+//! Key blocks and tiles sit at absolute positions (multiples of [`BLOCK_K`] and of the tile), and a
+//! query row takes part only in the key blocks at or before its own position, each over the full
+//! block width (keys past the row or the cache masked), so a row's arithmetic and its order do
+//! not depend on the call it is in: a prompt prefilled in one call or in several (each on this
+//! path) gives the same bits.
+
+use std::cell::RefCell;
+
+use krasis_core::spec::MlaDims;
+
+use crate::gemm::gemm;
+use crate::isa::{self, Isa};
+
+/// Query rows per task: a block's q (64 × 192 floats), output accumulator (64 × 128) and scores
+/// stay in L2 beside the key block, and 512 tokens make 8 blocks per head (128 tasks over 16
+/// heads) for the pool to balance.
+pub const BLOCK_Q: usize = 64;
+/// Keys per inner step: one 64 × 64 score block (16 KiB) per step, two micro-tile widths, and
+/// few enough fully-masked columns on the diagonal.
+pub const BLOCK_K: usize = 64;
+/// Bytes of expanded keys and values held at once: the key rows are expanded a tile at a time
+/// (the largest multiple of `BLOCK_K` rows that fits), so an 8K-token context needs no more
+/// than this beside the cache (V2-Lite: 16 heads × 256 floats a row → 1024-row tiles).
+pub const KV_TILE_BYTES: usize = 16 << 20;
+
+/// What the caller got wrong.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum MlaPrefillError {
+    #[error("MLA prefill: {what} holds {found} floats, the shapes need {expected}")]
+    Len { what: &'static str, found: usize, expected: usize },
+    #[error("MLA prefill: the cache holds {cached} rows, queries reach position {needed}")]
+    Cache { cached: usize, needed: usize },
+    #[error("MLA prefill: cache rows of {stride} floats cannot hold latent {latent} + rope {rope}")]
+    Stride { stride: usize, latent: usize, rope: usize },
+}
+
+/// One call's inputs.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaPrefillInputs<'a> {
+    pub dims: MlaDims,
+    /// `[t, heads, nope + rope]`: per head the nope part, then the rotated rope part.
+    pub q: &'a [f32],
+    pub t: usize,
+    /// Position of the first query row; query `i` sees cache rows `0..=q_start + i`.
+    pub q_start: usize,
+    /// Cache rows `[rows, stride]`: the normalised latent, then the rotated rope key.
+    pub cache: &'a [f32],
+    pub stride: usize,
+    /// `kv_b` per head transposed, `[heads, latent, nope + v_dim]` ([`transpose_kv_b`]).
+    pub kv_b_t: &'a [f32],
+    pub scale: f32,
+}
+
+/// `kv_b` rows `[heads · (nope + v_dim), latent]` (per head its `W_UK` rows then its `W_UV`
+/// rows, as checkpoints store it) into the `[heads, latent, nope + v_dim]` form
+/// [`MlaPrefillInputs::kv_b_t`] takes.
+pub fn transpose_kv_b(kv_b: &[f32], dims: &MlaDims) -> Result<Vec<f32>, MlaPrefillError> {
+    let per_head = dims.nope + dims.v_dim;
+    let n = dims.heads * per_head * dims.latent;
+    if kv_b.len() != n {
+        return Err(MlaPrefillError::Len { what: "kv_b", found: kv_b.len(), expected: n });
+    }
+    let mut out = vec![0f32; n];
+    crate::par::for_each_chunk_mut(&mut out, dims.latent * per_head, &|h, o| {
+        for c in 0..per_head {
+            let row = &kv_b[(h * per_head + c) * dims.latent..][..dims.latent];
+            for (j, &v) in row.iter().enumerate() {
+                o[j * per_head + c] = v;
+            }
+        }
+    });
+    Ok(out)
+}
+
+/// Rows of one tile of expanded keys and values for these dims (a multiple of [`BLOCK_K`]).
+pub fn tile_rows(dims: &MlaDims) -> usize {
+    let per_row = (dims.heads * (dims.nope + dims.v_dim) + dims.rope).max(1) * 4;
+    (KV_TILE_BYTES / per_row / BLOCK_K).max(1) * BLOCK_K
+}
+
+/// Floats `f32` scratch: written through from several tasks, each to its own elements.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+// SAFETY: tasks write disjoint elements (each use says which); the dispatch returns only when
+// every task is done.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// (A method, so closures capture the `Sync` wrapper rather than its raw field.)
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache):
+/// per head `nope` rows of keys transposed (`[nope][cap]`), per head `[cap][v_dim]` values, and the
+/// shared rope keys transposed (`[rope][cap]`).
+struct Tile<'a> {
+    start: usize,
+    cap: usize,
+    k_nope: &'a [f32],
+    v: &'a [f32],
+    k_rope: &'a [f32],
+}
+
+thread_local! {
+    /// Per-thread scratch of the tasks (scores, output rows, softmax state, expanded rows).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's tile buffer, reused across calls and layers.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Causal MLA attention of `t` new query rows over cache rows `0..q_start + t` in the
+/// decompressed form; writes `out` `[t, heads, v_dim]` (the per-head values, before `o_proj`).
+pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Result<(), MlaPrefillError> {
+    let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = p.dims;
+    let qk = nope + rope;
+    let len = |what, found, expected| {
+        if found < expected {
+            Err(MlaPrefillError::Len { what, found, expected })
+        } else {
+            Ok(())
+        }
+    };
+    len("q", p.q.len(), p.t * h * qk)?;
+    len("out", out.len(), p.t * h * vd)?;
+    len("kv_b_t", p.kv_b_t.len(), h * lat * (nope + vd))?;
+    if p.stride < lat + rope {
+        return Err(MlaPrefillError::Stride { stride: p.stride, latent: lat, rope });
+    }
+    let keys = p.q_start + p.t;
+    if p.t == 0 || h == 0 {
+        return Ok(());
+    }
+    let cached = if p.cache.len() >= lat + rope { (p.cache.len() - lat - rope) / p.stride + 1 } else { 0 };
+    if cached < keys {
+        return Err(MlaPrefillError::Cache { cached, needed: keys });
+    }
+    run(p, out, tile_rows(&p.dims).min(keys.next_multiple_of(BLOCK_K)));
+    Ok(())
+}
+
+/// [`mla_prefill_attention`] with tiles of `cap` rows (a multiple of [`BLOCK_K`]), inputs checked.
+fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
+    let MlaDims { heads: h, nope, rope, v_dim: vd, .. } = p.dims;
+    let keys = p.q_start + p.t;
+    let isa = isa::active();
+    // Softmax state per (row, head): running max, running sum.
+    let mut state = vec![0f32; p.t * h * 2];
+    TILE.with_borrow_mut(|buf| {
+        // Every element is written by `expand_tile` before it is read: no clearing.
+        let need = cap * (h * (nope + vd) + rope);
+        if buf.len() < need {
+            buf.resize(need, 0.0);
+        }
+        let (k_nope, rest) = buf[..need].split_at_mut(h * nope * cap);
+        let (v, k_rope) = rest.split_at_mut(h * cap * vd);
+        let mut start = 0;
+        while start < keys {
+            let rows = cap.min(keys - start);
+            expand_tile(isa, p, start, rows, cap, k_nope, v, k_rope);
+            let tile = Tile { start, cap, k_nope, v, k_rope };
+            attend_tile(isa, p, &tile, out, &mut state);
+            start += cap;
+        }
+    });
+}
+
+/// Expands cache rows `[start, start + rows)` into the tile buffers (one task per head and block of
+/// `BLOCK_K` rows; rows past `rows` zeroed).
+#[allow(clippy::too_many_arguments)]
+fn expand_tile(
+    isa: Isa,
+    p: &MlaPrefillInputs<'_>,
+    start: usize,
+    rows: usize,
+    cap: usize,
+    k_nope: &mut [f32],
+    v: &mut [f32],
+    k_rope: &mut [f32],
+) {
+    let MlaDims { heads: h, nope, v_dim: vd, latent: lat, .. } = p.dims;
+    let per_head = nope + vd;
+    for (d, kr) in k_rope.chunks_exact_mut(cap).enumerate() {
+        for (r, x) in kr.iter_mut().enumerate() {
+            *x = if r < rows { p.cache[(start + r) * p.stride + lat + d] } else { 0.0 };
+        }
+    }
+    let blocks = cap / BLOCK_K;
+    let (kp, vp) = (Shared(k_nope.as_mut_ptr()), Shared(v.as_mut_ptr()));
+    crate::par::for_each(h * blocks, &|task| {
+        let (hh, b) = (task / blocks, task % blocks);
+        let r0 = b * BLOCK_K;
+        let n = rows.saturating_sub(r0).min(BLOCK_K);
+        SCRATCH.with_borrow_mut(|tmp| {
+            tmp.clear();
+            tmp.resize(BLOCK_K * per_head, 0.0);
+            if n > 0 {
+                let c = &p.cache[(start + r0) * p.stride..];
+                let w = &p.kv_b_t[hh * lat * per_head..][..lat * per_head];
+                gemm(isa, (n, per_head, lat), c, p.stride, w, per_head, tmp, per_head, false);
+            }
+            // SAFETY: task (hh, b) alone writes columns r0..r0+BLOCK_K of head hh's key rows and
+            // rows r0..r0+BLOCK_K of its values; both lie inside the buffers (cap columns/rows).
+            unsafe {
+                for d in 0..nope {
+                    let dst = kp.at((hh * nope + d) * cap + r0);
+                    for r in 0..BLOCK_K {
+                        *dst.add(r) = tmp[r * per_head + d];
+                    }
+                }
+                for r in 0..BLOCK_K {
+                    let dst = vp.at((hh * cap + r0 + r) * vd);
+                    std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), dst, vd);
+                }
+            }
+        });
+    });
+}
+
+/// Runs every (head, query block) that sees a key of `tile` over its key blocks, heaviest first.
+fn attend_tile(isa: Isa, p: &MlaPrefillInputs<'_>, tile: &Tile<'_>, out: &mut [f32], state: &mut [f32]) {
+    let h = p.dims.heads;
+    let end = p.q_start + p.t;
+    // Query blocks at absolute positions: block b holds rows at positions [b·BLOCK_Q, +BLOCK_Q).
+    let (first, last) = (p.q_start / BLOCK_Q, (end - 1) / BLOCK_Q);
+    // Blocks whose last row is before the tile see none of it.
+    let from = first.max(tile.start / BLOCK_Q);
+    if from > last {
+        return;
+    }
+    let n_blocks = last - from + 1;
+    let (op, sp) = (Shared(out.as_mut_ptr()), Shared(state.as_mut_ptr()));
+    crate::par::for_each(h * n_blocks, &|task| {
+        let (b, hh) = (last - task / h, task % h);
+        let rows = (b * BLOCK_Q).max(p.q_start)..((b + 1) * BLOCK_Q).min(end);
+        // SAFETY: (head hh, query rows `rows`) belongs to this task alone in this dispatch.
+        unsafe { attend_block(isa, p, tile, hh, rows, op, sp) };
+    });
+}
+
+/// Flash-attention loop of head `hh`'s query rows at positions `rows` over the tile's key blocks
+/// up to the last row's position. Loads the rows' running output and softmax state (fresh in the
+/// first tile), stores them back, normalised after the tile holding the rows' own positions.
+///
+/// # Safety
+/// No other thread touches `out`'s or `state`'s elements of (these rows, head `hh`) meanwhile.
+unsafe fn attend_block(
+    isa: Isa,
+    p: &MlaPrefillInputs<'_>,
+    tile: &Tile<'_>,
+    hh: usize,
+    rows: std::ops::Range<usize>,
+    out: Shared,
+    state: Shared,
+) {
+    let MlaDims { heads: h, nope, rope, v_dim: vd, .. } = p.dims;
+    let qk = nope + rope;
+    let nr = rows.len();
+    let i0 = rows.start - p.q_start;
+    let first_tile = tile.start == 0;
+    let done = tile.start + tile.cap >= rows.end;
+    SCRATCH.with_borrow_mut(|buf| {
+        buf.clear();
+        buf.resize(BLOCK_Q * (BLOCK_K + vd + 2), 0.0);
+        let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
+        let (o, ml) = rest.split_at_mut(BLOCK_Q * vd);
+        let (o, ml) = (&mut o[..nr * vd], &mut ml[..2 * nr]);
+        for r in 0..nr {
+            let at = (i0 + r) * h + hh;
+            if first_tile {
+                o[r * vd..(r + 1) * vd].fill(0.0);
+                ml[2 * r] = f32::NEG_INFINITY;
+                ml[2 * r + 1] = 0.0;
+            } else {
+                // SAFETY: (row, head hh) is this task's (caller's contract); inside the buffers.
+                std::ptr::copy_nonoverlapping(out.at(at * vd), o[r * vd..].as_mut_ptr(), vd);
+                ml[2 * r] = *state.at(2 * at);
+                ml[2 * r + 1] = *state.at(2 * at + 1);
+            }
+        }
+        let tile_end = tile.start + tile.cap;
+        let mut kb = tile.start;
+        while kb < tile_end.min(rows.end) {
+            // Rows at or after the block's first key take part: a suffix of the block.
+            let ia = kb.saturating_sub(rows.start);
+            let na = nr - ia;
+            let col = kb - tile.start;
+            let s = &mut s[..na * BLOCK_K];
+            let q = &p.q[((i0 + ia) * h + hh) * qk..];
+            // (A zero-width part has empty buffers: its product reads nothing.)
+            let kn = tile.k_nope.get(hh * nope * tile.cap + col..).unwrap_or(&[]);
+            let kr = tile.k_rope.get(col..).unwrap_or(&[]);
+            gemm(isa, (na, BLOCK_K, nope), q, h * qk, kn, tile.cap, s, BLOCK_K, false);
+            gemm(isa, (na, BLOCK_K, rope), &q[nope..], h * qk, kr, tile.cap, s, BLOCK_K, true);
+            for r in 0..na {
+                let pos = rows.start + ia + r;
+                let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
+                let mut mx = f32::NEG_INFINITY;
+                for (j, x) in srow.iter_mut().enumerate() {
+                    *x = if kb + j <= pos { *x * p.scale } else { f32::NEG_INFINITY };
+                    mx = mx.max(*x);
+                }
+                let (m_old, l_old) = (ml[2 * (ia + r)], ml[2 * (ia + r) + 1]);
+                let m_new = m_old.max(mx);
+                let alpha = (m_old - m_new).exp();
+                let mut sum = 0f32;
+                for x in srow.iter_mut() {
+                    *x = (*x - m_new).exp();
+                    sum += *x;
+                }
+                ml[2 * (ia + r)] = m_new;
+                ml[2 * (ia + r) + 1] = l_old * alpha + sum;
+                for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
+                    *x *= alpha;
+                }
+            }
+            let v = &tile.v[(hh * tile.cap + col) * vd..];
+            gemm(isa, (na, vd, BLOCK_K), s, BLOCK_K, v, vd, &mut o[ia * vd..], vd, true);
+            kb += BLOCK_K;
+        }
+        for r in 0..nr {
+            let at = (i0 + r) * h + hh;
+            let orow = &mut o[r * vd..(r + 1) * vd];
+            if done {
+                let inv = 1.0 / ml[2 * r + 1];
+                orow.iter_mut().for_each(|x| *x *= inv);
+            } else {
+                *state.at(2 * at) = ml[2 * r];
+                *state.at(2 * at + 1) = ml[2 * r + 1];
+            }
+            // SAFETY: as above.
+            std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
+        }
+    });
+}
+
+#[cfg(test)]
+#[path = "mla_prefill_tests.rs"]
+mod tests;

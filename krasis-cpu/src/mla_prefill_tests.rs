@@ -1,0 +1,209 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::attention::{causal_attention, KvCacheView};
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect()
+}
+
+/// Inputs of one test case: q `[t, heads, qk]`, cache rows `[q_start + t, stride]`, `kv_b` rows.
+struct Case {
+    d: MlaDims,
+    t: usize,
+    q_start: usize,
+    stride: usize,
+    q: Vec<f32>,
+    cache: Vec<f32>,
+    kv_b: Vec<f32>,
+    scale: f32,
+}
+
+impl Case {
+    fn new(d: MlaDims, t: usize, q_start: usize, pad: usize, seed: u32) -> Case {
+        let stride = d.latent + d.rope + pad;
+        let rows = q_start + t;
+        // kv_b small enough that scores stay O(1) (softmax neither flat nor one-hot).
+        let kv_b: Vec<f32> = data(d.heads * (d.nope + d.v_dim) * d.latent, seed ^ 3)
+            .iter()
+            .map(|x| x / (d.latent as f32).sqrt())
+            .collect();
+        Case {
+            d,
+            t,
+            q_start,
+            stride,
+            q: data(t * d.heads * (d.nope + d.rope), seed),
+            cache: data(rows * stride, seed ^ 1),
+            kv_b,
+            scale: 1.0 / ((d.nope + d.rope) as f32).sqrt(),
+        }
+    }
+
+    fn inputs<'a>(&'a self, kv_b_t: &'a [f32]) -> MlaPrefillInputs<'a> {
+        MlaPrefillInputs {
+            dims: self.d,
+            q: &self.q,
+            t: self.t,
+            q_start: self.q_start,
+            cache: &self.cache,
+            stride: self.stride,
+            kv_b_t,
+            scale: self.scale,
+        }
+    }
+
+    /// MLA attention in f64 straight from the definition: expand every key row, then softmax.
+    fn reference(&self) -> Vec<f64> {
+        let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = self.d;
+        let (qk, per_head, rows) = (nope + rope, nope + vd, self.q_start + self.t);
+        let mut out = vec![0f64; self.t * h * vd];
+        for hh in 0..h {
+            let expand = |r: usize, c: usize| -> f64 {
+                let w = &self.kv_b[(hh * per_head + c) * lat..][..lat];
+                let x = &self.cache[r * self.stride..][..lat];
+                w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
+            };
+            let k: Vec<Vec<f64>> = (0..rows)
+                .map(|r| {
+                    let mut k: Vec<f64> = (0..nope).map(|c| expand(r, c)).collect();
+                    k.extend((0..rope).map(|d| self.cache[r * self.stride + lat + d] as f64));
+                    k
+                })
+                .collect();
+            let v: Vec<Vec<f64>> = (0..rows).map(|r| (0..vd).map(|c| expand(r, nope + c)).collect()).collect();
+            for i in 0..self.t {
+                let q = &self.q[(i * h + hh) * qk..][..qk];
+                let s: Vec<f64> = (0..=self.q_start + i)
+                    .map(|p| q.iter().zip(&k[p]).map(|(a, b)| *a as f64 * b).sum::<f64>() * self.scale as f64)
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let o = &mut out[(i * h + hh) * vd..][..vd];
+                for (p, w) in e.iter().enumerate() {
+                    for (x, vv) in o.iter_mut().zip(&v[p]) {
+                        *x += w / z * vv;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Largest |a − b| over the largest |b| (1 where b is all zero).
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
+}
+
+fn dims() -> impl Strategy<Value = MlaDims> {
+    (prop::sample::select(vec![1usize, 3, 16]), 1usize..40, 1usize..20, 1usize..40, 1usize..70)
+        .prop_map(|(heads, nope, rope, v_dim, latent)| MlaDims { heads, nope, rope, v_dim, latent })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// Ragged shapes (odd row counts, a prefix already cached, 1/3/16 heads, padded cache rows),
+    /// tiles of one block up to the whole context, against the f64 definition.
+    #[test]
+    fn matches_f64_reference(d in dims(), t in 1usize..150, q_start in 0usize..150, pad in 0usize..3,
+                             tile_blocks in 1usize..4, seed in any::<u32>()) {
+        let c = Case::new(d, t, q_start, pad, seed);
+        let w = transpose_kv_b(&c.kv_b, &d).unwrap();
+        let mut out = vec![f32::NAN; t * d.heads * d.v_dim];
+        run(&c.inputs(&w), &mut out, tile_blocks * BLOCK_K);
+        let err = rel_err(&out, &c.reference());
+        prop_assert!(err < 2e-5, "{:?} t {} q_start {}: error {}", d, t, q_start, err);
+        let mut whole = vec![f32::NAN; out.len()];
+        mla_prefill_attention(&c.inputs(&w), &mut whole).unwrap();
+        prop_assert!(rel_err(&whole, &c.reference()) < 2e-5);
+    }
+
+    /// One call over the whole prompt, or two calls (the second with the first's rows cached),
+    /// with any tile size: the same bits.
+    #[test]
+    fn calls_split_anywhere_give_the_same_bits(d in dims(), t in 2usize..200, cut in 1usize..199,
+                                               tile_blocks in 1usize..4, seed in any::<u32>()) {
+        let cut = cut.min(t - 1);
+        let c = Case::new(d, t, 0, 0, seed);
+        let w = transpose_kv_b(&c.kv_b, &d).unwrap();
+        let mut whole = vec![0f32; t * d.heads * d.v_dim];
+        mla_prefill_attention(&c.inputs(&w), &mut whole).unwrap();
+        let per_row = d.heads * (d.nope + d.rope);
+        let first = MlaPrefillInputs { t: cut, q: &c.q[..cut * per_row], ..c.inputs(&w) };
+        let second = MlaPrefillInputs { t: t - cut, q_start: cut, q: &c.q[cut * per_row..], ..c.inputs(&w) };
+        let mut parts = vec![0f32; whole.len()];
+        let split = cut * d.heads * d.v_dim;
+        run(&first, &mut parts[..split], tile_blocks * BLOCK_K);
+        run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K);
+        prop_assert!(whole.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+/// The decompressed form against the absorbed one (`W_UK` folded into q, attention over the
+/// latent, `W_UV` after) on V2-Lite's head shapes.
+#[test]
+fn equals_the_absorbed_form() {
+    let d = MlaDims { heads: 4, nope: 128, rope: 64, v_dim: 128, latent: 512 };
+    let (t, q_start) = (70, 33);
+    let c = Case::new(d, t, q_start, 0, 7);
+    let (per_head, row) = (d.nope + d.v_dim, d.latent + d.rope);
+    let w = transpose_kv_b(&c.kv_b, &d).unwrap();
+    let mut out = vec![0f32; t * d.heads * d.v_dim];
+    mla_prefill_attention(&c.inputs(&w), &mut out).unwrap();
+    let mut q_abs = vec![0f32; t * d.heads * row];
+    for (idx, qa) in q_abs.chunks_exact_mut(row).enumerate() {
+        let (qn, qr) = c.q[idx * (d.nope + d.rope)..][..d.nope + d.rope].split_at(d.nope);
+        let hh = idx % d.heads;
+        for (n, &x) in qn.iter().enumerate() {
+            let wk = &c.kv_b[(hh * per_head + n) * d.latent..][..d.latent];
+            qa[..d.latent].iter_mut().zip(wk).for_each(|(a, b)| *a += x * b);
+        }
+        qa[d.latent..].copy_from_slice(qr);
+    }
+    let kv = KvCacheView {
+        k: &c.cache,
+        k_stride: c.stride,
+        v: &c.cache,
+        v_stride: c.stride,
+        kv_heads: 1,
+        k_dim: row,
+        v_dim: d.latent,
+        len: q_start + t,
+    };
+    let mut o_lat = vec![0f32; t * d.heads * d.latent];
+    causal_attention(&q_abs, t, d.heads, q_start, &kv, c.scale, &mut o_lat);
+    let absorbed: Vec<f64> = o_lat
+        .chunks_exact(d.latent)
+        .enumerate()
+        .flat_map(|(idx, ol)| {
+            let hh = idx % d.heads;
+            (0..d.v_dim)
+                .map(|j| {
+                    let wv = &c.kv_b[(hh * per_head + d.nope + j) * d.latent..][..d.latent];
+                    wv.iter().zip(ol).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let err = rel_err(&out, &absorbed);
+    assert!(err < 1e-4, "decompressed vs absorbed: {err}");
+    assert!(rel_err(&out, &c.reference()) < 2e-5);
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let d = MlaDims { heads: 2, nope: 4, rope: 2, v_dim: 4, latent: 8 };
+    let c = Case::new(d, 5, 3, 0, 1);
+    let w = transpose_kv_b(&c.kv_b, &d).unwrap();
+    let mut out = vec![0f32; 5 * 2 * 4];
+    let short = MlaPrefillInputs { cache: &c.cache[..c.stride * 7], ..c.inputs(&w) };
+    assert_eq!(mla_prefill_attention(&short, &mut out), Err(MlaPrefillError::Cache { cached: 7, needed: 8 }));
+    assert!(matches!(mla_prefill_attention(&c.inputs(&w), &mut out[..3]), Err(MlaPrefillError::Len { .. })));
+    assert!(matches!(transpose_kv_b(&c.kv_b[1..], &d), Err(MlaPrefillError::Len { .. })));
+    let narrow = MlaPrefillInputs { stride: 9, ..c.inputs(&w) };
+    assert!(matches!(mla_prefill_attention(&narrow, &mut out), Err(MlaPrefillError::Stride { .. })));
+}
