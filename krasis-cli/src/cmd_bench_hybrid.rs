@@ -79,6 +79,14 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         if predicted > 0 {
             println!("next-layer route prediction: {:.1}% of {predicted} routes right", 100.0 * hit_rate);
         }
+        let pulled = h1.pulled_calls - h0.pulled_calls;
+        let calls = h1.calls - h0.calls;
+        if pulled > 0 && calls > pulled {
+            let us = |d: std::time::Duration, n: u64| d.as_secs_f64() * 1e6 / n as f64;
+            let with = us(h1.pulled_experts - h0.pulled_experts, pulled);
+            let without = us((h1.experts - h0.experts) - (h1.pulled_experts - h0.pulled_experts), calls - pulled);
+            println!("CPU experts per hand-off: {with:.1} µs after a pull ({pulled}), {without:.1} µs otherwise ({})", calls - pulled);
+        }
         println!(
             "load {load_s:.2} s; RSS after load {}, after decode {}; one copy of the routed experts {} ({:.2}x)",
             rss_loaded.map_or("n/a".into(), format_bytes),

@@ -70,6 +70,10 @@ pub struct HandoffStats {
     /// Routes predicted for hand-offs that then ran, and how many of them the router chose.
     pub predicted: u64,
     pub predicted_hits: u64,
+    /// Hand-offs whose experts had been pulled (see [`expert_prefetch_ab`]), and their CPU
+    /// expert time (part of `calls` and `experts`).
+    pub pulled_calls: u64,
+    pub pulled_experts: Duration,
 }
 
 impl HandoffStats {
@@ -83,13 +87,25 @@ impl HandoffStats {
         self.prefetch_bytes += o.prefetch_bytes;
         self.predicted += o.predicted;
         self.predicted_hits += o.predicted_hits;
+        self.pulled_calls += o.pulled_calls;
+        self.pulled_experts += o.pulled_experts;
     }
 }
 
 /// Default of `KRASIS_EXPERT_PREFETCH_MB`: at most this much of the predicted next experts is
-/// pulled per hand-off; the GPU's share of a layer (~60 µs at ~110 GB/s, ≈ 7 MB) usually ends it
-/// first. 16 MiB keeps the pulled lines within half the 16 cores' L2.
-const DEFAULT_EXPERT_PREFETCH_MB: usize = 16;
+/// pulled per hand-off (a quarter MiB per worker on 16). Measured on the H100 box's host
+/// (2026-11-24, in-run A/B, `KRASIS_EXPERT_PREFETCH_AB=1`, v2-lite INT4): a hand-off after a
+/// 4 MiB pull took 252 µs against 295 µs without, and an 8 MiB one (the GPU's share usually cut
+/// it at ~6.7 MB) 254 against 295: the rest of a worker's first task gains nothing more.
+const DEFAULT_EXPERT_PREFETCH_MB: usize = 4;
+
+/// `KRASIS_EXPERT_PREFETCH_AB=1` (diagnosis): pull only during every other forward call, so one
+/// run times the CPU experts with and without the pull under the same conditions (the bench
+/// prints both).
+pub(crate) fn expert_prefetch_ab() -> bool {
+    static AB: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AB.get_or_init(|| std::env::var("KRASIS_EXPERT_PREFETCH_AB").is_ok_and(|v| v == "1"))
+}
 
 /// Bytes of the next layer's predicted experts to pull while the GPU works (0: no route
 /// prediction and no pull); `KRASIS_EXPERT_PREFETCH_MB` overrides the default.
@@ -457,9 +473,11 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
     let mut stats = HandoffStats::default();
     let mut failure: Option<ModelError> = None;
     let mut since = Instant::now();
+    let mut calls = 0u64;
     while let Ok(m) = rx.recv() {
         match m {
             Msg::Begin(c) => {
+                calls += 1;
                 call = Some(c);
                 stats = HandoffStats::default();
                 failure = None;
@@ -491,13 +509,17 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                 }
                 c.go.store(work.seq);
                 guess.layer = None;
-                if failure.is_none() {
+                guess.pulled = false;
+                let pull = !expert_prefetch_ab() || calls.is_multiple_of(2);
+                if failure.is_none() && pull {
                     if let (Some(slots), Some(flag)) = (c.windows.predicted, c.predicted.as_deref()) {
                         let t = Instant::now();
                         let pulled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             prefetch_next(work, slots, flag, &c.ready, experts, &mut guess)
                         }));
-                        stats.prefetch_bytes += pulled.unwrap_or(0) as u64;
+                        let pulled = pulled.unwrap_or(0);
+                        guess.pulled = pulled > 0;
+                        stats.prefetch_bytes += pulled as u64;
                         stats.prefetch += t.elapsed();
                     }
                 }
@@ -522,6 +544,8 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
 struct Guess {
     layer: Option<usize>,
     ids: Vec<usize>,
+    /// Whether their weights were pulled.
+    pulled: bool,
 }
 
 /// After hand-off `work`: when the GPU's prediction for the next MoE layer is in (it normally
@@ -605,5 +629,9 @@ fn serve_one(
     stats.calls += 1;
     stats.wait += t1 - t0;
     stats.experts += t1.elapsed();
+    if guess.layer == Some(work.layer) && guess.pulled {
+        stats.pulled_calls += 1;
+        stats.pulled_experts += t1.elapsed();
+    }
     Ok(())
 }
