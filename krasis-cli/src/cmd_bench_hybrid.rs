@@ -85,7 +85,10 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             let us = |d: std::time::Duration, n: u64| d.as_secs_f64() * 1e6 / n as f64;
             let with = us(h1.pulled_experts - h0.pulled_experts, pulled);
             let without = us((h1.experts - h0.experts) - (h1.pulled_experts - h0.pulled_experts), calls - pulled);
-            println!("CPU experts per hand-off: {with:.1} µs after a pull ({pulled}), {without:.1} µs otherwise ({})", calls - pulled);
+            println!(
+                "CPU experts per hand-off: {with:.1} µs after a pull ({pulled}), {without:.1} µs otherwise ({})",
+                calls - pulled
+            );
         }
         println!(
             "load {load_s:.2} s; RSS after load {}, after decode {}; one copy of the routed experts {} ({:.2}x)",

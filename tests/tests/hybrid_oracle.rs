@@ -40,14 +40,42 @@ fn run(m: &GpuModel, prompt: &[u32], greedy: &[u32], steps: usize) -> (Vec<f32>,
     for &id in &greedy[..steps - 1] {
         decoded.extend(m.forward_logits(&mut s, &[id], false).unwrap());
     }
-    let handoffs = s.handoff_stats().calls;
+    let stats = s.handoff_stats();
     let moe_layers = m.spec.moe_layers().count() as u64;
-    assert_eq!(handoffs, moe_layers * steps as u64, "one hand-off per MoE layer per call");
+    assert_eq!(stats.calls, moe_layers * steps as u64, "one hand-off per MoE layer per call");
+    check_route_prediction(m, &stats, steps, moe_layers);
     let mut s2 = m.new_session().unwrap();
     let mut all = prompt.to_vec();
     all.extend_from_slice(&greedy[..steps - 1]);
     let l = m.forward_logits(&mut s2, &all, true).unwrap();
     (prefill, decoded, l[(prompt.len() - 1) * v..].to_vec())
+}
+
+/// The next-layer route prediction behind the expert pull: at most one per decode hand-off after
+/// a call's first MoE layer (none with `KRASIS_EXPERT_PREFETCH_MB=0`), counted only when the
+/// GPU's prediction was in before the CPU finished the layer before (tiny fixtures' CPU experts
+/// can beat it), and, where any were made, right more often than chance. It only ever steers a
+/// cache pull, but a broken one would silently cost that pull's benefit.
+fn check_route_prediction(m: &GpuModel, stats: &krasis_model::gpu::HandoffStats, steps: usize, moe_layers: u64) {
+    let Some(moe) = m.spec.moe.as_ref() else { return };
+    let (k, e) = (moe.routing.top_k as u64, moe.n_routed_experts as u64);
+    let off = std::env::var("KRASIS_EXPERT_PREFETCH_MB").is_ok_and(|v| v.trim() == "0");
+    let most = if off { 0 } else { (steps as u64 - 1) * moe_layers.saturating_sub(1) * k };
+    assert!(stats.predicted <= most, "{} routes predicted, at most {most} possible", stats.predicted);
+    assert!(stats.predicted_hits <= stats.predicted);
+    if stats.predicted > 0 {
+        let rate = stats.predicted_hits as f64 / stats.predicted as f64;
+        let chance = k as f64 / e as f64;
+        eprintln!(
+            "route prediction: {:.1}% of {} routes right (of {most} possible; chance {:.1}%)",
+            100.0 * rate,
+            stats.predicted,
+            100.0 * chance
+        );
+        assert!(rate > chance, "route prediction {rate:.3} no better than chance {chance:.3}");
+    } else {
+        eprintln!("route prediction: none made in time (of {most} possible)");
+    }
 }
 
 fn check(name: &str) {
