@@ -411,18 +411,14 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
     }
 }
 
-// One entry point per (dtype, value n-tiles per warp): NTW * 8 warps * 8 columns >= v_dim.
-#define ATT_KERNEL(NAME, FP8, NTW) \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) NAME(AttnArgs a) { attn_decode_body<FP8, NTW>(a); }
-
-ATT_KERNEL(attn_decode_bf16_n2, false, 2)
-ATT_KERNEL(attn_decode_bf16_n4, false, 4)
-ATT_KERNEL(attn_decode_bf16_n8, false, 8)
-ATT_KERNEL(attn_decode_bf16_n16, false, 16)
-ATT_KERNEL(attn_decode_fp8_n2, true, 2)
-ATT_KERNEL(attn_decode_fp8_n4, true, 4)
-ATT_KERNEL(attn_decode_fp8_n8, true, 8)
-ATT_KERNEL(attn_decode_fp8_n16, true, 16)
+// One entry point per (dtype, value n-tiles per warp): NTW * 8 warps * 8 columns >= v_dim. Each is
+// its own NVRTC program (compiled with -DATT_NAME=attn_decode_<dtype>_n<NTW> -DATT_FP8=<bool>
+// -DATT_NTW=<n>; see attn_decode.rs): one instantiation of the body takes seconds to compile, so
+// the programs compile in parallel and a model compiles only the ones it launches; the program
+// without ATT_NAME holds the kernels below (combine, absorption, W_UV).
+#ifdef ATT_NAME
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) ATT_NAME(AttnArgs a) { attn_decode_body<ATT_FP8, ATT_NTW>(a); }
+#else
 
 // Merges the splits of every query: out = Σ_s e^(m_s - M) O_s / Σ_s e^(m_s - M) l_s.
 // Grid: (t*heads, ceil(v_dim / COMB_COLS)), block: COMB_THREADS; shared memory: n_splits + 32
@@ -619,3 +615,4 @@ extern "C" __global__ void mla_apply_uv(const bf16_t* __restrict__ kv_b, const f
     acc = warp_sum(acc);
     if (lane == 0) out[ih * v_dim + j] = acc;
 }
+#endif  // ATT_NAME

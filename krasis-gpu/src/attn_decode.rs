@@ -24,24 +24,50 @@ use crate::kernels::{KernelSource, HEADERS};
 use crate::kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
+/// The decode kernels besides the attention itself: the split combine, MLA's query absorption and
+/// W_UV.
 pub const ATTN_DECODE: KernelSource = KernelSource {
     name: "attn_decode",
     src: include_str!("../kernels/attn_decode.cu"),
     headers: HEADERS,
-    functions: &[
-        "attn_decode_bf16_n2",
-        "attn_decode_bf16_n4",
-        "attn_decode_bf16_n8",
-        "attn_decode_bf16_n16",
-        "attn_decode_fp8_n2",
-        "attn_decode_fp8_n4",
-        "attn_decode_fp8_n8",
-        "attn_decode_fp8_n16",
-        "attn_decode_combine",
-        "mla_absorb_q",
-        "mla_apply_uv",
-    ],
+    options: &[],
+    functions: &["attn_decode_combine", "mla_absorb_q", "mla_apply_uv"],
 };
+
+/// One program per attention kernel variant (dtype × value n-tiles per warp), each the same
+/// source with the variant's macros: one instantiation takes seconds to compile (all eight as one
+/// program took 16–23 s on the H100 box), so they compile in parallel and only on first use.
+macro_rules! attn_variant {
+    ($name:literal, $fp8:literal, $ntw:literal) => {
+        KernelSource {
+            name: $name,
+            src: include_str!("../kernels/attn_decode.cu"),
+            headers: HEADERS,
+            options: &[concat!("-DATT_NAME=", $name), concat!("-DATT_FP8=", $fp8), concat!("-DATT_NTW=", $ntw)],
+            functions: &[$name],
+        }
+    };
+}
+
+/// The attention kernel variants, named `attn_decode_<bf16|fp8>_n<value n-tiles per warp>`.
+pub const ATTN_DECODE_VARIANTS: [KernelSource; 8] = [
+    attn_variant!("attn_decode_bf16_n2", "false", "2"),
+    attn_variant!("attn_decode_bf16_n4", "false", "4"),
+    attn_variant!("attn_decode_bf16_n8", "false", "8"),
+    attn_variant!("attn_decode_bf16_n16", "false", "16"),
+    attn_variant!("attn_decode_fp8_n2", "true", "2"),
+    attn_variant!("attn_decode_fp8_n4", "true", "4"),
+    attn_variant!("attn_decode_fp8_n8", "true", "8"),
+    attn_variant!("attn_decode_fp8_n16", "true", "16"),
+];
+
+/// The program that defines attention kernel `fname` (one of [`ATTN_DECODE_VARIANTS`]).
+fn variant_source(fname: &str) -> Result<&'static KernelSource, GpuError> {
+    ATTN_DECODE_VARIANTS
+        .iter()
+        .find(|k| k.name == fname)
+        .ok_or_else(|| GpuError::Shape { op: "attn_decode", detail: format!("no attention kernel variant {fname}") })
+}
 
 /// Largest MLA latent (values per head) the decode kernel supports: 16 value n-tiles per warp.
 pub const MAX_LATENT: usize = 1024;
@@ -433,7 +459,7 @@ impl GpuDevice {
         let ntw = v_dim.div_ceil(8 * (ATT_THREADS as usize / 32));
         let ntw = VALUE_TILES.iter().copied().find(|&n| n >= ntw).unwrap_or(16);
         let fname = kernel_name(lay.dtype, ntw);
-        let f = self.function(&ATTN_DECODE, fname)?;
+        let f = self.function(variant_source(fname)?, fname)?;
         if smem > DEFAULT_SMEM_LIMIT && ws.smem_set.get(fname).is_none_or(|&s| s < smem) {
             f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;

@@ -61,7 +61,7 @@ pub fn cache_file_name(kernel: &KernelSource, target: Target, version: (i32, i32
         parts.push(h.name.as_bytes());
         parts.push(h.src.as_bytes());
     }
-    for o in COMPILE_OPTIONS {
+    for o in kernel.compile_options() {
         parts.push(o.as_bytes());
     }
     let hash = hash128(&parts);
@@ -154,7 +154,7 @@ impl KernelCompiler {
 
     /// Compiles without touching the cache.
     pub fn compile_uncached(&self, kernel: &KernelSource, target: Target) -> Result<Vec<u8>, GpuError> {
-        self.nvrtc.compile(kernel.name, kernel.src, kernel.headers, target, COMPILE_OPTIONS)
+        self.nvrtc.compile(kernel.name, kernel.src, kernel.headers, target, &kernel.compile_options())
     }
 
     /// The image of `kernel` for `target`: from the cache when present, else compiled and stored.
@@ -223,7 +223,7 @@ mod tests {
     fn file_name_keys_on_source_headers_arch_and_version() {
         const H1: &[Header] = &[Header { name: "h.cuh", src: "int a;" }];
         const H2: &[Header] = &[Header { name: "h.cuh", src: "int b;" }];
-        let k = KernelSource { name: "k", src: "x", headers: H1, functions: &[] };
+        let k = KernelSource { name: "k", src: "x", headers: H1, options: &[], functions: &[] };
         let n = cache_file_name(&k, Target::sass(90), (12, 9));
         assert!(n.starts_with("k-sm_90-nvrtc12.9-") && n.ends_with(".cubin"), "{n}");
         assert_eq!(n, cache_file_name(&k, Target::sass(90), (12, 9)));
@@ -231,6 +231,7 @@ mod tests {
         assert_ne!(n, cache_file_name(&k, Target::sass(90), (13, 0)));
         assert_ne!(n, cache_file_name(&KernelSource { src: "y", ..k }, Target::sass(90), (12, 9)));
         assert_ne!(n, cache_file_name(&KernelSource { headers: H2, ..k }, Target::sass(90), (12, 9)));
+        assert_ne!(n, cache_file_name(&KernelSource { options: &["-DX=1"], ..k }, Target::sass(90), (12, 9)));
         let ptx = cache_file_name(&k, Target { arch: 90, kind: ImageKind::Ptx }, (12, 9));
         assert!(ptx.contains("compute_90") && ptx.ends_with(".ptx"), "{ptx}");
     }

@@ -516,6 +516,17 @@ impl GpuDevice {
         if let Some(m) = self.modules.lock().unwrap_or_else(|p| p.into_inner()).get(kernel.name) {
             return Ok(Arc::clone(m));
         }
+        let image = self.compiler.image(kernel, self.target)?;
+        self.load_image(kernel, image)
+    }
+
+    /// Loads `kernel`'s compiled `image` into this context (recompiling once if a cached image
+    /// is refused by the driver) and keeps the module.
+    fn load_image(
+        &self,
+        kernel: &KernelSource,
+        image: crate::cache::CompiledImage,
+    ) -> Result<Arc<CudaModule>, GpuError> {
         let load = |bytes: Vec<u8>| {
             let ptx = match self.target.kind {
                 ImageKind::Cubin => Ptx::from_binary(bytes),
@@ -529,7 +540,6 @@ impl GpuDevice {
             };
             self.ctx.load_module(ptx)
         };
-        let image = self.compiler.image(kernel, self.target)?;
         let module = match load(image.bytes) {
             Ok(m) => m,
             Err(e) if image.from_cache => {
@@ -562,7 +572,53 @@ impl GpuDevice {
 
     /// Compiles and loads every kernel and resolves every function (e.g. at start-up, so the
     /// first forward pass does not pay for compiles).
+    ///
+    /// The images come first, on up to one thread per core: NVRTC programs are independent, and
+    /// on a machine's first start their compiles are most of the load (one at a time they took
+    /// ~25 s on the H100 box). A line says when any has to be compiled.
     pub fn warm_up_kernels(&self) -> Result<(), GpuError> {
+        let todo: Vec<&KernelSource> = {
+            let loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            crate::kernels::ALL.iter().filter(|k| !loaded.contains_key(k.name)).collect()
+        };
+        let to_compile =
+            todo.iter().filter(|k| self.compiler.cache_path(k, self.target).is_none_or(|p| !p.exists())).count();
+        let started = std::time::Instant::now();
+        if to_compile > 0 {
+            tracing::info!(
+                "krasis-gpu: compiling {to_compile} GPU kernel programs for {} (first start with this build here; cached for the next)",
+                self.target
+            );
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(todo.len()).max(1);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let mut images: Vec<Option<Result<crate::cache::CompiledImage, GpuError>>> = Vec::new();
+        images.resize_with(todo.len(), || None);
+        let slots = Mutex::new(images);
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(k) = todo.get(i) else { break };
+                    let image = self.compiler.image(k, self.target);
+                    slots.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(image);
+                });
+            }
+        });
+        let images = slots.into_inner().unwrap_or_else(|p| p.into_inner());
+        for (k, image) in todo.iter().zip(images) {
+            let image = image.ok_or_else(|| GpuError::Panicked {
+                op: "NVRTC compile",
+                detail: format!("the thread compiling {} stopped", k.name),
+            })??;
+            self.load_image(k, image)?;
+        }
+        if to_compile > 0 {
+            tracing::info!(
+                "krasis-gpu: {to_compile} kernel programs compiled in {:.1} s on {threads} threads",
+                started.elapsed().as_secs_f64()
+            );
+        }
         for k in crate::kernels::ALL {
             for f in k.functions {
                 self.function(k, f)?;

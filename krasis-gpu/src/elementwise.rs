@@ -10,6 +10,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     name: "elementwise",
     src: include_str!("../kernels/elementwise.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["iota_i32", "add_inplace_f32", "copy_rows_f32", "copy_rows_f32_bf16", "rmsnorm_strided_inplace"],
 };
 

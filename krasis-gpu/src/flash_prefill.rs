@@ -27,6 +27,7 @@ pub const FLASH_PREFILL: KernelSource = KernelSource {
     name: "flash_prefill",
     src: include_str!("../kernels/flash_prefill.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["flash_prefill_simt", "flash_prefill_mma"],
 };
 

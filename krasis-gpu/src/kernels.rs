@@ -9,14 +9,23 @@ use crate::device::kernel_args;
 use crate::nvrtc::Header;
 use crate::{GpuDevice, GpuError, GpuKvCache, MappedHost};
 
-/// One `.cu` file: its name (the cache key's prefix and NVRTC's file name), source, the headers it
-/// may include, and the `extern "C"` kernels it defines.
+/// One NVRTC program: its name (the cache key's prefix and NVRTC's file name), source, the headers
+/// it may include, its own compile options (e.g. `-D` macros that pick which kernels of a shared
+/// `.cu` file it instantiates), and the `extern "C"` kernels it defines.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelSource {
     pub name: &'static str,
     pub src: &'static str,
     pub headers: &'static [Header],
+    pub options: &'static [&'static str],
     pub functions: &'static [&'static str],
+}
+
+impl KernelSource {
+    /// Every option this program compiles with: [`crate::cache::COMPILE_OPTIONS`], then its own.
+    pub fn compile_options(&self) -> Vec<&'static str> {
+        crate::cache::COMPILE_OPTIONS.iter().chain(self.options).copied().collect()
+    }
 }
 
 /// Headers every kernel may `#include "..."`.
@@ -27,6 +36,7 @@ pub const EMBEDDING: KernelSource = KernelSource {
     name: "embedding",
     src: include_str!("../kernels/embedding.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["embedding_gather_bf16_f32", "embedding_gather_bf16_bf16"],
 };
 
@@ -34,6 +44,7 @@ pub const RMSNORM: KernelSource = KernelSource {
     name: "rmsnorm",
     src: include_str!("../kernels/rmsnorm.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["rmsnorm_residual"],
 };
 
@@ -41,6 +52,7 @@ pub const ROPE: KernelSource = KernelSource {
     name: "rope",
     src: include_str!("../kernels/rope.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["rope_f32", "rope_bf16", "mla_rope_norm"],
 };
 
@@ -48,6 +60,7 @@ pub const SILU_MUL: KernelSource = KernelSource {
     name: "silu_mul",
     src: include_str!("../kernels/silu_mul.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["silu_mul_f32", "silu_mul_bf16", "silu_mul_f32_bf16"],
 };
 
@@ -65,6 +78,14 @@ pub const ALL: &[KernelSource] = &[
     crate::flash_prefill::FLASH_PREFILL,
     crate::kv_cache::KV_CACHE,
     crate::attn_decode::ATTN_DECODE,
+    crate::attn_decode::ATTN_DECODE_VARIANTS[0],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[1],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[2],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[3],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[4],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[5],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[6],
+    crate::attn_decode::ATTN_DECODE_VARIANTS[7],
     crate::mla_decode::MLA_DECODE,
 ];
 

@@ -25,6 +25,7 @@ pub const KV_CACHE: KernelSource = KernelSource {
     name: "kv_cache",
     src: include_str!("../kernels/kv_cache.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &[
         "kv_write_bf16",
         "kv_write_fp8",

@@ -34,6 +34,7 @@ pub const LINEAR: KernelSource = KernelSource {
     name: "linear",
     src: include_str!("../kernels/linear.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &[
         "f32_to_bf16_pad",
         "int8_dequant_bf16",

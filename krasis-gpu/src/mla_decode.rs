@@ -23,6 +23,7 @@ pub const MLA_DECODE: KernelSource = KernelSource {
     name: "mla_decode",
     src: include_str!("../kernels/mla_decode.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["mla_decode_t1_j9_v8", "mla_decode_t1_j2_v1"],
 };
 

@@ -26,6 +26,7 @@ pub const MOE: KernelSource = KernelSource {
     name: "moe",
     src: include_str!("../kernels/moe.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_dec_gate_up", "moe_dec_down"],
 };
 

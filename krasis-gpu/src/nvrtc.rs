@@ -42,8 +42,8 @@ pub struct Nvrtc {
     path: String,
     version: (i32, i32),
     supported_archs: Vec<i32>,
-    // NVRTC is documented thread-safe, but compiles are rare and cheap to serialise; this keeps
-    // older releases safe too.
+    /// Serialises compiles on NVRTC releases before 12 (from 12 on, NVRTC is documented
+    /// thread-safe and the kernels of a cold start compile in parallel).
     lock: Mutex<()>,
     _lib: libloading::Library,
 }
@@ -233,7 +233,7 @@ impl Nvrtc {
         }
         let opts_p: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
 
-        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = (self.version.0 < 12).then(|| self.lock.lock().unwrap_or_else(|p| p.into_inner()));
         let mut prog: Program = std::ptr::null_mut();
         // SAFETY: every pointer is valid for the duration of the calls; the program is destroyed
         // on every path below.

@@ -27,6 +27,7 @@ pub const ROUTER: KernelSource = KernelSource {
     name: "router",
     src: include_str!("../kernels/router.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["router_logits", "router_topk", "router_publish"],
 };
 

@@ -41,6 +41,7 @@ pub const SAMPLING: KernelSource = KernelSource {
     name: "sampling",
     src: include_str!("../kernels/sampling.cu"),
     headers: HEADERS,
+    options: &[],
     functions: &["sample_argmax", "sample_topk_topp"],
 };
 

@@ -39,7 +39,7 @@ fn every_kernel_compiles_for_ci_archs() {
     for arch in CI_ARCHS {
         for k in ALL {
             let t0 = std::time::Instant::now();
-            match nv.compile(k.name, k.src, k.headers, Target::sass(arch), COMPILE_OPTIONS) {
+            match nv.compile(k.name, k.src, k.headers, Target::sass(arch), &k.compile_options()) {
                 Ok(img) => {
                     assert_eq!(&img[..4], b"\x7fELF", "{} sm_{arch}: not a cubin", k.name);
                     for f in k.functions {
@@ -69,7 +69,7 @@ fn every_kernel_compiles_for_ci_archs() {
 fn ptx_fallback_target_compiles() {
     let Some(nv) = nvrtc_or_skip("ptx_fallback_target_compiles") else { return };
     for k in ALL {
-        let img = nv.compile(k.name, k.src, k.headers, Target { arch: 80, kind: ImageKind::Ptx }, COMPILE_OPTIONS);
+        let img = nv.compile(k.name, k.src, k.headers, Target { arch: 80, kind: ImageKind::Ptx }, &k.compile_options());
         let img = img.unwrap_or_else(|e| panic!("{e}"));
         let text = String::from_utf8_lossy(&img);
         assert!(text.contains(".target sm_80"), "{}: not PTX for sm_80", k.name);
