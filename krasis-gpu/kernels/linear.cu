@@ -9,6 +9,10 @@
 // Sign-extended byte `b` (0..3, little-endian) of a 32-bit word, as float (exact).
 __device__ __forceinline__ float i8_at(int word, int b) { return (float)((int)((u32)word << (24 - 8 * b)) >> 24); }
 
+// Three NVRTC programs share this file (linear.rs): the helpers below (no macro), the INT8
+// GEMVs (-DLINEAR_INT8_GEMV) and the BF16 GEMVs of one and of four rows per warp
+// (-DLINEAR_BF16_GEMV=1, =4), so they compile in parallel.
+#if !defined(LINEAR_INT8_GEMV) && !defined(LINEAR_BF16_GEMV)
 // x f32 [m, cols] -> BF16 [m, ld] (round to nearest even), columns cols..ld-1 zeroed. One block
 // per row.
 extern "C" __global__ void f32_to_bf16_pad(const float* __restrict__ x, bf16_t* __restrict__ out, int m, int cols,
@@ -47,6 +51,8 @@ extern "C" __global__ void scale_rows_f32(float* __restrict__ y, const float* __
          i += (long long)gridDim.x * blockDim.x)
         y[i] *= scale[i % rows];
 }
+
+#endif
 
 // GEMV for small m (decode): one warp per R consecutive output rows; each lane reads 16 weights
 // (one 16-byte load) per row per step, the warp 512 consecutive columns (coalesced), so every
@@ -113,6 +119,7 @@ __device__ __forceinline__ void int8_gemv_body(const signed char* __restrict__ w
                                                       float* y, int m, int rows, int cols, int ldw, int x_vec4) { \
         int8_gemv_body<MT, R>(w, scale, x, y, m, rows, cols, ldw, x_vec4);                                       \
     }
+#ifdef LINEAR_INT8_GEMV
 KRASIS_INT8_GEMV(1, 1)
 KRASIS_INT8_GEMV(2, 1)
 KRASIS_INT8_GEMV(4, 1)
@@ -121,6 +128,7 @@ KRASIS_INT8_GEMV(1, 4)
 KRASIS_INT8_GEMV(2, 4)
 KRASIS_INT8_GEMV(4, 4)
 KRASIS_INT8_GEMV(8, 4)
+#endif
 
 // ---------------------------------------------------------------- BF16 GEMV (small m, decode)
 
@@ -280,11 +288,15 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w
                                                       int cols, int tile, int w_vec, int x_vec4) {         \
         bf16_gemv_body<MT, R>(w, w2, x, y, y2, m, rows, split, cols, tile, w_vec, x_vec4);                 \
     }
+#if defined(LINEAR_BF16_GEMV) && LINEAR_BF16_GEMV == 1
 KRASIS_BF16_GEMV(1, 1)
 KRASIS_BF16_GEMV(2, 1)
 KRASIS_BF16_GEMV(4, 1)
 KRASIS_BF16_GEMV(8, 1)
+#endif
+#if defined(LINEAR_BF16_GEMV) && LINEAR_BF16_GEMV == 4
 KRASIS_BF16_GEMV(1, 4)
 KRASIS_BF16_GEMV(2, 4)
 KRASIS_BF16_GEMV(4, 4)
 KRASIS_BF16_GEMV(8, 4)
+#endif

@@ -30,15 +30,24 @@ use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
+/// The pieces around cuBLAS and the INT8 path's dequantisation.
 pub const LINEAR: KernelSource = KernelSource {
     name: "linear",
     src: include_str!("../kernels/linear.cu"),
     headers: HEADERS,
     options: &[],
+    functions: &["f32_to_bf16_pad", "int8_dequant_bf16", "scale_rows_f32"],
+};
+
+/// The INT8 GEMVs: a program of their own (the same file), so that the GEMV families compile in
+/// parallel with each other and the rest (one program of all three took 5.3 s on the H100 box,
+/// the longest of a cold start).
+pub const LINEAR_INT8_GEMV: KernelSource = KernelSource {
+    name: "linear_int8_gemv",
+    src: include_str!("../kernels/linear.cu"),
+    headers: HEADERS,
+    options: &["-DLINEAR_INT8_GEMV"],
     functions: &[
-        "f32_to_bf16_pad",
-        "int8_dequant_bf16",
-        "scale_rows_f32",
         "int8_gemv_m1_r1",
         "int8_gemv_m2_r1",
         "int8_gemv_m4_r1",
@@ -47,15 +56,26 @@ pub const LINEAR: KernelSource = KernelSource {
         "int8_gemv_m2_r4",
         "int8_gemv_m4_r4",
         "int8_gemv_m8_r4",
-        "bf16_gemv_m1_r1",
-        "bf16_gemv_m2_r1",
-        "bf16_gemv_m4_r1",
-        "bf16_gemv_m8_r1",
-        "bf16_gemv_m1_r4",
-        "bf16_gemv_m2_r4",
-        "bf16_gemv_m4_r4",
-        "bf16_gemv_m8_r4",
     ],
+};
+
+/// The BF16 GEMVs of one row per warp (see [`LINEAR_INT8_GEMV`]; the BF16 family alone took
+/// ~5 s as one program, so it is two).
+pub const LINEAR_BF16_GEMV_R1: KernelSource = KernelSource {
+    name: "linear_bf16_gemv_r1",
+    src: include_str!("../kernels/linear.cu"),
+    headers: HEADERS,
+    options: &["-DLINEAR_BF16_GEMV=1"],
+    functions: &["bf16_gemv_m1_r1", "bf16_gemv_m2_r1", "bf16_gemv_m4_r1", "bf16_gemv_m8_r1"],
+};
+
+/// The BF16 GEMVs of four rows per warp.
+pub const LINEAR_BF16_GEMV_R4: KernelSource = KernelSource {
+    name: "linear_bf16_gemv_r4",
+    src: include_str!("../kernels/linear.cu"),
+    headers: HEADERS,
+    options: &["-DLINEAR_BF16_GEMV=4"],
+    functions: &["bf16_gemv_m1_r4", "bf16_gemv_m2_r4", "bf16_gemv_m4_r4", "bf16_gemv_m8_r4"],
 };
 
 /// Largest `m` served by the INT8 GEMV: up to 8 tokens it stays bound by the weight bytes (x is
@@ -625,7 +645,7 @@ impl GpuLinear {
         let tile_i = to_i32(OP, "tile", tile)?;
         let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16) && w2.is_multiple_of(16));
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
-        let f = dev.function(&LINEAR, fname)?;
+        let f = dev.function(if r == 1 { &LINEAR_BF16_GEMV_R1 } else { &LINEAR_BF16_GEMV_R4 }, fname)?;
         let mut args = kernel_args![&w, &w2, &x, &y, &y2, &m_i, &rows_i, &split_i, &cols_i, &tile_i, &w_vec, &x_vec4];
         // SAFETY: arguments match the kernel's signature; shapes checked by the callers; the
         // dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in);
@@ -668,7 +688,7 @@ impl GpuLinear {
         let (m_i, rows_i, cols_i, ldw_i) = (m as i32, self.rows as i32, self.cols as i32, ldw as i32);
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
         let s = dev.stream();
-        let f = dev.function(&LINEAR, fname)?;
+        let f = dev.function(&LINEAR_INT8_GEMV, fname)?;
         let mut b = s.launch_builder(&f);
         b.arg(&q).arg(&scale).arg(&x).arg(&y).arg(&m_i).arg(&rows_i).arg(&cols_i).arg(&ldw_i).arg(&x_vec4);
         // SAFETY: arguments match the kernel's signature; shapes checked by `forward`.
