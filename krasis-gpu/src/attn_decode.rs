@@ -61,6 +61,12 @@ pub const ATTN_DECODE_VARIANTS: [KernelSource; 8] = [
     attn_variant!("attn_decode_fp8_n16", "true", "16"),
 ];
 
+/// Whether `k` is one of the attention variants for another KV dtype than `kv`: a model with a
+/// `kv` cache never launches it, so its start need not compile it.
+pub fn attention_variant_of_other_dtype(k: &KernelSource, kv: KvDtype) -> bool {
+    ATTN_DECODE_VARIANTS.iter().any(|v| v.name == k.name) && !VALUE_TILES.iter().any(|&n| kernel_name(kv, n) == k.name)
+}
+
 /// The program that defines attention kernel `fname` (one of [`ATTN_DECODE_VARIANTS`]).
 fn variant_source(fname: &str) -> Result<&'static KernelSource, GpuError> {
     ATTN_DECODE_VARIANTS
@@ -780,6 +786,26 @@ pub fn bench_mla_decode_kernel(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_start_skips_only_the_other_kv_dtypes_attention_programs() {
+        for kv in [KvDtype::Bf16, KvDtype::Fp8] {
+            let skipped: Vec<&str> = crate::kernels::ALL
+                .iter()
+                .filter(|k| attention_variant_of_other_dtype(k, kv))
+                .map(|k| k.name)
+                .collect();
+            let other = if kv == KvDtype::Bf16 { KvDtype::Fp8 } else { KvDtype::Bf16 };
+            let want: Vec<&str> = VALUE_TILES.iter().map(|&n| kernel_name(other, n)).collect();
+            assert_eq!(skipped, want, "{kv:?}");
+        }
+        // Every variant the launcher can name has a program.
+        for kv in [KvDtype::Bf16, KvDtype::Fp8] {
+            for n in VALUE_TILES {
+                assert!(variant_source(kernel_name(kv, n)).is_ok());
+            }
+        }
+    }
 
     #[test]
     fn split_rule() {

@@ -577,9 +577,15 @@ impl GpuDevice {
     /// on a machine's first start their compiles are most of the load (one at a time they took
     /// ~25 s on the H100 box). A line says when any has to be compiled.
     pub fn warm_up_kernels(&self) -> Result<(), GpuError> {
+        self.warm_up_kernels_where(&|_| true)
+    }
+
+    /// [`GpuDevice::warm_up_kernels`] for the programs `keep` accepts (the others still compile
+    /// on first use, should they ever run).
+    pub fn warm_up_kernels_where(&self, keep: &(dyn Fn(&KernelSource) -> bool + Sync)) -> Result<(), GpuError> {
         let todo: Vec<&KernelSource> = {
             let loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
-            crate::kernels::ALL.iter().filter(|k| !loaded.contains_key(k.name)).collect()
+            crate::kernels::ALL.iter().filter(|k| keep(k) && !loaded.contains_key(k.name)).collect()
         };
         let to_compile =
             todo.iter().filter(|k| self.compiler.cache_path(k, self.target).is_none_or(|p| !p.exists())).count();
@@ -619,7 +625,7 @@ impl GpuDevice {
                 started.elapsed().as_secs_f64()
             );
         }
-        for k in crate::kernels::ALL {
+        for k in crate::kernels::ALL.iter().filter(|k| keep(k)) {
             for f in k.functions {
                 self.function(k, f)?;
             }

@@ -303,7 +303,9 @@ impl GpuModel {
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];
-        dev.warm_up_kernels()?;
+        // Every program the model can launch (not the other KV dtype's attention variants).
+        let kv = opts.kv_dtype;
+        dev.warm_up_kernels_where(&|k| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv))?;
         let gemm = GemmContext::new(&dev)?;
         let h = spec.hidden_size;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
