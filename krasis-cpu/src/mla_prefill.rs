@@ -19,6 +19,7 @@ use std::cell::RefCell;
 
 use krasis_core::spec::MlaDims;
 
+use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
 
@@ -306,25 +307,18 @@ unsafe fn attend_block(
             gemm(isa, (na, BLOCK_K, nope), q, h * qk, kn, tile.cap, s, BLOCK_K, false);
             gemm(isa, (na, BLOCK_K, rope), &q[nope..], h * qk, kr, tile.cap, s, BLOCK_K, true);
             for r in 0..na {
-                let pos = rows.start + ia + r;
+                // Keys kb..=pos of the block are visible to the row at `pos`.
+                let valid = (rows.start + ia + r + 1 - kb).min(BLOCK_K);
                 let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-                let mut mx = f32::NEG_INFINITY;
-                for (j, x) in srow.iter_mut().enumerate() {
-                    *x = if kb + j <= pos { *x * p.scale } else { f32::NEG_INFINITY };
-                    mx = mx.max(*x);
-                }
                 let (m_old, l_old) = (ml[2 * (ia + r)], ml[2 * (ia + r) + 1]);
-                let m_new = m_old.max(mx);
-                let alpha = (m_old - m_new).exp();
-                let mut sum = 0f32;
-                for x in srow.iter_mut() {
-                    *x = (*x - m_new).exp();
-                    sum += *x;
-                }
+                let (m_new, sum) = softmax_step(isa, srow, valid, p.scale, m_old);
+                let alpha = exp_scalar(m_old - m_new);
                 ml[2 * (ia + r)] = m_new;
                 ml[2 * (ia + r) + 1] = l_old * alpha + sum;
-                for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
-                    *x *= alpha;
+                if alpha != 1.0 {
+                    for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
+                        *x *= alpha;
+                    }
                 }
             }
             let v = &tile.v[(hh * tile.cap + col) * vd..];
