@@ -32,7 +32,7 @@ pub const BLOCK_Q: usize = 64;
 pub const BLOCK_K: usize = 64;
 /// Bytes of expanded keys and values held at once: the key rows are expanded a tile at a time
 /// (the largest multiple of `BLOCK_K` rows that fits), so an 8K-token context needs no more
-/// than this beside the cache (V2-Lite: 16 heads × 256 floats a row → 1024-row tiles).
+/// than this beside the cache (V2-Lite: 16 heads × 320 floats a row → 768-row tiles).
 pub const KV_TILE_BYTES: usize = 16 << 20;
 
 /// What the caller got wrong.
@@ -86,7 +86,7 @@ pub fn transpose_kv_b(kv_b: &[f32], dims: &MlaDims) -> Result<Vec<f32>, MlaPrefi
 
 /// Rows of one tile of expanded keys and values for these dims (a multiple of [`BLOCK_K`]).
 pub fn tile_rows(dims: &MlaDims) -> usize {
-    let per_row = (dims.heads * (dims.nope + dims.v_dim) + dims.rope).max(1) * 4;
+    let per_row = (dims.heads * (dims.nope + dims.rope + dims.v_dim)).max(1) * 4;
     (KV_TILE_BYTES / per_row / BLOCK_K).max(1) * BLOCK_K
 }
 
@@ -105,15 +105,16 @@ impl Shared {
     }
 }
 
-/// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache):
-/// per head `nope` rows of keys transposed (`[nope][cap]`), per head `[cap][v_dim]` values, and the
-/// shared rope keys transposed (`[rope][cap]`).
+/// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache): per
+/// head and block of [`BLOCK_K`] rows the keys transposed, `[nope + rope][BLOCK_K]` (the nope part,
+/// then the shared rope part copied beside it: one contiguous 48 KiB operand of one product per
+/// score block on V2-Lite, where a `[nope][cap]` buffer put its rows 4 KiB apart, all in the same
+/// L1 sets), and per head `[cap][v_dim]` values.
 struct Tile<'a> {
     start: usize,
     cap: usize,
-    k_nope: &'a [f32],
+    k: &'a [f32],
     v: &'a [f32],
-    k_rope: &'a [f32],
 }
 
 thread_local! {
@@ -162,17 +163,16 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
     let mut state = vec![0f32; p.t * h * 2];
     TILE.with_borrow_mut(|buf| {
         // Every element is written by `expand_tile` before it is read: no clearing.
-        let need = cap * (h * (nope + vd) + rope);
+        let need = cap * h * (nope + rope + vd);
         if buf.len() < need {
             buf.resize(need, 0.0);
         }
-        let (k_nope, rest) = buf[..need].split_at_mut(h * nope * cap);
-        let (v, k_rope) = rest.split_at_mut(h * cap * vd);
+        let (k, v) = buf[..need].split_at_mut(h * (nope + rope) * cap);
         let mut start = 0;
         while start < keys {
             let rows = cap.min(keys - start);
-            expand_tile(isa, p, start, rows, cap, k_nope, v, k_rope);
-            let tile = Tile { start, cap, k_nope, v, k_rope };
+            expand_tile(isa, p, start, rows, cap, k, v);
+            let tile = Tile { start, cap, k, v };
             attend_tile(isa, p, &tile, out, &mut state);
             start += cap;
         }
@@ -188,19 +188,13 @@ fn expand_tile(
     start: usize,
     rows: usize,
     cap: usize,
-    k_nope: &mut [f32],
+    k: &mut [f32],
     v: &mut [f32],
-    k_rope: &mut [f32],
 ) {
-    let MlaDims { heads: h, nope, v_dim: vd, latent: lat, .. } = p.dims;
-    let per_head = nope + vd;
-    for (d, kr) in k_rope.chunks_exact_mut(cap).enumerate() {
-        for (r, x) in kr.iter_mut().enumerate() {
-            *x = if r < rows { p.cache[(start + r) * p.stride + lat + d] } else { 0.0 };
-        }
-    }
+    let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = p.dims;
+    let (per_head, qk) = (nope + vd, nope + rope);
     let blocks = cap / BLOCK_K;
-    let (kp, vp) = (Shared(k_nope.as_mut_ptr()), Shared(v.as_mut_ptr()));
+    let (kp, vp) = (Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr()));
     crate::par::for_each(h * blocks, &|task| {
         let (hh, b) = (task / blocks, task % blocks);
         let r0 = b * BLOCK_K;
@@ -213,13 +207,19 @@ fn expand_tile(
                 let w = &p.kv_b_t[hh * lat * per_head..][..lat * per_head];
                 gemm(isa, (n, per_head, lat), c, p.stride, w, per_head, tmp, per_head, false);
             }
-            // SAFETY: task (hh, b) alone writes columns r0..r0+BLOCK_K of head hh's key rows and
-            // rows r0..r0+BLOCK_K of its values; both lie inside the buffers (cap columns/rows).
+            // SAFETY: task (hh, b) alone writes key block b of head hh and rows r0..r0+BLOCK_K of
+            // its values; both lie inside the buffers (`blocks` key blocks, cap value rows).
             unsafe {
+                let kblk = kp.at((hh * blocks + b) * qk * BLOCK_K);
                 for d in 0..nope {
-                    let dst = kp.at((hh * nope + d) * cap + r0);
                     for r in 0..BLOCK_K {
-                        *dst.add(r) = tmp[r * per_head + d];
+                        *kblk.add(d * BLOCK_K + r) = tmp[r * per_head + d];
+                    }
+                }
+                for d in 0..rope {
+                    for r in 0..BLOCK_K {
+                        let x = if r < n { p.cache[(start + r0 + r) * p.stride + lat + d] } else { 0.0 };
+                        *kblk.add((nope + d) * BLOCK_K + r) = x;
                     }
                 }
                 for r in 0..BLOCK_K {
@@ -301,11 +301,8 @@ unsafe fn attend_block(
             let col = kb - tile.start;
             let s = &mut s[..na * BLOCK_K];
             let q = &p.q[((i0 + ia) * h + hh) * qk..];
-            // (A zero-width part has empty buffers: its product reads nothing.)
-            let kn = tile.k_nope.get(hh * nope * tile.cap + col..).unwrap_or(&[]);
-            let kr = tile.k_rope.get(col..).unwrap_or(&[]);
-            gemm(isa, (na, BLOCK_K, nope), q, h * qk, kn, tile.cap, s, BLOCK_K, false);
-            gemm(isa, (na, BLOCK_K, rope), &q[nope..], h * qk, kr, tile.cap, s, BLOCK_K, true);
+            let kblk = &tile.k[(hh * (tile.cap / BLOCK_K) + col / BLOCK_K) * qk * BLOCK_K..];
+            gemm(isa, (na, BLOCK_K, qk), q, h * qk, kblk, BLOCK_K, s, BLOCK_K, false);
             for r in 0..na {
                 // Keys kb..=pos of the block are visible to the row at `pos`.
                 let valid = (rows.start + ia + r + 1 - kb).min(BLOCK_K);
