@@ -22,6 +22,7 @@ use krasis_core::spec::MlaDims;
 use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
+use crate::quant::{Bits, PackedLayout, ROW_BLOCK};
 
 /// Query rows per task: a block's q (64 × 192 floats), output accumulator (64 × 128) and scores
 /// stay in L2 beside the key block, and 512 tokens make 8 blocks per head (128 tasks over 16
@@ -35,6 +36,15 @@ pub const BLOCK_K: usize = 64;
 /// than this beside the cache (V2-Lite: 16 heads × 320 floats a row → 768-row tiles).
 pub const KV_TILE_BYTES: usize = 16 << 20;
 
+/// Columns of one panel of a head's expansion weights: one micro-tile width of
+/// [`crate::gemm`], so each panel is a contiguous `latent × 64` operand (a `[latent][nope + v_dim]`
+/// matrix puts its rows 1 KiB apart on V2-Lite, 16 of them to an L1 set).
+const W_PANEL: usize = 64;
+/// Expansion tasks per pool thread: each task dequantises its head's `kv_b` (512 KiB of f32 on
+/// V2-Lite, ~2 % of expanding a 768-row tile) once for all its blocks, so few long tasks; two per
+/// thread keep the last ones from leaving threads idle.
+const EXPAND_TASKS_PER_THREAD: usize = 2;
+
 /// What the caller got wrong.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MlaPrefillError {
@@ -44,6 +54,118 @@ pub enum MlaPrefillError {
     Cache { cached: usize, needed: usize },
     #[error("MLA prefill: cache rows of {stride} floats cannot hold latent {latent} + rope {rope}")]
     Stride { stride: usize, latent: usize, rope: usize },
+    #[error("MLA prefill: kv_b's packed {what} layout {layout:?} does not fit the dims")]
+    Layout { what: &'static str, layout: PackedLayout },
+}
+
+/// `kv_b` as the prefill reads it: each task expands one head's weights into an f32 scratch of
+/// `latent × (nope + v_dim)` floats for the key rows it expands, so no f32 copy is kept.
+#[derive(Clone, Copy, Debug)]
+pub enum KvBWeights<'a> {
+    /// `[heads · (nope + v_dim), latent]` f32 rows: per head its `W_UK` rows, then its `W_UV`
+    /// rows, as checkpoints store it.
+    F32(&'a [f32]),
+    /// Per head packed back to back (`krasis_quant::cpu_layout`, the dense-weight cache's form):
+    /// `W_UKᵀ` `[latent, K ≥ nope]` in `uk` (columns past nope ignored) and `W_UV` `[v_dim,
+    /// latent]` in `uv`.
+    Packed { uk: &'a [u8], uk_layout: PackedLayout, uv: &'a [u8], uv_layout: PackedLayout },
+}
+
+impl KvBWeights<'_> {
+    fn check(&self, d: &MlaDims) -> Result<(), MlaPrefillError> {
+        match *self {
+            KvBWeights::F32(w) => {
+                let n = d.heads * (d.nope + d.v_dim) * d.latent;
+                if w.len() < n {
+                    return Err(MlaPrefillError::Len { what: "kv_b", found: w.len(), expected: n });
+                }
+            }
+            KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv } => {
+                if lu.rows != d.latent || lu.k < d.nope || uk.len() < d.heads * lu.bytes() {
+                    return Err(MlaPrefillError::Layout { what: "W_UK", layout: lu });
+                }
+                if lv.rows != d.v_dim || lv.k != d.latent || uv.len() < d.heads * lv.bytes() {
+                    return Err(MlaPrefillError::Layout { what: "W_UV", layout: lv });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every element of one packed matrix (`krasis_quant::cpu_layout`: row blocks of 16 rows, per
+/// group a scale header and 64-byte chunks of 4 (INT8) or 8 (INT4) k-steps) as
+/// `f(row, column, q · scale)`, rows past `rows` skipped; one f16 conversion per (row, group).
+#[inline]
+fn for_each_packed(m: &[u8], l: &PackedLayout, rows: usize, mut f: impl FnMut(usize, usize, f32)) {
+    let gs = l.gs;
+    for rb in 0..rows.div_ceil(ROW_BLOCK) {
+        let blk = &m[rb * l.block_bytes()..][..l.block_bytes()];
+        let live = (rows - rb * ROW_BLOCK).min(ROW_BLOCK);
+        for g in 0..l.groups() {
+            let mut sc = [0f32; ROW_BLOCK];
+            for (j, x) in sc.iter_mut().enumerate() {
+                let so = l.scales_offset(g) + 2 * j;
+                *x = half::f16::from_bits(u16::from_le_bytes([blk[so], blk[so + 1]])).to_f32();
+            }
+            let w = &blk[l.weights_offset(g)..][..l.group_weight_bytes()];
+            let k0 = g * gs;
+            match l.bits {
+                Bits::Int8 => {
+                    for (c4, chunk) in w.chunks_exact(64).enumerate() {
+                        for (j, &s) in sc.iter().enumerate().take(live) {
+                            for b in 0..4 {
+                                f(rb * ROW_BLOCK + j, k0 + 4 * c4 + b, (chunk[4 * j + b] as i32 - 128) as f32 * s);
+                            }
+                        }
+                    }
+                }
+                Bits::Int4 => {
+                    for (c8, chunk) in w.chunks_exact(64).enumerate() {
+                        for (j, &s) in sc.iter().enumerate().take(live) {
+                            for b in 0..4 {
+                                let byte = chunk[4 * j + b];
+                                let r = rb * ROW_BLOCK + j;
+                                f(r, k0 + 8 * c8 + b, ((byte & 0x0f) as i32 - 8) as f32 * s);
+                                f(r, k0 + 8 * c8 + 4 + b, ((byte >> 4) as i32 - 8) as f32 * s);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Head `hh`'s expansion weights `[latent][nope + v_dim]` (per latent index its `W_UK` column,
+/// then its `W_UV` column) into `out`, in panels of [`W_PANEL`] columns: column `c` of latent
+/// row `j` at `W_PANEL·latent·(c / W_PANEL) + j·w + c % W_PANEL`, `w` the panel's width. Packed
+/// weights are dequantised exactly (`q · scale`, as `krasis_quant::group::dequantize`).
+fn head_weights(kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &mut [f32]) {
+    let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
+    let at = |j: usize, c: usize| {
+        let p0 = c - c % W_PANEL;
+        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+    };
+    match *kv_b {
+        KvBWeights::F32(w) => {
+            for c in 0..per_head {
+                let row = &w[(hh * per_head + c) * lat..][..lat];
+                for (j, &x) in row.iter().enumerate() {
+                    out[at(j, c)] = x;
+                }
+            }
+        }
+        KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv } => {
+            let (uk, uv) = (&uk[hh * lu.bytes()..][..lu.bytes()], &uv[hh * lv.bytes()..][..lv.bytes()]);
+            for_each_packed(uk, &lu, lat, |j, c, x| {
+                if c < nope {
+                    out[at(j, c)] = x;
+                }
+            });
+            for_each_packed(uv, &lv, d.v_dim, |c, j, x| out[at(j, nope + c)] = x);
+        }
+    }
 }
 
 /// One call's inputs.
@@ -58,30 +180,8 @@ pub struct MlaPrefillInputs<'a> {
     /// Cache rows `[rows, stride]`: the normalised latent, then the rotated rope key.
     pub cache: &'a [f32],
     pub stride: usize,
-    /// `kv_b` per head transposed, `[heads, latent, nope + v_dim]` ([`transpose_kv_b`]).
-    pub kv_b_t: &'a [f32],
+    pub kv_b: KvBWeights<'a>,
     pub scale: f32,
-}
-
-/// `kv_b` rows `[heads · (nope + v_dim), latent]` (per head its `W_UK` rows then its `W_UV`
-/// rows, as checkpoints store it) into the `[heads, latent, nope + v_dim]` form
-/// [`MlaPrefillInputs::kv_b_t`] takes.
-pub fn transpose_kv_b(kv_b: &[f32], dims: &MlaDims) -> Result<Vec<f32>, MlaPrefillError> {
-    let per_head = dims.nope + dims.v_dim;
-    let n = dims.heads * per_head * dims.latent;
-    if kv_b.len() != n {
-        return Err(MlaPrefillError::Len { what: "kv_b", found: kv_b.len(), expected: n });
-    }
-    let mut out = vec![0f32; n];
-    crate::par::for_each_chunk_mut(&mut out, dims.latent * per_head, &|h, o| {
-        for c in 0..per_head {
-            let row = &kv_b[(h * per_head + c) * dims.latent..][..dims.latent];
-            for (j, &v) in row.iter().enumerate() {
-                o[j * per_head + c] = v;
-            }
-        }
-    });
-    Ok(out)
 }
 
 /// Rows of one tile of expanded keys and values for these dims (a multiple of [`BLOCK_K`]).
@@ -120,6 +220,8 @@ struct Tile<'a> {
 thread_local! {
     /// Per-thread scratch of the tasks (scores, output rows, softmax state, expanded rows).
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread f32 expansion weights of one head ([`head_weights`]).
+    static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's tile buffer, reused across calls and layers.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -138,7 +240,7 @@ pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Resul
     };
     len("q", p.q.len(), p.t * h * qk)?;
     len("out", out.len(), p.t * h * vd)?;
-    len("kv_b_t", p.kv_b_t.len(), h * lat * (nope + vd))?;
+    p.kv_b.check(&p.dims)?;
     if p.stride < lat + rope {
         return Err(MlaPrefillError::Stride { stride: p.stride, latent: lat, rope });
     }
@@ -179,8 +281,9 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
     });
 }
 
-/// Expands cache rows `[start, start + rows)` into the tile buffers (one task per head and block of
-/// `BLOCK_K` rows; rows past `rows` zeroed).
+/// Expands cache rows `[start, start + rows)` into the tile buffers: tasks of one head and a run
+/// of `BLOCK_K`-row blocks each, every task first dequantising its head's weights; rows past
+/// `rows` zeroed (blocks past the last row are never read).
 #[allow(clippy::too_many_arguments)]
 fn expand_tile(
     isa: Isa,
@@ -194,41 +297,67 @@ fn expand_tile(
     let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = p.dims;
     let (per_head, qk) = (nope + vd, nope + rope);
     let blocks = cap / BLOCK_K;
+    let used = rows.div_ceil(BLOCK_K);
+    let runs = (EXPAND_TASKS_PER_THREAD * crate::par::threads()).div_ceil(h).clamp(1, used.max(1));
     let (kp, vp) = (Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr()));
-    crate::par::for_each(h * blocks, &|task| {
-        let (hh, b) = (task / blocks, task % blocks);
-        let r0 = b * BLOCK_K;
-        let n = rows.saturating_sub(r0).min(BLOCK_K);
-        SCRATCH.with_borrow_mut(|tmp| {
-            tmp.clear();
-            tmp.resize(BLOCK_K * per_head, 0.0);
-            if n > 0 {
-                let c = &p.cache[(start + r0) * p.stride..];
-                let w = &p.kv_b_t[hh * lat * per_head..][..lat * per_head];
-                gemm(isa, (n, per_head, lat), c, p.stride, w, per_head, tmp, per_head, false);
-            }
-            // SAFETY: task (hh, b) alone writes key block b of head hh and rows r0..r0+BLOCK_K of
-            // its values; both lie inside the buffers (`blocks` key blocks, cap value rows).
-            unsafe {
-                let kblk = kp.at((hh * blocks + b) * qk * BLOCK_K);
-                for d in 0..nope {
-                    for r in 0..BLOCK_K {
-                        *kblk.add(d * BLOCK_K + r) = tmp[r * per_head + d];
+    crate::par::for_each(h * runs, &|task| {
+        let (hh, run) = (task / runs, task % runs);
+        WEIGHTS.with_borrow_mut(|w| {
+            w.resize(lat * per_head, 0.0);
+            head_weights(&p.kv_b, &p.dims, hh, w);
+            SCRATCH.with_borrow_mut(|tmp| {
+                tmp.resize(BLOCK_K * per_head, 0.0);
+                for b in run * used / runs..(run + 1) * used / runs {
+                    let r0 = b * BLOCK_K;
+                    let n = (rows - r0).min(BLOCK_K);
+                    tmp[n * per_head..].fill(0.0);
+                    let c = &p.cache[(start + r0) * p.stride..];
+                    for p0 in (0..per_head).step_by(W_PANEL) {
+                        let pw = W_PANEL.min(per_head - p0);
+                        let wp = &w[p0 * lat..][..lat * pw];
+                        gemm(isa, (n, pw, lat), c, p.stride, wp, pw, &mut tmp[p0..], per_head, false);
                     }
+                    // SAFETY: task (hh, run) alone writes key blocks of its run of head hh and their
+                    // value rows; both lie inside the buffers (`blocks` key blocks, cap value rows).
+                    unsafe {
+                        scatter_block(
+                            p,
+                            tmp,
+                            c,
+                            n,
+                            kp.at((hh * blocks + b) * qk * BLOCK_K),
+                            vp.at((hh * cap + r0) * vd),
+                        )
+                    };
                 }
-                for d in 0..rope {
-                    for r in 0..BLOCK_K {
-                        let x = if r < n { p.cache[(start + r0 + r) * p.stride + lat + d] } else { 0.0 };
-                        *kblk.add((nope + d) * BLOCK_K + r) = x;
-                    }
-                }
-                for r in 0..BLOCK_K {
-                    let dst = vp.at((hh * cap + r0 + r) * vd);
-                    std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), dst, vd);
-                }
-            }
+            });
         });
     });
+}
+
+/// One block's expanded rows `tmp` `[BLOCK_K][nope + v_dim]` (the first `n` real, the rest
+/// zero) into its key block (`[nope + rope][BLOCK_K]`, the rope part from the cache rows `c`
+/// starting at the block's first row, zero past `n`) and value rows (`[BLOCK_K][v_dim]`).
+///
+/// # Safety
+/// `kblk` and `vrows` point to `(nope + rope)·BLOCK_K` and `BLOCK_K·v_dim` floats no one else
+/// touches meanwhile.
+unsafe fn scatter_block(p: &MlaPrefillInputs<'_>, tmp: &[f32], c: &[f32], n: usize, kblk: *mut f32, vrows: *mut f32) {
+    let MlaDims { nope, rope, v_dim: vd, latent: lat, .. } = p.dims;
+    let per_head = nope + vd;
+    for d in 0..nope {
+        for r in 0..BLOCK_K {
+            *kblk.add(d * BLOCK_K + r) = tmp[r * per_head + d];
+        }
+    }
+    for d in 0..rope {
+        for r in 0..BLOCK_K {
+            *kblk.add((nope + d) * BLOCK_K + r) = if r < n { c[r * p.stride + lat + d] } else { 0.0 };
+        }
+    }
+    for r in 0..BLOCK_K {
+        std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), vrows.add(r * vd), vd);
+    }
 }
 
 /// Runs every (head, query block) that sees a key of `tile` over its key blocks, heaviest first.
