@@ -141,8 +141,19 @@ fn for_each_packed(m: &[u8], l: &PackedLayout, rows: usize, mut f: impl FnMut(us
 /// then its `W_UV` column) into `out`, in panels of [`W_PANEL`] columns: column `c` of latent
 /// row `j` at `W_PANEL·latent·(c / W_PANEL) + j·w + c % W_PANEL`, `w` the panel's width. Packed
 /// weights are dequantised exactly (`q · scale`, as `krasis_quant::group::dequantize`).
-fn head_weights(kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &mut [f32]) {
+fn head_weights(isa: Isa, kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &mut [f32]) {
     let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512, KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv }) = (isa, *kv_b) {
+        if lu.bits == Bits::Int8 && lv.bits == Bits::Int8 && nope.is_multiple_of(16) {
+            let (uk, uv) = (&uk[hh * lu.bytes()..][..lu.bytes()], &uv[hh * lv.bytes()..][..lv.bytes()]);
+            // SAFETY: the active ISA is at most what the CPU has; the slices hold one head's
+            // matrices of these layouts (checked by `KvBWeights::check`), `out` lat × per_head.
+            unsafe { head_weights_int8_avx512(uk, &lu, uv, &lv, d, out) };
+            return;
+        }
+    }
+    let _ = isa;
     let at = |j: usize, c: usize| {
         let p0 = c - c % W_PANEL;
         p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
@@ -164,6 +175,95 @@ fn head_weights(kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &mut [f32]) 
                 }
             });
             for_each_packed(uv, &lv, d.v_dim, |c, j, x| out[at(j, nope + c)] = x);
+        }
+    }
+}
+
+/// [`head_weights`] of INT8 packed weights with `nope` a multiple of 16, 16 columns at a time
+/// (the same exact products `q · scale`, so the same bits as the scalar loops).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW; `uk`, `uv` hold one head's matrices of layouts `lu` (`[latent, K ≥
+/// nope]`) and `lv` (`[v_dim, latent]`); `out` holds `latent · (nope + v_dim)` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn head_weights_int8_avx512(
+    uk: &[u8],
+    lu: &PackedLayout,
+    uv: &[u8],
+    lv: &PackedLayout,
+    d: &MlaDims,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
+    assert!(out.len() >= lat * per_head && uk.len() >= lu.bytes() && uv.len() >= lv.bytes());
+    let o = out.as_mut_ptr();
+    // Float index of (latent row j, column c), c a multiple of 16 (16 columns never straddle a
+    // panel: W_PANEL is a multiple of 16).
+    let at = |j: usize, c: usize| {
+        let p0 = c - c % W_PANEL;
+        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+    };
+    let bias = _mm512_set1_epi32(128);
+    let scales = |blk: *const u8, l: &PackedLayout, g: usize| {
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
+    };
+    // W_UKᵀ: a row block is 16 latent rows; 4 chunks hold 16 columns of them, each chunk's
+    // dword j the 4 bytes of row j. A 4 × 4 dword transpose per 128-bit lane gathers a row's 16.
+    for rb in 0..lat.div_ceil(ROW_BLOCK) {
+        let blk = uk.as_ptr().add(rb * lu.block_bytes());
+        let live = (lat - rb * ROW_BLOCK).min(ROW_BLOCK);
+        for g in 0..lu.groups() {
+            let mut sc = [0f32; ROW_BLOCK];
+            _mm512_storeu_ps(sc.as_mut_ptr(), scales(blk, lu, g));
+            let w = blk.add(lu.weights_offset(g));
+            for q in 0..lu.gs / 16 {
+                let c0 = g * lu.gs + 16 * q;
+                if c0 >= nope {
+                    break;
+                }
+                let x: [__m512i; 4] = std::array::from_fn(|t| _mm512_loadu_si512(w.add((4 * q + t) * 64) as *const _));
+                let (t0, t1) = (_mm512_unpacklo_epi32(x[0], x[1]), _mm512_unpackhi_epi32(x[0], x[1]));
+                let (t2, t3) = (_mm512_unpacklo_epi32(x[2], x[3]), _mm512_unpackhi_epi32(x[2], x[3]));
+                let u = [
+                    _mm512_unpacklo_epi64(t0, t2),
+                    _mm512_unpackhi_epi64(t0, t2),
+                    _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3),
+                ];
+                // Row 4·lane + i is lane `lane` of u[i].
+                let mut bytes = [0u8; 256];
+                for (i, &ui) in u.iter().enumerate() {
+                    _mm512_storeu_si512(bytes.as_mut_ptr().add(64 * i) as *mut _, ui);
+                }
+                for (jj, &s) in sc.iter().enumerate().take(live) {
+                    let b16 = _mm_loadu_si128(bytes.as_ptr().add(64 * (jj % 4) + 16 * (jj / 4)) as *const __m128i);
+                    let v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b16), bias));
+                    _mm512_storeu_ps(o.add(at(rb * ROW_BLOCK + jj, c0)), _mm512_mul_ps(v, _mm512_set1_ps(s)));
+                }
+            }
+        }
+    }
+    // W_UV: a row block is 16 value columns; byte b of each dword of a chunk is one latent row's
+    // 16 values.
+    let lo = _mm512_set1_epi32(0xff);
+    for rb in 0..d.v_dim.div_ceil(ROW_BLOCK) {
+        let blk = uv.as_ptr().add(rb * lv.block_bytes());
+        let live = (d.v_dim - rb * ROW_BLOCK).min(ROW_BLOCK);
+        let keep: __mmask16 = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+        for g in 0..lv.groups() {
+            let sv = scales(blk, lv, g);
+            let w = blk.add(lv.weights_offset(g));
+            for c4 in 0..lv.gs / 4 {
+                let x = _mm512_loadu_si512(w.add(c4 * 64) as *const _);
+                for b in 0..4 {
+                    let byte = _mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(8 * b as i32)), lo);
+                    let v = _mm512_cvtepi32_ps(_mm512_sub_epi32(byte, bias));
+                    let j = g * lv.gs + 4 * c4 + b;
+                    _mm512_mask_storeu_ps(o.add(at(j, nope + rb * ROW_BLOCK)), keep, _mm512_mul_ps(v, sv));
+                }
+            }
         }
     }
 }
@@ -304,7 +404,7 @@ fn expand_tile(
         let (hh, run) = (task / runs, task % runs);
         WEIGHTS.with_borrow_mut(|w| {
             w.resize(lat * per_head, 0.0);
-            head_weights(&p.kv_b, &p.dims, hh, w);
+            head_weights(isa, &p.kv_b, &p.dims, hh, w);
             SCRATCH.with_borrow_mut(|tmp| {
                 tmp.resize(BLOCK_K * per_head, 0.0);
                 for b in run * used / runs..(run + 1) * used / runs {

@@ -290,3 +290,28 @@ proptest! {
         prop_assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
+
+/// The AVX-512 INT8 dequantisation against its scalar twin, bit for bit, on V2-Lite's head
+/// shapes and on ragged ones (v_dim not a multiple of 16, a panel narrower than 64).
+#[test]
+fn head_weights_isas_agree() {
+    for d in [
+        MlaDims { heads: 2, nope: 128, rope: 64, v_dim: 128, latent: 512 },
+        MlaDims { heads: 3, nope: 48, rope: 8, v_dim: 37, latent: 96 },
+    ] {
+        let c = Case::new(d, 1, 0, 0, 5);
+        let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, Bits::Int8, 32);
+        let w = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+        for hh in 0..d.heads {
+            let n = d.latent * (d.nope + d.v_dim);
+            let mut want = vec![f32::NAN; n];
+            head_weights(Isa::Scalar, &w, &d, hh, &mut want);
+            assert!(want.iter().all(|x| x.is_finite()), "every element written");
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; n];
+                head_weights(isa, &w, &d, hh, &mut got);
+                assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} head {hh} {d:?}");
+            }
+        }
+    }
+}
