@@ -70,7 +70,7 @@ pub struct HandoffStats {
     /// Routes predicted for hand-offs that then ran, and how many of them the router chose.
     pub predicted: u64,
     pub predicted_hits: u64,
-    /// Hand-offs whose experts had been pulled (see [`expert_prefetch_ab`]), and their CPU
+    /// Hand-offs whose experts had been pulled (see `expert_prefetch_ab`), and their CPU
     /// expert time (part of `calls` and `experts`).
     pub pulled_calls: u64,
     pub pulled_experts: Duration,
