@@ -1,7 +1,7 @@
 //! Small f32 matrix products for blocked attention: `C[m, n] (+)= A[m, k] · B[k, n]`, all three
 //! row-major with their own leading dimensions (so a head's rows inside an interleaved buffer are
-//! operands as they lie). AVX-512 runs a register-blocked micro-kernel (`MR` rows × `NR` columns
-//! of accumulators, A broadcast, B loaded by rows, masked column tails); the scalar twin does the
+//! operands as they lie). AVX-512 runs a register-blocked micro-kernel (6 rows × 64 columns of
+//! accumulators, A broadcast, B loaded by rows, masked column tails); the scalar twin does the
 //! same products in the same order per output element, with separate multiply and add (AVX2 hosts
 //! compile the twin with AVX2 enabled, so it vectorises).
 //!
@@ -10,11 +10,19 @@
 
 use crate::isa::Isa;
 
-/// Rows of one micro-tile: 8 × 2 zmm accumulators, 2 B vectors and a broadcast fit the 32 zmm
-/// registers with room to spare, and 8 broadcasts per 16 FMAs keep the load ports below the FMAs.
-const MR: usize = 8;
-/// Columns of one micro-tile: two zmm vectors of 16 floats.
-const NR: usize = 32;
+/// Rows of one micro-tile: 6 × 4 zmm accumulators, 4 B vectors and a broadcast take 29 of the
+/// 32 zmm registers, and 6 broadcasts per 24 FMAs (8 per 16 with the former 8 × 32 tile) leave
+/// the FMA pipe the bottleneck (measured on Zen 4: see docs/ARCHITECTURE.md, MLA prefill).
+const MR: usize = 6;
+/// zmm vectors of 16 floats per micro-tile row.
+const NV: usize = 4;
+/// Columns of one micro-tile: 64 = `BLOCK_K` of the attention, a quarter of a V2-Lite head's
+/// expanded row and half its `v_dim`, so the attention's shapes have no column tails.
+const NR: usize = 16 * NV;
+/// `k` steps per pass over C: a 64 × 64 slab of B (16 KiB) stays in L1 (32 KiB on Zen 4) while
+/// every row group reads it; C is stored and reloaded between slabs, in f32 as the registers hold
+/// it, so the result does not change.
+const KC: usize = 64;
 
 /// `c[i·ldc + j] = (accumulate ? c[i·ldc + j] : 0) + Σ_p a[i·lda + p] · b[p·ldb + j]` for
 /// `i < m`, `j < n`, `p < k`.
@@ -111,68 +119,89 @@ unsafe fn gemm_avx512(
     ldc: usize,
     accumulate: bool,
 ) {
-    let mut i = 0;
-    while i < m {
-        let rows = (m - i).min(MR);
+    // k slabs outer (at least one pass, so k = 0 still clears C when not accumulating).
+    let mut p0 = 0;
+    loop {
+        let kc = (k - p0).min(KC);
+        let acc = accumulate || p0 > 0;
+        // Column panels outer: one panel of B (`kc × 64`) is reused by every row group while it
+        // is in L1, where rows outer would alternate between panels.
         let mut j = 0;
         while j < n {
             let cols = (n - j).min(NR);
-            let (at, bt, ct) = (a.add(i * lda), b.add(j), c.add(i * ldc + j));
-            let args = (k, at, lda, bt, ldb, ct, ldc, cols, accumulate);
-            match rows {
-                8 => tile::<8>(args),
-                7 => tile::<7>(args),
-                6 => tile::<6>(args),
-                5 => tile::<5>(args),
-                4 => tile::<4>(args),
-                3 => tile::<3>(args),
-                2 => tile::<2>(args),
-                _ => tile::<1>(args),
+            let mut i = 0;
+            while i < m {
+                let rows = (m - i).min(MR);
+                let (at, bt, ct) = (a.add(i * lda + p0), b.add(p0 * ldb + j), c.add(i * ldc + j));
+                let args = (kc, at, lda, bt, ldb, ct, ldc, cols, acc);
+                macro_rules! by_rows {
+                    ($v:literal) => {
+                        match rows {
+                            6 => tile::<6, $v>(args),
+                            5 => tile::<5, $v>(args),
+                            4 => tile::<4, $v>(args),
+                            3 => tile::<3, $v>(args),
+                            2 => tile::<2, $v>(args),
+                            _ => tile::<1, $v>(args),
+                        }
+                    };
+                }
+                match cols.div_ceil(16) {
+                    4 => by_rows!(4),
+                    3 => by_rows!(3),
+                    2 => by_rows!(2),
+                    _ => by_rows!(1),
+                }
+                i += MR;
             }
             j += NR;
         }
-        i += MR;
+        p0 += kc;
+        if p0 >= k {
+            break;
+        }
     }
 }
 
-/// One micro-tile's operands: k, A, lda, B, ldb, C, ldc, columns (≤ `NR`), accumulate.
+/// One micro-tile's operands: k, A, lda, B, ldb, C, ldc, columns (≤ `16·V`), accumulate.
 type TileArgs = (usize, *const f32, usize, *const f32, usize, *mut f32, usize, usize, bool);
 
-/// `R` rows × up to `NR` columns of C, every `k` step one row of B (two masked vectors) times `R`
-/// broadcast elements of A.
+/// `R` rows × up to `16·V` columns of C, every `k` step one row of B (`V` vectors, the last
+/// masked) times `R` broadcast elements of A.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn tile<const R: usize>((k, a, lda, b, ldb, c, ldc, cols, accumulate): TileArgs) {
+unsafe fn tile<const R: usize, const V: usize>((k, a, lda, b, ldb, c, ldc, cols, accumulate): TileArgs) {
     use std::arch::x86_64::*;
-    let mask = |w: usize| -> __mmask16 {
-        if w >= 16 {
-            0xffff
-        } else {
-            (1u16 << w) - 1
-        }
-    };
-    let (m0, m1) = (mask(cols.min(16)), mask(cols.saturating_sub(16)));
-    let mut c0 = [_mm512_setzero_ps(); R];
-    let mut c1 = [_mm512_setzero_ps(); R];
+    let mut mask = [0xffffu16; V];
+    let tail = cols - 16 * (V - 1);
+    if tail < 16 {
+        mask[V - 1] = (1u16 << tail) - 1;
+    }
+    let mut acc = [[_mm512_setzero_ps(); V]; R];
     if accumulate {
-        for r in 0..R {
-            c0[r] = _mm512_maskz_loadu_ps(m0, c.add(r * ldc));
-            c1[r] = _mm512_maskz_loadu_ps(m1, c.add(r * ldc + 16));
+        for (r, row) in acc.iter_mut().enumerate() {
+            for (v, x) in row.iter_mut().enumerate() {
+                *x = _mm512_maskz_loadu_ps(mask[v], c.add(r * ldc + 16 * v));
+            }
         }
     }
     for p in 0..k {
-        let b0 = _mm512_maskz_loadu_ps(m0, b.add(p * ldb));
-        let b1 = _mm512_maskz_loadu_ps(m1, b.add(p * ldb + 16));
-        for r in 0..R {
+        let mut bv = [_mm512_setzero_ps(); V];
+        for (v, x) in bv.iter_mut().enumerate() {
+            *x = _mm512_maskz_loadu_ps(mask[v], b.add(p * ldb + 16 * v));
+        }
+        for (r, row) in acc.iter_mut().enumerate() {
             let av = _mm512_set1_ps(*a.add(r * lda + p));
-            c0[r] = _mm512_fmadd_ps(av, b0, c0[r]);
-            c1[r] = _mm512_fmadd_ps(av, b1, c1[r]);
+            for (x, &bb) in row.iter_mut().zip(&bv) {
+                *x = _mm512_fmadd_ps(av, bb, *x);
+            }
         }
     }
-    for r in 0..R {
-        _mm512_mask_storeu_ps(c.add(r * ldc), m0, c0[r]);
-        _mm512_mask_storeu_ps(c.add(r * ldc + 16), m1, c1[r]);
+    for (r, row) in acc.iter().enumerate() {
+        for (v, &x) in row.iter().enumerate() {
+            _mm512_mask_storeu_ps(c.add(r * ldc + 16 * v), mask[v], x);
+        }
     }
 }
 
@@ -190,7 +219,7 @@ mod tests {
 
         /// Every ISA against an f64 product, ragged shapes, padded leading dimensions, both modes.
         #[test]
-        fn gemm_matches_f64(m in 1usize..20, n in 1usize..70, k in 0usize..40, pad in 0usize..3,
+        fn gemm_matches_f64(m in 1usize..20, n in 1usize..140, k in 0usize..150, pad in 0usize..3,
                             accumulate in any::<bool>(), seed in any::<u32>()) {
             let (lda, ldb, ldc) = (k + pad, n + 2 * pad, n + pad);
             let a = data(m * lda, seed);

@@ -19,8 +19,10 @@ use std::cell::RefCell;
 
 use krasis_core::spec::MlaDims;
 
+use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
+use crate::quant::{Bits, PackedLayout, ROW_BLOCK};
 
 /// Query rows per task: a block's q (64 × 192 floats), output accumulator (64 × 128) and scores
 /// stay in L2 beside the key block, and 512 tokens make 8 blocks per head (128 tasks over 16
@@ -31,8 +33,17 @@ pub const BLOCK_Q: usize = 64;
 pub const BLOCK_K: usize = 64;
 /// Bytes of expanded keys and values held at once: the key rows are expanded a tile at a time
 /// (the largest multiple of `BLOCK_K` rows that fits), so an 8K-token context needs no more
-/// than this beside the cache (V2-Lite: 16 heads × 256 floats a row → 1024-row tiles).
+/// than this beside the cache (V2-Lite: 16 heads × 320 floats a row → 768-row tiles).
 pub const KV_TILE_BYTES: usize = 16 << 20;
+
+/// Columns of one panel of a head's expansion weights: one micro-tile width of
+/// [`crate::gemm`], so each panel is a contiguous `latent × 64` operand (a `[latent][nope + v_dim]`
+/// matrix puts its rows 1 KiB apart on V2-Lite, 16 of them to an L1 set).
+const W_PANEL: usize = 64;
+/// Expansion tasks per pool thread: each task dequantises its head's `kv_b` (512 KiB of f32 on
+/// V2-Lite; ~14 µs with AVX-512, under 1 % of expanding a 768-row tile) once for all its blocks, so few long tasks; two per
+/// thread keep the last ones from leaving threads idle.
+const EXPAND_TASKS_PER_THREAD: usize = 2;
 
 /// What the caller got wrong.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -43,6 +54,218 @@ pub enum MlaPrefillError {
     Cache { cached: usize, needed: usize },
     #[error("MLA prefill: cache rows of {stride} floats cannot hold latent {latent} + rope {rope}")]
     Stride { stride: usize, latent: usize, rope: usize },
+    #[error("MLA prefill: kv_b's packed {what} layout {layout:?} does not fit the dims")]
+    Layout { what: &'static str, layout: PackedLayout },
+}
+
+/// `kv_b` as the prefill reads it: each task expands one head's weights into an f32 scratch of
+/// `latent × (nope + v_dim)` floats for the key rows it expands, so no f32 copy is kept.
+#[derive(Clone, Copy, Debug)]
+pub enum KvBWeights<'a> {
+    /// `[heads · (nope + v_dim), latent]` f32 rows: per head its `W_UK` rows, then its `W_UV`
+    /// rows, as checkpoints store it.
+    F32(&'a [f32]),
+    /// Per head packed back to back (`krasis_quant::cpu_layout`, the dense-weight cache's form):
+    /// `W_UKᵀ` `[latent, K ≥ nope]` in `uk` (columns past nope ignored) and `W_UV` `[v_dim,
+    /// latent]` in `uv`.
+    Packed { uk: &'a [u8], uk_layout: PackedLayout, uv: &'a [u8], uv_layout: PackedLayout },
+}
+
+impl KvBWeights<'_> {
+    fn check(&self, d: &MlaDims) -> Result<(), MlaPrefillError> {
+        match *self {
+            KvBWeights::F32(w) => {
+                let n = d.heads * (d.nope + d.v_dim) * d.latent;
+                if w.len() < n {
+                    return Err(MlaPrefillError::Len { what: "kv_b", found: w.len(), expected: n });
+                }
+            }
+            KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv } => {
+                if lu.rows != d.latent || lu.k < d.nope || uk.len() < d.heads * lu.bytes() {
+                    return Err(MlaPrefillError::Layout { what: "W_UK", layout: lu });
+                }
+                if lv.rows != d.v_dim || lv.k != d.latent || uv.len() < d.heads * lv.bytes() {
+                    return Err(MlaPrefillError::Layout { what: "W_UV", layout: lv });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Every element of one packed matrix (`krasis_quant::cpu_layout`: row blocks of 16 rows, per
+/// group a scale header and 64-byte chunks of 4 (INT8) or 8 (INT4) k-steps) as
+/// `f(row, column, q · scale)`, rows past `rows` skipped; one f16 conversion per (row, group).
+#[inline]
+fn for_each_packed(m: &[u8], l: &PackedLayout, rows: usize, mut f: impl FnMut(usize, usize, f32)) {
+    let gs = l.gs;
+    for rb in 0..rows.div_ceil(ROW_BLOCK) {
+        let blk = &m[rb * l.block_bytes()..][..l.block_bytes()];
+        let live = (rows - rb * ROW_BLOCK).min(ROW_BLOCK);
+        for g in 0..l.groups() {
+            let mut sc = [0f32; ROW_BLOCK];
+            for (j, x) in sc.iter_mut().enumerate() {
+                let so = l.scales_offset(g) + 2 * j;
+                *x = half::f16::from_bits(u16::from_le_bytes([blk[so], blk[so + 1]])).to_f32();
+            }
+            let w = &blk[l.weights_offset(g)..][..l.group_weight_bytes()];
+            let k0 = g * gs;
+            match l.bits {
+                Bits::Int8 => {
+                    for (c4, chunk) in w.chunks_exact(64).enumerate() {
+                        for (j, &s) in sc.iter().enumerate().take(live) {
+                            for b in 0..4 {
+                                f(rb * ROW_BLOCK + j, k0 + 4 * c4 + b, (chunk[4 * j + b] as i32 - 128) as f32 * s);
+                            }
+                        }
+                    }
+                }
+                Bits::Int4 => {
+                    for (c8, chunk) in w.chunks_exact(64).enumerate() {
+                        for (j, &s) in sc.iter().enumerate().take(live) {
+                            for b in 0..4 {
+                                let byte = chunk[4 * j + b];
+                                let r = rb * ROW_BLOCK + j;
+                                f(r, k0 + 8 * c8 + b, ((byte & 0x0f) as i32 - 8) as f32 * s);
+                                f(r, k0 + 8 * c8 + 4 + b, ((byte >> 4) as i32 - 8) as f32 * s);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Head `hh`'s expansion weights `[latent][nope + v_dim]` (per latent index its `W_UK` column,
+/// then its `W_UV` column) into `out`, in panels of [`W_PANEL`] columns: column `c` of latent
+/// row `j` at `W_PANEL·latent·(c / W_PANEL) + j·w + c % W_PANEL`, `w` the panel's width. Packed
+/// weights are dequantised exactly (`q · scale`, as `krasis_quant::group::dequantize`).
+fn head_weights(isa: Isa, kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &mut [f32]) {
+    let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Avx512, KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv }) = (isa, *kv_b) {
+        if lu.bits == Bits::Int8 && lv.bits == Bits::Int8 && nope.is_multiple_of(16) {
+            let (uk, uv) = (&uk[hh * lu.bytes()..][..lu.bytes()], &uv[hh * lv.bytes()..][..lv.bytes()]);
+            // SAFETY: the active ISA is at most what the CPU has; the slices hold one head's
+            // matrices of these layouts (checked by `KvBWeights::check`), `out` lat × per_head.
+            unsafe { head_weights_int8_avx512(uk, &lu, uv, &lv, d, out) };
+            return;
+        }
+    }
+    let _ = isa;
+    let at = |j: usize, c: usize| {
+        let p0 = c - c % W_PANEL;
+        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+    };
+    match *kv_b {
+        KvBWeights::F32(w) => {
+            for c in 0..per_head {
+                let row = &w[(hh * per_head + c) * lat..][..lat];
+                for (j, &x) in row.iter().enumerate() {
+                    out[at(j, c)] = x;
+                }
+            }
+        }
+        KvBWeights::Packed { uk, uk_layout: lu, uv, uv_layout: lv } => {
+            let (uk, uv) = (&uk[hh * lu.bytes()..][..lu.bytes()], &uv[hh * lv.bytes()..][..lv.bytes()]);
+            for_each_packed(uk, &lu, lat, |j, c, x| {
+                if c < nope {
+                    out[at(j, c)] = x;
+                }
+            });
+            for_each_packed(uv, &lv, d.v_dim, |c, j, x| out[at(j, nope + c)] = x);
+        }
+    }
+}
+
+/// [`head_weights`] of INT8 packed weights with `nope` a multiple of 16, 16 columns at a time
+/// (the same exact products `q · scale`, so the same bits as the scalar loops).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW; `uk`, `uv` hold one head's matrices of layouts `lu` (`[latent, K ≥
+/// nope]`) and `lv` (`[v_dim, latent]`); `out` holds `latent · (nope + v_dim)` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn head_weights_int8_avx512(
+    uk: &[u8],
+    lu: &PackedLayout,
+    uv: &[u8],
+    lv: &PackedLayout,
+    d: &MlaDims,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
+    assert!(out.len() >= lat * per_head && uk.len() >= lu.bytes() && uv.len() >= lv.bytes());
+    let o = out.as_mut_ptr();
+    // Float index of (latent row j, column c), c a multiple of 16 (16 columns never straddle a
+    // panel: W_PANEL is a multiple of 16).
+    let at = |j: usize, c: usize| {
+        let p0 = c - c % W_PANEL;
+        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+    };
+    let bias = _mm512_set1_epi32(128);
+    let scales = |blk: *const u8, l: &PackedLayout, g: usize| {
+        _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
+    };
+    // W_UKᵀ: a row block is 16 latent rows; 4 chunks hold 16 columns of them, each chunk's
+    // dword j the 4 bytes of row j. A 4 × 4 dword transpose per 128-bit lane gathers a row's 16.
+    for rb in 0..lat.div_ceil(ROW_BLOCK) {
+        let blk = uk.as_ptr().add(rb * lu.block_bytes());
+        let live = (lat - rb * ROW_BLOCK).min(ROW_BLOCK);
+        for g in 0..lu.groups() {
+            let mut sc = [0f32; ROW_BLOCK];
+            _mm512_storeu_ps(sc.as_mut_ptr(), scales(blk, lu, g));
+            let w = blk.add(lu.weights_offset(g));
+            for q in 0..lu.gs / 16 {
+                let c0 = g * lu.gs + 16 * q;
+                if c0 >= nope {
+                    break;
+                }
+                let x: [__m512i; 4] = std::array::from_fn(|t| _mm512_loadu_si512(w.add((4 * q + t) * 64) as *const _));
+                let (t0, t1) = (_mm512_unpacklo_epi32(x[0], x[1]), _mm512_unpackhi_epi32(x[0], x[1]));
+                let (t2, t3) = (_mm512_unpacklo_epi32(x[2], x[3]), _mm512_unpackhi_epi32(x[2], x[3]));
+                let u = [
+                    _mm512_unpacklo_epi64(t0, t2),
+                    _mm512_unpackhi_epi64(t0, t2),
+                    _mm512_unpacklo_epi64(t1, t3),
+                    _mm512_unpackhi_epi64(t1, t3),
+                ];
+                // Row 4·lane + i is lane `lane` of u[i].
+                let mut bytes = [0u8; 256];
+                for (i, &ui) in u.iter().enumerate() {
+                    _mm512_storeu_si512(bytes.as_mut_ptr().add(64 * i) as *mut _, ui);
+                }
+                for (jj, &s) in sc.iter().enumerate().take(live) {
+                    let b16 = _mm_loadu_si128(bytes.as_ptr().add(64 * (jj % 4) + 16 * (jj / 4)) as *const __m128i);
+                    let v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(b16), bias));
+                    _mm512_storeu_ps(o.add(at(rb * ROW_BLOCK + jj, c0)), _mm512_mul_ps(v, _mm512_set1_ps(s)));
+                }
+            }
+        }
+    }
+    // W_UV: a row block is 16 value columns; byte b of each dword of a chunk is one latent row's
+    // 16 values.
+    let lo = _mm512_set1_epi32(0xff);
+    for rb in 0..d.v_dim.div_ceil(ROW_BLOCK) {
+        let blk = uv.as_ptr().add(rb * lv.block_bytes());
+        let live = (d.v_dim - rb * ROW_BLOCK).min(ROW_BLOCK);
+        let keep: __mmask16 = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+        for g in 0..lv.groups() {
+            let sv = scales(blk, lv, g);
+            let w = blk.add(lv.weights_offset(g));
+            for c4 in 0..lv.gs / 4 {
+                let x = _mm512_loadu_si512(w.add(c4 * 64) as *const _);
+                for b in 0..4 {
+                    let byte = _mm512_and_si512(_mm512_srlv_epi32(x, _mm512_set1_epi32(8 * b as i32)), lo);
+                    let v = _mm512_cvtepi32_ps(_mm512_sub_epi32(byte, bias));
+                    let j = g * lv.gs + 4 * c4 + b;
+                    _mm512_mask_storeu_ps(o.add(at(j, nope + rb * ROW_BLOCK)), keep, _mm512_mul_ps(v, sv));
+                }
+            }
+        }
+    }
 }
 
 /// One call's inputs.
@@ -57,35 +280,13 @@ pub struct MlaPrefillInputs<'a> {
     /// Cache rows `[rows, stride]`: the normalised latent, then the rotated rope key.
     pub cache: &'a [f32],
     pub stride: usize,
-    /// `kv_b` per head transposed, `[heads, latent, nope + v_dim]` ([`transpose_kv_b`]).
-    pub kv_b_t: &'a [f32],
+    pub kv_b: KvBWeights<'a>,
     pub scale: f32,
-}
-
-/// `kv_b` rows `[heads · (nope + v_dim), latent]` (per head its `W_UK` rows then its `W_UV`
-/// rows, as checkpoints store it) into the `[heads, latent, nope + v_dim]` form
-/// [`MlaPrefillInputs::kv_b_t`] takes.
-pub fn transpose_kv_b(kv_b: &[f32], dims: &MlaDims) -> Result<Vec<f32>, MlaPrefillError> {
-    let per_head = dims.nope + dims.v_dim;
-    let n = dims.heads * per_head * dims.latent;
-    if kv_b.len() != n {
-        return Err(MlaPrefillError::Len { what: "kv_b", found: kv_b.len(), expected: n });
-    }
-    let mut out = vec![0f32; n];
-    crate::par::for_each_chunk_mut(&mut out, dims.latent * per_head, &|h, o| {
-        for c in 0..per_head {
-            let row = &kv_b[(h * per_head + c) * dims.latent..][..dims.latent];
-            for (j, &v) in row.iter().enumerate() {
-                o[j * per_head + c] = v;
-            }
-        }
-    });
-    Ok(out)
 }
 
 /// Rows of one tile of expanded keys and values for these dims (a multiple of [`BLOCK_K`]).
 pub fn tile_rows(dims: &MlaDims) -> usize {
-    let per_row = (dims.heads * (dims.nope + dims.v_dim) + dims.rope).max(1) * 4;
+    let per_row = (dims.heads * (dims.nope + dims.rope + dims.v_dim)).max(1) * 4;
     (KV_TILE_BYTES / per_row / BLOCK_K).max(1) * BLOCK_K
 }
 
@@ -104,20 +305,23 @@ impl Shared {
     }
 }
 
-/// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache):
-/// per head `nope` rows of keys transposed (`[nope][cap]`), per head `[cap][v_dim]` values, and the
-/// shared rope keys transposed (`[rope][cap]`).
+/// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache): per
+/// head and block of [`BLOCK_K`] rows the keys transposed, `[nope + rope][BLOCK_K]` (the nope part,
+/// then the shared rope part copied beside it: one contiguous 48 KiB operand of one product per
+/// score block on V2-Lite, where a `[nope][cap]` buffer put its rows 4 KiB apart, all in the same
+/// L1 sets), and per head `[cap][v_dim]` values.
 struct Tile<'a> {
     start: usize,
     cap: usize,
-    k_nope: &'a [f32],
+    k: &'a [f32],
     v: &'a [f32],
-    k_rope: &'a [f32],
 }
 
 thread_local! {
     /// Per-thread scratch of the tasks (scores, output rows, softmax state, expanded rows).
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread f32 expansion weights of one head ([`head_weights`]).
+    static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's tile buffer, reused across calls and layers.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
@@ -136,7 +340,7 @@ pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Resul
     };
     len("q", p.q.len(), p.t * h * qk)?;
     len("out", out.len(), p.t * h * vd)?;
-    len("kv_b_t", p.kv_b_t.len(), h * lat * (nope + vd))?;
+    p.kv_b.check(&p.dims)?;
     if p.stride < lat + rope {
         return Err(MlaPrefillError::Stride { stride: p.stride, latent: lat, rope });
     }
@@ -161,25 +365,25 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
     let mut state = vec![0f32; p.t * h * 2];
     TILE.with_borrow_mut(|buf| {
         // Every element is written by `expand_tile` before it is read: no clearing.
-        let need = cap * (h * (nope + vd) + rope);
+        let need = cap * h * (nope + rope + vd);
         if buf.len() < need {
             buf.resize(need, 0.0);
         }
-        let (k_nope, rest) = buf[..need].split_at_mut(h * nope * cap);
-        let (v, k_rope) = rest.split_at_mut(h * cap * vd);
+        let (k, v) = buf[..need].split_at_mut(h * (nope + rope) * cap);
         let mut start = 0;
         while start < keys {
             let rows = cap.min(keys - start);
-            expand_tile(isa, p, start, rows, cap, k_nope, v, k_rope);
-            let tile = Tile { start, cap, k_nope, v, k_rope };
+            expand_tile(isa, p, start, rows, cap, k, v);
+            let tile = Tile { start, cap, k, v };
             attend_tile(isa, p, &tile, out, &mut state);
             start += cap;
         }
     });
 }
 
-/// Expands cache rows `[start, start + rows)` into the tile buffers (one task per head and block of
-/// `BLOCK_K` rows; rows past `rows` zeroed).
+/// Expands cache rows `[start, start + rows)` into the tile buffers: tasks of one head and a run
+/// of `BLOCK_K`-row blocks each, every task first dequantising its head's weights; rows past
+/// `rows` zeroed (blocks past the last row are never read).
 #[allow(clippy::too_many_arguments)]
 fn expand_tile(
     isa: Isa,
@@ -187,47 +391,73 @@ fn expand_tile(
     start: usize,
     rows: usize,
     cap: usize,
-    k_nope: &mut [f32],
+    k: &mut [f32],
     v: &mut [f32],
-    k_rope: &mut [f32],
 ) {
-    let MlaDims { heads: h, nope, v_dim: vd, latent: lat, .. } = p.dims;
-    let per_head = nope + vd;
-    for (d, kr) in k_rope.chunks_exact_mut(cap).enumerate() {
-        for (r, x) in kr.iter_mut().enumerate() {
-            *x = if r < rows { p.cache[(start + r) * p.stride + lat + d] } else { 0.0 };
-        }
-    }
+    let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = p.dims;
+    let (per_head, qk) = (nope + vd, nope + rope);
     let blocks = cap / BLOCK_K;
-    let (kp, vp) = (Shared(k_nope.as_mut_ptr()), Shared(v.as_mut_ptr()));
-    crate::par::for_each(h * blocks, &|task| {
-        let (hh, b) = (task / blocks, task % blocks);
-        let r0 = b * BLOCK_K;
-        let n = rows.saturating_sub(r0).min(BLOCK_K);
-        SCRATCH.with_borrow_mut(|tmp| {
-            tmp.clear();
-            tmp.resize(BLOCK_K * per_head, 0.0);
-            if n > 0 {
-                let c = &p.cache[(start + r0) * p.stride..];
-                let w = &p.kv_b_t[hh * lat * per_head..][..lat * per_head];
-                gemm(isa, (n, per_head, lat), c, p.stride, w, per_head, tmp, per_head, false);
-            }
-            // SAFETY: task (hh, b) alone writes columns r0..r0+BLOCK_K of head hh's key rows and
-            // rows r0..r0+BLOCK_K of its values; both lie inside the buffers (cap columns/rows).
-            unsafe {
-                for d in 0..nope {
-                    let dst = kp.at((hh * nope + d) * cap + r0);
-                    for r in 0..BLOCK_K {
-                        *dst.add(r) = tmp[r * per_head + d];
+    let used = rows.div_ceil(BLOCK_K);
+    let runs = (EXPAND_TASKS_PER_THREAD * crate::par::threads()).div_ceil(h).clamp(1, used.max(1));
+    let (kp, vp) = (Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr()));
+    crate::par::for_each(h * runs, &|task| {
+        let (hh, run) = (task / runs, task % runs);
+        WEIGHTS.with_borrow_mut(|w| {
+            w.resize(lat * per_head, 0.0);
+            head_weights(isa, &p.kv_b, &p.dims, hh, w);
+            SCRATCH.with_borrow_mut(|tmp| {
+                tmp.resize(BLOCK_K * per_head, 0.0);
+                for b in run * used / runs..(run + 1) * used / runs {
+                    let r0 = b * BLOCK_K;
+                    let n = (rows - r0).min(BLOCK_K);
+                    tmp[n * per_head..].fill(0.0);
+                    let c = &p.cache[(start + r0) * p.stride..];
+                    for p0 in (0..per_head).step_by(W_PANEL) {
+                        let pw = W_PANEL.min(per_head - p0);
+                        let wp = &w[p0 * lat..][..lat * pw];
+                        gemm(isa, (n, pw, lat), c, p.stride, wp, pw, &mut tmp[p0..], per_head, false);
                     }
+                    // SAFETY: task (hh, run) alone writes key blocks of its run of head hh and their
+                    // value rows; both lie inside the buffers (`blocks` key blocks, cap value rows).
+                    unsafe {
+                        scatter_block(
+                            p,
+                            tmp,
+                            c,
+                            n,
+                            kp.at((hh * blocks + b) * qk * BLOCK_K),
+                            vp.at((hh * cap + r0) * vd),
+                        )
+                    };
                 }
-                for r in 0..BLOCK_K {
-                    let dst = vp.at((hh * cap + r0 + r) * vd);
-                    std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), dst, vd);
-                }
-            }
+            });
         });
     });
+}
+
+/// One block's expanded rows `tmp` `[BLOCK_K][nope + v_dim]` (the first `n` real, the rest
+/// zero) into its key block (`[nope + rope][BLOCK_K]`, the rope part from the cache rows `c`
+/// starting at the block's first row, zero past `n`) and value rows (`[BLOCK_K][v_dim]`).
+///
+/// # Safety
+/// `kblk` and `vrows` point to `(nope + rope)·BLOCK_K` and `BLOCK_K·v_dim` floats no one else
+/// touches meanwhile.
+unsafe fn scatter_block(p: &MlaPrefillInputs<'_>, tmp: &[f32], c: &[f32], n: usize, kblk: *mut f32, vrows: *mut f32) {
+    let MlaDims { nope, rope, v_dim: vd, latent: lat, .. } = p.dims;
+    let per_head = nope + vd;
+    for d in 0..nope {
+        for r in 0..BLOCK_K {
+            *kblk.add(d * BLOCK_K + r) = tmp[r * per_head + d];
+        }
+    }
+    for d in 0..rope {
+        for r in 0..BLOCK_K {
+            *kblk.add((nope + d) * BLOCK_K + r) = if r < n { c[r * p.stride + lat + d] } else { 0.0 };
+        }
+    }
+    for r in 0..BLOCK_K {
+        std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), vrows.add(r * vd), vd);
+    }
 }
 
 /// Runs every (head, query block) that sees a key of `tile` over its key blocks, heaviest first.
@@ -300,31 +530,21 @@ unsafe fn attend_block(
             let col = kb - tile.start;
             let s = &mut s[..na * BLOCK_K];
             let q = &p.q[((i0 + ia) * h + hh) * qk..];
-            // (A zero-width part has empty buffers: its product reads nothing.)
-            let kn = tile.k_nope.get(hh * nope * tile.cap + col..).unwrap_or(&[]);
-            let kr = tile.k_rope.get(col..).unwrap_or(&[]);
-            gemm(isa, (na, BLOCK_K, nope), q, h * qk, kn, tile.cap, s, BLOCK_K, false);
-            gemm(isa, (na, BLOCK_K, rope), &q[nope..], h * qk, kr, tile.cap, s, BLOCK_K, true);
+            let kblk = &tile.k[(hh * (tile.cap / BLOCK_K) + col / BLOCK_K) * qk * BLOCK_K..];
+            gemm(isa, (na, BLOCK_K, qk), q, h * qk, kblk, BLOCK_K, s, BLOCK_K, false);
             for r in 0..na {
-                let pos = rows.start + ia + r;
+                // Keys kb..=pos of the block are visible to the row at `pos`.
+                let valid = (rows.start + ia + r + 1 - kb).min(BLOCK_K);
                 let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-                let mut mx = f32::NEG_INFINITY;
-                for (j, x) in srow.iter_mut().enumerate() {
-                    *x = if kb + j <= pos { *x * p.scale } else { f32::NEG_INFINITY };
-                    mx = mx.max(*x);
-                }
                 let (m_old, l_old) = (ml[2 * (ia + r)], ml[2 * (ia + r) + 1]);
-                let m_new = m_old.max(mx);
-                let alpha = (m_old - m_new).exp();
-                let mut sum = 0f32;
-                for x in srow.iter_mut() {
-                    *x = (*x - m_new).exp();
-                    sum += *x;
-                }
+                let (m_new, sum) = softmax_step(isa, srow, valid, p.scale, m_old);
+                let alpha = exp_scalar(m_old - m_new);
                 ml[2 * (ia + r)] = m_new;
                 ml[2 * (ia + r) + 1] = l_old * alpha + sum;
-                for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
-                    *x *= alpha;
+                if alpha != 1.0 {
+                    for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
+                        *x *= alpha;
+                    }
                 }
             }
             let v = &tile.v[(hh * tile.cap + col) * vd..];

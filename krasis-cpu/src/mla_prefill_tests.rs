@@ -2,6 +2,8 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::attention::{causal_attention, KvCacheView};
+use krasis_quant::cpu_layout::pack;
+use krasis_quant::group::{dequantize, quantize};
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect()
@@ -40,7 +42,7 @@ impl Case {
         }
     }
 
-    fn inputs<'a>(&'a self, kv_b_t: &'a [f32]) -> MlaPrefillInputs<'a> {
+    fn inputs(&self) -> MlaPrefillInputs<'_> {
         MlaPrefillInputs {
             dims: self.d,
             q: &self.q,
@@ -48,7 +50,7 @@ impl Case {
             q_start: self.q_start,
             cache: &self.cache,
             stride: self.stride,
-            kv_b_t,
+            kv_b: KvBWeights::F32(&self.kv_b),
             scale: self.scale,
         }
     }
@@ -112,13 +114,12 @@ proptest! {
     fn matches_f64_reference(d in dims(), t in 1usize..150, q_start in 0usize..150, pad in 0usize..3,
                              tile_blocks in 1usize..4, seed in any::<u32>()) {
         let c = Case::new(d, t, q_start, pad, seed);
-        let w = transpose_kv_b(&c.kv_b, &d).unwrap();
         let mut out = vec![f32::NAN; t * d.heads * d.v_dim];
-        run(&c.inputs(&w), &mut out, tile_blocks * BLOCK_K);
+        run(&c.inputs(), &mut out, tile_blocks * BLOCK_K);
         let err = rel_err(&out, &c.reference());
         prop_assert!(err < 2e-5, "{:?} t {} q_start {}: error {}", d, t, q_start, err);
         let mut whole = vec![f32::NAN; out.len()];
-        mla_prefill_attention(&c.inputs(&w), &mut whole).unwrap();
+        mla_prefill_attention(&c.inputs(), &mut whole).unwrap();
         prop_assert!(rel_err(&whole, &c.reference()) < 2e-5);
     }
 
@@ -129,12 +130,11 @@ proptest! {
                                                tile_blocks in 1usize..4, seed in any::<u32>()) {
         let cut = cut.min(t - 1);
         let c = Case::new(d, t, 0, 0, seed);
-        let w = transpose_kv_b(&c.kv_b, &d).unwrap();
         let mut whole = vec![0f32; t * d.heads * d.v_dim];
-        mla_prefill_attention(&c.inputs(&w), &mut whole).unwrap();
+        mla_prefill_attention(&c.inputs(), &mut whole).unwrap();
         let per_row = d.heads * (d.nope + d.rope);
-        let first = MlaPrefillInputs { t: cut, q: &c.q[..cut * per_row], ..c.inputs(&w) };
-        let second = MlaPrefillInputs { t: t - cut, q_start: cut, q: &c.q[cut * per_row..], ..c.inputs(&w) };
+        let first = MlaPrefillInputs { t: cut, q: &c.q[..cut * per_row], ..c.inputs() };
+        let second = MlaPrefillInputs { t: t - cut, q_start: cut, q: &c.q[cut * per_row..], ..c.inputs() };
         let mut parts = vec![0f32; whole.len()];
         let split = cut * d.heads * d.v_dim;
         run(&first, &mut parts[..split], tile_blocks * BLOCK_K);
@@ -151,9 +151,8 @@ fn equals_the_absorbed_form() {
     let (t, q_start) = (70, 33);
     let c = Case::new(d, t, q_start, 0, 7);
     let (per_head, row) = (d.nope + d.v_dim, d.latent + d.rope);
-    let w = transpose_kv_b(&c.kv_b, &d).unwrap();
     let mut out = vec![0f32; t * d.heads * d.v_dim];
-    mla_prefill_attention(&c.inputs(&w), &mut out).unwrap();
+    mla_prefill_attention(&c.inputs(), &mut out).unwrap();
     let mut q_abs = vec![0f32; t * d.heads * row];
     for (idx, qa) in q_abs.chunks_exact_mut(row).enumerate() {
         let (qn, qr) = c.q[idx * (d.nope + d.rope)..][..d.nope + d.rope].split_at(d.nope);
@@ -198,12 +197,121 @@ fn equals_the_absorbed_form() {
 fn bad_shapes_are_errors() {
     let d = MlaDims { heads: 2, nope: 4, rope: 2, v_dim: 4, latent: 8 };
     let c = Case::new(d, 5, 3, 0, 1);
-    let w = transpose_kv_b(&c.kv_b, &d).unwrap();
     let mut out = vec![0f32; 5 * 2 * 4];
-    let short = MlaPrefillInputs { cache: &c.cache[..c.stride * 7], ..c.inputs(&w) };
+    let short = MlaPrefillInputs { cache: &c.cache[..c.stride * 7], ..c.inputs() };
     assert_eq!(mla_prefill_attention(&short, &mut out), Err(MlaPrefillError::Cache { cached: 7, needed: 8 }));
-    assert!(matches!(mla_prefill_attention(&c.inputs(&w), &mut out[..3]), Err(MlaPrefillError::Len { .. })));
-    assert!(matches!(transpose_kv_b(&c.kv_b[1..], &d), Err(MlaPrefillError::Len { .. })));
-    let narrow = MlaPrefillInputs { stride: 9, ..c.inputs(&w) };
+    assert!(matches!(mla_prefill_attention(&c.inputs(), &mut out[..3]), Err(MlaPrefillError::Len { .. })));
+    let short_w = MlaPrefillInputs { kv_b: KvBWeights::F32(&c.kv_b[1..]), ..c.inputs() };
+    assert!(matches!(mla_prefill_attention(&short_w, &mut out), Err(MlaPrefillError::Len { .. })));
+    let d8 = MlaDims { latent: 32, ..d };
+    let c8 = Case::new(d8, 5, 3, 0, 1);
+    let (uk, lu, uv, lv) = pack_per_head(&c8.kv_b, &d8, Bits::Int8, 32);
+    let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+    let ok = MlaPrefillInputs { kv_b: packed, ..c8.inputs() };
+    assert_eq!(mla_prefill_attention(&ok, &mut out), Ok(()));
+    let wrong = KvBWeights::Packed { uk: &uk, uk_layout: lv, uv: &uv, uv_layout: lv };
+    let bad = MlaPrefillInputs { kv_b: wrong, ..c8.inputs() };
+    assert!(matches!(mla_prefill_attention(&bad, &mut out), Err(MlaPrefillError::Layout { what: "W_UK", .. })));
+    let short = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv[1..], uv_layout: lv };
+    let bad = MlaPrefillInputs { kv_b: short, ..c8.inputs() };
+    assert!(matches!(mla_prefill_attention(&bad, &mut out), Err(MlaPrefillError::Layout { what: "W_UV", .. })));
+    let narrow = MlaPrefillInputs { stride: 9, ..c.inputs() };
     assert!(matches!(mla_prefill_attention(&narrow, &mut out), Err(MlaPrefillError::Stride { .. })));
+}
+
+/// `kv_b` rows quantised per head as the dense-weight cache holds them (`W_UKᵀ` `[latent, nope
+/// padded to 32]`, `W_UV` `[v_dim, latent]`, group `gs`), packed back to back.
+fn pack_per_head(kv_b: &[f32], d: &MlaDims, bits: Bits, gs: usize) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
+    let (per_head, lat) = (d.nope + d.v_dim, d.latent);
+    let kp = d.nope.next_multiple_of(32);
+    let (mut uk, mut uv) = (Vec::new(), Vec::new());
+    let (mut lu, mut lv) = (None, None);
+    for h in 0..d.heads {
+        let mut wk = vec![0f32; lat * kp];
+        for n in 0..d.nope {
+            for j in 0..lat {
+                wk[j * kp + n] = kv_b[(h * per_head + n) * lat + j];
+            }
+        }
+        let wv = kv_b[(h * per_head + d.nope) * lat..(h + 1) * per_head * lat].to_vec();
+        let (qk, qv) = (quantize(&wk, lat, kp, bits, 32), quantize(&wv, d.v_dim, lat, bits, gs));
+        lu = Some(PackedLayout::of(&qk));
+        lv = Some(PackedLayout::of(&qv));
+        uk.extend(pack(&qk));
+        uv.extend(pack(&qv));
+    }
+    (uk, lu.unwrap(), uv, lv.unwrap())
+}
+
+/// `kv_b` rows holding exactly what [`pack_per_head`] packed (its dequantised values).
+fn dequantised_rows(kv_b: &[f32], d: &MlaDims, bits: Bits, gs: usize) -> Vec<f32> {
+    let (per_head, lat) = (d.nope + d.v_dim, d.latent);
+    let kp = d.nope.next_multiple_of(32);
+    let mut out = kv_b.to_vec();
+    for h in 0..d.heads {
+        let mut wk = vec![0f32; lat * kp];
+        for n in 0..d.nope {
+            for j in 0..lat {
+                wk[j * kp + n] = kv_b[(h * per_head + n) * lat + j];
+            }
+        }
+        let dk = dequantize(&quantize(&wk, lat, kp, bits, 32));
+        for n in 0..d.nope {
+            for j in 0..lat {
+                out[(h * per_head + n) * lat + j] = dk[j * kp + n];
+            }
+        }
+        let rows = (h * per_head + d.nope) * lat..(h + 1) * per_head * lat;
+        let dv = dequantize(&quantize(&kv_b[rows.clone()], d.v_dim, lat, bits, gs));
+        out[rows].copy_from_slice(&dv);
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// INT8 and INT4 packed `kv_b`, dequantised per task, give the same bits as f32 rows holding
+    /// the dequantised values (the dequantisation is exact).
+    #[test]
+    fn packed_kv_b_equals_its_dequantised_rows(heads in 1usize..4, nope in 1usize..70, rope in 1usize..10,
+                                               v_dim in 1usize..70, lat_groups in 1usize..4, int4 in any::<bool>(),
+                                               t in 1usize..100, q_start in 0usize..80, seed in any::<u32>()) {
+        let (bits, gs) = if int4 { (Bits::Int4, 64) } else { (Bits::Int8, 32) };
+        let d = MlaDims { heads, nope, rope, v_dim, latent: lat_groups * 64 };
+        let c = Case::new(d, t, q_start, 1, seed);
+        let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, bits, gs);
+        let rows = dequantised_rows(&c.kv_b, &d, bits, gs);
+        let mut want = vec![0f32; t * heads * v_dim];
+        mla_prefill_attention(&MlaPrefillInputs { kv_b: KvBWeights::F32(&rows), ..c.inputs() }, &mut want).unwrap();
+        let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+        let mut got = vec![0f32; want.len()];
+        mla_prefill_attention(&MlaPrefillInputs { kv_b: packed, ..c.inputs() }, &mut got).unwrap();
+        prop_assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+/// The AVX-512 INT8 dequantisation against its scalar twin, bit for bit, on V2-Lite's head
+/// shapes and on ragged ones (v_dim not a multiple of 16, a panel narrower than 64).
+#[test]
+fn head_weights_isas_agree() {
+    for d in [
+        MlaDims { heads: 2, nope: 128, rope: 64, v_dim: 128, latent: 512 },
+        MlaDims { heads: 3, nope: 48, rope: 8, v_dim: 37, latent: 96 },
+    ] {
+        let c = Case::new(d, 1, 0, 0, 5);
+        let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, Bits::Int8, 32);
+        let w = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+        for hh in 0..d.heads {
+            let n = d.latent * (d.nope + d.v_dim);
+            let mut want = vec![f32::NAN; n];
+            head_weights(Isa::Scalar, &w, &d, hh, &mut want);
+            assert!(want.iter().all(|x| x.is_finite()), "every element written");
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; n];
+                head_weights(isa, &w, &d, hh, &mut got);
+                assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} head {hh} {d:?}");
+            }
+        }
+    }
 }

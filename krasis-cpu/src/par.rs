@@ -25,6 +25,11 @@ pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Threads a [`for_each`] runs on (the pool's, else rayon's).
+pub fn threads() -> usize {
+    POOL.get().map_or_else(rayon::current_num_threads, |p| p.threads())
+}
+
 struct ChunkPtr<T>(*mut T);
 // SAFETY: each task touches its own chunk only (see `for_each_chunk_mut`).
 unsafe impl<T: Send> Send for ChunkPtr<T> {}

@@ -10,10 +10,11 @@ use krasis_cache::DenseCache;
 use krasis_core::spec::MlaDims;
 use krasis_cpu::heads::{HeadMatmul, HeadStrides};
 use krasis_cpu::isa::{self, Isa};
+use krasis_cpu::mla_prefill::KvBWeights;
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
 use krasis_cpu::pool::WorkerPool;
-use krasis_quant::cpu_layout::{pack_into, unpack, PackedLayout, ROW_BLOCK};
-use krasis_quant::group::{dequantize, quantize};
+use krasis_quant::cpu_layout::{pack_into, PackedLayout, ROW_BLOCK};
+use krasis_quant::group::quantize;
 use krasis_quant::Bits;
 use rayon::prelude::*;
 
@@ -145,24 +146,15 @@ impl PackedKvB {
         run(&p, HeadStrides { token: h * k, head: k });
     }
 
-    /// `kv_b` back in f32 as the decompressed prefill takes it, `[heads, latent, nope + v_dim]`
-    /// (per head `W_UKᵀ` columns, then `W_UVᵀ` columns): the INT8 weights dequantised exactly.
-    pub fn transposed_f32(&self) -> std::result::Result<Vec<f32>, krasis_quant::QuantError> {
-        let MlaDims { heads, nope, latent, v_dim, .. } = self.dims;
-        let (lu, lv) = (&self.layouts.uk, &self.layouts.uv);
-        let per_head = nope + v_dim;
-        let mut out = vec![0f32; heads * latent * per_head];
-        for (h, o) in out.chunks_exact_mut(latent * per_head).enumerate() {
-            let uk = dequantize(&unpack(&self.uk.as_slice()[h * lu.bytes()..], lu)?);
-            let uv = dequantize(&unpack(&self.uv.as_slice()[h * lv.bytes()..], lv)?);
-            for (j, row) in o.chunks_exact_mut(per_head).enumerate() {
-                row[..nope].copy_from_slice(&uk[j * lu.k..j * lu.k + nope]);
-                for (c, x) in row[nope..].iter_mut().enumerate() {
-                    *x = uv[c * latent + j];
-                }
-            }
+    /// The packed bytes as the decompressed prefill reads them (each task dequantises one head's
+    /// weights into its scratch: no f32 copy is kept).
+    pub fn prefill_weights(&self) -> KvBWeights<'_> {
+        KvBWeights::Packed {
+            uk: self.uk.as_slice(),
+            uk_layout: self.layouts.uk,
+            uv: self.uv.as_slice(),
+            uv_layout: self.layouts.uv,
         }
-        Ok(out)
     }
 
     /// `o[i, h, ..] = W_UV,h · o_lat[i, h, ..]`: `o_lat` is `[t, heads, latent]`, `o` `[t, heads,

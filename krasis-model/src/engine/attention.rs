@@ -7,7 +7,7 @@ use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
 use krasis_cpu::linear::{axpy, dot};
-use krasis_cpu::mla_prefill::{mla_prefill_attention, transpose_kv_b, MlaPrefillInputs};
+use krasis_cpu::mla_prefill::{mla_prefill_attention, KvBWeights, MlaPrefillInputs};
 use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
 
@@ -138,21 +138,11 @@ pub struct MlaAttention {
     pub scale: f32,
     pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>,
     pub prefill: MlaPrefillMode,
-    /// `kv_b` as the decompressed prefill reads it (f32, per head transposed), made on the
-    /// first call that needs it: decode-only use never holds it.
-    kv_b_t: std::sync::OnceLock<Vec<f32>>,
 }
 
 impl MlaAttention {
     pub fn new(dims: MlaDims, eps: f32, scale: f32, w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>) -> Self {
-        MlaAttention { dims, eps, scale, w, prefill: MlaPrefillMode::from_env(), kv_b_t: std::sync::OnceLock::new() }
-    }
-
-    fn kv_b_t(&self) -> &[f32] {
-        self.kv_b_t.get_or_init(|| match &self.w.kv_b {
-            KvB::F32(w) => transpose_kv_b(w, &self.dims).expect("kv_b is [heads·(nope+v_dim), latent]"),
-            KvB::Packed(p) => p.transposed_f32().expect("kv_b's packed bytes were sized from its layouts"),
-        })
+        MlaAttention { dims, eps, scale, w, prefill: MlaPrefillMode::from_env() }
     }
 
     /// The attention core after the projections: `q` `[t, heads, nope + rope]` with its rope
@@ -166,7 +156,11 @@ impl MlaAttention {
         let (qk, row) = (nope + rd, lat + rd);
         let dec: Vec<bool> = seqs.iter().map(|s| self.prefill.decompressed(s.rows, s.kv.len())).collect();
         let any_absorbed = dec.iter().any(|d| !d);
-        let kv_b_t = if dec.iter().any(|&d| d) { self.kv_b_t() } else { &[] };
+        // The decompressed form dequantises `kv_b` per task from the form held here.
+        let kv_b = match &self.w.kv_b {
+            KvB::F32(w) => KvBWeights::F32(w),
+            KvB::Packed(p) => p.prefill_weights(),
+        };
 
         // Absorb W_UK: q_lat = W_UKᵀ q_nope, per (token, head); the rope part beside it.
         let isa = isa::active();
@@ -203,7 +197,7 @@ impl MlaAttention {
                     q_start,
                     cache: view.k,
                     stride: view.k_stride,
-                    kv_b_t,
+                    kv_b,
                     scale: self.scale,
                 };
                 mla_prefill_attention(&inputs, &mut o[off * h * vd..(off + n) * h * vd])
