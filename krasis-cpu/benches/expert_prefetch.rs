@@ -71,7 +71,20 @@ fn main() {
     let down = quantize(&rand_f32(HIDDEN * INTER, 3), HIDDEN, INTER, Bits::Int4, 128);
     let (w13, l13) = pack_w13(&gate, &up).expect("w13 layout");
     let (w2, l2) = (pack(&down), krasis_quant::cpu_layout::PackedLayout::of(&down));
-    let experts: Vec<(Vec<u8>, Vec<u8>)> = (0..n_experts).map(|_| (w13.clone(), w2.clone())).collect();
+    // All copies in one huge-page-advised buffer, as the engine's expert cache is (4 KiB pages
+    // made this bench's calls several times slower than the engine's on some instances).
+    let rec = (w13.len() + w2.len()).next_multiple_of(4096);
+    let mut buf = krasis_core::memory::PageBuffer::new(n_experts * rec).expect("expert buffer");
+    buf.advise_huge_pages();
+    for e in 0..n_experts {
+        let d = &mut buf.as_mut_slice()[e * rec..(e + 1) * rec];
+        d[..w13.len()].copy_from_slice(&w13);
+        d[w13.len()..w13.len() + w2.len()].copy_from_slice(&w2);
+    }
+    let data = buf.as_slice();
+    let experts: Vec<(&[u8], &[u8])> = (0..n_experts)
+        .map(|e| (&data[e * rec..e * rec + w13.len()], &data[e * rec + w13.len()..e * rec + w13.len() + w2.len()]))
+        .collect();
     let expert_bytes = w13.len() + w2.len();
     let runner = PoolExperts::new(&pool, l13, l2);
     let x = rand_f32(HIDDEN, 4);
@@ -103,7 +116,7 @@ fn main() {
             ids.sort_unstable();
             let start = Instant::now();
             let weights: Vec<ExpertWeights<'_>> =
-                ids.iter().map(|&e| ExpertWeights { w13: &experts[e].0, w2: &experts[e].1, node: 0 }).collect();
+                ids.iter().map(|&e| ExpertWeights { w13: experts[e].0, w2: experts[e].1, node: 0 }).collect();
             if let Pull::FirstTasks(mb) = how {
                 black_box(runner.prefetch_first_tasks(&pool, &weights, mb << 20, &|| false));
             }
