@@ -311,6 +311,23 @@ enum Task {
     W2 { e: usize, b0: usize, b1: usize, g0: usize, g1: usize },
 }
 
+impl Task {
+    /// The weight bytes this task reads, in the order it reads them (none for an X task).
+    fn weights<'a>(self, jobs: &[ExpertJob<'a>], l13: &PackedLayout, l2: &PackedLayout) -> &'a [u8] {
+        match self {
+            Task::W13 { e, p0, p1 } => {
+                let (w13, bb) = (jobs[e].weights.w13, l13.block_bytes());
+                &w13[(2 * p0 * bb).min(w13.len())..(2 * p1 * bb).min(w13.len())]
+            }
+            Task::W2 { e, b0, b1, .. } => {
+                let (w2, bb) = (jobs[e].weights.w2, l2.block_bytes());
+                &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())]
+            }
+            Task::X { .. } => &[],
+        }
+    }
+}
+
 /// How [`PoolExperts`]' w2 tasks meet the intermediate their job's w13 tasks produce.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum W2Mode {
@@ -750,6 +767,27 @@ impl PoolExperts {
         step.counts.extend(step.tasks.iter().map(Vec::len));
     }
 
+    /// Whether an activation set of `rows` tokens in a dispatch of `jobs` jobs is quantised by
+    /// each w13 task's worker for itself (no X tasks).
+    fn quantises_locally(&self, jobs: usize, rows: usize) -> bool {
+        jobs <= self.local_x_max_jobs && rows <= self.local_x_max_rows
+    }
+
+    /// Plans `step` for `jobs` unless its plan already fits: the plan depends only on the job
+    /// count, the pool's shape, the jobs' nodes, which jobs share activation sets
+    /// (`step.acts_of`) and which sets are quantised per worker (`step.local_x`).
+    fn plan_if_changed(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], pool: &WorkerPool) {
+        step.key_now.clear();
+        step.key_now.extend([jobs.len(), pool.nodes(), pool.threads()]);
+        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
+        step.key_now.extend(step.acts_of.iter().copied());
+        step.key_now.extend(step.local_x.iter().map(|&l| l as usize));
+        if step.key_now != step.plan_key {
+            self.plan(step, jobs, pool.nodes(), pool.threads());
+            std::mem::swap(&mut step.key_now, &mut step.plan_key);
+        }
+    }
+
     /// Pulls into each worker's L2 the weights of the task it will run first in a one-token
     /// call of `experts` (in that order), up to `budget` bytes in all, until `stop()`: the
     /// same affine dispatch plan as [`PoolExperts::run`]'s, so when the call comes with the same
@@ -771,17 +809,13 @@ impl PoolExperts {
         let mut guard = self.prefetch_step.lock().unwrap_or_else(|e| e.into_inner());
         let step = &mut *guard;
         // The activation sets of a one-token call, as `run` sets them up: one, shared by all.
+        step.acts_of.clear();
+        step.acts_of.resize(jobs.len(), 0);
         step.act_src.clear();
         step.act_src.push(0);
         step.local_x.clear();
-        step.local_x.push(jobs.len() <= self.local_x_max_jobs && self.local_x_max_rows >= 1);
-        step.key_now.clear();
-        step.key_now.extend([jobs.len(), pool.nodes(), pool.threads()]);
-        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
-        if step.key_now != step.plan_key {
-            self.plan(step, &jobs, pool.nodes(), pool.threads());
-            std::mem::swap(&mut step.key_now, &mut step.plan_key);
-        }
+        step.local_x.push(self.quantises_locally(jobs.len(), 1));
+        self.plan_if_changed(step, &jobs, pool);
         // Tasks up to the end of each node's owned run (the ones before it do nothing here).
         let counts: Vec<usize> = (0..step.tasks.len())
             .map(|j| (step.owned_from[j] + pool.node_threads(j)).min(step.tasks[j].len()))
@@ -793,17 +827,7 @@ impl PoolExperts {
             if t < owned_from[node] {
                 return;
             }
-            let w = match tasks[node][t] {
-                Task::W13 { e, p0, p1 } => {
-                    let (w13, bb) = (jobs[e].weights.w13, l13.block_bytes());
-                    &w13[(2 * p0 * bb).min(w13.len())..(2 * p1 * bb).min(w13.len())]
-                }
-                Task::W2 { e, b0, b1, .. } => {
-                    let (w2, bb) = (jobs[e].weights.w2, l2.block_bytes());
-                    &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())]
-                }
-                Task::X { .. } => return,
-            };
+            let w = tasks[node][t].weights(&jobs, l13, l2);
             let w = &w[..w.len().min(per_task)];
             let mut done = 0;
             for piece in w.chunks(PREFETCH_STOP_CHECK_BYTES) {
@@ -895,21 +919,10 @@ impl PoolExperts {
         step.local_x.clear();
         for a in 0..sets {
             step.xbufs.push(ActBufs::of(&mut step.acts[a]));
-            step.local_x
-                .push(n <= self.local_x_max_jobs && jobs[step.act_src[a]].tokens.len() <= self.local_x_max_rows);
+            step.local_x.push(self.quantises_locally(n, jobs[step.act_src[a]].tokens.len()));
         }
         step.serial = step.serial.wrapping_add(1);
-        // The plan depends only on the job count, the jobs' nodes, which jobs share activation
-        // sets and which sets are quantised per worker: reuse it while they repeat.
-        step.key_now.clear();
-        step.key_now.extend([n, pool.nodes(), pool.threads()]);
-        step.key_now.extend(jobs.iter().map(|j| j.weights.node));
-        step.key_now.extend(step.acts_of.iter().copied());
-        step.key_now.extend(step.local_x.iter().map(|&l| l as usize));
-        if step.key_now != step.plan_key {
-            self.plan(step, jobs, pool.nodes(), pool.threads());
-            std::mem::swap(&mut step.key_now, &mut step.plan_key);
-        }
+        self.plan_if_changed(step, jobs, pool);
         step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
         step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         if major {
@@ -969,9 +982,8 @@ impl PoolExperts {
                 }
                 Task::W13 { e, p0, p1 } => {
                     let w13 = jobs[e].weights.w13;
-                    let bb = l13.block_bytes();
-                    let start = (2 * p0 * bb).min(w13.len());
-                    let upcoming = &w13[start..(start + X_WAIT_PREFETCH).min(2 * p1 * bb).min(w13.len())];
+                    let upcoming = task.weights(jobs, l13, l2);
+                    let upcoming = &upcoming[..upcoming.len().min(X_WAIT_PREFETCH)];
                     let set = acts_of[e];
                     let mut local =
                         local_x[set].then(|| self.local_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner()));
@@ -1039,7 +1051,7 @@ impl PoolExperts {
                 Task::W2 { e, b0, b1, g0: ga, g1: gb } => {
                     let w2 = jobs[e].weights.w2;
                     let bb = l2.block_bytes();
-                    let upcoming = &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())];
+                    let upcoming = task.weights(jobs, l13, l2);
                     let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
                     let ok = &group_ok[e * ng2..(e + 1) * ng2];

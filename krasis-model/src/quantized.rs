@@ -433,6 +433,11 @@ impl CpuQuantExperts {
         parts.iter().map(|p| p.w13_bytes + p.w2_bytes).sum::<u64>() / parts.len().max(1) as u64
     }
 
+    /// Expert `e` of MoE layer index `li` and the pool node its jobs run on.
+    fn weights(&self, li: usize, e: usize) -> ExpertWeights<'_> {
+        ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % self.pool.nodes() }
+    }
+
     /// The widths of each MoE layer, in order.
     pub fn layer_bits(&self) -> &[LayerBits] {
         &self.bits
@@ -445,13 +450,9 @@ impl ExpertExecutor for CpuQuantExperts {
         let n = self.cache.header().n_experts as usize;
         let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
         g.group(n, t, routes);
-        let nodes = self.pool.nodes();
         let jobs: Vec<ExpertJob<'_>> = (0..n)
             .filter(|&e| g.offsets[e + 1] > g.offsets[e])
-            .map(|e| ExpertJob {
-                weights: ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % nodes },
-                tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]],
-            })
+            .map(|e| ExpertJob { weights: self.weights(li, e), tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]] })
             .collect();
         self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
     }
@@ -461,14 +462,10 @@ impl ExpertExecutor for CpuQuantExperts {
     fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
         let Some(li) = self.moe_index.get(layer).copied().flatten() else { return 0 };
         let n = self.cache.header().n_experts as usize;
-        let nodes = self.pool.nodes();
         let mut sorted: Vec<usize> = ids.iter().copied().filter(|&e| e < n).collect();
         sorted.sort_unstable();
         sorted.dedup();
-        let experts: Vec<ExpertWeights<'_>> = sorted
-            .iter()
-            .map(|&e| ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % nodes })
-            .collect();
+        let experts: Vec<ExpertWeights<'_>> = sorted.iter().map(|&e| self.weights(li, e)).collect();
         self.runners[self.runner_of[li]].prefetch_first_tasks(&self.pool, &experts, budget, stop)
     }
 

@@ -303,10 +303,7 @@ impl HostStaging {
         }
         let hidden = p.h.len();
         dev.copy_device(h, p.h.slice_mut())?;
-        let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = match y {
-            Some(y) => Some(y),
-            None => None,
-        };
+        let delta = y.map(|y| y as &dyn krasis_gpu::cudarc::driver::DevicePtr<f32>);
         dev.rmsnorm_residual(p.h.slice_mut(), delta, None, None, norm, Some(p.hn.slice_mut()), None, hidden, eps)?;
         let slot = &p.slots[(seq & 1) as usize];
         router.publish(
@@ -628,10 +625,11 @@ fn serve_one(
     }
     stats.calls += 1;
     stats.wait += t1 - t0;
-    stats.experts += t1.elapsed();
+    let spent = t1.elapsed();
+    stats.experts += spent;
     if guess.layer == Some(work.layer) && guess.pulled {
         stats.pulled_calls += 1;
-        stats.pulled_experts += t1.elapsed();
+        stats.pulled_experts += spent;
     }
     Ok(())
 }
