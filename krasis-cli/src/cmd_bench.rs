@@ -490,6 +490,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 pp.total - pp.experts - pp.attention - pp.shared - pp.lm_head,
                 prefill_s - pp.total
             );
+            let (mla, ex) = (krasis_cpu::mla_prefill::phase_ns(), krasis_cpu::prefill_bf16::expert_phase_ns());
+            if mla.iter().chain(&ex).any(|&v| v > 0) {
+                let s = |v: u64| v as f64 / 1e9;
+                println!(
+                    "prefill detail (whole run): MLA prefill expand {:.3} s + attend {:.3} s; BF16 expert dispatches: convert {:.3} s, w13 {:.3} s, w2 {:.3} s, sum {:.3} s",
+                    s(mla[0]), s(mla[1]), s(ex[0]), s(ex[1]), s(ex[2]), s(ex[3])
+                );
+            }
             let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;
             println!(
                 "rest per token: attention {:.2} ms + shared experts {:.2} ms + LM head {:.2} ms + other {:.2} ms (norms, routers, dense-layer MLPs) + sampling and step overhead {:.2} ms",

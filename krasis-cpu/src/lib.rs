@@ -16,6 +16,7 @@ pub mod moe_trace;
 pub mod norm;
 pub mod par;
 pub mod pool;
+pub mod prefill_bf16;
 pub mod quant;
 pub mod rope;
 

@@ -22,6 +22,7 @@ use std::sync::Mutex;
 use crate::isa::Isa;
 use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
+use crate::prefill_bf16::{self, Bf16State};
 use crate::quant::{
     matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
     silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
@@ -133,6 +134,11 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    pub(crate) fn ptr(self) -> *mut f32 {
+        self.0
+    }
+
     /// # Safety
     /// `at..at+src.len()` must be in bounds and written by no other task.
     pub(crate) unsafe fn write(self, at: usize, src: &[f32]) {
@@ -172,11 +178,17 @@ impl WorkerScratch {
 pub struct PoolMatmul {
     scratch: WorkerScratch,
     acts: Mutex<QuantizedActs>,
+    /// The prefill path's buffers ([`crate::prefill_bf16`]).
+    bf16: Bf16State,
 }
 
 impl PoolMatmul {
     pub fn new(pool: &WorkerPool) -> Self {
-        PoolMatmul { scratch: WorkerScratch::new(pool.threads()), acts: Mutex::new(QuantizedActs::new()) }
+        PoolMatmul {
+            scratch: WorkerScratch::new(pool.threads()),
+            acts: Mutex::new(QuantizedActs::new()),
+            bf16: Bf16State::new(pool),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -215,6 +227,9 @@ impl PoolMatmul {
             assert_eq!(y.len(), m * l.rows, "PoolMatmul: y must be m×rows = {m}×{}", l.rows);
         }
         assert_eq!(x.len(), m * first.k, "PoolMatmul: x must be m×k = {m}×{}", first.k);
+        if let Some(tiles) = prefill_bf16::applies(isa, m, first.k) {
+            return prefill_bf16::run_many(tiles, &self.bf16, pool, mats, x, m, ys);
+        }
         let (k, gs, split) = (first.k, first.gs, split_factor());
         let ng = k / gs;
         let mut guard = self.acts.lock().unwrap_or_else(|e| e.into_inner());
@@ -474,6 +489,8 @@ pub struct PoolExperts {
     affine: bool,
     /// The plan of [`PoolExperts::prefetch_first_tasks`] (kept apart from the calls' own).
     prefetch_step: Mutex<StepScratch>,
+    /// The prefill path's buffers ([`crate::prefill_bf16`]).
+    bf16: Bf16State,
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -597,6 +614,7 @@ impl PoolExperts {
             w2_mode: W2Mode::from_env(),
             affine: std::env::var("KRASIS_MOE_AFFINE").map_or(true, |v| v != "0"),
             prefetch_step: Mutex::new(StepScratch::default()),
+            bf16: Bf16State::new(pool),
         }
     }
 
@@ -879,6 +897,10 @@ impl PoolExperts {
                     out.len()
                 );
             }
+        }
+        if let Some(tiles) = prefill_bf16::applies(isa, x.len() / hidden, hidden).filter(|_| inter % 32 == 0) {
+            drop(guard);
+            return prefill_bf16::run_experts(tiles, &self.bf16, pool, l13, l2, x, hidden, jobs, out);
         }
         // Activations: one set per distinct token list (in decode every expert of the token
         // shares one), quantised inside the dispatch.

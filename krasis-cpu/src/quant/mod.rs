@@ -35,6 +35,7 @@ pub mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub mod bf16;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -233,11 +234,12 @@ pub fn prefetch_l2(w: &[u8]) {
 }
 
 /// The kernels [`matmul_packed`] runs with `isa`, for the startup log: the ISA's name, and on
-/// AVX-512 whether AMX tiles take the many-row calls (see [`amx::enabled`]).
+/// AVX-512 whether AMX tiles take the many-row calls (see [`amx::enabled`]) and the prefill's
+/// matmuls (see [`crate::prefill_bf16`]).
 pub fn describe_kernels(isa: Isa) -> String {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512 {
-        return format!("{} ({})", isa.name(), amx::describe());
+        return format!("{} ({}; {})", isa.name(), amx::describe(), crate::prefill_bf16::describe());
     }
     isa.name().to_string()
 }

@@ -39,6 +39,23 @@ pub fn hw_available() -> bool {
     *support() == AmxSupport::Usable
 }
 
+/// Whether AMX-BF16 tiles (`tdpbf16ps`, CPUID leaf 7 EDX bit 22) and the AVX-512 BF16
+/// conversions that feed them can run in this process (on top of [`hw_available`]).
+pub fn bf16_available() -> bool {
+    static B: OnceLock<bool> = OnceLock::new();
+    *B.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // SAFETY: CPUID exists on every x86_64 CPU; leaf 7 is checked by `hw_available`.
+            #[allow(unused_unsafe)]
+            let l7 = unsafe { std::arch::x86_64::__cpuid_count(7, 0) };
+            hw_available() && (l7.edx >> 22) & 1 == 1 && std::arch::is_x86_feature_detected!("avx512bf16")
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        false
+    })
+}
+
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn probe() -> AmxSupport {
     use std::arch::x86_64::{__cpuid, __cpuid_count};

@@ -1,5 +1,5 @@
 //! A scalar emulation of the AMX tile instructions [`super::matmul`] uses (Intel SDM semantics
-//! of `ldtilecfg`, `tilezero`, `tileloadd`, `tdpbsud`, `tilestored` for palette 1), so the AMX
+//! of `ldtilecfg`, `tilezero`, `tileloadd`, `tdpbsud`, `tdpbf16ps`, `tilestored` for palette 1), so the AMX
 //! kernel runs, and is checked against the scalar twin, on machines without AMX.
 
 use super::tiles::{TileConfig, Tiles, TILE_A, TILE_B};
@@ -60,6 +60,33 @@ impl Tiles for EmuTiles {
                     }
                 }
                 self.t[c][m * 64 + 4 * n..m * 64 + 4 * n + 4].copy_from_slice(&acc.to_le_bytes());
+            }
+        }
+    }
+
+    unsafe fn dp_bf16(&mut self, c: usize) {
+        let (a, b) = (TILE_A + c / 2, TILE_B + c % 2);
+        let ((mr, mcb), (ar, acb), (br, bcb)) = (self.shape(c), self.shape(a), self.shape(b));
+        assert!(ar == mr && br * 4 == acb && bcb == mcb, "tdpbf16ps shapes C {mr}×{mcb} A {ar}×{acb} B {br}×{bcb}");
+        // BF16 → f32 with denormal inputs as zero (the instruction's DAZ).
+        let f = |t: &[u8; 1024], at: usize| {
+            let v = f32::from_bits((u16::from_le_bytes([t[at], t[at + 1]]) as u32) << 16);
+            if v.is_subnormal() {
+                0.0
+            } else {
+                v
+            }
+        };
+        for m in 0..mr {
+            for n in 0..mcb / 4 {
+                let at = m * 64 + 4 * n;
+                let mut acc = f32::from_le_bytes(self.t[c][at..at + 4].try_into().unwrap());
+                for k in 0..acb / 4 {
+                    for i in 0..2 {
+                        acc += f(&self.t[a], m * 64 + 4 * k + 2 * i) * f(&self.t[b], k * 64 + 4 * n + 2 * i);
+                    }
+                }
+                self.t[c][at..at + 4].copy_from_slice(&acc.to_le_bytes());
             }
         }
     }

@@ -28,13 +28,14 @@ use krasis_quant::Bits;
 
 use super::QuantizedActs;
 
+pub(crate) mod bf16;
 pub mod detect;
-#[cfg(test)]
 mod emu;
 #[cfg(test)]
 mod tests;
 mod tiles;
 
+pub(crate) use emu::EmuTiles;
 pub(crate) use tiles::HwTiles;
 use tiles::{TileConfig, Tiles, TILE_A, TILE_B};
 

@@ -275,3 +275,60 @@ fn amx_crossover() {
         }
     }
 }
+
+/// The BF16 tile kernel against its scalar twin on random panels and activations: ragged row
+/// blocks (odd counts) and row tiles, K from one tile step up.
+fn check_bf16<T: Tiles>(t: &mut T, mtiles: usize, nb: usize, ksteps: usize, seed: u64) -> Result<(), TestCaseError> {
+    use crate::moe::tests::data;
+    use crate::quant::bf16::{bf16_bits, bf16_value};
+    let k = ksteps * super::bf16::TILE_K;
+    let m = mtiles * 16;
+    let x: Vec<u16> = data(m * k, seed).iter().map(|&v| bf16_bits(v)).collect();
+    let panel: Vec<u16> = data(nb * k * 16, seed ^ 0x55).iter().map(|&v| bf16_bits(v)).collect();
+    let os = nb * 16 + 3;
+    let (mut got, mut want) = (vec![f32::NAN; m * os], vec![f32::NAN; m * os]);
+    // SAFETY: extents as the kernel documents them.
+    unsafe {
+        super::bf16::matmul(t, panel.as_ptr(), nb, k, x.as_ptr(), mtiles, got.as_mut_ptr(), os);
+        super::bf16::matmul_scalar(panel.as_ptr(), nb, k, x.as_ptr(), mtiles, want.as_mut_ptr(), os);
+    }
+    for i in 0..m {
+        for c in 0..nb * 16 {
+            let (b, n) = (c / 16, c % 16);
+            let mag: f32 = (0..k)
+                .map(|kk| {
+                    (bf16_value(x[super::bf16::tiled_index(i, kk, ksteps)])
+                        * bf16_value(panel[b * k * 16 + (kk / 2) * 32 + 2 * n + kk % 2]))
+                    .abs()
+                })
+                .sum();
+            let (g, w) = (got[i * os + c], want[i * os + c]);
+            prop_assert!((g - w).abs() <= 1e-5 * mag + 1e-30, "row {i} col {c}: tiles {g} scalar {w}");
+        }
+        prop_assert!(got[i * os + nb * 16..(i + 1) * os].iter().all(|v| v.is_nan()), "row {i}: wrote past the blocks");
+    }
+    Ok(())
+}
+
+fn run_bf16_cases<T: Tiles>(tiles: impl Fn() -> T, n: u32) {
+    let mut runner = TestRunner::new(Config { cases: n, ..Config::default() });
+    runner
+        .run(&(1usize..5, 1usize..6, 1usize..6, any::<u64>()), |(mt, nb, ks, seed)| {
+            check_bf16(&mut tiles(), mt, nb, ks, seed)
+        })
+        .unwrap();
+}
+
+#[test]
+fn emulated_bf16_tiles_match_scalar() {
+    run_bf16_cases(EmuTiles::new, 24);
+}
+
+#[test]
+fn hardware_bf16_tiles_match_scalar() {
+    if amx_or_skip("hardware_bf16_tiles_match_scalar")
+        && or_skip(detect::bf16_available(), "hardware_bf16_tiles_match_scalar", "no AMX-BF16 or AVX-512 BF16")
+    {
+        run_bf16_cases(|| HwTiles, 64);
+    }
+}

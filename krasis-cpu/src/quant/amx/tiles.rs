@@ -70,6 +70,13 @@ pub(crate) trait Tiles {
     /// # Safety
     /// A configuration is loaded.
     unsafe fn dp(&mut self, c: usize);
+    /// `tdpbf16ps tmm{c}, tmm{4 + c/2}, tmm{6 + c%2}`: C[c] (f32) += A (BF16 pairs) · B (BF16
+    /// pairs), the tiles configured as by `TileConfig::new(64)` (A 16 rows × 32 BF16, B 16 k-pair
+    /// rows × 16 columns × 2 BF16).
+    ///
+    /// # Safety
+    /// A configuration is loaded; the CPU has AMX-BF16 (hardware).
+    unsafe fn dp_bf16(&mut self, c: usize);
     /// `tilestored [p + stride·row], tmm{t}`.
     ///
     /// # Safety
@@ -130,6 +137,17 @@ impl Tiles for HwTiles {
             1 => asm!("tdpbsud tmm1, tmm4, tmm7", options(nostack, nomem, preserves_flags)),
             2 => asm!("tdpbsud tmm2, tmm5, tmm6", options(nostack, nomem, preserves_flags)),
             3 => asm!("tdpbsud tmm3, tmm5, tmm7", options(nostack, nomem, preserves_flags)),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn dp_bf16(&mut self, c: usize) {
+        use std::arch::asm;
+        per_tile!(c,
+            0 => asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nostack, nomem, preserves_flags)),
+            1 => asm!("tdpbf16ps tmm1, tmm4, tmm7", options(nostack, nomem, preserves_flags)),
+            2 => asm!("tdpbf16ps tmm2, tmm5, tmm6", options(nostack, nomem, preserves_flags)),
+            3 => asm!("tdpbf16ps tmm3, tmm5, tmm7", options(nostack, nomem, preserves_flags)),
         )
     }
 

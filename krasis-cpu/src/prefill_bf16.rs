@@ -1,0 +1,580 @@
+//! Prefill matmuls on AMX-BF16 tiles: what [`crate::moe::PoolMatmul`] and
+//! [`crate::moe::PoolExperts`] run instead of the INT8 kernels once a call carries at least
+//! [`min_tokens`] tokens and the CPU has AMX-BF16.
+//!
+//! Why a second number format for prefill: the INT8 kernels quantise every activation row into
+//! two INT8 rows (value + residual) and apply the scales per group of 128 in a float epilogue,
+//! which at decode's M = 2 costs nothing (the weights' bandwidth bounds it) but in a prefill
+//! doubles the integer work and stores the AMX accumulators once per group. Here each row
+//! block's weights are dequantised once per task into a BF16 panel with the group scales folded
+//! in ([`crate::quant::bf16`]), the activations are rounded to BF16 once per call, and the
+//! tiles accumulate f32 over all of K ([`crate::quant::amx::bf16`]). The result differs from the
+//! INT8 path's by BF16 rounding of weights and activations (well inside the quantised-fidelity
+//! bounds; checked on the oracle fixtures with the emulated tiles in CI and the hardware tiles
+//! on the GPU box).
+//!
+//! Experts run in four dispatches: activations to BF16; w13 tasks (expert, block pairs), each
+//! gathering its expert's token rows, computing SiLU(gate)·up and writing the intermediate as
+//! BF16; w2 tasks (expert, row blocks) into a per-expert output; and the weighted sum per token
+//! in job order.
+//!
+//! `KRASIS_PREFILL_MATMUL=int8` keeps the INT8 kernels for prefill too; `bf16-emulated` runs this
+//! path with the scalar tile emulation on any CPU (for the fidelity tests);
+//! `KRASIS_BF16_MIN_TOKENS` sets [`min_tokens`].
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
+
+use crate::isa::Isa;
+use crate::moe::{wait_ready, ExpertJob, FailOnUnwind, OutPtr};
+use crate::pool::WorkerPool;
+use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
+use crate::quant::bf16::{block_panel, panel_len, to_bf16};
+use crate::quant::silu_mul_w13;
+
+/// Smallest number of tokens in a call that takes the BF16 tiles. Decode and short calls stay on
+/// the INT8 kernels, which are bandwidth-bound there (a first guess between the INT8 tiles'
+/// crossover of 16 rows = 8 tokens and the prefill sizes; `KRASIS_BF16_MIN_TOKENS` overrides).
+pub const BF16_MIN_TOKENS: usize = 16;
+
+/// Bytes of dequantised panel a task builds before running the tiles over it: with a row chunk
+/// of activations (512 KiB at K = 2048) it stays in the 2 MiB L2 of a Sapphire Rapids core.
+const PANEL_BYTES: usize = 512 << 10;
+
+/// Tasks per worker in each phase (tasks are sized by work, largest first, so the phase ends in
+/// small ones).
+const TASKS_PER_WORKER: usize = 4;
+
+/// Tile-equivalents of work a row block's dequantisation costs, in the task sizing (about one
+/// 16-row activation tile's `tdpbf16ps` time per block, by operation counts).
+const DEQUANT_TILES: usize = 1;
+
+/// How the BF16 tiles run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Tiles {
+    /// AMX-BF16.
+    Hardware,
+    /// The scalar emulation of the tile instructions (tests; any CPU).
+    Emulated,
+}
+
+/// The configured BF16 prefill tiles, if any (read once): hardware when AMX is enabled
+/// ([`crate::quant::amx::enabled`]) and the CPU has AMX-BF16 and AVX-512 BF16, unless
+/// `KRASIS_PREFILL_MATMUL=int8`; `bf16-emulated` forces the emulation.
+pub fn tiles() -> Option<Bf16Tiles> {
+    static T: OnceLock<Option<Bf16Tiles>> = OnceLock::new();
+    *T.get_or_init(|| {
+        let asked = std::env::var("KRASIS_PREFILL_MATMUL").unwrap_or_default();
+        match asked.trim() {
+            "int8" => None,
+            "bf16-emulated" => Some(Bf16Tiles::Emulated),
+            other => {
+                if !other.is_empty() && other != "bf16" {
+                    tracing::warn!(
+                        "KRASIS_PREFILL_MATMUL={other:?} is not int8, bf16 or bf16-emulated; using the default"
+                    );
+                }
+                hardware().then_some(Bf16Tiles::Hardware)
+            }
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn hardware() -> bool {
+    crate::quant::amx::enabled() && crate::quant::amx::detect::bf16_available()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn hardware() -> bool {
+    false
+}
+
+/// [`BF16_MIN_TOKENS`] or `KRASIS_BF16_MIN_TOKENS` (read once).
+pub fn min_tokens() -> usize {
+    static M: OnceLock<usize> = OnceLock::new();
+    *M.get_or_init(|| match std::env::var("KRASIS_BF16_MIN_TOKENS") {
+        Err(_) => BF16_MIN_TOKENS,
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+            tracing::warn!("KRASIS_BF16_MIN_TOKENS={v:?} is not a count; using {BF16_MIN_TOKENS}");
+            BF16_MIN_TOKENS
+        }),
+    })
+}
+
+/// The tiles a call of `tokens` rows with ISA `isa` over K = `k` runs on, or `None` for the INT8
+/// kernels. The hardware tiles need the caller's ISA to be AVX-512 (a test naming a lower ISA
+/// gets that ISA's kernel).
+pub fn applies(isa: Isa, tokens: usize, k: usize) -> Option<Bf16Tiles> {
+    let t = tiles()?;
+    let ok = tokens >= min_tokens() && k.is_multiple_of(TILE_K) && (t == Bf16Tiles::Emulated || isa == Isa::Avx512);
+    ok.then_some(t)
+}
+
+/// Calls that ran on the BF16 tiles so far in this process (for tests that must know the path
+/// ran).
+pub fn calls() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
+
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Nanoseconds spent so far in each dispatch of [`run_experts`]: conversion, w13, w2, sum (for
+/// benches).
+pub fn expert_phase_ns() -> [u64; 4] {
+    std::array::from_fn(|i| PHASE_NS[i].load(Ordering::Relaxed))
+}
+
+static PHASE_NS: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+
+/// Adds the time since `*t` to phase `i` and restarts `*t`.
+fn lap(t: &mut std::time::Instant, i: usize) {
+    let now = std::time::Instant::now();
+    PHASE_NS[i].fetch_add((now - *t).as_nanos() as u64, Ordering::Relaxed);
+    *t = now;
+}
+
+/// One line for the startup log.
+pub fn describe() -> String {
+    match tiles() {
+        Some(Bf16Tiles::Hardware) => format!("prefill on AMX-BF16 tiles from {} tokens", min_tokens()),
+        Some(Bf16Tiles::Emulated) => format!("prefill on emulated BF16 tiles from {} tokens (slow)", min_tokens()),
+        None => "prefill on the INT8 kernels".into(),
+    }
+}
+
+/// A worker's buffers (grow once).
+#[derive(Default)]
+struct Scratch {
+    panel: Vec<u16>,
+    /// Tile output.
+    c: Vec<f32>,
+    /// SiLU(gate)·up rows.
+    act: Vec<f32>,
+}
+
+/// Per-worker scratch and per-call buffers of the BF16 path; one per runner.
+pub struct Bf16State {
+    workers: Vec<Mutex<Scratch>>,
+    call: Mutex<CallBufs>,
+}
+
+#[derive(Default)]
+struct CallBufs {
+    /// The call's activations as BF16 in the tiled layout ([`tiled_index`]), padded to whole
+    /// tiles; experts: one per job (its tokens' rows).
+    x: Vec<Vec<u16>>,
+    /// Per job: the intermediate as BF16 `[pad(m), inter]`, tiled.
+    mid: Vec<Vec<u16>>,
+    /// Per job: w2's output `[pad(m), 16·row blocks]`.
+    y: Vec<Vec<f32>>,
+    tasks: Vec<(usize, usize, usize, usize)>,
+    /// Conversion tasks `(job, row0, row1)`.
+    xtasks: Vec<(usize, usize, usize)>,
+    /// Per token: its (job, row) entries in job order (CSR over `tok_start`).
+    tok_start: Vec<usize>,
+    tok_entries: Vec<(u32, u32)>,
+}
+
+impl Bf16State {
+    pub fn new(pool: &WorkerPool) -> Self {
+        Bf16State {
+            workers: (0..pool.threads()).map(|_| Mutex::new(Scratch::default())).collect(),
+            call: Mutex::default(),
+        }
+    }
+}
+
+/// Rows padded to whole tiles.
+fn padded(m: usize) -> usize {
+    m.div_ceil(16) * 16
+}
+
+/// `KRASIS_<name>` as a positive count, else `default` (for tuning on a new machine).
+fn env_count(name: &str, default: usize) -> usize {
+    std::env::var(format!("KRASIS_{name}"))
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&v| v > 0)
+        .unwrap_or(default)
+}
+
+/// Row blocks per panel at K = `k` ([`PANEL_BYTES`], or `KRASIS_BF16_PANEL_KB`).
+fn panel_blocks(k: usize) -> usize {
+    static B: OnceLock<usize> = OnceLock::new();
+    let bytes = *B.get_or_init(|| env_count("BF16_PANEL_KB", PANEL_BYTES >> 10) << 10);
+    (bytes / (k * ROW_BLOCK * 2)).max(1)
+}
+
+/// [`TASKS_PER_WORKER`], or `KRASIS_BF16_TASKS`.
+fn tasks_per_worker() -> usize {
+    static T: OnceLock<usize> = OnceLock::new();
+    *T.get_or_init(|| env_count("BF16_TASKS", TASKS_PER_WORKER))
+}
+
+/// `out[pad(m) rows, row stride os] = a · W[b0..b1]ᵀ` (16 columns per block, from column 0 of
+/// `out`), `a` `[pad(m), l.k]` BF16, tiled.
+///
+/// # Safety
+/// `out` valid for `pad(m)` rows of stride `os` ≥ 16·(b1 − b0); `a` finite in its padding rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul_blocks(
+    tiles: Bf16Tiles,
+    w: &[u8],
+    l: &PackedLayout,
+    b0: usize,
+    b1: usize,
+    a: &[u16],
+    m: usize,
+    out: *mut f32,
+    os: usize,
+    panel: &mut Vec<u16>,
+) {
+    let (k, per) = (l.k, panel_blocks(l.k));
+    let mtiles = m.div_ceil(16);
+    debug_assert!(a.len() >= mtiles * 16 * k);
+    let pl = panel_len(l);
+    let mut b = b0;
+    while b < b1 {
+        let nb = (b1 - b).min(per);
+        panel.resize(nb * pl, 0);
+        for i in 0..nb {
+            block_panel(w, l, b + i, &mut panel[i * pl..(i + 1) * pl]);
+        }
+        let o = out.add((b - b0) * ROW_BLOCK);
+        #[cfg(target_arch = "x86_64")]
+        match tiles {
+            Bf16Tiles::Hardware => crate::quant::amx::bf16::matmul(
+                &mut crate::quant::amx::HwTiles,
+                panel.as_ptr(),
+                nb,
+                k,
+                a.as_ptr(),
+                mtiles,
+                o,
+                os,
+            ),
+            Bf16Tiles::Emulated => crate::quant::amx::bf16::matmul(
+                &mut crate::quant::amx::EmuTiles::new(),
+                panel.as_ptr(),
+                nb,
+                k,
+                a.as_ptr(),
+                mtiles,
+                o,
+                os,
+            ),
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (tiles, o, os, mtiles);
+            unreachable!("BF16 tiles exist on x86_64 only");
+        }
+        b += nb;
+    }
+}
+
+/// `src` (one row of K = `k`) as BF16 into row `i` of the tiled `dst`.
+fn convert_row(src: &[f32], i: usize, k: usize, dst: &mut [u16]) {
+    let ks = k / TILE_K;
+    for (s, chunk) in src.chunks_exact(TILE_K).enumerate() {
+        let at = tiled_index(i, s * TILE_K, ks);
+        to_bf16(chunk, &mut dst[at..at + TILE_K]);
+    }
+}
+
+/// Zeroes rows `m..pad(m)` of the tiled `dst` (K = `k`).
+fn zero_padding(m: usize, k: usize, dst: &mut [u16]) {
+    let ks = k / TILE_K;
+    for i in m..padded(m) {
+        for s in 0..ks {
+            let at = tiled_index(i, s * TILE_K, ks);
+            dst[at..at + TILE_K].fill(0);
+        }
+    }
+}
+
+/// Raw pointer for disjoint u16 writes from pool tasks.
+#[derive(Clone, Copy)]
+struct U16Ptr(*mut u16);
+// SAFETY: every task writes a disjoint set of elements (argued at each use).
+unsafe impl Send for U16Ptr {}
+unsafe impl Sync for U16Ptr {}
+
+impl U16Ptr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(self) -> *mut u16 {
+        self.0
+    }
+}
+
+/// Converts `x[m, k]` into `xb` (`pad(m)·k`, padding rows zero) with the first `nx` tasks of a
+/// dispatch; `done` counts converted rows.
+fn conversion_tasks(workers: usize, m: usize) -> (usize, usize) {
+    let per = m.div_ceil(workers.max(1)).max(1);
+    (m.div_ceil(per), per)
+}
+
+/// [`crate::moe::PoolMatmul::run_many`] on the BF16 tiles (same contract).
+pub(crate) fn run_many(
+    tiles: Bf16Tiles,
+    st: &Bf16State,
+    pool: &WorkerPool,
+    mats: &[(&[u8], &PackedLayout)],
+    x: &[f32],
+    m: usize,
+    ys: &mut [&mut [f32]],
+) {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    let k = mats[0].1.k;
+    let mp = padded(m);
+    let mut call = st.call.lock().unwrap_or_else(|e| e.into_inner());
+    call.x.resize_with(1, Vec::new);
+    let xbuf = &mut call.x[0];
+    xbuf.resize(mp * k, 0);
+    zero_padding(m, k, xbuf);
+    let xb = U16Ptr(xbuf.as_mut_ptr());
+    let xlen = xbuf.len();
+    let mut starts = vec![0usize];
+    for (_, l) in mats {
+        starts.push(starts.last().copied().unwrap_or(0) + l.row_blocks());
+    }
+    let total = *starts.last().unwrap_or(&0);
+    let per = total.div_ceil(tasks_per_worker() * pool.threads().max(1)).max(1);
+    let (nx, xper) = conversion_tasks(pool.threads(), m);
+    let (done, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
+    pool.run(nx + total.div_ceil(per), &|t, ctx| {
+        let _guard = FailOnUnwind(&failed);
+        if t < nx {
+            let (r0, r1) = (t * xper, ((t + 1) * xper).min(m));
+            // SAFETY: rows r0..r1 are written by this task alone; read after the release below.
+            let dst = unsafe { std::slice::from_raw_parts_mut(xb.ptr(), xlen) };
+            for i in r0..r1 {
+                convert_row(&x[i * k..(i + 1) * k], i, k, dst);
+            }
+            done.fetch_add(r1 - r0, Ordering::Release);
+            return;
+        }
+        let t = t - nx;
+        let end = ((t + 1) * per).min(total);
+        let mut u = t * per;
+        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut *s;
+        while u < end {
+            let j = starts.partition_point(|&v| v <= u) - 1;
+            let (w, l) = mats[j];
+            let (b0, rows) = (u - starts[j], l.rows);
+            let b1 = (end - starts[j]).min(l.row_blocks());
+            let bb = l.block_bytes();
+            wait_ready(&done, m, &failed, &w[b0 * bb..(b0 * bb + (16 << 10)).min(b1 * bb)]);
+            // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
+            let a = unsafe { std::slice::from_raw_parts(xb.ptr(), xlen) };
+            let cols = (b1 - b0) * ROW_BLOCK;
+            s.c.resize(mp * cols, 0.0);
+            // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
+            unsafe { matmul_blocks(tiles, w, l, b0, b1, a, m, s.c.as_mut_ptr(), cols, &mut s.panel) };
+            let keep = cols.min(rows - b0 * ROW_BLOCK);
+            for i in 0..m {
+                // SAFETY: this task alone owns columns [16·b0, 16·b0 + keep) of ys[j]'s rows.
+                unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &s.c[i * cols..i * cols + keep]) };
+            }
+            u += b1 - b0;
+        }
+    });
+}
+
+/// Tasks `(job, unit0, unit1, work)` over `units` per job, sized by work (`tiles(job)` activation
+/// tiles + [`DEQUANT_TILES`] per unit), largest first.
+fn size_tasks(out: &mut Vec<(usize, usize, usize, usize)>, mtiles: &[usize], units: usize, workers: usize) {
+    out.clear();
+    let total: usize = mtiles.iter().filter(|&&t| t > 0).map(|&t| (t + DEQUANT_TILES) * units).sum();
+    let target = total.div_ceil(tasks_per_worker() * workers.max(1)).max(1);
+    for (e, &t) in mtiles.iter().enumerate() {
+        if t == 0 {
+            continue;
+        }
+        let per = target.div_ceil(t + DEQUANT_TILES).clamp(1, units);
+        let mut u = 0;
+        while u < units {
+            let u1 = (u + per).min(units);
+            out.push((e, u, u1, (u1 - u) * (t + DEQUANT_TILES)));
+            u = u1;
+        }
+    }
+    out.sort_by_key(|t| std::cmp::Reverse(t.3));
+}
+
+/// [`crate::moe::PoolExperts::run`] on the BF16 tiles (same contract: `out += Σ_e w·expert_e(x)`
+/// per token, jobs added in order).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_experts(
+    tiles: Bf16Tiles,
+    st: &Bf16State,
+    pool: &WorkerPool,
+    l13: &PackedLayout,
+    l2: &PackedLayout,
+    x: &[f32],
+    hidden: usize,
+    jobs: &[ExpertJob<'_>],
+    out: &mut [f32],
+) {
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    let mut clock = std::time::Instant::now();
+    let rows = x.len() / hidden;
+    let inter = l13.rows / 2;
+    let (pairs, nb2) = (l13.row_blocks() / 2, l2.row_blocks());
+    let ys = nb2 * ROW_BLOCK;
+    let workers = pool.threads();
+    let mut guard = st.call.lock().unwrap_or_else(|e| e.into_inner());
+    let call = &mut *guard;
+    let n = jobs.len();
+    // Each job's token rows as BF16, tiled (tasks of about a round's share of all rows; the
+    // task holding a job's last row also zeroes its padding rows).
+    call.x.resize_with(n, Vec::new);
+    call.mid.resize_with(n, Vec::new);
+    call.y.resize_with(n, Vec::new);
+    let all: usize = jobs.iter().map(|j| j.tokens.len()).sum();
+    let chunk = all.div_ceil(2 * workers.max(1)).max(TILE_ROWS);
+    call.xtasks.clear();
+    for (e, job) in jobs.iter().enumerate() {
+        let mp = padded(job.tokens.len());
+        call.x[e].resize(mp * hidden, 0);
+        call.mid[e].resize(mp * inter, 0);
+        call.y[e].resize(mp * ys, 0.0);
+        let mut r = 0;
+        while r < job.tokens.len() {
+            call.xtasks.push((e, r, (r + chunk).min(job.tokens.len())));
+            r += chunk;
+        }
+    }
+    let xs: Vec<(U16Ptr, usize)> = call.x.iter_mut().map(|v| (U16Ptr(v.as_mut_ptr()), v.len())).collect();
+    let xtasks = &call.xtasks;
+    pool.run(xtasks.len(), &|t, _| {
+        let (e, r0, r1) = xtasks[t];
+        let toks = jobs[e].tokens;
+        // SAFETY: rows r0..r1 of job e (and its padding rows, for the task ending at its last
+        // row) are written by this task alone.
+        let dst = unsafe { std::slice::from_raw_parts_mut(xs[e].0.ptr(), xs[e].1) };
+        for (i, &(tok, _)) in toks.iter().enumerate().take(r1).skip(r0) {
+            convert_row(&x[tok * hidden..(tok + 1) * hidden], i, hidden, dst);
+        }
+        if r1 == toks.len() {
+            zero_padding(toks.len(), hidden, dst);
+        }
+    });
+    lap(&mut clock, 0);
+    let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
+    let mids: Vec<U16Ptr> = call.mid.iter_mut().map(|v| U16Ptr(v.as_mut_ptr())).collect();
+    let yps: Vec<OutPtr> = call.y.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
+    // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
+    size_tasks(&mut call.tasks, &mtiles, pairs, workers);
+    let (tasks, xa) = (&call.tasks, &call.x);
+    let ks2 = inter / TILE_K;
+    pool.run(tasks.len(), &|t, ctx| {
+        let (e, p0, p1, _) = tasks[t];
+        let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
+        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
+        let s = &mut *s;
+        let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
+        s.c.resize(mp * cols13, 0.0);
+        // SAFETY: c holds pad(m) rows of cols13; xa[e] is pad(m)·hidden, tiled, zero padding.
+        unsafe {
+            matmul_blocks(
+                tiles,
+                jobs[e].weights.w13,
+                l13,
+                2 * p0,
+                2 * p1,
+                &xa[e],
+                m,
+                s.c.as_mut_ptr(),
+                cols13,
+                &mut s.panel,
+            )
+        };
+        s.act.resize(m * cols, 0.0);
+        silu_mul_w13(&s.c[..m * cols13], m, &mut s.act);
+        for i in 0..mp {
+            for c in (0..cols).step_by(ROW_BLOCK) {
+                let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
+                // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows (16
+                // consecutive tiled elements per 16-aligned column run).
+                let dst = unsafe { std::slice::from_raw_parts_mut(mids[e].ptr().add(at), ROW_BLOCK) };
+                if i < m {
+                    to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
+                } else {
+                    dst.fill(0);
+                }
+            }
+        }
+    });
+    lap(&mut clock, 1);
+    // w2: row blocks b0..b1 of expert e into y[e].
+    size_tasks(&mut call.tasks, &mtiles, nb2, workers);
+    let (tasks, mid) = (&call.tasks, &call.mid);
+    pool.run(tasks.len(), &|t, ctx| {
+        let (e, b0, b1, _) = tasks[t];
+        let m = jobs[e].tokens.len();
+        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: y[e] holds pad(m) rows of `ys`; this task alone writes its columns
+        // [16·b0, 16·b1); mid[e] is complete (previous dispatch) with zero padding rows.
+        unsafe {
+            matmul_blocks(
+                tiles,
+                jobs[e].weights.w2,
+                l2,
+                b0,
+                b1,
+                &mid[e],
+                m,
+                yps[e].ptr().add(b0 * ROW_BLOCK),
+                ys,
+                &mut s.panel,
+            )
+        };
+    });
+    lap(&mut clock, 2);
+    // Weighted sum per token, jobs in order.
+    call.tok_start.clear();
+    call.tok_start.resize(rows + 1, 0);
+    for job in jobs {
+        for &(tok, _) in job.tokens {
+            call.tok_start[tok + 1] += 1;
+        }
+    }
+    for i in 0..rows {
+        call.tok_start[i + 1] += call.tok_start[i];
+    }
+    call.tok_entries.resize(call.tok_start[rows], (0, 0));
+    let mut fill = call.tok_start.clone();
+    for (e, job) in jobs.iter().enumerate() {
+        for (r, &(tok, _)) in job.tokens.iter().enumerate() {
+            call.tok_entries[fill[tok]] = (e as u32, r as u32);
+            fill[tok] += 1;
+        }
+    }
+    let (starts, entries, y) = (&call.tok_start, &call.tok_entries, &call.y);
+    let out_p = OutPtr(out.as_mut_ptr());
+    let (ns, sper) = conversion_tasks(workers, rows);
+    pool.run(ns, &|t, _| {
+        for tok in t * sper..((t + 1) * sper).min(rows) {
+            // SAFETY: token rows are disjoint between tasks; tok < rows ≤ out.len() / hidden.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_p.ptr().add(tok * hidden), hidden) };
+            for &(e, r) in &entries[starts[tok]..starts[tok + 1]] {
+                let (e, r) = (e as usize, r as usize);
+                let w = jobs[e].tokens[r].1;
+                for (ov, &v) in o.iter_mut().zip(&y[e][r * ys..r * ys + hidden]) {
+                    *ov += w * v;
+                }
+            }
+        }
+    });
+    lap(&mut clock, 3);
+}
+
+#[cfg(test)]
+#[path = "prefill_bf16_tests.rs"]
+mod tests;

@@ -1,0 +1,189 @@
+//! BF16 operands of the AMX-BF16 prefill kernel ([`super::amx::bf16`]): packed INT4/INT8 row
+//! blocks dequantised into B-tile panels, and f32 activation rows rounded to BF16.
+//!
+//! **Panel layout.** One row block (16 weight rows) over all of K is `K / 2` B-tile rows of 64
+//! bytes: row `r` holds, for each weight row `n` of the block, the pair `(w[n, 2r], w[n, 2r + 1])`
+//! as two BF16 (element `32·r + 2·n + i` is `w[n, 2r + i]`). K steps of 32 are then 16
+//! consecutive rows, one `tileloadd` with stride 64. The value is `bf16((u − off) · s)`: the
+//! product is exact in f32 (an 8-bit integer times an f16 scale), so the only rounding is the
+//! one to BF16, to nearest even, the same in both twins.
+//!
+//! **Rounding.** [`bf16_bits`] is `vcvtne2ps2bf16`'s: round to nearest even, denormal inputs
+//! as (signed) zero, NaN kept quiet.
+//!
+//! Each operation has a scalar twin and an AVX-512 BF16 one (chosen once at run time, the
+//! scalar one with `KRASIS_ISA` below `avx512`), equal bit for bit (property tests).
+
+use half::f16;
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::Bits;
+
+/// `x` rounded to BF16 as `vcvtneps2bf16` does (nearest even, denormals to signed zero).
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    if x.is_subnormal() {
+        return ((b >> 16) & 0x8000) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// The f32 value of BF16 bits.
+#[inline]
+pub fn bf16_value(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// u16 elements of one row block's panel: `K / 2` rows of 32.
+pub fn panel_len(l: &PackedLayout) -> usize {
+    l.k * ROW_BLOCK
+}
+
+/// Bytes ahead of the chunk being dequantised that [`block_panel`]'s AVX-512 twin prefetches
+/// (`prefetcht0`), across row blocks: a pool task streams its blocks from DRAM, and one core's
+/// demand misses alone read far below its share of the bandwidth (the INT8 kernels' distance).
+const PANEL_PREFETCH: usize = 4096;
+
+/// Whether the SIMD twins run (AVX-512 BF16 present and `KRASIS_ISA` not below `avx512`).
+fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *S.get_or_init(|| {
+            crate::isa::active() == crate::isa::Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Row block `b`'s BF16 panel (see the module docs) into `dst` (`panel_len(l)` elements).
+pub fn block_panel(w: &[u8], l: &PackedLayout, b: usize, dst: &mut [u16]) {
+    let blk = &w[l.block_range(b)];
+    assert_eq!(dst.len(), panel_len(l), "block_panel: dst must be K·16 elements");
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX-512 F/BW/BF16 checked by `simd`; sizes asserted above and by block_range.
+        return unsafe { block_panel_avx512(blk, l, dst) };
+    }
+    block_panel_scalar(blk, l, dst);
+}
+
+/// The group's 16 f32 weight scales of a row block.
+fn group_scales(blk: &[u8], l: &PackedLayout, g: usize) -> [f32; ROW_BLOCK] {
+    let so = l.scales_offset(g);
+    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[so + 2 * j], blk[so + 2 * j + 1]])).to_f32())
+}
+
+/// Scalar twin of [`block_panel`] for one row block's bytes `blk`.
+pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
+    let (gs, off) = (l.gs, l.offset());
+    let gwb = l.group_weight_bytes();
+    let mut put = |k: usize, j: usize, v: f32| dst[(k / 2) * 2 * ROW_BLOCK + 2 * j + k % 2] = bf16_bits(v);
+    for g in 0..l.groups() {
+        let s = group_scales(blk, l, g);
+        let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
+        for (c, chunk) in wg.chunks_exact(CHUNK).enumerate() {
+            for j in 0..ROW_BLOCK {
+                for b in 0..4 {
+                    let u = chunk[4 * j + b] as i32;
+                    match l.bits {
+                        Bits::Int8 => put(g * gs + 4 * c + b, j, (u - off) as f32 * s[j]),
+                        Bits::Int4 => {
+                            put(g * gs + 8 * c + b, j, ((u & 0x0f) - off) as f32 * s[j]);
+                            put(g * gs + 8 * c + 4 + b, j, ((u >> 4) - off) as f32 * s[j]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `src` rounded to BF16 into `dst` (same length).
+pub fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len(), "to_bf16: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX-512 F/BF16 checked by `simd`; equal lengths asserted.
+        return unsafe { to_bf16_avx512(src, dst) };
+    }
+    to_bf16_scalar(src, dst);
+}
+
+/// Scalar twin of [`to_bf16`].
+pub fn to_bf16_scalar(src: &[f32], dst: &mut [u16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16_bits(s);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn to_bf16_avx512(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = src.len() / 16 * 16;
+    for i in (0..n).step_by(16) {
+        let v = _mm512_loadu_ps(src.as_ptr().add(i));
+        let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
+    }
+    to_bf16_scalar(&src[n..], &mut dst[n..]);
+}
+
+/// AVX-512 twin of [`block_panel_scalar`]: per 64-byte chunk, each k lane of the 16 rows is
+/// widened, converted and scaled (`fmsub(u, s, off·s)`, exact) and two k lanes are rounded and
+/// interleaved into one B row.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    // Word index of the interleave: out[2j] = lo[j], out[2j + 1] = hi[j] (hi at 16..32).
+    let idx: [u16; 32] = std::array::from_fn(|w| if w % 2 == 0 { (w / 2) as u16 } else { (16 + w / 2) as u16 });
+    let idx = _mm512_loadu_si512(idx.as_ptr() as *const _);
+    let (gs, off) = (l.gs, l.offset() as f32);
+    let gwb = l.group_weight_bytes();
+    let nib = _mm512_set1_epi32(if l.bits == Bits::Int8 { 0xff } else { 0x0f });
+    let out = dst.as_mut_ptr();
+    // Row of B for k pair (k, k + 1), k even, from the two scaled lanes.
+    let pair = |k: usize, a: __m512, b: __m512| {
+        let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+        _mm512_storeu_si512(out.add((k / 2) * 2 * ROW_BLOCK) as *mut _, _mm512_permutexvar_epi16(idx, h));
+    };
+    for g in 0..l.groups() {
+        let s = _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.scales_offset(g)) as *const __m256i));
+        let offs = _mm512_mul_ps(s, _mm512_set1_ps(off));
+        let wg = blk.as_ptr().add(l.weights_offset(g));
+        let lane = |v: __m512i, shift: u32| {
+            let u = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), nib);
+            _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), s, offs)
+        };
+        for c in 0..gwb / CHUNK {
+            // Prefetch never faults: the address may lie past the matrix.
+            _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(c * CHUNK + PANEL_PREFETCH) as *const i8);
+            let v = _mm512_loadu_si512(wg.add(c * CHUNK) as *const _);
+            match l.bits {
+                Bits::Int8 => {
+                    let k0 = g * gs + 4 * c;
+                    pair(k0, lane(v, 0), lane(v, 8));
+                    pair(k0 + 2, lane(v, 16), lane(v, 24));
+                }
+                Bits::Int4 => {
+                    let k0 = g * gs + 8 * c;
+                    pair(k0, lane(v, 0), lane(v, 8));
+                    pair(k0 + 2, lane(v, 16), lane(v, 24));
+                    pair(k0 + 4, lane(v, 4), lane(v, 12));
+                    pair(k0 + 6, lane(v, 20), lane(v, 28));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "bf16_tests.rs"]
+mod tests;

@@ -1,0 +1,75 @@
+//! The BF16 operands: the SIMD twins equal the scalar ones bit for bit, and the panel holds
+//! exactly the dequantised weights rounded to BF16.
+
+use krasis_quant::cpu_layout::{pack, PackedLayout, ROW_BLOCK};
+use krasis_quant::group::{dequantize, quantize};
+use krasis_quant::Bits;
+use proptest::prelude::*;
+
+use super::*;
+use crate::moe::tests::data;
+
+#[test]
+fn rounding_is_nearest_even_with_denormals_as_zero() {
+    assert_eq!(bf16_bits(1.0), 0x3f80);
+    // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+    assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+    assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+    assert_eq!(bf16_bits(-2.5), 0xc020);
+    assert_eq!(bf16_bits(f32::from_bits(1)), 0);
+    assert_eq!(bf16_bits(-f32::from_bits(1)), 0x8000);
+    assert_eq!(bf16_bits(f32::INFINITY), 0x7f80);
+    assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+    assert_eq!(bf16_value(bf16_bits(f32::MAX)), f32::INFINITY);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Every row block's panel, SIMD and scalar, against the dequantised matrix: ragged rows
+    /// (padding rows are zero), every group size, both widths.
+    #[test]
+    fn panel_is_the_dequantised_weights_in_bf16(
+        rows in 1usize..50,
+        kg in 1usize..5,
+        gsi in 0usize..3,
+        int4 in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let gs = [32, 64, 128][gsi];
+        let k = kg * gs;
+        let bits = if int4 { Bits::Int4 } else { Bits::Int8 };
+        let q = quantize(&data(rows * k, seed), rows, k, bits, gs);
+        let (w, l) = (pack(&q), PackedLayout::of(&q));
+        let deq = dequantize(&q);
+        let mut simd = vec![0u16; panel_len(&l)];
+        let mut scalar = vec![0u16; panel_len(&l)];
+        for b in 0..l.row_blocks() {
+            block_panel(&w, &l, b, &mut simd);
+            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
+            prop_assert_eq!(&simd, &scalar, "block {}", b);
+            for n in 0..ROW_BLOCK {
+                let r = b * ROW_BLOCK + n;
+                for kk in 0..k {
+                    let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
+                    prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_conversion_equals_scalar(n in 0usize..200, seed in any::<u64>(), scale_exp in -130i32..130) {
+        let mut x: Vec<f32> = data(n, seed).iter().map(|v| v * 2f32.powi(scale_exp)).collect();
+        if n > 3 {
+            x[0] = f32::from_bits(0x0000_8001); // denormal
+            x[1] = f32::NAN;
+            x[2] = f32::NEG_INFINITY;
+            x[3] = 1.0 + 1.0 / 256.0; // a tie
+        }
+        let (mut a, mut b) = (vec![0u16; n], vec![0u16; n]);
+        to_bf16(&x, &mut a);
+        to_bf16_scalar(&x, &mut b);
+        prop_assert_eq!(a, b);
+    }
+}
