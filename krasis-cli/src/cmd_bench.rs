@@ -491,6 +491,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 prefill_s - pp.total
             );
             let (mla, ex) = (krasis_cpu::mla_prefill::phase_ns(), krasis_cpu::prefill_bf16::expert_phase_ns());
+            let layer = krasis_model::engine::attention::mla_phase_ns();
+            if layer.iter().any(|&v| v > 0) {
+                let s = |v: u64| v as f64 / 1e9;
+                println!(
+                    "MLA layers (whole run): projections {:.3} s, norm+rope {:.3} s, attention {:.3} s, o_proj {:.3} s",
+                    s(layer[0]),
+                    s(layer[1]),
+                    s(layer[2]),
+                    s(layer[3])
+                );
+            }
             if mla.iter().chain(&ex).any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(

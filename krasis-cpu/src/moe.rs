@@ -22,7 +22,7 @@ use std::sync::Mutex;
 use crate::isa::Isa;
 use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
-use crate::prefill_bf16::{self, Bf16State};
+use crate::prefill_bf16;
 use crate::quant::{
     matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
     silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
@@ -178,17 +178,11 @@ impl WorkerScratch {
 pub struct PoolMatmul {
     scratch: WorkerScratch,
     acts: Mutex<QuantizedActs>,
-    /// The prefill path's buffers ([`crate::prefill_bf16`]).
-    bf16: Bf16State,
 }
 
 impl PoolMatmul {
     pub fn new(pool: &WorkerPool) -> Self {
-        PoolMatmul {
-            scratch: WorkerScratch::new(pool.threads()),
-            acts: Mutex::new(QuantizedActs::new()),
-            bf16: Bf16State::new(pool),
-        }
+        PoolMatmul { scratch: WorkerScratch::new(pool.threads()), acts: Mutex::new(QuantizedActs::new()) }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -228,7 +222,7 @@ impl PoolMatmul {
         }
         assert_eq!(x.len(), m * first.k, "PoolMatmul: x must be m×k = {m}×{}", first.k);
         if let Some(tiles) = prefill_bf16::applies(isa, m, first.k) {
-            return prefill_bf16::run_many(tiles, &self.bf16, pool, mats, x, m, ys);
+            return prefill_bf16::run_many(tiles, pool, mats, x, m, ys);
         }
         let (k, gs, split) = (first.k, first.gs, split_factor());
         let ng = k / gs;
@@ -489,8 +483,6 @@ pub struct PoolExperts {
     affine: bool,
     /// The plan of [`PoolExperts::prefetch_first_tasks`] (kept apart from the calls' own).
     prefetch_step: Mutex<StepScratch>,
-    /// The prefill path's buffers ([`crate::prefill_bf16`]).
-    bf16: Bf16State,
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -614,7 +606,6 @@ impl PoolExperts {
             w2_mode: W2Mode::from_env(),
             affine: std::env::var("KRASIS_MOE_AFFINE").map_or(true, |v| v != "0"),
             prefetch_step: Mutex::new(StepScratch::default()),
-            bf16: Bf16State::new(pool),
         }
     }
 
@@ -900,7 +891,7 @@ impl PoolExperts {
         }
         if let Some(tiles) = prefill_bf16::applies(isa, x.len() / hidden, hidden).filter(|_| inter % 32 == 0) {
             drop(guard);
-            return prefill_bf16::run_experts(tiles, &self.bf16, pool, l13, l2, x, hidden, jobs, out);
+            return prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, jobs, out);
         }
         // Activations: one set per distinct token list (in decode every expert of the token
         // shares one), quantised inside the dispatch.

@@ -155,21 +155,17 @@ struct Scratch {
     act: Vec<f32>,
 }
 
-/// Per-worker scratch and per-call buffers of the BF16 path; one per runner.
-pub struct Bf16State {
-    workers: Vec<Mutex<Scratch>>,
-    call: Mutex<CallBufs>,
-}
-
-#[derive(Default)]
 struct CallBufs {
     /// The call's activations as BF16 in the tiled layout ([`tiled_index`]), padded to whole
-    /// tiles; experts: one per job (its tokens' rows).
-    x: Vec<Vec<u16>>,
-    /// Per job: the intermediate as BF16 `[pad(m), inter]`, tiled.
-    mid: Vec<Vec<u16>>,
-    /// Per job: w2's output `[pad(m), 16·row blocks]`.
-    y: Vec<Vec<f32>>,
+    /// tiles; experts: each job's tokens' rows from row `row0[e]` (one buffer for all jobs, so
+    /// it stops growing once the largest call has been seen).
+    x: Vec<u16>,
+    /// Experts: the intermediate as BF16 `[pad(m), inter]` per job, tiled, from row `row0[e]`.
+    mid: Vec<u16>,
+    /// Experts: w2's output `[pad(m), 16·row blocks]` per job, from row `row0[e]`.
+    y: Vec<f32>,
+    /// Experts: each job's first (padded) row in `x`, `mid` and `y`; one more entry: the total.
+    row0: Vec<usize>,
     tasks: Vec<(usize, usize, usize, usize)>,
     /// Conversion tasks `(job, row0, row1)`.
     xtasks: Vec<(usize, usize, usize)>,
@@ -178,14 +174,30 @@ struct CallBufs {
     tok_entries: Vec<(u32, u32)>,
 }
 
-impl Bf16State {
-    pub fn new(pool: &WorkerPool) -> Self {
-        Bf16State {
-            workers: (0..pool.threads()).map(|_| Mutex::new(Scratch::default())).collect(),
-            call: Mutex::default(),
+impl CallBufs {
+    const fn new() -> Self {
+        CallBufs {
+            x: Vec::new(),
+            mid: Vec::new(),
+            y: Vec::new(),
+            row0: Vec::new(),
+            tasks: Vec::new(),
+            xtasks: Vec::new(),
+            tok_start: Vec::new(),
+            tok_entries: Vec::new(),
         }
     }
 }
+
+thread_local! {
+    /// The calling worker's buffers.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// The call buffers, one set for the process: every runner and every layer reuses them (calls
+/// take turns), so a prefill touches fresh pages once, not once per layer and linear, and RSS
+/// holds one set (at 512 tokens of V2-Lite about 50 MB; it grows with the longest prompt).
+static CALL: Mutex<CallBufs> = Mutex::new(CallBufs::new());
 
 /// Rows padded to whole tiles.
 fn padded(m: usize) -> usize {
@@ -242,6 +254,11 @@ unsafe fn matmul_blocks(
         panel.resize(nb * pl, 0);
         for i in 0..nb {
             block_panel(w, l, b + i, &mut panel[i * pl..(i + 1) * pl]);
+        }
+        // The next panel's weights on their way to L2 while the tiles run on this one.
+        let next = (b + nb)..(b + 2 * nb).min(b1);
+        if !next.is_empty() {
+            crate::quant::prefetch_l2(&w[l.block_range(next.start).start..l.block_range(next.end - 1).end]);
         }
         let o = out.add((b - b0) * ROW_BLOCK);
         #[cfg(target_arch = "x86_64")]
@@ -320,7 +337,6 @@ fn conversion_tasks(workers: usize, m: usize) -> (usize, usize) {
 /// [`crate::moe::PoolMatmul::run_many`] on the BF16 tiles (same contract).
 pub(crate) fn run_many(
     tiles: Bf16Tiles,
-    st: &Bf16State,
     pool: &WorkerPool,
     mats: &[(&[u8], &PackedLayout)],
     x: &[f32],
@@ -330,9 +346,8 @@ pub(crate) fn run_many(
     CALLS.fetch_add(1, Ordering::Relaxed);
     let k = mats[0].1.k;
     let mp = padded(m);
-    let mut call = st.call.lock().unwrap_or_else(|e| e.into_inner());
-    call.x.resize_with(1, Vec::new);
-    let xbuf = &mut call.x[0];
+    let mut call = CALL.lock().unwrap_or_else(|e| e.into_inner());
+    let xbuf = &mut call.x;
     xbuf.resize(mp * k, 0);
     zero_padding(m, k, xbuf);
     let xb = U16Ptr(xbuf.as_mut_ptr());
@@ -346,7 +361,7 @@ pub(crate) fn run_many(
     let (nx, xper) = conversion_tasks(pool.threads(), m);
     let (done, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
-    pool.run(nx + total.div_ceil(per), &|t, ctx| {
+    pool.run(nx + total.div_ceil(per), &|t, _| {
         let _guard = FailOnUnwind(&failed);
         if t < nx {
             let (r0, r1) = (t * xper, ((t + 1) * xper).min(m));
@@ -361,28 +376,28 @@ pub(crate) fn run_many(
         let t = t - nx;
         let end = ((t + 1) * per).min(total);
         let mut u = t * per;
-        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
-        let s = &mut *s;
-        while u < end {
-            let j = starts.partition_point(|&v| v <= u) - 1;
-            let (w, l) = mats[j];
-            let (b0, rows) = (u - starts[j], l.rows);
-            let b1 = (end - starts[j]).min(l.row_blocks());
-            let bb = l.block_bytes();
-            wait_ready(&done, m, &failed, &w[b0 * bb..(b0 * bb + (16 << 10)).min(b1 * bb)]);
-            // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
-            let a = unsafe { std::slice::from_raw_parts(xb.ptr(), xlen) };
-            let cols = (b1 - b0) * ROW_BLOCK;
-            s.c.resize(mp * cols, 0.0);
-            // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
-            unsafe { matmul_blocks(tiles, w, l, b0, b1, a, m, s.c.as_mut_ptr(), cols, &mut s.panel) };
-            let keep = cols.min(rows - b0 * ROW_BLOCK);
-            for i in 0..m {
-                // SAFETY: this task alone owns columns [16·b0, 16·b0 + keep) of ys[j]'s rows.
-                unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &s.c[i * cols..i * cols + keep]) };
+        SCRATCH.with_borrow_mut(|s| {
+            while u < end {
+                let j = starts.partition_point(|&v| v <= u) - 1;
+                let (w, l) = mats[j];
+                let (b0, rows) = (u - starts[j], l.rows);
+                let b1 = (end - starts[j]).min(l.row_blocks());
+                let bb = l.block_bytes();
+                wait_ready(&done, m, &failed, &w[b0 * bb..(b0 * bb + (16 << 10)).min(b1 * bb)]);
+                // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
+                let a = unsafe { std::slice::from_raw_parts(xb.ptr(), xlen) };
+                let cols = (b1 - b0) * ROW_BLOCK;
+                s.c.resize(mp * cols, 0.0);
+                // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
+                unsafe { matmul_blocks(tiles, w, l, b0, b1, a, m, s.c.as_mut_ptr(), cols, &mut s.panel) };
+                let keep = cols.min(rows - b0 * ROW_BLOCK);
+                for i in 0..m {
+                    // SAFETY: this task alone owns columns [16·b0, 16·b0 + keep) of ys[j]'s rows.
+                    unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &s.c[i * cols..i * cols + keep]) };
+                }
+                u += b1 - b0;
             }
-            u += b1 - b0;
-        }
+        })
     });
 }
 
@@ -412,7 +427,6 @@ fn size_tasks(out: &mut Vec<(usize, usize, usize, usize)>, mtiles: &[usize], uni
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_experts(
     tiles: Bf16Tiles,
-    st: &Bf16State,
     pool: &WorkerPool,
     l13: &PackedLayout,
     l2: &PackedLayout,
@@ -428,36 +442,37 @@ pub(crate) fn run_experts(
     let (pairs, nb2) = (l13.row_blocks() / 2, l2.row_blocks());
     let ys = nb2 * ROW_BLOCK;
     let workers = pool.threads();
-    let mut guard = st.call.lock().unwrap_or_else(|e| e.into_inner());
+    let mut guard = CALL.lock().unwrap_or_else(|e| e.into_inner());
     let call = &mut *guard;
     let n = jobs.len();
     // Each job's token rows as BF16, tiled (tasks of about a round's share of all rows; the
     // task holding a job's last row also zeroes its padding rows).
-    call.x.resize_with(n, Vec::new);
-    call.mid.resize_with(n, Vec::new);
-    call.y.resize_with(n, Vec::new);
     let all: usize = jobs.iter().map(|j| j.tokens.len()).sum();
     let chunk = all.div_ceil(2 * workers.max(1)).max(TILE_ROWS);
+    call.row0.clear();
+    call.row0.push(0);
     call.xtasks.clear();
     for (e, job) in jobs.iter().enumerate() {
-        let mp = padded(job.tokens.len());
-        call.x[e].resize(mp * hidden, 0);
-        call.mid[e].resize(mp * inter, 0);
-        call.y[e].resize(mp * ys, 0.0);
         let mut r = 0;
         while r < job.tokens.len() {
             call.xtasks.push((e, r, (r + chunk).min(job.tokens.len())));
             r += chunk;
         }
+        call.row0.push(call.row0[e] + padded(job.tokens.len()));
     }
-    let xs: Vec<(U16Ptr, usize)> = call.x.iter_mut().map(|v| (U16Ptr(v.as_mut_ptr()), v.len())).collect();
+    let total_rows = call.row0[n];
+    call.x.resize(total_rows * hidden, 0);
+    call.mid.resize(total_rows * inter, 0);
+    call.y.resize(total_rows * ys, 0.0);
+    let (xp, row0) = (U16Ptr(call.x.as_mut_ptr()), &call.row0);
     let xtasks = &call.xtasks;
     pool.run(xtasks.len(), &|t, _| {
         let (e, r0, r1) = xtasks[t];
         let toks = jobs[e].tokens;
         // SAFETY: rows r0..r1 of job e (and its padding rows, for the task ending at its last
-        // row) are written by this task alone.
-        let dst = unsafe { std::slice::from_raw_parts_mut(xs[e].0.ptr(), xs[e].1) };
+        // row) are written by this task alone; the job's rows lie inside x.
+        let dst =
+            unsafe { std::slice::from_raw_parts_mut(xp.ptr().add(row0[e] * hidden), padded(toks.len()) * hidden) };
         for (i, &(tok, _)) in toks.iter().enumerate().take(r1).skip(r0) {
             convert_row(&x[tok * hidden..(tok + 1) * hidden], i, hidden, dst);
         }
@@ -467,74 +482,75 @@ pub(crate) fn run_experts(
     });
     lap(&mut clock, 0);
     let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
-    let mids: Vec<U16Ptr> = call.mid.iter_mut().map(|v| U16Ptr(v.as_mut_ptr())).collect();
-    let yps: Vec<OutPtr> = call.y.iter_mut().map(|v| OutPtr(v.as_mut_ptr())).collect();
+    let (mids, yp) = (U16Ptr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
     // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
     size_tasks(&mut call.tasks, &mtiles, pairs, workers);
-    let (tasks, xa) = (&call.tasks, &call.x);
+    let (tasks, xa, row0) = (&call.tasks, &call.x, &call.row0);
     let ks2 = inter / TILE_K;
-    pool.run(tasks.len(), &|t, ctx| {
+    pool.run(tasks.len(), &|t, _| {
         let (e, p0, p1, _) = tasks[t];
         let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
-        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
-        let s = &mut *s;
-        let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
-        s.c.resize(mp * cols13, 0.0);
-        // SAFETY: c holds pad(m) rows of cols13; xa[e] is pad(m)·hidden, tiled, zero padding.
-        unsafe {
-            matmul_blocks(
-                tiles,
-                jobs[e].weights.w13,
-                l13,
-                2 * p0,
-                2 * p1,
-                &xa[e],
-                m,
-                s.c.as_mut_ptr(),
-                cols13,
-                &mut s.panel,
-            )
-        };
-        s.act.resize(m * cols, 0.0);
-        silu_mul_w13(&s.c[..m * cols13], m, &mut s.act);
-        for i in 0..mp {
-            for c in (0..cols).step_by(ROW_BLOCK) {
-                let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
-                // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows (16
-                // consecutive tiled elements per 16-aligned column run).
-                let dst = unsafe { std::slice::from_raw_parts_mut(mids[e].ptr().add(at), ROW_BLOCK) };
-                if i < m {
-                    to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
-                } else {
-                    dst.fill(0);
+        SCRATCH.with_borrow_mut(|s| {
+            let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
+            s.c.resize(mp * cols13, 0.0);
+            // SAFETY: c holds pad(m) rows of cols13; xa[e] is pad(m)·hidden, tiled, zero padding.
+            unsafe {
+                matmul_blocks(
+                    tiles,
+                    jobs[e].weights.w13,
+                    l13,
+                    2 * p0,
+                    2 * p1,
+                    &xa[row0[e] * hidden..row0[e + 1] * hidden],
+                    m,
+                    s.c.as_mut_ptr(),
+                    cols13,
+                    &mut s.panel,
+                )
+            };
+            s.act.resize(m * cols, 0.0);
+            silu_mul_w13(&s.c[..m * cols13], m, &mut s.act);
+            for i in 0..mp {
+                for c in (0..cols).step_by(ROW_BLOCK) {
+                    let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
+                    // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows (16
+                    // consecutive tiled elements per 16-aligned column run).
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(mids.ptr().add(row0[e] * inter + at), ROW_BLOCK) };
+                    if i < m {
+                        to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
+                    } else {
+                        dst.fill(0);
+                    }
                 }
             }
-        }
+        })
     });
     lap(&mut clock, 1);
     // w2: row blocks b0..b1 of expert e into y[e].
     size_tasks(&mut call.tasks, &mtiles, nb2, workers);
-    let (tasks, mid) = (&call.tasks, &call.mid);
-    pool.run(tasks.len(), &|t, ctx| {
+    let (tasks, mid, row0) = (&call.tasks, &call.mid, &call.row0);
+    pool.run(tasks.len(), &|t, _| {
         let (e, b0, b1, _) = tasks[t];
         let m = jobs[e].tokens.len();
-        let mut s = st.workers[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: y[e] holds pad(m) rows of `ys`; this task alone writes its columns
-        // [16·b0, 16·b1); mid[e] is complete (previous dispatch) with zero padding rows.
-        unsafe {
-            matmul_blocks(
-                tiles,
-                jobs[e].weights.w2,
-                l2,
-                b0,
-                b1,
-                &mid[e],
-                m,
-                yps[e].ptr().add(b0 * ROW_BLOCK),
-                ys,
-                &mut s.panel,
-            )
-        };
+        SCRATCH.with_borrow_mut(|s| {
+            // SAFETY: y[e] holds pad(m) rows of `ys`; this task alone writes its columns
+            // [16·b0, 16·b1); mid[e] is complete (previous dispatch) with zero padding rows.
+            unsafe {
+                matmul_blocks(
+                    tiles,
+                    jobs[e].weights.w2,
+                    l2,
+                    b0,
+                    b1,
+                    &mid[row0[e] * inter..row0[e + 1] * inter],
+                    m,
+                    yp.ptr().add(row0[e] * ys + b0 * ROW_BLOCK),
+                    ys,
+                    &mut s.panel,
+                )
+            };
+        })
     });
     lap(&mut clock, 2);
     // Weighted sum per token, jobs in order.
@@ -556,7 +572,7 @@ pub(crate) fn run_experts(
             fill[tok] += 1;
         }
     }
-    let (starts, entries, y) = (&call.tok_start, &call.tok_entries, &call.y);
+    let (starts, entries, y, row0) = (&call.tok_start, &call.tok_entries, &call.y, &call.row0);
     let out_p = OutPtr(out.as_mut_ptr());
     let (ns, sper) = conversion_tasks(workers, rows);
     pool.run(ns, &|t, _| {
@@ -566,7 +582,7 @@ pub(crate) fn run_experts(
             for &(e, r) in &entries[starts[tok]..starts[tok + 1]] {
                 let (e, r) = (e as usize, r as usize);
                 let w = jobs[e].tokens[r].1;
-                for (ov, &v) in o.iter_mut().zip(&y[e][r * ys..r * ys + hidden]) {
+                for (ov, &v) in o.iter_mut().zip(&y[(row0[e] + r) * ys..(row0[e] + r) * ys + hidden]) {
                     *ov += w * v;
                 }
             }

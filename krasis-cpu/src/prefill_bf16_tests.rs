@@ -48,14 +48,13 @@ proptest! {
         let (gs, bits) = (32, if int4 { Bits::Int4 } else { Bits::Int8 });
         let k = kg * 64;
         let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
-        let st = Bf16State::new(&pool);
         let x = data(m * k, seed);
         let qs: Vec<_> = rows.iter().enumerate().map(|(j, &n)| quantize(&data(n * k, seed + 1 + j as u64), n, k, bits, gs)).collect();
         let packed: Vec<(Vec<u8>, PackedLayout)> = qs.iter().map(|q| (pack(q), PackedLayout::of(q))).collect();
         let mats: Vec<(&[u8], &PackedLayout)> = packed.iter().map(|(w, l)| (w.as_slice(), l)).collect();
         let mut ys: Vec<Vec<f32>> = rows.iter().map(|&n| vec![f32::NAN; m * n]).collect();
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
-        run_many(Bf16Tiles::Emulated, &st, &pool, &mats, &x, m, &mut outs);
+        run_many(Bf16Tiles::Emulated, &pool, &mats, &x, m, &mut outs);
         for (j, q) in qs.iter().enumerate() {
             let (want, mag) = reference(&dequantize(q), &x, m, k);
             for (i, (&g, (&w, &a))) in ys[j].iter().zip(want.iter().zip(&mag)).enumerate() {
@@ -74,7 +73,6 @@ proptest! {
         let (h, inter, gs) = (64usize, 96usize, 32);
         let bits = if int4 { Bits::Int4 } else { Bits::Int8 };
         let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
-        let st = Bf16State::new(&pool);
         let x = data(tokens * h, seed);
         struct E { w13: Vec<u8>, w2: Vec<u8>, l13: PackedLayout, l2: PackedLayout, f: [Vec<f32>; 3], toks: Vec<(usize, f32)> }
         let experts: Vec<E> = loads.iter().enumerate().map(|(e, &load)| {
@@ -93,7 +91,7 @@ proptest! {
         }).collect();
         let start = data(tokens * h, seed ^ 9);
         let mut out = start.clone();
-        run_experts(Bf16Tiles::Emulated, &st, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, &mut out);
+        run_experts(Bf16Tiles::Emulated, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, &mut out);
         let mut want: Vec<f64> = start.iter().map(|&v| v as f64).collect();
         for e in &experts {
             let rows: Vec<f32> = e.toks.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec()).collect();
@@ -174,13 +172,12 @@ fn bf16_rates() {
         }
     }
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None)).unwrap();
-    let st = Bf16State::new(&pool);
     let q = quantize(&data(2 * 2816 * h, 7), 2 * 2816, h, Bits::Int8, 128);
     let (w, l) = (pack(&q), PackedLayout::of(&q));
     for m in [128usize, 512] {
         let x = data(m * h, 9);
         let mut y = vec![0f32; m * l.rows];
-        let s = best(&mut || run_many(Bf16Tiles::Hardware, &st, &pool, &[(&w, &l)], &x, m, &mut [&mut y]));
+        let s = best(&mut || run_many(Bf16Tiles::Hardware, &pool, &[(&w, &l)], &x, m, &mut [&mut y]));
         eprintln!(
             "run_many INT8 {m}×{h}×{} on {} workers: {:.2} ms, {:.0} GMAC/s",
             l.rows,
@@ -210,9 +207,8 @@ fn bf16_rates() {
         let x = data(t * h, 11);
         let mut out = vec![0f32; t * h];
         let before = expert_phase_ns();
-        let s = best(&mut || {
-            run_experts(Bf16Tiles::Hardware, &st, &pool, &experts[0].1, &experts[0].3, &x, h, &jobs, &mut out)
-        });
+        let s =
+            best(&mut || run_experts(Bf16Tiles::Hardware, &pool, &experts[0].1, &experts[0].3, &x, h, &jobs, &mut out));
         let ph: Vec<String> =
             expert_phase_ns().iter().zip(before).map(|(a, b)| format!("{:.2}", (a - b) as f64 / 6e6)).collect();
         eprintln!("  per call (mean of 6), ms: convert, w13, w2, sum = {}", ph.join(", "));

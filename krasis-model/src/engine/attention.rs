@@ -254,6 +254,7 @@ impl AttentionLayer for MlaAttention {
     }
 
     fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
+        let mut clock = std::time::Instant::now();
         let MlaDims { heads: h, nope, rope: rd, latent: lat, .. } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let qk = nope + rd;
@@ -270,6 +271,7 @@ impl AttentionLayer for MlaAttention {
             }
             None => forward_shared_input(&[self.w.q_b.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut q, &mut kva]),
         }
+        mla_lap(&mut clock, 0);
         for (i, r) in kva.chunks_exact_mut(row).enumerate() {
             rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
@@ -277,9 +279,26 @@ impl AttentionLayer for MlaAttention {
         for (idx, qh) in q.chunks_exact_mut(qk).enumerate() {
             rope.rotate(idx / h, &mut qh[nope..]);
         }
+        mla_lap(&mut clock, 1);
         let o = self.attend(&q, &kva, seqs);
+        mla_lap(&mut clock, 2);
         self.w.o.forward(&o, t, out);
+        mla_lap(&mut clock, 3);
     }
+}
+
+/// Nanoseconds spent so far in MLA layers' forward, by stage: projections, norm and RoPE,
+/// attention (cache append included), output projection (for benches).
+pub fn mla_phase_ns() -> [u64; 4] {
+    std::array::from_fn(|i| MLA_NS[i].load(std::sync::atomic::Ordering::Relaxed))
+}
+
+static MLA_NS: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+
+fn mla_lap(t: &mut std::time::Instant, i: usize) {
+    let now = std::time::Instant::now();
+    MLA_NS[i].fetch_add((now - *t).as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    *t = now;
 }
 
 pub struct GqaAttention {

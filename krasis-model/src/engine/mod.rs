@@ -12,7 +12,7 @@ mod prefill_tests;
 use std::path::Path;
 use std::sync::Arc;
 
-use krasis_cpu::norm::rms_norm_rows;
+use krasis_cpu::norm::{add_assign_par, rms_norm_rows_par};
 
 use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::PackedLayout;
@@ -545,7 +545,7 @@ impl Model {
                 f(l, &x);
             }
             xn.copy_from_slice(&x);
-            rms_norm_rows(&mut xn, &layer.input_norm, eps);
+            rms_norm_rows_par(&mut xn, &layer.input_norm, eps);
             let mut kvs: Vec<SeqKv<'_>> =
                 seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect();
             let attention_started = std::time::Instant::now();
@@ -553,20 +553,16 @@ impl Model {
             self.stats
                 .attention_ns
                 .fetch_add(attention_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-            for (a, b) in x.iter_mut().zip(&y) {
-                *a += b;
-            }
+            add_assign_par(&mut x, &y);
             xn.copy_from_slice(&x);
-            rms_norm_rows(&mut xn, &layer.post_norm, eps);
+            rms_norm_rows_par(&mut xn, &layer.post_norm, eps);
             match &layer.ffn {
                 Ffn::Dense(mlp) => mlp.forward(&xn, t, &mut y),
                 Ffn::Moe(block) => block.forward(&self.stats, &xn, t, h, &mut y),
             }
-            for (a, b) in x.iter_mut().zip(&y) {
-                *a += b;
-            }
+            add_assign_par(&mut x, &y);
         }
-        rms_norm_rows(&mut x, &self.final_norm, eps);
+        rms_norm_rows_par(&mut x, &self.final_norm, eps);
         if let Some(f) = observe.as_mut() {
             f(self.layers.len(), &x);
         }
