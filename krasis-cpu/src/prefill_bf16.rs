@@ -121,13 +121,13 @@ pub fn calls() -> usize {
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// Nanoseconds spent so far in each dispatch of [`run_experts`]: conversion, w13, w2, sum (for
-/// benches).
-pub fn expert_phase_ns() -> [u64; 4] {
+/// Nanoseconds spent so far in each dispatch of [`run_experts`] (conversion, w13, w2, sum), and
+/// summed over workers in every BF16 matmul's panel dequantisation and its tiles (for benches).
+pub fn expert_phase_ns() -> [u64; 6] {
     std::array::from_fn(|i| PHASE_NS[i].load(Ordering::Relaxed))
 }
 
-static PHASE_NS: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
+static PHASE_NS: [std::sync::atomic::AtomicU64; 6] = [const { std::sync::atomic::AtomicU64::new(0) }; 6];
 
 /// Adds the time since `*t` to phase `i` and restarts `*t`.
 fn lap(t: &mut std::time::Instant, i: usize) {
@@ -199,6 +199,14 @@ thread_local! {
 /// holds one set (at 512 tokens of V2-Lite about 50 MB; it grows with the longest prompt).
 static CALL: Mutex<CallBufs> = Mutex::new(CallBufs::new());
 
+/// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
+/// different sizes, and re-growing would zero the difference again each time).
+fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
 /// Rows padded to whole tiles.
 fn padded(m: usize) -> usize {
     m.div_ceil(16) * 16
@@ -251,7 +259,8 @@ unsafe fn matmul_blocks(
     let mut b = b0;
     while b < b1 {
         let nb = (b1 - b).min(per);
-        panel.resize(nb * pl, 0);
+        grow(panel, nb * pl);
+        let mut clock = std::time::Instant::now();
         for i in 0..nb {
             block_panel(w, l, b + i, &mut panel[i * pl..(i + 1) * pl]);
         }
@@ -260,6 +269,7 @@ unsafe fn matmul_blocks(
         if !next.is_empty() {
             crate::quant::prefetch_l2(&w[l.block_range(next.start).start..l.block_range(next.end - 1).end]);
         }
+        lap(&mut clock, 4);
         let o = out.add((b - b0) * ROW_BLOCK);
         #[cfg(target_arch = "x86_64")]
         match tiles {
@@ -289,6 +299,7 @@ unsafe fn matmul_blocks(
             let _ = (tiles, o, os, mtiles);
             unreachable!("BF16 tiles exist on x86_64 only");
         }
+        lap(&mut clock, 5);
         b += nb;
     }
 }
@@ -347,8 +358,8 @@ pub(crate) fn run_many(
     let k = mats[0].1.k;
     let mp = padded(m);
     let mut call = CALL.lock().unwrap_or_else(|e| e.into_inner());
-    let xbuf = &mut call.x;
-    xbuf.resize(mp * k, 0);
+    grow(&mut call.x, mp * k);
+    let xbuf = &mut call.x[..mp * k];
     zero_padding(m, k, xbuf);
     let xb = U16Ptr(xbuf.as_mut_ptr());
     let xlen = xbuf.len();
@@ -387,7 +398,7 @@ pub(crate) fn run_many(
                 // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
                 let a = unsafe { std::slice::from_raw_parts(xb.ptr(), xlen) };
                 let cols = (b1 - b0) * ROW_BLOCK;
-                s.c.resize(mp * cols, 0.0);
+                grow(&mut s.c, mp * cols);
                 // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
                 unsafe { matmul_blocks(tiles, w, l, b0, b1, a, m, s.c.as_mut_ptr(), cols, &mut s.panel) };
                 let keep = cols.min(rows - b0 * ROW_BLOCK);
@@ -461,9 +472,9 @@ pub(crate) fn run_experts(
         call.row0.push(call.row0[e] + padded(job.tokens.len()));
     }
     let total_rows = call.row0[n];
-    call.x.resize(total_rows * hidden, 0);
-    call.mid.resize(total_rows * inter, 0);
-    call.y.resize(total_rows * ys, 0.0);
+    grow(&mut call.x, total_rows * hidden);
+    grow(&mut call.mid, total_rows * inter);
+    grow(&mut call.y, total_rows * ys);
     let (xp, row0) = (U16Ptr(call.x.as_mut_ptr()), &call.row0);
     let xtasks = &call.xtasks;
     pool.run(xtasks.len(), &|t, _| {
@@ -492,7 +503,7 @@ pub(crate) fn run_experts(
         let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
         SCRATCH.with_borrow_mut(|s| {
             let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
-            s.c.resize(mp * cols13, 0.0);
+            grow(&mut s.c, mp * cols13);
             // SAFETY: c holds pad(m) rows of cols13; xa[e] is pad(m)·hidden, tiled, zero padding.
             unsafe {
                 matmul_blocks(
@@ -508,8 +519,8 @@ pub(crate) fn run_experts(
                     &mut s.panel,
                 )
             };
-            s.act.resize(m * cols, 0.0);
-            silu_mul_w13(&s.c[..m * cols13], m, &mut s.act);
+            grow(&mut s.act, m * cols);
+            silu_mul_w13(&s.c[..m * cols13], m, &mut s.act[..m * cols]);
             for i in 0..mp {
                 for c in (0..cols).step_by(ROW_BLOCK) {
                     let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
