@@ -66,8 +66,14 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
     assert_eq!(y.len(), m * n, "linear: y is {} floats, expected {m}×{n}", y.len());
     let isa = isa::active();
     let out = OutPtr(y.as_mut_ptr());
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    crate::par::for_each(tasks, &|t| {
+    let blocks = n.div_ceil(ROWS_PER_TASK);
+    // A narrow matrix (a router: 64 rows = 8 blocks) over many tokens also splits the tokens, so
+    // every thread gets work; each output is the same dot either way.
+    let threads = crate::par::threads();
+    let parts = if blocks < threads && m > 1 { (2 * threads).div_ceil(blocks).min(m) } else { 1 };
+    let per = m.div_ceil(parts);
+    crate::par::for_each(blocks * parts, &|t| {
+        let (t, part) = (t / parts, t % parts);
         ROW_BUF.with_borrow_mut(|buf| {
             if buf.len() < ROWS_PER_TASK * k {
                 buf.resize(ROWS_PER_TASK * k, 0.0);
@@ -77,12 +83,12 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
             for r in r0..r1 {
                 w.row_into(r, k, &mut buf[(r - r0) * k..(r - r0 + 1) * k]);
             }
-            for i in 0..m {
+            for i in part * per..((part + 1) * per).min(m) {
                 let xi = &x[i * k..(i + 1) * k];
                 for r in r0..r1 {
                     let d = dot(isa, xi, &buf[(r - r0) * k..(r - r0 + 1) * k]);
-                    // SAFETY: (i, r) is in bounds (asserted above) and column r belongs to this
-                    // task alone.
+                    // SAFETY: (i, r) is in bounds (asserted above) and belongs to this task alone
+                    // (its column block and token part).
                     unsafe { out.write(i * n + r, d) };
                 }
             }

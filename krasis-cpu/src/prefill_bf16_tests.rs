@@ -171,6 +171,56 @@ fn bf16_rates() {
             );
         }
     }
+    // The same tile kernel on private, L2-resident operands in 1..16 threads at once: does the
+    // per-core rate hold when every core runs tiles (clock or power limits), or not?
+    {
+        let q = quantize(&data(8 * 16 * h, 3), 8 * 16, h, Bits::Int4, 128);
+        let (w, l) = (pack(&q), PackedLayout::of(&q));
+        let mut panel = vec![0u16; 8 * panel_len(&l)];
+        for b in 0..8 {
+            block_panel(&w, &l, b, &mut panel[b * panel_len(&l)..(b + 1) * panel_len(&l)]);
+        }
+        let m = 128usize;
+        let a: Vec<u16> = data(m * h, 5).iter().map(|&v| crate::quant::bf16::bf16_bits(v)).collect();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        for n in [1usize, 4, 8, cores] {
+            let rates: Vec<f64> = std::thread::scope(|sc| {
+                let hs: Vec<_> = (0..n)
+                    .map(|_| {
+                        let (panel, a) = (panel.clone(), a.clone());
+                        sc.spawn(move || {
+                            let _ = crate::quant::amx::detect::support();
+                            let mut c = vec![0f32; m * 128];
+                            let mut run = || unsafe {
+                                crate::quant::amx::bf16::matmul(
+                                    &mut crate::quant::amx::HwTiles,
+                                    panel.as_ptr(),
+                                    8,
+                                    h,
+                                    a.as_ptr(),
+                                    m / 16,
+                                    c.as_mut_ptr(),
+                                    128,
+                                )
+                            };
+                            run();
+                            let t = Instant::now();
+                            for _ in 0..200 {
+                                run();
+                            }
+                            200.0 * (m * 128 * h) as f64 / t.elapsed().as_secs_f64() / 1e9
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let mean = rates.iter().sum::<f64>() / n as f64;
+            eprintln!(
+                "tiles on private ready panels, {n:2} threads at once: {mean:.0} GMAC/s per thread, {:.0} in all",
+                mean * n as f64
+            );
+        }
+    }
     let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None)).unwrap();
     let q = quantize(&data(2 * 2816 * h, 7), 2 * 2816, h, Bits::Int8, 128);
     let (w, l) = (pack(&q), PackedLayout::of(&q));

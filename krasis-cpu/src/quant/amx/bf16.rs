@@ -93,13 +93,16 @@ impl Pass {
         }
         let (block, ks) = (self.k * 16, self.k / TILE_K);
         const TILE: usize = TILE_ROWS * TILE_K;
+        // 16 k-pair rows of 64 bytes: step st's 32 k of row block b + bi; and activation tile
+        // r + ai's 16 rows × 32 k.
+        let bt = |bi: usize, st: usize| self.panel.add((b + bi) * block + st * TILE) as *const u8;
+        let at = |ai: usize, st: usize| self.x.add(((r + ai) * ks + st) * TILE) as *const u8;
         for st in 0..ks {
             for bi in 0..NB {
-                // 16 k-pair rows of 64 bytes: this step's 32 k of row block b + bi.
-                t.load(TILE_B + bi, self.panel.add((b + bi) * block + st * TILE) as *const u8, 64);
+                t.load(TILE_B + bi, bt(bi, st), 64);
             }
             for ai in 0..NA {
-                t.load(TILE_A + ai, self.x.add(((r + ai) * ks + st) * TILE) as *const u8, 64);
+                t.load(TILE_A + ai, at(ai, st), 64);
             }
             for ai in 0..NA {
                 for bi in 0..NB {
