@@ -889,7 +889,8 @@ impl PoolExperts {
                 );
             }
         }
-        if let Some(tiles) = prefill_bf16::applies(isa, x.len() / hidden, hidden).filter(|_| inter % 32 == 0) {
+        let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
+        if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| inter % 32 == 0) {
             drop(guard);
             return prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, jobs, out);
         }

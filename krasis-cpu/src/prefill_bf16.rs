@@ -34,10 +34,13 @@ use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
 use crate::quant::bf16::{block_panel, panel_len, to_bf16};
 use crate::quant::silu_mul_w13;
 
-/// Smallest number of tokens in a call that takes the BF16 tiles. Decode and short calls stay on
-/// the INT8 kernels, which are bandwidth-bound there (a first guess between the INT8 tiles'
-/// crossover of 16 rows = 8 tokens and the prefill sizes; `KRASIS_BF16_MIN_TOKENS` overrides).
-pub const BF16_MIN_TOKENS: usize = 16;
+/// Smallest number of tokens per matrix (a dense call's tokens; an expert call's mean tokens per
+/// expert) that takes the BF16 tiles: each call dequantises every weight it reads once, which
+/// only many rows pay back. Measured on the GPU box's Xeon (`bf16_rates`, one thread, V2-Lite
+/// shapes with the dequantisation): 52–68 GMAC/s at 16 rows, 131–142 at 48, against the INT8
+/// tiles' ~90–95 per token (two rows each) at 16–48 tokens; a 16-token prefill on the BF16 tiles
+/// ran at 85 tok/s, its experts seeing ~1.5 tokens each. `KRASIS_BF16_MIN_TOKENS` overrides.
+pub const BF16_MIN_TOKENS: usize = 32;
 
 /// Bytes of dequantised panel a task builds before running the tiles over it: with a row chunk
 /// of activations (512 KiB at K = 2048) it stays in the 2 MiB L2 of a Sapphire Rapids core.
@@ -104,8 +107,8 @@ pub fn min_tokens() -> usize {
     })
 }
 
-/// The tiles a call of `tokens` rows with ISA `isa` over K = `k` runs on, or `None` for the INT8
-/// kernels. The hardware tiles need the caller's ISA to be AVX-512 (a test naming a lower ISA
+/// The tiles a call of `tokens` rows per matrix (for experts, the mean per expert) with ISA
+/// `isa` over K = `k` runs on, or `None` for the INT8 kernels. The hardware tiles need the caller's ISA to be AVX-512 (a test naming a lower ISA
 /// gets that ISA's kernel).
 pub fn applies(isa: Isa, tokens: usize, k: usize) -> Option<Bf16Tiles> {
     let t = tiles()?;

@@ -1,6 +1,6 @@
 //! `quant_fidelity`'s checks with the prefill matmuls on the BF16 tiles
 //! (`krasis_cpu::prefill_bf16`): emulated, so they run on any CPU (the GPU box's hardware tiles
-//! take that path in `quant_fidelity` itself, prompts being ≥ its 16-token threshold). Fails if
+//! take that path in `quant_fidelity` itself with `KRASIS_BF16_MIN_TOKENS=1`). Fails if
 //! the BF16 path did not run.
 
 mod fidelity_checks;
