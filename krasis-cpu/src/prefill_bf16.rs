@@ -202,6 +202,20 @@ thread_local! {
 /// holds one set (at 512 tokens of V2-Lite about 50 MB; it grows with the longest prompt).
 static CALL: Mutex<CallBufs> = Mutex::new(CallBufs::new());
 
+/// Bytes of call buffers [`trim`] keeps by default: a 512-token V2-Lite prefill's (~50 MB), so
+/// repeated prompts of that size fault no pages again; a longer prompt's are handed back.
+pub const KEEP_BYTES: usize = 64 << 20;
+
+/// Frees the call buffers when they hold more than `keep` bytes: for the engine to call after a
+/// forward pass (the layers of one pass reuse them; a long prompt's would otherwise stay resident).
+pub fn trim(keep: usize) {
+    let mut call = CALL.lock().unwrap_or_else(|e| e.into_inner());
+    let held = call.x.capacity() * 2 + call.mid.capacity() * 2 + call.y.capacity() * 4;
+    if held > keep {
+        *call = CallBufs::new();
+    }
+}
+
 /// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
 /// different sizes, and re-growing would zero the difference again each time).
 fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {

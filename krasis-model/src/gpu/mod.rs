@@ -204,6 +204,8 @@ impl GpuModel {
         let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv) };
         let rows = if all { t } else { 1 };
         self.forward(&mut io, host, t, pos, rows, tail)?;
+        // The CPU experts' prefill buffers of a long prompt go back (see `prefill_bf16::trim`).
+        krasis_cpu::prefill_bf16::trim(krasis_cpu::prefill_bf16::KEEP_BYTES);
         s.position += t;
         Ok(rows)
     }
