@@ -8,7 +8,7 @@
 //! doubles the integer work and stores the AMX accumulators once per group. Here each row
 //! block's weights are dequantised once per task into a BF16 panel with the group scales folded
 //! in ([`crate::quant::bf16`]), the activations are rounded to BF16 once per call, and the
-//! tiles accumulate f32 over all of K ([`crate::quant::amx::bf16`]). The result differs from the
+//! tiles accumulate f32 over all of K (`quant::amx::bf16`). The result differs from the
 //! INT8 path's by BF16 rounding of weights and activations (well inside the quantised-fidelity
 //! bounds; checked on the oracle fixtures with the emulated tiles in CI and the hardware tiles
 //! on the GPU box).
@@ -124,7 +124,7 @@ pub fn calls() -> usize {
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// Nanoseconds spent so far in each dispatch of [`run_experts`] (conversion, w13, w2, sum), and
+/// Nanoseconds spent so far in each dispatch of `run_experts` (conversion, w13, w2, sum), and
 /// summed over workers in every BF16 matmul's panel dequantisation and its tiles (for benches).
 pub fn expert_phase_ns() -> [u64; 6] {
     std::array::from_fn(|i| PHASE_NS[i].load(Ordering::Relaxed))

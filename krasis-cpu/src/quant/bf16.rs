@@ -1,4 +1,4 @@
-//! BF16 operands of the AMX-BF16 prefill kernel ([`super::amx::bf16`]): packed INT4/INT8 row
+//! BF16 operands of the AMX-BF16 prefill kernel (`quant::amx::bf16`): packed INT4/INT8 row
 //! blocks dequantised into B-tile panels, and f32 activation rows rounded to BF16.
 //!
 //! **Panel layout.** One row block (16 weight rows) over all of K is `K / 2` B-tile rows of 64
