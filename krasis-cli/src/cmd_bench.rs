@@ -491,6 +491,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 prefill_s - pp.total
             );
             let (mla, ex) = (krasis_cpu::mla_prefill::phase_ns(), krasis_cpu::prefill_bf16::expert_phase_ns());
+            let o = krasis_model::engine::other_phase_ns();
+            if o.iter().any(|&v| v > 0) {
+                let s = |v: u64| v as f64 / 1e9;
+                println!(
+                    "other (whole run): norms and copies {:.3} s, residual adds {:.3} s, routers {:.3} s, routing {:.3} s, dense-layer MLPs {:.3} s",
+                    s(o[0]), s(o[1]), s(o[2]), s(o[3]), s(o[4])
+                );
+            }
             let layer = krasis_model::engine::attention::mla_phase_ns();
             if layer.iter().any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;

@@ -28,6 +28,21 @@ pub fn rms_norm_rows_par(x: &mut [f32], weight: &[f32], eps: f32) {
     crate::par::for_each_chunk_mut(x, PAR_ROWS * dim, &|_, rows| rms_norm_rows(rows, weight, eps));
 }
 
+/// `dst = src` then [`rms_norm_rows_par`] on it, the copy done inside the same tasks.
+pub fn rms_norm_rows_into_par(src: &[f32], dst: &mut [f32], weight: &[f32], eps: f32) {
+    assert_eq!(src.len(), dst.len(), "rms_norm_rows_into_par: lengths differ");
+    let dim = weight.len();
+    if dst.len() < 2 * PAR_ROWS * dim.max(1) {
+        dst.copy_from_slice(src);
+        return rms_norm_rows(dst, weight, eps);
+    }
+    let chunk = PAR_ROWS * dim;
+    crate::par::for_each_chunk_mut(dst, chunk, &|i, rows| {
+        rows.copy_from_slice(&src[i * chunk..i * chunk + rows.len()]);
+        rms_norm_rows(rows, weight, eps);
+    });
+}
+
 /// `x += y` elementwise over the pool for long vectors (as [`rms_norm_rows_par`]).
 pub fn add_assign_par(x: &mut [f32], y: &[f32]) {
     assert_eq!(x.len(), y.len(), "add_assign_par: lengths differ");
@@ -54,6 +69,9 @@ mod tests {
         rms_norm_rows(&mut a, &w, 1e-6);
         rms_norm_rows_par(&mut b, &w, 1e-6);
         assert_eq!(a, b);
+        let mut c = vec![0f32; x.len()];
+        rms_norm_rows_into_par(&x, &mut c, &w, 1e-6);
+        assert_eq!(a, c);
         let y: Vec<f32> = (0..300_000).map(|i| (i % 13) as f32).collect();
         let (mut a, mut b) = (vec![1.5f32; y.len()], vec![1.5f32; y.len()]);
         a.iter_mut().zip(&y).for_each(|(p, q)| *p += q);

@@ -57,10 +57,53 @@ pub fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: &(dyn Fn(usi
     });
 }
 
+/// A task over one piece of each of two slices (see [`for_each_chunk_pair_mut`]).
+pub type PairTask<'a, A, B> = dyn Fn(usize, &mut [A], &mut [B]) + Sync + 'a;
+
+/// `f(i, a_i, b_i)` for the `ca`-sized pieces of `a` and the `cb`-sized pieces of `b` (the same
+/// number of pieces; the last of each may be shorter), in parallel.
+pub fn for_each_chunk_pair_mut<A: Send, B: Send>(
+    a: &mut [A],
+    ca: usize,
+    b: &mut [B],
+    cb: usize,
+    f: &PairTask<'_, A, B>,
+) {
+    assert!(ca > 0 && cb > 0, "for_each_chunk_pair_mut: chunk size 0");
+    let n = a.len().div_ceil(ca);
+    assert_eq!(n, b.len().div_ceil(cb), "for_each_chunk_pair_mut: the slices split into different piece counts");
+    let (la, lb) = (a.len(), b.len());
+    let (pa, pb) = (ChunkPtr(a.as_mut_ptr()), ChunkPtr(b.as_mut_ptr()));
+    for_each(n, &|i| {
+        let (a0, b0) = (i * ca, i * cb);
+        // SAFETY: pieces are disjoint for distinct i and inside the slices, borrowed mutably for
+        // the whole call; `for_each` returns only when every task is done.
+        let (x, y) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(pa.get().add(a0), (a0 + ca).min(la) - a0),
+                std::slice::from_raw_parts_mut(pb.get().add(b0), (b0 + cb).min(lb) - b0),
+            )
+        };
+        f(i, x, y);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::pool::PoolPlan;
+
+    #[test]
+    fn pair_chunks_line_up() {
+        let (mut a, mut b) = (vec![0usize; 37], vec![0usize; 74]);
+        for_each_chunk_pair_mut(&mut a, 4, &mut b, 8, &|i, x, y| {
+            assert_eq!(y.len(), 2 * x.len());
+            x.iter_mut().for_each(|v| *v = i);
+            y.iter_mut().for_each(|v| *v = i);
+        });
+        assert!(a.iter().enumerate().all(|(j, &v)| v == j / 4));
+        assert!(b.iter().enumerate().all(|(j, &v)| v == j / 8));
+    }
 
     #[test]
     fn chunks_cover_everything_once_with_and_without_a_pool() {

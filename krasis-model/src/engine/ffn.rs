@@ -69,15 +69,14 @@ pub struct MoeBlock {
 
 impl MoeBlock {
     pub fn forward(&self, stats: &super::ForwardStats, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
+        let mut clock = std::time::Instant::now();
         let e = self.router.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.forward(x, t, &mut logits);
-        let mut routes = Routes::with_capacity(t, self.rule.top_k);
-        for row in logits.chunks_exact(e) {
-            let (ids, w) = route(&self.rule, row, self.bias.as_deref());
-            routes.push(&ids, &w);
-        }
+        super::other_lap(&mut clock, 2);
+        let routes = self.route_rows(&logits, t, e);
         out.fill(0.0);
+        super::other_lap(&mut clock, 3);
         let started = std::time::Instant::now();
         self.experts.run(x, t, &routes, out);
         stats.add_expert(started.elapsed());
@@ -86,6 +85,39 @@ impl MoeBlock {
             shared.forward_add(x, t, hidden, out);
             stats.add_shared(started.elapsed());
         }
+    }
+}
+
+/// Tokens per task of the parallel routing (each token's top-k is a few µs of scalar work).
+const ROUTE_TOKENS_PER_TASK: usize = 16;
+
+impl MoeBlock {
+    /// Each token's top-k of its `e` router logits, over the pool for many tokens (the same
+    /// routes as one after another: every token alone).
+    fn route_rows(&self, logits: &[f32], t: usize, e: usize) -> Routes {
+        let k = self.rule.top_k;
+        let mut routes = Routes { k, ids: vec![0; t * k], weights: vec![0.0; t * k] };
+        let one = |row: &[f32], ids: &mut [usize], ws: &mut [f32]| {
+            let (i, w) = route(&self.rule, row, self.bias.as_deref());
+            ids.copy_from_slice(&i);
+            ws.copy_from_slice(&w);
+        };
+        if t < 2 * ROUTE_TOKENS_PER_TASK || k == 0 {
+            for ((row, ids), ws) in
+                logits.chunks_exact(e).zip(routes.ids.chunks_exact_mut(k)).zip(routes.weights.chunks_exact_mut(k))
+            {
+                one(row, ids, ws);
+            }
+            return routes;
+        }
+        let n = ROUTE_TOKENS_PER_TASK;
+        krasis_cpu::par::for_each_chunk_pair_mut(&mut routes.ids, n * k, &mut routes.weights, n * k, &|c, ids, ws| {
+            for r in 0..ids.len() / k {
+                let tok = c * n + r;
+                one(&logits[tok * e..(tok + 1) * e], &mut ids[r * k..(r + 1) * k], &mut ws[r * k..(r + 1) * k]);
+            }
+        });
+        routes
     }
 }
 
