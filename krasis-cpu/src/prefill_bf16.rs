@@ -79,7 +79,14 @@ pub fn tiles() -> Option<Bf16Tiles> {
                         "KRASIS_PREFILL_MATMUL={other:?} is not int8, bf16 or bf16-emulated; using the default"
                     );
                 }
-                hardware().then_some(Bf16Tiles::Hardware)
+                let hw = hardware();
+                if other == "bf16" && !hw {
+                    tracing::warn!(
+                        "KRASIS_PREFILL_MATMUL=bf16, but the AMX-BF16 tiles are not usable here (AMX and AMX-BF16 \
+                         with AVX-512 BF16 are needed, and KRASIS_ISA must allow amx); prefill stays on the INT8 kernels"
+                    );
+                }
+                hw.then_some(Bf16Tiles::Hardware)
             }
         }
     })
