@@ -15,6 +15,7 @@ pub mod moe;
 pub mod moe_trace;
 pub mod norm;
 pub mod par;
+pub mod phase_ns;
 pub mod pool;
 pub mod prefill_bf16;
 pub mod quant;

@@ -358,14 +358,10 @@ pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Resul
 
 /// Nanoseconds spent so far expanding the latent cache and attending (for benches).
 pub fn phase_ns() -> [u64; 2] {
-    std::array::from_fn(|i| PHASE_NS[i].load(std::sync::atomic::Ordering::Relaxed))
+    PHASE_NS.get()
 }
 
-static PHASE_NS: [std::sync::atomic::AtomicU64; 2] = [const { std::sync::atomic::AtomicU64::new(0) }; 2];
-
-fn add_phase(i: usize, since: std::time::Instant) {
-    PHASE_NS[i].fetch_add(since.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-}
+static PHASE_NS: crate::phase_ns::PhaseNs<2> = crate::phase_ns::PhaseNs::new();
 
 /// [`mla_prefill_attention`] with tiles of `cap` rows (a multiple of [`BLOCK_K`]), inputs checked.
 fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
@@ -384,13 +380,12 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
         let mut start = 0;
         while start < keys {
             let rows = cap.min(keys - start);
-            let t0 = std::time::Instant::now();
+            let mut clock = std::time::Instant::now();
             expand_tile(isa, p, start, rows, cap, k, v);
-            add_phase(0, t0);
-            let t0 = std::time::Instant::now();
+            PHASE_NS.lap(&mut clock, 0);
             let tile = Tile { start, cap, k, v };
             attend_tile(isa, p, &tile, out, &mut state);
-            add_phase(1, t0);
+            PHASE_NS.lap(&mut clock, 1);
             start += cap;
         }
     });

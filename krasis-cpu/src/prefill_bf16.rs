@@ -29,6 +29,7 @@ use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 
 use crate::isa::Isa;
 use crate::moe::{wait_ready, ExpertJob, FailOnUnwind, OutPtr};
+use crate::phase_ns::PhaseNs;
 use crate::pool::WorkerPool;
 use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
 use crate::quant::bf16::{block_panel, panel_len, to_bf16};
@@ -134,17 +135,10 @@ static CALLS: AtomicUsize = AtomicUsize::new(0);
 /// Nanoseconds spent so far in each dispatch of `run_experts` (conversion, w13, w2, sum), and
 /// summed over workers in every BF16 matmul's panel dequantisation and its tiles (for benches).
 pub fn expert_phase_ns() -> [u64; 6] {
-    std::array::from_fn(|i| PHASE_NS[i].load(Ordering::Relaxed))
+    PHASE_NS.get()
 }
 
-static PHASE_NS: [std::sync::atomic::AtomicU64; 6] = [const { std::sync::atomic::AtomicU64::new(0) }; 6];
-
-/// Adds the time since `*t` to phase `i` and restarts `*t`.
-fn lap(t: &mut std::time::Instant, i: usize) {
-    let now = std::time::Instant::now();
-    PHASE_NS[i].fetch_add((now - *t).as_nanos() as u64, Ordering::Relaxed);
-    *t = now;
-}
+static PHASE_NS: PhaseNs<6> = PhaseNs::new();
 
 /// One line for the startup log.
 pub fn describe() -> String {
@@ -293,7 +287,7 @@ unsafe fn matmul_blocks(
         if !next.is_empty() {
             crate::quant::prefetch_l2(&w[l.block_range(next.start).start..l.block_range(next.end - 1).end]);
         }
-        lap(&mut clock, 4);
+        PHASE_NS.lap(&mut clock, 4);
         let o = out.add((b - b0) * ROW_BLOCK);
         #[cfg(target_arch = "x86_64")]
         match tiles {
@@ -323,7 +317,7 @@ unsafe fn matmul_blocks(
             let _ = (tiles, o, os, mtiles);
             unreachable!("BF16 tiles exist on x86_64 only");
         }
-        lap(&mut clock, 5);
+        PHASE_NS.lap(&mut clock, 5);
         b += nb;
     }
 }
@@ -515,7 +509,7 @@ pub(crate) fn run_experts(
             zero_padding(toks.len(), hidden, dst);
         }
     });
-    lap(&mut clock, 0);
+    PHASE_NS.lap(&mut clock, 0);
     let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
     let (mids, yp) = (U16Ptr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
     // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
@@ -561,7 +555,7 @@ pub(crate) fn run_experts(
             }
         })
     });
-    lap(&mut clock, 1);
+    PHASE_NS.lap(&mut clock, 1);
     // w2: row blocks b0..b1 of expert e into y[e].
     size_tasks(&mut call.tasks, &mtiles, nb2, workers);
     let (tasks, mid, row0) = (&call.tasks, &call.mid, &call.row0);
@@ -587,7 +581,7 @@ pub(crate) fn run_experts(
             };
         })
     });
-    lap(&mut clock, 2);
+    PHASE_NS.lap(&mut clock, 2);
     // Weighted sum per token, jobs in order.
     call.tok_start.clear();
     call.tok_start.resize(rows + 1, 0);
@@ -623,7 +617,7 @@ pub(crate) fn run_experts(
             }
         }
     });
-    lap(&mut clock, 3);
+    PHASE_NS.lap(&mut clock, 3);
 }
 
 #[cfg(test)]

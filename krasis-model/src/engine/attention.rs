@@ -271,7 +271,7 @@ impl AttentionLayer for MlaAttention {
             }
             None => forward_shared_input(&[self.w.q_b.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut q, &mut kva]),
         }
-        mla_lap(&mut clock, 0);
+        MLA_NS.lap(&mut clock, 0);
         for (i, r) in kva.chunks_exact_mut(row).enumerate() {
             rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
             rope.rotate(i, &mut r[lat..]);
@@ -279,27 +279,21 @@ impl AttentionLayer for MlaAttention {
         for (idx, qh) in q.chunks_exact_mut(qk).enumerate() {
             rope.rotate(idx / h, &mut qh[nope..]);
         }
-        mla_lap(&mut clock, 1);
+        MLA_NS.lap(&mut clock, 1);
         let o = self.attend(&q, &kva, seqs);
-        mla_lap(&mut clock, 2);
+        MLA_NS.lap(&mut clock, 2);
         self.w.o.forward(&o, t, out);
-        mla_lap(&mut clock, 3);
+        MLA_NS.lap(&mut clock, 3);
     }
 }
 
 /// Nanoseconds spent so far in MLA layers' forward, by stage: projections, norm and RoPE,
 /// attention (cache append included), output projection (for benches).
 pub fn mla_phase_ns() -> [u64; 4] {
-    std::array::from_fn(|i| MLA_NS[i].load(std::sync::atomic::Ordering::Relaxed))
+    MLA_NS.get()
 }
 
-static MLA_NS: [std::sync::atomic::AtomicU64; 4] = [const { std::sync::atomic::AtomicU64::new(0) }; 4];
-
-fn mla_lap(t: &mut std::time::Instant, i: usize) {
-    let now = std::time::Instant::now();
-    MLA_NS[i].fetch_add((now - *t).as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-    *t = now;
-}
+static MLA_NS: krasis_cpu::phase_ns::PhaseNs<4> = krasis_cpu::phase_ns::PhaseNs::new();
 
 pub struct GqaAttention {
     pub heads: usize,

@@ -73,10 +73,10 @@ impl MoeBlock {
         let e = self.router.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.forward(x, t, &mut logits);
-        super::other_lap(&mut clock, 2);
+        super::OTHER_NS.lap(&mut clock, 2);
         let routes = self.route_rows(&logits, t, e);
         out.fill(0.0);
-        super::other_lap(&mut clock, 3);
+        super::OTHER_NS.lap(&mut clock, 3);
         let started = std::time::Instant::now();
         self.experts.run(x, t, &routes, out);
         stats.add_expert(started.elapsed());

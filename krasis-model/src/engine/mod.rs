@@ -56,16 +56,10 @@ pub struct Model {
 /// Nanoseconds spent so far in the CPU forward's smaller parts (for benches): norms with their
 /// copies, residual adds, MoE routers, routing, dense-layer MLPs.
 pub fn other_phase_ns() -> [u64; 5] {
-    std::array::from_fn(|i| OTHER_NS[i].load(std::sync::atomic::Ordering::Relaxed))
+    OTHER_NS.get()
 }
 
-static OTHER_NS: [std::sync::atomic::AtomicU64; 5] = [const { std::sync::atomic::AtomicU64::new(0) }; 5];
-
-pub(crate) fn other_lap(t: &mut std::time::Instant, i: usize) {
-    let now = std::time::Instant::now();
-    OTHER_NS[i].fetch_add((now - *t).as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-    *t = now;
-}
+pub(crate) static OTHER_NS: krasis_cpu::phase_ns::PhaseNs<5> = krasis_cpu::phase_ns::PhaseNs::new();
 
 #[derive(Default)]
 pub struct ForwardStats {
@@ -560,7 +554,7 @@ impl Model {
             }
             let mut clock = std::time::Instant::now();
             rms_norm_rows_into_par(&x, &mut xn, &layer.input_norm, eps);
-            other_lap(&mut clock, 0);
+            OTHER_NS.lap(&mut clock, 0);
             let mut kvs: Vec<SeqKv<'_>> =
                 seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect();
             let attention_started = std::time::Instant::now();
@@ -570,19 +564,19 @@ impl Model {
                 .fetch_add(attention_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
             let mut clock = std::time::Instant::now();
             add_assign_par(&mut x, &y);
-            other_lap(&mut clock, 1);
+            OTHER_NS.lap(&mut clock, 1);
             rms_norm_rows_into_par(&x, &mut xn, &layer.post_norm, eps);
-            other_lap(&mut clock, 0);
+            OTHER_NS.lap(&mut clock, 0);
             match &layer.ffn {
                 Ffn::Dense(mlp) => {
                     mlp.forward(&xn, t, &mut y);
-                    other_lap(&mut clock, 4);
+                    OTHER_NS.lap(&mut clock, 4);
                 }
                 Ffn::Moe(block) => block.forward(&self.stats, &xn, t, h, &mut y),
             }
             let mut clock = std::time::Instant::now();
             add_assign_par(&mut x, &y);
-            other_lap(&mut clock, 1);
+            OTHER_NS.lap(&mut clock, 1);
         }
         rms_norm_rows_par(&mut x, &self.final_norm, eps);
         if let Some(f) = observe.as_mut() {
