@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod attention;
+mod env;
 pub mod expf;
 pub mod gemm;
 pub mod heads;

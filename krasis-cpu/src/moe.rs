@@ -231,12 +231,7 @@ impl PoolMatmul {
         shape_acts(acts, split * m, k, gs);
         let dst = ActBufs::of(acts);
         let acts = &*acts;
-        // Matrix j's row blocks are units starts[j]..starts[j + 1] of the one task list.
-        let mut starts = Vec::with_capacity(mats.len() + 1);
-        starts.push(0);
-        for (_, l) in mats {
-            starts.push(starts.last().copied().unwrap_or(0) + l.row_blocks());
-        }
+        let starts = block_unit_starts(mats);
         let total = *starts.last().unwrap_or(&0);
         let per = units_per_task(total, pool.threads());
         // The activations are quantised inside the dispatch: the first `nx` tasks (claimed
@@ -268,13 +263,9 @@ impl PoolMatmul {
                 return;
             }
             let t = t - nx;
-            let end = ((t + 1) * per).min(total);
-            let mut u = t * per;
-            while u < end {
-                let j = starts.partition_point(|&s| s <= u) - 1;
+            for (j, b0, b1) in block_runs(&starts, t * per, ((t + 1) * per).min(total)) {
                 let (w, layout) = mats[j];
-                let (b0, rows) = (u - starts[j], layout.rows);
-                let b1 = (end - starts[j]).min(layout.row_blocks());
+                let rows = layout.rows;
                 let bb = layout.block_bytes();
                 wait_ready(&x_ready, ng, &failed, &w[b0 * bb..(b0 * bb + X_WAIT_PREFETCH).min(b1 * bb)]);
                 let cols = (b1 - b0) * ROW_BLOCK;
@@ -288,10 +279,37 @@ impl PoolMatmul {
                         unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &tmp[i * cols..i * cols + keep]) };
                     }
                 });
-                u += b1 - b0;
             }
         });
     }
+}
+
+/// Row blocks of several matrices as one task list: matrix j's blocks are units
+/// `starts[j]..starts[j + 1]`; the last entry is the total.
+pub(crate) fn block_unit_starts(mats: &[(&[u8], &PackedLayout)]) -> Vec<usize> {
+    let mut starts = Vec::with_capacity(mats.len() + 1);
+    starts.push(0);
+    for (_, l) in mats {
+        starts.push(starts.last().copied().unwrap_or(0) + l.row_blocks());
+    }
+    starts
+}
+
+/// The runs `(matrix j, block b0, block b1)` that units `u..end` of [`block_unit_starts`]'s task
+/// list cover, in order.
+pub(crate) fn block_runs(
+    starts: &[usize],
+    mut u: usize,
+    end: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    std::iter::from_fn(move || {
+        (u < end).then(|| {
+            let j = starts.partition_point(|&s| s <= u) - 1;
+            let (b0, b1) = (u - starts[j], (end - starts[j]).min(starts[j + 1] - starts[j]));
+            u += b1 - b0;
+            (j, b0, b1)
+        })
+    })
 }
 
 /// One routed expert's packed weights and the NUMA node (pool node index) that holds them.
@@ -563,7 +581,7 @@ const SPINS_PER_YIELD: u32 = 64;
 const PREFETCH_STOP_CHECK_BYTES: usize = 4096;
 
 /// Bytes of its weights a w13 task pulls towards L2 while it waits for its activations.
-const X_WAIT_PREFETCH: usize = 16 << 10;
+pub(crate) const X_WAIT_PREFETCH: usize = 16 << 10;
 
 /// Wait until `ready` reaches `want`; before spinning, pull `upcoming` (the weights the waiter
 /// reads next) towards L2 so the wait still streams memory. Panics if `failed` is set.

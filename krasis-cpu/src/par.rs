@@ -30,13 +30,23 @@ pub fn threads() -> usize {
     POOL.get().map_or_else(rayon::current_num_threads, |p| p.threads())
 }
 
-struct ChunkPtr<T>(*mut T);
-// SAFETY: each task touches its own chunk only (see `for_each_chunk_mut`).
-unsafe impl<T: Send> Send for ChunkPtr<T> {}
-unsafe impl<T: Send> Sync for ChunkPtr<T> {}
+/// A raw pointer shared by tasks that each write their own, disjoint part of the buffer (every
+/// use argues it); `get` is a method so closures capture the whole `Sync` wrapper.
+pub(crate) struct DisjointPtr<T>(pub(crate) *mut T);
+// SAFETY: each task touches its own part only (argued at each use).
+unsafe impl<T: Send> Send for DisjointPtr<T> {}
+unsafe impl<T: Send> Sync for DisjointPtr<T> {}
 
-impl<T> ChunkPtr<T> {
-    fn get(&self) -> *mut T {
+impl<T> Clone for DisjointPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DisjointPtr<T> {}
+
+impl<T> DisjointPtr<T> {
+    pub(crate) fn get(&self) -> *mut T {
         self.0
     }
 }
@@ -46,7 +56,7 @@ pub fn for_each_chunk_mut<T: Send>(data: &mut [T], chunk: usize, f: &(dyn Fn(usi
     assert!(chunk > 0, "for_each_chunk_mut: chunk size 0");
     let len = data.len();
     let n = len.div_ceil(chunk);
-    let base = ChunkPtr(data.as_mut_ptr());
+    let base = DisjointPtr(data.as_mut_ptr());
     for_each(n, &|i| {
         let start = i * chunk;
         let end = (start + chunk).min(len);
@@ -73,7 +83,7 @@ pub fn for_each_chunk_pair_mut<A: Send, B: Send>(
     let n = a.len().div_ceil(ca);
     assert_eq!(n, b.len().div_ceil(cb), "for_each_chunk_pair_mut: the slices split into different piece counts");
     let (la, lb) = (a.len(), b.len());
-    let (pa, pb) = (ChunkPtr(a.as_mut_ptr()), ChunkPtr(b.as_mut_ptr()));
+    let (pa, pb) = (DisjointPtr(a.as_mut_ptr()), DisjointPtr(b.as_mut_ptr()));
     for_each(n, &|i| {
         let (a0, b0) = (i * ca, i * cb);
         // SAFETY: pieces are disjoint for distinct i and inside the slices, borrowed mutably for

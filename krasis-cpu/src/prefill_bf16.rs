@@ -13,10 +13,10 @@
 //! bounds; checked on the oracle fixtures with the emulated tiles in CI and the hardware tiles
 //! on the GPU box).
 //!
-//! Experts run in four dispatches: activations to BF16; w13 tasks (expert, block pairs), each
-//! gathering its expert's token rows, computing SiLU(gate)·up and writing the intermediate as
-//! BF16; w2 tasks (expert, row blocks) into a per-expert output; and the weighted sum per token
-//! in job order.
+//! Experts run in four dispatches: each expert's token rows gathered and rounded to BF16; w13
+//! tasks (expert, block pairs) computing SiLU(gate)·up and writing the intermediate as BF16 in
+//! the tiled layout w2 reads; w2 tasks (expert, row blocks) into a per-expert output; and the
+//! weighted sum per token in job order.
 //!
 //! `KRASIS_PREFILL_MATMUL=int8` keeps the INT8 kernels for prefill too; `bf16-emulated` runs this
 //! path with the scalar tile emulation on any CPU (for the fidelity tests);
@@ -28,7 +28,8 @@ use std::sync::{Mutex, OnceLock};
 use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 
 use crate::isa::Isa;
-use crate::moe::{wait_ready, ExpertJob, FailOnUnwind, OutPtr};
+use crate::moe::{block_runs, block_unit_starts, wait_ready, ExpertJob, FailOnUnwind, OutPtr, X_WAIT_PREFETCH};
+use crate::par::DisjointPtr;
 use crate::phase_ns::PhaseNs;
 use crate::pool::WorkerPool;
 use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
@@ -106,13 +107,7 @@ fn hardware() -> bool {
 /// [`BF16_MIN_TOKENS`] or `KRASIS_BF16_MIN_TOKENS` (read once).
 pub fn min_tokens() -> usize {
     static M: OnceLock<usize> = OnceLock::new();
-    *M.get_or_init(|| match std::env::var("KRASIS_BF16_MIN_TOKENS") {
-        Err(_) => BF16_MIN_TOKENS,
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!("KRASIS_BF16_MIN_TOKENS={v:?} is not a count; using {BF16_MIN_TOKENS}");
-            BF16_MIN_TOKENS
-        }),
-    })
+    *M.get_or_init(|| crate::env::count_or("KRASIS_BF16_MIN_TOKENS", BF16_MIN_TOKENS))
 }
 
 /// The tiles a call of `tokens` rows per matrix (for experts, the mean per expert) with ISA
@@ -230,26 +225,17 @@ fn padded(m: usize) -> usize {
     m.div_ceil(16) * 16
 }
 
-/// `KRASIS_<name>` as a positive count, else `default` (for tuning on a new machine).
-fn env_count(name: &str, default: usize) -> usize {
-    std::env::var(format!("KRASIS_{name}"))
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .filter(|&v| v > 0)
-        .unwrap_or(default)
-}
-
 /// Row blocks per panel at K = `k` ([`PANEL_BYTES`], or `KRASIS_BF16_PANEL_KB`).
 fn panel_blocks(k: usize) -> usize {
     static B: OnceLock<usize> = OnceLock::new();
-    let bytes = *B.get_or_init(|| env_count("BF16_PANEL_KB", PANEL_BYTES >> 10) << 10);
+    let bytes = *B.get_or_init(|| crate::env::positive_or("KRASIS_BF16_PANEL_KB", PANEL_BYTES >> 10) << 10);
     (bytes / (k * ROW_BLOCK * 2)).max(1)
 }
 
 /// [`TASKS_PER_WORKER`], or `KRASIS_BF16_TASKS`.
 fn tasks_per_worker() -> usize {
     static T: OnceLock<usize> = OnceLock::new();
-    *T.get_or_init(|| env_count("BF16_TASKS", TASKS_PER_WORKER))
+    *T.get_or_init(|| crate::env::positive_or("KRASIS_BF16_TASKS", TASKS_PER_WORKER))
 }
 
 /// `out[pad(m) rows, row stride os] = a · W[b0..b1]ᵀ` (16 columns per block, from column 0 of
@@ -342,23 +328,8 @@ fn zero_padding(m: usize, k: usize, dst: &mut [u16]) {
     }
 }
 
-/// Raw pointer for disjoint u16 writes from pool tasks.
-#[derive(Clone, Copy)]
-struct U16Ptr(*mut u16);
-// SAFETY: every task writes a disjoint set of elements (argued at each use).
-unsafe impl Send for U16Ptr {}
-unsafe impl Sync for U16Ptr {}
-
-impl U16Ptr {
-    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
-    fn ptr(self) -> *mut u16 {
-        self.0
-    }
-}
-
-/// Converts `x[m, k]` into `xb` (`pad(m)·k`, padding rows zero) with the first `nx` tasks of a
-/// dispatch; `done` counts converted rows.
-fn conversion_tasks(workers: usize, m: usize) -> (usize, usize) {
+/// `(tasks, rows per task)` for a round of row tasks over `m` rows (row conversion, the sum).
+fn row_tasks(workers: usize, m: usize) -> (usize, usize) {
     let per = m.div_ceil(workers.max(1)).max(1);
     (m.div_ceil(per), per)
 }
@@ -379,15 +350,12 @@ pub(crate) fn run_many(
     grow(&mut call.x, mp * k);
     let xbuf = &mut call.x[..mp * k];
     zero_padding(m, k, xbuf);
-    let xb = U16Ptr(xbuf.as_mut_ptr());
+    let xb = DisjointPtr(xbuf.as_mut_ptr());
     let xlen = xbuf.len();
-    let mut starts = vec![0usize];
-    for (_, l) in mats {
-        starts.push(starts.last().copied().unwrap_or(0) + l.row_blocks());
-    }
+    let starts = block_unit_starts(mats);
     let total = *starts.last().unwrap_or(&0);
     let per = total.div_ceil(tasks_per_worker() * pool.threads().max(1)).max(1);
-    let (nx, xper) = conversion_tasks(pool.threads(), m);
+    let (nx, xper) = row_tasks(pool.threads(), m);
     let (done, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
     let outs: Vec<OutPtr> = ys.iter_mut().map(|y| OutPtr(y.as_mut_ptr())).collect();
     pool.run(nx + total.div_ceil(per), &|t, _| {
@@ -395,7 +363,7 @@ pub(crate) fn run_many(
         if t < nx {
             let (r0, r1) = (t * xper, ((t + 1) * xper).min(m));
             // SAFETY: rows r0..r1 are written by this task alone; read after the release below.
-            let dst = unsafe { std::slice::from_raw_parts_mut(xb.ptr(), xlen) };
+            let dst = unsafe { std::slice::from_raw_parts_mut(xb.get(), xlen) };
             for i in r0..r1 {
                 convert_row(&x[i * k..(i + 1) * k], i, k, dst);
             }
@@ -403,18 +371,14 @@ pub(crate) fn run_many(
             return;
         }
         let t = t - nx;
-        let end = ((t + 1) * per).min(total);
-        let mut u = t * per;
         SCRATCH.with_borrow_mut(|s| {
-            while u < end {
-                let j = starts.partition_point(|&v| v <= u) - 1;
+            for (j, b0, b1) in block_runs(&starts, t * per, ((t + 1) * per).min(total)) {
                 let (w, l) = mats[j];
-                let (b0, rows) = (u - starts[j], l.rows);
-                let b1 = (end - starts[j]).min(l.row_blocks());
+                let rows = l.rows;
                 let bb = l.block_bytes();
-                wait_ready(&done, m, &failed, &w[b0 * bb..(b0 * bb + (16 << 10)).min(b1 * bb)]);
+                wait_ready(&done, m, &failed, &w[b0 * bb..(b0 * bb + X_WAIT_PREFETCH).min(b1 * bb)]);
                 // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
-                let a = unsafe { std::slice::from_raw_parts(xb.ptr(), xlen) };
+                let a = unsafe { std::slice::from_raw_parts(xb.get(), xlen) };
                 let cols = (b1 - b0) * ROW_BLOCK;
                 grow(&mut s.c, mp * cols);
                 // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
@@ -424,7 +388,6 @@ pub(crate) fn run_many(
                     // SAFETY: this task alone owns columns [16·b0, 16·b0 + keep) of ys[j]'s rows.
                     unsafe { outs[j].write(i * rows + b0 * ROW_BLOCK, &s.c[i * cols..i * cols + keep]) };
                 }
-                u += b1 - b0;
             }
         })
     });
@@ -493,7 +456,7 @@ pub(crate) fn run_experts(
     grow(&mut call.x, total_rows * hidden);
     grow(&mut call.mid, total_rows * inter);
     grow(&mut call.y, total_rows * ys);
-    let (xp, row0) = (U16Ptr(call.x.as_mut_ptr()), &call.row0);
+    let (xp, row0) = (DisjointPtr(call.x.as_mut_ptr()), &call.row0);
     let xtasks = &call.xtasks;
     pool.run(xtasks.len(), &|t, _| {
         let (e, r0, r1) = xtasks[t];
@@ -501,7 +464,7 @@ pub(crate) fn run_experts(
         // SAFETY: rows r0..r1 of job e (and its padding rows, for the task ending at its last
         // row) are written by this task alone; the job's rows lie inside x.
         let dst =
-            unsafe { std::slice::from_raw_parts_mut(xp.ptr().add(row0[e] * hidden), padded(toks.len()) * hidden) };
+            unsafe { std::slice::from_raw_parts_mut(xp.get().add(row0[e] * hidden), padded(toks.len()) * hidden) };
         for (i, &(tok, _)) in toks.iter().enumerate().take(r1).skip(r0) {
             convert_row(&x[tok * hidden..(tok + 1) * hidden], i, hidden, dst);
         }
@@ -511,7 +474,7 @@ pub(crate) fn run_experts(
     });
     PHASE_NS.lap(&mut clock, 0);
     let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
-    let (mids, yp) = (U16Ptr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
+    let (mids, yp) = (DisjointPtr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
     // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
     size_tasks(&mut call.tasks, &mtiles, pairs, workers);
     let (tasks, xa, row0) = (&call.tasks, &call.x, &call.row0);
@@ -545,7 +508,7 @@ pub(crate) fn run_experts(
                     // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows (16
                     // consecutive tiled elements per 16-aligned column run).
                     let dst =
-                        unsafe { std::slice::from_raw_parts_mut(mids.ptr().add(row0[e] * inter + at), ROW_BLOCK) };
+                        unsafe { std::slice::from_raw_parts_mut(mids.get().add(row0[e] * inter + at), ROW_BLOCK) };
                     if i < m {
                         to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
                     } else {
@@ -603,7 +566,7 @@ pub(crate) fn run_experts(
     }
     let (starts, entries, y, row0) = (&call.tok_start, &call.tok_entries, &call.y, &call.row0);
     let out_p = OutPtr(out.as_mut_ptr());
-    let (ns, sper) = conversion_tasks(workers, rows);
+    let (ns, sper) = row_tasks(workers, rows);
     pool.run(ns, &|t, _| {
         for tok in t * sper..((t + 1) * sper).min(rows) {
             // SAFETY: token rows are disjoint between tasks; tok < rows ≤ out.len() / hidden.

@@ -73,13 +73,7 @@ pub fn enabled() -> bool {
 /// The M from which the AMX path runs: [`AMX_MIN_ROWS`], or `KRASIS_AMX_MIN_ROWS` (read once).
 pub fn min_rows() -> usize {
     static M: OnceLock<usize> = OnceLock::new();
-    *M.get_or_init(|| match std::env::var("KRASIS_AMX_MIN_ROWS") {
-        Err(_) => AMX_MIN_ROWS,
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!("KRASIS_AMX_MIN_ROWS={v:?} is not a row count; using {AMX_MIN_ROWS}");
-            AMX_MIN_ROWS
-        }),
-    })
+    *M.get_or_init(|| crate::env::count_or("KRASIS_AMX_MIN_ROWS", AMX_MIN_ROWS))
 }
 
 /// One line for the startup log: whether the AMX tiles are used, and from which M.
