@@ -212,6 +212,14 @@ pub fn trim(keep: usize) {
     }
 }
 
+/// [`trim`] to [`KEEP_BYTES`] after a forward pass of `tokens` tokens; nothing to do (not even the
+/// lock) below [`min_tokens`], where no call can have grown the buffers: decode steps.
+pub fn trim_after_forward(tokens: usize) {
+    if tokens >= min_tokens() {
+        trim(KEEP_BYTES);
+    }
+}
+
 /// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
 /// different sizes, and re-growing would zero the difference again each time).
 fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {

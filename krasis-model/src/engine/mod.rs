@@ -609,7 +609,7 @@ impl Model {
             at += n;
         }
         self.stats.total_ns.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-        krasis_cpu::prefill_bf16::trim(krasis_cpu::prefill_bf16::KEEP_BYTES);
+        krasis_cpu::prefill_bf16::trim_after_forward(t);
         Ok(out)
     }
 }

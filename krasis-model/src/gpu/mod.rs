@@ -205,7 +205,7 @@ impl GpuModel {
         let rows = if all { t } else { 1 };
         self.forward(&mut io, host, t, pos, rows, tail)?;
         // The CPU experts' prefill buffers of a long prompt go back (see `prefill_bf16::trim`).
-        krasis_cpu::prefill_bf16::trim(krasis_cpu::prefill_bf16::KEEP_BYTES);
+        krasis_cpu::prefill_bf16::trim_after_forward(t);
         s.position += t;
         Ok(rows)
     }
