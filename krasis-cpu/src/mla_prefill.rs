@@ -22,6 +22,7 @@ use krasis_core::spec::MlaDims;
 use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
+use crate::prefill_bf16::Bf16Tiles;
 use crate::quant::{Bits, PackedLayout, ROW_BLOCK};
 
 /// Query rows per task: a block's q (64 × 192 floats), output accumulator (64 × 128) and scores
@@ -324,6 +325,23 @@ thread_local! {
     static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's tile buffer, reused across calls and layers.
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's latent rows of a tile as BF16, tiled (the BF16 expansion's A).
+    static LATENT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread BF16 panel of one head's expansion weights (the BF16 expansion's B).
+    static PANEL: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The tiles the expansion runs on for these dims, or `None` for the f32 kernels: the prefill's
+/// BF16 tiles ([`crate::prefill_bf16::tiles`]) when the latent is a whole number of tile K steps,
+/// unless `KRASIS_MLA_EXPAND=f32`. Chosen per process and dims, never per call, so a prompt split
+/// into calls expands every row the same way.
+pub fn expand_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
+    static F32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let f32_asked = *F32.get_or_init(|| std::env::var("KRASIS_MLA_EXPAND").is_ok_and(|v| v.trim() == "f32"));
+    if f32_asked || !dims.latent.is_multiple_of(crate::quant::amx::bf16::TILE_K) {
+        return None;
+    }
+    crate::prefill_bf16::applies(isa::active(), usize::MAX, dims.latent)
 }
 
 /// Causal MLA attention of `t` new query rows over cache rows `0..q_start + t` in the
@@ -352,7 +370,7 @@ pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Resul
     if cached < keys {
         return Err(MlaPrefillError::Cache { cached, needed: keys });
     }
-    run(p, out, tile_rows(&p.dims).min(keys.next_multiple_of(BLOCK_K)));
+    run(p, out, tile_rows(&p.dims).min(keys.next_multiple_of(BLOCK_K)), expand_tiles(&p.dims));
     Ok(())
 }
 
@@ -363,8 +381,9 @@ pub fn phase_ns() -> [u64; 2] {
 
 static PHASE_NS: crate::phase_ns::PhaseNs<2> = crate::phase_ns::PhaseNs::new();
 
-/// [`mla_prefill_attention`] with tiles of `cap` rows (a multiple of [`BLOCK_K`]), inputs checked.
-fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
+/// [`mla_prefill_attention`] with tiles of `cap` rows (a multiple of [`BLOCK_K`]), the expansion
+/// on `tiles` (or the f32 kernels), inputs checked.
+fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize, tiles: Option<Bf16Tiles>) {
     let MlaDims { heads: h, nope, rope, v_dim: vd, .. } = p.dims;
     let keys = p.q_start + p.t;
     let isa = isa::active();
@@ -381,7 +400,7 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
         while start < keys {
             let rows = cap.min(keys - start);
             let mut clock = std::time::Instant::now();
-            expand_tile(isa, p, start, rows, cap, k, v);
+            expand_tile(isa, tiles, p, start, rows, cap, k, v);
             PHASE_NS.lap(&mut clock, 0);
             let tile = Tile { start, cap, k, v };
             attend_tile(isa, p, &tile, out, &mut state);
@@ -393,10 +412,13 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize) {
 
 /// Expands cache rows `[start, start + rows)` into the tile buffers: tasks of one head and a run
 /// of `BLOCK_K`-row blocks each, every task first dequantising its head's weights; rows past
-/// `rows` zeroed (blocks past the last row are never read).
+/// `rows` zeroed (blocks past the last row are never read). With `tiles`, the latent rows are
+/// rounded to BF16 once for all heads and each block is one tile matmul against the head's
+/// weights as a BF16 panel (`latent` a multiple of the tile K).
 #[allow(clippy::too_many_arguments)]
 fn expand_tile(
     isa: Isa,
+    tiles: Option<Bf16Tiles>,
     p: &MlaPrefillInputs<'_>,
     start: usize,
     rows: usize,
@@ -410,54 +432,141 @@ fn expand_tile(
     let used = rows.div_ceil(BLOCK_K);
     let runs = (EXPAND_TASKS_PER_THREAD * crate::par::threads()).div_ceil(h).clamp(1, used.max(1));
     let (kp, vp) = (Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr()));
-    crate::par::for_each(h * runs, &|task| {
-        let (hh, run) = (task / runs, task % runs);
-        WEIGHTS.with_borrow_mut(|w| {
-            w.resize(lat * per_head, 0.0);
-            head_weights(isa, &p.kv_b, &p.dims, hh, w);
-            SCRATCH.with_borrow_mut(|tmp| {
-                tmp.resize(BLOCK_K * per_head, 0.0);
-                for b in run * used / runs..(run + 1) * used / runs {
-                    let r0 = b * BLOCK_K;
-                    let n = (rows - r0).min(BLOCK_K);
-                    tmp[n * per_head..].fill(0.0);
-                    let c = &p.cache[(start + r0) * p.stride..];
-                    for p0 in (0..per_head).step_by(W_PANEL) {
-                        let pw = W_PANEL.min(per_head - p0);
-                        let wp = &w[p0 * lat..][..lat * pw];
-                        gemm(isa, (n, pw, lat), c, p.stride, wp, pw, &mut tmp[p0..], per_head, false);
+    // The tile product's rows are padded to whole column blocks of 16.
+    let ts = if tiles.is_some() { per_head.next_multiple_of(ROW_BLOCK) } else { per_head };
+    LATENT.with_borrow_mut(|lat_bf16| {
+        if tiles.is_some() {
+            latent_to_bf16(p, start, rows, used * BLOCK_K, lat_bf16);
+        }
+        let lat_bf16: &[u16] = lat_bf16;
+        crate::par::for_each(h * runs, &|task| {
+            let (hh, run) = (task / runs, task % runs);
+            WEIGHTS.with_borrow_mut(|w| {
+                w.resize(lat * per_head, 0.0);
+                head_weights(isa, &p.kv_b, &p.dims, hh, w);
+                PANEL.with_borrow_mut(|panel| {
+                    if tiles.is_some() {
+                        head_panel(w, lat, per_head, panel);
                     }
-                    // SAFETY: task (hh, run) alone writes key blocks of its run of head hh and their
-                    // value rows; both lie inside the buffers (`blocks` key blocks, cap value rows).
-                    unsafe {
-                        scatter_block(
-                            p,
-                            tmp,
-                            c,
-                            n,
-                            kp.at((hh * blocks + b) * qk * BLOCK_K),
-                            vp.at((hh * cap + r0) * vd),
-                        )
-                    };
-                }
+                    SCRATCH.with_borrow_mut(|tmp| {
+                        tmp.resize(BLOCK_K * ts, 0.0);
+                        for b in run * used / runs..(run + 1) * used / runs {
+                            let r0 = b * BLOCK_K;
+                            let n = (rows - r0).min(BLOCK_K);
+                            let c = &p.cache[(start + r0) * p.stride..];
+                            match tiles {
+                                Some(t) => {
+                                    let mtiles = n.div_ceil(ROW_BLOCK);
+                                    tmp[mtiles * ROW_BLOCK * ts..].fill(0.0);
+                                    // SAFETY: the latent buffer holds `used` blocks of BLOCK_K rows
+                                    // (rows past `rows` zero), `lat` a multiple of the tile K; the
+                                    // panel `ts / 16` blocks over K = lat; tmp BLOCK_K rows of ts.
+                                    unsafe {
+                                        crate::prefill_bf16::tiles_on_panel(
+                                            t,
+                                            panel,
+                                            ts / ROW_BLOCK,
+                                            lat,
+                                            lat_bf16.as_ptr().add(r0 * lat),
+                                            mtiles,
+                                            tmp.as_mut_ptr(),
+                                            ts,
+                                        )
+                                    };
+                                }
+                                None => {
+                                    tmp[n * per_head..].fill(0.0);
+                                    for p0 in (0..per_head).step_by(W_PANEL) {
+                                        let pw = W_PANEL.min(per_head - p0);
+                                        let wp = &w[p0 * lat..][..lat * pw];
+                                        gemm(isa, (n, pw, lat), c, p.stride, wp, pw, &mut tmp[p0..], per_head, false);
+                                    }
+                                }
+                            }
+                            // SAFETY: task (hh, run) alone writes key blocks of its run of head hh and
+                            // their value rows; both lie inside the buffers (`blocks` key blocks, cap
+                            // value rows).
+                            unsafe {
+                                scatter_block(
+                                    p,
+                                    tmp,
+                                    ts,
+                                    c,
+                                    n,
+                                    kp.at((hh * blocks + b) * qk * BLOCK_K),
+                                    vp.at((hh * cap + r0) * vd),
+                                )
+                            };
+                        }
+                    });
+                });
             });
         });
     });
 }
 
-/// One block's expanded rows `tmp` `[BLOCK_K][nope + v_dim]` (the first `n` real, the rest
+/// Cache rows `[start, start + rows)`'s latent as BF16 in the tiled layout into `dst`
+/// (`padded_rows` rows, those past `rows` zero), rows split over the pool.
+fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_rows: usize, dst: &mut Vec<u16>) {
+    let lat = p.dims.latent;
+    if dst.len() < padded_rows * lat {
+        dst.resize(padded_rows * lat, 0);
+    }
+    let len = padded_rows * lat;
+    let dp = crate::par::DisjointPtr(dst.as_mut_ptr());
+    let per = rows.div_ceil(crate::par::threads().max(1)).max(1);
+    crate::par::for_each(rows.div_ceil(per), &|t| {
+        // SAFETY: task t alone writes rows [t·per, (t + 1)·per) (tiled rows are disjoint runs of
+        // 32 elements); `len` elements allocated above.
+        let d = unsafe { std::slice::from_raw_parts_mut(dp.get(), len) };
+        for i in t * per..((t + 1) * per).min(rows) {
+            crate::prefill_bf16::convert_row(&p.cache[(start + i) * p.stride..][..lat], i, lat, d);
+        }
+    });
+    crate::prefill_bf16::zero_padding_rows(rows, padded_rows, lat, &mut dst[..len]);
+}
+
+/// Head weights `w` (`[latent][nope + v_dim]` in [`head_weights`]' panels) as a BF16 B-tile panel
+/// per 16 output columns (`crate::quant::bf16`'s layout; columns past `per_head` zero).
+fn head_panel(w: &[f32], lat: usize, per_head: usize, panel: &mut Vec<u16>) {
+    let nb = per_head.div_ceil(ROW_BLOCK);
+    panel.resize(nb * lat * ROW_BLOCK, 0);
+    let at = |j: usize, c: usize| {
+        let p0 = c - c % W_PANEL;
+        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+    };
+    let column16 = |j: usize, c0: usize| -> [f32; ROW_BLOCK] {
+        std::array::from_fn(|n| if c0 + n < per_head { w[at(j, c0 + n)] } else { 0.0 })
+    };
+    for cb in 0..nb {
+        let blk = &mut panel[cb * lat * ROW_BLOCK..(cb + 1) * lat * ROW_BLOCK];
+        for r in 0..lat / 2 {
+            let (lo, hi) = (column16(2 * r, cb * ROW_BLOCK), column16(2 * r + 1, cb * ROW_BLOCK));
+            crate::quant::bf16::pair_row(&lo, &hi, &mut blk[r * 2 * ROW_BLOCK..(r + 1) * 2 * ROW_BLOCK]);
+        }
+    }
+}
+
+/// One block's expanded rows `tmp` `[BLOCK_K][ts ≥ nope + v_dim]` (the first `n` real, the rest
 /// zero) into its key block (`[nope + rope][BLOCK_K]`, the rope part from the cache rows `c`
 /// starting at the block's first row, zero past `n`) and value rows (`[BLOCK_K][v_dim]`).
 ///
 /// # Safety
 /// `kblk` and `vrows` point to `(nope + rope)·BLOCK_K` and `BLOCK_K·v_dim` floats no one else
 /// touches meanwhile.
-unsafe fn scatter_block(p: &MlaPrefillInputs<'_>, tmp: &[f32], c: &[f32], n: usize, kblk: *mut f32, vrows: *mut f32) {
+unsafe fn scatter_block(
+    p: &MlaPrefillInputs<'_>,
+    tmp: &[f32],
+    ts: usize,
+    c: &[f32],
+    n: usize,
+    kblk: *mut f32,
+    vrows: *mut f32,
+) {
     let MlaDims { nope, rope, v_dim: vd, latent: lat, .. } = p.dims;
-    let per_head = nope + vd;
     for d in 0..nope {
         for r in 0..BLOCK_K {
-            *kblk.add(d * BLOCK_K + r) = tmp[r * per_head + d];
+            *kblk.add(d * BLOCK_K + r) = tmp[r * ts + d];
         }
     }
     for d in 0..rope {
@@ -466,7 +575,7 @@ unsafe fn scatter_block(p: &MlaPrefillInputs<'_>, tmp: &[f32], c: &[f32], n: usi
         }
     }
     for r in 0..BLOCK_K {
-        std::ptr::copy_nonoverlapping(tmp[r * per_head + nope..].as_ptr(), vrows.add(r * vd), vd);
+        std::ptr::copy_nonoverlapping(tmp[r * ts + nope..].as_ptr(), vrows.add(r * vd), vd);
     }
 }
 

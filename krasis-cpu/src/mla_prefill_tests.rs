@@ -9,6 +9,11 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n).map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0).collect()
 }
 
+/// `x` rounded to the nearest BF16 value.
+fn bf16_exact(x: f32) -> f32 {
+    crate::quant::bf16::bf16_value(crate::quant::bf16::bf16_bits(x))
+}
+
 /// Inputs of one test case: q `[t, heads, qk]`, cache rows `[q_start + t, stride]`, `kv_b` rows.
 struct Case {
     d: MlaDims,
@@ -26,9 +31,11 @@ impl Case {
         let stride = d.latent + d.rope + pad;
         let rows = q_start + t;
         // kv_b small enough that scores stay O(1) (softmax neither flat nor one-hot).
+        // Values BF16 holds exactly, so the expansion on the BF16 tiles ([`expand_tiles`]) is
+        // held to the same bounds as the f32 one.
         let kv_b: Vec<f32> = data(d.heads * (d.nope + d.v_dim) * d.latent, seed ^ 3)
             .iter()
-            .map(|x| x / (d.latent as f32).sqrt())
+            .map(|x| bf16_exact(x / (d.latent as f32).sqrt()))
             .collect();
         Case {
             d,
@@ -36,7 +43,7 @@ impl Case {
             q_start,
             stride,
             q: data(t * d.heads * (d.nope + d.rope), seed),
-            cache: data(rows * stride, seed ^ 1),
+            cache: data(rows * stride, seed ^ 1).into_iter().map(bf16_exact).collect(),
             kv_b,
             scale: 1.0 / ((d.nope + d.rope) as f32).sqrt(),
         }
@@ -115,7 +122,7 @@ proptest! {
                              tile_blocks in 1usize..4, seed in any::<u32>()) {
         let c = Case::new(d, t, q_start, pad, seed);
         let mut out = vec![f32::NAN; t * d.heads * d.v_dim];
-        run(&c.inputs(), &mut out, tile_blocks * BLOCK_K);
+        run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, None);
         let err = rel_err(&out, &c.reference());
         prop_assert!(err < 2e-5, "{:?} t {} q_start {}: error {}", d, t, q_start, err);
         let mut whole = vec![f32::NAN; out.len()];
@@ -137,9 +144,76 @@ proptest! {
         let second = MlaPrefillInputs { t: t - cut, q_start: cut, q: &c.q[cut * per_row..], ..c.inputs() };
         let mut parts = vec![0f32; whole.len()];
         let split = cut * d.heads * d.v_dim;
-        run(&first, &mut parts[..split], tile_blocks * BLOCK_K);
-        run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K);
+        let tiles = expand_tiles(&d);
+        run(&first, &mut parts[..split], tile_blocks * BLOCK_K, tiles);
+        run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, tiles);
         prop_assert!(whole.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+/// The tile configurations to check the BF16 expansion on: the emulation, and the hardware
+/// where this CPU has AMX-BF16.
+fn expansion_tiles() -> Vec<Bf16Tiles> {
+    let mut t = vec![Bf16Tiles::Emulated];
+    #[cfg(target_arch = "x86_64")]
+    if crate::quant::amx::enabled() && crate::quant::amx::detect::bf16_available() && isa::active() == Isa::Avx512 {
+        t.push(Bf16Tiles::Hardware);
+    }
+    t
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// The expansion on the BF16 tiles (latent a multiple of the tile K; per-head widths not a
+    /// multiple of 16, ragged row counts, tiles of one block up to the whole context), on inputs
+    /// BF16 holds exactly: the f64 definition's bound, and a prompt split into two calls gives
+    /// the same bits as one call.
+    #[test]
+    fn tile_expansion_matches_f64_reference(heads in prop::sample::select(vec![1usize, 3]), nope in 1usize..40,
+                                            rope in 1usize..12, v_dim in 1usize..40, lat_steps in 1usize..4,
+                                            t in 2usize..100, q_start in 0usize..80, cut in 1usize..99,
+                                            tile_blocks in 1usize..4, seed in any::<u32>()) {
+        let d = MlaDims { heads, nope, rope, v_dim, latent: 32 * lat_steps };
+        let c = Case::new(d, t, q_start, 1, seed);
+        let want = c.reference();
+        for tiles in expansion_tiles() {
+            let mut out = vec![f32::NAN; t * heads * v_dim];
+            run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, Some(tiles));
+            let err = rel_err(&out, &want);
+            prop_assert!(err < 2e-5, "{:?} {:?} t {} q_start {}: error {}", tiles, d, t, q_start, err);
+            let cut = cut.min(t - 1);
+            let per_row = heads * (nope + rope);
+            let first = MlaPrefillInputs { t: cut, q: &c.q[..cut * per_row], ..c.inputs() };
+            let second = MlaPrefillInputs { t: t - cut, q_start: q_start + cut, q: &c.q[cut * per_row..], ..c.inputs() };
+            let mut parts = vec![0f32; out.len()];
+            let split = cut * heads * v_dim;
+            run(&first, &mut parts[..split], BLOCK_K, Some(tiles));
+            run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, Some(tiles));
+            prop_assert!(out.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", tiles, cut);
+        }
+    }
+}
+
+/// The BF16 expansion rounds what it multiplies: on inputs BF16 does not hold exactly it stays
+/// within BF16's rounding of the f32 expansion (V2-Lite's head shapes, INT8 packed `kv_b`), and
+/// it differs from it (the tiles ran).
+#[test]
+fn tile_expansion_rounds_to_bf16() {
+    let d = MlaDims { heads: 2, nope: 128, rope: 64, v_dim: 128, latent: 512 };
+    let mut c = Case::new(d, 40, 30, 0, 9);
+    c.cache = data(c.cache.len(), 11);
+    let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, Bits::Int8, 32);
+    let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+    let inputs = MlaPrefillInputs { kv_b: packed, ..c.inputs() };
+    let mut f32_out = vec![0f32; 40 * d.heads * d.v_dim];
+    run(&inputs, &mut f32_out, 2 * BLOCK_K, None);
+    let want: Vec<f64> = f32_out.iter().map(|&x| x as f64).collect();
+    for tiles in expansion_tiles() {
+        let mut out = vec![0f32; f32_out.len()];
+        run(&inputs, &mut out, 2 * BLOCK_K, Some(tiles));
+        let err = rel_err(&out, &want);
+        assert!(err > 0.0 && err < 1e-2, "{tiles:?}: BF16 expansion against f32: {err}");
     }
 }
 

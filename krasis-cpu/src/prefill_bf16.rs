@@ -282,42 +282,55 @@ unsafe fn matmul_blocks(
             crate::quant::prefetch_l2(&w[l.block_range(next.start).start..l.block_range(next.end - 1).end]);
         }
         PHASE_NS.lap(&mut clock, 4);
-        let o = out.add((b - b0) * ROW_BLOCK);
-        #[cfg(target_arch = "x86_64")]
-        match tiles {
-            Bf16Tiles::Hardware => crate::quant::amx::bf16::matmul(
-                &mut crate::quant::amx::HwTiles,
-                panel.as_ptr(),
-                nb,
-                k,
-                a.as_ptr(),
-                mtiles,
-                o,
-                os,
-            ),
-            Bf16Tiles::Emulated => crate::quant::amx::bf16::matmul(
-                &mut crate::quant::amx::EmuTiles::new(),
-                panel.as_ptr(),
-                nb,
-                k,
-                a.as_ptr(),
-                mtiles,
-                o,
-                os,
-            ),
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (tiles, o, os, mtiles);
-            unreachable!("BF16 tiles exist on x86_64 only");
-        }
+        tiles_on_panel(tiles, panel, nb, k, a.as_ptr(), mtiles, out.add((b - b0) * ROW_BLOCK), os);
         PHASE_NS.lap(&mut clock, 5);
         b += nb;
     }
 }
 
+/// `out[mtiles · 16 rows, row stride os] = a · panelᵀ` for a ready `panel` of `nb` row blocks
+/// over K = `k` ([`crate::quant::bf16`]'s layout), `a` tiled BF16 ([`tiled_index`]).
+///
+/// # Safety
+/// `k` a multiple of [`TILE_K`]; `panel` holds `nb` blocks' panels; `a` `mtiles · 16 · k`
+/// elements, all finite; `out` valid for `mtiles · 16` rows of stride `os` ≥ 16·nb.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tiles_on_panel(
+    tiles: Bf16Tiles,
+    panel: &[u16],
+    nb: usize,
+    k: usize,
+    a: *const u16,
+    mtiles: usize,
+    out: *mut f32,
+    os: usize,
+) {
+    debug_assert!(panel.len() >= nb * k * ROW_BLOCK);
+    #[cfg(target_arch = "x86_64")]
+    match tiles {
+        Bf16Tiles::Hardware => {
+            crate::quant::amx::bf16::matmul(&mut crate::quant::amx::HwTiles, panel.as_ptr(), nb, k, a, mtiles, out, os)
+        }
+        Bf16Tiles::Emulated => crate::quant::amx::bf16::matmul(
+            &mut crate::quant::amx::EmuTiles::new(),
+            panel.as_ptr(),
+            nb,
+            k,
+            a,
+            mtiles,
+            out,
+            os,
+        ),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (tiles, panel, nb, k, a, mtiles, out, os);
+        unreachable!("BF16 tiles exist on x86_64 only");
+    }
+}
+
 /// `src` (one row of K = `k`) as BF16 into row `i` of the tiled `dst`.
-fn convert_row(src: &[f32], i: usize, k: usize, dst: &mut [u16]) {
+pub(crate) fn convert_row(src: &[f32], i: usize, k: usize, dst: &mut [u16]) {
     let ks = k / TILE_K;
     for (s, chunk) in src.chunks_exact(TILE_K).enumerate() {
         let at = tiled_index(i, s * TILE_K, ks);
@@ -327,8 +340,13 @@ fn convert_row(src: &[f32], i: usize, k: usize, dst: &mut [u16]) {
 
 /// Zeroes rows `m..pad(m)` of the tiled `dst` (K = `k`).
 fn zero_padding(m: usize, k: usize, dst: &mut [u16]) {
+    zero_padding_rows(m, padded(m), k, dst);
+}
+
+/// Zeroes rows `m..end` of the tiled `dst` (K = `k`).
+pub(crate) fn zero_padding_rows(m: usize, end: usize, k: usize, dst: &mut [u16]) {
     let ks = k / TILE_K;
-    for i in m..padded(m) {
+    for i in m..end {
         for s in 0..ks {
             let at = tiled_index(i, s * TILE_K, ks);
             dst[at..at + TILE_K].fill(0);

@@ -121,21 +121,10 @@ proptest! {
 /// The hardware tile kernel over 8 ready row blocks of K = `k` (`panel`) and `m` rows of `a`
 /// into `c` (`m × 128`).
 #[cfg(target_arch = "x86_64")]
-fn tiles_on_panel(panel: &[u16], a: &[u16], k: usize, m: usize, c: &mut [f32]) {
+fn hw_tiles_on_panel(panel: &[u16], a: &[u16], k: usize, m: usize, c: &mut [f32]) {
     assert!(panel.len() >= 8 * k * 16 && a.len() >= m * k && c.len() >= m * 128 && m.is_multiple_of(16));
     // SAFETY: extents asserted above; the caller checked that AMX-BF16 is usable.
-    unsafe {
-        crate::quant::amx::bf16::matmul(
-            &mut crate::quant::amx::HwTiles,
-            panel.as_ptr(),
-            8,
-            k,
-            a.as_ptr(),
-            m / 16,
-            c.as_mut_ptr(),
-            128,
-        )
-    }
+    unsafe { tiles_on_panel(Bf16Tiles::Hardware, panel, 8, k, a.as_ptr(), m / 16, c.as_mut_ptr(), 128) }
 }
 
 /// Where the BF16 prefill's time goes on this CPU (`--ignored --nocapture`; needs AMX-BF16):
@@ -174,7 +163,7 @@ fn bf16_rates() {
         for m in [16usize, 48, 128, 512] {
             let a: Vec<u16> = data(m * h, 5).iter().map(|&v| crate::quant::bf16::bf16_bits(v)).collect();
             let mut c = vec![0f32; m * 128];
-            let s = best(&mut || tiles_on_panel(&panel, &a, h, m, &mut c));
+            let s = best(&mut || hw_tiles_on_panel(&panel, &a, h, m, &mut c));
             let s2 = best(&mut || unsafe {
                 matmul_blocks(Bf16Tiles::Hardware, &w, &l, 0, 8, &a, m, c.as_mut_ptr(), 128, &mut Vec::new())
             });
@@ -206,7 +195,7 @@ fn bf16_rates() {
                         sc.spawn(move || {
                             let _ = crate::quant::amx::detect::support();
                             let mut c = vec![0f32; m * 128];
-                            let mut run = || tiles_on_panel(&panel, &a, h, m, &mut c);
+                            let mut run = || hw_tiles_on_panel(&panel, &a, h, m, &mut c);
                             run();
                             let t = Instant::now();
                             for _ in 0..200 {

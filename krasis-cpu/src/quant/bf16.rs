@@ -122,6 +122,50 @@ pub fn to_bf16_scalar(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// One B-tile row of a panel from two rows of 16 f32 weights along K: `dst[2n + i]` is
+/// `bf16(src_i[n])` for the k pair (`lo` = k even, `hi` = k + 1) and output column n (what
+/// [`block_panel`] writes for packed weights, for weights already in f32).
+pub fn pair_row(lo: &[f32], hi: &[f32], dst: &mut [u16]) {
+    assert!(lo.len() == ROW_BLOCK && hi.len() == ROW_BLOCK && dst.len() == 2 * ROW_BLOCK, "pair_row: 16, 16 → 32");
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX-512 F/BW/BF16 checked by `simd`; lengths asserted above.
+        return unsafe { pair_row_avx512(lo, hi, dst) };
+    }
+    pair_row_scalar(lo, hi, dst);
+}
+
+/// Scalar twin of [`pair_row`].
+pub fn pair_row_scalar(lo: &[f32], hi: &[f32], dst: &mut [u16]) {
+    for n in 0..ROW_BLOCK {
+        dst[2 * n] = bf16_bits(lo[n]);
+        dst[2 * n + 1] = bf16_bits(hi[n]);
+    }
+}
+
+/// Word index of the pair interleave: out[2n] = lo[n], out[2n + 1] = hi[n] (hi at 16..32 of a
+/// `vcvtne2ps2bf16` result).
+#[cfg(target_arch = "x86_64")]
+const PAIR_INTERLEAVE: [u16; 32] = {
+    let mut idx = [0u16; 32];
+    let mut w = 0;
+    while w < 32 {
+        idx[w] = if w % 2 == 0 { (w / 2) as u16 } else { (16 + w / 2) as u16 };
+        w += 1;
+    }
+    idx
+};
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pair_row_avx512(lo: &[f32], hi: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let idx = _mm512_loadu_si512(PAIR_INTERLEAVE.as_ptr() as *const _);
+    let h: __m512i =
+        std::mem::transmute(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(hi.as_ptr()), _mm512_loadu_ps(lo.as_ptr())));
+    _mm512_storeu_si512(dst.as_mut_ptr() as *mut _, _mm512_permutexvar_epi16(idx, h));
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn to_bf16_avx512(src: &[f32], dst: &mut [u16]) {
@@ -142,9 +186,7 @@ unsafe fn to_bf16_avx512(src: &[f32], dst: &mut [u16]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     use std::arch::x86_64::*;
-    // Word index of the interleave: out[2j] = lo[j], out[2j + 1] = hi[j] (hi at 16..32).
-    let idx: [u16; 32] = std::array::from_fn(|w| if w % 2 == 0 { (w / 2) as u16 } else { (16 + w / 2) as u16 });
-    let idx = _mm512_loadu_si512(idx.as_ptr() as *const _);
+    let idx = _mm512_loadu_si512(PAIR_INTERLEAVE.as_ptr() as *const _);
     let (gs, off) = (l.gs, l.offset() as f32);
     let gwb = l.group_weight_bytes();
     let nib = _mm512_set1_epi32(if l.bits == Bits::Int8 { 0xff } else { 0x0f });

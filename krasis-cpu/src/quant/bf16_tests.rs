@@ -72,4 +72,20 @@ proptest! {
         to_bf16_scalar(&x, &mut b);
         prop_assert_eq!(a, b);
     }
+
+    #[test]
+    fn simd_pair_row_equals_scalar(seed in any::<u64>(), scale_exp in -130i32..130) {
+        let mut x: Vec<f32> = data(32, seed).iter().map(|v| v * 2f32.powi(scale_exp)).collect();
+        x[0] = f32::from_bits(0x0000_8001);
+        x[17] = f32::NAN;
+        x[5] = 1.0 + 1.0 / 256.0;
+        let (mut a, mut b) = (vec![0u16; 32], vec![0u16; 32]);
+        pair_row(&x[..16], &x[16..], &mut a);
+        pair_row_scalar(&x[..16], &x[16..], &mut b);
+        prop_assert_eq!(&a, &b);
+        for n in 0..16 {
+            prop_assert_eq!(b[2 * n], bf16_bits(x[n]));
+            prop_assert_eq!(b[2 * n + 1], bf16_bits(x[16 + n]));
+        }
+    }
 }

@@ -3,6 +3,8 @@
 //! the decompressed form for prefill (keys and values expanded from the latent with `kv_b`, a
 //! flash-attention loop per head: `krasis_cpu::mla_prefill`).
 
+use std::cell::RefCell;
+
 use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
@@ -151,6 +153,14 @@ impl MlaAttention {
     /// `[t, heads, v_dim]` (`o_proj`'s input). Each sequence runs decompressed or absorbed by
     /// its own rows ([`MlaPrefillMode::decompressed`]), so batching does not change its numbers.
     pub fn attend(&self, q: &[f32], kva: &[f32], seqs: &mut [SeqKv<'_>]) -> Vec<f32> {
+        let t: usize = seqs.iter().map(|s| s.rows).sum();
+        let mut o = vec![0f32; t * self.dims.heads * self.dims.v_dim];
+        self.attend_into(q, kva, seqs, &mut o);
+        o
+    }
+
+    /// [`MlaAttention::attend`] into `o` (`[t, heads, v_dim]`, every element written).
+    pub fn attend_into(&self, q: &[f32], kva: &[f32], seqs: &mut [SeqKv<'_>], o: &mut [f32]) {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let (qk, row) = (nope + rd, lat + rd);
@@ -184,7 +194,7 @@ impl MlaAttention {
             }
         }
 
-        let mut o = vec![0f32; t * h * vd];
+        assert_eq!(o.len(), t * h * vd, "attend_into: o must hold [t, heads, v_dim]");
         let mut o_lat = vec![0f32; if any_absorbed { t * h * lat } else { 0 }];
         let mut seq = 0;
         append_each(seqs, kva, row, None, |off, n, q_start, kv| {
@@ -209,13 +219,16 @@ impl MlaAttention {
             seq += 1;
         });
         if !any_absorbed {
-            return o;
+            return;
         }
 
         // Apply W_UV per head (into `o` itself when no sequence ran decompressed).
-        let mut o_abs = if dec.iter().any(|&d| d) { vec![0f32; t * h * vd] } else { std::mem::take(&mut o) };
+        let any_decompressed = dec.iter().any(|&d| d);
+        let mut mixed = vec![0f32; if any_decompressed { t * h * vd } else { 0 }];
+        let o_abs: &mut [f32] = if any_decompressed { &mut mixed } else { &mut *o };
+        o_abs.fill(0.0);
         match &self.w.kv_b {
-            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(&mut o_abs, vd, &|idx, ov| {
+            KvB::F32(kv_b) => krasis_cpu::par::for_each_chunk_mut(o_abs, vd, &|idx, ov| {
                 let hh = idx % h;
                 let ol = &o_lat[idx * lat..(idx + 1) * lat];
                 for (j, v) in ov.iter_mut().enumerate() {
@@ -223,20 +236,19 @@ impl MlaAttention {
                     *v = dot(isa, &kv_b[r * lat..(r + 1) * lat], ol);
                 }
             }),
-            KvB::Packed(p) => p.apply_uv(&o_lat, t, &mut o_abs),
+            KvB::Packed(p) => p.apply_uv(&o_lat, t, o_abs),
         }
-        if o.is_empty() {
-            return o_abs;
+        if !any_decompressed {
+            return;
         }
         let mut off = 0;
         for (s, &d) in seqs.iter().zip(&dec) {
             let r = off * h * vd..(off + s.rows) * h * vd;
             if !d {
-                o[r.clone()].copy_from_slice(&o_abs[r]);
+                o[r.clone()].copy_from_slice(&mixed[r]);
             }
             off += s.rows;
         }
-        o
     }
 }
 
@@ -258,34 +270,80 @@ impl AttentionLayer for MlaAttention {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, .. } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let qk = nope + rd;
-        let mut q = vec![0f32; t * h * qk];
         let row = lat + rd;
-        let mut kva = vec![0f32; t * row];
+        // Reused buffers (taken out of the thread's scratch for the call, put back after).
+        let [mut qb, mut kvb, mut ob] = MLA_SCRATCH.with_borrow_mut(std::mem::take);
+        let (q, kva, o) =
+            (grown(&mut qb, t * h * qk), grown(&mut kvb, t * row), grown(&mut ob, t * h * self.dims.v_dim));
         // The projections of x in one dispatch (activations quantised once).
         match &self.w.q_a {
             Some((q_a, norm)) => {
                 let mut qa = vec![0f32; t * q_a.out_dim()];
-                forward_shared_input(&[q_a.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut qa, &mut kva]);
+                forward_shared_input(&[q_a.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut qa, &mut *kva]);
                 rms_norm_rows(&mut qa, norm, self.eps);
-                self.w.q_b.forward(&qa, t, &mut q);
+                self.w.q_b.forward(&qa, t, q);
             }
-            None => forward_shared_input(&[self.w.q_b.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut q, &mut kva]),
+            None => forward_shared_input(&[self.w.q_b.as_ref(), self.w.kv_a.as_ref()], x, t, &mut [&mut *q, &mut *kva]),
         }
         MLA_NS.lap(&mut clock, 0);
-        for (i, r) in kva.chunks_exact_mut(row).enumerate() {
-            rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
-            rope.rotate(i, &mut r[lat..]);
-        }
-        for (idx, qh) in q.chunks_exact_mut(qk).enumerate() {
-            rope.rotate(idx / h, &mut qh[nope..]);
+        // Per token: the latent normed, the rope key and each head's rope part of q rotated.
+        let norm_rope = |first: usize, kv_rows: &mut [f32], q_rows: &mut [f32]| {
+            for (j, (r, qt)) in kv_rows.chunks_exact_mut(row).zip(q_rows.chunks_exact_mut(h * qk)).enumerate() {
+                rms_norm_rows(&mut r[..lat], &self.w.kv_a_norm, self.eps);
+                rope.rotate(first + j, &mut r[lat..]);
+                for qh in qt.chunks_exact_mut(qk) {
+                    rope.rotate(first + j, &mut qh[nope..]);
+                }
+            }
+        };
+        if t <= NORM_ROPE_TOKENS_PER_TASK {
+            norm_rope(0, kva, q);
+        } else {
+            krasis_cpu::par::for_each_chunk_pair_mut(
+                kva,
+                NORM_ROPE_TOKENS_PER_TASK * row,
+                q,
+                NORM_ROPE_TOKENS_PER_TASK * h * qk,
+                &|c, kv_rows, q_rows| norm_rope(c * NORM_ROPE_TOKENS_PER_TASK, kv_rows, q_rows),
+            );
         }
         MLA_NS.lap(&mut clock, 1);
-        let o = self.attend(&q, &kva, seqs);
+        self.attend_into(q, kva, seqs, o);
         MLA_NS.lap(&mut clock, 2);
-        self.w.o.forward(&o, t, out);
+        self.w.o.forward(o, t, out);
         MLA_NS.lap(&mut clock, 3);
+        MLA_SCRATCH.with_borrow_mut(|s| *s = [qb, kvb, ob]);
     }
 }
+
+thread_local! {
+    /// The MLA layers' per-call q, latent-and-rope-key and per-head value buffers: grown to the
+    /// largest call and reused by every layer (a 512-token V2-Lite prefill's are ~11 MB, which
+    /// fresh zeroed vectors cleared again in every layer); [`trim_scratch`] hands them back.
+    static MLA_SCRATCH: RefCell<[Vec<f32>; 3]> = const { RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
+}
+
+/// The first `n` elements of `v`, grown (zeroed) when shorter; what it held before is left as it
+/// was (every user writes all `n` before reading).
+fn grown(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+    &mut v[..n]
+}
+
+/// Frees this thread's MLA buffers when they hold more than `keep` bytes (after a long prompt).
+pub fn trim_scratch(keep: usize) {
+    MLA_SCRATCH.with_borrow_mut(|s| {
+        if s.iter().map(|v| v.capacity() * 4).sum::<usize>() > keep {
+            *s = Default::default();
+        }
+    });
+}
+
+/// Tokens per pool task of the MLA layers' latent norm and RoPE (a prefill's 512 tokens make 32
+/// tasks; decode's one token stays on the calling thread: a dispatch would cost more than it).
+const NORM_ROPE_TOKENS_PER_TASK: usize = 16;
 
 /// Nanoseconds spent so far in MLA layers' forward, by stage: projections, norm and RoPE,
 /// attention (cache append included), output projection (for benches).

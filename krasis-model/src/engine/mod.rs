@@ -610,6 +610,7 @@ impl Model {
         }
         self.stats.total_ns.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         krasis_cpu::prefill_bf16::trim_after_forward(t);
+        attention::trim_scratch(krasis_cpu::prefill_bf16::KEEP_BYTES);
         Ok(out)
     }
 }
