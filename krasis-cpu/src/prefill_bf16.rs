@@ -264,7 +264,29 @@ unsafe fn matmul_blocks(
     os: usize,
     panel: &mut Vec<u16>,
 ) {
-    let (k, per) = (l.k, panel_blocks(l.k));
+    matmul_blocks_with(tiles, w, l, b0, b1, a, m, out, os, panel, panel_blocks(l.k));
+}
+
+/// [`matmul_blocks`] with `per` row blocks per panel.
+///
+/// # Safety
+/// As [`matmul_blocks`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul_blocks_with(
+    tiles: Bf16Tiles,
+    w: &[u8],
+    l: &PackedLayout,
+    b0: usize,
+    b1: usize,
+    a: &[u16],
+    m: usize,
+    out: *mut f32,
+    os: usize,
+    panel: &mut Vec<u16>,
+    per: usize,
+) {
+    let k = l.k;
+    let per = per.max(1);
     let mtiles = m.div_ceil(16);
     debug_assert!(a.len() >= mtiles * 16 * k);
     let pl = panel_len(l);

@@ -37,6 +37,37 @@ fn reference(w: &[f32], x: &[f32], m: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(16))]
 
+    /// One task's run of row blocks in panels of 1–3 blocks, one after another: the same bits as
+    /// one panel holding every block.
+    #[test]
+    fn panels_in_turn_equal_one_panel(
+        m in 1usize..50,
+        rows in 17usize..120,
+        b0 in 0usize..2,
+        per in 1usize..4,
+        int4 in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let (gs, bits, k) = (32, if int4 { Bits::Int4 } else { Bits::Int8 }, 128);
+        let q = quantize(&data(rows * k, seed), rows, k, bits, gs);
+        let (w, l) = (pack(&q), PackedLayout::of(&q));
+        let b1 = l.row_blocks();
+        let mp = m.div_ceil(16) * 16;
+        let mut a = vec![0u16; mp * k];
+        for (i, row) in data(m * k, seed ^ 9).chunks_exact(k).enumerate() {
+            convert_row(row, i, k, &mut a);
+        }
+        let cols = (b1 - b0) * 16;
+        let (mut got, mut want) = (vec![f32::NAN; mp * cols], vec![f32::NAN; mp * cols]);
+        let (mut p1, mut p2) = (Vec::new(), Vec::new());
+        // SAFETY: a holds pad(m) rows of K with zero padding; outputs pad(m) rows of `cols`.
+        unsafe {
+            matmul_blocks_with(Bf16Tiles::Emulated, &w, &l, b0, b1, &a, m, got.as_mut_ptr(), cols, &mut p1, per);
+            matmul_blocks_with(Bf16Tiles::Emulated, &w, &l, b0, b1, &a, m, want.as_mut_ptr(), cols, &mut p2, b1);
+        }
+        prop_assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+
     #[test]
     fn matmul_matches_reference(
         m in 1usize..40,
