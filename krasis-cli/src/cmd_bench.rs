@@ -513,8 +513,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if mla.iter().chain(&ex).any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(
-                    "prefill detail (whole run): MLA prefill expand {:.3} s + attend {:.3} s; BF16 expert dispatches: convert {:.3} s, w13 {:.3} s, w2 {:.3} s, sum {:.3} s; BF16 matmuls' worker time: dequantise {:.3} s, tiles {:.3} s",
-                    s(mla[0]), s(mla[1]), s(ex[0]), s(ex[1]), s(ex[2]), s(ex[3]), s(ex[4]), s(ex[5])
+                    "prefill detail (whole run): MLA prefill expand {:.3} s + attend {:.3} s; BF16 expert dispatches: convert {:.3} s, w13 {:.3} s, w2 {:.3} s, sum {:.3} s; BF16 matmuls' worker time: dequantise {:.3} s, tiles {:.3} s; expert tasks' worker time: w13 {:.3} s, w2 {:.3} s",
+                    s(mla[0]), s(mla[1]), s(ex[0]), s(ex[1]), s(ex[2]), s(ex[3]), s(ex[4]), s(ex[5]), s(ex[6]), s(ex[7])
                 );
             }
             let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;

@@ -1060,7 +1060,7 @@ impl PoolExperts {
                         let (h13, act) = tmp.split_at_mut(split * m * cols13);
                         matmul_packed(isa, w13, l13, a, 2 * p0..2 * p1, h13);
                         sum_split_rows(h13, m, cols13);
-                        silu_mul_w13(&h13[..m * cols13], m, act);
+                        silu_mul_w13(isa, &h13[..m * cols13], m, act);
                         for i in 0..m {
                             // SAFETY: this task owns columns [16·p0, 16·p1) of job e's mid rows.
                             unsafe { OutPtr(b.mid).write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
@@ -1431,7 +1431,7 @@ pub(crate) mod tests {
             sum_split_rows(&mut h13, m, c13);
             let inter = c13 / 2;
             let mut mid = vec![f32::NAN; m * inter];
-            silu_mul_w13(&h13[..m * c13], m, &mut mid);
+            silu_mul_w13(isa, &h13[..m * c13], m, &mut mid);
             quantize_acts_split(&mid, m, inter, ex.l2.gs, &mut tmp, &mut mid_acts);
             let c2 = ex.l2.row_blocks() * ROW_BLOCK;
             let mut y = vec![f32::NAN; split_factor() * m * c2];
