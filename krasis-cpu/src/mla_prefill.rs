@@ -138,6 +138,14 @@ fn for_each_packed(m: &[u8], l: &PackedLayout, rows: usize, mut f: impl FnMut(us
     }
 }
 
+/// Float index of (latent row `j`, column `c`) in one head's expansion weights as
+/// [`head_weights`] lays them out: panels of [`W_PANEL`] columns, each `[latent][width]`.
+#[inline]
+fn weight_index(lat: usize, per_head: usize, j: usize, c: usize) -> usize {
+    let p0 = c - c % W_PANEL;
+    p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
+}
+
 /// Head `hh`'s expansion weights `[latent][nope + v_dim]` (per latent index its `W_UK` column,
 /// then its `W_UV` column) into `out`, in panels of [`W_PANEL`] columns: column `c` of latent
 /// row `j` at `W_PANEL·latent·(c / W_PANEL) + j·w + c % W_PANEL`, `w` the panel's width. Packed
@@ -155,10 +163,7 @@ fn head_weights(isa: Isa, kv_b: &KvBWeights<'_>, d: &MlaDims, hh: usize, out: &m
         }
     }
     let _ = isa;
-    let at = |j: usize, c: usize| {
-        let p0 = c - c % W_PANEL;
-        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
-    };
+    let at = |j: usize, c: usize| weight_index(lat, per_head, j, c);
     match *kv_b {
         KvBWeights::F32(w) => {
             for c in 0..per_head {
@@ -200,12 +205,8 @@ unsafe fn head_weights_int8_avx512(
     let (lat, nope, per_head) = (d.latent, d.nope, d.nope + d.v_dim);
     assert!(out.len() >= lat * per_head && uk.len() >= lu.bytes() && uv.len() >= lv.bytes());
     let o = out.as_mut_ptr();
-    // Float index of (latent row j, column c), c a multiple of 16 (16 columns never straddle a
-    // panel: W_PANEL is a multiple of 16).
-    let at = |j: usize, c: usize| {
-        let p0 = c - c % W_PANEL;
-        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
-    };
+    // c a multiple of 16 here (16 columns never straddle a panel: W_PANEL is a multiple of 16).
+    let at = |j: usize, c: usize| weight_index(lat, per_head, j, c);
     let bias = _mm512_set1_epi32(128);
     let scales = |blk: *const u8, l: &PackedLayout, g: usize| {
         _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(l.scales_offset(g)) as *const __m256i))
@@ -531,10 +532,7 @@ fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_ro
 fn head_panel(w: &[f32], lat: usize, per_head: usize, panel: &mut Vec<u16>) {
     let nb = per_head.div_ceil(ROW_BLOCK);
     panel.resize(nb * lat * ROW_BLOCK, 0);
-    let at = |j: usize, c: usize| {
-        let p0 = c - c % W_PANEL;
-        p0 * lat + j * W_PANEL.min(per_head - p0) + c % W_PANEL
-    };
+    let at = |j: usize, c: usize| weight_index(lat, per_head, j, c);
     let column16 = |j: usize, c0: usize| -> [f32; ROW_BLOCK] {
         std::array::from_fn(|n| if c0 + n < per_head { w[at(j, c0 + n)] } else { 0.0 })
     };
