@@ -40,6 +40,10 @@ pub struct Args {
     /// Prompt length before decoding (random ids).
     #[arg(long, default_value_t = 16)]
     pub(crate) prompt_tokens: usize,
+    /// Prefills of the prompt to time on the CPU engine, each in a fresh session: with more
+    /// than one, the first (cold) is shown apart and the median of the rest is reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub(crate) prefill_reps: u32,
     #[command(flatten)]
     pub(crate) engine: EngineArgs,
     /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
@@ -173,25 +177,92 @@ pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> a
     Ok((opened, load_s))
 }
 
-/// Greedy prefill of a random prompt, then `decode_tokens` decode steps on `engine`: (prefill
-/// seconds, decode seconds). The forward statistics are reset between the two, so afterwards
-/// they cover the decode steps alone.
-/// Times a random prompt's prefill and `decode_tokens` greedy steps: (prefill s, decode s, where
-/// the prefill's forward time went). The engine's `ForwardStats` then hold the decode alone.
+/// The stage counters the bench prints (MLA prefill, BF16 expert dispatches, the engine's
+/// "other" stages, MLA layers), read at one moment.
+#[derive(Clone, Copy, Default)]
+struct StageCounters {
+    mla: [u64; 2],
+    experts: [u64; 8],
+    other: [u64; 5],
+    layer: [u64; 4],
+}
+
+impl StageCounters {
+    fn now() -> Self {
+        StageCounters {
+            mla: krasis_cpu::mla_prefill::phase_ns(),
+            experts: krasis_cpu::prefill_bf16::expert_phase_ns(),
+            other: krasis_model::engine::other_phase_ns(),
+            layer: krasis_model::engine::attention::mla_phase_ns(),
+        }
+    }
+
+    /// Counts since `before`.
+    fn since(self, before: StageCounters) -> Self {
+        fn d<const N: usize>(a: [u64; N], b: [u64; N]) -> [u64; N] {
+            std::array::from_fn(|i| a[i].saturating_sub(b[i]))
+        }
+        StageCounters {
+            mla: d(self.mla, before.mla),
+            experts: d(self.experts, before.experts),
+            other: d(self.other, before.other),
+            layer: d(self.layer, before.layer),
+        }
+    }
+}
+
+/// What [`time_greedy_decode`] measured.
+struct GreedyTiming {
+    /// Seconds of each prefill, in order (the first one cold: fresh scratch, weights first read).
+    prefill_s: Vec<f64>,
+    /// Where the last prefill's forward time went.
+    prefill_parts: ForwardBreakdown,
+    /// Stage counters over the last prefill alone.
+    prefill_stages: StageCounters,
+    /// Seconds of the decode steps after the last prefill.
+    decode_s: f64,
+}
+
+impl GreedyTiming {
+    /// The prefill time the bench reports: the only one, or the median of the warm repeats
+    /// (what llama-bench reports too, after its warm-up run, is a mean over repeats).
+    fn reported_prefill_s(&self) -> f64 {
+        let warm = if self.prefill_s.len() > 1 { &self.prefill_s[1..] } else { &self.prefill_s[..] };
+        let mut v = warm.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+}
+
+/// Times `prefill_reps` prefills of one random prompt (each in a fresh session), then
+/// `decode_tokens` greedy steps after the last one. The engine's `ForwardStats` then hold the
+/// decode alone.
 fn time_greedy_decode(
     engine: &dyn Engine,
     prompt_tokens: usize,
     decode_tokens: usize,
-) -> anyhow::Result<(f64, f64, ForwardBreakdown)> {
+    prefill_reps: usize,
+) -> anyhow::Result<GreedyTiming> {
     let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
-    let mut session = engine.new_session()?;
     let mut greedy = Sampler::new(SamplingParams::default());
-    if let Some(stats) = engine.forward_stats() {
-        stats.reset();
+    let mut prefill_s = Vec::new();
+    let mut before = StageCounters::now();
+    let mut session = engine.new_session()?;
+    let mut next = 0;
+    for rep in 0..prefill_reps.max(1) {
+        if rep > 0 {
+            drop(session);
+            session = engine.new_session()?;
+            before = StageCounters::now();
+        }
+        if let Some(stats) = engine.forward_stats() {
+            stats.reset();
+        }
+        let t = Instant::now();
+        next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
+        prefill_s.push(t.elapsed().as_secs_f64());
     }
-    let t = Instant::now();
-    let mut next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
-    let prefill_s = t.elapsed().as_secs_f64();
+    let prefill_stages = StageCounters::now().since(before);
     let prefill_parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
     if let Some(stats) = engine.forward_stats() {
         stats.reset();
@@ -200,7 +271,7 @@ fn time_greedy_decode(
     for _ in 0..decode_tokens {
         next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
     }
-    Ok((prefill_s, t.elapsed().as_secs_f64(), prefill_parts))
+    Ok(GreedyTiming { prefill_s, prefill_parts, prefill_stages, decode_s: t.elapsed().as_secs_f64() })
 }
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
@@ -442,7 +513,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
-        let (prefill_s, decode_s, pp) = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens)?;
+        let timing = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens, a.prefill_reps as usize)?;
+        let (prefill_s, decode_s, pp) = (timing.reported_prefill_s(), timing.decode_s, timing.prefill_parts);
         let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
         let expert_s = parts.experts;
         let n = a.decode_tokens as f64;
@@ -461,6 +533,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                                 "experts": engine.describe() });
         out["load_s"] = json!(load_s);
         out["prefill"] = json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s,
+                    "rep_seconds": timing.prefill_s,
                     "experts_s": pp.experts, "attention_s": pp.attention, "shared_experts_s": pp.shared,
                     "lm_head_s": pp.lm_head, "forward_s": pp.total });
         out["decode"] = json!({
@@ -481,29 +554,38 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 n / decode_s,
                 ms - expert_ms
             );
+            if timing.prefill_s.len() > 1 {
+                let tps: Vec<String> =
+                    timing.prefill_s.iter().map(|&t| format!("{:.1}", a.prompt_tokens as f64 / t)).collect();
+                println!(
+                    "prefill runs (tok/s, first cold): {}; reported: median of the {} warm runs",
+                    tps.join(", "),
+                    tps.len() - 1
+                );
+            }
             println!(
-                "prefill: experts {:.3} s + attention {:.3} s + shared experts {:.3} s + LM head {:.3} s + other {:.3} s (norms, routers, dense-layer MLPs) + sampling and step overhead {:.3} s",
+                "prefill (last run): experts {:.3} s + attention {:.3} s + shared experts {:.3} s + LM head {:.3} s + other {:.3} s (norms, routers, dense-layer MLPs) + sampling and step overhead {:.3} s",
                 pp.experts,
                 pp.attention,
                 pp.shared,
                 pp.lm_head,
                 pp.total - pp.experts - pp.attention - pp.shared - pp.lm_head,
-                prefill_s - pp.total
+                timing.prefill_s.last().copied().unwrap_or(prefill_s) - pp.total
             );
-            let (mla, ex) = (krasis_cpu::mla_prefill::phase_ns(), krasis_cpu::prefill_bf16::expert_phase_ns());
-            let o = krasis_model::engine::other_phase_ns();
+            let st = timing.prefill_stages;
+            let (mla, ex, o) = (st.mla, st.experts, st.other);
             if o.iter().any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(
-                    "other (whole run): norms and copies {:.3} s, residual adds {:.3} s, routers {:.3} s, routing {:.3} s, dense-layer MLPs {:.3} s",
+                    "other (last prefill): norms and copies {:.3} s, residual adds {:.3} s, routers {:.3} s, routing {:.3} s, dense-layer MLPs {:.3} s",
                     s(o[0]), s(o[1]), s(o[2]), s(o[3]), s(o[4])
                 );
             }
-            let layer = krasis_model::engine::attention::mla_phase_ns();
+            let layer = st.layer;
             if layer.iter().any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(
-                    "MLA layers (whole run): projections {:.3} s, norm+rope {:.3} s, attention {:.3} s, o_proj {:.3} s",
+                    "MLA layers (last prefill): projections {:.3} s, norm+rope {:.3} s, attention {:.3} s, o_proj {:.3} s",
                     s(layer[0]),
                     s(layer[1]),
                     s(layer[2]),
@@ -513,8 +595,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if mla.iter().chain(&ex).any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(
-                    "prefill detail (whole run): MLA prefill expand {:.3} s + attend {:.3} s; BF16 expert dispatches: convert {:.3} s, w13 {:.3} s, w2 {:.3} s, sum {:.3} s; BF16 matmuls' worker time: dequantise {:.3} s, tiles {:.3} s; expert tasks' worker time: w13 {:.3} s, w2 {:.3} s",
-                    s(mla[0]), s(mla[1]), s(ex[0]), s(ex[1]), s(ex[2]), s(ex[3]), s(ex[4]), s(ex[5]), s(ex[6]), s(ex[7])
+                    "prefill detail (last prefill): MLA prefill expand {:.3} s + attend {:.3} s; BF16 expert tasks {:.3} s wall + weighted sum {:.3} s; their worker time: convert {:.3} s, w13 {:.3} s, w2 {:.3} s, waiting for inputs {:.3} s (of which BF16 matmuls: dequantise {:.3} s, tiles {:.3} s)",
+                    s(mla[0]), s(mla[1]), s(ex[1]), s(ex[3]), s(ex[0]), s(ex[6]), s(ex[7]), s(ex[2]), s(ex[4]), s(ex[5])
                 );
             }
             let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;

@@ -13,10 +13,14 @@
 //! bounds; checked on the oracle fixtures with the emulated tiles in CI and the hardware tiles
 //! on the GPU box).
 //!
-//! Experts run in four dispatches: each expert's token rows gathered and rounded to BF16; w13
-//! tasks (expert, block pairs) computing SiLU(gate)·up and writing the intermediate as BF16 in
-//! the tiled layout w2 reads; w2 tasks (expert, row blocks) into a per-expert output; and the
-//! weighted sum per token in job order.
+//! Experts run in two dispatches. The first holds three kinds of task, in this order: each
+//! expert's token rows gathered and rounded to BF16; w13 tasks (expert, block pairs) computing
+//! SiLU(gate)·up and writing the intermediate as BF16 in the tiled layout w2 reads; w2 tasks
+//! (expert, row blocks) into a per-expert output. A task waits (spinning, on per-expert
+//! counters) only for the tasks of its own expert that it reads, so workers move on to the w2
+//! tasks of finished experts instead of idling at the end of the w13 phase. The second dispatch
+//! is the weighted sum per token in job order. `KRASIS_EXPERT_DISPATCH=split` runs the three
+//! kinds of task as three dispatches instead (for comparison).
 //!
 //! `KRASIS_PREFILL_MATMUL=int8` keeps the INT8 kernels for prefill too; `bf16-emulated` runs this
 //! path with the scalar tile emulation on any CPU (for the fidelity tests);
@@ -127,15 +131,30 @@ pub fn calls() -> usize {
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// Nanoseconds spent so far in each dispatch of `run_experts` (conversion, w13, w2, sum);
-/// summed over workers in every BF16 matmul's panel dequantisation and its tiles; and summed
-/// over the w13 and w2 dispatches' tasks (their busy time: against the dispatch's wall time ×
-/// workers it shows the idle tail) (for benches).
+/// Nanoseconds spent so far (for benches): `[0]` conversion tasks' worker time, `[1]` wall time
+/// of the expert tasks' dispatch(es), `[2]` worker time tasks spent waiting for their expert's
+/// inputs, `[3]` wall time of the weighted sum; summed over workers in every BF16 matmul's panel
+/// dequantisation `[4]` and its tiles `[5]`; the w13 `[6]` and w2 `[7]` tasks' busy time
+/// (waits excluded: against `[1]` × workers it shows the idle time).
 pub fn expert_phase_ns() -> [u64; 8] {
     PHASE_NS.get()
 }
 
 static PHASE_NS: PhaseNs<8> = PhaseNs::new();
+
+/// Whether the expert tasks run as one dispatch (default) or, with
+/// `KRASIS_EXPERT_DISPATCH=split`, one dispatch per kind of task (read once).
+fn fused_dispatch() -> bool {
+    static F: OnceLock<bool> = OnceLock::new();
+    *F.get_or_init(|| match std::env::var("KRASIS_EXPERT_DISPATCH").unwrap_or_default().trim() {
+        "" | "fused" => true,
+        "split" => false,
+        other => {
+            tracing::warn!("KRASIS_EXPERT_DISPATCH={other:?} is not fused or split; using fused");
+            true
+        }
+    })
+}
 
 /// One line for the startup log.
 pub fn describe() -> String {
@@ -167,7 +186,10 @@ struct CallBufs {
     y: Vec<f32>,
     /// Experts: each job's first (padded) row in `x`, `mid` and `y`; one more entry: the total.
     row0: Vec<usize>,
+    /// w13 tasks `(job, pair0, pair1, work)`.
     tasks: Vec<(usize, usize, usize, usize)>,
+    /// w2 tasks `(job, block0, block1, work)`.
+    tasks2: Vec<(usize, usize, usize, usize)>,
     /// Conversion tasks `(job, row0, row1)`.
     xtasks: Vec<(usize, usize, usize)>,
     /// Per token: its (job, row) entries in job order (CSR over `tok_start`).
@@ -183,6 +205,7 @@ impl CallBufs {
             y: Vec::new(),
             row0: Vec::new(),
             tasks: Vec::new(),
+            tasks2: Vec::new(),
             xtasks: Vec::new(),
             tok_start: Vec::new(),
             tok_entries: Vec::new(),
@@ -477,6 +500,22 @@ pub(crate) fn run_experts(
     jobs: &[ExpertJob<'_>],
     out: &mut [f32],
 ) {
+    run_experts_as(fused_dispatch(), tiles, pool, l13, l2, x, hidden, jobs, out)
+}
+
+/// [`run_experts`] with the expert tasks in one dispatch (`fused`) or one per kind of task.
+#[allow(clippy::too_many_arguments)]
+fn run_experts_as(
+    fused: bool,
+    tiles: Bf16Tiles,
+    pool: &WorkerPool,
+    l13: &PackedLayout,
+    l2: &PackedLayout,
+    x: &[f32],
+    hidden: usize,
+    jobs: &[ExpertJob<'_>],
+    out: &mut [f32],
+) {
     CALLS.fetch_add(1, Ordering::Relaxed);
     let mut clock = std::time::Instant::now();
     let rows = x.len() / hidden;
@@ -506,99 +545,133 @@ pub(crate) fn run_experts(
     grow(&mut call.x, total_rows * hidden);
     grow(&mut call.mid, total_rows * inter);
     grow(&mut call.y, total_rows * ys);
-    let (xp, row0) = (DisjointPtr(call.x.as_mut_ptr()), &call.row0);
-    let xtasks = &call.xtasks;
-    pool.run(xtasks.len(), &|t, _| {
-        let (e, r0, r1) = xtasks[t];
-        let toks = jobs[e].tokens;
-        // SAFETY: rows r0..r1 of job e (and its padding rows, for the task ending at its last
-        // row) are written by this task alone; the job's rows lie inside x.
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut(xp.get().add(row0[e] * hidden), padded(toks.len()) * hidden) };
-        for (i, &(tok, _)) in toks.iter().enumerate().take(r1).skip(r0) {
-            convert_row(&x[tok * hidden..(tok + 1) * hidden], i, hidden, dst);
-        }
-        if r1 == toks.len() {
-            zero_padding(toks.len(), hidden, dst);
-        }
-    });
-    PHASE_NS.lap(&mut clock, 0);
     let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
-    let (mids, yp) = (DisjointPtr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
-    // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
+    // w13 tasks (expert, block pairs), largest first; then w2 tasks (expert, row blocks) in the
+    // order their experts' intermediates complete (the expert's last w13 task), largest first
+    // within an expert.
     size_tasks(&mut call.tasks, &mtiles, pairs, workers);
-    let (tasks, xa, row0) = (&call.tasks, &call.x, &call.row0);
+    let mut tasks2 = std::mem::take(&mut call.tasks2);
+    size_tasks(&mut tasks2, &mtiles, nb2, workers);
+    let mut last13 = vec![0usize; n];
+    for (i, t) in call.tasks.iter().enumerate() {
+        last13[t.0] = i;
+    }
+    tasks2.sort_by_key(|t| (last13[t.0], std::cmp::Reverse(t.3)));
+    call.tasks2 = tasks2;
+    // Per job: conversion tasks and w13 tasks it has, and how many of each have finished.
+    let mut want = vec![[0usize; 2]; n];
+    for &(e, ..) in &call.xtasks {
+        want[e][0] += 1;
+    }
+    for &(e, ..) in &call.tasks {
+        want[e][1] += 1;
+    }
+    let done: Vec<[AtomicUsize; 2]> = (0..n).map(|_| [AtomicUsize::new(0), AtomicUsize::new(0)]).collect();
+    let failed = AtomicBool::new(false);
+    let (xp, mids, yp) =
+        (DisjointPtr(call.x.as_mut_ptr()), DisjointPtr(call.mid.as_mut_ptr()), OutPtr(call.y.as_mut_ptr()));
+    let (xtasks, tasks, tasks2, row0) = (&call.xtasks, &call.tasks, &call.tasks2, &call.row0);
+    let (nx, n13) = (xtasks.len(), tasks.len());
     let (ks2, isa) = (inter / TILE_K, crate::isa::active());
-    pool.run(tasks.len(), &|t, _| {
+    let task = |t: usize| {
+        let _fail = FailOnUnwind(&failed);
         let mut busy = std::time::Instant::now();
-        let (e, p0, p1, _) = tasks[t];
-        let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
-        SCRATCH.with_borrow_mut(|s| {
-            let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
-            grow(&mut s.c, mp * cols13);
-            // SAFETY: c holds pad(m) rows of cols13; xa[e] is pad(m)·hidden, tiled, zero padding.
-            unsafe {
-                matmul_blocks(
-                    tiles,
-                    jobs[e].weights.w13,
-                    l13,
-                    2 * p0,
-                    2 * p1,
-                    &xa[row0[e] * hidden..row0[e + 1] * hidden],
-                    m,
-                    s.c.as_mut_ptr(),
-                    cols13,
-                    &mut s.panel,
-                )
-            };
-            grow(&mut s.act, m * cols);
-            silu_mul_w13(isa, &s.c[..m * cols13], m, &mut s.act[..m * cols]);
-            for i in 0..mp {
-                for c in (0..cols).step_by(ROW_BLOCK) {
-                    let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
-                    // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows (16
-                    // consecutive tiled elements per 16-aligned column run).
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(mids.get().add(row0[e] * inter + at), ROW_BLOCK) };
-                    if i < m {
-                        to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
-                    } else {
-                        dst.fill(0);
+        if t < nx {
+            // Job e's token rows r0..r1 as BF16, tiled.
+            let (e, r0, r1) = xtasks[t];
+            let toks = jobs[e].tokens;
+            // SAFETY: rows r0..r1 of job e (and its padding rows, for the task ending at its last
+            // row) are written by this task alone; the job's rows lie inside x; readers wait for
+            // every conversion task of the job (`done[e][0]`).
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(xp.get().add(row0[e] * hidden), padded(toks.len()) * hidden) };
+            for (i, &(tok, _)) in toks.iter().enumerate().take(r1).skip(r0) {
+                convert_row(&x[tok * hidden..(tok + 1) * hidden], i, hidden, dst);
+            }
+            if r1 == toks.len() {
+                zero_padding(toks.len(), hidden, dst);
+            }
+            done[e][0].fetch_add(1, Ordering::Release);
+            PHASE_NS.lap(&mut busy, 0);
+        } else if t < nx + n13 {
+            // w13: SiLU(gate)·up of block pairs p0..p1 into mid[e] as BF16 (padding rows zero).
+            let (e, p0, p1, _) = tasks[t - nx];
+            let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
+            let w = jobs[e].weights.w13;
+            let upcoming = &w[..w.len().min(X_WAIT_PREFETCH)];
+            wait_ready(&done[e][0], want[e][0], &failed, upcoming);
+            PHASE_NS.lap(&mut busy, 2);
+            // SAFETY: x[e] is complete (every conversion task of e has finished, Acquire above)
+            // and no task writes it any more.
+            let xa = unsafe { std::slice::from_raw_parts(xp.get().add(row0[e] * hidden).cast_const(), mp * hidden) };
+            SCRATCH.with_borrow_mut(|s| {
+                let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
+                grow(&mut s.c, mp * cols13);
+                // SAFETY: c holds pad(m) rows of cols13; xa is pad(m)·hidden, tiled, zero padding.
+                unsafe { matmul_blocks(tiles, w, l13, 2 * p0, 2 * p1, xa, m, s.c.as_mut_ptr(), cols13, &mut s.panel) };
+                grow(&mut s.act, m * cols);
+                silu_mul_w13(isa, &s.c[..m * cols13], m, &mut s.act[..m * cols]);
+                for i in 0..mp {
+                    for c in (0..cols).step_by(ROW_BLOCK) {
+                        let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);
+                        // SAFETY: this task alone writes columns [16·p0, 16·p1) of mid[e]'s rows
+                        // (16 consecutive tiled elements per 16-aligned column run).
+                        let dst =
+                            unsafe { std::slice::from_raw_parts_mut(mids.get().add(row0[e] * inter + at), ROW_BLOCK) };
+                        if i < m {
+                            to_bf16(&s.act[i * cols + c..i * cols + c + ROW_BLOCK], dst);
+                        } else {
+                            dst.fill(0);
+                        }
                     }
                 }
-            }
-        });
-        PHASE_NS.lap(&mut busy, 6);
-    });
+            });
+            done[e][1].fetch_add(1, Ordering::Release);
+            PHASE_NS.lap(&mut busy, 6);
+        } else {
+            // w2: row blocks b0..b1 of expert e into y[e].
+            let (e, b0, b1, _) = tasks2[t - nx - n13];
+            let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
+            let w = jobs[e].weights.w2;
+            let upcoming = &w[..w.len().min(X_WAIT_PREFETCH)];
+            wait_ready(&done[e][1], want[e][1], &failed, upcoming);
+            PHASE_NS.lap(&mut busy, 2);
+            // SAFETY: mid[e] is complete (every w13 task of e has finished, Acquire above) with
+            // zero padding rows, and no task writes it any more.
+            let mid = unsafe { std::slice::from_raw_parts(mids.get().add(row0[e] * inter).cast_const(), mp * inter) };
+            SCRATCH.with_borrow_mut(|s| {
+                // SAFETY: y[e] holds pad(m) rows of `ys`; this task alone writes its columns
+                // [16·b0, 16·b1).
+                unsafe {
+                    matmul_blocks(
+                        tiles,
+                        w,
+                        l2,
+                        b0,
+                        b1,
+                        mid,
+                        m,
+                        yp.ptr().add(row0[e] * ys + b0 * ROW_BLOCK),
+                        ys,
+                        &mut s.panel,
+                    )
+                };
+            });
+            PHASE_NS.lap(&mut busy, 7);
+        }
+    };
+    let all_tasks = nx + n13 + tasks2.len();
+    if fused {
+        // One dispatch: tasks are claimed in index order, so every task a waiter depends on has
+        // been claimed (and runs to completion) before the waiter is; workers move on to w2 tasks
+        // of finished experts instead of idling at the end of the w13 phase.
+        pool.run(all_tasks, &|t, _| task(t));
+    } else {
+        for (start, end) in [(0, nx), (nx, nx + n13), (nx + n13, all_tasks)] {
+            pool.run(end - start, &|t, _| task(start + t));
+        }
+    }
     PHASE_NS.lap(&mut clock, 1);
-    // w2: row blocks b0..b1 of expert e into y[e].
-    size_tasks(&mut call.tasks, &mtiles, nb2, workers);
-    let (tasks, mid, row0) = (&call.tasks, &call.mid, &call.row0);
-    pool.run(tasks.len(), &|t, _| {
-        let mut busy = std::time::Instant::now();
-        let (e, b0, b1, _) = tasks[t];
-        let m = jobs[e].tokens.len();
-        SCRATCH.with_borrow_mut(|s| {
-            // SAFETY: y[e] holds pad(m) rows of `ys`; this task alone writes its columns
-            // [16·b0, 16·b1); mid[e] is complete (previous dispatch) with zero padding rows.
-            unsafe {
-                matmul_blocks(
-                    tiles,
-                    jobs[e].weights.w2,
-                    l2,
-                    b0,
-                    b1,
-                    &mid[row0[e] * inter..row0[e + 1] * inter],
-                    m,
-                    yp.ptr().add(row0[e] * ys + b0 * ROW_BLOCK),
-                    ys,
-                    &mut s.panel,
-                )
-            };
-        });
-        PHASE_NS.lap(&mut busy, 7);
-    });
-    PHASE_NS.lap(&mut clock, 2);
     // Weighted sum per token, jobs in order.
     call.tok_start.clear();
     call.tok_start.resize(rows + 1, 0);
