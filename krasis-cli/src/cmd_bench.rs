@@ -184,7 +184,7 @@ struct StageCounters {
     mla: [u64; 2],
     experts: [u64; 8],
     other: [u64; 5],
-    layer: [u64; 4],
+    layer: [u64; 7],
 }
 
 impl StageCounters {
@@ -221,6 +221,8 @@ struct GreedyTiming {
     prefill_stages: StageCounters,
     /// Seconds of the decode steps after the last prefill.
     decode_s: f64,
+    /// Stage counters over the decode steps.
+    decode_stages: StageCounters,
 }
 
 impl GreedyTiming {
@@ -267,11 +269,18 @@ fn time_greedy_decode(
     if let Some(stats) = engine.forward_stats() {
         stats.reset();
     }
-    let t = Instant::now();
+    let (t, before) = (Instant::now(), StageCounters::now());
     for _ in 0..decode_tokens {
         next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
     }
-    Ok(GreedyTiming { prefill_s, prefill_parts, prefill_stages, decode_s: t.elapsed().as_secs_f64() })
+    let decode_s = t.elapsed().as_secs_f64();
+    Ok(GreedyTiming {
+        prefill_s,
+        prefill_parts,
+        prefill_stages,
+        decode_s,
+        decode_stages: StageCounters::now().since(before),
+    })
 }
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
@@ -585,11 +594,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             if layer.iter().any(|&v| v > 0) {
                 let s = |v: u64| v as f64 / 1e9;
                 println!(
-                    "MLA layers (last prefill): projections {:.3} s, norm+rope {:.3} s, attention {:.3} s, o_proj {:.3} s",
-                    s(layer[0]),
-                    s(layer[1]),
-                    s(layer[2]),
-                    s(layer[3])
+                    "MLA layers (last prefill): projections {:.3} s, norm+rope {:.3} s, attention {:.3} s (absorb {:.3}, core {:.3}, W_UV {:.3}), o_proj {:.3} s",
+                    s(layer[0]), s(layer[1]), s(layer[2]), s(layer[4]), s(layer[5]), s(layer[6]), s(layer[3])
+                );
+            }
+            let od = timing.decode_stages.other;
+            if od.iter().any(|&v| v > 0) {
+                let ms = |v: u64| v as f64 / 1e6 / n;
+                println!(
+                    "other (decode, per token): norms and copies {:.2} ms, residual adds {:.2} ms, routers {:.2} ms, routing {:.2} ms, dense-layer MLPs {:.2} ms",
+                    ms(od[0]), ms(od[1]), ms(od[2]), ms(od[3]), ms(od[4])
+                );
+            }
+            let dl = timing.decode_stages.layer;
+            if dl.iter().any(|&v| v > 0) {
+                let ms = |v: u64| v as f64 / 1e6 / n;
+                println!(
+                    "MLA layers (decode, per token): projections {:.2} ms, norm+rope {:.2} ms, attention {:.2} ms (absorb {:.2}, core {:.2}, W_UV {:.2}), o_proj {:.2} ms",
+                    ms(dl[0]), ms(dl[1]), ms(dl[2]), ms(dl[4]), ms(dl[5]), ms(dl[6]), ms(dl[3])
                 );
             }
             if mla.iter().chain(&ex).any(|&v| v > 0) {

@@ -164,6 +164,7 @@ impl MlaAttention {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let (qk, row) = (nope + rd, lat + rd);
+        let mut clock = std::time::Instant::now();
         let dec: Vec<bool> = seqs.iter().map(|s| self.prefill.decompressed(s.rows, s.kv.len())).collect();
         let any_absorbed = dec.iter().any(|d| !d);
         // The decompressed form dequantises `kv_b` per task from the form held here.
@@ -195,6 +196,7 @@ impl MlaAttention {
         }
 
         assert_eq!(o.len(), t * h * vd, "attend_into: o must hold [t, heads, v_dim]");
+        MLA_NS.lap(&mut clock, 4);
         let mut o_lat = vec![0f32; if any_absorbed { t * h * lat } else { 0 }];
         let mut seq = 0;
         append_each(seqs, kva, row, None, |off, n, q_start, kv| {
@@ -218,6 +220,7 @@ impl MlaAttention {
             }
             seq += 1;
         });
+        MLA_NS.lap(&mut clock, 5);
         if !any_absorbed {
             return;
         }
@@ -238,6 +241,7 @@ impl MlaAttention {
             }),
             KvB::Packed(p) => p.apply_uv(&o_lat, t, o_abs),
         }
+        MLA_NS.lap(&mut clock, 6);
         if !any_decompressed {
             return;
         }
@@ -346,12 +350,13 @@ pub fn trim_scratch(keep: usize) {
 const NORM_ROPE_TOKENS_PER_TASK: usize = 16;
 
 /// Nanoseconds spent so far in MLA layers' forward, by stage: projections, norm and RoPE,
-/// attention (cache append included), output projection (for benches).
-pub fn mla_phase_ns() -> [u64; 4] {
+/// attention (cache append included), output projection; then the attention's parts: the W_UK
+/// absorption of q, the attention over the cache (append included) and W_UV (for benches).
+pub fn mla_phase_ns() -> [u64; 7] {
     MLA_NS.get()
 }
 
-static MLA_NS: krasis_cpu::phase_ns::PhaseNs<4> = krasis_cpu::phase_ns::PhaseNs::new();
+static MLA_NS: krasis_cpu::phase_ns::PhaseNs<7> = krasis_cpu::phase_ns::PhaseNs::new();
 
 pub struct GqaAttention {
     pub heads: usize,
