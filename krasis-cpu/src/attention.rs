@@ -4,6 +4,8 @@
 //! single "head" whose key is `[latent ‖ rope key]` and whose value is the latent itself (both
 //! views of the same cache rows, hence the separate strides).
 
+use crate::expf::softmax_step;
+use crate::group_attention::{group_scores, group_values, Rows};
 use crate::isa;
 use crate::linear::{axpy, dot};
 
@@ -111,7 +113,10 @@ fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_
     let chunks = visible.div_ceil(rows);
     // Per task (kv head g, chunk c): per head of the group its max, sum and output.
     let part = group * (v_dim + 2);
-    let mut partials = vec![0f32; kv.kv_heads * chunks * part];
+    // Reused across calls (every element is written before it is read): a fresh 0.25–1 MB
+    // vector per layer and token was mapped, faulted in and unmapped each time.
+    let mut partials = PARTIALS.with_borrow_mut(std::mem::take);
+    partials.resize(kv.kv_heads * chunks * part, 0.0);
     let isa = isa::active();
     crate::par::for_each_chunk_mut(&mut partials, part, &|task, p| {
         let (g, c) = (task / chunks, task % chunks);
@@ -120,32 +125,17 @@ fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
             scores.resize(group * n, 0.0);
-            for (j, pos) in (p0..p1).enumerate() {
-                let k = &kv.k[pos * kv.k_stride + g * k_dim..][..k_dim];
-                for h in 0..group {
-                    let qh = &q[(g * group + h) * k_dim..][..k_dim];
-                    scores[h * n + j] = dot(isa, qh, k) * scale;
-                }
-            }
+            let qg = &q[g * group * k_dim..(g + 1) * group * k_dim];
+            let keys = Rows { data: kv.k, start: p0 * kv.k_stride + g * k_dim, stride: kv.k_stride, width: k_dim };
+            group_scores(isa, qg, group, keys, n, scores);
             let (ml, o) = p.split_at_mut(2 * group);
-            o.fill(0.0);
-            for h in 0..group {
-                let s = &mut scores[h * n..(h + 1) * n];
-                let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for v in s.iter_mut() {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
+            for (h, s) in scores.chunks_exact_mut(n).enumerate() {
+                let (max, sum) = softmax_step(isa, s, n, scale, f32::NEG_INFINITY);
                 ml[2 * h] = max;
                 ml[2 * h + 1] = sum;
             }
-            for (j, pos) in (p0..p1).enumerate() {
-                let v = &kv.v[pos * kv.v_stride + g * v_dim..][..v_dim];
-                for h in 0..group {
-                    axpy(isa, scores[h * n + j], v, &mut o[h * v_dim..(h + 1) * v_dim]);
-                }
-            }
+            let values = Rows { data: kv.v, start: p0 * kv.v_stride + g * v_dim, stride: kv.v_stride, width: v_dim };
+            group_values(isa, scores, group, n, values, o);
         })
     });
     // Combine the chunks of each head: out = Σ e^(m_c − M) o_c / Σ e^(m_c − M) l_c.
@@ -166,11 +156,15 @@ fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_
             *v *= inv;
         }
     });
+    PARTIALS.with_borrow_mut(|p| *p = partials);
 }
 
 thread_local! {
     /// Per-thread score buffer (grows to the longest context seen).
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The calling thread's flash-decoding partials of [`decode_shared_kv`] (at most
+    /// `SHARED_KV_MAX_TASKS` tasks' per kv head, so bounded by the head shapes, not the context).
+    static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]

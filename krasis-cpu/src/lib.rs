@@ -7,6 +7,7 @@ pub mod attention;
 mod env;
 pub mod expf;
 pub mod gemm;
+pub mod group_attention;
 pub mod heads;
 pub mod isa;
 pub mod linear;
