@@ -37,7 +37,7 @@ use crate::par::DisjointPtr;
 use crate::phase_ns::PhaseNs;
 use crate::pool::WorkerPool;
 use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
-use crate::quant::bf16::{block_panel, panel_len, to_bf16};
+use crate::quant::bf16::{block_panel, panel_len, to_bf16, to_bf16_runs};
 use crate::quant::silu_mul_w13;
 
 /// Smallest number of tokens per matrix (a dense call's tokens; an expert call's mean tokens per
@@ -378,11 +378,9 @@ pub(crate) unsafe fn tiles_on_panel(
 
 /// `src` (one row of K = `k`) as BF16 into row `i` of the tiled `dst`.
 pub(crate) fn convert_row(src: &[f32], i: usize, k: usize, dst: &mut [u16]) {
-    let ks = k / TILE_K;
-    for (s, chunk) in src.chunks_exact(TILE_K).enumerate() {
-        let at = tiled_index(i, s * TILE_K, ks);
-        to_bf16(chunk, &mut dst[at..at + TILE_K]);
-    }
+    // The row's runs of TILE_K floats lie one A tile (16 rows × TILE_K) apart.
+    let at = tiled_index(i, 0, k / TILE_K);
+    to_bf16_runs(&src[..k], TILE_K, &mut dst[at..], TILE_ROWS * TILE_K);
 }
 
 /// Zeroes rows `m..pad(m)` of the tiled `dst` (K = `k`).

@@ -122,6 +122,28 @@ pub fn to_bf16_scalar(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// `src` rounded to BF16 in runs of `run` elements, run `r` into `dst[r·stride..][..run]` (a row
+/// of activations into its A tiles: one call per row instead of one [`to_bf16`] per 32 floats,
+/// whose per-call checks cost more than the conversion).
+pub fn to_bf16_runs(src: &[f32], run: usize, dst: &mut [u16], stride: usize) {
+    assert!(run > 0 && src.len().is_multiple_of(run), "to_bf16_runs: src must be whole runs");
+    let runs = src.len() / run;
+    assert!(runs == 0 || (runs - 1) * stride + run <= dst.len(), "to_bf16_runs: dst too short");
+    #[cfg(target_arch = "x86_64")]
+    if simd() && run.is_multiple_of(16) {
+        // SAFETY: AVX-512 F/BF16 checked by `simd`; extents asserted above.
+        return unsafe { to_bf16_runs_avx512(src, run, dst, stride) };
+    }
+    to_bf16_runs_scalar(src, run, dst, stride);
+}
+
+/// Scalar twin of [`to_bf16_runs`].
+pub fn to_bf16_runs_scalar(src: &[f32], run: usize, dst: &mut [u16], stride: usize) {
+    for (r, chunk) in src.chunks_exact(run).enumerate() {
+        to_bf16_scalar(chunk, &mut dst[r * stride..r * stride + run]);
+    }
+}
+
 /// One B-tile row of a panel from two rows of 16 f32 weights along K: `dst[2n + i]` is
 /// `bf16(src_i[n])` for the k pair (`lo` = k even, `hi` = k + 1) and output column n (what
 /// [`block_panel`] writes for packed weights, for weights already in f32).
@@ -177,6 +199,20 @@ unsafe fn to_bf16_avx512(src: &[f32], dst: &mut [u16]) {
         _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, h);
     }
     to_bf16_scalar(&src[n..], &mut dst[n..]);
+}
+
+/// [`to_bf16_runs`] 16 floats at a time (`run` a multiple of 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn to_bf16_runs_avx512(src: &[f32], run: usize, dst: &mut [u16], stride: usize) {
+    use std::arch::x86_64::*;
+    for r in 0..src.len() / run {
+        let (s, d) = (src.as_ptr().add(r * run), dst.as_mut_ptr().add(r * stride));
+        for i in (0..run).step_by(16) {
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(s.add(i))));
+            _mm256_storeu_si256(d.add(i) as *mut __m256i, h);
+        }
+    }
 }
 
 /// AVX-512 twin of [`block_panel_scalar`]: per 64-byte chunk, each k lane of the 16 rows is

@@ -74,6 +74,29 @@ proptest! {
     }
 
     #[test]
+    fn simd_runs_equal_scalar(runs in 0usize..6, run16 in any::<bool>(), gap in 0usize..40, seed in any::<u64>()) {
+        let run = if run16 { 32 } else { 7 };
+        let stride = run + gap;
+        let mut x = data(runs * run, seed);
+        if runs > 0 {
+            x[0] = f32::from_bits(0x0000_8001);
+            x[run - 1] = 1.0 + 1.0 / 256.0;
+        }
+        let len = if runs == 0 { 0 } else { (runs - 1) * stride + run };
+        let (mut a, mut b) = (vec![7u16; len + 3], vec![7u16; len + 3]);
+        to_bf16_runs(&x, run, &mut a, stride);
+        to_bf16_runs_scalar(&x, run, &mut b, stride);
+        prop_assert_eq!(&a, &b);
+        for (r, chunk) in x.chunks_exact(run).enumerate() {
+            for (i, &v) in chunk.iter().enumerate() {
+                prop_assert_eq!(b[r * stride + i], bf16_bits(v));
+            }
+        }
+        // Between runs and past the last one nothing is written.
+        prop_assert!(b.iter().enumerate().all(|(j, &v)| (j < len && j % stride < run) || v == 7));
+    }
+
+    #[test]
     fn simd_pair_row_equals_scalar(seed in any::<u64>(), scale_exp in -130i32..130) {
         let mut x: Vec<f32> = data(32, seed).iter().map(|v| v * 2f32.powi(scale_exp)).collect();
         x[0] = f32::from_bits(0x0000_8001);
