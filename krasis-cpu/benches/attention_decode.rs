@@ -46,5 +46,28 @@ fn bench_decode_attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_decode_attention);
+/// The grouped kernels alone on one thread: one task's share of the V2-Lite MLA call above (18
+/// cached rows of 576 floats, 16 heads), against which the whole call's time shows its overhead.
+fn bench_group_kernels(c: &mut Criterion) {
+    use krasis_cpu::group_attention::{group_scores, group_values, Rows};
+    let (group, width, v_width, n) = (16usize, 576usize, 512usize, 18usize);
+    let cache = rand_f32(n * width, 4);
+    let q = rand_f32(group * width, 5);
+    let mut s = vec![0f32; group * n];
+    let mut o = vec![0f32; group * v_width];
+    let isa = krasis_cpu::isa::active();
+    let mut g = c.benchmark_group(format!("group_kernels_{}", isa.name()));
+    g.throughput(Throughput::Bytes((n * width * 4) as u64));
+    g.bench_function("scores_16h_18x576", |b| {
+        b.iter(|| group_scores(isa, &q, group, Rows { data: &cache, start: 0, stride: width, width }, n, &mut s))
+    });
+    g.bench_function("values_16h_18x512", |b| {
+        b.iter(|| {
+            group_values(isa, &s, group, n, Rows { data: &cache, start: 0, stride: width, width: v_width }, &mut o)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench_decode_attention, bench_group_kernels);
 criterion_main!(benches);

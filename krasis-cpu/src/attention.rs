@@ -17,6 +17,12 @@ const SHARED_KV_MIN_ROWS: usize = 8;
 /// Most tasks per kv head of one-token attention over shared keys: two per worker of a 16-core
 /// pool, so the combine reads at most 32 partial outputs per head.
 const SHARED_KV_MAX_TASKS: usize = 32;
+/// Visible positions from which one-token attention over shared keys runs whole groups in up to
+/// [`SHARED_KV_MAX_TASKS`] chunks; below, sub-groups of [`SHARED_KV_SHORT_HEADS`] heads, one task
+/// per worker (between the measured 576 and 4096 of [`shared_kv_plan`]).
+const SHARED_KV_LONG: usize = 2048;
+/// Heads per task below [`SHARED_KV_LONG`] positions.
+const SHARED_KV_SHORT_HEADS: usize = 8;
 
 /// `KRASIS_ATTN_SHARED_KV=0` turns the position split of [`decode_shared_kv`] off (one task per
 /// head, as for several query tokens): a diagnostic knob to measure the split against.
@@ -100,48 +106,67 @@ pub fn causal_attention(
 }
 
 /// One query token whose heads share keys and values in groups (absorbed MLA: all 16 heads over one
-/// latent row; GQA with several heads per kv head): tasks split the visible positions, not the
-/// heads, so each cached row is read once for its whole group (one task per head read the whole
-/// cache once per head: 16 reads of every row for MLA), and each task keeps flash-decoding
-/// partials per head (running max, sum, unnormalised output) that a second pass combines. The
-/// split depends only on the visible length, so a sequence gets the same result alone or batched.
+/// latent row; GQA with several heads per kv head): tasks split the visible positions (and below
+/// [`SHARED_KV_LONG`] positions the group into sub-groups of 8 heads), so each cached row is read
+/// once per group or sub-group (one task per head read the whole cache once per head: 16 reads of
+/// every row for MLA), and each task keeps flash-decoding partials per head (running max, sum,
+/// unnormalised output) that a second pass combines. The split depends only on the visible
+/// length and the pool's size ([`shared_kv_plan`]), so a sequence gets the same result alone or
+/// batched.
 fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_>, scale: f32, out: &mut [f32]) {
+    let plan = shared_kv_plan(q_start + 1, heads / kv.kv_heads, kv.kv_heads, crate::par::threads());
+    decode_shared_kv_planned(q, heads, q_start, kv, scale, out, plan)
+}
+
+/// [`decode_shared_kv`] with its split given: `(rows per task, chunks, heads per task)` with
+/// `rows · chunks ≥ visible` and the heads per task dividing the group.
+fn decode_shared_kv_planned(
+    q: &[f32],
+    heads: usize,
+    q_start: usize,
+    kv: &KvCacheView<'_>,
+    scale: f32,
+    out: &mut [f32],
+    (rows, chunks, hs): (usize, usize, usize),
+) {
     let group = heads / kv.kv_heads;
     let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
     let visible = q_start + 1;
-    let rows = visible.div_ceil(SHARED_KV_MAX_TASKS).max(SHARED_KV_MIN_ROWS);
-    let chunks = visible.div_ceil(rows);
-    // Per task (kv head g, chunk c): per head of the group its max, sum and output.
-    let part = group * (v_dim + 2);
+    assert!(hs > 0 && group.is_multiple_of(hs) && rows * chunks >= visible && (chunks - 1) * rows < visible);
+    let subs = group / hs;
+    // Per task (kv head g, sub-group u, chunk c): per head of the sub-group its max, sum and output.
+    let part = hs * (v_dim + 2);
     // Reused across calls (every element is written before it is read): a fresh 0.25–1 MB
     // vector per layer and token was mapped, faulted in and unmapped each time.
     let mut partials = PARTIALS.with_borrow_mut(std::mem::take);
-    partials.resize(kv.kv_heads * chunks * part, 0.0);
+    partials.resize(kv.kv_heads * subs * chunks * part, 0.0);
     let isa = isa::active();
     crate::par::for_each_chunk_mut(&mut partials, part, &|task, p| {
-        let (g, c) = (task / chunks, task % chunks);
+        let (gu, c) = (task / chunks, task % chunks);
+        let (g, u) = (gu / subs, gu % subs);
         let (p0, p1) = (c * rows, ((c + 1) * rows).min(visible));
         let n = p1 - p0;
         SCORES.with_borrow_mut(|scores| {
             scores.clear();
-            scores.resize(group * n, 0.0);
-            let qg = &q[g * group * k_dim..(g + 1) * group * k_dim];
+            scores.resize(hs * n, 0.0);
+            let h0 = g * group + u * hs;
+            let qg = &q[h0 * k_dim..(h0 + hs) * k_dim];
             let keys = Rows { data: kv.k, start: p0 * kv.k_stride + g * k_dim, stride: kv.k_stride, width: k_dim };
-            group_scores(isa, qg, group, keys, n, scores);
-            let (ml, o) = p.split_at_mut(2 * group);
+            group_scores(isa, qg, hs, keys, n, scores);
+            let (ml, o) = p.split_at_mut(2 * hs);
             for (h, s) in scores.chunks_exact_mut(n).enumerate() {
                 let (max, sum) = softmax_step(isa, s, n, scale, f32::NEG_INFINITY);
                 ml[2 * h] = max;
                 ml[2 * h + 1] = sum;
             }
             let values = Rows { data: kv.v, start: p0 * kv.v_stride + g * v_dim, stride: kv.v_stride, width: v_dim };
-            group_values(isa, scores, group, n, values, o);
+            group_values(isa, scores, hs, n, values, o);
         })
     });
     // Combine the chunks of each head: out = Σ e^(m_c − M) o_c / Σ e^(m_c − M) l_c.
     crate::par::for_each_chunk_mut(out, v_dim, &|hh, o| {
-        let (g, h) = (hh / group, hh % group);
-        let at = |c: usize| &partials[(g * chunks + c) * part..][..part];
+        let (gu, h) = (hh / hs, hh % hs);
+        let at = |c: usize| &partials[(gu * chunks + c) * part..][..part];
         let m = (0..chunks).map(|c| at(c)[2 * h]).fold(f32::NEG_INFINITY, f32::max);
         o.fill(0.0);
         let mut denom = 0f32;
@@ -149,7 +174,7 @@ fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_
             let p = at(c);
             let w = (p[2 * h] - m).exp();
             denom += w * p[2 * h + 1];
-            axpy(isa, w, &p[2 * group + h * v_dim..][..v_dim], o);
+            axpy(isa, w, &p[2 * hs + h * v_dim..][..v_dim], o);
         }
         let inv = 1.0 / denom;
         for v in o.iter_mut() {
@@ -159,11 +184,51 @@ fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_
     PARTIALS.with_borrow_mut(|p| *p = partials);
 }
 
+/// How [`decode_shared_kv`] splits `visible` positions of `kv_heads` groups of `group` heads over
+/// `workers`: `(rows per task, chunks per sub-group, heads per task)`.
+///
+/// Measured on the GPU box's 16 Xeon cores (`attention_decode` bench, V2-Lite MLA, µs):
+/// at 576 positions, sub-groups of 8 heads with one task per worker 42, whole group 16 tasks 52,
+/// whole group 32 tasks 63 (the previous split); at 4096 positions, whole group 32 tasks 219,
+/// sub-groups of 8 with 16–64 tasks 258–266. A task's partial output (heads × v_dim floats) is
+/// written by one core and read by another: short contexts pay more for those than for reading
+/// each row once per sub-group, long ones the other way round.
+fn shared_kv_plan(visible: usize, group: usize, kv_heads: usize, workers: usize) -> (usize, usize, usize) {
+    let o = shared_kv_overrides();
+    let short = visible < SHARED_KV_LONG;
+    let want = o.heads.unwrap_or(if short { SHARED_KV_SHORT_HEADS } else { 0 });
+    let hs = if want > 0 && want < group && group.is_multiple_of(want) { want } else { group };
+    let max_chunks =
+        o.max_tasks.unwrap_or(if short { (workers / (kv_heads * (group / hs))).max(1) } else { SHARED_KV_MAX_TASKS });
+    let rows = visible.div_ceil(max_chunks).max(o.min_rows.unwrap_or(SHARED_KV_MIN_ROWS));
+    (rows, visible.div_ceil(rows), hs)
+}
+
+/// Measurement overrides of [`shared_kv_plan`]: `KRASIS_ATTN_MAX_TASKS` (chunks per sub-group),
+/// `KRASIS_ATTN_MIN_ROWS`, `KRASIS_ATTN_TASK_HEADS` (0: whole group), read once.
+#[derive(Clone, Copy, Debug)]
+struct SharedKvOverrides {
+    max_tasks: Option<usize>,
+    min_rows: Option<usize>,
+    heads: Option<usize>,
+}
+
+fn shared_kv_overrides() -> SharedKvOverrides {
+    static S: std::sync::OnceLock<SharedKvOverrides> = std::sync::OnceLock::new();
+    let get = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    *S.get_or_init(|| SharedKvOverrides {
+        max_tasks: get("KRASIS_ATTN_MAX_TASKS").filter(|&v| v > 0),
+        min_rows: get("KRASIS_ATTN_MIN_ROWS").filter(|&v| v > 0),
+        heads: get("KRASIS_ATTN_TASK_HEADS"),
+    })
+}
+
 thread_local! {
     /// Per-thread score buffer (grows to the longest context seen).
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The calling thread's flash-decoding partials of [`decode_shared_kv`] (at most
-    /// `SHARED_KV_MAX_TASKS` tasks' per kv head, so bounded by the head shapes, not the context).
+    /// The calling thread's flash-decoding partials of [`decode_shared_kv`] (at most the larger of
+    /// `SHARED_KV_MAX_TASKS` and the pool's workers per head, so bounded by the head shapes and
+    /// the pool, not the context).
     static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -256,8 +321,9 @@ mod tests {
     fn one_token_over_shared_keys_matches_reference() {
         use proptest::prelude::*;
         let cfg = ProptestConfig { cases: 48, ..ProptestConfig::default() };
-        proptest!(cfg, |(kvh in 1usize..3, group in 2usize..6, dk in 1usize..40, dv in 1usize..40,
-                          len in 1usize..300, mla in any::<bool>(), seed in any::<u32>())| {
+        proptest!(cfg, |(kvh in 1usize..3, group in 2usize..18, dk in 1usize..40, dv in 1usize..40,
+                          len in 1usize..300, mla in any::<bool>(), seed in any::<u32>(),
+                          rows_pick in 1usize..400, hs_pick in 0usize..8)| {
             let heads = kvh * group;
             let (k, v, kv_owned);
             let kv = if mla {
@@ -279,6 +345,31 @@ mod tests {
             for (a, b) in out.iter().zip(&want) {
                 prop_assert!((a - b).abs() < 1e-5, "len {} heads {} ({} kv): {} vs {}", len, heads, kvh, a, b);
             }
+            // Any split: rows per task, and heads per task a divisor of the group.
+            let divisors: Vec<usize> = (1..=group).filter(|d| group % d == 0).collect();
+            let hs = divisors[hs_pick % divisors.len()];
+            let rows = 1 + rows_pick % len;
+            let plan = (rows, len.div_ceil(rows), hs);
+            let mut split = vec![f32::NAN; heads * kv.v_dim];
+            decode_shared_kv_planned(&q, heads, len - 1, &kv, 0.25, &mut split, plan);
+            for (a, b) in split.iter().zip(&want) {
+                prop_assert!((a - b).abs() < 1e-5, "plan {:?} len {} heads {}: {} vs {}", plan, len, heads, a, b);
+            }
         });
+    }
+
+    /// The default split is a valid one for every context, group and pool size (both regimes).
+    #[test]
+    fn default_split_is_valid() {
+        for visible in [1usize, 2, 7, 8, 9, 63, 64, 575, 576, 2047, 2048, 4096, 100_000] {
+            for (group, kv_heads) in [(1, 1), (2, 4), (8, 4), (16, 1), (12, 1), (24, 2)] {
+                for workers in [1, 2, 16, 64] {
+                    let (rows, chunks, hs) = shared_kv_plan(visible, group, kv_heads, workers);
+                    assert!(hs > 0 && group % hs == 0, "{visible} {group} {workers}: heads {hs}");
+                    assert!(rows * chunks >= visible && (chunks - 1) * rows < visible, "{visible}: {rows} x {chunks}");
+                    assert!(chunks <= SHARED_KV_MAX_TASKS.max(workers), "{visible} {workers}: {chunks} chunks");
+                }
+            }
+        }
     }
 }
