@@ -66,10 +66,13 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
     assert_eq!(y.len(), m * n, "linear: y is {} floats, expected {m}×{n}", y.len());
     let isa = isa::active();
     let out = OutPtr(y.as_mut_ptr());
-    let blocks = n.div_ceil(ROWS_PER_TASK);
     // A narrow matrix (a router: 64 rows = 8 blocks) over many tokens also splits the tokens, so
-    // every thread gets work; each output is the same dot either way.
+    // every thread gets work; for one token its row blocks shrink to one per thread (a router in
+    // decode: 8 tasks of 8 rows left half of 16 workers idle). Each output is the same dot either
+    // way.
     let threads = crate::par::threads();
+    let rows_per_task = if m == 1 { ROWS_PER_TASK.min(n.div_ceil(threads)).max(1) } else { ROWS_PER_TASK };
+    let blocks = n.div_ceil(rows_per_task);
     let parts = if blocks < threads && m > 1 { (2 * threads).div_ceil(blocks).min(m) } else { 1 };
     let per = m.div_ceil(parts);
     crate::par::for_each(blocks * parts, &|t| {
@@ -78,8 +81,8 @@ pub fn linear(x: &[f32], m: usize, k: usize, w: WeightRows<'_>, n: usize, y: &mu
             if buf.len() < ROWS_PER_TASK * k {
                 buf.resize(ROWS_PER_TASK * k, 0.0);
             }
-            let r0 = t * ROWS_PER_TASK;
-            let r1 = (r0 + ROWS_PER_TASK).min(n);
+            let r0 = t * rows_per_task;
+            let r1 = (r0 + rows_per_task).min(n);
             for r in r0..r1 {
                 w.row_into(r, k, &mut buf[(r - r0) * k..(r - r0 + 1) * k]);
             }
