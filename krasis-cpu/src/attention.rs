@@ -215,11 +215,11 @@ struct SharedKvOverrides {
 
 fn shared_kv_overrides() -> SharedKvOverrides {
     static S: std::sync::OnceLock<SharedKvOverrides> = std::sync::OnceLock::new();
-    let get = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<usize>().ok());
+    use crate::env::count;
     *S.get_or_init(|| SharedKvOverrides {
-        max_tasks: get("KRASIS_ATTN_MAX_TASKS").filter(|&v| v > 0),
-        min_rows: get("KRASIS_ATTN_MIN_ROWS").filter(|&v| v > 0),
-        heads: get("KRASIS_ATTN_TASK_HEADS"),
+        max_tasks: count("KRASIS_ATTN_MAX_TASKS").filter(|&v| v > 0),
+        min_rows: count("KRASIS_ATTN_MIN_ROWS").filter(|&v| v > 0),
+        heads: count("KRASIS_ATTN_TASK_HEADS"),
     })
 }
 

@@ -3,13 +3,18 @@
 /// `name` as a count (surrounding spaces ignored), or `default` when unset; a value that is not
 /// a count is reported and gives `default`.
 pub(crate) fn count_or(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Err(_) => default,
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!("{name}={v:?} is not a count; using {default}");
-            default
-        }),
+    count(name).unwrap_or(default)
+}
+
+/// `name` as a count, or `None` when unset or not a count (the latter reported): also an
+/// override of a value that has no fixed default.
+pub(crate) fn count(name: &str) -> Option<usize> {
+    let v = std::env::var(name).ok()?;
+    let n = v.trim().parse().ok();
+    if n.is_none() {
+        tracing::warn!("{name}={v:?} is not a count; ignored (the default stays)");
     }
+    n
 }
 
 /// `name` as a positive count, else `default` (unset, zero or not a count alike).

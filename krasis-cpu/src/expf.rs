@@ -108,14 +108,7 @@ unsafe fn softmax_step_avx512(row: &mut [f32], valid: usize, scale: f32, m_old: 
     use std::arch::x86_64::*;
     let len = row.len();
     let p = row.as_mut_ptr();
-    let lanes = |j: usize, w: usize| -> __mmask16 {
-        let w = w.saturating_sub(j).min(16);
-        if w == 16 {
-            0xffff
-        } else {
-            (1u16 << w) - 1
-        }
-    };
+    let lanes = crate::isa::lane_mask16;
     let (sv, ninf) = (_mm512_set1_ps(scale), _mm512_set1_ps(f32::NEG_INFINITY));
     let mut mx = ninf;
     let mut j = 0;

@@ -12,6 +12,7 @@
 //! output chunk, so the loop runs at the FMA ports' rate.
 
 #[cfg(target_arch = "x86_64")]
+use crate::isa::lane_mask16;
 use crate::isa::Isa;
 
 /// Heads whose accumulators a pass keeps in registers: 8 independent FMA chains cover the FMA
@@ -93,17 +94,6 @@ pub fn group_values_scalar(p: &[f32], group: usize, n: usize, v: Rows<'_>, o: &m
     }
 }
 
-/// Lanes `c..min(c + 16, width)` as a mask.
-#[cfg(target_arch = "x86_64")]
-fn tail_mask(c: usize, width: usize) -> u16 {
-    let w = (width - c).min(16);
-    if w == 16 {
-        0xffff
-    } else {
-        (1u16 << w) - 1
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn group_scores_avx512(q: &[f32], group: usize, k: Rows<'_>, n: usize, scores: &mut [f32]) {
@@ -143,7 +133,7 @@ unsafe fn scores_pass<const H: usize>(q: &[f32], h0: usize, k: Rows<'_>, n: usiz
             c += 16;
         }
         if c < w {
-            let m = tail_mask(c, w);
+            let m = lane_mask16(c, w);
             let kv = _mm512_maskz_loadu_ps(m, kp.add(c));
             for (hh, a) in acc.iter_mut().enumerate() {
                 *a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qp.add(hh * w + c)), kv, *a);
@@ -188,7 +178,7 @@ unsafe fn values_pass<const H: usize>(p: &[f32], h0: usize, n: usize, v: Rows<'_
     // on the dev VM's EPYC, they were most of this kernel's time), the tail masked.
     let mut c = 0;
     while c < w {
-        let m = tail_mask(c, w);
+        let m = lane_mask16(c, w);
         let mut acc = [_mm512_setzero_ps(); H];
         for j in 0..n {
             let x = if m == 0xffff {

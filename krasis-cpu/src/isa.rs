@@ -55,6 +55,18 @@ pub fn parse_isa(s: &str) -> Option<Isa> {
     }
 }
 
+/// AVX-512 lane mask of elements `j..min(j + 16, end)` (empty when `j ≥ end`): the masked part
+/// of a 16-float step at the end of a row.
+#[inline]
+pub fn lane_mask16(j: usize, end: usize) -> u16 {
+    let w = end.saturating_sub(j).min(16);
+    if w == 16 {
+        0xffff
+    } else {
+        (1u16 << w) - 1
+    }
+}
+
 /// The ISA the kernels use: the detected one, lowered by `KRASIS_ISA` if set. Asking for more
 /// than the CPU has, or an unknown name, falls back to the detected ISA with a warning.
 pub fn active() -> Isa {

@@ -252,8 +252,7 @@ unsafe fn head_weights_int8_avx512(
     let lo = _mm512_set1_epi32(0xff);
     for rb in 0..d.v_dim.div_ceil(ROW_BLOCK) {
         let blk = uv.as_ptr().add(rb * lv.block_bytes());
-        let live = (d.v_dim - rb * ROW_BLOCK).min(ROW_BLOCK);
-        let keep: __mmask16 = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+        let keep: __mmask16 = crate::isa::lane_mask16(rb * ROW_BLOCK, d.v_dim);
         for g in 0..lv.groups() {
             let sv = scales(blk, lv, g);
             let w = blk.add(lv.weights_offset(g));

@@ -571,6 +571,13 @@ fn run_experts_as(
     let (xtasks, tasks, tasks2, row0) = (&call.xtasks, &call.tasks, &call.tasks2, &call.row0);
     let (nx, n13) = (xtasks.len(), tasks.len());
     let (ks2, isa) = (inter / TILE_K, crate::isa::active());
+    // Waits until every task of kind `kind` (0: conversion, 1: w13) of expert e has finished,
+    // pulling the first bytes of `w` (the weights read next) towards L2 meanwhile; the wait
+    // counts as waiting time.
+    let wait_inputs = |e: usize, kind: usize, w: &[u8], busy: &mut std::time::Instant| {
+        wait_ready(&done[e][kind], want[e][kind], &failed, &w[..w.len().min(X_WAIT_PREFETCH)]);
+        PHASE_NS.lap(busy, 2);
+    };
     let task = |t: usize| {
         let _fail = FailOnUnwind(&failed);
         let mut busy = std::time::Instant::now();
@@ -596,9 +603,7 @@ fn run_experts_as(
             let (e, p0, p1, _) = tasks[t - nx];
             let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
             let w = jobs[e].weights.w13;
-            let upcoming = &w[..w.len().min(X_WAIT_PREFETCH)];
-            wait_ready(&done[e][0], want[e][0], &failed, upcoming);
-            PHASE_NS.lap(&mut busy, 2);
+            wait_inputs(e, 0, w, &mut busy);
             // SAFETY: x[e] is complete (every conversion task of e has finished, Acquire above)
             // and no task writes it any more.
             let xa = unsafe { std::slice::from_raw_parts(xp.get().add(row0[e] * hidden).cast_const(), mp * hidden) };
@@ -631,9 +636,7 @@ fn run_experts_as(
             let (e, b0, b1, _) = tasks2[t - nx - n13];
             let (m, mp) = (jobs[e].tokens.len(), padded(jobs[e].tokens.len()));
             let w = jobs[e].weights.w2;
-            let upcoming = &w[..w.len().min(X_WAIT_PREFETCH)];
-            wait_ready(&done[e][1], want[e][1], &failed, upcoming);
-            PHASE_NS.lap(&mut busy, 2);
+            wait_inputs(e, 1, w, &mut busy);
             // SAFETY: mid[e] is complete (every w13 task of e has finished, Acquire above) with
             // zero padding rows, and no task writes it any more.
             let mid = unsafe { std::slice::from_raw_parts(mids.get().add(row0[e] * inter).cast_const(), mp * inter) };
