@@ -115,12 +115,14 @@ pub fn causal_attention(
 /// batched.
 fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_>, scale: f32, out: &mut [f32]) {
     let plan = shared_kv_plan(q_start + 1, heads / kv.kv_heads, kv.kv_heads, crate::par::threads());
-    decode_shared_kv_planned(q, heads, q_start, kv, scale, out, plan)
+    decode_shared_kv_planned(isa::active(), q, heads, q_start, kv, scale, out, plan)
 }
 
 /// [`decode_shared_kv`] with its split given: `(rows per task, chunks, heads per task)` with
 /// `rows · chunks ≥ visible` and the heads per task dividing the group.
-fn decode_shared_kv_planned(
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_shared_kv_planned(
+    isa: isa::Isa,
     q: &[f32],
     heads: usize,
     q_start: usize,
@@ -135,53 +137,88 @@ fn decode_shared_kv_planned(
     assert!(hs > 0 && group.is_multiple_of(hs) && rows * chunks >= visible && (chunks - 1) * rows < visible);
     let subs = group / hs;
     // Per task (kv head g, sub-group u, chunk c): per head of the sub-group its max, sum and output.
-    let part = hs * (v_dim + 2);
+    let part = shared_kv_part_len(hs, v_dim);
     // Reused across calls (every element is written before it is read): a fresh 0.25–1 MB
     // vector per layer and token was mapped, faulted in and unmapped each time.
     let mut partials = PARTIALS.with_borrow_mut(std::mem::take);
     partials.resize(kv.kv_heads * subs * chunks * part, 0.0);
-    let isa = isa::active();
     crate::par::for_each_chunk_mut(&mut partials, part, &|task, p| {
         let (gu, c) = (task / chunks, task % chunks);
         let (g, u) = (gu / subs, gu % subs);
-        let (p0, p1) = (c * rows, ((c + 1) * rows).min(visible));
-        let n = p1 - p0;
-        SCORES.with_borrow_mut(|scores| {
-            scores.clear();
-            scores.resize(hs * n, 0.0);
-            let h0 = g * group + u * hs;
-            let qg = &q[h0 * k_dim..(h0 + hs) * k_dim];
-            let keys = Rows { data: kv.k, start: p0 * kv.k_stride + g * k_dim, stride: kv.k_stride, width: k_dim };
-            group_scores(isa, qg, hs, keys, n, scores);
-            let (ml, o) = p.split_at_mut(2 * hs);
-            for (h, s) in scores.chunks_exact_mut(n).enumerate() {
-                let (max, sum) = softmax_step(isa, s, n, scale, f32::NEG_INFINITY);
-                ml[2 * h] = max;
-                ml[2 * h + 1] = sum;
-            }
-            let values = Rows { data: kv.v, start: p0 * kv.v_stride + g * v_dim, stride: kv.v_stride, width: v_dim };
-            group_values(isa, scores, hs, n, values, o);
-        })
+        let h0 = g * group + u * hs;
+        let positions = c * rows..((c + 1) * rows).min(visible);
+        shared_kv_partial(isa, &q[h0 * k_dim..(h0 + hs) * k_dim], hs, kv, g, positions, scale, p);
     });
-    // Combine the chunks of each head: out = Σ e^(m_c − M) o_c / Σ e^(m_c − M) l_c.
     crate::par::for_each_chunk_mut(out, v_dim, &|hh, o| {
-        let (gu, h) = (hh / hs, hh % hs);
-        let at = |c: usize| &partials[(gu * chunks + c) * part..][..part];
-        let m = (0..chunks).map(|c| at(c)[2 * h]).fold(f32::NEG_INFINITY, f32::max);
-        o.fill(0.0);
-        let mut denom = 0f32;
-        for c in 0..chunks {
-            let p = at(c);
-            let w = (p[2 * h] - m).exp();
-            denom += w * p[2 * h + 1];
-            axpy(isa, w, &p[2 * hs + h * v_dim..][..v_dim], o);
-        }
-        let inv = 1.0 / denom;
-        for v in o.iter_mut() {
-            *v *= inv;
-        }
+        let gu = hh / hs;
+        shared_kv_combine(isa, &|c| &partials[(gu * chunks + c) * part..][..part], chunks, hh % hs, hs, o);
     });
     PARTIALS.with_borrow_mut(|p| *p = partials);
+}
+
+/// Floats of one task's flash-decoding partials for `hs` heads of `v_dim` values: per head its
+/// running max and sum, then per head its unnormalised output.
+pub(crate) fn shared_kv_part_len(hs: usize, v_dim: usize) -> usize {
+    hs * (v_dim + 2)
+}
+
+/// One task of the position split of one-token attention over shared keys: the `hs` heads of
+/// `q` (`[hs, k_dim]`, the sub-group starting at some head of kv head `g`) over cache
+/// `positions`, written into `p` ([`shared_kv_part_len`] floats) as flash-decoding partials.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shared_kv_partial(
+    isa: isa::Isa,
+    q: &[f32],
+    hs: usize,
+    kv: &KvCacheView<'_>,
+    g: usize,
+    positions: std::ops::Range<usize>,
+    scale: f32,
+    p: &mut [f32],
+) {
+    let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
+    let (p0, n) = (positions.start, positions.len());
+    SCORES.with_borrow_mut(|scores| {
+        scores.clear();
+        scores.resize(hs * n, 0.0);
+        let keys = Rows { data: kv.k, start: p0 * kv.k_stride + g * k_dim, stride: kv.k_stride, width: k_dim };
+        group_scores(isa, q, hs, keys, n, scores);
+        let (ml, o) = p[..shared_kv_part_len(hs, v_dim)].split_at_mut(2 * hs);
+        for (h, s) in scores.chunks_exact_mut(n).enumerate() {
+            let (max, sum) = softmax_step(isa, s, n, scale, f32::NEG_INFINITY);
+            ml[2 * h] = max;
+            ml[2 * h + 1] = sum;
+        }
+        let values = Rows { data: kv.v, start: p0 * kv.v_stride + g * v_dim, stride: kv.v_stride, width: v_dim };
+        group_values(isa, scores, hs, n, values, o);
+    })
+}
+
+/// Head `h` (of `hs` per task) of one sub-group: its `chunks` partials (`part(c)`, as
+/// [`shared_kv_partial`] wrote them) combined into `o` (`v_dim` floats):
+/// `o = Σ e^(m_c − M) o_c / Σ e^(m_c − M) l_c`.
+pub(crate) fn shared_kv_combine<'a>(
+    isa: isa::Isa,
+    part: &dyn Fn(usize) -> &'a [f32],
+    chunks: usize,
+    h: usize,
+    hs: usize,
+    o: &mut [f32],
+) {
+    let v_dim = o.len();
+    let m = (0..chunks).map(|c| part(c)[2 * h]).fold(f32::NEG_INFINITY, f32::max);
+    o.fill(0.0);
+    let mut denom = 0f32;
+    for c in 0..chunks {
+        let p = part(c);
+        let w = (p[2 * h] - m).exp();
+        denom += w * p[2 * h + 1];
+        axpy(isa, w, &p[2 * hs + h * v_dim..][..v_dim], o);
+    }
+    let inv = 1.0 / denom;
+    for v in o.iter_mut() {
+        *v *= inv;
+    }
 }
 
 /// How [`decode_shared_kv`] splits `visible` positions of `kv_heads` groups of `group` heads over
@@ -193,7 +230,7 @@ fn decode_shared_kv_planned(
 /// sub-groups of 8 with 16–64 tasks 258–266. A task's partial output (heads × v_dim floats) is
 /// written by one core and read by another: short contexts pay more for those than for reading
 /// each row once per sub-group, long ones the other way round.
-fn shared_kv_plan(visible: usize, group: usize, kv_heads: usize, workers: usize) -> (usize, usize, usize) {
+pub(crate) fn shared_kv_plan(visible: usize, group: usize, kv_heads: usize, workers: usize) -> (usize, usize, usize) {
     let o = shared_kv_overrides();
     let short = visible < SHARED_KV_LONG;
     let want = o.heads.unwrap_or(if short { SHARED_KV_SHORT_HEADS } else { 0 });
@@ -351,7 +388,7 @@ mod tests {
             let rows = 1 + rows_pick % len;
             let plan = (rows, len.div_ceil(rows), hs);
             let mut split = vec![f32::NAN; heads * kv.v_dim];
-            decode_shared_kv_planned(&q, heads, len - 1, &kv, 0.25, &mut split, plan);
+            decode_shared_kv_planned(isa::active(), &q, heads, len - 1, &kv, 0.25, &mut split, plan);
             for (a, b) in split.iter().zip(&want) {
                 prop_assert!((a - b).abs() < 1e-5, "plan {:?} len {} heads {}: {} vs {}", plan, len, heads, a, b);
             }

@@ -12,6 +12,7 @@ pub mod heads;
 pub mod isa;
 pub mod linear;
 pub mod membw;
+pub mod mla_decode;
 pub mod mla_prefill;
 pub mod moe;
 pub mod moe_trace;

@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex};
 
 use krasis_cache::DenseCache;
 use krasis_core::spec::MlaDims;
+use krasis_cpu::attention::KvCacheView;
 use krasis_cpu::heads::{HeadMatmul, HeadStrides};
 use krasis_cpu::isa::{self, Isa};
+use krasis_cpu::mla_decode::{AbsorbedKvB, MlaDecode};
 use krasis_cpu::mla_prefill::KvBWeights;
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
 use krasis_cpu::pool::WorkerPool;
@@ -101,6 +103,7 @@ pub struct PackedKvB {
     dims: MlaDims,
     pool: Arc<WorkerPool>,
     matmul: HeadMatmul,
+    decode: MlaDecode,
     /// `q_nope` zero-padded to the packed K when nope is not a multiple of 32.
     padded: Mutex<Vec<f32>>,
     isa: Isa,
@@ -110,6 +113,7 @@ impl PackedKvB {
     pub fn new(uk: PackedBytes, uv: PackedBytes, layouts: KvBLayouts, dims: MlaDims, pool: Arc<WorkerPool>) -> Self {
         PackedKvB {
             matmul: HeadMatmul::new(&pool),
+            decode: MlaDecode::new(&pool),
             uk,
             uv,
             layouts,
@@ -144,6 +148,19 @@ impl PackedKvB {
             dst[..nope].copy_from_slice(&src[..nope]);
         }
         run(&p, HeadStrides { token: h * k, head: k });
+    }
+
+    /// Absorbed attention of one token at the cache's last position, W_UK to W_UV in one
+    /// dispatch ([`MlaDecode`]): `q` `[heads, nope + rope]` (rope rotated), `kv` the latent cache
+    /// with the token's row appended, `o` `[heads, v_dim]`.
+    pub fn attend_one(&self, q: &[f32], kv: &KvCacheView<'_>, scale: f32, o: &mut [f32]) {
+        let w = AbsorbedKvB {
+            uk: self.uk.as_slice(),
+            uk_layout: self.layouts.uk,
+            uv: self.uv.as_slice(),
+            uv_layout: self.layouts.uv,
+        };
+        self.decode.run(&self.pool, self.isa, &self.dims, q, kv, scale, &w, o);
     }
 
     /// The packed bytes as the decompressed prefill reads them (each task dequantises one head's

@@ -165,6 +165,27 @@ pub fn check_against_reference(name: &str, model: &krasis_model::engine::Model, 
     report
 }
 
+/// The model at `path` (a directory or a GGUF) with routed experts and dense weights at the given
+/// precisions (quantised experts from an expert cache in `cache`), on two worker threads.
+pub fn load_quantized(
+    path: &Path,
+    experts: krasis_model::quantized::WeightBits,
+    dense: krasis_model::quantized::WeightBits,
+    cache: &Path,
+) -> krasis_model::load::Loaded {
+    use krasis_model::load::{load_model, EngineOptions};
+    let opts = EngineOptions {
+        expert_bits: experts,
+        dense_bits: dense,
+        cache_dir: Some(cache.to_path_buf()),
+        threads: Some(2),
+        ..EngineOptions::default()
+    };
+    krasis_model::files::ModelFiles::open(path)
+        .and_then(|files| load_model(&files, &opts))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 /// Prefill logits `[T, V]` of the model at `path` (a directory or a GGUF) on `prompt`, with
 /// routed experts and dense weights at the given precisions (quantised experts from an expert
 /// cache in `cache`), on two worker threads.
@@ -175,19 +196,36 @@ pub fn prefill_logits(
     cache: &Path,
     prompt: &[u32],
 ) -> Vec<f32> {
-    use krasis_model::load::{load_model, EngineOptions};
-    let opts = EngineOptions {
-        expert_bits: experts,
-        dense_bits: dense,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    };
-    let loaded = krasis_model::files::ModelFiles::open(path)
-        .and_then(|files| load_model(&files, &opts))
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let loaded = load_quantized(path, experts, dense, cache);
     let mut s = loaded.model.new_session();
     loaded.model.forward(&mut s, prompt, krasis_model::engine::Logits::All, None).unwrap()
+}
+
+/// The last `steps` positions of `prompt` two ways on one loaded model: by prefill of the whole
+/// prompt (`[steps, V]` logits of those positions) and by decode, one token per call after a
+/// prefill of the rest (the same positions' step logits, concatenated).
+pub fn decode_and_prefill_logits(
+    path: &Path,
+    experts: krasis_model::quantized::WeightBits,
+    dense: krasis_model::quantized::WeightBits,
+    cache: &Path,
+    prompt: &[u32],
+    steps: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    use krasis_model::engine::Logits;
+    let loaded = load_quantized(path, experts, dense, cache);
+    let m = &loaded.model;
+    let (t, v) = (prompt.len(), m.spec.vocab_size);
+    assert!(steps > 0 && steps < t, "{steps} decode steps of a {t}-token prompt");
+    let mut s = m.new_session();
+    let all = m.forward(&mut s, prompt, Logits::All, None).unwrap();
+    let mut s = m.new_session();
+    m.forward(&mut s, &prompt[..t - steps], Logits::Last, None).unwrap();
+    let mut decoded = Vec::with_capacity(steps * v);
+    for &id in &prompt[t - steps..] {
+        decoded.extend(m.forward(&mut s, &[id], Logits::Last, None).unwrap());
+    }
+    (all[(t - steps) * v..].to_vec(), decoded)
 }
 
 /// Write a 2-layer `tiny` synthetic model into `dir` (no fixtures needed).

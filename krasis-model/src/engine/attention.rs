@@ -134,6 +134,29 @@ impl MlaPrefillMode {
     }
 }
 
+/// `KRASIS_MLA_DECODE=split` runs one-token absorbed attention as separate dispatches (W_UK,
+/// the attention's partials, their combine, W_UV: the former path, for A/B measurements);
+/// unset (or anything else), one dispatch ([`krasis_cpu::mla_decode`]). Same bits either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlaDecodeMode {
+    Fused,
+    Split,
+}
+
+impl MlaDecodeMode {
+    pub fn from_env() -> Self {
+        static M: std::sync::OnceLock<MlaDecodeMode> = std::sync::OnceLock::new();
+        *M.get_or_init(|| match std::env::var("KRASIS_MLA_DECODE").as_deref() {
+            Ok("split") => MlaDecodeMode::Split,
+            _ => MlaDecodeMode::Fused,
+        })
+    }
+
+    fn fused(self) -> bool {
+        self == MlaDecodeMode::Fused
+    }
+}
+
 pub struct MlaAttention {
     pub dims: MlaDims,
     pub eps: f32,
@@ -165,6 +188,13 @@ impl MlaAttention {
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let (qk, row) = (nope + rd, lat + rd);
         let mut clock = std::time::Instant::now();
+        // One token of one sequence: W_UK, the attention and W_UV in one dispatch.
+        if let (KvB::Packed(p), [s], 1, true) = (&self.w.kv_b, &mut *seqs, t, MlaDecodeMode::from_env().fused()) {
+            s.kv.append(kva, None);
+            p.attend_one(q, &s.kv.view(), self.scale, o);
+            MLA_NS.lap(&mut clock, 5);
+            return;
+        }
         let dec: Vec<bool> = seqs.iter().map(|s| self.prefill.decompressed(s.rows, s.kv.len())).collect();
         let any_absorbed = dec.iter().any(|d| !d);
         // The decompressed form dequantises `kv_b` per task from the form held here.
