@@ -532,9 +532,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
         let expert_bytes = moe_layers * top_k * engine.expert_bytes().unwrap_or(0);
         let dense_bytes = engine.dense_bytes_per_token().unwrap_or(0);
+        // Shared experts run inside the routed experts' dispatch: their bytes stream in the
+        // experts' time (they stay counted in the dense bytes too).
+        let shared_inside = (parts.shared_in_experts_bytes as f64 / n) as u64;
         let ms = decode_s * 1e3 / n;
         let expert_ms = expert_s * 1e3 / n;
-        let expert_gbs = expert_bytes as f64 / 1e9 / (expert_s / n).max(1e-12);
+        let expert_gbs = (expert_bytes + shared_inside) as f64 / 1e9 / (expert_s / n).max(1e-12);
         let total_gbs = (expert_bytes + dense_bytes) as f64 / 1e9 / (decode_s / n);
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
@@ -549,6 +552,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
             "experts_ms_per_token": expert_ms, "rest_ms_per_token": ms - expert_ms,
             "expert_bytes_per_token": expert_bytes, "dense_bytes_per_token": dense_bytes,
+            "shared_expert_bytes_in_expert_dispatch_per_token": shared_inside,
             "expert_gb_per_s": expert_gbs, "expert_fraction_of_membw": expert_gbs / bw.gb_per_s,
             "total_gb_per_s": total_gbs, "total_fraction_of_membw": total_gbs / bw.gb_per_s,
             "attention_ms_per_token": parts.attention * 1e3 / n, "shared_experts_ms_per_token": parts.shared * 1e3 / n,
@@ -630,8 +634,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 other * 1e3 / n,
                 (decode_s - parts.total) * 1e3 / n
             );
+            let inside = if shared_inside > 0 {
+                format!(
+                    " (the shared experts' {:.1} MB of it in the experts' dispatch and time)",
+                    shared_inside as f64 / 1e6
+                )
+            } else {
+                String::new()
+            };
             println!(
-                "bytes/token: experts {:.1} MB + dense {:.1} MB; experts {expert_gbs:.1} GB/s ({:.0}% of membw), all weights {total_gbs:.1} GB/s ({:.0}%)",
+                "bytes/token: experts {:.1} MB + dense {:.1} MB{inside}; experts {expert_gbs:.1} GB/s ({:.0}% of membw), all weights {total_gbs:.1} GB/s ({:.0}%)",
                 expert_bytes as f64 / 1e6,
                 dense_bytes as f64 / 1e6,
                 100.0 * expert_gbs / bw.gb_per_s,

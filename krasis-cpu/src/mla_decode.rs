@@ -10,7 +10,13 @@
 //! 2. one per (sub-group, chunk of positions) of [`crate::attention`]'s split: waits for its
 //!    sub-group's heads, then writes its flash-decoding partials;
 //! 3. one per head: waits for its sub-group's chunks, combines them into `o_lat`, quantises it
-//!    and applies `W_UV,h`.
+//!    and applies `W_UV,h`; with the output projection in the dispatch, it also counts its
+//!    values into the projection's input groups, and the task that completes a group quantises
+//!    it;
+//! 4. with the output projection: one per worker over a run of its row blocks. Claimed while
+//!    the attention's last tasks run, each pulls its weights into L2 while it waits for the
+//!    input groups, so the projection's memory traffic overlaps the attention's arithmetic
+//!    (which leaves DRAM idle) instead of following it.
 //!
 //! Every number is computed as the separate dispatches compute it (the same quantisation, the
 //! same kernels over the same row blocks and position chunks, the same combine), so the result
@@ -27,6 +33,25 @@ use crate::isa::Isa;
 use crate::moe::{quantize_rows_group, shape_acts, split_factor, sum_split_rows, wait_ready, ActBufs, FailOnUnwind};
 use crate::pool::WorkerPool;
 use crate::quant::{matmul_packed, PackedLayout, QuantizedActs, ROW_BLOCK};
+
+/// Most weight bytes an output-projection task pulls into L2 while it waits for its input: a
+/// V2-Lite `o_proj` share on 16 workers is ~260 KB, well inside a 2 MB L2 beside the attention's
+/// cache rows.
+const OUTPUT_WAIT_PREFETCH: usize = 1 << 20;
+
+/// The output projection (`o_proj`) run inside the dispatch: `y[..layout.rows] = W · out` for
+/// the packed `w` (K = heads · v_dim).
+pub struct OutputProj<'a> {
+    pub w: &'a [u8],
+    pub layout: PackedLayout,
+    pub y: &'a mut [f32],
+}
+
+/// Whether an output projection of `layout` can run inside the dispatch for `dims`: its K is the
+/// heads' values.
+pub fn output_fusable(dims: &MlaDims, layout: &PackedLayout) -> bool {
+    layout.k == dims.heads * dims.v_dim
+}
 
 /// `kv_b` packed per head: every head's `W_UKᵀ` (`[latent, K]`, K = nope padded with zero
 /// columns to the layout's K) back to back, and every head's `W_UV` (`[v_dim, latent]`).
@@ -58,6 +83,11 @@ struct Step {
     absorbed: Vec<AtomicUsize>,
     /// Per sub-group: position chunks whose partials are written.
     chunks_done: Vec<AtomicUsize>,
+    /// The output projection's quantised input; per group, its values written so far; groups
+    /// quantised so far.
+    o_acts: QuantizedActs,
+    o_cols: Vec<AtomicUsize>,
+    o_groups: AtomicUsize,
 }
 
 /// Raw view of a buffer that tasks write in disjoint parts and read after a counter says the
@@ -98,10 +128,12 @@ impl MlaDecode {
     /// `out[h, ..v_dim] = W_UV,h · attention(W_UK,hᵀ · q_nope,h ‖ q_rope,h)` for every head of one
     /// token at the cache's last position. `q`: `[heads, nope + rope]`, rope parts rotated; `kv`:
     /// the latent cache with this token's row appended (one kv head, keys `latent + rope` wide,
-    /// values the first `latent` of each row); `out`: `[heads, v_dim]`.
+    /// values the first `latent` of each row); `out`: `[heads, v_dim]`. With `proj`, also
+    /// `proj.y = proj.w · out`, bit for bit what [`crate::moe::PoolMatmul`] gives.
     ///
     /// # Panics
-    /// When the shapes disagree with `dims` or the layouts, or a task panicked.
+    /// When the shapes disagree with `dims` or the layouts, `proj` is not
+    /// [`output_fusable`], or a task panicked.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &self,
@@ -113,6 +145,7 @@ impl MlaDecode {
         scale: f32,
         w: &AbsorbedKvB<'_>,
         out: &mut [f32],
+        proj: Option<OutputProj<'_>>,
     ) {
         let MlaDims { heads: h, nope, rope: rd, latent: lat, v_dim: vd } = *dims;
         let (qk, row) = (nope + rd, lat + rd);
@@ -128,6 +161,10 @@ impl MlaDecode {
         let subs = h / hs;
         let part = shared_kv_part_len(hs, lat);
         let split = split_factor();
+        if let Some(p) = &proj {
+            assert!(output_fusable(dims, &p.layout), "MlaDecode: o_proj {:?} cannot take {dims:?}", p.layout);
+            assert!(p.w.len() >= p.layout.bytes() && p.y.len() == p.layout.rows, "MlaDecode: o_proj sizes");
+        }
 
         let mut guard = self.step.lock().unwrap_or_else(|e| e.into_inner());
         let step = &mut *guard;
@@ -139,8 +176,22 @@ impl MlaDecode {
             c.store(0, Ordering::Relaxed);
         }
         let (q_abs, partials) = (Shared(step.q_abs.as_mut_ptr()), Shared(step.partials.as_mut_ptr()));
+        step.o_groups.store(0, Ordering::Relaxed);
+        if let Some(p) = &proj {
+            shape_acts(&mut step.o_acts, split, p.layout.k, p.layout.gs);
+            step.o_cols.resize_with(p.layout.groups(), AtomicUsize::default);
+            step.o_cols.iter().for_each(|c| c.store(0, Ordering::Relaxed));
+        }
+        let (o_dst, o_acts, o_groups) = (ActBufs::of(&mut step.o_acts), &step.o_acts, &step.o_groups);
+        let o_cols = &step.o_cols;
         let (absorbed, chunks_done) = (&step.absorbed, &step.chunks_done);
         let o = Shared(out.as_mut_ptr());
+        // The projection: one task per worker over an even share of its row blocks.
+        let proj = proj.map(|p| {
+            let nb = p.layout.row_blocks();
+            (p.w, p.layout, Shared(p.y.as_mut_ptr()), nb, pool.threads().min(nb))
+        });
+        let n_proj = proj.map_or(0, |p| p.4);
         let failed = AtomicBool::new(false);
 
         // `y[..layout.rows] = W · x` for one head's packed matrix `wh` and activation row `x`
@@ -161,7 +212,8 @@ impl MlaDecode {
         };
 
         let (n1, n2) = (h, h + subs * chunks);
-        pool.run(n2 + h, &|t, ctx| {
+        let n3 = n2 + h;
+        pool.run(n3 + n_proj, &|t, ctx| {
             let _guard = FailOnUnwind(&failed);
             let mut local = self.locals[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
             let local = &mut *local;
@@ -200,7 +252,7 @@ impl MlaDecode {
                     unsafe { (q_abs.slice(u * hs * row, hs * row), partials.slice_mut((u * chunks + c) * part, part)) };
                 shared_kv_partial(isa, qs, hs, kv, 0, positions, scale, p);
                 chunks_done[u].fetch_add(1, Ordering::Release);
-            } else {
+            } else if t < n3 {
                 let hh = t - n2;
                 let u = hh / hs;
                 let wv = &w.uv[hh * lv.bytes()..(hh + 1) * lv.bytes()];
@@ -221,6 +273,35 @@ impl MlaDecode {
                 let y = unsafe { o.slice_mut(hh * vd, vd) };
                 head_matmul(local, wv, lv, &o_lat, y);
                 local.o_lat = o_lat;
+                if let Some((_, pl, ..)) = proj {
+                    let (c0, c1, gs) = (hh * vd, (hh + 1) * vd, pl.gs);
+                    for (g, cols) in o_cols.iter().enumerate().take(c1.div_ceil(gs)).skip(c0 / gs) {
+                        let mine = c1.min((g + 1) * gs) - c0.max(g * gs);
+                        // AcqRel: the task that completes the group sees every head's values in it.
+                        if cols.fetch_add(mine, Ordering::AcqRel) + mine == gs {
+                            // SAFETY: every value of group g is written (counter above) and not
+                            // written again; group g of the projection's input is quantised by
+                            // this task alone and read by projection tasks only after the
+                            // Release below.
+                            unsafe { quantize_rows_group(|_| o.0, 1, o_dst, pl.k, gs, g, split) };
+                            o_groups.fetch_add(1, Ordering::Release);
+                        }
+                    }
+                }
+            } else if let Some((pw, pl, y, nb, tasks)) = proj {
+                let j = t - n3;
+                let (b0, b1) = (j * nb / tasks, (j + 1) * nb / tasks);
+                let bb = pl.block_bytes();
+                let wr = &pw[b0 * bb..(b1 * bb).min(pw.len())];
+                wait_ready(o_groups, pl.groups(), &failed, &wr[..wr.len().min(OUTPUT_WAIT_PREFETCH)]);
+                let cols = (b1 - b0) * ROW_BLOCK;
+                local.tmp.resize(split * cols, 0.0);
+                // Every group of o_acts is quantised (Acquire in wait_ready) and no longer written.
+                matmul_packed(isa, pw, &pl, o_acts, b0..b1, &mut local.tmp);
+                sum_split_rows(&mut local.tmp, 1, cols);
+                let keep = cols.min(pl.rows - b0 * ROW_BLOCK);
+                // SAFETY: rows 16·b0 .. +keep of y are written by this task alone.
+                unsafe { y.slice_mut(b0 * ROW_BLOCK, keep) }.copy_from_slice(&local.tmp[..keep]);
             }
         });
     }

@@ -4,6 +4,7 @@ use super::*;
 use crate::attention::decode_shared_kv_planned;
 use crate::heads::{HeadMatmul, HeadStrides};
 use crate::moe::tests::data;
+use crate::moe::PoolMatmul;
 use crate::pool::PoolPlan;
 use krasis_quant::cpu_layout::pack;
 use krasis_quant::group::quantize;
@@ -56,7 +57,8 @@ proptest! {
 
     /// One dispatch gives the separate dispatches' bits: ragged head counts (whole groups and
     /// sub-groups of 8), nope padded to the layout's K or not, contexts from one row to several
-    /// chunks, 1–5 workers, INT8 and INT4, the active ISA and the scalar one.
+    /// chunks, 1–5 workers, INT8 and INT4, the active ISA and the scalar one; with the output
+    /// projection inside (ragged rows), PoolMatmul's bits for it.
     #[test]
     fn one_dispatch_equals_the_separate_ones(
         heads in 1usize..20,
@@ -64,12 +66,17 @@ proptest! {
         rope in 1usize..9,
         lat32 in 1usize..5,
         v_dim in 1usize..40,
+        with_proj in any::<bool>(),
+        proj_rows in 1usize..70,
         visible in 1usize..300,
         workers in 1usize..6,
         int8 in any::<bool>(),
         scalar in any::<bool>(),
         seed in 0u64..1000,
     ) {
+        // The output projection's K (heads · v_dim) must be whole groups of 32; its groups span
+        // several heads (v_dim 8, 16) or a head spans several (64), or neither (48, 40 · 4).
+        let (heads, v_dim) = if with_proj { (heads.next_multiple_of(4), 8 * (1 + v_dim % 8)) } else { (heads, v_dim) };
         let d = MlaDims { heads, nope, rope, latent: 32 * lat32, v_dim };
         let bits = if int8 { Bits::Int8 } else { Bits::Int4 };
         let (lat, row) = (d.latent, d.latent + rope);
@@ -84,12 +91,19 @@ proptest! {
         let isa = if scalar { Isa::Scalar } else { crate::isa::active() };
         let want = separate(&pool, isa, &d, &q, &kv, 0.3, &w);
         let mut got = vec![f32::NAN; heads * v_dim];
-        MlaDecode::new(&pool).run(&pool, isa, &d, &q, &kv, 0.3, &w, &mut got);
+        let k_proj = if with_proj { heads * v_dim } else { 32 };
+        let (pw, pl) = packed(1, proj_rows, k_proj, 32, bits, seed + 200);
+        let mut y = vec![f32::NAN; proj_rows];
+        let proj = with_proj.then(|| OutputProj { w: &pw, layout: pl, y: &mut y });
+        MlaDecode::new(&pool).run(&pool, isa, &d, &q, &kv, 0.3, &w, &mut got, proj);
         prop_assert!(got.iter().all(|v| v.is_finite()));
-        prop_assert_eq!(
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
+        let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits_of(&got), bits_of(&want));
+        if with_proj {
+            let mut y_want = vec![0f32; proj_rows];
+            PoolMatmul::new(&pool).run(&pool, isa, &pw, &pl, &want, 1, &mut y_want);
+            prop_assert_eq!(bits_of(&y), bits_of(&y_want));
+        }
     }
 }
 
@@ -117,6 +131,6 @@ fn long_context_equals_the_separate_dispatches() {
     let isa = crate::isa::active();
     let want = separate(&pool, isa, &d, &q, &kv, 0.1, &w);
     let mut got = vec![f32::NAN; d.heads * d.v_dim];
-    MlaDecode::new(&pool).run(&pool, isa, &d, &q, &kv, 0.1, &w, &mut got);
+    MlaDecode::new(&pool).run(&pool, isa, &d, &q, &kv, 0.1, &w, &mut got, None);
     assert_eq!(got, want);
 }

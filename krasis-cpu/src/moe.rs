@@ -340,19 +340,57 @@ enum Task {
 
 impl Task {
     /// The weight bytes this task reads, in the order it reads them (none for an X task).
-    fn weights<'a>(self, jobs: &[ExpertJob<'a>], l13: &PackedLayout, l2: &PackedLayout) -> &'a [u8] {
+    fn weights<'a>(self, jobs: &[ExpertJob<'a>], lay: &JobLayouts<'_>) -> &'a [u8] {
         match self {
             Task::W13 { e, p0, p1 } => {
-                let (w13, bb) = (jobs[e].weights.w13, l13.block_bytes());
+                let (w13, bb) = (jobs[e].weights.w13, lay.of(e).0.block_bytes());
                 &w13[(2 * p0 * bb).min(w13.len())..(2 * p1 * bb).min(w13.len())]
             }
             Task::W2 { e, b0, b1, .. } => {
-                let (w2, bb) = (jobs[e].weights.w2, l2.block_bytes());
+                let (w2, bb) = (jobs[e].weights.w2, lay.of(e).1.block_bytes());
                 &w2[(b0 * bb).min(w2.len())..(b1 * bb).min(w2.len())]
             }
             Task::X { .. } => &[],
         }
     }
+}
+
+/// The layouts of a call's jobs: the runner's own for the first `main` jobs, then those of the
+/// extra jobs ([`PoolExperts::run_with`]).
+#[derive(Clone, Copy)]
+struct JobLayouts<'a> {
+    main: usize,
+    own: (&'a PackedLayout, &'a PackedLayout),
+    extra: (&'a PackedLayout, &'a PackedLayout),
+}
+
+impl<'a> JobLayouts<'a> {
+    fn of(&self, e: usize) -> (&'a PackedLayout, &'a PackedLayout) {
+        if e < self.main {
+            self.own
+        } else {
+            self.extra
+        }
+    }
+
+    /// Where job `e`'s w2 groups start in the per-(job, group) counters.
+    fn group_base(&self, e: usize) -> usize {
+        let (g, ge) = (self.own.1.groups(), self.extra.1.groups());
+        if e < self.main {
+            e * g
+        } else {
+            self.main * g + (e - self.main) * ge
+        }
+    }
+}
+
+/// Jobs of other layouts in the same dispatch as a runner's own ([`PoolExperts::run_with`]): a
+/// shared expert beside the routed ones.
+#[derive(Clone, Copy)]
+pub struct ExtraJobs<'a> {
+    pub w13_layout: &'a PackedLayout,
+    pub w2_layout: &'a PackedLayout,
+    pub jobs: &'a [ExpertJob<'a>],
 }
 
 /// How [`PoolExperts`]' w2 tasks meet the intermediate their job's w13 tasks produce.
@@ -553,6 +591,7 @@ fn guided_env() -> usize {
 }
 
 /// The work of one expert in a step: its weights, its tokens' rows of `x` and their weights.
+#[derive(Clone, Copy)]
 pub struct ExpertJob<'a> {
     pub weights: ExpertWeights<'a>,
     /// `(token, routing weight)`.
@@ -721,13 +760,14 @@ impl PoolExperts {
     /// tokens have no X tasks: each w13 task's worker quantises them itself. In
     /// [`W2Mode::GroupMajor`] a w2 task also waits for the previous group range's task over
     /// its blocks, which the job's list holds earlier: ranges are listed in order.)
-    fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], nodes: usize, workers: usize) {
-        let pairs = self.w13_layout.row_blocks() / 2;
+    fn plan(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], lay: &JobLayouts<'_>, nodes: usize, workers: usize) {
+        let pairs_of = |e: usize| lay.of(e).0.row_blocks() / 2;
         let nb2 = self.w2_layout.row_blocks();
-        let ng13 = self.w13_layout.groups();
         let n = jobs.len();
         let (tpw13, tpw2) = (self.tasks_per_worker, self.w2_tasks_per_worker.unwrap_or(self.tasks_per_worker));
-        let per13 = Self::units_per_task(pairs * n, tpw13, workers);
+        // Units of the jobs from e on (the guided sizes shrink with what is left).
+        let pairs_from = |e: usize| (e..n).map(pairs_of).sum::<usize>();
+        let per13 = Self::units_per_task(pairs_from(0), tpw13, workers);
         let per2 = Self::units_per_task(nb2 * n, tpw2, workers);
         // Guided: a task's size shrinks with the units left in its phase, down to half the even
         // size, so the phase ends in small tasks (less idle time at the w13 → w2 hand-over and
@@ -741,13 +781,14 @@ impl PoolExperts {
             }
         };
         // Activation groups: one round over the workers (tiny tasks; decode has 16 groups).
-        let perx = ng13.div_ceil(workers.max(1)).max(1);
         step.tasks.resize_with(nodes, Vec::new);
         step.tasks.iter_mut().for_each(Vec::clear);
         for (a, &e) in step.act_src.iter().enumerate() {
             if step.local_x[a] {
                 continue;
             }
+            let ng13 = lay.of(e).0.groups();
+            let perx = ng13.div_ceil(workers.max(1)).max(1);
             let node = jobs[e].weights.node.min(nodes - 1);
             for g0 in (0..ng13).step_by(perx) {
                 step.tasks[node].push(Task::X { a, g0, g1: (g0 + perx).min(ng13) });
@@ -757,16 +798,17 @@ impl PoolExperts {
         step.owned_from.extend(step.tasks.iter().map(Vec::len));
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
+            let (pairs, left) = (pairs_of(e), pairs_from(e));
             let mut p0 = 0;
             while p0 < pairs {
-                let p1 = (p0 + size(per13, tpw13, pairs * (n - e) - p0)).min(pairs);
+                let p1 = (p0 + size(per13, tpw13, left - p0)).min(pairs);
                 step.tasks[node].push(Task::W13 { e, p0, p1 });
                 p0 = p1;
             }
         }
-        let ng2 = self.w2_layout.groups();
         for (e, job) in jobs.iter().enumerate() {
             let node = job.weights.node.min(nodes - 1);
+            let ng2 = lay.of(e).1.groups();
             if self.w2_mode == W2Mode::GroupMajor {
                 // Group ranges (the w2 tasks per worker), each over the same block ranges of
                 // about one per worker over all jobs; a range's tasks all before the next's.
@@ -803,14 +845,19 @@ impl PoolExperts {
     /// Plans `step` for `jobs` unless its plan already fits: the plan depends only on the job
     /// count, the pool's shape, the jobs' nodes, which jobs share activation sets
     /// (`step.acts_of`) and which sets are quantised per worker (`step.local_x`).
-    fn plan_if_changed(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], pool: &WorkerPool) {
+    fn plan_if_changed(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], lay: &JobLayouts<'_>, pool: &WorkerPool) {
         step.key_now.clear();
-        step.key_now.extend([jobs.len(), pool.nodes(), pool.threads()]);
+        step.key_now.extend([jobs.len(), lay.main, pool.nodes(), pool.threads()]);
+        if lay.main < jobs.len() {
+            for l in [lay.extra.0, lay.extra.1] {
+                step.key_now.extend([l.rows, l.k, l.gs, l.bits as usize]);
+            }
+        }
         step.key_now.extend(jobs.iter().map(|j| j.weights.node));
         step.key_now.extend(step.acts_of.iter().copied());
         step.key_now.extend(step.local_x.iter().map(|&l| l as usize));
         if step.key_now != step.plan_key {
-            self.plan(step, jobs, pool.nodes(), pool.threads());
+            self.plan(step, jobs, lay, pool.nodes(), pool.threads());
             std::mem::swap(&mut step.key_now, &mut step.plan_key);
         }
     }
@@ -842,19 +889,20 @@ impl PoolExperts {
         step.act_src.push(0);
         step.local_x.clear();
         step.local_x.push(self.quantises_locally(jobs.len(), 1));
-        self.plan_if_changed(step, &jobs, pool);
+        let lay = self.own_layouts(jobs.len());
+        self.plan_if_changed(step, &jobs, &lay, pool);
         // Tasks up to the end of each node's owned run (the ones before it do nothing here).
         let counts: Vec<usize> = (0..step.tasks.len())
             .map(|j| (step.owned_from[j] + pool.node_threads(j)).min(step.tasks[j].len()))
             .collect();
         let per_task = budget.div_ceil(pool.threads().max(1));
-        let (tasks, owned_from, l13, l2) = (&step.tasks, &step.owned_from, &self.w13_layout, &self.w2_layout);
+        let (tasks, owned_from) = (&step.tasks, &step.owned_from);
         let requested = AtomicUsize::new(0);
         pool.run_on_nodes_affine(&counts, owned_from, &|node, t, _| {
             if t < owned_from[node] {
                 return;
             }
-            let w = tasks[node][t].weights(&jobs, l13, l2);
+            let w = tasks[node][t].weights(&jobs, &lay);
             let w = &w[..w.len().min(per_task)];
             let mut done = 0;
             for piece in w.chunks(PREFETCH_STOP_CHECK_BYTES) {
@@ -880,12 +928,53 @@ impl PoolExperts {
     /// `out`, job after job (a per-block turn counter keeps the job order). The numbers are those of the phase-by-phase composition
     /// (quantise x, w13, SiLU·up, quantise, w2, weighted sum in job order), bit for bit.
     pub fn run(&self, pool: &WorkerPool, isa: Isa, x: &[f32], hidden: usize, jobs: &[ExpertJob<'_>], out: &mut [f32]) {
+        self.run_with(pool, isa, x, hidden, jobs, None, out)
+    }
+
+    /// The runner's own layouts for all of `n` jobs.
+    fn own_layouts(&self, n: usize) -> JobLayouts<'_> {
+        let own = (&self.w13_layout, &self.w2_layout);
+        JobLayouts { main: n, own, extra: own }
+    }
+
+    /// [`PoolExperts::run`] with `extra` jobs of their own layouts (same hidden size) in the same
+    /// dispatch, after `jobs`: their outputs are added after those of `jobs`, so `out` gets the
+    /// bits of `run(jobs)` followed by a runner of the extra layouts on `extra.jobs`. Calls that
+    /// take the BF16 prefill tiles run the two sets one after the other.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_with(
+        &self,
+        pool: &WorkerPool,
+        isa: Isa,
+        x: &[f32],
+        hidden: usize,
+        jobs: &[ExpertJob<'_>],
+        extra: Option<ExtraJobs<'_>>,
+        out: &mut [f32],
+    ) {
         let t_call = self.trace.as_ref().map_or(0, Trace::now);
         let (l13, l2) = (&self.w13_layout, &self.w2_layout);
         assert_eq!(l13.k, hidden, "x width {hidden} differs from the experts' hidden size {}", l13.k);
         assert_eq!(l2.rows, hidden);
-        let inter = l13.rows / 2;
-        let (gs2, ng2) = (l2.gs, l2.groups());
+        let mut lay = self.own_layouts(jobs.len());
+        let all: Vec<ExpertJob<'_>>;
+        let jobs = match extra {
+            Some(ex) if !ex.jobs.is_empty() => {
+                assert!(
+                    ex.w13_layout.k == hidden
+                        && ex.w2_layout.rows == hidden
+                        && ex.w2_layout.k == ex.w13_layout.rows / 2,
+                    "extra jobs' layouts {:?} / {:?} do not fit hidden size {hidden}",
+                    ex.w13_layout,
+                    ex.w2_layout
+                );
+                lay.extra = (ex.w13_layout, ex.w2_layout);
+                all = jobs.iter().chain(ex.jobs).copied().collect();
+                &all[..]
+            }
+            _ => jobs,
+        };
+        let inter_of = |e: usize| lay.of(e).0.rows / 2;
         let split = split_factor();
         let mut guard = self.step.lock().unwrap_or_else(|e| e.into_inner());
         let step = &mut *guard;
@@ -908,17 +997,27 @@ impl PoolExperts {
             }
         }
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
-        if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| inter % 32 == 0) {
+        let bf16_fits = (0..n).all(|e| inter_of(e).is_multiple_of(32));
+        if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
-            return prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, jobs, out);
+            // One set of layouts per BF16 dispatch: the runner's jobs, then the extra ones.
+            let (main, rest) = jobs.split_at(lay.main);
+            prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, main, out);
+            if !rest.is_empty() {
+                prefill_bf16::run_experts(tiles, pool, lay.extra.0, lay.extra.1, x, hidden, rest, out);
+            }
+            return;
         }
         // Activations: one set per distinct token list (in decode every expert of the token
         // shares one), quantised inside the dispatch.
         step.acts_of.clear();
         step.act_src.clear();
         for (e, job) in jobs.iter().enumerate() {
+            let (l13e, l2e) = lay.of(e);
+            // A set is shared by jobs of one token list whose w13 groups the hidden size alike.
             let same = (0..e).find(|&j| {
                 jobs[j].tokens.len() == job.tokens.len()
+                    && lay.of(j).0.gs == l13e.gs
                     && jobs[j].tokens.iter().zip(job.tokens).all(|(a, b)| a.0 == b.0)
             });
             if let Some(j) = same {
@@ -930,19 +1029,20 @@ impl PoolExperts {
                 if step.acts.len() <= a {
                     step.acts.push(QuantizedActs::new());
                 }
-                shape_acts(&mut step.acts[a], split * job.tokens.len(), hidden, l13.gs);
+                shape_acts(&mut step.acts[a], split * job.tokens.len(), hidden, l13e.gs);
             }
             let m = job.tokens.len();
-            step.mid[e].resize(m * inter, 0.0);
-            shape_acts(&mut step.mid_acts[e], split * m, inter, gs2);
+            step.mid[e].resize(m * inter_of(e), 0.0);
+            shape_acts(&mut step.mid_acts[e], split * m, inter_of(e), l2e.gs);
             step.y[e].resize(m * hidden, 0.0);
             if major {
                 step.part[e].resize(split * m * l2.row_blocks() * ROW_BLOCK, 0.0);
             }
         }
-        step.cols_done.resize_with(n * ng2, AtomicUsize::default);
+        let counters = lay.group_base(n);
+        step.cols_done.resize_with(counters, AtomicUsize::default);
         step.cols_done.iter().for_each(|c| c.store(0, Ordering::Relaxed));
-        step.group_ok.resize_with(n * ng2, AtomicUsize::default);
+        step.group_ok.resize_with(counters, AtomicUsize::default);
         step.group_ok.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         let sets = step.act_src.len();
         step.x_ready.resize_with(sets, AtomicUsize::default);
@@ -954,7 +1054,7 @@ impl PoolExperts {
             step.local_x.push(self.quantises_locally(n, jobs[step.act_src[a]].tokens.len()));
         }
         step.serial = step.serial.wrapping_add(1);
-        self.plan_if_changed(step, jobs, pool);
+        self.plan_if_changed(step, jobs, &lay, pool);
         step.out_turn.resize_with(l2.row_blocks(), AtomicUsize::default);
         step.out_turn.iter().for_each(|c| c.store(0, Ordering::Relaxed));
         if major {
@@ -981,7 +1081,6 @@ impl PoolExperts {
         let (local_x, serial) = (&step.local_x, step.serial);
         let (out_turn, fused) = (&step.out_turn, self.fused_sum);
         let out_ptr = OutPtr(out.as_mut_ptr());
-        let ng13 = l13.groups();
         let trace = self.trace.as_ref();
         let d_index = trace.map_or(0, Trace::next_dispatch);
         let t_dispatch = trace.map_or(0, Trace::now);
@@ -994,6 +1093,7 @@ impl PoolExperts {
             match task {
                 Task::X { a, g0, g1 } => {
                     let toks = jobs[act_src[a]].tokens;
+                    let gs = lay.of(act_src[a]).0.gs;
                     for g in g0..g1 {
                         // SAFETY: tokens are inside x (checked above); group g of set a's rows
                         // is written only by this task, and read by w13 tasks only after the
@@ -1004,7 +1104,7 @@ impl PoolExperts {
                                 toks.len(),
                                 xbufs[a],
                                 hidden,
-                                l13.gs,
+                                gs,
                                 g,
                                 split,
                             )
@@ -1014,7 +1114,9 @@ impl PoolExperts {
                 }
                 Task::W13 { e, p0, p1 } => {
                     let w13 = jobs[e].weights.w13;
-                    let upcoming = task.weights(jobs, l13, l2);
+                    let (l13, l2) = lay.of(e);
+                    let (ng13, inter, gs2) = (l13.groups(), l13.rows / 2, l2.gs);
+                    let upcoming = task.weights(jobs, &lay);
                     let upcoming = &upcoming[..upcoming.len().min(X_WAIT_PREFETCH)];
                     let set = acts_of[e];
                     let mut local =
@@ -1071,22 +1173,23 @@ impl PoolExperts {
                         let mine = c1.min((g + 1) * gs2) - c0.max(g * gs2);
                         // AcqRel: the task that completes the group sees every other task's
                         // columns of it (release sequence of this counter).
-                        if cols_done[e * ng2 + g].fetch_add(mine, Ordering::AcqRel) + mine == gs2 {
+                        if cols_done[lay.group_base(e) + g].fetch_add(mine, Ordering::AcqRel) + mine == gs2 {
                             // SAFETY: all columns of group g are written (counter above) and no
                             // task writes them again; group g of the quantised rows is written
                             // only here, and read by w2 tasks only after the release below.
                             unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
-                            group_ok[e * ng2 + g].store(1, Ordering::Release);
+                            group_ok[lay.group_base(e) + g].store(1, Ordering::Release);
                         }
                     }
                 }
                 Task::W2 { e, b0, b1, g0: ga, g1: gb } => {
                     let w2 = jobs[e].weights.w2;
-                    let bb = l2.block_bytes();
-                    let upcoming = task.weights(jobs, l13, l2);
+                    let l2 = lay.of(e).1;
+                    let (bb, inter, gs2, ng2) = (l2.block_bytes(), l2.k, l2.gs, l2.groups());
+                    let upcoming = task.weights(jobs, &lay);
                     let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
-                    let ok = &group_ok[e * ng2..(e + 1) * ng2];
+                    let ok = &group_ok[lay.group_base(e)..lay.group_base(e) + ng2];
                     let mut own = self.w2_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
                     shape_acts(&mut own, split * m, inter, gs2);
                     // Pull groups g..gb of this task's blocks (and, for a range after the first,
@@ -1456,7 +1559,9 @@ pub(crate) mod tests {
         /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens;
         /// in every dispatch or in one-job ones only) or in shared tasks, w2 tasks consuming the
         /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
-        /// continuing each other's partial sums; w13 and w2 each INT4 or INT8 (mixed widths).
+        /// continuing each other's partial sums; w13 and w2 each INT4 or INT8 (mixed widths);
+        /// and 0–2 extra jobs of another layout ([`PoolExperts::run_with`]: another width,
+        /// intermediate size and hidden group size) over every token, added after the rest.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1476,26 +1581,36 @@ pub(crate) mod tests {
             local_x in 0usize..3,
             w2_mode in 0usize..3,
             seed in 0u64..1000,
+            n_extra in 0usize..3,
+            inter_x16 in 1usize..13,
+            gs13x_log in 0u32..2,
+            int8_x in proptest::prelude::any::<bool>(),
         ) {
             let (gs13, gs2) = (32 << gs13_log, 32 << gs2_log);
-            let h = (h32 * 32).div_ceil(gs13) * gs13;
+            let gs13x = 32 << gs13x_log;
+            let h = (h32 * 32).div_ceil(gs13.max(gs13x)) * gs13.max(gs13x);
             let inter = (inter16 * 16).div_ceil(gs2) * gs2;
             let width = |int8: bool| if int8 { Bits::Int8 } else { Bits::Int4 };
             let bits = [width(int8_13), width(int8_2)];
             let experts: Vec<Expert> =
                 (0..n_experts).map(|e| expert_gs(h, inter, bits, seed * 31 + 5 * e as u64, gs13, gs2)).collect();
+            let bx = if int8_x { Bits::Int8 } else { Bits::Int4 };
+            let extras: Vec<Expert> =
+                (0..n_extra).map(|e| expert_gs(h, 32 * inter_x16, [bx, bx], seed * 17 + e as u64, gs13x, 32)).collect();
             let x = data(t * h, seed + 7);
             // Expert e takes tokens e, e+1, … (mod t); every other expert also all tokens from 0,
             // so some token lists repeat and some differ.
-            let routes: Vec<Vec<(usize, f32)>> = (0..n_experts)
+            let mut routes: Vec<Vec<(usize, f32)>> = (0..n_experts)
                 .map(|e| {
                     let len = 1 + (e + seed as usize) % t;
                     let start = if e % 2 == 0 { 0 } else { e % t };
                     (0..len).map(|j| ((start + j) % t, 0.25 + 0.5 * j as f32)).collect()
                 })
                 .collect();
+            // The extra jobs: every token at weight 1 (a shared expert).
+            routes.extend((0..n_extra).map(|_| (0..t).map(|i| (i, 1.0)).collect::<Vec<_>>()));
             let isa = crate::isa::active();
-            let refs: Vec<&Expert> = experts.iter().collect();
+            let refs: Vec<&Expert> = experts.iter().chain(&extras).collect();
             let want = phased_reference(isa, &refs, &routes, &x, h);
             let pool = WorkerPool::new(PoolPlan::simulated(nodes, per_node)).unwrap();
             let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2)
@@ -1508,15 +1623,18 @@ pub(crate) mod tests {
                 .with_w2_mode([W2Mode::Whole, W2Mode::ByGroups, W2Mode::GroupMajor][w2_mode]);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
+                .zip(&refs)
                 .enumerate()
-                .map(|(e, toks)| ExpertJob {
-                    weights: ExpertWeights { w13: &experts[e].w13, w2: &experts[e].w2, node: e % nodes },
+                .map(|(e, (toks, ex))| ExpertJob {
+                    weights: ExpertWeights { w13: &ex.w13, w2: &ex.w2, node: e % nodes },
                     tokens: toks,
                 })
                 .collect();
+            let (main, rest) = jobs.split_at(n_experts);
+            let extra = extras.first().map(|ex| ExtraJobs { w13_layout: &ex.l13, w2_layout: &ex.l2, jobs: rest });
             for _ in 0..2 {
                 let mut got = vec![0f32; t * h];
-                runner.run(&pool, isa, &x, h, &jobs, &mut got);
+                runner.run_with(&pool, isa, &x, h, main, extra, &mut got);
                 let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 proptest::prop_assert!(same, "differs from the phased composition");
             }

@@ -11,7 +11,7 @@ use krasis_core::spec::MlaDims;
 use krasis_cpu::attention::KvCacheView;
 use krasis_cpu::heads::{HeadMatmul, HeadStrides};
 use krasis_cpu::isa::{self, Isa};
-use krasis_cpu::mla_decode::{AbsorbedKvB, MlaDecode};
+use krasis_cpu::mla_decode::{output_fusable, AbsorbedKvB, MlaDecode, OutputProj};
 use krasis_cpu::mla_prefill::KvBWeights;
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts};
 use krasis_cpu::pool::WorkerPool;
@@ -21,7 +21,7 @@ use krasis_quant::Bits;
 use rayon::prelude::*;
 
 use crate::error::Result;
-use crate::linear::{DenseLinear, LinearOp};
+use crate::linear::{DenseLinear, LinearOp, PackedRef};
 use crate::quantized::dense_layout;
 
 /// Packed bytes of one matrix (or of several packed back to back): owned, or an entry of a loaded
@@ -150,17 +150,32 @@ impl PackedKvB {
         run(&p, HeadStrides { token: h * k, head: k });
     }
 
+    /// Whether the packed output projection `r` can run inside [`PackedKvB::attend_one`]'s
+    /// dispatch (the same pool and ISA, K the heads' values).
+    pub fn can_project(&self, r: &PackedRef<'_>) -> bool {
+        std::ptr::eq(r.pool, &*self.pool) && r.isa == self.isa && output_fusable(&self.dims, r.layout)
+    }
+
     /// Absorbed attention of one token at the cache's last position, W_UK to W_UV in one
     /// dispatch ([`MlaDecode`]): `q` `[heads, nope + rope]` (rope rotated), `kv` the latent cache
-    /// with the token's row appended, `o` `[heads, v_dim]`.
-    pub fn attend_one(&self, q: &[f32], kv: &KvCacheView<'_>, scale: f32, o: &mut [f32]) {
+    /// with the token's row appended, `o` `[heads, v_dim]`; with `proj` (packed bytes, layout,
+    /// output; [`PackedKvB::can_project`]), `o_proj` in the same dispatch.
+    pub fn attend_one(
+        &self,
+        q: &[f32],
+        kv: &KvCacheView<'_>,
+        scale: f32,
+        o: &mut [f32],
+        proj: Option<(&[u8], PackedLayout, &mut [f32])>,
+    ) {
         let w = AbsorbedKvB {
             uk: self.uk.as_slice(),
             uk_layout: self.layouts.uk,
             uv: self.uv.as_slice(),
             uv_layout: self.layouts.uv,
         };
-        self.decode.run(&self.pool, self.isa, &self.dims, q, kv, scale, &w, o);
+        let proj = proj.map(|(w, layout, y)| OutputProj { w, layout, y });
+        self.decode.run(&self.pool, self.isa, &self.dims, q, kv, scale, &w, o, proj);
     }
 
     /// The packed bytes as the decompressed prefill reads them (each task dequantises one head's
@@ -245,9 +260,24 @@ impl PooledMlp {
     /// `out[t, hidden] += down(SiLU(gate(x)) · up(x))`.
     pub fn forward_add(&self, x: &[f32], t: usize, out: &mut [f32]) {
         let tokens: Vec<(usize, f32)> = (0..t).map(|i| (i, 1.0)).collect();
-        let w2 = self.down.packed().expect("checked in new").bytes;
-        let job = ExpertJob { weights: ExpertWeights { w13: self.w13.as_slice(), w2, node: 0 }, tokens: &tokens };
+        let job = ExpertJob { weights: self.expert_weights(), tokens: &tokens };
         self.runner.run(&self.pool, self.isa, x, self.hidden, &[job], out);
+    }
+
+    /// Its weights as one expert's ([`PoolExperts`] job weights, on pool node 0).
+    pub fn expert_weights(&self) -> ExpertWeights<'_> {
+        let w2 = self.down.packed().expect("checked in new").bytes;
+        ExpertWeights { w13: self.w13.as_slice(), w2, node: 0 }
+    }
+
+    /// Its fused gate+up and down layouts.
+    pub fn layouts(&self) -> (&PackedLayout, &PackedLayout) {
+        (self.runner.w13_layout(), self.runner.w2_layout())
+    }
+
+    /// Whether it runs on `pool` with `isa` (so it may join another runner's dispatch there).
+    pub fn runs_on(&self, pool: &WorkerPool, isa: Isa) -> bool {
+        std::ptr::eq(pool, &*self.pool) && isa == self.isa
     }
 }
 

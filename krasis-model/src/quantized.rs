@@ -8,7 +8,7 @@ use std::sync::Arc;
 use indicatif::{ProgressBar, ProgressStyle};
 use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, DenseCache, ExpertCache, LayerParts, LoadOptions};
 use krasis_cpu::isa::{self, Isa};
-use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, PoolMatmul};
+use krasis_cpu::moe::{ExpertJob, ExpertWeights, ExtraJobs, PoolExperts, PoolMatmul};
 use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
 use krasis_quant::group::{group_size_for, quantize};
@@ -19,7 +19,7 @@ use crate::engine::experts::{ExpertExecutor, Routes};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp, PackedRef};
-use crate::packed_ops::PackedBytes;
+use crate::packed_ops::{PackedBytes, PooledMlp};
 use crate::precision::{describe_layer_bits, CacheBits, LayerBits};
 use crate::spec::{FfnKind, ModelSpec};
 use crate::weights::WeightLoader;
@@ -438,23 +438,63 @@ impl CpuQuantExperts {
         ExpertWeights { w13: self.cache.w13(li, e), w2: self.cache.w2(li, e), node: e % self.pool.nodes() }
     }
 
+    /// One job per expert that `routes` sends tokens to, in expert order (grouped in `g`).
+    fn routed_jobs<'a>(&'a self, li: usize, t: usize, routes: &Routes, g: &'a mut RouteGrouping) -> Vec<ExpertJob<'a>> {
+        let n = self.cache.header().n_experts as usize;
+        g.group(n, t, routes);
+        let g = &*g;
+        (0..n)
+            .filter(|&e| g.offsets[e + 1] > g.offsets[e])
+            .map(|e| ExpertJob { weights: self.weights(li, e), tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]] })
+            .collect()
+    }
+
     /// The widths of each MoE layer, in order.
     pub fn layer_bits(&self) -> &[LayerBits] {
         &self.bits
     }
 }
 
+/// `KRASIS_SHARED_EXPERTS=beside` runs a MoE layer's shared expert in its own dispatch after the
+/// routed experts' (the former path, for A/B measurements); unset (or anything else), inside
+/// theirs ([`PoolExperts::run_with`]). Same bits either way. Read once.
+fn shared_inside() -> bool {
+    static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *S.get_or_init(|| std::env::var("KRASIS_SHARED_EXPERTS").map_or(true, |v| v != "beside"))
+}
+
 impl ExpertExecutor for CpuQuantExperts {
     fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
-        let n = self.cache.header().n_experts as usize;
         let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
-        g.group(n, t, routes);
-        let jobs: Vec<ExpertJob<'_>> = (0..n)
-            .filter(|&e| g.offsets[e + 1] > g.offsets[e])
-            .map(|e| ExpertJob { weights: self.weights(li, e), tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]] })
-            .collect();
+        let jobs = self.routed_jobs(li, t, routes, &mut g);
         self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
+    }
+
+    /// The routed jobs and `shared` as extra jobs over every token at weight 1, in one dispatch
+    /// ([`PoolExperts::run_with`]): the bits of [`ExpertExecutor::run`] followed by
+    /// `shared.forward_add`.
+    fn run_with_shared(
+        &self,
+        layer: usize,
+        x: &[f32],
+        t: usize,
+        routes: &Routes,
+        shared: &PooledMlp,
+        out: &mut [f32],
+    ) -> bool {
+        if !shared_inside() || !shared.runs_on(&self.pool, self.isa) {
+            return false;
+        }
+        let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
+        let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
+        let jobs = self.routed_jobs(li, t, routes, &mut g);
+        let every: Vec<(usize, f32)> = (0..t).map(|i| (i, 1.0)).collect();
+        let shared_job = [ExpertJob { weights: shared.expert_weights(), tokens: &every }];
+        let (l13, l2) = shared.layouts();
+        let extra = ExtraJobs { w13_layout: l13, w2_layout: l2, jobs: &shared_job };
+        self.runners[self.runner_of[li]].run_with(&self.pool, self.isa, x, self.hidden, &jobs, Some(extra), out);
+        true
     }
 
     /// Pulls each worker's first task of a one-token call of `ids` into its cache (see

@@ -134,12 +134,15 @@ impl MlaPrefillMode {
     }
 }
 
-/// `KRASIS_MLA_DECODE=split` runs one-token absorbed attention as separate dispatches (W_UK,
-/// the attention's partials, their combine, W_UV: the former path, for A/B measurements);
-/// unset (or anything else), one dispatch ([`krasis_cpu::mla_decode`]). Same bits either way.
+/// How one-token absorbed MLA attention runs with packed `kv_b`: `KRASIS_MLA_DECODE=split` as
+/// separate dispatches (W_UK, the attention's partials, their combine, W_UV, then `o_proj`: the
+/// former path, for A/B measurements); `attention`: W_UK to W_UV in one dispatch, `o_proj` in
+/// its own; unset (or anything else), `o_proj` inside that dispatch too
+/// ([`krasis_cpu::mla_decode`]). Same bits every way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MlaDecodeMode {
     Fused,
+    AttentionOnly,
     Split,
 }
 
@@ -148,13 +151,18 @@ impl MlaDecodeMode {
         static M: std::sync::OnceLock<MlaDecodeMode> = std::sync::OnceLock::new();
         *M.get_or_init(|| match std::env::var("KRASIS_MLA_DECODE").as_deref() {
             Ok("split") => MlaDecodeMode::Split,
+            Ok("attention") => MlaDecodeMode::AttentionOnly,
             _ => MlaDecodeMode::Fused,
         })
     }
+}
 
-    fn fused(self) -> bool {
-        self == MlaDecodeMode::Fused
-    }
+/// What [`MlaAttention::decode_one`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OneToken {
+    NotTaken,
+    Attended,
+    Projected,
 }
 
 pub struct MlaAttention {
@@ -168,6 +176,31 @@ pub struct MlaAttention {
 impl MlaAttention {
     pub fn new(dims: MlaDims, eps: f32, scale: f32, w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>) -> Self {
         MlaAttention { dims, eps, scale, w, prefill: MlaPrefillMode::from_env() }
+    }
+
+    /// One token of one sequence with packed `kv_b`: appends its cache row and runs W_UK, the
+    /// attention and W_UV in one dispatch ([`krasis_cpu::mla_decode`]), with `o_proj` into
+    /// `out` inside it when given, packed on the same pool and whole groups per head. Returns
+    /// what it did ([`OneToken::NotTaken`]: nothing, the call is not such a token or
+    /// `KRASIS_MLA_DECODE=split`).
+    fn decode_one(
+        &self,
+        q: &[f32],
+        kva: &[f32],
+        seqs: &mut [SeqKv<'_>],
+        o: &mut [f32],
+        out: Option<&mut [f32]>,
+    ) -> OneToken {
+        let mode = MlaDecodeMode::from_env();
+        let (KvB::Packed(p), [s]) = (&self.w.kv_b, &mut *seqs) else { return OneToken::NotTaken };
+        if s.rows != 1 || mode == MlaDecodeMode::Split {
+            return OneToken::NotTaken;
+        }
+        s.kv.append(kva, None);
+        let proj = out.zip(self.w.o.packed()).filter(|(_, r)| mode == MlaDecodeMode::Fused && p.can_project(r));
+        let done = if proj.is_some() { OneToken::Projected } else { OneToken::Attended };
+        p.attend_one(q, &s.kv.view(), self.scale, o, proj.map(|(y, r)| (r.bytes, *r.layout, y)));
+        done
     }
 
     /// The attention core after the projections: `q` `[t, heads, nope + rope]` with its rope
@@ -188,10 +221,7 @@ impl MlaAttention {
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let (qk, row) = (nope + rd, lat + rd);
         let mut clock = std::time::Instant::now();
-        // One token of one sequence: W_UK, the attention and W_UV in one dispatch.
-        if let (KvB::Packed(p), [s], 1, true) = (&self.w.kv_b, &mut *seqs, t, MlaDecodeMode::from_env().fused()) {
-            s.kv.append(kva, None);
-            p.attend_one(q, &s.kv.view(), self.scale, o);
+        if self.decode_one(q, kva, seqs, o, None) != OneToken::NotTaken {
             MLA_NS.lap(&mut clock, 5);
             return;
         }
@@ -342,9 +372,18 @@ impl AttentionLayer for MlaAttention {
             );
         }
         MLA_NS.lap(&mut clock, 1);
-        self.attend_into(q, kva, seqs, o);
+        let mut core = clock;
+        let one = self.decode_one(q, kva, seqs, o, Some(&mut *out));
+        if one == OneToken::NotTaken {
+            self.attend_into(q, kva, seqs, o);
+        } else {
+            // The one dispatch counts as the attention core (o_proj included when projected).
+            MLA_NS.lap(&mut core, 5);
+        }
         MLA_NS.lap(&mut clock, 2);
-        self.w.o.forward(o, t, out);
+        if one != OneToken::Projected {
+            self.w.o.forward(o, t, out);
+        }
         MLA_NS.lap(&mut clock, 3);
         MLA_SCRATCH.with_borrow_mut(|s| *s = [qb, kvb, ob]);
     }

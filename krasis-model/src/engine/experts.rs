@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use super::ffn::Mlp;
+use crate::packed_ops::PooledMlp;
 
 /// Top-k routing of `t` tokens: `ids[t·k + j]`, `weights[t·k + j]`.
 pub struct Routes {
@@ -45,6 +46,13 @@ pub trait LayerExperts: Send + Sync {
         let _ = (ids, budget, stop);
         0
     }
+    /// [`LayerExperts::run`] and then `out += shared(x)` for every token, both in one dispatch
+    /// where the backend can (then it returns true; false: it did nothing, and the caller runs
+    /// the two itself). The default cannot.
+    fn run_with_shared(&self, x: &[f32], t: usize, routes: &Routes, shared: &PooledMlp, out: &mut [f32]) -> bool {
+        let _ = (x, t, routes, shared, out);
+        false
+    }
 }
 
 /// Routed experts of every MoE layer behind one object (the cache-backed CPU pool).
@@ -57,6 +65,20 @@ pub trait ExpertExecutor: Send + Sync {
     fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
         let _ = (layer, ids, budget, stop);
         0
+    }
+    /// [`LayerExperts::run_with_shared`] for MoE layer `layer`.
+    #[allow(clippy::too_many_arguments)]
+    fn run_with_shared(
+        &self,
+        layer: usize,
+        x: &[f32],
+        t: usize,
+        routes: &Routes,
+        shared: &PooledMlp,
+        out: &mut [f32],
+    ) -> bool {
+        let _ = (layer, x, t, routes, shared, out);
+        false
     }
 }
 
@@ -89,6 +111,18 @@ impl ExpertExecutor for LateExecutor {
     fn prefetch(&self, layer: usize, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
         self.0.get().map_or(0, |e| e.prefetch(layer, ids, budget, stop))
     }
+
+    fn run_with_shared(
+        &self,
+        layer: usize,
+        x: &[f32],
+        t: usize,
+        routes: &Routes,
+        shared: &PooledMlp,
+        out: &mut [f32],
+    ) -> bool {
+        self.get().run_with_shared(layer, x, t, routes, shared, out)
+    }
 }
 
 /// Layer `layer` of a model-wide executor.
@@ -108,6 +142,10 @@ impl LayerExperts for ExecutorLayer {
 
     fn prefetch(&self, ids: &[usize], budget: usize, stop: &(dyn Fn() -> bool + Sync)) -> usize {
         self.executor.prefetch(self.layer, ids, budget, stop)
+    }
+
+    fn run_with_shared(&self, x: &[f32], t: usize, routes: &Routes, shared: &PooledMlp, out: &mut [f32]) -> bool {
+        self.executor.run_with_shared(self.layer, x, t, routes, shared, out)
     }
 }
 

@@ -83,9 +83,18 @@ impl MoeBlock {
         }
         super::OTHER_NS.lap(&mut clock, 3);
         let started = std::time::Instant::now();
-        self.experts.run(x, t, &routes, out);
+        // A pooled shared expert runs inside the routed experts' dispatch where the backend can.
+        let inside = match &self.shared {
+            Some(Mlp::Pooled(p)) => self.experts.run_with_shared(x, t, &routes, p, out),
+            _ => false,
+        };
+        if !inside {
+            self.experts.run(x, t, &routes, out);
+        }
         stats.add_expert(started.elapsed());
-        if let Some(shared) = &self.shared {
+        if inside {
+            stats.add_shared_inside(self.shared.as_ref().map_or(0, Mlp::weight_bytes));
+        } else if let Some(shared) = &self.shared {
             let started = std::time::Instant::now();
             shared.forward_add(x, t, hidden, out);
             stats.add_shared(started.elapsed());

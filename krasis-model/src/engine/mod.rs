@@ -68,6 +68,7 @@ pub struct ForwardStats {
     attention_ns: std::sync::atomic::AtomicU64,
     shared_ns: std::sync::atomic::AtomicU64,
     head_ns: std::sync::atomic::AtomicU64,
+    shared_inside_bytes: std::sync::atomic::AtomicU64,
 }
 
 /// Where forward time went, in seconds since the last reset ([`ForwardStats::breakdown`]).
@@ -81,6 +82,9 @@ pub struct ForwardBreakdown {
     pub shared: f64,
     /// The LM head.
     pub lm_head: f64,
+    /// Weight bytes of shared experts that ran inside the routed experts' dispatch (their time
+    /// is in `experts`, not `shared`).
+    pub shared_in_experts_bytes: u64,
     /// The whole forward pass (the rest: norms, routers, dense-layer MLPs, residual adds).
     pub total: f64,
 }
@@ -102,12 +106,20 @@ impl ForwardStats {
             shared: s(&self.shared_ns),
             lm_head: s(&self.head_ns),
             total: s(&self.total_ns),
+            shared_in_experts_bytes: self.shared_inside_bytes.load(Relaxed),
         }
     }
 
     pub fn reset(&self) {
         use std::sync::atomic::Ordering::Relaxed;
-        for a in [&self.expert_ns, &self.total_ns, &self.attention_ns, &self.shared_ns, &self.head_ns] {
+        for a in [
+            &self.expert_ns,
+            &self.total_ns,
+            &self.attention_ns,
+            &self.shared_ns,
+            &self.head_ns,
+            &self.shared_inside_bytes,
+        ] {
             a.store(0, Relaxed);
         }
     }
@@ -118,6 +130,10 @@ impl ForwardStats {
 
     pub(crate) fn add_shared(&self, d: std::time::Duration) {
         self.shared_ns.fetch_add(d.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_shared_inside(&self, bytes: usize) {
+        self.shared_inside_bytes.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
