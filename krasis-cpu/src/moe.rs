@@ -355,31 +355,31 @@ impl Task {
     }
 }
 
-/// The layouts of a call's jobs: the runner's own for the first `main` jobs, then those of the
-/// extra jobs ([`PoolExperts::run_with`]).
+/// The layouts of a call's jobs: those of the first `extra` jobs ([`PoolExperts::run_with`]),
+/// then the runner's own.
 #[derive(Clone, Copy)]
 struct JobLayouts<'a> {
-    main: usize,
+    extra: usize,
     own: (&'a PackedLayout, &'a PackedLayout),
-    extra: (&'a PackedLayout, &'a PackedLayout),
+    extra_layouts: (&'a PackedLayout, &'a PackedLayout),
 }
 
 impl<'a> JobLayouts<'a> {
     fn of(&self, e: usize) -> (&'a PackedLayout, &'a PackedLayout) {
-        if e < self.main {
-            self.own
+        if e < self.extra {
+            self.extra_layouts
         } else {
-            self.extra
+            self.own
         }
     }
 
     /// Where job `e`'s w2 groups start in the per-(job, group) counters.
     fn group_base(&self, e: usize) -> usize {
-        let (g, ge) = (self.own.1.groups(), self.extra.1.groups());
-        if e < self.main {
-            e * g
+        let (g, ge) = (self.own.1.groups(), self.extra_layouts.1.groups());
+        if e < self.extra {
+            e * ge
         } else {
-            self.main * g + (e - self.main) * ge
+            self.extra * ge + (e - self.extra) * g
         }
     }
 }
@@ -768,7 +768,11 @@ impl PoolExperts {
         // Units of the jobs from e on (the guided sizes shrink with what is left).
         let pairs_from = |e: usize| (e..n).map(pairs_of).sum::<usize>();
         let per13 = Self::units_per_task(pairs_from(0), tpw13, workers);
-        let per2 = Self::units_per_task(nb2 * n, tpw2, workers);
+        // A w2 row block costs its job's groups: w2 tasks are sized in the runner's own blocks
+        // (a job of twice the intermediate gets half the blocks per task).
+        let (own_g, g_of) = (lay.own.1.groups(), |e: usize| lay.of(e).1.groups());
+        let own_blocks_from = |e: usize| (e..n).map(|j| nb2 * g_of(j)).sum::<usize>() / own_g;
+        let per2 = Self::units_per_task(own_blocks_from(0), tpw2, workers);
         // Guided: a task's size shrinks with the units left in its phase, down to half the even
         // size, so the phase ends in small tasks (less idle time at the w13 → w2 hand-over and
         // at the end) while its bulk keeps long streams.
@@ -825,9 +829,10 @@ impl PoolExperts {
                 }
                 continue;
             }
+            let (per, left) = ((per2 * own_g / ng2).max(1), own_blocks_from(e) * own_g / ng2);
             let mut b0 = 0;
             while b0 < nb2 {
-                let b1 = (b0 + size(per2, tpw2, nb2 * (n - e) - b0)).min(nb2);
+                let b1 = (b0 + size(per, tpw2, left.saturating_sub(b0).max(1))).min(nb2);
                 step.tasks[node].push(Task::W2 { e, b0, b1, g0: 0, g1: ng2 });
                 b0 = b1;
             }
@@ -847,9 +852,9 @@ impl PoolExperts {
     /// (`step.acts_of`) and which sets are quantised per worker (`step.local_x`).
     fn plan_if_changed(&self, step: &mut StepScratch, jobs: &[ExpertJob<'_>], lay: &JobLayouts<'_>, pool: &WorkerPool) {
         step.key_now.clear();
-        step.key_now.extend([jobs.len(), lay.main, pool.nodes(), pool.threads()]);
-        if lay.main < jobs.len() {
-            for l in [lay.extra.0, lay.extra.1] {
+        step.key_now.extend([jobs.len(), lay.extra, pool.nodes(), pool.threads()]);
+        if lay.extra > 0 {
+            for l in [lay.extra_layouts.0, lay.extra_layouts.1] {
                 step.key_now.extend([l.rows, l.k, l.gs, l.bits as usize]);
             }
         }
@@ -889,7 +894,7 @@ impl PoolExperts {
         step.act_src.push(0);
         step.local_x.clear();
         step.local_x.push(self.quantises_locally(jobs.len(), 1));
-        let lay = self.own_layouts(jobs.len());
+        let lay = self.own_layouts();
         self.plan_if_changed(step, &jobs, &lay, pool);
         // Tasks up to the end of each node's owned run (the ones before it do nothing here).
         let counts: Vec<usize> = (0..step.tasks.len())
@@ -931,16 +936,16 @@ impl PoolExperts {
         self.run_with(pool, isa, x, hidden, jobs, None, out)
     }
 
-    /// The runner's own layouts for all of `n` jobs.
-    fn own_layouts(&self, n: usize) -> JobLayouts<'_> {
+    /// The runner's own layouts for every job.
+    fn own_layouts(&self) -> JobLayouts<'_> {
         let own = (&self.w13_layout, &self.w2_layout);
-        JobLayouts { main: n, own, extra: own }
+        JobLayouts { extra: 0, own, extra_layouts: own }
     }
 
     /// [`PoolExperts::run`] with `extra` jobs of their own layouts (same hidden size) in the same
-    /// dispatch, after `jobs`: their outputs are added after those of `jobs`, so `out` gets the
-    /// bits of `run(jobs)` followed by a runner of the extra layouts on `extra.jobs`. Calls that
-    /// take the BF16 prefill tiles run the two sets one after the other.
+    /// dispatch, before `jobs`: their outputs are added first, so `out` gets the bits of a
+    /// runner of the extra layouts on `extra.jobs` followed by `run(jobs)`. Calls that take the
+    /// BF16 prefill tiles run the two sets one after the other.
     #[allow(clippy::too_many_arguments)]
     pub fn run_with(
         &self,
@@ -956,7 +961,7 @@ impl PoolExperts {
         let (l13, l2) = (&self.w13_layout, &self.w2_layout);
         assert_eq!(l13.k, hidden, "x width {hidden} differs from the experts' hidden size {}", l13.k);
         assert_eq!(l2.rows, hidden);
-        let mut lay = self.own_layouts(jobs.len());
+        let mut lay = self.own_layouts();
         let all: Vec<ExpertJob<'_>>;
         let jobs = match extra {
             Some(ex) if !ex.jobs.is_empty() => {
@@ -968,8 +973,10 @@ impl PoolExperts {
                     ex.w13_layout,
                     ex.w2_layout
                 );
-                lay.extra = (ex.w13_layout, ex.w2_layout);
-                all = jobs.iter().chain(ex.jobs).copied().collect();
+                lay.extra = ex.jobs.len();
+                lay.extra_layouts = (ex.w13_layout, ex.w2_layout);
+                // First: a large extra job's last tasks would otherwise end the dispatch alone.
+                all = ex.jobs.iter().chain(jobs).copied().collect();
                 &all[..]
             }
             _ => jobs,
@@ -1001,11 +1008,11 @@ impl PoolExperts {
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
             // One set of layouts per BF16 dispatch: the runner's jobs, then the extra ones.
-            let (main, rest) = jobs.split_at(lay.main);
-            prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, main, out);
-            if !rest.is_empty() {
-                prefill_bf16::run_experts(tiles, pool, lay.extra.0, lay.extra.1, x, hidden, rest, out);
+            let (first, rest) = jobs.split_at(lay.extra);
+            if !first.is_empty() {
+                prefill_bf16::run_experts(tiles, pool, lay.extra_layouts.0, lay.extra_layouts.1, x, hidden, first, out);
             }
+            prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, rest, out);
             return;
         }
         // Activations: one set per distinct token list (in decode every expert of the token
@@ -1561,7 +1568,7 @@ pub(crate) mod tests {
         /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
         /// continuing each other's partial sums; w13 and w2 each INT4 or INT8 (mixed widths);
         /// and 0–2 extra jobs of another layout ([`PoolExperts::run_with`]: another width,
-        /// intermediate size and hidden group size) over every token, added after the rest.
+        /// intermediate size and hidden group size) over every token, added before the rest.
         #[test]
         fn one_dispatch_equals_phased_composition(
             h32 in 1usize..5,
@@ -1607,10 +1614,12 @@ pub(crate) mod tests {
                     (0..len).map(|j| ((start + j) % t, 0.25 + 0.5 * j as f32)).collect()
                 })
                 .collect();
-            // The extra jobs: every token at weight 1 (a shared expert).
-            routes.extend((0..n_extra).map(|_| (0..t).map(|i| (i, 1.0)).collect::<Vec<_>>()));
+            // The extra jobs, first: every token at weight 1 (a shared expert).
+            let mut all_routes: Vec<Vec<(usize, f32)>> = (0..n_extra).map(|_| (0..t).map(|i| (i, 1.0)).collect()).collect();
+            all_routes.append(&mut routes);
+            let routes = all_routes;
             let isa = crate::isa::active();
-            let refs: Vec<&Expert> = experts.iter().chain(&extras).collect();
+            let refs: Vec<&Expert> = extras.iter().chain(&experts).collect();
             let want = phased_reference(isa, &refs, &routes, &x, h);
             let pool = WorkerPool::new(PoolPlan::simulated(nodes, per_node)).unwrap();
             let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2)
@@ -1630,8 +1639,8 @@ pub(crate) mod tests {
                     tokens: toks,
                 })
                 .collect();
-            let (main, rest) = jobs.split_at(n_experts);
-            let extra = extras.first().map(|ex| ExtraJobs { w13_layout: &ex.l13, w2_layout: &ex.l2, jobs: rest });
+            let (first, main) = jobs.split_at(n_extra);
+            let extra = extras.first().map(|ex| ExtraJobs { w13_layout: &ex.l13, w2_layout: &ex.l2, jobs: first });
             for _ in 0..2 {
                 let mut got = vec![0f32; t * h];
                 runner.run_with(&pool, isa, &x, h, main, extra, &mut got);

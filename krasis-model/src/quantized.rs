@@ -471,9 +471,9 @@ impl ExpertExecutor for CpuQuantExperts {
         self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
     }
 
-    /// The routed jobs and `shared` as extra jobs over every token at weight 1, in one dispatch
-    /// ([`PoolExperts::run_with`]): the bits of [`ExpertExecutor::run`] followed by
-    /// `shared.forward_add`.
+    /// `shared` over every token at weight 1 and the routed jobs in one dispatch
+    /// ([`PoolExperts::run_with`]): the bits of `shared.forward_add` followed by
+    /// [`ExpertExecutor::run`] (the shared expert's sum comes first).
     fn run_with_shared(
         &self,
         layer: usize,

@@ -46,9 +46,9 @@ pub trait LayerExperts: Send + Sync {
         let _ = (ids, budget, stop);
         0
     }
-    /// [`LayerExperts::run`] and then `out += shared(x)` for every token, both in one dispatch
-    /// where the backend can (then it returns true; false: it did nothing, and the caller runs
-    /// the two itself). The default cannot.
+    /// `out += shared(x)` for every token and [`LayerExperts::run`], both in one dispatch where
+    /// the backend can (then it returns true; false: it did nothing, and the caller runs the two
+    /// itself). The default cannot.
     fn run_with_shared(&self, x: &[f32], t: usize, routes: &Routes, shared: &PooledMlp, out: &mut [f32]) -> bool {
         let _ = (x, t, routes, shared, out);
         false
