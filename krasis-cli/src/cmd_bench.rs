@@ -44,6 +44,10 @@ pub struct Args {
     /// than one, the first (cold) is shown apart and the median of the rest is reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub(crate) prefill_reps: u32,
+    /// Decode runs of --decode-tokens steps to time, each after its own untimed prefill of the
+    /// prompt in a fresh session: the median is reported, the per-stage lines are the last run's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub(crate) decode_reps: u32,
     #[command(flatten)]
     pub(crate) engine: EngineArgs,
     /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
@@ -219,9 +223,11 @@ struct GreedyTiming {
     prefill_parts: ForwardBreakdown,
     /// Stage counters over the last prefill alone.
     prefill_stages: StageCounters,
-    /// Seconds of the decode steps after the last prefill.
+    /// Seconds of each decode run, in order.
+    decode_rep_s: Vec<f64>,
+    /// The decode time the bench reports: the median run's.
     decode_s: f64,
-    /// Stage counters over the decode steps.
+    /// Stage counters over the last decode run.
     decode_stages: StageCounters,
 }
 
@@ -244,6 +250,7 @@ fn time_greedy_decode(
     prompt_tokens: usize,
     decode_tokens: usize,
     prefill_reps: usize,
+    decode_reps: usize,
 ) -> anyhow::Result<GreedyTiming> {
     let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
     let mut greedy = Sampler::new(SamplingParams::default());
@@ -266,20 +273,33 @@ fn time_greedy_decode(
     }
     let prefill_stages = StageCounters::now().since(before);
     let prefill_parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
-    if let Some(stats) = engine.forward_stats() {
-        stats.reset();
+    let (mut decode_rep_s, mut decode_stages) = (Vec::new(), StageCounters::now());
+    for rep in 0..decode_reps.max(1) {
+        if rep > 0 {
+            // The same context lengths as the first run: a fresh session and the same prompt.
+            drop(session);
+            session = engine.new_session()?;
+            next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
+        }
+        if let Some(stats) = engine.forward_stats() {
+            stats.reset();
+        }
+        let (t, before) = (Instant::now(), StageCounters::now());
+        for _ in 0..decode_tokens {
+            next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
+        }
+        decode_rep_s.push(t.elapsed().as_secs_f64());
+        decode_stages = StageCounters::now().since(before);
     }
-    let (t, before) = (Instant::now(), StageCounters::now());
-    for _ in 0..decode_tokens {
-        next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
-    }
-    let decode_s = t.elapsed().as_secs_f64();
+    let mut sorted = decode_rep_s.clone();
+    sorted.sort_by(f64::total_cmp);
     Ok(GreedyTiming {
         prefill_s,
         prefill_parts,
         prefill_stages,
-        decode_s,
-        decode_stages: StageCounters::now().since(before),
+        decode_s: sorted[sorted.len() / 2],
+        decode_rep_s,
+        decode_stages,
     })
 }
 
@@ -522,7 +542,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
-        let timing = time_greedy_decode(engine, a.prompt_tokens, a.decode_tokens, a.prefill_reps as usize)?;
+        let timing = time_greedy_decode(
+            engine,
+            a.prompt_tokens,
+            a.decode_tokens,
+            a.prefill_reps as usize,
+            a.decode_reps as usize,
+        )?;
         let (prefill_s, decode_s, pp) = (timing.reported_prefill_s(), timing.decode_s, timing.prefill_parts);
         let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
         let expert_s = parts.experts;
@@ -550,6 +576,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     "lm_head_s": pp.lm_head, "forward_s": pp.total });
         out["decode"] = json!({
             "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
+            "rep_seconds": timing.decode_rep_s,
             "experts_ms_per_token": expert_ms, "rest_ms_per_token": ms - expert_ms,
             "expert_bytes_per_token": expert_bytes, "dense_bytes_per_token": dense_bytes,
             "shared_expert_bytes_in_expert_dispatch_per_token": shared_inside,
@@ -574,6 +601,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     "prefill runs (tok/s, first cold): {}; reported: median of the {} warm runs",
                     tps.join(", "),
                     tps.len() - 1
+                );
+            }
+            if timing.decode_rep_s.len() > 1 {
+                let tps: Vec<String> = timing.decode_rep_s.iter().map(|&t| format!("{:.2}", n / t)).collect();
+                println!(
+                    "decode runs (tok/s): {}; reported: their median; the stage lines below are the last run's",
+                    tps.join(", ")
                 );
             }
             println!(
