@@ -15,7 +15,7 @@ use krasis_tests::{decode_and_prefill_logits, fixtures_dir, load_reference, rel_
 /// dispatch there) gives the logits a prefill of the same tokens gives, on every fixture: the
 /// two differ only in summation order and in how attention splits its positions, which moves
 /// an INT8 activation's rounding now and then (measured 0.9–1.3e-4 relative L2 on the MLA
-/// fixtures, the same with `KRASIS_MLA_DECODE=split`); a mis-wired step is off by O(1).
+/// fixtures, the same with `KRASIS_CPU_MLA_DECODE=split`); a mis-wired step is off by O(1).
 #[test]
 fn int8_dense_decode_steps_equal_prefill_positions() {
     let Some(root) = fixtures_dir() else { return };

@@ -134,7 +134,7 @@ impl MlaPrefillMode {
     }
 }
 
-/// How one-token absorbed MLA attention runs with packed `kv_b`: `KRASIS_MLA_DECODE=split` as
+/// How one-token absorbed MLA attention runs with packed `kv_b`: `KRASIS_CPU_MLA_DECODE=split` as
 /// separate dispatches (W_UK, the attention's partials, their combine, W_UV, then `o_proj`: the
 /// former path, for A/B measurements); `attention`: W_UK to W_UV in one dispatch, `o_proj` in
 /// its own; unset (or anything else), `o_proj` inside that dispatch too
@@ -149,7 +149,7 @@ pub enum MlaDecodeMode {
 impl MlaDecodeMode {
     pub fn from_env() -> Self {
         static M: std::sync::OnceLock<MlaDecodeMode> = std::sync::OnceLock::new();
-        *M.get_or_init(|| match std::env::var("KRASIS_MLA_DECODE").as_deref() {
+        *M.get_or_init(|| match std::env::var("KRASIS_CPU_MLA_DECODE").as_deref() {
             Ok("split") => MlaDecodeMode::Split,
             Ok("attention") => MlaDecodeMode::AttentionOnly,
             _ => MlaDecodeMode::Fused,
@@ -182,7 +182,7 @@ impl MlaAttention {
     /// attention and W_UV in one dispatch ([`krasis_cpu::mla_decode`]), with `o_proj` into
     /// `out` inside it when given, packed on the same pool and whole groups per head. Returns
     /// what it did ([`OneToken::NotTaken`]: nothing, the call is not such a token or
-    /// `KRASIS_MLA_DECODE=split`).
+    /// `KRASIS_CPU_MLA_DECODE=split`).
     fn decode_one(
         &self,
         q: &[f32],
