@@ -9,7 +9,7 @@ mod fidelity_checks;
 
 use fidelity_checks::{check, check_dense, check_int8dense};
 use krasis_model::quantized::WeightBits;
-use krasis_tests::{decode_and_prefill_logits, fixtures_dir, load_reference, rel_l2, FIXTURE_NAMES};
+use krasis_tests::{decode_and_prefill_logits, fixtures_dir, load_reference, rel_l2, report_skip, FIXTURE_NAMES};
 
 /// Decode on quantised dense weights (MLA's one-token attention runs W_UK to W_UV in one
 /// dispatch there) gives the logits a prefill of the same tokens gives, on every fixture: the
@@ -22,8 +22,14 @@ fn int8_dense_decode_steps_equal_prefill_positions() {
     for name in FIXTURE_NAMES {
         let dir = root.join(name);
         let prompt = load_reference(&dir).prompt_ids;
-        let tmp = tempfile::tempdir().unwrap();
         let steps = (prompt.len() / 2).max(1);
+        // Where the prompt's calls take the BF16 tiles (`KRASIS_BF16_MIN_TOKENS` below its
+        // length), prefill and decode round activations differently: not this check's subject.
+        if krasis_cpu::prefill_bf16::applies(krasis_cpu::isa::active(), prompt.len() - steps, 4096).is_some() {
+            report_skip(&format!("{name}: decode vs prefill positions (the prefill runs on the BF16 tiles here)"));
+            continue;
+        }
+        let tmp = tempfile::tempdir().unwrap();
         let (by_prefill, by_decode) =
             decode_and_prefill_logits(&dir, WeightBits::Int8, WeightBits::Int8, tmp.path(), &prompt, steps);
         let e = rel_l2(&by_decode, &by_prefill);
