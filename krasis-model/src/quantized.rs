@@ -473,7 +473,8 @@ impl ExpertExecutor for CpuQuantExperts {
 
     /// `shared` over every token at weight 1 and the routed jobs in one dispatch
     /// ([`PoolExperts::run_with`]): the bits of `shared.forward_add` followed by
-    /// [`ExpertExecutor::run`] (the shared expert's sum comes first).
+    /// [`ExpertExecutor::run`] (the shared expert's sum comes first). Not for calls the shared
+    /// expert alone would run on the BF16 tiles.
     fn run_with_shared(
         &self,
         layer: usize,
@@ -483,7 +484,10 @@ impl ExpertExecutor for CpuQuantExperts {
         shared: &PooledMlp,
         out: &mut [f32],
     ) -> bool {
-        if !shared_inside() || !shared.runs_on(&self.pool, self.isa) {
+        // Calls the BF16 tiles take (a prefill's) keep their own dispatches: there each set's
+        // mean tokens per matrix picks its kernel, and one dispatch would not save a barrier.
+        let bf16 = krasis_cpu::prefill_bf16::applies(self.isa, t, self.hidden).is_some();
+        if bf16 || !shared_inside() || !shared.runs_on(&self.pool, self.isa) {
             return false;
         }
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
