@@ -563,6 +563,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let shared_inside = (parts.shared_in_experts_bytes as f64 / n) as u64;
         let ms = decode_s * 1e3 / n;
         let expert_ms = expert_s * 1e3 / n;
+        // The per-stage times are the last decode run's: split that run's time, not the median's.
+        let last_s = timing.decode_rep_s.last().copied().unwrap_or(decode_s);
+        let last_ms = last_s * 1e3 / n;
         let expert_gbs = (expert_bytes + shared_inside) as f64 / 1e9 / (expert_s / n).max(1e-12);
         let total_gbs = (expert_bytes + dense_bytes) as f64 / 1e9 / (decode_s / n);
         out["model"] = json!(dir.display().to_string());
@@ -577,7 +580,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["decode"] = json!({
             "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
             "rep_seconds": timing.decode_rep_s,
-            "experts_ms_per_token": expert_ms, "rest_ms_per_token": ms - expert_ms,
+            "experts_ms_per_token": expert_ms, "rest_ms_per_token": last_ms - expert_ms,
             "expert_bytes_per_token": expert_bytes, "dense_bytes_per_token": dense_bytes,
             "shared_expert_bytes_in_expert_dispatch_per_token": shared_inside,
             "expert_gb_per_s": expert_gbs, "expert_fraction_of_membw": expert_gbs / bw.gb_per_s,
@@ -587,12 +590,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         });
         if !a.json {
             println!(
-                "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.2} tok/s, {ms:.1} ms/token = experts {expert_ms:.1} + rest {:.1}",
+                "prefill {} tokens: {:.1} tok/s; decode {} tokens: {:.2} tok/s, {ms:.1} ms/token{} = experts {expert_ms:.1} + rest {:.1}",
                 a.prompt_tokens,
                 a.prompt_tokens as f64 / prefill_s,
                 a.decode_tokens,
                 n / decode_s,
-                ms - expert_ms
+                if timing.decode_rep_s.len() > 1 { format!(" (median; last run {last_ms:.1} ms/token)") } else { String::new() },
+                last_ms - expert_ms
             );
             if timing.prefill_s.len() > 1 {
                 let tps: Vec<String> =
@@ -666,7 +670,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 parts.shared * 1e3 / n,
                 parts.lm_head * 1e3 / n,
                 other * 1e3 / n,
-                (decode_s - parts.total) * 1e3 / n
+                (last_s - parts.total) * 1e3 / n
             );
             let inside = if shared_inside > 0 {
                 format!(
