@@ -21,7 +21,7 @@ fn bench_decode_attention(c: &mut Criterion) {
     for &(name, heads, kv_heads, k_dim, v_dim, shared) in
         &[("mla_v2lite", 16usize, 1usize, 576usize, 512usize, true), ("gqa_qwen3", 32, 4, 128, 128, false)]
     {
-        for &ctx in &[64usize, 576, 4096] {
+        for &ctx in &[64usize, 576, 1536, 4096] {
             let k_width = kv_heads * k_dim;
             let k = rand_f32(ctx * k_width, 1);
             let v = if shared { Vec::new() } else { rand_f32(ctx * kv_heads * v_dim, 2) };

@@ -18,11 +18,15 @@ const SHARED_KV_MIN_ROWS: usize = 8;
 /// pool, so the combine reads at most 32 partial outputs per head.
 const SHARED_KV_MAX_TASKS: usize = 32;
 /// Visible positions from which one-token attention over shared keys runs whole groups in up to
-/// [`SHARED_KV_MAX_TASKS`] chunks; below, sub-groups of [`SHARED_KV_SHORT_HEADS`] heads, one task
-/// per worker (between the measured 576 and 4096 of [`shared_kv_plan`]).
+/// [`SHARED_KV_MAX_TASKS`] chunks; below, sub-groups of [`SHARED_KV_SHORT_HEADS`] heads in
+/// rounds of one task per worker (between the measured 576 and 4096 of [`shared_kv_plan`]).
 const SHARED_KV_LONG: usize = 2048;
 /// Heads per task below [`SHARED_KV_LONG`] positions.
 const SHARED_KV_SHORT_HEADS: usize = 8;
+/// Below [`SHARED_KV_LONG`], positions per task from which another round of one task per worker
+/// is added: measured best at 72 for both V2-Lite MLA (576 positions: 8 chunks × 2 sub-groups)
+/// and Qwen3 GQA (576 positions over 4 kv heads: 8 chunks, 38 µs, against 49 µs with 4).
+const SHARED_KV_SHORT_ROWS: usize = 72;
 
 /// `KRASIS_ATTN_SHARED_KV=0` turns the position split of [`decode_shared_kv`] off (one task per
 /// head, as for several query tokens): a diagnostic knob to measure the split against.
@@ -229,14 +233,23 @@ pub(crate) fn shared_kv_combine<'a>(
 /// whole group 32 tasks 63 (the previous split); at 4096 positions, whole group 32 tasks 219,
 /// sub-groups of 8 with 16–64 tasks 258–266. A task's partial output (heads × v_dim floats) is
 /// written by one core and read by another: short contexts pay more for those than for reading
-/// each row once per sub-group, long ones the other way round.
+/// each row once per sub-group, long ones the other way round. Below 2048 positions the chunks
+/// come in rounds of one task per worker, as many rounds as keep a task near 72 positions
+/// (`-attention-s8.log`, `-attention-rounds.log`, µs, noisy instances): Qwen3 GQA (4 kv heads) at
+/// 576 positions 38 with two rounds against 49 with one; at 1536 positions, V2-Lite MLA 110 with
+/// three rounds against 127 with one, Qwen3 GQA 89 with six against 120 with one.
 pub(crate) fn shared_kv_plan(visible: usize, group: usize, kv_heads: usize, workers: usize) -> (usize, usize, usize) {
     let o = shared_kv_overrides();
     let short = visible < SHARED_KV_LONG;
     let want = o.heads.unwrap_or(if short { SHARED_KV_SHORT_HEADS } else { 0 });
     let hs = if want > 0 && want < group && group.is_multiple_of(want) { want } else { group };
-    let max_chunks =
-        o.max_tasks.unwrap_or(if short { (workers / (kv_heads * (group / hs))).max(1) } else { SHARED_KV_MAX_TASKS });
+    let short_chunks = || {
+        // Whole rounds of one task per worker, enough that a task has at most ~SHARED_KV_SHORT_ROWS
+        // positions.
+        let per_round = (workers / (kv_heads * (group / hs))).max(1);
+        per_round * visible.div_ceil(per_round * SHARED_KV_SHORT_ROWS).max(1)
+    };
+    let max_chunks = o.max_tasks.unwrap_or_else(|| if short { short_chunks() } else { SHARED_KV_MAX_TASKS });
     let rows = visible.div_ceil(max_chunks).max(o.min_rows.unwrap_or(SHARED_KV_MIN_ROWS));
     (rows, visible.div_ceil(rows), hs)
 }
@@ -263,9 +276,9 @@ fn shared_kv_overrides() -> SharedKvOverrides {
 thread_local! {
     /// Per-thread score buffer (grows to the longest context seen).
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// The calling thread's flash-decoding partials of [`decode_shared_kv`] (at most the larger of
-    /// `SHARED_KV_MAX_TASKS` and the pool's workers per head, so bounded by the head shapes and
-    /// the pool, not the context).
+    /// The calling thread's flash-decoding partials of [`decode_shared_kv`] (per head at most the
+    /// larger of `SHARED_KV_MAX_TASKS` and the pool's workers + `SHARED_KV_LONG /
+    /// SHARED_KV_SHORT_ROWS` chunks, so bounded by the head shapes and the pool, not the context).
     static PARTIALS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -404,7 +417,8 @@ mod tests {
                     let (rows, chunks, hs) = shared_kv_plan(visible, group, kv_heads, workers);
                     assert!(hs > 0 && group % hs == 0, "{visible} {group} {workers}: heads {hs}");
                     assert!(rows * chunks >= visible && (chunks - 1) * rows < visible, "{visible}: {rows} x {chunks}");
-                    assert!(chunks <= SHARED_KV_MAX_TASKS.max(workers), "{visible} {workers}: {chunks} chunks");
+                    let bound = SHARED_KV_MAX_TASKS.max(workers + SHARED_KV_LONG.div_ceil(SHARED_KV_SHORT_ROWS));
+                    assert!(chunks <= bound, "{visible} {workers}: {chunks} chunks");
                 }
             }
         }
