@@ -30,7 +30,10 @@ use krasis_core::spec::MlaDims;
 
 use crate::attention::{shared_kv_combine, shared_kv_part_len, shared_kv_partial, shared_kv_plan, KvCacheView};
 use crate::isa::Isa;
-use crate::moe::{quantize_rows_group, shape_acts, split_factor, sum_split_rows, wait_ready, ActBufs, FailOnUnwind};
+use crate::moe::{
+    count_group_columns, quantize_acts_split, quantize_rows_group, shape_acts, split_factor, sum_split_rows,
+    wait_ready, ActBufs, FailOnUnwind, OutPtr,
+};
 use crate::pool::WorkerPool;
 use crate::quant::{matmul_packed, PackedLayout, QuantizedActs, ROW_BLOCK};
 
@@ -63,11 +66,12 @@ pub struct AbsorbedKvB<'a> {
     pub uv_layout: PackedLayout,
 }
 
-/// One worker's buffers: its activation quantisation, the zero-padded `q_nope`, the matmul
-/// output and the combined `o_lat`.
+/// One worker's buffers: its activation quantisation (and its residual group), the zero-padded
+/// `q_nope`, the matmul output and the combined `o_lat`.
 #[derive(Default)]
 struct Local {
     acts: QuantizedActs,
+    resid: Vec<f32>,
     padded: Vec<f32>,
     tmp: Vec<f32>,
     o_lat: Vec<f32>,
@@ -88,30 +92,6 @@ struct Step {
     o_acts: QuantizedActs,
     o_cols: Vec<AtomicUsize>,
     o_groups: AtomicUsize,
-}
-
-/// Raw view of a buffer that tasks write in disjoint parts and read after a counter says the
-/// part is complete.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: every use writes a part no other task touches, or reads one after the Acquire load
-// of the counter its writer released (argued at each use).
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// # Safety
-    /// `at..at + len` is in bounds and not written by another task while the slice lives.
-    unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a [f32] {
-        std::slice::from_raw_parts(self.0.add(at), len)
-    }
-
-    /// # Safety
-    /// `at..at + len` is in bounds and touched by no other task while the slice lives.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice_mut<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
-        std::slice::from_raw_parts_mut(self.0.add(at), len)
-    }
 }
 
 /// Absorbed MLA attention of one token over the pool in one dispatch ([`MlaDecode::run`]).
@@ -175,7 +155,7 @@ impl MlaDecode {
         for c in step.absorbed.iter().chain(&step.chunks_done) {
             c.store(0, Ordering::Relaxed);
         }
-        let (q_abs, partials) = (Shared(step.q_abs.as_mut_ptr()), Shared(step.partials.as_mut_ptr()));
+        let (q_abs, partials) = (OutPtr(step.q_abs.as_mut_ptr()), OutPtr(step.partials.as_mut_ptr()));
         step.o_groups.store(0, Ordering::Relaxed);
         if let Some(p) = &proj {
             shape_acts(&mut step.o_acts, split, p.layout.k, p.layout.gs);
@@ -185,11 +165,11 @@ impl MlaDecode {
         let (o_dst, o_acts, o_groups) = (ActBufs::of(&mut step.o_acts), &step.o_acts, &step.o_groups);
         let o_cols = &step.o_cols;
         let (absorbed, chunks_done) = (&step.absorbed, &step.chunks_done);
-        let o = Shared(out.as_mut_ptr());
+        let o = OutPtr(out.as_mut_ptr());
         // The projection: one task per worker over an even share of its row blocks.
         let proj = proj.map(|p| {
             let nb = p.layout.row_blocks();
-            (p.w, p.layout, Shared(p.y.as_mut_ptr()), nb, pool.threads().min(nb))
+            (p.w, p.layout, OutPtr(p.y.as_mut_ptr()), nb, pool.threads().min(nb))
         });
         let n_proj = proj.map_or(0, |p| p.4);
         let failed = AtomicBool::new(false);
@@ -197,13 +177,8 @@ impl MlaDecode {
         // `y[..layout.rows] = W · x` for one head's packed matrix `wh` and activation row `x`
         // (`layout.k` floats), quantised as HeadMatmul quantises it.
         let head_matmul = |local: &mut Local, wh: &[u8], layout: &PackedLayout, x: &[f32], y: &mut [f32]| {
-            let Local { acts, tmp, .. } = local;
-            shape_acts(acts, split, layout.k, layout.gs);
-            let dst = ActBufs::of(acts);
-            for g in 0..layout.groups() {
-                // SAFETY: x holds layout.k floats; `acts` is this worker's own, shaped above.
-                unsafe { quantize_rows_group(|_| x.as_ptr(), 1, dst, layout.k, layout.gs, g, split) };
-            }
+            let Local { acts, resid, tmp, .. } = local;
+            quantize_acts_split(x, 1, layout.k, layout.gs, resid, acts);
             let cols = layout.row_blocks() * ROW_BLOCK;
             tmp.resize(split * cols, 0.0);
             matmul_packed(isa, wh, layout, acts, 0..layout.row_blocks(), tmp);
@@ -274,19 +249,13 @@ impl MlaDecode {
                 head_matmul(local, wv, lv, &o_lat, y);
                 local.o_lat = o_lat;
                 if let Some((_, pl, ..)) = proj {
-                    let (c0, c1, gs) = (hh * vd, (hh + 1) * vd, pl.gs);
-                    for (g, cols) in o_cols.iter().enumerate().take(c1.div_ceil(gs)).skip(c0 / gs) {
-                        let mine = c1.min((g + 1) * gs) - c0.max(g * gs);
-                        // AcqRel: the task that completes the group sees every head's values in it.
-                        if cols.fetch_add(mine, Ordering::AcqRel) + mine == gs {
-                            // SAFETY: every value of group g is written (counter above) and not
-                            // written again; group g of the projection's input is quantised by
-                            // this task alone and read by projection tasks only after the
-                            // Release below.
-                            unsafe { quantize_rows_group(|_| o.0, 1, o_dst, pl.k, gs, g, split) };
-                            o_groups.fetch_add(1, Ordering::Release);
-                        }
-                    }
+                    count_group_columns(o_cols, hh * vd..(hh + 1) * vd, pl.gs, |g| {
+                        // SAFETY: every value of group g is written (counted) and not written
+                        // again; group g of the projection's input is quantised by this task
+                        // alone and read by projection tasks only after the Release below.
+                        unsafe { quantize_rows_group(|_| o.0, 1, o_dst, pl.k, pl.gs, g, split) };
+                        o_groups.fetch_add(1, Ordering::Release);
+                    });
                 }
             } else if let Some((pw, pl, y, nb, tasks)) = proj {
                 let j = t - n3;

@@ -145,6 +145,23 @@ impl OutPtr {
         std::ptr::copy_nonoverlapping(src.as_ptr(), self.0.add(at), src.len());
     }
 
+    /// `len` floats from `at`, to read.
+    ///
+    /// # Safety
+    /// `at..at + len` must be in bounds and written by no other thread while the slice lives.
+    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a [f32] {
+        std::slice::from_raw_parts(self.0.add(at), len)
+    }
+
+    /// `len` floats from `at`, to write.
+    ///
+    /// # Safety
+    /// `at..at + len` must be in bounds and accessed by no other thread while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+
     /// `self[at + j] += w · src[j]`.
     ///
     /// # Safety
@@ -610,6 +627,26 @@ impl Drop for FailOnUnwind<'_> {
     }
 }
 
+/// Counts columns `cols` of a row as written into the per-group counters `done` (groups of `gs`
+/// columns; several tasks write parts of a group) and calls `complete(g)` for each group that
+/// this call completes. AcqRel on the counter: the task that completes a group sees every other
+/// writer's columns of it.
+pub(crate) fn count_group_columns(
+    done: &[AtomicUsize],
+    cols: std::ops::Range<usize>,
+    gs: usize,
+    mut complete: impl FnMut(usize),
+) {
+    let first = cols.start / gs;
+    for (i, counter) in done[first..cols.end.div_ceil(gs)].iter().enumerate() {
+        let g = first + i;
+        let mine = cols.end.min((g + 1) * gs) - cols.start.max(g * gs);
+        if counter.fetch_add(mine, Ordering::AcqRel) + mine == gs {
+            complete(g);
+        }
+    }
+}
+
 /// Spins between `sched_yield`s while a w2 task waits for its intermediate: a preempted w13
 /// task (more workers than free cores) gets its core back quickly.
 const SPINS_PER_YIELD: u32 = 64;
@@ -1007,7 +1044,7 @@ impl PoolExperts {
         let bf16_fits = (0..n).all(|e| inter_of(e).is_multiple_of(32));
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
-            // One set of layouts per BF16 dispatch: the runner's jobs, then the extra ones.
+            // One set of layouts per BF16 dispatch: the extra jobs, then the runner's.
             let (first, rest) = jobs.split_at(lay.extra);
             if !first.is_empty() {
                 prefill_bf16::run_experts(tiles, pool, lay.extra_layouts.0, lay.extra_layouts.1, x, hidden, first, out);
@@ -1175,19 +1212,14 @@ impl PoolExperts {
                             unsafe { OutPtr(b.mid).write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
                         }
                     });
-                    let (c0, c1) = (p0 * ROW_BLOCK, p1 * ROW_BLOCK);
-                    for g in c0 / gs2..c1.div_ceil(gs2) {
-                        let mine = c1.min((g + 1) * gs2) - c0.max(g * gs2);
-                        // AcqRel: the task that completes the group sees every other task's
-                        // columns of it (release sequence of this counter).
-                        if cols_done[lay.group_base(e) + g].fetch_add(mine, Ordering::AcqRel) + mine == gs2 {
-                            // SAFETY: all columns of group g are written (counter above) and no
-                            // task writes them again; group g of the quantised rows is written
-                            // only here, and read by w2 tasks only after the release below.
-                            unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
-                            group_ok[lay.group_base(e) + g].store(1, Ordering::Release);
-                        }
-                    }
+                    let (base, ng2) = (lay.group_base(e), l2.groups());
+                    count_group_columns(&cols_done[base..base + ng2], p0 * ROW_BLOCK..p1 * ROW_BLOCK, gs2, |g| {
+                        // SAFETY: all columns of group g are written (counted) and no task writes
+                        // them again; group g of the quantised rows is written only here, and read
+                        // by w2 tasks only after the release below.
+                        unsafe { quantize_rows_group(|i| b.mid.add(i * inter), m, b.acts, inter, gs2, g, split) };
+                        group_ok[base + g].store(1, Ordering::Release);
+                    });
                 }
                 Task::W2 { e, b0, b1, g0: ga, g1: gb } => {
                     let w2 = jobs[e].weights.w2;

@@ -259,9 +259,14 @@ impl PooledMlp {
 
     /// `out[t, hidden] += down(SiLU(gate(x)) · up(x))`.
     pub fn forward_add(&self, x: &[f32], t: usize, out: &mut [f32]) {
-        let tokens: Vec<(usize, f32)> = (0..t).map(|i| (i, 1.0)).collect();
+        let tokens = Self::every_token(t);
         let job = ExpertJob { weights: self.expert_weights(), tokens: &tokens };
         self.runner.run(&self.pool, self.isa, x, self.hidden, &[job], out);
+    }
+
+    /// The job's token list: every one of `t` tokens at weight 1.
+    pub fn every_token(t: usize) -> Vec<(usize, f32)> {
+        (0..t).map(|i| (i, 1.0)).collect()
     }
 
     /// Its weights as one expert's ([`PoolExperts`] job weights, on pool node 0).

@@ -493,7 +493,7 @@ impl ExpertExecutor for CpuQuantExperts {
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
         let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
         let jobs = self.routed_jobs(li, t, routes, &mut g);
-        let every: Vec<(usize, f32)> = (0..t).map(|i| (i, 1.0)).collect();
+        let every = PooledMlp::every_token(t);
         let shared_job = [ExpertJob { weights: shared.expert_weights(), tokens: &every }];
         let (l13, l2) = shared.layouts();
         let extra = ExtraJobs { w13_layout: l13, w2_layout: l2, jobs: &shared_job };

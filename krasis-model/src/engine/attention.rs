@@ -179,27 +179,21 @@ impl MlaAttention {
     }
 
     /// One token of one sequence with packed `kv_b`: appends its cache row and runs W_UK, the
-    /// attention and W_UV in one dispatch ([`krasis_cpu::mla_decode`]), with `o_proj` into
-    /// `out` inside it when given, packed on the same pool and whole groups per head. Returns
-    /// what it did ([`OneToken::NotTaken`]: nothing, the call is not such a token or
-    /// `KRASIS_CPU_MLA_DECODE=split`).
-    fn decode_one(
-        &self,
-        q: &[f32],
-        kva: &[f32],
-        seqs: &mut [SeqKv<'_>],
-        o: &mut [f32],
-        out: Option<&mut [f32]>,
-    ) -> OneToken {
+    /// attention and W_UV in one dispatch ([`krasis_cpu::mla_decode`]), with `o_proj` into `out`
+    /// inside it where it is packed on the same pool. Returns what it did
+    /// ([`OneToken::NotTaken`]: nothing, the call is not such a token or
+    /// `KRASIS_CPU_MLA_DECODE=split`; then [`MlaAttention::attend_into`] runs it, with the same
+    /// bits).
+    fn decode_one(&self, q: &[f32], kva: &[f32], seqs: &mut [SeqKv<'_>], o: &mut [f32], out: &mut [f32]) -> OneToken {
         let mode = MlaDecodeMode::from_env();
         let (KvB::Packed(p), [s]) = (&self.w.kv_b, &mut *seqs) else { return OneToken::NotTaken };
         if s.rows != 1 || mode == MlaDecodeMode::Split {
             return OneToken::NotTaken;
         }
         s.kv.append(kva, None);
-        let proj = out.zip(self.w.o.packed()).filter(|(_, r)| mode == MlaDecodeMode::Fused && p.can_project(r));
+        let proj = self.w.o.packed().filter(|r| mode == MlaDecodeMode::Fused && p.can_project(r));
         let done = if proj.is_some() { OneToken::Projected } else { OneToken::Attended };
-        p.attend_one(q, &s.kv.view(), self.scale, o, proj.map(|(y, r)| (r.bytes, *r.layout, y)));
+        p.attend_one(q, &s.kv.view(), self.scale, o, proj.map(|r| (r.bytes, *r.layout, out)));
         done
     }
 
@@ -221,10 +215,6 @@ impl MlaAttention {
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let (qk, row) = (nope + rd, lat + rd);
         let mut clock = std::time::Instant::now();
-        if self.decode_one(q, kva, seqs, o, None) != OneToken::NotTaken {
-            MLA_NS.lap(&mut clock, 5);
-            return;
-        }
         let dec: Vec<bool> = seqs.iter().map(|s| self.prefill.decompressed(s.rows, s.kv.len())).collect();
         let any_absorbed = dec.iter().any(|d| !d);
         // The decompressed form dequantises `kv_b` per task from the form held here.
@@ -373,7 +363,7 @@ impl AttentionLayer for MlaAttention {
         }
         MLA_NS.lap(&mut clock, 1);
         let mut core = clock;
-        let one = self.decode_one(q, kva, seqs, o, Some(&mut *out));
+        let one = self.decode_one(q, kva, seqs, o, out);
         if one == OneToken::NotTaken {
             self.attend_into(q, kva, seqs, o);
         } else {
