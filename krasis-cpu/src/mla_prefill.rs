@@ -22,6 +22,7 @@ use krasis_core::spec::MlaDims;
 use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
+use crate::par::DisjointPtr;
 use crate::prefill_bf16::Bf16Tiles;
 use crate::quant::{Bits, PackedLayout, ROW_BLOCK};
 
@@ -314,8 +315,18 @@ impl Shared {
 struct Tile<'a> {
     start: usize,
     cap: usize,
-    k: &'a [f32],
-    v: &'a [f32],
+    kv: TileKv<'a>,
+}
+
+/// A tile's expanded keys and values: f32 for the f32 kernels, or BF16 B-tile panels for the
+/// tiles ([`attend_tiles`]): per head and block of [`BLOCK_K`] keys, the keys as a panel of
+/// `BLOCK_K / 16` column blocks over K = `nope + rope` (the scores' B), and the values as a panel
+/// of `v_dim / 16` (rounded up) column blocks over K = `BLOCK_K` (the output's B), both in
+/// [`crate::quant::bf16`]'s layout.
+#[derive(Clone, Copy)]
+enum TileKv<'a> {
+    F32 { k: &'a [f32], v: &'a [f32] },
+    Bf16 { k: &'a [u16], v: &'a [u16] },
 }
 
 thread_local! {
@@ -329,6 +340,11 @@ thread_local! {
     static LATENT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     /// Per-thread BF16 panel of one head's expansion weights (the BF16 expansion's B).
     static PANEL: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's tile of BF16 key and value panels ([`TileKv::Bf16`]).
+    static TILE_BF16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread BF16 operands of the attention on tiles: a query block's rows, then its
+    /// probabilities, both tiled.
+    static ATTEND_BF16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The tiles the expansion runs on for these dims, or `None` for the f32 kernels: the prefill's
@@ -342,6 +358,20 @@ pub fn expand_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
         return None;
     }
     crate::prefill_bf16::applies(isa::active(), usize::MAX, dims.latent)
+}
+
+/// The tiles the attention itself runs on for these dims, or `None` for the f32 kernels: the
+/// expansion's tiles ([`expand_tiles`]) (queries and keys zero-padded to whole tile K steps),
+/// unless `KRASIS_MLA_ATTEND=f32`. The scores `q·k` and the products `p·v` then take BF16 operands
+/// (queries, keys, probabilities and values rounded once each) with f32 sums; the online softmax
+/// stays in f32. Chosen per process and dims, never per call.
+pub fn attend_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
+    static F32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let f32_asked = *F32.get_or_init(|| std::env::var("KRASIS_MLA_ATTEND").is_ok_and(|v| v.trim() == "f32"));
+    if f32_asked || panel_qk(dims) > MAX_PANEL_QK {
+        return None;
+    }
+    expand_tiles(dims)
 }
 
 /// Causal MLA attention of `t` new query rows over cache rows `0..q_start + t` in the
@@ -370,8 +400,20 @@ pub fn mla_prefill_attention(p: &MlaPrefillInputs<'_>, out: &mut [f32]) -> Resul
     if cached < keys {
         return Err(MlaPrefillError::Cache { cached, needed: keys });
     }
-    run(p, out, tile_rows(&p.dims).min(keys.next_multiple_of(BLOCK_K)), expand_tiles(&p.dims));
+    let cap = tile_rows(&p.dims).min(keys.next_multiple_of(BLOCK_K));
+    let (expand, attend) = call_tiles(p);
+    run(p, out, cap, expand, attend);
     Ok(())
+}
+
+/// The tiles a call's expansion and attention run on: [`expand_tiles`] and [`attend_tiles`] for
+/// packed (quantised) `kv_b`, whose fidelity is judged by the quantised bounds; f32 weights (the
+/// reference engine) keep the f32 kernels, so the reference path is f32 on every CPU.
+fn call_tiles(p: &MlaPrefillInputs<'_>) -> (Option<Bf16Tiles>, Option<Bf16Tiles>) {
+    match p.kv_b {
+        KvBWeights::F32(_) => (None, None),
+        KvBWeights::Packed { .. } => (expand_tiles(&p.dims), attend_tiles(&p.dims)),
+    }
 }
 
 /// Nanoseconds spent so far expanding the latent cache and attending (for benches).
@@ -382,32 +424,77 @@ pub fn phase_ns() -> [u64; 2] {
 static PHASE_NS: crate::phase_ns::PhaseNs<2> = crate::phase_ns::PhaseNs::new();
 
 /// [`mla_prefill_attention`] with tiles of `cap` rows (a multiple of [`BLOCK_K`]), the expansion
-/// on `tiles` (or the f32 kernels), inputs checked.
-fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize, tiles: Option<Bf16Tiles>) {
+/// on `tiles` (or the f32 kernels), the attention on `attend` (or the f32 kernels), inputs
+/// checked.
+fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize, tiles: Option<Bf16Tiles>, attend: Option<Bf16Tiles>) {
     let MlaDims { heads: h, nope, rope, v_dim: vd, .. } = p.dims;
     let keys = p.q_start + p.t;
     let isa = isa::active();
     // Softmax state per (row, head): running max, running sum.
     let mut state = vec![0f32; p.t * h * 2];
-    TILE.with_borrow_mut(|buf| {
-        // Every element is written by `expand_tile` before it is read: no clearing.
-        let need = cap * h * (nope + rope + vd);
-        if buf.len() < need {
-            buf.resize(need, 0.0);
-        }
-        let (k, v) = buf[..need].split_at_mut(h * (nope + rope) * cap);
+    let qk = nope + rope;
+    let mut each_tile = |mut kv: KvOut<'_>| {
         let mut start = 0;
         while start < keys {
             let rows = cap.min(keys - start);
             let mut clock = std::time::Instant::now();
-            expand_tile(isa, tiles, p, start, rows, cap, k, v);
+            expand_tile(isa, tiles, p, start, rows, cap, kv.ptrs());
             PHASE_NS.lap(&mut clock, 0);
-            let tile = Tile { start, cap, k, v };
-            attend_tile(isa, p, &tile, out, &mut state);
+            let tile = Tile { start, cap, kv: kv.view() };
+            attend_tile(isa, attend, p, &tile, out, &mut state);
             PHASE_NS.lap(&mut clock, 1);
             start += cap;
         }
-    });
+    };
+    // Every element is written by `expand_tile` before it is read: no clearing.
+    match attend {
+        None => TILE.with_borrow_mut(|buf| {
+            let need = cap * h * (qk + vd);
+            if buf.len() < need {
+                buf.resize(need, 0.0);
+            }
+            let (k, v) = buf[..need].split_at_mut(h * qk * cap);
+            each_tile(KvOut::F32 { k, v })
+        }),
+        Some(_) => TILE_BF16.with_borrow_mut(|buf| {
+            let qkp = panel_qk(&p.dims);
+            let need = cap * h * (qkp + vd.next_multiple_of(ROW_BLOCK));
+            if buf.len() < need {
+                buf.resize(need, 0);
+            }
+            let (k, v) = buf[..need].split_at_mut(h * qkp * cap);
+            each_tile(KvOut::Bf16 { k, v })
+        }),
+    }
+}
+
+/// Where [`expand_tile`] writes a tile (the buffers of [`TileKv`]).
+enum KvOut<'a> {
+    F32 { k: &'a mut [f32], v: &'a mut [f32] },
+    Bf16 { k: &'a mut [u16], v: &'a mut [u16] },
+}
+
+impl KvOut<'_> {
+    fn ptrs(&mut self) -> KvPtr {
+        match self {
+            KvOut::F32 { k, v } => KvPtr::F32(Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr())),
+            KvOut::Bf16 { k, v } => KvPtr::Bf16(DisjointPtr(k.as_mut_ptr()), DisjointPtr(v.as_mut_ptr())),
+        }
+    }
+
+    fn view(&self) -> TileKv<'_> {
+        match self {
+            KvOut::F32 { k, v } => TileKv::F32 { k, v },
+            KvOut::Bf16 { k, v } => TileKv::Bf16 { k, v },
+        }
+    }
+}
+
+/// The tile buffers as the expansion tasks write them (each task its own blocks).
+#[derive(Clone, Copy)]
+enum KvPtr {
+    F32(Shared, Shared),
+    Bf16(DisjointPtr<u16>, DisjointPtr<u16>),
 }
 
 /// Expands cache rows `[start, start + rows)` into the tile buffers: tasks of one head and a run
@@ -423,15 +510,13 @@ fn expand_tile(
     start: usize,
     rows: usize,
     cap: usize,
-    k: &mut [f32],
-    v: &mut [f32],
+    kv: KvPtr,
 ) {
     let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = p.dims;
     let (per_head, qk) = (nope + vd, nope + rope);
     let blocks = cap / BLOCK_K;
     let used = rows.div_ceil(BLOCK_K);
     let runs = (EXPAND_TASKS_PER_THREAD * crate::par::threads()).div_ceil(h).clamp(1, used.max(1));
-    let (kp, vp) = (Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr()));
     // The tile product's rows are padded to whole column blocks of 16.
     let ts = if tiles.is_some() { per_head.next_multiple_of(ROW_BLOCK) } else { per_head };
     LATENT.with_borrow_mut(|lat_bf16| {
@@ -485,17 +570,28 @@ fn expand_tile(
                             }
                             // SAFETY: task (hh, run) alone writes key blocks of its run of head hh and
                             // their value rows; both lie inside the buffers (`blocks` key blocks, cap
-                            // value rows).
+                            // value rows, of `vd` floats or `vd` rounded up to 16 BF16 values).
                             unsafe {
-                                scatter_block(
-                                    p,
-                                    tmp,
-                                    ts,
-                                    c,
-                                    n,
-                                    kp.at((hh * blocks + b) * qk * BLOCK_K),
-                                    vp.at((hh * cap + r0) * vd),
-                                )
+                                match kv {
+                                    KvPtr::F32(kp, vp) => scatter_block(
+                                        p,
+                                        tmp,
+                                        ts,
+                                        c,
+                                        n,
+                                        kp.at((hh * blocks + b) * qk * BLOCK_K),
+                                        vp.at((hh * cap + r0) * vd),
+                                    ),
+                                    KvPtr::Bf16(kp, vp) => scatter_block_bf16(
+                                        p,
+                                        tmp,
+                                        ts,
+                                        c,
+                                        n,
+                                        kp.get().add((hh * blocks + b) * panel_qk(&p.dims) * BLOCK_K),
+                                        vp.get().add((hh * cap + r0) * vd.next_multiple_of(ROW_BLOCK)),
+                                    ),
+                                }
                             };
                         }
                     });
@@ -532,13 +628,21 @@ fn head_panel(w: &[f32], lat: usize, per_head: usize, panel: &mut Vec<u16>) {
     let nb = per_head.div_ceil(ROW_BLOCK);
     panel.resize(nb * lat * ROW_BLOCK, 0);
     let at = |j: usize, c: usize| weight_index(lat, per_head, j, c);
-    let column16 = |j: usize, c0: usize| -> [f32; ROW_BLOCK] {
-        std::array::from_fn(|n| if c0 + n < per_head { w[at(j, c0 + n)] } else { 0.0 })
+    // 16 columns of a row lie side by side in one panel (W_PANEL a multiple of 16), but for the
+    // last block's columns past `per_head`.
+    let column16 = |j: usize, c0: usize, buf: &mut [f32; ROW_BLOCK]| -> usize {
+        let live = (per_head - c0).min(ROW_BLOCK);
+        let at0 = at(j, c0);
+        buf[..live].copy_from_slice(&w[at0..at0 + live]);
+        buf[live..].fill(0.0);
+        live
     };
+    let (mut lo, mut hi) = ([0f32; ROW_BLOCK], [0f32; ROW_BLOCK]);
     for cb in 0..nb {
         let blk = &mut panel[cb * lat * ROW_BLOCK..(cb + 1) * lat * ROW_BLOCK];
         for r in 0..lat / 2 {
-            let (lo, hi) = (column16(2 * r, cb * ROW_BLOCK), column16(2 * r + 1, cb * ROW_BLOCK));
+            column16(2 * r, cb * ROW_BLOCK, &mut lo);
+            column16(2 * r + 1, cb * ROW_BLOCK, &mut hi);
             crate::quant::bf16::pair_row(&lo, &hi, &mut blk[r * 2 * ROW_BLOCK..(r + 1) * 2 * ROW_BLOCK]);
         }
     }
@@ -576,8 +680,85 @@ unsafe fn scatter_block(
     }
 }
 
-/// Runs every (head, query block) that sees a key of `tile` over its key blocks, heaviest first.
-fn attend_tile(isa: Isa, p: &MlaPrefillInputs<'_>, tile: &Tile<'_>, out: &mut [f32], state: &mut [f32]) {
+/// `nope + rope` rounded up to whole tile K steps: the keys' and queries' width on the tiles
+/// (zero past `nope + rope`).
+fn panel_qk(dims: &MlaDims) -> usize {
+    (dims.nope + dims.rope).next_multiple_of(crate::quant::amx::bf16::TILE_K)
+}
+
+/// Largest `nope + rope` the attention on the tiles takes (a key row's BF16 scratch on the stack;
+/// DeepSeek's MLA models have 192).
+const MAX_PANEL_QK: usize = 1024;
+
+/// [`scatter_block`] into BF16 panels ([`TileKv::Bf16`]): the block's keys (`[BLOCK_K][nope +
+/// rope]`, zero past `n`) as `BLOCK_K / 16` column blocks over K = [`panel_qk`], its values as
+/// `v_dim / 16` (rounded up; columns past `v_dim` zero) column blocks over K = `BLOCK_K`.
+///
+/// # Safety
+/// `kblk` and `vblk` point to `panel_qk·BLOCK_K` and `BLOCK_K·v_dim` (rounded up to 16) values no
+/// one else touches meanwhile.
+unsafe fn scatter_block_bf16(
+    p: &MlaPrefillInputs<'_>,
+    tmp: &[f32],
+    ts: usize,
+    c: &[f32],
+    n: usize,
+    kblk: *mut u16,
+    vblk: *mut u16,
+) {
+    use crate::quant::bf16::{bf16_bits, pair_row, to_bf16};
+    let MlaDims { nope, rope, v_dim: vd, latent: lat, .. } = p.dims;
+    let (qk, qkp) = (nope + rope, panel_qk(&p.dims));
+    // Keys as BF16 rows first (nope, then rope; zero past `n` and past `qk`), then each key's
+    // dim pairs transposed into the panel: key j of column block cb, dims (2r, 2r + 1) at pair
+    // row r, words 2j and 2j + 1.
+    let mut row = [0u16; MAX_PANEL_QK];
+    for cb in 0..BLOCK_K / ROW_BLOCK {
+        let dst = std::slice::from_raw_parts_mut(kblk.add(cb * qkp * ROW_BLOCK), qkp * ROW_BLOCK);
+        for j in 0..ROW_BLOCK {
+            let r = cb * ROW_BLOCK + j;
+            to_bf16(&tmp[r * ts..r * ts + nope], &mut row[..nope]);
+            if r < n {
+                to_bf16(&c[r * p.stride + lat..][..rope], &mut row[nope..qk]);
+            } else {
+                row[nope..qk].fill(0);
+            }
+            for (pr, w) in row[..qkp].chunks_exact(2).enumerate() {
+                dst[(pr * ROW_BLOCK + j) * 2..][..2].copy_from_slice(w);
+            }
+        }
+    }
+    // Values: column block cb holds value columns 16·cb.., one pair row per two keys.
+    let vdp = vd.next_multiple_of(ROW_BLOCK);
+    for cb in 0..vdp / ROW_BLOCK {
+        let dst = std::slice::from_raw_parts_mut(vblk.add(cb * BLOCK_K * ROW_BLOCK), BLOCK_K * ROW_BLOCK);
+        let c0 = nope + cb * ROW_BLOCK;
+        let live = (vd - cb * ROW_BLOCK).min(ROW_BLOCK);
+        for r in 0..BLOCK_K / 2 {
+            let row = &mut dst[r * 2 * ROW_BLOCK..(r + 1) * 2 * ROW_BLOCK];
+            let (lo, hi) = (&tmp[2 * r * ts + c0..], &tmp[(2 * r + 1) * ts + c0..]);
+            if live == ROW_BLOCK {
+                pair_row(&lo[..ROW_BLOCK], &hi[..ROW_BLOCK], row);
+            } else {
+                for j in 0..ROW_BLOCK {
+                    row[2 * j] = if j < live { bf16_bits(lo[j]) } else { 0 };
+                    row[2 * j + 1] = if j < live { bf16_bits(hi[j]) } else { 0 };
+                }
+            }
+        }
+    }
+}
+
+/// Runs every (head, query block) that sees a key of `tile` over its key blocks, heaviest first,
+/// on `attend`'s tiles when the tile holds BF16 panels.
+fn attend_tile(
+    isa: Isa,
+    attend: Option<Bf16Tiles>,
+    p: &MlaPrefillInputs<'_>,
+    tile: &Tile<'_>,
+    out: &mut [f32],
+    state: &mut [f32],
+) {
     let h = p.dims.heads;
     let end = p.q_start + p.t;
     // Query blocks at absolute positions: block b holds rows at positions [b·BLOCK_Q, +BLOCK_Q).
@@ -593,7 +774,13 @@ fn attend_tile(isa: Isa, p: &MlaPrefillInputs<'_>, tile: &Tile<'_>, out: &mut [f
         let (b, hh) = (last - task / h, task % h);
         let rows = (b * BLOCK_Q).max(p.q_start)..((b + 1) * BLOCK_Q).min(end);
         // SAFETY: (head hh, query rows `rows`) belongs to this task alone in this dispatch.
-        unsafe { attend_block(isa, p, tile, hh, rows, op, sp) };
+        unsafe {
+            match (tile.kv, attend) {
+                (TileKv::F32 { k, v }, _) => attend_block(isa, p, tile, k, v, hh, rows, op, sp),
+                (TileKv::Bf16 { k, v }, Some(t)) => attend_block_bf16(t, isa, p, tile, k, v, hh, rows, op, sp),
+                (TileKv::Bf16 { .. }, None) => unreachable!("BF16 panels are built for the tiles only"),
+            }
+        };
     });
 }
 
@@ -603,10 +790,13 @@ fn attend_tile(isa: Isa, p: &MlaPrefillInputs<'_>, tile: &Tile<'_>, out: &mut [f
 ///
 /// # Safety
 /// No other thread touches `out`'s or `state`'s elements of (these rows, head `hh`) meanwhile.
+#[allow(clippy::too_many_arguments)]
 unsafe fn attend_block(
     isa: Isa,
     p: &MlaPrefillInputs<'_>,
     tile: &Tile<'_>,
+    keys: &[f32],
+    values: &[f32],
     hh: usize,
     rows: std::ops::Range<usize>,
     out: Shared,
@@ -646,7 +836,7 @@ unsafe fn attend_block(
             let col = kb - tile.start;
             let s = &mut s[..na * BLOCK_K];
             let q = &p.q[((i0 + ia) * h + hh) * qk..];
-            let kblk = &tile.k[(hh * (tile.cap / BLOCK_K) + col / BLOCK_K) * qk * BLOCK_K..];
+            let kblk = &keys[(hh * (tile.cap / BLOCK_K) + col / BLOCK_K) * qk * BLOCK_K..];
             gemm(isa, (na, BLOCK_K, qk), q, h * qk, kblk, BLOCK_K, s, BLOCK_K, false);
             for r in 0..na {
                 // Keys kb..=pos of the block are visible to the row at `pos`.
@@ -663,7 +853,7 @@ unsafe fn attend_block(
                     }
                 }
             }
-            let v = &tile.v[(hh * tile.cap + col) * vd..];
+            let v = &values[(hh * tile.cap + col) * vd..];
             gemm(isa, (na, vd, BLOCK_K), s, BLOCK_K, v, vd, &mut o[ia * vd..], vd, true);
             kb += BLOCK_K;
         }
@@ -680,6 +870,113 @@ unsafe fn attend_block(
             // SAFETY: as above.
             std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
         }
+    });
+}
+
+/// [`attend_block`] on the tiles: per key block the scores are one tile product of the rows'
+/// queries (BF16, tiled) by the block's key panel, the online softmax runs on them in f32, and the
+/// probabilities (BF16, tiled) times the block's value panel are added to the rescaled output.
+/// Query and key blocks sit at the same absolute positions ([`BLOCK_Q`] = [`BLOCK_K`]), so every
+/// row of the task takes part in every key block it reaches.
+///
+/// # Safety
+/// As [`attend_block`]; `keys`/`values` the tile's BF16 panels.
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_block_bf16(
+    tiles: Bf16Tiles,
+    isa: Isa,
+    p: &MlaPrefillInputs<'_>,
+    tile: &Tile<'_>,
+    keys: &[u16],
+    values: &[u16],
+    hh: usize,
+    rows: std::ops::Range<usize>,
+    out: Shared,
+    state: Shared,
+) {
+    const { assert!(BLOCK_Q == BLOCK_K) };
+    use crate::prefill_bf16::{convert_row, tiles_on_panel, zero_padding_rows};
+    let MlaDims { heads: h, nope, rope, v_dim: vd, .. } = p.dims;
+    let (qk, qkp, vdp) = (nope + rope, panel_qk(&p.dims), vd.next_multiple_of(ROW_BLOCK));
+    let nr = rows.len();
+    let (mt, i0) = (nr.div_ceil(ROW_BLOCK), rows.start - p.q_start);
+    let padded = mt * ROW_BLOCK;
+    let first_tile = tile.start == 0;
+    let done = tile.start + tile.cap >= rows.end;
+    let blocks = tile.cap / BLOCK_K;
+    SCRATCH.with_borrow_mut(|buf| {
+        ATTEND_BF16.with_borrow_mut(|ab| {
+            buf.clear();
+            buf.resize(BLOCK_Q * (BLOCK_K + vdp + vd + 3), 0.0);
+            let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
+            let (pv, rest) = rest.split_at_mut(BLOCK_Q * vdp);
+            let (o, rest) = rest.split_at_mut(BLOCK_Q * vd);
+            let (ml, alpha) = rest.split_at_mut(2 * BLOCK_Q);
+            ab.resize(BLOCK_Q * (qkp + BLOCK_K), 0);
+            let (qa, pa) = ab.split_at_mut(BLOCK_Q * qkp);
+            let mut qrow = [0f32; MAX_PANEL_QK];
+            for r in 0..nr {
+                let at = (i0 + r) * h + hh;
+                qrow[..qk].copy_from_slice(&p.q[at * qk..(at + 1) * qk]);
+                convert_row(&qrow[..qkp], r, qkp, qa);
+                if first_tile {
+                    o[r * vd..(r + 1) * vd].fill(0.0);
+                    ml[2 * r] = f32::NEG_INFINITY;
+                    ml[2 * r + 1] = 0.0;
+                } else {
+                    // SAFETY: (row, head hh) is this task's (caller's contract); inside the buffers.
+                    std::ptr::copy_nonoverlapping(out.at(at * vd), o[r * vd..].as_mut_ptr(), vd);
+                    ml[2 * r] = *state.at(2 * at);
+                    ml[2 * r + 1] = *state.at(2 * at + 1);
+                }
+            }
+            zero_padding_rows(nr, padded, qkp, qa);
+            zero_padding_rows(nr, padded, BLOCK_K, pa);
+            let tile_end = tile.start + tile.cap;
+            let mut kb = tile.start;
+            while kb < tile_end.min(rows.end) {
+                let b = hh * blocks + (kb - tile.start) / BLOCK_K;
+                let kpanel = &keys[b * qkp * BLOCK_K..(b + 1) * qkp * BLOCK_K];
+                // SAFETY: qkp a multiple of the tile K; the panel holds BLOCK_K / 16 column blocks
+                // over qkp; qa `mt` tiles of rows (padding zero); s 64 rows of BLOCK_K.
+                tiles_on_panel(tiles, kpanel, BLOCK_K / ROW_BLOCK, qkp, qa.as_ptr(), mt, s.as_mut_ptr(), BLOCK_K);
+                for r in 0..nr {
+                    // Keys kb..=pos of the block are visible to the row at `pos`.
+                    let valid = (rows.start + r + 1 - kb).min(BLOCK_K);
+                    let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
+                    let (m_old, l_old) = (ml[2 * r], ml[2 * r + 1]);
+                    let (m_new, sum) = softmax_step(isa, srow, valid, p.scale, m_old);
+                    alpha[r] = exp_scalar(m_old - m_new);
+                    ml[2 * r] = m_new;
+                    ml[2 * r + 1] = l_old * alpha[r] + sum;
+                    convert_row(srow, r, BLOCK_K, pa);
+                }
+                let vpanel = &values[b * BLOCK_K * vdp..(b + 1) * BLOCK_K * vdp];
+                // SAFETY: BLOCK_K a multiple of the tile K; the panel holds vdp / 16 column blocks
+                // over BLOCK_K; pa `mt` tiles of rows (padding zero); pv 64 rows of vdp.
+                tiles_on_panel(tiles, vpanel, vdp / ROW_BLOCK, BLOCK_K, pa.as_ptr(), mt, pv.as_mut_ptr(), vdp);
+                for r in 0..nr {
+                    let a = alpha[r];
+                    for (x, &y) in o[r * vd..(r + 1) * vd].iter_mut().zip(&pv[r * vdp..r * vdp + vd]) {
+                        *x = *x * a + y;
+                    }
+                }
+                kb += BLOCK_K;
+            }
+            for r in 0..nr {
+                let at = (i0 + r) * h + hh;
+                let orow = &mut o[r * vd..(r + 1) * vd];
+                if done {
+                    let inv = 1.0 / ml[2 * r + 1];
+                    orow.iter_mut().for_each(|x| *x *= inv);
+                } else {
+                    *state.at(2 * at) = ml[2 * r];
+                    *state.at(2 * at + 1) = ml[2 * r + 1];
+                }
+                // SAFETY: as above.
+                std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
+            }
+        });
     });
 }
 

@@ -122,7 +122,7 @@ proptest! {
                              tile_blocks in 1usize..4, seed in any::<u32>()) {
         let c = Case::new(d, t, q_start, pad, seed);
         let mut out = vec![f32::NAN; t * d.heads * d.v_dim];
-        run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, None);
+        run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, None, None);
         let err = rel_err(&out, &c.reference());
         prop_assert!(err < 2e-5, "{:?} t {} q_start {}: error {}", d, t, q_start, err);
         let mut whole = vec![f32::NAN; out.len()];
@@ -144,9 +144,9 @@ proptest! {
         let second = MlaPrefillInputs { t: t - cut, q_start: cut, q: &c.q[cut * per_row..], ..c.inputs() };
         let mut parts = vec![0f32; whole.len()];
         let split = cut * d.heads * d.v_dim;
-        let tiles = expand_tiles(&d);
-        run(&first, &mut parts[..split], tile_blocks * BLOCK_K, tiles);
-        run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, tiles);
+        let (tiles, attend) = call_tiles(&c.inputs());
+        run(&first, &mut parts[..split], tile_blocks * BLOCK_K, tiles, attend);
+        run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, tiles, attend);
         prop_assert!(whole.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
@@ -179,7 +179,7 @@ proptest! {
         let want = c.reference();
         for tiles in expansion_tiles() {
             let mut out = vec![f32::NAN; t * heads * v_dim];
-            run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, Some(tiles));
+            run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, Some(tiles), None);
             let err = rel_err(&out, &want);
             prop_assert!(err < 2e-5, "{:?} {:?} t {} q_start {}: error {}", tiles, d, t, q_start, err);
             let cut = cut.min(t - 1);
@@ -188,10 +188,69 @@ proptest! {
             let second = MlaPrefillInputs { t: t - cut, q_start: q_start + cut, q: &c.q[cut * per_row..], ..c.inputs() };
             let mut parts = vec![0f32; out.len()];
             let split = cut * heads * v_dim;
-            run(&first, &mut parts[..split], BLOCK_K, Some(tiles));
-            run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, Some(tiles));
+            run(&first, &mut parts[..split], BLOCK_K, Some(tiles), None);
+            run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, Some(tiles), None);
             prop_assert!(out.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", tiles, cut);
         }
+    }
+}
+
+/// Largest error of the attention on the tiles against the f64 definition, relative to the
+/// largest output: queries, keys, probabilities and values each rounded once to BF16 (2^-9
+/// relative) on O(1) scores.
+const ATTEND_BF16_BOUND: f64 = 1e-2;
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// The attention on the BF16 tiles (ragged query/key widths, zero-padded to the tile K, and
+    /// value widths, row counts and cached prefixes; tiles of one block up to the whole context):
+    /// within BF16's rounding of the f64 definition, and a prompt split into two calls (the
+    /// second with another tile size) gives the same bits as one call.
+    #[test]
+    fn tile_attention_matches_f64_reference(heads in prop::sample::select(vec![1usize, 3]), nope in 1usize..50,
+                                            rope in 1usize..30, v_dim in 1usize..40, lat_steps in 1usize..3,
+                                            t in 2usize..140, q_start in 0usize..80, cut in 1usize..139,
+                                            tile_blocks in 1usize..4, seed in any::<u32>()) {
+        let d = MlaDims { heads, nope, rope, v_dim, latent: 32 * lat_steps };
+        let c = Case::new(d, t, q_start, 1, seed);
+        let want = c.reference();
+        for tiles in expansion_tiles() {
+            let mut out = vec![f32::NAN; t * heads * v_dim];
+            run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, Some(tiles), Some(tiles));
+            let err = rel_err(&out, &want);
+            prop_assert!(err < ATTEND_BF16_BOUND, "{:?} {:?} t {} q_start {}: error {}", tiles, d, t, q_start, err);
+            let cut = cut.min(t - 1);
+            let per_row = heads * (nope + rope);
+            let first = MlaPrefillInputs { t: cut, q: &c.q[..cut * per_row], ..c.inputs() };
+            let second = MlaPrefillInputs { t: t - cut, q_start: q_start + cut, q: &c.q[cut * per_row..], ..c.inputs() };
+            let mut parts = vec![0f32; out.len()];
+            let split = cut * heads * v_dim;
+            run(&first, &mut parts[..split], BLOCK_K, Some(tiles), Some(tiles));
+            run(&second, &mut parts[split..], (tile_blocks % 3 + 1) * BLOCK_K, Some(tiles), Some(tiles));
+            prop_assert!(out.iter().zip(&parts).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", tiles, cut);
+        }
+    }
+}
+
+/// The attention on the tiles on V2-Lite's head shapes with INT8 packed `kv_b`: within BF16's
+/// rounding of the f32 attention after the same expansion, and not equal to it (the tiles ran).
+#[test]
+fn tile_attention_rounds_to_bf16() {
+    let d = MlaDims { heads: 2, nope: 128, rope: 64, v_dim: 128, latent: 512 };
+    let mut c = Case::new(d, 100, 30, 0, 5);
+    c.cache = data(c.cache.len(), 13);
+    let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, Bits::Int8, 32);
+    let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
+    let inputs = MlaPrefillInputs { kv_b: packed, ..c.inputs() };
+    for tiles in expansion_tiles() {
+        let mut f32_out = vec![0f32; 100 * d.heads * d.v_dim];
+        run(&inputs, &mut f32_out, 2 * BLOCK_K, Some(tiles), None);
+        let want: Vec<f64> = f32_out.iter().map(|&x| x as f64).collect();
+        let mut out = vec![0f32; f32_out.len()];
+        run(&inputs, &mut out, 2 * BLOCK_K, Some(tiles), Some(tiles));
+        let err = rel_err(&out, &want);
+        assert!(err > 0.0 && err < ATTEND_BF16_BOUND, "{tiles:?}: attention on the tiles against f32: {err}");
     }
 }
 
@@ -207,11 +266,11 @@ fn tile_expansion_rounds_to_bf16() {
     let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
     let inputs = MlaPrefillInputs { kv_b: packed, ..c.inputs() };
     let mut f32_out = vec![0f32; 40 * d.heads * d.v_dim];
-    run(&inputs, &mut f32_out, 2 * BLOCK_K, None);
+    run(&inputs, &mut f32_out, 2 * BLOCK_K, None, None);
     let want: Vec<f64> = f32_out.iter().map(|&x| x as f64).collect();
     for tiles in expansion_tiles() {
         let mut out = vec![0f32; f32_out.len()];
-        run(&inputs, &mut out, 2 * BLOCK_K, Some(tiles));
+        run(&inputs, &mut out, 2 * BLOCK_K, Some(tiles), None);
         let err = rel_err(&out, &want);
         assert!(err > 0.0 && err < 1e-2, "{tiles:?}: BF16 expansion against f32: {err}");
     }
@@ -356,11 +415,14 @@ proptest! {
         let c = Case::new(d, t, q_start, 1, seed);
         let (uk, lu, uv, lv) = pack_per_head(&c.kv_b, &d, bits, gs);
         let rows = dequantised_rows(&c.kv_b, &d, bits, gs);
-        let mut want = vec![0f32; t * heads * v_dim];
-        mla_prefill_attention(&MlaPrefillInputs { kv_b: KvBWeights::F32(&rows), ..c.inputs() }, &mut want).unwrap();
-        let packed = KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv };
-        let mut got = vec![0f32; want.len()];
-        mla_prefill_attention(&MlaPrefillInputs { kv_b: packed, ..c.inputs() }, &mut got).unwrap();
+        let packed = MlaPrefillInputs { kv_b: KvBWeights::Packed { uk: &uk, uk_layout: lu, uv: &uv, uv_layout: lv }, ..c.inputs() };
+        let mut got = vec![0f32; t * heads * v_dim];
+        mla_prefill_attention(&packed, &mut got).unwrap();
+        // The f32 rows on the kernels the packed call ran on.
+        let (expand, attend) = call_tiles(&packed);
+        let mut want = vec![0f32; got.len()];
+        let cap = tile_rows(&d).min((q_start + t).next_multiple_of(BLOCK_K));
+        run(&MlaPrefillInputs { kv_b: KvBWeights::F32(&rows), ..c.inputs() }, &mut want, cap, expand, attend);
         prop_assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }
