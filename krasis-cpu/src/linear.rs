@@ -122,7 +122,7 @@ const DOT_BLOCK_ROWS: usize = 4;
 /// `put(i, r, dot(x_i, w_r))` for every row `i` of `x` and `w` (rows of `k` floats), each value
 /// bit for bit what [`dot`] gives: on AVX-512 in blocks of [`DOT_BLOCK_TOKENS`] ×
 /// [`DOT_BLOCK_ROWS`] dots that run [`dot`]'s own sequence of operations side by side.
-pub fn dots_into(isa: Isa, x: &[f32], w: &[f32], k: usize, mut put: impl FnMut(usize, usize, f32)) {
+pub(crate) fn dots_into(isa: Isa, x: &[f32], w: &[f32], k: usize, mut put: impl FnMut(usize, usize, f32)) {
     let (m, n) = (x.len() / k.max(1), w.len() / k.max(1));
     let row = |s: &[f32], i: usize| s[i * k..(i + 1) * k].as_ptr();
     let (mut mb, mut nb) = (0, 0);
