@@ -814,19 +814,8 @@ unsafe fn attend_block(
         let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
         let (o, ml) = rest.split_at_mut(BLOCK_Q * vd);
         let (o, ml) = (&mut o[..nr * vd], &mut ml[..2 * nr]);
-        for r in 0..nr {
-            let at = (i0 + r) * h + hh;
-            if first_tile {
-                o[r * vd..(r + 1) * vd].fill(0.0);
-                ml[2 * r] = f32::NEG_INFINITY;
-                ml[2 * r + 1] = 0.0;
-            } else {
-                // SAFETY: (row, head hh) is this task's (caller's contract); inside the buffers.
-                std::ptr::copy_nonoverlapping(out.at(at * vd), o[r * vd..].as_mut_ptr(), vd);
-                ml[2 * r] = *state.at(2 * at);
-                ml[2 * r + 1] = *state.at(2 * at + 1);
-            }
-        }
+        // SAFETY: (these rows, head hh) are this task's (caller's contract).
+        load_rows(p, hh, i0, first_tile, out, state, o, ml);
         let tile_end = tile.start + tile.cap;
         let mut kb = tile.start;
         while kb < tile_end.min(rows.end) {
@@ -842,11 +831,7 @@ unsafe fn attend_block(
                 // Keys kb..=pos of the block are visible to the row at `pos`.
                 let valid = (rows.start + ia + r + 1 - kb).min(BLOCK_K);
                 let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-                let (m_old, l_old) = (ml[2 * (ia + r)], ml[2 * (ia + r) + 1]);
-                let (m_new, sum) = softmax_step(isa, srow, valid, p.scale, m_old);
-                let alpha = exp_scalar(m_old - m_new);
-                ml[2 * (ia + r)] = m_new;
-                ml[2 * (ia + r) + 1] = l_old * alpha + sum;
+                let alpha = online_step(isa, srow, valid, p.scale, &mut ml[2 * (ia + r)..2 * (ia + r) + 2]);
                 if alpha != 1.0 {
                     for x in &mut o[(ia + r) * vd..(ia + r + 1) * vd] {
                         *x *= alpha;
@@ -857,20 +842,84 @@ unsafe fn attend_block(
             gemm(isa, (na, vd, BLOCK_K), s, BLOCK_K, v, vd, &mut o[ia * vd..], vd, true);
             kb += BLOCK_K;
         }
-        for r in 0..nr {
-            let at = (i0 + r) * h + hh;
-            let orow = &mut o[r * vd..(r + 1) * vd];
-            if done {
-                let inv = 1.0 / ml[2 * r + 1];
-                orow.iter_mut().for_each(|x| *x *= inv);
-            } else {
-                *state.at(2 * at) = ml[2 * r];
-                *state.at(2 * at + 1) = ml[2 * r + 1];
-            }
-            // SAFETY: as above.
-            std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
-        }
+        // SAFETY: as above.
+        store_rows(p, hh, i0, done, out, state, o, ml);
     });
+}
+
+/// The running output rows (`o`, `nr × v_dim`) and softmax states (`ml`, per row its max and
+/// sum) of head `hh`'s query rows `i0..i0 + nr` (call-relative): fresh in a call's first tile,
+/// else as the previous tile left them in `out` and `state`.
+///
+/// # Safety
+/// No other thread touches `out`'s or `state`'s elements of (these rows, head `hh`) meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn load_rows(
+    p: &MlaPrefillInputs<'_>,
+    hh: usize,
+    i0: usize,
+    first_tile: bool,
+    out: Shared,
+    state: Shared,
+    o: &mut [f32],
+    ml: &mut [f32],
+) {
+    let (h, vd) = (p.dims.heads, p.dims.v_dim);
+    for r in 0..ml.len() / 2 {
+        let at = (i0 + r) * h + hh;
+        if first_tile {
+            o[r * vd..(r + 1) * vd].fill(0.0);
+            ml[2 * r] = f32::NEG_INFINITY;
+            ml[2 * r + 1] = 0.0;
+        } else {
+            std::ptr::copy_nonoverlapping(out.at(at * vd), o[r * vd..].as_mut_ptr(), vd);
+            ml[2 * r] = *state.at(2 * at);
+            ml[2 * r + 1] = *state.at(2 * at + 1);
+        }
+    }
+}
+
+/// [`load_rows`]' rows back into `out`: normalised when the tile holds the rows' own positions
+/// (`done`), else unnormalised with their softmax state kept in `state` for the next tile.
+///
+/// # Safety
+/// As [`load_rows`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn store_rows(
+    p: &MlaPrefillInputs<'_>,
+    hh: usize,
+    i0: usize,
+    done: bool,
+    out: Shared,
+    state: Shared,
+    o: &mut [f32],
+    ml: &[f32],
+) {
+    let (h, vd) = (p.dims.heads, p.dims.v_dim);
+    for r in 0..ml.len() / 2 {
+        let at = (i0 + r) * h + hh;
+        let orow = &mut o[r * vd..(r + 1) * vd];
+        if done {
+            let inv = 1.0 / ml[2 * r + 1];
+            orow.iter_mut().for_each(|x| *x *= inv);
+        } else {
+            *state.at(2 * at) = ml[2 * r];
+            *state.at(2 * at + 1) = ml[2 * r + 1];
+        }
+        std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
+    }
+}
+
+/// One online-softmax step of a row's scores `srow` (keys past `valid` masked) against its
+/// state `ml` = [running max, running sum]: the scores become probabilities, the state moves on,
+/// and the returned factor is what the row's output so far is rescaled by.
+fn online_step(isa: Isa, srow: &mut [f32], valid: usize, scale: f32, ml: &mut [f32]) -> f32 {
+    let (m_old, l_old) = (ml[0], ml[1]);
+    let (m_new, sum) = softmax_step(isa, srow, valid, scale, m_old);
+    let alpha = exp_scalar(m_old - m_new);
+    ml[0] = m_new;
+    ml[1] = l_old * alpha + sum;
+    alpha
 }
 
 /// [`attend_block`] on the tiles: per key block the scores are one tile product of the rows'
@@ -915,20 +964,13 @@ unsafe fn attend_block_bf16(
             ab.resize(BLOCK_Q * (qkp + BLOCK_K), 0);
             let (qa, pa) = ab.split_at_mut(BLOCK_Q * qkp);
             let mut qrow = [0f32; MAX_PANEL_QK];
+            let (o, ml) = (&mut o[..nr * vd], &mut ml[..2 * nr]);
+            // SAFETY: (these rows, head hh) are this task's (caller's contract).
+            load_rows(p, hh, i0, first_tile, out, state, o, ml);
             for r in 0..nr {
                 let at = (i0 + r) * h + hh;
                 qrow[..qk].copy_from_slice(&p.q[at * qk..(at + 1) * qk]);
                 convert_row(&qrow[..qkp], r, qkp, qa);
-                if first_tile {
-                    o[r * vd..(r + 1) * vd].fill(0.0);
-                    ml[2 * r] = f32::NEG_INFINITY;
-                    ml[2 * r + 1] = 0.0;
-                } else {
-                    // SAFETY: (row, head hh) is this task's (caller's contract); inside the buffers.
-                    std::ptr::copy_nonoverlapping(out.at(at * vd), o[r * vd..].as_mut_ptr(), vd);
-                    ml[2 * r] = *state.at(2 * at);
-                    ml[2 * r + 1] = *state.at(2 * at + 1);
-                }
             }
             zero_padding_rows(nr, padded, qkp, qa);
             zero_padding_rows(nr, padded, BLOCK_K, pa);
@@ -944,11 +986,7 @@ unsafe fn attend_block_bf16(
                     // Keys kb..=pos of the block are visible to the row at `pos`.
                     let valid = (rows.start + r + 1 - kb).min(BLOCK_K);
                     let srow = &mut s[r * BLOCK_K..(r + 1) * BLOCK_K];
-                    let (m_old, l_old) = (ml[2 * r], ml[2 * r + 1]);
-                    let (m_new, sum) = softmax_step(isa, srow, valid, p.scale, m_old);
-                    alpha[r] = exp_scalar(m_old - m_new);
-                    ml[2 * r] = m_new;
-                    ml[2 * r + 1] = l_old * alpha[r] + sum;
+                    alpha[r] = online_step(isa, srow, valid, p.scale, &mut ml[2 * r..2 * r + 2]);
                     convert_row(srow, r, BLOCK_K, pa);
                 }
                 let vpanel = &values[b * BLOCK_K * vdp..(b + 1) * BLOCK_K * vdp];
@@ -963,19 +1001,8 @@ unsafe fn attend_block_bf16(
                 }
                 kb += BLOCK_K;
             }
-            for r in 0..nr {
-                let at = (i0 + r) * h + hh;
-                let orow = &mut o[r * vd..(r + 1) * vd];
-                if done {
-                    let inv = 1.0 / ml[2 * r + 1];
-                    orow.iter_mut().for_each(|x| *x *= inv);
-                } else {
-                    *state.at(2 * at) = ml[2 * r];
-                    *state.at(2 * at + 1) = ml[2 * r + 1];
-                }
-                // SAFETY: as above.
-                std::ptr::copy_nonoverlapping(orow.as_ptr(), out.at(at * vd), vd);
-            }
+            // SAFETY: as above.
+            store_rows(p, hh, i0, done, out, state, o, ml);
         });
     });
 }
