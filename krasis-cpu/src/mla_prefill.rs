@@ -292,20 +292,9 @@ pub fn tile_rows(dims: &MlaDims) -> usize {
     (KV_TILE_BYTES / per_row / BLOCK_K).max(1) * BLOCK_K
 }
 
-/// Floats `f32` scratch: written through from several tasks, each to its own elements.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: tasks write disjoint elements (each use says which); the dispatch returns only when
-// every task is done.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// (A method, so closures capture the `Sync` wrapper rather than its raw field.)
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
-    }
-}
+/// Floats written through from several tasks, each to its own elements (each use says which;
+/// the dispatch returns only when every task is done).
+type Shared = DisjointPtr<f32>;
 
 /// One tile of expanded key rows `[start, start + rows)` (`rows ≤ cap`, zero past the cache): per
 /// head and block of [`BLOCK_K`] rows the keys transposed, `[nope + rope][BLOCK_K]` (the nope part,
@@ -477,7 +466,7 @@ enum KvOut<'a> {
 impl KvOut<'_> {
     fn ptrs(&mut self) -> KvPtr {
         match self {
-            KvOut::F32 { k, v } => KvPtr::F32(Shared(k.as_mut_ptr()), Shared(v.as_mut_ptr())),
+            KvOut::F32 { k, v } => KvPtr::F32(DisjointPtr(k.as_mut_ptr()), DisjointPtr(v.as_mut_ptr())),
             KvOut::Bf16 { k, v } => KvPtr::Bf16(DisjointPtr(k.as_mut_ptr()), DisjointPtr(v.as_mut_ptr())),
         }
     }
@@ -769,7 +758,7 @@ fn attend_tile(
         return;
     }
     let n_blocks = last - from + 1;
-    let (op, sp) = (Shared(out.as_mut_ptr()), Shared(state.as_mut_ptr()));
+    let (op, sp) = (DisjointPtr(out.as_mut_ptr()), DisjointPtr(state.as_mut_ptr()));
     crate::par::for_each(h * n_blocks, &|task| {
         let (b, hh) = (last - task / h, task % h);
         let rows = (b * BLOCK_Q).max(p.q_start)..((b + 1) * BLOCK_Q).min(end);

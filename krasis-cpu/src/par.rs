@@ -49,6 +49,12 @@ impl<T> DisjointPtr<T> {
     pub(crate) fn get(&self) -> *mut T {
         self.0
     }
+
+    /// Element `i` onwards (a method, so closures capture the `Sync` wrapper rather than its raw
+    /// field).
+    pub(crate) fn at(self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
+    }
 }
 
 /// `f(i, chunk_i)` for the `chunk`-sized pieces of `data` (the last may be shorter), in parallel.
