@@ -798,8 +798,8 @@ unsafe fn attend_block(
     let first_tile = tile.start == 0;
     let done = tile.start + tile.cap >= rows.end;
     SCRATCH.with_borrow_mut(|buf| {
-        buf.clear();
-        buf.resize(BLOCK_Q * (BLOCK_K + vd + 2), 0.0);
+        // Every element read below is written first in this call: grown, not cleared.
+        crate::prefill_bf16::grow(buf, BLOCK_Q * (BLOCK_K + vd + 2));
         let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
         let (o, ml) = rest.split_at_mut(BLOCK_Q * vd);
         let (o, ml) = (&mut o[..nr * vd], &mut ml[..2 * nr]);
@@ -944,8 +944,8 @@ unsafe fn attend_block_bf16(
     let blocks = tile.cap / BLOCK_K;
     SCRATCH.with_borrow_mut(|buf| {
         ATTEND_BF16.with_borrow_mut(|ab| {
-            buf.clear();
-            buf.resize(BLOCK_Q * (BLOCK_K + vdp + vd + 3), 0.0);
+            // Every element read below is written first in this call: grown, not cleared.
+            crate::prefill_bf16::grow(buf, BLOCK_Q * (BLOCK_K + vdp + vd + 3));
             let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
             let (pv, rest) = rest.split_at_mut(BLOCK_Q * vdp);
             let (o, rest) = rest.split_at_mut(BLOCK_Q * vd);

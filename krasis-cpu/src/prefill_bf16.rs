@@ -247,7 +247,7 @@ pub fn trim_after_forward(tokens: usize) {
 
 /// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
 /// different sizes, and re-growing would zero the difference again each time).
-fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
     if v.len() < n {
         v.resize(n, T::default());
     }
