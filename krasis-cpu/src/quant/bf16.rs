@@ -66,8 +66,9 @@ pub fn block_panel(w: &[u8], l: &PackedLayout, b: usize, dst: &mut [u16]) {
     let blk = &w[l.block_range(b)];
     assert_eq!(dst.len(), panel_len(l), "block_panel: dst must be K·16 elements");
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: AVX-512 F/BW/BF16 checked by `simd`; sizes asserted above and by block_range.
+    if panel_simd() {
+        // SAFETY: AVX-512 F/BW/BF16/VBMI checked by `panel_simd`; sizes asserted above and by
+        // block_range.
         return unsafe { block_panel_avx512(blk, l, dst) };
     }
     block_panel_scalar(blk, l, dst);
@@ -215,47 +216,98 @@ unsafe fn to_bf16_runs_avx512(src: &[f32], run: usize, dst: &mut [u16], stride: 
     }
 }
 
-/// AVX-512 twin of [`block_panel_scalar`]: per 64-byte chunk, each k lane of the 16 rows is
-/// widened, converted and scaled (`fmsub(u, s, off·s)`, exact) and two k lanes are rounded and
-/// interleaved into one B row.
+/// Byte lanes of [`block_panel_avx512`]'s `vpermb`: for byte pair `p` (bytes `2p`, `2p + 1` of
+/// each row's 4-byte chunk) and half `r` (rows `8r..8r + 8`), dword lane `2j + i` takes byte
+/// `2p + i` of row `8r + j`, zero-extended (the other three bytes of each lane are masked off).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+const PAIR_BYTES: [[[u8; 64]; 2]; 2] = {
+    let mut t = [[[0u8; 64]; 2]; 2];
+    let mut p = 0;
+    while p < 2 {
+        let mut r = 0;
+        while r < 2 {
+            let mut lane = 0;
+            while lane < 16 {
+                t[p][r][4 * lane] = (4 * (8 * r + lane / 2) + 2 * p + lane % 2) as u8;
+                lane += 1;
+            }
+            r += 1;
+        }
+        p += 1;
+    }
+    t
+};
+
+/// The low byte of every dword lane (the `vpermb` write mask of [`PAIR_BYTES`]).
+#[cfg(target_arch = "x86_64")]
+const LOW_BYTES: u64 = 0x1111_1111_1111_1111;
+
+/// Scale lanes of the two halves: lane `2j + i` takes row `8r + j`'s scale.
+#[cfg(target_arch = "x86_64")]
+const PAIR_SCALES: [[u32; 16]; 2] = {
+    let mut t = [[0u32; 16]; 2];
+    let mut lane = 0;
+    while lane < 16 {
+        t[0][lane] = (lane / 2) as u32;
+        t[1][lane] = (8 + lane / 2) as u32;
+        lane += 1;
+    }
+    t
+};
+
+/// Whether [`block_panel`]'s SIMD twin runs: [`simd`] and AVX-512 VBMI (its byte permutes).
+fn panel_simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *S.get_or_init(|| simd() && std::arch::is_x86_feature_detected!("avx512vbmi"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// AVX-512 twin of [`block_panel_scalar`]. A 64-byte chunk holds 4 (INT8) or 8 (INT4) k of each
+/// of the 16 rows; one `vpermb` per (k pair, half of the rows) gathers a B row's bytes already
+/// in pair order (lane `2j + i` = row `8r + j`, k `2p + i`), so the two halves, converted and
+/// scaled (`fmsub(u, s, off·s)`, exact), round straight into one B row (`vcvtne2ps2bf16`: the
+/// first half low) with no interleave after it. An INT4 byte's two nibbles are two k pairs 4
+/// apart, from the same gather.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
 unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     use std::arch::x86_64::*;
-    let idx = _mm512_loadu_si512(PAIR_INTERLEAVE.as_ptr() as *const _);
-    let (gs, off) = (l.gs, l.offset() as f32);
+    let gather: [[__m512i; 2]; 2] =
+        std::array::from_fn(|p| std::array::from_fn(|r| _mm512_loadu_si512(PAIR_BYTES[p][r].as_ptr() as *const _)));
+    let dup: [__m512i; 2] = std::array::from_fn(|r| _mm512_loadu_si512(PAIR_SCALES[r].as_ptr() as *const _));
+    let (gs, off) = (l.gs, _mm512_set1_ps(l.offset() as f32));
     let gwb = l.group_weight_bytes();
-    let nib = _mm512_set1_epi32(if l.bits == Bits::Int8 { 0xff } else { 0x0f });
+    let nib = _mm512_set1_epi32(0x0f);
     let out = dst.as_mut_ptr();
-    // Row of B for k pair (k, k + 1), k even, from the two scaled lanes.
-    let pair = |k: usize, a: __m512, b: __m512| {
-        let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
-        _mm512_storeu_si512(out.add((k / 2) * 2 * ROW_BLOCK) as *mut _, _mm512_permutexvar_epi16(idx, h));
-    };
     for g in 0..l.groups() {
         let s = _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.scales_offset(g)) as *const __m256i));
-        let offs = _mm512_mul_ps(s, _mm512_set1_ps(off));
-        let wg = blk.as_ptr().add(l.weights_offset(g));
-        let lane = |v: __m512i, shift: u32| {
-            let u = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), nib);
-            _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), s, offs)
+        let sh: [__m512; 2] = std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], s));
+        let offs: [__m512; 2] = std::array::from_fn(|r| _mm512_mul_ps(sh[r], off));
+        let scaled = |u: __m512i, r: usize| _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), sh[r], offs[r]);
+        // B row of the k pair starting at even k from its two halves' lanes.
+        let row = |k: usize, a: __m512, b: __m512| {
+            let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+            _mm512_storeu_si512(out.add((k / 2) * 2 * ROW_BLOCK) as *mut _, h);
         };
+        let wg = blk.as_ptr().add(l.weights_offset(g));
         for c in 0..gwb / CHUNK {
             // Prefetch never faults: the address may lie past the matrix.
             _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(c * CHUNK + PANEL_PREFETCH) as *const i8);
             let v = _mm512_loadu_si512(wg.add(c * CHUNK) as *const _);
-            match l.bits {
-                Bits::Int8 => {
-                    let k0 = g * gs + 4 * c;
-                    pair(k0, lane(v, 0), lane(v, 8));
-                    pair(k0 + 2, lane(v, 16), lane(v, 24));
-                }
-                Bits::Int4 => {
-                    let k0 = g * gs + 8 * c;
-                    pair(k0, lane(v, 0), lane(v, 8));
-                    pair(k0 + 2, lane(v, 16), lane(v, 24));
-                    pair(k0 + 4, lane(v, 4), lane(v, 12));
-                    pair(k0 + 6, lane(v, 20), lane(v, 28));
+            for (p, halves) in gather.iter().enumerate() {
+                let a = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[0], v);
+                let b = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[1], v);
+                match l.bits {
+                    Bits::Int8 => row(g * gs + 4 * c + 2 * p, scaled(a, 0), scaled(b, 1)),
+                    Bits::Int4 => {
+                        let k0 = g * gs + 8 * c + 2 * p;
+                        row(k0, scaled(_mm512_and_si512(a, nib), 0), scaled(_mm512_and_si512(b, nib), 1));
+                        row(k0 + 4, scaled(_mm512_srli_epi32::<4>(a), 0), scaled(_mm512_srli_epi32::<4>(b), 1));
+                    }
                 }
             }
         }
