@@ -151,7 +151,7 @@ pub(crate) fn decode_shared_kv_planned(
         let (g, u) = (gu / subs, gu % subs);
         let h0 = g * group + u * hs;
         let positions = c * rows..((c + 1) * rows).min(visible);
-        shared_kv_partial(isa, &q[h0 * k_dim..(h0 + hs) * k_dim], hs, kv, g, positions, scale, p, &[]);
+        shared_kv_partial(isa, &q[h0 * k_dim..(h0 + hs) * k_dim], hs, kv, g, positions, scale, p);
     });
     crate::par::for_each_chunk_mut(out, v_dim, &|hh, o| {
         let gu = hh / hs;
@@ -166,16 +166,9 @@ pub(crate) fn shared_kv_part_len(hs: usize, v_dim: usize) -> usize {
     hs * (v_dim + 2)
 }
 
-/// Rows of scores a [`shared_kv_partial`] computes between two pieces of its pull (~8 × 0.1 µs
-/// of arithmetic per piece at V2-Lite's 576-float rows).
-const PULL_ROWS: usize = 8;
-
 /// One task of the position split of one-token attention over shared keys: the `hs` heads of
 /// `q` (`[hs, k_dim]`, the sub-group starting at some head of kv head `g`) over cache
 /// `positions`, written into `p` ([`shared_kv_part_len`] floats) as flash-decoding partials.
-/// `pull` (bytes of `pull`'s slices back to back, usually none) is prefetched into L2 in pieces
-/// between runs of [`PULL_ROWS`] rows, so the memory a later task reads streams while this one
-/// computes; the result is the same with or without it.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn shared_kv_partial(
     isa: isa::Isa,
@@ -186,33 +179,14 @@ pub(crate) fn shared_kv_partial(
     positions: std::ops::Range<usize>,
     scale: f32,
     p: &mut [f32],
-    pull: &[&[u8]],
 ) {
     let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
     let (p0, n) = (positions.start, positions.len());
-    let pulled: usize = pull.iter().map(|b| b.len()).sum();
     SCORES.with_borrow_mut(|scores| {
         scores.clear();
+        scores.resize(hs * n, 0.0);
         let keys = Rows { data: kv.k, start: p0 * kv.k_stride + g * k_dim, stride: kv.k_stride, width: k_dim };
-        if pulled == 0 {
-            scores.resize(hs * n, 0.0);
-            group_scores(isa, q, hs, keys, n, scores);
-        } else {
-            // Each score is its own dot, so scores of runs of rows are the whole call's.
-            scores.resize(hs * (n + PULL_ROWS), 0.0);
-            let (all, run) = scores.split_at_mut(hs * n);
-            let piece = pulled.div_ceil(n.div_ceil(PULL_ROWS) + 1).next_multiple_of(64);
-            for (i, j0) in (0..n).step_by(PULL_ROWS).enumerate() {
-                crate::quant::prefetch_l2_span(pull, i * piece..(i + 1) * piece);
-                let m = PULL_ROWS.min(n - j0);
-                group_scores(isa, q, hs, Rows { start: keys.start + j0 * keys.stride, ..keys }, m, run);
-                for h in 0..hs {
-                    all[h * n + j0..][..m].copy_from_slice(&run[h * m..][..m]);
-                }
-            }
-            crate::quant::prefetch_l2_span(pull, n.div_ceil(PULL_ROWS) * piece..pulled);
-        }
-        let scores = &mut scores[..hs * n];
+        group_scores(isa, q, hs, keys, n, scores);
         let (ml, o) = p[..shared_kv_part_len(hs, v_dim)].split_at_mut(2 * hs);
         for (h, s) in scores.chunks_exact_mut(n).enumerate() {
             let (max, sum) = softmax_step(isa, s, n, scale, f32::NEG_INFINITY);

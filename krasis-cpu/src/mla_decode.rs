@@ -42,25 +42,6 @@ use crate::quant::{matmul_packed, PackedLayout, QuantizedActs, ROW_BLOCK};
 /// cache rows.
 const OUTPUT_WAIT_PREFETCH: usize = 1 << 20;
 
-/// What a decode step's early tasks pull into L2 for later ones (`KRASIS_MLA_PULL`, read once):
-/// 0 nothing; 1 (default) each position-split task its share of `W_UV` and the output
-/// projection, in pieces between its runs of scores, so those weights stream while the
-/// attention computes on the cache (which leaves memory idle); 2 also each absorb task the cache
-/// rows of the position-split task of its index.
-fn pull_mode() -> usize {
-    static M: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *M.get_or_init(|| crate::env::count_or("KRASIS_MLA_PULL", 1))
-}
-
-/// Bytes `r` of `parts[0]` and `parts[1]` taken back to back.
-fn span_of<'a>(parts: [&'a [u8]; 2], r: std::ops::Range<usize>) -> [&'a [u8]; 2] {
-    let cut = |p: &'a [u8], base: usize| {
-        let (lo, hi) = (r.start.saturating_sub(base).min(p.len()), r.end.saturating_sub(base).min(p.len()));
-        &p[lo..hi.max(lo)]
-    };
-    [cut(parts[0], 0), cut(parts[1], parts[0].len())]
-}
-
 /// The output projection (`o_proj`) run inside the dispatch: `y[..layout.rows] = W · out` for
 /// the packed `w` (K = heads · v_dim).
 pub struct OutputProj<'a> {
@@ -192,15 +173,6 @@ impl MlaDecode {
         });
         let n_proj = proj.map_or(0, |p| p.4);
         let failed = AtomicBool::new(false);
-        // The weights read after the attention, and each position-split task's share of them.
-        let mode = pull_mode();
-        let later = [&w.uv[..h * lv.bytes()], proj.map_or(&[][..], |p| &p.0[..p.1.bytes()])];
-        let later_share = (later[0].len() + later[1].len()).div_ceil(subs * chunks).next_multiple_of(64);
-        let chunk_keys = |i: usize| {
-            let start = (i % chunks) * rows * kv.k_stride;
-            let end = (start + rows * kv.k_stride).min(visible * kv.k_stride);
-            bytemuck::cast_slice::<f32, u8>(&kv.k[start..end])
-        };
 
         // `y[..layout.rows] = W · x` for one head's packed matrix `wh` and activation row `x`
         // (`layout.k` floats), quantised as HeadMatmul quantises it.
@@ -222,9 +194,6 @@ impl MlaDecode {
             let local = &mut *local;
             if t < n1 {
                 let hh = t;
-                if mode >= 2 && hh < subs * chunks {
-                    crate::quant::prefetch_l2(chunk_keys(hh));
-                }
                 let qn = &q[hh * qk..hh * qk + nope];
                 let mut padded = std::mem::take(&mut local.padded);
                 let x = if lk.k == nope {
@@ -243,16 +212,20 @@ impl MlaDecode {
                 qa[lat..].copy_from_slice(&q[hh * qk + nope..(hh + 1) * qk]);
                 absorbed[hh / hs].fetch_add(1, Ordering::Release);
             } else if t < n2 {
-                let i = t - n1;
-                let (u, c) = (i / chunks, i % chunks);
+                let (u, c) = ((t - n1) / chunks, (t - n1) % chunks);
                 let positions = c * rows..((c + 1) * rows).min(visible);
-                wait_ready(&absorbed[u], hs, &failed, chunk_keys(i));
-                let pull = if mode >= 1 { span_of(later, i * later_share..(i + 1) * later_share) } else { [&[][..]; 2] };
+                let keys = &kv.k[positions.start * kv.k_stride..];
+                wait_ready(
+                    &absorbed[u],
+                    hs,
+                    &failed,
+                    bytemuck::cast_slice(&keys[..keys.len().min(rows * kv.k_stride)]),
+                );
                 // SAFETY: the sub-group's q_abs rows are complete (Acquire in wait_ready) and
                 // no longer written; this task's partials are its own until the Release below.
                 let (qs, p) =
                     unsafe { (q_abs.slice(u * hs * row, hs * row), partials.slice_mut((u * chunks + c) * part, part)) };
-                shared_kv_partial(isa, qs, hs, kv, 0, positions, scale, p, &pull);
+                shared_kv_partial(isa, qs, hs, kv, 0, positions, scale, p);
                 chunks_done[u].fetch_add(1, Ordering::Release);
             } else if t < n3 {
                 let hh = t - n2;

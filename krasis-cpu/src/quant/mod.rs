@@ -233,20 +233,6 @@ pub fn prefetch_l2(w: &[u8]) {
     let _ = w;
 }
 
-/// Prefetch bytes `range` of `parts` taken back to back into L2 ([`prefetch_l2`]): a task that
-/// computes on cached data pulls a piece of the weights a later task of its dispatch reads, so
-/// memory keeps streaming while it computes.
-pub fn prefetch_l2_span(parts: &[&[u8]], range: std::ops::Range<usize>) {
-    let mut base = 0;
-    for p in parts {
-        let (lo, hi) = (range.start.max(base), range.end.min(base + p.len()));
-        if lo < hi {
-            prefetch_l2(&p[lo - base..hi - base]);
-        }
-        base += p.len();
-    }
-}
-
 /// The kernels [`matmul_packed`] runs with `isa`, for the startup log: the ISA's name, and on
 /// AVX-512 whether AMX tiles take the many-row calls (see [`amx::enabled`]) and the prefill's
 /// matmuls (see [`crate::prefill_bf16`]).
