@@ -50,25 +50,7 @@ __device__ __forceinline__ float att_e4m3_to_f32(u32 c) {
 
 __device__ __forceinline__ float att_neg_inf() { return __uint_as_float(0xff800000u); }
 
-// x ~= hi + lo, both BF16 (see the exactness note above).
-__device__ __forceinline__ void att_split(float x, bf16_t& hi, bf16_t& lo) {
-    hi = f32_to_bf16(x);
-    lo = f32_to_bf16(x - bf16_to_f32(hi));
-}
 
-__device__ __forceinline__ u32 att_ld2(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
-__device__ __forceinline__ u32 att_pack(bf16_t lo_elem, bf16_t hi_elem) {
-    return (u32)lo_elem | ((u32)hi_elem << 16);
-}
-
-// c[16x8] += a[16x16] · b[16x8], BF16 inputs, f32 accumulators (sm_80+).
-__device__ __forceinline__ void att_mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 struct AttnArgs {
     const unsigned char* k;  // K plane of the layer (element 0 of row 0)
@@ -132,10 +114,10 @@ __device__ __forceinline__ void att_store_unit(const AttnArgs& a, int u, int nk,
 #pragma unroll
             for (int k = 0; k < 16; k += 2) {
                 bf16_t h0, l0, h1, l1;
-                att_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * (k & 3))) & 0xffu) * sc, h0, l0);
-                att_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * ((k + 1) & 3))) & 0xffu) * sc, h1, l1);
-                hw[k >> 1] = att_pack(h0, h1);
-                lw[k >> 1] = att_pack(l0, l1);
+                bf16_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * (k & 3))) & 0xffu) * sc, h0, l0);
+                bf16_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * ((k + 1) & 3))) & 0xffu) * sc, h1, l1);
+                hw[k >> 1] = pack_bf16x2(h0, h1);
+                lw[k >> 1] = pack_bf16x2(l0, l1);
             }
             reinterpret_cast<uint4*>(dh)[0] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
             reinterpret_cast<uint4*>(dh)[1] = make_uint4(hw[4], hw[5], hw[6], hw[7]);
@@ -143,7 +125,7 @@ __device__ __forceinline__ void att_store_unit(const AttnArgs& a, int u, int nk,
             reinterpret_cast<uint4*>(dl)[1] = make_uint4(lw[4], lw[5], lw[6], lw[7]);
         } else {
             bf16_t h, l;
-            att_split(att_e4m3_to_f32(w.x & 0xffu) * sc, h, l);
+            bf16_split(att_e4m3_to_f32(w.x & 0xffu) * sc, h, l);
             *dh = h;
             *dl = l;
         }
@@ -235,10 +217,10 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
                 const int qq = it / per, d = (it - qq * per) * 4;
                 bf16_t* dh = sQh + qq * a.ldk + d;
                 bf16_t* dl = sQl + qq * a.ldk + d;
-                att_split(v[b].x, dh[0], dl[0]);
-                att_split(v[b].y, dh[1], dl[1]);
-                att_split(v[b].z, dh[2], dl[2]);
-                att_split(v[b].w, dh[3], dl[3]);
+                bf16_split(v[b].x, dh[0], dl[0]);
+                bf16_split(v[b].y, dh[1], dl[1]);
+                bf16_split(v[b].z, dh[2], dl[2]);
+                bf16_split(v[b].w, dh[3], dl[3]);
             }
         }
     }
@@ -296,16 +278,16 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
             const int q8 = 8 * a.ldk;
             for (int ks = ks0; ks < ks1; ks++) {
                 const int k0 = ks * 16;
-                const u32 ah[4] = {att_ld2(qh + k0), att_ld2(qh + q8 + k0), att_ld2(qh + k0 + 8),
-                                   att_ld2(qh + q8 + k0 + 8)};
-                const u32 al[4] = {att_ld2(ql + k0), att_ld2(ql + q8 + k0), att_ld2(ql + k0 + 8),
-                                   att_ld2(ql + q8 + k0 + 8)};
-                const u32 b0 = att_ld2(kr + k0), b1 = att_ld2(kr + k0 + 8);
-                att_mma(c, ah, b0, b1);
-                att_mma(c, al, b0, b1);
+                const u32 ah[4] = {ld_bf16x2(qh + k0), ld_bf16x2(qh + q8 + k0), ld_bf16x2(qh + k0 + 8),
+                                   ld_bf16x2(qh + q8 + k0 + 8)};
+                const u32 al[4] = {ld_bf16x2(ql + k0), ld_bf16x2(ql + q8 + k0), ld_bf16x2(ql + k0 + 8),
+                                   ld_bf16x2(ql + q8 + k0 + 8)};
+                const u32 b0 = ld_bf16x2(kr + k0), b1 = ld_bf16x2(kr + k0 + 8);
+                mma_bf16_16816(c, ah, b0, b1);
+                mma_bf16_16816(c, al, b0, b1);
                 if constexpr (FP8) {
                     const bf16_t* krl = sKl + (nt * 8 + gid) * a.ldk + 2 * tig;
-                    att_mma(c, ah, att_ld2(krl + k0), att_ld2(krl + k0 + 8));
+                    mma_bf16_16816(c, ah, ld_bf16x2(krl + k0), ld_bf16x2(krl + k0 + 8));
                 }
             }
             float* so = sS + (warp >> 2) * ATT_Q * ATT_SLD + nt * 8 + 2 * tig;
@@ -335,7 +317,7 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
             float sum = p;
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            att_split(p, sPh[qq * ATT_PLD + lane], sPl[qq * ATT_PLD + lane]);
+            bf16_split(p, sPh[qq * ATT_PLD + lane], sPl[qq * ATT_PLD + lane]);
             if (lane == 0) {
                 sM[qq] = m_new;
                 sL[qq] = sL[qq] * alpha + sum;
@@ -358,19 +340,19 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
             for (int r0 = 0; r0 < ATT_ROWS; r0 += 16) {
                 const bf16_t* ph = sPh + gid * ATT_PLD + r0 + 2 * tig;
                 const bf16_t* pl = sPl + gid * ATT_PLD + r0 + 2 * tig;
-                const u32 pa[4] = {att_ld2(ph), att_ld2(ph + 8 * ATT_PLD), att_ld2(ph + 8), att_ld2(ph + 8 * ATT_PLD + 8)};
-                const u32 pb[4] = {att_ld2(pl), att_ld2(pl + 8 * ATT_PLD), att_ld2(pl + 8), att_ld2(pl + 8 * ATT_PLD + 8)};
+                const u32 pa[4] = {ld_bf16x2(ph), ld_bf16x2(ph + 8 * ATT_PLD), ld_bf16x2(ph + 8), ld_bf16x2(ph + 8 * ATT_PLD + 8)};
+                const u32 pb[4] = {ld_bf16x2(pl), ld_bf16x2(pl + 8 * ATT_PLD), ld_bf16x2(pl + 8), ld_bf16x2(pl + 8 * ATT_PLD + 8)};
 #pragma unroll
                 for (int i = 0; i < NTW; i++) {
                     const int nt = warp + ATT_WARPS * i;
                     if (nt * 8 >= a.v_dim) break;  // warp-uniform
                     const bf16_t* vp = sVh + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
-                    const u32 b0 = att_pack(vp[0], vp[ldvs]), b1 = att_pack(vp[8 * ldvs], vp[9 * ldvs]);
-                    att_mma(acc[i], pa, b0, b1);
-                    att_mma(acc[i], pb, b0, b1);
+                    const u32 b0 = pack_bf16x2(vp[0], vp[ldvs]), b1 = pack_bf16x2(vp[8 * ldvs], vp[9 * ldvs]);
+                    mma_bf16_16816(acc[i], pa, b0, b1);
+                    mma_bf16_16816(acc[i], pb, b0, b1);
                     if constexpr (FP8) {
                         const bf16_t* vl = sVl + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
-                        att_mma(acc[i], pa, att_pack(vl[0], vl[ldvs]), att_pack(vl[8 * ldvs], vl[9 * ldvs]));
+                        mma_bf16_16816(acc[i], pa, pack_bf16x2(vl[0], vl[ldvs]), pack_bf16x2(vl[8 * ldvs], vl[9 * ldvs]));
                     }
                 }
             }

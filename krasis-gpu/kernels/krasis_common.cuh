@@ -18,6 +18,31 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// x ~= hi + lo, both BF16: hi is x rounded, lo the remainder rounded, so |x - hi - lo| <= 2^-18 |x|
+// (8 significant bits each). Two tensor-core products, one per half, keep an f32 operand to
+// about f32 accuracy.
+__device__ __forceinline__ void bf16_split(float x, bf16_t& hi, bf16_t& lo) {
+    hi = f32_to_bf16(x);
+    lo = f32_to_bf16(x - bf16_to_f32(hi));
+}
+
+// Two consecutive BF16 (4-byte aligned) as one register of an MMA fragment.
+__device__ __forceinline__ u32 ld_bf16x2(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+__device__ __forceinline__ u32 pack_bf16x2(bf16_t lo_elem, bf16_t hi_elem) {
+    return (u32)lo_elem | ((u32)hi_elem << 16);
+}
+
+// c[16x8] += a[16x16] · b[16x8], BF16 inputs, f32 accumulators (sm_80+). Fragments (PTX ISA,
+// g = lane / 4, q = lane % 4): a[0..3] = A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..];
+// b0 = B[2q..][g], b1 = B[2q+8..][g] (two k each); c[0..1] = C[g][2q..], c[2..3] = C[g+8][2q..].
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float krasis_nan() { return __uint_as_float(0x7fc00000u); }
 
 // Loads/stores that let one kernel body serve f32 and bf16 tensors.

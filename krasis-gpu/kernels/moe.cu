@@ -6,10 +6,10 @@
 //      outside [0, n_experts) are left out (moe_combine turns their token's row into NaN).
 //   2. moe_gate_up: one block per (tile, MOE_BN intermediate columns): act[p, i] =
 //      silu(gate_e[i] . x[token(p)]) * (up_e[i] . x[token(p)]) for the tile's pairs; the weight
-//      rows are read once per tile and shared by its pairs.
+//      rows are read once per tile and shared by its pairs, on the tensor cores (moe_tile).
 //   3. moe_down: same tiling, ypair[p, h] = down_e[h] . act[p].
 //   4. moe_combine: out[t, h] = sum_j w[t, j] * ypair[t*top_k + j, h], j ascending.
-// Each output element is computed by one thread with one accumulator over k ascending, whatever
+// Each output element is computed by one thread with one accumulator in a fixed order, whatever
 // tile or slot its pair lands in, so the result is bitwise deterministic even though the order
 // inside an expert's group (atomics in moe_route) is not.
 //
@@ -28,10 +28,12 @@
 // chunk load is a full aligned 16-byte vector.
 #include "krasis_common.cuh"
 
-#define MOE_TM 16          // pairs per tile (must match moe.rs)
-#define MOE_BN 32          // output columns per block (must match moe.rs)
+#define MOE_TM 64          // pairs per tile (must match moe.rs): one m16 slice per warp
+#define MOE_BN 64          // output columns per block (must match moe.rs)
 #define MOE_KC 64          // k elements per shared-memory chunk (= weight row padding, moe.rs)
-#define MOE_THREADS 256    // threads per GEMM block: MOE_TM pairs x 16 column pairs
+#define MOE_THREADS 128    // threads per GEMM block (must match moe.rs): 4 warps x 16 pairs
+#define MOE_SK (MOE_KC + 8)  // BF16 row stride of the staged chunks: 36 words, so the fragment
+                             // loads of a warp (8 rows x 4 words) hit 32 different banks
 #define MOE_MAX_EXPERTS 4096  // moe_route's shared counters (must match moe.rs)
 #define MOE_DEC_THREADS 128   // decode path block (must match moe.rs): 4 warps, many blocks per SM
 #define MOE_DEC_GU_COLS 2     // intermediate columns per warp (gate+up: 4 rows of 16-byte loads in flight)
@@ -69,19 +71,29 @@ extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, i
     }
 }
 
-// One tile of one expert: out[p, n0 + i] for the tile's pairs p and i < MOE_BN.
-// GATED: weight rows n0+i (gate) and up_row0+n0+i (up), out = silu(gate) * up.
+// One tile of one expert on the tensor cores: out[p, n0 + i] for the tile's pairs p and
+// i < MOE_BN. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), out = silu(gate) * up.
 // A's row for pair p is p / a_div (the token for the gate/up step, the pair itself for down).
+//
+// Per k chunk of MOE_KC the block stages the chunk of its weight rows (BF16, as stored) and of
+// its pairs' activations, each f32 value split into two BF16 halves (bf16_split: together within
+// 2^-18 of the value), in shared memory; warp w then multiplies its 16 pairs (rows 16w.. of the
+// tile) by every staged weight row with mma.sync m16n8k16, once per half, into f32 accumulators
+// that live in registers over all of k. A warp whose 16 rows hold no pair skips the products.
+// Each output is one thread's accumulator over k chunks in order and, inside a chunk, the MMA's
+// fixed order, so the result does not depend on timing.
 template <bool GATED>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long expert_stride, int ldw, int n_out,
                                          int up_row0, int k, const float* __restrict__ a, int lda, int a_div,
                                          float* __restrict__ out, int ldo, const int* __restrict__ sorted,
                                          const int* __restrict__ offsets, const int* __restrict__ tile_offsets,
                                          int n_experts) {
-    constexpr int WR = GATED ? 2 * MOE_BN : MOE_BN;
+    constexpr int WR = GATED ? 2 * MOE_BN : MOE_BN;  // weight rows staged per chunk
+    constexpr int NT = WR / 8;                        // n8 tiles of a warp's products
     __shared__ int s_pair[MOE_TM];
-    __shared__ float xs[MOE_TM][MOE_KC + 1];
-    __shared__ float ws[WR][MOE_KC + 1];
+    __shared__ __align__(16) bf16_t ws[WR * MOE_SK];
+    __shared__ __align__(16) bf16_t xh[MOE_TM * MOE_SK];
+    __shared__ __align__(16) bf16_t xl[MOE_TM * MOE_SK];
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
@@ -96,58 +108,91 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     const int start = offsets[e] + (tile - tile_offsets[e]) * MOE_TM;
     const int count = min(MOE_TM, offsets[e + 1] - start);
     const int tid = threadIdx.x;
-    if (tid < MOE_TM) s_pair[tid] = tid < count ? sorted[start + tid] : -1;
+    for (int i = tid; i < MOE_TM; i += MOE_THREADS) s_pair[i] = i < count ? sorted[start + i] : -1;
     __syncthreads();
 
     const int n0 = blockIdx.y * MOE_BN;
     const bf16_t* we = w + (long long)e * expert_stride;
-    const int s = tid >> 4, c = tid & 15;  // pair slot, column pair (2c, 2c+1)
-    const int my_pair = s_pair[s];
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const bool active = warp * 16 < count;  // pairs fill the tile's rows from the first
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    // Every row of A starts 16-byte aligned: float4 loads.
+    const bool vec_a = (lda & 3) == 0 && ((unsigned long long)a & 15) == 0;
 
     for (int k0 = 0; k0 < k; k0 += MOE_KC) {
+        // Weight rows: 8 × 16-byte parts each (the rows are zero padded to a multiple of MOE_KC).
         for (int idx = tid; idx < WR * (MOE_KC / 8); idx += MOE_THREADS) {
             const int row = idx / (MOE_KC / 8), part = idx % (MOE_KC / 8);
             const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
-            const bool ok = n0 + j < n_out;
             const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
             uint4 v = make_uint4(0, 0, 0, 0);
-            if (ok) v = *(const uint4*)(we + (long long)grow * ldw + k0 + part * 8);
-            const u32 words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                ws[row][part * 8 + 2 * q] = bf16_to_f32((bf16_t)(words[q] & 0xffffu));
-                ws[row][part * 8 + 2 * q + 1] = bf16_to_f32((bf16_t)(words[q] >> 16));
-            }
+            if (n0 + j < n_out) v = *(const uint4*)(we + (long long)grow * ldw + k0 + part * 8);
+            *(uint4*)(ws + row * MOE_SK + part * 8) = v;
         }
-        for (int idx = tid; idx < MOE_TM * MOE_KC; idx += MOE_THREADS) {
-            const int ss = idx / MOE_KC, kk = idx % MOE_KC;
+        // Activations: 4 k per item, split into the two halves; zero past k and for empty slots.
+        for (int idx = tid; idx < MOE_TM * (MOE_KC / 4); idx += MOE_THREADS) {
+            const int ss = idx / (MOE_KC / 4), kk = k0 + (idx % (MOE_KC / 4)) * 4;
             const int p = s_pair[ss];
-            xs[ss][kk] = p >= 0 && k0 + kk < k ? a[(long long)(p / a_div) * lda + k0 + kk] : 0.0f;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (p >= 0) {
+                const float* src = a + (long long)(p / a_div) * lda + kk;
+                if (vec_a && kk + 4 <= k) {
+                    const float4 f = *(const float4*)src;
+                    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+                } else {
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) v[c] = kk + c < k ? src[c] : 0.0f;
+                }
+            }
+            bf16_t h[4], l[4];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) bf16_split(v[c], h[c], l[c]);
+            const int at = ss * MOE_SK + kk - k0;
+            *(uint2*)(xh + at) = make_uint2(pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]));
+            *(uint2*)(xl + at) = make_uint2(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]));
         }
         __syncthreads();
-        if (my_pair >= 0) {
-#pragma unroll 8
-            for (int kk = 0; kk < MOE_KC; ++kk) {
-                const float xv = xs[s][kk];
-                acc[0] += ws[2 * c][kk] * xv;
-                acc[1] += ws[2 * c + 1][kk] * xv;
-                if (GATED) {
-                    acc[2] += ws[MOE_BN + 2 * c][kk] * xv;
-                    acc[3] += ws[MOE_BN + 2 * c + 1][kk] * xv;
+        if (active) {
+#pragma unroll
+            for (int kk = 0; kk < MOE_KC; kk += 16) {
+                const bf16_t* ah = xh + (warp * 16 + g) * MOE_SK + kk + 2 * q;
+                const bf16_t* al = xl + (warp * 16 + g) * MOE_SK + kk + 2 * q;
+                const u32 fh[4] = {ld_bf16x2(ah), ld_bf16x2(ah + 8 * MOE_SK), ld_bf16x2(ah + 8),
+                                   ld_bf16x2(ah + 8 * MOE_SK + 8)};
+                const u32 fl[4] = {ld_bf16x2(al), ld_bf16x2(al + 8 * MOE_SK), ld_bf16x2(al + 8),
+                                   ld_bf16x2(al + 8 * MOE_SK + 8)};
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const bf16_t* b = ws + (j * 8 + g) * MOE_SK + kk + 2 * q;
+                    const u32 b0 = ld_bf16x2(b), b1 = ld_bf16x2(b + 8);
+                    mma_bf16_16816(acc[j], fh, b0, b1);
+                    mma_bf16_16816(acc[j], fl, b0, b1);
                 }
             }
         }
         __syncthreads();
     }
-    if (my_pair < 0) return;
+    if (!active) return;
+    // acc[j][2r + c]: tile row warp*16 + g + 8r, column j*8 + 2q + c of the staged rows (GATED:
+    // tile j < NT/2 the gate rows, tile j + NT/2 the matching up rows).
+    constexpr int NO = GATED ? NT / 2 : NT;
 #pragma unroll
-    for (int q = 0; q < 2; ++q) {
-        const int o = n0 + 2 * c + q;
-        if (o >= n_out) continue;
-        float v = acc[q];
-        if (GATED) v = v / (1.0f + expf(-v)) * acc[2 + q];
-        out[(long long)my_pair * ldo + o] = v;
+    for (int r = 0; r < 2; ++r) {
+        const int p = s_pair[warp * 16 + g + 8 * r];
+        if (p < 0) continue;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int o = n0 + j * 8 + 2 * q + c;
+                if (o >= n_out) continue;
+                float v = acc[j][2 * r + c];
+                if (GATED) v = v / (1.0f + expf(-v)) * acc[j + NO][2 * r + c];
+                out[(long long)p * ldo + o] = v;
+            }
+        }
     }
 }
 

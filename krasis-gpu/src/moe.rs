@@ -2,10 +2,12 @@
 //! the expert ids stay on the device, and the kernels in `kernels/moe.cu` group the
 //! (token, slot) pairs by expert (count / offsets / scatter), then run one block per
 //! (expert tile of `MOE_TM` pairs, `MOE_BN` output columns), so each selected expert's weights are
-//! read once per tile: once in total at decode (t = 1), once per 16 routed tokens in prefill.
-//! Activations and accumulation are f32; the SwiGLU intermediate is f32. The result is
-//! deterministic (see the kernel file): per pair, one thread sums each output over k in order,
-//! and the combine sums the top-k slots in ascending order.
+//! read once per tile: once in total at decode (t = 1), once per 64 routed tokens in prefill.
+//! The tiles multiply on the tensor cores (`mma.sync`, BF16 operands, f32 accumulators); each f32
+//! activation enters as two BF16 halves (within 2^-18 of it, two products each), so the products
+//! keep about f32's accuracy. The SwiGLU intermediate is f32. The result is deterministic (see the
+//! kernel file): per pair, each output is one thread's accumulator in a fixed order, and the
+//! combine sums the top-k slots in ascending order.
 //!
 //! Decode and tiny batches (at most [`DECODE_MAX_PAIRS`] pairs in a pass) take a GEMV-style path
 //! instead: no grouping, each pair streams its expert's gate/up rows and then its down rows with
@@ -30,14 +32,15 @@ pub const MOE: KernelSource = KernelSource {
     functions: &["moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_dec_gate_up", "moe_dec_down"],
 };
 
-/// Pairs per tile (`MOE_TM` in moe.cu): 16 tokens share each weight chunk in shared memory.
-const MOE_TM: usize = 16;
+/// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
+/// weight chunk in shared memory.
+const MOE_TM: usize = 64;
 /// Output columns per block (`MOE_BN` in moe.cu).
-const MOE_BN: usize = 32;
+const MOE_BN: usize = 64;
 /// Weight rows are padded to a multiple of this (`MOE_KC` in moe.cu, the k chunk).
 const MOE_KC: usize = 64;
-/// Threads of a GEMM block (`MOE_THREADS` in moe.cu).
-const MOE_THREADS: u32 = 256;
+/// Threads of a GEMM block (`MOE_THREADS` in moe.cu): 4 warps.
+const MOE_THREADS: u32 = 128;
 /// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
 pub const MOE_MAX_EXPERTS: usize = 4096;
 /// Threads of the single routing block.
