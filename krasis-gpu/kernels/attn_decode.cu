@@ -116,8 +116,8 @@ __device__ __forceinline__ void att_store_unit(const AttnArgs& a, int u, int nk,
                 bf16_t h0, l0, h1, l1;
                 bf16_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * (k & 3))) & 0xffu) * sc, h0, l0);
                 bf16_split(att_e4m3_to_f32((ww[k >> 2] >> (8 * ((k + 1) & 3))) & 0xffu) * sc, h1, l1);
-                hw[k >> 1] = pack_bf16x2(h0, h1);
-                lw[k >> 1] = pack_bf16x2(l0, l1);
+                hw[k >> 1] = bf16x2_of(h0, h1);
+                lw[k >> 1] = bf16x2_of(l0, l1);
             }
             reinterpret_cast<uint4*>(dh)[0] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
             reinterpret_cast<uint4*>(dh)[1] = make_uint4(hw[4], hw[5], hw[6], hw[7]);
@@ -283,11 +283,11 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
                 const u32 al[4] = {ld_bf16x2(ql + k0), ld_bf16x2(ql + q8 + k0), ld_bf16x2(ql + k0 + 8),
                                    ld_bf16x2(ql + q8 + k0 + 8)};
                 const u32 b0 = ld_bf16x2(kr + k0), b1 = ld_bf16x2(kr + k0 + 8);
-                mma_bf16_16816(c, ah, b0, b1);
-                mma_bf16_16816(c, al, b0, b1);
+                mma_bf16(c, ah, b0, b1);
+                mma_bf16(c, al, b0, b1);
                 if constexpr (FP8) {
                     const bf16_t* krl = sKl + (nt * 8 + gid) * a.ldk + 2 * tig;
-                    mma_bf16_16816(c, ah, ld_bf16x2(krl + k0), ld_bf16x2(krl + k0 + 8));
+                    mma_bf16(c, ah, ld_bf16x2(krl + k0), ld_bf16x2(krl + k0 + 8));
                 }
             }
             float* so = sS + (warp >> 2) * ATT_Q * ATT_SLD + nt * 8 + 2 * tig;
@@ -347,12 +347,12 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
                     const int nt = warp + ATT_WARPS * i;
                     if (nt * 8 >= a.v_dim) break;  // warp-uniform
                     const bf16_t* vp = sVh + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
-                    const u32 b0 = pack_bf16x2(vp[0], vp[ldvs]), b1 = pack_bf16x2(vp[8 * ldvs], vp[9 * ldvs]);
-                    mma_bf16_16816(acc[i], pa, b0, b1);
-                    mma_bf16_16816(acc[i], pb, b0, b1);
+                    const u32 b0 = bf16x2_of(vp[0], vp[ldvs]), b1 = bf16x2_of(vp[8 * ldvs], vp[9 * ldvs]);
+                    mma_bf16(acc[i], pa, b0, b1);
+                    mma_bf16(acc[i], pb, b0, b1);
                     if constexpr (FP8) {
                         const bf16_t* vl = sVl + (r0 + 2 * tig) * ldvs + nt * 8 + gid;
-                        mma_bf16_16816(acc[i], pa, pack_bf16x2(vl[0], vl[ldvs]), pack_bf16x2(vl[8 * ldvs], vl[9 * ldvs]));
+                        mma_bf16(acc[i], pa, bf16x2_of(vl[0], vl[ldvs]), bf16x2_of(vl[8 * ldvs], vl[9 * ldvs]));
                     }
                 }
             }

@@ -132,41 +132,12 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16-byte async copy global -> shared; src_bytes 0 zero-fills the destination without reading.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group (the newest) is still in flight.
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // Two floats -> packed bf16x2 (round to nearest even); `lo` lands in bits 0..15. cvt.rn.bf16x2.f32
 // puts its FIRST source in the upper half, hence %2, %1.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(lo), "f"(hi));
     return r;
-}
-
-// D = A(16x16, row) * B(16x8, col) + D, bf16 inputs, f32 accumulate.
-// Lane l, g = l/4, t = l%4:  a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..];
-// b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g];  d0,d1 = D[g][2t, 2t+1], d2,d3 = D[g+8][2t, 2t+1].
-// (Pairs are packed low element first.)
-// Not volatile: a pure function of its registers, so the compiler may interleave it freely.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Four 8x8 b16 matrices from shared memory, transposed: lanes 8j..8j+7 give the row addresses of

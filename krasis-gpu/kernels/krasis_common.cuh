@@ -28,20 +28,38 @@ __device__ __forceinline__ void bf16_split(float x, bf16_t& hi, bf16_t& lo) {
 
 // Two consecutive BF16 (4-byte aligned) as one register of an MMA fragment.
 __device__ __forceinline__ u32 ld_bf16x2(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
-__device__ __forceinline__ u32 pack_bf16x2(bf16_t lo_elem, bf16_t hi_elem) {
-    return (u32)lo_elem | ((u32)hi_elem << 16);
-}
+// Two BF16 as one register, `lo_elem` in bits 0..15.
+__device__ __forceinline__ u32 bf16x2_of(bf16_t lo_elem, bf16_t hi_elem) { return (u32)lo_elem | ((u32)hi_elem << 16); }
 
-// c[16x8] += a[16x16] · b[16x8], BF16 inputs, f32 accumulators (sm_80+). Fragments (PTX ISA,
-// g = lane / 4, q = lane % 4): a[0..3] = A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..];
-// b0 = B[2q..][g], b1 = B[2q+8..][g] (two k each); c[0..1] = C[g][2q..], c[2..3] = C[g+8][2q..].
-__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+// d[16x8] += a[16x16] · b[16x8] (A row-major, B column-major), BF16 inputs, f32 accumulators
+// (sm_80+). Fragments (PTX ISA; g = lane / 4, q = lane % 4; pairs packed low element first):
+// a[0..3] = A[g][2q..], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..]; b0 = B[2q..][g],
+// b1 = B[2q+8..][g]; d[0..1] = D[g][2q..], d[2..3] = D[g+8][2q..]. Not volatile: a pure function
+// of its registers, so the compiler may interleave it freely.
+__device__ __forceinline__ void mma_bf16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte async copy global -> shared (sm_80+); src_bytes 0 zero-fills the destination without
+// reading.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ float krasis_nan() { return __uint_as_float(0x7fc00000u); }
 

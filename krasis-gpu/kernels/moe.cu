@@ -23,17 +23,21 @@
 // Each output element is one warp's sum: per lane, one accumulator over its k positions in
 // ascending order, then a fixed butterfly over the lanes, so the result is deterministic.
 //
-// Weights are BF16 row-major with rows padded with zeros to a multiple of MOE_KC elements
+// Weights are BF16 row-major with rows padded with zeros to a multiple of MOE_PAD elements
 // (w13 [E, 2*inter, hidden_pad], gate rows then up rows; w2 [E, hidden, inter_pad]), so every
 // chunk load is a full aligned 16-byte vector.
 #include "krasis_common.cuh"
 
 #define MOE_TM 64          // pairs per tile (must match moe.rs): one m16 slice per warp
 #define MOE_BN 64          // output columns per block (must match moe.rs)
-#define MOE_KC 64          // k elements per shared-memory chunk (= weight row padding, moe.rs)
+#define MOE_PAD 64         // weight rows are zero padded to a multiple of this (must match moe.rs)
+#define MOE_KC 32          // k elements per shared-memory chunk of the tiles (divides MOE_PAD)
+static_assert(MOE_BN == MOE_PAD, "the gate/up step's last column block must end at the padded row length");
+static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row end");
 #define MOE_THREADS 128    // threads per GEMM block (must match moe.rs): 4 warps x 16 pairs
-#define MOE_SK (MOE_KC + 8)  // BF16 row stride of the staged chunks: 36 words, so the fragment
-                             // loads of a warp (8 rows x 4 words) hit 32 different banks
+#define MOE_SK (MOE_KC + 8)  // BF16 row stride of the staged chunks: 20 words, so the fragment
+                             // loads of a warp (8 rows x 4 words) hit 32 different banks, and
+                             // rows stay 16-byte aligned for cp.async
 #define MOE_MAX_EXPERTS 4096  // moe_route's shared counters (must match moe.rs)
 #define MOE_DEC_THREADS 128   // decode path block (must match moe.rs): 4 warps, many blocks per SM
 #define MOE_DEC_GU_COLS 2     // intermediate columns per warp (gate+up: 4 rows of 16-byte loads in flight)
@@ -71,29 +75,45 @@ extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, i
     }
 }
 
-// One tile of one expert on the tensor cores: out[p, n0 + i] for the tile's pairs p and
-// i < MOE_BN. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), out = silu(gate) * up.
-// A's row for pair p is p / a_div (the token for the gate/up step, the pair itself for down).
+// x [tokens, k] f32 -> its two BF16 halves hi, lo [tokens, ldo] (bf16_split), zero from k to ldo.
+// Launch: grid (tokens, ceil(ldo / 256)), 256 threads.
+extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf16_t* __restrict__ hi,
+                                          bf16_t* __restrict__ lo, int ldo) {
+    const long long t = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= ldo) return;
+    bf16_t h = 0, l = 0;
+    if (c < k) bf16_split(x[t * k + c], h, l);
+    hi[t * ldo + c] = h;
+    lo[t * ldo + c] = l;
+}
+
+// One tile of one expert on the tensor cores: the tile's pairs p times MOE_BN output columns
+// from n0. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), act = silu(gate) * up, written
+// as its two BF16 halves to out_hi/out_lo [p, ldo] for every column below the block's end (zero
+// past n_out: the padding the down step reads); else ypair[p, n0 + i] f32 for i < n_out - n0.
+// A's row for pair p is p / a_div (the token for gate/up, the pair itself for down), given as
+// two BF16 halves a_hi, a_lo [rows, lda] (lda a multiple of 8, zero padded to the weights' ldw).
 //
-// Per k chunk of MOE_KC the block stages the chunk of its weight rows (BF16, as stored) and of
-// its pairs' activations, each f32 value split into two BF16 halves (bf16_split: together within
-// 2^-18 of the value), in shared memory; warp w then multiplies its 16 pairs (rows 16w.. of the
-// tile) by every staged weight row with mma.sync m16n8k16, once per half, into f32 accumulators
-// that live in registers over all of k. A warp whose 16 rows hold no pair skips the products.
-// Each output is one thread's accumulator over k chunks in order and, inside a chunk, the MMA's
-// fixed order, so the result does not depend on timing.
+// The k loop runs over chunks of MOE_KC, double-buffered: while the warps multiply one chunk,
+// cp.async brings the next chunk's weight rows and A rows into the other half of shared memory.
+// Warp w multiplies its 16 pairs (tile rows 16w..) by every staged weight row with mma.sync
+// m16n8k16, once per half of A, into f32 accumulators kept over all of k; a warp whose 16 rows
+// hold no pair skips the products. Each output is one thread's accumulator in a fixed order, so
+// the result does not depend on timing.
 template <bool GATED>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long expert_stride, int ldw, int n_out,
-                                         int up_row0, int k, const float* __restrict__ a, int lda, int a_div,
-                                         float* __restrict__ out, int ldo, const int* __restrict__ sorted,
-                                         const int* __restrict__ offsets, const int* __restrict__ tile_offsets,
-                                         int n_experts) {
+                                         int up_row0, int k, const bf16_t* __restrict__ a_hi,
+                                         const bf16_t* __restrict__ a_lo, int lda, int a_div, float* __restrict__ ypair,
+                                         bf16_t* __restrict__ out_hi, bf16_t* __restrict__ out_lo, int ldo,
+                                         const int* __restrict__ sorted, const int* __restrict__ offsets,
+                                         const int* __restrict__ tile_offsets, int n_experts) {
     constexpr int WR = GATED ? 2 * MOE_BN : MOE_BN;  // weight rows staged per chunk
     constexpr int NT = WR / 8;                        // n8 tiles of a warp's products
+    constexpr int PARTS = MOE_KC / 8;                 // 16-byte pieces of a staged row
     __shared__ int s_pair[MOE_TM];
-    __shared__ __align__(16) bf16_t ws[WR * MOE_SK];
-    __shared__ __align__(16) bf16_t xh[MOE_TM * MOE_SK];
-    __shared__ __align__(16) bf16_t xl[MOE_TM * MOE_SK];
+    __shared__ __align__(16) bf16_t ws[2][WR * MOE_SK];
+    __shared__ __align__(16) bf16_t xs[2][2][MOE_TM * MOE_SK];  // [buffer][half]
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
@@ -113,66 +133,67 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 
     const int n0 = blockIdx.y * MOE_BN;
     const bf16_t* we = w + (long long)e * expert_stride;
+    // Chunk c's weight rows and A rows into buffer b (rows past n_out and empty slots zero-filled).
+    auto stage = [&](int c, int b) {
+        const int k0 = c * MOE_KC;
+        for (int idx = tid; idx < WR * PARTS; idx += MOE_THREADS) {
+            const int row = idx / PARTS, part = idx % PARTS;
+            const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
+            const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
+            const bool ok = n0 + j < n_out;
+            cp_async16(&ws[b][row * MOE_SK + part * 8], ok ? we + (long long)grow * ldw + k0 + part * 8 : we,
+                       ok ? 16 : 0);
+        }
+        for (int idx = tid; idx < MOE_TM * PARTS; idx += MOE_THREADS) {
+            const int ss = idx / PARTS, part = idx % PARTS;
+            const int p = s_pair[ss];
+            const long long off = p >= 0 ? (long long)(p / a_div) * lda + k0 + part * 8 : 0;
+            cp_async16(&xs[b][0][ss * MOE_SK + part * 8], a_hi + off, p >= 0 ? 16 : 0);
+            cp_async16(&xs[b][1][ss * MOE_SK + part * 8], a_lo + off, p >= 0 ? 16 : 0);
+        }
+    };
+
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const bool active = warp * 16 < count;  // pairs fill the tile's rows from the first
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    // Every row of A starts 16-byte aligned: float4 loads.
-    const bool vec_a = (lda & 3) == 0 && ((unsigned long long)a & 15) == 0;
 
-    for (int k0 = 0; k0 < k; k0 += MOE_KC) {
-        // Weight rows: 8 × 16-byte parts each (the rows are zero padded to a multiple of MOE_KC).
-        for (int idx = tid; idx < WR * (MOE_KC / 8); idx += MOE_THREADS) {
-            const int row = idx / (MOE_KC / 8), part = idx % (MOE_KC / 8);
-            const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
-            const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
-            uint4 v = make_uint4(0, 0, 0, 0);
-            if (n0 + j < n_out) v = *(const uint4*)(we + (long long)grow * ldw + k0 + part * 8);
-            *(uint4*)(ws + row * MOE_SK + part * 8) = v;
-        }
-        // Activations: 4 k per item, split into the two halves; zero past k and for empty slots.
-        for (int idx = tid; idx < MOE_TM * (MOE_KC / 4); idx += MOE_THREADS) {
-            const int ss = idx / (MOE_KC / 4), kk = k0 + (idx % (MOE_KC / 4)) * 4;
-            const int p = s_pair[ss];
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (p >= 0) {
-                const float* src = a + (long long)(p / a_div) * lda + kk;
-                if (vec_a && kk + 4 <= k) {
-                    const float4 f = *(const float4*)src;
-                    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-                } else {
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) v[c] = kk + c < k ? src[c] : 0.0f;
-                }
-            }
-            bf16_t h[4], l[4];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) bf16_split(v[c], h[c], l[c]);
-            const int at = ss * MOE_SK + kk - k0;
-            *(uint2*)(xh + at) = make_uint2(pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]));
-            *(uint2*)(xl + at) = make_uint2(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]));
+    const int chunks = (k + MOE_KC - 1) / MOE_KC;
+    stage(0, 0);
+    cp_async_commit();
+    for (int c = 0; c < chunks; ++c) {
+        const int b = c & 1;
+        if (c + 1 < chunks) {
+            stage(c + 1, b ^ 1);
+            cp_async_commit();
+            cp_async_wait_1();
+        } else {
+            cp_async_wait_0();
         }
         __syncthreads();
         if (active) {
 #pragma unroll
             for (int kk = 0; kk < MOE_KC; kk += 16) {
-                const bf16_t* ah = xh + (warp * 16 + g) * MOE_SK + kk + 2 * q;
-                const bf16_t* al = xl + (warp * 16 + g) * MOE_SK + kk + 2 * q;
-                const u32 fh[4] = {ld_bf16x2(ah), ld_bf16x2(ah + 8 * MOE_SK), ld_bf16x2(ah + 8),
-                                   ld_bf16x2(ah + 8 * MOE_SK + 8)};
-                const u32 fl[4] = {ld_bf16x2(al), ld_bf16x2(al + 8 * MOE_SK), ld_bf16x2(al + 8),
-                                   ld_bf16x2(al + 8 * MOE_SK + 8)};
+                u32 fa[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const bf16_t* ar = &xs[b][h][(warp * 16 + g) * MOE_SK + kk + 2 * q];
+                    fa[h][0] = ld_bf16x2(ar);
+                    fa[h][1] = ld_bf16x2(ar + 8 * MOE_SK);
+                    fa[h][2] = ld_bf16x2(ar + 8);
+                    fa[h][3] = ld_bf16x2(ar + 8 * MOE_SK + 8);
+                }
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const bf16_t* b = ws + (j * 8 + g) * MOE_SK + kk + 2 * q;
-                    const u32 b0 = ld_bf16x2(b), b1 = ld_bf16x2(b + 8);
-                    mma_bf16_16816(acc[j], fh, b0, b1);
-                    mma_bf16_16816(acc[j], fl, b0, b1);
+                    const bf16_t* br = &ws[b][(j * 8 + g) * MOE_SK + kk + 2 * q];
+                    const u32 b0 = ld_bf16x2(br), b1 = ld_bf16x2(br + 8);
+                    mma_bf16(acc[j], fa[0], b0, b1);
+                    mma_bf16(acc[j], fa[1], b0, b1);
                 }
             }
         }
-        __syncthreads();
+        __syncthreads();  // buffer b is staged again two chunks on
     }
     if (!active) return;
     // acc[j][2r + c]: tile row warp*16 + g + 8r, column j*8 + 2q + c of the staged rows (GATED:
@@ -184,32 +205,42 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
         if (p < 0) continue;
 #pragma unroll
         for (int j = 0; j < NO; ++j) {
+            const int o = n0 + j * 8 + 2 * q;  // this thread's columns o, o + 1
+            if (GATED) {
+                bf16_t h[2], l[2];
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int o = n0 + j * 8 + 2 * q + c;
-                if (o >= n_out) continue;
-                float v = acc[j][2 * r + c];
-                if (GATED) v = v / (1.0f + expf(-v)) * acc[j + NO][2 * r + c];
-                out[(long long)p * ldo + o] = v;
+                for (int c = 0; c < 2; ++c) {
+                    const float gv = acc[j][2 * r + c], uv = acc[j + NO][2 * r + c];
+                    const float v = o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+                    bf16_split(v, h[c], l[c]);
+                }
+                *(u32*)(out_hi + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
+                *(u32*)(out_lo + (long long)p * ldo + o) = bf16x2_of(l[0], l[1]);
+            } else {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[j][2 * r + c];
+                }
             }
         }
     }
 }
 
-// act [n_pairs, inter] from x [tokens, hidden] and w13 [E, 2*inter, ldw].
-extern "C" __global__ void moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const float* x, int top_k,
-                                       float* act, const int* sorted, const int* offsets, const int* tile_offsets,
-                                       int n_experts) {
-    moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x, hidden, top_k, act, inter, sorted,
-                   offsets, tile_offsets, n_experts);
+// act halves [n_pairs, inter_pad] from x halves [tokens, hidden_pad] and w13 [E, 2*inter, ldw]
+// (ldw = hidden_pad).
+extern "C" __global__ void moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi,
+                                       const bf16_t* x_lo, int top_k, bf16_t* act_hi, bf16_t* act_lo, int inter_pad,
+                                       const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
+    moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k, nullptr,
+                   act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
 }
 
-// ypair [n_pairs, hidden] from act [n_pairs, inter] and w2 [E, hidden, ldw].
-extern "C" __global__ void moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const float* act,
-                                    float* ypair, const int* sorted, const int* offsets, const int* tile_offsets,
-                                    int n_experts) {
-    moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act, inter, 1, ypair, hidden, sorted,
-                    offsets, tile_offsets, n_experts);
+// ypair [n_pairs, hidden] from act halves [n_pairs, ldw] and w2 [E, hidden, ldw] (ldw = inter_pad).
+extern "C" __global__ void moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi,
+                                    const bf16_t* act_lo, float* ypair, const int* sorted, const int* offsets,
+                                    const int* tile_offsets, int n_experts) {
+    moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair, nullptr,
+                    nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
 }
 
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs
@@ -245,7 +276,7 @@ __device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long 
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
 
     for (int k0 = 0; k0 < ldw; k0 += MOE_DEC_KCH) {
-        const int kn = min(MOE_DEC_KCH, ldw - k0);  // a multiple of 8: ldw is padded to MOE_KC
+        const int kn = min(MOE_DEC_KCH, ldw - k0);  // a multiple of 8: ldw is padded to MOE_PAD
         for (int j = threadIdx.x; j < kn; j += MOE_DEC_THREADS) xs[j] = k0 + j < k ? arow[k0 + j] : 0.0f;
         __syncthreads();
         // Two 256-element steps per iteration: 2R independent 16-byte loads per lane in flight.

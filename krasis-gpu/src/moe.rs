@@ -29,7 +29,15 @@ pub const MOE: KernelSource = KernelSource {
     src: include_str!("../kernels/moe.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["moe_route", "moe_gate_up", "moe_down", "moe_combine", "moe_dec_gate_up", "moe_dec_down"],
+    functions: &[
+        "moe_route",
+        "moe_split_rows",
+        "moe_gate_up",
+        "moe_down",
+        "moe_combine",
+        "moe_dec_gate_up",
+        "moe_dec_down",
+    ],
 };
 
 /// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
@@ -37,8 +45,9 @@ pub const MOE: KernelSource = KernelSource {
 const MOE_TM: usize = 64;
 /// Output columns per block (`MOE_BN` in moe.cu).
 const MOE_BN: usize = 64;
-/// Weight rows are padded to a multiple of this (`MOE_KC` in moe.cu, the k chunk).
-const MOE_KC: usize = 64;
+/// Weight rows are padded to a multiple of this (`MOE_PAD` in moe.cu): the tiles' k chunks and
+/// output column blocks divide it, so they never read past a row.
+const MOE_PAD: usize = 64;
 /// Threads of a GEMM block (`MOE_THREADS` in moe.cu): 4 warps.
 const MOE_THREADS: u32 = 128;
 /// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
@@ -63,6 +72,8 @@ const MOE_DEC_GU_BLOCK_COLS: usize = 8;
 const MOE_DEC_DN_BLOCK_ROWS: usize = 16;
 /// Threads per block of the combine (a block per token and chunk of this many columns).
 const COMBINE_THREADS: u32 = 256;
+/// Threads per block of `moe_split_rows` (a block per token and chunk of this many columns).
+const SPLIT_THREADS: u32 = 256;
 
 /// The routed experts of one MoE layer, BF16, resident on the GPU.
 pub struct GpuExperts {
@@ -103,7 +114,7 @@ impl GpuExperts {
         check(OP, n_experts <= MOE_MAX_EXPERTS, || {
             format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
         })?;
-        let (hidden_pad, inter_pad) = (align_up(hidden, MOE_KC), align_up(inter, MOE_KC));
+        let (hidden_pad, inter_pad) = (align_up(hidden, MOE_PAD), align_up(inter, MOE_PAD));
         to_i32(OP, "2·inter·hidden_pad", 2 * inter * hidden_pad)?;
         to_i32(OP, "hidden·inter_pad", hidden * inter_pad)?;
         let n13 = n_experts.checked_mul(2 * inter * hidden_pad);
@@ -201,8 +212,14 @@ impl GpuExperts {
 
     /// Tokens per pass at `top_k`, bounded by [`MOE_PASS_SCRATCH_BYTES`] and the caller's cap.
     fn tokens_per_pass(&self, top_k: usize) -> usize {
-        let per_pair = (self.inter + self.hidden + 1) * 4;
-        (MOE_PASS_SCRATCH_BYTES / per_pair / top_k).clamp(1, self.max_pass_tokens)
+        (MOE_PASS_SCRATCH_BYTES / self.scratch_per_token(top_k)).clamp(1, self.max_pass_tokens)
+    }
+
+    /// Scratch bytes per token of a pass: per pair its sorted index, intermediate (f32 on the
+    /// decode path, two BF16 halves on the grouped one, padded) and output row; per token the
+    /// two BF16 halves of its activations.
+    fn scratch_per_token(&self, top_k: usize) -> usize {
+        top_k * (1 + self.inter_pad + self.hidden) * 4 + self.hidden_pad * 4
     }
 
     /// `out[t, :] = Σ_j weights[t, j] · down_e(silu(gate_e x_t) · up_e x_t)` with `e = ids[t, j]`,
@@ -237,10 +254,16 @@ impl GpuExperts {
         let e = self.n_experts;
         let pass = self.tokens_per_pass(top_k).min(t);
         let max_pairs = pass * top_k;
-        let sizes = |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * i * 4, pairs * h * 4];
+        let (hp, ip) = (self.hidden_pad, self.inter_pad);
+        // `act`: the decode path's f32 intermediate [pairs, inter], or the grouped path's two BF16
+        // halves [pairs, inter_pad] each; `xs`: the two BF16 halves of x [pass, hidden_pad] each.
+        let sizes =
+            |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * ip * 4, pairs * h * 4, pass * hp * 4];
         let g = ctx.lock(dev, OP, Carve::total(&sizes(max_pairs)))?;
         let mut carve = Carve::new(g.scratch_ptr());
-        let [offsets, tile_offsets, sorted, act, ypair] = sizes(max_pairs).map(|b| carve.take(b));
+        let [offsets, tile_offsets, sorted, act, ypair, xs] = sizes(max_pairs).map(|b| carve.take(b));
+        let (act_hi, act_lo) = (act, act + (max_pairs * ip * 2) as u64);
+        let (xs_hi, xs_lo) = (xs, xs + (pass * hp * 2) as u64);
 
         let s = dev.stream();
         let (x_p, _g1) = x.device_ptr(s);
@@ -256,8 +279,9 @@ impl GpuExperts {
             dev.function(&MOE, "moe_combine")?,
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
+        let split = dev.function(&MOE, "moe_split_rows")?;
         let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
-        let (ldw13, ldw2) = (self.hidden_pad as i32, self.inter_pad as i32);
+        let (ldw13, ldw2) = (hp as i32, ip as i32);
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
             let mut b = s.launch_builder(&combine);
@@ -303,6 +327,16 @@ impl GpuExperts {
                 continue;
             }
 
+            let mut b = s.launch_builder(&split);
+            b.arg(&x_t).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&ldw13);
+            let cfg = LaunchConfig {
+                grid_dim: (nt as u32, hp.div_ceil(SPLIT_THREADS as usize) as u32, 1),
+                block_dim: (SPLIT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x [nt, hidden]; xs_hi, xs_lo [nt, hidden_pad] each in the scratch.
+            unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+
             let mut b = s.launch_builder(&route);
             b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
             let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
@@ -318,16 +352,17 @@ impl GpuExperts {
                 shared_mem_bytes: 0,
             };
             let mut b = s.launch_builder(&gate_up);
-            b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&x_t).arg(&k_i).arg(&act);
-            b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
-            // SAFETY: w13 [E, 2·inter, ldw13], x [nt, hidden], act [pairs, inter]; rows of A are
-            // pair / top_k < nt, and pairs with bad ids are never in `sorted`.
+            b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&k_i);
+            b.arg(&act_hi).arg(&act_lo).arg(&ldw2).arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+            // SAFETY: w13 [E, 2·inter, ldw13]; xs halves [nt, ldw13]; act halves [pairs, ldw2],
+            // every column of a pair's row written (the last column block ends at ldw2); rows of
+            // A are pair / top_k < nt, and pairs with bad ids are never in `sorted`.
             unsafe { b.launch(grid(i)) }.map_err(launch_err(OP))?;
 
             let mut b = s.launch_builder(&down);
-            b.arg(&w2_p).arg(&ldw2).arg(&i_i).arg(&h_i).arg(&act).arg(&ypair);
+            b.arg(&w2_p).arg(&ldw2).arg(&i_i).arg(&h_i).arg(&act_hi).arg(&act_lo).arg(&ypair);
             b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
-            // SAFETY: w2 [E, hidden, ldw2], act [pairs, inter], ypair [pairs, hidden].
+            // SAFETY: w2 [E, hidden, ldw2], act halves [pairs, ldw2], ypair [pairs, hidden].
             unsafe { b.launch(grid(h)) }.map_err(launch_err(OP))?;
 
             launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
