@@ -221,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     if (db > 0) stage_part(kbuf0, ldk, da_pad, k_b, kb_ts, kb_hs, g, db, db_pad, 0, n_kv, vkb);
     stage_part(kbuf0 + MMA_BK * ldk, ldv, 0, v, v_ts, v_hs, g, dv, dv_pad, 0, n_kv, vvv);
     cp_async_commit();
-    cp_async_wait_0();
+    cp_async_wait<0>();
     __syncthreads();
 
     u32 qf[MMA_QK_STEPS][4];
@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
             stage_part(nb + MMA_BK * ldk, ldv, 0, v, v_ts, v_hs, g, dv, dv_pad, kb1, n_kv, vvv);
         }
         cp_async_commit();  // possibly empty group: keeps the wait count uniform
-        cp_async_wait_1();  // tile t has landed (for this thread's copies) ...
+        cp_async_wait<1>();  // tile t has landed (for this thread's copies) ...
         __syncthreads();    // ... and for everyone's
 
         const int kb = t * MMA_BK;
@@ -355,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
         }
         __syncthreads();  // everyone is done with this buffer before iteration t+1 refills it
     }
-    cp_async_wait_0();
+    cp_async_wait<0>();
 
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);

@@ -50,16 +50,30 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return r;
 }
 
-// 16-byte async copy global -> shared (sm_80+); src_bytes 0 zero-fills the destination without
-// reading.
+// Four 8x8 b16 matrices from shared memory (sm_75+): lanes 8j..8j+7 give the (16-byte aligned)
+// shared-space row addresses of matrix j; register j of lane l gets (M_j[l/4][2(l%4)],
+// M_j[l/4][2(l%4)+1]), i.e. an MMA A or B fragment register when the rows are the fragment's rows.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");  // reads shared memory written by other threads before a barrier
+}
+
+// 16-byte async copy global -> shared (sm_80+) to the shared-space address `dst`; src_bytes 0
+// zero-fills the destination without reading.
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-                 : "memory");
+    cp_async16_at(smem_addr(dst), src, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group (the newest) is still in flight.
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most N committed groups (the newest) are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 __device__ __forceinline__ float krasis_nan() { return __uint_as_float(0x7fc00000u); }
 

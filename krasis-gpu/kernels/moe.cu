@@ -35,9 +35,11 @@
 static_assert(MOE_BN == MOE_PAD, "the gate/up step's last column block must end at the padded row length");
 static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row end");
 #define MOE_THREADS 128    // threads per GEMM block (must match moe.rs): 4 warps x 16 pairs
+#define MOE_STAGES 2       // shared-memory buffers of the tiles' k loop (must match moe.rs): measured
+                           // on an H100, 3 buffers were 1-5 % slower (fewer blocks per SM)
 #define MOE_SK (MOE_KC + 8)  // BF16 row stride of the staged chunks: 20 words, so the fragment
-                             // loads of a warp (8 rows x 4 words) hit 32 different banks, and
-                             // rows stay 16-byte aligned for cp.async
+                             // loads of a warp (8 rows x 16 bytes per ldmatrix matrix) hit 32
+                             // different banks, and rows stay 16-byte aligned (cp.async, ldmatrix)
 #define MOE_MAX_EXPERTS 4096  // moe_route's shared counters (must match moe.rs)
 #define MOE_DEC_THREADS 128   // decode path block (must match moe.rs): 4 warps, many blocks per SM
 #define MOE_DEC_GU_COLS 2     // intermediate columns per warp (gate+up: 4 rows of 16-byte loads in flight)
@@ -95,13 +97,13 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
 // A's row for pair p is p / a_div (the token for gate/up, the pair itself for down), given as
 // two BF16 halves a_hi, a_lo [rows, lda] (lda a multiple of 8, zero padded to the weights' ldw).
 //
-// The k loop runs over chunks of MOE_KC, double-buffered: while the warps multiply one chunk,
-// cp.async brings the next chunk's weight rows and A rows into the other half of shared memory.
-// Warp w multiplies its 16 pairs (tile rows 16w..) by every staged weight row with mma.sync
-// m16n8k16, once per half of A, into f32 accumulators kept over all of k; a warp whose 16 rows
-// hold no pair skips the products. Each output is one thread's accumulator in a fixed order, so
+// The k loop runs over chunks of MOE_KC through STAGES shared-memory buffers: while the
+// warps multiply one chunk, cp.async brings the next ones' weight rows and A rows in. Warp w
+// multiplies its 16 pairs (tile rows 16w..) by every staged weight row with mma.sync m16n8k16
+// (fragments by ldmatrix), once per half of A, into f32 accumulators kept over all of k; a warp
+// whose 16 rows hold no pair skips the products. Each output is one thread's accumulator in a fixed order, so
 // the result does not depend on timing.
-template <bool GATED>
+template <bool GATED, int STAGES>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long expert_stride, int ldw, int n_out,
                                          int up_row0, int k, const bf16_t* __restrict__ a_hi,
                                          const bf16_t* __restrict__ a_lo, int lda, int a_div, float* __restrict__ ypair,
@@ -111,9 +113,13 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     constexpr int WR = GATED ? 2 * MOE_BN : MOE_BN;  // weight rows staged per chunk
     constexpr int NT = WR / 8;                        // n8 tiles of a warp's products
     constexpr int PARTS = MOE_KC / 8;                 // 16-byte pieces of a staged row
+    constexpr int ROWS_PER_PASS = MOE_THREADS / PARTS;
+    constexpr int W_SLOTS = WR / ROWS_PER_PASS, A_SLOTS = MOE_TM / ROWS_PER_PASS;  // copies per thread
+    constexpr int ROW_BYTES = MOE_SK * 2;
+    constexpr int STAGE_BYTES = (WR + 2 * MOE_TM) * ROW_BYTES;  // weight rows, then A hi, A lo
+    static_assert(WR % ROWS_PER_PASS == 0 && MOE_TM % ROWS_PER_PASS == 0, "whole staging passes");
     __shared__ int s_pair[MOE_TM];
-    __shared__ __align__(16) bf16_t ws[2][WR * MOE_SK];
-    __shared__ __align__(16) bf16_t xs[2][2][MOE_TM * MOE_SK];  // [buffer][half]
+    extern __shared__ __align__(16) unsigned char moe_smem[];  // STAGES buffers (moe.rs: tile_smem)
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
@@ -131,71 +137,100 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     for (int i = tid; i < MOE_TM; i += MOE_THREADS) s_pair[i] = i < count ? sorted[start + i] : -1;
     __syncthreads();
 
+    // This thread's copies of every chunk, worked out once: staged row (tid / PARTS) + i ·
+    // ROWS_PER_PASS, piece tid % PARTS; the sources advance by MOE_KC per chunk. Rows past n_out
+    // and empty pair slots are zero-filled (0 source bytes; the source pointer stays valid).
     const int n0 = blockIdx.y * MOE_BN;
     const bf16_t* we = w + (long long)e * expert_stride;
-    // Chunk c's weight rows and A rows into buffer b (rows past n_out and empty slots zero-filled).
+    const int part = tid % PARTS, row0 = tid / PARTS;
+    const bf16_t* w_src[W_SLOTS];
+    int w_bytes[W_SLOTS];
+#pragma unroll
+    for (int i = 0; i < W_SLOTS; ++i) {
+        const int row = row0 + i * ROWS_PER_PASS;
+        const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
+        const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
+        const bool ok = n0 + j < n_out;
+        w_src[i] = ok ? we + (long long)grow * ldw + part * 8 : we;
+        w_bytes[i] = ok ? 16 : 0;
+    }
+    long long a_off[A_SLOTS];
+    int a_bytes[A_SLOTS];
+#pragma unroll
+    for (int i = 0; i < A_SLOTS; ++i) {
+        const int p = s_pair[row0 + i * ROWS_PER_PASS];
+        a_off[i] = p >= 0 ? (long long)(p / a_div) * lda + part * 8 : 0;
+        a_bytes[i] = p >= 0 ? 16 : 0;
+    }
+    const u32 smem0 = smem_addr(moe_smem);
+    const u32 copy_dst = (u32)(row0 * ROW_BYTES + part * 16);
     auto stage = [&](int c, int b) {
         const int k0 = c * MOE_KC;
-        for (int idx = tid; idx < WR * PARTS; idx += MOE_THREADS) {
-            const int row = idx / PARTS, part = idx % PARTS;
-            const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
-            const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
-            const bool ok = n0 + j < n_out;
-            cp_async16(&ws[b][row * MOE_SK + part * 8], ok ? we + (long long)grow * ldw + k0 + part * 8 : we,
-                       ok ? 16 : 0);
-        }
-        for (int idx = tid; idx < MOE_TM * PARTS; idx += MOE_THREADS) {
-            const int ss = idx / PARTS, part = idx % PARTS;
-            const int p = s_pair[ss];
-            const long long off = p >= 0 ? (long long)(p / a_div) * lda + k0 + part * 8 : 0;
-            cp_async16(&xs[b][0][ss * MOE_SK + part * 8], a_hi + off, p >= 0 ? 16 : 0);
-            cp_async16(&xs[b][1][ss * MOE_SK + part * 8], a_lo + off, p >= 0 ? 16 : 0);
+        const u32 dst = smem0 + b * STAGE_BYTES + copy_dst;
+#pragma unroll
+        for (int i = 0; i < W_SLOTS; ++i)
+            cp_async16_at(dst + i * ROWS_PER_PASS * ROW_BYTES, w_src[i] + (w_bytes[i] ? k0 : 0), w_bytes[i]);
+#pragma unroll
+        for (int i = 0; i < A_SLOTS; ++i) {
+            const u32 d = dst + (WR + i * ROWS_PER_PASS) * ROW_BYTES;
+            cp_async16_at(d, a_hi + a_off[i] + (a_bytes[i] ? k0 : 0), a_bytes[i]);
+            cp_async16_at(d + MOE_TM * ROW_BYTES, a_lo + a_off[i] + (a_bytes[i] ? k0 : 0), a_bytes[i]);
         }
     };
 
-    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int warp = tid >> 5, lane = tid & 31;
     const bool active = warp * 16 < count;  // pairs fill the tile's rows from the first
     float acc[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    // ldmatrix row addresses of this lane (bytes into a buffer): A (matrix lane/8: rows +8 for
+    // odd, k +8 for the upper two) and B (two n8 tiles per x4: k +8 for odd matrices, the next
+    // tile for the upper two).
+    const u32 a_at = (u32)((WR + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
+    const u32 b_at = (u32)(((lane & 7) + 8 * (lane >> 4)) * ROW_BYTES + 16 * ((lane >> 3) & 1));
 
+    // STAGES - 1 chunks in flight ahead of the one being multiplied; one commit group per chunk
+    // (empty past the end), so "all but the newest STAGES - 2 groups done" means the chunk about
+    // to be multiplied has landed. One barrier per chunk: after it every warp is done with the
+    // buffer the next copy refills.
     const int chunks = (k + MOE_KC - 1) / MOE_KC;
-    stage(0, 0);
-    cp_async_commit();
+#pragma unroll
+    for (int c = 0; c < STAGES - 1; ++c) {
+        if (c < chunks) stage(c, c);
+        cp_async_commit();
+    }
     for (int c = 0; c < chunks; ++c) {
-        const int b = c & 1;
-        if (c + 1 < chunks) {
-            stage(c + 1, b ^ 1);
-            cp_async_commit();
-            cp_async_wait_1();
-        } else {
-            cp_async_wait_0();
-        }
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
+        const int nc = c + STAGES - 1;
+        if (nc < chunks) stage(nc, nc % STAGES);
+        cp_async_commit();
         if (active) {
+            const u32 buf = smem0 + (c % STAGES) * STAGE_BYTES;
 #pragma unroll
             for (int kk = 0; kk < MOE_KC; kk += 16) {
-                u32 fa[2][4];
+                // Every fragment of the k step first, then the products: the loads' latency is
+                // paid once per step instead of before each pair of tiles.
+                u32 fa[2][4], fb[NT / 2][4];  // fb[i]: b0, b1 of tile 2i, then of tile 2i + 1
+                ldmatrix_x4(fa[0], buf + a_at + kk * 2);
+                ldmatrix_x4(fa[1], buf + a_at + MOE_TM * ROW_BYTES + kk * 2);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const bf16_t* ar = &xs[b][h][(warp * 16 + g) * MOE_SK + kk + 2 * q];
-                    fa[h][0] = ld_bf16x2(ar);
-                    fa[h][1] = ld_bf16x2(ar + 8 * MOE_SK);
-                    fa[h][2] = ld_bf16x2(ar + 8);
-                    fa[h][3] = ld_bf16x2(ar + 8 * MOE_SK + 8);
+                for (int i = 0; i < NT / 2; ++i) ldmatrix_x4(fb[i], buf + b_at + i * 16 * ROW_BYTES + kk * 2);
+#pragma unroll
+                for (int i = 0; i < NT / 2; ++i) {
+                    mma_bf16(acc[2 * i], fa[0], fb[i][0], fb[i][1]);
+                    mma_bf16(acc[2 * i + 1], fa[0], fb[i][2], fb[i][3]);
                 }
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const bf16_t* br = &ws[b][(j * 8 + g) * MOE_SK + kk + 2 * q];
-                    const u32 b0 = ld_bf16x2(br), b1 = ld_bf16x2(br + 8);
-                    mma_bf16(acc[j], fa[0], b0, b1);
-                    mma_bf16(acc[j], fa[1], b0, b1);
+                for (int i = 0; i < NT / 2; ++i) {
+                    mma_bf16(acc[2 * i], fa[1], fb[i][0], fb[i][1]);
+                    mma_bf16(acc[2 * i + 1], fa[1], fb[i][2], fb[i][3]);
                 }
             }
         }
-        __syncthreads();  // buffer b is staged again two chunks on
     }
     if (!active) return;
+    const int g = lane >> 2, q = lane & 3;
     // acc[j][2r + c]: tile row warp*16 + g + 8r, column j*8 + 2q + c of the staged rows (GATED:
     // tile j < NT/2 the gate rows, tile j + NT/2 the matching up rows).
     constexpr int NO = GATED ? NT / 2 : NT;
@@ -228,19 +263,20 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 
 // act halves [n_pairs, inter_pad] from x halves [tokens, hidden_pad] and w13 [E, 2*inter, ldw]
 // (ldw = hidden_pad).
-extern "C" __global__ void moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi,
-                                       const bf16_t* x_lo, int top_k, bf16_t* act_hi, bf16_t* act_lo, int inter_pad,
-                                       const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
-    moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k, nullptr,
-                   act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
+extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+    moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi, const bf16_t* x_lo, int top_k,
+                bf16_t* act_hi, bf16_t* act_lo, int inter_pad, const int* sorted, const int* offsets,
+                const int* tile_offsets, int n_experts) {
+    moe_tile<true, MOE_STAGES>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k,
+                               nullptr, act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
 }
 
 // ypair [n_pairs, hidden] from act halves [n_pairs, ldw] and w2 [E, hidden, ldw] (ldw = inter_pad).
-extern "C" __global__ void moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi,
-                                    const bf16_t* act_lo, float* ypair, const int* sorted, const int* offsets,
-                                    const int* tile_offsets, int n_experts) {
-    moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair, nullptr,
-                    nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
+extern "C" __global__ void __launch_bounds__(MOE_THREADS)
+    moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi, const bf16_t* act_lo,
+             float* ypair, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
+    moe_tile<false, MOE_STAGES>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
+                                nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
 }
 
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs

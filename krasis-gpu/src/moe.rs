@@ -18,6 +18,9 @@
 //! Ids outside `[0, n_experts)` never index the weights: such a pair is left out of the grouping
 //! and its token's output row is NaN (as the embedding gather does for bad token ids).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{KernelSource, HEADERS};
@@ -50,6 +53,18 @@ const MOE_BN: usize = 64;
 const MOE_PAD: usize = 64;
 /// Threads of a GEMM block (`MOE_THREADS` in moe.cu): 4 warps.
 const MOE_THREADS: u32 = 128;
+/// BF16 row stride of a staged chunk (`MOE_SK` in moe.cu: the k chunk of 32 plus 8).
+const MOE_SK: usize = 40;
+
+/// Shared-memory buffers of the tiles' k loop (`MOE_STAGES` in moe.cu).
+const MOE_STAGES: usize = 2;
+
+/// Dynamic shared memory of a tile block: per buffer the weight rows (gate and up rows for the
+/// gate/up step) and the pairs' two halves of A.
+fn tile_smem(gated: bool) -> usize {
+    let weight_rows = if gated { 2 * MOE_BN } else { MOE_BN };
+    MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
+}
 /// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
 pub const MOE_MAX_EXPERTS: usize = 4096;
 /// Threads of the single routing block.
@@ -91,6 +106,8 @@ pub struct GpuExperts {
     max_pass_tokens: usize,
     /// Passes of at most this many pairs take the decode path; see [`DECODE_MAX_PAIRS`].
     decode_max_pairs: usize,
+    /// Whether the tile kernels' dynamic shared-memory limit has been raised.
+    tile_smem_set: AtomicBool,
 }
 
 impl std::fmt::Debug for GpuExperts {
@@ -136,6 +153,7 @@ impl GpuExperts {
             inter_pad,
             max_pass_tokens,
             decode_max_pairs: DECODE_MAX_PAIRS,
+            tile_smem_set: AtomicBool::new(false),
         })
     }
 
@@ -257,8 +275,7 @@ impl GpuExperts {
         let (hp, ip) = (self.hidden_pad, self.inter_pad);
         // `act`: the decode path's f32 intermediate [pairs, inter], or the grouped path's two BF16
         // halves [pairs, inter_pad] each; `xs`: the two BF16 halves of x [pass, hidden_pad] each.
-        let sizes =
-            |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * ip * 4, pairs * h * 4, pass * hp * 4];
+        let sizes = |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * ip * 4, pairs * h * 4, pass * hp * 4];
         let g = ctx.lock(dev, OP, Carve::total(&sizes(max_pairs)))?;
         let mut carve = Carve::new(g.scratch_ptr());
         let [offsets, tile_offsets, sorted, act, ypair, xs] = sizes(max_pairs).map(|b| carve.take(b));
@@ -280,6 +297,15 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
+        // The tiles' dynamic shared memory limit, once (40 KiB today, under the 48 KiB default;
+        // raised so that deeper buffering or wider tiles only change `tile_smem`).
+        if !self.tile_smem_set.load(Ordering::Relaxed) {
+            for (f, gated) in [(&gate_up, true), (&down, false)] {
+                f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, tile_smem(gated) as i32)
+                    .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
+            }
+            self.tile_smem_set.store(true, Ordering::Relaxed);
+        }
         let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
         let (ldw13, ldw2) = (hp as i32, ip as i32);
 
@@ -346,10 +372,10 @@ impl GpuExperts {
             // Upper bound on the tiles: each non-empty expert adds at most one partial tile, and
             // no tile is empty. Blocks past the device-side count exit at once.
             let max_tiles = pairs.min(pairs.div_ceil(MOE_TM) + e.min(pairs)) as u32;
-            let grid = |n_out: usize| LaunchConfig {
+            let grid = |n_out: usize, gated: bool| LaunchConfig {
                 grid_dim: (max_tiles, n_out.div_ceil(MOE_BN) as u32, 1),
                 block_dim: (MOE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: tile_smem(gated) as u32,
             };
             let mut b = s.launch_builder(&gate_up);
             b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&k_i);
@@ -357,13 +383,13 @@ impl GpuExperts {
             // SAFETY: w13 [E, 2·inter, ldw13]; xs halves [nt, ldw13]; act halves [pairs, ldw2],
             // every column of a pair's row written (the last column block ends at ldw2); rows of
             // A are pair / top_k < nt, and pairs with bad ids are never in `sorted`.
-            unsafe { b.launch(grid(i)) }.map_err(launch_err(OP))?;
+            unsafe { b.launch(grid(i, true)) }.map_err(launch_err(OP))?;
 
             let mut b = s.launch_builder(&down);
             b.arg(&w2_p).arg(&ldw2).arg(&i_i).arg(&h_i).arg(&act_hi).arg(&act_lo).arg(&ypair);
             b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
             // SAFETY: w2 [E, hidden, ldw2], act halves [pairs, ldw2], ypair [pairs, hidden].
-            unsafe { b.launch(grid(h)) }.map_err(launch_err(OP))?;
+            unsafe { b.launch(grid(h, false)) }.map_err(launch_err(OP))?;
 
             launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
             t0 += nt;
