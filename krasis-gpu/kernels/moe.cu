@@ -97,13 +97,13 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
 // A's row for pair p is p / a_div (the token for gate/up, the pair itself for down), given as
 // two BF16 halves a_hi, a_lo [rows, lda] (lda a multiple of 8, zero padded to the weights' ldw).
 //
-// The k loop runs over chunks of MOE_KC through STAGES shared-memory buffers: while the
+// The k loop runs over chunks of MOE_KC through MOE_STAGES shared-memory buffers: while the
 // warps multiply one chunk, cp.async brings the next ones' weight rows and A rows in. Warp w
 // multiplies its 16 pairs (tile rows 16w..) by every staged weight row with mma.sync m16n8k16
 // (fragments by ldmatrix), once per half of A, into f32 accumulators kept over all of k; a warp
 // whose 16 rows hold no pair skips the products. Each output is one thread's accumulator in a fixed order, so
 // the result does not depend on timing.
-template <bool GATED, int STAGES>
+template <bool GATED>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long expert_stride, int ldw, int n_out,
                                          int up_row0, int k, const bf16_t* __restrict__ a_hi,
                                          const bf16_t* __restrict__ a_lo, int lda, int a_div, float* __restrict__ ypair,
@@ -119,7 +119,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     constexpr int STAGE_BYTES = (WR + 2 * MOE_TM) * ROW_BYTES;  // weight rows, then A hi, A lo
     static_assert(WR % ROWS_PER_PASS == 0 && MOE_TM % ROWS_PER_PASS == 0, "whole staging passes");
     __shared__ int s_pair[MOE_TM];
-    extern __shared__ __align__(16) unsigned char moe_smem[];  // STAGES buffers (moe.rs: tile_smem)
+    extern __shared__ __align__(16) unsigned char moe_smem[];  // MOE_STAGES buffers (moe.rs: tile_smem)
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
@@ -189,24 +189,24 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     const u32 a_at = (u32)((WR + warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
     const u32 b_at = (u32)(((lane & 7) + 8 * (lane >> 4)) * ROW_BYTES + 16 * ((lane >> 3) & 1));
 
-    // STAGES - 1 chunks in flight ahead of the one being multiplied; one commit group per chunk
-    // (empty past the end), so "all but the newest STAGES - 2 groups done" means the chunk about
+    // MOE_STAGES - 1 chunks in flight ahead of the one being multiplied; one commit group per chunk
+    // (empty past the end), so "all but the newest MOE_STAGES - 2 groups done" means the chunk about
     // to be multiplied has landed. One barrier per chunk: after it every warp is done with the
     // buffer the next copy refills.
     const int chunks = (k + MOE_KC - 1) / MOE_KC;
 #pragma unroll
-    for (int c = 0; c < STAGES - 1; ++c) {
+    for (int c = 0; c < MOE_STAGES - 1; ++c) {
         if (c < chunks) stage(c, c);
         cp_async_commit();
     }
     for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<STAGES - 2>();
+        cp_async_wait<MOE_STAGES - 2>();
         __syncthreads();
-        const int nc = c + STAGES - 1;
-        if (nc < chunks) stage(nc, nc % STAGES);
+        const int nc = c + MOE_STAGES - 1;
+        if (nc < chunks) stage(nc, nc % MOE_STAGES);
         cp_async_commit();
         if (active) {
-            const u32 buf = smem0 + (c % STAGES) * STAGE_BYTES;
+            const u32 buf = smem0 + (c % MOE_STAGES) * STAGE_BYTES;
 #pragma unroll
             for (int kk = 0; kk < MOE_KC; kk += 16) {
                 // Every fragment of the k step first, then the products: the loads' latency is
@@ -267,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi, const bf16_t* x_lo, int top_k,
                 bf16_t* act_hi, bf16_t* act_lo, int inter_pad, const int* sorted, const int* offsets,
                 const int* tile_offsets, int n_experts) {
-    moe_tile<true, MOE_STAGES>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k,
+    moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k,
                                nullptr, act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
 }
 
@@ -275,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi, const bf16_t* act_lo,
              float* ypair, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
-    moe_tile<false, MOE_STAGES>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
+    moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
                                 nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
 }
 

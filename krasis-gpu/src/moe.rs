@@ -5,8 +5,8 @@
 //! read once per tile: once in total at decode (t = 1), once per 64 routed tokens in prefill.
 //! The tiles multiply on the tensor cores (`mma.sync`, BF16 operands, f32 accumulators); each f32
 //! activation enters as two BF16 halves (within 2^-18 of it, two products each), so the products
-//! keep about f32's accuracy. The SwiGLU intermediate is f32. The result is deterministic (see the
-//! kernel file): per pair, each output is one thread's accumulator in a fixed order, and the
+//! keep about f32's accuracy; the SwiGLU intermediate is stored as its two halves too (f32 on the
+//! decode path below). The result is deterministic (see the kernel file): per pair, each output is one thread's accumulator in a fixed order, and the
 //! combine sums the top-k slots in ascending order.
 //!
 //! Decode and tiny batches (at most [`DECODE_MAX_PAIRS`] pairs in a pass) take a GEMV-style path
@@ -65,6 +65,7 @@ fn tile_smem(gated: bool) -> usize {
     let weight_rows = if gated { 2 * MOE_BN } else { MOE_BN };
     MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
 }
+
 /// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
 pub const MOE_MAX_EXPERTS: usize = 4096;
 /// Threads of the single routing block.
@@ -216,7 +217,8 @@ impl GpuExperts {
 
     /// Sets the largest pass (in pairs, `tokens · top_k`) that takes the decode path instead of
     /// the grouped one (default [`DECODE_MAX_PAIRS`]): 0 forces the grouped path, `usize::MAX`
-    /// the decode path. For tests and tuning; both paths give the same result up to f32 rounding.
+    /// the decode path. For tests and tuning; both paths give the same result up to rounding
+    /// (f32 sums; the grouped path's activations split into two BF16 halves, within 2^-18).
     #[doc(hidden)]
     pub fn set_decode_path_max_pairs(&mut self, pairs: usize) {
         self.decode_max_pairs = pairs;
