@@ -53,8 +53,8 @@ const MOE_BN: usize = 64;
 const MOE_PAD: usize = 64;
 /// Threads of a GEMM block (`MOE_THREADS` in moe.cu): 4 warps.
 const MOE_THREADS: u32 = 128;
-/// BF16 row stride of a staged chunk (`MOE_SK` in moe.cu: the k chunk of 32 plus 8).
-const MOE_SK: usize = 40;
+/// BF16 row stride of a staged chunk (`MOE_SK` in moe.cu: the k chunk of 64 plus 8).
+const MOE_SK: usize = 72;
 
 /// Shared-memory buffers of the tiles' k loop (`MOE_STAGES` in moe.cu).
 const MOE_STAGES: usize = 2;
@@ -299,8 +299,7 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
-        // The tiles' dynamic shared memory limit, once (40 KiB today, under the 48 KiB default;
-        // raised so that deeper buffering or wider tiles only change `tile_smem`).
+        // The tiles' dynamic shared memory (72 KiB for gate/up, above the 48 KiB default), once.
         if !self.tile_smem_set.load(Ordering::Relaxed) {
             for (f, gated) in [(&gate_up, true), (&down, false)] {
                 f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, tile_smem(gated) as i32)
