@@ -37,7 +37,7 @@ static_assert(MOE_BN == MOE_PAD, "the gate/up step's last column block must end 
 static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row end");
 #define MOE_THREADS 128    // threads per GEMM block (must match moe.rs): 4 warps x 16 pairs
 #define MOE_STAGES 2       // shared-memory buffers of the tiles' k loop (must match moe.rs): measured
-                           // on an H100, 3 buffers were 1-5 % slower (fewer blocks per SM)
+                           // on an H100, 3 buffers were 1-7 % slower (fewer blocks per SM)
 #define MOE_SK (MOE_KC + 8)  // BF16 row stride of the staged chunks: 36 words, so the fragment
                              // loads of a warp (8 rows x 16 bytes per ldmatrix matrix) hit 32
                              // different banks, and rows stay 16-byte aligned (cp.async, ldmatrix)
