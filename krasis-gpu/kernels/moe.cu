@@ -7,7 +7,7 @@
 //   2. moe_gate_up: one block per (tile, MOE_BN intermediate columns): act[p, i] =
 //      silu(gate_e[i] . x[token(p)]) * (up_e[i] . x[token(p)]) for the tile's pairs; the weight
 //      rows are read once per tile and shared by its pairs, on the tensor cores (moe_tile).
-//   3. moe_down: same tiling, ypair[p, h] = down_e[h] . act[p].
+//   3. moe_down: the same with MOE_BN_DOWN hidden columns per block, ypair[p, h] = down_e[h] . act[p].
 //   4. moe_combine: out[t, h] = sum_j w[t, j] * ypair[t*top_k + j, h], j ascending.
 // Each output element is computed by one thread with one accumulator in a fixed order, whatever
 // tile or slot its pair lands in, so the result is bitwise deterministic even though the order
@@ -29,7 +29,8 @@
 #include "krasis_common.cuh"
 
 #define MOE_TM 64          // pairs per tile (must match moe.rs): one m16 slice per warp
-#define MOE_BN 64          // output columns per block (must match moe.rs)
+#define MOE_BN 64          // output columns per gate/up block (must match moe.rs)
+#define MOE_BN_DOWN 128    // output columns per down block (must match moe.rs)
 #define MOE_PAD 64         // weight rows are zero padded to a multiple of this (must match moe.rs)
 #define MOE_KC 64          // k elements per shared-memory chunk of the tiles (divides MOE_PAD): 64
                            // against 32 measured 596 against 801 us a Qwen3-like layer (t = 512)
@@ -91,7 +92,7 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
     lo[t * ldo + c] = l;
 }
 
-// One tile of one expert on the tensor cores: the tile's pairs p times MOE_BN output columns
+// One tile of one expert on the tensor cores: the tile's pairs p times BN output columns
 // from n0. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), act = silu(gate) * up, written
 // as its two BF16 halves to out_hi/out_lo [p, ldo] for every column below the block's end (zero
 // past n_out: the padding the down step reads); else ypair[p, n0 + i] f32 for i < n_out - n0.
@@ -111,7 +112,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
                                          bf16_t* __restrict__ out_hi, bf16_t* __restrict__ out_lo, int ldo,
                                          const int* __restrict__ sorted, const int* __restrict__ offsets,
                                          const int* __restrict__ tile_offsets, int n_experts) {
-    constexpr int WR = GATED ? 2 * MOE_BN : MOE_BN;  // weight rows staged per chunk
+    constexpr int BN = GATED ? MOE_BN : MOE_BN_DOWN;  // output columns of the block
+    constexpr int WR = GATED ? 2 * BN : BN;            // weight rows staged per chunk
     constexpr int NT = WR / 8;                        // n8 tiles of a warp's products
     constexpr int PARTS = MOE_KC / 8;                 // 16-byte pieces of a staged row
     constexpr int ROWS_PER_PASS = MOE_THREADS / PARTS;
@@ -141,7 +143,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     // This thread's copies of every chunk, worked out once: staged row (tid / PARTS) + i ·
     // ROWS_PER_PASS, piece tid % PARTS; the sources advance by MOE_KC per chunk. Rows past n_out
     // and empty pair slots are zero-filled (0 source bytes; the source pointer stays valid).
-    const int n0 = blockIdx.y * MOE_BN;
+    const int n0 = blockIdx.y * BN;
     const bf16_t* we = w + (long long)e * expert_stride;
     const int part = tid % PARTS, row0 = tid / PARTS;
     const bf16_t* w_src[W_SLOTS];
@@ -149,8 +151,8 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 #pragma unroll
     for (int i = 0; i < W_SLOTS; ++i) {
         const int row = row0 + i * ROWS_PER_PASS;
-        const int j = GATED && row >= MOE_BN ? row - MOE_BN : row;
-        const int grow = GATED && row >= MOE_BN ? up_row0 + n0 + j : n0 + j;
+        const int j = GATED && row >= BN ? row - BN : row;
+        const int grow = GATED && row >= BN ? up_row0 + n0 + j : n0 + j;
         const bool ok = n0 + j < n_out;
         w_src[i] = ok ? we + (long long)grow * ldw + part * 8 : we;
         w_bytes[i] = ok ? 16 : 0;

@@ -1,8 +1,9 @@
 //! Routed experts in BF16 on the GPU through a simple grouped path with no host synchronisation:
 //! the expert ids stay on the device, and the kernels in `kernels/moe.cu` group the
 //! (token, slot) pairs by expert (count / offsets / scatter), then run one block per
-//! (expert tile of `MOE_TM` pairs, `MOE_BN` output columns), so each selected expert's weights are
-//! read once per tile: once in total at decode (t = 1), once per 64 routed tokens in prefill.
+//! (expert tile of `MOE_TM` pairs, `MOE_BN` or `MOE_BN_DOWN` output columns), so each selected
+//! expert's weights are read once per tile: once in total at decode (t = 1), once per 64 routed
+//! tokens in prefill.
 //! The tiles multiply on the tensor cores (`mma.sync`, BF16 operands, f32 accumulators); each f32
 //! activation enters as two BF16 halves (within 2^-18 of it, two products each), so the products
 //! keep about f32's accuracy; the SwiGLU intermediate is stored as its two halves too (f32 on the
@@ -46,8 +47,10 @@ pub const MOE: KernelSource = KernelSource {
 /// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
 /// weight chunk in shared memory.
 const MOE_TM: usize = 64;
-/// Output columns per block (`MOE_BN` in moe.cu).
+/// Output columns per gate/up block (`MOE_BN` in moe.cu).
 const MOE_BN: usize = 64;
+/// Output columns per down block (`MOE_BN_DOWN` in moe.cu).
+const MOE_BN_DOWN: usize = 128;
 /// Weight rows are padded to a multiple of this (`MOE_PAD` in moe.cu): the tiles' k chunks and
 /// output column blocks divide it, so they never read past a row.
 const MOE_PAD: usize = 64;
@@ -62,7 +65,7 @@ const MOE_STAGES: usize = 2;
 /// Dynamic shared memory of a tile block: per buffer the weight rows (gate and up rows for the
 /// gate/up step) and the pairs' two halves of A.
 fn tile_smem(gated: bool) -> usize {
-    let weight_rows = if gated { 2 * MOE_BN } else { MOE_BN };
+    let weight_rows = if gated { 2 * MOE_BN } else { MOE_BN_DOWN };
     MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
 }
 
@@ -374,7 +377,7 @@ impl GpuExperts {
             // no tile is empty. Blocks past the device-side count exit at once.
             let max_tiles = pairs.min(pairs.div_ceil(MOE_TM) + e.min(pairs)) as u32;
             let grid = |n_out: usize, gated: bool| LaunchConfig {
-                grid_dim: (max_tiles, n_out.div_ceil(MOE_BN) as u32, 1),
+                grid_dim: (max_tiles, n_out.div_ceil(if gated { MOE_BN } else { MOE_BN_DOWN }) as u32, 1),
                 block_dim: (MOE_THREADS, 1, 1),
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
