@@ -103,8 +103,8 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
 // warps multiply one chunk, cp.async brings the next ones' weight rows and A rows in. Warp w
 // multiplies its 16 pairs (tile rows 16w..) by every staged weight row with mma.sync m16n8k16
 // (fragments by ldmatrix), once per half of A, into f32 accumulators kept over all of k; a warp
-// whose 16 rows hold no pair skips the products. Each output is one thread's accumulator in a fixed order, so
-// the result does not depend on timing.
+// whose 16 rows hold no pair skips the products. Each output is one thread's accumulator in a
+// fixed order, so the result does not depend on timing.
 template <bool GATED>
 __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long expert_stride, int ldw, int n_out,
                                          int up_row0, int k, const bf16_t* __restrict__ a_hi,
