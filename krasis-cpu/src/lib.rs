@@ -3,6 +3,7 @@
 //! kernel sits next to its scalar twin; tests compare them.
 
 pub mod activation;
+pub mod aligned;
 pub mod attention;
 mod env;
 pub mod expf;

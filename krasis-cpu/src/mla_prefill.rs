@@ -19,6 +19,7 @@ use std::cell::RefCell;
 
 use krasis_core::spec::MlaDims;
 
+use crate::aligned::AlignedVec;
 use crate::expf::{exp_scalar, softmax_step};
 use crate::gemm::gemm;
 use crate::isa::{self, Isa};
@@ -320,20 +321,20 @@ enum TileKv<'a> {
 
 thread_local! {
     /// Per-thread scratch of the tasks (scores, output rows, softmax state, expanded rows).
-    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<AlignedVec<f32>> = const { RefCell::new(AlignedVec::new()) };
     /// Per-thread f32 expansion weights of one head ([`head_weights`]).
     static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The calling thread's tile buffer, reused across calls and layers.
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static TILE: RefCell<AlignedVec<f32>> = const { RefCell::new(AlignedVec::new()) };
     /// The calling thread's latent rows of a tile as BF16, tiled (the BF16 expansion's A).
-    static LATENT: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static LATENT: RefCell<AlignedVec<u16>> = const { RefCell::new(AlignedVec::new()) };
     /// Per-thread BF16 panel of one head's expansion weights (the BF16 expansion's B).
-    static PANEL: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static PANEL: RefCell<AlignedVec<u16>> = const { RefCell::new(AlignedVec::new()) };
     /// The calling thread's tile of BF16 key and value panels ([`TileKv::Bf16`]).
-    static TILE_BF16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static TILE_BF16: RefCell<AlignedVec<u16>> = const { RefCell::new(AlignedVec::new()) };
     /// Per-thread BF16 operands of the attention on tiles: a query block's rows, then its
     /// probabilities, both tiled.
-    static ATTEND_BF16: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
+    static ATTEND_BF16: RefCell<AlignedVec<u16>> = const { RefCell::new(AlignedVec::new()) };
 }
 
 /// The tiles the expansion runs on for these dims, or `None` for the f32 kernels: the prefill's
@@ -592,7 +593,7 @@ fn expand_tile(
 
 /// Cache rows `[start, start + rows)`'s latent as BF16 in the tiled layout into `dst`
 /// (`padded_rows` rows, those past `rows` zero), rows split over the pool.
-fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_rows: usize, dst: &mut Vec<u16>) {
+fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_rows: usize, dst: &mut AlignedVec<u16>) {
     let lat = p.dims.latent;
     if dst.len() < padded_rows * lat {
         dst.resize(padded_rows * lat, 0);
@@ -613,7 +614,7 @@ fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_ro
 
 /// Head weights `w` (`[latent][nope + v_dim]` in [`head_weights`]' panels) as a BF16 B-tile panel
 /// per 16 output columns (`crate::quant::bf16`'s layout; columns past `per_head` zero).
-fn head_panel(w: &[f32], lat: usize, per_head: usize, panel: &mut Vec<u16>) {
+fn head_panel(w: &[f32], lat: usize, per_head: usize, panel: &mut AlignedVec<u16>) {
     let nb = per_head.div_ceil(ROW_BLOCK);
     panel.resize(nb * lat * ROW_BLOCK, 0);
     let at = |j: usize, c: usize| weight_index(lat, per_head, j, c);

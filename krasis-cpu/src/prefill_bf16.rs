@@ -31,6 +31,7 @@ use std::sync::{Mutex, OnceLock};
 
 use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 
+use crate::aligned::AlignedVec;
 use crate::isa::Isa;
 use crate::moe::{block_runs, block_unit_starts, wait_ready, ExpertJob, FailOnUnwind, OutPtr, X_WAIT_PREFETCH};
 use crate::par::DisjointPtr;
@@ -168,22 +169,22 @@ pub fn describe() -> String {
 /// A worker's buffers (grow once).
 #[derive(Default)]
 struct Scratch {
-    panel: Vec<u16>,
+    panel: AlignedVec<u16>,
     /// Tile output.
-    c: Vec<f32>,
+    c: AlignedVec<f32>,
     /// SiLU(gate)·up rows.
-    act: Vec<f32>,
+    act: AlignedVec<f32>,
 }
 
 struct CallBufs {
     /// The call's activations as BF16 in the tiled layout ([`tiled_index`]), padded to whole
     /// tiles; experts: each job's tokens' rows from row `row0[e]` (one buffer for all jobs, so
     /// it stops growing once the largest call has been seen).
-    x: Vec<u16>,
+    x: AlignedVec<u16>,
     /// Experts: the intermediate as BF16 `[pad(m), inter]` per job, tiled, from row `row0[e]`.
-    mid: Vec<u16>,
+    mid: AlignedVec<u16>,
     /// Experts: w2's output `[pad(m), 16·row blocks]` per job, from row `row0[e]`.
-    y: Vec<f32>,
+    y: AlignedVec<f32>,
     /// Experts: each job's first (padded) row in `x`, `mid` and `y`; one more entry: the total.
     row0: Vec<usize>,
     /// w13 tasks `(job, pair0, pair1, work)`.
@@ -200,9 +201,9 @@ struct CallBufs {
 impl CallBufs {
     const fn new() -> Self {
         CallBufs {
-            x: Vec::new(),
-            mid: Vec::new(),
-            y: Vec::new(),
+            x: AlignedVec::new(),
+            mid: AlignedVec::new(),
+            y: AlignedVec::new(),
             row0: Vec::new(),
             tasks: Vec::new(),
             tasks2: Vec::new(),
@@ -247,9 +248,9 @@ pub fn trim_after_forward(tokens: usize) {
 
 /// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
 /// different sizes, and re-growing would zero the difference again each time).
-pub(crate) fn grow<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+pub(crate) fn grow<T: bytemuck::Pod>(v: &mut AlignedVec<T>, n: usize) {
     if v.len() < n {
-        v.resize(n, T::default());
+        v.resize(n, T::zeroed());
     }
 }
 
@@ -287,7 +288,7 @@ unsafe fn matmul_blocks(
     m: usize,
     out: *mut f32,
     os: usize,
-    panel: &mut Vec<u16>,
+    panel: &mut AlignedVec<u16>,
 ) {
     matmul_blocks_with(tiles, w, l, b0, b1, a, m, out, os, panel, panel_blocks(l.k));
 }
@@ -307,7 +308,7 @@ unsafe fn matmul_blocks_with(
     m: usize,
     out: *mut f32,
     os: usize,
-    panel: &mut Vec<u16>,
+    panel: &mut AlignedVec<u16>,
     per: usize,
 ) {
     let k = l.k;

@@ -53,13 +53,13 @@ proptest! {
         let (w, l) = (pack(&q), PackedLayout::of(&q));
         let b1 = l.row_blocks();
         let mp = m.div_ceil(16) * 16;
-        let mut a = vec![0u16; mp * k];
+        let mut a = AlignedVec::filled(mp * k, 0u16);
         for (i, row) in data(m * k, seed ^ 9).chunks_exact(k).enumerate() {
             convert_row(row, i, k, &mut a);
         }
         let cols = (b1 - b0) * 16;
         let (mut got, mut want) = (vec![f32::NAN; mp * cols], vec![f32::NAN; mp * cols]);
-        let (mut p1, mut p2) = (Vec::new(), Vec::new());
+        let (mut p1, mut p2) = (AlignedVec::new(), AlignedVec::new());
         // SAFETY: a holds pad(m) rows of K with zero padding; outputs pad(m) rows of `cols`.
         unsafe {
             matmul_blocks_with(Bf16Tiles::Emulated, &w, &l, b0, b1, &a, m, got.as_mut_ptr(), cols, &mut p1, per);
@@ -189,7 +189,7 @@ fn bf16_rates() {
     for bits in [Bits::Int4, Bits::Int8] {
         let q = quantize(&data(2 * inter * h, 3), 2 * inter, h, bits, 128);
         let (w, l) = (pack(&q), PackedLayout::of(&q));
-        let mut panel = vec![0u16; 8 * panel_len(&l)];
+        let mut panel = AlignedVec::filled(8 * panel_len(&l), 0u16);
         let s = best(&mut || {
             for b in 0..8 {
                 block_panel(&w, &l, b, &mut panel[b * panel_len(&l)..(b + 1) * panel_len(&l)])
@@ -198,10 +198,11 @@ fn bf16_rates() {
         eprintln!("{bits:?} panel dequant, one thread: {:.2} G weights/s", 8.0 * 16.0 * h as f64 / s / 1e9);
         for m in [16usize, 48, 128, 512] {
             let a: Vec<u16> = data(m * h, 5).iter().map(|&v| crate::quant::bf16::bf16_bits(v)).collect();
-            let mut c = vec![0f32; m * 128];
+            let a = AlignedVec::from(&a[..]);
+            let mut c = AlignedVec::filled(m * 128, 0f32);
             let s = best(&mut || hw_tiles_on_panel(&panel, &a, h, m, &mut c));
             let s2 = best(&mut || unsafe {
-                matmul_blocks(Bf16Tiles::Hardware, &w, &l, 0, 8, &a, m, c.as_mut_ptr(), 128, &mut Vec::new())
+                matmul_blocks(Bf16Tiles::Hardware, &w, &l, 0, 8, &a, m, c.as_mut_ptr(), 128, &mut AlignedVec::new())
             });
             let macs = (m * 128 * h) as f64;
             eprintln!(
@@ -216,12 +217,13 @@ fn bf16_rates() {
     {
         let q = quantize(&data(8 * 16 * h, 3), 8 * 16, h, Bits::Int4, 128);
         let (w, l) = (pack(&q), PackedLayout::of(&q));
-        let mut panel = vec![0u16; 8 * panel_len(&l)];
+        let mut panel = AlignedVec::filled(8 * panel_len(&l), 0u16);
         for b in 0..8 {
             block_panel(&w, &l, b, &mut panel[b * panel_len(&l)..(b + 1) * panel_len(&l)]);
         }
         let m = 128usize;
         let a: Vec<u16> = data(m * h, 5).iter().map(|&v| crate::quant::bf16::bf16_bits(v)).collect();
+        let a = AlignedVec::from(&a[..]);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         for n in [1usize, 4, 8, cores] {
             let rates: Vec<f64> = std::thread::scope(|sc| {
@@ -230,7 +232,7 @@ fn bf16_rates() {
                         let (panel, a) = (panel.clone(), a.clone());
                         sc.spawn(move || {
                             let _ = crate::quant::amx::detect::support();
-                            let mut c = vec![0f32; m * 128];
+                            let mut c = AlignedVec::filled(m * 128, 0f32);
                             let mut run = || hw_tiles_on_panel(&panel, &a, h, m, &mut c);
                             run();
                             let t = Instant::now();

@@ -48,7 +48,7 @@ pub struct QuantizedActs {
     pub k: usize,
     pub gs: usize,
     /// `[m, k]`, each in `[-127, 127]`.
-    pub q: Vec<i8>,
+    pub q: crate::aligned::AlignedVec<i8>,
     /// `[m, k / gs]`.
     pub scales: Vec<f32>,
     /// `[m, k / gs]`: `Σ q` over the group (for the unsigned-weight offset correction).

@@ -92,9 +92,9 @@ pub fn describe() -> String {
 #[derive(Default)]
 struct Scratch {
     /// The ragged last activation tile, zero-padded to 16 rows × K.
-    pad: Vec<i8>,
+    pad: crate::aligned::AlignedVec<i8>,
     /// One group of two row blocks' INT4 weights as unpacked B rows (2 × 16·gs bytes).
-    unpacked: Vec<u8>,
+    unpacked: crate::aligned::AlignedVec<u8>,
 }
 
 thread_local! {
