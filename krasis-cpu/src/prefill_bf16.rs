@@ -324,11 +324,11 @@ unsafe fn matmul_blocks_with(
         for i in 0..nb {
             block_panel(w, l, b + i, &mut panel[i * pl..(i + 1) * pl]);
         }
-        // The next panel's weights on their way to L2 while the tiles run on this one.
-        let next = (b + nb)..(b + 2 * nb).min(b1);
-        if !next.is_empty() {
-            crate::quant::prefetch_l2(&w[l.block_range(next.start).start..l.block_range(next.end - 1).end]);
-        }
+        // No prefetch of the next panel's weights here: issued before the tiles (one `prefetcht1`
+        // per line) or spread over the tile kernel's K steps, it moved its time into the tiles
+        // and slowed the expert prefill (GPU box, run_experts at V2-Lite's shapes: INT4 13.0 /
+        // 11.4 ms without, 14.5 / 13.5 before the tiles, 15.7 / 15.1 spread; INT8 14.5 / 15.1,
+        // 17.5 / 16.5, 16.1 / 18.5; `device-2026-11-25-h100-panel-prefetch-ab.log`).
         PHASE_NS.lap(&mut clock, 4);
         tiles_on_panel(tiles, panel, nb, k, a.as_ptr(), mtiles, out.add((b - b0) * ROW_BLOCK), os);
         PHASE_NS.lap(&mut clock, 5);

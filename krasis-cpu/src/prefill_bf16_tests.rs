@@ -291,8 +291,12 @@ fn bf16_rates() {
         let s =
             best(&mut || run_experts(Bf16Tiles::Hardware, &pool, &experts[0].1, &experts[0].3, &x, h, &jobs, &mut out));
         let ph: Vec<String> =
-            expert_phase_ns().iter().zip(before).take(4).map(|(a, b)| format!("{:.2}", (a - b) as f64 / 6e6)).collect();
-        eprintln!("  per call (mean of 6), ms: convert, w13, w2, sum = {}", ph.join(", "));
+            expert_phase_ns().iter().zip(before).take(6).map(|(a, b)| format!("{:.2}", (a - b) as f64 / 6e6)).collect();
+        eprintln!(
+            "  per call (mean of 6), ms: convert (worker), expert tasks (wall), waiting (worker), sum (wall), \
+             dequantise (worker), tiles (worker) = {}",
+            ph.join(", ")
+        );
         let macs = toks.iter().map(|v| v.len()).sum::<usize>() as f64 * 3.0 * (inter * h) as f64;
         eprintln!("run_experts {bits:?} 64 experts, {t} tokens top-6: {:.2} ms, {:.0} GMAC/s", s * 1e3, macs / s / 1e9);
     }
