@@ -41,6 +41,14 @@ impl<T: bytemuck::Pod> AlignedVec<T> {
         self.lines.capacity() * size_of::<Line>() / size_of::<T>()
     }
 
+    /// Grows to at least `n` elements, new ones zero; never shrinks (scratch buffers alternate
+    /// between calls of different sizes, and re-growing would zero the difference each time).
+    pub fn grow(&mut self, n: usize) {
+        if self.len < n {
+            self.resize(n, T::zeroed());
+        }
+    }
+
     /// Sets the length to `n` as `Vec::resize` does: elements past the old length become `value`.
     pub fn resize(&mut self, n: usize, value: T) {
         const { assert!(size_of::<Line>().is_multiple_of(size_of::<T>()) && align_of::<T>() <= 64) };
@@ -123,6 +131,11 @@ mod tests {
         let f = AlignedVec::filled(17, 1.5f32);
         assert_eq!(f.as_ptr() as usize % 64, 0);
         assert!(f.iter().all(|&x| x == 1.5));
+        let mut z = AlignedVec::filled(4, 9u32);
+        z.grow(2);
+        assert_eq!(&z[..], &[9, 9, 9, 9], "grow never shrinks");
+        z.grow(6);
+        assert_eq!(&z[..], &[9, 9, 9, 9, 0, 0], "grow adds zeros");
         let g = AlignedVec::from(&[1u16, 2, 3][..]);
         assert_eq!(&g[..], &[1, 2, 3]);
         assert_eq!(g.as_ptr() as usize % 64, 0);

@@ -440,18 +440,14 @@ fn run(p: &MlaPrefillInputs<'_>, out: &mut [f32], cap: usize, tiles: Option<Bf16
     match attend {
         None => TILE.with_borrow_mut(|buf| {
             let need = cap * h * (qk + vd);
-            if buf.len() < need {
-                buf.resize(need, 0.0);
-            }
+            buf.grow(need);
             let (k, v) = buf[..need].split_at_mut(h * qk * cap);
             each_tile(KvOut::F32 { k, v })
         }),
         Some(_) => TILE_BF16.with_borrow_mut(|buf| {
             let qkp = panel_qk(&p.dims);
             let need = cap * h * (qkp + vd.next_multiple_of(ROW_BLOCK));
-            if buf.len() < need {
-                buf.resize(need, 0);
-            }
+            buf.grow(need);
             let (k, v) = buf[..need].split_at_mut(h * qkp * cap);
             each_tile(KvOut::Bf16 { k, v })
         }),
@@ -595,9 +591,7 @@ fn expand_tile(
 /// (`padded_rows` rows, those past `rows` zero), rows split over the pool.
 fn latent_to_bf16(p: &MlaPrefillInputs<'_>, start: usize, rows: usize, padded_rows: usize, dst: &mut AlignedVec<u16>) {
     let lat = p.dims.latent;
-    if dst.len() < padded_rows * lat {
-        dst.resize(padded_rows * lat, 0);
-    }
+    dst.grow(padded_rows * lat);
     let len = padded_rows * lat;
     let dp = crate::par::DisjointPtr(dst.as_mut_ptr());
     let per = rows.div_ceil(crate::par::threads().max(1)).max(1);
@@ -800,7 +794,7 @@ unsafe fn attend_block(
     let done = tile.start + tile.cap >= rows.end;
     SCRATCH.with_borrow_mut(|buf| {
         // Every element read below is written first in this call: grown, not cleared.
-        crate::prefill_bf16::grow(buf, BLOCK_Q * (BLOCK_K + vd + 2));
+        buf.grow(BLOCK_Q * (BLOCK_K + vd + 2));
         let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
         let (o, ml) = rest.split_at_mut(BLOCK_Q * vd);
         let (o, ml) = (&mut o[..nr * vd], &mut ml[..2 * nr]);
@@ -946,7 +940,7 @@ unsafe fn attend_block_bf16(
     SCRATCH.with_borrow_mut(|buf| {
         ATTEND_BF16.with_borrow_mut(|ab| {
             // Every element read below is written first in this call: grown, not cleared.
-            crate::prefill_bf16::grow(buf, BLOCK_Q * (BLOCK_K + vdp + vd + 3));
+            buf.grow(BLOCK_Q * (BLOCK_K + vdp + vd + 3));
             let (s, rest) = buf.split_at_mut(BLOCK_Q * BLOCK_K);
             let (pv, rest) = rest.split_at_mut(BLOCK_Q * vdp);
             let (o, rest) = rest.split_at_mut(BLOCK_Q * vd);

@@ -246,14 +246,6 @@ pub fn trim_after_forward(tokens: usize) {
     }
 }
 
-/// Grows `v` to at least `n` elements (never shrinks: the buffers alternate between calls of
-/// different sizes, and re-growing would zero the difference again each time).
-pub(crate) fn grow<T: bytemuck::Pod>(v: &mut AlignedVec<T>, n: usize) {
-    if v.len() < n {
-        v.resize(n, T::zeroed());
-    }
-}
-
 /// Rows padded to whole tiles.
 fn padded(m: usize) -> usize {
     m.div_ceil(16) * 16
@@ -319,7 +311,7 @@ unsafe fn matmul_blocks_with(
     let mut b = b0;
     while b < b1 {
         let nb = (b1 - b).min(per);
-        grow(panel, nb * pl);
+        panel.grow(nb * pl);
         let mut clock = std::time::Instant::now();
         for i in 0..nb {
             block_panel(w, l, b + i, &mut panel[i * pl..(i + 1) * pl]);
@@ -419,7 +411,7 @@ pub(crate) fn run_many(
     let k = mats[0].1.k;
     let mp = padded(m);
     let mut call = CALL.lock().unwrap_or_else(|e| e.into_inner());
-    grow(&mut call.x, mp * k);
+    call.x.grow(mp * k);
     let xbuf = &mut call.x[..mp * k];
     zero_padding(m, k, xbuf);
     let xb = DisjointPtr(xbuf.as_mut_ptr());
@@ -452,7 +444,7 @@ pub(crate) fn run_many(
                 // SAFETY: all rows converted (counter above, acquire); nobody writes them now.
                 let a = unsafe { std::slice::from_raw_parts(xb.get(), xlen) };
                 let cols = (b1 - b0) * ROW_BLOCK;
-                grow(&mut s.c, mp * cols);
+                s.c.grow(mp * cols);
                 // SAFETY: c holds pad(m) rows of `cols`; a is pad(m)·k with zero padding rows.
                 unsafe { matmul_blocks(tiles, w, l, b0, b1, a, m, s.c.as_mut_ptr(), cols, &mut s.panel) };
                 let keep = cols.min(rows - b0 * ROW_BLOCK);
@@ -541,9 +533,9 @@ fn run_experts_as(
         call.row0.push(call.row0[e] + padded(job.tokens.len()));
     }
     let total_rows = call.row0[n];
-    grow(&mut call.x, total_rows * hidden);
-    grow(&mut call.mid, total_rows * inter);
-    grow(&mut call.y, total_rows * ys);
+    call.x.grow(total_rows * hidden);
+    call.mid.grow(total_rows * inter);
+    call.y.grow(total_rows * ys);
     let mtiles: Vec<usize> = jobs.iter().map(|j| j.tokens.len().div_ceil(16)).collect();
     // w13 tasks (expert, block pairs), largest first; then w2 tasks (expert, row blocks) in the
     // order their experts' intermediates complete (the expert's last w13 task), largest first
@@ -610,10 +602,10 @@ fn run_experts_as(
             let xa = unsafe { std::slice::from_raw_parts(xp.get().add(row0[e] * hidden).cast_const(), mp * hidden) };
             SCRATCH.with_borrow_mut(|s| {
                 let (cols13, cols) = ((p1 - p0) * 2 * ROW_BLOCK, (p1 - p0) * ROW_BLOCK);
-                grow(&mut s.c, mp * cols13);
+                s.c.grow(mp * cols13);
                 // SAFETY: c holds pad(m) rows of cols13; xa is pad(m)·hidden, tiled, zero padding.
                 unsafe { matmul_blocks(tiles, w, l13, 2 * p0, 2 * p1, xa, m, s.c.as_mut_ptr(), cols13, &mut s.panel) };
-                grow(&mut s.act, m * cols);
+                s.act.grow(m * cols);
                 silu_mul_w13(isa, &s.c[..m * cols13], m, &mut s.act[..m * cols]);
                 for i in 0..mp {
                     for c in (0..cols).step_by(ROW_BLOCK) {

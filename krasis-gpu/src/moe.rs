@@ -7,8 +7,9 @@
 //! The tiles multiply on the tensor cores (`mma.sync`, BF16 operands, f32 accumulators); each f32
 //! activation enters as two BF16 halves (within 2^-18 of it, two products each), so the products
 //! keep about f32's accuracy; the SwiGLU intermediate is stored as its two halves too (f32 on the
-//! decode path below). The result is deterministic (see the kernel file): per pair, each output is one thread's accumulator in a fixed order, and the
-//! combine sums the top-k slots in ascending order.
+//! decode path below). The result is deterministic (see the kernel file): per pair, each output
+//! is one thread's accumulator in a fixed order, and the combine sums the top-k slots in
+//! ascending order.
 //!
 //! Decode and tiny batches (at most [`DECODE_MAX_PAIRS`] pairs in a pass) take a GEMV-style path
 //! instead: no grouping, each pair streams its expert's gate/up rows and then its down rows with
