@@ -92,6 +92,24 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
     lo[t * ldo + c] = l;
 }
 
+// The expert owning `tile` (tile_offsets[e] <= tile < tile_offsets[e + 1]); fills s_pair with the
+// tile's pair indices (-1 past its `count` pairs) and ends with a barrier.
+__device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ sorted, const int* __restrict__ offsets,
+                                              const int* __restrict__ tile_offsets, int n_experts, int* s_pair,
+                                              int& count) {
+    int lo = 0, hi = n_experts;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (tile_offsets[mid] <= tile) lo = mid;
+        else hi = mid;
+    }
+    const int start = offsets[lo] + (tile - tile_offsets[lo]) * MOE_TM;
+    count = min(MOE_TM, offsets[lo + 1] - start);
+    for (int i = threadIdx.x; i < MOE_TM; i += blockDim.x) s_pair[i] = i < count ? sorted[start + i] : -1;
+    __syncthreads();
+    return lo;
+}
+
 // One tile of one expert on the tensor cores: the tile's pairs p times BN output columns
 // from n0. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), act = silu(gate) * up, written
 // as its two BF16 halves to out_hi/out_lo [p, ldo] for every column below the block's end (zero
@@ -126,19 +144,9 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
-    // The expert owning this tile: tile_offsets[e] <= tile < tile_offsets[e + 1].
-    int lo = 0, hi = n_experts;
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (tile_offsets[mid] <= tile) lo = mid;
-        else hi = mid;
-    }
-    const int e = lo;
-    const int start = offsets[e] + (tile - tile_offsets[e]) * MOE_TM;
-    const int count = min(MOE_TM, offsets[e + 1] - start);
     const int tid = threadIdx.x;
-    for (int i = tid; i < MOE_TM; i += MOE_THREADS) s_pair[i] = i < count ? sorted[start + i] : -1;
-    __syncthreads();
+    int count;
+    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
     // This thread's copies of every chunk, worked out once: staged row (tid / PARTS) + i ·
     // ROWS_PER_PASS, piece tid % PARTS; the sources advance by MOE_KC per chunk. Rows past n_out
@@ -281,6 +289,261 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
                                 nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
 }
+
+// ---- Quantised experts: INT4 / INT8 weights in the GPU tile layout (krasis_quant::gpu_layout) ----
+//
+// Same grouping, pairs and grid as the BF16 tiles; what differs:
+//   - weights: each (64-row panel, 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8)
+//     copy, already in mma fragment order: at each k step a lane reads its 16 bytes per panel
+//     (INT8: 2 x 16) from shared memory and turns them into B fragments in registers (INT4: the
+//     nibble pair | 0x4300 is 128 + u in BF16, minus 136 is q exactly; INT8 through f32), times
+//     the (row, group) scale rounded to BF16; the product rounds to BF16 once, like a BF16 weight.
+//   - scales: f16, per panel and group; each chunk stages the groups of its two 32-wide halves.
+//   - activations: one BF16 copy (x rounded; the intermediate rounded), one product per k step:
+//     the quantisation error dwarfs the BF16 rounding, so the f32-accurate split is not worth
+//     its second product here.
+#define MOE_QPANEL 64  // rows of a panel (gpu_layout::PANEL_ROWS)
+#define MOE_QCHUNK 64  // k of a chunk (gpu_layout::CHUNK_K)
+static_assert(MOE_QCHUNK == MOE_KC, "the A staging of the tiles is shared");
+
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#define BF16X2_ONE 0x3f803f80u
+#define BF16X2_NEG_ZERO 0x80008000u
+// f16 bits -> the nearest BF16, in both halves of a register.
+__device__ __forceinline__ u32 f16_to_bf16x2(u32 h) {
+    float f;
+    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }\n" : "=f"(f) : "r"(h));
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(f));
+    return r;
+}
+// Nibbles s and s + 4 of an INT4 word (stored u = q + 8) as BF16x2 q values, exact.
+__device__ __forceinline__ u32 int4_pair(u32 w, int s) {
+    const u32 r = ((w >> (4 * s)) & 0x000f000fu) | 0x43004300u;  // 128 + u in each half
+    return fma_bf16x2(r, BF16X2_ONE, 0xc308c308u);               // minus 136
+}
+// Bytes b, b + 1 of an INT8 word (stored u = q + 128) as BF16x2 q values (low half byte b), exact.
+__device__ __forceinline__ u32 int8_pair(u32 w, int b) {
+    const float lo = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7440 + b)) - 8388736.0f;  // 2^23 + 128
+    const float hi = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7441 + b)) - 8388736.0f;
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// One tile of one expert, quantised weights. GATED: panels (blockIdx.y) and (n_panels / 2 +
+// blockIdx.y) of w13 (gate rows then up rows, each padded to whole panels); act = silu(gate) * up
+// to out[p, ldo] (BF16) for every column of the 64-column block (zero past n_out). Else panels
+// 2·blockIdx.y and 2·blockIdx.y + 1 of w2 (the second may lie past the matrix: zero-filled) to
+// ypair[p, n0 + i] (f32) for columns below n_out. A: BF16 rows a[p / a_div, lda] (lda = the
+// padded K = chunks · 64).
+template <bool GATED, int BITS>
+__device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
+                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
+                                          int gs, int n_panels, int n_out, const bf16_t* __restrict__ a, int lda,
+                                          int a_div, float* __restrict__ ypair, bf16_t* __restrict__ out, int ldo,
+                                          const int* __restrict__ sorted, const int* __restrict__ offsets,
+                                          const int* __restrict__ tile_offsets, int n_experts) {
+    static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
+    constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
+    constexpr int W_BYTES = 2 * BLOCK;
+    constexpr int S_BYTES = 2 * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
+    constexpr int ROW_BYTES = MOE_SK * 2;
+    constexpr int A_AT = W_BYTES + S_BYTES;
+    constexpr int STAGE_BYTES = A_AT + MOE_TM * ROW_BYTES;
+    constexpr int W_COPIES = W_BYTES / 16 / MOE_THREADS;
+    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = MOE_THREADS / PARTS, A_SLOTS = MOE_TM / ROWS_PER_PASS;
+    static_assert(W_BYTES % (16 * MOE_THREADS) == 0 && S_BYTES / 16 <= MOE_THREADS, "whole copies");
+    static_assert(STAGE_BYTES % 16 == 0 && A_AT % 16 == 0, "16-byte aligned staging");
+    __shared__ int s_pair[MOE_TM];
+    extern __shared__ __align__(16) unsigned char moe_smem[];  // MOE_STAGES buffers (moe.rs: qtile_smem)
+
+    const int tile = blockIdx.x;
+    if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
+    const int tid = threadIdx.x;
+    int count;
+    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
+
+    const int panel0 = GATED ? (int)blockIdx.y : 2 * (int)blockIdx.y;
+    const int panel1 = GATED ? n_panels / 2 + (int)blockIdx.y : 2 * (int)blockIdx.y + 1;
+    const bool has1 = panel1 < n_panels;
+    const unsigned char* we = w + (long long)e * expert_wbytes;
+    const unsigned short* se = sc + (long long)e * expert_scales;
+    // This thread's copies, worked out once: weight piece (i · MOE_THREADS + tid) of the stage's
+    // two blocks; scale piece tid (< 32: panel tid / 16, half (tid / 8) % 2, 8 scales tid % 8);
+    // A rows as in moe_tile. Sources advance by BLOCK (weights) or MOE_QCHUNK (A) per chunk.
+    const unsigned char* w_src[W_COPIES];
+    int w_bytes[W_COPIES];
+#pragma unroll
+    for (int i = 0; i < W_COPIES; ++i) {
+        const int off = (i * MOE_THREADS + tid) * 16;
+        const bool second = off >= BLOCK;
+        const bool ok = !second || has1;
+        w_src[i] = ok ? we + (long long)(second ? panel1 : panel0) * chunks * BLOCK + off % BLOCK : we;
+        w_bytes[i] = ok ? 16 : 0;
+    }
+    const int s_panel = (tid / 16) ? panel1 : panel0, s_half = (tid / 8) % 2;
+    const bool s_ok = tid < S_BYTES / 16 && (tid / 16 == 0 || has1);
+    const unsigned short* s_src = se + (long long)s_panel * groups * MOE_QPANEL + (tid % 8) * 8;
+    const int part = tid % PARTS, row0 = tid / PARTS;
+    long long a_off[A_SLOTS];
+    int a_bytes[A_SLOTS];
+#pragma unroll
+    for (int i = 0; i < A_SLOTS; ++i) {
+        const int p = s_pair[row0 + i * ROWS_PER_PASS];
+        a_off[i] = p >= 0 ? (long long)(p / a_div) * lda + part * 8 : 0;
+        a_bytes[i] = p >= 0 ? 16 : 0;
+    }
+    const u32 smem0 = smem_addr(moe_smem);
+    auto stage = [&](int c, int b) {
+        const u32 dst = smem0 + b * STAGE_BYTES;
+#pragma unroll
+        for (int i = 0; i < W_COPIES; ++i)
+            cp_async16_at(dst + (i * MOE_THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
+                          w_bytes[i]);
+        if (tid < S_BYTES / 16) {
+            const int grp = (c * MOE_QCHUNK + s_half * 32) / gs;
+            cp_async16_at(dst + W_BYTES + tid * 16, s_ok ? s_src + (long long)grp * MOE_QPANEL : se, s_ok ? 16 : 0);
+        }
+        const int k0 = c * MOE_QCHUNK;
+#pragma unroll
+        for (int i = 0; i < A_SLOTS; ++i)
+            cp_async16_at(dst + A_AT + (row0 + i * ROWS_PER_PASS) * ROW_BYTES + part * 16,
+                          a + a_off[i] + (a_bytes[i] ? k0 : 0), a_bytes[i]);
+    };
+
+    const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const bool active = warp * 16 < count;
+    float acc[16][4];  // tiles 0..7: panel 0, 8..15: panel 1
+#pragma unroll
+    for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    const u32 a_at = (u32)(A_AT + (warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
+    const bool halves_differ = gs < MOE_QCHUNK;  // otherwise a chunk lies in one group
+
+#pragma unroll
+    for (int c = 0; c < MOE_STAGES - 1; ++c) {
+        if (c < chunks) stage(c, c);
+        cp_async_commit();
+    }
+    u32 sb[2][8];  // this lane's BF16x2 scales: rows 8t + g of each panel
+    for (int c = 0; c < chunks; ++c) {
+        cp_async_wait<MOE_STAGES - 2>();
+        __syncthreads();
+        const int nc = c + MOE_STAGES - 1;
+        if (nc < chunks) stage(nc, nc % MOE_STAGES);
+        cp_async_commit();
+        if (!active) continue;
+        const u32 buf = smem0 + (c % MOE_STAGES) * STAGE_BYTES;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (half == 0 || halves_differ) {
+#pragma unroll
+                for (int pp = 0; pp < 2; ++pp) {
+                    const uint4 raw = lds128(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8) * 2);
+                    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) sb[pp][t] = f16_to_bf16x2((words[t / 2] >> (16 * (t % 2))) & 0xffffu);
+                }
+            }
+#pragma unroll
+            for (int k2 = 0; k2 < 2; ++k2) {
+                const int ks = half * 2 + k2;
+                u32 fa[4];
+                ldmatrix_x4(fa, buf + a_at + ks * 32);
+#pragma unroll
+                for (int pp = 0; pp < 2; ++pp) {
+                    const u32 wb = buf + pp * BLOCK;
+                    u32 words[8];
+                    if (BITS == 4) {
+                        const uint4 v = lds128(wb + (ks * 32 + lane) * 16);
+                        words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+                    } else {
+                        const uint4 v0 = lds128(wb + ((ks * 2) * 32 + lane) * 16);
+                        const uint4 v1 = lds128(wb + ((ks * 2 + 1) * 32 + lane) * 16);
+                        words[0] = v0.x, words[1] = v0.y, words[2] = v0.z, words[3] = v0.w;
+                        words[4] = v1.x, words[5] = v1.y, words[6] = v1.z, words[7] = v1.w;
+                    }
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) {
+                        u32 b0, b1;
+                        if (BITS == 4) {
+                            b0 = int4_pair(words[t / 2], 2 * (t % 2));
+                            b1 = int4_pair(words[t / 2], 2 * (t % 2) + 1);
+                        } else {
+                            b0 = int8_pair(words[t], 0);
+                            b1 = int8_pair(words[t], 2);
+                        }
+                        b0 = fma_bf16x2(b0, sb[pp][t], BF16X2_NEG_ZERO);
+                        b1 = fma_bf16x2(b1, sb[pp][t], BF16X2_NEG_ZERO);
+                        mma_bf16(acc[pp * 8 + t], fa, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    if (!active) return;
+    // acc[j][2r + c]: tile row warp*16 + g + 8r, column 8j + 2q + c of the block's panels.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int p = s_pair[warp * 16 + g + 8 * r];
+        if (p < 0) continue;
+        if (GATED) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int o = blockIdx.y * MOE_BN + j * 8 + 2 * q;
+                bf16_t h[2];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float gv = acc[j][2 * r + c], uv = acc[j + 8][2 * r + c];
+                    h[c] = f32_to_bf16(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+                }
+                *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int o = blockIdx.y * MOE_BN_DOWN + j * 8 + 2 * q;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[j][2 * r + c];
+                }
+            }
+        }
+    }
+}
+
+// act [n_pairs, inter_pad] (BF16) from x [tokens, ldx] (BF16) and w13 in the GPU tile layout
+// (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
+#define MOE_Q_ENTRIES(BITS)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_q##BITS##_gate_up(                                \
+        const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
+        int chunks, int groups, int gs, int n_panels, int inter, const bf16_t* x, int ldx, int top_k, bf16_t* act, \
+        int inter_pad, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {            \
+        moe_qtile<true, BITS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x, ldx, \
+                              top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets, n_experts);           \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_q##BITS##_down(                                   \
+        const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
+        int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter_pad, float* ypair,  \
+        const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {                           \
+        moe_qtile<false, BITS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden, act,    \
+                               inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);    \
+    }
+// ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden, K inter_pad).
+MOE_Q_ENTRIES(4)
+MOE_Q_ENTRIES(8)
 
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs
 // o = o0 + q: GATED: out[pair, o] = silu(w[o] . a) * (w[up_row0 + o] . a), else w[o] . a, where

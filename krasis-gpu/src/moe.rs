@@ -25,6 +25,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use krasis_quant::gpu_layout::{self, GpuLayout};
+use krasis_quant::{Bits, QuantizedMatrix};
+
 use crate::kernels::{KernelSource, HEADERS};
 use crate::linear::{align_up, check, launch_err, to_i32, Carve, GemmContext};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
@@ -42,6 +45,10 @@ pub const MOE: KernelSource = KernelSource {
         "moe_combine",
         "moe_dec_gate_up",
         "moe_dec_down",
+        "moe_q4_gate_up",
+        "moe_q4_down",
+        "moe_q8_gate_up",
+        "moe_q8_down",
     ],
 };
 
@@ -70,6 +77,26 @@ fn tile_smem(gated: bool) -> usize {
     MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
 }
 
+/// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer two (panel, chunk)
+/// weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each) and the pairs' A
+/// rows (one BF16 copy).
+fn qtile_smem(bits: Bits) -> usize {
+    let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
+    MOE_STAGES * (2 * block + 2 * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
+}
+
+/// Copies `host` into element range `e · len..(e + 1) · len` of `dst` (expert `e`'s slot).
+fn copy_in<T: cudarc::driver::DeviceRepr>(
+    dev: &GpuDevice,
+    dst: &mut DeviceBuffer<T>,
+    e: usize,
+    host: &[T],
+) -> Result<(), GpuError> {
+    let n = host.len();
+    let mut d = dst.slice_mut().slice_mut(e * n..(e + 1) * n);
+    dev.stream().memcpy_htod(host, &mut d).map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))
+}
+
 /// Most experts `moe_route` can count in shared memory (`MOE_MAX_EXPERTS` in moe.cu).
 pub const MOE_MAX_EXPERTS: usize = 4096;
 /// Threads of the single routing block.
@@ -95,16 +122,36 @@ const COMBINE_THREADS: u32 = 256;
 /// Threads per block of `moe_split_rows` (a block per token and chunk of this many columns).
 const SPLIT_THREADS: u32 = 256;
 
-/// The routed experts of one MoE layer, BF16, resident on the GPU.
+/// Where a layer's expert weights live on the device, in which format.
+enum ExpertWeights {
+    Bf16 {
+        /// `[E, 2·inter, hidden_pad]`: gate rows then up rows of each expert, zero padded.
+        w13: DeviceBuffer<u16>,
+        /// `[E, hidden, inter_pad]`, zero padded.
+        w2: DeviceBuffer<u16>,
+    },
+    Quant(QuantExperts),
+}
+
+/// INT4/INT8 experts in the GPU tile layout ([`krasis_quant::gpu_layout`]), expert after expert.
+struct QuantExperts {
+    /// `[2·inter_pad, hidden]`: gate rows, zero rows up to `inter_pad`, up rows, zero rows.
+    l13: GpuLayout,
+    /// `[hidden, inter]`.
+    l2: GpuLayout,
+    w13: DeviceBuffer<u8>,
+    s13: DeviceBuffer<u16>,
+    w2: DeviceBuffer<u8>,
+    s2: DeviceBuffer<u16>,
+}
+
+/// The routed experts of one MoE layer (BF16, INT8 or INT4), resident on the GPU.
 pub struct GpuExperts {
     name: String,
     n_experts: usize,
     hidden: usize,
     inter: usize,
-    /// `[E, 2·inter, hidden_pad]`: gate rows then up rows of each expert, zero padded.
-    w13: DeviceBuffer<u16>,
-    /// `[E, hidden, inter_pad]`, zero padded.
-    w2: DeviceBuffer<u16>,
+    weights: ExpertWeights,
     hidden_pad: usize,
     inter_pad: usize,
     /// Tokens per pass (bounds the scratch); see [`GpuExperts::set_max_tokens_per_pass`].
@@ -146,20 +193,70 @@ impl GpuExperts {
         };
         let w13 = dev.alloc_zeros::<u16>(n13, &format!("{name} w13"))?;
         let w2 = dev.alloc_zeros::<u16>(n2, &format!("{name} w2"))?;
+        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Bf16 { w13, w2 }))
+    }
+
+    /// Allocates room for `n_experts` experts quantised to `bits` in groups of `gs13` along the
+    /// hidden size (gate and up) and `gs2` along the intermediate size (down), in the GPU tile
+    /// layout; fill it with [`GpuExperts::upload_quantized_expert`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_quantized(
+        dev: &GpuDevice,
+        name: &str,
+        n_experts: usize,
+        hidden: usize,
+        inter: usize,
+        bits: Bits,
+        gs13: usize,
+        gs2: usize,
+    ) -> Result<Self, GpuError> {
+        const OP: &str = "GpuExperts::new_quantized";
+        check(OP, n_experts > 0 && hidden > 0 && inter > 0, || {
+            format!("{name}: empty shape (experts {n_experts}, hidden {hidden}, inter {inter})")
+        })?;
+        check(OP, n_experts <= MOE_MAX_EXPERTS, || {
+            format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
+        })?;
+        let layout =
+            |rows, k, gs| GpuLayout::new(rows, k, gs, bits).map_err(|e| GpuError::shape(OP, format!("{name}: {e}")));
+        let l13 = layout(2 * align_up(inter, MOE_PAD), hidden, gs13)?;
+        let l2 = layout(hidden, inter, gs2)?;
+        let total = |per: usize| {
+            n_experts
+                .checked_mul(per)
+                .ok_or_else(|| GpuError::shape(OP, format!("{name}: expert weights overflow usize")))
+        };
+        let w13 = dev.alloc_zeros::<u8>(total(l13.weight_bytes())?, &format!("{name} w13 ({bits:?})"))?;
+        let s13 = dev.alloc_zeros::<u16>(total(l13.scale_count())?, &format!("{name} w13 scales"))?;
+        let w2 = dev.alloc_zeros::<u8>(total(l2.weight_bytes())?, &format!("{name} w2 ({bits:?})"))?;
+        let s2 = dev.alloc_zeros::<u16>(total(l2.scale_count())?, &format!("{name} w2 scales"))?;
+        let q = QuantExperts { l13, l2, w13, s13, w2, s2 };
+        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Quant(q)))
+    }
+
+    fn with_weights(name: &str, n_experts: usize, hidden: usize, inter: usize, weights: ExpertWeights) -> Self {
+        let (hidden_pad, inter_pad) = (align_up(hidden, MOE_PAD), align_up(inter, MOE_PAD));
         let max_pass_tokens = usize::MAX;
-        Ok(GpuExperts {
+        GpuExperts {
             name: name.to_string(),
             n_experts,
             hidden,
             inter,
-            w13,
-            w2,
+            weights,
             hidden_pad,
             inter_pad,
             max_pass_tokens,
             decode_max_pairs: DECODE_MAX_PAIRS,
             tile_smem_set: AtomicBool::new(false),
-        })
+        }
+    }
+
+    /// The experts' weight format: `None` for BF16, else the integer width.
+    pub fn quant_bits(&self) -> Option<Bits> {
+        match &self.weights {
+            ExpertWeights::Bf16 { .. } => None,
+            ExpertWeights::Quant(q) => Some(q.l2.bits),
+        }
     }
 
     pub fn n_experts(&self) -> usize {
@@ -199,17 +296,69 @@ impl GpuExperts {
         for (r, src) in down.chunks_exact(i).enumerate() {
             w2[r * ip..r * ip + i].copy_from_slice(src);
         }
-        let s = dev.stream();
-        let mut dst13 = self.w13.slice_mut().slice_mut(e * w13.len()..(e + 1) * w13.len());
-        s.memcpy_htod(&w13, &mut dst13).map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
-        let mut dst2 = self.w2.slice_mut().slice_mut(e * w2.len()..(e + 1) * w2.len());
-        s.memcpy_htod(&w2, &mut dst2).map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
-        Ok(())
+        let ExpertWeights::Bf16 { w13: d13, w2: d2 } = &mut self.weights else {
+            return Err(GpuError::shape(OP, format!("{name}: the experts are quantised; upload quantised weights")));
+        };
+        copy_in(dev, d13, e, &w13)?;
+        copy_in(dev, d2, e, &w2)
     }
 
-    /// Device bytes of all expert weights (padding included).
+    /// Copies expert `e`'s quantised weights in: `gate` and `up` `[inter, hidden]`, `down`
+    /// `[hidden, inter]`, at the width and group sizes the experts were created with.
+    pub fn upload_quantized_expert(
+        &mut self,
+        dev: &GpuDevice,
+        e: usize,
+        gate: &QuantizedMatrix,
+        up: &QuantizedMatrix,
+        down: &QuantizedMatrix,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuExperts::upload_quantized_expert";
+        let (h, i, name) = (self.hidden, self.inter, &self.name);
+        check(OP, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
+        let ExpertWeights::Quant(qw) = &mut self.weights else {
+            return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; upload BF16 weights")));
+        };
+        let (l13, l2) = (qw.l13, qw.l2);
+        for (what, m, rows, k, gs) in
+            [("gate", gate, i, h, l13.gs), ("up", up, i, h, l13.gs), ("down", down, h, i, l2.gs)]
+        {
+            check(OP, (m.rows, m.k, m.gs, m.bits) == (rows, k, gs, l2.bits), || {
+                format!(
+                    "{name} expert {e}: {what} is {}x{} {:?} g{}, not {rows}x{k} {:?} g{gs}",
+                    m.rows, m.k, m.bits, m.gs, l2.bits
+                )
+            })?;
+        }
+        // Gate and up stacked, each padded to inter_pad rows (q 0, scale 0).
+        let ip = l13.rows / 2;
+        let mut stacked = QuantizedMatrix {
+            rows: l13.rows,
+            k: h,
+            gs: l13.gs,
+            bits: l13.bits,
+            q: vec![0; l13.rows * h],
+            scales: vec![half::f16::ZERO; l13.rows * (h / l13.gs)],
+        };
+        for (m, row0) in [(gate, 0), (up, ip)] {
+            stacked.q[row0 * h..(row0 + i) * h].copy_from_slice(&m.q);
+            let ng = h / l13.gs;
+            stacked.scales[row0 * ng..(row0 + i) * ng].copy_from_slice(&m.scales);
+        }
+        let (w13, s13) = gpu_layout::pack(&stacked);
+        let (w2, s2) = gpu_layout::pack(down);
+        copy_in(dev, &mut qw.w13, e, &w13)?;
+        copy_in(dev, &mut qw.s13, e, &s13)?;
+        copy_in(dev, &mut qw.w2, e, &w2)?;
+        copy_in(dev, &mut qw.s2, e, &s2)
+    }
+
+    /// Device bytes of all expert weights (padding and scales included).
     pub fn weight_bytes(&self) -> usize {
-        (self.w13.len() + self.w2.len()) * 2
+        match &self.weights {
+            ExpertWeights::Bf16 { w13, w2 } => (w13.len() + w2.len()) * 2,
+            ExpertWeights::Quant(q) => q.w13.len() + q.w2.len() + 2 * (q.s13.len() + q.s2.len()),
+        }
     }
 
     /// Caps the tokens one pass of [`GpuExperts::forward`] handles (at least 1), on top of the
@@ -231,7 +380,7 @@ impl GpuExperts {
     /// Whether a pass of `tokens` tokens at `top_k` takes the decode path (for tests).
     #[doc(hidden)]
     pub fn uses_decode_path(&self, tokens: usize, top_k: usize) -> bool {
-        tokens.saturating_mul(top_k) <= self.decode_max_pairs
+        matches!(self.weights, ExpertWeights::Bf16 { .. }) && tokens.saturating_mul(top_k) <= self.decode_max_pairs
     }
 
     /// Tokens per pass at `top_k`, bounded by [`MOE_PASS_SCRATCH_BYTES`] and the caller's cap.
@@ -293,8 +442,21 @@ impl GpuExperts {
         let (ids_p, _g2) = ids.device_ptr(s);
         let (w_p, _g3) = weights.device_ptr(s);
         let (out_p, _g4) = out.device_ptr_mut(s);
-        let (w13_p, _g5) = self.w13.device_ptr(s);
-        let (w2_p, _g6) = self.w2.device_ptr(s);
+        // BF16: (w13, w2, 0, 0); quantised: (w13, w2, s13, s2) pointers.
+        let (w13_p, w2_p, s13_p, s2_p, _guards) = match &self.weights {
+            ExpertWeights::Bf16 { w13, w2 } => {
+                let (a, g1) = w13.device_ptr(s);
+                let (b, g2) = w2.device_ptr(s);
+                (a, b, 0, 0, vec![g1, g2])
+            }
+            ExpertWeights::Quant(q) => {
+                let (a, g1) = q.w13.device_ptr(s);
+                let (b, g2) = q.w2.device_ptr(s);
+                let (c, g3) = q.s13.device_ptr(s);
+                let (d, g4) = q.s2.device_ptr(s);
+                (a, b, c, d, vec![g1, g2, g3, g4])
+            }
+        };
         let (route, gate_up, down, combine) = (
             dev.function(&MOE, "moe_route")?,
             dev.function(&MOE, "moe_gate_up")?,
@@ -303,10 +465,25 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
-        // The tiles' dynamic shared memory (72 KiB for gate/up, above the 48 KiB default), once.
+        let quant = match &self.weights {
+            ExpertWeights::Bf16 { .. } => None,
+            ExpertWeights::Quant(q) => {
+                let (gu, dn) = match q.l2.bits {
+                    Bits::Int4 => ("moe_q4_gate_up", "moe_q4_down"),
+                    Bits::Int8 => ("moe_q8_gate_up", "moe_q8_down"),
+                };
+                Some((q, dev.function(&MOE, gu)?, dev.function(&MOE, dn)?))
+            }
+        };
+        // The tiles' dynamic shared memory (72 KiB for the BF16 gate/up, above the 48 KiB
+        // default), once.
         if !self.tile_smem_set.load(Ordering::Relaxed) {
-            for (f, gated) in [(&gate_up, true), (&down, false)] {
-                f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, tile_smem(gated) as i32)
+            let sizes = match &quant {
+                None => vec![(&gate_up, tile_smem(true)), (&down, tile_smem(false))],
+                Some((q, gu, dn)) => vec![(gu, qtile_smem(q.l2.bits)), (dn, qtile_smem(q.l2.bits))],
+            };
+            for (f, bytes) in sizes {
+                f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                     .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
             }
             self.tile_smem_set.store(true, Ordering::Relaxed);
@@ -382,6 +559,47 @@ impl GpuExperts {
                 block_dim: (MOE_THREADS, 1, 1),
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
+            if let Some((q, q_gate_up, q_down)) = &quant {
+                // One BF16 copy of x (the split's high half) and of the intermediate.
+                let (l13, l2) = (&q.l13, &q.l2);
+                let dims = |l: &GpuLayout| {
+                    let n = |v: usize, what| to_i32(OP, what, v);
+                    Ok::<_, GpuError>((
+                        n(l.chunks(), "chunks")?,
+                        n(l.groups(), "groups")?,
+                        l.gs as i32,
+                        n(l.panels(), "panels")?,
+                    ))
+                };
+                let (c13, g13, gs13, p13) = dims(l13)?;
+                let (c2, g2, gs2, p2) = dims(l2)?;
+                let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
+                let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
+                let qgrid = |n_out: usize, cols: usize| LaunchConfig {
+                    grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
+                    block_dim: (MOE_THREADS, 1, 1),
+                    shared_mem_bytes: qtile_smem(l2.bits) as u32,
+                };
+                let mut b = s.launch_builder(q_gate_up);
+                b.arg(&w13_p).arg(&s13_p).arg(&ew13).arg(&es13).arg(&c13).arg(&g13).arg(&gs13).arg(&p13);
+                b.arg(&i_i).arg(&xs_hi).arg(&ldw13).arg(&k_i).arg(&act_hi).arg(&ldw2);
+                b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+                // SAFETY: w13/s13 [E, l13]; blocks read panels y and p13/2 + y < p13 (grid.y =
+                // inter_pad / 64 = p13 / 2) and chunks < c13; xs_hi [nt, ldw13 = 64·c13]; act_hi
+                // [pairs, ldw2], every column written; ids checked on the device as above.
+                unsafe { b.launch(qgrid(i, MOE_BN)) }.map_err(launch_err(OP))?;
+                let mut b = s.launch_builder(q_down);
+                b.arg(&w2_p).arg(&s2_p).arg(&ew2).arg(&es2).arg(&c2).arg(&g2).arg(&gs2).arg(&p2);
+                b.arg(&h_i).arg(&act_hi).arg(&ldw2).arg(&ypair);
+                b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+                // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); act_hi [pairs,
+                // ldw2 = 64·c2]; ypair [pairs, hidden], columns below hidden only.
+                unsafe { b.launch(qgrid(h, MOE_BN_DOWN)) }.map_err(launch_err(OP))?;
+                launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
+                t0 += nt;
+                continue;
+            }
+
             let mut b = s.launch_builder(&gate_up);
             b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&k_i);
             b.arg(&act_hi).arg(&act_lo).arg(&ldw2).arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);

@@ -1,11 +1,13 @@
 //! Pure quantisation functions. Every packer has an unpacker and a scalar reference.
 //! Today: FP8 E4M3 block dequantisation (DeepSeek-V3 / Kimi-K2 checkpoints); symmetric per-group
-//! INT4/INT8 quantisation along K (`group`) and its CPU packed layout (`cpu_layout`); llama.cpp's
+//! INT4/INT8 quantisation along K (`group`), its CPU packed layout (`cpu_layout`) and its GPU tile
+//! layout (`gpu_layout`); llama.cpp's
 //! GGUF tensor types and their dequantisers (`ggml`).
 
 pub mod cpu_layout;
 pub mod fp8_block;
 pub mod ggml;
+pub mod gpu_layout;
 pub mod group;
 
 pub use group::{Bits, QuantError, QuantizedMatrix};

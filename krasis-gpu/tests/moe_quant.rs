@@ -1,0 +1,231 @@
+//! `GpuExperts` with INT4 / INT8 weights in the GPU tile layout against a scalar f64 twin that
+//! makes the kernel's roundings on purpose: x and the SwiGLU intermediate rounded to BF16, each
+//! weight `q · bf16(scale)` rounded to BF16. What the twin cannot predict (f32 accumulation order,
+//! an intermediate landing on the other side of a BF16 rounding boundary) is bounded, not
+//! estimated, so a dropped k chunk, a wrong scale group, a swapped nibble or a wrong panel is far
+//! outside. Cases: decode (t = 1), prefill, ragged shapes (rows and K not multiples of the 64-row
+//! panels or 64-k chunks, group sizes 32 / 64 / 128), the second down panel past the matrix,
+//! several passes, one expert for every token, out-of-range ids, and bitwise determinism.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" and passes; with `KRASIS_REQUIRE_GPU=1` a
+//! missing GPU fails instead.
+
+#![allow(clippy::needless_range_loop)] // the scalar twin is plain index loops on purpose
+
+mod common;
+
+use common::{assert_within, bf16_round, down, gpu_gemm, poisoned_f32, rand_bf16_f32, rand_f32, rng, up, U};
+use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuExperts};
+use krasis_quant::group::{group_size_for, quantize, DEFAULT_GROUP_SIZE};
+use krasis_quant::{Bits, QuantizedMatrix};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+struct Expert {
+    gate: QuantizedMatrix,
+    up: QuantizedMatrix,
+    down: QuantizedMatrix,
+}
+
+/// The weights as the kernel multiplies them: `bf16(q · bf16(scale))`, row-major.
+fn kernel_weights(m: &QuantizedMatrix) -> Vec<f64> {
+    let mut out = Vec::with_capacity(m.rows * m.k);
+    for r in 0..m.rows {
+        for c in 0..m.k {
+            let s = bf16_round(m.scale(r, c / m.gs));
+            out.push(bf16_round(m.q[r * m.k + c] as f32 * s) as f64);
+        }
+    }
+    out
+}
+
+fn silu(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// f64 twin: (out [t, hidden], tolerance per element); tokens with a bad id give NaN rows.
+fn twin(
+    experts: &[Expert],
+    hidden: usize,
+    inter: usize,
+    x: &[f32],
+    ids: &[i32],
+    weights: &[f32],
+    top_k: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let t = x.len() / hidden;
+    let ew: Vec<[Vec<f64>; 3]> =
+        experts.iter().map(|e| [kernel_weights(&e.gate), kernel_weights(&e.up), kernel_weights(&e.down)]).collect();
+    let (mut out, mut tol) = (vec![0f32; t * hidden], vec![0f32; t * hidden]);
+    // f32 accumulation over n terms: at most n·u·Σ|terms| (a hard bound, loose on purpose).
+    let acc_bound = |n: usize, abs: f64| (n as f64 + 4.0) * U * abs;
+    for tok in 0..t {
+        let xt: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| bf16_round(v) as f64).collect();
+        if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= experts.len()) {
+            out[tok * hidden..(tok + 1) * hidden].fill(f32::NAN);
+            continue;
+        }
+        let mut ys = Vec::new();
+        for j in 0..top_k {
+            let [g_w, u_w, d_w] = &ew[ids[tok * top_k + j] as usize];
+            let (mut act, mut act_err) = (vec![0f64; inter], vec![0f64; inter]);
+            for i in 0..inter {
+                let (gr, ur) = (&g_w[i * hidden..(i + 1) * hidden], &u_w[i * hidden..(i + 1) * hidden]);
+                let g: f64 = gr.iter().zip(&xt).map(|(a, b)| a * b).sum();
+                let u: f64 = ur.iter().zip(&xt).map(|(a, b)| a * b).sum();
+                let eg = acc_bound(hidden, gr.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
+                let eu = acc_bound(hidden, ur.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
+                let a = silu(g) * u;
+                act[i] = bf16_round(a as f32) as f64;
+                // The kernel's f32 value (within the accumulation bound, expf a few ulp) may round
+                // to the BF16 neighbour of the twin's: one BF16 step, 2^-8 relative, at most.
+                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 8.0 * U * a.abs() + a.abs() / 256.0;
+            }
+            let mut y = vec![(0f64, 0f64); hidden];
+            for h in 0..hidden {
+                let row = &d_w[h * inter..(h + 1) * inter];
+                let v: f64 = row.iter().zip(&act).map(|(a, b)| a * b).sum();
+                let abs: f64 = row.iter().zip(&act).map(|(a, b)| (a * b).abs()).sum();
+                let prop: f64 = row.iter().zip(&act_err).map(|(a, e)| a.abs() * e).sum();
+                y[h] = (v, prop + acc_bound(inter, abs));
+            }
+            ys.push(y);
+        }
+        for h in 0..hidden {
+            let (mut acc, mut e, mut abs) = (0f64, 0f64, 0f64);
+            for j in 0..top_k {
+                let w = weights[tok * top_k + j] as f64;
+                acc += w * ys[j][h].0;
+                e += w.abs() * ys[j][h].1;
+                abs += (w * ys[j][h].0).abs();
+            }
+            out[tok * hidden + h] = acc as f32;
+            tol[tok * hidden + h] = (e + acc_bound(top_k, abs) + U * acc.abs()) as f32 + 1e-30;
+        }
+    }
+    (out, tol)
+}
+
+struct Case {
+    name: &'static str,
+    n_experts: usize,
+    hidden: usize,
+    inter: usize,
+    top_k: usize,
+    t: usize,
+    /// Pattern of ids: 0 distinct per token, 1 all on expert 0, 2 with repeats, 3 some bad.
+    ids: u8,
+    pass_tokens: usize,
+}
+
+fn make_ids(r: &mut ChaCha8Rng, c: &Case) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(c.t * c.top_k);
+    for tok in 0..c.t {
+        let mut row: Vec<i32> = Vec::new();
+        while row.len() < c.top_k {
+            let e = match c.ids {
+                1 => 0,
+                _ => r.random_range(0..c.n_experts as i32),
+            };
+            if c.ids != 0 && c.ids != 3 || !row.contains(&e) {
+                row.push(e);
+            }
+        }
+        if c.ids == 3 && tok % 7 == 3 {
+            row[tok % c.top_k] = if tok % 2 == 0 { -1 } else { c.n_experts as i32 + tok as i32 };
+        }
+        ids.extend(row);
+    }
+    ids
+}
+
+fn quantized(r: &mut ChaCha8Rng, rows: usize, k: usize, bits: Bits) -> QuantizedMatrix {
+    let mut w = rand_f32(r, rows * k, 2.0 / (k as f32).sqrt());
+    // A few outliers so that groups differ in scale.
+    for _ in 0..rows.max(1) {
+        let i = r.random_range(0..w.len());
+        w[i] *= 6.0;
+    }
+    quantize(&w, rows, k, bits, group_size_for(k, DEFAULT_GROUP_SIZE).unwrap())
+}
+
+fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
+    let mut r = rng(seed);
+    let (h, i) = (c.hidden, c.inter);
+    let experts: Vec<Expert> = (0..c.n_experts)
+        .map(|_| Expert {
+            gate: quantized(&mut r, i, h, bits),
+            up: quantized(&mut r, i, h, bits),
+            down: quantized(&mut r, h, i, bits),
+        })
+        .collect();
+    let (gs13, gs2) = (experts[0].gate.gs, experts[0].down.gs);
+    let mut ge = GpuExperts::new_quantized(d, c.name, c.n_experts, h, i, bits, gs13, gs2).unwrap();
+    for (e, ex) in experts.iter().enumerate() {
+        ge.upload_quantized_expert(d, e, &ex.gate, &ex.up, &ex.down).unwrap();
+    }
+    assert_eq!(ge.quant_bits(), Some(bits));
+    ge.set_max_tokens_per_pass(c.pass_tokens);
+    let x = rand_bf16_f32(&mut r, c.t * h, 1.5);
+    let ids = make_ids(&mut r, c);
+    let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
+    let (want, tol) = twin(&experts, h, i, &x, &ids, &weights, c.top_k);
+    let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
+    let name = format!("{} ({bits:?}, g{gs13}/g{gs2})", c.name);
+    let mut out = poisoned_f32(d, c.t * h);
+    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
+    let got = down(d, &out);
+    let worst = assert_within(&name, &got, &want, &tol);
+    let mut again = poisoned_f32(d, c.t * h);
+    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
+    let got2 = down(d, &again);
+    assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: not deterministic");
+    eprintln!(
+        "moe_quant {name}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
+        c.n_experts, c.top_k, c.t
+    );
+}
+
+#[test]
+fn quantized_moe_matches_twin() {
+    let Some((d, ctx)) = gpu_gemm("quantized_moe_matches_twin") else { return };
+    let m = usize::MAX;
+    #[rustfmt::skip]
+    let cases = [
+        Case { name: "decode", n_experts: 16, hidden: 128, inter: 64, top_k: 4, t: 1, ids: 0, pass_tokens: m },
+        Case { name: "decode ragged", n_experts: 9, hidden: 160, inter: 96, top_k: 3, t: 1, ids: 0, pass_tokens: m },
+        Case { name: "decode long rows", n_experts: 3, hidden: 4128, inter: 1408, top_k: 2, t: 1, ids: 2, pass_tokens: m },
+        Case { name: "prefill", n_experts: 64, hidden: 256, inter: 192, top_k: 6, t: 100, ids: 0, pass_tokens: m },
+        Case { name: "prefill ragged", n_experts: 6, hidden: 224, inter: 96, top_k: 2, t: 99, ids: 2, pass_tokens: m },
+        Case { name: "all on one expert", n_experts: 8, hidden: 192, inter: 32, top_k: 4, t: 70, ids: 1, pass_tokens: m },
+        Case { name: "three passes", n_experts: 12, hidden: 96, inter: 160, top_k: 2, t: 101, ids: 0, pass_tokens: 40 },
+        Case { name: "bad ids", n_experts: 10, hidden: 64, inter: 32, top_k: 4, t: 30, ids: 3, pass_tokens: 8 },
+    ];
+    for bits in [Bits::Int4, Bits::Int8] {
+        for (k, c) in cases.iter().enumerate() {
+            run_case(d, ctx, c, bits, 300 + k as u64);
+        }
+    }
+}
+
+#[test]
+fn quantized_moe_shape_errors() {
+    let Some((d, _)) = gpu_gemm("quantized_moe_shape_errors") else { return };
+    let mut r = rng(1);
+    let mut ge = GpuExperts::new_quantized(d, "layer 2 experts", 4, 64, 32, Bits::Int4, 64, 32).unwrap();
+    let (g, u, dn) = (
+        quantized(&mut r, 32, 64, Bits::Int4),
+        quantized(&mut r, 32, 64, Bits::Int4),
+        quantized(&mut r, 64, 32, Bits::Int4),
+    );
+    let e = ge.upload_quantized_expert(d, 4, &g, &u, &dn).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("expert 4 of 4"), "{e}");
+    let g8 = quantized(&mut r, 32, 64, Bits::Int8);
+    let e = ge.upload_quantized_expert(d, 0, &g8, &u, &dn).unwrap_err();
+    assert!(e.to_string().contains("gate is 32x64 Int8"), "{e}");
+    let e = ge.upload_expert(d, 0, &[0; 64 * 32], &[0; 64 * 32], &[0; 64 * 32]).unwrap_err();
+    assert!(e.to_string().contains("quantised"), "{e}");
+    // A group size that does not divide K is refused at creation, naming the layer.
+    let e = GpuExperts::new_quantized(d, "layer 9 experts", 4, 96, 32, Bits::Int8, 64, 32).unwrap_err();
+    assert!(e.to_string().contains("layer 9 experts"), "{e}");
+}
