@@ -169,6 +169,10 @@ pub struct GpuArgs {
     /// LM head on the GPU.
     #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub lm_head_quant: LinearQuant,
+    /// Routed experts resident on the GPU (`--device gpu`): bf16, 8 or 4 (INT8 / INT4 weights,
+    /// quantised per group of 128 along K at load, dequantised inside the tensor-core tiles).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "8", "4"])]
+    pub gpu_expert_bits: String,
 }
 
 impl GpuArgs {
@@ -186,6 +190,11 @@ impl GpuArgs {
             kv_b_proj_quant: self.kv_b_proj_quant,
             lm_head_quant: self.lm_head_quant,
             kv_tokens: self.kv_tokens,
+            expert_bits: match self.gpu_expert_bits.as_str() {
+                "8" => Some(krasis_quant::Bits::Int8),
+                "4" => Some(krasis_quant::Bits::Int4),
+                _ => None,
+            },
         })
     }
 }

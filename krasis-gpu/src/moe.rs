@@ -130,7 +130,7 @@ enum ExpertWeights {
         /// `[E, hidden, inter_pad]`, zero padded.
         w2: DeviceBuffer<u16>,
     },
-    Quant(QuantExperts),
+    Quant(Box<QuantExperts>),
 }
 
 /// INT4/INT8 experts in the GPU tile layout ([`krasis_quant::gpu_layout`]), expert after expert.
@@ -170,6 +170,68 @@ impl std::fmt::Debug for GpuExperts {
             .field("hidden", &self.hidden)
             .field("inter", &self.inter)
             .finish()
+    }
+}
+
+const OP_UPLOAD_Q: &str = "GpuExperts::upload_quantized_expert";
+
+/// One expert's weights in the GPU tile layout, ready to copy in.
+pub struct PackedExpert {
+    w13: Vec<u8>,
+    s13: Vec<u16>,
+    w2: Vec<u8>,
+    s2: Vec<u16>,
+}
+
+/// The layout of a layer's quantised experts: packs experts on any thread.
+#[derive(Clone, Debug)]
+pub struct QuantExpertLayout {
+    name: String,
+    hidden: usize,
+    inter: usize,
+    /// `[2·inter_pad, hidden]`: gate rows, zero rows up to `inter_pad`, up rows, zero rows.
+    l13: GpuLayout,
+    l2: GpuLayout,
+}
+
+impl QuantExpertLayout {
+    /// Expert `e`'s `gate`, `up` `[inter, hidden]` and `down` `[hidden, inter]` in the GPU tile
+    /// layout; their widths and group sizes must be the layer's.
+    pub fn pack(
+        &self,
+        e: usize,
+        gate: &QuantizedMatrix,
+        up: &QuantizedMatrix,
+        down: &QuantizedMatrix,
+    ) -> Result<PackedExpert, GpuError> {
+        let (h, i, name, l13, l2) = (self.hidden, self.inter, &self.name, &self.l13, &self.l2);
+        for (what, m, rows, k, gs) in
+            [("gate", gate, i, h, l13.gs), ("up", up, i, h, l13.gs), ("down", down, h, i, l2.gs)]
+        {
+            check(OP_UPLOAD_Q, (m.rows, m.k, m.gs, m.bits) == (rows, k, gs, l2.bits), || {
+                format!(
+                    "{name} expert {e}: {what} is {}x{} {:?} g{}, not {rows}x{k} {:?} g{gs}",
+                    m.rows, m.k, m.bits, m.gs, l2.bits
+                )
+            })?;
+        }
+        // Gate and up stacked, each padded to inter_pad rows (q 0, scale 0).
+        let (ip, ng) = (l13.rows / 2, h / l13.gs);
+        let mut stacked = QuantizedMatrix {
+            rows: l13.rows,
+            k: h,
+            gs: l13.gs,
+            bits: l13.bits,
+            q: vec![0; l13.rows * h],
+            scales: vec![half::f16::ZERO; l13.rows * ng],
+        };
+        for (m, row0) in [(gate, 0), (up, ip)] {
+            stacked.q[row0 * h..(row0 + i) * h].copy_from_slice(&m.q);
+            stacked.scales[row0 * ng..(row0 + i) * ng].copy_from_slice(&m.scales);
+        }
+        let (w13, s13) = gpu_layout::pack(&stacked);
+        let (w2, s2) = gpu_layout::pack(down);
+        Ok(PackedExpert { w13, s13, w2, s2 })
     }
 }
 
@@ -231,7 +293,7 @@ impl GpuExperts {
         let w2 = dev.alloc_zeros::<u8>(total(l2.weight_bytes())?, &format!("{name} w2 ({bits:?})"))?;
         let s2 = dev.alloc_zeros::<u16>(total(l2.scale_count())?, &format!("{name} w2 scales"))?;
         let q = QuantExperts { l13, l2, w13, s13, w2, s2 };
-        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Quant(q)))
+        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Quant(Box::new(q))))
     }
 
     fn with_weights(name: &str, n_experts: usize, hidden: usize, inter: usize, weights: ExpertWeights) -> Self {
@@ -303,6 +365,21 @@ impl GpuExperts {
         copy_in(dev, d2, e, &w2)
     }
 
+    /// The quantised experts' layout, for packing experts off the device's thread
+    /// ([`QuantExpertLayout::pack`]); `None` for BF16 experts.
+    pub fn quant_layout(&self) -> Option<QuantExpertLayout> {
+        match &self.weights {
+            ExpertWeights::Bf16 { .. } => None,
+            ExpertWeights::Quant(q) => Some(QuantExpertLayout {
+                name: self.name.clone(),
+                hidden: self.hidden,
+                inter: self.inter,
+                l13: q.l13,
+                l2: q.l2,
+            }),
+        }
+    }
+
     /// Copies expert `e`'s quantised weights in: `gate` and `up` `[inter, hidden]`, `down`
     /// `[hidden, inter]`, at the width and group sizes the experts were created with.
     pub fn upload_quantized_expert(
@@ -313,44 +390,27 @@ impl GpuExperts {
         up: &QuantizedMatrix,
         down: &QuantizedMatrix,
     ) -> Result<(), GpuError> {
-        const OP: &str = "GpuExperts::upload_quantized_expert";
-        let (h, i, name) = (self.hidden, self.inter, &self.name);
-        check(OP, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
+        let layout = self.quant_layout().ok_or_else(|| {
+            GpuError::shape(OP_UPLOAD_Q, format!("{}: the experts are BF16; upload BF16 weights", self.name))
+        })?;
+        let packed = layout.pack(e, gate, up, down)?;
+        self.upload_packed_expert(dev, e, &packed)
+    }
+
+    /// Copies expert `e`'s packed weights (from [`QuantExpertLayout::pack`] of these experts) in.
+    pub fn upload_packed_expert(&mut self, dev: &GpuDevice, e: usize, p: &PackedExpert) -> Result<(), GpuError> {
+        let name = &self.name;
+        check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
         let ExpertWeights::Quant(qw) = &mut self.weights else {
-            return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; upload BF16 weights")));
+            return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")));
         };
-        let (l13, l2) = (qw.l13, qw.l2);
-        for (what, m, rows, k, gs) in
-            [("gate", gate, i, h, l13.gs), ("up", up, i, h, l13.gs), ("down", down, h, i, l2.gs)]
-        {
-            check(OP, (m.rows, m.k, m.gs, m.bits) == (rows, k, gs, l2.bits), || {
-                format!(
-                    "{name} expert {e}: {what} is {}x{} {:?} g{}, not {rows}x{k} {:?} g{gs}",
-                    m.rows, m.k, m.bits, m.gs, l2.bits
-                )
-            })?;
-        }
-        // Gate and up stacked, each padded to inter_pad rows (q 0, scale 0).
-        let ip = l13.rows / 2;
-        let mut stacked = QuantizedMatrix {
-            rows: l13.rows,
-            k: h,
-            gs: l13.gs,
-            bits: l13.bits,
-            q: vec![0; l13.rows * h],
-            scales: vec![half::f16::ZERO; l13.rows * (h / l13.gs)],
-        };
-        for (m, row0) in [(gate, 0), (up, ip)] {
-            stacked.q[row0 * h..(row0 + i) * h].copy_from_slice(&m.q);
-            let ng = h / l13.gs;
-            stacked.scales[row0 * ng..(row0 + i) * ng].copy_from_slice(&m.scales);
-        }
-        let (w13, s13) = gpu_layout::pack(&stacked);
-        let (w2, s2) = gpu_layout::pack(down);
-        copy_in(dev, &mut qw.w13, e, &w13)?;
-        copy_in(dev, &mut qw.s13, e, &s13)?;
-        copy_in(dev, &mut qw.w2, e, &w2)?;
-        copy_in(dev, &mut qw.s2, e, &s2)
+        let sizes = (p.w13.len(), p.s13.len(), p.w2.len(), p.s2.len());
+        let want = (qw.l13.weight_bytes(), qw.l13.scale_count(), qw.l2.weight_bytes(), qw.l2.scale_count());
+        check(OP_UPLOAD_Q, sizes == want, || format!("{name} expert {e}: packed for another layout"))?;
+        copy_in(dev, &mut qw.w13, e, &p.w13)?;
+        copy_in(dev, &mut qw.s13, e, &p.s13)?;
+        copy_in(dev, &mut qw.w2, e, &p.w2)?;
+        copy_in(dev, &mut qw.s2, e, &p.s2)
     }
 
     /// Device bytes of all expert weights (padding and scales included).

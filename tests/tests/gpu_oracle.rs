@@ -32,8 +32,11 @@ struct Run {
 /// Prefill logits of the prompt, then decode steps teacher-forced with the oracle's greedy ids
 /// (step i sees greedy_ids[..i]); the step logits line up with `greedy_logits`.
 fn run(dir: &Path, kv: KvDtype) -> Run {
-    let opts = GpuOptions { kv_dtype: kv, kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
-    let m = GpuModel::load(dir, &opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    run_with(dir, &GpuOptions { kv_dtype: kv, kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() })
+}
+
+fn run_with(dir: &Path, opts: &GpuOptions) -> Run {
+    let m = GpuModel::load(dir, opts).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     let r = load_reference(dir);
     let v = m.spec.vocab_size;
     let mut s = m.new_session().unwrap();
@@ -171,6 +174,53 @@ fn int8_linears_against_the_oracle() {
         eprintln!("{name} int8 linears: 1-cos {:.3e}, top1 {:.2}, min cos {:.5}", 1.0 - f.mean_cos, f.top1, f.min_cos);
         assert!(f.mean_cos >= 0.95, "{name}: INT8 linears mean cos {:.4} against the oracle", f.mean_cos);
     }
+}
+
+/// `--gpu-expert-bits 4|8` (routed experts resident on the GPU, INT4/INT8 in the GPU tile
+/// layout) against the oracle, every fixture, by the rule: (1 − mean cos) ≤ 2 × the
+/// ideal quantisation's at those bits + 3 × (1 − transformers' BF16 run's) + 1e-4, top-1 ≥ the
+/// ideal's − 0.1. The decode steps (the same tiles at one token) must match the prefill path
+/// over the same positions as in the BF16 check.
+#[test]
+fn quantized_gpu_experts_against_the_oracle() {
+    let Some(root) = fixtures_dir() else { return };
+    if !gpu_available("quantized_gpu_experts_against_the_oracle") {
+        return;
+    }
+    use krasis_quant::Bits;
+    let mut failures = Vec::new();
+    for name in FIXTURE_NAMES {
+        let dir = root.join(name);
+        let r = load_reference(&dir);
+        let vocab = r.prefill_logits.len() / r.prompt_ids.len();
+        let b16 = quant_bound(&root, name, "bf16");
+        for (bits, kind) in [(Bits::Int4, "int4"), (Bits::Int8, "int8")] {
+            let ideal = quant_bound(&root, name, kind);
+            let bar = 2.0 * (1.0 - ideal.mean_cos) + 3.0 * (1.0 - b16.mean_cos) + 1e-4;
+            let opts = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), expert_bits: Some(bits), ..GpuOptions::default() };
+            let run = run_with(&dir, &opts);
+            let f = fidelity(&run.prefill, &r.prefill_logits, vocab);
+            report(name, &format!("{kind} experts prefill"), &f, bar);
+            if 1.0 - f.mean_cos > bar || f.top1 < ideal.top1 - 0.1 {
+                failures.push(format!(
+                    "{name} {kind}: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2} (ideal {:.2})",
+                    1.0 - f.mean_cos,
+                    f.top1,
+                    ideal.top1
+                ));
+            }
+            let d = fidelity(&run.steps, &run.steps_by_prefill, vocab);
+            eprintln!(
+                "{name} {kind} experts decode steps vs prefill path: mean cos {:.6}, top1 {:.2}",
+                d.mean_cos, d.top1
+            );
+            if d.mean_cos < 0.999 || d.top1 < 0.9 {
+                failures
+                    .push(format!("{name} {kind}: decode vs prefill mean cos {:.6}, top1 {:.2}", d.mean_cos, d.top1));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "quantised GPU experts: {failures:?}");
 }
 
 /// Greedy generation on the GPU: reports how many of the oracle's greedy tokens it reproduces

@@ -79,9 +79,12 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
             TensorRole::DenseMlp => linear(opts.dense_mlp_quant),
             TensorRole::LmHead => linear(opts.lm_head_quant),
             TensorRole::Embedding if spec.tie_word_embeddings => 2 * n + linear(opts.lm_head_quant),
-            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias | TensorRole::RoutedExpert { .. } => {
-                2 * n
-            }
+            TensorRole::RoutedExpert { .. } => match opts.expert_bits {
+                // Codes plus one f16 scale per group of at least 32.
+                Some(bits) => n * bits.bits() as u64 / 8 + n / 16,
+                None => 2 * n,
+            },
+            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias => 2 * n,
         };
     }
     let (planes, row, group) = kv_geometry(spec);
@@ -124,6 +127,57 @@ impl GpuBuilder<'_> {
 
     fn bf16_matrix(&self, t: &TensorSpec) -> Result<(DenseLinear, usize, usize)> {
         Ok((self.w.matrix_of(t)?, t.shape[0], t.shape[1]))
+    }
+
+    /// A layer's routed experts quantised to `bits` (the CPU cache's rule: symmetric, f16 scales,
+    /// group 128 halved to fit K) on all cores, then uploaded in the GPU tile layout.
+    fn quantized_experts(
+        &self,
+        name: &str,
+        experts: &[MlpTensors],
+        h: usize,
+        inter: usize,
+        bits: krasis_quant::Bits,
+    ) -> Result<GpuExperts> {
+        use krasis_quant::group::{group_size_for, quantize, DEFAULT_GROUP_SIZE};
+        let gs = |k: usize| {
+            group_size_for(k, DEFAULT_GROUP_SIZE)
+                .map_err(|e| ModelError::Invalid(format!("{name}: {e} (quantising the experts for the GPU)")))
+        };
+        let (gs13, gs2) = (gs(h)?, gs(inter)?);
+        let mut resident = GpuExperts::new_quantized(self.dev, name, experts.len(), h, inter, bits, gs13, gs2)?;
+        let mats = experts
+            .iter()
+            .map(|m| Ok([self.w.matrix_of(&m.gate)?, self.w.matrix_of(&m.up)?, self.w.matrix_of(&m.down)?]))
+            .collect::<Result<Vec<_>>>()?;
+        let layout = resident.quant_layout().expect("quantised experts");
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(mats.len().max(1));
+        let per = mats.len().div_ceil(threads).max(1);
+        // Quantise and pack on all cores, expert by expert; upload on this thread.
+        let packed = std::thread::scope(|s| {
+            let jobs: Vec<_> = mats
+                .chunks(per)
+                .enumerate()
+                .map(|(j, src)| {
+                    let layout = &layout;
+                    s.spawn(move || {
+                        src.iter()
+                            .enumerate()
+                            .map(|(x, [g, u, d])| {
+                                let q =
+                                    |l: &DenseLinear, gs| quantize(&f32_values(l), l.out_dim(), l.in_dim(), bits, gs);
+                                layout.pack(j * per + x, &q(g, gs13), &q(u, gs13), &q(d, gs2))
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            jobs.into_iter().flat_map(|j| j.join().expect("expert quantisation panicked")).collect::<Vec<_>>()
+        });
+        for (x, p) in packed.into_iter().enumerate() {
+            resident.upload_packed_expert(self.dev, x, &p?)?;
+        }
+        Ok(resident)
     }
 }
 
@@ -196,6 +250,9 @@ impl WeightBuilder for GpuBuilder<'_> {
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
         let name = format!("{}.mlp.experts", crate::tensors::layer_prefix(layer));
+        if let Some(bits) = self.opts.expert_bits {
+            return Ok(GpuExpertBackend::Resident(Box::new(self.quantized_experts(&name, experts, h, inter, bits)?)));
+        }
         let mut resident = GpuExperts::new(self.dev, &name, experts.len(), h, inter)?;
         for (x, m) in experts.iter().enumerate() {
             let g = self.w.matrix_of(&m.gate)?;

@@ -55,6 +55,9 @@ pub struct GpuOptions {
     /// KV capacity in tokens; `None`: what the budget leaves after the weights (minus
     /// [`KV_RESERVE_BYTES`]), capped at the model's `max_position_embeddings`.
     pub kv_tokens: Option<usize>,
+    /// `--gpu-expert-bits`: the routed experts resident on the GPU in BF16 (`None`) or quantised
+    /// symmetric per group along K (INT8 / INT4, group 128 halved to fit K, as the CPU cache).
+    pub expert_bits: Option<krasis_quant::Bits>,
 }
 
 impl Default for GpuOptions {
@@ -69,6 +72,7 @@ impl Default for GpuOptions {
             kv_b_proj_quant: LinearQuant::Bf16,
             lm_head_quant: LinearQuant::Bf16,
             kv_tokens: None,
+            expert_bits: None,
         }
     }
 }
