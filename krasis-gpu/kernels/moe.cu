@@ -545,6 +545,159 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 MOE_Q_ENTRIES(4)
 MOE_Q_ENTRIES(8)
 
+// Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
+// its expert's panel (GATED: the gate panel and the matching up panel) once, 16-byte coalesced.
+// The 4 warps take the chunks c = warp, warp + 4, ...; in a chunk each lane holds, per k step and
+// n8 tile t, the 4 elements of row 8t + g its mma fragment would, dequantised the same way as in
+// moe_qtile (BF16 q times the BF16 scale, rounded once) and multiplied by x rounded to BF16, so
+// both paths make the same roundings; only the f32 summation order differs. Row sums: the 4
+// lanes of a row (fixed butterfly), then the warps in order. GATED writes act [pair, ldo] as BF16
+// (zero past n_out) for moe_qdec<false> or moe_qtile<false>; else ypair [pair, ldo] f32.
+// x: f32 rows [.., lda] (GATED, row pair / a_div) or BF16 rows (act), staged as BF16 in dynamic
+// shared memory (chunks · 64 elements, zero past k).
+template <bool GATED, int BITS>
+__device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
+                                         long long expert_wbytes, long long expert_scales, int chunks, int groups,
+                                         int gs, int n_panels, int n_out, const float* __restrict__ a_f32,
+                                         const bf16_t* __restrict__ a_bf16, int k, int lda, int a_div,
+                                         float* __restrict__ ypair, bf16_t* __restrict__ out, int ldo,
+                                         const int* __restrict__ ids, int n_experts) {
+    constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;
+    constexpr int NP = GATED ? 2 : 1;  // panels per block
+    constexpr int WARPS = MOE_DEC_THREADS / 32;
+    extern __shared__ __align__(16) unsigned char moe_smem[];
+    bf16_t* xs = (bf16_t*)moe_smem;                          // [chunks · 64]
+    float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][NP][64]
+
+    const int pair = blockIdx.x;
+    const int e = ids[pair];
+    if (e < 0 || e >= n_experts) return;  // uniform over the block, before any barrier
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const long long arow = (long long)(pair / a_div) * lda;
+    for (int j = tid; j < chunks * MOE_QCHUNK; j += MOE_DEC_THREADS)
+        xs[j] = j < k ? (GATED ? f32_to_bf16(a_f32[arow + j]) : a_bf16[arow + j]) : (bf16_t)0;
+    __syncthreads();
+
+    int panel[NP];
+    panel[0] = blockIdx.y;
+    if (GATED) panel[NP - 1] = n_panels / 2 + blockIdx.y;
+    const unsigned char* we = w + (long long)e * expert_wbytes;
+    const unsigned short* se = sc + (long long)e * expert_scales;
+    float acc[NP][8];
+#pragma unroll
+    for (int pp = 0; pp < NP; ++pp)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) acc[pp][t] = 0.0f;
+    for (int c = warp; c < chunks; c += WARPS) {
+        uint4 v[NP][BITS / 4][4];  // per panel and k step: INT4 one 16-byte piece, INT8 two
+#pragma unroll
+        for (int pp = 0; pp < NP; ++pp) {
+            const unsigned char* blk = we + ((long long)panel[pp] * chunks + c) * BLOCK;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+                for (int h = 0; h < BITS / 4; ++h)
+                    v[pp][h][ks] = __ldg((const uint4*)(blk + ((ks * (BITS / 4) + h) * 32 + lane) * 16));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int grp = (c * MOE_QCHUNK + half * 32) / gs;
+            u32 sb[NP][8];
+#pragma unroll
+            for (int pp = 0; pp < NP; ++pp) {
+                const uint4 raw = __ldg((const uint4*)(se + ((long long)panel[pp] * groups + grp) * MOE_QPANEL + g * 8));
+                const u32 sw[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                for (int t = 0; t < 8; ++t) sb[pp][t] = f16_to_bf16x2((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
+            }
+#pragma unroll
+            for (int k2 = 0; k2 < 2; ++k2) {
+                const int ks = half * 2 + k2;
+                const int k0 = c * MOE_QCHUNK + ks * 16 + 2 * q;
+                const u32 xa = *(const u32*)(xs + k0), xb = *(const u32*)(xs + k0 + 8);
+                const float x0 = __uint_as_float(xa << 16), x1 = __uint_as_float(xa & 0xffff0000u);
+                const float x2 = __uint_as_float(xb << 16), x3 = __uint_as_float(xb & 0xffff0000u);
+#pragma unroll
+                for (int pp = 0; pp < NP; ++pp) {
+                    u32 words[8];
+                    if (BITS == 4) {
+                        const uint4 a4 = v[pp][0][ks];
+                        words[0] = a4.x, words[1] = a4.y, words[2] = a4.z, words[3] = a4.w;
+                    } else {
+                        const uint4 a4 = v[pp][0][ks], b4 = v[pp][BITS / 4 - 1][ks];
+                        words[0] = a4.x, words[1] = a4.y, words[2] = a4.z, words[3] = a4.w;
+                        words[4] = b4.x, words[5] = b4.y, words[6] = b4.z, words[7] = b4.w;
+                    }
+#pragma unroll
+                    for (int t = 0; t < 8; ++t) {
+                        u32 b0, b1;
+                        if (BITS == 4) {
+                            b0 = int4_pair(words[t / 2], 2 * (t % 2));
+                            b1 = int4_pair(words[t / 2], 2 * (t % 2) + 1);
+                        } else {
+                            b0 = int8_pair(words[t], 0);
+                            b1 = int8_pair(words[t], 2);
+                        }
+                        b0 = fma_bf16x2(b0, sb[pp][t], BF16X2_NEG_ZERO);
+                        b1 = fma_bf16x2(b1, sb[pp][t], BF16X2_NEG_ZERO);
+                        float s = acc[pp][t];
+                        s = fmaf(__uint_as_float(b0 << 16), x0, s);
+                        s = fmaf(__uint_as_float(b0 & 0xffff0000u), x1, s);
+                        s = fmaf(__uint_as_float(b1 << 16), x2, s);
+                        s = fmaf(__uint_as_float(b1 & 0xffff0000u), x3, s);
+                        acc[pp][t] = s;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int pp = 0; pp < NP; ++pp)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+            float s = acc[pp][t];
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            if (q == 0) red[(warp * NP + pp) * MOE_QPANEL + 8 * t + g] = s;
+        }
+    __syncthreads();
+    if (tid >= MOE_QPANEL) return;
+    float r[NP];
+#pragma unroll
+    for (int pp = 0; pp < NP; ++pp) {
+        r[pp] = 0.0f;
+        for (int wi = 0; wi < WARPS; ++wi) r[pp] += red[(wi * NP + pp) * MOE_QPANEL + tid];
+    }
+    const int o = blockIdx.y * MOE_QPANEL + tid;
+    if (GATED) {
+        const float gv = r[0], uv = r[NP - 1];
+        out[(long long)pair * ldo + o] = f32_to_bf16(o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+    } else if (o < n_out) {
+        ypair[(long long)pair * ldo + o] = r[0];
+    }
+}
+
+// Decode path, quantised: act [n_pairs, inter_pad] (BF16) from x [tokens, hidden] (f32);
+// grid (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid
+// (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 4 · 2 · 64 · 4 bytes.
+#define MOE_QDEC_ENTRIES(BITS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(MOE_DEC_THREADS) moe_q##BITS##_dec_gate_up(                      \
+        const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
+        int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
+        bf16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
+        moe_qdec<true, BITS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
+                             nullptr, hidden, hidden, top_k, nullptr, act, inter_pad, ids, n_experts);            \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MOE_DEC_THREADS) moe_q##BITS##_dec_down(                         \
+        const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
+        int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter, int inter_pad,    \
+        float* ypair, const int* ids, int n_experts) {                                                            \
+        moe_qdec<false, BITS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,         \
+                              nullptr, act, inter, inter_pad, 1, ypair, nullptr, hidden, ids, n_experts);         \
+    }
+MOE_QDEC_ENTRIES(4)
+MOE_QDEC_ENTRIES(8)
+
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs
 // o = o0 + q: GATED: out[pair, o] = silu(w[o] . a) * (w[up_row0 + o] . a), else w[o] . a, where
 // a = a_rows[pair / a_div] (length k, zero padded to ldw in shared memory).

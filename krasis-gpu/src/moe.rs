@@ -49,6 +49,10 @@ pub const MOE: KernelSource = KernelSource {
         "moe_q4_down",
         "moe_q8_gate_up",
         "moe_q8_down",
+        "moe_q4_dec_gate_up",
+        "moe_q4_dec_down",
+        "moe_q8_dec_gate_up",
+        "moe_q8_dec_down",
     ],
 };
 
@@ -84,6 +88,16 @@ fn qtile_smem(bits: Bits) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
     MOE_STAGES * (2 * block + 2 * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
 }
+
+/// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
+/// BF16 over `chunks` chunks of 64, and the four warps' partial sums of two panels.
+fn qdec_smem(chunks: usize) -> usize {
+    chunks * gpu_layout::CHUNK_K * 2 + 4 * 2 * gpu_layout::PANEL_ROWS * 4
+}
+
+/// Largest dynamic shared memory a kernel gets without opting in; quantised experts whose
+/// activation rows need more take the tiles at decode too.
+const DEFAULT_SMEM_LIMIT: usize = 48 << 10;
 
 /// Copies `host` into element range `e · len..(e + 1) · len` of `dst` (expert `e`'s slot).
 fn copy_in<T: cudarc::driver::DeviceRepr>(
@@ -440,7 +454,11 @@ impl GpuExperts {
     /// Whether a pass of `tokens` tokens at `top_k` takes the decode path (for tests).
     #[doc(hidden)]
     pub fn uses_decode_path(&self, tokens: usize, top_k: usize) -> bool {
-        matches!(self.weights, ExpertWeights::Bf16 { .. }) && tokens.saturating_mul(top_k) <= self.decode_max_pairs
+        let fits = match &self.weights {
+            ExpertWeights::Bf16 { .. } => true,
+            ExpertWeights::Quant(q) => qdec_smem(q.l13.chunks().max(q.l2.chunks())) <= DEFAULT_SMEM_LIMIT,
+        };
+        fits && tokens.saturating_mul(top_k) <= self.decode_max_pairs
     }
 
     /// Tokens per pass at `top_k`, bounded by [`MOE_PASS_SCRATCH_BYTES`] and the caller's cap.
@@ -550,6 +568,16 @@ impl GpuExperts {
         }
         let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
         let (ldw13, ldw2) = (hp as i32, ip as i32);
+        // A quantised layout's (chunks, groups, group size, panels) as kernel arguments.
+        let qdims = |l: &GpuLayout| {
+            let n = |v: usize, what| to_i32(OP, what, v);
+            Ok::<_, GpuError>((
+                n(l.chunks(), "chunks")?,
+                n(l.groups(), "groups")?,
+                l.gs as i32,
+                n(l.panels(), "panels")?,
+            ))
+        };
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
             let mut b = s.launch_builder(&combine);
@@ -574,6 +602,38 @@ impl GpuExperts {
             let x_t = x_p + (t0 * h * 4) as u64;
             let out_t = out_p + (t0 * h * 4) as u64;
 
+            if let (true, Some((q, _, _))) = (self.uses_decode_path(nt, top_k), &quant) {
+                let (l13, l2) = (&q.l13, &q.l2);
+                let (dec_gu, dec_dn) = match l2.bits {
+                    Bits::Int4 => ("moe_q4_dec_gate_up", "moe_q4_dec_down"),
+                    Bits::Int8 => ("moe_q8_dec_gate_up", "moe_q8_dec_down"),
+                };
+                let (dec_gu, dec_dn) = (dev.function(&MOE, dec_gu)?, dev.function(&MOE, dec_dn)?);
+                let (c13, g13, gs13, p13) = qdims(l13)?;
+                let (c2, g2, gs2, p2) = qdims(l2)?;
+                let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
+                let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
+                let grid = |panels: usize, chunks: usize| LaunchConfig {
+                    grid_dim: (pairs as u32, panels as u32, 1),
+                    block_dim: (MOE_DEC_THREADS, 1, 1),
+                    shared_mem_bytes: qdec_smem(chunks) as u32,
+                };
+                let mut b = s.launch_builder(&dec_gu);
+                b.arg(&w13_p).arg(&s13_p).arg(&ew13).arg(&es13).arg(&c13).arg(&g13).arg(&gs13).arg(&p13);
+                b.arg(&i_i).arg(&x_t).arg(&h_i).arg(&k_i).arg(&act_hi).arg(&ldw2).arg(&ids_t).arg(&e_i);
+                // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
+                // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64).
+                unsafe { b.launch(grid(l13.panels() / 2, l13.chunks())) }.map_err(launch_err(OP))?;
+                let mut b = s.launch_builder(&dec_dn);
+                b.arg(&w2_p).arg(&s2_p).arg(&ew2).arg(&es2).arg(&c2).arg(&g2).arg(&gs2).arg(&p2);
+                b.arg(&h_i).arg(&act_hi).arg(&i_i).arg(&ldw2).arg(&ypair).arg(&ids_t).arg(&e_i);
+                // SAFETY: w2/s2 [E, l2]; act_hi [pairs, ldw2]; ypair [pairs, hidden], columns
+                // below hidden only.
+                unsafe { b.launch(grid(l2.panels(), l2.chunks())) }.map_err(launch_err(OP))?;
+                launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
+                t0 += nt;
+                continue;
+            }
             if self.uses_decode_path(nt, top_k) {
                 let grid = |n_out: usize, per_block: usize| LaunchConfig {
                     grid_dim: (pairs as u32, n_out.div_ceil(per_block) as u32, 1),
@@ -622,17 +682,8 @@ impl GpuExperts {
             if let Some((q, q_gate_up, q_down)) = &quant {
                 // One BF16 copy of x (the split's high half) and of the intermediate.
                 let (l13, l2) = (&q.l13, &q.l2);
-                let dims = |l: &GpuLayout| {
-                    let n = |v: usize, what| to_i32(OP, what, v);
-                    Ok::<_, GpuError>((
-                        n(l.chunks(), "chunks")?,
-                        n(l.groups(), "groups")?,
-                        l.gs as i32,
-                        n(l.panels(), "panels")?,
-                    ))
-                };
-                let (c13, g13, gs13, p13) = dims(l13)?;
-                let (c2, g2, gs2, p2) = dims(l2)?;
+                let (c13, g13, gs13, p13) = qdims(l13)?;
+                let (c2, g2, gs2, p2) = qdims(l2)?;
                 let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
                 let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {

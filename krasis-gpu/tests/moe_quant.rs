@@ -5,7 +5,8 @@
 //! estimated, so a dropped k chunk, a wrong scale group, a swapped nibble or a wrong panel is far
 //! outside. Cases: decode (t = 1), prefill, ragged shapes (rows and K not multiples of the 64-row
 //! panels or 64-k chunks, group sizes 32 / 64 / 128), the second down panel past the matrix,
-//! several passes, one expert for every token, out-of-range ids, and bitwise determinism.
+//! several passes, one expert for every token, out-of-range ids, and bitwise determinism; each
+//! through the default path, the tiles and the decode (GEMV-style) path.
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; with `KRASIS_REQUIRE_GPU=1` a
 //! missing GPU fails instead.
@@ -15,6 +16,7 @@
 mod common;
 
 use common::{assert_within, bf16_round, down, gpu_gemm, poisoned_f32, rand_bf16_f32, rand_f32, rng, up, U};
+use krasis_gpu::moe::DECODE_MAX_PAIRS;
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuExperts};
 use krasis_quant::group::{group_size_for, quantize, DEFAULT_GROUP_SIZE};
 use krasis_quant::{Bits, QuantizedMatrix};
@@ -171,19 +173,24 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
     let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
     let (want, tol) = twin(&experts, h, i, &x, &ids, &weights, c.top_k);
     let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
-    let name = format!("{} ({bits:?}, g{gs13}/g{gs2})", c.name);
-    let mut out = poisoned_f32(d, c.t * h);
-    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
-    let got = down(d, &out);
-    let worst = assert_within(&name, &got, &want, &tol);
-    let mut again = poisoned_f32(d, c.t * h);
-    ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
-    let got2 = down(d, &again);
-    assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: not deterministic");
-    eprintln!(
-        "moe_quant {name}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
-        c.n_experts, c.top_k, c.t
-    );
+    // The default choice, then forced through the tiles and the decode (GEMV-style) path: both
+    // make the same roundings, so one twin judges all three.
+    for (path, max_pairs) in [("default", DECODE_MAX_PAIRS), ("tiles", 0), ("decode", usize::MAX)] {
+        ge.set_decode_path_max_pairs(max_pairs);
+        let name = format!("{} ({bits:?}, g{gs13}/g{gs2}, {path} path)", c.name);
+        let mut out = poisoned_f32(d, c.t * h);
+        ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
+        let got = down(d, &out);
+        let worst = assert_within(&name, &got, &want, &tol);
+        let mut again = poisoned_f32(d, c.t * h);
+        ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
+        let got2 = down(d, &again);
+        assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: not deterministic");
+        eprintln!(
+            "moe_quant {name}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
+            c.n_experts, c.top_k, c.t
+        );
+    }
 }
 
 #[test]
