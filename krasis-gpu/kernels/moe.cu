@@ -294,10 +294,11 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 //
 // Same grouping, pairs and grid as the BF16 tiles; what differs:
 //   - weights: each (64-row panel, 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8)
-//     copy, already in mma fragment order: at each k step a lane reads its 16 bytes per panel
-//     (INT8: 2 x 16) from shared memory and turns them into B fragments in registers (INT4: the
-//     nibble pair | 0x4300 is 128 + u in BF16, minus 136 is q exactly; INT8 through f32), times
-//     the (row, group) scale rounded to BF16; the product rounds to BF16 once, like a BF16 weight.
+//     copy, already in mma fragment order: at each k step a lane reads one 4-byte word per n8 tile
+//     pair (INT4) or tile (INT8) from shared memory and turns it into B fragments in registers
+//     (INT4: the nibble pair | 0x4300 is 128 + u in BF16, minus 136 is q exactly; INT8 through
+//     f32), times the (row, group) scale rounded to BF16; the product rounds to BF16 once, like a
+//     BF16 weight.
 //   - scales: f16, per panel and group; each chunk stages the groups of its two 32-wide halves.
 //   - activations: one BF16 copy (x rounded; the intermediate rounded), one product per k step:
 //     the quantisation error dwarfs the BF16 rounding, so the f32-accurate split is not worth
@@ -334,12 +335,9 @@ __device__ __forceinline__ u32 int8_pair(u32 w, int b) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
+__device__ __forceinline__ u32 lds32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
 
@@ -349,6 +347,11 @@ __device__ __forceinline__ uint4 lds128(u32 addr) {
 // 2·blockIdx.y and 2·blockIdx.y + 1 of w2 (the second may lie past the matrix: zero-filled) to
 // ypair[p, n0 + i] (f32) for columns below n_out. A: BF16 rows a[p / a_div, lda] (lda = the
 // padded K = chunks · 64).
+//
+// The warps split the block's output columns, not its pairs: warp w dequantises only its 4 n8
+// tiles (GATED: gate tiles 2w, 2w+1 and the same up tiles; else tiles 4w..4w+3 of the 128
+// columns) and multiplies them by every 16-pair slice of A that holds a pair, so each weight is
+// dequantised once per block rather than once per warp.
 template <bool GATED, int BITS>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
@@ -357,6 +360,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                                           const int* __restrict__ sorted, const int* __restrict__ offsets,
                                           const int* __restrict__ tile_offsets, int n_experts) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
+    static_assert(MOE_THREADS == 128 && MOE_TM == 64, "4 warps, 4 slices of 16 pairs");
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
     constexpr int W_BYTES = 2 * BLOCK;
     constexpr int S_BYTES = 2 * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
@@ -425,11 +429,17 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     };
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const bool active = warp * 16 < count;
-    float acc[16][4];  // tiles 0..7: panel 0, 8..15: panel 1
+    const int slices = (count + 15) / 16;  // 16-pair slices of A holding a pair (uniform)
+    // The warp's 4 n8 tiles as (panel, tile in panel): GATED (0, 2w), (0, 2w+1), (1, 2w), (1, 2w+1);
+    // else (w / 2, 4(w % 2) + j).
+    const int tp0 = GATED ? 0 : warp / 2, tt0 = GATED ? 2 * warp : 4 * (warp % 2);
+    float acc[4][4][4];  // [A slice][tile j][fragment]
 #pragma unroll
-    for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-    const u32 a_at = (u32)(A_AT + (warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+    // ldmatrix row address of this lane for A slice 0 (slice m adds 16 rows).
+    const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
     const bool halves_differ = gs < MOE_QCHUNK;  // otherwise a chunk lies in one group
 
 #pragma unroll
@@ -437,87 +447,84 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         if (c < chunks) stage(c, c);
         cp_async_commit();
     }
-    u32 sb[2][8];  // this lane's BF16x2 scales: rows 8t + g of each panel
+    u32 sb[4];  // this lane's BF16x2 scales of its 4 tiles (rows 8t + g)
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<MOE_STAGES - 2>();
         __syncthreads();
         const int nc = c + MOE_STAGES - 1;
         if (nc < chunks) stage(nc, nc % MOE_STAGES);
         cp_async_commit();
-        if (!active) continue;
         const u32 buf = smem0 + (c % MOE_STAGES) * STAGE_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             if (half == 0 || halves_differ) {
 #pragma unroll
-                for (int pp = 0; pp < 2; ++pp) {
-                    const uint4 raw = lds128(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8) * 2);
-                    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                    for (int t = 0; t < 8; ++t) sb[pp][t] = f16_to_bf16x2((words[t / 2] >> (16 * (t % 2))) & 0xffffu);
+                for (int j = 0; j < 4; ++j) {
+                    const int pp = GATED ? j / 2 : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                    const u32 h2 = lds32(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
+                    sb[j] = f16_to_bf16x2((h2 >> (16 * (t & 1))) & 0xffffu);
                 }
             }
 #pragma unroll
             for (int k2 = 0; k2 < 2; ++k2) {
                 const int ks = half * 2 + k2;
-                u32 fa[4];
-                ldmatrix_x4(fa, buf + a_at + ks * 32);
+                // B fragments of the warp's 4 tiles, dequantised once, used for every slice.
+                u32 b[4][2];
 #pragma unroll
-                for (int pp = 0; pp < 2; ++pp) {
+                for (int j = 0; j < 4; ++j) {
+                    const int pp = GATED ? j / 2 : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                     const u32 wb = buf + pp * BLOCK;
-                    u32 words[8];
                     if (BITS == 4) {
-                        const uint4 v = lds128(wb + (ks * 32 + lane) * 16);
-                        words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+                        const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
+                        b[j][0] = int4_pair(word, 2 * (t % 2));
+                        b[j][1] = int4_pair(word, 2 * (t % 2) + 1);
                     } else {
-                        const uint4 v0 = lds128(wb + ((ks * 2) * 32 + lane) * 16);
-                        const uint4 v1 = lds128(wb + ((ks * 2 + 1) * 32 + lane) * 16);
-                        words[0] = v0.x, words[1] = v0.y, words[2] = v0.z, words[3] = v0.w;
-                        words[4] = v1.x, words[5] = v1.y, words[6] = v1.z, words[7] = v1.w;
+                        const u32 word = lds32(wb + ((ks * 8 + t) * 32 + lane) * 4);
+                        b[j][0] = int8_pair(word, 0);
+                        b[j][1] = int8_pair(word, 2);
                     }
+                    b[j][0] = fma_bf16x2(b[j][0], sb[j], BF16X2_NEG_ZERO);
+                    b[j][1] = fma_bf16x2(b[j][1], sb[j], BF16X2_NEG_ZERO);
+                }
 #pragma unroll
-                    for (int t = 0; t < 8; ++t) {
-                        u32 b0, b1;
-                        if (BITS == 4) {
-                            b0 = int4_pair(words[t / 2], 2 * (t % 2));
-                            b1 = int4_pair(words[t / 2], 2 * (t % 2) + 1);
-                        } else {
-                            b0 = int8_pair(words[t], 0);
-                            b1 = int8_pair(words[t], 2);
-                        }
-                        b0 = fma_bf16x2(b0, sb[pp][t], BF16X2_NEG_ZERO);
-                        b1 = fma_bf16x2(b1, sb[pp][t], BF16X2_NEG_ZERO);
-                        mma_bf16(acc[pp * 8 + t], fa, b0, b1);
-                    }
+                for (int m = 0; m < 4; ++m) {
+                    if (m >= slices) break;
+                    u32 fa[4];
+                    ldmatrix_x4(fa, buf + a_at + m * 16 * ROW_BYTES + ks * 32);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) mma_bf16(acc[m][j], fa, b[j][0], b[j][1]);
                 }
             }
         }
     }
-    if (!active) return;
-    // acc[j][2r + c]: tile row warp*16 + g + 8r, column 8j + 2q + c of the block's panels.
+    // acc[m][j][2r + c]: pair slot 16m + g + 8r, column 8·t_j + 2q + c of tile j's panel.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int p = s_pair[warp * 16 + g + 8 * r];
-        if (p < 0) continue;
-        if (GATED) {
+    for (int m = 0; m < 4; ++m) {
+        if (m >= slices) break;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int o = blockIdx.y * MOE_BN + j * 8 + 2 * q;
-                bf16_t h[2];
+        for (int r = 0; r < 2; ++r) {
+            const int p = s_pair[16 * m + g + 8 * r];
+            if (p < 0) continue;
+            if (GATED) {
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float gv = acc[j][2 * r + c], uv = acc[j + 8][2 * r + c];
-                    h[c] = f32_to_bf16(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+                for (int j = 0; j < 2; ++j) {
+                    const int o = blockIdx.y * MOE_BN + (tt0 + j) * 8 + 2 * q;
+                    bf16_t h[2];
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float gv = acc[m][j][2 * r + c], uv = acc[m][j + 2][2 * r + c];
+                        h[c] = f32_to_bf16(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+                    }
+                    *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
                 }
-                *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
-            }
-        } else {
+            } else {
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const int o = blockIdx.y * MOE_BN_DOWN + j * 8 + 2 * q;
+                for (int j = 0; j < 4; ++j) {
+                    const int o = blockIdx.y * MOE_BN_DOWN + warp * 32 + j * 8 + 2 * q;
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[j][2 * r + c];
+                    for (int c = 0; c < 2; ++c) {
+                        if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[m][j][2 * r + c];
+                    }
                 }
             }
         }
@@ -526,6 +533,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 
 // act [n_pairs, inter_pad] (BF16) from x [tokens, ldx] (BF16) and w13 in the GPU tile layout
 // (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
+// moe_q*_down: ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden,
+// K inter_pad).
 #define MOE_Q_ENTRIES(BITS)                                                                                         \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_q##BITS##_gate_up(                                \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
@@ -541,20 +550,20 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         moe_qtile<false, BITS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden, act,    \
                                inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);    \
     }
-// ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden, K inter_pad).
 MOE_Q_ENTRIES(4)
 MOE_Q_ENTRIES(8)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
-// its expert's panel (GATED: the gate panel and the matching up panel) once, 16-byte coalesced.
-// The 4 warps take the chunks c = warp, warp + 4, ...; in a chunk each lane holds, per k step and
-// n8 tile t, the 4 elements of row 8t + g its mma fragment would, dequantised the same way as in
-// moe_qtile (BF16 q times the BF16 scale, rounded once) and multiplied by x rounded to BF16, so
-// both paths make the same roundings; only the f32 summation order differs. Row sums: the 4
-// lanes of a row (fixed butterfly), then the warps in order. GATED writes act [pair, ldo] as BF16
-// (zero past n_out) for moe_qdec<false> or moe_qtile<false>; else ypair [pair, ldo] f32.
-// x: f32 rows [.., lda] (GATED, row pair / a_div) or BF16 rows (act), staged as BF16 in dynamic
-// shared memory (chunks · 64 elements, zero past k).
+// its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each
+// warp load is 128 contiguous bytes). The MOE_QDEC_THREADS / 32 warps take the chunks c = warp,
+// warp + W, ...; in a chunk each lane holds, per k step and n8 tile t, the 4 elements of row
+// 8t + g its mma fragment would, dequantised as in moe_qtile (BF16 q times the BF16 scale,
+// rounded once) and multiplied by x rounded to BF16, so both paths make the same roundings; only
+// the f32 summation order differs. Row sums: the 4 lanes of a row (fixed butterfly), then the
+// warps in order. GATED writes act [pair, ldo] as BF16 (zero past n_out), for either down path;
+// else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or BF16 rows (act), staged
+// as BF16 in dynamic shared memory (chunks · 64 elements, zero past k).
+#define MOE_QDEC_THREADS 512  // 16 warps (must match moe.rs): a V2-Lite layer's 6 pairs fill the SMs
 template <bool GATED, int BITS>
 __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
@@ -564,9 +573,10 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                          const int* __restrict__ ids, int n_experts) {
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;
     constexpr int NP = GATED ? 2 : 1;  // panels per block
-    constexpr int WARPS = MOE_DEC_THREADS / 32;
+    constexpr int WARPS = MOE_QDEC_THREADS / 32;
+    constexpr int J = BITS;  // words per lane per k step: INT4 tile pairs, INT8 tiles
     extern __shared__ __align__(16) unsigned char moe_smem[];
-    bf16_t* xs = (bf16_t*)moe_smem;                          // [chunks · 64]
+    bf16_t* xs = (bf16_t*)moe_smem;                             // [chunks · 64]
     float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][NP][64]
 
     const int pair = blockIdx.x;
@@ -574,7 +584,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     if (e < 0 || e >= n_experts) return;  // uniform over the block, before any barrier
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const long long arow = (long long)(pair / a_div) * lda;
-    for (int j = tid; j < chunks * MOE_QCHUNK; j += MOE_DEC_THREADS)
+    for (int j = tid; j < chunks * MOE_QCHUNK; j += MOE_QDEC_THREADS)
         xs[j] = j < k ? (GATED ? f32_to_bf16(a_f32[arow + j]) : a_bf16[arow + j]) : (bf16_t)0;
     __syncthreads();
 
@@ -589,15 +599,14 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 #pragma unroll
         for (int t = 0; t < 8; ++t) acc[pp][t] = 0.0f;
     for (int c = warp; c < chunks; c += WARPS) {
-        uint4 v[NP][BITS / 4][4];  // per panel and k step: INT4 one 16-byte piece, INT8 two
+        u32 v[NP][4][J];  // per panel, k step and word
 #pragma unroll
         for (int pp = 0; pp < NP; ++pp) {
-            const unsigned char* blk = we + ((long long)panel[pp] * chunks + c) * BLOCK;
+            const u32* blk = (const u32*)(we + ((long long)panel[pp] * chunks + c) * BLOCK);
 #pragma unroll
             for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
-                for (int h = 0; h < BITS / 4; ++h)
-                    v[pp][h][ks] = __ldg((const uint4*)(blk + ((ks * (BITS / 4) + h) * 32 + lane) * 16));
+                for (int j = 0; j < J; ++j) v[pp][ks][j] = __ldg(blk + (ks * J + j) * 32 + lane);
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -619,24 +628,15 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                 const float x2 = __uint_as_float(xb << 16), x3 = __uint_as_float(xb & 0xffff0000u);
 #pragma unroll
                 for (int pp = 0; pp < NP; ++pp) {
-                    u32 words[8];
-                    if (BITS == 4) {
-                        const uint4 a4 = v[pp][0][ks];
-                        words[0] = a4.x, words[1] = a4.y, words[2] = a4.z, words[3] = a4.w;
-                    } else {
-                        const uint4 a4 = v[pp][0][ks], b4 = v[pp][BITS / 4 - 1][ks];
-                        words[0] = a4.x, words[1] = a4.y, words[2] = a4.z, words[3] = a4.w;
-                        words[4] = b4.x, words[5] = b4.y, words[6] = b4.z, words[7] = b4.w;
-                    }
 #pragma unroll
                     for (int t = 0; t < 8; ++t) {
                         u32 b0, b1;
                         if (BITS == 4) {
-                            b0 = int4_pair(words[t / 2], 2 * (t % 2));
-                            b1 = int4_pair(words[t / 2], 2 * (t % 2) + 1);
+                            b0 = int4_pair(v[pp][ks][t / 2], 2 * (t % 2));
+                            b1 = int4_pair(v[pp][ks][t / 2], 2 * (t % 2) + 1);
                         } else {
-                            b0 = int8_pair(words[t], 0);
-                            b1 = int8_pair(words[t], 2);
+                            b0 = int8_pair(v[pp][ks][t], 0);
+                            b1 = int8_pair(v[pp][ks][t], 2);
                         }
                         b0 = fma_bf16x2(b0, sb[pp][t], BF16X2_NEG_ZERO);
                         b1 = fma_bf16x2(b1, sb[pp][t], BF16X2_NEG_ZERO);
@@ -679,16 +679,16 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 
 // Decode path, quantised: act [n_pairs, inter_pad] (BF16) from x [tokens, hidden] (f32);
 // grid (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid
-// (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 4 · 2 · 64 · 4 bytes.
+// (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 16 · 2 · 64 · 4 bytes.
 #define MOE_QDEC_ENTRIES(BITS)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MOE_DEC_THREADS) moe_q##BITS##_dec_gate_up(                      \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
         bf16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
         moe_qdec<true, BITS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
                              nullptr, hidden, hidden, top_k, nullptr, act, inter_pad, ids, n_experts);            \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MOE_DEC_THREADS) moe_q##BITS##_dec_down(                         \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter, int inter_pad,    \
         float* ypair, const int* ids, int n_experts) {                                                            \

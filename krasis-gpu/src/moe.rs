@@ -92,8 +92,12 @@ fn qtile_smem(bits: Bits) -> usize {
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
 /// BF16 over `chunks` chunks of 64, and the four warps' partial sums of two panels.
 fn qdec_smem(chunks: usize) -> usize {
-    chunks * gpu_layout::CHUNK_K * 2 + 4 * 2 * gpu_layout::PANEL_ROWS * 4
+    chunks * gpu_layout::CHUNK_K * 2 + (MOE_QDEC_THREADS as usize / 32) * 2 * gpu_layout::PANEL_ROWS * 4
 }
+
+/// Threads of a quantised decode-path block (`MOE_QDEC_THREADS` in moe.cu): 16 warps splitting
+/// K, so a V2-Lite layer's 6 pairs × 22 panels give every SM 16 warps of loads.
+const MOE_QDEC_THREADS: u32 = 512;
 
 /// Largest dynamic shared memory a kernel gets without opting in; quantised experts whose
 /// activation rows need more take the tiles at decode too.
@@ -615,7 +619,7 @@ impl GpuExperts {
                 let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
                 let grid = |panels: usize, chunks: usize| LaunchConfig {
                     grid_dim: (pairs as u32, panels as u32, 1),
-                    block_dim: (MOE_DEC_THREADS, 1, 1),
+                    block_dim: (MOE_QDEC_THREADS, 1, 1),
                     shared_mem_bytes: qdec_smem(chunks) as u32,
                 };
                 let mut b = s.launch_builder(&dec_gu);

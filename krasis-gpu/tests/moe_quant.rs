@@ -236,3 +236,47 @@ fn quantized_moe_shape_errors() {
     let e = GpuExperts::new_quantized(d, "layer 9 experts", 4, 96, 32, Bits::Int8, 64, 32).unwrap_err();
     assert!(e.to_string().contains("layer 9 experts"), "{e}");
 }
+
+/// Timings for the lead (printed; asserts only that the runs complete): a V2-Lite layer (64
+/// experts, hidden 2048, inter 1408, top-6) with BF16, INT8 and INT4 weights, each t through the
+/// default path (the decode path up to DECODE_MAX_PAIRS pairs, else the tiles).
+#[test]
+fn quantized_moe_timings() {
+    let Some((d, ctx)) = gpu_gemm("quantized_moe_timings") else { return };
+    let (e, h, i, k) = (64usize, 2048usize, 1408usize, 6usize);
+    let mut r = rng(9);
+    let g = quantized(&mut r, i, h, Bits::Int4);
+    let dn = quantized(&mut r, h, i, Bits::Int4);
+    let g8 = quantized(&mut r, i, h, Bits::Int8);
+    let dn8 = quantized(&mut r, h, i, Bits::Int8);
+    let bf = common::rand_bf16_bits(&mut r, i * h, 0.05);
+    let mut formats = Vec::new();
+    let mut b = GpuExperts::new(d, "bf16", e, h, i).unwrap();
+    let mut q4 = GpuExperts::new_quantized(d, "int4", e, h, i, Bits::Int4, g.gs, dn.gs).unwrap();
+    let mut q8 = GpuExperts::new_quantized(d, "int8", e, h, i, Bits::Int8, g8.gs, dn8.gs).unwrap();
+    for x in 0..e {
+        b.upload_expert(d, x, &bf, &bf, &bf).unwrap();
+        q4.upload_quantized_expert(d, x, &g, &g, &dn).unwrap();
+        q8.upload_quantized_expert(d, x, &g8, &g8, &dn8).unwrap();
+    }
+    formats.push(("bf16", b, 2.0));
+    formats.push(("int8", q8, 1.0));
+    formats.push(("int4", q4, 0.5));
+    for t in [1usize, 8, 512, 2048] {
+        let x = up(d, &vec![0.5f32; t * h], "x");
+        let ids: Vec<i32> = (0..t * k).map(|_| r.random_range(0..e as i32)).collect();
+        let ids = up(d, &ids, "ids");
+        let wts = up(d, &vec![0.125f32; t * k], "weights");
+        let mut out = d.alloc_zeros::<f32>(t * h, "out").unwrap();
+        for (name, ge, bytes) in &formats {
+            ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap();
+            let us = common::time_us_per_call(d, 20, || ge.forward(d, ctx, &x, t, &ids, &wts, k, &mut out).unwrap());
+            let touched = (t * k).min(e) as f64 * 3.0 * (h * i) as f64 * bytes;
+            let tflops = 2.0 * 3.0 * (t * k * h * i) as f64 / (us * 1e-6) / 1e12;
+            eprintln!(
+                "moe V2-Lite layer {name} t={t}: {us:.1} us, {tflops:.1} TFLOP/s, ≥{:.0} GB/s of expert weights",
+                touched / (us * 1e-6) / 1e9
+            );
+        }
+    }
+}

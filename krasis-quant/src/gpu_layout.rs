@@ -1,7 +1,8 @@
 //! The GPU tile layout of a [`QuantizedMatrix`]: weights stored in the order the tensor-core
-//! MoE tiles (`krasis-gpu/kernels/moe.cu`, `moe_qtile`) consume them, so each thread's 16-byte
-//! shared-memory load is already its `mma.sync` B fragments, and dequantisation is a few
-//! register operations with no shuffles.
+//! MoE tiles (`krasis-gpu/kernels/moe.cu`, `moe_qtile`) consume them, so each thread's 4-byte
+//! shared-memory load is already its `mma.sync` B fragments of one or two n8 tiles (a warp's
+//! load is 128 contiguous bytes), and dequantisation is a few register operations with no
+//! shuffles.
 //!
 //! - Rows (outputs) go in **panels** of [`PANEL_ROWS`] = 64, K in **chunks** of [`CHUNK_K`] = 64;
 //!   rows and K are zero padded to those multiples (q = 0, scale 0). A (panel, chunk) block is
@@ -9,14 +10,13 @@
 //!   block (p, c) at `(p · chunks + c) · block_bytes`. One block is what a tile stages per k step.
 //! - Inside a block, k steps of 16 (`ks` 0..4) and n8 tiles of 8 rows (`t` 0..8). For lane
 //!   `l = 4g + q` (g, q as in the PTX m16n8k16 B fragment) the fragment of tile t at step ks is
-//!   row `8t + g`, k `16ks + {2q, 2q+1}` (b0) and `16ks + {2q+8, 2q+9}` (b1).
-//!   - INT4 (`u = q + 8`): u32 word `(ks · 32 + l) · 4 + t / 2` holds an even tile and the odd
-//!     one after it. The element of tile t at k (within the step) is nibble `s + 4 · (k % 2)`
-//!     (bits 4j..4j+3 of the word) with `s = 2 · (t % 2) + (k ≥ 8)`, so
-//!     `(word >> 4s) & 0x000f000f` is one fragment register (its two k values in the low and
-//!     high halves).
-//!   - INT8 (`u = q + 128`): u32 word `((ks · 2 + t/4) · 32 + l) · 4 + t % 4`; byte
-//!     `2·(k ≥ 8) + k % 2`. Each lane reads its 16 bytes contiguously with its neighbours.
+//!   row `8t + g`, k `16ks + {2q, 2q+1}` (b0) and `16ks + {2q+8, 2q+9}` (b1). Words (u32) go
+//!   `[ks][j][lane]`, so the 32 lanes of a warp read 128 contiguous bytes for any one `j`:
+//!   - INT4 (`u = q + 8`): `j = t / 2` (0..4) holds an even tile and the odd one after it. The
+//!     element of tile t at k (within the step) is nibble `s + 4 · (k % 2)` (bits 4j..4j+3 of the
+//!     word) with `s = 2 · (t % 2) + (k ≥ 8)`, so `(word >> 4s) & 0x000f000f` is one fragment
+//!     register (its two k values in the low and high halves).
+//!   - INT8 (`u = q + 128`): `j = t` (0..8); byte `2 · (k ≥ 8) + k % 2`.
 //! - **Scales** (f16 bits, the same values as the matrix's) are `[panel][group][g][t]`: the 8
 //!   scales a lane needs for one group of one panel are 16 contiguous bytes. Groups run over the
 //!   padded K (`k_pad / gs` of them; padding groups have scale 0).
@@ -96,12 +96,12 @@ impl GpuLayout {
         let base = (p * self.chunks() + c) * self.block_bytes();
         match self.bits {
             Bits::Int4 => {
-                let word = (ks * 32 + lane) * 4 + t / 2;
+                let word = (ks * 4 + t / 2) * 32 + lane;
                 let nibble = 2 * (t % 2) + khalf + 4 * odd;
                 (base + word * 4 + nibble / 2, 4 * (nibble as u32 % 2))
             }
             Bits::Int8 => {
-                let word = ((ks * 2 + t / 4) * 32 + lane) * 4 + t % 4;
+                let word = (ks * 8 + t) * 32 + lane;
                 (base + word * 4 + 2 * khalf + odd, 0)
             }
         }
@@ -216,13 +216,13 @@ mod tests {
         let word = |i: usize| u32::from_le_bytes(w[base + 4 * i..base + 4 * i + 4].try_into().unwrap());
         match l.bits {
             Bits::Int4 => {
-                let v = word((ks * 32 + lane) * 4 + t / 2);
+                let v = word((ks * 4 + t / 2) * 32 + lane);
                 let reg = |s: u32| (v >> (4 * s)) & 0x000f_000f;
                 let (r0, r1) = (reg(2 * (t as u32 % 2)), reg(2 * (t as u32 % 2) + 1));
                 [r0 & 0xf, r0 >> 16, r1 & 0xf, r1 >> 16]
             }
             Bits::Int8 => {
-                let v = word(((ks * 2 + t / 4) * 32 + lane) * 4 + t % 4);
+                let v = word((ks * 8 + t) * 32 + lane);
                 [v & 0xff, (v >> 8) & 0xff, (v >> 16) & 0xff, v >> 24]
             }
         }
