@@ -341,18 +341,19 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     return v;
 }
 
-// One tile of one expert, quantised weights. GATED: panels (blockIdx.y) and (n_panels / 2 +
-// blockIdx.y) of w13 (gate rows then up rows, each padded to whole panels); act = silu(gate) * up
-// to out[p, ldo] (BF16) for every column of the 64-column block (zero past n_out). Else panels
-// 2·blockIdx.y and 2·blockIdx.y + 1 of w2 (the second may lie past the matrix: zero-filled) to
-// ypair[p, n0 + i] (f32) for columns below n_out. A: BF16 rows a[p / a_div, lda] (lda = the
-// padded K = chunks · 64).
+// One tile of one expert, quantised weights; PB panels of 64 rows per block, 2·PB warps, S
+// shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
+// G·blockIdx.y + i (i < G = PB / 2) of w13 (gate rows then up rows, each padded to whole panels);
+// act = silu(gate) * up to out[p, ldo] (BF16) for every column of the block's 64·G columns (zero
+// past n_out). Else panels PB·blockIdx.y + i of w2 to ypair[p, n0 + i] (f32) for columns below
+// n_out. Panels past the matrix are zero-filled. A: BF16 rows a[p / a_div, lda] (lda = the padded
+// K = chunks · 64), staged once for all the block's columns.
 //
 // The warps split the block's output columns, not its pairs: warp w dequantises only its 4 n8
-// tiles (GATED: gate tiles 2w, 2w+1 and the same up tiles; else tiles 4w..4w+3 of the 128
-// columns) and multiplies them by every 16-pair slice of A that holds a pair, so each weight is
-// dequantised once per block rather than once per warp.
-template <bool GATED, int BITS>
+// tiles (GATED: tiles 2(w%4), +1 of gate panel w/4 and the same up tiles; else tiles
+// 4(w%2)..+3 of panel w/2) and multiplies them by every 16-pair slice of A that holds a pair, so
+// each weight is dequantised once per block rather than once per warp.
+template <bool GATED, int BITS, int PB, int S>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                           int gs, int n_panels, int n_out, const bf16_t* __restrict__ a, int lda,
@@ -360,16 +361,17 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                                           const int* __restrict__ sorted, const int* __restrict__ offsets,
                                           const int* __restrict__ tile_offsets, int n_experts) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
-    static_assert(MOE_THREADS == 128 && MOE_TM == 64, "4 warps, 4 slices of 16 pairs");
+    static_assert(MOE_TM == 64 && PB % 2 == 0, "4 slices of 16 pairs; gate and up panels in pairs");
+    constexpr int THREADS = 64 * PB, G = PB / 2;
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
-    constexpr int W_BYTES = 2 * BLOCK;
-    constexpr int S_BYTES = 2 * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
+    constexpr int W_BYTES = PB * BLOCK;
+    constexpr int S_BYTES = PB * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
     constexpr int ROW_BYTES = MOE_SK * 2;
     constexpr int A_AT = W_BYTES + S_BYTES;
     constexpr int STAGE_BYTES = A_AT + MOE_TM * ROW_BYTES;
-    constexpr int W_COPIES = W_BYTES / 16 / MOE_THREADS;
-    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = MOE_THREADS / PARTS, A_SLOTS = MOE_TM / ROWS_PER_PASS;
-    static_assert(W_BYTES % (16 * MOE_THREADS) == 0 && S_BYTES / 16 <= MOE_THREADS, "whole copies");
+    constexpr int W_COPIES = W_BYTES / 16 / THREADS;
+    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = MOE_TM / ROWS_PER_PASS;
+    static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS, "whole copies");
     static_assert(STAGE_BYTES % 16 == 0 && A_AT % 16 == 0, "16-byte aligned staging");
     __shared__ int s_pair[MOE_TM];
     extern __shared__ __align__(16) unsigned char moe_smem[];  // MOE_STAGES buffers (moe.rs: qtile_smem)
@@ -380,27 +382,32 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     int count;
     const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
-    const int panel0 = GATED ? (int)blockIdx.y : 2 * (int)blockIdx.y;
-    const int panel1 = GATED ? n_panels / 2 + (int)blockIdx.y : 2 * (int)blockIdx.y + 1;
-    const bool has1 = panel1 < n_panels;
+    // Staged panel i (< PB) of this block, or -1 past the matrix.
+    auto panel_of = [&](int i) {
+        if (GATED) {
+            const int gp = G * (int)blockIdx.y + i % G;
+            return gp < n_panels / 2 ? (i < G ? gp : n_panels / 2 + gp) : -1;
+        }
+        const int pn = PB * (int)blockIdx.y + i;
+        return pn < n_panels ? pn : -1;
+    };
     const unsigned char* we = w + (long long)e * expert_wbytes;
     const unsigned short* se = sc + (long long)e * expert_scales;
-    // This thread's copies, worked out once: weight piece (i · MOE_THREADS + tid) of the stage's
-    // two blocks; scale piece tid (< 32: panel tid / 16, half (tid / 8) % 2, 8 scales tid % 8);
+    // This thread's copies, worked out once: weight piece (i · THREADS + tid) of the stage's PB
+    // blocks; scale piece tid (< 16·PB: panel tid / 16, half (tid / 8) % 2, 8 scales tid % 8);
     // A rows as in moe_tile. Sources advance by BLOCK (weights) or MOE_QCHUNK (A) per chunk.
     const unsigned char* w_src[W_COPIES];
     int w_bytes[W_COPIES];
 #pragma unroll
     for (int i = 0; i < W_COPIES; ++i) {
-        const int off = (i * MOE_THREADS + tid) * 16;
-        const bool second = off >= BLOCK;
-        const bool ok = !second || has1;
-        w_src[i] = ok ? we + (long long)(second ? panel1 : panel0) * chunks * BLOCK + off % BLOCK : we;
-        w_bytes[i] = ok ? 16 : 0;
+        const int off = (i * THREADS + tid) * 16;
+        const int pn = panel_of(off / BLOCK);
+        w_src[i] = pn >= 0 ? we + (long long)pn * chunks * BLOCK + off % BLOCK : we;
+        w_bytes[i] = pn >= 0 ? 16 : 0;
     }
-    const int s_panel = (tid / 16) ? panel1 : panel0, s_half = (tid / 8) % 2;
-    const bool s_ok = tid < S_BYTES / 16 && (tid / 16 == 0 || has1);
-    const unsigned short* s_src = se + (long long)s_panel * groups * MOE_QPANEL + (tid % 8) * 8;
+    const int s_panel = tid < S_BYTES / 16 ? panel_of(tid / 16) : -1, s_half = (tid / 8) % 2;
+    const bool s_ok = s_panel >= 0;
+    const unsigned short* s_src = se + (long long)max(s_panel, 0) * groups * MOE_QPANEL + (tid % 8) * 8;
     const int part = tid % PARTS, row0 = tid / PARTS;
     long long a_off[A_SLOTS];
     int a_bytes[A_SLOTS];
@@ -415,7 +422,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         const u32 dst = smem0 + b * STAGE_BYTES;
 #pragma unroll
         for (int i = 0; i < W_COPIES; ++i)
-            cp_async16_at(dst + (i * MOE_THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
+            cp_async16_at(dst + (i * THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
                           w_bytes[i]);
         if (tid < S_BYTES / 16) {
             const int grp = (c * MOE_QCHUNK + s_half * 32) / gs;
@@ -430,9 +437,9 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int slices = (count + 15) / 16;  // 16-pair slices of A holding a pair (uniform)
-    // The warp's 4 n8 tiles as (panel, tile in panel): GATED (0, 2w), (0, 2w+1), (1, 2w), (1, 2w+1);
-    // else (w / 2, 4(w % 2) + j).
-    const int tp0 = GATED ? 0 : warp / 2, tt0 = GATED ? 2 * warp : 4 * (warp % 2);
+    // The warp's 4 n8 tiles as (staged panel, tile in panel): GATED (w/4, tt0), (w/4, tt0 + 1),
+    // (G + w/4, tt0), (G + w/4, tt0 + 1) with tt0 = 2(w % 4); else (w / 2, 4(w % 2) + j).
+    const int tp0 = GATED ? warp / 4 : warp / 2, tt0 = GATED ? 2 * (warp % 4) : 4 * (warp % 2);
     float acc[4][4][4];  // [A slice][tile j][fragment]
 #pragma unroll
     for (int m = 0; m < 4; ++m)
@@ -443,24 +450,24 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const bool halves_differ = gs < MOE_QCHUNK;  // otherwise a chunk lies in one group
 
 #pragma unroll
-    for (int c = 0; c < MOE_STAGES - 1; ++c) {
+    for (int c = 0; c < S - 1; ++c) {
         if (c < chunks) stage(c, c);
         cp_async_commit();
     }
     u32 sb[4];  // this lane's BF16x2 scales of its 4 tiles (rows 8t + g)
     for (int c = 0; c < chunks; ++c) {
-        cp_async_wait<MOE_STAGES - 2>();
+        cp_async_wait<S - 2>();
         __syncthreads();
-        const int nc = c + MOE_STAGES - 1;
-        if (nc < chunks) stage(nc, nc % MOE_STAGES);
+        const int nc = c + S - 1;
+        if (nc < chunks) stage(nc, nc % S);
         cp_async_commit();
-        const u32 buf = smem0 + (c % MOE_STAGES) * STAGE_BYTES;
+        const u32 buf = smem0 + (c % S) * STAGE_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             if (half == 0 || halves_differ) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int pp = GATED ? j / 2 : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                    const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                     const u32 h2 = lds32(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
                     sb[j] = f16_to_bf16x2((h2 >> (16 * (t & 1))) & 0xffffu);
                 }
@@ -472,7 +479,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                 u32 b[4][2];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int pp = GATED ? j / 2 : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                    const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                     const u32 wb = buf + pp * BLOCK;
                     if (BITS == 4) {
                         const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
@@ -506,9 +513,10 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
             const int p = s_pair[16 * m + g + 8 * r];
             if (p < 0) continue;
             if (GATED) {
+                if (G * (int)blockIdx.y + tp0 >= n_panels / 2) continue;  // a gate panel past the matrix
 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    const int o = blockIdx.y * MOE_BN + (tt0 + j) * 8 + 2 * q;
+                    const int o = (G * blockIdx.y + tp0) * MOE_QPANEL + (tt0 + j) * 8 + 2 * q;
                     bf16_t h[2];
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
@@ -520,7 +528,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
             } else {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const int o = blockIdx.y * MOE_BN_DOWN + warp * 32 + j * 8 + 2 * q;
+                    const int o = blockIdx.y * PB * MOE_QPANEL + warp * 32 + j * 8 + 2 * q;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[m][j][2 * r + c];
@@ -535,23 +543,32 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
 // moe_q*_down: ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden,
 // K inter_pad).
-#define MOE_Q_ENTRIES(BITS)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_q##BITS##_gate_up(                                \
+// Entry points per width and (PB, S) variant V: moe_q{BITS}_{gate_up,down}_v{V}.
+#define MOE_Q_ENTRIES(BITS, V, PB, S)                                                                               \
+    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_gate_up_v##V(                               \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int inter, const bf16_t* x, int ldx, int top_k, bf16_t* act, \
         int inter_pad, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {            \
-        moe_qtile<true, BITS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x, ldx, \
-                              top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets, n_experts);           \
+        moe_qtile<true, BITS, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
+                                     x, ldx, top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets,        \
+                                     n_experts);                                                                    \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_q##BITS##_down(                                   \
+    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_down_v##V(                                  \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
         int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter_pad, float* ypair,  \
         const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {                           \
-        moe_qtile<false, BITS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden, act,    \
-                               inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);    \
+        moe_qtile<false, BITS, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
+                                      act, inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets,    \
+                                      n_experts);                                                                   \
     }
-MOE_Q_ENTRIES(4)
-MOE_Q_ENTRIES(8)
+MOE_Q_ENTRIES(4, 0, 2, 2)
+MOE_Q_ENTRIES(4, 1, 2, 3)
+MOE_Q_ENTRIES(4, 2, 4, 2)
+MOE_Q_ENTRIES(4, 3, 4, 3)
+MOE_Q_ENTRIES(8, 0, 2, 2)
+MOE_Q_ENTRIES(8, 1, 2, 3)
+MOE_Q_ENTRIES(8, 2, 4, 2)
+MOE_Q_ENTRIES(8, 3, 4, 3)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each

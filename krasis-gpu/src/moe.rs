@@ -45,10 +45,22 @@ pub const MOE: KernelSource = KernelSource {
         "moe_combine",
         "moe_dec_gate_up",
         "moe_dec_down",
-        "moe_q4_gate_up",
-        "moe_q4_down",
-        "moe_q8_gate_up",
-        "moe_q8_down",
+        "moe_q4_gate_up_v0",
+        "moe_q4_down_v0",
+        "moe_q4_gate_up_v1",
+        "moe_q4_down_v1",
+        "moe_q4_gate_up_v2",
+        "moe_q4_down_v2",
+        "moe_q4_gate_up_v3",
+        "moe_q4_down_v3",
+        "moe_q8_gate_up_v0",
+        "moe_q8_down_v0",
+        "moe_q8_gate_up_v1",
+        "moe_q8_down_v1",
+        "moe_q8_gate_up_v2",
+        "moe_q8_down_v2",
+        "moe_q8_gate_up_v3",
+        "moe_q8_down_v3",
         "moe_q4_dec_gate_up",
         "moe_q4_dec_down",
         "moe_q8_dec_gate_up",
@@ -84,10 +96,51 @@ fn tile_smem(gated: bool) -> usize {
 /// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer two (panel, chunk)
 /// weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each) and the pairs' A
 /// rows (one BF16 copy).
-fn qtile_smem(bits: Bits) -> usize {
+fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
-    MOE_STAGES * (2 * block + 2 * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
+    v.stages * (v.panels * block + v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
 }
+
+/// A shape of the quantised tiles (`moe_qtile<.., PB, S>`): 64-row panels per block (2·PB warps)
+/// and shared-memory buffers, with its entry points.
+#[derive(Clone, Copy, Debug)]
+struct QTileVariant {
+    panels: usize,
+    stages: usize,
+    int4: [&'static str; 2],
+    int8: [&'static str; 2],
+}
+
+/// The variants compiled (`MOE_Q_ENTRIES` in moe.cu).
+const QTILE_VARIANTS: [QTileVariant; 4] = [
+    QTileVariant {
+        panels: 2,
+        stages: 2,
+        int4: ["moe_q4_gate_up_v0", "moe_q4_down_v0"],
+        int8: ["moe_q8_gate_up_v0", "moe_q8_down_v0"],
+    },
+    QTileVariant {
+        panels: 2,
+        stages: 3,
+        int4: ["moe_q4_gate_up_v1", "moe_q4_down_v1"],
+        int8: ["moe_q8_gate_up_v1", "moe_q8_down_v1"],
+    },
+    QTileVariant {
+        panels: 4,
+        stages: 2,
+        int4: ["moe_q4_gate_up_v2", "moe_q4_down_v2"],
+        int8: ["moe_q8_gate_up_v2", "moe_q8_down_v2"],
+    },
+    QTileVariant {
+        panels: 4,
+        stages: 3,
+        int4: ["moe_q4_gate_up_v3", "moe_q4_down_v3"],
+        int8: ["moe_q8_gate_up_v3", "moe_q8_down_v3"],
+    },
+];
+
+/// The variant the quantised tiles use unless a test or tuning run picks another.
+const DEFAULT_QTILE_VARIANT: usize = 0;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
 /// BF16 over `chunks` chunks of 64, and the four warps' partial sums of two panels.
@@ -178,6 +231,8 @@ pub struct GpuExperts {
     decode_max_pairs: usize,
     /// Whether the tile kernels' dynamic shared-memory limit has been raised.
     tile_smem_set: AtomicBool,
+    /// Shape of the quantised tiles.
+    qvariant: QTileVariant,
 }
 
 impl std::fmt::Debug for GpuExperts {
@@ -328,8 +383,26 @@ impl GpuExperts {
             max_pass_tokens,
             decode_max_pairs: DECODE_MAX_PAIRS,
             tile_smem_set: AtomicBool::new(false),
+            // KRASIS_MOE_QTILE=0..3 overrides the default shape (for A/B runs of whole models).
+            qvariant: QTILE_VARIANTS[std::env::var("KRASIS_MOE_QTILE")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&v| v < QTILE_VARIANTS.len())
+                .unwrap_or(DEFAULT_QTILE_VARIANT)],
         }
     }
+
+    /// Picks the quantised tiles' shape (0..4: panels per block 2, 2, 4, 4 with 2, 3, 2, 3
+    /// shared-memory buffers); for tests and tuning, every variant gives the same result.
+    #[doc(hidden)]
+    pub fn set_tile_variant(&mut self, v: usize) {
+        self.qvariant = QTILE_VARIANTS[v % QTILE_VARIANTS.len()];
+        self.tile_smem_set.store(false, Ordering::Relaxed);
+    }
+
+    /// Number of quantised tile variants ([`GpuExperts::set_tile_variant`]).
+    #[doc(hidden)]
+    pub const TILE_VARIANTS: usize = QTILE_VARIANTS.len();
 
     /// The experts' weight format: `None` for BF16, else the integer width.
     pub fn quant_bits(&self) -> Option<Bits> {
@@ -550,19 +623,22 @@ impl GpuExperts {
         let quant = match &self.weights {
             ExpertWeights::Bf16 { .. } => None,
             ExpertWeights::Quant(q) => {
-                let (gu, dn) = match q.l2.bits {
-                    Bits::Int4 => ("moe_q4_gate_up", "moe_q4_down"),
-                    Bits::Int8 => ("moe_q8_gate_up", "moe_q8_down"),
+                let [gu, dn] = match q.l2.bits {
+                    Bits::Int4 => self.qvariant.int4,
+                    Bits::Int8 => self.qvariant.int8,
                 };
                 Some((q, dev.function(&MOE, gu)?, dev.function(&MOE, dn)?))
             }
         };
         // The tiles' dynamic shared memory (72 KiB for the BF16 gate/up, above the 48 KiB
-        // default), once.
+        // default), once per kernel choice.
         if !self.tile_smem_set.load(Ordering::Relaxed) {
             let sizes = match &quant {
                 None => vec![(&gate_up, tile_smem(true)), (&down, tile_smem(false))],
-                Some((q, gu, dn)) => vec![(gu, qtile_smem(q.l2.bits)), (dn, qtile_smem(q.l2.bits))],
+                Some((q, gu, dn)) => {
+                    let bytes = qtile_smem(q.l2.bits, self.qvariant);
+                    vec![(gu, bytes), (dn, bytes)]
+                }
             };
             for (f, bytes) in sizes {
                 f.set_attribute(FnAttr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
@@ -690,26 +766,28 @@ impl GpuExperts {
                 let (c2, g2, gs2, p2) = qdims(l2)?;
                 let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
                 let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
+                let v = self.qvariant;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
-                    block_dim: (MOE_THREADS, 1, 1),
-                    shared_mem_bytes: qtile_smem(l2.bits) as u32,
+                    block_dim: (64 * v.panels as u32, 1, 1),
+                    shared_mem_bytes: qtile_smem(l2.bits, v) as u32,
                 };
                 let mut b = s.launch_builder(q_gate_up);
                 b.arg(&w13_p).arg(&s13_p).arg(&ew13).arg(&es13).arg(&c13).arg(&g13).arg(&gs13).arg(&p13);
                 b.arg(&i_i).arg(&xs_hi).arg(&ldw13).arg(&k_i).arg(&act_hi).arg(&ldw2);
                 b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
-                // SAFETY: w13/s13 [E, l13]; blocks read panels y and p13/2 + y < p13 (grid.y =
-                // inter_pad / 64 = p13 / 2) and chunks < c13; xs_hi [nt, ldw13 = 64·c13]; act_hi
-                // [pairs, ldw2], every column written; ids checked on the device as above.
-                unsafe { b.launch(qgrid(i, MOE_BN)) }.map_err(launch_err(OP))?;
+                // SAFETY: w13/s13 [E, l13]; blocks read gate panels below p13 / 2 and the matching
+                // up panels (others zero-filled) and chunks < c13; xs_hi [nt, ldw13 = 64·c13];
+                // act_hi [pairs, ldw2], every column below ldw2 written, none past it; ids checked
+                // on the device as above.
+                unsafe { b.launch(qgrid(ip, v.panels / 2 * gpu_layout::PANEL_ROWS)) }.map_err(launch_err(OP))?;
                 let mut b = s.launch_builder(q_down);
                 b.arg(&w2_p).arg(&s2_p).arg(&ew2).arg(&es2).arg(&c2).arg(&g2).arg(&gs2).arg(&p2);
                 b.arg(&h_i).arg(&act_hi).arg(&ldw2).arg(&ypair);
                 b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
                 // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); act_hi [pairs,
                 // ldw2 = 64·c2]; ypair [pairs, hidden], columns below hidden only.
-                unsafe { b.launch(qgrid(h, MOE_BN_DOWN)) }.map_err(launch_err(OP))?;
+                unsafe { b.launch(qgrid(h, v.panels * gpu_layout::PANEL_ROWS)) }.map_err(launch_err(OP))?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
                 t0 += nt;
                 continue;
