@@ -48,10 +48,9 @@ static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row en
 #define MOE_DEC_DN_ROWS 4     // hidden rows per warp in the down projection (4 loads in flight)
 #define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
-// Tiles of `tm` pairs (MOE_TM for the BF16 tiles; the quantised tiles' own size).
 extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts,
                                      int* __restrict__ offsets, int* __restrict__ tile_offsets,
-                                     int* __restrict__ sorted, int tm) {
+                                     int* __restrict__ sorted) {
     __shared__ int cnt[MOE_MAX_EXPERTS];
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -68,7 +67,7 @@ extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, i
             tile_offsets[e] = tt;
             cnt[e] = o;  // becomes the scatter cursor
             o += c;
-            tt += (c + tm - 1) / tm;
+            tt += (c + MOE_TM - 1) / MOE_TM;
         }
         offsets[n_experts] = o;
         tile_offsets[n_experts] = tt;
@@ -93,9 +92,8 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
     lo[t * ldo + c] = l;
 }
 
-// The expert owning `tile` (tile_offsets[e] <= tile < tile_offsets[e + 1], tiles of TM pairs);
-// fills s_pair with the tile's pair indices (-1 past its `count` pairs) and ends with a barrier.
-template <int TM>
+// The expert owning `tile` (tile_offsets[e] <= tile < tile_offsets[e + 1]); fills s_pair with the
+// tile's pair indices (-1 past its `count` pairs) and ends with a barrier.
 __device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ sorted, const int* __restrict__ offsets,
                                               const int* __restrict__ tile_offsets, int n_experts, int* s_pair,
                                               int& count) {
@@ -105,9 +103,9 @@ __device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ 
         if (tile_offsets[mid] <= tile) lo = mid;
         else hi = mid;
     }
-    const int start = offsets[lo] + (tile - tile_offsets[lo]) * TM;
-    count = min(TM, offsets[lo + 1] - start);
-    for (int i = threadIdx.x; i < TM; i += blockDim.x) s_pair[i] = i < count ? sorted[start + i] : -1;
+    const int start = offsets[lo] + (tile - tile_offsets[lo]) * MOE_TM;
+    count = min(MOE_TM, offsets[lo + 1] - start);
+    for (int i = threadIdx.x; i < MOE_TM; i += blockDim.x) s_pair[i] = i < count ? sorted[start + i] : -1;
     __syncthreads();
     return lo;
 }
@@ -148,7 +146,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
     const int tid = threadIdx.x;
     int count;
-    const int e = moe_tile_pairs<MOE_TM>(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
+    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
     // This thread's copies of every chunk, worked out once: staged row (tid / PARTS) + i ·
     // ROWS_PER_PASS, piece tid % PARTS; the sources advance by MOE_KC per chunk. Rows past n_out
@@ -355,7 +353,7 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 // tiles (GATED: tiles 2(w%4), +1 of gate panel w/4 and the same up tiles; else tiles
 // 4(w%2)..+3 of panel w/2) and multiplies them by every 16-pair slice of A that holds a pair, so
 // each weight is dequantised once per block rather than once per warp.
-template <bool GATED, int BITS, int PB, int S, int TMQ, int W>
+template <bool GATED, int BITS, int PB, int S>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                           int gs, int n_panels, int n_out, const bf16_t* __restrict__ a, int lda,
@@ -363,29 +361,26 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                                           const int* __restrict__ sorted, const int* __restrict__ offsets,
                                           const int* __restrict__ tile_offsets, int n_experts) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
-    constexpr int THREADS = 32 * W, G = PB / 2;
-    constexpr int M = TMQ / 16;        // 16-pair slices of A
-    constexpr int NTW = PB * 8 / W;    // n8 tiles per warp
-    static_assert(TMQ % 16 == 0 && PB % 2 == 0 && NTW % 2 == 0 && NTW * W == PB * 8,
-                  "whole slices; gate and up panels and tiles in pairs");
+    static_assert(MOE_TM == 64 && PB % 2 == 0, "4 slices of 16 pairs; gate and up panels in pairs");
+    constexpr int THREADS = 64 * PB, G = PB / 2;
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
     constexpr int W_BYTES = PB * BLOCK;
     constexpr int S_BYTES = PB * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
     constexpr int ROW_BYTES = MOE_SK * 2;
     constexpr int A_AT = W_BYTES + S_BYTES;
-    constexpr int STAGE_BYTES = A_AT + TMQ * ROW_BYTES;
+    constexpr int STAGE_BYTES = A_AT + MOE_TM * ROW_BYTES;
     constexpr int W_COPIES = W_BYTES / 16 / THREADS;
-    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = TMQ / ROWS_PER_PASS;
+    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = MOE_TM / ROWS_PER_PASS;
     static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS, "whole copies");
     static_assert(STAGE_BYTES % 16 == 0 && A_AT % 16 == 0, "16-byte aligned staging");
-    __shared__ int s_pair[TMQ];
-    extern __shared__ __align__(16) unsigned char moe_smem[];  // S buffers (moe.rs: qtile_smem)
+    __shared__ int s_pair[MOE_TM];
+    extern __shared__ __align__(16) unsigned char moe_smem[];  // MOE_STAGES buffers (moe.rs: qtile_smem)
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
     const int tid = threadIdx.x;
     int count;
-    const int e = moe_tile_pairs<TMQ>(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
+    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
     // Staged panel i (< PB) of this block, or -1 past the matrix.
     auto panel_of = [&](int i) {
@@ -442,25 +437,14 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int slices = (count + 15) / 16;  // 16-pair slices of A holding a pair (uniform)
-    // The warp's NTW n8 tiles, j < NTW: GATED, gate tile gi = warp · NTW/2 + j % (NTW/2) of the
-    // block's 8·G (staged panel gi / 8, tile gi % 8) for j < NTW/2, the same up tile (staged panel
-    // G + gi / 8) after; else tile ti = warp · NTW + j (staged panel ti / 8, tile ti % 8).
-    auto tile_of = [&](int j, int& pp, int& t) {
-        if (GATED) {
-            const int gi = warp * (NTW / 2) + j % (NTW / 2);
-            pp = gi / 8 + (j < NTW / 2 ? 0 : G);
-            t = gi % 8;
-        } else {
-            const int ti = warp * NTW + j;
-            pp = ti / 8;
-            t = ti % 8;
-        }
-    };
-    float acc[M][NTW][4];  // [A slice][tile j][fragment]
+    // The warp's 4 n8 tiles as (staged panel, tile in panel): GATED (w/4, tt0), (w/4, tt0 + 1),
+    // (G + w/4, tt0), (G + w/4, tt0 + 1) with tt0 = 2(w % 4); else (w / 2, 4(w % 2) + j).
+    const int tp0 = GATED ? warp / 4 : warp / 2, tt0 = GATED ? 2 * (warp % 4) : 4 * (warp % 2);
+    float acc[4][4][4];  // [A slice][tile j][fragment]
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int m = 0; m < 4; ++m)
 #pragma unroll
-        for (int j = 0; j < NTW; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+        for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
     // ldmatrix row address of this lane for A slice 0 (slice m adds 16 rows).
     const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
     const bool halves_differ = gs < MOE_QCHUNK;  // otherwise a chunk lies in one group
@@ -470,7 +454,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         if (c < chunks) stage(c, c);
         cp_async_commit();
     }
-    u32 sb[NTW];  // this lane's BF16x2 scales of its tiles (rows 8t + g)
+    u32 sb[4];  // this lane's BF16x2 scales of its 4 tiles (rows 8t + g)
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<S - 2>();
         __syncthreads();
@@ -478,34 +462,31 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         if (nc < chunks) stage(nc, nc % S);
         cp_async_commit();
         const u32 buf = smem0 + (c % S) * STAGE_BYTES;
-        const unsigned char* bufp = moe_smem + (c % S) * STAGE_BYTES;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             if (half == 0 || halves_differ) {
 #pragma unroll
-                for (int j = 0; j < NTW; ++j) {
-                    int pp, t;
-                    tile_of(j, pp, t);
-                    const u32 h2 = *(const u32*)(bufp + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
+                for (int j = 0; j < 4; ++j) {
+                    const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                    const u32 h2 = lds32(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
                     sb[j] = f16_to_bf16x2((h2 >> (16 * (t & 1))) & 0xffffu);
                 }
             }
 #pragma unroll
             for (int k2 = 0; k2 < 2; ++k2) {
                 const int ks = half * 2 + k2;
-                // B fragments of the warp's tiles, dequantised once, used for every slice.
-                u32 b[NTW][2];
+                // B fragments of the warp's 4 tiles, dequantised once, used for every slice.
+                u32 b[4][2];
 #pragma unroll
-                for (int j = 0; j < NTW; ++j) {
-                    int pp, t;
-                    tile_of(j, pp, t);
-                    const unsigned char* wb = bufp + pp * BLOCK;
+                for (int j = 0; j < 4; ++j) {
+                    const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                    const u32 wb = buf + pp * BLOCK;
                     if (BITS == 4) {
-                        const u32 word = *(const u32*)(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
+                        const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
                         b[j][0] = int4_pair(word, 2 * (t % 2));
                         b[j][1] = int4_pair(word, 2 * (t % 2) + 1);
                     } else {
-                        const u32 word = *(const u32*)(wb + ((ks * 8 + t) * 32 + lane) * 4);
+                        const u32 word = lds32(wb + ((ks * 8 + t) * 32 + lane) * 4);
                         b[j][0] = int8_pair(word, 0);
                         b[j][1] = int8_pair(word, 2);
                     }
@@ -513,41 +494,41 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                     b[j][1] = fma_bf16x2(b[j][1], sb[j], BF16X2_NEG_ZERO);
                 }
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
+                for (int m = 0; m < 4; ++m) {
                     if (m >= slices) break;
                     u32 fa[4];
                     ldmatrix_x4(fa, buf + a_at + m * 16 * ROW_BYTES + ks * 32);
 #pragma unroll
-                    for (int j = 0; j < NTW; ++j) mma_bf16(acc[m][j], fa, b[j][0], b[j][1]);
+                    for (int j = 0; j < 4; ++j) mma_bf16(acc[m][j], fa, b[j][0], b[j][1]);
                 }
             }
         }
     }
-    // acc[m][j][2r + c]: pair slot 16m + g + 8r, column 8t + 2q + c of tile j's panel.
+    // acc[m][j][2r + c]: pair slot 16m + g + 8r, column 8·t_j + 2q + c of tile j's panel.
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < 4; ++m) {
         if (m >= slices) break;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int p = s_pair[16 * m + g + 8 * r];
             if (p < 0) continue;
+            if (GATED) {
+                if (G * (int)blockIdx.y + tp0 >= n_panels / 2) continue;  // a gate panel past the matrix
 #pragma unroll
-            for (int j = 0; j < (GATED ? NTW / 2 : NTW); ++j) {
-                int pp, t;
-                tile_of(j, pp, t);
-                if (GATED) {
-                    const int gp = G * (int)blockIdx.y + pp;  // gate panel of the matrix
-                    if (gp >= n_panels / 2) continue;         // past the matrix
-                    const int o = gp * MOE_QPANEL + t * 8 + 2 * q;
+                for (int j = 0; j < 2; ++j) {
+                    const int o = (G * blockIdx.y + tp0) * MOE_QPANEL + (tt0 + j) * 8 + 2 * q;
                     bf16_t h[2];
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        const float gv = acc[m][j][2 * r + c], uv = acc[m][j + NTW / 2][2 * r + c];
+                        const float gv = acc[m][j][2 * r + c], uv = acc[m][j + 2][2 * r + c];
                         h[c] = f32_to_bf16(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
                     }
                     *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
-                } else {
-                    const int o = (PB * (int)blockIdx.y + pp) * MOE_QPANEL + t * 8 + 2 * q;
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int o = blockIdx.y * PB * MOE_QPANEL + warp * 32 + j * 8 + 2 * q;
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[m][j][2 * r + c];
@@ -562,36 +543,29 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
 // moe_q*_down: ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden,
 // K inter_pad).
-// Entry points per width and (PB, S, TMQ, W) variant V: moe_q{BITS}_{gate_up,down}_v{V}.
-#define MOE_Q_ENTRIES(BITS, V, PB, S, TMQ, W)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * W) moe_q##BITS##_gate_up_v##V(                               \
+// Entry points per width and (PB, S) variant V: moe_q{BITS}_{gate_up,down}_v{V}.
+#define MOE_Q_ENTRIES(BITS, V, PB, S)                                                                               \
+    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_gate_up_v##V(                               \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int inter, const bf16_t* x, int ldx, int top_k, bf16_t* act, \
         int inter_pad, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {            \
-        moe_qtile<true, BITS, PB, S, TMQ, W>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
+        moe_qtile<true, BITS, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
                                      x, ldx, top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets,        \
                                      n_experts);                                                                    \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * W) moe_q##BITS##_down_v##V(                                  \
+    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_down_v##V(                                  \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
         int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter_pad, float* ypair,  \
         const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {                           \
-        moe_qtile<false, BITS, PB, S, TMQ, W>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
+        moe_qtile<false, BITS, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
                                       act, inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets,    \
                                       n_experts);                                                                   \
     }
-MOE_Q_ENTRIES(4, 0, 2, 2, 64, 4)
-MOE_Q_ENTRIES(4, 1, 2, 3, 64, 4)
-MOE_Q_ENTRIES(4, 2, 4, 2, 64, 8)
-MOE_Q_ENTRIES(4, 3, 4, 3, 64, 8)
-MOE_Q_ENTRIES(4, 4, 2, 3, 128, 8)
-MOE_Q_ENTRIES(4, 5, 2, 2, 128, 8)
-MOE_Q_ENTRIES(8, 0, 2, 2, 64, 4)
-MOE_Q_ENTRIES(8, 1, 2, 3, 64, 4)
-MOE_Q_ENTRIES(8, 2, 4, 2, 64, 8)
-MOE_Q_ENTRIES(8, 3, 4, 3, 64, 8)
-MOE_Q_ENTRIES(8, 4, 2, 3, 128, 8)
-MOE_Q_ENTRIES(8, 5, 2, 2, 128, 8)
+// v0: 4 panels, 3 buffers (the default, moe.rs: QTILE_VARIANTS); v1: 2 panels, 2 buffers.
+MOE_Q_ENTRIES(4, 0, 4, 3)
+MOE_Q_ENTRIES(4, 1, 2, 2)
+MOE_Q_ENTRIES(8, 0, 4, 3)
+MOE_Q_ENTRIES(8, 1, 2, 2)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each

@@ -49,26 +49,10 @@ pub const MOE: KernelSource = KernelSource {
         "moe_q4_down_v0",
         "moe_q4_gate_up_v1",
         "moe_q4_down_v1",
-        "moe_q4_gate_up_v2",
-        "moe_q4_down_v2",
-        "moe_q4_gate_up_v3",
-        "moe_q4_down_v3",
-        "moe_q4_gate_up_v4",
-        "moe_q4_down_v4",
-        "moe_q4_gate_up_v5",
-        "moe_q4_down_v5",
         "moe_q8_gate_up_v0",
         "moe_q8_down_v0",
         "moe_q8_gate_up_v1",
         "moe_q8_down_v1",
-        "moe_q8_gate_up_v2",
-        "moe_q8_down_v2",
-        "moe_q8_gate_up_v3",
-        "moe_q8_down_v3",
-        "moe_q8_gate_up_v4",
-        "moe_q8_down_v4",
-        "moe_q8_gate_up_v5",
-        "moe_q8_down_v5",
         "moe_q4_dec_gate_up",
         "moe_q4_dec_down",
         "moe_q8_dec_gate_up",
@@ -106,48 +90,41 @@ fn tile_smem(gated: bool) -> usize {
 /// rows (one BF16 copy).
 fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
-    v.stages * (v.panels * block + v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + v.pairs * MOE_SK * 2)
+    v.stages * (v.panels * block + v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
 }
 
-/// A shape of the quantised tiles (`moe_qtile<.., PB, S, TMQ, W>`): 64-row panels per block,
-/// shared-memory buffers, pairs per tile and warps, with its entry points.
+/// A shape of the quantised tiles (`moe_qtile<.., PB, S>`): 64-row panels per block (2·PB warps)
+/// and shared-memory buffers, with its entry points.
 #[derive(Clone, Copy, Debug)]
 struct QTileVariant {
     panels: usize,
     stages: usize,
-    pairs: usize,
-    warps: usize,
     int4: [&'static str; 2],
     int8: [&'static str; 2],
 }
 
-macro_rules! qtile_variant {
-    ($v:literal, $pb:literal, $s:literal, $tm:literal, $w:literal) => {
-        QTileVariant {
-            panels: $pb,
-            stages: $s,
-            pairs: $tm,
-            warps: $w,
-            int4: [concat!("moe_q4_gate_up_v", $v), concat!("moe_q4_down_v", $v)],
-            int8: [concat!("moe_q8_gate_up_v", $v), concat!("moe_q8_down_v", $v)],
-        }
-    };
-}
-
-/// The variants compiled (`MOE_Q_ENTRIES` in moe.cu).
-const QTILE_VARIANTS: [QTileVariant; 6] = [
-    qtile_variant!(0, 2, 2, 64, 4),
-    qtile_variant!(1, 2, 3, 64, 4),
-    qtile_variant!(2, 4, 2, 64, 8),
-    qtile_variant!(3, 4, 3, 64, 8),
-    qtile_variant!(4, 2, 3, 128, 8),
-    qtile_variant!(5, 2, 2, 128, 8),
+/// The variants compiled (`MOE_Q_ENTRIES` in moe.cu). Measured on an H200 (V2-Lite layer, INT4,
+/// t = 2048, one run): 4 panels and 3 buffers 1070 µs, against 1108 (2 panels, 2 buffers), 1111
+/// (2, 3) and 1081 (4, 2); INT8 1151 against 1240, 1221 and 1176. 128-pair tiles of 8 warps (2
+/// n8 tiles each) were slower still (1346 against 1218 in another run); only the first two
+/// shapes are kept.
+const QTILE_VARIANTS: [QTileVariant; 2] = [
+    QTileVariant {
+        panels: 4,
+        stages: 3,
+        int4: ["moe_q4_gate_up_v0", "moe_q4_down_v0"],
+        int8: ["moe_q8_gate_up_v0", "moe_q8_down_v0"],
+    },
+    QTileVariant {
+        panels: 2,
+        stages: 2,
+        int4: ["moe_q4_gate_up_v1", "moe_q4_down_v1"],
+        int8: ["moe_q8_gate_up_v1", "moe_q8_down_v1"],
+    },
 ];
 
-/// The variant the quantised tiles use unless a test or tuning run picks another: 4 panels, 3
-/// buffers. Measured on an H200 (V2-Lite layer, INT4, t = 2048): 1070 µs against 1108 (2 panels,
-/// 2 buffers), 1111 (2, 3) and 1081 (4, 2); INT8 1151 against 1240, 1221 and 1176.
-const DEFAULT_QTILE_VARIANT: usize = 3;
+/// The variant the quantised tiles use unless a test or tuning run picks another.
+const DEFAULT_QTILE_VARIANT: usize = 0;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
 /// BF16 over `chunks` chunks of 64, and the four warps' partial sums of two panels.
@@ -390,7 +367,7 @@ impl GpuExperts {
             max_pass_tokens,
             decode_max_pairs: DECODE_MAX_PAIRS,
             tile_smem_set: AtomicBool::new(false),
-            // KRASIS_MOE_QTILE=<variant> overrides the default shape (for A/B runs of whole models).
+            // KRASIS_MOE_QTILE=0|1 overrides the default shape (for A/B runs of whole models).
             qvariant: QTILE_VARIANTS[std::env::var("KRASIS_MOE_QTILE")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
@@ -399,8 +376,8 @@ impl GpuExperts {
         }
     }
 
-    /// Picks the quantised tiles' shape (an index into the compiled variants: panels per block,
-    /// buffers, pairs per tile, warps); for tests and tuning, every variant gives the same result.
+    /// Picks the quantised tiles' shape (0: 4 panels per block, 3 shared-memory buffers; 1: 2 and
+    /// 2); for tests and tuning, every variant gives the same result.
     #[doc(hidden)]
     pub fn set_tile_variant(&mut self, v: usize) {
         self.qvariant = QTILE_VARIANTS[v % QTILE_VARIANTS.len()];
@@ -753,17 +730,14 @@ impl GpuExperts {
             unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
 
             let mut b = s.launch_builder(&route);
-            // Tiles of the quantised shape's pair count, or the BF16 tiles' MOE_TM.
-            let tm = quant.as_ref().map_or(MOE_TM, |_| self.qvariant.pairs);
-            let tm_i = tm as i32;
-            b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&offsets).arg(&tile_offsets).arg(&sorted).arg(&tm_i);
+            b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
             let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: ids [pairs]; offsets/tile_offsets [E+1] and sorted [pairs] in the scratch.
             unsafe { b.launch(one) }.map_err(launch_err(OP))?;
 
             // Upper bound on the tiles: each non-empty expert adds at most one partial tile, and
             // no tile is empty. Blocks past the device-side count exit at once.
-            let max_tiles = pairs.min(pairs.div_ceil(tm) + e.min(pairs)) as u32;
+            let max_tiles = pairs.min(pairs.div_ceil(MOE_TM) + e.min(pairs)) as u32;
             let grid = |n_out: usize, gated: bool| LaunchConfig {
                 grid_dim: (max_tiles, n_out.div_ceil(if gated { MOE_BN } else { MOE_BN_DOWN }) as u32, 1),
                 block_dim: (MOE_THREADS, 1, 1),
@@ -779,7 +753,7 @@ impl GpuExperts {
                 let v = self.qvariant;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
-                    block_dim: (32 * v.warps as u32, 1, 1),
+                    block_dim: (64 * v.panels as u32, 1, 1),
                     shared_mem_bytes: qtile_smem(l2.bits, v) as u32,
                 };
                 let mut b = s.launch_builder(q_gate_up);
