@@ -110,6 +110,19 @@ __device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ 
     return lo;
 }
 
+// This thread's A copies of every chunk: staged row row0 + i · ROWS_PER_PASS (the tile's pair
+// s_pair[..], A row pair / a_div), 16-byte piece `part`; empty slots zero-fill (0 bytes).
+template <int A_SLOTS, int ROWS_PER_PASS>
+__device__ __forceinline__ void moe_a_sources(const int* s_pair, int row0, int part, int a_div, int lda,
+                                              long long (&a_off)[A_SLOTS], int (&a_bytes)[A_SLOTS]) {
+#pragma unroll
+    for (int i = 0; i < A_SLOTS; ++i) {
+        const int p = s_pair[row0 + i * ROWS_PER_PASS];
+        a_off[i] = p >= 0 ? (long long)(p / a_div) * lda + part * 8 : 0;
+        a_bytes[i] = p >= 0 ? 16 : 0;
+    }
+}
+
 // One tile of one expert on the tensor cores: the tile's pairs p times BN output columns
 // from n0. GATED: weight rows n0+i (gate) and up_row0+n0+i (up), act = silu(gate) * up, written
 // as its two BF16 halves to out_hi/out_lo [p, ldo] for every column below the block's end (zero
@@ -167,12 +180,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     }
     long long a_off[A_SLOTS];
     int a_bytes[A_SLOTS];
-#pragma unroll
-    for (int i = 0; i < A_SLOTS; ++i) {
-        const int p = s_pair[row0 + i * ROWS_PER_PASS];
-        a_off[i] = p >= 0 ? (long long)(p / a_div) * lda + part * 8 : 0;
-        a_bytes[i] = p >= 0 ? 16 : 0;
-    }
+    moe_a_sources<A_SLOTS, ROWS_PER_PASS>(s_pair, row0, part, a_div, lda, a_off, a_bytes);
     const u32 smem0 = smem_addr(moe_smem);
     const u32 copy_dst = (u32)(row0 * ROW_BYTES + part * 16);
     auto stage = [&](int c, int b) {
@@ -411,12 +419,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int part = tid % PARTS, row0 = tid / PARTS;
     long long a_off[A_SLOTS];
     int a_bytes[A_SLOTS];
-#pragma unroll
-    for (int i = 0; i < A_SLOTS; ++i) {
-        const int p = s_pair[row0 + i * ROWS_PER_PASS];
-        a_off[i] = p >= 0 ? (long long)(p / a_div) * lda + part * 8 : 0;
-        a_bytes[i] = p >= 0 ? 16 : 0;
-    }
+    moe_a_sources<A_SLOTS, ROWS_PER_PASS>(s_pair, row0, part, a_div, lda, a_off, a_bytes);
     const u32 smem0 = smem_addr(moe_smem);
     auto stage = [&](int c, int b) {
         const u32 dst = smem0 + b * STAGE_BYTES;

@@ -292,16 +292,27 @@ impl QuantExpertLayout {
     }
 }
 
+/// A layer's expert count and sizes are usable: none empty, at most [`MOE_MAX_EXPERTS`] experts.
+fn check_layer_shape(
+    op: &'static str,
+    name: &str,
+    n_experts: usize,
+    hidden: usize,
+    inter: usize,
+) -> Result<(), GpuError> {
+    check(op, n_experts > 0 && hidden > 0 && inter > 0, || {
+        format!("{name}: empty shape (experts {n_experts}, hidden {hidden}, inter {inter})")
+    })?;
+    check(op, n_experts <= MOE_MAX_EXPERTS, || {
+        format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
+    })
+}
+
 impl GpuExperts {
     /// Allocates (zeroed, budget-charged as `name`) room for `n_experts` experts.
     pub fn new(dev: &GpuDevice, name: &str, n_experts: usize, hidden: usize, inter: usize) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new";
-        check(OP, n_experts > 0 && hidden > 0 && inter > 0, || {
-            format!("{name}: empty shape (experts {n_experts}, hidden {hidden}, inter {inter})")
-        })?;
-        check(OP, n_experts <= MOE_MAX_EXPERTS, || {
-            format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
-        })?;
+        check_layer_shape(OP, name, n_experts, hidden, inter)?;
         let (hidden_pad, inter_pad) = (align_up(hidden, MOE_PAD), align_up(inter, MOE_PAD));
         to_i32(OP, "2·inter·hidden_pad", 2 * inter * hidden_pad)?;
         to_i32(OP, "hidden·inter_pad", hidden * inter_pad)?;
@@ -330,12 +341,7 @@ impl GpuExperts {
         gs2: usize,
     ) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_quantized";
-        check(OP, n_experts > 0 && hidden > 0 && inter > 0, || {
-            format!("{name}: empty shape (experts {n_experts}, hidden {hidden}, inter {inter})")
-        })?;
-        check(OP, n_experts <= MOE_MAX_EXPERTS, || {
-            format!("{name}: {n_experts} experts, at most {MOE_MAX_EXPERTS} supported")
-        })?;
+        check_layer_shape(OP, name, n_experts, hidden, inter)?;
         let layout =
             |rows, k, gs| GpuLayout::new(rows, k, gs, bits).map_err(|e| GpuError::shape(OP, format!("{name}: {e}")));
         let l13 = layout(2 * align_up(inter, MOE_PAD), hidden, gs13)?;

@@ -203,22 +203,25 @@ pub fn dequantize(m: &QuantizedMatrix) -> Vec<f32> {
     out
 }
 
+/// Deterministic values in `[-amp, amp)` for the crate's tests (xorshift).
+#[cfg(test)]
+pub(crate) fn test_data(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_data as data;
     use super::*;
     use proptest::prelude::*;
-
-    fn data(n: usize, seed: u64, amp: f32) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * amp
-            })
-            .collect()
-    }
 
     #[test]
     fn group_choice_rule() {
