@@ -134,6 +134,11 @@ fn bad_input_fails_cleanly() {
         1,
         "--device hybrid",
     );
+    assert_clean_failure(
+        &krasis(&["generate", "--model", m, "--prompt-ids", "1", "--device", "cpu", "--gpu-expert-bits", "4"]),
+        1,
+        "--gpu-expert-bits applies",
+    );
     assert_clean_failure(&krasis(&["generate", "--model", m, "--prompt-ids", "1", "--top-p", "0"]), 1, "--top-p");
     assert_clean_failure(&krasis(&["synth", "--preset", "huge", "--out", "/tmp/x"]), 2, "invalid value 'huge'");
     assert_clean_failure(&krasis(&["synth", "--preset", "tiny", "--out", m]), 1, m);

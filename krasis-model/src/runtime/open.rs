@@ -74,6 +74,12 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
     resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     let config = &resolved;
     let ordinal = config.gpu.ordinal;
+    if matches!(config.device, DevicePolicy::Cpu | DevicePolicy::Hybrid) && config.gpu.expert_bits.is_some() {
+        return Err(ModelError::Invalid(format!(
+            "--gpu-expert-bits applies to the routed experts on the GPU (--device gpu, or auto when the whole model fits); with --device {} they run on the CPU at --cpu-expert-bits",
+            if config.device == DevicePolicy::Cpu { "cpu" } else { "hybrid" }
+        )));
+    }
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
         DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, config),
