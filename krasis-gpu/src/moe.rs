@@ -85,9 +85,9 @@ fn tile_smem(gated: bool) -> usize {
     MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
 }
 
-/// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer two (panel, chunk)
-/// weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each) and the pairs' A
-/// rows (one BF16 copy).
+/// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer the variant's
+/// (panel, chunk) weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each) and
+/// the pairs' A rows (one BF16 copy).
 fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
     v.stages * (v.panels * block + v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
@@ -127,7 +127,7 @@ const QTILE_VARIANTS: [QTileVariant; 2] = [
 const DEFAULT_QTILE_VARIANT: usize = 0;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
-/// BF16 over `chunks` chunks of 64, and the four warps' partial sums of two panels.
+/// BF16 over `chunks` chunks of 64, and every warp's partial sums of two panels.
 fn qdec_smem(chunks: usize) -> usize {
     chunks * gpu_layout::CHUNK_K * 2 + (MOE_QDEC_THREADS as usize / 32) * 2 * gpu_layout::PANEL_ROWS * 4
 }
@@ -139,6 +139,41 @@ const MOE_QDEC_THREADS: u32 = 512;
 /// Largest dynamic shared memory a kernel gets without opting in; quantised experts whose
 /// activation rows need more take the tiles at decode too.
 const DEFAULT_SMEM_LIMIT: usize = 48 << 10;
+
+/// A quantised matrix's leading kernel arguments (`moe_qtile` / `moe_qdec`): its device weights
+/// and scales, bytes and scales per expert, chunks, groups, group size and panels.
+struct QMatrixArgs {
+    w: u64,
+    s: u64,
+    expert_bytes: i64,
+    expert_scales: i64,
+    chunks: i32,
+    groups: i32,
+    gs: i32,
+    panels: i32,
+}
+
+impl QMatrixArgs {
+    fn new(op: &'static str, l: &GpuLayout, w: u64, s: u64) -> Result<Self, GpuError> {
+        let n = |v: usize, what| to_i32(op, what, v);
+        Ok(QMatrixArgs {
+            w,
+            s,
+            expert_bytes: l.weight_bytes() as i64,
+            expert_scales: l.scale_count() as i64,
+            chunks: n(l.chunks(), "chunks")?,
+            groups: n(l.groups(), "groups")?,
+            gs: l.gs as i32,
+            panels: n(l.panels(), "panels")?,
+        })
+    }
+
+    /// Pushes the arguments in the kernels' order.
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.w).arg(&self.s).arg(&self.expert_bytes).arg(&self.expert_scales);
+        b.arg(&self.chunks).arg(&self.groups).arg(&self.gs).arg(&self.panels);
+    }
+}
 
 /// Copies `host` into element range `e · len..(e + 1) · len` of `dst` (expert `e`'s slot).
 fn copy_in<T: cudarc::driver::DeviceRepr>(
@@ -610,14 +645,22 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
+        // Quantised experts: the layouts' kernel arguments and the tile and decode kernels, once
+        // per call.
         let quant = match &self.weights {
             ExpertWeights::Bf16 { .. } => None,
             ExpertWeights::Quant(q) => {
-                let [gu, dn] = match q.l2.bits {
-                    Bits::Int4 => self.qvariant.int4,
-                    Bits::Int8 => self.qvariant.int8,
+                let ([gu, dn], [dec_gu, dec_dn]) = match q.l2.bits {
+                    Bits::Int4 => (self.qvariant.int4, ["moe_q4_dec_gate_up", "moe_q4_dec_down"]),
+                    Bits::Int8 => (self.qvariant.int8, ["moe_q8_dec_gate_up", "moe_q8_dec_down"]),
                 };
-                Some((q, dev.function(&MOE, gu)?, dev.function(&MOE, dn)?))
+                Some((
+                    q,
+                    QMatrixArgs::new(OP, &q.l13, w13_p, s13_p)?,
+                    QMatrixArgs::new(OP, &q.l2, w2_p, s2_p)?,
+                    [dev.function(&MOE, gu)?, dev.function(&MOE, dn)?],
+                    [dev.function(&MOE, dec_gu)?, dev.function(&MOE, dec_dn)?],
+                ))
             }
         };
         // The tiles' dynamic shared memory (72 KiB for the BF16 gate/up, above the 48 KiB
@@ -625,7 +668,7 @@ impl GpuExperts {
         if !self.tile_smem_set.load(Ordering::Relaxed) {
             let sizes = match &quant {
                 None => vec![(&gate_up, tile_smem(true)), (&down, tile_smem(false))],
-                Some((q, gu, dn)) => {
+                Some((q, _, _, [gu, dn], _)) => {
                     let bytes = qtile_smem(q.l2.bits, self.qvariant);
                     vec![(gu, bytes), (dn, bytes)]
                 }
@@ -638,16 +681,6 @@ impl GpuExperts {
         }
         let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
         let (ldw13, ldw2) = (hp as i32, ip as i32);
-        // A quantised layout's (chunks, groups, group size, panels) as kernel arguments.
-        let qdims = |l: &GpuLayout| {
-            let n = |v: usize, what| to_i32(OP, what, v);
-            Ok::<_, GpuError>((
-                n(l.chunks(), "chunks")?,
-                n(l.groups(), "groups")?,
-                l.gs as i32,
-                n(l.panels(), "panels")?,
-            ))
-        };
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
             let mut b = s.launch_builder(&combine);
@@ -672,39 +705,30 @@ impl GpuExperts {
             let x_t = x_p + (t0 * h * 4) as u64;
             let out_t = out_p + (t0 * h * 4) as u64;
 
-            if let (true, Some((q, _, _))) = (self.uses_decode_path(nt, top_k), &quant) {
-                let (l13, l2) = (&q.l13, &q.l2);
-                let (dec_gu, dec_dn) = match l2.bits {
-                    Bits::Int4 => ("moe_q4_dec_gate_up", "moe_q4_dec_down"),
-                    Bits::Int8 => ("moe_q8_dec_gate_up", "moe_q8_dec_down"),
-                };
-                let (dec_gu, dec_dn) = (dev.function(&MOE, dec_gu)?, dev.function(&MOE, dec_dn)?);
-                let (c13, g13, gs13, p13) = qdims(l13)?;
-                let (c2, g2, gs2, p2) = qdims(l2)?;
-                let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
-                let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
+            let decode = self.uses_decode_path(nt, top_k);
+            if let (true, Some((q, a13, a2, _, [dec_gu, dec_dn]))) = (decode, &quant) {
                 let grid = |panels: usize, chunks: usize| LaunchConfig {
                     grid_dim: (pairs as u32, panels as u32, 1),
                     block_dim: (MOE_QDEC_THREADS, 1, 1),
                     shared_mem_bytes: qdec_smem(chunks) as u32,
                 };
-                let mut b = s.launch_builder(&dec_gu);
-                b.arg(&w13_p).arg(&s13_p).arg(&ew13).arg(&es13).arg(&c13).arg(&g13).arg(&gs13).arg(&p13);
+                let mut b = s.launch_builder(dec_gu);
+                a13.push(&mut b);
                 b.arg(&i_i).arg(&x_t).arg(&h_i).arg(&k_i).arg(&act_hi).arg(&ldw2).arg(&ids_t).arg(&e_i);
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
                 // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64).
-                unsafe { b.launch(grid(l13.panels() / 2, l13.chunks())) }.map_err(launch_err(OP))?;
-                let mut b = s.launch_builder(&dec_dn);
-                b.arg(&w2_p).arg(&s2_p).arg(&ew2).arg(&es2).arg(&c2).arg(&g2).arg(&gs2).arg(&p2);
+                unsafe { b.launch(grid(q.l13.panels() / 2, q.l13.chunks())) }.map_err(launch_err(OP))?;
+                let mut b = s.launch_builder(dec_dn);
+                a2.push(&mut b);
                 b.arg(&h_i).arg(&act_hi).arg(&i_i).arg(&ldw2).arg(&ypair).arg(&ids_t).arg(&e_i);
                 // SAFETY: w2/s2 [E, l2]; act_hi [pairs, ldw2]; ypair [pairs, hidden], columns
                 // below hidden only.
-                unsafe { b.launch(grid(l2.panels(), l2.chunks())) }.map_err(launch_err(OP))?;
+                unsafe { b.launch(grid(q.l2.panels(), q.l2.chunks())) }.map_err(launch_err(OP))?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
                 t0 += nt;
                 continue;
             }
-            if self.uses_decode_path(nt, top_k) {
+            if decode {
                 let grid = |n_out: usize, per_block: usize| LaunchConfig {
                     grid_dim: (pairs as u32, n_out.div_ceil(per_block) as u32, 1),
                     block_dim: (MOE_DEC_THREADS, 1, 1),
@@ -749,21 +773,16 @@ impl GpuExperts {
                 block_dim: (MOE_THREADS, 1, 1),
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
-            if let Some((q, q_gate_up, q_down)) = &quant {
+            if let Some((q, a13, a2, [q_gate_up, q_down], _)) = &quant {
                 // One BF16 copy of x (the split's high half) and of the intermediate.
-                let (l13, l2) = (&q.l13, &q.l2);
-                let (c13, g13, gs13, p13) = qdims(l13)?;
-                let (c2, g2, gs2, p2) = qdims(l2)?;
-                let (ew13, es13) = (l13.weight_bytes() as i64, l13.scale_count() as i64);
-                let (ew2, es2) = (l2.weight_bytes() as i64, l2.scale_count() as i64);
                 let v = self.qvariant;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
                     block_dim: (64 * v.panels as u32, 1, 1),
-                    shared_mem_bytes: qtile_smem(l2.bits, v) as u32,
+                    shared_mem_bytes: qtile_smem(q.l2.bits, v) as u32,
                 };
                 let mut b = s.launch_builder(q_gate_up);
-                b.arg(&w13_p).arg(&s13_p).arg(&ew13).arg(&es13).arg(&c13).arg(&g13).arg(&gs13).arg(&p13);
+                a13.push(&mut b);
                 b.arg(&i_i).arg(&xs_hi).arg(&ldw13).arg(&k_i).arg(&act_hi).arg(&ldw2);
                 b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
                 // SAFETY: w13/s13 [E, l13]; blocks read gate panels below p13 / 2 and the matching
@@ -772,7 +791,7 @@ impl GpuExperts {
                 // on the device as above.
                 unsafe { b.launch(qgrid(ip, v.panels / 2 * gpu_layout::PANEL_ROWS)) }.map_err(launch_err(OP))?;
                 let mut b = s.launch_builder(q_down);
-                b.arg(&w2_p).arg(&s2_p).arg(&ew2).arg(&es2).arg(&c2).arg(&g2).arg(&gs2).arg(&p2);
+                a2.push(&mut b);
                 b.arg(&h_i).arg(&act_hi).arg(&ldw2).arg(&ypair);
                 b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
                 // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); act_hi [pairs,
