@@ -151,36 +151,77 @@ pub fn build(
     produce: &Produce<'_>,
     progress: &dyn Fn(BuildProgress),
 ) -> Result<BuildReport, CacheError> {
+    let one = |l: usize, e: usize| produce(l, e).map(|r| vec![r]);
+    let mut reports = build_many(&[(path, header)], &one, progress)?;
+    Ok(reports.remove(0))
+}
+
+/// Produces the records of (MoE layer index, expert) for every target of [`build_many`], in the
+/// targets' order (e.g. the CPU and the GPU layout of one quantisation).
+pub type ProduceMany<'a> = dyn Fn(usize, usize) -> Result<Vec<Vec<u8>>, String> + Sync + 'a;
+
+/// [`build`] of several caches over the same MoE layers and experts in one pass: each
+/// (layer, expert) is produced once, as one record per target, so the source weights are read
+/// and quantised once for all of them. Every file is written as [`build`] writes one; all are
+/// renamed into place only when all are complete (an error leaves every path as it was).
+/// Progress counts the records of all targets together.
+pub fn build_many(
+    targets: &[(&Path, &CacheHeader)],
+    produce: &ProduceMany<'_>,
+    progress: &dyn Fn(BuildProgress),
+) -> Result<Vec<BuildReport>, CacheError> {
     let t0 = Instant::now();
-    if header.format_version != FORMAT_VERSION {
-        return Err(CacheError::InvalidRequest(format!(
-            "format_version {} (this build writes {FORMAT_VERSION})",
-            header.format_version
-        )));
+    let Some(&(_, first)) = targets.first() else {
+        return Err(CacheError::InvalidRequest("build_many: no caches to build".into()));
+    };
+    let mut plans = Vec::with_capacity(targets.len());
+    for &(path, header) in targets {
+        if header.format_version != FORMAT_VERSION {
+            return Err(CacheError::InvalidRequest(format!(
+                "format_version {} (this build writes {FORMAT_VERSION})",
+                header.format_version
+            )));
+        }
+        if (&header.moe_layers, header.n_experts) != (&first.moe_layers, first.n_experts) {
+            return Err(CacheError::InvalidRequest(format!(
+                "{}: built in one pass with caches of other MoE layers or expert counts",
+                path.display()
+            )));
+        }
+        let json = header_json(header).map_err(CacheError::InvalidRequest)?;
+        let layout = Layout::new(header, json.len() as u64).map_err(CacheError::InvalidRequest)?;
+        plans.push((json, layout));
     }
-    let json = header_json(header).map_err(CacheError::InvalidRequest)?;
-    let layout = Layout::new(header, json.len() as u64).map_err(CacheError::InvalidRequest)?;
+    let outs = targets
+        .iter()
+        .zip(&plans)
+        .map(|(&(path, _), (_, layout))| AtomicWrite::create(path, layout.file_len))
+        .collect::<Result<Vec<_>, _>>()?;
+    let files: Vec<Target<'_>> = targets
+        .iter()
+        .zip(&plans)
+        .zip(&outs)
+        .map(|((&(path, header), (_, layout)), out)| Target { path, header, layout, file: out.file() })
+        .collect();
 
-    let out = AtomicWrite::create(path, layout.file_len)?;
-    let file = out.file();
-
-    let n_layers = header.moe_layers.len();
-    let n_experts = header.n_experts as usize;
-    let bytes_total = layout.records_bytes;
+    let n_layers = first.moe_layers.len();
+    let n_experts = first.n_experts as usize;
+    let record_count = plans[0].1.record_count;
+    let bytes_total: u64 = plans.iter().map(|(_, l)| l.records_bytes).sum();
 
     // Records are produced and written on rayon's pool (driven from a scoped thread); this thread
     // relays progress in order, so `progress` need not be `Sync`.
     let sums = std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<u64>();
-        let worker = s.spawn(|| write_layers(path, file, header, &layout, produce, tx));
+        let worker = s.spawn(|| write_layers(&files, produce, tx));
         let (mut done, mut bytes_done) = (0u64, 0u64);
-        for stride in rx {
+        for strides in rx {
             done += 1;
-            bytes_done += stride;
+            bytes_done += strides;
             let seconds = t0.elapsed().as_secs_f64();
             progress(BuildProgress {
                 records_done: done,
-                records_total: layout.record_count,
+                records_total: record_count,
                 layers_done: (done / n_experts as u64) as usize,
                 layers_total: n_layers,
                 bytes_done,
@@ -195,81 +236,115 @@ pub fn build(
         }
     })?;
 
-    out.commit(MAGIC, FORMAT_VERSION, &json, layout.table_offset, &sums)?;
-    let seconds = t0.elapsed().as_secs_f64();
-    Ok(BuildReport {
-        path: path.to_path_buf(),
-        bytes: layout.file_len,
-        records: layout.record_count,
-        seconds,
-        gb_per_s: layout.file_len as f64 / seconds.max(1e-9) / 1e9,
-    })
+    let mut reports = Vec::with_capacity(targets.len());
+    for ((out, (json, layout)), (&(path, _), sums)) in outs.into_iter().zip(&plans).zip(targets.iter().zip(&sums)) {
+        out.commit(MAGIC, FORMAT_VERSION, json, layout.table_offset, sums)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        reports.push(BuildReport {
+            path: path.to_path_buf(),
+            bytes: layout.file_len,
+            records: layout.record_count,
+            seconds,
+            gb_per_s: layout.file_len as f64 / seconds.max(1e-9) / 1e9,
+        });
+    }
+    Ok(reports)
 }
 
-/// Produce, checksum and write every record, layer by layer; returns the checksums in record order.
+/// One file of a [`build_many`]: where it goes, what it holds, its open temp file.
+struct Target<'a> {
+    path: &'a Path,
+    header: &'a CacheHeader,
+    layout: &'a Layout,
+    file: &'a File,
+}
+
+/// Checksum one record (its w13 part, zeros up to w2, w2, zeros to the stride) and write it at
+/// its offset.
+/// Its record of the wrong size is `Err(Ok(message))` (the producer's fault), a failed write
+/// `Err(Err(io error))`.
+fn write_record(t: &Target<'_>, l: usize, e: usize, rec: &[u8]) -> Result<u64, Result<String, CacheError>> {
+    let parts = t.header.parts[l];
+    let (w13, w2) = (parts.w13_bytes as usize, parts.w2_bytes as usize);
+    if rec.len() != w13 + w2 {
+        return Err(Ok(format!("record is {} bytes, expected {} (w13 {w13} + w2 {w2})", rec.len(), w13 + w2)));
+    }
+    let geom = t.layout.layers[l];
+    let (w2_off, stride) = (geom.w2_offset as usize, geom.stride as usize);
+    let mut h = Xxh3::new();
+    h.update(&rec[..w13]);
+    h.update(&ZEROS[..w2_off - w13]);
+    h.update(&rec[w13..]);
+    let mut pad = stride - w2_off - w2;
+    while pad > 0 {
+        let n = pad.min(ZEROS.len());
+        h.update(&ZEROS[..n]);
+        pad -= n;
+    }
+    let off = t.layout.record_offset(l * t.layout.n_experts as usize + e);
+    // The padding is already zero: the file was extended with set_len.
+    let io = |er| Err(CacheError::io(t.path, "write record", er));
+    t.file.write_all_at(&rec[..w13], off).map_err(io)?;
+    t.file.write_all_at(&rec[w13..], off + w2_off as u64).map_err(io)?;
+    Ok(h.digest())
+}
+
+/// Produce, checksum and write every record of every target, layer by layer; returns each
+/// target's checksums in record order.
 fn write_layers(
-    path: &Path,
-    file: &File,
-    header: &CacheHeader,
-    layout: &Layout,
-    produce: &Produce<'_>,
+    targets: &[Target<'_>],
+    produce: &ProduceMany<'_>,
     tx: mpsc::Sender<u64>,
-) -> Result<Vec<u64>, CacheError> {
-    let n_experts = header.n_experts as usize;
-    let mut sums = Vec::with_capacity(layout.record_count as usize);
-    let mut previous: Option<(u64, u64)> = None;
-    for (l, (&layer, parts)) in header.moe_layers.iter().zip(&header.parts).enumerate() {
-        let (w13, w2) = (parts.w13_bytes as usize, parts.w2_bytes as usize);
-        let geom = layout.layers[l];
-        let w2_off = geom.w2_offset as usize;
-        let stride = geom.stride as usize;
-        let layer_bytes = n_experts as u64 * geom.stride;
+) -> Result<Vec<Vec<u64>>, CacheError> {
+    let first = targets[0].header;
+    let n_experts = first.n_experts as usize;
+    let mut sums = vec![Vec::with_capacity(targets[0].layout.record_count as usize); targets.len()];
+    let mut previous: Vec<(u64, u64)> = Vec::new();
+    for (l, &layer) in first.moe_layers.iter().enumerate() {
         let layer_sums = (0..n_experts)
             .into_par_iter()
             .map(|e| {
-                let produce_err = |message: String| CacheError::Produce {
+                let produce_err = |path: &Path, message: String| CacheError::Produce {
                     path: path.to_path_buf(),
                     layer_idx: l,
                     layer,
                     expert: e,
                     message,
                 };
-                let rec = produce(l, e).map_err(produce_err)?;
-                if rec.len() != w13 + w2 {
-                    return Err(produce_err(format!(
-                        "record is {} bytes, expected {} (w13 {w13} + w2 {w2})",
-                        rec.len(),
-                        w13 + w2
-                    )));
+                let recs = produce(l, e).map_err(|m| produce_err(targets[0].path, m))?;
+                if recs.len() != targets.len() {
+                    let m = format!("{} records for {} caches", recs.len(), targets.len());
+                    return Err(produce_err(targets[0].path, m));
                 }
-                let mut h = Xxh3::new();
-                h.update(&rec[..w13]);
-                h.update(&ZEROS[..w2_off - w13]);
-                h.update(&rec[w13..]);
-                let mut pad = stride - w2_off - w2;
-                while pad > 0 {
-                    let n = pad.min(ZEROS.len());
-                    h.update(&ZEROS[..n]);
-                    pad -= n;
+                let mut digests = Vec::with_capacity(targets.len());
+                let mut strides = 0;
+                for (t, rec) in targets.iter().zip(&recs) {
+                    let written = write_record(t, l, e, rec);
+                    digests.push(written.map_err(|er| er.map_or_else(|io| io, |m| produce_err(t.path, m)))?);
+                    strides += t.layout.layers[l].stride;
                 }
-                let off = layout.record_offset(l * n_experts + e);
-                // The padding is already zero: the file was extended with set_len.
-                file.write_all_at(&rec[..w13], off).map_err(|er| CacheError::io(path, "write record", er))?;
-                file.write_all_at(&rec[w13..], off + w2_off as u64)
-                    .map_err(|er| CacheError::io(path, "write record", er))?;
-                let _ = tx.send(geom.stride);
-                Ok(h.digest())
+                let _ = tx.send(strides);
+                Ok(digests)
             })
-            .collect::<Result<Vec<u64>, CacheError>>()?;
-        sums.extend(layer_sums);
-        // Keep at most ~two layers of dirty page cache: start writing this layer back, wait for the
-        // previous one and drop its pages.
-        let off = layout.record_offset(l * n_experts);
-        start_writeback(file, off, layer_bytes);
-        if let Some((prev_off, prev_bytes)) = previous {
-            finish_writeback_and_drop(file, prev_off, prev_bytes);
+            .collect::<Result<Vec<Vec<u64>>, CacheError>>()?;
+        for digests in layer_sums {
+            for (s, d) in sums.iter_mut().zip(digests) {
+                s.push(d);
+            }
         }
-        previous = Some((off, layer_bytes));
+        // Keep at most ~two layers of dirty page cache per file: start writing this layer back,
+        // wait for the previous one and drop its pages.
+        let this: Vec<(u64, u64)> = targets
+            .iter()
+            .map(|t| (t.layout.record_offset(l * n_experts), n_experts as u64 * t.layout.layers[l].stride))
+            .collect();
+        for (t, &(off, bytes)) in targets.iter().zip(&this) {
+            start_writeback(t.file, off, bytes);
+        }
+        for (t, &(off, bytes)) in targets.iter().zip(&previous) {
+            finish_writeback_and_drop(t.file, off, bytes);
+        }
+        previous = this;
     }
     Ok(sums)
 }

@@ -34,7 +34,7 @@ mod tests;
 
 use std::path::{Path, PathBuf};
 
-pub use build::{build, clean_stale_tmp_files, BuildProgress, BuildReport, Produce};
+pub use build::{build, build_many, clean_stale_tmp_files, BuildProgress, BuildReport, Produce, ProduceMany};
 pub use dense::{
     build_dense, dense_cache_file_name, describe_dense, open_dense, open_or_build_dense, DenseCache, DenseEntry,
     DenseHeader, DENSE_FORMAT_VERSION,

@@ -735,3 +735,70 @@ fn mixed_widths_round_trip_with_per_layer_strides() {
     let err = open(&p, &h, LoadOptions::default()).unwrap_err();
     assert!(matches!(err, CacheError::RecordChecksum { layer_idx: 2, layer: 4, expert: 3, .. }), "{err}");
 }
+
+/// Two caches of different record sizes (a CPU and a GPU layout) built in one pass: each record
+/// produced once, both files as `build` writes them, progress over both.
+#[test]
+fn build_many_writes_every_cache_in_one_pass() {
+    let d = tempfile::tempdir().unwrap();
+    let (pa, pb) = (d.path().join("a.bin"), d.path().join("b.bin"));
+    let (ha, hb) = (hdr(11), CacheHeader { layout: "other-v1".into(), ..mixed(11) });
+    let calls = AtomicUsize::new(0);
+    let both = |l: usize, e: usize| {
+        calls.fetch_add(1, Ordering::Relaxed);
+        Ok(vec![fake(l, e, record_len(&ha, l)), fake(l, e, record_len(&hb, l))])
+    };
+    let seen = Mutex::new(Vec::new());
+    let reports = build_many(&[(&pa, &ha), (&pb, &hb)], &both, &|p| seen.lock().unwrap().push(p)).unwrap();
+    assert_eq!(calls.load(Ordering::Relaxed), 15, "one produce call per (layer, expert)");
+    assert_eq!(reports.len(), 2);
+    assert_eq!((reports[0].path.as_path(), reports[1].path.as_path()), (pa.as_path(), pb.as_path()));
+    for (p, h, r) in [(&pa, &ha, &reports[0]), (&pb, &hb, &reports[1])] {
+        assert_eq!(r.bytes, std::fs::metadata(p).unwrap().len());
+        let (c, outcome) = open_or_build(p, h, &producer(h), &quiet, LoadOptions::default()).unwrap();
+        assert_eq!(outcome, CacheOutcome::Hit);
+        check_contents(&c, h);
+    }
+    // Byte for byte what `build` writes alone.
+    let alone = d.path().join("alone.bin");
+    build_ok(&alone, &hb);
+    assert_eq!(std::fs::read(&alone).unwrap(), std::fs::read(&pb).unwrap());
+    let seen = seen.into_inner().unwrap();
+    let last = seen.last().unwrap();
+    assert_eq!((last.records_done, last.records_total), (15, 15));
+    assert_eq!(last.bytes_done, last.bytes_total);
+    assert_eq!(last.bytes_total, layout_of(&pa).records_bytes + layout_of(&pb).records_bytes);
+}
+
+/// A failure in any target's record leaves no file of any target; caches over other layers are
+/// refused before anything is written.
+#[test]
+fn build_many_is_all_or_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let (pa, pb) = (d.path().join("a.bin"), d.path().join("b.bin"));
+    let (ha, hb) = (hdr(12), mixed(12));
+    let short_b = |l: usize, e: usize| {
+        let mut b = fake(l, e, record_len(&hb, l));
+        if (l, e) == (2, 4) {
+            b.pop();
+        }
+        Ok(vec![fake(l, e, record_len(&ha, l)), b])
+    };
+    let err = build_many(&[(&pa, &ha), (&pb, &hb)], &short_b, &quiet).unwrap_err();
+    match &err {
+        CacheError::Produce { path, layer_idx: 2, expert: 4, message, .. } => {
+            assert_eq!(path, &pb);
+            assert!(message.contains("record is"), "{message}");
+        }
+        e => panic!("{e}"),
+    }
+    assert!(dir_names(d.path()).is_empty(), "{:?}", dir_names(d.path()));
+    let one_short = |l: usize, e: usize| Ok(vec![fake(l, e, record_len(&ha, l))]);
+    let err = build_many(&[(&pa, &ha), (&pb, &hb)], &one_short, &quiet).unwrap_err();
+    assert!(err.to_string().contains("1 records for 2 caches"), "{err}");
+    let other_layers = CacheHeader { moe_layers: vec![1, 2, 4], ..hdr(12) };
+    let err = build_many(&[(&pa, &ha), (&pb, &other_layers)], &short_b, &quiet).unwrap_err();
+    assert!(matches!(err, CacheError::InvalidRequest(_)), "{err}");
+    assert!(build_many(&[], &short_b, &quiet).is_err());
+    assert!(dir_names(d.path()).is_empty());
+}

@@ -275,6 +275,25 @@ pub struct PackedExpert {
     s2: Vec<u16>,
 }
 
+impl PackedExpert {
+    /// The expert as a GPU expert cache record: gate+up codes, their f16 scales (little-endian
+    /// bits), then down codes and their scales; the two parts are
+    /// [`QuantExpertLayout::record_parts`] long.
+    pub fn to_record(&self) -> Vec<u8> {
+        let mut r = Vec::with_capacity(self.w13.len() + self.w2.len() + 2 * (self.s13.len() + self.s2.len()));
+        for (w, s) in [(&self.w13, &self.s13), (&self.w2, &self.s2)] {
+            r.extend_from_slice(w);
+            r.extend(s.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        r
+    }
+}
+
+/// The f16 scale bits of a record part, read little-endian (any alignment).
+fn scale_bits(bytes: &[u8]) -> Vec<u16> {
+    bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
+}
+
 /// The layout of a layer's quantised experts: packs experts on any thread.
 #[derive(Clone, Debug)]
 pub struct QuantExpertLayout {
@@ -287,6 +306,29 @@ pub struct QuantExpertLayout {
 }
 
 impl QuantExpertLayout {
+    /// The layout of a layer's experts quantised to `bits`, groups of `gs13` along `hidden` (gate,
+    /// up) and `gs2` along `inter` (down). Needs no device: `krasis convert` packs the GPU expert
+    /// cache on machines without one.
+    pub fn new(name: &str, hidden: usize, inter: usize, bits: Bits, gs13: usize, gs2: usize) -> Result<Self, GpuError> {
+        const OP: &str = "QuantExpertLayout::new";
+        check(OP, hidden > 0 && inter > 0, || format!("{name}: empty shape (hidden {hidden}, inter {inter})"))?;
+        let layout =
+            |rows, k, gs| GpuLayout::new(rows, k, gs, bits).map_err(|e| GpuError::shape(OP, format!("{name}: {e}")));
+        Ok(QuantExpertLayout {
+            name: name.to_string(),
+            hidden,
+            inter,
+            l13: layout(2 * align_up(inter, MOE_PAD), hidden, gs13)?,
+            l2: layout(hidden, inter, gs2)?,
+        })
+    }
+
+    /// Bytes of one expert's record in the GPU expert cache: (gate+up part, down part), each the
+    /// packed codes followed by their f16 scales ([`PackedExpert::to_record`]).
+    pub fn record_parts(&self) -> (usize, usize) {
+        (self.l13.weight_bytes() + 2 * self.l13.scale_count(), self.l2.weight_bytes() + 2 * self.l2.scale_count())
+    }
+
     /// Expert `e`'s `gate`, `up` `[inter, hidden]` and `down` `[hidden, inter]` in the GPU tile
     /// layout; their widths and group sizes must be the layer's.
     pub fn pack(
@@ -377,10 +419,7 @@ impl GpuExperts {
     ) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_quantized";
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
-        let layout =
-            |rows, k, gs| GpuLayout::new(rows, k, gs, bits).map_err(|e| GpuError::shape(OP, format!("{name}: {e}")));
-        let l13 = layout(2 * align_up(inter, MOE_PAD), hidden, gs13)?;
-        let l2 = layout(hidden, inter, gs2)?;
+        let QuantExpertLayout { l13, l2, .. } = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
         let total = |per: usize| {
             n_experts
                 .checked_mul(per)
@@ -527,6 +566,31 @@ impl GpuExperts {
         copy_in(dev, &mut qw.s13, e, &p.s13)?;
         copy_in(dev, &mut qw.w2, e, &p.w2)?;
         copy_in(dev, &mut qw.s2, e, &p.s2)
+    }
+
+    /// Copies expert `e` in from its GPU expert cache record: `w13` and `w2` are the record's two
+    /// parts ([`PackedExpert::to_record`] of these experts' layout).
+    pub fn upload_expert_record(&mut self, dev: &GpuDevice, e: usize, w13: &[u8], w2: &[u8]) -> Result<(), GpuError> {
+        let name = &self.name;
+        check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
+        let ExpertWeights::Quant(qw) = &mut self.weights else {
+            return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")));
+        };
+        let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
+        let want = (b13 + 2 * qw.l13.scale_count(), b2 + 2 * qw.l2.scale_count());
+        check(OP_UPLOAD_Q, (w13.len(), w2.len()) == want, || {
+            format!(
+                "{name} expert {e}: record parts of {} + {} bytes, this layout needs {} + {}",
+                w13.len(),
+                w2.len(),
+                want.0,
+                want.1
+            )
+        })?;
+        copy_in(dev, &mut qw.w13, e, &w13[..b13])?;
+        copy_in(dev, &mut qw.s13, e, &scale_bits(&w13[b13..]))?;
+        copy_in(dev, &mut qw.w2, e, &w2[..b2])?;
+        copy_in(dev, &mut qw.s2, e, &scale_bits(&w2[b2..]))
     }
 
     /// Device bytes of all expert weights (padding and scales included).
@@ -821,5 +885,58 @@ impl GpuExperts {
         }
         drop(g);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod record_tests {
+    use super::*;
+    use krasis_quant::group::quantize;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// A record's parts unpack to the quantised gate, up and down that were packed (no device:
+    /// this is what the GPU expert cache stores and `upload_expert_record` splits).
+    #[test]
+    fn records_unpack_to_the_packed_matrices() {
+        for (bits, hidden, inter, gs13, gs2) in
+            [(Bits::Int4, 128, 96, 64, 32), (Bits::Int8, 192, 160, 64, 32), (Bits::Int4, 256, 64, 128, 64)]
+        {
+            let layout = QuantExpertLayout::new("t", hidden, inter, bits, gs13, gs2).unwrap();
+            let gate = quantize(&values(inter * hidden, 1), inter, hidden, bits, gs13);
+            let up = quantize(&values(inter * hidden, 2), inter, hidden, bits, gs13);
+            let down = quantize(&values(hidden * inter, 3), hidden, inter, bits, gs2);
+            let rec = layout.pack(0, &gate, &up, &down).unwrap().to_record();
+            let (p13, p2) = layout.record_parts();
+            assert_eq!(rec.len(), p13 + p2);
+            let (r13, r2) = rec.split_at(p13);
+            let b13 = layout.l13.weight_bytes();
+            let stacked = gpu_layout::unpack(&r13[..b13], &scale_bits(&r13[b13..]), &layout.l13).unwrap();
+            let ip = layout.l13.rows / 2;
+            let ng = hidden / gs13;
+            for (m, row0) in [(&gate, 0), (&up, ip)] {
+                assert_eq!(&stacked.q[row0 * hidden..(row0 + inter) * hidden], &m.q[..]);
+                assert_eq!(&stacked.scales[row0 * ng..(row0 + inter) * ng], &m.scales[..]);
+            }
+            let b2 = layout.l2.weight_bytes();
+            let d = gpu_layout::unpack(&r2[..b2], &scale_bits(&r2[b2..]), &layout.l2).unwrap();
+            assert_eq!((d.q, d.scales), (down.q.clone(), down.scales.clone()));
+        }
+    }
+
+    #[test]
+    fn layouts_refuse_empty_shapes() {
+        assert!(QuantExpertLayout::new("t", 0, 64, Bits::Int4, 32, 32).is_err());
+        assert!(QuantExpertLayout::new("t", 64, 0, Bits::Int4, 32, 32).is_err());
     }
 }
