@@ -1,17 +1,16 @@
-//! `krasis convert`: build (or check) the CPU expert cache, and with `--cpu-dense-bits` the
+//! `krasis convert`: build (or check) the CPU expert cache, with `--gpu-expert-bits` the GPU
+//! expert cache (both in one pass over the source weights), and with `--cpu-dense-bits` the
 //! dense-weight cache, ahead of the first run.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use clap::{Args as ClapArgs, ValueEnum};
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
-use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::dense_cache::open_dense_cache;
+use krasis_model::expert_caches::{convert_expert_caches, CacheRequest};
 use krasis_model::files::ModelFiles;
 use krasis_model::precision::{describe_layer_bits, CacheBits as Widths};
-use krasis_model::quantized::open_expert_cache;
 use krasis_model::tensors::param_counts;
 use krasis_quant::Bits;
 
@@ -21,6 +20,17 @@ use crate::cmd_generate::check_group_size_flag;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum CacheBits {
     Auto,
+    #[value(name = "4")]
+    Int4,
+    #[value(name = "8")]
+    Int8,
+    /// No CPU expert cache (with --gpu-expert-bits: the GPU one only).
+    None,
+}
+
+/// The width of the GPU expert cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum GpuBits {
     #[value(name = "4")]
     Int4,
     #[value(name = "8")]
@@ -45,6 +55,10 @@ pub struct Args {
     /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model.
     #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
     cpu_expert_bits: CacheBits,
+    /// Also build the GPU expert cache for `--device gpu --gpu-expert-bits 4|8` (the experts in the
+    /// GPU tile layout), in the same pass over the source weights as the CPU expert cache.
+    #[arg(long, value_enum)]
+    gpu_expert_bits: Option<GpuBits>,
     /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
     /// dense MLPs, LM head), so a cached start quantises nothing.
     #[arg(long, value_enum)]
@@ -59,33 +73,58 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let bits = match a.cpu_expert_bits {
-        CacheBits::Auto => Widths::Auto,
-        CacheBits::Int4 => Widths::Uniform(Bits::Int4),
-        CacheBits::Int8 => Widths::Uniform(Bits::Int8),
+        CacheBits::Auto => Some(Widths::Auto),
+        CacheBits::Int4 => Some(Widths::Uniform(Bits::Int4)),
+        CacheBits::Int8 => Some(Widths::Uniform(Bits::Int8)),
+        CacheBits::None => None,
     };
+    let gpu = a.gpu_expert_bits.map(|b| match b {
+        GpuBits::Int4 => Bits::Int4,
+        GpuBits::Int8 => Bits::Int8,
+    });
+    if bits.is_none() && gpu.is_none() && a.cpu_dense_bits.is_none() {
+        anyhow::bail!("--cpu-expert-bits none leaves nothing to build: add --gpu-expert-bits or --cpu-dense-bits");
+    }
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;
-    eprintln!("routed experts: {}", describe_layer_bits(&bits.layer_bits(files.spec())));
-    let pool = WorkerPool::new(PoolPlan::from_system(&krasis_core::hw::probe(), None))?;
-    let source_bytes = param_counts(files.spec()).routed_expert * 2;
-    let t = Instant::now();
-    let (cache, outcome) = open_expert_cache(&files, bits, a.group_size, a.cache_dir.as_deref(), &pool)?;
-    let total = t.elapsed().as_secs_f64();
-    let load = cache.load_report().seconds;
-    match outcome {
-        CacheOutcome::Hit => eprintln!("expert cache up to date: {}", cache.path().display()),
-        CacheOutcome::Built { reason } => {
-            let build = (total - load).max(1e-9);
+    let layer_bits = bits.map(|b| b.layer_bits(files.spec()));
+    if let Some(lb) = &layer_bits {
+        eprintln!("routed experts on the CPU: {}", describe_layer_bits(lb));
+    }
+    if let Some(b) = gpu {
+        eprintln!("routed experts on the GPU: int{}", b.bits());
+    }
+    if (layer_bits.is_some() || gpu.is_some()) && files.spec().moe.is_some() {
+        let req =
+            CacheRequest { cpu: layer_bits.as_deref(), gpu, group: a.group_size, cache_dir: a.cache_dir.as_deref() };
+        let report = convert_expert_caches(&files, &req)?;
+        if let Some(build) = report.build_seconds {
+            let source_bytes = param_counts(files.spec()).routed_expert * 2;
+            let reasons: Vec<String> = report
+                .caches
+                .iter()
+                .filter_map(|c| match &c.outcome {
+                    CacheOutcome::Built { reason } => Some(format!("{}: {reason}", c.kind)),
+                    CacheOutcome::Hit => None,
+                })
+                .collect();
             eprintln!(
-                "converted {} of source expert weights in {:.1} s ({:.2} GB/s of source; {reason})",
+                "converted {} of source expert weights in {:.1} s ({:.2} GB/s of source; {})",
                 format_bytes(source_bytes),
                 build,
-                source_bytes as f64 / 1e9 / build
+                source_bytes as f64 / 1e9 / build.max(1e-9),
+                reasons.join("; ")
             );
         }
+        for c in &report.caches {
+            if c.outcome == CacheOutcome::Hit {
+                eprintln!("{} expert cache up to date: {}", c.kind, c.path.display());
+            }
+            eprintln!("{}", c.description);
+        }
+    } else if files.spec().moe.is_none() {
+        eprintln!("the model has no routed experts: no expert cache to build");
     }
-    eprintln!("{}", krasis_cache::describe(&cache));
-    drop(cache);
     if let Some(dense) = a.cpu_dense_bits {
         let dense = match dense {
             DenseBits::Int4 => Bits::Int4,

@@ -14,7 +14,7 @@ use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
-use krasis_model::gpu::GpuOptions;
+use krasis_model::gpu::{GpuExpertCache, GpuOptions};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
@@ -114,13 +114,11 @@ impl EngineArgs {
     /// The library's engine configuration from these flags, `--device` and the GPU flags; the
     /// RAM estimate assumes `context_tokens` of context.
     pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
-        Ok(EngineConfig {
-            device: device.into(),
-            cpu: self.options()?,
-            gpu: gpu.options()?,
-            context_tokens,
-            force: self.force,
-        })
+        // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
+        let mut gpu = gpu.options()?;
+        gpu.expert_group_size = self.group_size;
+        gpu.expert_cache = GpuExpertCache::In(self.cache_dir.clone());
+        Ok(EngineConfig { device: device.into(), cpu: self.options()?, gpu, context_tokens, force: self.force })
     }
 }
 
@@ -169,8 +167,9 @@ pub struct GpuArgs {
     /// LM head on the GPU.
     #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub lm_head_quant: LinearQuant,
-    /// Routed experts resident on the GPU (`--device gpu`): bf16, 8 or 4 (INT8 / INT4 weights,
-    /// quantised per group of 128 along K at load, dequantised inside the tensor-core tiles).
+    /// Routed experts resident on the GPU (`--device gpu`): bf16, 8 or 4 (INT8 / INT4 weights per
+    /// group of --group-size along K, dequantised inside the tensor-core tiles; read from the GPU
+    /// expert cache in --cache-dir, built on the first start or by `krasis convert`).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "8", "4"])]
     pub gpu_expert_bits: String,
 }
@@ -195,6 +194,7 @@ impl GpuArgs {
                 "4" => Some(krasis_quant::Bits::Int4),
                 _ => None,
             },
+            ..GpuOptions::default()
         })
     }
 }

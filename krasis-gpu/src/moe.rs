@@ -329,6 +329,39 @@ impl QuantExpertLayout {
         (self.l13.weight_bytes() + 2 * self.l13.scale_count(), self.l2.weight_bytes() + 2 * self.l2.scale_count())
     }
 
+    /// The inverse of [`QuantExpertLayout::pack`] then [`PackedExpert::to_record`]: the gate, up
+    /// and down a record's two parts hold.
+    pub fn unpack_record(&self, w13: &[u8], w2: &[u8]) -> Result<[QuantizedMatrix; 3], GpuError> {
+        const OP: &str = "QuantExpertLayout::unpack_record";
+        let (l13, l2, name) = (&self.l13, &self.l2, &self.name);
+        let want = self.record_parts();
+        check(OP, (w13.len(), w2.len()) == want, || {
+            format!(
+                "{name}: record parts of {} + {} bytes, this layout needs {} + {}",
+                w13.len(),
+                w2.len(),
+                want.0,
+                want.1
+            )
+        })?;
+        let unpack = |bytes: &[u8], l: &GpuLayout| {
+            let b = l.weight_bytes();
+            gpu_layout::unpack(&bytes[..b], &scale_bits(&bytes[b..]), l)
+                .map_err(|e| GpuError::shape(OP, format!("{name}: {e}")))
+        };
+        let stacked = unpack(w13, l13)?;
+        let (h, i, ip, ng) = (self.hidden, self.inter, l13.rows / 2, self.hidden / l13.gs);
+        let rows = |row0: usize| QuantizedMatrix {
+            rows: i,
+            k: h,
+            gs: l13.gs,
+            bits: l13.bits,
+            q: stacked.q[row0 * h..(row0 + i) * h].to_vec(),
+            scales: stacked.scales[row0 * ng..(row0 + i) * ng].to_vec(),
+        };
+        Ok([rows(0), rows(ip), unpack(w2, l2)?])
+    }
+
     /// Expert `e`'s `gate`, `up` `[inter, hidden]` and `down` `[hidden, inter]` in the GPU tile
     /// layout; their widths and group sizes must be the layer's.
     pub fn pack(
@@ -920,17 +953,8 @@ mod record_tests {
             let (p13, p2) = layout.record_parts();
             assert_eq!(rec.len(), p13 + p2);
             let (r13, r2) = rec.split_at(p13);
-            let b13 = layout.l13.weight_bytes();
-            let stacked = gpu_layout::unpack(&r13[..b13], &scale_bits(&r13[b13..]), &layout.l13).unwrap();
-            let ip = layout.l13.rows / 2;
-            let ng = hidden / gs13;
-            for (m, row0) in [(&gate, 0), (&up, ip)] {
-                assert_eq!(&stacked.q[row0 * hidden..(row0 + inter) * hidden], &m.q[..]);
-                assert_eq!(&stacked.scales[row0 * ng..(row0 + inter) * ng], &m.scales[..]);
-            }
-            let b2 = layout.l2.weight_bytes();
-            let d = gpu_layout::unpack(&r2[..b2], &scale_bits(&r2[b2..]), &layout.l2).unwrap();
-            assert_eq!((d.q, d.scales), (down.q.clone(), down.scales.clone()));
+            assert_eq!(layout.unpack_record(r13, r2).unwrap(), [gate, up, down]);
+            assert!(layout.unpack_record(&r13[1..], r2).is_err(), "a short part is refused");
         }
     }
 

@@ -14,6 +14,7 @@ pub mod tensors;
 pub use error::{ModelError, Result};
 pub use spec::ModelSpec;
 pub mod engine;
+pub mod expert_caches;
 pub mod generate;
 pub mod gpu;
 pub mod linear;

@@ -12,7 +12,7 @@ use krasis_cpu::moe::{ExpertJob, ExpertWeights, ExtraJobs, PoolExperts, PoolMatm
 use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
 use krasis_quant::group::{group_size_for, quantize};
-use krasis_quant::Bits;
+use krasis_quant::{Bits, QuantizedMatrix};
 use rayon::prelude::*;
 
 use crate::engine::experts::{ExpertExecutor, Routes};
@@ -210,7 +210,7 @@ pub fn expected_cache_header(
 }
 
 /// The widths of MoE layer `li` of a cache header.
-fn parts_bits(h: &CacheHeader, li: usize) -> Result<LayerBits> {
+pub(crate) fn parts_bits(h: &CacheHeader, li: usize) -> Result<LayerBits> {
     let p = &h.parts[li];
     let bits = |b: u8| {
         Bits::from_bits(b as u32).ok_or_else(|| {
@@ -232,6 +232,42 @@ fn layouts(h: &CacheHeader, li: usize) -> Result<(PackedLayout, PackedLayout)> {
     Ok((l13, l2))
 }
 
+/// Expert `e` of model layer `layer` as f32: gate and up `[i, hidden]`, down `[hidden, i]`, and
+/// its tensor prefix (for messages).
+pub(crate) fn expert_f32(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    layer: usize,
+    e: usize,
+    i: usize,
+) -> Result<([Vec<f32>; 3], String)> {
+    let hid = spec.hidden_size;
+    let p = format!("{}.mlp.experts.{e}", crate::tensors::layer_prefix(layer));
+    let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
+    let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
+    let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
+    Ok(([gate, up, down], p))
+}
+
+/// An expert's gate, up and down quantised by the caches' rule: `bits` per projection (w13, w2),
+/// groups of the header's sizes along K.
+pub(crate) fn quantize_expert(h: &CacheHeader, f: &[Vec<f32>; 3], w13: Bits, w2: Bits) -> [QuantizedMatrix; 3] {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+    [quantize(&f[0], i, hid, w13, gs_h), quantize(&f[1], i, hid, w13, gs_h), quantize(&f[2], hid, i, w2, gs_i)]
+}
+
+/// A CPU expert cache record of MoE layer `li` (`w13` then `w2`, at the layer's widths) from the
+/// quantised gate, up and down.
+pub(crate) fn cpu_record(h: &CacheHeader, li: usize, q: &[QuantizedMatrix; 3], what: &str) -> Result<Vec<u8>> {
+    let parts = h.parts[li];
+    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
+    pack_w13_into(&q[0], &q[1], a).map_err(|e| quant_err(what, e))?;
+    pack_into(&q[2], b).map_err(|e| quant_err(what, e))?;
+    Ok(rec)
+}
+
 /// Quantise and pack one expert of MoE layer `li` (model layer `layer`) into a cache record
 /// (`w13` then `w2`, at the layer's widths).
 fn expert_record(
@@ -243,19 +279,8 @@ fn expert_record(
     e: usize,
 ) -> Result<Vec<u8>> {
     let bits = parts_bits(h, li)?;
-    let parts = h.parts[li];
-    let (hid, i) = (spec.hidden_size, h.intermediate as usize);
-    let p = format!("{}.mlp.experts.{e}", crate::tensors::layer_prefix(layer));
-    let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
-    let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
-    let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
-    let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
-    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
-    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
-    pack_w13_into(&quantize(&gate, i, hid, bits.w13, gs_h), &quantize(&up, i, hid, bits.w13, gs_h), a)
-        .map_err(|e| quant_err(&p, e))?;
-    pack_into(&quantize(&down, hid, i, bits.w2, gs_i), b).map_err(|e| quant_err(&p, e))?;
-    Ok(rec)
+    let (f, p) = expert_f32(loader, spec, layer, e, h.intermediate as usize)?;
+    cpu_record(h, li, &quantize_expert(h, &f, bits.w13, bits.w2), &p)
 }
 
 /// Appended to errors that another cache directory would cure.

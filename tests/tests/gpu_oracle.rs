@@ -12,7 +12,7 @@
 use std::path::Path;
 
 use krasis_gpu::kv_cache::KvDtype;
-use krasis_model::gpu::{GpuModel, GpuOptions};
+use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
 use krasis_tests::{
     fidelity, fixtures_dir, gpu_available, gpu_fixture, load_reference, quant_bound, Fidelity, GpuFixture,
     FIXTURE_NAMES,
@@ -197,8 +197,25 @@ fn quantized_gpu_experts_against_the_oracle() {
         for (bits, kind) in [(Bits::Int4, "int4"), (Bits::Int8, "int8")] {
             let ideal = quant_bound(&root, name, kind);
             let bar = 2.0 * (1.0 - ideal.mean_cos) + 3.0 * (1.0 - b16.mean_cos) + 1e-4;
-            let opts = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), expert_bits: Some(bits), ..GpuOptions::default() };
+            // Through the GPU expert cache (built by the first load, read by the second), and
+            // quantised at load with no cache: the same experts, so the same logits bit for bit.
+            let cache = tempfile::tempdir().unwrap();
+            let opts = GpuOptions {
+                kv_tokens: Some(TEST_KV_TOKENS),
+                expert_bits: Some(bits),
+                expert_cache: GpuExpertCache::In(Some(cache.path().to_path_buf())),
+                ..GpuOptions::default()
+            };
             let run = run_with(&dir, &opts);
+            let file = cache.path().join(format!("experts_gpu_{kind}_g128.bin"));
+            assert!(file.is_file(), "{name} {kind}: no GPU expert cache at {}", file.display());
+            let cached = run_with(&dir, &opts);
+            let direct = run_with(&dir, &GpuOptions { expert_cache: GpuExpertCache::Off, ..opts.clone() });
+            for (how, other) in [("cached start", &cached), ("quantised at load", &direct)] {
+                if other.prefill != run.prefill || other.steps != run.steps {
+                    failures.push(format!("{name} {kind}: {how} differs from the first (cache-building) load"));
+                }
+            }
             let f = fidelity(&run.prefill, &r.prefill_logits, vocab);
             report(name, &format!("{kind} experts prefill"), &f, bar);
             if 1.0 - f.mean_cos > bar || f.top1 < ideal.top1 - 0.1 {

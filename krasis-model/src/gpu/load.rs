@@ -7,6 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
+use krasis_cache::{CacheOutcome, ExpertCache};
 use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
@@ -18,11 +19,12 @@ use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
+use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use super::host_experts::ExpertServer;
 use super::layers::{
     kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
 };
-use super::{GpuModel, GpuOptions, KV_RESERVE_BYTES};
+use super::{GpuExpertCache, GpuModel, GpuOptions, KV_RESERVE_BYTES};
 use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
 use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
@@ -113,6 +115,8 @@ struct GpuBuilder<'a> {
     opts: &'a GpuOptions,
     spec: &'a ModelSpec,
     experts: ExpertPlacement,
+    /// The GPU expert cache the quantised experts are uploaded from (else quantised here).
+    expert_cache: Option<&'a ExpertCache>,
 }
 
 impl GpuBuilder<'_> {
@@ -139,9 +143,9 @@ impl GpuBuilder<'_> {
         inter: usize,
         bits: krasis_quant::Bits,
     ) -> Result<GpuExperts> {
-        use krasis_quant::group::{group_size_for, quantize, DEFAULT_GROUP_SIZE};
+        use krasis_quant::group::{group_size_for, quantize};
         let gs = |k: usize| {
-            group_size_for(k, DEFAULT_GROUP_SIZE)
+            group_size_for(k, self.opts.expert_group_size)
                 .map_err(|e| ModelError::Invalid(format!("{name}: {e} (quantising the experts for the GPU)")))
         };
         let (gs13, gs2) = (gs(h)?, gs(inter)?);
@@ -176,6 +180,31 @@ impl GpuBuilder<'_> {
         });
         for (x, p) in packed.into_iter().enumerate() {
             resident.upload_packed_expert(self.dev, x, &p?)?;
+        }
+        Ok(resident)
+    }
+}
+
+impl GpuBuilder<'_> {
+    /// Model layer `layer`'s routed experts uploaded from the GPU expert cache's records.
+    fn cached_experts(
+        &self,
+        cache: &ExpertCache,
+        name: &str,
+        layer: usize,
+        h: usize,
+        inter: usize,
+        bits: krasis_quant::Bits,
+    ) -> Result<GpuExperts> {
+        let head = cache.header();
+        let li = head.moe_layers.iter().position(|&l| l as usize == layer).ok_or_else(|| {
+            ModelError::Invalid(format!("{}: no records of model layer {layer}", cache.path().display()))
+        })?;
+        let (gs13, gs2) = (head.group_size_hidden as usize, head.group_size_intermediate as usize);
+        let n = head.n_experts as usize;
+        let mut resident = GpuExperts::new_quantized(self.dev, name, n, h, inter, bits, gs13, gs2)?;
+        for e in 0..n {
+            resident.upload_expert_record(self.dev, e, cache.w13(li, e), cache.w2(li, e))?;
         }
         Ok(resident)
     }
@@ -250,6 +279,9 @@ impl WeightBuilder for GpuBuilder<'_> {
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
         let name = format!("{}.mlp.experts", crate::tensors::layer_prefix(layer));
+        if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
+            return Ok(GpuExpertBackend::Resident(Box::new(self.cached_experts(cache, &name, layer, h, inter, bits)?)));
+        }
         if let Some(bits) = self.opts.expert_bits {
             return Ok(GpuExpertBackend::Resident(Box::new(self.quantized_experts(&name, experts, h, inter, bits)?)));
         }
@@ -296,9 +328,28 @@ impl GpuModel {
         Self::from_files(&ModelFiles::open(dir)?, opts)
     }
 
-    /// Loads opened model files onto GPU `opts.ordinal`.
+    /// Loads opened model files onto GPU `opts.ordinal`. Quantised routed experts
+    /// (`opts.expert_bits`) come from the GPU expert cache ([`GpuExpertCache::In`]: built on the
+    /// first start) or are quantised here ([`GpuExpertCache::Off`]).
     pub fn from_files(files: &ModelFiles, opts: &GpuOptions) -> Result<GpuModel> {
-        Self::from_source(files.spec().clone(), files.weights(), opts, ExpertPlacement::Gpu)
+        let spec = files.spec();
+        let (cache, line) = match (opts.expert_bits, &opts.expert_cache, &spec.moe) {
+            (Some(bits), GpuExpertCache::In(dir), Some(_)) => {
+                let plan = GpuCachePlan::new(files, bits, opts.expert_group_size, dir.as_deref())?;
+                let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
+                let how = match outcome {
+                    CacheOutcome::Hit => "read".to_string(),
+                    CacheOutcome::Built { reason } => format!("built ({reason}) and read"),
+                };
+                let line = format!("GPU expert cache {how}: {}", krasis_cache::describe(&cache));
+                (Some(cache), Some(line))
+            }
+            _ => (None, None),
+        };
+        let mut m =
+            Self::from_source_cached(spec.clone(), files.weights(), opts, ExpertPlacement::Gpu, cache.as_ref())?;
+        m.log.extend(line);
+        Ok(m)
     }
 
     /// [`GpuModel::hybrid_from_files`] for a hub-format directory.
@@ -350,12 +401,24 @@ impl GpuModel {
         Ok(m)
     }
 
-    /// Builds the model on the GPU from `source`, its routed experts placed by `experts`.
+    /// Builds the model on the GPU from `source`, its routed experts placed by `experts`
+    /// (quantised ones quantised here).
     pub fn from_source(
         spec: ModelSpec,
         source: &dyn WeightSource,
         opts: &GpuOptions,
         experts: ExpertPlacement,
+    ) -> Result<GpuModel> {
+        Self::from_source_cached(spec, source, opts, experts, None)
+    }
+
+    /// [`GpuModel::from_source`], quantised routed experts uploaded from `expert_cache` when given.
+    fn from_source_cached(
+        spec: ModelSpec,
+        source: &dyn WeightSource,
+        opts: &GpuOptions,
+        experts: ExpertPlacement,
+        expert_cache: Option<&ExpertCache>,
     ) -> Result<GpuModel> {
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
@@ -367,8 +430,14 @@ impl GpuModel {
         let h = spec.hidden_size;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
         let spec_ref = spec.clone();
-        let mut builder =
-            GpuBuilder { dev: &dev, w: WeightLoader::new(source, &quant), opts, spec: &spec_ref, experts };
+        let mut builder = GpuBuilder {
+            dev: &dev,
+            w: WeightLoader::new(source, &quant),
+            opts,
+            spec: &spec_ref,
+            experts,
+            expert_cache,
+        };
         let weights = build(&spec_ref, &mut builder)?;
         let embed = weights.embed;
         let layers = weights

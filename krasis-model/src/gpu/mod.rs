@@ -9,6 +9,7 @@
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
 //! absorbed form over the latent cache.
 
+pub mod expert_cache;
 mod host_experts;
 pub mod hybrid;
 mod layers;
@@ -56,8 +57,23 @@ pub struct GpuOptions {
     /// [`KV_RESERVE_BYTES`]), capped at the model's `max_position_embeddings`.
     pub kv_tokens: Option<usize>,
     /// `--gpu-expert-bits`: the routed experts resident on the GPU in BF16 (`None`) or quantised
-    /// symmetric per group along K (INT8 / INT4, group 128 halved to fit K, as the CPU cache).
+    /// symmetric per group along K (INT8 / INT4, as the CPU cache).
     pub expert_bits: Option<krasis_quant::Bits>,
+    /// `--group-size`: the quantised experts' group along K (halved while a dimension is not
+    /// divisible, down to 32).
+    pub expert_group_size: usize,
+    /// Where quantised experts come from ([`GpuExpertCache`]).
+    pub expert_cache: GpuExpertCache,
+}
+
+/// Where `--gpu-expert-bits 4|8` finds its experts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GpuExpertCache {
+    /// The GPU expert cache ([`expert_cache`]) in this directory, or in the model's default
+    /// cache directory (`None`; `--cache-dir`), built on the first start.
+    In(Option<std::path::PathBuf>),
+    /// Quantised from the source weights at every load; nothing is written (read-only places).
+    Off,
 }
 
 impl Default for GpuOptions {
@@ -73,6 +89,8 @@ impl Default for GpuOptions {
             lm_head_quant: LinearQuant::Bf16,
             kv_tokens: None,
             expert_bits: None,
+            expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
+            expert_cache: GpuExpertCache::In(None),
         }
     }
 }

@@ -1,0 +1,120 @@
+//! The GPU expert cache (`experts_gpu_int{4|8}_g{gs}.bin`, docs/FORMATS.md): every routed expert
+//! quantised by the CPU cache's rule and packed in the GPU tile layout
+//! ([`krasis_quant::gpu_layout`]), in the same container as the CPU expert cache (checksummed
+//! records, atomic build, rebuilt when missing, stale or damaged). A `--gpu-expert-bits 4|8`
+//! start reads and uploads it instead of quantising every expert again; `krasis convert` builds
+//! it, in the same pass over the source weights as the CPU cache when both are asked for.
+
+use std::path::{Path, PathBuf};
+
+use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerParts, LoadOptions};
+use krasis_gpu::moe::QuantExpertLayout;
+use krasis_quant::group::group_size_for;
+use krasis_quant::{Bits, QuantizedMatrix};
+
+use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
+use crate::quantized::{expert_f32, in_cache_dir, progress_bar, quant_err, quantize_expert, CACHE_DIR_HINT};
+use crate::spec::ModelSpec;
+use crate::weights::WeightLoader;
+
+/// Name of the GPU record layout stored in the header (bump when `krasis_quant::gpu_layout` or
+/// [`krasis_gpu::moe::PackedExpert::to_record`] changes).
+pub const GPU_LAYOUT_NAME: &str = "gpu-tile64-v1";
+
+/// `experts_gpu_int{bits}_g{group}.bin`.
+pub fn gpu_cache_file_name(bits: Bits, group: usize) -> String {
+    format!("experts_gpu_int{}_g{group}.bin", bits.bits())
+}
+
+/// What a GPU expert cache holds and where it lives.
+pub struct GpuCachePlan {
+    pub path: PathBuf,
+    pub header: CacheHeader,
+    /// Packs one expert into its record.
+    pub layout: QuantExpertLayout,
+    pub bits: Bits,
+}
+
+impl GpuCachePlan {
+    /// The cache of `files`' routed experts at `bits`, groups of `group` along K (halved to fit,
+    /// as the CPU cache), in `cache_dir` or the model's default cache directory.
+    pub fn new(files: &ModelFiles, bits: Bits, group: usize, cache_dir: Option<&Path>) -> Result<Self> {
+        let spec = files.spec();
+        let (header, layout) = expected_gpu_cache_header(spec, files.fingerprint(), bits, group)?;
+        let path = in_cache_dir(files, cache_dir, &gpu_cache_file_name(bits, group));
+        Ok(GpuCachePlan { path, header, layout, bits })
+    }
+
+    /// The record of an expert from its gate, up and down quantised at [`GpuCachePlan::bits`].
+    pub fn record(&self, q: &[QuantizedMatrix; 3], e: usize, what: &str) -> Result<Vec<u8>> {
+        let packed = self.layout.pack(e, &q[0], &q[1], &q[2]).map_err(|err| quant_err(what, err))?;
+        Ok(packed.to_record())
+    }
+}
+
+/// What the GPU expert cache must contain for this model at `bits`: one entry per MoE layer, the
+/// group sizes the CPU cache would take, record parts as [`QuantExpertLayout::record_parts`].
+pub fn expected_gpu_cache_header(
+    spec: &ModelSpec,
+    config_hash: u64,
+    bits: Bits,
+    group: usize,
+) -> Result<(CacheHeader, QuantExpertLayout)> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    let gs_h = group_size_for(h, group).map_err(|e| quant_err("hidden_size", e))?;
+    let gs_i = group_size_for(i, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    let layout = QuantExpertLayout::new("GPU expert cache", h, i, bits, gs_h, gs_i)?;
+    let (w13_bytes, w2_bytes) = layout.record_parts();
+    let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
+    let b = bits.bits() as u8;
+    let parts = LayerParts { w13_bits: b, w2_bits: b, w13_bytes: w13_bytes as u64, w2_bytes: w2_bytes as u64 };
+    let header = CacheHeader {
+        format_version: krasis_cache::FORMAT_VERSION,
+        layout: GPU_LAYOUT_NAME.into(),
+        config_hash,
+        group_size_hidden: gs_h as u32,
+        group_size_intermediate: gs_i as u32,
+        hidden: h as u32,
+        intermediate: i as u32,
+        n_experts: moe.n_routed_experts as u32,
+        parts: vec![parts; moe_layers.len()],
+        moe_layers,
+    };
+    Ok((header, layout))
+}
+
+/// Open the GPU expert cache of `plan`, building it (with a progress bar) from the source
+/// weights when missing, stale or damaged. Every record's checksum is verified as it is read.
+pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<(ExpertCache, CacheOutcome)> {
+    let spec = files.spec();
+    let loader = WeightLoader::new(files.weights(), &spec.source_quant);
+    let header = &plan.header;
+    let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
+        let layer = header.moe_layers[li] as usize;
+        let record = || {
+            let (f, what) = expert_f32(&loader, spec, layer, e, header.intermediate as usize)?;
+            plan.record(&quantize_expert(header, &f, plan.bits, plan.bits), e, &what)
+        };
+        record().map_err(|err| err.to_string())
+    };
+    let bar = progress_bar("GPU expert cache {bar:40} {bytes}/{total_bytes} {msg} eta {eta}");
+    let progress = |p: krasis_cache::BuildProgress| {
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_done);
+        bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
+    };
+    // Read once, uploaded, then dropped: no huge pages or NUMA placement for a staging copy.
+    let load = LoadOptions { verify: true, placement: None, huge_pages: false };
+    let r = open_or_build(&plan.path, header, &produce, &progress, load).map_err(|e| {
+        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
+        ModelError::Invalid(format!("{e}{hint}"))
+    });
+    bar.finish_and_clear();
+    r
+}
+
+#[cfg(test)]
+#[path = "expert_cache_tests.rs"]
+mod tests;
