@@ -218,6 +218,9 @@ impl<T> DevicePtrMut<T> for DeviceBuffer<T> {
     }
 }
 
+/// Compiled kernel images not yet loaded into a context ([`GpuDevice::compile_kernels_where`]).
+pub struct KernelImages(Vec<(&'static KernelSource, Option<Result<crate::cache::CompiledImage, GpuError>>)>);
+
 /// One GPU opened for krasis: the primary context, a compute stream, the VRAM budget, and the
 /// kernels loaded so far.
 ///
@@ -583,7 +586,16 @@ impl GpuDevice {
     /// [`GpuDevice::warm_up_kernels`] for the programs `keep` accepts (the others still compile
     /// on first use, should they ever run).
     pub fn warm_up_kernels_where(&self, keep: &(dyn Fn(&KernelSource) -> bool + Sync)) -> Result<(), GpuError> {
-        let todo: Vec<&KernelSource> = {
+        let images = self.compile_kernels_where(keep);
+        self.load_kernels(images, keep)
+    }
+
+    /// The first half of [`GpuDevice::warm_up_kernels_where`]: the images of the programs `keep`
+    /// accepts that are not loaded yet, compiled by NVRTC on up to one thread per core (or read
+    /// from the disk cache). No CUDA call: a loader runs it on another thread while it uploads
+    /// the weights, so a machine's first start compiles behind the copies.
+    pub fn compile_kernels_where(&self, keep: &(dyn Fn(&KernelSource) -> bool + Sync)) -> KernelImages {
+        let todo: Vec<&'static KernelSource> = {
             let loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
             crate::kernels::ALL.iter().filter(|k| keep(k) && !loaded.contains_key(k.name)).collect()
         };
@@ -612,18 +624,29 @@ impl GpuDevice {
             }
         });
         let images = slots.into_inner().unwrap_or_else(|p| p.into_inner());
-        for (k, image) in todo.iter().zip(images) {
-            let image = image.ok_or_else(|| GpuError::Panicked {
-                op: "NVRTC compile",
-                detail: format!("the thread compiling {} stopped", k.name),
-            })??;
-            self.load_image(k, image)?;
-        }
         if to_compile > 0 {
             tracing::info!(
                 "krasis-gpu: {to_compile} kernel programs compiled in {:.1} s on {threads} threads",
                 started.elapsed().as_secs_f64()
             );
+        }
+        KernelImages(todo.into_iter().zip(images).collect())
+    }
+
+    /// The second half of [`GpuDevice::warm_up_kernels_where`]: loads `images` into this context
+    /// (a program loaded meanwhile keeps its module) and resolves every function of the programs
+    /// `keep` accepts.
+    pub fn load_kernels(
+        &self,
+        images: KernelImages,
+        keep: &(dyn Fn(&KernelSource) -> bool + Sync),
+    ) -> Result<(), GpuError> {
+        for (k, image) in images.0 {
+            let image = image.ok_or_else(|| GpuError::Panicked {
+                op: "NVRTC compile",
+                detail: format!("the thread compiling {} stopped", k.name),
+            })??;
+            self.load_image(k, image)?;
         }
         for k in crate::kernels::ALL.iter().filter(|k| keep(k)) {
             for f in k.functions {

@@ -423,9 +423,12 @@ impl GpuModel {
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];
-        // Every program the model can launch (not the other KV dtype's attention variants).
+        // Every program the model can launch (not the other KV dtype's attention variants),
+        // compiled on other threads while the weights upload (a machine's first start compiles
+        // them all with NVRTC: seconds that would otherwise come before the copies).
         let kv = opts.kv_dtype;
-        dev.warm_up_kernels_where(&|k| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv))?;
+        let keep =
+            |k: &krasis_gpu::kernels::KernelSource| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv);
         let gemm = GemmContext::new(&dev)?;
         let h = spec.hidden_size;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
@@ -438,7 +441,16 @@ impl GpuModel {
             experts,
             expert_cache,
         };
-        let weights = build(&spec_ref, &mut builder)?;
+        let (weights, images) = std::thread::scope(|s| {
+            let compiling = s.spawn(|| dev.compile_kernels_where(&keep));
+            let weights = build(&spec_ref, &mut builder);
+            (weights, compiling.join())
+        });
+        let images = images.map_err(|p| {
+            ModelError::Invalid(format!("compiling the GPU kernels panicked: {}", krasis_core::panic_text(p)))
+        })?;
+        let weights = weights?;
+        dev.load_kernels(images, &keep)?;
         let embed = weights.embed;
         let layers = weights
             .layers
