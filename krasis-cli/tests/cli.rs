@@ -139,6 +139,20 @@ fn bad_input_fails_cleanly() {
         1,
         "--gpu-expert-bits applies",
     );
+    let hybrid_bf16 = [
+        "generate",
+        "--model",
+        m,
+        "--prompt-ids",
+        "1",
+        "--device",
+        "hybrid",
+        "--gpu-expert-bits",
+        "4",
+        "--cpu-expert-bits",
+        "bf16",
+    ];
+    assert_clean_failure(&krasis(&hybrid_bf16), 1, "give --cpu-expert-bits 4|8");
     assert_clean_failure(&krasis(&["generate", "--model", m, "--prompt-ids", "1", "--top-p", "0"]), 1, "--top-p");
     assert_clean_failure(&krasis(&["synth", "--preset", "huge", "--out", "/tmp/x"]), 2, "invalid value 'huge'");
     assert_clean_failure(&krasis(&["synth", "--preset", "tiny", "--out", m]), 1, m);

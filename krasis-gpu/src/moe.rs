@@ -626,6 +626,62 @@ impl GpuExperts {
         copy_in(dev, &mut qw.s2, e, &scale_bits(&w2[b2..]))
     }
 
+    /// Enqueues on `stream` the copies of every expert's GPU expert cache record into these
+    /// experts (a whole layer, for experts streamed from host memory): `records(e)` gives expert
+    /// `e`'s two parts ([`PackedExpert::to_record`]; the scales' little-endian bytes are the
+    /// device's u16 values). Returns the bytes enqueued.
+    ///
+    /// # Safety
+    /// Every record must lie in page-locked host memory (pinned or registered) that stays alive
+    /// and unchanged until the copies are done (an event recorded on `stream` after this call),
+    /// and nothing may read or write these experts on another stream before that event.
+    pub unsafe fn copy_records_async<'r>(
+        &mut self,
+        stream: &cudarc::driver::CudaStream,
+        records: &dyn Fn(usize) -> (&'r [u8], &'r [u8]),
+    ) -> Result<usize, GpuError> {
+        const OP: &str = "GpuExperts::copy_records_async";
+        let name = &self.name;
+        let ExpertWeights::Quant(qw) = &mut self.weights else {
+            return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")));
+        };
+        let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
+        let (c13, c2) = (2 * qw.l13.scale_count(), 2 * qw.l2.scale_count());
+        let (w13, _g1) = qw.w13.slice_mut().device_ptr_mut(stream);
+        let (s13, _g2) = qw.s13.slice_mut().device_ptr_mut(stream);
+        let (w2, _g3) = qw.w2.slice_mut().device_ptr_mut(stream);
+        let (s2, _g4) = qw.s2.slice_mut().device_ptr_mut(stream);
+        let mut bytes = 0;
+        for e in 0..self.n_experts {
+            let (p13, p2) = records(e);
+            check(OP, (p13.len(), p2.len()) == (b13 + c13, b2 + c2), || {
+                format!(
+                    "{name} expert {e}: record parts of {} + {} bytes, this layout needs {} + {}",
+                    p13.len(),
+                    p2.len(),
+                    b13 + c13,
+                    b2 + c2
+                )
+            })?;
+            let e = e as u64;
+            for (dst, src) in [
+                (w13 + e * b13 as u64, &p13[..b13]),
+                (s13 + e * c13 as u64, &p13[b13..]),
+                (w2 + e * b2 as u64, &p2[..b2]),
+                (s2 + e * c2 as u64, &p2[b2..]),
+            ] {
+                // SAFETY: dst..dst+len lies inside the allocation (offsets of expert e < n_experts,
+                // lengths checked above); the caller keeps src page-locked and alive.
+                let r = unsafe {
+                    cudarc::driver::sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), src.len(), stream.cu_stream())
+                };
+                r.result().map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
+                bytes += src.len();
+            }
+        }
+        Ok(bytes)
+    }
+
     /// Device bytes of all expert weights (padding and scales included).
     pub fn weight_bytes(&self) -> usize {
         match &self.weights {

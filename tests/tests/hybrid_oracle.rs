@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use krasis_model::gpu::{GpuModel, GpuOptions};
+use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
@@ -143,3 +143,53 @@ fn check(name: &str) {
 }
 
 krasis_tests::per_fixture_tests!(check);
+
+/// Hybrid prefill with the routed experts streamed to the GPU (`--gpu-expert-bits`, every prompt
+/// long enough here) runs the same kernels on the same bytes as the whole model on the GPU with
+/// those experts resident: the prefill logits must be identical, on a second prompt too (which
+/// starts from the slot the first one prefetched). Decode stays on the CPU experts.
+fn check_streamed(name: &str) {
+    let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    for (bits, cpu_bits) in [(krasis_quant::Bits::Int4, WeightBits::Int4), (krasis_quant::Bits::Int8, WeightBits::Int8)]
+    {
+        let gpu = GpuOptions {
+            kv_tokens: Some(TEST_KV_TOKENS),
+            expert_bits: Some(bits),
+            expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+            stream_min_tokens: 2,
+            ..GpuOptions::default()
+        };
+        let cpu = EngineOptions {
+            expert_bits: cpu_bits,
+            cache_dir: Some(tmp.path().to_path_buf()),
+            threads: Some(2),
+            ..EngineOptions::default()
+        };
+        let hybrid = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        assert!(hybrid.log.iter().any(|l| l.contains("stream the routed experts")), "{:?}", hybrid.log);
+        let resident = GpuModel::load(&dir, &gpu).unwrap();
+        let prompt = &r.prompt_ids;
+        let second: Vec<u32> = prompt.iter().rev().copied().collect();
+        for p in [prompt, &second, prompt] {
+            let mut s = hybrid.new_session().unwrap();
+            let streamed = hybrid.forward_logits(&mut s, p, true).unwrap();
+            assert_eq!(s.handoff_stats().calls, 0, "{name}: a streamed prefill hands nothing to the CPU");
+            let mut s2 = resident.new_session().unwrap();
+            let want = resident.forward_logits(&mut s2, p, true).unwrap();
+            assert_eq!(streamed.len(), p.len() * vocab);
+            assert!(streamed == want, "{name} {bits:?}: streamed prefill differs from resident experts");
+            // A decode step after it runs the CPU experts (one hand-off per MoE layer).
+            hybrid.forward_logits(&mut s, &[p[0]], false).unwrap();
+            assert_eq!(s.handoff_stats().calls, hybrid.spec.moe_layers().count() as u64);
+        }
+        eprintln!("{name} {bits:?}: streamed prefill = resident experts, bit for bit");
+    }
+}
+
+#[test]
+fn streamed_prefill_experts_equal_resident_ones() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_streamed(name);
+    }
+}

@@ -21,7 +21,17 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
     if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
         return Err(ModelError::Invalid(format!("--device hybrid: {e}")));
     }
-    let host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
+    let mut host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
+    // Streamed prefill experts keep the GPU expert cache in RAM beside the CPU one.
+    if let Some(bits) = config.gpu.expert_bits {
+        let (h, _) = super::expert_cache::expected_gpu_cache_header(
+            files.spec(),
+            files.fingerprint(),
+            bits,
+            config.gpu.expert_group_size,
+        )?;
+        host_bytes += krasis_cache::format::records_bytes(&h).unwrap_or(0);
+    }
     let warnings = check_ram(host_bytes, config)?;
     let mut model = GpuModel::hybrid_from_files(files, &config.gpu, &config.cpu)?;
     let log = std::mem::take(&mut model.log);

@@ -31,6 +31,9 @@ pub(crate) struct Ctx<'a> {
     pub pos: usize,
     /// Attention in the decode form (absorbed MLA / split-KV GQA).
     pub decode: bool,
+    /// Host MoE layers run their routed experts streamed to the GPU
+    /// ([`super::expert_stream::ExpertStreamer`]).
+    pub streamer: Option<&'a super::expert_stream::ExpertStreamer>,
 }
 
 /// KV cache geometry `(planes, row, fp8 scale group)` of a model: MLA keeps one latent+rope row
@@ -194,37 +197,12 @@ impl GpuLayer {
             GpuFfn::Moe(moe) => {
                 let GpuMoe { router, experts, top_k, shared } = moe.as_ref();
                 let (t, k) = (c.t, *top_k);
-                match experts {
-                    GpuExpertBackend::Resident(experts) => {
-                        let sc = &mut *s.scratch;
-                        let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
-                        let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
-                        let xn = sc.xn.slice().slice(..n);
-                        router.forward(
-                            c.dev,
-                            &xn,
-                            t,
-                            &mut ids.slice_mut().slice_mut(..t * k),
-                            &mut w.slice_mut().slice_mut(..t * k),
-                        )?;
-                        experts.forward(
-                            c.dev,
-                            c.gemm,
-                            &xn,
-                            t,
-                            &ids.slice().slice(..t * k),
-                            &w.slice().slice(..t * k),
-                            k,
-                            &mut sc.y.slice_mut().slice_mut(..n),
-                        )?;
-                        if let Some(sh) = shared {
-                            sh.forward(c, s, false)?;
-                            let sc = &mut *s.scratch;
-                            let o = sc.f[3].as_ref().expect("written by the shared expert");
-                            c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
-                        }
+                match (experts, c.streamer) {
+                    (GpuExpertBackend::Resident(experts), _) => gpu_moe(c, s, router, experts, k, shared.as_ref(), n)?,
+                    (GpuExpertBackend::Host(_), Some(streamer)) => {
+                        streamer.run_layer(c.dev, l, |experts| gpu_moe(c, s, router, experts, k, shared.as_ref(), n))?
                     }
-                    GpuExpertBackend::Host(_) => {
+                    (GpuExpertBackend::Host(_), None) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
                         let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
                         // The shared expert runs on the GPU (into y) while the CPU computes the
@@ -260,6 +238,42 @@ impl GpuLayer {
     ) -> Result<()> {
         residual_norm(c.dev, s, w, add, n, self.hidden, c.eps, host)
     }
+}
+
+/// A MoE layer on the GPU with `experts` in VRAM (resident, or a streamed slot): router and
+/// top-k into the scratch, the routed experts into `y`, plus the shared expert.
+fn gpu_moe(
+    c: &Ctx,
+    s: &mut StepIo,
+    router: &GpuRouter,
+    experts: &GpuExperts,
+    k: usize,
+    shared: Option<&GpuMlp>,
+    n: usize,
+) -> Result<()> {
+    let t = c.t;
+    let sc = &mut *s.scratch;
+    let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+    let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+    let xn = sc.xn.slice().slice(..n);
+    router.forward(c.dev, &xn, t, &mut ids.slice_mut().slice_mut(..t * k), &mut w.slice_mut().slice_mut(..t * k))?;
+    experts.forward(
+        c.dev,
+        c.gemm,
+        &xn,
+        t,
+        &ids.slice().slice(..t * k),
+        &w.slice().slice(..t * k),
+        k,
+        &mut sc.y.slice_mut().slice_mut(..n),
+    )?;
+    if let Some(sh) = shared {
+        sh.forward(c, s, false)?;
+        let sc = &mut *s.scratch;
+        let o = sc.f[3].as_ref().expect("written by the shared expert");
+        c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
+    }
+    Ok(())
 }
 
 /// The residual norm between layers: `x += y` (when `add`), plus the CPU experts' output when the

@@ -20,6 +20,7 @@ use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
 use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
+use super::expert_stream::ExpertStreamer;
 use super::host_experts::ExpertServer;
 use super::layers::{
     kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
@@ -383,7 +384,19 @@ impl GpuModel {
                 let (ex, mut cache_log) = cache.map_err(|p| {
                     ModelError::Invalid(format!("loading the expert cache panicked: {}", krasis_core::panic_text(p)))
                 })??;
-                let model = model?;
+                let mut model = model?;
+                // --gpu-expert-bits: long prefills stream the experts to the GPU.
+                if let (Some(bits), GpuExpertCache::In(dir)) = (gpu.expert_bits, &gpu.expert_cache) {
+                    let plan = GpuCachePlan::new(files, bits, gpu.expert_group_size, dir.as_deref())?;
+                    let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
+                    if let CacheOutcome::Built { reason } = outcome {
+                        log.push(format!("GPU expert cache built ({reason})"));
+                    }
+                    let streamer =
+                        ExpertStreamer::new(&model.dev, cache, bits, files.spec().num_layers, gpu.stream_min_tokens)?;
+                    log.push(streamer.describe());
+                    model.streamer = Some(streamer);
+                }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
@@ -547,6 +560,7 @@ impl GpuModel {
             log,
             host_expert_bytes: None,
             expert_server,
+            streamer: None,
             batch: Default::default(),
         })
     }

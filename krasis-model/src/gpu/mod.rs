@@ -10,6 +10,7 @@
 //! absorbed form over the latent cache.
 
 pub mod expert_cache;
+pub mod expert_stream;
 mod host_experts;
 pub mod hybrid;
 mod layers;
@@ -64,6 +65,10 @@ pub struct GpuOptions {
     pub expert_group_size: usize,
     /// Where quantised experts come from ([`GpuExpertCache`]).
     pub expert_cache: GpuExpertCache,
+    /// Hybrid with `expert_bits`: prompts of at least this many tokens stream the routed experts
+    /// to the GPU ([`expert_stream::GPU_STREAM_MIN_TOKENS`]; `KRASIS_GPU_STREAM_MIN_TOKENS`
+    /// overrides it for measurements).
+    pub stream_min_tokens: usize,
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -91,6 +96,7 @@ impl Default for GpuOptions {
             expert_bits: None,
             expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
             expert_cache: GpuExpertCache::In(None),
+            stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,
         }
     }
 }
@@ -128,6 +134,8 @@ pub struct GpuModel {
     pub host_expert_bytes: Option<u64>,
     /// The thread serving the host experts' hand-offs (hybrid).
     expert_server: Option<host_experts::ExpertServer>,
+    /// Hybrid: the routed experts streamed to the GPU for long prefills.
+    pub(crate) streamer: Option<expert_stream::ExpertStreamer>,
     /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
     batch: std::sync::Mutex<BatchState>,
 }
@@ -265,6 +273,7 @@ impl GpuModel {
             t,
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
+            streamer: self.streamer.as_ref().filter(|st| st.takes(t)),
         };
         // Everything the step runs on the device is enqueued before the launching thread waits
         // for the expert thread's end-of-call reply: a wait that sleeps, so enqueueing the head

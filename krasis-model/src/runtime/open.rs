@@ -74,11 +74,18 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
     resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     let config = &resolved;
     let ordinal = config.gpu.ordinal;
-    if matches!(config.device, DevicePolicy::Cpu | DevicePolicy::Hybrid) && config.gpu.expert_bits.is_some() {
-        return Err(ModelError::Invalid(format!(
-            "--gpu-expert-bits applies to the routed experts on the GPU (--device gpu, or auto when the whole model fits); with --device {} they run on the CPU at --cpu-expert-bits",
-            if config.device == DevicePolicy::Cpu { "cpu" } else { "hybrid" }
-        )));
+    if config.device == DevicePolicy::Cpu && config.gpu.expert_bits.is_some() {
+        return Err(ModelError::Invalid(
+            "--gpu-expert-bits applies to the routed experts on the GPU (--device gpu: resident; --device hybrid: streamed for long prefills); with --device cpu they run on the CPU at --cpu-expert-bits".into(),
+        ));
+    }
+    if config.device == DevicePolicy::Hybrid
+        && config.gpu.expert_bits.is_some()
+        && crate::quantized::quant_bits(config.cpu.expert_bits).is_none()
+    {
+        return Err(ModelError::Invalid(
+            "--device hybrid --gpu-expert-bits streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give --cpu-expert-bits 4|8 too".into(),
+        ));
     }
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
