@@ -18,9 +18,11 @@ use krasis_quant::Bits;
 use crate::error::{ModelError, Result};
 
 /// Prompt tokens from which a hybrid prefill streams the experts to the GPU instead of running
-/// them on the CPU: one streamed prompt copies every expert once (V2-Lite INT4: 6.9 GiB, ≈ 0.14 s
-/// at 50 GB/s), which the CPU's ~500–700 tok/s of prefill spend in about 100 tokens.
-pub const GPU_STREAM_MIN_TOKENS: usize = 128;
+/// them on the CPU: one streamed prompt copies every expert once (V2-Lite INT4: 6.9 GiB, ≈ 0.2 s
+/// in all). Measured on the H200 box, V2-Lite INT4, whole prefill (CPU experts against
+/// streamed): 32 tokens 0.159 against 0.201 s, 48 tokens 0.228 against 0.222 s, 64 tokens
+/// 0.268 against 0.229 s (docs/BENCHMARKS.md).
+pub const GPU_STREAM_MIN_TOKENS: usize = 48;
 
 /// VRAM slots, each one MoE layer's experts: one computing, one filling.
 const SLOTS: usize = 2;
