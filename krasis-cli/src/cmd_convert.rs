@@ -24,7 +24,6 @@ enum CacheBits {
     Int4,
     #[value(name = "8")]
     Int8,
-    /// No CPU expert cache (with --gpu-expert-bits: the GPU one only).
     None,
 }
 
@@ -52,7 +51,8 @@ pub struct Args {
     #[arg(long)]
     model: PathBuf,
     /// INT4 or INT8 routed experts, or auto: per projection from a GGUF's types (INT4 from 4-bit or
-    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model.
+    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model; none: no CPU expert
+    /// cache (with --gpu-expert-bits, the GPU one alone).
     #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
     cpu_expert_bits: CacheBits,
     /// Also build the GPU expert cache for `--device gpu --gpu-expert-bits 4|8` (the experts in the

@@ -33,7 +33,7 @@ enum Command {
     Synth(cmd_synth::Args),
     /// Describe a model: architecture, parameters, memory, and system checks.
     Info(cmd_info::Args),
-    /// Build the CPU expert cache (INT4/INT8) ahead of the first run.
+    /// Build the expert caches (CPU INT4/INT8; GPU with --gpu-expert-bits) ahead of the first run.
     Convert(cmd_convert::Args),
     /// Benchmarks: memory bandwidth, expert GEMV, decode throughput on the CPU or the GPU, GPU
     /// attention kernels.

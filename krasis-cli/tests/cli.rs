@@ -268,7 +268,7 @@ fn small_files_only(cmd: &mut Command) -> Output {
 fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     let o = krasis(&["convert", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
-    assert!(help.contains("[possible values: auto, 4, 8]") && !help.contains("bf16"), "{help}");
+    assert!(help.contains("[possible values: auto, 4, 8, none]") && !help.contains("bf16"), "{help}");
     assert_clean_failure(
         &krasis(&["convert", "--model", "/x", "--cpu-expert-bits", "bf16"]),
         2,
@@ -295,8 +295,17 @@ fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     assert!(stderr(&o).contains("routed experts: reference"), "{}", stderr(&o));
     let o = krasis(&["convert", "--model", m]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("routed experts: int4"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("routed experts on the CPU: int4"), "{}", stderr(&o));
     assert_eq!(names(&dir.join(".krasis_cache")), vec!["experts_cpu_int4_g128.bin".to_string()]);
+    // The GPU expert cache alone (no GPU needed to build it); nothing asked is an error.
+    let o = krasis(&["convert", "--model", m, "--cpu-expert-bits", "none", "--gpu-expert-bits", "8"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("GPU: missing"), "{}", stderr(&o));
+    assert_eq!(
+        names(&dir.join(".krasis_cache")),
+        vec!["experts_cpu_int4_g128.bin".to_string(), "experts_gpu_int8_g128.bin".to_string()]
+    );
+    assert_clean_failure(&krasis(&["convert", "--model", m, "--cpu-expert-bits", "none"]), 1, "nothing to build");
 }
 
 #[test]
