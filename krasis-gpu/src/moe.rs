@@ -980,18 +980,10 @@ impl GpuExperts {
 #[cfg(test)]
 mod record_tests {
     use super::*;
-    use krasis_quant::group::quantize;
+    use krasis_quant::group::{quantize, test_data};
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
+        test_data(n, seed, 1.0)
     }
 
     /// A record's parts unpack to the quantised gate, up and down that were packed (no device:

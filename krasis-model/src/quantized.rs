@@ -169,10 +169,7 @@ pub fn expected_cache_header(
     bits: &[LayerBits],
     group: usize,
 ) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    let gs_h = group_size_for(h, group).map_err(|e| quant_err("hidden_size", e))?;
-    let gs_i = group_size_for(i, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    let ExpertShape { hidden: h, inter: i, gs_h, gs_i, .. } = expert_shape(spec, group)?;
     if !i.is_multiple_of(ROW_BLOCK) {
         return Err(ModelError::Invalid(format!(
             "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
@@ -195,18 +192,49 @@ pub fn expected_cache_header(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(CacheHeader {
-        format_version: krasis_cache::FORMAT_VERSION,
-        layout: CPU_LAYOUT_NAME.into(),
-        config_hash,
-        group_size_hidden: gs_h as u32,
-        group_size_intermediate: gs_i as u32,
-        hidden: h as u32,
-        intermediate: i as u32,
-        n_experts: moe.n_routed_experts as u32,
-        moe_layers,
-        parts,
-    })
+    Ok(expert_shape(spec, group)?.header(CPU_LAYOUT_NAME, config_hash, moe_layers, parts))
+}
+
+/// The routed experts' sizes and group sizes along K, as both expert caches quantise them.
+pub(crate) struct ExpertShape {
+    pub hidden: usize,
+    pub inter: usize,
+    pub n_experts: usize,
+    pub gs_h: usize,
+    pub gs_i: usize,
+}
+
+/// The expert shape of `spec` at preferred group `group` (halved to fit K).
+pub(crate) fn expert_shape(spec: &ModelSpec, group: usize) -> Result<ExpertShape> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (hidden, inter) = (spec.hidden_size, moe.moe_intermediate_size);
+    let gs_h = group_size_for(hidden, group).map_err(|e| quant_err("hidden_size", e))?;
+    let gs_i = group_size_for(inter, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    Ok(ExpertShape { hidden, inter, n_experts: moe.n_routed_experts, gs_h, gs_i })
+}
+
+impl ExpertShape {
+    /// An expert cache header of these experts: `layout`'s records, `parts` per MoE layer.
+    pub(crate) fn header(
+        &self,
+        layout: &str,
+        config_hash: u64,
+        moe_layers: Vec<u32>,
+        parts: Vec<LayerParts>,
+    ) -> CacheHeader {
+        CacheHeader {
+            format_version: krasis_cache::FORMAT_VERSION,
+            layout: layout.into(),
+            config_hash,
+            group_size_hidden: self.gs_h as u32,
+            group_size_intermediate: self.gs_i as u32,
+            hidden: self.hidden as u32,
+            intermediate: self.inter as u32,
+            n_experts: self.n_experts as u32,
+            moe_layers,
+            parts,
+        }
+    }
 }
 
 /// The widths of MoE layer `li` of a cache header.

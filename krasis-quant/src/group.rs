@@ -203,9 +203,9 @@ pub fn dequantize(m: &QuantizedMatrix) -> Vec<f32> {
     out
 }
 
-/// Deterministic values in `[-amp, amp)` for the crate's tests (xorshift).
-#[cfg(test)]
-pub(crate) fn test_data(n: usize, seed: u64, amp: f32) -> Vec<f32> {
+/// Deterministic values in `[-amp, amp)` (xorshift), for tests here and in the crates that
+/// quantise with this one.
+pub fn test_data(n: usize, seed: u64, amp: f32) -> Vec<f32> {
     let mut s = seed | 1;
     (0..n)
         .map(|_| {

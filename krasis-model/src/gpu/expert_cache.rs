@@ -9,12 +9,13 @@ use std::path::{Path, PathBuf};
 
 use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerParts, LoadOptions};
 use krasis_gpu::moe::QuantExpertLayout;
-use krasis_quant::group::group_size_for;
 use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
-use crate::quantized::{expert_f32, in_cache_dir, progress_bar, quant_err, quantize_expert, CACHE_DIR_HINT};
+use crate::quantized::{
+    expert_f32, expert_shape, in_cache_dir, progress_bar, quant_err, quantize_expert, CACHE_DIR_HINT,
+};
 use crate::spec::ModelSpec;
 use crate::weights::WeightLoader;
 
@@ -61,27 +62,13 @@ pub fn expected_gpu_cache_header(
     bits: Bits,
     group: usize,
 ) -> Result<(CacheHeader, QuantExpertLayout)> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    let gs_h = group_size_for(h, group).map_err(|e| quant_err("hidden_size", e))?;
-    let gs_i = group_size_for(i, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
-    let layout = QuantExpertLayout::new("GPU expert cache", h, i, bits, gs_h, gs_i)?;
+    let shape = expert_shape(spec, group)?;
+    let layout = QuantExpertLayout::new("GPU expert cache", shape.hidden, shape.inter, bits, shape.gs_h, shape.gs_i)?;
     let (w13_bytes, w2_bytes) = layout.record_parts();
     let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
     let b = bits.bits() as u8;
     let parts = LayerParts { w13_bits: b, w2_bits: b, w13_bytes: w13_bytes as u64, w2_bytes: w2_bytes as u64 };
-    let header = CacheHeader {
-        format_version: krasis_cache::FORMAT_VERSION,
-        layout: GPU_LAYOUT_NAME.into(),
-        config_hash,
-        group_size_hidden: gs_h as u32,
-        group_size_intermediate: gs_i as u32,
-        hidden: h as u32,
-        intermediate: i as u32,
-        n_experts: moe.n_routed_experts as u32,
-        parts: vec![parts; moe_layers.len()],
-        moe_layers,
-    };
+    let header = shape.header(GPU_LAYOUT_NAME, config_hash, moe_layers.clone(), vec![parts; moe_layers.len()]);
     Ok((header, layout))
 }
 
