@@ -3,8 +3,8 @@
 //! page-locked RAM; two VRAM slots each hold one MoE layer's experts. While a layer's experts run
 //! in one slot, the next MoE layer's records copy into the other on a copy stream, so a long
 //! prompt pays the PCIe copy of every expert once, behind the compute, instead of running its
-//! experts on the CPU. Decode (and prompts shorter than [`ExpertStreamer::min_tokens`]) keep the
-//! CPU experts.
+//! experts on the CPU. Decode, and prompts shorter than the threshold
+//! ([`GPU_STREAM_MIN_TOKENS`] by default), keep the CPU experts.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
