@@ -392,10 +392,16 @@ impl GpuModel {
                     if let CacheOutcome::Built { reason } = outcome {
                         log.push(format!("GPU expert cache built ({reason})"));
                     }
-                    let streamer =
-                        ExpertStreamer::new(&model.dev, cache, bits, files.spec().num_layers, gpu.stream_min_tokens)?;
-                    log.push(streamer.describe());
-                    model.streamer = Some(streamer);
+                    // Page-locking can be refused (a memlock limit): then prefill keeps the CPU
+                    // experts, and the log says why.
+                    let layers = files.spec().num_layers;
+                    match ExpertStreamer::new(&model.dev, cache, bits, layers, gpu.stream_min_tokens) {
+                        Ok(streamer) => {
+                            log.push(streamer.describe());
+                            model.streamer = Some(streamer);
+                        }
+                        Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
+                    }
                 }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
