@@ -22,7 +22,7 @@ use crate::files::ModelFiles;
 use crate::linear::LinearOp;
 use crate::packed_ops::{kv_b_layouts, pack_kv_b, pack_w13_dense, w13_fusable, w13_layout, PackedBytes};
 use crate::quantized::{
-    dense_layout, in_cache_dir, pack_dense, progress_bar, QuantLinear, CACHE_DIR_HINT, CPU_LAYOUT_NAME,
+    cache_error, dense_layout, in_cache_dir, pack_dense, progress_bar, QuantLinear, CPU_LAYOUT_NAME,
 };
 use crate::spec::{MlaDims, ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorSpec};
@@ -251,10 +251,7 @@ pub fn open_dense_cache(
     let r = krasis_cache::open_or_build_dense(&path, &header, &produce, &|d, t| show(&build_bar, d, t), &|d, t| {
         show(&load_bar, d, t)
     })
-    .map_err(|e| {
-        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
-        ModelError::Invalid(format!("{e}{hint}"))
-    });
+    .map_err(cache_error);
     build_bar.finish_and_clear();
     load_bar.finish_and_clear();
     r

@@ -9,13 +9,13 @@ use std::time::Instant;
 use krasis_cache::{build_many, CacheHeader, CacheOutcome, LoadOptions};
 use krasis_quant::{Bits, QuantizedMatrix};
 
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::files::ModelFiles;
 use crate::gpu::expert_cache::GpuCachePlan;
 use crate::precision::LayerBits;
 use crate::quantized::{
-    cache_path, cpu_record, expected_cache_header, expert_f32, parts_bits, progress_bar, quantize_expert,
-    CACHE_DIR_HINT,
+    cache_error, cache_path, cpu_record, expected_cache_header, expert_f32, parts_bits, progress_bar, quantize_expert,
+    show_build,
 };
 use crate::weights::WeightLoader;
 
@@ -85,21 +85,18 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
         let plan = GpuCachePlan::new(files, bits, req.group, req.cache_dir)?;
         targets.push(("GPU", plan.path.clone(), Target::Gpu(Box::new(plan))));
     }
-    let err = |e: krasis_cache::CacheError| {
-        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
-        ModelError::Invalid(format!("{e}{hint}"))
-    };
     let check = LoadOptions { verify: true, placement: None, huge_pages: false };
-    let mut outcomes = Vec::with_capacity(targets.len());
+    // Per target: the description of an up-to-date cache as read, or why it must be built.
+    let mut found: Vec<std::result::Result<String, String>> = Vec::with_capacity(targets.len());
     for (_, path, t) in &targets {
         krasis_cache::clean_stale_tmp_files(path);
-        outcomes.push(match krasis_cache::open(path, t.header(), check) {
-            Ok(_) => CacheOutcome::Hit,
-            Err(e) if e.is_rebuildable() => CacheOutcome::Built { reason: e.reason() },
-            Err(e) => return Err(err(e)),
+        found.push(match krasis_cache::open(path, t.header(), check) {
+            Ok(cache) => Ok(krasis_cache::describe(&cache)),
+            Err(e) if e.is_rebuildable() => Err(e.reason()),
+            Err(e) => return Err(cache_error(e)),
         });
     }
-    let stale: Vec<usize> = (0..targets.len()).filter(|&i| outcomes[i] != CacheOutcome::Hit).collect();
+    let stale: Vec<usize> = (0..targets.len()).filter(|&i| found[i].is_err()).collect();
     let mut build_seconds = None;
     if !stale.is_empty() {
         let started = Instant::now();
@@ -139,22 +136,25 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
             "converting experts ({}) {{bar:40}} {{bytes}}/{{total_bytes}} {{msg}} eta {{eta}}",
             names.join(" + ")
         ));
-        let progress = |p: krasis_cache::BuildProgress| {
-            bar.set_length(p.bytes_total);
-            bar.set_position(p.bytes_done);
-            bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
-        };
+        let progress = |p| show_build(&bar, p);
         let many: Vec<(&std::path::Path, &CacheHeader)> =
             stale.iter().map(|&i| (targets[i].1.as_path(), targets[i].2.header())).collect();
-        let built = build_many(&many, &produce, &progress).map_err(err);
+        let built = build_many(&many, &produce, &progress).map_err(cache_error);
         bar.finish_and_clear();
         built?;
         build_seconds = Some(started.elapsed().as_secs_f64());
     }
+    // Built caches are read back (checksums verified); up-to-date ones were read above.
     let mut caches = Vec::with_capacity(targets.len());
-    for ((kind, path, t), outcome) in targets.into_iter().zip(outcomes) {
-        let cache = krasis_cache::open(&path, t.header(), check).map_err(err)?;
-        caches.push(ConvertedCache { kind, path, outcome, description: krasis_cache::describe(&cache) });
+    for ((kind, path, t), found) in targets.into_iter().zip(found) {
+        let (outcome, description) = match found {
+            Ok(description) => (CacheOutcome::Hit, description),
+            Err(reason) => {
+                let cache = krasis_cache::open(&path, t.header(), check).map_err(cache_error)?;
+                (CacheOutcome::Built { reason }, krasis_cache::describe(&cache))
+            }
+        };
+        caches.push(ConvertedCache { kind, path, outcome, description });
     }
     Ok(ConvertReport { caches, build_seconds })
 }

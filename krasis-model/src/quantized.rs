@@ -169,7 +169,8 @@ pub fn expected_cache_header(
     bits: &[LayerBits],
     group: usize,
 ) -> Result<CacheHeader> {
-    let ExpertShape { hidden: h, inter: i, gs_h, gs_i, .. } = expert_shape(spec, group)?;
+    let shape = expert_shape(spec, group)?;
+    let ExpertShape { hidden: h, inter: i, gs_h, gs_i, .. } = shape;
     if !i.is_multiple_of(ROW_BLOCK) {
         return Err(ModelError::Invalid(format!(
             "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
@@ -192,10 +193,11 @@ pub fn expected_cache_header(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(expert_shape(spec, group)?.header(CPU_LAYOUT_NAME, config_hash, moe_layers, parts))
+    Ok(shape.header(CPU_LAYOUT_NAME, config_hash, moe_layers, parts))
 }
 
 /// The routed experts' sizes and group sizes along K, as both expert caches quantise them.
+#[derive(Clone, Copy)]
 pub(crate) struct ExpertShape {
     pub hidden: usize,
     pub inter: usize,
@@ -314,6 +316,19 @@ fn expert_record(
 /// Appended to errors that another cache directory would cure.
 pub(crate) const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
 
+/// Shows an expert cache build's progress on `bar`: bytes written, rate and layers done.
+pub(crate) fn show_build(bar: &ProgressBar, p: krasis_cache::BuildProgress) {
+    bar.set_length(p.bytes_total);
+    bar.set_position(p.bytes_done);
+    bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
+}
+
+/// A cache error as the model's, with [`CACHE_DIR_HINT`] where another directory would cure it.
+pub(crate) fn cache_error(e: krasis_cache::CacheError) -> ModelError {
+    let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
+    ModelError::Invalid(format!("{e}{hint}"))
+}
+
 /// A byte-counting progress bar (drawn on stderr, hidden when it is not a terminal).
 pub(crate) fn progress_bar(template: &str) -> ProgressBar {
     let bar = ProgressBar::new(0);
@@ -371,18 +386,11 @@ pub fn open_expert_cache_with(
         expert_record(&loader, spec, &header, li, layers[li] as usize, e).map_err(|err| err.to_string())
     };
     let bar = progress_bar("converting experts {bar:40} {bytes}/{total_bytes} {msg} eta {eta}");
-    let progress = |p: krasis_cache::BuildProgress| {
-        bar.set_length(p.bytes_total);
-        bar.set_position(p.bytes_done);
-        bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
-    };
+    let progress = |p| show_build(&bar, p);
     let nodes = pool.nodes();
     let placement = |_li: usize, e: usize| -> Option<usize> { (nodes > 1).then(|| pool.os_node(e % nodes)) };
     let load = LoadOptions { placement: Some(&placement), ..LoadOptions::default() };
-    let r = open_or_build(&path, &header, &produce, &progress, load).map_err(|e| {
-        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
-        ModelError::Invalid(format!("{e}{hint}"))
-    });
+    let r = open_or_build(&path, &header, &produce, &progress, load).map_err(cache_error);
     bar.finish_and_clear();
     r
 }

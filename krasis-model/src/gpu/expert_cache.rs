@@ -11,10 +11,10 @@ use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerP
 use krasis_gpu::moe::QuantExpertLayout;
 use krasis_quant::{Bits, QuantizedMatrix};
 
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::files::ModelFiles;
 use crate::quantized::{
-    expert_f32, expert_shape, in_cache_dir, progress_bar, quant_err, quantize_expert, CACHE_DIR_HINT,
+    cache_error, expert_f32, expert_shape, in_cache_dir, progress_bar, quant_err, quantize_expert, show_build,
 };
 use crate::spec::ModelSpec;
 use crate::weights::WeightLoader;
@@ -87,17 +87,10 @@ pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<
         record().map_err(|err| err.to_string())
     };
     let bar = progress_bar("GPU expert cache {bar:40} {bytes}/{total_bytes} {msg} eta {eta}");
-    let progress = |p: krasis_cache::BuildProgress| {
-        bar.set_length(p.bytes_total);
-        bar.set_position(p.bytes_done);
-        bar.set_message(format!("{:.2} GB/s, layer {}/{}", p.gb_per_s, p.layers_done, p.layers_total));
-    };
+    let progress = |p| show_build(&bar, p);
     // Read once, uploaded, then dropped: no huge pages or NUMA placement for a staging copy.
     let load = LoadOptions { verify: true, placement: None, huge_pages: false };
-    let r = open_or_build(&plan.path, header, &produce, &progress, load).map_err(|e| {
-        let hint = if e.is_location() { CACHE_DIR_HINT } else { "" };
-        ModelError::Invalid(format!("{e}{hint}"))
-    });
+    let r = open_or_build(&plan.path, header, &produce, &progress, load).map_err(cache_error);
     bar.finish_and_clear();
     r
 }

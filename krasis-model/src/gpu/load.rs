@@ -184,9 +184,7 @@ impl GpuBuilder<'_> {
         }
         Ok(resident)
     }
-}
 
-impl GpuBuilder<'_> {
     /// Model layer `layer`'s routed experts uploaded from the GPU expert cache's records.
     fn cached_experts(
         &self,
