@@ -294,6 +294,24 @@ fn scale_bits(bytes: &[u8]) -> Vec<u16> {
     bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()
 }
 
+/// Bytes of an expert's two record parts for these layouts: each part its codes, then its
+/// scales' bytes.
+fn record_parts(l13: &GpuLayout, l2: &GpuLayout) -> (usize, usize) {
+    (l13.weight_bytes() + 2 * l13.scale_count(), l2.weight_bytes() + 2 * l2.scale_count())
+}
+
+/// Refuses record parts of other sizes than the layouts' ([`record_parts`]), naming `what()`.
+fn check_record_parts(
+    op: &'static str,
+    what: impl FnOnce() -> String,
+    got: (usize, usize),
+    want: (usize, usize),
+) -> Result<(), GpuError> {
+    check(op, got == want, || {
+        format!("{}: record parts of {} + {} bytes, this layout needs {} + {}", what(), got.0, got.1, want.0, want.1)
+    })
+}
+
 /// The layout of a layer's quantised experts: packs experts on any thread.
 #[derive(Clone, Debug)]
 pub struct QuantExpertLayout {
@@ -326,7 +344,7 @@ impl QuantExpertLayout {
     /// Bytes of one expert's record in the GPU expert cache: (gate+up part, down part), each the
     /// packed codes followed by their f16 scales ([`PackedExpert::to_record`]).
     pub fn record_parts(&self) -> (usize, usize) {
-        (self.l13.weight_bytes() + 2 * self.l13.scale_count(), self.l2.weight_bytes() + 2 * self.l2.scale_count())
+        record_parts(&self.l13, &self.l2)
     }
 
     /// The inverse of [`QuantExpertLayout::pack`] then [`PackedExpert::to_record`]: the gate, up
@@ -334,16 +352,7 @@ impl QuantExpertLayout {
     pub fn unpack_record(&self, w13: &[u8], w2: &[u8]) -> Result<[QuantizedMatrix; 3], GpuError> {
         const OP: &str = "QuantExpertLayout::unpack_record";
         let (l13, l2, name) = (&self.l13, &self.l2, &self.name);
-        let want = self.record_parts();
-        check(OP, (w13.len(), w2.len()) == want, || {
-            format!(
-                "{name}: record parts of {} + {} bytes, this layout needs {} + {}",
-                w13.len(),
-                w2.len(),
-                want.0,
-                want.1
-            )
-        })?;
+        check_record_parts(OP, || name.clone(), (w13.len(), w2.len()), self.record_parts())?;
         let unpack = |bytes: &[u8], l: &GpuLayout| {
             let b = l.weight_bytes();
             gpu_layout::unpack(&bytes[..b], &scale_bits(&bytes[b..]), l)
@@ -610,16 +619,8 @@ impl GpuExperts {
             return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")));
         };
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
-        let want = (b13 + 2 * qw.l13.scale_count(), b2 + 2 * qw.l2.scale_count());
-        check(OP_UPLOAD_Q, (w13.len(), w2.len()) == want, || {
-            format!(
-                "{name} expert {e}: record parts of {} + {} bytes, this layout needs {} + {}",
-                w13.len(),
-                w2.len(),
-                want.0,
-                want.1
-            )
-        })?;
+        let want = record_parts(&qw.l13, &qw.l2);
+        check_record_parts(OP_UPLOAD_Q, || format!("{name} expert {e}"), (w13.len(), w2.len()), want)?;
         copy_in(dev, &mut qw.w13, e, &w13[..b13])?;
         copy_in(dev, &mut qw.s13, e, &scale_bits(&w13[b13..]))?;
         copy_in(dev, &mut qw.w2, e, &w2[..b2])?;
@@ -646,7 +647,8 @@ impl GpuExperts {
             return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")));
         };
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
-        let (c13, c2) = (2 * qw.l13.scale_count(), 2 * qw.l2.scale_count());
+        let want = record_parts(&qw.l13, &qw.l2);
+        let (c13, c2) = (want.0 - b13, want.1 - b2);
         let (w13, _g1) = qw.w13.slice_mut().device_ptr_mut(stream);
         let (s13, _g2) = qw.s13.slice_mut().device_ptr_mut(stream);
         let (w2, _g3) = qw.w2.slice_mut().device_ptr_mut(stream);
@@ -654,15 +656,7 @@ impl GpuExperts {
         let mut bytes = 0;
         for e in 0..self.n_experts {
             let (p13, p2) = records(e);
-            check(OP, (p13.len(), p2.len()) == (b13 + c13, b2 + c2), || {
-                format!(
-                    "{name} expert {e}: record parts of {} + {} bytes, this layout needs {} + {}",
-                    p13.len(),
-                    p2.len(),
-                    b13 + c13,
-                    b2 + c2
-                )
-            })?;
+            check_record_parts(OP, || format!("{name} expert {e}"), (p13.len(), p2.len()), want)?;
             let e = e as u64;
             for (dst, src) in [
                 (w13 + e * b13 as u64, &p13[..b13]),
