@@ -259,16 +259,19 @@ struct Target<'a> {
     file: &'a File,
 }
 
-/// Checksum one record (its w13 part, zeros up to w2, w2, zeros to the stride) and write it at
-/// its offset.
-/// Its record of the wrong size is `Err(Ok(message))` (the producer's fault), a failed write
-/// `Err(Err(io error))`.
-fn write_record(t: &Target<'_>, l: usize, e: usize, rec: &[u8]) -> Result<u64, Result<String, CacheError>> {
+/// Why record `rec` of MoE layer `l` does not fit `t` (the producer's fault), if it does not.
+fn record_size_error(t: &Target<'_>, l: usize, rec: &[u8]) -> Option<String> {
     let parts = t.header.parts[l];
     let (w13, w2) = (parts.w13_bytes as usize, parts.w2_bytes as usize);
-    if rec.len() != w13 + w2 {
-        return Err(Ok(format!("record is {} bytes, expected {} (w13 {w13} + w2 {w2})", rec.len(), w13 + w2)));
-    }
+    (rec.len() != w13 + w2)
+        .then(|| format!("record is {} bytes, expected {} (w13 {w13} + w2 {w2})", rec.len(), w13 + w2))
+}
+
+/// Checksum one record of the right size (its w13 part, zeros up to w2, w2, zeros to the stride)
+/// and write it at its offset.
+fn write_record(t: &Target<'_>, l: usize, e: usize, rec: &[u8]) -> Result<u64, CacheError> {
+    let parts = t.header.parts[l];
+    let (w13, w2) = (parts.w13_bytes as usize, parts.w2_bytes as usize);
     let geom = t.layout.layers[l];
     let (w2_off, stride) = (geom.w2_offset as usize, geom.stride as usize);
     let mut h = Xxh3::new();
@@ -283,7 +286,7 @@ fn write_record(t: &Target<'_>, l: usize, e: usize, rec: &[u8]) -> Result<u64, R
     }
     let off = t.layout.record_offset(l * t.layout.n_experts as usize + e);
     // The padding is already zero: the file was extended with set_len.
-    let io = |er| Err(CacheError::io(t.path, "write record", er));
+    let io = |er| CacheError::io(t.path, "write record", er);
     t.file.write_all_at(&rec[..w13], off).map_err(io)?;
     t.file.write_all_at(&rec[w13..], off + w2_off as u64).map_err(io)?;
     Ok(h.digest())
@@ -319,8 +322,10 @@ fn write_layers(
                 let mut digests = Vec::with_capacity(targets.len());
                 let mut strides = 0;
                 for (t, rec) in targets.iter().zip(&recs) {
-                    let written = write_record(t, l, e, rec);
-                    digests.push(written.map_err(|er| er.map_or_else(|io| io, |m| produce_err(t.path, m)))?);
+                    if let Some(m) = record_size_error(t, l, rec) {
+                        return Err(produce_err(t.path, m));
+                    }
+                    digests.push(write_record(t, l, e, rec)?);
                     strides += t.layout.layers[l].stride;
                 }
                 let _ = tx.send(strides);
