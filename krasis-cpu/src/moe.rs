@@ -1456,15 +1456,7 @@ pub(crate) mod tests {
     use krasis_quant::Bits;
 
     pub(crate) fn data(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        krasis_quant::group::test_data(n, seed, 1.0)
     }
 
     struct Expert {
