@@ -46,8 +46,8 @@ pub fn attention(ordinal: usize, budget: VramBudgetSpec, text: bool) -> anyhow::
     }
     let mut prefill = Vec::new();
     for (what, r) in [
-        ("mla (V2-Lite: 16 heads, 128+64 / 128)", bench_mla_prefill(&dev, PREFILL_TOKENS, 10)?),
-        ("gqa (32/4 heads, 128)", bench_gqa_prefill(&dev, PREFILL_TOKENS, 10)?),
+        ("mla (V2-Lite: 16 heads, 128+64 / 128)", bench_mla_prefill(&dev, None, PREFILL_TOKENS, 10)?),
+        ("gqa (32/4 heads, 128)", bench_gqa_prefill(&dev, None, PREFILL_TOKENS, 10)?),
     ] {
         let frac = peak.map(|p| r.tflops * 1e12 / p);
         if text {

@@ -19,7 +19,14 @@
 //     a tensor is 16-byte aligned, plain loads otherwise); dims are zero-padded to 16 in shared
 //     memory, so ragged dims work. S = Q K^T and O += P V run on tensor cores; P is rounded to
 //     BF16 for the second MMA (row sums use the unrounded f32 P). Tiles past the diagonal are never
-//     loaded; a warp whose 16 rows see none of a tile skips it.
+//     loaded; a warp whose 16 rows see none of a tile skips it. The scale must be positive: it is
+//     folded into the exp2 (one FFMA + ex2.approx per score), as in the kernel below.
+//   flash_prefill_fixed_<A>_<B>_<V>: the same mathematics with the head dims fixed at compile time
+//     (A, B, V: multiples of 16; smaller multiples of 8 are zero-filled), for 16-byte-aligned
+//     tensors and a positive scale. One block of 8 warps per (128-query tile, head), three-stage
+//     cp.async K/V pipeline with one barrier per key tile, Q/K/V fragments through ldmatrix. Every
+//     copy address is a shift and a multiply-add, not the runtime division the generic kernel pays
+//     per chunk. The mask, the online softmax and P V are the generic kernel's (shared helpers).
 #include "krasis_common.cuh"
 
 #define NEG_INF __uint_as_float(0xff800000u)
@@ -142,11 +149,14 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 
 // Four 8x8 b16 matrices from shared memory, transposed: lanes 8j..8j+7 give the row addresses of
 // matrix j; register j of lane l gets (M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]).
-__device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans_at(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(smem_addr(p))
+                 : "r"(addr)
                  : "memory");  // reads shared memory written by other threads before a barrier
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
+    ldmatrix_x4_trans_at(r0, r1, r2, r3, smem_addr(p));
 }
 
 // Stages MMA_BK rows (tokens tok0..tok0+63 of head `head`) of one part into shared memory at column
@@ -170,6 +180,109 @@ __device__ __forceinline__ void stage_part(bf16_t* sm, int ld, int col0, const b
             const int r = e / dpad, d = e - r * dpad;
             const int tok = tok0 + r;
             sm[r * ld + col0 + d] = (tok < tok_end && d < dim) ? p[(long long)tok * ts + hoff + d] : (bf16_t)0;
+        }
+    }
+}
+
+// 2^x, approximate (2 ulp), denormals flushed; 2^-inf = 0.
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The per-tile steps both MMA kernels share. One warp holds a 16-row x 64-key tile of raw scores
+// s[n][e] (n-tile n = keys 8n..8n+7; e 0/1: row gr, keys 2tq, 2tq+1; e 2/3: row gr+8), rows
+// gr / gr+8 of its O accumulator, and their running max m (scaled log2 domain) and partial sum l.
+
+// Sets scores of keys past each row's last visible key (lim0 for row gr, lim1 for row gr+8) to
+// -inf; kb is the tile's first key.
+__device__ __forceinline__ void mask_tile(float (&s)[8][4], int kb, int tq, int lim0, int lim1) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        const int key = kb + n * 8 + 2 * tq;
+        if (key > lim0) s[n][0] = NEG_INF;
+        if (key + 1 > lim0) s[n][1] = NEG_INF;
+        if (key > lim1) s[n][2] = NEG_INF;
+        if (key + 1 > lim1) s[n][3] = NEG_INF;
+    }
+}
+
+// Online softmax over one tile: s becomes p = 2^(s * scale_log2 - max) (one FFMA + ex2 each; the
+// scale is positive, so max(s) * scale = max(s * scale)), m and l are updated, and O is rescaled
+// by 2^(m_old - m_new). A row with no visible key yet keeps max -inf and subtracts 0 (no NaN).
+template <int V_TILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&o)[V_TILES][4], float& m0, float& m1,
+                                             float& l0, float& l1, float scale_log2) {
+    float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    // The 4 threads of a quad hold one row's 64 columns.
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * scale_log2), mn1 = fmaxf(m1, mx1 * scale_log2);
+    const float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
+    const float alpha0 = ex2_approx(m0 - base0), alpha1 = ex2_approx(m1 - base1);  // 0 on a first max
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+        s[n][0] = ex2_approx(fmaf(s[n][0], scale_log2, -base0));
+        s[n][1] = ex2_approx(fmaf(s[n][1], scale_log2, -base0));
+        s[n][2] = ex2_approx(fmaf(s[n][2], scale_log2, -base1));
+        s[n][3] = ex2_approx(fmaf(s[n][3], scale_log2, -base1));
+        rs0 += s[n][0] + s[n][1];
+        rs1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) {
+        o[j][0] *= alpha0;
+        o[j][1] *= alpha0;
+        o[j][2] *= alpha1;
+        o[j][3] *= alpha1;
+    }
+}
+
+// 1 / the row sums of rows gr and gr+8, from this thread's partial sums (summed over the quad).
+__device__ __forceinline__ void row_inverses(float l0, float l1, float& inv0, float& inv1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    inv0 = 1.0f / l0;
+    inv1 = 1.0f / l1;
+}
+
+// O += P V for one tile: p (from softmax_tile) rounded to BF16; the accumulators of n-tiles 2k,
+// 2k+1 are exactly the A fragment of keys 16k..16k+15. V is the tile's [64][ldv] rows at shared
+// address vs; v_lane is this lane's ldmatrix offset (bytes) for keys (l&7) + 8((l>>3)&1), dims
+// 8(l>>4). Only the first v_tiles n-tiles of 8 dims are computed (v_tiles = V_TILES folds away).
+template <int V_TILES>
+__device__ __forceinline__ void pv_tile(float (&o)[V_TILES][4], const float (&s)[8][4], u32 vs, u32 v_lane, int ldv,
+                                        int v_tiles) {
+#pragma unroll
+    for (int k2 = 0; k2 < 4; ++k2) {
+        u32 pa[4];
+        pa[0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
+        pa[1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
+        pa[2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+        pa[3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+#pragma unroll
+        for (int j = 0; j < V_TILES / 2; ++j) {
+            if (2 * j < v_tiles) {
+                u32 b[4];
+                ldmatrix_x4_trans_at(b[0], b[1], b[2], b[3], vs + v_lane + (u32)(k2 * 16 * ldv + j * 16) * 2u);
+                mma_bf16(o[2 * j], pa, b[0], b[1]);
+                mma_bf16(o[2 * j + 1], pa, b[2], b[3]);
+            }
         }
     }
 }
@@ -243,12 +356,13 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     float o[MMA_V_TILES][4];
 #pragma unroll
     for (int j = 0; j < MMA_V_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-    // Row statistics for rows gr and gr+8 of this warp (max in the log2 domain; l is this thread's
-    // partial sum over its columns, reduced over the quad at the end).
+    // Row statistics for rows gr and gr+8 of this warp (max in the scaled log2 domain; l is this
+    // thread's partial sum over its columns, reduced over the quad at the end).
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale_log2 = scale * LOG2E;
     const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;  // last visible key of each row
     const int warp_lim = q_start + w0 + 15;               // last key any row of this warp sees
+    const u32 v_lane = (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + ((lane >> 4) << 3)) * 2u;
 
     for (int t = 0; t < n_tiles; ++t) {
         // Prefetch tile t+1 into the other buffer (freed by the barrier ending iteration t-1).
@@ -282,86 +396,16 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
                     }
                 }
             }
-            // Scale to the log2 domain and mask keys past each row's position.
-            const bool need_mask = kb + MMA_BK - 1 > q_start + w0;
-            float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const int key = kb + n * 8 + 2 * tq;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[n][e] * scale_log2;
-                    if (need_mask) {
-                        const int kk = key + (e & 1);
-                        if (kk > ((e < 2) ? lim0 : lim1)) x = NEG_INF;
-                    }
-                    s[n][e] = x;
-                }
-                mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-                mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-            }
-            // The 4 threads of a quad hold one row's 64 columns.
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-            // A row with no visible key yet keeps max -inf; subtract 0 then so no -inf - -inf NaN.
-            const float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
-            const float alpha0 = exp2f(m0 - base0), alpha1 = exp2f(m1 - base1);
-            m0 = mn0;
-            m1 = mn1;
-            float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                s[n][0] = exp2f(s[n][0] - base0);
-                s[n][1] = exp2f(s[n][1] - base0);
-                s[n][2] = exp2f(s[n][2] - base1);
-                s[n][3] = exp2f(s[n][3] - base1);
-                rs0 += s[n][0] + s[n][1];
-                rs1 += s[n][2] + s[n][3];
-            }
-            l0 = l0 * alpha0 + rs0;
-            l1 = l1 * alpha1 + rs1;
-#pragma unroll
-            for (int j = 0; j < MMA_V_TILES; ++j) {
-                o[j][0] *= alpha0;
-                o[j][1] *= alpha0;
-                o[j][2] *= alpha1;
-                o[j][3] *= alpha1;
-            }
-            // O += P V. The S accumulators of n-tiles 2k and 2k+1 are exactly the A fragment of
-            // k-step k (keys 16k..16k+15).
-#pragma unroll
-            for (int k2 = 0; k2 < MMA_BK / 16; ++k2) {
-                u32 pa[4];
-                pa[0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
-                pa[1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
-                pa[2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
-                pa[3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
-                // Lane l addresses row (key) 16k2 + (l&7) + 8*((l>>3)&1), columns (dims) 16j + 8*(l>>4):
-                // matrices 0/1 = keys +0/+8 of dims 16j..+7, matrices 2/3 = the same of dims 16j+8..+15.
-                const bf16_t* vrow = vs + (k2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ldv + ((lane >> 4) << 3);
-#pragma unroll
-                for (int j = 0; j < MMA_V_TILES / 2; ++j) {
-                    if (2 * j < v_tiles) {
-                        u32 b0, b1, b2, b3;
-                        ldmatrix_x4_trans(b0, b1, b2, b3, vrow + j * 16);
-                        mma_bf16(o[2 * j], pa, b0, b1);
-                        mma_bf16(o[2 * j + 1], pa, b2, b3);
-                    }
-                }
-            }
+            if (kb + MMA_BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+            softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
+            pv_tile(o, s, smem_addr(vs), v_lane, ldv, v_tiles);
         }
         __syncthreads();  // everyone is done with this buffer before iteration t+1 refills it
     }
     cp_async_wait<0>();
 
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
+    float inv0, inv1;
+    row_inverses(l0, l1, inv0, inv1);
     const int i0 = w0 + gr, i1 = i0 + 8;
 #pragma unroll
     for (int j = 0; j < MMA_V_TILES; ++j) {
@@ -384,3 +428,183 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     __trap();
 #endif
 }
+
+// ------------------------------------------------------------------------------------------ fixed dims
+
+// 8 warps x 16 query rows per block; 64-key tiles; three K/V stages in flight.
+#define FIX_WARPS 8
+#define FIX_THREADS (FIX_WARPS * 32)
+#define FIX_BQ (FIX_WARPS * 16)
+#define FIX_BK 64
+#define FIX_STAGES 3
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+
+// Copies ROWS rows (tokens tok0..) of one part, DPAD columns (compile time, a multiple of 8), to
+// shared memory at shared address `dst` (row 0 of the part's first column) with pitch LD elements.
+// Tokens >= tok_end and columns >= dim are zero-filled. All 16-byte chunks, all cp.async.
+template <int ROWS, int DPAD, int LD>
+__device__ __forceinline__ void fix_stage(u32 dst, const bf16_t* __restrict__ p, long long ts, long long hoff, int dim,
+                                          int tok0, int tok_end) {
+    constexpr int CH = DPAD > 0 ? DPAD / 8 : 1;  // DPAD 0 (no part b) copies nothing
+    constexpr int TOTAL = DPAD > 0 ? ROWS * CH : 0;
+#pragma unroll
+    for (int i = 0; i < (TOTAL + FIX_THREADS - 1) / FIX_THREADS; ++i) {
+        const int c = threadIdx.x + i * FIX_THREADS;
+        if (TOTAL % FIX_THREADS == 0 || c < TOTAL) {
+            const int r = c / CH, d = (c % CH) * 8;
+            const int tok = tok0 + r;
+            const bool ok = tok < tok_end && d < dim;
+            const bf16_t* src = ok ? p + (long long)tok * ts + hoff + d : p;
+            cp_async16_at(dst + (u32)(r * LD + d) * 2u, src, ok ? 16 : 0);
+        }
+    }
+}
+
+__device__ __forceinline__ void st_global_f32x2(float* p, float a, float b) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// Shared memory (bytes): Q [128][A+B+8], then FIX_STAGES x (K [64][A+B+8], V [64][V+8]), BF16.
+// Grid: (heads, query tiles); query tiles run heaviest (most keys) first across all heads.
+template <int DA, int DB, int DV>
+__device__ __forceinline__ void flash_prefill_fixed(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
+                                                    const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
+                                                    const bf16_t* __restrict__ v, float* __restrict__ out, int n_q,
+                                                    int n_kv, int q_start, int group, float scale, int da, int db,
+                                                    int dv, long long qa_ts, long long qa_hs, long long qb_ts,
+                                                    long long qb_hs, long long ka_ts, long long ka_hs,
+                                                    long long kb_ts, long long kb_hs, long long v_ts, long long v_hs,
+                                                    long long o_ts, long long o_hs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int QK = DA + DB, LDK = QK + MMA_ROW_PAD, LDV = DV + MMA_ROW_PAD;
+    constexpr int QK_STEPS = QK / 16, V_TILES = DV / 8;
+    constexpr int K_ELEMS = FIX_BK * LDK, STAGE_ELEMS = FIX_BK * (LDK + LDV);
+    static_assert(DA % 16 == 0 && DB % 16 == 0 && DV % 16 == 0, "dims are multiples of 16");
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 sq = smem_addr(smem_raw);
+    const u32 sk0 = sq + (u32)(FIX_BQ * LDK) * 2u;
+
+    const int h = blockIdx.x;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * FIX_BQ;
+    const int g = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int w0 = q0 + warp * 16;
+
+    const int q_last = min(q0 + FIX_BQ, n_q) - 1;
+    const int key_end = min(q_start + q_last + 1, n_kv);
+    const int n_tiles = (key_end + FIX_BK - 1) / FIX_BK;
+
+    const long long qa_h = (long long)h * qa_hs, qb_h = (long long)h * qb_hs;
+    const long long ka_h = (long long)g * ka_hs, kb_h = (long long)g * kb_hs, v_h = (long long)g * v_hs;
+
+    // Key tile t -> stage `slot`.
+    auto stage_tile = [&](int t, int slot) {
+        const u32 base = sk0 + (u32)(slot * STAGE_ELEMS) * 2u;
+        const int kb0 = t * FIX_BK;
+        fix_stage<FIX_BK, DA, LDK>(base, k_a, ka_ts, ka_h, da, kb0, n_kv);
+        if (DB > 0) fix_stage<FIX_BK, DB, LDK>(base + DA * 2, k_b, kb_ts, kb_h, db, kb0, n_kv);
+        fix_stage<FIX_BK, DV, LDV>(base + K_ELEMS * 2, v, v_ts, v_h, dv, kb0, n_kv);
+    };
+
+    // Group 0: Q and key tile 0; group 1: key tile 1 (maybe empty).
+    fix_stage<FIX_BQ, DA, LDK>(sq, q_a, qa_ts, qa_h, da, q0, n_q);
+    if (DB > 0) fix_stage<FIX_BQ, DB, LDK>(sq + DA * 2, q_b, qb_ts, qb_h, db, q0, n_q);
+    stage_tile(0, 0);
+    cp_async_commit();
+    if (n_tiles > 1) stage_tile(1, 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    // Q fragments of this warp's 16 rows: matrices (rows +0/+8) x (columns +0/+8).
+    u32 qf[QK_STEPS][4];
+    {
+        const u32 qaddr = sq + (u32)((warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDK + (lane >> 4) * 8) * 2u;
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk) ldmatrix_x4(qf[kk], qaddr + kk * 32);
+    }
+
+    float o[V_TILES][4];
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    // Row statistics of rows gr and gr+8 (max in the scaled log2 domain; l per thread, reduced
+    // over the quad at the end).
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const float scale_log2 = scale * LOG2E;
+    const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;
+    const int warp_lim = w0 < n_q ? q_start + w0 + 15 : -1;  // a warp past the end computes nothing
+    // ldmatrix row offsets: K (non-transposed) keys (l&7) + 8(l>>4), dims 8((l>>3)&1); V
+    // (transposed) keys (l&7) + 8((l>>3)&1), dims 8(l>>4).
+    const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * LDK + ((lane >> 3) & 1) * 8) * 2u;
+    const u32 v_lane = (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * LDV + ((lane >> 4) << 3)) * 2u;
+
+    int slot = 0;
+    for (int t = 0; t < n_tiles; ++t) {
+        if (t > 0) {
+            cp_async_wait<1>();  // tile t has landed for this thread's copies ...
+            __syncthreads();    // ... and everyone's; and everyone is done with tile t-1's stage
+        }
+        if (t + 2 < n_tiles) stage_tile(t + 2, slot == 0 ? 2 : slot - 1);  // (t+2) % 3 = (t-1) % 3
+        cp_async_commit();
+
+        const int kb = t * FIX_BK;
+        const u32 ks = sk0 + (u32)(slot * STAGE_ELEMS) * 2u;
+        const u32 vs = ks + K_ELEMS * 2;
+        slot = slot == FIX_STAGES - 1 ? 0 : slot + 1;
+        if (kb > warp_lim) continue;
+
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk) {
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, ks + k_lane + (u32)(np * 16 * LDK + kk * 16) * 2u);
+                mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+                mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
+            }
+        }
+        if (kb + FIX_BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+        softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
+        pv_tile(o, s, vs, v_lane, LDV, V_TILES);
+    }
+    cp_async_wait<0>();
+
+    float inv0, inv1;
+    row_inverses(l0, l1, inv0, inv1);
+    const int i0 = w0 + gr, i1 = i0 + 8;
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) {
+        const int d = j * 8 + 2 * tq;  // dv is a multiple of 8, so d < dv implies d + 1 < dv
+        if (d < dv) {
+            if (i0 < n_q) st_global_f32x2(out + i0 * o_ts + h * o_hs + d, o[j][0] * inv0, o[j][1] * inv0);
+            if (i1 < n_q) st_global_f32x2(out + i1 * o_ts + h * o_hs + d, o[j][2] * inv1, o[j][3] * inv1);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define FLASH_FIXED_ENTRY(DA, DB, DV)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FIX_THREADS, 1) flash_prefill_fixed_##DA##_##DB##_##DV(          \
+        const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b, const bf16_t* __restrict__ k_a,           \
+        const bf16_t* __restrict__ k_b, const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int n_kv, \
+        int q_start, int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs,            \
+        long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,     \
+        long long v_ts, long long v_hs, long long o_ts, long long o_hs) {                                         \
+        flash_prefill_fixed<DA, DB, DV>(q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv,  \
+                                        qa_ts, qa_hs, qb_ts, qb_hs, ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts,  \
+                                        o_hs);                                                                     \
+    }
+
+// MLA as DeepSeek V2/V3 have it (nope 128 + rope 64, v 128) and GQA with 128-wide heads. The host
+// table FIXED_SHAPES lists the same three numbers.
+FLASH_FIXED_ENTRY(128, 64, 128)
+FLASH_FIXED_ENTRY(128, 0, 128)

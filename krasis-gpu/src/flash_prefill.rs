@@ -5,6 +5,11 @@
 //!
 //! # Kernels and the rule that picks one ([`GpuDevice::flash_prefill_kernel`])
 //!
+//! - [`FlashKernel::MmaFixed`]: the same mathematics as `Mma` with the head dims fixed at compile
+//!   time ([`FIXED_SHAPES`]: MLA 128+64 / 128, GQA 128 / 128; smaller multiples of 8 are
+//!   zero-filled): 128-query × 64-key tiles on 8 warps, a three-stage `cp.async` K/V pipeline with
+//!   one barrier per key tile, fragments through `ldmatrix`, the scale folded into the exp2.
+//!   Needs 16-byte-aligned inputs, an 8-byte-aligned output and a positive scale.
 //! - [`FlashKernel::Mma`]: tensor cores (`mma.sync m16n8k16` BF16 → f32), FlashAttention-2 style,
 //!   64-query × 64-key tiles, dims zero-padded to 16 in shared memory (ragged dims work), K/V tiles
 //!   double-buffered (`cp.async` for 16-byte-aligned tensors, plain loads otherwise). P is rounded
@@ -12,10 +17,15 @@
 //! - [`FlashKernel::Simt`]: plain f32 CUDA cores, one warp per (query, head); slow, exact up to
 //!   f32 rounding; the correctness fallback.
 //!
-//! Rule: **Mma** when the GPU is sm_80 or newer, `pad16(dim_a) + pad16(dim_b) ≤ 256`,
-//! `pad16(dim_v) ≤ 128`, and the two K/V tile buffers fit the device's opt-in shared memory per
-//! block; otherwise **Simt**. (V2-Lite: 128+64 / 128 and Qwen3: 128 / 128 both take Mma.) Every
-//! part dim may be 1..=[`MAX_PART_DIM`]; the SIMT kernel covers all of them.
+//! Rule: **MmaFixed** when `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a
+//! multiple of 8, part b present iff the entry has one), its shared memory fits, and every buffer is aligned as above ([`GpuDevice::flash_prefill_kernel`]
+//! assumes aligned buffers, as allocations are; [`GpuDevice::flash_prefill`] checks the pointers
+//! and takes **Mma** when one is not). Otherwise **Mma** when the GPU is sm_80 or newer, the scale
+//! is positive (both MMA kernels fold it into the exp2), `pad16(dim_a) + pad16(dim_b) ≤ 256`, `pad16(dim_v) ≤ 128`, and the two K/V tile buffers fit
+//! the device's opt-in shared memory per block; otherwise **Simt**. (V2-Lite: 128+64 / 128 and
+//! Qwen3: 128 / 128 both take MmaFixed on sm_90.) Every part dim may be 1..=[`MAX_PART_DIM`]; the
+//! SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma` caps the choice (measurements
+//! of the slower kernels inside a model; the kernel tests expect it unset).
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -28,8 +38,25 @@ pub const FLASH_PREFILL: KernelSource = KernelSource {
     src: include_str!("../kernels/flash_prefill.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["flash_prefill_simt", "flash_prefill_mma"],
+    functions: &[
+        "flash_prefill_simt",
+        "flash_prefill_mma",
+        "flash_prefill_fixed_128_64_128",
+        "flash_prefill_fixed_128_0_128",
+    ],
 };
+
+/// Head dims `(a, b, v)` the fixed-dims kernel is compiled for (mirrors the `FLASH_FIXED_ENTRY`
+/// lines of the kernel source; each has a kernel `flash_prefill_fixed_{a}_{b}_{v}`).
+pub const FIXED_SHAPES: [(usize, usize, usize); 2] = [(128, 64, 128), (128, 0, 128)];
+/// The kernel of each [`FIXED_SHAPES`] entry.
+const FIXED_FUNCTIONS: [&str; 2] = ["flash_prefill_fixed_128_64_128", "flash_prefill_fixed_128_0_128"];
+/// Query rows per fixed-dims block (8 warps × 16 rows; mirrors `FIX_BQ`).
+const FIXED_BQ: usize = 128;
+/// Threads per fixed-dims block (mirrors `FIX_THREADS`).
+const FIXED_THREADS: u32 = 256;
+/// K/V stages in flight (mirrors `FIX_STAGES`): three let one barrier per tile order the reuse.
+const FIXED_STAGES: usize = 3;
 
 /// Largest dim of each part (a, b, v): the SIMT kernel keeps 256/32 = 8 values per lane.
 pub const MAX_PART_DIM: usize = 256;
@@ -134,13 +161,15 @@ pub struct FlashPrefillArgs {
     pub out: HeadsLayout,
 }
 
-/// Which prefill kernel runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which prefill kernel runs (ordered slowest first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum FlashKernel {
     /// f32 CUDA cores, any supported dims, any architecture (the fallback).
     Simt,
     /// BF16 tensor cores (sm_80+), padded qk ≤ 256 and padded v ≤ 128.
     Mma,
+    /// BF16 tensor cores with the head dims fixed at compile time ([`FIXED_SHAPES`]).
+    MmaFixed,
 }
 
 impl std::fmt::Display for FlashKernel {
@@ -148,6 +177,7 @@ impl std::fmt::Display for FlashKernel {
         f.write_str(match self {
             FlashKernel::Simt => "simt",
             FlashKernel::Mma => "mma-bf16",
+            FlashKernel::MmaFixed => "mma-bf16-fixed",
         })
     }
 }
@@ -170,6 +200,8 @@ fn mma_unsupported(a: &FlashPrefillArgs, arch: i32, smem_optin: usize) -> Option
     let qk = pad16(a.q_a.dim) + pad16(a.q_b.dim);
     if arch < MMA_MIN_ARCH {
         Some(format!("sm_{arch} has no BF16 mma.sync (needs sm_{MMA_MIN_ARCH}+)"))
+    } else if a.scale.is_nan() || a.scale <= 0.0 {
+        Some(format!("scale {} is not positive", a.scale))
     } else if qk > MMA_MAX_QK {
         Some(format!("padded q.k dim {qk} > {MMA_MAX_QK}"))
     } else if pad16(a.v.dim) > MMA_MAX_V {
@@ -181,7 +213,60 @@ fn mma_unsupported(a: &FlashPrefillArgs, arch: i32, smem_optin: usize) -> Option
     }
 }
 
+/// The [`FIXED_SHAPES`] entry the fixed-dims kernel uses for `a`, or why none fits.
+fn fixed_shape(a: &FlashPrefillArgs) -> Result<(usize, usize, usize), String> {
+    let (da, db, dv) = (a.q_a.dim, a.q_b.dim, a.v.dim);
+    if [da, db, dv].iter().any(|d| d % 8 != 0) {
+        return Err(format!("dims {da}+{db} / {dv} are not all multiples of 8"));
+    }
+    FIXED_SHAPES
+        .iter()
+        .copied()
+        .find(|&(fa, fb, fv)| da <= fa && db <= fb && (db == 0) == (fb == 0) && dv <= fv)
+        .ok_or_else(|| format!("no compiled shape holds dims {da}+{db} / {dv} (compiled: {FIXED_SHAPES:?})"))
+}
+
+/// Dynamic shared memory of the fixed-dims kernel for entry `(fa, fb, fv)`: Q `[128][fa+fb+8]`
+/// and three stages of K `[64][fa+fb+8]` + V `[64][fv+8]`, BF16.
+fn fixed_smem_bytes((fa, fb, fv): (usize, usize, usize)) -> usize {
+    let (ldk, ldv) = (fa + fb + MMA_ROW_PAD, fv + MMA_ROW_PAD);
+    (FIXED_BQ * ldk + FIXED_STAGES * MMA_TILE * (ldk + ldv)) * 2
+}
+
+/// Why the fixed-dims kernel cannot run `a` (buffers assumed aligned); `None` when it can.
+fn fixed_unsupported(a: &FlashPrefillArgs, arch: i32, smem_optin: usize) -> Option<String> {
+    let shape = match fixed_shape(a) {
+        Ok(s) => s,
+        Err(why) => return Some(why),
+    };
+    if let Some(why) = mma_unsupported(a, arch, smem_optin) {
+        Some(why)
+    } else if fixed_smem_bytes(shape) > smem_optin {
+        Some(format!("needs {} bytes of shared memory, the device allows {smem_optin}", fixed_smem_bytes(shape)))
+    } else if a.n_q.div_ceil(FIXED_BQ) > MAX_GRID_Y {
+        Some(format!("{} query tiles > {MAX_GRID_Y}", a.n_q.div_ceil(FIXED_BQ)))
+    } else {
+        None
+    }
+}
+
+/// Whether the output view at `ptr` takes the fixed-dims kernel's 8-byte stores.
+fn out_vec8(l: &HeadsLayout, ptr: u64) -> bool {
+    ptr.is_multiple_of(8) && l.token_stride.is_multiple_of(2) && l.head_stride.is_multiple_of(2)
+}
+
 const OP: &str = "flash_prefill";
+
+/// `KRASIS_FLASH_KERNEL=simt|mma|fixed` caps the automatic choice at that kernel (to measure or
+/// test the slower ones inside a whole model); unset, empty or unknown: no cap. Read once.
+fn kernel_cap_from_env() -> FlashKernel {
+    static CAP: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
+    *CAP.get_or_init(|| match std::env::var("KRASIS_FLASH_KERNEL").as_deref() {
+        Ok("simt") => FlashKernel::Simt,
+        Ok("mma") => FlashKernel::Mma,
+        _ => FlashKernel::MmaFixed,
+    })
+}
 
 fn check(ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
     if ok {
@@ -283,6 +368,42 @@ fn scalars(a: &FlashPrefillArgs) -> Result<Scalars, GpuError> {
     })
 }
 
+/// Launches one of the MMA kernels: pointers (q_a, q_b, k_a, k_b, v, out), the scalars, the
+/// vector mask when the kernel takes one; raises the dynamic shared-memory limit when needed.
+///
+/// # Safety
+/// `f` must take exactly these arguments, and every view must lie inside its buffer.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_tiles(
+    s: &std::sync::Arc<cudarc::driver::CudaStream>,
+    f: &cudarc::driver::CudaFunction,
+    (grid, threads, smem): ((u32, u32, u32), u32, usize),
+    ptrs: [u64; 6],
+    scale: f32,
+    sc: &Scalars,
+    vec_mask: Option<i32>,
+) -> Result<(), GpuError> {
+    if smem > DEFAULT_SMEM_LIMIT {
+        f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
+    }
+    let mut b = s.launch_builder(f);
+    for p in &ptrs {
+        b.arg(p);
+    }
+    b.arg(&sc.n_q).arg(&sc.n_kv).arg(&sc.q_start).arg(&sc.group).arg(&scale);
+    b.arg(&sc.da).arg(&sc.db).arg(&sc.dv);
+    for st in &sc.strides {
+        b.arg(st);
+    }
+    if let Some(m) = &vec_mask {
+        b.arg(m);
+    }
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
+    // SAFETY: the caller's contract.
+    unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| GpuError::driver("flash_prefill launch", e))
+}
+
 impl GpuDevice {
     fn smem_optin(&self) -> Result<usize, GpuError> {
         let v = self
@@ -292,13 +413,18 @@ impl GpuDevice {
         Ok(usize::try_from(v).unwrap_or(0).max(DEFAULT_SMEM_LIMIT))
     }
 
-    /// The kernel [`GpuDevice::flash_prefill`] runs for `args` on this device (the rule in the
-    /// module docs): [`FlashKernel::Mma`] when it supports the shapes, else [`FlashKernel::Simt`].
+    /// The kernel [`GpuDevice::flash_prefill`] runs for `args` on this device with aligned buffers
+    /// (the rule in the module docs): [`FlashKernel::MmaFixed`] when it supports the shapes, else
+    /// [`FlashKernel::Mma`] when that does, else [`FlashKernel::Simt`].
     pub fn flash_prefill_kernel(&self, args: &FlashPrefillArgs) -> Result<FlashKernel, GpuError> {
-        let optin = self.smem_optin()?;
-        Ok(match mma_unsupported(args, self.info().arch(), optin) {
-            None => FlashKernel::Mma,
-            Some(_) => FlashKernel::Simt,
+        let (optin, arch) = (self.smem_optin()?, self.info().arch());
+        let cap = kernel_cap_from_env();
+        Ok(if cap >= FlashKernel::MmaFixed && fixed_unsupported(args, arch, optin).is_none() {
+            FlashKernel::MmaFixed
+        } else if cap >= FlashKernel::Mma && mma_unsupported(args, arch, optin).is_none() {
+            FlashKernel::Mma
+        } else {
+            FlashKernel::Simt
         })
     }
 
@@ -319,7 +445,20 @@ impl GpuDevice {
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         validate_shapes(args, q_b.is_some(), k_b.is_some())?;
-        let kernel = self.flash_prefill_kernel(args)?;
+        let mut kernel = self.flash_prefill_kernel(args)?;
+        if kernel == FlashKernel::MmaFixed {
+            let s = self.stream();
+            let ptr = |p: &dyn DevicePtr<u16>| p.device_ptr(s).0;
+            let aligned = args.q_a.vec16(ptr(q_a))
+                && args.k_a.vec16(ptr(k_a))
+                && args.v.vec16(ptr(v))
+                && q_b.is_none_or(|b| args.q_b.vec16(ptr(b)))
+                && k_b.is_none_or(|b| args.k_b.vec16(ptr(b)))
+                && out_vec8(&args.out, out.device_ptr_mut(s).0);
+            if !aligned {
+                kernel = FlashKernel::Mma;
+            }
+        }
         self.flash_prefill_with(kernel, args, q_a, q_b, k_a, k_b, v, out)
     }
 
@@ -350,6 +489,11 @@ impl GpuDevice {
         if kernel == FlashKernel::Mma {
             if let Some(why) = mma_unsupported(a, self.info().arch(), self.smem_optin()?) {
                 return Err(GpuError::shape(OP, format!("the MMA kernel cannot run these shapes: {why}")));
+            }
+        }
+        if kernel == FlashKernel::MmaFixed {
+            if let Some(why) = fixed_unsupported(a, self.info().arch(), self.smem_optin()?) {
+                return Err(GpuError::shape(OP, format!("the fixed-dims MMA kernel cannot run these shapes: {why}")));
             }
         }
         if a.n_q == 0 {
@@ -407,31 +551,46 @@ impl GpuDevice {
                         vec_mask |= bit;
                     }
                 }
-                let smem = mma_smem_bytes(a);
                 let f = self.function(&FLASH_PREFILL, "flash_prefill_mma")?;
-                if smem > DEFAULT_SMEM_LIMIT {
-                    f.set_attribute(
-                        CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        smem as i32,
-                    )
-                    .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
+                let grid = (a.n_q.div_ceil(MMA_TILE) as u32, a.heads as u32, 1);
+                let ptrs = [qa_p, qb_p, ka_p, kb_p, v_p, o_p];
+                // SAFETY: flash_prefill_mma takes these arguments and the vector mask; every
+                // extent checked above, the shared memory against the opt-in limit.
+                unsafe { launch_tiles(s, &f, (grid, THREADS, mma_smem_bytes(a)), ptrs, a.scale, &sc, Some(vec_mask)) }?;
+            }
+            FlashKernel::MmaFixed => {
+                let l = &a;
+                let misaligned: Vec<&str> = [
+                    ("q_a", l.q_a.vec16(qa_p)),
+                    ("q_b", q_b.is_none() || l.q_b.vec16(qb_p)),
+                    ("k_a", l.k_a.vec16(ka_p)),
+                    ("k_b", k_b.is_none() || l.k_b.vec16(kb_p)),
+                    ("v", l.v.vec16(v_p)),
+                    ("out", out_vec8(&l.out, o_p)),
+                ]
+                .into_iter()
+                .filter_map(|(n, ok)| (!ok).then_some(n))
+                .collect();
+                if !misaligned.is_empty() {
+                    return Err(GpuError::shape(
+                        OP,
+                        format!(
+                            "the fixed-dims MMA kernel needs 16-byte-aligned inputs and an 8-byte-aligned \
+                             output (pointer and strides); {} are not",
+                            misaligned.join(", ")
+                        ),
+                    ));
                 }
-                let mut b = s.launch_builder(&f);
-                b.arg(&qa_p).arg(&qb_p).arg(&ka_p).arg(&kb_p).arg(&v_p).arg(&o_p);
-                b.arg(&sc.n_q).arg(&sc.n_kv).arg(&sc.q_start).arg(&sc.group).arg(&a.scale);
-                b.arg(&sc.da).arg(&sc.db).arg(&sc.dv);
-                for st in &sc.strides {
-                    b.arg(st);
-                }
-                b.arg(&vec_mask);
-                let cfg = LaunchConfig {
-                    grid_dim: (a.n_q.div_ceil(MMA_TILE) as u32, a.heads as u32, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                };
-                // SAFETY: arguments match the kernel's signature; every extent checked above;
-                // the shared-memory size was checked against the device's opt-in limit.
-                unsafe { b.launch(cfg) }.map_err(launch_err)?;
+                let shape = fixed_shape(a).map_err(|why| GpuError::shape(OP, why))?;
+                let entry = FIXED_SHAPES.iter().position(|&e| e == shape).expect("fixed_shape returns an entry");
+                let f = self.function(&FLASH_PREFILL, FIXED_FUNCTIONS[entry])?;
+                let grid = (a.heads as u32, a.n_q.div_ceil(FIXED_BQ) as u32, 1);
+                let ptrs = [qa_p, qb_p, ka_p, kb_p, v_p, o_p];
+                // SAFETY: the fixed-dims kernels take these arguments; every extent and alignment
+                // checked above, the shared memory against the opt-in limit.
+                unsafe {
+                    launch_tiles(s, &f, (grid, FIXED_THREADS, fixed_smem_bytes(shape)), ptrs, a.scale, &sc, None)
+                }?;
             }
         }
         Ok(())
@@ -493,10 +652,12 @@ fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
         .collect()
 }
 
-/// Times `iters` calls of the auto-chosen kernel on random BF16 data, contiguous separate
-/// buffers: q_a/k_a `dim_a` per head, part b (`dim_b > 0`) with a shared key, v `dim_v`.
+/// Times `iters` calls of `kernel` (the automatic choice when `None`) on random BF16 data,
+/// contiguous separate buffers: q_a/k_a `dim_a` per head, part b (`dim_b > 0`) with a shared key,
+/// v `dim_v`.
 pub fn bench_prefill(
     dev: &GpuDevice,
+    kernel: Option<FlashKernel>,
     tokens: usize,
     heads: usize,
     kv_heads: usize,
@@ -526,7 +687,10 @@ pub fn bench_prefill(
     let mut out = dev.alloc_zeros::<f32>(t * heads * dim_v, "bench out")?;
     let (qb, kb): (Option<&dyn DevicePtr<u16>>, Option<&dyn DevicePtr<u16>>) =
         if dim_b > 0 { (Some(&q_b), Some(&k_b)) } else { (None, None) };
-    let kernel = dev.flash_prefill_kernel(&args)?;
+    let kernel = match kernel {
+        Some(k) => k,
+        None => dev.flash_prefill_kernel(&args)?,
+    };
     // One untimed call: compiles/loads the kernel and warms the caches.
     dev.flash_prefill_with(kernel, &args, &q_a, qb, &k_a, kb, &v, &mut out)?;
     let (start, end) = (dev.new_event(true)?, dev.new_event(true)?);
@@ -554,13 +718,23 @@ pub fn bench_prefill(
 
 /// MLA prefill attention at DeepSeek-V2-Lite shapes: 16 heads, nope 128 + rope 64 (rope key
 /// shared by all heads), v 128, causal over `tokens`.
-pub fn bench_mla_prefill(dev: &GpuDevice, tokens: usize, iters: usize) -> Result<FlashBench, GpuError> {
-    bench_prefill(dev, tokens, 16, 16, (128, 64, 128), iters)
+pub fn bench_mla_prefill(
+    dev: &GpuDevice,
+    kernel: Option<FlashKernel>,
+    tokens: usize,
+    iters: usize,
+) -> Result<FlashBench, GpuError> {
+    bench_prefill(dev, kernel, tokens, 16, 16, (128, 64, 128), iters)
 }
 
 /// GQA prefill attention at Qwen3 shapes: 32 query heads over 4 kv heads, head dim 128.
-pub fn bench_gqa_prefill(dev: &GpuDevice, tokens: usize, iters: usize) -> Result<FlashBench, GpuError> {
-    bench_prefill(dev, tokens, 32, 4, (128, 0, 128), iters)
+pub fn bench_gqa_prefill(
+    dev: &GpuDevice,
+    kernel: Option<FlashKernel>,
+    tokens: usize,
+    iters: usize,
+) -> Result<FlashBench, GpuError> {
+    bench_prefill(dev, kernel, tokens, 32, 4, (128, 0, 128), iters)
 }
 
 #[cfg(test)]
@@ -592,6 +766,9 @@ mod tests {
         assert_eq!(mma_unsupported(&a, 90, 227 * 1024), None);
         assert!(mma_unsupported(&a, 75, 227 * 1024).unwrap().contains("sm_75"));
         assert!(mma_unsupported(&a, 89, 64 * 1024).unwrap().contains("shared memory"));
+        let mut n = a;
+        n.scale = 0.0;
+        assert!(mma_unsupported(&n, 90, 227 * 1024).unwrap().contains("not positive"));
         // Qwen3 GQA head dim 128 fits; 256-wide v does not; 136 + 136 padded qk does not.
         let mut g = a;
         g.q_b = HeadsLayout::none();
@@ -605,6 +782,40 @@ mod tests {
         // Ragged dims pad to 16.
         (w.q_a.dim, w.q_b.dim, w.v.dim) = (24, 8, 8);
         assert_eq!(mma_unsupported(&w, 80, 48 * 1024), None);
+    }
+
+    #[test]
+    fn fixed_kernel_rule() {
+        let a = mla(8192);
+        assert_eq!(fixed_shape(&a), Ok((128, 64, 128)));
+        // Q [128][200] + 3 x (K [64][200] + V [64][136]), BF16.
+        assert_eq!(fixed_smem_bytes((128, 64, 128)), 180_224);
+        assert_eq!(fixed_unsupported(&a, 90, 227 * 1024), None);
+        assert!(fixed_unsupported(&a, 80, 163 * 1024).unwrap().contains("shared memory"));
+        assert!(fixed_unsupported(&a, 75, 227 * 1024).unwrap().contains("sm_75"));
+        let mut n = a;
+        n.scale = -0.1;
+        assert!(fixed_unsupported(&n, 90, 227 * 1024).unwrap().contains("not positive"));
+        // GQA takes the b-less entry; smaller multiples of 8 fit (zero-filled); others do not.
+        let mut g = a;
+        g.q_b = HeadsLayout::none();
+        g.k_b = HeadsLayout::none();
+        assert_eq!(fixed_shape(&g), Ok((128, 0, 128)));
+        (g.q_a.dim, g.v.dim) = (96, 64);
+        assert_eq!(fixed_shape(&g), Ok((128, 0, 128)));
+        g.q_a.dim = 100;
+        assert!(fixed_shape(&g).unwrap_err().contains("multiples of 8"));
+        (g.q_a.dim, g.v.dim) = (128, 256);
+        assert!(fixed_shape(&g).unwrap_err().contains("no compiled shape"));
+        let mut w = a;
+        w.q_b.dim = 72;
+        assert!(fixed_shape(&w).unwrap_err().contains("no compiled shape"));
+        // Each entry names its kernel, and the module compiles it.
+        for (&(fa, fb, fv), name) in FIXED_SHAPES.iter().zip(FIXED_FUNCTIONS) {
+            assert_eq!(name, format!("flash_prefill_fixed_{fa}_{fb}_{fv}"));
+            assert!(FLASH_PREFILL.functions.contains(&name), "{name}");
+            assert!(FLASH_PREFILL.src.contains(&format!("FLASH_FIXED_ENTRY({fa}, {fb}, {fv})")), "{name}");
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! Causal prefill attention (both kernels) against an f64 twin in plain loops, on random and
+//! Causal prefill attention (all three kernels) against an f64 twin in plain loops, on random and
 //! ragged shapes, MLA two-part and GQA layouts, packed strided views, a continued prefix, and one
 //! 10K-token context. Inputs are BF16-exact; outputs are poisoned with NaN before each launch.
 //!
@@ -9,7 +9,8 @@
 //!   before P·V while the denominator sums the unrounded P, so
 //!   `|out − exact| ≤ Σ p_s·2⁻⁹·|v_s| / Σ p_s ≤ 2⁻⁹·vmax`. The test allows twice that, `2⁻⁸·vmax`.
 //!   Small-T cases (T ≤ 200, few keys per row) still catch a wrong mask or swapped fragment
-//!   elements: those move outputs by a sizeable fraction of `vmax`.
+//!   elements: those move outputs by a sizeable fraction of `vmax`. The fixed-dims MMA kernel
+//!   makes the same roundings (its exp2 is the approximate one, ≤ 2 ulp: far inside the bound).
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails instead.
 
@@ -240,8 +241,9 @@ fn compare(what: &str, c: &Case, got: &[f32], rows: &[usize], want: &[f64], tol_
     worst
 }
 
-/// Both kernels (MMA where it supports the shapes; otherwise forcing it must be a shape error) and
-/// the automatic choice, against the twin on `rows` (all rows when `None`).
+/// Every kernel (each MMA kernel where it supports the shapes; otherwise forcing it must be a
+/// shape error) and the automatic choice, against the twin on `rows` (all rows when `None`). The
+/// rule must pick the fastest kernel that ran.
 fn check_case(d: &GpuDevice, c: &Case, rows: Option<&[usize]>) {
     let all: Vec<usize> = (0..c.args.n_q).collect();
     let rows = rows.unwrap_or(&all);
@@ -251,20 +253,33 @@ fn check_case(d: &GpuDevice, c: &Case, rows: Option<&[usize]>) {
     let w_simt = compare("simt", c, &got, rows, &want, SIMT_TOL);
     let auto = d.flash_prefill_kernel(&c.args).unwrap();
     let mut line = format!("{}: simt err/tol {w_simt:.3}", c.name);
-    match run(d, c, &u, Some(FlashKernel::Mma)) {
-        Ok(got) => {
-            assert_eq!(auto, FlashKernel::Mma, "{}: MMA ran but the rule picks {auto}", c.name);
-            let w = compare("mma", c, &got, rows, &want, MMA_TOL);
-            line += &format!(", mma err/tol {w:.3}");
-        }
-        Err(e) => {
-            assert!(matches!(e, GpuError::Shape { .. }), "{}: {e:?}", c.name);
-            assert_eq!(auto, FlashKernel::Simt, "{}: MMA refused ({e}) but the rule picks it", c.name);
-            line += &format!(", mma refused ({e})");
+    let mut ran = Vec::new();
+    let mut fixed_misaligned = false;
+    for k in [FlashKernel::Mma, FlashKernel::MmaFixed] {
+        match run(d, c, &u, Some(k)) {
+            Ok(got) => {
+                let w = compare(&k.to_string(), c, &got, rows, &want, MMA_TOL);
+                line += &format!(", {k} err/tol {w:.3}");
+                ran.push(k);
+            }
+            Err(e) => {
+                assert!(matches!(e, GpuError::Shape { .. }), "{}: {k}: {e:?}", c.name);
+                fixed_misaligned |= k == FlashKernel::MmaFixed && e.to_string().contains("aligned");
+                line += &format!(", {k} refused ({e})");
+            }
         }
     }
+    // flash_prefill_kernel assumes aligned buffers; a misaligned view only demotes MmaFixed.
+    let fastest = if ran.contains(&FlashKernel::MmaFixed) || fixed_misaligned {
+        FlashKernel::MmaFixed
+    } else if ran.contains(&FlashKernel::Mma) {
+        FlashKernel::Mma
+    } else {
+        FlashKernel::Simt
+    };
+    assert_eq!(auto, fastest, "{}: the rule picks {auto}, the fastest kernel that runs is {fastest}", c.name);
     let got = run(d, c, &u, None).unwrap_or_else(|e| panic!("{}: {e}", c.name));
-    compare("auto", c, &got, rows, &want, if auto == FlashKernel::Mma { MMA_TOL } else { SIMT_TOL });
+    compare("auto", c, &got, rows, &want, if auto == FlashKernel::Simt { SIMT_TOL } else { MMA_TOL });
     eprintln!("{line}; auto = {auto}");
 }
 
@@ -325,6 +340,13 @@ fn flash_prefill_matches_twin_on_ragged_shapes() {
         ("mma max qk", (77, 10, 0), (2, 1), (192, 64, 128), 2.0),
         ("simt only qk", (33, 0, 0), (2, 2), (200, 56, 64), 2.0),
         ("simt only v", (40, 3, 0), (4, 2), (256, 0, 256), 2.0),
+        ("fixed mla", (77, 10, 0), (2, 1), (128, 64, 128), 2.0),
+        ("fixed mla two tiles", (200, 0, 0), (4, 4), (128, 64, 128), 2.0),
+        ("fixed zero-filled dims", (131, 5, 2), (4, 2), (120, 56, 112), 2.0),
+        ("fixed gqa", (257, 0, 0), (8, 2), (128, 0, 128), 2.0),
+        ("fixed small dims", (129, 64, 1), (2, 2), (8, 8, 8), 2.0),
+        ("fixed sharp", (129, 0, 0), (2, 2), (64, 0, 32), 12.0),
+        ("fixed one query late", (1, 300, 0), (2, 1), (128, 0, 128), 2.0),
     ];
     for (name, tq, hh, dims, gain) in cases {
         check_case(d, &contiguous_case(&mut r, name, tq, hh, dims, gain), None);
@@ -337,7 +359,13 @@ fn flash_prefill_matches_twin_on_ragged_shapes() {
         let n_q = [1, 2, 3, 17, 63, 64, 65, 130][r.random_range(0..8)];
         let q_start = if r.random_bool(0.5) { 0 } else { r.random_range(0..100) };
         let db = if r.random_bool(0.5) { 0 } else { r.random_range(1..=40) };
-        let dims = (r.random_range(1..=80), db, r.random_range(1..=72));
+        let dims: (usize, usize, usize) = (r.random_range(1..=80), db, r.random_range(1..=72));
+        // Half the cases in multiples of 8 (the fixed-dims kernel's domain).
+        let dims = if r.random_bool(0.5) {
+            (dims.0.div_ceil(8) * 8, dims.1.div_ceil(8) * 8, dims.2.div_ceil(8) * 8)
+        } else {
+            dims
+        };
         let extra = r.random_range(0..4);
         let c = contiguous_case(&mut r, &format!("random {k}"), (n_q, q_start, extra), (heads, kv_heads), dims, 2.0);
         check_case(d, &c, None);
@@ -357,6 +385,10 @@ fn flash_prefill_engine_layouts() {
     check_case(d, &packed_mla_case(&mut r, "tiny MLA aligned", (90, 0), 4, (16, 8, 24, 8), true), None);
     // Qwen3 GQA: 32 q heads over 4 kv heads of 128.
     check_case(d, &contiguous_case(&mut r, "Qwen3 GQA", (130, 0, 0), (32, 4), (128, 0, 128), 2.0), None);
+    // A non-positive scale: both MMA kernels fold the scale into the exp2, so only SIMT runs it.
+    let mut neg = contiguous_case(&mut r, "negative scale", (70, 0, 0), (2, 2), (128, 0, 128), 2.0);
+    neg.args.scale = -neg.args.scale;
+    check_case(d, &neg, None);
 }
 
 #[test]
@@ -374,11 +406,12 @@ fn flash_prefill_long_context_10k_tokens() {
     run(d, &c, &u, Some(FlashKernel::Simt)).unwrap();
     let used = d.budget().used();
     let mut line = format!("{}:", c.name);
-    for k in [FlashKernel::Simt, FlashKernel::Mma] {
+    for k in [FlashKernel::Simt, FlashKernel::Mma, FlashKernel::MmaFixed] {
         let got = run(d, &c, &u, Some(k)).unwrap_or_else(|e| panic!("{k}: {e}"));
         // The only extra allocation is the test's own poisoned output (freed on return).
         assert_eq!(d.budget().used(), used, "{k}: flash_prefill allocated device memory");
-        let w = compare(&k.to_string(), &c, &got, &rows, &want, if k == FlashKernel::Mma { MMA_TOL } else { SIMT_TOL });
+        let w =
+            compare(&k.to_string(), &c, &got, &rows, &want, if k == FlashKernel::Simt { SIMT_TOL } else { MMA_TOL });
         assert!(got.iter().all(|x| x.is_finite()), "{k}: unwritten or non-finite outputs");
         line += &format!(" {k} err/tol {w:.3}");
     }
@@ -413,6 +446,17 @@ fn flash_prefill_rejects_bad_arguments() {
     let ub = upload(d, &big);
     let e = run(d, &big, &ub, Some(FlashKernel::Mma)).unwrap_err();
     assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("MMA"), "{e}");
+    let e = run(d, &big, &ub, Some(FlashKernel::MmaFixed)).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("no compiled shape"), "{e}");
+    // Forcing the fixed-dims kernel on a misaligned view names the tensor.
+    let mut r2 = rng(45);
+    let odd = packed_mla_case(&mut r2, "odd", (20, 0), 2, (16, 8, 16, 5), false);
+    let uo = upload(d, &odd);
+    let e = run(d, &odd, &uo, Some(FlashKernel::MmaFixed)).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("k_b"), "{e}");
+    // ... while the automatic choice runs it on the generic MMA kernel.
+    let want = twin(&odd, &(0..20).collect::<Vec<_>>());
+    compare("auto misaligned", &odd, &run(d, &odd, &uo, None).unwrap(), &(0..20).collect::<Vec<_>>(), &want, MMA_TOL);
     // T = 0 is a no-op: the (poisoned) output stays untouched.
     let mut empty = contiguous_case(&mut r, "empty", (5, 0, 0), (2, 2), (16, 8, 16), 1.0);
     empty.args.n_q = 0;
@@ -423,12 +467,14 @@ fn flash_prefill_rejects_bad_arguments() {
 #[test]
 fn flash_prefill_bench_v2_lite_and_qwen3() {
     let Some(d) = gpu("flash_prefill_bench_v2_lite_and_qwen3") else { return };
-    for t in [1024, 8192] {
-        let b = bench_mla_prefill(d, t, 5).unwrap();
-        assert!(b.seconds > 0.0 && b.tflops > 0.0, "{b}");
-        let pct = b.tflops / 989.0 * 100.0;
-        eprintln!("MLA {b} ({pct:.1}% of 989 TFLOP/s dense BF16)");
-        let b = bench_gqa_prefill(d, t, 5).unwrap();
-        eprintln!("GQA {b} ({:.1}% of 989 TFLOP/s dense BF16)", b.tflops / 989.0 * 100.0);
+    for t in [1024, 2048, 8192] {
+        for k in [FlashKernel::Mma, FlashKernel::MmaFixed] {
+            let b = bench_mla_prefill(d, Some(k), t, 5).unwrap();
+            assert!(b.seconds > 0.0 && b.tflops > 0.0, "{b}");
+            let pct = b.tflops / 989.0 * 100.0;
+            eprintln!("MLA {b} ({pct:.1}% of 989 TFLOP/s dense BF16)");
+            let b = bench_gqa_prefill(d, Some(k), t, 5).unwrap();
+            eprintln!("GQA {b} ({:.1}% of 989 TFLOP/s dense BF16)", b.tflops / 989.0 * 100.0);
+        }
     }
 }
