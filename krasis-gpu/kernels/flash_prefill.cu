@@ -208,9 +208,16 @@ __device__ __forceinline__ void mask_tile(float (&s)[8][4], int kb, int tq, int 
     }
 }
 
-// Online softmax over one tile: s becomes p = 2^(s * scale_log2 - max) (one FFMA + ex2 each; the
-// scale is positive, so max(s) * scale = max(s * scale)), m and l are updated, and O is rescaled
-// by 2^(m_old - m_new). A row with no visible key yet keeps max -inf and subtracts 0 (no NaN).
+// Lazy rescaling: a row keeps its exponent base (its running max) until a tile's max exceeds it
+// by more than this (log2 domain), so p <= 2^8 meanwhile; O and l are rescaled only then (and
+// only when some row of the warp moved). The result is the same up to rounding: out = O / l with
+// one base for both, and P's BF16 rounding is relative.
+#define RESCALE_SLACK 8.0f
+
+// Online softmax over one tile: s becomes p = 2^(s * scale_log2 - base) (one FFMA + ex2 each;
+// the scale is positive, so max(s) * scale = max(s * scale)), the base m (scaled log2 domain) and
+// the partial sums l are updated, and O is rescaled by 2^(m_old - m_new) when a base moves. A row
+// with no visible key yet keeps base -inf and subtracts 0 (no NaN).
 template <int V_TILES>
 __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&o)[V_TILES][4], float& m0, float& m1,
                                              float& l0, float& l1, float scale_log2) {
@@ -225,11 +232,24 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&o)[V_TILE
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * scale_log2), mn1 = fmaxf(m1, mx1 * scale_log2);
-    const float base0 = mn0 == NEG_INF ? 0.0f : mn0, base1 = mn1 == NEG_INF ? 0.0f : mn1;
-    const float alpha0 = ex2_approx(m0 - base0), alpha1 = ex2_approx(m1 - base1);  // 0 on a first max
-    m0 = mn0;
-    m1 = mn1;
+    const float mn0 = mx0 * scale_log2, mn1 = mx1 * scale_log2;
+    const bool up0 = mn0 > m0 + RESCALE_SLACK, up1 = mn1 > m1 + RESCALE_SLACK;  // false for -inf
+    if (__any_sync(0xffffffffu, up0 || up1)) {
+        const float alpha0 = up0 ? ex2_approx(m0 - mn0) : 1.0f;  // 0 on a row's first max
+        const float alpha1 = up1 ? ex2_approx(m1 - mn1) : 1.0f;
+        m0 = up0 ? mn0 : m0;
+        m1 = up1 ? mn1 : m1;
+        l0 *= alpha0;
+        l1 *= alpha1;
+#pragma unroll
+        for (int j = 0; j < V_TILES; ++j) {
+            o[j][0] *= alpha0;
+            o[j][1] *= alpha0;
+            o[j][2] *= alpha1;
+            o[j][3] *= alpha1;
+        }
+    }
+    const float base0 = m0 == NEG_INF ? 0.0f : m0, base1 = m1 == NEG_INF ? 0.0f : m1;
     float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
@@ -240,15 +260,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&o)[V_TILE
         rs0 += s[n][0] + s[n][1];
         rs1 += s[n][2] + s[n][3];
     }
-    l0 = l0 * alpha0 + rs0;
-    l1 = l1 * alpha1 + rs1;
-#pragma unroll
-    for (int j = 0; j < V_TILES; ++j) {
-        o[j][0] *= alpha0;
-        o[j][1] *= alpha0;
-        o[j][2] *= alpha1;
-        o[j][3] *= alpha1;
-    }
+    l0 += rs0;
+    l1 += rs1;
 }
 
 // 1 / the row sums of rows gr and gr+8, from this thread's partial sums (summed over the quad).
@@ -440,26 +453,42 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-// Copies ROWS rows (tokens tok0..) of one part, DPAD columns (compile time, a multiple of 8), to
-// shared memory at shared address `dst` (row 0 of the part's first column) with pitch LD elements.
-// Tokens >= tok_end and columns >= dim are zero-filled. All 16-byte chunks, all cp.async.
+// One part (DPAD columns, compile time, a multiple of 8) of ROWS-token tiles copied to shared
+// memory with pitch LD, all in 16-byte cp.async chunks. Thread `tid` always copies column
+// d = 8 (tid % CH) of rows tid / CH + i * RSTEP, so everything but the tile's first token is worked
+// out once: a copy is one 64-bit add and one compare. Tokens >= tok_end and columns >= dim are
+// zero-filled.
 template <int ROWS, int DPAD, int LD>
-__device__ __forceinline__ void fix_stage(u32 dst, const bf16_t* __restrict__ p, long long ts, long long hoff, int dim,
-                                          int tok0, int tok_end) {
-    constexpr int CH = DPAD > 0 ? DPAD / 8 : 1;  // DPAD 0 (no part b) copies nothing
-    constexpr int TOTAL = DPAD > 0 ? ROWS * CH : 0;
+struct FixPart {
+    static constexpr int CH = DPAD > 0 ? DPAD / 8 : 1;  // DPAD 0 (no part b) copies nothing
+    static constexpr int RSTEP = FIX_THREADS / CH;
+    static constexpr int N = DPAD > 0 ? ROWS / RSTEP : 0;
+    static_assert(DPAD == 0 || (FIX_THREADS % CH == 0 && ROWS % (FIX_THREADS / CH) == 0), "whole rows per pass");
+    const bf16_t* thr;  // this thread's first chunk of token 0
+    long long ts;
+    int r0;             // this thread's first row
+    bool col_ok;        // d < dim
+
+    __device__ __forceinline__ FixPart(const bf16_t* p, long long ts_, long long hoff, int dim)
+        : ts(ts_), r0(threadIdx.x / CH) {
+        const int d = (threadIdx.x % CH) * 8;
+        col_ok = d < dim;
+        thr = p + hoff + d + (long long)r0 * ts_;
+    }
+    // Copies tokens tok0.. to shared address dst (row 0, the part's first column).
+    __device__ __forceinline__ void copy(u32 dst, int tok0, int tok_end) const {
+        const int left = tok_end - tok0 - r0;  // rows r0 + i*RSTEP < left exist
+        const bf16_t* src = thr + (long long)tok0 * ts;
+        const long long step = (long long)RSTEP * ts;
+        const u32 d0 = dst + (u32)(r0 * LD + (threadIdx.x % CH) * 8) * 2u;
 #pragma unroll
-    for (int i = 0; i < (TOTAL + FIX_THREADS - 1) / FIX_THREADS; ++i) {
-        const int c = threadIdx.x + i * FIX_THREADS;
-        if (TOTAL % FIX_THREADS == 0 || c < TOTAL) {
-            const int r = c / CH, d = (c % CH) * 8;
-            const int tok = tok0 + r;
-            const bool ok = tok < tok_end && d < dim;
-            const bf16_t* src = ok ? p + (long long)tok * ts + hoff + d : p;
-            cp_async16_at(dst + (u32)(r * LD + d) * 2u, src, ok ? 16 : 0);
+        for (int i = 0; i < N; ++i) {
+            const bool ok = col_ok && i * RSTEP < left;
+            cp_async16_at(d0 + (u32)(i * RSTEP * LD) * 2u, ok ? src : thr, ok ? 16 : 0);
+            src += step;
         }
     }
-}
+};
 
 __device__ __forceinline__ void st_global_f32x2(float* p, float a, float b) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
@@ -501,18 +530,21 @@ __device__ __forceinline__ void flash_prefill_fixed(const bf16_t* __restrict__ q
     const long long qa_h = (long long)h * qa_hs, qb_h = (long long)h * qb_hs;
     const long long ka_h = (long long)g * ka_hs, kb_h = (long long)g * kb_hs, v_h = (long long)g * v_hs;
 
+    const FixPart<FIX_BK, DA, LDK> ka_part(k_a, ka_ts, ka_h, da);
+    const FixPart<FIX_BK, DB, LDK> kb_part(k_b, kb_ts, kb_h, db);
+    const FixPart<FIX_BK, DV, LDV> v_part(v, v_ts, v_h, dv);
     // Key tile t -> stage `slot`.
     auto stage_tile = [&](int t, int slot) {
         const u32 base = sk0 + (u32)(slot * STAGE_ELEMS) * 2u;
         const int kb0 = t * FIX_BK;
-        fix_stage<FIX_BK, DA, LDK>(base, k_a, ka_ts, ka_h, da, kb0, n_kv);
-        if (DB > 0) fix_stage<FIX_BK, DB, LDK>(base + DA * 2, k_b, kb_ts, kb_h, db, kb0, n_kv);
-        fix_stage<FIX_BK, DV, LDV>(base + K_ELEMS * 2, v, v_ts, v_h, dv, kb0, n_kv);
+        ka_part.copy(base, kb0, n_kv);
+        kb_part.copy(base + DA * 2, kb0, n_kv);
+        v_part.copy(base + K_ELEMS * 2, kb0, n_kv);
     };
 
     // Group 0: Q and key tile 0; group 1: key tile 1 (maybe empty).
-    fix_stage<FIX_BQ, DA, LDK>(sq, q_a, qa_ts, qa_h, da, q0, n_q);
-    if (DB > 0) fix_stage<FIX_BQ, DB, LDK>(sq + DA * 2, q_b, qb_ts, qb_h, db, q0, n_q);
+    FixPart<FIX_BQ, DA, LDK>(q_a, qa_ts, qa_h, da).copy(sq, q0, n_q);
+    FixPart<FIX_BQ, DB, LDK>(q_b, qb_ts, qb_h, db).copy(sq + DA * 2, q0, n_q);
     stage_tile(0, 0);
     cp_async_commit();
     if (n_tiles > 1) stage_tile(1, 1);
