@@ -806,14 +806,16 @@ extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, in
 }
 
 // out [tokens, hidden] = sum over j ascending of weights[t, j] * ypair[t*top_k + j]; a token with
-// any id outside [0, n_experts) gets a NaN row. Launch: grid (tokens, ceil(hidden / blockDim.x)
+// any id outside [0, n_experts) gets a NaN row; pairs with an id in [n_present, n_experts) are
+// computed elsewhere (the CPU's share of a split layer) and left out of the sum (their ypair rows
+// are never written, never read). Launch: grid (tokens, ceil(hidden / blockDim.x)
 // capped at 65535), 256 threads; block (t, y) covers columns y*256 + j, stepping by
 // gridDim.y*256. Why: one block per token put decode (tokens = 1, hidden 2048) on one SM with
 // each thread walking 8 columns serially; now 8 blocks of one column per thread. Each element is
 // the same f32 sum (j ascending) whatever the grid.
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
                                        const float* __restrict__ weights, float* __restrict__ out, int tokens,
-                                       int top_k, int hidden, int n_experts) {
+                                       int top_k, int hidden, int n_experts, int n_present) {
     const int t = blockIdx.x;
     if (t >= tokens) return;
     bool valid = true;
@@ -825,7 +827,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const in
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) {
             const long long p = (long long)t * top_k + j;
-            acc += weights[p] * ypair[p * hidden + h];
+            if (ids[p] < n_present) acc += weights[p] * ypair[p * hidden + h];
         }
         out[(long long)t * hidden + h] = valid ? acc : krasis_nan();
     }

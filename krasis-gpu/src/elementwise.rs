@@ -70,6 +70,31 @@ impl GpuDevice {
         Ok(())
     }
 
+    /// The first `n` elements of mapped host memory `src` into the start of `dst`, on the compute
+    /// stream (ordered after the kernels that wrote `src` there; no host wait).
+    pub fn copy_from_mapped<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &crate::MappedHost<T>,
+        n: usize,
+        dst: &mut impl DevicePtrMut<T>,
+    ) -> Result<(), GpuError> {
+        check("copy_from_mapped", n <= src.len() && n <= dst.len(), || {
+            format!("{n} elements from {} into {}", src.len(), dst.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (dp, _g) = dst.device_ptr_mut(s);
+        // SAFETY: both ranges lie inside their allocations (checked); the mapped memory has a
+        // device address in this context.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(dp, src.device_ptr(), n * std::mem::size_of::<T>(), s.cu_stream())
+        }
+        .map_err(|e| GpuError::Driver { op: "cuMemcpyDtoDAsync", detail: e.to_string() })?;
+        Ok(())
+    }
+
     /// `out[i] = start + i` (positions for RoPE without a host→device copy).
     pub fn iota_i32(&self, out: &mut impl DevicePtrMut<i32>, start: usize, n: usize) -> Result<(), GpuError> {
         const OP: &str = "iota";

@@ -627,9 +627,9 @@ impl GpuExperts {
         copy_in(dev, &mut qw.s2, e, &scale_bits(&w2[b2..]))
     }
 
-    /// Enqueues on `stream` the copies of every expert's GPU expert cache record into these
-    /// experts (a whole layer, for experts streamed from host memory): `records(e)` gives expert
-    /// `e`'s two parts ([`PackedExpert::to_record`]; the scales' little-endian bytes are the
+    /// Enqueues on `stream` the copies of the GPU expert cache records of experts `experts` into
+    /// these experts (a whole layer or its first experts, for experts streamed from host memory):
+    /// `records(e)` gives expert `e`'s two parts ([`PackedExpert::to_record`]; the scales' little-endian bytes are the
     /// device's u16 values). Returns the bytes enqueued.
     ///
     /// # Safety
@@ -639,10 +639,12 @@ impl GpuExperts {
     pub unsafe fn copy_records_async<'r>(
         &mut self,
         stream: &cudarc::driver::CudaStream,
+        experts: std::ops::Range<usize>,
         records: &dyn Fn(usize) -> (&'r [u8], &'r [u8]),
     ) -> Result<usize, GpuError> {
         const OP: &str = "GpuExperts::copy_records_async";
         let name = &self.name;
+        check(OP, experts.end <= self.n_experts, || format!("{name}: experts {experts:?} of {}", self.n_experts))?;
         let ExpertWeights::Quant(qw) = &mut self.weights else {
             return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")));
         };
@@ -654,7 +656,7 @@ impl GpuExperts {
         let (w2, _g3) = qw.w2.slice_mut().device_ptr_mut(stream);
         let (s2, _g4) = qw.s2.slice_mut().device_ptr_mut(stream);
         let mut bytes = 0;
-        for e in 0..self.n_experts {
+        for e in experts {
             let (p13, p2) = records(e);
             check_record_parts(OP, || format!("{name} expert {e}"), (p13.len(), p2.len()), want)?;
             let e = e as u64;
@@ -738,9 +740,30 @@ impl GpuExperts {
         top_k: usize,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
+        self.forward_part(dev, ctx, x, t, ids, weights, top_k, self.n_experts, out)
+    }
+
+    /// [`GpuExperts::forward`] over experts `[0, present)` only: pairs routed to experts
+    /// `[present, n_experts)` are left out of the sum (another device computes them: the CPU's
+    /// share of a split hybrid layer), and those experts' weights are never read, so they need
+    /// not be loaded. Ids outside `[0, n_experts)` still give a NaN row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_part(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        ids: &impl DevicePtr<i32>,
+        weights: &impl DevicePtr<f32>,
+        top_k: usize,
+        present: usize,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
         const OP: &str = "GpuExperts::forward";
         let (h, i, name) = (self.hidden, self.inter, &self.name);
         check(OP, top_k > 0, || format!("{name}: top_k = 0"))?;
+        check(OP, present <= self.n_experts, || format!("{name}: {present} present experts of {}", self.n_experts))?;
         check(OP, x.len() == t * h, || format!("{name}: x has {} elements, not [{t}, {h}]", x.len()))?;
         check(OP, out.len() == t * h, || format!("{name}: out has {} elements, not [{t}, {h}]", out.len()))?;
         check(OP, ids.len() == t * top_k, || format!("{name}: ids has {} elements, not [{t}, {top_k}]", ids.len()))?;
@@ -826,12 +849,15 @@ impl GpuExperts {
             }
             self.tile_smem_set.store(true, Ordering::Relaxed);
         }
-        let (e_i, h_i, i_i, k_i) = (e as i32, h as i32, i as i32, top_k as i32);
+        // The grouping and expert kernels see only the present experts (the others' pairs are left
+        // out as if their ids were out of range); the combine tells the two apart.
+        let (e_i, h_i, i_i, k_i) = (present as i32, h as i32, i as i32, top_k as i32);
+        let all_i = e as i32;
         let (ldw13, ldw2) = (hp as i32, ip as i32);
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
             let mut b = s.launch_builder(&combine);
-            b.arg(ypair).arg(ids_t).arg(w_t).arg(out_t).arg(&nt_i).arg(&k_i).arg(&h_i).arg(&e_i);
+            b.arg(ypair).arg(ids_t).arg(w_t).arg(out_t).arg(&nt_i).arg(&k_i).arg(&h_i).arg(&all_i).arg(&e_i);
             // Tokens on x, column chunks of COMBINE_THREADS on y (capped; the kernel strides).
             let chunks = h.div_ceil(COMBINE_THREADS as usize).min(65535) as u32;
             let cfg = LaunchConfig {

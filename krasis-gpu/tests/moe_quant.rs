@@ -191,6 +191,23 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
         ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
         let got2 = down(d, &again);
         assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: not deterministic");
+        // The experts from `present` on are computed elsewhere (a split hybrid layer): the same
+        // bits as the whole layer with those routes' weights zeroed.
+        let present = c.n_experts / 2 + 1;
+        let zeroed: Vec<f32> = ids
+            .iter()
+            .zip(&weights)
+            .map(|(&e, &w)| if e >= present as i32 && (e as usize) < c.n_experts { 0.0 } else { w })
+            .collect();
+        let mut want_part = poisoned_f32(d, c.t * h);
+        ge.forward(d, ctx, &x_d, c.t, &ids_d, &up(d, &zeroed, "zeroed weights"), c.top_k, &mut want_part).unwrap();
+        let mut part = poisoned_f32(d, c.t * h);
+        ge.forward_part(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, present, &mut part).unwrap();
+        let (want_part, part) = (down(d, &want_part), down(d, &part));
+        assert!(
+            part.iter().zip(&want_part).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: experts [0, {present}) differ from the whole layer with the others' weights zeroed"
+        );
         eprintln!(
             "moe_quant {name}: E={} hidden={h} inter={i} top_k={} t={}: worst err/tol {worst:.3}",
             c.n_experts, c.top_k, c.t

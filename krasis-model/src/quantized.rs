@@ -427,19 +427,25 @@ impl RouteGrouping {
         let o = &mut self.offsets;
         o.clear();
         o.resize(n_experts + 1, 0);
+        // Ids past the layer's experts (routes computed elsewhere) are left out.
         for &e in &routes.ids[..t * routes.k] {
-            o[e + 1] += 1;
+            if e < n_experts {
+                o[e + 1] += 1;
+            }
         }
         for e in 0..n_experts {
             o[e + 1] += o[e];
         }
         self.pairs.clear();
-        self.pairs.resize(t * routes.k, (0, 0.0));
+        self.pairs.resize(o[n_experts], (0, 0.0));
         self.next.clear();
         self.next.extend_from_slice(&o[..n_experts]);
         // Stable: each expert's pairs stay in (token, slot) order, as the reference groups them.
         for s in 0..t * routes.k {
             let e = routes.ids[s];
+            if e >= n_experts {
+                continue;
+            }
             self.pairs[self.next[e]] = (s / routes.k, routes.weights[s]);
             self.next[e] += 1;
         }
@@ -610,5 +616,14 @@ mod tests {
             assert_eq!(of(2), &[(2, 0.5)]);
             assert_eq!(of(3), &[(0, 0.1), (1, 0.4), (2, 0.6)]);
         }
+        // Routes computed elsewhere are left out.
+        let mut split = routes;
+        split.ids[3] = Routes::ELSEWHERE;
+        split.ids[1] = 7;
+        g.group(5, 3, &split);
+        assert_eq!(g.pairs.len(), 4);
+        assert_eq!(&g.pairs[g.offsets[0]..g.offsets[1]], &[(1, 0.3)]);
+        assert_eq!(&g.pairs[g.offsets[3]..g.offsets[4]], &[(0, 0.1), (2, 0.6)]);
+        assert_eq!(g.offsets[5], 4);
     }
 }

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
+use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamSplit};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
@@ -19,15 +19,19 @@ use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
 /// KV tokens per session: the fixtures' prompts plus the decode steps fit easily.
 const TEST_KV_TOKENS: usize = 512;
 
-fn load(dir: &Path, bits: WeightBits, cache: &Path) -> GpuModel {
-    let gpu = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
-    let cpu = EngineOptions {
+/// CPU expert options of the hybrid tests: `bits` experts cached under `cache`, two threads.
+fn cpu_experts(bits: WeightBits, cache: &Path) -> EngineOptions {
+    EngineOptions {
         expert_bits: bits,
         cache_dir: Some(cache.to_path_buf()),
         threads: Some(2),
         ..EngineOptions::default()
-    };
-    GpuModel::load_hybrid(dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+    }
+}
+
+fn load(dir: &Path, bits: WeightBits, cache: &Path) -> GpuModel {
+    let gpu = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
+    GpuModel::load_hybrid(dir, &gpu, &cpu_experts(bits, cache)).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
 /// Prefill logits of the prompt, then teacher-forced decode steps, then the same positions by
@@ -158,14 +162,10 @@ fn check_streamed(name: &str) {
             expert_bits: Some(bits),
             expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
             stream_min_tokens: 2,
+            stream_split: StreamSplit::Share(1.0),
             ..GpuOptions::default()
         };
-        let cpu = EngineOptions {
-            expert_bits: cpu_bits,
-            cache_dir: Some(tmp.path().to_path_buf()),
-            threads: Some(2),
-            ..EngineOptions::default()
-        };
+        let cpu = cpu_experts(cpu_bits, tmp.path());
         let hybrid = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         assert!(hybrid.log.iter().any(|l| l.contains("stream the routed experts")), "{:?}", hybrid.log);
         let resident = GpuModel::load(&dir, &gpu).unwrap();
@@ -184,6 +184,56 @@ fn check_streamed(name: &str) {
             assert_eq!(s.handoff_stats().calls, hybrid.spec.moe_layers().count() as u64);
         }
         eprintln!("{name} {bits:?}: streamed prefill = resident experts, bit for bit");
+    }
+}
+
+/// A split prefill (`StreamSplit::Share`): the GPU runs the first experts of every layer from the
+/// streamed slots while the CPU runs the routes to the others. Both halves are the same quantised
+/// experts, so the logits must agree with the whole model on the GPU (resident experts) and with
+/// the hybrid on CPU experts alone, within the two devices' rounding; the CPU must have served
+/// every MoE layer of the prefill. A share of 0 is the plain CPU-expert prefill, bit for bit.
+fn check_split(name: &str) {
+    let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = cpu_experts(WeightBits::Int4, tmp.path());
+    let opts = |split: StreamSplit| GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int4),
+        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+        stream_min_tokens: 2,
+        stream_split: split,
+        ..GpuOptions::default()
+    };
+    let run = |m: &GpuModel| {
+        let mut s = m.new_session().unwrap();
+        let logits = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        (logits, s.handoff_stats().calls)
+    };
+    let moe_layers = |m: &GpuModel| m.spec.moe_layers().count() as u64;
+    let resident = run(&GpuModel::load(&dir, &opts(StreamSplit::Share(1.0))).unwrap()).0;
+    let cpu_only = {
+        let m = GpuModel::load_hybrid(&dir, &GpuOptions { expert_bits: None, ..opts(StreamSplit::Measured) }, &cpu)
+            .unwrap();
+        run(&m).0
+    };
+    for share in [0.25, 0.5, 0.75] {
+        let m = GpuModel::load_hybrid(&dir, &opts(StreamSplit::Share(share)), &cpu).unwrap();
+        let (split, calls) = run(&m);
+        assert_eq!(calls, moe_layers(&m), "{name} share {share}: the CPU serves every MoE layer of a split prefill");
+        for (what, other) in [("resident GPU experts", &resident), ("CPU experts", &cpu_only)] {
+            let f = fidelity(&split, other, vocab);
+            eprintln!("{name} split {share} vs {what}: mean cos {:.6}, top1 {:.2}", f.mean_cos, f.top1);
+            assert!(f.mean_cos >= 0.999 && f.top1 >= 0.9, "{name} split {share} vs {what}: {f:?}");
+        }
+    }
+    let m = GpuModel::load_hybrid(&dir, &opts(StreamSplit::Share(0.0)), &cpu).unwrap();
+    assert!(run(&m).0 == cpu_only, "{name}: a share of 0 is the CPU-expert prefill");
+}
+
+#[test]
+fn split_prefill_agrees_with_either_device() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_split(name);
     }
 }
 

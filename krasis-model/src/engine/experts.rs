@@ -11,6 +11,10 @@ use super::ffn::Mlp;
 use crate::packed_ops::PooledMlp;
 
 /// Top-k routing of `t` tokens: `ids[t·k + j]`, `weights[t·k + j]`.
+/// The routes of `t` tokens, `k` per token: expert ids and weights, token-major. A route whose id
+/// is not an expert of the layer (≥ its expert count, e.g. [`Routes::ELSEWHERE`]) contributes
+/// nothing: every [`LayerExperts`] skips it (a split hybrid layer hands the GPU's share of the
+/// routes to the GPU this way).
 pub struct Routes {
     pub k: usize,
     pub ids: Vec<usize>,
@@ -18,6 +22,9 @@ pub struct Routes {
 }
 
 impl Routes {
+    /// An id no layer has: the route is computed elsewhere.
+    pub const ELSEWHERE: usize = usize::MAX;
+
     pub fn with_capacity(t: usize, k: usize) -> Self {
         Routes { k, ids: Vec::with_capacity(t * k), weights: Vec::with_capacity(t * k) }
     }
@@ -180,7 +187,9 @@ impl LayerExperts for ReferenceExperts {
         for tok in 0..t {
             for j in 0..routes.k {
                 let slot = tok * routes.k + j;
-                by_expert[routes.ids[slot]].push((tok, routes.weights[slot]));
+                if let Some(toks) = by_expert.get_mut(routes.ids[slot]) {
+                    toks.push((tok, routes.weights[slot]));
+                }
             }
         }
         for (e, toks) in by_expert.iter().enumerate() {

@@ -5,6 +5,12 @@
 //! prompt pays the PCIe copy of every expert once, behind the compute, instead of running its
 //! experts on the CPU. Decode, and prompts shorter than the threshold
 //! ([`GPU_STREAM_MIN_TOKENS`] by default), keep the CPU experts.
+//!
+//! **Split layers.** A short prompt is bound by the copy (every expert crosses PCIe whatever the
+//! prompt), a CPU prefill by its expert math: each does part of the work in the time of the
+//! other. So a prompt of `t` tokens streams only the first [`ExpertStreamer::gpu_experts`]
+//! experts of each layer and the CPU runs the routes to the rest at the same time
+//! ([`split_fraction`] says how many, from measured times); long prompts stream every expert.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,12 +23,48 @@ use krasis_quant::Bits;
 
 use crate::error::{ModelError, Result};
 
-/// Prompt tokens from which a hybrid prefill streams the experts to the GPU instead of running
-/// them on the CPU: one streamed prompt copies every expert once (V2-Lite INT4: 6.9 GiB, ≈ 0.2 s
-/// in all). Measured on the H200 box, V2-Lite INT4, whole prefill (CPU experts against
-/// streamed): 32 tokens 0.159 against 0.201 s, 48 tokens 0.228 against 0.222 s, 64 tokens
-/// 0.268 against 0.229 s (docs/BENCHMARKS.md).
-pub const GPU_STREAM_MIN_TOKENS: usize = 48;
+/// Prompt tokens from which a hybrid prefill streams experts to the GPU (a share of each layer,
+/// [`split_fraction`]) instead of running them all on the CPU. Measured on the H200 box, V2-Lite
+/// INT4, whole prefill: 16 tokens 0.103 s on the CPU against 0.092 s with 30 % streamed (every
+/// expert streamed: 0.207 s); 64 tokens 0.262 against 0.151 s with 45 % streamed
+/// (docs/BENCHMARKS.md).
+pub const GPU_STREAM_MIN_TOKENS: usize = 16;
+
+/// The share of each layer's experts a `t`-token prompt streams to the GPU (the CPU runs the
+/// rest): the GPU's time is about fixed for short prompts (the copy), the CPU's grows with the
+/// prompt, so the share that ends both at once is `cpu / (cpu + gpu)` of their whole-layer times.
+/// From `KRASIS_GPU_STREAM_SPLIT` (a fraction in [0, 1]) when set, for measurements.
+pub fn split_fraction(t: usize) -> f64 {
+    static FORCED: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("KRASIS_GPU_STREAM_SPLIT")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|f| f.clamp(0.0, 1.0))
+    });
+    if let Some(f) = forced {
+        return f;
+    }
+    let cpu = SPLIT_CPU_BASE_S + SPLIT_CPU_PER_TOKEN_S * t as f64;
+    let f = cpu / (cpu + SPLIT_GPU_S);
+    if f >= SPLIT_ALL_GPU_FROM {
+        1.0
+    } else {
+        f
+    }
+}
+
+/// Whole-prefill time of the CPU experts on a short prompt, `base + per_token · t` (H200 box,
+/// V2-Lite INT4, 16 cores: 16 tokens 0.10–0.12 s, 32 0.16–0.21 s, 64 0.26 s, 128 0.39 s).
+const SPLIT_CPU_BASE_S: f64 = 0.08;
+const SPLIT_CPU_PER_TOKEN_S: f64 = 0.003;
+/// The GPU's whole-layer time in the balance: fitted to the best measured shares (same box:
+/// 16 tokens 30 %, 32 tokens 30 %, 64 tokens 45 %, 128 tokens 65 %), which put it above the
+/// 0.20 s an all-streamed short prompt takes: the copies run slower beside the CPU experts.
+const SPLIT_GPU_S: f64 = 0.30;
+/// From this share on the GPU takes the whole layer (a sliver on the CPU would not pay for its
+/// hand-off).
+const SPLIT_ALL_GPU_FROM: f64 = 0.85;
 
 /// VRAM slots, each one MoE layer's experts: one computing, one filling.
 const SLOTS: usize = 2;
@@ -63,8 +105,10 @@ impl Drop for HostRegistration {
 
 struct Slot {
     experts: GpuExperts,
-    /// MoE layer index whose experts the slot holds (or is filling with).
+    /// MoE layer index whose experts the slot holds (or is filling with), and how many of its
+    /// first experts.
     layer: Option<usize>,
+    present: usize,
     /// Recorded on the copy stream when the slot's copies are done.
     ready: CudaEvent,
     /// Recorded on the compute stream after the slot's last use.
@@ -83,13 +127,21 @@ pub struct ExpertStreamer {
     moe_index: Vec<Option<usize>>,
     slots: Mutex<Vec<Slot>>,
     min_tokens: usize,
+    split: super::StreamSplit,
     copied: AtomicU64,
 }
 
 impl ExpertStreamer {
     /// Pins `cache` (the GPU expert cache of the model, at `bits`) and allocates the slots; prompts
     /// of at least `min_tokens` (≥ 2: decode steps stay on the CPU) stream.
-    pub fn new(dev: &GpuDevice, cache: ExpertCache, bits: Bits, num_layers: usize, min_tokens: usize) -> Result<Self> {
+    pub fn new(
+        dev: &GpuDevice,
+        cache: ExpertCache,
+        bits: Bits,
+        num_layers: usize,
+        min_tokens: usize,
+        split: super::StreamSplit,
+    ) -> Result<Self> {
         let h = cache.header().clone();
         let (hidden, inter, n) = (h.hidden as usize, h.intermediate as usize, h.n_experts as usize);
         let (gs13, gs2) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
@@ -102,6 +154,7 @@ impl ExpertStreamer {
             slots.push(Slot {
                 experts: GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?,
                 layer: None,
+                present: 0,
                 ready: dev.new_event(false)?,
                 free: dev.new_event(false)?,
                 used: false,
@@ -125,13 +178,28 @@ impl ExpertStreamer {
             moe_index,
             slots: Mutex::new(slots),
             min_tokens,
+            split,
             copied: AtomicU64::new(0),
         })
     }
 
-    /// Whether a forward pass of `t` tokens streams its experts.
+    /// Whether a forward pass of `t` tokens streams experts.
     pub fn takes(&self, t: usize) -> bool {
-        t >= self.min_tokens
+        self.gpu_experts(t) > 0
+    }
+
+    /// How many of each layer's first experts a forward pass of `t` tokens streams to the GPU
+    /// (0 below the threshold; all of them for long prompts; see [`split_fraction`]).
+    pub fn gpu_experts(&self, t: usize) -> usize {
+        if t < self.min_tokens {
+            return 0;
+        }
+        let n = self.cache.header().n_experts as usize;
+        let f = match self.split {
+            super::StreamSplit::Measured => split_fraction(t),
+            super::StreamSplit::Share(f) => f.clamp(0.0, 1.0),
+        };
+        ((f * n as f64).round() as usize).min(n)
     }
 
     /// VRAM the slots hold.
@@ -147,17 +215,24 @@ impl ExpertStreamer {
     /// One line for the load log.
     pub fn describe(&self) -> String {
         format!(
-            "prefills of ≥ {} tokens stream the routed experts to the GPU ({} slots of one MoE layer, {}; records page-locked in RAM: {})",
+            "prefills of ≥ {} tokens stream the routed experts to the GPU, short ones only a share while the CPU runs the rest (64 tokens: {} of {}; {} slots of one MoE layer, {}; records page-locked in RAM: {})",
             self.min_tokens,
+            self.gpu_experts(64.max(self.min_tokens)),
+            self.cache.header().n_experts,
             SLOTS,
             krasis_core::budget::format_bytes(self.vram_bytes() as u64),
             krasis_cache::describe(&self.cache)
         )
     }
 
-    /// Enqueues MoE layer `li`'s records into slot `i` on the copy stream, after the slot's last
-    /// use on the compute stream.
-    fn fill(&self, slot: &mut Slot, li: usize) -> Result<()> {
+    /// Enqueues the records of MoE layer `li`'s first `present` experts into slot `i` on the copy
+    /// stream (only those it lacks when it holds the layer already), after the slot's last use on
+    /// the compute stream.
+    fn fill(&self, slot: &mut Slot, li: usize, present: usize) -> Result<()> {
+        let have = if slot.layer == Some(li) { slot.present } else { 0 };
+        if have >= present {
+            return Ok(());
+        }
         if slot.used {
             self.copy
                 .wait(&slot.free)
@@ -167,17 +242,26 @@ impl ExpertStreamer {
         // SAFETY: the records are registered (page-locked) for the streamer's life, which the
         // copies cannot outlive (the slot's experts are dropped with it, after the stream work
         // drains on drop of the device); the compute stream waits `ready` before reading.
-        let bytes = unsafe { slot.experts.copy_records_async(&self.copy, &|e| (cache.w13(li, e), cache.w2(li, e)))? };
+        let bytes = unsafe {
+            slot.experts.copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?
+        };
         slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
         slot.layer = Some(li);
+        slot.present = present;
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Runs `f` with model layer `layer`'s routed experts in VRAM (copied in now unless the
-    /// previous call already did), then starts copying the next MoE layer's into the other slot.
-    /// Everything is ordered with events: no host synchronisation.
-    pub fn run_layer(&self, dev: &GpuDevice, layer: usize, f: impl FnOnce(&GpuExperts) -> Result<()>) -> Result<()> {
+    /// Runs `f` with model layer `layer`'s first `present` routed experts in VRAM (copied in now
+    /// unless the previous call already did), then starts copying the next MoE layer's into the
+    /// other slot. Everything is ordered with events: no host synchronisation.
+    pub fn run_layer(
+        &self,
+        dev: &GpuDevice,
+        layer: usize,
+        present: usize,
+        f: impl FnOnce(&GpuExperts) -> Result<()>,
+    ) -> Result<()> {
         let li = self.moe_index.get(layer).copied().flatten().ok_or_else(|| {
             ModelError::Invalid(format!("streamed experts: model layer {layer} is not a MoE layer of the cache"))
         })?;
@@ -188,11 +272,10 @@ impl ExpertStreamer {
             None => {
                 // The slot not holding the layer after this one (a prefetch in flight) takes it.
                 let next = (li + 1) % n_moe;
-                let i = slots.iter().position(|s| s.layer != Some(next)).unwrap_or(0);
-                self.fill(&mut slots[i], li)?;
-                i
+                slots.iter().position(|s| s.layer != Some(next)).unwrap_or(0)
             }
         };
+        self.fill(&mut slots[i], li, present)?;
         let slot = &mut slots[i];
         dev.stream()
             .wait(&slot.ready)
@@ -202,9 +285,9 @@ impl ExpertStreamer {
         slot.used = true;
         // The next MoE layer (the first after the last: the next prompt starts there).
         let next = (li + 1) % n_moe;
-        if next != li && !slots.iter().any(|s| s.layer == Some(next)) {
-            let j = (i + 1) % SLOTS;
-            self.fill(&mut slots[j], next)?;
+        if next != li {
+            let j = slots.iter().position(|s| s.layer == Some(next)).unwrap_or((i + 1) % SLOTS);
+            self.fill(&mut slots[j], next, present)?;
         }
         Ok(())
     }

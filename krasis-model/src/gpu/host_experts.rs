@@ -123,6 +123,9 @@ pub(crate) struct HostWork {
     pub seq: u64,
     pub layer: usize,
     pub n_experts: usize,
+    /// The CPU runs the routes to experts `[cpu_from, n_experts)`; the GPU the rest (a split
+    /// layer; 0: the CPU runs every route).
+    pub cpu_from: usize,
     pub shape: HandoffShape,
 }
 
@@ -330,15 +333,31 @@ impl HostStaging {
         Ok(seq)
     }
 
+    /// Device side, after `send`: the first `n` published routes (ids and weights) into device
+    /// buffers, on the compute stream, so a split layer's GPU share runs on exactly the routes
+    /// the CPU got.
+    pub fn routes_to_device(
+        &self,
+        dev: &GpuDevice,
+        n: usize,
+        ids: &mut impl krasis_gpu::cudarc::driver::DevicePtrMut<i32>,
+        weights: &mut impl krasis_gpu::cudarc::driver::DevicePtrMut<f32>,
+    ) -> Result<()> {
+        dev.copy_from_mapped(self.ids.get(), n, ids)?;
+        dev.copy_from_mapped(self.weights.get(), n, weights)?;
+        Ok(())
+    }
+
     /// Device side, second half (after the shared expert was enqueued): wait for `go = seq`, and
     /// hand the layer to the expert thread. The experts' weighted sum stays in mapped host memory:
     /// the next residual norm adds it ([`HostStaging::take_pending`]), after the layer output `y`
-    /// when `y_holds_shared` (the shared expert's output), instead of `y` otherwise.
-    pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y_holds_shared: bool) -> Result<()> {
+    /// when `y_counts` (it holds the shared expert's output or the GPU's share of the routed
+    /// experts), instead of `y` otherwise.
+    pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y_counts: bool) -> Result<()> {
         let (_, go) = self.flags.as_ref().expect("prepared");
         go.stream_wait_geq(dev, work.seq)?;
         debug_assert!(self.pending.is_none(), "a hand-off's output was never added");
-        self.pending = Some(y_holds_shared);
+        self.pending = Some(y_counts);
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
             // Nobody will serve this hand-off: release the stream's wait ourselves, or the call's
@@ -606,7 +625,14 @@ fn serve_one(
         let n = HOST_EXPERT_CHUNK_TOKENS.min(t - c0);
         routes.k = k;
         routes.ids.clear();
-        routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().map(|&id| id as usize));
+        routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().map(|&id| {
+            let e = id as usize;
+            if e < work.cpu_from {
+                Routes::ELSEWHERE
+            } else {
+                e
+            }
+        }));
         routes.weights.clear();
         routes.weights.extend_from_slice(&weights[c0 * k..(c0 + n) * k]);
         let rows = c0 * hidden..(c0 + n) * hidden;
@@ -616,7 +642,7 @@ fn serve_one(
     seen.clear();
     seen.resize(work.n_experts, false);
     for &id in ids.iter() {
-        seen[id as usize] = true;
+        seen[id as usize] = id as usize >= work.cpu_from;
     }
     stats.experts_read += seen.iter().filter(|&&s| s).count() as u64;
     if guess.layer == Some(work.layer) && t == 1 {

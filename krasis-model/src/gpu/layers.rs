@@ -197,26 +197,41 @@ impl GpuLayer {
             GpuFfn::Moe(moe) => {
                 let GpuMoe { router, experts, top_k, shared } = moe.as_ref();
                 let (t, k) = (c.t, *top_k);
-                match (experts, c.streamer) {
-                    (GpuExpertBackend::Resident(experts), _) => gpu_moe(c, s, router, experts, k, shared.as_ref(), n)?,
-                    (GpuExpertBackend::Host(_), Some(streamer)) => {
-                        streamer.run_layer(c.dev, l, |experts| gpu_moe(c, s, router, experts, k, shared.as_ref(), n))?
+                // Host experts with streaming on: all of them on the GPU for a long prompt, the
+                // first `present` (the rest on the CPU at the same time) for a short one.
+                let split = c.streamer.map(|st| (st, st.gpu_experts(t)));
+                match (experts, split) {
+                    (GpuExpertBackend::Resident(experts), _) => {
+                        gpu_moe(c, s, GpuRoutes::Router(router), experts, k, shared.as_ref(), n)?
                     }
-                    (GpuExpertBackend::Host(_), None) => {
+                    (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
+                        .run_layer(c.dev, l, present, |experts| {
+                            gpu_moe(c, s, GpuRoutes::Router(router), experts, k, shared.as_ref(), n)
+                        })?,
+                    (GpuExpertBackend::Host(_), split) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
                         let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
-                        // The shared expert runs on the GPU (into y) while the CPU computes the
-                        // routed ones, whose sum is then added to it.
-                        if let Some(sh) = shared {
+                        // The GPU's share of a split layer (on the routes the CPU got) and the
+                        // shared expert go into y while the CPU computes the routed ones, whose
+                        // sum is then added to y.
+                        let mut cpu_from = 0;
+                        if let Some((streamer, present)) = split.filter(|&(_, p)| p > 0) {
+                            let routes = GpuRoutes::Published { host: &*host, present };
+                            streamer.run_layer(c.dev, l, present, |experts| {
+                                gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
+                            })?;
+                            cpu_from = present;
+                        } else if let Some(sh) = shared {
                             sh.forward(c, s, true)?;
                         }
+                        let y_counts = shared.is_some() || cpu_from > 0;
                         if let Some((router, norm)) = next.and_then(GpuLayer::host_router) {
                             let sc = &*s.scratch;
-                            let y = shared.is_some().then(|| sc.y.slice().slice(..n));
+                            let y = y_counts.then(|| sc.y.slice().slice(..n));
                             host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                         }
-                        let work = HostWork { seq, layer: l, n_experts: router.n_experts(), shape };
-                        host.receive(c.dev, work, shared.is_some())?;
+                        let work = HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, shape };
+                        host.receive(c.dev, work, y_counts)?;
                     }
                 }
             }
@@ -240,12 +255,23 @@ impl GpuLayer {
     }
 }
 
-/// A MoE layer on the GPU with `experts` in VRAM (resident, or a streamed slot): router and
-/// top-k into the scratch, the routed experts into `y`, plus the shared expert.
+/// Where a GPU MoE step's routes come from, and which of the layer's experts it runs.
+#[derive(Clone, Copy)]
+enum GpuRoutes<'a> {
+    /// The layer's router, every expert.
+    Router(&'a GpuRouter),
+    /// The routes published to the host for a split layer's CPU share
+    /// ([`HostStaging::routes_to_device`]); the GPU runs experts `[0, present)`.
+    Published { host: &'a HostStaging, present: usize },
+}
+
+/// A MoE layer on the GPU with `experts` in VRAM (resident, or a streamed slot): the routes into
+/// the scratch, the routed experts (all, or a split layer's GPU share) into `y`, plus the shared
+/// expert.
 fn gpu_moe(
     c: &Ctx,
     s: &mut StepIo,
-    router: &GpuRouter,
+    routes: GpuRoutes<'_>,
     experts: &GpuExperts,
     k: usize,
     shared: Option<&GpuMlp>,
@@ -256,8 +282,20 @@ fn gpu_moe(
     let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
     let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
     let xn = sc.xn.slice().slice(..n);
-    router.forward(c.dev, &xn, t, &mut ids.slice_mut().slice_mut(..t * k), &mut w.slice_mut().slice_mut(..t * k))?;
-    experts.forward(
+    let present = {
+        let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
+        match routes {
+            GpuRoutes::Router(router) => {
+                router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
+                experts.n_experts()
+            }
+            GpuRoutes::Published { host, present } => {
+                host.routes_to_device(c.dev, t * k, &mut ids_out, &mut w_out)?;
+                present
+            }
+        }
+    };
+    experts.forward_part(
         c.dev,
         c.gemm,
         &xn,
@@ -265,6 +303,7 @@ fn gpu_moe(
         &ids.slice().slice(..t * k),
         &w.slice().slice(..t * k),
         k,
+        present,
         &mut sc.y.slice_mut().slice_mut(..n),
     )?;
     if let Some(sh) = shared {

@@ -393,7 +393,8 @@ impl GpuModel {
                     // Page-locking can be refused (a memlock limit): then prefill keeps the CPU
                     // experts, and the log says why.
                     let layers = files.spec().num_layers;
-                    match ExpertStreamer::new(&model.dev, cache, bits, layers, gpu.stream_min_tokens) {
+                    match ExpertStreamer::new(&model.dev, cache, bits, layers, gpu.stream_min_tokens, gpu.stream_split)
+                    {
                         Ok(streamer) => {
                             log.push(streamer.describe());
                             model.streamer = Some(streamer);

@@ -69,6 +69,19 @@ pub struct GpuOptions {
     /// to the GPU ([`expert_stream::GPU_STREAM_MIN_TOKENS`]; `KRASIS_GPU_STREAM_MIN_TOKENS`
     /// overrides it for measurements).
     pub stream_min_tokens: usize,
+    /// How much of each layer a prompt that streams sends to the GPU while the CPU runs the rest.
+    pub stream_split: StreamSplit,
+}
+
+/// The share of each MoE layer's routed experts a streaming hybrid prefill runs on the GPU (the
+/// CPU runs the routes to the others at the same time; [`expert_stream`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum StreamSplit {
+    /// From the measured times, by prompt length ([`expert_stream::split_fraction`]; its
+    /// `KRASIS_GPU_STREAM_SPLIT` overrides it for measurements).
+    Measured,
+    /// This fraction of the experts, in [0, 1], whatever the prompt (1: every expert streamed).
+    Share(f64),
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -97,6 +110,7 @@ impl Default for GpuOptions {
             expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
             expert_cache: GpuExpertCache::In(None),
             stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,
+            stream_split: StreamSplit::Measured,
         }
     }
 }
