@@ -126,6 +126,18 @@ impl ExpertCache {
         (self.buf.as_slice()[s..].as_ptr(), self.stride(layer_idx))
     }
 
+    /// The records of experts `experts` of MoE layer `layer_idx`, back to back (`stride` apart,
+    /// padding included): one contiguous run, as a layer's records lie in the file.
+    pub fn layer_records(&self, layer_idx: usize, experts: std::ops::Range<usize>) -> &[u8] {
+        let ne = self.header.n_experts as usize;
+        assert!(experts.start <= experts.end && experts.end <= ne, "experts {experts:?} of {ne}");
+        if experts.is_empty() {
+            return &[];
+        }
+        let s = self.record_start(layer_idx, experts.start);
+        &self.buf.as_slice()[s..s + experts.len() * self.stride(layer_idx)]
+    }
+
     /// All records, back to back (each layer's `stride` apart).
     pub fn records(&self) -> &[u8] {
         self.buf.as_slice()

@@ -154,13 +154,26 @@ struct QMatrixArgs {
 }
 
 impl QMatrixArgs {
+    /// The codes at `w` and scales at `s` of expert 0, expert after expert (the arrays layout).
     fn new(op: &'static str, l: &GpuLayout, w: u64, s: u64) -> Result<Self, GpuError> {
+        Self::strided(op, l, w, s, l.weight_bytes(), l.scale_count())
+    }
+
+    /// The same with the experts `expert_bytes` bytes / `expert_scales` scales apart (records).
+    fn strided(
+        op: &'static str,
+        l: &GpuLayout,
+        w: u64,
+        s: u64,
+        expert_bytes: usize,
+        expert_scales: usize,
+    ) -> Result<Self, GpuError> {
         let n = |v: usize, what| to_i32(op, what, v);
         Ok(QMatrixArgs {
             w,
             s,
-            expert_bytes: l.weight_bytes() as i64,
-            expert_scales: l.scale_count() as i64,
+            expert_bytes: expert_bytes as i64,
+            expert_scales: expert_scales as i64,
             chunks: n(l.chunks(), "chunks")?,
             groups: n(l.groups(), "groups")?,
             gs: l.gs as i32,
@@ -221,6 +234,19 @@ enum ExpertWeights {
         w2: DeviceBuffer<u16>,
     },
     Quant(Box<QuantExperts>),
+    Records(Box<RecordExperts>),
+}
+
+/// INT4/INT8 experts as GPU expert cache records, verbatim, one buffer: expert `e`'s record at
+/// `e · stride` holds w13's tile codes then their f16 scales, and from `w2_offset` w2's codes then
+/// scales. The kernels take per-expert strides, so they read the records in place, and a run of
+/// experts (contiguous in the cache) streams in one copy.
+struct RecordExperts {
+    l13: GpuLayout,
+    l2: GpuLayout,
+    buf: DeviceBuffer<u8>,
+    stride: usize,
+    w2_offset: usize,
 }
 
 /// INT4/INT8 experts in the GPU tile layout ([`krasis_quant::gpu_layout`]), expert after expert.
@@ -298,6 +324,12 @@ fn scale_bits(bytes: &[u8]) -> Vec<u16> {
 /// scales' bytes.
 fn record_parts(l13: &GpuLayout, l2: &GpuLayout) -> (usize, usize) {
     (l13.weight_bytes() + 2 * l13.scale_count(), l2.weight_bytes() + 2 * l2.scale_count())
+}
+
+/// The error of an upload that records-layout experts do not take: they are filled in runs of
+/// whole records ([`GpuExperts::copy_record_run_async`]).
+fn records_only(op: &'static str, name: &str) -> GpuError {
+    GpuError::shape(op, format!("{name}: the experts are cache records in place; copy runs of whole records in"))
 }
 
 /// Refuses record parts of other sizes than the layouts' ([`record_parts`]), naming `what()`.
@@ -475,6 +507,79 @@ impl GpuExperts {
         Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Quant(Box::new(q))))
     }
 
+    /// `n_experts` quantised experts kept as GPU expert cache records in place (one buffer, a
+    /// record every `stride` bytes, w2's part `w2_offset` bytes into it), for experts streamed
+    /// in runs ([`GpuExperts::copy_record_run_async`]): the same bytes as the cache, so a run of
+    /// experts is one copy. Both offsets must be multiples of 16 and leave room for the parts.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_records(
+        dev: &GpuDevice,
+        name: &str,
+        n_experts: usize,
+        hidden: usize,
+        inter: usize,
+        bits: Bits,
+        (gs13, gs2): (usize, usize),
+        (stride, w2_offset): (usize, usize),
+    ) -> Result<Self, GpuError> {
+        const OP: &str = "GpuExperts::new_records";
+        check_layer_shape(OP, name, n_experts, hidden, inter)?;
+        let QuantExpertLayout { l13, l2, .. } = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
+        let (p13, p2) = record_parts(&l13, &l2);
+        let aligned = [stride, w2_offset, l13.weight_bytes(), l2.weight_bytes()].iter().all(|v| v % 16 == 0);
+        check(OP, aligned && p13 <= w2_offset && w2_offset + p2 <= stride, || {
+            format!(
+                "{name}: records of stride {stride} with w2 at {w2_offset} cannot hold parts of {p13} + {p2} bytes \
+                 16-byte aligned"
+            )
+        })?;
+        let bytes = n_experts
+            .checked_mul(stride)
+            .ok_or_else(|| GpuError::shape(OP, format!("{name}: expert records overflow usize")))?;
+        let buf = dev.alloc_zeros::<u8>(bytes, &format!("{name} records ({bits:?})"))?;
+        let r = RecordExperts { l13, l2, buf, stride, w2_offset };
+        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Records(Box::new(r))))
+    }
+
+    /// Enqueues on `stream` one copy of the records of experts `experts` (`src`: those records
+    /// back to back, `stride` apart, as the cache stores a layer) into records-layout experts.
+    /// Returns the bytes enqueued.
+    ///
+    /// # Safety
+    /// `src` must lie in page-locked host memory that stays alive and unchanged until the copy is
+    /// done (an event recorded on `stream` after this call), and nothing may read or write these
+    /// experts on another stream before that event.
+    pub unsafe fn copy_record_run_async(
+        &mut self,
+        stream: &cudarc::driver::CudaStream,
+        experts: std::ops::Range<usize>,
+        src: &[u8],
+    ) -> Result<usize, GpuError> {
+        const OP: &str = "GpuExperts::copy_record_run_async";
+        let name = &self.name;
+        let ExpertWeights::Records(r) = &mut self.weights else {
+            return Err(GpuError::shape(OP, format!("{name}: not records-layout experts")));
+        };
+        check(OP, experts.start <= experts.end && experts.end <= self.n_experts, || {
+            format!("{name}: experts {experts:?} of {}", self.n_experts)
+        })?;
+        let want = experts.len() * r.stride;
+        check(OP, src.len() == want, || {
+            format!("{name}: {} bytes for {} records of {}", src.len(), experts.len(), r.stride)
+        })?;
+        if want == 0 {
+            return Ok(0);
+        }
+        let (base, _g) = r.buf.slice_mut().device_ptr_mut(stream);
+        let dst = base + (experts.start * r.stride) as u64;
+        // SAFETY: dst..dst+want lies inside the buffer (checked); the caller keeps src page-locked
+        // and alive until the copy is done.
+        let res =
+            unsafe { cudarc::driver::sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast(), want, stream.cu_stream()) };
+        res.result().map_err(|err| GpuError::driver("cuMemcpyHtoDAsync", err))?;
+        Ok(want)
+    }
+
     fn with_weights(name: &str, n_experts: usize, hidden: usize, inter: usize, weights: ExpertWeights) -> Self {
         let (hidden_pad, inter_pad) = (align_up(hidden, MOE_PAD), align_up(inter, MOE_PAD));
         let max_pass_tokens = usize::MAX;
@@ -515,6 +620,16 @@ impl GpuExperts {
         match &self.weights {
             ExpertWeights::Bf16 { .. } => None,
             ExpertWeights::Quant(q) => Some(q.l2.bits),
+            ExpertWeights::Records(r) => Some(r.l2.bits),
+        }
+    }
+
+    /// The quantised layouts (w13, w2); `None` for BF16 experts.
+    fn quant_layouts(&self) -> Option<(&GpuLayout, &GpuLayout)> {
+        match &self.weights {
+            ExpertWeights::Bf16 { .. } => None,
+            ExpertWeights::Quant(q) => Some((&q.l13, &q.l2)),
+            ExpertWeights::Records(r) => Some((&r.l13, &r.l2)),
         }
     }
 
@@ -565,16 +680,13 @@ impl GpuExperts {
     /// The quantised experts' layout, for packing experts off the device's thread
     /// ([`QuantExpertLayout::pack`]); `None` for BF16 experts.
     pub fn quant_layout(&self) -> Option<QuantExpertLayout> {
-        match &self.weights {
-            ExpertWeights::Bf16 { .. } => None,
-            ExpertWeights::Quant(q) => Some(QuantExpertLayout {
-                name: self.name.clone(),
-                hidden: self.hidden,
-                inter: self.inter,
-                l13: q.l13,
-                l2: q.l2,
-            }),
-        }
+        self.quant_layouts().map(|(l13, l2)| QuantExpertLayout {
+            name: self.name.clone(),
+            hidden: self.hidden,
+            inter: self.inter,
+            l13: *l13,
+            l2: *l2,
+        })
     }
 
     /// Copies expert `e`'s quantised weights in: `gate` and `up` `[inter, hidden]`, `down`
@@ -598,8 +710,12 @@ impl GpuExperts {
     pub fn upload_packed_expert(&mut self, dev: &GpuDevice, e: usize, p: &PackedExpert) -> Result<(), GpuError> {
         let name = &self.name;
         check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
-        let ExpertWeights::Quant(qw) = &mut self.weights else {
-            return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")));
+        let qw = match &mut self.weights {
+            ExpertWeights::Quant(qw) => qw,
+            ExpertWeights::Records(_) => return Err(records_only(OP_UPLOAD_Q, name)),
+            ExpertWeights::Bf16 { .. } => {
+                return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")))
+            }
         };
         let sizes = (p.w13.len(), p.s13.len(), p.w2.len(), p.s2.len());
         let want = (qw.l13.weight_bytes(), qw.l13.scale_count(), qw.l2.weight_bytes(), qw.l2.scale_count());
@@ -615,8 +731,12 @@ impl GpuExperts {
     pub fn upload_expert_record(&mut self, dev: &GpuDevice, e: usize, w13: &[u8], w2: &[u8]) -> Result<(), GpuError> {
         let name = &self.name;
         check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
-        let ExpertWeights::Quant(qw) = &mut self.weights else {
-            return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")));
+        let qw = match &mut self.weights {
+            ExpertWeights::Quant(qw) => qw,
+            ExpertWeights::Records(_) => return Err(records_only(OP_UPLOAD_Q, name)),
+            ExpertWeights::Bf16 { .. } => {
+                return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")))
+            }
         };
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
         let want = record_parts(&qw.l13, &qw.l2);
@@ -645,8 +765,12 @@ impl GpuExperts {
         const OP: &str = "GpuExperts::copy_records_async";
         let name = &self.name;
         check(OP, experts.end <= self.n_experts, || format!("{name}: experts {experts:?} of {}", self.n_experts))?;
-        let ExpertWeights::Quant(qw) = &mut self.weights else {
-            return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")));
+        let qw = match &mut self.weights {
+            ExpertWeights::Quant(qw) => qw,
+            ExpertWeights::Records(_) => return Err(records_only(OP, name)),
+            ExpertWeights::Bf16 { .. } => {
+                return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")))
+            }
         };
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
         let want = record_parts(&qw.l13, &qw.l2);
@@ -683,6 +807,7 @@ impl GpuExperts {
         match &self.weights {
             ExpertWeights::Bf16 { w13, w2 } => (w13.len() + w2.len()) * 2,
             ExpertWeights::Quant(q) => q.w13.len() + q.w2.len() + 2 * (q.s13.len() + q.s2.len()),
+            ExpertWeights::Records(r) => r.buf.len(),
         }
     }
 
@@ -705,9 +830,9 @@ impl GpuExperts {
     /// Whether a pass of `tokens` tokens at `top_k` takes the decode path (for tests).
     #[doc(hidden)]
     pub fn uses_decode_path(&self, tokens: usize, top_k: usize) -> bool {
-        let fits = match &self.weights {
-            ExpertWeights::Bf16 { .. } => true,
-            ExpertWeights::Quant(q) => qdec_smem(q.l13.chunks().max(q.l2.chunks())) <= DEFAULT_SMEM_LIMIT,
+        let fits = match self.quant_layouts() {
+            None => true,
+            Some((l13, l2)) => qdec_smem(l13.chunks().max(l2.chunks())) <= DEFAULT_SMEM_LIMIT,
         };
         fits && tokens.saturating_mul(top_k) <= self.decode_max_pairs
     }
@@ -806,6 +931,12 @@ impl GpuExperts {
                 let (d, g4) = q.s2.device_ptr(s);
                 (a, b, c, d, vec![g1, g2, g3, g4])
             }
+            ExpertWeights::Records(r) => {
+                let (base, g1) = r.buf.device_ptr(s);
+                let (w2, b13, b2) =
+                    (base + r.w2_offset as u64, r.l13.weight_bytes() as u64, r.l2.weight_bytes() as u64);
+                (base, w2, base + b13, w2 + b2, vec![g1])
+            }
         };
         let (route, gate_up, down, combine) = (
             dev.function(&MOE, "moe_route")?,
@@ -817,17 +948,25 @@ impl GpuExperts {
         let split = dev.function(&MOE, "moe_split_rows")?;
         // Quantised experts: the layouts' kernel arguments and the tile and decode kernels, once
         // per call.
-        let quant = match &self.weights {
-            ExpertWeights::Bf16 { .. } => None,
-            ExpertWeights::Quant(q) => {
-                let ([gu, dn], [dec_gu, dec_dn]) = match q.l2.bits {
+        let quant = match self.quant_layouts() {
+            None => None,
+            Some((l13, l2)) => {
+                let ([gu, dn], [dec_gu, dec_dn]) = match l2.bits {
                     Bits::Int4 => (self.qvariant.int4, ["moe_q4_dec_gate_up", "moe_q4_dec_down"]),
                     Bits::Int8 => (self.qvariant.int8, ["moe_q8_dec_gate_up", "moe_q8_dec_down"]),
                 };
+                let (a13, a2) = match &self.weights {
+                    // Records: both parts one record stride apart (scales in u16 units).
+                    ExpertWeights::Records(r) => (
+                        QMatrixArgs::strided(OP, l13, w13_p, s13_p, r.stride, r.stride / 2)?,
+                        QMatrixArgs::strided(OP, l2, w2_p, s2_p, r.stride, r.stride / 2)?,
+                    ),
+                    _ => (QMatrixArgs::new(OP, l13, w13_p, s13_p)?, QMatrixArgs::new(OP, l2, w2_p, s2_p)?),
+                };
                 Some((
-                    q,
-                    QMatrixArgs::new(OP, &q.l13, w13_p, s13_p)?,
-                    QMatrixArgs::new(OP, &q.l2, w2_p, s2_p)?,
+                    (l13, l2),
+                    a13,
+                    a2,
                     [dev.function(&MOE, gu)?, dev.function(&MOE, dn)?],
                     [dev.function(&MOE, dec_gu)?, dev.function(&MOE, dec_dn)?],
                 ))
@@ -838,8 +977,8 @@ impl GpuExperts {
         if !self.tile_smem_set.load(Ordering::Relaxed) {
             let sizes = match &quant {
                 None => vec![(&gate_up, tile_smem(true)), (&down, tile_smem(false))],
-                Some((q, _, _, [gu, dn], _)) => {
-                    let bytes = qtile_smem(q.l2.bits, self.qvariant);
+                Some(((_, l2), _, _, [gu, dn], _)) => {
+                    let bytes = qtile_smem(l2.bits, self.qvariant);
                     vec![(gu, bytes), (dn, bytes)]
                 }
             };
@@ -890,13 +1029,13 @@ impl GpuExperts {
                 b.arg(&i_i).arg(&x_t).arg(&h_i).arg(&k_i).arg(&act_hi).arg(&ldw2).arg(&ids_t).arg(&e_i);
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
                 // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64).
-                unsafe { b.launch(grid(q.l13.panels() / 2, q.l13.chunks())) }.map_err(launch_err(OP))?;
+                unsafe { b.launch(grid(q.0.panels() / 2, q.0.chunks())) }.map_err(launch_err(OP))?;
                 let mut b = s.launch_builder(dec_dn);
                 a2.push(&mut b);
                 b.arg(&h_i).arg(&act_hi).arg(&i_i).arg(&ldw2).arg(&ypair).arg(&ids_t).arg(&e_i);
                 // SAFETY: w2/s2 [E, l2]; act_hi [pairs, ldw2]; ypair [pairs, hidden], columns
                 // below hidden only.
-                unsafe { b.launch(grid(q.l2.panels(), q.l2.chunks())) }.map_err(launch_err(OP))?;
+                unsafe { b.launch(grid(q.1.panels(), q.1.chunks())) }.map_err(launch_err(OP))?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
                 t0 += nt;
                 continue;
@@ -952,7 +1091,7 @@ impl GpuExperts {
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
                     block_dim: (64 * v.panels as u32, 1, 1),
-                    shared_mem_bytes: qtile_smem(q.l2.bits, v) as u32,
+                    shared_mem_bytes: qtile_smem(q.1.bits, v) as u32,
                 };
                 let mut b = s.launch_builder(q_gate_up);
                 a13.push(&mut b);

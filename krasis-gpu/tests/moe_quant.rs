@@ -151,6 +151,33 @@ fn quantized(r: &mut ChaCha8Rng, rows: usize, k: usize, bits: Bits) -> Quantized
     quantize(&w, rows, k, bits, group_size_for(k, DEFAULT_GROUP_SIZE).unwrap())
 }
 
+/// `experts` (those of `ge`) as GPU expert cache records in place: records laid out as the cache
+/// lays a layer (w2's part at a 64-byte boundary, records 4 KiB apart), copied in two runs.
+fn records_copy(d: &GpuDevice, ge: &GpuExperts, experts: &[Expert], gs13: usize, gs2: usize) -> GpuExperts {
+    let layout = ge.quant_layout().unwrap();
+    let (p13, p2) = layout.record_parts();
+    let w2_offset = p13.div_ceil(64) * 64;
+    let stride = (w2_offset + p2).div_ceil(4096) * 4096;
+    let n = experts.len();
+    let mut host = vec![0u8; n * stride];
+    for (e, ex) in experts.iter().enumerate() {
+        let rec = layout.pack(e, &ex.gate, &ex.up, &ex.down).unwrap().to_record();
+        host[e * stride..][..p13].copy_from_slice(&rec[..p13]);
+        host[e * stride + w2_offset..][..p2].copy_from_slice(&rec[p13..]);
+    }
+    let (h, i, bits) = (ge.hidden(), ge.inter(), ge.quant_bits().unwrap());
+    let mut gr = GpuExperts::new_records(d, "records", n, h, i, bits, (gs13, gs2), (stride, w2_offset)).unwrap();
+    let mid = n / 2;
+    for run in [0..mid, mid..n] {
+        let src = &host[run.start * stride..run.end * stride];
+        // SAFETY: pageable host memory is a valid source (the driver stages it); it outlives the
+        // synchronisation below, and nothing else touches `gr` meanwhile.
+        unsafe { gr.copy_record_run_async(d.stream(), run, src) }.unwrap();
+    }
+    d.stream().synchronize().unwrap();
+    gr
+}
+
 fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
     let mut r = rng(seed);
     let (h, i) = (c.hidden, c.inter);
@@ -168,6 +195,8 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
     }
     assert_eq!(ge.quant_bits(), Some(bits));
     ge.set_max_tokens_per_pass(c.pass_tokens);
+    let mut gr = records_copy(d, &ge, &experts, gs13, gs2);
+    gr.set_max_tokens_per_pass(c.pass_tokens);
     let x = rand_bf16_f32(&mut r, c.t * h, 1.5);
     let ids = make_ids(&mut r, c);
     let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
@@ -187,6 +216,13 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
         ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
         let got = down(d, &out);
         let worst = assert_within(&name, &got, &want, &tol);
+        // The same experts as cache records in place: the same bits.
+        gr.set_decode_path_max_pairs(max_pairs);
+        gr.set_tile_variant(variant);
+        let mut rec_out = poisoned_f32(d, c.t * h);
+        gr.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut rec_out).unwrap();
+        let rec = down(d, &rec_out);
+        assert!(got.iter().zip(&rec).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: records layout differs");
         let mut again = poisoned_f32(d, c.t * h);
         ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut again).unwrap();
         let got2 = down(d, &again);
@@ -254,6 +290,19 @@ fn quantized_moe_shape_errors() {
     assert!(e.to_string().contains("gate is 32x64 Int8"), "{e}");
     let e = ge.upload_expert(d, 0, &[0; 64 * 32], &[0; 64 * 32], &[0; 64 * 32]).unwrap_err();
     assert!(e.to_string().contains("quantised"), "{e}");
+    // Records-layout experts take whole runs of records only, and records that hold the parts.
+    let (p13, p2) = ge.quant_layout().unwrap().record_parts();
+    let w2_off = p13.div_ceil(64) * 64;
+    let stride = (w2_off + p2).div_ceil(4096) * 4096;
+    let mut gr =
+        GpuExperts::new_records(d, "layer 3 records", 4, 64, 32, Bits::Int4, (64, 32), (stride, w2_off)).unwrap();
+    let e = gr.upload_quantized_expert(d, 0, &g, &u, &dn).unwrap_err();
+    assert!(e.to_string().contains("records in place"), "{e}");
+    // SAFETY: the call fails its size check before any copy.
+    let e = unsafe { gr.copy_record_run_async(d.stream(), 0..2, &vec![0u8; stride]) }.unwrap_err();
+    assert!(e.to_string().contains("for 2 records"), "{e}");
+    let e = GpuExperts::new_records(d, "layer 3 records", 4, 64, 32, Bits::Int4, (64, 32), (stride, 16)).unwrap_err();
+    assert!(e.to_string().contains("cannot hold"), "{e}");
     // A group size that does not divide K is refused at creation, naming the layer.
     let e = GpuExperts::new_quantized(d, "layer 9 experts", 4, 96, 32, Bits::Int8, 64, 32).unwrap_err();
     assert!(e.to_string().contains("layer 9 experts"), "{e}");
