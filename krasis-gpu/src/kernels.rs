@@ -90,6 +90,7 @@ pub const ALL: &[KernelSource] = &[
     crate::attn_decode::ATTN_DECODE_VARIANTS[6],
     crate::attn_decode::ATTN_DECODE_VARIANTS[7],
     crate::mla_decode::MLA_DECODE,
+    crate::relayout::RELAYOUT,
 ];
 
 /// Threads per block of the row-wise kernels.

@@ -73,6 +73,7 @@ mod mapped;
 pub mod mla_decode;
 pub mod moe;
 pub mod nvrtc;
+pub mod relayout;
 pub mod router;
 pub mod sampling;
 

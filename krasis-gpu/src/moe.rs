@@ -541,6 +541,64 @@ impl GpuExperts {
         Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Records(Box::new(r))))
     }
 
+    /// The records-layout experts' bytes, read back (tests); `None` for other layouts.
+    #[doc(hidden)]
+    pub fn download_records(&self, dev: &GpuDevice) -> Result<Option<Vec<u8>>, GpuError> {
+        match &self.weights {
+            ExpertWeights::Records(r) => dev.download(&r.buf).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Enqueues on `stream` the conversion of experts `experts` from CPU expert cache records at
+    /// device address `src` (expert `experts.start`'s record; the others `cpu.stride` apart) into
+    /// these records-layout experts ([`crate::relayout`]). Returns the CPU bytes read.
+    ///
+    /// # Safety
+    /// `src` must hold those records on the device until the conversion is done (an event
+    /// recorded on `stream` after this call), and nothing may read or write these experts on
+    /// another stream before that event.
+    pub unsafe fn convert_cpu_records_async(
+        &mut self,
+        dev: &GpuDevice,
+        stream: &cudarc::driver::CudaStream,
+        experts: std::ops::Range<usize>,
+        src: u64,
+        cpu: &crate::relayout::CpuRecordGeometry,
+    ) -> Result<usize, GpuError> {
+        const OP: &str = "GpuExperts::convert_cpu_records_async";
+        let (name, n, h, i) = (&self.name, self.n_experts, self.hidden, self.inter);
+        let ExpertWeights::Records(r) = &mut self.weights else {
+            return Err(GpuError::shape(OP, format!("{name}: not records-layout experts")));
+        };
+        check(OP, experts.start <= experts.end && experts.end <= n, || format!("{name}: experts {experts:?} of {n}"))?;
+        let fits = (cpu.w13.rows, cpu.w13.k, cpu.w13.gs, cpu.w13.bits) == (2 * i, h, r.l13.gs, r.l13.bits)
+            && (cpu.w2.rows, cpu.w2.k, cpu.w2.gs, cpu.w2.bits) == (h, i, r.l2.gs, r.l2.bits)
+            && cpu.w13.bytes() <= cpu.w2_offset
+            && cpu.w2_offset + cpu.w2.bytes() <= cpu.stride;
+        check(OP, fits, || format!("{name}: CPU records {cpu:?} do not hold these experts ({h} x {i}, {:?})", r.l2))?;
+        let (base, _g) = r.buf.slice_mut().device_ptr_mut(stream);
+        let dst = base + (experts.start * r.stride) as u64;
+        let (b13, b2) = (r.l13.weight_bytes() as u64, r.l2.weight_bytes() as u64);
+        let w2 = r.w2_offset as u64;
+        for job in [
+            crate::relayout::PartJob { cpu: cpu.w13, fused: true, gpu: r.l13, src, codes: dst, scales: dst + b13 },
+            crate::relayout::PartJob {
+                cpu: cpu.w2,
+                fused: false,
+                gpu: r.l2,
+                src: src + cpu.w2_offset as u64,
+                codes: dst + w2,
+                scales: dst + w2 + b2,
+            },
+        ] {
+            // SAFETY: the destination records lie inside the buffer (range checked); the caller
+            // keeps the source records on the device.
+            unsafe { crate::relayout::convert_part(dev, stream, &job, experts.len(), cpu.stride, r.stride)? };
+        }
+        Ok(experts.len() * cpu.stride)
+    }
+
     /// Enqueues on `stream` one copy of the records of experts `experts` (`src`: those records
     /// back to back, `stride` apart, as the cache stores a layer) into records-layout experts.
     /// Returns the bytes enqueued.

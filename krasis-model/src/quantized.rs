@@ -516,6 +516,11 @@ impl CpuQuantExperts {
             .collect()
     }
 
+    /// The CPU record geometry of MoE layer `li` (its w13 and w2 packed layouts).
+    pub fn record_layouts(&self, li: usize) -> Result<(PackedLayout, PackedLayout)> {
+        layouts(self.cache.header(), li)
+    }
+
     /// The widths of each MoE layer, in order.
     pub fn layer_bits(&self) -> &[LayerBits] {
         &self.bits

@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamSplit};
+use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, StreamSplit};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
@@ -151,11 +151,14 @@ krasis_tests::per_fixture_tests!(check);
 /// Hybrid prefill with the routed experts streamed to the GPU (`--gpu-expert-bits`, every prompt
 /// long enough here) runs the same kernels on the same bytes as the whole model on the GPU with
 /// those experts resident: the prefill logits must be identical, on a second prompt too (which
-/// starts from the slot the first one prefetched). Decode stays on the CPU experts.
+/// starts from the slot the first one prefetched). Decode stays on the CPU experts. Both sources
+/// of streamed records: the GPU expert cache, and the CPU expert cache laid out on the device.
 fn check_streamed(name: &str) {
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
-    for (bits, cpu_bits) in [(krasis_quant::Bits::Int4, WeightBits::Int4), (krasis_quant::Bits::Int8, WeightBits::Int8)]
+    let widths = [(krasis_quant::Bits::Int4, WeightBits::Int4), (krasis_quant::Bits::Int8, WeightBits::Int8)];
+    for ((bits, cpu_bits), from) in
+        widths.into_iter().flat_map(|w| [StreamFrom::GpuCache, StreamFrom::CpuCache].map(move |f| (w, f)))
     {
         let gpu = GpuOptions {
             kv_tokens: Some(TEST_KV_TOKENS),
@@ -163,11 +166,14 @@ fn check_streamed(name: &str) {
             expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
             stream_min_tokens: 2,
             stream_split: StreamSplit::Share(1.0),
+            stream_from: from,
             ..GpuOptions::default()
         };
         let cpu = cpu_experts(cpu_bits, tmp.path());
         let hybrid = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         assert!(hybrid.log.iter().any(|l| l.contains("stream the routed experts")), "{:?}", hybrid.log);
+        let from_cpu = hybrid.log.iter().any(|l| l.contains("from the CPU expert cache"));
+        assert_eq!(from_cpu, from == StreamFrom::CpuCache, "{:?}", hybrid.log);
         let resident = GpuModel::load(&dir, &gpu).unwrap();
         let prompt = &r.prompt_ids;
         let second: Vec<u32> = prompt.iter().rev().copied().collect();
@@ -178,12 +184,12 @@ fn check_streamed(name: &str) {
             let mut s2 = resident.new_session().unwrap();
             let want = resident.forward_logits(&mut s2, p, true).unwrap();
             assert_eq!(streamed.len(), p.len() * vocab);
-            assert!(streamed == want, "{name} {bits:?}: streamed prefill differs from resident experts");
+            assert!(streamed == want, "{name} {bits:?} {from:?}: streamed prefill differs from resident experts");
             // A decode step after it runs the CPU experts (one hand-off per MoE layer).
             hybrid.forward_logits(&mut s, &[p[0]], false).unwrap();
             assert_eq!(s.handoff_stats().calls, hybrid.spec.moe_layers().count() as u64);
         }
-        eprintln!("{name} {bits:?}: streamed prefill = resident experts, bit for bit");
+        eprintln!("{name} {bits:?} from {from:?}: streamed prefill = resident experts, bit for bit");
     }
 }
 
@@ -242,4 +248,31 @@ fn streamed_prefill_experts_equal_resident_ones() {
     for name in krasis_tests::FIXTURE_NAMES {
         check_streamed(name);
     }
+}
+
+/// Streaming from the CPU expert cache (the default) needs the CPU experts at the GPU's width:
+/// INT8 CPU experts with INT4 GPU experts stream the GPU expert cache instead, and say so, with
+/// the same logits as the resident INT4 experts.
+#[test]
+fn cpu_records_at_another_width_stream_the_gpu_cache() {
+    let name = krasis_tests::FIXTURE_NAMES[0];
+    let Some(GpuFixture { dir, reference: r, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let gpu = GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int4),
+        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+        stream_min_tokens: 2,
+        stream_split: StreamSplit::Share(1.0),
+        ..GpuOptions::default()
+    };
+    assert_eq!(gpu.stream_from, StreamFrom::CpuCache, "the CPU cache is the default source");
+    let hybrid = GpuModel::load_hybrid(&dir, &gpu, &cpu_experts(WeightBits::Int8, tmp.path())).unwrap();
+    assert!(hybrid.log.iter().any(|l| l.contains("streaming the GPU expert cache instead")), "{:?}", hybrid.log);
+    assert!(hybrid.log.iter().any(|l| l.contains("records in place")), "{:?}", hybrid.log);
+    let mut s = hybrid.new_session().unwrap();
+    let streamed = hybrid.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+    let resident = GpuModel::load(&dir, &gpu).unwrap();
+    let mut s = resident.new_session().unwrap();
+    assert!(streamed == resident.forward_logits(&mut s, &r.prompt_ids, true).unwrap(), "{name}");
 }

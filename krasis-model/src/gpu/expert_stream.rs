@@ -126,11 +126,61 @@ struct Slot {
     used: bool,
 }
 
+/// Where streamed experts come from.
+pub enum StreamRecords {
+    /// The GPU expert cache: a second copy of the experts in RAM, already in the slots' layout.
+    GpuCache(Box<ExpertCache>),
+    /// The CPU experts' own cache (the one copy in RAM), laid out for the GPU on the device after
+    /// each copy ([`krasis_gpu::relayout`]).
+    CpuCache(Arc<crate::quantized::CpuQuantExperts>),
+}
+
+/// The streamer's source, with what converting CPU records needs.
+enum Source {
+    Gpu(Box<ExpertCache>),
+    Cpu {
+        experts: Arc<crate::quantized::CpuQuantExperts>,
+        geometry: krasis_gpu::relayout::CpuRecordGeometry,
+        /// Device staging for one layer's CPU records (one copy stream: a fill's copy waits for
+        /// the previous fill's conversion by stream order).
+        staging: krasis_gpu::DeviceBuffer<u8>,
+    },
+}
+
+impl Source {
+    fn cache(&self) -> &ExpertCache {
+        match self {
+            Source::Gpu(c) => c,
+            Source::Cpu { experts, .. } => experts.cache(),
+        }
+    }
+}
+
+/// The one CPU record geometry of every MoE layer of `experts`, at `bits`, or why there is none.
+fn cpu_record_geometry(
+    experts: &crate::quantized::CpuQuantExperts,
+    bits: Bits,
+) -> Result<krasis_gpu::relayout::CpuRecordGeometry> {
+    let c = experts.cache();
+    let bad = |why: String| ModelError::Invalid(format!("streaming the CPU expert cache: {why}"));
+    let (stride, w2_offset) = (c.stride(0), c.w2_offset(0));
+    let (w13, w2) = experts.record_layouts(0)?;
+    for li in 0..c.header().moe_layers.len() {
+        if experts.record_layouts(li)? != (w13, w2) || (c.stride(li), c.w2_offset(li)) != (stride, w2_offset) {
+            return Err(bad(format!("MoE layer {li} differs from layer 0 in widths or record geometry")));
+        }
+    }
+    if (w13.bits, w2.bits) != (bits, bits) {
+        return Err(bad(format!("its experts are {:?}/{:?}, the GPU's {bits:?}", w13.bits, w2.bits)));
+    }
+    Ok(krasis_gpu::relayout::CpuRecordGeometry { w13, w2, w2_offset, stride })
+}
+
 /// The streamed experts of every MoE layer ([`ExpertStreamer::run_layer`]).
 pub struct ExpertStreamer {
     // Field order: the registration goes before the records it pins.
     _pinned: HostRegistration,
-    cache: ExpertCache,
+    source: Source,
     copy: Arc<CudaStream>,
     /// Model layer → MoE layer index of the cache.
     moe_index: Vec<Option<usize>>,
@@ -143,31 +193,60 @@ pub struct ExpertStreamer {
 }
 
 impl ExpertStreamer {
-    /// Pins `cache` (the GPU expert cache of the model, at `bits`) and allocates the slots; prompts
-    /// of at least `min_tokens` (≥ 2: decode steps stay on the CPU) stream.
+    /// Pins the records of `records` (at `bits`) and allocates the slots; prompts of at least
+    /// `min_tokens` (≥ 2: decode steps stay on the CPU) stream.
     pub fn new(
         dev: &GpuDevice,
-        cache: ExpertCache,
+        records: StreamRecords,
         bits: Bits,
         num_layers: usize,
         min_tokens: usize,
         split: super::StreamSplit,
     ) -> Result<Self> {
+        let cache = match &records {
+            StreamRecords::GpuCache(c) => c,
+            StreamRecords::CpuCache(e) => e.cache(),
+        };
         let h = cache.header().clone();
+        // CPU records stream only at the GPU's width with one geometry for every layer: checked
+        // before anything is pinned or allocated.
+        let cpu_geometry = match &records {
+            StreamRecords::CpuCache(e) => Some(cpu_record_geometry(e, bits)?),
+            StreamRecords::GpuCache(_) => None,
+        };
         let (hidden, inter, n) = (h.hidden as usize, h.intermediate as usize, h.n_experts as usize);
         let (gs13, gs2) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
         let pinned = HostRegistration::new(dev, cache.records()).map_err(|e| {
-            ModelError::Invalid(format!("page-locking the GPU expert cache ({} bytes): {e}", cache.records().len()))
+            ModelError::Invalid(format!(
+                "page-locking the streamed expert records ({} bytes): {e}",
+                cache.records().len()
+            ))
         })?;
         // The slots keep the cache's records as they are when every layer's records share one
         // geometry (one copy per run of experts); otherwise the four arrays (copies per part).
         let layers = h.moe_layers.len();
-        let geometry = (cache.stride(0), cache.w2_offset(0));
-        let records = (0..layers).all(|li| (cache.stride(li), cache.w2_offset(li)) == geometry);
+        let uniform = |c: &ExpertCache| {
+            let g = (c.stride(0), c.w2_offset(0));
+            (0..layers).all(|li| (c.stride(li), c.w2_offset(li)) == g).then_some(g)
+        };
+        // Slots of GPU records: the GPU cache's geometry, or for CPU records the one the GPU cache
+        // would have (the parts 64-byte aligned, records 4 KiB apart).
+        let (geometry, in_place) = match &records {
+            StreamRecords::GpuCache(c) => match uniform(c) {
+                Some(g) => (g, true),
+                None => ((0, 0), false),
+            },
+            StreamRecords::CpuCache(_) => {
+                let l = krasis_gpu::moe::QuantExpertLayout::new("streamed experts", hidden, inter, bits, gs13, gs2)?;
+                let (p13, p2) = l.record_parts();
+                let w2 = p13.div_ceil(64) * 64;
+                (((w2 + p2).div_ceil(4096) * 4096, w2), true)
+            }
+        };
         let mut slots = Vec::with_capacity(SLOTS);
         for i in 0..SLOTS {
             let name = format!("streamed experts slot {i}");
-            let experts = if records {
+            let experts = if in_place {
                 GpuExperts::new_records(dev, &name, n, hidden, inter, bits, (gs13, gs2), geometry)?
             } else {
                 GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?
@@ -187,6 +266,14 @@ impl ExpertStreamer {
                 *slot = Some(li);
             }
         }
+        let source = match records {
+            StreamRecords::GpuCache(c) => Source::Gpu(c),
+            StreamRecords::CpuCache(experts) => {
+                let geometry = cpu_geometry.expect("worked out above for CPU records");
+                let staging = dev.alloc_zeros::<u8>(n * geometry.stride, "streamed CPU records (staging)")?;
+                Source::Cpu { experts, geometry, staging }
+            }
+        };
         let min_tokens = std::env::var("KRASIS_GPU_STREAM_MIN_TOKENS")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -194,13 +281,13 @@ impl ExpertStreamer {
             .max(2);
         Ok(ExpertStreamer {
             _pinned: pinned,
-            cache,
+            source,
             copy: dev.new_stream()?,
             moe_index,
             slots: Mutex::new(slots),
             min_tokens,
             split,
-            records,
+            records: in_place,
             copied: AtomicU64::new(0),
         })
     }
@@ -216,7 +303,7 @@ impl ExpertStreamer {
         if t < self.min_tokens {
             return 0;
         }
-        let n = self.cache.header().n_experts as usize;
+        let n = self.source.cache().header().n_experts as usize;
         let f = match self.split {
             super::StreamSplit::Measured => split_fraction(t),
             super::StreamSplit::Share(f) => f.clamp(0.0, 1.0),
@@ -240,18 +327,22 @@ impl ExpertStreamer {
             "prefills of ≥ {} tokens stream the routed experts to the GPU, short ones only a share while the CPU runs the rest (64 tokens: {} of {}; {} slots of one MoE layer, {}, {}; records page-locked in RAM: {})",
             self.min_tokens,
             self.gpu_experts(64.max(self.min_tokens)),
-            self.cache.header().n_experts,
+            self.source.cache().header().n_experts,
             SLOTS,
             krasis_core::budget::format_bytes(self.vram_bytes() as u64),
-            if self.records { "records in place, one copy per run" } else { "one copy per expert part" },
-            krasis_cache::describe(&self.cache)
+            match (&self.source, self.records) {
+                (Source::Cpu { .. }, _) => "from the CPU expert cache (no second copy), laid out on the GPU after each copy",
+                (Source::Gpu(_), true) => "records in place, one copy per run",
+                (Source::Gpu(_), false) => "one copy per expert part",
+            },
+            krasis_cache::describe(self.source.cache())
         )
     }
 
     /// Enqueues the records of MoE layer `li`'s first `present` experts into slot `i` on the copy
     /// stream (only those it lacks when it holds the layer already), after the slot's last use on
     /// the compute stream.
-    fn fill(&self, slot: &mut Slot, li: usize, present: usize) -> Result<()> {
+    fn fill(&self, dev: &GpuDevice, slot: &mut Slot, li: usize, present: usize) -> Result<()> {
         let have = if slot.layer == Some(li) { slot.present } else { 0 };
         if have >= present {
             return Ok(());
@@ -261,15 +352,32 @@ impl ExpertStreamer {
                 .wait(&slot.free)
                 .map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
         }
-        let cache = &self.cache;
+        let cache = self.source.cache();
+        let run = cache.layer_records(li, have..present);
         // SAFETY: the records are registered (page-locked) for the streamer's life, which the
         // copies cannot outlive (the slot's experts are dropped with it, after the stream work
-        // drains on drop of the device); the compute stream waits `ready` before reading.
+        // drains on drop of the device); the compute stream waits `ready` before reading. CPU
+        // records land in the staging buffer, which only this copy stream touches: the next
+        // fill's copy into it is ordered after this fill's conversion.
         let bytes = unsafe {
-            if self.records {
-                slot.experts.copy_record_run_async(&self.copy, have..present, cache.layer_records(li, have..present))?
-            } else {
-                slot.experts.copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?
+            match &self.source {
+                Source::Cpu { geometry, staging, .. } => {
+                    use krasis_gpu::cudarc::driver::DevicePtr;
+                    let (base, _g) = staging.device_ptr(&self.copy);
+                    let at = base + (have * geometry.stride) as u64;
+                    let r = krasis_gpu::cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                        at,
+                        run.as_ptr().cast(),
+                        run.len(),
+                        self.copy.cu_stream(),
+                    );
+                    r.result().map_err(|e| GpuError::Driver { op: "cuMemcpyHtoDAsync", detail: e.to_string() })?;
+                    slot.experts.convert_cpu_records_async(dev, &self.copy, have..present, at, geometry)?
+                }
+                Source::Gpu(_) if self.records => slot.experts.copy_record_run_async(&self.copy, have..present, run)?,
+                Source::Gpu(_) => slot
+                    .experts
+                    .copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?,
             }
         };
         slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
@@ -292,7 +400,7 @@ impl ExpertStreamer {
         let li = self.moe_index.get(layer).copied().flatten().ok_or_else(|| {
             ModelError::Invalid(format!("streamed experts: model layer {layer} is not a MoE layer of the cache"))
         })?;
-        let n_moe = self.cache.header().moe_layers.len();
+        let n_moe = self.source.cache().header().moe_layers.len();
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let i = match slots.iter().position(|s| s.layer == Some(li)) {
             Some(i) => i,
@@ -302,7 +410,7 @@ impl ExpertStreamer {
                 slots.iter().position(|s| s.layer != Some(next)).unwrap_or(0)
             }
         };
-        self.fill(&mut slots[i], li, present)?;
+        self.fill(dev, &mut slots[i], li, present)?;
         let slot = &mut slots[i];
         dev.stream()
             .wait(&slot.ready)
@@ -314,7 +422,7 @@ impl ExpertStreamer {
         let next = (li + 1) % n_moe;
         if next != li {
             let j = slots.iter().position(|s| s.layer == Some(next)).unwrap_or((i + 1) % SLOTS);
-            self.fill(&mut slots[j], next, present)?;
+            self.fill(dev, &mut slots[j], next, present)?;
         }
         Ok(())
     }

@@ -20,12 +20,12 @@ use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
 use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
-use super::expert_stream::ExpertStreamer;
+use super::expert_stream::{ExpertStreamer, StreamRecords};
 use super::host_experts::ExpertServer;
 use super::layers::{
     kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
 };
-use super::{GpuExpertCache, GpuModel, GpuOptions, KV_RESERVE_BYTES};
+use super::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, KV_RESERVE_BYTES};
 use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
 use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
@@ -321,6 +321,15 @@ fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAt
     }
 }
 
+/// `KRASIS_STREAM_FROM=cpu|gpu` overrides [`GpuOptions::stream_from`] (measurements of both).
+fn stream_from(opt: StreamFrom) -> StreamFrom {
+    match std::env::var("KRASIS_STREAM_FROM").as_deref() {
+        Ok("cpu") => StreamFrom::CpuCache,
+        Ok("gpu") => StreamFrom::GpuCache,
+        _ => opt,
+    }
+}
+
 impl GpuModel {
     /// Loads a hub-format directory onto GPU `opts.ordinal` (opens [`ModelFiles`] first).
     pub fn load(dir: &Path, opts: &GpuOptions) -> Result<GpuModel> {
@@ -385,16 +394,42 @@ impl GpuModel {
                 let mut model = model?;
                 // --gpu-expert-bits: long prefills stream the experts to the GPU.
                 if let (Some(bits), GpuExpertCache::In(dir)) = (gpu.expert_bits, &gpu.expert_cache) {
-                    let plan = GpuCachePlan::new(files, bits, gpu.expert_group_size, dir.as_deref())?;
-                    let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
-                    if let CacheOutcome::Built { reason } = outcome {
-                        log.push(format!("GPU expert cache built ({reason})"));
-                    }
+                    let gpu_cache_records = |log: &mut Vec<String>| -> Result<StreamRecords> {
+                        let plan = GpuCachePlan::new(files, bits, gpu.expert_group_size, dir.as_deref())?;
+                        let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
+                        if let CacheOutcome::Built { reason } = outcome {
+                            log.push(format!("GPU expert cache built ({reason})"));
+                        }
+                        Ok(StreamRecords::GpuCache(Box::new(cache)))
+                    };
+                    let (layers, min, split) = (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    let streamer = match stream_from(gpu.stream_from) {
+                        // The CPU's records at another width or geometry cannot stream: then the
+                        // GPU expert cache serves, and the log says why.
+                        StreamFrom::CpuCache => {
+                            let records = StreamRecords::CpuCache(ex.executor.clone());
+                            match ExpertStreamer::new(&model.dev, records, bits, layers, min, split) {
+                                Ok(s) => Ok(s),
+                                Err(e) => {
+                                    log.push(format!("streaming the GPU expert cache instead of the CPU's: {e}"));
+                                    ExpertStreamer::new(
+                                        &model.dev,
+                                        gpu_cache_records(&mut log)?,
+                                        bits,
+                                        layers,
+                                        min,
+                                        split,
+                                    )
+                                }
+                            }
+                        }
+                        StreamFrom::GpuCache => {
+                            ExpertStreamer::new(&model.dev, gpu_cache_records(&mut log)?, bits, layers, min, split)
+                        }
+                    };
                     // Page-locking can be refused (a memlock limit): then prefill keeps the CPU
                     // experts, and the log says why.
-                    let layers = files.spec().num_layers;
-                    match ExpertStreamer::new(&model.dev, cache, bits, layers, gpu.stream_min_tokens, gpu.stream_split)
-                    {
+                    match streamer {
                         Ok(streamer) => {
                             log.push(streamer.describe());
                             model.streamer = Some(streamer);

@@ -71,6 +71,21 @@ pub struct GpuOptions {
     pub stream_min_tokens: usize,
     /// How much of each layer a prompt that streams sends to the GPU while the CPU runs the rest.
     pub stream_split: StreamSplit,
+    /// Which copy of the experts a hybrid prefill streams ([`StreamFrom`]).
+    pub stream_from: StreamFrom,
+}
+
+/// The records a hybrid prefill streams to the GPU (#9's "one resident copy").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamFrom {
+    /// The GPU expert cache, read into RAM beside the CPU's: a second copy of the experts,
+    /// already in the GPU layout.
+    GpuCache,
+    /// The CPU experts' cache (the one copy in RAM), laid out for the GPU on the device after
+    /// each copy; no GPU expert cache is read or built. The default: half the RAM for ~17 % of a
+    /// 2K prompt's streamed prefill (docs/BENCHMARKS.md). Needs the CPU experts at the GPU width
+    /// and one record geometry for every layer; otherwise the GPU expert cache serves.
+    CpuCache,
 }
 
 /// The share of each MoE layer's routed experts a streaming hybrid prefill runs on the GPU (the
@@ -111,6 +126,7 @@ impl Default for GpuOptions {
             expert_cache: GpuExpertCache::In(None),
             stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,
             stream_split: StreamSplit::Measured,
+            stream_from: StreamFrom::CpuCache,
         }
     }
 }

@@ -1,0 +1,92 @@
+//! Experts converted on the device from CPU expert cache records (`cpu-rb16-v1`) to GPU records
+//! (`gpu-tile64-v1`) must be byte for byte what the host packer writes, on ragged shapes (K and
+//! rows not multiples of the 64-element chunks and panels, padded groups), INT4 and INT8, group
+//! sizes 32 / 64 / 128, in runs of experts (a first expert alone, then the rest).
+//!
+//! Without a GPU the test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails instead.
+
+mod common;
+
+use common::{gpu, rand_f32, rng, up};
+use krasis_gpu::relayout::CpuRecordGeometry;
+use krasis_gpu::GpuExperts;
+use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
+use krasis_quant::group::quantize;
+use krasis_quant::{Bits, QuantizedMatrix};
+
+fn round_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+#[test]
+fn cpu_records_convert_to_the_gpu_layout_on_the_device() {
+    let Some(d) = gpu("cpu_records_convert_to_the_gpu_layout_on_the_device") else { return };
+    let mut r = rng(77);
+    // (hidden, inter, bits, gs over hidden, gs over inter, experts)
+    for (h, i, bits, gs13, gs2, n) in [
+        (128, 96, Bits::Int4, 64, 32, 3),
+        (96, 160, Bits::Int4, 32, 32, 4),
+        (192, 64, Bits::Int8, 64, 64, 2),
+        (256, 128, Bits::Int4, 128, 128, 3),
+        (64, 32, Bits::Int8, 32, 32, 5),
+    ] {
+        let q =
+            |r: &mut _, rows, k, gs| -> QuantizedMatrix { quantize(&rand_f32(r, rows * k, 1.0), rows, k, bits, gs) };
+        let experts: Vec<[QuantizedMatrix; 3]> =
+            (0..n).map(|_| [q(&mut r, i, h, gs13), q(&mut r, i, h, gs13), q(&mut r, h, i, gs2)]).collect();
+        // CPU records as the CPU expert cache lays a layer out.
+        let (l13, l2) = (PackedLayout::new(2 * i, h, gs13, bits).unwrap(), PackedLayout::new(h, i, gs2, bits).unwrap());
+        let cpu_w2 = round_up(l13.bytes(), 64);
+        let cpu_stride = round_up(cpu_w2 + l2.bytes(), 4096);
+        let mut host = vec![0u8; n * cpu_stride];
+        for (e, [g, u, dn]) in experts.iter().enumerate() {
+            let (w13, _) = pack_w13(g, u).unwrap();
+            host[e * cpu_stride..][..w13.len()].copy_from_slice(&w13);
+            let w2 = pack(dn);
+            host[e * cpu_stride + cpu_w2..][..w2.len()].copy_from_slice(&w2);
+        }
+        let src = up(d, &host, "cpu records");
+        let cpu = CpuRecordGeometry { w13: l13, w2: l2, w2_offset: cpu_w2, stride: cpu_stride };
+        // GPU records (the GPU expert cache's geometry), and what the host packer writes there.
+        let probe = GpuExperts::new_quantized(d, "probe", 1, h, i, bits, gs13, gs2).unwrap();
+        let layout = probe.quant_layout().unwrap();
+        let (p13, p2) = layout.record_parts();
+        let gw2 = round_up(p13, 64);
+        let gstride = round_up(gw2 + p2, 4096);
+        let mut want = vec![0u8; n * gstride];
+        for (e, [g, u, dn]) in experts.iter().enumerate() {
+            let rec = layout.pack(e, g, u, dn).unwrap().to_record();
+            want[e * gstride..][..p13].copy_from_slice(&rec[..p13]);
+            want[e * gstride + gw2..][..p2].copy_from_slice(&rec[p13..]);
+        }
+        let mut ge = GpuExperts::new_records(d, "converted", n, h, i, bits, (gs13, gs2), (gstride, gw2)).unwrap();
+        let base = {
+            use krasis_gpu::cudarc::driver::DevicePtr;
+            src.device_ptr(d.stream()).0
+        };
+        for run in [0..1, 1..n] {
+            let at = base + (run.start * cpu_stride) as u64;
+            // SAFETY: `src` holds the records and lives past the synchronisation below.
+            unsafe { ge.convert_cpu_records_async(d, d.stream(), run, at, &cpu) }.unwrap();
+        }
+        d.stream().synchronize().unwrap();
+        let got = ge.download_records(d).unwrap().unwrap();
+        let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(
+            first_bad.is_none(),
+            "{h}x{i} {bits:?} g{gs13}/{gs2}: byte {} of {} differs (expert {}, offset {})",
+            first_bad.unwrap(),
+            got.len(),
+            first_bad.unwrap() / gstride,
+            first_bad.unwrap() % gstride
+        );
+        eprintln!("relayout {h}x{i} {bits:?} g{gs13}/{gs2}, {n} experts: {} bytes equal the host packer's", got.len());
+    }
+    // Geometry that does not hold the experts is refused.
+    let mut ge = GpuExperts::new_records(d, "small", 1, 64, 32, Bits::Int4, (32, 32), (8192, 4608)).unwrap();
+    let l = PackedLayout::new(64, 64, 32, Bits::Int4).unwrap();
+    let bad = CpuRecordGeometry { w13: l, w2: l, w2_offset: 4096, stride: 8192 };
+    // SAFETY: refused before any launch.
+    let e = unsafe { ge.convert_cpu_records_async(d, d.stream(), 0..1, 0, &bad) }.unwrap_err();
+    assert!(e.to_string().contains("do not hold"), "{e}");
+}
