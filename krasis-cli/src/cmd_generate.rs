@@ -14,7 +14,7 @@ use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
-use krasis_model::gpu::{GpuExpertCache, GpuOptions};
+use krasis_model::gpu::{GpuExpertCache, GpuOptions, StreamFrom};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
@@ -172,6 +172,12 @@ pub struct GpuArgs {
     /// expert cache in --cache-dir, built on the first start or by `krasis convert`).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "8", "4"])]
     pub gpu_expert_bits: String,
+    /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the
+    /// GPU. cpu-cache: the CPU experts' own cache, laid out for the GPU on the device (one copy of
+    /// the experts in RAM); gpu-cache: the GPU expert cache read into RAM beside it (twice the RAM,
+    /// ~17 % faster at 2K tokens).
+    #[arg(long, default_value = "cpu-cache", value_parser = ["cpu-cache", "gpu-cache"])]
+    pub stream_experts_from: String,
 }
 
 impl GpuArgs {
@@ -193,6 +199,10 @@ impl GpuArgs {
                 "8" => Some(krasis_quant::Bits::Int8),
                 "4" => Some(krasis_quant::Bits::Int4),
                 _ => None,
+            },
+            stream_from: match self.stream_experts_from.as_str() {
+                "gpu-cache" => StreamFrom::GpuCache,
+                _ => StreamFrom::CpuCache,
             },
             ..GpuOptions::default()
         })

@@ -153,6 +153,26 @@ fn bad_input_fails_cleanly() {
         "bf16",
     ];
     assert_clean_failure(&krasis(&hybrid_bf16), 1, "give --cpu-expert-bits 4|8");
+    assert_clean_failure(
+        &krasis(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1",
+            "--device",
+            "cpu",
+            "--stream-experts-from",
+            "gpu-cache",
+        ]),
+        1,
+        "--stream-experts-from applies",
+    );
+    assert_clean_failure(
+        &krasis(&["generate", "--model", m, "--prompt-ids", "1", "--stream-experts-from", "disk"]),
+        2,
+        "invalid value 'disk'",
+    );
     assert_clean_failure(&krasis(&["generate", "--model", m, "--prompt-ids", "1", "--top-p", "0"]), 1, "--top-p");
     assert_clean_failure(&krasis(&["synth", "--preset", "huge", "--out", "/tmp/x"]), 2, "invalid value 'huge'");
     assert_clean_failure(&krasis(&["synth", "--preset", "tiny", "--out", m]), 1, m);

@@ -87,6 +87,13 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
             "--device hybrid --gpu-expert-bits streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give --cpu-expert-bits 4|8 too".into(),
         ));
     }
+    let streams =
+        config.gpu.expert_bits.is_some() && matches!(config.device, DevicePolicy::Hybrid | DevicePolicy::Auto);
+    if config.gpu.stream_from != crate::gpu::StreamFrom::CpuCache && !streams {
+        return Err(ModelError::Invalid(
+            "--stream-experts-from applies when a hybrid prefill streams the experts: --device hybrid (or auto) with --gpu-expert-bits 4|8".into(),
+        ));
+    }
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
         DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, config),
