@@ -275,4 +275,15 @@ fn cpu_records_at_another_width_stream_the_gpu_cache() {
     let resident = GpuModel::load(&dir, &gpu).unwrap();
     let mut s = resident.new_session().unwrap();
     assert!(streamed == resident.forward_logits(&mut s, &r.prompt_ids, true).unwrap(), "{name}");
+    // With the GPU expert cache off (library use), the CPU cache still streams at its own width,
+    // and another width keeps prefill on the CPU with a line saying why.
+    let off = GpuOptions { expert_cache: GpuExpertCache::Off, ..gpu.clone() };
+    let m = GpuModel::load_hybrid(&dir, &off, &cpu_experts(WeightBits::Int4, tmp.path())).unwrap();
+    assert!(m.log.iter().any(|l| l.contains("from the CPU expert cache")), "{:?}", m.log);
+    let m = GpuModel::load_hybrid(&dir, &off, &cpu_experts(WeightBits::Int8, tmp.path())).unwrap();
+    assert!(
+        m.log.iter().any(|l| l.contains("prefill keeps the routed experts on the CPU") && l.contains("is off")),
+        "{:?}",
+        m.log
+    );
 }

@@ -393,16 +393,22 @@ impl GpuModel {
                 })??;
                 let mut model = model?;
                 // --gpu-expert-bits: long prefills stream the experts to the GPU.
-                if let (Some(bits), GpuExpertCache::In(dir)) = (gpu.expert_bits, &gpu.expert_cache) {
-                    let gpu_cache_records = |log: &mut Vec<String>| -> Result<StreamRecords> {
+                if let Some(bits) = gpu.expert_bits {
+                    let (layers, min, split) = (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    // `None`: the GPU expert cache is off (library use): nothing to stream from it.
+                    let gpu_cache_records = |log: &mut Vec<String>| -> Result<Option<StreamRecords>> {
+                        let GpuExpertCache::In(dir) = &gpu.expert_cache else { return Ok(None) };
                         let plan = GpuCachePlan::new(files, bits, gpu.expert_group_size, dir.as_deref())?;
                         let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
                         if let CacheOutcome::Built { reason } = outcome {
                             log.push(format!("GPU expert cache built ({reason})"));
                         }
-                        Ok(StreamRecords::GpuCache(Box::new(cache)))
+                        Ok(Some(StreamRecords::GpuCache(Box::new(cache))))
                     };
-                    let (layers, min, split) = (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    let from_gpu_cache = |records: Option<StreamRecords>| match records {
+                        Some(r) => ExpertStreamer::new(&model.dev, r, bits, layers, min, split),
+                        None => Err(ModelError::Invalid("the GPU expert cache is off (GpuExpertCache::Off)".into())),
+                    };
                     let streamer = match stream_from(gpu.stream_from) {
                         // The CPU's records at another width or geometry cannot stream: then the
                         // GPU expert cache serves, and the log says why.
@@ -412,23 +418,14 @@ impl GpuModel {
                                 Ok(s) => Ok(s),
                                 Err(e) => {
                                     log.push(format!("streaming the GPU expert cache instead of the CPU's: {e}"));
-                                    ExpertStreamer::new(
-                                        &model.dev,
-                                        gpu_cache_records(&mut log)?,
-                                        bits,
-                                        layers,
-                                        min,
-                                        split,
-                                    )
+                                    from_gpu_cache(gpu_cache_records(&mut log)?)
                                 }
                             }
                         }
-                        StreamFrom::GpuCache => {
-                            ExpertStreamer::new(&model.dev, gpu_cache_records(&mut log)?, bits, layers, min, split)
-                        }
+                        StreamFrom::GpuCache => from_gpu_cache(gpu_cache_records(&mut log)?),
                     };
-                    // Page-locking can be refused (a memlock limit): then prefill keeps the CPU
-                    // experts, and the log says why.
+                    // Page-locking can be refused (a memlock limit), or the GPU expert cache be off
+                    // where it is needed: then prefill keeps the CPU experts, and the log says why.
                     match streamer {
                         Ok(streamer) => {
                             log.push(streamer.describe());
