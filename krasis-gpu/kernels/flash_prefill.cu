@@ -147,16 +147,14 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
-// Four 8x8 b16 matrices from shared memory, transposed: lanes 8j..8j+7 give the row addresses of
-// matrix j; register j of lane l gets (M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]).
-__device__ __forceinline__ void ldmatrix_x4_trans_at(u32& r0, u32& r1, u32& r2, u32& r3, u32 addr) {
+// Four 8x8 b16 matrices from shared memory, transposed (the twin of krasis_common.cuh's
+// ldmatrix_x4): lanes 8j..8j+7 give the shared-space row addresses of matrix j; register j of
+// lane l gets (M_j[2(l%4)][l/4], M_j[2(l%4)+1][l/4]).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr)
                  : "memory");  // reads shared memory written by other threads before a barrier
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32& r0, u32& r1, u32& r2, u32& r3, const bf16_t* p) {
-    ldmatrix_x4_trans_at(r0, r1, r2, r3, smem_addr(p));
 }
 
 // Stages MMA_BK rows (tokens tok0..tok0+63 of head `head`) of one part into shared memory at column
@@ -292,7 +290,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[V_TILES][4], const float (&s)
         for (int j = 0; j < V_TILES / 2; ++j) {
             if (2 * j < v_tiles) {
                 u32 b[4];
-                ldmatrix_x4_trans_at(b[0], b[1], b[2], b[3], vs + v_lane + (u32)(k2 * 16 * ldv + j * 16) * 2u);
+                ldmatrix_x4_trans(b, vs + v_lane + (u32)(k2 * 16 * ldv + j * 16) * 2u);
                 mma_bf16(o[2 * j], pa, b[0], b[1]);
                 mma_bf16(o[2 * j + 1], pa, b[2], b[3]);
             }

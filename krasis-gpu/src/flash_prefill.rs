@@ -255,6 +255,23 @@ fn out_vec8(l: &HeadsLayout, ptr: u64) -> bool {
     ptr.is_multiple_of(8) && l.token_stride.is_multiple_of(2) && l.head_stride.is_multiple_of(2)
 }
 
+/// The tensors whose pointer or strides the fixed-dims kernel cannot take (inputs in 16-byte
+/// chunks, the output in 8-byte stores), given the pointers of q_a, q_b, k_a, k_b, v, out; part b
+/// counts only when `has_b`.
+fn fixed_misaligned(a: &FlashPrefillArgs, [qa, qb, ka, kb, v, o]: [u64; 6], has_b: bool) -> Vec<&'static str> {
+    [
+        ("q_a", a.q_a.vec16(qa)),
+        ("q_b", !has_b || a.q_b.vec16(qb)),
+        ("k_a", a.k_a.vec16(ka)),
+        ("k_b", !has_b || a.k_b.vec16(kb)),
+        ("v", a.v.vec16(v)),
+        ("out", out_vec8(&a.out, o)),
+    ]
+    .into_iter()
+    .filter_map(|(name, ok)| (!ok).then_some(name))
+    .collect()
+}
+
 const OP: &str = "flash_prefill";
 
 /// `KRASIS_FLASH_KERNEL=simt|mma|fixed` caps the automatic choice at that kernel (to measure or
@@ -449,13 +466,8 @@ impl GpuDevice {
         if kernel == FlashKernel::MmaFixed {
             let s = self.stream();
             let ptr = |p: &dyn DevicePtr<u16>| p.device_ptr(s).0;
-            let aligned = args.q_a.vec16(ptr(q_a))
-                && args.k_a.vec16(ptr(k_a))
-                && args.v.vec16(ptr(v))
-                && q_b.is_none_or(|b| args.q_b.vec16(ptr(b)))
-                && k_b.is_none_or(|b| args.k_b.vec16(ptr(b)))
-                && out_vec8(&args.out, out.device_ptr_mut(s).0);
-            if !aligned {
+            let ptrs = [ptr(q_a), q_b.map_or(0, ptr), ptr(k_a), k_b.map_or(0, ptr), ptr(v), out.device_ptr_mut(s).0];
+            if !fixed_misaligned(args, ptrs, q_b.is_some()).is_empty() {
                 kernel = FlashKernel::Mma;
             }
         }
@@ -559,18 +571,7 @@ impl GpuDevice {
                 unsafe { launch_tiles(s, &f, (grid, THREADS, mma_smem_bytes(a)), ptrs, a.scale, &sc, Some(vec_mask)) }?;
             }
             FlashKernel::MmaFixed => {
-                let l = &a;
-                let misaligned: Vec<&str> = [
-                    ("q_a", l.q_a.vec16(qa_p)),
-                    ("q_b", q_b.is_none() || l.q_b.vec16(qb_p)),
-                    ("k_a", l.k_a.vec16(ka_p)),
-                    ("k_b", k_b.is_none() || l.k_b.vec16(kb_p)),
-                    ("v", l.v.vec16(v_p)),
-                    ("out", out_vec8(&l.out, o_p)),
-                ]
-                .into_iter()
-                .filter_map(|(n, ok)| (!ok).then_some(n))
-                .collect();
+                let misaligned = fixed_misaligned(a, [qa_p, qb_p, ka_p, kb_p, v_p, o_p], q_b.is_some());
                 if !misaligned.is_empty() {
                     return Err(GpuError::shape(
                         OP,

@@ -326,10 +326,23 @@ fn record_parts(l13: &GpuLayout, l2: &GpuLayout) -> (usize, usize) {
     (l13.weight_bytes() + 2 * l13.scale_count(), l2.weight_bytes() + 2 * l2.scale_count())
 }
 
-/// The error of an upload that records-layout experts do not take: they are filled in runs of
-/// whole records ([`GpuExperts::copy_record_run_async`]).
-fn records_only(op: &'static str, name: &str) -> GpuError {
-    GpuError::shape(op, format!("{name}: the experts are cache records in place; copy runs of whole records in"))
+/// The quantised arrays of `weights`, for the uploads only they take: records-layout experts are
+/// filled in runs of whole records ([`GpuExperts::copy_record_run_async`]); BF16 experts get
+/// `bf16_hint`.
+fn quant_arrays<'w>(
+    weights: &'w mut ExpertWeights,
+    op: &'static str,
+    name: &str,
+    bf16_hint: &str,
+) -> Result<&'w mut QuantExperts, GpuError> {
+    match weights {
+        ExpertWeights::Quant(qw) => Ok(qw),
+        ExpertWeights::Records(_) => Err(GpuError::shape(
+            op,
+            format!("{name}: the experts are cache records in place; copy runs of whole records in"),
+        )),
+        ExpertWeights::Bf16 { .. } => Err(GpuError::shape(op, format!("{name}: the experts are BF16; {bf16_hint}"))),
+    }
 }
 
 /// Refuses record parts of other sizes than the layouts' ([`record_parts`]), naming `what()`.
@@ -768,13 +781,7 @@ impl GpuExperts {
     pub fn upload_packed_expert(&mut self, dev: &GpuDevice, e: usize, p: &PackedExpert) -> Result<(), GpuError> {
         let name = &self.name;
         check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
-        let qw = match &mut self.weights {
-            ExpertWeights::Quant(qw) => qw,
-            ExpertWeights::Records(_) => return Err(records_only(OP_UPLOAD_Q, name)),
-            ExpertWeights::Bf16 { .. } => {
-                return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")))
-            }
-        };
+        let qw = quant_arrays(&mut self.weights, OP_UPLOAD_Q, name, "upload BF16 weights")?;
         let sizes = (p.w13.len(), p.s13.len(), p.w2.len(), p.s2.len());
         let want = (qw.l13.weight_bytes(), qw.l13.scale_count(), qw.l2.weight_bytes(), qw.l2.scale_count());
         check(OP_UPLOAD_Q, sizes == want, || format!("{name} expert {e}: packed for another layout"))?;
@@ -789,13 +796,7 @@ impl GpuExperts {
     pub fn upload_expert_record(&mut self, dev: &GpuDevice, e: usize, w13: &[u8], w2: &[u8]) -> Result<(), GpuError> {
         let name = &self.name;
         check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
-        let qw = match &mut self.weights {
-            ExpertWeights::Quant(qw) => qw,
-            ExpertWeights::Records(_) => return Err(records_only(OP_UPLOAD_Q, name)),
-            ExpertWeights::Bf16 { .. } => {
-                return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: the experts are BF16; upload BF16 weights")))
-            }
-        };
+        let qw = quant_arrays(&mut self.weights, OP_UPLOAD_Q, name, "upload BF16 weights")?;
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
         let want = record_parts(&qw.l13, &qw.l2);
         check_record_parts(OP_UPLOAD_Q, || format!("{name} expert {e}"), (w13.len(), w2.len()), want)?;
@@ -823,13 +824,7 @@ impl GpuExperts {
         const OP: &str = "GpuExperts::copy_records_async";
         let name = &self.name;
         check(OP, experts.end <= self.n_experts, || format!("{name}: experts {experts:?} of {}", self.n_experts))?;
-        let qw = match &mut self.weights {
-            ExpertWeights::Quant(qw) => qw,
-            ExpertWeights::Records(_) => return Err(records_only(OP, name)),
-            ExpertWeights::Bf16 { .. } => {
-                return Err(GpuError::shape(OP, format!("{name}: the experts are BF16; only quantised experts stream")))
-            }
-        };
+        let qw = quant_arrays(&mut self.weights, OP, name, "only quantised experts stream")?;
         let (b13, b2) = (qw.l13.weight_bytes(), qw.l2.weight_bytes());
         let want = record_parts(&qw.l13, &qw.l2);
         let (c13, c2) = (want.0 - b13, want.1 - b2);

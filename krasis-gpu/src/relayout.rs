@@ -61,8 +61,10 @@ pub(crate) struct PartJob {
     pub scales: u64,
 }
 
+const OP: &str = "relayout";
+
 fn to_i32(what: &str, v: usize) -> Result<i32, GpuError> {
-    i32::try_from(v).map_err(|_| GpuError::shape("relayout", format!("{what} = {v} does not fit in i32")))
+    crate::kernels::to_i32(OP, what, v)
 }
 
 /// Enqueues on `stream` the conversion of `experts` experts' part `job` (CPU parts `src_stride`
@@ -96,7 +98,7 @@ pub(crate) unsafe fn convert_part(
         group_weight_bytes: to_i32("group bytes", c.group_weight_bytes())?,
     };
     let (ss, ds) = (src_stride as i64, dst_stride as i64);
-    let y = u32::try_from(experts).map_err(|_| GpuError::shape("relayout", format!("{experts} experts")))?;
+    let y = u32::try_from(experts).map_err(|_| GpuError::shape(OP, format!("{experts} experts")))?;
     let words = to_i32("words", g.weight_bytes() / 4)?;
     let chunks = to_i32("chunks", g.chunks())?;
     let f = dev.function(&RELAYOUT, "relayout_codes")?;
@@ -109,13 +111,13 @@ pub(crate) unsafe fn convert_part(
     };
     // SAFETY: the caller's contract; the kernel reads inside each CPU part and writes `words`
     // words of each expert's codes.
-    unsafe { b.launch(cfg(words)) }.map_err(|e| GpuError::driver("relayout_codes launch", e))?;
+    unsafe { b.launch(cfg(words)) }.map_err(crate::kernels::launch_err(OP))?;
     let count = to_i32("scales", g.scale_count())?;
     let groups = to_i32("groups", g.groups())?;
     let f = dev.function(&RELAYOUT, "relayout_scales")?;
     let mut b = stream.launch_builder(&f);
     b.arg(&job.src).arg(&ss).arg(&job.scales).arg(&ds).arg(&part).arg(&groups).arg(&count);
     // SAFETY: as above, `count` scales of each expert.
-    unsafe { b.launch(cfg(count)) }.map_err(|e| GpuError::driver("relayout_scales launch", e))?;
+    unsafe { b.launch(cfg(count)) }.map_err(crate::kernels::launch_err(OP))?;
     Ok(())
 }

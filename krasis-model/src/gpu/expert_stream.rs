@@ -137,7 +137,9 @@ pub enum StreamRecords {
 
 /// The streamer's source, with what converting CPU records needs.
 enum Source {
-    Gpu(Box<ExpertCache>),
+    /// `in_place`: the slots hold the records as they are (one copy per run of experts), which
+    /// needs one record geometry for every layer; otherwise the four arrays (copies per part).
+    Gpu { cache: Box<ExpertCache>, in_place: bool },
     Cpu {
         experts: Arc<crate::quantized::CpuQuantExperts>,
         geometry: krasis_gpu::relayout::CpuRecordGeometry,
@@ -150,7 +152,7 @@ enum Source {
 impl Source {
     fn cache(&self) -> &ExpertCache {
         match self {
-            Source::Gpu(c) => c,
+            Source::Gpu { cache, .. } => cache,
             Source::Cpu { experts, .. } => experts.cache(),
         }
     }
@@ -187,8 +189,6 @@ pub struct ExpertStreamer {
     slots: Mutex<Vec<Slot>>,
     min_tokens: usize,
     split: super::StreamSplit,
-    /// The slots hold records in place (one copy per run of experts).
-    records: bool,
     copied: AtomicU64,
 }
 
@@ -222,34 +222,30 @@ impl ExpertStreamer {
                 cache.records().len()
             ))
         })?;
-        // The slots keep the cache's records as they are when every layer's records share one
-        // geometry (one copy per run of experts); otherwise the four arrays (copies per part).
+        // The slots keep GPU records as the GPU cache lays them out, (stride, w2 offset), when
+        // there is one geometry: the GPU cache's own when every layer shares it, or for CPU
+        // records the one that cache would have (the container's alignments); otherwise (`None`)
+        // the four arrays.
         let layers = h.moe_layers.len();
-        let uniform = |c: &ExpertCache| {
-            let g = (c.stride(0), c.w2_offset(0));
-            (0..layers).all(|li| (c.stride(li), c.w2_offset(li)) == g).then_some(g)
-        };
-        // Slots of GPU records: the GPU cache's geometry, or for CPU records the one the GPU cache
-        // would have (the parts 64-byte aligned, records 4 KiB apart).
-        let (geometry, in_place) = match &records {
-            StreamRecords::GpuCache(c) => match uniform(c) {
-                Some(g) => (g, true),
-                None => ((0, 0), false),
-            },
+        let slot_geometry = match &records {
+            StreamRecords::GpuCache(c) => {
+                let g = (c.stride(0), c.w2_offset(0));
+                (0..layers).all(|li| (c.stride(li), c.w2_offset(li)) == g).then_some(g)
+            }
             StreamRecords::CpuCache(_) => {
+                use krasis_cache::format::{RECORD_ALIGN, W2_ALIGN};
                 let l = krasis_gpu::moe::QuantExpertLayout::new("streamed experts", hidden, inter, bits, gs13, gs2)?;
                 let (p13, p2) = l.record_parts();
-                let w2 = p13.div_ceil(64) * 64;
-                (((w2 + p2).div_ceil(4096) * 4096, w2), true)
+                let w2 = p13.next_multiple_of(W2_ALIGN as usize);
+                Some(((w2 + p2).next_multiple_of(RECORD_ALIGN as usize), w2))
             }
         };
         let mut slots = Vec::with_capacity(SLOTS);
         for i in 0..SLOTS {
             let name = format!("streamed experts slot {i}");
-            let experts = if in_place {
-                GpuExperts::new_records(dev, &name, n, hidden, inter, bits, (gs13, gs2), geometry)?
-            } else {
-                GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?
+            let experts = match slot_geometry {
+                Some(g) => GpuExperts::new_records(dev, &name, n, hidden, inter, bits, (gs13, gs2), g)?,
+                None => GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?,
             };
             slots.push(Slot {
                 experts,
@@ -267,7 +263,7 @@ impl ExpertStreamer {
             }
         }
         let source = match records {
-            StreamRecords::GpuCache(c) => Source::Gpu(c),
+            StreamRecords::GpuCache(cache) => Source::Gpu { cache, in_place: slot_geometry.is_some() },
             StreamRecords::CpuCache(experts) => {
                 let geometry = cpu_geometry.expect("worked out above for CPU records");
                 let staging = dev.alloc_zeros::<u8>(n * geometry.stride, "streamed CPU records (staging)")?;
@@ -287,14 +283,8 @@ impl ExpertStreamer {
             slots: Mutex::new(slots),
             min_tokens,
             split,
-            records: in_place,
             copied: AtomicU64::new(0),
         })
-    }
-
-    /// Whether a forward pass of `t` tokens streams experts.
-    pub fn takes(&self, t: usize) -> bool {
-        self.gpu_experts(t) > 0
     }
 
     /// How many of each layer's first experts a forward pass of `t` tokens streams to the GPU
@@ -330,10 +320,10 @@ impl ExpertStreamer {
             self.source.cache().header().n_experts,
             SLOTS,
             krasis_core::budget::format_bytes(self.vram_bytes() as u64),
-            match (&self.source, self.records) {
-                (Source::Cpu { .. }, _) => "from the CPU expert cache (no second copy), laid out on the GPU after each copy",
-                (Source::Gpu(_), true) => "records in place, one copy per run",
-                (Source::Gpu(_), false) => "one copy per expert part",
+            match &self.source {
+                Source::Cpu { .. } => "from the CPU expert cache (no second copy), laid out on the GPU after each copy",
+                Source::Gpu { in_place: true, .. } => "records in place, one copy per run",
+                Source::Gpu { in_place: false, .. } => "one copy per expert part",
             },
             krasis_cache::describe(self.source.cache())
         )
@@ -374,10 +364,13 @@ impl ExpertStreamer {
                     r.result().map_err(|e| GpuError::Driver { op: "cuMemcpyHtoDAsync", detail: e.to_string() })?;
                     slot.experts.convert_cpu_records_async(dev, &self.copy, have..present, at, geometry)?
                 }
-                Source::Gpu(_) if self.records => slot.experts.copy_record_run_async(&self.copy, have..present, run)?,
-                Source::Gpu(_) => slot
-                    .experts
-                    .copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?,
+                Source::Gpu { in_place: true, .. } => {
+                    slot.experts.copy_record_run_async(&self.copy, have..present, run)?
+                }
+                Source::Gpu { in_place: false, .. } => {
+                    slot.experts
+                        .copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?
+                }
             }
         };
         slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;

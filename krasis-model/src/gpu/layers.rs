@@ -31,9 +31,10 @@ pub(crate) struct Ctx<'a> {
     pub pos: usize,
     /// Attention in the decode form (absorbed MLA / split-KV GQA).
     pub decode: bool,
-    /// Host MoE layers run their routed experts streamed to the GPU
-    /// ([`super::expert_stream::ExpertStreamer`]).
-    pub streamer: Option<&'a super::expert_stream::ExpertStreamer>,
+    /// Host MoE layers run their first `present` routed experts streamed to the GPU (all of them
+    /// for a long prompt) and the rest on the CPU ([`super::expert_stream::ExpertStreamer`]);
+    /// `None` when this call streams nothing.
+    pub streamer: Option<(&'a super::expert_stream::ExpertStreamer, usize)>,
 }
 
 /// KV cache geometry `(planes, row, fp8 scale group)` of a model: MLA keeps one latent+rope row
@@ -199,8 +200,7 @@ impl GpuLayer {
                 let (t, k) = (c.t, *top_k);
                 // Host experts with streaming on: all of them on the GPU for a long prompt, the
                 // first `present` (the rest on the CPU at the same time) for a short one.
-                let split = c.streamer.map(|st| (st, st.gpu_experts(t)));
-                match (experts, split) {
+                match (experts, c.streamer) {
                     (GpuExpertBackend::Resident(experts), _) => {
                         gpu_moe(c, s, GpuRoutes::Router(router), experts, k, shared.as_ref(), n)?
                     }
@@ -215,7 +215,7 @@ impl GpuLayer {
                         // shared expert go into y while the CPU computes the routed ones, whose
                         // sum is then added to y.
                         let mut cpu_from = 0;
-                        if let Some((streamer, present)) = split.filter(|&(_, p)| p > 0) {
+                        if let Some((streamer, present)) = split {
                             let routes = GpuRoutes::Published { host: &*host, present };
                             streamer.run_layer(c.dev, l, present, |experts| {
                                 gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)

@@ -303,7 +303,7 @@ impl GpuModel {
             t,
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
-            streamer: self.streamer.as_ref().filter(|st| st.takes(t)),
+            streamer: self.streamer.as_ref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
         };
         // Everything the step runs on the device is enqueued before the launching thread waits
         // for the expert thread's end-of-call reply: a wait that sleeps, so enqueueing the head
