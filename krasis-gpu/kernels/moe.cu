@@ -572,118 +572,132 @@ MOE_Q_ENTRIES(8, 1, 2, 2)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each
-// warp load is 128 contiguous bytes). The MOE_QDEC_THREADS / 32 warps take the chunks c = warp,
-// warp + W, ...; in a chunk each lane holds, per k step and n8 tile t, the 4 elements of row
-// 8t + g its mma fragment would, dequantised as in moe_qtile (BF16 q times the BF16 scale,
-// rounded once) and multiplied by x rounded to BF16, so both paths make the same roundings; only
-// the f32 summation order differs. Row sums: the 4 lanes of a row (fixed butterfly), then the
-// warps in order. GATED writes act [pair, ldo] as BF16 (zero past n_out), for either down path;
-// else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or BF16 rows (act), staged
-// as BF16 in dynamic shared memory (chunks · 64 elements, zero past k).
-#define MOE_QDEC_THREADS 512  // 16 warps (must match moe.rs): a V2-Lite layer's 6 pairs fill the SMs
-template <bool GATED, int BITS>
+// warp load is 128 contiguous bytes). Warp w works on panel w % NP (GATED: even warps gate, odd
+// warps up) and takes its chunks c = w / NP, + W / NP, ..., the next chunk's words in flight while
+// it multiplies the current one. The products run on the tensor cores with the weights as the
+// A operand: the stored B fragments of n8 tiles 2j and 2j + 1 (rows 8t + g, k 2q.., 2q + 8..) are
+// exactly A's fragment of m16 tile j, dequantised as in moe_qtile (BF16 q times the BF16 scale,
+// rounded once); x rounded to BF16 is B with all 8 columns equal, so lane (g, q) ends with the
+// f32 sums of rows 16j + g and 16j + g + 8 (the other columns are the same sums; only one is
+// used). Same roundings as the tiles; only the f32 summation order differs. Row sums across
+// the warps of a panel in order. GATED writes act [pair, ldo] as BF16 (zero past n_out), for either
+// down path; else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or BF16 rows (act),
+// staged as BF16 in dynamic shared memory (chunks · 64 elements, zero past k). Launched as a
+// dependent launch: everything after KRASIS_GRID_WAIT.
+#define MOE_QDEC_GU_THREADS 512  // gate/up block, 16 warps (must match moe.rs): a V2-Lite layer's 6
+                                 // pairs × 22 panels are one block per SM (~125 registers a thread)
+#define MOE_QDEC_DN_THREADS 256  // down block, 8 warps (must match moe.rs): 6 pairs × 32 panels fit
+                                 // in one wave at 2 blocks per SM (16 warps: two waves)
+template <bool GATED, int BITS, int THREADS>
 __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                          int gs, int n_panels, int n_out, const float* __restrict__ a_f32,
                                          const bf16_t* __restrict__ a_bf16, int k, int lda, int a_div,
                                          float* __restrict__ ypair, bf16_t* __restrict__ out, int ldo,
                                          const int* __restrict__ ids, int n_experts) {
-    constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;
-    constexpr int NP = GATED ? 2 : 1;  // panels per block
-    constexpr int WARPS = MOE_QDEC_THREADS / 32;
-    constexpr int J = BITS;  // words per lane per k step: INT4 tile pairs, INT8 tiles
+    constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
+    constexpr int NP = GATED ? 2 : 1;                                  // panels per block
+    constexpr int WARPS = THREADS / 32;
+    constexpr int CW = WARPS / NP;  // warps per panel
+    constexpr int J = BITS;         // words per lane per k step: INT4 tile pairs, INT8 tiles
+    constexpr int WORDS = 4 * J;    // per lane per chunk
+    static_assert(WARPS % NP == 0, "whole warps per panel");
     extern __shared__ __align__(16) unsigned char moe_smem[];
     bf16_t* xs = (bf16_t*)moe_smem;                             // [chunks · 64]
-    float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][NP][64]
+    float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][64]
 
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int pair = blockIdx.x;
     const int e = ids[pair];
     if (e < 0 || e >= n_experts) return;  // uniform over the block, before any barrier
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const int pp = warp % NP;
+    const int panel = pp == 0 ? (int)blockIdx.y : n_panels / 2 + (int)blockIdx.y;
+    const u32* __restrict__ wp =
+        (const u32*)(w + (long long)e * expert_wbytes) + (long long)panel * chunks * BLOCK_WORDS + lane;
+    const unsigned short* __restrict__ sp =
+        sc + (long long)e * expert_scales + (long long)panel * groups * MOE_QPANEL + g * 8;
+    u32 v[2][WORDS];
+    auto load = [&](u32(&d)[WORDS], int c) {
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) d[i] = __ldg(wp + (long long)c * BLOCK_WORDS + i * 32);
+    };
+    int c = warp / NP;
+    if (c < chunks) load(v[0], c);  // the weights' loads go out before the activation staging
+
     const long long arow = (long long)(pair / a_div) * lda;
-    for (int j = tid; j < chunks * MOE_QCHUNK; j += MOE_QDEC_THREADS)
+    for (int j = tid; j < chunks * MOE_QCHUNK; j += THREADS)
         xs[j] = j < k ? (GATED ? f32_to_bf16(a_f32[arow + j]) : a_bf16[arow + j]) : (bf16_t)0;
     __syncthreads();
 
-    int panel[NP];
-    panel[0] = blockIdx.y;
-    if (GATED) panel[NP - 1] = n_panels / 2 + blockIdx.y;
-    const unsigned char* we = w + (long long)e * expert_wbytes;
-    const unsigned short* se = sc + (long long)e * expert_scales;
-    float acc[NP][8];
+    float acc[4][4];
 #pragma unroll
-    for (int pp = 0; pp < NP; ++pp)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int t = 0; t < 8; ++t) acc[pp][t] = 0.0f;
-    for (int c = warp; c < chunks; c += WARPS) {
-        u32 v[NP][4][J];  // per panel, k step and word
-#pragma unroll
-        for (int pp = 0; pp < NP; ++pp) {
-            const u32* blk = (const u32*)(we + ((long long)panel[pp] * chunks + c) * BLOCK);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-                for (int j = 0; j < J; ++j) v[pp][ks][j] = __ldg(blk + (ks * J + j) * 32 + lane);
-        }
+        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    auto multiply = [&](const u32(&vv)[WORDS], int c) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int grp = (c * MOE_QCHUNK + half * 32) / gs;
-            u32 sb[NP][8];
+            const uint4 raw = __ldg((const uint4*)(sp + (long long)grp * MOE_QPANEL));
+            const u32 sw[4] = {raw.x, raw.y, raw.z, raw.w};
+            u32 sb[8];
 #pragma unroll
-            for (int pp = 0; pp < NP; ++pp) {
-                const uint4 raw = __ldg((const uint4*)(se + ((long long)panel[pp] * groups + grp) * MOE_QPANEL + g * 8));
-                const u32 sw[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-                for (int t = 0; t < 8; ++t) sb[pp][t] = f16_to_bf16x2((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
-            }
+            for (int t = 0; t < 8; ++t) sb[t] = f16_to_bf16x2((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
 #pragma unroll
             for (int k2 = 0; k2 < 2; ++k2) {
                 const int ks = half * 2 + k2;
                 const int k0 = c * MOE_QCHUNK + ks * 16 + 2 * q;
                 const u32 xa = *(const u32*)(xs + k0), xb = *(const u32*)(xs + k0 + 8);
-                const float x0 = __uint_as_float(xa << 16), x1 = __uint_as_float(xa & 0xffff0000u);
-                const float x2 = __uint_as_float(xb << 16), x3 = __uint_as_float(xb & 0xffff0000u);
 #pragma unroll
-                for (int pp = 0; pp < NP; ++pp) {
-#pragma unroll
-                    for (int t = 0; t < 8; ++t) {
-                        u32 b0, b1;
-                        if (BITS == 4) {
-                            b0 = int4_pair(v[pp][ks][t / 2], 2 * (t % 2));
-                            b1 = int4_pair(v[pp][ks][t / 2], 2 * (t % 2) + 1);
-                        } else {
-                            b0 = int8_pair(v[pp][ks][t], 0);
-                            b1 = int8_pair(v[pp][ks][t], 2);
-                        }
-                        b0 = fma_bf16x2(b0, sb[pp][t], BF16X2_NEG_ZERO);
-                        b1 = fma_bf16x2(b1, sb[pp][t], BF16X2_NEG_ZERO);
-                        float s = acc[pp][t];
-                        s = fmaf(__uint_as_float(b0 << 16), x0, s);
-                        s = fmaf(__uint_as_float(b0 & 0xffff0000u), x1, s);
-                        s = fmaf(__uint_as_float(b1 << 16), x2, s);
-                        s = fmaf(__uint_as_float(b1 & 0xffff0000u), x3, s);
-                        acc[pp][t] = s;
+                for (int j = 0; j < 4; ++j) {
+                    // A of m16 tile j: tile 2j's (b0, b1) and tile 2j + 1's, as rows g and g + 8.
+                    u32 lo0, lo1, hi0, hi1;
+                    if (BITS == 4) {
+                        const u32 word = vv[ks * J + j];  // tiles 2j and 2j + 1
+                        lo0 = int4_pair(word, 0);
+                        lo1 = int4_pair(word, 1);
+                        hi0 = int4_pair(word, 2);
+                        hi1 = int4_pair(word, 3);
+                    } else {
+                        const u32 w0 = vv[ks * J + 2 * j], w1 = vv[ks * J + 2 * j + 1];
+                        lo0 = int8_pair(w0, 0);
+                        lo1 = int8_pair(w0, 2);
+                        hi0 = int8_pair(w1, 0);
+                        hi1 = int8_pair(w1, 2);
                     }
+                    const u32 a[4] = {fma_bf16x2(lo0, sb[2 * j], BF16X2_NEG_ZERO),
+                                      fma_bf16x2(hi0, sb[2 * j + 1], BF16X2_NEG_ZERO),
+                                      fma_bf16x2(lo1, sb[2 * j], BF16X2_NEG_ZERO),
+                                      fma_bf16x2(hi1, sb[2 * j + 1], BF16X2_NEG_ZERO)};
+                    mma_bf16(acc[j], a, xa, xb);
                 }
             }
         }
+    };
+    // Two register buffers: chunk c + CW loads while chunk c multiplies.
+    for (; c < chunks; c += 2 * CW) {
+        if (c + CW < chunks) load(v[1], c + CW);
+        multiply(v[0], c);
+        if (c + CW >= chunks) break;
+        if (c + 2 * CW < chunks) load(v[0], c + 2 * CW);
+        multiply(v[1], c + CW);
     }
+    if (q == 0) {
 #pragma unroll
-    for (int pp = 0; pp < NP; ++pp)
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-            float s = acc[pp][t];
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            if (q == 0) red[(warp * NP + pp) * MOE_QPANEL + 8 * t + g] = s;
+        for (int j = 0; j < 4; ++j) {
+            red[warp * MOE_QPANEL + 16 * j + g] = acc[j][0];
+            red[warp * MOE_QPANEL + 16 * j + 8 + g] = acc[j][2];
         }
+    }
     __syncthreads();
     if (tid >= MOE_QPANEL) return;
     float r[NP];
 #pragma unroll
-    for (int pp = 0; pp < NP; ++pp) {
-        r[pp] = 0.0f;
-        for (int wi = 0; wi < WARPS; ++wi) r[pp] += red[(wi * NP + pp) * MOE_QPANEL + tid];
+    for (int p = 0; p < NP; ++p) {
+        r[p] = 0.0f;
+        for (int wi = p; wi < WARPS; wi += NP) r[p] += red[wi * MOE_QPANEL + tid];
     }
     const int o = blockIdx.y * MOE_QPANEL + tid;
     if (GATED) {
@@ -698,18 +712,18 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 // grid (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid
 // (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 16 · 2 · 64 · 4 bytes.
 #define MOE_QDEC_ENTRIES(BITS)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MOE_QDEC_THREADS) moe_q##BITS##_dec_gate_up(                     \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
         bf16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
-        moe_qdec<true, BITS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
+        moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
                              nullptr, hidden, hidden, top_k, nullptr, act, inter_pad, ids, n_experts);            \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MOE_QDEC_THREADS) moe_q##BITS##_dec_down(                        \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter, int inter_pad,    \
         float* ypair, const int* ids, int n_experts) {                                                            \
-        moe_qdec<false, BITS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,         \
+        moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,         \
                               nullptr, act, inter, inter_pad, 1, ypair, nullptr, hidden, ids, n_experts);         \
     }
 MOE_QDEC_ENTRIES(4)
@@ -816,6 +830,8 @@ extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, in
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
                                        const float* __restrict__ weights, float* __restrict__ out, int tokens,
                                        int top_k, int hidden, int n_experts, int n_present) {
+    KRASIS_GRID_WAIT();  // launched as a dependent launch on the decode path
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int t = blockIdx.x;
     if (t >= tokens) return;
     bool valid = true;

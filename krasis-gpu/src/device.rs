@@ -246,6 +246,25 @@ pub struct GpuDevice {
     uploads: std::sync::atomic::AtomicU64,
     /// [`GpuDevice::launch_dependent`] asks for programmatic dependent launch (sm_90 kernels).
     pdl: bool,
+    /// The second compute stream of [`GpuDevice::on_side_stream`], made on first use.
+    side: OnceLock<SideStream>,
+}
+
+/// A second compute stream for work that overlaps the compute stream's (a decode step's shared
+/// expert beside its routed experts), ordered with two reusable events.
+struct SideStream {
+    stream: Arc<CudaStream>,
+    fork: CudaEvent,
+    join: CudaEvent,
+    /// The thread ([`thread_token`]) whose launches go to the side stream now; 0: none.
+    owner: std::sync::atomic::AtomicU64,
+}
+
+/// A number unique to the calling thread (never 0).
+fn thread_token() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    thread_local!(static TOKEN: u64 = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    TOKEN.with(|t| *t)
 }
 
 /// The parameter array of [`GpuDevice::launch_dependent`]: a pointer to each argument value (the
@@ -304,6 +323,7 @@ impl GpuDevice {
                 host_syncs: Default::default(),
                 uploads: Default::default(),
                 pdl: target.arch >= 90 && std::env::var("KRASIS_PDL").as_deref() != Ok("0"),
+                side: OnceLock::new(),
             })
         })
     }
@@ -350,7 +370,7 @@ impl GpuDevice {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: self.stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: u32::from(self.pdl && early),
         };
@@ -371,9 +391,65 @@ impl GpuDevice {
         &self.ctx
     }
 
-    /// The compute stream: every op and every allocation runs on it.
+    /// The compute stream: every op and every allocation runs on it (the ops launched inside
+    /// [`GpuDevice::on_side_stream`] by the thread that called it run on the side stream).
     pub fn stream(&self) -> &Arc<CudaStream> {
+        match self.side.get() {
+            Some(side) if side.owner.load(std::sync::atomic::Ordering::Relaxed) == thread_token() => &side.stream,
+            _ => &self.stream,
+        }
+    }
+
+    /// The compute stream, also inside [`GpuDevice::on_side_stream`].
+    pub(crate) fn main_stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Whether this thread's launches go to the side stream now.
+    pub(crate) fn on_side(&self) -> bool {
+        !Arc::ptr_eq(self.stream(), &self.stream)
+    }
+
+    /// Runs `work` with this thread's kernel launches on a second stream that starts after
+    /// everything enqueued on the compute stream so far, so they may overlap what the compute
+    /// stream runs next; [`GpuDevice::join_side_stream`] orders the compute stream after them
+    /// again and must come before anything reads what `work` writes. Only kernel launches move:
+    /// allocations, copies and cuBLAS stay on the compute stream (`work` must not need them;
+    /// [`crate::linear::GemmContext`] refuses to run there). Not reentrant.
+    pub fn on_side_stream<R, E: From<GpuError>>(&self, work: impl FnOnce() -> Result<R, E>) -> Result<R, E> {
+        if self.side.get().is_none() {
+            let side = SideStream {
+                stream: self.new_stream()?,
+                fork: self.new_event(false)?,
+                join: self.new_event(false)?,
+                owner: Default::default(),
+            };
+            let _ = self.side.set(side); // a racing thread's copy serves as well
+        }
+        let side = self.side.get().expect("set above");
+        let d = |op, e| GpuError::driver(op, e);
+        side.fork.record(&self.stream).map_err(|e| d("cuEventRecord", e))?;
+        side.stream.wait(&side.fork).map_err(|e| d("cuStreamWaitEvent", e))?;
+        struct Restore<'a>(&'a std::sync::atomic::AtomicU64);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.store(0, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+        side.owner.store(thread_token(), std::sync::atomic::Ordering::Relaxed);
+        let restore = Restore(&side.owner);
+        let r = work();
+        drop(restore);
+        side.join.record(&side.stream).map_err(|e| d("cuEventRecord", e))?;
+        r
+    }
+
+    /// Orders the compute stream after the last [`GpuDevice::on_side_stream`] work.
+    pub fn join_side_stream(&self) -> Result<(), GpuError> {
+        match self.side.get() {
+            Some(side) => self.stream.wait(&side.join).map_err(|e| GpuError::driver("cuStreamWaitEvent", e)),
+            None => Ok(()),
+        }
     }
 
     /// The NVRTC target kernels are built for (`sm_90`, or `compute_XY` PTX when NVRTC is older

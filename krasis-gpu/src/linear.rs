@@ -275,7 +275,7 @@ impl GemmContext {
 
     /// Checks that the context belongs to `dev`'s stream.
     pub(crate) fn check_device(&self, dev: &GpuDevice, op: &'static str) -> Result<(), GpuError> {
-        check(op, Arc::ptr_eq(&self.stream, dev.stream()), || {
+        check(op, Arc::ptr_eq(&self.stream, dev.main_stream()), || {
             "the GemmContext was created for another GpuDevice (stream)".to_string()
         })
     }
@@ -290,6 +290,8 @@ impl GemmContext {
         bytes: usize,
     ) -> Result<MutexGuard<'_, Inner>, GpuError> {
         self.check_device(dev, op)?;
+        // cuBLAS and the scratch belong to the compute stream.
+        check(op, !dev.on_side(), || "cuBLAS or the GEMM scratch asked for on the side stream".to_string())?;
         self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let have = g.scratch.as_ref().map_or(0, |b| b.len());
@@ -486,6 +488,15 @@ impl GpuLinear {
     /// Forces the kernel of a BF16 weight (no effect on INT8). For tests and tuning: every path
     /// rounds x to BF16 and accumulates in f32, so they agree up to f32 rounding order.
     #[doc(hidden)]
+    /// Whether [`GpuLinear::forward`] of `m` rows runs a GEMV of its own (no cuBLAS, no GEMM
+    /// scratch), as work on [`GpuDevice::on_side_stream`] must.
+    pub fn runs_alone(&self, m: usize) -> bool {
+        match &self.w {
+            Weights::Bf16(_) => m <= BF16_GEMV_MAX_M && self.bf16_path != Bf16Path::Cublas,
+            Weights::Int8 { .. } => m <= INT8_GEMV_MAX_M,
+        }
+    }
+
     pub fn set_bf16_path(&mut self, path: Bf16Path) {
         self.bf16_path = path;
     }

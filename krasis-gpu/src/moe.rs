@@ -28,6 +28,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use krasis_quant::gpu_layout::{self, GpuLayout};
 use krasis_quant::{Bits, QuantizedMatrix};
 
+use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::linear::{align_up, check, launch_err, to_i32, Carve, GemmContext};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
@@ -126,15 +127,17 @@ const QTILE_VARIANTS: [QTileVariant; 2] = [
 /// The variant the quantised tiles use unless a test or tuning run picks another.
 const DEFAULT_QTILE_VARIANT: usize = 0;
 
-/// Dynamic shared memory of a quantised decode-path block (`moe_qdec`): the activation row as
-/// BF16 over `chunks` chunks of 64, and every warp's partial sums of two panels.
-fn qdec_smem(chunks: usize) -> usize {
-    chunks * gpu_layout::CHUNK_K * 2 + (MOE_QDEC_THREADS as usize / 32) * 2 * gpu_layout::PANEL_ROWS * 4
+/// Dynamic shared memory of a quantised decode-path block (`moe_qdec`) of `threads` threads: the
+/// activation row as BF16 over `chunks` chunks of 64, and every warp's partial sums of a panel.
+fn qdec_smem(chunks: usize, threads: u32) -> usize {
+    chunks * gpu_layout::CHUNK_K * 2 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
 }
 
-/// Threads of a quantised decode-path block (`MOE_QDEC_THREADS` in moe.cu): 16 warps splitting
-/// K, so a V2-Lite layer's 6 pairs × 22 panels give every SM 16 warps of loads.
-const MOE_QDEC_THREADS: u32 = 512;
+/// Threads of a quantised decode-path gate/up block (`MOE_QDEC_GU_THREADS` in moe.cu): 16 warps
+/// splitting K, so a V2-Lite layer's 6 pairs × 22 panels give every SM 16 warps of loads.
+const MOE_QDEC_GU_THREADS: u32 = 512;
+/// The down block's (`MOE_QDEC_DN_THREADS`): 8 warps, so its 6 × 32 blocks run in one wave.
+const MOE_QDEC_DN_THREADS: u32 = 256;
 
 /// Largest dynamic shared memory a kernel gets without opting in; quantised experts whose
 /// activation rows need more take the tiles at decode too.
@@ -185,6 +188,20 @@ impl QMatrixArgs {
     fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
         b.arg(&self.w).arg(&self.s).arg(&self.expert_bytes).arg(&self.expert_scales);
         b.arg(&self.chunks).arg(&self.groups).arg(&self.gs).arg(&self.panels);
+    }
+
+    /// The same arguments as [`GpuDevice::launch_dependent`] takes them (pointers to the values).
+    fn params(&self) -> [*mut std::ffi::c_void; 8] {
+        kernel_args![
+            &self.w,
+            &self.s,
+            &self.expert_bytes,
+            &self.expert_scales,
+            &self.chunks,
+            &self.groups,
+            &self.gs,
+            &self.panels
+        ]
     }
 }
 
@@ -885,7 +902,10 @@ impl GpuExperts {
     pub fn uses_decode_path(&self, tokens: usize, top_k: usize) -> bool {
         let fits = match self.quant_layouts() {
             None => true,
-            Some((l13, l2)) => qdec_smem(l13.chunks().max(l2.chunks())) <= DEFAULT_SMEM_LIMIT,
+            Some((l13, l2)) => {
+                qdec_smem(l13.chunks(), MOE_QDEC_GU_THREADS).max(qdec_smem(l2.chunks(), MOE_QDEC_DN_THREADS))
+                    <= DEFAULT_SMEM_LIMIT
+            }
         };
         fits && tokens.saturating_mul(top_k) <= self.decode_max_pairs
     }
@@ -1048,8 +1068,7 @@ impl GpuExperts {
         let (ldw13, ldw2) = (hp as i32, ip as i32);
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
-            let mut b = s.launch_builder(&combine);
-            b.arg(ypair).arg(ids_t).arg(w_t).arg(out_t).arg(&nt_i).arg(&k_i).arg(&h_i).arg(&all_i).arg(&e_i);
+            let mut args = kernel_args![ypair, ids_t, w_t, out_t, &nt_i, &k_i, &h_i, &all_i, &e_i];
             // Tokens on x, column chunks of COMBINE_THREADS on y (capped; the kernel strides).
             let chunks = h.div_ceil(COMBINE_THREADS as usize).min(65535) as u32;
             let cfg = LaunchConfig {
@@ -1057,8 +1076,9 @@ impl GpuExperts {
                 block_dim: (COMBINE_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: ypair [pairs, hidden] (rows of bad pairs are read but discarded), out [nt, hidden].
-            unsafe { b.launch(cfg) }.map_err(launch_err(OP))
+            // SAFETY: ypair [pairs, hidden] (rows of bad pairs are read but discarded), out [nt, hidden];
+            // the kernel waits for the previous kernel before touching memory.
+            unsafe { dev.launch_dependent(OP, &combine, cfg, &mut args, true) }
         };
         let mut t0 = 0;
         while t0 < t {
@@ -1072,23 +1092,24 @@ impl GpuExperts {
 
             let decode = self.uses_decode_path(nt, top_k);
             if let (true, Some((q, a13, a2, _, [dec_gu, dec_dn]))) = (decode, &quant) {
-                let grid = |panels: usize, chunks: usize| LaunchConfig {
+                let grid = |panels: usize, chunks: usize, threads: u32| LaunchConfig {
                     grid_dim: (pairs as u32, panels as u32, 1),
-                    block_dim: (MOE_QDEC_THREADS, 1, 1),
-                    shared_mem_bytes: qdec_smem(chunks) as u32,
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: qdec_smem(chunks, threads) as u32,
                 };
-                let mut b = s.launch_builder(dec_gu);
-                a13.push(&mut b);
-                b.arg(&i_i).arg(&x_t).arg(&h_i).arg(&k_i).arg(&act_hi).arg(&ldw2).arg(&ids_t).arg(&e_i);
+                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &act_hi, &ldw2, &ids_t, &e_i];
+                let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
-                // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64).
-                unsafe { b.launch(grid(q.0.panels() / 2, q.0.chunks())) }.map_err(launch_err(OP))?;
-                let mut b = s.launch_builder(dec_dn);
-                a2.push(&mut b);
-                b.arg(&h_i).arg(&act_hi).arg(&i_i).arg(&ldw2).arg(&ypair).arg(&ids_t).arg(&e_i);
+                // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64); the
+                // kernel waits for the previous kernel before touching memory.
+                let cfg = grid(q.0.panels() / 2, q.0.chunks(), MOE_QDEC_GU_THREADS);
+                unsafe { dev.launch_dependent(OP, dec_gu, cfg, &mut args, true) }?;
+                let rest = kernel_args![&h_i, &act_hi, &i_i, &ldw2, &ypair, &ids_t, &e_i];
+                let mut args: Vec<_> = a2.params().into_iter().chain(rest).collect();
                 // SAFETY: w2/s2 [E, l2]; act_hi [pairs, ldw2]; ypair [pairs, hidden], columns
-                // below hidden only.
-                unsafe { b.launch(grid(q.1.panels(), q.1.chunks())) }.map_err(launch_err(OP))?;
+                // below hidden only; waits as above.
+                let cfg = grid(q.1.panels(), q.1.chunks(), MOE_QDEC_DN_THREADS);
+                unsafe { dev.launch_dependent(OP, dec_dn, cfg, &mut args, true) }?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
                 t0 += nt;
                 continue;

@@ -63,6 +63,22 @@ pub(crate) struct GpuMlp {
 }
 
 impl GpuMlp {
+    /// Whether [`GpuMlp::forward`] of `t` rows may run on the side stream (GEMVs only).
+    fn runs_alone(&self, t: usize) -> bool {
+        self.gate_up.runs_alone(t) && self.down.runs_alone(t)
+    }
+
+    /// Grows the scratch slots [`GpuMlp::forward`] writes for `t` rows (allocations stay on the
+    /// compute stream: done before work moves to the side stream).
+    fn reserve(&self, c: &Ctx, s: &mut StepIo, t: usize) -> Result<()> {
+        let (inter, hidden) = (self.gate_up.rows() / 2, self.down.rows());
+        let [gate_up_slot, _, act_slot, shared_out_slot, ..] = &mut s.scratch.f;
+        grow(c.dev, gate_up_slot, t * 2 * inter, "mlp gate+up")?;
+        grow(c.dev, act_slot, t * inter, "mlp activation")?;
+        grow(c.dev, shared_out_slot, t * hidden, "shared expert output")?;
+        Ok(())
+    }
+
     /// `out = down(silu(gate(x)) · up(x))` for `x` the session's `xn`, into `y` (`to_y`) or f32
     /// scratch slot 3 (the shared expert's output); slots 0 and 2 are temporaries.
     fn forward(&self, c: &Ctx, s: &mut StepIo, to_y: bool) -> Result<()> {
@@ -278,6 +294,16 @@ fn gpu_moe(
     n: usize,
 ) -> Result<()> {
     let t = c.t;
+    // A decode step's shared expert runs on the side stream beside the router and the routed
+    // experts: both chains are a few latency-bound launches at one token, so they overlap.
+    let beside = match shared {
+        Some(sh) if c.decode && matches!(routes, GpuRoutes::Router(_)) && sh.runs_alone(t) => Some(sh),
+        _ => None,
+    };
+    if let Some(sh) = beside {
+        sh.reserve(c, s, t)?;
+        c.dev.on_side_stream(|| sh.forward(c, s, false))?;
+    }
     let sc = &mut *s.scratch;
     let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
     let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
@@ -307,7 +333,11 @@ fn gpu_moe(
         &mut sc.y.slice_mut().slice_mut(..n),
     )?;
     if let Some(sh) = shared {
-        sh.forward(c, s, false)?;
+        if beside.is_some() {
+            c.dev.join_side_stream()?;
+        } else {
+            sh.forward(c, s, false)?;
+        }
         let sc = &mut *s.scratch;
         let o = sc.f[3].as_ref().expect("written by the shared expert");
         c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
