@@ -255,13 +255,15 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, const f
                 norm_topk_prob, routed_scaling_factor);
 }
 
-// The hybrid engine's hand-off in one launch: router_logits, then router_topk, then publication
-// to page-locked host memory the GPU maps (the CPU expert thread reads it):
+// Routing in one launch: router_logits, then router_topk, then (the hybrid engine's hand-off)
+// publication to page-locked host memory the GPU maps (the CPU expert thread reads it):
 //   block (e, y) computes expert e's logits of token tile y as router_logits does, then counts
 //   itself done on tile_done[y]; the tile's last block (it sees E - 1) routes the tile's tokens
 //   with rt_topk_row (ids and weights straight into host_ids / host_w) and copies their x rows to
 //   host_x. It then counts the tile on all_done; the grid's last tile stores `seq` to the host
 //   flag, after a system-wide fence, so a host that sees the flag sees every published byte.
+//   With host_x and flag null, host_ids / host_w may be device memory: routing alone (a decode
+//   step's router, one launch instead of two).
 // Counters are device memory, zero before the launch; the last blocks reset them to zero, so the
 // next launch finds them so. Logits of other blocks are read with ld.cg (L2): a block's L1 may
 // not hold lines it never loaded, but ld.cg states the intent.
@@ -295,15 +297,18 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
         rt_topk_row(row, bias, host_ids + (long long)tok * top_k, host_w + (long long)tok * top_k, n_experts, scoring,
                     method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor);
     }
-    const long long n = (long long)nt * hidden;
-    const float* src = x + (long long)t0 * hidden;
-    float* dst = host_x + (long long)t0 * hidden;
-    if ((hidden & 3) == 0 && (((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
-        for (long long i = threadIdx.x; i < n / 4; i += blockDim.x)
-            reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
-    } else {
-        for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+    if (host_x) {
+        const long long n = (long long)nt * hidden;
+        const float* src = x + (long long)t0 * hidden;
+        float* dst = host_x + (long long)t0 * hidden;
+        if ((hidden & 3) == 0 && (((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
+            for (long long i = threadIdx.x; i < n / 4; i += blockDim.x)
+                reinterpret_cast<float4*>(dst)[i] = reinterpret_cast<const float4*>(src)[i];
+        } else {
+            for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+        }
     }
+    if (!flag) return;  // routing alone: the stream orders the readers
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {

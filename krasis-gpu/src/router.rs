@@ -9,7 +9,9 @@
 //! group limit (DeepSeek-V2 group max, DeepSeek-V3 `noaux_tc` top-2 sum of bias-corrected scores,
 //! others set to 0.0), the top-k by (value desc, index asc), then weights from the unbiased
 //! scores, optionally renormalised (`+1e-20` for sigmoid) and scaled. The kernel file's header
-//! says where results may differ from the CPU in the last bit.
+//! says where results may differ from the CPU in the last bit. Up to one tile of tokens (decode)
+//! runs both in one launch, `router_publish` (the hybrid hand-off's kernel, with device outputs):
+//! the tile's last logits block applies the rule.
 //!
 //! The rule is krasis-core's [`RoutingRule`], the same value the CPU router takes.
 
@@ -225,6 +227,12 @@ impl GpuRouter {
         }
         let Some((tiles, t_i)) = call else { return Ok(()) };
         let s = dev.stream();
+        if tiles == 1 {
+            // One token tile (decode): logits and rule in one launch.
+            let (i_p, _g0) = ids.device_ptr_mut(s);
+            let (o_p, _g1) = weights.device_ptr_mut(s);
+            return self.route_fused(dev, x, t, (0, i_p, o_p), (0, 0));
+        }
         let (e_i, h_i) = (e as i32, self.hidden as i32);
         let mut scratch = self.logits_scratch(dev, t)?;
         let logits = scratch.as_mut().expect("allocated");
@@ -266,7 +274,7 @@ impl GpuRouter {
         t: usize,
         to: &PublishTarget<'_>,
     ) -> Result<(), GpuError> {
-        let (e, h, k) = (self.n_experts, self.hidden, self.cfg.top_k);
+        let (h, k) = (self.hidden, self.cfg.top_k);
         let name = &self.name;
         if to.x.len() < t * h || to.ids.len() < t * k || to.weights.len() < t * k {
             return Err(bad(
@@ -279,10 +287,28 @@ impl GpuRouter {
                 ),
             ));
         }
-        let Some((tiles, t_i)) = self.check_call(x, t)? else {
+        if t == 0 {
+            self.check_call(x, t)?;
             to.flag.store(to.seq);
             return Ok(());
-        };
+        }
+        let (hx, hi, hw, fl) = (to.x.device_ptr(), to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
+        self.route_fused(dev, x, t, (hx, hi, hw), (fl, to.seq))
+    }
+
+    /// `router_publish`: logits, rule and (with a non-null `x_out`) the copy of `x`, writing the
+    /// routes to `ids_out` / `w_out` (device or mapped host memory) and, with a non-null `flag`,
+    /// storing `seq` there after a system-wide fence. `t > 0`.
+    fn route_fused(
+        &self,
+        dev: &GpuDevice,
+        x: &impl DevicePtr<f32>,
+        t: usize,
+        (x_out, ids_out, w_out): (u64, u64, u64),
+        (flag, seq): (u64, u64),
+    ) -> Result<(), GpuError> {
+        let (e, h) = (self.n_experts, self.hidden);
+        let Some((tiles, t_i)) = self.check_call(x, t)? else { return Ok(()) };
         let s = dev.stream();
         let (e_i, h_i) = (e as i32, h as i32);
         let mut scratch = self.logits_scratch(dev, t)?;
@@ -290,7 +316,7 @@ impl GpuRouter {
         let mut counters = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         if counters.as_ref().is_none_or(|c| c.len() < tiles + 1) {
             *counters = None;
-            *counters = Some(dev.alloc_zeros::<u32>(tiles + 1, &format!("router {name} hand-off counters"))?);
+            *counters = Some(dev.alloc_zeros::<u32>(tiles + 1, &format!("router {} counters", self.name))?);
         }
         let c = counters.as_mut().expect("allocated");
         let rule = self.rule_args();
@@ -300,7 +326,6 @@ impl GpuRouter {
         let (b_p, _g3) = self.bias_ptr(s);
         let (c_p, _g4) = c.device_ptr_mut(s);
         let all_p = c_p + (tiles * std::mem::size_of::<u32>()) as u64;
-        let (hx, hi, hw, fl) = (to.x.device_ptr(), to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
         let f = dev.function(&ROUTER, "router_publish")?;
         let r = &rule;
         let mut args = kernel_args![
@@ -318,17 +343,17 @@ impl GpuRouter {
             &r.top_k,
             &r.norm,
             &r.scale,
-            &hx,
-            &hi,
-            &hw,
+            &x_out,
+            &ids_out,
+            &w_out,
             &c_p,
             &all_p,
-            &fl,
-            &to.seq
+            &flag,
+            &seq
         ];
         // SAFETY: argument list matches the kernel; w [E, h], x [t, h], logits ≥ [t, E], bias [E]
-        // or null, host buffers ≥ [t, h] / [t, k] (checked), counters [tiles + 1] zeroed; the
-        // kernel waits for the previous one first.
+        // or null, outputs ≥ [t, h] / [t, k] (checked by the callers), counters [tiles + 1]
+        // zeroed; the kernel waits for the previous one first.
         unsafe { dev.launch_dependent(OP, &f, logits_config(e, tiles), &mut args, true) }
     }
 

@@ -28,6 +28,10 @@ pub(crate) struct StepProfile {
     /// Device milliseconds per part, and forward calls, since the session began.
     ms: [f64; PARTS],
     calls: u64,
+    /// When the open call's first event was recorded, and the host milliseconds from there to
+    /// its `Head` mark (everything enqueued, before the read-back), summed over the calls.
+    opened: Option<std::time::Instant>,
+    host_ms: f64,
 }
 
 impl StepProfile {
@@ -38,11 +42,21 @@ impl StepProfile {
             used: 0,
             ms: [0.0; PARTS],
             calls: 0,
+            opened: None,
+            host_ms: 0.0,
         })
     }
 
     /// Records an event ending `part` (the first mark of a call starts it).
     pub fn mark(&mut self, dev: &GpuDevice, part: Part) -> Result<()> {
+        if self.used == 0 {
+            self.opened = Some(std::time::Instant::now());
+        }
+        if part == Part::Head {
+            if let Some(t) = self.opened.take() {
+                self.host_ms += t.elapsed().as_secs_f64() * 1e3;
+            }
+        }
         if self.used == self.events.len() {
             self.events.push((dev.new_event(true)?, part));
         }
@@ -71,13 +85,14 @@ impl StepProfile {
     pub fn summary(&self) -> String {
         let n = self.calls.max(1) as f64;
         format!(
-            "GPU profile over {} calls, device ms per call: start {:.3}, attention {:.3}, ffn {:.3}, head+sampling {:.3}, total {:.3}",
+            "GPU profile over {} calls, device ms per call: start {:.3}, attention {:.3}, ffn {:.3}, head+sampling {:.3}, total {:.3}; host enqueue {:.3}",
             self.calls,
             self.ms[0] / n,
             self.ms[1] / n,
             self.ms[2] / n,
             self.ms[3] / n,
-            self.ms.iter().sum::<f64>() / n
+            self.ms.iter().sum::<f64>() / n,
+            self.host_ms / n
         )
     }
 }
