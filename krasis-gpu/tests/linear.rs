@@ -287,6 +287,57 @@ fn bf16_gemv_pair_equals_two_forwards() {
     }
 }
 
+/// Work on the side stream (`GpuDevice::on_side_stream`): a GEMV launched there reads what the
+/// compute stream wrote before the fork and, after `join_side_stream`, the compute stream reads
+/// what it wrote, bit for bit as on the compute stream; while a long GEMV chain runs on the side,
+/// the compute stream's own work goes on. cuBLAS (and the GEMM scratch) refuses to run there, and
+/// launches outside the closure go to the compute stream again.
+#[test]
+fn side_stream_orders_and_refuses_cublas() {
+    let Some((d, ctx)) = gpu_gemm("side_stream_orders_and_refuses_cublas") else { return };
+    let mut r = rng(31);
+    let (rows, cols) = (2816, 2048);
+    let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+    let lin = GpuLinear::new(d, "side", &w, rows, cols, LinearQuant::Bf16).unwrap();
+    let back = GpuLinear::new(d, "side back", &rand_bf16_bits(&mut r, cols * rows, 0.5), cols, rows, LinearQuant::Bf16)
+        .unwrap();
+    for round in 0..3 {
+        let x = rand_f32(&mut r, cols, 1.0);
+        let mut x_d = poisoned_f32(d, cols);
+        let mut want = poisoned_f32(d, rows);
+        let mut got = poisoned_f32(d, rows);
+        let mut other = poisoned_f32(d, cols);
+        // The compute stream writes x (a copy) right before the fork: the side must see it.
+        d.copy_to_device(&x, &mut x_d).unwrap();
+        lin.forward(d, ctx, &x_d, 1, &mut want).unwrap();
+        let mut chain = poisoned_f32(d, cols);
+        d.on_side_stream(|| -> Result<(), GpuError> {
+            // A chain long enough to still run when the compute stream's work below is queued.
+            for _ in 0..20 {
+                lin.forward(d, ctx, &x_d, 1, &mut got)?;
+                back.forward(d, ctx, &got, 1, &mut chain)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        back.forward(d, ctx, &want, 1, &mut other).unwrap(); // compute stream, beside the chain
+        d.join_side_stream().unwrap();
+        let what = format!("side stream round {round}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&down(d, &got)), bits(&down(d, &want)), "{what}: the side GEMV differs");
+        assert_eq!(bits(&down(d, &chain)), bits(&down(d, &other)), "{what}: the side chain differs");
+    }
+    // cuBLAS on the side stream is an error, not a race; the closure's end restores the stream.
+    let x_d = up(d, &rand_f32(&mut r, 33 * cols, 1.0), "x");
+    let mut y = poisoned_f32(d, 33 * rows);
+    let err = d.on_side_stream(|| lin.forward(d, ctx, &x_d, 33, &mut y)).unwrap_err();
+    assert!(err.to_string().contains("side stream"), "{err}");
+    assert!(!lin.runs_alone(33) && lin.runs_alone(1));
+    lin.forward(d, ctx, &x_d, 33, &mut y).unwrap();
+    d.join_side_stream().unwrap();
+    assert!(down(d, &y).iter().all(|v| v.is_finite()), "cuBLAS after the side stream left NaNs");
+}
+
 /// cuBLAS (forced, and `forward`'s own choice above BF16_GEMV_MAX_M) still matches the twin;
 /// at m <= BF16_GEMV_MAX_M the same inputs go through the GEMV under Auto.
 #[test]
