@@ -15,6 +15,7 @@ use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
 use krasis_model::gpu::{GpuExpertCache, GpuOptions, StreamFrom};
+use krasis_model::heatmap::ExpertHeat;
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
@@ -118,7 +119,14 @@ impl EngineArgs {
         let mut gpu = gpu.options()?;
         gpu.expert_group_size = self.group_size;
         gpu.expert_cache = GpuExpertCache::In(self.cache_dir.clone());
-        Ok(EngineConfig { device: device.into(), cpu: self.options()?, gpu, context_tokens, force: self.force })
+        Ok(EngineConfig {
+            device: device.into(),
+            cpu: self.options()?,
+            gpu,
+            context_tokens,
+            force: self.force,
+            record_heatmap: false,
+        })
     }
 }
 
@@ -260,11 +268,18 @@ pub struct Args {
     /// Write prefill_logits, step_logits and generated_ids to this safetensors file.
     #[arg(long)]
     dump_logits: Option<PathBuf>,
+    /// Count how many (token, slot) routes each routed expert of each layer gets over the prompt
+    /// and the generated tokens, and write the counts to this JSON file (docs/FORMATS.md).
+    #[arg(long)]
+    heatmap_out: Option<PathBuf>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(path) = &a.dump_logits {
         crate::dump::check_path(path)?;
+    }
+    if let Some(path) = &a.heatmap_out {
+        crate::dump::check_output_path("--heatmap-out", path, "heatmap.json")?;
     }
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
@@ -272,8 +287,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
-    let config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
+    let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
+    config.record_heatmap = a.heatmap_out.is_some();
     let files = ModelFiles::open(&a.model)?;
+    if a.heatmap_out.is_some() && files.spec().moe.is_none() {
+        bail!("--heatmap-out: {} has no routed experts to count", a.model.display());
+    }
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");
     }
@@ -345,7 +364,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(line) = report {
         eprintln!("{line}");
     }
+    if let Some(path) = &a.heatmap_out {
+        save_heatmap(engine, &a.model, path)?;
+    }
     dump(&a, engine.spec().vocab_size, &out)
+}
+
+/// Writes the engine's expert counts as a heatmap file (`--heatmap-out`).
+fn save_heatmap(engine: &dyn Engine, model: &std::path::Path, path: &std::path::Path) -> anyhow::Result<()> {
+    let spec = engine.spec();
+    let moe = spec.moe.as_ref().context("--heatmap-out: the model has no routed experts")?;
+    let counts = engine.expert_counts()?.context("--heatmap-out: the engine recorded no expert counts")?;
+    let heat = ExpertHeat::from_counts(
+        &model.display().to_string(),
+        spec.num_layers,
+        moe.n_routed_experts,
+        moe.routing.top_k,
+        &counts,
+    );
+    heat.save(path).with_context(|| format!("--heatmap-out {}", path.display()))?;
+    eprintln!("expert heatmap of {} tokens written to {}", heat.tokens, path.display());
+    Ok(())
 }
 
 /// Streams the generated text (or ids) to stdout and prints the timing line.

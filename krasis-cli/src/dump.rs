@@ -11,16 +11,18 @@ use safetensors::tensor::{Dtype, TensorView};
 /// Refuse a path the dump could not be written to, before any generation runs: a directory, or
 /// one whose parent directory does not exist.
 pub fn check_path(path: &Path) -> anyhow::Result<()> {
+    check_output_path("--dump-logits", path, "logits.safetensors")
+}
+
+/// An output file flag's path: not a directory, in a directory that exists (checked before
+/// loading, so a typo fails in a second, not after the run).
+pub fn check_output_path(flag: &str, path: &Path, example: &str) -> anyhow::Result<()> {
     if path.is_dir() {
-        bail!(
-            "--dump-logits {} is a directory; give a file path such as {}",
-            path.display(),
-            path.join("logits.safetensors").display()
-        );
+        bail!("{flag} {} is a directory; give a file path such as {}", path.display(), path.join(example).display());
     }
     let parent = parent_dir(path);
     if !parent.is_dir() {
-        bail!("--dump-logits {}: directory {} does not exist", path.display(), parent.display());
+        bail!("{flag} {}: directory {} does not exist", path.display(), parent.display());
     }
     Ok(())
 }

@@ -230,6 +230,38 @@ fn dump_logits_path_is_checked_before_generating() {
     assert_eq!(names(&out), vec!["l.st".to_string()]);
 }
 
+#[test]
+fn heatmap_out_writes_the_counts_and_checks_its_path_first() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let missing = t.path().join("no/such/dir/h.json");
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--heatmap-out", missing.to_str().unwrap()]);
+    assert_clean_failure(&o, 1, "--heatmap-out");
+    assert!(o.stdout.is_empty() && !stderr(&o).contains("prefill:"), "nothing was generated: {}", stderr(&o));
+    let out = t.path().join("heat.json");
+    let o = krasis(&[
+        "generate",
+        "--model",
+        m,
+        "--prompt-ids",
+        "1,2,3,4",
+        "--max-new-tokens",
+        "3",
+        "--heatmap-out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("expert heatmap of 6 tokens written to"), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(v["format"], "krasis-expert-heatmap");
+    assert_eq!(v["tokens"], 6);
+    let (k, counts) = (v["top_k"].as_u64().unwrap(), v["counts"].as_array().unwrap());
+    assert_eq!(counts.len() as u64, v["layers"].as_u64().unwrap());
+    let sums: Vec<u64> =
+        counts.iter().map(|r| r.as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).sum()).collect();
+    assert!(sums.iter().all(|&s| s == 0 || s == 6 * k) && sums.contains(&(6 * k)), "{sums:?}");
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> =
         std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();

@@ -320,3 +320,16 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
         }
     }
 }
+
+// Heatmap counts: counts[ids[i]] += 1 for each of the n ids in [0, n_experts) (one MoE layer's
+// row of the [layers, experts] counts; other ids are skipped). Launch: ceil(n / 256) blocks
+// (at most 1024, the loop strides), 256 threads; a dependent launch.
+extern "C" __global__ void router_count(const int* __restrict__ ids, int n, unsigned long long* __restrict__ counts,
+                                        int n_experts) {
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && e < n_experts) atomicAdd(&counts[e], 1ull);
+    }
+}

@@ -184,13 +184,8 @@ impl QMatrixArgs {
         })
     }
 
-    /// Pushes the arguments in the kernels' order.
-    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
-        b.arg(&self.w).arg(&self.s).arg(&self.expert_bytes).arg(&self.expert_scales);
-        b.arg(&self.chunks).arg(&self.groups).arg(&self.gs).arg(&self.panels);
-    }
-
-    /// The same arguments as [`GpuDevice::launch_dependent`] takes them (pointers to the values).
+    /// The arguments in the kernels' order, as [`GpuDevice::launch_dependent`] takes them
+    /// (pointers to the values).
     fn params(&self) -> [*mut std::ffi::c_void; 8] {
         kernel_args![
             &self.w,
@@ -1167,22 +1162,21 @@ impl GpuExperts {
                     block_dim: (64 * v.panels as u32, 1, 1),
                     shared_mem_bytes: qtile_smem(q.1.bits, v) as u32,
                 };
-                let mut b = s.launch_builder(q_gate_up);
-                a13.push(&mut b);
-                b.arg(&i_i).arg(&xs_hi).arg(&ldw13).arg(&k_i).arg(&act_hi).arg(&ldw2);
-                b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+                let rest =
+                    kernel_args![&i_i, &xs_hi, &ldw13, &k_i, &act_hi, &ldw2, &sorted, &offsets, &tile_offsets, &e_i];
+                let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13]; blocks read gate panels below p13 / 2 and the matching
                 // up panels (others zero-filled) and chunks < c13; xs_hi [nt, ldw13 = 64·c13];
                 // act_hi [pairs, ldw2], every column below ldw2 written, none past it; ids checked
-                // on the device as above.
-                unsafe { b.launch(qgrid(ip, v.panels / 2 * gpu_layout::PANEL_ROWS)) }.map_err(launch_err(OP))?;
-                let mut b = s.launch_builder(q_down);
-                a2.push(&mut b);
-                b.arg(&h_i).arg(&act_hi).arg(&ldw2).arg(&ypair);
-                b.arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+                // on the device as above. An ordinary launch (the tiles do not wait).
+                let cfg = qgrid(ip, v.panels / 2 * gpu_layout::PANEL_ROWS);
+                unsafe { dev.launch_dependent(OP, q_gate_up, cfg, &mut args, false) }?;
+                let rest = kernel_args![&h_i, &act_hi, &ldw2, &ypair, &sorted, &offsets, &tile_offsets, &e_i];
+                let mut args: Vec<_> = a2.params().into_iter().chain(rest).collect();
                 // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); act_hi [pairs,
                 // ldw2 = 64·c2]; ypair [pairs, hidden], columns below hidden only.
-                unsafe { b.launch(qgrid(h, v.panels * gpu_layout::PANEL_ROWS)) }.map_err(launch_err(OP))?;
+                let cfg = qgrid(h, v.panels * gpu_layout::PANEL_ROWS);
+                unsafe { dev.launch_dependent(OP, q_down, cfg, &mut args, false) }?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;
                 t0 += nt;
                 continue;

@@ -30,7 +30,7 @@ pub const ROUTER: KernelSource = KernelSource {
     src: include_str!("../kernels/router.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["router_logits", "router_topk", "router_publish"],
+    functions: &["router_logits", "router_topk", "router_publish", "router_count"],
 };
 
 /// Most experts per router: `router_topk` keeps a token's scores in shared-memory arrays of this
@@ -355,6 +355,27 @@ impl GpuRouter {
         // or null, outputs ≥ [t, h] / [t, k] (checked by the callers), counters [tiles + 1]
         // zeroed; the kernel waits for the previous one first.
         unsafe { dev.launch_dependent(OP, &f, logits_config(e, tiles), &mut args, true) }
+    }
+
+    /// Adds the `n` routes at `ids` (device-readable: device or mapped host memory) to the
+    /// heatmap row `counts[0..n_experts]` (ids outside the router's experts are skipped).
+    /// Launches on the compute stream.
+    ///
+    /// # Safety
+    /// `ids` must hold `n` i32 that no stream work writes before this launch runs, and `counts`
+    /// `n_experts` u64 of device memory only counting launches write.
+    pub unsafe fn count(&self, dev: &GpuDevice, ids: u64, n: usize, counts: u64) -> Result<(), GpuError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let n_i = i32::try_from(n).map_err(|_| bad(&self.name, format!("{n} routes to count in one launch")))?;
+        let e_i = self.n_experts as i32;
+        let f = dev.function(&ROUTER, "router_count")?;
+        let mut args = kernel_args![&ids, &n_i, &counts, &e_i];
+        let blocks = n.div_ceil(256).min(1024) as u32;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the caller vouches for both pointers; the kernel waits for the previous kernel.
+        unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
     /// Shape checks common to both entry points: `Some((tiles, t))` for a launch, `None` for

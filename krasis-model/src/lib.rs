@@ -17,6 +17,7 @@ pub mod engine;
 pub mod expert_caches;
 pub mod generate;
 pub mod gpu;
+pub mod heatmap;
 pub mod linear;
 pub mod load;
 pub mod memory;

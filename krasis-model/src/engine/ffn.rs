@@ -68,13 +68,27 @@ pub struct MoeBlock {
 }
 
 impl MoeBlock {
-    pub fn forward(&self, stats: &super::ForwardStats, x: &[f32], t: usize, hidden: usize, out: &mut [f32]) {
+    /// The layer's MoE output for `x`; with `heat`, its routes are counted as layer `layer`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        stats: &super::ForwardStats,
+        heat: Option<&crate::heatmap::HeatCounter>,
+        layer: usize,
+        x: &[f32],
+        t: usize,
+        hidden: usize,
+        out: &mut [f32],
+    ) {
         let mut clock = std::time::Instant::now();
         let e = self.router.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.forward(x, t, &mut logits);
         super::OTHER_NS.lap(&mut clock, 2);
         let routes = self.route_rows(&logits, t, e);
+        if let Some(h) = heat {
+            h.record(layer, &routes.ids);
+        }
         if t >= PARALLEL_ZERO_TOKENS {
             // A prefill's output (4 MB at 512 V2-Lite tokens): one core writes it at ~10 GB/s, ~0.4 ms a layer.
             krasis_cpu::par::for_each_chunk_mut(out, ZERO_CHUNK, &|_, c| c.fill(0.0));

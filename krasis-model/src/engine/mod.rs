@@ -50,6 +50,8 @@ pub struct Model {
     lm_head: Box<dyn LinearOp>,
     rope: RotaryTables,
     stats: ForwardStats,
+    /// Expert activation counts, while recording ([`Model::record_heatmap`]).
+    heat: Option<crate::heatmap::HeatCounter>,
 }
 
 /// Where forward time goes (for `krasis bench`): routed-expert execution vs everything.
@@ -452,6 +454,7 @@ impl Model {
         Ok(Model {
             rope: RotaryTables::new(&spec.rope),
             stats: ForwardStats::default(),
+            heat: None,
             spec,
             embed: weights.embed,
             layers,
@@ -480,6 +483,17 @@ impl Model {
 
     pub fn stats(&self) -> &ForwardStats {
         &self.stats
+    }
+
+    /// Counts every MoE layer's routes from now on ([`Model::heatmap`]).
+    pub fn record_heatmap(&mut self) {
+        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+        self.heat = Some(crate::heatmap::HeatCounter::new(self.layers.len(), experts));
+    }
+
+    /// The counts so far, `[layers × experts]`, while recording.
+    pub fn heatmap(&self) -> Option<Vec<u64>> {
+        self.heat.as_ref().map(|h| h.snapshot())
     }
 
     /// How the routed experts run (the first MoE layer's backend), for logs.
@@ -588,7 +602,7 @@ impl Model {
                     mlp.forward(&xn, t, &mut y);
                     OTHER_NS.lap(&mut clock, 4);
                 }
-                Ffn::Moe(block) => block.forward(&self.stats, &xn, t, h, &mut y),
+                Ffn::Moe(block) => block.forward(&self.stats, self.heat.as_ref(), l, &xn, t, h, &mut y),
             }
             let mut clock = std::time::Instant::now();
             add_assign_par(&mut x, &y);

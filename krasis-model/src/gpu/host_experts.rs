@@ -333,6 +333,12 @@ impl HostStaging {
         Ok(seq)
     }
 
+    /// The device address of the published expert ids (mapped host memory), valid after `send`
+    /// until the layer's hand-off is served.
+    pub fn published_ids(&self) -> u64 {
+        self.ids.get().device_ptr()
+    }
+
     /// Device side, after `send`: the first `n` published routes (ids and weights) into device
     /// buffers, on the compute stream, so a split layer's GPU share runs on exactly the routes
     /// the CPU got.

@@ -34,6 +34,9 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
     }
     let warnings = check_ram(host_bytes, config)?;
     let mut model = GpuModel::hybrid_from_files(files, &config.gpu, &config.cpu)?;
+    if config.record_heatmap {
+        model.record_heatmap()?;
+    }
     let log = std::mem::take(&mut model.log);
     let expert_bytes = model.host_expert_bytes;
     let mut engine = DecoderEngine::new(model);

@@ -35,6 +35,23 @@ pub(crate) struct Ctx<'a> {
     /// for a long prompt) and the rest on the CPU ([`super::expert_stream::ExpertStreamer`]);
     /// `None` when this call streams nothing.
     pub streamer: Option<(&'a super::expert_stream::ExpertStreamer, usize)>,
+    /// While recording a heatmap: the device counts `[layers × experts]` and `experts`.
+    pub heat: Option<(u64, usize)>,
+}
+
+impl Ctx<'_> {
+    /// Counts the `n` routes at `ids` (device-readable) in layer `l`'s heatmap row, while
+    /// recording.
+    fn count_routes(&self, router: &GpuRouter, l: usize, ids: u64, n: usize) -> Result<()> {
+        if let Some((counts, experts)) = self.heat {
+            let row = counts + (l * experts * std::mem::size_of::<u64>()) as u64;
+            // SAFETY: the routes were written by the stream work before this launch and nothing
+            // writes them until the layer's experts have read them; the row is the layer's
+            // `experts` counters, written only by counting launches.
+            unsafe { router.count(self.dev, ids, n, row) }?;
+        }
+        Ok(())
+    }
 }
 
 /// KV cache geometry `(planes, row, fp8 scale group)` of a model: MLA keeps one latent+rope row
@@ -218,15 +235,16 @@ impl GpuLayer {
                 // first `present` (the rest on the CPU at the same time) for a short one.
                 match (experts, c.streamer) {
                     (GpuExpertBackend::Resident(experts), _) => {
-                        gpu_moe(c, s, GpuRoutes::Router(router), experts, k, shared.as_ref(), n)?
+                        gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
                     }
                     (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
                         .run_layer(c.dev, l, present, |experts| {
-                            gpu_moe(c, s, GpuRoutes::Router(router), experts, k, shared.as_ref(), n)
+                            gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
                         })?,
                     (GpuExpertBackend::Host(_), split) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
                         let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
+                        c.count_routes(router, l, host.published_ids(), t * k)?;
                         // The GPU's share of a split layer (on the routes the CPU got) and the
                         // shared expert go into y while the CPU computes the routed ones, whose
                         // sum is then added to y.
@@ -274,8 +292,8 @@ impl GpuLayer {
 /// Where a GPU MoE step's routes come from, and which of the layer's experts it runs.
 #[derive(Clone, Copy)]
 enum GpuRoutes<'a> {
-    /// The layer's router, every expert.
-    Router(&'a GpuRouter),
+    /// The layer's router (of layer `.1`), every expert.
+    Router(&'a GpuRouter, usize),
     /// The routes published to the host for a split layer's CPU share
     /// ([`HostStaging::routes_to_device`]); the GPU runs experts `[0, present)`.
     Published { host: &'a HostStaging, present: usize },
@@ -297,7 +315,7 @@ fn gpu_moe(
     // A decode step's shared expert runs on the side stream beside the router and the routed
     // experts: both chains are a few latency-bound launches at one token, so they overlap.
     let beside = match shared {
-        Some(sh) if c.decode && matches!(routes, GpuRoutes::Router(_)) && sh.runs_alone(t) => Some(sh),
+        Some(sh) if c.decode && matches!(routes, GpuRoutes::Router(..)) && sh.runs_alone(t) => Some(sh),
         _ => None,
     };
     if let Some(sh) = beside {
@@ -311,8 +329,10 @@ fn gpu_moe(
     let present = {
         let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
         match routes {
-            GpuRoutes::Router(router) => {
+            GpuRoutes::Router(router, l) => {
                 router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
+                let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
+                c.count_routes(router, l, ids_p, t * k)?;
                 experts.n_experts()
             }
             GpuRoutes::Published { host, present } => {

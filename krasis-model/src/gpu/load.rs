@@ -599,6 +599,7 @@ impl GpuModel {
             expert_server,
             streamer: None,
             batch: Default::default(),
+            heat: None,
         })
     }
 }

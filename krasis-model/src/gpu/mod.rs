@@ -168,6 +168,9 @@ pub struct GpuModel {
     pub(crate) streamer: Option<expert_stream::ExpertStreamer>,
     /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
     batch: std::sync::Mutex<BatchState>,
+    /// Heatmap counts `[layers × experts]` on the device, while recording
+    /// ([`GpuModel::record_heatmap`]).
+    heat: Option<DeviceBuffer<u64>>,
 }
 
 /// What a batched decode step needs besides the sessions' KV caches: activations for one row per
@@ -197,6 +200,26 @@ impl GpuModel {
     /// Whether the routed experts run on the host (the hybrid engine).
     pub fn experts_on_host(&self) -> bool {
         self.expert_server.is_some()
+    }
+
+    /// Counts every MoE layer's routes on the device from now on ([`GpuModel::expert_counts`]).
+    pub fn record_heatmap(&mut self) -> Result<()> {
+        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+        self.heat = Some(self.dev.alloc_zeros::<u64>((self.layers.len() * experts).max(1), "heatmap counts")?);
+        Ok(())
+    }
+
+    /// The heatmap counts so far, `[layers × experts]` (a synchronisation), while recording.
+    pub fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
+        match &self.heat {
+            Some(b) => {
+                let mut v = self.dev.download(b)?;
+                v.truncate(self.layers.len() * experts);
+                Ok(Some(v))
+            }
+            None => Ok(None),
+        }
     }
 
     /// Tokens of KV cache each session holds.
@@ -304,6 +327,10 @@ impl GpuModel {
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
             streamer: self.streamer.as_ref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
+            heat: self.heat.as_ref().map(|b| {
+                let (p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(b, self.dev.stream());
+                (p, self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts))
+            }),
         };
         // Everything the step runs on the device is enqueued before the launching thread waits
         // for the expert thread's end-of-call reply: a wait that sleeps, so enqueueing the head

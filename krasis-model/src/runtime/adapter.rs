@@ -39,6 +39,10 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     fn batch_handoff_stats(&self) -> Option<HandoffStats> {
         None
     }
+    /// [`Engine::expert_counts`].
+    fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        Ok(None)
+    }
 }
 
 /// A [`Decoder`] as an [`Engine`].
@@ -143,6 +147,10 @@ where
 
     fn batch_handoff_stats(&self) -> Option<HandoffStats> {
         self.decoder.batch_handoff_stats()
+    }
+
+    fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        self.decoder.expert_counts()
     }
 
     fn dense_bytes_per_token(&self) -> Option<u64> {

@@ -56,6 +56,8 @@ pub struct EngineConfig {
     pub context_tokens: u64,
     /// Load even when the RAM estimate exceeds the budget (a warning instead of an error).
     pub force: bool,
+    /// Count every MoE layer's routes ([`super::Engine::expert_counts`], `--heatmap-out`).
+    pub record_heatmap: bool,
 }
 
 /// Context the RAM estimate assumes unless told otherwise.
@@ -69,6 +71,7 @@ impl Default for EngineConfig {
             gpu: GpuOptions::default(),
             context_tokens: DEFAULT_CONTEXT_TOKENS,
             force: false,
+            record_heatmap: false,
         }
     }
 }

@@ -130,6 +130,12 @@ pub trait Engine: Send + Sync {
     }
     /// Starts `session`'s profile over (e.g. between prefill and decode).
     fn reset_profile(&self, _session: &mut dyn EngineSession) {}
+    /// How many (token, slot) routes each routed expert got so far, `[layers × experts]`
+    /// (`crate::heatmap`), when the engine was opened with [`EngineConfig::record_heatmap`];
+    /// `None` otherwise. GPU engines read the counts back from the device (a synchronisation).
+    fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        Ok(None)
+    }
 }
 
 #[cfg(test)]

@@ -168,7 +168,10 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
-    let loaded = load_model(files, &config.cpu)?;
+    let mut loaded = load_model(files, &config.cpu)?;
+    if config.record_heatmap {
+        loaded.model.record_heatmap();
+    }
     let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);
     Ok(Opened {
         engine: Box::new(engine),
@@ -192,6 +195,9 @@ pub(crate) fn check_ram(estimate: u64, config: &EngineConfig) -> Result<Vec<Stri
 /// The whole model on GPU `config.gpu.ordinal`. `why` goes into [`Opened::why`].
 pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let mut model = GpuModel::from_files(files, &config.gpu)?;
+    if config.record_heatmap {
+        model.record_heatmap()?;
+    }
     let log = std::mem::take(&mut model.log);
     Ok(Opened {
         engine: Box::new(DecoderEngine::new(model)),

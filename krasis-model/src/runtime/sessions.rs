@@ -2,6 +2,7 @@
 
 use super::{DevicePath, EngineDecoder, EngineSession};
 use crate::engine::{ForwardStats, Model, Session};
+use crate::error::Result;
 use crate::gpu::{GpuModel, GpuSession, HandoffStats};
 
 impl EngineSession for Session {
@@ -35,6 +36,10 @@ impl EngineDecoder for Model {
     fn dense_bytes_per_token(&self) -> Option<u64> {
         Some(Model::dense_bytes_per_token(self))
     }
+
+    fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        Ok(self.heatmap())
+    }
 }
 
 impl EngineSession for GpuSession {
@@ -56,6 +61,10 @@ impl EngineSession for GpuSession {
 }
 
 impl EngineDecoder for GpuModel {
+    fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        GpuModel::expert_counts(self)
+    }
+
     fn device(&self) -> DevicePath {
         if self.experts_on_host() {
             DevicePath::Hybrid

@@ -291,3 +291,55 @@ fn auto_without_a_gpu_runs_on_the_cpu_and_says_why() {
         assert!(e.starts_with("--device gpu: "), "{e}");
     }
 }
+
+/// `record_heatmap`: every MoE layer's row counts each token `top_k` times, dense layers none,
+/// on the CPU and (where there is a GPU) on the whole-GPU and hybrid engines, whose counts match
+/// the CPU's up to routes that flip at near ties; without it an engine reports no counts.
+#[test]
+fn heatmap_counts_every_route_on_each_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny(tmp.path());
+    let files = ModelFiles::open(&dir).unwrap();
+    let prompt = [5u32, 9, 17, 3, 44, 2, 8];
+    let greedy = GenerateRequest {
+        sampling: SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 },
+        ..request(&prompt, 6)
+    };
+    let counts = |device: DevicePolicy| -> Vec<u64> {
+        let config = EngineConfig { device, record_heatmap: true, ..EngineConfig::default() };
+        let opened = open_engine(&files, &config).unwrap();
+        let engine = opened.engine.as_ref();
+        assert_eq!(engine.expert_counts().unwrap(), Some(vec![0; engine.spec().num_layers * 8]), "{device:?}");
+        let out = generate(engine, &greedy, |_| Ok(())).unwrap();
+        assert_eq!(out.generated.len(), 6);
+        engine.expert_counts().unwrap().expect("recording")
+    };
+    let spec = files.spec().clone();
+    let (e, k) = (spec.moe.as_ref().unwrap().n_routed_experts, spec.moe.as_ref().unwrap().routing.top_k);
+    assert_eq!(e, 8);
+    let tokens = (prompt.len() + 6 - 1) as u64; // the last sampled token is not run
+    let cpu = counts(DevicePolicy::Cpu);
+    for (l, row) in cpu.chunks(e).enumerate() {
+        let want = if spec.layers[l] == krasis_core::spec::FfnKind::Moe { tokens * k as u64 } else { 0 };
+        assert_eq!(row.iter().sum::<u64>(), want, "CPU layer {l}: {row:?}");
+    }
+    let heat = crate::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, e, k, &cpu);
+    assert_eq!(heat.tokens, tokens);
+    let plain = open_engine(&files, &cpu_config()).unwrap();
+    assert_eq!(plain.engine.expert_counts().unwrap(), None);
+
+    if krasis_gpu::probe_ordinal(0).is_err() {
+        eprintln!("SKIPPED (GPU part): no GPU");
+        return;
+    }
+    for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
+        let gpu = counts(device);
+        let mut same = 0;
+        for (l, (g, c)) in gpu.chunks(e).zip(cpu.chunks(e)).enumerate() {
+            assert_eq!(g.iter().sum::<u64>(), c.iter().sum::<u64>(), "{device:?} layer {l}: {g:?} vs CPU {c:?}");
+            same += g.iter().zip(c).map(|(a, b)| a.min(b)).sum::<u64>();
+        }
+        let all: u64 = cpu.iter().sum();
+        assert!(same * 10 >= all * 9, "{device:?}: only {same} of {all} routes agree with the CPU's");
+    }
+}

@@ -14,6 +14,7 @@ pub mod init;
 mod presets;
 mod tokenizer;
 mod writer;
+pub(crate) use writer::write_atomic;
 
 #[cfg(test)]
 mod tests;
