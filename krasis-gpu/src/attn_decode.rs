@@ -20,7 +20,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum as DevAttr, CUfunction_attribu
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::device::kernel_args;
-use crate::kernels::{KernelSource, HEADERS};
+use crate::kernels::{to_i32, KernelSource, HEADERS};
 use crate::kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
@@ -326,10 +326,6 @@ pub(crate) fn shape(op: &'static str, ok: bool, detail: impl FnOnce() -> String)
     }
 }
 
-pub(crate) fn i32_of(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
-    i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
-}
-
 impl GpuDevice {
     /// MLA absorbed decode attention: `q [t, heads, latent+rope]` f32 (q_lat ‖ q_pe), keys = the
     /// cache rows `[S, latent+rope]` of `layer` (plane 0), values = their first `latent` elements;
@@ -488,8 +484,8 @@ impl GpuDevice {
             ws_o,
             ws_ml,
             out: out_p,
-            t: i32_of(OP, "t", t)?,
-            heads: i32_of(OP, "heads", heads)?,
+            t: to_i32(OP, "t", t)?,
+            heads: to_i32(OP, "heads", heads)?,
             kv_heads: kv_heads as i32,
             k_dim: k_dim as i32,
             v_dim: v_dim as i32,
@@ -497,9 +493,9 @@ impl GpuDevice {
             v_row: row as i32,
             shared_kv: shared_kv as i32,
             group: lay.scale_group as i32,
-            q_start: i32_of(OP, "q_start", q_start)?,
+            q_start: to_i32(OP, "q_start", q_start)?,
             n_splits: n_splits as i32,
-            split_rows: i32_of(OP, "split rows", split_rows)?,
+            split_rows: to_i32(OP, "split rows", split_rows)?,
             ldk: ldk as i32,
             ldv: ldv.unwrap_or(0) as i32,
             vec: stage_vec(lay.dtype, row, k_dim, lay.scale_group).min(stage_vec(
@@ -541,7 +537,7 @@ impl GpuDevice {
         const OP: &str = "decode attention combine";
         let f = self.function(&ATTN_DECODE, "attn_decode_combine")?;
         let (nq_total, v_i, n_i) =
-            (i32_of(OP, "t*heads", nq)?, i32_of(OP, "v_dim", v_dim)?, i32_of(OP, "splits", n_splits)?);
+            (to_i32(OP, "t*heads", nq)?, to_i32(OP, "v_dim", v_dim)?, to_i32(OP, "splits", n_splits)?);
         let mut args = kernel_args![&ws_o, &ws_ml, &out_p, &nq_total, &v_i, &n_i];
         let cfg = LaunchConfig {
             grid_dim: (nq as u32, v_dim.div_ceil(COMBINE_COLS) as u32, 1),
@@ -632,17 +628,17 @@ impl GpuDevice {
             return Ok(());
         }
         let warps = (UV_THREADS / 32) as usize;
-        let blocks = i32_of(OP, "blocks", total.div_ceil(warps))?;
+        let blocks = to_i32(OP, "blocks", total.div_ceil(warps))?;
         let s = self.stream();
         let (w_p, _g1) = kv_b.device_ptr(s);
         let (o_p, _g2) = o_lat.device_ptr(s);
         let (d_p, _g3) = out.device_ptr_mut(s);
         let (t_i, h_i, n_i, v_i, l_i) = (
-            i32_of(OP, "t", t)?,
-            i32_of(OP, "heads", heads)?,
+            to_i32(OP, "t", t)?,
+            to_i32(OP, "heads", heads)?,
             nope as i32,
             v_dim as i32,
-            i32_of(OP, "latent", latent)?,
+            to_i32(OP, "latent", latent)?,
         );
         let f = self.function(&ATTN_DECODE, "mla_apply_uv")?;
         let mut args = kernel_args![&w_p, &o_p, &d_p, &t_i, &h_i, &n_i, &v_i, &l_i];

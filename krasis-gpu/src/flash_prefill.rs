@@ -294,7 +294,7 @@ fn check(ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {
 }
 
 fn i32_of(what: &str, v: usize) -> Result<i32, GpuError> {
-    i32::try_from(v).map_err(|_| GpuError::shape(OP, format!("{what} = {v} does not fit in i32")))
+    crate::kernels::to_i32(OP, what, v)
 }
 
 fn i64_of(what: &str, v: usize) -> Result<i64, GpuError> {

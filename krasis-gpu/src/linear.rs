@@ -191,13 +191,7 @@ pub(crate) fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String)
     }
 }
 
-pub(crate) fn to_i32(op: &'static str, what: &str, v: usize) -> Result<i32, GpuError> {
-    i32::try_from(v).map_err(|_| GpuError::shape(op, format!("{what} = {v} does not fit in i32")))
-}
-
-pub(crate) fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> GpuError {
-    move |e| GpuError::Driver { op, detail: e.to_string() }
-}
+pub(crate) use crate::kernels::{launch_err, to_i32};
 
 pub(crate) fn align_up(v: usize, a: usize) -> usize {
     v.div_ceil(a) * a

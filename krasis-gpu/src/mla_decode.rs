@@ -14,9 +14,9 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use crate::attn_decode::{i32_of, shape, DecodeWorkspace};
+use crate::attn_decode::{shape, DecodeWorkspace};
 use crate::device::kernel_args;
-use crate::kernels::{KernelSource, HEADERS};
+use crate::kernels::{to_i32, KernelSource, HEADERS};
 use crate::{GpuDevice, GpuError};
 
 pub const MLA_DECODE: KernelSource = KernelSource {
@@ -128,12 +128,12 @@ impl GpuDevice {
             out: out_p,
             ws_o,
             ws_ml,
-            heads: i32_of(OP, "heads", heads)?,
-            half_row: i32_of(OP, "row", row / 2)?,
-            half_lat: i32_of(OP, "latent", latent / 2)?,
-            visible: i32_of(OP, "visible rows", visible)?,
+            heads: to_i32(OP, "heads", heads)?,
+            half_row: to_i32(OP, "row", row / 2)?,
+            half_lat: to_i32(OP, "latent", latent / 2)?,
+            visible: to_i32(OP, "visible rows", visible)?,
             n_splits: n_splits as i32,
-            split_rows: i32_of(OP, "split rows", split_rows)?,
+            split_rows: to_i32(OP, "split rows", split_rows)?,
             qscale: scale * std::f32::consts::LOG2_E,
         };
         let f = self.function(&MLA_DECODE, fname)?;

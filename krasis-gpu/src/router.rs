@@ -22,7 +22,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use krasis_core::spec::{RoutingRule, ScoringFunc, TopkMethod};
 
 use crate::device::kernel_args;
-use crate::kernels::{KernelSource, HEADERS};
+use crate::kernels::{launch_err, KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError, HostFlag, MappedHost};
 
 pub const ROUTER: KernelSource = KernelSource {
@@ -244,7 +244,7 @@ impl GpuRouter {
             let mut b = s.launch_builder(&f);
             b.arg(&w_p).arg(&x_p).arg(&l_p).arg(&e_i).arg(&h_i).arg(&t_i);
             // SAFETY: argument list matches the kernel; w is [E, h], x is [t, h], logits ≥ [t, E].
-            unsafe { b.launch(logits_config(e, tiles)) }.map_err(launch_err)?;
+            unsafe { b.launch(logits_config(e, tiles)) }.map_err(launch_err(OP))?;
         }
         let rule = self.rule_args();
         let (l_p, _g0) = logits.device_ptr(s);
@@ -258,7 +258,7 @@ impl GpuRouter {
         let threads = (e as u32).next_multiple_of(32).clamp(32, TOPK_BLOCK);
         let lc = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel; logits [t, E], bias [E] or null, outputs [t, k].
-        unsafe { b.launch(lc) }.map_err(launch_err)?;
+        unsafe { b.launch(lc) }.map_err(launch_err(OP))?;
         Ok(())
     }
 
@@ -468,8 +468,4 @@ impl RuleArgs {
 
 fn logits_config(e: usize, tiles: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (e as u32, tiles as u32, 1), block_dim: (LOGITS_THREADS, 1, 1), shared_mem_bytes: 0 }
-}
-
-fn launch_err(e: cudarc::driver::DriverError) -> GpuError {
-    GpuError::Driver { op: OP, detail: e.to_string() }
 }
