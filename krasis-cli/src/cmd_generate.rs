@@ -370,8 +370,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     dump(&a, engine.spec().vocab_size, &out)
 }
 
-/// Writes the engine's expert counts as a heatmap file (`--heatmap-out`).
-fn save_heatmap(engine: &dyn Engine, model: &std::path::Path, path: &std::path::Path) -> anyhow::Result<()> {
+/// Writes the engine's expert counts as a heatmap file (`--heatmap-out` of `generate` and
+/// `serve`).
+pub(crate) fn save_heatmap(engine: &dyn Engine, model: &std::path::Path, path: &std::path::Path) -> anyhow::Result<()> {
     let spec = engine.spec();
     let moe = spec.moe.as_ref().context("--heatmap-out: the model has no routed experts")?;
     let counts = engine.expert_counts()?.context("--heatmap-out: the engine recorded no expert counts")?;

@@ -346,7 +346,10 @@ fn randomised_bodies_never_panic_the_server() {
 
 #[test]
 fn sigterm_finishes_running_streams_then_exits_cleanly() {
-    let mut s = Server::start(&[]);
+    // Also the heatmap of what was served, written once the server has stopped.
+    let out = tempfile::tempdir().unwrap();
+    let heat = out.path().join("heat.json");
+    let mut s = Server::start(&["--heatmap-out", heat.to_str().unwrap()]);
     let mut stream = EventStream::open(&s.addr, "/v1/chat/completions", &chat_body("Finish this", 3, 40, true));
     stream.next_data().expect("the stream started");
     // SAFETY: signalling the child this test started, by its own pid.
@@ -368,4 +371,8 @@ fn sigterm_finishes_running_streams_then_exits_cleanly() {
     std::thread::sleep(Duration::from_millis(100));
     let log = s.log();
     assert!(log.contains("SIGTERM: shutting down") && log.contains("server stopped"), "{log}");
+    assert!(log.contains("expert heatmap of"), "{log}");
+    let v: Value = serde_json::from_slice(&std::fs::read(&heat).unwrap()).unwrap();
+    assert_eq!(v["format"], "krasis-expert-heatmap");
+    assert!(v["tokens"].as_u64().unwrap() > 40, "the prompt and the 40 generated tokens: {v}");
 }

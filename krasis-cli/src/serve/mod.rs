@@ -63,6 +63,11 @@ pub struct Args {
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, default_value_t = 4 << 20)]
     max_body_bytes: usize,
+    /// Count how many (token, slot) routes each routed expert of each layer gets over every
+    /// request served, and write the counts to this JSON file when the server stops
+    /// (docs/FORMATS.md).
+    #[arg(long)]
+    heatmap_out: Option<PathBuf>,
     #[command(flatten)]
     run: RunArgs,
 }
@@ -85,8 +90,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if gpu.kv_tokens.is_none() {
         gpu.kv_tokens = Some(a.context.unwrap_or(DEFAULT_CONTEXT_TOKENS as usize));
     }
-    let config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
+    if let Some(path) = &a.heatmap_out {
+        crate::dump::check_output_path("--heatmap-out", path, "heatmap.json")?;
+    }
+    let mut config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
+    config.record_heatmap = a.heatmap_out.is_some();
     let files = ModelFiles::open(&a.model)?;
+    if a.heatmap_out.is_some() && files.spec().moe.is_none() {
+        bail!("--heatmap-out: {} has no routed experts to count", a.model.display());
+    }
     for w in krasis_core::hw::probe().warnings() {
         tracing::warn!("system: {w}");
     }
@@ -153,6 +165,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let result = rt.block_on(serve(&a, state));
     scheduler.shutdown();
     let _ = worker.join();
+    if let Some(path) = &a.heatmap_out {
+        crate::cmd_generate::save_heatmap(engine.as_ref(), &a.model, path)?;
+    }
     result
 }
 
