@@ -278,9 +278,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(path) = &a.dump_logits {
         crate::dump::check_path(path)?;
     }
-    if let Some(path) = &a.heatmap_out {
-        crate::dump::check_output_path("--heatmap-out", path, "heatmap.json")?;
-    }
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p {} must be in (0, 1]", a.top_p);
     }
@@ -288,11 +285,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
     }
     let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
-    config.record_heatmap = a.heatmap_out.is_some();
     let files = ModelFiles::open(&a.model)?;
-    if a.heatmap_out.is_some() && files.spec().moe.is_none() {
-        bail!("--heatmap-out: {} has no routed experts to count", a.model.display());
-    }
+    config.record_heatmap = heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");
     }
@@ -368,6 +362,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         save_heatmap(engine, &a.model, path)?;
     }
     dump(&a, engine.spec().vocab_size, &out)
+}
+
+/// Whether `--heatmap-out` (of `generate` and `serve`) asks for expert counts: its path is
+/// checked and the model must have routed experts, both before the engine loads.
+pub(crate) fn heatmap_wanted(
+    out: Option<&std::path::Path>,
+    files: &ModelFiles,
+    model: &std::path::Path,
+) -> anyhow::Result<bool> {
+    let Some(path) = out else { return Ok(false) };
+    crate::dump::check_output_path("--heatmap-out", path, "heatmap.json")?;
+    if files.spec().moe.is_none() {
+        bail!("--heatmap-out: {} has no routed experts to count", model.display());
+    }
+    Ok(true)
 }
 
 /// Writes the engine's expert counts as a heatmap file (`--heatmap-out` of `generate` and

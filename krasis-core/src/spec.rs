@@ -192,6 +192,11 @@ impl ModelSpec {
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
         self.layers.iter().enumerate().filter(|(_, k)| matches!(k, FfnKind::Moe)).map(|(i, _)| i)
     }
+
+    /// Routed experts per MoE layer (0 for a dense model).
+    pub fn routed_experts(&self) -> usize {
+        self.moe.as_ref().map_or(0, |m| m.n_routed_experts)
+    }
 }
 
 /// Precision of a class of weights as an engine runs them: the source weights unquantised (the

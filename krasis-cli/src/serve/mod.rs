@@ -90,15 +90,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if gpu.kv_tokens.is_none() {
         gpu.kv_tokens = Some(a.context.unwrap_or(DEFAULT_CONTEXT_TOKENS as usize));
     }
-    if let Some(path) = &a.heatmap_out {
-        crate::dump::check_output_path("--heatmap-out", path, "heatmap.json")?;
-    }
     let mut config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
-    config.record_heatmap = a.heatmap_out.is_some();
     let files = ModelFiles::open(&a.model)?;
-    if a.heatmap_out.is_some() && files.spec().moe.is_none() {
-        bail!("--heatmap-out: {} has no routed experts to count", a.model.display());
-    }
+    config.record_heatmap = crate::cmd_generate::heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         tracing::warn!("system: {w}");
     }
@@ -165,10 +159,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let result = rt.block_on(serve(&a, state));
     scheduler.shutdown();
     let _ = worker.join();
-    if let Some(path) = &a.heatmap_out {
-        crate::cmd_generate::save_heatmap(engine.as_ref(), &a.model, path)?;
-    }
-    result
+    // The heatmap is written even after a failed server; the server's error comes first.
+    let saved = match &a.heatmap_out {
+        Some(path) => crate::cmd_generate::save_heatmap(engine.as_ref(), &a.model, path),
+        None => Ok(()),
+    };
+    result.and(saved)
 }
 
 async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {

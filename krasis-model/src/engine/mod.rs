@@ -487,8 +487,7 @@ impl Model {
 
     /// Counts every MoE layer's routes from now on ([`Model::heatmap`]).
     pub fn record_heatmap(&mut self) {
-        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
-        self.heat = Some(crate::heatmap::HeatCounter::new(self.layers.len(), experts));
+        self.heat = Some(crate::heatmap::HeatCounter::new(self.layers.len(), self.spec.routed_experts()));
     }
 
     /// The counts so far, `[layers × experts]`, while recording.

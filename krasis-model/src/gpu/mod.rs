@@ -204,18 +204,17 @@ impl GpuModel {
 
     /// Counts every MoE layer's routes on the device from now on ([`GpuModel::expert_counts`]).
     pub fn record_heatmap(&mut self) -> Result<()> {
-        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
-        self.heat = Some(self.dev.alloc_zeros::<u64>((self.layers.len() * experts).max(1), "heatmap counts")?);
+        let n = self.layers.len() * self.spec.routed_experts();
+        self.heat = Some(self.dev.alloc_zeros::<u64>(n.max(1), "heatmap counts")?);
         Ok(())
     }
 
     /// The heatmap counts so far, `[layers × experts]` (a synchronisation), while recording.
     pub fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
-        let experts = self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts);
         match &self.heat {
             Some(b) => {
                 let mut v = self.dev.download(b)?;
-                v.truncate(self.layers.len() * experts);
+                v.truncate(self.layers.len() * self.spec.routed_experts());
                 Ok(Some(v))
             }
             None => Ok(None),
@@ -329,7 +328,7 @@ impl GpuModel {
             streamer: self.streamer.as_ref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
             heat: self.heat.as_ref().map(|b| {
                 let (p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(b, self.dev.stream());
-                (p, self.spec.moe.as_ref().map_or(0, |m| m.n_routed_experts))
+                (p, self.spec.routed_experts())
             }),
         };
         // Everything the step runs on the device is enqueued before the launching thread waits
