@@ -40,8 +40,8 @@ pub struct Args {
     /// Prompt length before decoding (random ids).
     #[arg(long, default_value_t = 16)]
     pub(crate) prompt_tokens: usize,
-    /// Prefills of the prompt to time on the CPU engine, each in a fresh session: with more
-    /// than one, the first (cold) is shown apart and the median of the rest is reported.
+    /// Prefills of the prompt to time on the CPU and hybrid engines, each in a fresh session:
+    /// with more than one, the first (cold) is shown apart and the median of the rest is reported.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub(crate) prefill_reps: u32,
     /// Decode runs of --decode-tokens steps to time, each after its own untimed prefill of the

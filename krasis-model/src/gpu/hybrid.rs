@@ -34,6 +34,7 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
     }
     let warnings = check_ram(host_bytes, config)?;
     let mut model = GpuModel::hybrid_from_files(files, &config.gpu, &config.cpu)?;
+    model.warm_up()?;
     if config.record_heatmap {
         model.record_heatmap()?;
     }

@@ -195,6 +195,7 @@ pub(crate) fn check_ram(estimate: u64, config: &EngineConfig) -> Result<Vec<Stri
 /// The whole model on GPU `config.gpu.ordinal`. `why` goes into [`Opened::why`].
 pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let mut model = GpuModel::from_files(files, &config.gpu)?;
+    model.warm_up()?;
     if config.record_heatmap {
         model.record_heatmap()?;
     }
