@@ -14,7 +14,7 @@ use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
-use krasis_model::gpu::{GpuExpertCache, GpuOptions, StreamFrom};
+use krasis_model::gpu::{GpuExpertCache, GpuOptions, HotPlan, StreamFrom};
 use krasis_model::heatmap::ExpertHeat;
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
@@ -117,6 +117,9 @@ impl EngineArgs {
     pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
         // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
         let mut gpu = gpu.options()?;
+        if gpu.hot.is_some() && (device != Device::Hybrid || gpu.expert_bits.is_none()) {
+            bail!("--cache-strategy hot_cached_static needs --device hybrid and --gpu-expert-bits 4|8");
+        }
         gpu.expert_group_size = self.group_size;
         gpu.expert_cache = GpuExpertCache::In(self.cache_dir.clone());
         Ok(EngineConfig {
@@ -186,6 +189,23 @@ pub struct GpuArgs {
     /// ~17 % faster at 2K tokens).
     #[arg(long, default_value = "cpu-cache", value_parser = ["cpu-cache", "gpu-cache"])]
     pub stream_experts_from: String,
+    /// `--device hybrid --gpu-expert-bits 4|8`: hot_cached_static pins the routed experts the
+    /// --heatmap-path file ranks hottest in VRAM for the engine's life; every MoE layer then runs
+    /// their routes on the GPU beside the CPU's share (decode and prompts shorter than the
+    /// full-streaming length). Without it: the CPU experts, with prefill streaming.
+    #[arg(long, value_parser = ["hot_cached_static"], requires = "heatmap_path")]
+    pub cache_strategy: Option<String>,
+    /// A heatmap recorded on this model with `--heatmap-out` (for --cache-strategy).
+    #[arg(long, requires = "cache_strategy")]
+    pub heatmap_path: Option<PathBuf>,
+    /// VRAM for the pinned experts (bytes; suffixes K/M/G/KiB/MiB/GiB). Default: what
+    /// --vram-budget leaves after the weights, the stream slots and a 16K-token KV cache.
+    #[arg(long, requires = "cache_strategy", value_parser = parse_vram)]
+    pub pin_vram: Option<u64>,
+}
+
+fn parse_vram(s: &str) -> Result<u64, String> {
+    krasis_core::budget::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 impl GpuArgs {
@@ -212,6 +232,11 @@ impl GpuArgs {
                 "gpu-cache" => StreamFrom::GpuCache,
                 _ => StreamFrom::CpuCache,
             },
+            hot: self
+                .heatmap_path
+                .clone()
+                .filter(|_| self.cache_strategy.is_some())
+                .map(|heatmap| HotPlan { heatmap, vram: self.pin_vram }),
             ..GpuOptions::default()
         })
     }

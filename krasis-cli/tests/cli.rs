@@ -262,6 +262,39 @@ fn heatmap_out_writes_the_counts_and_checks_its_path_first() {
     assert!(sums.iter().all(|&s| s == 0 || s == 6 * k) && sums.contains(&(6 * k)), "{sums:?}");
 }
 
+#[test]
+fn cache_strategy_needs_a_heatmap_and_the_hybrid_gpu_experts() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let heat = t.path().join("heat.json");
+    let heat = heat.to_str().unwrap();
+    // clap: the strategy needs its heatmap, the heatmap and the VRAM need the strategy.
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "hot_cached_static"]);
+    assert_clean_failure(&o, 2, "--heatmap-path");
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--heatmap-path", heat]);
+    assert_clean_failure(&o, 2, "--cache-strategy");
+    let o =
+        krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "lru", "--heatmap-path", heat]);
+    assert_clean_failure(&o, 2, "hot_cached_static");
+    // Pinning is a hybrid engine's, on its GPU expert layout.
+    for device in ["cpu", "gpu", "auto"] {
+        let o = krasis(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1,2",
+            "--device",
+            device,
+            "--cache-strategy",
+            "hot_cached_static",
+            "--heatmap-path",
+            heat,
+        ]);
+        assert_clean_failure(&o, 1, "--device hybrid and --gpu-expert-bits");
+    }
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> =
         std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();

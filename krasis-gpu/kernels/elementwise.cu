@@ -3,6 +3,16 @@
 // rows (MLA's latent, Qwen3's per-head q/k norm).
 #include "krasis_common.cuh"
 
+// ids[i] = map[ids[i]] for ids in [0, n_map); other values are left as they are (out of range
+// stays out of range). Renumbers routed expert ids into a layer's pinned order.
+extern "C" __global__ void remap_ids_i32(int* ids, const int* map, int n_map, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        int e = ids[i];
+        if (e >= 0 && e < n_map) ids[i] = map[e];
+    }
+}
+
 // out[i] = start + i
 extern "C" __global__ void iota_i32(int* out, int start, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

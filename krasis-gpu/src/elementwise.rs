@@ -11,7 +11,14 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
     src: include_str!("../kernels/elementwise.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["iota_i32", "add_inplace_f32", "copy_rows_f32", "copy_rows_f32_bf16", "rmsnorm_strided_inplace"],
+    functions: &[
+        "iota_i32",
+        "remap_ids_i32",
+        "add_inplace_f32",
+        "copy_rows_f32",
+        "copy_rows_f32_bf16",
+        "rmsnorm_strided_inplace",
+    ],
 };
 
 /// Threads per block of the 1-D kernels.
@@ -110,6 +117,31 @@ impl GpuDevice {
         let mut b = s.launch_builder(&f);
         b.arg(&o).arg(&st).arg(&n_i);
         // SAFETY: matches the kernel's signature; length checked.
+        unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// In place over the first `n` ids: `ids[i] = map[ids[i]]` where `ids[i]` is in
+    /// `[0, map.len())`; other values stay as they are.
+    pub fn remap_ids_i32(
+        &self,
+        ids: &mut impl DevicePtrMut<i32>,
+        map: &impl DevicePtr<i32>,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "remap_ids";
+        check(OP, n <= ids.len(), || format!("{n} ids; the buffer has {}", ids.len()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n_i, m_i) = (to_i32(OP, "ids", n)?, to_i32(OP, "map entries", map.len())?);
+        let s = self.stream();
+        let (ip, _g1) = ids.device_ptr_mut(s);
+        let (mp, _g2) = map.device_ptr(s);
+        let f = self.function(&ELEMENTWISE, "remap_ids_i32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&ip).arg(&mp).arg(&m_i).arg(&n_i);
+        // SAFETY: matches the kernel's signature; lengths checked.
         unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(OP))?;
         Ok(())
     }

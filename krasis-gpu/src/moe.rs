@@ -277,6 +277,8 @@ struct QuantExperts {
 pub struct GpuExperts {
     name: String,
     n_experts: usize,
+    /// Experts `[0, stored)` have storage (all of them but for [`GpuExperts::new_records_first`]).
+    stored: usize,
     hidden: usize,
     inter: usize,
     weights: ExpertWeights,
@@ -544,11 +546,32 @@ impl GpuExperts {
         hidden: usize,
         inter: usize,
         bits: Bits,
+        gs: (usize, usize),
+        geometry: (usize, usize),
+    ) -> Result<Self, GpuError> {
+        Self::new_records_first(dev, name, n_experts, n_experts, hidden, inter, bits, gs, geometry)
+    }
+
+    /// [`GpuExperts::new_records`] with storage for the first `stored` of the `n_experts` only:
+    /// a layer's pinned experts, renumbered to come first (`forward_part` with `present ≤
+    /// stored` never reads the others; routes to them count as another device's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_records_first(
+        dev: &GpuDevice,
+        name: &str,
+        n_experts: usize,
+        stored: usize,
+        hidden: usize,
+        inter: usize,
+        bits: Bits,
         (gs13, gs2): (usize, usize),
         (stride, w2_offset): (usize, usize),
     ) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_records";
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
+        check(OP, (1..=n_experts).contains(&stored), || {
+            format!("{name}: storage for {stored} of {n_experts} experts")
+        })?;
         let QuantExpertLayout { l13, l2, .. } = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
         let (p13, p2) = record_parts(&l13, &l2);
         let aligned = [stride, w2_offset, l13.weight_bytes(), l2.weight_bytes()].iter().all(|v| v % 16 == 0);
@@ -558,12 +581,14 @@ impl GpuExperts {
                  16-byte aligned"
             )
         })?;
-        let bytes = n_experts
+        let bytes = stored
             .checked_mul(stride)
             .ok_or_else(|| GpuError::shape(OP, format!("{name}: expert records overflow usize")))?;
         let buf = dev.alloc_zeros::<u8>(bytes, &format!("{name} records ({bits:?})"))?;
         let r = RecordExperts { l13, l2, buf, stride, w2_offset };
-        Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Records(Box::new(r))))
+        let mut e = Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Records(Box::new(r)));
+        e.stored = stored;
+        Ok(e)
     }
 
     /// The records-layout experts' bytes, read back (tests); `None` for other layouts.
@@ -592,7 +617,7 @@ impl GpuExperts {
         cpu: &crate::relayout::CpuRecordGeometry,
     ) -> Result<usize, GpuError> {
         const OP: &str = "GpuExperts::convert_cpu_records_async";
-        let (name, n, h, i) = (&self.name, self.n_experts, self.hidden, self.inter);
+        let (name, n, h, i) = (&self.name, self.stored, self.hidden, self.inter);
         let ExpertWeights::Records(r) = &mut self.weights else {
             return Err(GpuError::shape(OP, format!("{name}: not records-layout experts")));
         };
@@ -643,8 +668,8 @@ impl GpuExperts {
         let ExpertWeights::Records(r) = &mut self.weights else {
             return Err(GpuError::shape(OP, format!("{name}: not records-layout experts")));
         };
-        check(OP, experts.start <= experts.end && experts.end <= self.n_experts, || {
-            format!("{name}: experts {experts:?} of {}", self.n_experts)
+        check(OP, experts.start <= experts.end && experts.end <= self.stored, || {
+            format!("{name}: experts {experts:?} of {} stored", self.stored)
         })?;
         let want = experts.len() * r.stride;
         check(OP, src.len() == want, || {
@@ -669,6 +694,7 @@ impl GpuExperts {
         GpuExperts {
             name: name.to_string(),
             n_experts,
+            stored: n_experts,
             hidden,
             inter,
             weights,
@@ -956,7 +982,9 @@ impl GpuExperts {
         const OP: &str = "GpuExperts::forward";
         let (h, i, name) = (self.hidden, self.inter, &self.name);
         check(OP, top_k > 0, || format!("{name}: top_k = 0"))?;
-        check(OP, present <= self.n_experts, || format!("{name}: {present} present experts of {}", self.n_experts))?;
+        check(OP, present <= self.stored, || {
+            format!("{name}: {present} present experts of {} ({} stored)", self.n_experts, self.stored)
+        })?;
         check(OP, x.len() == t * h, || format!("{name}: x has {} elements, not [{t}, {h}]", x.len()))?;
         check(OP, out.len() == t * h, || format!("{name}: out has {} elements, not [{t}, {h}]", out.len()))?;
         check(OP, ids.len() == t * top_k, || format!("{name}: ids has {} elements, not [{t}, {top_k}]", ids.len()))?;

@@ -488,6 +488,23 @@ fn glue_ops_match_twins() {
     let got = down(d, &pos);
     assert!(got[..33].iter().enumerate().all(|(i, &p)| p == 1000 + i as i32), "{got:?}");
     assert!(got[33..].iter().all(|&p| p == -1), "iota wrote past n: {got:?}");
+    // remap_ids: a permutation of 0..m applied to ragged id lists with out-of-range ids kept
+    for (m, n) in [(1usize, 1usize), (6, 7), (64, 4097), (160, 300)] {
+        let mut perm: Vec<i32> = (0..m as i32).collect();
+        for i in (1..m).rev() {
+            perm.swap(i, r.random_range(0..=i));
+        }
+        let ids: Vec<i32> = (0..n + 5).map(|_| r.random_range(-2..m as i32 + 2)).collect();
+        let mut want = ids.clone();
+        for id in &mut want[..n] {
+            if (0..m as i32).contains(id) {
+                *id = perm[*id as usize];
+            }
+        }
+        let mut dids = up(d, &ids, "ids");
+        d.remap_ids_i32(&mut dids, &up(d, &perm, "map"), n).unwrap();
+        assert_eq!(down(d, &dids), want, "remap_ids m={m} n={n}");
+    }
     // add_inplace on a ragged length
     for n in [1usize, 255, 1023, 70_001] {
         let a = rand_bf16_f32(&mut r, n, 3.0);

@@ -187,6 +187,10 @@ pub struct ExpertStreamer {
     /// Model layer → MoE layer index of the cache.
     moe_index: Vec<Option<usize>>,
     slots: Mutex<Vec<Slot>>,
+    /// The slots' record geometry `(stride, w2 offset)`, when they hold records in place.
+    slot_geometry: Option<(usize, usize)>,
+    /// The streamed experts' width.
+    bits: Bits,
     min_tokens: usize,
     split: super::StreamSplit,
     copied: AtomicU64,
@@ -281,6 +285,8 @@ impl ExpertStreamer {
             copy: dev.new_stream()?,
             moe_index,
             slots: Mutex::new(slots),
+            slot_geometry,
+            bits,
             min_tokens,
             split,
             copied: AtomicU64::new(0),
@@ -299,6 +305,80 @@ impl ExpertStreamer {
             super::StreamSplit::Share(f) => f.clamp(0.0, 1.0),
         };
         ((f * n as f64).round() as usize).min(n)
+    }
+
+    /// VRAM one expert takes in the GPU's record layout (`None`: the slots hold four arrays, and
+    /// experts cannot be pinned one by one).
+    pub fn record_bytes(&self) -> Option<usize> {
+        self.slot_geometry.map(|(stride, _)| stride)
+    }
+
+    /// The experts `ids` of MoE layer `li` copied (and laid out for the GPU) into VRAM, renumbered
+    /// `0..ids.len()` in that order: a layer's pinned experts ([`super::hot_experts`]). Done at
+    /// load, on the copy stream, synchronously.
+    pub fn pin(&self, dev: &GpuDevice, li: usize, ids: &[usize]) -> Result<GpuExperts> {
+        let h = self.source.cache().header();
+        let (n, hidden, inter) = (h.n_experts as usize, h.hidden as usize, h.intermediate as usize);
+        let gs = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+        let bits = self.bits;
+        let Some(geometry) = self.slot_geometry else {
+            return Err(ModelError::Invalid(
+                "pinning experts needs one record geometry for every MoE layer of the GPU expert cache".into(),
+            ));
+        };
+        if let Some(&bad) = ids.iter().find(|&&e| e >= n) {
+            return Err(ModelError::Invalid(format!("pinning expert {bad} of MoE layer {li}: the layer has {n}")));
+        }
+        let name = format!("pinned experts of MoE layer {li}");
+        let mut ex = GpuExperts::new_records_first(dev, &name, n, ids.len().max(1), hidden, inter, bits, gs, geometry)?;
+        let cache = self.source.cache();
+        for (j, &e) in ids.iter().enumerate() {
+            let run = cache.layer_records(li, e..e + 1);
+            // SAFETY: the records are page-locked for the streamer's life and the copy stream is
+            // synchronised below, before `run` or the staging buffer is reused; nothing else
+            // touches `ex` yet.
+            unsafe {
+                match &self.source {
+                    Source::Cpu { geometry, staging, .. } => {
+                        let at = self.stage(staging, j * geometry.stride, run)?;
+                        ex.convert_cpu_records_async(dev, &self.copy, j..j + 1, at, geometry)?;
+                    }
+                    Source::Gpu { .. } => {
+                        ex.copy_record_run_async(&self.copy, j..j + 1, run)?;
+                    }
+                }
+            }
+        }
+        self.copy.synchronize().map_err(|e| GpuError::Driver { op: "cuStreamSynchronize", detail: e.to_string() })?;
+        Ok(ex)
+    }
+
+    /// Enqueues on the copy stream a copy of CPU records `run` into the staging buffer at byte
+    /// `offset`; returns that device address (where the conversion reads them).
+    ///
+    /// # Safety
+    /// `run` must lie in the page-locked records and the staging range must not be in use by an
+    /// earlier conversion still in flight on another stream (the copy stream orders its own).
+    unsafe fn stage(&self, staging: &krasis_gpu::DeviceBuffer<u8>, offset: usize, run: &[u8]) -> Result<u64> {
+        use krasis_gpu::cudarc::driver::DevicePtr;
+        let (base, _g) = staging.device_ptr(&self.copy);
+        let at = base + offset as u64;
+        // SAFETY: as the caller promises; the range lies in the staging buffer (a layer's records).
+        let r = unsafe {
+            krasis_gpu::cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                at,
+                run.as_ptr().cast(),
+                run.len(),
+                self.copy.cu_stream(),
+            )
+        };
+        r.result().map_err(|e| GpuError::Driver { op: "cuMemcpyHtoDAsync", detail: e.to_string() })?;
+        Ok(at)
+    }
+
+    /// MoE layer index of the cache for model layer `layer`.
+    pub fn moe_layer(&self, layer: usize) -> Option<usize> {
+        self.moe_index.get(layer).copied().flatten()
     }
 
     /// VRAM the slots hold.
@@ -352,16 +432,7 @@ impl ExpertStreamer {
         let bytes = unsafe {
             match &self.source {
                 Source::Cpu { geometry, staging, .. } => {
-                    use krasis_gpu::cudarc::driver::DevicePtr;
-                    let (base, _g) = staging.device_ptr(&self.copy);
-                    let at = base + (have * geometry.stride) as u64;
-                    let r = krasis_gpu::cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
-                        at,
-                        run.as_ptr().cast(),
-                        run.len(),
-                        self.copy.cu_stream(),
-                    );
-                    r.result().map_err(|e| GpuError::Driver { op: "cuMemcpyHtoDAsync", detail: e.to_string() })?;
+                    let at = self.stage(staging, have * geometry.stride, run)?;
                     slot.experts.convert_cpu_records_async(dev, &self.copy, have..present, at, geometry)?
                 }
                 Source::Gpu { in_place: true, .. } => {

@@ -118,7 +118,7 @@ pub(crate) fn expert_prefetch_budget() -> usize {
 }
 
 /// One hand-off the expert thread serves: MoE layer `layer`, sequence number `seq`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct HostWork {
     pub seq: u64,
     pub layer: usize,
@@ -126,6 +126,8 @@ pub(crate) struct HostWork {
     /// The CPU runs the routes to experts `[cpu_from, n_experts)`; the GPU the rest (a split
     /// layer; 0: the CPU runs every route).
     pub cpu_from: usize,
+    /// Experts whose routes the GPU runs (the layer's pinned experts), by id.
+    pub cpu_skips: Option<Arc<[bool]>>,
     pub shape: HandoffShape,
 }
 
@@ -364,11 +366,12 @@ impl HostStaging {
         go.stream_wait_geq(dev, work.seq)?;
         debug_assert!(self.pending.is_none(), "a hand-off's output was never added");
         self.pending = Some(y_counts);
+        let seq = work.seq;
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
             // Nobody will serve this hand-off: release the stream's wait ourselves, or the call's
             // final synchronisation would never return.
-            go.store(work.seq);
+            go.store(seq);
             return Err(ModelError::Invalid("the CPU expert thread stopped early".into()));
         }
         Ok(())
@@ -515,7 +518,7 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                     // A panic in an expert backend must not kill the thread before `go` is stored:
                     // the stream would wait on it forever.
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        serve_one(dev, work, c.windows, &c.ready, experts, &mut routes, &mut seen, &guess, &mut stats)
+                        serve_one(dev, &work, c.windows, &c.ready, experts, &mut routes, &mut seen, &guess, &mut stats)
                     }));
                     match served {
                         Ok(Ok(())) => {}
@@ -537,7 +540,7 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                     if let (Some(slots), Some(flag)) = (c.windows.predicted, c.predicted.as_deref()) {
                         let t = Instant::now();
                         let pulled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                            prefetch_next(work, slots, flag, &c.ready, experts, &mut guess)
+                            prefetch_next(&work, slots, flag, &c.ready, experts, &mut guess)
                         }));
                         let pulled = pulled.unwrap_or(0);
                         guess.pulled = pulled > 0;
@@ -574,7 +577,7 @@ struct Guess {
 /// is: the CPU experts took far longer), pull the start of those experts' weights into the
 /// caches until the next hand-off is ready. Returns the bytes requested.
 fn prefetch_next(
-    work: HostWork,
+    work: &HostWork,
     slots: [RawSlice<i32>; 2],
     flag: &HostFlag,
     ready: &HostFlag,
@@ -599,7 +602,7 @@ fn prefetch_next(
 #[allow(clippy::too_many_arguments)]
 fn serve_one(
     dev: &GpuDevice,
-    work: HostWork,
+    work: &HostWork,
     w: Windows,
     ready: &HostFlag,
     experts: &[Option<Arc<dyn LayerExperts>>],
@@ -633,7 +636,7 @@ fn serve_one(
         routes.ids.clear();
         routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().map(|&id| {
             let e = id as usize;
-            if e < work.cpu_from {
+            if e < work.cpu_from || work.cpu_skips.as_ref().is_some_and(|s| s[e]) {
                 Routes::ELSEWHERE
             } else {
                 e
@@ -648,7 +651,7 @@ fn serve_one(
     seen.clear();
     seen.resize(work.n_experts, false);
     for &id in ids.iter() {
-        seen[id as usize] = id as usize >= work.cpu_from;
+        seen[id as usize] = id as usize >= work.cpu_from && !work.cpu_skips.as_ref().is_some_and(|s| s[id as usize]);
     }
     stats.experts_read += seen.iter().filter(|&&s| s).count() as u64;
     if guess.layer == Some(work.layer) && t == 1 {

@@ -37,6 +37,9 @@ pub(crate) struct Ctx<'a> {
     pub streamer: Option<(&'a super::expert_stream::ExpertStreamer, usize)>,
     /// While recording a heatmap: the device counts `[layers × experts]` and `experts`.
     pub heat: Option<(u64, usize)>,
+    /// `hot_cached_static`: the pinned experts, which host MoE layers run beside the CPU's share
+    /// unless this call streams every expert.
+    pub hot: Option<&'a super::hot_experts::HotExperts>,
 }
 
 impl Ctx<'_> {
@@ -247,10 +250,18 @@ impl GpuLayer {
                         c.count_routes(router, l, host.published_ids(), t * k)?;
                         // The GPU's share of a split layer (on the routes the CPU got) and the
                         // shared expert go into y while the CPU computes the routed ones, whose
-                        // sum is then added to y.
-                        let mut cpu_from = 0;
-                        if let Some((streamer, present)) = split {
-                            let routes = GpuRoutes::Published { host: &*host, present };
+                        // sum is then added to y. The GPU's share: the layer's pinned experts
+                        // (hot_cached_static), else the streamed first ones.
+                        let (mut cpu_from, mut cpu_skips) = (0, None);
+                        let hot = c.hot.and_then(|h| h.layers.get(l)).and_then(Option::as_ref).filter(|hl| {
+                            split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, router.n_experts()))
+                        });
+                        if let Some(hl) = hot {
+                            let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
+                            gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
+                            cpu_skips = Some(hl.on_gpu.clone());
+                        } else if let Some((streamer, present)) = split {
+                            let routes = GpuRoutes::Published { host: &*host, present, map: None };
                             streamer.run_layer(c.dev, l, present, |experts| {
                                 gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
                             })?;
@@ -258,13 +269,14 @@ impl GpuLayer {
                         } else if let Some(sh) = shared {
                             sh.forward(c, s, true)?;
                         }
-                        let y_counts = shared.is_some() || cpu_from > 0;
+                        let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
                         if let Some((router, norm)) = next.and_then(GpuLayer::host_router) {
                             let sc = &*s.scratch;
                             let y = y_counts.then(|| sc.y.slice().slice(..n));
                             host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                         }
-                        let work = HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, shape };
+                        let work =
+                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
                         host.receive(c.dev, work, y_counts)?;
                     }
                 }
@@ -295,8 +307,9 @@ enum GpuRoutes<'a> {
     /// The layer's router (of layer `.1`), every expert.
     Router(&'a GpuRouter, usize),
     /// The routes published to the host for a split layer's CPU share
-    /// ([`HostStaging::routes_to_device`]); the GPU runs experts `[0, present)`.
-    Published { host: &'a HostStaging, present: usize },
+    /// ([`HostStaging::routes_to_device`]), renumbered on the device with `map` when given; the
+    /// GPU runs experts `[0, present)` (of the renumbered ids).
+    Published { host: &'a HostStaging, present: usize, map: Option<&'a DeviceBuffer<i32>> },
 }
 
 /// A MoE layer on the GPU with `experts` in VRAM (resident, or a streamed slot): the routes into
@@ -335,8 +348,11 @@ fn gpu_moe(
                 c.count_routes(router, l, ids_p, t * k)?;
                 experts.n_experts()
             }
-            GpuRoutes::Published { host, present } => {
+            GpuRoutes::Published { host, present, map } => {
                 host.routes_to_device(c.dev, t * k, &mut ids_out, &mut w_out)?;
+                if let Some(map) = map {
+                    c.dev.remap_ids_i32(&mut ids_out, map, t * k)?;
+                }
                 present
             }
         }

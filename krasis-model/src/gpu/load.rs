@@ -434,6 +434,9 @@ impl GpuModel {
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
                     }
                 }
+                if let Some(plan) = &gpu.hot {
+                    model.pin_hot(plan, gpu.kv_tokens, &mut log)?;
+                }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
                 log.push(format!("routed experts on the CPU: {}", ex.executor.describe()));
@@ -449,6 +452,45 @@ impl GpuModel {
         m.log = log;
         m.host_expert_bytes = expert_bytes;
         Ok(m)
+    }
+
+    /// `--cache-strategy hot_cached_static`: pins the experts `plan`'s heatmap ranks hottest
+    /// ([`super::hot_experts`]), then fits the KV cache into what they leave (an explicit
+    /// `--kv-tokens` that no longer fits is an error).
+    fn pin_hot(&mut self, plan: &super::HotPlan, kv_asked: Option<usize>, log: &mut Vec<String>) -> Result<()> {
+        let what = "--cache-strategy hot_cached_static";
+        let Some(streamer) = &self.streamer else {
+            return Err(ModelError::Invalid(format!(
+                "{what} needs --gpu-expert-bits 4|8 (the pinned experts are kept in the GPU's layout)"
+            )));
+        };
+        let n = self.spec.routed_experts();
+        let heat = crate::heatmap::ExpertHeat::load(&plan.heatmap, self.spec.num_layers, n)?;
+        let moe: Vec<usize> = self.spec.moe_layers().collect();
+        let per_token = self.kv_layout.bytes_per_token() as u64;
+        let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
+        let vram = plan
+            .vram
+            .unwrap_or_else(|| self.dev.budget().remaining().saturating_sub(KV_RESERVE_BYTES).saturating_sub(kv_keep));
+        let hot = super::hot_experts::HotExperts::pin(&self.dev, streamer, &heat, &moe, vram)?;
+        log.push(hot.describe(moe.len() * n));
+        let fit = self.kv_layout.tokens_for(
+            KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: self.kv_tokens },
+            self.dev.budget().remaining(),
+        );
+        if fit < self.kv_tokens {
+            if kv_asked.is_some() || fit == 0 {
+                return Err(ModelError::Invalid(format!(
+                    "{what}: the {} of pinned experts leave room for {fit} KV tokens, not {} (lower --pin-vram or raise --vram-budget)",
+                    format_bytes(hot.bytes as u64),
+                    self.kv_tokens
+                )));
+            }
+            log.push(format!("KV cache: {fit} tokens after pinning (was {})", self.kv_tokens));
+            self.kv_tokens = fit;
+        }
+        self.hot = Some(hot);
+        Ok(())
     }
 
     /// Builds the model on the GPU from `source`, its routed experts placed by `experts`
@@ -598,6 +640,7 @@ impl GpuModel {
             host_expert_bytes: None,
             expert_server,
             streamer: None,
+            hot: None,
             batch: Default::default(),
             heat: None,
         })

@@ -12,6 +12,7 @@
 pub mod expert_cache;
 pub mod expert_stream;
 mod host_experts;
+pub mod hot_experts;
 pub mod hybrid;
 mod layers;
 mod load;
@@ -73,7 +74,24 @@ pub struct GpuOptions {
     pub stream_split: StreamSplit,
     /// Which copy of the experts a hybrid prefill streams ([`StreamFrom`]).
     pub stream_from: StreamFrom,
+    /// Hybrid with `expert_bits`: `--cache-strategy hot_cached_static` (the heatmap's hottest
+    /// experts pinned in VRAM, [`hot_experts`]).
+    pub hot: Option<HotPlan>,
 }
+
+/// `--cache-strategy hot_cached_static --heatmap-path FILE [--pin-vram BYTES]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HotPlan {
+    /// A heatmap recorded with `--heatmap-out` on this model.
+    pub heatmap: std::path::PathBuf,
+    /// VRAM for the pinned experts; `None`: what the budget leaves after the weights, the stream
+    /// slots, the activation reserve and a KV cache of [`HOT_MIN_KV_TOKENS`] tokens.
+    pub vram: Option<u64>,
+}
+
+/// KV tokens `hot_cached_static` leaves room for when it sizes the pinned experts from the budget
+/// (the KV cache then takes what the pinned experts leave, at least this much).
+pub const HOT_MIN_KV_TOKENS: usize = 16_384;
 
 /// The records a hybrid prefill streams to the GPU (#9's "one resident copy").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +145,7 @@ impl Default for GpuOptions {
             stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,
             stream_split: StreamSplit::Measured,
             stream_from: StreamFrom::CpuCache,
+            hot: None,
         }
     }
 }
@@ -172,6 +191,8 @@ pub struct GpuModel {
     expert_server: Option<host_experts::ExpertServer>,
     /// Hybrid: the routed experts streamed to the GPU for long prefills.
     pub(crate) streamer: Option<expert_stream::ExpertStreamer>,
+    /// `hot_cached_static`'s pinned experts (hybrid).
+    pub(crate) hot: Option<hot_experts::HotExperts>,
     /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
     batch: std::sync::Mutex<BatchState>,
     /// Heatmap counts `[layers × experts]` on the device, while recording
@@ -332,6 +353,7 @@ impl GpuModel {
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
             streamer: self.streamer.as_ref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
+            hot: self.hot.as_ref(),
             heat: self.heat.as_ref().map(|b| {
                 let (p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(b, self.dev.stream());
                 (p, self.spec.routed_experts())
@@ -456,6 +478,11 @@ impl GpuModel {
         if s.profile.is_some() {
             s.profile = profile::StepProfile::from_env();
         }
+    }
+
+    /// `hot_cached_static`: experts pinned in VRAM and their bytes (`None` without the strategy).
+    pub fn pinned_experts(&self) -> Option<(usize, usize)> {
+        self.hot.as_ref().map(|h| (h.pinned, h.bytes))
     }
 
     /// Runs one throwaway prefill of [`WARM_UP_TOKENS`] tokens and one decode step, so that the

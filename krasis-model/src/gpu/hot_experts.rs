@@ -1,0 +1,173 @@
+//! `--cache-strategy hot_cached_static` (#9 item 4, the seeds' HCS): the routed experts a heatmap
+//! says are used most stay in VRAM for the model's life, the others on the CPU, and every hybrid
+//! MoE layer below the full-streaming length runs both at once — the GPU its pinned experts'
+//! routes, the CPU the rest. No copies while serving: decode steps gain whatever share of the
+//! routes the pinned experts receive; a short prompt that would stream a share of each layer
+//! (the split prefill) takes the pinned experts instead where they receive at least that share
+//! ([`HotLayer::beats_streaming`]).
+//!
+//! Which experts: the `(layer, expert)` pairs with the most routes in the heatmap, over every MoE
+//! layer at once (the seeds' `static_pin` rule: a layer whose routes concentrate gets more), as
+//! many as the VRAM given to pinning holds. A layer's pinned experts are stored renumbered
+//! `0..present` ([`krasis_gpu::moe::GpuExperts::new_records_first`]); the routes published for
+//! the hand-off are renumbered on the device with the layer's map (pinned experts first, in
+//! pinned order, then the others), so the split layer's GPU kernels run exactly as for a
+//! streamed share, and the CPU skips the pinned experts' routes.
+
+use std::sync::Arc;
+
+use krasis_gpu::moe::GpuExperts;
+use krasis_gpu::{DeviceBuffer, GpuDevice};
+
+use super::expert_stream::ExpertStreamer;
+use crate::error::{ModelError, Result};
+use crate::heatmap::ExpertHeat;
+
+/// One MoE layer's pinned experts.
+pub struct HotLayer {
+    /// The pinned experts, renumbered `0..present`.
+    pub experts: GpuExperts,
+    pub present: usize,
+    /// Expert id → its number in `experts` (pinned ones `0..present`, the others after them).
+    pub map: DeviceBuffer<i32>,
+    /// Per expert id: whether it is pinned (the CPU leaves its routes to the GPU).
+    pub on_gpu: Arc<[bool]>,
+    /// Share of the layer's heatmap routes that go to its pinned experts.
+    pub route_share: f64,
+}
+
+impl HotLayer {
+    /// Whether a call that would stream `streamed` of the layer's `n` experts (a split prefill)
+    /// runs better on the pinned ones: when they take at least that share of the routes, the GPU
+    /// does as much work with no copies.
+    pub fn beats_streaming(&self, streamed: usize, n: usize) -> bool {
+        self.route_share >= streamed as f64 / n.max(1) as f64
+    }
+}
+
+/// The pinned experts of every model layer (`None`: a dense layer, or nothing pinned there).
+pub struct HotExperts {
+    pub layers: Vec<Option<HotLayer>>,
+    /// Experts pinned in all, and their VRAM.
+    pub pinned: usize,
+    pub bytes: usize,
+    /// Share of the heatmap's routes that go to pinned experts.
+    pub route_share: f64,
+}
+
+/// The `capacity` `(layer, expert)` pairs with the most routes in `heat` among `layers`' rows
+/// (ties: lower layer, then lower id), as per-layer lists in ranked order; experts that never
+/// received a route are not pinned.
+pub fn choose_pinned(heat: &ExpertHeat, layers: &[usize], capacity: usize) -> Vec<Vec<usize>> {
+    let mut all: Vec<(u64, usize, usize)> = Vec::new();
+    for &l in layers {
+        if let Some(row) = heat.counts.get(l) {
+            all.extend(row.iter().enumerate().filter(|(_, &c)| c > 0).map(|(e, &c)| (c, l, e)));
+        }
+    }
+    all.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut per_layer = vec![Vec::new(); heat.layers];
+    for &(_, l, e) in all.iter().take(capacity) {
+        per_layer[l].push(e);
+    }
+    per_layer
+}
+
+/// The id map of a layer of `n` experts whose `pinned` ones come first: `map[e]` is `e`'s number
+/// in the renumbered order (the others keep their relative order after the pinned ones).
+pub fn renumbering(n: usize, pinned: &[usize]) -> Vec<i32> {
+    let mut map = vec![-1i32; n];
+    for (j, &e) in pinned.iter().enumerate() {
+        map[e] = j as i32;
+    }
+    for (next, m) in (pinned.len() as i32..).zip(map.iter_mut().filter(|m| **m < 0)) {
+        *m = next;
+    }
+    map
+}
+
+impl HotExperts {
+    /// Pins the experts `heat` ranks hottest into at most `vram` bytes, from `streamer`'s records.
+    pub fn pin(
+        dev: &GpuDevice,
+        streamer: &ExpertStreamer,
+        heat: &ExpertHeat,
+        moe_layers: &[usize],
+        vram: u64,
+    ) -> Result<Self> {
+        let Some(record) = streamer.record_bytes() else {
+            return Err(ModelError::Invalid(
+                "--cache-strategy hot_cached_static: the GPU expert cache's layers differ in record geometry, so experts cannot be pinned one by one".into(),
+            ));
+        };
+        let capacity = (vram / record.max(1) as u64) as usize;
+        let chosen = choose_pinned(heat, moe_layers, capacity);
+        let total: u64 = moe_layers.iter().filter_map(|&l| heat.counts.get(l)).flatten().sum();
+        let mut hot_routes = 0u64;
+        let mut layers = Vec::with_capacity(heat.layers);
+        let (mut pinned, mut bytes) = (0, 0);
+        for (l, ids) in chosen.iter().enumerate() {
+            let Some(li) = streamer.moe_layer(l).filter(|_| !ids.is_empty()) else {
+                layers.push(None);
+                continue;
+            };
+            let experts = streamer.pin(dev, li, ids)?;
+            let n = heat.experts;
+            let map = dev.upload(&renumbering(n, ids), &format!("pinned expert map of layer {l}"))?;
+            let mut on_gpu = vec![false; n];
+            ids.iter().for_each(|&e| on_gpu[e] = true);
+            let layer_hot = ids.iter().map(|&e| heat.counts[l][e]).sum::<u64>();
+            let layer_all = heat.counts[l].iter().sum::<u64>();
+            hot_routes += layer_hot;
+            pinned += ids.len();
+            bytes += experts.weight_bytes();
+            let route_share = layer_hot as f64 / layer_all.max(1) as f64;
+            layers.push(Some(HotLayer { experts, present: ids.len(), map, on_gpu: on_gpu.into(), route_share }));
+        }
+        Ok(HotExperts { layers, pinned, bytes, route_share: hot_routes as f64 / total.max(1) as f64 })
+    }
+
+    /// One line for the load log.
+    pub fn describe(&self, of: usize) -> String {
+        format!(
+            "hot_cached_static: {} of {of} routed experts pinned in VRAM ({}), {:.1}% of the heatmap's routes; the CPU runs the rest beside them",
+            self.pinned,
+            krasis_core::budget::format_bytes(self.bytes as u64),
+            100.0 * self.route_share
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heat(counts: Vec<Vec<u64>>) -> ExpertHeat {
+        let (layers, experts) = (counts.len(), counts[0].len());
+        let flat: Vec<u64> = counts.into_iter().flatten().collect();
+        ExpertHeat::from_counts("m", layers, experts, 2, &flat)
+    }
+
+    #[test]
+    fn pins_the_hottest_pairs_across_layers() {
+        // Layer 0 is dense (zero row); layer 2 concentrates its routes.
+        let h = heat(vec![vec![0, 0, 0, 0], vec![5, 9, 1, 0], vec![30, 2, 2, 2]]);
+        assert_eq!(choose_pinned(&h, &[1, 2], 3), vec![vec![], vec![1, 0], vec![0]]);
+        // Ties go to the lower layer, then the lower id; unused experts are never pinned.
+        assert_eq!(choose_pinned(&h, &[1, 2], 6), vec![vec![], vec![1, 0], vec![0, 1, 2, 3]]);
+        assert_eq!(choose_pinned(&h, &[1, 2], 100), vec![vec![], vec![1, 0, 2], vec![0, 1, 2, 3]]);
+        assert_eq!(choose_pinned(&h, &[1, 2], 0), vec![Vec::<usize>::new(); 3]);
+        // Only the layers asked for.
+        assert_eq!(choose_pinned(&h, &[1], 2), vec![vec![], vec![1, 0], vec![]]);
+    }
+
+    #[test]
+    fn renumbering_puts_pinned_first_and_is_a_permutation() {
+        let m = renumbering(6, &[4, 1]);
+        assert_eq!(m, vec![2, 1, 3, 4, 0, 5]);
+        let mut sorted = m.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..6).collect::<Vec<i32>>());
+        assert_eq!(renumbering(3, &[]), vec![0, 1, 2]);
+    }
+}
