@@ -199,7 +199,8 @@ pub struct GpuArgs {
     #[arg(long, requires = "cache_strategy")]
     pub heatmap_path: Option<PathBuf>,
     /// VRAM for the pinned experts (bytes; suffixes K/M/G/KiB/MiB/GiB). Default: what
-    /// --vram-budget leaves after the weights, the stream slots and a 16K-token KV cache.
+    /// --vram-budget leaves after the weights, the stream slots, a 16K-token KV cache and 3 GiB
+    /// for a long prefill's activations.
     #[arg(long, requires = "cache_strategy", value_parser = parse_vram)]
     pub pin_vram: Option<u64>,
 }

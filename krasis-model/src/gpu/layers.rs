@@ -253,9 +253,11 @@ impl GpuLayer {
                         // sum is then added to y. The GPU's share: the layer's pinned experts
                         // (hot_cached_static), else the streamed first ones.
                         let (mut cpu_from, mut cpu_skips) = (0, None);
-                        let hot = c.hot.and_then(|h| h.layers.get(l)).and_then(Option::as_ref).filter(|hl| {
-                            split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, router.n_experts()))
-                        });
+                        let hot = c
+                            .hot
+                            .and_then(|h| h.layers.get(l))
+                            .and_then(Option::as_ref)
+                            .filter(|hl| split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, t, k)));
                         if let Some(hl) = hot {
                             let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
                             gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;

@@ -469,9 +469,10 @@ impl GpuModel {
         let moe: Vec<usize> = self.spec.moe_layers().collect();
         let per_token = self.kv_layout.bytes_per_token() as u64;
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
-        let vram = plan
-            .vram
-            .unwrap_or_else(|| self.dev.budget().remaining().saturating_sub(KV_RESERVE_BYTES).saturating_sub(kv_keep));
+        let vram = plan.vram.unwrap_or_else(|| {
+            let reserve = KV_RESERVE_BYTES.max(super::HOT_PREFILL_RESERVE_BYTES);
+            self.dev.budget().remaining().saturating_sub(reserve).saturating_sub(kv_keep)
+        });
         let hot = super::hot_experts::HotExperts::pin(&self.dev, streamer, &heat, &moe, vram)?;
         log.push(hot.describe(moe.len() * n));
         let fit = self.kv_layout.tokens_for(

@@ -85,13 +85,19 @@ pub struct HotPlan {
     /// A heatmap recorded with `--heatmap-out` on this model.
     pub heatmap: std::path::PathBuf,
     /// VRAM for the pinned experts; `None`: what the budget leaves after the weights, the stream
-    /// slots, the activation reserve and a KV cache of [`HOT_MIN_KV_TOKENS`] tokens.
+    /// slots, [`HOT_PREFILL_RESERVE_BYTES`] and a KV cache of [`HOT_MIN_KV_TOKENS`] tokens.
     pub vram: Option<u64>,
 }
 
 /// KV tokens `hot_cached_static` leaves room for when it sizes the pinned experts from the budget
 /// (the KV cache then takes what the pinned experts leave, at least this much).
 pub const HOT_MIN_KV_TOKENS: usize = 16_384;
+
+/// VRAM `hot_cached_static` leaves free for a long prefill's activations when it sizes the pinned
+/// experts from the budget (prefill's claim comes first). Measured on the H200 box: a
+/// 10K-token streamed prefill of v2-lite needs more than 2.26 GiB above the weights, the slots
+/// and the KV cache (it failed there) and at most 2.52 GiB (it ran).
+pub const HOT_PREFILL_RESERVE_BYTES: u64 = 3 << 30;
 
 /// The records a hybrid prefill streams to the GPU (#9's "one resident copy").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
