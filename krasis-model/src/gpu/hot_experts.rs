@@ -142,6 +142,9 @@ impl HotExperts {
 
     /// One line for the load log.
     pub fn describe(&self, of: usize) -> String {
+        if self.pinned == 0 {
+            return "warning: hot_cached_static pinned no experts: the VRAM budget leaves no room for them after the weights, the stream slots, the KV cache and the prefill reserve (give --pin-vram, or raise --vram-budget)".into();
+        }
         format!(
             "hot_cached_static: {} of {of} routed experts pinned in VRAM ({}), {:.1}% of the heatmap's routes; the CPU runs the rest beside them",
             self.pinned,
