@@ -312,6 +312,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
+    if let Some(note) = crate::tuned::apply(&files, a.run.engine.cache_dir.as_deref(), &mut config)? {
+        eprintln!("{note}");
+    }
     config.record_heatmap = heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         eprintln!("system: {w}");

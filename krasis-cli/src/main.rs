@@ -8,9 +8,11 @@ mod cmd_convert;
 mod cmd_generate;
 mod cmd_info;
 mod cmd_synth;
+mod cmd_tune;
 mod dump;
 mod logging;
 mod serve;
+mod tuned;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
@@ -40,6 +42,9 @@ enum Command {
     Bench(cmd_bench::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming).
     Serve(serve::Args),
+    /// Measure where the routed experts should live on this machine (each strategy's prefill
+    /// and decode) and save the choice for `generate` and `serve` under --device auto.
+    Tune(cmd_tune::Args),
 }
 
 /// The parser, with every value flag taking negative numbers (`--temperature -1`), so that the
@@ -67,6 +72,7 @@ fn main() {
         Command::Convert(a) => cmd_convert::run(a),
         Command::Bench(a) => cmd_bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Tune(a) => cmd_tune::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -295,6 +295,53 @@ fn cache_strategy_needs_a_heatmap_and_the_hybrid_gpu_experts() {
     }
 }
 
+#[test]
+fn tune_needs_a_gpu_and_its_file_is_taken_only_where_it_was_measured() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    if krasis_gpu::probe().is_ok() {
+        eprintln!("SKIPPED: a GPU is present; this test checks the no-GPU behaviour (the device runs tune itself)");
+        return;
+    }
+    let o = krasis(&["tune", "--model", m, "--prompt-tokens", "8", "--decode-tokens", "2"]);
+    assert_clean_failure(&o, 1, "krasis tune compares where the routed experts live on a GPU");
+    // A tune file in the cache dir: another model's is left alone, a damaged one is a warning,
+    // and this model's needs the GPU it was measured on; generation goes on with --device auto.
+    let cache = t.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let fp = format!("{:016x}", krasis_model::files::ModelFiles::open(&dir).unwrap().fingerprint());
+    let file = |fingerprint: &str| {
+        serde_json::json!({
+            "format": "krasis-tune", "version": 1, "fingerprint": fingerprint, "gpu": "NVIDIA H200",
+            "vram_budget": "Auto", "prompt_tokens": 10240, "decode_tokens": 64, "runs": 3, "measured_at": 0,
+            "choice": { "name": "layer_grouped", "device": "hybrid", "gpu_expert_bits": 4, "cpu_expert_bits": "4",
+                        "heatmap_path": null, "pin_vram": null },
+            "table": []
+        })
+        .to_string()
+    };
+    let cache_dir = cache.to_str().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--cache-dir", cache_dir];
+        args.extend_from_slice(extra);
+        krasis(&args)
+    };
+    for (content, says) in [
+        (file("0000000000000000"), "is for another model"),
+        ("{ not json".to_string(), "not a krasis tune file"),
+        (file(&fp), "not used: no GPU"),
+    ] {
+        std::fs::write(cache.join("tune.json"), content).unwrap();
+        let o = gen(&[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains(says), "stderr lacks {says:?}: {}", stderr(&o));
+    }
+    // An explicit --device never reads it.
+    let o = gen(&["--device", "cpu"]);
+    assert!(o.status.success() && !stderr(&o).contains("tune"), "{}", stderr(&o));
+}
+
 fn names(dir: &Path) -> Vec<String> {
     let mut v: Vec<String> =
         std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();

@@ -92,6 +92,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
     let files = ModelFiles::open(&a.model)?;
+    if let Some(note) = crate::tuned::apply(&files, a.run.engine.cache_dir.as_deref(), &mut config)? {
+        tracing::info!("{note}");
+    }
     config.record_heatmap = crate::cmd_generate::heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings() {
         tracing::warn!("system: {w}");

@@ -1,0 +1,274 @@
+//! The choice `krasis tune` saves (`<cache dir>/tune.json`) and what `generate` and `serve` do
+//! with it: under `--device auto` (the default) the tuned device, GPU expert width and cache
+//! strategy replace the automatic choice, on the GPU and model it was measured on; an explicit
+//! `--device` keeps every flag as given.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use krasis_core::spec::WeightBits;
+use krasis_model::files::ModelFiles;
+use krasis_model::gpu::HotPlan;
+use krasis_model::runtime::{DevicePolicy, EngineConfig};
+use serde::{Deserialize, Serialize};
+
+/// The `format` field of a tune file.
+pub const TUNE_FORMAT: &str = "krasis-tune";
+/// The version this build writes and reads.
+pub const TUNE_VERSION: u32 = 1;
+/// File name in the model's cache directory.
+pub const TUNE_FILE: &str = "tune.json";
+/// Largest tune file read (a table of a few strategies is ~2 KB).
+const MAX_TUNE_BYTES: u64 = 1 << 20;
+
+/// One strategy: how the engine is opened.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Strategy {
+    /// `persistent`, `layer_grouped`, `cpu_experts` or `hot_cached_static`.
+    pub name: String,
+    /// `gpu` or `hybrid`.
+    pub device: String,
+    /// GPU expert width (4 or 8); `None`: the routed experts stay on the CPU.
+    pub gpu_expert_bits: Option<u8>,
+    /// CPU expert width as `--cpu-expert-bits` spells it (hybrid).
+    pub cpu_expert_bits: String,
+    /// `hot_cached_static`'s heatmap and pinned VRAM (`None`: the default budget).
+    pub heatmap_path: Option<PathBuf>,
+    pub pin_vram: Option<u64>,
+}
+
+/// One measured row of the table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub strategy: Strategy,
+    /// Medians over the runs; `None` with `error` when the strategy could not run.
+    pub prefill_tok_s: Option<f64>,
+    pub decode_tok_s: Option<f64>,
+    pub load_s: Option<f64>,
+    pub error: Option<String>,
+}
+
+/// What `krasis tune` measured and chose.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Tuned {
+    pub format: String,
+    pub version: u32,
+    /// [`ModelFiles::fingerprint`] of the model it was measured on (hex).
+    pub fingerprint: String,
+    /// The GPU it was measured on, and the `--vram-budget` given.
+    pub gpu: String,
+    pub vram_budget: String,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub runs: usize,
+    /// When it was measured (seconds since the Unix epoch).
+    pub measured_at: u64,
+    pub choice: Strategy,
+    pub table: Vec<Row>,
+}
+
+/// Prefills within this fraction of the fastest count as equally fast: the choice among them is
+/// the fastest decode (repeated identical prefills on the H200 box spread by ~5 %).
+pub const PREFILL_TIE: f64 = 0.95;
+
+/// The fastest prefill first, then among the rows within [`PREFILL_TIE`] of it the fastest
+/// decode (#9: prefill gets first claim). `None` when no row ran.
+pub fn choose(rows: &[Row]) -> Option<&Row> {
+    let best =
+        rows.iter().filter_map(|r| r.prefill_tok_s).fold(None, |m: Option<f64>, p| Some(m.map_or(p, |m| m.max(p))))?;
+    rows.iter()
+        .filter(|r| r.prefill_tok_s.is_some_and(|p| p >= PREFILL_TIE * best))
+        .max_by(|a, b| a.decode_tok_s.unwrap_or(0.0).total_cmp(&b.decode_tok_s.unwrap_or(0.0)))
+}
+
+/// Where a model's tune file lives: `--cache-dir`, else the model's default cache directory.
+pub fn path(files: &ModelFiles, cache_dir: Option<&Path>) -> PathBuf {
+    cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir()).join(TUNE_FILE)
+}
+
+impl Tuned {
+    /// Writes the file through `path.tmp` and a rename (a reader never sees half a file).
+    pub fn save(&self, path: &Path) -> anyhow::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(self)? + "\n")
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+    }
+
+    /// Reads a tune file, checking its format and version and capping its size.
+    pub fn load(path: &Path) -> anyhow::Result<Tuned> {
+        let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+        if len > MAX_TUNE_BYTES {
+            bail!("tune file {}: {len} bytes, more than a tune file's {MAX_TUNE_BYTES}", path.display());
+        }
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let t: Tuned = serde_json::from_slice(&bytes)
+            .with_context(|| format!("tune file {}: not a krasis tune file", path.display()))?;
+        if t.format != TUNE_FORMAT || t.version != TUNE_VERSION {
+            bail!(
+                "tune file {}: format {:?} version {}, this build reads {TUNE_FORMAT:?} version {TUNE_VERSION} (run krasis tune again)",
+                path.display(),
+                t.format,
+                t.version
+            );
+        }
+        Ok(t)
+    }
+}
+
+/// The model's fingerprint as the tune file writes it.
+pub fn fingerprint(files: &ModelFiles) -> String {
+    format!("{:016x}", files.fingerprint())
+}
+
+/// Applies `strategy` to `config` (device, expert widths, cache strategy).
+pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result<()> {
+    config.device = match s.device.as_str() {
+        "gpu" => DevicePolicy::Gpu,
+        "hybrid" => DevicePolicy::Hybrid,
+        d => bail!("tuned device {d:?} is neither gpu nor hybrid"),
+    };
+    config.gpu.expert_bits = match s.gpu_expert_bits {
+        None => None,
+        Some(4) => Some(krasis_quant::Bits::Int4),
+        Some(8) => Some(krasis_quant::Bits::Int8),
+        Some(b) => bail!("tuned GPU expert width {b} is neither 4 nor 8"),
+    };
+    if config.device == DevicePolicy::Gpu {
+        // The whole model on the GPU: no CPU precisions (the engine refuses them there).
+        (config.cpu.expert_bits, config.cpu.dense_bits) = (WeightBits::Auto, WeightBits::Bf16);
+    } else {
+        config.cpu.expert_bits =
+            s.cpu_expert_bits.parse::<WeightBits>().map_err(|e| anyhow::anyhow!("tuned CPU expert width: {e}"))?;
+    }
+    config.gpu.hot = match (&s.name[..], &s.heatmap_path) {
+        ("hot_cached_static", Some(h)) => Some(HotPlan { heatmap: h.clone(), vram: s.pin_vram }),
+        ("hot_cached_static", None) => bail!("tuned hot_cached_static without a heatmap path"),
+        _ => None,
+    };
+    Ok(())
+}
+
+/// Under `--device auto`, the tune file of `files` (in `cache_dir`), when there is one for this
+/// model and this GPU, replaces `config`'s device choice. Returns a line for the log: what was
+/// taken, or why a file found was not (`None`: no file).
+pub fn apply(
+    files: &ModelFiles,
+    cache_dir: Option<&Path>,
+    config: &mut EngineConfig,
+) -> anyhow::Result<Option<String>> {
+    let p = path(files, cache_dir);
+    if config.device != DevicePolicy::Auto || !p.exists() {
+        return Ok(None);
+    }
+    let t = match Tuned::load(&p) {
+        Ok(t) => t,
+        Err(e) => return Ok(Some(format!("warning: {e:#}; not used"))),
+    };
+    if t.fingerprint != fingerprint(files) {
+        return Ok(Some(format!("tune file {} is for another model (or other files): not used", p.display())));
+    }
+    let gpu = match krasis_gpu::probe_ordinal(config.gpu.ordinal) {
+        Ok(info) => info.name,
+        Err(e) => return Ok(Some(format!("tune file {} not used: no GPU ({e})", p.display()))),
+    };
+    if gpu != t.gpu {
+        return Ok(Some(format!("tune file {} was measured on {}, not this {gpu}: not used", p.display(), t.gpu)));
+    }
+    apply_strategy(&t.choice, config)?;
+    Ok(Some(format!(
+        "tuned: {} (from {}, measured by krasis tune; pass --device to choose yourself)",
+        t.choice.name,
+        p.display()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strategy(name: &str) -> Strategy {
+        Strategy {
+            name: name.into(),
+            device: "hybrid".into(),
+            gpu_expert_bits: Some(4),
+            cpu_expert_bits: "4".into(),
+            heatmap_path: None,
+            pin_vram: None,
+        }
+    }
+
+    fn row(name: &str, prefill: Option<f64>, decode: Option<f64>) -> Row {
+        Row { strategy: strategy(name), prefill_tok_s: prefill, decode_tok_s: decode, load_s: Some(1.0), error: None }
+    }
+
+    #[test]
+    fn fastest_prefill_first_then_fastest_decode_among_ties() {
+        let rows = vec![
+            row("persistent", None, None),
+            row("layer_grouped", Some(25_000.0), Some(110.0)),
+            row("cpu_experts", Some(1_700.0), Some(120.0)),
+            row("hot_cached_static", Some(24_500.0), Some(170.0)),
+        ];
+        assert_eq!(choose(&rows).unwrap().strategy.name, "hot_cached_static");
+        // Outside the tie the faster prefill wins whatever its decode.
+        let rows = vec![row("a", Some(40_000.0), Some(100.0)), row("b", Some(30_000.0), Some(400.0))];
+        assert_eq!(choose(&rows).unwrap().strategy.name, "a");
+        assert!(choose(&[row("x", None, None)]).is_none());
+    }
+
+    #[test]
+    fn the_file_round_trips_and_refuses_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub").join(TUNE_FILE);
+        let t = Tuned {
+            format: TUNE_FORMAT.into(),
+            version: TUNE_VERSION,
+            fingerprint: "00000000deadbeef".into(),
+            gpu: "NVIDIA H200".into(),
+            vram_budget: "auto".into(),
+            prompt_tokens: 10240,
+            decode_tokens: 64,
+            runs: 3,
+            measured_at: 1,
+            choice: strategy("layer_grouped"),
+            table: vec![row("layer_grouped", Some(1.0), Some(2.0))],
+        };
+        t.save(&p).unwrap();
+        assert_eq!(Tuned::load(&p).unwrap(), t);
+        assert!(!p.with_extension("json.tmp").exists());
+        std::fs::write(&p, b"{\"format\": \"other\"}").unwrap();
+        assert!(format!("{:#}", Tuned::load(&p).unwrap_err()).contains("not a krasis tune file"));
+        let mut other = t.clone();
+        other.version = 99;
+        std::fs::write(&p, serde_json::to_string(&other).unwrap()).unwrap();
+        assert!(format!("{:#}", Tuned::load(&p).unwrap_err()).contains("run krasis tune again"));
+    }
+
+    #[test]
+    fn strategies_apply_to_the_config() {
+        let mut c = EngineConfig::default();
+        apply_strategy(&strategy("layer_grouped"), &mut c).unwrap();
+        assert_eq!(c.device, DevicePolicy::Hybrid);
+        assert_eq!(c.gpu.expert_bits, Some(krasis_quant::Bits::Int4));
+        assert_eq!(c.cpu.expert_bits, WeightBits::Int4);
+        assert!(c.gpu.hot.is_none());
+        let mut hot = strategy("hot_cached_static");
+        assert!(apply_strategy(&hot, &mut c).is_err(), "hot_cached_static needs its heatmap");
+        hot.heatmap_path = Some("/h.json".into());
+        hot.pin_vram = Some(1 << 30);
+        apply_strategy(&hot, &mut c).unwrap();
+        assert_eq!(c.gpu.hot, Some(HotPlan { heatmap: "/h.json".into(), vram: Some(1 << 30) }));
+        let gpu = Strategy { device: "gpu".into(), gpu_expert_bits: Some(8), ..strategy("persistent") };
+        c.cpu.dense_bits = WeightBits::Int8;
+        apply_strategy(&gpu, &mut c).unwrap();
+        assert!(!c.wants_cpu_precisions(), "the whole-GPU strategy drops the CPU precisions");
+        assert_eq!(
+            (c.device, c.gpu.expert_bits, c.gpu.hot.is_none()),
+            (DevicePolicy::Gpu, Some(krasis_quant::Bits::Int8), true)
+        );
+    }
+}
