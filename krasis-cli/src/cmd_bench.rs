@@ -232,14 +232,23 @@ struct GreedyTiming {
 }
 
 impl GreedyTiming {
-    /// The prefill time the bench reports: the only one, or the median of the warm repeats
-    /// (what llama-bench reports too, after its warm-up run, is a mean over repeats).
+    /// The prefill time the bench reports ([`warm_median`]).
     fn reported_prefill_s(&self) -> f64 {
-        let warm = if self.prefill_s.len() > 1 { &self.prefill_s[1..] } else { &self.prefill_s[..] };
-        let mut v = warm.to_vec();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        warm_median(&self.prefill_s)
     }
+}
+
+/// The median of `v` (the upper one of an even count); `v` must not be empty.
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// What a bench reports of repeated runs whose first is cold: the only one, or the median of the
+/// warm repeats (what llama-bench reports too, after its warm-up run, is a mean over repeats).
+pub(crate) fn warm_median(runs: &[f64]) -> f64 {
+    median(if runs.len() > 1 { &runs[1..] } else { runs })
 }
 
 /// Times `prefill_reps` prefills of one random prompt (each in a fresh session), then
@@ -291,13 +300,11 @@ fn time_greedy_decode(
         decode_rep_s.push(t.elapsed().as_secs_f64());
         decode_stages = StageCounters::now().since(before);
     }
-    let mut sorted = decode_rep_s.clone();
-    sorted.sort_by(f64::total_cmp);
     Ok(GreedyTiming {
         prefill_s,
         prefill_parts,
         prefill_stages,
-        decode_s: sorted[sorted.len() / 2],
+        decode_s: median(&decode_rep_s),
         decode_rep_s,
         decode_stages,
     })

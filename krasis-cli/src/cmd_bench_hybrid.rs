@@ -46,11 +46,7 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         prefill_reps_s.push(t.elapsed().as_secs_f64());
         prefill_handoffs.push(s.handoff_stats().unwrap_or_default());
     }
-    let prefill_s = {
-        let mut warm = prefill_reps_s[usize::from(prefill_reps_s.len() > 1)..].to_vec();
-        warm.sort_by(f64::total_cmp);
-        warm[warm.len() / 2]
-    };
+    let prefill_s = crate::cmd_bench::warm_median(&prefill_reps_s);
     let h0 = *prefill_handoffs.last().expect("at least one prefill");
     let syncs0 = m.host_syncs().unwrap_or(0);
     let t = Instant::now();

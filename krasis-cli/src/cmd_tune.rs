@@ -15,6 +15,7 @@ use krasis_model::files::{is_gguf_path, ModelFiles};
 use krasis_model::runtime::{open_engine, EngineConfig};
 use krasis_model::sampling::{Sampler, SamplingParams};
 
+use crate::cmd_bench::median;
 use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
 use crate::tuned::{self, Row, Strategy, Tuned};
 
@@ -45,6 +46,9 @@ pub struct Args {
 
 /// The strategies to measure, with their configs.
 fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, EngineConfig)>> {
+    if files.spec().moe.is_none() {
+        bail!("{} has no routed experts: there is no expert strategy to tune", a.model.display());
+    }
     let bits: u8 = match a.gpu.gpu_expert_bits.as_str() {
         "8" => 8,
         _ => 4,
@@ -54,13 +58,8 @@ fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, Eng
     let cpu_bits = match a.engine.cpu_expert_bits {
         WeightBits::Auto if !is_gguf_path(&a.model) => WeightBits::Int4,
         b => b,
-    };
-    let cpu_bits = match cpu_bits {
-        WeightBits::Int4 => "4",
-        WeightBits::Int8 => "8",
-        WeightBits::Bf16 => "bf16",
-        WeightBits::Auto => "auto",
-    };
+    }
+    .flag_value();
     let context = (a.prompt_tokens + a.decode_tokens + 1) as u64;
     let base = |s: &Strategy| -> anyhow::Result<(Strategy, EngineConfig)> {
         let mut gpu = a.gpu.clone();
@@ -85,9 +84,6 @@ fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, Eng
         base(&s("layer_grouped", "hybrid", Some(bits)))?,
         base(&s("cpu_experts", "hybrid", None))?,
     ];
-    if files.spec().moe.is_none() {
-        bail!("{} has no routed experts: there is no expert strategy to tune", a.model.display());
-    }
     if let (Some(_), Some(h)) = (&a.gpu.cache_strategy, &a.gpu.heatmap_path) {
         let mut hot = s("hot_cached_static", "hybrid", Some(bits));
         hot.heatmap_path = Some(std::fs::canonicalize(h).with_context(|| format!("--heatmap-path {}", h.display()))?);
@@ -95,11 +91,6 @@ fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, Eng
         out.push(base(&hot)?);
     }
     Ok(out)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Loads `config`, then `runs` × (prefill of `prompt`, `decode` steps) in fresh sessions: the
@@ -128,7 +119,7 @@ fn measure(
         }
         dec.push(decode as f64 / t.elapsed().as_secs_f64().max(1e-9));
     }
-    Ok((median(prefill), median(dec), load_s))
+    Ok((median(&prefill), median(&dec), load_s))
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
