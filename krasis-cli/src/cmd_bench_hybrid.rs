@@ -83,8 +83,13 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         );
         for (rep, (secs, h)) in prefill_reps_s.iter().zip(&prefill_handoffs).enumerate() {
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            // An expert pool's hand-offs copy experts in instead of computing them.
+            let (what, copies) = match h.copied_bytes {
+                0 => ("CPU experts", String::new()),
+                b => ("copying experts", format!("; {} experts copied ({:.1} MB)", h.copied, b as f64 / 1e6)),
+            };
             println!(
-                "prefill {}: {:.1} ms; {} hand-offs: CPU experts {:.1} ms, waiting for the GPU {:.1} ms, for the launches {:.1} ms",
+                "prefill {}: {:.1} ms; {} hand-offs: {what} {:.1} ms, waiting for the GPU {:.1} ms, for the launches {:.1} ms{copies}",
                 rep + 1,
                 secs * 1e3,
                 h.calls,
@@ -99,6 +104,14 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             100.0 * expert_gbs / bw.gb_per_s,
             wait_ms + prefetch_ms
         );
+        if h1.copied > h0.copied {
+            println!(
+                "expert pool: {:.1} of {:.1} touched experts copied per token ({:.1} MB per token over PCIe)",
+                (h1.copied - h0.copied) as f64 / n,
+                (h1.experts_read - h0.experts_read) as f64 / n,
+                (h1.copied_bytes - h0.copied_bytes) as f64 / 1e6 / n
+            );
+        }
         if predicted > 0 {
             println!("next-layer route prediction: {:.1}% of {predicted} routes right", 100.0 * hit_rate);
         }
@@ -128,11 +141,14 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
                      "reps_s": prefill_reps_s,
                      "handoffs": prefill_handoffs.iter().map(|h| json!({ "calls": h.calls,
                          "cpu_experts_s": h.experts.as_secs_f64(), "gpu_wait_s": h.wait.as_secs_f64(),
-                         "launch_wait_s": h.launch_wait.as_secs_f64() })).collect::<Vec<_>>() },
+                         "launch_wait_s": h.launch_wait.as_secs_f64(), "copied_experts": h.copied,
+                         "copied_bytes": h.copied_bytes })).collect::<Vec<_>>() },
         "decode": { "tokens": a.decode_tokens, "tok_per_s": 1e3 / ms, "ms_per_token": ms,
                     "cpu_experts_ms_per_token": experts_ms, "gpu_wait_ms_per_token": wait_ms + prefetch_ms, "prefetch_ms_per_token": prefetch_ms, "prefetch_mb_per_token": prefetch_mb, "route_prediction_hit_rate": if predicted > 0 { Some(hit_rate) } else { None }, "launch_wait_ms_per_token": launch_ms, "rest_ms_per_token": rest_ms,
                     "expert_bytes_per_token": bytes_per_token, "expert_gb_per_s": expert_gbs,
-                    "expert_fraction_of_membw": expert_gbs / bw.gb_per_s, "host_syncs_per_token": syncs },
+                    "expert_fraction_of_membw": expert_gbs / bw.gb_per_s, "host_syncs_per_token": syncs,
+                    "copied_experts_per_token": (h1.copied - h0.copied) as f64 / n,
+                    "copied_bytes_per_token": (h1.copied_bytes - h0.copied_bytes) as f64 / n },
         "memory": { "rss_after_load": rss_loaded, "rss_after_decode": rss_after, "one_copy_of_experts": one_copy },
     }))
 }

@@ -14,7 +14,7 @@ use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::files::ModelFiles;
 use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
-use krasis_model::gpu::{GpuExpertCache, GpuOptions, HotPlan, StreamFrom};
+use krasis_model::gpu::{CachePlan, CacheStrategy, GpuExpertCache, GpuOptions, StreamFrom};
 use krasis_model::heatmap::ExpertHeat;
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
@@ -117,8 +117,10 @@ impl EngineArgs {
     pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
         // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
         let mut gpu = gpu.options()?;
-        if gpu.hot.is_some() && (device != Device::Hybrid || gpu.expert_bits.is_none()) {
-            bail!("--cache-strategy hot_cached_static needs --device hybrid and --gpu-expert-bits 4|8");
+        if let Some(plan) = &gpu.cache {
+            if device != Device::Hybrid || gpu.expert_bits.is_none() {
+                bail!("--cache-strategy {} needs --device hybrid and --gpu-expert-bits 4|8", plan.strategy.name());
+            }
         }
         gpu.expert_group_size = self.group_size;
         gpu.expert_cache = GpuExpertCache::In(self.cache_dir.clone());
@@ -189,19 +191,25 @@ pub struct GpuArgs {
     /// ~17 % faster at 2K tokens).
     #[arg(long, default_value = "cpu-cache", value_parser = ["cpu-cache", "gpu-cache"])]
     pub stream_experts_from: String,
-    /// `--device hybrid --gpu-expert-bits 4|8`: hot_cached_static pins the routed experts the
-    /// --heatmap-path file ranks hottest in VRAM for the engine's life; every MoE layer then runs
-    /// their routes on the GPU beside the CPU's share (decode and prompts shorter than the
-    /// full-streaming length). Without it: the CPU experts, with prefill streaming.
-    #[arg(long, value_parser = ["hot_cached_static"], requires = "heatmap_path")]
+    /// `--device hybrid --gpu-expert-bits 4|8`: which routed experts stay in VRAM beside the CPU
+    /// copy, for decode and prompts shorter than the full-streaming length (longer ones stream
+    /// every layer). hot_cached_static: the --heatmap-path file's hottest experts pinned, the CPU
+    /// running the other routes beside them. active_only: each call copies the experts it touches
+    /// and runs every route on the GPU. static_pin / weighted_pin: active_only plus the heatmap's
+    /// hottest experts pinned (ranked over all layers / shared out by each layer's skew). lru: a
+    /// cross-layer cache of experts, least recently used out. Without it: the CPU experts, with
+    /// prefill streaming.
+    #[arg(long, value_parser = ["hot_cached_static", "active_only", "static_pin", "weighted_pin", "lru"])]
     pub cache_strategy: Option<String>,
-    /// A heatmap recorded on this model with `--heatmap-out` (for --cache-strategy).
-    #[arg(long, requires = "cache_strategy")]
+    /// A heatmap recorded on this model with `--heatmap-out` (for the pinning strategies; `krasis
+    /// tune` then measures them too).
+    #[arg(long)]
     pub heatmap_path: Option<PathBuf>,
-    /// VRAM for the pinned experts (bytes; suffixes K/M/G/KiB/MiB/GiB). Default: what
-    /// --vram-budget leaves after the weights, the stream slots, a 16K-token KV cache and 3 GiB
-    /// for a long prefill's activations.
-    #[arg(long, requires = "cache_strategy", value_parser = parse_vram)]
+    /// VRAM for the experts --cache-strategy keeps (bytes; suffixes K/M/G/KiB/MiB/GiB). Default:
+    /// what --vram-budget leaves after the weights, the stream slots, a 16K-token KV cache and
+    /// 3 GiB for a long prefill's activations (active_only and the pins' copy slots: one layer's
+    /// experts).
+    #[arg(long, value_parser = parse_vram)]
     pub pin_vram: Option<u64>,
 }
 
@@ -210,6 +218,23 @@ fn parse_vram(s: &str) -> Result<u64, String> {
 }
 
 impl GpuArgs {
+    /// `--cache-strategy` with its heatmap and VRAM, checked against each other.
+    pub fn cache_plan(&self) -> anyhow::Result<Option<CachePlan>> {
+        let Some(name) = &self.cache_strategy else {
+            if self.heatmap_path.is_some() || self.pin_vram.is_some() {
+                bail!("--heatmap-path and --pin-vram go with --cache-strategy");
+            }
+            return Ok(None);
+        };
+        let strategy = CacheStrategy::from_name(name).ok_or_else(|| anyhow::anyhow!("unknown --cache-strategy {name}"))?;
+        match (strategy.needs_heatmap(), &self.heatmap_path) {
+            (true, None) => bail!("--cache-strategy {name} needs --heatmap-path (a heatmap recorded with --heatmap-out)"),
+            (false, Some(_)) => bail!("--cache-strategy {name} pins nothing from a heatmap; drop --heatmap-path"),
+            _ => {}
+        }
+        Ok(Some(CachePlan { strategy, heatmap: self.heatmap_path.clone(), vram: self.pin_vram }))
+    }
+
     pub fn options(&self) -> anyhow::Result<GpuOptions> {
         if self.kv_tokens == Some(0) {
             bail!("--kv-tokens must be at least 1");
@@ -233,11 +258,7 @@ impl GpuArgs {
                 "gpu-cache" => StreamFrom::GpuCache,
                 _ => StreamFrom::CpuCache,
             },
-            hot: self
-                .heatmap_path
-                .clone()
-                .filter(|_| self.cache_strategy.is_some())
-                .map(|heatmap| HotPlan { heatmap, vram: self.pin_vram }),
+            cache: self.cache_plan()?,
             ..GpuOptions::default()
         })
     }

@@ -12,6 +12,7 @@ use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_core::spec::WeightBits;
 use krasis_model::files::{is_gguf_path, ModelFiles};
+use krasis_model::gpu::CacheStrategy;
 use krasis_model::runtime::{open_engine, EngineConfig};
 use krasis_model::sampling::{Sampler, SamplingParams};
 
@@ -38,8 +39,9 @@ pub struct Args {
     dry_run: bool,
     #[command(flatten)]
     engine: EngineArgs,
-    /// GPU flags: --gpu-expert-bits picks the width the GPU strategies use (default 4), and
-    /// --cache-strategy hot_cached_static --heatmap-path FILE [--pin-vram] adds that strategy.
+    /// GPU flags: --gpu-expert-bits picks the width the GPU strategies use (default 4);
+    /// --heatmap-path FILE adds the pinning strategies (hot_cached_static, static_pin,
+    /// weighted_pin); --pin-vram sizes every cache strategy's VRAM.
     #[command(flatten)]
     gpu: GpuArgs,
 }
@@ -84,11 +86,19 @@ fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, Eng
         base(&s("layer_grouped", "hybrid", Some(bits)))?,
         base(&s("cpu_experts", "hybrid", None))?,
     ];
-    if let (Some(_), Some(h)) = (&a.gpu.cache_strategy, &a.gpu.heatmap_path) {
-        let mut hot = s("hot_cached_static", "hybrid", Some(bits));
-        hot.heatmap_path = Some(std::fs::canonicalize(h).with_context(|| format!("--heatmap-path {}", h.display()))?);
-        hot.pin_vram = a.gpu.pin_vram;
-        out.push(base(&hot)?);
+    // The cache strategies: those without a heatmap always, the pinning ones given one.
+    let heatmap = match &a.gpu.heatmap_path {
+        Some(h) => Some(std::fs::canonicalize(h).with_context(|| format!("--heatmap-path {}", h.display()))?),
+        None => None,
+    };
+    for strategy in CacheStrategy::ALL {
+        if strategy.needs_heatmap() && heatmap.is_none() {
+            continue;
+        }
+        let mut c = s(strategy.name(), "hybrid", Some(bits));
+        c.heatmap_path = heatmap.clone().filter(|_| strategy.needs_heatmap());
+        c.pin_vram = a.gpu.pin_vram;
+        out.push(base(&c)?);
     }
     Ok(out)
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use krasis_core::spec::WeightBits;
 use krasis_model::files::ModelFiles;
-use krasis_model::gpu::HotPlan;
+use krasis_model::gpu::{CachePlan, CacheStrategy};
 use krasis_model::runtime::{DevicePolicy, EngineConfig};
 use serde::{Deserialize, Serialize};
 
@@ -24,7 +24,8 @@ const MAX_TUNE_BYTES: u64 = 1 << 20;
 /// One strategy: how the engine is opened.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Strategy {
-    /// `persistent`, `layer_grouped`, `cpu_experts` or `hot_cached_static`.
+    /// `persistent`, `layer_grouped`, `cpu_experts`, or a `--cache-strategy` name
+    /// (`hot_cached_static`, `active_only`, `static_pin`, `weighted_pin`, `lru`).
     pub name: String,
     /// `gpu` or `hybrid`.
     pub device: String,
@@ -32,7 +33,7 @@ pub struct Strategy {
     pub gpu_expert_bits: Option<u8>,
     /// CPU expert width as `--cpu-expert-bits` spells it (hybrid).
     pub cpu_expert_bits: String,
-    /// `hot_cached_static`'s heatmap and pinned VRAM (`None`: the default budget).
+    /// A cache strategy's heatmap (the pinning ones) and VRAM (`None`: the default budget).
     pub heatmap_path: Option<PathBuf>,
     pub pin_vram: Option<u64>,
 }
@@ -144,10 +145,14 @@ pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result
         config.cpu.expert_bits =
             s.cpu_expert_bits.parse::<WeightBits>().map_err(|e| anyhow::anyhow!("tuned CPU expert width: {e}"))?;
     }
-    config.gpu.hot = match (&s.name[..], &s.heatmap_path) {
-        ("hot_cached_static", Some(h)) => Some(HotPlan { heatmap: h.clone(), vram: s.pin_vram }),
-        ("hot_cached_static", None) => bail!("tuned hot_cached_static without a heatmap path"),
-        _ => None,
+    config.gpu.cache = match CacheStrategy::from_name(&s.name) {
+        Some(strategy) => {
+            if strategy.needs_heatmap() && s.heatmap_path.is_none() {
+                bail!("tuned {} without a heatmap path", s.name);
+            }
+            Some(CachePlan { strategy, heatmap: s.heatmap_path.clone(), vram: s.pin_vram })
+        }
+        None => None,
     };
     Ok(())
 }
@@ -255,19 +260,29 @@ mod tests {
         assert_eq!(c.device, DevicePolicy::Hybrid);
         assert_eq!(c.gpu.expert_bits, Some(krasis_quant::Bits::Int4));
         assert_eq!(c.cpu.expert_bits, WeightBits::Int4);
-        assert!(c.gpu.hot.is_none());
+        assert!(c.gpu.cache.is_none());
+        apply_strategy(&strategy("lru"), &mut c).unwrap();
+        assert_eq!(c.gpu.cache, Some(CachePlan { strategy: CacheStrategy::Lru, heatmap: None, vram: None }));
+        assert!(apply_strategy(&strategy("weighted_pin"), &mut c).is_err(), "weighted_pin needs its heatmap");
         let mut hot = strategy("hot_cached_static");
         assert!(apply_strategy(&hot, &mut c).is_err(), "hot_cached_static needs its heatmap");
         hot.heatmap_path = Some("/h.json".into());
         hot.pin_vram = Some(1 << 30);
         apply_strategy(&hot, &mut c).unwrap();
-        assert_eq!(c.gpu.hot, Some(HotPlan { heatmap: "/h.json".into(), vram: Some(1 << 30) }));
+        assert_eq!(
+            c.gpu.cache,
+            Some(CachePlan {
+                strategy: CacheStrategy::HotCachedStatic,
+                heatmap: Some("/h.json".into()),
+                vram: Some(1 << 30)
+            })
+        );
         let gpu = Strategy { device: "gpu".into(), gpu_expert_bits: Some(8), ..strategy("persistent") };
         c.cpu.dense_bits = WeightBits::Int8;
         apply_strategy(&gpu, &mut c).unwrap();
         assert!(!c.wants_cpu_precisions(), "the whole-GPU strategy drops the CPU precisions");
         assert_eq!(
-            (c.device, c.gpu.expert_bits, c.gpu.hot.is_none()),
+            (c.device, c.gpu.expert_bits, c.gpu.cache.is_none()),
             (DevicePolicy::Gpu, Some(krasis_quant::Bits::Int8), true)
         );
     }

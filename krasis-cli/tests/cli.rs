@@ -268,14 +268,36 @@ fn cache_strategy_needs_a_heatmap_and_the_hybrid_gpu_experts() {
     let m = dir.to_str().unwrap();
     let heat = t.path().join("heat.json");
     let heat = heat.to_str().unwrap();
-    // clap: the strategy needs its heatmap, the heatmap and the VRAM need the strategy.
-    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "hot_cached_static"]);
-    assert_clean_failure(&o, 2, "--heatmap-path");
+    // The pinning strategies need their heatmap; the others take none; the heatmap and the VRAM
+    // need a strategy.
+    for strategy in ["hot_cached_static", "static_pin", "weighted_pin"] {
+        let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", strategy]);
+        assert_clean_failure(&o, 1, "needs --heatmap-path");
+    }
+    for strategy in ["active_only", "lru"] {
+        let o = krasis(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt-ids",
+            "1,2",
+            "--cache-strategy",
+            strategy,
+            "--heatmap-path",
+            heat,
+        ]);
+        assert_clean_failure(&o, 1, "drop --heatmap-path");
+    }
     let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--heatmap-path", heat]);
-    assert_clean_failure(&o, 2, "--cache-strategy");
-    let o =
-        krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "lru", "--heatmap-path", heat]);
-    assert_clean_failure(&o, 2, "hot_cached_static");
+    assert_clean_failure(&o, 1, "go with --cache-strategy");
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--pin-vram", "1GiB"]);
+    assert_clean_failure(&o, 1, "go with --cache-strategy");
+    let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "mru"]);
+    assert_clean_failure(&o, 2, "lru");
+    for device in ["cpu", "gpu", "auto"] {
+        let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--device", device, "--cache-strategy", "lru"]);
+        assert_clean_failure(&o, 1, "--cache-strategy lru needs --device hybrid and --gpu-expert-bits");
+    }
     // Pinning is a hybrid engine's, on its GPU expert layout.
     for device in ["cpu", "gpu", "auto"] {
         let o = krasis(&[

@@ -241,7 +241,7 @@ fn check_split(name: &str) {
 /// logits are the resident GPU experts' (relative error ≤ 1e-3, #9's bar for a strategy); about
 /// half of them, they agree with both devices within their rounding, as a split prefill does.
 fn check_hot(name: &str) {
-    use krasis_model::gpu::HotPlan;
+    use krasis_model::gpu::{CachePlan, CacheStrategy};
     use krasis_model::heatmap::ExpertHeat;
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
@@ -275,7 +275,7 @@ fn check_hot(name: &str) {
     let heat_path = tmp.path().join("heat.json");
     ExpertHeat::from_counts(name, spec.num_layers, n, 2, &flat).save(&heat_path).unwrap();
     let hot = |vram: Option<u64>| GpuOptions {
-        hot: Some(HotPlan { heatmap: heat_path.clone(), vram }),
+        cache: Some(CachePlan { strategy: CacheStrategy::HotCachedStatic, heatmap: Some(heat_path.clone()), vram }),
         stream_min_tokens: 1 << 20,
         ..resident_opts.clone()
     };
@@ -362,4 +362,109 @@ fn cpu_records_at_another_width_stream_the_gpu_cache() {
         "{:?}",
         m.log
     );
+}
+
+/// `active_only`, `static_pin`, `weighted_pin` and `lru`: every route of a call below the
+/// full-streaming length runs on the GPU from a pool of VRAM slots that the expert thread fills
+/// with the experts the routes touch. Same kernels and records as the resident GPU experts, so the
+/// logits must be theirs (#9's bar for a strategy: relative error ≤ 1e-3), prefill and decode,
+/// also when a small `lru` pool evicts between layers; and the copies must be what each strategy
+/// promises.
+fn check_pool(name: &str) {
+    use krasis_model::gpu::{CachePlan, CacheStrategy};
+    use krasis_model::heatmap::ExpertHeat;
+    let Some(GpuFixture { dir, reference: r, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = cpu_experts(WeightBits::Int4, tmp.path());
+    let resident_opts = GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int4),
+        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+        ..GpuOptions::default()
+    };
+    let run = |m: &GpuModel| {
+        let mut s = m.new_session().unwrap();
+        let mut l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        for &id in &r.greedy_ids[..3] {
+            l.extend(m.forward_logits(&mut s, &[id], false).unwrap());
+        }
+        (l, s.handoff_stats())
+    };
+    let resident_model = GpuModel::load(&dir, &resident_opts).unwrap();
+    let resident = run(&resident_model).0;
+    let spec = resident_model.spec.clone();
+    drop(resident_model);
+    let n = spec.routed_experts();
+    let moe: Vec<usize> = spec.moe_layers().collect();
+    let mut flat = vec![0u64; spec.num_layers * n];
+    for &l in &moe {
+        for e in 0..n {
+            flat[l * n + e] = ((5 * e + l) % 9 + 1) as u64 * if e % 3 == 0 { 10 } else { 1 };
+        }
+    }
+    let heat_path = tmp.path().join("heat.json");
+    ExpertHeat::from_counts(name, spec.num_layers, n, 2, &flat).save(&heat_path).unwrap();
+    let opts = |strategy: CacheStrategy, vram: Option<u64>| GpuOptions {
+        cache: Some(CachePlan { strategy, heatmap: strategy.needs_heatmap().then(|| heat_path.clone()), vram }),
+        stream_min_tokens: 1 << 20,
+        ..resident_opts.clone()
+    };
+    let calls = 4 * moe.len() as u64;
+    let mut record = 0;
+    for (strategy, small) in [
+        (CacheStrategy::ActiveOnly, false),
+        (CacheStrategy::StaticPin, false),
+        (CacheStrategy::WeightedPin, false),
+        (CacheStrategy::Lru, false),
+        (CacheStrategy::Lru, true),
+    ] {
+        // The pins: half of the experts (plus the copy slots). The small pool: one layer's experts
+        // and two more, so layers evict each other.
+        let half = moe.len() * n / 2;
+        let vram = match strategy {
+            CacheStrategy::StaticPin | CacheStrategy::WeightedPin => Some(((n + half) * record) as u64),
+            _ => small.then_some(((n + 2) * record) as u64),
+        };
+        let m = GpuModel::load_hybrid(&dir, &opts(strategy, vram), &cpu)
+            .unwrap_or_else(|e| panic!("{name} {}: {e}", strategy.name()));
+        let pool = m.pool_stats().expect("a pool strategy keeps a pool");
+        record = pool.bytes / pool.slots;
+        let (logits, h) = run(&m);
+        let rel = krasis_tests::rel_l2(&logits, &resident);
+        eprintln!(
+            "{name} {}{}: {} slots ({} pinned), {} of {} touched experts copied; vs resident: relative error {rel:.2e}",
+            strategy.name(),
+            if small { " (small pool)" } else { "" },
+            pool.slots,
+            pool.pinned,
+            h.copied,
+            h.experts_read
+        );
+        assert!(rel <= 1e-3, "{name} {}: relative error {rel:.2e} against the resident experts", strategy.name());
+        assert_eq!(h.calls, calls, "{name} {}: one hand-off per MoE layer per call", strategy.name());
+        assert!(h.copied <= h.experts_read && h.experts_read > 0, "{name} {}: {h:?}", strategy.name());
+        match strategy {
+            CacheStrategy::ActiveOnly => {
+                assert_eq!(pool.pinned, 0);
+                assert_eq!(h.copied, h.experts_read, "{name}: active_only copies every touched expert every call");
+            }
+            CacheStrategy::StaticPin | CacheStrategy::WeightedPin => {
+                assert_eq!(pool.pinned, half, "{name} {}: half the experts pinned", strategy.name());
+                assert!(h.copied < h.experts_read, "{name} {}: pinned experts are not copied", strategy.name());
+            }
+            _ if !small => {
+                assert!(pool.slots >= moe.len() * n, "{name}: the default budget holds every expert");
+                // Each expert crosses PCIe at most once.
+                assert!(h.copied <= (moe.len() * n) as u64, "{name} lru: {h:?}");
+            }
+            _ => assert_eq!(pool.slots, n + 2, "{name}: the small pool"),
+        }
+    }
+}
+
+#[test]
+fn pooled_strategies_equal_the_resident_experts() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_pool(name);
+    }
 }

@@ -317,40 +317,87 @@ impl ExpertStreamer {
     /// `0..ids.len()` in that order: a layer's pinned experts ([`super::hot_experts`]). Done at
     /// load, on the copy stream, synchronously.
     pub fn pin(&self, dev: &GpuDevice, li: usize, ids: &[usize]) -> Result<GpuExperts> {
-        let h = self.source.cache().header();
-        let (n, hidden, inter) = (h.n_experts as usize, h.hidden as usize, h.intermediate as usize);
-        let gs = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
-        let bits = self.bits;
-        let Some(geometry) = self.slot_geometry else {
-            return Err(ModelError::Invalid(
-                "pinning experts needs one record geometry for every MoE layer of the GPU expert cache".into(),
-            ));
-        };
-        if let Some(&bad) = ids.iter().find(|&&e| e >= n) {
-            return Err(ModelError::Invalid(format!("pinning expert {bad} of MoE layer {li}: the layer has {n}")));
-        }
+        let n = self.n_experts();
         let name = format!("pinned experts of MoE layer {li}");
-        let mut ex = GpuExperts::new_records_first(dev, &name, n, ids.len().max(1), hidden, inter, bits, gs, geometry)?;
-        let cache = self.source.cache();
+        let mut ex = self.new_records(dev, &name, n, ids.len().max(1))?;
         for (j, &e) in ids.iter().enumerate() {
-            let run = cache.layer_records(li, e..e + 1);
-            // SAFETY: the records are page-locked for the streamer's life and the copy stream is
-            // synchronised below, before `run` or the staging buffer is reused; nothing else
-            // touches `ex` yet.
-            unsafe {
-                match &self.source {
-                    Source::Cpu { geometry, staging, .. } => {
-                        let at = self.stage(staging, j * geometry.stride, run)?;
-                        ex.convert_cpu_records_async(dev, &self.copy, j..j + 1, at, geometry)?;
-                    }
-                    Source::Gpu { .. } => {
-                        ex.copy_record_run_async(&self.copy, j..j + 1, run)?;
-                    }
-                }
+            // Each expert its own staging place: the copies are all in flight until the sync.
+            self.copy_expert_async(dev, li, e, &mut ex, j, j % n)?;
+            if j % n == n - 1 {
+                self.sync_copies()?;
             }
         }
-        self.copy.synchronize().map_err(|e| GpuError::Driver { op: "cuStreamSynchronize", detail: e.to_string() })?;
+        self.sync_copies()?;
         Ok(ex)
+    }
+
+    /// Experts of this streamer's width and record geometry, numbered `0..n_experts`, with storage
+    /// for the first `stored`.
+    pub(crate) fn new_records(&self, dev: &GpuDevice, name: &str, n_experts: usize, stored: usize) -> Result<GpuExperts> {
+        let h = self.source.cache().header();
+        let (hidden, inter) = (h.hidden as usize, h.intermediate as usize);
+        let gs = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+        let Some(geometry) = self.slot_geometry else {
+            return Err(ModelError::Invalid(
+                "keeping experts one by one in VRAM needs one record geometry for every MoE layer of the GPU expert cache".into(),
+            ));
+        };
+        Ok(GpuExperts::new_records_first(dev, name, n_experts, stored, hidden, inter, self.bits, gs, geometry)?)
+    }
+
+    /// Routed experts per MoE layer.
+    pub fn n_experts(&self) -> usize {
+        self.source.cache().header().n_experts as usize
+    }
+
+    /// MoE layers of the cache.
+    pub fn moe_layers(&self) -> usize {
+        self.source.cache().header().moe_layers.len()
+    }
+
+    /// Enqueues on the copy stream expert `e` of MoE layer `li` into expert `slot` of `dst`
+    /// (records from [`ExpertStreamer::new_records`]), laid out for the GPU; CPU records pass
+    /// through expert place `stage` (< [`ExpertStreamer::n_experts`]) of the staging buffer, so
+    /// copies in flight at once need distinct places. Returns the bytes copied over PCIe. The copy
+    /// is ordered after the copy stream's earlier work; [`ExpertStreamer::sync_copies`] waits for
+    /// it, and `dst` must not be read before.
+    pub(crate) fn copy_expert_async(
+        &self,
+        dev: &GpuDevice,
+        li: usize,
+        e: usize,
+        dst: &mut GpuExperts,
+        slot: usize,
+        stage: usize,
+    ) -> Result<usize> {
+        let n = self.n_experts();
+        if e >= n || li >= self.moe_layers() || stage >= n {
+            return Err(ModelError::Invalid(format!(
+                "copying expert {e} of MoE layer {li} (staging place {stage}): the cache has {} layers of {n}",
+                self.moe_layers()
+            )));
+        }
+        let run = self.source.cache().layer_records(li, e..e + 1);
+        // SAFETY: the records are page-locked for the streamer's life; the staging place is the
+        // caller's to give (distinct while in flight) and the copy stream orders it after earlier
+        // conversions that read it; `dst` is not read before the caller synchronises.
+        let bytes = unsafe {
+            match &self.source {
+                Source::Cpu { geometry, staging, .. } => {
+                    let at = self.stage(staging, stage * geometry.stride, run)?;
+                    dst.convert_cpu_records_async(dev, &self.copy, slot..slot + 1, at, geometry)?
+                }
+                Source::Gpu { .. } => dst.copy_record_run_async(&self.copy, slot..slot + 1, run)?,
+            }
+        };
+        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    /// Waits until the copy stream's work is done.
+    pub(crate) fn sync_copies(&self) -> Result<()> {
+        self.copy.synchronize().map_err(|e| GpuError::Driver { op: "cuStreamSynchronize", detail: e.to_string() })?;
+        Ok(())
     }
 
     /// Enqueues on the copy stream a copy of CPU records `run` into the staging buffer at byte

@@ -74,6 +74,11 @@ pub struct HandoffStats {
     /// call without), and their CPU expert time (part of `calls` and `experts`).
     pub pulled_calls: u64,
     pub pulled_experts: Duration,
+    /// Expert-pool hand-offs (`--cache-strategy active_only | static_pin | weighted_pin | lru`):
+    /// experts copied into VRAM, and their bytes over PCIe (`experts` is then the time the expert
+    /// thread spent bringing them in).
+    pub copied: u64,
+    pub copied_bytes: u64,
 }
 
 impl HandoffStats {
@@ -89,6 +94,8 @@ impl HandoffStats {
         self.predicted_hits += o.predicted_hits;
         self.pulled_calls += o.pulled_calls;
         self.pulled_experts += o.pulled_experts;
+        self.copied += o.copied;
+        self.copied_bytes += o.copied_bytes;
     }
 }
 
@@ -128,6 +135,9 @@ pub(crate) struct HostWork {
     pub cpu_from: usize,
     /// Experts whose routes the GPU runs (the layer's pinned experts), by id.
     pub cpu_skips: Option<Arc<[bool]>>,
+    /// Instead of computing any route on the CPU: bring the experts the routes touch into this
+    /// pool of VRAM slots (the GPU runs every route; [`super::expert_pool`]).
+    pub fetch: Option<Arc<super::expert_pool::ExpertPool>>,
     pub shape: HandoffShape,
 }
 
@@ -360,12 +370,15 @@ impl HostStaging {
     /// hand the layer to the expert thread. The experts' weighted sum stays in mapped host memory:
     /// the next residual norm adds it ([`HostStaging::take_pending`]), after the layer output `y`
     /// when `y_counts` (it holds the shared expert's output or the GPU's share of the routed
-    /// experts), instead of `y` otherwise.
+    /// experts), instead of `y` otherwise. A fetch (`work.fetch`) writes no output: the stream
+    /// runs the experts after the wait, and the norm adds only `y`.
     pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y_counts: bool) -> Result<()> {
         let (_, go) = self.flags.as_ref().expect("prepared");
         go.stream_wait_geq(dev, work.seq)?;
         debug_assert!(self.pending.is_none(), "a hand-off's output was never added");
-        self.pending = Some(y_counts);
+        if work.fetch.is_none() {
+            self.pending = Some(y_counts);
+        }
         let seq = work.seq;
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
@@ -625,6 +638,17 @@ fn serve_one(
             "the GPU router returned expert id {id} (of {}) at layer {}; non-finite hidden states?",
             work.n_experts, work.layer
         )));
+    }
+    if let Some(pool) = &work.fetch {
+        let f = pool.fetch(dev, work.layer, ids)?;
+        stats.experts_read += f.touched as u64;
+        stats.copied += f.copied as u64;
+        stats.copied_bytes += f.bytes as u64;
+        stats.calls += 1;
+        stats.wait += t1 - t0;
+        stats.experts += t1.elapsed();
+        let _ = (x, weights, out);
+        return Ok(());
     }
     let backend = experts[work.layer].as_deref().expect("hand-offs come from host MoE layers");
     out.fill(0.0);

@@ -87,6 +87,48 @@ pub fn choose_pinned(heat: &ExpertHeat, layers: &[usize], capacity: usize) -> Ve
     per_layer
 }
 
+/// The seeds' `weighted_pin` rule: `capacity` pins shared out over `layers` in proportion to how
+/// concentrated each layer's heatmap routes are (its skew, `1 − H / ln n` with `H` the entropy of
+/// its route shares: 0 for uniform routes, 1 for one expert taking all), each layer then pinning
+/// its own most-routed experts. Layers with equal skew share equally; a layer gets no more pins
+/// than it has experts with routes, the rest going to the others. Per-layer lists in ranked order.
+pub fn choose_weighted(heat: &ExpertHeat, layers: &[usize], capacity: usize) -> Vec<Vec<usize>> {
+    let mut per_layer = vec![Vec::new(); heat.layers];
+    let ranked: Vec<(usize, Vec<usize>, f64)> = layers
+        .iter()
+        .filter_map(|&l| heat.counts.get(l).map(|row| (l, row)))
+        .map(|(l, row)| {
+            let mut ids: Vec<usize> = (0..row.len()).filter(|&e| row[e] > 0).collect();
+            ids.sort_by(|&a, &b| row[b].cmp(&row[a]).then(a.cmp(&b)));
+            let total = row.iter().sum::<u64>() as f64;
+            let h: f64 = row.iter().filter(|&&c| c > 0).map(|&c| c as f64 / total).map(|p| -p * p.ln()).sum();
+            let skew = if row.len() > 1 { (1.0 - h / (row.len() as f64).ln()).max(0.0) } else { 0.0 };
+            (l, ids, skew)
+        })
+        .collect();
+    let room: usize = ranked.iter().map(|(_, ids, _)| ids.len()).sum();
+    // Equal weights when no layer is skewed (so every layer still gets its share).
+    let weight = |skew: f64| if ranked.iter().any(|r| r.2 > 0.0) { skew } else { 1.0 };
+    let mut given = vec![0usize; ranked.len()];
+    for _ in 0..capacity.min(room) {
+        // The next pin goes to the layer furthest below its weighted share.
+        let next = (0..ranked.len())
+            .filter(|&i| given[i] < ranked[i].1.len())
+            .max_by(|&a, &b| {
+                let need = |i: usize| weight(ranked[i].2) / (given[i] + 1) as f64;
+                need(a).total_cmp(&need(b)).then(b.cmp(&a))
+            });
+        match next {
+            Some(i) => given[i] += 1,
+            None => break,
+        }
+    }
+    for ((l, ids, _), g) in ranked.into_iter().zip(given) {
+        per_layer[l] = ids[..g].to_vec();
+    }
+    per_layer
+}
+
 /// The id map of a layer of `n` experts whose `pinned` ones come first: `map[e]` is `e`'s number
 /// in the renumbered order (the others keep their relative order after the pinned ones).
 pub fn renumbering(n: usize, pinned: &[usize]) -> Vec<i32> {
@@ -204,6 +246,25 @@ mod tests {
         assert!(!pinned_beats_streaming(&p, &g, 10, 64, 6));
         let (p, g) = layer(64, 1.0);
         assert!(pinned_beats_streaming(&p, &g, 60, 256, 6));
+    }
+
+    #[test]
+    fn weighted_pins_follow_each_layers_skew() {
+        // Layer 1 uniform (skew 0), layer 2 concentrated: it takes the pins.
+        let h = heat(vec![vec![0, 0, 0, 0], vec![5, 5, 5, 5], vec![40, 3, 1, 0]]);
+        assert_eq!(choose_weighted(&h, &[1, 2], 2), vec![vec![], vec![], vec![0, 1]]);
+        // Layer 2 has only 3 experts with routes: the rest of the capacity goes to layer 1.
+        let w = choose_weighted(&h, &[1, 2], 5);
+        assert_eq!(w[2], vec![0, 1, 2]);
+        assert_eq!(w[1].len(), 2);
+        assert_eq!(choose_weighted(&h, &[1, 2], 100).iter().map(Vec::len).sum::<usize>(), 7);
+        // Equally skewed layers share equally, and nothing is pinned without capacity.
+        let h = heat(vec![vec![9, 1, 0, 0], vec![0, 0, 1, 9]]);
+        assert_eq!(choose_weighted(&h, &[0, 1], 2), vec![vec![0], vec![3]]);
+        assert_eq!(choose_weighted(&h, &[0, 1], 0), vec![Vec::<usize>::new(); 2]);
+        // Uniform everywhere: equal shares rather than nothing.
+        let h = heat(vec![vec![2, 2], vec![3, 3]]);
+        assert_eq!(choose_weighted(&h, &[0, 1], 2).iter().map(Vec::len).collect::<Vec<_>>(), vec![1, 1]);
     }
 
     #[test]

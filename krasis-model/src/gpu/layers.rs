@@ -40,6 +40,9 @@ pub(crate) struct Ctx<'a> {
     /// `hot_cached_static`: the pinned experts, which host MoE layers run beside the CPU's share
     /// unless this call streams every expert.
     pub hot: Option<&'a super::hot_experts::HotExperts>,
+    /// `active_only`, `static_pin`, `weighted_pin` or `lru`: host MoE layers run every routed
+    /// expert on the GPU from this pool unless this call streams every expert.
+    pub pool: Option<&'a std::sync::Arc<super::expert_pool::ExpertPool>>,
 }
 
 impl Ctx<'_> {
@@ -244,6 +247,29 @@ impl GpuLayer {
                         .run_layer(c.dev, l, present, |experts| {
                             gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
                         })?,
+                    (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
+                        let pool = c.pool.expect("matched");
+                        let shape = HandoffShape { t, hidden: self.hidden, k };
+                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
+                        c.count_routes(router, l, host.published_ids(), t * k)?;
+                        let work = HostWork {
+                            seq,
+                            layer: l,
+                            n_experts: router.n_experts(),
+                            cpu_from: 0,
+                            cpu_skips: None,
+                            fetch: Some(pool.clone()),
+                            shape,
+                        };
+                        // The stream waits until the expert thread has the touched experts in the
+                        // pool, then runs them all (and the shared expert) on the GPU.
+                        host.receive(c.dev, work, false)?;
+                        let map = pool.device_map(c.dev)?;
+                        let experts = pool.experts();
+                        let routes =
+                            GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
+                        gpu_moe(c, s, routes, &experts, k, shared.as_ref(), n)?;
+                    }
                     (GpuExpertBackend::Host(_), split) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
                         let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
@@ -278,7 +304,7 @@ impl GpuLayer {
                             host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                         }
                         let work =
-                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
+                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, fetch: None, shape };
                         host.receive(c.dev, work, y_counts)?;
                     }
                 }

@@ -429,13 +429,13 @@ impl GpuModel {
                     match streamer {
                         Ok(streamer) => {
                             log.push(streamer.describe());
-                            model.streamer = Some(streamer);
+                            model.streamer = Some(std::sync::Arc::new(streamer));
                         }
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
                     }
                 }
-                if let Some(plan) = &gpu.hot {
-                    model.pin_hot(plan, gpu.kv_tokens, &mut log)?;
+                if let Some(plan) = &gpu.cache {
+                    model.apply_cache_plan(plan, gpu.kv_tokens, &mut log)?;
                 }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
@@ -454,27 +454,87 @@ impl GpuModel {
         Ok(m)
     }
 
-    /// `--cache-strategy hot_cached_static`: pins the experts `plan`'s heatmap ranks hottest
-    /// ([`super::hot_experts`]), then fits the KV cache into what they leave (an explicit
-    /// `--kv-tokens` that no longer fits is an error).
-    fn pin_hot(&mut self, plan: &super::HotPlan, kv_asked: Option<usize>, log: &mut Vec<String>) -> Result<()> {
-        let what = "--cache-strategy hot_cached_static";
-        let Some(streamer) = &self.streamer else {
+    /// `--cache-strategy`: keeps the experts `plan` asks for in VRAM ([`super::hot_experts`] for
+    /// `hot_cached_static`, [`super::expert_pool`] for the others), then fits the KV cache into
+    /// what they leave (an explicit `--kv-tokens` that no longer fits is an error).
+    fn apply_cache_plan(&mut self, plan: &super::CachePlan, kv_asked: Option<usize>, log: &mut Vec<String>) -> Result<()> {
+        use super::CacheStrategy;
+        let strategy = plan.strategy;
+        let what = format!("--cache-strategy {}", strategy.name());
+        let Some(streamer) = self.streamer.clone() else {
             return Err(ModelError::Invalid(format!(
-                "{what} needs --gpu-expert-bits 4|8 (the pinned experts are kept in the GPU's layout)"
+                "{what} needs --gpu-expert-bits 4|8 and the experts' records page-locked for copies (see the warning above if prefill keeps the experts on the CPU)"
+            )));
+        };
+        let Some(record) = streamer.record_bytes() else {
+            return Err(ModelError::Invalid(format!(
+                "{what}: the GPU expert cache's layers differ in record geometry, so experts cannot be kept one by one"
             )));
         };
         let n = self.spec.routed_experts();
-        let heat = crate::heatmap::ExpertHeat::load(&plan.heatmap, self.spec.num_layers, n)?;
         let moe: Vec<usize> = self.spec.moe_layers().collect();
+        let heat = match (&plan.heatmap, strategy.needs_heatmap()) {
+            (Some(h), true) => Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?),
+            (None, true) => return Err(ModelError::Invalid(format!("{what} needs --heatmap-path"))),
+            (_, false) => None,
+        };
         let per_token = self.kv_layout.bytes_per_token() as u64;
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
         let vram = plan.vram.unwrap_or_else(|| {
             let reserve = KV_RESERVE_BYTES.max(super::HOT_PREFILL_RESERVE_BYTES);
             self.dev.budget().remaining().saturating_sub(reserve).saturating_sub(kv_keep)
         });
-        let hot = super::hot_experts::HotExperts::pin(&self.dev, streamer, &heat, &moe, vram)?;
-        log.push(hot.describe(moe.len() * n));
+        let kept = if strategy == CacheStrategy::HotCachedStatic {
+            let heat = heat.as_ref().expect("loaded above");
+            let hot = super::hot_experts::HotExperts::pin(&self.dev, &streamer, heat, &moe, vram)?;
+            log.push(hot.describe(moe.len() * n));
+            let bytes = hot.bytes;
+            self.hot = Some(hot);
+            bytes
+        } else {
+            let capacity = (vram / record.max(1) as u64) as usize;
+            // Pins take what is left after one layer's worth of slots for the calls' other experts;
+            // `lru` makes every slot a cache entry.
+            let (dynamic, pins) = match strategy {
+                CacheStrategy::Lru => (capacity.min(krasis_gpu::moe::MOE_MAX_EXPERTS), vec![Vec::new(); moe.len()]),
+                _ => {
+                    let room = capacity.saturating_sub(n).min(krasis_gpu::moe::MOE_MAX_EXPERTS - n);
+                    let by_layer = match (strategy, &heat) {
+                        (CacheStrategy::StaticPin, Some(h)) => super::hot_experts::choose_pinned(h, &moe, room),
+                        (CacheStrategy::WeightedPin, Some(h)) => super::hot_experts::choose_weighted(h, &moe, room),
+                        _ => vec![Vec::new(); self.spec.num_layers],
+                    };
+                    // Model layer → MoE layer of the cache.
+                    let pins = (0..moe.len())
+                        .map(|li| moe.get(li).and_then(|&l| by_layer.get(l)).cloned().unwrap_or_default())
+                        .collect();
+                    (n, pins)
+                }
+            };
+            if dynamic < n {
+                return Err(ModelError::Invalid(format!(
+                    "{what}: {} of VRAM holds {dynamic} experts, fewer than one MoE layer's {n} (raise --pin-vram or --vram-budget)",
+                    format_bytes(vram)
+                )));
+            }
+            let share = match &heat {
+                Some(h) => {
+                    let total: u64 = moe.iter().filter_map(|&l| h.counts.get(l)).flatten().sum();
+                    let hot: u64 = pins
+                        .iter()
+                        .zip(&moe)
+                        .map(|(ids, &l)| ids.iter().map(|&e| h.counts[l][e]).sum::<u64>())
+                        .sum();
+                    hot as f64 / total.max(1) as f64
+                }
+                None => 0.0,
+            };
+            let pool = super::expert_pool::ExpertPool::new(&self.dev, streamer, strategy, &pins, dynamic, share)?;
+            log.push(pool.describe());
+            let bytes = pool.stats().bytes;
+            self.pool = Some(std::sync::Arc::new(pool));
+            bytes
+        };
         let fit = self.kv_layout.tokens_for(
             KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: self.kv_tokens },
             self.dev.budget().remaining(),
@@ -482,15 +542,14 @@ impl GpuModel {
         if fit < self.kv_tokens {
             if kv_asked.is_some() || fit == 0 {
                 return Err(ModelError::Invalid(format!(
-                    "{what}: the {} of pinned experts leave room for {fit} KV tokens, not {} (lower --pin-vram or raise --vram-budget)",
-                    format_bytes(hot.bytes as u64),
+                    "{what}: the {} of experts kept in VRAM leave room for {fit} KV tokens, not {} (lower --pin-vram or raise --vram-budget)",
+                    format_bytes(kept as u64),
                     self.kv_tokens
                 )));
             }
-            log.push(format!("KV cache: {fit} tokens after pinning (was {})", self.kv_tokens));
+            log.push(format!("KV cache: {fit} tokens after keeping the experts (was {})", self.kv_tokens));
             self.kv_tokens = fit;
         }
-        self.hot = Some(hot);
         Ok(())
     }
 
@@ -642,6 +701,7 @@ impl GpuModel {
             expert_server,
             streamer: None,
             hot: None,
+            pool: None,
             batch: Default::default(),
             heat: None,
         })

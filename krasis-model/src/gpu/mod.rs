@@ -10,6 +10,7 @@
 //! absorbed form over the latent cache.
 
 pub mod expert_cache;
+pub mod expert_pool;
 pub mod expert_stream;
 mod host_experts;
 pub mod hot_experts;
@@ -74,19 +75,68 @@ pub struct GpuOptions {
     pub stream_split: StreamSplit,
     /// Which copy of the experts a hybrid prefill streams ([`StreamFrom`]).
     pub stream_from: StreamFrom,
-    /// Hybrid with `expert_bits`: `--cache-strategy hot_cached_static` (the heatmap's hottest
-    /// experts pinned in VRAM, [`hot_experts`]).
-    pub hot: Option<HotPlan>,
+    /// Hybrid with `expert_bits`: `--cache-strategy` ([`CachePlan`]).
+    pub cache: Option<CachePlan>,
 }
 
-/// `--cache-strategy hot_cached_static --heatmap-path FILE [--pin-vram BYTES]`.
+/// `--cache-strategy S [--heatmap-path FILE] [--pin-vram BYTES]`: which routed experts a hybrid
+/// engine keeps in VRAM beside its CPU copy, and how it uses them below the full-streaming
+/// prompt length (longer prompts stream every layer, [`expert_stream`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HotPlan {
-    /// A heatmap recorded with `--heatmap-out` on this model.
-    pub heatmap: std::path::PathBuf,
-    /// VRAM for the pinned experts; `None`: what the budget leaves after the weights, the stream
+pub struct CachePlan {
+    pub strategy: CacheStrategy,
+    /// A heatmap recorded with `--heatmap-out` on this model (the pinning strategies need one).
+    pub heatmap: Option<std::path::PathBuf>,
+    /// VRAM for the kept experts; `None`: what the budget leaves after the weights, the stream
     /// slots, [`HOT_PREFILL_RESERVE_BYTES`] and a KV cache of [`HOT_MIN_KV_TOKENS`] tokens.
     pub vram: Option<u64>,
+}
+
+/// The seeds' expert residency strategies a hybrid engine can run (`--cache-strategy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheStrategy {
+    /// The heatmap's hottest experts pinned; the CPU runs the others' routes beside them
+    /// ([`hot_experts`]).
+    HotCachedStatic,
+    /// Each MoE call copies exactly the experts its routes touch to the GPU and runs them there
+    /// ([`expert_pool`]); nothing is kept between calls.
+    ActiveOnly,
+    /// `active_only` plus the heatmap's globally hottest `(layer, expert)` pairs pinned.
+    StaticPin,
+    /// `active_only` plus pins shared out per layer by how concentrated its routes are.
+    WeightedPin,
+    /// A cross-layer cache of experts in VRAM, least recently used out; misses are copied.
+    Lru,
+}
+
+impl CacheStrategy {
+    /// Every strategy, as `--cache-strategy` names it.
+    pub const ALL: [CacheStrategy; 5] = [
+        CacheStrategy::HotCachedStatic,
+        CacheStrategy::ActiveOnly,
+        CacheStrategy::StaticPin,
+        CacheStrategy::WeightedPin,
+        CacheStrategy::Lru,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheStrategy::HotCachedStatic => "hot_cached_static",
+            CacheStrategy::ActiveOnly => "active_only",
+            CacheStrategy::StaticPin => "static_pin",
+            CacheStrategy::WeightedPin => "weighted_pin",
+            CacheStrategy::Lru => "lru",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// Whether the strategy pins experts a heatmap chooses (and so needs `--heatmap-path`).
+    pub fn needs_heatmap(self) -> bool {
+        matches!(self, CacheStrategy::HotCachedStatic | CacheStrategy::StaticPin | CacheStrategy::WeightedPin)
+    }
 }
 
 /// KV tokens `hot_cached_static` leaves room for when it sizes the pinned experts from the budget
@@ -151,7 +201,7 @@ impl Default for GpuOptions {
             stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,
             stream_split: StreamSplit::Measured,
             stream_from: StreamFrom::CpuCache,
-            hot: None,
+            cache: None,
         }
     }
 }
@@ -196,9 +246,11 @@ pub struct GpuModel {
     /// The thread serving the host experts' hand-offs (hybrid).
     expert_server: Option<host_experts::ExpertServer>,
     /// Hybrid: the routed experts streamed to the GPU for long prefills.
-    pub(crate) streamer: Option<expert_stream::ExpertStreamer>,
+    pub(crate) streamer: Option<std::sync::Arc<expert_stream::ExpertStreamer>>,
     /// `hot_cached_static`'s pinned experts (hybrid).
     pub(crate) hot: Option<hot_experts::HotExperts>,
+    /// `active_only`, `static_pin`, `weighted_pin` or `lru`: the experts kept in VRAM (hybrid).
+    pub(crate) pool: Option<std::sync::Arc<expert_pool::ExpertPool>>,
     /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
     batch: std::sync::Mutex<BatchState>,
     /// Heatmap counts `[layers × experts]` on the device, while recording
@@ -358,8 +410,13 @@ impl GpuModel {
             t,
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
-            streamer: self.streamer.as_ref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
+            streamer: self
+                .streamer
+                .as_deref()
+                .map(|st| (st, st.gpu_experts(t)))
+                .filter(|&(_, present)| present > 0),
             hot: self.hot.as_ref(),
+            pool: self.pool.as_ref(),
             heat: self.heat.as_ref().map(|b| {
                 let (p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(b, self.dev.stream());
                 (p, self.spec.routed_experts())
@@ -489,6 +546,12 @@ impl GpuModel {
     /// `hot_cached_static`: experts pinned in VRAM and their bytes (`None` without the strategy).
     pub fn pinned_experts(&self) -> Option<(usize, usize)> {
         self.hot.as_ref().map(|h| (h.pinned, h.bytes))
+    }
+
+    /// The expert pool's counters (`active_only`, `static_pin`, `weighted_pin`, `lru`; `None`
+    /// without one).
+    pub fn pool_stats(&self) -> Option<expert_pool::PoolStats> {
+        self.pool.as_ref().map(|p| p.stats())
     }
 
     /// Runs one throwaway prefill of [`WARM_UP_TOKENS`] tokens and one decode step, so that the
