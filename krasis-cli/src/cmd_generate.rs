@@ -226,9 +226,12 @@ impl GpuArgs {
             }
             return Ok(None);
         };
-        let strategy = CacheStrategy::from_name(name).ok_or_else(|| anyhow::anyhow!("unknown --cache-strategy {name}"))?;
+        let strategy =
+            CacheStrategy::from_name(name).ok_or_else(|| anyhow::anyhow!("unknown --cache-strategy {name}"))?;
         match (strategy.needs_heatmap(), &self.heatmap_path) {
-            (true, None) => bail!("--cache-strategy {name} needs --heatmap-path (a heatmap recorded with --heatmap-out)"),
+            (true, None) => {
+                bail!("--cache-strategy {name} needs --heatmap-path (a heatmap recorded with --heatmap-out)")
+            }
             (false, Some(_)) => bail!("--cache-strategy {name} pins nothing from a heatmap; drop --heatmap-path"),
             _ => {}
         }

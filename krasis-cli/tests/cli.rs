@@ -295,7 +295,8 @@ fn cache_strategy_needs_a_heatmap_and_the_hybrid_gpu_experts() {
     let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", "mru"]);
     assert_clean_failure(&o, 2, "lru");
     for device in ["cpu", "gpu", "auto"] {
-        let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--device", device, "--cache-strategy", "lru"]);
+        let o =
+            krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--device", device, "--cache-strategy", "lru"]);
         assert_clean_failure(&o, 1, "--cache-strategy lru needs --device hybrid and --gpu-expert-bits");
     }
     // Pinning is a hybrid engine's, on its GPU expert layout.

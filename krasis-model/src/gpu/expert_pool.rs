@@ -5,12 +5,14 @@
 //!
 //! Per MoE call below the full-streaming prompt length (decode and short prompts; longer prompts
 //! stream every layer, [`super::expert_stream`]) the router publishes its routes to the host as
-//! for the CPU experts ([`super::host_experts`]); the expert thread, instead of computing them,
-//! admits the experts they touch into the pool — copying the missing ones from the page-locked
-//! records on the streamer's copy stream, synchronously — writes the layer's id → slot map into
-//! mapped memory and releases the stream. The stream then renumbers the routes by that map and runs
-//! the GPU's MoE kernels over the pool as if it were one layer of `slots` experts: the same kernels
-//! and records as the resident experts, so the logits are the resident GPU experts' bit for bit.
+//! for the CPU experts ([`super::host_experts`]); the launching thread waits for them, admits the
+//! experts they touch into the pool — enqueueing copies of the missing ones from the page-locked
+//! records on the streamer's copy stream, which the compute stream then waits for by event — and
+//! writes the layer's id → slot map into mapped memory. The stream renumbers the routes by that
+//! map and runs the GPU's MoE kernels over the pool as if it were one layer of `slots` experts:
+//! the same kernels and records as the resident experts, so the logits are the resident GPU
+//! experts' bit for bit. (A first version had the expert thread do the copies while the stream
+//! waited on a host flag; on v2-lite it hung: the copies queued behind that wait.)
 //!
 //! What the strategies differ in:
 //! - `active_only`: no pins, one layer's worth of slots, nothing kept between calls: each call
@@ -22,9 +24,9 @@
 //! - `lru`: every slot a cache entry shared across layers; a miss evicts the least recently used
 //!   pair that the current call does not need.
 //!
-//! Safety of reuse: the expert thread sees layer `l`'s routes only once the stream reached layer
-//! `l`'s router, after every earlier kernel (in particular the previous MoE calls reading the pool),
-//! so any slot the current call does not touch may be overwritten.
+//! Safety of reuse: the launcher sees layer `l`'s routes only once the stream reached layer `l`'s
+//! router, after every earlier kernel (in particular the previous MoE calls reading the pool), so
+//! any slot the current call does not touch may be overwritten.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,7 +86,10 @@ impl Residency {
         if self.slot_of[key] >= 0 {
             return Err(format!("expert {e} of MoE layer {li} is pinned twice"));
         }
-        let slot = self.free.pop().ok_or_else(|| format!("no free slot of {} to pin expert {e} of MoE layer {li}", self.slots()))?;
+        let slot = self
+            .free
+            .pop()
+            .ok_or_else(|| format!("no free slot of {} to pin expert {e} of MoE layer {li}", self.slots()))?;
         self.place(key, slot);
         self.pinned[slot] = true;
         Ok(slot)
@@ -92,7 +97,11 @@ impl Residency {
 
     fn key(&self, li: usize, e: usize) -> std::result::Result<usize, String> {
         if e >= self.n || li * self.n + e >= self.slot_of.len() {
-            return Err(format!("expert {e} of MoE layer {li}: the pool serves {} layers of {}", self.slot_of.len() / self.n.max(1), self.n));
+            return Err(format!(
+                "expert {e} of MoE layer {li}: the pool serves {} layers of {}",
+                self.slot_of.len() / self.n.max(1),
+                self.n
+            ));
         }
         Ok(li * self.n + e)
     }
@@ -149,14 +158,12 @@ impl Residency {
                         self.release(s);
                         s
                     }
-                    _ => {
-                        return Err(format!(
-                            "MoE layer {li}'s call touches {} experts; the pool's {} slots ({} pinned) cannot hold them",
-                            touched.len(),
-                            self.slots(),
-                            self.pinned.iter().filter(|&&p| p).count()
-                        ))
-                    }
+                    _ => return Err(format!(
+                        "MoE layer {li}'s call touches {} experts; the pool's {} slots ({} pinned) cannot hold them",
+                        touched.len(),
+                        self.slots(),
+                        self.pinned.iter().filter(|&&p| p).count()
+                    )),
                 },
             };
             self.place(key, slot);
@@ -207,6 +214,8 @@ pub struct ExpertPool {
     /// stream, copied to `map_dev` by the stream after.
     map_host: MappedHost<i32>,
     map_dev: Mutex<DeviceBuffer<i32>>,
+    /// Recorded on the copy stream after a call's copies; the compute stream waits for it.
+    copied_event: krasis_gpu::cudarc::driver::CudaEvent,
     touched: AtomicU64,
     copied: AtomicU64,
     copied_bytes: AtomicU64,
@@ -269,6 +278,7 @@ impl ExpertPool {
             pinned_route_share,
             map_host: MappedHost::new(dev, n)?,
             map_dev: Mutex::new(dev.alloc_zeros::<i32>(n, "expert pool map")?),
+            copied_event: dev.new_event(false)?,
             touched: AtomicU64::new(0),
             copied: AtomicU64::new(0),
             copied_bytes: AtomicU64::new(0),
@@ -289,9 +299,9 @@ impl ExpertPool {
         self.experts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Expert thread, between a hand-off's `ready` and `go`: admits the experts `ids` (published
-    /// routes of model layer `layer`) into the pool, copying the missing ones in and waiting for
-    /// the copies, then writes the layer's expert → slot map for the stream.
+    /// Launching thread, once the routes `ids` of model layer `layer` are published: admits the
+    /// experts they touch into the pool, enqueueing the missing ones' copies and making the
+    /// compute stream wait for them, then writes the layer's expert → slot map for the stream.
     pub(crate) fn fetch(&self, dev: &GpuDevice, layer: usize, ids: &[i32]) -> Result<Fetched> {
         let li = self.streamer.moe_layer(layer).ok_or_else(|| {
             ModelError::Invalid(format!("expert pool: model layer {layer} is not a MoE layer of the cache"))
@@ -311,29 +321,26 @@ impl ExpertPool {
         let copies = state.admit(li, &touched).map_err(ModelError::Invalid)?;
         let mut bytes = 0;
         if !copies.is_empty() {
-            dev.context()
-                .bind_to_thread()
-                .map_err(|e| krasis_gpu::GpuError::Driver { op: "cuCtxSetCurrent", detail: e.to_string() })?;
             {
                 let mut experts = self.experts();
                 for (j, &(e, slot)) in copies.iter().enumerate() {
                     bytes += self.streamer.copy_expert_async(dev, li, e, &mut experts, slot, j)?;
                 }
             }
-            self.streamer.sync_copies()?;
+            self.streamer.compute_waits_for_copies(dev, &self.copied_event)?;
             self.copied.fetch_add(copies.len() as u64, Ordering::Relaxed);
             self.copied_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         }
         self.touched.fetch_add(touched.len() as u64, Ordering::Relaxed);
-        // SAFETY: the stream reads the map only after this hand-off's `go`, and the previous
-        // layer's read of it ended before this hand-off's `ready` (stream order).
+        // SAFETY: the stream reads the map only after this call enqueues that read, and the previous
+        // layer's read of it ended before this layer's routes were published (stream order).
         let map = unsafe { std::slice::from_raw_parts_mut(self.map_host.host_ptr(), n) };
         map.copy_from_slice(state.slots_of(li));
         Ok(Fetched { touched: touched.len(), copied: copies.len(), bytes })
     }
 
-    /// Stream side, after the hand-off's `go`: the expert → slot map the expert thread wrote, in
-    /// device memory.
+    /// Stream side, after [`ExpertPool::fetch`]: the expert → slot map it wrote, in device
+    /// memory.
     pub(crate) fn device_map(&self, dev: &GpuDevice) -> Result<MutexGuard<'_, DeviceBuffer<i32>>> {
         let mut m = self.map_dev.lock().unwrap_or_else(|p| p.into_inner());
         let n = self.map_host.len();

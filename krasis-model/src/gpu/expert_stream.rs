@@ -333,7 +333,13 @@ impl ExpertStreamer {
 
     /// Experts of this streamer's width and record geometry, numbered `0..n_experts`, with storage
     /// for the first `stored`.
-    pub(crate) fn new_records(&self, dev: &GpuDevice, name: &str, n_experts: usize, stored: usize) -> Result<GpuExperts> {
+    pub(crate) fn new_records(
+        &self,
+        dev: &GpuDevice,
+        name: &str,
+        n_experts: usize,
+        stored: usize,
+    ) -> Result<GpuExperts> {
         let h = self.source.cache().header();
         let (hidden, inter) = (h.hidden as usize, h.intermediate as usize);
         let gs = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
@@ -392,6 +398,14 @@ impl ExpertStreamer {
         };
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(bytes)
+    }
+
+    /// Makes the compute stream wait for the copy stream's work enqueued so far (through `ev`, an
+    /// event of the caller's, recorded now).
+    pub(crate) fn compute_waits_for_copies(&self, dev: &GpuDevice, ev: &CudaEvent) -> Result<()> {
+        ev.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
+        dev.stream().wait(ev).map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
+        Ok(())
     }
 
     /// Waits until the copy stream's work is done.

@@ -74,9 +74,10 @@ pub struct HandoffStats {
     /// call without), and their CPU expert time (part of `calls` and `experts`).
     pub pulled_calls: u64,
     pub pulled_experts: Duration,
-    /// Expert-pool hand-offs (`--cache-strategy active_only | static_pin | weighted_pin | lru`):
-    /// experts copied into VRAM, and their bytes over PCIe (`experts` is then the time the expert
-    /// thread spent bringing them in).
+    /// Expert-pool layers (`--cache-strategy active_only | static_pin | weighted_pin | lru`):
+    /// experts copied into VRAM, and their bytes over PCIe. Their routes count as hand-offs
+    /// (`calls`, `experts_read`); `wait` is the launcher's wait for the routes and `experts` its
+    /// time enqueueing the copies.
     pub copied: u64,
     pub copied_bytes: u64,
 }
@@ -135,9 +136,6 @@ pub(crate) struct HostWork {
     pub cpu_from: usize,
     /// Experts whose routes the GPU runs (the layer's pinned experts), by id.
     pub cpu_skips: Option<Arc<[bool]>>,
-    /// Instead of computing any route on the CPU: bring the experts the routes touch into this
-    /// pool of VRAM slots (the GPU runs every route; [`super::expert_pool`]).
-    pub fetch: Option<Arc<super::expert_pool::ExpertPool>>,
     pub shape: HandoffShape,
 }
 
@@ -366,19 +364,50 @@ impl HostStaging {
         Ok(())
     }
 
+    /// Launching thread, after `send` of an expert-pool layer (`active_only`, `static_pin`,
+    /// `weighted_pin`, `lru`; [`super::expert_pool`]): waits until the `n` published routes are
+    /// on the host, then brings the experts they touch into `pool` (copies on the pool's copy
+    /// stream, which the compute stream then waits for by event). The launcher, not the expert
+    /// thread, does this so the compute stream never waits on a host flag for work on another
+    /// stream (such a wait can hold up the copies queued behind it); it costs the launcher's
+    /// run-ahead for these layers.
+    pub fn fetch_into_pool(
+        &mut self,
+        dev: &GpuDevice,
+        pool: &super::expert_pool::ExpertPool,
+        layer: usize,
+        seq: u64,
+        n: usize,
+    ) -> Result<()> {
+        let (ready, _) = self.flags.as_ref().expect("HostStaging::prepare ran for this call");
+        let t0 = Instant::now();
+        ready.spin_until_geq(dev, seq)?;
+        let t1 = Instant::now();
+        let w = self.windows.expect("prepared");
+        // SAFETY: `ready(seq)` says the routes are written, and the stream writes them again only in
+        // a later layer's publication, which this thread has not enqueued yet.
+        let ids = unsafe { w.ids.slice_mut(n) };
+        let f = pool.fetch(dev, layer, ids)?;
+        let st = &mut self.stats;
+        st.calls += 1;
+        st.wait += t1 - t0;
+        st.experts += t1.elapsed();
+        st.experts_read += f.touched as u64;
+        st.copied += f.copied as u64;
+        st.copied_bytes += f.bytes as u64;
+        Ok(())
+    }
+
     /// Device side, second half (after the shared expert was enqueued): wait for `go = seq`, and
     /// hand the layer to the expert thread. The experts' weighted sum stays in mapped host memory:
     /// the next residual norm adds it ([`HostStaging::take_pending`]), after the layer output `y`
     /// when `y_counts` (it holds the shared expert's output or the GPU's share of the routed
-    /// experts), instead of `y` otherwise. A fetch (`work.fetch`) writes no output: the stream
-    /// runs the experts after the wait, and the norm adds only `y`.
+    /// experts), instead of `y` otherwise.
     pub fn receive(&mut self, dev: &GpuDevice, work: HostWork, y_counts: bool) -> Result<()> {
         let (_, go) = self.flags.as_ref().expect("prepared");
         go.stream_wait_geq(dev, work.seq)?;
         debug_assert!(self.pending.is_none(), "a hand-off's output was never added");
-        if work.fetch.is_none() {
-            self.pending = Some(y_counts);
-        }
+        self.pending = Some(y_counts);
         let seq = work.seq;
         let sent = self.work.as_ref().expect("an expert thread serves this call").send(Msg::Work(work));
         if sent.is_err() {
@@ -638,17 +667,6 @@ fn serve_one(
             "the GPU router returned expert id {id} (of {}) at layer {}; non-finite hidden states?",
             work.n_experts, work.layer
         )));
-    }
-    if let Some(pool) = &work.fetch {
-        let f = pool.fetch(dev, work.layer, ids)?;
-        stats.experts_read += f.touched as u64;
-        stats.copied += f.copied as u64;
-        stats.copied_bytes += f.bytes as u64;
-        stats.calls += 1;
-        stats.wait += t1 - t0;
-        stats.experts += t1.elapsed();
-        let _ = (x, weights, out);
-        return Ok(());
     }
     let backend = experts[work.layer].as_deref().expect("hand-offs come from host MoE layers");
     out.fill(0.0);

@@ -112,12 +112,10 @@ pub fn choose_weighted(heat: &ExpertHeat, layers: &[usize], capacity: usize) -> 
     let mut given = vec![0usize; ranked.len()];
     for _ in 0..capacity.min(room) {
         // The next pin goes to the layer furthest below its weighted share.
-        let next = (0..ranked.len())
-            .filter(|&i| given[i] < ranked[i].1.len())
-            .max_by(|&a, &b| {
-                let need = |i: usize| weight(ranked[i].2) / (given[i] + 1) as f64;
-                need(a).total_cmp(&need(b)).then(b.cmp(&a))
-            });
+        let next = (0..ranked.len()).filter(|&i| given[i] < ranked[i].1.len()).max_by(|&a, &b| {
+            let need = |i: usize| weight(ranked[i].2) / (given[i] + 1) as f64;
+            need(a).total_cmp(&need(b)).then(b.cmp(&a))
+        });
         match next {
             Some(i) => given[i] += 1,
             None => break,

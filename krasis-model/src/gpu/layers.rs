@@ -249,21 +249,11 @@ impl GpuLayer {
                         })?,
                     (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
                         let pool = c.pool.expect("matched");
-                        let shape = HandoffShape { t, hidden: self.hidden, k };
                         let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
                         c.count_routes(router, l, host.published_ids(), t * k)?;
-                        let work = HostWork {
-                            seq,
-                            layer: l,
-                            n_experts: router.n_experts(),
-                            cpu_from: 0,
-                            cpu_skips: None,
-                            fetch: Some(pool.clone()),
-                            shape,
-                        };
-                        // The stream waits until the expert thread has the touched experts in the
-                        // pool, then runs them all (and the shared expert) on the GPU.
-                        host.receive(c.dev, work, false)?;
+                        // The launcher waits for the routes, enqueues the missing experts' copies
+                        // and makes the stream wait for them; then the GPU runs every route.
+                        host.fetch_into_pool(c.dev, pool, l, seq, t * k)?;
                         let map = pool.device_map(c.dev)?;
                         let experts = pool.experts();
                         let routes =
@@ -304,7 +294,7 @@ impl GpuLayer {
                             host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                         }
                         let work =
-                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, fetch: None, shape };
+                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
                         host.receive(c.dev, work, y_counts)?;
                     }
                 }

@@ -457,7 +457,12 @@ impl GpuModel {
     /// `--cache-strategy`: keeps the experts `plan` asks for in VRAM ([`super::hot_experts`] for
     /// `hot_cached_static`, [`super::expert_pool`] for the others), then fits the KV cache into
     /// what they leave (an explicit `--kv-tokens` that no longer fits is an error).
-    fn apply_cache_plan(&mut self, plan: &super::CachePlan, kv_asked: Option<usize>, log: &mut Vec<String>) -> Result<()> {
+    fn apply_cache_plan(
+        &mut self,
+        plan: &super::CachePlan,
+        kv_asked: Option<usize>,
+        log: &mut Vec<String>,
+    ) -> Result<()> {
         use super::CacheStrategy;
         let strategy = plan.strategy;
         let what = format!("--cache-strategy {}", strategy.name());
@@ -520,11 +525,8 @@ impl GpuModel {
             let share = match &heat {
                 Some(h) => {
                     let total: u64 = moe.iter().filter_map(|&l| h.counts.get(l)).flatten().sum();
-                    let hot: u64 = pins
-                        .iter()
-                        .zip(&moe)
-                        .map(|(ids, &l)| ids.iter().map(|&e| h.counts[l][e]).sum::<u64>())
-                        .sum();
+                    let hot: u64 =
+                        pins.iter().zip(&moe).map(|(ids, &l)| ids.iter().map(|&e| h.counts[l][e]).sum::<u64>()).sum();
                     hot as f64 / total.max(1) as f64
                 }
                 None => 0.0,

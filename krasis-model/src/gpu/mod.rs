@@ -410,11 +410,7 @@ impl GpuModel {
             t,
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
-            streamer: self
-                .streamer
-                .as_deref()
-                .map(|st| (st, st.gpu_experts(t)))
-                .filter(|&(_, present)| present > 0),
+            streamer: self.streamer.as_deref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
             hot: self.hot.as_ref(),
             pool: self.pool.as_ref(),
             heat: self.heat.as_ref().map(|b| {
