@@ -84,9 +84,12 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         for (rep, (secs, h)) in prefill_reps_s.iter().zip(&prefill_handoffs).enumerate() {
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             // An expert pool's hand-offs copy experts in instead of computing them.
-            let (what, copies) = match h.copied_bytes {
+            let (what, copies) = match h.pool_calls {
                 0 => ("CPU experts", String::new()),
-                b => ("copying experts", format!("; {} experts copied ({:.1} MB)", h.copied, b as f64 / 1e6)),
+                _ => (
+                    "enqueueing expert copies",
+                    format!("; {} experts copied ({:.1} MB)", h.copied, h.copied_bytes as f64 / 1e6),
+                ),
             };
             println!(
                 "prefill {}: {:.1} ms; {} hand-offs: {what} {:.1} ms, waiting for the GPU {:.1} ms, for the launches {:.1} ms{copies}",
@@ -98,12 +101,21 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
                 ms(h.launch_wait)
             );
         }
-        println!(
+        let pooled = h1.pool_calls > h0.pool_calls;
+        if pooled {
+            println!(
+                "per token: enqueueing expert copies {experts_ms:.2} ms, waiting for the routes {:.2} ms, rest {:.2} ms; host syncs per token {syncs:.2}",
+                wait_ms,
+                ms - experts_ms - wait_ms
+            );
+        } else {
+            println!(
             "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}",
             bytes_per_token as f64 / 1e6,
             100.0 * expert_gbs / bw.gb_per_s,
             wait_ms + prefetch_ms
         );
+        }
         if h1.copied > h0.copied {
             println!(
                 "expert pool: {:.1} of {:.1} touched experts copied per token ({:.1} MB per token over PCIe)",

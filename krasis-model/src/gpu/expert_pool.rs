@@ -158,12 +158,14 @@ impl Residency {
                         self.release(s);
                         s
                     }
-                    _ => return Err(format!(
+                    _ => {
+                        return Err(format!(
                         "MoE layer {li}'s call touches {} experts; the pool's {} slots ({} pinned) cannot hold them",
                         touched.len(),
                         self.slots(),
                         self.pinned.iter().filter(|&&p| p).count()
-                    )),
+                    ))
+                    }
                 },
             };
             self.place(key, slot);

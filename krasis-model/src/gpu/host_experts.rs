@@ -80,6 +80,8 @@ pub struct HandoffStats {
     /// time enqueueing the copies.
     pub copied: u64,
     pub copied_bytes: u64,
+    /// Of `calls`, the expert-pool layers.
+    pub pool_calls: u64,
 }
 
 impl HandoffStats {
@@ -97,6 +99,7 @@ impl HandoffStats {
         self.pulled_experts += o.pulled_experts;
         self.copied += o.copied;
         self.copied_bytes += o.copied_bytes;
+        self.pool_calls += o.pool_calls;
     }
 }
 
@@ -390,6 +393,7 @@ impl HostStaging {
         let f = pool.fetch(dev, layer, ids)?;
         let st = &mut self.stats;
         st.calls += 1;
+        st.pool_calls += 1;
         st.wait += t1 - t0;
         st.experts += t1.elapsed();
         st.experts_read += f.touched as u64;
