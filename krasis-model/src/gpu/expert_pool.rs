@@ -5,7 +5,7 @@
 //!
 //! Per MoE call below the full-streaming prompt length (decode and short prompts; longer prompts
 //! stream every layer, [`super::expert_stream`]) the router publishes its routes to the host as
-//! for the CPU experts ([`super::host_experts`]); the launching thread waits for them, admits the
+//! for the CPU experts (`host_experts`); the launching thread waits for them, admits the
 //! experts they touch into the pool — enqueueing copies of the missing ones from the page-locked
 //! records on the streamer's copy stream, which the compute stream then waits for by event — and
 //! writes the layer's id → slot map into mapped memory. The stream renumbers the routes by that
