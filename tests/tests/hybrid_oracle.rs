@@ -236,6 +236,27 @@ fn check_split(name: &str) {
     assert!(run(&m).0 == cpu_only, "{name}: a share of 0 is the CPU-expert prefill");
 }
 
+/// GPU options with INT4 GPU experts from a cache under `cache` (resident on `--device gpu`).
+fn int4_gpu_experts(cache: &Path) -> GpuOptions {
+    GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int4),
+        expert_cache: GpuExpertCache::In(Some(cache.to_path_buf())),
+        ..GpuOptions::default()
+    }
+}
+
+/// Prefill logits of every position of the fixture's prompt, then three teacher-forced decode
+/// steps' logits, and the session's hand-off counters.
+fn prefill_and_three_steps(m: &GpuModel, r: &krasis_tests::Reference) -> (Vec<f32>, krasis_model::gpu::HandoffStats) {
+    let mut s = m.new_session().unwrap();
+    let mut l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+    for &id in &r.greedy_ids[..3] {
+        l.extend(m.forward_logits(&mut s, &[id], false).unwrap());
+    }
+    (l, s.handoff_stats())
+}
+
 /// `hot_cached_static`: the experts a heatmap ranks hottest pinned in VRAM, the CPU running the
 /// others' routes beside them in every MoE layer, prefill and decode. Every expert pinned, the
 /// logits are the resident GPU experts' (relative error ≤ 1e-3, #9's bar for a strategy); about
@@ -246,20 +267,10 @@ fn check_hot(name: &str) {
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cpu = cpu_experts(WeightBits::Int4, tmp.path());
-    let resident_opts = GpuOptions {
-        kv_tokens: Some(TEST_KV_TOKENS),
-        expert_bits: Some(krasis_quant::Bits::Int4),
-        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
-        ..GpuOptions::default()
-    };
-    // Prefill logits of every position, then three teacher-forced decode steps.
+    let resident_opts = int4_gpu_experts(tmp.path());
     let run = |m: &GpuModel| {
-        let mut s = m.new_session().unwrap();
-        let mut l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
-        for &id in &r.greedy_ids[..3] {
-            l.extend(m.forward_logits(&mut s, &[id], false).unwrap());
-        }
-        (l, s.handoff_stats().calls)
+        let (l, h) = prefill_and_three_steps(m, &r);
+        (l, h.calls)
     };
     let resident = run(&GpuModel::load(&dir, &resident_opts).unwrap()).0;
     let spec = GpuModel::load(&dir, &resident_opts).unwrap().spec.clone();
@@ -376,20 +387,8 @@ fn check_pool(name: &str) {
     let Some(GpuFixture { dir, reference: r, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cpu = cpu_experts(WeightBits::Int4, tmp.path());
-    let resident_opts = GpuOptions {
-        kv_tokens: Some(TEST_KV_TOKENS),
-        expert_bits: Some(krasis_quant::Bits::Int4),
-        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
-        ..GpuOptions::default()
-    };
-    let run = |m: &GpuModel| {
-        let mut s = m.new_session().unwrap();
-        let mut l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
-        for &id in &r.greedy_ids[..3] {
-            l.extend(m.forward_logits(&mut s, &[id], false).unwrap());
-        }
-        (l, s.handoff_stats())
-    };
+    let resident_opts = int4_gpu_experts(tmp.path());
+    let run = |m: &GpuModel| prefill_and_three_steps(m, &r);
     let resident_model = GpuModel::load(&dir, &resident_opts).unwrap();
     let resident = run(&resident_model).0;
     let spec = resident_model.spec.clone();
