@@ -197,9 +197,11 @@ pub struct GpuArgs {
     /// running the other routes beside them. active_only: each call copies the experts it touches
     /// and runs every route on the GPU. static_pin / weighted_pin: active_only plus the heatmap's
     /// hottest experts pinned (ranked over all layers / shared out by each layer's skew). lru: a
-    /// cross-layer cache of experts, least recently used out. Without it: the CPU experts, with
-    /// prefill streaming.
-    #[arg(long, value_parser = ["hot_cached_static", "active_only", "static_pin", "weighted_pin", "lru"])]
+    /// cross-layer cache of experts, least recently used out. chunked: long prompts stream each
+    /// layer's experts in chunks through two slots of --pin-vram (taken by itself when two
+    /// layers' experts do not fit the budget). Without it: the CPU experts, with prefill
+    /// streaming.
+    #[arg(long, value_parser = ["hot_cached_static", "active_only", "static_pin", "weighted_pin", "lru", "chunked"])]
     pub cache_strategy: Option<String>,
     /// A heatmap recorded on this model with `--heatmap-out` (for the pinning strategies; `krasis
     /// tune` then measures them too).
@@ -208,7 +210,7 @@ pub struct GpuArgs {
     /// VRAM for the experts --cache-strategy keeps (bytes; suffixes K/M/G/KiB/MiB/GiB). Default:
     /// what --vram-budget leaves after the weights, the stream slots, a 16K-token KV cache and
     /// 3 GiB for a long prefill's activations (active_only and the pins' copy slots: one layer's
-    /// experts).
+    /// experts; chunked: two whole layers).
     #[arg(long, value_parser = parse_vram)]
     pub pin_vram: Option<u64>,
 }

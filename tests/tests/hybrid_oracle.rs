@@ -467,3 +467,44 @@ fn pooled_strategies_equal_the_resident_experts() {
         check_pool(name);
     }
 }
+
+/// `--cache-strategy chunked`: long prompts stream each layer's experts through two slots that
+/// hold only a chunk of the layer (for GPUs that cannot hold two layers), the chunks' parts summed
+/// into the layer's output. Chunks of one expert and of three (ragged: 16 = 5 × 3 + 1, 4 = 3 + 1)
+/// must give the resident GPU experts' prefill logits within #9's 1e-3 (only the order of the
+/// top-k sum differs).
+fn check_chunked(name: &str) {
+    use krasis_model::gpu::{CachePlan, CacheStrategy};
+    let Some(GpuFixture { dir, reference: r, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = cpu_experts(WeightBits::Int4, tmp.path());
+    let resident_opts = int4_gpu_experts(tmp.path());
+    let prefill = |m: &GpuModel| {
+        let mut s = m.new_session().unwrap();
+        m.forward_logits(&mut s, &r.prompt_ids, true).unwrap()
+    };
+    let resident = prefill(&GpuModel::load(&dir, &resident_opts).unwrap());
+    let chunked = |vram: u64| GpuOptions {
+        cache: Some(CachePlan { strategy: CacheStrategy::Chunked, heatmap: None, vram: Some(vram) }),
+        stream_min_tokens: 2,
+        ..resident_opts.clone()
+    };
+    let one = GpuModel::load_hybrid(&dir, &chunked(1), &cpu).unwrap();
+    let (per_slot, record) = one.stream_slots().expect("the experts stream");
+    assert_eq!(per_slot, 1, "{name}: a budget below one expert streams one at a time");
+    let record = record.expect("records layout") as u64;
+    let three = GpuModel::load_hybrid(&dir, &chunked(2 * 3 * record), &cpu).unwrap();
+    assert_eq!(three.stream_slots().unwrap().0, 3.min(three.spec.routed_experts()));
+    for (what, m) in [("1-expert chunks", &one), ("3-expert chunks", &three)] {
+        let rel = krasis_tests::rel_l2(&prefill(m), &resident);
+        eprintln!("{name} {what}: prefill vs resident: relative error {rel:.2e}");
+        assert!(rel <= 1e-3, "{name} {what}: relative error {rel:.2e} against the resident experts");
+    }
+}
+
+#[test]
+fn chunked_streaming_equals_the_resident_experts() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_chunked(name);
+    }
+}

@@ -114,9 +114,10 @@ impl Drop for HostRegistration {
 
 struct Slot {
     experts: GpuExperts,
-    /// MoE layer index whose experts the slot holds (or is filling with), and how many of its
-    /// first experts.
+    /// MoE layer index whose experts the slot holds (or is filling with), and how many of them
+    /// from expert `first` on (0 unless the slots are chunks of a layer).
     layer: Option<usize>,
+    first: usize,
     present: usize,
     /// Recorded on the copy stream when the slot's copies are done.
     ready: CudaEvent,
@@ -194,11 +195,19 @@ pub struct ExpertStreamer {
     min_tokens: usize,
     split: super::StreamSplit,
     copied: AtomicU64,
+    /// Experts a slot holds: the whole layer, or a chunk of it (`chunked`).
+    slot_experts: usize,
+    /// Chunked slots: per chunk start `c`, the id map that renumbers expert `e` to `(e − c) mod n`
+    /// (the chunk's experts first, as its slot stores them).
+    rotations: Vec<krasis_gpu::DeviceBuffer<i32>>,
 }
 
 impl ExpertStreamer {
     /// Pins the records of `records` (at `bits`) and allocates the slots; prompts of at least
-    /// `min_tokens` (≥ 2: decode steps stay on the CPU) stream.
+    /// `min_tokens` (≥ 2: decode steps stay on the CPU) stream. The two slots take at most
+    /// `slot_vram` bytes, each a whole layer's experts or a chunk of them (`None`: whole layers,
+    /// or when two do not fit the VRAM budget, chunks of what half the budget left holds; the
+    /// other half stays for the prefill).
     pub fn new(
         dev: &GpuDevice,
         records: StreamRecords,
@@ -206,6 +215,7 @@ impl ExpertStreamer {
         num_layers: usize,
         min_tokens: usize,
         split: super::StreamSplit,
+        slot_vram: Option<u64>,
     ) -> Result<Self> {
         let cache = match &records {
             StreamRecords::GpuCache(c) => c,
@@ -244,22 +254,71 @@ impl ExpertStreamer {
                 Some(((w2 + p2).next_multiple_of(RECORD_ALIGN as usize), w2))
             }
         };
-        let mut slots = Vec::with_capacity(SLOTS);
-        for i in 0..SLOTS {
-            let name = format!("streamed experts slot {i}");
-            let experts = match slot_geometry {
-                Some(g) => GpuExperts::new_records(dev, &name, n, hidden, inter, bits, (gs13, gs2), g)?,
-                None => GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?,
-            };
-            slots.push(Slot {
-                experts,
-                layer: None,
-                present: 0,
-                ready: dev.new_event(false)?,
-                free: dev.new_event(false)?,
-                used: false,
-            });
-        }
+        let chunked_geometry = |why: &str| -> Result<(usize, usize)> {
+            slot_geometry.ok_or_else(|| {
+                ModelError::Invalid(format!(
+                    "streaming chunks of a layer ({why}) needs one record geometry for every MoE layer of the GPU expert cache"
+                ))
+            })
+        };
+        let alloc_slots = |per_slot: usize| -> std::result::Result<Vec<Slot>, ModelError> {
+            let mut slots = Vec::with_capacity(SLOTS);
+            for i in 0..SLOTS {
+                let name = format!("streamed experts slot {i}");
+                let experts = match slot_geometry {
+                    Some(g) => {
+                        GpuExperts::new_records_first(dev, &name, n, per_slot, hidden, inter, bits, (gs13, gs2), g)?
+                    }
+                    None => GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?,
+                };
+                slots.push(Slot {
+                    experts,
+                    layer: None,
+                    first: 0,
+                    present: 0,
+                    ready: dev.new_event(false)?,
+                    free: dev.new_event(false)?,
+                    used: false,
+                });
+            }
+            Ok(slots)
+        };
+        let asked = match slot_vram {
+            Some(v) => {
+                Some(((v / (SLOTS * chunked_geometry("--cache-strategy chunked")?.0) as u64) as usize).clamp(1, n))
+            }
+            None => None,
+        };
+        let (slots, slot_experts) = match asked {
+            Some(c) if c < n => (alloc_slots(c)?, c),
+            _ => match alloc_slots(n) {
+                Ok(slots) => (slots, n),
+                Err(ModelError::Gpu(GpuError::VramBudget { .. })) => {
+                    // Two layers do not fit: chunks of what half the budget left holds.
+                    let (stride, _) = chunked_geometry("two layers' experts do not fit the VRAM budget")?;
+                    let fit = (dev.budget().remaining() / 2 / (SLOTS * stride) as u64) as usize;
+                    if fit == 0 {
+                        return Err(ModelError::Invalid(format!(
+                            "the VRAM budget leaves room for no streamed expert ({} each, two slots)",
+                            krasis_core::budget::format_bytes(stride as u64)
+                        )));
+                    }
+                    (alloc_slots(fit.min(n))?, fit.min(n))
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let rotations = if slot_experts < n {
+            (0..n)
+                .step_by(slot_experts)
+                .map(|c0| {
+                    let map: Vec<i32> = (0..n).map(|e| ((e + n - c0) % n) as i32).collect();
+                    dev.upload(&map, "streamed chunk id map").map_err(ModelError::from)
+                })
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
         let mut moe_index = vec![None; num_layers];
         for (li, &l) in h.moe_layers.iter().enumerate() {
             if let Some(slot) = moe_index.get_mut(l as usize) {
@@ -290,7 +349,19 @@ impl ExpertStreamer {
             min_tokens,
             split,
             copied: AtomicU64::new(0),
+            slot_experts,
+            rotations,
         })
+    }
+
+    /// Experts a slot holds (a whole layer's unless [`ExpertStreamer::chunked`]).
+    pub fn slot_experts(&self) -> usize {
+        self.slot_experts
+    }
+
+    /// Whether a slot holds only a chunk of a layer ([`ExpertStreamer::run_layer_chunks`]).
+    pub fn chunked(&self) -> bool {
+        self.slot_experts < self.n_experts()
     }
 
     /// How many of each layer's first experts a forward pass of `t` tokens streams to the GPU
@@ -300,6 +371,10 @@ impl ExpertStreamer {
             return 0;
         }
         let n = self.source.cache().header().n_experts as usize;
+        if self.chunked() {
+            // Chunks stream whole layers only (a split's copies would not shrink).
+            return n;
+        }
         let f = match self.split {
             super::StreamSplit::Measured => split_fraction(t),
             super::StreamSplit::Share(f) => f.clamp(0.0, 1.0),
@@ -454,12 +529,16 @@ impl ExpertStreamer {
 
     /// One line for the load log.
     pub fn describe(&self) -> String {
+        let slots = if self.chunked() {
+            format!("{SLOTS} slots of {} experts: each layer streams in chunks", self.slot_experts)
+        } else {
+            format!("{SLOTS} slots of one MoE layer")
+        };
         format!(
-            "prefills of ≥ {} tokens stream the routed experts to the GPU, short ones only a share while the CPU runs the rest (64 tokens: {} of {}; {} slots of one MoE layer, {}, {}; records page-locked in RAM: {})",
+            "prefills of ≥ {} tokens stream the routed experts to the GPU, short ones only a share while the CPU runs the rest (64 tokens: {} of {}; {slots}, {}, {}; records page-locked in RAM: {})",
             self.min_tokens,
             self.gpu_experts(64.max(self.min_tokens)),
             self.source.cache().header().n_experts,
-            SLOTS,
             krasis_core::budget::format_bytes(self.vram_bytes() as u64),
             match &self.source {
                 Source::Cpu { .. } => "from the CPU expert cache (no second copy), laid out on the GPU after each copy",
@@ -474,7 +553,7 @@ impl ExpertStreamer {
     /// stream (only those it lacks when it holds the layer already), after the slot's last use on
     /// the compute stream.
     fn fill(&self, dev: &GpuDevice, slot: &mut Slot, li: usize, present: usize) -> Result<()> {
-        let have = if slot.layer == Some(li) { slot.present } else { 0 };
+        let have = if slot.layer == Some(li) && slot.first == 0 { slot.present } else { 0 };
         if have >= present {
             return Ok(());
         }
@@ -507,8 +586,83 @@ impl ExpertStreamer {
         };
         slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
         slot.layer = Some(li);
+        slot.first = 0;
         slot.present = present;
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Enqueues the records of MoE layer `li`'s experts `chunk` into slot positions
+    /// `0..chunk.len()` on the copy stream, after the slot's last use (nothing when it holds
+    /// them already).
+    fn fill_chunk(&self, dev: &GpuDevice, slot: &mut Slot, li: usize, chunk: std::ops::Range<usize>) -> Result<()> {
+        if slot.layer == Some(li) && slot.first == chunk.start && slot.present == chunk.len() {
+            return Ok(());
+        }
+        if slot.used {
+            self.copy
+                .wait(&slot.free)
+                .map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
+        }
+        let run = self.source.cache().layer_records(li, chunk.clone());
+        let len = chunk.len();
+        // SAFETY: as in `fill`; the staging place of a chunk is its experts' own (`chunk.start`
+        // on), and the copy stream orders it after the previous conversion that read it.
+        let bytes = unsafe {
+            match &self.source {
+                Source::Cpu { geometry, staging, .. } => {
+                    let at = self.stage(staging, chunk.start * geometry.stride, run)?;
+                    slot.experts.convert_cpu_records_async(dev, &self.copy, 0..len, at, geometry)?
+                }
+                Source::Gpu { .. } => slot.experts.copy_record_run_async(&self.copy, 0..len, run)?,
+            }
+        };
+        slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
+        (slot.layer, slot.first, slot.present) = (Some(li), chunk.start, len);
+        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Chunked slots: runs `f(experts, first, count, map)` for each chunk of model layer `layer`'s
+    /// routed experts in turn — `experts` holds experts `first..first + count` as its first
+    /// `count`, and `map` renumbers the layer's expert ids to match (`(e − first) mod n`) — while
+    /// the next chunk (the next MoE layer's first after the last) copies into the other slot.
+    pub fn run_layer_chunks(
+        &self,
+        dev: &GpuDevice,
+        layer: usize,
+        mut f: impl FnMut(&GpuExperts, usize, usize, &krasis_gpu::DeviceBuffer<i32>) -> Result<()>,
+    ) -> Result<()> {
+        let li = self.moe_layer(layer).ok_or_else(|| {
+            ModelError::Invalid(format!("streamed experts: model layer {layer} is not a MoE layer of the cache"))
+        })?;
+        let (n, c, n_moe) = (self.n_experts(), self.slot_experts, self.moe_layers());
+        let chunk_of = |li: usize, first: usize| (li, first..(first + c).min(n));
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        for (j, first) in (0..n).step_by(c).enumerate() {
+            let (_, range) = chunk_of(li, first);
+            let (next_li, next_first) = if first + c < n { (li, first + c) } else { ((li + 1) % n_moe, 0) };
+            let holds = |s: &Slot, l: usize, f0: usize| s.layer == Some(l) && s.first == f0;
+            let i = slots
+                .iter()
+                .position(|s| holds(s, li, first))
+                .unwrap_or_else(|| slots.iter().position(|s| !holds(s, next_li, next_first)).unwrap_or(0));
+            self.fill_chunk(dev, &mut slots[i], li, range.clone())?;
+            let slot = &mut slots[i];
+            dev.stream()
+                .wait(&slot.ready)
+                .map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
+            f(&slot.experts, first, range.len(), &self.rotations[j])?;
+            slot.free
+                .record(dev.stream())
+                .map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
+            slot.used = true;
+            let (nl, nr) = chunk_of(next_li, next_first);
+            let other = (i + 1) % SLOTS;
+            if !holds(&slots[other], nl, nr.start) {
+                self.fill_chunk(dev, &mut slots[other], nl, nr)?;
+            }
+        }
         Ok(())
     }
 

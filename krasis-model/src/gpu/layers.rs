@@ -243,6 +243,9 @@ impl GpuLayer {
                     (GpuExpertBackend::Resident(experts), _) => {
                         gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
                     }
+                    (GpuExpertBackend::Host(_), Some((streamer, _))) if streamer.chunked() => {
+                        gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?
+                    }
                     (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
                         .run_layer(c.dev, l, present, |experts| {
                             gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
@@ -392,6 +395,70 @@ fn gpu_moe(
         } else {
             sh.forward(c, s, false)?;
         }
+        let sc = &mut *s.scratch;
+        let o = sc.f[3].as_ref().expect("written by the shared expert");
+        c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
+    }
+    Ok(())
+}
+
+/// A MoE layer whose experts stream in chunks ([`super::expert_stream::ExpertStreamer::run_layer_chunks`]):
+/// the router's routes, then per chunk the routes renumbered so the chunk's experts come first
+/// and the others are left out, that chunk's part into `y` (the first) or added to it, then the
+/// shared expert. Each pair's product is computed as for resident experts; only the top-k sum of
+/// a token is taken in chunk order.
+#[allow(clippy::too_many_arguments)]
+fn gpu_moe_chunked(
+    c: &Ctx,
+    s: &mut StepIo,
+    router: &GpuRouter,
+    l: usize,
+    streamer: &super::expert_stream::ExpertStreamer,
+    k: usize,
+    shared: Option<&GpuMlp>,
+    n: usize,
+) -> Result<()> {
+    let t = c.t;
+    {
+        let sc = &mut *s.scratch;
+        let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+        let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+        let xn = sc.xn.slice().slice(..n);
+        let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
+        router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
+        let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
+        c.count_routes(router, l, ids_p, t * k)?;
+        grow(c.dev, &mut sc.chunk_ids, t * k, "chunk expert ids")?;
+        grow(c.dev, &mut sc.chunk_out, n, "chunk expert output")?;
+    }
+    streamer.run_layer_chunks(c.dev, l, |experts, first, count, map| {
+        let sc = &mut *s.scratch;
+        let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
+        let chunk_ids = sc.chunk_ids.as_mut().expect("grown");
+        let mut cid = chunk_ids.slice_mut().slice_mut(..t * k);
+        c.dev.copy_device(&ids.slice().slice(..t * k), &mut cid)?;
+        c.dev.remap_ids_i32(&mut cid, map, t * k)?;
+        let xn = sc.xn.slice().slice(..n);
+        let out = if first == 0 { &mut sc.y } else { sc.chunk_out.as_mut().expect("grown") };
+        experts.forward_part(
+            c.dev,
+            c.gemm,
+            &xn,
+            t,
+            &chunk_ids.slice().slice(..t * k),
+            &w.slice().slice(..t * k),
+            k,
+            count,
+            &mut out.slice_mut().slice_mut(..n),
+        )?;
+        if first > 0 {
+            let part = sc.chunk_out.as_ref().expect("grown");
+            c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &part.slice().slice(..n), n)?;
+        }
+        Ok(())
+    })?;
+    if let Some(sh) = shared {
+        sh.forward(c, s, false)?;
         let sc = &mut *s.scratch;
         let o = sc.f[3].as_ref().expect("written by the shared expert");
         c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;

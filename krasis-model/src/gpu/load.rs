@@ -395,6 +395,12 @@ impl GpuModel {
                 // --gpu-expert-bits: long prefills stream the experts to the GPU.
                 if let Some(bits) = gpu.expert_bits {
                     let (layers, min, split) = (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    // `--cache-strategy chunked --pin-vram B`: two slots in B (whole layers when B
+                    // holds them).
+                    let chunk = match &gpu.cache {
+                        Some(super::CachePlan { strategy: super::CacheStrategy::Chunked, vram, .. }) => *vram,
+                        _ => None,
+                    };
                     // `None`: the GPU expert cache is off (library use): nothing to stream from it.
                     let gpu_cache_records = |log: &mut Vec<String>| -> Result<Option<StreamRecords>> {
                         let GpuExpertCache::In(dir) = &gpu.expert_cache else { return Ok(None) };
@@ -406,7 +412,7 @@ impl GpuModel {
                         Ok(Some(StreamRecords::GpuCache(Box::new(cache))))
                     };
                     let from_gpu_cache = |records: Option<StreamRecords>| match records {
-                        Some(r) => ExpertStreamer::new(&model.dev, r, bits, layers, min, split),
+                        Some(r) => ExpertStreamer::new(&model.dev, r, bits, layers, min, split, chunk),
                         None => Err(ModelError::Invalid("the GPU expert cache is off (GpuExpertCache::Off)".into())),
                     };
                     let streamer = match stream_from(gpu.stream_from) {
@@ -414,7 +420,7 @@ impl GpuModel {
                         // GPU expert cache serves, and the log says why.
                         StreamFrom::CpuCache => {
                             let records = StreamRecords::CpuCache(ex.executor.clone());
-                            match ExpertStreamer::new(&model.dev, records, bits, layers, min, split) {
+                            match ExpertStreamer::new(&model.dev, records, bits, layers, min, split, chunk) {
                                 Ok(s) => Ok(s),
                                 Err(e) => {
                                     log.push(format!("streaming the GPU expert cache instead of the CPU's: {e}"));
@@ -466,6 +472,13 @@ impl GpuModel {
         use super::CacheStrategy;
         let strategy = plan.strategy;
         let what = format!("--cache-strategy {}", strategy.name());
+        if strategy == CacheStrategy::Chunked {
+            // The streamer's slots are the strategy (sized when it was built).
+            return match &self.streamer {
+                Some(_) => Ok(()),
+                None => Err(ModelError::Invalid(format!("{what}: the experts cannot stream (see the warning above)"))),
+            };
+        }
         let Some(streamer) = self.streamer.clone() else {
             return Err(ModelError::Invalid(format!(
                 "{what} needs --gpu-expert-bits 4|8 and the experts' records page-locked for copies (see the warning above if prefill keeps the experts on the CPU)"

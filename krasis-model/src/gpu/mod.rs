@@ -107,16 +107,21 @@ pub enum CacheStrategy {
     WeightedPin,
     /// A cross-layer cache of experts in VRAM, least recently used out; misses are copied.
     Lru,
+    /// Long prompts stream each layer's experts in chunks through two slots of `--pin-vram`
+    /// (for GPUs that cannot hold two layers' experts; [`expert_stream`]); decode keeps the CPU
+    /// experts. Chosen by itself when two layers do not fit the budget.
+    Chunked,
 }
 
 impl CacheStrategy {
     /// Every strategy, as `--cache-strategy` names it.
-    pub const ALL: [CacheStrategy; 5] = [
+    pub const ALL: [CacheStrategy; 6] = [
         CacheStrategy::HotCachedStatic,
         CacheStrategy::ActiveOnly,
         CacheStrategy::StaticPin,
         CacheStrategy::WeightedPin,
         CacheStrategy::Lru,
+        CacheStrategy::Chunked,
     ];
 
     pub fn name(self) -> &'static str {
@@ -126,6 +131,7 @@ impl CacheStrategy {
             CacheStrategy::StaticPin => "static_pin",
             CacheStrategy::WeightedPin => "weighted_pin",
             CacheStrategy::Lru => "lru",
+            CacheStrategy::Chunked => "chunked",
         }
     }
 
@@ -542,6 +548,12 @@ impl GpuModel {
     /// `hot_cached_static`: experts pinned in VRAM and their bytes (`None` without the strategy).
     pub fn pinned_experts(&self) -> Option<(usize, usize)> {
         self.hot.as_ref().map(|h| (h.pinned, h.bytes))
+    }
+
+    /// Hybrid streaming: experts per stream slot and the VRAM of one expert's record (`None`
+    /// without streaming; records only).
+    pub fn stream_slots(&self) -> Option<(usize, Option<usize>)> {
+        self.streamer.as_ref().map(|s| (s.slot_experts(), s.record_bytes()))
     }
 
     /// The expert pool's counters (`active_only`, `static_pin`, `weighted_pin`, `lru`; `None`

@@ -48,6 +48,9 @@ pub(crate) struct Scratch {
     /// Router output.
     pub route_ids: Slot<i32>,
     pub route_w: Slot<f32>,
+    /// Chunked streaming: the routes renumbered for one chunk, and a chunk's part of the output.
+    pub chunk_ids: Slot<i32>,
+    pub chunk_out: Slot<f32>,
 }
 
 /// A device buffer that exists after the first [`Scratch::ensure`]. Deref panics before that,
