@@ -258,16 +258,10 @@ impl ExpertPool {
         }
         let mut state = Residency::new(layers, n, slots, strategy == CacheStrategy::Lru);
         let mut experts = streamer.new_records(dev, &format!("{} expert pool", strategy.name()), slots, slots)?;
-        let mut in_flight = 0;
         for (li, ids) in pins.iter().enumerate() {
             for &e in ids {
                 let slot = state.pin(li, e).map_err(ModelError::Invalid)?;
-                streamer.copy_expert_async(dev, li, e, &mut experts, slot, in_flight)?;
-                in_flight += 1;
-                if in_flight == n {
-                    streamer.sync_copies()?;
-                    in_flight = 0;
-                }
+                streamer.copy_expert_async(dev, li, e, &mut experts, slot)?;
             }
         }
         streamer.sync_copies()?;
@@ -325,8 +319,8 @@ impl ExpertPool {
         if !copies.is_empty() {
             {
                 let mut experts = self.experts();
-                for (j, &(e, slot)) in copies.iter().enumerate() {
-                    bytes += self.streamer.copy_expert_async(dev, li, e, &mut experts, slot, j)?;
+                for &(e, slot) in &copies {
+                    bytes += self.streamer.copy_expert_async(dev, li, e, &mut experts, slot)?;
                 }
             }
             self.streamer.compute_waits_for_copies(dev, &self.copied_event)?;

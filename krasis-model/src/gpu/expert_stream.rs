@@ -206,8 +206,8 @@ impl ExpertStreamer {
     /// Pins the records of `records` (at `bits`) and allocates the slots; prompts of at least
     /// `min_tokens` (≥ 2: decode steps stay on the CPU) stream. The two slots take at most
     /// `slot_vram` bytes, each a whole layer's experts or a chunk of them (`None`: whole layers,
-    /// or when two do not fit the VRAM budget, chunks of what half the budget left holds; the
-    /// other half stays for the prefill).
+    /// or when two do not fit the VRAM budget, chunks of what the budget leaves beside a prefill's
+    /// activations).
     pub fn new(
         dev: &GpuDevice,
         records: StreamRecords,
@@ -294,9 +294,12 @@ impl ExpertStreamer {
             _ => match alloc_slots(n) {
                 Ok(slots) => (slots, n),
                 Err(ModelError::Gpu(GpuError::VramBudget { .. })) => {
-                    // Two layers do not fit: chunks of what half the budget left holds.
+                    // Two layers do not fit: chunks of what the budget leaves after a prefill's
+                    // activations (`KV_RESERVE_BYTES`), at least a quarter of what it leaves.
                     let (stride, _) = chunked_geometry("two layers' experts do not fit the VRAM budget")?;
-                    let fit = (dev.budget().remaining() / 2 / (SLOTS * stride) as u64) as usize;
+                    let left = dev.budget().remaining();
+                    let room = left.saturating_sub(super::KV_RESERVE_BYTES).max(left / 4);
+                    let fit = (room / (SLOTS * stride) as u64) as usize;
                     if fit == 0 {
                         return Err(ModelError::Invalid(format!(
                             "the VRAM budget leaves room for no streamed expert ({} each, two slots)",
@@ -329,7 +332,11 @@ impl ExpertStreamer {
             StreamRecords::GpuCache(cache) => Source::Gpu { cache, in_place: slot_geometry.is_some() },
             StreamRecords::CpuCache(experts) => {
                 let geometry = cpu_geometry.expect("worked out above for CPU records");
-                let staging = dev.alloc_zeros::<u8>(n * geometry.stride, "streamed CPU records (staging)")?;
+                // A whole layer's fill stages its run at once; chunks and single experts are staged
+                // one after another at the start (the copy stream orders each staging copy after
+                // the conversion that read the previous one).
+                let staging =
+                    dev.alloc_zeros::<u8>(slot_experts * geometry.stride, "streamed CPU records (staging)")?;
                 Source::Cpu { experts, geometry, staging }
             }
         };
@@ -396,11 +403,7 @@ impl ExpertStreamer {
         let name = format!("pinned experts of MoE layer {li}");
         let mut ex = self.new_records(dev, &name, n, ids.len().max(1))?;
         for (j, &e) in ids.iter().enumerate() {
-            // Each expert its own staging place: the copies are all in flight until the sync.
-            self.copy_expert_async(dev, li, e, &mut ex, j, j % n)?;
-            if j % n == n - 1 {
-                self.sync_copies()?;
-            }
+            self.copy_expert_async(dev, li, e, &mut ex, j)?;
         }
         self.sync_copies()?;
         Ok(ex)
@@ -437,11 +440,12 @@ impl ExpertStreamer {
     }
 
     /// Enqueues on the copy stream expert `e` of MoE layer `li` into expert `slot` of `dst`
-    /// (records from [`ExpertStreamer::new_records`]), laid out for the GPU; CPU records pass
-    /// through expert place `stage` (< [`ExpertStreamer::n_experts`]) of the staging buffer, so
-    /// copies in flight at once need distinct places. Returns the bytes copied over PCIe. The copy
-    /// is ordered after the copy stream's earlier work; [`ExpertStreamer::sync_copies`] waits for
-    /// it, and `dst` must not be read before.
+    /// (records from [`ExpertStreamer::new_records`]), laid out for the GPU (CPU records pass
+    /// through the start of the staging buffer, which the copy stream's order keeps from being
+    /// overwritten before the conversion read it). Returns the bytes copied over PCIe. The copy is
+    /// ordered after the copy stream's earlier work; [`ExpertStreamer::sync_copies`] or an event
+    /// recorded after it ([`ExpertStreamer::compute_waits_for_copies`]) waits for it, and `dst`
+    /// must not be read before.
     pub(crate) fn copy_expert_async(
         &self,
         dev: &GpuDevice,
@@ -449,23 +453,22 @@ impl ExpertStreamer {
         e: usize,
         dst: &mut GpuExperts,
         slot: usize,
-        stage: usize,
     ) -> Result<usize> {
         let n = self.n_experts();
-        if e >= n || li >= self.moe_layers() || stage >= n {
+        if e >= n || li >= self.moe_layers() {
             return Err(ModelError::Invalid(format!(
-                "copying expert {e} of MoE layer {li} (staging place {stage}): the cache has {} layers of {n}",
+                "copying expert {e} of MoE layer {li}: the cache has {} layers of {n}",
                 self.moe_layers()
             )));
         }
         let run = self.source.cache().layer_records(li, e..e + 1);
-        // SAFETY: the records are page-locked for the streamer's life; the staging place is the
-        // caller's to give (distinct while in flight) and the copy stream orders it after earlier
-        // conversions that read it; `dst` is not read before the caller synchronises.
+        // SAFETY: the records are page-locked for the streamer's life; the copy stream orders the
+        // staging copy after earlier conversions that read the staging buffer; `dst` is not read
+        // before the caller waits for the copy stream.
         let bytes = unsafe {
             match &self.source {
                 Source::Cpu { geometry, staging, .. } => {
-                    let at = self.stage(staging, stage * geometry.stride, run)?;
+                    let at = self.stage(staging, 0, run)?;
                     dst.convert_cpu_records_async(dev, &self.copy, slot..slot + 1, at, geometry)?
                 }
                 Source::Gpu { .. } => dst.copy_record_run_async(&self.copy, slot..slot + 1, run)?,
@@ -606,12 +609,12 @@ impl ExpertStreamer {
         }
         let run = self.source.cache().layer_records(li, chunk.clone());
         let len = chunk.len();
-        // SAFETY: as in `fill`; the staging place of a chunk is its experts' own (`chunk.start`
-        // on), and the copy stream orders it after the previous conversion that read it.
+        // SAFETY: as in `fill`; a chunk is staged at the start of the staging buffer (one chunk
+        // long), after the previous conversion that read it (copy stream order).
         let bytes = unsafe {
             match &self.source {
                 Source::Cpu { geometry, staging, .. } => {
-                    let at = self.stage(staging, chunk.start * geometry.stride, run)?;
+                    let at = self.stage(staging, 0, run)?;
                     slot.experts.convert_cpu_records_async(dev, &self.copy, 0..len, at, geometry)?
                 }
                 Source::Gpu { .. } => slot.experts.copy_record_run_async(&self.copy, 0..len, run)?,
