@@ -289,28 +289,28 @@ impl ExpertStreamer {
             }
             None => None,
         };
-        let (slots, slot_experts) = match asked {
-            Some(c) if c < n => (alloc_slots(c)?, c),
-            _ => match alloc_slots(n) {
-                Ok(slots) => (slots, n),
-                Err(ModelError::Gpu(GpuError::VramBudget { .. })) => {
-                    // Two layers do not fit: chunks of what the budget leaves after a prefill's
-                    // activations (`KV_RESERVE_BYTES`), at least a quarter of what it leaves.
-                    let (stride, _) = chunked_geometry("two layers' experts do not fit the VRAM budget")?;
-                    let left = dev.budget().remaining();
-                    let room = left.saturating_sub(super::KV_RESERVE_BYTES).max(left / 4);
-                    let fit = (room / (SLOTS * stride) as u64) as usize;
-                    if fit == 0 {
-                        return Err(ModelError::Invalid(format!(
-                            "the VRAM budget leaves room for no streamed expert ({} each, two slots)",
-                            krasis_core::budget::format_bytes(stride as u64)
-                        )));
-                    }
-                    (alloc_slots(fit.min(n))?, fit.min(n))
+        // VRAM per expert of a slot: its two slots' records, and for CPU records a staging place.
+        let staged = matches!(records, StreamRecords::CpuCache(_));
+        let per_expert = slot_geometry.map(|(stride, _)| (SLOTS + staged as usize) * stride);
+        let slot_experts = match (asked, per_expert) {
+            (Some(c), _) => c,
+            (None, Some(per)) if (n * per) as u64 > dev.budget().remaining() => {
+                // Two layers do not fit: chunks of what the budget leaves after a prefill's
+                // activations (`KV_RESERVE_BYTES`), at least a quarter of what it leaves.
+                let left = dev.budget().remaining();
+                let room = left.saturating_sub(super::KV_RESERVE_BYTES).max(left / 4);
+                let fit = (room / per as u64) as usize;
+                if fit == 0 {
+                    return Err(ModelError::Invalid(format!(
+                        "the VRAM budget leaves room for no streamed expert ({} each in two slots)",
+                        krasis_core::budget::format_bytes(per as u64)
+                    )));
                 }
-                Err(e) => return Err(e),
-            },
+                fit.min(n)
+            }
+            _ => n,
         };
+        let slots = alloc_slots(slot_experts)?;
         let rotations = if slot_experts < n {
             (0..n)
                 .step_by(slot_experts)
