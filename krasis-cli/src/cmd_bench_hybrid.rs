@@ -39,6 +39,9 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     let (mut s, mut id) = (m.new_session()?, 0);
     for rep in 0..a.prefill_reps.max(1) {
         if rep > 0 {
+            // The old session's KV cache and activations go first: a tight --vram-budget holds
+            // one session's.
+            drop(s);
             s = m.new_session()?;
         }
         let t = Instant::now();
