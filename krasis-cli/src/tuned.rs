@@ -25,7 +25,7 @@ const MAX_TUNE_BYTES: u64 = 1 << 20;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Strategy {
     /// `persistent`, `layer_grouped`, `cpu_experts`, or a `--cache-strategy` name
-    /// (`hot_cached_static`, `active_only`, `static_pin`, `weighted_pin`, `lru`).
+    /// (`hot_cached_static`, `active_only`, `static_pin`, `weighted_pin`, `lru`, `chunked`).
     pub name: String,
     /// `gpu` or `hybrid`.
     pub device: String,
