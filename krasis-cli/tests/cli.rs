@@ -274,7 +274,7 @@ fn cache_strategy_needs_a_heatmap_and_the_hybrid_gpu_experts() {
         let o = krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--cache-strategy", strategy]);
         assert_clean_failure(&o, 1, "needs --heatmap-path");
     }
-    for strategy in ["active_only", "lru"] {
+    for strategy in ["active_only", "lru", "chunked"] {
         let o = krasis(&[
             "generate",
             "--model",

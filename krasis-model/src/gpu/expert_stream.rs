@@ -75,6 +75,12 @@ const SPLIT_MAX_TOKENS: usize = 256;
 /// hand-off).
 const SPLIT_ALL_GPU_FROM: f64 = 0.85;
 
+/// The id map of a chunk starting at expert `first` of `n`: `e → (e − first) mod n`, so the
+/// chunk's experts are numbered from 0 in order, as its slot stores them.
+fn rotation(n: usize, first: usize) -> Vec<i32> {
+    (0..n).map(|e| ((e + n - first % n) % n) as i32).collect()
+}
+
 /// The VRAM whole-layer slots may take of `left` bytes of budget: what leaves a prefill's
 /// activations room, or half.
 fn slot_room(left: u64) -> u64 {
@@ -323,10 +329,7 @@ impl ExpertStreamer {
         let rotations = if slot_experts < n {
             (0..n)
                 .step_by(slot_experts)
-                .map(|c0| {
-                    let map: Vec<i32> = (0..n).map(|e| ((e + n - c0) % n) as i32).collect();
-                    dev.upload(&map, "streamed chunk id map").map_err(ModelError::from)
-                })
+                .map(|c0| dev.upload(&rotation(n, c0), "streamed chunk id map").map_err(ModelError::from))
                 .collect::<Result<Vec<_>>>()?
         } else {
             Vec::new()
@@ -730,6 +733,30 @@ impl Drop for ExpertStreamer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunk_rotations_number_each_chunk_first_and_are_permutations() {
+        for (n, c) in [(64, 7), (16, 3), (4, 3), (5, 1), (8, 8)] {
+            let mut covered = vec![0; n];
+            for first in (0..n).step_by(c) {
+                let m = rotation(n, first);
+                let mut sorted = m.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n as i32).collect::<Vec<_>>(), "n {n} first {first}");
+                // The chunk's experts are 0..len in order; every other id lands at len or above.
+                let len = c.min(n - first);
+                for (e, &id) in m.iter().enumerate() {
+                    let inside = (first..first + len).contains(&e);
+                    assert_eq!(inside, (id as usize) < len, "n {n} first {first} e {e}");
+                    if inside {
+                        assert_eq!(id as usize, e - first);
+                        covered[e] += 1;
+                    }
+                }
+            }
+            assert!(covered.iter().all(|&k| k == 1), "every expert in exactly one chunk: {covered:?}");
+        }
+    }
 
     #[test]
     fn split_share_grows_with_the_prompt_and_ends_at_every_expert() {
