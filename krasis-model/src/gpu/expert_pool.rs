@@ -175,6 +175,15 @@ impl Residency {
         Ok(copies)
     }
 
+    /// Forgets the pairs `copies` placed (their copies could not be enqueued): their slots become
+    /// free, so no later call takes them for present.
+    pub fn forget(&mut self, copies: &[(usize, usize)]) {
+        for &(_, slot) in copies {
+            self.release(slot);
+            self.free.push(slot);
+        }
+    }
+
     /// Slot of each expert of MoE layer `li` (−1: not in the pool).
     pub fn slots_of(&self, li: usize) -> &[i32] {
         &self.slot_of[li * self.n..(li + 1) * self.n]
@@ -317,13 +326,17 @@ impl ExpertPool {
         let copies = state.admit(li, &touched).map_err(ModelError::Invalid)?;
         let mut bytes = 0;
         if !copies.is_empty() {
-            {
+            let enqueued = (|| -> Result<()> {
                 let mut experts = self.experts();
                 for &(e, slot) in &copies {
                     bytes += self.streamer.copy_expert_async(dev, li, e, &mut experts, slot)?;
                 }
+                self.streamer.compute_waits_for_copies(dev, &self.copied_event)
+            })();
+            if let Err(e) = enqueued {
+                state.forget(&copies);
+                return Err(e);
             }
-            self.streamer.compute_waits_for_copies(dev, &self.copied_event)?;
             self.copied.fetch_add(copies.len() as u64, Ordering::Relaxed);
             self.copied_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         }
@@ -423,6 +436,15 @@ mod tests {
         assert_eq!(r.slots_of(1)[2], pinned as i32);
         assert!(c.iter().all(|&(_, s)| s != pinned));
         assert!(r.slots_of(0).iter().all(|&s| s < 0), "layer 0's copies were released");
+    }
+
+    #[test]
+    fn forgotten_copies_are_copied_again() {
+        let mut r = Residency::new(1, 4, 4, true);
+        let c = r.admit(0, &[0, 1]).unwrap();
+        r.forget(&c);
+        assert!(r.slots_of(0).iter().all(|&s| s < 0));
+        assert_eq!(r.admit(0, &[0, 1]).unwrap().len(), 2, "nothing counts as present after a failed copy");
     }
 
     #[test]
