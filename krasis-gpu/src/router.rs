@@ -72,8 +72,9 @@ pub struct GpuRouter {
 /// Where [`GpuRouter::publish`] puts a call's routes: mapped host memory, and the flag that
 /// announces them.
 pub struct PublishTarget<'a> {
-    /// `[t, hidden]`: a copy of the routed activations.
-    pub x: &'a MappedHost<f32>,
+    /// `[t, hidden]`: a copy of the routed activations (`None`: the routes only, for a consumer
+    /// that does not compute on the host).
+    pub x: Option<&'a MappedHost<f32>>,
     /// `[t, top_k]` expert ids and weights.
     pub ids: &'a MappedHost<i32>,
     pub weights: &'a MappedHost<f32>,
@@ -276,12 +277,13 @@ impl GpuRouter {
     ) -> Result<(), GpuError> {
         let (h, k) = (self.hidden, self.cfg.top_k);
         let name = &self.name;
-        if to.x.len() < t * h || to.ids.len() < t * k || to.weights.len() < t * k {
+        let x_len = to.x.map_or(t * h, |x| x.len());
+        if x_len < t * h || to.ids.len() < t * k || to.weights.len() < t * k {
             return Err(bad(
                 name,
                 format!(
                     "host buffers of {}/{}/{} elements cannot take [{t}, {h}] activations and [{t}, {k}] routes",
-                    to.x.len(),
+                    x_len,
                     to.ids.len(),
                     to.weights.len()
                 ),
@@ -292,7 +294,8 @@ impl GpuRouter {
             to.flag.store(to.seq);
             return Ok(());
         }
-        let (hx, hi, hw, fl) = (to.x.device_ptr(), to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
+        let hx = to.x.map_or(0, |x| x.device_ptr());
+        let (hi, hw, fl) = (to.ids.device_ptr(), to.weights.device_ptr(), to.flag.device_ptr());
         self.route_fused(dev, x, t, (hx, hi, hw), (fl, to.seq))
     }
 

@@ -38,7 +38,7 @@ fn stream_waits_for_the_host_and_the_kernel_signals_back_after_its_writes() {
     let data: Vec<_> = srcs.iter().map(|s| dev.upload(s, "host flag test data").unwrap()).collect();
     for (round, (src, d)) in (1..=3u64).zip(srcs.iter().zip(&data)) {
         go.stream_wait_geq(dev, round).unwrap();
-        let to = PublishTarget { x: &hx, ids: &hi, weights: &hw, flag: &ready, seq: round };
+        let to = PublishTarget { x: Some(&hx), ids: &hi, weights: &hw, flag: &ready, seq: round };
         router.publish(dev, d, t, &to).unwrap();
         std::thread::sleep(Duration::from_millis(20));
         assert_eq!(ready.load(), round - 1, "the stream ran past its wait before the host stored {round}");

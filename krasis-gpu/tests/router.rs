@@ -299,7 +299,7 @@ fn router_matches_cpu_twin() {
                     );
                     let flag = HostFlag::new(d).unwrap();
                     for seq in [cases as u64 * 2 + 1, cases as u64 * 2 + 2] {
-                        let to = PublishTarget { x: &hx, ids: &hi, weights: &hw, flag: &flag, seq };
+                        let to = PublishTarget { x: Some(&hx), ids: &hi, weights: &hw, flag: &flag, seq };
                         router.publish(d, &x_d, t, &to).unwrap();
                         flag.spin_until_geq(d, seq).unwrap();
                         assert_eq!(flag.load(), seq, "the flag holds the last launch's number");

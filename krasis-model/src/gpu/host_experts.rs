@@ -326,21 +326,30 @@ impl HostStaging {
             dev,
             p.hn.slice(),
             1,
-            &PublishTarget { x: &slot.x, ids: &slot.ids, weights: &slot.weights, flag: &p.flag, seq },
+            &PublishTarget { x: Some(&slot.x), ids: &slot.ids, weights: &slot.weights, flag: &p.flag, seq },
         )?;
         Ok(())
     }
 
     /// Device side, first half: `router` routes the `t` tokens of `xn` and publishes routes and
-    /// activations to the host, then `ready = seq`, all in one launch. Returns `seq`.
-    pub fn send(&mut self, dev: &GpuDevice, router: &GpuRouter, xn: &CudaView<'_, f32>, t: usize) -> Result<u64> {
+    /// (with `activations`; an expert pool's layer needs only the routes) the activations to the
+    /// host, then `ready = seq`, all in one launch. Returns `seq`.
+    pub fn send(
+        &mut self,
+        dev: &GpuDevice,
+        router: &GpuRouter,
+        xn: &CudaView<'_, f32>,
+        t: usize,
+        activations: bool,
+    ) -> Result<u64> {
         let (ready, _) = self.flags.as_ref().expect("HostStaging::prepare ran for this call");
         let seq = self.seq + 1;
+        let x = activations.then(|| self.x.get());
         router.publish(
             dev,
             xn,
             t,
-            &PublishTarget { x: self.x.get(), ids: self.ids.get(), weights: self.weights.get(), flag: ready, seq },
+            &PublishTarget { x, ids: self.ids.get(), weights: self.weights.get(), flag: ready, seq },
         )?;
         self.seq = seq;
         Ok(seq)

@@ -252,7 +252,7 @@ impl GpuLayer {
                         })?,
                     (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
                         let pool = c.pool.expect("matched");
-                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
+                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, false)?;
                         c.count_routes(router, l, host.published_ids(), t * k)?;
                         // The launcher waits for the routes, enqueues the missing experts' copies
                         // and makes the stream wait for them; then the GPU runs every route.
@@ -265,7 +265,7 @@ impl GpuLayer {
                     }
                     (GpuExpertBackend::Host(_), split) => {
                         let shape = HandoffShape { t, hidden: self.hidden, k };
-                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t)?;
+                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, true)?;
                         c.count_routes(router, l, host.published_ids(), t * k)?;
                         // The GPU's share of a split layer (on the routes the CPU got) and the
                         // shared expert go into y while the CPU computes the routed ones, whose
