@@ -29,7 +29,6 @@
 //! any slot the current call does not touch may be overwritten.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use krasis_gpu::moe::GpuExperts;
@@ -190,14 +189,10 @@ impl Residency {
     }
 }
 
-/// What an expert pool did so far (`krasis bench`).
+/// An expert pool's size (what its calls copy is counted per session, in
+/// [`super::HandoffStats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PoolStats {
-    /// Routed experts the calls touched, and how many of them had to be copied in.
-    pub touched: u64,
-    pub copied: u64,
-    /// Bytes those copies moved over PCIe.
-    pub copied_bytes: u64,
     pub slots: usize,
     pub pinned: usize,
     /// VRAM of the pool.
@@ -221,15 +216,12 @@ pub struct ExpertPool {
     pinned: usize,
     /// Share of the heatmap's routes the pinned experts take (0 without pins).
     pinned_route_share: f64,
-    /// The current call's expert → slot map: written by the expert thread before it releases the
-    /// stream, copied to `map_dev` by the stream after.
+    /// The current call's expert → slot map: written by the launching thread once the routes are
+    /// published, copied to `map_dev` by the stream after.
     map_host: MappedHost<i32>,
     map_dev: Mutex<DeviceBuffer<i32>>,
     /// Recorded on the copy stream after a call's copies; the compute stream waits for it.
     copied_event: krasis_gpu::cudarc::driver::CudaEvent,
-    touched: AtomicU64,
-    copied: AtomicU64,
-    copied_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for ExpertPool {
@@ -254,8 +246,9 @@ impl ExpertPool {
         let slots = pinned + dynamic;
         if dynamic < n {
             return Err(ModelError::Invalid(format!(
-                "--cache-strategy {}: {dynamic} slots for the experts not pinned, fewer than one MoE layer's {n}",
-                strategy.name()
+                "--cache-strategy {}: {} of VRAM holds {dynamic} experts besides the pinned ones, fewer than one MoE layer's {n} (raise --pin-vram or --vram-budget)",
+                strategy.name(),
+                krasis_core::budget::format_bytes((dynamic * streamer.record_bytes().unwrap_or(0)) as u64)
             )));
         }
         if slots > krasis_gpu::moe::MOE_MAX_EXPERTS {
@@ -284,9 +277,6 @@ impl ExpertPool {
             map_host: MappedHost::new(dev, n)?,
             map_dev: Mutex::new(dev.alloc_zeros::<i32>(n, "expert pool map")?),
             copied_event: dev.new_event(false)?,
-            touched: AtomicU64::new(0),
-            copied: AtomicU64::new(0),
-            copied_bytes: AtomicU64::new(0),
         })
     }
 
@@ -337,10 +327,7 @@ impl ExpertPool {
                 state.forget(&copies);
                 return Err(e);
             }
-            self.copied.fetch_add(copies.len() as u64, Ordering::Relaxed);
-            self.copied_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         }
-        self.touched.fetch_add(touched.len() as u64, Ordering::Relaxed);
         // SAFETY: the stream reads the map only after this call enqueues that read, and the previous
         // layer's read of it ended before this layer's routes were published (stream order).
         let map = unsafe { std::slice::from_raw_parts_mut(self.map_host.host_ptr(), n) };
@@ -358,14 +345,7 @@ impl ExpertPool {
     }
 
     pub fn stats(&self) -> PoolStats {
-        PoolStats {
-            touched: self.touched.load(Ordering::Relaxed),
-            copied: self.copied.load(Ordering::Relaxed),
-            copied_bytes: self.copied_bytes.load(Ordering::Relaxed),
-            slots: self.slots(),
-            pinned: self.pinned,
-            bytes: self.experts().weight_bytes(),
-        }
+        PoolStats { slots: self.slots(), pinned: self.pinned, bytes: self.experts().weight_bytes() }
     }
 
     /// One line for the load log.

@@ -127,6 +127,18 @@ pub fn choose_weighted(heat: &ExpertHeat, layers: &[usize], capacity: usize) -> 
     per_layer
 }
 
+/// Share of the heatmap's routes over `layers` that go to the `chosen` experts (per model layer,
+/// as [`choose_pinned`] and [`choose_weighted`] return them).
+pub fn chosen_route_share(heat: &ExpertHeat, layers: &[usize], chosen: &[Vec<usize>]) -> f64 {
+    let total: u64 = layers.iter().filter_map(|&l| heat.counts.get(l)).flatten().sum();
+    let hot: u64 = layers
+        .iter()
+        .filter_map(|&l| Some((chosen.get(l)?, heat.counts.get(l)?)))
+        .flat_map(|(ids, row)| ids.iter().filter_map(|&e| row.get(e).copied()))
+        .sum();
+    hot as f64 / total.max(1) as f64
+}
+
 /// The id map of a layer of `n` experts whose `pinned` ones come first: `map[e]` is `e`'s number
 /// in the renumbered order (the others keep their relative order after the pinned ones).
 pub fn renumbering(n: usize, pinned: &[usize]) -> Vec<i32> {
@@ -156,8 +168,6 @@ impl HotExperts {
         };
         let capacity = (vram / record.max(1) as u64) as usize;
         let chosen = choose_pinned(heat, moe_layers, capacity);
-        let total: u64 = moe_layers.iter().filter_map(|&l| heat.counts.get(l)).flatten().sum();
-        let mut hot_routes = 0u64;
         let mut layers = Vec::with_capacity(heat.layers);
         let (mut pinned, mut bytes) = (0, 0);
         for (l, ids) in chosen.iter().enumerate() {
@@ -170,14 +180,13 @@ impl HotExperts {
             let map = dev.upload(&renumbering(n, ids), &format!("pinned expert map of layer {l}"))?;
             let mut on_gpu = vec![false; n];
             ids.iter().for_each(|&e| on_gpu[e] = true);
-            hot_routes += ids.iter().map(|&e| heat.counts[l][e]).sum::<u64>();
             pinned += ids.len();
             bytes += experts.weight_bytes();
             let layer_all = heat.counts[l].iter().sum::<u64>().max(1) as f64;
             let route_share = heat.counts[l].iter().map(|&c| c as f64 / layer_all).collect();
             layers.push(Some(HotLayer { experts, present: ids.len(), map, on_gpu: on_gpu.into(), route_share }));
         }
-        Ok(HotExperts { layers, pinned, bytes, route_share: hot_routes as f64 / total.max(1) as f64 })
+        Ok(HotExperts { layers, pinned, bytes, route_share: chosen_route_share(heat, moe_layers, &chosen) })
     }
 
     /// One line for the load log.
@@ -215,6 +224,10 @@ mod tests {
         assert_eq!(choose_pinned(&h, &[1, 2], 0), vec![Vec::<usize>::new(); 3]);
         // Only the layers asked for.
         assert_eq!(choose_pinned(&h, &[1], 2), vec![vec![], vec![1, 0], vec![]]);
+        // Layer 1's 9 + 5 and layer 2's 30 of the 15 + 36 routes.
+        let share = chosen_route_share(&h, &[1, 2], &choose_pinned(&h, &[1, 2], 3));
+        assert!((share - 44.0 / 51.0).abs() < 1e-12, "{share}");
+        assert_eq!(chosen_route_share(&h, &[1, 2], &[]), 0.0);
     }
 
     /// The measured cases (v2-lite, 64 experts, top-6): 18 of 64 experts pinned with 57 % of the

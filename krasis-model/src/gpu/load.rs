@@ -513,8 +513,10 @@ impl GpuModel {
             let capacity = (vram / record.max(1) as u64) as usize;
             // Pins take what is left after one layer's worth of slots for the calls' other experts;
             // `lru` makes every slot a cache entry.
-            let (dynamic, pins) = match strategy {
-                CacheStrategy::Lru => (capacity.min(krasis_gpu::moe::MOE_MAX_EXPERTS), vec![Vec::new(); moe.len()]),
+            let (dynamic, pins, share) = match strategy {
+                CacheStrategy::Lru => {
+                    (capacity.min(krasis_gpu::moe::MOE_MAX_EXPERTS), vec![Vec::new(); moe.len()], 0.0)
+                }
                 _ => {
                     let room = capacity.saturating_sub(n).min(krasis_gpu::moe::MOE_MAX_EXPERTS - n);
                     let by_layer = match (strategy, &heat) {
@@ -522,27 +524,12 @@ impl GpuModel {
                         (CacheStrategy::WeightedPin, Some(h)) => super::hot_experts::choose_weighted(h, &moe, room),
                         _ => vec![Vec::new(); self.spec.num_layers],
                     };
+                    let share =
+                        heat.as_ref().map_or(0.0, |h| super::hot_experts::chosen_route_share(h, &moe, &by_layer));
                     // Model layer → MoE layer of the cache.
-                    let pins = (0..moe.len())
-                        .map(|li| moe.get(li).and_then(|&l| by_layer.get(l)).cloned().unwrap_or_default())
-                        .collect();
-                    (n, pins)
+                    let pins = moe.iter().map(|&l| by_layer.get(l).cloned().unwrap_or_default()).collect();
+                    (n, pins, share)
                 }
-            };
-            if dynamic < n {
-                return Err(ModelError::Invalid(format!(
-                    "{what}: {} of VRAM holds {dynamic} experts, fewer than one MoE layer's {n} (raise --pin-vram or --vram-budget)",
-                    format_bytes(vram)
-                )));
-            }
-            let share = match &heat {
-                Some(h) => {
-                    let total: u64 = moe.iter().filter_map(|&l| h.counts.get(l)).flatten().sum();
-                    let hot: u64 =
-                        pins.iter().zip(&moe).map(|(ids, &l)| ids.iter().map(|&e| h.counts[l][e]).sum::<u64>()).sum();
-                    hot as f64 / total.max(1) as f64
-                }
-                None => 0.0,
             };
             let pool = super::expert_pool::ExpertPool::new(&self.dev, streamer, strategy, &pins, dynamic, share)?;
             log.push(pool.describe());
