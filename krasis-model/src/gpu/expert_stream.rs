@@ -78,7 +78,7 @@ const SPLIT_ALL_GPU_FROM: f64 = 0.85;
 /// The id map of a chunk starting at expert `first` of `n`: `e → (e − first) mod n`, so the
 /// chunk's experts are numbered from 0 in order, as its slot stores them.
 fn rotation(n: usize, first: usize) -> Vec<i32> {
-    (0..n).map(|e| ((e + n - first % n) % n) as i32).collect()
+    (0..n).map(|e| ((e + n - first) % n) as i32).collect()
 }
 
 /// The VRAM whole-layer slots may take of `left` bytes of budget: what leaves a prefill's
@@ -156,8 +156,8 @@ enum Source {
     Cpu {
         experts: Arc<crate::quantized::CpuQuantExperts>,
         geometry: krasis_gpu::relayout::CpuRecordGeometry,
-        /// Device staging for one layer's CPU records (one copy stream: a fill's copy waits for
-        /// the previous fill's conversion by stream order).
+        /// Device staging for one slot's CPU records (one copy stream: each staging copy waits
+        /// for the conversion that read the previous one by stream order).
         staging: krasis_gpu::DeviceBuffer<u8>,
     },
 }
@@ -344,9 +344,7 @@ impl ExpertStreamer {
             StreamRecords::GpuCache(cache) => Source::Gpu { cache, in_place: slot_geometry.is_some() },
             StreamRecords::CpuCache(experts) => {
                 let geometry = cpu_geometry.expect("worked out above for CPU records");
-                // A whole layer's fill stages its run at once; chunks and single experts are staged
-                // one after another at the start (the copy stream orders each staging copy after
-                // the conversion that read the previous one).
+                // Every copy (a slot's run, a chunk, one expert) is staged at the start.
                 let staging =
                     dev.alloc_zeros::<u8>(slot_experts * geometry.stride, "streamed CPU records (staging)")?;
                 Source::Cpu { experts, geometry, staging }
@@ -389,7 +387,7 @@ impl ExpertStreamer {
         if t < self.min_tokens {
             return 0;
         }
-        let n = self.source.cache().header().n_experts as usize;
+        let n = self.n_experts();
         if self.chunked() {
             // Chunks stream whole layers only (a split's copies would not shrink).
             return n;
@@ -473,17 +471,43 @@ impl ExpertStreamer {
                 self.moe_layers()
             )));
         }
-        let run = self.source.cache().layer_records(li, e..e + 1);
-        // SAFETY: the records are page-locked for the streamer's life; the copy stream orders the
-        // staging copy after earlier conversions that read the staging buffer; `dst` is not read
-        // before the caller waits for the copy stream.
+        // SAFETY: the caller does not read `dst` before waiting for the copy stream.
+        unsafe { self.copy_records(dev, dst, li, e..e + 1, slot) }
+    }
+
+    /// Enqueues on the copy stream MoE layer `li`'s experts `experts` into `dst`'s experts from
+    /// `at` on, laid out for the GPU; returns the bytes copied over PCIe. CPU records pass through
+    /// the start of the staging buffer (one slot long), which only the copy stream touches: its
+    /// order keeps each staging copy behind the conversion that read the previous one.
+    ///
+    /// # Safety
+    /// Nothing may read or write those experts of `dst` on another stream before the copy
+    /// stream's work enqueued so far is done (an event recorded after this call, or a sync).
+    unsafe fn copy_records(
+        &self,
+        dev: &GpuDevice,
+        dst: &mut GpuExperts,
+        li: usize,
+        experts: std::ops::Range<usize>,
+        at: usize,
+    ) -> Result<usize> {
+        let cache = self.source.cache();
+        let run = cache.layer_records(li, experts.clone());
+        let to = at..at + experts.len();
+        // SAFETY: the records are registered (page-locked) for the streamer's life, which the
+        // copies cannot outlive (the experts are dropped after the stream work drains on drop of
+        // the device); the staging buffer as above; `dst` as the caller promises.
         let bytes = unsafe {
             match &self.source {
                 Source::Cpu { geometry, staging, .. } => {
-                    let at = self.stage(staging, 0, run)?;
-                    dst.convert_cpu_records_async(dev, &self.copy, slot..slot + 1, at, geometry)?
+                    let from = self.stage(staging, run)?;
+                    dst.convert_cpu_records_async(dev, &self.copy, to, from, geometry)?
                 }
-                Source::Gpu { .. } => dst.copy_record_run_async(&self.copy, slot..slot + 1, run)?,
+                Source::Gpu { in_place: true, .. } => dst.copy_record_run_async(&self.copy, to, run)?,
+                Source::Gpu { in_place: false, .. } => {
+                    let e = |p: usize| p - at + experts.start;
+                    dst.copy_records_async(&self.copy, to, &|p| (cache.w13(li, e(p)), cache.w2(li, e(p))))?
+                }
             }
         };
         self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
@@ -504,17 +528,23 @@ impl ExpertStreamer {
         Ok(())
     }
 
-    /// Enqueues on the copy stream a copy of CPU records `run` into the staging buffer at byte
-    /// `offset`; returns that device address (where the conversion reads them).
+    /// Enqueues on the copy stream a copy of CPU records `run` into the start of the staging
+    /// buffer; returns that device address (where the conversion reads them).
     ///
     /// # Safety
-    /// `run` must lie in the page-locked records and the staging range must not be in use by an
-    /// earlier conversion still in flight on another stream (the copy stream orders its own).
-    unsafe fn stage(&self, staging: &krasis_gpu::DeviceBuffer<u8>, offset: usize, run: &[u8]) -> Result<u64> {
+    /// `run` must lie in the page-locked records, and the staging buffer must not be in use by a
+    /// conversion still in flight on another stream (the copy stream orders its own).
+    unsafe fn stage(&self, staging: &krasis_gpu::DeviceBuffer<u8>, run: &[u8]) -> Result<u64> {
         use krasis_gpu::cudarc::driver::DevicePtr;
-        let (base, _g) = staging.device_ptr(&self.copy);
-        let at = base + offset as u64;
-        // SAFETY: as the caller promises; the range lies in the staging buffer (a layer's records).
+        if run.len() > staging.len() {
+            return Err(ModelError::Invalid(format!(
+                "streamed experts: {} bytes of records do not fit the {}-byte staging buffer",
+                run.len(),
+                staging.len()
+            )));
+        }
+        let (at, _g) = staging.device_ptr(&self.copy);
+        // SAFETY: as the caller promises; the range lies in the staging buffer (checked).
         let r = unsafe {
             krasis_gpu::cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
                 at,
@@ -564,77 +594,45 @@ impl ExpertStreamer {
         )
     }
 
-    /// Enqueues the records of MoE layer `li`'s first `present` experts into slot `i` on the copy
-    /// stream (only those it lacks when it holds the layer already), after the slot's last use on
-    /// the compute stream.
+    /// Enqueues the records of MoE layer `li`'s first `present` experts into `slot` on the copy
+    /// stream (only those it lacks when it holds the layer already).
     fn fill(&self, dev: &GpuDevice, slot: &mut Slot, li: usize, present: usize) -> Result<()> {
         let have = if slot.layer == Some(li) && slot.first == 0 { slot.present } else { 0 };
         if have >= present {
             return Ok(());
         }
-        if slot.used {
-            self.copy
-                .wait(&slot.free)
-                .map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
-        }
-        let cache = self.source.cache();
-        let run = cache.layer_records(li, have..present);
-        // SAFETY: the records are registered (page-locked) for the streamer's life, which the
-        // copies cannot outlive (the slot's experts are dropped with it, after the stream work
-        // drains on drop of the device); the compute stream waits `ready` before reading. CPU
-        // records land in the staging buffer, which only this copy stream touches: the next
-        // fill's copy into it is ordered after this fill's conversion.
-        let bytes = unsafe {
-            match &self.source {
-                Source::Cpu { geometry, staging, .. } => {
-                    let at = self.stage(staging, have * geometry.stride, run)?;
-                    slot.experts.convert_cpu_records_async(dev, &self.copy, have..present, at, geometry)?
-                }
-                Source::Gpu { in_place: true, .. } => {
-                    slot.experts.copy_record_run_async(&self.copy, have..present, run)?
-                }
-                Source::Gpu { in_place: false, .. } => {
-                    slot.experts
-                        .copy_records_async(&self.copy, have..present, &|e| (cache.w13(li, e), cache.w2(li, e)))?
-                }
-            }
-        };
-        slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
-        slot.layer = Some(li);
-        slot.first = 0;
-        slot.present = present;
-        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
-        Ok(())
+        self.load_slot(dev, slot, li, have..present, have)
     }
 
     /// Enqueues the records of MoE layer `li`'s experts `chunk` into slot positions
-    /// `0..chunk.len()` on the copy stream, after the slot's last use (nothing when it holds
-    /// them already).
+    /// `0..chunk.len()` on the copy stream (nothing when it holds them already).
     fn fill_chunk(&self, dev: &GpuDevice, slot: &mut Slot, li: usize, chunk: std::ops::Range<usize>) -> Result<()> {
         if slot.layer == Some(li) && slot.first == chunk.start && slot.present == chunk.len() {
             return Ok(());
         }
+        self.load_slot(dev, slot, li, chunk, 0)
+    }
+
+    /// Enqueues on the copy stream, after the slot's last use on the compute stream, MoE layer
+    /// `li`'s experts `experts` into slot positions from `at` on, then the slot's `ready`; the
+    /// slot then holds the layer's experts from `experts.start − at` to `experts.end`.
+    fn load_slot(
+        &self,
+        dev: &GpuDevice,
+        slot: &mut Slot,
+        li: usize,
+        experts: std::ops::Range<usize>,
+        at: usize,
+    ) -> Result<()> {
         if slot.used {
             self.copy
                 .wait(&slot.free)
                 .map_err(|e| GpuError::Driver { op: "cuStreamWaitEvent", detail: e.to_string() })?;
         }
-        let run = self.source.cache().layer_records(li, chunk.clone());
-        let len = chunk.len();
-        // SAFETY: as in `fill`; a chunk is staged at the start of the staging buffer (one chunk
-        // long), after the previous conversion that read it (copy stream order).
-        let bytes = unsafe {
-            match &self.source {
-                Source::Cpu { geometry, staging, .. } => {
-                    let at = self.stage(staging, 0, run)?;
-                    slot.experts.convert_cpu_records_async(dev, &self.copy, 0..len, at, geometry)?
-                }
-                Source::Gpu { .. } => slot.experts.copy_record_run_async(&self.copy, 0..len, run)?,
-            }
-        };
+        // SAFETY: the compute stream waits `ready`, recorded below, before it reads the slot.
+        unsafe { self.copy_records(dev, &mut slot.experts, li, experts.clone(), at) }?;
         slot.ready.record(&self.copy).map_err(|e| GpuError::Driver { op: "cuEventRecord", detail: e.to_string() })?;
-        (slot.layer, slot.first, slot.present) = (Some(li), chunk.start, len);
-        self.copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        (slot.layer, slot.first, slot.present) = (Some(li), experts.start - at, at + experts.len());
         Ok(())
     }
 
