@@ -356,28 +356,26 @@ fn gpu_moe(
         sh.reserve(c, s, t)?;
         c.dev.on_side_stream(|| sh.forward(c, s, false))?;
     }
-    let sc = &mut *s.scratch;
-    let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
-    let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
-    let xn = sc.xn.slice().slice(..n);
-    let present = {
-        let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
-        match routes {
-            GpuRoutes::Router(router, l) => {
-                router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
-                let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
-                c.count_routes(router, l, ids_p, t * k)?;
-                experts.n_experts()
+    let present = match routes {
+        GpuRoutes::Router(router, l) => {
+            router_routes(c, s, router, l, k, n)?;
+            experts.n_experts()
+        }
+        GpuRoutes::Published { host, present, map } => {
+            let sc = &mut *s.scratch;
+            let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+            let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+            let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
+            host.routes_to_device(c.dev, t * k, &mut ids_out, &mut w_out)?;
+            if let Some(map) = map {
+                c.dev.remap_ids_i32(&mut ids_out, map, t * k)?;
             }
-            GpuRoutes::Published { host, present, map } => {
-                host.routes_to_device(c.dev, t * k, &mut ids_out, &mut w_out)?;
-                if let Some(map) = map {
-                    c.dev.remap_ids_i32(&mut ids_out, map, t * k)?;
-                }
-                present
-            }
+            present
         }
     };
+    let sc = &mut *s.scratch;
+    let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
+    let xn = sc.xn.slice().slice(..n);
     experts.forward_part(
         c.dev,
         c.gemm,
@@ -395,10 +393,30 @@ fn gpu_moe(
         } else {
             sh.forward(c, s, false)?;
         }
-        let sc = &mut *s.scratch;
-        let o = sc.f[3].as_ref().expect("written by the shared expert");
-        c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
+        add_shared_output(c, s, n)?;
     }
+    Ok(())
+}
+
+/// The layer's router over the `c.t` rows of `xn`: `k` routes each into the scratch's route
+/// buffers, counted in layer `l`'s heatmap row while recording.
+fn router_routes(c: &Ctx, s: &mut StepIo, router: &GpuRouter, l: usize, k: usize, n: usize) -> Result<()> {
+    let t = c.t;
+    let sc = &mut *s.scratch;
+    let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
+    let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
+    let xn = sc.xn.slice().slice(..n);
+    let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
+    router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
+    let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
+    c.count_routes(router, l, ids_p, t * k)
+}
+
+/// `y += ` the shared expert's output (its MLP left it in the scratch's `f[3]`).
+fn add_shared_output(c: &Ctx, s: &mut StepIo, n: usize) -> Result<()> {
+    let sc = &mut *s.scratch;
+    let o = sc.f[3].as_ref().expect("written by the shared expert");
+    c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
     Ok(())
 }
 
@@ -419,18 +437,9 @@ fn gpu_moe_chunked(
     n: usize,
 ) -> Result<()> {
     let t = c.t;
-    {
-        let sc = &mut *s.scratch;
-        let ids = grow(c.dev, &mut sc.route_ids, t * k, "routed expert ids")?;
-        let w = grow(c.dev, &mut sc.route_w, t * k, "routing weights")?;
-        let xn = sc.xn.slice().slice(..n);
-        let (mut ids_out, mut w_out) = (ids.slice_mut().slice_mut(..t * k), w.slice_mut().slice_mut(..t * k));
-        router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
-        let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
-        c.count_routes(router, l, ids_p, t * k)?;
-        grow(c.dev, &mut sc.chunk_ids, t * k, "chunk expert ids")?;
-        grow(c.dev, &mut sc.chunk_out, n, "chunk expert output")?;
-    }
+    router_routes(c, s, router, l, k, n)?;
+    grow(c.dev, &mut s.scratch.chunk_ids, t * k, "chunk expert ids")?;
+    grow(c.dev, &mut s.scratch.chunk_out, n, "chunk expert output")?;
     streamer.run_layer_chunks(c.dev, l, |experts, first, count, map| {
         let sc = &mut *s.scratch;
         let (ids, w) = (sc.route_ids.as_ref().expect("grown"), sc.route_w.as_ref().expect("grown"));
@@ -459,9 +468,7 @@ fn gpu_moe_chunked(
     })?;
     if let Some(sh) = shared {
         sh.forward(c, s, false)?;
-        let sc = &mut *s.scratch;
-        let o = sc.f[3].as_ref().expect("written by the shared expert");
-        c.dev.add_inplace_f32(&mut sc.y.slice_mut().slice_mut(..n), &o.slice().slice(..n), n)?;
+        add_shared_output(c, s, n)?;
     }
     Ok(())
 }
