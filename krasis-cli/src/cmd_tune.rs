@@ -41,7 +41,7 @@ pub struct Args {
     engine: EngineArgs,
     /// GPU flags: --gpu-expert-bits picks the width the GPU strategies use (default 4);
     /// --heatmap-path FILE adds the pinning strategies (hot_cached_static, static_pin,
-    /// weighted_pin); --pin-vram sizes every cache strategy's VRAM.
+    /// weighted_pin); --pin-vram sizes every cache strategy's VRAM and adds chunked.
     #[command(flatten)]
     gpu: GpuArgs,
 }
@@ -93,6 +93,10 @@ fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, Eng
     };
     for strategy in CacheStrategy::ALL {
         if strategy.needs_heatmap() && heatmap.is_none() {
+            continue;
+        }
+        // Without --pin-vram chunked streams whole layers: layer_grouped, measured above.
+        if strategy == CacheStrategy::Chunked && a.gpu.pin_vram.is_none() {
             continue;
         }
         let mut c = s(strategy.name(), "hybrid", Some(bits));
