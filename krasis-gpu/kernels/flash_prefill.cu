@@ -638,3 +638,326 @@ __device__ __forceinline__ void flash_prefill_fixed(const bf16_t* __restrict__ q
 // table FIXED_SHAPES lists the same three numbers.
 FLASH_FIXED_ENTRY(128, 64, 128)
 FLASH_FIXED_ENTRY(128, 0, 128)
+
+// ------------------------------------------------------------------------------------------ wgmma (sm_90a)
+//
+// flash_prefill_wgmma_<A>_<B>_<V>: the fixed-dims kernel's mathematics on Hopper's asynchronous
+// warpgroup MMAs. One block of two warpgroups (8 warps) per (128-query tile, head); each warpgroup
+// owns 64 query rows. Per 64-key tile a warpgroup issues S = Q K^T as (A+B)/16 wgmma m64n64k16 with
+// Q and K both read from shared memory, waits, masks and runs the online softmax on S in registers
+// (the accumulator layout of a warp's 16 rows is exactly the m16n8 one: the helpers above serve
+// unchanged), and issues O += P V as four m64n128k16 with P from registers and V from shared
+// memory. It does not wait for P V: that product runs while the next tile's barrier and S are
+// issued. K/V tiles stream through WG_STAGES shared-memory stages with cp.async (all 256 threads),
+// one barrier per tile.
+//
+// Shared-memory tiles use wgmma's unswizzled layout: an R-row tile (rows = tokens) of D columns is
+// stored as D/8 column blocks of R 16-byte rows, chunk (row r, columns 8j..8j+7) at byte
+// (j*R + r)*16. Every 8 rows x 16 bytes (a "core matrix") is then contiguous; the stride between
+// core matrices along the rows is 128 bytes, along the columns R*16 bytes. A warp copies 8 rows x
+// 4 column blocks per step, which covers each bank once per column block (no conflicts).
+
+#define WG_THREADS 256
+#define WG_BQ 128
+#define WG_BK 64
+#define WG_STAGES 4
+// Tiles copied ahead of the one computed: two stages stay for the tile in use and the one whose
+// P V may still be in flight.
+#define WG_AHEAD (WG_STAGES - 2)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// The 64-bit wgmma shared-memory matrix descriptor for the 128-byte swizzle: start address,
+// "leading" and "stride" byte offsets (16-byte units), layout type 1 (128B swizzle) in bits 62-63.
+// With this swizzle, K-major operands ignore the leading offset and step 1024 bytes (8 rows) with
+// the stride; MN-major ones step between 64-element atoms with the leading offset and between
+// 8-row groups along K with the stride.
+__device__ __forceinline__ u64 wgmma_desc_sw128(u32 addr, u32 lead_bytes, u32 stride_bytes) {
+    return (u64)((addr & 0x3ffffu) >> 4) | ((u64)((lead_bytes >> 4) & 0x3fffu) << 16) |
+           ((u64)((stride_bytes >> 4) & 0x3fffu) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Makes shared-memory writes of this thread (cp.async included) visible to the async proxy that
+// wgmma reads through; precedes the barrier that publishes them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Named barrier 1 over the block's 256 threads: one warpgroup arrives, the other waits (orders
+// the two warpgroups' S products on the tensor cores).
+__device__ __forceinline__ void wg_bar_arrive() { asm volatile("bar.arrive 1, %0;\n" ::"n"(WG_THREADS) : "memory"); }
+__device__ __forceinline__ void wg_bar_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(WG_THREADS) : "memory"); }
+
+// Keeps registers that an in-flight wgmma reads or writes where they are: the compiler sees them
+// read and rewritten here, so it can neither reuse them early nor move them across this point.
+template <int N, int E>
+__device__ __forceinline__ void keep_regs(float (&r)[N][E]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < E; ++e) asm volatile("" : "+f"(r[i][e])::"memory");
+}
+template <int N, int E>
+__device__ __forceinline__ void keep_regs(u32 (&r)[N][E]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < E; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+// d[64 x 64] (= or +=) A[64 x 16] · B[16 x 64]: A from registers (each warp's 16 rows as the
+// m16n8k16 A fragment), B K-major in shared memory. BF16 in, f32 accumulators; scale_d 0
+// overwrites d. Asynchronous like wgmma_m64n128k16_rs_t.
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const u32 (&a)[4], u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)
+        : "memory");
+}
+
+// d[64 x 128] += A[64 x 16] · B[16 x 128]: A from registers (each warp's 16 rows as the m16n8k16 A
+// fragment), B in shared memory with N contiguous (transposed: imm-trans-b = 1). BF16 in, f32
+// accumulators. Issued asynchronously for the whole warpgroup (every thread of it must call it); the
+// result is there after wgmma_wait, and `a` must stay live until then.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_t(float (&d)[16][4], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+        : "memory");
+}
+
+// One part (DPAD columns, a multiple of 32; 0 = no part) of an R-row token tile copied at column
+// block j0 (8 columns a block), in 16-byte cp.async chunks: warp w copies units w, w + 8, ... of
+// 8 rows x 4 column blocks. Tokens >= tok_end and columns >= dim are zero-filled. Layouts:
+//   SW128 false (unswizzled, read by ldmatrix): block j of row r at byte (j*R + r)*16.
+//   SW128 true (wgmma's 128-byte swizzle): 64-column atoms of R rows x 128 bytes, block j of row r
+//     at (j/8)*R*128 + r*128 + ((j%8) ^ (r%8))*16; the tile must start 1024-byte aligned.
+// Either way a unit's 32 chunks cover each bank once per column block (no conflicts).
+template <int R, int DPAD, bool SW128>
+__device__ __forceinline__ void wg_copy_part(u32 tile, int j0, const bf16_t* __restrict__ p, long long ts,
+                                             long long hoff, int dim, int tok0, int tok_end) {
+    if constexpr (DPAD > 0) {
+        static_assert(DPAD % 32 == 0 && R % 8 == 0, "whole 8-row x 4-block units");
+        constexpr int ROW_UNITS = R / 8, UNITS = ROW_UNITS * (DPAD / 32);
+        static_assert(UNITS % (WG_THREADS / 32) == 0, "the same number of units per warp");
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+        for (int i = 0; i < UNITS / (WG_THREADS / 32); ++i) {
+            const int u = warp + i * (WG_THREADS / 32);
+            const int row = (u % ROW_UNITS) * 8 + (lane & 7);
+            const int j = (u / ROW_UNITS) * 4 + (lane >> 3);
+            const int tok = tok0 + row;
+            const bool ok = tok < tok_end && j * 8 < dim;
+            const bf16_t* src = ok ? p + (long long)tok * ts + hoff + j * 8 : p;
+            const int jb = j0 + j;
+            const u32 off = SW128 ? (u32)((jb >> 3) * R * 128 + row * 128 + (((jb & 7) ^ (row & 7)) << 4))
+                                  : (u32)((jb * R + row) * 16);
+            cp_async16_at(tile + off, src, ok ? 16 : 0);
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// Shared memory (bytes): up to 1023 bytes to align, Q [128 rows][A+B] unswizzled, then WG_STAGES x
+// (K [64][A+B], V [64][V]) in the 128-byte swizzle, BF16. Grid: (heads, query tiles), heaviest
+// query tiles first.
+template <int DA, int DB, int DV>
+__device__ __forceinline__ void flash_prefill_wgmma(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
+                                                    const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
+                                                    const bf16_t* __restrict__ v, float* __restrict__ out, int n_q,
+                                                    int n_kv, int q_start, int group, float scale, int da, int db,
+                                                    int dv, long long qa_ts, long long qa_hs, long long qb_ts,
+                                                    long long qb_hs, long long ka_ts, long long ka_hs,
+                                                    long long kb_ts, long long kb_hs, long long v_ts, long long v_hs,
+                                                    long long o_ts, long long o_hs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int QK = DA + DB, QK_STEPS = QK / 16, V_TILES = DV / 8;
+    static_assert(DV == 128, "P V is one m64n128 product per 16 keys (smaller v dims are zero-filled)");
+    static_assert(WG_BK == 64, "S is one m64n64 product per 16 dims");
+    static_assert(QK % 64 == 0, "K rows are whole 64-column swizzle atoms");
+    constexpr u32 Q_BYTES = WG_BQ * QK * 2, K_BYTES = WG_BK * QK * 2, STAGE_BYTES = K_BYTES + WG_BK * DV * 2;
+    static_assert(Q_BYTES % 1024 == 0 && K_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "swizzle atoms aligned");
+    extern __shared__ __align__(128) unsigned char wg_smem[];
+    const u32 sq = (smem_addr(wg_smem) + 1023u) & ~1023u;
+    const u32 sk0 = sq + Q_BYTES;
+
+    const int h = blockIdx.x;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * WG_BQ;
+    const int g = h / group;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wg = warp >> 2;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int g0 = q0 + wg * 64;          // this warpgroup's first query
+    const int w0 = g0 + (warp & 3) * 16;  // this warp's first query
+
+    const int q_last = min(q0 + WG_BQ, n_q) - 1;
+    const int key_end = min(q_start + q_last + 1, n_kv);
+    const int n_tiles = (key_end + WG_BK - 1) / WG_BK;
+
+    const long long qa_h = (long long)h * qa_hs, qb_h = (long long)h * qb_hs;
+    const long long ka_h = (long long)g * ka_hs, kb_h = (long long)g * kb_hs, v_h = (long long)g * v_hs;
+    auto stage_tile = [&](int t) {
+        const u32 base = sk0 + (u32)(t % WG_STAGES) * STAGE_BYTES;
+        const int kb0 = t * WG_BK;
+        wg_copy_part<WG_BK, DA, true>(base, 0, k_a, ka_ts, ka_h, da, kb0, n_kv);
+        wg_copy_part<WG_BK, DB, true>(base, DA / 8, k_b, kb_ts, kb_h, db, kb0, n_kv);
+        wg_copy_part<WG_BK, DV, true>(base + K_BYTES, 0, v, v_ts, v_h, dv, kb0, n_kv);
+    };
+
+    // Groups: Q with key tile 0, then tiles 1 .. WG_AHEAD-1 (maybe empty).
+    wg_copy_part<WG_BQ, DA, false>(sq, 0, q_a, qa_ts, qa_h, da, q0, n_q);
+    wg_copy_part<WG_BQ, DB, false>(sq, DA / 8, q_b, qb_ts, qb_h, db, q0, n_q);
+    stage_tile(0);
+    cp_async_commit();
+#pragma unroll
+    for (int t = 1; t < WG_AHEAD; ++t) {
+        if (t < n_tiles) stage_tile(t);
+        cp_async_commit();
+    }
+
+    // Q fragments of this warp's 16 rows, once: the A operand of every S product.
+    u32 qf[QK_STEPS][4];
+    cp_async_wait<WG_AHEAD - 1>();
+    __syncthreads();
+    {
+        const int row = wg * 64 + (warp & 3) * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk)
+            ldmatrix_x4(qf[kk], sq + (u32)(((2 * kk + (lane >> 4)) * WG_BQ + row) * 16));
+    }
+
+    float o[V_TILES][4];
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float s[8][4];
+    u32 pa[4][4];
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const float scale_log2 = scale * LOG2E;
+    const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;
+    // The warpgroup's last visible key (wgmma is collective: skip decisions are per warpgroup).
+    const int group_lim = g0 < n_q ? q_start + g0 + 63 : -1;
+
+    // Tile t has landed for this thread's copies; the fence and the barrier publish it to the
+    // async proxy and every thread. Past the barrier every warpgroup has waited for its products
+    // of tile t - 2 and older (P V of tile t - 1 may still run), so tile t + WG_AHEAD takes tile
+    // t - 2's stage.
+    auto next_tile = [&](int t) {
+        cp_async_wait<WG_AHEAD - 1>();
+        fence_proxy_async();
+        __syncthreads();
+        if (t + WG_AHEAD < n_tiles) stage_tile(t + WG_AHEAD);
+        cp_async_commit();
+    };
+    // Tiles this warpgroup computes: those up to its last row's diagonal. The loop has no path
+    // around its products, so the accumulators never need copying while a product is in flight.
+    const int my_tiles = min(n_tiles, (group_lim + WG_BK) / WG_BK);
+    int t = 0;
+    for (; t < my_tiles; ++t) {
+        next_tile(t);
+        const int kb = t * WG_BK;
+        const u32 ks = sk0 + (u32)(t % WG_STAGES) * STAGE_BYTES;
+        const u32 vs = ks + K_BYTES;
+
+        // Warpgroup 1 issues its S after warpgroup 0's, so the tensor cores finish warpgroup 0's
+        // first and its softmax overlaps warpgroup 1's product (and the other way round for P V).
+        // Every tile, warpgroup 0 arrives once and warpgroup 1 waits once, computing or not.
+        if (wg == 1) wg_bar_sync();
+        // S: K's dims in 64-column atoms of WG_BK rows x 128 bytes, 32 bytes per 16 dims.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < QK_STEPS; ++kk)
+            wgmma_m64n64k16_rs(s, qf[kk], wgmma_desc_sw128(ks + (u32)((kk >> 2) * WG_BK * 128 + (kk & 3) * 32), 16, 1024),
+                               kk > 0);
+        wgmma_commit();
+        if (wg == 0) wg_bar_arrive();
+        wgmma_wait<0>();  // S of this tile, and the previous tile's O += P V
+        keep_regs(s);
+        keep_regs(o);
+        keep_regs(pa);
+
+        if (kb + WG_BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+        softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2) {
+            pa[k2][0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
+            pa[k2][1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
+            pa[k2][2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+            pa[k2][3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+        }
+        // V [64 keys][128 dims], N-major: two 64-dim atoms WG_BK*128 bytes apart (leading), 8-key
+        // groups 1024 bytes apart (stride); 16 keys = 2048 bytes a step.
+        wgmma_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2)
+            wgmma_m64n128k16_rs_t(o, pa[k2], wgmma_desc_sw128(vs + (u32)(k2 * 2048), WG_BK * 128, 1024));
+        wgmma_commit();
+    }
+    wgmma_wait<0>();  // nothing may read a stage after this warpgroup stops waiting
+    keep_regs(o);
+    keep_regs(pa);
+    // The other warpgroup's remaining tiles: copies, barriers and the turn order only.
+    for (; t < n_tiles; ++t) {
+        next_tile(t);
+        if (wg == 1) wg_bar_sync();
+        if (wg == 0) wg_bar_arrive();
+    }
+    cp_async_wait<0>();
+
+    float inv0, inv1;
+    row_inverses(l0, l1, inv0, inv1);
+    const int i0 = w0 + gr, i1 = i0 + 8;
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) {
+        const int d = j * 8 + 2 * tq;
+        if (d < dv) {
+            if (i0 < n_q) st_global_f32x2(out + i0 * o_ts + h * o_hs + d, o[j][0] * inv0, o[j][1] * inv0);
+            if (i1 < n_q) st_global_f32x2(out + i1 * o_ts + h * o_hs + d, o[j][2] * inv1, o[j][3] * inv1);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+#define FLASH_WGMMA_ENTRY(DA, DB, DV)                                                                              \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_prefill_wgmma_##DA##_##DB##_##DV(            \
+        const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b, const bf16_t* __restrict__ k_a,           \
+        const bf16_t* __restrict__ k_b, const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int n_kv, \
+        int q_start, int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs,            \
+        long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,     \
+        long long v_ts, long long v_hs, long long o_ts, long long o_hs) {                                         \
+        flash_prefill_wgmma<DA, DB, DV>(q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv,  \
+                                        qa_ts, qa_hs, qb_ts, qb_hs, ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts,  \
+                                        o_hs);                                                                     \
+    }
+
+FLASH_WGMMA_ENTRY(128, 64, 128)
+FLASH_WGMMA_ENTRY(128, 0, 128)

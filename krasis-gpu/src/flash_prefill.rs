@@ -31,6 +31,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{KernelSource, HEADERS};
+use crate::nvrtc::Target;
 use crate::{GpuDevice, GpuError};
 
 pub const FLASH_PREFILL: KernelSource = KernelSource {
@@ -43,6 +44,8 @@ pub const FLASH_PREFILL: KernelSource = KernelSource {
         "flash_prefill_mma",
         "flash_prefill_fixed_128_64_128",
         "flash_prefill_fixed_128_0_128",
+        "flash_prefill_wgmma_128_64_128",
+        "flash_prefill_wgmma_128_0_128",
     ],
 };
 
@@ -51,8 +54,21 @@ pub const FLASH_PREFILL: KernelSource = KernelSource {
 pub const FIXED_SHAPES: [(usize, usize, usize); 2] = [(128, 64, 128), (128, 0, 128)];
 /// The kernel of each [`FIXED_SHAPES`] entry.
 const FIXED_FUNCTIONS: [&str; 2] = ["flash_prefill_fixed_128_64_128", "flash_prefill_fixed_128_0_128"];
+/// The wgmma kernel of each [`FIXED_SHAPES`] entry (same shapes, `v` = 128 only).
+const WGMMA_FUNCTIONS: [&str; 2] = ["flash_prefill_wgmma_128_64_128", "flash_prefill_wgmma_128_0_128"];
+/// Query rows per wgmma block (2 warpgroups × 64 rows; mirrors `WG_BQ`).
+const WGMMA_BQ: usize = 128;
+/// Keys per wgmma tile (mirrors `WG_BK`).
+const WGMMA_BK: usize = 64;
+/// Threads per wgmma block (mirrors `WG_THREADS`).
+const WGMMA_THREADS: u32 = 256;
+/// K/V stages of the wgmma kernel (mirrors `WG_STAGES`): two ahead, one in use, one for the P·V
+/// product still in flight.
+const WGMMA_STAGES: usize = 4;
 /// Query rows per fixed-dims block (8 warps × 16 rows; mirrors `FIX_BQ`).
 const FIXED_BQ: usize = 128;
+// The two kernels share the launch grid.
+const _: () = assert!(WGMMA_BQ == FIXED_BQ);
 /// Threads per fixed-dims block (mirrors `FIX_THREADS`).
 const FIXED_THREADS: u32 = 256;
 /// K/V stages in flight (mirrors `FIX_STAGES`): three let one barrier per tile order the reuse.
@@ -161,6 +177,31 @@ pub struct FlashPrefillArgs {
     pub out: HeadsLayout,
 }
 
+/// Dynamic shared memory of the wgmma kernel for entry `(fa, fb, fv)`: 1 KiB to align the
+/// swizzled tiles, Q `[128][fa+fb]` and [`WGMMA_STAGES`] × (K `[64][fa+fb]` + V `[64][fv]`), BF16,
+/// unpadded.
+fn wgmma_smem_bytes((fa, fb, fv): (usize, usize, usize)) -> usize {
+    1024 + (WGMMA_BQ * (fa + fb) + WGMMA_STAGES * WGMMA_BK * (fa + fb + fv)) * 2
+}
+
+/// Why the wgmma kernel cannot run `a` (buffers assumed aligned) with kernels built for `target`;
+/// `None` when it can: the fixed-dims kernel's rules (smaller dims zero-filled to an entry) and
+/// SASS for sm_90 with its architecture-specific features.
+fn wgmma_unsupported(a: &FlashPrefillArgs, target: Target, smem_optin: usize) -> Option<String> {
+    if !target.arch_specific() {
+        return Some(format!("kernels are built for {target}, wgmma needs sm_90a"));
+    }
+    if let Some(why) = fixed_unsupported(a, target.arch, smem_optin) {
+        return Some(why);
+    }
+    let shape = fixed_shape(a).ok()?;
+    if wgmma_smem_bytes(shape) > smem_optin {
+        Some(format!("needs {} bytes of shared memory, the device allows {smem_optin}", wgmma_smem_bytes(shape)))
+    } else {
+        None
+    }
+}
+
 /// Which prefill kernel runs (ordered slowest first).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum FlashKernel {
@@ -170,6 +211,8 @@ pub enum FlashKernel {
     Mma,
     /// BF16 tensor cores with the head dims fixed at compile time ([`FIXED_SHAPES`]).
     MmaFixed,
+    /// The fixed-dims mathematics on Hopper's warpgroup MMAs (`wgmma`, sm_90a).
+    Wgmma,
 }
 
 impl std::fmt::Display for FlashKernel {
@@ -178,6 +221,7 @@ impl std::fmt::Display for FlashKernel {
             FlashKernel::Simt => "simt",
             FlashKernel::Mma => "mma-bf16",
             FlashKernel::MmaFixed => "mma-bf16-fixed",
+            FlashKernel::Wgmma => "wgmma-bf16",
         })
     }
 }
@@ -281,7 +325,8 @@ fn kernel_cap_from_env() -> FlashKernel {
     *CAP.get_or_init(|| match std::env::var("KRASIS_FLASH_KERNEL").as_deref() {
         Ok("simt") => FlashKernel::Simt,
         Ok("mma") => FlashKernel::Mma,
-        _ => FlashKernel::MmaFixed,
+        Ok("fixed") => FlashKernel::MmaFixed,
+        _ => FlashKernel::Wgmma,
     })
 }
 
@@ -436,7 +481,9 @@ impl GpuDevice {
     pub fn flash_prefill_kernel(&self, args: &FlashPrefillArgs) -> Result<FlashKernel, GpuError> {
         let (optin, arch) = (self.smem_optin()?, self.info().arch());
         let cap = kernel_cap_from_env();
-        Ok(if cap >= FlashKernel::MmaFixed && fixed_unsupported(args, arch, optin).is_none() {
+        Ok(if cap >= FlashKernel::Wgmma && wgmma_unsupported(args, self.target(), optin).is_none() {
+            FlashKernel::Wgmma
+        } else if cap >= FlashKernel::MmaFixed && fixed_unsupported(args, arch, optin).is_none() {
             FlashKernel::MmaFixed
         } else if cap >= FlashKernel::Mma && mma_unsupported(args, arch, optin).is_none() {
             FlashKernel::Mma
@@ -463,7 +510,7 @@ impl GpuDevice {
     ) -> Result<(), GpuError> {
         validate_shapes(args, q_b.is_some(), k_b.is_some())?;
         let mut kernel = self.flash_prefill_kernel(args)?;
-        if kernel == FlashKernel::MmaFixed {
+        if kernel >= FlashKernel::MmaFixed {
             let s = self.stream();
             let ptr = |p: &dyn DevicePtr<u16>| p.device_ptr(s).0;
             let ptrs = [ptr(q_a), q_b.map_or(0, ptr), ptr(k_a), k_b.map_or(0, ptr), ptr(v), out.device_ptr_mut(s).0];
@@ -506,6 +553,11 @@ impl GpuDevice {
         if kernel == FlashKernel::MmaFixed {
             if let Some(why) = fixed_unsupported(a, self.info().arch(), self.smem_optin()?) {
                 return Err(GpuError::shape(OP, format!("the fixed-dims MMA kernel cannot run these shapes: {why}")));
+            }
+        }
+        if kernel == FlashKernel::Wgmma {
+            if let Some(why) = wgmma_unsupported(a, self.target(), self.smem_optin()?) {
+                return Err(GpuError::shape(OP, format!("the wgmma kernel cannot run these shapes: {why}")));
             }
         }
         if a.n_q == 0 {
@@ -570,7 +622,7 @@ impl GpuDevice {
                 // extent checked above, the shared memory against the opt-in limit.
                 unsafe { launch_tiles(s, &f, (grid, THREADS, mma_smem_bytes(a)), ptrs, a.scale, &sc, Some(vec_mask)) }?;
             }
-            FlashKernel::MmaFixed => {
+            FlashKernel::MmaFixed | FlashKernel::Wgmma => {
                 let misaligned = fixed_misaligned(a, [qa_p, qb_p, ka_p, kb_p, v_p, o_p], q_b.is_some());
                 if !misaligned.is_empty() {
                     return Err(GpuError::shape(
@@ -584,14 +636,18 @@ impl GpuDevice {
                 }
                 let shape = fixed_shape(a).map_err(|why| GpuError::shape(OP, why))?;
                 let entry = FIXED_SHAPES.iter().position(|&e| e == shape).expect("fixed_shape returns an entry");
-                let f = self.function(&FLASH_PREFILL, FIXED_FUNCTIONS[entry])?;
+                let (name, threads, smem) = if kernel == FlashKernel::Wgmma {
+                    (WGMMA_FUNCTIONS[entry], WGMMA_THREADS, wgmma_smem_bytes(shape))
+                } else {
+                    (FIXED_FUNCTIONS[entry], FIXED_THREADS, fixed_smem_bytes(shape))
+                };
+                let f = self.function(&FLASH_PREFILL, name)?;
+                // Both take 128-query blocks.
                 let grid = (a.heads as u32, a.n_q.div_ceil(FIXED_BQ) as u32, 1);
                 let ptrs = [qa_p, qb_p, ka_p, kb_p, v_p, o_p];
-                // SAFETY: the fixed-dims kernels take these arguments; every extent and alignment
-                // checked above, the shared memory against the opt-in limit.
-                unsafe {
-                    launch_tiles(s, &f, (grid, FIXED_THREADS, fixed_smem_bytes(shape)), ptrs, a.scale, &sc, None)
-                }?;
+                // SAFETY: the fixed-dims and wgmma kernels take these arguments; every extent and
+                // alignment checked above, the shared memory against the opt-in limit.
+                unsafe { launch_tiles(s, &f, (grid, threads, smem), ptrs, a.scale, &sc, None) }?;
             }
         }
         Ok(())
@@ -816,6 +872,34 @@ mod tests {
             assert_eq!(name, format!("flash_prefill_fixed_{fa}_{fb}_{fv}"));
             assert!(FLASH_PREFILL.functions.contains(&name), "{name}");
             assert!(FLASH_PREFILL.src.contains(&format!("FLASH_FIXED_ENTRY({fa}, {fb}, {fv})")), "{name}");
+        }
+    }
+
+    #[test]
+    fn wgmma_kernel_rule() {
+        let a = mla(8192);
+        // 1 KiB + Q [128][192] + 4 x (K [64][192] + V [64][128]), BF16.
+        assert_eq!(wgmma_smem_bytes((128, 64, 128)), 214_016);
+        let h100 = Target::sass(90);
+        assert_eq!(wgmma_unsupported(&a, h100, 227 * 1024), None);
+        assert!(wgmma_unsupported(&a, Target::sass(89), 227 * 1024).unwrap().contains("sm_90a"));
+        assert!(wgmma_unsupported(&a, Target::sass(90), 200 * 1024).unwrap().contains("shared memory"));
+        let mut g = a;
+        g.q_b = HeadsLayout::none();
+        g.k_b = HeadsLayout::none();
+        assert_eq!(wgmma_unsupported(&g, h100, 227 * 1024), None);
+        // The fixed kernel's rules hold (smaller dims are zero-filled).
+        (g.q_a.dim, g.v.dim) = (64, 32);
+        assert_eq!(wgmma_unsupported(&g, h100, 227 * 1024), None);
+        g.v.dim = 36;
+        assert!(wgmma_unsupported(&g, h100, 227 * 1024).unwrap().contains("multiples of 8"));
+        g.v.dim = 128;
+        g.scale = 0.0;
+        assert!(wgmma_unsupported(&g, h100, 227 * 1024).unwrap().contains("not positive"));
+        for (&(fa, fb, fv), name) in FIXED_SHAPES.iter().zip(WGMMA_FUNCTIONS) {
+            assert_eq!(name, format!("flash_prefill_wgmma_{fa}_{fb}_{fv}"));
+            assert!(FLASH_PREFILL.functions.contains(&name), "{name}");
+            assert!(FLASH_PREFILL.src.contains(&format!("FLASH_WGMMA_ENTRY({fa}, {fb}, {fv})")), "{name}");
         }
     }
 

@@ -55,6 +55,10 @@ pub enum ImageKind {
     Ptx,
 }
 
+/// The one architecture whose SASS is built with its architecture-specific features (`sm_90a`:
+/// Hopper's `wgmma`).
+pub const ARCH_SPECIFIC_SM: i32 = 90;
+
 /// A compilation target: `sm_XY` (cubin) or `compute_XY` (PTX).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Target {
@@ -69,12 +73,21 @@ impl Target {
         Target { arch, kind: ImageKind::Cubin }
     }
 
-    /// The `--gpu-architecture` value: `sm_90` or `compute_90`.
+    /// The `--gpu-architecture` value: `sm_XY` or `compute_XY`, and `sm_90a` for SASS on sm_90:
+    /// that image runs on sm_90 devices only (as every image of this kind does) and unlocks the
+    /// architecture-specific instructions (`wgmma`) that the flash prefill's fastest kernel uses.
     pub fn arch_flag(&self) -> String {
         match self.kind {
+            ImageKind::Cubin if self.arch_specific() => format!("sm_{}a", self.arch),
             ImageKind::Cubin => format!("sm_{}", self.arch),
             ImageKind::Ptx => format!("compute_{}", self.arch),
         }
+    }
+
+    /// Whether kernels are built with the architecture-specific features (`sm_90a`), so that code
+    /// under `__CUDA_ARCH_FEAT_SM90_ALL` exists.
+    pub fn arch_specific(&self) -> bool {
+        self.kind == ImageKind::Cubin && self.arch == ARCH_SPECIFIC_SM
     }
 
     /// The best target for a device of compute capability `arch` given the architectures this
@@ -310,6 +323,9 @@ mod tests {
         assert_eq!(Target::choose(70, &sup), None);
         assert_eq!(Target::choose(90, &[]), Some(Target::sass(90)));
         assert_eq!(Target::sass(89).arch_flag(), "sm_89");
+        assert_eq!(Target::sass(90).arch_flag(), "sm_90a");
+        assert!(Target::sass(90).arch_specific() && !Target::sass(89).arch_specific());
+        assert!(!Target { arch: 90, kind: ImageKind::Ptx }.arch_specific());
         assert_eq!(Target { arch: 90, kind: ImageKind::Ptx }.to_string(), "compute_90");
     }
 }

@@ -85,12 +85,12 @@ fn compile_error_carries_the_nvrtc_log() {
     let e = nv.compile("broken", src, HEADERS, Target::sass(90), COMPILE_OPTIONS).unwrap_err();
     match &e {
         GpuError::Compile { kernel, arch, log } => {
-            assert_eq!((kernel.as_str(), arch.as_str()), ("broken", "sm_90"));
+            assert_eq!((kernel.as_str(), arch.as_str()), ("broken", "sm_90a"));
             assert!(log.contains("undefined_name"), "log: {log}");
         }
         other => panic!("expected a compile error, got {other:?}"),
     }
-    assert!(e.to_string().starts_with("NVRTC failed to compile kernel `broken` for sm_90:\n"), "{e}");
+    assert!(e.to_string().starts_with("NVRTC failed to compile kernel `broken` for sm_90a:\n"), "{e}");
 }
 
 #[test]
