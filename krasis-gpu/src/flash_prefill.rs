@@ -5,6 +5,10 @@
 //!
 //! # Kernels and the rule that picks one ([`GpuDevice::flash_prefill_kernel`])
 //!
+//! - [`FlashKernel::Wgmma`]: the fixed-dims mathematics on Hopper's asynchronous warpgroup MMAs
+//!   (`wgmma`, built only when kernels target `sm_90a`): two warpgroups of 64 query rows per
+//!   128-query block taking the tensor cores in turn, K/V in wgmma's 128-byte swizzle through a
+//!   `cp.async` pipeline (tile sizes per shape in `WGMMA_TILES`). Same shapes, alignment and scale rules as `MmaFixed`.
 //! - [`FlashKernel::MmaFixed`]: the same mathematics as `Mma` with the head dims fixed at compile
 //!   time ([`FIXED_SHAPES`]: MLA 128+64 / 128, GQA 128 / 128; smaller multiples of 8 are
 //!   zero-filled): 128-query × 64-key tiles on 8 warps, a three-stage `cp.async` K/V pipeline with
@@ -17,14 +21,14 @@
 //! - [`FlashKernel::Simt`]: plain f32 CUDA cores, one warp per (query, head); slow, exact up to
 //!   f32 rounding; the correctness fallback.
 //!
-//! Rule: **MmaFixed** when `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a
+//! Rule: **Wgmma** when the kernels target `sm_90a` and MmaFixed could run; else **MmaFixed** when `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a
 //! multiple of 8, part b present iff the entry has one), its shared memory fits, and every buffer is aligned as above ([`GpuDevice::flash_prefill_kernel`]
 //! assumes aligned buffers, as allocations are; [`GpuDevice::flash_prefill`] checks the pointers
 //! and takes **Mma** when one is not). Otherwise **Mma** when the GPU is sm_80 or newer, the scale
 //! is positive (both MMA kernels fold it into the exp2), `pad16(dim_a) + pad16(dim_b) ≤ 256`, `pad16(dim_v) ≤ 128`, and the two K/V tile buffers fit
 //! the device's opt-in shared memory per block; otherwise **Simt**. (V2-Lite: 128+64 / 128 and
 //! Qwen3: 128 / 128 both take MmaFixed on sm_90.) Every part dim may be 1..=[`MAX_PART_DIM`]; the
-//! SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma` caps the choice (measurements
+//! SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma|fixed` caps the choice (measurements
 //! of the slower kernels inside a model; the kernel tests expect it unset).
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
@@ -58,13 +62,13 @@ const FIXED_FUNCTIONS: [&str; 2] = ["flash_prefill_fixed_128_64_128", "flash_pre
 const WGMMA_FUNCTIONS: [&str; 2] = ["flash_prefill_wgmma_128_64_128", "flash_prefill_wgmma_128_0_128"];
 /// Query rows per wgmma block (2 warpgroups × 64 rows; mirrors `WG_BQ`).
 const WGMMA_BQ: usize = 128;
-/// Keys per wgmma tile (mirrors `WG_BK`).
-const WGMMA_BK: usize = 64;
 /// Threads per wgmma block (mirrors `WG_THREADS`).
 const WGMMA_THREADS: u32 = 256;
-/// K/V stages of the wgmma kernel (mirrors `WG_STAGES`): two ahead, one in use, one for the P·V
-/// product still in flight.
-const WGMMA_STAGES: usize = 4;
+/// (keys per tile, K/V stages, Q in shared memory) of each [`FIXED_SHAPES`] entry's wgmma kernel (mirrors the
+/// `FLASH_WGMMA_ENTRY` lines): MLA 64-key tiles in 4 stages (128-key ones take 80 KiB a stage),
+/// GQA 128-key tiles in 3 with Q in shared memory (the wider S product runs nearer the tensor
+/// cores' peak).
+const WGMMA_TILES: [(usize, usize, bool); 2] = [(64, 4, false), (128, 3, true)];
 /// Query rows per fixed-dims block (8 warps × 16 rows; mirrors `FIX_BQ`).
 const FIXED_BQ: usize = 128;
 // The two kernels share the launch grid.
@@ -177,11 +181,13 @@ pub struct FlashPrefillArgs {
     pub out: HeadsLayout,
 }
 
-/// Dynamic shared memory of the wgmma kernel for entry `(fa, fb, fv)`: 1 KiB to align the
-/// swizzled tiles, Q `[128][fa+fb]` and [`WGMMA_STAGES`] × (K `[64][fa+fb]` + V `[64][fv]`), BF16,
-/// unpadded.
+/// Dynamic shared memory of the wgmma kernel for entry `(fa, fb, fv)` with `(bk, stages)` from
+/// [`WGMMA_TILES`]: 1 KiB to align the swizzled tiles, Q `[128][fa+fb]` and `stages` × (K
+/// `[bk][fa+fb]` + V `[bk][fv]`), BF16, unpadded.
 fn wgmma_smem_bytes((fa, fb, fv): (usize, usize, usize)) -> usize {
-    1024 + (WGMMA_BQ * (fa + fb) + WGMMA_STAGES * WGMMA_BK * (fa + fb + fv)) * 2
+    let entry = FIXED_SHAPES.iter().position(|&e| e == (fa, fb, fv)).expect("a FIXED_SHAPES entry");
+    let (bk, stages, _) = WGMMA_TILES[entry];
+    1024 + (WGMMA_BQ * (fa + fb) + stages * bk * (fa + fb + fv)) * 2
 }
 
 /// Why the wgmma kernel cannot run `a` (buffers assumed aligned) with kernels built for `target`;
@@ -880,6 +886,8 @@ mod tests {
         let a = mla(8192);
         // 1 KiB + Q [128][192] + 4 x (K [64][192] + V [64][128]), BF16.
         assert_eq!(wgmma_smem_bytes((128, 64, 128)), 214_016);
+        // 1 KiB + Q [128][128] + 3 x (K [128][128] + V [128][128]): fits H100's 227 KiB.
+        assert_eq!(wgmma_smem_bytes((128, 0, 128)), 230_400);
         let h100 = Target::sass(90);
         assert_eq!(wgmma_unsupported(&a, h100, 227 * 1024), None);
         assert!(wgmma_unsupported(&a, Target::sass(89), 227 * 1024).unwrap().contains("sm_90a"));
@@ -896,10 +904,11 @@ mod tests {
         g.v.dim = 128;
         g.scale = 0.0;
         assert!(wgmma_unsupported(&g, h100, 227 * 1024).unwrap().contains("not positive"));
-        for (&(fa, fb, fv), name) in FIXED_SHAPES.iter().zip(WGMMA_FUNCTIONS) {
+        for ((&(fa, fb, fv), name), (bk, stages, q_smem)) in FIXED_SHAPES.iter().zip(WGMMA_FUNCTIONS).zip(WGMMA_TILES) {
             assert_eq!(name, format!("flash_prefill_wgmma_{fa}_{fb}_{fv}"));
             assert!(FLASH_PREFILL.functions.contains(&name), "{name}");
-            assert!(FLASH_PREFILL.src.contains(&format!("FLASH_WGMMA_ENTRY({fa}, {fb}, {fv})")), "{name}");
+            let entry = format!("FLASH_WGMMA_ENTRY({fa}, {fb}, {fv}, {bk}, {stages}, {q_smem})");
+            assert!(FLASH_PREFILL.src.contains(&entry), "{entry}");
         }
     }
 

@@ -344,6 +344,9 @@ fn flash_prefill_matches_twin_on_ragged_shapes() {
         ("fixed small dims", (129, 64, 1), (2, 2), (8, 8, 8), 2.0),
         ("fixed sharp", (129, 0, 0), (2, 2), (64, 0, 32), 12.0),
         ("fixed one query late", (1, 300, 0), (2, 1), (128, 0, 128), 2.0),
+        // Three 128-key tiles of the wgmma GQA kernel in one query block, a late query over two.
+        ("gqa key tiles", (300, 0, 0), (2, 1), (128, 0, 128), 2.0),
+        ("gqa late query", (1, 200, 0), (2, 1), (128, 0, 128), 2.0),
     ];
     for (name, tq, hh, dims, gain) in cases {
         check_case(d, &contiguous_case(&mut r, name, tq, hh, dims, gain), None);
