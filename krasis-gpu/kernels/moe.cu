@@ -304,45 +304,68 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 //   - weights: each (64-row panel, 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8)
 //     copy, already in mma fragment order: at each k step a lane reads one 4-byte word per n8 tile
 //     pair (INT4) or tile (INT8) from shared memory and turns it into B fragments in registers
-//     (INT4: the nibble pair | 0x4300 is 128 + u in BF16, minus 136 is q exactly; INT8 through
-//     f32), times the (row, group) scale rounded to BF16; the product rounds to BF16 once, like a
-//     BF16 weight.
+//     (INT4: the nibble pair | 0x6400 is 1024 + u in FP16, minus 1032 is q exactly; INT8 the
+//     byte under 0x64, minus 1152), times the (row, group) f16 scale; the product rounds to FP16
+//     once.
 //   - scales: f16, per panel and group; each chunk stages the groups of its two 32-wide halves.
-//   - activations: one BF16 copy (x rounded; the intermediate rounded), one product per k step:
-//     the quantisation error dwarfs the BF16 rounding, so the f32-accurate split is not worth
-//     its second product here.
+//   - activations: one FP16 copy (x rounded; the intermediate rounded), one FP16 product per k
+//     step (as fast as BF16's, 8 times finer: see mul_f16x2), nearer the CPU's about
+//     f32-accurate experts.
 #define MOE_QPANEL 64  // rows of a panel (gpu_layout::PANEL_ROWS)
 #define MOE_QCHUNK 64  // k of a chunk (gpu_layout::CHUNK_K)
 static_assert(MOE_QCHUNK == MOE_KC, "the A staging of the tiles is shared");
 
-__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+// The quantised kernels compute in FP16 (11 significant bits against BF16's 8): the stored q
+// values and f16 scales are exact in it, each weight q·s rounds once to FP16, and x and the SwiGLU
+// intermediate round to FP16, so each rounding is at most 2^-11 relative where BF16 allowed
+// 2^-8. Magnitudes beyond FP16's 65504 saturate to ±65504 (NaN stays NaN); activations reaching
+// the experts are normalised hidden states and their SwiGLU products, far inside that range.
+typedef unsigned short f16_t;  // IEEE half bits
+
+__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
     u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
-#define BF16X2_ONE 0x3f803f80u
-#define BF16X2_NEG_ZERO 0x80008000u
-// f16 bits -> the nearest BF16, in both halves of a register.
-__device__ __forceinline__ u32 f16_to_bf16x2(u32 h) {
-    float f;
-    asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }\n" : "=f"(f) : "r"(h));
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %1;\n" : "=r"(r) : "f"(f));
+__device__ __forceinline__ u32 sub_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+// An f16 (bits) in both halves of a register.
+__device__ __forceinline__ u32 f16x2_dup(u32 h) { return h | (h << 16); }
+// f32 -> f16 bits, round to nearest even; beyond ±65504 saturates, NaN stays NaN.
+__device__ __forceinline__ f16_t f32_to_f16_sat(float x) {
+    if (fabsf(x) > 65504.0f) x = copysignf(65504.0f, x);
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
     return r;
 }
-// Nibbles s and s + 4 of an INT4 word (stored u = q + 8) as BF16x2 q values, exact.
+// d[16x8] += a[16x16] · b[16x8] in FP16 with f32 accumulators; fragments as mma_bf16's.
+__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Nibbles s and s + 4 of an INT4 word (stored u = q + 8) as FP16x2 q values, exact: u | 0x6400 is
+// 1024 + u, minus 1032.
 __device__ __forceinline__ u32 int4_pair(u32 w, int s) {
-    const u32 r = ((w >> (4 * s)) & 0x000f000fu) | 0x43004300u;  // 128 + u in each half
-    return fma_bf16x2(r, BF16X2_ONE, 0xc308c308u);               // minus 136
+    return sub_f16x2(((w >> (4 * s)) & 0x000f000fu) | 0x64006400u, 0x64086408u);
 }
-// Bytes b, b + 1 of an INT8 word (stored u = q + 128) as BF16x2 q values (low half byte b), exact.
+// Bytes b, b + 1 of an INT8 word (stored u = q + 128) as FP16x2 q values (low half byte b), exact:
+// 0x64 above the byte is 1024 + u, minus 1152.
 __device__ __forceinline__ u32 int8_pair(u32 w, int b) {
-    const float lo = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7440 + b)) - 8388736.0f;  // 2^23 + 128
-    const float hi = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7441 + b)) - 8388736.0f;
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+    return sub_f16x2(__byte_perm(w, 0x64646464u, 0x4040 + b + ((b + 1) << 8)), 0x64806480u);
 }
+// x [tokens, k] f32 -> FP16 rows [tokens, ldo] (the quantised tiles' A), zero from k to ldo.
+// Launch: grid (tokens, ceil(ldo / 256)), 256 threads.
+extern "C" __global__ void moe_f16_rows(const float* __restrict__ x, int k, f16_t* __restrict__ out, int ldo) {
+    const long long t = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c < ldo) out[t * ldo + c] = c < k ? f32_to_f16_sat(x[t * k + c]) : (f16_t)0;
+}
+
 __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
@@ -352,9 +375,9 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 // One tile of one expert, quantised weights; PB panels of 64 rows per block, 2·PB warps, S
 // shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
 // G·blockIdx.y + i (i < G = PB / 2) of w13 (gate rows then up rows, each padded to whole panels);
-// act = silu(gate) * up to out[p, ldo] (BF16) for every column of the block's 64·G columns (zero
+// act = silu(gate) * up to out[p, ldo] (FP16) for every column of the block's 64·G columns (zero
 // past n_out). Else panels PB·blockIdx.y + i of w2 to ypair[p, n0 + i] (f32) for columns below
-// n_out. Panels past the matrix are zero-filled. A: BF16 rows a[p / a_div, lda] (lda = the padded
+// n_out. Panels past the matrix are zero-filled. A: FP16 rows a[p / a_div, lda] (lda = the padded
 // K = chunks · 64), staged once for all the block's columns.
 //
 // The warps split the block's output columns, not its pairs: warp w dequantises only its 4 n8
@@ -364,8 +387,8 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 template <bool GATED, int BITS, int PB, int S>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
-                                          int gs, int n_panels, int n_out, const bf16_t* __restrict__ a, int lda,
-                                          int a_div, float* __restrict__ ypair, bf16_t* __restrict__ out, int ldo,
+                                          int gs, int n_panels, int n_out, const f16_t* __restrict__ a, int lda,
+                                          int a_div, float* __restrict__ ypair, f16_t* __restrict__ out, int ldo,
                                           const int* __restrict__ sorted, const int* __restrict__ offsets,
                                           const int* __restrict__ tile_offsets, int n_experts) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
@@ -472,7 +495,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                 for (int j = 0; j < 4; ++j) {
                     const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                     const u32 h2 = lds32(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
-                    sb[j] = f16_to_bf16x2((h2 >> (16 * (t & 1))) & 0xffffu);
+                    sb[j] = f16x2_dup((h2 >> (16 * (t & 1))) & 0xffffu);
                 }
             }
 #pragma unroll
@@ -493,8 +516,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                         b[j][0] = int8_pair(word, 0);
                         b[j][1] = int8_pair(word, 2);
                     }
-                    b[j][0] = fma_bf16x2(b[j][0], sb[j], BF16X2_NEG_ZERO);
-                    b[j][1] = fma_bf16x2(b[j][1], sb[j], BF16X2_NEG_ZERO);
+                    b[j][0] = mul_f16x2(b[j][0], sb[j]);
+                    b[j][1] = mul_f16x2(b[j][1], sb[j]);
                 }
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
@@ -502,7 +525,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                     u32 fa[4];
                     ldmatrix_x4(fa, buf + a_at + m * 16 * ROW_BYTES + ks * 32);
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) mma_bf16(acc[m][j], fa, b[j][0], b[j][1]);
+                    for (int j = 0; j < 4; ++j) mma_f16(acc[m][j], fa, b[j][0], b[j][1]);
                 }
             }
         }
@@ -524,7 +547,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
                         const float gv = acc[m][j][2 * r + c], uv = acc[m][j + 2][2 * r + c];
-                        h[c] = f32_to_bf16(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+                        h[c] = f32_to_f16_sat(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
                     }
                     *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
                 }
@@ -542,7 +565,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     }
 }
 
-// act [n_pairs, inter_pad] (BF16) from x [tokens, ldx] (BF16) and w13 in the GPU tile layout
+// act [n_pairs, inter_pad] (FP16) from x [tokens, ldx] (FP16) and w13 in the GPU tile layout
 // (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
 // moe_q*_down: ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden,
 // K inter_pad).
@@ -550,7 +573,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 #define MOE_Q_ENTRIES(BITS, V, PB, S)                                                                               \
     extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_gate_up_v##V(                               \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
-        int chunks, int groups, int gs, int n_panels, int inter, const bf16_t* x, int ldx, int top_k, bf16_t* act, \
+        int chunks, int groups, int gs, int n_panels, int inter, const f16_t* x, int ldx, int top_k, f16_t* act, \
         int inter_pad, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {            \
         moe_qtile<true, BITS, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
                                      x, ldx, top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets,        \
@@ -558,7 +581,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_down_v##V(                                  \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
-        int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter_pad, float* ypair,  \
+        int chunks, int groups, int gs, int n_panels, int hidden, const f16_t* act, int inter_pad, float* ypair,  \
         const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {                           \
         moe_qtile<false, BITS, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
                                       act, inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets,    \
@@ -576,13 +599,13 @@ MOE_Q_ENTRIES(8, 1, 2, 2)
 // warps up) and takes its chunks c = w / NP, + W / NP, ..., the next chunk's words in flight while
 // it multiplies the current one. The products run on the tensor cores with the weights as the
 // A operand: the stored B fragments of n8 tiles 2j and 2j + 1 (rows 8t + g, k 2q.., 2q + 8..) are
-// exactly A's fragment of m16 tile j, dequantised as in moe_qtile (BF16 q times the BF16 scale,
-// rounded once); x rounded to BF16 is B with all 8 columns equal, so lane (g, q) ends with the
+// exactly A's fragment of m16 tile j, dequantised as in moe_qtile (FP16 q times the f16 scale,
+// rounded once); x rounded to FP16 is B with all 8 columns equal, so lane (g, q) ends with the
 // f32 sums of rows 16j + g and 16j + g + 8 (the other columns are the same sums; only one is
 // used). Same roundings as the tiles; only the f32 summation order differs. Row sums across
-// the warps of a panel in order. GATED writes act [pair, ldo] as BF16 (zero past n_out), for either
-// down path; else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or BF16 rows (act),
-// staged as BF16 in dynamic shared memory (chunks · 64 elements, zero past k). Launched as a
+// the warps of a panel in order. GATED writes act [pair, ldo] as FP16 (zero past n_out), for either
+// down path; else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or FP16 rows (act),
+// staged as FP16 in dynamic shared memory (chunks · 64 elements, zero past k). Launched as a
 // dependent launch: everything after KRASIS_GRID_WAIT.
 #define MOE_QDEC_GU_THREADS 512  // gate/up block, 16 warps (must match moe.rs): a V2-Lite layer's 6
                                  // pairs × 22 panels are one block per SM (~125 registers a thread)
@@ -592,8 +615,8 @@ template <bool GATED, int BITS, int THREADS>
 __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                          int gs, int n_panels, int n_out, const float* __restrict__ a_f32,
-                                         const bf16_t* __restrict__ a_bf16, int k, int lda, int a_div,
-                                         float* __restrict__ ypair, bf16_t* __restrict__ out, int ldo,
+                                         const f16_t* __restrict__ a_f16, int k, int lda, int a_div,
+                                         float* __restrict__ ypair, f16_t* __restrict__ out, int ldo,
                                          const int* __restrict__ ids, int n_experts) {
     constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
     constexpr int NP = GATED ? 2 : 1;                                  // panels per block
@@ -603,7 +626,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     constexpr int WORDS = 4 * J;    // per lane per chunk
     static_assert(WARPS % NP == 0, "whole warps per panel");
     extern __shared__ __align__(16) unsigned char moe_smem[];
-    bf16_t* xs = (bf16_t*)moe_smem;                             // [chunks · 64]
+    f16_t* xs = (f16_t*)moe_smem;                             // [chunks · 64]
     float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][64]
 
     KRASIS_GRID_WAIT();
@@ -628,7 +651,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 
     const long long arow = (long long)(pair / a_div) * lda;
     for (int j = tid; j < chunks * MOE_QCHUNK; j += THREADS)
-        xs[j] = j < k ? (GATED ? f32_to_bf16(a_f32[arow + j]) : a_bf16[arow + j]) : (bf16_t)0;
+        xs[j] = j < k ? (GATED ? f32_to_f16_sat(a_f32[arow + j]) : a_f16[arow + j]) : (f16_t)0;
     __syncthreads();
 
     float acc[4][4];
@@ -644,7 +667,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
             const u32 sw[4] = {raw.x, raw.y, raw.z, raw.w};
             u32 sb[8];
 #pragma unroll
-            for (int t = 0; t < 8; ++t) sb[t] = f16_to_bf16x2((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
+            for (int t = 0; t < 8; ++t) sb[t] = f16x2_dup((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
 #pragma unroll
             for (int k2 = 0; k2 < 2; ++k2) {
                 const int ks = half * 2 + k2;
@@ -667,11 +690,9 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                         hi0 = int8_pair(w1, 0);
                         hi1 = int8_pair(w1, 2);
                     }
-                    const u32 a[4] = {fma_bf16x2(lo0, sb[2 * j], BF16X2_NEG_ZERO),
-                                      fma_bf16x2(hi0, sb[2 * j + 1], BF16X2_NEG_ZERO),
-                                      fma_bf16x2(lo1, sb[2 * j], BF16X2_NEG_ZERO),
-                                      fma_bf16x2(hi1, sb[2 * j + 1], BF16X2_NEG_ZERO)};
-                    mma_bf16(acc[j], a, xa, xb);
+                    const u32 a[4] = {mul_f16x2(lo0, sb[2 * j]), mul_f16x2(hi0, sb[2 * j + 1]),
+                                      mul_f16x2(lo1, sb[2 * j]), mul_f16x2(hi1, sb[2 * j + 1])};
+                    mma_f16(acc[j], a, xa, xb);
                 }
             }
         }
@@ -702,26 +723,26 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     const int o = blockIdx.y * MOE_QPANEL + tid;
     if (GATED) {
         const float gv = r[0], uv = r[NP - 1];
-        out[(long long)pair * ldo + o] = f32_to_bf16(o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+        out[(long long)pair * ldo + o] = f32_to_f16_sat(o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
     } else if (o < n_out) {
         ypair[(long long)pair * ldo + o] = r[0];
     }
 }
 
-// Decode path, quantised: act [n_pairs, inter_pad] (BF16) from x [tokens, hidden] (f32);
+// Decode path, quantised: act [n_pairs, inter_pad] (FP16) from x [tokens, hidden] (f32);
 // grid (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid
 // (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 16 · 2 · 64 · 4 bytes.
 #define MOE_QDEC_ENTRIES(BITS)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
-        bf16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
+        f16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
         moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
                              nullptr, hidden, hidden, top_k, nullptr, act, inter_pad, ids, n_experts);            \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
-        int chunks, int groups, int gs, int n_panels, int hidden, const bf16_t* act, int inter, int inter_pad,    \
+        int chunks, int groups, int gs, int n_panels, int hidden, const f16_t* act, int inter, int inter_pad,    \
         float* ypair, const int* ids, int n_experts) {                                                            \
         moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,         \
                               nullptr, act, inter, inter_pad, 1, ypair, nullptr, hidden, ids, n_experts);         \

@@ -17,6 +17,14 @@
 //! the same combine. At t = 1 each selected expert's weights are still read once, now at close
 //! to streaming bandwidth rather than through shared-memory tiles.
 //!
+//! INT4 / INT8 experts (the GPU tile layout of [`krasis_quant::gpu_layout`]) multiply in FP16
+//! instead: the stored q values and f16 scales are exact in it, each dequantised weight and each
+//! activation rounds once to FP16 (2^-11 relative at most, against BF16's 2^-8), one product per
+//! k step at BF16's tensor-core speed, magnitudes beyond ±65504 saturating. It brings the GPU's
+//! experts nearer the CPU's (about f32-accurate, INT8 value + residual activations): on the
+//! oracle fixtures the logits of CPU against GPU experts moved from 1.9–6.3e-3 to 0.7–2.5e-3
+//! relative L2 (docs/BENCHMARKS.md).
+//!
 //! Ids outside `[0, n_experts)` never index the weights: such a pair is left out of the grouping
 //! and its token's output row is NaN (as the embedding gather does for bad token ids).
 
@@ -41,6 +49,7 @@ pub const MOE: KernelSource = KernelSource {
     functions: &[
         "moe_route",
         "moe_split_rows",
+        "moe_f16_rows",
         "moe_gate_up",
         "moe_down",
         "moe_combine",
@@ -128,7 +137,7 @@ const QTILE_VARIANTS: [QTileVariant; 2] = [
 const DEFAULT_QTILE_VARIANT: usize = 0;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`) of `threads` threads: the
-/// activation row as BF16 over `chunks` chunks of 64, and every warp's partial sums of a panel.
+/// activation row as FP16 over `chunks` chunks of 64, and every warp's partial sums of a panel.
 fn qdec_smem(chunks: usize, threads: u32) -> usize {
     chunks * gpu_layout::CHUNK_K * 2 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
 }
@@ -1042,6 +1051,7 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
+        let f16_rows = dev.function(&MOE, "moe_f16_rows")?;
         // Quantised experts: the layouts' kernel arguments and the tile and decode kernels, once
         // per call.
         let quant = match self.quant_layouts() {
@@ -1158,14 +1168,20 @@ impl GpuExperts {
                 continue;
             }
 
-            let mut b = s.launch_builder(&split);
-            b.arg(&x_t).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&ldw13);
+            // A of the tiles: x as BF16 halves (BF16 weights), or one FP16 copy (quantised).
+            let mut b = s.launch_builder(if quant.is_some() { &f16_rows } else { &split });
+            b.arg(&x_t).arg(&h_i).arg(&xs_hi);
+            if quant.is_none() {
+                b.arg(&xs_lo);
+            }
+            b.arg(&ldw13);
             let cfg = LaunchConfig {
                 grid_dim: (nt as u32, hp.div_ceil(SPLIT_THREADS as usize) as u32, 1),
                 block_dim: (SPLIT_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: x [nt, hidden]; xs_hi, xs_lo [nt, hidden_pad] each in the scratch.
+            // SAFETY: x [nt, hidden]; xs_hi (and xs_lo) [nt, hidden_pad] each in the scratch;
+            // both kernels take these arguments.
             unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
 
             let mut b = s.launch_builder(&route);
@@ -1183,7 +1199,7 @@ impl GpuExperts {
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
             if let Some((q, a13, a2, [q_gate_up, q_down], _)) = &quant {
-                // One BF16 copy of x (the split's high half) and of the intermediate.
+                // One FP16 copy of x (in xs_hi) and of the intermediate (in act_hi).
                 let v = self.qvariant;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),

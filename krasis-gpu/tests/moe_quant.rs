@@ -1,7 +1,8 @@
 //! `GpuExperts` with INT4 / INT8 weights in the GPU tile layout against a scalar f64 twin that
-//! makes the kernel's roundings on purpose: x and the SwiGLU intermediate rounded to BF16, each
-//! weight `q · bf16(scale)` rounded to BF16. What the twin cannot predict (f32 accumulation order,
-//! an intermediate landing on the other side of a BF16 rounding boundary) is bounded, not
+//! makes the kernel's roundings on purpose: x and the SwiGLU intermediate rounded to FP16, each
+//! weight `q · scale` (the f16 scale) rounded to FP16. What the twin cannot predict (f32
+//! accumulation order, an intermediate landing on the other side of an FP16 rounding boundary) is
+//! bounded, not
 //! estimated, so a dropped k chunk, a wrong scale group, a swapped nibble or a wrong panel is far
 //! outside. Cases: decode (t = 1), prefill, ragged shapes (rows and K not multiples of the 64-row
 //! panels or 64-k chunks, group sizes 32 / 64 / 128), the second down panel past the matrix,
@@ -29,13 +30,19 @@ struct Expert {
     down: QuantizedMatrix,
 }
 
-/// The weights as the kernel multiplies them: `bf16(q · bf16(scale))`, row-major.
+/// `x` rounded to the nearest FP16, as f32 (the twin's inputs stay far inside its range).
+fn f16_round(x: f32) -> f32 {
+    half::f16::from_f32(x).to_f32()
+}
+
+/// The weights as the kernel multiplies them: `f16(q · scale)` (the f16 scale, the product exact
+/// in f32), row-major.
 fn kernel_weights(m: &QuantizedMatrix) -> Vec<f64> {
     let mut out = Vec::with_capacity(m.rows * m.k);
     for r in 0..m.rows {
         for c in 0..m.k {
-            let s = bf16_round(m.scale(r, c / m.gs));
-            out.push(bf16_round(m.q[r * m.k + c] as f32 * s) as f64);
+            let s = m.scale(r, c / m.gs);
+            out.push(f16_round(m.q[r * m.k + c] as f32 * s) as f64);
         }
     }
     out
@@ -62,7 +69,7 @@ fn twin(
     // f32 accumulation over n terms: at most n·u·Σ|terms| (a hard bound, loose on purpose).
     let acc_bound = |n: usize, abs: f64| (n as f64 + 4.0) * U * abs;
     for tok in 0..t {
-        let xt: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| bf16_round(v) as f64).collect();
+        let xt: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| f16_round(v) as f64).collect();
         if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= experts.len()) {
             out[tok * hidden..(tok + 1) * hidden].fill(f32::NAN);
             continue;
@@ -78,10 +85,10 @@ fn twin(
                 let eg = acc_bound(hidden, gr.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
                 let eu = acc_bound(hidden, ur.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
                 let a = silu(g) * u;
-                act[i] = bf16_round(a as f32) as f64;
+                act[i] = f16_round(a as f32) as f64;
                 // The kernel's f32 value (within the accumulation bound, expf a few ulp) may round
-                // to the BF16 neighbour of the twin's: one BF16 step, 2^-8 relative, at most.
-                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 8.0 * U * a.abs() + a.abs() / 256.0;
+                // to the FP16 neighbour of the twin's: one FP16 step, 2^-10 relative, at most.
+                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 8.0 * U * a.abs() + a.abs() / 1024.0;
             }
             let mut y = vec![(0f64, 0f64); hidden];
             for h in 0..hidden {
