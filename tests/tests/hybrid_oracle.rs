@@ -222,13 +222,19 @@ fn check_split(name: &str) {
             .unwrap();
         run(&m).0
     };
+    let rel = krasis_tests::rel_l2(&cpu_only, &resident);
+    eprintln!("{name} CPU experts vs resident GPU experts: relative error {rel:.2e}");
     for share in [0.25, 0.5, 0.75] {
         let m = GpuModel::load_hybrid(&dir, &opts(StreamSplit::Share(share)), &cpu).unwrap();
         let (split, calls) = run(&m);
         assert_eq!(calls, moe_layers(&m), "{name} share {share}: the CPU serves every MoE layer of a split prefill");
         for (what, other) in [("resident GPU experts", &resident), ("CPU experts", &cpu_only)] {
             let f = fidelity(&split, other, vocab);
-            eprintln!("{name} split {share} vs {what}: mean cos {:.6}, top1 {:.2}", f.mean_cos, f.top1);
+            let rel = krasis_tests::rel_l2(&split, other);
+            eprintln!(
+                "{name} split {share} vs {what}: mean cos {:.6}, top1 {:.2}, relative error {rel:.2e}",
+                f.mean_cos, f.top1
+            );
             assert!(f.mean_cos >= 0.999 && f.top1 >= 0.9, "{name} split {share} vs {what}: {f:?}");
         }
     }
