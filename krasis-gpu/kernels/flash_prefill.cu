@@ -459,6 +459,18 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 
 // ------------------------------------------------------------------------------------------ fixed dims
 
+// The arguments of the fixed-dims and wgmma kernels, in the order flash_prefill.rs's
+// launch_tiles passes them: pointers, shapes, dims, then (token, head) strides in elements.
+#define FLASH_TILE_PARAMS                                                                                     \
+    const bf16_t *__restrict__ q_a, const bf16_t *__restrict__ q_b, const bf16_t *__restrict__ k_a,          \
+        const bf16_t *__restrict__ k_b, const bf16_t *__restrict__ v, float *__restrict__ out, int n_q,      \
+        int n_kv, int q_start, int group, float scale, int da, int db, int dv, long long qa_ts,              \
+        long long qa_hs, long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, \
+        long long kb_hs, long long v_ts, long long v_hs, long long o_ts, long long o_hs
+#define FLASH_TILE_ARGS                                                                                       \
+    q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv, qa_ts, qa_hs, qb_ts, qb_hs,    \
+        ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts, o_hs
+
 // 8 warps x 16 query rows per block; 64-key tiles; three K/V stages in flight.
 #define FIX_WARPS 8
 #define FIX_THREADS (FIX_WARPS * 32)
@@ -509,19 +521,31 @@ __device__ __forceinline__ void st_global_f32x2(float* p, float a, float b) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
+// O / l of rows i0 and i0 + 8 (this thread's columns 8j + 2tq, + 1 of each n-tile j) to the f32
+// output in 8-byte stores; rows past n_q and columns past dv (a multiple of 8, so d < dv implies
+// d + 1 < dv) are skipped.
+template <int V_TILES>
+__device__ __forceinline__ void store_rows(const float (&o)[V_TILES][4], float l0, float l1, float* __restrict__ out,
+                                           int i0, int n_q, int dv, int tq, int h, long long o_ts, long long o_hs) {
+    float inv0, inv1;
+    row_inverses(l0, l1, inv0, inv1);
+    const int i1 = i0 + 8;
+#pragma unroll
+    for (int j = 0; j < V_TILES; ++j) {
+        const int d = j * 8 + 2 * tq;
+        if (d < dv) {
+            if (i0 < n_q) st_global_f32x2(out + i0 * o_ts + h * o_hs + d, o[j][0] * inv0, o[j][1] * inv0);
+            if (i1 < n_q) st_global_f32x2(out + i1 * o_ts + h * o_hs + d, o[j][2] * inv1, o[j][3] * inv1);
+        }
+    }
+}
+
 #endif  // __CUDA_ARCH__ >= 800
 
 // Shared memory (bytes): Q [128][A+B+8], then FIX_STAGES x (K [64][A+B+8], V [64][V+8]), BF16.
 // Grid: (heads, query tiles); query tiles run heaviest (most keys) first across all heads.
 template <int DA, int DB, int DV>
-__device__ __forceinline__ void flash_prefill_fixed(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
-                                                    const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
-                                                    const bf16_t* __restrict__ v, float* __restrict__ out, int n_q,
-                                                    int n_kv, int q_start, int group, float scale, int da, int db,
-                                                    int dv, long long qa_ts, long long qa_hs, long long qb_ts,
-                                                    long long qb_hs, long long ka_ts, long long ka_hs,
-                                                    long long kb_ts, long long kb_hs, long long v_ts, long long v_hs,
-                                                    long long o_ts, long long o_hs) {
+__device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int QK = DA + DB, LDK = QK + MMA_ROW_PAD, LDV = DV + MMA_ROW_PAD;
     constexpr int QK_STEPS = QK / 16, V_TILES = DV / 8;
@@ -623,32 +647,16 @@ __device__ __forceinline__ void flash_prefill_fixed(const bf16_t* __restrict__ q
     }
     cp_async_wait<0>();
 
-    float inv0, inv1;
-    row_inverses(l0, l1, inv0, inv1);
-    const int i0 = w0 + gr, i1 = i0 + 8;
-#pragma unroll
-    for (int j = 0; j < V_TILES; ++j) {
-        const int d = j * 8 + 2 * tq;  // dv is a multiple of 8, so d < dv implies d + 1 < dv
-        if (d < dv) {
-            if (i0 < n_q) st_global_f32x2(out + i0 * o_ts + h * o_hs + d, o[j][0] * inv0, o[j][1] * inv0);
-            if (i1 < n_q) st_global_f32x2(out + i1 * o_ts + h * o_hs + d, o[j][2] * inv1, o[j][3] * inv1);
-        }
-    }
+    store_rows(o, l0, l1, out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
 #else
     __trap();
 #endif
 }
 
-#define FLASH_FIXED_ENTRY(DA, DB, DV)                                                                              \
-    extern "C" __global__ void __launch_bounds__(FIX_THREADS, 1) flash_prefill_fixed_##DA##_##DB##_##DV(          \
-        const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b, const bf16_t* __restrict__ k_a,           \
-        const bf16_t* __restrict__ k_b, const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int n_kv, \
-        int q_start, int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs,            \
-        long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,     \
-        long long v_ts, long long v_hs, long long o_ts, long long o_hs) {                                         \
-        flash_prefill_fixed<DA, DB, DV>(q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv,  \
-                                        qa_ts, qa_hs, qb_ts, qb_hs, ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts,  \
-                                        o_hs);                                                                     \
+#define FLASH_FIXED_ENTRY(DA, DB, DV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(FIX_THREADS, 1)                                             \
+        flash_prefill_fixed_##DA##_##DB##_##DV(FLASH_TILE_PARAMS) {                                          \
+        flash_prefill_fixed<DA, DB, DV>(FLASH_TILE_ARGS);                                                    \
     }
 
 // MLA as DeepSeek V2/V3 have it (nope 128 + rope 64, v 128) and GQA with 128-wide heads. The host
@@ -703,19 +711,40 @@ __device__ __forceinline__ void wgmma_wait() {
 // wgmma reads through; precedes the barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The accumulator operands of an m64nN product: N/2 f32 registers per thread (%0 ..), bound to
+// d[N/8][4] in order.
+#define WG_ACC32 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_ACC32_OUT(d) \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WG_ACC64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_ACC64_OUT(d) \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+    "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+    "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+    "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+    "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+    "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+    "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+    "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+
 // d[64 x N] (= or +=) A[64 x 16] · B[16 x N], N = 64 or 128, A and B K-major in shared memory.
 // Otherwise as wgmma_rs.
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], u64 desc_a, u64 desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        WG_ACC32
         "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : WG_ACC32_OUT(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d)
         : "memory");
 }
@@ -724,19 +753,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[16][4], u64 desc_
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        WG_ACC64
         "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : WG_ACC64_OUT(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d)
         : "memory");
 }
@@ -783,13 +802,9 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const u32 (
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        WG_ACC32
         "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : WG_ACC32_OUT(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
         : "memory");
 }
@@ -799,19 +814,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const u32
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        WG_ACC64
         "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : WG_ACC64_OUT(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B)
         : "memory");
 }
@@ -865,14 +870,7 @@ __device__ __forceinline__ void wg_copy_part(u32 tile, int j0, const bf16_t* __r
 // query tiles first. BK keys per tile (64 or 128: the N of S), STAGES K/V stages (STAGES - 2
 // copied ahead of the tile in use, one kept for the P V product still in flight).
 template <int DA, int DB, int DV, int BK, int STAGES, bool Q_SMEM>
-__device__ __forceinline__ void flash_prefill_wgmma(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
-                                                    const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
-                                                    const bf16_t* __restrict__ v, float* __restrict__ out, int n_q,
-                                                    int n_kv, int q_start, int group, float scale, int da, int db,
-                                                    int dv, long long qa_ts, long long qa_hs, long long qb_ts,
-                                                    long long qb_hs, long long ka_ts, long long ka_hs,
-                                                    long long kb_ts, long long kb_hs, long long v_ts, long long v_hs,
-                                                    long long o_ts, long long o_hs) {
+__device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int QK = DA + DB, QK_STEPS = QK / 16, V_TILES = DV / 8, KT = BK / 8, AHEAD = STAGES - 2;
     static_assert(DV == 128, "P V is one m64n128 product per 16 keys (smaller v dims are zero-filled)");
@@ -1036,32 +1034,16 @@ __device__ __forceinline__ void flash_prefill_wgmma(const bf16_t* __restrict__ q
     }
     cp_async_wait<0>();
 
-    float inv0, inv1;
-    row_inverses(l0, l1, inv0, inv1);
-    const int i0 = w0 + gr, i1 = i0 + 8;
-#pragma unroll
-    for (int j = 0; j < V_TILES; ++j) {
-        const int d = j * 8 + 2 * tq;
-        if (d < dv) {
-            if (i0 < n_q) st_global_f32x2(out + i0 * o_ts + h * o_hs + d, o[j][0] * inv0, o[j][1] * inv0);
-            if (i1 < n_q) st_global_f32x2(out + i1 * o_ts + h * o_hs + d, o[j][2] * inv1, o[j][3] * inv1);
-        }
-    }
+    store_rows(o, l0, l1, out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
 #else
     __trap();
 #endif
 }
 
-#define FLASH_WGMMA_ENTRY(DA, DB, DV, BK, STAGES, Q_SMEM)                                                          \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) flash_prefill_wgmma_##DA##_##DB##_##DV(            \
-        const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b, const bf16_t* __restrict__ k_a,           \
-        const bf16_t* __restrict__ k_b, const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int n_kv, \
-        int q_start, int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs,            \
-        long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,     \
-        long long v_ts, long long v_hs, long long o_ts, long long o_hs) {                                         \
-        flash_prefill_wgmma<DA, DB, DV, BK, STAGES, Q_SMEM>(q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv,  \
-                                        qa_ts, qa_hs, qb_ts, qb_hs, ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts,  \
-                                        o_hs);                                                                     \
+#define FLASH_WGMMA_ENTRY(DA, DB, DV, BK, STAGES, Q_SMEM)                                                    \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                              \
+        flash_prefill_wgmma_##DA##_##DB##_##DV(FLASH_TILE_PARAMS) {                                          \
+        flash_prefill_wgmma<DA, DB, DV, BK, STAGES, Q_SMEM>(FLASH_TILE_ARGS);                                \
     }
 
 // MLA: 64-key tiles in four stages (128-key ones would need 80 KiB a stage), Q in registers.
