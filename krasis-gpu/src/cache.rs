@@ -225,7 +225,7 @@ mod tests {
         const H2: &[Header] = &[Header { name: "h.cuh", src: "int b;" }];
         let k = KernelSource { name: "k", src: "x", headers: H1, options: &[], functions: &[] };
         let n = cache_file_name(&k, Target::sass(90), (12, 9));
-        assert!(n.starts_with("k-sm_90-nvrtc12.9-") && n.ends_with(".cubin"), "{n}");
+        assert!(n.starts_with("k-sm_90a-nvrtc12.9-") && n.ends_with(".cubin"), "{n}");
         assert_eq!(n, cache_file_name(&k, Target::sass(90), (12, 9)));
         assert_ne!(n, cache_file_name(&k, Target::sass(80), (12, 9)));
         assert_ne!(n, cache_file_name(&k, Target::sass(90), (13, 0)));
