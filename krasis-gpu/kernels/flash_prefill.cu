@@ -190,8 +190,9 @@ __device__ __forceinline__ float ex2_approx(float x) {
 }
 
 // The per-tile steps every MMA kernel shares. One warp holds a 16-row x 8·NT-key tile (64 keys
-// for the mma.sync kernels) of raw scores s[n][e] (n-tile n = keys 8n..8n+7; e 0/1: row gr, keys 2tq, 2tq+1; e 2/3: row gr+8), rows
-// gr / gr+8 of its O accumulator, and their running max m (scaled log2 domain) and partial sum l.
+// for the mma.sync kernels) of raw scores s[n][e] (n-tile n = keys 8n..8n+7; e 0/1: row gr, keys
+// 2tq, 2tq+1; e 2/3: row gr+8), rows gr / gr+8 of its O accumulator, and their running max m
+// (scaled log2 domain) and partial sum l.
 
 // Sets scores of keys past each row's last visible key (lim0 for row gr, lim1 for row gr+8) to
 // -inf; kb is the tile's first key.
@@ -215,12 +216,11 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int kb, int tq, int
 
 // Online softmax over one tile: s becomes p = 2^(s * scale_log2 - base) (one FFMA + ex2 each;
 // the scale is positive, so max(s) * scale = max(s * scale)), the base m (scaled log2 domain) and
-// the partial sums l are updated; when some row's base moves (the result is true), O must be
-// rescaled by alpha = 2^(m_old - m_new) (rescale_rows; alpha is 1 for rows that kept theirs). A
-// row with no visible key yet keeps base -inf and subtracts 0 (no NaN).
-template <int NT>
-__device__ __forceinline__ bool softmax_scores(float (&s)[NT][4], float& m0, float& m1, float& l0, float& l1,
-                                               float scale_log2, float& alpha0, float& alpha1) {
+// the partial sums l are updated, and O is rescaled by 2^(m_old - m_new) when a base moves. A row
+// with no visible key yet keeps base -inf and subtracts 0 (no NaN).
+template <int NT, int V_TILES>
+__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&o)[V_TILES][4], float& m0, float& m1,
+                                             float& l0, float& l1, float scale_log2) {
     float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
@@ -234,14 +234,20 @@ __device__ __forceinline__ bool softmax_scores(float (&s)[NT][4], float& m0, flo
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     const float mn0 = mx0 * scale_log2, mn1 = mx1 * scale_log2;
     const bool up0 = mn0 > m0 + RESCALE_SLACK, up1 = mn1 > m1 + RESCALE_SLACK;  // false for -inf
-    const bool moved = __any_sync(0xffffffffu, up0 || up1);
-    alpha0 = up0 ? ex2_approx(m0 - mn0) : 1.0f;  // 0 on a row's first max
-    alpha1 = up1 ? ex2_approx(m1 - mn1) : 1.0f;
-    if (moved) {
+    if (__any_sync(0xffffffffu, up0 || up1)) {
+        const float alpha0 = up0 ? ex2_approx(m0 - mn0) : 1.0f;  // 0 on a row's first max
+        const float alpha1 = up1 ? ex2_approx(m1 - mn1) : 1.0f;
         m0 = up0 ? mn0 : m0;
         m1 = up1 ? mn1 : m1;
         l0 *= alpha0;
         l1 *= alpha1;
+#pragma unroll
+        for (int j = 0; j < V_TILES; ++j) {
+            o[j][0] *= alpha0;
+            o[j][1] *= alpha0;
+            o[j][2] *= alpha1;
+            o[j][3] *= alpha1;
+        }
     }
     const float base0 = m0 == NEG_INF ? 0.0f : m0, base1 = m1 == NEG_INF ? 0.0f : m1;
     float rs0 = 0.0f, rs1 = 0.0f;
@@ -256,27 +262,16 @@ __device__ __forceinline__ bool softmax_scores(float (&s)[NT][4], float& m0, flo
     }
     l0 += rs0;
     l1 += rs1;
-    return moved;
 }
 
-// O's rows gr and gr+8 times alpha0 and alpha1 (a base moved in softmax_scores).
-template <int V_TILES>
-__device__ __forceinline__ void rescale_rows(float (&o)[V_TILES][4], float alpha0, float alpha1) {
-#pragma unroll
-    for (int j = 0; j < V_TILES; ++j) {
-        o[j][0] *= alpha0;
-        o[j][1] *= alpha0;
-        o[j][2] *= alpha1;
-        o[j][3] *= alpha1;
-    }
-}
-
-// Both halves at once, for kernels whose O is not being written meanwhile.
-template <int NT, int V_TILES>
-__device__ __forceinline__ void softmax_tile(float (&s)[NT][4], float (&o)[V_TILES][4], float& m0, float& m1,
-                                             float& l0, float& l1, float scale_log2) {
-    float alpha0, alpha1;
-    if (softmax_scores(s, m0, m1, l0, l1, scale_log2, alpha0, alpha1)) rescale_rows(o, alpha0, alpha1);
+// P of keys 16·k2 .. 16·k2 + 15 (n-tiles 2·k2, 2·k2 + 1 of the probabilities in s) rounded to
+// BF16: exactly the A fragment of the P·V product's k step k2 (m16n8k16 and wgmma alike).
+template <int NT>
+__device__ __forceinline__ void p_fragment(const float (&s)[NT][4], int k2, u32 (&pa)[4]) {
+    pa[0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
+    pa[1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
+    pa[2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
+    pa[3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
 }
 
 // 1 / the row sums of rows gr and gr+8, from this thread's partial sums (summed over the quad).
@@ -299,10 +294,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[V_TILES][4], const float (&s)
 #pragma unroll
     for (int k2 = 0; k2 < 4; ++k2) {
         u32 pa[4];
-        pa[0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
-        pa[1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
-        pa[2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
-        pa[3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
+        p_fragment(s, k2, pa);
 #pragma unroll
         for (int j = 0; j < V_TILES / 2; ++j) {
             if (2 * j < v_tiles) {
@@ -682,8 +674,9 @@ FLASH_FIXED_ENTRY(128, 0, 128)
 // copy accumulators while a product is in flight, which serialises every wgmma).
 //
 // Q is staged unswizzled (column block j of row r at byte (j*R + r)*16, read once by ldmatrix)
-// or, Q_SMEM, in the swizzle; K and V use wgmma's 128-byte swizzle (64-column atoms, rows of 128 bytes with the 16-byte chunk
-// index XORed by the row's low three bits), which the tensor cores read without bank conflicts.
+// or, Q_SMEM, in the swizzle; K and V use wgmma's 128-byte swizzle (64-column atoms, rows of 128
+// bytes with the 16-byte chunk index XORed by the row's low three bits), which the tensor cores
+// read without bank conflicts.
 
 #define WG_THREADS 256
 #define WG_BQ 128
@@ -986,18 +979,13 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
             wgmma_rs<1>(o, pa[k2], wgmma_desc_sw128(vs + (u32)(k2 * 2048), BK * 128, 1024), 1);
     };
     // Tile t's scores (landed in s) to P in pa: mask, online softmax (O rescaled: no product
-    // writes it now), pack to BF16.
+    // writes it now), P's fragments in BF16.
     auto scores_to_p = [&](int t) {
         const int kb = t * BK;
         if (kb + BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
         softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
 #pragma unroll
-        for (int k2 = 0; k2 < KT / 2; ++k2) {
-            pa[k2][0] = pack_bf16x2(s[2 * k2][0], s[2 * k2][1]);
-            pa[k2][1] = pack_bf16x2(s[2 * k2][2], s[2 * k2][3]);
-            pa[k2][2] = pack_bf16x2(s[2 * k2 + 1][0], s[2 * k2 + 1][1]);
-            pa[k2][3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
-        }
+        for (int k2 = 0; k2 < KT / 2; ++k2) p_fragment(s, k2, pa[k2]);
     };
 
     // Per tile: S issued and waited for (which also retires the previous tile's P V), softmax,

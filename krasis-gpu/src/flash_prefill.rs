@@ -8,7 +8,8 @@
 //! - [`FlashKernel::Wgmma`]: the fixed-dims mathematics on Hopper's asynchronous warpgroup MMAs
 //!   (`wgmma`, built only when kernels target `sm_90a`): two warpgroups of 64 query rows per
 //!   128-query block taking the tensor cores in turn, K/V in wgmma's 128-byte swizzle through a
-//!   `cp.async` pipeline (tile sizes per shape in `WGMMA_TILES`). Same shapes, alignment and scale rules as `MmaFixed`.
+//!   `cp.async` pipeline (tile sizes per shape in `WGMMA_TILES`). Same shapes, alignment and
+//!   scale rules as `MmaFixed`.
 //! - [`FlashKernel::MmaFixed`]: the same mathematics as `Mma` with the head dims fixed at compile
 //!   time ([`FIXED_SHAPES`]: MLA 128+64 / 128, GQA 128 / 128; smaller multiples of 8 are
 //!   zero-filled): 128-query × 64-key tiles on 8 warps, a three-stage `cp.async` K/V pipeline with
@@ -21,15 +22,18 @@
 //! - [`FlashKernel::Simt`]: plain f32 CUDA cores, one warp per (query, head); slow, exact up to
 //!   f32 rounding; the correctness fallback.
 //!
-//! Rule: **Wgmma** when the kernels target `sm_90a` and MmaFixed could run; else **MmaFixed** when `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a
-//! multiple of 8, part b present iff the entry has one), its shared memory fits, and every buffer is aligned as above ([`GpuDevice::flash_prefill_kernel`]
-//! assumes aligned buffers, as allocations are; [`GpuDevice::flash_prefill`] checks the pointers
-//! and takes **Mma** when one is not). Otherwise **Mma** when the GPU is sm_80 or newer, the scale
-//! is positive (both MMA kernels fold it into the exp2), `pad16(dim_a) + pad16(dim_b) ≤ 256`, `pad16(dim_v) ≤ 128`, and the two K/V tile buffers fit
-//! the device's opt-in shared memory per block; otherwise **Simt**. (V2-Lite: 128+64 / 128 and
-//! Qwen3: 128 / 128 both take MmaFixed on sm_90.) Every part dim may be 1..=[`MAX_PART_DIM`]; the
-//! SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma|fixed` caps the choice (measurements
-//! of the slower kernels inside a model; the kernel tests expect it unset).
+//! Rule: **Wgmma** when the kernels target `sm_90a` and MmaFixed could run; else **MmaFixed** when
+//! `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a multiple of 8, part b
+//! present iff the entry has one), its shared memory fits, and every buffer is aligned as above
+//! ([`GpuDevice::flash_prefill_kernel`] assumes aligned buffers, as allocations are;
+//! [`GpuDevice::flash_prefill`] checks the pointers and takes **Mma** when one is not). Otherwise
+//! **Mma** when the GPU is sm_80 or newer, the scale is positive (both MMA kernels fold it into the
+//! exp2), `pad16(dim_a) + pad16(dim_b) ≤ 256`, `pad16(dim_v) ≤ 128`, and the two K/V tile buffers
+//! fit the device's opt-in shared memory per block; otherwise **Simt**. (V2-Lite: 128+64 / 128 and
+//! Qwen3: 128 / 128 both take Wgmma on sm_90, MmaFixed on sm_80/sm_89.) Every part dim may be
+//! 1..=[`MAX_PART_DIM`]; the SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma|fixed`
+//! caps the choice (measurements of the slower kernels inside a model; the kernel tests expect it
+//! unset).
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
@@ -181,13 +185,18 @@ pub struct FlashPrefillArgs {
     pub out: HeadsLayout,
 }
 
-/// Dynamic shared memory of the wgmma kernel for entry `(fa, fb, fv)` with `(bk, stages)` from
-/// [`WGMMA_TILES`]: 1 KiB to align the swizzled tiles, Q `[128][fa+fb]` and `stages` × (K
-/// `[bk][fa+fb]` + V `[bk][fv]`), BF16, unpadded.
-fn wgmma_smem_bytes((fa, fb, fv): (usize, usize, usize)) -> usize {
-    let entry = FIXED_SHAPES.iter().position(|&e| e == (fa, fb, fv)).expect("a FIXED_SHAPES entry");
-    let (bk, stages, _) = WGMMA_TILES[entry];
+/// Dynamic shared memory of the wgmma kernel of [`FIXED_SHAPES`] entry `entry` `(fa, fb, fv)`,
+/// `(bk, stages)` from [`WGMMA_TILES`]: 1 KiB to align the swizzled tiles, Q `[128][fa+fb]` and
+/// `stages` × (K `[bk][fa+fb]` + V `[bk][fv]`), BF16, unpadded.
+fn wgmma_smem_bytes(entry: usize) -> usize {
+    let ((fa, fb, fv), (bk, stages, _)) = (FIXED_SHAPES[entry], WGMMA_TILES[entry]);
     1024 + (WGMMA_BQ * (fa + fb) + stages * bk * (fa + fb + fv)) * 2
+}
+
+/// The [`FIXED_SHAPES`] entry `a` runs on (the fixed-dims and wgmma kernels alike).
+fn fixed_entry(a: &FlashPrefillArgs) -> Result<usize, String> {
+    let shape = fixed_shape(a)?;
+    Ok(FIXED_SHAPES.iter().position(|&e| e == shape).expect("fixed_shape returns an entry"))
 }
 
 /// Why the wgmma kernel cannot run `a` (buffers assumed aligned) with kernels built for `target`;
@@ -200,12 +209,8 @@ fn wgmma_unsupported(a: &FlashPrefillArgs, target: Target, smem_optin: usize) ->
     if let Some(why) = fixed_unsupported(a, target.arch, smem_optin) {
         return Some(why);
     }
-    let shape = fixed_shape(a).ok()?;
-    if wgmma_smem_bytes(shape) > smem_optin {
-        Some(format!("needs {} bytes of shared memory, the device allows {smem_optin}", wgmma_smem_bytes(shape)))
-    } else {
-        None
-    }
+    let smem = wgmma_smem_bytes(fixed_entry(a).ok()?);
+    (smem > smem_optin).then(|| format!("needs {smem} bytes of shared memory, the device allows {smem_optin}"))
 }
 
 /// Which prefill kernel runs (ordered slowest first).
@@ -640,12 +645,11 @@ impl GpuDevice {
                         ),
                     ));
                 }
-                let shape = fixed_shape(a).map_err(|why| GpuError::shape(OP, why))?;
-                let entry = FIXED_SHAPES.iter().position(|&e| e == shape).expect("fixed_shape returns an entry");
+                let entry = fixed_entry(a).map_err(|why| GpuError::shape(OP, why))?;
                 let (name, threads, smem) = if kernel == FlashKernel::Wgmma {
-                    (WGMMA_FUNCTIONS[entry], WGMMA_THREADS, wgmma_smem_bytes(shape))
+                    (WGMMA_FUNCTIONS[entry], WGMMA_THREADS, wgmma_smem_bytes(entry))
                 } else {
-                    (FIXED_FUNCTIONS[entry], FIXED_THREADS, fixed_smem_bytes(shape))
+                    (FIXED_FUNCTIONS[entry], FIXED_THREADS, fixed_smem_bytes(FIXED_SHAPES[entry]))
                 };
                 let f = self.function(&FLASH_PREFILL, name)?;
                 // Both take 128-query blocks.
@@ -885,9 +889,11 @@ mod tests {
     fn wgmma_kernel_rule() {
         let a = mla(8192);
         // 1 KiB + Q [128][192] + 4 x (K [64][192] + V [64][128]), BF16.
-        assert_eq!(wgmma_smem_bytes((128, 64, 128)), 214_016);
+        assert_eq!(FIXED_SHAPES[0], (128, 64, 128));
+        assert_eq!(wgmma_smem_bytes(0), 214_016);
         // 1 KiB + Q [128][128] + 3 x (K [128][128] + V [128][128]): fits H100's 227 KiB.
-        assert_eq!(wgmma_smem_bytes((128, 0, 128)), 230_400);
+        assert_eq!(FIXED_SHAPES[1], (128, 0, 128));
+        assert_eq!(wgmma_smem_bytes(1), 230_400);
         let h100 = Target::sass(90);
         assert_eq!(wgmma_unsupported(&a, h100, 227 * 1024), None);
         assert!(wgmma_unsupported(&a, Target::sass(89), 227 * 1024).unwrap().contains("sm_90a"));
