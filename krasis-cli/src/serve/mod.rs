@@ -178,6 +178,8 @@ async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
         .with_context(|| format!("--host {} resolves to no address", a.host))?;
     let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listening on {addr}"))?;
     let bound = listener.local_addr()?;
+    // Before the address is announced: from then on a signal means a graceful shutdown.
+    let signals = ShutdownSignals::install()?;
     tracing::info!(
         "serving `{}` at http://{bound}/v1 (OpenAI API{}); /health, /metrics",
         state.model_id,
@@ -188,7 +190,7 @@ async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
     let graceful = {
         let state = state.clone();
         async move {
-            let which = shutdown_signal().await;
+            let which = signals.recv().await;
             state.shutting_down.store(true, Relaxed);
             tracing::info!(
                 "{which}: shutting down (no new requests; running ones get up to {} s)",
@@ -221,26 +223,48 @@ async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits for SIGINT (Ctrl-C) or SIGTERM; returns which.
-async fn shutdown_signal() -> &'static str {
-    let int = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await
-        }
-    };
+/// The SIGINT and SIGTERM handlers, installed when made: a signal that arrives after
+/// [`ShutdownSignals::install`] is never the default "terminate at once". (Installed lazily, on
+/// the first poll of a spawned task, a SIGTERM sent just after the server announced its address
+/// could still kill it mid-stream on a busy machine.)
+struct ShutdownSignals {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> anyhow::Result<ShutdownSignals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(ShutdownSignals {
+                int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+                term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            })
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = int => "SIGINT",
-        () = term => "SIGTERM",
+        #[cfg(not(unix))]
+        Ok(ShutdownSignals {})
+    }
+
+    /// Waits for SIGINT (Ctrl-C) or SIGTERM; returns which.
+    async fn recv(self) -> &'static str {
+        #[cfg(unix)]
+        {
+            let ShutdownSignals { mut int, mut term } = self;
+            tokio::select! {
+                Some(()) = int.recv() => "SIGINT",
+                Some(()) = term.recv() => "SIGTERM",
+                else => std::future::pending().await,
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            if tokio::signal::ctrl_c().await.is_err() {
+                std::future::pending::<()>().await
+            }
+            "SIGINT"
+        }
     }
 }
