@@ -48,7 +48,8 @@ static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row en
 #define MOE_DEC_DN_ROWS 4     // hidden rows per warp in the down projection (4 loads in flight)
 #define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
-extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts,
+// tm: pairs per tile (MOE_TM for the BF16 tiles; the quantised tiles' TM).
+extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts, int tm,
                                      int* __restrict__ offsets, int* __restrict__ tile_offsets,
                                      int* __restrict__ sorted) {
     __shared__ int cnt[MOE_MAX_EXPERTS];
@@ -67,7 +68,7 @@ extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, i
             tile_offsets[e] = tt;
             cnt[e] = o;  // becomes the scatter cursor
             o += c;
-            tt += (c + MOE_TM - 1) / MOE_TM;
+            tt += (c + tm - 1) / tm;
         }
         offsets[n_experts] = o;
         tile_offsets[n_experts] = tt;
@@ -93,7 +94,8 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
 }
 
 // The expert owning `tile` (tile_offsets[e] <= tile < tile_offsets[e + 1]); fills s_pair with the
-// tile's pair indices (-1 past its `count` pairs) and ends with a barrier.
+// tile's pair indices (-1 past its `count` pairs; TM pairs a tile) and ends with a barrier.
+template <int TM>
 __device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ sorted, const int* __restrict__ offsets,
                                               const int* __restrict__ tile_offsets, int n_experts, int* s_pair,
                                               int& count) {
@@ -103,9 +105,9 @@ __device__ __forceinline__ int moe_tile_pairs(int tile, const int* __restrict__ 
         if (tile_offsets[mid] <= tile) lo = mid;
         else hi = mid;
     }
-    const int start = offsets[lo] + (tile - tile_offsets[lo]) * MOE_TM;
-    count = min(MOE_TM, offsets[lo + 1] - start);
-    for (int i = threadIdx.x; i < MOE_TM; i += blockDim.x) s_pair[i] = i < count ? sorted[start + i] : -1;
+    const int start = offsets[lo] + (tile - tile_offsets[lo]) * TM;
+    count = min(TM, offsets[lo + 1] - start);
+    for (int i = threadIdx.x; i < TM; i += blockDim.x) s_pair[i] = i < count ? sorted[start + i] : -1;
     __syncthreads();
     return lo;
 }
@@ -159,7 +161,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
     const int tid = threadIdx.x;
     int count;
-    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
+    const int e = moe_tile_pairs<MOE_TM>(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
     // This thread's copies of every chunk, worked out once: staged row (tid / PARTS) + i ·
     // ROWS_PER_PASS, piece tid % PARTS; the sources advance by MOE_KC per chunk. Rows past n_out
@@ -300,71 +302,108 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 
 // ---- Quantised experts: INT4 / INT8 weights in the GPU tile layout (krasis_quant::gpu_layout) ----
 //
-// Same grouping, pairs and grid as the BF16 tiles; what differs:
-//   - weights: each (64-row panel, 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8)
-//     copy, already in mma fragment order: at each k step a lane reads one 4-byte word per n8 tile
-//     pair (INT4) or tile (INT8) from shared memory and turns it into B fragments in registers
-//     (INT4: the nibble pair | 0x6400 is 1024 + u in FP16, minus 1032 is q exactly; INT8 the
-//     byte under 0x64, minus 1152), times the (row, group) f16 scale; the product rounds to FP16
-//     once.
-//   - scales: f16, per panel and group; each chunk stages the groups of its two 32-wide halves.
-//   - activations: one FP16 copy (x rounded; the intermediate rounded), one FP16 product per k
-//     step (as fast as BF16's, 8 times finer: see mul_f16x2), nearer the CPU's about
-//     f32-accurate experts.
+// The tiles compute what the CPU's expert kernels compute (krasis-cpu quant: value + residual
+// activation rows), so a strategy that runs some experts on the CPU gives the logits of one that
+// runs them all here, up to f32 summation order:
+//   - activations (x, then the SwiGLU intermediate) are quantised per (row, weight group) into two
+//     INT8 rows by moe_quant_rows, with the CPU quantiser's IEEE steps: the value q_hi (scale
+//     s_hi = amax / 127) and its residual x − q_hi·s_hi quantised again (s_lo);
+//   - weights are the stored integers q (INT4 nibbles as 16·q in the high half of a byte, INT8
+//     bytes as q), so each group's products are exact integer sums on the tensor cores
+//     (mma.sync m16n8k32 s8, s32 accumulators);
+//   - once per group the sums become f32: y += sum·(s_w·s_x), value row then residual row; an
+//     INT4 sum is 16 times the CPU's, so its s_w is taken / 16 (exact).
+// Same grouping and grid as the BF16 tiles, TM = 32 or 64 pairs a tile (2·TM staged A rows: a
+// pair's value and residual rows in one 16-row slice, rows g and g + 8); weights: each (64-row panel,
+// 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8) copy in fragment order (a lane
+// reads one 4-byte word per n8 tile pair (INT4) or tile (INT8) and 16 k values); scales f16 per
+// panel and group, each chunk staging the groups of its two 32-wide halves.
 #define MOE_QPANEL 64  // rows of a panel (gpu_layout::PANEL_ROWS)
 #define MOE_QCHUNK 64  // k of a chunk (gpu_layout::CHUNK_K)
-static_assert(MOE_QCHUNK == MOE_KC, "the A staging of the tiles is shared");
+#define MOE_QSK 80     // byte stride of a staged INT8 A row (64 + 16): a warp's ldmatrix rows
+                       // (8 rows x 16 bytes) hit 32 different banks
+#define MOE_QUANT_WARPS 4  // moe_quant_rows: groups per block (must match moe.rs)
 
-// The quantised kernels compute in FP16 (11 significant bits against BF16's 8): the stored q
-// values and f16 scales are exact in it, each weight q·s rounds once to FP16, and x and the SwiGLU
-// intermediate round to FP16, so each rounding is at most 2^-11 relative where BF16 allowed
-// 2^-8. Magnitudes beyond FP16's 65504 saturate to ±65504 (NaN stays NaN); activations reaching
-// the experts are normalised hidden states and their SwiGLU products, far inside that range.
-typedef unsigned short f16_t;  // IEEE half bits
+// Position of k (within its 32-wide window) in a quantised activation row. The stored weight
+// fragments give lane (g, q) the k values {2q, 2q+1, 2q+8, 2q+9} of each 16-wide half (the
+// m16n8k16 order); the m16n8k32 s8 fragments take bytes 4q..4q+3 of each half. An integer dot
+// product does not depend on the order of its terms, so the activations are stored permuted to
+// the weights' order: k -> 16·half + 4·((k & 7) >> 1) + 2·((k >> 3) & 1) + (k & 1).
+__device__ __forceinline__ int moe_qpos(int k) {
+    const int r = k & 15;
+    return (k & ~15) + 4 * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
+}
 
-__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-    return d;
+// One activation group as the CPU quantises it (krasis-cpu quant/actq.rs group_body), with one
+// value per lane step: amax over the |x| bit patterns, q = round-half-even(clamp(x · (127 /
+// amax))), scale amax / 127; an all-zero group scale 0, a non-finite one NaN (q = 0). Every step
+// is one IEEE operation (no contraction), so q and the scale are the CPU's bits. Writes q at
+// dst[moe_qpos(j)] for j < gs; returns the scale (all lanes).
+template <typename F>
+__device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, signed char* __restrict__ dst) {
+    u32 m = 0;
+    for (int j = lane; j < gs; j += 32) m = max(m, __float_as_uint(value(j)) & 0x7fffffffu);
+    m = __reduce_max_sync(0xffffffffu, m);
+    const float amax = __uint_as_float(m);
+    const bool ok = m != 0 && m < 0x7f800000u;
+    const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
+    for (int j = lane; j < gs; j += 32) {
+        const float c = fminf(fmaxf(__fmul_rn(value(j), inv), -127.0f), 127.0f);
+        dst[moe_qpos(j)] = ok ? (signed char)__float2int_rn(c) : (signed char)0;
+    }
+    return m == 0 ? 0.0f : ok ? __fdiv_rn(amax, 127.0f) : __uint_as_float(0x7fc00000u);
 }
-__device__ __forceinline__ u32 sub_f16x2(u32 a, u32 b) {
-    u32 d;
-    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
-    return d;
+
+// x [rows, ldx] f32 (k values a row, zero past k) -> q [rows, 2, ldq] INT8 (value row, residual
+// row, each in moe_qpos order; ldq = ng · gs, a multiple of 32) and scales [rows, ng] as (s_hi,
+// s_lo) times `unit` (a power of two: 1/16 for INT4 weights, whose bytes hold 16·q; exact).
+// Launch: grid (rows, ceil(ng / MOE_QUANT_WARPS)), 32 · MOE_QUANT_WARPS threads; warp w quantises
+// group blockIdx.y · MOE_QUANT_WARPS + w.
+extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, int ldx, int gs, int ng,
+                                          signed char* __restrict__ q, int ldq, float2* __restrict__ scales,
+                                          float unit) {
+    const int grp = blockIdx.y * MOE_QUANT_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (grp >= ng) return;  // uniform over the warp
+    const long long row = blockIdx.x;
+    const int k0 = grp * gs;
+    const float* xr = x + row * ldx + k0;
+    const int kn = min(gs, max(k - k0, 0));  // real values in this group
+    signed char* hi = q + row * 2 * ldq + k0;
+    signed char* lo = hi + ldq;
+    auto xv = [&](int j) { return j < kn ? xr[j] : 0.0f; };
+    const float s_hi = moe_quant_group(xv, gs, lane, hi);
+    __syncwarp();
+    // The residual x − q·s_hi, as the CPU forms it (one multiply, one subtraction).
+    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j)], s_hi)); };
+    const float s_lo = moe_quant_group(rv, gs, lane, lo);
+    if (lane == 0) scales[row * ng + grp] = make_float2(s_hi * unit, s_lo * unit);
 }
-// An f16 (bits) in both halves of a register.
-__device__ __forceinline__ u32 f16x2_dup(u32 h) { return h | (h << 16); }
-// f32 -> f16 bits, round to nearest even; beyond ±65504 saturates, NaN stays NaN.
-__device__ __forceinline__ f16_t f32_to_f16_sat(float x) {
-    if (fabsf(x) > 65504.0f) x = copysignf(65504.0f, x);
-    f16_t r;
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
-    return r;
-}
-// d[16x8] += a[16x16] · b[16x8] in FP16 with f32 accumulators; fragments as mma_bf16's.
-__device__ __forceinline__ void mma_f16(float* d, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+
+// d[16x8] += a[16x32] · b[32x8], s8 x s8 -> s32 (fragments as the PTX ISA's m16n8k32).
+__device__ __forceinline__ void mma_s8(int* d, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// Nibbles s and s + 4 of an INT4 word (stored u = q + 8) as FP16x2 q values, exact: u | 0x6400 is
-// 1024 + u, minus 1032.
-__device__ __forceinline__ u32 int4_pair(u32 w, int s) {
-    return sub_f16x2(((w >> (4 * s)) & 0x000f000fu) | 0x64006400u, 0x64086408u);
+// d = a · b + c0 (every element of C is c0): a flush period's first product.
+__device__ __forceinline__ void mma_s8_from(int* d, const u32* a, u32 b0, u32 b1, int c0) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0));
 }
-// Bytes b, b + 1 of an INT8 word (stored u = q + 128) as FP16x2 q values (low half byte b), exact:
-// 0x64 above the byte is 1024 + u, minus 1152.
-__device__ __forceinline__ u32 int8_pair(u32 w, int b) {
-    return sub_f16x2(__byte_perm(w, 0x64646464u, 0x4040 + b + ((b + 1) << 8)), 0x64806480u);
+// The s8 B fragment of tile `odd` (0: nibbles 0, 4, 1, 5; 1: nibbles 2, 6, 3, 7) of an INT4 word
+// (stored u = q + 8): u ^ 8 is q as a signed nibble, placed in the high half of its byte, so each
+// byte is 16·q exactly.
+__device__ __forceinline__ u32 int4_s8x16(u32 w, int odd) {
+    const u32 f = w ^ 0x88888888u;
+    const u32 even_nib = (f << 4) & 0xf0f0f0f0u, odd_nib = f & 0xf0f0f0f0u;  // nibbles 0,2,4,6 / 1,3,5,7
+    return __byte_perm(even_nib, odd_nib, odd ? 0x7531 : 0x6420);
 }
-// x [tokens, k] f32 -> FP16 rows [tokens, ldo] (the quantised tiles' A), zero from k to ldo.
-// Launch: grid (tokens, ceil(ldo / 256)), 256 threads.
-extern "C" __global__ void moe_f16_rows(const float* __restrict__ x, int k, f16_t* __restrict__ out, int ldo) {
-    const long long t = blockIdx.x;
-    const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c < ldo) out[t * ldo + c] = c < k ? f32_to_f16_sat(x[t * k + c]) : (f16_t)0;
-}
+#define MOE_MAGIC_I 0x4B400000   // bits of 1.5 · 2^23: an int acc started here holds 1.5·2^23 + s as
+#define MOE_MAGIC_F 12582912.0f  // float bits while |s| < 2^22, true for up to MOE_MAGIC_GS k values
+#define MOE_MAGIC_GS 256         // (|s| ≤ 256 · 127 · 127; INT4 16 · 7 · 127)
 
 __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
@@ -372,46 +411,52 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     return v;
 }
 
-// One tile of one expert, quantised weights; PB panels of 64 rows per block, 2·PB warps, S
+// One tile of TM pairs of one expert, quantised weights; PB panels of 64 rows per block, 2·PB·TM/32
+// warps, S
 // shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
 // G·blockIdx.y + i (i < G = PB / 2) of w13 (gate rows then up rows, each padded to whole panels);
-// act = silu(gate) * up to out[p, ldo] (FP16) for every column of the block's 64·G columns (zero
-// past n_out). Else panels PB·blockIdx.y + i of w2 to ypair[p, n0 + i] (f32) for columns below
-// n_out. Panels past the matrix are zero-filled. A: FP16 rows a[p / a_div, lda] (lda = the padded
-// K = chunks · 64), staged once for all the block's columns.
+// act = silu(gate) * up to out[p, ldo] (f32) for every column of the block's 64·G columns (zero
+// past n_out). Else panels PB·blockIdx.y + i of w2 to out[p, ldo] for columns below n_out. Panels
+// past the matrix are zero-filled. A: the quantised rows of moe_quant_rows, a[(p / a_div), 2,
+// lda] (lda = the padded K = chunks · 64) with a_scales[p / a_div, a_ng]; staged per chunk as 2·TM
+// rows (slice m = rows 16m..: pair slot 8m + i's value row i and residual row 8 + i).
 //
-// The warps split the block's output columns, not its pairs: warp w dequantises only its 4 n8
-// tiles (GATED: tiles 2(w%4), +1 of gate panel w/4 and the same up tiles; else tiles
-// 4(w%2)..+3 of panel w/2) and multiplies them by every 16-pair slice of A that holds a pair, so
-// each weight is dequantised once per block rather than once per warp.
-template <bool GATED, int BITS, int PB, int S>
+// Warp w = 2·PB·h + v takes slices 4h..4h + 3 (pairs 32h..; h = 0 for TM = 32) and column set v:
+// it unpacks only
+// its 4 n8 tiles (GATED: tiles 2(v%4), +1 of gate panel v/4 and the same up tiles; else tiles
+// 4(v%2)..+3 of panel v/2) and multiplies them by its 4 slices. Each output is one thread's f32 sum
+// over the groups in order, so the result does not depend on timing.
+template <bool GATED, int BITS, int TM, int PB, int S>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
-                                          int gs, int n_panels, int n_out, const f16_t* __restrict__ a, int lda,
-                                          int a_div, float* __restrict__ ypair, f16_t* __restrict__ out, int ldo,
-                                          const int* __restrict__ sorted, const int* __restrict__ offsets,
-                                          const int* __restrict__ tile_offsets, int n_experts) {
+                                          int gs, int n_panels, int n_out, const signed char* __restrict__ a,
+                                          const float2* __restrict__ a_scales, int a_ng, int lda, int a_div,
+                                          float* __restrict__ out, int ldo, const int* __restrict__ sorted,
+                                          const int* __restrict__ offsets, const int* __restrict__ tile_offsets,
+                                          int n_experts) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
-    static_assert(MOE_TM == 64 && PB % 2 == 0, "4 slices of 16 pairs; gate and up panels in pairs");
-    constexpr int THREADS = 64 * PB, G = PB / 2;
+    static_assert((TM == 32 || TM == 64) && PB % 2 == 0, "slices of 8 pairs, 4 a warp; gate and up panels in pairs");
+    constexpr int THREADS = 2 * TM * PB, G = PB / 2;
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
     constexpr int W_BYTES = PB * BLOCK;
     constexpr int S_BYTES = PB * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
-    constexpr int ROW_BYTES = MOE_SK * 2;
-    constexpr int A_AT = W_BYTES + S_BYTES;
-    constexpr int STAGE_BYTES = A_AT + MOE_TM * ROW_BYTES;
+    constexpr int X_AT = W_BYTES + S_BYTES;          // per pair slot the (s_hi, s_lo) of each half's group
+    constexpr int A_AT = X_AT + TM * 2 * 8;
+    constexpr int A_ROWS = 2 * TM;
+    constexpr int STAGE_BYTES = A_AT + A_ROWS * MOE_QSK;
     constexpr int W_COPIES = W_BYTES / 16 / THREADS;
-    constexpr int PARTS = MOE_QCHUNK / 8, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = MOE_TM / ROWS_PER_PASS;
-    static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS, "whole copies");
+    constexpr int PARTS = MOE_QCHUNK / 16, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = A_ROWS / ROWS_PER_PASS;
+    static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS && 2 * TM <= THREADS, "whole copies");
+    static_assert(A_ROWS % ROWS_PER_PASS == 0, "whole A staging passes");
     static_assert(STAGE_BYTES % 16 == 0 && A_AT % 16 == 0, "16-byte aligned staging");
-    __shared__ int s_pair[MOE_TM];
-    extern __shared__ __align__(16) unsigned char moe_smem[];  // MOE_STAGES buffers (moe.rs: qtile_smem)
+    __shared__ int s_pair[TM];
+    extern __shared__ __align__(16) unsigned char moe_smem[];  // S buffers (moe.rs: qtile_smem)
 
     const int tile = blockIdx.x;
     if (tile >= tile_offsets[n_experts]) return;  // uniform over the block
     const int tid = threadIdx.x;
     int count;
-    const int e = moe_tile_pairs(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
+    const int e = moe_tile_pairs<TM>(tile, sorted, offsets, tile_offsets, n_experts, s_pair, count);
 
     // Staged panel i (< PB) of this block, or -1 past the matrix.
     auto panel_of = [&](int i) {
@@ -426,7 +471,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const unsigned short* se = sc + (long long)e * expert_scales;
     // This thread's copies, worked out once: weight piece (i · THREADS + tid) of the stage's PB
     // blocks; scale piece tid (< 16·PB: panel tid / 16, half (tid / 8) % 2, 8 scales tid % 8);
-    // A rows as in moe_tile. Sources advance by BLOCK (weights) or MOE_QCHUNK (A) per chunk.
+    // A piece tid % PARTS of staged rows tid / PARTS + i · ROWS_PER_PASS. Sources advance by
+    // BLOCK (weights) or MOE_QCHUNK (A) per chunk.
     const unsigned char* w_src[W_COPIES];
     int w_bytes[W_COPIES];
 #pragma unroll
@@ -442,10 +488,25 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int part = tid % PARTS, row0 = tid / PARTS;
     long long a_off[A_SLOTS];
     int a_bytes[A_SLOTS];
-    moe_a_sources<A_SLOTS, ROWS_PER_PASS>(s_pair, row0, part, a_div, lda, a_off, a_bytes);
+#pragma unroll
+    for (int i = 0; i < A_SLOTS; ++i) {
+        const int r = row0 + i * ROWS_PER_PASS;  // slice r / 16, slot 8 (r / 16) + r % 8, row half (r / 8) % 2
+        const int p = s_pair[8 * (r / 16) + r % 8];
+        a_off[i] = p >= 0 ? ((long long)(p / a_div) * 2 + (r / 8) % 2) * lda + part * 16 : 0;
+        a_bytes[i] = p >= 0 ? 16 : 0;
+    }
+    // Activation scales: thread tid < 2·TM copies slot tid / 2's pair for half tid % 2.
+    const int x_pair = tid < 2 * TM ? s_pair[tid / 2] : -1;
+    const float2* x_src = a_scales + (long long)max(x_pair, 0) / a_div * a_ng;
     const u32 smem0 = smem_addr(moe_smem);
     auto stage = [&](int c, int b) {
         const u32 dst = smem0 + b * STAGE_BYTES;
+        if (tid < 2 * TM) {
+            const int grp = (c * MOE_QCHUNK + (tid % 2) * 32) / gs;
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst + X_AT + tid * 8),
+                         "l"(x_src + grp), "r"(x_pair >= 0 ? 8 : 0)
+                         : "memory");
+        }
 #pragma unroll
         for (int i = 0; i < W_COPIES; ++i)
             cp_async16_at(dst + (i * THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
@@ -457,30 +518,33 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         const int k0 = c * MOE_QCHUNK;
 #pragma unroll
         for (int i = 0; i < A_SLOTS; ++i)
-            cp_async16_at(dst + A_AT + (row0 + i * ROWS_PER_PASS) * ROW_BYTES + part * 16,
+            cp_async16_at(dst + A_AT + (row0 + i * ROWS_PER_PASS) * MOE_QSK + part * 16,
                           a + a_off[i] + (a_bytes[i] ? k0 : 0), a_bytes[i]);
     };
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const int slices = (count + 15) / 16;  // 16-pair slices of A holding a pair (uniform)
+    const int m0 = 4 * (warp / (2 * PB)), v = warp % (2 * PB);  // the warp's slices and column set
+    const int slices = min(max((count + 7) / 8 - m0, 0), 4);   // its slices holding a pair (uniform)
     // The warp's 4 n8 tiles as (staged panel, tile in panel): GATED (w/4, tt0), (w/4, tt0 + 1),
     // (G + w/4, tt0), (G + w/4, tt0 + 1) with tt0 = 2(w % 4); else (w / 2, 4(w % 2) + j).
-    const int tp0 = GATED ? warp / 4 : warp / 2, tt0 = GATED ? 2 * (warp % 4) : 4 * (warp % 2);
-    float acc[4][4][4];  // [A slice][tile j][fragment]
+    const int tp0 = GATED ? v / 4 : v / 2, tt0 = GATED ? 2 * (v % 4) : 4 * (v % 2);
+    // Sums flush every group, and every MOE_MAGIC_GS within larger groups (same scales), so they
+    // always convert by MOE_MAGIC.
+    const int flush_every = min(gs, MOE_MAGIC_GS);
+    int acc[4][4][4];    // [slice][tile j][fragment]: the current flush period's integer sums
+    float y[4][4][2];    // [slice][tile j][column 2q + cc]: the f32 result so far
 #pragma unroll
     for (int m = 0; m < 4; ++m)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.0f;
+        for (int j = 0; j < 4; ++j) y[m][j][0] = y[m][j][1] = 0.0f;
     // ldmatrix row address of this lane for A slice 0 (slice m adds 16 rows).
-    const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW_BYTES + 16 * (lane >> 4));
-    const bool halves_differ = gs < MOE_QCHUNK;  // otherwise a chunk lies in one group
+    const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * MOE_QSK + 16 * (lane >> 4));
 
 #pragma unroll
     for (int c = 0; c < S - 1; ++c) {
         if (c < chunks) stage(c, c);
         cp_async_commit();
     }
-    u32 sb[4];  // this lane's BF16x2 scales of its 4 tiles (rows 8t + g)
     for (int c = 0; c < chunks; ++c) {
         cp_async_wait<S - 2>();
         __syncthreads();
@@ -489,124 +553,161 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         cp_async_commit();
         const u32 buf = smem0 + (c % S) * STAGE_BYTES;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            if (half == 0 || halves_differ) {
+        for (int kk = 0; kk < 2; ++kk) {
+            // B fragments of the warp's 4 tiles (k16 steps 2kk and 2kk + 1), used for every slice;
+            // an INT4 word holds a tile pair (tiles j and j + 1 of the same panel: t even, t + 1).
+            u32 b[4][2];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
-                    const u32 h2 = lds32(buf + W_BYTES + ((pp * 2 + half) * MOE_QPANEL + g * 8 + (t & ~1)) * 2);
-                    sb[j] = f16x2_dup((h2 >> (16 * (t & 1))) & 0xffffu);
+            for (int j = 0; j < 4; ++j) {
+                const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
+                const u32 wb = buf + pp * BLOCK;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int ks = 2 * kk + h;
+                    if (BITS == 4) {
+                        if (j % 2 == 0) {
+                            const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
+                            b[j][h] = int4_s8x16(word, 0);
+                            b[j + 1][h] = int4_s8x16(word, 1);
+                        }
+                    } else {
+                        b[j][h] = lds32(wb + ((ks * 8 + t) * 32 + lane) * 4) ^ 0x80808080u;  // u - 128 = q
+                    }
                 }
             }
+            // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset).
+            const bool fresh = (c * MOE_QCHUNK + kk * 32) % flush_every == 0;
 #pragma unroll
-            for (int k2 = 0; k2 < 2; ++k2) {
-                const int ks = half * 2 + k2;
-                // B fragments of the warp's 4 tiles, dequantised once, used for every slice.
-                u32 b[4][2];
+            for (int m = 0; m < 4; ++m) {
+                // Every slice, empty ones too (zero rows): straight-line code the scheduler can
+                // interleave (a break on `slices` cost more than the idle products).
+                u32 fa[4];
+                ldmatrix_x4(fa, buf + a_at + (m0 + m) * 16 * MOE_QSK + kk * 32);
+                if (fresh) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) mma_s8_from(acc[m][j], fa, b[j][0], b[j][1], MOE_MAGIC_I);
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) mma_s8(acc[m][j], fa, b[j][0], b[j][1]);
+                }
+            }
+            // The end of a group (gs divides the padded K, so the last step ends one): its sums
+            // into y, times s_w (this half's staged scales) and s_x (value row and residual row).
+            const int k_end = c * MOE_QCHUNK + kk * 32 + 32;
+            if (k_end % flush_every == 0) {
+                float sw[4][2];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
-                    const u32 wb = buf + pp * BLOCK;
-                    if (BITS == 4) {
-                        const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
-                        b[j][0] = int4_pair(word, 2 * (t % 2));
-                        b[j][1] = int4_pair(word, 2 * (t % 2) + 1);
-                    } else {
-                        const u32 word = lds32(wb + ((ks * 8 + t) * 32 + lane) * 4);
-                        b[j][0] = int8_pair(word, 0);
-                        b[j][1] = int8_pair(word, 2);
+                    // Staged scale of panel row rr at (rr % 8) · 8 + rr / 8; rr = 8t + 2q + cc.
+#pragma unroll
+                    for (int cc = 0; cc < 2; ++cc) {
+                        unsigned short h;
+                        asm volatile("ld.shared.u16 %0, [%1];\n"
+                                     : "=h"(h)
+                                     : "r"(buf + W_BYTES + ((pp * 2 + kk) * MOE_QPANEL + (2 * q + cc) * 8 + t) * 2)
+                                     : "memory");
+                        asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[j][cc]) : "h"(h));
                     }
-                    b[j][0] = mul_f16x2(b[j][0], sb[j]);
-                    b[j][1] = mul_f16x2(b[j][1], sb[j]);
                 }
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
-                    if (m >= slices) break;
-                    u32 fa[4];
-                    ldmatrix_x4(fa, buf + a_at + m * 16 * ROW_BYTES + ks * 32);
+                    float2 sx;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                                 : "=f"(sx.x), "=f"(sx.y)
+                                 : "r"(buf + X_AT + ((8 * (m0 + m) + g) * 2 + kk) * 8)
+                                 : "memory");
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) mma_f16(acc[m][j], fa, b[j][0], b[j][1]);
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int cc = 0; cc < 2; ++cc) {
+                            const float dh = __int_as_float(acc[m][j][cc]) - MOE_MAGIC_F;
+                            const float dl = __int_as_float(acc[m][j][2 + cc]) - MOE_MAGIC_F;
+                            y[m][j][cc] = fmaf(fmaf(dh, sx.x, dl * sx.y), sw[j][cc], y[m][j][cc]);
+                        }
                 }
             }
         }
     }
-    // acc[m][j][2r + c]: pair slot 16m + g + 8r, column 8·t_j + 2q + c of tile j's panel.
+    // y[m][j][cc]: pair slot 8(m0 + m) + g, column 8·t_j + 2q + cc of tile j's panel.
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         if (m >= slices) break;
+        const int p = s_pair[8 * (m0 + m) + g];
+        if (p < 0) continue;
+        if (GATED) {
+            if (G * (int)blockIdx.y + tp0 >= n_panels / 2) continue;  // a gate panel past the matrix
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int p = s_pair[16 * m + g + 8 * r];
-            if (p < 0) continue;
-            if (GATED) {
-                if (G * (int)blockIdx.y + tp0 >= n_panels / 2) continue;  // a gate panel past the matrix
+            for (int j = 0; j < 2; ++j) {
+                const int o = (G * blockIdx.y + tp0) * MOE_QPANEL + (tt0 + j) * 8 + 2 * q;
+                float v[2];
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int o = (G * blockIdx.y + tp0) * MOE_QPANEL + (tt0 + j) * 8 + 2 * q;
-                    bf16_t h[2];
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const float gv = acc[m][j][2 * r + c], uv = acc[m][j + 2][2 * r + c];
-                        h[c] = f32_to_f16_sat(o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
-                    }
-                    *(u32*)(out + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
+                for (int cc = 0; cc < 2; ++cc) {
+                    const float gv = y[m][j][cc], uv = y[m][j + 2][cc];
+                    v[cc] = o + cc < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
                 }
-            } else {
+                *(float2*)(out + (long long)p * ldo + o) = make_float2(v[0], v[1]);
+            }
+        } else {
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int o = blockIdx.y * PB * MOE_QPANEL + warp * 32 + j * 8 + 2 * q;
+            for (int j = 0; j < 4; ++j) {
+                const int o = blockIdx.y * PB * MOE_QPANEL + v * 32 + j * 8 + 2 * q;
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        if (o + c < n_out) ypair[(long long)p * ldo + o + c] = acc[m][j][2 * r + c];
-                    }
+                for (int cc = 0; cc < 2; ++cc) {
+                    if (o + cc < n_out) out[(long long)p * ldo + o + cc] = y[m][j][cc];
                 }
             }
         }
     }
 }
 
-// act [n_pairs, inter_pad] (FP16) from x [tokens, ldx] (FP16) and w13 in the GPU tile layout
-// (rows 2 · inter_pad: gate then up; expert stride expert_wbytes bytes, expert_scales scales).
-// moe_q*_down: ypair [n_pairs, hidden] (f32) from act and w2 in the GPU tile layout (rows hidden,
-// K inter_pad).
-// Entry points per width and (PB, S) variant V: moe_q{BITS}_{gate_up,down}_v{V}.
-#define MOE_Q_ENTRIES(BITS, V, PB, S)                                                                               \
-    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_gate_up_v##V(                               \
+// act [n_pairs, inter_pad] (f32) from x quantised (moe_quant_rows: xq [tokens, 2, ldx], xs
+// [tokens, x_ng]) and w13 in the GPU tile layout (rows 2 · inter_pad: gate then up; expert
+// stride expert_wbytes bytes, expert_scales scales). moe_q*_down: ypair [n_pairs, hidden] (f32)
+// from act quantised (aq [n_pairs, 2, inter_pad], as [n_pairs, a_ng]) and w2 in the GPU tile
+// layout (rows hidden, K inter_pad). Entry points per width and (PB, S) variant V:
+// moe_q{BITS}_{gate_up,down}_v{V}.
+#define MOE_Q_ENTRIES(BITS, V, TM, PB, S, MINB)                                                                             \
+    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_gate_up_v##V(                          \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
-        int chunks, int groups, int gs, int n_panels, int inter, const f16_t* x, int ldx, int top_k, f16_t* act, \
-        int inter_pad, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {            \
-        moe_qtile<true, BITS, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
-                                     x, ldx, top_k, nullptr, act, inter_pad, sorted, offsets, tile_offsets,        \
+        int chunks, int groups, int gs, int n_panels, int inter, const signed char* xq, const float2* xs, int x_ng, \
+        int ldx, int top_k, float* act, int inter_pad, const int* sorted, const int* offsets,                      \
+        const int* tile_offsets, int n_experts) {                                                                   \
+        moe_qtile<true, BITS, TM, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
+                                     xq, xs, x_ng, ldx, top_k, act, inter_pad, sorted, offsets, tile_offsets,      \
                                      n_experts);                                                                    \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(64 * PB) moe_q##BITS##_down_v##V(                                  \
+    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_down_v##V(                            \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
-        int chunks, int groups, int gs, int n_panels, int hidden, const f16_t* act, int inter_pad, float* ypair,  \
-        const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {                           \
-        moe_qtile<false, BITS, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
-                                      act, inter_pad, 1, ypair, nullptr, hidden, sorted, offsets, tile_offsets,    \
+        int chunks, int groups, int gs, int n_panels, int hidden, const signed char* aq, const float2* as, int a_ng, \
+        int inter_pad, float* ypair, const int* sorted, const int* offsets, const int* tile_offsets,               \
+        int n_experts) {                                                                                            \
+        moe_qtile<false, BITS, TM, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
+                                      aq, as, a_ng, inter_pad, 1, ypair, hidden, sorted, offsets, tile_offsets,    \
                                       n_experts);                                                                   \
     }
-// v0: 4 panels, 3 buffers (the default, moe.rs: QTILE_VARIANTS); v1: 2 panels, 2 buffers.
-MOE_Q_ENTRIES(4, 0, 4, 3)
-MOE_Q_ENTRIES(4, 1, 2, 2)
-MOE_Q_ENTRIES(8, 0, 4, 3)
-MOE_Q_ENTRIES(8, 1, 2, 2)
+// v0: 32-pair tiles, 4 panels, 3 buffers, two blocks an SM (the default, moe.rs: QTILE_VARIANTS);
+// v1: 64-pair tiles, 4 panels, 3 buffers (16 warps, one block an SM).
+MOE_Q_ENTRIES(4, 0, 32, 4, 3, 2)
+MOE_Q_ENTRIES(4, 1, 64, 4, 3, 1)
+MOE_Q_ENTRIES(8, 0, 32, 4, 3, 2)
+MOE_Q_ENTRIES(8, 1, 64, 4, 3, 1)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each
 // warp load is 128 contiguous bytes). Warp w works on panel w % NP (GATED: even warps gate, odd
 // warps up) and takes its chunks c = w / NP, + W / NP, ..., the next chunk's words in flight while
-// it multiplies the current one. The products run on the tensor cores with the weights as the
-// A operand: the stored B fragments of n8 tiles 2j and 2j + 1 (rows 8t + g, k 2q.., 2q + 8..) are
-// exactly A's fragment of m16 tile j, dequantised as in moe_qtile (FP16 q times the f16 scale,
-// rounded once); x rounded to FP16 is B with all 8 columns equal, so lane (g, q) ends with the
-// f32 sums of rows 16j + g and 16j + g + 8 (the other columns are the same sums; only one is
-// used). Same roundings as the tiles; only the f32 summation order differs. Row sums across
-// the warps of a panel in order. GATED writes act [pair, ldo] as FP16 (zero past n_out), for either
-// down path; else ypair [pair, ldo] f32. x: f32 rows (GATED, row pair / a_div) or FP16 rows (act),
-// staged as FP16 in dynamic shared memory (chunks · 64 elements, zero past k). Launched as a
-// dependent launch: everything after KRASIS_GRID_WAIT.
+// it multiplies the current one. Same arithmetic as the tiles (the CPU's): the block first
+// quantises its activation row (x, or the f32 intermediate) into shared memory with
+// moe_quant_group, one warp a group. The products run on the tensor cores with the weights as the
+// A operand: the stored fragments of n8 tiles 2j and 2j + 1 are A's fragment of m16 tile j
+// (rows g and g + 8); B is the value row (column 0) and the residual row (column 1), other
+// columns zero, so lane (g, 0) ends each k32 step with rows g and g + 8's value and residual
+// sums, which it adds to its f32 rows at once (a step lies in one group). Row sums across the
+// warps of a panel in order. GATED writes act [pair, ldo] f32 (zero past n_out); else ypair
+// [pair, ldo] f32. a: f32 rows a[(pair / a_div) · lda], k values. Dynamic shared memory (moe.rs
+// qdec_smem): the two INT8 rows (chunks · 64 each), the group scales (chunks · 2 pairs at most)
+// and the warps' row sums. Launched as a dependent launch: everything after KRASIS_GRID_WAIT.
 #define MOE_QDEC_GU_THREADS 512  // gate/up block, 16 warps (must match moe.rs): a V2-Lite layer's 6
                                  // pairs × 22 panels are one block per SM (~125 registers a thread)
 #define MOE_QDEC_DN_THREADS 256  // down block, 8 warps (must match moe.rs): 6 pairs × 32 panels fit
@@ -614,20 +715,21 @@ MOE_Q_ENTRIES(8, 1, 2, 2)
 template <bool GATED, int BITS, int THREADS>
 __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
-                                         int gs, int n_panels, int n_out, const float* __restrict__ a_f32,
-                                         const f16_t* __restrict__ a_f16, int k, int lda, int a_div,
-                                         float* __restrict__ ypair, f16_t* __restrict__ out, int ldo,
+                                         int gs, int n_panels, int n_out, const float* __restrict__ a, int k,
+                                         int lda, int a_div, float unit, float* __restrict__ out, int ldo,
                                          const int* __restrict__ ids, int n_experts) {
     constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
     constexpr int NP = GATED ? 2 : 1;                                  // panels per block
     constexpr int WARPS = THREADS / 32;
     constexpr int CW = WARPS / NP;  // warps per panel
-    constexpr int J = BITS;         // words per lane per k step: INT4 tile pairs, INT8 tiles
+    constexpr int J = BITS;         // words per lane per k16 step: INT4 tile pairs, INT8 tiles
     constexpr int WORDS = 4 * J;    // per lane per chunk
     static_assert(WARPS % NP == 0, "whole warps per panel");
     extern __shared__ __align__(16) unsigned char moe_smem[];
-    f16_t* xs = (f16_t*)moe_smem;                             // [chunks · 64]
-    float* red = (float*)(moe_smem + chunks * MOE_QCHUNK * 2);  // [WARPS][64]
+    const int kpad = chunks * MOE_QCHUNK;
+    signed char* xq = (signed char*)moe_smem;                      // [2][kpad]: value row, residual row
+    float2* xsc = (float2*)(moe_smem + 2 * kpad);                  // [kpad / gs]
+    float* red = (float*)(moe_smem + 2 * kpad + (kpad / 32) * 8);  // [WARPS][64]
 
     KRASIS_GRID_WAIT();
     KRASIS_GRID_LAUNCH_DEPENDENTS();
@@ -647,52 +749,60 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
         for (int i = 0; i < WORDS; ++i) d[i] = __ldg(wp + (long long)c * BLOCK_WORDS + i * 32);
     };
     int c = warp / NP;
-    if (c < chunks) load(v[0], c);  // the weights' loads go out before the activation staging
+    if (c < chunks) load(v[0], c);  // the weights' loads go out before the activation quantising
 
-    const long long arow = (long long)(pair / a_div) * lda;
-    for (int j = tid; j < chunks * MOE_QCHUNK; j += THREADS)
-        xs[j] = j < k ? (GATED ? f32_to_f16_sat(a_f32[arow + j]) : a_f16[arow + j]) : (f16_t)0;
+    const float* arow = a + (long long)(pair / a_div) * lda;
+    for (int grp = warp; grp < kpad / gs; grp += WARPS) {
+        const int k0 = grp * gs, kn = min(gs, max(k - k0, 0));
+        auto xv = [&](int j) { return j < kn ? arow[k0 + j] : 0.0f; };
+        const float s_hi = moe_quant_group(xv, gs, lane, xq + k0);
+        __syncwarp();
+        auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)xq[k0 + moe_qpos(j)], s_hi)); };
+        const float s_lo = moe_quant_group(rv, gs, lane, xq + kpad + k0);
+        if (lane == 0) xsc[grp] = make_float2(s_hi * unit, s_lo * unit);
+    }
     __syncthreads();
 
-    float acc[4][4];
+    float y[4][2];  // lane (g, 0): rows 16j + g and 16j + 8 + g of the panel
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    for (int j = 0; j < 4; ++j) y[j][0] = y[j][1] = 0.0f;
+    const u32* xrow = (const u32*)(xq + (g == 1 ? kpad : 0));  // lanes g < 2 hold B's columns 0, 1
     auto multiply = [&](const u32(&vv)[WORDS], int c) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int grp = (c * MOE_QCHUNK + half * 32) / gs;
+        for (int kk = 0; kk < 2; ++kk) {
+            const int k0 = c * MOE_QCHUNK + kk * 32;
+            const int grp = k0 / gs;
             const uint4 raw = __ldg((const uint4*)(sp + (long long)grp * MOE_QPANEL));
-            const u32 sw[4] = {raw.x, raw.y, raw.z, raw.w};
-            u32 sb[8];
+            const u32 sw2[4] = {raw.x, raw.y, raw.z, raw.w};
+            float sw[8];  // rows 8t + g of the panel
 #pragma unroll
-            for (int t = 0; t < 8; ++t) sb[t] = f16x2_dup((sw[t / 2] >> (16 * (t % 2))) & 0xffffu);
+            for (int t = 0; t < 8; ++t)
+                asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[t]) : "h"((unsigned short)(sw2[t / 2] >> (16 * (t % 2)))));
+            const float2 sx = xsc[grp];
+            const u32 b0 = g < 2 ? xrow[(k0 + 4 * q) / 4] : 0u, b1 = g < 2 ? xrow[(k0 + 16 + 4 * q) / 4] : 0u;
 #pragma unroll
-            for (int k2 = 0; k2 < 2; ++k2) {
-                const int ks = half * 2 + k2;
-                const int k0 = c * MOE_QCHUNK + ks * 16 + 2 * q;
-                const u32 xa = *(const u32*)(xs + k0), xb = *(const u32*)(xs + k0 + 8);
+            for (int j = 0; j < 4; ++j) {
+                // A of m16 tile j: tiles 2j (rows g) and 2j + 1 (rows g + 8), k16 steps 2kk, 2kk + 1.
+                u32 fa[4];
+                if (BITS == 4) {
+                    const u32 w0 = vv[(2 * kk) * J + j], w1 = vv[(2 * kk + 1) * J + j];
+                    fa[0] = int4_s8x16(w0, 0);
+                    fa[1] = int4_s8x16(w0, 1);
+                    fa[2] = int4_s8x16(w1, 0);
+                    fa[3] = int4_s8x16(w1, 1);
+                } else {
+                    fa[0] = vv[(2 * kk) * J + 2 * j] ^ 0x80808080u;
+                    fa[1] = vv[(2 * kk) * J + 2 * j + 1] ^ 0x80808080u;
+                    fa[2] = vv[(2 * kk + 1) * J + 2 * j] ^ 0x80808080u;
+                    fa[3] = vv[(2 * kk + 1) * J + 2 * j + 1] ^ 0x80808080u;
+                }
+                int s[4] = {MOE_MAGIC_I, MOE_MAGIC_I, MOE_MAGIC_I, MOE_MAGIC_I};
+                mma_s8(s, fa, b0, b1);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    // A of m16 tile j: tile 2j's (b0, b1) and tile 2j + 1's, as rows g and g + 8.
-                    u32 lo0, lo1, hi0, hi1;
-                    if (BITS == 4) {
-                        const u32 word = vv[ks * J + j];  // tiles 2j and 2j + 1
-                        lo0 = int4_pair(word, 0);
-                        lo1 = int4_pair(word, 1);
-                        hi0 = int4_pair(word, 2);
-                        hi1 = int4_pair(word, 3);
-                    } else {
-                        const u32 w0 = vv[ks * J + 2 * j], w1 = vv[ks * J + 2 * j + 1];
-                        lo0 = int8_pair(w0, 0);
-                        lo1 = int8_pair(w0, 2);
-                        hi0 = int8_pair(w1, 0);
-                        hi1 = int8_pair(w1, 2);
-                    }
-                    const u32 a[4] = {mul_f16x2(lo0, sb[2 * j]), mul_f16x2(hi0, sb[2 * j + 1]),
-                                      mul_f16x2(lo1, sb[2 * j]), mul_f16x2(hi1, sb[2 * j + 1])};
-                    mma_f16(acc[j], a, xa, xb);
+                for (int r = 0; r < 2; ++r) {
+                    const float dh = __int_as_float(s[2 * r]) - MOE_MAGIC_F;
+                    const float dl = __int_as_float(s[2 * r + 1]) - MOE_MAGIC_F;
+                    y[j][r] = fmaf(fmaf(dh, sx.x, dl * sx.y), sw[2 * j + r], y[j][r]);
                 }
             }
         }
@@ -708,8 +818,8 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     if (q == 0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            red[warp * MOE_QPANEL + 16 * j + g] = acc[j][0];
-            red[warp * MOE_QPANEL + 16 * j + 8 + g] = acc[j][2];
+            red[warp * MOE_QPANEL + 16 * j + g] = y[j][0];
+            red[warp * MOE_QPANEL + 16 * j + 8 + g] = y[j][1];
         }
     }
     __syncthreads();
@@ -723,29 +833,31 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     const int o = blockIdx.y * MOE_QPANEL + tid;
     if (GATED) {
         const float gv = r[0], uv = r[NP - 1];
-        out[(long long)pair * ldo + o] = f32_to_f16_sat(o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f);
+        out[(long long)pair * ldo + o] = o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
     } else if (o < n_out) {
-        ypair[(long long)pair * ldo + o] = r[0];
+        out[(long long)pair * ldo + o] = r[0];
     }
 }
 
-// Decode path, quantised: act [n_pairs, inter_pad] (FP16) from x [tokens, hidden] (f32);
-// grid (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid
-// (pairs, panels of w2). Dynamic shared memory: chunks · 64 · 2 + 16 · 2 · 64 · 4 bytes.
+// Decode path, quantised: act [n_pairs, inter_pad] (f32) from x [tokens, hidden] (f32); grid
+// (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid (pairs,
+// panels of w2). unit: 1/16 for INT4 weights (bytes of 16·q), else 1.
 #define MOE_QDEC_ENTRIES(BITS)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
-        f16_t* act, int inter_pad, const int* ids, int n_experts) {                                              \
-        moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter, x,      \
-                             nullptr, hidden, hidden, top_k, nullptr, act, inter_pad, ids, n_experts);            \
+        float unit, float* act, int inter_pad, const int* ids, int n_experts) {                                  \
+        moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs,     \
+                                                  n_panels, inter, x, hidden, hidden, top_k, unit, act,          \
+                                                  inter_pad, ids, n_experts);                                    \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
-        int chunks, int groups, int gs, int n_panels, int hidden, const f16_t* act, int inter, int inter_pad,    \
-        float* ypair, const int* ids, int n_experts) {                                                            \
-        moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,         \
-                              nullptr, act, inter, inter_pad, 1, ypair, nullptr, hidden, ids, n_experts);         \
+        int chunks, int groups, int gs, int n_panels, int hidden, const float* act, int inter, int inter_pad,    \
+        float unit, float* ypair, const int* ids, int n_experts) {                                              \
+        moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs,     \
+                                                   n_panels, hidden, act, inter, inter_pad, 1, unit, ypair,     \
+                                                   hidden, ids, n_experts);                                     \
     }
 MOE_QDEC_ENTRIES(4)
 MOE_QDEC_ENTRIES(8)

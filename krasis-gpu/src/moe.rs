@@ -49,7 +49,7 @@ pub const MOE: KernelSource = KernelSource {
     functions: &[
         "moe_route",
         "moe_split_rows",
-        "moe_f16_rows",
+        "moe_quant_rows",
         "moe_gate_up",
         "moe_down",
         "moe_combine",
@@ -73,6 +73,10 @@ pub const MOE: KernelSource = KernelSource {
 /// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
 /// weight chunk in shared memory.
 const MOE_TM: usize = 64;
+/// Byte stride of a staged INT8 activation row of the quantised tiles (`MOE_QSK` in moe.cu).
+const MOE_QSK: usize = 80;
+/// Activation groups per `moe_quant_rows` block (`MOE_QUANT_WARPS` in moe.cu): one warp each.
+const MOE_QUANT_WARPS: usize = 4;
 /// Output columns per gate/up block (`MOE_BN` in moe.cu).
 const MOE_BN: usize = 64;
 /// Output columns per down block (`MOE_BN_DOWN` in moe.cu).
@@ -96,17 +100,25 @@ fn tile_smem(gated: bool) -> usize {
 }
 
 /// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer the variant's
-/// (panel, chunk) weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each) and
-/// the pairs' A rows (one BF16 copy).
+/// (panel, chunk) weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each), the
+/// pairs' activation scales (an f32 pair per half) and INT8 A rows (value and residual).
 fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
-    v.stages * (v.panels * block + v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + MOE_TM * MOE_SK * 2)
+    let scales = v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + v.pairs * 2 * 8;
+    v.stages * (v.panels * block + scales + 2 * v.pairs * MOE_QSK)
 }
 
-/// A shape of the quantised tiles (`moe_qtile<.., PB, S>`): 64-row panels per block (2·PB warps)
-/// and shared-memory buffers, with its entry points.
+/// Bytes of `rows` activation rows of `k_pad` quantised by `moe_quant_rows` in groups of `gs`:
+/// two INT8 rows each, then the (value, residual) f32 scales per group.
+fn quant_rows_bytes(rows: usize, k_pad: usize, gs: usize) -> [usize; 2] {
+    [rows * 2 * k_pad, rows * (k_pad / gs) * 8]
+}
+
+/// A shape of the quantised tiles (`moe_qtile<.., TM, PB, S>`): pairs per tile, 64-row panels per
+/// block (2·PB·TM/32 warps) and shared-memory buffers, with its entry points.
 #[derive(Clone, Copy, Debug)]
 struct QTileVariant {
+    pairs: usize,
     panels: usize,
     stages: usize,
     int4: [&'static str; 2],
@@ -114,20 +126,21 @@ struct QTileVariant {
 }
 
 /// The variants compiled (`MOE_Q_ENTRIES` in moe.cu). Measured on an H200 (V2-Lite layer, INT4,
-/// t = 2048, one run): 4 panels and 3 buffers 1070 µs, against 1108 (2 panels, 2 buffers), 1111
-/// (2, 3) and 1081 (4, 2); INT8 1151 against 1240, 1221 and 1176. 128-pair tiles of 8 warps (2
-/// n8 tiles each) were slower still (1346 against 1218 in another run); only the first two
-/// shapes are kept.
+/// t = 2048): 32-pair tiles of 4 panels, 3 buffers, two blocks an SM (8 warps each) 1899 µs,
+/// against 2049 for 64-pair tiles of 16 warps, one block an SM (both spill a little at 128
+/// registers); without the spills, 8 warps an SM, 2786.
 const QTILE_VARIANTS: [QTileVariant; 2] = [
     QTileVariant {
+        pairs: 32,
         panels: 4,
         stages: 3,
         int4: ["moe_q4_gate_up_v0", "moe_q4_down_v0"],
         int8: ["moe_q8_gate_up_v0", "moe_q8_down_v0"],
     },
     QTileVariant {
-        panels: 2,
-        stages: 2,
+        pairs: 64,
+        panels: 4,
+        stages: 3,
         int4: ["moe_q4_gate_up_v1", "moe_q4_down_v1"],
         int8: ["moe_q8_gate_up_v1", "moe_q8_down_v1"],
     },
@@ -137,9 +150,11 @@ const QTILE_VARIANTS: [QTileVariant; 2] = [
 const DEFAULT_QTILE_VARIANT: usize = 0;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`) of `threads` threads: the
-/// activation row as FP16 over `chunks` chunks of 64, and every warp's partial sums of a panel.
+/// activation row quantised (two INT8 rows over `chunks` chunks of 64, and the scale pairs of up
+/// to two groups a chunk), and every warp's partial sums of a panel.
 fn qdec_smem(chunks: usize, threads: u32) -> usize {
-    chunks * gpu_layout::CHUNK_K * 2 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
+    let k_pad = chunks * gpu_layout::CHUNK_K;
+    2 * k_pad + k_pad / 32 * 8 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
 }
 
 /// Threads of a quantised decode-path gate/up block (`MOE_QDEC_GU_THREADS` in moe.cu): 16 warps
@@ -945,11 +960,13 @@ impl GpuExperts {
         (MOE_PASS_SCRATCH_BYTES / self.scratch_per_token(top_k)).clamp(1, self.max_pass_tokens)
     }
 
-    /// Scratch bytes per token of a pass: per pair its sorted index, intermediate (f32 on the
-    /// decode path, two BF16 halves on the grouped one, padded) and output row; per token the
-    /// two BF16 halves of its activations.
+    /// Scratch bytes per token of a pass: per pair its sorted index, intermediate (f32, or two
+    /// BF16 halves, padded), its quantised copy (quantised experts: two INT8 rows and their
+    /// scales, under 3 bytes an element) and output row; per token its activations (two BF16
+    /// halves, or two INT8 rows and their scales).
     fn scratch_per_token(&self, top_k: usize) -> usize {
-        top_k * (1 + self.inter_pad + self.hidden) * 4 + self.hidden_pad * 4
+        let quant = if self.quant_layouts().is_some() { 3 * self.inter_pad } else { 0 };
+        top_k * ((1 + self.inter_pad + self.hidden) * 4 + quant) + self.hidden_pad * 4
     }
 
     /// `out[t, :] = Σ_j weights[t, j] · down_e(silu(gate_e x_t) · up_e x_t)` with `e = ids[t, j]`,
@@ -1008,14 +1025,32 @@ impl GpuExperts {
         let pass = self.tokens_per_pass(top_k).min(t);
         let max_pairs = pass * top_k;
         let (hp, ip) = (self.hidden_pad, self.inter_pad);
-        // `act`: the decode path's f32 intermediate [pairs, inter], or the grouped path's two BF16
-        // halves [pairs, inter_pad] each; `xs`: the two BF16 halves of x [pass, hidden_pad] each.
-        let sizes = |pairs: usize| [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * ip * 4, pairs * h * 4, pass * hp * 4];
+        // `act`: the f32 intermediate [pairs, inter] (decode path) or [pairs, inter_pad]
+        // (quantised tiles), or the BF16 tiles' two halves [pairs, inter_pad] each; `xs`: the two
+        // BF16 halves of x [pass, hidden_pad] each, or x quantised (two INT8 rows, scales);
+        // `actq`: the quantised tiles' intermediate quantised (the same form).
+        let (gs13, gs2) = self.quant_layouts().map_or((MOE_PAD, MOE_PAD), |(l13, l2)| (l13.gs, l2.gs));
+        let quantised = self.quant_layouts().is_some();
+        let sizes = |pairs: usize| {
+            let [xq, xsc] = quant_rows_bytes(pass, hp, gs13);
+            let [aq, asc] = if quantised { quant_rows_bytes(pairs, ip, gs2) } else { [0, 0] };
+            [
+                (e + 1) * 4,
+                (e + 1) * 4,
+                pairs * 4,
+                pairs * ip * 4,
+                pairs * h * 4,
+                (pass * hp * 4).max(xq + xsc),
+                aq + asc,
+            ]
+        };
         let g = ctx.lock(dev, OP, Carve::total(&sizes(max_pairs)))?;
         let mut carve = Carve::new(g.scratch_ptr());
-        let [offsets, tile_offsets, sorted, act, ypair, xs] = sizes(max_pairs).map(|b| carve.take(b));
+        let [offsets, tile_offsets, sorted, act, ypair, xs, actq] = sizes(max_pairs).map(|b| carve.take(b));
         let (act_hi, act_lo) = (act, act + (max_pairs * ip * 2) as u64);
         let (xs_hi, xs_lo) = (xs, xs + (pass * hp * 2) as u64);
+        let (xq, xq_scales) = (xs, xs + quant_rows_bytes(pass, hp, gs13)[0] as u64);
+        let (aq, aq_scales) = (actq, actq + quant_rows_bytes(max_pairs, ip, gs2)[0] as u64);
 
         let s = dev.stream();
         let (x_p, _g1) = x.device_ptr(s);
@@ -1051,7 +1086,7 @@ impl GpuExperts {
         );
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
-        let f16_rows = dev.function(&MOE, "moe_f16_rows")?;
+        let quant_rows = dev.function(&MOE, "moe_quant_rows")?;
         // Quantised experts: the layouts' kernel arguments and the tile and decode kernels, once
         // per call.
         let quant = match self.quant_layouts() {
@@ -1113,6 +1148,8 @@ impl GpuExperts {
             // the kernel waits for the previous kernel before touching memory.
             unsafe { dev.launch_dependent(OP, &combine, cfg, &mut args, true) }
         };
+        // An INT4 weight byte holds 16·q: its sums take the activation scales / 16 (exact).
+        let unit = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 0.0625f32 } else { 1.0 };
         let mut t0 = 0;
         while t0 < t {
             let nt = pass.min(t - t0);
@@ -1130,16 +1167,16 @@ impl GpuExperts {
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: qdec_smem(chunks, threads) as u32,
                 };
-                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &act_hi, &ldw2, &ids_t, &e_i];
+                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &unit, &act, &ldw2, &ids_t, &e_i];
                 let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
-                // act_hi [pairs, ldw2], every column written (grid.y = p13 / 2 = ldw2 / 64); the
+                // act [pairs, ldw2] f32, every column written (grid.y = p13 / 2 = ldw2 / 64); the
                 // kernel waits for the previous kernel before touching memory.
                 let cfg = grid(q.0.panels() / 2, q.0.chunks(), MOE_QDEC_GU_THREADS);
                 unsafe { dev.launch_dependent(OP, dec_gu, cfg, &mut args, true) }?;
-                let rest = kernel_args![&h_i, &act_hi, &i_i, &ldw2, &ypair, &ids_t, &e_i];
+                let rest = kernel_args![&h_i, &act, &i_i, &ldw2, &unit, &ypair, &ids_t, &e_i];
                 let mut args: Vec<_> = a2.params().into_iter().chain(rest).collect();
-                // SAFETY: w2/s2 [E, l2]; act_hi [pairs, ldw2]; ypair [pairs, hidden], columns
+                // SAFETY: w2/s2 [E, l2]; act [pairs, ldw2]; ypair [pairs, hidden], columns
                 // below hidden only; waits as above.
                 let cfg = grid(q.1.panels(), q.1.chunks(), MOE_QDEC_DN_THREADS);
                 unsafe { dev.launch_dependent(OP, dec_dn, cfg, &mut args, true) }?;
@@ -1168,57 +1205,92 @@ impl GpuExperts {
                 continue;
             }
 
-            // A of the tiles: x as BF16 halves (BF16 weights), or one FP16 copy (quantised).
-            let mut b = s.launch_builder(if quant.is_some() { &f16_rows } else { &split });
-            b.arg(&x_t).arg(&h_i).arg(&xs_hi);
-            if quant.is_none() {
-                b.arg(&xs_lo);
+            // Quantised experts: x [nt, hidden] into two INT8 rows per token and their scales
+            // (`moe_quant_rows`, the CPU's activation quantiser), in the weights' groups.
+            let launch_quant_rows =
+                |src: &u64, rows: usize, k: usize, ldx: usize, ld: usize, gs: usize, q: &u64, sc: &u64| {
+                    let ng = ld / gs;
+                    let (k_i, ldx_i, ld_i, gs_i, ng_i) = (k as i32, ldx as i32, ld as i32, gs as i32, ng as i32);
+                    let mut b = s.launch_builder(&quant_rows);
+                    b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&unit);
+                    let cfg = LaunchConfig {
+                        grid_dim: (rows as u32, ng.div_ceil(MOE_QUANT_WARPS) as u32, 1),
+                        block_dim: (32 * MOE_QUANT_WARPS as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    };
+                    // SAFETY: src [rows, ldx] f32 (read below k only), q [rows, 2, ld] bytes and sc
+                    // [rows, ld / gs] float pairs in the scratch (quant_rows_bytes); gs divides ld.
+                    unsafe { b.launch(cfg) }.map_err(launch_err(OP))
+                };
+            if quant.is_some() {
+                launch_quant_rows(&x_t, nt, h, h, hp, gs13, &xq, &xq_scales)?;
+            } else {
+                // A of the BF16 tiles: x as two BF16 halves.
+                let mut b = s.launch_builder(&split);
+                b.arg(&x_t).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&ldw13);
+                let cfg = LaunchConfig {
+                    grid_dim: (nt as u32, hp.div_ceil(SPLIT_THREADS as usize) as u32, 1),
+                    block_dim: (SPLIT_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: x [nt, hidden]; xs_hi and xs_lo [nt, hidden_pad] each in the scratch.
+                unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
             }
-            b.arg(&ldw13);
-            let cfg = LaunchConfig {
-                grid_dim: (nt as u32, hp.div_ceil(SPLIT_THREADS as usize) as u32, 1),
-                block_dim: (SPLIT_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: x [nt, hidden]; xs_hi (and xs_lo) [nt, hidden_pad] each in the scratch;
-            // both kernels take these arguments.
-            unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
 
+            // Pairs per tile: the quantised variant's, else MOE_TM.
+            let tm = if quant.is_some() { self.qvariant.pairs } else { MOE_TM };
+            let tm_i = tm as i32;
             let mut b = s.launch_builder(&route);
-            b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
+            b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&tm_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
             let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (ROUTE_THREADS, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: ids [pairs]; offsets/tile_offsets [E+1] and sorted [pairs] in the scratch.
             unsafe { b.launch(one) }.map_err(launch_err(OP))?;
 
             // Upper bound on the tiles: each non-empty expert adds at most one partial tile, and
             // no tile is empty. Blocks past the device-side count exit at once.
-            let max_tiles = pairs.min(pairs.div_ceil(MOE_TM) + e.min(pairs)) as u32;
+            let max_tiles = pairs.min(pairs.div_ceil(tm) + e.min(pairs)) as u32;
             let grid = |n_out: usize, gated: bool| LaunchConfig {
                 grid_dim: (max_tiles, n_out.div_ceil(if gated { MOE_BN } else { MOE_BN_DOWN }) as u32, 1),
                 block_dim: (MOE_THREADS, 1, 1),
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
             if let Some((q, a13, a2, [q_gate_up, q_down], _)) = &quant {
-                // One FP16 copy of x (in xs_hi) and of the intermediate (in act_hi).
                 let v = self.qvariant;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
-                    block_dim: (64 * v.panels as u32, 1, 1),
+                    block_dim: (2 * (v.pairs * v.panels) as u32, 1, 1),
                     shared_mem_bytes: qtile_smem(q.1.bits, v) as u32,
                 };
-                let rest =
-                    kernel_args![&i_i, &xs_hi, &ldw13, &k_i, &act_hi, &ldw2, &sorted, &offsets, &tile_offsets, &e_i];
+                let (ng13, ng2) = ((hp / gs13) as i32, (ip / gs2) as i32);
+                let rest = kernel_args![
+                    &i_i,
+                    &xq,
+                    &xq_scales,
+                    &ng13,
+                    &ldw13,
+                    &k_i,
+                    &act,
+                    &ldw2,
+                    &sorted,
+                    &offsets,
+                    &tile_offsets,
+                    &e_i
+                ];
                 let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13]; blocks read gate panels below p13 / 2 and the matching
-                // up panels (others zero-filled) and chunks < c13; xs_hi [nt, ldw13 = 64·c13];
-                // act_hi [pairs, ldw2], every column below ldw2 written, none past it; ids checked
-                // on the device as above. An ordinary launch (the tiles do not wait).
+                // up panels (others zero-filled) and chunks < c13; xq [nt, 2, ldw13 = 64·c13] and
+                // its scales [nt, ng13]; act [pairs, ldw2] f32, every column below ldw2 written,
+                // none past it; ids checked on the device as above. An ordinary launch (the tiles
+                // do not wait).
                 let cfg = qgrid(ip, v.panels / 2 * gpu_layout::PANEL_ROWS);
                 unsafe { dev.launch_dependent(OP, q_gate_up, cfg, &mut args, false) }?;
-                let rest = kernel_args![&h_i, &act_hi, &ldw2, &ypair, &sorted, &offsets, &tile_offsets, &e_i];
+                launch_quant_rows(&act, pairs, i, ip, ip, gs2, &aq, &aq_scales)?;
+                let rest =
+                    kernel_args![&h_i, &aq, &aq_scales, &ng2, &ldw2, &ypair, &sorted, &offsets, &tile_offsets, &e_i];
                 let mut args: Vec<_> = a2.params().into_iter().chain(rest).collect();
-                // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); act_hi [pairs,
-                // ldw2 = 64·c2]; ypair [pairs, hidden], columns below hidden only.
+                // SAFETY: w2/s2 [E, l2] (panels past p2 zero-filled, never read); aq [pairs, 2,
+                // ldw2 = 64·c2] and its scales [pairs, ng2]; ypair [pairs, hidden], columns below
+                // hidden only.
                 let cfg = qgrid(h, v.panels * gpu_layout::PANEL_ROWS);
                 unsafe { dev.launch_dependent(OP, q_down, cfg, &mut args, false) }?;
                 launch_combine(&ypair, &ids_t, &w_t, &out_t, nt_i)?;

@@ -1,13 +1,15 @@
-//! `GpuExperts` with INT4 / INT8 weights in the GPU tile layout against a scalar f64 twin that
-//! makes the kernel's roundings on purpose: x and the SwiGLU intermediate rounded to FP16, each
-//! weight `q · scale` (the f16 scale) rounded to FP16. What the twin cannot predict (f32
-//! accumulation order, an intermediate landing on the other side of an FP16 rounding boundary) is
-//! bounded, not
-//! estimated, so a dropped k chunk, a wrong scale group, a swapped nibble or a wrong panel is far
-//! outside. Cases: decode (t = 1), prefill, ragged shapes (rows and K not multiples of the 64-row
-//! panels or 64-k chunks, group sizes 32 / 64 / 128), the second down panel past the matrix,
-//! several passes, one expert for every token, out-of-range ids, and bitwise determinism; each
-//! through the default path, the tiles (every compiled shape) and the decode (GEMV-style) path.
+//! `GpuExperts` with INT4 / INT8 weights in the GPU tile layout against a scalar f64 twin of the
+//! arithmetic both paths (tiles and decode) share with the CPU's expert kernels: activations
+//! quantised per weight group into a value and a residual INT8 row (the CPU quantiser's steps,
+//! written out again here), exact integer sums with the stored q, scaled per group. The twin
+//! quantises x the same way (so the sums are exactly the kernel's) and the intermediate from its
+//! own value. What it cannot predict (f32 accumulation order, the kernel's intermediate
+//! quantising to a neighbour of the twin's) is bounded, not estimated, so a dropped k chunk, a
+//! wrong scale group, a swapped nibble or a wrong panel is far outside. Cases: decode (t = 1),
+//! prefill, ragged shapes (rows and K not multiples of the 64-row panels or 64-k chunks, group
+//! sizes 32 / 64 / 128), the second down panel past the matrix, several passes, one expert for
+//! every token, out-of-range ids, and bitwise determinism; each through the default path, the
+//! tiles (every compiled shape) and the decode path.
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; with `KRASIS_REQUIRE_GPU=1` a
 //! missing GPU fails instead.
@@ -30,19 +32,38 @@ struct Expert {
     down: QuantizedMatrix,
 }
 
-/// `x` rounded to the nearest FP16, as f32 (the twin's inputs stay far inside its range).
-fn f16_round(x: f32) -> f32 {
-    half::f16::from_f32(x).to_f32()
+/// One activation group as the CPU quantises it (krasis-cpu quant/actq.rs): q =
+/// round-half-even(clamp(x · (127 / amax))), scale amax / 127, each an f32 operation.
+fn quant_group(xg: &[f32]) -> (Vec<i32>, f32) {
+    let amax = xg.iter().fold(0f32, |a, v| a.max(v.abs()));
+    if amax == 0.0 {
+        return (vec![0; xg.len()], 0.0);
+    }
+    let inv = 127.0 / amax;
+    (xg.iter().map(|&v| (v * inv).clamp(-127.0, 127.0).round_ties_even() as i32).collect(), amax / 127.0)
 }
 
-/// The weights as the kernel multiplies them: `f16(q · scale)` (the f16 scale, the product exact
-/// in f32), row-major.
+/// `x` (a row of `k`) in groups of `gs` as the tiles see it: per element the value part and the
+/// residual part (q · s each, exact in f64), and per group the bound on how far a value within
+/// `slack` of x can quantise from it (both parts' half steps plus the value step it may cross).
+fn quant_row(x: &[f32], gs: usize) -> (Vec<[f64; 2]>, Vec<f64>) {
+    let (mut parts, mut step) = (Vec::with_capacity(x.len()), Vec::new());
+    for xg in x.chunks(gs) {
+        let (qh, sh) = quant_group(xg);
+        let resid: Vec<f32> = xg.iter().zip(&qh).map(|(&v, &q)| v - q as f32 * sh).collect();
+        let (ql, sl) = quant_group(&resid);
+        parts.extend(qh.iter().zip(&ql).map(|(&h, &l)| [h as f64 * sh as f64, l as f64 * sl as f64]));
+        step.push(sh as f64 / 127.0 + sl as f64);
+    }
+    (parts, step)
+}
+
+/// The weights `q · scale` (exact), row-major.
 fn kernel_weights(m: &QuantizedMatrix) -> Vec<f64> {
     let mut out = Vec::with_capacity(m.rows * m.k);
     for r in 0..m.rows {
         for c in 0..m.k {
-            let s = m.scale(r, c / m.gs);
-            out.push(f16_round(m.q[r * m.k + c] as f32 * s) as f64);
+            out.push((m.q[r * m.k + c] as f32 * m.scale(r, c / m.gs)) as f64);
         }
     }
     out
@@ -65,11 +86,21 @@ fn twin(
     let t = x.len() / hidden;
     let ew: Vec<[Vec<f64>; 3]> =
         experts.iter().map(|e| [kernel_weights(&e.gate), kernel_weights(&e.up), kernel_weights(&e.down)]).collect();
+    let (gs13, gs2) = (experts[0].gate.gs, experts[0].down.gs);
     let (mut out, mut tol) = (vec![0f32; t * hidden], vec![0f32; t * hidden]);
     // f32 accumulation over n terms: at most n·u·Σ|terms| (a hard bound, loose on purpose).
     let acc_bound = |n: usize, abs: f64| (n as f64 + 4.0) * U * abs;
+    // The sum of row · a, Σ|terms| and the number of f32 roundings the kernel makes: each
+    // group's value and residual sums are exact integers, added with a few roundings per k32
+    // step at most (the decode path adds every step).
+    let dot = |row: &[f64], a: &[[f64; 2]], k: usize| {
+        let v: f64 = row.iter().zip(a).map(|(w, p)| w * (p[0] + p[1])).sum();
+        let abs: f64 = row.iter().zip(a).map(|(w, p)| (w * p[0]).abs() + (w * p[1]).abs()).sum();
+        (v, abs, 3 * k.div_ceil(32) + 4)
+    };
     for tok in 0..t {
-        let xt: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| f16_round(v) as f64).collect();
+        let xrow = &x[tok * hidden..(tok + 1) * hidden];
+        let xt = quant_row(xrow, gs13).0;
         if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= experts.len()) {
             out[tok * hidden..(tok + 1) * hidden].fill(f32::NAN);
             continue;
@@ -77,26 +108,30 @@ fn twin(
         let mut ys = Vec::new();
         for j in 0..top_k {
             let [g_w, u_w, d_w] = &ew[ids[tok * top_k + j] as usize];
-            let (mut act, mut act_err) = (vec![0f64; inter], vec![0f64; inter]);
+            let (mut act, mut act_err) = (vec![[0f64; 2]; inter], vec![0f64; inter]);
+            let mut act_f32 = vec![0f32; inter];
             for i in 0..inter {
-                let (gr, ur) = (&g_w[i * hidden..(i + 1) * hidden], &u_w[i * hidden..(i + 1) * hidden]);
-                let g: f64 = gr.iter().zip(&xt).map(|(a, b)| a * b).sum();
-                let u: f64 = ur.iter().zip(&xt).map(|(a, b)| a * b).sum();
-                let eg = acc_bound(hidden, gr.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
-                let eu = acc_bound(hidden, ur.iter().zip(&xt).map(|(a, b)| (a * b).abs()).sum());
+                let (g, abs_g, ng) = dot(&g_w[i * hidden..(i + 1) * hidden], &xt, hidden);
+                let (u, abs_u, nu) = dot(&u_w[i * hidden..(i + 1) * hidden], &xt, hidden);
+                let (eg, eu) = (acc_bound(ng, abs_g), acc_bound(nu, abs_u));
                 let a = silu(g) * u;
-                act[i] = f16_round(a as f32) as f64;
-                // The kernel's f32 value (within the accumulation bound, expf a few ulp) may round
-                // to the FP16 neighbour of the twin's: one FP16 step, 2^-10 relative, at most.
-                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 8.0 * U * a.abs() + a.abs() / 1024.0;
+                act_f32[i] = a as f32;
+                // The kernel's f32 value: within the accumulation bounds, expf a few ulp.
+                act_err[i] = 1.1 * u.abs() * eg + silu(g).abs() * eu + 8.0 * U * a.abs();
+            }
+            // The twin's intermediate quantised; the kernel's, within act_err of it, may quantise
+            // to neighbours: at most its distance plus one step of each part.
+            let (parts, step) = quant_row(&act_f32, gs2);
+            act.copy_from_slice(&parts);
+            for (i, e) in act_err.iter_mut().enumerate() {
+                *e += step[i / gs2];
             }
             let mut y = vec![(0f64, 0f64); hidden];
             for h in 0..hidden {
                 let row = &d_w[h * inter..(h + 1) * inter];
-                let v: f64 = row.iter().zip(&act).map(|(a, b)| a * b).sum();
-                let abs: f64 = row.iter().zip(&act).map(|(a, b)| (a * b).abs()).sum();
+                let (v, abs, n) = dot(row, &act, inter);
                 let prop: f64 = row.iter().zip(&act_err).map(|(a, e)| a.abs() * e).sum();
-                y[h] = (v, prop + acc_bound(inter, abs));
+                y[h] = (v, prop + acc_bound(n, abs));
             }
             ys.push(y);
         }
@@ -209,9 +244,8 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
     let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
     let (want, tol) = twin(&experts, h, i, &x, &ids, &weights, c.top_k);
     let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
-    // The default choice, then forced through the tiles and the decode (GEMV-style) path: both
-    // make the same roundings, so one twin judges all three.
-    // The tiles in every compiled shape (panels per block, buffers).
+    // The default choice, then forced through the tiles (every compiled shape: panels per block,
+    // buffers) and the decode (GEMV-style) path: the same arithmetic, so one twin judges all.
     let mut paths = vec![("default".to_string(), DECODE_MAX_PAIRS, 0)];
     paths.extend((0..GpuExperts::TILE_VARIANTS).map(|v| (format!("tiles v{v}"), 0, v)));
     paths.push(("decode".to_string(), usize::MAX, 0));

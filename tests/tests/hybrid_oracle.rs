@@ -199,8 +199,10 @@ fn check_streamed(name: &str) {
 
 /// A split prefill (`StreamSplit::Share`): the GPU runs the first experts of every layer from the
 /// streamed slots while the CPU runs the routes to the others. Both halves are the same quantised
-/// experts, so the logits must agree with the whole model on the GPU (resident experts) and with
-/// the hybrid on CPU experts alone, within the two devices' rounding; the CPU must have served
+/// experts computed the same way, so the logits must agree with the whole model on the GPU
+/// (resident experts) and with the hybrid on CPU experts alone (relative error ≤ 1e-3, #9's bar
+/// for a strategy; f32 summation order apart, the devices' expert outputs are the same); the CPU
+/// must have served
 /// every MoE layer of the prefill. A share of 0 is the plain CPU-expert prefill, bit for bit.
 fn check_split(name: &str) {
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
@@ -228,6 +230,9 @@ fn check_split(name: &str) {
     };
     let rel = krasis_tests::rel_l2(&cpu_only, &resident);
     eprintln!("{name} CPU experts vs resident GPU experts: relative error {rel:.2e}");
+    // #9's bar for a strategy: the logits of `persistent` within 1e-3 (the GPU's quantised
+    // experts compute what the CPU's do).
+    assert!(rel <= 1e-3, "{name}: CPU experts vs resident GPU experts: relative error {rel:.2e}");
     for share in [0.25, 0.5, 0.75] {
         let m = GpuModel::load_hybrid(&dir, &opts(StreamSplit::Share(share)), &cpu).unwrap();
         let (split, calls) = run(&m);
@@ -240,6 +245,7 @@ fn check_split(name: &str) {
                 f.mean_cos, f.top1
             );
             assert!(f.mean_cos >= 0.999 && f.top1 >= 0.9, "{name} split {share} vs {what}: {f:?}");
+            assert!(rel <= 1e-3, "{name} split {share} vs {what}: relative error {rel:.2e}");
         }
     }
     let m = GpuModel::load_hybrid(&dir, &opts(StreamSplit::Share(0.0)), &cpu).unwrap();
@@ -270,7 +276,7 @@ fn prefill_and_three_steps(m: &GpuModel, r: &krasis_tests::Reference) -> (Vec<f3
 /// `hot_cached_static`: the experts a heatmap ranks hottest pinned in VRAM, the CPU running the
 /// others' routes beside them in every MoE layer, prefill and decode. Every expert pinned, the
 /// logits are the resident GPU experts' (relative error ≤ 1e-3, #9's bar for a strategy); about
-/// half of them, they agree with both devices within their rounding, as a split prefill does.
+/// half of them, they agree with both devices within the same bar, as a split prefill does.
 fn check_hot(name: &str) {
     use krasis_model::gpu::{CachePlan, CacheStrategy};
     use krasis_model::heatmap::ExpertHeat;
@@ -323,6 +329,7 @@ fn check_hot(name: &str) {
             f.mean_cos, f.top1
         );
         assert!(f.mean_cos >= 0.999 && f.top1 >= 0.9, "{name} {p} pinned vs {what}: {f:?}");
+        assert!(rel <= 1e-3, "{name} {p} pinned vs {what}: relative error {rel:.2e}");
     }
 }
 
