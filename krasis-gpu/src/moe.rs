@@ -17,13 +17,13 @@
 //! the same combine. At t = 1 each selected expert's weights are still read once, now at close
 //! to streaming bandwidth rather than through shared-memory tiles.
 //!
-//! INT4 / INT8 experts (the GPU tile layout of [`krasis_quant::gpu_layout`]) multiply in FP16
-//! instead: the stored q values and f16 scales are exact in it, each dequantised weight and each
-//! activation rounds once to FP16 (2^-11 relative at most, against BF16's 2^-8), one product per
-//! k step at BF16's tensor-core speed, magnitudes beyond ±65504 saturating. It brings the GPU's
-//! experts nearer the CPU's (about f32-accurate, INT8 value + residual activations): on the
-//! oracle fixtures the logits of CPU against GPU experts moved from 1.9–6.3e-3 to 0.7–2.5e-3
-//! relative L2 (docs/BENCHMARKS.md).
+//! INT4 / INT8 experts (the GPU tile layout of [`krasis_quant::gpu_layout`]) compute what the
+//! CPU's expert kernels compute: the activations are quantised per weight group into a value and
+//! a residual INT8 row with the CPU quantiser's steps (`moe_quant_rows`, or inside the decode
+//! kernels), each group's products are exact integer sums on the tensor cores (`mma.sync`
+//! m16n8k32 s8) and the sums are scaled per group in f32. So an expert's output is the same on
+//! either device up to f32 summation order, and a strategy that runs some experts on the CPU
+//! gives `persistent`'s logits (≤ 8.6e-4 relative L2 on the oracle fixtures, docs/BENCHMARKS.md).
 //!
 //! Ids outside `[0, n_experts)` never index the weights: such a pair is left out of the grouping
 //! and its token's output row is NaN (as the embedding gather does for bad token ids).
