@@ -311,8 +311,8 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 //   - weights are the stored integers q (INT4 nibbles as 16·q in the high half of a byte, INT8
 //     bytes as q), so each group's products are exact integer sums on the tensor cores
 //     (mma.sync m16n8k32 s8, s32 accumulators);
-//   - once per group the sums become f32: y += sum·(s_w·s_x), value row then residual row; an
-//     INT4 sum is 16 times the CPU's, so its s_w is taken / 16 (exact).
+//   - once per group the sums become f32: y += sum·(s_w·s_x), value row and residual row; an
+//     INT4 sum is 16 times the CPU's, so its activation scales are taken / 16 (exact).
 // Same grouping and grid as the BF16 tiles, TM = 32 or 64 pairs a tile (2·TM staged A rows: a
 // pair's value and residual rows in one 16-row slice, rows g and g + 8); weights: each (64-row panel,
 // 64-k chunk) block is one contiguous 2 KiB (INT4) or 4 KiB (INT8) copy in fragment order (a lane
@@ -348,7 +348,9 @@ __device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, sign
     const bool ok = m != 0 && m < 0x7f800000u;
     const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
     for (int j = lane; j < gs; j += 32) {
-        const float c = fminf(fmaxf(__fmul_rn(value(j), inv), -127.0f), 127.0f);
+        // 0 · inf (a subnormal amax) is NaN, which the CPU's clamp keeps and then zeroes.
+        const float p = __fmul_rn(value(j), inv);
+        const float c = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
         dst[moe_qpos(j)] = ok ? (signed char)__float2int_rn(c) : (signed char)0;
     }
     return m == 0 ? 0.0f : ok ? __fdiv_rn(amax, 127.0f) : __uint_as_float(0x7fc00000u);
