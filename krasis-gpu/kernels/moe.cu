@@ -356,6 +356,21 @@ __device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, sign
     return m == 0 ? 0.0f : ok ? __fdiv_rn(amax, 127.0f) : __uint_as_float(0x7fc00000u);
 }
 
+// One group of an activation row as the CPU quantises it (krasis-cpu moe.rs quantize_acts_split):
+// xg's first kn values (zero past them, gs in all) into the value row hi and, from the residual
+// x − q·s_hi (one multiply, one subtraction, as the CPU forms it), the residual row lo, both in
+// moe_qpos order; returns (s_hi, s_lo) times `unit` (exact: a power of two). One warp.
+__device__ __forceinline__ float2 moe_quant_split(const float* __restrict__ xg, int kn, int gs, int lane,
+                                                  signed char* __restrict__ hi, signed char* __restrict__ lo,
+                                                  float unit) {
+    auto xv = [&](int j) { return j < kn ? xg[j] : 0.0f; };
+    const float s_hi = moe_quant_group(xv, gs, lane, hi);
+    __syncwarp();
+    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j)], s_hi)); };
+    const float s_lo = moe_quant_group(rv, gs, lane, lo);
+    return make_float2(s_hi * unit, s_lo * unit);
+}
+
 // x [rows, ldx] f32 (k values a row, zero past k) -> q [rows, 2, ldq] INT8 (value row, residual
 // row, each in moe_qpos order; ldq = ng · gs, a multiple of 32) and scales [rows, ng] as (s_hi,
 // s_lo) times `unit` (a power of two: 1/16 for INT4 weights, whose bytes hold 16·q; exact).
@@ -368,17 +383,9 @@ extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, in
     if (grp >= ng) return;  // uniform over the warp
     const long long row = blockIdx.x;
     const int k0 = grp * gs;
-    const float* xr = x + row * ldx + k0;
-    const int kn = min(gs, max(k - k0, 0));  // real values in this group
     signed char* hi = q + row * 2 * ldq + k0;
-    signed char* lo = hi + ldq;
-    auto xv = [&](int j) { return j < kn ? xr[j] : 0.0f; };
-    const float s_hi = moe_quant_group(xv, gs, lane, hi);
-    __syncwarp();
-    // The residual x − q·s_hi, as the CPU forms it (one multiply, one subtraction).
-    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j)], s_hi)); };
-    const float s_lo = moe_quant_group(rv, gs, lane, lo);
-    if (lane == 0) scales[row * ng + grp] = make_float2(s_hi * unit, s_lo * unit);
+    const float2 s = moe_quant_split(x + row * ldx + k0, min(gs, max(k - k0, 0)), gs, lane, hi, hi + ldq, unit);
+    if (lane == 0) scales[row * ng + grp] = s;
 }
 
 // d[16x8] += a[16x32] · b[32x8], s8 x s8 -> s32 (fragments as the PTX ISA's m16n8k32).
@@ -403,6 +410,8 @@ __device__ __forceinline__ u32 int4_s8x16(u32 w, int odd) {
     const u32 even_nib = (f << 4) & 0xf0f0f0f0u, odd_nib = f & 0xf0f0f0f0u;  // nibbles 0,2,4,6 / 1,3,5,7
     return __byte_perm(even_nib, odd_nib, odd ? 0x7531 : 0x6420);
 }
+// An INT8 word's 4 bytes (stored u = q + 128) as s8 q: u − 128 is the sign bit flipped.
+__device__ __forceinline__ u32 int8_s8(u32 w) { return w ^ 0x80808080u; }
 #define MOE_MAGIC_I 0x4B400000   // bits of 1.5 · 2^23: an int acc started here holds 1.5·2^23 + s as
 #define MOE_MAGIC_F 12582912.0f  // float bits while |s| < 2^22, true for up to MOE_MAGIC_GS k values
 #define MOE_MAGIC_GS 256         // (|s| ≤ 256 · 127 · 127; INT4 16 · 7 · 127)
@@ -413,9 +422,8 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     return v;
 }
 
-// One tile of TM pairs of one expert, quantised weights; PB panels of 64 rows per block, 2·PB·TM/32
-// warps, S
-// shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
+// One tile of TM pairs of one expert, quantised weights; PB panels of 64 rows per block,
+// 2·PB·TM/32 warps, S shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
 // G·blockIdx.y + i (i < G = PB / 2) of w13 (gate rows then up rows, each padded to whole panels);
 // act = silu(gate) * up to out[p, ldo] (f32) for every column of the block's 64·G columns (zero
 // past n_out). Else panels PB·blockIdx.y + i of w2 to out[p, ldo] for columns below n_out. Panels
@@ -424,9 +432,8 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 // rows (slice m = rows 16m..: pair slot 8m + i's value row i and residual row 8 + i).
 //
 // Warp w = 2·PB·h + v takes slices 4h..4h + 3 (pairs 32h..; h = 0 for TM = 32) and column set v:
-// it unpacks only
-// its 4 n8 tiles (GATED: tiles 2(v%4), +1 of gate panel v/4 and the same up tiles; else tiles
-// 4(v%2)..+3 of panel v/2) and multiplies them by its 4 slices. Each output is one thread's f32 sum
+// it unpacks only its 4 n8 tiles (GATED: tiles 2(v%4), +1 of gate panel v/4 and the same up
+// tiles; else tiles 4(v%2)..+3 of panel v/2) and multiplies them by its 4 slices. Each output is one thread's f32 sum
 // over the groups in order, so the result does not depend on timing.
 template <bool GATED, int BITS, int TM, int PB, int S>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
@@ -527,8 +534,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int m0 = 4 * (warp / (2 * PB)), v = warp % (2 * PB);  // the warp's slices and column set
     const int slices = min(max((count + 7) / 8 - m0, 0), 4);   // its slices holding a pair (uniform)
-    // The warp's 4 n8 tiles as (staged panel, tile in panel): GATED (w/4, tt0), (w/4, tt0 + 1),
-    // (G + w/4, tt0), (G + w/4, tt0 + 1) with tt0 = 2(w % 4); else (w / 2, 4(w % 2) + j).
+    // The warp's 4 n8 tiles as (staged panel, tile in panel): GATED (v/4, tt0), (v/4, tt0 + 1),
+    // (G + v/4, tt0), (G + v/4, tt0 + 1) with tt0 = 2(v % 4); else (v / 2, 4(v % 2) + j).
     const int tp0 = GATED ? v / 4 : v / 2, tt0 = GATED ? 2 * (v % 4) : 4 * (v % 2);
     // Sums flush every group, and every MOE_MAGIC_GS within larger groups (same scales), so they
     // always convert by MOE_MAGIC.
@@ -573,7 +580,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                             b[j + 1][h] = int4_s8x16(word, 1);
                         }
                     } else {
-                        b[j][h] = lds32(wb + ((ks * 8 + t) * 32 + lane) * 4) ^ 0x80808080u;  // u - 128 = q
+                        b[j][h] = int8_s8(lds32(wb + ((ks * 8 + t) * 32 + lane) * 4));
                     }
                 }
             }
@@ -755,13 +762,9 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 
     const float* arow = a + (long long)(pair / a_div) * lda;
     for (int grp = warp; grp < kpad / gs; grp += WARPS) {
-        const int k0 = grp * gs, kn = min(gs, max(k - k0, 0));
-        auto xv = [&](int j) { return j < kn ? arow[k0 + j] : 0.0f; };
-        const float s_hi = moe_quant_group(xv, gs, lane, xq + k0);
-        __syncwarp();
-        auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)xq[k0 + moe_qpos(j)], s_hi)); };
-        const float s_lo = moe_quant_group(rv, gs, lane, xq + kpad + k0);
-        if (lane == 0) xsc[grp] = make_float2(s_hi * unit, s_lo * unit);
+        const int k0 = grp * gs;
+        const float2 s = moe_quant_split(arow + k0, min(gs, max(k - k0, 0)), gs, lane, xq + k0, xq + kpad + k0, unit);
+        if (lane == 0) xsc[grp] = s;
     }
     __syncthreads();
 
@@ -793,13 +796,13 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                     fa[2] = int4_s8x16(w1, 0);
                     fa[3] = int4_s8x16(w1, 1);
                 } else {
-                    fa[0] = vv[(2 * kk) * J + 2 * j] ^ 0x80808080u;
-                    fa[1] = vv[(2 * kk) * J + 2 * j + 1] ^ 0x80808080u;
-                    fa[2] = vv[(2 * kk + 1) * J + 2 * j] ^ 0x80808080u;
-                    fa[3] = vv[(2 * kk + 1) * J + 2 * j + 1] ^ 0x80808080u;
+                    fa[0] = int8_s8(vv[(2 * kk) * J + 2 * j]);
+                    fa[1] = int8_s8(vv[(2 * kk) * J + 2 * j + 1]);
+                    fa[2] = int8_s8(vv[(2 * kk + 1) * J + 2 * j]);
+                    fa[3] = int8_s8(vv[(2 * kk + 1) * J + 2 * j + 1]);
                 }
-                int s[4] = {MOE_MAGIC_I, MOE_MAGIC_I, MOE_MAGIC_I, MOE_MAGIC_I};
-                mma_s8(s, fa, b0, b1);
+                int s[4];
+                mma_s8_from(s, fa, b0, b1, MOE_MAGIC_I);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const float dh = __int_as_float(s[2 * r]) - MOE_MAGIC_F;

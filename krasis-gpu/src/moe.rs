@@ -1028,29 +1028,25 @@ impl GpuExperts {
         // `act`: the f32 intermediate [pairs, inter] (decode path) or [pairs, inter_pad]
         // (quantised tiles), or the BF16 tiles' two halves [pairs, inter_pad] each; `xs`: the two
         // BF16 halves of x [pass, hidden_pad] each, or x quantised (two INT8 rows, scales);
-        // `actq`: the quantised tiles' intermediate quantised (the same form).
-        let (gs13, gs2) = self.quant_layouts().map_or((MOE_PAD, MOE_PAD), |(l13, l2)| (l13.gs, l2.gs));
-        let quantised = self.quant_layouts().is_some();
+        // `actq`: the quantised tiles' intermediate quantised (the same form). gs13, gs2: the
+        // quantised experts' group sizes along x and the intermediate (0: BF16 experts).
+        let (gs13, gs2) = self.quant_layouts().map_or((0, 0), |(l13, l2)| (l13.gs, l2.gs));
         let sizes = |pairs: usize| {
-            let [xq, xsc] = quant_rows_bytes(pass, hp, gs13);
-            let [aq, asc] = if quantised { quant_rows_bytes(pairs, ip, gs2) } else { [0, 0] };
-            [
-                (e + 1) * 4,
-                (e + 1) * 4,
-                pairs * 4,
-                pairs * ip * 4,
-                pairs * h * 4,
-                (pass * hp * 4).max(xq + xsc),
-                aq + asc,
-            ]
+            let [xs, actq] = if gs13 > 0 {
+                [quant_rows_bytes(pass, hp, gs13).iter().sum(), quant_rows_bytes(pairs, ip, gs2).iter().sum()]
+            } else {
+                [pass * hp * 4, 0]
+            };
+            [(e + 1) * 4, (e + 1) * 4, pairs * 4, pairs * ip * 4, pairs * h * 4, xs, actq]
         };
         let g = ctx.lock(dev, OP, Carve::total(&sizes(max_pairs)))?;
         let mut carve = Carve::new(g.scratch_ptr());
         let [offsets, tile_offsets, sorted, act, ypair, xs, actq] = sizes(max_pairs).map(|b| carve.take(b));
         let (act_hi, act_lo) = (act, act + (max_pairs * ip * 2) as u64);
         let (xs_hi, xs_lo) = (xs, xs + (pass * hp * 2) as u64);
-        let (xq, xq_scales) = (xs, xs + quant_rows_bytes(pass, hp, gs13)[0] as u64);
-        let (aq, aq_scales) = (actq, actq + quant_rows_bytes(max_pairs, ip, gs2)[0] as u64);
+        // Quantised rows, then their scales (quant_rows_bytes).
+        let (xq, xq_scales) = (xs, xs + (pass * 2 * hp) as u64);
+        let (aq, aq_scales) = (actq, actq + (max_pairs * 2 * ip) as u64);
 
         let s = dev.stream();
         let (x_p, _g1) = x.device_ptr(s);
@@ -1150,6 +1146,23 @@ impl GpuExperts {
         };
         // An INT4 weight byte holds 16·q: its sums take the activation scales / 16 (exact).
         let unit = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 0.0625f32 } else { 1.0 };
+        // Quantised experts: `rows` f32 rows (x, the intermediate) into two INT8 rows each and
+        // their scales (`moe_quant_rows`, the CPU's activation quantiser), in the weights' groups.
+        let launch_quant_rows =
+            |src: &u64, rows: usize, k: usize, ldx: usize, ld: usize, gs: usize, q: &u64, sc: &u64| {
+                let ng = ld / gs;
+                let (k_i, ldx_i, ld_i, gs_i, ng_i) = (k as i32, ldx as i32, ld as i32, gs as i32, ng as i32);
+                let mut b = s.launch_builder(&quant_rows);
+                b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&unit);
+                let cfg = LaunchConfig {
+                    grid_dim: (rows as u32, ng.div_ceil(MOE_QUANT_WARPS) as u32, 1),
+                    block_dim: (32 * MOE_QUANT_WARPS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: src [rows, ldx] f32 (read below k only), q [rows, 2, ld] bytes and sc
+                // [rows, ld / gs] float pairs in the scratch (quant_rows_bytes); gs divides ld.
+                unsafe { b.launch(cfg) }.map_err(launch_err(OP))
+            };
         let mut t0 = 0;
         while t0 < t {
             let nt = pass.min(t - t0);
@@ -1205,23 +1218,6 @@ impl GpuExperts {
                 continue;
             }
 
-            // Quantised experts: x [nt, hidden] into two INT8 rows per token and their scales
-            // (`moe_quant_rows`, the CPU's activation quantiser), in the weights' groups.
-            let launch_quant_rows =
-                |src: &u64, rows: usize, k: usize, ldx: usize, ld: usize, gs: usize, q: &u64, sc: &u64| {
-                    let ng = ld / gs;
-                    let (k_i, ldx_i, ld_i, gs_i, ng_i) = (k as i32, ldx as i32, ld as i32, gs as i32, ng as i32);
-                    let mut b = s.launch_builder(&quant_rows);
-                    b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&unit);
-                    let cfg = LaunchConfig {
-                        grid_dim: (rows as u32, ng.div_ceil(MOE_QUANT_WARPS) as u32, 1),
-                        block_dim: (32 * MOE_QUANT_WARPS as u32, 1, 1),
-                        shared_mem_bytes: 0,
-                    };
-                    // SAFETY: src [rows, ldx] f32 (read below k only), q [rows, 2, ld] bytes and sc
-                    // [rows, ld / gs] float pairs in the scratch (quant_rows_bytes); gs divides ld.
-                    unsafe { b.launch(cfg) }.map_err(launch_err(OP))
-                };
             if quant.is_some() {
                 launch_quant_rows(&x_t, nt, h, h, hp, gs13, &xq, &xq_scales)?;
             } else {
