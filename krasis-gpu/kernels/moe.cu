@@ -324,23 +324,28 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
                        // (8 rows x 16 bytes) hit 32 different banks
 #define MOE_QUANT_WARPS 4  // moe_quant_rows: groups per block (must match moe.rs)
 
-// Position of k (within its 32-wide window) in a quantised activation row. The stored weight
-// fragments give lane (g, q) the k values {2q, 2q+1, 2q+8, 2q+9} of each 16-wide half (the
-// m16n8k16 order); the m16n8k32 s8 fragments take bytes 4q..4q+3 of each half. An integer dot
-// product does not depend on the order of its terms, so the activations are stored permuted to
-// the weights' order: k -> 16·half + 4·((k & 7) >> 1) + 2·((k >> 3) & 1) + (k & 1).
-__device__ __forceinline__ int moe_qpos(int k) {
-    const int r = k & 15;
-    return (k & ~15) + 4 * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
+// Position of k (within its 32-wide window) in a quantised activation row for weights of `bits`.
+// The stored weight fragments give lane (g, q) the k values {2q, 2q+1, 2q+8, 2q+9} of each
+// 16-wide half h (the m16n8k16 order); an m16n8k32 s8 fragment takes positions 4q..4q+3 of
+// register 0 (positions 0..15) and of register 1 (16..31). An integer dot product does not depend
+// on the order of its terms, so the activations are stored permuted to the order in which the
+// weights' fragments are built:
+//   INT8 (a word per half, as stored): k -> 16·h + 4·((k & 7) >> 1) + 2·((k >> 3) & 1) + (k & 1);
+//   INT4 (int4_frags: low nibbles to register 0, high to 1): k -> 16·((k >> 3) & 1) +
+//   4·((k & 7) >> 1) + 2·h + (k & 1).
+__device__ __forceinline__ int moe_qpos(int k, int bits) {
+    const int r = k & 15, h = (k >> 4) & 1;
+    return bits == 4 ? (k & ~31) + 16 * (r >> 3) + 4 * ((r & 7) >> 1) + 2 * h + (r & 1)
+                     : (k & ~15) + 4 * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
 }
 
 // One activation group as the CPU quantises it (krasis-cpu quant/actq.rs group_body), with one
 // value per lane step: amax over the |x| bit patterns, q = round-half-even(clamp(x · (127 /
 // amax))), scale amax / 127; an all-zero group scale 0, a non-finite one NaN (q = 0). Every step
 // is one IEEE operation (no contraction), so q and the scale are the CPU's bits. Writes q at
-// dst[moe_qpos(j)] for j < gs; returns the scale (all lanes).
+// dst[moe_qpos(j, bits)] for j < gs; returns the scale (all lanes).
 template <typename F>
-__device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, signed char* __restrict__ dst) {
+__device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, signed char* __restrict__ dst, int bits) {
     u32 m = 0;
     for (int j = lane; j < gs; j += 32) m = max(m, __float_as_uint(value(j)) & 0x7fffffffu);
     m = __reduce_max_sync(0xffffffffu, m);
@@ -351,7 +356,7 @@ __device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, sign
         // 0 · inf (a subnormal amax) is NaN, which the CPU's clamp keeps and then zeroes.
         const float p = __fmul_rn(value(j), inv);
         const float c = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
-        dst[moe_qpos(j)] = ok ? (signed char)__float2int_rn(c) : (signed char)0;
+        dst[moe_qpos(j, bits)] = ok ? (signed char)__float2int_rn(c) : (signed char)0;
     }
     return m == 0 ? 0.0f : ok ? __fdiv_rn(amax, 127.0f) : __uint_as_float(0x7fc00000u);
 }
@@ -359,32 +364,34 @@ __device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, sign
 // One group of an activation row as the CPU quantises it (krasis-cpu moe.rs quantize_acts_split):
 // xg's first kn values (zero past them, gs in all) into the value row hi and, from the residual
 // x − q·s_hi (one multiply, one subtraction, as the CPU forms it), the residual row lo, both in
-// moe_qpos order; returns (s_hi, s_lo) times `unit` (exact: a power of two). One warp.
+// the moe_qpos order of weights of `bits`; returns (s_hi, s_lo), for INT4 weights (bytes of 16·q)
+// divided by 16 (exact: a power of two). One warp.
 __device__ __forceinline__ float2 moe_quant_split(const float* __restrict__ xg, int kn, int gs, int lane,
                                                   signed char* __restrict__ hi, signed char* __restrict__ lo,
-                                                  float unit) {
+                                                  int bits) {
     auto xv = [&](int j) { return j < kn ? xg[j] : 0.0f; };
-    const float s_hi = moe_quant_group(xv, gs, lane, hi);
+    const float s_hi = moe_quant_group(xv, gs, lane, hi, bits);
     __syncwarp();
-    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j)], s_hi)); };
-    const float s_lo = moe_quant_group(rv, gs, lane, lo);
+    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j, bits)], s_hi)); };
+    const float s_lo = moe_quant_group(rv, gs, lane, lo, bits);
+    const float unit = bits == 4 ? 0.0625f : 1.0f;
     return make_float2(s_hi * unit, s_lo * unit);
 }
 
 // x [rows, ldx] f32 (k values a row, zero past k) -> q [rows, 2, ldq] INT8 (value row, residual
-// row, each in moe_qpos order; ldq = ng · gs, a multiple of 32) and scales [rows, ng] as (s_hi,
-// s_lo) times `unit` (a power of two: 1/16 for INT4 weights, whose bytes hold 16·q; exact).
+// row, each in the moe_qpos order of weights of `bits`; ldq = ng · gs, a multiple of 32) and
+// scales [rows, ng] as (s_hi, s_lo) (for INT4 weights, whose bytes hold 16·q, divided by 16).
 // Launch: grid (rows, ceil(ng / MOE_QUANT_WARPS)), 32 · MOE_QUANT_WARPS threads; warp w quantises
 // group blockIdx.y · MOE_QUANT_WARPS + w.
 extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, int ldx, int gs, int ng,
                                           signed char* __restrict__ q, int ldq, float2* __restrict__ scales,
-                                          float unit) {
+                                          int bits) {
     const int grp = blockIdx.y * MOE_QUANT_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (grp >= ng) return;  // uniform over the warp
     const long long row = blockIdx.x;
     const int k0 = grp * gs;
     signed char* hi = q + row * 2 * ldq + k0;
-    const float2 s = moe_quant_split(x + row * ldx + k0, min(gs, max(k - k0, 0)), gs, lane, hi, hi + ldq, unit);
+    const float2 s = moe_quant_split(x + row * ldx + k0, min(gs, max(k - k0, 0)), gs, lane, hi, hi + ldq, bits);
     if (lane == 0) scales[row * ng + grp] = s;
 }
 
@@ -402,13 +409,24 @@ __device__ __forceinline__ void mma_s8_from(int* d, const u32* a, u32 b0, u32 b1
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c0));
 }
-// The s8 B fragment of tile `odd` (0: nibbles 0, 4, 1, 5; 1: nibbles 2, 6, 3, 7) of an INT4 word
-// (stored u = q + 8): u ^ 8 is q as a signed nibble, placed in the high half of its byte, so each
-// byte is 16·q exactly.
-__device__ __forceinline__ u32 int4_s8x16(u32 w, int odd) {
-    const u32 f = w ^ 0x88888888u;
-    const u32 even_nib = (f << 4) & 0xf0f0f0f0u, odd_nib = f & 0xf0f0f0f0u;  // nibbles 0,2,4,6 / 1,3,5,7
-    return __byte_perm(even_nib, odd_nib, odd ? 0x7531 : 0x6420);
+// Each byte's high nibble u (a stored INT4 value, q + 8) as the s8 byte 16·q = (u << 4) − 128:
+// (v & 0xf0f0f0f0) ^ 0x80808080 in one lop3 (the constants in registers).
+__device__ __forceinline__ u32 int4_hi16(u32 v) {
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;\n" : "=r"(d) : "r"(v), "r"(0xf0f0f0f0u), "r"(0x80808080u));
+    return d;
+}
+// The s8 fragments (16·q bytes) of INT4 tiles t (ft) and t + 1 (fu) for one k32 step from the
+// tile pair's words of k16 steps 2kk (w0) and 2kk + 1 (w1). A word holds tile t in nibbles 0, 4,
+// 1, 5 (bytes 0 and 2) and tile t + 1 in nibbles 2, 6, 3, 7 (bytes 1 and 3); gathering a tile's
+// bytes of both words puts its low nibbles in register 0 and its high nibbles in register 1, the
+// order moe_qpos(k, 4) gives the activations. 8 operations for 4 fragments.
+__device__ __forceinline__ void int4_frags(u32 w0, u32 w1, u32 (&ft)[2], u32 (&fu)[2]) {
+    const u32 t = __byte_perm(w0, w1, 0x6420), u = __byte_perm(w0, w1, 0x7531);
+    ft[0] = int4_hi16(t << 4);
+    ft[1] = int4_hi16(t);
+    fu[0] = int4_hi16(u << 4);
+    fu[1] = int4_hi16(u);
 }
 // An INT8 word's 4 bytes (stored u = q + 128) as s8 q: u − 128 is the sign bit flipped.
 __device__ __forceinline__ u32 int8_s8(u32 w) { return w ^ 0x80808080u; }
@@ -420,6 +438,26 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
     u32 v;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
+}
+
+// One k32 step of a warp's 4 slices (A fragments from the staged rows at a, slice m at 16·m rows)
+// by its 4 tiles' B fragments b. FRESH: the step opens a flush period, its sums start at MOE_MAGIC.
+// Every slice, empty ones too (zero rows): straight-line code the scheduler can interleave (a break
+// on empty slices cost more than the idle products).
+template <bool FRESH>
+__device__ __forceinline__ void moe_qproducts(int (&acc)[4][4][4], u32 a, const u32 (&b)[4][2]) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        u32 fa[4];
+        ldmatrix_x4(fa, a + m * 16 * MOE_QSK);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (FRESH)
+                mma_s8_from(acc[m][j], fa, b[j][0], b[j][1], MOE_MAGIC_I);
+            else
+                mma_s8(acc[m][j], fa, b[j][0], b[j][1]);
+        }
+    }
 }
 
 // One tile of TM pairs of one expert, quantised weights; PB panels of 64 rows per block,
@@ -508,10 +546,16 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int x_pair = tid < 2 * TM ? s_pair[tid / 2] : -1;
     const float2* x_src = a_scales + (long long)max(x_pair, 0) / a_div * a_ng;
     const u32 smem0 = smem_addr(moe_smem);
+    // k32 steps per group (gs is a multiple of 32, at most 1024): a step's group by a multiply-high
+    // with ceil(2^32 / spg), exact while step · spg < 2^32 (the integer divisions cost ~25
+    // instructions each in the k loop).
+    const int spg = gs >> 5;
+    const u32 spg_magic = spg > 1 ? 0xffffffffu / (u32)spg + 1u : 0u;
+    auto group_of_step = [&](int step) { return spg > 1 ? (int)__umulhi((u32)step, spg_magic) : step; };
     auto stage = [&](int c, int b) {
         const u32 dst = smem0 + b * STAGE_BYTES;
         if (tid < 2 * TM) {
-            const int grp = (c * MOE_QCHUNK + (tid % 2) * 32) / gs;
+            const int grp = group_of_step(2 * c + tid % 2);
             asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst + X_AT + tid * 8),
                          "l"(x_src + grp), "r"(x_pair >= 0 ? 8 : 0)
                          : "memory");
@@ -521,7 +565,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
             cp_async16_at(dst + (i * THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
                           w_bytes[i]);
         if (tid < S_BYTES / 16) {
-            const int grp = (c * MOE_QCHUNK + s_half * 32) / gs;
+            const int grp = group_of_step(2 * c + s_half);
             cp_async16_at(dst + W_BYTES + tid * 16, s_ok ? s_src + (long long)grp * MOE_QPANEL : se, s_ok ? 16 : 0);
         }
         const int k0 = c * MOE_QCHUNK;
@@ -538,8 +582,9 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     // (G + v/4, tt0), (G + v/4, tt0 + 1) with tt0 = 2(v % 4); else (v / 2, 4(v % 2) + j).
     const int tp0 = GATED ? v / 4 : v / 2, tt0 = GATED ? 2 * (v % 4) : 4 * (v % 2);
     // Sums flush every group, and every MOE_MAGIC_GS within larger groups (same scales), so they
-    // always convert by MOE_MAGIC.
-    const int flush_every = min(gs, MOE_MAGIC_GS);
+    // always convert by MOE_MAGIC: every flush_steps k32 steps; ph counts the steps of the period.
+    const int flush_steps = min(gs, MOE_MAGIC_GS) >> 5;
+    int ph = 0;
     int acc[4][4][4];    // [slice][tile j][fragment]: the current flush period's integer sums
     float y[4][4][2];    // [slice][tile j][column 2q + cc]: the f32 result so far
 #pragma unroll
@@ -570,40 +615,29 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
             for (int j = 0; j < 4; ++j) {
                 const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                 const u32 wb = buf + pp * BLOCK;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int ks = 2 * kk + h;
-                    if (BITS == 4) {
-                        if (j % 2 == 0) {
-                            const u32 word = lds32(wb + ((ks * 4 + t / 2) * 32 + lane) * 4);
-                            b[j][h] = int4_s8x16(word, 0);
-                            b[j + 1][h] = int4_s8x16(word, 1);
-                        }
-                    } else {
-                        b[j][h] = int8_s8(lds32(wb + ((ks * 8 + t) * 32 + lane) * 4));
+                if (BITS == 4) {
+                    if (j % 2 == 0) {
+                        const u32 w0 = lds32(wb + (((2 * kk) * 4 + t / 2) * 32 + lane) * 4);
+                        const u32 w1 = lds32(wb + (((2 * kk + 1) * 4 + t / 2) * 32 + lane) * 4);
+                        int4_frags(w0, w1, b[j], b[j + 1]);
                     }
-                }
-            }
-            // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset).
-            const bool fresh = (c * MOE_QCHUNK + kk * 32) % flush_every == 0;
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                // Every slice, empty ones too (zero rows): straight-line code the scheduler can
-                // interleave (a break on `slices` cost more than the idle products).
-                u32 fa[4];
-                ldmatrix_x4(fa, buf + a_at + (m0 + m) * 16 * MOE_QSK + kk * 32);
-                if (fresh) {
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) mma_s8_from(acc[m][j], fa, b[j][0], b[j][1], MOE_MAGIC_I);
                 } else {
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) mma_s8(acc[m][j], fa, b[j][0], b[j][1]);
+                    for (int h = 0; h < 2; ++h)
+                        b[j][h] = int8_s8(lds32(wb + (((2 * kk + h) * 8 + t) * 32 + lane) * 4));
                 }
             }
+            // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset);
+            // one branch a step, not one a slice.
+            const u32 a_kk = buf + a_at + m0 * 16 * MOE_QSK + kk * 32;
+            if (ph == 0)
+                moe_qproducts<true>(acc, a_kk, b);
+            else
+                moe_qproducts<false>(acc, a_kk, b);
             // The end of a group (gs divides the padded K, so the last step ends one): its sums
             // into y, times s_w (this half's staged scales) and s_x (value row and residual row).
-            const int k_end = c * MOE_QCHUNK + kk * 32 + 32;
-            if (k_end % flush_every == 0) {
+            if (++ph == flush_steps) {
+                ph = 0;
                 float sw[4][2];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -725,7 +759,7 @@ template <bool GATED, int BITS, int THREADS>
 __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                          int gs, int n_panels, int n_out, const float* __restrict__ a, int k,
-                                         int lda, int a_div, float unit, float* __restrict__ out, int ldo,
+                                         int lda, int a_div, float* __restrict__ out, int ldo,
                                          const int* __restrict__ ids, int n_experts) {
     constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
     constexpr int NP = GATED ? 2 : 1;                                  // panels per block
@@ -763,7 +797,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     const float* arow = a + (long long)(pair / a_div) * lda;
     for (int grp = warp; grp < kpad / gs; grp += WARPS) {
         const int k0 = grp * gs;
-        const float2 s = moe_quant_split(arow + k0, min(gs, max(k - k0, 0)), gs, lane, xq + k0, xq + kpad + k0, unit);
+        const float2 s = moe_quant_split(arow + k0, min(gs, max(k - k0, 0)), gs, lane, xq + k0, xq + kpad + k0, BITS);
         if (lane == 0) xsc[grp] = s;
     }
     __syncthreads();
@@ -790,11 +824,12 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                 // A of m16 tile j: tiles 2j (rows g) and 2j + 1 (rows g + 8), k16 steps 2kk, 2kk + 1.
                 u32 fa[4];
                 if (BITS == 4) {
-                    const u32 w0 = vv[(2 * kk) * J + j], w1 = vv[(2 * kk + 1) * J + j];
-                    fa[0] = int4_s8x16(w0, 0);
-                    fa[1] = int4_s8x16(w0, 1);
-                    fa[2] = int4_s8x16(w1, 0);
-                    fa[3] = int4_s8x16(w1, 1);
+                    u32 ft[2], fu[2];
+                    int4_frags(vv[(2 * kk) * J + j], vv[(2 * kk + 1) * J + j], ft, fu);
+                    fa[0] = ft[0];
+                    fa[1] = fu[0];
+                    fa[2] = ft[1];
+                    fa[3] = fu[1];
                 } else {
                     fa[0] = int8_s8(vv[(2 * kk) * J + 2 * j]);
                     fa[1] = int8_s8(vv[(2 * kk) * J + 2 * j + 1]);
@@ -846,22 +881,22 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 
 // Decode path, quantised: act [n_pairs, inter_pad] (f32) from x [tokens, hidden] (f32); grid
 // (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid (pairs,
-// panels of w2). unit: 1/16 for INT4 weights (bytes of 16·q), else 1.
+// panels of w2).
 #define MOE_QDEC_ENTRIES(BITS)                                                                                     \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
-        float unit, float* act, int inter_pad, const int* ids, int n_experts) {                                  \
+        float* act, int inter_pad, const int* ids, int n_experts) {                                  \
         moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs,     \
-                                                  n_panels, inter, x, hidden, hidden, top_k, unit, act,          \
+                                                  n_panels, inter, x, hidden, hidden, top_k, act,          \
                                                   inter_pad, ids, n_experts);                                    \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int hidden, const float* act, int inter, int inter_pad,    \
-        float unit, float* ypair, const int* ids, int n_experts) {                                              \
+        float* ypair, const int* ids, int n_experts) {                                              \
         moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs,     \
-                                                   n_panels, hidden, act, inter, inter_pad, 1, unit, ypair,     \
+                                                   n_panels, hidden, act, inter, inter_pad, 1, ypair,     \
                                                    hidden, ids, n_experts);                                     \
     }
 MOE_QDEC_ENTRIES(4)

@@ -1144,8 +1144,9 @@ impl GpuExperts {
             // the kernel waits for the previous kernel before touching memory.
             unsafe { dev.launch_dependent(OP, &combine, cfg, &mut args, true) }
         };
-        // An INT4 weight byte holds 16·q: its sums take the activation scales / 16 (exact).
-        let unit = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 0.0625f32 } else { 1.0 };
+        // The weights' width: it orders the quantised activation rows (moe_qpos) and sizes their
+        // scales (an INT4 weight byte holds 16·q).
+        let bits_i: i32 = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 4 } else { 8 };
         // Quantised experts: `rows` f32 rows (x, the intermediate) into two INT8 rows each and
         // their scales (`moe_quant_rows`, the CPU's activation quantiser), in the weights' groups.
         let launch_quant_rows =
@@ -1153,7 +1154,7 @@ impl GpuExperts {
                 let ng = ld / gs;
                 let (k_i, ldx_i, ld_i, gs_i, ng_i) = (k as i32, ldx as i32, ld as i32, gs as i32, ng as i32);
                 let mut b = s.launch_builder(&quant_rows);
-                b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&unit);
+                b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&bits_i);
                 let cfg = LaunchConfig {
                     grid_dim: (rows as u32, ng.div_ceil(MOE_QUANT_WARPS) as u32, 1),
                     block_dim: (32 * MOE_QUANT_WARPS as u32, 1, 1),
@@ -1180,14 +1181,14 @@ impl GpuExperts {
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: qdec_smem(chunks, threads) as u32,
                 };
-                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &unit, &act, &ldw2, &ids_t, &e_i];
+                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &act, &ldw2, &ids_t, &e_i];
                 let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
                 // act [pairs, ldw2] f32, every column written (grid.y = p13 / 2 = ldw2 / 64); the
                 // kernel waits for the previous kernel before touching memory.
                 let cfg = grid(q.0.panels() / 2, q.0.chunks(), MOE_QDEC_GU_THREADS);
                 unsafe { dev.launch_dependent(OP, dec_gu, cfg, &mut args, true) }?;
-                let rest = kernel_args![&h_i, &act, &i_i, &ldw2, &unit, &ypair, &ids_t, &e_i];
+                let rest = kernel_args![&h_i, &act, &i_i, &ldw2, &ypair, &ids_t, &e_i];
                 let mut args: Vec<_> = a2.params().into_iter().chain(rest).collect();
                 // SAFETY: w2/s2 [E, l2]; act [pairs, ldw2]; ypair [pairs, hidden], columns
                 // below hidden only; waits as above.
