@@ -82,6 +82,17 @@ __device__ __forceinline__ float load_f(const float* p, long long i) { return p[
 __device__ __forceinline__ float load_f(const bf16_t* p, long long i) { return bf16_to_f32(p[i]); }
 __device__ __forceinline__ void store_f(float* p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void store_f(bf16_t* p, long long i, float v) { p[i] = f32_to_bf16(v); }
+// Four values at p + i (i a multiple of 4, p + i aligned to 4 elements), converted as store_f.
+__device__ __forceinline__ void store_f4(float* p, long long i, float4 v) { *(float4*)(p + i) = v; }
+__device__ __forceinline__ void store_f4(bf16_t* p, long long i, float4 v) {
+    const u32 lo = (u32)f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+    const u32 hi = (u32)f32_to_bf16(v.z) | ((u32)f32_to_bf16(v.w) << 16);
+    *(uint2*)(p + i) = make_uint2(lo, hi);
+}
+// True when p is aligned to `bytes` (a power of two).
+__device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
+    return ((unsigned long long)p & (bytes - 1)) == 0;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

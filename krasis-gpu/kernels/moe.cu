@@ -320,43 +320,48 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 // panel and group, each chunk staging the groups of its two 32-wide halves.
 #define MOE_QPANEL 64  // rows of a panel (gpu_layout::PANEL_ROWS)
 #define MOE_QCHUNK 64  // k of a chunk (gpu_layout::CHUNK_K)
-#define MOE_QSK 80     // byte stride of a staged INT8 A row (64 + 16): a warp's ldmatrix rows
-                       // (8 rows x 16 bytes) hit 32 different banks
 #define MOE_QUANT_WARPS 4  // moe_quant_rows: groups per block (must match moe.rs)
 
-// Position of k (within its 32-wide window) in a quantised activation row for weights of `bits`.
-// The stored weight fragments give lane (g, q) the k values {2q, 2q+1, 2q+8, 2q+9} of each
-// 16-wide half h (the m16n8k16 order); an m16n8k32 s8 fragment takes positions 4q..4q+3 of
-// register 0 (positions 0..15) and of register 1 (16..31). An integer dot product does not depend
-// on the order of its terms, so the activations are stored permuted to the order in which the
-// weights' fragments are built:
-//   INT8 (a word per half, as stored): k -> 16·h + 4·((k & 7) >> 1) + 2·((k >> 3) & 1) + (k & 1);
-//   INT4 (int4_frags: low nibbles to register 0, high to 1): k -> 16·((k >> 3) & 1) +
-//   4·((k & 7) >> 1) + 2·h + (k & 1).
-__device__ __forceinline__ int moe_qpos(int k, int bits) {
-    const int r = k & 15, h = (k >> 4) & 1;
-    return bits == 4 ? (k & ~31) + 16 * (r >> 3) + 4 * ((r & 7) >> 1) + 2 * h + (r & 1)
-                     : (k & ~15) + 4 * ((r & 7) >> 1) + 2 * (r >> 3) + (r & 1);
+// The order of a quantised activation row for weights of `bits`: the k at position p (within its
+// 32-wide window). The stored weight fragments give lane (g, q) the k values {2q, 2q+1, 2q+8,
+// 2q+9} of each 16-wide half h (the m16n8k16 order); an m16n8k32 s8 fragment takes positions
+// 4q..4q+3 of register 0 (positions 0..15) and of register 1 (16..31). An integer dot product does
+// not depend on the order of its terms, so the activations are stored permuted to the order in
+// which the weights' fragments are built (i = p & 3, q = (p >> 2) & 3, r1 = (p >> 4) & 1):
+//   INT8 (a word per half, as stored): k = 16·r1 + 8·(i >> 1) + 2q + (i & 1);
+//   INT4 (int4_frags: low nibbles to register 0, high to 1): k = 16·(i >> 1) + 8·r1 + 2q + (i & 1).
+__device__ __forceinline__ int moe_qk(int p, int bits) {
+    const int i = p & 3, qq = (p >> 2) & 3, hi16 = (p >> 4) & 1;
+    return bits == 4 ? (p & ~31) + 16 * (i >> 1) + 8 * hi16 + 2 * qq + (i & 1)
+                     : (p & ~31) + 16 * hi16 + 8 * (i >> 1) + 2 * qq + (i & 1);
 }
 
-// One activation group as the CPU quantises it (krasis-cpu quant/actq.rs group_body), with one
-// value per lane step: amax over the |x| bit patterns, q = round-half-even(clamp(x · (127 /
-// amax))), scale amax / 127; an all-zero group scale 0, a non-finite one NaN (q = 0). Every step
-// is one IEEE operation (no contraction), so q and the scale are the CPU's bits. Writes q at
-// dst[moe_qpos(j, bits)] for j < gs; returns the scale (all lanes).
+// The CPU's quantisation of one group (krasis-cpu quant/actq.rs group_body) of nw words of 4
+// positions, value(p) the value at position p: amax over the |x| bit patterns, q =
+// round-half-even(clamp(x · (127 / amax))), scale amax / 127; an all-zero group scale 0, a
+// non-finite one NaN (q = 0). Every step is one IEEE operation (no contraction), so q and the
+// scale are the CPU's bits. Lane l writes words l, l + 32, ... of dst (the values read twice,
+// from cache, rather than held); returns the scale (all lanes).
 template <typename F>
-__device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, signed char* __restrict__ dst, int bits) {
+__device__ __forceinline__ float moe_quant_words(F value, int nw, int lane, u32* __restrict__ dst) {
     u32 m = 0;
-    for (int j = lane; j < gs; j += 32) m = max(m, __float_as_uint(value(j)) & 0x7fffffffu);
+    for (int w = lane; w < nw; w += 32)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) m = max(m, __float_as_uint(value(4 * w + c)) & 0x7fffffffu);
     m = __reduce_max_sync(0xffffffffu, m);
     const float amax = __uint_as_float(m);
     const bool ok = m != 0 && m < 0x7f800000u;
     const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
-    for (int j = lane; j < gs; j += 32) {
-        // 0 · inf (a subnormal amax) is NaN, which the CPU's clamp keeps and then zeroes.
-        const float p = __fmul_rn(value(j), inv);
-        const float c = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
-        dst[moe_qpos(j, bits)] = ok ? (signed char)__float2int_rn(c) : (signed char)0;
+    for (int w = lane; w < nw; w += 32) {
+        u32 word = 0;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            // 0 · inf (a subnormal amax) is NaN, which the CPU's clamp keeps and then zeroes.
+            const float p = __fmul_rn(value(4 * w + c), inv);
+            const float cl = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
+            word |= (u32)((ok ? __float2int_rn(cl) : 0) & 0xff) << (8 * c);
+        }
+        dst[w] = word;
     }
     return m == 0 ? 0.0f : ok ? __fdiv_rn(amax, 127.0f) : __uint_as_float(0x7fc00000u);
 }
@@ -364,22 +369,26 @@ __device__ __forceinline__ float moe_quant_group(F value, int gs, int lane, sign
 // One group of an activation row as the CPU quantises it (krasis-cpu moe.rs quantize_acts_split):
 // xg's first kn values (zero past them, gs in all) into the value row hi and, from the residual
 // x − q·s_hi (one multiply, one subtraction, as the CPU forms it), the residual row lo, both in
-// the moe_qpos order of weights of `bits`; returns (s_hi, s_lo), for INT4 weights (bytes of 16·q)
-// divided by 16 (exact: a power of two). One warp.
+// the moe_qk order of weights of `bits`, whole words; returns (s_hi, s_lo), for INT4 weights
+// (bytes of 16·q) divided by 16 (exact: a power of two). One warp; hi and lo 4-byte aligned.
 __device__ __forceinline__ float2 moe_quant_split(const float* __restrict__ xg, int kn, int gs, int lane,
                                                   signed char* __restrict__ hi, signed char* __restrict__ lo,
                                                   int bits) {
-    auto xv = [&](int j) { return j < kn ? xg[j] : 0.0f; };
-    const float s_hi = moe_quant_group(xv, gs, lane, hi, bits);
+    auto xv = [&](int p) {
+        const int k = moe_qk(p, bits);
+        return k < kn ? xg[k] : 0.0f;
+    };
+    const float s_hi = moe_quant_words(xv, gs / 4, lane, (u32*)hi);
     __syncwarp();
-    auto rv = [&](int j) { return __fsub_rn(xv(j), __fmul_rn((float)hi[moe_qpos(j, bits)], s_hi)); };
-    const float s_lo = moe_quant_group(rv, gs, lane, lo, bits);
+    // q read back from the lane's own words of hi.
+    auto rv = [&](int p) { return __fsub_rn(xv(p), __fmul_rn((float)hi[p], s_hi)); };
+    const float s_lo = moe_quant_words(rv, gs / 4, lane, (u32*)lo);
     const float unit = bits == 4 ? 0.0625f : 1.0f;
     return make_float2(s_hi * unit, s_lo * unit);
 }
 
 // x [rows, ldx] f32 (k values a row, zero past k) -> q [rows, 2, ldq] INT8 (value row, residual
-// row, each in the moe_qpos order of weights of `bits`; ldq = ng · gs, a multiple of 32) and
+// row, each in the moe_qk order of weights of `bits`; ldq = ng · gs, a multiple of 32) and
 // scales [rows, ng] as (s_hi, s_lo) (for INT4 weights, whose bytes hold 16·q, divided by 16).
 // Launch: grid (rows, ceil(ng / MOE_QUANT_WARPS)), 32 · MOE_QUANT_WARPS threads; warp w quantises
 // group blockIdx.y · MOE_QUANT_WARPS + w.
@@ -420,7 +429,7 @@ __device__ __forceinline__ u32 int4_hi16(u32 v) {
 // tile pair's words of k16 steps 2kk (w0) and 2kk + 1 (w1). A word holds tile t in nibbles 0, 4,
 // 1, 5 (bytes 0 and 2) and tile t + 1 in nibbles 2, 6, 3, 7 (bytes 1 and 3); gathering a tile's
 // bytes of both words puts its low nibbles in register 0 and its high nibbles in register 1, the
-// order moe_qpos(k, 4) gives the activations. 8 operations for 4 fragments.
+// order moe_qk(p, 4) gives the activations. 8 operations for 4 fragments.
 __device__ __forceinline__ void int4_frags(u32 w0, u32 w1, u32 (&ft)[2], u32 (&fu)[2]) {
     const u32 t = __byte_perm(w0, w1, 0x6420), u = __byte_perm(w0, w1, 0x7531);
     ft[0] = int4_hi16(t << 4);
@@ -444,12 +453,12 @@ __device__ __forceinline__ u32 lds32(u32 addr) {
 // by its 4 tiles' B fragments b. FRESH: the step opens a flush period, its sums start at MOE_MAGIC.
 // Every slice, empty ones too (zero rows): straight-line code the scheduler can interleave (a break
 // on empty slices cost more than the idle products).
-template <bool FRESH>
+template <bool FRESH, int QSK>
 __device__ __forceinline__ void moe_qproducts(int (&acc)[4][4][4], u32 a, const u32 (&b)[4][2]) {
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         u32 fa[4];
-        ldmatrix_x4(fa, a + m * 16 * MOE_QSK);
+        ldmatrix_x4(fa, a + m * 16 * QSK);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (FRESH)
@@ -461,19 +470,21 @@ __device__ __forceinline__ void moe_qproducts(int (&acc)[4][4][4], u32 a, const 
 }
 
 // One tile of TM pairs of one expert, quantised weights; PB panels of 64 rows per block,
-// 2·PB·TM/32 warps, S shared-memory buffers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
+// 2·PB·TM/32 warps, S shared-memory buffers of CPS chunks each (a stage); YS: the f32 results in
+// shared memory, not registers. GATED: gate panels G·blockIdx.y + i and up panels n_panels / 2 +
 // G·blockIdx.y + i (i < G = PB / 2) of w13 (gate rows then up rows, each padded to whole panels);
 // act = silu(gate) * up to out[p, ldo] (f32) for every column of the block's 64·G columns (zero
 // past n_out). Else panels PB·blockIdx.y + i of w2 to out[p, ldo] for columns below n_out. Panels
-// past the matrix are zero-filled. A: the quantised rows of moe_quant_rows, a[(p / a_div), 2,
-// lda] (lda = the padded K = chunks · 64) with a_scales[p / a_div, a_ng]; staged per chunk as 2·TM
-// rows (slice m = rows 16m..: pair slot 8m + i's value row i and residual row 8 + i).
+// past the matrix, and chunks past K in the last stage, are zero-filled. A: the quantised rows of
+// moe_quant_rows, a[(p / a_div), 2, lda] (lda = the padded K = chunks · 64) with a_scales[p /
+// a_div, a_ng]; staged per stage as 2·TM rows (slice m = rows 16m..: pair slot 8m + i's value row
+// i and residual row 8 + i).
 //
 // Warp w = 2·PB·h + v takes slices 4h..4h + 3 (pairs 32h..; h = 0 for TM = 32) and column set v:
 // it unpacks only its 4 n8 tiles (GATED: tiles 2(v%4), +1 of gate panel v/4 and the same up
 // tiles; else tiles 4(v%2)..+3 of panel v/2) and multiplies them by its 4 slices. Each output is one thread's f32 sum
 // over the groups in order, so the result does not depend on timing.
-template <bool GATED, int BITS, int TM, int PB, int S>
+template <bool GATED, int BITS, int TM, int PB, int S, int CPS, bool YS>
 __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, const unsigned short* __restrict__ sc,
                                           long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                           int gs, int n_panels, int n_out, const signed char* __restrict__ a,
@@ -485,15 +496,19 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     static_assert((TM == 32 || TM == 64) && PB % 2 == 0, "slices of 8 pairs, 4 a warp; gate and up panels in pairs");
     constexpr int THREADS = 2 * TM * PB, G = PB / 2;
     constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
-    constexpr int W_BYTES = PB * BLOCK;
-    constexpr int S_BYTES = PB * 2 * MOE_QPANEL * 2;  // per panel the f16 scales of the chunk's two halves
-    constexpr int X_AT = W_BYTES + S_BYTES;          // per pair slot the (s_hi, s_lo) of each half's group
-    constexpr int A_AT = X_AT + TM * 2 * 8;
+    constexpr int PANEL_BYTES = CPS * BLOCK;                   // a panel's blocks of a stage
+    constexpr int KS = CPS * MOE_QCHUNK, STEPS = KS / 32;       // k and k32 steps of a stage
+    constexpr int QSK = KS + 16;  // byte stride of a staged A row: a warp's ldmatrix rows (8 x 16
+                                  // bytes) hit 32 different banks
+    constexpr int W_BYTES = PB * PANEL_BYTES;
+    constexpr int S_BYTES = PB * STEPS * MOE_QPANEL * 2;  // per panel and step the f16 scales of its group
+    constexpr int X_AT = W_BYTES + S_BYTES;              // per pair slot and step its (s_hi, s_lo)
+    constexpr int A_AT = X_AT + TM * STEPS * 8;
     constexpr int A_ROWS = 2 * TM;
-    constexpr int STAGE_BYTES = A_AT + A_ROWS * MOE_QSK;
+    constexpr int STAGE_BYTES = A_AT + A_ROWS * QSK;
     constexpr int W_COPIES = W_BYTES / 16 / THREADS;
-    constexpr int PARTS = MOE_QCHUNK / 16, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = A_ROWS / ROWS_PER_PASS;
-    static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS && 2 * TM <= THREADS, "whole copies");
+    constexpr int PARTS = KS / 16, ROWS_PER_PASS = THREADS / PARTS, A_SLOTS = A_ROWS / ROWS_PER_PASS;
+    static_assert(W_BYTES % (16 * THREADS) == 0 && S_BYTES / 16 <= THREADS && TM * STEPS <= THREADS, "whole copies");
     static_assert(A_ROWS % ROWS_PER_PASS == 0, "whole A staging passes");
     static_assert(STAGE_BYTES % 16 == 0 && A_AT % 16 == 0, "16-byte aligned staging");
     __shared__ int s_pair[TM];
@@ -517,19 +532,20 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const unsigned char* we = w + (long long)e * expert_wbytes;
     const unsigned short* se = sc + (long long)e * expert_scales;
     // This thread's copies, worked out once: weight piece (i · THREADS + tid) of the stage's PB
-    // blocks; scale piece tid (< 16·PB: panel tid / 16, half (tid / 8) % 2, 8 scales tid % 8);
-    // A piece tid % PARTS of staged rows tid / PARTS + i · ROWS_PER_PASS. Sources advance by
-    // BLOCK (weights) or MOE_QCHUNK (A) per chunk.
+    // panels (chunk w_chunk[i] of the stage); scale piece tid (< 8·STEPS·PB: panel tid / (8·STEPS),
+    // step (tid / 8) % STEPS, 8 scales tid % 8); A piece tid % PARTS of staged rows tid / PARTS +
+    // i · ROWS_PER_PASS. Sources advance by PANEL_BYTES (weights) or KS (A) per stage.
     const unsigned char* w_src[W_COPIES];
-    int w_bytes[W_COPIES];
+    int w_bytes[W_COPIES], w_chunk[W_COPIES];
 #pragma unroll
     for (int i = 0; i < W_COPIES; ++i) {
         const int off = (i * THREADS + tid) * 16;
-        const int pn = panel_of(off / BLOCK);
-        w_src[i] = pn >= 0 ? we + (long long)pn * chunks * BLOCK + off % BLOCK : we;
+        const int pn = panel_of(off / PANEL_BYTES);
+        w_src[i] = pn >= 0 ? we + (long long)pn * chunks * BLOCK + off % PANEL_BYTES : we;
         w_bytes[i] = pn >= 0 ? 16 : 0;
+        w_chunk[i] = off % PANEL_BYTES / BLOCK;
     }
-    const int s_panel = tid < S_BYTES / 16 ? panel_of(tid / 16) : -1, s_half = (tid / 8) % 2;
+    const int s_panel = tid < S_BYTES / 16 ? panel_of(tid / (8 * STEPS)) : -1, s_step = (tid / 8) % STEPS;
     const bool s_ok = s_panel >= 0;
     const unsigned short* s_src = se + (long long)max(s_panel, 0) * groups * MOE_QPANEL + (tid % 8) * 8;
     const int part = tid % PARTS, row0 = tid / PARTS;
@@ -542,8 +558,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         a_off[i] = p >= 0 ? ((long long)(p / a_div) * 2 + (r / 8) % 2) * lda + part * 16 : 0;
         a_bytes[i] = p >= 0 ? 16 : 0;
     }
-    // Activation scales: thread tid < 2·TM copies slot tid / 2's pair for half tid % 2.
-    const int x_pair = tid < 2 * TM ? s_pair[tid / 2] : -1;
+    // Activation scales: thread tid < STEPS·TM copies slot tid / STEPS's pair for step tid % STEPS.
+    const int x_pair = tid < STEPS * TM ? s_pair[tid / STEPS] : -1;
     const float2* x_src = a_scales + (long long)max(x_pair, 0) / a_div * a_ng;
     const u32 smem0 = smem_addr(moe_smem);
     // k32 steps per group (gs is a multiple of 32, at most 1024): a step's group by a multiply-high
@@ -552,27 +568,36 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int spg = gs >> 5;
     const u32 spg_magic = spg > 1 ? 0xffffffffu / (u32)spg + 1u : 0u;
     auto group_of_step = [&](int step) { return spg > 1 ? (int)__umulhi((u32)step, spg_magic) : step; };
+    // Stage c (chunks CPS·c ..) into buffer b; steps past K (an odd chunk count's last stage) are
+    // zero-filled, weights, scales and activations alike, so they add nothing.
+    const int steps = 2 * chunks;
     auto stage = [&](int c, int b) {
         const u32 dst = smem0 + b * STAGE_BYTES;
-        if (tid < 2 * TM) {
-            const int grp = group_of_step(2 * c + tid % 2);
+        if (tid < STEPS * TM) {
+            const int step = STEPS * c + tid % STEPS;
+            const bool ok = x_pair >= 0 && step < steps;
             asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst + X_AT + tid * 8),
-                         "l"(x_src + grp), "r"(x_pair >= 0 ? 8 : 0)
+                         "l"(ok ? x_src + group_of_step(step) : x_src), "r"(ok ? 8 : 0)
                          : "memory");
         }
 #pragma unroll
-        for (int i = 0; i < W_COPIES; ++i)
-            cp_async16_at(dst + (i * THREADS + tid) * 16, w_src[i] + (w_bytes[i] ? (long long)c * BLOCK : 0),
-                          w_bytes[i]);
-        if (tid < S_BYTES / 16) {
-            const int grp = group_of_step(2 * c + s_half);
-            cp_async16_at(dst + W_BYTES + tid * 16, s_ok ? s_src + (long long)grp * MOE_QPANEL : se, s_ok ? 16 : 0);
+        for (int i = 0; i < W_COPIES; ++i) {
+            const bool ok = w_bytes[i] && (CPS == 1 || CPS * c + w_chunk[i] < chunks);
+            cp_async16_at(dst + (i * THREADS + tid) * 16, ok ? w_src[i] + (long long)c * PANEL_BYTES : we, ok ? 16 : 0);
         }
-        const int k0 = c * MOE_QCHUNK;
+        if (tid < S_BYTES / 16) {
+            const int step = STEPS * c + s_step;
+            const bool ok = s_ok && step < steps;
+            cp_async16_at(dst + W_BYTES + tid * 16, ok ? s_src + (long long)group_of_step(step) * MOE_QPANEL : se,
+                          ok ? 16 : 0);
+        }
+        const int k0 = c * KS;
 #pragma unroll
-        for (int i = 0; i < A_SLOTS; ++i)
-            cp_async16_at(dst + A_AT + (row0 + i * ROWS_PER_PASS) * MOE_QSK + part * 16,
-                          a + a_off[i] + (a_bytes[i] ? k0 : 0), a_bytes[i]);
+        for (int i = 0; i < A_SLOTS; ++i) {
+            const bool ok = a_bytes[i] && (CPS == 1 || k0 + part * 16 < lda);
+            cp_async16_at(dst + A_AT + (row0 + i * ROWS_PER_PASS) * QSK + part * 16, a + (ok ? a_off[i] + k0 : 0),
+                          ok ? 16 : 0);
+        }
     };
 
     const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
@@ -586,54 +611,78 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     const int flush_steps = min(gs, MOE_MAGIC_GS) >> 5;
     int ph = 0;
     int acc[4][4][4];    // [slice][tile j][fragment]: the current flush period's integer sums
-    float y[4][4][2];    // [slice][tile j][column 2q + cc]: the f32 result so far
+    // The f32 results so far, [slice][tile j][column 2q + cc]: in registers, or (YS) in shared
+    // memory after the buffers, float4 i of a lane at ys[32·i] holding slice i / 2, tiles 2(i % 2)
+    // and 2(i % 2) + 1 (32 registers fewer for the products and the staging).
+    float y[YS ? 1 : 4][4][2];
+    float4* ys = (float4*)(moe_smem + S * STAGE_BYTES) + warp * 8 * 32 + lane;
+    auto y_load = [&](int m, float (&r)[4][2]) {
+        if constexpr (YS) {
+            const float4 u = ys[32 * (2 * m)], w = ys[32 * (2 * m + 1)];
+            r[0][0] = u.x, r[0][1] = u.y, r[1][0] = u.z, r[1][1] = u.w;
+            r[2][0] = w.x, r[2][1] = w.y, r[3][0] = w.z, r[3][1] = w.w;
+        } else {
 #pragma unroll
-    for (int m = 0; m < 4; ++m)
+            for (int j = 0; j < 4; ++j) r[j][0] = y[m][j][0], r[j][1] = y[m][j][1];
+        }
+    };
+    auto y_store = [&](int m, const float (&r)[4][2]) {
+        if constexpr (YS) {
+            ys[32 * (2 * m)] = make_float4(r[0][0], r[0][1], r[1][0], r[1][1]);
+            ys[32 * (2 * m + 1)] = make_float4(r[2][0], r[2][1], r[3][0], r[3][1]);
+        } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) y[m][j][0] = y[m][j][1] = 0.0f;
+            for (int j = 0; j < 4; ++j) y[m][j][0] = r[j][0], y[m][j][1] = r[j][1];
+        }
+    };
+#pragma unroll
+    for (int m = 0; m < 4; ++m) y_store(m, {{0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}, {0.0f, 0.0f}});
     // ldmatrix row address of this lane for A slice 0 (slice m adds 16 rows).
-    const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * MOE_QSK + 16 * (lane >> 4));
+    const u32 a_at = (u32)(A_AT + ((lane & 7) + 8 * ((lane >> 3) & 1)) * QSK + 16 * (lane >> 4));
 
+    const int n_stages = (chunks + CPS - 1) / CPS;
 #pragma unroll
     for (int c = 0; c < S - 1; ++c) {
-        if (c < chunks) stage(c, c);
+        if (c < n_stages) stage(c, c);
         cp_async_commit();
     }
-    for (int c = 0; c < chunks; ++c) {
+    for (int c = 0; c < n_stages; ++c) {
         cp_async_wait<S - 2>();
         __syncthreads();
         const int nc = c + S - 1;
-        if (nc < chunks) stage(nc, nc % S);
+        if (nc < n_stages) stage(nc, nc % S);
         cp_async_commit();
         const u32 buf = smem0 + (c % S) * STAGE_BYTES;
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-            // B fragments of the warp's 4 tiles (k16 steps 2kk and 2kk + 1), used for every slice;
-            // an INT4 word holds a tile pair (tiles j and j + 1 of the same panel: t even, t + 1).
+        for (int kk = 0; kk < STEPS; ++kk) {
+            // B fragments of the warp's 4 tiles (k16 steps 2(kk % 2) and 2(kk % 2) + 1 of chunk
+            // kk / 2), used for every slice; an INT4 word holds a tile pair (tiles j and j + 1 of
+            // the same panel: t even, t + 1).
             u32 b[4][2];
+            const int ks0 = 2 * (kk % 2);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
-                const u32 wb = buf + pp * BLOCK;
+                const u32 wb = buf + pp * PANEL_BYTES + (kk / 2) * BLOCK;
                 if (BITS == 4) {
                     if (j % 2 == 0) {
-                        const u32 w0 = lds32(wb + (((2 * kk) * 4 + t / 2) * 32 + lane) * 4);
-                        const u32 w1 = lds32(wb + (((2 * kk + 1) * 4 + t / 2) * 32 + lane) * 4);
+                        const u32 w0 = lds32(wb + ((ks0 * 4 + t / 2) * 32 + lane) * 4);
+                        const u32 w1 = lds32(wb + (((ks0 + 1) * 4 + t / 2) * 32 + lane) * 4);
                         int4_frags(w0, w1, b[j], b[j + 1]);
                     }
                 } else {
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
-                        b[j][h] = int8_s8(lds32(wb + (((2 * kk + h) * 8 + t) * 32 + lane) * 4));
+                        b[j][h] = int8_s8(lds32(wb + (((ks0 + h) * 8 + t) * 32 + lane) * 4));
                 }
             }
             // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset);
             // one branch a step, not one a slice.
-            const u32 a_kk = buf + a_at + m0 * 16 * MOE_QSK + kk * 32;
+            const u32 a_kk = buf + a_at + m0 * 16 * QSK + kk * 32;
             if (ph == 0)
-                moe_qproducts<true>(acc, a_kk, b);
+                moe_qproducts<true, QSK>(acc, a_kk, b);
             else
-                moe_qproducts<false>(acc, a_kk, b);
+                moe_qproducts<false, QSK>(acc, a_kk, b);
             // The end of a group (gs divides the padded K, so the last step ends one): its sums
             // into y, times s_w (this half's staged scales) and s_x (value row and residual row).
             if (++ph == flush_steps) {
@@ -648,7 +697,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                         unsigned short h;
                         asm volatile("ld.shared.u16 %0, [%1];\n"
                                      : "=h"(h)
-                                     : "r"(buf + W_BYTES + ((pp * 2 + kk) * MOE_QPANEL + (2 * q + cc) * 8 + t) * 2)
+                                     : "r"(buf + W_BYTES + ((pp * STEPS + kk) * MOE_QPANEL + (2 * q + cc) * 8 + t) * 2)
                                      : "memory");
                         asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[j][cc]) : "h"(h));
                     }
@@ -658,26 +707,31 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                     float2 sx;
                     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                                  : "=f"(sx.x), "=f"(sx.y)
-                                 : "r"(buf + X_AT + ((8 * (m0 + m) + g) * 2 + kk) * 8)
+                                 : "r"(buf + X_AT + ((8 * (m0 + m) + g) * STEPS + kk) * 8)
                                  : "memory");
+                    float r[4][2];
+                    y_load(m, r);
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
 #pragma unroll
                         for (int cc = 0; cc < 2; ++cc) {
                             const float dh = __int_as_float(acc[m][j][cc]) - MOE_MAGIC_F;
                             const float dl = __int_as_float(acc[m][j][2 + cc]) - MOE_MAGIC_F;
-                            y[m][j][cc] = fmaf(fmaf(dh, sx.x, dl * sx.y), sw[j][cc], y[m][j][cc]);
+                            r[j][cc] = fmaf(fmaf(dh, sx.x, dl * sx.y), sw[j][cc], r[j][cc]);
                         }
+                    y_store(m, r);
                 }
             }
         }
     }
-    // y[m][j][cc]: pair slot 8(m0 + m) + g, column 8·t_j + 2q + cc of tile j's panel.
+    // Result [m][j][cc]: pair slot 8(m0 + m) + g, column 8·t_j + 2q + cc of tile j's panel.
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         if (m >= slices) break;
         const int p = s_pair[8 * (m0 + m) + g];
         if (p < 0) continue;
+        float r[4][2];
+        y_load(m, r);
         if (GATED) {
             if (G * (int)blockIdx.y + tp0 >= n_panels / 2) continue;  // a gate panel past the matrix
 #pragma unroll
@@ -686,7 +740,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                 float v[2];
 #pragma unroll
                 for (int cc = 0; cc < 2; ++cc) {
-                    const float gv = y[m][j][cc], uv = y[m][j + 2][cc];
+                    const float gv = r[j][cc], uv = r[j + 2][cc];
                     v[cc] = o + cc < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
                 }
                 *(float2*)(out + (long long)p * ldo + o) = make_float2(v[0], v[1]);
@@ -697,7 +751,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                 const int o = blockIdx.y * PB * MOE_QPANEL + v * 32 + j * 8 + 2 * q;
 #pragma unroll
                 for (int cc = 0; cc < 2; ++cc) {
-                    if (o + cc < n_out) out[(long long)p * ldo + o + cc] = y[m][j][cc];
+                    if (o + cc < n_out) out[(long long)p * ldo + o + cc] = r[j][cc];
                 }
             }
         }
@@ -710,13 +764,13 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // from act quantised (aq [n_pairs, 2, inter_pad], as [n_pairs, a_ng]) and w2 in the GPU tile
 // layout (rows hidden, K inter_pad). Entry points per width and (PB, S) variant V:
 // moe_q{BITS}_{gate_up,down}_v{V}.
-#define MOE_Q_ENTRIES(BITS, V, TM, PB, S, MINB)                                                                             \
+#define MOE_Q_ENTRIES(BITS, V, TM, PB, S, CPS, YS, MINB)                                                                             \
     extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_gate_up_v##V(                          \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int inter, const signed char* xq, const float2* xs, int x_ng, \
         int ldx, int top_k, float* act, int inter_pad, const int* sorted, const int* offsets,                      \
         const int* tile_offsets, int n_experts) {                                                                   \
-        moe_qtile<true, BITS, TM, PB, S>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
+        moe_qtile<true, BITS, TM, PB, S, CPS, YS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
                                      xq, xs, x_ng, ldx, top_k, act, inter_pad, sorted, offsets, tile_offsets,      \
                                      n_experts);                                                                    \
     }                                                                                                               \
@@ -725,16 +779,19 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         int chunks, int groups, int gs, int n_panels, int hidden, const signed char* aq, const float2* as, int a_ng, \
         int inter_pad, float* ypair, const int* sorted, const int* offsets, const int* tile_offsets,               \
         int n_experts) {                                                                                            \
-        moe_qtile<false, BITS, TM, PB, S>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
+        moe_qtile<false, BITS, TM, PB, S, CPS, YS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
                                       aq, as, a_ng, inter_pad, 1, ypair, hidden, sorted, offsets, tile_offsets,    \
                                       n_experts);                                                                   \
     }
-// v0: 32-pair tiles, 4 panels, 3 buffers, two blocks an SM (the default, moe.rs: QTILE_VARIANTS);
-// v1: 64-pair tiles, 4 panels, 3 buffers (16 warps, one block an SM).
-MOE_Q_ENTRIES(4, 0, 32, 4, 3, 2)
-MOE_Q_ENTRIES(4, 1, 64, 4, 3, 1)
-MOE_Q_ENTRIES(8, 0, 32, 4, 3, 2)
-MOE_Q_ENTRIES(8, 1, 64, 4, 3, 1)
+// All 32-pair tiles of 4 panels (8 warps), two blocks an SM. v0: 3 buffers of one chunk, results
+// in registers (spills a little at 128); v1: the same with the results in shared memory (the
+// default, moe.rs: QTILE_VARIANTS); v2: 2 buffers of two chunks, results in shared memory.
+MOE_Q_ENTRIES(4, 0, 32, 4, 3, 1, false, 2)
+MOE_Q_ENTRIES(4, 1, 32, 4, 3, 1, true, 2)
+MOE_Q_ENTRIES(4, 2, 32, 4, 2, 2, true, 2)
+MOE_Q_ENTRIES(8, 0, 32, 4, 3, 1, false, 2)
+MOE_Q_ENTRIES(8, 1, 32, 4, 3, 1, true, 2)
+MOE_Q_ENTRIES(8, 2, 32, 4, 2, 2, true, 2)
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each
@@ -742,7 +799,7 @@ MOE_Q_ENTRIES(8, 1, 64, 4, 3, 1)
 // warps up) and takes its chunks c = w / NP, + W / NP, ..., the next chunk's words in flight while
 // it multiplies the current one. Same arithmetic as the tiles (the CPU's): the block first
 // quantises its activation row (x, or the f32 intermediate) into shared memory with
-// moe_quant_group, one warp a group. The products run on the tensor cores with the weights as the
+// moe_quant_split, one warp a group. The products run on the tensor cores with the weights as the
 // A operand: the stored fragments of n8 tiles 2j and 2j + 1 are A's fragment of m16 tile j
 // (rows g and g + 8); B is the value row (column 0) and the residual row (column 1), other
 // columns zero, so lane (g, 0) ends each k32 step with rows g and g + 8's value and residual

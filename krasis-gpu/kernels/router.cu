@@ -35,6 +35,7 @@
 #define ROUTER_MAX_E 512
 #define ROUTER_MAX_K 16
 #define ROUTER_TOK_TILE 8
+#define ROUTER_EXP_GROUP 8  // most experts a router_logits block computes (must match router.rs)
 
 __device__ __forceinline__ float rt_neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -132,13 +133,69 @@ __device__ __forceinline__ void rt_logits_tile(const float* __restrict__ w, cons
     __syncthreads();
 }
 
-// grid (E, ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS.
+// grid (ceil(E / eg), ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS. Block (g, y)
+// computes experts g·eg .. g·eg + eg - 1 (eg <= ROUTER_EXP_GROUP) for token tile y: each thread
+// loads its float4 groups of the tile's x once for all eg experts, so x crosses from L2 once per
+// eg experts (at eg = 1, once per expert: 4.3 GB at t = 8192, hidden 2048, E = 64). Every
+// (token, expert) sum is formed exactly as rt_logits_tile forms it (the same chains, butterfly and
+// warp order), so the logits do not depend on eg, the tile or the batch.
 extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
     router_logits(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
-                  int n_experts, int hidden, int t) {
-    const int t0 = blockIdx.y * ROUTER_TOK_TILE;
-    // nt >= 1: the grid has exactly ceil(t / tile) rows.
-    rt_logits_tile(w, x, logits, n_experts, hidden, blockIdx.x, t0, min(ROUTER_TOK_TILE, t - t0));
+                  int n_experts, int hidden, int t, int eg) {
+    const int t0 = blockIdx.y * ROUTER_TOK_TILE, e0 = blockIdx.x * eg;
+    // nt >= 1, ne >= 1: the grid has exactly ceil(t / tile) rows and ceil(E / eg) columns.
+    const int nt = min(ROUTER_TOK_TILE, t - t0), ne = min(eg, n_experts - e0);
+    const bool vec = (hidden & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15ull) == 0;
+    if (!vec || ne == 1) {
+        for (int j = 0; j < ne; ++j) rt_logits_tile(w, x, logits, n_experts, hidden, e0 + j, t0, nt);
+        return;
+    }
+    __shared__ float red[ROUTER_TOK_TILE][ROUTER_EXP_GROUP][ROUTER_LOGITS_WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h4 = hidden >> 2;
+    const float4* w4 = reinterpret_cast<const float4*>(w + (long long)e0 * hidden);
+    const float4* x4 = reinterpret_cast<const float4*>(x + (long long)t0 * hidden);
+    float acc[ROUTER_TOK_TILE][ROUTER_EXP_GROUP];
+#pragma unroll
+    for (int k = 0; k < ROUTER_TOK_TILE; k++)
+#pragma unroll
+        for (int j = 0; j < ROUTER_EXP_GROUP; j++) acc[k][j] = 0.0f;
+    for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
+        float4 xv[ROUTER_TOK_TILE];
+#pragma unroll
+        for (int k = 0; k < ROUTER_TOK_TILE; k++) xv[k] = k < nt ? x4[(long long)k * h4 + i] : make_float4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < ROUTER_EXP_GROUP; j++) {
+            if (j >= ne) break;
+            const float4 wv = w4[(long long)j * h4 + i];
+#pragma unroll
+            for (int k = 0; k < ROUTER_TOK_TILE; k++) {
+                float a = acc[k][j];
+                a = fmaf(wv.x, xv[k].x, a);
+                a = fmaf(wv.y, xv[k].y, a);
+                a = fmaf(wv.z, xv[k].z, a);
+                a = fmaf(wv.w, xv[k].w, a);
+                acc[k][j] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < ROUTER_TOK_TILE; k++)
+#pragma unroll
+        for (int j = 0; j < ROUTER_EXP_GROUP; j++) {
+            const float v = warp_sum(acc[k][j]);
+            if (lane == 0) red[k][j][warp] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROUTER_TOK_TILE * ROUTER_EXP_GROUP) {
+        const int k = threadIdx.x / ROUTER_EXP_GROUP, j = threadIdx.x % ROUTER_EXP_GROUP;
+        if (k < nt && j < ne) {
+            float s = red[k][j][0];
+#pragma unroll
+            for (int v = 1; v < ROUTER_LOGITS_WARPS; v++) s += red[k][j][v];
+            logits[(long long)(t0 + k) * n_experts + e0 + j] = s;
+        }
+    }
 }
 
 // The routing rule for one token's logits `row` (any address space; E = n_experts values):

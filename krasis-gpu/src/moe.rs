@@ -73,8 +73,6 @@ pub const MOE: KernelSource = KernelSource {
 /// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
 /// weight chunk in shared memory.
 const MOE_TM: usize = 64;
-/// Byte stride of a staged INT8 activation row of the quantised tiles (`MOE_QSK` in moe.cu).
-const MOE_QSK: usize = 80;
 /// Activation groups per `moe_quant_rows` block (`MOE_QUANT_WARPS` in moe.cu): one warp each.
 const MOE_QUANT_WARPS: usize = 4;
 /// Output columns per gate/up block (`MOE_BN` in moe.cu).
@@ -104,8 +102,14 @@ fn tile_smem(gated: bool) -> usize {
 /// pairs' activation scales (an f32 pair per half) and INT8 A rows (value and residual).
 fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
     let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
-    let scales = v.panels * 2 * gpu_layout::PANEL_ROWS * 2 + v.pairs * 2 * 8;
-    v.stages * (v.panels * block + scales + 2 * v.pairs * MOE_QSK)
+    let steps = v.chunks_per_stage * gpu_layout::CHUNK_K / 32;
+    let scales = v.panels * steps * gpu_layout::PANEL_ROWS * 2 + v.pairs * steps * 8;
+    // A staged activation row: the stage's k plus 16 bytes (QSK in moe.cu).
+    let a_row = v.chunks_per_stage * gpu_layout::CHUNK_K + 16;
+    let stage = v.panels * v.chunks_per_stage * block + scales + 2 * v.pairs * a_row;
+    // Results in shared memory: 32 f32 a thread (2·panels·pairs threads).
+    let results = if v.results_shared { 2 * v.panels * v.pairs * 32 * 4 } else { 0 };
+    v.stages * stage + results
 }
 
 /// Bytes of `rows` activation rows of `k_pad` quantised by `moe_quant_rows` in groups of `gs`:
@@ -114,40 +118,55 @@ fn quant_rows_bytes(rows: usize, k_pad: usize, gs: usize) -> [usize; 2] {
     [rows * 2 * k_pad, rows * (k_pad / gs) * 8]
 }
 
-/// A shape of the quantised tiles (`moe_qtile<.., TM, PB, S>`): pairs per tile, 64-row panels per
-/// block (2·PB·TM/32 warps) and shared-memory buffers, with its entry points.
+/// A shape of the quantised tiles (`moe_qtile<.., TM, PB, S, CPS, YS>`): pairs per tile, 64-row
+/// panels per block (2·PB·TM/32 warps), shared-memory buffers, chunks of 64 k a buffer and whether
+/// the f32 results live in shared memory, with its entry points.
 #[derive(Clone, Copy, Debug)]
 struct QTileVariant {
     pairs: usize,
     panels: usize,
     stages: usize,
+    chunks_per_stage: usize,
+    results_shared: bool,
     int4: [&'static str; 2],
     int8: [&'static str; 2],
 }
 
 /// The variants compiled (`MOE_Q_ENTRIES` in moe.cu). Measured on an H200 (V2-Lite layer, INT4,
-/// t = 2048): 32-pair tiles of 4 panels, 3 buffers, two blocks an SM (8 warps each) 1899 µs,
-/// against 2049 for 64-pair tiles of 16 warps, one block an SM (both spill a little at 128
-/// registers); without the spills, 8 warps an SM, 2786.
-const QTILE_VARIANTS: [QTileVariant; 2] = [
+/// t = 2048, one run): results in registers (v0) 1586 µs, in shared memory (v1, no spills) 1498,
+/// two chunks a buffer (v2) 1536; 64-pair tiles of 16 warps, one block an SM, 1782 (not kept).
+const QTILE_VARIANTS: [QTileVariant; 3] = [
     QTileVariant {
         pairs: 32,
         panels: 4,
         stages: 3,
+        chunks_per_stage: 1,
+        results_shared: false,
         int4: ["moe_q4_gate_up_v0", "moe_q4_down_v0"],
         int8: ["moe_q8_gate_up_v0", "moe_q8_down_v0"],
     },
     QTileVariant {
-        pairs: 64,
+        pairs: 32,
         panels: 4,
         stages: 3,
+        chunks_per_stage: 1,
+        results_shared: true,
         int4: ["moe_q4_gate_up_v1", "moe_q4_down_v1"],
         int8: ["moe_q8_gate_up_v1", "moe_q8_down_v1"],
+    },
+    QTileVariant {
+        pairs: 32,
+        panels: 4,
+        stages: 2,
+        chunks_per_stage: 2,
+        results_shared: true,
+        int4: ["moe_q4_gate_up_v2", "moe_q4_down_v2"],
+        int8: ["moe_q8_gate_up_v2", "moe_q8_down_v2"],
     },
 ];
 
 /// The variant the quantised tiles use unless a test or tuning run picks another.
-const DEFAULT_QTILE_VARIANT: usize = 0;
+const DEFAULT_QTILE_VARIANT: usize = 1;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`) of `threads` threads: the
 /// activation row quantised (two INT8 rows over `chunks` chunks of 64, and the scale pairs of up
@@ -240,10 +259,16 @@ fn copy_in<T: cudarc::driver::DeviceRepr>(
 pub const MOE_MAX_EXPERTS: usize = 4096;
 /// Threads of the single routing block.
 const ROUTE_THREADS: u32 = 1024;
-/// Scratch (f32 intermediates of the pairs) per pass: long prompts are processed in passes of as
-/// many tokens as fit, so the scratch stays bounded; 128 MiB holds ~3.6k pairs at hidden 7168 +
-/// inter 2048 (14 pairs per expert for 256 experts), enough to fill most tiles.
-const MOE_PASS_SCRATCH_BYTES: usize = 128 << 20;
+/// Scratch (f32 intermediates of the pairs, quantised rows) per pass: long prompts are processed
+/// in passes of as many tokens as fit, so the scratch stays bounded. A pass takes the largest of
+/// these that leaves [`MOE_PASS_HEADROOM_BYTES`] of the VRAM budget, else the last: bigger passes
+/// fill more of every expert's tiles and pay the per-pass launches less often. Measured on an H200
+/// (V2-Lite, INT4 experts resident, whole-model prefill): 128 MiB (1152 tokens a pass) 37.7K /
+/// 36.3K tok/s at 2K / 8K tokens, 512 MiB 40.1K / 39.9K, 1 GiB 39.9K / 40.5K.
+const MOE_PASS_SCRATCH_STEPS: [usize; 4] = [1 << 30, 512 << 20, 256 << 20, 128 << 20];
+/// VRAM a bigger pass scratch must leave in the budget for the step's other allocations (a
+/// 10K-token MLA prefill of V2-Lite takes ≈ 1.3 GB).
+const MOE_PASS_HEADROOM_BYTES: usize = 2 << 30;
 /// Default largest pass (in (token, slot) pairs) that takes the decode path: there every pair
 /// reads its expert's rows on its own, which wins while few pairs share an expert (decode, small
 /// batches); beyond, the grouped tiles share each weight chunk between pairs. Measured on H200
@@ -927,8 +952,8 @@ impl GpuExperts {
     }
 
     /// Caps the tokens one pass of [`GpuExperts::forward`] handles (at least 1), on top of the
-    /// built-in scratch bound of 128 MiB per pass: a smaller cap means less scratch, a larger
-    /// one fuller expert tiles.
+    /// built-in scratch bound per pass (128 MiB to 1 GiB, as the VRAM budget allows): a smaller
+    /// cap means less scratch, a larger one fuller expert tiles.
     pub fn set_max_tokens_per_pass(&mut self, tokens: usize) {
         self.max_pass_tokens = tokens.max(1);
     }
@@ -955,9 +980,16 @@ impl GpuExperts {
         fits && tokens.saturating_mul(top_k) <= self.decode_max_pairs
     }
 
-    /// Tokens per pass at `top_k`, bounded by [`MOE_PASS_SCRATCH_BYTES`] and the caller's cap.
-    fn tokens_per_pass(&self, top_k: usize) -> usize {
-        (MOE_PASS_SCRATCH_BYTES / self.scratch_per_token(top_k)).clamp(1, self.max_pass_tokens)
+    /// Tokens per pass at `top_k`: the scratch of [`MOE_PASS_SCRATCH_STEPS`] that the VRAM budget
+    /// allows (counting the GEMM scratch already held), bounded by the caller's cap.
+    fn tokens_per_pass(&self, dev: &GpuDevice, ctx: &GemmContext, top_k: usize) -> usize {
+        let room = (dev.budget().remaining() as usize).saturating_add(ctx.scratch_bytes());
+        let floor = MOE_PASS_SCRATCH_STEPS[MOE_PASS_SCRATCH_STEPS.len() - 1];
+        let bytes = MOE_PASS_SCRATCH_STEPS
+            .into_iter()
+            .find(|&b| b.saturating_add(MOE_PASS_HEADROOM_BYTES) <= room)
+            .unwrap_or(floor);
+        (bytes / self.scratch_per_token(top_k)).clamp(1, self.max_pass_tokens)
     }
 
     /// Scratch bytes per token of a pass: per pair its sorted index, intermediate (f32, or two
@@ -1022,7 +1054,7 @@ impl GpuExperts {
         }
         to_i32(OP, "tokens·top_k", t * top_k)?;
         let e = self.n_experts;
-        let pass = self.tokens_per_pass(top_k).min(t);
+        let pass = self.tokens_per_pass(dev, ctx, top_k).min(t);
         let max_pairs = pass * top_k;
         let (hp, ip) = (self.hidden_pad, self.inter_pad);
         // `act`: the f32 intermediate [pairs, inter] (decode path) or [pairs, inter_pad]
@@ -1144,7 +1176,7 @@ impl GpuExperts {
             // the kernel waits for the previous kernel before touching memory.
             unsafe { dev.launch_dependent(OP, &combine, cfg, &mut args, true) }
         };
-        // The weights' width: it orders the quantised activation rows (moe_qpos) and sizes their
+        // The weights' width: it orders the quantised activation rows (moe_qk) and sizes their
         // scales (an INT4 weight byte holds 16·q).
         let bits_i: i32 = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 4 } else { 8 };
         // Quantised experts: `rows` f32 rows (x, the intermediate) into two INT8 rows each and

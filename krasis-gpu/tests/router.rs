@@ -263,7 +263,8 @@ fn router_matches_cpu_twin() {
     for scoring in [ScoringFunc::Softmax, ScoringFunc::Sigmoid] {
         for method in 0..3 {
             for &(e, h) in &shapes {
-                for &t in &[1usize, 3, 9, 64] {
+                // 150 tokens: 19 tiles, so router_logits takes groups of experts.
+                for &t in &[1usize, 3, 9, 64, 150] {
                     let divisors: Vec<usize> = (1..=e.min(64)).filter(|g| e % g == 0).collect();
                     let n_group = divisors[r.random_range(0..divisors.len())];
                     let topk_group = r.random_range(1..=n_group);
