@@ -303,6 +303,7 @@ fn quantized_moe_matches_twin() {
         Case { name: "decode long rows", n_experts: 3, hidden: 4128, inter: 1408, top_k: 2, t: 1, ids: 2, pass_tokens: m },
         Case { name: "prefill", n_experts: 64, hidden: 256, inter: 192, top_k: 6, t: 100, ids: 0, pass_tokens: m },
         Case { name: "prefill ragged", n_experts: 6, hidden: 224, inter: 96, top_k: 2, t: 99, ids: 2, pass_tokens: m },
+        Case { name: "prefill g128", n_experts: 16, hidden: 128, inter: 384, top_k: 4, t: 90, ids: 0, pass_tokens: m },
         Case { name: "all on one expert", n_experts: 8, hidden: 192, inter: 32, top_k: 4, t: 70, ids: 1, pass_tokens: m },
         Case { name: "three passes", n_experts: 12, hidden: 96, inter: 160, top_k: 2, t: 101, ids: 0, pass_tokens: 40 },
         Case { name: "bad ids", n_experts: 10, hidden: 64, inter: 32, top_k: 4, t: 30, ids: 3, pass_tokens: 8 },
