@@ -1054,7 +1054,9 @@ impl GpuExperts {
         }
         to_i32(OP, "tokens·top_k", t * top_k)?;
         let e = self.n_experts;
-        let pass = self.tokens_per_pass(dev, ctx, top_k).min(t);
+        // Passes of equal size (10240 tokens at 9216 a pass: two of 5120, not 9216 + 1024), so no
+        // pass is left with mostly partial tiles.
+        let pass = t.div_ceil(t.div_ceil(self.tokens_per_pass(dev, ctx, top_k).min(t)));
         let max_pairs = pass * top_k;
         let (hp, ip) = (self.hidden_pad, self.inter_pad);
         // `act`: the f32 intermediate [pairs, inter] (decode path) or [pairs, inter_pad]
