@@ -31,18 +31,8 @@ template <typename T>
 __device__ void copy_rows(const float* src, long long src_stride, T* dst, long long dst_stride, int rows, int cols) {
     int r = blockIdx.y;
     if (r >= rows) return;
-    const int step = gridDim.x * blockDim.x;
-    // Whole float4s when every row start is 16-byte aligned (source) and 4-element aligned
-    // (destination): the same values, a quarter of the load instructions.
-    if ((cols & 3) == 0 && (src_stride & 3) == 0 && (dst_stride & 3) == 0 && aligned_to(src, 16) &&
-        aligned_to(dst, 4 * sizeof(T))) {
-        const float4* s4 = (const float4*)(src + (long long)r * src_stride);
-        for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols / 4; c += step)
-            store_f4(dst, (long long)r * dst_stride + 4 * c, s4[c]);
-        return;
-    }
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += step)
-        store_f(dst, (long long)r * dst_stride + c, src[(long long)r * src_stride + c]);
+    convert_row(src + (long long)r * src_stride, dst + (long long)r * dst_stride, cols, cols,
+                blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
 extern "C" __global__ void copy_rows_f32(const float* src, long long src_stride, float* dst, long long dst_stride,

@@ -94,6 +94,21 @@ __device__ __forceinline__ bool aligned_to(const void* p, unsigned bytes) {
     return ((unsigned long long)p & (bytes - 1)) == 0;
 }
 
+// One row: dst[c] = src[c] (converted as store_f) for c < cols and 0 for cols <= c < len, over
+// columns c0, c0 + step, ... (a thread's share). Whole float4s when cols and len are multiples of
+// 4 and both rows are aligned to 4 elements: the same values, a quarter of the load instructions.
+template <typename T>
+__device__ __forceinline__ void convert_row(const float* src, T* dst, int cols, int len,
+                                            int c0, int step) {
+    if ((cols & 3) == 0 && (len & 3) == 0 && aligned_to(src, 16) && aligned_to(dst, 4 * sizeof(T))) {
+        const float4* s4 = (const float4*)src;
+        for (int c = c0; c < len / 4; c += step)
+            store_f4(dst, 4 * c, 4 * c < cols ? s4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        return;
+    }
+    for (int c = c0; c < len; c += step) store_f(dst, c, c < cols ? src[c] : 0.0f);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -19,16 +19,7 @@ extern "C" __global__ void f32_to_bf16_pad(const float* __restrict__ x, bf16_t* 
                                            int ld) {
     const int t = blockIdx.x;
     if (t >= m) return;
-    const float* xr = x + (long long)t * cols;
-    bf16_t* o = out + (long long)t * ld;
-    // Whole float4s when rows allow (the same values, a quarter of the load instructions).
-    if ((cols & 3) == 0 && (ld & 3) == 0 && aligned_to(x, 16) && aligned_to(out, 8)) {
-        const float4* x4 = (const float4*)xr;
-        for (int c = threadIdx.x; c < ld / 4; c += blockDim.x)
-            store_f4(o, 4 * c, 4 * c < cols ? x4[c] : make_float4(0.0f, 0.0f, 0.0f, 0.0f));
-        return;
-    }
-    for (int c = threadIdx.x; c < ld; c += blockDim.x) o[c] = c < cols ? f32_to_bf16(xr[c]) : (bf16_t)0;
+    convert_row(x + (long long)t * cols, out + (long long)t * ld, cols, ld, threadIdx.x, blockDim.x);
 }
 
 // INT8 values -> BF16 (exact: |q| <= 128 fits BF16's 8-bit significand). No scale: it is applied

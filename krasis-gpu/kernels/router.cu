@@ -76,69 +76,95 @@ __device__ __forceinline__ double rt_block_sum_d(double v, double* scratch) {
 #define ROUTER_LOGITS_THREADS 256
 #define ROUTER_LOGITS_WARPS (ROUTER_LOGITS_THREADS / 32)
 
-// Logits of expert e for the tile of tokens t0 .. t0 + nt (nt >= 1) of x; block =
-// ROUTER_LOGITS_THREADS. Ends with a barrier; thread k < nt writes logits[(t0 + k) * E + e].
+// a = fma chain of one float4 group: a + w.x·x.x + w.y·x.y + w.z·x.z + w.w·x.w, in that order.
+__device__ __forceinline__ float rt_fma4(float a, float4 w, float4 x) {
+    a = fmaf(w.x, x.x, a);
+    a = fmaf(w.y, x.y, a);
+    a = fmaf(w.z, x.z, a);
+    return fmaf(w.w, x.w, a);
+}
+
+// Logits of experts e0 .. e0 + ne - 1 (1 <= ne <= EG) for the tile of tokens t0 .. t0 + nt
+// (nt >= 1) of x; block = ROUTER_LOGITS_THREADS. Ends with a barrier; thread k·EG + j (k < nt,
+// j < ne) writes logits[(t0 + k) * E + e0 + j]. Every (token, expert) sum has the order the file
+// header gives, whatever EG: so the logits depend on neither EG, the tile nor the batch. EG = 1
+// (decode, router_publish) loads x per weight group, two groups in flight; EG > 1 (prefill) holds
+// the tile's x groups in registers across its EG experts, so x crosses from L2 once per EG
+// experts (at EG = 1, once per expert: 4.3 GB at t = 8192, hidden 2048, E = 64).
+template <int EG>
 __device__ __forceinline__ void rt_logits_tile(const float* __restrict__ w, const float* __restrict__ x,
-                                               float* __restrict__ logits, int n_experts, int hidden, int e, int t0,
-                                               int nt) {
-    __shared__ float red[ROUTER_TOK_TILE][ROUTER_LOGITS_WARPS];
+                                               float* __restrict__ logits, int n_experts, int hidden, int e0, int ne,
+                                               int t0, int nt) {
+    __shared__ float red[ROUTER_TOK_TILE][EG][ROUTER_LOGITS_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* wr = w + (long long)e * hidden;
+    const float* wr = w + (long long)e0 * hidden;
     const float* xt = x + (long long)t0 * hidden;
-    float acc[ROUTER_TOK_TILE];
+    float acc[ROUTER_TOK_TILE][EG];
 #pragma unroll
-    for (int k = 0; k < ROUTER_TOK_TILE; k++) acc[k] = 0.0f;
+    for (int k = 0; k < ROUTER_TOK_TILE; k++)
+#pragma unroll
+        for (int j = 0; j < EG; j++) acc[k][j] = 0.0f;
     const bool vec = (hidden & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15ull) == 0;
     if (vec) {
         const int h4 = hidden >> 2;
         const float4* w4 = reinterpret_cast<const float4*>(wr);
         const float4* x4 = reinterpret_cast<const float4*>(xt);
-#pragma unroll 2  // hidden 2048: both of a thread's groups loaded together
+#pragma unroll(EG == 1 ? 2 : 1)  // EG = 1, hidden 2048: both of a thread's groups loaded together
         for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
-            const float4 wv = w4[i];
+            if constexpr (EG == 1) {
+                const float4 wv = w4[i];
 #pragma unroll
-            for (int k = 0; k < ROUTER_TOK_TILE; k++) {
-                if (k < nt) {
-                    const float4 xv = x4[(long long)k * h4 + i];
-                    float a = acc[k];
-                    a = fmaf(wv.x, xv.x, a);
-                    a = fmaf(wv.y, xv.y, a);
-                    a = fmaf(wv.z, xv.z, a);
-                    a = fmaf(wv.w, xv.w, a);
-                    acc[k] = a;
+                for (int k = 0; k < ROUTER_TOK_TILE; k++)
+                    if (k < nt) acc[k][0] = rt_fma4(acc[k][0], wv, x4[(long long)k * h4 + i]);
+            } else {
+                float4 xv[ROUTER_TOK_TILE];
+#pragma unroll
+                for (int k = 0; k < ROUTER_TOK_TILE; k++)
+                    xv[k] = k < nt ? x4[(long long)k * h4 + i] : make_float4(0, 0, 0, 0);
+#pragma unroll
+                for (int j = 0; j < EG; j++) {
+                    if (j >= ne) break;
+                    const float4 wv = w4[(long long)j * h4 + i];
+#pragma unroll
+                    for (int k = 0; k < ROUTER_TOK_TILE; k++) acc[k][j] = rt_fma4(acc[k][j], wv, xv[k]);
                 }
             }
         }
     } else {
         for (int i = threadIdx.x; i < hidden; i += ROUTER_LOGITS_THREADS) {
-            const float wv = wr[i];
 #pragma unroll
-            for (int k = 0; k < ROUTER_TOK_TILE; k++)
-                if (k < nt) acc[k] = fmaf(wv, xt[(long long)k * hidden + i], acc[k]);
+            for (int j = 0; j < EG; j++) {
+                if (j >= ne) break;
+                const float wv = wr[(long long)j * hidden + i];
+#pragma unroll
+                for (int k = 0; k < ROUTER_TOK_TILE; k++)
+                    if (k < nt) acc[k][j] = fmaf(wv, xt[(long long)k * hidden + i], acc[k][j]);
+            }
         }
     }
 #pragma unroll
-    for (int k = 0; k < ROUTER_TOK_TILE; k++) {
-        const float v = warp_sum(acc[k]);
-        if (lane == 0) red[k][warp] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < nt) {
-        const int k = threadIdx.x;
-        float s = red[k][0];
+    for (int k = 0; k < ROUTER_TOK_TILE; k++)
 #pragma unroll
-        for (int j = 1; j < ROUTER_LOGITS_WARPS; j++) s += red[k][j];
-        logits[(long long)(t0 + k) * n_experts + e] = s;
+        for (int j = 0; j < EG; j++) {
+            const float v = warp_sum(acc[k][j]);
+            if (lane == 0) red[k][j][warp] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROUTER_TOK_TILE * EG) {
+        const int k = threadIdx.x / EG, j = threadIdx.x % EG;
+        if (k < nt && j < ne) {
+            float s = red[k][j][0];
+#pragma unroll
+            for (int v = 1; v < ROUTER_LOGITS_WARPS; v++) s += red[k][j][v];
+            logits[(long long)(t0 + k) * n_experts + e0 + j] = s;
+        }
     }
     __syncthreads();
 }
 
 // grid (ceil(E / eg), ceil(t / ROUTER_TOK_TILE)); block = ROUTER_LOGITS_THREADS. Block (g, y)
-// computes experts g·eg .. g·eg + eg - 1 (eg <= ROUTER_EXP_GROUP) for token tile y: each thread
-// loads its float4 groups of the tile's x once for all eg experts, so x crosses from L2 once per
-// eg experts (at eg = 1, once per expert: 4.3 GB at t = 8192, hidden 2048, E = 64). Every
-// (token, expert) sum is formed exactly as rt_logits_tile forms it (the same chains, butterfly and
-// warp order), so the logits do not depend on eg, the tile or the batch.
+// computes experts g·eg .. g·eg + eg - 1 (eg <= ROUTER_EXP_GROUP) for token tile y (see
+// rt_logits_tile; eg = 1 and unaligned rows take the one-expert loop).
 extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
     router_logits(const float* __restrict__ w, const float* __restrict__ x, float* __restrict__ logits,
                   int n_experts, int hidden, int t, int eg) {
@@ -147,54 +173,9 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
     const int nt = min(ROUTER_TOK_TILE, t - t0), ne = min(eg, n_experts - e0);
     const bool vec = (hidden & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15ull) == 0;
     if (!vec || ne == 1) {
-        for (int j = 0; j < ne; ++j) rt_logits_tile(w, x, logits, n_experts, hidden, e0 + j, t0, nt);
-        return;
-    }
-    __shared__ float red[ROUTER_TOK_TILE][ROUTER_EXP_GROUP][ROUTER_LOGITS_WARPS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h4 = hidden >> 2;
-    const float4* w4 = reinterpret_cast<const float4*>(w + (long long)e0 * hidden);
-    const float4* x4 = reinterpret_cast<const float4*>(x + (long long)t0 * hidden);
-    float acc[ROUTER_TOK_TILE][ROUTER_EXP_GROUP];
-#pragma unroll
-    for (int k = 0; k < ROUTER_TOK_TILE; k++)
-#pragma unroll
-        for (int j = 0; j < ROUTER_EXP_GROUP; j++) acc[k][j] = 0.0f;
-    for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
-        float4 xv[ROUTER_TOK_TILE];
-#pragma unroll
-        for (int k = 0; k < ROUTER_TOK_TILE; k++) xv[k] = k < nt ? x4[(long long)k * h4 + i] : make_float4(0, 0, 0, 0);
-#pragma unroll
-        for (int j = 0; j < ROUTER_EXP_GROUP; j++) {
-            if (j >= ne) break;
-            const float4 wv = w4[(long long)j * h4 + i];
-#pragma unroll
-            for (int k = 0; k < ROUTER_TOK_TILE; k++) {
-                float a = acc[k][j];
-                a = fmaf(wv.x, xv[k].x, a);
-                a = fmaf(wv.y, xv[k].y, a);
-                a = fmaf(wv.z, xv[k].z, a);
-                a = fmaf(wv.w, xv[k].w, a);
-                acc[k][j] = a;
-            }
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < ROUTER_TOK_TILE; k++)
-#pragma unroll
-        for (int j = 0; j < ROUTER_EXP_GROUP; j++) {
-            const float v = warp_sum(acc[k][j]);
-            if (lane == 0) red[k][j][warp] = v;
-        }
-    __syncthreads();
-    if (threadIdx.x < ROUTER_TOK_TILE * ROUTER_EXP_GROUP) {
-        const int k = threadIdx.x / ROUTER_EXP_GROUP, j = threadIdx.x % ROUTER_EXP_GROUP;
-        if (k < nt && j < ne) {
-            float s = red[k][j][0];
-#pragma unroll
-            for (int v = 1; v < ROUTER_LOGITS_WARPS; v++) s += red[k][j][v];
-            logits[(long long)(t0 + k) * n_experts + e0 + j] = s;
-        }
+        for (int j = 0; j < ne; ++j) rt_logits_tile<1>(w, x, logits, n_experts, hidden, e0 + j, 1, t0, nt);
+    } else {
+        rt_logits_tile<ROUTER_EXP_GROUP>(w, x, logits, n_experts, hidden, e0, ne, t0, nt);
     }
 }
 
@@ -338,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
     const int e = blockIdx.x, y = blockIdx.y;
     const int t0 = y * ROUTER_TOK_TILE;
     const int nt = min(ROUTER_TOK_TILE, t - t0);
-    rt_logits_tile(w, x, logits, n_experts, hidden, e, t0, nt);
+    rt_logits_tile<1>(w, x, logits, n_experts, hidden, e, 1, t0, nt);
     if (threadIdx.x == 0) {
         __threadfence();
         last = atomicAdd(&tile_done[y], 1u) == (u32)(n_experts - 1);

@@ -414,19 +414,11 @@ impl GpuDevice {
     /// everything enqueued on the compute stream so far, so they may overlap what the compute
     /// stream runs next; [`GpuDevice::join_side_stream`] orders the compute stream after them
     /// again and must come before anything reads what `work` writes. Only kernel launches move:
-    /// allocations, copies and cuBLAS stay on the compute stream (`work` must not need them;
-    /// [`crate::linear::GemmContext`] refuses to run there). Not reentrant.
+    /// allocations and copies stay on the compute stream (`work` must not need them); cuBLAS
+    /// GEMMs run there on the [`crate::linear::GemmContext`]'s side lane, whose scratch
+    /// [`crate::linear::GemmContext::reserve_side`] sized beforehand. Not reentrant.
     pub fn on_side_stream<R, E: From<GpuError>>(&self, work: impl FnOnce() -> Result<R, E>) -> Result<R, E> {
-        if self.side.get().is_none() {
-            let side = SideStream {
-                stream: self.new_stream()?,
-                fork: self.new_event(false)?,
-                join: self.new_event(false)?,
-                owner: Default::default(),
-            };
-            let _ = self.side.set(side); // a racing thread's copy serves as well
-        }
-        let side = self.side.get().expect("set above");
+        let side = self.side()?;
         let d = |op, e| GpuError::driver(op, e);
         side.fork.record(&self.stream).map_err(|e| d("cuEventRecord", e))?;
         side.stream.wait(&side.fork).map_err(|e| d("cuStreamWaitEvent", e))?;
@@ -442,6 +434,25 @@ impl GpuDevice {
         drop(restore);
         side.join.record(&side.stream).map_err(|e| d("cuEventRecord", e))?;
         r
+    }
+
+    /// The side stream of [`GpuDevice::on_side_stream`], made on first use.
+    fn side(&self) -> Result<&SideStream, GpuError> {
+        if self.side.get().is_none() {
+            let side = SideStream {
+                stream: self.new_stream()?,
+                fork: self.new_event(false)?,
+                join: self.new_event(false)?,
+                owner: Default::default(),
+            };
+            let _ = self.side.set(side); // a racing thread's copy serves as well
+        }
+        Ok(self.side.get().expect("set above"))
+    }
+
+    /// The stream [`GpuDevice::on_side_stream`] work runs on (made on first use).
+    pub(crate) fn side_stream(&self) -> Result<&Arc<CudaStream>, GpuError> {
+        Ok(&self.side()?.stream)
     }
 
     /// Orders the compute stream after the last [`GpuDevice::on_side_stream`] work.

@@ -21,7 +21,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -206,9 +206,13 @@ pub(crate) fn ew_cfg(n: usize) -> LaunchConfig {
 /// Per-device state of the GEMM paths: a cuBLAS handle bound to the device's compute stream, the
 /// cuBLAS workspace, and a growable scratch buffer (BF16 activations, expanded INT8 tiles, the
 /// MoE intermediates), all charged to the VRAM budget. Ops lock it for the span of their
-/// launches; since everything runs on one stream, the scratch is reused safely call after call.
+/// launches; since everything on a stream runs in order, the scratch is reused safely call after
+/// call. Work on the device's side stream ([`GpuDevice::on_side_stream`]) gets a second lane of
+/// its own (handle, workspace, scratch), made and sized from the compute stream by
+/// [`GemmContext::reserve_side`] before the work moves there.
 pub struct GemmContext {
     inner: Mutex<Inner>,
+    side: OnceLock<Mutex<Inner>>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
 }
@@ -222,6 +226,21 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// A handle bound to `stream` with a budget-charged workspace. The CUDA context must be
+    /// current on this thread.
+    fn new(dev: &GpuDevice, stream: &CudaStream) -> Result<Self, GpuError> {
+        let lib = cublas::cublas()?;
+        // SAFETY: the stream belongs to the current context and outlives the handle (the device
+        // holds it, and the GemmContext's users hold the device).
+        let handle = unsafe { CublasHandle::new(lib, stream.cu_stream())? };
+        let ws = dev.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
+        let (ws_ptr, _g) = ws.device_ptr(dev.stream());
+        // SAFETY: the workspace lives in `Inner` next to the handle and is dropped after it.
+        let used = unsafe { handle.set_workspace(ws_ptr, CUBLAS_WORKSPACE_BYTES)? };
+        drop(_g);
+        Ok(Inner { handle, _workspace: used.then_some(ws), scratch: None, scratch_ptr: 0 })
+    }
+
     /// Device address of the scratch (valid while the lock is held); 0 when none was needed.
     pub(crate) fn scratch_ptr(&self) -> u64 {
         self.scratch_ptr
@@ -230,25 +249,47 @@ impl Inner {
     pub(crate) fn handle(&self) -> &CublasHandle {
         &self.handle
     }
+
+    fn scratch_len(&self) -> usize {
+        self.scratch.as_ref().map_or(0, |b| b.len())
+    }
+
+    /// Makes the scratch at least `bytes` long. Growth allocates on the compute stream; the old
+    /// buffer is freed stream-ordered, after the work already queued on it.
+    fn grow(&mut self, dev: &GpuDevice, bytes: usize) -> Result<(), GpuError> {
+        let have = self.scratch_len();
+        if bytes <= have {
+            return Ok(());
+        }
+        self.scratch = None;
+        self.scratch_ptr = 0;
+        // Grow by at least half again so a slowly rising m does not reallocate every call;
+        // fall back to the exact size when the headroom does not fit the budget.
+        let roomy = bytes.max(have + have / 2);
+        // SAFETY: scratch contents are always written by an op before being read.
+        let buf = match unsafe { dev.alloc_uninit::<u8>(roomy, "GEMM scratch") } {
+            Ok(b) => b,
+            Err(GpuError::VramBudget { .. }) if roomy > bytes => unsafe {
+                dev.alloc_uninit::<u8>(bytes, "GEMM scratch")?
+            },
+            Err(e) => return Err(e),
+        };
+        let (p, _g) = buf.device_ptr(dev.stream());
+        self.scratch_ptr = p;
+        drop(_g);
+        self.scratch = Some(buf);
+        Ok(())
+    }
 }
 
 impl GemmContext {
     /// Loads cuBLAS (see [`crate::cublas`]), creates a handle on `dev`'s compute stream and gives
     /// it a budget-charged workspace.
     pub fn new(dev: &GpuDevice) -> Result<Self, GpuError> {
-        let lib = cublas::cublas()?;
         let ctx = Arc::clone(dev.context());
         ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
-        // SAFETY: the stream belongs to `ctx`, current on this thread, and outlives the handle (both
-        // are held by the GemmContext, the stream through `self.stream`).
-        let handle = unsafe { CublasHandle::new(lib, dev.stream().cu_stream())? };
-        let ws = dev.alloc_zeros::<u8>(CUBLAS_WORKSPACE_BYTES, "cuBLAS workspace")?;
-        let (ws_ptr, _g) = ws.device_ptr(dev.stream());
-        // SAFETY: the workspace lives in `Inner` next to the handle and is dropped after it.
-        let used = unsafe { handle.set_workspace(ws_ptr, CUBLAS_WORKSPACE_BYTES)? };
-        drop(_g);
-        let inner = Inner { handle, _workspace: used.then_some(ws), scratch: None, scratch_ptr: 0 };
-        Ok(GemmContext { inner: Mutex::new(inner), stream: Arc::clone(dev.stream()), ctx })
+        let inner = Inner::new(dev, dev.main_stream())?;
+        Ok(GemmContext { inner: Mutex::new(inner), side: OnceLock::new(), stream: Arc::clone(dev.main_stream()), ctx })
     }
 
     /// Where libcublas was loaded from.
@@ -256,9 +297,9 @@ impl GemmContext {
         cublas::cublas().map(|c| c.path()).unwrap_or("")
     }
 
-    /// Current scratch size in bytes.
+    /// Current scratch size in bytes (the compute stream's lane).
     pub fn scratch_bytes(&self) -> usize {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).scratch.as_ref().map_or(0, |b| b.len())
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).scratch_len()
     }
 
     /// Grows the scratch to at least `bytes` now (e.g. before capturing a CUDA graph, so that no
@@ -267,16 +308,32 @@ impl GemmContext {
         self.lock(dev, "GemmContext::reserve", bytes).map(|_| ())
     }
 
-    /// Checks that the context belongs to `dev`'s stream.
+    /// Makes the side stream's lane (on first use) and grows its scratch to at least `bytes`, from
+    /// the compute stream: GEMMs inside [`GpuDevice::on_side_stream`] cannot allocate, so the
+    /// caller sizes the lane for them first ([`GpuLinear::gemm_scratch_bytes`]).
+    pub fn reserve_side(&self, dev: &GpuDevice, bytes: usize) -> Result<(), GpuError> {
+        const OP: &str = "GemmContext::reserve_side";
+        self.check_device(dev, OP)?;
+        check(OP, !dev.on_side(), || "called on the side stream".to_string())?;
+        self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+        if self.side.get().is_none() {
+            let lane = Inner::new(dev, dev.side_stream()?)?;
+            let _ = self.side.set(Mutex::new(lane)); // a racing thread's lane serves as well
+        }
+        let lane = self.side.get().expect("set above");
+        lane.lock().unwrap_or_else(|p| p.into_inner()).grow(dev, bytes)
+    }
+
+    /// Checks that the context belongs to `dev`.
     pub(crate) fn check_device(&self, dev: &GpuDevice, op: &'static str) -> Result<(), GpuError> {
         check(op, Arc::ptr_eq(&self.stream, dev.main_stream()), || {
             "the GemmContext was created for another GpuDevice (stream)".to_string()
         })
     }
 
-    /// Locks the context for one op: checks it belongs to `dev`'s stream, binds the CUDA context
-    /// to this thread, and makes the scratch at least `bytes` long. Growth allocates on the
-    /// stream; the old buffer is freed stream-ordered, after the work already queued on it.
+    /// Locks the lane of the stream this thread launches on for one op: checks the context
+    /// belongs to `dev`, binds the CUDA context to this thread, and makes the scratch at least
+    /// `bytes` long (on the side stream only within what [`GemmContext::reserve_side`] made).
     pub(crate) fn lock(
         &self,
         dev: &GpuDevice,
@@ -284,30 +341,21 @@ impl GemmContext {
         bytes: usize,
     ) -> Result<MutexGuard<'_, Inner>, GpuError> {
         self.check_device(dev, op)?;
-        // cuBLAS and the scratch belong to the compute stream.
-        check(op, !dev.on_side(), || "cuBLAS or the GEMM scratch asked for on the side stream".to_string())?;
         self.ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
-        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        let have = g.scratch.as_ref().map_or(0, |b| b.len());
-        if bytes > have {
-            g.scratch = None;
-            g.scratch_ptr = 0;
-            // Grow by at least half again so a slowly rising m does not reallocate every call;
-            // fall back to the exact size when the headroom does not fit the budget.
-            let roomy = bytes.max(have + have / 2);
-            // SAFETY: scratch contents are always written by an op before being read.
-            let buf = match unsafe { dev.alloc_uninit::<u8>(roomy, "GEMM scratch") } {
-                Ok(b) => b,
-                Err(GpuError::VramBudget { .. }) if roomy > bytes => unsafe {
-                    dev.alloc_uninit::<u8>(bytes, "GEMM scratch")?
-                },
-                Err(e) => return Err(e),
-            };
-            let (p, _g) = buf.device_ptr(dev.stream());
-            g.scratch_ptr = p;
-            drop(_g);
-            g.scratch = Some(buf);
+        if !dev.on_side() {
+            let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            g.grow(dev, bytes)?;
+            return Ok(g);
         }
+        let lane = self.side.get();
+        check(op, lane.is_some(), || {
+            "cuBLAS asked for on the side stream before GemmContext::reserve_side".to_string()
+        })?;
+        let g = lane.expect("checked").lock().unwrap_or_else(|p| p.into_inner());
+        let have = g.scratch_len();
+        check(op, bytes <= have, || {
+            format!("the side stream's GEMM scratch holds {have} bytes, {bytes} needed (GemmContext::reserve_side sizes it first)")
+        })?;
         Ok(g)
     }
 }
@@ -479,11 +527,8 @@ impl GpuLinear {
         }
     }
 
-    /// Forces the kernel of a BF16 weight (no effect on INT8). For tests and tuning: every path
-    /// rounds x to BF16 and accumulates in f32, so they agree up to f32 rounding order.
-    #[doc(hidden)]
     /// Whether [`GpuLinear::forward`] of `m` rows runs a GEMV of its own (no cuBLAS, no GEMM
-    /// scratch), as work on [`GpuDevice::on_side_stream`] must.
+    /// scratch).
     pub fn runs_alone(&self, m: usize) -> bool {
         match &self.w {
             Weights::Bf16(_) => m <= BF16_GEMV_MAX_M && self.bf16_path != Bf16Path::Cublas,
@@ -491,6 +536,27 @@ impl GpuLinear {
         }
     }
 
+    /// GEMM scratch bytes [`GpuLinear::forward`] of `m` rows locks (0 for a GEMV): what
+    /// [`GemmContext::reserve_side`] must provide before it runs on the side stream.
+    pub fn gemm_scratch_bytes(&self, m: usize) -> usize {
+        if self.runs_alone(m) {
+            return 0;
+        }
+        let xb_bytes = m * align_up(self.cols, 8) * 2;
+        match &self.w {
+            Weights::Bf16(_) => xb_bytes,
+            Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, self.int8_tile_rows(*ldw) * ldw * 2]),
+        }
+    }
+
+    /// Rows of the INT8 weight expanded to BF16 per GEMM of the tiled path.
+    fn int8_tile_rows(&self, ldw: usize) -> usize {
+        (INT8_DEQUANT_TILE_BYTES / (ldw * 2)).clamp(1, self.rows)
+    }
+
+    /// Forces the kernel of a BF16 weight (no effect on INT8). For tests and tuning: every path
+    /// rounds x to BF16 and accumulates in f32, so they agree up to f32 rounding order.
+    #[doc(hidden)]
     pub fn set_bf16_path(&mut self, path: Bf16Path) {
         self.bf16_path = path;
     }
@@ -506,14 +572,13 @@ impl GpuLinear {
         y: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward";
-        let (rows, cols) = (self.rows, self.cols);
-        check(OP, x.len() == m * cols, || format!("{}: x has {} elements, not [{m}, {cols}]", self.name, x.len()))?;
-        check(OP, y.len() == m * rows, || format!("{}: y has {} elements, not [{m}, {rows}]", self.name, y.len()))?;
+        let rows = self.rows;
+        self.check_shapes(OP, x.len(), y.len(), m)?;
         ctx.check_device(dev, OP)?;
         if m == 0 {
             return Ok(());
         }
-        let m_i = to_i32(OP, "m", m)?;
+        to_i32(OP, "m", m)?;
         let s = dev.stream();
         let (x_p, _gx) = x.device_ptr(s);
         let (y_p, _gy) = y.device_ptr_mut(s);
@@ -531,11 +596,7 @@ impl GpuLinear {
                 if let Some(r) = gemv_rows {
                     return self.bf16_gemv(dev, w_p, x_p, m, y_p, r);
                 }
-                let ldx = align_up(cols, 8);
-                let g = ctx.lock(dev, OP, m * ldx * 2)?;
-                let xb = g.scratch_ptr();
-                convert_x(dev, x_p, xb, m_i, cols, ldx)?;
-                gemm_bf16(g.handle(), w_p, rows, cols, cols, xb, ldx, m_i, y_p, rows)
+                self.cublas_bf16(dev, ctx, w_p, x_p, m, (y_p, cublas::R_32F))
             }
             Weights::Int8 { q, scale, ldw } => {
                 let (q_p, _gq) = q.device_ptr(s);
@@ -551,9 +612,10 @@ impl GpuLinear {
 
     /// `y = x·Wᵀ` and `y_other = x·W_otherᵀ` for the same `x` (MLA's q and kv_a projections): one
     /// GEMV launch over both matrices when both are BF16 on the automatic path with the same
-    /// columns, `m <= BF16_GEMV_MAX_M` and this one's rows a multiple of 4; two [`forward`] calls
-    /// otherwise. The values are those of two `forward` calls either way (a lane sums its columns
-    /// in the same order whatever the rows per warp).
+    /// columns, `m <= BF16_GEMV_MAX_M` and this one's rows a multiple of 4; on cuBLAS's path, x
+    /// converted to BF16 once for both GEMMs; two [`forward`] calls otherwise. The values are
+    /// those of two `forward` calls either way (a GEMV lane sums its columns in the same order
+    /// whatever the rows per warp).
     ///
     /// [`forward`]: GpuLinear::forward
     #[allow(clippy::too_many_arguments)]
@@ -574,18 +636,14 @@ impl GpuLinear {
             && self.cols == other.cols
             && (1..=BF16_GEMV_MAX_M).contains(&m)
             && self.rows.is_multiple_of(4);
-        if !fused {
+        let cublas = self.cols == other.cols && self.writes_bf16(m) && other.writes_bf16(m);
+        if !fused && !cublas {
             self.forward(dev, ctx, x, m, y)?;
             return other.forward(dev, ctx, x, m, y_other);
         }
         let cols = self.cols;
-        check(OP, x.len() == m * cols, || format!("{}: x has {} elements, not [{m}, {cols}]", self.name, x.len()))?;
-        check(OP, y.len() == m * self.rows, || {
-            format!("{}: y has {} elements, not [{m}, {}]", self.name, y.len(), self.rows)
-        })?;
-        check(OP, y_other.len() == m * other.rows, || {
-            format!("{}: y has {} elements, not [{m}, {}]", other.name, y_other.len(), other.rows)
-        })?;
+        self.check_shapes(OP, x.len(), y.len(), m)?;
+        other.check_shapes(OP, x.len(), y_other.len(), m)?;
         ctx.check_device(dev, OP)?;
         let (Weights::Bf16(w), Weights::Bf16(w2)) = (&self.w, &other.w) else { unreachable!("checked above") };
         let s = dev.stream();
@@ -594,9 +652,72 @@ impl GpuLinear {
         let (y2_p, _gy2) = y_other.device_ptr_mut(s);
         let (w_p, _gw) = w.device_ptr(s);
         let (w2_p, _gw2) = w2.device_ptr(s);
-        let rows = self.rows + other.rows;
-        let r = bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize);
-        self.bf16_gemv_launch(dev, w_p, x_p, m, y_p, r, Some((w2_p, y2_p, other.rows)))
+        if fused {
+            let rows = self.rows + other.rows;
+            let r = bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize);
+            return self.bf16_gemv_launch(dev, w_p, x_p, m, y_p, r, Some((w2_p, y2_p, other.rows)));
+        }
+        let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
+        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
+        let xb = g.scratch_ptr();
+        convert_x(dev, x_p, xb, m_i, cols, ldx)?;
+        gemm_bf16(g.handle(), w_p, self.rows, cols, cols, xb, ldx, m_i, y_p, self.rows)?;
+        gemm_bf16(g.handle(), w2_p, other.rows, cols, cols, xb, ldx, m_i, y2_p, other.rows)
+    }
+
+    /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows: a BF16 weight on the cuBLAS path.
+    pub fn writes_bf16(&self, m: usize) -> bool {
+        matches!(self.w, Weights::Bf16(_)) && !self.runs_alone(m)
+    }
+
+    /// `y[m, rows] = x[m, cols] · Wᵀ` as [`GpuLinear::forward`] computes it, rounded to BF16 by
+    /// the GEMM's epilogue (to nearest even) instead of written in f32: a BF16 consumer (the flash
+    /// prefill's K and V) without the f32 round trip. Only where [`GpuLinear::writes_bf16`] says so.
+    pub fn forward_bf16(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        y: &mut impl DevicePtrMut<u16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward_bf16";
+        check(OP, self.writes_bf16(m), || format!("{}: no BF16 output for {m} rows ({:?})", self.name, self.quant()))?;
+        self.check_shapes(OP, x.len(), y.len(), m)?;
+        ctx.check_device(dev, OP)?;
+        let Weights::Bf16(w) = &self.w else { unreachable!("checked by writes_bf16") };
+        let s = dev.stream();
+        let (x_p, _gx) = x.device_ptr(s);
+        let (y_p, _gy) = y.device_ptr_mut(s);
+        let (w_p, _gw) = w.device_ptr(s);
+        self.cublas_bf16(dev, ctx, w_p, x_p, m, (y_p, cublas::R_16BF))
+    }
+
+    /// Checks that `x` holds `[m, cols]` elements and `y` `[m, rows]`.
+    fn check_shapes(&self, op: &'static str, x: usize, y: usize, m: usize) -> Result<(), GpuError> {
+        let (rows, cols) = (self.rows, self.cols);
+        check(op, x == m * cols, || format!("{}: x has {x} elements, not [{m}, {cols}]", self.name))?;
+        check(op, y == m * rows, || format!("{}: y has {y} elements, not [{m}, {rows}]", self.name))
+    }
+
+    /// A BF16 weight `w` on cuBLAS: x converted to BF16 in the GEMM scratch, then
+    /// `y (of y_type) = x·Wᵀ` with f32 sums.
+    fn cublas_bf16(
+        &self,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        w: u64,
+        x: u64,
+        m: usize,
+        y: (u64, std::ffi::c_int),
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward (cuBLAS)";
+        let (rows, cols) = (self.rows, self.cols);
+        let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
+        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
+        let xb = g.scratch_ptr();
+        convert_x(dev, x, xb, m_i, cols, ldx)?;
+        gemm_bf16_to(g.handle(), w, rows, cols, cols, xb, ldx, m_i, y, rows)
     }
 
     /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
@@ -716,9 +837,8 @@ impl GpuLinear {
         const OP: &str = "GpuLinear::forward (int8 tiled)";
         let (rows, cols) = (self.rows, self.cols);
         let ldx = align_up(cols, 8);
-        let tile_rows = (INT8_DEQUANT_TILE_BYTES / (ldw * 2)).clamp(1, rows);
-        let xb_bytes = m * ldx * 2;
-        let g = ctx.lock(dev, OP, Carve::total(&[xb_bytes, tile_rows * ldw * 2]))?;
+        let (tile_rows, xb_bytes) = (self.int8_tile_rows(ldw), m * ldx * 2);
+        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
         let mut carve = Carve::new(g.scratch_ptr());
         let (xb, wb) = (carve.take(xb_bytes), carve.take(tile_rows * ldw * 2));
         let m_i = to_i32(OP, "m", m)?;
@@ -777,6 +897,24 @@ fn gemm_bf16(
     y: u64,
     ldy: usize,
 ) -> Result<(), GpuError> {
+    gemm_bf16_to(h, w, n, k, ldw, xb, ldx, m, (y, cublas::R_32F), ldy)
+}
+
+/// [`gemm_bf16`] with the output's type given: `R_32F`, or `R_16BF` (the f32 sums rounded by
+/// cuBLAS's epilogue).
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16_to(
+    h: &CublasHandle,
+    w: u64,
+    n: usize,
+    k: usize,
+    ldw: usize,
+    xb: u64,
+    ldx: usize,
+    m: i32,
+    (y, y_type): (u64, std::ffi::c_int),
+    ldy: usize,
+) -> Result<(), GpuError> {
     const OP: &str = "cublasGemmEx";
     let (n, k, ldw, ldx, ldy) = (
         to_i32(OP, "n", n)?,
@@ -794,7 +932,7 @@ fn gemm_bf16(
             (w, cublas::R_16BF, ldw),
             (xb, cublas::R_16BF, ldx),
             0.0,
-            (y, cublas::R_32F, ldy),
+            (y, y_type, ldy),
         )
     }
 }

@@ -12,8 +12,8 @@
 mod common;
 
 use common::{
-    assert_within, dot_est, down, from_bf16, gpu_gemm, poisoned_f32, rand_bf16_bits, rand_f32, rng, round_bf16,
-    time_us_per_call, to_bf16, up, U,
+    assert_within, dot_est, down, from_bf16, gpu_gemm, poisoned_bf16, poisoned_f32, rand_bf16_bits, rand_f32, rng,
+    round_bf16, time_us_per_call, to_bf16, up, U,
 };
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::DevicePtr;
@@ -241,13 +241,14 @@ fn bf16_gemv_v2_lite_shapes() {
     }
 }
 
-/// `forward_pair` (two matrices of the same columns in one GEMV launch, MLA's q and kv_a) gives
-/// bit for bit what two `forward` calls give, on V2-Lite's shapes and ragged ones (second
-/// matrix of any row count; the first's a multiple of 4, else it falls back to two launches),
-/// m = 1 ..= BF16_GEMV_MAX_M, and matches the twin.
+/// `forward_pair` (two matrices of the same columns: one GEMV launch for MLA's q and kv_a, or x
+/// converted once for two cuBLAS GEMMs) gives bit for bit what two `forward` calls give, on
+/// V2-Lite's shapes and ragged ones (second matrix of any row count; the first's a multiple of
+/// 4, else the GEMV falls back to two launches), m = 1 ..= BF16_GEMV_MAX_M and cuBLAS's m
+/// beyond, and matches the twin.
 #[test]
-fn bf16_gemv_pair_equals_two_forwards() {
-    let Some((d, ctx)) = gpu_gemm("bf16_gemv_pair_equals_two_forwards") else { return };
+fn bf16_pair_equals_two_forwards() {
+    let Some((d, ctx)) = gpu_gemm("bf16_pair_equals_two_forwards") else { return };
     let mut r = rng(23);
     let mut shapes = vec![(3072, 576, 2048), (4, 1, 8), (64, 33, 257), (300, 7, 700), (1536, 576, 2048), (6, 5, 31)];
     for _ in 0..6 {
@@ -259,7 +260,7 @@ fn bf16_gemv_pair_equals_two_forwards() {
         let a = GpuLinear::new(d, "pair a", &wa, rows_a, cols, LinearQuant::Bf16).unwrap();
         let b = GpuLinear::new(d, "pair b", &wb, rows_b, cols, LinearQuant::Bf16).unwrap();
         let wbv = to_f64(&from_bf16(&wb));
-        for m in 1..=BF16_GEMV_MAX_M {
+        for m in (1..=BF16_GEMV_MAX_M).chain([BF16_GEMV_MAX_M + 1, 37]) {
             let x = rand_f32(&mut r, m * cols, 1.0);
             let x_d = up(d, &x, "x");
             let mut ya = poisoned_f32(d, m * rows_a);
@@ -287,14 +288,53 @@ fn bf16_gemv_pair_equals_two_forwards() {
     }
 }
 
+/// `forward_bf16` (cuBLAS rounding the f32 sums to BF16 in its epilogue; MLA prefill's K/V) is
+/// `forward` rounded to nearest even, to within one BF16 step where the f32 sums of the two
+/// GEMMs differ in their last bits, on V2-Lite's kv_b shape and ragged ones; it refuses where
+/// `writes_bf16` says no (GEMV rows, INT8 weights).
+#[test]
+fn bf16_output_is_forward_rounded() {
+    let Some((d, ctx)) = gpu_gemm("bf16_output_is_forward_rounded") else { return };
+    let mut r = rng(41);
+    let mut exact = (0usize, 0usize);
+    for &(rows, cols) in &[(4096, 512), (33, 257), (7, 700), (130, 8)] {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let lin = GpuLinear::new(d, "kv_b", &w, rows, cols, LinearQuant::Bf16).unwrap();
+        let int8 = GpuLinear::new(d, "kv_b int8", &w, rows, cols, LinearQuant::Int8).unwrap();
+        assert!(!lin.writes_bf16(BF16_GEMV_MAX_M) && !int8.writes_bf16(64));
+        for m in [BF16_GEMV_MAX_M + 1, 64, 301] {
+            let what = format!("[{rows}x{cols}] m={m}");
+            assert!(lin.writes_bf16(m), "{what}");
+            let x_d = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
+            let mut y = poisoned_f32(d, m * rows);
+            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+            let mut y16 = poisoned_bf16(d, m * rows);
+            lin.forward_bf16(d, ctx, &x_d, m, &mut y16).unwrap();
+            let err = int8.forward_bf16(d, ctx, &x_d, m, &mut y16).unwrap_err().to_string();
+            assert!(err.contains("no BF16 output"), "{err}");
+            let (want, got) = (to_bf16(&down(d, &y)), down(d, &y16));
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                // Adjacent BF16 values of one sign differ by one in their bits.
+                let steps = (g as i32 - w as i32).abs();
+                assert!(steps <= 1 && (g ^ w) & 0x8000 == 0 || g == w, "{what} [{i}]: {g:#06x} vs {w:#06x}");
+                exact.0 += (g == w) as usize;
+            }
+            exact.1 += got.len();
+        }
+    }
+    eprintln!("bf16 output: {} of {} values equal forward's rounding", exact.0, exact.1);
+    assert!(exact.0 * 100 >= exact.1 * 99, "{} of {} equal", exact.0, exact.1);
+}
+
 /// Work on the side stream (`GpuDevice::on_side_stream`): a GEMV launched there reads what the
 /// compute stream wrote before the fork and, after `join_side_stream`, the compute stream reads
 /// what it wrote, bit for bit as on the compute stream; while a long GEMV chain runs on the side,
-/// the compute stream's own work goes on. cuBLAS (and the GEMM scratch) refuses to run there, and
-/// launches outside the closure go to the compute stream again.
+/// the compute stream's own work goes on. cuBLAS runs there only in the GEMM context's side lane,
+/// sized first by `reserve_side` (an error before, not a race), and then gives the compute
+/// stream's bits; launches outside the closure go to the compute stream again.
 #[test]
-fn side_stream_orders_and_refuses_cublas() {
-    let Some((d, ctx)) = gpu_gemm("side_stream_orders_and_refuses_cublas") else { return };
+fn side_stream_orders_and_runs_cublas_in_its_lane() {
+    let Some((d, ctx)) = gpu_gemm("side_stream_orders_and_runs_cublas_in_its_lane") else { return };
     let mut r = rng(31);
     let (rows, cols) = (2816, 2048);
     let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
@@ -327,15 +367,37 @@ fn side_stream_orders_and_refuses_cublas() {
         assert_eq!(bits(&down(d, &got)), bits(&down(d, &want)), "{what}: the side GEMV differs");
         assert_eq!(bits(&down(d, &chain)), bits(&down(d, &other)), "{what}: the side chain differs");
     }
-    // cuBLAS on the side stream is an error, not a race; the closure's end restores the stream.
-    let x_d = up(d, &rand_f32(&mut r, 33 * cols, 1.0), "x");
-    let mut y = poisoned_f32(d, 33 * rows);
-    let err = d.on_side_stream(|| lin.forward(d, ctx, &x_d, 33, &mut y)).unwrap_err();
-    assert!(err.to_string().contains("side stream"), "{err}");
-    assert!(!lin.runs_alone(33) && lin.runs_alone(1));
-    lin.forward(d, ctx, &x_d, 33, &mut y).unwrap();
+    // cuBLAS on the side stream beyond its lane's reserved scratch is an error, not a race; the
+    // closure's end restores the stream.
+    let m = 33;
+    let x_d = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
+    let mut y = poisoned_f32(d, m * rows);
+    assert!(!lin.runs_alone(m) && lin.runs_alone(1) && lin.gemm_scratch_bytes(1) == 0);
+    let need = lin.gemm_scratch_bytes(m);
+    assert!(need >= m * cols * 2, "{need}");
+    let own = GemmContext::new(d).unwrap(); // a context whose side lane does not exist yet
+    let on_side = |ctx: &GemmContext| {
+        let mut y = poisoned_f32(d, m * rows);
+        d.on_side_stream(|| lin.forward(d, ctx, &x_d, m, &mut y)).unwrap_err().to_string()
+    };
+    let err = on_side(&own);
+    assert!(err.contains("side stream") && err.contains("reserve_side"), "{err}");
+    own.reserve_side(d, need - 256).unwrap();
+    let err = on_side(&own);
+    assert!(err.contains("side stream") && err.contains(&format!("{need} needed")), "{err}");
+    lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+    // Reserved: the side lane's cuBLAS gives the compute stream's bits, beside its work.
+    own.reserve_side(d, need).unwrap();
+    let mut y_side = poisoned_f32(d, m * rows);
+    let mut y_back = poisoned_f32(d, m * cols);
+    d.on_side_stream(|| lin.forward(d, &own, &x_d, m, &mut y_side)).unwrap();
+    back.forward(d, ctx, &y, m, &mut y_back).unwrap(); // compute stream cuBLAS meanwhile
     d.join_side_stream().unwrap();
-    assert!(down(d, &y).iter().all(|v| v.is_finite()), "cuBLAS after the side stream left NaNs");
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let got = down(d, &y_side);
+    assert!(got.iter().all(|v| v.is_finite()), "side cuBLAS left NaNs");
+    assert_eq!(bits(&got), bits(&down(d, &y)), "side-lane cuBLAS differs from the compute stream's");
+    assert!(down(d, &y_back).iter().all(|v| v.is_finite()), "cuBLAS beside the side stream left NaNs");
 }
 
 /// cuBLAS (forced, and `forward`'s own choice above BF16_GEMV_MAX_M) still matches the twin;

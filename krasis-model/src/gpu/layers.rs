@@ -86,19 +86,19 @@ pub(crate) struct GpuMlp {
 }
 
 impl GpuMlp {
-    /// Whether [`GpuMlp::forward`] of `t` rows may run on the side stream (GEMVs only).
-    fn runs_alone(&self, t: usize) -> bool {
-        self.gate_up.runs_alone(t) && self.down.runs_alone(t)
-    }
-
-    /// Grows the scratch slots [`GpuMlp::forward`] writes for `t` rows (allocations stay on the
-    /// compute stream: done before work moves to the side stream).
+    /// Grows the scratch slots [`GpuMlp::forward`] writes for `t` rows, and the GEMM context's
+    /// side lane for its GEMMs (allocations stay on the compute stream: done before work moves
+    /// to the side stream).
     fn reserve(&self, c: &Ctx, s: &mut StepIo, t: usize) -> Result<()> {
         let (inter, hidden) = (self.gate_up.rows() / 2, self.down.rows());
         let [gate_up_slot, _, act_slot, shared_out_slot, ..] = &mut s.scratch.f;
         grow(c.dev, gate_up_slot, t * 2 * inter, "mlp gate+up")?;
         grow(c.dev, act_slot, t * inter, "mlp activation")?;
         grow(c.dev, shared_out_slot, t * hidden, "shared expert output")?;
+        let gemm = self.gate_up.gemm_scratch_bytes(t).max(self.down.gemm_scratch_bytes(t));
+        if gemm > 0 {
+            c.gemm.reserve_side(c.dev, gemm)?;
+        }
         Ok(())
     }
 
@@ -346,10 +346,15 @@ fn gpu_moe(
     n: usize,
 ) -> Result<()> {
     let t = c.t;
-    // A decode step's shared expert runs on the side stream beside the router and the routed
-    // experts: both chains are a few latency-bound launches at one token, so they overlap.
+    // The shared expert runs on the side stream beside the router and the routed experts. In a
+    // decode step both chains are a few latency-bound launches at one token; in a prefill with
+    // the experts resident the shared expert's GEMMs fill the SMs the routing kernels and the
+    // grouped tiles' tails leave idle (KRASIS_SHARED_BESIDE=0: after them, for A/B). A streamed
+    // layer's prefill waits on its copies instead, in a budget with no room for the side lane's
+    // GEMM scratch (measured: a 10K prompt in 6 GiB ran out of VRAM).
+    let prefill_beside = c.streamer.is_none() && shared_beside_prefill();
     let beside = match shared {
-        Some(sh) if c.decode && matches!(routes, GpuRoutes::Router(..)) && sh.runs_alone(t) => Some(sh),
+        Some(sh) if matches!(routes, GpuRoutes::Router(..)) && (c.decode || prefill_beside) => Some(sh),
         _ => None,
     };
     if let Some(sh) = beside {
@@ -410,6 +415,13 @@ fn router_routes(c: &Ctx, s: &mut StepIo, router: &GpuRouter, l: usize, k: usize
     router.forward(c.dev, &xn, t, &mut ids_out, &mut w_out)?;
     let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
     c.count_routes(router, l, ids_p, t * k)
+}
+
+/// Whether a prefill's shared expert runs beside the routed experts (the default; set
+/// `KRASIS_SHARED_BESIDE=0` to run it after them).
+fn shared_beside_prefill() -> bool {
+    static BESIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *BESIDE.get_or_init(|| std::env::var("KRASIS_SHARED_BESIDE").map_or(true, |v| v.trim() != "0"))
 }
 
 /// `y += ` the shared expert's output (its MLP left it in the scratch's `f[3]`).
@@ -656,21 +668,22 @@ impl GpuMla {
                 RowsView::contiguous(n_kv, rd),
             )?;
             let kvb_cols = hh * (nope + vd);
-            let kvb = grow(dev, absorbed_q_or_kv_slot, n_kv * kvb_cols, "mla expanded k/v")?;
-            self.w.kv_b.linear.forward(
-                dev,
-                c.gemm,
-                &cmat.slice().slice(..n_kv * lat),
-                n_kv,
-                &mut kvb.slice_mut().slice_mut(..n_kv * kvb_cols),
-            )?;
             let kvb16 = grow(dev, kv16_slot, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
-            dev.copy_rows_to_bf16(
-                kvb,
-                RowsView::contiguous(n_kv, kvb_cols),
-                kvb16,
-                RowsView::contiguous(n_kv, kvb_cols),
-            )?;
+            let latent = cmat.slice().slice(..n_kv * lat);
+            let kv_b = &self.w.kv_b.linear;
+            if kv_b.writes_bf16(n_kv) {
+                // The GEMM rounds to BF16 itself: no f32 K/V round trip.
+                kv_b.forward_bf16(dev, c.gemm, &latent, n_kv, &mut kvb16.slice_mut().slice_mut(..n_kv * kvb_cols))?;
+            } else {
+                let kvb = grow(dev, absorbed_q_or_kv_slot, n_kv * kvb_cols, "mla expanded k/v")?;
+                kv_b.forward(dev, c.gemm, &latent, n_kv, &mut kvb.slice_mut().slice_mut(..n_kv * kvb_cols))?;
+                dev.copy_rows_to_bf16(
+                    kvb,
+                    RowsView::contiguous(n_kv, kvb_cols),
+                    kvb16,
+                    RowsView::contiguous(n_kv, kvb_cols),
+                )?;
+            }
             let q16 = grow(dev, q16_slot, t * hh * qk, "mla q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * qk), q16, RowsView::contiguous(t, hh * qk))?;
             let args = FlashPrefillArgs {
