@@ -27,6 +27,9 @@
 //     cp.async K/V pipeline with one barrier per key tile, Q/K/V fragments through ldmatrix. Every
 //     copy address is a shift and a multiply-add, not the runtime division the generic kernel pays
 //     per chunk. The mask, the online softmax and P V are the generic kernel's (shared helpers).
+//
+// Two NVRTC programs share this file (flash_prefill.rs): the wgmma kernels (sm_90a, below;
+// -DFLASH_WGMMA) and the others (no macro), so they compile in parallel.
 #include "krasis_common.cuh"
 
 #define NEG_INF __uint_as_float(0xff800000u)
@@ -60,6 +63,7 @@ __device__ __forceinline__ float simt_partial_dot(const float (&q)[SIMT_PER_LANE
     return s;
 }
 
+#ifndef FLASH_WGMMA
 extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
     flash_prefill_simt(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
                        const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
@@ -110,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
         if (d < dv) out[i * o_ts + h * o_hs + d] = acc[j] * inv;
     }
 }
+#endif
 
 // ------------------------------------------------------------------------------------------ MMA
 
@@ -311,6 +316,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[V_TILES][4], const float (&s)
 
 // Dynamic shared memory: two buffers, each K [64][ldk] then V [64][ldv] (bf16), ldk = qk_pad + 8,
 // ldv = v_pad + 8. Q is staged through buffer 1's K rows before the loop.
+#ifndef FLASH_WGMMA
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     flash_prefill_mma(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
                       const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
@@ -448,6 +454,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     __trap();
 #endif
 }
+#endif
 
 // ------------------------------------------------------------------------------------------ fixed dims
 
@@ -653,8 +660,10 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
 
 // MLA as DeepSeek V2/V3 have it (nope 128 + rope 64, v 128) and GQA with 128-wide heads. The host
 // table FIXED_SHAPES lists the same three numbers.
+#ifndef FLASH_WGMMA
 FLASH_FIXED_ENTRY(128, 64, 128)
 FLASH_FIXED_ENTRY(128, 0, 128)
+#endif
 
 // ------------------------------------------------------------------------------------------ wgmma (sm_90a)
 //
@@ -1036,5 +1045,7 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
 // runs nearer the tensor cores' peak (H200, 8K: 41.4 % of the peak against 38.1 % with 64-key
 // tiles and Q in registers; MLA the other way round, 41.7 % against 41.1 %). The host table
 // WGMMA_TILES lists the same numbers.
+#ifdef FLASH_WGMMA
 FLASH_WGMMA_ENTRY(128, 64, 128, 64, 4, false)
 FLASH_WGMMA_ENTRY(128, 0, 128, 128, 3, true)
+#endif

@@ -28,6 +28,13 @@
 // chunk load is a full aligned 16-byte vector.
 #include "krasis_common.cuh"
 
+// Four NVRTC programs share this file (moe.rs): the routing, glue and BF16 kernels (no macro), the
+// INT4 and the INT8 tiles (-DMOE_QTILES=4, =8) and the quantised decode kernels (-DMOE_QDEC), so
+// they compile in parallel (as one program, 7.8–10.4 s of a fresh machine's cold start).
+#if !defined(MOE_QTILES) && !defined(MOE_QDEC)
+#define MOE_BASE
+#endif
+
 #define MOE_TM 64          // pairs per tile (must match moe.rs): one m16 slice per warp
 #define MOE_BN 64          // output columns per gate/up block (must match moe.rs)
 #define MOE_BN_DOWN 128    // output columns per down block (must match moe.rs)
@@ -49,6 +56,7 @@ static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row en
 #define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
 // tm: pairs per tile (MOE_TM for the BF16 tiles; the quantised tiles' TM).
+#ifdef MOE_BASE
 extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts, int tm,
                                      int* __restrict__ offsets, int* __restrict__ tile_offsets,
                                      int* __restrict__ sorted) {
@@ -79,9 +87,11 @@ extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, i
         if (e >= 0 && e < n_experts) sorted[atomicAdd(&cnt[e], 1)] = p;
     }
 }
+#endif
 
 // x [tokens, k] f32 -> its two BF16 halves hi, lo [tokens, ldo] (bf16_split), zero from k to ldo.
 // Launch: grid (tokens, ceil(ldo / 256)), 256 threads.
+#ifdef MOE_BASE
 extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf16_t* __restrict__ hi,
                                           bf16_t* __restrict__ lo, int ldo) {
     const long long t = blockIdx.x;
@@ -92,6 +102,7 @@ extern "C" __global__ void moe_split_rows(const float* __restrict__ x, int k, bf
     hi[t * ldo + c] = h;
     lo[t * ldo + c] = l;
 }
+#endif
 
 // The expert owning `tile` (tile_offsets[e] <= tile < tile_offsets[e + 1]); fills s_pair with the
 // tile's pair indices (-1 past its `count` pairs; TM pairs a tile) and ends with a barrier.
@@ -284,6 +295,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 
 // act halves [n_pairs, inter_pad] from x halves [tokens, hidden_pad] and w13 [E, 2*inter, ldw]
 // (ldw = hidden_pad).
+#ifdef MOE_BASE
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi, const bf16_t* x_lo, int top_k,
                 bf16_t* act_hi, bf16_t* act_lo, int inter_pad, const int* sorted, const int* offsets,
@@ -291,14 +303,17 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k,
                                nullptr, act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
 }
+#endif
 
 // ypair [n_pairs, hidden] from act halves [n_pairs, ldw] and w2 [E, hidden, ldw] (ldw = inter_pad).
+#ifdef MOE_BASE
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi, const bf16_t* act_lo,
              float* ypair, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
     moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
                                 nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
 }
+#endif
 
 // ---- Quantised experts: INT4 / INT8 weights in the GPU tile layout (krasis_quant::gpu_layout) ----
 //
@@ -454,6 +469,7 @@ __device__ __forceinline__ float2 moe_quant_split(const float* __restrict__ xg, 
 // scales [rows, ng] as (s_hi, s_lo) (for INT4 weights, whose bytes hold 16·q, divided by 16).
 // Launch: grid (rows, ceil(ng / MOE_QUANT_WARPS)), 32 · MOE_QUANT_WARPS threads; warp w quantises
 // group blockIdx.y · MOE_QUANT_WARPS + w.
+#ifdef MOE_BASE
 extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, int ldx, int gs, int ng,
                                           signed char* __restrict__ q, int ldq, float2* __restrict__ scales,
                                           int bits) {
@@ -465,6 +481,7 @@ extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, in
     const float2 s = moe_quant_split(x + row * ldx + k0, min(gs, max(k - k0, 0)), gs, lane, hi, hi + ldq, bits);
     if (lane == 0) scales[row * ng + grp] = s;
 }
+#endif
 
 // d[16x8] += a[16x32] · b[32x8], s8 x s8 -> s32 (fragments as the PTX ISA's m16n8k32).
 __device__ __forceinline__ void mma_s8(int* d, const u32* a, u32 b0, u32 b1) {
@@ -848,12 +865,15 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // All 32-pair tiles of 4 panels (8 warps), two blocks an SM. v0: 3 buffers of one chunk, results
 // in registers (spills a little at 128); v1: the same with the results in shared memory (the
 // default, moe.rs: QTILE_VARIANTS); v2: 2 buffers of two chunks, results in shared memory.
+#if MOE_QTILES == 4
 MOE_Q_ENTRIES(4, 0, 32, 4, 3, 1, false, 2)
 MOE_Q_ENTRIES(4, 1, 32, 4, 3, 1, true, 2)
 MOE_Q_ENTRIES(4, 2, 32, 4, 2, 2, true, 2)
+#elif MOE_QTILES == 8
 MOE_Q_ENTRIES(8, 0, 32, 4, 3, 1, false, 2)
 MOE_Q_ENTRIES(8, 1, 32, 4, 3, 1, true, 2)
 MOE_Q_ENTRIES(8, 2, 32, 4, 2, 2, true, 2)
+#endif
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
 // its expert's panel (GATED: the gate panel and the matching up panel) once, coalesced (each
@@ -1018,8 +1038,10 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                                    n_panels, hidden, act, inter, inter_pad, 1, ypair,     \
                                                    hidden, ids, n_experts);                                     \
     }
+#ifdef MOE_QDEC
 MOE_QDEC_ENTRIES(4)
 MOE_QDEC_ENTRIES(8)
+#endif
 
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs
 // o = o0 + q: GATED: out[pair, o] = silu(w[o] . a) * (w[up_row0 + o] . a), else w[o] . a, where
@@ -1098,18 +1120,22 @@ __device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long 
 }
 
 // Decode path, act [n_pairs, inter] from x [tokens, hidden], ids [n_pairs], w13 [E, 2*inter, ldw].
+#ifdef MOE_BASE
 extern "C" __global__ void moe_dec_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const float* x,
                                            int top_k, float* act, const int* ids, int n_experts) {
     moe_dec_body<true, MOE_DEC_GU_COLS>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x, hidden, top_k,
                                         act, inter, ids, n_experts);
 }
+#endif
 
 // Decode path, ypair [n_pairs, hidden] from act [n_pairs, inter], ids [n_pairs], w2 [E, hidden, ldw].
+#ifdef MOE_BASE
 extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, int hidden, const float* act,
                                         float* ypair, const int* ids, int n_experts) {
     moe_dec_body<false, MOE_DEC_DN_ROWS>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act, inter, 1, ypair,
                                          hidden, ids, n_experts);
 }
+#endif
 
 // out [tokens, hidden] = sum over j ascending of weights[t, j] * ypair[t*top_k + j]; a token with
 // any id outside [0, n_experts) gets a NaN row; pairs with an id in [n_present, n_experts) are
@@ -1119,6 +1145,7 @@ extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, in
 // gridDim.y*256. Why: one block per token put decode (tokens = 1, hidden 2048) on one SM with
 // each thread walking 8 columns serially; now 8 blocks of one column per thread. Each element is
 // the same f32 sum (j ascending) whatever the grid.
+#ifdef MOE_BASE
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
                                        const float* __restrict__ weights, float* __restrict__ out, int tokens,
                                        int top_k, int hidden, int n_experts, int n_present) {
@@ -1140,3 +1167,4 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const in
         out[(long long)t * hidden + h] = valid ? acc : krasis_nan();
     }
 }
+#endif
