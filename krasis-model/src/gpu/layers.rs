@@ -351,8 +351,10 @@ fn gpu_moe(
     // the experts resident the shared expert's GEMMs fill the SMs the routing kernels and the
     // grouped tiles' tails leave idle (KRASIS_SHARED_BESIDE=0: after them, for A/B). A streamed
     // layer's prefill waits on its copies instead, in a budget with no room for the side lane's
-    // GEMM scratch (measured: a 10K prompt in 6 GiB ran out of VRAM).
-    let prefill_beside = c.streamer.is_none() && shared_beside_prefill();
+    // GEMM scratch (measured: a 10K prompt in 6 GiB ran out of VRAM). A resident layer in a tight
+    // budget keeps it after them too (SHARED_BESIDE_MIN_FREE_BYTES).
+    let prefill_beside =
+        c.streamer.is_none() && shared_beside_prefill() && c.dev.budget().remaining() >= SHARED_BESIDE_MIN_FREE_BYTES;
     let beside = match shared {
         Some(sh) if matches!(routes, GpuRoutes::Router(..)) && (c.decode || prefill_beside) => Some(sh),
         _ => None,
@@ -416,6 +418,12 @@ fn router_routes(c: &Ctx, s: &mut StepIo, router: &GpuRouter, l: usize, k: usize
     let (ids_p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(&ids_out, c.dev.stream());
     c.count_routes(router, l, ids_p, t * k)
 }
+
+/// VRAM budget a prefill must have left for its shared expert to run beside the routed experts:
+/// the side lane's cuBLAS workspace (32 MiB) and GEMM scratch (58 MB at a 10K-token V2-Lite
+/// prompt) with room to spare for what the prefill grows after them; below it the shared expert
+/// runs after the routed experts and needs no side lane.
+const SHARED_BESIDE_MIN_FREE_BYTES: u64 = 1 << 30;
 
 /// Whether a prefill's shared expert runs beside the routed experts (the default; set
 /// `KRASIS_SHARED_BESIDE=0` to run it after them).
