@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_core::memory::PageBuffer;
 use krasis_cpu::isa::Isa;
-use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, MembwReport};
+use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, BandwidthProbe, MembwReport};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
@@ -229,6 +229,9 @@ struct GreedyTiming {
     decode_s: f64,
     /// Stage counters over the last decode run.
     decode_stages: StageCounters,
+    /// Probe GB/s (best repetition) right before each decode run and after the last one, when
+    /// a probe was given: run `i` lies between `decode_probe_gbs[i]` and `[i + 1]`.
+    decode_probe_gbs: Vec<f64>,
 }
 
 impl GreedyTiming {
@@ -253,13 +256,15 @@ pub(crate) fn warm_median(runs: &[f64]) -> f64 {
 
 /// Times `prefill_reps` prefills of one random prompt (each in a fresh session), then
 /// `decode_tokens` greedy steps after the last one. The engine's `ForwardStats` then hold the
-/// decode alone.
+/// decode alone. With `probe`, the host's bandwidth is measured right before every decode run
+/// and after the last one.
 fn time_greedy_decode(
     engine: &dyn Engine,
     prompt_tokens: usize,
     decode_tokens: usize,
     prefill_reps: usize,
     decode_reps: usize,
+    mut probe: Option<&mut dyn FnMut() -> f64>,
 ) -> anyhow::Result<GreedyTiming> {
     let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
     let mut greedy = Sampler::new(SamplingParams::default());
@@ -283,12 +288,16 @@ fn time_greedy_decode(
     let prefill_stages = StageCounters::now().since(before);
     let prefill_parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
     let (mut decode_rep_s, mut decode_stages) = (Vec::new(), StageCounters::now());
+    let mut decode_probe_gbs = Vec::new();
     for rep in 0..decode_reps.max(1) {
         if rep > 0 {
             // The same context lengths as the first run: a fresh session and the same prompt.
             drop(session);
             session = engine.new_session()?;
             next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
+        }
+        if let Some(p) = probe.as_mut() {
+            decode_probe_gbs.push(p());
         }
         if let Some(stats) = engine.forward_stats() {
             stats.reset();
@@ -300,6 +309,9 @@ fn time_greedy_decode(
         decode_rep_s.push(t.elapsed().as_secs_f64());
         decode_stages = StageCounters::now().since(before);
     }
+    if let Some(p) = probe.as_mut() {
+        decode_probe_gbs.push(p());
+    }
     Ok(GreedyTiming {
         prefill_s,
         prefill_parts,
@@ -307,7 +319,24 @@ fn time_greedy_decode(
         decode_s: median(&decode_rep_s),
         decode_rep_s,
         decode_stages,
+        decode_probe_gbs,
     })
+}
+
+/// Timed repetitions of each probe around a decode run: two of ≥ 50 ms each (about 0.15 s with
+/// the warm-up on the GPU box), short beside a 64-token run; the best is kept, as for the probe
+/// before the load.
+const PROBE_AROUND_REPS: usize = 2;
+
+/// Pause between the engine's work and a probe (and back): the pools' idle workers spin for
+/// [`krasis_cpu::pool::SPIN_BEFORE_PARK`] (1 ms) before they sleep; 10 ms leaves every spinner
+/// of one pool parked before the other pool streams.
+const PROBE_SETTLE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// All weights' GB/s of each decode run against the probe around it: the better (higher) of the
+/// probes right before and right after the run, so a run is never flattered by a dip.
+fn bracketed_fractions(rep_gbs: &[f64], probes: &[f64]) -> Vec<f64> {
+    rep_gbs.iter().zip(probes.windows(2)).map(|(g, w)| g / w[0].max(w[1]).max(1e-9)).collect()
 }
 
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
@@ -549,12 +578,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
+        // The probe again around every decode run, on a pool of its own (the engine's workers
+        // are parked by then), so each run meets the host as it was in the same seconds.
+        let sys = krasis_core::hw::probe();
+        let probe_pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
+        let probe_bytes = a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys));
+        let around = BandwidthProbe::new(&probe_pool, probe_bytes, krasis_cpu::isa::active())?;
+        let mut measure = || {
+            std::thread::sleep(PROBE_SETTLE);
+            let g = around.measure(PROBE_AROUND_REPS).gb_per_s;
+            std::thread::sleep(PROBE_SETTLE);
+            g
+        };
         let timing = time_greedy_decode(
             engine,
             a.prompt_tokens,
             a.decode_tokens,
             a.prefill_reps as usize,
             a.decode_reps as usize,
+            Some(&mut measure),
         )?;
         let (prefill_s, decode_s, pp) = (timing.reported_prefill_s(), timing.decode_s, timing.prefill_parts);
         let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
@@ -575,6 +617,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let last_ms = last_s * 1e3 / n;
         let expert_gbs = (expert_bytes + shared_inside) as f64 / 1e9 / (expert_s / n).max(1e-12);
         let total_gbs = (expert_bytes + dense_bytes) as f64 / 1e9 / (decode_s / n);
+        let rep_gbs: Vec<f64> =
+            timing.decode_rep_s.iter().map(|&t| (expert_bytes + dense_bytes) as f64 / 1e9 / (t / n)).collect();
+        let bracketed = bracketed_fractions(&rep_gbs, &timing.decode_probe_gbs);
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
@@ -594,6 +639,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "total_gb_per_s": total_gbs, "total_fraction_of_membw": total_gbs / bw.gb_per_s,
             "attention_ms_per_token": parts.attention * 1e3 / n, "shared_experts_ms_per_token": parts.shared * 1e3 / n,
             "lm_head_ms_per_token": parts.lm_head * 1e3 / n,
+            "rep_total_gb_per_s": rep_gbs, "probe_gb_per_s_around_reps": timing.decode_probe_gbs,
+            "rep_total_fraction_of_probe_around": bracketed,
+            "median_total_fraction_of_probe_around": (!bracketed.is_empty()).then(|| median(&bracketed)),
         });
         if !a.json {
             println!(
@@ -694,10 +742,32 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 100.0 * expert_gbs / bw.gb_per_s,
                 100.0 * total_gbs / bw.gb_per_s
             );
+            if !bracketed.is_empty() {
+                let pct: Vec<String> = bracketed.iter().map(|f| format!("{:.0}%", 100.0 * f)).collect();
+                let probes: Vec<String> = timing.decode_probe_gbs.iter().map(|g| format!("{g:.1}")).collect();
+                println!(
+                    "all weights against the probe around each decode run (the better of the one right before and right after): {}; median {:.0}% (probes {} GB/s)",
+                    pct.join(", "),
+                    100.0 * median(&bracketed),
+                    probes.join(", ")
+                );
+            }
         }
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bracketed_fractions;
+
+    #[test]
+    fn each_run_is_judged_against_the_higher_of_its_two_probes() {
+        let f = bracketed_fractions(&[90.0, 100.0, 80.0], &[100.0, 120.0, 80.0, 100.0]);
+        assert_eq!(f, vec![0.75, 100.0 / 120.0, 0.8]);
+        assert!(bracketed_fractions(&[90.0], &[]).is_empty());
+    }
 }

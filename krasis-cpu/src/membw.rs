@@ -142,85 +142,111 @@ pub fn read_bandwidth(pool: &WorkerPool, bytes: usize, reps: usize) -> io::Resul
 
 /// As [`read_bandwidth`] with an explicit ISA (lowered to what the CPU has).
 pub fn read_bandwidth_with(pool: &WorkerPool, bytes: usize, reps: usize, isa: Isa) -> io::Result<MembwReport> {
-    let isa = isa.min(Isa::detect());
-    let threads = pool.threads();
-    let reps = reps.max(1);
-    let per = bytes / threads;
-    let align = if per >= HUGE_SLICE_MIN { 2 << 20 } else { 4096 };
-    let slice = (per / align * align).max(align);
-    let total = slice * threads;
+    Ok(BandwidthProbe::new(pool, bytes, isa)?.measure(reps))
+}
 
-    let buf = PageBuffer::new(total)?;
-    advise_huge_pages(buf.as_ptr(), total);
-    let mut slices_bound = 0;
-    if pool.is_pinned() {
-        for w in 0..threads {
-            let node = pool.os_node(pool.worker_ctx(w).node);
-            // SAFETY of the arithmetic: `w * slice + slice <= total`, inside the mapping.
-            let p = buf.as_ptr().wrapping_add(w * slice);
-            if let Ok(true) = bind_to_node(p, slice, node) {
-                slices_bound += 1;
+/// A probe buffer placed and first-touched once, to measure again and again: `krasis bench`
+/// measures right before and after each timed decode run, so every run is compared with what
+/// the host gave in the same minute (other guests move the figure by tens of percent).
+pub struct BandwidthProbe<'p> {
+    pool: &'p WorkerPool,
+    buf: PageBuffer,
+    slice: usize,
+    isa: Isa,
+    slices_bound: usize,
+    huge_bytes: Option<u64>,
+}
+
+impl<'p> BandwidthProbe<'p> {
+    /// Map about `bytes` (whole per-worker slices), bind each worker's slice to its node and let
+    /// each worker touch its own slice first.
+    pub fn new(pool: &'p WorkerPool, bytes: usize, isa: Isa) -> io::Result<Self> {
+        let isa = isa.min(Isa::detect());
+        let threads = pool.threads();
+        let per = bytes / threads;
+        let align = if per >= HUGE_SLICE_MIN { 2 << 20 } else { 4096 };
+        let slice = (per / align * align).max(align);
+        let total = slice * threads;
+
+        let buf = PageBuffer::new(total)?;
+        advise_huge_pages(buf.as_ptr(), total);
+        let mut slices_bound = 0;
+        if pool.is_pinned() {
+            for w in 0..threads {
+                let node = pool.os_node(pool.worker_ctx(w).node);
+                // SAFETY of the arithmetic: `w * slice + slice <= total`, inside the mapping.
+                let p = buf.as_ptr().wrapping_add(w * slice);
+                if let Ok(true) = bind_to_node(p, slice, node) {
+                    slices_bound += 1;
+                }
             }
         }
-    }
-    // Worker 0 is the calling thread: pin it for the measurement (restored on return).
-    let _pin = pool.pin_caller().ok();
-
-    let base = SyncPtr(buf.as_ptr() as *mut u8);
-    pool.broadcast(&|ctx| {
-        // SAFETY: worker `w` writes only its own slice `[w*slice, (w+1)*slice)` of the buffer,
-        // which nothing else accesses during this call.
-        unsafe { std::ptr::write_bytes(base.get().add(ctx.worker * slice), (ctx.worker as u8) | 1, slice) };
-    });
-    let huge_bytes = huge_page_bytes(buf.as_ptr(), total);
-
-    let data = buf.as_slice();
-    let clock = Instant::now();
-    // One timed pass: all workers meet at a barrier, worker 0 starts the clock, each streams its
-    // slice `passes` times; the clock stops when the last one is done.
-    let timed = |passes: usize| -> f64 {
-        let arrived = AtomicUsize::new(0);
-        let t0 = AtomicU64::new(0);
+        let base = SyncPtr(buf.as_ptr() as *mut u8);
         pool.broadcast(&|ctx| {
-            arrived.fetch_add(1, Ordering::AcqRel);
-            while arrived.load(Ordering::Acquire) < threads {
-                std::hint::spin_loop();
-            }
-            if ctx.worker == 0 {
-                t0.store(clock.elapsed().as_nanos() as u64, Ordering::Release);
-            }
-            let mine = &data[ctx.worker * slice..(ctx.worker + 1) * slice];
-            for _ in 0..passes {
-                std::hint::black_box(read_stream(isa, std::hint::black_box(mine)));
-            }
+            // SAFETY: worker `w` writes only its own slice `[w*slice, (w+1)*slice)` of the buffer,
+            // which nothing else accesses during this call.
+            unsafe { std::ptr::write_bytes(base.get().add(ctx.worker * slice), (ctx.worker as u8) | 1, slice) };
         });
-        let t1 = clock.elapsed().as_nanos() as u64;
-        (t1.saturating_sub(t0.load(Ordering::Acquire))).max(1) as f64 * 1e-9
-    };
-    // Untimed warm-up (TLB, page-table and host-side effects in VMs), which also sizes the reps.
-    let warm = timed(1);
-    let passes = ((MIN_REP_SECONDS / warm).ceil() as usize).clamp(1, MAX_PASSES);
-    let per_rep: Vec<f64> = (0..reps).map(|_| (total * passes) as f64 / timed(passes) / 1e9).collect();
-    let mut sorted = per_rep.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = if !sorted.len().is_multiple_of(2) {
-        sorted[sorted.len() / 2]
-    } else {
-        0.5 * (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2])
-    };
-    Ok(MembwReport {
-        gb_per_s: *sorted.last().unwrap_or(&0.0),
-        median_gb_per_s: median,
-        bytes: total,
-        passes,
-        threads,
-        per_rep,
-        isa,
-        pinned: pool.is_pinned(),
-        slices_bound,
-        huge_bytes,
-        llc_bytes: llc_bytes(),
-    })
+        let huge_bytes = huge_page_bytes(buf.as_ptr(), total);
+        Ok(BandwidthProbe { pool, buf, slice, isa, slices_bound, huge_bytes })
+    }
+
+    /// One untimed warm-up pass, then `reps` timed repetitions of at least 50 ms each.
+    pub fn measure(&self, reps: usize) -> MembwReport {
+        let (pool, slice, isa) = (self.pool, self.slice, self.isa);
+        let threads = pool.threads();
+        let total = slice * threads;
+        let reps = reps.max(1);
+        // Worker 0 is the calling thread: pin it for the measurement (restored on return).
+        let _pin = pool.pin_caller().ok();
+        let data = self.buf.as_slice();
+        let clock = Instant::now();
+        // One timed pass: all workers meet at a barrier, worker 0 starts the clock, each streams
+        // its slice `passes` times; the clock stops when the last one is done.
+        let timed = |passes: usize| -> f64 {
+            let arrived = AtomicUsize::new(0);
+            let t0 = AtomicU64::new(0);
+            pool.broadcast(&|ctx| {
+                arrived.fetch_add(1, Ordering::AcqRel);
+                while arrived.load(Ordering::Acquire) < threads {
+                    std::hint::spin_loop();
+                }
+                if ctx.worker == 0 {
+                    t0.store(clock.elapsed().as_nanos() as u64, Ordering::Release);
+                }
+                let mine = &data[ctx.worker * slice..(ctx.worker + 1) * slice];
+                for _ in 0..passes {
+                    std::hint::black_box(read_stream(isa, std::hint::black_box(mine)));
+                }
+            });
+            let t1 = clock.elapsed().as_nanos() as u64;
+            (t1.saturating_sub(t0.load(Ordering::Acquire))).max(1) as f64 * 1e-9
+        };
+        // Untimed warm-up (TLB, page-table and host-side effects in VMs), which also sizes the reps.
+        let warm = timed(1);
+        let passes = ((MIN_REP_SECONDS / warm).ceil() as usize).clamp(1, MAX_PASSES);
+        let per_rep: Vec<f64> = (0..reps).map(|_| (total * passes) as f64 / timed(passes) / 1e9).collect();
+        let mut sorted = per_rep.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = if !sorted.len().is_multiple_of(2) {
+            sorted[sorted.len() / 2]
+        } else {
+            0.5 * (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2])
+        };
+        MembwReport {
+            gb_per_s: *sorted.last().unwrap_or(&0.0),
+            median_gb_per_s: median,
+            bytes: total,
+            passes,
+            threads,
+            per_rep,
+            isa,
+            pinned: pool.is_pinned(),
+            slices_bound: self.slices_bound,
+            huge_bytes: self.huge_bytes,
+            llc_bytes: llc_bytes(),
+        }
+    }
 }
 
 /// XOR of every 8-byte word of `data` (plus the tail bytes), read with the widest loads `isa`
@@ -335,6 +361,16 @@ mod tests {
                 assert!(r.per_rep.iter().all(|&g| g > 0.0 && g <= r.gb_per_s));
             }
         }
+    }
+
+    #[test]
+    fn one_probe_buffer_measures_again_and_again() {
+        let pool = WorkerPool::new(PoolPlan::simulated(2, 2)).unwrap();
+        let probe = BandwidthProbe::new(&pool, 8 << 20, isa::active()).unwrap();
+        let (a, b) = (probe.measure(1), probe.measure(3));
+        assert_eq!((a.per_rep.len(), b.per_rep.len()), (1, 3));
+        assert_eq!(a.bytes, b.bytes);
+        assert!(a.bytes >= 8 << 20 && a.gb_per_s > 0.0 && b.gb_per_s > 0.0);
     }
 
     #[test]
