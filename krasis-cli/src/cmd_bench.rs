@@ -339,6 +339,20 @@ fn bracketed_fractions(rep_gbs: &[f64], probes: &[f64]) -> Vec<f64> {
     rep_gbs.iter().zip(probes.windows(2)).map(|(g, w)| g / w[0].max(w[1]).max(1e-9)).collect()
 }
 
+/// The same strict test applied to the probe itself: each probe against the higher of its
+/// neighbours (one neighbour at either end). A pure streaming loop scores this, so values well
+/// below 100 % are the host's noise, not the engine's.
+fn probe_self_fractions(probes: &[f64]) -> Vec<f64> {
+    (0..probes.len())
+        .filter(|_| probes.len() > 1)
+        .map(|i| {
+            let before = if i > 0 { probes[i - 1] } else { 0.0 };
+            let after = probes.get(i + 1).copied().unwrap_or(0.0);
+            probes[i] / before.max(after).max(1e-9)
+        })
+        .collect()
+}
+
 /// GB/s of expert weights streamed by M=1 expert forwards over `pool`: one expert per dispatch
 /// pair, and the top-6 of a token per dispatch pair.
 /// Also returns the bytes of one expert.
@@ -620,6 +634,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let rep_gbs: Vec<f64> =
             timing.decode_rep_s.iter().map(|&t| (expert_bytes + dense_bytes) as f64 / 1e9 / (t / n)).collect();
         let bracketed = bracketed_fractions(&rep_gbs, &timing.decode_probe_gbs);
+        let probe_self = probe_self_fractions(&timing.decode_probe_gbs);
+        // Median run against the median probe around the runs: both central, so a burst of the
+        // host's on either side moves neither.
+        let around_median =
+            (!timing.decode_probe_gbs.is_empty()).then(|| median(&rep_gbs) / median(&timing.decode_probe_gbs));
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
@@ -642,6 +661,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "rep_total_gb_per_s": rep_gbs, "probe_gb_per_s_around_reps": timing.decode_probe_gbs,
             "rep_total_fraction_of_probe_around": bracketed,
             "median_total_fraction_of_probe_around": (!bracketed.is_empty()).then(|| median(&bracketed)),
+            "median_run_over_median_probe_around": around_median,
+            "probe_self_fraction_around": probe_self,
         });
         if !a.json {
             println!(
@@ -742,14 +763,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 100.0 * expert_gbs / bw.gb_per_s,
                 100.0 * total_gbs / bw.gb_per_s
             );
-            if !bracketed.is_empty() {
-                let pct: Vec<String> = bracketed.iter().map(|f| format!("{:.0}%", 100.0 * f)).collect();
+            if let (Some(m), false) = (around_median, bracketed.is_empty()) {
+                let pct = |v: &[f64]| v.iter().map(|f| format!("{:.0}%", 100.0 * f)).collect::<Vec<_>>().join(", ");
                 let probes: Vec<String> = timing.decode_probe_gbs.iter().map(|g| format!("{g:.1}")).collect();
                 println!(
-                    "all weights against the probe around each decode run (the better of the one right before and right after): {}; median {:.0}% (probes {} GB/s)",
-                    pct.join(", "),
+                    "all weights against the probes taken right before and after each decode run ({} GB/s): median run {:.1} GB/s over median probe {:.1} GB/s = {:.0}%; each run against the higher of its two probes: {} (median {:.0}%); each probe against the higher of its neighbours (the host's own noise): {}",
+                    probes.join(", "),
+                    median(&rep_gbs),
+                    median(&timing.decode_probe_gbs),
+                    100.0 * m,
+                    pct(&bracketed),
                     100.0 * median(&bracketed),
-                    probes.join(", ")
+                    pct(&probe_self)
                 );
             }
         }
@@ -769,5 +794,11 @@ mod tests {
         let f = bracketed_fractions(&[90.0, 100.0, 80.0], &[100.0, 120.0, 80.0, 100.0]);
         assert_eq!(f, vec![0.75, 100.0 / 120.0, 0.8]);
         assert!(bracketed_fractions(&[90.0], &[]).is_empty());
+    }
+
+    #[test]
+    fn each_probe_is_judged_against_the_higher_of_its_neighbours() {
+        assert_eq!(super::probe_self_fractions(&[100.0, 50.0, 80.0]), vec![2.0, 0.5, 1.6]);
+        assert!(super::probe_self_fractions(&[100.0]).is_empty());
     }
 }
