@@ -169,6 +169,7 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
     let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
     let mut loaded = load_model(files, &config.cpu)?;
+    krasis_core::memory::release_free_heap();
     if config.record_heatmap {
         loaded.model.record_heatmap();
     }
