@@ -139,15 +139,22 @@ fn expert_copies(
     Ok((buf, n, rec, w13.len(), l13, l2))
 }
 
-/// `n` pseudo-random token ids in `2..vocab` (a fixed xorshift sequence: runs are comparable).
-/// The host's streaming read bandwidth with `--threads` / `--membw-bytes`, on a pool of its own
-/// that is gone before any model loads: the figure every GB/s of a run is compared with.
-pub(crate) fn probe_bandwidth(a: &Args) -> anyhow::Result<MembwReport> {
+/// A pool of its own for the bandwidth probe (`--threads`) and the probe's size
+/// (`--membw-bytes`, else [`default_probe_bytes`]).
+fn probe_pool(a: &Args) -> anyhow::Result<(WorkerPool, usize)> {
     let sys = krasis_core::hw::probe();
     let pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
-    Ok(read_bandwidth(&pool, a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys)), 5)?)
+    Ok((pool, a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys))))
 }
 
+/// The host's streaming read bandwidth on a pool that is gone before any model loads: the
+/// figure every GB/s of a run is compared with.
+pub(crate) fn probe_bandwidth(a: &Args) -> anyhow::Result<MembwReport> {
+    let (pool, bytes) = probe_pool(a)?;
+    Ok(read_bandwidth(&pool, bytes, 5)?)
+}
+
+/// `n` pseudo-random token ids in `2..vocab` (a fixed xorshift sequence: runs are comparable).
 pub(crate) fn random_prompt(vocab: usize, n: usize) -> Vec<u32> {
     let v = vocab.max(3) as u64;
     let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -229,8 +236,8 @@ struct GreedyTiming {
     decode_s: f64,
     /// Stage counters over the last decode run.
     decode_stages: StageCounters,
-    /// Probe GB/s (best repetition) right before each decode run and after the last one, when
-    /// a probe was given: run `i` lies between `decode_probe_gbs[i]` and `[i + 1]`.
+    /// Probe GB/s (best repetition) right before each decode run and after the last one: run
+    /// `i` lies between `decode_probe_gbs[i]` and `[i + 1]`.
     decode_probe_gbs: Vec<f64>,
 }
 
@@ -256,15 +263,15 @@ pub(crate) fn warm_median(runs: &[f64]) -> f64 {
 
 /// Times `prefill_reps` prefills of one random prompt (each in a fresh session), then
 /// `decode_tokens` greedy steps after the last one. The engine's `ForwardStats` then hold the
-/// decode alone. With `probe`, the host's bandwidth is measured right before every decode run
-/// and after the last one.
+/// decode alone. `probe` measures the host's bandwidth right before every decode run and after
+/// the last one.
 fn time_greedy_decode(
     engine: &dyn Engine,
     prompt_tokens: usize,
     decode_tokens: usize,
     prefill_reps: usize,
     decode_reps: usize,
-    mut probe: Option<&mut dyn FnMut() -> f64>,
+    probe: &mut dyn FnMut() -> f64,
 ) -> anyhow::Result<GreedyTiming> {
     let prompt = random_prompt(engine.spec().vocab_size, prompt_tokens);
     let mut greedy = Sampler::new(SamplingParams::default());
@@ -296,9 +303,7 @@ fn time_greedy_decode(
             session = engine.new_session()?;
             next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
         }
-        if let Some(p) = probe.as_mut() {
-            decode_probe_gbs.push(p());
-        }
+        decode_probe_gbs.push(probe());
         if let Some(stats) = engine.forward_stats() {
             stats.reset();
         }
@@ -309,9 +314,7 @@ fn time_greedy_decode(
         decode_rep_s.push(t.elapsed().as_secs_f64());
         decode_stages = StageCounters::now().since(before);
     }
-    if let Some(p) = probe.as_mut() {
-        decode_probe_gbs.push(p());
-    }
+    decode_probe_gbs.push(probe());
     Ok(GreedyTiming {
         prefill_s,
         prefill_parts,
@@ -343,8 +346,10 @@ fn bracketed_fractions(rep_gbs: &[f64], probes: &[f64]) -> Vec<f64> {
 /// neighbours (one neighbour at either end). A pure streaming loop scores this, so values well
 /// below 100 % are the host's noise, not the engine's.
 fn probe_self_fractions(probes: &[f64]) -> Vec<f64> {
+    if probes.len() < 2 {
+        return Vec::new();
+    }
     (0..probes.len())
-        .filter(|_| probes.len() > 1)
         .map(|i| {
             let before = if i > 0 { probes[i - 1] } else { 0.0 };
             let after = probes.get(i + 1).copied().unwrap_or(0.0);
@@ -594,10 +599,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let engine = opened.engine.as_ref();
         // The probe again around every decode run, on a pool of its own (the engine's workers
         // are parked by then), so each run meets the host as it was in the same seconds.
-        let sys = krasis_core::hw::probe();
-        let probe_pool = WorkerPool::new(PoolPlan::from_system(&sys, a.engine.threads))?;
-        let probe_bytes = a.membw_bytes.unwrap_or_else(|| default_probe_bytes(&sys));
-        let around = BandwidthProbe::new(&probe_pool, probe_bytes, krasis_cpu::isa::active())?;
+        let (around_pool, probe_bytes) = probe_pool(&a)?;
+        let around = BandwidthProbe::new(&around_pool, probe_bytes, krasis_cpu::isa::active())?;
         let mut measure = || {
             std::thread::sleep(PROBE_SETTLE);
             let g = around.measure(PROBE_AROUND_REPS).gb_per_s;
@@ -610,7 +613,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             a.decode_tokens,
             a.prefill_reps as usize,
             a.decode_reps as usize,
-            Some(&mut measure),
+            &mut measure,
         )?;
         let (prefill_s, decode_s, pp) = (timing.reported_prefill_s(), timing.decode_s, timing.prefill_parts);
         let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
@@ -637,8 +640,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let probe_self = probe_self_fractions(&timing.decode_probe_gbs);
         // Median run against the median probe around the runs: both central, so a burst of the
         // host's on either side moves neither.
-        let around_median =
-            (!timing.decode_probe_gbs.is_empty()).then(|| median(&rep_gbs) / median(&timing.decode_probe_gbs));
+        let (run_median, probe_median) = (median(&rep_gbs), median(&timing.decode_probe_gbs));
+        let around_median = run_median / probe_median;
         out["model"] = json!(dir.display().to_string());
         out["engine"] = json!({ "cpu_expert_bits": format!("{:?}", a.engine.cpu_expert_bits),
                                 "cpu_dense_bits": format!("{:?}", a.engine.cpu_dense_bits),
@@ -660,7 +663,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "lm_head_ms_per_token": parts.lm_head * 1e3 / n,
             "rep_total_gb_per_s": rep_gbs, "probe_gb_per_s_around_reps": timing.decode_probe_gbs,
             "rep_total_fraction_of_probe_around": bracketed,
-            "median_total_fraction_of_probe_around": (!bracketed.is_empty()).then(|| median(&bracketed)),
+            "median_total_fraction_of_probe_around": median(&bracketed),
             "median_run_over_median_probe_around": around_median,
             "probe_self_fraction_around": probe_self,
         });
@@ -763,20 +766,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 100.0 * expert_gbs / bw.gb_per_s,
                 100.0 * total_gbs / bw.gb_per_s
             );
-            if let (Some(m), false) = (around_median, bracketed.is_empty()) {
-                let pct = |v: &[f64]| v.iter().map(|f| format!("{:.0}%", 100.0 * f)).collect::<Vec<_>>().join(", ");
-                let probes: Vec<String> = timing.decode_probe_gbs.iter().map(|g| format!("{g:.1}")).collect();
-                println!(
-                    "all weights against the probes taken right before and after each decode run ({} GB/s): median run {:.1} GB/s over median probe {:.1} GB/s = {:.0}%; each run against the higher of its two probes: {} (median {:.0}%); each probe against the higher of its neighbours (the host's own noise): {}",
-                    probes.join(", "),
-                    median(&rep_gbs),
-                    median(&timing.decode_probe_gbs),
-                    100.0 * m,
-                    pct(&bracketed),
-                    100.0 * median(&bracketed),
-                    pct(&probe_self)
-                );
-            }
+            let pct = |v: &[f64]| v.iter().map(|f| format!("{:.0}%", 100.0 * f)).collect::<Vec<_>>().join(", ");
+            let probes: Vec<String> = timing.decode_probe_gbs.iter().map(|g| format!("{g:.1}")).collect();
+            println!(
+                "all weights against the probes taken right before and after each decode run ({} GB/s): median run {:.1} GB/s over median probe {:.1} GB/s = {:.0}%; each run against the higher of its two probes: {} (median {:.0}%); each probe against the higher of its neighbours (the host's own noise): {}",
+                probes.join(", "),
+                run_median,
+                probe_median,
+                100.0 * around_median,
+                pct(&bracketed),
+                100.0 * median(&bracketed),
+                pct(&probe_self)
+            );
         }
     }
     if a.json {

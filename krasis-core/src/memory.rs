@@ -167,10 +167,11 @@ pub fn bind_to_node(ptr: *const u8, len: usize, node: usize) -> io::Result<bool>
     }
 }
 
-/// Hands the heap's free memory back to the OS (glibc's `malloc_trim`, which walks every
-/// arena, the worker threads' too): after a start that built its caches in-process, the freed
-/// build buffers would otherwise stay resident in those arenas and the process would hold more
-/// than a cached start does. Returns whether anything was released; a no-op elsewhere.
+/// Hands the heap's free memory back to the OS (glibc's `malloc_trim`: the free chunks of every
+/// arena and the main arena's top; a thread arena's top chunk stays): after a start that built
+/// its caches in-process, the freed build buffers would otherwise stay resident and the process
+/// would hold more than a cached start does. Returns whether anything was released; a no-op
+/// elsewhere.
 pub fn release_free_heap() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
