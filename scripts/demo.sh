@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "demo: building the krasis binary (cargo build --release -p krasis-cli); the first build" \
-    "compiles about 120 crates and takes 3-6 minutes on 2 cores, later ones a few seconds" >&2
+    "takes minutes (README.md, \"Set up\", says what was measured), later ones a few seconds" >&2
 krasis=$(scripts/build-krasis.sh)
 out="${KRASIS_DEMO_DIR:-$(dirname "$(dirname "$krasis")")/demo-tiny}"
 "$krasis" synth --preset tiny --out "$out" --force
