@@ -4,7 +4,7 @@
 //! ([`crate::format`]) and the dense-weight cache ([`crate::dense`]) differ only in their magic,
 //! header and data layout, so the checks that trust nothing in a file live here once.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -12,6 +12,7 @@ use xxhash_rust::xxh3::{xxh3_64, Xxh3};
 
 use crate::build::{clean_stale_tmp_files, drop_page_cache, free_bytes, tmp_path};
 use crate::format::{Preamble, CHECKSUM_NAME, MAX_HEADER_BYTES, PREAMBLE_BYTES};
+use crate::temp_files::TEMP_FILES;
 use crate::CacheError;
 
 /// Reads the preamble and the JSON header of `file` and checks, in order: at least a preamble's
@@ -128,7 +129,8 @@ pub(crate) fn read_hashed(file: &File, path: &Path, dst: &mut [u8], off: u64, ha
 
 /// A cache file being written: `<path>.tmp.<pid>` in the final directory, at its final size,
 /// removed on drop unless [`AtomicWrite::commit`] renamed it into place (an error or a panic
-/// leaves `path` as it was).
+/// leaves `path` as it was). Created, renamed and removed through [`crate::temp_files`], so an
+/// interrupted process can remove it before it exits.
 pub(crate) struct AtomicWrite<'a> {
     path: &'a Path,
     tmp: PathBuf,
@@ -153,13 +155,7 @@ impl<'a> AtomicWrite<'a> {
             }
         }
         let tmp = tmp_path(path);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .map_err(|e| CacheError::io(&tmp, "create temp file", e))?;
+        let file = TEMP_FILES.create(&tmp).map_err(|e| CacheError::io(&tmp, "create temp file", e))?;
         let w = AtomicWrite { path, tmp, dir, file: Some(file) };
         w.file().set_len(len).map_err(|e| CacheError::io(&w.tmp, "set length", e))?;
         Ok(w)
@@ -203,7 +199,8 @@ impl<'a> AtomicWrite<'a> {
         file.sync_all().map_err(|e| CacheError::io(&self.tmp, "fsync", e))?;
         drop_page_cache(&file, 0, 0);
         drop(file);
-        std::fs::rename(&self.tmp, self.path)
+        TEMP_FILES
+            .rename(&self.tmp, self.path)
             .map_err(|e| CacheError::io(self.path, "rename temp file into place", e))?;
         // Renamed: nothing is left for drop to remove.
         self.tmp = PathBuf::new();
@@ -217,7 +214,7 @@ impl<'a> AtomicWrite<'a> {
 impl Drop for AtomicWrite<'_> {
     fn drop(&mut self) {
         if !self.tmp.as_os_str().is_empty() {
-            let _ = std::fs::remove_file(&self.tmp);
+            TEMP_FILES.remove(&self.tmp);
         }
     }
 }

@@ -24,8 +24,10 @@ mod container;
 pub mod dense;
 mod error;
 pub mod format;
+pub mod identity;
 mod load;
 pub mod page_cache;
+pub mod temp_files;
 
 #[cfg(test)]
 mod dense_tests;
@@ -41,7 +43,9 @@ pub use dense::{
 };
 pub use error::CacheError;
 pub use format::{cache_file_name, describe_widths, CacheHeader, LayerParts, FORMAT_VERSION, MAGIC};
+pub use identity::{file_identity, files_identity};
 pub use load::{describe, open, ExpertCache, LoadOptions, LoadReport, Placement};
+pub use temp_files::{remove_temp_files_and_stop, temp_files_in_progress};
 
 /// Whether `open_or_build` found a usable cache or had to build one.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,11 +100,21 @@ pub(crate) fn open_or_rebuild<T>(
     Ok((cache, CacheOutcome::Built { reason }))
 }
 
-/// `<model>/.krasis_cache` if it can be created and written (probed by creating a file in it),
-/// else `$XDG_CACHE_HOME/krasis/<hash>` or `~/.cache/krasis/<hash>`, where `<hash>` is 16 hex
-/// digits of the xxh3-64 of the canonical model path. The fallback is not created here.
+/// `<model>/.krasis_cache` if it can be written (or, while it does not exist, created: probed by
+/// creating and removing a file in it, or in the model directory), else
+/// `$XDG_CACHE_HOME/krasis/<hash>` or `~/.cache/krasis/<hash>`, where `<hash>` is 16 hex digits of
+/// the xxh3-64 of the canonical model path. Neither directory is created here: a writer creates
+/// it (a run that only looks for a cache leaves nothing behind).
 pub fn default_cache_dir(model_dir: &Path) -> PathBuf {
     default_cache_dir_with(model_dir, std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
+}
+
+/// Every directory [`default_cache_dir`] may choose for `model_dir` (the model's own
+/// `.krasis_cache` first, then the per-user one), whether or not it exists: where the caches of a
+/// model being replaced are to be cleared.
+pub fn model_cache_dirs(model_dir: &Path) -> Vec<PathBuf> {
+    let (xdg, home) = (std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"));
+    vec![model_dir.join(".krasis_cache"), user_cache_dir(model_dir, xdg, home)]
 }
 
 fn default_cache_dir_with(
@@ -109,9 +123,19 @@ fn default_cache_dir_with(
     home: Option<std::ffi::OsString>,
 ) -> PathBuf {
     let local = model_dir.join(".krasis_cache");
-    if dir_is_writable(&local) {
+    let writable = if local.is_dir() { dir_is_writable(&local) } else { !local.exists() && dir_is_writable(model_dir) };
+    if writable {
         return local;
     }
+    user_cache_dir(model_dir, xdg_cache_home, home)
+}
+
+/// `$XDG_CACHE_HOME/krasis/<hash>` or `~/.cache/krasis/<hash>` (see [`default_cache_dir`]).
+fn user_cache_dir(
+    model_dir: &Path,
+    xdg_cache_home: Option<std::ffi::OsString>,
+    home: Option<std::ffi::OsString>,
+) -> PathBuf {
     let base = match (xdg_cache_home, home) {
         (Some(x), _) if Path::new(&x).is_absolute() => PathBuf::from(x),
         (_, Some(h)) if !h.is_empty() => Path::new(&h).join(".cache"),
@@ -124,17 +148,18 @@ fn default_cache_dir_with(
     base.join("krasis").join(format!("{hash:016x}"))
 }
 
-/// Create `dir` if needed and probe it by creating (and removing) a file in it.
+/// Whether a file can be created in the existing directory `dir` (probed by creating and
+/// removing one).
 fn dir_is_writable(dir: &Path) -> bool {
-    if std::fs::create_dir_all(dir).is_err() {
+    if !dir.is_dir() {
         return false;
     }
-    let probe = dir.join(format!(".probe.{}", std::process::id()));
-    match std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&probe) {
+    let probe = dir.join(format!(".krasis_probe.{}", std::process::id()));
+    match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
         Ok(_) => {
             let _ = std::fs::remove_file(&probe);
             true
         }
-        Err(_) => false,
+        Err(e) => e.kind() == std::io::ErrorKind::AlreadyExists,
     }
 }

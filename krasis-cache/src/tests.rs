@@ -362,6 +362,30 @@ fn header_corruption_is_detected_and_rebuilt() {
 }
 
 #[test]
+fn a_build_in_progress_is_listed_for_removal_until_its_rename_or_its_failure() {
+    let d = tempfile::tempdir().unwrap();
+    let p = cache_path(d.path());
+    let tmp = crate::build::tmp_path(&p);
+    let h = hdr(7);
+    let seen = Mutex::new(Vec::new());
+    let produce = |l: usize, e: usize| {
+        seen.lock().unwrap().push(temp_files_in_progress().contains(&tmp) && tmp.exists());
+        Ok(fake(l, e, record_len(&h, l)))
+    };
+    build(&p, &h, &produce, &quiet).unwrap();
+    let seen = seen.into_inner().unwrap();
+    assert!(!seen.is_empty() && seen.iter().all(|&s| s), "the temp file is listed while the build runs");
+    assert!(!temp_files_in_progress().contains(&tmp), "renamed into place: no longer listed");
+    assert!(p.is_file() && !tmp.exists());
+
+    // A failing build removes its temp file and leaves the list.
+    let bad = |_: usize, _: usize| -> Result<Vec<u8>, String> { Err("no".into()) };
+    build(&d.path().join("other.bin"), &h, &bad, &quiet).unwrap_err();
+    assert!(!temp_files_in_progress().iter().any(|t| t.starts_with(d.path())));
+    assert_eq!(dir_names(d.path()), vec![cache_file_name(Some(4), 128)]);
+}
+
+#[test]
 fn write_interrupted_before_rename_is_rebuilt_and_cleaned() {
     let d = tempfile::tempdir().unwrap();
     let p = cache_path(d.path());
@@ -594,8 +618,22 @@ fn default_cache_dir_prefers_the_model_directory() {
     let model = d.path().join("model");
     std::fs::create_dir(&model).unwrap();
     assert_eq!(default_cache_dir(&model), model.join(".krasis_cache"));
-    assert!(model.join(".krasis_cache").is_dir());
+    assert!(!model.join(".krasis_cache").exists(), "looking for the cache directory does not create it");
+    assert_eq!(dir_names(&model), Vec::<String>::new(), "the probe file is removed");
+    std::fs::create_dir(model.join(".krasis_cache")).unwrap();
+    assert_eq!(default_cache_dir(&model), model.join(".krasis_cache"));
     assert_eq!(dir_names(&model.join(".krasis_cache")), Vec::<String>::new(), "the probe file is removed");
+    // A model directory that does not exist is not created either.
+    let absent = d.path().join("absent");
+    let chosen = crate::default_cache_dir_with(&absent, Some("/xdg".into()), None);
+    assert!(chosen.starts_with("/xdg/krasis") && !absent.exists(), "{}", chosen.display());
+    // `.krasis_cache` taken by a file: the per-user directory.
+    let odd = d.path().join("odd");
+    std::fs::create_dir(&odd).unwrap();
+    std::fs::write(odd.join(".krasis_cache"), b"x").unwrap();
+    assert!(crate::default_cache_dir_with(&odd, Some("/xdg".into()), None).starts_with("/xdg/krasis"));
+    let dirs = crate::model_cache_dirs(&odd);
+    assert_eq!((dirs.len(), &dirs[0]), (2, &odd.join(".krasis_cache")));
 
     // Not writable (here: below a regular file, since root ignores permissions): per-user dir.
     let file = d.path().join("file");

@@ -1,0 +1,137 @@
+//! The identity of a model's weight files for cache keys: what changes when a file is rewritten,
+//! read without reading every byte.
+//!
+//! A file's identity hashes (xxh3-64) its size, its modification time (seconds and nanoseconds)
+//! and [`SAMPLE_PAGES`] pages of [`SAMPLE_PAGE_BYTES`] spread evenly over the file, the first and
+//! the last included (a file of at most that many pages is hashed whole). So a rewrite in place
+//! with the same sizes and headers (`krasis synth --seed 7 --force` over an earlier synth) changes
+//! it twice over: the new mtime, and any sampled page whose bytes differ. A rewrite that keeps the
+//! mtime (`touch -d`, `cp -p` of other weights of the same shapes) and changes no sampled page is
+//! the one thing it misses. A copy that keeps mtimes (`cp -p`, `rsync -a`) keeps the identity; a
+//! plain `cp` does not, and the caches are rebuilt once.
+//!
+//! Cost: a stat and 64 page reads per file (read in parallel over the files), not per byte.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::Path;
+
+use rayon::prelude::*;
+use xxhash_rust::xxh3::Xxh3;
+
+/// Pages sampled from each file.
+pub const SAMPLE_PAGES: u64 = 64;
+/// Bytes of each sampled page.
+pub const SAMPLE_PAGE_BYTES: u64 = 4096;
+
+/// Offsets of the pages [`file_identity`] reads from a file of `len` bytes: [`SAMPLE_PAGES`]
+/// page-aligned offsets spread evenly from the first page to the last, or every page of a file
+/// of at most that many pages.
+pub fn sample_offsets(len: u64) -> Vec<u64> {
+    let pages = len.div_ceil(SAMPLE_PAGE_BYTES);
+    if pages <= SAMPLE_PAGES {
+        return (0..pages).map(|p| p * SAMPLE_PAGE_BYTES).collect();
+    }
+    let last = pages - 1;
+    (0..SAMPLE_PAGES).map(|k| last * k / (SAMPLE_PAGES - 1) * SAMPLE_PAGE_BYTES).collect()
+}
+
+/// The identity of one file: xxh3-64 of its size, its mtime and its sampled pages (see the module
+/// documentation). Errors are the I/O errors of `stat` and of the reads.
+pub fn file_identity(path: &Path) -> std::io::Result<u64> {
+    let file = File::open(path)?;
+    let meta = file.metadata()?;
+    let len = meta.len();
+    let mut h = Xxh3::new();
+    h.update(&len.to_le_bytes());
+    h.update(&meta.mtime().to_le_bytes());
+    h.update(&meta.mtime_nsec().to_le_bytes());
+    let mut page = vec![0u8; SAMPLE_PAGE_BYTES as usize];
+    for off in sample_offsets(len) {
+        let n = (len - off).min(SAMPLE_PAGE_BYTES) as usize;
+        file.read_exact_at(&mut page[..n], off)?;
+        h.update(&off.to_le_bytes());
+        h.update(&page[..n]);
+    }
+    Ok(h.digest())
+}
+
+/// The identities of `paths`, read in parallel, folded in order into one value. The first error
+/// is returned with the path it concerns.
+pub fn files_identity<P: AsRef<Path> + Sync>(paths: &[P]) -> Result<u64, (std::path::PathBuf, std::io::Error)> {
+    let ids = paths
+        .par_iter()
+        .map(|p| file_identity(p.as_ref()).map_err(|e| (p.as_ref().to_path_buf(), e)))
+        .collect::<Result<Vec<u64>, _>>()?;
+    let mut h = Xxh3::new();
+    for id in ids {
+        h.update(&id.to_le_bytes());
+    }
+    Ok(h.digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    fn set_mtime(path: &Path, t: SystemTime) {
+        std::fs::File::options().write(true).open(path).unwrap().set_modified(t).unwrap();
+    }
+
+    #[test]
+    fn offsets_cover_small_files_whole_and_spread_over_large_ones() {
+        assert_eq!(sample_offsets(0), Vec::<u64>::new());
+        assert_eq!(sample_offsets(1), vec![0]);
+        assert_eq!(sample_offsets(4097), vec![0, 4096]);
+        let o = sample_offsets(1 << 30);
+        assert_eq!(o.len() as u64, SAMPLE_PAGES);
+        assert_eq!((o[0], *o.last().unwrap()), (0, (1 << 30) - SAMPLE_PAGE_BYTES));
+        assert!(o.windows(2).all(|w| w[0] < w[1]) && o.iter().all(|x| x % SAMPLE_PAGE_BYTES == 0));
+        // A last page shorter than a page is still read.
+        let o = sample_offsets(100 * 4096 + 7);
+        assert_eq!(*o.last().unwrap(), 100 * 4096);
+    }
+
+    #[test]
+    fn a_rewrite_in_place_changes_the_identity_even_with_the_old_mtime() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("w.bin");
+        let bytes: Vec<u8> = (0..4096 * 300u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&p, &bytes).unwrap();
+        let t = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        set_mtime(&p, t);
+        let first = file_identity(&p).unwrap();
+        assert_eq!(file_identity(&p).unwrap(), first, "stable while nothing changes");
+
+        // The same bytes with another mtime: a different identity.
+        set_mtime(&p, t + Duration::from_nanos(1));
+        assert_ne!(file_identity(&p).unwrap(), first);
+
+        // Other bytes of the same size on a sampled page, the old mtime restored: different.
+        let mut other = bytes.clone();
+        other[sample_offsets(bytes.len() as u64)[10] as usize + 5] ^= 1;
+        std::fs::write(&p, &other).unwrap();
+        set_mtime(&p, t);
+        assert_ne!(file_identity(&p).unwrap(), first);
+
+        // The original bytes and mtime back: the original identity.
+        std::fs::write(&p, &bytes).unwrap();
+        set_mtime(&p, t);
+        assert_eq!(file_identity(&p).unwrap(), first);
+    }
+
+    #[test]
+    fn files_identity_depends_on_the_order_and_names_the_failing_file() {
+        let d = tempfile::tempdir().unwrap();
+        let (a, b) = (d.path().join("a"), d.path().join("b"));
+        std::fs::write(&a, b"a").unwrap();
+        std::fs::write(&b, b"b").unwrap();
+        let ab = files_identity(&[&a, &b]).unwrap();
+        assert_eq!(files_identity(&[&a, &b]).unwrap(), ab);
+        assert_ne!(files_identity(&[&b, &a]).unwrap(), ab);
+        let missing = d.path().join("missing");
+        let (path, e) = files_identity(&[&a, &missing]).unwrap_err();
+        assert_eq!((path, e.kind()), (missing, std::io::ErrorKind::NotFound));
+    }
+}
