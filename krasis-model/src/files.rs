@@ -59,7 +59,8 @@ impl ModelFiles {
     fn open_gguf(path: &Path) -> Result<ModelFiles> {
         let model = Arc::new(GgufModel::open(path)?);
         let (spec, map) = spec_from_gguf(&model)?;
-        let fingerprint = model.fingerprint();
+        let paths: Vec<&Path> = model.files().iter().map(|f| f.path.as_path()).collect();
+        let fingerprint = fnv1a(model.fingerprint(), &weight_files_identity(&paths)?.to_le_bytes());
         Ok(ModelFiles {
             path: path.to_path_buf(),
             spec,
@@ -109,8 +110,11 @@ impl ModelFiles {
         self.source.as_ref()
     }
 
-    /// Identity of the model for cache keys: changes when the configuration or the weights do,
-    /// survives copying the model elsewhere.
+    /// Identity of the model for cache keys (every cache and the tune file): the configuration,
+    /// each weight file's name and header, and each weight file's size, mtime and sampled pages
+    /// ([`krasis_cache::identity`]), so a rewrite of the weights in place (same sizes and headers)
+    /// changes it. Survives copying the model elsewhere when the copy keeps mtimes (`cp -p`,
+    /// `rsync -a`); a plain copy gets new mtimes, and its caches are rebuilt once.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
     }
@@ -139,12 +143,28 @@ impl ModelFiles {
     }
 }
 
-/// The cache-key fingerprint of a safetensors model: `config.json`'s bytes, then the weight
-/// files' names and headers (the value expert caches written so far were keyed with).
+/// The cache-key fingerprint of a safetensors model: `config.json`'s bytes, the weight files'
+/// names and headers, then their contents' identity ([`weight_files_identity`]).
 fn safetensors_fingerprint(dir: &Path, weights: &SafetensorsDir) -> Result<u64> {
     let cfg_path = dir.join("config.json");
     let cfg = std::fs::read(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-    Ok(fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes()))
+    let paths: Vec<&Path> = weights.files().iter().map(|f| f.path()).collect();
+    let layout = fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes());
+    Ok(fnv1a(layout, &weight_files_identity(&paths)?.to_le_bytes()))
+}
+
+/// [`krasis_cache::files_identity`] of the weight files (size, mtime, sampled pages of each), its
+/// time logged at debug level.
+fn weight_files_identity(paths: &[&Path]) -> Result<u64> {
+    let started = std::time::Instant::now();
+    let id = krasis_cache::files_identity(paths).map_err(|(path, e)| ModelError::io(&path, e))?;
+    tracing::debug!(
+        "weight files' identity (size, mtime, {} sampled pages each) of {} file(s) in {:.2} ms",
+        krasis_cache::identity::SAMPLE_PAGES,
+        paths.len(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(id)
 }
 
 impl std::fmt::Debug for ModelFiles {
@@ -171,10 +191,13 @@ mod tests {
         assert_eq!(files.path(), out);
         assert_eq!(files.spec(), &load_config(&out).unwrap());
         assert!(files.weights().contains("model.embed_tokens.weight"));
-        // The value expert caches were keyed with before the front door existed.
+        // The configuration, the weight files' names and headers, and their contents' identity.
         let cfg = std::fs::read(out.join("config.json")).unwrap();
         let weights = SafetensorsDir::open(&out).unwrap();
-        assert_eq!(files.fingerprint(), fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes()));
+        let layout = fnv1a(fnv1a(0, &cfg), &weights.fingerprint().to_le_bytes());
+        let paths: Vec<&Path> = weights.files().iter().map(|f| f.path()).collect();
+        let content = krasis_cache::files_identity(&paths).unwrap();
+        assert_eq!(files.fingerprint(), fnv1a(layout, &content.to_le_bytes()));
         assert!(files.has_tokenizer());
         assert!(!files.text_codec().unwrap().encode("hello").unwrap().is_empty());
 
@@ -184,6 +207,38 @@ mod tests {
         assert!(!files.has_tokenizer());
         let e = files.text_codec().err().expect("no tokenizer").to_string();
         assert!(e.contains("tokenizer.json") && e.contains("--prompt-ids"), "{e}");
+    }
+
+    #[test]
+    fn a_rewrite_of_the_weights_in_place_changes_the_fingerprint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("tiny");
+        let synth = |seed, force| {
+            let opts = SynthOptions { layers: Some(2), seed, force, ..SynthOptions::new(Preset::Tiny, &out) };
+            synthesize(&opts).unwrap();
+        };
+        synth(0, false);
+        let weights = SafetensorsDir::open(&out).unwrap().files()[0].path().to_path_buf();
+        let header_of = || {
+            let b = std::fs::read(&weights).unwrap();
+            let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+            (b.len(), b[..8 + n].to_vec())
+        };
+        let (before, old_header) = (ModelFiles::open(&out).unwrap().fingerprint(), header_of());
+        let old_mtime = std::fs::metadata(&weights).unwrap().modified().unwrap();
+        assert_eq!(ModelFiles::open(&out).unwrap().fingerprint(), before, "stable while nothing changes");
+
+        // Other weights of the same sizes and headers: another fingerprint.
+        synth(7, true);
+        assert_eq!(header_of(), old_header, "the rewrite keeps sizes and headers");
+        assert_ne!(ModelFiles::open(&out).unwrap().fingerprint(), before);
+        // Even with the old mtime put back (the sampled pages differ).
+        std::fs::File::options().write(true).open(&weights).unwrap().set_modified(old_mtime).unwrap();
+        assert_ne!(ModelFiles::open(&out).unwrap().fingerprint(), before);
+        // The old weights back, with their mtime: the old fingerprint.
+        synth(0, true);
+        std::fs::File::options().write(true).open(&weights).unwrap().set_modified(old_mtime).unwrap();
+        assert_eq!(ModelFiles::open(&out).unwrap().fingerprint(), before);
     }
 
     #[test]

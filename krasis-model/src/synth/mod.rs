@@ -62,6 +62,8 @@ pub struct SynthReport {
     pub tensors: usize,
     pub shards: usize,
     pub seconds: f64,
+    /// The cache directories of the model this one replaced (under `force`), removed.
+    pub caches_removed: Vec<PathBuf>,
 }
 
 /// Generate the model `opts` describes into `opts.out`, with a progress bar on stderr.
@@ -86,11 +88,14 @@ fn is_model_file(name: &str) -> bool {
 }
 
 /// Make `out` an empty-enough directory: create it, or refuse a non-empty one without `force`.
-/// Under `force`, `config.json` goes first (the directory stops being loadable), then the other
-/// model files; unrelated files are left alone.
-fn prepare_out_dir(out: &Path, force: bool) -> Result<()> {
+/// Under `force`, `config.json` goes first (the directory stops being loadable), then the caches
+/// of the model being replaced (`.krasis_cache` and the per-user cache directory, see
+/// [`krasis_cache::model_cache_dirs`]; returned), then the other model files; unrelated files
+/// are left alone.
+fn prepare_out_dir(out: &Path, force: bool) -> Result<Vec<PathBuf>> {
     if !out.exists() {
-        return std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e));
+        std::fs::create_dir_all(out).map_err(|e| ModelError::io(out, e))?;
+        return Ok(Vec::new());
     }
     if !out.is_dir() {
         return Err(ModelError::Invalid(format!("output path {} exists and is not a directory", out.display())));
@@ -101,7 +106,7 @@ fn prepare_out_dir(out: &Path, force: bool) -> Result<()> {
         .collect::<std::io::Result<_>>()
         .map_err(|e| ModelError::io(out, e))?;
     if names.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     if !force {
         return Err(ModelError::Invalid(format!(
@@ -115,13 +120,20 @@ fn prepare_out_dir(out: &Path, force: bool) -> Result<()> {
     if config.exists() {
         std::fs::remove_file(&config).map_err(|e| ModelError::io(&config, e))?;
     }
+    let mut caches_removed = Vec::new();
+    for dir in krasis_cache::model_cache_dirs(out) {
+        if dir.is_dir() {
+            std::fs::remove_dir_all(&dir).map_err(|e| ModelError::io(&dir, e))?;
+            caches_removed.push(dir);
+        }
+    }
     for name in names.iter().filter(|n| is_model_file(n)) {
         let p = out.join(name);
         if p.is_file() {
             std::fs::remove_file(&p).map_err(|e| ModelError::io(&p, e))?;
         }
     }
-    Ok(())
+    Ok(caches_removed)
 }
 
 /// The engine of [`synthesize`], for any config `parse_config` accepts (tests use small custom
@@ -149,7 +161,7 @@ pub(crate) fn write_model(
     let tokenizer_config = tokenizer::tokenizer_config_json(spec.max_position_embeddings);
     let tensors = init::plan_tensors(&spec, expected_tensors(&spec), seed, router_skew);
     let shards = writer::plan_shards(&tensors, spec.num_layers, shard_limit.max(1));
-    prepare_out_dir(out, force)?;
+    let caches_removed = prepare_out_dir(out, force)?;
 
     let total: u64 =
         shards.iter().map(|s| s.data_bytes + writer::shard_header(&tensors[s.tensors.clone()]).len() as u64).sum();
@@ -193,5 +205,6 @@ pub(crate) fn write_model(
         tensors: tensors.len(),
         shards: shards.len(),
         seconds: started.elapsed().as_secs_f64(),
+        caches_removed,
     })
 }

@@ -296,9 +296,16 @@ fn refuses_non_empty_output_unless_forced() {
     std::fs::write(out.join("model-00007-of-00009.safetensors"), "stale").unwrap();
     opts.force = true;
     opts.seed = 2;
-    synthesize(&opts).unwrap();
+    std::fs::create_dir_all(out.join(".krasis_cache")).unwrap();
+    std::fs::write(out.join(".krasis_cache/experts_cpu_int4_g128.bin"), "old experts").unwrap();
+    let report = synthesize(&opts).unwrap();
     assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "keep me");
     assert!(!out.join("model-00007-of-00009.safetensors").exists());
+    // The caches of the model replaced go with it.
+    assert!(!out.join(".krasis_cache").exists(), "the old model's caches are cleared");
+    assert_eq!(report.caches_removed, vec![out.join(".krasis_cache")]);
+    opts.seed = 3;
+    assert_eq!(synthesize(&opts).unwrap().caches_removed, Vec::<std::path::PathBuf>::new());
     check_index(&out, &spec_of(&cfg));
     Model::load(&out).unwrap();
 
