@@ -24,20 +24,35 @@ pub fn report_skip(why: &str) {
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
-/// `KRASIS_FIXTURES`, or `../shared/fixtures` from the workspace root. `None` (after a visible
-/// [`report_skip`]) when absent — unless `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`), which
-/// panics.
+/// Where the HF oracle fixtures are looked for: `KRASIS_FIXTURES` alone when set, else
+/// `../shared/fixtures` from the workspace root, then `.fixtures` in it (where
+/// `scripts/make-fixtures.sh` writes them by default).
+pub fn fixture_candidates() -> Vec<PathBuf> {
+    candidates_for(std::env::var_os("KRASIS_FIXTURES"))
+}
+
+fn candidates_for(krasis_fixtures: Option<std::ffi::OsString>) -> Vec<PathBuf> {
+    match krasis_fixtures {
+        Some(dir) => vec![PathBuf::from(dir)],
+        None => vec![workspace_root().join("../shared/fixtures"), workspace_root().join(".fixtures")],
+    }
+}
+
+/// The first of [`fixture_candidates`] that holds the fixtures. `None` (after a visible
+/// [`report_skip`]) when none does — unless `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`),
+/// which panics.
 pub fn fixtures_dir() -> Option<PathBuf> {
-    let dir = std::env::var_os("KRASIS_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("../shared/fixtures"));
-    if dir.join(FIXTURE_NAMES[0]).join("config.json").exists() {
-        return Some(dir);
+    let candidates = fixture_candidates();
+    if let Some(dir) = candidates.iter().find(|d| d.join(FIXTURE_NAMES[0]).join("config.json").exists()) {
+        return Some(dir.clone());
     }
+    let tried = candidates.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(" nor at ");
     if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
-        panic!("KRASIS_REQUIRE_FIXTURES=1 but no HF oracle fixtures at {}", dir.display());
+        panic!("KRASIS_REQUIRE_FIXTURES=1 but no HF oracle fixtures at {tried}");
     }
-    report_skip(&format!("HF oracle fixtures not found at {} (set KRASIS_FIXTURES)", dir.display()));
+    report_skip(&format!(
+        "HF oracle fixtures not found at {tried} (run scripts/make-fixtures.sh, or set KRASIS_FIXTURES)"
+    ));
     None
 }
 
@@ -381,4 +396,20 @@ macro_rules! per_fixture_tests {
             $check($crate::FIXTURE_NAMES[5]);
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without `KRASIS_FIXTURES` the tests also find what `scripts/make-fixtures.sh` writes by
+    /// default (`.fixtures` in the checkout), after `../shared/fixtures`; with it, only there.
+    #[test]
+    fn fixtures_are_looked_for_where_the_script_writes_them() {
+        let root = workspace_root();
+        assert_eq!(candidates_for(None), vec![root.join("../shared/fixtures"), root.join(".fixtures")]);
+        assert_eq!(candidates_for(Some("/x/f".into())), vec![PathBuf::from("/x/f")]);
+        let script = std::fs::read_to_string(root.join("scripts/make-fixtures.sh")).unwrap();
+        assert!(script.contains("OUT=${1:-$ROOT/.fixtures}"), "make-fixtures.sh's default OUT moved");
+    }
 }
