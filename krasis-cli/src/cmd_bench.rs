@@ -86,7 +86,8 @@ pub struct Args {
     #[arg(long)]
     gpu_attention: bool,
     /// Where --model runs: cpu | gpu (whole model on the GPU) | hybrid (experts on the CPU, the
-    /// rest on the GPU; also measures the bandwidth probe in the same run) | auto
+    /// rest on the GPU; also measures the bandwidth probe in the same run) | auto (as `generate`
+    /// chooses: the GPU when the whole model fits, else hybrid; the CPU without a GPU)
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     #[command(flatten)]
@@ -489,7 +490,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         bail!("--decode-tokens and --prompt-tokens must be at least 1");
     }
     // `auto` without a GPU benchmarks the CPU, as `generate` runs there; with one, the engine's
-    // policy picks the whole-GPU or hybrid path.
+    // policy picks the whole-GPU or hybrid path. The engine is still opened with `auto`, so its
+    // device line says why it runs on the CPU (not "as asked").
     let device = match a.device {
         Device::Auto => match krasis_gpu::probe() {
             Err(e) => {
@@ -502,7 +504,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     if !a.streams.is_empty() {
         let dir = a.model.as_ref().context("--streams needs --model")?;
-        let config = a.engine.config(device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+        let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let out =
             crate::cmd_bench_streams::streams(dir, &config, &a.streams, a.prompt_tokens, a.decode_tokens, !a.json)?;
         if a.json {
@@ -594,7 +596,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["expert_gemv"] = json!(rows);
     }
     if let Some(dir) = &a.model {
-        let config = a.engine.config(Device::Cpu, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+        // `--device cpu`, or `auto` without a GPU (see above).
+        let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
         let (opened, load_s) = open_for_bench(dir, &config, !a.json)?;
         let engine = opened.engine.as_ref();
         // The probe again around every decode run, on a pool of its own (the engine's workers

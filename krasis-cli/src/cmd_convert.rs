@@ -55,8 +55,10 @@ pub struct Args {
     /// cache (with --gpu-expert-bits, the GPU one alone).
     #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
     cpu_expert_bits: CacheBits,
-    /// Also build the GPU expert cache for `--device gpu --gpu-expert-bits 4|8` (the experts in the
-    /// GPU tile layout), in the same pass over the source weights as the CPU expert cache.
+    /// Also build the GPU expert cache for `--gpu-expert-bits 4|8` (the experts in the GPU tile
+    /// layout: resident with `--device gpu`, streamed for long prefills with `--device hybrid
+    /// --stream-experts-from gpu-cache`), in the same pass over the source weights as the CPU
+    /// expert cache.
     #[arg(long, value_enum)]
     gpu_expert_bits: Option<GpuBits>,
     /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
@@ -104,7 +106,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 .caches
                 .iter()
                 .filter_map(|c| match &c.outcome {
-                    CacheOutcome::Built { reason } => Some(format!("{}: {reason}", c.kind)),
+                    CacheOutcome::Built { reason } => Some(format!("the {} expert cache was {reason}", c.kind)),
                     CacheOutcome::Hit => None,
                 })
                 .collect();
@@ -133,7 +135,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let (cache, outcome) = open_dense_cache(&files, dense, a.group_size, a.cache_dir.as_deref())?;
         match outcome {
             CacheOutcome::Hit => eprintln!("dense-weight cache up to date: {}", cache.path().display()),
-            CacheOutcome::Built { reason } => eprintln!("dense-weight cache built ({reason})"),
+            CacheOutcome::Built { reason } => eprintln!("dense-weight cache built (it was {reason})"),
         }
         eprintln!("{}", krasis_cache::describe_dense(&cache));
     }

@@ -19,7 +19,8 @@ use krasis_model::heatmap::ExpertHeat;
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
-    cpu_memory_estimate, open_engine, DevicePath, DevicePolicy, Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
+    check_context, context_limit, cpu_memory_estimate, open_engine, spec_context_limit, DevicePath, DevicePolicy,
+    Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
 };
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
@@ -148,7 +149,8 @@ where
     PossibleValuesParser::new(names).try_map(|s| s.parse::<T>().map_err(|e| e.to_string()))
 }
 
-/// `--device gpu` flags shared by `generate` and `bench`.
+/// The GPU flags (`--device gpu`, `hybrid`, `auto`) shared by `generate`, `serve`, `bench` and
+/// `tune`.
 #[derive(ClapArgs, Clone, Debug)]
 pub struct GpuArgs {
     /// CUDA device ordinal.
@@ -161,7 +163,9 @@ pub struct GpuArgs {
     /// KV cache precision on the GPU (fp8 holds twice the tokens).
     #[arg(long, default_value = "bf16", value_parser = one_of::<KvDtype>(&["bf16", "fp8"]))]
     pub kv_dtype: KvDtype,
-    /// KV cache tokens per session (default: what the VRAM budget leaves, capped at the model's
+    /// Tokens (prompt + generated) each session holds. GPU and hybrid: the KV cache allocated
+    /// at load (default: what the VRAM budget leaves, capped at the model's
+    /// max_position_embeddings). CPU: a limit the cache grows up to (default:
     /// max_position_embeddings).
     #[arg(long)]
     pub kv_tokens: Option<usize>,
@@ -180,9 +184,12 @@ pub struct GpuArgs {
     /// LM head on the GPU.
     #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub lm_head_quant: LinearQuant,
-    /// Routed experts resident on the GPU (`--device gpu`): bf16, 8 or 4 (INT8 / INT4 weights per
-    /// group of --group-size along K, dequantised inside the tensor-core tiles; read from the GPU
-    /// expert cache in --cache-dir, built on the first start or by `krasis convert`).
+    /// Routed experts on the GPU: bf16, 8 or 4 (INT8 / INT4 weights per group of --group-size
+    /// along K, dequantised inside the tensor-core tiles; read from the GPU expert cache in
+    /// --cache-dir, built on the first start or by `krasis convert`). --device gpu: resident.
+    /// --device hybrid (or auto choosing hybrid), 8 or 4 with --cpu-expert-bits 4|8: streamed to
+    /// the GPU for long prefills, and kept in VRAM as --cache-strategy says, while the CPU
+    /// decodes. Not with --device cpu.
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "8", "4"])]
     pub gpu_expert_bits: String,
     /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the
@@ -297,21 +304,27 @@ pub struct Args {
     /// Wrap --prompt as a user message with the model's chat template.
     #[arg(long, conflicts_with = "prompt_ids")]
     chat: bool,
-    /// Tokens to generate after the prompt (fewer if the model ends the sequence).
+    /// Tokens to generate after the prompt (fewer if the model ends the sequence). The prompt
+    /// and these must fit the context (the model's max_position_embeddings, or the KV cache's
+    /// tokens where smaller): a prompt that leaves no room is refused, and more tokens than the
+    /// room are capped to it with a notice.
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
-    /// 0 = greedy.
+    /// Sampling temperature. 0 = greedy: the most likely token every step, which --top-k,
+    /// --top-p and --seed do not change (given with it, a notice says so).
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    /// Sample among the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling mass (1.0 = off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Random seed for sampling (the same seed and flags give the same tokens).
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// With --temperature > 0: sample among the k most likely tokens (default: all; 0 = all).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// With --temperature > 0: sample among the most likely tokens whose probabilities add up
+    /// to this mass, in (0, 1] (default 1.0: all).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// With --temperature > 0: the random seed (default 0; the same seed and flags give the
+    /// same tokens).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     ignore_eos: bool,
@@ -330,11 +343,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(path) = &a.dump_logits {
         crate::dump::check_path(path)?;
     }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p {} must be in (0, 1]", a.top_p);
+    if let Some(p) = a.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        bail!("--top-p {p} must be in (0, 1]");
     }
     if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
         bail!("--temperature {} must be a finite number >= 0", a.temperature);
+    }
+    if let Some(note) = greedy_notice(&a) {
+        eprintln!("{note}");
     }
     let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
@@ -342,7 +358,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         eprintln!("{note}");
     }
     config.record_heatmap = heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
-    for w in krasis_core::hw::probe().warnings() {
+    for w in krasis_core::hw::probe().warnings(cpu_memory_estimate(&files, &config).weight_bytes()) {
         eprintln!("system: {w}");
     }
     let codec = if a.prompt.is_some() || files.has_tokenizer() { Some(files.text_codec()?) } else { None };
@@ -361,10 +377,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let req = GenerateRequest {
+    // Before loading: the prompt against the model's positions and --kv-tokens.
+    let max_pos = files.spec().max_position_embeddings;
+    let kv_tokens = config.gpu.kv_tokens;
+    let source = match kv_tokens {
+        Some(k) if k < max_pos => format!("--kv-tokens {k}"),
+        _ => format!("the model's max_position_embeddings {max_pos}"),
+    };
+    let max_new_tokens =
+        fit_context(spec_context_limit(files.spec(), kv_tokens), &source, prompt_ids.len(), a.max_new_tokens)?;
+    let defaults = SamplingParams::default();
+    let mut req = GenerateRequest {
         prompt_ids,
-        max_new_tokens: a.max_new_tokens,
-        sampling: SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed },
+        max_new_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k.unwrap_or(defaults.top_k),
+            top_p: a.top_p.unwrap_or(defaults.top_p),
+            seed: a.seed.unwrap_or(defaults.seed),
+        },
         ignore_eos: a.ignore_eos,
         record_logits: a.dump_logits.is_some(),
     };
@@ -385,6 +416,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let engine = opened.engine.as_ref();
     engine.check_tokens(&req.prompt_ids)?;
+    // After loading: the engine's own KV capacity (on the GPU, what the VRAM budget left).
+    if let Some(k) = engine.kv_capacity().filter(|&k| k < max_pos && Some(k) != kv_tokens) {
+        let source = format!("the KV cache of {k} tokens the VRAM budget leaves (--vram-budget, --kv-dtype fp8)");
+        req.max_new_tokens = fit_context(context_limit(engine), &source, req.prompt_ids.len(), req.max_new_tokens)?;
+    }
     let place = match engine.device() {
         DevicePath::Cpu => "",
         DevicePath::Gpu => " on the GPU",
@@ -417,6 +453,46 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         save_heatmap(engine, &a.model, path)?;
     }
     dump(&a, engine.spec().vocab_size, &out)
+}
+
+/// `--max-new-tokens` against `context` (named by `source`), with the library's check (the
+/// server's too): a prompt that leaves no room for one new token is an error; more new tokens
+/// than the room are capped to it, with a notice. Returns the tokens to generate.
+fn fit_context(context: usize, source: &str, prompt: usize, max_new: usize) -> anyhow::Result<usize> {
+    if check_context(context, prompt, Some(max_new)).is_ok() {
+        return Ok(max_new);
+    }
+    match check_context(context, prompt, None) {
+        Ok(room) => {
+            eprintln!(
+                "notice: --max-new-tokens {max_new} capped to {room}: the context is {context} tokens ({source}) and the prompt takes {prompt}"
+            );
+            Ok(room)
+        }
+        Err(e) => bail!(
+            "the prompt does not fit the context: {e}; the context comes from {source} and must hold the prompt and at least one new token"
+        ),
+    }
+}
+
+/// The notice for sampling flags given at `--temperature 0`, where greedy decoding ignores them.
+fn greedy_notice(a: &Args) -> Option<String> {
+    if a.temperature > 0.0 {
+        return None;
+    }
+    let given: Vec<&str> =
+        [(a.top_k.is_some(), "--top-k"), (a.top_p.is_some(), "--top-p"), (a.seed.is_some(), "--seed")]
+            .into_iter()
+            .filter_map(|(g, name)| g.then_some(name))
+            .collect();
+    if given.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "notice: {} {} nothing at --temperature 0 (greedy: the most likely token every step); give --temperature above 0 to sample",
+        given.join(", "),
+        if given.len() == 1 { "does" } else { "do" }
+    ))
 }
 
 /// Whether `--heatmap-out` (of `generate` and `serve`) asks for expert counts: its path is

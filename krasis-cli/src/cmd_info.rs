@@ -152,7 +152,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         sys.thp_enabled.as_deref().unwrap_or("unknown"),
         if sys.governors.is_empty() { "unknown".to_string() } else { sys.governors.join(",") }
     );
-    for w in sys.warnings() {
+    // The smallest the weights get (INT4 experts): huge pages matter from there.
+    for w in sys.warnings(estimate(spec, WeightBits::Int4).weight_bytes()) {
         println!("warning      {w}");
     }
     Ok(())

@@ -20,7 +20,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 #[command(
     name = "krasis",
     version,
-    about = "Mixture-of-Experts LLM runtime: the whole model on one GPU, or on the CPU (hybrid GPU prefill + CPU decode is next)"
+    about = "Mixture-of-Experts LLM runtime: the whole model on one GPU, hybrid (routed experts on the CPU, the rest on the GPU), or the CPU alone"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -35,10 +35,11 @@ enum Command {
     Synth(cmd_synth::Args),
     /// Describe a model: architecture, parameters, memory, and system checks.
     Info(cmd_info::Args),
-    /// Build the expert caches (CPU INT4/INT8; GPU with --gpu-expert-bits) ahead of the first run.
+    /// Build the caches ahead of the first run: the CPU expert cache (INT4/INT8), the GPU one with
+    /// --gpu-expert-bits, the dense-weight cache with --cpu-dense-bits.
     Convert(cmd_convert::Args),
-    /// Benchmarks: memory bandwidth, expert GEMV, decode throughput on the CPU or the GPU, GPU
-    /// attention kernels.
+    /// Benchmarks: memory bandwidth, expert GEMV, prefill and decode throughput on the CPU, the
+    /// GPU or hybrid, concurrent streams through the server's scheduler, GPU attention kernels.
     Bench(cmd_bench::Args),
     /// Serve the model over an OpenAI-compatible HTTP API (chat, completions, streaming).
     Serve(serve::Args),

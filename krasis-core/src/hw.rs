@@ -164,9 +164,24 @@ pub fn probe() -> SystemReport {
     }
 }
 
+/// Weight bytes from which 1 GiB huge pages are worth a warning when none are reserved. Below
+/// it, 2 MiB pages already cover the weights within the second-level TLB's reach (1,536 entries
+/// on current Intel cores, 2,048 to 3,072 on AMD Zen: 3 to 6 GiB of 2 MiB pages), so 1 GiB
+/// pages would save no measurable page walks.
+pub const HUGE_PAGES_1G_MATTER_BYTES: u64 = 4 << 30;
+
+/// Weight bytes from which transparent hugepages set to "never" are worth a warning. With
+/// 4 KiB pages the second-level TLB reaches only 6 to 12 MiB, so weights well past that (here
+/// about ten times) pay a page walk every 4 KiB they stream; smaller ones stay mostly cached.
+pub const THP_MATTERS_BYTES: u64 = 64 << 20;
+
 impl SystemReport {
     /// Human-readable warnings (never errors), one line each: what was found and what to do.
-    pub fn warnings(&self) -> Vec<String> {
+    /// `weight_bytes` is what the run holds in weights (e.g. the resident-memory estimate's
+    /// dense plus expert bytes): the page-size warnings appear only when it reaches
+    /// [`THP_MATTERS_BYTES`] or [`HUGE_PAGES_1G_MATTER_BYTES`], so a small model hears nothing
+    /// about huge pages.
+    pub fn warnings(&self, weight_bytes: u64) -> Vec<String> {
         let mut out = Vec::new();
         if self.smt_active {
             out.push(format!(
@@ -191,14 +206,14 @@ impl SystemReport {
                 slow.join(", ")
             ));
         }
-        if self.thp_enabled.as_deref() == Some("never") {
+        if self.thp_enabled.as_deref() == Some("never") && weight_bytes >= THP_MATTERS_BYTES {
             out.push(
                 "transparent hugepages are \"never\": large weight mappings pay TLB misses; \
                  `echo madvise | sudo tee /sys/kernel/mm/transparent_hugepage/enabled`"
                     .to_owned(),
             );
         }
-        if self.hugepages_1g_total == 0 {
+        if self.hugepages_1g_total == 0 && weight_bytes >= HUGE_PAGES_1G_MATTER_BYTES {
             out.push(
                 "no 1 GiB hugepages reserved: pinned expert buffers use smaller pages; reserve \
                  some with `hugepagesz=1G hugepages=N` on the kernel command line"
@@ -635,7 +650,7 @@ mod tests {
             isa: IsaFlags { avx2: true, ..Default::default() },
             ..Default::default()
         };
-        let w = report.warnings().join("\n");
+        let w = report.warnings(HUGE_PAGES_1G_MATTER_BYTES).join("\n");
         assert!(w.contains("SMT is on (8 logical CPUs on 4 physical cores)"), "{w}");
         assert!(w.contains("powersave") && !w.contains("governor is performance"), "{w}");
         assert!(w.contains("\"never\""), "{w}");
@@ -654,7 +669,13 @@ mod tests {
             isa: IsaFlags { avx2: true, ..Default::default() },
             ..Default::default()
         };
-        assert_eq!(clean.warnings(), Vec::<String>::new());
+        assert_eq!(clean.warnings(HUGE_PAGES_1G_MATTER_BYTES), Vec::<String>::new());
+
+        // The page-size findings only for weights large enough that page size matters.
+        let small = report.warnings(THP_MATTERS_BYTES - 1).join("\n");
+        assert!(!small.contains("hugepages") && small.contains("SMT is on"), "{small}");
+        let mid = report.warnings(HUGE_PAGES_1G_MATTER_BYTES - 1).join("\n");
+        assert!(mid.contains("\"never\"") && !mid.contains("1 GiB hugepages"), "{mid}");
     }
 
     #[test]
@@ -669,7 +690,7 @@ mod tests {
         let plan = r.one_cpu_per_core();
         assert_eq!(plan.len(), r.physical_cores);
         assert!(plan.iter().all(|c| r.cpu_topology.iter().any(|t| t.cpu == *c)));
-        let _ = r.warnings();
+        let _ = r.warnings(0);
         #[cfg(target_os = "linux")]
         assert!(current_rss_bytes().is_some_and(|b| b > 0));
     }

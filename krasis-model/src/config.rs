@@ -88,13 +88,34 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// Read and parse `<dir>/config.json`.
+/// What a model path must be, for the errors that find something else.
+const MODEL_LAYOUT: &str = "a model is a Hugging Face-style directory holding config.json, the *.safetensors weights \
+     (with model.safetensors.index.json when split) and tokenizer.json, or a GGUF file (*.gguf)";
+
+/// Read and parse `<dir>/config.json`. A path that is a file, or a directory without
+/// `config.json`, is an error saying what a model directory holds.
 pub fn load_config(dir: &Path) -> Result<ModelSpec> {
+    if dir.is_file() {
+        let hint = match dir.parent().filter(|p| !p.as_os_str().is_empty() && p.join("config.json").is_file()) {
+            Some(parent) => format!("; give its directory {}", parent.display()),
+            None => String::new(),
+        };
+        return Err(ModelError::Invalid(format!(
+            "model path {} is a file, not a model directory{hint} ({MODEL_LAYOUT})",
+            dir.display()
+        )));
+    }
     if !dir.is_dir() {
         return Err(ModelError::MissingDir(dir.to_path_buf()));
     }
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(ModelError::Invalid(format!("{}: {e}: {MODEL_LAYOUT}", path.display())))
+        }
+        Err(e) => return Err(ModelError::io(&path, e)),
+    };
     parse_config(&text, &path)
 }
 

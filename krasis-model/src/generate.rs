@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::engine::{BatchSeq, Logits, Model};
 use crate::error::{ModelError, Result};
-use crate::runtime::{CancelToken, Engine};
+use crate::runtime::{check_context, context_limit, CancelToken, Engine};
 use crate::sampling::{Sampler, SamplingParams};
 
 #[derive(Clone, Debug)]
@@ -178,7 +178,8 @@ pub fn generate(
 /// [`generate`] with a way to stop early without an error: `on_token` returning
 /// [`ControlFlow::Break`] stops after that token ([`StopReason::StopRequested`]), and `cancel`
 /// is checked before every forward step ([`StopReason::Cancelled`]). The output's `stop` says
-/// why generation ended.
+/// why generation ended. A request whose prompt plus `max_new_tokens` exceeds the engine's
+/// context ([`context_limit`]) is refused before anything runs.
 pub fn generate_with(
     engine: &dyn Engine,
     req: &GenerateRequest,
@@ -189,6 +190,8 @@ pub fn generate_with(
         return Err(ModelError::Invalid("the prompt is empty: nothing to run".into()));
     }
     engine.check_tokens(&req.prompt_ids)?;
+    check_context(context_limit(engine), req.prompt_ids.len(), Some(req.max_new_tokens))
+        .map_err(|e| ModelError::Invalid(e.to_string()))?;
     let v = engine.spec().vocab_size;
     let mut out = GenerateOutput::default();
     if cancel.is_cancelled() {

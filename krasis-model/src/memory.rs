@@ -56,6 +56,12 @@ pub struct MemoryEstimate {
 }
 
 impl MemoryEstimate {
+    /// The weights alone: dense plus routed experts (what the page-size warnings of
+    /// `krasis_core::hw::SystemReport::warnings` weigh).
+    pub fn weight_bytes(&self) -> u64 {
+        self.dense_bytes + self.expert_bytes
+    }
+
     pub fn total(&self, context_tokens: u64) -> u64 {
         self.dense_bytes
             + self.expert_bytes

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_model::files::ModelFiles;
-use krasis_model::runtime::{open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
+use krasis_model::runtime::{cpu_memory_estimate, open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
 
 pub(crate) use self::metrics::Metrics;
 use crate::cmd_generate::RunArgs;
@@ -34,7 +34,8 @@ const HTTP_THREADS: usize = 2;
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Model directory (HF format: config.json, *.safetensors, tokenizer.json).
+    /// Model: an HF directory (config.json, *.safetensors, tokenizer.json) or a GGUF file
+    /// (`*.gguf`; any split of a split model).
     #[arg(long)]
     model: PathBuf,
     /// Address to listen on.
@@ -92,11 +93,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
     let files = ModelFiles::open(&a.model)?;
+    // Before the RAM estimate of `--context` × `--max-batch` tokens can refuse it as too large.
+    let max_pos = files.spec().max_position_embeddings;
+    if let Some(c) = a.context.filter(|&c| c > max_pos) {
+        bail!("--context {c} exceeds the model's max_position_embeddings {max_pos}");
+    }
     if let Some(note) = crate::tuned::apply(&files, a.run.engine.cache_dir.as_deref(), &mut config)? {
         tracing::info!("{note}");
     }
     config.record_heatmap = crate::cmd_generate::heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
-    for w in krasis_core::hw::probe().warnings() {
+    for w in krasis_core::hw::probe().warnings(cpu_memory_estimate(&files, &config).weight_bytes()) {
         tracing::warn!("system: {w}");
     }
     if !files.has_tokenizer() {

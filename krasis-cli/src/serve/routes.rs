@@ -226,21 +226,9 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
             format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
         ));
     }
-    let room = s.context.saturating_sub(prompt.len());
-    let max_tokens = gen.max_tokens.unwrap_or(room);
-    if room == 0 || max_tokens > room {
-        return Err(ApiError::invalid_param(
-            param,
-            format!(
-                "this model's context is {} tokens; the request asks for {} ({} prompt + {} to generate)",
-                s.context,
-                prompt.len().saturating_add(max_tokens.max(1)),
-                prompt.len(),
-                max_tokens.max(1)
-            ),
-        )
-        .with_code("context_length_exceeded"));
-    }
+    // The same check `krasis generate` makes (the library's).
+    let max_tokens = krasis_model::runtime::check_context(s.context, prompt.len(), gen.max_tokens)
+        .map_err(|e| ApiError::invalid_param(param, e.to_string()).with_code("context_length_exceeded"))?;
     let n = s.next_id.fetch_add(1, Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{:x}{n:06x}", s.started),

@@ -50,16 +50,27 @@ pub struct DecoderEngine<D> {
     decoder: D,
     /// Bytes of one routed expert as executed (for bytes-per-token arithmetic).
     expert_bytes: Option<u64>,
+    /// Most tokens one session may hold, for decoders whose sessions grow (the CPU engine):
+    /// reported as [`Engine::kv_capacity`] and checked on every step.
+    kv_limit: Option<usize>,
 }
 
 impl<D> DecoderEngine<D> {
     pub fn new(decoder: D) -> Self {
-        DecoderEngine { decoder, expert_bytes: None }
+        DecoderEngine { decoder, expert_bytes: None, kv_limit: None }
     }
 
     /// Records the bytes of one routed expert as executed ([`Engine::expert_bytes`]).
     pub fn with_expert_bytes(mut self, bytes: u64) -> Self {
         self.expert_bytes = Some(bytes);
+        self
+    }
+
+    /// Limits every session to `tokens` (prompt plus generated), for a decoder whose sessions
+    /// grow as needed: [`Engine::kv_capacity`] reports it and a step past it fails. A decoder
+    /// with a capacity of its own keeps that one.
+    pub fn with_kv_limit(mut self, tokens: Option<usize>) -> Self {
+        self.kv_limit = tokens;
         self
     }
 
@@ -108,6 +119,15 @@ where
                 return Err(ModelError::Invalid(format!("sequence {i} of the batch has no tokens to run")));
             }
             self.decoder.check_tokens(seq.tokens)?;
+            if let Some(limit) = self.kv_limit.filter(|_| self.decoder.kv_capacity().is_none()) {
+                let pos = seq.session.position();
+                if pos + seq.tokens.len() > limit {
+                    return Err(ModelError::Invalid(format!(
+                        "context full: sequence {i} holds {pos} tokens and {} more exceed the session's limit of {limit} tokens",
+                        seq.tokens.len()
+                    )));
+                }
+            }
             let any: &mut dyn Any = &mut *seq.session;
             if !any.is::<D::Session>() {
                 return Err(foreign_session());
@@ -134,7 +154,7 @@ where
     }
 
     fn kv_capacity(&self) -> Option<usize> {
-        self.decoder.kv_capacity()
+        self.decoder.kv_capacity().or(self.kv_limit)
     }
 
     fn forward_stats(&self) -> Option<&ForwardStats> {

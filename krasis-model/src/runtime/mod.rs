@@ -8,10 +8,13 @@
 //!   several of them in one batch-shaped [`Engine::step`], each with its own tokens and sampler.
 //! - [`crate::generate::generate_with`] runs prefill + decode over one session with a
 //!   [`CancelToken`] and a token callback that may stop generation without an error.
+//! - [`context_limit`] and [`check_context`]: how many tokens one request may hold, and the
+//!   check every front end makes before running one.
 
 mod adapter;
 mod cancel;
 mod config;
+mod context;
 mod open;
 mod sessions;
 
@@ -20,6 +23,7 @@ use std::any::Any;
 pub use self::adapter::{DecoderEngine, EngineDecoder};
 pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
+pub use self::context::{check_context, context_limit, spec_context_limit, ContextExceeded};
 pub(crate) use self::open::{check_ram, device_line};
 pub use self::open::{cpu_memory_estimate, open_cpu, open_engine, open_gpu, Opened};
 
@@ -102,7 +106,9 @@ pub trait Engine: Send + Sync {
     fn host_syncs(&self) -> Option<u64> {
         None
     }
-    /// Tokens of KV cache each session holds, where that is fixed at load (GPU).
+    /// Most tokens each session holds, where fixed at load: the GPU paths' KV cache, or the
+    /// CPU engine's limit when opened with one ([`crate::gpu::GpuOptions::kv_tokens`]). A step
+    /// past it fails. `None`: the session's cache grows as needed.
     fn kv_capacity(&self) -> Option<usize> {
         None
     }

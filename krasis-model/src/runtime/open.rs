@@ -164,7 +164,9 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
 }
 
 /// The CPU engine, after checking the RAM estimate (refused above the budget unless
-/// `config.force`). `why` goes into [`Opened::why`].
+/// `config.force`). `why` goes into [`Opened::why`]. `config.gpu.kv_tokens`, when given, limits
+/// every session to that many tokens here too (the CPU cache grows up to it), so the KV token
+/// option means the same on every device.
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
@@ -173,7 +175,8 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
     if config.record_heatmap {
         loaded.model.record_heatmap();
     }
-    let engine = DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes);
+    let engine =
+        DecoderEngine::new(loaded.model).with_expert_bytes(loaded.expert_bytes).with_kv_limit(config.gpu.kv_tokens);
     Ok(Opened {
         engine: Box::new(engine),
         log: loaded.log,

@@ -343,3 +343,30 @@ fn heatmap_counts_every_route_on_each_device() {
         assert!(same * 10 >= all * 9, "{device:?}: only {same} of {all} routes agree with the CPU's");
     }
 }
+
+#[test]
+fn a_cpu_kv_token_limit_is_the_context_and_generation_refuses_what_exceeds_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny(tmp.path());
+    let files = ModelFiles::open(&dir).unwrap();
+    let unlimited = open_engine(&files, &cpu_config()).unwrap().engine;
+    assert_eq!(unlimited.kv_capacity(), None);
+    assert_eq!(context_limit(unlimited.as_ref()), files.spec().max_position_embeddings);
+    let mut config = cpu_config();
+    config.gpu.kv_tokens = Some(8);
+    let engine = open_engine(&files, &config).unwrap().engine;
+    assert_eq!(engine.kv_capacity(), Some(8));
+    assert_eq!(context_limit(engine.as_ref()), 8);
+    // Within the limit: runs. Past it: refused before anything runs, naming the context.
+    let out = generate(engine.as_ref(), &request(&[5, 9, 200], 5), |_| Ok(())).unwrap();
+    assert_eq!(out.generated.len(), 5);
+    let e = generate(engine.as_ref(), &request(&[5, 9, 200], 6), |_| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("context is 8 tokens") && e.contains("3 prompt + 6 to generate"), "{e}");
+    // A step past the limit fails without advancing the session.
+    let mut s = engine.new_session().unwrap();
+    let mut sampler = Sampler::new(SAMPLED);
+    engine.step_one(s.as_mut(), &[1, 2, 3, 4, 5, 6], &mut sampler, false).unwrap();
+    let e = engine.step_one(s.as_mut(), &[1, 2, 3], &mut sampler, false).unwrap_err().to_string();
+    assert!(e.contains("context full") && e.contains("limit of 8 tokens"), "{e}");
+    assert_eq!(s.position(), 6);
+}
