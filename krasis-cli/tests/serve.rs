@@ -243,6 +243,20 @@ fn bad_requests_get_openai_errors_with_4xx() {
         "wrong key",
     );
     assert_eq!(e["code"], "invalid_api_key");
+    // The key without its scheme: the header is there but malformed, which is not "no key".
+    for value in ["sesame", "Bearer", "Basic c2VzYW1l"] {
+        let bare = [("Authorization", value)];
+        let e = assert_openai_error(
+            &request(&s.addr, "POST", "/v1/completions", &bare, Some(ok.as_bytes())),
+            401,
+            "a malformed Authorization header",
+        );
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains("malformed") && m.contains("Bearer <key>") && !m.contains("sesame"), "{value}: {m}");
+    }
+    // The scheme's name is case-insensitive (RFC 9110).
+    let lower = [("Authorization", "bearer sesame")];
+    assert_eq!(request(&s.addr, "POST", "/v1/completions", &lower, Some(ok.as_bytes())).status, 200);
     assert_openai_error(&request(&s.addr, "GET", "/v1/models", &[], None), 401, "models without a key");
     assert_eq!(post("/v1/completions", ok.as_bytes()).status, 200, "the right key");
     assert_eq!(s.get("/health").status, 200, "/health needs no key");

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use clap::Args as ClapArgs;
 use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{cpu_memory_estimate, open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
@@ -26,8 +26,9 @@ use krasis_model::runtime::{cpu_memory_estimate, open_engine, Engine, DEFAULT_CO
 pub(crate) use self::metrics::Metrics;
 use crate::cmd_generate::RunArgs;
 
-/// How long in-flight generations may run on after SIGINT/SIGTERM before they are cut off.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long connections may take to send their last chunks once the grace period has ended
+/// every request: a client that reads nothing does not hold the server up.
+const DRAIN: Duration = Duration::from_secs(5);
 /// Tokio worker threads: the HTTP side only parses, tokenises and forwards text; the engine's
 /// own threads (the scheduler and the CPU pool) do the work.
 const HTTP_THREADS: usize = 2;
@@ -69,6 +70,10 @@ pub struct Args {
     /// (docs/FORMATS.md).
     #[arg(long)]
     heatmap_out: Option<PathBuf>,
+    /// Seconds running requests may go on after SIGINT/SIGTERM; then each ends with
+    /// finish_reason "shutdown". A second signal exits at once.
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    shutdown_grace: u64,
     #[command(flatten)]
     run: RunArgs,
 }
@@ -108,6 +113,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if !files.has_tokenizer() {
         bail!("{} has no tokenizer.json: the server needs one to turn text into tokens", a.model.display());
     }
+    // Bound before the model loads (a first start builds its caches, which can take minutes), so
+    // that a taken port is reported at once; connections made meanwhile wait in the backlog.
+    let listener = bind(&a.host, a.port)?;
     let codec = files.text_codec()?;
     let t_load = Instant::now();
     let opened = open_engine(&files, &config)?;
@@ -165,7 +173,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    let result = rt.block_on(serve(&a, state));
+    let result = rt.block_on(serve(&a, listener, state));
     scheduler.shutdown();
     let _ = worker.join();
     // The heatmap is written even after a failed server; the server's error comes first.
@@ -176,50 +184,67 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     result.and(saved)
 }
 
-async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
-    let addr: SocketAddr = tokio::net::lookup_host((a.host.as_str(), a.port))
-        .await
-        .with_context(|| format!("--host {}", a.host))?
+/// Listens on the first address `host` resolves to.
+fn bind(host: &str, port: u16) -> anyhow::Result<std::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let addr: SocketAddr = (host, port)
+        .to_socket_addrs()
+        .with_context(|| format!("--host {host}"))?
         .next()
-        .with_context(|| format!("--host {} resolves to no address", a.host))?;
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("listening on {addr}"))?;
+        .with_context(|| format!("--host {host} resolves to no address"))?;
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            anyhow!("{addr} is already in use (another server?): choose another --port, or --port 0 for any free port")
+        } else {
+            anyhow::Error::new(e).context(format!("listening on {addr}"))
+        }
+    })?;
+    listener.set_nonblocking(true).with_context(|| format!("listening on {addr}"))?;
+    Ok(listener)
+}
+
+async fn serve(a: &Args, listener: std::net::TcpListener, state: Arc<routes::AppState>) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener).context("listening")?;
     let bound = listener.local_addr()?;
     // Before the address is announced: from then on a signal means a graceful shutdown.
-    let signals = ShutdownSignals::install()?;
+    let mut signals = ShutdownSignals::install()?;
     tracing::info!(
         "serving `{}` at http://{bound}/v1 (OpenAI API{}); /health, /metrics",
         state.model_id,
         if state.api_key.is_some() { ", API key required" } else { "" }
     );
     let app = routes::router(state.clone(), a.max_body_bytes);
+    let grace = Duration::from_secs(a.shutdown_grace);
     let (signalled_tx, signalled_rx) = tokio::sync::watch::channel(false);
-    let graceful = {
-        let state = state.clone();
-        async move {
-            let which = signals.recv().await;
-            state.shutting_down.store(true, Relaxed);
-            tracing::info!(
-                "{which}: shutting down (no new requests; running ones get up to {} s)",
-                SHUTDOWN_GRACE.as_secs()
-            );
-            let _ = signalled_tx.send(true);
-        }
-    };
-    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
-    // After the grace period the scheduler ends what is still running, which closes the streams
-    // and lets the graceful shutdown finish.
+    // The first signal begins the graceful shutdown; a second one exits at once. (A task of its
+    // own: it still listens while `run` writes the heatmap after the server has stopped.)
+    let listening = state.clone();
+    tokio::spawn(async move {
+        let first = signals.recv().await;
+        listening.shutting_down.store(true, Relaxed);
+        tracing::info!(
+            "{first}: shutting down (no new requests; running ones get up to {} s; a second signal exits at once)",
+            grace.as_secs()
+        );
+        let _ = signalled_tx.send(true);
+        let second = signals.recv().await;
+        let m = &listening.metrics;
+        let cut = m.active.load(Relaxed) + m.queued.load(Relaxed);
+        tracing::warn!("second {second}: exiting now; {cut} request(s) end without a final chunk");
+        std::process::exit(second.exit_code());
+    });
+    let server = axum::serve(listener, app).with_graceful_shutdown(signalled(signalled_rx.clone()));
+    // After the grace period the scheduler ends what is still running (finish_reason
+    // "shutdown"), which ends the streams and lets the graceful shutdown finish; connections
+    // still open `DRAIN` later are closed.
     let scheduler = state.scheduler.clone();
     let cutoff = async move {
-        let mut rx = signalled_rx;
-        while !*rx.borrow() {
-            if rx.changed().await.is_err() {
-                return;
-            }
-        }
-        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        signalled(signalled_rx).await;
+        tokio::time::sleep(grace).await;
         tracing::info!("grace period over: ending the requests still running");
         scheduler.shutdown();
-        std::future::pending::<()>().await
+        tokio::time::sleep(DRAIN).await;
+        tracing::warn!("connections still open {} s after the grace period: closing them", DRAIN.as_secs());
     };
     tokio::select! {
         r = server => r.context("the HTTP server failed")?,
@@ -227,6 +252,39 @@ async fn serve(a: &Args, state: Arc<routes::AppState>) -> anyhow::Result<()> {
     }
     tracing::info!("server stopped");
     Ok(())
+}
+
+/// Resolves once the shutdown has begun (never, if the signal task is gone).
+async fn signalled(mut rx: tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|&s| s).await.is_err() {
+        std::future::pending::<()>().await
+    }
+}
+
+/// A signal [`ShutdownSignals`] caught.
+#[derive(Clone, Copy)]
+enum Caught {
+    Interrupt,
+    Terminate,
+}
+
+impl Caught {
+    /// The shell's status for a process the signal ended: 128 + its number.
+    fn exit_code(self) -> i32 {
+        match self {
+            Caught::Interrupt => 130,
+            Caught::Terminate => 143,
+        }
+    }
+}
+
+impl std::fmt::Display for Caught {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Caught::Interrupt => "SIGINT",
+            Caught::Terminate => "SIGTERM",
+        })
+    }
 }
 
 /// The SIGINT and SIGTERM handlers, installed when made: a signal that arrives after
@@ -254,14 +312,13 @@ impl ShutdownSignals {
         Ok(ShutdownSignals {})
     }
 
-    /// Waits for SIGINT (Ctrl-C) or SIGTERM; returns which.
-    async fn recv(self) -> &'static str {
+    /// Waits for the next SIGINT (Ctrl-C) or SIGTERM; returns which.
+    async fn recv(&mut self) -> Caught {
         #[cfg(unix)]
         {
-            let ShutdownSignals { mut int, mut term } = self;
             tokio::select! {
-                Some(()) = int.recv() => "SIGINT",
-                Some(()) = term.recv() => "SIGTERM",
+                Some(()) = self.int.recv() => Caught::Interrupt,
+                Some(()) = self.term.recv() => Caught::Terminate,
                 else => std::future::pending().await,
             }
         }
@@ -270,7 +327,7 @@ impl ShutdownSignals {
             if tokio::signal::ctrl_c().await.is_err() {
                 std::future::pending::<()>().await
             }
-            "SIGINT"
+            Caught::Interrupt
         }
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use super::api::{parse, ChatRequest, CompletionRequest, Generation, Prompt};
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::scheduler::{Event, Finish, Job, Refused, Scheduler};
+use super::scheduler::{Event, Finish, Job, Refused, Scheduler, SHUTDOWN};
 
 /// What every handler shares.
 pub struct AppState {
@@ -82,19 +82,33 @@ async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Re
 /// `Authorization: Bearer <key>` when the server has `--api-key`.
 async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-        match given.and_then(|v| v.strip_prefix("Bearer ")) {
-            None => {
-                return ApiError::unauthorized("no API key: send it as `Authorization: Bearer <key>`", None)
-                    .into_response()
-            }
-            Some(k) if !same_key(k.trim().as_bytes(), key.as_bytes()) => {
-                return ApiError::unauthorized("incorrect API key", Some("invalid_api_key")).into_response()
-            }
-            Some(_) => {}
+        let refusal = match req.headers().get(header::AUTHORIZATION) {
+            None => Some(ApiError::unauthorized("no API key: send it as `Authorization: Bearer <key>`", None)),
+            // The header's value is not repeated back: it may be the key itself.
+            Some(value) => match bearer(value.as_bytes()) {
+                None => Some(ApiError::unauthorized(
+                    "the Authorization header is malformed: its form is `Authorization: Bearer <key>`",
+                    None,
+                )),
+                Some(k) if !same_key(k, key.as_bytes()) => {
+                    Some(ApiError::unauthorized("incorrect API key", Some("invalid_api_key")))
+                }
+                Some(_) => None,
+            },
+        };
+        if let Some(e) = refusal {
+            return e.into_response();
         }
     }
     next.run(req).await
+}
+
+/// The key of an `Authorization: Bearer <key>` value (the scheme's name in any case, RFC 9110),
+/// or `None` for another form.
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let (scheme, key) = value.split_at_checked(6)?;
+    let key = key.strip_prefix(b" ")?.trim_ascii();
+    (scheme.eq_ignore_ascii_case(b"bearer") && !key.is_empty()).then_some(key)
 }
 
 /// Compares keys in time that does not depend on where they differ.
@@ -335,12 +349,17 @@ impl Shape {
     }
 }
 
-/// Waits for the whole generation (dropping this future, as a closed connection does, cancels it).
+/// Waits for the whole generation (dropping this future, as a closed connection does, cancels
+/// it). A request the shutdown ended before its first token gets 503.
 async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
     let mut text = String::new();
     while let Some(e) = rx.recv().await {
         match e {
             Event::Text(t) => text.push_str(&t),
+            Event::Done(f) if f.reason == SHUTDOWN && f.completion_tokens == 0 => {
+                return Err(ApiError::unavailable("the server shut down before this request started"))
+            }
+            // Cut by the shutdown after some tokens: the partial text, `finish_reason` says so.
             Event::Done(f) => return Ok(Json(shape.whole(text, &f)).into_response()),
             Event::Failed(msg) => return Err(ApiError::internal(msg)),
         }

@@ -2,7 +2,8 @@
 //! together, one batched [`Engine::step`] per token. Requests wait in a FIFO queue until a batch
 //! slot frees; a new request's prompt runs in the same step as the others' decode tokens. Each
 //! request gets its text back through its own channel; a closed channel (the client went away)
-//! cancels the request before the next step and frees its slot.
+//! cancels the request before the next step and frees its slot. At shutdown every request still
+//! running or waiting ends with `finish_reason` [`SHUTDOWN`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -35,6 +36,10 @@ pub struct Job {
     pub label: Option<String>,
 }
 
+/// The `finish_reason` of a request that the server's shutdown ended: not one of OpenAI's
+/// values (`stop`, `length`, …), so that a client can tell a cut reply from a whole one.
+pub const SHUTDOWN: &str = "shutdown";
+
 /// What a job's receiver gets: text deltas, then exactly one `Done` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
@@ -45,7 +50,8 @@ pub enum Event {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Finish {
-    /// OpenAI's `finish_reason`: `stop` (end-of-sequence or a stop string) or `length`.
+    /// The `finish_reason`: OpenAI's `stop` (end-of-sequence or a stop string) or `length`, or
+    /// [`SHUTDOWN`] (the server stopped first; `completion_tokens` 0: it never started).
     pub reason: &'static str,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -121,7 +127,7 @@ impl Scheduler {
         })
     }
 
-    /// Ends every job (their streams close) and stops the thread.
+    /// Ends every job with `finish_reason` [`SHUTDOWN`] and stops the thread.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Msg::Shutdown);
     }
@@ -175,11 +181,27 @@ impl Worker {
                 self.step();
             }
         }
-        let n = self.active.len() + self.waiting.len();
-        self.metrics.queued.fetch_sub(self.waiting.len() as u64, Relaxed);
+        self.end_all();
+    }
+
+    /// At shutdown: each running job ends with `finish_reason` [`SHUTDOWN`] after the text it
+    /// has (the held-back tail included), each waiting one the same with no tokens.
+    fn end_all(&mut self) {
+        let (running, waiting) = (self.active.len(), self.waiting.len());
+        for mut r in self.active.drain(..) {
+            end_with(&mut r, SHUTDOWN, &self.codec);
+        }
+        for job in self.waiting.drain(..) {
+            let finish = Finish { reason: SHUTDOWN, prompt_tokens: job.prompt.len(), completion_tokens: 0 };
+            let _ = job.events.send(Event::Done(finish));
+        }
+        self.metrics.queued.fetch_sub(waiting as u64, Relaxed);
         self.metrics.active.store(0, Relaxed);
-        if n > 0 {
-            tracing::info!("scheduler stopped with {n} request(s) unfinished; their streams end here");
+        if running + waiting > 0 {
+            tracing::info!(
+                "scheduler stopped: {running} running and {waiting} waiting request(s) end with \
+                 finish_reason {SHUTDOWN}"
+            );
         }
     }
 
@@ -314,7 +336,6 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
     r.generated += 1;
     r.next.clear();
     r.next.push(token);
-    let prompt_tokens = r.job.prompt.len();
     let delta = match r.text.push(codec, token) {
         Ok(d) => d,
         Err(e) => {
@@ -333,22 +354,33 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
     } else {
         None
     };
-    let Some(mut reason) = reason else { return Outcome::Running };
-    if !m.stopped {
-        // The held-back tail: an incomplete character's bytes, then text that might have begun
-        // a stop string.
-        let tail = r.text.finish(codec).unwrap_or_default();
-        let m = r.stop.push(&tail);
-        let mut rest = m.emit;
-        if m.stopped {
-            reason = "stop";
-        } else {
-            rest.push_str(&r.stop.flush());
-        }
-        if !rest.is_empty() {
-            let _ = r.job.events.send(Event::Text(rest));
-        }
+    match reason {
+        None => Outcome::Running,
+        Some(_) if m.stopped => done(r, "stop"),
+        Some(reason) => end_with(r, reason, codec),
     }
+}
+
+/// Ends `r` for `reason` after the text it holds back: an incomplete character's bytes, then
+/// text that might have begun a stop string (`stop` if it ends one).
+fn end_with(r: &mut Running, mut reason: &'static str, codec: &TextCodec) -> Outcome {
+    let tail = r.text.finish(codec).unwrap_or_default();
+    let m = r.stop.push(&tail);
+    let mut rest = m.emit;
+    if m.stopped {
+        reason = "stop";
+    } else {
+        rest.push_str(&r.stop.flush());
+    }
+    if !rest.is_empty() {
+        let _ = r.job.events.send(Event::Text(rest));
+    }
+    done(r, reason)
+}
+
+/// Sends `r`'s `Done` and logs it.
+fn done(r: &Running, reason: &'static str) -> Outcome {
+    let prompt_tokens = r.job.prompt.len();
     let finish = Finish { reason, prompt_tokens, completion_tokens: r.generated };
     if let Some(label) = &r.job.label {
         tracing::info!(
