@@ -23,7 +23,8 @@ pub struct Args {
     /// Give the routers a preference so some experts are hot (0 = uniform).
     #[arg(long, default_value_t = 0.0)]
     router_skew: f32,
-    /// Overwrite a non-empty output directory.
+    /// Overwrite a non-empty output directory (its model files, and the caches of the model
+    /// there, which would describe other weights).
     #[arg(long)]
     force: bool,
 }
@@ -37,6 +38,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         router_skew: a.router_skew,
         force: a.force,
     })?;
+    for dir in &r.caches_removed {
+        eprintln!("removed the caches of the replaced model: {}", dir.display());
+    }
     eprintln!(
         "wrote {} ({} tensors, {} shard(s), {}) in {:.1} s ({:.2} GB/s)",
         r.out.display(),

@@ -66,6 +66,10 @@ fn main() {
     }
     logging::init();
     let cli = Cli::from_arg_matches(&command().get_matches()).unwrap_or_else(|e| e.exit());
+    // `serve` handles Ctrl-C itself (tokio), so a graceful shutdown drains its requests.
+    if !matches!(cli.command, Command::Serve(_)) {
+        remove_partial_caches_on_interrupt();
+    }
     let result = match cli.command {
         Command::Generate(a) => cmd_generate::run(a),
         Command::Synth(a) => cmd_synth::run(a),
@@ -78,5 +82,48 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// On SIGINT or SIGTERM, remove the temp files of the cache builds in progress (a first
+/// `generate` or a `convert` writes `<cache>.tmp.<pid>` files of gigabytes), say which, and exit
+/// with 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
+///
+/// The two signals are blocked in this thread before any other thread starts, so every thread
+/// inherits the mask, and one thread takes them with `sigwait`: the cleanup runs as ordinary
+/// code, not in a signal handler. Child processes start with an empty mask (std resets it).
+fn remove_partial_caches_on_interrupt() {
+    // SAFETY: sigset_t is plain data, filled by sigemptyset/sigaddset before use; the mask is
+    // changed before this process starts any other thread.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return;
+        }
+        set
+    };
+    let waiter = move || loop {
+        let mut signal: libc::c_int = 0;
+        // SAFETY: waits for one of the signals of an initialised set, all blocked.
+        if unsafe { libc::sigwait(&set, &mut signal) } != 0 {
+            continue;
+        }
+        let removed = krasis_cache::remove_temp_files_and_stop();
+        let name = if signal == libc::SIGINT { "interrupted" } else { "terminated" };
+        if removed.is_empty() {
+            eprintln!("\n{name}");
+        } else {
+            let shown: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
+            eprintln!("\n{name}: removed the partial cache file(s) {}", shown.join(", "));
+        }
+        std::process::exit(128 + signal);
+    };
+    if std::thread::Builder::new().name("krasis-signals".into()).spawn(waiter).is_err() {
+        // No thread to take them: let the signals act as before.
+        // SAFETY: unblocking the signals blocked above.
+        unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
     }
 }
