@@ -202,7 +202,8 @@ fn convert_says_why_it_built_a_cache() {
 #[test]
 fn serve_checks_context_against_the_model_before_the_memory_estimate() {
     let (_t, dir) = tiny();
-    let o = krasis(&["serve", "--model", dir.to_str().unwrap(), "--device", "cpu", "--context", "999999999"]);
+    let m = dir.to_str().unwrap();
+    let o = krasis(&["serve", "--model", m, "--port", "0", "--device", "cpu", "--context", "999999999"]);
     assert_error(&o, "--context 999999999 exceeds the model's max_position_embeddings 163840");
 }
 
