@@ -26,7 +26,9 @@ gguf_oracle.rs judge Krasis's quantised and BF16 paths against these).
 Each fixture's weights come from a seeded generator; a seed whose greedy decode has a near-tie
 (top-2 logit gap below MIN_GREEDY_MARGIN) or whose routing has one (MIN_ROUTER_MARGIN) is
 skipped for the next, since an engine that is right within float32 rounding could pick the
-other token or expert there. The same versions of torch and transformers give the same files.
+other token or expert there; so is a seed whose prompt routes change under 8-bit weights
+(ROBUST_GROUPS), where a correct quantised path would meet quant_bounds.json's bars by luck.
+The same versions of torch and transformers give the same files.
 """
 import argparse
 import json
@@ -68,6 +70,11 @@ MIN_GREEDY_MARGIN = 5e-3
 # Smallest gap between the last chosen and the first rejected expert (or group) score: the
 # reference routes in float32, whose rounding moves a score by ~1e-8.
 MIN_ROUTER_MARGIN = 1e-6
+# A seed is kept only if the prompt's routes (every MoE layer, every position) survive 8-bit
+# weights: every linear quantised to INT8 in groups of each of these sizes along K. Most random
+# draws have some route within INT8 noise of a tie, and there a correct 8-bit path is right or
+# wrong by luck; quant_bounds.json's comparisons assume the routes hold.
+ROBUST_GROUPS = (128, 64, 32)
 # Seeds tried per fixture before giving up.
 MAX_ATTEMPTS = 64
 # FP8 e4m3's largest finite value, and the block DeepSeek-V3 scales it in.
@@ -373,18 +380,19 @@ def stored_and_effective(cfg, weights, kind):
 
 
 class Routes:
-    """Records each MoE router's logits (forward hooks) and the smallest gap at which its
-    top-k choice would change."""
+    """Records each MoE router's choices and the smallest gap at which one would change
+    (forward hooks on the routers, which return logits, weights and expert indices)."""
 
     def __init__(self, cfg, model):
-        self.cfg, self.min_margin = cfg, math.inf
+        self.cfg, self.min_margin, self.chosen = cfg, math.inf, []
         for name, mod in model.named_modules():
             if name.endswith("mlp.gate") and hasattr(mod, "weight"):
                 bias = getattr(mod, "e_score_correction_bias", None)
-                mod.register_forward_hook(lambda _m, _i, out, b=bias: self.seen(out[0], b))
+                mod.register_forward_hook(lambda _m, _i, out, b=bias: self.seen(out, b))
 
-    def seen(self, logits, bias):
-        cfg = self.cfg
+    def seen(self, out, bias):
+        self.chosen.append(out[2].detach().sort(-1).values)
+        logits, cfg = out[0], self.cfg
         logits = logits.detach().double().reshape(-1, logits.shape[-1])
         k, e = cfg["num_experts_per_tok"], logits.shape[-1]
         if cfg.get("scoring_func") == "sigmoid":
@@ -463,11 +471,33 @@ def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def prompt_routes(cfg, weights, prompt):
+    """The experts each MoE layer picks for each prompt position, in a float64 prefill."""
+    model = load(cfg, weights, torch.float64)
+    routes = Routes(cfg, model)
+    prefill(model, prompt)
+    return routes.chosen
+
+
+def routes_flip_under_int8(cfg, effective, prompt, chosen):
+    """The first group size of ROBUST_GROUPS whose INT8 weights change a prompt route, or None."""
+    layout = hub_layout(cfg)
+    for g in ROBUST_GROUPS:
+        w = dict(effective)
+        for n, (_, role) in layout.items():
+            if role in ("expert", "dense", "head"):
+                w[n] = ideal_quant(effective[n], 127, g)
+        if any(not torch.equal(a, b) for a, b in zip(chosen, prompt_routes(cfg, w, prompt))):
+            return g
+    return None
+
+
 def reference(cfg, effective, prompt):
     model = load(cfg, effective, torch.float64)
     routes = Routes(cfg, model)
     with torch.no_grad():
         out = model(prompt[None], output_hidden_states=True)
+    chosen = list(routes.chosen)
     prefill_logits = out.logits[0].double()
     hidden = torch.stack([h[0] for h in out.hidden_states]).double()
     ids, step_logits = greedy(model, prompt, NEW_TOKENS, MIN_GREEDY_MARGIN)
@@ -480,6 +510,7 @@ def reference(cfg, effective, prompt):
         "greedy_logits": step_logits,
         "greedy_margins": margins,
         "router_margin": routes.min_margin,
+        "prompt_routes": chosen,
     }
 
 
@@ -487,8 +518,8 @@ def reference(cfg, effective, prompt):
 # quant_bounds.json
 
 
-def group_size(k):
-    g = QUANT_GROUP
+def group_size(k, group=QUANT_GROUP):
+    g = group
     while k % g:
         g //= 2
     if g < QUANT_MIN_GROUP:
@@ -496,11 +527,11 @@ def group_size(k):
     return g
 
 
-def ideal_quant(w, qmax):
+def ideal_quant(w, qmax, group=QUANT_GROUP):
     """Symmetric per-group quantisation along K (the last axis) of w [out, in], dequantised."""
     w = w.double()
     rows, k = w.shape
-    g = group_size(k)
+    g = group_size(k, group)
     blocks = w.reshape(rows, k // g, g)
     scale = blocks.abs().amax(-1, keepdim=True) / qmax
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
@@ -618,13 +649,13 @@ def make(name, out, tok):
         prompt = torch.randint(2, cfg["vocab_size"], (PROMPT_LEN,), generator=g, dtype=torch.int64)
         stored, effective = stored_and_effective(cfg, weights, kind)
         ref = reference(cfg, effective, prompt)
-        if min(ref["greedy_margins"]) >= MIN_GREEDY_MARGIN and ref["router_margin"] >= MIN_ROUTER_MARGIN:
+        if min(ref["greedy_margins"]) < MIN_GREEDY_MARGIN or ref["router_margin"] < MIN_ROUTER_MARGIN:
+            why = f"near-tie (greedy margin {min(ref['greedy_margins']):.2e}, router margin {ref['router_margin']:.2e})"
+        elif (g := routes_flip_under_int8(cfg, effective, prompt, ref["prompt_routes"])) is not None:
+            why = f"a prompt route flips under INT8 weights in groups of {g}"
+        else:
             break
-        print(
-            f"make-fixtures: {name} seed {seed}: near-tie (greedy margin {min(ref['greedy_margins']):.2e}, "
-            f"router margin {ref['router_margin']:.2e}); next seed",
-            file=sys.stderr,
-        )
+        print(f"make-fixtures: {name} seed {seed}: {why}; next seed", file=sys.stderr)
     else:
         raise SystemExit(f"make-fixtures: {name}: no seed of {MAX_ATTEMPTS} without a near-tie")
 
@@ -646,6 +677,7 @@ def make(name, out, tok):
         "min_greedy_margin": margins[0],
         "median_greedy_margin": margins[len(margins) // 2],
         "min_router_margin": ref["router_margin"],
+        "prompt_routes_hold_under_int8_groups": list(ROBUST_GROUPS),
         "weights": "bf16" if kind == "bf16" else "fp8 e4m3 128x128 blocks (weight_scale_inv), rest bf16",
         "notes": NOTES,
     }
