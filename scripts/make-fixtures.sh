@@ -7,11 +7,11 @@
 #   KRASIS_FIXTURES is unset and ../shared/fixtures does not exist.
 # Python: KRASIS_FIXTURE_PYTHON if it has torch, transformers, safetensors and numpy (CI passes the
 # GGUF fixtures' venv), else a venv in OUT/.venv made here from PyPI (torch is large: ~3 GB with
-# its CUDA libraries, though only the CPU is used). About 3 minutes on 2 cores once installed.
+# its CUDA libraries, though only the CPU is used). About 20 s on 2 idle cores once installed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${1:-$ROOT/.fixtures}
-[ $# -gt 0 ] && shift
+OUT=$ROOT/.fixtures
+if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then OUT=$1; shift; fi
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 
 PY=${KRASIS_FIXTURE_PYTHON:-$OUT/.venv/bin/python}

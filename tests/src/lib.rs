@@ -410,6 +410,6 @@ mod tests {
         assert_eq!(candidates_for(None), vec![root.join("../shared/fixtures"), root.join(".fixtures")]);
         assert_eq!(candidates_for(Some("/x/f".into())), vec![PathBuf::from("/x/f")]);
         let script = std::fs::read_to_string(root.join("scripts/make-fixtures.sh")).unwrap();
-        assert!(script.contains("OUT=${1:-$ROOT/.fixtures}"), "make-fixtures.sh's default OUT moved");
+        assert!(script.contains("OUT=$ROOT/.fixtures\n"), "make-fixtures.sh's default OUT moved");
     }
 }
