@@ -22,11 +22,9 @@ use krasis_gpu::{DeviceBuffer, GpuDevice};
 use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use super::expert_stream::{ExpertStreamer, StreamRecords};
 use super::host_experts::ExpertServer;
-use super::layers::{
-    kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
-};
+use super::layers::{kv_geometry, GpuExpertBackend, GpuKinds, GpuKvB, GpuMlp};
 use super::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, KV_RESERVE_BYTES};
-use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
+use crate::build::{build, LinearClass, WeightBuilder};
 use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
@@ -35,7 +33,7 @@ use crate::load::{open_cpu_experts, start_pool, EngineOptions};
 use crate::quantized::quant_bits;
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, ModelSpec, RoutingRule};
+use crate::spec::{ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorSpec};
 use crate::weights::WeightLoader;
 
@@ -210,14 +208,9 @@ impl GpuBuilder<'_> {
 }
 
 impl WeightBuilder for GpuBuilder<'_> {
-    type Linear = GpuLinear;
+    type Kinds = GpuKinds;
     /// Gate and up rows stacked into one `[2·inter, hidden]` matrix: one GEMV at decode.
     type GateUp = GpuLinear;
-    type Vector = DeviceBuffer<u16>;
-    type Embedding = DeviceBuffer<u16>;
-    type KvB = GpuKvB;
-    type Router = GpuRouter;
-    type Experts = GpuExpertBackend;
 
     fn embedding(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
         let (m, _, _) = self.bf16_matrix(t)?;
@@ -242,6 +235,10 @@ impl WeightBuilder for GpuBuilder<'_> {
         both.extend_from_slice(&bf16_bits(&u));
         let name = format!("{} + up_proj", gate.name);
         Ok(GpuLinear::new(self.dev, &name, &both, rows + up_rows, cols, self.quant_of(class))?)
+    }
+
+    fn mlp(&mut self, gate_up: GpuLinear, down: GpuLinear) -> Result<GpuMlp> {
+        Ok(GpuMlp { gate_up, down })
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
@@ -292,32 +289,6 @@ impl WeightBuilder for GpuBuilder<'_> {
             resident.upload_expert(self.dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
         }
         Ok(GpuExpertBackend::Resident(Box::new(resident)))
-    }
-}
-
-fn gpu_mlp(m: MlpWeights<GpuBuilder<'_>>) -> GpuMlp {
-    GpuMlp { gate_up: m.gate_up, down: m.down }
-}
-
-fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAttention {
-    match (a, &spec.attention) {
-        (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
-            GpuAttention::Mla(Box::new(GpuMla { dims: mla.mla_dims().expect("MLA"), scale: spec.softmax_scale, w }))
-        }
-        (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
-            GpuAttention::Gqa(Box::new(GpuGqa {
-                heads,
-                kv_heads,
-                head_dim,
-                scale: spec.softmax_scale,
-                q,
-                k,
-                v,
-                o,
-                qk_norm,
-            }))
-        }
-        _ => unreachable!("the walk builds the attention the spec names"),
     }
 }
 
@@ -584,7 +555,6 @@ impl GpuModel {
         let keep =
             |k: &krasis_gpu::kernels::KernelSource| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv);
         let gemm = GemmContext::new(&dev)?;
-        let h = spec.hidden_size;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
         let spec_ref = spec.clone();
         let mut builder = GpuBuilder {
@@ -605,35 +575,13 @@ impl GpuModel {
         })?;
         let weights = weights?;
         dev.load_kernels(images, &keep)?;
-        let embed = weights.embed;
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| GpuLayer {
-                hidden: h,
-                input_norm: l.input_norm,
-                post_norm: l.post_norm,
-                attention: gpu_attention(&spec, l.attention),
-                ffn: match l.ffn {
-                    FfnWeights::Dense(m) => GpuFfn::Dense(Box::new(gpu_mlp(m))),
-                    FfnWeights::Moe { router, experts, shared } => GpuFfn::Moe(Box::new(GpuMoe {
-                        top_k: router.config().top_k,
-                        router,
-                        experts,
-                        shared: shared.map(gpu_mlp),
-                    })),
-                },
-            })
-            .collect::<Vec<_>>();
         // Host experts: one thread serves their hand-offs for the model's life.
-        let host: Vec<_> = layers.iter().map(GpuLayer::host_experts).collect();
+        let host: Vec<_> = weights.layers.iter().map(|l| l.moe().and_then(|m| m.experts.host()).cloned()).collect();
         let expert_server = match (host.iter().any(Option::is_some), &builder.experts) {
             (false, _) => None,
             (true, ExpertPlacement::Host { pool, .. }) => Some(ExpertServer::start(host, pool.clone())?),
             (true, _) => Some(ExpertServer::start(host, None)?),
         };
-        let final_norm = weights.final_norm;
-        let lm_head = weights.lm_head;
         let weights_bytes = dev.budget().used();
 
         // KV capacity: asked for, or what the budget leaves (minus the activation reserve).
@@ -689,10 +637,7 @@ impl GpuModel {
             spec,
             dev,
             gemm,
-            embed,
-            layers,
-            final_norm,
-            lm_head,
+            weights,
             cos,
             sin,
             sampler,

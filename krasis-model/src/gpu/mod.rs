@@ -22,15 +22,16 @@ mod session;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
 use krasis_gpu::kv_cache::{GpuKvCache, KvCapacity, KvDtype, KvLayout};
-use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
+use krasis_gpu::linear::{GemmContext, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
 pub use self::host_experts::HandoffStats;
-use self::layers::GpuLayer;
+use self::layers::GpuKinds;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
 use self::session::{KvRows, StepIo};
+use crate::build::Weights;
 use crate::error::{ModelError, Result};
 use crate::generate::{Decoder, DecoderStep};
 use crate::sampling::Sampler;
@@ -231,10 +232,7 @@ pub struct GpuModel {
     pub spec: ModelSpec,
     dev: GpuDevice,
     gemm: GemmContext,
-    embed: DeviceBuffer<u16>,
-    layers: Vec<GpuLayer>,
-    final_norm: DeviceBuffer<u16>,
-    lm_head: GpuLinear,
+    weights: Weights<GpuKinds>,
     /// RoPE tables for positions `0..max_pos`, `[max_pos, rot_dim/2]`.
     cos: DeviceBuffer<f32>,
     sin: DeviceBuffer<f32>,
@@ -295,7 +293,7 @@ impl GpuModel {
 
     /// Counts every MoE layer's routes on the device from now on ([`GpuModel::expert_counts`]).
     pub fn record_heatmap(&mut self) -> Result<()> {
-        let n = self.layers.len() * self.spec.routed_experts();
+        let n = self.weights.layers.len() * self.spec.routed_experts();
         self.heat = Some(self.dev.alloc_zeros::<u64>(n.max(1), "heatmap counts")?);
         Ok(())
     }
@@ -305,7 +303,7 @@ impl GpuModel {
         match &self.heat {
             Some(b) => {
                 let mut v = self.dev.download(b)?;
-                v.truncate(self.layers.len() * self.spec.routed_experts());
+                v.truncate(self.weights.layers.len() * self.spec.routed_experts());
                 Ok(Some(v))
             }
             None => Ok(None),
@@ -401,11 +399,12 @@ impl GpuModel {
             let sc = &mut *io.scratch;
             let ids = sc.ids.slice().slice(..t);
             let mut x = sc.x.slice_mut().slice_mut(..t * h);
-            self.dev.embedding_gather_f32(&self.embed, self.spec.vocab_size, h, &ids, &mut x)?;
+            self.dev.embedding_gather_f32(&self.weights.embed, self.spec.vocab_size, h, &ids, &mut x)?;
         }
         io.mark(&self.dev, profile::Part::Start)?;
         let ctx = layers::Ctx {
             dev: &self.dev,
+            spec: &self.spec,
             gemm: &self.gemm,
             cos: &self.cos,
             sin: &self.sin,
@@ -429,18 +428,16 @@ impl GpuModel {
         // after it would put the thread's wake-up on the critical path of every token.
         let v = self.spec.vocab_size;
         let mut enqueue = |staging: &mut host_experts::HostStaging| -> Result<()> {
-            for (l, layer) in self.layers.iter().enumerate() {
-                layer.forward(&ctx, l, io, l > 0, staging, self.layers.get(l + 1))?;
-            }
-            // Final norm (adding the last FFN output), the LM head over the requested rows, then
-            // the caller's tail (sampling), given the number of logit rows.
-            layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
+            // Every layer and the final norm (adding the last FFN output), then the LM head over
+            // the requested rows and the caller's tail (sampling), given the number of logit rows.
+            let mut step = layers::GpuStep { c: &ctx, s: &mut *io, host: staging };
+            crate::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
             let sc = &mut *io.scratch;
             sc.ensure_logits(&self.dev, logit_rows * v)?;
             let first = t - logit_rows;
             let xn = sc.xn.slice().slice(first * h..t * h);
             let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
-            self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
+            self.weights.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
             tail(sc, logit_rows)
         };
         if let Some(server) = &self.expert_server {
