@@ -12,7 +12,7 @@ use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
 use krasis_cpu::pool::WorkerPool;
-use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
+use krasis_gpu::kv_cache::KvLayout;
 use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
@@ -411,8 +411,17 @@ impl GpuModel {
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
                     }
                 }
-                if let Some(plan) = &gpu.cache {
-                    model.apply_cache_plan(plan, gpu.kv_tokens, &mut log)?;
+                // The VRAM the stream slots leave: KV, prompt chunks and, for pinned experts sized
+                // from the budget, their share (one plan: `vram_plan`).
+                match &gpu.cache {
+                    Some(plan) => {
+                        let mut plan = plan.clone();
+                        if plan.strategy == super::CacheStrategy::HotCachedStatic && plan.vram.is_none() {
+                            plan.vram = Some(model.plan_pins(gpu, &mut log)?);
+                        }
+                        model.apply_cache_plan(&plan, gpu.kv_tokens, &mut log)?;
+                    }
+                    None => model.fit_prefill_chunk(gpu.kv_tokens, "the stream slots", &mut log)?,
                 }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
@@ -462,10 +471,23 @@ impl GpuModel {
         };
         let n = self.spec.routed_experts();
         let moe: Vec<usize> = self.spec.moe_layers().collect();
-        let heat = match (&plan.heatmap, strategy.needs_heatmap()) {
-            (Some(h), true) => Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?),
-            (None, true) => return Err(ModelError::Invalid(format!("{what} needs --heatmap-path"))),
-            (_, false) => None,
+        let heat = match (&plan.heatmap, strategy) {
+            (Some(h), _) if strategy.needs_heatmap() => {
+                Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?)
+            }
+            // Pins without a recorded heatmap spread evenly over the layers.
+            (None, CacheStrategy::HotCachedStatic) => {
+                let k = self.spec.moe.as_ref().map_or(1, |m| m.routing.top_k);
+                log.push(
+                    "hot_cached_static: no heatmap recorded for this model; pinning experts evenly over the layers"
+                        .into(),
+                );
+                Some(crate::heatmap::ExpertHeat::even(self.spec.num_layers, n, k))
+            }
+            (None, _) if strategy.needs_heatmap() => {
+                return Err(ModelError::Invalid(format!("{what} needs a heatmap")))
+            }
+            _ => None,
         };
         let per_token = self.kv_layout.bytes_per_token() as u64;
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
@@ -508,21 +530,62 @@ impl GpuModel {
             self.pool = Some(std::sync::Arc::new(pool));
             bytes
         };
-        let fit = self.kv_layout.tokens_for(
-            KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: self.kv_tokens },
-            self.dev.budget().remaining(),
-        );
-        if fit < self.kv_tokens {
+        let after = format!("the {} of experts {what} keeps", format_bytes(kept as u64));
+        self.fit_prefill_chunk(kv_asked, &after, log)
+    }
+
+    /// The VRAM plan with pinned experts over what the budget leaves now (after the stream
+    /// slots): the KV cache shrinks to the plan's ([`super::vram_plan::DEFAULT_KV_TOKENS`] unless
+    /// more is asked or needed) and the bytes for the pins are returned.
+    fn plan_pins(&mut self, opts: &GpuOptions, log: &mut Vec<String>) -> Result<u64> {
+        let ask = super::vram_plan::VramAsk {
+            free: self.dev.budget().remaining(),
+            kv_bytes_per_token: self.kv_layout.bytes_per_token() as u64,
+            scratch: self.scratch_cost,
+            model_context: self.kv_tokens,
+            kv_asked: opts.kv_tokens,
+            context_needed: opts.context_tokens,
+            pins: true,
+        };
+        let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
+            ModelError::Invalid(format!(
+                "pinned experts: the VRAM budget left after the weights and the stream slots: {}",
+                e.0
+            ))
+        })?;
+        self.kv_tokens = plan.kv_tokens;
+        self.prefill_chunk = plan.prefill_chunk;
+        log.push(plan.describe(&ask));
+        Ok(plan.pin_bytes)
+    }
+
+    /// Sizes the prompt chunk from what the budget leaves now (after `what`), beside the KV
+    /// cache and the scratch its context needs; when not even a
+    /// [`super::vram_plan::MIN_PREFILL_CHUNK`]-token chunk fits, the KV cache shrinks (an asked
+    /// `kv_tokens` is refused instead).
+    fn fit_prefill_chunk(&mut self, kv_asked: Option<usize>, what: &str, log: &mut Vec<String>) -> Result<()> {
+        use super::vram_plan::{FIXED_RESERVE_BYTES, MIN_PREFILL_CHUNK};
+        let cost = self.scratch_cost;
+        let per_kv = self.kv_layout.bytes_per_token() as u64 + cost.per_context;
+        let free = self.dev.budget().remaining().saturating_sub(FIXED_RESERVE_BYTES);
+        let room = |kv: usize| (free.saturating_sub(kv as u64 * per_kv) / cost.per_token.max(1)) as usize;
+        if room(self.kv_tokens) < MIN_PREFILL_CHUNK {
+            let fit = (free.saturating_sub(MIN_PREFILL_CHUNK as u64 * cost.per_token) / per_kv.max(1)) as usize;
             if kv_asked.is_some() || fit == 0 {
                 return Err(ModelError::Invalid(format!(
-                    "{what}: the {} of experts kept in VRAM leave room for {fit} KV tokens, not {} (lower --pin-vram or raise --vram-budget)",
-                    format_bytes(kept as u64),
+                    "{what}: the VRAM left ({}) holds {fit} KV tokens beside a {MIN_PREFILL_CHUNK}-token prompt chunk, not {} (lower the kv_tokens or pinned-VRAM options, or raise the VRAM budget)",
+                    format_bytes(free),
                     self.kv_tokens
                 )));
             }
-            log.push(format!("KV cache: {fit} tokens after keeping the experts (was {})", self.kv_tokens));
+            log.push(format!("KV cache: {fit} tokens after {what} (was {})", self.kv_tokens));
             self.kv_tokens = fit;
         }
+        let chunk = room(self.kv_tokens) / 64 * 64;
+        if chunk < self.prefill_chunk {
+            log.push(format!("prompts run in chunks of up to {chunk} tokens after {what}"));
+        }
+        self.prefill_chunk = chunk;
         Ok(())
     }
 
@@ -584,35 +647,31 @@ impl GpuModel {
         };
         let weights_bytes = dev.budget().used();
 
-        // KV capacity: asked for, or what the budget leaves (minus the activation reserve).
+        // KV capacity and the prompt chunk: the VRAM plan over what the weights leave.
         let (planes, row, group) = kv_geometry(&spec);
-        let max_ctx = spec.max_position_embeddings.max(1);
-        let capacity = match opts.kv_tokens {
-            Some(n) => KvCapacity::Tokens(n),
-            None => KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: max_ctx },
-        };
-        // Sized by arithmetic on the layout (sessions allocate their own caches): nothing is
-        // allocated here, but an explicit --kv-tokens that cannot fit is refused now, at load.
         let kv_layout = KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group)?;
-        let remaining = dev.budget().remaining();
-        let kv_tokens = kv_layout.tokens_for(capacity, remaining);
-        let kv_bytes = kv_tokens as u64 * kv_layout.bytes_per_token() as u64;
-        if kv_tokens == 0 {
-            return Err(ModelError::Invalid(format!(
-                "the VRAM budget {} leaves no room for a KV cache after {} of weights",
+        let scratch_cost =
+            super::vram_plan::ScratchCost::of(&spec, opts.kv_b_proj_quant != krasis_gpu::linear::LinearQuant::Bf16);
+        let ask = super::vram_plan::VramAsk {
+            free: dev.budget().remaining(),
+            kv_bytes_per_token: kv_layout.bytes_per_token() as u64,
+            scratch: scratch_cost,
+            model_context: spec.max_position_embeddings.max(1),
+            kv_asked: opts.kv_tokens,
+            context_needed: opts.context_tokens,
+            pins: false,
+        };
+        let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
+            ModelError::Invalid(format!(
+                "the VRAM budget {} leaves no room for the KV cache and a prompt chunk after {} of weights: {}",
                 format_bytes(dev.budget().budget()),
-                format_bytes(weights_bytes)
-            )));
-        }
-        if kv_bytes > remaining {
-            return Err(krasis_gpu::GpuError::VramBudget {
-                requested: kv_bytes,
-                used: dev.budget().used(),
-                budget: dev.budget().budget(),
-                what: format!("the KV cache ({kv_tokens} tokens)"),
-            }
-            .into());
-        }
+                format_bytes(weights_bytes),
+                e.0
+            ))
+        })?;
+        let kv_tokens = plan.kv_tokens;
+        let kv_bytes = kv_tokens as u64 * kv_layout.bytes_per_token() as u64;
+        log.push(plan.describe(&ask));
         log.push(format!(
             "KV cache: {kv_tokens} tokens × {} per token ({}, {})",
             format_bytes(kv_layout.bytes_per_token() as u64),
@@ -643,6 +702,8 @@ impl GpuModel {
             sampler,
             kv_layout,
             kv_tokens,
+            prefill_chunk: plan.prefill_chunk,
+            scratch_cost,
             log,
             host_expert_bytes: None,
             expert_server,

@@ -19,6 +19,7 @@ mod layers;
 mod load;
 mod profile;
 mod session;
+pub mod vram_plan;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
 use krasis_gpu::kv_cache::{GpuKvCache, KvCapacity, KvDtype, KvLayout};
@@ -57,9 +58,12 @@ pub struct GpuOptions {
     pub kv_b_proj_quant: LinearQuant,
     /// `--lm-head-quant`.
     pub lm_head_quant: LinearQuant,
-    /// KV capacity in tokens; `None`: what the budget leaves after the weights (minus
-    /// [`KV_RESERVE_BYTES`]), capped at the model's `max_position_embeddings`.
+    /// KV capacity in tokens; `None`: sized by the VRAM plan ([`vram_plan`]) from what the budget
+    /// leaves after the weights, capped at the model's `max_position_embeddings`.
     pub kv_tokens: Option<usize>,
+    /// Context the caller will need (a benchmark's prompt and decode), which a KV cache sized
+    /// from the budget then holds at least; `None`: not said.
+    pub context_tokens: Option<usize>,
     /// `--gpu-expert-bits`: the routed experts resident on the GPU in BF16 (`None`) or quantised
     /// symmetric per group along K (INT8 / INT4, as the CPU cache).
     pub expert_bits: Option<krasis_quant::Bits>,
@@ -202,6 +206,7 @@ impl Default for GpuOptions {
             kv_b_proj_quant: LinearQuant::Bf16,
             lm_head_quant: LinearQuant::Bf16,
             kv_tokens: None,
+            context_tokens: None,
             expert_bits: None,
             expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
             expert_cache: GpuExpertCache::In(None),
@@ -242,6 +247,11 @@ pub struct GpuModel {
     sampler: GpuSampler,
     kv_layout: KvLayout,
     kv_tokens: usize,
+    /// The longest prompt piece one forward call runs ([`vram_plan`]); longer prompts run in
+    /// chunks of it.
+    prefill_chunk: usize,
+    /// The activation scratch estimate the chunk was sized by.
+    scratch_cost: vram_plan::ScratchCost,
     /// Human-readable lines about what loading did.
     pub log: Vec<String>,
     /// Bytes of one routed expert as the host reads it, when the experts run on the host from
@@ -344,8 +354,42 @@ impl GpuModel {
 
     /// Runs `tokens` after what `session` holds; the logits of the last position (or of every
     /// position with `all`) stay on the device in `session`'s logits buffer, `[rows, vocab]`.
-    /// Returns the number of logit rows.
+    /// Returns the number of logit rows. A prompt longer than the prefill chunk
+    /// ([`vram_plan`]) runs as equal chunks, one forward call each; only the last one's logits
+    /// are kept (the others' positions reach later ones through the KV cache).
     fn run(
+        &self,
+        s: &mut GpuSession,
+        tokens: Option<&[u32]>,
+        all: bool,
+        tail: &mut dyn FnMut(&mut session::Scratch, usize) -> Result<()>,
+    ) -> Result<usize> {
+        let chunk = self.prefill_chunk.max(1);
+        let Some(ids) = tokens.filter(|t| t.len() > chunk) else {
+            return self.run_call(s, tokens, all, tail);
+        };
+        if all {
+            return Err(ModelError::Invalid(format!(
+                "the logits of every position of a {}-token prompt: the VRAM budget runs prompts in chunks of up to {chunk} tokens",
+                ids.len()
+            )));
+        }
+        let pieces = ids.len().div_ceil(chunk);
+        let size = ids.len().div_ceil(pieces);
+        let (head, last) = ids.split_at((pieces - 1) * size);
+        self.check_room(s.position, ids.len())?;
+        for piece in head.chunks(size) {
+            self.run_call(s, Some(piece), false, &mut |_, _| Ok(()))?;
+            if let Some(p) = s.profile.as_mut() {
+                p.mark(&self.dev, profile::Part::Head)?;
+                p.close_call()?;
+            }
+        }
+        self.run_call(s, Some(last), all, tail)
+    }
+
+    /// One forward call of [`GpuModel::run`].
+    fn run_call(
         &self,
         s: &mut GpuSession,
         tokens: Option<&[u32]>,
