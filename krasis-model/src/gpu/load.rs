@@ -417,11 +417,14 @@ impl GpuModel {
                     Some(plan) => {
                         let mut plan = plan.clone();
                         if plan.strategy == super::CacheStrategy::HotCachedStatic && plan.vram.is_none() {
-                            plan.vram = Some(model.plan_pins(gpu, &mut log)?);
+                            plan.vram = Some(model.replan_vram(gpu, true, &mut log)?);
                         }
                         model.apply_cache_plan(&plan, gpu.kv_tokens, &mut log)?;
                     }
-                    None => model.fit_prefill_chunk(gpu.kv_tokens, "the stream slots", &mut log)?,
+                    None => {
+                        model.replan_vram(gpu, false, &mut log)?;
+                        model.fit_prefill_chunk(gpu.kv_tokens, "the stream slots", &mut log)?;
+                    }
                 }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
@@ -434,8 +437,10 @@ impl GpuModel {
                 Self::from_source(spec, files.weights(), gpu, ExpertPlacement::HostReference)?
             }
         };
-        log.append(&mut m.log);
-        m.log = log;
+        // The model's own lines (the GPU, its weights) first, then what the hybrid load added.
+        let mut lines = std::mem::take(&mut m.log);
+        lines.append(&mut log);
+        m.log = lines;
         m.host_expert_bytes = expert_bytes;
         Ok(m)
     }
@@ -534,10 +539,11 @@ impl GpuModel {
         self.fit_prefill_chunk(kv_asked, &after, log)
     }
 
-    /// The VRAM plan with pinned experts over what the budget leaves now (after the stream
-    /// slots): the KV cache shrinks to the plan's ([`super::vram_plan::DEFAULT_KV_TOKENS`] unless
-    /// more is asked or needed) and the bytes for the pins are returned.
-    fn plan_pins(&mut self, opts: &GpuOptions, log: &mut Vec<String>) -> Result<u64> {
+    /// The VRAM plan over what the budget leaves now (after the stream slots), with pinned
+    /// experts when `pins`: the KV cache shrinks to the plan's (with pins
+    /// [`super::vram_plan::DEFAULT_KV_TOKENS`] unless more is asked or needed) and the bytes for
+    /// the pins are returned.
+    fn replan_vram(&mut self, opts: &GpuOptions, pins: bool, log: &mut Vec<String>) -> Result<u64> {
         let ask = super::vram_plan::VramAsk {
             free: self.dev.budget().remaining(),
             kv_bytes_per_token: self.kv_layout.bytes_per_token() as u64,
@@ -545,15 +551,12 @@ impl GpuModel {
             model_context: self.kv_tokens,
             kv_asked: opts.kv_tokens,
             context_needed: opts.context_tokens,
-            pins: true,
+            pins,
         };
         let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
-            ModelError::Invalid(format!(
-                "pinned experts: the VRAM budget left after the weights and the stream slots: {}",
-                e.0
-            ))
+            ModelError::Invalid(format!("the VRAM budget left after the weights and the stream slots: {}", e.0))
         })?;
-        self.kv_tokens = plan.kv_tokens;
+        self.kv_tokens = plan.kv_tokens.min(self.kv_tokens);
         self.prefill_chunk = plan.prefill_chunk;
         log.push(plan.describe(&ask));
         Ok(plan.pin_bytes)
