@@ -20,7 +20,7 @@ use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
     check_context, context_limit, cpu_memory_estimate, open_engine, spec_context_limit, DevicePath, DevicePolicy,
-    Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
+    Engine, EngineConfig, GpuExpertWidth, DEFAULT_CONTEXT_TOKENS,
 };
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
@@ -64,14 +64,16 @@ pub fn check_group_size_flag(gs: usize) -> anyhow::Result<()> {
 /// Precision and placement flags shared by `generate`, `bench` and `convert`.
 #[derive(ClapArgs, Clone, Debug)]
 pub struct EngineArgs {
-    /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised;
-    /// 8 or 4 = INT8/INT4 from the expert cache (built on first use); auto = per projection from a
-    /// GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and float), bf16 for a
-    /// safetensors model (hybrid fallback of --device auto: 4).
+    /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised (the
+    /// reference path); 8 or 4 = INT8/INT4 from the expert cache (built on first use); auto = per
+    /// projection from a GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and
+    /// float), INT4 for a safetensors model.
     #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
     pub cpu_expert_bits: WeightBits,
-    /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU.
-    #[arg(long, default_value = "bf16", value_parser = weight_bits_parser(&WeightBits::FLAG_VALUES))]
+    /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU
+    /// (--device cpu): bf16 = as stored (the reference path); 8 or 4 = INT8/INT4 from the
+    /// dense-weight cache (built on first use); auto = 8.
+    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
     pub cpu_dense_bits: WeightBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
@@ -117,18 +119,28 @@ impl EngineArgs {
     /// RAM estimate assumes `context_tokens` of context.
     pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
         // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
-        let mut gpu = gpu.options()?;
-        if let Some(plan) = &gpu.cache {
-            if device != Device::Hybrid || gpu.expert_bits.is_none() {
-                bail!("--cache-strategy {} needs --device hybrid and --gpu-expert-bits 4|8", plan.strategy.name());
+        let gpu_options = gpu.options()?;
+        let width = gpu.expert_width();
+        if let Some(plan) = &gpu_options.cache {
+            if !matches!(device, Device::Hybrid | Device::Auto) || width == GpuExpertWidth::Bf16 {
+                bail!(
+                    "--cache-strategy {} needs --device hybrid (or auto) and quantised GPU experts (--gpu-expert-bits auto|4|8)",
+                    plan.strategy.name()
+                );
             }
         }
+        let pin_leftover_vram = gpu.cache_strategy.as_deref() != Some("none");
+        let mut gpu = gpu_options;
         gpu.expert_group_size = self.group_size;
+        // A KV cache sized from the budget holds at least the context this run says it needs.
+        gpu.context_tokens = usize::try_from(context_tokens).ok();
         gpu.expert_cache = GpuExpertCache::In(self.cache_dir.clone());
         Ok(EngineConfig {
             device: device.into(),
             cpu: self.options()?,
             gpu,
+            gpu_expert_width: width,
+            pin_leftover_vram,
             context_tokens,
             force: self.force,
             record_heatmap: false,
@@ -184,13 +196,13 @@ pub struct GpuArgs {
     /// LM head on the GPU.
     #[arg(long, default_value = "bf16", value_parser = one_of::<LinearQuant>(LINEAR_QUANTS))]
     pub lm_head_quant: LinearQuant,
-    /// Routed experts on the GPU: bf16, 8 or 4 (INT8 / INT4 weights per group of --group-size
-    /// along K, dequantised inside the tensor-core tiles; read from the GPU expert cache in
-    /// --cache-dir, built on the first start or by `krasis convert`). --device gpu: resident.
-    /// --device hybrid (or auto choosing hybrid), 8 or 4 with --cpu-expert-bits 4|8: streamed to
-    /// the GPU for long prefills, and kept in VRAM as --cache-strategy says, while the CPU
-    /// decodes. Not with --device cpu.
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "8", "4"])]
+    /// Width of the routed experts on the GPU: resident with --device gpu, streamed for prompts
+    /// at or above the streaming length with --device hybrid. 8 or 4: INT8 / INT4 weights per
+    /// group of --group-size along K, dequantised inside the tensor-core tiles (read from the GPU
+    /// expert cache in --cache-dir, or the CPU's records, built on the first start or by `krasis
+    /// convert`); bf16: BF16 resident experts, and a hybrid prefill keeps the experts on the CPU;
+    /// auto: the source's width when it is 8-bit, else 4 (hybrid: the CPU experts' width).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "8", "4"])]
     pub gpu_expert_bits: String,
     /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the
     /// GPU. cpu-cache: the CPU experts' own cache, laid out for the GPU on the device (one copy of
@@ -206,9 +218,11 @@ pub struct GpuArgs {
     /// hottest experts pinned (ranked over all layers / shared out by each layer's skew). lru: a
     /// cross-layer cache of experts, least recently used out. chunked: long prompts stream each
     /// layer's experts in chunks through two slots of --pin-vram (taken by itself when two
-    /// layers' experts do not fit the budget). Without it: the CPU experts, with prefill
-    /// streaming.
-    #[arg(long, value_parser = ["hot_cached_static", "active_only", "static_pin", "weighted_pin", "lru", "chunked"])]
+    /// layers' experts do not fit the budget). none: the CPU experts alone, with prefill
+    /// streaming. Without it: hot_cached_static in the VRAM left after the weights, a 16K-token
+    /// KV cache and the prefill reserve, ranked by the heatmap `krasis serve` records beside the
+    /// caches (else spread evenly over the layers).
+    #[arg(long, value_parser = ["hot_cached_static", "active_only", "static_pin", "weighted_pin", "lru", "chunked", "none"])]
     pub cache_strategy: Option<String>,
     /// A heatmap recorded on this model with `--heatmap-out` (for the pinning strategies; `krasis
     /// tune` then measures them too).
@@ -229,7 +243,7 @@ fn parse_vram(s: &str) -> Result<u64, String> {
 impl GpuArgs {
     /// `--cache-strategy` with its heatmap and VRAM, checked against each other.
     pub fn cache_plan(&self) -> anyhow::Result<Option<CachePlan>> {
-        let Some(name) = &self.cache_strategy else {
+        let Some(name) = self.cache_strategy.as_ref().filter(|n| n.as_str() != "none") else {
             if self.heatmap_path.is_some() || self.pin_vram.is_some() {
                 bail!("--heatmap-path and --pin-vram go with --cache-strategy");
             }
@@ -247,6 +261,16 @@ impl GpuArgs {
         Ok(Some(CachePlan { strategy, heatmap: self.heatmap_path.clone(), vram: self.pin_vram }))
     }
 
+    /// `--gpu-expert-bits` as the engine's option.
+    pub fn expert_width(&self) -> GpuExpertWidth {
+        match self.gpu_expert_bits.as_str() {
+            "8" => GpuExpertWidth::Bits(krasis_quant::Bits::Int8),
+            "4" => GpuExpertWidth::Bits(krasis_quant::Bits::Int4),
+            "bf16" => GpuExpertWidth::Bf16,
+            _ => GpuExpertWidth::Auto,
+        }
+    }
+
     pub fn options(&self) -> anyhow::Result<GpuOptions> {
         if self.kv_tokens == Some(0) {
             bail!("--kv-tokens must be at least 1");
@@ -261,11 +285,8 @@ impl GpuArgs {
             kv_b_proj_quant: self.kv_b_proj_quant,
             lm_head_quant: self.lm_head_quant,
             kv_tokens: self.kv_tokens,
-            expert_bits: match self.gpu_expert_bits.as_str() {
-                "8" => Some(krasis_quant::Bits::Int8),
-                "4" => Some(krasis_quant::Bits::Int4),
-                _ => None,
-            },
+            // Set from the width by the engine's policy (`EngineConfig::gpu_expert_width`).
+            expert_bits: None,
             stream_from: match self.stream_experts_from.as_str() {
                 "gpu-cache" => StreamFrom::GpuCache,
                 _ => StreamFrom::CpuCache,

@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use krasis_core::spec::WeightBits;
 use krasis_model::files::ModelFiles;
 use krasis_model::gpu::{CachePlan, CacheStrategy};
-use krasis_model::runtime::{DevicePolicy, EngineConfig};
+use krasis_model::runtime::{DevicePolicy, EngineConfig, GpuExpertWidth};
 use serde::{Deserialize, Serialize};
 
 /// The `format` field of a tune file.
@@ -132,12 +132,15 @@ pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result
         "hybrid" => DevicePolicy::Hybrid,
         d => bail!("tuned device {d:?} is neither gpu nor hybrid"),
     };
-    config.gpu.expert_bits = match s.gpu_expert_bits {
-        None => None,
-        Some(4) => Some(krasis_quant::Bits::Int4),
-        Some(8) => Some(krasis_quant::Bits::Int8),
+    config.gpu_expert_width = match s.gpu_expert_bits {
+        None => GpuExpertWidth::Bf16,
+        Some(4) => GpuExpertWidth::Bits(krasis_quant::Bits::Int4),
+        Some(8) => GpuExpertWidth::Bits(krasis_quant::Bits::Int8),
         Some(b) => bail!("tuned GPU expert width {b} is neither 4 nor 8"),
     };
+    config.gpu.expert_bits = None;
+    // The tuned strategy is the whole choice: no default pins beside it.
+    config.pin_leftover_vram = false;
     if config.device == DevicePolicy::Gpu {
         // The whole model on the GPU: no CPU precisions (the engine refuses them there).
         (config.cpu.expert_bits, config.cpu.dense_bits) = (WeightBits::Auto, WeightBits::Bf16);
@@ -258,7 +261,8 @@ mod tests {
         let mut c = EngineConfig::default();
         apply_strategy(&strategy("layer_grouped"), &mut c).unwrap();
         assert_eq!(c.device, DevicePolicy::Hybrid);
-        assert_eq!(c.gpu.expert_bits, Some(krasis_quant::Bits::Int4));
+        assert_eq!(c.gpu_expert_width, GpuExpertWidth::Bits(krasis_quant::Bits::Int4));
+        assert!(!c.pin_leftover_vram, "a tuned strategy takes no default pins");
         assert_eq!(c.cpu.expert_bits, WeightBits::Int4);
         assert!(c.gpu.cache.is_none());
         apply_strategy(&strategy("lru"), &mut c).unwrap();
@@ -282,8 +286,8 @@ mod tests {
         apply_strategy(&gpu, &mut c).unwrap();
         assert!(!c.wants_cpu_precisions(), "the whole-GPU strategy drops the CPU precisions");
         assert_eq!(
-            (c.device, c.gpu.expert_bits, c.gpu.cache.is_none()),
-            (DevicePolicy::Gpu, Some(krasis_quant::Bits::Int8), true)
+            (c.device, c.gpu_expert_width, c.gpu.cache.is_none()),
+            (DevicePolicy::Gpu, GpuExpertWidth::Bits(krasis_quant::Bits::Int8), true)
         );
     }
 }

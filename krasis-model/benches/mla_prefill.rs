@@ -12,7 +12,7 @@ use krasis_core::hw::probe;
 use krasis_core::spec::MlaDims;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_model::build::MlaParts;
-use krasis_model::engine::attention::{AttentionLayer, KvB, MlaAttention, MlaPrefillMode, SeqKv};
+use krasis_model::engine::attention::{CpuMlaParts, KvB, MlaAttention, MlaPrefillMode, SeqKv};
 use krasis_model::linear::{DenseLinear, LinearOp, MatrixData};
 use krasis_model::packed_ops::{kv_b_layouts, pack_kv_b, PackedBytes, PackedKvB};
 
@@ -23,9 +23,13 @@ fn data(n: usize, seed: u64) -> Vec<f32> {
     (0..n).map(|i| ((i as f32 * 0.618_034 + seed as f32 * 1.7).sin()) * 0.5).collect()
 }
 
-fn layer(kv_b: KvB) -> MlaAttention {
+/// The weights of a layer whose only part in use is `kv_b`.
+fn parts(kv_b: KvB) -> CpuMlaParts {
     let unused = || -> Box<dyn LinearOp> { Box::new(DenseLinear::new(1, 1, MatrixData::Owned(vec![0.0]))) };
-    let w = MlaParts { q_a: None, q_b: unused(), kv_a: unused(), kv_a_norm: vec![1.0], kv_b, o: unused() };
+    MlaParts { q_a: None, q_b: unused(), kv_a: unused(), kv_a_norm: vec![1.0], kv_b, o: unused() }
+}
+
+fn layer(w: &CpuMlaParts) -> MlaAttention<'_> {
     MlaAttention::new(DIMS, 1e-6, 1.0 / ((DIMS.nope + DIMS.rope) as f32).sqrt(), w)
 }
 
@@ -56,7 +60,8 @@ fn bench(c: &mut Criterion) {
                 if t > 512 && mode == MlaPrefillMode::Absorbed && !packed {
                     continue; // minutes per sample on two cores; the packed row shows the trend
                 }
-                let mut layer = layer(kv_b(packed));
+                let w = parts(kv_b(packed));
+                let mut layer = layer(&w);
                 layer.prefill = mode;
                 let form = if mode == MlaPrefillMode::Absorbed { "absorbed" } else { "decompressed" };
                 let name = format!("t{t}_{kv_b_name}_{form}");
@@ -79,7 +84,8 @@ fn bench(c: &mut Criterion) {
         let row = d.latent + d.rope;
         let kva = data((prefix + t) * row, 2);
         for mode in [MlaPrefillMode::Absorbed, MlaPrefillMode::Decompressed] {
-            let mut layer = layer(kv_b(true));
+            let w = parts(kv_b(true));
+            let mut layer = layer(&w);
             layer.prefill = mode;
             let form = if mode == MlaPrefillMode::Absorbed { "absorbed" } else { "decompressed" };
             g.bench_function(format!("t{t}_after{prefix}_packed_{form}"), |b| {

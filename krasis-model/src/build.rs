@@ -2,7 +2,8 @@
 //! engine, the hybrid) is built by [`build`] walking [`crate::tensors::ModelTensors`] and asking a
 //! [`WeightBuilder`] to turn each tensor into what its backend runs. The walk decides which
 //! tensors a model has and what part each plays; a builder decides only where a weight lives and
-//! in which format. Layer math then consumes the typed [`Weights`] tree.
+//! in which format. The engines keep the typed [`Weights`] tree, and the one forward walk
+//! ([`crate::walk`]) runs over it.
 
 use crate::error::Result;
 use crate::spec::{ModelSpec, RoutingRule};
@@ -20,12 +21,14 @@ pub enum LinearClass {
     LmHead,
 }
 
-/// Turns the tensors the walk visits into one backend's weights.
-pub trait WeightBuilder {
+/// The types one backend holds its weights in: the CPU engine's and the GPU engine's. The built
+/// [`Weights`] tree is typed by these alone (not by the builder, which borrows its sources), so
+/// an engine keeps the tree itself and the forward walk ([`crate::walk`]) runs over it.
+pub trait WeightKinds: 'static {
     /// A dense projection as this backend runs it.
     type Linear;
-    /// A gated MLP's gate and up projections (a backend may fuse them into one matrix).
-    type GateUp;
+    /// A gated MLP (dense layers, shared experts).
+    type Mlp;
     /// A norm weight (or other small vector).
     type Vector;
     type Embedding;
@@ -35,21 +38,38 @@ pub trait WeightBuilder {
     type Router;
     /// The routed experts of one MoE layer: the layer's expert backend.
     type Experts;
-
-    fn embedding(&mut self, t: &TensorSpec) -> Result<Self::Embedding>;
-    fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Self::Linear>;
-    fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<Self::GateUp>;
-    fn vector(&mut self, t: &TensorSpec) -> Result<Self::Vector>;
-    fn kv_b(&mut self, t: &TensorSpec) -> Result<Self::KvB>;
-    fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<Self::Router>;
-    fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<Self::Experts>;
-    /// Called once per layer after it is built (progress, budget logs).
-    fn layer_done(&mut self, _layer: usize) {}
 }
 
-pub struct MlpWeights<B: WeightBuilder> {
-    pub gate_up: B::GateUp,
-    pub down: B::Linear,
+/// A builder's linear type.
+pub type Linear<B> = <<B as WeightBuilder>::Kinds as WeightKinds>::Linear;
+/// A builder's vector type.
+pub type Vector<B> = <<B as WeightBuilder>::Kinds as WeightKinds>::Vector;
+/// A builder's MLP type.
+pub type Mlp<B> = <<B as WeightBuilder>::Kinds as WeightKinds>::Mlp;
+
+/// Turns the tensors the walk visits into one backend's weights.
+pub trait WeightBuilder {
+    type Kinds: WeightKinds;
+    /// A gated MLP's gate and up projections as built, before [`WeightBuilder::mlp`] joins them
+    /// with the down projection (a backend may fuse gate and up into one matrix).
+    type GateUp;
+
+    fn embedding(&mut self, t: &TensorSpec) -> Result<<Self::Kinds as WeightKinds>::Embedding>;
+    fn linear(&mut self, t: &TensorSpec, class: LinearClass) -> Result<Linear<Self>>;
+    fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<Self::GateUp>;
+    /// The MLP of `gate_up` and `down` as the backend runs it.
+    fn mlp(&mut self, gate_up: Self::GateUp, down: Linear<Self>) -> Result<Mlp<Self>>;
+    fn vector(&mut self, t: &TensorSpec) -> Result<Vector<Self>>;
+    fn kv_b(&mut self, t: &TensorSpec) -> Result<<Self::Kinds as WeightKinds>::KvB>;
+    fn router(
+        &mut self,
+        weight: &TensorSpec,
+        bias: Option<&TensorSpec>,
+        rule: &RoutingRule,
+    ) -> Result<<Self::Kinds as WeightKinds>::Router>;
+    fn experts(&mut self, layer: usize, experts: &[MlpTensors]) -> Result<<Self::Kinds as WeightKinds>::Experts>;
+    /// Called once per layer after it is built (progress, budget logs).
+    fn layer_done(&mut self, _layer: usize) {}
 }
 
 /// MLA's weights as a backend holds them (`L`: a linear, `V`: a norm weight, `K`: `kv_b_proj`).
@@ -64,36 +84,69 @@ pub struct MlaParts<L, V, K> {
     pub o: L,
 }
 
-pub enum AttentionWeights<B: WeightBuilder> {
-    Mla(MlaParts<B::Linear, B::Vector, B::KvB>),
-    Gqa { q: B::Linear, k: B::Linear, v: B::Linear, o: B::Linear, qk_norm: Option<(B::Vector, B::Vector)> },
+/// GQA's weights as a backend holds them (`L`: a linear, `V`: a norm weight); `qk_norm` is the
+/// per-head RMSNorm of q and k (Qwen3).
+pub struct GqaParts<L, V> {
+    pub q: L,
+    pub k: L,
+    pub v: L,
+    pub o: L,
+    pub qk_norm: Option<(V, V)>,
 }
 
-pub enum FfnWeights<B: WeightBuilder> {
-    Dense(MlpWeights<B>),
-    Moe { router: B::Router, experts: B::Experts, shared: Option<MlpWeights<B>> },
+pub enum AttentionWeights<K: WeightKinds> {
+    Mla(MlaParts<K::Linear, K::Vector, K::KvB>),
+    Gqa(GqaParts<K::Linear, K::Vector>),
 }
 
-pub struct LayerWeights<B: WeightBuilder> {
-    pub input_norm: B::Vector,
-    pub post_norm: B::Vector,
-    pub attention: AttentionWeights<B>,
-    pub ffn: FfnWeights<B>,
+/// A MoE feed-forward block: the router, the routed experts' backend and the optional shared
+/// expert.
+pub struct MoeWeights<K: WeightKinds> {
+    pub router: K::Router,
+    pub experts: K::Experts,
+    pub shared: Option<K::Mlp>,
+}
+
+pub enum FfnWeights<K: WeightKinds> {
+    Dense(K::Mlp),
+    Moe(MoeWeights<K>),
+}
+
+pub struct LayerWeights<K: WeightKinds> {
+    pub input_norm: K::Vector,
+    pub post_norm: K::Vector,
+    pub attention: AttentionWeights<K>,
+    pub ffn: FfnWeights<K>,
+}
+
+impl<K: WeightKinds> LayerWeights<K> {
+    /// The MoE block of this layer, if it has one.
+    pub fn moe(&self) -> Option<&MoeWeights<K>> {
+        match &self.ffn {
+            FfnWeights::Moe(m) => Some(m),
+            FfnWeights::Dense(_) => None,
+        }
+    }
 }
 
 /// A whole model's weights as one backend holds them.
-pub struct Weights<B: WeightBuilder> {
-    pub embed: B::Embedding,
-    pub layers: Vec<LayerWeights<B>>,
-    pub final_norm: B::Vector,
-    pub lm_head: B::Linear,
+pub struct Weights<K: WeightKinds> {
+    pub embed: K::Embedding,
+    pub layers: Vec<LayerWeights<K>>,
+    pub final_norm: K::Vector,
+    pub lm_head: K::Linear,
 }
 
-fn mlp<B: WeightBuilder>(b: &mut B, t: &MlpTensors, class: LinearClass) -> Result<MlpWeights<B>> {
-    Ok(MlpWeights { gate_up: b.gate_up(&t.gate, &t.up, class)?, down: b.linear(&t.down, class)? })
+/// The weights a builder makes.
+pub type Built<B> = Weights<<B as WeightBuilder>::Kinds>;
+
+fn mlp<B: WeightBuilder>(b: &mut B, t: &MlpTensors, class: LinearClass) -> Result<Mlp<B>> {
+    let gate_up = b.gate_up(&t.gate, &t.up, class)?;
+    let down = b.linear(&t.down, class)?;
+    b.mlp(gate_up, down)
 }
 
-fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<AttentionWeights<B>> {
+fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<AttentionWeights<B::Kinds>> {
     let a = LinearClass::Attention;
     Ok(match t {
         AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
@@ -112,7 +165,7 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 o: b.linear(o, a)?,
             })
         }
-        AttentionTensors::Gqa { q, k, v, o, qk_norm } => AttentionWeights::Gqa {
+        AttentionTensors::Gqa { q, k, v, o, qk_norm } => AttentionWeights::Gqa(GqaParts {
             q: b.linear(q, a)?,
             k: b.linear(k, a)?,
             v: b.linear(v, a)?,
@@ -121,31 +174,31 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 Some((qn, kn)) => Some((b.vector(qn)?, b.vector(kn)?)),
                 None => None,
             },
-        },
+        }),
     })
 }
 
-fn layer<B: WeightBuilder>(b: &mut B, spec: &ModelSpec, l: usize, t: &LayerTensors) -> Result<LayerWeights<B>> {
+fn layer<B: WeightBuilder>(b: &mut B, spec: &ModelSpec, l: usize, t: &LayerTensors) -> Result<LayerWeights<B::Kinds>> {
     let attention = attention(b, &t.attention)?;
     let ffn = match &t.ffn {
         FfnTensors::Dense(m) => FfnWeights::Dense(mlp(b, m, LinearClass::DenseMlp)?),
         FfnTensors::Moe { router, bias, experts, shared } => {
             let rule = spec.moe.as_ref().expect("MoE layer implies a MoE spec").routing;
-            FfnWeights::Moe {
+            FfnWeights::Moe(MoeWeights {
                 router: b.router(router, bias.as_ref(), &rule)?,
                 experts: b.experts(l, experts)?,
                 shared: match shared {
                     Some(s) => Some(mlp(b, s, LinearClass::SharedExpert)?),
                     None => None,
                 },
-            }
+            })
         }
     };
     Ok(LayerWeights { input_norm: b.vector(&t.input_norm)?, post_norm: b.vector(&t.post_norm)?, attention, ffn })
 }
 
 /// Builds every weight of `spec` with `b`, layer by layer.
-pub fn build<B: WeightBuilder>(spec: &ModelSpec, b: &mut B) -> Result<Weights<B>> {
+pub fn build<B: WeightBuilder>(spec: &ModelSpec, b: &mut B) -> Result<Built<B>> {
     let t = model_tensors(spec);
     let embed = b.embedding(&t.embed)?;
     let mut layers = Vec::with_capacity(t.layers.len());

@@ -15,7 +15,7 @@ use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::Bits;
 
-use crate::build::{build, LinearClass, WeightBuilder};
+use crate::build::{build, LinearClass, WeightBuilder, WeightKinds};
 use crate::engine::{linear_name, PrebuiltDense};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
@@ -130,14 +130,22 @@ impl Planner {
     }
 }
 
-impl WeightBuilder for Planner {
+/// A plan's weights: nothing is built.
+struct Nothing;
+
+impl WeightKinds for Nothing {
     type Linear = ();
-    type GateUp = ();
+    type Mlp = ();
     type Vector = ();
     type Embedding = ();
     type KvB = ();
     type Router = ();
     type Experts = ();
+}
+
+impl WeightBuilder for Planner {
+    type Kinds = Nothing;
+    type GateUp = ();
 
     fn embedding(&mut self, _: &TensorSpec) -> Result<()> {
         Ok(())
@@ -156,6 +164,10 @@ impl WeightBuilder for Planner {
             self.linear_entry(gate, class);
             self.linear_entry(up, class);
         }
+        Ok(())
+    }
+
+    fn mlp(&mut self, _: (), _: ()) -> Result<()> {
         Ok(())
     }
 

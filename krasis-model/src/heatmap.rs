@@ -65,6 +65,9 @@ pub struct ExpertHeat {
 pub const HEATMAP_FORMAT: &str = "krasis-expert-heatmap";
 /// The version this build writes and reads.
 pub const HEATMAP_VERSION: u32 = 1;
+/// The heatmap's file name in a model's cache directory: `krasis serve` writes it there when it
+/// stops, and the hybrid engine's default pins rank experts by it when it is there.
+pub const DEFAULT_HEATMAP_FILE: &str = "heatmap.json";
 /// Largest heatmap file read (a 64-layer, 4096-expert map is ~6 MB of JSON).
 const MAX_HEATMAP_BYTES: u64 = 256 << 20;
 
@@ -84,6 +87,20 @@ impl ExpertHeat {
             tokens: pairs / top_k.max(1) as u64,
             counts,
         }
+    }
+
+    /// A stand-in for a heatmap when none was recorded: every expert of every layer gets nearly
+    /// the same count, lower ids a little more, so that ranking the `(layer, expert)` pairs by
+    /// count takes expert 0 of every layer, then expert 1 of every layer, and so on: pins spread
+    /// evenly over the layers, and each expert's route share is as good as uniform.
+    pub fn even(layers: usize, experts: usize, top_k: usize) -> Self {
+        /// Count of the least expert: large enough that the per-id steps leave the shares uniform
+        /// to within one part in a million.
+        const BASE: u64 = 1 << 40;
+        let row: Vec<u64> = (0..experts as u64).map(|e| BASE + (experts as u64 - e)).collect();
+        let mut h = Self::from_counts("even", layers, experts, top_k, &row.repeat(layers));
+        h.model = "even (no heatmap recorded)".into();
+        h
     }
 
     /// The experts of `layer` from most to least used (ties: lower id first).

@@ -29,4 +29,5 @@ pub mod router;
 pub mod runtime;
 pub mod sampling;
 pub mod tokenizer;
+pub mod walk;
 pub mod weights;

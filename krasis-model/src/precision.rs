@@ -8,12 +8,13 @@
 //!   not keep fewer bits than the source has, nor spend more than it has. The fused gate+up (w13)
 //!   is one matrix, so it takes the wider of gate's and up's choice. llama.cpp's Q4_K_M stores
 //!   `ffn_down_exps` in Q6_K in some layers and Q4_K in others, so the widths differ per layer.
-//! - **safetensors** (no per-tensor types): `auto` means what the default was before it existed.
-//!   An engine runs the reference experts over the source weights ([`resolve_expert_bits`] gives
-//!   `Bf16`); where a cache is built anyway (`krasis convert`, `--device auto`'s hybrid fallback,
-//!   a loader handed `auto` directly) it is INT4 everywhere, those paths' former default.
+//! - **safetensors** (no per-tensor types): `auto` is INT4 everywhere, the fast path (the
+//!   reference experts over the source weights are the explicit `bf16`).
 //!
 //! Explicit `4`, `8` and `bf16` mean what they always did, whatever the source.
+//!
+//! The other defaults live here too: `--cpu-dense-bits auto` ([`resolve_dense_bits`]: INT8 on the
+//! CPU path) and the GPU experts' default width ([`default_gpu_expert_bits`]).
 
 use krasis_quant::Bits;
 
@@ -88,12 +89,47 @@ pub fn has_source_types(spec: &ModelSpec) -> bool {
 }
 
 /// `--cpu-expert-bits` as an engine runs it on `spec`: `Auto` on weights without per-tensor
-/// types (safetensors) becomes `Bf16`, the reference experts (the default before `auto`); on a
-/// GGUF it stays `Auto`. Every other value is kept.
+/// types (safetensors) becomes `Int4`; on a GGUF it stays `Auto` (per projection). Every other
+/// value is kept.
 pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBits {
     match requested {
-        WeightBits::Auto if !has_source_types(spec) => WeightBits::Bf16,
+        WeightBits::Auto if !has_source_types(spec) => WeightBits::Int4,
         w => w,
+    }
+}
+
+/// `--cpu-dense-bits` as the CPU engine runs it: `Auto` is INT8 (the dense weights' fast path;
+/// INT8 keeps them within the oracle bounds the INT8 experts meet). Every other value is kept.
+pub fn resolve_dense_bits(requested: WeightBits) -> WeightBits {
+    match requested {
+        WeightBits::Auto => WeightBits::Int8,
+        w => w,
+    }
+}
+
+/// The routed experts' width on the GPU when none is asked for: the source's own when it is 8-bit
+/// (every expert projection of a GGUF in an 8-bit type, or FP8 blocks), else INT4 (BF16 sources,
+/// 4-bit and mixed GGUF types: INT4 holds a 4-bit source's bits, and a third of BF16's VRAM).
+pub fn default_gpu_expert_bits(spec: &ModelSpec) -> Bits {
+    let all_8bit = has_source_types(spec) && spec.expert_source_bits.iter().flatten().all(|&b| b == 8);
+    let fp8 = matches!(spec.source_quant, crate::spec::SourceQuant::Fp8Block { .. });
+    if all_8bit || fp8 {
+        Bits::Int8
+    } else {
+        Bits::Int4
+    }
+}
+
+/// The width a hybrid prefill streams the experts at when none is asked for: the CPU experts'
+/// own (`cpu`, resolved), so the CPU cache's records stream as they are; on a GGUF's per-projection
+/// widths, [`default_gpu_expert_bits`]. `None` with the reference CPU experts (nothing to stream
+/// from).
+pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
+    match cpu {
+        WeightBits::Int4 => Some(Bits::Int4),
+        WeightBits::Int8 => Some(Bits::Int8),
+        WeightBits::Auto => Some(default_gpu_expert_bits(spec)),
+        WeightBits::Bf16 => None,
     }
 }
 
@@ -141,23 +177,23 @@ mod tests {
         crate::config::parse_config(&config, std::path::Path::new("config.json")).unwrap()
     }
 
-    /// On safetensors `auto` is the former default (reference experts for an engine, INT4 for
-    /// a cache); on a GGUF it is per layer and projection, and the RAM estimate counts exactly
-    /// the widths chosen.
+    /// On safetensors `auto` is INT4; on a GGUF it is per layer and projection, and the RAM
+    /// estimate counts exactly the widths chosen.
     #[test]
     fn auto_follows_the_source() {
         let mut spec = tiny_spec();
         assert_eq!(spec.moe_layers().count(), 3);
         let (i4, i8) = (Bits::Int4, Bits::Int8);
         assert!(!has_source_types(&spec));
-        assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Bf16);
+        assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Int4);
         for w in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
             assert_eq!(resolve_expert_bits(&spec, w), w, "explicit values are kept");
         }
         assert_eq!(CacheBits::Auto.layer_bits(&spec), vec![LayerBits::uniform(i4); 3]);
-        assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), "reference (the source weights)");
+        assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), "int4");
+        assert_eq!(describe_expert_bits(&spec, WeightBits::Bf16), "reference (the source weights)");
         let est = |spec: &ModelSpec, w| crate::memory::estimate(spec, w).expert_bytes;
-        assert_eq!(est(&spec, WeightBits::Auto), est(&spec, WeightBits::Bf16));
+        assert_eq!(est(&spec, WeightBits::Auto), est(&spec, WeightBits::Int4));
 
         // Q4_K_M-like: gate/up Q4_K, down Q6_K in the first MoE layer and Q4_K after; then a
         // layer whose gate is 4-bit but up 5-bit (w13 is one matrix: the wider wins).

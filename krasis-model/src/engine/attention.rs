@@ -15,9 +15,10 @@ use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
 
-use crate::build::MlaParts;
+use crate::build::{GqaParts, MlaParts};
 use crate::linear::{forward_shared_input, LinearOp};
 use crate::packed_ops::PackedKvB;
+use crate::spec::AttentionSpec;
 
 /// cos/sin for the rows of one forward call, `[t, half_dim]` each: row `i`'s angles are those of
 /// its own position in its own sequence (a batch concatenates its sequences' tables).
@@ -62,15 +63,15 @@ fn append_each(
     }
 }
 
-pub trait AttentionLayer: Send + Sync {
-    /// `x`: normalised hidden states `[t, hidden]` of every sequence of the batch, `seqs[i].rows`
-    /// rows each, at positions `kv.len()..kv.len()+rows` of each sequence's cache. Projections
-    /// run once over all `t` rows (each weight read once per call); attention runs per sequence
-    /// over its own cache, after appending its rows. Writes the attention output `[t, hidden]`.
-    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]);
-    fn new_cache(&self) -> LayerKv;
-    /// Weight bytes read per token.
-    fn weight_bytes(&self) -> usize;
+/// An empty KV cache for one layer of `attention`: MLA keeps one latent+rope row per token, GQA
+/// a K and a V row.
+pub fn new_layer_cache(attention: &AttentionSpec) -> LayerKv {
+    match *attention {
+        AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => {
+            LayerKv::latent(kv_lora_rank + qk_rope_head_dim, kv_lora_rank)
+        }
+        AttentionSpec::Gqa { kv_heads, head_dim, .. } => LayerKv::separate(kv_heads, head_dim),
+    }
 }
 
 /// MLA's `kv_b_proj` as the absorbed form reads it.
@@ -165,16 +166,20 @@ enum OneToken {
     Projected,
 }
 
-pub struct MlaAttention {
+/// MLA's weights on the CPU.
+pub type CpuMlaParts = MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>;
+
+/// One MLA layer of the CPU engine: its weights and the model's dimensions.
+pub struct MlaAttention<'w> {
     pub dims: MlaDims,
     pub eps: f32,
     pub scale: f32,
-    pub w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>,
+    pub w: &'w CpuMlaParts,
     pub prefill: MlaPrefillMode,
 }
 
-impl MlaAttention {
-    pub fn new(dims: MlaDims, eps: f32, scale: f32, w: MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>) -> Self {
+impl<'w> MlaAttention<'w> {
+    pub fn new(dims: MlaDims, eps: f32, scale: f32, w: &'w CpuMlaParts) -> Self {
         MlaAttention { dims, eps, scale, w, prefill: MlaPrefillMode::from_env() }
     }
 
@@ -306,20 +311,17 @@ impl MlaAttention {
     }
 }
 
-impl AttentionLayer for MlaAttention {
-    fn new_cache(&self) -> LayerKv {
+impl MlaAttention<'_> {
+    /// An empty KV cache for this layer.
+    pub fn new_cache(&self) -> LayerKv {
         LayerKv::latent(self.dims.latent + self.dims.rope, self.dims.latent)
     }
 
-    fn weight_bytes(&self) -> usize {
-        self.w.q_a.as_ref().map_or(0, |(a, _)| a.weight_bytes())
-            + self.w.q_b.weight_bytes()
-            + self.w.kv_a.weight_bytes()
-            + self.w.kv_b.weight_bytes()
-            + self.w.o.weight_bytes()
-    }
-
-    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
+    /// `x`: normalised hidden states `[t, hidden]` of every sequence of the batch, `seqs[i].rows`
+    /// rows each, at positions `kv.len()..kv.len()+rows` of each sequence's cache. Projections
+    /// run once over all `t` rows (each weight read once per call); attention runs per sequence
+    /// over its own cache, after appending its rows. Writes the attention output `[t, hidden]`.
+    pub fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
         let mut clock = std::time::Instant::now();
         let MlaDims { heads: h, nope, rope: rd, latent: lat, .. } = self.dims;
         let t: usize = seqs.iter().map(|s| s.rows).sum();
@@ -417,41 +419,28 @@ pub fn mla_phase_ns() -> [u64; 7] {
 
 static MLA_NS: krasis_cpu::phase_ns::PhaseNs<7> = krasis_cpu::phase_ns::PhaseNs::new();
 
-pub struct GqaAttention {
+/// One GQA layer of the CPU engine: its weights (with Qwen3's per-head qk-norm when present) and
+/// the model's dimensions.
+pub struct GqaAttention<'w> {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub eps: f32,
     pub scale: f32,
-    pub q_proj: Box<dyn LinearOp>,
-    pub k_proj: Box<dyn LinearOp>,
-    pub v_proj: Box<dyn LinearOp>,
-    pub o_proj: Box<dyn LinearOp>,
-    /// Per-head RMSNorm weights for q and k (Qwen3's qk-norm).
-    pub qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub w: &'w GqaParts<Box<dyn LinearOp>, Vec<f32>>,
 }
 
-impl AttentionLayer for GqaAttention {
-    fn new_cache(&self) -> LayerKv {
-        LayerKv::separate(self.kv_heads, self.head_dim)
-    }
-
-    fn weight_bytes(&self) -> usize {
-        self.q_proj.weight_bytes()
-            + self.k_proj.weight_bytes()
-            + self.v_proj.weight_bytes()
-            + self.o_proj.weight_bytes()
-    }
-
-    fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
+impl GqaAttention<'_> {
+    /// As [`MlaAttention::forward`].
+    pub fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
         let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
         let t: usize = seqs.iter().map(|s| s.rows).sum();
         let mut q = vec![0f32; t * h * hd];
         let mut k = vec![0f32; t * kvh * hd];
         let mut v = vec![0f32; t * kvh * hd];
-        let ops = [self.q_proj.as_ref(), self.k_proj.as_ref(), self.v_proj.as_ref()];
+        let ops = [self.w.q.as_ref(), self.w.k.as_ref(), self.w.v.as_ref()];
         forward_shared_input(&ops, x, t, &mut [&mut q, &mut k, &mut v]);
-        if let Some((qn, kn)) = &self.qk_norm {
+        if let Some((qn, kn)) = &self.w.qk_norm {
             rms_norm_rows(&mut q, qn, self.eps);
             rms_norm_rows(&mut k, kn, self.eps);
         }
@@ -474,6 +463,6 @@ impl AttentionLayer for GqaAttention {
                 &mut o[off * w..(off + n) * w],
             );
         });
-        self.o_proj.forward(&o, t, out);
+        self.w.o.forward(&o, t, out);
     }
 }

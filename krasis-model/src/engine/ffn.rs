@@ -3,7 +3,9 @@
 
 use krasis_cpu::activation::silu_mul;
 
-use super::experts::{LayerExperts, Routes};
+use super::experts::Routes;
+use super::CpuKinds;
+use crate::build::MoeWeights;
 use crate::linear::{forward_shared_input, LinearOp};
 use crate::packed_ops::PooledMlp;
 use crate::router::route;
@@ -58,16 +60,14 @@ impl Mlp {
     }
 }
 
-pub struct MoeBlock {
-    pub router: Box<dyn LinearOp>,
+/// A router on the CPU: gate matrix, optional score-correction bias, rule.
+pub struct CpuRouter {
+    pub gate: Box<dyn LinearOp>,
     pub bias: Option<Vec<f32>>,
     pub rule: RoutingRule,
-    pub shared: Option<Mlp>,
-    /// This layer's expert backend.
-    pub experts: Box<dyn LayerExperts>,
 }
 
-impl MoeBlock {
+impl MoeWeights<CpuKinds> {
     /// The layer's MoE output for `x`; with `heat`, its routes are counted as layer `layer`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
@@ -81,9 +81,9 @@ impl MoeBlock {
         out: &mut [f32],
     ) {
         let mut clock = std::time::Instant::now();
-        let e = self.router.out_dim();
+        let e = self.router.gate.out_dim();
         let mut logits = vec![0f32; t * e];
-        self.router.forward(x, t, &mut logits);
+        self.router.gate.forward(x, t, &mut logits);
         super::OTHER_NS.lap(&mut clock, 2);
         let routes = self.route_rows(&logits, t, e);
         if let Some(h) = heat {
@@ -125,14 +125,14 @@ const ZERO_CHUNK: usize = 64 << 10;
 /// Tokens per task of the parallel routing (each token's top-k is a few µs of scalar work).
 const ROUTE_TOKENS_PER_TASK: usize = 16;
 
-impl MoeBlock {
+impl MoeWeights<CpuKinds> {
     /// Each token's top-k of its `e` router logits, over the pool for many tokens (the same
     /// routes as one after another: every token alone).
     fn route_rows(&self, logits: &[f32], t: usize, e: usize) -> Routes {
-        let k = self.rule.top_k;
+        let k = self.router.rule.top_k;
         let mut routes = Routes { k, ids: vec![0; t * k], weights: vec![0.0; t * k] };
         let one = |row: &[f32], ids: &mut [usize], ws: &mut [f32]| {
-            let (i, w) = route(&self.rule, row, self.bias.as_deref());
+            let (i, w) = route(&self.router.rule, row, self.router.bias.as_deref());
             ids.copy_from_slice(&i);
             ws.copy_from_slice(&w);
         };
@@ -153,9 +153,4 @@ impl MoeBlock {
         });
         routes
     }
-}
-
-pub enum Ffn {
-    Dense(Mlp),
-    Moe(MoeBlock),
 }

@@ -1,6 +1,8 @@
-//! The engine: a loaded model and its forward pass over a session's KV cache. The layer math is
-//! written once against [`AttentionLayer`], [`LinearOp`] and [`LayerExperts`]; the weights come from
-//! the one build walk ([`crate::build`]) through a CPU [`WeightBuilder`].
+//! The CPU engine: a loaded model and its forward pass over a session's KV cache. The weights come
+//! from the one build walk ([`crate::build`]) through a CPU [`WeightBuilder`] as a
+//! `Weights<CpuKinds>` tree; the one forward walk ([`crate::walk`]) runs over it with the CPU's
+//! [`LayerOps`] ([`CpuStep`]): attention through [`MlaAttention`] / [`GqaAttention`], dense
+//! matrices through [`LinearOp`], routed experts through [`LayerExperts`].
 
 pub mod attention;
 pub mod experts;
@@ -18,11 +20,11 @@ use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::Bits;
 
-use self::attention::{AttentionLayer, GqaAttention, KvB, MlaAttention, RopeBatch, SeqKv};
+use self::attention::{new_layer_cache, GqaAttention, KvB, MlaAttention, RopeBatch, SeqKv};
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
-use self::ffn::{Ffn, Mlp, MoeBlock};
+use self::ffn::{CpuRouter, Mlp};
 use self::kv::LayerKv;
-use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
+use crate::build::{build, GqaParts, LinearClass, MlaParts, MoeWeights, WeightBuilder, WeightKinds, Weights};
 use crate::dense_cache::{kv_b_entry_name, w13_entry_name};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
@@ -33,21 +35,25 @@ use crate::rope::RotaryTables;
 use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorRole, TensorSpec};
+use crate::walk::{for_each_dense_part, LayerOps, NextMoe, NormAt, Part};
 use crate::weights::WeightLoader;
 
-struct Layer {
-    input_norm: Vec<f32>,
-    post_norm: Vec<f32>,
-    attention: Box<dyn AttentionLayer>,
-    ffn: Ffn,
+/// The types the CPU engine holds its weights in.
+pub struct CpuKinds;
+
+impl WeightKinds for CpuKinds {
+    type Linear = Box<dyn LinearOp>;
+    type Mlp = Mlp;
+    type Vector = Vec<f32>;
+    type Embedding = DenseLinear;
+    type KvB = KvB;
+    type Router = CpuRouter;
+    type Experts = Box<dyn LayerExperts>;
 }
 
 pub struct Model {
     pub spec: ModelSpec,
-    embed: DenseLinear,
-    layers: Vec<Layer>,
-    final_norm: Vec<f32>,
-    lm_head: Box<dyn LinearOp>,
+    weights: Weights<CpuKinds>,
     rope: RotaryTables,
     stats: ForwardStats,
     /// Expert activation counts, while recording ([`Model::record_heatmap`]).
@@ -242,7 +248,7 @@ struct CpuBuilder<'a> {
 }
 
 /// A gated MLP's gate and up as the CPU builder got them.
-enum CpuGateUp {
+pub enum CpuGateUp {
     Separate(Box<dyn LinearOp>, Box<dyn LinearOp>),
     /// One fused w13 from the dense-weight cache.
     Fused {
@@ -252,21 +258,9 @@ enum CpuGateUp {
     },
 }
 
-/// A router on the CPU: gate matrix, optional score-correction bias, rule.
-struct CpuRouter {
-    gate: Box<dyn LinearOp>,
-    bias: Option<Vec<f32>>,
-    rule: RoutingRule,
-}
-
 impl WeightBuilder for CpuBuilder<'_> {
-    type Linear = Box<dyn LinearOp>;
+    type Kinds = CpuKinds;
     type GateUp = CpuGateUp;
-    type Vector = Vec<f32>;
-    type Embedding = DenseLinear;
-    type KvB = KvB;
-    type Router = CpuRouter;
-    type Experts = Box<dyn LayerExperts>;
 
     fn embedding(&mut self, t: &TensorSpec) -> Result<DenseLinear> {
         self.w.matrix_of(t)
@@ -292,6 +286,10 @@ impl WeightBuilder for CpuBuilder<'_> {
             }
         }
         Ok(CpuGateUp::Separate(self.linear(gate, class)?, self.linear(up, class)?))
+    }
+
+    fn mlp(&mut self, gate_up: CpuGateUp, down: Box<dyn LinearOp>) -> Result<Mlp> {
+        cpu_mlp(gate_up, down)
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<Vec<f32>> {
@@ -335,16 +333,16 @@ impl WeightBuilder for CpuBuilder<'_> {
     }
 }
 
-fn cpu_mlp(m: MlpWeights<CpuBuilder<'_>>) -> Result<Mlp> {
-    match m.gate_up {
-        CpuGateUp::Separate(gate, up) => Ok(Mlp::Separate { gate, up, down: m.down }),
+fn cpu_mlp(gate_up: CpuGateUp, down: Box<dyn LinearOp>) -> Result<Mlp> {
+    match gate_up {
+        CpuGateUp::Separate(gate, up) => Ok(Mlp::Separate { gate, up, down }),
         // The one-expert runner keeps its tasks on one NUMA node; with several, the halves run
         // as two linears over the whole pool (and with `KRASIS_MLP=linears`, for A/B runs).
         CpuGateUp::Fused { w13, layout, pool } if pool.nodes() > 1 || mlp_linears_env() => {
             let (gate, up) = split_w13(w13.as_slice(), &layout, &pool);
-            Ok(Mlp::Separate { gate, up, down: m.down })
+            Ok(Mlp::Separate { gate, up, down })
         }
-        CpuGateUp::Fused { w13, layout, pool } => PooledMlp::new(w13, layout, m.down, pool)
+        CpuGateUp::Fused { w13, layout, pool } => PooledMlp::new(w13, layout, down, pool)
             .map(|p| Mlp::Pooled(Box::new(p)))
             .ok_or_else(|| ModelError::Invalid("a fused gate+up whose down projection is not packed to match".into())),
     }
@@ -363,30 +361,6 @@ pub(crate) fn split_w13(
         Box::new(QuantLinear::from_packed(PackedBytes::Owned(bytes), one, pool.clone()))
     };
     (half(0), half(1))
-}
-
-fn cpu_attention(spec: &ModelSpec, a: AttentionWeights<CpuBuilder<'_>>) -> Box<dyn AttentionLayer> {
-    let eps = spec.rms_norm_eps;
-    match (a, &spec.attention) {
-        (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
-            Box::new(MlaAttention::new(mla.mla_dims().expect("MLA"), eps, spec.softmax_scale, w))
-        }
-        (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
-            Box::new(GqaAttention {
-                heads,
-                kv_heads,
-                head_dim,
-                eps,
-                scale: spec.softmax_scale,
-                q_proj: q,
-                k_proj: k,
-                v_proj: v,
-                o_proj: o,
-                qk_norm,
-            })
-        }
-        _ => unreachable!("the walk builds the attention the spec names"),
-    }
 }
 
 impl Model {
@@ -430,55 +404,26 @@ impl Model {
             mla: spec.attention.mla_dims(),
         };
         let weights = build(&spec, &mut builder)?;
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| {
-                Ok(Layer {
-                    input_norm: l.input_norm,
-                    post_norm: l.post_norm,
-                    attention: cpu_attention(&spec, l.attention),
-                    ffn: match l.ffn {
-                        FfnWeights::Dense(m) => Ffn::Dense(cpu_mlp(m)?),
-                        FfnWeights::Moe { router, experts, shared } => Ffn::Moe(MoeBlock {
-                            router: router.gate,
-                            bias: router.bias,
-                            rule: router.rule,
-                            shared: shared.map(cpu_mlp).transpose()?,
-                            experts,
-                        }),
-                    },
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Model {
-            rope: RotaryTables::new(&spec.rope),
-            stats: ForwardStats::default(),
-            heat: None,
-            spec,
-            embed: weights.embed,
-            layers,
-            final_norm: weights.final_norm,
-            lm_head: weights.lm_head,
-        })
+        Ok(Model { rope: RotaryTables::new(&spec.rope), stats: ForwardStats::default(), heat: None, spec, weights })
     }
 
     /// Weight bytes a decode step reads outside the routed experts: attention, dense MLPs,
     /// shared experts, routers, one embedding row and the LM head.
     pub fn dense_bytes_per_token(&self) -> u64 {
-        let layers: usize = self
-            .layers
-            .iter()
-            .map(|l| {
-                l.attention.weight_bytes()
-                    + match &l.ffn {
-                        Ffn::Dense(m) => m.weight_bytes(),
-                        Ffn::Moe(b) => b.router.weight_bytes() + b.shared.as_ref().map_or(0, |s| s.weight_bytes()),
-                    }
-            })
-            .sum();
-        let embed_row = self.embed.weight_bytes() / self.spec.vocab_size.max(1);
-        (layers + self.lm_head.weight_bytes() + embed_row) as u64
+        let mut layers = 0;
+        for l in &self.weights.layers {
+            for_each_dense_part(l, &mut |p| {
+                layers += match p {
+                    Part::Linear(l) => l.weight_bytes(),
+                    Part::KvB(k) => k.weight_bytes(),
+                    Part::Mlp(m) => m.weight_bytes(),
+                    Part::Router(r) => r.gate.weight_bytes(),
+                }
+            });
+        }
+        let w = &self.weights;
+        let embed_row = w.embed.weight_bytes() / self.spec.vocab_size.max(1);
+        (layers + w.lm_head.weight_bytes() + embed_row) as u64
     }
 
     pub fn stats(&self) -> &ForwardStats {
@@ -487,7 +432,7 @@ impl Model {
 
     /// Counts every MoE layer's routes from now on ([`Model::heatmap`]).
     pub fn record_heatmap(&mut self) {
-        self.heat = Some(crate::heatmap::HeatCounter::new(self.layers.len(), self.spec.routed_experts()));
+        self.heat = Some(crate::heatmap::HeatCounter::new(self.weights.layers.len(), self.spec.routed_experts()));
     }
 
     /// The counts so far, `[layers × experts]`, while recording.
@@ -497,17 +442,15 @@ impl Model {
 
     /// How the routed experts run (the first MoE layer's backend), for logs.
     pub fn experts_description(&self) -> String {
-        self.layers
+        self.weights
+            .layers
             .iter()
-            .find_map(|l| match &l.ffn {
-                Ffn::Moe(b) => Some(b.experts.describe()),
-                Ffn::Dense(_) => None,
-            })
+            .find_map(|l| l.moe().map(|m| m.experts.describe()))
             .unwrap_or_else(|| "none (no MoE layers)".into())
     }
 
     pub fn new_session(&self) -> Session {
-        Session { kv: self.layers.iter().map(|l| l.attention.new_cache()).collect() }
+        Session { kv: (0..self.spec.num_layers).map(|_| new_layer_cache(&self.spec.attention)).collect() }
     }
 
     /// Check token ids against the vocabulary.
@@ -562,10 +505,9 @@ impl Model {
             return Err(ModelError::Invalid("forward called with no sequences".into()));
         }
         let h = self.spec.hidden_size;
-        let eps = self.spec.rms_norm_eps;
         let mut x = vec![0f32; t * h];
         for (i, &id) in seqs.iter().flat_map(|s| s.tokens).enumerate() {
-            self.embed.row_into(id as usize, &mut x[i * h..(i + 1) * h]);
+            self.weights.embed.row_into(id as usize, &mut x[i * h..(i + 1) * h]);
         }
         // Each row rotates by its own position in its own sequence.
         let (mut cos, mut sin) = (Vec::with_capacity(t * self.rope.half_dim()), Vec::new());
@@ -575,42 +517,18 @@ impl Model {
             sin.extend_from_slice(&si);
         }
         let rope = RopeBatch { cos, sin, half: self.rope.half_dim(), pairing: self.rope.pairing };
-        let mut xn = vec![0f32; t * h];
-        let mut y = vec![0f32; t * h];
-        for (l, layer) in self.layers.iter().enumerate() {
-            if let Some(f) = observe.as_mut() {
-                f(l, &x);
-            }
-            let mut clock = std::time::Instant::now();
-            rms_norm_rows_into_par(&x, &mut xn, &layer.input_norm, eps);
-            OTHER_NS.lap(&mut clock, 0);
-            let mut kvs: Vec<SeqKv<'_>> =
-                seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect();
-            let attention_started = std::time::Instant::now();
-            layer.attention.forward(&xn, &mut kvs, &rope, &mut y);
-            self.stats
-                .attention_ns
-                .fetch_add(attention_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-            let mut clock = std::time::Instant::now();
-            add_assign_par(&mut x, &y);
-            OTHER_NS.lap(&mut clock, 1);
-            rms_norm_rows_into_par(&x, &mut xn, &layer.post_norm, eps);
-            OTHER_NS.lap(&mut clock, 0);
-            match &layer.ffn {
-                Ffn::Dense(mlp) => {
-                    mlp.forward(&xn, t, &mut y);
-                    OTHER_NS.lap(&mut clock, 4);
-                }
-                Ffn::Moe(block) => block.forward(&self.stats, self.heat.as_ref(), l, &xn, t, h, &mut y),
-            }
-            let mut clock = std::time::Instant::now();
-            add_assign_par(&mut x, &y);
-            OTHER_NS.lap(&mut clock, 1);
-        }
-        rms_norm_rows_par(&mut x, &self.final_norm, eps);
-        if let Some(f) = observe.as_mut() {
-            f(self.layers.len(), &x);
-        }
+        let mut step = CpuStep {
+            model: self,
+            seqs: &mut *seqs,
+            t,
+            rope,
+            xn: vec![0f32; t * h],
+            y: vec![0f32; t * h],
+            x,
+            observe: observe.take(),
+        };
+        crate::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
+        let x = step.xn;
         // The rows that get logits, gathered so the LM head reads its weights once.
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(seqs.len());
@@ -629,7 +547,7 @@ impl Model {
         let v = self.spec.vocab_size;
         let mut logits = vec![0f32; m * v];
         let head_started = std::time::Instant::now();
-        self.lm_head.forward(&rows, m, &mut logits);
+        self.weights.lm_head.forward(&rows, m, &mut logits);
         self.stats.head_ns.fetch_add(head_started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut out = Vec::with_capacity(seqs.len());
         let mut at = 0;
@@ -641,5 +559,100 @@ impl Model {
         krasis_cpu::prefill_bf16::trim_after_forward(t);
         attention::trim_scratch(krasis_cpu::prefill_bf16::KEEP_BYTES);
         Ok(out)
+    }
+}
+
+/// The CPU engine's step: the batch's rows through the forward walk ([`LayerOps`]). `x` is the
+/// residual stream, `xn` the normed input of the next block, `y` a block's output, all
+/// `[t, hidden]`.
+struct CpuStep<'m, 's, 'b, 'o, 'p> {
+    model: &'m Model,
+    seqs: &'s mut [BatchSeq<'b>],
+    t: usize,
+    rope: RopeBatch,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    y: Vec<f32>,
+    observe: Option<&'o mut HiddenObserver<'p>>,
+}
+
+/// Each sequence's rows and its KV cache of layer `l`.
+fn layer_kv<'a>(seqs: &'a mut [BatchSeq<'_>], l: usize) -> Vec<SeqKv<'a>> {
+    seqs.iter_mut().map(|s| SeqKv { rows: s.tokens.len(), kv: &mut s.session.kv[l] }).collect()
+}
+
+impl Model {
+    fn attention_done(&self, started: std::time::Instant) {
+        let ns = started.elapsed().as_nanos() as u64;
+        self.stats.attention_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl LayerOps<CpuKinds> for CpuStep<'_, '_, '_, '_, '_> {
+    fn residual_norm(&mut self, w: &Vec<f32>, add: bool, at: NormAt) -> Result<()> {
+        let eps = self.model.spec.rms_norm_eps;
+        let mut clock = std::time::Instant::now();
+        if add {
+            add_assign_par(&mut self.x, &self.y);
+            OTHER_NS.lap(&mut clock, 1);
+        }
+        match at {
+            NormAt::Input(l) => {
+                if let Some(f) = self.observe.as_mut() {
+                    f(l, &self.x);
+                }
+                let mut clock = std::time::Instant::now();
+                rms_norm_rows_into_par(&self.x, &mut self.xn, w, eps);
+                OTHER_NS.lap(&mut clock, 0);
+            }
+            NormAt::PostAttention(_) => {
+                rms_norm_rows_into_par(&self.x, &mut self.xn, w, eps);
+                OTHER_NS.lap(&mut clock, 0);
+            }
+            NormAt::Final => {
+                // Normed in place, then handed to the LM head as `xn`.
+                rms_norm_rows_par(&mut self.x, w, eps);
+                std::mem::swap(&mut self.x, &mut self.xn);
+                if let Some(f) = self.observe.as_mut() {
+                    f(self.model.spec.num_layers, &self.xn);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn mla(&mut self, l: usize, w: &MlaParts<Box<dyn LinearOp>, Vec<f32>, KvB>) -> Result<()> {
+        let spec = &self.model.spec;
+        let dims = spec.attention.mla_dims().expect("the walk gives MLA weights to an MLA model");
+        let a = MlaAttention::new(dims, spec.rms_norm_eps, spec.softmax_scale, w);
+        let started = std::time::Instant::now();
+        a.forward(&self.xn, &mut layer_kv(self.seqs, l), &self.rope, &mut self.y);
+        self.model.attention_done(started);
+        Ok(())
+    }
+
+    fn gqa(&mut self, l: usize, w: &GqaParts<Box<dyn LinearOp>, Vec<f32>>) -> Result<()> {
+        let spec = &self.model.spec;
+        let AttentionSpec::Gqa { heads, kv_heads, head_dim, .. } = spec.attention else {
+            unreachable!("the walk gives GQA weights to a GQA model")
+        };
+        let a = GqaAttention { heads, kv_heads, head_dim, eps: spec.rms_norm_eps, scale: spec.softmax_scale, w };
+        let started = std::time::Instant::now();
+        a.forward(&self.xn, &mut layer_kv(self.seqs, l), &self.rope, &mut self.y);
+        self.model.attention_done(started);
+        Ok(())
+    }
+
+    fn mlp(&mut self, _l: usize, w: &Mlp) -> Result<()> {
+        let mut clock = std::time::Instant::now();
+        w.forward(&self.xn, self.t, &mut self.y);
+        OTHER_NS.lap(&mut clock, 4);
+        Ok(())
+    }
+
+    fn moe(&mut self, l: usize, w: &MoeWeights<CpuKinds>, _next: Option<NextMoe<'_, CpuKinds>>) -> Result<()> {
+        let m = self.model;
+        w.forward(&m.stats, m.heat.as_ref(), l, &self.xn, self.t, m.spec.hidden_size, &mut self.y);
+        Ok(())
     }
 }

@@ -22,8 +22,9 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
         return Err(ModelError::Invalid(format!("--device hybrid: {e}")));
     }
     let mut host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
-    // Streamed prefill experts keep the GPU expert cache in RAM beside the CPU one.
-    if let Some(bits) = config.gpu.expert_bits {
+    // Prefill streaming from the GPU expert cache keeps it in RAM beside the CPU one (streaming
+    // the CPU cache's own records adds nothing).
+    if let Some(bits) = config.gpu.expert_bits.filter(|_| config.gpu.stream_from == super::StreamFrom::GpuCache) {
         let (h, _) = super::expert_cache::expected_gpu_cache_header(
             files.spec(),
             files.fingerprint(),

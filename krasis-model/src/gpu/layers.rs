@@ -1,5 +1,6 @@
-//! The decoder layers on the GPU: attention (MLA, GQA) and feed-forward (dense MLP, MoE with
-//! shared experts), each a sequence of krasis-gpu ops over the session's scratch buffers.
+//! The GPU engine's ops of the forward walk ([`crate::walk`]): attention (MLA, GQA) and
+//! feed-forward (dense MLP, MoE with shared experts; a hybrid MoE layer handed to the CPU on the
+//! stream), each a sequence of krasis-gpu ops over the session's scratch buffers.
 
 use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout};
 use krasis_gpu::linear::{GemmContext, GpuLinear};
@@ -10,14 +11,30 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, Swi
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::profile::Part;
 use super::session::{grow, KvRows, StepIo};
-use crate::build::MlaParts;
+use crate::build::{GqaParts, MlaParts, MoeWeights, WeightKinds};
 use crate::engine::experts::LayerExperts;
 use crate::error::Result;
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
+use crate::walk::{LayerOps, NextMoe, NormAt};
+
+/// The types the GPU engine holds its weights in (every dense part in VRAM; the routed experts
+/// resident, or on the host behind a CPU backend).
+pub(crate) struct GpuKinds;
+
+impl WeightKinds for GpuKinds {
+    type Linear = GpuLinear;
+    type Mlp = GpuMlp;
+    type Vector = DeviceBuffer<u16>;
+    type Embedding = DeviceBuffer<u16>;
+    type KvB = GpuKvB;
+    type Router = GpuRouter;
+    type Experts = GpuExpertBackend;
+}
 
 /// What every layer of one forward call shares.
 pub(crate) struct Ctx<'a> {
     pub dev: &'a GpuDevice,
+    pub spec: &'a ModelSpec,
     pub gemm: &'a GemmContext,
     pub cos: &'a DeviceBuffer<f32>,
     pub sin: &'a DeviceBuffer<f32>,
@@ -140,32 +157,20 @@ pub(crate) struct GpuKvB {
     pub bf16: DeviceBuffer<u16>,
 }
 
-pub(crate) struct GpuMla {
-    pub dims: MlaDims,
-    pub scale: f32,
-    pub w: MlaParts<GpuLinear, DeviceBuffer<u16>, GpuKvB>,
+/// One MLA layer on the GPU: its weights and the model's dimensions.
+struct GpuMla<'w> {
+    dims: MlaDims,
+    scale: f32,
+    w: &'w MlaParts<GpuLinear, DeviceBuffer<u16>, GpuKvB>,
 }
 
-pub(crate) struct GpuGqa {
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub scale: f32,
-    pub q: GpuLinear,
-    pub k: GpuLinear,
-    pub v: GpuLinear,
-    pub o: GpuLinear,
-    pub qk_norm: Option<(DeviceBuffer<u16>, DeviceBuffer<u16>)>,
-}
-
-pub(crate) enum GpuAttention {
-    Mla(Box<GpuMla>),
-    Gqa(Box<GpuGqa>),
-}
-
-pub(crate) enum GpuFfn {
-    Dense(Box<GpuMlp>),
-    Moe(Box<GpuMoe>),
+/// One GQA layer on the GPU: its weights and the model's dimensions.
+struct GpuGqa<'w> {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    w: &'w GqaParts<GpuLinear, DeviceBuffer<u16>>,
 }
 
 /// Where a GPU MoE layer's routed experts run: its expert backend.
@@ -177,148 +182,124 @@ pub(crate) enum GpuExpertBackend {
     Host(std::sync::Arc<dyn LayerExperts>),
 }
 
-pub(crate) struct GpuMoe {
-    pub router: GpuRouter,
-    pub experts: GpuExpertBackend,
-    pub top_k: usize,
-    pub shared: Option<GpuMlp>,
+impl GpuExpertBackend {
+    /// The host expert backend, when the routed experts run on the CPU (hybrid).
+    pub fn host(&self) -> Option<&std::sync::Arc<dyn LayerExperts>> {
+        match self {
+            GpuExpertBackend::Host(e) => Some(e),
+            GpuExpertBackend::Resident(_) => None,
+        }
+    }
 }
 
-pub(crate) struct GpuLayer {
-    pub hidden: usize,
-    pub input_norm: DeviceBuffer<u16>,
-    pub post_norm: DeviceBuffer<u16>,
-    pub attention: GpuAttention,
-    pub ffn: GpuFfn,
+/// The GPU engine's step through the forward walk: one call's context, the session's buffers
+/// and the hybrid hand-off staging.
+pub(crate) struct GpuStep<'c, 'a, 's, 'io, 'h> {
+    pub c: &'c Ctx<'a>,
+    pub s: &'s mut StepIo<'io>,
+    pub host: &'h mut HostStaging,
 }
 
-impl GpuLayer {
-    /// This layer's host expert backend, when its routed experts run on the CPU (hybrid).
-    pub fn host_experts(&self) -> Option<std::sync::Arc<dyn LayerExperts>> {
-        match &self.ffn {
-            GpuFfn::Moe(m) => match &m.experts {
-                GpuExpertBackend::Host(e) => Some(e.clone()),
-                GpuExpertBackend::Resident(_) => None,
-            },
-            GpuFfn::Dense(_) => None,
-        }
-    }
-
-    /// The router and post-attention norm of this layer, when its routed experts run on the host
-    /// (what the previous layer's route prediction uses).
-    fn host_router(&self) -> Option<(&GpuRouter, &DeviceBuffer<u16>)> {
-        match &self.ffn {
-            GpuFfn::Moe(m) if matches!(m.experts, GpuExpertBackend::Host(_)) => Some((&m.router, &self.post_norm)),
-            _ => None,
-        }
-    }
-
-    /// One decoder layer: `x += y_prev` (when `add_prev`), attention, `x += attn`, FFN into `y`.
-    /// `next` is the following layer (a host MoE layer there gets its routes predicted).
-    pub fn forward(
-        &self,
-        c: &Ctx,
-        l: usize,
-        s: &mut StepIo,
-        add_prev: bool,
-        host: &mut HostStaging,
-        next: Option<&GpuLayer>,
-    ) -> Result<()> {
-        let n = c.t * self.hidden;
-        self.norm(c, s, &self.input_norm, add_prev, n, host)?;
-        match &self.attention {
-            GpuAttention::Mla(a) => a.forward(c, l, s)?,
-            GpuAttention::Gqa(a) => a.forward(c, l, s)?,
-        }
-        s.mark(c.dev, Part::Attention)?;
-        self.norm(c, s, &self.post_norm, true, n, host)?;
-        match &self.ffn {
-            GpuFfn::Dense(m) => m.forward(c, s, true)?,
-            GpuFfn::Moe(moe) => {
-                let GpuMoe { router, experts, top_k, shared } = moe.as_ref();
-                let (t, k) = (c.t, *top_k);
-                // Host experts with streaming on: all of them on the GPU for a long prompt, the
-                // first `present` (the rest on the CPU at the same time) for a short one.
-                match (experts, c.streamer) {
-                    (GpuExpertBackend::Resident(experts), _) => {
-                        gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
-                    }
-                    (GpuExpertBackend::Host(_), Some((streamer, _))) if streamer.chunked() => {
-                        gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?
-                    }
-                    (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
-                        .run_layer(c.dev, l, present, |experts| {
-                            gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
-                        })?,
-                    (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
-                        let pool = c.pool.expect("matched");
-                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, false)?;
-                        c.count_routes(router, l, host.published_ids(), t * k)?;
-                        // The launcher waits for the routes, enqueues the missing experts' copies
-                        // and makes the stream wait for them; then the GPU runs every route.
-                        host.fetch_into_pool(c.dev, pool, l, seq, t * k)?;
-                        let map = pool.device_map(c.dev)?;
-                        let experts = pool.experts();
-                        let routes =
-                            GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
-                        gpu_moe(c, s, routes, &experts, k, shared.as_ref(), n)?;
-                    }
-                    (GpuExpertBackend::Host(_), split) => {
-                        let shape = HandoffShape { t, hidden: self.hidden, k };
-                        let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, true)?;
-                        c.count_routes(router, l, host.published_ids(), t * k)?;
-                        // The GPU's share of a split layer (on the routes the CPU got) and the
-                        // shared expert go into y while the CPU computes the routed ones, whose
-                        // sum is then added to y. The GPU's share: the layer's pinned experts
-                        // (hot_cached_static), else the streamed first ones.
-                        let (mut cpu_from, mut cpu_skips) = (0, None);
-                        let hot = c
-                            .hot
-                            .and_then(|h| h.layers.get(l))
-                            .and_then(Option::as_ref)
-                            .filter(|hl| split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, t, k)));
-                        if let Some(hl) = hot {
-                            let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
-                            gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
-                            cpu_skips = Some(hl.on_gpu.clone());
-                        } else if let Some((streamer, present)) = split {
-                            let routes = GpuRoutes::Published { host: &*host, present, map: None };
-                            streamer.run_layer(c.dev, l, present, |experts| {
-                                gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
-                            })?;
-                            cpu_from = present;
-                        } else if let Some(sh) = shared {
-                            sh.forward(c, s, true)?;
-                        }
-                        let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
-                        if let Some((router, norm)) = next.and_then(GpuLayer::host_router) {
-                            let sc = &*s.scratch;
-                            let y = y_counts.then(|| sc.y.slice().slice(..n));
-                            host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
-                        }
-                        let work =
-                            HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
-                        host.receive(c.dev, work, y_counts)?;
-                    }
-                }
-            }
-        }
-        s.mark(c.dev, Part::Ffn)?;
-        Ok(())
-    }
-
+impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
     /// `x += y` (when `add`; with the CPU experts' output of a host MoE layer, see
     /// [`residual_norm`]), `xn = rmsnorm(x) · w`.
-    fn norm(
-        &self,
-        c: &Ctx,
-        s: &mut StepIo,
-        w: &DeviceBuffer<u16>,
-        add: bool,
-        n: usize,
-        host: &mut HostStaging,
-    ) -> Result<()> {
-        residual_norm(c.dev, s, w, add, n, self.hidden, c.eps, host)
+    fn residual_norm(&mut self, w: &DeviceBuffer<u16>, add: bool, _at: NormAt) -> Result<()> {
+        let c = self.c;
+        let h = c.spec.hidden_size;
+        residual_norm(c.dev, self.s, w, add, c.t * h, h, c.eps, self.host)
+    }
+
+    fn mla(&mut self, l: usize, w: &MlaParts<GpuLinear, DeviceBuffer<u16>, GpuKvB>) -> Result<()> {
+        let c = self.c;
+        let dims = c.spec.attention.mla_dims().expect("the walk gives MLA weights to an MLA model");
+        GpuMla { dims, scale: c.spec.softmax_scale, w }.forward(c, l, self.s)?;
+        self.s.mark(c.dev, Part::Attention)
+    }
+
+    fn gqa(&mut self, l: usize, w: &GqaParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {
+        let c = self.c;
+        let AttentionSpec::Gqa { heads, kv_heads, head_dim, .. } = c.spec.attention else {
+            unreachable!("the walk gives GQA weights to a GQA model")
+        };
+        GpuGqa { heads, kv_heads, head_dim, scale: c.spec.softmax_scale, w }.forward(c, l, self.s)?;
+        self.s.mark(c.dev, Part::Attention)
+    }
+
+    fn mlp(&mut self, _l: usize, w: &GpuMlp) -> Result<()> {
+        w.forward(self.c, self.s, true)?;
+        self.s.mark(self.c.dev, Part::Ffn)
+    }
+
+    fn moe(&mut self, l: usize, w: &MoeWeights<GpuKinds>, next: Option<NextMoe<'_, GpuKinds>>) -> Result<()> {
+        let (c, s, host) = (self.c, &mut *self.s, &mut *self.host);
+        let n = c.t * c.spec.hidden_size;
+        let MoeWeights { router, experts, shared } = w;
+        let (t, k) = (c.t, router.config().top_k);
+        // Host experts with streaming on: all of them on the GPU for a long prompt, the
+        // first `present` (the rest on the CPU at the same time) for a short one.
+        match (experts, c.streamer) {
+            (GpuExpertBackend::Resident(experts), _) => {
+                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
+            }
+            (GpuExpertBackend::Host(_), Some((streamer, _))) if streamer.chunked() => {
+                gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?
+            }
+            (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
+                .run_layer(c.dev, l, present, |experts| {
+                    gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
+                })?,
+            (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
+                let pool = c.pool.expect("matched");
+                let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, false)?;
+                c.count_routes(router, l, host.published_ids(), t * k)?;
+                // The launcher waits for the routes, enqueues the missing experts' copies
+                // and makes the stream wait for them; then the GPU runs every route.
+                host.fetch_into_pool(c.dev, pool, l, seq, t * k)?;
+                let map = pool.device_map(c.dev)?;
+                let experts = pool.experts();
+                let routes = GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
+                gpu_moe(c, s, routes, &experts, k, shared.as_ref(), n)?;
+            }
+            (GpuExpertBackend::Host(_), split) => {
+                let shape = HandoffShape { t, hidden: c.spec.hidden_size, k };
+                let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, true)?;
+                c.count_routes(router, l, host.published_ids(), t * k)?;
+                // The GPU's share of a split layer (on the routes the CPU got) and the
+                // shared expert go into y while the CPU computes the routed ones, whose
+                // sum is then added to y. The GPU's share: the layer's pinned experts
+                // (hot_cached_static), else the streamed first ones.
+                let (mut cpu_from, mut cpu_skips) = (0, None);
+                let hot = c
+                    .hot
+                    .and_then(|h| h.layers.get(l))
+                    .and_then(Option::as_ref)
+                    .filter(|hl| split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, t, k)));
+                if let Some(hl) = hot {
+                    let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
+                    gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
+                    cpu_skips = Some(hl.on_gpu.clone());
+                } else if let Some((streamer, present)) = split {
+                    let routes = GpuRoutes::Published { host: &*host, present, map: None };
+                    streamer.run_layer(c.dev, l, present, |experts| {
+                        gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
+                    })?;
+                    cpu_from = present;
+                } else if let Some(sh) = shared {
+                    sh.forward(c, s, true)?;
+                }
+                let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
+                // The next layer's routes, predicted for its CPU experts' prefetch.
+                let next_host = next.filter(|nx| nx.moe.experts.host().is_some());
+                if let Some(NextMoe { moe: MoeWeights { router, .. }, norm, .. }) = next_host {
+                    let sc = &*s.scratch;
+                    let y = y_counts.then(|| sc.y.slice().slice(..n));
+                    host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
+                }
+                let work = HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
+                host.receive(c.dev, work, y_counts)?;
+            }
+        }
+        s.mark(c.dev, Part::Ffn)
     }
 }
 
@@ -532,7 +513,7 @@ fn rope_layout(c: &Ctx, heads: usize, token_stride: usize, head_stride: usize, o
     }
 }
 
-impl GpuMla {
+impl GpuMla<'_> {
     fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo) -> Result<()> {
         let MlaDims { heads: hh, nope, rope: rd, latent: lat, v_dim: vd } = self.dims;
         let t = c.t;
@@ -734,10 +715,10 @@ impl GpuMla {
     }
 }
 
-impl GpuGqa {
+impl GpuGqa<'_> {
     fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo) -> Result<()> {
         let (t, hh, kvh, hd) = (c.t, self.heads, self.kv_heads, self.head_dim);
-        let hidden = self.o.rows();
+        let hidden = self.w.o.rows();
         let dev = c.dev;
         let sc = &mut *s.scratch;
         let [q_slot, k_slot, v_slot, out_slot, ..] = &mut sc.f;
@@ -745,10 +726,10 @@ impl GpuGqa {
         let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
         let k = grow(dev, k_slot, t * kvh * hd, "gqa k")?;
         let v = grow(dev, v_slot, t * kvh * hd, "gqa v")?;
-        self.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
-        self.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
-        self.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
-        if let Some((qn, kn)) = &self.qk_norm {
+        self.w.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
+        self.w.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
+        self.w.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
+        if let Some((qn, kn)) = &self.w.qk_norm {
             dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh, hd), qn, c.eps)?;
             dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh, hd), kn, c.eps)?;
         }
@@ -819,7 +800,7 @@ impl GpuGqa {
                 &mut o.slice_mut().slice_mut(..t * hh * hd),
             )?;
         }
-        self.o.forward(
+        self.w.o.forward(
             dev,
             c.gemm,
             &o.slice().slice(..t * hh * hd),

@@ -12,7 +12,7 @@ use krasis_core::budget::format_bytes;
 use krasis_core::dtype::f32_to_bf16;
 use krasis_cpu::linear::WeightRows;
 use krasis_cpu::pool::WorkerPool;
-use krasis_gpu::kv_cache::{KvCapacity, KvLayout};
+use krasis_gpu::kv_cache::KvLayout;
 use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
@@ -22,11 +22,9 @@ use krasis_gpu::{DeviceBuffer, GpuDevice};
 use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use super::expert_stream::{ExpertStreamer, StreamRecords};
 use super::host_experts::ExpertServer;
-use super::layers::{
-    kv_geometry, GpuAttention, GpuExpertBackend, GpuFfn, GpuGqa, GpuKvB, GpuLayer, GpuMla, GpuMlp, GpuMoe,
-};
+use super::layers::{kv_geometry, GpuExpertBackend, GpuKinds, GpuKvB, GpuMlp};
 use super::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, KV_RESERVE_BYTES};
-use crate::build::{build, AttentionWeights, FfnWeights, LinearClass, MlpWeights, WeightBuilder};
+use crate::build::{build, LinearClass, WeightBuilder};
 use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
@@ -35,7 +33,7 @@ use crate::load::{open_cpu_experts, start_pool, EngineOptions};
 use crate::quantized::quant_bits;
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, ModelSpec, RoutingRule};
+use crate::spec::{ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorSpec};
 use crate::weights::WeightLoader;
 
@@ -210,14 +208,9 @@ impl GpuBuilder<'_> {
 }
 
 impl WeightBuilder for GpuBuilder<'_> {
-    type Linear = GpuLinear;
+    type Kinds = GpuKinds;
     /// Gate and up rows stacked into one `[2·inter, hidden]` matrix: one GEMV at decode.
     type GateUp = GpuLinear;
-    type Vector = DeviceBuffer<u16>;
-    type Embedding = DeviceBuffer<u16>;
-    type KvB = GpuKvB;
-    type Router = GpuRouter;
-    type Experts = GpuExpertBackend;
 
     fn embedding(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
         let (m, _, _) = self.bf16_matrix(t)?;
@@ -242,6 +235,10 @@ impl WeightBuilder for GpuBuilder<'_> {
         both.extend_from_slice(&bf16_bits(&u));
         let name = format!("{} + up_proj", gate.name);
         Ok(GpuLinear::new(self.dev, &name, &both, rows + up_rows, cols, self.quant_of(class))?)
+    }
+
+    fn mlp(&mut self, gate_up: GpuLinear, down: GpuLinear) -> Result<GpuMlp> {
+        Ok(GpuMlp { gate_up, down })
     }
 
     fn vector(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
@@ -292,32 +289,6 @@ impl WeightBuilder for GpuBuilder<'_> {
             resident.upload_expert(self.dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
         }
         Ok(GpuExpertBackend::Resident(Box::new(resident)))
-    }
-}
-
-fn gpu_mlp(m: MlpWeights<GpuBuilder<'_>>) -> GpuMlp {
-    GpuMlp { gate_up: m.gate_up, down: m.down }
-}
-
-fn gpu_attention(spec: &ModelSpec, a: AttentionWeights<GpuBuilder<'_>>) -> GpuAttention {
-    match (a, &spec.attention) {
-        (AttentionWeights::Mla(w), mla @ AttentionSpec::Mla { .. }) => {
-            GpuAttention::Mla(Box::new(GpuMla { dims: mla.mla_dims().expect("MLA"), scale: spec.softmax_scale, w }))
-        }
-        (AttentionWeights::Gqa { q, k, v, o, qk_norm }, &AttentionSpec::Gqa { heads, kv_heads, head_dim, .. }) => {
-            GpuAttention::Gqa(Box::new(GpuGqa {
-                heads,
-                kv_heads,
-                head_dim,
-                scale: spec.softmax_scale,
-                q,
-                k,
-                v,
-                o,
-                qk_norm,
-            }))
-        }
-        _ => unreachable!("the walk builds the attention the spec names"),
     }
 }
 
@@ -440,8 +411,20 @@ impl GpuModel {
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
                     }
                 }
-                if let Some(plan) = &gpu.cache {
-                    model.apply_cache_plan(plan, gpu.kv_tokens, &mut log)?;
+                // The VRAM the stream slots leave: KV, prompt chunks and, for pinned experts sized
+                // from the budget, their share (one plan: `vram_plan`).
+                match &gpu.cache {
+                    Some(plan) => {
+                        let mut plan = plan.clone();
+                        if plan.strategy == super::CacheStrategy::HotCachedStatic && plan.vram.is_none() {
+                            plan.vram = Some(model.replan_vram(gpu, true, &mut log)?);
+                        }
+                        model.apply_cache_plan(&plan, gpu.kv_tokens, &mut log)?;
+                    }
+                    None => {
+                        model.replan_vram(gpu, false, &mut log)?;
+                        model.fit_prefill_chunk(gpu.kv_tokens, "the stream slots", &mut log)?;
+                    }
                 }
                 late.set(ex.executor.clone());
                 log.append(&mut cache_log);
@@ -454,8 +437,10 @@ impl GpuModel {
                 Self::from_source(spec, files.weights(), gpu, ExpertPlacement::HostReference)?
             }
         };
-        log.append(&mut m.log);
-        m.log = log;
+        // The model's own lines (the GPU, its weights) first, then what the hybrid load added.
+        let mut lines = std::mem::take(&mut m.log);
+        lines.append(&mut log);
+        m.log = lines;
         m.host_expert_bytes = expert_bytes;
         Ok(m)
     }
@@ -491,10 +476,23 @@ impl GpuModel {
         };
         let n = self.spec.routed_experts();
         let moe: Vec<usize> = self.spec.moe_layers().collect();
-        let heat = match (&plan.heatmap, strategy.needs_heatmap()) {
-            (Some(h), true) => Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?),
-            (None, true) => return Err(ModelError::Invalid(format!("{what} needs --heatmap-path"))),
-            (_, false) => None,
+        let heat = match (&plan.heatmap, strategy) {
+            (Some(h), _) if strategy.needs_heatmap() => {
+                Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?)
+            }
+            // Pins without a recorded heatmap spread evenly over the layers.
+            (None, CacheStrategy::HotCachedStatic) => {
+                let k = self.spec.moe.as_ref().map_or(1, |m| m.routing.top_k);
+                log.push(
+                    "hot_cached_static: no heatmap recorded for this model; pinning experts evenly over the layers"
+                        .into(),
+                );
+                Some(crate::heatmap::ExpertHeat::even(self.spec.num_layers, n, k))
+            }
+            (None, _) if strategy.needs_heatmap() => {
+                return Err(ModelError::Invalid(format!("{what} needs a heatmap")))
+            }
+            _ => None,
         };
         let per_token = self.kv_layout.bytes_per_token() as u64;
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
@@ -537,21 +535,60 @@ impl GpuModel {
             self.pool = Some(std::sync::Arc::new(pool));
             bytes
         };
-        let fit = self.kv_layout.tokens_for(
-            KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: self.kv_tokens },
-            self.dev.budget().remaining(),
-        );
-        if fit < self.kv_tokens {
+        let after = format!("the {} of experts {what} keeps", format_bytes(kept as u64));
+        self.fit_prefill_chunk(kv_asked, &after, log)
+    }
+
+    /// The VRAM plan over what the budget leaves now (after the stream slots), with pinned
+    /// experts when `pins`: the KV cache shrinks to the plan's (with pins
+    /// [`super::vram_plan::DEFAULT_KV_TOKENS`] unless more is asked or needed) and the bytes for
+    /// the pins are returned.
+    fn replan_vram(&mut self, opts: &GpuOptions, pins: bool, log: &mut Vec<String>) -> Result<u64> {
+        let ask = super::vram_plan::VramAsk {
+            free: self.dev.budget().remaining(),
+            kv_bytes_per_token: self.kv_layout.bytes_per_token() as u64,
+            scratch: self.scratch_cost,
+            model_context: self.kv_tokens,
+            kv_asked: opts.kv_tokens,
+            context_needed: opts.context_tokens,
+            pins,
+        };
+        let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
+            ModelError::Invalid(format!("the VRAM budget left after the weights and the stream slots: {}", e.0))
+        })?;
+        self.kv_tokens = plan.kv_tokens.min(self.kv_tokens);
+        self.prefill_chunk = plan.prefill_chunk;
+        log.push(plan.describe(&ask));
+        Ok(plan.pin_bytes)
+    }
+
+    /// Sizes the prompt chunk from what the budget leaves now (after `what`), beside the KV
+    /// cache and the scratch its context needs; when not even a
+    /// [`super::vram_plan::MIN_PREFILL_CHUNK`]-token chunk fits, the KV cache shrinks (an asked
+    /// `kv_tokens` is refused instead).
+    fn fit_prefill_chunk(&mut self, kv_asked: Option<usize>, what: &str, log: &mut Vec<String>) -> Result<()> {
+        use super::vram_plan::{FIXED_RESERVE_BYTES, MIN_PREFILL_CHUNK};
+        let cost = self.scratch_cost;
+        let per_kv = self.kv_layout.bytes_per_token() as u64 + cost.per_context;
+        let free = self.dev.budget().remaining().saturating_sub(FIXED_RESERVE_BYTES);
+        let room = |kv: usize| (free.saturating_sub(kv as u64 * per_kv) / cost.per_token.max(1)) as usize;
+        if room(self.kv_tokens) < MIN_PREFILL_CHUNK {
+            let fit = (free.saturating_sub(MIN_PREFILL_CHUNK as u64 * cost.per_token) / per_kv.max(1)) as usize;
             if kv_asked.is_some() || fit == 0 {
                 return Err(ModelError::Invalid(format!(
-                    "{what}: the {} of experts kept in VRAM leave room for {fit} KV tokens, not {} (lower --pin-vram or raise --vram-budget)",
-                    format_bytes(kept as u64),
+                    "{what}: the VRAM left ({}) holds {fit} KV tokens beside a {MIN_PREFILL_CHUNK}-token prompt chunk, not {} (lower the kv_tokens or pinned-VRAM options, or raise the VRAM budget)",
+                    format_bytes(free),
                     self.kv_tokens
                 )));
             }
-            log.push(format!("KV cache: {fit} tokens after keeping the experts (was {})", self.kv_tokens));
+            log.push(format!("KV cache: {fit} tokens after {what} (was {})", self.kv_tokens));
             self.kv_tokens = fit;
         }
+        let chunk = room(self.kv_tokens) / 64 * 64;
+        if chunk < self.prefill_chunk {
+            log.push(format!("prompts run in chunks of up to {chunk} tokens after {what}"));
+        }
+        self.prefill_chunk = chunk;
         Ok(())
     }
 
@@ -584,7 +621,6 @@ impl GpuModel {
         let keep =
             |k: &krasis_gpu::kernels::KernelSource| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv);
         let gemm = GemmContext::new(&dev)?;
-        let h = spec.hidden_size;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
         let spec_ref = spec.clone();
         let mut builder = GpuBuilder {
@@ -605,66 +641,40 @@ impl GpuModel {
         })?;
         let weights = weights?;
         dev.load_kernels(images, &keep)?;
-        let embed = weights.embed;
-        let layers = weights
-            .layers
-            .into_iter()
-            .map(|l| GpuLayer {
-                hidden: h,
-                input_norm: l.input_norm,
-                post_norm: l.post_norm,
-                attention: gpu_attention(&spec, l.attention),
-                ffn: match l.ffn {
-                    FfnWeights::Dense(m) => GpuFfn::Dense(Box::new(gpu_mlp(m))),
-                    FfnWeights::Moe { router, experts, shared } => GpuFfn::Moe(Box::new(GpuMoe {
-                        top_k: router.config().top_k,
-                        router,
-                        experts,
-                        shared: shared.map(gpu_mlp),
-                    })),
-                },
-            })
-            .collect::<Vec<_>>();
         // Host experts: one thread serves their hand-offs for the model's life.
-        let host: Vec<_> = layers.iter().map(GpuLayer::host_experts).collect();
+        let host: Vec<_> = weights.layers.iter().map(|l| l.moe().and_then(|m| m.experts.host()).cloned()).collect();
         let expert_server = match (host.iter().any(Option::is_some), &builder.experts) {
             (false, _) => None,
             (true, ExpertPlacement::Host { pool, .. }) => Some(ExpertServer::start(host, pool.clone())?),
             (true, _) => Some(ExpertServer::start(host, None)?),
         };
-        let final_norm = weights.final_norm;
-        let lm_head = weights.lm_head;
         let weights_bytes = dev.budget().used();
 
-        // KV capacity: asked for, or what the budget leaves (minus the activation reserve).
+        // KV capacity and the prompt chunk: the VRAM plan over what the weights leave.
         let (planes, row, group) = kv_geometry(&spec);
-        let max_ctx = spec.max_position_embeddings.max(1);
-        let capacity = match opts.kv_tokens {
-            Some(n) => KvCapacity::Tokens(n),
-            None => KvCapacity::FromBudget { reserve_bytes: KV_RESERVE_BYTES, max_tokens: max_ctx },
-        };
-        // Sized by arithmetic on the layout (sessions allocate their own caches): nothing is
-        // allocated here, but an explicit --kv-tokens that cannot fit is refused now, at load.
         let kv_layout = KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group)?;
-        let remaining = dev.budget().remaining();
-        let kv_tokens = kv_layout.tokens_for(capacity, remaining);
-        let kv_bytes = kv_tokens as u64 * kv_layout.bytes_per_token() as u64;
-        if kv_tokens == 0 {
-            return Err(ModelError::Invalid(format!(
-                "the VRAM budget {} leaves no room for a KV cache after {} of weights",
+        let scratch_cost =
+            super::vram_plan::ScratchCost::of(&spec, opts.kv_b_proj_quant != krasis_gpu::linear::LinearQuant::Bf16);
+        let ask = super::vram_plan::VramAsk {
+            free: dev.budget().remaining(),
+            kv_bytes_per_token: kv_layout.bytes_per_token() as u64,
+            scratch: scratch_cost,
+            model_context: spec.max_position_embeddings.max(1),
+            kv_asked: opts.kv_tokens,
+            context_needed: opts.context_tokens,
+            pins: false,
+        };
+        let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
+            ModelError::Invalid(format!(
+                "the VRAM budget {} leaves no room for the KV cache and a prompt chunk after {} of weights: {}",
                 format_bytes(dev.budget().budget()),
-                format_bytes(weights_bytes)
-            )));
-        }
-        if kv_bytes > remaining {
-            return Err(krasis_gpu::GpuError::VramBudget {
-                requested: kv_bytes,
-                used: dev.budget().used(),
-                budget: dev.budget().budget(),
-                what: format!("the KV cache ({kv_tokens} tokens)"),
-            }
-            .into());
-        }
+                format_bytes(weights_bytes),
+                e.0
+            ))
+        })?;
+        let kv_tokens = plan.kv_tokens;
+        let kv_bytes = kv_tokens as u64 * kv_layout.bytes_per_token() as u64;
+        log.push(plan.describe(&ask));
         log.push(format!(
             "KV cache: {kv_tokens} tokens × {} per token ({}, {})",
             format_bytes(kv_layout.bytes_per_token() as u64),
@@ -689,15 +699,14 @@ impl GpuModel {
             spec,
             dev,
             gemm,
-            embed,
-            layers,
-            final_norm,
-            lm_head,
+            weights,
             cos,
             sin,
             sampler,
             kv_layout,
             kv_tokens,
+            prefill_chunk: plan.prefill_chunk,
+            scratch_cost,
             log,
             host_expert_bytes: None,
             expert_server,

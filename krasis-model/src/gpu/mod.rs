@@ -19,18 +19,20 @@ mod layers;
 mod load;
 mod profile;
 mod session;
+pub mod vram_plan;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
 use krasis_gpu::kv_cache::{GpuKvCache, KvCapacity, KvDtype, KvLayout};
-use krasis_gpu::linear::{GemmContext, GpuLinear, LinearQuant};
+use krasis_gpu::linear::{GemmContext, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
 pub use self::host_experts::HandoffStats;
-use self::layers::GpuLayer;
+use self::layers::GpuKinds;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
 use self::session::{KvRows, StepIo};
+use crate::build::Weights;
 use crate::error::{ModelError, Result};
 use crate::generate::{Decoder, DecoderStep};
 use crate::sampling::Sampler;
@@ -56,9 +58,12 @@ pub struct GpuOptions {
     pub kv_b_proj_quant: LinearQuant,
     /// `--lm-head-quant`.
     pub lm_head_quant: LinearQuant,
-    /// KV capacity in tokens; `None`: what the budget leaves after the weights (minus
-    /// [`KV_RESERVE_BYTES`]), capped at the model's `max_position_embeddings`.
+    /// KV capacity in tokens; `None`: sized by the VRAM plan ([`vram_plan`]) from what the budget
+    /// leaves after the weights, capped at the model's `max_position_embeddings`.
     pub kv_tokens: Option<usize>,
+    /// Context the caller will need (a benchmark's prompt and decode), which a KV cache sized
+    /// from the budget then holds at least; `None`: not said.
+    pub context_tokens: Option<usize>,
     /// `--gpu-expert-bits`: the routed experts resident on the GPU in BF16 (`None`) or quantised
     /// symmetric per group along K (INT8 / INT4, as the CPU cache).
     pub expert_bits: Option<krasis_quant::Bits>,
@@ -201,6 +206,7 @@ impl Default for GpuOptions {
             kv_b_proj_quant: LinearQuant::Bf16,
             lm_head_quant: LinearQuant::Bf16,
             kv_tokens: None,
+            context_tokens: None,
             expert_bits: None,
             expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
             expert_cache: GpuExpertCache::In(None),
@@ -231,10 +237,7 @@ pub struct GpuModel {
     pub spec: ModelSpec,
     dev: GpuDevice,
     gemm: GemmContext,
-    embed: DeviceBuffer<u16>,
-    layers: Vec<GpuLayer>,
-    final_norm: DeviceBuffer<u16>,
-    lm_head: GpuLinear,
+    weights: Weights<GpuKinds>,
     /// RoPE tables for positions `0..max_pos`, `[max_pos, rot_dim/2]`.
     cos: DeviceBuffer<f32>,
     sin: DeviceBuffer<f32>,
@@ -244,6 +247,11 @@ pub struct GpuModel {
     sampler: GpuSampler,
     kv_layout: KvLayout,
     kv_tokens: usize,
+    /// The longest prompt piece one forward call runs ([`vram_plan`]); longer prompts run in
+    /// chunks of it.
+    prefill_chunk: usize,
+    /// The activation scratch estimate the chunk was sized by.
+    scratch_cost: vram_plan::ScratchCost,
     /// Human-readable lines about what loading did.
     pub log: Vec<String>,
     /// Bytes of one routed expert as the host reads it, when the experts run on the host from
@@ -295,7 +303,7 @@ impl GpuModel {
 
     /// Counts every MoE layer's routes on the device from now on ([`GpuModel::expert_counts`]).
     pub fn record_heatmap(&mut self) -> Result<()> {
-        let n = self.layers.len() * self.spec.routed_experts();
+        let n = self.weights.layers.len() * self.spec.routed_experts();
         self.heat = Some(self.dev.alloc_zeros::<u64>(n.max(1), "heatmap counts")?);
         Ok(())
     }
@@ -305,7 +313,7 @@ impl GpuModel {
         match &self.heat {
             Some(b) => {
                 let mut v = self.dev.download(b)?;
-                v.truncate(self.layers.len() * self.spec.routed_experts());
+                v.truncate(self.weights.layers.len() * self.spec.routed_experts());
                 Ok(Some(v))
             }
             None => Ok(None),
@@ -346,8 +354,42 @@ impl GpuModel {
 
     /// Runs `tokens` after what `session` holds; the logits of the last position (or of every
     /// position with `all`) stay on the device in `session`'s logits buffer, `[rows, vocab]`.
-    /// Returns the number of logit rows.
+    /// Returns the number of logit rows. A prompt longer than the prefill chunk
+    /// ([`vram_plan`]) runs as equal chunks, one forward call each; only the last one's logits
+    /// are kept (the others' positions reach later ones through the KV cache).
     fn run(
+        &self,
+        s: &mut GpuSession,
+        tokens: Option<&[u32]>,
+        all: bool,
+        tail: &mut dyn FnMut(&mut session::Scratch, usize) -> Result<()>,
+    ) -> Result<usize> {
+        let chunk = self.prefill_chunk.max(1);
+        let Some(ids) = tokens.filter(|t| t.len() > chunk) else {
+            return self.run_call(s, tokens, all, tail);
+        };
+        if all {
+            return Err(ModelError::Invalid(format!(
+                "the logits of every position of a {}-token prompt: the VRAM budget runs prompts in chunks of up to {chunk} tokens",
+                ids.len()
+            )));
+        }
+        let pieces = ids.len().div_ceil(chunk);
+        let size = ids.len().div_ceil(pieces);
+        let (head, last) = ids.split_at((pieces - 1) * size);
+        self.check_room(s.position, ids.len())?;
+        for piece in head.chunks(size) {
+            self.run_call(s, Some(piece), false, &mut |_, _| Ok(()))?;
+            if let Some(p) = s.profile.as_mut() {
+                p.mark(&self.dev, profile::Part::Head)?;
+                p.close_call()?;
+            }
+        }
+        self.run_call(s, Some(last), all, tail)
+    }
+
+    /// One forward call of [`GpuModel::run`].
+    fn run_call(
         &self,
         s: &mut GpuSession,
         tokens: Option<&[u32]>,
@@ -401,11 +443,12 @@ impl GpuModel {
             let sc = &mut *io.scratch;
             let ids = sc.ids.slice().slice(..t);
             let mut x = sc.x.slice_mut().slice_mut(..t * h);
-            self.dev.embedding_gather_f32(&self.embed, self.spec.vocab_size, h, &ids, &mut x)?;
+            self.dev.embedding_gather_f32(&self.weights.embed, self.spec.vocab_size, h, &ids, &mut x)?;
         }
         io.mark(&self.dev, profile::Part::Start)?;
         let ctx = layers::Ctx {
             dev: &self.dev,
+            spec: &self.spec,
             gemm: &self.gemm,
             cos: &self.cos,
             sin: &self.sin,
@@ -429,18 +472,16 @@ impl GpuModel {
         // after it would put the thread's wake-up on the critical path of every token.
         let v = self.spec.vocab_size;
         let mut enqueue = |staging: &mut host_experts::HostStaging| -> Result<()> {
-            for (l, layer) in self.layers.iter().enumerate() {
-                layer.forward(&ctx, l, io, l > 0, staging, self.layers.get(l + 1))?;
-            }
-            // Final norm (adding the last FFN output), the LM head over the requested rows, then
-            // the caller's tail (sampling), given the number of logit rows.
-            layers::residual_norm(&self.dev, io, &self.final_norm, true, t * h, h, eps, staging)?;
+            // Every layer and the final norm (adding the last FFN output), then the LM head over
+            // the requested rows and the caller's tail (sampling), given the number of logit rows.
+            let mut step = layers::GpuStep { c: &ctx, s: &mut *io, host: staging };
+            crate::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
             let sc = &mut *io.scratch;
             sc.ensure_logits(&self.dev, logit_rows * v)?;
             let first = t - logit_rows;
             let xn = sc.xn.slice().slice(first * h..t * h);
             let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
-            self.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
+            self.weights.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
             tail(sc, logit_rows)
         };
         if let Some(server) = &self.expert_server {

@@ -44,6 +44,27 @@ impl std::fmt::Display for DevicePath {
     }
 }
 
+/// The routed experts' width on the GPU paths (`--gpu-expert-bits`): the whole-model GPU's
+/// resident experts, and the width a hybrid prefill streams them at.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuExpertWidth {
+    /// The default ([`crate::precision::default_gpu_expert_bits`]; hybrid: the CPU experts'
+    /// width), unless [`GpuOptions::expert_bits`] is set.
+    #[default]
+    Auto,
+    /// BF16 resident experts; a hybrid prefill keeps the experts on the CPU.
+    Bf16,
+    /// This width.
+    Bits(krasis_quant::Bits),
+}
+
+impl GpuExpertWidth {
+    /// Whether a quantised width was asked for.
+    pub fn is_bits(self) -> bool {
+        matches!(self, GpuExpertWidth::Bits(_))
+    }
+}
+
 /// Everything [`open_engine`](super::open_engine) needs besides the model files.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -52,6 +73,11 @@ pub struct EngineConfig {
     pub cpu: EngineOptions,
     /// The GPU's ordinal, VRAM budget, KV cache and per-linear precisions.
     pub gpu: GpuOptions,
+    /// The GPU experts' width; [`GpuOptions::expert_bits`], when set, is taken as asked.
+    pub gpu_expert_width: GpuExpertWidth,
+    /// Hybrid: keep experts pinned in the VRAM the weights, the KV cache and the prefill reserve
+    /// leave, when no cache strategy is given ([`super::open_engine`]'s defaults).
+    pub pin_leftover_vram: bool,
     /// Tokens of context the RAM estimate of the CPU path assumes.
     pub context_tokens: u64,
     /// Load even when the RAM estimate exceeds the budget (a warning instead of an error).
@@ -67,8 +93,14 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             device: DevicePolicy::Auto,
-            cpu: EngineOptions::default(),
+            cpu: EngineOptions {
+                expert_bits: WeightBits::Auto,
+                dense_bits: WeightBits::Auto,
+                ..EngineOptions::default()
+            },
             gpu: GpuOptions::default(),
+            gpu_expert_width: GpuExpertWidth::Auto,
+            pin_leftover_vram: true,
             context_tokens: DEFAULT_CONTEXT_TOKENS,
             force: false,
             record_heatmap: false,
@@ -81,6 +113,7 @@ impl EngineConfig {
     /// whole-model GPU path does not take those. `--cpu-expert-bits auto` (the default) is not
     /// asking: it applies only where experts run on the CPU.
     pub fn wants_cpu_precisions(&self) -> bool {
-        !matches!(self.cpu.expert_bits, WeightBits::Bf16 | WeightBits::Auto) || self.cpu.dense_bits != WeightBits::Bf16
+        !matches!(self.cpu.expert_bits, WeightBits::Bf16 | WeightBits::Auto)
+            || !matches!(self.cpu.dense_bits, WeightBits::Bf16 | WeightBits::Auto)
     }
 }

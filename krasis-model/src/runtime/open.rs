@@ -1,11 +1,21 @@
 //! [`open_engine`]: the device policy. `cpu`, `gpu` and `hybrid` do as told; `auto` takes the CPU
-//! without a usable GPU (or with `--cpu-dense-bits`), else the whole model on the GPU when it
-//! fits the VRAM budget, else hybrid (routed experts on the CPU). The CPU path checks the RAM
-//! estimate first.
+//! without a usable GPU (or with a quantised CPU dense width asked for), else the whole model on
+//! the GPU when it fits the VRAM budget with the routed experts at the default GPU width, else
+//! hybrid (routed experts on the CPU). The CPU path checks the RAM estimate first.
+//!
+//! The defaults a caller gets by asking for nothing ([`crate::precision`] holds each rule):
+//! - CPU experts: INT4 on safetensors (per projection on a GGUF); CPU dense weights: INT8 on the
+//!   CPU path. Both are built into the caches on first use; `bf16` asks for the reference path.
+//! - GPU experts ([`GpuExpertWidth::Auto`]): the source's width when it is 8-bit, else INT4, for
+//!   the whole-model GPU path; a hybrid prefill streams the CPU experts' own records at their
+//!   width, so every prompt at or above the streaming length prefills on the GPU.
+//! - Hybrid: the VRAM left after the weights, the KV cache and the prefill reserve holds pinned
+//!   experts ([`crate::gpu::CacheStrategy::HotCachedStatic`]), ranked by the model's recorded
+//!   heatmap when one is beside the caches, else spread evenly over the layers.
 
 use krasis_core::budget::{check_ram_budget, format_bytes, rss_deviation_warning};
 
-use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig};
+use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig, GpuExpertWidth};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::gpu::GpuModel;
@@ -71,10 +81,19 @@ pub(crate) fn device_line(path: DevicePath, why: &str) -> String {
 /// the reference experts on safetensors, per-projection widths on a GGUF.
 pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
     let mut resolved = config.clone();
+    // A CPU expert width other than `auto` is the caller's choice (auto then keeps the experts on
+    // the CPU); `auto` resolves to the default here.
+    let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
+    let cpu_precisions_asked = config.wants_cpu_precisions();
     resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
+    match config.gpu_expert_width {
+        GpuExpertWidth::Bits(b) => resolved.gpu.expert_bits = Some(b),
+        GpuExpertWidth::Bf16 => resolved.gpu.expert_bits = None,
+        GpuExpertWidth::Auto => {}
+    }
     let config = &resolved;
     let ordinal = config.gpu.ordinal;
-    if config.device == DevicePolicy::Cpu && config.gpu.expert_bits.is_some() {
+    if config.device == DevicePolicy::Cpu && (config.gpu.expert_bits.is_some() || config.gpu_expert_width.is_bits()) {
         return Err(ModelError::Invalid(
             "--gpu-expert-bits applies to the routed experts on the GPU (--device gpu: resident; --device hybrid: streamed for long prefills); with --device cpu they run on the CPU at --cpu-expert-bits".into(),
         ));
@@ -96,71 +115,119 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
     }
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
-        DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, config),
+        DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, &hybrid_defaults(files, config, cpu_asked)),
         DevicePolicy::Gpu => {
             if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
                 return Err(ModelError::Invalid(format!("--device gpu: {e}")));
             }
-            if config.wants_cpu_precisions() {
+            if cpu_precisions_asked {
                 return Err(ModelError::Invalid(
                     "--device gpu runs the whole model on the GPU; --cpu-expert-bits/--cpu-dense-bits apply to --device cpu and --device hybrid".into(),
                 ));
             }
-            open_gpu(files, config, &format!("as asked: the whole model on CUDA device {ordinal}"))
+            let mut cfg = config.clone();
+            if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+                cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(files.spec()));
+            }
+            let why = format!(
+                "as asked: the whole model on CUDA device {ordinal}, routed experts {}",
+                gpu_width_name(cfg.gpu.expert_bits)
+            );
+            open_gpu(files, &cfg, &why)
         }
         DevicePolicy::Auto => match krasis_gpu::probe_ordinal(ordinal) {
             Err(e) => open_cpu(files, config, &format!("auto: no GPU in use: {e}; running on the CPU")),
-            Ok(_) if config.cpu.dense_bits != WeightBits::Bf16 => {
-                open_cpu(files, config, "auto: --cpu-dense-bits applies to the CPU path; running on the CPU")
+            Ok(_) if !matches!(config.cpu.dense_bits, WeightBits::Bf16 | WeightBits::Auto) => {
+                open_cpu(files, config, "auto: a quantised CPU dense width applies to the CPU path; running on the CPU")
             }
-            Ok(_) => open_auto_gpu(files, config),
+            Ok(_) => open_auto_gpu(files, config, cpu_asked),
         },
     }
 }
 
-/// `--device auto` with a usable GPU: the whole model on it when it fits the VRAM budget at the
-/// chosen precisions (with room for [`crate::gpu::MIN_USEFUL_KV_TOKENS`] of context) and no CPU
-/// expert precision was asked for (`auto` is not asking); otherwise hybrid, with INT4 experts
-/// unless `--cpu-expert-bits` says 8 (on a GGUF with `auto`: per projection from its types). A
-/// whole-model load the GPU refuses falls back to hybrid too.
-fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
+/// `--device auto` with a usable GPU: the whole model on it when it fits the VRAM budget with the
+/// routed experts at the GPU width (asked for, else [`crate::precision::default_gpu_expert_bits`]),
+/// with room for [`crate::gpu::MIN_USEFUL_KV_TOKENS`] of context, and no CPU expert width was asked
+/// for; otherwise hybrid ([`hybrid_defaults`]). A whole-model load the GPU refuses falls back to
+/// hybrid too.
+fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> Result<Opened> {
     let ordinal = config.gpu.ordinal;
-    let need = crate::gpu::whole_model_vram_bytes(files.spec(), &config.gpu);
+    let mut whole = config.clone();
+    if whole.gpu_expert_width == GpuExpertWidth::Auto && whole.gpu.expert_bits.is_none() {
+        whole.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(files.spec()));
+    }
+    let need = crate::gpu::whole_model_vram_bytes(files.spec(), &whole.gpu);
     let budget = krasis_gpu::vram_budget_bytes(ordinal, config.gpu.vram_budget)?;
     let hybrid = |reason: String| -> Result<Opened> {
-        let mut cfg = config.clone();
-        if cfg.cpu.expert_bits == WeightBits::Bf16 {
-            cfg.cpu.expert_bits = WeightBits::Int4;
-        }
+        let cfg = hybrid_defaults(files, config, cpu_asked);
         let why = format!(
             "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
             match cfg.cpu.expert_bits {
                 WeightBits::Int8 => "INT8".to_string(),
                 WeightBits::Auto => crate::precision::describe_expert_bits(files.spec(), WeightBits::Auto),
-                _ => "INT4".to_string(),
+                WeightBits::Bf16 => "BF16 (reference)".to_string(),
+                WeightBits::Int4 => "INT4".to_string(),
             }
         );
         crate::gpu::hybrid::open_hybrid_because(files, &cfg, &why)
     };
-    if !matches!(config.cpu.expert_bits, WeightBits::Bf16 | WeightBits::Auto) {
-        return hybrid(format!("--cpu-expert-bits {} given", config.cpu.expert_bits));
+    if cpu_asked {
+        return hybrid(format!("a CPU expert width ({}) was asked for", config.cpu.expert_bits));
     }
+    let experts = gpu_width_name(whole.gpu.expert_bits);
     if need > budget {
         return hybrid(format!(
-            "the whole model needs {} of VRAM, over the budget of {}",
+            "the whole model with {experts} experts needs {} of VRAM, over the budget of {}",
             format_bytes(need),
             format_bytes(budget)
         ));
     }
     let why = format!(
-        "auto: the whole model ({}) fits the VRAM budget of {} on CUDA device {ordinal}",
+        "auto: the whole model with {experts} experts ({}) fits the VRAM budget of {} on CUDA device {ordinal}",
         format_bytes(need),
         format_bytes(budget)
     );
-    match open_gpu(files, config, &why) {
+    match open_gpu(files, &whole, &why) {
         Err(ModelError::Gpu(e)) => hybrid(format!("the GPU could not take the whole model ({e})")),
         other => other,
     }
+}
+
+/// How a GPU expert width reads in the start line.
+fn gpu_width_name(bits: Option<krasis_quant::Bits>) -> &'static str {
+    match bits {
+        Some(krasis_quant::Bits::Int4) => "INT4",
+        Some(krasis_quant::Bits::Int8) => "INT8",
+        None => "BF16",
+    }
+}
+
+/// The hybrid engine's defaults on top of `config`: CPU experts at the resolved width (INT4 where
+/// the reference was not asked for on the auto path), prefill streaming the CPU experts' records
+/// at their own width unless a GPU width was given, and the leftover VRAM pinning experts unless a
+/// cache strategy was given or pinning is off.
+pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> EngineConfig {
+    let spec = files.spec();
+    let mut cfg = config.clone();
+    if !cpu_asked && cfg.cpu.expert_bits == WeightBits::Bf16 {
+        cfg.cpu.expert_bits = WeightBits::Int4;
+    }
+    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+        cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
+    }
+    if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
+        let heatmap = default_heatmap_path(files, cfg.cpu.cache_dir.as_deref()).filter(|p| p.is_file());
+        cfg.gpu.cache =
+            Some(crate::gpu::CachePlan { strategy: crate::gpu::CacheStrategy::HotCachedStatic, heatmap, vram: None });
+    }
+    cfg
+}
+
+/// Where the model's recorded heatmap lives: [`crate::heatmap::DEFAULT_HEATMAP_FILE`] in its cache
+/// directory (`cache_dir` when given).
+pub fn default_heatmap_path(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
+    let dir = cache_dir.map(std::path::Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
+    Some(dir.join(crate::heatmap::DEFAULT_HEATMAP_FILE))
 }
 
 /// The CPU engine, after checking the RAM estimate (refused above the budget unless
@@ -168,6 +235,9 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
 /// every session to that many tokens here too (the CPU cache grows up to it), so the KV token
 /// option means the same on every device.
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
+    let mut resolved = config.clone();
+    resolved.cpu.dense_bits = crate::precision::resolve_dense_bits(config.cpu.dense_bits);
+    let config = &resolved;
     let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
     let mut loaded = load_model(files, &config.cpu)?;

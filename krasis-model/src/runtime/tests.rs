@@ -9,6 +9,7 @@ use crate::engine::Model;
 use crate::files::ModelFiles;
 use crate::generate::{generate, generate_with, Decoder, GenerateRequest, StopReason};
 use crate::sampling::SamplingParams;
+use crate::spec::WeightBits;
 use crate::synth::{synthesize, Preset, SynthOptions};
 
 fn tiny(dir: &Path) -> PathBuf {
@@ -18,8 +19,11 @@ fn tiny(dir: &Path) -> PathBuf {
     out
 }
 
+/// The CPU reference path (what the direct `Decoder` path below runs).
 fn cpu_config() -> EngineConfig {
-    EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() }
+    let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+    (c.cpu.expert_bits, c.cpu.dense_bits) = (WeightBits::Bf16, WeightBits::Bf16);
+    c
 }
 
 fn open_cpu_engine(dir: &Path) -> Opened {
@@ -369,4 +373,20 @@ fn a_cpu_kv_token_limit_is_the_context_and_generation_refuses_what_exceeds_it() 
     let e = engine.step_one(s.as_mut(), &[1, 2, 3], &mut sampler, false).unwrap_err().to_string();
     assert!(e.contains("context full") && e.contains("limit of 8 tokens"), "{e}");
     assert_eq!(s.position(), 6);
+}
+
+/// Asking for nothing on the CPU gets the fast path: INT4 routed experts and INT8 dense weights,
+/// built into the caches on first use; the reference path is an explicit `bf16`.
+#[test]
+fn the_cpu_default_is_int4_experts_and_int8_dense() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let config = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+    let opened = open_engine(&files, &config).unwrap();
+    let log = opened.log.join("\n");
+    assert!(log.contains("routed experts: cpu int4"), "{log}");
+    assert!(log.contains("dense-weight cache") && log.contains("dense_cpu_int8"), "{log}");
+    let reference = open_engine(&files, &cpu_config()).unwrap();
+    let log = reference.log.join("\n");
+    assert!(log.contains("routed experts: reference"), "{log}");
 }

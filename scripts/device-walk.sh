@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Runs ON the GPU box from the repository root, over device-bundle/ (unpacked from
+# device-bundle.tar.xz by the command that calls it): #36's checks.
+#   tests    the GPU oracle suites on this build (gpu_oracle, hybrid_oracle, gpu_batch)
+#   setup    synthesize v2-lite in /tmp/v2l and build its INT4 CPU/GPU and INT8 dense caches
+#   defaults the defaults, no precision flags: hybrid prefill at 8K (24 GiB), 10K (6 GiB) and 32K
+#            (8 GiB); `generate` at 24 GiB (whole model on the GPU); hybrid decode with the
+#            default pins against `--cache-strategy none` at PIN_BUDGET, alternating
+#   ab       this build against bin/krasis-before, alternating, REPS times: GPU INT4 prefill at
+#            2K and 8K and decode, hybrid decode after 512 tokens, CPU-only prefill and decode at 512
+# SECTIONS picks them (default: all, in that order). Log: $OUT/walk.log.
+set -uo pipefail
+B=device-bundle
+LOG="${OUT:-/tmp}/walk.log"
+exec > >(tee -a "$LOG") 2>&1
+export KRASIS_FIXTURES="$PWD/$B/fixtures" KRASIS_REQUIRE_FIXTURES=1 KRASIS_REQUIRE_GPU=1
+export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
+K=$B/bin/krasis
+KB=$B/bin/krasis-before
+M=/tmp/v2l
+SECTIONS="${SECTIONS:-tests setup defaults ab}"
+REPS="${REPS:-3}"
+PIN_BUDGET="${PIN_BUDGET:-10GiB}"
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
+T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores"
+# The lines of a bench that carry its figures.
+figures() { grep -E "prefill|decode|tok/s|device:|VRAM plan|KV cache|pinned|chunks|hot_cached|error|warning" | grep -v "^\s*$" | head -40; }
+# A command with a time limit: everything to $OUT/full.log, its figures to the log.
+run() { local limit=$1; shift; timeout "$limit" "$@" 2>&1 | tee -a "${OUT:-/tmp}/full.log" | figures; }
+if has tests; then
+    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/gpu_batch-*; do
+        [ -x "$t" ] || continue
+        T "-- $t"
+        timeout 500 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|failures:|^    [a-z_0-9]+$" | head -40
+    done
+fi
+if has setup; then
+    [ -f $M/config.json ] || { T "synth v2-lite"; timeout 500 $K synth --preset v2-lite --out $M --force 2>&1 | tail -1; }
+    T "convert: INT4 CPU and GPU experts, INT8 dense"
+    timeout 500 $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 --cpu-dense-bits 8 2>&1 | tail -4
+fi
+if has defaults; then
+    T "hybrid, 8192-token prompt, 24 GiB (defaults)"
+    run 300 $K bench --model $M --device hybrid --prompt-tokens 8192 --vram-budget 24GiB
+    T "hybrid, 10240-token prompt, 6 GiB (defaults)"
+    run 300 $K bench --model $M --device hybrid --prompt-tokens 10240 --vram-budget 6GiB
+    T "hybrid, 32768-token prompt, 8 GiB (defaults)"
+    run 400 $K bench --model $M --device hybrid --prompt-tokens 32768 --vram-budget 8GiB
+    T "generate, 24 GiB (defaults)"
+    timeout 300 $K generate --model $M --vram-budget 24GiB --prompt "The experts live in VRAM" --max-new-tokens 16 2>&1 | tail -12
+    for i in 1 2; do
+        T "hybrid decode after 512 tokens at $PIN_BUDGET, default pins ($i)"
+        run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --prompt-tokens 512 --decode-tokens 64
+        T "the same with --cache-strategy none ($i)"
+        run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --cache-strategy none --prompt-tokens 512 --decode-tokens 64
+    done
+fi
+if has ab; then
+    for i in $(seq 1 "$REPS"); do
+        for bin in $KB $K; do
+            T "== $(basename $bin) rep $i"
+            T "GPU INT4 2K prefill + decode"
+            run 200 $bin bench --model $M --device gpu --gpu-expert-bits 4 --kv-tokens 12288 --prompt-tokens 2048 --decode-tokens 64
+            T "GPU INT4 8K prefill"
+            run 200 $bin bench --model $M --device gpu --gpu-expert-bits 4 --kv-tokens 12288 --prompt-tokens 8192 --decode-tokens 4
+            T "hybrid decode after 512 tokens, CPU experts only"
+            extra=""; [ $bin = $K ] && extra="--gpu-expert-bits bf16 --cache-strategy none"
+            run 200 $bin bench --model $M --device hybrid --cpu-expert-bits 4 $extra --prompt-tokens 512 --decode-tokens 64
+            T "CPU-only prefill and decode at 512"
+            run 300 $bin bench --model $M --device cpu --cpu-expert-bits 4 --cpu-dense-bits 8 --prompt-tokens 512 --decode-tokens 32
+        done
+    done
+fi
+T done
