@@ -549,6 +549,37 @@ pub(crate) fn save_heatmap(engine: &dyn Engine, model: &std::path::Path, path: &
     Ok(())
 }
 
+/// Adds the engine's expert counts to the heatmap at `path` beside the model's caches (`krasis
+/// serve` without `--heatmap-out`): a heatmap there that fits the model is added to, anything
+/// else replaced. Nothing is written when no token was counted or the cache directory does not
+/// exist (no cache was built, so nothing pins experts by it).
+pub(crate) fn add_to_heatmap(
+    engine: &dyn Engine,
+    model: &std::path::Path,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    let spec = engine.spec();
+    let (Some(moe), Some(counts)) = (spec.moe.as_ref(), engine.expert_counts()?) else { return Ok(()) };
+    if counts.iter().all(|&c| c == 0) || !path.parent().is_some_and(|d| d.is_dir()) {
+        return Ok(());
+    }
+    let (layers, experts, k) = (spec.num_layers, moe.n_routed_experts, moe.routing.top_k);
+    let mut heat = ExpertHeat::from_counts(&model.display().to_string(), layers, experts, k, &counts);
+    if let Ok(old) = ExpertHeat::load(path, layers, experts) {
+        for (row, old_row) in heat.counts.iter_mut().zip(&old.counts) {
+            row.iter_mut().zip(old_row).for_each(|(c, o)| *c = c.saturating_add(*o));
+        }
+        heat.tokens = heat.tokens.saturating_add(old.tokens);
+    }
+    heat.save(path).with_context(|| format!("the heatmap beside the caches, {}", path.display()))?;
+    eprintln!(
+        "expert heatmap ({} tokens in all) written to {}; the next hybrid start pins experts by it",
+        heat.tokens,
+        path.display()
+    );
+    Ok(())
+}
+
 /// Streams the generated text (or ids) to stdout and prints the timing line.
 fn run_generation(
     engine: &dyn Engine,

@@ -172,3 +172,26 @@ fn a_second_signal_exits_at_once() {
     assert!(s.log().contains("second SIGINT: exiting now"), "{}", s.log());
     drop(conn);
 }
+
+/// Without `--heatmap-out`, a server that stops adds its routes to `heatmap.json` beside the
+/// caches (what the next hybrid start pins experts by): written on the first stop, added to on
+/// the next.
+#[test]
+fn a_stopped_server_adds_its_routes_to_the_heatmap_beside_the_caches() {
+    let cache = tempfile::tempdir().unwrap();
+    let heatmap = cache.path().join("heatmap.json");
+    let tokens_after_a_run = || -> u64 {
+        let mut s = Server::start(&["--cpu-expert-bits", "4", "--cache-dir", cache.path().to_str().unwrap()]);
+        let body = json!({"prompt": "Count the routes", "max_tokens": 4, "seed": 1, "ignore_eos": true});
+        assert_eq!(s.post("/v1/completions", &body).status, 200, "{}", s.log());
+        signal(&s, libc::SIGINT);
+        assert!(wait_exit(&mut s).success(), "{}", s.log());
+        assert!(s.log().contains("heatmap.json"), "the server says where the heatmap went: {}", s.log());
+        let heat: Value = serde_json::from_slice(&std::fs::read(&heatmap).expect("heatmap beside the caches")).unwrap();
+        heat["tokens"].as_u64().unwrap()
+    };
+    let first = tokens_after_a_run();
+    assert!(first > 0, "routes were counted");
+    let second = tokens_after_a_run();
+    assert!(second > first, "the second run's routes were added: {first} then {second}");
+}

@@ -67,7 +67,8 @@ pub struct Args {
     max_body_bytes: usize,
     /// Count how many (token, slot) routes each routed expert of each layer gets over every
     /// request served, and write the counts to this JSON file when the server stops
-    /// (docs/FORMATS.md).
+    /// (docs/FORMATS.md). Without it the counts are added to `heatmap.json` in the model's cache
+    /// directory, which the next hybrid start pins experts by.
     #[arg(long)]
     heatmap_out: Option<PathBuf>,
     /// Seconds running requests may go on after SIGINT/SIGTERM; then each ends with
@@ -107,6 +108,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         tracing::info!("{note}");
     }
     config.record_heatmap = crate::cmd_generate::heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
+    // Without --heatmap-out the server still counts routes, for the heatmap beside the caches
+    // that the next hybrid start pins experts by (written when it stops).
+    let beside_caches = match &a.heatmap_out {
+        None if files.spec().moe.is_some() => {
+            krasis_model::runtime::default_heatmap_path(&files, a.run.engine.cache_dir.as_deref())
+        }
+        _ => None,
+    };
+    config.record_heatmap |= beside_caches.is_some();
     for w in krasis_core::hw::probe().warnings(cpu_memory_estimate(&files, &config).weight_bytes()) {
         tracing::warn!("system: {w}");
     }
@@ -177,9 +187,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     scheduler.shutdown();
     let _ = worker.join();
     // The heatmap is written even after a failed server; the server's error comes first.
-    let saved = match &a.heatmap_out {
-        Some(path) => crate::cmd_generate::save_heatmap(engine.as_ref(), &a.model, path),
-        None => Ok(()),
+    let saved = match (&a.heatmap_out, &beside_caches) {
+        (Some(path), _) => crate::cmd_generate::save_heatmap(engine.as_ref(), &a.model, path),
+        (None, Some(path)) => crate::cmd_generate::add_to_heatmap(engine.as_ref(), &a.model, path),
+        (None, None) => Ok(()),
     };
     result.and(saved)
 }

@@ -25,7 +25,7 @@ pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, GpuExpertWidth, DEFAULT_CONTEXT_TOKENS};
 pub use self::context::{check_context, context_limit, spec_context_limit, ContextExceeded};
 pub(crate) use self::open::{check_ram, device_line};
-pub use self::open::{cpu_memory_estimate, open_cpu, open_engine, open_gpu, Opened};
+pub use self::open::{cpu_memory_estimate, default_heatmap_path, open_cpu, open_engine, open_gpu, Opened};
 
 use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
