@@ -122,9 +122,9 @@ impl EngineArgs {
         let gpu_options = gpu.options()?;
         let width = gpu.expert_width();
         if let Some(plan) = &gpu_options.cache {
-            if !matches!(device, Device::Hybrid | Device::Auto) || width == GpuExpertWidth::Bf16 {
+            if device != Device::Hybrid || width == GpuExpertWidth::Bf16 {
                 bail!(
-                    "--cache-strategy {} needs --device hybrid (or auto) and quantised GPU experts (--gpu-expert-bits auto|4|8)",
+                    "--cache-strategy {} needs --device hybrid and --gpu-expert-bits auto, 4 or 8",
                     plan.strategy.name()
                 );
             }

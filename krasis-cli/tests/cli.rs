@@ -436,30 +436,21 @@ fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stderr(&o).matches("--threads 100000 is more than the").count(), 1, "{}", stderr(&o));
 
-    // `auto` (the default) on safetensors is the former default of each command: generate ran
-    // the reference experts (no cache), convert builds INT4.
-    let caches = || {
-        let d = dir.join(".krasis_cache");
-        if d.exists() {
-            names(&d).into_iter().filter(|n| n.starts_with("experts_")).count()
-        } else {
-            0
-        }
-    };
-    assert_eq!(caches(), 0, "generate with the default --cpu-expert-bits built a cache");
-    assert!(stderr(&o).contains("routed experts: reference"), "{}", stderr(&o));
+    // `auto` (the default) on safetensors is INT4 for every command: generate built the INT4
+    // expert cache (and the INT8 dense one) on first use, and convert finds it there.
+    assert!(stderr(&o).contains("routed experts: cpu int4"), "{}", stderr(&o));
+    let experts =
+        || names(&dir.join(".krasis_cache")).into_iter().filter(|n| n.starts_with("experts_")).collect::<Vec<_>>();
+    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string()]);
     let o = krasis(&["convert", "--model", m]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("routed experts on the CPU: int4"), "{}", stderr(&o));
-    assert_eq!(names(&dir.join(".krasis_cache")), vec!["experts_cpu_int4_g128.bin".to_string()]);
+    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string()]);
     // The GPU expert cache alone (no GPU needed to build it); nothing asked is an error.
     let o = krasis(&["convert", "--model", m, "--cpu-expert-bits", "none", "--gpu-expert-bits", "8"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("the GPU expert cache was missing"), "{}", stderr(&o));
-    assert_eq!(
-        names(&dir.join(".krasis_cache")),
-        vec!["experts_cpu_int4_g128.bin".to_string(), "experts_gpu_int8_g128.bin".to_string()]
-    );
+    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string(), "experts_gpu_int8_g128.bin".to_string()]);
     assert_clean_failure(&krasis(&["convert", "--model", m, "--cpu-expert-bits", "none"]), 1, "nothing to build");
 }
 

@@ -106,9 +106,18 @@ fn the_reference_path_creates_no_cache_directory() {
     let dir = t.path().join("tiny");
     synth(&dir, "tiny", "2", "0");
     let m = dir.to_str().unwrap();
-    let o = ok(krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2"]));
+    let reference = ["--cpu-expert-bits", "bf16", "--cpu-dense-bits", "bf16"];
+    let o = ok(krasis(
+        &[&["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2"][..], &reference].concat(),
+    ));
     assert!(stderr(&o).contains("routed experts: reference"), "{}", stderr(&o));
-    ok(krasis(&["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--device", "cpu"]));
+    ok(krasis(
+        &[
+            &["generate", "--model", m, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--device", "cpu"][..],
+            &reference,
+        ]
+        .concat(),
+    ));
     ok(krasis(&["info", "--model", m]));
     assert!(!dir.join(".krasis_cache").exists(), "created: {:?}", names(&dir));
 }

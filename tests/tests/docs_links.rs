@@ -303,3 +303,36 @@ fn paragraph_check_reports_a_long_paragraph() {
     assert_eq!(found.len(), 1, "{found:#?}");
     assert!(found[0].starts_with(&format!("{} words", MAX_PARAGRAPH_WORDS + 1)), "{found:#?}");
 }
+
+/// Lines of `text` that state a build's duration ("N min" beside "crates" or "build"): the build
+/// time is measured once and said once, in README.
+fn build_time_claims(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| {
+            let l = l.to_lowercase();
+            let minutes = l.split_whitespace().collect::<Vec<_>>().windows(2).any(|w| {
+                w[0].trim_start_matches('(').chars().all(|c| c.is_ascii_digit() || c == '-') && w[1].starts_with("min")
+            });
+            minutes && (l.contains("crates") || l.contains("compil"))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
+fn the_build_time_is_stated_once_in_readme() {
+    let root = repo_root();
+    let readme = build_time_claims(&read(&root.join("README.md")));
+    assert_eq!(readme.len(), 1, "README states the build time once: {readme:?}");
+    for other in ["scripts/demo.sh", "scripts/build-krasis.sh", "CONTRIBUTING.md"] {
+        let claims = build_time_claims(&read(&root.join(other)));
+        assert!(claims.is_empty(), "{other} states a build time of its own (README has the one measured): {claims:?}");
+    }
+}
+
+#[test]
+fn build_time_check_reports_a_second_figure() {
+    let demo = "echo \"the first build compiles about 120 crates and takes 3-6 minutes on 2 cores\"";
+    assert_eq!(build_time_claims(demo).len(), 1);
+    assert!(build_time_claims("cargo build --release -p krasis-cli").is_empty());
+}
