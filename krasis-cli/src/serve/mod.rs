@@ -112,7 +112,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // that the next hybrid start pins experts by (written when it stops).
     let beside_caches = match &a.heatmap_out {
         None if files.spec().moe.is_some() => {
-            krasis_model::runtime::default_heatmap_path(&files, a.run.engine.cache_dir.as_deref())
+            Some(krasis_model::runtime::default_heatmap_path(&files, a.run.engine.cache_dir.as_deref()))
         }
         _ => None,
     };

@@ -115,7 +115,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
     }
     match config.device {
         DevicePolicy::Cpu => open_cpu(files, config, "as asked"),
-        DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, &hybrid_defaults(files, config, cpu_asked)),
+        DevicePolicy::Hybrid => crate::gpu::hybrid::open_hybrid(files, &hybrid_defaults(files, config)),
         DevicePolicy::Gpu => {
             if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
                 return Err(ModelError::Invalid(format!("--device gpu: {e}")));
@@ -159,7 +159,7 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> 
     let need = crate::gpu::whole_model_vram_bytes(files.spec(), &whole.gpu);
     let budget = krasis_gpu::vram_budget_bytes(ordinal, config.gpu.vram_budget)?;
     let hybrid = |reason: String| -> Result<Opened> {
-        let cfg = hybrid_defaults(files, config, cpu_asked);
+        let cfg = hybrid_defaults(files, config);
         let why = format!(
             "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
             match cfg.cpu.expert_bits {
@@ -202,21 +202,17 @@ fn gpu_width_name(bits: Option<krasis_quant::Bits>) -> &'static str {
     }
 }
 
-/// The hybrid engine's defaults on top of `config`: CPU experts at the resolved width (INT4 where
-/// the reference was not asked for on the auto path), prefill streaming the CPU experts' records
-/// at their own width unless a GPU width was given, and the leftover VRAM pinning experts unless a
-/// cache strategy was given or pinning is off.
-pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> EngineConfig {
+/// The hybrid engine's defaults on top of `config` (its CPU expert width already resolved):
+/// prefill streaming the CPU experts' records at their own width unless a GPU width was given,
+/// and the leftover VRAM pinning experts unless a cache strategy was given or pinning is off.
+pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig) -> EngineConfig {
     let spec = files.spec();
     let mut cfg = config.clone();
-    if !cpu_asked && cfg.cpu.expert_bits == WeightBits::Bf16 {
-        cfg.cpu.expert_bits = WeightBits::Int4;
-    }
     if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
     }
     if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
-        let heatmap = default_heatmap_path(files, cfg.cpu.cache_dir.as_deref()).filter(|p| p.is_file());
+        let heatmap = Some(default_heatmap_path(files, cfg.cpu.cache_dir.as_deref())).filter(|p| p.is_file());
         cfg.gpu.cache =
             Some(crate::gpu::CachePlan { strategy: crate::gpu::CacheStrategy::HotCachedStatic, heatmap, vram: None });
     }
@@ -225,9 +221,9 @@ pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig, cpu_ask
 
 /// Where the model's recorded heatmap lives: [`crate::heatmap::DEFAULT_HEATMAP_FILE`] in its cache
 /// directory (`cache_dir` when given).
-pub fn default_heatmap_path(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
+pub fn default_heatmap_path(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> std::path::PathBuf {
     let dir = cache_dir.map(std::path::Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
-    Some(dir.join(crate::heatmap::DEFAULT_HEATMAP_FILE))
+    dir.join(crate::heatmap::DEFAULT_HEATMAP_FILE)
 }
 
 /// The CPU engine, after checking the RAM estimate (refused above the budget unless
