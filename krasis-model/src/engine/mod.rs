@@ -1,7 +1,7 @@
 //! The CPU engine: a loaded model and its forward pass over a session's KV cache. The weights come
 //! from the one build walk ([`crate::build`]) through a CPU [`WeightBuilder`] as a
 //! `Weights<CpuKinds>` tree; the one forward walk ([`crate::walk`]) runs over it with the CPU's
-//! [`LayerOps`] ([`CpuStep`]): attention through [`MlaAttention`] / [`GqaAttention`], dense
+//! [`LayerOps`] (`CpuStep`): attention through [`MlaAttention`] / [`GqaAttention`], dense
 //! matrices through [`LinearOp`], routed experts through [`LayerExperts`].
 
 pub mod attention;
