@@ -76,7 +76,7 @@ pub fn file_identity(path: &Path) -> std::io::Result<u64> {
 /// busy on a cold start; the reads are tiny).
 const READERS: usize = 8;
 
-/// The identities of `paths`, read in parallel (on up to [`READERS`] short-lived threads of its
+/// The identities of `paths`, read in parallel (on up to `READERS` short-lived threads of its
 /// own, so no thread pool is started for it), folded in order into one value. The first error
 /// is returned with the path it concerns.
 pub fn files_identity<P: AsRef<Path> + Sync>(paths: &[P]) -> Result<u64, (std::path::PathBuf, std::io::Error)> {
