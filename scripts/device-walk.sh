@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs ON the GPU box from the repository root, over device-bundle/ (unpacked from
 # device-bundle.tar.xz by the command that calls it): #36's checks.
-#   tests    the GPU oracle suites on this build (gpu_oracle, hybrid_oracle, gpu_batch)
+#   tests    the GPU oracle suites on this build (gpu_oracle, hybrid_oracle, gpu_batch, and
+#            hybrid_gguf over the bundle's gguf/ twins when it has them)
 #   setup    synthesize v2-lite in /tmp/v2l and build its INT4 CPU/GPU and INT8 dense caches
 #   defaults the defaults, no precision flags: hybrid prefill at 8K (24 GiB), 10K (6 GiB) and 32K
 #            (8 GiB); `generate` at 24 GiB (whole model on the GPU); hybrid decode with the
@@ -29,7 +30,9 @@ figures() { grep -E "prefill|decode|tok/s|device:|VRAM plan|KV cache|pinned|chun
 # A command with a time limit: everything to $OUT/full.log, its figures to the log.
 run() { local limit=$1; shift; timeout "$limit" "$@" 2>&1 | tee -a "${OUT:-/tmp}/full.log" | figures; }
 if has tests; then
-    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/gpu_batch-*; do
+    # GGUF twins of the fixtures, when the bundle has them (scripts/make-gguf-fixtures.sh).
+    [ -d $B/gguf ] && export KRASIS_GGUF_FIXTURES="$PWD/$B/gguf"
+    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/gpu_batch-* $B/tests/hybrid_gguf-*; do
         [ -x "$t" ] || continue
         T "-- $t"
         timeout 500 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|failures:|^    [a-z_0-9]+$" | head -40
