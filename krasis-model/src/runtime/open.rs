@@ -212,11 +212,28 @@ pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig) -> Engi
         cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
     }
     if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
-        let heatmap = Some(default_heatmap_path(files, cfg.cpu.cache_dir.as_deref())).filter(|p| p.is_file());
+        let heatmap = recorded_heatmap(files, cfg.cpu.cache_dir.as_deref());
         cfg.gpu.cache =
             Some(crate::gpu::CachePlan { strategy: crate::gpu::CacheStrategy::HotCachedStatic, heatmap, vram: None });
     }
     cfg
+}
+
+/// The heatmap beside the caches when there is one that fits the model; a damaged or foreign one
+/// is passed over with a warning (the pins then spread evenly), never a reason to refuse a start.
+fn recorded_heatmap(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
+    let path = default_heatmap_path(files, cache_dir);
+    if !path.is_file() {
+        return None;
+    }
+    let (layers, experts) = (files.spec().num_layers, files.spec().routed_experts());
+    match crate::heatmap::ExpertHeat::load(&path, layers, experts) {
+        Ok(_) => Some(path),
+        Err(e) => {
+            tracing::warn!("{e}; pinning experts evenly over the layers instead");
+            None
+        }
+    }
 }
 
 /// Where the model's recorded heatmap lives: [`crate::heatmap::DEFAULT_HEATMAP_FILE`] in its cache

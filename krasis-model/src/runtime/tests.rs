@@ -390,3 +390,34 @@ fn the_cpu_default_is_int4_experts_and_int8_dense() {
     let log = reference.log.join("\n");
     assert!(log.contains("routed experts: reference"), "{log}");
 }
+
+/// The hybrid defaults pin by the heatmap beside the caches when it fits the model, and pass over
+/// a damaged one (pins then spread evenly) rather than refuse to start.
+#[test]
+fn hybrid_pins_by_the_heatmap_beside_the_caches_and_pass_over_a_damaged_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let cache = tmp.path().join("cache");
+    std::fs::create_dir_all(&cache).unwrap();
+    let mut config = EngineConfig { device: DevicePolicy::Hybrid, ..EngineConfig::default() };
+    config.cpu.cache_dir = Some(cache.clone());
+    config.cpu.expert_bits = WeightBits::Int4;
+    let plan = |c: &EngineConfig| super::open::hybrid_defaults(&files, c).gpu.cache.expect("default pins");
+    assert_eq!(plan(&config).heatmap, None, "no heatmap recorded: pins spread evenly");
+    let path = cache.join(crate::heatmap::DEFAULT_HEATMAP_FILE);
+    std::fs::write(&path, b"{ not a heatmap").unwrap();
+    assert_eq!(plan(&config).heatmap, None, "a damaged heatmap is passed over");
+    let spec = files.spec();
+    let (n, k) = (spec.routed_experts(), spec.moe.as_ref().unwrap().routing.top_k);
+    crate::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, n, k, &vec![1; spec.num_layers * n])
+        .save(&path)
+        .unwrap();
+    let p = plan(&config);
+    assert_eq!((p.strategy, p.heatmap.as_deref()), (crate::gpu::CacheStrategy::HotCachedStatic, Some(path.as_path())));
+    // Pinning off, or the CPU reference experts (nothing to stream or pin from): no plan.
+    config.pin_leftover_vram = false;
+    assert!(super::open::hybrid_defaults(&files, &config).gpu.cache.is_none());
+    config.pin_leftover_vram = true;
+    config.cpu.expert_bits = WeightBits::Bf16;
+    assert!(super::open::hybrid_defaults(&files, &config).gpu.cache.is_none());
+}
