@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
 use crate::cmd_bench::{open_for_bench, random_prompt};
-use crate::serve::scheduler::{Config, Event, Job, Scheduler};
 use crate::serve::Metrics;
+use krasis_model::runtime::scheduler::{Config, Event, Job, Scheduler};
 
 /// Decode steps of the warm-up stream before the timed runs (first touches, pool spin-up).
 const WARMUP_TOKENS: usize = 4;

@@ -5,7 +5,7 @@
 use serde::Deserialize;
 
 use super::error::ApiError;
-use super::stop::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
+use krasis_model::runtime::stop::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
 use krasis_model::sampling::SamplingParams;
 
 /// Most messages in one chat request (the body-size limit bounds their text).

@@ -7,10 +7,7 @@
 
 mod api;
 mod error;
-mod metrics;
 mod routes;
-pub(crate) mod scheduler;
-mod stop;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,8 +20,9 @@ use clap::Args as ClapArgs;
 use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{cpu_memory_estimate, open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
 
-pub(crate) use self::metrics::Metrics;
 use crate::cmd_generate::RunArgs;
+pub(crate) use krasis_model::runtime::metrics::Metrics;
+use krasis_model::runtime::scheduler;
 
 /// How long connections may take to send their last chunks once the grace period has ended
 /// every request: a client that reads nothing does not hold the server up.

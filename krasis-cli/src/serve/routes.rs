@@ -21,8 +21,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::api::{parse, ChatRequest, CompletionRequest, Generation, Prompt};
 use super::error::ApiError;
-use super::metrics::Metrics;
-use super::scheduler::{Event, Finish, Job, Refused, Scheduler, SHUTDOWN};
+use krasis_model::runtime::metrics::Metrics;
+use krasis_model::runtime::scheduler::{Event, Finish, Job, Refused, Scheduler, SHUTDOWN};
 
 /// What every handler shares.
 pub struct AppState {

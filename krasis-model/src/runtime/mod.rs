@@ -15,8 +15,11 @@ mod adapter;
 mod cancel;
 mod config;
 mod context;
+pub mod metrics;
 mod open;
+pub mod scheduler;
 mod sessions;
+pub mod stop;
 
 use std::any::Any;
 

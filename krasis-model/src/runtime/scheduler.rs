@@ -1,4 +1,5 @@
-//! The scheduler: one thread that owns the engine's sessions and advances every admitted request
+//! The batching scheduler (what `krasis serve` and `krasis bench --streams` run, and any embedding
+//! front end can): one thread that owns the engine's sessions and advances every admitted request
 //! together, one batched [`Engine::step`] per token. Requests wait in a FIFO queue until a batch
 //! slot frees; a new request's prompt runs in the same step as the others' decode tokens. Each
 //! request gets its text back through its own channel; a closed channel (the client went away)
@@ -11,9 +12,9 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use krasis_model::runtime::{Engine, EngineSession, SequenceStep};
-use krasis_model::sampling::{Sampler, SamplingParams};
-use krasis_model::tokenizer::{TextCodec, TextStream};
+use super::{Engine, EngineSession, SequenceStep};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::tokenizer::{TextCodec, TextStream};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
