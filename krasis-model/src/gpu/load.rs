@@ -423,7 +423,6 @@ impl GpuModel {
                     }
                     None => {
                         model.replan_vram(gpu, false, &mut log)?;
-                        model.fit_prefill_chunk(gpu.kv_tokens, "the stream slots", &mut log)?;
                     }
                 }
                 late.set(ex.executor.clone());
@@ -567,13 +566,11 @@ impl GpuModel {
     /// [`super::vram_plan::MIN_PREFILL_CHUNK`]-token chunk fits, the KV cache shrinks (an asked
     /// `kv_tokens` is refused instead).
     fn fit_prefill_chunk(&mut self, kv_asked: Option<usize>, what: &str, log: &mut Vec<String>) -> Result<()> {
-        use super::vram_plan::{FIXED_RESERVE_BYTES, MIN_PREFILL_CHUNK};
-        let cost = self.scratch_cost;
-        let per_kv = self.kv_layout.bytes_per_token() as u64 + cost.per_context;
+        use super::vram_plan::{CHUNK_STEP, FIXED_RESERVE_BYTES, MIN_PREFILL_CHUNK};
+        let (cost, kv_bpt) = (self.scratch_cost, self.kv_layout.bytes_per_token() as u64);
         let free = self.dev.budget().remaining().saturating_sub(FIXED_RESERVE_BYTES);
-        let room = |kv: usize| (free.saturating_sub(kv as u64 * per_kv) / cost.per_token.max(1)) as usize;
-        if room(self.kv_tokens) < MIN_PREFILL_CHUNK {
-            let fit = (free.saturating_sub(MIN_PREFILL_CHUNK as u64 * cost.per_token) / per_kv.max(1)) as usize;
+        if cost.chunk_beside(free, kv_bpt, self.kv_tokens) < MIN_PREFILL_CHUNK {
+            let fit = cost.kv_beside(free, kv_bpt, MIN_PREFILL_CHUNK);
             if kv_asked.is_some() || fit == 0 {
                 return Err(ModelError::Invalid(format!(
                     "{what}: the VRAM left ({}) holds {fit} KV tokens beside a {MIN_PREFILL_CHUNK}-token prompt chunk, not {} (lower the kv_tokens or pinned-VRAM options, or raise the VRAM budget)",
@@ -584,7 +581,7 @@ impl GpuModel {
             log.push(format!("KV cache: {fit} tokens after {what} (was {})", self.kv_tokens));
             self.kv_tokens = fit;
         }
-        let chunk = room(self.kv_tokens) / 64 * 64;
+        let chunk = cost.chunk_beside(free, kv_bpt, self.kv_tokens) / CHUNK_STEP * CHUNK_STEP;
         if chunk < self.prefill_chunk {
             log.push(format!("prompts run in chunks of up to {chunk} tokens after {what}"));
         }

@@ -92,6 +92,24 @@ impl ScratchCost {
     }
 }
 
+impl ScratchCost {
+    /// KV tokens that fit in `free` bytes beside a prompt chunk of `chunk` tokens, each KV token
+    /// costing `kv_bytes_per_token` plus the scratch its context needs.
+    pub fn kv_beside(&self, free: u64, kv_bytes_per_token: u64, chunk: usize) -> usize {
+        let per_kv = kv_bytes_per_token + self.per_context;
+        (free.saturating_sub(chunk as u64 * self.per_token) / per_kv.max(1)) as usize
+    }
+
+    /// Prompt-chunk tokens whose scratch fits in `free` bytes beside `kv_tokens` of KV cache.
+    pub fn chunk_beside(&self, free: u64, kv_bytes_per_token: u64, kv_tokens: usize) -> usize {
+        let per_kv = kv_bytes_per_token + self.per_context;
+        (free.saturating_sub(kv_tokens as u64 * per_kv) / self.per_token.max(1)) as usize
+    }
+}
+
+/// Prompt chunks are whole multiples of this many tokens (the kernels' row tiles divide it).
+pub const CHUNK_STEP: usize = 64;
+
 /// What the plan asks of the VRAM that is free.
 #[derive(Clone, Copy, Debug)]
 pub struct VramAsk {
@@ -149,15 +167,14 @@ pub struct NoRoom(pub String);
 /// Shares `ask.free` out (see the module documentation).
 pub fn plan_vram(ask: &VramAsk) -> Result<VramPlan, NoRoom> {
     let free = ask.free.saturating_sub(FIXED_RESERVE_BYTES);
-    let per_kv = ask.kv_bytes_per_token + ask.scratch.per_context;
-    let chunk_bytes = |t: usize| t as u64 * ask.scratch.per_token;
+    let (scratch, kv_bpt) = (&ask.scratch, ask.kv_bytes_per_token);
     let ctx = ask.model_context.max(1);
     let needed = ask.context_needed.unwrap_or(0).min(ctx);
     let kv_tokens = match ask.kv_asked {
         Some(n) => n,
         None => {
             // What fits beside a target chunk (at least beside the smallest one).
-            let beside = |chunk: usize| (free.saturating_sub(chunk_bytes(chunk)) / per_kv.max(1)) as usize;
+            let beside = |chunk: usize| scratch.kv_beside(free, kv_bpt, chunk);
             let fit = beside(PREFILL_CHUNK_TARGET).max(beside(MIN_PREFILL_CHUNK).min(needed.max(1)));
             let want = if ask.pins { DEFAULT_KV_TOKENS.min(ctx).max(needed) } else { ctx };
             want.min(fit)
@@ -166,16 +183,17 @@ pub fn plan_vram(ask: &VramAsk) -> Result<VramPlan, NoRoom> {
     if kv_tokens == 0 {
         return Err(NoRoom("no room for a KV cache".into()));
     }
-    let after_kv = free.saturating_sub(kv_tokens as u64 * per_kv);
-    let chunk_room = (after_kv / ask.scratch.per_token.max(1)) as usize;
+    let chunk_room = scratch.chunk_beside(free, kv_bpt, kv_tokens);
     if chunk_room < MIN_PREFILL_CHUNK {
         return Err(NoRoom(format!(
             "{kv_tokens} KV tokens leave room for prompt chunks of {chunk_room} tokens, fewer than {MIN_PREFILL_CHUNK}"
         )));
     }
-    let pin_bytes = if ask.pins { after_kv.saturating_sub(chunk_bytes(PREFILL_CHUNK_TARGET)) } else { 0 };
-    let prefill_chunk = ((after_kv - pin_bytes) / ask.scratch.per_token.max(1)) as usize;
-    Ok(VramPlan { kv_tokens, prefill_chunk: prefill_chunk / 64 * 64, pin_bytes })
+    // Pins get what is left beside a target chunk; the chunk then gets the rest.
+    let after_kv = free.saturating_sub(kv_tokens as u64 * (kv_bpt + scratch.per_context));
+    let pin_bytes = if ask.pins { after_kv.saturating_sub(PREFILL_CHUNK_TARGET as u64 * scratch.per_token) } else { 0 };
+    let prefill_chunk = ((after_kv - pin_bytes) / scratch.per_token.max(1)) as usize;
+    Ok(VramPlan { kv_tokens, prefill_chunk: prefill_chunk / CHUNK_STEP * CHUNK_STEP, pin_bytes })
 }
 
 #[cfg(test)]

@@ -125,10 +125,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
                     "--device gpu runs the whole model on the GPU; --cpu-expert-bits/--cpu-dense-bits apply to --device cpu and --device hybrid".into(),
                 ));
             }
-            let mut cfg = config.clone();
-            if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
-                cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(files.spec()));
-            }
+            let cfg = whole_gpu_defaults(files, config);
             let why = format!(
                 "as asked: the whole model on CUDA device {ordinal}, routed experts {}",
                 gpu_width_name(cfg.gpu.expert_bits)
@@ -152,10 +149,7 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
 /// hybrid too.
 fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> Result<Opened> {
     let ordinal = config.gpu.ordinal;
-    let mut whole = config.clone();
-    if whole.gpu_expert_width == GpuExpertWidth::Auto && whole.gpu.expert_bits.is_none() {
-        whole.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(files.spec()));
-    }
+    let whole = whole_gpu_defaults(files, config);
     let need = crate::gpu::whole_model_vram_bytes(files.spec(), &whole.gpu);
     let budget = krasis_gpu::vram_budget_bytes(ordinal, config.gpu.vram_budget)?;
     let hybrid = |reason: String| -> Result<Opened> {
@@ -191,6 +185,16 @@ fn open_auto_gpu(files: &ModelFiles, config: &EngineConfig, cpu_asked: bool) -> 
         Err(ModelError::Gpu(e)) => hybrid(format!("the GPU could not take the whole model ({e})")),
         other => other,
     }
+}
+
+/// The whole-model GPU engine's defaults on top of `config`: the routed experts resident at
+/// [`crate::precision::default_gpu_expert_bits`] unless a GPU width was given.
+fn whole_gpu_defaults(files: &ModelFiles, config: &EngineConfig) -> EngineConfig {
+    let mut cfg = config.clone();
+    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+        cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(files.spec()));
+    }
+    cfg
 }
 
 /// How a GPU expert width reads in the start line.
