@@ -14,7 +14,7 @@ mod prefill_tests;
 use std::path::Path;
 use std::sync::Arc;
 
-use krasis_cpu::norm::{add_assign_par, rms_norm_rows_into_par, rms_norm_rows_par};
+use krasis_cpu::norm::{add_assign_par, rms_norm_rows_into_par};
 
 use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::PackedLayout;
@@ -591,32 +591,20 @@ impl Model {
 impl LayerOps<CpuKinds> for CpuStep<'_, '_, '_, '_, '_> {
     fn residual_norm(&mut self, w: &Vec<f32>, add: bool, at: NormAt) -> Result<()> {
         let eps = self.model.spec.rms_norm_eps;
-        let mut clock = std::time::Instant::now();
         if add {
+            let mut clock = std::time::Instant::now();
             add_assign_par(&mut self.x, &self.y);
             OTHER_NS.lap(&mut clock, 1);
         }
-        match at {
-            NormAt::Input(l) => {
-                if let Some(f) = self.observe.as_mut() {
-                    f(l, &self.x);
-                }
-                let mut clock = std::time::Instant::now();
-                rms_norm_rows_into_par(&self.x, &mut self.xn, w, eps);
-                OTHER_NS.lap(&mut clock, 0);
-            }
-            NormAt::PostAttention(_) => {
-                rms_norm_rows_into_par(&self.x, &mut self.xn, w, eps);
-                OTHER_NS.lap(&mut clock, 0);
-            }
-            NormAt::Final => {
-                // Normed in place, then handed to the LM head as `xn`.
-                rms_norm_rows_par(&mut self.x, w, eps);
-                std::mem::swap(&mut self.x, &mut self.xn);
-                if let Some(f) = self.observe.as_mut() {
-                    f(self.model.spec.num_layers, &self.xn);
-                }
-            }
+        // The observer sees the hidden state entering each layer, and the final normed output.
+        if let (NormAt::Input(l), Some(f)) = (at, self.observe.as_mut()) {
+            f(l, &self.x);
+        }
+        let mut clock = std::time::Instant::now();
+        rms_norm_rows_into_par(&self.x, &mut self.xn, w, eps);
+        OTHER_NS.lap(&mut clock, 0);
+        if let (NormAt::Final, Some(f)) = (at, self.observe.as_mut()) {
+            f(self.model.spec.num_layers, &self.xn);
         }
         Ok(())
     }
