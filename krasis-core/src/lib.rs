@@ -1,10 +1,12 @@
 //! Shared types for every Krasis crate: element types and their conversions, tensor views,
 //! the model specification types (architecture plan, routing rule, RoPE pairing), the hardware
-//! probe and memory-budget arithmetic. Nothing here parses model files or runs kernels.
+//! probe and memory-budget arithmetic, and the environment variables the libraries read for tests
+//! and measurements ([`knobs`]). Nothing here parses model files or runs kernels.
 
 pub mod budget;
 pub mod dtype;
 pub mod hw;
+pub mod knobs;
 pub mod memory;
 pub mod spec;
 pub mod tensor;
