@@ -31,8 +31,7 @@ const SHARED_KV_SHORT_ROWS: usize = 72;
 /// `KRASIS_ATTN_SHARED_KV=0` turns the position split of [`decode_shared_kv`] off (one task per
 /// head, as for several query tokens): a diagnostic knob to measure the split against.
 fn shared_kv_split() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KRASIS_ATTN_SHARED_KV").map_or(true, |v| v != "0"))
+    krasis_core::knobs::knobs().attn_shared_kv
 }
 
 /// Keys and values of `len` cached positions.
@@ -255,7 +254,7 @@ pub(crate) fn shared_kv_plan(visible: usize, group: usize, kv_heads: usize, work
 }
 
 /// Measurement overrides of [`shared_kv_plan`]: `KRASIS_ATTN_MAX_TASKS` (chunks per sub-group),
-/// `KRASIS_ATTN_MIN_ROWS`, `KRASIS_ATTN_TASK_HEADS` (0: whole group), read once.
+/// `KRASIS_ATTN_MIN_ROWS`, `KRASIS_ATTN_TASK_HEADS` (0: whole group).
 #[derive(Clone, Copy, Debug)]
 struct SharedKvOverrides {
     max_tasks: Option<usize>,
@@ -264,13 +263,8 @@ struct SharedKvOverrides {
 }
 
 fn shared_kv_overrides() -> SharedKvOverrides {
-    static S: std::sync::OnceLock<SharedKvOverrides> = std::sync::OnceLock::new();
-    use crate::env::count;
-    *S.get_or_init(|| SharedKvOverrides {
-        max_tasks: count("KRASIS_ATTN_MAX_TASKS").filter(|&v| v > 0),
-        min_rows: count("KRASIS_ATTN_MIN_ROWS").filter(|&v| v > 0),
-        heads: count("KRASIS_ATTN_TASK_HEADS"),
-    })
+    let k = krasis_core::knobs::knobs();
+    SharedKvOverrides { max_tasks: k.attn_max_tasks, min_rows: k.attn_min_rows, heads: k.attn_task_heads }
 }
 
 thread_local! {

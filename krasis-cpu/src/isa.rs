@@ -73,19 +73,26 @@ pub fn active() -> Isa {
     static ACTIVE: OnceLock<Isa> = OnceLock::new();
     *ACTIVE.get_or_init(|| {
         let best = Isa::detect();
-        let isa = match std::env::var("KRASIS_ISA") {
-            Err(_) => best,
-            Ok(v) => match parse_isa(&v) {
-                Some(req) if req <= best => req,
-                Some(req) => {
+        use krasis_core::knobs::IsaChoice;
+        let isa = match &krasis_core::knobs::knobs().isa {
+            None => best,
+            Some(IsaChoice::Unknown(v)) => {
+                tracing::warn!("KRASIS_ISA={v:?} is not one of scalar|avx2|avx512|amx; using {}", best.name());
+                best
+            }
+            Some(choice) => {
+                let req = match choice {
+                    IsaChoice::Scalar => Isa::Scalar,
+                    IsaChoice::Avx2 => Isa::Avx2,
+                    IsaChoice::Avx512 | IsaChoice::Amx | IsaChoice::Unknown(_) => Isa::Avx512,
+                };
+                if req <= best {
+                    req
+                } else {
                     tracing::warn!("KRASIS_ISA={} is not supported by this CPU; using {}", req.name(), best.name());
                     best
                 }
-                None => {
-                    tracing::warn!("KRASIS_ISA={v:?} is not one of scalar|avx2|avx512|amx; using {}", best.name());
-                    best
-                }
-            },
+            }
         };
         tracing::debug!("kernels use {} (the CPU has {})", isa.name(), best.name());
         isa

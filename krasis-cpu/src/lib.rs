@@ -5,7 +5,6 @@
 pub mod activation;
 pub mod aligned;
 pub mod attention;
-mod env;
 pub mod expf;
 pub mod gemm;
 pub mod group_attention;

@@ -342,8 +342,7 @@ thread_local! {
 /// unless `KRASIS_MLA_EXPAND=f32`. Chosen per process and dims, never per call, so a prompt split
 /// into calls expands every row the same way.
 pub fn expand_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
-    static F32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let f32_asked = *F32.get_or_init(|| std::env::var("KRASIS_MLA_EXPAND").is_ok_and(|v| v.trim() == "f32"));
+    let f32_asked = krasis_core::knobs::knobs().mla_expand_f32;
     if f32_asked || !dims.latent.is_multiple_of(crate::quant::amx::bf16::TILE_K) {
         return None;
     }
@@ -356,8 +355,7 @@ pub fn expand_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
 /// (queries, keys, probabilities and values rounded once each) with f32 sums; the online softmax
 /// stays in f32. Chosen per process and dims, never per call.
 pub fn attend_tiles(dims: &MlaDims) -> Option<Bf16Tiles> {
-    static F32: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let f32_asked = *F32.get_or_init(|| std::env::var("KRASIS_MLA_ATTEND").is_ok_and(|v| v.trim() == "f32"));
+    let f32_asked = krasis_core::knobs::knobs().mla_attend_f32;
     if f32_asked || panel_qk(dims) > MAX_PANEL_QK {
         return None;
     }

@@ -40,10 +40,9 @@ pub const TASKS_PER_WORKER: usize = 2;
 /// the atomic claim per task for nothing; not re-measured with the expert runner's change).
 pub(crate) const MATMUL_TASKS_PER_WORKER: usize = 4;
 
-/// `KRASIS_TASKS_PER_WORKER`, if set (read once; a tuning knob for both runners).
+/// `KRASIS_TASKS_PER_WORKER`, if set (a tuning knob for both runners).
 fn tasks_per_worker_env() -> Option<usize> {
-    static T: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *T.get_or_init(|| std::env::var("KRASIS_TASKS_PER_WORKER").ok().and_then(|v| v.parse().ok()).filter(|&t| t > 0))
+    krasis_core::knobs::knobs().tasks_per_worker
 }
 
 /// Units (row blocks) per [`PoolMatmul`] task for `total` units over `workers`.
@@ -94,8 +93,11 @@ pub(crate) fn shape_acts(a: &mut QuantizedActs, m: usize, k: usize, gs: usize) {
 /// INT8 rows per token: 2 (value + residual, the default) or 1 with `KRASIS_ACT_SPLIT=0`, which
 /// trades accuracy for half the integer work (for measuring what the residual costs).
 pub fn split_factor() -> usize {
-    static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *S.get_or_init(|| if std::env::var("KRASIS_ACT_SPLIT").is_ok_and(|v| v == "0") { 1 } else { 2 })
+    if krasis_core::knobs::knobs().act_split {
+        2
+    } else {
+        1
+    }
 }
 
 /// `KRASIS_DENSE_XQ=caller`: [`PoolMatmul`] and [`crate::heads::HeadMatmul`] quantise their
@@ -103,14 +105,13 @@ pub fn split_factor() -> usize {
 /// once; for measuring what the in-dispatch quantisation saves, or costs where the workers'
 /// cores are shared and a waiting task spins while the quantising one is descheduled).
 pub(crate) fn caller_quantises() -> bool {
-    static C: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *C.get_or_init(|| std::env::var("KRASIS_DENSE_XQ").is_ok_and(|v| v == "caller"))
+    krasis_core::knobs::knobs().dense_xq_caller
 }
 
 /// `KRASIS_MOE_SUM=serial`: [`PoolExperts`] add the experts' outputs after the dispatch, on the
 /// calling thread (the former runner; for measuring what the in-dispatch sum saves).
 fn fused_sum_env() -> bool {
-    std::env::var("KRASIS_MOE_SUM").map_or(true, |v| v != "serial")
+    !krasis_core::knobs::knobs().moe_sum_serial
 }
 
 /// `y[i] = out[2i] + out[2i+1]` for rows of width `w` (in place: the result occupies the first
@@ -436,10 +437,10 @@ pub enum W2Mode {
 impl W2Mode {
     /// `KRASIS_MOE_W2=whole|groups|major` (default [`W2Mode::ByGroups`]).
     fn from_env() -> W2Mode {
-        match std::env::var("KRASIS_MOE_W2").as_deref() {
-            Ok("whole") => W2Mode::Whole,
-            Ok("major") => W2Mode::GroupMajor,
-            _ => W2Mode::ByGroups,
+        match krasis_core::knobs::knobs().moe_w2 {
+            krasis_core::knobs::MoeW2::Whole => W2Mode::Whole,
+            krasis_core::knobs::MoeW2::ByGroups => W2Mode::ByGroups,
+            krasis_core::knobs::MoeW2::GroupMajor => W2Mode::GroupMajor,
         }
     }
 }
@@ -584,10 +585,10 @@ const LOCAL_X_PREFETCH: usize = 4 << 10;
 /// stays opt-in: measured (log `-moe8.log`) INT4 one expert 113.4 GB/s median against 102.3
 /// shared, but INT8 134.3 against 138.2.
 fn local_x_env() -> (usize, usize) {
-    match std::env::var("KRASIS_MOE_XQ").as_deref() {
-        Ok("local") => (LOCAL_X_MAX_ROWS, usize::MAX),
-        Ok("local1") => (LOCAL_X_MAX_ROWS, 1),
-        _ => (0, usize::MAX),
+    match krasis_core::knobs::knobs().moe_xq {
+        krasis_core::knobs::MoeXq::Local => (LOCAL_X_MAX_ROWS, usize::MAX),
+        krasis_core::knobs::MoeXq::Local1 => (LOCAL_X_MAX_ROWS, 1),
+        krasis_core::knobs::MoeXq::Shared => (0, usize::MAX),
     }
 }
 
@@ -600,10 +601,10 @@ const GUIDED_MIN_JOBS: usize = 2;
 
 /// `KRASIS_MOE_TASKS=guided|even` overrides [`GUIDED_MIN_JOBS`] (always / never).
 fn guided_env() -> usize {
-    match std::env::var("KRASIS_MOE_TASKS").as_deref() {
-        Ok("guided") => 1,
-        Ok("even") => usize::MAX,
-        _ => GUIDED_MIN_JOBS,
+    match krasis_core::knobs::knobs().moe_tasks {
+        Some(krasis_core::knobs::MoeTasks::Guided) => 1,
+        Some(krasis_core::knobs::MoeTasks::Even) => usize::MAX,
+        None => GUIDED_MIN_JOBS,
     }
 }
 
@@ -698,7 +699,7 @@ impl PoolExperts {
             local_x_max_jobs: local_x_env().1,
             w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
             w2_mode: W2Mode::from_env(),
-            affine: std::env::var("KRASIS_MOE_AFFINE").map_or(true, |v| v != "0"),
+            affine: krasis_core::knobs::knobs().moe_affine,
             prefetch_step: Mutex::new(StepScratch::default()),
         }
     }

@@ -76,18 +76,13 @@ pub enum Bf16Tiles {
 pub fn tiles() -> Option<Bf16Tiles> {
     static T: OnceLock<Option<Bf16Tiles>> = OnceLock::new();
     *T.get_or_init(|| {
-        let asked = std::env::var("KRASIS_PREFILL_MATMUL").unwrap_or_default();
-        match asked.trim() {
-            "int8" => None,
-            "bf16-emulated" => Some(Bf16Tiles::Emulated),
-            other => {
-                if !other.is_empty() && other != "bf16" {
-                    tracing::warn!(
-                        "KRASIS_PREFILL_MATMUL={other:?} is not int8, bf16 or bf16-emulated; using the default"
-                    );
-                }
+        use krasis_core::knobs::PrefillMatmul;
+        match krasis_core::knobs::knobs().prefill_matmul {
+            PrefillMatmul::Int8 => None,
+            PrefillMatmul::Bf16Emulated => Some(Bf16Tiles::Emulated),
+            asked @ (PrefillMatmul::Auto | PrefillMatmul::Bf16) => {
                 let hw = hardware();
-                if other == "bf16" && !hw {
+                if asked == PrefillMatmul::Bf16 && !hw {
                     tracing::warn!(
                         "KRASIS_PREFILL_MATMUL=bf16, but the AMX-BF16 tiles are not usable here (AMX and AMX-BF16 \
                          with AVX-512 BF16 are needed, and KRASIS_ISA must allow amx); prefill stays on the INT8 kernels"
@@ -112,7 +107,7 @@ fn hardware() -> bool {
 /// [`BF16_MIN_TOKENS`] or `KRASIS_BF16_MIN_TOKENS` (read once).
 pub fn min_tokens() -> usize {
     static M: OnceLock<usize> = OnceLock::new();
-    *M.get_or_init(|| crate::env::count_or("KRASIS_BF16_MIN_TOKENS", BF16_MIN_TOKENS))
+    *M.get_or_init(|| krasis_core::knobs::knobs().bf16_min_tokens.unwrap_or(BF16_MIN_TOKENS))
 }
 
 /// The tiles a call of `tokens` rows per matrix (for experts, the mean per expert) with ISA
@@ -146,15 +141,7 @@ static PHASE_NS: PhaseNs<8> = PhaseNs::new();
 /// Whether the expert tasks run as one dispatch (default) or, with
 /// `KRASIS_EXPERT_DISPATCH=split`, one dispatch per kind of task (read once).
 fn fused_dispatch() -> bool {
-    static F: OnceLock<bool> = OnceLock::new();
-    *F.get_or_init(|| match std::env::var("KRASIS_EXPERT_DISPATCH").unwrap_or_default().trim() {
-        "" | "fused" => true,
-        "split" => false,
-        other => {
-            tracing::warn!("KRASIS_EXPERT_DISPATCH={other:?} is not fused or split; using fused");
-            true
-        }
-    })
+    !krasis_core::knobs::knobs().expert_dispatch_split
 }
 
 /// One line for the startup log.
@@ -254,14 +241,14 @@ fn padded(m: usize) -> usize {
 /// Row blocks per panel at K = `k` ([`PANEL_BYTES`], or `KRASIS_BF16_PANEL_KB`).
 fn panel_blocks(k: usize) -> usize {
     static B: OnceLock<usize> = OnceLock::new();
-    let bytes = *B.get_or_init(|| crate::env::positive_or("KRASIS_BF16_PANEL_KB", PANEL_BYTES >> 10) << 10);
+    let bytes = *B.get_or_init(|| krasis_core::knobs::knobs().bf16_panel_kb.unwrap_or(PANEL_BYTES >> 10) << 10);
     (bytes / (k * ROW_BLOCK * 2)).max(1)
 }
 
 /// [`TASKS_PER_WORKER`], or `KRASIS_BF16_TASKS`.
 fn tasks_per_worker() -> usize {
     static T: OnceLock<usize> = OnceLock::new();
-    *T.get_or_init(|| crate::env::positive_or("KRASIS_BF16_TASKS", TASKS_PER_WORKER))
+    *T.get_or_init(|| krasis_core::knobs::knobs().bf16_tasks.unwrap_or(TASKS_PER_WORKER))
 }
 
 /// `out[pad(m) rows, row stride os] = a · W[b0..b1]ᵀ` (16 columns per block, from column 0 of

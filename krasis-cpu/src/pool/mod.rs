@@ -143,7 +143,7 @@ impl PoolPlan {
             nodes: groups.into_iter().map(|(_, c)| c).collect(),
             pin: cfg!(target_os = "linux"),
             spin: SPIN_BEFORE_PARK,
-            yield_spin: std::env::var("KRASIS_POOL_YIELD").map_or(true, |v| v != "0"),
+            yield_spin: krasis_core::knobs::knobs().pool_yield,
         }
     }
 

@@ -157,20 +157,15 @@ pub const DEFAULT_PREFETCH: Prefetch = Prefetch { hint: PrefetchHint::T0, distan
 pub fn active_prefetch() -> Prefetch {
     static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
     *P.get_or_init(|| {
-        let Ok(v) = std::env::var("KRASIS_PREFETCH") else { return DEFAULT_PREFETCH };
-        let (hint, dist) = v.split_once(':').unwrap_or((v.as_str(), ""));
-        let hint = match hint.trim() {
-            "none" => PrefetchHint::None,
-            "nta" => PrefetchHint::Nta,
-            "t0" => PrefetchHint::T0,
-            "t1" => PrefetchHint::T1,
-            other => {
-                tracing::warn!("KRASIS_PREFETCH hint {other:?} is not none|nta|t0|t1; using the default");
-                return DEFAULT_PREFETCH;
-            }
+        use krasis_core::knobs::PrefetchHint as Knob;
+        let Some(p) = krasis_core::knobs::knobs().prefetch else { return DEFAULT_PREFETCH };
+        let hint = match p.hint {
+            Knob::None => PrefetchHint::None,
+            Knob::Nta => PrefetchHint::Nta,
+            Knob::T0 => PrefetchHint::T0,
+            Knob::T1 => PrefetchHint::T1,
         };
-        let distance = dist.trim().parse().unwrap_or(DEFAULT_PREFETCH.distance);
-        Prefetch { hint, distance }
+        Prefetch { hint, distance: p.distance.unwrap_or(DEFAULT_PREFETCH.distance) }
     })
 }
 

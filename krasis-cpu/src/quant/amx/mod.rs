@@ -59,7 +59,8 @@ pub const AMX_MIN_ROWS: usize = 16;
 pub fn enabled() -> bool {
     static E: OnceLock<bool> = OnceLock::new();
     *E.get_or_init(|| {
-        let asked = std::env::var("KRASIS_ISA").map_or(true, |v| v.trim().eq_ignore_ascii_case("amx"));
+        let isa = &krasis_core::knobs::knobs().isa;
+        let asked = isa.as_ref().is_none_or(|i| *i == krasis_core::knobs::IsaChoice::Amx);
         let on = asked && crate::isa::active() == crate::isa::Isa::Avx512 && detect::hw_available();
         match (asked, detect::support()) {
             (true, detect::AmxSupport::Unusable(why)) => tracing::debug!("AMX off: {why}"),
@@ -73,7 +74,7 @@ pub fn enabled() -> bool {
 /// The M from which the AMX path runs: [`AMX_MIN_ROWS`], or `KRASIS_AMX_MIN_ROWS` (read once).
 pub fn min_rows() -> usize {
     static M: OnceLock<usize> = OnceLock::new();
-    *M.get_or_init(|| crate::env::count_or("KRASIS_AMX_MIN_ROWS", AMX_MIN_ROWS))
+    *M.get_or_init(|| krasis_core::knobs::knobs().amx_min_rows.unwrap_or(AMX_MIN_ROWS))
 }
 
 /// One line for the startup log: whether the AMX tiles are used, and from which M.

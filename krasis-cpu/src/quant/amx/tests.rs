@@ -27,7 +27,7 @@ fn has_avx512() -> bool {
 /// instead under `KRASIS_REQUIRE_AMX=1`.
 fn or_skip(ok: bool, test: &str, why: &str) -> bool {
     if !ok {
-        if std::env::var("KRASIS_REQUIRE_AMX").is_ok_and(|v| v == "1") {
+        if krasis_core::knobs::knobs().require_amx {
             panic!("{test}: KRASIS_REQUIRE_AMX=1 but {why}");
         }
         let _ = writeln!(std::io::stderr(), "*** SKIPPED: {test} checked nothing: {why} ***");
