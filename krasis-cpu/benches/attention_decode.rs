@@ -1,9 +1,7 @@
-//! One decode token's causal attention over a cache, on the pool the engine installs: absorbed
+//! One decode token's causal attention over a cache, on a worker pool as the engine runs it: absorbed
 //! MLA (V2-Lite: 16 heads sharing one 576-float latent row, values its first 512) and GQA
 //! (Qwen3-30B-A3B: 32 heads over 4 kv heads of 128), at several context lengths. Reports cache
 //! bytes read per second.
-
-use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use krasis_core::hw::probe;
@@ -14,8 +12,12 @@ mod support;
 use support::rand_f32;
 
 fn bench_decode_attention(c: &mut Criterion) {
-    let pool = Arc::new(WorkerPool::new(PoolPlan::from_system(&probe(), None)).expect("worker pool"));
-    krasis_cpu::par::install(pool.clone());
+    let pool = WorkerPool::new(PoolPlan::from_system(&probe(), None)).expect("worker pool");
+    krasis_cpu::par::with_pool(&pool, || decode_attention_on(c, &pool));
+}
+
+/// [`bench_decode_attention`] with the ops on `pool`.
+fn decode_attention_on(c: &mut Criterion, pool: &WorkerPool) {
     let mut g = c.benchmark_group(format!("decode_attention_{}t", pool.threads()));
     // (name, heads, kv_heads, k_dim, v_dim, shared latent row)
     for &(name, heads, kv_heads, k_dim, v_dim, shared) in

@@ -1,33 +1,67 @@
-//! Data-parallel loops of the dense ops: on the pinned [`WorkerPool`] once one is installed
-//! (the quantised engine installs its pool), else on rayon. One pool for everything in a decode
-//! step: rayon's threads waking beside the pool's spinning workers cost tens of microseconds per
-//! op (measured: rayon 11–57 µs per dispatch against the pool's 2.5 µs on 16 cores).
+//! Data-parallel loops of the dense ops: on the [`WorkerPool`] the calling thread runs under
+//! ([`with_pool`]; an engine wraps its forward calls in its own pool), else on rayon. One pool
+//! for everything in a decode step: rayon's threads waking beside the pool's spinning workers cost
+//! tens of microseconds per op (measured: rayon 11–57 µs per dispatch against the pool's 2.5 µs
+//! on 16 cores). The pool is per call, not per process, so two engines in one process each run
+//! their ops on their own pool.
 
-use std::sync::{Arc, OnceLock};
+use std::cell::Cell;
+use std::ptr::NonNull;
 
 use rayon::prelude::*;
 
-use crate::pool::WorkerPool;
+use crate::pool::{running_task_threads, WorkerPool};
 
-static POOL: OnceLock<Arc<WorkerPool>> = OnceLock::new();
-
-/// Route the dense ops through `pool` from now on (first call wins; later calls are ignored and
-/// return false).
-pub fn install(pool: Arc<WorkerPool>) -> bool {
-    POOL.set(pool).is_ok()
+thread_local! {
+    /// The pool of the innermost [`with_pool`] on this thread; it borrows that call's argument,
+    /// so it is only set while the call runs.
+    static CURRENT: Cell<Option<NonNull<WorkerPool>>> = const { Cell::new(None) };
 }
 
-/// Run `f(i)` for every `i` in `0..n`, in parallel; returns when all are done.
-pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
-    match POOL.get() {
-        Some(pool) => pool.run(n, &|i, _| f(i)),
-        None => (0..n).into_par_iter().for_each(f),
+/// Puts the previous pool back when dropped, also when `f` unwinds.
+struct Restore(Option<NonNull<WorkerPool>>);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
     }
 }
 
-/// Threads a [`for_each`] runs on (the pool's, else rayon's).
+/// Runs `f` with the dense ops of this thread ([`for_each`] and the loops over it) on `pool`,
+/// then puts back the pool that was current before (also when `f` panics). Calls nest: the
+/// innermost pool is the one used. Other threads are not affected.
+pub fn with_pool<R>(pool: &WorkerPool, f: impl FnOnce() -> R) -> R {
+    let prev = CURRENT.with(|c| c.replace(Some(NonNull::from(pool))));
+    let _restore = Restore(prev);
+    f()
+}
+
+/// Calls `f` with the pool of the innermost [`with_pool`] running on this thread.
+fn on_current<R>(f: impl FnOnce(Option<&WorkerPool>) -> R) -> R {
+    let p = CURRENT.with(Cell::get);
+    // SAFETY: `CURRENT` holds a pointer only while the `with_pool` call that borrowed it runs on
+    // this thread; that call outlives this one, and `f` cannot keep the reference.
+    f(p.map(|p| unsafe { p.as_ref() }))
+}
+
+/// Run `f(i)` for every `i` in `0..n`, in parallel; returns when all are done. On this thread's
+/// pool ([`with_pool`]); inside a pool's task without one (a worker thread), inline, as the pool
+/// runs nested calls; else on rayon.
+pub fn for_each(n: usize, f: &(dyn Fn(usize) + Sync)) {
+    on_current(|pool| match pool {
+        Some(pool) => pool.run(n, &|i, _| f(i)),
+        None if running_task_threads().is_some() => (0..n).for_each(f),
+        None => (0..n).into_par_iter().for_each(f),
+    })
+}
+
+/// Threads a [`for_each`] runs on: this thread's pool's (or, inside a pool's task, that pool's),
+/// else rayon's.
 pub fn threads() -> usize {
-    POOL.get().map_or_else(rayon::current_num_threads, |p| p.threads())
+    on_current(|pool| match pool {
+        Some(pool) => pool.threads(),
+        None => running_task_threads().unwrap_or_else(rayon::current_num_threads),
+    })
 }
 
 /// A raw pointer shared by tasks that each write their own, disjoint part of the buffer (every
@@ -106,6 +140,9 @@ pub fn for_each_chunk_pair_mut<A: Send, B: Send>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Barrier;
+
     use super::*;
     use crate::pool::PoolPlan;
 
@@ -135,7 +172,84 @@ mod tests {
             }
         };
         check();
-        install(Arc::new(WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap()));
-        check();
+        with_pool(&WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap(), check);
+    }
+
+    /// Runs `n` tasks through [`for_each`] and counts, per pool of `pools`, the tasks that ran as
+    /// one of its tasks; the last entry counts the tasks that ran on none of them.
+    fn run_counted(n: usize, pools: &[&WorkerPool]) -> Vec<usize> {
+        let counts: Vec<AtomicUsize> = (0..=pools.len()).map(|_| AtomicUsize::new(0)).collect();
+        for_each(n, &|_| {
+            let at = pools.iter().position(|p| p.current_task().is_some()).unwrap_or(pools.len());
+            counts[at].fetch_add(1, Ordering::Relaxed);
+        });
+        counts.into_iter().map(AtomicUsize::into_inner).collect()
+    }
+
+    #[test]
+    fn two_threads_each_run_their_work_on_their_own_pool() {
+        let a = WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap();
+        let b = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
+        let start = Barrier::new(2);
+        const ROUNDS: usize = 200;
+        const TASKS: usize = 17;
+        std::thread::scope(|s| {
+            for (mine, other) in [(&a, &b), (&b, &a)] {
+                let start = &start;
+                s.spawn(move || {
+                    start.wait();
+                    with_pool(mine, || {
+                        assert_eq!(threads(), mine.threads());
+                        for _ in 0..ROUNDS {
+                            assert_eq!(
+                                run_counted(TASKS, &[mine, other]),
+                                [TASKS, 0, 0],
+                                "every task on this thread's pool, none on the other's or elsewhere"
+                            );
+                        }
+                    });
+                });
+            }
+        });
+        // Outside `with_pool` the ops run on rayon, on neither pool.
+        assert_eq!(run_counted(TASKS, &[&a, &b]), [0, 0, TASKS]);
+    }
+
+    #[test]
+    fn nested_with_pool_restores_the_outer_pool() {
+        let outer = WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap();
+        let inner = WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap();
+        let pools = [&outer, &inner];
+        with_pool(&outer, || {
+            assert_eq!(run_counted(9, &pools), [9, 0, 0]);
+            with_pool(&inner, || assert_eq!(run_counted(9, &pools), [0, 9, 0]));
+            assert_eq!(run_counted(9, &pools), [9, 0, 0], "back on the outer pool after the inner call");
+            // A panic inside the inner call restores the outer pool too.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_pool(&inner, || panic!("inside the inner pool"));
+            }));
+            assert!(r.is_err());
+            assert_eq!(run_counted(9, &pools), [9, 0, 0], "back on the outer pool after a panic");
+        });
+        assert_eq!(run_counted(9, &pools), [0, 0, 9], "no pool after the outer call");
+    }
+
+    #[test]
+    fn loops_inside_a_pool_task_stay_on_that_task() {
+        let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
+        let inner = AtomicUsize::new(0);
+        with_pool(&pool, || {
+            for_each(12, &|_| {
+                // On a worker thread no pool is current: the nested loop runs inline in the task,
+                // as the pool runs nested calls, not on rayon.
+                let here = pool.current_task().expect("a task of the pool");
+                assert_eq!(threads(), pool.threads());
+                for_each(5, &|_| {
+                    assert_eq!(pool.current_task(), Some(here));
+                    inner.fetch_add(1, Ordering::Relaxed);
+                });
+            });
+        });
+        assert_eq!(inner.into_inner(), 60);
     }
 }

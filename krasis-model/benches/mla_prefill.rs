@@ -36,7 +36,11 @@ fn layer(w: &CpuMlaParts) -> MlaAttention<'_> {
 fn bench(c: &mut Criterion) {
     let threads = std::env::var("KRASIS_BENCH_THREADS").ok().and_then(|v| v.parse().ok());
     let pool = Arc::new(WorkerPool::new(PoolPlan::from_system(&probe(), threads)).expect("worker pool"));
-    krasis_cpu::par::install(pool.clone());
+    krasis_cpu::par::with_pool(&pool, || bench_on(c, &pool));
+}
+
+/// The benches, with the dense ops on `pool`.
+fn bench_on(c: &mut Criterion, pool: &Arc<WorkerPool>) {
     let d = DIMS;
     let kv_b_rows = d.heads * (d.nope + d.v_dim);
     let kv_b = |packed: bool| -> KvB {

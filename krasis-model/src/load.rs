@@ -67,10 +67,11 @@ pub struct CpuExperts {
     pub expert_bytes: u64,
 }
 
-/// Starts the worker pool and installs it for the CPU kernels (logged).
+/// Starts a worker pool (logged). The engine that gets it runs its CPU kernels on it: the
+/// quantised ops hold it, and the CPU engine's forward calls run the dense ops on it
+/// ([`Model::set_pool`]).
 pub fn start_pool(threads: Option<usize>, log: &mut Vec<String>) -> Result<Arc<WorkerPool>> {
     let p = make_pool(threads)?;
-    krasis_cpu::par::install(p.clone());
     log.push(format!(
         "worker pool: {}; kernels: {}",
         p.describe(),
@@ -152,7 +153,10 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
         (Some(bits), Some(pool)) => Some(open_cached_dense(files, bits, opts, pool, &mut log)?),
         _ => None,
     };
-    let model = Model::from_source_with(spec, files.weights(), &quant_dense, cached.as_deref(), experts)?;
+    let mut model = Model::from_source_with(spec, files.weights(), &quant_dense, cached.as_deref(), experts)?;
+    if let Some(pool) = &pool {
+        model.set_pool(pool.clone());
+    }
     // Everything the engine keeps from the source is copied, quantised or read through the
     // mapping on use (the embedding's rows, the routers), so the pages the load touched
     // (quantising, building the expert cache) leave the resident set.

@@ -286,6 +286,13 @@ thread_local! {
     static CALLER_PIN: Cell<Option<(*const Shared, usize)>> = const { Cell::new(None) };
 }
 
+/// Workers of the pool whose task the calling thread is running, if it runs one (any pool's).
+pub(crate) fn running_task_threads() -> Option<usize> {
+    // SAFETY: `CURRENT` holds a pool's `Shared` only while this thread runs one of its tasks, and
+    // the pool outlives its tasks.
+    CURRENT.with(|c| c.get().map(|(shared, _)| unsafe { (&(*shared).ctxs).len() }))
+}
+
 impl Shared {
     /// Wait for `epoch` to move past `seen`: spin for the budget, then sleep.
     fn wait_epoch(&self, seen: u32) -> u32 {
@@ -805,6 +812,12 @@ impl WorkerPool {
         format!(
             "{n} workers pinned to cores {cores} on {k} NUMA {nodes_word}, one per physical core (worker 0 is the calling thread)"
         )
+    }
+
+    /// The context of the task of this pool that the calling thread is running, if any (`None`
+    /// outside this pool's tasks, also inside another pool's).
+    pub fn current_task(&self) -> Option<WorkerCtx> {
+        self.nested_ctx()
     }
 
     /// The context of the task this thread is running for this pool, if any.

@@ -58,6 +58,9 @@ pub struct Model {
     stats: ForwardStats,
     /// Expert activation counts, while recording ([`Model::record_heatmap`]).
     heat: Option<crate::heatmap::HeatCounter>,
+    /// The worker pool the dense ops of every forward call run on ([`Model::set_pool`]); `None`:
+    /// rayon.
+    pool: Option<Arc<WorkerPool>>,
 }
 
 /// Where forward time goes (for `krasis bench`): routed-expert execution vs everything.
@@ -404,7 +407,14 @@ impl Model {
             mla: spec.attention.mla_dims(),
         };
         let weights = build(&spec, &mut builder)?;
-        Ok(Model { rope: RotaryTables::new(&spec.rope), stats: ForwardStats::default(), heat: None, spec, weights })
+        Ok(Model {
+            rope: RotaryTables::new(&spec.rope),
+            stats: ForwardStats::default(),
+            heat: None,
+            pool: None,
+            spec,
+            weights,
+        })
     }
 
     /// Weight bytes a decode step reads outside the routed experts: attention, dense MLPs,
@@ -426,8 +436,16 @@ impl Model {
         (layers + w.lm_head.weight_bytes() + embed_row) as u64
     }
 
-    pub fn stats(&self) -> &ForwardStats {
+    /// Where forward time went since the last reset.
+    pub fn forward_stats(&self) -> &ForwardStats {
         &self.stats
+    }
+
+    /// Runs the dense ops of every forward call (norms, attention, the reference linears) on
+    /// `pool` ([`krasis_cpu::par::with_pool`]): the engine's own pool, not a process-wide one, so
+    /// two engines in one process each use theirs.
+    pub fn set_pool(&mut self, pool: Arc<WorkerPool>) {
+        self.pool = Some(pool);
     }
 
     /// Counts every MoE layer's routes from now on ([`Model::heatmap`]).
@@ -488,7 +506,19 @@ impl Model {
         self.forward_seqs(seqs, None)
     }
 
+    /// The one entry of every forward call: `forward_pass` on the model's pool.
     fn forward_seqs(
+        &self,
+        seqs: &mut [BatchSeq<'_>],
+        observe: Option<&mut HiddenObserver<'_>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        match &self.pool {
+            Some(pool) => krasis_cpu::par::with_pool(pool, || self.forward_pass(seqs, observe)),
+            None => self.forward_pass(seqs, observe),
+        }
+    }
+
+    fn forward_pass(
         &self,
         seqs: &mut [BatchSeq<'_>],
         mut observe: Option<&mut HiddenObserver<'_>>,

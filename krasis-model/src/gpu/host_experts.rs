@@ -493,7 +493,12 @@ impl ExpertServer {
             .name("krasis-experts".into())
             .spawn(move || {
                 let _pin = pool.as_deref().map(WorkerPool::pin_caller);
-                serve(rx, reply_tx, &experts)
+                // The expert backends hold the pool themselves; any dense op they run through
+                // `krasis_cpu::par` runs on it too.
+                match pool.as_deref() {
+                    Some(pool) => krasis_cpu::par::with_pool(pool, || serve(rx, reply_tx, &experts)),
+                    None => serve(rx, reply_tx, &experts),
+                }
             })
             .map_err(|e| ModelError::Invalid(format!("starting the CPU expert thread: {e}")))?;
         Ok(ExpertServer { tx, replies: std::sync::Mutex::new(replies), thread: Some(thread) })

@@ -30,7 +30,7 @@ impl EngineDecoder for Model {
     }
 
     fn forward_stats(&self) -> Option<&ForwardStats> {
-        Some(self.stats())
+        Some(Model::forward_stats(self))
     }
 
     fn dense_bytes_per_token(&self) -> Option<u64> {
