@@ -26,14 +26,15 @@ pub const COMPILE_OPTIONS: &[&str] = &["--std=c++17", "--generate-line-info"];
 
 /// `$KRASIS_NVRTC_CACHE`, else `$XDG_CACHE_HOME/krasis/nvrtc`, else `~/.cache/krasis/nvrtc`.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    if let Some(d) = env(CACHE_DIR_ENV) {
-        return Some(d);
+    let k = krasis_core::knobs::knobs();
+    if let Some(d) = &k.nvrtc_cache {
+        return Some(d.clone());
     }
-    if let Some(x) = env("XDG_CACHE_HOME") {
+    let set = |v: &Option<std::ffi::OsString>| v.as_ref().filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(x) = set(&k.xdg_cache_home) {
         return Some(x.join("krasis").join("nvrtc"));
     }
-    env("HOME").map(|h| h.join(".cache").join("krasis").join("nvrtc"))
+    set(&k.home).map(|h| h.join(".cache").join("krasis").join("nvrtc"))
 }
 
 /// 128-bit FNV-1a over length-prefixed parts (no two part lists hash the same byte stream).

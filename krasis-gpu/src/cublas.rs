@@ -80,7 +80,10 @@ pub fn cublas() -> Result<&'static Cublas, GpuError> {
 /// sonames of cuBLAS 13 and 12 through the dynamic loader's search path, then the same names
 /// under `$CUDA_HOME`, `$CUDA_PATH` and `/usr/local/cuda`.
 pub fn candidates() -> Vec<String> {
-    crate::libsearch::candidates(CUBLAS_LIB_ENV, &["libcublas.so.13", "libcublas.so.12", "libcublas.so"])
+    crate::libsearch::candidates(
+        krasis_core::knobs::knobs().cublas_lib.as_deref(),
+        &["libcublas.so.13", "libcublas.so.12", "libcublas.so"],
+    )
 }
 
 /// The name of a `cublasStatus_t`.
@@ -277,7 +280,7 @@ mod tests {
     #[test]
     fn candidates_order_and_status_names() {
         let c = candidates();
-        if std::env::var_os(CUBLAS_LIB_ENV).is_none_or(|v| v.is_empty()) {
+        if krasis_core::knobs::knobs().cublas_lib.is_none() {
             assert_eq!(&c[..3], ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]);
             assert!(c.iter().any(|p| p == "/usr/local/cuda/lib64/libcublas.so.13"), "{c:?}");
         } else {

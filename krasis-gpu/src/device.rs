@@ -322,7 +322,7 @@ impl GpuDevice {
                 functions: Mutex::new(HashMap::new()),
                 host_syncs: Default::default(),
                 uploads: Default::default(),
-                pdl: target.arch >= 90 && std::env::var("KRASIS_PDL").as_deref() != Ok("0"),
+                pdl: target.arch >= 90 && krasis_core::knobs::knobs().pdl,
                 side: OnceLock::new(),
             })
         })

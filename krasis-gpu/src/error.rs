@@ -12,7 +12,7 @@ pub enum GpuError {
     /// The driver loaded but reports no usable device (or `cuInit` failed).
     #[error("CUDA driver found but no GPU is usable: {detail}")]
     NoDevice { detail: String },
-    /// `--gpu N` names a device that does not exist.
+    /// The GPU ordinal asked for (`GpuOptions::ordinal`) names a device that does not exist.
     #[error("GPU {ordinal} does not exist: the CUDA driver sees {count} device(s)")]
     BadOrdinal { ordinal: usize, count: usize },
     /// A CUDA driver call failed.
@@ -32,28 +32,29 @@ pub enum GpuError {
     /// An NVRTC call other than the compile itself failed.
     #[error("NVRTC error in {op}: {detail}")]
     Nvrtc { op: &'static str, detail: String },
-    /// An allocation would take the charged VRAM above `--vram-budget`.
+    /// An allocation would take the charged VRAM above the budget (`GpuOptions::vram_budget`).
     #[error(
         "VRAM budget exceeded allocating {what}: {} requested, {} already in use of a {} budget \
-         (--vram-budget); raise the budget or choose a smaller configuration",
+         (`GpuOptions::vram_budget`); raise the budget or choose a smaller configuration",
         format_bytes(*.requested), format_bytes(*.used), format_bytes(*.budget)
     )]
     VramBudget { requested: u64, used: u64, budget: u64, what: String },
-    /// An explicit `--vram-budget` larger than the memory the device has free.
+    /// An explicit VRAM budget larger than the memory the device has free.
     #[error(
-        "--vram-budget {} is more than the {} free on GPU {ordinal} ({name}); use --vram-budget auto or a smaller value",
+        "the VRAM budget (`GpuOptions::vram_budget`) of {} is more than the {} free on GPU {ordinal} ({name}); \
+         use `VramBudgetSpec::Auto` or a smaller value",
         format_bytes(*.budget), format_bytes(*.free)
     )]
     BudgetAboveFree { budget: u64, free: u64, ordinal: usize, name: String },
     /// The driver itself ran out of memory inside the budget (another process took VRAM).
     #[error(
         "GPU out of memory allocating {what} ({}) although the VRAM budget allowed it: another process \
-         is probably using the GPU; lower --vram-budget",
+         is probably using the GPU; lower the VRAM budget (`GpuOptions::vram_budget`)",
         format_bytes(*.requested)
     )]
     OutOfMemory { requested: u64, what: String },
-    /// A `--vram-budget` value that does not parse.
-    #[error("--vram-budget {value:?}: {reason}")]
+    /// A VRAM budget ([`crate::VramBudgetSpec`]) that does not parse.
+    #[error("VRAM budget (`GpuOptions::vram_budget`) {value:?}: {reason}")]
     BadBudget { value: String, reason: String },
     /// No libcublas could be loaded, so the dense linears cannot run.
     #[error("{detail}")]

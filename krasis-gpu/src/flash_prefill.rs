@@ -340,13 +340,13 @@ const OP: &str = "flash_prefill";
 /// `KRASIS_FLASH_KERNEL=simt|mma|fixed` caps the automatic choice at that kernel (to measure or
 /// test the slower ones inside a whole model); unset, empty or unknown: no cap. Read once.
 fn kernel_cap_from_env() -> FlashKernel {
-    static CAP: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
-    *CAP.get_or_init(|| match std::env::var("KRASIS_FLASH_KERNEL").as_deref() {
-        Ok("simt") => FlashKernel::Simt,
-        Ok("mma") => FlashKernel::Mma,
-        Ok("fixed") => FlashKernel::MmaFixed,
-        _ => FlashKernel::Wgmma,
-    })
+    use krasis_core::knobs::FlashKernelCap;
+    match krasis_core::knobs::knobs().flash_kernel {
+        Some(FlashKernelCap::Simt) => FlashKernel::Simt,
+        Some(FlashKernelCap::Mma) => FlashKernel::Mma,
+        Some(FlashKernelCap::MmaFixed) => FlashKernel::MmaFixed,
+        None => FlashKernel::Wgmma,
+    }
 }
 
 fn check(ok: bool, detail: impl FnOnce() -> String) -> Result<(), GpuError> {

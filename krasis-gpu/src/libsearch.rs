@@ -1,17 +1,18 @@
 //! Finding a CUDA library we `dlopen` ourselves (NVRTC, cuBLAS): the candidate list and the
 //! first one that loads.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-/// `env` alone when it is set and non-empty; otherwise `names` through the dynamic loader's
-/// search path, then the same names under `$CUDA_HOME`, `$CUDA_PATH` and `/usr/local/cuda`.
-pub(crate) fn candidates(env: &str, names: &[&str]) -> Vec<String> {
-    if let Some(p) = std::env::var_os(env).filter(|p| !p.is_empty()) {
+/// `explicit` alone when given (a path from the environment); otherwise `names` through the
+/// dynamic loader's search path, then the same names under `$CUDA_HOME`, `$CUDA_PATH` and
+/// `/usr/local/cuda`.
+pub(crate) fn candidates(explicit: Option<&Path>, names: &[&str]) -> Vec<String> {
+    if let Some(p) = explicit {
         return vec![p.to_string_lossy().into_owned()];
     }
     let mut out: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let mut roots: Vec<PathBuf> =
-        ["CUDA_HOME", "CUDA_PATH"].iter().filter_map(std::env::var_os).map(PathBuf::from).collect();
+    let k = krasis_core::knobs::knobs();
+    let mut roots: Vec<PathBuf> = [&k.cuda_home, &k.cuda_path].into_iter().flatten().map(PathBuf::from).collect();
     roots.push(PathBuf::from("/usr/local/cuda"));
     for root in roots {
         for sub in ["lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {

@@ -10,8 +10,6 @@
 //! and the row shapes instantiated in the kernel (latent 512 + rope 64, and the oracle fixtures'
 //! 64 + 16); `KRASIS_MLA_DECODE=general` or [`DecodeWorkspace::force_general`] turn it off.
 
-use std::sync::OnceLock;
-
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use crate::attn_decode::{shape, DecodeWorkspace};
@@ -62,10 +60,9 @@ pub(crate) fn t1_kernel(row: usize, latent: usize, visible: usize) -> Option<&'s
     }
 }
 
-/// `KRASIS_MLA_DECODE=general`: every MLA decode call takes the general kernel (read once).
+/// `KRASIS_MLA_DECODE=general`: every MLA decode call takes the general kernel.
 pub(crate) fn disabled_by_env() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("KRASIS_MLA_DECODE").as_deref() == Ok("general"))
+    krasis_core::knobs::knobs().mla_decode_general
 }
 
 /// `MlaT1Args` of the kernel (same field order and types).

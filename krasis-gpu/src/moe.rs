@@ -784,9 +784,8 @@ impl GpuExperts {
             decode_max_pairs: DECODE_MAX_PAIRS,
             tile_smem_set: AtomicBool::new(false),
             // KRASIS_MOE_QTILE=0|1 overrides the default shape (for A/B runs of whole models).
-            qvariant: QTILE_VARIANTS[std::env::var("KRASIS_MOE_QTILE")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
+            qvariant: QTILE_VARIANTS[krasis_core::knobs::knobs()
+                .moe_qtile
                 .filter(|&v| v < QTILE_VARIANTS.len())
                 .unwrap_or(DEFAULT_QTILE_VARIANT)],
         }

@@ -127,7 +127,7 @@ pub fn nvrtc() -> Result<&'static Nvrtc, GpuError> {
 /// `$CUDA_HOME`, `$CUDA_PATH` and `/usr/local/cuda`.
 pub fn candidates() -> Vec<String> {
     crate::libsearch::candidates(
-        NVRTC_LIB_ENV,
+        krasis_core::knobs::knobs().nvrtc_lib.as_deref(),
         &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", "libnvrtc.so.11.2"],
     )
 }
@@ -140,7 +140,7 @@ impl Nvrtc {
             Ok((lib, path)) => return Nvrtc::from_library(lib, path),
             Err(errors) => errors,
         };
-        if std::env::var_os(NVRTC_LIB_ENV).is_some_and(|p| !p.is_empty()) {
+        if krasis_core::knobs::knobs().nvrtc_lib.is_some() {
             Err(format!("{NVRTC_LIB_ENV}={} not loadable: {}", cands[0], errors.join("; ")))
         } else {
             Err(format!("tried {} names and paths, e.g. libnvrtc.so.12 and /usr/local/cuda/lib64", cands.len()))
