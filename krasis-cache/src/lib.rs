@@ -106,14 +106,16 @@ pub(crate) fn open_or_rebuild<T>(
 /// the xxh3-64 of the canonical model path. Neither directory is created here: a writer creates
 /// it (a run that only looks for a cache leaves nothing behind).
 pub fn default_cache_dir(model_dir: &Path) -> PathBuf {
-    default_cache_dir_with(model_dir, std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
+    let k = krasis_core::knobs::knobs();
+    default_cache_dir_with(model_dir, k.xdg_cache_home.clone(), k.home.clone())
 }
 
 /// Every directory [`default_cache_dir`] may choose for `model_dir` (the model's own
 /// `.krasis_cache` first, then the per-user one), whether or not it exists: where the caches of a
 /// model being replaced are to be cleared.
 pub fn model_cache_dirs(model_dir: &Path) -> Vec<PathBuf> {
-    let (xdg, home) = (std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"));
+    let k = krasis_core::knobs::knobs();
+    let (xdg, home) = (k.xdg_cache_home.clone(), k.home.clone());
     vec![model_dir.join(".krasis_cache"), user_cache_dir(model_dir, xdg, home)]
 }
 

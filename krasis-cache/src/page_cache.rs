@@ -13,16 +13,16 @@
 /// room for activations, KV cache and the rest of the system (a few GiB on the boxes we run).
 pub const KEEP_PAGE_CACHE_RESERVE_BYTES: u64 = 4 << 30;
 
-/// The environment override of [`keep_page_cache`].
+/// The environment override of [`keep_page_cache`] (read through [`krasis_core::knobs`]).
 pub const PAGE_CACHE_ENV: &str = "KRASIS_CACHE_PAGE_CACHE";
 
 /// Whether a load of a `bytes`-byte cache keeps the file's page-cache copy: `keep`/`drop` from
 /// [`PAGE_CACHE_ENV`], else the rule on `MemAvailable` before the load ([`keep_with_available`]).
 pub fn keep_page_cache(bytes: u64) -> bool {
-    match std::env::var(PAGE_CACHE_ENV).as_deref() {
-        Ok("keep") => true,
-        Ok("drop") => false,
-        _ => keep_with_available(bytes, krasis_core::hw::mem_available_bytes()),
+    match krasis_core::knobs::knobs().page_cache {
+        Some(krasis_core::knobs::PageCache::Keep) => true,
+        Some(krasis_core::knobs::PageCache::Drop) => false,
+        None => keep_with_available(bytes, krasis_core::hw::mem_available_bytes()),
     }
 }
 
