@@ -109,7 +109,7 @@ pub fn model(
     // One untimed run compiles nothing new but settles allocations and clocks.
     generate(engine, &GenerateRequest { max_new_tokens: 2, ..req.clone() }, |_| Ok(()))?;
     let out = generate(engine, &req, |_| Ok(()))?;
-    if text && std::env::var("KRASIS_GPU_PROFILE").as_deref() == Ok("1") {
+    if text && krasis_core::knobs::knobs().gpu_profile {
         // Device time per part (CUDA events), against the wall time of the same steps.
         let mut s = engine.new_session()?;
         let mut sampler = Sampler::new(SamplingParams::default());

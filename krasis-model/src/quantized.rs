@@ -529,10 +529,9 @@ impl CpuQuantExperts {
 
 /// `KRASIS_SHARED_EXPERTS=beside` runs a MoE layer's shared expert in its own dispatch after the
 /// routed experts' (the former path, for A/B measurements); unset (or anything else), inside
-/// theirs ([`PoolExperts::run_with`]). Same bits either way. Read once.
+/// theirs ([`PoolExperts::run_with`]). Same bits either way.
 fn shared_inside() -> bool {
-    static S: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *S.get_or_init(|| std::env::var("KRASIS_SHARED_EXPERTS").map_or(true, |v| v != "beside"))
+    !krasis_core::knobs::knobs().shared_experts_beside
 }
 
 impl ExpertExecutor for CpuQuantExperts {

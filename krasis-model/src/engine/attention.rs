@@ -105,7 +105,7 @@ pub const MLA_PREFILL_MAX_KEYS_PER_ROW: usize = 8;
 /// `KRASIS_MLA_PREFILL=absorbed` keeps MLA prefill in the absorbed form (the former path, for
 /// A/B measurements); `decompressed` takes the decompressed form for every call of two rows or
 /// more; unset (or anything else), the rule of [`MLA_PREFILL_MIN_ROWS`] and
-/// [`MLA_PREFILL_MAX_KEYS_PER_ROW`]. Read once.
+/// [`MLA_PREFILL_MAX_KEYS_PER_ROW`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MlaPrefillMode {
     Auto,
@@ -115,12 +115,11 @@ pub enum MlaPrefillMode {
 
 impl MlaPrefillMode {
     pub fn from_env() -> Self {
-        static M: std::sync::OnceLock<MlaPrefillMode> = std::sync::OnceLock::new();
-        *M.get_or_init(|| match std::env::var("KRASIS_MLA_PREFILL").as_deref() {
-            Ok("absorbed") => MlaPrefillMode::Absorbed,
-            Ok("decompressed") => MlaPrefillMode::Decompressed,
-            _ => MlaPrefillMode::Auto,
-        })
+        match krasis_core::knobs::knobs().mla_prefill {
+            Some(krasis_core::knobs::MlaPrefill::Absorbed) => MlaPrefillMode::Absorbed,
+            Some(krasis_core::knobs::MlaPrefill::Decompressed) => MlaPrefillMode::Decompressed,
+            None => MlaPrefillMode::Auto,
+        }
     }
 
     /// Whether a call of `rows` query rows after `cached` cache rows runs decompressed.
@@ -149,12 +148,11 @@ pub enum MlaDecodeMode {
 
 impl MlaDecodeMode {
     pub fn from_env() -> Self {
-        static M: std::sync::OnceLock<MlaDecodeMode> = std::sync::OnceLock::new();
-        *M.get_or_init(|| match std::env::var("KRASIS_CPU_MLA_DECODE").as_deref() {
-            Ok("split") => MlaDecodeMode::Split,
-            Ok("attention") => MlaDecodeMode::AttentionOnly,
-            _ => MlaDecodeMode::Fused,
-        })
+        match krasis_core::knobs::knobs().cpu_mla_decode {
+            Some(krasis_core::knobs::CpuMlaDecode::Split) => MlaDecodeMode::Split,
+            Some(krasis_core::knobs::CpuMlaDecode::AttentionOnly) => MlaDecodeMode::AttentionOnly,
+            None => MlaDecodeMode::Fused,
+        }
     }
 }
 

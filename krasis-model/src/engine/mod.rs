@@ -217,14 +217,14 @@ pub trait PrebuiltDense {
 /// runner saves).
 fn mlp_linears_env() -> bool {
     static L: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *L.get_or_init(|| std::env::var("KRASIS_MLP").is_ok_and(|v| v == "linears"))
+    *L.get_or_init(|| krasis_core::knobs::knobs().mlp_linears)
 }
 
 /// `KRASIS_KV_B=f32` keeps MLA's `kv_b` in f32 even when the dense-weight cache has it packed
 /// (read once; for measuring what the INT8 form saves).
 fn kv_b_f32_env() -> bool {
     static F: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *F.get_or_init(|| std::env::var("KRASIS_KV_B").is_ok_and(|v| v == "f32"))
+    *F.get_or_init(|| krasis_core::knobs::knobs().kv_b_f32)
 }
 
 /// The name a dense linear goes by in logs, errors and the dense-weight cache: its tensor's, or

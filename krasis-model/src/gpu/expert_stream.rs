@@ -35,13 +35,7 @@ pub const GPU_STREAM_MIN_TOKENS: usize = 16;
 /// prompt, so the share that ends both at once is `cpu / (cpu + gpu)` of their whole-layer times.
 /// From `KRASIS_GPU_STREAM_SPLIT` (a fraction in [0, 1]) when set, for measurements.
 pub fn split_fraction(t: usize) -> f64 {
-    static FORCED: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("KRASIS_GPU_STREAM_SPLIT")
-            .ok()
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .map(|f| f.clamp(0.0, 1.0))
-    });
+    let forced = krasis_core::knobs::knobs().gpu_stream_split;
     if let Some(f) = forced {
         return f;
     }
@@ -350,11 +344,7 @@ impl ExpertStreamer {
                 Source::Cpu { experts, geometry, staging }
             }
         };
-        let min_tokens = std::env::var("KRASIS_GPU_STREAM_MIN_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(min_tokens)
-            .max(2);
+        let min_tokens = krasis_core::knobs::knobs().gpu_stream_min_tokens.unwrap_or(min_tokens).max(2);
         Ok(ExpertStreamer {
             _pinned: pinned,
             source,
@@ -758,7 +748,7 @@ mod tests {
 
     #[test]
     fn split_share_grows_with_the_prompt_and_ends_at_every_expert() {
-        if std::env::var_os("KRASIS_GPU_STREAM_SPLIT").is_some() {
+        if krasis_core::knobs::knobs().gpu_stream_split.is_some() {
             eprintln!("SKIPPED: KRASIS_GPU_STREAM_SPLIT is set; the measured policy is not in use");
             return;
         }

@@ -115,7 +115,7 @@ const DEFAULT_EXPERT_PREFETCH_MB: usize = 4;
 /// prints both).
 pub(crate) fn expert_prefetch_ab() -> bool {
     static AB: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AB.get_or_init(|| std::env::var("KRASIS_EXPERT_PREFETCH_AB").is_ok_and(|v| v == "1"))
+    *AB.get_or_init(|| krasis_core::knobs::knobs().expert_prefetch_ab)
 }
 
 /// Bytes of the next layer's predicted experts to pull while the GPU works (0: no route
@@ -123,7 +123,7 @@ pub(crate) fn expert_prefetch_ab() -> bool {
 pub(crate) fn expert_prefetch_budget() -> usize {
     static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BUDGET.get_or_init(|| {
-        let mb = std::env::var("KRASIS_EXPERT_PREFETCH_MB").ok().and_then(|v| v.trim().parse::<usize>().ok());
+        let mb = krasis_core::knobs::knobs().expert_prefetch_mb;
         mb.unwrap_or(DEFAULT_EXPERT_PREFETCH_MB) << 20
     })
 }

@@ -410,7 +410,7 @@ const SHARED_BESIDE_MIN_FREE_BYTES: u64 = 1 << 30;
 /// `KRASIS_SHARED_BESIDE=0` to run it after them).
 fn shared_beside_prefill() -> bool {
     static BESIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *BESIDE.get_or_init(|| std::env::var("KRASIS_SHARED_BESIDE").map_or(true, |v| v.trim() != "0"))
+    *BESIDE.get_or_init(|| krasis_core::knobs::knobs().gpu_shared_beside)
 }
 
 /// `y += ` the shared expert's output (its MLP left it in the scratch's `f[3]`).

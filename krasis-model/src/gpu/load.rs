@@ -294,10 +294,10 @@ impl WeightBuilder for GpuBuilder<'_> {
 
 /// `KRASIS_STREAM_FROM=cpu|gpu` overrides [`GpuOptions::stream_from`] (measurements of both).
 fn stream_from(opt: StreamFrom) -> StreamFrom {
-    match std::env::var("KRASIS_STREAM_FROM").as_deref() {
-        Ok("cpu") => StreamFrom::CpuCache,
-        Ok("gpu") => StreamFrom::GpuCache,
-        _ => opt,
+    match krasis_core::knobs::knobs().stream_from {
+        Some(krasis_core::knobs::StreamSource::CpuCache) => StreamFrom::CpuCache,
+        Some(krasis_core::knobs::StreamSource::GpuCache) => StreamFrom::GpuCache,
+        None => opt,
     }
 }
 

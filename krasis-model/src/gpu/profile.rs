@@ -37,7 +37,7 @@ pub(crate) struct StepProfile {
 impl StepProfile {
     /// `Some` when `KRASIS_GPU_PROFILE=1`.
     pub fn from_env() -> Option<StepProfile> {
-        (std::env::var("KRASIS_GPU_PROFILE").as_deref() == Ok("1")).then(|| StepProfile {
+        krasis_core::knobs::knobs().gpu_profile.then(|| StepProfile {
             events: Vec::new(),
             used: 0,
             ms: [0.0; PARTS],
