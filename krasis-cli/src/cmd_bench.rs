@@ -178,12 +178,12 @@ pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> a
         .with_context(|| format!("loading {}", dir.display()))?;
     let load_s = t.elapsed().as_secs_f64();
     for w in &opened.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", crate::flags::with_flags(w));
     }
     if text {
-        println!("{}", opened.why);
+        println!("{}", crate::flags::with_flags(&opened.why));
         for l in &opened.log {
-            println!("{l}");
+            println!("{}", crate::flags::with_flags(l));
         }
     }
     Ok((opened, load_s))

@@ -428,12 +428,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // The engine holds what it needs; the source mapping goes, so weights uploaded to the GPU
     // are not kept in host memory.
     drop(files);
-    eprintln!("{}", opened.why);
+    eprintln!("{}", crate::flags::with_flags(&opened.why));
     for w in &opened.warnings {
-        eprintln!("warning: {w}");
+        eprintln!("warning: {}", crate::flags::with_flags(w));
     }
     for line in &opened.log {
-        eprintln!("{line}");
+        eprintln!("{}", crate::flags::with_flags(line));
     }
     let engine = opened.engine.as_ref();
     engine.check_tokens(&req.prompt_ids)?;

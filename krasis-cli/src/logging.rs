@@ -1,7 +1,8 @@
 //! The `tracing` subscriber for the libraries' log events, on stderr. `RUST_LOG` filters them
 //! (e.g. `RUST_LOG=debug`, `RUST_LOG=krasis_gpu=debug`); by default info and above show, which
 //! the libraries keep to what the CLI has always printed (stage timings, warnings), in the same
-//! plain form: `message`, `warning: message`, `error: message`.
+//! plain form: `message`, `warning: message`, `error: message`. The options an event names are
+//! written as the CLI's flags ([`crate::flags`]).
 
 use std::fmt;
 
@@ -29,8 +30,10 @@ where
             Level::DEBUG => write!(w, "debug {}: ", meta.target())?,
             Level::TRACE => write!(w, "trace {}: ", meta.target())?,
         }
-        ctx.field_format().format_fields(w.by_ref(), event)?;
-        writeln!(w)
+        // The libraries name their options (`GpuOptions::vram_budget`); the user reads the flags.
+        let mut fields = String::new();
+        ctx.field_format().format_fields(Writer::new(&mut fields), event)?;
+        writeln!(w, "{}", crate::flags::with_flags(&fields))
     }
 }
 

@@ -10,6 +10,7 @@ mod cmd_info;
 mod cmd_synth;
 mod cmd_tune;
 mod dump;
+mod flags;
 mod logging;
 mod serve;
 mod tuned;
@@ -80,7 +81,8 @@ fn main() {
         Command::Tune(a) => cmd_tune::run(a),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        // The library names its options (`GpuOptions::vram_budget`); the user reads the flags.
+        eprintln!("error: {}", flags::with_flags(&format!("{e:#}")));
         std::process::exit(1);
     }
 }

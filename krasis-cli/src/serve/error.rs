@@ -99,7 +99,9 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         json!({
             "error": {
-                "message": self.message,
+                // A library message names options (`GpuOptions::vram_budget`); the server's
+                // operator sets them as flags.
+                "message": crate::flags::with_flags(&self.message),
                 "type": self.kind,
                 "param": self.param,
                 "code": self.code,
