@@ -12,9 +12,8 @@ use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, BandwidthProbe, Mem
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::engine::ForwardBreakdown;
 use krasis_model::files::ModelFiles;
-use krasis_model::runtime::{open_engine, Engine, EngineConfig, Opened};
+use krasis_model::runtime::{open_engine, Engine, EngineConfig, ForwardBreakdown, Opened};
 use krasis_model::sampling::{Sampler, SamplingParams};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
 use krasis_quant::group::quantize;
@@ -182,6 +181,9 @@ pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> a
     }
     if text {
         println!("{}", crate::flags::with_flags(&opened.why));
+        for l in &opened.placement {
+            println!("{l}");
+        }
         for l in &opened.log {
             println!("{}", crate::flags::with_flags(l));
         }
@@ -286,15 +288,13 @@ fn time_greedy_decode(
             session = engine.new_session()?;
             before = StageCounters::now();
         }
-        if let Some(stats) = engine.forward_stats() {
-            stats.reset();
-        }
+        engine.reset_stats(None);
         let t = Instant::now();
         next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
         prefill_s.push(t.elapsed().as_secs_f64());
     }
     let prefill_stages = StageCounters::now().since(before);
-    let prefill_parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
+    let prefill_parts = engine.stats(None).forward.unwrap_or_default();
     let (mut decode_rep_s, mut decode_stages) = (Vec::new(), StageCounters::now());
     let mut decode_probe_gbs = Vec::new();
     for rep in 0..decode_reps.max(1) {
@@ -305,9 +305,7 @@ fn time_greedy_decode(
             next = engine.step_one(session.as_mut(), &prompt, &mut greedy, false)?.token;
         }
         decode_probe_gbs.push(probe());
-        if let Some(stats) = engine.forward_stats() {
-            stats.reset();
-        }
+        engine.reset_stats(None);
         let (t, before) = (Instant::now(), StageCounters::now());
         for _ in 0..decode_tokens {
             next = engine.step_one(session.as_mut(), &[next], &mut greedy, false)?.token;
@@ -489,18 +487,20 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.decode_tokens == 0 || a.prompt_tokens == 0 {
         bail!("--decode-tokens and --prompt-tokens must be at least 1");
     }
-    // `auto` without a GPU benchmarks the CPU, as `generate` runs there; with one, the engine's
-    // policy picks the whole-GPU or hybrid path. The engine is still opened with `auto`, so its
-    // device line says why it runs on the CPU (not "as asked").
-    let device = match a.device {
-        Device::Auto => match krasis_gpu::probe() {
-            Err(e) => {
-                eprintln!("notice: no GPU in use ({e}); running on the CPU");
-                Device::Cpu
+    // `auto` benchmarks the engine the library's device choice opens, as `generate` runs it: the
+    // CPU benchmark when that is the CPU, else the GPU one (whole model or hybrid, as chosen).
+    // The engine is still opened with `auto`, so its device line says why.
+    let device = match (a.device, &a.model) {
+        (Device::Auto, Some(dir)) => {
+            let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
+            let files = krasis_model::files::ModelFiles::open(dir)?;
+            match krasis_model::runtime::device_choice(&files, &config)?.path {
+                krasis_model::runtime::DevicePath::Cpu => Device::Cpu,
+                _ => Device::Auto,
             }
-            Ok(_) => Device::Auto,
-        },
-        d => d,
+        }
+        (Device::Auto, None) if krasis_gpu::probe().is_err() => Device::Cpu,
+        (d, _) => d,
     };
     if !a.streams.is_empty() {
         let dir = a.model.as_ref().context("--streams needs --model")?;
@@ -619,14 +619,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &mut measure,
         )?;
         let (prefill_s, decode_s, pp) = (timing.reported_prefill_s(), timing.decode_s, timing.prefill_parts);
-        let parts = engine.forward_stats().map(|s| s.breakdown()).unwrap_or_default();
+        let stats = engine.stats(None);
+        let parts = stats.forward.unwrap_or_default();
         let expert_s = parts.experts;
         let n = a.decode_tokens as f64;
         let spec = engine.spec();
         let moe_layers = spec.moe_layers().count() as u64;
         let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k as u64);
-        let expert_bytes = moe_layers * top_k * engine.expert_bytes().unwrap_or(0);
-        let dense_bytes = engine.dense_bytes_per_token().unwrap_or(0);
+        let expert_bytes = moe_layers * top_k * stats.expert_bytes.unwrap_or(0);
+        let dense_bytes = stats.dense_bytes_per_token.unwrap_or(0);
         // Shared experts run inside the routed experts' dispatch: their bytes stream in the
         // experts' time (they stay counted in the dense bytes too).
         let shared_inside = (parts.shared_in_experts_bytes as f64 / n) as u64;

@@ -144,6 +144,7 @@ impl EngineArgs {
             context_tokens,
             force: self.force,
             record_heatmap: false,
+            use_saved_tune: true,
         })
     }
 }
@@ -375,9 +376,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
-    if let Some(note) = crate::tuned::apply(&files, a.run.engine.cache_dir.as_deref(), &mut config)? {
-        eprintln!("{note}");
-    }
     config.record_heatmap = heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings(cpu_memory_estimate(&files, &config).weight_bytes()) {
         eprintln!("system: {w}");
@@ -429,6 +427,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // are not kept in host memory.
     drop(files);
     eprintln!("{}", crate::flags::with_flags(&opened.why));
+    for line in &opened.placement {
+        eprintln!("{line}");
+    }
     for w in &opened.warnings {
         eprintln!("warning: {}", crate::flags::with_flags(w));
     }

@@ -1,7 +1,7 @@
 //! `krasis tune --model DIR`: each expert residency strategy this build has, measured on this
 //! machine — a `--prompt-tokens` (10K) prefill and `--decode-tokens` (64) decode steps, `--runs`
 //! (3) times each, every run in a fresh session after the engine's load-time warm-up — then the
-//! fastest prefill, and among prefills as fast the fastest decode ([`crate::tuned::choose`]).
+//! fastest prefill, and among prefills as fast the fastest decode ([`krasis_model::placement::tune::choose`]).
 //! Prints the table and saves it with the choice to `<cache dir>/tune.json`, which `generate`
 //! and `serve` take under `--device auto`.
 
@@ -18,7 +18,7 @@ use krasis_model::sampling::{Sampler, SamplingParams};
 
 use crate::cmd_bench::median;
 use crate::cmd_generate::{Device, EngineArgs, GpuArgs};
-use crate::tuned::{self, Row, Strategy, Tuned};
+use krasis_model::placement::tune::{self as tuned, Row, Strategy, Tuned};
 
 #[derive(ClapArgs)]
 pub struct Args {

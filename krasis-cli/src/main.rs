@@ -13,7 +13,6 @@ mod dump;
 mod flags;
 mod logging;
 mod serve;
-mod tuned;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 

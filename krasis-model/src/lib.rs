@@ -22,6 +22,7 @@ pub mod linear;
 pub mod load;
 pub mod memory;
 pub mod packed_ops;
+pub mod placement;
 pub mod precision;
 pub mod quantized;
 pub mod rope;

@@ -102,9 +102,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(c) = a.context.filter(|&c| c > max_pos) {
         bail!("--context {c} exceeds the model's max_position_embeddings {max_pos}");
     }
-    if let Some(note) = crate::tuned::apply(&files, a.run.engine.cache_dir.as_deref(), &mut config)? {
-        tracing::info!("{note}");
-    }
     config.record_heatmap = crate::cmd_generate::heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     // Without --heatmap-out the server still counts routes, for the heatmap beside the caches
     // that the next hybrid start pins experts by (written when it stops).
@@ -129,6 +126,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let opened = open_engine(&files, &config)?;
     drop(files);
     tracing::info!("{}", opened.why);
+    for line in &opened.placement {
+        tracing::info!("{line}");
+    }
     for w in &opened.warnings {
         tracing::warn!("{w}");
     }

@@ -190,7 +190,7 @@ impl Residency {
 }
 
 /// An expert pool's size (what its calls copy is counted per session, in
-/// [`super::HandoffStats`]).
+/// [`crate::runtime::HandoffStats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PoolStats {
     pub slots: usize,
@@ -231,6 +231,11 @@ impl std::fmt::Debug for ExpertPool {
 }
 
 impl ExpertPool {
+    /// The strategy the pool keeps its experts by.
+    pub fn strategy(&self) -> CacheStrategy {
+        self.strategy
+    }
+
     /// A pool of `pins`' experts (per MoE layer of the cache, pinned for good and copied in now)
     /// plus `dynamic` slots for the calls' other experts.
     pub fn new(

@@ -371,22 +371,20 @@ impl ExpertStreamer {
         self.slot_experts < self.n_experts()
     }
 
-    /// How many of each layer's first experts a forward pass of `t` tokens streams to the GPU
-    /// (0 below the threshold; all of them for long prompts; see [`split_fraction`]).
+    /// When a call streams, and how many of each layer's experts ([`crate::placement::StreamRule`]).
+    pub fn rule(&self) -> crate::placement::StreamRule {
+        crate::placement::StreamRule {
+            min_tokens: self.min_tokens,
+            split: self.split,
+            chunked: self.chunked(),
+            n_experts: self.n_experts(),
+        }
+    }
+
+    /// How many of each layer's first experts a forward pass of `t` tokens streams
+    /// ([`crate::placement::StreamRule::gpu_experts`]).
     pub fn gpu_experts(&self, t: usize) -> usize {
-        if t < self.min_tokens {
-            return 0;
-        }
-        let n = self.n_experts();
-        if self.chunked() {
-            // Chunks stream whole layers only (a split's copies would not shrink).
-            return n;
-        }
-        let f = match self.split {
-            super::StreamSplit::Measured => split_fraction(t),
-            super::StreamSplit::Share(f) => f.clamp(0.0, 1.0),
-        };
-        ((f * n as f64).round() as usize).min(n)
+        self.rule().gpu_experts(t)
     }
 
     /// VRAM one expert takes in the GPU's record layout (`None`: the slots hold four arrays, and

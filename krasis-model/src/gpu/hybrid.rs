@@ -1,26 +1,16 @@
 //! `--device hybrid`: routed experts on the CPU (the expert cache on the pinned pool), everything
-//! else on the GPU. The Engine API calls [`open_hybrid`] for
-//! [`DevicePolicy::Hybrid`](crate::runtime::DevicePolicy).
+//! else on the GPU. The Engine API calls [`open_hybrid`] when the
+//! device choice ([`crate::placement::choose_device`]) is hybrid.
 
 use super::GpuModel;
-use crate::error::{ModelError, Result};
+use crate::error::Result;
 use crate::files::ModelFiles;
 use crate::memory::estimate;
 use crate::runtime::{check_ram, device_line, DecoderEngine, DevicePath, EngineConfig, Opened};
 
 /// Opens the hybrid engine on GPU `config.gpu.ordinal`, after checking the host RAM the routed
-/// experts take against the budget.
-pub fn open_hybrid(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
-    let why = format!("as asked: routed experts on the CPU, the rest on CUDA device {}", config.gpu.ordinal);
-    open_hybrid_because(files, config, &why)
-}
-
-/// [`open_hybrid`] with the reason the device line gives.
-pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
-    let ordinal = config.gpu.ordinal;
-    if let Err(e) = krasis_gpu::probe_ordinal(ordinal) {
-        return Err(ModelError::Invalid(format!("--device hybrid: {e}")));
-    }
+/// experts take against the budget. `why` goes into the device line.
+pub fn open_hybrid(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let mut host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
     // Prefill streaming from the GPU expert cache keeps it in RAM beside the CPU one (streaming
     // the CPU cache's own records adds nothing).
@@ -40,6 +30,7 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
         model.record_heatmap()?;
     }
     let log = std::mem::take(&mut model.log);
+    let placement = model.placement_lines(why);
     let expert_bytes = model.host_expert_bytes;
     let mut engine = DecoderEngine::new(model);
     if let Some(b) = expert_bytes {
@@ -50,6 +41,7 @@ pub fn open_hybrid_because(files: &ModelFiles, config: &EngineConfig, why: &str)
         log,
         warnings,
         why: device_line(DevicePath::Hybrid, why),
+        placement,
         memory_estimate: None,
         check_rss: false,
     })

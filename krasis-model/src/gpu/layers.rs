@@ -9,11 +9,12 @@ use krasis_gpu::router::GpuRouter;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
 
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
+use super::placed::Site;
 use super::profile::Part;
 use super::session::{grow, KvRows, StepIo};
 use crate::build::{GqaParts, MlaParts, MoeWeights, WeightKinds};
 use crate::engine::experts::LayerExperts;
-use crate::error::Result;
+use crate::error::{ModelError, Result};
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
 use crate::walk::{LayerOps, NextMoe, NormAt};
 
@@ -48,18 +49,13 @@ pub(crate) struct Ctx<'a> {
     pub pos: usize,
     /// Attention in the decode form (absorbed MLA / split-KV GQA).
     pub decode: bool,
-    /// Host MoE layers run their first `present` routed experts streamed to the GPU (all of them
-    /// for a long prompt) and the rest on the CPU ([`super::expert_stream::ExpertStreamer`]);
-    /// `None` when this call streams nothing.
-    pub streamer: Option<(&'a super::expert_stream::ExpertStreamer, usize)>,
+    /// The placement plan and its resources: who runs each MoE layer's routed experts in this
+    /// call ([`super::placed::Placed::site`]).
+    pub placed: &'a super::placed::Placed,
+    /// Whether this call streams experts to the GPU in some layer (the plan's answer for `t`).
+    pub streams: bool,
     /// While recording a heatmap: the device counts `[layers × experts]` and `experts`.
     pub heat: Option<(u64, usize)>,
-    /// `hot_cached_static`: the pinned experts, which host MoE layers run beside the CPU's share
-    /// unless this call streams every expert.
-    pub hot: Option<&'a super::hot_experts::HotExperts>,
-    /// `active_only`, `static_pin`, `weighted_pin` or `lru`: host MoE layers run every routed
-    /// expert on the GPU from this pool unless this call streams every expert.
-    pub pool: Option<&'a std::sync::Arc<super::expert_pool::ExpertPool>>,
 }
 
 impl Ctx<'_> {
@@ -235,21 +231,19 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
         let n = c.t * c.spec.hidden_size;
         let MoeWeights { router, experts, shared } = w;
         let (t, k) = (c.t, router.config().top_k);
-        // Host experts with streaming on: all of them on the GPU for a long prompt, the
-        // first `present` (the rest on the CPU at the same time) for a short one.
-        match (experts, c.streamer) {
-            (GpuExpertBackend::Resident(experts), _) => {
+        let site = c.placed.site(l, t)?;
+        match site {
+            Site::Resident => {
+                let GpuExpertBackend::Resident(experts) = experts else {
+                    return Err(ModelError::Invalid(format!("placement: layer {l}'s experts are not resident")));
+                };
                 gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
             }
-            (GpuExpertBackend::Host(_), Some((streamer, _))) if streamer.chunked() => {
-                gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?
-            }
-            (GpuExpertBackend::Host(_), Some((streamer, present))) if present >= router.n_experts() => streamer
-                .run_layer(c.dev, l, present, |experts| {
-                    gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
-                })?,
-            (GpuExpertBackend::Host(_), _) if c.pool.is_some() => {
-                let pool = c.pool.expect("matched");
+            Site::StreamedChunks(streamer) => gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?,
+            Site::Streamed(streamer) => streamer.run_layer(c.dev, l, router.n_experts(), |experts| {
+                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
+            })?,
+            Site::Pool(pool) => {
                 let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, false)?;
                 c.count_routes(router, l, host.published_ids(), t * k)?;
                 // The launcher waits for the routes, enqueues the missing experts' copies
@@ -260,32 +254,33 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 let routes = GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
                 gpu_moe(c, s, routes, &experts, k, shared.as_ref(), n)?;
             }
-            (GpuExpertBackend::Host(_), split) => {
+            Site::Cpu | Site::Split(..) | Site::Pinned(_) => {
                 let shape = HandoffShape { t, hidden: c.spec.hidden_size, k };
                 let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, true)?;
                 c.count_routes(router, l, host.published_ids(), t * k)?;
                 // The GPU's share of a split layer (on the routes the CPU got) and the
                 // shared expert go into y while the CPU computes the routed ones, whose
-                // sum is then added to y. The GPU's share: the layer's pinned experts
-                // (hot_cached_static), else the streamed first ones.
+                // sum is then added to y. The GPU's share: the layer's pinned experts, or the
+                // streamed first ones.
                 let (mut cpu_from, mut cpu_skips) = (0, None);
-                let hot = c
-                    .hot
-                    .and_then(|h| h.layers.get(l))
-                    .and_then(Option::as_ref)
-                    .filter(|hl| split.is_none_or(|(_, streamed)| hl.beats_streaming(streamed, t, k)));
-                if let Some(hl) = hot {
-                    let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
-                    gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
-                    cpu_skips = Some(hl.on_gpu.clone());
-                } else if let Some((streamer, present)) = split {
-                    let routes = GpuRoutes::Published { host: &*host, present, map: None };
-                    streamer.run_layer(c.dev, l, present, |experts| {
-                        gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
-                    })?;
-                    cpu_from = present;
-                } else if let Some(sh) = shared {
-                    sh.forward(c, s, true)?;
+                match site {
+                    Site::Pinned(hl) => {
+                        let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
+                        gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
+                        cpu_skips = Some(hl.on_gpu.clone());
+                    }
+                    Site::Split(streamer, present) => {
+                        let routes = GpuRoutes::Published { host: &*host, present, map: None };
+                        streamer.run_layer(c.dev, l, present, |experts| {
+                            gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
+                        })?;
+                        cpu_from = present;
+                    }
+                    _ => {
+                        if let Some(sh) = shared {
+                            sh.forward(c, s, true)?;
+                        }
+                    }
                 }
                 let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
                 // The next layer's routes, predicted for its CPU experts' prefetch.
@@ -335,7 +330,7 @@ fn gpu_moe(
     // GEMM scratch (measured: a 10K prompt in 6 GiB ran out of VRAM). A resident layer in a tight
     // budget keeps it after them too (SHARED_BESIDE_MIN_FREE_BYTES).
     let prefill_beside =
-        c.streamer.is_none() && shared_beside_prefill() && c.dev.budget().remaining() >= SHARED_BESIDE_MIN_FREE_BYTES;
+        !c.streams && shared_beside_prefill() && c.dev.budget().remaining() >= SHARED_BESIDE_MIN_FREE_BYTES;
     let beside = match shared {
         Some(sh) if matches!(routes, GpuRoutes::Router(..)) && (c.decode || prefill_beside) => Some(sh),
         _ => None,

@@ -406,7 +406,8 @@ impl GpuModel {
                     match streamer {
                         Ok(streamer) => {
                             log.push(streamer.describe());
-                            model.streamer = Some(std::sync::Arc::new(streamer));
+                            let why = "GPU prefill is always on: long prompts stream the experts to the GPU".to_string();
+                            model.placed.set_streamer(std::sync::Arc::new(streamer), why);
                         }
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),
                     }
@@ -458,12 +459,12 @@ impl GpuModel {
         let what = format!("--cache-strategy {}", strategy.name());
         if strategy == CacheStrategy::Chunked {
             // The streamer's slots are the strategy (sized when it was built).
-            return match &self.streamer {
+            return match self.placed.streamer() {
                 Some(_) => Ok(()),
                 None => Err(ModelError::Invalid(format!("{what}: the experts cannot stream (see the warning above)"))),
             };
         }
-        let Some(streamer) = self.streamer.clone() else {
+        let Some(streamer) = self.placed.streamer().cloned() else {
             return Err(ModelError::Invalid(format!(
                 "{what} needs --gpu-expert-bits 4|8 and the experts' records page-locked for copies (see the warning above if prefill keeps the experts on the CPU)"
             )));
@@ -502,9 +503,10 @@ impl GpuModel {
         let kept = if strategy == CacheStrategy::HotCachedStatic {
             let heat = heat.as_ref().expect("loaded above");
             let hot = super::hot_experts::HotExperts::pin(&self.dev, &streamer, heat, &moe, vram)?;
-            log.push(hot.describe(moe.len() * n));
+            let line = hot.describe(moe.len() * n);
+            log.push(line.clone());
             let bytes = hot.bytes;
-            self.hot = Some(hot);
+            self.placed.set_hot(hot, line);
             bytes
         } else {
             let capacity = (vram / record.max(1) as u64) as usize;
@@ -529,9 +531,10 @@ impl GpuModel {
                 }
             };
             let pool = super::expert_pool::ExpertPool::new(&self.dev, streamer, strategy, &pins, dynamic, share)?;
-            log.push(pool.describe());
+            let line = pool.describe();
+            log.push(line.clone());
             let bytes = pool.stats().bytes;
-            self.pool = Some(std::sync::Arc::new(pool));
+            self.placed.set_pool(std::sync::Arc::new(pool), line);
             bytes
         };
         let after = format!("the {} of experts {what} keeps", format_bytes(kept as u64));
@@ -645,6 +648,7 @@ impl GpuModel {
             (true, ExpertPlacement::Host { pool, .. }) => Some(ExpertServer::start(host, pool.clone())?),
             (true, _) => Some(ExpertServer::start(host, None)?),
         };
+        let placed = super::placed::Placed::new(&spec, expert_server.is_none());
         let weights_bytes = dev.budget().used();
 
         // KV capacity and the prompt chunk: the VRAM plan over what the weights leave.
@@ -707,9 +711,7 @@ impl GpuModel {
             log,
             host_expert_bytes: None,
             expert_server,
-            streamer: None,
-            hot: None,
-            pool: None,
+            placed,
             batch: Default::default(),
             heat: None,
         })

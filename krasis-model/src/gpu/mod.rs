@@ -17,6 +17,7 @@ pub mod hot_experts;
 pub mod hybrid;
 mod layers;
 mod load;
+mod placed;
 mod profile;
 mod session;
 pub mod vram_plan;
@@ -27,7 +28,6 @@ use krasis_gpu::linear::{GemmContext, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
-pub use self::host_experts::HandoffStats;
 use self::layers::GpuKinds;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
@@ -35,6 +35,9 @@ use self::session::{KvRows, StepIo};
 use crate::build::Weights;
 use crate::error::{ModelError, Result};
 use crate::generate::{Decoder, DecoderStep};
+pub use crate::placement::{
+    CachePlan, CacheStrategy, StreamFrom, StreamSplit, HOT_MIN_KV_TOKENS, HOT_PREFILL_RESERVE_BYTES,
+};
 use crate::sampling::Sampler;
 use crate::ModelSpec;
 
@@ -82,106 +85,6 @@ pub struct GpuOptions {
     pub stream_from: StreamFrom,
     /// Hybrid with `expert_bits`: `--cache-strategy` ([`CachePlan`]).
     pub cache: Option<CachePlan>,
-}
-
-/// `--cache-strategy S [--heatmap-path FILE] [--pin-vram BYTES]`: which routed experts a hybrid
-/// engine keeps in VRAM beside its CPU copy, and how it uses them below the full-streaming
-/// prompt length (longer prompts stream every layer, [`expert_stream`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CachePlan {
-    pub strategy: CacheStrategy,
-    /// A heatmap recorded with `--heatmap-out` on this model (the pinning strategies need one).
-    pub heatmap: Option<std::path::PathBuf>,
-    /// VRAM for the kept experts; `None`: what the budget leaves after the weights, the stream
-    /// slots, [`HOT_PREFILL_RESERVE_BYTES`] and a KV cache of [`HOT_MIN_KV_TOKENS`] tokens.
-    pub vram: Option<u64>,
-}
-
-/// The seeds' expert residency strategies a hybrid engine can run (`--cache-strategy`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheStrategy {
-    /// The heatmap's hottest experts pinned; the CPU runs the others' routes beside them
-    /// ([`hot_experts`]).
-    HotCachedStatic,
-    /// Each MoE call copies exactly the experts its routes touch to the GPU and runs them there
-    /// ([`expert_pool`]); nothing is kept between calls.
-    ActiveOnly,
-    /// `active_only` plus the heatmap's globally hottest `(layer, expert)` pairs pinned.
-    StaticPin,
-    /// `active_only` plus pins shared out per layer by how concentrated its routes are.
-    WeightedPin,
-    /// A cross-layer cache of experts in VRAM, least recently used out; misses are copied.
-    Lru,
-    /// Long prompts stream each layer's experts in chunks through two slots of `--pin-vram`
-    /// (for GPUs that cannot hold two layers' experts; [`expert_stream`]); decode keeps the CPU
-    /// experts. Chosen by itself when two layers do not fit the budget.
-    Chunked,
-}
-
-impl CacheStrategy {
-    /// Every strategy, as `--cache-strategy` names it.
-    pub const ALL: [CacheStrategy; 6] = [
-        CacheStrategy::HotCachedStatic,
-        CacheStrategy::ActiveOnly,
-        CacheStrategy::StaticPin,
-        CacheStrategy::WeightedPin,
-        CacheStrategy::Lru,
-        CacheStrategy::Chunked,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            CacheStrategy::HotCachedStatic => "hot_cached_static",
-            CacheStrategy::ActiveOnly => "active_only",
-            CacheStrategy::StaticPin => "static_pin",
-            CacheStrategy::WeightedPin => "weighted_pin",
-            CacheStrategy::Lru => "lru",
-            CacheStrategy::Chunked => "chunked",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|s| s.name() == name)
-    }
-
-    /// Whether the strategy pins experts a heatmap chooses (and so needs `--heatmap-path`).
-    pub fn needs_heatmap(self) -> bool {
-        matches!(self, CacheStrategy::HotCachedStatic | CacheStrategy::StaticPin | CacheStrategy::WeightedPin)
-    }
-}
-
-/// KV tokens `hot_cached_static` leaves room for when it sizes the pinned experts from the budget
-/// (the KV cache then takes what the pinned experts leave, at least this much).
-pub const HOT_MIN_KV_TOKENS: usize = 16_384;
-
-/// VRAM `hot_cached_static` leaves free for a long prefill's activations when it sizes the pinned
-/// experts from the budget (prefill's claim comes first). Measured on the H200 box: a
-/// 10K-token streamed prefill of v2-lite needs more than 2.26 GiB above the weights, the slots
-/// and the KV cache (it failed there) and at most 2.52 GiB (it ran).
-pub const HOT_PREFILL_RESERVE_BYTES: u64 = 3 << 30;
-
-/// The records a hybrid prefill streams to the GPU (#9's "one resident copy").
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StreamFrom {
-    /// The GPU expert cache, read into RAM beside the CPU's: a second copy of the experts,
-    /// already in the GPU layout.
-    GpuCache,
-    /// The CPU experts' cache (the one copy in RAM), laid out for the GPU on the device after
-    /// each copy; no GPU expert cache is read or built. The default: half the RAM for ~17 % of a
-    /// 2K prompt's streamed prefill (docs/BENCHMARKS.md). Needs the CPU experts at the GPU width
-    /// and one record geometry for every layer; otherwise the GPU expert cache serves.
-    CpuCache,
-}
-
-/// The share of each MoE layer's routed experts a streaming hybrid prefill runs on the GPU (the
-/// CPU runs the routes to the others at the same time; [`expert_stream`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum StreamSplit {
-    /// From the measured times, by prompt length ([`expert_stream::split_fraction`]; its
-    /// `KRASIS_GPU_STREAM_SPLIT` overrides it for measurements).
-    Measured,
-    /// This fraction of the experts, in [0, 1], whatever the prompt (1: every expert streamed).
-    Share(f64),
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -259,12 +162,8 @@ pub struct GpuModel {
     pub host_expert_bytes: Option<u64>,
     /// The thread serving the host experts' hand-offs (hybrid).
     expert_server: Option<host_experts::ExpertServer>,
-    /// Hybrid: the routed experts streamed to the GPU for long prefills.
-    pub(crate) streamer: Option<std::sync::Arc<expert_stream::ExpertStreamer>>,
-    /// `hot_cached_static`'s pinned experts (hybrid).
-    pub(crate) hot: Option<hot_experts::HotExperts>,
-    /// `active_only`, `static_pin`, `weighted_pin` or `lru`: the experts kept in VRAM (hybrid).
-    pub(crate) pool: Option<std::sync::Arc<expert_pool::ExpertPool>>,
+    /// The placement plan and the expert resources it names (stream slots, pins, pool).
+    pub(crate) placed: placed::Placed,
     /// Buffers of batched decode steps ([`Decoder::step_batch`]), one step at a time.
     batch: std::sync::Mutex<BatchState>,
     /// Heatmap counts `[layers × experts]` on the device, while recording
@@ -294,6 +193,13 @@ const BATCH_MIN_SEQS: usize = 2;
 impl GpuModel {
     pub fn device(&self) -> &GpuDevice {
         &self.dev
+    }
+
+    /// The placement plan's start lines, with `why` (the device choice's reason) where no other
+    /// reason applies ([`crate::placement::PlacementPlan::describe`]).
+    pub fn placement_lines(&mut self, why: &str) -> Vec<String> {
+        self.placed.because(why);
+        self.placed.plan().describe()
     }
 
     /// Whether the routed experts run on the host (the hybrid engine).
@@ -459,9 +365,8 @@ impl GpuModel {
             t,
             pos,
             decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
-            streamer: self.streamer.as_deref().map(|st| (st, st.gpu_experts(t))).filter(|&(_, present)| present > 0),
-            hot: self.hot.as_ref(),
-            pool: self.pool.as_ref(),
+            placed: &self.placed,
+            streams: self.placed.plan().streams(t),
             heat: self.heat.as_ref().map(|b| {
                 let (p, _g) = krasis_gpu::cudarc::driver::DevicePtr::device_ptr(b, self.dev.stream());
                 (p, self.spec.routed_experts())
@@ -568,39 +473,38 @@ impl GpuModel {
         Ok(out)
     }
 
-    /// Where the hybrid hand-off time of the batched decode steps went so far (zero when the
-    /// experts are on the GPU or nothing was batched).
-    pub fn batch_handoff_stats(&self) -> HandoffStats {
-        self.batch.lock().unwrap_or_else(|p| p.into_inner()).host.stats
-    }
-
-    /// With `KRASIS_GPU_PROFILE=1`: device time per part of the session's forward calls so far.
-    pub fn profile_summary(&self, s: &GpuSession) -> Option<String> {
-        s.profile.as_ref().map(|p| p.summary())
-    }
-
-    /// Starts the session's profile over (e.g. between prefill and decode).
-    pub fn reset_profile(&self, s: &mut GpuSession) {
-        if s.profile.is_some() {
-            s.profile = profile::StepProfile::from_env();
+    /// What the engine reports ([`crate::runtime::Engine::stats`]): host synchronisations; on
+    /// the hybrid path the hand-offs of the batched decode steps and, with `session`, the
+    /// session's own, the bytes of one host expert, the pinned experts, the stream slots and the
+    /// expert pool; with `session`, its device-time profile (`KRASIS_GPU_PROFILE=1`).
+    pub fn stats(&self, session: Option<&GpuSession>) -> crate::runtime::EngineStats {
+        use crate::runtime::{EngineStats, ExpertPoolSize, PinnedExperts, StreamSlots};
+        let hybrid = self.experts_on_host();
+        EngineStats {
+            host_syncs: Some(self.dev.sync_counters().0),
+            expert_bytes: self.host_expert_bytes,
+            batch_handoffs: hybrid.then(|| self.batch.lock().unwrap_or_else(|p| p.into_inner()).host.stats),
+            handoffs: session.filter(|_| hybrid).map(GpuSession::handoff_stats),
+            profile: session.and_then(|s| s.profile.as_ref()).map(|p| p.summary()),
+            pinned_experts: self.placed.hot().map(|h| PinnedExperts { experts: h.pinned, bytes: h.bytes }),
+            stream_slots: self
+                .placed
+                .streamer()
+                .map(|s| StreamSlots { experts_per_slot: s.slot_experts(), record_bytes: s.record_bytes() }),
+            expert_pool: self.placed.pool().map(|p| {
+                let s = p.stats();
+                ExpertPoolSize { slots: s.slots, pinned: s.pinned, bytes: s.bytes }
+            }),
+            ..EngineStats::default()
         }
     }
 
-    /// `hot_cached_static`: experts pinned in VRAM and their bytes (`None` without the strategy).
-    pub fn pinned_experts(&self) -> Option<(usize, usize)> {
-        self.hot.as_ref().map(|h| (h.pinned, h.bytes))
-    }
-
-    /// Hybrid streaming: experts per stream slot and the VRAM of one expert's record (`None`
-    /// without streaming; records only).
-    pub fn stream_slots(&self) -> Option<(usize, Option<usize>)> {
-        self.streamer.as_ref().map(|s| (s.slot_experts(), s.record_bytes()))
-    }
-
-    /// The expert pool's counters (`active_only`, `static_pin`, `weighted_pin`, `lru`; `None`
-    /// without one).
-    pub fn pool_stats(&self) -> Option<expert_pool::PoolStats> {
-        self.pool.as_ref().map(|p| p.stats())
+    /// Starts `session`'s device-time profile over (e.g. between prefill and decode); the
+    /// engine's counters run on.
+    pub fn reset_stats(&self, session: Option<&mut GpuSession>) {
+        if let Some(s) = session.filter(|s| s.profile.is_some()) {
+            s.profile = profile::StepProfile::from_env();
+        }
     }
 
     /// Runs one throwaway prefill of [`WARM_UP_TOKENS`] tokens and one decode step, so that the
@@ -716,9 +620,5 @@ impl Decoder for GpuModel {
             out[i] = Some(r);
         }
         Ok(out.into_iter().map(|r| r.expect("every sequence ran")).collect())
-    }
-
-    fn host_syncs(&self) -> Option<u64> {
-        Some(self.dev.sync_counters().0)
     }
 }

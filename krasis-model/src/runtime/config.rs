@@ -84,6 +84,9 @@ pub struct EngineConfig {
     pub force: bool,
     /// Count every MoE layer's routes ([`super::Engine::expert_counts`], `--heatmap-out`).
     pub record_heatmap: bool,
+    /// Under the `auto` policy, take the choice a tuning run saved for this model and GPU
+    /// ([`crate::placement::tune`]) when there is one.
+    pub use_saved_tune: bool,
 }
 
 /// Context the RAM estimate assumes unless told otherwise.
@@ -104,6 +107,7 @@ impl Default for EngineConfig {
             context_tokens: DEFAULT_CONTEXT_TOKENS,
             force: false,
             record_heatmap: false,
+            use_saved_tune: true,
         }
     }
 }

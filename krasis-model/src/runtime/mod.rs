@@ -19,6 +19,7 @@ pub mod metrics;
 mod open;
 pub mod scheduler;
 mod sessions;
+mod stats;
 pub mod stop;
 
 use std::any::Any;
@@ -28,11 +29,12 @@ pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, GpuExpertWidth, DEFAULT_CONTEXT_TOKENS};
 pub use self::context::{check_context, context_limit, spec_context_limit, ContextExceeded};
 pub(crate) use self::open::{check_ram, device_line};
-pub use self::open::{cpu_memory_estimate, default_heatmap_path, open_cpu, open_engine, open_gpu, Opened};
+pub use self::open::{
+    cpu_memory_estimate, default_heatmap_path, device_choice, open_cpu, open_engine, open_gpu, Opened,
+};
+pub use self::stats::{EngineStats, ExpertPoolSize, ForwardBreakdown, HandoffStats, PinnedExperts, StreamSlots};
 
-use crate::engine::ForwardStats;
 use crate::error::{ModelError, Result};
-use crate::gpu::HandoffStats;
 use crate::sampling::Sampler;
 use crate::spec::ModelSpec;
 
@@ -46,10 +48,6 @@ pub trait EngineSession: Any + Send {
     fn kv_capacity(&self) -> Option<usize>;
     /// Bytes the session's KV cache holds now.
     fn kv_bytes(&self) -> usize;
-    /// Where the hybrid engine's CPU hand-off time went so far (`None` on other paths).
-    fn handoff_stats(&self) -> Option<HandoffStats> {
-        None
-    }
 }
 
 /// One sequence of a batch [`Engine::step`]: run `tokens` after what `session` holds and sample
@@ -105,40 +103,21 @@ pub trait Engine: Send + Sync {
             .ok_or_else(|| ModelError::Invalid("the engine returned no output for a one-sequence step".into()))
     }
 
-    /// Host synchronisations so far (GPU engines; `None` where the notion does not apply).
-    fn host_syncs(&self) -> Option<u64> {
-        None
-    }
     /// Most tokens each session holds, where fixed at load: the GPU paths' KV cache, or the
     /// CPU engine's limit when opened with one ([`crate::gpu::GpuOptions::kv_tokens`]). A step
     /// past it fails. `None`: the session's cache grows as needed.
     fn kv_capacity(&self) -> Option<usize> {
         None
     }
-    /// Where forward time goes (routed experts vs all), where the engine measures it (CPU).
-    fn forward_stats(&self) -> Option<&ForwardStats> {
-        None
-    }
-    /// Bytes of one routed expert as the CPU reads it (quantised CPU and hybrid paths), for
-    /// bandwidth arithmetic: a token reads `top_k` of them per MoE layer.
-    fn expert_bytes(&self) -> Option<u64> {
-        None
-    }
-    /// Weight bytes a decode step reads outside the routed experts, where known (CPU).
-    fn dense_bytes_per_token(&self) -> Option<u64> {
-        None
-    }
-    /// Where the CPU hand-off time of batched decode steps went so far (hybrid; `None` on other
-    /// paths). A single sequence's steps count in its session ([`EngineSession::handoff_stats`]).
-    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
-        None
-    }
-    /// Device time per part of `session`'s forward calls (GPU with `KRASIS_GPU_PROFILE=1`).
-    fn profile_summary(&self, _session: &dyn EngineSession) -> Option<String> {
-        None
-    }
-    /// Starts `session`'s profile over (e.g. between prefill and decode).
-    fn reset_profile(&self, _session: &mut dyn EngineSession) {}
+    /// What the engine reports about itself ([`EngineStats`]): its counters and sizes and, with
+    /// `session` (one of this engine's), that session's own counters. Cheap: no device
+    /// synchronisation. A field is `None` where this path has no such notion.
+    fn stats(&self, session: Option<&dyn EngineSession>) -> EngineStats;
+    /// Starts over the figures that run since a reset: the engine's forward-time split
+    /// ([`EngineStats::forward`]) and, with `session`, that session's device-time profile
+    /// ([`EngineStats::profile`]). The cumulative counters (host synchronisations, hand-offs)
+    /// run on: take the difference of two readings.
+    fn reset_stats(&self, session: Option<&mut dyn EngineSession>);
     /// How many (token, slot) routes each routed expert got so far, `[layers × experts]`
     /// (`crate::heatmap`), when the engine was opened with [`EngineConfig::record_heatmap`];
     /// `None` otherwise. GPU engines read the counts back from the device (a synchronisation).

@@ -272,7 +272,7 @@ fn hybrid_opens_on_a_gpu_and_names_the_missing_gpu_otherwise() {
         }
         Err(_) => {
             let e = open_engine(&files, &config).err().expect("no GPU").to_string();
-            assert!(e.starts_with("--device hybrid: "), "{e}");
+            assert!(e.starts_with("`DevicePolicy::Hybrid`: "), "{e}");
         }
     }
 }
@@ -292,7 +292,7 @@ fn auto_without_a_gpu_runs_on_the_cpu_and_says_why() {
         assert!(opened.why.ends_with("running on the CPU)"), "{}", opened.why);
         let config = EngineConfig { device: DevicePolicy::Gpu, ..EngineConfig::default() };
         let e = open_engine(&files, &config).err().expect("no GPU").to_string();
-        assert!(e.starts_with("--device gpu: "), "{e}");
+        assert!(e.starts_with("`DevicePolicy::Gpu`: "), "{e}");
     }
 }
 
@@ -420,4 +420,92 @@ fn hybrid_pins_by_the_heatmap_beside_the_caches_and_pass_over_a_damaged_one() {
     config.pin_leftover_vram = true;
     config.cpu.expert_bits = WeightBits::Bf16;
     assert!(super::open::hybrid_defaults(&files, &config).gpu.cache.is_none());
+}
+
+/// The CPU engine's stats: the forward-time split (started over by `reset_stats`), the bytes a
+/// token reads, nothing a GPU path reports, nothing per session; a foreign session counts as none.
+#[test]
+fn cpu_engine_stats_report_the_forward_split_and_reset_starts_it_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    // The default CPU path: INT4 experts (an expert size to report) and INT8 dense weights.
+    let config = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+    let engine = open_engine(&files, &config).unwrap().engine;
+    let fresh = engine.stats(None);
+    assert!(fresh.expert_bytes.is_some_and(|b| b > 0), "{fresh:?}");
+    assert!(fresh.dense_bytes_per_token.is_some_and(|b| b > 0), "{fresh:?}");
+    let none_on_the_cpu = EngineStats {
+        expert_bytes: fresh.expert_bytes,
+        dense_bytes_per_token: fresh.dense_bytes_per_token,
+        forward: fresh.forward,
+        ..EngineStats::default()
+    };
+    assert_eq!(fresh, none_on_the_cpu, "no host syncs, hand-offs, profile or VRAM experts on the CPU");
+
+    let mut s = engine.new_session().unwrap();
+    let mut sampler = Sampler::new(SAMPLED);
+    engine.step_one(s.as_mut(), &[5, 9, 200, 3], &mut sampler, false).unwrap();
+    let ran = engine.stats(Some(s.as_ref()));
+    let f = ran.forward.expect("the CPU engine times its forward calls");
+    assert!(f.total > 0.0 && f.experts > 0.0 && f.attention > 0.0 && f.total >= f.experts + f.attention, "{f:?}");
+    assert_eq!((ran.handoffs, ran.profile.as_deref()), (None, None), "nothing per session on the CPU");
+
+    engine.reset_stats(Some(s.as_mut()));
+    assert_eq!(engine.stats(None).forward, Some(ForwardBreakdown::default()), "reset starts the split over");
+
+    struct Foreign;
+    impl EngineSession for Foreign {
+        fn position(&self) -> usize {
+            0
+        }
+        fn kv_capacity(&self) -> Option<usize> {
+            None
+        }
+        fn kv_bytes(&self) -> usize {
+            0
+        }
+    }
+    assert_eq!(engine.stats(Some(&Foreign)), engine.stats(None));
+    engine.reset_stats(Some(&mut Foreign));
+}
+
+/// Two CPU engines in one process, stepped from two threads at the same time, each run their
+/// dense ops on their own worker pool (the forward calls' `krasis_cpu::par` sees it).
+#[test]
+fn two_cpu_engines_in_one_process_each_run_on_their_own_pool() {
+    use std::sync::Arc;
+
+    use krasis_cpu::pool::{PoolPlan, WorkerPool};
+
+    use crate::engine::Logits;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tiny(tmp.path());
+    // Neither size is rayon's on a small machine, so a call on rayon would show.
+    let engines: Vec<(Model, usize)> = [5usize, 7]
+        .into_iter()
+        .map(|workers| {
+            let mut m = Model::load(&dir).unwrap();
+            m.set_pool(Arc::new(WorkerPool::new(PoolPlan::simulated(1, workers)).unwrap()));
+            (m, workers)
+        })
+        .collect();
+    let start = std::sync::Barrier::new(engines.len());
+    std::thread::scope(|scope| {
+        for (model, workers) in &engines {
+            let start = &start;
+            scope.spawn(move || {
+                start.wait();
+                for _ in 0..3 {
+                    let mut s = model.new_session();
+                    let mut seen = Vec::new();
+                    let mut observe = |_: usize, _: &[f32]| seen.push(krasis_cpu::par::threads());
+                    model.forward(&mut s, &[5, 9, 200, 3], Logits::Last, Some(&mut observe)).unwrap();
+                    assert!(!seen.is_empty() && seen.iter().all(|t| t == workers), "{workers} workers: {seen:?}");
+                }
+            });
+        }
+    });
+    // Outside the engines' calls no pool is current.
+    assert_eq!(krasis_cpu::par::threads(), rayon::current_num_threads());
 }

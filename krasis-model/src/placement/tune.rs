@@ -1,16 +1,22 @@
-//! The choice `krasis tune` saves (`<cache dir>/tune.json`) and what `generate` and `serve` do
-//! with it: under `--device auto` (the default) the tuned device, GPU expert width and cache
-//! strategy replace the automatic choice, on the GPU and model it was measured on; an explicit
-//! `--device` keeps every flag as given.
+//! The choice a tuning run saves (`<cache dir>/tune.json`, written by `krasis tune`) and what
+//! opening an engine does with it: under the `auto` device policy (the default) the tuned
+//! device, GPU expert width and cache strategy replace the automatic choice, on the GPU and model
+//! it was measured on ([`apply`], called by [`crate::runtime::open_engine`]); an explicit device
+//! keeps every option as given.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
-use krasis_core::spec::WeightBits;
-use krasis_model::files::ModelFiles;
-use krasis_model::gpu::{CachePlan, CacheStrategy};
-use krasis_model::runtime::{DevicePolicy, EngineConfig, GpuExpertWidth};
 use serde::{Deserialize, Serialize};
+
+use super::{CachePlan, CacheStrategy};
+use crate::error::{ModelError, Result};
+use crate::files::ModelFiles;
+use crate::quantized::WeightBits;
+use crate::runtime::{DevicePolicy, EngineConfig, GpuExpertWidth};
+
+fn invalid(msg: String) -> ModelError {
+    ModelError::Invalid(msg)
+}
 
 /// The `format` field of a tune file.
 pub const TUNE_FORMAT: &str = "krasis-tune";
@@ -24,14 +30,14 @@ const MAX_TUNE_BYTES: u64 = 1 << 20;
 /// One strategy: how the engine is opened.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Strategy {
-    /// `persistent`, `layer_grouped`, `cpu_experts`, or a `--cache-strategy` name
+    /// `persistent`, `layer_grouped`, `cpu_experts`, or a [`CacheStrategy`] name
     /// (`hot_cached_static`, `active_only`, `static_pin`, `weighted_pin`, `lru`, `chunked`).
     pub name: String,
     /// `gpu` or `hybrid`.
     pub device: String,
     /// GPU expert width (4 or 8); `None`: the routed experts stay on the CPU.
     pub gpu_expert_bits: Option<u8>,
-    /// CPU expert width as `--cpu-expert-bits` spells it (hybrid).
+    /// CPU expert width as [`WeightBits`] parses it (hybrid).
     pub cpu_expert_bits: String,
     /// A cache strategy's heatmap (the pinning ones) and VRAM (`None`: the default budget).
     pub heatmap_path: Option<PathBuf>,
@@ -56,7 +62,7 @@ pub struct Tuned {
     pub version: u32,
     /// [`ModelFiles::fingerprint`] of the model it was measured on (hex).
     pub fingerprint: String,
-    /// The GPU it was measured on, and the `--vram-budget` given.
+    /// The GPU it was measured on, and the VRAM budget given.
     pub gpu: String,
     pub vram_budget: String,
     pub prompt_tokens: usize,
@@ -82,39 +88,45 @@ pub fn choose(rows: &[Row]) -> Option<&Row> {
         .max_by(|a, b| a.decode_tok_s.unwrap_or(0.0).total_cmp(&b.decode_tok_s.unwrap_or(0.0)))
 }
 
-/// Where a model's tune file lives: `--cache-dir`, else the model's default cache directory.
+/// Where a model's tune file lives: `cache_dir` (the cache directory option), else the model's
+/// default cache directory.
 pub fn path(files: &ModelFiles, cache_dir: Option<&Path>) -> PathBuf {
     cache_dir.map(Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir()).join(TUNE_FILE)
 }
 
 impl Tuned {
     /// Writes the file through `path.tmp` and a rename (a reader never sees half a file).
-    pub fn save(&self, path: &Path) -> anyhow::Result<()> {
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let io = |what: String| move |e: std::io::Error| invalid(format!("{what}: {e}"));
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
         }
         let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(self)? + "\n")
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
+        let text = serde_json::to_string_pretty(self).map_err(|e| invalid(format!("tune file: {e}")))? + "\n";
+        std::fs::write(&tmp, text).map_err(io(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, path).map_err(io(format!("renaming {} to {}", tmp.display(), path.display())))
     }
 
     /// Reads a tune file, checking its format and version and capping its size.
-    pub fn load(path: &Path) -> anyhow::Result<Tuned> {
-        let len = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?.len();
+    pub fn load(path: &Path) -> Result<Tuned> {
+        let read = |e: std::io::Error| invalid(format!("reading {}: {e}", path.display()));
+        let len = std::fs::metadata(path).map_err(read)?.len();
         if len > MAX_TUNE_BYTES {
-            bail!("tune file {}: {len} bytes, more than a tune file's {MAX_TUNE_BYTES}", path.display());
+            return Err(invalid(format!(
+                "tune file {}: {len} bytes, more than a tune file's {MAX_TUNE_BYTES}",
+                path.display()
+            )));
         }
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let bytes = std::fs::read(path).map_err(read)?;
         let t: Tuned = serde_json::from_slice(&bytes)
-            .with_context(|| format!("tune file {}: not a krasis tune file", path.display()))?;
+            .map_err(|e| invalid(format!("tune file {}: not a krasis tune file ({e})", path.display())))?;
         if t.format != TUNE_FORMAT || t.version != TUNE_VERSION {
-            bail!(
-                "tune file {}: format {:?} version {}, this build reads {TUNE_FORMAT:?} version {TUNE_VERSION} (run krasis tune again)",
+            return Err(invalid(format!(
+                "tune file {}: format {:?} version {}, this build reads {TUNE_FORMAT:?} version {TUNE_VERSION} (tune again)",
                 path.display(),
                 t.format,
                 t.version
-            );
+            )));
         }
         Ok(t)
     }
@@ -126,17 +138,17 @@ pub fn fingerprint(files: &ModelFiles) -> String {
 }
 
 /// Applies `strategy` to `config` (device, expert widths, cache strategy).
-pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result<()> {
+pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> Result<()> {
     config.device = match s.device.as_str() {
         "gpu" => DevicePolicy::Gpu,
         "hybrid" => DevicePolicy::Hybrid,
-        d => bail!("tuned device {d:?} is neither gpu nor hybrid"),
+        d => return Err(invalid(format!("tuned device {d:?} is neither gpu nor hybrid"))),
     };
     config.gpu_expert_width = match s.gpu_expert_bits {
         None => GpuExpertWidth::Bf16,
         Some(4) => GpuExpertWidth::Bits(krasis_quant::Bits::Int4),
         Some(8) => GpuExpertWidth::Bits(krasis_quant::Bits::Int8),
-        Some(b) => bail!("tuned GPU expert width {b} is neither 4 nor 8"),
+        Some(b) => return Err(invalid(format!("tuned GPU expert width {b} is neither 4 nor 8"))),
     };
     config.gpu.expert_bits = None;
     // The tuned strategy is the whole choice: no default pins beside it.
@@ -146,12 +158,12 @@ pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result
         (config.cpu.expert_bits, config.cpu.dense_bits) = (WeightBits::Auto, WeightBits::Bf16);
     } else {
         config.cpu.expert_bits =
-            s.cpu_expert_bits.parse::<WeightBits>().map_err(|e| anyhow::anyhow!("tuned CPU expert width: {e}"))?;
+            s.cpu_expert_bits.parse::<WeightBits>().map_err(|e| invalid(format!("tuned CPU expert width: {e}")))?;
     }
     config.gpu.cache = match CacheStrategy::from_name(&s.name) {
         Some(strategy) => {
             if strategy.needs_heatmap() && s.heatmap_path.is_none() {
-                bail!("tuned {} without a heatmap path", s.name);
+                return Err(invalid(format!("tuned {} without a heatmap path", s.name)));
             }
             Some(CachePlan { strategy, heatmap: s.heatmap_path.clone(), vram: s.pin_vram })
         }
@@ -160,21 +172,17 @@ pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> anyhow::Result
     Ok(())
 }
 
-/// Under `--device auto`, the tune file of `files` (in `cache_dir`), when there is one for this
-/// model and this GPU, replaces `config`'s device choice. Returns a line for the log: what was
-/// taken, or why a file found was not (`None`: no file).
-pub fn apply(
-    files: &ModelFiles,
-    cache_dir: Option<&Path>,
-    config: &mut EngineConfig,
-) -> anyhow::Result<Option<String>> {
+/// Under the `auto` device policy, the tune file of `files` (in `cache_dir`), when there is one
+/// for this model and this GPU, replaces `config`'s device choice. Returns a line for the log:
+/// what was taken, or why a file found was not (`None`: no file).
+pub fn apply(files: &ModelFiles, cache_dir: Option<&Path>, config: &mut EngineConfig) -> Result<Option<String>> {
     let p = path(files, cache_dir);
     if config.device != DevicePolicy::Auto || !p.exists() {
         return Ok(None);
     }
     let t = match Tuned::load(&p) {
         Ok(t) => t,
-        Err(e) => return Ok(Some(format!("warning: {e:#}; not used"))),
+        Err(e) => return Ok(Some(format!("warning: {e}; not used"))),
     };
     if t.fingerprint != fingerprint(files) {
         return Ok(Some(format!("tune file {} is for another model (or other files): not used", p.display())));
@@ -188,7 +196,7 @@ pub fn apply(
     }
     apply_strategy(&t.choice, config)?;
     Ok(Some(format!(
-        "tuned: {} (from {}, measured by krasis tune; pass --device to choose yourself)",
+        "tuned: {} (from {}, measured by a tuning run; give `EngineConfig::device` to choose yourself)",
         t.choice.name,
         p.display()
     )))
@@ -249,11 +257,11 @@ mod tests {
         assert_eq!(Tuned::load(&p).unwrap(), t);
         assert!(!p.with_extension("json.tmp").exists());
         std::fs::write(&p, b"{\"format\": \"other\"}").unwrap();
-        assert!(format!("{:#}", Tuned::load(&p).unwrap_err()).contains("not a krasis tune file"));
+        assert!(Tuned::load(&p).unwrap_err().to_string().contains("not a krasis tune file"));
         let mut other = t.clone();
         other.version = 99;
         std::fs::write(&p, serde_json::to_string(&other).unwrap()).unwrap();
-        assert!(format!("{:#}", Tuned::load(&p).unwrap_err()).contains("run krasis tune again"));
+        assert!(Tuned::load(&p).unwrap_err().to_string().contains("tune again"));
     }
 
     #[test]

@@ -1,0 +1,270 @@
+//! The device choice: which engine an [`EngineConfig`] opens (CPU, the whole model on the GPU, or
+//! hybrid) and the defaults that engine takes, with the reason the start line gives. A pure
+//! function of the model's spec, the options, what the GPU probe found and the heatmap recorded
+//! beside the caches, so every rule has a test without a GPU.
+//!
+//! `cpu`, `gpu` and `hybrid` do as told; `auto` takes the CPU without a usable GPU (or with a
+//! quantised CPU dense width asked for), else the whole model on the GPU when it fits the VRAM
+//! budget with the routed experts at the default GPU width, else hybrid.
+
+use std::path::PathBuf;
+
+use krasis_core::budget::format_bytes;
+
+use crate::error::{ModelError, Result};
+use crate::quantized::WeightBits;
+use crate::runtime::{DevicePath, DevicePolicy, EngineConfig, GpuExpertWidth};
+use crate::ModelSpec;
+
+/// What the GPU probe found for the configured ordinal.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GpuFound {
+    /// A usable GPU whose VRAM budget (the option resolved on it) is this many bytes.
+    Usable { budget: u64 },
+    /// None usable, and why (no driver, no such ordinal, ...).
+    Absent(String),
+}
+
+/// The engine to open, its options with the defaults applied, and why.
+#[derive(Clone, Debug)]
+pub struct DeviceChoice {
+    pub path: DevicePath,
+    pub config: EngineConfig,
+    /// The reason, e.g. `auto: the whole model with INT4 experts (9.5 GiB) fits ...`.
+    pub why: String,
+    /// `auto` chose the whole GPU: if the GPU refuses the load, hybrid is the fallback.
+    pub hybrid_fallback: Option<Box<DeviceChoice>>,
+    /// Lines for the log, e.g. why a saved tune was not used.
+    pub notes: Vec<String>,
+}
+
+/// Chooses the engine for `config` (its CPU expert width already resolved, see
+/// [`crate::precision::resolve_expert_bits`]; `cpu_asked`: the caller named one). `heatmap`: the
+/// routes recorded beside the caches, which rank the pinned experts of a hybrid engine.
+pub fn choose_device(
+    spec: &ModelSpec,
+    config: &EngineConfig,
+    cpu_asked: bool,
+    gpu: &GpuFound,
+    heatmap: Option<PathBuf>,
+) -> Result<DeviceChoice> {
+    check_options(config)?;
+    let ordinal = config.gpu.ordinal;
+    let choice =
+        |path, config, why: String| DeviceChoice { path, config, why, hybrid_fallback: None, notes: Vec::new() };
+    match config.device {
+        DevicePolicy::Cpu => Ok(choice(DevicePath::Cpu, config.clone(), "as asked".into())),
+        DevicePolicy::Hybrid => {
+            if let GpuFound::Absent(e) = gpu {
+                return Err(ModelError::Invalid(format!("`DevicePolicy::Hybrid`: {e}")));
+            }
+            let why = format!("as asked: routed experts on the CPU, the rest on CUDA device {ordinal}");
+            Ok(choice(DevicePath::Hybrid, hybrid_defaults(spec, config, heatmap), why))
+        }
+        DevicePolicy::Gpu => {
+            if let GpuFound::Absent(e) = gpu {
+                return Err(ModelError::Invalid(format!("`DevicePolicy::Gpu`: {e}")));
+            }
+            if config.wants_cpu_precisions() {
+                return Err(ModelError::Invalid(
+                    "`DevicePolicy::Gpu` runs the whole model on the GPU; `EngineOptions::expert_bits`/`EngineOptions::dense_bits` apply to `DevicePolicy::Cpu` and `DevicePolicy::Hybrid`".into(),
+                ));
+            }
+            let cfg = whole_gpu_defaults(spec, config);
+            let why = format!(
+                "as asked: the whole model on CUDA device {ordinal}, routed experts {}",
+                gpu_width_name(cfg.gpu.expert_bits)
+            );
+            Ok(choice(DevicePath::Gpu, cfg, why))
+        }
+        DevicePolicy::Auto => {
+            let budget = match gpu {
+                GpuFound::Absent(e) => {
+                    return Ok(choice(
+                        DevicePath::Cpu,
+                        config.clone(),
+                        format!("auto: no GPU in use: {e}; running on the CPU"),
+                    ))
+                }
+                GpuFound::Usable { .. } if !matches!(config.cpu.dense_bits, WeightBits::Bf16 | WeightBits::Auto) => {
+                    let why = "auto: a quantised CPU dense width applies to the CPU path; running on the CPU";
+                    return Ok(choice(DevicePath::Cpu, config.clone(), why.into()));
+                }
+                GpuFound::Usable { budget } => *budget,
+            };
+            let hybrid = |reason: String| {
+                let cfg = hybrid_defaults(spec, config, heatmap.clone());
+                let why = format!(
+                    "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
+                    cpu_width_name(spec, cfg.cpu.expert_bits)
+                );
+                choice(DevicePath::Hybrid, cfg, why)
+            };
+            if cpu_asked {
+                return Ok(hybrid(format!("a CPU expert width ({}) was asked for", config.cpu.expert_bits)));
+            }
+            let whole = whole_gpu_defaults(spec, config);
+            let need = crate::gpu::whole_model_vram_bytes(spec, &whole.gpu);
+            let experts = gpu_width_name(whole.gpu.expert_bits);
+            if need > budget {
+                return Ok(hybrid(format!(
+                    "the whole model with {experts} experts needs {} of VRAM, over the budget of {}",
+                    format_bytes(need),
+                    format_bytes(budget)
+                )));
+            }
+            let why = format!(
+                "auto: the whole model with {experts} experts ({}) fits the VRAM budget of {} on CUDA device {ordinal}",
+                format_bytes(need),
+                format_bytes(budget)
+            );
+            let fallback = hybrid("the GPU could not take the whole model".into());
+            Ok(DeviceChoice { hybrid_fallback: Some(Box::new(fallback)), ..choice(DevicePath::Gpu, whole, why) })
+        }
+    }
+}
+
+/// Option combinations no device takes.
+fn check_options(config: &EngineConfig) -> Result<()> {
+    if config.device == DevicePolicy::Cpu && (config.gpu.expert_bits.is_some() || config.gpu_expert_width.is_bits()) {
+        return Err(ModelError::Invalid(
+            "`EngineConfig::gpu_expert_width` applies to the routed experts on the GPU (`DevicePolicy::Gpu`: resident; `DevicePolicy::Hybrid`: streamed for long prefills); with `DevicePolicy::Cpu` they run on the CPU at `EngineOptions::expert_bits`".into(),
+        ));
+    }
+    if config.device == DevicePolicy::Hybrid
+        && config.gpu.expert_bits.is_some()
+        && crate::quantized::quant_bits(config.cpu.expert_bits).is_none()
+    {
+        return Err(ModelError::Invalid(
+            "`DevicePolicy::Hybrid` with `EngineConfig::gpu_expert_width` streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give `EngineOptions::expert_bits` 4 or 8 too".into(),
+        ));
+    }
+    let streams =
+        config.gpu.expert_bits.is_some() && matches!(config.device, DevicePolicy::Hybrid | DevicePolicy::Auto);
+    if config.gpu.stream_from != super::StreamFrom::CpuCache && !streams {
+        return Err(ModelError::Invalid(
+            "`GpuOptions::stream_from` applies when a hybrid prefill streams the experts: `DevicePolicy::Hybrid` (or auto) with `EngineConfig::gpu_expert_width` 4 or 8".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The whole-model GPU engine's defaults on top of `config`: the routed experts resident at
+/// [`crate::precision::default_gpu_expert_bits`] unless a GPU width was given.
+pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConfig {
+    let mut cfg = config.clone();
+    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+        cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(spec));
+    }
+    cfg
+}
+
+/// The hybrid engine's defaults on top of `config` (its CPU expert width already resolved):
+/// prefill streaming the CPU experts' records at their own width unless a GPU width was given,
+/// and the leftover VRAM pinning experts (ranked by `heatmap` when there is one) unless a cache
+/// strategy was given or pinning is off.
+pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<PathBuf>) -> EngineConfig {
+    let mut cfg = config.clone();
+    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+        cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
+    }
+    if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
+        cfg.gpu.cache = Some(super::CachePlan { strategy: super::CacheStrategy::HotCachedStatic, heatmap, vram: None });
+    }
+    cfg
+}
+
+/// How a GPU expert width reads in the start line.
+pub fn gpu_width_name(bits: Option<krasis_quant::Bits>) -> &'static str {
+    match bits {
+        Some(krasis_quant::Bits::Int4) => "INT4",
+        Some(krasis_quant::Bits::Int8) => "INT8",
+        None => "BF16",
+    }
+}
+
+/// How a CPU expert width reads in the start line.
+fn cpu_width_name(spec: &ModelSpec, bits: WeightBits) -> String {
+    match bits {
+        WeightBits::Int8 => "INT8".to_string(),
+        WeightBits::Auto => crate::precision::describe_expert_bits(spec, WeightBits::Auto),
+        WeightBits::Bf16 => "BF16 (reference)".to_string(),
+        WeightBits::Int4 => "INT4".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{preset_config, Preset};
+
+    fn spec() -> ModelSpec {
+        let text = preset_config(Preset::Tiny, None).to_string();
+        crate::config::parse_config(&text, std::path::Path::new("config.json")).unwrap()
+    }
+
+    fn config(device: DevicePolicy) -> EngineConfig {
+        let mut c = EngineConfig { device, ..EngineConfig::default() };
+        c.cpu.expert_bits = WeightBits::Int4;
+        c
+    }
+
+    const BIG: GpuFound = GpuFound::Usable { budget: 1 << 40 };
+
+    #[test]
+    fn auto_takes_the_cpu_without_a_gpu_and_says_why() {
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &GpuFound::Absent("no driver".into()), None)
+            .unwrap();
+        assert_eq!(c.path, DevicePath::Cpu);
+        assert!(c.why.contains("no GPU in use: no driver"), "{}", c.why);
+    }
+
+    #[test]
+    fn auto_puts_the_whole_model_on_the_gpu_at_the_default_width_when_it_fits() {
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Gpu);
+        assert_eq!(c.config.gpu.expert_bits, Some(krasis_quant::Bits::Int4));
+        assert!(c.why.contains("INT4 experts") && c.why.contains("fits"), "{}", c.why);
+        let fallback = c.hybrid_fallback.expect("a hybrid fallback");
+        assert_eq!(fallback.path, DevicePath::Hybrid);
+    }
+
+    #[test]
+    fn auto_takes_hybrid_with_pins_when_the_whole_model_does_not_fit() {
+        let tiny = GpuFound::Usable { budget: 1 << 20 };
+        let heat = Some(PathBuf::from("/cache/heatmap.json"));
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &tiny, heat.clone()).unwrap();
+        assert_eq!(c.path, DevicePath::Hybrid);
+        assert!(c.why.contains("over the budget"), "{}", c.why);
+        assert_eq!(c.config.gpu.expert_bits, Some(krasis_quant::Bits::Int4), "prefill streams at the CPU width");
+        let plan = c.config.gpu.cache.expect("pins by default");
+        assert_eq!((plan.strategy, plan.heatmap), (super::super::CacheStrategy::HotCachedStatic, heat));
+        // A CPU width asked for keeps the experts on the CPU however big the GPU.
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), true, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Hybrid);
+        assert!(c.why.contains("was asked for"), "{}", c.why);
+    }
+
+    #[test]
+    fn explicit_devices_do_as_told_and_refuse_what_they_cannot_take() {
+        let absent = GpuFound::Absent("no driver".into());
+        assert_eq!(
+            choose_device(&spec(), &config(DevicePolicy::Cpu), true, &absent, None).unwrap().path,
+            DevicePath::Cpu
+        );
+        let e = choose_device(&spec(), &config(DevicePolicy::Gpu), false, &absent, None).unwrap_err();
+        assert!(e.to_string().contains("no driver"), "{e}");
+        let mut gpu = config(DevicePolicy::Gpu);
+        gpu.cpu.dense_bits = WeightBits::Int8;
+        let e = choose_device(&spec(), &gpu, false, &BIG, None).unwrap_err();
+        assert!(e.to_string().contains("`EngineOptions::dense_bits`"), "{e}");
+        let mut cpu = config(DevicePolicy::Cpu);
+        cpu.gpu_expert_width = GpuExpertWidth::Bits(krasis_quant::Bits::Int4);
+        let e = choose_device(&spec(), &cpu, true, &absent, None).unwrap_err();
+        assert!(e.to_string().contains("`EngineConfig::gpu_expert_width`"), "{e}");
+        let mut off = config(DevicePolicy::Hybrid);
+        off.pin_leftover_vram = false;
+        let c = choose_device(&spec(), &off, true, &BIG, None).unwrap();
+        assert!(c.config.gpu.cache.is_none(), "pinning off");
+    }
+}
