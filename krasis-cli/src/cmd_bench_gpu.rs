@@ -114,14 +114,17 @@ pub fn model(
         let mut s = engine.new_session()?;
         let mut sampler = Sampler::new(SamplingParams::default());
         let mut id = engine.step_one(s.as_mut(), &req.prompt_ids, &mut sampler, false)?.token;
-        println!("prefill of {prompt_tokens} tokens: {}", engine.profile_summary(s.as_ref()).unwrap_or_default());
-        engine.reset_profile(s.as_mut());
+        println!("prefill of {prompt_tokens} tokens: {}", engine.stats(Some(s.as_ref())).profile.unwrap_or_default());
+        engine.reset_stats(Some(s.as_mut()));
         let t = Instant::now();
         for _ in 0..decode_tokens {
             id = engine.step_one(s.as_mut(), &[id], &mut sampler, false)?.token;
         }
         let wall_ms = t.elapsed().as_secs_f64() * 1e3 / decode_tokens as f64;
-        println!("decode: {}; wall {wall_ms:.3} ms per step", engine.profile_summary(s.as_ref()).unwrap_or_default());
+        println!(
+            "decode: {}; wall {wall_ms:.3} ms per step",
+            engine.stats(Some(s.as_ref())).profile.unwrap_or_default()
+        );
     }
     let prefill_tps = out.prefill_tok_s(prompt_tokens);
     let decode_tps = out.decode_tok_s();

@@ -24,7 +24,7 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     let spec = m.spec();
     let moe_layers = spec.moe_layers().count() as u64;
     let (top_k, n_experts) = spec.moe.as_ref().map_or((0, 0), |x| (x.routing.top_k as u64, x.n_routed_experts as u64));
-    let expert_bytes = m.expert_bytes().unwrap_or(0);
+    let expert_bytes = m.stats(None).expert_bytes.unwrap_or(0);
     let prompt = crate::cmd_bench::random_prompt(spec.vocab_size, a.prompt_tokens);
     let mut sampler = Sampler::new(SamplingParams::default());
     // A short warm-up call settles allocations and clocks.
@@ -47,18 +47,19 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
         let t = Instant::now();
         id = m.step_one(s.as_mut(), &prompt, &mut sampler, false)?.token;
         prefill_reps_s.push(t.elapsed().as_secs_f64());
-        prefill_handoffs.push(s.handoff_stats().unwrap_or_default());
+        prefill_handoffs.push(m.stats(Some(s.as_ref())).handoffs.unwrap_or_default());
     }
     let prefill_s = crate::cmd_bench::warm_median(&prefill_reps_s);
     let h0 = *prefill_handoffs.last().expect("at least one prefill");
-    let syncs0 = m.host_syncs().unwrap_or(0);
+    let syncs0 = m.stats(None).host_syncs.unwrap_or(0);
     let t = Instant::now();
     for _ in 0..a.decode_tokens {
         id = m.step_one(s.as_mut(), &[id], &mut sampler, false)?.token;
     }
     let decode_s = t.elapsed().as_secs_f64();
-    let h1 = s.handoff_stats().unwrap_or_default();
-    let syncs = (m.host_syncs().unwrap_or(0) - syncs0) as f64 / a.decode_tokens.max(1) as f64;
+    let after = m.stats(Some(s.as_ref()));
+    let h1 = after.handoffs.unwrap_or_default();
+    let syncs = (after.host_syncs.unwrap_or(0) - syncs0) as f64 / a.decode_tokens.max(1) as f64;
     let rss_after = krasis_core::hw::current_rss_bytes();
     let n = a.decode_tokens.max(1) as f64;
     let ms = decode_s * 1e3 / n;

@@ -113,11 +113,12 @@ pub(crate) fn streams(
     let mut one = None;
     let moe_layers = engine.spec().moe_layers().count() as u64;
     for &n in streams {
-        let before = engine.batch_handoff_stats();
+        let before = engine.stats(None).batch_handoffs;
         let (tokens, secs) = run_streams(&engine, &codec, n, prompt_tokens, decode_tokens, false)?;
         let tok_s = tokens as f64 / secs.max(1e-9);
         // Hybrid: what the CPU did per batched step (the routed experts of all the streams).
-        let handoffs = match (before, engine.batch_handoff_stats()) {
+        let after = engine.stats(None);
+        let handoffs = match (before, after.batch_handoffs) {
             (Some(b), Some(a)) if a.calls > b.calls && moe_layers > 0 => {
                 let steps = (a.calls - b.calls) as f64 / moe_layers as f64;
                 let reads = (a.experts_read - b.experts_read) as f64;
@@ -126,7 +127,7 @@ pub(crate) fn streams(
                     steps,
                     distinct_experts: reads / (steps * moe_layers as f64),
                     experts_ms: 1e3 * experts_s / steps,
-                    expert_gb_s: reads * engine.expert_bytes().unwrap_or(0) as f64 / experts_s.max(1e-9) / 1e9,
+                    expert_gb_s: reads * after.expert_bytes.unwrap_or(0) as f64 / experts_s.max(1e-9) / 1e9,
                     gpu_wait_ms: 1e3 * (a.wait - b.wait).as_secs_f64() / steps,
                 })
             }

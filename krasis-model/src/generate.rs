@@ -100,10 +100,6 @@ pub trait Decoder {
     fn step_batch(&self, seqs: &mut [DecoderStep<'_, Self::Session>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
         seqs.iter_mut().map(|s| self.step(s.session, s.tokens, s.sampler, s.record)).collect()
     }
-    /// Host synchronisations so far (GPU engines; `None` where the notion does not apply).
-    fn host_syncs(&self) -> Option<u64> {
-        None
-    }
 }
 
 /// One sequence of [`Decoder::step_batch`].
@@ -213,7 +209,7 @@ pub fn generate_with(
         return Ok(out);
     }
     let t1 = Instant::now();
-    let syncs0 = engine.host_syncs();
+    let syncs0 = engine.stats(None).host_syncs;
     let mut id = first.token;
     loop {
         out.generated.push(id);
@@ -241,7 +237,7 @@ pub fn generate_with(
     }
     out.decode_time = t1.elapsed();
     let steps = out.generated.len().saturating_sub(1);
-    if let (Some(a), Some(b)) = (syncs0, engine.host_syncs()) {
+    if let (Some(a), Some(b)) = (syncs0, engine.stats(None).host_syncs) {
         if steps > 0 && !req.record_logits {
             out.host_syncs_per_token = Some((b - a) as f64 / steps as f64);
         }

@@ -60,7 +60,7 @@ fn check_model(name: &str, what: &str, m: &GpuModel, prompt: &[u32]) {
     // Batched: all three sessions advance in one step_batch call per token.
     let mut b_samplers = samplers();
     let (mut b_sessions, mut b_next) = prefill(&mut b_samplers);
-    let syncs0 = m.host_syncs().unwrap();
+    let syncs0 = m.stats(None).host_syncs.unwrap();
     let mut fed = vec![Vec::new(); prompts.len()];
     let mut batched = vec![Vec::new(); prompts.len()];
     for _ in 0..STEPS {
@@ -78,7 +78,7 @@ fn check_model(name: &str, what: &str, m: &GpuModel, prompt: &[u32]) {
             b_next[i] = id;
         }
     }
-    let syncs = m.host_syncs().unwrap() - syncs0;
+    let syncs = m.stats(None).host_syncs.unwrap() - syncs0;
 
     // Alone: the same sessions from scratch, each fed the same tokens one step at a time.
     let mut a_samplers = samplers();

@@ -14,6 +14,7 @@ use std::path::Path;
 use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, StreamSplit};
 use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
+use krasis_model::runtime::{HandoffStats, PinnedExperts, StreamSlots};
 use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
 
 /// KV tokens per session: the fixtures' prompts plus the decode steps fit easily.
@@ -60,7 +61,7 @@ fn run(m: &GpuModel, prompt: &[u32], greedy: &[u32], steps: usize) -> (Vec<f32>,
 /// GPU's prediction was in before the CPU finished the layer before (tiny fixtures' CPU experts
 /// can beat it), and, where any were made, right more often than chance. It only ever steers a
 /// cache pull, but a broken one would silently cost that pull's benefit.
-fn check_route_prediction(m: &GpuModel, stats: &krasis_model::gpu::HandoffStats, steps: usize, moe_layers: u64) {
+fn check_route_prediction(m: &GpuModel, stats: &HandoffStats, steps: usize, moe_layers: u64) {
     let Some(moe) = m.spec.moe.as_ref() else { return };
     let (k, e) = (moe.routing.top_k as u64, moe.n_routed_experts as u64);
     let off = std::env::var("KRASIS_EXPERT_PREFETCH_MB").is_ok_and(|v| v.trim() == "0");
@@ -264,7 +265,7 @@ fn int4_gpu_experts(cache: &Path) -> GpuOptions {
 
 /// Prefill logits of every position of the fixture's prompt, then three teacher-forced decode
 /// steps' logits, and the session's hand-off counters.
-fn prefill_and_three_steps(m: &GpuModel, r: &krasis_tests::Reference) -> (Vec<f32>, krasis_model::gpu::HandoffStats) {
+fn prefill_and_three_steps(m: &GpuModel, r: &krasis_tests::Reference) -> (Vec<f32>, HandoffStats) {
     let mut s = m.new_session().unwrap();
     let mut l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
     for &id in &r.greedy_ids[..3] {
@@ -307,7 +308,7 @@ fn check_hot(name: &str) {
         ..resident_opts.clone()
     };
     let all = GpuModel::load_hybrid(&dir, &hot(None), &cpu).unwrap();
-    let (pinned, bytes) = all.pinned_experts().expect("hot_cached_static pins");
+    let PinnedExperts { experts: pinned, bytes } = all.stats(None).pinned_experts.expect("hot_cached_static pins");
     assert_eq!(pinned, moe.len() * n, "{name}: the whole budget pins every expert");
     let (logits, calls) = run(&all);
     let rel = krasis_tests::rel_l2(&logits, &resident);
@@ -316,7 +317,7 @@ fn check_hot(name: &str) {
     assert_eq!(calls, 4 * moe.len() as u64, "{name}: the CPU is still handed every MoE layer");
     drop(all);
     let half = GpuModel::load_hybrid(&dir, &hot(Some(bytes as u64 / 2)), &cpu).unwrap();
-    let (p, _) = half.pinned_experts().unwrap();
+    let p = half.stats(None).pinned_experts.unwrap().experts;
     assert!(p > 0 && p <= pinned / 2, "{name}: half the VRAM pins at most half ({p} of {pinned})");
     let cpu_only =
         run(&GpuModel::load_hybrid(&dir, &GpuOptions { expert_bits: None, ..resident_opts.clone() }, &cpu).unwrap()).0;
@@ -443,7 +444,7 @@ fn check_pool(name: &str) {
         };
         let m = GpuModel::load_hybrid(&dir, &opts(strategy, vram), &cpu)
             .unwrap_or_else(|e| panic!("{name} {}: {e}", strategy.name()));
-        let pool = m.pool_stats().expect("a pool strategy keeps a pool");
+        let pool = m.stats(None).expert_pool.expect("a pool strategy keeps a pool");
         record = pool.bytes / pool.slots;
         let (logits, h) = run(&m);
         let rel = krasis_tests::rel_l2(&logits, &resident);
@@ -507,11 +508,12 @@ fn check_chunked(name: &str) {
         ..resident_opts.clone()
     };
     let one = GpuModel::load_hybrid(&dir, &chunked(1), &cpu).unwrap();
-    let (per_slot, record) = one.stream_slots().expect("the experts stream");
+    let StreamSlots { experts_per_slot: per_slot, record_bytes: record } =
+        one.stats(None).stream_slots.expect("the experts stream");
     assert_eq!(per_slot, 1, "{name}: a budget below one expert streams one at a time");
     let record = record.expect("records layout") as u64;
     let three = GpuModel::load_hybrid(&dir, &chunked(2 * 3 * record), &cpu).unwrap();
-    assert_eq!(three.stream_slots().unwrap().0, 3.min(three.spec.routed_experts()));
+    assert_eq!(three.stats(None).stream_slots.unwrap().experts_per_slot, 3.min(three.spec.routed_experts()));
     for (what, m) in [("1-expert chunks", &one), ("3-expert chunks", &three)] {
         let rel = krasis_tests::rel_l2(&prefill(m), &resident);
         eprintln!("{name} {what}: prefill vs resident: relative error {rel:.2e}");

@@ -32,6 +32,7 @@ use crate::linear::{DenseLinear, LinearOp};
 use crate::packed_ops::{kv_b_layouts, w13_layout, PackedBytes, PackedKvB, PooledMlp};
 use crate::quantized::QuantLinear;
 use crate::rope::RotaryTables;
+use crate::runtime::ForwardBreakdown;
 use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec, RoutingRule};
 use crate::tensors::{MlpTensors, TensorRole, TensorSpec};
@@ -63,7 +64,6 @@ pub struct Model {
     pool: Option<Arc<WorkerPool>>,
 }
 
-/// Where forward time goes (for `krasis bench`): routed-expert execution vs everything.
 /// Nanoseconds spent so far in the CPU forward's smaller parts (for benches): norms with their
 /// copies, residual adds, MoE routers, routing, dense-layer MLPs.
 pub fn other_phase_ns() -> [u64; 5] {
@@ -72,6 +72,8 @@ pub fn other_phase_ns() -> [u64; 5] {
 
 pub(crate) static OTHER_NS: krasis_cpu::phase_ns::PhaseNs<5> = krasis_cpu::phase_ns::PhaseNs::new();
 
+/// Where forward time goes (for benchmarks): routed-expert execution, attention, shared
+/// experts, the LM head and the whole pass, as [`ForwardBreakdown`]s.
 #[derive(Default)]
 pub struct ForwardStats {
     expert_ns: std::sync::atomic::AtomicU64,
@@ -80,24 +82,6 @@ pub struct ForwardStats {
     shared_ns: std::sync::atomic::AtomicU64,
     head_ns: std::sync::atomic::AtomicU64,
     shared_inside_bytes: std::sync::atomic::AtomicU64,
-}
-
-/// Where forward time went, in seconds since the last reset ([`ForwardStats::breakdown`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ForwardBreakdown {
-    /// The routed experts (the expert backend's calls).
-    pub experts: f64,
-    /// Attention layers: projections, RoPE, the attention core, MLA's absorption, o-proj.
-    pub attention: f64,
-    /// Shared experts of the MoE layers.
-    pub shared: f64,
-    /// The LM head.
-    pub lm_head: f64,
-    /// Weight bytes of shared experts that ran inside the routed experts' dispatch (their time
-    /// is in `experts`, not `shared`).
-    pub shared_in_experts_bytes: u64,
-    /// The whole forward pass (the rest: norms, routers, dense-layer MLPs, residual adds).
-    pub total: f64,
 }
 
 impl ForwardStats {

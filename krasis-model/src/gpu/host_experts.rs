@@ -23,7 +23,7 @@
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
@@ -32,6 +32,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost};
 
 use crate::engine::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
+use crate::runtime::HandoffStats;
 
 /// Most tokens per call into the host expert backend (longer prompts go in chunks): bounds the
 /// backend's per-call scratch, which otherwise grows with the prompt (measured on the H100 box,
@@ -44,63 +45,6 @@ pub(crate) struct HandoffShape {
     pub t: usize,
     pub hidden: usize,
     pub k: usize,
-}
-
-/// Where a session's hybrid MoE time went (cumulative; `krasis bench --device hybrid`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HandoffStats {
-    /// Layers handed to the host.
-    pub calls: u64,
-    /// Expert-thread time waiting for the device (the GPU's share of the step, as the critical
-    /// path sees it).
-    pub wait: Duration,
-    /// Expert-thread time in the CPU expert backend.
-    pub experts: Duration,
-    /// Expert-thread time waiting for the launching thread to enqueue the next hand-off (the
-    /// launcher falling behind; also the start of each call).
-    pub launch_wait: Duration,
-    /// Routed experts the hand-offs read, each counted once per hand-off however many of the
-    /// hand-off's tokens chose it (a batch of sequences reads the union of their experts).
-    pub experts_read: u64,
-    /// Expert-thread time pulling the predicted next experts into the caches (part of the time
-    /// the CPU waits for the GPU: `wait` + `prefetch` is the GPU's share).
-    pub prefetch: Duration,
-    /// Bytes of expert weights those pulls requested.
-    pub prefetch_bytes: u64,
-    /// Routes predicted for hand-offs that then ran, and how many of them the router chose.
-    pub predicted: u64,
-    pub predicted_hits: u64,
-    /// Hand-offs whose experts had been pulled (`KRASIS_EXPERT_PREFETCH_AB=1` times every other
-    /// call without), and their CPU expert time (part of `calls` and `experts`).
-    pub pulled_calls: u64,
-    pub pulled_experts: Duration,
-    /// Expert-pool layers (`--cache-strategy active_only | static_pin | weighted_pin | lru`):
-    /// experts copied into VRAM, and their bytes over PCIe. Their routes count as hand-offs
-    /// (`calls`, `experts_read`); `wait` is the launcher's wait for the routes and `experts` its
-    /// time enqueueing the copies.
-    pub copied: u64,
-    pub copied_bytes: u64,
-    /// Of `calls`, the expert-pool layers.
-    pub pool_calls: u64,
-}
-
-impl HandoffStats {
-    fn add(&mut self, o: &HandoffStats) {
-        self.calls += o.calls;
-        self.wait += o.wait;
-        self.experts += o.experts;
-        self.launch_wait += o.launch_wait;
-        self.experts_read += o.experts_read;
-        self.prefetch += o.prefetch;
-        self.prefetch_bytes += o.prefetch_bytes;
-        self.predicted += o.predicted;
-        self.predicted_hits += o.predicted_hits;
-        self.pulled_calls += o.pulled_calls;
-        self.pulled_experts += o.pulled_experts;
-        self.copied += o.copied;
-        self.copied_bytes += o.copied_bytes;
-        self.pool_calls += o.pool_calls;
-    }
 }
 
 /// Default of `KRASIS_EXPERT_PREFETCH_MB`: at most this much of the predicted next experts is

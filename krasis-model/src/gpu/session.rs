@@ -195,7 +195,7 @@ impl GpuSession {
     }
 
     /// Where the hybrid hand-off time went so far (zero when the experts are on the GPU).
-    pub fn handoff_stats(&self) -> super::host_experts::HandoffStats {
+    pub fn handoff_stats(&self) -> crate::runtime::HandoffStats {
         self.host.stats
     }
 

@@ -3,11 +3,9 @@
 
 use std::any::Any;
 
-use super::{DevicePath, Engine, EngineSession, SequenceStep, StepOutput};
-use crate::engine::ForwardStats;
+use super::{DevicePath, Engine, EngineSession, EngineStats, SequenceStep, StepOutput};
 use crate::error::{ModelError, Result};
 use crate::generate::{Decoder, DecoderStep};
-use crate::gpu::HandoffStats;
 use crate::spec::ModelSpec;
 
 /// What a [`Decoder`] tells the Engine API beyond running tokens. Everything but the device and
@@ -21,24 +19,13 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     fn kv_capacity(&self) -> Option<usize> {
         None
     }
-    /// Forward-time split (routed experts vs all), where measured.
-    fn forward_stats(&self) -> Option<&ForwardStats> {
-        None
+    /// [`Engine::stats`], with `session` already one of this decoder's. The adapter fills
+    /// [`EngineStats::expert_bytes`] where the decoder leaves it `None` and it was given one.
+    fn stats(&self, _session: Option<&Self::Session>) -> EngineStats {
+        EngineStats::default()
     }
-    /// Weight bytes a decode step reads outside the routed experts, where known.
-    fn dense_bytes_per_token(&self) -> Option<u64> {
-        None
-    }
-    /// Device time per part of the session's forward calls, where profiled.
-    fn profile_summary(&self, _session: &Self::Session) -> Option<String> {
-        None
-    }
-    /// Starts the session's profile over.
-    fn reset_profile(&self, _session: &mut Self::Session) {}
-    /// The hybrid hand-offs of batched steps so far (kept by the engine, not by a session).
-    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
-        None
-    }
+    /// [`Engine::reset_stats`], with `session` already one of this decoder's.
+    fn reset_stats(&self, _session: Option<&mut Self::Session>) {}
     /// [`Engine::expert_counts`].
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(None)
@@ -60,7 +47,7 @@ impl<D> DecoderEngine<D> {
         DecoderEngine { decoder, expert_bytes: None, kv_limit: None }
     }
 
-    /// Records the bytes of one routed expert as executed ([`Engine::expert_bytes`]).
+    /// Records the bytes of one routed expert as executed ([`EngineStats::expert_bytes`]).
     pub fn with_expert_bytes(mut self, bytes: u64) -> Self {
         self.expert_bytes = Some(bytes);
         self
@@ -149,43 +136,31 @@ where
         Ok(out.into_iter().map(|(token, logits)| StepOutput { token, logits }).collect())
     }
 
-    fn host_syncs(&self) -> Option<u64> {
-        self.decoder.host_syncs()
-    }
-
     fn kv_capacity(&self) -> Option<usize> {
         self.decoder.kv_capacity().or(self.kv_limit)
-    }
-
-    fn forward_stats(&self) -> Option<&ForwardStats> {
-        self.decoder.forward_stats()
-    }
-
-    fn expert_bytes(&self) -> Option<u64> {
-        self.expert_bytes
-    }
-
-    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
-        self.decoder.batch_handoff_stats()
     }
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         self.decoder.expert_counts()
     }
 
-    fn dense_bytes_per_token(&self) -> Option<u64> {
-        self.decoder.dense_bytes_per_token()
+    /// A session of another kind of engine counts as none: the per-session fields stay `None`.
+    fn stats(&self, session: Option<&dyn EngineSession>) -> EngineStats {
+        let own = session.and_then(|s| {
+            let any: &dyn Any = s;
+            any.downcast_ref::<D::Session>()
+        });
+        let mut stats = self.decoder.stats(own);
+        stats.expert_bytes = stats.expert_bytes.or(self.expert_bytes);
+        stats
     }
 
-    fn profile_summary(&self, session: &dyn EngineSession) -> Option<String> {
-        let any: &dyn Any = session;
-        self.decoder.profile_summary(any.downcast_ref::<D::Session>()?)
-    }
-
-    fn reset_profile(&self, session: &mut dyn EngineSession) {
-        let any: &mut dyn Any = session;
-        if let Some(s) = any.downcast_mut::<D::Session>() {
-            self.decoder.reset_profile(s);
-        }
+    /// A session of another kind of engine counts as none.
+    fn reset_stats(&self, session: Option<&mut dyn EngineSession>) {
+        let own = session.and_then(|s| {
+            let any: &mut dyn Any = s;
+            any.downcast_mut::<D::Session>()
+        });
+        self.decoder.reset_stats(own);
     }
 }

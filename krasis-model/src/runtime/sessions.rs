@@ -1,9 +1,9 @@
 //! The CPU and GPU engines' decoders and sessions as seen by the Engine API.
 
-use super::{DevicePath, EngineDecoder, EngineSession};
-use crate::engine::{ForwardStats, Model, Session};
+use super::{DevicePath, EngineDecoder, EngineSession, EngineStats};
+use crate::engine::{Model, Session};
 use crate::error::Result;
-use crate::gpu::{GpuModel, GpuSession, HandoffStats};
+use crate::gpu::{GpuModel, GpuSession};
 
 impl EngineSession for Session {
     fn position(&self) -> usize {
@@ -29,12 +29,17 @@ impl EngineDecoder for Model {
         self.experts_description()
     }
 
-    fn forward_stats(&self) -> Option<&ForwardStats> {
-        Some(Model::forward_stats(self))
+    /// The forward-time split and the dense bytes per token (nothing per session).
+    fn stats(&self, _session: Option<&Session>) -> EngineStats {
+        EngineStats {
+            forward: Some(Model::forward_stats(self).breakdown()),
+            dense_bytes_per_token: Some(Model::dense_bytes_per_token(self)),
+            ..EngineStats::default()
+        }
     }
 
-    fn dense_bytes_per_token(&self) -> Option<u64> {
-        Some(Model::dense_bytes_per_token(self))
+    fn reset_stats(&self, _session: Option<&mut Session>) {
+        Model::forward_stats(self).reset();
     }
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
@@ -53,10 +58,6 @@ impl EngineSession for GpuSession {
 
     fn kv_bytes(&self) -> usize {
         GpuSession::kv_bytes(self)
-    }
-
-    fn handoff_stats(&self) -> Option<HandoffStats> {
-        Some(GpuSession::handoff_stats(self))
     }
 }
 
@@ -87,15 +88,11 @@ impl EngineDecoder for GpuModel {
         Some(GpuModel::kv_capacity(self))
     }
 
-    fn batch_handoff_stats(&self) -> Option<HandoffStats> {
-        self.experts_on_host().then(|| GpuModel::batch_handoff_stats(self))
+    fn stats(&self, session: Option<&GpuSession>) -> EngineStats {
+        GpuModel::stats(self, session)
     }
 
-    fn profile_summary(&self, session: &GpuSession) -> Option<String> {
-        GpuModel::profile_summary(self, session)
-    }
-
-    fn reset_profile(&self, session: &mut GpuSession) {
-        GpuModel::reset_profile(self, session)
+    fn reset_stats(&self, session: Option<&mut GpuSession>) {
+        GpuModel::reset_stats(self, session)
     }
 }
