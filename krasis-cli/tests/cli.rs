@@ -515,3 +515,29 @@ fn library_logs_keep_the_cli_format_and_honour_rust_log() {
     let o = krasis_env(&["bench", "--membw", "--membw-bytes", "1MiB"], &[("RUST_LOG", "krasis_cpu=debug")]);
     assert!(stderr(&o).contains("debug krasis_cpu::isa: kernels use"), "{}", stderr(&o));
 }
+
+/// The library's messages name its options (`SynthOptions::force`); the CLI prints them as the
+/// flags that set them, and never the library's name for them.
+#[test]
+fn library_messages_show_the_cli_flags() {
+    let (t, dir) = tiny();
+    let m = dir.to_str().unwrap();
+    let no_library_names = |o: &Output| {
+        let e = stderr(o);
+        assert!(!e.contains("SynthOptions::") && !e.contains("GenerateRequest::") && !e.contains('`'), "{e}");
+    };
+    // A non-empty output directory without --force.
+    let o = krasis(&["synth", "--preset", "tiny", "--layers", "2", "--out", m]);
+    assert_clean_failure(&o, 1, "overwrite the model files in it (--force)");
+    no_library_names(&o);
+    // A layer count the preset does not have.
+    let out = t.path().join("deep");
+    let o = krasis(&["synth", "--preset", "tiny", "--layers", "99", "--out", out.to_str().unwrap()]);
+    assert_clean_failure(&o, 1, "the layer count (--layers) 99 is out of range");
+    no_library_names(&o);
+    // Text without a tokenizer.
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let o = krasis(&["generate", "--model", m, "--prompt", "hi", "--max-new-tokens", "1", "--device", "cpu"]);
+    assert_clean_failure(&o, 1, "(give the prompt as token ids, --prompt-ids, to bypass the tokenizer)");
+    no_library_names(&o);
+}

@@ -1,7 +1,7 @@
 //! Memory-budget arithmetic: refuse loads that would not fit in RAM, and check the estimate
 //! against the resident set size measured after loading.
 
-/// Refuse to load above this fraction of `MemTotal` unless `--force` is given.
+/// Refuse to load above this fraction of `MemTotal` unless forced (`EngineConfig::force`).
 pub const RAM_REFUSE_FRACTION: f64 = 0.95;
 /// Warn when the measured RSS differs from the estimate by more than this fraction.
 pub const RSS_ESTIMATE_TOLERANCE: f64 = 0.10;
@@ -16,7 +16,8 @@ const TIB: f64 = GIB * 1024.0;
 pub enum BudgetError {
     #[error(
         "estimated memory {:.2} GiB exceeds the limit of {:.2} GiB ({:.0}% of {:.2} GiB MemTotal); \
-         free memory or choose a smaller quantisation, or pass --force to load anyway",
+         free memory or choose narrower weights (`EngineOptions::expert_bits`, `EngineOptions::dense_bits`), \
+         or load anyway (`EngineConfig::force`)",
         gib(*.estimate_bytes),
         gib(ram_limit_bytes(*.mem_total_bytes)),
         RAM_REFUSE_FRACTION * 100.0,
@@ -48,7 +49,7 @@ pub fn check_ram_budget(estimate_bytes: u64, mem_total_bytes: u64, force: bool) 
         return Err(BudgetError::TooLarge { estimate_bytes, mem_total_bytes });
     }
     Ok(Some(format!(
-        "--force: loading an estimated {:.2} GiB, above the limit of {:.2} GiB ({:.0}% of {:.2} GiB \
+        "`EngineConfig::force`: loading an estimated {:.2} GiB, above the limit of {:.2} GiB ({:.0}% of {:.2} GiB \
          MemTotal); expect swapping or the OOM killer",
         gib(estimate_bytes),
         gib(limit),
@@ -180,7 +181,7 @@ mod tests {
         let warning = check_ram_budget(99 * GIB_U, total, true)
             .expect("forced load is allowed")
             .expect("forced load past the limit warns");
-        assert!(warning.contains("--force"), "{warning}");
+        assert!(warning.starts_with("`EngineConfig::force`: "), "{warning}");
         assert!(warning.contains("99.00 GiB") && warning.contains("95.00 GiB"), "{warning}");
         // Forcing a load that fits changes nothing.
         assert!(matches!(check_ram_budget(GIB_U, total, true), Ok(None)));
@@ -196,7 +197,9 @@ mod tests {
     fn error_message_has_numbers() {
         let err = check_ram_budget(120 * GIB_U, 100 * GIB_U, false).unwrap_err();
         let msg = err.to_string();
-        for needle in ["120.00 GiB", "95.00 GiB", "100.00 GiB", "95%", "--force"] {
+        for needle in
+            ["120.00 GiB", "95.00 GiB", "100.00 GiB", "95%", "`EngineOptions::expert_bits`", "`EngineConfig::force`"]
+        {
             assert!(msg.contains(needle), "{needle:?} missing from {msg:?}");
         }
     }

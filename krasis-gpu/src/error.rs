@@ -54,7 +54,7 @@ pub enum GpuError {
     )]
     OutOfMemory { requested: u64, what: String },
     /// A VRAM budget ([`crate::VramBudgetSpec`]) that does not parse.
-    #[error("VRAM budget (`GpuOptions::vram_budget`) {value:?}: {reason}")]
+    #[error("VRAM budget {value:?}: {reason}")]
     BadBudget { value: String, reason: String },
     /// No libcublas could be loaded, so the dense linears cannot run.
     #[error("{detail}")]

@@ -206,7 +206,7 @@ mod tests {
         let files = ModelFiles::open(&out).unwrap();
         assert!(!files.has_tokenizer());
         let e = files.text_codec().err().expect("no tokenizer").to_string();
-        assert!(e.contains("tokenizer.json") && e.contains("--prompt-ids"), "{e}");
+        assert!(e.contains("tokenizer.json") && e.contains("`GenerateRequest::prompt_ids`"), "{e}");
     }
 
     #[test]

@@ -314,7 +314,7 @@ fn expert_record(
 }
 
 /// Appended to errors that another cache directory would cure.
-pub(crate) const CACHE_DIR_HINT: &str = "; choose a writable directory with --cache-dir";
+pub(crate) const CACHE_DIR_HINT: &str = "; choose a writable cache directory (`EngineOptions::cache_dir`)";
 
 /// Shows an expert cache build's progress on `bar`: bytes written, rate and layers done.
 pub(crate) fn show_build(bar: &ProgressBar, p: krasis_cache::BuildProgress) {

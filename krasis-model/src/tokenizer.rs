@@ -59,7 +59,7 @@ impl TextCodec {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.exists() {
             return Err(ModelError::Tokenizer(format!(
-                "{} not found (use --prompt-ids to bypass the tokenizer)",
+                "{} not found (give the prompt as token ids, `GenerateRequest::prompt_ids`, to bypass the tokenizer)",
                 tok_path.display()
             )));
         }
@@ -106,7 +106,7 @@ impl TextCodec {
         let bytes = m.main().bytes();
         let err = |key: &str, msg: &str| {
             ModelError::Tokenizer(format!(
-                "{}: metadata `{key}`: {msg} (use --prompt-ids to bypass the tokenizer)",
+                "{}: metadata `{key}`: {msg} (give the prompt as token ids, `GenerateRequest::prompt_ids`, to bypass the tokenizer)",
                 path.display()
             ))
         };
@@ -227,7 +227,10 @@ impl TextCodec {
     /// [`ModelError::Template`] carrying its message.
     pub fn render_messages(&self, messages: &[ChatMessage]) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
-            ModelError::Template(format!("{} has no chat_template; drop --chat", self.config_path.display()))
+            ModelError::Template(format!(
+                "{} has no chat_template; use the prompt as it is, without the chat template (`TextCodec::encode_chat`)",
+                self.config_path.display()
+            ))
         })?;
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);

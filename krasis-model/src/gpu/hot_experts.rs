@@ -163,7 +163,7 @@ impl HotExperts {
     ) -> Result<Self> {
         let Some(record) = streamer.record_bytes() else {
             return Err(ModelError::Invalid(
-                "--cache-strategy hot_cached_static: the GPU expert cache's layers differ in record geometry, so experts cannot be pinned one by one".into(),
+                "the cache strategy hot_cached_static (`CachePlan::strategy`): the GPU expert cache's layers differ in record geometry, so experts cannot be pinned one by one".into(),
             ));
         };
         let capacity = (vram / record.max(1) as u64) as usize;
@@ -192,7 +192,7 @@ impl HotExperts {
     /// One line for the load log.
     pub fn describe(&self, of: usize) -> String {
         if self.pinned == 0 {
-            return "warning: hot_cached_static pinned no experts: the VRAM budget leaves no room for them after the weights, the stream slots, the KV cache and the prefill reserve (give --pin-vram, or raise --vram-budget)".into();
+            return "warning: hot_cached_static pinned no experts: the VRAM budget leaves no room for them after the weights, the stream slots, the KV cache and the prefill reserve (give the pinned experts' VRAM, `CachePlan::vram`, or raise the VRAM budget, `GpuOptions::vram_budget`)".into();
         }
         format!(
             "hot_cached_static: {} of {of} routed experts pinned in VRAM ({}), {:.1}% of the heatmap's routes; the CPU runs the rest beside them",

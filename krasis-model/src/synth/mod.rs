@@ -110,8 +110,8 @@ fn prepare_out_dir(out: &Path, force: bool) -> Result<Vec<PathBuf>> {
     }
     if !force {
         return Err(ModelError::Invalid(format!(
-            "output directory {} is not empty ({} entries); choose another directory or pass --force to overwrite \
-             the model files in it",
+            "output directory {} is not empty ({} entries); choose another directory or overwrite \
+             the model files in it (`SynthOptions::force`)",
             out.display(),
             names.len()
         )));

@@ -40,14 +40,15 @@ impl Preset {
         }
     }
 
-    /// Validate a `--layers` override: `1..=num_layers()`. Returns the depth to generate.
+    /// Validate a layer-count override (`SynthOptions::layers`): `1..=num_layers()`. Returns the
+    /// depth to generate.
     pub fn check_layers(self, layers: Option<usize>) -> crate::Result<usize> {
         let max = self.num_layers();
         match layers {
             None => Ok(max),
             Some(l) if (1..=max).contains(&l) => Ok(l),
             Some(l) => Err(crate::ModelError::Invalid(format!(
-                "--layers {l} is out of range for preset {self}: it has {max} layers (allowed 1..={max})"
+                "the layer count (`SynthOptions::layers`) {l} is out of range for preset {self}: it has {max} layers (allowed 1..={max})"
             ))),
         }
     }

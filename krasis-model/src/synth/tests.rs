@@ -287,7 +287,7 @@ fn refuses_non_empty_output_unless_forced() {
     // An existing empty directory is fine.
     write(&cfg, &out, 1, 0.0, SHARD_BYTES);
     let err = write_model(&cfg, &out, 2, 0.0, false, SHARD_BYTES, "t").unwrap_err().to_string();
-    assert!(err.contains("not empty") && err.contains("--force"), "{err}");
+    assert!(err.contains("not empty") && err.contains("(`SynthOptions::force`)"), "{err}");
     let mut opts = SynthOptions::new(Preset::Tiny, &out);
     assert!(synthesize(&opts).unwrap_err().to_string().contains("not empty"));
 
