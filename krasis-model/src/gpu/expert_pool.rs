@@ -251,14 +251,14 @@ impl ExpertPool {
         let slots = pinned + dynamic;
         if dynamic < n {
             return Err(ModelError::Invalid(format!(
-                "--cache-strategy {}: {} of VRAM holds {dynamic} experts besides the pinned ones, fewer than one MoE layer's {n} (raise --pin-vram or --vram-budget)",
+                "`CachePlan::strategy` {}: {} of VRAM holds {dynamic} experts besides the pinned ones, fewer than one MoE layer's {n} (raise the pinned experts' VRAM, `CachePlan::vram`, or the VRAM budget, `GpuOptions::vram_budget`)",
                 strategy.name(),
                 krasis_core::budget::format_bytes((dynamic * streamer.record_bytes().unwrap_or(0)) as u64)
             )));
         }
         if slots > krasis_gpu::moe::MOE_MAX_EXPERTS {
             return Err(ModelError::Invalid(format!(
-                "--cache-strategy {}: {slots} expert slots, at most {} supported (lower --pin-vram)",
+                "`CachePlan::strategy` {}: {slots} expert slots, at most {} supported (lower the pinned experts' VRAM, `CachePlan::vram`)",
                 strategy.name(),
                 krasis_gpu::moe::MOE_MAX_EXPERTS
             )));

@@ -291,7 +291,7 @@ impl ExpertStreamer {
         };
         let asked = match slot_vram {
             Some(v) => {
-                Some(((v / (SLOTS * chunked_geometry("--cache-strategy chunked")?.0) as u64) as usize).clamp(1, n))
+                Some(((v / (SLOTS * chunked_geometry("`CachePlan::strategy` chunked")?.0) as u64) as usize).clamp(1, n))
             }
             None => None,
         };

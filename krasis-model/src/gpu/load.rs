@@ -456,7 +456,7 @@ impl GpuModel {
     ) -> Result<()> {
         use super::CacheStrategy;
         let strategy = plan.strategy;
-        let what = format!("--cache-strategy {}", strategy.name());
+        let what = format!("`CachePlan::strategy` {}", strategy.name());
         if strategy == CacheStrategy::Chunked {
             // The streamer's slots are the strategy (sized when it was built).
             return match self.placed.streamer() {
@@ -466,7 +466,7 @@ impl GpuModel {
         }
         let Some(streamer) = self.placed.streamer().cloned() else {
             return Err(ModelError::Invalid(format!(
-                "{what} needs --gpu-expert-bits 4|8 and the experts' records page-locked for copies (see the warning above if prefill keeps the experts on the CPU)"
+                "{what} needs a GPU expert width of 4 or 8 bits (`EngineConfig::gpu_expert_width`) and the experts' records page-locked for copies (see the warning above if prefill keeps the experts on the CPU)"
             )));
         };
         let Some(record) = streamer.record_bytes() else {

@@ -251,7 +251,7 @@ impl GpuModel {
         if pos + t > self.kv_tokens {
             let what = if t == 1 { "token exceeds" } else { "tokens exceed" };
             return Err(ModelError::Invalid(format!(
-                "context full: {pos} cached + {t} new {what} the KV cache's {} tokens (raise --vram-budget or use --kv-dtype fp8)",
+                "context full: {pos} cached + {t} new {what} the KV cache's {} tokens (raise the VRAM budget, `GpuOptions::vram_budget`, or keep the KV cache in FP8, `KvDtype::Fp8`)",
                 self.kv_tokens
             )));
         }
