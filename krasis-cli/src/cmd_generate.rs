@@ -121,14 +121,6 @@ impl EngineArgs {
         // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
         let gpu_options = gpu.options()?;
         let width = gpu.expert_width();
-        if let Some(plan) = &gpu_options.cache {
-            if device != Device::Hybrid || width == GpuExpertWidth::Bf16 {
-                bail!(
-                    "--cache-strategy {} needs --device hybrid and --gpu-expert-bits auto, 4 or 8",
-                    plan.strategy.name()
-                );
-            }
-        }
         let pin_leftover_vram = gpu.cache_strategy.as_deref() != Some("none");
         let mut gpu = gpu_options;
         gpu.expert_group_size = self.group_size;

@@ -10,9 +10,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
-use krasis_core::spec::WeightBits;
-use krasis_model::files::{is_gguf_path, ModelFiles};
-use krasis_model::gpu::CacheStrategy;
+use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{open_engine, EngineConfig};
 use krasis_model::sampling::{Sampler, SamplingParams};
 
@@ -46,65 +44,31 @@ pub struct Args {
     gpu: GpuArgs,
 }
 
-/// The strategies to measure, with their configs.
+/// The strategies to measure ([`tuned::candidates`]), with their configs.
 fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, EngineConfig)>> {
-    if files.spec().moe.is_none() {
-        bail!("{} has no routed experts: there is no expert strategy to tune", a.model.display());
-    }
     let bits: u8 = match a.gpu.gpu_expert_bits.as_str() {
         "8" => 8,
         _ => 4,
     };
-    // A safetensors model's CPU experts default to the reference f32 ones; the hybrid
-    // strategies take INT4, as --device auto's hybrid fallback does.
-    let cpu_bits = match a.engine.cpu_expert_bits {
-        WeightBits::Auto if !is_gguf_path(&a.model) => WeightBits::Int4,
-        b => b,
-    }
-    .flag_value();
-    let context = (a.prompt_tokens + a.decode_tokens + 1) as u64;
-    let base = |s: &Strategy| -> anyhow::Result<(Strategy, EngineConfig)> {
-        let mut gpu = a.gpu.clone();
-        // The candidates set the strategy themselves.
-        (gpu.cache_strategy, gpu.heatmap_path, gpu.pin_vram) = (None, None, None);
-        gpu.kv_tokens = Some(context as usize);
-        let mut c = a.engine.config(Device::Auto, &gpu, context)?;
-        tuned::apply_strategy(s, &mut c)?;
-        Ok((s.clone(), c))
-    };
-    let s = |name: &str, device: &str, gpu_bits: Option<u8>| Strategy {
-        name: name.into(),
-        device: device.into(),
-        gpu_expert_bits: gpu_bits,
-        cpu_expert_bits: cpu_bits.into(),
-        heatmap_path: None,
-        pin_vram: None,
-    };
-    let persistent = Strategy { cpu_expert_bits: "auto".into(), ..s("persistent", "gpu", Some(bits)) };
-    let mut out = vec![
-        base(&persistent)?,
-        base(&s("layer_grouped", "hybrid", Some(bits)))?,
-        base(&s("cpu_experts", "hybrid", None))?,
-    ];
-    // The cache strategies: those without a heatmap always, the pinning ones given one.
     let heatmap = match &a.gpu.heatmap_path {
         Some(h) => Some(std::fs::canonicalize(h).with_context(|| format!("--heatmap-path {}", h.display()))?),
         None => None,
     };
-    for strategy in CacheStrategy::ALL {
-        if strategy.needs_heatmap() && heatmap.is_none() {
-            continue;
-        }
-        // Without --pin-vram chunked streams whole layers: layer_grouped, measured above.
-        if strategy == CacheStrategy::Chunked && a.gpu.pin_vram.is_none() {
-            continue;
-        }
-        let mut c = s(strategy.name(), "hybrid", Some(bits));
-        c.heatmap_path = heatmap.clone().filter(|_| strategy.needs_heatmap());
-        c.pin_vram = a.gpu.pin_vram;
-        out.push(base(&c)?);
-    }
-    Ok(out)
+    let strategies = tuned::candidates(files.spec(), bits, a.engine.cpu_expert_bits, heatmap, a.gpu.pin_vram)
+        .with_context(|| a.model.display().to_string())?;
+    let context = (a.prompt_tokens + a.decode_tokens + 1) as u64;
+    strategies
+        .into_iter()
+        .map(|s| {
+            let mut gpu = a.gpu.clone();
+            // The candidates set the strategy themselves.
+            (gpu.cache_strategy, gpu.heatmap_path, gpu.pin_vram) = (None, None, None);
+            gpu.kv_tokens = Some(context as usize);
+            let mut c = a.engine.config(Device::Auto, &gpu, context)?;
+            tuned::apply_strategy(&s, &mut c)?;
+            Ok((s, c))
+        })
+        .collect()
 }
 
 /// Loads `config`, then `runs` × (prefill of `prompt`, `decode` steps) in fresh sessions: the

@@ -126,6 +126,14 @@ pub fn choose_device(
 
 /// Option combinations no device takes.
 fn check_options(config: &EngineConfig) -> Result<()> {
+    if let Some(plan) = &config.gpu.cache {
+        if config.device != DevicePolicy::Hybrid || config.gpu_expert_width == GpuExpertWidth::Bf16 {
+            return Err(ModelError::Invalid(format!(
+                "`GpuOptions::cache` {} needs `DevicePolicy::Hybrid` and `EngineConfig::gpu_expert_width` auto, 4 or 8",
+                plan.strategy.name()
+            )));
+        }
+    }
     if config.device == DevicePolicy::Cpu && (config.gpu.expert_bits.is_some() || config.gpu_expert_width.is_bits()) {
         return Err(ModelError::Invalid(
             "`EngineConfig::gpu_expert_width` applies to the routed experts on the GPU (`DevicePolicy::Gpu`: resident; `DevicePolicy::Hybrid`: streamed for long prefills); with `DevicePolicy::Cpu` they run on the CPU at `EngineOptions::expert_bits`".into(),
@@ -262,6 +270,11 @@ mod tests {
         cpu.gpu_expert_width = GpuExpertWidth::Bits(krasis_quant::Bits::Int4);
         let e = choose_device(&spec(), &cpu, true, &absent, None).unwrap_err();
         assert!(e.to_string().contains("`EngineConfig::gpu_expert_width`"), "{e}");
+        let mut cached = config(DevicePolicy::Auto);
+        cached.gpu.cache =
+            Some(super::super::CachePlan { strategy: super::super::CacheStrategy::Lru, heatmap: None, vram: None });
+        let e = choose_device(&spec(), &cached, true, &BIG, None).unwrap_err();
+        assert!(e.to_string().contains("`GpuOptions::cache` lru needs `DevicePolicy::Hybrid`"), "{e}");
         let mut off = config(DevicePolicy::Hybrid);
         off.pin_leftover_vram = false;
         let c = choose_device(&spec(), &off, true, &BIG, None).unwrap();

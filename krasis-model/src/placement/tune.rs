@@ -88,6 +88,52 @@ pub fn choose(rows: &[Row]) -> Option<&Row> {
         .max_by(|a, b| a.decode_tok_s.unwrap_or(0.0).total_cmp(&b.decode_tok_s.unwrap_or(0.0)))
 }
 
+/// The strategies a tuning run measures on `spec`: the whole model on the GPU (`persistent`),
+/// hybrid streaming whole layers (`layer_grouped`), hybrid with the experts on the CPU only
+/// (`cpu_experts`), then the cache strategies: those without a heatmap always, the pinning ones
+/// when `heatmap` is given, `chunked` when `pin_vram` sizes its slots (without it, chunked
+/// streams whole layers: `layer_grouped`). `gpu_bits`: the GPU strategies' expert width (4 or 8);
+/// `cpu_bits`: the CPU experts' width asked for (`auto`: the default,
+/// [`crate::precision::resolve_expert_bits`]).
+pub fn candidates(
+    spec: &crate::ModelSpec,
+    gpu_bits: u8,
+    cpu_bits: WeightBits,
+    heatmap: Option<PathBuf>,
+    pin_vram: Option<u64>,
+) -> Result<Vec<Strategy>> {
+    if spec.moe.is_none() {
+        return Err(invalid("the model has no routed experts: there is no expert strategy to tune".into()));
+    }
+    let cpu_bits = crate::precision::resolve_expert_bits(spec, cpu_bits).flag_value();
+    let s = |name: &str, device: &str, gpu_bits: Option<u8>| Strategy {
+        name: name.into(),
+        device: device.into(),
+        gpu_expert_bits: gpu_bits,
+        cpu_expert_bits: cpu_bits.into(),
+        heatmap_path: None,
+        pin_vram: None,
+    };
+    let mut out = vec![
+        Strategy { cpu_expert_bits: "auto".into(), ..s("persistent", "gpu", Some(gpu_bits)) },
+        s("layer_grouped", "hybrid", Some(gpu_bits)),
+        s("cpu_experts", "hybrid", None),
+    ];
+    for strategy in CacheStrategy::ALL {
+        if strategy.needs_heatmap() && heatmap.is_none() {
+            continue;
+        }
+        if strategy == CacheStrategy::Chunked && pin_vram.is_none() {
+            continue;
+        }
+        let mut c = s(strategy.name(), "hybrid", Some(gpu_bits));
+        c.heatmap_path = heatmap.clone().filter(|_| strategy.needs_heatmap());
+        c.pin_vram = pin_vram;
+        out.push(c);
+    }
+    Ok(out)
+}
+
 /// Where a model's tune file lives: `cache_dir` (the cache directory option), else the model's
 /// default cache directory.
 pub fn path(files: &ModelFiles, cache_dir: Option<&Path>) -> PathBuf {
@@ -262,6 +308,20 @@ mod tests {
         other.version = 99;
         std::fs::write(&p, serde_json::to_string(&other).unwrap()).unwrap();
         assert!(Tuned::load(&p).unwrap_err().to_string().contains("tune again"));
+    }
+
+    #[test]
+    fn the_candidates_follow_the_heatmap_and_the_pin_vram() {
+        let text = crate::synth::preset_config(crate::synth::Preset::Tiny, None).to_string();
+        let spec = crate::config::parse_config(&text, Path::new("config.json")).unwrap();
+        let names = |v: Vec<Strategy>| v.into_iter().map(|s| s.name).collect::<Vec<_>>();
+        let plain = candidates(&spec, 4, WeightBits::Auto, None, None).unwrap();
+        assert_eq!(plain[1].cpu_expert_bits, "4", "safetensors auto: INT4 CPU experts");
+        assert_eq!(names(plain), ["persistent", "layer_grouped", "cpu_experts", "active_only", "lru"]);
+        let all = candidates(&spec, 8, WeightBits::Int8, Some("/h.json".into()), Some(1 << 30)).unwrap();
+        assert_eq!(all.len(), 9);
+        assert!(all.iter().all(|s| s.gpu_expert_bits.is_none() || s.gpu_expert_bits == Some(8)));
+        assert_eq!(all[1].cpu_expert_bits, "8");
     }
 
     #[test]
