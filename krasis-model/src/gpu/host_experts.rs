@@ -83,6 +83,9 @@ pub(crate) struct HostWork {
     pub cpu_from: usize,
     /// Experts whose routes the GPU runs (the layer's pinned experts), by id.
     pub cpu_skips: Option<Arc<[bool]>>,
+    /// The same for the next MoE layer in this call: its pinned experts are not prefetched
+    /// for the CPU, which will not read them.
+    pub next_skips: Option<Arc<[bool]>>,
     pub shape: HandoffShape,
 }
 
@@ -600,7 +603,12 @@ fn prefetch_next(
     guess.ids.extend(ids.iter().filter_map(|&i| usize::try_from(i).ok()).filter(|&i| i < work.n_experts));
     guess.layer = Some(next);
     let backend = experts[next].as_deref().expect("found above");
-    backend.prefetch(&guess.ids, expert_prefetch_budget(), &|| ready.load() > work.seq)
+    // The budget goes to the experts the CPU will read: not the next layer's pinned ones.
+    let pulled: Vec<usize> = match &work.next_skips {
+        Some(skips) => guess.ids.iter().copied().filter(|&e| !skips.get(e).copied().unwrap_or(false)).collect(),
+        None => guess.ids.clone(),
+    };
+    backend.prefetch(&pulled, expert_prefetch_budget(), &|| ready.load() > work.seq)
 }
 
 #[allow(clippy::too_many_arguments)]

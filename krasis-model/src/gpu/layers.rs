@@ -290,7 +290,12 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                     let y = y_counts.then(|| sc.y.slice().slice(..n));
                     host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                 }
-                let work = HostWork { seq, layer: l, n_experts: router.n_experts(), cpu_from, cpu_skips, shape };
+                let next_skips = match next_host.map(|nx| c.placed.site(nx.layer, t)).transpose()? {
+                    Some(Site::Pinned(hl)) => Some(hl.on_gpu.clone()),
+                    _ => None,
+                };
+                let n_experts = router.n_experts();
+                let work = HostWork { seq, layer: l, n_experts, cpu_from, cpu_skips, next_skips, shape };
                 host.receive(c.dev, work, y_counts)?;
             }
         }
