@@ -290,7 +290,7 @@ thread_local! {
 pub(crate) fn running_task_threads() -> Option<usize> {
     // SAFETY: `CURRENT` holds a pool's `Shared` only while this thread runs one of its tasks, and
     // the pool outlives its tasks.
-    CURRENT.with(|c| c.get().map(|(shared, _)| unsafe { (&(*shared).ctxs).len() }))
+    CURRENT.with(|c| c.get().map(|(shared, _)| unsafe { &*shared }.ctxs.len()))
 }
 
 impl Shared {
