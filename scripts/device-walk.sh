@@ -7,6 +7,9 @@
 #   defaults the defaults, no precision flags: hybrid prefill at 8K (24 GiB), 10K (6 GiB) and 32K
 #            (8 GiB); `generate` at 24 GiB (whole model on the GPU); hybrid decode with the
 #            default pins against `--cache-strategy none` at PIN_BUDGET, alternating
+#   pins     hybrid decode after 512 tokens at PIN_BUDGET with the default pins against
+#            `--cache-strategy none`, alternating REPS times, spread evenly and then ranked by a
+#            heatmap recorded with `generate --heatmap-out` beside the caches; one profiled run each
 #   ab       this build against bin/krasis-before, alternating, REPS times: GPU INT4 prefill at
 #            2K and 8K and decode, hybrid decode after 512 tokens, CPU-only prefill and decode at 512
 # SECTIONS picks them (default: all, in that order). Log: $OUT/walk.log.
@@ -19,14 +22,14 @@ export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
 K=$B/bin/krasis
 KB=$B/bin/krasis-before
 M=/tmp/v2l
-SECTIONS="${SECTIONS:-tests setup defaults ab}"
+SECTIONS="${SECTIONS:-tests setup defaults pins ab}"
 REPS="${REPS:-3}"
 PIN_BUDGET="${PIN_BUDGET:-10GiB}"
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
 T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores"
 # The lines of a bench that carry its figures.
-figures() { grep -E "prefill|decode|tok/s|device:|VRAM plan|KV cache|pinned|chunks|hot_cached|error|warning" | grep -v "^\s*$" | head -40; }
+figures() { grep -E "prefill|decode|tok/s|device:|placement:|VRAM plan|KV cache|pinned|chunks|hot_cached|profile|hand-off|error|warning" | grep -v "^\s*$" | head -60; }
 # A command with a time limit: everything to $OUT/full.log, its figures to the log.
 run() { local limit=$1; shift; timeout "$limit" "$@" 2>&1 | tee -a "${OUT:-/tmp}/full.log" | figures; }
 if has tests; then
@@ -58,6 +61,27 @@ if has defaults; then
         T "the same with --cache-strategy none ($i)"
         run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --cache-strategy none --prompt-tokens 512 --decode-tokens 64
     done
+fi
+if has pins; then
+    H=$M/.krasis_cache/heatmap.json
+    rm -f $H
+    for heat in even heatmap; do
+        if [ $heat = heatmap ]; then
+            ids=$(python3 -c "import random; random.seed(7); print(','.join(str(random.randrange(100, 100000)) for _ in range(512)))")
+            T "record a heatmap beside the caches"
+            timeout 300 $K generate --model $M --vram-budget $PIN_BUDGET --prompt-ids "$ids" --max-new-tokens 64 --ignore-eos --heatmap-out $H 2>&1 | tail -2
+        fi
+        for i in $(seq 1 "$REPS"); do
+            T "pins ($heat) $i: default pins at $PIN_BUDGET"
+            run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --prompt-tokens 512 --decode-tokens 64
+            T "pins ($heat) $i: --cache-strategy none"
+            run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --cache-strategy none --prompt-tokens 512 --decode-tokens 64
+        done
+    done
+    T "profiled: default pins (heatmap), then none"
+    KRASIS_GPU_PROFILE=1 run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --prompt-tokens 512 --decode-tokens 64
+    KRASIS_GPU_PROFILE=1 run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --cache-strategy none --prompt-tokens 512 --decode-tokens 64
+    rm -f $H
 fi
 if has ab; then
     for i in $(seq 1 "$REPS"); do

@@ -182,7 +182,7 @@ pub(crate) fn open_for_bench(dir: &Path, config: &EngineConfig, text: bool) -> a
     if text {
         println!("{}", crate::flags::with_flags(&opened.why));
         for l in &opened.placement {
-            println!("{l}");
+            println!("{}", crate::flags::with_flags(l));
         }
         for l in &opened.log {
             println!("{}", crate::flags::with_flags(l));
@@ -494,12 +494,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (Device::Auto, Some(dir)) => {
             let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
             let files = krasis_model::files::ModelFiles::open(dir)?;
-            match krasis_model::runtime::device_choice(&files, &config)?.path {
-                krasis_model::runtime::DevicePath::Cpu => Device::Cpu,
+            let choice = krasis_model::runtime::device_choice(&files, &config)?;
+            match choice.path {
+                krasis_model::runtime::DevicePath::Cpu => {
+                    eprintln!("notice: {}", crate::flags::with_flags(&choice.why));
+                    Device::Cpu
+                }
                 _ => Device::Auto,
             }
         }
-        (Device::Auto, None) if krasis_gpu::probe().is_err() => Device::Cpu,
+        (Device::Auto, None) if krasis_gpu::probe().is_err() => {
+            eprintln!("notice: no GPU in use; running on the CPU");
+            Device::Cpu
+        }
         (d, _) => d,
     };
     if !a.streams.is_empty() {

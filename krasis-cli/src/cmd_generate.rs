@@ -420,7 +420,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     drop(files);
     eprintln!("{}", crate::flags::with_flags(&opened.why));
     for line in &opened.placement {
-        eprintln!("{line}");
+        eprintln!("{}", crate::flags::with_flags(line));
     }
     for w in &opened.warnings {
         eprintln!("warning: {}", crate::flags::with_flags(w));

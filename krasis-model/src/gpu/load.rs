@@ -406,7 +406,8 @@ impl GpuModel {
                     match streamer {
                         Ok(streamer) => {
                             log.push(streamer.describe());
-                            let why = "GPU prefill is always on: long prompts stream the experts to the GPU".to_string();
+                            let why =
+                                "GPU prefill is always on: long prompts stream the experts to the GPU".to_string();
                             model.placed.set_streamer(std::sync::Arc::new(streamer), why);
                         }
                         Err(e) => log.push(format!("warning: prefill keeps the routed experts on the CPU: {e}")),

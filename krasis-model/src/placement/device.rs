@@ -144,14 +144,14 @@ fn check_options(config: &EngineConfig) -> Result<()> {
         && crate::quantized::quant_bits(config.cpu.expert_bits).is_none()
     {
         return Err(ModelError::Invalid(
-            "`DevicePolicy::Hybrid` with `EngineConfig::gpu_expert_width` streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give `EngineOptions::expert_bits` 4 or 8 too".into(),
+            "`DevicePolicy::Hybrid` with `EngineConfig::gpu_expert_width` streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give `EngineOptions::expert_bits` 4|8 too".into(),
         ));
     }
     let streams =
         config.gpu.expert_bits.is_some() && matches!(config.device, DevicePolicy::Hybrid | DevicePolicy::Auto);
     if config.gpu.stream_from != super::StreamFrom::CpuCache && !streams {
         return Err(ModelError::Invalid(
-            "`GpuOptions::stream_from` applies when a hybrid prefill streams the experts: `DevicePolicy::Hybrid` (or auto) with `EngineConfig::gpu_expert_width` 4 or 8".into(),
+            "`GpuOptions::stream_from` applies when a hybrid prefill streams the experts: `DevicePolicy::Hybrid` (or auto) with `EngineConfig::gpu_expert_width` 4|8".into(),
         ));
     }
     Ok(())
