@@ -20,7 +20,7 @@ use krasis_model::load::EngineOptions;
 use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{
     check_context, context_limit, cpu_memory_estimate, open_engine, spec_context_limit, DevicePath, DevicePolicy,
-    Engine, EngineConfig, GpuExpertWidth, DEFAULT_CONTEXT_TOKENS,
+    Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
 };
 use krasis_model::sampling::SamplingParams;
 use krasis_model::tokenizer::{TextCodec, TextStream};
@@ -120,7 +120,7 @@ impl EngineArgs {
     pub fn config(&self, device: Device, gpu: &GpuArgs, context_tokens: u64) -> anyhow::Result<EngineConfig> {
         // The GPU expert cache follows --cache-dir and --group-size, as the CPU caches do.
         let gpu_options = gpu.options()?;
-        let width = gpu.expert_width();
+        let width = gpu.gpu_expert_bits;
         let pin_leftover_vram = gpu.cache_strategy.as_deref() != Some("none");
         let mut gpu = gpu_options;
         gpu.expert_group_size = self.group_size;
@@ -195,8 +195,8 @@ pub struct GpuArgs {
     /// expert cache in --cache-dir, or the CPU's records, built on the first start or by `krasis
     /// convert`); bf16: BF16 resident experts, and a hybrid prefill keeps the experts on the CPU;
     /// auto: the source's width when it is 8-bit, else 4 (hybrid: the CPU experts' width).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "bf16", "8", "4"])]
-    pub gpu_expert_bits: String,
+    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
+    pub gpu_expert_bits: WeightBits,
     /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the
     /// GPU. cpu-cache: the CPU experts' own cache, laid out for the GPU on the device (one copy of
     /// the experts in RAM); gpu-cache: the GPU expert cache read into RAM beside it (twice the RAM,
@@ -252,16 +252,6 @@ impl GpuArgs {
             _ => {}
         }
         Ok(Some(CachePlan { strategy, heatmap: self.heatmap_path.clone(), vram: self.pin_vram }))
-    }
-
-    /// `--gpu-expert-bits` as the engine's option.
-    pub fn expert_width(&self) -> GpuExpertWidth {
-        match self.gpu_expert_bits.as_str() {
-            "8" => GpuExpertWidth::Bits(krasis_quant::Bits::Int8),
-            "4" => GpuExpertWidth::Bits(krasis_quant::Bits::Int4),
-            "bf16" => GpuExpertWidth::Bf16,
-            _ => GpuExpertWidth::Auto,
-        }
     }
 
     pub fn options(&self) -> anyhow::Result<GpuOptions> {

@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_model::files::ModelFiles;
+use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{open_engine, EngineConfig};
 use krasis_model::sampling::{Sampler, SamplingParams};
 
@@ -46,8 +47,8 @@ pub struct Args {
 
 /// The strategies to measure ([`tuned::candidates`]), with their configs.
 fn candidates(a: &Args, files: &ModelFiles) -> anyhow::Result<Vec<(Strategy, EngineConfig)>> {
-    let bits: u8 = match a.gpu.gpu_expert_bits.as_str() {
-        "8" => 8,
+    let bits: u8 = match a.gpu.gpu_expert_bits {
+        WeightBits::Int8 => 8,
         _ => 4,
     };
     let heatmap = match &a.gpu.heatmap_path {

@@ -67,8 +67,10 @@ pub struct GpuOptions {
     /// Context the caller will need (a benchmark's prompt and decode), which a KV cache sized
     /// from the budget then holds at least; `None`: not said.
     pub context_tokens: Option<usize>,
-    /// `--gpu-expert-bits`: the routed experts resident on the GPU in BF16 (`None`) or quantised
-    /// symmetric per group along K (INT8 / INT4, as the CPU cache).
+    /// The resolved width of the routed experts the GPU loader gets: resident on the GPU in BF16
+    /// (`None`) or quantised symmetric per group along K (INT8 / INT4, as the CPU cache). This is
+    /// not the option a caller sets: that is [`crate::runtime::EngineConfig::gpu_expert_width`],
+    /// which the device choice resolves into this field (a value set here is taken as asked).
     pub expert_bits: Option<krasis_quant::Bits>,
     /// `--group-size`: the quantised experts' group along K (halved while a dimension is not
     /// divisible, down to 32).

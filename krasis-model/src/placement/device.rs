@@ -13,7 +13,7 @@ use krasis_core::budget::format_bytes;
 
 use crate::error::{ModelError, Result};
 use crate::quantized::WeightBits;
-use crate::runtime::{DevicePath, DevicePolicy, EngineConfig, GpuExpertWidth};
+use crate::runtime::{DevicePath, DevicePolicy, EngineConfig};
 use crate::ModelSpec;
 
 /// What the GPU probe found for the configured ordinal.
@@ -127,14 +127,16 @@ pub fn choose_device(
 /// Option combinations no device takes.
 fn check_options(config: &EngineConfig) -> Result<()> {
     if let Some(plan) = &config.gpu.cache {
-        if config.device != DevicePolicy::Hybrid || config.gpu_expert_width == GpuExpertWidth::Bf16 {
+        if config.device != DevicePolicy::Hybrid || config.gpu_expert_width == WeightBits::Bf16 {
             return Err(ModelError::Invalid(format!(
                 "`GpuOptions::cache` {} needs `DevicePolicy::Hybrid` and `EngineConfig::gpu_expert_width` auto, 4 or 8",
                 plan.strategy.name()
             )));
         }
     }
-    if config.device == DevicePolicy::Cpu && (config.gpu.expert_bits.is_some() || config.gpu_expert_width.is_bits()) {
+    if config.device == DevicePolicy::Cpu
+        && (config.gpu.expert_bits.is_some() || config.gpu_expert_width.int_bits().is_some())
+    {
         return Err(ModelError::Invalid(
             "`EngineConfig::gpu_expert_width` applies to the routed experts on the GPU (`DevicePolicy::Gpu`: resident; `DevicePolicy::Hybrid`: streamed for long prefills); with `DevicePolicy::Cpu` they run on the CPU at `EngineOptions::expert_bits`".into(),
         ));
@@ -161,7 +163,7 @@ fn check_options(config: &EngineConfig) -> Result<()> {
 /// [`crate::precision::default_gpu_expert_bits`] unless a GPU width was given.
 pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConfig {
     let mut cfg = config.clone();
-    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+    if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(spec));
     }
     cfg
@@ -173,7 +175,7 @@ pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConf
 /// strategy was given or pinning is off.
 pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<PathBuf>) -> EngineConfig {
     let mut cfg = config.clone();
-    if cfg.gpu_expert_width == GpuExpertWidth::Auto && cfg.gpu.expert_bits.is_none() {
+    if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
     }
     if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
@@ -267,7 +269,7 @@ mod tests {
         let e = choose_device(&spec(), &gpu, false, &BIG, None).unwrap_err();
         assert!(e.to_string().contains("`EngineOptions::dense_bits`"), "{e}");
         let mut cpu = config(DevicePolicy::Cpu);
-        cpu.gpu_expert_width = GpuExpertWidth::Bits(krasis_quant::Bits::Int4);
+        cpu.gpu_expert_width = WeightBits::Int4;
         let e = choose_device(&spec(), &cpu, true, &absent, None).unwrap_err();
         assert!(e.to_string().contains("`EngineConfig::gpu_expert_width`"), "{e}");
         let mut cached = config(DevicePolicy::Auto);

@@ -12,7 +12,7 @@ use super::{CachePlan, CacheStrategy};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::quantized::WeightBits;
-use crate::runtime::{DevicePolicy, EngineConfig, GpuExpertWidth};
+use crate::runtime::{DevicePolicy, EngineConfig};
 
 fn invalid(msg: String) -> ModelError {
     ModelError::Invalid(msg)
@@ -191,9 +191,9 @@ pub fn apply_strategy(s: &Strategy, config: &mut EngineConfig) -> Result<()> {
         d => return Err(invalid(format!("tuned device {d:?} is neither gpu nor hybrid"))),
     };
     config.gpu_expert_width = match s.gpu_expert_bits {
-        None => GpuExpertWidth::Bf16,
-        Some(4) => GpuExpertWidth::Bits(krasis_quant::Bits::Int4),
-        Some(8) => GpuExpertWidth::Bits(krasis_quant::Bits::Int8),
+        None => WeightBits::Bf16,
+        Some(4) => WeightBits::Int4,
+        Some(8) => WeightBits::Int8,
         Some(b) => return Err(invalid(format!("tuned GPU expert width {b} is neither 4 nor 8"))),
     };
     config.gpu.expert_bits = None;
@@ -329,7 +329,7 @@ mod tests {
         let mut c = EngineConfig::default();
         apply_strategy(&strategy("layer_grouped"), &mut c).unwrap();
         assert_eq!(c.device, DevicePolicy::Hybrid);
-        assert_eq!(c.gpu_expert_width, GpuExpertWidth::Bits(krasis_quant::Bits::Int4));
+        assert_eq!(c.gpu_expert_width, WeightBits::Int4);
         assert!(!c.pin_leftover_vram, "a tuned strategy takes no default pins");
         assert_eq!(c.cpu.expert_bits, WeightBits::Int4);
         assert!(c.gpu.cache.is_none());
@@ -353,9 +353,6 @@ mod tests {
         c.cpu.dense_bits = WeightBits::Int8;
         apply_strategy(&gpu, &mut c).unwrap();
         assert!(!c.wants_cpu_precisions(), "the whole-GPU strategy drops the CPU precisions");
-        assert_eq!(
-            (c.device, c.gpu_expert_width, c.gpu.cache.is_none()),
-            (DevicePolicy::Gpu, GpuExpertWidth::Bits(krasis_quant::Bits::Int8), true)
-        );
+        assert_eq!((c.device, c.gpu_expert_width, c.gpu.cache.is_none()), (DevicePolicy::Gpu, WeightBits::Int8, true));
     }
 }

@@ -44,27 +44,6 @@ impl std::fmt::Display for DevicePath {
     }
 }
 
-/// The routed experts' width on the GPU paths (`--gpu-expert-bits`): the whole-model GPU's
-/// resident experts, and the width a hybrid prefill streams them at.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum GpuExpertWidth {
-    /// The default ([`crate::precision::default_gpu_expert_bits`]; hybrid: the CPU experts'
-    /// width), unless [`GpuOptions::expert_bits`] is set.
-    #[default]
-    Auto,
-    /// BF16 resident experts; a hybrid prefill keeps the experts on the CPU.
-    Bf16,
-    /// This width.
-    Bits(krasis_quant::Bits),
-}
-
-impl GpuExpertWidth {
-    /// Whether a quantised width was asked for.
-    pub fn is_bits(self) -> bool {
-        matches!(self, GpuExpertWidth::Bits(_))
-    }
-}
-
 /// Everything [`open_engine`](super::open_engine) needs besides the model files.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -73,8 +52,15 @@ pub struct EngineConfig {
     pub cpu: EngineOptions,
     /// The GPU's ordinal, VRAM budget, KV cache and per-linear precisions.
     pub gpu: GpuOptions,
-    /// The GPU experts' width; [`GpuOptions::expert_bits`], when set, is taken as asked.
-    pub gpu_expert_width: GpuExpertWidth,
+    /// The routed experts' width on the GPU paths: the whole-model GPU's resident experts, and
+    /// the width a hybrid prefill streams them at.
+    /// - [`WeightBits::Auto`]: the default ([`crate::precision::default_gpu_expert_bits`]; hybrid:
+    ///   the CPU experts' width), unless [`GpuOptions::expert_bits`] is set, which is then taken
+    ///   as asked.
+    /// - [`WeightBits::Bf16`]: BF16 resident experts; a hybrid prefill keeps the experts on the
+    ///   CPU.
+    /// - [`WeightBits::Int8`], [`WeightBits::Int4`]: that width.
+    pub gpu_expert_width: WeightBits,
     /// Hybrid: keep experts pinned in the VRAM the weights, the KV cache and the prefill reserve
     /// leave, when no cache strategy is given ([`super::open_engine`]'s defaults).
     pub pin_leftover_vram: bool,
@@ -102,7 +88,7 @@ impl Default for EngineConfig {
                 ..EngineOptions::default()
             },
             gpu: GpuOptions::default(),
-            gpu_expert_width: GpuExpertWidth::Auto,
+            gpu_expert_width: WeightBits::Auto,
             pin_leftover_vram: true,
             context_tokens: DEFAULT_CONTEXT_TOKENS,
             force: false,

@@ -26,7 +26,7 @@ use std::any::Any;
 
 pub use self::adapter::{DecoderEngine, EngineDecoder};
 pub use self::cancel::CancelToken;
-pub use self::config::{DevicePath, DevicePolicy, EngineConfig, GpuExpertWidth, DEFAULT_CONTEXT_TOKENS};
+pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
 pub use self::context::{check_context, context_limit, spec_context_limit, ContextExceeded};
 pub(crate) use self::open::{check_ram, device_line};
 pub use self::open::{

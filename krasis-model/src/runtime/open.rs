@@ -3,9 +3,10 @@
 //! defaults a caller gets by asking for nothing, live there and in [`crate::precision`]:
 //! - CPU experts: INT4 on safetensors (per projection on a GGUF); CPU dense weights: INT8 on the
 //!   CPU path. Both are built into the caches on first use; `bf16` asks for the reference path.
-//! - GPU experts ([`GpuExpertWidth::Auto`]): the source's width when it is 8-bit, else INT4, for
-//!   the whole-model GPU path; a hybrid prefill streams the CPU experts' own records at their
-//!   width, so every prompt at or above the streaming length prefills on the GPU.
+//! - GPU experts ([`EngineConfig::gpu_expert_width`] `Auto`): the source's width when it is
+//!   8-bit, else INT4, for the whole-model GPU path; a hybrid prefill streams the CPU experts'
+//!   own records at their width, so every prompt at or above the streaming length prefills on
+//!   the GPU.
 //! - Hybrid: the VRAM left after the weights, the KV cache and the prefill reserve holds pinned
 //!   experts ([`crate::placement::CacheStrategy::HotCachedStatic`]), ranked by the model's
 //!   recorded heatmap when one is beside the caches, else spread evenly over the layers.
@@ -15,7 +16,7 @@
 
 use krasis_core::budget::{check_ram_budget, format_bytes, rss_deviation_warning};
 
-use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig, GpuExpertWidth};
+use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::gpu::GpuModel;
@@ -118,9 +119,10 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
     let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
     resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     match config.gpu_expert_width {
-        GpuExpertWidth::Bits(b) => resolved.gpu.expert_bits = Some(b),
-        GpuExpertWidth::Bf16 => resolved.gpu.expert_bits = None,
-        GpuExpertWidth::Auto => {}
+        WeightBits::Int8 => resolved.gpu.expert_bits = Some(krasis_quant::Bits::Int8),
+        WeightBits::Int4 => resolved.gpu.expert_bits = Some(krasis_quant::Bits::Int4),
+        WeightBits::Bf16 => resolved.gpu.expert_bits = None,
+        WeightBits::Auto => {}
     }
     let ordinal = config.gpu.ordinal;
     let gpu = match (config.device, krasis_gpu::probe_ordinal(ordinal)) {
