@@ -4,45 +4,27 @@
 
 use std::path::PathBuf;
 
-use clap::{Args as ClapArgs, ValueEnum};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::Args as ClapArgs;
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_model::dense_cache::open_dense_cache;
 use krasis_model::expert_caches::{convert_expert_caches, CacheRequest};
 use krasis_model::files::ModelFiles;
-use krasis_model::precision::{describe_layer_bits, CacheBits as Widths};
+use krasis_model::precision::{describe_layer_bits, expert_width_rule, quant_width};
+use krasis_model::quantized::WeightBits;
 use krasis_model::tensors::param_counts;
-use krasis_quant::Bits;
 
-use crate::cmd_generate::check_group_size_flag;
+use crate::cmd_generate::{check_group_size_flag, weight_bits_parser};
 
-/// The widths an expert cache holds (bf16 experts are read from the model and need none).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum CacheBits {
-    Auto,
-    #[value(name = "4")]
-    Int4,
-    #[value(name = "8")]
-    Int8,
-    None,
-}
+/// The values `--gpu-expert-bits` and `--cpu-dense-bits` take here: the widths a cache holds.
+const CACHE_WIDTHS: [&str; 2] = ["4", "8"];
 
-/// The width of the GPU expert cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum GpuBits {
-    #[value(name = "4")]
-    Int4,
-    #[value(name = "8")]
-    Int8,
-}
-
-/// The width of the dense-weight cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum DenseBits {
-    #[value(name = "4")]
-    Int4,
-    #[value(name = "8")]
-    Int8,
+/// `--cpu-expert-bits`: a width a cache holds, `auto`, or `none` (no CPU expert cache: `None`;
+/// the bf16 reference experts read the model and need none, so `bf16` is not offered).
+fn cpu_expert_bits_parser() -> impl TypedValueParser<Value = Option<WeightBits>> {
+    PossibleValuesParser::new(["auto", "4", "8", "none"])
+        .map(|s| (s != "none").then(|| s.parse::<WeightBits>().expect("every listed value parses")))
 }
 
 #[derive(ClapArgs)]
@@ -53,18 +35,19 @@ pub struct Args {
     /// INT4 or INT8 routed experts, or auto: per projection from a GGUF's types (INT4 from 4-bit or
     /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model; none: no CPU expert
     /// cache (with --gpu-expert-bits, the GPU one alone).
-    #[arg(long, value_enum, default_value_t = CacheBits::Auto)]
-    cpu_expert_bits: CacheBits,
+    // `::std::option::Option` keeps clap from treating the flag as optional: `none` is a value.
+    #[arg(long, default_value = "auto", value_parser = cpu_expert_bits_parser())]
+    cpu_expert_bits: ::std::option::Option<WeightBits>,
     /// Also build the GPU expert cache for `--gpu-expert-bits 4|8` (the experts in the GPU tile
     /// layout: resident with `--device gpu`, streamed for long prefills with `--device hybrid
     /// --stream-experts-from gpu-cache`), in the same pass over the source weights as the CPU
     /// expert cache.
-    #[arg(long, value_enum)]
-    gpu_expert_bits: Option<GpuBits>,
+    #[arg(long, value_parser = weight_bits_parser(&CACHE_WIDTHS))]
+    gpu_expert_bits: Option<WeightBits>,
     /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
     /// dense MLPs, LM head), so a cached start quantises nothing.
-    #[arg(long, value_enum)]
-    cpu_dense_bits: Option<DenseBits>,
+    #[arg(long, value_parser = weight_bits_parser(&CACHE_WIDTHS))]
+    cpu_dense_bits: Option<WeightBits>,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
     group_size: usize,
@@ -74,16 +57,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let bits = match a.cpu_expert_bits {
-        CacheBits::Auto => Some(Widths::Auto),
-        CacheBits::Int4 => Some(Widths::Uniform(Bits::Int4)),
-        CacheBits::Int8 => Some(Widths::Uniform(Bits::Int8)),
-        CacheBits::None => None,
-    };
-    let gpu = a.gpu_expert_bits.map(|b| match b {
-        GpuBits::Int4 => Bits::Int4,
-        GpuBits::Int8 => Bits::Int8,
-    });
+    let bits = a.cpu_expert_bits.and_then(expert_width_rule);
+    let gpu = a.gpu_expert_bits.and_then(quant_width);
     if bits.is_none() && gpu.is_none() && a.cpu_dense_bits.is_none() {
         anyhow::bail!("--cpu-expert-bits none leaves nothing to build: add --gpu-expert-bits or --cpu-dense-bits");
     }
@@ -127,11 +102,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else if files.spec().moe.is_none() {
         eprintln!("the model has no routed experts: no expert cache to build");
     }
-    if let Some(dense) = a.cpu_dense_bits {
-        let dense = match dense {
-            DenseBits::Int4 => Bits::Int4,
-            DenseBits::Int8 => Bits::Int8,
-        };
+    if let Some(dense) = a.cpu_dense_bits.and_then(quant_width) {
         let (cache, outcome) = open_dense_cache(&files, dense, a.group_size, a.cache_dir.as_deref())?;
         match outcome {
             CacheOutcome::Hit => eprintln!("dense-weight cache up to date: {}", cache.path().display()),

@@ -48,10 +48,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
     if let Some(m) = files.gguf() {
-        use krasis_model::precision::{CacheBits, LayerBits};
+        use krasis_model::precision::{ExpertWidthRule, LayerBits};
         use krasis_model::source::gguf::expert_source_types;
         let types = expert_source_types(m, spec);
-        let auto = CacheBits::Auto.layer_bits(spec);
+        let auto = ExpertWidthRule::Auto.layer_bits(spec);
         let mut kinds: Vec<([krasis_quant::ggml::GgmlType; 3], LayerBits)> = Vec::new();
         for (k, b) in types.iter().map(|(_, t)| *t).zip(auto.iter().copied()) {
             if !kinds.contains(&(k, b)) {

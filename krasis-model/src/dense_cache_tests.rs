@@ -10,7 +10,7 @@ use super::*;
 use crate::engine::{Logits, Model};
 use crate::load::{load_model, EngineOptions};
 use crate::memory::cpu_estimate;
-use crate::precision::CacheBits;
+use crate::precision::ExpertWidthRule;
 use crate::quantized::{open_expert_cache, WeightBits};
 use crate::synth::{synthesize, Preset, SynthOptions};
 use krasis_quant::group::quantize;
@@ -70,7 +70,7 @@ fn cached_linears_are_the_freshly_quantised_ones_and_so_are_the_logits() {
     let o = opts(&cache);
     let loaded = load_model(&files, &EngineOptions { dense_bits: WeightBits::Bf16, ..o.clone() }).unwrap();
     let pool = loaded.pool.clone().unwrap();
-    let (ec, _) = open_expert_cache(&files, CacheBits::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
+    let (ec, _) = open_expert_cache(&files, ExpertWidthRule::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
     let experts = Arc::new(crate::quantized::CpuQuantExperts::new(ec, &spec, pool.clone()).unwrap());
     let fresh = |l: crate::linear::DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
         Ok(Box::new(QuantLinear::from_dense(&l, Bits::Int8, 128, pool.clone(), name)?))
@@ -220,7 +220,7 @@ fn the_estimate_counts_both_caches_exactly() {
     let files = ModelFiles::open(&dir).unwrap();
     let spec = files.spec();
     let pool = crate::load::start_pool(Some(2), &mut Vec::new()).unwrap();
-    let (ec, _) = open_expert_cache(&files, CacheBits::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
+    let (ec, _) = open_expert_cache(&files, ExpertWidthRule::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
     let (dc, _) = open_dense_cache(&files, Bits::Int8, 128, Some(&cache)).unwrap();
     let q = cpu_estimate(spec, Some(files.weights()), WeightBits::Int4, WeightBits::Int8, 128);
     let r = cpu_estimate(spec, Some(files.weights()), WeightBits::Int4, WeightBits::Bf16, 128);

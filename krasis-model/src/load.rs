@@ -15,8 +15,8 @@ use crate::engine::{reference_dense, Model, PrebuiltDense};
 use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
-use crate::precision::{resolve_expert_bits, CacheBits};
-use crate::quantized::{dense_quant_bits, open_expert_cache, quant_bits, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::precision::{expert_width_rule, resolve_expert_bits, ExpertWidthRule};
+use crate::quantized::{dense_quant_bits, open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -84,7 +84,7 @@ pub fn start_pool(threads: Option<usize>, log: &mut Vec<String>) -> Result<Arc<W
 /// on `pool`.
 pub fn open_cpu_experts(
     files: &ModelFiles,
-    bits: CacheBits,
+    bits: ExpertWidthRule,
     opts: &EngineOptions,
     pool: &Arc<WorkerPool>,
     log: &mut Vec<String>,
@@ -135,7 +135,8 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     let moe_per_expert = spec.moe.as_ref().map_or(0, |m| {
         crate::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
     });
-    let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (quant_bits(expert_bits), &pool) {
+    let rule = expert_width_rule(expert_bits);
+    let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (rule, &pool) {
         (Some(bits), Some(pool)) if spec.moe.is_some() => {
             let ex = open_cpu_experts(files, bits, opts, pool, &mut log)?;
             (Some(ex.executor as Arc<dyn ExpertExecutor>), ex.expert_bytes)

@@ -6,8 +6,8 @@ use krasis_quant::group::DEFAULT_GROUP_SIZE;
 use krasis_core::DType;
 
 use crate::dense_cache::{planned_entries, PlannedKind};
-use crate::precision::resolve_expert_bits;
-use crate::quantized::{dense_quant_bits, expected_cache_header, quant_bits};
+use crate::precision::{expert_width_rule, resolve_expert_bits};
+use crate::quantized::{dense_quant_bits, expected_cache_header};
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, SourceQuant};
 use crate::tensors::{expected_tensors, is_matrix, TensorRole, TensorSpec};
@@ -172,11 +172,12 @@ pub fn cpu_estimate(
             _ => {}
         }
     }
-    est.expert_bytes =
-        match quant_bits(experts).and_then(|b| expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok()) {
-            Some(h) => krasis_cache::format::records_bytes(&h).unwrap_or(0),
-            None => routed,
-        };
+    est.expert_bytes = match expert_width_rule(experts)
+        .and_then(|b| expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok())
+    {
+        Some(h) => krasis_cache::format::records_bytes(&h).unwrap_or(0),
+        None => routed,
+    };
     let per_layer = match spec.attention {
         crate::spec::AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => kv_lora_rank + qk_rope_head_dim,
         crate::spec::AttentionSpec::Gqa { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,

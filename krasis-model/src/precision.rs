@@ -49,37 +49,49 @@ impl LayerBits {
     }
 }
 
-/// How the widths of a cache are chosen: one for every projection, or `auto` (the module's rule).
+/// The rule that gives each MoE layer of an expert cache its widths ([`LayerBits`]): one width for
+/// every projection, or `auto` (the module's rule, per projection from the source's types). Not an
+/// option a caller sets: [`expert_width_rule`] derives it from the [`WeightBits`] option.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CacheBits {
+pub enum ExpertWidthRule {
     Uniform(Bits),
     Auto,
 }
 
-impl CacheBits {
+impl ExpertWidthRule {
     /// The widths of every MoE layer of `spec`, in `moe_layers()` order.
     pub fn layer_bits(self, spec: &ModelSpec) -> Vec<LayerBits> {
         let layers = spec.moe_layers().count();
         match self {
-            CacheBits::Uniform(b) => vec![LayerBits::uniform(b); layers],
-            CacheBits::Auto if spec.expert_source_bits.len() == layers => spec
+            ExpertWidthRule::Uniform(b) => vec![LayerBits::uniform(b); layers],
+            ExpertWidthRule::Auto if spec.expert_source_bits.len() == layers => spec
                 .expert_source_bits
                 .iter()
                 .map(|&[gate, up, down]| LayerBits { w13: auto_bits(gate.max(up)), w2: auto_bits(down) })
                 .collect(),
-            CacheBits::Auto => vec![LayerBits::uniform(Bits::Int4); layers],
+            ExpertWidthRule::Auto => vec![LayerBits::uniform(Bits::Int4); layers],
         }
     }
 }
 
-/// The widths a `--cpu-expert-bits` value asks the cache for (`None`: the reference experts over
-/// the source weights, no cache).
-pub fn cache_bits(w: WeightBits) -> Option<CacheBits> {
+/// The width rule a CPU expert width ([`crate::load::EngineOptions::expert_bits`]) asks the cache
+/// for (`None`: the reference experts over the source weights, no cache).
+pub fn expert_width_rule(w: WeightBits) -> Option<ExpertWidthRule> {
     match w {
         WeightBits::Bf16 => None,
-        WeightBits::Int8 => Some(CacheBits::Uniform(Bits::Int8)),
-        WeightBits::Int4 => Some(CacheBits::Uniform(Bits::Int4)),
-        WeightBits::Auto => Some(CacheBits::Auto),
+        WeightBits::Int8 => Some(ExpertWidthRule::Uniform(Bits::Int8)),
+        WeightBits::Int4 => Some(ExpertWidthRule::Uniform(Bits::Int4)),
+        WeightBits::Auto => Some(ExpertWidthRule::Auto),
+    }
+}
+
+/// The integer width an explicit `8` or `4` names (`None` for `bf16` and `auto`, which name no
+/// single integer width).
+pub fn quant_width(w: WeightBits) -> Option<Bits> {
+    match w {
+        WeightBits::Int8 => Some(Bits::Int8),
+        WeightBits::Int4 => Some(Bits::Int4),
+        WeightBits::Bf16 | WeightBits::Auto => None,
     }
 }
 
@@ -135,7 +147,7 @@ pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
 
 /// The widths `requested` gives every MoE layer of `spec` (`None`: no cache), for logs.
 pub fn describe_expert_bits(spec: &ModelSpec, requested: WeightBits) -> String {
-    match cache_bits(resolve_expert_bits(spec, requested)) {
+    match expert_width_rule(resolve_expert_bits(spec, requested)) {
         None => "reference (the source weights)".into(),
         Some(c) => describe_layer_bits(&c.layer_bits(spec)),
     }
@@ -172,6 +184,20 @@ mod tests {
         }
     }
 
+    /// Each option value names its kernel width, or none (`bf16`, and `auto` decided later), and
+    /// the width rule of the CPU expert cache follows it.
+    #[test]
+    fn option_values_map_to_widths_and_rules() {
+        assert_eq!(quant_width(WeightBits::Int8), Some(Bits::Int8));
+        assert_eq!(quant_width(WeightBits::Int4), Some(Bits::Int4));
+        assert_eq!(quant_width(WeightBits::Bf16), None);
+        assert_eq!(quant_width(WeightBits::Auto), None);
+        assert_eq!(expert_width_rule(WeightBits::Int8), Some(ExpertWidthRule::Uniform(Bits::Int8)));
+        assert_eq!(expert_width_rule(WeightBits::Int4), Some(ExpertWidthRule::Uniform(Bits::Int4)));
+        assert_eq!(expert_width_rule(WeightBits::Auto), Some(ExpertWidthRule::Auto));
+        assert_eq!(expert_width_rule(WeightBits::Bf16), None);
+    }
+
     fn tiny_spec() -> ModelSpec {
         let config = crate::synth::preset_config(crate::synth::Preset::Tiny, Some(4)).to_string();
         crate::config::parse_config(&config, std::path::Path::new("config.json")).unwrap()
@@ -189,7 +215,7 @@ mod tests {
         for w in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
             assert_eq!(resolve_expert_bits(&spec, w), w, "explicit values are kept");
         }
-        assert_eq!(CacheBits::Auto.layer_bits(&spec), vec![LayerBits::uniform(i4); 3]);
+        assert_eq!(ExpertWidthRule::Auto.layer_bits(&spec), vec![LayerBits::uniform(i4); 3]);
         assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), "int4");
         assert_eq!(describe_expert_bits(&spec, WeightBits::Bf16), "reference (the source weights)");
         let est = |spec: &ModelSpec, w| crate::memory::estimate(spec, w).expert_bytes;
@@ -202,8 +228,8 @@ mod tests {
         assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Auto);
         assert_eq!(resolve_expert_bits(&spec, WeightBits::Int4), WeightBits::Int4);
         let want = vec![LayerBits { w13: i4, w2: i8 }, LayerBits::uniform(i4), LayerBits { w13: i8, w2: i4 }];
-        assert_eq!(CacheBits::Auto.layer_bits(&spec), want);
-        assert_eq!(CacheBits::Uniform(i8).layer_bits(&spec), vec![LayerBits::uniform(i8); 3]);
+        assert_eq!(ExpertWidthRule::Auto.layer_bits(&spec), want);
+        assert_eq!(ExpertWidthRule::Uniform(i8).layer_bits(&spec), vec![LayerBits::uniform(i8); 3]);
         assert_eq!(
             describe_expert_bits(&spec, WeightBits::Auto),
             "w13 int4 / w2 int8 × 1 layer, w13 int4 / w2 int4 × 1 layer, w13 int8 / w2 int4 × 1 layer"

@@ -20,7 +20,7 @@ use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp, PackedRef};
 use crate::packed_ops::{PackedBytes, PooledMlp};
-use crate::precision::{describe_layer_bits, CacheBits, LayerBits};
+use crate::precision::{describe_layer_bits, ExpertWidthRule, LayerBits};
 use crate::spec::{FfnKind, ModelSpec};
 use crate::weights::WeightLoader;
 
@@ -28,12 +28,6 @@ use crate::weights::WeightLoader;
 pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
 
 pub use krasis_core::spec::WeightBits;
-
-/// The expert cache widths of a `--cpu-expert-bits` value (`None` for the unquantised source
-/// weights); see [`crate::precision`].
-pub fn quant_bits(w: WeightBits) -> Option<CacheBits> {
-    crate::precision::cache_bits(w)
-}
 
 /// The packed-kernel format of a `--cpu-dense-bits` value (`None` for the unquantised source
 /// weights); `auto` is for routed experts only.
@@ -353,7 +347,7 @@ pub(crate) fn in_cache_dir(files: &ModelFiles, cache_dir: Option<&Path>, name: &
 /// [`ModelFiles::fingerprint`].
 pub fn open_expert_cache(
     files: &ModelFiles,
-    bits: CacheBits,
+    bits: ExpertWidthRule,
     group: usize,
     cache_dir: Option<&Path>,
     pool: &WorkerPool,
@@ -599,12 +593,14 @@ impl ExpertExecutor for CpuQuantExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::precision::expert_width_rule;
+
     #[test]
     fn auto_is_for_routed_experts_only() {
         assert!(dense_quant_bits(WeightBits::Auto).unwrap_err().to_string().contains("routed experts only"));
         assert_eq!(dense_quant_bits(WeightBits::Int8).unwrap(), Some(Bits::Int8));
-        assert_eq!(quant_bits(WeightBits::Auto), Some(CacheBits::Auto));
-        assert_eq!(quant_bits(WeightBits::Bf16), None);
+        assert_eq!(expert_width_rule(WeightBits::Auto), Some(ExpertWidthRule::Auto));
+        assert_eq!(expert_width_rule(WeightBits::Bf16), None);
     }
 
     #[test]

@@ -120,7 +120,7 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
     let loaded = load_model(&files, &opts).unwrap();
     let pool = loaded.pool.clone().unwrap();
     let spec = files.spec().clone();
-    let int8 = krasis_model::precision::CacheBits::Uniform(Bits::Int8);
+    let int8 = krasis_model::precision::ExpertWidthRule::Uniform(Bits::Int8);
     let (c, _) = open_expert_cache(&files, int8, 128, Some(cache), &pool).unwrap();
     let ex = CpuQuantExperts::new(c, &spec, pool.clone()).unwrap();
     let rec = Arc::new(Recorder { inner: Box::new(ex), routes: Mutex::new(Vec::new()), xs: Mutex::new(Vec::new()) });

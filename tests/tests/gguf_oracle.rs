@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use krasis_model::engine::Model;
 use krasis_model::files::ModelFiles;
-use krasis_model::precision::{CacheBits, LayerBits};
+use krasis_model::precision::{ExpertWidthRule, LayerBits};
 use krasis_model::quantized::{expected_cache_header, WeightBits};
 use krasis_quant::Bits;
 use krasis_tests::{
@@ -143,7 +143,7 @@ fn auto_widths_of(kind: &str, moe_layers: impl Iterator<Item = usize>) -> Vec<La
 /// The rule on the file's own types gives `auto_widths_of(kind)`.
 fn check_auto_widths(name: &str, kind: &str, gguf: &std::path::Path) {
     let files = ModelFiles::open(gguf).unwrap();
-    let got = CacheBits::Auto.layer_bits(files.spec());
+    let got = ExpertWidthRule::Auto.layer_bits(files.spec());
     let want = auto_widths_of(kind, files.spec().moe_layers());
     assert_eq!(got, want, "{name} {kind}: auto widths from {:?}", files.spec().expert_source_bits);
 }

@@ -30,7 +30,7 @@ use crate::error::{ModelError, Result};
 use crate::files::ModelFiles;
 use crate::linear::{DenseLinear, LinearOp};
 use crate::load::{open_cpu_experts, start_pool, EngineOptions};
-use crate::quantized::quant_bits;
+use crate::precision::expert_width_rule;
 use crate::rope::RotaryTables;
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, RoutingRule};
@@ -345,7 +345,7 @@ impl GpuModel {
         let spec = files.spec().clone();
         let mut log = Vec::new();
         let mut expert_bytes = None;
-        let mut m = match quant_bits(cpu.expert_bits) {
+        let mut m = match expert_width_rule(cpu.expert_bits) {
             Some(bits) if spec.moe.is_some() => {
                 let pool = start_pool(cpu.threads, &mut log)?;
                 let late = Arc::new(LateExecutor::default());

@@ -143,7 +143,7 @@ fn check_options(config: &EngineConfig) -> Result<()> {
     }
     if config.device == DevicePolicy::Hybrid
         && config.gpu.expert_bits.is_some()
-        && crate::quantized::quant_bits(config.cpu.expert_bits).is_none()
+        && crate::precision::expert_width_rule(config.cpu.expert_bits).is_none()
     {
         return Err(ModelError::Invalid(
             "`DevicePolicy::Hybrid` with `EngineConfig::gpu_expert_width` streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give `EngineOptions::expert_bits` 4|8 too".into(),

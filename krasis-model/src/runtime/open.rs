@@ -118,11 +118,9 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
     // the CPU); `auto` resolves to the default here.
     let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
     resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
-    match config.gpu_expert_width {
-        WeightBits::Int8 => resolved.gpu.expert_bits = Some(krasis_quant::Bits::Int8),
-        WeightBits::Int4 => resolved.gpu.expert_bits = Some(krasis_quant::Bits::Int4),
-        WeightBits::Bf16 => resolved.gpu.expert_bits = None,
-        WeightBits::Auto => {}
+    // `auto` leaves the width to the device's defaults; `bf16` is `None` (BF16 experts).
+    if config.gpu_expert_width != WeightBits::Auto {
+        resolved.gpu.expert_bits = crate::precision::quant_width(config.gpu_expert_width);
     }
     let ordinal = config.gpu.ordinal;
     let gpu = match (config.device, krasis_gpu::probe_ordinal(ordinal)) {
