@@ -199,9 +199,11 @@ impl ModelSpec {
     }
 }
 
-/// Precision of a class of weights as an engine runs them: the source weights unquantised (the
-/// reference path), or INT8 / INT4 group-quantised, or (routed experts only) `Auto`: chosen per
-/// projection from the source's own types (`krasis_model::precision` holds the rule).
+/// Precision of a class of weights as an engine runs them, the one option type for a weight
+/// width: the source weights unquantised (`Bf16`: the reference path on the CPU, BF16 on the GPU),
+/// or INT8 / INT4 group-quantised, or (routed experts only) `Auto`: the default width, chosen
+/// from the source (`krasis_model::precision` holds the rules: on the CPU per projection from the
+/// source's own types, on the GPU the source's width when it is 8-bit, else INT4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightBits {
     Bf16,
@@ -213,7 +215,7 @@ pub enum WeightBits {
 impl WeightBits {
     /// The values `--cpu-dense-bits` takes.
     pub const FLAG_VALUES: [&'static str; 3] = ["bf16", "8", "4"];
-    /// The values `--cpu-expert-bits` takes.
+    /// The values `--cpu-expert-bits` and `--gpu-expert-bits` take.
     pub const EXPERT_FLAG_VALUES: [&'static str; 4] = ["auto", "bf16", "8", "4"];
 
     /// Integer bits per weight, `None` for the unquantised source weights and for `Auto`
