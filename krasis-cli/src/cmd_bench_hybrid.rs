@@ -72,7 +72,12 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     let predicted = h1.predicted - h0.predicted;
     let hit_rate = (h1.predicted_hits - h0.predicted_hits) as f64 / predicted.max(1) as f64;
     let rest_ms = ms - experts_ms - wait_ms - prefetch_ms - launch_ms;
-    let bytes_per_token = moe_layers * top_k * expert_bytes;
+    // The experts the CPU read (pinned ones run on the GPU): every route's when none is counted.
+    let read = h1.experts_read - h0.experts_read;
+    let bytes_per_token = match read {
+        0 => moe_layers * top_k * expert_bytes,
+        r => (r as f64 / n * expert_bytes as f64) as u64,
+    };
     let expert_gbs = bytes_per_token as f64 / 1e6 / experts_ms.max(1e-9);
     let one_copy = moe_layers * n_experts * expert_bytes;
     if text {
