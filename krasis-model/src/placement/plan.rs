@@ -189,14 +189,25 @@ impl PlacementPlan {
         if moe.is_empty() {
             return vec![format!("placement: no MoE layers ({})", self.why_home)];
         }
-        let sites = |t: usize| -> Vec<ExpertSite> { moe.iter().filter_map(|&l| self.site(l, t)).collect() };
-        let kinds = |t: usize| -> Vec<ExpertSite> { sites(t).into_iter().map(ExpertSite::kind).collect() };
+        let kinds = |t: usize| -> Vec<ExpertSite> {
+            moe.iter().filter_map(|&l| self.site(l, t)).map(ExpertSite::kind).collect()
+        };
+        // The set of kinds a call length uses: a run of lengths over which it stays the same is
+        // one decision, even where the layers trade places within it (pins against a split).
+        let kind_set = |t: usize| -> Vec<ExpertSite> {
+            let mut v = kinds(t);
+            v.sort_by_key(|k| format!("{k:?}"));
+            v.dedup();
+            v
+        };
         let mut lines = Vec::new();
         let mut start = 1;
         while start <= DESCRIBE_MAX_TOKENS {
-            let first = kinds(start);
+            let first = kind_set(start);
             let mut end = start;
-            while end < DESCRIBE_MAX_TOKENS && kinds(end + 1) == first {
+            let mut same_layers = true;
+            while end < DESCRIBE_MAX_TOKENS && kind_set(end + 1) == first {
+                same_layers &= kinds(end + 1) == kinds(start);
                 end += 1;
             }
             let range = match (start, end) {
@@ -207,10 +218,36 @@ impl PlacementPlan {
                 (s, e) if s == e => format!("calls of {s} tokens"),
                 (s, e) => format!("calls of {s}–{e} tokens"),
             };
-            lines.push(format!("placement: {range}: {}", self.what(&moe, start, end)));
+            let what =
+                if same_layers { self.what(&moe, start, end) } else { self.what_mixed(&moe, &first, start, end) };
+            lines.push(format!("placement: {range}: {what}"));
             start = end + 1;
         }
         lines
+    }
+
+    /// Over calls of `start..=end` tokens whose layers trade places between the kinds `set`
+    /// (each layer takes its pinned experts while they leave the CPU fewer experts to read than
+    /// the split would): how many layers take each kind, and why.
+    fn what_mixed(&self, moe: &[usize], set: &[ExpertSite], start: usize, end: usize) -> String {
+        let count = |t: usize, kind: ExpertSite| {
+            moe.iter().filter(|&&l| self.site(l, t).map(ExpertSite::kind) == Some(kind)).count()
+        };
+        let parts: Vec<String> = set
+            .iter()
+            .map(|&kind| {
+                let (a, b) = (count(start, kind), count(end, kind));
+                let n = if a == b { format!("{a}") } else { format!("{}–{}", a.min(b), a.max(b)) };
+                format!("{}: {n} of {} MoE layers", self.site_words(kind, start, end), moe.len())
+            })
+            .collect();
+        let mut why = vec!["each layer takes what leaves the CPU fewer experts to read"];
+        for w in [&self.why_stream, &self.why_beside] {
+            if !w.is_empty() {
+                why.push(w);
+            }
+        }
+        format!("{} ({})", parts.join("; "), why.join("; "))
     }
 
     /// What the MoE layers `moe` do over calls of `start..=end` tokens (one kind each), with the
@@ -365,6 +402,28 @@ mod tests {
             lines[1],
             "placement: calls of 16 tokens and more: every MoE layer: every routed expert streamed to the GPU \
              (GPU prefill is always on)"
+        );
+        // Layers that trade pins for the split at different lengths make one line.
+        let beside = Beside::Pinned { until: vec![0, 20, 24, 30] };
+        let home = ExpertHome::Host { stream: Some(stream(16, 0.5, false)), beside };
+        let lines = PlacementPlan::new(home, moe(), "as asked").describe();
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert!(lines[0].starts_with("placement: decode and calls of up to 19 tokens: every MoE"), "{}", lines[0]);
+        assert!(lines[1].starts_with("placement: calls of 20–29 tokens: "), "{}", lines[1]);
+        assert!(
+            lines[1].contains("pinned experts on the GPU, the rest on the CPU: 1–2 of 3 MoE layers"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[1].contains("the first 32 of 64 experts streamed to the GPU, the rest on the CPU: 1–2 of 3"),
+            "{}",
+            lines[1]
+        );
+        assert!(
+            lines[2].starts_with("placement: calls of 30 tokens and more: every MoE layer: the first 32"),
+            "{}",
+            lines[2]
         );
         // A split over a range of lengths is one line, with its range of shares.
         let home = ExpertHome::Host { stream: Some(stream(4, 0.5, false)), beside: Beside::Nothing };
