@@ -12,9 +12,9 @@ use krasis_cpu::membw::{default_probe_bytes, read_bandwidth, BandwidthProbe, Mem
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, PoolExperts, W2Mode};
 use krasis_cpu::moe_trace::TraceSummary;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{open_engine, Engine, EngineConfig, ForwardBreakdown, Opened};
-use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::source::files::ModelFiles;
+use krasis_model::text::sampling::{Sampler, SamplingParams};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
 use krasis_quant::group::quantize;
 use krasis_quant::Bits;
@@ -206,8 +206,8 @@ impl StageCounters {
         StageCounters {
             mla: krasis_cpu::mla_prefill::phase_ns(),
             experts: krasis_cpu::prefill_bf16::expert_phase_ns(),
-            other: krasis_model::engine::other_phase_ns(),
-            layer: krasis_model::engine::attention::mla_phase_ns(),
+            other: krasis_model::cpu::other_phase_ns(),
+            layer: krasis_model::cpu::attention::mla_phase_ns(),
         }
     }
 
@@ -493,7 +493,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let device = match (a.device, &a.model) {
         (Device::Auto, Some(dir)) => {
             let config = a.engine.config(a.device, &a.gpu, (a.prompt_tokens + a.decode_tokens) as u64)?;
-            let files = krasis_model::files::ModelFiles::open(dir)?;
+            let files = krasis_model::source::files::ModelFiles::open(dir)?;
             let choice = krasis_model::runtime::device_choice(&files, &config)?;
             match choice.path {
                 krasis_model::runtime::DevicePath::Cpu => {

@@ -8,9 +8,9 @@ use std::time::Instant;
 use krasis_gpu::flash_prefill::{bench_gqa_prefill, bench_mla_prefill};
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::{bench_mla_decode, GpuDevice, VramBudgetSpec};
-use krasis_model::generate::{generate, GenerateRequest};
 use krasis_model::runtime::EngineConfig;
-use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::text::generate::{generate, GenerateRequest};
+use krasis_model::text::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
 
 /// Dense BF16 tensor-core peak (FLOP/s) of the GPUs we measure on, from NVIDIA's data sheets

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use krasis_core::budget::format_bytes;
 use krasis_model::runtime::EngineConfig;
-use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::text::sampling::{Sampler, SamplingParams};
 use serde_json::{json, Value};
 
 use crate::cmd_bench::Args;

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{Engine, EngineConfig};
-use krasis_model::sampling::SamplingParams;
+use krasis_model::source::files::ModelFiles;
+use krasis_model::text::sampling::SamplingParams;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::unbounded_channel;
 
@@ -23,7 +23,7 @@ const WARMUP_TOKENS: usize = 4;
 /// seconds) of the steps that only decoded, all streams together.
 fn run_streams(
     engine: &Arc<dyn Engine>,
-    codec: &Arc<krasis_model::tokenizer::TextCodec>,
+    codec: &Arc<krasis_model::text::tokenizer::TextCodec>,
     n: usize,
     prompt_tokens: usize,
     decode_tokens: usize,

@@ -8,12 +8,12 @@ use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args as ClapArgs;
 use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
-use krasis_model::dense_cache::open_dense_cache;
-use krasis_model::expert_caches::{convert_expert_caches, CacheRequest};
-use krasis_model::files::ModelFiles;
-use krasis_model::precision::{describe_layer_bits, expert_width_rule, quant_width};
-use krasis_model::quantized::WeightBits;
-use krasis_model::tensors::param_counts;
+use krasis_model::cpu::dense_cache::open_dense_cache;
+use krasis_model::cpu::quantized::WeightBits;
+use krasis_model::model::tensors::param_counts;
+use krasis_model::placement::precision::{describe_layer_bits, expert_width_rule, quant_width};
+use krasis_model::runtime::expert_caches::{convert_expert_caches, CacheRequest};
+use krasis_model::source::files::ModelFiles;
 
 use crate::cmd_generate::{check_group_size_flag, weight_bits_parser};
 

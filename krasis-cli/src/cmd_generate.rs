@@ -12,18 +12,18 @@ use krasis_core::budget::format_bytes;
 use krasis_gpu::kv_cache::KvDtype;
 use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
-use krasis_model::files::ModelFiles;
-use krasis_model::generate::{generate, GenerateOutput, GenerateRequest};
+use krasis_model::cpu::load::EngineOptions;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{CachePlan, CacheStrategy, GpuExpertCache, GpuOptions, StreamFrom};
-use krasis_model::heatmap::ExpertHeat;
-use krasis_model::load::EngineOptions;
-use krasis_model::quantized::WeightBits;
+use krasis_model::placement::heatmap::ExpertHeat;
 use krasis_model::runtime::{
     check_context, context_limit, cpu_memory_estimate, open_engine, spec_context_limit, DevicePath, DevicePolicy,
     Engine, EngineConfig, DEFAULT_CONTEXT_TOKENS,
 };
-use krasis_model::sampling::SamplingParams;
-use krasis_model::tokenizer::{TextCodec, TextStream};
+use krasis_model::source::files::ModelFiles;
+use krasis_model::text::generate::{generate, GenerateOutput, GenerateRequest};
+use krasis_model::text::sampling::SamplingParams;
+use krasis_model::text::tokenizer::{TextCodec, TextStream};
 
 /// `--device`: which device policy the engine opens with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use anyhow::bail;
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
-use krasis_model::files::ModelFiles;
-use krasis_model::memory::{estimate, format_name, stored_bytes, WeightBits};
+use krasis_model::cpu::memory::{estimate, format_name, stored_bytes, WeightBits};
+use krasis_model::model::tensors::{missing_tensors, param_counts};
+use krasis_model::source::files::ModelFiles;
 use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
-use krasis_model::tensors::{missing_tensors, param_counts};
 
 #[derive(ClapArgs)]
 pub struct Args {
@@ -48,7 +48,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
     if let Some(m) = files.gguf() {
-        use krasis_model::precision::{ExpertWidthRule, LayerBits};
+        use krasis_model::placement::precision::{ExpertWidthRule, LayerBits};
         use krasis_model::source::gguf::expert_source_types;
         let types = expert_source_types(m, spec);
         let auto = ExpertWidthRule::Auto.layer_bits(spec);

@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
-use krasis_model::files::ModelFiles;
-use krasis_model::quantized::WeightBits;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::runtime::{open_engine, EngineConfig};
-use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::source::files::ModelFiles;
+use krasis_model::text::sampling::{Sampler, SamplingParams};
 
 use crate::cmd_bench::median;
 use crate::cmd_generate::{Device, EngineArgs, GpuArgs};

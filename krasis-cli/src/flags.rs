@@ -46,7 +46,7 @@ pub const OPTION_FLAGS: &[(&str, &str)] = &[
     // krasis_model::synth::SynthOptions
     ("SynthOptions::layers", "--layers"),
     ("SynthOptions::force", "--force"),
-    // krasis_model::generate::GenerateRequest and the text codec
+    // krasis_model::text::generate::GenerateRequest and the text codec
     ("GenerateRequest::prompt_ids", "--prompt-ids"),
     ("TextCodec::encode_chat", "--chat"),
 ];

@@ -332,7 +332,7 @@ fn tune_needs_a_gpu_and_its_file_is_taken_only_where_it_was_measured() {
     // and this model's needs the GPU it was measured on; generation goes on with --device auto.
     let cache = t.path().join("cache");
     std::fs::create_dir_all(&cache).unwrap();
-    let fp = format!("{:016x}", krasis_model::files::ModelFiles::open(&dir).unwrap().fingerprint());
+    let fp = format!("{:016x}", krasis_model::source::files::ModelFiles::open(&dir).unwrap().fingerprint());
     let file = |fingerprint: &str| {
         serde_json::json!({
             "format": "krasis-tune", "version": 1, "fingerprint": fingerprint, "gpu": "NVIDIA H200",

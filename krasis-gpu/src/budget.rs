@@ -202,7 +202,10 @@ mod tests {
         let e = b.charge(1, "the KV cache").unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, GpuError::VramBudget { requested: 1, used: 4096, budget: 4096, .. }));
-        assert!(msg.contains("the KV cache") && msg.contains("(`GpuOptions::vram_budget`)") && !msg.contains('\n'), "{msg}");
+        assert!(
+            msg.contains("the KV cache") && msg.contains("(`GpuOptions::vram_budget`)") && !msg.contains('\n'),
+            "{msg}"
+        );
         drop(c1);
         assert_eq!(b.used(), 3072);
         let _c3 = b.charge(1024, "c").unwrap();

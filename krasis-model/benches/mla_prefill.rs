@@ -11,10 +11,10 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use krasis_core::hw::probe;
 use krasis_core::spec::MlaDims;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::build::MlaParts;
-use krasis_model::engine::attention::{CpuMlaParts, KvB, MlaAttention, MlaPrefillMode, SeqKv};
-use krasis_model::linear::{DenseLinear, LinearOp, MatrixData};
-use krasis_model::packed_ops::{kv_b_layouts, pack_kv_b, PackedBytes, PackedKvB};
+use krasis_model::cpu::attention::{CpuMlaParts, KvB, MlaAttention, MlaPrefillMode, SeqKv};
+use krasis_model::cpu::packed_ops::{kv_b_layouts, pack_kv_b, PackedBytes, PackedKvB};
+use krasis_model::model::build::MlaParts;
+use krasis_model::model::linear::{DenseLinear, LinearOp, MatrixData};
 
 /// DeepSeek-V2-Lite's attention geometry.
 const DIMS: MlaDims = MlaDims { heads: 16, nope: 128, rope: 64, v_dim: 128, latent: 512 };

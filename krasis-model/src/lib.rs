@@ -1,34 +1,28 @@
-//! Architectures (config → layer plan), weight sources, tokenizer and chat template, the engine
-//! (prefill/decode orchestration, sampling, KV cache) and synthetic models.
+//! The model side of Krasis, in the rooms a new family or device goes into:
+//!
+//! - [`arch`]: `config.json` → [`ModelSpec`], one file per model family.
+//! - [`model`]: what every device shares: the tensor inventory, the typed weight loading, the
+//!   build walk and the forward walk, and the math both devices follow (rope, routing, linears).
+//! - [`source`]: the weight files (safetensors, GGUF) and the front door ([`source::files`]).
+//! - [`cpu`] and [`gpu`]: the two implementations of the walks' operations, their sessions and
+//!   their expert backends and caches.
+//! - [`placement`]: who computes the routed experts (the device choice, the per-layer plan, the
+//!   strategies, the precision defaults, the heatmap and the saved tune).
+//! - [`runtime`]: the `Engine` API, its options, sessions, stats and the batching scheduler.
+//! - [`text`]: tokenizer and chat template, sampling and the generation loop.
+//! - [`synth`]: synthetic models for tests and benchmarks.
 
-pub mod build;
-pub mod config;
-pub mod dense_cache;
+pub mod arch;
+pub mod cpu;
 pub mod error;
-pub mod files;
+pub mod gpu;
+pub mod model;
+pub mod placement;
+pub mod runtime;
 pub mod source;
-pub use krasis_core::spec;
 pub mod synth;
-pub mod tensors;
+pub mod text;
 
 pub use error::{ModelError, Result};
+pub use krasis_core::spec;
 pub use spec::ModelSpec;
-pub mod engine;
-pub mod expert_caches;
-pub mod generate;
-pub mod gpu;
-pub mod heatmap;
-pub mod linear;
-pub mod load;
-pub mod memory;
-pub mod packed_ops;
-pub mod placement;
-pub mod precision;
-pub mod quantized;
-pub mod rope;
-pub mod router;
-pub mod runtime;
-pub mod sampling;
-pub mod tokenizer;
-pub mod walk;
-pub mod weights;

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use krasis_model::sampling::argmax;
 use krasis_model::source::SafetensorsFile;
+use krasis_model::text::sampling::argmax;
 
 pub const FIXTURE_NAMES: &[&str] =
     &["dsv2-lite-tiny", "dsv2-k256-tiny", "dsv2-grouped-tiny", "dsv3-tiny", "dsv3-fp8-tiny", "qwen3moe-tiny"];
@@ -138,8 +138,8 @@ pub const ORACLE_TOL: f64 = 1e-4;
 /// The CPU reference engine `model` against the oracle outputs `r` of fixture `name`: per-layer
 /// hidden states, prefill logits, greedy ids (exact) and the logits each was chosen from, all
 /// within [`ORACLE_TOL`]. Returns report lines; panics with the first miss.
-pub fn check_against_reference(name: &str, model: &krasis_model::engine::Model, r: &Reference) -> Vec<String> {
-    use krasis_model::engine::Logits;
+pub fn check_against_reference(name: &str, model: &krasis_model::cpu::Model, r: &Reference) -> Vec<String> {
+    use krasis_model::cpu::Logits;
     let mut report = Vec::new();
 
     // Prefill with per-layer hidden states.
@@ -184,11 +184,11 @@ pub fn check_against_reference(name: &str, model: &krasis_model::engine::Model, 
 /// precisions (quantised experts from an expert cache in `cache`), on two worker threads.
 pub fn load_quantized(
     path: &Path,
-    experts: krasis_model::quantized::WeightBits,
-    dense: krasis_model::quantized::WeightBits,
+    experts: krasis_model::cpu::quantized::WeightBits,
+    dense: krasis_model::cpu::quantized::WeightBits,
     cache: &Path,
-) -> krasis_model::load::Loaded {
-    use krasis_model::load::{load_model, EngineOptions};
+) -> krasis_model::cpu::load::Loaded {
+    use krasis_model::cpu::load::{load_model, EngineOptions};
     let opts = EngineOptions {
         expert_bits: experts,
         dense_bits: dense,
@@ -196,7 +196,7 @@ pub fn load_quantized(
         threads: Some(2),
         ..EngineOptions::default()
     };
-    krasis_model::files::ModelFiles::open(path)
+    krasis_model::source::files::ModelFiles::open(path)
         .and_then(|files| load_model(&files, &opts))
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -206,14 +206,14 @@ pub fn load_quantized(
 /// cache in `cache`), on two worker threads.
 pub fn prefill_logits(
     path: &Path,
-    experts: krasis_model::quantized::WeightBits,
-    dense: krasis_model::quantized::WeightBits,
+    experts: krasis_model::cpu::quantized::WeightBits,
+    dense: krasis_model::cpu::quantized::WeightBits,
     cache: &Path,
     prompt: &[u32],
 ) -> Vec<f32> {
     let loaded = load_quantized(path, experts, dense, cache);
     let mut s = loaded.model.new_session();
-    loaded.model.forward(&mut s, prompt, krasis_model::engine::Logits::All, None).unwrap()
+    loaded.model.forward(&mut s, prompt, krasis_model::cpu::Logits::All, None).unwrap()
 }
 
 /// The last `steps` positions of `prompt` two ways on one loaded model: by prefill of the whole
@@ -221,13 +221,13 @@ pub fn prefill_logits(
 /// prefill of the rest (the same positions' step logits, concatenated).
 pub fn decode_and_prefill_logits(
     path: &Path,
-    experts: krasis_model::quantized::WeightBits,
-    dense: krasis_model::quantized::WeightBits,
+    experts: krasis_model::cpu::quantized::WeightBits,
+    dense: krasis_model::cpu::quantized::WeightBits,
     cache: &Path,
     prompt: &[u32],
     steps: usize,
 ) -> (Vec<f32>, Vec<f32>) {
-    use krasis_model::engine::Logits;
+    use krasis_model::cpu::Logits;
     let loaded = load_quantized(path, experts, dense, cache);
     let m = &loaded.model;
     let (t, v) = (prompt.len(), m.spec.vocab_size);

@@ -3,10 +3,10 @@
 
 use std::path::Path;
 
-use krasis_model::engine::Model;
-use krasis_model::generate::{generate, GenerateRequest};
+use krasis_model::cpu::Model;
 use krasis_model::runtime::DecoderEngine;
-use krasis_model::sampling::SamplingParams;
+use krasis_model::text::generate::{generate, GenerateRequest};
+use krasis_model::text::sampling::SamplingParams;
 use krasis_tests::{edit_header, tiny_model, weight_files};
 use serde_json::{json, Value};
 

@@ -6,14 +6,14 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use krasis_model::engine::experts::{ExpertExecutor, Routes};
-use krasis_model::engine::{reference_dense, Logits, Model};
-use krasis_model::files::ModelFiles;
-use krasis_model::linear::{DenseLinear, LinearOp, MatrixData};
-use krasis_model::load::{load_model, EngineOptions};
-use krasis_model::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use krasis_model::cpu::experts::{ExpertExecutor, Routes};
+use krasis_model::cpu::load::{load_model, EngineOptions};
+use krasis_model::cpu::quantized::{open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use krasis_model::cpu::{reference_dense, Logits, Model};
+use krasis_model::model::linear::{DenseLinear, LinearOp, MatrixData};
+use krasis_model::model::weights::WeightLoader;
+use krasis_model::source::files::ModelFiles;
 use krasis_model::spec::{RoutingRule, ScoringFunc, TopkMethod};
-use krasis_model::weights::WeightLoader;
 use krasis_quant::group::{dequantize, group_size_for, quantize};
 use krasis_quant::Bits;
 use krasis_tests::{fidelity, fixtures_dir, load_reference, quant_bound, FIXTURE_NAMES};
@@ -120,7 +120,7 @@ fn run(dir: &Path, cache: &Path, classes: &[&str], mode: Mode, gs_pref: usize) -
     let loaded = load_model(&files, &opts).unwrap();
     let pool = loaded.pool.clone().unwrap();
     let spec = files.spec().clone();
-    let int8 = krasis_model::precision::ExpertWidthRule::Uniform(Bits::Int8);
+    let int8 = krasis_model::placement::precision::ExpertWidthRule::Uniform(Bits::Int8);
     let (c, _) = open_expert_cache(&files, int8, 128, Some(cache), &pool).unwrap();
     let ex = CpuQuantExperts::new(c, &spec, pool.clone()).unwrap();
     let rec = Arc::new(Recorder { inner: Box::new(ex), routes: Mutex::new(Vec::new()), xs: Mutex::new(Vec::new()) });
@@ -210,7 +210,7 @@ fn dense_int8_attribution() {
     }
 }
 
-/// Router choice values and group scores of one token, as `krasis_model::router::route` ranks them.
+/// Router choice values and group scores of one token, as `krasis_model::model::router::route` ranks them.
 fn choice(rule: &RoutingRule, logits: &[f32], bias: Option<&[f32]>) -> (Vec<f64>, Vec<f64>, usize) {
     let scores: Vec<f64> = match rule.scoring {
         ScoringFunc::Softmax => {
@@ -278,11 +278,12 @@ fn dense_int8_route_margins() {
         eprintln!("== {name} (dense {mode:?} g{g}): 1-cos {:.3e} vs base {:.3e}", 1.0 - q.cos, 1.0 - base.cos);
         let mut ratios: Vec<(f64, String)> = Vec::new();
         for (i, ((layer, ids0), (_, ids1))) in base.routes.iter().zip(&q.routes).enumerate() {
-            let router =
-                w.matrix(&format!("{}.mlp.gate.weight", krasis_model::tensors::layer_prefix(*layer)), e, h).unwrap();
+            let router = w
+                .matrix(&format!("{}.mlp.gate.weight", krasis_model::model::tensors::layer_prefix(*layer)), e, h)
+                .unwrap();
             let bias = matches!(moe.routing.topk, TopkMethod::NoauxTc { .. }).then(|| {
                 w.vector(
-                    &format!("{}.mlp.gate.e_score_correction_bias", krasis_model::tensors::layer_prefix(*layer)),
+                    &format!("{}.mlp.gate.e_score_correction_bias", krasis_model::model::tensors::layer_prefix(*layer)),
                     e,
                 )
                 .unwrap()

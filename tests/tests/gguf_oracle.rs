@@ -17,10 +17,10 @@
 
 use std::path::PathBuf;
 
-use krasis_model::engine::Model;
-use krasis_model::files::ModelFiles;
-use krasis_model::precision::{ExpertWidthRule, LayerBits};
-use krasis_model::quantized::{expected_cache_header, WeightBits};
+use krasis_model::cpu::quantized::{expected_cache_header, WeightBits};
+use krasis_model::cpu::Model;
+use krasis_model::placement::precision::{ExpertWidthRule, LayerBits};
+use krasis_model::source::files::ModelFiles;
 use krasis_quant::Bits;
 use krasis_tests::{
     check_against_reference, fidelity, fixtures_dir, gguf_fixtures_dir, load_reference, load_reference_file,

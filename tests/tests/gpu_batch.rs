@@ -11,11 +11,11 @@
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails
 //! instead.
 
-use krasis_model::generate::{Decoder, DecoderStep};
+use krasis_model::cpu::load::EngineOptions;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_model::load::EngineOptions;
-use krasis_model::quantized::WeightBits;
-use krasis_model::sampling::{Sampler, SamplingParams};
+use krasis_model::text::generate::{Decoder, DecoderStep};
+use krasis_model::text::sampling::{Sampler, SamplingParams};
 use krasis_tests::{gpu_fixture, GpuFixture};
 
 /// KV tokens per session: the fixtures' prompts plus the decode steps fit easily.

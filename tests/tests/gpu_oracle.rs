@@ -257,8 +257,8 @@ fn greedy_generation_and_sync_count() {
     if !gpu_available("greedy_generation_and_sync_count") {
         return;
     }
-    use krasis_model::generate::{generate, GenerateRequest};
-    use krasis_model::sampling::SamplingParams;
+    use krasis_model::text::generate::{generate, GenerateRequest};
+    use krasis_model::text::sampling::SamplingParams;
     for name in FIXTURE_NAMES {
         let dir = root.join(name);
         let r = load_reference(&dir);

@@ -10,9 +10,9 @@
 //! Without a GPU, or without the GGUF fixtures (`scripts/make-gguf-fixtures.sh`), every test
 //! prints its SKIPPED line and passes; `KRASIS_REQUIRE_GPU=1` / `KRASIS_REQUIRE_FIXTURES=1` fail.
 
+use krasis_model::cpu::load::EngineOptions;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuModel, GpuOptions};
-use krasis_model::load::EngineOptions;
-use krasis_model::quantized::WeightBits;
 use krasis_tests::{fidelity, gguf_fixtures_dir, gpu_fixture, prefill_logits, quant_bound, GpuFixture};
 
 /// KV tokens per session: the fixtures' prompts fit easily.

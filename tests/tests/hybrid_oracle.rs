@@ -11,9 +11,9 @@
 
 use std::path::Path;
 
+use krasis_model::cpu::load::EngineOptions;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, StreamSplit};
-use krasis_model::load::EngineOptions;
-use krasis_model::quantized::WeightBits;
 use krasis_model::runtime::{HandoffStats, PinnedExperts, StreamSlots};
 use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
 
@@ -280,7 +280,7 @@ fn prefill_and_three_steps(m: &GpuModel, r: &krasis_tests::Reference) -> (Vec<f3
 /// half of them, they agree with both devices within the same bar, as a split prefill does.
 fn check_hot(name: &str) {
     use krasis_model::gpu::{CachePlan, CacheStrategy};
-    use krasis_model::heatmap::ExpertHeat;
+    use krasis_model::placement::heatmap::ExpertHeat;
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cpu = cpu_experts(WeightBits::Int4, tmp.path());
@@ -401,7 +401,7 @@ fn cpu_records_at_another_width_stream_the_gpu_cache() {
 /// promises.
 fn check_pool(name: &str) {
     use krasis_model::gpu::{CachePlan, CacheStrategy};
-    use krasis_model::heatmap::ExpertHeat;
+    use krasis_model::placement::heatmap::ExpertHeat;
     let Some(GpuFixture { dir, reference: r, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cpu = cpu_experts(WeightBits::Int4, tmp.path());

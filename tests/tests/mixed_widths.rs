@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
-use krasis_model::engine::experts::{ExpertExecutor, LayerExperts, ReferenceExperts, Routes};
-use krasis_model::files::ModelFiles;
-use krasis_model::precision::LayerBits;
-use krasis_model::quantized::{open_expert_cache_with, CpuQuantExperts};
+use krasis_model::cpu::experts::{ExpertExecutor, LayerExperts, ReferenceExperts, Routes};
+use krasis_model::cpu::quantized::{open_expert_cache_with, CpuQuantExperts};
+use krasis_model::model::weights::WeightLoader;
+use krasis_model::placement::precision::LayerBits;
+use krasis_model::source::files::ModelFiles;
 use krasis_model::synth::{synthesize, Preset, SynthOptions};
-use krasis_model::weights::WeightLoader;
 use krasis_quant::Bits;
 use krasis_tests::rel_l2;
 
@@ -54,7 +54,7 @@ fn mixed_width_cache_runs_each_layer_at_its_widths() {
         routes.push(&[tok % 8, (3 * tok + 1) % 8], &[0.6, 0.4]);
     }
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
-    let tensors = krasis_model::tensors::model_tensors(&spec);
+    let tensors = krasis_model::model::tensors::model_tensors(&spec);
     for (li, &layer) in layers.iter().enumerate() {
         let run = |ex: &CpuQuantExperts| {
             let mut out = vec![0f32; t * h];
@@ -62,7 +62,7 @@ fn mixed_width_cache_runs_each_layer_at_its_widths() {
             out
         };
         let got = run(&mx);
-        let krasis_model::tensors::FfnTensors::Moe { experts, .. } = &tensors.layers[layer].ffn else {
+        let krasis_model::model::tensors::FfnTensors::Moe { experts, .. } = &tensors.layers[layer].ffn else {
             panic!("layer {layer} is not a MoE layer")
         };
         let reference = ReferenceExperts::load(&loader, h, experts).unwrap();

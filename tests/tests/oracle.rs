@@ -1,7 +1,7 @@
 //! The CPU reference engine against the HF transformers float64 oracle, on every fixture:
 //! per-layer hidden states, prefill logits, greedy ids and the logits each was chosen from.
 
-use krasis_model::engine::Model;
+use krasis_model::cpu::Model;
 use krasis_tests::{check_against_reference, fixtures_dir, load_reference, FIXTURE_NAMES};
 
 fn check_fixture(name: &str) -> Vec<String> {

@@ -8,8 +8,8 @@
 mod fidelity_checks;
 
 use fidelity_checks::{check, check_dense, check_int8dense};
-use krasis_model::engine::attention::MlaPrefillMode;
-use krasis_model::quantized::WeightBits;
+use krasis_model::cpu::attention::MlaPrefillMode;
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_tests::{decode_and_prefill_logits, fixtures_dir, load_reference, rel_l2, report_skip, FIXTURE_NAMES};
 
 /// Decode on quantised dense weights (MLA's one-token attention runs W_UK to W_UV in one

@@ -1,7 +1,7 @@
 //! Tokenizer and chat template on a fixture's `tokenizer.json` / `tokenizer_config.json`.
 
-use krasis_model::files::ModelFiles;
-use krasis_model::tokenizer::TextStream;
+use krasis_model::source::files::ModelFiles;
+use krasis_model::text::tokenizer::TextStream;
 use krasis_tests::fixtures_dir;
 
 #[test]
@@ -69,7 +69,7 @@ fn streamed_deltas_never_split_a_character() {
 /// prompt (the server's chat endpoint renders every message this way).
 #[test]
 fn a_conversation_renders_through_the_chat_template() {
-    use krasis_model::tokenizer::ChatMessage;
+    use krasis_model::text::tokenizer::ChatMessage;
     let tmp = tempfile::tempdir().unwrap();
     krasis_tests::tiny_model(tmp.path());
     let codec = ModelFiles::open(tmp.path()).unwrap().text_codec().unwrap();

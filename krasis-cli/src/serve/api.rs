@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::error::ApiError;
 use krasis_model::runtime::stop::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
-use krasis_model::sampling::SamplingParams;
+use krasis_model::text::sampling::SamplingParams;
 
 /// Most messages in one chat request (the body-size limit bounds their text).
 pub const MAX_MESSAGES: usize = 4096;
@@ -194,7 +194,7 @@ impl Common {
 
 impl ChatRequest {
     /// The conversation as the chat template takes it (text parts joined).
-    pub fn conversation(&self) -> Result<Vec<krasis_model::tokenizer::ChatMessage>, ApiError> {
+    pub fn conversation(&self) -> Result<Vec<krasis_model::text::tokenizer::ChatMessage>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param("messages", "messages is empty"));
         }
@@ -223,7 +223,7 @@ impl ChatRequest {
                         text
                     }
                 };
-                Ok(krasis_model::tokenizer::ChatMessage::new(m.role.clone(), content))
+                Ok(krasis_model::text::tokenizer::ChatMessage::new(m.role.clone(), content))
             })
             .collect()
     }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args as ClapArgs;
-use krasis_model::files::ModelFiles;
 use krasis_model::runtime::{cpu_memory_estimate, open_engine, Engine, DEFAULT_CONTEXT_TOKENS};
+use krasis_model::source::files::ModelFiles;
 
 use crate::cmd_generate::RunArgs;
 pub(crate) use krasis_model::runtime::metrics::Metrics;

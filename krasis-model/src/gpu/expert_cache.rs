@@ -11,13 +11,13 @@ use krasis_cache::{open_or_build, CacheHeader, CacheOutcome, ExpertCache, LayerP
 use krasis_gpu::moe::QuantExpertLayout;
 use krasis_quant::{Bits, QuantizedMatrix};
 
-use crate::error::Result;
-use crate::files::ModelFiles;
-use crate::quantized::{
+use crate::cpu::quantized::{
     cache_error, expert_f32, expert_shape, in_cache_dir, progress_bar, quant_err, quantize_expert, show_build,
 };
+use crate::error::Result;
+use crate::model::weights::WeightLoader;
+use crate::source::files::ModelFiles;
 use crate::spec::ModelSpec;
-use crate::weights::WeightLoader;
 
 /// Name of the GPU record layout stored in the header (bump when `krasis_quant::gpu_layout` or
 /// [`krasis_gpu::moe::PackedExpert::to_record`] changes).

@@ -7,8 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::expert_caches::{convert_expert_caches, CacheRequest};
-use crate::precision::LayerBits;
+use crate::placement::precision::LayerBits;
+use crate::runtime::expert_caches::{convert_expert_caches, CacheRequest};
 use crate::synth::{synthesize, Preset, SynthOptions};
 use krasis_quant::cpu_layout::{unpack, unpack_w13, PackedLayout};
 
@@ -44,7 +44,8 @@ fn one_pass_gpu_cache_holds_the_cpu_cache_numbers() {
         let plan = GpuCachePlan::new(&files, gpu_bits, 128, Some(&both)).unwrap();
         let (gpu, outcome) = open_gpu_expert_cache(&files, &plan).unwrap();
         assert_eq!(outcome, CacheOutcome::Hit);
-        let cpu_header = crate::quantized::expected_cache_header(files.spec(), files.fingerprint(), &cpu, 128).unwrap();
+        let cpu_header =
+            crate::cpu::quantized::expected_cache_header(files.spec(), files.fingerprint(), &cpu, 128).unwrap();
         let cpu_cache = krasis_cache::open(&paths[0], &cpu_header, LoadOptions::default()).unwrap();
         let h = cpu_cache.header();
         let (hid, i) = (h.hidden as usize, h.intermediate as usize);

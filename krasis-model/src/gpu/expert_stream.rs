@@ -139,7 +139,7 @@ pub enum StreamRecords {
     GpuCache(Box<ExpertCache>),
     /// The CPU experts' own cache (the one copy in RAM), laid out for the GPU on the device after
     /// each copy ([`krasis_gpu::relayout`]).
-    CpuCache(Arc<crate::quantized::CpuQuantExperts>),
+    CpuCache(Arc<crate::cpu::quantized::CpuQuantExperts>),
 }
 
 /// The streamer's source, with what converting CPU records needs.
@@ -148,7 +148,7 @@ enum Source {
     /// needs one record geometry for every layer; otherwise the four arrays (copies per part).
     Gpu { cache: Box<ExpertCache>, in_place: bool },
     Cpu {
-        experts: Arc<crate::quantized::CpuQuantExperts>,
+        experts: Arc<crate::cpu::quantized::CpuQuantExperts>,
         geometry: krasis_gpu::relayout::CpuRecordGeometry,
         /// Device staging for one slot's CPU records (one copy stream: each staging copy waits
         /// for the conversion that read the previous one by stream order).
@@ -167,7 +167,7 @@ impl Source {
 
 /// The one CPU record geometry of every MoE layer of `experts`, at `bits`, or why there is none.
 fn cpu_record_geometry(
-    experts: &crate::quantized::CpuQuantExperts,
+    experts: &crate::cpu::quantized::CpuQuantExperts,
     bits: Bits,
 ) -> Result<krasis_gpu::relayout::CpuRecordGeometry> {
     let c = experts.cache();

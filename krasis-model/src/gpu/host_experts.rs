@@ -30,7 +30,7 @@ use krasis_gpu::cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
 use krasis_gpu::router::{GpuRouter, PublishTarget};
 use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost};
 
-use crate::engine::experts::{LayerExperts, Routes};
+use crate::cpu::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
 use crate::runtime::HandoffStats;
 

@@ -21,7 +21,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice};
 
 use super::expert_stream::ExpertStreamer;
 use crate::error::{ModelError, Result};
-use crate::heatmap::ExpertHeat;
+use crate::placement::heatmap::ExpertHeat;
 
 /// One MoE layer's pinned experts.
 pub struct HotLayer {

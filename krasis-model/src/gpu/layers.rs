@@ -1,4 +1,4 @@
-//! The GPU engine's ops of the forward walk ([`crate::walk`]): attention (MLA, GQA) and
+//! The GPU engine's ops of the forward walk ([`crate::model::walk`]): attention (MLA, GQA) and
 //! feed-forward (dense MLP, MoE with shared experts; a hybrid MoE layer handed to the CPU on the
 //! stream), each a sequence of krasis-gpu ops over the session's scratch buffers.
 
@@ -12,11 +12,11 @@ use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::placed::Site;
 use super::profile::Part;
 use super::session::{grow, KvRows, StepIo};
-use crate::build::{GqaParts, MlaParts, MoeWeights, WeightKinds};
-use crate::engine::experts::LayerExperts;
+use crate::cpu::experts::LayerExperts;
 use crate::error::{ModelError, Result};
+use crate::model::build::{GqaParts, MlaParts, MoeWeights, WeightKinds};
+use crate::model::walk::{LayerOps, NextMoe, NormAt};
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
-use crate::walk::{LayerOps, NextMoe, NormAt};
 
 /// The types the GPU engine holds its weights in (every dense part in VRAM; the routed experts
 /// resident, or on the host behind a CPU backend).

@@ -24,18 +24,18 @@ use super::expert_stream::{ExpertStreamer, StreamRecords};
 use super::host_experts::ExpertServer;
 use super::layers::{kv_geometry, GpuExpertBackend, GpuKinds, GpuKvB, GpuMlp};
 use super::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, KV_RESERVE_BYTES};
-use crate::build::{build, LinearClass, WeightBuilder};
-use crate::engine::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
+use crate::cpu::experts::{ExecutorLayer, ExpertExecutor, LateExecutor, ReferenceExperts};
+use crate::cpu::load::{open_cpu_experts, start_pool, EngineOptions};
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::linear::{DenseLinear, LinearOp};
-use crate::load::{open_cpu_experts, start_pool, EngineOptions};
-use crate::precision::expert_width_rule;
-use crate::rope::RotaryTables;
+use crate::model::build::{build, LinearClass, WeightBuilder};
+use crate::model::linear::{DenseLinear, LinearOp};
+use crate::model::rope::RotaryTables;
+use crate::model::tensors::{MlpTensors, TensorSpec};
+use crate::model::weights::WeightLoader;
+use crate::placement::precision::expert_width_rule;
+use crate::source::files::ModelFiles;
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, RoutingRule};
-use crate::tensors::{MlpTensors, TensorSpec};
-use crate::weights::WeightLoader;
 
 /// A matrix's elements as BF16 bits (zero-copy when the source is BF16).
 fn bf16_bits(l: &DenseLinear) -> Cow<'_, [u16]> {
@@ -65,7 +65,7 @@ pub const MIN_USEFUL_KV_TOKENS: usize = 4096;
 /// a scale per row where a `--*-quant int8` flag asks), routers in f32, MLA's BF16 `kv_b` copy
 /// for the absorbed decode, [`MIN_USEFUL_KV_TOKENS`] of KV cache and the activation reserve.
 pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
-    use crate::tensors::{expected_tensors, TensorRole};
+    use crate::model::tensors::{expected_tensors, TensorRole};
     let int8 = |q: krasis_gpu::linear::LinearQuant| q == krasis_gpu::linear::LinearQuant::Int8;
     let mut bytes = 0u64;
     for t in expected_tensors(spec) {
@@ -274,7 +274,7 @@ impl WeightBuilder for GpuBuilder<'_> {
             ExpertPlacement::Gpu => {}
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
-        let name = format!("{}.mlp.experts", crate::tensors::layer_prefix(layer));
+        let name = format!("{}.mlp.experts", crate::model::tensors::layer_prefix(layer));
         if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
             return Ok(GpuExpertBackend::Resident(Box::new(self.cached_experts(cache, &name, layer, h, inter, bits)?)));
         }
@@ -479,7 +479,7 @@ impl GpuModel {
         let moe: Vec<usize> = self.spec.moe_layers().collect();
         let heat = match (&plan.heatmap, strategy) {
             (Some(h), _) if strategy.needs_heatmap() => {
-                Some(crate::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?)
+                Some(crate::placement::heatmap::ExpertHeat::load(h, self.spec.num_layers, n)?)
             }
             // Pins without a recorded heatmap spread evenly over the layers.
             (None, CacheStrategy::HotCachedStatic) => {
@@ -488,7 +488,7 @@ impl GpuModel {
                     "hot_cached_static: no heatmap recorded for this model; pinning experts evenly over the layers"
                         .into(),
                 );
-                Some(crate::heatmap::ExpertHeat::even(self.spec.num_layers, n, k))
+                Some(crate::placement::heatmap::ExpertHeat::even(self.spec.num_layers, n, k))
             }
             (None, _) if strategy.needs_heatmap() => {
                 return Err(ModelError::Invalid(format!("{what} needs a heatmap")))

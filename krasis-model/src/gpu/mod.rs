@@ -3,7 +3,7 @@
 //! BF16 or FP8, and a forward pass that never waits for the device except to read back the sampled
 //! token.
 //!
-//! The layer math mirrors the CPU reference engine (`crate::engine`) op for op; activations and the
+//! The layer math mirrors the CPU reference engine (`crate::cpu`) op for op; activations and the
 //! residual stream stay f32 between ops, matrix inputs are rounded to BF16 at each GEMM (as
 //! transformers' BF16 run does). MLA runs in two forms: prefill expands the latent cache into
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
@@ -14,7 +14,6 @@ pub mod expert_pool;
 pub mod expert_stream;
 mod host_experts;
 pub mod hot_experts;
-pub mod hybrid;
 mod layers;
 mod load;
 mod placed;
@@ -32,13 +31,13 @@ use self::layers::GpuKinds;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
 use self::session::{KvRows, StepIo};
-use crate::build::Weights;
 use crate::error::{ModelError, Result};
-use crate::generate::{Decoder, DecoderStep};
+use crate::model::build::Weights;
 pub use crate::placement::{
     CachePlan, CacheStrategy, StreamFrom, StreamSplit, HOT_MIN_KV_TOKENS, HOT_PREFILL_RESERVE_BYTES,
 };
-use crate::sampling::Sampler;
+use crate::text::generate::{Decoder, DecoderStep};
+use crate::text::sampling::Sampler;
 use crate::ModelSpec;
 
 /// `--device gpu` settings.
@@ -382,7 +381,7 @@ impl GpuModel {
             // Every layer and the final norm (adding the last FFN output), then the LM head over
             // the requested rows and the caller's tail (sampling), given the number of logit rows.
             let mut step = layers::GpuStep { c: &ctx, s: &mut *io, host: staging };
-            crate::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
+            crate::model::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
             let sc = &mut *io.scratch;
             sc.ensure_logits(&self.dev, logit_rows * v)?;
             let first = t - logit_rows;

@@ -278,7 +278,7 @@ mod tests {
     #[test]
     fn v2_lite_scratch_estimate() {
         let config = crate::synth::preset_config(crate::synth::Preset::V2Lite, None).to_string();
-        let spec = crate::config::parse_config(&config, std::path::Path::new("config.json")).unwrap();
+        let spec = crate::arch::parse_config(&config, std::path::Path::new("config.json")).unwrap();
         let c = ScratchCost::of(&spec, false);
         // The dense layer's gate+up (2 × 10944 f32) dominates a token's scratch; the expanded
         // keys and values (16 heads × 256, BF16) a context token's.

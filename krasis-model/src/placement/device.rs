@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use krasis_core::budget::format_bytes;
 
+use crate::cpu::quantized::WeightBits;
 use crate::error::{ModelError, Result};
-use crate::quantized::WeightBits;
 use crate::runtime::{DevicePath, DevicePolicy, EngineConfig};
 use crate::ModelSpec;
 
@@ -39,7 +39,7 @@ pub struct DeviceChoice {
 }
 
 /// Chooses the engine for `config` (its CPU expert width already resolved, see
-/// [`crate::precision::resolve_expert_bits`]; `cpu_asked`: the caller named one). `heatmap`: the
+/// [`crate::placement::precision::resolve_expert_bits`]; `cpu_asked`: the caller named one). `heatmap`: the
 /// routes recorded beside the caches, which rank the pinned experts of a hybrid engine.
 pub fn choose_device(
     spec: &ModelSpec,
@@ -143,7 +143,7 @@ fn check_options(config: &EngineConfig) -> Result<()> {
     }
     if config.device == DevicePolicy::Hybrid
         && config.gpu.expert_bits.is_some()
-        && crate::precision::expert_width_rule(config.cpu.expert_bits).is_none()
+        && crate::placement::precision::expert_width_rule(config.cpu.expert_bits).is_none()
     {
         return Err(ModelError::Invalid(
             "`DevicePolicy::Hybrid` with `EngineConfig::gpu_expert_width` streams the routed experts to the GPU for long prefills while the CPU decodes from its expert cache: give `EngineOptions::expert_bits` 4|8 too".into(),
@@ -160,11 +160,11 @@ fn check_options(config: &EngineConfig) -> Result<()> {
 }
 
 /// The whole-model GPU engine's defaults on top of `config`: the routed experts resident at
-/// [`crate::precision::default_gpu_expert_bits`] unless a GPU width was given.
+/// [`crate::placement::precision::default_gpu_expert_bits`] unless a GPU width was given.
 pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConfig {
     let mut cfg = config.clone();
     if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
-        cfg.gpu.expert_bits = Some(crate::precision::default_gpu_expert_bits(spec));
+        cfg.gpu.expert_bits = Some(crate::placement::precision::default_gpu_expert_bits(spec));
     }
     cfg
 }
@@ -176,7 +176,7 @@ pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConf
 pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<PathBuf>) -> EngineConfig {
     let mut cfg = config.clone();
     if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
-        cfg.gpu.expert_bits = crate::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
+        cfg.gpu.expert_bits = crate::placement::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
     }
     if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
         cfg.gpu.cache = Some(super::CachePlan { strategy: super::CacheStrategy::HotCachedStatic, heatmap, vram: None });
@@ -197,7 +197,7 @@ pub fn gpu_width_name(bits: Option<krasis_quant::Bits>) -> &'static str {
 fn cpu_width_name(spec: &ModelSpec, bits: WeightBits) -> String {
     match bits {
         WeightBits::Int8 => "INT8".to_string(),
-        WeightBits::Auto => crate::precision::describe_expert_bits(spec, WeightBits::Auto),
+        WeightBits::Auto => crate::placement::precision::describe_expert_bits(spec, WeightBits::Auto),
         WeightBits::Bf16 => "BF16 (reference)".to_string(),
         WeightBits::Int4 => "INT4".to_string(),
     }
@@ -210,7 +210,7 @@ mod tests {
 
     fn spec() -> ModelSpec {
         let text = preset_config(Preset::Tiny, None).to_string();
-        crate::config::parse_config(&text, std::path::Path::new("config.json")).unwrap()
+        crate::arch::parse_config(&text, std::path::Path::new("config.json")).unwrap()
     }
 
     fn config(device: DevicePolicy) -> EngineConfig {

@@ -9,7 +9,9 @@
 //! - [`tune`]: the choice a tuning run measured and saved, which the `auto` policy takes.
 
 pub mod device;
+pub mod heatmap;
 pub mod plan;
+pub mod precision;
 pub mod strategy;
 pub mod tune;
 

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::{CachePlan, CacheStrategy};
+use crate::cpu::quantized::WeightBits;
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::quantized::WeightBits;
 use crate::runtime::{DevicePolicy, EngineConfig};
+use crate::source::files::ModelFiles;
 
 fn invalid(msg: String) -> ModelError {
     ModelError::Invalid(msg)
@@ -94,7 +94,7 @@ pub fn choose(rows: &[Row]) -> Option<&Row> {
 /// when `heatmap` is given, `chunked` when `pin_vram` sizes its slots (without it, chunked
 /// streams whole layers: `layer_grouped`). `gpu_bits`: the GPU strategies' expert width (4 or 8);
 /// `cpu_bits`: the CPU experts' width asked for (`auto`: the default,
-/// [`crate::precision::resolve_expert_bits`]).
+/// [`crate::placement::precision::resolve_expert_bits`]).
 pub fn candidates(
     spec: &crate::ModelSpec,
     gpu_bits: u8,
@@ -105,7 +105,7 @@ pub fn candidates(
     if spec.moe.is_none() {
         return Err(invalid("the model has no routed experts: there is no expert strategy to tune".into()));
     }
-    let cpu_bits = crate::precision::resolve_expert_bits(spec, cpu_bits).flag_value();
+    let cpu_bits = crate::placement::precision::resolve_expert_bits(spec, cpu_bits).flag_value();
     let s = |name: &str, device: &str, gpu_bits: Option<u8>| Strategy {
         name: name.into(),
         device: device.into(),
@@ -313,7 +313,7 @@ mod tests {
     #[test]
     fn the_candidates_follow_the_heatmap_and_the_pin_vram() {
         let text = crate::synth::preset_config(crate::synth::Preset::Tiny, None).to_string();
-        let spec = crate::config::parse_config(&text, Path::new("config.json")).unwrap();
+        let spec = crate::arch::parse_config(&text, Path::new("config.json")).unwrap();
         let names = |v: Vec<Strategy>| v.into_iter().map(|s| s.name).collect::<Vec<_>>();
         let plain = candidates(&spec, 4, WeightBits::Auto, None, None).unwrap();
         assert_eq!(plain[1].cpu_expert_bits, "4", "safetensors auto: INT4 CPU experts");

@@ -5,8 +5,8 @@ use std::any::Any;
 
 use super::{DevicePath, Engine, EngineSession, EngineStats, SequenceStep, StepOutput};
 use crate::error::{ModelError, Result};
-use crate::generate::{Decoder, DecoderStep};
 use crate::spec::ModelSpec;
+use crate::text::generate::{Decoder, DecoderStep};
 
 /// What a [`Decoder`] tells the Engine API beyond running tokens. Everything but the device and
 /// the description is optional.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 /// Cancels a generation from anywhere (another thread, a client disconnect): the generation
 /// loop checks it between steps and stops without an error, reporting
-/// [`StopReason::Cancelled`](crate::generate::StopReason::Cancelled). Clones share the flag.
+/// [`StopReason::Cancelled`](crate::text::generate::StopReason::Cancelled). Clones share the flag.
 #[derive(Clone, Debug, Default)]
 pub struct CancelToken(Arc<AtomicBool>);
 

@@ -1,8 +1,8 @@
 //! What an engine is opened with: the device policy, the CPU and GPU options and the budgets.
 
+use crate::cpu::load::EngineOptions;
+use crate::cpu::quantized::WeightBits;
 use crate::gpu::GpuOptions;
-use crate::load::EngineOptions;
-use crate::quantized::WeightBits;
 
 /// Where the model should run (`--device`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub struct EngineConfig {
     pub gpu: GpuOptions,
     /// The routed experts' width on the GPU paths: the whole-model GPU's resident experts, and
     /// the width a hybrid prefill streams them at.
-    /// - [`WeightBits::Auto`]: the default ([`crate::precision::default_gpu_expert_bits`]; hybrid:
+    /// - [`WeightBits::Auto`]: the default ([`crate::placement::precision::default_gpu_expert_bits`]; hybrid:
     ///   the CPU experts' width), unless [`GpuOptions::expert_bits`] is set, which is then taken
     ///   as asked.
     /// - [`WeightBits::Bf16`]: BF16 resident experts; a hybrid prefill keeps the experts on the

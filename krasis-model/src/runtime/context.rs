@@ -1,5 +1,5 @@
 //! Context limits: how many tokens (prompt plus generated) one request may hold on an engine,
-//! and the check that `krasis generate`, the server and [`crate::generate::generate_with`] all
+//! and the check that `krasis generate`, the server and [`crate::text::generate::generate_with`] all
 //! make before running a request.
 
 use super::Engine;

@@ -1,12 +1,12 @@
 //! The Engine API: one object-safe [`Engine`] that the CLI, the benchmarks and the server drive,
 //! whatever runs underneath (the CPU engine, the whole model on the GPU, later the hybrid).
 //!
-//! - [`open_engine`] takes the opened [`ModelFiles`](crate::files::ModelFiles) and an
+//! - [`open_engine`] takes the opened [`ModelFiles`](crate::source::files::ModelFiles) and an
 //!   [`EngineConfig`] (device policy, precisions, budgets) and returns the engine with a log and
 //!   one line saying which device path was chosen and why.
 //! - An engine makes [`EngineSession`]s (a conversation's KV cache and position) and advances
 //!   several of them in one batch-shaped [`Engine::step`], each with its own tokens and sampler.
-//! - [`crate::generate::generate_with`] runs prefill + decode over one session with a
+//! - [`crate::text::generate::generate_with`] runs prefill + decode over one session with a
 //!   [`CancelToken`] and a token callback that may stop generation without an error.
 //! - [`context_limit`] and [`check_context`]: how many tokens one request may hold, and the
 //!   check every front end makes before running one.
@@ -15,6 +15,7 @@ mod adapter;
 mod cancel;
 mod config;
 mod context;
+pub mod expert_caches;
 pub mod metrics;
 mod open;
 pub mod scheduler;
@@ -28,15 +29,14 @@ pub use self::adapter::{DecoderEngine, EngineDecoder};
 pub use self::cancel::CancelToken;
 pub use self::config::{DevicePath, DevicePolicy, EngineConfig, DEFAULT_CONTEXT_TOKENS};
 pub use self::context::{check_context, context_limit, spec_context_limit, ContextExceeded};
-pub(crate) use self::open::{check_ram, device_line};
 pub use self::open::{
     cpu_memory_estimate, default_heatmap_path, device_choice, open_cpu, open_engine, open_gpu, Opened,
 };
 pub use self::stats::{EngineStats, ExpertPoolSize, ForwardBreakdown, HandoffStats, PinnedExperts, StreamSlots};
 
 use crate::error::{ModelError, Result};
-use crate::sampling::Sampler;
 use crate::spec::ModelSpec;
+use crate::text::sampling::Sampler;
 
 /// One conversation's state inside an engine: its KV cache and how many positions it holds.
 /// A session belongs to the engine that made it; engines downcast it (through [`Any`]) in
@@ -119,7 +119,7 @@ pub trait Engine: Send + Sync {
     /// run on: take the difference of two readings.
     fn reset_stats(&self, session: Option<&mut dyn EngineSession>);
     /// How many (token, slot) routes each routed expert got so far, `[layers × experts]`
-    /// (`crate::heatmap`), when the engine was opened with [`EngineConfig::record_heatmap`];
+    /// (`crate::placement::heatmap`), when the engine was opened with [`EngineConfig::record_heatmap`];
     /// `None` otherwise. GPU engines read the counts back from the device (a synchronisation).
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(None)

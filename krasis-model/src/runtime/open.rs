@@ -1,6 +1,6 @@
 //! [`open_engine`]: probes the GPU, asks the device choice ([`crate::placement::choose_device`])
 //! which engine to open and with which defaults, and opens it. The choice's rules, and the
-//! defaults a caller gets by asking for nothing, live there and in [`crate::precision`]:
+//! defaults a caller gets by asking for nothing, live there and in [`crate::placement::precision`]:
 //! - CPU experts: INT4 on safetensors (per projection on a GGUF); CPU dense weights: INT8 on the
 //!   CPU path. Both are built into the caches on first use; `bf16` asks for the reference path.
 //! - GPU experts ([`EngineConfig::gpu_expert_width`] `Auto`): the source's width when it is
@@ -17,13 +17,13 @@
 use krasis_core::budget::{check_ram_budget, format_bytes, rss_deviation_warning};
 
 use super::{DecoderEngine, DevicePath, DevicePolicy, Engine, EngineConfig};
+use crate::cpu::load::load_model;
+use crate::cpu::memory::{cpu_estimate, estimate, MemoryEstimate};
+use crate::cpu::quantized::WeightBits;
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
 use crate::gpu::GpuModel;
-use crate::load::load_model;
-use crate::memory::{cpu_estimate, MemoryEstimate};
 use crate::placement::GpuFound;
-use crate::quantized::WeightBits;
+use crate::source::files::ModelFiles;
 
 /// An opened engine and what opening it did.
 pub struct Opened {
@@ -77,24 +77,24 @@ pub fn cpu_memory_estimate(files: &ModelFiles, config: &EngineConfig) -> MemoryE
 }
 
 /// The `device: <path> (<why>)` line of [`Opened::why`].
-pub(crate) fn device_line(path: DevicePath, why: &str) -> String {
+fn device_line(path: DevicePath, why: &str) -> String {
     format!("device: {path} ({why})")
 }
 
 /// Opens `files` as `config` asks: the device choice ([`crate::placement::choose_device`]) on
 /// what the GPU probe finds, then the engine it names. The CPU expert width `auto` is resolved
-/// first ([`crate::precision::resolve_expert_bits`]). A whole-model load that `auto` chose and
+/// first ([`crate::placement::precision::resolve_expert_bits`]). A whole-model load that `auto` chose and
 /// the GPU refuses falls back to hybrid.
 pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> {
     let choice = device_choice(files, config)?;
     let notes = choice.notes.clone();
     let mut opened = match choice.path {
         DevicePath::Cpu => open_cpu(files, &choice.config, &choice.why),
-        DevicePath::Hybrid => crate::gpu::hybrid::open_hybrid(files, &choice.config, &choice.why),
+        DevicePath::Hybrid => open_hybrid(files, &choice.config, &choice.why),
         DevicePath::Gpu => match (open_gpu(files, &choice.config, &choice.why), choice.hybrid_fallback) {
             (Err(ModelError::Gpu(e)), Some(fallback)) => {
                 let why = format!("{} ({e})", fallback.why);
-                crate::gpu::hybrid::open_hybrid(files, &fallback.config, &why)
+                open_hybrid(files, &fallback.config, &why)
             }
             (opened, _) => opened,
         },
@@ -117,10 +117,10 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
     // A CPU expert width other than `auto` is the caller's choice (auto then keeps the experts on
     // the CPU); `auto` resolves to the default here.
     let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
-    resolved.cpu.expert_bits = crate::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
+    resolved.cpu.expert_bits = crate::placement::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     // `auto` leaves the width to the device's defaults; `bf16` is `None` (BF16 experts).
     if config.gpu_expert_width != WeightBits::Auto {
-        resolved.gpu.expert_bits = crate::precision::quant_width(config.gpu_expert_width);
+        resolved.gpu.expert_bits = crate::placement::precision::quant_width(config.gpu_expert_width);
     }
     let ordinal = config.gpu.ordinal;
     let gpu = match (config.device, krasis_gpu::probe_ordinal(ordinal)) {
@@ -148,7 +148,7 @@ fn recorded_heatmap(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> 
         return None;
     }
     let (layers, experts) = (files.spec().num_layers, files.spec().routed_experts());
-    match crate::heatmap::ExpertHeat::load(&path, layers, experts) {
+    match crate::placement::heatmap::ExpertHeat::load(&path, layers, experts) {
         Ok(_) => Some(path),
         Err(e) => {
             tracing::warn!("{e}; pinning experts evenly over the layers instead");
@@ -165,11 +165,11 @@ pub(crate) fn hybrid_defaults(files: &ModelFiles, config: &EngineConfig) -> Engi
     crate::placement::device::hybrid_defaults(files.spec(), config, heatmap)
 }
 
-/// Where the model's recorded heatmap lives: [`crate::heatmap::DEFAULT_HEATMAP_FILE`] in its cache
+/// Where the model's recorded heatmap lives: [`crate::placement::heatmap::DEFAULT_HEATMAP_FILE`] in its cache
 /// directory (`cache_dir` when given).
 pub fn default_heatmap_path(files: &ModelFiles, cache_dir: Option<&std::path::Path>) -> std::path::PathBuf {
     let dir = cache_dir.map(std::path::Path::to_path_buf).unwrap_or_else(|| files.default_cache_dir());
-    dir.join(crate::heatmap::DEFAULT_HEATMAP_FILE)
+    dir.join(crate::placement::heatmap::DEFAULT_HEATMAP_FILE)
 }
 
 /// The CPU engine, after checking the RAM estimate (refused above the budget unless
@@ -178,7 +178,7 @@ pub fn default_heatmap_path(files: &ModelFiles, cache_dir: Option<&std::path::Pa
 /// option means the same on every device.
 pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
     let mut resolved = config.clone();
-    resolved.cpu.dense_bits = crate::precision::resolve_dense_bits(config.cpu.dense_bits);
+    resolved.cpu.dense_bits = crate::placement::precision::resolve_dense_bits(config.cpu.dense_bits);
     let config = &resolved;
     let est = cpu_memory_estimate(files, config).total(config.context_tokens);
     let warnings = check_ram(est, config)?;
@@ -203,7 +203,7 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
 
 /// Refuses (unless `config.force`) when `estimate` bytes exceed the RAM budget; the warnings to
 /// show otherwise.
-pub(crate) fn check_ram(estimate: u64, config: &EngineConfig) -> Result<Vec<String>> {
+fn check_ram(estimate: u64, config: &EngineConfig) -> Result<Vec<String>> {
     let mem_total = krasis_core::hw::probe().mem_total_bytes;
     let warning =
         check_ram_budget(estimate, mem_total, config.force).map_err(|e| ModelError::Invalid(e.to_string()))?;
@@ -224,6 +224,45 @@ pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
         log,
         warnings: Vec::new(),
         why: device_line(DevicePath::Gpu, why),
+        placement,
+        memory_estimate: None,
+        check_rss: false,
+    })
+}
+
+/// Opens the hybrid engine on GPU `config.gpu.ordinal`, after checking the host RAM the routed
+/// experts take against the budget. `why` goes into the device line.
+pub(crate) fn open_hybrid(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<Opened> {
+    let mut host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
+    // Prefill streaming from the GPU expert cache keeps it in RAM beside the CPU one (streaming
+    // the CPU cache's own records adds nothing).
+    if let Some(bits) = config.gpu.expert_bits.filter(|_| config.gpu.stream_from == crate::gpu::StreamFrom::GpuCache) {
+        let (h, _) = crate::gpu::expert_cache::expected_gpu_cache_header(
+            files.spec(),
+            files.fingerprint(),
+            bits,
+            config.gpu.expert_group_size,
+        )?;
+        host_bytes += krasis_cache::format::records_bytes(&h).unwrap_or(0);
+    }
+    let warnings = check_ram(host_bytes, config)?;
+    let mut model = GpuModel::hybrid_from_files(files, &config.gpu, &config.cpu)?;
+    model.warm_up()?;
+    if config.record_heatmap {
+        model.record_heatmap()?;
+    }
+    let log = std::mem::take(&mut model.log);
+    let placement = model.placement_lines(why);
+    let expert_bytes = model.host_expert_bytes;
+    let mut engine = DecoderEngine::new(model);
+    if let Some(b) = expert_bytes {
+        engine = engine.with_expert_bytes(b);
+    }
+    Ok(Opened {
+        engine: Box::new(engine),
+        log,
+        warnings,
+        why: device_line(DevicePath::Hybrid, why),
         placement,
         memory_estimate: None,
         check_rss: false,

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Engine, EngineSession, SequenceStep};
-use crate::sampling::{Sampler, SamplingParams};
-use crate::tokenizer::{TextCodec, TextStream};
+use crate::text::sampling::{Sampler, SamplingParams};
+use crate::text::tokenizer::{TextCodec, TextStream};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;

@@ -1,7 +1,7 @@
 //! The CPU and GPU engines' decoders and sessions as seen by the Engine API.
 
 use super::{DevicePath, EngineDecoder, EngineSession, EngineStats};
-use crate::engine::{Model, Session};
+use crate::cpu::{Model, Session};
 use crate::error::Result;
 use crate::gpu::{GpuModel, GpuSession};
 

@@ -5,12 +5,12 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::engine::Model;
-use crate::files::ModelFiles;
-use crate::generate::{generate, generate_with, Decoder, GenerateRequest, StopReason};
-use crate::sampling::SamplingParams;
+use crate::cpu::Model;
+use crate::source::files::ModelFiles;
 use crate::spec::WeightBits;
 use crate::synth::{synthesize, Preset, SynthOptions};
+use crate::text::generate::{generate, generate_with, Decoder, GenerateRequest, StopReason};
+use crate::text::sampling::SamplingParams;
 
 fn tiny(dir: &Path) -> PathBuf {
     let out = dir.join("tiny");
@@ -125,7 +125,7 @@ fn a_batch_step_of_two_sequences_equals_each_alone() {
 /// those it gets alone, so a server's concurrent streams equal their solo runs.
 #[test]
 fn staggered_sequences_in_one_batch_equal_each_alone_reference_and_int4() {
-    use crate::quantized::WeightBits;
+    use crate::cpu::quantized::WeightBits;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny(tmp.path());
     for bits in [WeightBits::Bf16, WeightBits::Int4] {
@@ -327,7 +327,7 @@ fn heatmap_counts_every_route_on_each_device() {
         let want = if spec.layers[l] == krasis_core::spec::FfnKind::Moe { tokens * k as u64 } else { 0 };
         assert_eq!(row.iter().sum::<u64>(), want, "CPU layer {l}: {row:?}");
     }
-    let heat = crate::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, e, k, &cpu);
+    let heat = crate::placement::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, e, k, &cpu);
     assert_eq!(heat.tokens, tokens);
     let plain = open_engine(&files, &cpu_config()).unwrap();
     assert_eq!(plain.engine.expert_counts().unwrap(), None);
@@ -404,12 +404,12 @@ fn hybrid_pins_by_the_heatmap_beside_the_caches_and_pass_over_a_damaged_one() {
     config.cpu.expert_bits = WeightBits::Int4;
     let plan = |c: &EngineConfig| super::open::hybrid_defaults(&files, c).gpu.cache.expect("default pins");
     assert_eq!(plan(&config).heatmap, None, "no heatmap recorded: pins spread evenly");
-    let path = cache.join(crate::heatmap::DEFAULT_HEATMAP_FILE);
+    let path = cache.join(crate::placement::heatmap::DEFAULT_HEATMAP_FILE);
     std::fs::write(&path, b"{ not a heatmap").unwrap();
     assert_eq!(plan(&config).heatmap, None, "a damaged heatmap is passed over");
     let spec = files.spec();
     let (n, k) = (spec.routed_experts(), spec.moe.as_ref().unwrap().routing.top_k);
-    crate::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, n, k, &vec![1; spec.num_layers * n])
+    crate::placement::heatmap::ExpertHeat::from_counts("tiny", spec.num_layers, n, k, &vec![1; spec.num_layers * n])
         .save(&path)
         .unwrap();
     let p = plan(&config);
@@ -477,7 +477,7 @@ fn two_cpu_engines_in_one_process_each_run_on_their_own_pool() {
 
     use krasis_cpu::pool::{PoolPlan, WorkerPool};
 
-    use crate::engine::Logits;
+    use crate::cpu::Logits;
 
     let tmp = tempfile::tempdir().unwrap();
     let dir = tiny(tmp.path());

@@ -1,6 +1,7 @@
 //! Weight sources: canonical tensor names → typed views. Implemented by the safetensors
 //! directory and by GGUF files; the loader above never knows which one it talks to.
 
+pub mod files;
 pub mod gguf;
 mod safetensors;
 

@@ -30,8 +30,8 @@
 
 use std::sync::Arc;
 
+use crate::model::tensors::{TensorRole, TensorSpec};
 use crate::spec::{ModelSpec, TopkMethod};
-use crate::tensors::{TensorRole, TensorSpec};
 
 /// Elements per generated chunk (2 MiB of BF16). Part of the format of the random stream:
 /// changing it changes the weights of every seed.
@@ -281,7 +281,7 @@ pub(crate) fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
 }
 
-/// Recipes for every tensor of `inventory` (the [`crate::tensors::expected_tensors`] list).
+/// Recipes for every tensor of `inventory` (the [`crate::model::tensors::expected_tensors`] list).
 pub(crate) fn plan_tensors(spec: &ModelSpec, inventory: Vec<TensorSpec>, seed: u64, skew: f32) -> Vec<SynthTensor> {
     let h = spec.hidden_size;
     let noaux = spec.moe.as_ref().is_some_and(|m| matches!(m.routing.topk, TopkMethod::NoauxTc { .. }));

@@ -26,10 +26,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
 pub use self::presets::{preset_config, Preset};
-use crate::config::parse_config;
+use crate::arch::parse_config;
 use crate::error::{ModelError, Result};
+use crate::model::tensors::expected_tensors;
 use crate::spec::SourceQuant;
-use crate::tensors::expected_tensors;
 
 /// A new shard starts at the next layer boundary once the current one holds this many bytes.
 pub const SHARD_BYTES: u64 = 2 << 30;

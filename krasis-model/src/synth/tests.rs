@@ -10,13 +10,13 @@ use serde_json::Value;
 use super::init::{expert_preferences, layer_of, CHUNK_ELEMS};
 use super::tokenizer::{tokenizer_json, BASE_VOCAB};
 use super::*;
-use crate::config::parse_config;
-use crate::engine::{Logits, Model};
+use crate::arch::parse_config;
+use crate::cpu::{Logits, Model};
 use crate::error::Result;
-use crate::files::ModelFiles;
+use crate::model::tensors::{param_counts, TensorSpec};
+use crate::source::files::ModelFiles;
 use crate::source::{SharedBytes, StoredTensor, WeightSource};
 use crate::spec::ModelSpec;
-use crate::tensors::{param_counts, TensorSpec};
 
 fn tiny_config() -> Value {
     preset_config(Preset::Tiny, None)
@@ -495,10 +495,10 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
     let zeros = MmapOptions::new().len(64 << 20).map_anon().unwrap().make_read_only().unwrap();
     let source = ZeroExperts {
         inner: Arc::clone(files.source()),
-        prefix: crate::tensors::layer_prefix(layer),
+        prefix: crate::model::tensors::layer_prefix(layer),
         zeros: Arc::new(zeros),
     };
-    let model = Model::from_source(spec.clone(), &source, &crate::engine::reference_dense, None).unwrap();
+    let model = Model::from_source(spec.clone(), &source, &crate::cpu::reference_dense, None).unwrap();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(42);
     let tokens: Vec<u32> = (0..t).map(|_| rng.random_range(2..spec.vocab_size as u32)).collect();
     let mut after: Vec<f32> = Vec::new();
@@ -510,7 +510,7 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
     let mut session = model.new_session();
     model.forward(&mut session, &tokens, Logits::Last, Some(&mut observe)).unwrap();
 
-    let p = crate::tensors::layer_prefix(layer);
+    let p = crate::model::tensors::layer_prefix(layer);
     let tensor = |name: String| source.inner.tensor(&name).unwrap().view().to_f32_vec().unwrap();
     let norm = tensor(format!("{p}.post_attention_layernorm.weight"));
     let router = tensor(format!("{p}.mlp.gate.weight"));
@@ -525,7 +525,7 @@ fn first_moe_layer_choices(dir: &Path, t: usize) -> Vec<usize> {
         let rms = (row.iter().map(|x| x * x).sum::<f32>() / h as f32 + spec.rms_norm_eps).sqrt();
         let xn: Vec<f32> = row.iter().zip(&norm).map(|(x, w)| x / rms * w).collect();
         let logits: Vec<f32> = router.chunks_exact(h).map(|w| w.iter().zip(&xn).map(|(a, b)| a * b).sum()).collect();
-        let (ids, _) = crate::router::route(&moe.routing, &logits, bias.as_deref());
+        let (ids, _) = crate::model::router::route(&moe.routing, &logits, bias.as_deref());
         for id in ids {
             counts[id] += 1;
         }

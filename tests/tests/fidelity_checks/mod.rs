@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use krasis_model::quantized::WeightBits;
-use krasis_model::sampling::argmax;
+use krasis_model::cpu::quantized::WeightBits;
+use krasis_model::text::sampling::argmax;
 use krasis_tests::{fidelity, fixtures_dir, load_reference, prefill_logits, quant_bound};
 
 pub fn prefill(dir: &Path, experts: WeightBits, dense: WeightBits, cache: &Path) -> Vec<f32> {

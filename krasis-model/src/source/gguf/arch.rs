@@ -1,5 +1,5 @@
 //! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`) → [`ModelSpec`],
-//! and llama.cpp's tensor names → the canonical (HF) names of [`crate::tensors`].
+//! and llama.cpp's tensor names → the canonical (HF) names of [`crate::model::tensors`].
 //!
 //! The metadata is turned into the `config.json` object transformers would read and handed to
 //! the one config parser, so a GGUF model gets exactly the defaults and checks of its hub twin.
@@ -20,10 +20,10 @@ use serde_json::{json, Map, Value as Json};
 use krasis_quant::ggml::GgmlType;
 
 use super::{gguf_err, GgufModel};
-use crate::config::parse_config;
+use crate::arch::parse_config;
 use crate::error::{ModelError, Result};
+use crate::model::tensors::{model_tensors, AttentionTensors, FfnTensors, MlpTensors, QueryTensors, TensorSpec};
 use crate::spec::ModelSpec;
-use crate::tensors::{model_tensors, AttentionTensors, FfnTensors, MlpTensors, QueryTensors, TensorSpec};
 
 /// Where a canonical tensor's values are in the GGUF.
 #[derive(Clone, Debug, PartialEq)]
@@ -411,7 +411,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
 }
 
 /// The stored types of the routed experts' projections (gate, up, down) per MoE layer (the
-/// precision each suggests is `crate::precision`'s rule).
+/// precision each suggests is `crate::placement::precision`'s rule).
 pub fn expert_source_types(m: &GgufModel, spec: &ModelSpec) -> Vec<(usize, [GgmlType; 3])> {
     spec.moe_layers()
         .filter_map(|l| {

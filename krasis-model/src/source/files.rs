@@ -7,12 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::config::load_config;
+use crate::arch::load_config;
 use crate::error::{ModelError, Result};
 use crate::source::gguf::{spec_from_gguf, GgufModel, GgufSource};
 use crate::source::{fnv1a, SafetensorsDir, WeightSource};
 use crate::spec::ModelSpec;
-use crate::tokenizer::TextCodec;
+use crate::text::tokenizer::TextCodec;
 
 /// A model on disk, opened: its spec, its weights and (lazily) its tokenizer.
 pub struct ModelFiles {

@@ -1,5 +1,5 @@
 //! Quantised CPU weights: the routed experts from the on-disk expert cache, and dense matrices
-//! (`--cpu-dense-bits`) from the dense-weight cache ([`crate::dense_cache`]) or quantised at load. Both run through the same packed kernels over the
+//! (`--cpu-dense-bits`) from the dense-weight cache ([`crate::cpu::dense_cache`]) or quantised at load. Both run through the same packed kernels over the
 //! pinned worker pool.
 
 use std::path::{Path, PathBuf};
@@ -15,14 +15,14 @@ use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::{Bits, QuantizedMatrix};
 use rayon::prelude::*;
 
-use crate::engine::experts::{ExpertExecutor, Routes};
+use crate::cpu::experts::{ExpertExecutor, Routes};
+use crate::cpu::packed_ops::{PackedBytes, PooledMlp};
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::linear::{DenseLinear, LinearOp, PackedRef};
-use crate::packed_ops::{PackedBytes, PooledMlp};
-use crate::precision::{describe_layer_bits, ExpertWidthRule, LayerBits};
+use crate::model::linear::{DenseLinear, LinearOp, PackedRef};
+use crate::model::weights::WeightLoader;
+use crate::placement::precision::{describe_layer_bits, ExpertWidthRule, LayerBits};
+use crate::source::files::ModelFiles;
 use crate::spec::{FfnKind, ModelSpec};
-use crate::weights::WeightLoader;
 
 /// Name of the packed layout stored in caches (bump when `krasis_quant::cpu_layout` changes).
 pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
@@ -266,7 +266,7 @@ pub(crate) fn expert_f32(
     i: usize,
 ) -> Result<([Vec<f32>; 3], String)> {
     let hid = spec.hidden_size;
-    let p = format!("{}.mlp.experts.{e}", crate::tensors::layer_prefix(layer));
+    let p = format!("{}.mlp.experts.{e}", crate::model::tensors::layer_prefix(layer));
     let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
     let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
     let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
@@ -343,7 +343,7 @@ pub(crate) fn in_cache_dir(files: &ModelFiles, cache_dir: Option<&Path>, name: &
 }
 
 /// Open the expert cache, building it (with a progress bar) when missing, stale or damaged.
-/// The widths per layer come from `bits` ([`crate::precision`]); the cache is keyed by
+/// The widths per layer come from `bits` ([`crate::placement::precision`]); the cache is keyed by
 /// [`ModelFiles::fingerprint`].
 pub fn open_expert_cache(
     files: &ModelFiles,
@@ -593,7 +593,7 @@ impl ExpertExecutor for CpuQuantExperts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::precision::expert_width_rule;
+    use crate::placement::precision::expert_width_rule;
 
     #[test]
     fn auto_is_for_routed_experts_only() {

@@ -15,25 +15,25 @@ use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::Bits;
 
-use crate::build::{build, LinearClass, WeightBuilder, WeightKinds};
-use crate::engine::{linear_name, PrebuiltDense};
-use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::linear::LinearOp;
-use crate::packed_ops::{kv_b_layouts, pack_kv_b, pack_w13_dense, w13_fusable, w13_layout, PackedBytes};
-use crate::quantized::{
+use crate::cpu::packed_ops::{kv_b_layouts, pack_kv_b, pack_w13_dense, w13_fusable, w13_layout, PackedBytes};
+use crate::cpu::quantized::{
     cache_error, dense_layout, in_cache_dir, pack_dense, progress_bar, QuantLinear, CPU_LAYOUT_NAME,
 };
+use crate::cpu::{linear_name, PrebuiltDense};
+use crate::error::{ModelError, Result};
+use crate::model::build::{build, LinearClass, WeightBuilder, WeightKinds};
+use crate::model::linear::LinearOp;
+use crate::model::tensors::{MlpTensors, TensorSpec};
+use crate::model::weights::WeightLoader;
+use crate::source::files::ModelFiles;
 use crate::spec::{MlaDims, ModelSpec, RoutingRule};
-use crate::tensors::{MlpTensors, TensorSpec};
-use crate::weights::WeightLoader;
 
 /// What one dense-weight cache entry holds.
 #[derive(Clone, Debug)]
 pub enum PlannedKind {
     /// One linear, packed as is.
     Linear(TensorSpec),
-    /// A gated MLP's gate and up, packed as one fused w13 ([`crate::packed_ops::pack_w13_dense`]).
+    /// A gated MLP's gate and up, packed as one fused w13 ([`crate::cpu::packed_ops::pack_w13_dense`]).
     W13 { gate: TensorSpec, up: TensorSpec },
     /// MLA's `kv_b_proj` per head: `W_UKᵀ` of every head (`uk`), or `W_UV` of every head.
     KvB { t: TensorSpec, dims: MlaDims, uk: bool },

@@ -15,9 +15,9 @@ use krasis_cpu::rope::rotate;
 
 use super::kv::LayerKv;
 
-use crate::build::{GqaParts, MlaParts};
-use crate::linear::{forward_shared_input, LinearOp};
-use crate::packed_ops::PackedKvB;
+use crate::cpu::packed_ops::PackedKvB;
+use crate::model::build::{GqaParts, MlaParts};
+use crate::model::linear::{forward_shared_input, LinearOp};
 use crate::spec::AttentionSpec;
 
 /// cos/sin for the rows of one forward call, `[t, half_dim]` each: row `i`'s angles are those of

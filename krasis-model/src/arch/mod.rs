@@ -1,5 +1,13 @@
 //! `config.json` → [`ModelSpec`]. Accepts the hub's `rope_theta` + `rope_scaling` and
 //! transformers-5 `rope_parameters`. Every error names the file and the field.
+//!
+//! This file reads what every family shares (the common fields, rope, the source quantisation)
+//! and dispatches on `model_type`; each family's own fields are read in its file
+//! (`arch/deepseek.rs`, `arch/qwen3_moe.rs`). A new family is a file here plus the options it needs in the
+//! operations of the two devices.
+
+mod deepseek;
+mod qwen3_moe;
 
 use std::path::Path;
 
@@ -141,8 +149,8 @@ pub fn parse_config(text: &str, path: &Path) -> Result<ModelSpec> {
         }
     };
     match arch {
-        Arch::DeepseekV2 | Arch::DeepseekV3 => parse_deepseek(&f, arch),
-        Arch::Qwen3Moe => parse_qwen3_moe(&f),
+        Arch::DeepseekV2 | Arch::DeepseekV3 => deepseek::parse(&f, arch),
+        Arch::Qwen3Moe => qwen3_moe::parse(&f),
     }
 }
 
@@ -286,217 +294,4 @@ fn parse_source_quant(f: &Fields) -> Result<SourceQuant> {
         }
         None => Err(f.err("quantization_config.quant_method", "missing")),
     }
-}
-
-fn parse_deepseek(f: &Fields, arch: Arch) -> Result<ModelSpec> {
-    let c = parse_common(f)?;
-    let heads = f.dim("num_attention_heads")?;
-    let q_lora_rank = f.usize_opt("q_lora_rank")?.filter(|&r| r > 0);
-    let kv_lora_rank = f.dim("kv_lora_rank")?;
-    let qk_nope_head_dim = f.dim("qk_nope_head_dim")?;
-    let qk_rope_head_dim = f.dim("qk_rope_head_dim")?;
-    let v_head_dim = f.dim("v_head_dim")?;
-    if qk_rope_head_dim % 2 != 0 {
-        return Err(f.err("qk_rope_head_dim", "must be even"));
-    }
-    let pairing = if f.bool_or("rope_interleave", true)? { RopePairing::Interleaved } else { RopePairing::Halves };
-    let rope = parse_rope(f, qk_rope_head_dim, pairing, c.max_position_embeddings)?;
-    let mut softmax_scale = ((qk_nope_head_dim + qk_rope_head_dim) as f64).powf(-0.5);
-    if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = rope.scaling {
-        if m != 0.0 {
-            let ms = yarn_get_mscale(factor, m);
-            softmax_scale *= ms * ms;
-        }
-    }
-
-    let n_routed = f.usize_opt("n_routed_experts")?.unwrap_or(0);
-    let first_dense = f.usize_opt("first_k_dense_replace")?.unwrap_or(0);
-    let freq = f.usize_opt("moe_layer_freq")?.unwrap_or(1);
-    if freq == 0 {
-        return Err(f.err("moe_layer_freq", "must be greater than 0"));
-    }
-    let intermediate = f.dim("intermediate_size")?;
-    let layers: Vec<FfnKind> = (0..c.num_layers)
-        .map(|l| {
-            if n_routed > 0 && l >= first_dense && l % freq == 0 {
-                FfnKind::Moe
-            } else {
-                FfnKind::Dense { intermediate_size: intermediate }
-            }
-        })
-        .collect();
-    let moe = if n_routed > 0 {
-        let top_k = f.dim("num_experts_per_tok")?;
-        if top_k > n_routed {
-            return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds n_routed_experts {n_routed}")));
-        }
-        let moe_inter = f.dim("moe_intermediate_size")?;
-        let n_shared = f.usize_opt("n_shared_experts")?.unwrap_or(0);
-        let scoring = match f.str_opt("scoring_func")?.unwrap_or("softmax") {
-            "softmax" => ScoringFunc::Softmax,
-            "sigmoid" => ScoringFunc::Sigmoid,
-            other => return Err(f.err("scoring_func", format!("`{other}` is not supported (softmax, sigmoid)"))),
-        };
-        let default_method = if arch == Arch::DeepseekV3 { "noaux_tc" } else { "greedy" };
-        let method = f.str_opt("topk_method")?.unwrap_or(default_method);
-        let groups = |f: &Fields| -> Result<(usize, usize)> {
-            let n_group = f.dim("n_group")?;
-            let topk_group = f.dim("topk_group")?;
-            if n_routed % n_group != 0 {
-                return Err(f.err("n_group", format!("{n_group} does not divide n_routed_experts {n_routed}")));
-            }
-            if topk_group > n_group {
-                return Err(f.err("topk_group", format!("{topk_group} exceeds n_group {n_group}")));
-            }
-            if top_k > topk_group * (n_routed / n_group) {
-                return Err(f.err("num_experts_per_tok", "exceeds the experts in the kept groups"));
-            }
-            Ok((n_group, topk_group))
-        };
-        let topk = match method {
-            "greedy" => TopkMethod::Greedy,
-            "group_limited_greedy" => {
-                let (n_group, topk_group) = groups(f)?;
-                TopkMethod::GroupLimitedGreedy { n_group, topk_group }
-            }
-            "noaux_tc" => {
-                let (n_group, topk_group) = groups(f)?;
-                if n_routed / n_group < 2 {
-                    return Err(f.err("n_group", "noaux_tc needs at least 2 experts per group"));
-                }
-                TopkMethod::NoauxTc { n_group, topk_group }
-            }
-            other => {
-                return Err(f.err(
-                    "topk_method",
-                    format!("`{other}` is not supported (greedy, group_limited_greedy, noaux_tc)"),
-                ))
-            }
-        };
-        Some(MoeSpec {
-            n_routed_experts: n_routed,
-            moe_intermediate_size: moe_inter,
-            shared_intermediate_size: moe_inter * n_shared,
-            routing: RoutingRule {
-                scoring,
-                topk,
-                top_k,
-                norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
-                routed_scaling_factor: f.f64_opt("routed_scaling_factor")?.unwrap_or(1.0) as f32,
-            },
-        })
-    } else {
-        None
-    };
-    Ok(ModelSpec {
-        arch,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
-        attention: AttentionSpec::Mla {
-            heads,
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-        },
-        rope,
-        softmax_scale: softmax_scale as f32,
-        moe,
-        layers,
-        source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
-}
-
-fn parse_qwen3_moe(f: &Fields) -> Result<ModelSpec> {
-    let c = parse_common(f)?;
-    let heads = f.dim("num_attention_heads")?;
-    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
-    }
-    let head_dim = match f.usize_opt("head_dim")? {
-        Some(d) if d > 0 => d,
-        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
-        None => c.hidden_size / heads,
-    };
-    if head_dim % 2 != 0 {
-        return Err(f.err("head_dim", "must be even"));
-    }
-    if f.bool_or("use_sliding_window", false)? {
-        return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
-    }
-    let rope = parse_rope(f, head_dim, RopePairing::Halves, c.max_position_embeddings)?;
-    let n_experts = f.usize_opt("num_experts")?.unwrap_or(0);
-    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-    if step == 0 {
-        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
-    }
-    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
-        None => vec![],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
-            })
-            .collect::<Result<_>>()?,
-        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
-    };
-    let intermediate = f.dim("intermediate_size")?;
-    let layers = (0..c.num_layers)
-        .map(|l| {
-            if !mlp_only.contains(&l) && n_experts > 0 && (l + 1) % step == 0 {
-                FfnKind::Moe
-            } else {
-                FfnKind::Dense { intermediate_size: intermediate }
-            }
-        })
-        .collect();
-    let moe = if n_experts > 0 {
-        let top_k = f.dim("num_experts_per_tok")?;
-        if top_k > n_experts {
-            return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds num_experts {n_experts}")));
-        }
-        Some(MoeSpec {
-            n_routed_experts: n_experts,
-            moe_intermediate_size: f.dim("moe_intermediate_size")?,
-            shared_intermediate_size: 0,
-            routing: RoutingRule {
-                scoring: ScoringFunc::Softmax,
-                topk: TopkMethod::Greedy,
-                top_k,
-                norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
-                routed_scaling_factor: 1.0,
-            },
-        })
-    } else {
-        None
-    };
-    Ok(ModelSpec {
-        arch: Arch::Qwen3Moe,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true },
-        rope,
-        softmax_scale: (head_dim as f64).powf(-0.5) as f32,
-        moe,
-        layers,
-        source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
 }

@@ -5,10 +5,10 @@ use krasis_cpu::activation::silu_mul;
 
 use super::experts::Routes;
 use super::CpuKinds;
-use crate::build::MoeWeights;
-use crate::linear::{forward_shared_input, LinearOp};
-use crate::packed_ops::PooledMlp;
-use crate::router::route;
+use crate::cpu::packed_ops::PooledMlp;
+use crate::model::build::MoeWeights;
+use crate::model::linear::{forward_shared_input, LinearOp};
+use crate::model::router::route;
 use crate::spec::RoutingRule;
 
 pub enum Mlp {
@@ -73,7 +73,7 @@ impl MoeWeights<CpuKinds> {
     pub fn forward(
         &self,
         stats: &super::ForwardStats,
-        heat: Option<&crate::heatmap::HeatCounter>,
+        heat: Option<&crate::placement::heatmap::HeatCounter>,
         layer: usize,
         x: &[f32],
         t: usize,

@@ -1,9 +1,9 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::engine::ffn::Mlp;
-use crate::linear::MatrixData;
-use crate::quantized::QuantLinear;
+use crate::cpu::ffn::Mlp;
+use crate::cpu::quantized::QuantLinear;
+use crate::model::linear::MatrixData;
 use krasis_cpu::pool::PoolPlan;
 use krasis_quant::group::dequantize;
 
@@ -54,9 +54,9 @@ proptest! {
         let pool = Arc::new(WorkerPool::new(PoolPlan::simulated(1, 1)).unwrap());
         let (gate, up) = (dense(inter, hidden, 1), dense(inter, hidden, 2));
         let l13 = w13_layout(inter, hidden, bits, 128, "w13").unwrap();
-        let (g, u) = crate::engine::split_w13(&pack_w13_dense(&gate, &up, &l13), &l13, &pool);
-        let one = crate::quantized::dense_layout(inter, hidden, bits, 128, "one").unwrap();
-        let (want_g, want_u) = (crate::quantized::pack_dense(&gate, &one), crate::quantized::pack_dense(&up, &one));
+        let (g, u) = crate::cpu::split_w13(&pack_w13_dense(&gate, &up, &l13), &l13, &pool);
+        let one = crate::cpu::quantized::dense_layout(inter, hidden, bits, 128, "one").unwrap();
+        let (want_g, want_u) = (crate::cpu::quantized::pack_dense(&gate, &one), crate::cpu::quantized::pack_dense(&up, &one));
         prop_assert_eq!(g.packed().unwrap().bytes, want_g.as_slice());
         prop_assert_eq!(u.packed().unwrap().bytes, want_u.as_slice());
     }

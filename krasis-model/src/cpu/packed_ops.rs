@@ -20,9 +20,9 @@ use krasis_quant::group::quantize;
 use krasis_quant::Bits;
 use rayon::prelude::*;
 
+use crate::cpu::quantized::dense_layout;
 use crate::error::Result;
-use crate::linear::{DenseLinear, LinearOp, PackedRef};
-use crate::quantized::dense_layout;
+use crate::model::linear::{DenseLinear, LinearOp, PackedRef};
 
 /// Packed bytes of one matrix (or of several packed back to back): owned, or an entry of a loaded
 /// dense-weight cache (shared by every op of the model).
@@ -207,14 +207,14 @@ pub fn w13_fusable(inter: usize) -> bool {
 /// The fused gate+up layout of a gated MLP `[inter, hidden]` at `bits` and group `group`.
 pub fn w13_layout(inter: usize, hidden: usize, bits: Bits, group: usize, name: &str) -> Result<PackedLayout> {
     let one = dense_layout(inter, hidden, bits, group, name)?;
-    PackedLayout::new(2 * inter, hidden, one.gs, bits).map_err(|e| crate::quantized::quant_err(name, e))
+    PackedLayout::new(2 * inter, hidden, one.gs, bits).map_err(|e| crate::cpu::quantized::quant_err(name, e))
 }
 
 /// `gate` and `up` packed with their row blocks interleaved (`krasis_quant::cpu_layout`'s fused
 /// w13): the same bytes as packing each alone, block by block.
 pub fn pack_w13_dense(gate: &DenseLinear, up: &DenseLinear, l13: &PackedLayout) -> Vec<u8> {
     let one = PackedLayout::new(l13.rows / 2, l13.k, l13.gs, l13.bits).expect("half of a valid w13 layout");
-    let (g, u) = (crate::quantized::pack_dense(gate, &one), crate::quantized::pack_dense(up, &one));
+    let (g, u) = (crate::cpu::quantized::pack_dense(gate, &one), crate::cpu::quantized::pack_dense(up, &one));
     let bb = one.block_bytes();
     let mut out = vec![0u8; l13.bytes()];
     for (b, pair) in out.chunks_exact_mut(2 * bb).enumerate() {

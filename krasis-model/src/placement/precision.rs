@@ -74,7 +74,7 @@ impl ExpertWidthRule {
     }
 }
 
-/// The width rule a CPU expert width ([`crate::load::EngineOptions::expert_bits`]) asks the cache
+/// The width rule a CPU expert width ([`crate::cpu::load::EngineOptions::expert_bits`]) asks the cache
 /// for (`None`: the reference experts over the source weights, no cache).
 pub fn expert_width_rule(w: WeightBits) -> Option<ExpertWidthRule> {
     match w {
@@ -200,7 +200,7 @@ mod tests {
 
     fn tiny_spec() -> ModelSpec {
         let config = crate::synth::preset_config(crate::synth::Preset::Tiny, Some(4)).to_string();
-        crate::config::parse_config(&config, std::path::Path::new("config.json")).unwrap()
+        crate::arch::parse_config(&config, std::path::Path::new("config.json")).unwrap()
     }
 
     /// On safetensors `auto` is INT4; on a GGUF it is per layer and projection, and the RAM
@@ -218,7 +218,7 @@ mod tests {
         assert_eq!(ExpertWidthRule::Auto.layer_bits(&spec), vec![LayerBits::uniform(i4); 3]);
         assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), "int4");
         assert_eq!(describe_expert_bits(&spec, WeightBits::Bf16), "reference (the source weights)");
-        let est = |spec: &ModelSpec, w| crate::memory::estimate(spec, w).expert_bytes;
+        let est = |spec: &ModelSpec, w| crate::cpu::memory::estimate(spec, w).expert_bytes;
         assert_eq!(est(&spec, WeightBits::Auto), est(&spec, WeightBits::Int4));
 
         // Q4_K_M-like: gate/up Q4_K, down Q6_K in the first MoE layer and Q4_K after; then a

@@ -2,7 +2,7 @@
 //! cos/sin. Mirrors how transformers builds them: inverse frequencies and angles in f32, the
 //! YaRN attention factor folded into cos/sin.
 
-use crate::config::yarn_get_mscale;
+use crate::arch::yarn_get_mscale;
 use crate::spec::{RopePairing, RopeScaling, RopeSpec};
 
 pub struct RotaryTables {

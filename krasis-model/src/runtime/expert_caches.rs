@@ -9,15 +9,15 @@ use std::time::Instant;
 use krasis_cache::{build_many, CacheHeader, CacheOutcome, LoadOptions};
 use krasis_quant::{Bits, QuantizedMatrix};
 
-use crate::error::Result;
-use crate::files::ModelFiles;
-use crate::gpu::expert_cache::GpuCachePlan;
-use crate::precision::LayerBits;
-use crate::quantized::{
+use crate::cpu::quantized::{
     cache_error, cache_path, cpu_record, expected_cache_header, expert_f32, parts_bits, progress_bar, quantize_expert,
     show_build,
 };
-use crate::weights::WeightLoader;
+use crate::error::Result;
+use crate::gpu::expert_cache::GpuCachePlan;
+use crate::model::weights::WeightLoader;
+use crate::placement::precision::LayerBits;
+use crate::source::files::ModelFiles;
 
 /// The caches `krasis convert` asks for.
 pub struct CacheRequest<'a> {

@@ -11,8 +11,8 @@
 
 use std::ops::Range;
 
-use crate::build::{AttentionWeights, FfnWeights, GqaParts, MlaParts, MoeWeights, WeightKinds, Weights};
 use crate::error::Result;
+use crate::model::build::{AttentionWeights, FfnWeights, GqaParts, MlaParts, MoeWeights, WeightKinds, Weights};
 
 /// Which norm of the walk a [`LayerOps::residual_norm`] call is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,7 +88,10 @@ pub fn forward<K: WeightKinds, O: LayerOps<K>>(weights: &Weights<K>, ops: &mut O
 /// Calls `f` on every dense part of a layer's weights that a decode step reads once per token
 /// (attention projections, `kv_b`, dense MLP, router, shared expert), as the [`Part`] it is: for
 /// per-token byte counts and descriptions without matching on the weight enums elsewhere.
-pub fn for_each_dense_part<K: WeightKinds>(layer: &crate::build::LayerWeights<K>, f: &mut dyn FnMut(Part<'_, K>)) {
+pub fn for_each_dense_part<K: WeightKinds>(
+    layer: &crate::model::build::LayerWeights<K>,
+    f: &mut dyn FnMut(Part<'_, K>),
+) {
     match &layer.attention {
         AttentionWeights::Mla(a) => {
             if let Some((q_a, _)) = &a.q_a {
@@ -127,7 +130,7 @@ pub enum Part<'a, K: WeightKinds> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::build::{LayerWeights, MoeWeights};
+    use crate::model::build::{LayerWeights, MoeWeights};
 
     /// Kinds whose weights are names, for a walk that records what it was asked.
     struct Names;

@@ -1,13 +1,15 @@
 //! The one build walk: every engine (the CPU reference and quantised engine, the whole-model GPU
-//! engine, the hybrid) is built by [`build`] walking [`crate::tensors::ModelTensors`] and asking a
+//! engine, the hybrid) is built by [`build`] walking [`crate::model::tensors::ModelTensors`] and asking a
 //! [`WeightBuilder`] to turn each tensor into what its backend runs. The walk decides which
 //! tensors a model has and what part each plays; a builder decides only where a weight lives and
 //! in which format. The engines keep the typed [`Weights`] tree, and the one forward walk
-//! ([`crate::walk`]) runs over it.
+//! ([`crate::model::walk`]) runs over it.
 
 use crate::error::Result;
+use crate::model::tensors::{
+    model_tensors, AttentionTensors, FfnTensors, LayerTensors, MlpTensors, QueryTensors, TensorSpec,
+};
 use crate::spec::{ModelSpec, RoutingRule};
-use crate::tensors::{model_tensors, AttentionTensors, FfnTensors, LayerTensors, MlpTensors, QueryTensors, TensorSpec};
 
 /// What a dense projection is for: builders choose its precision by class
 /// (`--cpu-dense-bits`, `--attention-quant`, …).
@@ -23,7 +25,7 @@ pub enum LinearClass {
 
 /// The types one backend holds its weights in: the CPU engine's and the GPU engine's. The built
 /// [`Weights`] tree is typed by these alone (not by the builder, which borrows its sources), so
-/// an engine keeps the tree itself and the forward walk ([`crate::walk`]) runs over it.
+/// an engine keeps the tree itself and the forward walk ([`crate::model::walk`]) runs over it.
 pub trait WeightKinds: 'static {
     /// A dense projection as this backend runs it.
     type Linear;

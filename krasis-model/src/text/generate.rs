@@ -5,10 +5,10 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::engine::{BatchSeq, Logits, Model};
+use crate::cpu::{BatchSeq, Logits, Model};
 use crate::error::{ModelError, Result};
 use crate::runtime::{check_context, context_limit, CancelToken, Engine};
-use crate::sampling::{Sampler, SamplingParams};
+use crate::text::sampling::{Sampler, SamplingParams};
 
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
@@ -112,7 +112,7 @@ pub struct DecoderStep<'a, S> {
 }
 
 impl Decoder for Model {
-    type Session = crate::engine::Session;
+    type Session = crate::cpu::Session;
 
     fn spec(&self) -> &crate::ModelSpec {
         &self.spec

@@ -9,19 +9,19 @@ use krasis_cache::CacheOutcome;
 use krasis_cpu::pool::{PoolPlan, WorkerPool};
 use krasis_quant::group::DEFAULT_GROUP_SIZE;
 
-use crate::dense_cache::{cached_linears, open_dense_cache};
-use crate::engine::experts::ExpertExecutor;
-use crate::engine::{reference_dense, Model, PrebuiltDense};
+use crate::cpu::dense_cache::{cached_linears, open_dense_cache};
+use crate::cpu::experts::ExpertExecutor;
+use crate::cpu::quantized::{dense_quant_bits, open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::cpu::{reference_dense, Model, PrebuiltDense};
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::linear::{DenseLinear, LinearOp};
-use crate::precision::{expert_width_rule, resolve_expert_bits, ExpertWidthRule};
-use crate::quantized::{dense_quant_bits, open_expert_cache, CpuQuantExperts, QuantLinear, WeightBits};
+use crate::model::linear::{DenseLinear, LinearOp};
+use crate::placement::precision::{expert_width_rule, resolve_expert_bits, ExpertWidthRule};
+use crate::source::files::ModelFiles;
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
     /// `--cpu-expert-bits`. `Auto` (the CLI's default) is decided per projection from a GGUF's
-    /// types and means `Bf16` on safetensors (see [`crate::precision`]): [`load_model`] and
+    /// types and means `Bf16` on safetensors (see [`crate::placement::precision`]): [`load_model`] and
     /// `open_engine` resolve it; a loader handed it unresolved builds an INT4 cache there.
     pub expert_bits: WeightBits,
     pub dense_bits: WeightBits,
@@ -133,7 +133,7 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     let quantised = expert_bits != WeightBits::Bf16 || dense_bits.is_some();
     let pool = if quantised { Some(start_pool(opts.threads, &mut log)?) } else { None };
     let moe_per_expert = spec.moe.as_ref().map_or(0, |m| {
-        crate::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
+        crate::cpu::memory::stored_bytes(WeightBits::Bf16, 3 * m.moe_intermediate_size as u64 * spec.hidden_size as u64)
     });
     let rule = expert_width_rule(expert_bits);
     let (experts, expert_bytes): (Option<Arc<dyn ExpertExecutor>>, u64) = match (rule, &pool) {

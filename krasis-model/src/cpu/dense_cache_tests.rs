@@ -7,11 +7,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::engine::{Logits, Model};
-use crate::load::{load_model, EngineOptions};
-use crate::memory::cpu_estimate;
-use crate::precision::ExpertWidthRule;
-use crate::quantized::{open_expert_cache, WeightBits};
+use crate::cpu::load::{load_model, EngineOptions};
+use crate::cpu::memory::cpu_estimate;
+use crate::cpu::quantized::{open_expert_cache, WeightBits};
+use crate::cpu::{Logits, Model};
+use crate::placement::precision::ExpertWidthRule;
 use crate::synth::{synthesize, Preset, SynthOptions};
 use krasis_quant::group::quantize;
 
@@ -71,8 +71,8 @@ fn cached_linears_are_the_freshly_quantised_ones_and_so_are_the_logits() {
     let loaded = load_model(&files, &EngineOptions { dense_bits: WeightBits::Bf16, ..o.clone() }).unwrap();
     let pool = loaded.pool.clone().unwrap();
     let (ec, _) = open_expert_cache(&files, ExpertWidthRule::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
-    let experts = Arc::new(crate::quantized::CpuQuantExperts::new(ec, &spec, pool.clone()).unwrap());
-    let fresh = |l: crate::linear::DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
+    let experts = Arc::new(crate::cpu::quantized::CpuQuantExperts::new(ec, &spec, pool.clone()).unwrap());
+    let fresh = |l: crate::model::linear::DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
         Ok(Box::new(QuantLinear::from_dense(&l, Bits::Int8, 128, pool.clone(), name)?))
     };
     let reference = Model::from_source(spec.clone(), files.weights(), &fresh, Some(experts as _)).unwrap();
@@ -171,9 +171,9 @@ fn a_cached_start_reads_no_source_dense_linear() {
     let names =
         planned_entries(&spec).unwrap().iter().flat_map(|p| p.tensors().into_iter().map(|t| t.name.clone())).collect();
     let source = NoDenseLinears(files.weights(), names);
-    let pool = crate::load::start_pool(Some(2), &mut Vec::new()).unwrap();
+    let pool = crate::cpu::load::start_pool(Some(2), &mut Vec::new()).unwrap();
     let cached = cached_linears(Arc::new(c), Bits::Int8, pool);
-    let refuse = |_: crate::linear::DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
+    let refuse = |_: crate::model::linear::DenseLinear, name: &str| -> Result<Box<dyn LinearOp>> {
         Err(ModelError::Invalid(format!("{name} was not in the cache")))
     };
     let m = Model::from_source_with(spec.clone(), &source, &refuse, Some(&cached), None).unwrap();
@@ -219,7 +219,7 @@ fn the_estimate_counts_both_caches_exactly() {
     let cache = tmp.path().join("cache");
     let files = ModelFiles::open(&dir).unwrap();
     let spec = files.spec();
-    let pool = crate::load::start_pool(Some(2), &mut Vec::new()).unwrap();
+    let pool = crate::cpu::load::start_pool(Some(2), &mut Vec::new()).unwrap();
     let (ec, _) = open_expert_cache(&files, ExpertWidthRule::Uniform(Bits::Int4), 128, Some(&cache), &pool).unwrap();
     let (dc, _) = open_dense_cache(&files, Bits::Int8, 128, Some(&cache)).unwrap();
     let q = cpu_estimate(spec, Some(files.weights()), WeightBits::Int4, WeightBits::Int8, 128);

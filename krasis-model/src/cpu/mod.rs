@@ -1,15 +1,20 @@
 //! The CPU engine: a loaded model and its forward pass over a session's KV cache. The weights come
-//! from the one build walk ([`crate::build`]) through a CPU [`WeightBuilder`] as a
-//! `Weights<CpuKinds>` tree; the one forward walk ([`crate::walk`]) runs over it with the CPU's
+//! from the one build walk ([`crate::model::build`]) through a CPU [`WeightBuilder`] as a
+//! `Weights<CpuKinds>` tree; the one forward walk ([`crate::model::walk`]) runs over it with the CPU's
 //! [`LayerOps`] (`CpuStep`): attention through [`MlaAttention`] / [`GqaAttention`], dense
 //! matrices through [`LinearOp`], routed experts through [`LayerExperts`].
 
 pub mod attention;
+pub mod dense_cache;
 pub mod experts;
 pub mod ffn;
 pub mod kv;
+pub mod load;
+pub mod memory;
+pub mod packed_ops;
 #[cfg(test)]
 mod prefill_tests;
+pub mod quantized;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -24,20 +29,20 @@ use self::attention::{new_layer_cache, GqaAttention, KvB, MlaAttention, RopeBatc
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{CpuRouter, Mlp};
 use self::kv::LayerKv;
-use crate::build::{build, GqaParts, LinearClass, MlaParts, MoeWeights, WeightBuilder, WeightKinds, Weights};
-use crate::dense_cache::{kv_b_entry_name, w13_entry_name};
+use crate::cpu::dense_cache::{kv_b_entry_name, w13_entry_name};
+use crate::cpu::packed_ops::{kv_b_layouts, w13_layout, PackedBytes, PackedKvB, PooledMlp};
+use crate::cpu::quantized::QuantLinear;
 use crate::error::{ModelError, Result};
-use crate::files::ModelFiles;
-use crate::linear::{DenseLinear, LinearOp};
-use crate::packed_ops::{kv_b_layouts, w13_layout, PackedBytes, PackedKvB, PooledMlp};
-use crate::quantized::QuantLinear;
-use crate::rope::RotaryTables;
+use crate::model::build::{build, GqaParts, LinearClass, MlaParts, MoeWeights, WeightBuilder, WeightKinds, Weights};
+use crate::model::linear::{DenseLinear, LinearOp};
+use crate::model::rope::RotaryTables;
+use crate::model::tensors::{MlpTensors, TensorRole, TensorSpec};
+use crate::model::walk::{for_each_dense_part, LayerOps, NextMoe, NormAt, Part};
+use crate::model::weights::WeightLoader;
 use crate::runtime::ForwardBreakdown;
+use crate::source::files::ModelFiles;
 use crate::source::WeightSource;
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec, RoutingRule};
-use crate::tensors::{MlpTensors, TensorRole, TensorSpec};
-use crate::walk::{for_each_dense_part, LayerOps, NextMoe, NormAt, Part};
-use crate::weights::WeightLoader;
 
 /// The types the CPU engine holds its weights in.
 pub struct CpuKinds;
@@ -58,7 +63,7 @@ pub struct Model {
     rope: RotaryTables,
     stats: ForwardStats,
     /// Expert activation counts, while recording ([`Model::record_heatmap`]).
-    heat: Option<crate::heatmap::HeatCounter>,
+    heat: Option<crate::placement::heatmap::HeatCounter>,
     /// The worker pool the dense ops of every forward call run on ([`Model::set_pool`]); `None`:
     /// rayon.
     pool: Option<Arc<WorkerPool>>,
@@ -186,8 +191,8 @@ pub fn reference_dense(l: DenseLinear, _name: &str) -> Result<Box<dyn LinearOp>>
 pub trait PrebuiltDense {
     /// The linear named [`linear_name`].
     fn linear(&self, name: &str) -> Option<Result<Box<dyn LinearOp>>>;
-    /// The packed bytes of a fused entry (`crate::dense_cache::w13_entry_name`,
-    /// `crate::dense_cache::kv_b_entry_name`).
+    /// The packed bytes of a fused entry (`crate::cpu::dense_cache::w13_entry_name`,
+    /// `crate::cpu::dense_cache::kv_b_entry_name`).
     fn packed(&self, name: &str) -> Option<PackedBytes>;
     /// The width of the packed linears.
     fn bits(&self) -> Bits;
@@ -434,7 +439,8 @@ impl Model {
 
     /// Counts every MoE layer's routes from now on ([`Model::heatmap`]).
     pub fn record_heatmap(&mut self) {
-        self.heat = Some(crate::heatmap::HeatCounter::new(self.weights.layers.len(), self.spec.routed_experts()));
+        self.heat =
+            Some(crate::placement::heatmap::HeatCounter::new(self.weights.layers.len(), self.spec.routed_experts()));
     }
 
     /// The counts so far, `[layers × experts]`, while recording.
@@ -541,7 +547,7 @@ impl Model {
             x,
             observe: observe.take(),
         };
-        crate::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
+        crate::model::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
         let x = step.xn;
         // The rows that get logits, gathered so the LM head reads its weights once.
         let mut rows = Vec::new();

@@ -5,14 +5,14 @@ use krasis_quant::group::DEFAULT_GROUP_SIZE;
 
 use krasis_core::DType;
 
-use crate::dense_cache::{planned_entries, PlannedKind};
-use crate::precision::{expert_width_rule, resolve_expert_bits};
-use crate::quantized::{dense_quant_bits, expected_cache_header};
+use crate::cpu::dense_cache::{planned_entries, PlannedKind};
+use crate::cpu::quantized::{dense_quant_bits, expected_cache_header};
+use crate::model::tensors::{expected_tensors, is_matrix, TensorRole, TensorSpec};
+use crate::placement::precision::{expert_width_rule, resolve_expert_bits};
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, SourceQuant};
-use crate::tensors::{expected_tensors, is_matrix, TensorRole, TensorSpec};
 
-pub use crate::quantized::WeightBits;
+pub use crate::cpu::quantized::WeightBits;
 
 /// How `krasis info` names a storage format.
 pub fn format_name(w: WeightBits) -> &'static str {

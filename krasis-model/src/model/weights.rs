@@ -4,10 +4,10 @@
 use krasis_core::DType;
 
 use crate::error::{ModelError, Result};
-use crate::linear::{DenseLinear, MatrixData};
+use crate::model::linear::{DenseLinear, MatrixData};
+use crate::model::tensors::TensorSpec;
 use crate::source::{StoredTensor, WeightSource};
 use crate::spec::SourceQuant;
-use crate::tensors::TensorSpec;
 
 const FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 const MATRIX_DTYPES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3];

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::ffn::Mlp;
-use crate::packed_ops::PooledMlp;
+use crate::cpu::packed_ops::PooledMlp;
 
 /// Top-k routing of `t` tokens: `ids[t·k + j]`, `weights[t·k + j]`.
 /// The routes of `t` tokens, `k` per token: expert ids and weights, token-major. A route whose id
@@ -165,11 +165,11 @@ pub struct ReferenceExperts {
 impl ReferenceExperts {
     /// One layer's experts over the source weights (zero-copy where the stored bytes allow).
     pub fn load(
-        w: &crate::weights::WeightLoader<'_>,
+        w: &crate::model::weights::WeightLoader<'_>,
         hidden: usize,
-        experts: &[crate::tensors::MlpTensors],
+        experts: &[crate::model::tensors::MlpTensors],
     ) -> crate::Result<Self> {
-        let mlp = |m: &crate::tensors::MlpTensors| -> crate::Result<Mlp> {
+        let mlp = |m: &crate::model::tensors::MlpTensors| -> crate::Result<Mlp> {
             Ok(Mlp::Separate {
                 gate: Box::new(w.matrix_of(&m.gate)?),
                 up: Box::new(w.matrix_of(&m.up)?),

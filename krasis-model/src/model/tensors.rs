@@ -76,7 +76,7 @@ pub struct LayerTensors {
 }
 
 /// Every tensor a model has, by the part it plays: the one place canonical names are spelled.
-/// Builders walk this ([`crate::build`]), the loader validates against it, `krasis synth` writes
+/// Builders walk this ([`crate::model::build`]), the loader validates against it, `krasis synth` writes
 /// it, `krasis info` counts it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelTensors {

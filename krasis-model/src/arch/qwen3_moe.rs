@@ -1,0 +1,94 @@
+//! Qwen3-MoE `config.json` fields.
+
+use serde_json::Value;
+
+use super::{parse_common, parse_rope, parse_source_quant, Fields};
+use crate::error::Result;
+use crate::spec::*;
+
+/// Qwen3-MoE: GQA attention with qk-norm, softmax routing.
+pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
+    let c = parse_common(f)?;
+    let heads = f.dim("num_attention_heads")?;
+    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
+    }
+    let head_dim = match f.usize_opt("head_dim")? {
+        Some(d) if d > 0 => d,
+        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
+        None => c.hidden_size / heads,
+    };
+    if head_dim % 2 != 0 {
+        return Err(f.err("head_dim", "must be even"));
+    }
+    if f.bool_or("use_sliding_window", false)? {
+        return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
+    }
+    let rope = parse_rope(f, head_dim, RopePairing::Halves, c.max_position_embeddings)?;
+    let n_experts = f.usize_opt("num_experts")?.unwrap_or(0);
+    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
+    }
+    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
+        None => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|x| x as usize)
+                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
+    };
+    let intermediate = f.dim("intermediate_size")?;
+    let layers = (0..c.num_layers)
+        .map(|l| {
+            if !mlp_only.contains(&l) && n_experts > 0 && (l + 1) % step == 0 {
+                FfnKind::Moe
+            } else {
+                FfnKind::Dense { intermediate_size: intermediate }
+            }
+        })
+        .collect();
+    let moe = if n_experts > 0 {
+        let top_k = f.dim("num_experts_per_tok")?;
+        if top_k > n_experts {
+            return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds num_experts {n_experts}")));
+        }
+        Some(MoeSpec {
+            n_routed_experts: n_experts,
+            moe_intermediate_size: f.dim("moe_intermediate_size")?,
+            shared_intermediate_size: 0,
+            routing: RoutingRule {
+                scoring: ScoringFunc::Softmax,
+                topk: TopkMethod::Greedy,
+                top_k,
+                norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
+                routed_scaling_factor: 1.0,
+            },
+        })
+    } else {
+        None
+    };
+    Ok(ModelSpec {
+        arch: Arch::Qwen3Moe,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        num_layers: c.num_layers,
+        rms_norm_eps: c.rms_norm_eps,
+        tie_word_embeddings: c.tie_word_embeddings,
+        bos_token_id: c.bos_token_id,
+        eos_token_ids: c.eos_token_ids,
+        max_position_embeddings: c.max_position_embeddings,
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true },
+        rope,
+        softmax_scale: (head_dim as f64).powf(-0.5) as f32,
+        moe,
+        layers,
+        source_quant: parse_source_quant(f)?,
+        expert_source_bits: Vec::new(),
+    })
+}
