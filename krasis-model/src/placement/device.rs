@@ -39,12 +39,16 @@ pub struct DeviceChoice {
 }
 
 /// Chooses the engine for `config` (its CPU expert width already resolved, see
-/// [`crate::placement::precision::resolve_expert_bits`]; `cpu_asked`: the caller named one). `heatmap`: the
-/// routes recorded beside the caches, which rank the pinned experts of a hybrid engine.
+/// [`crate::placement::precision::resolve_expert_bits`]). `cpu_asked`: the caller named a CPU
+/// expert width; `cpu_precisions_asked`: the caller named a quantised CPU expert or dense width
+/// ([`EngineConfig::wants_cpu_precisions`] before resolving), which the whole-model GPU does not
+/// take. `heatmap`: the routes recorded beside the caches, which rank the pinned experts of a
+/// hybrid engine.
 pub fn choose_device(
     spec: &ModelSpec,
     config: &EngineConfig,
     cpu_asked: bool,
+    cpu_precisions_asked: bool,
     gpu: &GpuFound,
     heatmap: Option<PathBuf>,
 ) -> Result<DeviceChoice> {
@@ -65,7 +69,7 @@ pub fn choose_device(
             if let GpuFound::Absent(e) = gpu {
                 return Err(ModelError::Invalid(format!("`DevicePolicy::Gpu`: {e}")));
             }
-            if config.wants_cpu_precisions() {
+            if cpu_precisions_asked {
                 return Err(ModelError::Invalid(
                     "`DevicePolicy::Gpu` runs the whole model on the GPU; `EngineOptions::expert_bits`/`EngineOptions::dense_bits` apply to `DevicePolicy::Cpu` and `DevicePolicy::Hybrid`".into(),
                 ));
@@ -223,15 +227,22 @@ mod tests {
 
     #[test]
     fn auto_takes_the_cpu_without_a_gpu_and_says_why() {
-        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &GpuFound::Absent("no driver".into()), None)
-            .unwrap();
+        let c = choose_device(
+            &spec(),
+            &config(DevicePolicy::Auto),
+            false,
+            false,
+            &GpuFound::Absent("no driver".into()),
+            None,
+        )
+        .unwrap();
         assert_eq!(c.path, DevicePath::Cpu);
         assert!(c.why.contains("no GPU in use: no driver"), "{}", c.why);
     }
 
     #[test]
     fn auto_puts_the_whole_model_on_the_gpu_at_the_default_width_when_it_fits() {
-        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &BIG, None).unwrap();
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, false, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Gpu);
         assert_eq!(c.config.gpu.expert_bits, Some(krasis_quant::Bits::Int4));
         assert!(c.why.contains("INT4 experts") && c.why.contains("fits"), "{}", c.why);
@@ -243,14 +254,14 @@ mod tests {
     fn auto_takes_hybrid_with_pins_when_the_whole_model_does_not_fit() {
         let tiny = GpuFound::Usable { budget: 1 << 20 };
         let heat = Some(PathBuf::from("/cache/heatmap.json"));
-        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, &tiny, heat.clone()).unwrap();
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), false, false, &tiny, heat.clone()).unwrap();
         assert_eq!(c.path, DevicePath::Hybrid);
         assert!(c.why.contains("over the budget"), "{}", c.why);
         assert_eq!(c.config.gpu.expert_bits, Some(krasis_quant::Bits::Int4), "prefill streams at the CPU width");
         let plan = c.config.gpu.cache.expect("pins by default");
         assert_eq!((plan.strategy, plan.heatmap), (super::super::CacheStrategy::HotCachedStatic, heat));
         // A CPU width asked for keeps the experts on the CPU however big the GPU.
-        let c = choose_device(&spec(), &config(DevicePolicy::Auto), true, &BIG, None).unwrap();
+        let c = choose_device(&spec(), &config(DevicePolicy::Auto), true, true, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Hybrid);
         assert!(c.why.contains("was asked for"), "{}", c.why);
     }
@@ -259,27 +270,30 @@ mod tests {
     fn explicit_devices_do_as_told_and_refuse_what_they_cannot_take() {
         let absent = GpuFound::Absent("no driver".into());
         assert_eq!(
-            choose_device(&spec(), &config(DevicePolicy::Cpu), true, &absent, None).unwrap().path,
+            choose_device(&spec(), &config(DevicePolicy::Cpu), true, true, &absent, None).unwrap().path,
             DevicePath::Cpu
         );
-        let e = choose_device(&spec(), &config(DevicePolicy::Gpu), false, &absent, None).unwrap_err();
+        let e = choose_device(&spec(), &config(DevicePolicy::Gpu), false, false, &absent, None).unwrap_err();
         assert!(e.to_string().contains("no driver"), "{e}");
+        // The CPU expert width resolved from `auto` is not asking for the CPU path.
+        let c = choose_device(&spec(), &config(DevicePolicy::Gpu), false, false, &BIG, None).unwrap();
+        assert_eq!((c.path, c.config.gpu.expert_bits), (DevicePath::Gpu, Some(krasis_quant::Bits::Int4)));
         let mut gpu = config(DevicePolicy::Gpu);
         gpu.cpu.dense_bits = WeightBits::Int8;
-        let e = choose_device(&spec(), &gpu, false, &BIG, None).unwrap_err();
+        let e = choose_device(&spec(), &gpu, false, true, &BIG, None).unwrap_err();
         assert!(e.to_string().contains("`EngineOptions::dense_bits`"), "{e}");
         let mut cpu = config(DevicePolicy::Cpu);
         cpu.gpu_expert_width = WeightBits::Int4;
-        let e = choose_device(&spec(), &cpu, true, &absent, None).unwrap_err();
+        let e = choose_device(&spec(), &cpu, true, true, &absent, None).unwrap_err();
         assert!(e.to_string().contains("`EngineConfig::gpu_expert_width`"), "{e}");
         let mut cached = config(DevicePolicy::Auto);
         cached.gpu.cache =
             Some(super::super::CachePlan { strategy: super::super::CacheStrategy::Lru, heatmap: None, vram: None });
-        let e = choose_device(&spec(), &cached, true, &BIG, None).unwrap_err();
+        let e = choose_device(&spec(), &cached, true, true, &BIG, None).unwrap_err();
         assert!(e.to_string().contains("`GpuOptions::cache` lru needs `DevicePolicy::Hybrid`"), "{e}");
         let mut off = config(DevicePolicy::Hybrid);
         off.pin_leftover_vram = false;
-        let c = choose_device(&spec(), &off, true, &BIG, None).unwrap();
+        let c = choose_device(&spec(), &off, true, true, &BIG, None).unwrap();
         assert!(c.config.gpu.cache.is_none(), "pinning off");
     }
 }

@@ -132,7 +132,9 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
         DevicePolicy::Hybrid | DevicePolicy::Auto => recorded_heatmap(files, config.cpu.cache_dir.as_deref()),
         _ => None,
     };
-    let mut choice = crate::placement::choose_device(files.spec(), &resolved, cpu_asked, &gpu, heatmap)?;
+    let precisions_asked = config.wants_cpu_precisions();
+    let mut choice =
+        crate::placement::choose_device(files.spec(), &resolved, cpu_asked, precisions_asked, &gpu, heatmap)?;
     if tuned {
         choice.why = tune_note.take().unwrap_or_default();
     }
