@@ -10,6 +10,9 @@
 #   pins     hybrid decode after 512 tokens at PIN_BUDGET with the default pins against
 #            `--cache-strategy none`, alternating REPS times, spread evenly and then ranked by a
 #            heatmap recorded with `generate --heatmap-out` beside the caches; one profiled run each
+#   abcpu    the CPU-only figures of `ab` alone, each binary on a cache directory of its own (the
+#            two builds fingerprint the model differently, so a shared directory is rebuilt at
+#            every alternation); one unmeasured run each builds the caches first
 #   ab       this build against bin/krasis-before, alternating, REPS times: GPU INT4 prefill at
 #            2K and 8K and decode, hybrid decode after 512 tokens, CPU-only prefill and decode at 512
 # SECTIONS picks them (default: all, in that order). Log: $OUT/walk.log.
@@ -82,6 +85,15 @@ if has pins; then
     KRASIS_GPU_PROFILE=1 run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --prompt-tokens 512 --decode-tokens 64
     KRASIS_GPU_PROFILE=1 run 300 $K bench --model $M --device hybrid --vram-budget $PIN_BUDGET --cache-strategy none --prompt-tokens 512 --decode-tokens 64
     rm -f $H
+fi
+if has abcpu; then
+    cpu_bench() { run 300 $1 bench --model $M --device cpu --cpu-expert-bits 4 --cpu-dense-bits 8 --cache-dir $2 --prompt-tokens 512 --decode-tokens 32; }
+    T "building each binary's caches"
+    cpu_bench $KB /tmp/cache-before >/dev/null; cpu_bench $K /tmp/cache-after >/dev/null
+    for i in $(seq 1 "$REPS"); do
+        T "== krasis-before rep $i: CPU-only prefill and decode at 512"; cpu_bench $KB /tmp/cache-before
+        T "== krasis rep $i: CPU-only prefill and decode at 512"; cpu_bench $K /tmp/cache-after
+    done
 fi
 if has ab; then
     for i in $(seq 1 "$REPS"); do
