@@ -110,19 +110,10 @@ fn round_clamp_127(c: f32) -> i32 {
     (c + MAGIC).to_bits() as i32 - MAGIC_BITS
 }
 
-/// Software prefetch hint for the weight stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PrefetchHint {
-    /// No software prefetch (hardware prefetchers only).
-    None,
-    /// `prefetchnta`: into L1, bypassing (or marked first-out in) the outer caches. Measured
-    /// slower than no software prefetch at all on the Xeon (see [`DEFAULT_PREFETCH`]).
-    Nta,
-    /// `prefetcht0`: into all levels.
-    T0,
-    /// `prefetcht1`: into L2 and L3.
-    T1,
-}
+/// Software prefetch hint for the weight stream (`prefetchnta` was measured slower than no
+/// software prefetch at all on the Xeon, see [`DEFAULT_PREFETCH`]). The knob's type is the
+/// kernels' type: one enum.
+pub use krasis_core::knobs::PrefetchHint;
 
 /// Software prefetch of the weight stream: one prefetch per 64-byte line, `distance` bytes ahead
 /// of the line being read.
@@ -157,14 +148,8 @@ pub const DEFAULT_PREFETCH: Prefetch = Prefetch { hint: PrefetchHint::T0, distan
 pub fn active_prefetch() -> Prefetch {
     static P: std::sync::OnceLock<Prefetch> = std::sync::OnceLock::new();
     *P.get_or_init(|| {
-        use krasis_core::knobs::PrefetchHint as Knob;
         let Some(p) = krasis_core::knobs::knobs().prefetch else { return DEFAULT_PREFETCH };
-        let hint = match p.hint {
-            Knob::None => PrefetchHint::None,
-            Knob::Nta => PrefetchHint::Nta,
-            Knob::T0 => PrefetchHint::T0,
-            Knob::T1 => PrefetchHint::T1,
-        };
+        let hint = p.hint;
         Prefetch { hint, distance: p.distance.unwrap_or(DEFAULT_PREFETCH.distance) }
     })
 }
