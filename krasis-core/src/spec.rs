@@ -161,6 +161,25 @@ pub enum SourceQuant {
         block_rows: usize,
         block_cols: usize,
     },
+    /// compressed-tensors `pack-quantized` INT4 (Kimi-K2-Thinking, Kimi-K2.5): the quantised
+    /// linears store `weight_packed` (int32 words of eight 4-bit codes along the input dimension,
+    /// the first element in the least significant nibble, each code `q + 8` for `q` in
+    /// `[-8, 7]`), `weight_scale` (one scale per `group_size` inputs of a row) and `weight_shape`
+    /// (`[out, in]`) instead of `weight`; symmetric (no zero point), `w = q · scale`. The other
+    /// tensors keep their plain `weight`.
+    CompressedInt4 {
+        group_size: usize,
+    },
+}
+
+impl SourceQuant {
+    /// The group size of weights stored group-quantised to INT4 (compressed-tensors), if any.
+    pub fn stored_int4_group(&self) -> Option<usize> {
+        match *self {
+            SourceQuant::CompressedInt4 { group_size } => Some(group_size),
+            SourceQuant::None | SourceQuant::Fp8Block { .. } => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

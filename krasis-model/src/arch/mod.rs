@@ -289,9 +289,99 @@ fn parse_source_quant(f: &Fields) -> Result<SourceQuant> {
             };
             Ok(SourceQuant::Fp8Block { block_rows: r, block_cols: c })
         }
-        Some(other) => {
-            Err(f.err("quantization_config.quant_method", format!("`{other}` is not supported (supported: fp8)")))
-        }
+        Some("compressed-tensors") => parse_compressed_tensors(f, &s),
+        Some(other) => Err(f.err(
+            "quantization_config.quant_method",
+            format!("`{other}` is not supported (supported: fp8, compressed-tensors)"),
+        )),
         None => Err(f.err("quantization_config.quant_method", "missing")),
     }
+}
+
+/// compressed-tensors: the one variant Krasis reads is `pack-quantized` weight-only INT4
+/// (symmetric, per group along the input dimension), as Kimi-K2-Thinking and Kimi-K2.5 publish
+/// it. Which linears are quantised is read from the tensors themselves (`weight_packed` in place
+/// of `weight`), which is what `targets` / `ignore` select; every other variant is refused here,
+/// naming the field.
+fn parse_compressed_tensors(f: &Fields, s: &Fields) -> Result<SourceQuant> {
+    const Q: &str = "quantization_config";
+    let unsupported = |field: &str, found: String, want: &str| {
+        f.err(&format!("{Q}.{field}"), format!("{found} is not supported (Krasis reads {want})"))
+    };
+    match s.str_opt("format")? {
+        Some("pack-quantized") => {}
+        Some(other) => return Err(unsupported("format", format!("`{other}`"), "`pack-quantized`")),
+        None => return Err(f.err(&format!("{Q}.format"), "missing (expected `pack-quantized`)")),
+    }
+    if let Some(status) = s.str_opt("quantization_status")? {
+        if status != "compressed" {
+            return Err(unsupported("quantization_status", format!("`{status}`"), "`compressed`"));
+        }
+    }
+    if let Some(v) = s.present("kv_cache_scheme") {
+        return Err(unsupported("kv_cache_scheme", v.to_string(), "null (an unquantised KV cache)"));
+    }
+    let groups = match s.present("config_groups") {
+        Some(Value::Object(g)) if !g.is_empty() => g,
+        Some(v) => return Err(f.err(&format!("{Q}.config_groups"), format!("expected a non-empty object, found {v}"))),
+        None => return Err(f.err(&format!("{Q}.config_groups"), "missing")),
+    };
+    let mut group_size = None;
+    for (name, g) in groups {
+        let at = format!("config_groups.{name}");
+        let Some(obj) = g.as_object() else {
+            return Err(f.err(&format!("{Q}.{at}"), format!("expected an object, found {g}")));
+        };
+        let grp = Fields { path: f.path, obj };
+        for act in ["input_activations", "output_activations"] {
+            if let Some(v) = grp.present(act) {
+                return Err(unsupported(&format!("{at}.{act}"), v.to_string(), "null (weight-only quantisation)"));
+            }
+        }
+        let Some(Value::Object(w)) = grp.present("weights") else {
+            return Err(f.err(&format!("{Q}.{at}.weights"), "missing or not an object"));
+        };
+        let w = Fields { path: f.path, obj: w };
+        let wf = |field: &str| format!("{at}.weights.{field}");
+        match w.usize_opt("num_bits")? {
+            Some(4) => {}
+            Some(b) => return Err(unsupported(&wf("num_bits"), b.to_string(), "4")),
+            None => return Err(f.err(&format!("{Q}.{}", wf("num_bits")), "missing")),
+        }
+        match w.str_opt("type")? {
+            Some("int") => {}
+            Some(t) => return Err(unsupported(&wf("type"), format!("`{t}`"), "`int`")),
+            None => return Err(f.err(&format!("{Q}.{}", wf("type")), "missing")),
+        }
+        if !w.bool_or("symmetric", false)? {
+            return Err(unsupported(&wf("symmetric"), "an asymmetric scheme (zero points)".into(), "symmetric: true"));
+        }
+        match w.str_opt("strategy")? {
+            Some("group") => {}
+            Some(t) => return Err(unsupported(&wf("strategy"), format!("`{t}`"), "`group`")),
+            None => return Err(f.err(&format!("{Q}.{}", wf("strategy")), "missing")),
+        }
+        if w.bool_or("dynamic", false)? {
+            return Err(unsupported(&wf("dynamic"), "true".into(), "false"));
+        }
+        if let Some(v) = w.present("actorder") {
+            return Err(unsupported(&wf("actorder"), v.to_string(), "null (no activation reordering)"));
+        }
+        if let Some(v) = w.present("block_structure") {
+            return Err(unsupported(&wf("block_structure"), v.to_string(), "null"));
+        }
+        let gs = w.usize_opt("group_size")?.ok_or_else(|| f.err(&format!("{Q}.{}", wf("group_size")), "missing"))?;
+        if !gs.is_power_of_two() || !(32..=1024).contains(&gs) {
+            return Err(unsupported(&wf("group_size"), gs.to_string(), "a power of two from 32 to 1024"));
+        }
+        if group_size.is_some_and(|g| g != gs) {
+            return Err(unsupported(
+                &wf("group_size"),
+                format!("{gs} beside {}", group_size.unwrap_or(0)),
+                "one group size for all groups",
+            ));
+        }
+        group_size = Some(gs);
+    }
+    Ok(SourceQuant::CompressedInt4 { group_size: group_size.expect("config_groups is not empty") })
 }

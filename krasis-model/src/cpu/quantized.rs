@@ -204,6 +204,9 @@ pub(crate) struct ExpertShape {
 pub(crate) fn expert_shape(spec: &ModelSpec, group: usize) -> Result<ExpertShape> {
     let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
     let (hidden, inter) = (spec.hidden_size, moe.moe_intermediate_size);
+    // Experts stored group-quantised (compressed-tensors INT4) keep their groups: the stored
+    // INT4 then goes into the caches as it is, and a wider width uses the same groups.
+    let group = spec.source_quant.stored_int4_group().unwrap_or(group);
     let gs_h = group_size_for(hidden, group).map_err(|e| quant_err("hidden_size", e))?;
     let gs_i = group_size_for(inter, group).map_err(|e| quant_err("moe_intermediate_size", e))?;
     Ok(ExpertShape { hidden, inter, n_experts: moe.n_routed_experts, gs_h, gs_i })
@@ -273,12 +276,65 @@ pub(crate) fn expert_f32(
     Ok(([gate, up, down], p))
 }
 
-/// An expert's gate, up and down quantised by the caches' rule: `bits` per projection (w13, w2),
-/// groups of the header's sizes along K.
-pub(crate) fn quantize_expert(h: &CacheHeader, f: &[Vec<f32>; 3], w13: Bits, w2: Bits) -> [QuantizedMatrix; 3] {
-    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
-    let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
-    [quantize(&f[0], i, hid, w13, gs_h), quantize(&f[1], i, hid, w13, gs_h), quantize(&f[2], hid, i, w2, gs_i)]
+/// One routed expert as the expert caches read it: on a compressed-tensors INT4 source its
+/// stored INT4 groups ([`WeightLoader::stored_int4`]), and its f32 values, read only when a
+/// projection is not kept as stored.
+pub(crate) struct ExpertSource<'a> {
+    loader: &'a WeightLoader<'a>,
+    spec: &'a ModelSpec,
+    layer: usize,
+    e: usize,
+    inter: usize,
+    /// Gate, up and down as stored INT4 (each `None` when stored otherwise).
+    stored: [Option<QuantizedMatrix>; 3],
+    f32: std::cell::OnceCell<[Vec<f32>; 3]>,
+    /// The expert's tensor prefix, for messages.
+    pub what: String,
+}
+
+impl<'a> ExpertSource<'a> {
+    /// Expert `e` of model layer `layer` (intermediate size `inter`).
+    pub(crate) fn read(
+        loader: &'a WeightLoader<'a>,
+        spec: &'a ModelSpec,
+        layer: usize,
+        e: usize,
+        inter: usize,
+    ) -> Result<Self> {
+        let what = format!("{}.mlp.experts.{e}", crate::model::tensors::layer_prefix(layer));
+        let hid = spec.hidden_size;
+        let stored = [
+            loader.stored_int4(&format!("{what}.gate_proj.weight"), inter, hid)?,
+            loader.stored_int4(&format!("{what}.up_proj.weight"), inter, hid)?,
+            loader.stored_int4(&format!("{what}.down_proj.weight"), hid, inter)?,
+        ];
+        Ok(ExpertSource { loader, spec, layer, e, inter, stored, f32: Default::default(), what })
+    }
+
+    fn f32(&self) -> Result<&[Vec<f32>; 3]> {
+        if let Some(f) = self.f32.get() {
+            return Ok(f);
+        }
+        let (f, _) = expert_f32(self.loader, self.spec, self.layer, self.e, self.inter)?;
+        Ok(self.f32.get_or_init(|| f))
+    }
+
+    /// Gate, up and down at `w13` / `w2` bits in the groups of `h`: a projection stored as INT4
+    /// in exactly those groups is kept as stored (codes and scales unchanged, no
+    /// requantisation); every other one is quantised from its f32 values.
+    pub(crate) fn quantized(&self, h: &CacheHeader, w13: Bits, w2: Bits) -> Result<[QuantizedMatrix; 3]> {
+        let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+        let (gs_h, gs_i) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+        let want = [(i, hid, w13, gs_h), (i, hid, w13, gs_h), (hid, i, w2, gs_i)];
+        let mut out = Vec::with_capacity(3);
+        for (j, &(rows, k, bits, gs)) in want.iter().enumerate() {
+            match &self.stored[j] {
+                Some(m) if m.bits == bits && m.gs == gs && m.rows == rows && m.k == k => out.push(m.clone()),
+                _ => out.push(quantize(&self.f32()?[j], rows, k, bits, gs)),
+            }
+        }
+        Ok(out.try_into().expect("three projections"))
+    }
 }
 
 /// A CPU expert cache record of MoE layer `li` (`w13` then `w2`, at the layer's widths) from the
@@ -303,8 +359,8 @@ fn expert_record(
     e: usize,
 ) -> Result<Vec<u8>> {
     let bits = parts_bits(h, li)?;
-    let (f, p) = expert_f32(loader, spec, layer, e, h.intermediate as usize)?;
-    cpu_record(h, li, &quantize_expert(h, &f, bits.w13, bits.w2), &p)
+    let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
+    cpu_record(h, li, &x.quantized(h, bits.w13, bits.w2)?, &x.what)
 }
 
 /// Appended to errors that another cache directory would cure.

@@ -12,7 +12,7 @@ use krasis_gpu::moe::QuantExpertLayout;
 use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::cpu::quantized::{
-    cache_error, expert_f32, expert_shape, in_cache_dir, progress_bar, quant_err, quantize_expert, show_build,
+    cache_error, expert_shape, in_cache_dir, progress_bar, quant_err, show_build, ExpertSource,
 };
 use crate::error::Result;
 use crate::model::weights::WeightLoader;
@@ -81,8 +81,8 @@ pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
         let layer = header.moe_layers[li] as usize;
         let record = || {
-            let (f, what) = expert_f32(&loader, spec, layer, e, header.intermediate as usize)?;
-            plan.record(&quantize_expert(header, &f, plan.bits, plan.bits), e, &what)
+            let x = ExpertSource::read(&loader, spec, layer, e, header.intermediate as usize)?;
+            plan.record(&x.quantized(header, plan.bits, plan.bits)?, e, &x.what)
         };
         record().map_err(|err| err.to_string())
     };

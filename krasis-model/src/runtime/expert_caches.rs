@@ -10,8 +10,7 @@ use krasis_cache::{build_many, CacheHeader, CacheOutcome, LoadOptions};
 use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::cpu::quantized::{
-    cache_error, cache_path, cpu_record, expected_cache_header, expert_f32, parts_bits, progress_bar, quantize_expert,
-    show_build,
+    cache_error, cache_path, cpu_record, expected_cache_header, parts_bits, progress_bar, show_build, ExpertSource,
 };
 use crate::error::Result;
 use crate::gpu::expert_cache::GpuCachePlan;
@@ -105,7 +104,8 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
         let produce = |li: usize, e: usize| -> std::result::Result<Vec<Vec<u8>>, String> {
             let make = || -> Result<Vec<Vec<u8>>> {
                 let layer = first.moe_layers[li] as usize;
-                let (f, what) = expert_f32(&loader, spec, layer, e, first.intermediate as usize)?;
+                let x = ExpertSource::read(&loader, spec, layer, e, first.intermediate as usize)?;
+                let what = &x.what;
                 // Quantised once per width pair, packed once per cache.
                 let mut quantised: Vec<(QuantKey, [QuantizedMatrix; 3])> = Vec::new();
                 let mut records = Vec::with_capacity(stale.len());
@@ -117,14 +117,14 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
                     let at = match quantised.iter().position(|(k, _)| *k == key) {
                         Some(at) => at,
                         None => {
-                            quantised.push((key, quantize_expert(h, &f, w13, w2)));
+                            quantised.push((key, x.quantized(h, w13, w2)?));
                             quantised.len() - 1
                         }
                     };
                     let q = &quantised[at].1;
                     records.push(match t {
-                        Target::Cpu(h) => cpu_record(h, li, q, &what)?,
-                        Target::Gpu(p) => p.record(q, e, &what)?,
+                        Target::Cpu(h) => cpu_record(h, li, q, what)?,
+                        Target::Gpu(p) => p.record(q, e, what)?,
                     });
                 }
                 Ok(records)
