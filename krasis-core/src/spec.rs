@@ -3,7 +3,8 @@
 //! appear: krasis-model parses configs into it, the CPU and GPU crates take its rule types directly
 //! (no mirror enums), and nothing downstream matches on model names.
 
-/// Supported architectures (the `model_type` values of `config.json`).
+/// Supported architectures. Kimi-K2 and K2-Thinking (`model_type` `kimi_k2`) and the text model
+/// of Kimi-K2.5 (`kimi_k25`, nested in `text_config`) are [`Arch::DeepseekV3`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     DeepseekV2,
@@ -12,7 +13,8 @@ pub enum Arch {
 }
 
 impl Arch {
-    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe"];
+    /// The `model_type` values of `config.json` Krasis reads.
+    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe", "kimi_k2", "kimi_k25"];
 
     pub fn model_type(self) -> &'static str {
         match self {

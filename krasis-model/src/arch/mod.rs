@@ -100,9 +100,32 @@ impl<'a> Fields<'a> {
 const MODEL_LAYOUT: &str = "a model is a Hugging Face-style directory holding config.json, the *.safetensors weights \
      (with model.safetensors.index.json when split) and tokenizer.json, or a GGUF file (*.gguf)";
 
+/// What a checkpoint's `config.json` (and `generation_config.json`) say: the [`ModelSpec`], and
+/// where the text model's tensors are in the weight files.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckpointConfig {
+    pub spec: ModelSpec,
+    /// The prefix every tensor of the text model carries in the weight files (`language_model.`
+    /// for Kimi-K2.5, whose `config.json` nests the text model in `text_config`); the canonical
+    /// name is what follows it. Empty when the stored names are the canonical ones.
+    pub tensor_prefix: &'static str,
+    /// What Krasis leaves out of the checkpoint, one sentence each (the vision tower of a
+    /// vision-language model), for the caller to show.
+    pub notes: Vec<String>,
+}
+
 /// Read and parse `<dir>/config.json`. A path that is a file, or a directory without
 /// `config.json`, is an error saying what a model directory holds.
+///
+/// `generation_config.json`, when present, gives the end-of-sequence ids generation stops at:
+/// its `eos_token_id` replaces `config.json`'s (as transformers' `generate` uses it; Kimi-K2's
+/// end of turn, `<|im_end|>`, is only there).
 pub fn load_config(dir: &Path) -> Result<ModelSpec> {
+    Ok(load_checkpoint_config(dir)?.spec)
+}
+
+/// [`load_config`], with what the configuration says about the weight files' layout.
+pub fn load_checkpoint_config(dir: &Path) -> Result<CheckpointConfig> {
     if dir.is_file() {
         let hint = match dir.parent().filter(|p| !p.as_os_str().is_empty() && p.join("config.json").is_file()) {
             Some(parent) => format!("; give its directory {}", parent.display()),
@@ -124,11 +147,44 @@ pub fn load_config(dir: &Path) -> Result<ModelSpec> {
         }
         Err(e) => return Err(ModelError::io(&path, e)),
     };
-    parse_config(&text, &path)
+    let mut cfg = parse_checkpoint_config(&text, &path)?;
+    let gen_path = dir.join("generation_config.json");
+    match std::fs::read_to_string(&gen_path) {
+        Ok(gen) => {
+            if let Some(eos) = parse_generation_eos(&gen, &gen_path)? {
+                cfg.spec.eos_token_ids = eos;
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(ModelError::io(&gen_path, e)),
+    }
+    Ok(cfg)
+}
+
+/// The `eos_token_id` of a `generation_config.json` (an id or a list of ids); `None` when it
+/// names none (absent, null or an empty list: `config.json`'s ids stay).
+pub fn parse_generation_eos(text: &str, path: &Path) -> Result<Option<Vec<u32>>> {
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| ModelError::Json { path: path.to_path_buf(), msg: e.to_string() })?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| ModelError::Json { path: path.to_path_buf(), msg: "top level is not a JSON object".into() })?;
+    let ids = Fields { path, obj }.token_ids("eos_token_id")?;
+    Ok((!ids.is_empty()).then_some(ids))
 }
 
 /// Parse config text (`path` is only used in messages).
 pub fn parse_config(text: &str, path: &Path) -> Result<ModelSpec> {
+    Ok(parse_checkpoint_config(text, path)?.spec)
+}
+
+/// Parse config text into the spec and the weight layout (`path` is only used in messages).
+///
+/// `model_type` picks the family. `kimi_k2` (Kimi-K2, K2-Thinking: `DeepseekV3ForCausalLM`)
+/// is DeepSeek-V3. `kimi_k25` (Kimi-K2.5) is a vision-language wrapper: the text model is read
+/// from its `text_config` (errors there name `text_config.<field>`), its tensors are under
+/// `language_model.`, and the vision tower is left out with a note.
+pub fn parse_checkpoint_config(text: &str, path: &Path) -> Result<CheckpointConfig> {
     let value: Value =
         serde_json::from_str(text).map_err(|e| ModelError::Json { path: path.to_path_buf(), msg: e.to_string() })?;
     let obj = value
@@ -136,22 +192,63 @@ pub fn parse_config(text: &str, path: &Path) -> Result<ModelSpec> {
         .ok_or_else(|| ModelError::Json { path: path.to_path_buf(), msg: "top level is not a JSON object".into() })?;
     let f = Fields { path, obj };
     let model_type = f.str_opt("model_type")?.ok_or_else(|| f.err("model_type", "missing"))?;
-    let arch = match model_type {
-        "deepseek_v2" => Arch::DeepseekV2,
-        "deepseek_v3" => Arch::DeepseekV3,
-        "qwen3_moe" => Arch::Qwen3Moe,
+    if model_type == "kimi_k25" {
+        return parse_kimi_k25(&f);
+    }
+    let spec = parse_text_model(&f, model_type).ok_or_else(|| ModelError::UnsupportedArch {
+        path: path.to_path_buf(),
+        found: model_type.to_string(),
+        supported: Arch::SUPPORTED.join(", "),
+    })??;
+    Ok(CheckpointConfig { spec, tensor_prefix: "", notes: Vec::new() })
+}
+
+/// The text model of a `model_type` (`None`: not a text family Krasis runs).
+fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
+    Some(match model_type {
+        "deepseek_v2" => deepseek::parse(f, Arch::DeepseekV2),
+        "deepseek_v3" | "kimi_k2" => deepseek::parse(f, Arch::DeepseekV3),
+        "qwen3_moe" => qwen3_moe::parse(f),
+        _ => return None,
+    })
+}
+
+/// Kimi-K2.5: the text model is `text_config` (a Kimi-K2, so DeepSeek-V3 semantics), its tensors
+/// are under `language_model.`; `vision_config` and the vision tower's tensors are not read.
+fn parse_kimi_k25(f: &Fields) -> Result<CheckpointConfig> {
+    let text = match f.present("text_config") {
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(f.err("text_config", format!("expected an object, found {v}"))),
+        None => return Err(f.err("text_config", "missing (kimi_k25 nests its text model there)")),
+    };
+    let t = Fields { path: f.path, obj: text };
+    let nested = |e: ModelError| match e {
+        ModelError::Config { path, field, msg } => {
+            ModelError::Config { path, field: format!("text_config.{field}"), msg }
+        }
+        e => e,
+    };
+    // The text model of the published K2.5 is a Kimi-K2; `model_type` may be absent (the
+    // architecture then says DeepSeek-V3).
+    let text_type = t.str_opt("model_type").map_err(nested)?.unwrap_or("kimi_k2");
+    let spec = match text_type {
+        "kimi_k2" | "deepseek_v3" => deepseek::parse(&t, Arch::DeepseekV3).map_err(nested)?,
         other => {
-            return Err(ModelError::UnsupportedArch {
-                path: path.to_path_buf(),
-                found: other.to_string(),
-                supported: Arch::SUPPORTED.join(", "),
-            })
+            return Err(f.err(
+                "text_config.model_type",
+                format!("`{other}` is not a text model of kimi_k25 that Krasis runs (supported: kimi_k2, deepseek_v3)"),
+            ))
         }
     };
-    match arch {
-        Arch::DeepseekV2 | Arch::DeepseekV3 => deepseek::parse(&f, arch),
-        Arch::Qwen3Moe => qwen3_moe::parse(&f),
-    }
+    let notes = match f.present("vision_config") {
+        None => Vec::new(),
+        Some(_) => vec![format!(
+            "{}: kimi_k25 is a vision-language model; Krasis runs its text model (`text_config`) only: \
+             the vision tower (`vision_config`, tensors `vision_tower.*` and `mm_projector.*`) is not loaded",
+            f.path.display()
+        )],
+    };
+    Ok(CheckpointConfig { spec, tensor_prefix: "language_model.", notes })
 }
 
 struct Common {

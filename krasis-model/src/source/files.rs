@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::arch::load_config;
+use crate::arch::load_checkpoint_config;
 use crate::error::{ModelError, Result};
 use crate::source::gguf::{spec_from_gguf, GgufModel, GgufSource};
 use crate::source::{fnv1a, SafetensorsDir, WeightSource};
@@ -23,6 +23,8 @@ pub struct ModelFiles {
     codec: OnceLock<Arc<TextCodec>>,
     /// The GGUF model when the weights are one (its metadata carries the tokenizer).
     gguf: Option<Arc<GgufModel>>,
+    /// What was left out of the checkpoint (see [`ModelFiles::notes`]).
+    notes: Vec<String>,
 }
 
 /// Whether `path` names a GGUF file (by extension; the magic is checked on open).
@@ -39,21 +41,35 @@ impl ModelFiles {
     /// A path ending in `.gguf` opens a GGUF model instead (any split of a split model opens
     /// all of them): the spec from its metadata, the weights by llama.cpp's names mapped to the
     /// canonical ones, the tokenizer and chat template from `tokenizer.*` metadata.
+    ///
+    /// A vision-language checkpoint whose configuration nests the text model (Kimi-K2.5's
+    /// `text_config`) opens as its text model: the tensors under its prefix (`language_model.`)
+    /// are served by their canonical names, and [`ModelFiles::notes`] says what was left out.
     pub fn open(path: &Path) -> Result<ModelFiles> {
         if is_gguf_path(path) {
             return Self::open_gguf(path);
         }
-        let spec = load_config(path)?;
-        let weights = SafetensorsDir::open(path)?;
+        let cfg = load_checkpoint_config(path)?;
+        let weights = SafetensorsDir::open_with_prefix(path, cfg.tensor_prefix)?;
         let fingerprint = safetensors_fingerprint(path, &weights)?;
+        for note in &cfg.notes {
+            tracing::info!("{note}");
+        }
         Ok(ModelFiles {
             path: path.to_path_buf(),
-            spec,
+            spec: cfg.spec,
             source: Arc::new(weights),
             fingerprint,
             codec: OnceLock::new(),
             gguf: None,
+            notes: cfg.notes,
         })
+    }
+
+    /// What Krasis leaves out of this checkpoint, one sentence each (the vision tower of a
+    /// vision-language model); empty for most models.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
     }
 
     fn open_gguf(path: &Path) -> Result<ModelFiles> {
@@ -68,6 +84,7 @@ impl ModelFiles {
             fingerprint,
             codec: OnceLock::new(),
             gguf: Some(model),
+            notes: Vec::new(),
         })
     }
 
@@ -189,7 +206,7 @@ mod tests {
         synthesize(&SynthOptions { layers: Some(2), ..SynthOptions::new(Preset::Tiny, &out) }).unwrap();
         let files = ModelFiles::open(&out).unwrap();
         assert_eq!(files.path(), out);
-        assert_eq!(files.spec(), &load_config(&out).unwrap());
+        assert_eq!(files.spec(), &crate::arch::load_config(&out).unwrap());
         assert!(files.weights().contains("model.embed_tokens.weight"));
         // The configuration, the weight files' names and headers, and their contents' identity.
         let cfg = std::fs::read(out.join("config.json")).unwrap();

@@ -5,6 +5,9 @@ pub mod files;
 pub mod gguf;
 mod safetensors;
 
+#[cfg(test)]
+mod kimi_layout_tests;
+
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -155,15 +155,28 @@ impl SafetensorsFile {
 }
 
 /// A model directory: `model.safetensors`, or shards listed by `model.safetensors.index.json`,
-/// or (failing both) every `*.safetensors` file in it.
+/// or (failing both) every `*.safetensors` file in it. Shard names are taken as they are (Kimi-K2
+/// names them `model-1-of-61.safetensors`, without zero padding); the files are kept in shard
+/// order (numbers in names compare by value).
 pub struct SafetensorsDir {
     dir: PathBuf,
     files: Vec<SafetensorsFile>,
-    index: HashMap<String, usize>,
+    /// Canonical name → the file holding it, and its stored name where that differs (under the
+    /// tensor prefix).
+    index: HashMap<String, (usize, Option<String>)>,
 }
 
 impl SafetensorsDir {
+    /// Opens the directory's weights under their stored names.
     pub fn open(dir: &Path) -> Result<Self> {
+        Self::open_with_prefix(dir, "")
+    }
+
+    /// Opens the directory's weights; a tensor stored as `<prefix><name>` is served as `name`
+    /// (Kimi-K2.5 stores its text model under `language_model.`). Tensors without the prefix
+    /// keep their names (a vision tower beside the text model; nothing reads them), unless a
+    /// prefixed tensor of the same canonical name exists, which wins.
+    pub fn open_with_prefix(dir: &Path, prefix: &str) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::MissingDir(dir.to_path_buf()));
         }
@@ -208,12 +221,21 @@ impl SafetensorsDir {
         if paths.is_empty() {
             return Err(ModelError::Invalid(format!("{}: no *.safetensors weight files found", dir.display())));
         }
-        paths.sort();
+        paths.sort_by(|a, b| natural_cmp(&a.to_string_lossy(), &b.to_string_lossy()));
         let files = paths.iter().map(|p| SafetensorsFile::open(p)).collect::<Result<Vec<_>>>()?;
-        let mut index = HashMap::new();
+        let mut index: HashMap<String, (usize, Option<String>)> = HashMap::new();
         for (i, f) in files.iter().enumerate() {
             for n in f.names() {
-                index.insert(n.to_string(), i);
+                match n.strip_prefix(prefix).filter(|_| !prefix.is_empty()) {
+                    Some(canonical) => {
+                        index.insert(canonical.to_string(), (i, Some(n.to_string())));
+                    }
+                    None => {
+                        if !index.get(n).is_some_and(|(_, stored)| stored.is_some()) {
+                            index.insert(n.to_string(), (i, None));
+                        }
+                    }
+                }
             }
         }
         Ok(SafetensorsDir { dir: dir.to_path_buf(), files, index })
@@ -233,9 +255,46 @@ impl SafetensorsDir {
         &self.files
     }
 
+    /// The file holding the tensor of canonical name `name`.
     pub fn file_of(&self, name: &str) -> Option<&SafetensorsFile> {
-        self.index.get(name).map(|&i| &self.files[i])
+        self.index.get(name).map(|&(i, _)| &self.files[i])
     }
+
+    /// The name under which the tensor of canonical name `name` is stored.
+    pub fn stored_name<'a>(&'a self, name: &'a str) -> Option<&'a str> {
+        self.index.get(name).map(|(_, stored)| stored.as_deref().unwrap_or(name))
+    }
+}
+
+/// Orders names with the numbers in them compared by value (`model-2-of-12` before
+/// `model-10-of-12`); zero-padded names keep their plain order.
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    fn chunks(s: &str) -> Vec<(bool, &str)> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let bytes = s.as_bytes();
+        for i in 1..=bytes.len() {
+            if i == bytes.len() || bytes[i].is_ascii_digit() != bytes[start].is_ascii_digit() {
+                out.push((bytes[start].is_ascii_digit(), &s[start..i]));
+                start = i;
+            }
+        }
+        out
+    }
+    let (ca, cb) = (chunks(a), chunks(b));
+    for (x, y) in ca.iter().zip(&cb) {
+        let ord = match (x, y) {
+            ((true, dx), (true, dy)) => {
+                let (tx, ty) = (dx.trim_start_matches('0'), dy.trim_start_matches('0'));
+                tx.len().cmp(&ty.len()).then_with(|| tx.cmp(ty)).then_with(|| dx.len().cmp(&dy.len()))
+            }
+            ((_, sx), (_, sy)) => sx.cmp(sy),
+        };
+        if ord != std::cmp::Ordering::Equal {
+            return ord;
+        }
+    }
+    ca.len().cmp(&cb.len())
 }
 
 impl WeightSource for SafetensorsDir {
@@ -249,7 +308,8 @@ impl WeightSource for SafetensorsDir {
 
     fn tensor(&self, name: &str) -> Result<StoredTensor> {
         self.file_of(name)
-            .and_then(|f| f.stored(name))
+            .zip(self.stored_name(name))
+            .and_then(|(f, stored)| f.stored(stored))
             .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })
     }
 
@@ -262,5 +322,71 @@ impl WeightSource for SafetensorsDir {
         for f in &self.files {
             super::release_mapping(&f.map);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_names_order_by_their_numbers_padded_or_not() {
+        let mut names: Vec<String> = (1..=12).rev().map(|k| format!("model-{k}-of-12.safetensors")).collect();
+        names.sort_by(|a, b| natural_cmp(a, b));
+        let want: Vec<String> = (1..=12).map(|k| format!("model-{k}-of-12.safetensors")).collect();
+        assert_eq!(names, want);
+        let mut padded: Vec<String> = (1..=12).rev().map(|k| format!("model-{k:05}-of-00012.safetensors")).collect();
+        let mut plain = padded.clone();
+        padded.sort_by(|a, b| natural_cmp(a, b));
+        plain.sort();
+        assert_eq!(padded, plain);
+        assert_eq!(natural_cmp("a-01", "a-1"), std::cmp::Ordering::Greater);
+        assert_eq!(natural_cmp("model.safetensors", "model.safetensors"), std::cmp::Ordering::Equal);
+    }
+
+    /// Twelve unpadded shards with no index: every tensor found, the files in shard order.
+    #[test]
+    fn unpadded_shards_without_an_index_are_all_found_in_order() {
+        let tmp = tempfile::tempdir().unwrap();
+        for k in 1..=12 {
+            let name = format!("t{k}");
+            let header = format!(r#"{{"{name}":{{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}}}"#);
+            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+            bytes.extend_from_slice(header.as_bytes());
+            bytes.extend_from_slice(&(k as f32).to_le_bytes());
+            std::fs::write(tmp.path().join(format!("model-{k}-of-12.safetensors")), bytes).unwrap();
+        }
+        let dir = SafetensorsDir::open(tmp.path()).unwrap();
+        let files: Vec<String> =
+            dir.files().iter().map(|f| f.path().file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(files, (1..=12).map(|k| format!("model-{k}-of-12.safetensors")).collect::<Vec<_>>());
+        for k in 1..=12 {
+            let t = dir.tensor(&format!("t{k}")).unwrap();
+            assert_eq!(t.view().to_f32_vec().unwrap(), vec![k as f32]);
+        }
+    }
+
+    /// Under a prefix, prefixed tensors answer to their canonical names; the others keep theirs.
+    #[test]
+    fn a_tensor_prefix_maps_stored_names_to_canonical_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let header = r#"{"language_model.model.norm.weight":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},
+            "model.norm.weight":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},
+            "vision_tower.w":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        for x in [1.0f32, 2.0, 3.0] {
+            bytes.extend_from_slice(&x.to_le_bytes());
+        }
+        std::fs::write(tmp.path().join("model.safetensors"), bytes).unwrap();
+        let value = |d: &SafetensorsDir, n: &str| d.tensor(n).unwrap().view().to_f32_vec().unwrap()[0];
+        let dir = SafetensorsDir::open_with_prefix(tmp.path(), "language_model.").unwrap();
+        assert_eq!(value(&dir, "model.norm.weight"), 1.0, "the prefixed tensor wins");
+        assert_eq!(dir.stored_name("model.norm.weight"), Some("language_model.model.norm.weight"));
+        assert_eq!(value(&dir, "vision_tower.w"), 3.0);
+        assert!(!dir.contains("language_model.model.norm.weight"));
+        let plain = SafetensorsDir::open(tmp.path()).unwrap();
+        assert_eq!(value(&plain, "model.norm.weight"), 2.0);
+        assert_eq!(value(&plain, "language_model.model.norm.weight"), 1.0);
     }
 }
