@@ -9,10 +9,19 @@
 //! `|w| / s ≤ qmax` holds exactly and nothing clips. f16 has an 11-bit significand (bf16: 8), so
 //! rounding the scale up moves it by at most 2⁻¹⁰ relative — the reconstruction grid is stretched
 //! by < 0.1%, far below the quantisation step itself (1/7 or 1/127 of the group's range); with
-//! bf16 the stretch would be up to 0.8%, a visible fraction of an INT8 step. f16's range
-//! (6e-8 … 65504 per scale, i.e. weights up to ~4.6e5 at INT4) is ample for model weights; a
-//! scale beyond it saturates at `f16::MAX` (and then values clip), one below the subnormal range
-//! rounds up to the smallest subnormal. An all-zero group has scale 0 and q 0.
+//! bf16 the stretch would be up to 0.8%, a visible fraction of an INT8 step. An all-zero group has
+//! scale 0 and q 0.
+//!
+//! **Range.** f16 scales run from [`MIN_SCALE`] (2⁻²⁴ ≈ 5.96e-8, the smallest subnormal) to
+//! 65504. A scale beyond the top saturates at `f16::MAX` (values then clip). Below 2⁻¹⁴ the scale
+//! is an f16 subnormal, stored and read exactly (the half crate and the kernels' F16C/AVX-512
+//! conversions keep subnormals); its spacing is 2⁻²⁴, so rounding up costs at most 2⁻²⁵ ≈ 3e-8
+//! of extra error per weight and keeps at least half of the `qmax` levels. A group whose ideal
+//! scale (`amax / qmax`) is below 2⁻²⁴ cannot be held: its scale is raised to 2⁻²⁴, the group
+//! keeps only `round(amax / 2⁻²⁴)` of its `qmax` levels, and weights below 2⁻²⁵ become 0 (all of
+//! them when `amax` < 2⁻²⁵, about 3e-8). [`Underflow::of`] finds such groups in a quantised
+//! matrix, so the caller can say so (the model's cache builds warn, naming the tensor): the
+//! loss is never silent.
 
 use half::f16;
 
@@ -135,7 +144,74 @@ impl QuantizedMatrix {
     }
 }
 
-/// The f16 scale for a group whose largest magnitude is `amax`: the smallest f16 ≥ amax / qmax.
+/// The smallest positive f16 scale, 2⁻²⁴ (a subnormal): the floor a nonzero group's scale is
+/// raised to when its ideal scale is smaller (see the module notes on range).
+pub const MIN_SCALE: f16 = f16::from_bits(1);
+
+/// Groups of a quantised matrix whose weights are too small for an f16 scale: their ideal scale
+/// (`amax / qmax`) is below [`MIN_SCALE`], so the stored scale was raised to it and the group
+/// keeps fewer than `qmax` levels. Counted by [`Underflow::of`], summed with [`Underflow::add`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Underflow {
+    /// Groups looked at (all groups of the matrices counted).
+    pub groups: u64,
+    /// Groups whose scale is [`MIN_SCALE`] and whose largest `|q|` is below `qmax`: precision
+    /// lost to the f16 range (the zeroed ones included).
+    pub clamped: u64,
+    /// Of those, groups with a nonzero weight that quantised to all zeros: the group is lost.
+    pub zeroed: u64,
+    /// The first clamped group (row-major order): its row, group index, and largest `|q|` (the
+    /// levels it kept; 0 when zeroed).
+    pub first: Option<UnderflowAt>,
+}
+
+/// Where a clamped group is, in [`Underflow::first`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnderflowAt {
+    pub row: usize,
+    pub group: usize,
+    /// Largest `|q|` in the group: the levels it kept of `qmax`.
+    pub levels: u32,
+}
+
+impl Underflow {
+    /// The clamped groups of `m`. A group is clamped exactly when its stored scale is
+    /// [`MIN_SCALE`] and its largest `|q|` is below `qmax` (a group whose ideal scale is at least
+    /// `MIN_SCALE` reaches `qmax`, and an all-zero group has scale 0); it is zeroed when every
+    /// `q` is then 0. Needs only the quantised matrix, so packed caches can be checked too.
+    pub fn of(m: &QuantizedMatrix) -> Underflow {
+        let (ng, qmax) = (m.groups(), m.bits.qmax() as u32);
+        let mut u = Underflow { groups: (m.rows * ng) as u64, ..Underflow::default() };
+        for (i, s) in m.scales.iter().enumerate() {
+            if *s != MIN_SCALE {
+                continue;
+            }
+            let (row, group) = (i / ng, i % ng);
+            let start = row * m.k + group * m.gs;
+            let levels = m.q[start..start + m.gs].iter().map(|&v| v.unsigned_abs() as u32).max().unwrap_or(0);
+            if levels >= qmax {
+                continue;
+            }
+            u.clamped += 1;
+            u.zeroed += (levels == 0) as u64;
+            u.first.get_or_insert(UnderflowAt { row, group, levels });
+        }
+        u
+    }
+
+    /// Adds `other`'s counts; `first` stays the earlier one (this one's when both have one).
+    pub fn add(&mut self, other: &Underflow) {
+        self.groups += other.groups;
+        self.clamped += other.clamped;
+        self.zeroed += other.zeroed;
+        if self.first.is_none() {
+            self.first = other.first;
+        }
+    }
+}
+
+/// The f16 scale for a group whose largest magnitude is `amax`: the smallest f16 ≥ amax / qmax
+/// (at least [`MIN_SCALE`] for a nonzero group).
 pub fn scale_for(amax: f32, bits: Bits) -> f16 {
     if amax.is_nan() || amax <= 0.0 {
         return f16::ZERO;
@@ -272,6 +348,75 @@ mod tests {
         assert_eq!(m.scales[0], f16::ZERO);
         assert!(m.q[..32].iter().all(|&v| v == 0));
         assert!(m.scales[1].to_f32() > 0.0);
+    }
+
+    /// A group of tiny weights (largest |w| 2e-7, below the 7.6e-6 an INT8 group needs to keep
+    /// its 127 levels with an f16 scale; 2e-8 at INT4 is below the 3e-8 where weights become 0):
+    /// the quantiser keeps what f16 can (a subnormal scale, read back exactly) and
+    /// [`Underflow::of`] reports the loss, which used to go unseen.
+    #[test]
+    fn tiny_groups_are_reported_not_silent() {
+        let k = 64;
+        // Row 0: group 0 ordinary, group 1 tiny. Row 1: group 0 tiny, group 1 all zeros.
+        let mut w = data(2 * k, 9, 0.5);
+        w[32..64].copy_from_slice(&data(32, 10, 2e-7));
+        w[64..96].copy_from_slice(&data(32, 11, 2e-7));
+        w[96..128].iter_mut().for_each(|v| *v = 0.0);
+        let m = quantize(&w, 2, k, Bits::Int8, 32);
+        assert_eq!(m.scales[1], MIN_SCALE, "the scale is raised to the smallest subnormal");
+        let d = dequantize(&m);
+        // What f16 can hold is kept: the tiny group is not zeros, and within half a step of 2^-24.
+        assert!(d[32..64].iter().any(|&v| v != 0.0));
+        for (a, b) in w[32..64].iter().zip(&d[32..64]) {
+            assert!((a - b).abs() <= MIN_SCALE.to_f32() * 0.5 * (1.0 + 1e-6), "{a} vs {b}");
+        }
+        let u = Underflow::of(&m);
+        assert_eq!((u.groups, u.clamped, u.zeroed), (4, 2, 0), "{u:?}");
+        let first = u.first.expect("a clamped group");
+        assert_eq!((first.row, first.group), (0, 1));
+        // 2e-7 / 2^-24 ≈ 3.4: about 3 of 127 levels kept.
+        assert!((1..=4).contains(&first.levels), "{first:?}");
+
+        // Below 2^-25 the whole group is zeros: counted as zeroed.
+        let mut w = data(k, 12, 0.5);
+        w[32..64].copy_from_slice(&data(32, 13, 2e-8));
+        let m = quantize(&w, 1, k, Bits::Int4, 32);
+        assert!(m.q[32..64].iter().all(|&v| v == 0));
+        let u = Underflow::of(&m);
+        assert_eq!((u.groups, u.clamped, u.zeroed), (2, 1, 1), "{u:?}");
+        assert_eq!(u.first, Some(UnderflowAt { row: 0, group: 1, levels: 0 }));
+
+        // An ordinary matrix, and a group whose ideal scale is just 2^-24, report nothing.
+        assert_eq!(Underflow::of(&quantize(&data(4 * k, 14, 1e-3), 4, k, Bits::Int8, 32)).clamped, 0);
+        let mut w = vec![0f32; 32];
+        w[3] = 127.0 * MIN_SCALE.to_f32();
+        let m = quantize(&w, 1, 32, Bits::Int8, 32);
+        assert_eq!((m.scales[0], m.q[3]), (MIN_SCALE, 127));
+        assert_eq!(Underflow::of(&m).clamped, 0);
+
+        let mut sum = Underflow::default();
+        sum.add(&Underflow::of(&m));
+        sum.add(&u);
+        assert_eq!((sum.groups, sum.clamped, sum.zeroed, sum.first), (3, 1, 1, u.first));
+    }
+
+    /// Subnormal scales (ideal scale between 2^-24 and 2^-14) keep at least half the levels and
+    /// add at most 2^-25 to the error bound of an ideal scale.
+    #[test]
+    fn subnormal_scales_lose_at_most_one_bit() {
+        for bits in [Bits::Int4, Bits::Int8] {
+            for e in [-24.0f32, -23.7, -22.0, -19.5, -16.0, -14.2] {
+                let t = 2f32.powf(e);
+                let mut w = data(32, e.to_bits() as u64, t * bits.qmax() as f32);
+                w[5] = t * bits.qmax() as f32;
+                let m = quantize(&w, 1, 32, bits, 32);
+                let s = m.scales[0].to_f32();
+                assert!(s >= t && s <= t + MIN_SCALE.to_f32(), "{bits:?} 2^{e}: scale {s}");
+                assert_eq!(Underflow::of(&m).clamped, 0, "{bits:?} 2^{e}");
+                let kept = m.q.iter().map(|v| v.unsigned_abs() as i32).max().unwrap();
+                assert!(2 * kept >= bits.qmax(), "{bits:?} 2^{e}: {kept} levels");
+            }
+        }
     }
 
     proptest! {

@@ -251,8 +251,11 @@ pub fn open_dense_cache(
     let (header, plans) = expected_dense_header(spec, files.fingerprint(), bits, group)?;
     let path = dense_cache_path(files, cache_dir, bits, group);
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
+    let underflow = crate::cpu::underflow::UnderflowLog::new();
     let produce = |i: usize| -> std::result::Result<Vec<u8>, String> {
-        plans[i].produce(&loader, bits, group).map_err(|err| err.to_string())
+        let bytes = plans[i].produce(&loader, bits, group).map_err(|err| err.to_string())?;
+        underflow.record_entry(i, &plans[i], &bytes, bits, group);
+        Ok(bytes)
     };
     let build_bar = progress_bar("quantising dense weights {bar:40} {bytes}/{total_bytes} eta {eta}");
     let load_bar = progress_bar("loading dense weights {bar:40} {bytes}/{total_bytes} {bytes_per_sec}");
@@ -266,6 +269,7 @@ pub fn open_dense_cache(
     .map_err(cache_error);
     build_bar.finish_and_clear();
     load_bar.finish_and_clear();
+    underflow.warn("the dense-weight cache");
     r
 }
 

@@ -15,6 +15,7 @@ pub mod packed_ops;
 #[cfg(test)]
 mod prefill_tests;
 pub mod quantized;
+pub mod underflow;
 
 use std::path::Path;
 use std::sync::Arc;

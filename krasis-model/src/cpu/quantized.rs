@@ -357,10 +357,13 @@ fn expert_record(
     li: usize,
     layer: usize,
     e: usize,
+    underflow: &crate::cpu::underflow::UnderflowLog,
 ) -> Result<Vec<u8>> {
     let bits = parts_bits(h, li)?;
     let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
-    cpu_record(h, li, &x.quantized(h, bits.w13, bits.w2)?, &x.what)
+    let q = x.quantized(h, bits.w13, bits.w2)?;
+    underflow.record_expert(li, e, &x.what, &q);
+    cpu_record(h, li, &q, &x.what)
 }
 
 /// Appended to errors that another cache directory would cure.
@@ -432,8 +435,9 @@ pub fn open_expert_cache_with(
     }
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
     let layers = header.moe_layers.clone();
+    let underflow = crate::cpu::underflow::UnderflowLog::new();
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
-        expert_record(&loader, spec, &header, li, layers[li] as usize, e).map_err(|err| err.to_string())
+        expert_record(&loader, spec, &header, li, layers[li] as usize, e, &underflow).map_err(|err| err.to_string())
     };
     let bar = progress_bar("converting experts {bar:40} {bytes}/{total_bytes} {msg} eta {eta}");
     let progress = |p| show_build(&bar, p);
@@ -442,6 +446,7 @@ pub fn open_expert_cache_with(
     let load = LoadOptions { placement: Some(&placement), ..LoadOptions::default() };
     let r = open_or_build(&path, &header, &produce, &progress, load).map_err(cache_error);
     bar.finish_and_clear();
+    underflow.warn("the CPU expert cache");
     r
 }
 

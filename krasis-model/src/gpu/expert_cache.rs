@@ -78,11 +78,14 @@ pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<
     let spec = files.spec();
     let loader = WeightLoader::new(files.weights(), &spec.source_quant);
     let header = &plan.header;
+    let underflow = crate::cpu::underflow::UnderflowLog::new();
     let produce = |li: usize, e: usize| -> std::result::Result<Vec<u8>, String> {
         let layer = header.moe_layers[li] as usize;
         let record = || {
             let x = ExpertSource::read(&loader, spec, layer, e, header.intermediate as usize)?;
-            plan.record(&x.quantized(header, plan.bits, plan.bits)?, e, &x.what)
+            let q = x.quantized(header, plan.bits, plan.bits)?;
+            underflow.record_expert(li, e, &x.what, &q);
+            plan.record(&q, e, &x.what)
         };
         record().map_err(|err| err.to_string())
     };
@@ -92,6 +95,7 @@ pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<
     let load = LoadOptions { verify: true, placement: None, huge_pages: false };
     let r = open_or_build(&plan.path, header, &produce, &progress, load).map_err(cache_error);
     bar.finish_and_clear();
+    underflow.warn("the GPU expert cache");
     r
 }
 

@@ -101,6 +101,7 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
         let started = Instant::now();
         let loader = WeightLoader::new(files.weights(), &spec.source_quant);
         let first = targets[stale[0]].2.header();
+        let underflow = crate::cpu::underflow::UnderflowLog::new();
         let produce = |li: usize, e: usize| -> std::result::Result<Vec<Vec<u8>>, String> {
             let make = || -> Result<Vec<Vec<u8>>> {
                 let layer = first.moe_layers[li] as usize;
@@ -117,7 +118,9 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
                     let at = match quantised.iter().position(|(k, _)| *k == key) {
                         Some(at) => at,
                         None => {
-                            quantised.push((key, x.quantized(h, w13, w2)?));
+                            let q = x.quantized(h, w13, w2)?;
+                            underflow.record_expert(li, e, what, &q);
+                            quantised.push((key, q));
                             quantised.len() - 1
                         }
                     };
@@ -141,6 +144,7 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
             stale.iter().map(|&i| (targets[i].1.as_path(), targets[i].2.header())).collect();
         let built = build_many(&many, &produce, &progress).map_err(cache_error);
         bar.finish_and_clear();
+        underflow.warn("the expert caches");
         built?;
         build_seconds = Some(started.elapsed().as_secs_f64());
     }
