@@ -56,6 +56,42 @@ pub fn fixtures_dir() -> Option<PathBuf> {
     None
 }
 
+/// Where the fixtures of the next architectures and native formats are looked for
+/// (`../shared/fixtures-next`, README there): `KRASIS_FIXTURES_NEXT` alone when set, else
+/// `fixtures-next` beside the HF oracle fixtures' directory (`KRASIS_FIXTURES`'s parent), then
+/// `../shared/fixtures-next` from the workspace root.
+pub fn fixtures_next_candidates() -> Vec<PathBuf> {
+    if let Some(dir) = std::env::var_os("KRASIS_FIXTURES_NEXT") {
+        return vec![PathBuf::from(dir)];
+    }
+    let mut v: Vec<PathBuf> = std::env::var_os("KRASIS_FIXTURES")
+        .map(PathBuf::from)
+        .and_then(|d| d.parent().map(|p| p.join("fixtures-next")))
+        .into_iter()
+        .collect();
+    v.push(workspace_root().join("../shared/fixtures-next"));
+    v
+}
+
+/// The fixture `name` of [`fixtures_next_candidates`] (its directory holds `config.json`).
+/// `None` (after a visible [`report_skip`]) when absent. Not every checkout has these fixtures,
+/// so `KRASIS_REQUIRE_FIXTURES=1` makes a missing one fail only where they were asked for: with
+/// `KRASIS_FIXTURES_NEXT` set, or with `KRASIS_REQUIRE_FIXTURES_NEXT=1`.
+pub fn fixture_next(name: &str) -> Option<PathBuf> {
+    let candidates = fixtures_next_candidates();
+    if let Some(dir) = candidates.iter().map(|d| d.join(name)).find(|d| d.join("config.json").exists()) {
+        return Some(dir);
+    }
+    let tried = candidates.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(" nor at ");
+    let on = |v: &str| std::env::var(v).as_deref() == Ok("1");
+    let asked = std::env::var_os("KRASIS_FIXTURES_NEXT").is_some() || on("KRASIS_REQUIRE_FIXTURES_NEXT");
+    if asked && (on("KRASIS_REQUIRE_FIXTURES") || on("KRASIS_REQUIRE_FIXTURES_NEXT")) {
+        panic!("fixture {name} required but not found at {tried}");
+    }
+    report_skip(&format!("fixture {name} not found at {tried} (set KRASIS_FIXTURES_NEXT to ../shared/fixtures-next)"));
+    None
+}
+
 /// Fixtures with a GGUF twin (`scripts/make-gguf-fixtures.sh`): qwen3moe-tiny has a dense layer
 /// llama.cpp's qwen3moe cannot express, dsv3-fp8-tiny is FP8.
 pub const GGUF_FIXTURE_NAMES: &[&str] = &["dsv2-lite-tiny", "dsv2-k256-tiny", "dsv2-grouped-tiny", "dsv3-tiny"];
