@@ -9,8 +9,12 @@ use krasis_model::synth::{synthesize, Preset, SynthOptions};
 #[derive(ClapArgs)]
 pub struct Args {
     /// tiny | v2-lite | qwen3-30b-a3b | v3-mini
-    #[arg(long)]
-    preset: Preset,
+    #[arg(long, required_unless_present = "config", conflicts_with = "config")]
+    preset: Option<Preset>,
+    /// A config.json to synthesize instead of a preset (a published one: every dimension as
+    /// published, stored as its publisher stores it: BF16, block FP8 or compressed-tensors INT4).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Keep only the first N layers.
     #[arg(long)]
     layers: Option<usize>,
@@ -31,7 +35,8 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let r = synthesize(&SynthOptions {
-        preset: a.preset,
+        preset: a.preset.unwrap_or(Preset::Tiny),
+        config: a.config,
         layers: a.layers,
         seed: a.seed,
         out: a.out,

@@ -284,6 +284,7 @@ pub fn tiny_model(dir: &Path) {
     use krasis_model::synth::{synthesize, Preset, SynthOptions};
     synthesize(&SynthOptions {
         preset: Preset::Tiny,
+        config: None,
         layers: Some(2),
         seed: 7,
         out: dir.to_path_buf(),

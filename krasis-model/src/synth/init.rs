@@ -105,6 +105,10 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
 pub(crate) enum Dtype {
     Bf16,
     F32,
+    /// FP8 E4M3 codes (block-FP8 checkpoints).
+    F8E4M3,
+    /// 32-bit integers (compressed-tensors' packed INT4 words and `weight_shape`).
+    I32,
 }
 
 impl Dtype {
@@ -112,13 +116,26 @@ impl Dtype {
         match self {
             Dtype::Bf16 => "BF16",
             Dtype::F32 => "F32",
+            Dtype::F8E4M3 => "F8_E4M3",
+            Dtype::I32 => "I32",
         }
     }
 
     pub(crate) fn size(self) -> usize {
         match self {
             Dtype::Bf16 => 2,
-            Dtype::F32 => 4,
+            Dtype::F32 | Dtype::I32 => 4,
+            Dtype::F8E4M3 => 1,
+        }
+    }
+
+    /// The safetensors dtype.
+    pub(crate) fn dtype(self) -> krasis_core::DType {
+        match self {
+            Dtype::Bf16 => krasis_core::DType::BF16,
+            Dtype::F32 => krasis_core::DType::F32,
+            Dtype::F8E4M3 => krasis_core::DType::F8E4M3,
+            Dtype::I32 => krasis_core::DType::I32,
         }
     }
 }
@@ -139,6 +156,11 @@ pub(crate) enum Fill {
     Uniform { bound: f32, plus: Option<RankOne> },
     /// Explicit values (F32 router biases).
     Values(Arc<Vec<f32>>),
+    /// Explicit integers (I32: compressed-tensors' `weight_shape`).
+    Ints(Vec<i32>),
+    /// Uniformly random codes: every FP8 E4M3 code but the two NaNs (which become zero), or
+    /// every 32-bit word (eight uniform INT4 codes).
+    Codes,
 }
 
 /// A tensor to write: its inventory entry, stored dtype and recipe.
@@ -179,6 +201,28 @@ impl SynthTensor {
             (Fill::Values(vals), Dtype::F32) => {
                 for (d, v) in dst.chunks_exact_mut(4).zip(&vals[start..end]) {
                     d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            (Fill::Const(v), Dtype::F32) => {
+                for d in dst.chunks_exact_mut(4) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            (Fill::Ints(vals), Dtype::I32) => {
+                for (d, v) in dst.chunks_exact_mut(4).zip(&vals[start..end]) {
+                    d.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            (Fill::Codes, Dtype::F8E4M3 | Dtype::I32) => {
+                let mut rng = Xoshiro256pp::from_keys(&[seed, self.key, c as u64]);
+                for d in dst.chunks_mut(8) {
+                    let r = rng.next_u64().to_le_bytes();
+                    d.copy_from_slice(&r[..d.len()]);
+                }
+                if self.dtype == Dtype::F8E4M3 {
+                    for b in dst.iter_mut().filter(|b| **b & 0x7f == 0x7f) {
+                        *b = 0;
+                    }
                 }
             }
             (Fill::Uniform { bound, plus }, Dtype::Bf16) => {
@@ -276,9 +320,10 @@ fn skew_direction(seed: u64, h: usize) -> Vec<f32> {
     u
 }
 
-/// The layer index of a `model.layers.{l}.…` name.
+/// The layer index of a `model.layers.{l}.…` name (also under a prefix such as
+/// `language_model.`).
 pub(crate) fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+    name.split_once("model.layers.")?.1.split('.').next()?.parse().ok()
 }
 
 /// Recipes for every tensor of `inventory` (the [`crate::model::tensors::expected_tensors`] list).

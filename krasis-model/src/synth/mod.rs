@@ -1,9 +1,13 @@
-//! `krasis synth`: random BF16 models of real shapes, written in HF hub format (sharded
-//! safetensors + index, `config.json`, byte-level BPE tokenizer) for benchmarks and GPU-vs-CPU
-//! tests where no real checkpoint is needed.
+//! `krasis synth`: random models of real shapes, written in HF hub format (sharded safetensors
+//! + index, `config.json`, byte-level BPE tokenizer) for benchmarks and GPU-vs-CPU tests where no
+//! real checkpoint is needed.
 //!
-//! - The tensor list is [`expected_tensors`] of the spec that [`parse_config`] makes of the preset's
-//!   `config.json`, so the loader and the synthesiser cannot disagree.
+//! - The model is a preset, or any `config.json` Krasis reads (a published one: every dimension
+//!   as published, `num_hidden_layers` optionally cut).
+//! - The tensor list is [`expected_tensors`] of the spec that [`parse_checkpoint_config`] makes of
+//!   the `config.json`, so the loader and the synthesiser cannot disagree, stored in the
+//!   publisher's format ([`stored_tensors`]): BF16 for the presets; block FP8 or
+//!   compressed-tensors INT4 where the configuration says so.
 //! - Weights are deterministic in the seed alone (see [`init`] for the random stream, the scales
 //!   and the router-skew scheme), independent of threads and shard layout.
 //! - Writing streams: chunks are generated in parallel and written in order, never the whole
@@ -11,11 +15,14 @@
 //!   last, so a directory left half-written by a crash is never loadable.
 
 pub mod init;
+mod layout;
 mod presets;
 mod tokenizer;
 mod writer;
 pub(crate) use writer::write_atomic;
 
+#[cfg(test)]
+mod config_tests;
 #[cfg(test)]
 mod tests;
 
@@ -25,11 +32,11 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
+pub use self::layout::{stored_tensors, StoredSpec};
 pub use self::presets::{preset_config, Preset};
-use crate::arch::parse_config;
+use crate::arch::parse_checkpoint_config;
 use crate::error::{ModelError, Result};
 use crate::model::tensors::expected_tensors;
-use crate::spec::SourceQuant;
 
 /// A new shard starts at the next layer boundary once the current one holds this many bytes.
 pub const SHARD_BYTES: u64 = 2 << 30;
@@ -37,6 +44,11 @@ pub const SHARD_BYTES: u64 = 2 << 30;
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthOptions {
     pub preset: Preset,
+    /// A `config.json` to synthesize instead of the preset (`preset` is then not used): any
+    /// configuration Krasis reads, written in its publisher's storage format (see
+    /// [`stored_tensors`]: BF16, block FP8 or compressed-tensors INT4, and the tensor prefix of a
+    /// nested text model), with every dimension as published.
+    pub config: Option<PathBuf>,
     /// Trim `num_hidden_layers` to this many (1..= the preset's).
     pub layers: Option<usize>,
     pub seed: u64,
@@ -50,7 +62,7 @@ pub struct SynthOptions {
 impl SynthOptions {
     /// Seed 0, full depth, no skew, no force.
     pub fn new(preset: Preset, out: impl Into<PathBuf>) -> Self {
-        SynthOptions { preset, layers: None, seed: 0, out: out.into(), router_skew: 0.0, force: false }
+        SynthOptions { preset, config: None, layers: None, seed: 0, out: out.into(), router_skew: 0.0, force: false }
     }
 }
 
@@ -68,9 +80,13 @@ pub struct SynthReport {
 
 /// Generate the model `opts` describes into `opts.out`, with a progress bar on stderr.
 pub fn synthesize(opts: &SynthOptions) -> Result<SynthReport> {
-    opts.preset.check_layers(opts.layers)?;
-    let config = preset_config(opts.preset, opts.layers);
-    let label = format!("synth {}", opts.preset);
+    let (config, label) = match &opts.config {
+        Some(path) => (layout::config_from_file(path, opts.layers)?, format!("synth {}", path.display())),
+        None => {
+            opts.preset.check_layers(opts.layers)?;
+            (preset_config(opts.preset, opts.layers), format!("synth {}", opts.preset))
+        }
+    };
     write_model(&config, &opts.out, opts.seed, opts.router_skew, opts.force, SHARD_BYTES, &label)
 }
 
@@ -136,7 +152,7 @@ fn prepare_out_dir(out: &Path, force: bool) -> Result<Vec<PathBuf>> {
     Ok(caches_removed)
 }
 
-/// The engine of [`synthesize`], for any config `parse_config` accepts (tests use small custom
+/// The engine of [`synthesize`], for any config `parse_checkpoint_config` accepts (tests use small custom
 /// ones) and any shard limit (tests force several shards).
 pub(crate) fn write_model(
     config: &Value,
@@ -153,13 +169,11 @@ pub(crate) fn write_model(
     }
     let config_path = out.join("config.json");
     let config_text = serde_json::to_string_pretty(config).expect("json serialises") + "\n";
-    let spec = parse_config(&config_text, &config_path)?;
-    if spec.source_quant != SourceQuant::None {
-        return Err(ModelError::Invalid("synth writes BF16 models; drop quantization_config".into()));
-    }
+    let cfg = parse_checkpoint_config(&config_text, &config_path)?;
+    let spec = &cfg.spec;
     let tokenizer = tokenizer::tokenizer_json(spec.vocab_size)?;
     let tokenizer_config = tokenizer::tokenizer_config_json(spec.max_position_embeddings);
-    let tensors = init::plan_tensors(&spec, expected_tensors(&spec), seed, router_skew);
+    let tensors = layout::store_layout(init::plan_tensors(spec, expected_tensors(spec), seed, router_skew), &cfg)?;
     let shards = writer::plan_shards(&tensors, spec.num_layers, shard_limit.max(1));
     let caches_removed = prepare_out_dir(out, force)?;
 

@@ -25,7 +25,7 @@ pub(crate) struct ShardPlan {
 fn group_of(name: &str, num_layers: usize) -> usize {
     match layer_of(name) {
         Some(l) => l + 1,
-        None if name.starts_with("model.embed_tokens") => 0,
+        None if name.contains("model.embed_tokens") => 0,
         None => num_layers + 1,
     }
 }

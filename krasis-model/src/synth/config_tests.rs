@@ -1,0 +1,200 @@
+//! `synthesize` from a `config.json` (`SynthOptions::config`): the publisher's storage format
+//! (block FP8 for a Kimi-K2-style config, compressed-tensors INT4 experts under
+//! `language_model.` for a Kimi-K2.5-style one), and the result loads and generates.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use super::*;
+use crate::arch::parse_checkpoint_config;
+use crate::runtime::{open_engine, DevicePolicy, EngineConfig};
+use crate::source::files::ModelFiles;
+use crate::source::SafetensorsDir;
+use crate::spec::WeightBits;
+use crate::text::generate::{generate, GenerateRequest};
+use crate::text::sampling::SamplingParams;
+use krasis_core::DType;
+
+/// The tiny preset's dimensions with Kimi-K2's structure: `kimi_k2`, one dense layer, sigmoid
+/// `noaux_tc` routing in one group, block FP8 128×128; four layers (cut to two by the tests).
+fn kimi_k2_like() -> Value {
+    let mut c = preset_config(Preset::Tiny, Some(4));
+    let o = c.as_object_mut().unwrap();
+    for (k, v) in [
+        ("model_type", json!("kimi_k2")),
+        ("architectures", json!(["DeepseekV3ForCausalLM"])),
+        ("topk_method", json!("noaux_tc")),
+        ("scoring_func", json!("sigmoid")),
+        ("norm_topk_prob", json!(true)),
+        ("routed_scaling_factor", json!(2.827)),
+        ("q_lora_rank", json!(96)),
+        (
+            "quantization_config",
+            json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}),
+        ),
+    ] {
+        o.insert(k.into(), v);
+    }
+    c
+}
+
+/// Kimi-K2.5's wrapper around the same text model, with its compressed-tensors INT4 experts.
+fn kimi_k25_like() -> Value {
+    let mut text = kimi_k2_like();
+    text["quantization_config"] = json!({
+        "config_groups": {"group_0": {"input_activations": null, "output_activations": null, "targets": ["Linear"],
+            "weights": {"actorder": null, "block_structure": null, "dynamic": false, "group_size": 32, "num_bits": 4,
+                        "observer": "minmax", "observer_kwargs": {}, "strategy": "group", "symmetric": true, "type": "int"}}},
+        "format": "pack-quantized",
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": null, "quant_method": "compressed-tensors", "quantization_status": "compressed"
+    });
+    json!({
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "text_config": text,
+        "vision_config": {"vt_hidden_size": 32, "vt_num_hidden_layers": 1, "patch_size": 14},
+    })
+}
+
+fn synth_from(dir: &Path, config: &Value, layers: Option<usize>) -> Result<PathBuf> {
+    let cfg_path = dir.join("published-config.json");
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(config).unwrap()).unwrap();
+    let out = dir.join("model");
+    let opts = SynthOptions { config: Some(cfg_path), layers, seed: 3, ..SynthOptions::new(Preset::Tiny, &out) };
+    synthesize(&opts)?;
+    Ok(out)
+}
+
+/// Every stored tensor: name, shape and dtype, sorted by name.
+fn stored_in(dir: &Path) -> Vec<StoredSpec> {
+    let files = SafetensorsDir::open(dir).unwrap();
+    let mut out: Vec<StoredSpec> = files
+        .files()
+        .iter()
+        .flat_map(|f| {
+            f.names()
+                .map(|n| {
+                    let v = f.view(n).unwrap();
+                    StoredSpec { name: n.to_string(), shape: v.shape.to_vec(), dtype: v.dtype }
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+fn dtype_of(stored: &[StoredSpec], name: &str) -> (DType, Vec<usize>) {
+    let t = stored.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("`{name}` is not stored"));
+    (t.dtype, t.shape.clone())
+}
+
+/// Four greedy tokens through the CPU engine at the given widths; the logits are finite.
+fn generates(dir: &Path, bits: WeightBits) -> Vec<u32> {
+    let files = ModelFiles::open(dir).unwrap();
+    let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+    (c.cpu.expert_bits, c.cpu.dense_bits) = (bits, WeightBits::Bf16);
+    let opened = open_engine(&files, &c).unwrap();
+    let req = GenerateRequest {
+        prompt_ids: vec![5, 9, 200, 3],
+        max_new_tokens: 4,
+        sampling: SamplingParams::default(),
+        ignore_eos: true,
+        record_logits: true,
+    };
+    let out = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap();
+    assert!(out.prefill_logits.iter().chain(&out.step_logits).all(|x| x.is_finite()));
+    assert_eq!(out.generated.len(), 4);
+    out.generated
+}
+
+#[test]
+fn a_kimi_k2_config_is_written_in_block_fp8_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = synth_from(tmp.path(), &kimi_k2_like(), Some(2)).unwrap();
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let cfg = parse_checkpoint_config(&text, &out.join("config.json")).unwrap();
+    assert_eq!(cfg.spec.num_layers, 2);
+    let mut want = stored_tensors(&cfg).unwrap();
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    let stored = stored_in(&out);
+    assert_eq!(stored, want, "the files hold exactly the publisher's inventory");
+    // As Kimi-K2-Instruct publishes them: FP8 projections with F32 block scales, a BF16 router,
+    // LM head, embedding and norms, an F32 router bias.
+    let e = "model.layers.1.mlp.experts.7.down_proj";
+    assert_eq!(dtype_of(&stored, &format!("{e}.weight")), (DType::F8E4M3, vec![256, 128]));
+    assert_eq!(dtype_of(&stored, &format!("{e}.weight_scale_inv")), (DType::F32, vec![2, 1]));
+    let q = "model.layers.0.self_attn.q_b_proj";
+    assert_eq!(dtype_of(&stored, &format!("{q}.weight")).0, DType::F8E4M3);
+    assert_eq!(dtype_of(&stored, &format!("{q}.weight_scale_inv")), (DType::F32, vec![2, 1]));
+    assert_eq!(dtype_of(&stored, "model.layers.0.mlp.down_proj.weight_scale_inv").1, vec![2, 4]);
+    assert_eq!(dtype_of(&stored, "model.layers.1.mlp.gate.weight").0, DType::BF16);
+    assert_eq!(dtype_of(&stored, "model.layers.1.mlp.gate.e_score_correction_bias").0, DType::F32);
+    assert_eq!(dtype_of(&stored, "lm_head.weight").0, DType::BF16);
+    assert_eq!(dtype_of(&stored, "model.embed_tokens.weight").0, DType::BF16);
+    assert_eq!(dtype_of(&stored, "model.layers.0.input_layernorm.weight").0, DType::BF16);
+    // The FP8 draw keeps the BF16 draw's scale: std 1/sqrt(in) per projection.
+    let files = ModelFiles::open(&out).unwrap();
+    let loader = crate::model::weights::WeightLoader::new(files.weights(), &files.spec().source_quant);
+    let w = loader.matrix(&format!("{e}.weight"), 256, 128).unwrap();
+    let mut row = vec![0f32; 128];
+    let mut sum = 0f32;
+    for r in 0..256 {
+        w.row_into(r, &mut row);
+        sum += row.iter().map(|x| x * x).sum::<f32>();
+    }
+    let std = (sum / (256.0 * 128.0)).sqrt();
+    let want_std = 1.0 / 128f32.sqrt();
+    assert!((std / want_std - 1.0).abs() < 0.1, "std {std}, want {want_std}");
+    assert!(files.weights().contains("model.layers.1.mlp.experts.0.gate_proj.weight"));
+    drop(files);
+    generates(&out, WeightBits::Bf16);
+    generates(&out, WeightBits::Int4);
+}
+
+#[test]
+fn a_kimi_k25_config_is_written_with_int4_experts_under_language_model_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = synth_from(tmp.path(), &kimi_k25_like(), Some(2)).unwrap();
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let cfg = parse_checkpoint_config(&text, &out.join("config.json")).unwrap();
+    assert_eq!((cfg.spec.num_layers, cfg.tensor_prefix), (2, "language_model."));
+    let mut want = stored_tensors(&cfg).unwrap();
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    let stored = stored_in(&out);
+    assert_eq!(stored, want);
+    // As Kimi-K2.5 publishes them: routed experts in compressed-tensors INT4, the rest BF16.
+    let e = "language_model.model.layers.1.mlp.experts.3.gate_proj";
+    assert_eq!(dtype_of(&stored, &format!("{e}.weight_packed")), (DType::I32, vec![128, 32]));
+    assert_eq!(dtype_of(&stored, &format!("{e}.weight_scale")), (DType::BF16, vec![128, 8]));
+    assert_eq!(dtype_of(&stored, &format!("{e}.weight_shape")), (DType::I32, vec![2]));
+    assert!(!stored.iter().any(|t| t.name == format!("{e}.weight")));
+    let shared = "language_model.model.layers.1.mlp.shared_experts.up_proj.weight";
+    assert_eq!(dtype_of(&stored, shared), (DType::BF16, vec![128, 256]));
+    assert_eq!(dtype_of(&stored, "language_model.model.layers.0.self_attn.o_proj.weight").0, DType::BF16);
+    assert_eq!(dtype_of(&stored, "language_model.lm_head.weight").0, DType::BF16);
+    assert!(stored.iter().all(|t| t.name.starts_with("language_model.")));
+    let files = ModelFiles::open(&out).unwrap();
+    assert_eq!(files.notes().len(), 1);
+    // The stored shape says what it stands for.
+    let shape = files.weights().tensor("model.layers.1.mlp.experts.3.gate_proj.weight_shape").unwrap();
+    let ints: Vec<i32> =
+        shape.bytes.as_slice().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(ints, vec![128, 256]);
+    drop(files);
+    generates(&out, WeightBits::Bf16);
+    generates(&out, WeightBits::Auto);
+}
+
+#[test]
+fn a_layer_count_outside_the_configs_is_refused_naming_the_option() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = synth_from(tmp.path(), &kimi_k25_like(), Some(5)).unwrap_err().to_string();
+    assert!(e.contains("`SynthOptions::layers`") && e.contains("5") && e.contains("1..=4"), "{e}");
+    let e = synth_from(tmp.path(), &kimi_k2_like(), Some(0)).unwrap_err().to_string();
+    assert!(e.contains("`SynthOptions::layers`"), "{e}");
+}

@@ -1,0 +1,145 @@
+//! The publisher's storage format of a synthetic model: which tensors a checkpoint of a
+//! configuration stores, under which names, in which dtypes.
+//!
+//! - Unquantised tensors are BF16, the router's `e_score_correction_bias` F32 (as DeepSeek-V3
+//!   and Kimi publish them).
+//! - Block FP8 (`quant_method` `fp8`, DeepSeek-V3, Kimi-K2): every projection but the router
+//!   and the LM head is `weight` in F8_E4M3 plus its F32 `weight_scale_inv`, one per block.
+//! - compressed-tensors INT4 (Kimi-K2-Thinking, K2.5): each routed expert's projection is
+//!   `weight_packed` (I32, eight codes per word along the input), `weight_scale` (BF16, one
+//!   per group) and `weight_shape` (I32 `[out, in]`); everything else is BF16.
+//! - A configuration nesting its text model (Kimi-K2.5) stores it under its tensor prefix
+//!   (`language_model.`).
+//!
+//! The random values keep the scales of [`super::init`]: each quantised projection's scale is
+//! chosen so its dequantised values have the standard deviation of the BF16 draw it replaces.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::init::{fnv1a, Dtype, Fill, SynthTensor};
+use crate::arch::CheckpointConfig;
+use crate::error::{ModelError, Result};
+use crate::model::tensors::{is_matrix, TensorRole, TensorSpec};
+use crate::spec::SourceQuant;
+
+/// A tensor as a checkpoint stores it: name, shape and dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: krasis_core::DType,
+}
+
+/// The root-mean-square value of the FP8 E4M3 codes a uniform draw of codes gives (NaNs as 0).
+fn fp8_code_rms() -> f32 {
+    let table = krasis_core::dtype::fp8_e4m3_table();
+    let sum: f64 = table.iter().map(|&v| if v.is_nan() { 0.0 } else { (v as f64) * (v as f64) }).sum();
+    (sum / 256.0).sqrt() as f32
+}
+
+/// The root-mean-square value of a uniform INT4 code in `[-8, 7]`: sqrt(344 / 16).
+fn int4_code_rms() -> f32 {
+    (344.0f32 / 16.0).sqrt()
+}
+
+/// The standard deviation of a tensor's BF16 draw (uniform on `(-b, b)`: `b / sqrt(3)`).
+fn draw_std(t: &SynthTensor) -> Result<f32> {
+    match t.fill {
+        Fill::Uniform { bound, plus: None } => Ok(bound / 3f32.sqrt()),
+        _ => Err(ModelError::Invalid(format!("tensor `{}` has no plain random draw to quantise", t.spec.name))),
+    }
+}
+
+fn derived(t: &SynthTensor, name: String, shape: Vec<usize>, dtype: Dtype, fill: Fill) -> SynthTensor {
+    let key = fnv1a(&name);
+    SynthTensor { spec: TensorSpec { name, shape, role: t.spec.role }, dtype, fill, key }
+}
+
+/// Rewrites the BF16 plan of [`super::init::plan_tensors`] into what a checkpoint of `cfg`
+/// stores (see the module docs). A plan without quantisation or prefix is returned unchanged.
+pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) -> Result<Vec<SynthTensor>> {
+    let quant = &cfg.spec.source_quant;
+    let mut out = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        match *quant {
+            SourceQuant::Fp8Block { block_rows, block_cols }
+                if is_matrix(&t.spec) && t.spec.role != TensorRole::LmHead =>
+            {
+                let (rows, cols) = (t.spec.shape[0], t.spec.shape[1]);
+                let scale = draw_std(&t)? / fp8_code_rms();
+                let grid = krasis_quant::fp8_block::scale_grid(rows, cols, block_rows, block_cols);
+                let scale_name = format!("{}_scale_inv", t.spec.name);
+                out.push(derived(&t, t.spec.name.clone(), t.spec.shape.clone(), Dtype::F8E4M3, Fill::Codes));
+                out.push(derived(&t, scale_name, vec![grid.0, grid.1], Dtype::F32, Fill::Const(scale)));
+            }
+            SourceQuant::CompressedInt4 { group_size } if matches!(t.spec.role, TensorRole::RoutedExpert { .. }) => {
+                let (rows, cols) = (t.spec.shape[0], t.spec.shape[1]);
+                let base = t.spec.name.strip_suffix(".weight").expect("a projection's name ends in .weight");
+                if !cols.is_multiple_of(8) || !cols.is_multiple_of(group_size) {
+                    return Err(ModelError::Invalid(format!(
+                        "tensor `{}`: {cols} inputs are not a whole number of INT4 words (8) and groups ({group_size})",
+                        t.spec.name
+                    )));
+                }
+                // A power of two: exact in BF16 and in the f16 of Krasis' own INT4 groups.
+                let scale = 2f32.powf((draw_std(&t)? / int4_code_rms()).log2().round());
+                out.push(derived(&t, format!("{base}.weight_packed"), vec![rows, cols / 8], Dtype::I32, Fill::Codes));
+                out.push(derived(
+                    &t,
+                    format!("{base}.weight_scale"),
+                    vec![rows, cols / group_size],
+                    Dtype::Bf16,
+                    Fill::Const(scale),
+                ));
+                out.push(derived(
+                    &t,
+                    format!("{base}.weight_shape"),
+                    vec![2],
+                    Dtype::I32,
+                    Fill::Ints(vec![rows as i32, cols as i32]),
+                ));
+            }
+            _ => out.push(t),
+        }
+    }
+    if !cfg.tensor_prefix.is_empty() {
+        for t in &mut out {
+            t.spec.name = format!("{}{}", cfg.tensor_prefix, t.spec.name);
+        }
+    }
+    Ok(out)
+}
+
+/// The tensors a checkpoint of `cfg` stores, in file order, in the publisher's format (see the
+/// module docs): what `krasis synth` writes for it.
+pub fn stored_tensors(cfg: &CheckpointConfig) -> Result<Vec<StoredSpec>> {
+    let plan = super::init::plan_tensors(&cfg.spec, crate::model::tensors::expected_tensors(&cfg.spec), 0, 0.0);
+    Ok(store_layout(plan, cfg)?
+        .into_iter()
+        .map(|t| StoredSpec { name: t.spec.name, shape: t.spec.shape, dtype: t.dtype.dtype() })
+        .collect())
+}
+
+/// `config.json` of `path` with the text model's `num_hidden_layers` cut to `layers` (the
+/// text model is `text_config` where the configuration nests it).
+pub(crate) fn config_from_file(path: &Path, layers: Option<usize>) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let mut config: Value =
+        serde_json::from_str(&text).map_err(|e| ModelError::Json { path: path.to_path_buf(), msg: e.to_string() })?;
+    // Validates the whole configuration first, so the edit below only meets known layouts.
+    crate::arch::parse_checkpoint_config(&text, path)?;
+    let Some(l) = layers else { return Ok(config) };
+    let nested = config.get("text_config").is_some_and(Value::is_object);
+    let text_model = if nested { &mut config["text_config"] } else { &mut config };
+    let max = text_model.get("num_hidden_layers").and_then(Value::as_u64).unwrap_or(0) as usize;
+    if !(1..=max).contains(&l) {
+        return Err(ModelError::Invalid(format!(
+            "the layer count (`SynthOptions::layers`) {l} is out of range for {}: it has {max} layers (allowed 1..={max})",
+            path.display()
+        )));
+    }
+    text_model["num_hidden_layers"] = Value::from(l);
+    Ok(config)
+}
