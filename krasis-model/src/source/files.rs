@@ -136,18 +136,18 @@ impl ModelFiles {
         self.fingerprint
     }
 
-    /// Whether the model ships a tokenizer (`tokenizer.json`).
+    /// Whether the model ships a tokenizer (`tokenizer.json`, or Kimi's `tiktoken.model`).
     pub fn has_tokenizer(&self) -> bool {
         match &self.gguf {
             Some(m) => m.meta("tokenizer.ggml.tokens").is_some(),
-            None => self.path.join("tokenizer.json").exists(),
+            None => self.path.join("tokenizer.json").exists() || self.path.join("tiktoken.model").exists(),
         }
     }
 
     /// The tokenizer and chat template, loaded on the first call and kept (shared: it outlives
-    /// the `ModelFiles`, whose weight mapping callers may drop once an engine is built). A
-    /// missing or broken `tokenizer.json` is an error naming the file (and `--prompt-ids` as the
-    /// way around it).
+    /// the `ModelFiles`, whose weight mapping callers may drop once an engine is built):
+    /// `tokenizer.json`, or without it Kimi's `tiktoken.model` ([`TextCodec::load`]). A missing
+    /// or broken tokenizer is an error naming the file (and `--prompt-ids` as the way around it).
     pub fn text_codec(&self) -> Result<Arc<TextCodec>> {
         if let Some(codec) = self.codec.get() {
             return Ok(Arc::clone(codec));

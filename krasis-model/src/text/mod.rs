@@ -1,6 +1,9 @@
-//! Text in and out: the tokenizer and chat template ([`tokenizer`]), sampling ([`sampling`]) and
+//! Text in and out: the tokenizer and chat template ([`tokenizer`]; Kimi's tiktoken BPE in
+//! [`tiktoken`]), sampling ([`sampling`]) and
 //! the generation loop over any engine ([`generate`]).
 
+pub mod chat_template;
 pub mod generate;
 pub mod sampling;
+pub mod tiktoken;
 pub mod tokenizer;

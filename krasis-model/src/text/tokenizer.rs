@@ -1,6 +1,6 @@
-//! Text ↔ token ids (`tokenizer.json` through the `tokenizers` crate) and the chat template of
-//! `tokenizer_config.json` (rendered with minijinja); or both from a GGUF's `tokenizer.*` metadata
-//! ([`TextCodec::from_gguf`]).
+//! Text ↔ token ids (`tokenizer.json` through the `tokenizers` crate, or Kimi's `tiktoken.model`
+//! through [`crate::text::tiktoken`]) and the chat template of `tokenizer_config.json` (rendered
+//! with minijinja); or both from a GGUF's `tokenizer.*` metadata ([`TextCodec::from_gguf`]).
 
 use std::path::{Path, PathBuf};
 
@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 use crate::source::gguf::GgufModel;
+use crate::text::tiktoken::TiktokenBpe;
 
 /// `tokenizer.ggml.pre` values [`TextCodec::from_gguf`] understands.
 pub const GGUF_PRE_TOKENIZERS: &[&str] = &["default", "gpt-2", "llama-bpe", "llama3", "qwen2"];
@@ -35,13 +36,63 @@ fn gguf_pre_tokenizer(pre: &str) -> Option<Value> {
 }
 
 pub struct TextCodec {
-    tokenizer: tokenizers::Tokenizer,
+    tokenizer: Backend,
     chat_template: Option<String>,
     bos_token: Option<String>,
     eos_token: Option<String>,
     add_bos_token: bool,
     bos_id: Option<u32>,
     config_path: PathBuf,
+}
+
+/// What turns text into ids and back.
+enum Backend {
+    /// `tokenizer.json`, or a GGUF's tokenizer turned into one.
+    Hf(Box<tokenizers::Tokenizer>),
+    /// Kimi's `tiktoken.model`.
+    Tiktoken(Box<TiktokenBpe>),
+}
+
+impl Backend {
+    /// `add_special_tokens`: the `tokenizers` post-processor applies. Kimi's tokenizer has none,
+    /// and always reads special-token names in the text as their ids.
+    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        match self {
+            Backend::Hf(t) => Ok(t
+                .encode(text, add_special_tokens)
+                .map_err(|e| ModelError::Tokenizer(e.to_string()))?
+                .get_ids()
+                .to_vec()),
+            Backend::Tiktoken(t) => t.encode(text, true),
+        }
+    }
+
+    /// Decodes, dropping special tokens.
+    fn decode(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Backend::Hf(t) => t.decode(ids, true).map_err(|e| ModelError::Tokenizer(e.to_string())),
+            Backend::Tiktoken(t) => t.decode(ids, true),
+        }
+    }
+
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        match self {
+            Backend::Hf(t) => t.token_to_id(token),
+            Backend::Tiktoken(t) => t.token_to_id(token),
+        }
+    }
+}
+
+/// Whether a model directory's tiktoken tokenizer is Kimi's: `tokenization_kimi.py` is there, or
+/// `tokenizer_config.json`'s `auto_map` names it. Only Kimi's split pattern is known.
+fn names_kimi_tokenizer(dir: &Path, cfg: &Value) -> bool {
+    let named = |v: &Value| v.as_str().is_some_and(|s| s.starts_with("tokenization_kimi."));
+    dir.join("tokenization_kimi.py").exists()
+        || match cfg.pointer("/auto_map/AutoTokenizer") {
+            Some(Value::Array(a)) => a.iter().any(named),
+            Some(v) => named(v),
+            None => false,
+        }
 }
 
 /// A special-token entry may be a string or `{"content": "..."}`.
@@ -54,17 +105,13 @@ fn token_string(v: Option<&Value>) -> Option<String> {
 }
 
 impl TextCodec {
-    /// Load `tokenizer.json` (required) and `tokenizer_config.json` (optional) from `dir`.
+    /// Load `tokenizer.json` and `tokenizer_config.json` (optional) from `dir`. Without
+    /// `tokenizer.json`, a `tiktoken.model` is read as Kimi's tokenizer
+    /// ([`crate::text::tiktoken`]) when `tokenization_kimi.py` is there or `tokenizer_config.json`'s
+    /// `auto_map` names it; its special tokens come from that file's `added_tokens_decoder`.
     pub fn load(dir: &Path) -> Result<TextCodec> {
         let tok_path = dir.join("tokenizer.json");
-        if !tok_path.exists() {
-            return Err(ModelError::Tokenizer(format!(
-                "{} not found (give the prompt as token ids, `GenerateRequest::prompt_ids`, to bypass the tokenizer)",
-                tok_path.display()
-            )));
-        }
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?;
+        let tiktoken_path = dir.join("tiktoken.model");
         let config_path = dir.join("tokenizer_config.json");
         let cfg: Value = if config_path.exists() {
             let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::io(&config_path, e))?;
@@ -72,6 +119,32 @@ impl TextCodec {
                 .map_err(|e| ModelError::Json { path: config_path.clone(), msg: e.to_string() })?
         } else {
             Value::Null
+        };
+        let tokenizer = if tok_path.exists() {
+            Backend::Hf(Box::new(
+                tokenizers::Tokenizer::from_file(&tok_path)
+                    .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", tok_path.display())))?,
+            ))
+        } else if tiktoken_path.exists() {
+            if !names_kimi_tokenizer(dir, &cfg) {
+                return Err(ModelError::Tokenizer(format!(
+                    "{} without tokenizer.json: only Kimi's tiktoken tokenizer is read (its split pattern), and neither \
+                     tokenization_kimi.py nor {}'s `auto_map` names it",
+                    tiktoken_path.display(),
+                    config_path.display()
+                )));
+            }
+            Backend::Tiktoken(Box::new(TiktokenBpe::load(
+                &tiktoken_path,
+                cfg.get("added_tokens_decoder"),
+                &config_path,
+            )?))
+        } else {
+            return Err(ModelError::Tokenizer(format!(
+                "{} not found, nor tiktoken.model (give the prompt as token ids, `GenerateRequest::prompt_ids`, to bypass \
+                 the tokenizer)",
+                tok_path.display()
+            )));
         };
         let chat_template = match cfg.get("chat_template") {
             Some(Value::String(s)) => Some(s.clone()),
@@ -179,7 +252,7 @@ impl TextCodec {
             eos_token: token(id("tokenizer.ggml.eos_token_id")),
             bos_id,
             chat_template: m.meta_str("tokenizer.chat_template").map(str::to_string),
-            tokenizer,
+            tokenizer: Backend::Hf(Box::new(tokenizer)),
             config_path: path,
         })
     }
@@ -187,8 +260,7 @@ impl TextCodec {
     /// Encode plain text: the tokenizer's post-processor applies, plus a BOS when
     /// `add_bos_token` asks for one and none is there yet.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, true).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-        let mut ids = enc.get_ids().to_vec();
+        let mut ids = self.tokenizer.encode(text, true)?;
         if self.add_bos_token {
             if let Some(b) = self.bos_id {
                 if ids.first() != Some(&b) {
@@ -209,8 +281,7 @@ impl TextCodec {
     /// the result; the template places any special tokens itself.
     pub fn encode_messages(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
         let text = self.render_messages(messages)?;
-        let enc = self.tokenizer.encode(text.as_str(), false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.tokenizer.encode(text.as_str(), false)
     }
 
     pub fn render_chat(&self, prompt: &str) -> Result<String> {
@@ -252,7 +323,7 @@ impl TextCodec {
 
     /// Decode ids to text, dropping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids, true).map_err(|e| ModelError::Tokenizer(e.to_string()))
+        self.tokenizer.decode(ids)
     }
 }
 
