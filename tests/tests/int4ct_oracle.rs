@@ -9,6 +9,9 @@
 //!   the README's formula;
 //! - the CPU path with those INT4 experts (`auto`) against the oracle at the same bar (rel ≤ 1e-4,
 //!   greedy ids identical), although its kernels quantise activations to INT8 per group;
+//! - the GPU expert cache's INT4 records (built on the host, no GPU needed) are the stored codes
+//!   and scales packed in the GPU tile layout; the whole-GPU and hybrid paths on the device
+//!   against the oracle (skipped visibly without a GPU);
 //! - a scale f16 cannot hold is an error naming the tensor, never a rounding;
 //! - the config's unsupported variants are refused naming the field (no fixture needed).
 
@@ -23,8 +26,10 @@ use krasis_model::source::files::ModelFiles;
 use krasis_model::source::SafetensorsFile;
 use krasis_model::spec::SourceQuant;
 use krasis_quant::cpu_layout::{unpack, unpack_w13, PackedLayout};
-use krasis_quant::Bits;
-use krasis_tests::{check_against_reference, fixture_next, load_quantized, load_reference};
+use krasis_quant::{Bits, QuantizedMatrix};
+use krasis_tests::{
+    check_against_reference, fidelity, fixture_next, gpu_available, load_quantized, load_reference, quant_bound, rel_l2,
+};
 
 const NAME: &str = "dsv3-int4ct-tiny";
 
@@ -63,6 +68,9 @@ fn auto_keeps_the_stored_int4_exactly() {
     let files = ModelFiles::open(&dir).unwrap();
     let spec = files.spec().clone();
     assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Int4);
+    // The inventory counts `P.weight_packed` as the stored form of `P.weight`.
+    let missing = krasis_model::model::tensors::missing_tensors(&spec, files.weights());
+    assert!(missing.is_empty(), "reported missing: {missing:?}");
     let tmp = tempfile::tempdir().unwrap();
     let loaded = load_quantized(&dir, WeightBits::Auto, WeightBits::Bf16, tmp.path());
     let pool = loaded.pool.as_ref().expect("a worker pool for the quantised experts");
@@ -124,6 +132,101 @@ fn int4_experts_kept_as_stored_match_the_oracle() {
     eprintln!("{NAME}: experts {described}");
     for line in check_against_reference(&format!("{NAME} (int4 experts as stored)"), &loaded.model, &r) {
         eprintln!("{line}");
+    }
+}
+
+/// The file's `prefix` decoded independently ([`decode`]) as a Krasis INT4 matrix (f16 scales).
+fn stored_matrix(st: &SafetensorsFile, prefix: &str) -> QuantizedMatrix {
+    let (rows, k, q, s) = decode(st, prefix);
+    QuantizedMatrix {
+        rows,
+        k,
+        gs: 32,
+        bits: Bits::Int4,
+        q: q.iter().map(|&v| v as i8).collect(),
+        scales: s.iter().map(|&v| f16::from_f32(v)).collect(),
+    }
+}
+
+/// The GPU expert cache at INT4 (built on the host: no GPU needed) holds, for every expert, the
+/// stored codes and scales packed in the GPU tile layout, at group 32 although the GPU's
+/// preferred group is 128.
+#[test]
+fn gpu_expert_cache_records_are_the_stored_int4() {
+    let Some(dir) = fixture_next(NAME) else { return };
+    let files = ModelFiles::open(&dir).unwrap();
+    let spec = files.spec().clone();
+    let tmp = tempfile::tempdir().unwrap();
+    let plan = krasis_model::gpu::expert_cache::GpuCachePlan::new(
+        &files,
+        Bits::Int4,
+        krasis_quant::group::DEFAULT_GROUP_SIZE,
+        Some(tmp.path()),
+    )
+    .unwrap();
+    assert_eq!((plan.header.group_size_hidden, plan.header.group_size_intermediate), (32, 32));
+    let (cache, _) = krasis_model::gpu::expert_cache::open_gpu_expert_cache(&files, &plan).unwrap();
+    let st = SafetensorsFile::open(&dir.join("model.safetensors")).unwrap();
+    for (li, layer) in spec.moe_layers().enumerate() {
+        for e in 0..spec.routed_experts() {
+            let p = format!("model.layers.{layer}.mlp.experts.{e}");
+            let q = ["gate_proj", "up_proj", "down_proj"].map(|x| stored_matrix(&st, &format!("{p}.{x}")));
+            let want = plan.record(&q, e, &p).unwrap();
+            let mut got = cache.w13(li, e).to_vec();
+            got.extend_from_slice(cache.w2(li, e));
+            assert!(got == want, "{p}: GPU record differs from the stored INT4 packed");
+        }
+    }
+}
+
+/// The whole model on the GPU with the INT4 experts kept as stored (resident, from the GPU expert
+/// cache), and the hybrid (GPU layers, the CPU expert cache's stored INT4 on the host): the
+/// prefill logits against the oracle. The GPU runs the rest in BF16, so the bar is
+/// `quant_bounds.json`'s transformers-BF16 run (1 − mean cos ≤ 3 × its + 1e-4, top-1 ≥ its −
+/// 0.1), as `gpu_oracle` judges BF16 weights, not 1e-4; the first greedy token must agree.
+#[test]
+fn gpu_and_hybrid_with_the_stored_int4() {
+    let Some(dir) = fixture_next(NAME) else { return };
+    if !gpu_available(NAME) {
+        return;
+    }
+    use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
+    let r = load_reference(&dir);
+    let v = r.prefill_logits.len() / r.prompt_ids.len();
+    let b = quant_bound(dir.parent().unwrap(), NAME, "bf16");
+    let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
+    let tmp = tempfile::tempdir().unwrap();
+    let gpu = GpuOptions {
+        kv_tokens: Some(512),
+        expert_bits: Some(Bits::Int4),
+        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+        ..GpuOptions::default()
+    };
+    let cpu = krasis_model::cpu::load::EngineOptions {
+        expert_bits: WeightBits::Auto,
+        cache_dir: Some(tmp.path().to_path_buf()),
+        threads: Some(2),
+        ..Default::default()
+    };
+    for kind in ["gpu", "hybrid"] {
+        let m = match kind {
+            "gpu" => GpuModel::load(&dir, &gpu),
+            _ => GpuModel::load_hybrid(&dir, &gpu, &cpu),
+        }
+        .unwrap_or_else(|e| panic!("{NAME} {kind}: {e}"));
+        let mut s = m.new_session().unwrap();
+        let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        let f = fidelity(&l, &r.prefill_logits, v);
+        let rel = rel_l2(&l, &r.prefill_logits);
+        eprintln!(
+            "{NAME} {kind} (int4 as stored): rel {rel:.3e}, 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2}",
+            1.0 - f.mean_cos,
+            f.top1
+        );
+        assert!(1.0 - f.mean_cos <= bar, "{kind}: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
+        assert!(f.top1 >= b.top1 - 0.1, "{kind}: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
+        let last = &l[l.len() - v..];
+        assert_eq!(krasis_model::text::sampling::argmax(last) as u32, r.greedy_ids[0], "{kind}: first greedy token");
     }
 }
 

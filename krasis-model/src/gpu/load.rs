@@ -143,15 +143,26 @@ impl GpuBuilder<'_> {
         bits: krasis_quant::Bits,
     ) -> Result<GpuExperts> {
         use krasis_quant::group::{group_size_for, quantize};
+        // Experts stored as INT4 groups (compressed-tensors) keep their groups, and at INT4 their
+        // stored codes and scales (as the expert caches do, `cpu::quantized::ExpertSource`).
+        let group = self.w.quant.stored_int4_group().unwrap_or(self.opts.expert_group_size);
         let gs = |k: usize| {
-            group_size_for(k, self.opts.expert_group_size)
+            group_size_for(k, group)
                 .map_err(|e| ModelError::Invalid(format!("{name}: {e} (quantising the experts for the GPU)")))
         };
         let (gs13, gs2) = (gs(h)?, gs(inter)?);
         let mut resident = GpuExperts::new_quantized(self.dev, name, experts.len(), h, inter, bits, gs13, gs2)?;
+        let source = |t: &TensorSpec, gs: usize| -> Result<ExpertProj> {
+            if bits == krasis_quant::Bits::Int4 {
+                if let Some(q) = self.w.stored_int4(&t.name, t.shape[0], t.shape[1])?.filter(|q| q.gs == gs) {
+                    return Ok(ExpertProj::Kept(q));
+                }
+            }
+            Ok(ExpertProj::Values(self.w.matrix_of(t)?))
+        };
         let mats = experts
             .iter()
-            .map(|m| Ok([self.w.matrix_of(&m.gate)?, self.w.matrix_of(&m.up)?, self.w.matrix_of(&m.down)?]))
+            .map(|m| Ok([source(&m.gate, gs13)?, source(&m.up, gs13)?, source(&m.down, gs2)?]))
             .collect::<Result<Vec<_>>>()?;
         let layout = resident.quant_layout().expect("quantised experts");
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(mats.len().max(1));
@@ -167,8 +178,12 @@ impl GpuBuilder<'_> {
                         src.iter()
                             .enumerate()
                             .map(|(x, [g, u, d])| {
-                                let q =
-                                    |l: &DenseLinear, gs| quantize(&f32_values(l), l.out_dim(), l.in_dim(), bits, gs);
+                                let q = |p: &ExpertProj, gs| match p {
+                                    ExpertProj::Kept(q) => q.clone(),
+                                    ExpertProj::Values(l) => {
+                                        quantize(&f32_values(l), l.out_dim(), l.in_dim(), bits, gs)
+                                    }
+                                };
                                 layout.pack(j * per + x, &q(g, gs13), &q(u, gs13), &q(d, gs2))
                             })
                             .collect::<Vec<_>>()
@@ -205,6 +220,13 @@ impl GpuBuilder<'_> {
         }
         Ok(resident)
     }
+}
+
+/// One routed-expert projection on its way to the GPU's quantised experts: the stored INT4 kept
+/// as it is, or the values to quantise.
+enum ExpertProj {
+    Kept(krasis_quant::QuantizedMatrix),
+    Values(DenseLinear),
 }
 
 impl WeightBuilder for GpuBuilder<'_> {

@@ -240,9 +240,16 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
     out
 }
 
-/// The names of the tensors `spec` needs that `source` lacks, in inventory order.
+/// The names of the tensors `spec` needs that `source` lacks, in inventory order. On a
+/// compressed-tensors INT4 source a linear `P.weight` may be stored as `P.weight_packed` (with
+/// `P.weight_scale` and `P.weight_shape`, checked when read) instead.
 pub fn missing_tensors(spec: &ModelSpec, source: &dyn WeightSource) -> Vec<String> {
-    expected_tensors(spec).into_iter().map(|t| t.name).filter(|n| !source.contains(n)).collect()
+    let packed = spec.source_quant.stored_int4_group().is_some();
+    let stored = |n: &str| {
+        source.contains(n)
+            || (packed && n.strip_suffix(".weight").is_some_and(|p| source.contains(&format!("{p}.weight_packed"))))
+    };
+    expected_tensors(spec).into_iter().map(|t| t.name).filter(|n| !stored(n)).collect()
 }
 
 /// Parameter counts: total, and active per token (routed experts counted `top_k` times per MoE layer).
