@@ -1,0 +1,338 @@
+//! Issue #38 item 1 and 2 against the published files in `../shared/real-configs` (README
+//! there): the Kimi-K2-Instruct and Kimi-K2.5 configurations parse, and the tensors Krasis
+//! expects a checkpoint to store (`synth::stored_tensors`: names, shapes, dtypes) are exactly
+//! the published tensor inventories (Kimi-K2-Instruct, Kimi-K2.5's text model, DeepSeek-V3),
+//! apart from what each test names as left out. A Kimi-K2-Instruct configuration synthesizes and
+//! generates.
+//!
+//! Skips visibly when the folder is absent, unless `KRASIS_REQUIRE_FIXTURES=1` (`.ci/run`, which
+//! runs with `../shared` beside the checkout).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use krasis_core::DType;
+use krasis_model::arch::{load_checkpoint_config, parse_checkpoint_config, CheckpointConfig};
+use krasis_model::runtime::{open_engine, DevicePolicy, EngineConfig};
+use krasis_model::source::files::ModelFiles;
+use krasis_model::spec::{Arch, AttentionSpec, RopeScaling, ScoringFunc, SourceQuant, TopkMethod, WeightBits};
+use krasis_model::synth::{stored_tensors, synthesize, Preset, SynthOptions};
+use krasis_model::text::generate::{generate, GenerateRequest};
+use krasis_model::text::sampling::SamplingParams;
+use krasis_tests::{report_skip, workspace_root};
+use serde_json::{json, Value};
+
+/// `../shared/real-configs` from the workspace root, or `None` after a visible skip.
+fn real_configs() -> Option<PathBuf> {
+    let dir = workspace_root().join("../shared/real-configs");
+    if dir.join("Kimi-K2-Instruct/config.json").is_file() {
+        return Some(dir);
+    }
+    if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!("KRASIS_REQUIRE_FIXTURES=1 but no published configs at {}", dir.display());
+    }
+    report_skip(&format!("published configs not found at {}", dir.display()));
+    None
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The published Kimi-K2.5 configuration as Moonshot names it. The copy in real-configs is a
+/// third party's rebrand (level D in the README): `model_type` `kite` for `kimi_k25` (what the
+/// inventory file records) and `kite_text` for the text model, which is a Kimi-K2
+/// (`DeepseekV3ForCausalLM` with Kimi's `configuration_deepseek`): undone here, nothing else.
+fn kimi_k25_config(dir: &Path) -> String {
+    let mut v: Value = serde_json::from_str(&read(&dir.join("Kimi-K2.5/config.json-modified-kite"))).unwrap();
+    assert_eq!((v["model_type"].as_str(), v["text_config"]["model_type"].as_str()), (Some("kite"), Some("kite_text")));
+    v["model_type"] = json!("kimi_k25");
+    v["text_config"]["model_type"] = json!("kimi_k2");
+    serde_json::to_string_pretty(&v).unwrap()
+}
+
+#[test]
+fn kimi_k2_instruct_parses_as_deepseek_v3_and_stops_at_generation_configs_eos() {
+    let Some(dir) = real_configs() else { return };
+    let k2 = dir.join("Kimi-K2-Instruct");
+    let cfg = parse_checkpoint_config(&read(&k2.join("config.json")), &k2.join("config.json")).unwrap();
+    let s = &cfg.spec;
+    assert_eq!(cfg.tensor_prefix, "");
+    assert!(cfg.notes.is_empty());
+    assert_eq!(s.arch, Arch::DeepseekV3);
+    assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (163840, 7168, 61));
+    assert_eq!(s.eos_token_ids, vec![163585], "config.json alone");
+    assert_eq!(
+        s.attention,
+        AttentionSpec::Mla {
+            heads: 64,
+            q_lora_rank: Some(1536),
+            kv_lora_rank: 512,
+            qk_nope_head_dim: 128,
+            qk_rope_head_dim: 64,
+            v_head_dim: 128
+        }
+    );
+    assert!(matches!(s.rope.scaling, RopeScaling::Yarn { factor, .. } if factor == 32.0));
+    let moe = s.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.shared_intermediate_size), (384, 2048, 2048));
+    assert_eq!(moe.routing.top_k, 8);
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    assert_eq!(moe.routing.scoring, ScoringFunc::Sigmoid);
+    assert!((moe.routing.routed_scaling_factor - 2.827).abs() < 1e-6 && moe.routing.norm_topk_prob);
+    assert_eq!(s.source_quant, SourceQuant::Fp8Block { block_rows: 128, block_cols: 128 });
+    assert_eq!(s.moe_layers().collect::<Vec<_>>(), (1..61).collect::<Vec<_>>());
+
+    // The directory as published: generation_config.json's end of turn (163586, `<|im_end|>`)
+    // is the one generation stops at.
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(k2.join(f), tmp.path().join(f)).unwrap();
+    }
+    assert_eq!(load_checkpoint_config(tmp.path()).unwrap().spec.eos_token_ids, vec![163586]);
+}
+
+#[test]
+fn kimi_k25_reads_its_text_model_and_leaves_the_vision_tower_out() {
+    let Some(dir) = real_configs() else { return };
+    let path = dir.join("Kimi-K2.5/config.json");
+    let cfg = parse_checkpoint_config(&kimi_k25_config(&dir), &path).unwrap();
+    let s = &cfg.spec;
+    assert_eq!(cfg.tensor_prefix, "language_model.");
+    assert!(cfg.notes.len() == 1 && cfg.notes[0].contains("vision tower"), "{:?}", cfg.notes);
+    assert_eq!(s.arch, Arch::DeepseekV3);
+    assert_eq!((s.vocab_size, s.hidden_size, s.num_layers, s.max_position_embeddings), (163840, 7168, 61, 262144));
+    assert_eq!(s.rms_norm_eps, 1e-5);
+    assert!(
+        matches!(s.rope.scaling, RopeScaling::Yarn { factor, beta_fast, .. } if factor == 64.0 && beta_fast == 32.0)
+    );
+    assert_eq!(s.source_quant, SourceQuant::CompressedInt4 { group_size: 32 });
+    assert_eq!(s.moe.as_ref().unwrap().n_routed_experts, 384);
+
+    // The rebranded copy as it is: its model_type is named, with what Krasis reads.
+    let raw = read(&dir.join("Kimi-K2.5/config.json-modified-kite"));
+    let e = parse_checkpoint_config(&raw, &path).unwrap_err().to_string();
+    assert!(e.contains("`kite`") && e.contains("kimi_k2") && e.contains("kimi_k25"), "{e}");
+    // A field of the nested text model is named with its path.
+    let mut v: Value = serde_json::from_str(&kimi_k25_config(&dir)).unwrap();
+    v["text_config"]["kv_lora_rank"] = json!("wide");
+    let e = parse_checkpoint_config(&v.to_string(), &path).unwrap_err().to_string();
+    assert!(e.contains("config.json") && e.contains("`text_config.kv_lora_rank`"), "{e}");
+    v["text_config"] = json!(null);
+    let e = parse_checkpoint_config(&v.to_string(), &path).unwrap_err().to_string();
+    assert!(e.contains("`text_config`") && e.contains("missing"), "{e}");
+}
+
+/// One tensor of a published inventory: shape and dtype.
+type Inventory = BTreeMap<String, (Vec<usize>, DType)>;
+
+fn dtype_of(s: &str) -> DType {
+    match s.trim() {
+        "bf16" => DType::BF16,
+        "f32" | "float32" => DType::F32,
+        "int32" => DType::I32,
+        s if s.starts_with("fp8") => DType::F8E4M3,
+        other => panic!("unknown dtype `{other}` in an inventory"),
+    }
+}
+
+fn shape_of(s: &str) -> Vec<usize> {
+    let s = s.trim().trim_start_matches('[').trim_end_matches(']');
+    s.split(',').map(|d| d.trim().parse().unwrap_or_else(|_| panic!("bad shape `{s}`"))).collect()
+}
+
+/// Expands `0-60` segments and `{a,b}` groups of a name pattern.
+fn expand(pattern: &str) -> Vec<String> {
+    if let Some(open) = pattern.find('{') {
+        let close = open + pattern[open..].find('}').unwrap();
+        return pattern[open + 1..close]
+            .split(',')
+            .flat_map(|alt| expand(&format!("{}{alt}{}", &pattern[..open], &pattern[close + 1..])))
+            .collect();
+    }
+    let segs: Vec<&str> = pattern.split('.').collect();
+    for (i, seg) in segs.iter().enumerate() {
+        if let Some((a, b)) = seg.split_once('-') {
+            if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+                return (a..=b)
+                    .flat_map(|n| {
+                        let mut s = segs.clone();
+                        let n = n.to_string();
+                        s[i] = &n;
+                        expand(&s.join("."))
+                    })
+                    .collect();
+            }
+        }
+    }
+    vec![pattern.to_string()]
+}
+
+/// The rows of a `tensor_inventory_*.md` table whose name starts with one of `prefixes`,
+/// expanded. A row `P.a / b` lists `P.a` and `P` with its last segments replaced by `b`, with
+/// the shapes and dtypes in the same order (one for all when only one is given); `scale_inv`
+/// abbreviates `weight_scale_inv` (DeepSeek-V3's transcription).
+fn published(path: &Path, prefixes: &[&str]) -> Inventory {
+    let mut out = Inventory::new();
+    for line in read(path).lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 5 || !prefixes.iter().any(|p| cells[1].starts_with(p)) {
+            continue;
+        }
+        let alts: Vec<&str> = cells[1].split(" / ").map(str::trim).collect();
+        let shapes: Vec<&str> = cells[2].split(" / ").collect();
+        let dtypes: Vec<&str> = cells[3].split(" / ").collect();
+        let first: Vec<&str> = alts[0].split('.').collect();
+        for (k, alt) in alts.iter().enumerate() {
+            let pattern = if k == 0 {
+                alts[0].to_string()
+            } else {
+                let alt = match alt.trim_start_matches('.') {
+                    "scale_inv" => "weight_scale_inv",
+                    a => a,
+                };
+                let keep = first.len() - alt.split('.').count();
+                format!("{}.{alt}", first[..keep].join("."))
+            };
+            let shape = shape_of(shapes[if shapes.len() == alts.len() { k } else { 0 }]);
+            let dtype = dtype_of(dtypes[if dtypes.len() == alts.len() { k } else { 0 }]);
+            for name in expand(&pattern) {
+                out.insert(name, (shape.clone(), dtype));
+            }
+        }
+    }
+    out
+}
+
+fn expected(cfg: &CheckpointConfig) -> Inventory {
+    stored_tensors(cfg).unwrap().into_iter().map(|t| (t.name, (t.shape, t.dtype))).collect()
+}
+
+/// Krasis' inventory is the published one less `left_out` (each must be published); every shape
+/// and dtype agrees.
+fn compare(krasis: &Inventory, published: &Inventory, left_out: impl Fn(&str) -> bool) -> usize {
+    let missing: Vec<&String> = krasis.keys().filter(|n| !published.contains_key(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "Krasis expects tensors the publisher does not store: {:?}",
+        &missing[..missing.len().min(10)]
+    );
+    let mut disagree = Vec::new();
+    for (name, want) in krasis {
+        if published[name] != *want {
+            disagree.push(format!("{name}: Krasis {want:?}, published {:?}", published[name]));
+        }
+    }
+    assert!(disagree.is_empty(), "{} tensors disagree: {:?}", disagree.len(), &disagree[..disagree.len().min(10)]);
+    let extra: Vec<&String> = published.keys().filter(|n| !krasis.contains_key(*n)).collect();
+    let unexplained: Vec<&&String> = extra.iter().filter(|n| !left_out(n)).collect();
+    assert!(
+        unexplained.is_empty(),
+        "published tensors Krasis does not expect: {:?}",
+        &unexplained[..unexplained.len().min(10)]
+    );
+    extra.len()
+}
+
+#[test]
+fn kimi_k2_instruct_inventory_is_the_published_one_less_the_stray_inv_freq() {
+    let Some(dir) = real_configs() else { return };
+    let k2 = dir.join("Kimi-K2-Instruct");
+    let cfg = parse_checkpoint_config(&read(&k2.join("config.json")), &k2.join("config.json")).unwrap();
+    let published = published(&k2.join("tensor_inventory_gogongxt.md"), &["model.", "lm_head."]);
+    // The inventory file's own count (all 61 shards read): the expansion is complete.
+    assert_eq!(published.len(), 139_644);
+    let krasis = expected(&cfg);
+    let left = compare(&krasis, &published, |n| n.ends_with(".self_attn.rotary_emb.inv_freq"));
+    assert_eq!(left, 61, "one stray inv_freq per layer");
+}
+
+#[test]
+fn kimi_k25_inventory_is_the_published_text_model() {
+    let Some(dir) = real_configs() else { return };
+    let cfg = parse_checkpoint_config(&kimi_k25_config(&dir), &dir.join("Kimi-K2.5/config.json")).unwrap();
+    let published = published(&dir.join("Kimi-K2.5/tensor_inventory_gogongxt.md"), &["language_model."]);
+    let krasis = expected(&cfg);
+    // Routed experts in compressed-tensors INT4 (three tensors per projection), everything else
+    // one BF16/F32 tensor: 61 layers × 9 + 3 dense + 60 × (384 × 9 + 2 + 3) + 3.
+    assert_eq!(published.len(), 61 * 9 + 3 + 60 * (384 * 9 + 2 + 3) + 3);
+    assert_eq!(compare(&krasis, &published, |_| false), 0);
+}
+
+#[test]
+fn deepseek_v3_inventory_is_the_published_one_less_the_mtp_layer() {
+    let Some(dir) = real_configs() else { return };
+    let v3 = dir.join("DeepSeek-V3");
+    let cfg = parse_checkpoint_config(&read(&v3.join("config.json")), &v3.join("config.json")).unwrap();
+    let published = published(&v3.join("tensor_inventory_gogongxt.md"), &["model.", "lm_head."]);
+    assert_eq!(published.len(), 91_991, "the inventory file's own count");
+    // The multi-token-prediction block is stored as layer 61 (num_nextn_predict_layers 1);
+    // Krasis does not run it.
+    let left = compare(&expected(&cfg), &published, |n| n.starts_with("model.layers.61."));
+    assert!(left > 0);
+}
+
+/// The published Kimi-K2-Instruct configuration with its dimensions cut down by this test
+/// (the structure, routing, rope and FP8 blocks kept): at full shape even two layers are
+/// ~22 GB (the embedding and LM head are 2.3 GB each, one MoE layer of 384 FP8 experts of
+/// 3 × 2048 × 7168 is 16.9 GB), too much for CI.
+fn reduced_kimi_k2(dir: &Path) -> Value {
+    let mut c: Value = serde_json::from_str(&read(&dir.join("Kimi-K2-Instruct/config.json"))).unwrap();
+    for (k, v) in [
+        ("vocab_size", 4096),
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("moe_intermediate_size", 128),
+        ("n_routed_experts", 16),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 4),
+        ("q_lora_rank", 128),
+        ("kv_lora_rank", 64),
+        ("qk_nope_head_dim", 32),
+        ("qk_rope_head_dim", 16),
+        ("v_head_dim", 32),
+        ("bos_token_id", 0),
+        ("eos_token_id", 1),
+    ] {
+        c[k] = json!(v);
+    }
+    c
+}
+
+#[test]
+fn a_kimi_k2_instruct_config_synthesizes_at_reduced_size_and_generates() {
+    let Some(dir) = real_configs() else { return };
+    // The full-shape size at two layers, from the inventory Krasis would write.
+    let mut full: Value = serde_json::from_str(&read(&dir.join("Kimi-K2-Instruct/config.json"))).unwrap();
+    full["num_hidden_layers"] = json!(2);
+    let cfg = parse_checkpoint_config(&full.to_string(), Path::new("config.json")).unwrap();
+    let bytes: usize =
+        stored_tensors(&cfg).unwrap().iter().map(|t| t.shape.iter().product::<usize>() * t.dtype.size_bytes()).sum();
+    assert!(bytes > 20_000_000_000, "{bytes} bytes at full shape");
+
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg_path = tmp.path().join("kimi-k2-reduced.json");
+    std::fs::write(&cfg_path, reduced_kimi_k2(&dir).to_string()).unwrap();
+    let out = tmp.path().join("model");
+    let opts = SynthOptions { config: Some(cfg_path), layers: Some(2), ..SynthOptions::new(Preset::Tiny, &out) };
+    synthesize(&opts).unwrap();
+    std::fs::copy(dir.join("Kimi-K2-Instruct/generation_config.json"), out.join("generation_config.json")).unwrap();
+    let files = ModelFiles::open(&out).unwrap();
+    assert_eq!(files.spec().source_quant, SourceQuant::Fp8Block { block_rows: 128, block_cols: 128 });
+    assert_eq!(files.spec().eos_token_ids, vec![163586]);
+    for bits in [WeightBits::Bf16, WeightBits::Int4] {
+        let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+        c.cpu.expert_bits = bits;
+        let opened = open_engine(&files, &c).unwrap();
+        let req = GenerateRequest {
+            prompt_ids: vec![5, 9, 200, 3],
+            max_new_tokens: 4,
+            sampling: SamplingParams::default(),
+            ignore_eos: false,
+            record_logits: true,
+        };
+        let o = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap();
+        assert_eq!(o.generated.len(), 4);
+        assert!(o.prefill_logits.iter().chain(&o.step_logits).all(|x| x.is_finite()));
+    }
+}
