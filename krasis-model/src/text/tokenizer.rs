@@ -303,22 +303,16 @@ impl TextCodec {
                 self.config_path.display()
             ))
         })?;
-        let mut env = minijinja::Environment::new();
-        minijinja_contrib::add_to_environment(&mut env);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", template).map_err(|e| ModelError::Template(e.to_string()))?;
-        let messages: Vec<minijinja::Value> =
-            messages.iter().map(|m| minijinja::context! { role => &m.role, content => &m.content }).collect();
-        let ctx = minijinja::context! {
-            messages => messages,
-            add_generation_prompt => true,
-            bos_token => self.bos_token.clone().unwrap_or_default(),
-            eos_token => self.eos_token.clone().unwrap_or_default(),
+        let messages: Vec<serde_json::Value> =
+            messages.iter().map(|m| serde_json::json!({ "role": m.role, "content": m.content })).collect();
+        let input = super::chat_template::ChatInput {
+            messages: serde_json::Value::Array(messages),
+            add_generation_prompt: true,
+            bos_token: self.bos_token.as_deref().unwrap_or_default(),
+            eos_token: self.eos_token.as_deref().unwrap_or_default(),
+            ..Default::default()
         };
-        env.get_template("chat").and_then(|t| t.render(ctx)).map_err(|e| ModelError::Template(e.to_string()))
+        super::chat_template::render(template, &input).map_err(ModelError::Template)
     }
 
     /// Decode ids to text, dropping special tokens.
