@@ -1,6 +1,6 @@
 //! `krasis synth`: random models of real shapes, written in HF hub format (sharded safetensors
-//! + index, `config.json`, byte-level BPE tokenizer) for benchmarks and GPU-vs-CPU tests where no
-//! real checkpoint is needed.
+//! and their index, `config.json`, byte-level BPE tokenizer) for benchmarks and GPU-vs-CPU tests
+//! where no real checkpoint is needed.
 //!
 //! - The model is a preset, or any `config.json` Krasis reads (a published one: every dimension
 //!   as published, `num_hidden_layers` optionally cut).
