@@ -109,3 +109,95 @@ fn text_codec_reads_kimi_tiktoken_without_tokenizer_json() {
     std::fs::write(dir.join("tokenization_kimi.py"), "# Kimi's tokenizer\n").unwrap();
     assert_eq!(TextCodec::load(dir).unwrap().encode(&text).unwrap(), ids);
 }
+
+/// A model directory with `tiktoken.model` and no `tokenizer.json` has a tokenizer.
+#[test]
+fn model_files_find_tiktoken_model() {
+    use krasis_model::source::files::ModelFiles;
+    let tmp = tempfile::tempdir().unwrap();
+    krasis_tests::tiny_model(tmp.path());
+    std::fs::remove_file(tmp.path().join("tokenizer.json")).unwrap();
+    std::fs::copy(data().join("tiktoken.model"), tmp.path().join("tiktoken.model")).unwrap();
+    std::fs::copy(data().join("tokenizer_config.json"), tmp.path().join("tokenizer_config.json")).unwrap();
+    let files = ModelFiles::open(tmp.path()).unwrap();
+    assert!(files.has_tokenizer());
+    let fixture = json("encode.json");
+    let case = &fixture["cases"][0];
+    assert_eq!(files.text_codec().unwrap().encode(&case_text(case)).unwrap(), run_ids(&case["ids"]));
+}
+
+/// Kimi-K2-Instruct's published `tokenizer_config.json` and `tokenization_kimi.py` (in
+/// `../shared/real-configs`) over a stand-in `tiktoken.model` of the real size, 163,584 ranks:
+/// the special ids are those the published files give, 163,584 to 163,841.
+#[test]
+fn kimi_k2_published_special_ids() {
+    let real = krasis_tests::workspace_root().join("../shared/real-configs");
+    let (cfg, py) = (
+        real.join("Kimi-K2-Instruct/tokenizer_config.json-reconstructed"),
+        real.join("Kimi-tokenizer/tokenization_kimi.py"),
+    );
+    if !cfg.is_file() || !py.is_file() {
+        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_FIXTURES=1 but no published Kimi tokenizer files at {}", real.display());
+        }
+        krasis_tests::report_skip(&format!("published Kimi tokenizer files not found at {}", real.display()));
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::copy(&cfg, dir.join("tokenizer_config.json")).unwrap();
+    std::fs::copy(&py, dir.join("tokenization_kimi.py")).unwrap();
+    // The 256 bytes, then distinct stand-ins for the merged tokens.
+    let mut model = String::new();
+    for r in 0..163_584u32 {
+        let token = if r < 256 { vec![r as u8] } else { format!("t{r}").into_bytes() };
+        model += &format!("{} {r}\n", b64(&token));
+    }
+    std::fs::write(dir.join("tiktoken.model"), model).unwrap();
+    let bpe = TiktokenBpe::load(
+        &dir.join("tiktoken.model"),
+        json_at(&dir.join("tokenizer_config.json")).get("added_tokens_decoder"),
+        &dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    assert_eq!((bpe.num_base_tokens(), bpe.vocab_size()), (163_584, 163_842));
+    for (name, id) in [
+        ("[BOS]", 163_584),
+        ("[EOS]", 163_585),
+        ("<|im_end|>", 163_586),
+        ("<|im_user|>", 163_587),
+        ("<|im_assistant|>", 163_588),
+        ("<|reserved_token_163589|>", 163_589),
+        ("<|im_system|>", 163_594),
+        ("<|tool_calls_section_begin|>", 163_595),
+        ("<|im_middle|>", 163_601),
+        ("[UNK]", 163_838),
+        ("[PAD]", 163_839),
+        ("<|reserved_token_163841|>", 163_841),
+    ] {
+        assert_eq!(bpe.token_to_id(name), Some(id), "{name}");
+    }
+    let codec = TextCodec::load(dir).unwrap();
+    let ids = codec.encode("<|im_user|>user<|im_middle|>hi<|im_end|>").unwrap();
+    assert_eq!(
+        ids,
+        vec![163_587, b'u' as u32, b's' as u32, b'e' as u32, b'r' as u32, 163_601, b'h' as u32, b'i' as u32, 163_586]
+    );
+}
+
+fn json_at(path: &std::path::Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Standard base64 with padding (what `tiktoken.model` lines hold).
+fn b64(bytes: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
+        for i in 0..4 {
+            out.push(if i <= chunk.len() { ABC[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' });
+        }
+    }
+    out
+}
