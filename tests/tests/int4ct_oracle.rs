@@ -114,8 +114,8 @@ fn auto_keeps_the_stored_int4_exactly() {
     // The README's worked example: layer 1, expert 0, gate_proj, row 0.
     let (gate, _) = unpack_w13(cache.w13(0, 0), &l13).unwrap();
     assert_eq!(&gate.q[..8], &[-4, 2, 0, 1, 4, 0, -2, -1]);
-    assert_eq!(gate.scales[0], f16::from_f32(0.0186767578125));
-    assert_eq!(gate.scales[0].to_f32(), 0.0186767578125);
+    // 0.0186767578125 = 153 / 8192 (8 significant bits: exact in bf16, f16 and f32).
+    assert_eq!(gate.scales[0].to_f32(), 153.0 / 8192.0);
 }
 
 /// The INT4 experts kept as stored, end to end, meet the reference path's bar: per-layer hidden
@@ -295,6 +295,9 @@ fn config_with(edit: impl FnOnce(&mut serde_json::Value)) -> String {
     v.to_string()
 }
 
+/// An edit of a config's JSON.
+type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+
 fn w(v: &mut serde_json::Value) -> &mut serde_json::Value {
     &mut v["quantization_config"]["config_groups"]["group_0"]["weights"]
 }
@@ -305,7 +308,7 @@ fn compressed_tensors_variants_are_parsed_or_refused_by_field() {
     let path = Path::new("/x/config.json");
     let spec = parse_config(&config_with(|_| {}), path).unwrap();
     assert_eq!(spec.source_quant, SourceQuant::CompressedInt4 { group_size: 32 });
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let cases: Vec<(&str, Edit)> = vec![
         ("quantization_config.format", Box::new(|v| v["quantization_config"]["format"] = "naive-quantized".into())),
         ("config_groups.group_0.weights.num_bits", Box::new(|v| w(v)["num_bits"] = 8.into())),
         ("config_groups.group_0.weights.symmetric", Box::new(|v| w(v)["symmetric"] = false.into())),
