@@ -358,6 +358,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let mut config = a.run.engine.config(a.run.device, &a.run.gpu, DEFAULT_CONTEXT_TOKENS)?;
     let files = ModelFiles::open(&a.model)?;
+    for note in files.notes() {
+        eprintln!("note: {note}");
+    }
     config.record_heatmap = heatmap_wanted(a.heatmap_out.as_deref(), &files, &a.model)?;
     for w in krasis_core::hw::probe().warnings(cpu_memory_estimate(&files, &config).weight_bytes()) {
         eprintln!("system: {w}");

@@ -47,6 +47,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!("model        {}", a.model.display());
     println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
+    for note in files.notes() {
+        println!("note         {note}");
+    }
     if let Some(m) = files.gguf() {
         use krasis_model::placement::precision::{ExpertWidthRule, LayerBits};
         use krasis_model::source::gguf::expert_source_types;

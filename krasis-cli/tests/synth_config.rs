@@ -90,7 +90,11 @@ fn synth_config_writes_a_kimi_k2_layout_in_fp8_and_generate_runs_on_it() {
 #[test]
 fn synth_config_writes_a_kimi_k25_layout_in_int4_and_generate_runs_on_it() {
     let t = tempfile::tempdir().unwrap();
-    synth_and_generate(t.path(), &kimi_k25_like());
+    let said = synth_and_generate(t.path(), &kimi_k25_like());
+    assert!(said.contains("note: ") && said.contains("vision tower"), "{said}");
+    let info = ok(krasis(&["info", "--model", t.path().join("model").to_str().unwrap()]));
+    let info = String::from_utf8_lossy(&info.stdout).into_owned();
+    assert!(info.contains("architecture deepseek_v3") && info.contains("text model"), "{info}");
     let names = stored_names(t.path());
     assert!(names.contains(&"language_model.model.layers.1.mlp.experts.7.up_proj.weight_packed".to_string()));
     assert!(names.iter().all(|n| n.starts_with("language_model.")));
