@@ -9,6 +9,9 @@
 mod deepseek;
 mod qwen3_moe;
 
+#[cfg(test)]
+mod kimi_tests;
+
 use std::path::Path;
 
 use serde_json::{Map, Value};
