@@ -2,8 +2,9 @@
 //! there): the Kimi-K2-Instruct and Kimi-K2.5 configurations parse, and the tensors Krasis
 //! expects a checkpoint to store (`synth::stored_tensors`: names, shapes, dtypes) are exactly
 //! the published tensor inventories (Kimi-K2-Instruct, Kimi-K2.5's text model, DeepSeek-V3),
-//! apart from what each test names as left out. A Kimi-K2-Instruct configuration synthesizes and
-//! generates.
+//! apart from what each test names as left out. Every supported published configuration
+//! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5) synthesizes with its
+//! widths cut down by the test, two MoE layers deep, and generates on the CPU.
 //!
 //! Skips visibly when the folder is absent, unless `KRASIS_REQUIRE_FIXTURES=1` (`.ci/run`, which
 //! runs with `../shared` beside the checkout).
@@ -334,5 +335,83 @@ fn a_kimi_k2_instruct_config_synthesizes_at_reduced_size_and_generates() {
         let o = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap();
         assert_eq!(o.generated.len(), 4);
         assert!(o.prefill_logits.iter().chain(&o.step_logits).all(|x| x.is_finite()));
+    }
+}
+
+/// A published text-model configuration with its widths cut down (every key present set to a
+/// small value; structure, routing, rope and quantisation kept), so two MoE layers fit in CI.
+fn shrink(text: &mut Value) {
+    let mla = text.get("kv_lora_rank").is_some();
+    let q_lora = text.get("q_lora_rank").is_some_and(|v| !v.is_null());
+    let mut set = |k: &str, v: Value| {
+        if text.get(k).is_some() {
+            text[k] = v;
+        }
+    };
+    for (k, v) in [
+        ("vocab_size", 4096),
+        ("hidden_size", 256),
+        ("intermediate_size", 512),
+        ("moe_intermediate_size", 128),
+        ("n_routed_experts", 16),
+        ("num_experts", 16),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", if mla { 4 } else { 2 }),
+        ("head_dim", 64),
+        ("kv_lora_rank", 64),
+        ("qk_nope_head_dim", 32),
+        ("qk_rope_head_dim", 16),
+        ("v_head_dim", 32),
+        ("bos_token_id", 0),
+        ("eos_token_id", 1),
+    ] {
+        set(k, json!(v));
+    }
+    if q_lora {
+        set("q_lora_rank", json!(128));
+    }
+}
+
+#[test]
+fn every_supported_published_config_synthesizes_at_reduced_size_and_generates() {
+    let Some(dir) = real_configs() else { return };
+    let configs: Vec<(&str, Value)> = vec![
+        ("DeepSeek-V3", serde_json::from_str(&read(&dir.join("DeepSeek-V3/config.json"))).unwrap()),
+        ("DeepSeek-R1", serde_json::from_str(&read(&dir.join("DeepSeek-R1/config.json"))).unwrap()),
+        (
+            "DeepSeek-V2-Lite",
+            serde_json::from_str(&read(&dir.join("DeepSeek-V2-Lite/config.json-reformatted"))).unwrap(),
+        ),
+        ("Qwen3-30B-A3B", serde_json::from_str(&read(&dir.join("Qwen3-30B-A3B/config.json"))).unwrap()),
+        ("Kimi-K2-Instruct", serde_json::from_str(&read(&dir.join("Kimi-K2-Instruct/config.json"))).unwrap()),
+        ("Kimi-K2.5", serde_json::from_str(&kimi_k25_config(&dir)).unwrap()),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, mut config) in configs {
+        let nested = config.get("text_config").is_some();
+        shrink(if nested { &mut config["text_config"] } else { &mut config });
+        let path = tmp.path().join(format!("{name}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        // Deep enough for two MoE layers after the dense ones (DeepSeek-V3: three dense).
+        let spec = parse_checkpoint_config(&config.to_string(), &path).unwrap().spec;
+        let first_moe = spec.moe_layers().next().unwrap_or_else(|| panic!("{name}: no MoE layer"));
+        let out = tmp.path().join(name);
+        let opts =
+            SynthOptions { config: Some(path), layers: Some(first_moe + 2), ..SynthOptions::new(Preset::Tiny, &out) };
+        synthesize(&opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let files = ModelFiles::open(&out).unwrap();
+        assert_eq!(files.spec().moe_layers().count(), 2, "{name}");
+        let c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+        let opened = open_engine(&files, &c).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let req = GenerateRequest {
+            prompt_ids: vec![5, 9, 200, 3],
+            max_new_tokens: 3,
+            sampling: SamplingParams::default(),
+            ignore_eos: true,
+            record_logits: true,
+        };
+        let o = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(o.generated.len(), 3, "{name}");
+        assert!(o.prefill_logits.iter().chain(&o.step_logits).all(|x| x.is_finite()), "{name}");
     }
 }
