@@ -450,7 +450,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // read by now, so RSS should match the estimate.
     let held = (req.prompt_ids.len() + out.generated.len()) as u64;
     let report = match engine.device() {
-        DevicePath::Cpu => opened.rss_report_at(&held_estimate, held),
+        DevicePath::Cpu => opened.rss_report_after(&held_estimate, held, req.prompt_ids.len() as u64),
         _ => opened.rss_report(),
     };
     if let Some(line) = report {

@@ -53,6 +53,34 @@ pub struct MemoryEstimate {
     pub embed_mapped_bytes: u64,
     /// The process itself: code, libraries, tokenizer, allocator arenas, thread stacks.
     pub process_bytes: u64,
+    /// Prefill on the BF16 tiles (`krasis_cpu::prefill_bf16`, quantised experts, prompts of at
+    /// least its minimum length): its call buffers per token of the longest pass (each routed
+    /// slot's activations and intermediate in BF16 and its output in f32). Kept after the pass
+    /// while they hold at most [`MemoryEstimate::prefill_kept_max`], else freed.
+    pub prefill_call_bytes_per_token: u64,
+    /// The call buffers' padding (each expert's rows padded to whole tiles: half a tile on
+    /// average per expert with tokens).
+    pub prefill_call_pad_bytes: u64,
+    /// `krasis_cpu::prefill_bf16::KEEP_BYTES` (0 when the BF16 tiles do not run).
+    pub prefill_kept_max: u64,
+    /// The workers' tile outputs per token of the longest pass over the quantised dense weights
+    /// (together about one byte per output row of the largest packed dense matrix): they grow once
+    /// and stay.
+    pub prefill_tile_bytes_per_token: u64,
+    /// Shortest pass that runs on the BF16 tiles.
+    pub prefill_min_tokens: u64,
+    /// MLA's decompressed prefill (passes of at least
+    /// [`crate::cpu::attention::MLA_PREFILL_MIN_ROWS`] rows): bytes of the expanded key and value
+    /// tile per key row (every head's `nope + rope + v_dim` floats); the calling thread keeps
+    /// the tile, sized for the longest pass's keys (whole blocks of
+    /// `krasis_cpu::mla_prefill::BLOCK_K`) up to [`MemoryEstimate::mla_tile_max_rows`].
+    pub mla_tile_bytes_per_row: u64,
+    /// `krasis_cpu::mla_prefill::tile_rows`: the most key rows a tile holds.
+    pub mla_tile_max_rows: u64,
+    /// MLA's per-call buffers (`q`, the latent rows and the output, f32) per token of the longest
+    /// pass: kept after the pass while they hold at most `krasis_cpu::prefill_bf16::KEEP_BYTES`
+    /// ([`crate::cpu::attention::trim_scratch`]), else freed.
+    pub mla_scratch_bytes_per_token: u64,
 }
 
 impl MemoryEstimate {
@@ -62,12 +90,47 @@ impl MemoryEstimate {
         self.dense_bytes + self.expert_bytes
     }
 
+    /// Resident after passes over `context_tokens` tokens, the longest pass a whole prompt of
+    /// that length ([`MemoryEstimate::total_after`]).
     pub fn total(&self, context_tokens: u64) -> u64 {
+        self.total_after(context_tokens, context_tokens)
+    }
+
+    /// Resident with `context_tokens` tokens in the KV cache after passes of at most
+    /// `longest_pass` tokens (the prompt's prefill): weights, process, KV, embedding pages and
+    /// the prefill scratch that stays ([`MemoryEstimate::prefill_kept_bytes`]).
+    pub fn total_after(&self, context_tokens: u64, longest_pass: u64) -> u64 {
         self.dense_bytes
             + self.expert_bytes
             + self.process_bytes
             + self.kv_bytes_per_token * context_tokens
             + (self.embed_bytes_per_token * context_tokens).min(self.embed_mapped_bytes)
+            + self.prefill_kept_bytes(longest_pass)
+    }
+
+    /// Prefill scratch still held after a pass of `tokens` tokens: the workers' tile outputs,
+    /// and the call buffers when they fit [`MemoryEstimate::prefill_kept_max`]. (While the pass
+    /// runs, the call buffers are held whatever their size, and the f32 activations besides.)
+    pub fn prefill_kept_bytes(&self, tokens: u64) -> u64 {
+        let scratch = self.mla_scratch_bytes_per_token * tokens;
+        let mla = self.mla_tile_bytes(tokens)
+            + if scratch <= krasis_cpu::prefill_bf16::KEEP_BYTES as u64 { scratch } else { 0 };
+        if tokens < self.prefill_min_tokens.max(1) {
+            return mla;
+        }
+        let call = self.prefill_call_pad_bytes + self.prefill_call_bytes_per_token * tokens;
+        let call = if call <= self.prefill_kept_max { call } else { 0 };
+        mla + call + self.prefill_tile_bytes_per_token * tokens.next_multiple_of(16)
+    }
+
+    /// MLA's expanded key/value tile after a pass of `tokens` tokens (0 below
+    /// [`crate::cpu::attention::MLA_PREFILL_MIN_ROWS`], where passes stay absorbed).
+    pub fn mla_tile_bytes(&self, tokens: u64) -> u64 {
+        if tokens < crate::cpu::attention::MLA_PREFILL_MIN_ROWS as u64 {
+            return 0;
+        }
+        let block = krasis_cpu::mla_prefill::BLOCK_K as u64;
+        tokens.next_multiple_of(block).min(self.mla_tile_max_rows) * self.mla_tile_bytes_per_row
     }
 }
 
@@ -101,7 +164,12 @@ pub fn estimate(spec: &ModelSpec, format: WeightBits) -> MemoryEstimate {
 /// - the embedding: read through the mapping a row per token, unless the engine holds it whole
 ///   (an LM head tied to it and left unquantised reads all of it; a source that dequantises it
 ///   on read gives f32);
-/// - [`PROCESS_BYTES`], the tokenizer ([`TOKENIZER_BYTES_PER_TOKEN`]) and the KV cache per token.
+/// - [`PROCESS_BYTES`], the tokenizer ([`TOKENIZER_BYTES_PER_TOKEN`]) and the KV cache per token;
+/// - the scratch a prompt's pass leaves behind, by the prompt's length
+///   ([`MemoryEstimate::prefill_kept_bytes`]): the BF16 prefill's call buffers and tile outputs
+///   (where the BF16 tiles run), MLA's per-call buffers and its expanded key/value tile.
+///
+/// `dense` `auto` counts the width the engine resolves it to (INT8).
 ///
 /// `source` gives the stored dtypes (what is read as f32 costs 4 bytes a weight); without it, a
 /// 2-byte dtype is assumed (FP8 checkpoints: matrices dequantised to f32).
@@ -113,6 +181,7 @@ pub fn cpu_estimate(
     group: usize,
 ) -> MemoryEstimate {
     let experts = resolve_expert_bits(spec, experts);
+    let dense = crate::placement::precision::resolve_dense_bits(dense);
     let held = |t: &TensorSpec| -> u64 {
         let per = match source.and_then(|s| s.stored_dtype(&t.name)) {
             Some(DType::BF16 | DType::F16) => 2,
@@ -183,5 +252,139 @@ pub fn cpu_estimate(
         crate::spec::AttentionSpec::Gqa { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,
     };
     est.kv_bytes_per_token = (per_layer * spec.num_layers * 4) as u64;
+    if let crate::spec::AttentionSpec::Mla {
+        heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, ..
+    } = spec.attention
+    {
+        let floats =
+            heads * (qk_nope_head_dim + qk_rope_head_dim) + kv_lora_rank + qk_rope_head_dim + heads * v_head_dim;
+        est.mla_scratch_bytes_per_token = floats as u64 * 4;
+        // As `krasis_cpu::mla_prefill::tile_rows` sizes it.
+        let per_row = (heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim)).max(1) * 4;
+        let block = krasis_cpu::mla_prefill::BLOCK_K;
+        est.mla_tile_bytes_per_row = per_row as u64;
+        est.mla_tile_max_rows = ((krasis_cpu::mla_prefill::KV_TILE_BYTES / per_row / block).max(1) * block) as u64;
+    }
+    let bf16 = krasis_cpu::prefill_bf16::applies(krasis_cpu::isa::active(), usize::MAX, 32).is_some();
+    let largest_dense = dense_quant.map_or(0, |_| entries.iter().map(packed_rows).max().unwrap_or(0));
+    prefill_scratch(&mut est, spec, bf16, expert_width_rule(experts).is_some(), largest_dense);
     est
+}
+
+/// Output rows of a dense-weight cache entry as one packed matrix (a fused w13: gate and up).
+/// The LM head runs on one row per sequence (never on the tiles): 0.
+fn packed_rows(p: &crate::cpu::dense_cache::Planned) -> u64 {
+    match &p.kind {
+        PlannedKind::Linear(t) if t.role == TensorRole::LmHead => 0,
+        PlannedKind::Linear(t) => t.shape[0] as u64,
+        PlannedKind::W13 { gate, .. } => 2 * gate.shape[0] as u64,
+        PlannedKind::KvB { .. } => 0,
+    }
+}
+
+/// Fills the prefill scratch parts of `est` (see [`MemoryEstimate::prefill_kept_bytes`]): with
+/// `bf16` tiles in use, call buffers when the routed experts are quantised (`quant_experts`),
+/// and tile outputs for the largest packed dense matrix (`largest_dense_rows`; 0 when dense
+/// weights are not quantised).
+pub fn prefill_scratch(
+    est: &mut MemoryEstimate,
+    spec: &ModelSpec,
+    bf16: bool,
+    quant_experts: bool,
+    largest_dense_rows: u64,
+) {
+    if !bf16 {
+        return;
+    }
+    est.prefill_min_tokens = krasis_cpu::prefill_bf16::min_tokens() as u64;
+    est.prefill_kept_max = krasis_cpu::prefill_bf16::KEEP_BYTES as u64;
+    if let Some(m) = spec.moe.as_ref().filter(|_| quant_experts) {
+        let (h, i) = (spec.hidden_size as u64, m.moe_intermediate_size as u64);
+        // x (BF16) and y (f32, whole row blocks) per row of hidden; mid (BF16) per intermediate.
+        let per_slot = 2 * h + 4 * h.next_multiple_of(16) + 2 * i;
+        est.prefill_call_bytes_per_token = m.routing.top_k as u64 * per_slot;
+        est.prefill_call_pad_bytes = m.n_routed_experts as u64 * 8 * per_slot;
+    }
+    est.prefill_tile_bytes_per_token = largest_dense_rows;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{preset_config, Preset};
+
+    fn spec(p: Preset, layers: usize) -> ModelSpec {
+        let text = preset_config(p, Some(layers)).to_string();
+        crate::arch::parse_config(&text, std::path::Path::new("config.json")).expect("preset config")
+    }
+
+    /// The parts of the estimate at several sizes: `auto` dense weights count as INT8 (as the
+    /// engine resolves them; they were counted as stored), the prefill call buffers per routed
+    /// slot, kept only up to their cap, and the tile outputs of the largest packed dense matrix
+    /// (never the LM head). Measured on this machine: bench/logs/2026-11-28/devvm-memory-estimate-s24.log.
+    #[test]
+    fn estimate_parts_at_several_sizes() {
+        for (p, layers) in [(Preset::Tiny, 4), (Preset::V2Lite, 2), (Preset::V2Lite, 4), (Preset::V2Lite, 27)] {
+            let s = spec(p, layers);
+            let auto = cpu_estimate(&s, None, WeightBits::Int4, WeightBits::Auto, 128);
+            let int8 = cpu_estimate(&s, None, WeightBits::Int4, WeightBits::Int8, 128);
+            let bf16 = cpu_estimate(&s, None, WeightBits::Int4, WeightBits::Bf16, 128);
+            assert_eq!(auto, int8, "{p} L{layers}: auto dense is INT8");
+            assert!(int8.dense_bytes < bf16.dense_bytes, "{p} L{layers}");
+
+            let mut e = MemoryEstimate::default();
+            let m = s.moe.as_ref().expect("MoE preset");
+            prefill_scratch(&mut e, &s, true, true, 1000);
+            let (h, i) = (s.hidden_size as u64, m.moe_intermediate_size as u64);
+            let slot = 6 * h + 2 * i;
+            assert_eq!(e.prefill_call_bytes_per_token, m.routing.top_k as u64 * slot);
+            assert_eq!(e.prefill_call_pad_bytes, m.n_routed_experts as u64 * 8 * slot);
+            assert_eq!(e.prefill_tile_bytes_per_token, 1000);
+            // Below the tiles' minimum nothing is kept; a pass whose call buffers exceed the cap
+            // keeps only the tile outputs.
+            assert_eq!(e.prefill_kept_bytes(e.prefill_min_tokens - 1), 0);
+            let t = e.prefill_min_tokens;
+            let call = e.prefill_call_pad_bytes + e.prefill_call_bytes_per_token * t;
+            let kept_call = if call <= e.prefill_kept_max { call } else { 0 };
+            assert_eq!(e.prefill_kept_bytes(t), kept_call + 1000 * t.next_multiple_of(16));
+            let big = 1 << 20;
+            assert_eq!(e.prefill_kept_bytes(big), 1000 * big);
+            assert_eq!(e.total_after(16, big) - e.total_after(16, 0), 1000 * big);
+            // Without the tiles, or with unquantised experts, there are no call buffers.
+            let mut none = MemoryEstimate::default();
+            prefill_scratch(&mut none, &s, false, true, 1000);
+            assert_eq!(none, MemoryEstimate::default());
+            let mut reference = MemoryEstimate::default();
+            prefill_scratch(&mut reference, &s, true, false, 0);
+            assert_eq!(reference.prefill_call_bytes_per_token + reference.prefill_tile_bytes_per_token, 0);
+        }
+        // MLA's expanded tile: V2-Lite's 16 heads × (128 + 64 + 128) floats a key row, at most
+        // 768 rows (16 MiB); tiny's 4 × 80 floats, up to 13 056 rows. Nothing below 32 rows.
+        let v2 = cpu_estimate(&spec(Preset::V2Lite, 2), None, WeightBits::Int4, WeightBits::Int8, 128);
+        assert_eq!((v2.mla_tile_bytes_per_row, v2.mla_tile_max_rows), (20480, 768));
+        assert_eq!(v2.mla_tile_bytes(16), 0);
+        assert_eq!(v2.mla_tile_bytes(100), 128 * 20480);
+        assert_eq!(v2.mla_tile_bytes(2048), 768 * 20480);
+        // Its per-call buffers: 16 · 192 + 576 + 16 · 128 floats a token, kept up to 64 MiB.
+        assert_eq!(v2.mla_scratch_bytes_per_token, 5696 * 4);
+        let kept = |e: &MemoryEstimate, t: u64| e.total_after(16, t) - e.total_after(16, 0);
+        let no_bf16 = MemoryEstimate {
+            prefill_min_tokens: 0,
+            prefill_call_bytes_per_token: 0,
+            prefill_call_pad_bytes: 0,
+            prefill_tile_bytes_per_token: 0,
+            ..v2
+        };
+        assert_eq!(kept(&no_bf16, 2048), 768 * 20480 + 2048 * 5696 * 4);
+        assert_eq!(kept(&no_bf16, 4096), 768 * 20480, "93 MB of buffers are freed after the pass");
+        let tiny = cpu_estimate(&spec(Preset::Tiny, 4), None, WeightBits::Int4, WeightBits::Int8, 128);
+        assert_eq!((tiny.mla_tile_bytes_per_row, tiny.mla_tile_max_rows), (1280, 13056));
+        assert_eq!(tiny.mla_tile_bytes(2048), 2048 * 1280);
+        assert!(tiny.total_after(2048, 2048) >= tiny.total_after(2048, 16) + 2048 * 1280);
+        // The tile outputs follow the largest packed dense matrix, not the LM head: V2-Lite's
+        // dense MLP (2 · 10944 rows), though its LM head has 102400.
+        let s = spec(Preset::V2Lite, 2);
+        let largest = planned_entries(&s).expect("plan").iter().map(packed_rows).max();
+        assert_eq!(largest, Some(2 * 10944));
+    }
 }

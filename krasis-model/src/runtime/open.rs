@@ -56,13 +56,23 @@ impl Opened {
     /// [`Opened::rss_report`] against `estimate` at the context actually held (`tokens`), for
     /// runs far shorter than the context the start-up estimate assumes.
     pub fn rss_report_at(&self, estimate: &MemoryEstimate, tokens: u64) -> Option<String> {
+        self.rss_report_after(estimate, tokens, tokens)
+    }
+
+    /// [`Opened::rss_report_at`] where the longest forward pass (the prompt's prefill) was
+    /// `longest_pass` tokens: the prefill scratch that stays depends on it
+    /// ([`MemoryEstimate::total_after`]).
+    pub fn rss_report_after(&self, estimate: &MemoryEstimate, tokens: u64, longest_pass: u64) -> Option<String> {
         self.memory_estimate.filter(|_| self.check_rss)?;
-        rss_line(estimate.total(tokens), &format!(" for {tokens} tokens of context"))
+        rss_line(estimate.total_after(tokens, longest_pass), &format!(" for {tokens} tokens of context"))
     }
 }
 
-/// The RSS against `est`: `memory: …` within tolerance, `warning: …` not.
+/// The RSS against `est`: `memory: …` within tolerance, `warning: …` not. Heap the allocator
+/// holds free (a long prefill's f32 activations, freed but kept in its arenas) is handed back
+/// first: it is reusable, not held by the engine, and its size depends on the allocator alone.
 fn rss_line(est: u64, context: &str) -> Option<String> {
+    krasis_core::memory::release_free_heap();
     let rss = krasis_core::hw::current_rss_bytes()?;
     Some(match rss_deviation_warning(est, rss) {
         Some(w) => format!("warning: {w}"),
