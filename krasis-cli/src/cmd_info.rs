@@ -2,19 +2,25 @@
 
 use std::path::PathBuf;
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Args as ClapArgs;
 use krasis_core::budget::{format_bytes, ram_limit_bytes};
+use krasis_model::arch::{parse_checkpoint_config, CheckpointConfig};
 use krasis_model::cpu::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::model::tensors::{missing_tensors, param_counts};
 use krasis_model::source::files::ModelFiles;
-use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling};
+use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling, SourceQuant};
+use krasis_model::synth::stored_tensors;
 
 #[derive(ClapArgs)]
 pub struct Args {
     /// Model directory or GGUF file.
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required_unless_present = "config", conflicts_with = "config")]
+    model: Option<PathBuf>,
+    /// A config.json alone, no weights (a published one, before downloading the model): the
+    /// plan, the published storage and the memory each precision needs for the full model.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 fn billions(n: u64) -> String {
@@ -40,17 +46,42 @@ fn check_weights(files: &ModelFiles) -> anyhow::Result<String> {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let files = ModelFiles::open(&a.model)?;
-    let spec = files.spec();
-    let weights = check_weights(&files)?;
+    let files: ModelFiles;
+    let cfg: CheckpointConfig;
+    let (spec, notes, gguf) = match (&a.model, &a.config) {
+        (Some(model), _) => {
+            files = ModelFiles::open(model)?;
+            let weights = check_weights(&files)?;
+            println!("model        {}", model.display());
+            println!("weights      {weights}");
+            (files.spec(), files.notes(), files.gguf())
+        }
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            cfg = parse_checkpoint_config(&text, path)?;
+            let stored = stored_tensors(&cfg)?;
+            let bytes: usize = stored.iter().map(|t| t.shape.iter().product::<usize>() * t.dtype.size_bytes()).sum();
+            println!("config       {}", path.display());
+            println!(
+                "weights      none read; as published: {} tensors, {} ({})",
+                stored.len(),
+                format_bytes(bytes as u64),
+                match cfg.spec.source_quant {
+                    SourceQuant::None => "BF16",
+                    SourceQuant::Fp8Block { .. } => "block FP8 projections, the rest BF16",
+                    SourceQuant::CompressedInt4 { .. } => "compressed-tensors INT4 routed experts, the rest BF16",
+                }
+            );
+            (&cfg.spec, cfg.notes.as_slice(), None)
+        }
+        (None, None) => bail!("give a model (--model) or a config.json (--config)"),
+    };
     let counts = param_counts(spec);
-    println!("model        {}", a.model.display());
-    println!("weights      {weights}");
     println!("architecture {}", spec.arch.model_type());
-    for note in files.notes() {
+    for note in notes {
         println!("note         {note}");
     }
-    if let Some(m) = files.gguf() {
+    if let Some(m) = gguf {
         use krasis_model::placement::precision::{ExpertWidthRule, LayerBits};
         use krasis_model::source::gguf::expert_source_types;
         let types = expert_source_types(m, spec);
@@ -130,7 +161,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "memory (CPU reference path, 4K context; limit {} = 95% of RAM):",
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
-    let auto = files.gguf().is_some().then_some(WeightBits::Auto);
+    let auto = gguf.is_some().then_some(WeightBits::Auto);
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(auto) {
         let e = estimate(spec, f);
         println!(

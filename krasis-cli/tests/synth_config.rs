@@ -111,3 +111,21 @@ fn synth_takes_a_preset_or_a_config_not_both() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--preset"));
 }
+
+#[test]
+fn info_config_describes_the_full_published_model_without_weights() {
+    let t = tempfile::tempdir().unwrap();
+    let cfg = t.path().join("config.json");
+    std::fs::write(&cfg, kimi_k25_like().to_string()).unwrap();
+    let o = ok(krasis(&["info", "--config", cfg.to_str().unwrap()]));
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    // 61 layers: 61 x 9 attention and norm tensors, 3 of the dense layer, 60 MoE layers of
+    // 8 experts x 9 INT4 tensors + router, bias and 3 shared, embedding, norm, LM head.
+    let tensors = 61 * 9 + 3 + 60 * (8 * 9 + 5) + 3;
+    assert!(said.contains(&format!("as published: {tensors} tensors")), "{said}");
+    assert!(said.contains("compressed-tensors INT4") && said.contains("61 layers"), "{said}");
+    assert!(said.contains("architecture deepseek_v3") && said.contains("vision tower"), "{said}");
+    assert!(said.contains("experts int4"), "{said}");
+    let o = krasis(&["info"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--model"));
+}
