@@ -172,6 +172,53 @@ mod tests {
         assert!(w.contains("7.6e-6 at INT8"), "{w}");
     }
 
+    /// Subnormal f16 scales (ideal scales between 2^-24 and 2^-14: groups of largest |w| from
+    /// about 8e-6 to 8e-3 at INT8) reach the packed kernels intact: through [`QuantLinear`] (the
+    /// active ISA's kernels, one row and a prompt-sized call) the product is that of the
+    /// dequantised weights, not zeros.
+    #[test]
+    fn subnormal_scales_survive_the_packed_kernels() {
+        use crate::cpu::quantized::QuantLinear;
+        use crate::model::linear::{DenseLinear, LinearOp, MatrixData};
+        use krasis_cpu::pool::{PoolPlan, WorkerPool};
+        use krasis_quant::group::dequantize;
+        let (rows, k) = (32, 256);
+        // Row r has largest |w| about 2^-(9 + r % 8): scales 2^-16 .. 2^-23 at INT8.
+        let w: Vec<f32> = test_data(rows * k, 21, 1.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 2f32.powi(-9 - (i / k % 8) as i32))
+            .collect();
+        let m = quantize(&w, rows, k, Bits::Int8, 128);
+        let subnormal = m.scales.iter().filter(|s| s.to_f32() > 0.0 && s.to_f32() < 6.1e-5).count();
+        assert!(subnormal >= m.scales.len() / 2, "{subnormal} subnormal scales");
+        assert_eq!(Underflow::of(&m).clamped, 0);
+        let deq = dequantize(&m);
+        let pool = std::sync::Arc::new(WorkerPool::new(PoolPlan::simulated(1, 2)).expect("pool"));
+        let lin = QuantLinear::from_dense(&DenseLinear::new(rows, k, MatrixData::Owned(w)), Bits::Int8, 128, pool, "w")
+            .expect("packed");
+        for t in [1usize, 64] {
+            let x = test_data(t * k, 5, 1.0);
+            let mut y = vec![0f32; t * rows];
+            lin.forward(&x, t, &mut y);
+            for i in 0..t {
+                for r in 0..rows {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for c in 0..k {
+                        let p = deq[r * k + c] as f64 * x[i * k + c] as f64;
+                        want += p;
+                        mag += p.abs();
+                    }
+                    let got = y[i * rows + r] as f64;
+                    assert!(
+                        mag > 0.0 && (got - want).abs() <= 0.02 * mag,
+                        "t {t} token {i} row {r}: {got} vs {want} (Σ|·| {mag})"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn packed_entries_are_read_back() {
         let log = UnderflowLog::new();
