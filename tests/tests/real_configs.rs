@@ -6,8 +6,8 @@
 //! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5) synthesizes with its
 //! widths cut down by the test, two MoE layers deep, and generates on the CPU.
 //!
-//! Skips visibly when the folder is absent, unless `KRASIS_REQUIRE_FIXTURES=1` (`.ci/run`, which
-//! runs with `../shared` beside the checkout).
+//! Skips visibly when the folder is absent (CI may not have `../shared`), unless
+//! `KRASIS_REQUIRE_REAL_CONFIGS=1`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,8 +29,8 @@ fn real_configs() -> Option<PathBuf> {
     if dir.join("Kimi-K2-Instruct/config.json").is_file() {
         return Some(dir);
     }
-    if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
-        panic!("KRASIS_REQUIRE_FIXTURES=1 but no published configs at {}", dir.display());
+    if std::env::var("KRASIS_REQUIRE_REAL_CONFIGS").as_deref() == Ok("1") {
+        panic!("KRASIS_REQUIRE_REAL_CONFIGS=1 but no published configs at {}", dir.display());
     }
     report_skip(&format!("published configs not found at {}", dir.display()));
     None

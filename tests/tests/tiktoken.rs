@@ -137,8 +137,8 @@ fn kimi_k2_published_special_ids() {
         real.join("Kimi-tokenizer/tokenization_kimi.py"),
     );
     if !cfg.is_file() || !py.is_file() {
-        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
-            panic!("KRASIS_REQUIRE_FIXTURES=1 but no published Kimi tokenizer files at {}", real.display());
+        if std::env::var("KRASIS_REQUIRE_REAL_CONFIGS").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_REAL_CONFIGS=1 but no published Kimi tokenizer files at {}", real.display());
         }
         krasis_tests::report_skip(&format!("published Kimi tokenizer files not found at {}", real.display()));
         return;
