@@ -71,11 +71,21 @@ impl Server {
     }
 
     pub fn get(&self, path: &str) -> Response {
-        request(&self.addr, "GET", path, &[], None)
+        self.or_log(try_request(&self.addr, "GET", path, &[], None))
     }
 
     pub fn post(&self, path: &str, body: &Value) -> Response {
-        request(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes()))
+        self.or_log(try_request(&self.addr, "POST", path, &[], Some(body.to_string().as_bytes())))
+    }
+
+    /// A request's response, or a panic that shows the server's log when it cannot be reached
+    /// (the server is gone: its last lines say why).
+    fn or_log(&self, r: std::io::Result<Response>) -> Response {
+        r.unwrap_or_else(|e| {
+            // The reader thread may still be taking the last lines.
+            std::thread::sleep(Duration::from_millis(300));
+            panic!("cannot reach the server at {} ({e}); its log:\n{}", self.addr, self.log())
+        })
     }
 
     /// One value of `/metrics` (the first line starting with `name `).
@@ -185,7 +195,19 @@ fn read_head(r: &mut BufReader<TcpStream>) -> (u16, Vec<(String, String)>) {
 
 /// One HTTP request on a fresh connection; the whole response.
 pub fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Response {
-    let mut s = connect(addr);
+    try_request(addr, method, path, headers, body).expect("connect to the server")
+}
+
+/// [`request`], with a failure to connect returned.
+pub fn try_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> std::io::Result<Response> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
     send_head(&mut s, addr, method, path, headers, body);
     let mut r = BufReader::new(s);
     let (status, headers) = read_head(&mut r);
@@ -198,7 +220,7 @@ pub fn request(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], b
     } else {
         r.read_to_end(&mut body).unwrap();
     }
-    Response { status, headers, body }
+    Ok(Response { status, headers, body })
 }
 
 /// One chunk of a chunked body (`None` at the end).
