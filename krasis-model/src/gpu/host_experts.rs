@@ -604,11 +604,15 @@ fn prefetch_next(
     guess.layer = Some(next);
     let backend = experts[next].as_deref().expect("found above");
     // The budget goes to the experts the CPU will read: not the next layer's pinned ones.
-    let pulled: Vec<usize> = match &work.next_skips {
-        Some(skips) => guess.ids.iter().copied().filter(|&e| !skips.get(e).copied().unwrap_or(false)).collect(),
-        None => guess.ids.clone(),
-    };
-    backend.prefetch(&pulled, expert_prefetch_budget(), &|| ready.load() > work.seq)
+    let ready_for_next = || ready.load() > work.seq;
+    match &work.next_skips {
+        Some(skips) => {
+            let pulled: Vec<usize> =
+                guess.ids.iter().copied().filter(|&e| !skips.get(e).copied().unwrap_or(false)).collect();
+            backend.prefetch(&pulled, expert_prefetch_budget(), &ready_for_next)
+        }
+        None => backend.prefetch(&guess.ids, expert_prefetch_budget(), &ready_for_next),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

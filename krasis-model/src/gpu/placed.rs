@@ -9,6 +9,7 @@ use super::expert_pool::ExpertPool;
 use super::expert_stream::ExpertStreamer;
 use super::hot_experts::{HotExperts, HotLayer};
 use crate::error::{ModelError, Result};
+use crate::placement::plan::moe_layers;
 use crate::placement::{Beside, ExpertHome, ExpertSite, PlacementPlan};
 use crate::ModelSpec;
 
@@ -89,7 +90,8 @@ impl Placed {
     /// The device choice's reason, for the start lines.
     pub fn because(&mut self, why: &str) {
         self.why[0] = why.to_string();
-        self.remake();
+        // Only the reason changes: the sites stay as the resources made them.
+        self.plan = self.plan.clone().home_because(why);
     }
 
     /// Sets the stream slots; `why` is the reason the start lines give.
@@ -162,12 +164,6 @@ impl Placed {
             ExpertSite::Pool => Site::Pool(self.pool.as_ref().ok_or_else(|| missing("the expert pool"))?),
         })
     }
-}
-
-/// Per model layer, whether it is a MoE layer.
-fn moe_layers(spec: &ModelSpec) -> Vec<bool> {
-    let moe: std::collections::HashSet<usize> = spec.moe_layers().collect();
-    (0..spec.num_layers).map(|l| moe.contains(&l)).collect()
 }
 
 /// The shortest call from which a layer with pins `hl` streams its split instead (the pinned

@@ -116,6 +116,13 @@ pub struct PlacementPlan {
     why_beside: String,
 }
 
+/// Per model layer of `spec`, whether it is a MoE layer (the `moe` argument of
+/// [`PlacementPlan::new`]).
+pub fn moe_layers(spec: &crate::ModelSpec) -> Vec<bool> {
+    let moe: std::collections::HashSet<usize> = spec.moe_layers().collect();
+    (0..spec.num_layers).map(|l| moe.contains(&l)).collect()
+}
+
 /// Longest call the start line's description looks at; every rule is constant beyond it (the
 /// measured split streams every expert from [`crate::gpu::expert_stream::SPLIT_MAX_TOKENS`]).
 const DESCRIBE_MAX_TOKENS: usize = 4096;
@@ -129,8 +136,13 @@ impl PlacementPlan {
 
     /// The CPU engine's plan for `spec`: every route on the CPU pool.
     pub fn cpu(spec: &crate::ModelSpec, why: impl Into<String>) -> PlacementPlan {
-        let moe: std::collections::HashSet<usize> = spec.moe_layers().collect();
-        PlacementPlan::new(ExpertHome::Cpu, (0..spec.num_layers).map(|l| moe.contains(&l)).collect(), why)
+        PlacementPlan::new(ExpertHome::Cpu, moe_layers(spec), why)
+    }
+
+    /// The same plan with `why` as the device choice's reason.
+    pub fn home_because(mut self, why: impl Into<String>) -> Self {
+        self.why_home = why.into();
+        self
     }
 
     /// The reason the stream rule gives in the start line.

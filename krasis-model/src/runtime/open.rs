@@ -116,17 +116,18 @@ pub fn open_engine(files: &ModelFiles, config: &EngineConfig) -> Result<Opened> 
 /// The engine [`open_engine`] would open for `config`, with its options and why, without
 /// loading anything: the GPU is probed, the recorded heatmap looked for.
 pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate::placement::DeviceChoice> {
-    let mut resolved = config.clone();
     // Under `auto`, a tune saved for this model and GPU is the choice ([`crate::placement::tune`]).
+    let mut tuned_config = config.clone();
     let mut tune_note = None;
     if config.device == DevicePolicy::Auto && config.use_saved_tune {
-        tune_note = crate::placement::tune::apply(files, config.cpu.cache_dir.as_deref(), &mut resolved)?;
+        tune_note = crate::placement::tune::apply(files, config.cpu.cache_dir.as_deref(), &mut tuned_config)?;
     }
-    let tuned = resolved.device != config.device;
-    let config = &resolved.clone();
+    let tuned = tuned_config.device != config.device;
+    let config = &tuned_config;
     // A CPU expert width other than `auto` is the caller's choice (auto then keeps the experts on
     // the CPU); `auto` resolves to the default here.
     let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
+    let mut resolved = config.clone();
     resolved.cpu.expert_bits = crate::placement::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     // `auto` leaves the width to the device's defaults; `bf16` is `None` (BF16 experts).
     if config.gpu_expert_width != WeightBits::Auto {
