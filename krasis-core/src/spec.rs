@@ -10,17 +10,21 @@ pub enum Arch {
     DeepseekV2,
     DeepseekV3,
     Qwen3Moe,
+    /// Mixtral (`MixtralForCausalLM`): GQA without qk-norm, softmax top-k renormalised, every
+    /// layer MoE, the `block_sparse_moe` tensor names.
+    Mixtral,
 }
 
 impl Arch {
     /// The `model_type` values of `config.json` Krasis reads.
-    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe", "kimi_k2", "kimi_k25"];
+    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "kimi_k2", "kimi_k25"];
 
     pub fn model_type(self) -> &'static str {
         match self {
             Arch::DeepseekV2 => "deepseek_v2",
             Arch::DeepseekV3 => "deepseek_v3",
             Arch::Qwen3Moe => "qwen3_moe",
+            Arch::Mixtral => "mixtral",
         }
     }
 }
@@ -146,6 +150,19 @@ pub struct MoeSpec {
     /// Intermediate size of the fused shared expert (0 when there is none).
     pub shared_intermediate_size: usize,
     pub routing: RoutingRule,
+    /// How the checkpoint names the router and the routed experts.
+    pub naming: ExpertNaming,
+}
+
+/// The tensor names of a MoE block in a family's checkpoints (only the names differ; the
+/// weights are the same gated MLPs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertNaming {
+    /// `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight` (DeepSeek, Qwen).
+    Mlp,
+    /// `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.E.{w1,w3,w2}.weight`
+    /// (gate, up, down: Mixtral, MiniMax).
+    BlockSparse,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -101,6 +101,7 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
                 norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
                 routed_scaling_factor: f.f64_opt("routed_scaling_factor")?.unwrap_or(1.0) as f32,
             },
+            naming: ExpertNaming::Mlp,
         })
     } else {
         None

@@ -7,6 +7,7 @@
 //! operations of the two devices.
 
 mod deepseek;
+mod mixtral;
 mod qwen3_moe;
 
 #[cfg(test)]
@@ -212,6 +213,7 @@ fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
         "deepseek_v2" => deepseek::parse(f, Arch::DeepseekV2),
         "deepseek_v3" | "kimi_k2" => deepseek::parse(f, Arch::DeepseekV3),
         "qwen3_moe" => qwen3_moe::parse(f),
+        "mixtral" => mixtral::parse(f),
         _ => return None,
     })
 }

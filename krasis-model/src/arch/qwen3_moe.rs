@@ -69,6 +69,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
                 norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
                 routed_scaling_factor: 1.0,
             },
+            naming: ExpertNaming::Mlp,
         })
     } else {
         None

@@ -269,11 +269,11 @@ pub(crate) fn expert_f32(
     i: usize,
 ) -> Result<([Vec<f32>; 3], String)> {
     let hid = spec.hidden_size;
-    let p = format!("{}.mlp.experts.{e}", crate::model::tensors::layer_prefix(layer));
-    let gate = rows_f32(&loader.matrix(&format!("{p}.gate_proj.weight"), i, hid)?);
-    let up = rows_f32(&loader.matrix(&format!("{p}.up_proj.weight"), i, hid)?);
-    let down = rows_f32(&loader.matrix(&format!("{p}.down_proj.weight"), hid, i)?);
-    Ok(([gate, up, down], p))
+    let t = crate::model::tensors::expert_tensors(spec, layer, e);
+    let gate = rows_f32(&loader.matrix(&t.gate.name, i, hid)?);
+    let up = rows_f32(&loader.matrix(&t.up.name, i, hid)?);
+    let down = rows_f32(&loader.matrix(&t.down.name, hid, i)?);
+    Ok(([gate, up, down], format!("{}.{e}", crate::model::tensors::experts_prefix(spec, layer))))
 }
 
 /// One routed expert as the expert caches read it: on a compressed-tensors INT4 source its
@@ -290,6 +290,8 @@ pub(crate) struct ExpertSource<'a> {
     f32: std::cell::OnceCell<[Vec<f32>; 3]>,
     /// The expert's tensor prefix, for messages.
     pub what: String,
+    /// The names of its gate, up and down tensors.
+    pub names: [String; 3],
 }
 
 impl<'a> ExpertSource<'a> {
@@ -301,14 +303,16 @@ impl<'a> ExpertSource<'a> {
         e: usize,
         inter: usize,
     ) -> Result<Self> {
-        let what = format!("{}.mlp.experts.{e}", crate::model::tensors::layer_prefix(layer));
+        let what = format!("{}.{e}", crate::model::tensors::experts_prefix(spec, layer));
+        let t = crate::model::tensors::expert_tensors(spec, layer, e);
         let hid = spec.hidden_size;
         let stored = [
-            loader.stored_int4(&format!("{what}.gate_proj.weight"), inter, hid)?,
-            loader.stored_int4(&format!("{what}.up_proj.weight"), inter, hid)?,
-            loader.stored_int4(&format!("{what}.down_proj.weight"), hid, inter)?,
+            loader.stored_int4(&t.gate.name, inter, hid)?,
+            loader.stored_int4(&t.up.name, inter, hid)?,
+            loader.stored_int4(&t.down.name, hid, inter)?,
         ];
-        Ok(ExpertSource { loader, spec, layer, e, inter, stored, f32: Default::default(), what })
+        let names = [t.gate.name, t.up.name, t.down.name];
+        Ok(ExpertSource { loader, spec, layer, e, inter, stored, f32: Default::default(), what, names })
     }
 
     fn f32(&self) -> Result<&[Vec<f32>; 3]> {
@@ -362,7 +366,7 @@ fn expert_record(
     let bits = parts_bits(h, li)?;
     let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
     let q = x.quantized(h, bits.w13, bits.w2)?;
-    underflow.record_expert(li, e, &x.what, &q);
+    underflow.record_expert(li, e, &x.names, &q);
     cpu_record(h, li, &q, &x.what)
 }
 

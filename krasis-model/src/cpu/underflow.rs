@@ -49,12 +49,12 @@ impl UnderflowLog {
         }
     }
 
-    /// The gate, up and down of one routed expert (tensor prefix `prefix`, e.g.
-    /// `model.layers.3.mlp.experts.5`) of MoE layer `li`.
-    pub fn record_expert(&self, li: usize, e: usize, prefix: &str, q: &[QuantizedMatrix; 3]) {
-        for (j, (m, proj)) in q.iter().zip(["gate_proj", "up_proj", "down_proj"]).enumerate() {
+    /// The gate, up and down of one routed expert (tensors `names`, e.g.
+    /// `model.layers.3.mlp.experts.5.gate_proj.weight`, …) of MoE layer `li`.
+    pub fn record_expert(&self, li: usize, e: usize, names: &[String; 3], q: &[QuantizedMatrix; 3]) {
+        for (j, (m, name)) in q.iter().zip(names).enumerate() {
             let order = ((li as u64) << 34) | ((e as u64) << 2) | j as u64;
-            self.record(order, &format!("{prefix}.{proj}.weight"), m);
+            self.record(order, name, m);
         }
     }
 
@@ -153,6 +153,11 @@ mod tests {
         quantize(&w, rows, 64, bits, 32)
     }
 
+    /// The gate, up and down names under `prefix`.
+    fn names(prefix: &str) -> [String; 3] {
+        ["gate_proj", "up_proj", "down_proj"].map(|p| format!("{prefix}.{p}.weight"))
+    }
+
     #[test]
     fn warning_counts_groups_and_names_the_first_tensor_in_model_order() {
         let log = UnderflowLog::new();
@@ -160,9 +165,9 @@ mod tests {
         assert_eq!(log.warning("x"), None);
         // Recorded out of order, as parallel builders finish: layer 1 first, then layer 0.
         let q1 = [clean.clone(), matrix(16, Some(3), 1e-8, Bits::Int4, 2), clean.clone()];
-        log.record_expert(1, 0, "model.layers.2.mlp.experts.0", &q1);
+        log.record_expert(1, 0, &names("model.layers.2.mlp.experts.0"), &q1);
         let q0 = [clean.clone(), clean.clone(), matrix(16, Some(5), 2e-7, Bits::Int8, 3)];
-        log.record_expert(0, 7, "model.layers.1.mlp.experts.7", &q0);
+        log.record_expert(0, 7, &names("model.layers.1.mlp.experts.7"), &q0);
         let t = log.total();
         assert_eq!((t.groups, t.clamped, t.zeroed), (6 * 32, 2, 1));
         let w = log.warning("the CPU expert cache").expect("a warning");

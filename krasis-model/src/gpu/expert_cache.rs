@@ -84,7 +84,7 @@ pub fn open_gpu_expert_cache(files: &ModelFiles, plan: &GpuCachePlan) -> Result<
         let record = || {
             let x = ExpertSource::read(&loader, spec, layer, e, header.intermediate as usize)?;
             let q = x.quantized(header, plan.bits, plan.bits)?;
-            underflow.record_expert(li, e, &x.what, &q);
+            underflow.record_expert(li, e, &x.names, &q);
             plan.record(&q, e, &x.what)
         };
         record().map_err(|err| err.to_string())

@@ -2,7 +2,7 @@
 //! The loader validates against it, `krasis synth` writes it, `krasis info` counts it.
 
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, FfnKind, ModelSpec, TopkMethod};
+use crate::spec::{AttentionSpec, ExpertNaming, FfnKind, ModelSpec, TopkMethod};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorRole {
@@ -100,11 +100,32 @@ fn mlp_tensors(prefix: &str, inter: usize, hidden: usize, role: TensorRole) -> M
     }
 }
 
+/// The MoE block's prefix in layer `l` (`…mlp` or `…block_sparse_moe`).
+pub fn moe_prefix(spec: &ModelSpec, l: usize) -> String {
+    match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
+        ExpertNaming::Mlp => format!("{}.mlp", layer_prefix(l)),
+        ExpertNaming::BlockSparse => format!("{}.block_sparse_moe", layer_prefix(l)),
+    }
+}
+
+/// The prefix of the routed experts of layer `l` (`…mlp.experts`), for messages.
+pub fn experts_prefix(spec: &ModelSpec, l: usize) -> String {
+    format!("{}.experts", moe_prefix(spec, l))
+}
+
 /// Routed expert `e` of MoE layer `l`.
 pub fn expert_tensors(spec: &ModelSpec, l: usize, e: usize) -> MlpTensors {
     let inter = spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
-    let prefix = format!("{}.mlp.experts.{e}", layer_prefix(l));
-    mlp_tensors(&prefix, inter, spec.hidden_size, TensorRole::RoutedExpert { layer: l, expert: e })
+    let prefix = format!("{}.{e}", experts_prefix(spec, l));
+    let role = TensorRole::RoutedExpert { layer: l, expert: e };
+    match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
+        ExpertNaming::Mlp => mlp_tensors(&prefix, inter, spec.hidden_size, role),
+        ExpertNaming::BlockSparse => MlpTensors {
+            gate: tensor(format!("{prefix}.w1.weight"), vec![inter, spec.hidden_size], role),
+            up: tensor(format!("{prefix}.w3.weight"), vec![inter, spec.hidden_size], role),
+            down: tensor(format!("{prefix}.w2.weight"), vec![spec.hidden_size, inter], role),
+        },
+    }
 }
 
 fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
@@ -151,10 +172,11 @@ fn ffn_tensors(spec: &ModelSpec, l: usize, kind: &FfnKind) -> FfnTensors {
             let moe = spec.moe.as_ref().expect("MoE layer implies a MoE spec");
             let e = moe.n_routed_experts;
             let s = moe.shared_intermediate_size;
+            let b = moe_prefix(spec, l);
             FfnTensors::Moe {
-                router: tensor(format!("{m}.gate.weight"), vec![e, h], TensorRole::Router),
+                router: tensor(format!("{b}.gate.weight"), vec![e, h], TensorRole::Router),
                 bias: matches!(moe.routing.topk, TopkMethod::NoauxTc { .. })
-                    .then(|| tensor(format!("{m}.gate.e_score_correction_bias"), vec![e], TensorRole::RouterBias)),
+                    .then(|| tensor(format!("{b}.gate.e_score_correction_bias"), vec![e], TensorRole::RouterBias)),
                 experts: (0..e).map(|x| expert_tensors(spec, l, x)).collect(),
                 shared: (s > 0).then(|| mlp_tensors(&format!("{m}.shared_experts"), s, h, TensorRole::SharedExpert)),
             }

@@ -119,7 +119,7 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
                         Some(at) => at,
                         None => {
                             let q = x.quantized(h, w13, w2)?;
-                            underflow.record_expert(li, e, what, &q);
+                            underflow.record_expert(li, e, &x.names, &q);
                             quantised.push((key, q));
                             quantised.len() - 1
                         }

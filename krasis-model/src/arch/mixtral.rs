@@ -1,0 +1,73 @@
+//! Mixtral `config.json` fields (`MixtralForCausalLM`).
+
+use super::{parse_common, parse_rope, parse_source_quant, Fields};
+use crate::error::Result;
+use crate::spec::*;
+
+/// Mixtral: GQA without qk-norm, every layer a MoE of `num_local_experts` gated MLPs of width
+/// `intermediate_size`; the router takes the softmax over all experts, keeps the top-k and
+/// renormalises them (transformers' `MixtralSparseMoeBlock`), so `norm_topk_prob` is fixed.
+pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
+    let c = parse_common(f)?;
+    let heads = f.dim("num_attention_heads")?;
+    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
+    }
+    let head_dim = match f.usize_opt("head_dim")? {
+        Some(d) if d > 0 => d,
+        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
+        None => c.hidden_size / heads,
+    };
+    if head_dim % 2 != 0 {
+        return Err(f.err("head_dim", "must be even"));
+    }
+    // A window at least as long as the context never masks anything.
+    if let Some(w) = f.usize_opt("sliding_window")? {
+        if w < c.max_position_embeddings {
+            return Err(f.err(
+                "sliding_window",
+                format!(
+                    "a {w}-token window is not supported (shorter than max_position_embeddings {})",
+                    c.max_position_embeddings
+                ),
+            ));
+        }
+    }
+    let rope = parse_rope(f, head_dim, RopePairing::Halves, c.max_position_embeddings)?;
+    let n_experts = f.dim("num_local_experts")?;
+    let top_k = f.dim("num_experts_per_tok")?;
+    if top_k > n_experts {
+        return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds num_local_experts {n_experts}")));
+    }
+    Ok(ModelSpec {
+        arch: Arch::Mixtral,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        num_layers: c.num_layers,
+        rms_norm_eps: c.rms_norm_eps,
+        tie_word_embeddings: c.tie_word_embeddings,
+        bos_token_id: c.bos_token_id,
+        eos_token_ids: c.eos_token_ids,
+        max_position_embeddings: c.max_position_embeddings,
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false },
+        rope,
+        softmax_scale: (head_dim as f64).powf(-0.5) as f32,
+        moe: Some(MoeSpec {
+            n_routed_experts: n_experts,
+            moe_intermediate_size: f.dim("intermediate_size")?,
+            shared_intermediate_size: 0,
+            routing: RoutingRule {
+                scoring: ScoringFunc::Softmax,
+                topk: TopkMethod::Greedy,
+                top_k,
+                norm_topk_prob: true,
+                routed_scaling_factor: 1.0,
+            },
+            naming: ExpertNaming::BlockSparse,
+        }),
+        layers: vec![FfnKind::Moe; c.num_layers],
+        source_quant: parse_source_quant(f)?,
+        expert_source_bits: Vec::new(),
+    })
+}
