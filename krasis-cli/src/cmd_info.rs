@@ -165,12 +165,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(auto) {
         let e = estimate(spec, f);
         println!(
-            "  experts {:<10} dense {} + experts {} + process {} + KV and embedding rows {}/token → {}",
+            "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}",
             format_name(f),
             format_bytes(e.dense_bytes),
             format_bytes(e.expert_bytes),
             format_bytes(e.process_bytes),
-            format_bytes(e.kv_bytes_per_token + e.embed_bytes_per_token),
+            format_bytes(e.kv_bytes_per_token),
             format_bytes(e.total(4096))
         );
     }

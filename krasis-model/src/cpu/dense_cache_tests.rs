@@ -243,8 +243,9 @@ fn the_estimate_counts_both_caches_exactly() {
         })
         .sum();
     assert_eq!(q.dense_bytes + unpacked, r.dense_bytes + dc.resident_bytes() as u64);
-    // The embedding is read through the mapping: one row (and the page it straddles) per token.
-    assert_eq!(q.embed_bytes_per_token, 8192);
+    // The embedding's rows are read from the file, not the mapping: nothing of it is counted,
+    // and a token of context costs its KV rows alone.
+    assert_eq!(q.total_after(1000, 0) - q.total_after(0, 0), 1000 * q.kv_bytes_per_token);
 }
 
 #[test]
@@ -255,13 +256,14 @@ fn a_tied_lm_head_left_as_stored_holds_the_embedding_once() {
     tied.tie_word_embeddings = true;
     let untied = cpu_estimate(files.spec(), None, WeightBits::Int4, WeightBits::Bf16, 128);
     let t = cpu_estimate(&tied, None, WeightBits::Int4, WeightBits::Bf16, 128);
-    // Untied: the LM head's own bytes, the embedding a row per token. Tied: the embedding's pages
-    // (the same size) read whole by the LM head, nothing per token.
+    // Untied: the LM head's own bytes, nothing for the embedding (its rows are read from the
+    // file). Tied: the embedding's pages (the same size) read whole by the LM head.
     assert_eq!(t.dense_bytes, untied.dense_bytes);
-    assert_eq!((t.embed_bytes_per_token, untied.embed_bytes_per_token), (0, 8192));
-    // Quantised, the tied head is a cache entry and the embedding is read a row per token again.
+    // Quantised, the tied head is a cache entry of the untied head's size, and the embedding
+    // again holds nothing.
     let q = cpu_estimate(&tied, None, WeightBits::Int4, WeightBits::Int8, 128);
-    assert_eq!(q.embed_bytes_per_token, 8192);
+    let qu = cpu_estimate(files.spec(), None, WeightBits::Int4, WeightBits::Int8, 128);
+    assert_eq!(q.dense_bytes, qu.dense_bytes);
     let plan = planned_entries(&tied).unwrap();
     assert_eq!(plan.last().unwrap().name, "lm_head.weight (tied to model.embed_tokens.weight)");
 }

@@ -158,9 +158,10 @@ pub fn load_model(files: &ModelFiles, opts: &EngineOptions) -> Result<Loaded> {
     if let Some(pool) = &pool {
         model.set_pool(pool.clone());
     }
-    // Everything the engine keeps from the source is copied, quantised or read through the
-    // mapping on use (the embedding's rows, the routers), so the pages the load touched
-    // (quantising, building the expert cache) leave the resident set.
+    // Everything the engine keeps from the source is copied (norms, routers), quantised, read
+    // from the file a row at a time (the embedding), or read whole through the mapping on use
+    // (dense weights and experts left as stored), so the pages the load touched (quantising,
+    // building the expert cache) leave the resident set.
     files.weights().release_resident();
     log.push(format!("routed experts: {}", model.experts_description()));
     Ok(Loaded { model, log, expert_bytes, pool })

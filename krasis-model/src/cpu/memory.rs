@@ -40,17 +40,13 @@ pub fn stored_bytes(w: WeightBits, params: u64) -> u64 {
 pub struct MemoryEstimate {
     /// Everything the engine holds outside the routed experts once loaded: dense linears (as
     /// stored, or their quantised pages), norms and `kv_b_proj` in f32, routers as stored, an
-    /// embedding held whole.
+    /// embedding held whole (one the source produces on read; a mapped embedding is read from
+    /// its file a row at a time and holds nothing).
     pub dense_bytes: u64,
     /// The routed experts: the expert cache's records (page-rounded), or the source weights.
     pub expert_bytes: u64,
     /// KV cache per token of context (f32 reference cache).
     pub kv_bytes_per_token: u64,
-    /// Embedding pages a token brings in when the embedding is read through the file mapping
-    /// (its row, and the page it straddles), up to `embed_mapped_bytes`; 0 when it is held whole.
-    pub embed_bytes_per_token: u64,
-    /// The mapped embedding's size: all of it is resident once every row has been used.
-    pub embed_mapped_bytes: u64,
     /// The process itself: code, libraries, tokenizer, allocator arenas, thread stacks.
     pub process_bytes: u64,
     /// Prefill on the BF16 tiles (`krasis_cpu::prefill_bf16`, quantised experts, prompts of at
@@ -97,14 +93,21 @@ impl MemoryEstimate {
     }
 
     /// Resident with `context_tokens` tokens in the KV cache after passes of at most
-    /// `longest_pass` tokens (the prompt's prefill): weights, process, KV, embedding pages and
-    /// the prefill scratch that stays ([`MemoryEstimate::prefill_kept_bytes`]).
+    /// `longest_pass` tokens (the prompt's prefill): weights, process, KV and the prefill
+    /// scratch that stays ([`MemoryEstimate::prefill_kept_bytes`]).
+    ///
+    /// This is what the engine holds between passes, and what the RSS check after a run compares
+    /// with (`runtime::Opened::rss_report_after`). It is not the peak: while a prefill runs it
+    /// also holds that pass's f32 activations (a few rows of hidden and intermediate width per
+    /// token, per layer in turn) and call buffers above their keep limit, all freed (and handed
+    /// back to the OS) before the check reads the RSS. Those grow with the prompt and are not
+    /// counted here; the peak of a long prompt is above this figure (v2-lite at two layers and
+    /// 2048 tokens: 38 % above, bench/logs/2026-11-28/devvm-memory-estimate-s24.log).
     pub fn total_after(&self, context_tokens: u64, longest_pass: u64) -> u64 {
         self.dense_bytes
             + self.expert_bytes
             + self.process_bytes
             + self.kv_bytes_per_token * context_tokens
-            + (self.embed_bytes_per_token * context_tokens).min(self.embed_mapped_bytes)
             + self.prefill_kept_bytes(longest_pass)
     }
 
@@ -159,11 +162,12 @@ pub fn estimate(spec: &ModelSpec, format: WeightBits) -> MemoryEstimate {
 ///   (bf16): the source bytes, read through the mapping;
 /// - dense linears quantised: the dense-weight cache's entries, page-rounded, exactly; as
 ///   stored: the source bytes;
-/// - norms, router biases and MLA's `kv_b_proj`: f32 copies; routers: as stored (read through
-///   the mapping every token);
-/// - the embedding: read through the mapping a row per token, unless the engine holds it whole
-///   (an LM head tied to it and left unquantised reads all of it; a source that dequantises it
-///   on read gives f32);
+/// - norms, router biases and MLA's `kv_b_proj`: f32 copies; routers: copies as stored (read
+///   whole every token, so not through the mapping, whose page-cache folio around them would
+///   become resident);
+/// - the embedding: nothing when it is mapped (rows are read from the file, not the mapping:
+///   `DenseLinear::gather_row`), unless the engine holds it whole (an LM head tied to it and
+///   left unquantised reads all of it; a source that dequantises it on read gives f32);
 /// - [`PROCESS_BYTES`], the tokenizer ([`TOKENIZER_BYTES_PER_TOKEN`]) and the KV cache per token;
 /// - the scratch a prompt's pass leaves behind, by the prompt's length
 ///   ([`MemoryEstimate::prefill_kept_bytes`]): the BF16 prefill's call buffers and tile outputs
@@ -224,18 +228,15 @@ pub fn cpu_estimate(
             TensorRole::Router => est.dense_bytes += held(&t),
             TensorRole::Attention if t.name.ends_with("kv_b_proj.weight") && !kv_b_packed => est.dense_bytes += n * 4,
             TensorRole::Embedding => {
-                let whole = held(&t);
-                let mapped =
-                    source.and_then(|s| s.stored_dtype(&t.name)).is_none_or(|d| matches!(d, DType::BF16 | DType::F16));
+                // Without a source, a checkpoint's embedding is mapped (safetensors).
+                let mapped = source.is_none_or(|s| s.is_mapped(&t.name));
                 if lm_head_whole {
                     // The same mapped pages as the LM head, counted with the linears.
                 } else if !mapped {
-                    est.dense_bytes += whole;
-                } else {
-                    let row = whole / spec.vocab_size.max(1) as u64;
-                    est.embed_bytes_per_token = (row.div_ceil(PAGE) + 1) * PAGE;
-                    est.embed_mapped_bytes = whole.div_ceil(PAGE) * PAGE;
+                    est.dense_bytes += held(&t);
                 }
+                // Mapped: its rows are read from the file (`DenseLinear::gather_row`), so none of
+                // its pages are resident.
             }
             // The linears, counted above.
             _ => {}

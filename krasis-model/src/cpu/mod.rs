@@ -311,8 +311,10 @@ impl WeightBuilder for CpuBuilder<'_> {
     }
 
     fn router(&mut self, weight: &TensorSpec, bias: Option<&TensorSpec>, rule: &RoutingRule) -> Result<CpuRouter> {
+        // Read whole at every token: held in memory of its own, not through the mapping, whose
+        // page-cache folio around it (up to 2 MiB) would otherwise become resident.
         Ok(CpuRouter {
-            gate: boxed(self.w.matrix_of(weight)?),
+            gate: boxed(self.w.matrix_of(weight)?.resident()),
             bias: bias.map(|b| self.w.vector_of(b)).transpose()?,
             rule: *rule,
         })
@@ -527,8 +529,10 @@ impl Model {
         }
         let h = self.spec.hidden_size;
         let mut x = vec![0f32; t * h];
+        // Read from the file, not the mapping: the rows read leave no pages resident.
+        let mut row = Vec::new();
         for (i, &id) in seqs.iter().flat_map(|s| s.tokens).enumerate() {
-            self.weights.embed.row_into(id as usize, &mut x[i * h..(i + 1) * h]);
+            self.weights.embed.gather_row(id as usize, &mut x[i * h..(i + 1) * h], &mut row);
         }
         // Each row rotates by its own position in its own sequence.
         let (mut cos, mut sin) = (Vec::with_capacity(t * self.rope.half_dim()), Vec::new());

@@ -53,7 +53,8 @@ pub fn forward_shared_input(ops: &[&dyn LinearOp], x: &[f32], m: usize, ys: &mut
     }
 }
 
-/// Weights as stored (zero-copy from the mapping) or dequantised into f32.
+/// Weights as stored (zero-copy from the mapping, or copied as stored:
+/// [`DenseLinear::resident`]) or dequantised into f32.
 pub enum MatrixData {
     Mapped { bytes: SharedBytes, dtype: DType },
     Owned(Vec<f32>),
@@ -90,9 +91,44 @@ impl DenseLinear {
         }
     }
 
-    /// Row `r` as f32 (embedding gather).
+    /// Row `r` as f32.
     pub fn row_into(&self, r: usize, out: &mut [f32]) {
         self.weights().row_into(r, self.cols, out);
+    }
+
+    /// Row `r` as f32, as [`DenseLinear::row_into`], for reads of a few rows at a time (the
+    /// embedding's, a row per token): mapped weights are read from their file
+    /// ([`SharedBytes::read_at`]), not through the mapping, so the rows read leave no pages
+    /// resident. `scratch` holds the row's stored bytes between calls.
+    pub fn gather_row(&self, r: usize, out: &mut [f32], scratch: &mut Vec<f32>) {
+        let MatrixData::Mapped { bytes, dtype } = &self.data else {
+            return self.row_into(r, out);
+        };
+        if !bytes.is_mapped() {
+            return self.row_into(r, out);
+        }
+        let row_bytes = self.cols * dtype.size_bytes();
+        scratch.resize(row_bytes.div_ceil(4), 0.0);
+        let raw = &mut bytemuck::cast_slice_mut::<f32, u8>(scratch)[..row_bytes];
+        bytes.read_at(r * row_bytes, raw);
+        let row = match dtype {
+            DType::F32 => WeightRows::F32(bytemuck::cast_slice(raw)),
+            DType::BF16 => WeightRows::Bf16(bytemuck::cast_slice(raw)),
+            DType::F16 => WeightRows::F16(bytemuck::cast_slice(raw)),
+            other => unreachable!("DenseLinear over {other}: the loader converts these"),
+        };
+        row.row_into(0, self.cols, out);
+    }
+
+    /// The same matrix with its weights in memory of their own rather than in the file mapping
+    /// ([`SharedBytes::copied`]): for small matrices read whole at every token (routers), so that
+    /// reading them brings no page-cache folio of the file into the resident set.
+    pub fn resident(self) -> DenseLinear {
+        let data = match self.data {
+            MatrixData::Mapped { bytes, dtype } => MatrixData::Mapped { bytes: bytes.copied(), dtype },
+            owned => owned,
+        };
+        DenseLinear { data, ..self }
     }
 }
 

@@ -8,7 +8,9 @@ mod safetensors;
 #[cfg(test)]
 mod kimi_layout_tests;
 
+use std::fs::File;
 use std::ops::Range;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -20,7 +22,8 @@ pub use self::safetensors::{fnv1a, SafetensorsDir, SafetensorsFile};
 use crate::error::Result;
 
 /// Bytes of one tensor: a range of a shared read-only mapping (zero-copy), or values a source
-/// produced on read (a dequantised GGUF block tensor). Cheap to clone either way.
+/// produced on read (a dequantised GGUF block tensor), or bytes copied out of a mapping
+/// ([`SharedBytes::copied`]). Cheap to clone either way.
 #[derive(Clone)]
 pub struct SharedBytes {
     backing: Backing,
@@ -29,15 +32,25 @@ pub struct SharedBytes {
 
 #[derive(Clone)]
 enum Backing {
-    Map(Arc<Mmap>),
+    /// A file mapping, and the file itself where the source kept it open, so that small reads
+    /// can bypass the mapping ([`SharedBytes::read_at`]).
+    Map { map: Arc<Mmap>, file: Option<Arc<File>> },
     /// f32 storage, so the bytes are 4-byte aligned and a loader keeps them without a copy.
     Floats(Arc<[f32]>),
 }
 
 impl SharedBytes {
+    /// `range` of `map`; [`SharedBytes::read_at`] reads it through the mapping.
     pub fn new(map: Arc<Mmap>, range: Range<usize>) -> Self {
         assert!(range.start <= range.end && range.end <= map.len());
-        SharedBytes { backing: Backing::Map(map), range }
+        SharedBytes { backing: Backing::Map { map, file: None }, range }
+    }
+
+    /// `range` of `map`, which maps `file`: [`SharedBytes::read_at`] reads it from the file with
+    /// positioned reads, leaving the mapping untouched.
+    pub fn of_file(map: Arc<Mmap>, file: Arc<File>, range: Range<usize>) -> Self {
+        assert!(range.start <= range.end && range.end <= map.len());
+        SharedBytes { backing: Backing::Map { map, file: Some(file) }, range }
     }
 
     /// Owned f32 values (little-endian bytes, as `DType::F32` reads them).
@@ -48,9 +61,53 @@ impl SharedBytes {
 
     pub fn as_slice(&self) -> &[u8] {
         match &self.backing {
-            Backing::Map(m) => &m[self.range.clone()],
+            Backing::Map { map, .. } => &map[self.range.clone()],
             Backing::Floats(v) => &bytemuck::cast_slice(v)[self.range.clone()],
         }
+    }
+
+    /// Whether the bytes are a range of a file mapping (not copied or produced on read).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.backing, Backing::Map { .. })
+    }
+
+    /// The same bytes in memory of their own (4-byte aligned), so that reading them never
+    /// touches the mapping: for small tensors read whole at every token (routers), whose mapped
+    /// pages would bring in the page-cache folio around them (up to 2 MiB of a file written in
+    /// one piece). Bytes already in memory are shared, not copied.
+    pub fn copied(&self) -> SharedBytes {
+        match &self.backing {
+            Backing::Floats(_) => self.clone(),
+            Backing::Map { .. } => {
+                let src = self.as_slice();
+                let mut v = vec![0f32; src.len().div_ceil(4)];
+                bytemuck::cast_slice_mut::<f32, u8>(&mut v)[..src.len()].copy_from_slice(src);
+                SharedBytes { backing: Backing::Floats(v.into()), range: 0..src.len() }
+            }
+        }
+    }
+
+    /// Copies bytes `offset..offset + buf.len()` of this tensor into `buf`. A mapped tensor whose
+    /// file is known is read with a positioned read (`pread`), so its mapping gains no resident
+    /// pages: a read through the mapping makes the whole page-cache folio around the bytes
+    /// resident (a file written in one piece is cached in folios of up to 2 MiB, and
+    /// `madvise` advice does not change that), which for an embedding read a row per token
+    /// would make most of it resident. Falls back to the mapping if the read fails.
+    ///
+    /// # Panics
+    /// If the bytes run past the tensor's end.
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) {
+        let end = offset.checked_add(buf.len()).filter(|&e| e <= self.range.len());
+        let Some(end) = end else {
+            panic!("SharedBytes::read_at: {offset}+{} past the {}-byte tensor", buf.len(), self.range.len())
+        };
+        if let Backing::Map { file: Some(file), .. } = &self.backing {
+            match file.read_exact_at(buf, (self.range.start + offset) as u64) {
+                Ok(()) => return,
+                Err(e) => tracing::debug!("positioned read of a weight file failed ({e}); reading the mapping"),
+            }
+        }
+        buf.copy_from_slice(&self.as_slice()[offset..end]);
     }
 }
 
@@ -81,6 +138,13 @@ pub trait WeightSource: Send + Sync {
     /// no such tensor).
     fn stored_dtype(&self, name: &str) -> Option<DType> {
         self.tensor(name).ok().map(|t| t.dtype)
+    }
+    /// Whether [`WeightSource::tensor`] serves `name` as a range of a file mapping (zero-copy;
+    /// [`SharedBytes::read_at`] reads it from the file), not as values produced on read.
+    /// Default: no.
+    fn is_mapped(&self, name: &str) -> bool {
+        let _ = name;
+        false
     }
     /// Drops this process's resident copy of the mapped files ([`release_mapping`]), so weights
     /// an engine has copied or quantised stop counting in its RSS; bytes still in use fault back

@@ -28,6 +28,8 @@ struct Entry {
 pub struct SafetensorsFile {
     path: PathBuf,
     map: Arc<Mmap>,
+    /// The mapped file, kept open for positioned reads ([`SharedBytes::read_at`]).
+    file: Arc<File>,
     entries: HashMap<String, Entry>,
     /// FNV-1a of the file length and JSON header: identifies the file's layout cheaply.
     header_hash: u64,
@@ -123,7 +125,7 @@ impl SafetensorsFile {
             );
         }
         let header_hash = fnv1a(fnv1a(0, &len.to_le_bytes()), &map[8..data_start]);
-        Ok(SafetensorsFile { path: path.to_path_buf(), map: Arc::new(map), entries, header_hash })
+        Ok(SafetensorsFile { path: path.to_path_buf(), map: Arc::new(map), file: Arc::new(file), entries, header_hash })
     }
 
     pub fn path(&self) -> &Path {
@@ -148,7 +150,7 @@ impl SafetensorsFile {
         self.entries.get(name).map(|e| StoredTensor {
             dtype: e.dtype,
             shape: e.shape.clone(),
-            bytes: SharedBytes::new(self.map.clone(), e.start..e.end),
+            bytes: SharedBytes::of_file(self.map.clone(), self.file.clone(), e.start..e.end),
             file: self.path.clone(),
         })
     }
@@ -313,6 +315,10 @@ impl WeightSource for SafetensorsDir {
             .ok_or_else(|| ModelError::MissingTensor { name: name.into(), dir: self.dir.clone() })
     }
 
+    fn is_mapped(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+
     fn describe(&self) -> String {
         let bytes: u64 = self.files.iter().map(|f| f.len_bytes()).sum();
         format!("{} safetensors file(s), {}", self.files.len(), krasis_core::budget::format_bytes(bytes))
@@ -364,6 +370,40 @@ mod tests {
             let t = dir.tensor(&format!("t{k}")).unwrap();
             assert_eq!(t.view().to_f32_vec().unwrap(), vec![k as f32]);
         }
+    }
+
+    /// A tensor's bytes read with positioned reads (`read_at`), and copied out of the mapping
+    /// (`copied`), are the mapped bytes; a read past the tensor's end panics.
+    #[test]
+    fn positioned_reads_and_copies_give_the_mapped_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let header = r#"{"a":{"dtype":"BF16","shape":[3,5],"data_offsets":[0,30]},"b":{"dtype":"F32","shape":[2],"data_offsets":[30,38]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend((0..38u8).map(|i| i.wrapping_mul(7)));
+        std::fs::write(tmp.path().join("model.safetensors"), bytes).unwrap();
+        let dir = SafetensorsDir::open(tmp.path()).unwrap();
+        assert!(dir.is_mapped("a") && !dir.is_mapped("zz"));
+        for name in ["a", "b"] {
+            let t = dir.tensor(name).unwrap();
+            let mapped = t.bytes.as_slice().to_vec();
+            assert!(t.bytes.is_mapped());
+            let n = mapped.len();
+            for (off, len) in [(0, n), (2, n - 4), (n - 1, 1), (n, 0)] {
+                let mut buf = vec![0u8; len];
+                t.bytes.read_at(off, &mut buf);
+                assert_eq!(buf, mapped[off..off + len], "{name} {off}+{len}");
+            }
+            let copy = t.bytes.copied();
+            assert!(!copy.is_mapped());
+            assert_eq!(copy.as_slice(), &mapped[..]);
+            let mut buf = vec![0u8; 4];
+            copy.read_at(mapped.len() - 4, &mut buf);
+            assert_eq!(buf, mapped[mapped.len() - 4..]);
+        }
+        let t = dir.tensor("a").unwrap();
+        let past = std::panic::catch_unwind(|| t.bytes.read_at(28, &mut [0u8; 4]));
+        assert!(past.is_err(), "a read past the tensor's end panics");
     }
 
     /// Under a prefix, prefixed tensors answer to their canonical names; the others keep theirs.

@@ -33,6 +33,8 @@ fn gguf_err(path: &Path, msg: impl Into<String>) -> ModelError {
 pub struct GgufFile {
     pub path: PathBuf,
     pub map: Arc<Mmap>,
+    /// The mapped file, kept open for positioned reads ([`SharedBytes::read_at`]).
+    pub file: Arc<std::fs::File>,
     pub header: Header,
 }
 
@@ -43,7 +45,7 @@ impl GgufFile {
         // mapped model can defend against (the safetensors reader accepts the same).
         let map = unsafe { Mmap::map(&f) }.map_err(|e| ModelError::io(path, e))?;
         let header = header::parse(&map).map_err(|m| gguf_err(path, m))?;
-        Ok(GgufFile { path: path.to_path_buf(), map: Arc::new(map), header })
+        Ok(GgufFile { path: path.to_path_buf(), map: Arc::new(map), file: Arc::new(f), header })
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -206,10 +208,11 @@ impl GgufSource {
         let start = t.data.start + first / bs * t.ty.block_bytes();
         let len = elements / bs * t.ty.block_bytes();
         let raw = start..start + len;
+        let mapped = |raw| SharedBytes::of_file(Arc::clone(&file.map), Arc::clone(&file.file), raw);
         let (dtype, bytes) = match t.ty {
-            GgmlType::F32 => (DType::F32, SharedBytes::new(Arc::clone(&file.map), raw)),
-            GgmlType::F16 => (DType::F16, SharedBytes::new(Arc::clone(&file.map), raw)),
-            GgmlType::BF16 => (DType::BF16, SharedBytes::new(Arc::clone(&file.map), raw)),
+            GgmlType::F32 => (DType::F32, mapped(raw)),
+            GgmlType::F16 => (DType::F16, mapped(raw)),
+            GgmlType::BF16 => (DType::BF16, mapped(raw)),
             ty => {
                 let v = ggml::dequantize_vec(ty, &file.map[raw], elements)
                     .map_err(|e| gguf_err(&file.path, format!("tensor `{}`: {e}", header::shown(&t.name))))?;
@@ -304,6 +307,11 @@ impl WeightSource for GgufSource {
                 _ => DType::F32,
             },
         })
+    }
+
+    fn is_mapped(&self, name: &str) -> bool {
+        matches!(self.map.get(name), Some(GgufTensorRef::Whole(_) | GgufTensorRef::Expert { .. }))
+            && matches!(self.stored_type(name), Some(GgmlType::F32 | GgmlType::F16 | GgmlType::BF16))
     }
 
     fn release_resident(&self) {
