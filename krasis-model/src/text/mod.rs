@@ -5,5 +5,6 @@
 pub mod chat_template;
 pub mod generate;
 pub mod sampling;
+pub mod spm;
 pub mod tiktoken;
 pub mod tokenizer;

@@ -8,30 +8,132 @@ use serde_json::Value;
 
 use crate::error::{ModelError, Result};
 use crate::source::gguf::GgufModel;
+use crate::text::spm::SpmTokenizer;
 use crate::text::tiktoken::TiktokenBpe;
 
-/// `tokenizer.ggml.pre` values [`TextCodec::from_gguf`] understands.
-pub const GGUF_PRE_TOKENIZERS: &[&str] = &["default", "gpt-2", "llama-bpe", "llama3", "qwen2"];
+/// `tokenizer.ggml.pre` values [`TextCodec::from_gguf`] understands (for `tokenizer.ggml.model =
+/// gpt2`; the `llama` model has no pre-tokenizer).
+pub const GGUF_PRE_TOKENIZERS: &[&str] = &[
+    "default",
+    "gpt-2",
+    "phi-2",
+    "mpt",
+    "olmo",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+    "dbrx",
+    "smaug-bpe",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "stablelm2",
+    "deepseek-llm",
+    "deepseek-coder",
+    "deepseek-v3",
+    "falcon",
+    "starcoder",
+    "refact",
+    "command-r",
+    "smollm",
+];
 
-/// The `tokenizers` pre-tokenizer of a llama.cpp pre-tokenizer name: GPT-2's byte-level regex, or
-/// the Llama-3 / Qwen2 split regexes (digits in runs of up to three, or one by one) before the
-/// byte-level mapping.
-fn gguf_pre_tokenizer(pre: &str) -> Option<Value> {
-    let split = |regex: &str| {
-        serde_json::json!({ "type": "Sequence", "pretokenizers": [
-            { "type": "Split", "pattern": { "Regex": regex }, "behavior": "Isolated", "invert": false },
-            { "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false },
-        ]})
-    };
-    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    const QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-    Some(match pre {
-        "default" | "gpt-2" => {
-            serde_json::json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true })
-        }
-        "llama-bpe" | "llama3" => split(LLAMA3),
-        "qwen2" => split(QWEN2),
+/// GPT-2's split, as llama.cpp writes it (the `tokenizers` ByteLevel regex adds `|\s+`).
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// DeepSeek-LLM's (V1, V2) splits, from its `tokenizer.json` (as llama.cpp copies them). Its
+/// `\s+$` was written for Oniguruma, where `$` also matches before a `\n`: `(?m:$)` here.
+const DEEPSEEK_LLM_SPLITS: &[&str] = &[
+    "[\r\n]",
+    "\\s?[A-Za-z\u{B5}\u{C0}-\u{D6}\u{D8}-\u{F6}\u{F8}-\u{1BA}\u{1BC}-\u{1BF}\u{1C4}-\u{293}\u{295}-\u{2AF}\u{370}-\u{373}\u{376}\u{377}\u{37B}-\u{37D}\u{37F}\u{386}\u{388}-\u{38A}\u{38C}\u{38E}-\u{3A1}\u{3A3}-\u{3F5}\u{3F7}-\u{481}\u{48A}-\u{52F}\u{531}-\u{556}\u{10A0}-\u{10C5}\u{13A0}-\u{13F5}\u{13F8}-\u{13FD}\u{1C90}-\u{1CBA}\u{1CBD}-\u{1CBF}\u{1D00}-\u{1D2B}\u{1D6B}-\u{1D77}\u{1D79}-\u{1D9A}\u{1E00}-\u{1F15}\u{1F18}-\u{1F1D}\u{1F20}-\u{1F45}\u{1F48}-\u{1F4D}\u{1F50}-\u{1F57}\u{1F59}\u{1F5B}\u{1F5D}\u{1F5F}-\u{1F7D}\u{1F80}-\u{1FB4}\u{1FB6}-\u{1FBC}\u{1FBE}\u{1FC2}-\u{1FC4}\u{1FC6}-\u{1FCC}\u{1FD0}-\u{1FD3}\u{1FD6}-\u{1FDB}\u{1FE0}-\u{1FEC}\u{1FF2}-\u{1FF4}\u{1FF6}-\u{1FFC}\u{2102}\u{2107}\u{210A}-\u{2113}\u{2115}\u{2119}-\u{211D}\u{2124}\u{2126}\u{2128}\u{212A}-\u{212D}\u{212F}-\u{2134}\u{2139}\u{213C}-\u{213F}\u{2145}-\u{2149}\u{214E}\u{2183}\u{2184}\u{2C00}-\u{2C7B}\u{2C7E}-\u{2CE4}\u{2CEB}-\u{2CEE}\u{2CF2}\u{2CF3}\u{A640}-\u{A66D}\u{A680}-\u{A69B}\u{A722}-\u{A76F}\u{A771}-\u{A787}\u{A78B}-\u{A78E}\u{AB70}-\u{ABBF}\u{FB00}-\u{FB06}\u{FB13}-\u{FB17}\u{FF21}-\u{FF3A}\u{FF41}-\u{FF5A}\u{10400}-\u{1044F}\u{104B0}-\u{104D3}\u{104D8}-\u{104FB}\u{10C80}-\u{10CB2}\u{10CC0}-\u{10CF2}\u{118A0}-\u{118DF}\u{1E900}-\u{1E943}]+",
+    "\\s?[!-/:-~\u{FF01}-\u{FF0F}\u{FF1A}-\u{FF5E}\u{2018}-\u{201F}\u{3000}-\u{3002}]+",
+    "\\s+(?m:$)",
+    "[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+",
+    "\\p{N}+",
+];
+const DEEPSEEK_CODER_SPLITS: &[&str] =
+    &["[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", "[\u{4E00}-\u{9FA5}\u{800}-\u{4E00}\u{AC00}-\u{D7FF}]+", "\\p{N}"];
+const DEEPSEEK_V3_SPLITS: &[&str] = &[
+    "\\p{N}{1,3}",
+    "[\u{4E00}-\u{9FA5}\u{3040}-\u{309F}\u{30A0}-\u{30FF}]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+];
+const FALCON_SPLITS: &[&str] = &["[\\p{P}\\$\\+<=>\\^~\\|`]+", GPT2_SPLIT, "[0-9][0-9][0-9]"];
+
+/// How a llama.cpp pre-tokenizer name splits text before byte-level BPE: its regexes in turn
+/// (each cut isolated, as llama.cpp and `tokenizers`' `Split` do), then whether the GPT-2 regex
+/// of the byte-level step follows, and whether whole words in the vocabulary skip the merges
+/// (llama.cpp's `ignore_merges`, Llama-3's).
+fn gguf_pre_tokenizer(pre: &str) -> Option<(Value, bool)> {
+    let (splits, gpt2, ignore_merges): (&[&str], bool, bool) = match pre {
+        "default" | "gpt-2" | "phi-2" | "mpt" | "olmo" => (&[], true, false),
+        "llama-bpe" | "llama3" | "llama-v3" => (&[LLAMA3_SPLIT], false, true),
+        "dbrx" | "smaug-bpe" => (&[LLAMA3_SPLIT], false, false),
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => (&[QWEN2_SPLIT], false, false),
+        "deepseek-llm" => (DEEPSEEK_LLM_SPLITS, false, false),
+        "deepseek-coder" => (DEEPSEEK_CODER_SPLITS, false, false),
+        "deepseek-v3" => (DEEPSEEK_V3_SPLITS, false, false),
+        "falcon" => (FALCON_SPLITS, false, false),
+        "starcoder" | "refact" | "command-r" | "smollm" => (&["\\p{N}"], true, false),
         _ => return None,
+    };
+    let mut steps: Vec<Value> = splits
+        .iter()
+        .map(|r| {
+            serde_json::json!({ "type": "Split", "pattern": { "Regex": r }, "behavior": "Isolated", "invert": false })
+        })
+        .collect();
+    steps.push(
+        serde_json::json!({ "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": gpt2 }),
+    );
+    Some((serde_json::json!({ "type": "Sequence", "pretokenizers": steps }), ignore_merges))
+}
+
+/// A GGUF's byte-level BPE (`tokenizer.ggml.model = gpt2`) as a `tokenizers` tokenizer.
+fn gguf_bpe(
+    m: &GgufModel,
+    tokens: &[&str],
+    types: &[i128],
+    err: &dyn Fn(&str, &str) -> ModelError,
+) -> Result<tokenizers::Tokenizer> {
+    let merges = m
+        .meta("tokenizer.ggml.merges")
+        .and_then(|v| v.as_str_array(m.main().bytes()))
+        .ok_or_else(|| err("tokenizer.ggml.merges", "missing or not a string array"))?;
+    let pre = m.meta_str("tokenizer.ggml.pre").unwrap_or("default");
+    let (pre_tokenizer, ignore_merges) = gguf_pre_tokenizer(pre).ok_or_else(|| {
+        err("tokenizer.ggml.pre", &format!("`{pre}` is not supported (supported: {})", GGUF_PRE_TOKENIZERS.join(", ")))
+    })?;
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added = Vec::new();
+    for (id, (tok, ty)) in tokens.iter().zip(types).enumerate() {
+        vocab.insert(tok.to_string(), Value::from(id));
+        // llama.cpp's token types: 3 control, 4 user-defined.
+        if *ty == 3 || *ty == 4 {
+            added.push(serde_json::json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": *ty == 3,
+            }));
+        }
+    }
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": { "type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true },
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
+            "vocab": vocab, "merges": merges,
+        },
+    });
+    json.to_string().parse().map_err(|e| {
+        ModelError::Tokenizer(format!("{}: building the tokenizer from GGUF metadata: {e}", m.path().display()))
     })
 }
 
@@ -51,6 +153,8 @@ enum Backend {
     Hf(Box<tokenizers::Tokenizer>),
     /// Kimi's `tiktoken.model`.
     Tiktoken(Box<TiktokenBpe>),
+    /// A GGUF's SentencePiece-style vocabulary (`tokenizer.ggml.model = llama`).
+    Spm(Box<SpmTokenizer>),
 }
 
 impl Backend {
@@ -64,6 +168,7 @@ impl Backend {
                 .get_ids()
                 .to_vec()),
             Backend::Tiktoken(t) => t.encode(text, true),
+            Backend::Spm(t) => t.encode(text),
         }
     }
 
@@ -72,6 +177,7 @@ impl Backend {
         match self {
             Backend::Hf(t) => t.decode(ids, true).map_err(|e| ModelError::Tokenizer(e.to_string())),
             Backend::Tiktoken(t) => t.decode(ids, true),
+            Backend::Spm(t) => t.decode(ids, true),
         }
     }
 
@@ -79,6 +185,7 @@ impl Backend {
         match self {
             Backend::Hf(t) => t.token_to_id(token),
             Backend::Tiktoken(t) => t.token_to_id(token),
+            Backend::Spm(t) => t.token_to_id(token),
         }
     }
 }
@@ -170,10 +277,15 @@ impl TextCodec {
         })
     }
 
-    /// The tokenizer a GGUF carries: `tokenizer.ggml.model` = `gpt2` (byte-level BPE) with
-    /// `tokens`, `merges`, `token_type` (3 = control and 4 = user-defined tokens are added tokens,
-    /// control ones special), the pre-tokenizer named by `tokenizer.ggml.pre`, BOS/EOS ids,
-    /// `add_bos_token`, and `tokenizer.chat_template`.
+    /// The tokenizer a GGUF carries, read as llama.cpp reads it. `tokenizer.ggml.model`:
+    /// - `gpt2` (byte-level BPE): `tokens`, `merges`, `token_type` (3 = control and 4 =
+    ///   user-defined tokens are added tokens, control ones special) and the pre-tokenizer named by
+    ///   `tokenizer.ggml.pre` ([`GGUF_PRE_TOKENIZERS`]);
+    /// - `llama` (SentencePiece-style, [`crate::text::spm`]): `tokens`, `scores`, `token_type`,
+    ///   `add_space_prefix` (default true) and `unknown_token_id`.
+    ///
+    /// Both take the BOS/EOS ids, `add_bos_token` and `tokenizer.chat_template`. A vocabulary-only
+    /// GGUF (no tensors, as llama.cpp's `ggml-vocab-*.gguf`) opens with [`GgufModel::open`] too.
     pub fn from_gguf(m: &GgufModel) -> Result<TextCodec> {
         let path = m.path().to_path_buf();
         let bytes = m.main().bytes();
@@ -184,17 +296,16 @@ impl TextCodec {
             ))
         };
         let model = m.meta_str("tokenizer.ggml.model").ok_or_else(|| err("tokenizer.ggml.model", "missing"))?;
-        if model != "gpt2" {
-            return Err(err("tokenizer.ggml.model", &format!("`{model}` is not supported (gpt2 byte-level BPE only)")));
+        if model != "gpt2" && model != "llama" {
+            return Err(err(
+                "tokenizer.ggml.model",
+                &format!("`{model}` is not supported (gpt2 byte-level BPE and llama SentencePiece only)"),
+            ));
         }
         let tokens = m
             .meta("tokenizer.ggml.tokens")
             .and_then(|v| v.as_str_array(bytes))
             .ok_or_else(|| err("tokenizer.ggml.tokens", "missing or not a string array"))?;
-        let merges = m
-            .meta("tokenizer.ggml.merges")
-            .and_then(|v| v.as_str_array(bytes))
-            .ok_or_else(|| err("tokenizer.ggml.merges", "missing or not a string array"))?;
         let types = match m.meta("tokenizer.ggml.token_type") {
             None => vec![1; tokens.len()],
             Some(v) => v.as_int_array(bytes).ok_or_else(|| err("tokenizer.ggml.token_type", "not an integer array"))?,
@@ -205,56 +316,48 @@ impl TextCodec {
                 &format!("{} entries for {} tokens", types.len(), tokens.len()),
             ));
         }
-        let pre = m.meta_str("tokenizer.ggml.pre").unwrap_or("default");
-        let pre_tokenizer = gguf_pre_tokenizer(pre).ok_or_else(|| {
-            err(
-                "tokenizer.ggml.pre",
-                &format!("`{pre}` is not supported (supported: {})", GGUF_PRE_TOKENIZERS.join(", ")),
-            )
-        })?;
-        let mut vocab = serde_json::Map::with_capacity(tokens.len());
-        let mut added = Vec::new();
-        for (id, (tok, ty)) in tokens.iter().zip(&types).enumerate() {
-            vocab.insert(tok.to_string(), Value::from(id));
-            // llama.cpp's token types: 3 control, 4 user-defined.
-            if *ty == 3 || *ty == 4 {
-                added.push(serde_json::json!({
-                    "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false,
-                    "normalized": false, "special": *ty == 3,
-                }));
-            }
-        }
-        let json = serde_json::json!({
-            "version": "1.0",
-            "truncation": null,
-            "padding": null,
-            "added_tokens": added,
-            "normalizer": null,
-            "pre_tokenizer": pre_tokenizer,
-            "post_processor": null,
-            "decoder": { "type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true },
-            "model": {
-                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                "vocab": vocab, "merges": merges,
-            },
-        });
-        let tokenizer: tokenizers::Tokenizer = json.to_string().parse().map_err(|e| {
-            ModelError::Tokenizer(format!("{}: building the tokenizer from GGUF metadata: {e}", path.display()))
-        })?;
         let id =
             |key: &str| -> Option<u32> { m.meta(key).and_then(|v| v.as_int()).and_then(|i| u32::try_from(i).ok()) };
         let token = |i: Option<u32>| i.and_then(|i| tokens.get(i as usize)).map(|t| t.to_string());
         let bos_id = id("tokenizer.ggml.bos_token_id").filter(|&i| (i as usize) < tokens.len());
+        let flag = |key: &str| m.meta(key).and_then(|v| v.as_bool());
+        let tokenizer = if model == "llama" {
+            let scores = m
+                .meta("tokenizer.ggml.scores")
+                .and_then(|v| v.as_f64_array(bytes))
+                .ok_or_else(|| err("tokenizer.ggml.scores", "missing or not a number array"))?;
+            if scores.len() != tokens.len() {
+                return Err(err(
+                    "tokenizer.ggml.scores",
+                    &format!("{} entries for {} tokens", scores.len(), tokens.len()),
+                ));
+            }
+            let unk_id = id("tokenizer.ggml.unknown_token_id").filter(|&i| (i as usize) < tokens.len());
+            Backend::Spm(Box::new(SpmTokenizer::new(
+                tokens.iter().map(|t| t.to_string()).collect(),
+                scores.iter().map(|&s| s as f32).collect(),
+                types.clone(),
+                unk_id,
+                flag("tokenizer.ggml.add_space_prefix").unwrap_or(true),
+            )?))
+        } else {
+            Backend::Hf(Box::new(gguf_bpe(m, &tokens, &types, &err)?))
+        };
         Ok(TextCodec {
-            add_bos_token: m.meta("tokenizer.ggml.add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false),
+            add_bos_token: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
             bos_token: token(bos_id),
             eos_token: token(id("tokenizer.ggml.eos_token_id")),
             bos_id,
             chat_template: m.meta_str("tokenizer.chat_template").map(str::to_string),
-            tokenizer: Backend::Hf(Box::new(tokenizer)),
+            tokenizer,
             config_path: path,
         })
+    }
+
+    /// The text's ids alone: no BOS and no post-processor (llama.cpp's `add_special = false`).
+    /// Special-token names in the text still become their ids.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(text, false)
     }
 
     /// Encode plain text: the tokenizer's post-processor applies, plus a BOS when

@@ -1,0 +1,169 @@
+//! The tokenizers GGUF files carry encode llama.cpp's own test vectors exactly: the vocabulary-only
+//! `ggml-vocab-*.gguf` files of llama.cpp's `models/` folder, each with its `.gguf.inp` (texts
+//! separated by a line `__ggml_vocab_test__`) and `.gguf.out` (one line of space-separated ids per
+//! text). llama.cpp made the ids with the model's own Hugging Face tokenizer
+//! (`convert_hf_to_gguf_update.py`, `encode(text, add_special_tokens=False)`), and its
+//! `tests/test-tokenizer-0.cpp` checks itself against them with `add_special = false` and
+//! `parse_special = false`: no BOS. Krasis reads each file through [`TextCodec::from_gguf`] and
+//! encodes with [`TextCodec::encode_plain`] (no BOS either).
+//!
+//! `scripts/fetch-tokenizers.py` fetches the files (llama-cpp-python 0.3.16's source distribution,
+//! SHA-256 pinned) into `ggml-vocab/` under `KRASIS_TOKENIZERS`, else `.tokenizers` at the
+//! repository root. Where they were not fetched, the test prints its SKIPPED line and passes;
+//! `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`, which fetches them) makes that a failure.
+//!
+//! [`VOCABS`] lists every file of that folder with what is expected of it. A file that the list
+//! does not name fails the test, and so does an unsupported one that loads: an unsupported
+//! vocabulary never counts as a pass.
+
+use std::path::{Path, PathBuf};
+
+use krasis_model::source::gguf::GgufModel;
+use krasis_model::text::tokenizer::TextCodec;
+
+enum Expect {
+    /// Every case encodes to its ids exactly.
+    Pass,
+    /// Krasis refuses the tokenizer (the reason); loading it must fail.
+    Unsupported(&'static str),
+    /// The file ships without `.inp` / `.out`; it must load (or fail, for the reason given) but
+    /// nothing is compared.
+    NoVectors(Option<&'static str>),
+}
+
+/// Every `ggml-vocab-<name>.gguf` in llama-cpp-python 0.3.16, by name.
+const VOCABS: &[(&str, Expect)] = &[
+    ("llama-spm", Expect::Pass),
+    ("phi-3", Expect::Pass),
+    ("llama-bpe", Expect::Pass),
+    ("qwen2", Expect::Pass),
+    ("deepseek-llm", Expect::Pass),
+    ("deepseek-coder", Expect::Pass),
+    ("gpt-2", Expect::Pass),
+    ("mpt", Expect::Pass),
+    ("falcon", Expect::Pass),
+    ("starcoder", Expect::Pass),
+    ("refact", Expect::Pass),
+    ("command-r", Expect::Pass),
+    ("bert-bge", Expect::Unsupported("WordPiece (`tokenizer.ggml.model = bert`)")),
+    ("aquila", Expect::NoVectors(None)),
+    ("baichuan", Expect::NoVectors(None)),
+    ("gpt-neox", Expect::NoVectors(None)),
+    ("nomic-bert-moe", Expect::NoVectors(Some("Unigram (`tokenizer.ggml.model = t5`)"))),
+];
+
+/// How many mismatching cases to show per vocabulary.
+const SHOWN: usize = 3;
+
+fn vocab_dir() -> PathBuf {
+    std::env::var_os("KRASIS_TOKENIZERS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| krasis_tests::workspace_root().join(".tokenizers"))
+        .join("ggml-vocab")
+}
+
+/// llama.cpp's `read_tests`: the texts split on `\n__ggml_vocab_test__\n`, the ids one line per
+/// text.
+fn read_cases(gguf: &Path) -> anyhow::Result<Vec<(String, Vec<u32>)>> {
+    let inp = std::fs::read_to_string(format!("{}.inp", gguf.display()))?;
+    let out = std::fs::read_to_string(format!("{}.out", gguf.display()))?;
+    let mut texts = Vec::new();
+    let mut rest = inp.as_str();
+    while !rest.is_empty() {
+        match rest.find("\n__ggml_vocab_test__\n") {
+            Some(at) => {
+                texts.push(rest[..at].to_string());
+                rest = &rest[at + "\n__ggml_vocab_test__\n".len()..];
+            }
+            None => {
+                texts.push(rest.to_string());
+                rest = "";
+            }
+        }
+    }
+    let ids: Vec<Vec<u32>> = out
+        .lines()
+        .map(|l| l.split_whitespace().map(str::parse).collect::<Result<Vec<u32>, _>>())
+        .collect::<Result<_, _>>()?;
+    anyhow::ensure!(texts.len() == ids.len(), "{} texts but {} id lines", texts.len(), ids.len());
+    Ok(texts.into_iter().zip(ids).collect())
+}
+
+fn load(path: &Path) -> anyhow::Result<TextCodec> {
+    Ok(TextCodec::from_gguf(&GgufModel::open(path)?)?)
+}
+
+#[test]
+fn gguf_tokenizers_reproduce_llama_cpp_vectors() {
+    let dir = vocab_dir();
+    if !dir.join("SOURCE").is_file() {
+        let msg = format!("{} missing (python3 scripts/fetch-tokenizers.py)", dir.display());
+        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+        }
+        krasis_tests::report_skip(&msg);
+        return;
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| {
+            let n = e.unwrap().file_name().into_string().ok()?;
+            Some(n.strip_prefix("ggml-vocab-")?.strip_suffix(".gguf")?.to_string())
+        })
+        .collect();
+    names.sort();
+    let mut failures = Vec::new();
+    let mut report = Vec::new();
+    for name in &names {
+        let path = dir.join(format!("ggml-vocab-{name}.gguf"));
+        let Some((_, expect)) = VOCABS.iter().find(|(n, _)| n == name) else {
+            failures.push(format!("{name}: not in VOCABS (say what is expected of it)"));
+            continue;
+        };
+        match expect {
+            Expect::Unsupported(why) | Expect::NoVectors(Some(why)) => match load(&path) {
+                Ok(_) => failures.push(format!("{name}: listed as unsupported ({why}) but it loads")),
+                Err(e) => report.push(format!("{name}: unsupported, {why} ({e})")),
+            },
+            Expect::NoVectors(None) => match load(&path) {
+                Ok(_) => report.push(format!("{name}: loads; llama.cpp ships no vectors for it")),
+                Err(e) => failures.push(format!("{name}: {e}")),
+            },
+            Expect::Pass => {
+                let codec = match load(&path) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        failures.push(format!("{name}: {e}"));
+                        continue;
+                    }
+                };
+                let cases = read_cases(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let mut bad = Vec::new();
+                for (text, want) in &cases {
+                    match codec.encode_plain(text) {
+                        Ok(got) if &got == want => {}
+                        Ok(got) => bad.push(format!("  {text:?}\n    want {want:?}\n    got  {got:?}")),
+                        Err(e) => bad.push(format!("  {text:?}: {e}")),
+                    }
+                }
+                if bad.is_empty() {
+                    report.push(format!("{name}: {} cases pass", cases.len()));
+                } else {
+                    let shown = bad.iter().take(SHOWN).cloned().collect::<Vec<_>>().join("\n");
+                    failures.push(format!(
+                        "{name}: {} of {} cases differ; the first:\n{shown}",
+                        bad.len(),
+                        cases.len()
+                    ));
+                }
+            }
+        }
+    }
+    for (n, _) in VOCABS {
+        if !names.iter().any(|m| m == n) {
+            failures.push(format!("{n}: listed in VOCABS but {} has no ggml-vocab-{n}.gguf", dir.display()));
+        }
+    }
+    eprintln!("{}", report.join("\n"));
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
