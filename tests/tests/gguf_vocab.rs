@@ -167,3 +167,90 @@ fn gguf_tokenizers_reproduce_llama_cpp_vectors() {
     eprintln!("{}", report.join("\n"));
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// DeepSeek-V3's and Qwen3's published tokenizers (fetched for `tokenizers_ref`), written into a
+/// GGUF as llama.cpp's `convert_hf_to_gguf.py` writes them (`tokenizer.ggml.model = gpt2`, the
+/// tokens by id with gaps filled, control = 3 for special added tokens and 4 for the others, the
+/// merges, `tokenizer.ggml.pre` = `deepseek-v3` / `qwen2`), encode llama.cpp's texts and the
+/// multilingual texts of `tests/data/tokenizers/expected.json` exactly as the `tokenizer.json`
+/// does (which `tokenizers_ref` checks against Python's `tokenizers`). llama.cpp ships no
+/// `ggml-vocab-deepseek-v3.gguf`; this is the check of that pre-tokenizer.
+#[test]
+fn gguf_written_from_published_tokenizers_encodes_as_tokenizer_json() {
+    let base = vocab_dir().parent().unwrap().to_path_buf();
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(krasis_tests::workspace_root().join("tests/data/tokenizers/expected.json")).unwrap(),
+    )
+    .unwrap();
+    let mut texts: Vec<String> = refs["texts"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().into()).collect();
+    let inp = base.join("ggml-vocab/ggml-vocab-qwen2.gguf");
+    if let Ok(cases) = read_cases(&inp) {
+        texts.extend(cases.into_iter().map(|(t, _)| t));
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    for (name, pre) in [("deepseek-v3", "deepseek-v3"), ("qwen3", "qwen2")] {
+        let dir = base.join(name);
+        if !dir.join("tokenizer.json").is_file() {
+            let msg = format!("{} missing (python3 scripts/fetch-tokenizers.py)", dir.display());
+            if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+                panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+            }
+            krasis_tests::report_skip(&msg);
+            continue;
+        }
+        let reference = TextCodec::load(&dir).unwrap();
+        let gguf = tmp.path().join(format!("{name}.gguf"));
+        std::fs::write(&gguf, gguf_from_tokenizer_json(&dir.join("tokenizer.json"), pre)).unwrap();
+        let codec = load(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for text in &texts {
+            let want = reference.encode_plain(text).unwrap();
+            let got = codec.encode_plain(text).unwrap();
+            assert_eq!(got, want, "{name} (GGUF, pre {pre}) vs its tokenizer.json: {text:?}");
+            assert_eq!(codec.decode(&got).unwrap(), reference.decode(&want).unwrap(), "{name}: decoding {text:?}");
+            checked += 1;
+        }
+    }
+    eprintln!("{checked} encodings of GGUF-embedded tokenizers checked against their tokenizer.json");
+}
+
+/// A vocabulary-only GGUF of a byte-level BPE `tokenizer.json`, laid out as
+/// `convert_hf_to_gguf.py`'s `_set_vocab_gpt2` does.
+fn gguf_from_tokenizer_json(path: &Path, pre: &str) -> Vec<u8> {
+    use krasis_model::source::gguf::writer::{GgufWriter, MetaValue};
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut by_id: Vec<Option<(String, i32)>> = Vec::new();
+    let mut put = |id: usize, tok: &str, ty: i32| {
+        if by_id.len() <= id {
+            by_id.resize(id + 1, None);
+        }
+        by_id[id] = Some((tok.to_string(), ty));
+    };
+    for (tok, id) in j["model"]["vocab"].as_object().unwrap() {
+        put(id.as_u64().unwrap() as usize, tok, 1);
+    }
+    for a in j["added_tokens"].as_array().unwrap() {
+        let ty = if a["special"].as_bool().unwrap() { 3 } else { 4 };
+        put(a["id"].as_u64().unwrap() as usize, a["content"].as_str().unwrap(), ty);
+    }
+    // Gaps become `[PAD{id}]`, type 5 (unused), as the converter writes them.
+    let (tokens, types): (Vec<String>, Vec<i32>) =
+        by_id.into_iter().enumerate().map(|(i, t)| t.unwrap_or_else(|| (format!("[PAD{i}]"), 5))).unzip();
+    let merges: Vec<String> = j["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| match m {
+            serde_json::Value::String(s) => s.clone(),
+            m => m.as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect::<Vec<_>>().join(" "),
+        })
+        .collect();
+    let mut w = GgufWriter::default();
+    w.meta("general.architecture", MetaValue::Str("llama".into()))
+        .meta("tokenizer.ggml.model", MetaValue::Str("gpt2".into()))
+        .meta("tokenizer.ggml.pre", MetaValue::Str(pre.into()))
+        .meta("tokenizer.ggml.tokens", MetaValue::StrArray(tokens))
+        .meta("tokenizer.ggml.token_type", MetaValue::I32Array(types))
+        .meta("tokenizer.ggml.merges", MetaValue::StrArray(merges));
+    w.to_bytes()
+}

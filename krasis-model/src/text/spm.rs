@@ -256,3 +256,58 @@ impl SpmTokenizer {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small vocabulary; `ab_first` gives `ab` a higher score than `▁a`.
+    fn vocab(ab_first: bool) -> SpmTokenizer {
+        let toks = [
+            ("<unk>", 0.0, 2),
+            ("<s>", 0.0, 3),
+            ("</s>", 0.0, 3),
+            ("<0xC3>", 0.0, 6),
+            ("<0xA9>", 0.0, 6),
+            ("\u{2581}", -1.0, 1),
+            ("a", -2.0, 1),
+            ("b", -2.0, 1),
+            ("ab", if ab_first { -0.5 } else { -3.0 }, 1),
+            ("\u{2581}a", -1.5, 1),
+        ];
+        SpmTokenizer::new(
+            toks.iter().map(|t| t.0.to_string()).collect(),
+            toks.iter().map(|t| t.1).collect(),
+            toks.iter().map(|t| t.2).collect(),
+            Some(0),
+            true,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn merges_the_highest_scoring_pair_first() {
+        // "▁ab": the pairs ▁a and ab compete.
+        assert_eq!(vocab(true).encode("ab").unwrap(), vec![5, 8]);
+        assert_eq!(vocab(false).encode("ab").unwrap(), vec![9, 7]);
+    }
+
+    #[test]
+    fn unknown_characters_fall_back_to_bytes_and_specials_are_cut_out() {
+        let v = vocab(true);
+        assert_eq!(v.encode("\u{e9}").unwrap(), vec![5, 3, 4]);
+        // After a special token the next piece gets the space prefix again.
+        assert_eq!(v.encode("a</s>a").unwrap(), vec![9, 2, 9]);
+        assert_eq!(v.encode("").unwrap(), Vec::<u32>::new());
+        assert_eq!(v.decode(&[9, 2, 5, 3, 4], true).unwrap(), "a \u{e9}");
+        assert_eq!(v.decode(&[5, 8], true).unwrap(), "ab");
+    }
+
+    #[test]
+    fn without_add_space_prefix_no_space_is_added() {
+        let mut v = vocab(true);
+        v.add_space_prefix = false;
+        assert_eq!(v.encode("ab").unwrap(), vec![8]);
+        assert_eq!(v.encode(" a").unwrap(), vec![9]);
+    }
+}
