@@ -254,3 +254,38 @@ fn gguf_from_tokenizer_json(path: &Path, pre: &str) -> Vec<u8> {
         .meta("tokenizer.ggml.merges", MetaValue::StrArray(merges));
     w.to_bytes()
 }
+
+/// Without `tokenizer.ggml.add_bos_token`, a SentencePiece (`llama`) GGUF and a Llama-3 one add a
+/// BOS, as llama.cpp does; another byte-level BPE does not; the key, where present, decides.
+#[test]
+fn gguf_add_bos_defaults_as_llama_cpp() {
+    use krasis_model::source::gguf::writer::{GgufWriter, MetaValue};
+    let tmp = tempfile::tempdir().unwrap();
+    let strs = |v: &[&str]| MetaValue::StrArray(v.iter().map(|s| s.to_string()).collect());
+    let case = |model: &str, pre: Option<&str>, add_bos: Option<bool>| -> Vec<u32> {
+        let mut w = GgufWriter::default();
+        w.meta("general.architecture", MetaValue::Str("llama".into()))
+            .meta("tokenizer.ggml.model", MetaValue::Str(model.into()))
+            .meta("tokenizer.ggml.tokens", strs(&["<s>", "a", "\u{2581}", "\u{2581}a"]))
+            .meta("tokenizer.ggml.token_type", MetaValue::I32Array(vec![3, 1, 1, 1]))
+            .meta("tokenizer.ggml.bos_token_id", MetaValue::U32(0));
+        // No scores: llama.cpp reads them as 0.
+        if model == "gpt2" {
+            w.meta("tokenizer.ggml.merges", strs(&[]));
+        }
+        if let Some(p) = pre {
+            w.meta("tokenizer.ggml.pre", MetaValue::Str(p.into()));
+        }
+        if let Some(b) = add_bos {
+            w.meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(b));
+        }
+        let path = tmp.path().join("t.gguf");
+        std::fs::write(&path, w.to_bytes()).unwrap();
+        load(&path).unwrap().encode("a").unwrap()
+    };
+    assert_eq!(case("llama", None, None), vec![0, 3]);
+    assert_eq!(case("llama", None, Some(false)), vec![3]);
+    assert_eq!(case("gpt2", Some("llama-bpe"), None), vec![0, 1]);
+    assert_eq!(case("gpt2", Some("qwen2"), None), vec![1]);
+    assert_eq!(case("gpt2", Some("qwen2"), Some(true)), vec![0, 1]);
+}

@@ -281,10 +281,11 @@ impl TextCodec {
     /// - `gpt2` (byte-level BPE): `tokens`, `merges`, `token_type` (3 = control and 4 =
     ///   user-defined tokens are added tokens, control ones special) and the pre-tokenizer named by
     ///   `tokenizer.ggml.pre` ([`GGUF_PRE_TOKENIZERS`]);
-    /// - `llama` (SentencePiece-style, [`crate::text::spm`]): `tokens`, `scores`, `token_type`,
-    ///   `add_space_prefix` (default true) and `unknown_token_id`.
+    /// - `llama` (SentencePiece-style, [`crate::text::spm`]): `tokens`, `scores` (default 0),
+    ///   `token_type`, `add_space_prefix` (default true) and `unknown_token_id`.
     ///
-    /// Both take the BOS/EOS ids, `add_bos_token` and `tokenizer.chat_template`. A vocabulary-only
+    /// Both take the BOS/EOS ids, `add_bos_token` (where it is missing, true for `llama` and for
+    /// Llama-3's pre-tokenizers, as in llama.cpp) and `tokenizer.chat_template`. A vocabulary-only
     /// GGUF (no tensors, as llama.cpp's `ggml-vocab-*.gguf`) opens with [`GgufModel::open`] too.
     pub fn from_gguf(m: &GgufModel) -> Result<TextCodec> {
         let path = m.path().to_path_buf();
@@ -322,10 +323,11 @@ impl TextCodec {
         let bos_id = id("tokenizer.ggml.bos_token_id").filter(|&i| (i as usize) < tokens.len());
         let flag = |key: &str| m.meta(key).and_then(|v| v.as_bool());
         let tokenizer = if model == "llama" {
-            let scores = m
-                .meta("tokenizer.ggml.scores")
-                .and_then(|v| v.as_f64_array(bytes))
-                .ok_or_else(|| err("tokenizer.ggml.scores", "missing or not a number array"))?;
+            // Missing scores are all 0, as in llama.cpp (the leftmost pair merges first).
+            let scores = match m.meta("tokenizer.ggml.scores") {
+                None => vec![0.0; tokens.len()],
+                Some(v) => v.as_f64_array(bytes).ok_or_else(|| err("tokenizer.ggml.scores", "not a number array"))?,
+            };
             if scores.len() != tokens.len() {
                 return Err(err(
                     "tokenizer.ggml.scores",
@@ -344,7 +346,11 @@ impl TextCodec {
             Backend::Hf(Box::new(gguf_bpe(m, &tokens, &types, &err)?))
         };
         Ok(TextCodec {
-            add_bos_token: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            // llama.cpp's default where the key is missing: a BOS for SentencePiece and Llama-3.
+            add_bos_token: flag("tokenizer.ggml.add_bos_token").unwrap_or(
+                model == "llama"
+                    || matches!(m.meta_str("tokenizer.ggml.pre"), Some("llama-bpe" | "llama3" | "llama-v3")),
+            ),
             bos_token: token(bos_id),
             eos_token: token(id("tokenizer.ggml.eos_token_id")),
             bos_id,
