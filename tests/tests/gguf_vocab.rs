@@ -5,7 +5,8 @@
 //! (`convert_hf_to_gguf_update.py`, `encode(text, add_special_tokens=False)`), and its
 //! `tests/test-tokenizer-0.cpp` checks itself against them with `add_special = false` and
 //! `parse_special = false`: no BOS. Krasis reads each file through [`TextCodec::from_gguf`] and
-//! encodes with [`TextCodec::encode_plain`] (no BOS either).
+//! encodes with [`TextCodec::encode_plain`] (no BOS either); the ids must
+//! also decode back to the text.
 //!
 //! `scripts/fetch-tokenizers.py` fetches the files (llama-cpp-python 0.3.16's source distribution,
 //! SHA-256 pinned) into `ggml-vocab/` under `KRASIS_TOKENIZERS`, else `.tokenizers` at the
@@ -141,7 +142,11 @@ fn gguf_tokenizers_reproduce_llama_cpp_vectors() {
                 let mut bad = Vec::new();
                 for (text, want) in &cases {
                     match codec.encode_plain(text) {
-                        Ok(got) if &got == want => {}
+                        Ok(got) if &got == want => match codec.decode(&got) {
+                            Ok(back) if &back == text => {}
+                            Ok(back) => bad.push(format!("  {text:?}\n    decodes back to {back:?}")),
+                            Err(e) => bad.push(format!("  {text:?}: decoding: {e}")),
+                        },
                         Ok(got) => bad.push(format!("  {text:?}\n    want {want:?}\n    got  {got:?}")),
                         Err(e) => bad.push(format!("  {text:?}: {e}")),
                     }
