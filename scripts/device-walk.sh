@@ -2,7 +2,8 @@
 # Runs ON the GPU box from the repository root, over device-bundle/ (unpacked from
 # device-bundle.tar.xz by the command that calls it): #36's checks.
 #   tests    the GPU oracle suites on this build (gpu_oracle, hybrid_oracle, gpu_batch, and
-#            hybrid_gguf over the bundle's gguf/ twins when it has them)
+#            hybrid_gguf over the bundle's gguf/ twins when it has them; families_oracle and
+#            int4ct_oracle over its fixtures-next/ when it has them)
 #   setup    synthesize v2-lite in /tmp/v2l and build its INT4 CPU/GPU and INT8 dense caches
 #   defaults the defaults, no precision flags: hybrid prefill at 8K (24 GiB), 10K (6 GiB) and 32K
 #            (8 GiB); `generate` at 24 GiB (whole model on the GPU); hybrid decode with the
@@ -38,7 +39,10 @@ run() { local limit=$1; shift; timeout "$limit" "$@" 2>&1 | tee -a "${OUT:-/tmp}
 if has tests; then
     # GGUF twins of the fixtures, when the bundle has them (scripts/make-gguf-fixtures.sh).
     [ -d $B/gguf ] && export KRASIS_GGUF_FIXTURES="$PWD/$B/gguf"
-    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/gpu_batch-* $B/tests/hybrid_gguf-*; do
+    # The fixtures-next families (Mixtral, Kimi's compressed-tensors INT4), when the bundle has them.
+    [ -d $B/fixtures-next ] && export KRASIS_FIXTURES_NEXT="$PWD/$B/fixtures-next" KRASIS_REQUIRE_FIXTURES_NEXT=1
+    for t in $B/tests/gpu_oracle-* $B/tests/hybrid_oracle-* $B/tests/gpu_batch-* $B/tests/hybrid_gguf-* \
+        $B/tests/families_oracle-* $B/tests/int4ct_oracle-*; do
         [ -x "$t" ] || continue
         T "-- $t"
         timeout 500 "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|failures:|^    [a-z_0-9]+$" | head -40

