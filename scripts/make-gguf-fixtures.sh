@@ -50,6 +50,18 @@ for f in "${FIXTURES[@]}"; do
     done
 done
 
+# fixtures-next families with a GGUF arch in Krasis: their BF16 twins (tests/families_oracle.rs).
+FIXN=${KRASIS_FIXTURES_NEXT:-$(dirname "$FIX")/fixtures-next}
+for f in mixtral-tiny; do
+    [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
+    mkdir -p "$OUT/$f"; dst=$OUT/$f/model-bf16.gguf
+    if [ ! -s "$dst" ] || [ "$dst" -ot "$FIXN/$f/model.safetensors" ]; then
+        "$PY" "$PEER/convert.py" "$LCPP" "$FIXN/$f" "$dst.tmp" bf16 >"$OUT/$f/convert-bf16.log" 2>&1 \
+            || { tail -20 "$OUT/$f/convert-bf16.log" >&2; exit 1; }
+        mv "$dst.tmp" "$dst"
+    fi
+done
+
 if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
     Q=$LCPP/build/bin/llama-quantize
     if [ ! -x "$Q" ]; then

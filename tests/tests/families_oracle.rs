@@ -10,17 +10,21 @@
 //!   transformers-BF16 bar of `quant_bounds.json` (1 − mean cos ≤ 3 × its + 1e-4 for BF16, plus
 //!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU.
 //!
-//! The fixture list grows with each family; `mixtral-tiny` (Mixtral: GQA without qk-norm,
-//! softmax top-2 renormalised, `block_sparse_moe` names) is the first.
+//! The fixture list grows with each family: `mixtral-tiny` (Mixtral: GQA without qk-norm,
+//! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
+//! biases, RoPE on the first half of each 48-dim head with half-split pairs, a dense first
+//! layer, sigmoid routing with 4 groups and a correction bias, a shared expert) and
+//! `glm4moe-qknorm-tiny` (GLM-4.5/4.6/4.7: the same with per-head qk-norm, one group).
 
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::cpu::Model;
 use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
+use krasis_model::source::files::ModelFiles;
 use krasis_model::text::sampling::argmax;
 use krasis_quant::Bits;
 use krasis_tests::{
-    check_against_reference, fidelity, fixture_next, gpu_available, load_reference, prefill_logits, quant_bound,
-    Reference,
+    check_against_reference, fidelity, fixture_next, gguf_fixtures_dir, gpu_available, load_reference, prefill_logits,
+    quant_bound, Reference,
 };
 
 fn vocab(r: &Reference) -> usize {
@@ -116,6 +120,50 @@ fn gpu_and_hybrid(name: &str) {
     }
 }
 
+/// The BF16 GGUF twin of the fixture (llama.cpp's own converter, `scripts/make-gguf-fixtures.sh`)
+/// on the CPU reference path: the spec its metadata gives is config.json's (but for what GGUF
+/// stores otherwise: the rotary pairing of llama.cpp's permuted q/k rows, eps through f32, the
+/// experts' stored types), and it matches the oracle as the safetensors checkpoint does.
+fn gguf_twin(name: &str) {
+    let Some(dir) = fixture_next(name) else { return };
+    let Some(root) = gguf_fixtures_dir() else { return };
+    let gguf = root.join(name).join("model-bf16.gguf");
+    if !gguf.exists() {
+        let msg = format!("{} missing (scripts/make-gguf-fixtures.sh makes it)", gguf.display());
+        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+        }
+        krasis_tests::report_skip(&msg);
+        return;
+    }
+    let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (mut a, b) = (files.spec().clone(), ModelFiles::open(&dir).unwrap().spec().clone());
+    assert_eq!(a.expert_source_bits, vec![[16; 3]; a.moe_layers().count()], "{name}: expert source types");
+    a.expert_source_bits = b.expert_source_bits.clone();
+    a.rms_norm_eps = b.rms_norm_eps;
+    a.rope.pairing = b.rope.pairing;
+    assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
+    let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name}: load failed: {e}"));
+    let r = load_reference(&dir);
+    for line in check_against_reference(name, &model, &r) {
+        eprintln!("gguf bf16 {line}");
+    }
+    // The whole GPU on the GGUF (its rotary pairs interleaved): the BF16 bar of gpu_and_hybrid.
+    if !gpu_available(name) {
+        return;
+    }
+    let b = quant_bound(dir.parent().unwrap(), name, "bf16");
+    let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
+    let m = GpuModel::load(&gguf, &GpuOptions { kv_tokens: Some(512), ..GpuOptions::default() })
+        .unwrap_or_else(|e| panic!("{name} gguf gpu: {e}"));
+    let mut s = m.new_session().unwrap();
+    let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+    let f = fidelity(&l, &r.prefill_logits, vocab(&r));
+    eprintln!("{name} gguf gpu bf16: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2}", 1.0 - f.mean_cos, f.top1);
+    assert!(1.0 - f.mean_cos <= bar, "{name} gguf gpu: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
+    assert!(f.top1 >= b.top1 - 0.1, "{name} gguf gpu: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
+}
+
 /// Reference path, quantised CPU experts, GPU and hybrid for one fixture.
 macro_rules! family_tests {
     ($module:ident, $fixture:expr) => {
@@ -136,4 +184,19 @@ macro_rules! family_tests {
     };
 }
 
+/// The GGUF twin's test for a fixture whose family llama.cpp writes.
+macro_rules! gguf_twin_test {
+    ($module:ident, $fixture:expr) => {
+        mod $module {
+            #[test]
+            fn gguf_bf16_twin_matches_the_oracle() {
+                super::gguf_twin($fixture);
+            }
+        }
+    };
+}
+
 family_tests!(mixtral, "mixtral-tiny");
+gguf_twin_test!(mixtral_gguf, "mixtral-tiny");
+family_tests!(glm4moe, "glm4moe-tiny");
+family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");

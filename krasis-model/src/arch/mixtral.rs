@@ -34,7 +34,10 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
             ));
         }
     }
-    let rope = parse_rope(f, head_dim, RopePairing::Halves, c.max_position_embeddings)?;
+    // `rope_interleave` (as DeepSeek's configs name it) is set by the GGUF reader: llama.cpp's
+    // converter stores a LLaMA's q/k rows with each rotary pair adjacent.
+    let pairing = if f.bool_or("rope_interleave", false)? { RopePairing::Interleaved } else { RopePairing::Halves };
+    let rope = parse_rope(f, head_dim, pairing, c.max_position_embeddings)?;
     let n_experts = f.dim("num_local_experts")?;
     let top_k = f.dim("num_experts_per_tok")?;
     if top_k > n_experts {
@@ -50,7 +53,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
         bos_token_id: c.bos_token_id,
         eos_token_ids: c.eos_token_ids,
         max_position_embeddings: c.max_position_embeddings,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false },
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false, bias: AttnBias::NONE },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe: Some(MoeSpec {

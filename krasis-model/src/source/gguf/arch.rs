@@ -1,4 +1,5 @@
-//! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`) → [`ModelSpec`],
+//! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`, and `llama` with
+//! experts: Mixtral) → [`ModelSpec`],
 //! and llama.cpp's tensor names → the canonical (HF) names of [`crate::model::tensors`].
 //!
 //! The metadata is turned into the `config.json` object transformers would read and handed to
@@ -12,6 +13,11 @@
 //! - Qwen3-MoE: llama.cpp always normalises the top-k weights, so `norm_topk_prob` is true
 //!   unless `expert_weights_norm` says otherwise; every layer is MoE (llama.cpp's qwen3moe has no
 //!   dense layers).
+//! - Mixtral is `llama` with `expert_count`; llama.cpp's converter permutes a LLaMA's q/k rows so
+//!   that each rotary pair is adjacent (it rotates them as pairs (2i, 2i + 1)), so the GGUF's
+//!   rows are read as stored with interleaved pairing (`rope_interleave`), which is the same
+//!   attention as transformers' half-split pairs on the unpermuted rows. A `llama` without
+//!   experts is a dense model and is refused.
 
 use std::collections::HashMap;
 
@@ -50,7 +56,7 @@ impl GgufTensorRef {
 pub type TensorMap = HashMap<String, GgufTensorRef>;
 
 /// Architectures this reader maps.
-pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe"];
+pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)"];
 
 struct Meta<'a> {
     m: &'a GgufModel,
@@ -150,7 +156,12 @@ fn common(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
     let theta = meta.f_opt("rope.freq_base")?.unwrap_or(10000.0);
     put(o, "rope_theta", theta);
     put(o, "num_experts_per_tok", meta.a("expert_used_count")?);
-    put(o, "moe_intermediate_size", meta.a("expert_feed_forward_length")?);
+    // llama's Mixtral keeps the expert width in `feed_forward_length`.
+    let moe_inter = match meta.a_opt("expert_feed_forward_length")? {
+        Some(i) => i,
+        None => meta.a("feed_forward_length")?,
+    };
+    put(o, "moe_intermediate_size", moe_inter);
     Ok(())
 }
 
@@ -269,6 +280,31 @@ fn qwen3moe_config(meta: &Meta) -> Result<Map<String, Json>> {
     Ok(o)
 }
 
+/// `llama` with experts: Mixtral (see the module doc for the q/k row order).
+fn mixtral_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let experts = meta.a_opt("expert_count")?.unwrap_or(0);
+    if experts == 0 {
+        return Err(gguf_err(
+            meta.m.path(),
+            "`llama` without `llama.expert_count` is a dense model; Krasis runs mixture-of-experts models \
+             (a Mixtral GGUF is `llama` with experts)",
+        ));
+    }
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "mixtral");
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(&mut o, "head_dim", d);
+    }
+    put(&mut o, "intermediate_size", meta.a("feed_forward_length")?);
+    put(&mut o, "num_local_experts", experts);
+    put(&mut o, "rope_interleave", true);
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
 /// The spec of a GGUF model and where each canonical tensor lives in it.
 pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let arch = m
@@ -278,6 +314,7 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let config = match arch {
         "deepseek2" => deepseek2_config(&meta)?,
         "qwen3moe" => qwen3moe_config(&meta)?,
+        "llama" => mixtral_config(&meta)?,
         other => {
             return Err(ModelError::UnsupportedArch {
                 path: m.path().to_path_buf(),
@@ -357,11 +394,19 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
                 }
                 x.whole(o, b("attn_output.weight"));
             }
-            AttentionTensors::Gqa { q, k, v, o, qk_norm } => {
+            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
                 x.whole(q, b("attn_q.weight"));
                 x.whole(k, b("attn_k.weight"));
                 x.whole(v, b("attn_v.weight"));
                 x.whole(o, b("attn_output.weight"));
+                if let Some([qb, kb, vb]) = qkv_bias {
+                    x.whole(qb, b("attn_q.bias"));
+                    x.whole(kb, b("attn_k.bias"));
+                    x.whole(vb, b("attn_v.bias"));
+                }
+                if let Some(ob) = o_bias {
+                    x.whole(ob, b("attn_output.bias"));
+                }
                 if let Some((qn, kn)) = qk_norm {
                     x.whole(qn, b("attn_q_norm.weight"));
                     x.whole(kn, b("attn_k_norm.weight"));
