@@ -329,6 +329,8 @@ VARIANTS = {
     "int4_search_g64": lambda a: search(a, 64),
     "int4_search_g32": lambda a: search(a, 32),
     "int4_asym_g32": lambda a: asym(a, 32),
+    "int4_asym_g64": lambda a: asym(a, 64),
+    "int4_asym_g128": lambda a: asym(a, 128),
 }
 
 
