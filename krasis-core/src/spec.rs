@@ -17,7 +17,8 @@ pub enum Arch {
 
 impl Arch {
     /// The `model_type` values of `config.json` Krasis reads.
-    pub const SUPPORTED: &'static [&'static str] = &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "kimi_k2", "kimi_k25"];
+    pub const SUPPORTED: &'static [&'static str] =
+        &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "kimi_k2", "kimi_k25"];
 
     pub fn model_type(self) -> &'static str {
         match self {
