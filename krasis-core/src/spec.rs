@@ -13,12 +13,16 @@ pub enum Arch {
     /// Mixtral (`MixtralForCausalLM`): GQA without qk-norm, softmax top-k renormalised, every
     /// layer MoE, the `block_sparse_moe` tensor names.
     Mixtral,
+    /// GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`): GQA with q/k/v biases, partial rotary and
+    /// optional qk-norm; dense first layers, then MoE with sigmoid routing, groups and a
+    /// correction bias (DeepSeek-V3's rule) and shared experts.
+    Glm4Moe,
 }
 
 impl Arch {
     /// The `model_type` values of `config.json` Krasis reads.
     pub const SUPPORTED: &'static [&'static str] =
-        &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "kimi_k2", "kimi_k25"];
+        &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe", "kimi_k2", "kimi_k25"];
 
     pub fn model_type(self) -> &'static str {
         match self {
@@ -26,6 +30,7 @@ impl Arch {
             Arch::DeepseekV3 => "deepseek_v3",
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
+            Arch::Glm4Moe => "glm4_moe",
         }
     }
 }
@@ -60,7 +65,9 @@ pub enum RopeScaling {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeSpec {
     pub theta: f64,
-    /// Number of rotated dimensions per head.
+    /// Number of rotated dimensions per head: MLA's rope part, or the first `dim` elements of
+    /// each GQA head (`dim < head_dim` is partial rotary, as GLM-4.5's `partial_rotary_factor`;
+    /// the pairs lie within those `dim` elements, the rest of the head is not rotated).
     pub dim: usize,
     pub pairing: RopePairing,
     pub scaling: RopeScaling,
@@ -77,8 +84,24 @@ pub enum AttentionSpec {
         qk_rope_head_dim: usize,
         v_head_dim: usize,
     },
-    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3).
-    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool },
+    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3, GLM-4.5) and
+    /// with biases on its projections (GLM-4.5: q/k/v).
+    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool, bias: AttnBias },
+}
+
+/// Which projections of an attention layer add a bias after the matrix product (one option of
+/// the one GQA op on each device, not a separate attention).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnBias {
+    /// `q_proj`, `k_proj` and `v_proj` have biases (`attention_bias` of GLM-4.5, Qwen2).
+    pub qkv: bool,
+    /// `o_proj` has a bias (gpt-oss).
+    pub o: bool,
+}
+
+impl AttnBias {
+    /// No biases.
+    pub const NONE: AttnBias = AttnBias { qkv: false, o: false };
 }
 
 /// MLA's per-head geometry, as the attention kernels use it.

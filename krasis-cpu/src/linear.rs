@@ -237,6 +237,22 @@ pub fn axpy_scalar(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// A projection's bias after its product: `y[r, j] += bias[j]` for every row `r` of
+/// `y [rows, bias.len()]` (one f32 add per element).
+pub fn add_bias_rows(y: &mut [f32], bias: &[f32]) {
+    assert!(
+        !bias.is_empty() && y.len().is_multiple_of(bias.len()),
+        "add_bias_rows: {} outputs are not whole rows of the {}-element bias",
+        y.len(),
+        bias.len()
+    );
+    for row in y.chunks_exact_mut(bias.len()) {
+        for (o, &b) in row.iter_mut().zip(bias) {
+            *o += b;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy_avx2(a: f32, x: &[f32], y: &mut [f32]) {
@@ -425,5 +441,24 @@ mod tests {
                 }
             }
         }
+
+        #[test]
+        fn add_bias_rows_adds_the_bias_to_every_row(rows in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
+            let y0 = data(rows * n, seed);
+            let bias = data(n, seed ^ 7);
+            let mut y = y0.clone();
+            add_bias_rows(&mut y, &bias);
+            for r in 0..rows {
+                for j in 0..n {
+                    prop_assert_eq!(y[r * n + j].to_bits(), (y0[r * n + j] + bias[j]).to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not whole rows")]
+    fn add_bias_rows_refuses_a_partial_row() {
+        add_bias_rows(&mut [0.0; 5], &[1.0, 2.0]);
     }
 }

@@ -1,6 +1,6 @@
-// Small glue kernels the engine needs between the big ops: positions, residual adds, strided
-// row copies with an optional cast to BF16, and an in-place RMSNorm over a prefix of strided
-// rows (MLA's latent, Qwen3's per-head q/k norm).
+// Small glue kernels the engine needs between the big ops: positions, residual adds, a
+// projection's bias added to each row, strided row copies with an optional cast to BF16, and an
+// in-place RMSNorm over a prefix of strided rows (MLA's latent, Qwen3's per-head q/k norm).
 #include "krasis_common.cuh"
 
 // ids[i] = map[ids[i]] for ids in [0, n_map); other values are left as they are (out of range
@@ -23,6 +23,13 @@ extern "C" __global__ void iota_i32(int* out, int start, int n) {
 extern "C" __global__ void add_inplace_f32(float* y, const float* x, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += x[i];
+}
+
+// y[r, c] += bias[c] for y [rows, cols] f32 and a BF16 bias [cols] (a projection's bias after its
+// GEMM: GLM-4.5's q/k/v). One element per thread over the whole matrix.
+extern "C" __global__ void add_bias_rows_f32(float* y, const bf16_t* bias, long long rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * cols) y[i] += bf16_to_f32(bias[i % cols]);
 }
 
 // dst[r, c] = src[r * src_stride + c] for c < cols, dst row stride dst_stride. One block row per

@@ -1,5 +1,6 @@
-//! Glue ops between the large kernels: positions, residual adds, strided row copies (with a cast
-//! to BF16 for the tensor-core kernels) and an in-place RMSNorm over a prefix of strided rows.
+//! Glue ops between the large kernels: positions, residual adds, a projection's bias added to its
+//! rows, strided row copies (with a cast to BF16 for the tensor-core kernels) and an in-place
+//! RMSNorm over a prefix of strided rows.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -15,6 +16,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "iota_i32",
         "remap_ids_i32",
         "add_inplace_f32",
+        "add_bias_rows_f32",
         "copy_rows_f32",
         "copy_rows_f32_bf16",
         "rmsnorm_strided_inplace",
@@ -166,6 +168,35 @@ impl GpuDevice {
         let mut b = s.launch_builder(&f);
         b.arg(&yp).arg(&xp).arg(&n_i);
         // SAFETY: matches the kernel's signature; lengths checked.
+        unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// A projection's bias after its product: `y[r, j] += bias[j]` for the first `rows` rows of
+    /// `y` (`[rows, bias.len()]` f32, contiguous) and a BF16 `bias`; each sum is one f32 add, as
+    /// `krasis_cpu::linear::add_bias_rows` does.
+    pub fn add_bias_rows_f32(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+        bias: &impl DevicePtr<u16>,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "add_bias_rows";
+        let cols = bias.len();
+        let n = rows * cols;
+        check(OP, n <= y.len(), || format!("{rows} rows of {cols} into {} elements", y.len()))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (r_i, c_i) = (n as i64 / cols as i64, to_i32(OP, "cols", cols)?);
+        let s = self.stream();
+        let (yp, _g1) = y.device_ptr_mut(s);
+        let (bp, _g2) = bias.device_ptr(s);
+        let f = self.function(&ELEMENTWISE, "add_bias_rows_f32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&yp).arg(&bp).arg(&r_i).arg(&c_i);
+        // SAFETY: matches the kernel's signature; `rows · cols` lies inside `y`, `cols` is the
+        // bias's length.
         unsafe { b.launch(cfg_1d(n)) }.map_err(launch_err(OP))?;
         Ok(())
     }

@@ -251,6 +251,18 @@ fn rope_matches_twin_for_both_pairings() {
             pairing,
         };
         cases.push(("ragged", l, 5 * 31));
+        // GLM-4.5 partial rotary: heads of 48, the first 24 dims rotated (pairs (i, i + 12)),
+        // the other 24 untouched.
+        let l = RopeLayout {
+            n_tokens: 9,
+            n_heads: 4,
+            token_stride: 4 * 48,
+            head_stride: 48,
+            rot_offset: 0,
+            rot_dim: 24,
+            pairing,
+        };
+        cases.push(("partial 24 of 48", l, 9 * 4 * 48));
         cases.push(("tiny", RopeLayout::contiguous(130, 1, 2, pairing), 130 * 2));
     }
     for (case, (name, l, len)) in cases.iter().enumerate() {
@@ -514,6 +526,22 @@ fn glue_ops_match_twins() {
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
         assert_close("add_inplace", &down(d, &ya), &want, 0.0, 0.0);
     }
+    // a projection's bias added to every row (rows x cols of a larger buffer; the rest untouched)
+    for (rows, cols) in [(1usize, 1usize), (1, 192), (7, 96), (300, 1024), (33, 4097)] {
+        let y = rand_bf16_f32(&mut r, rows * cols + 5, 3.0);
+        let bias = rand_bf16_f32(&mut r, cols, 1.0);
+        let mut want = y.clone();
+        for i in 0..rows {
+            for j in 0..cols {
+                want[i * cols + j] = y[i * cols + j] + bias[j];
+            }
+        }
+        let mut yd = up(d, &y, "y");
+        d.add_bias_rows_f32(&mut yd, rows, &up(d, &to_bf16(&bias), "bias")).unwrap();
+        assert_close(&format!("add_bias_rows {rows}x{cols}"), &down(d, &yd), &want, 0.0, 0.0);
+    }
+    let e = d.add_bias_rows_f32(&mut up(d, &[0f32; 10], "y"), 3, &up(d, &[0u16; 4], "bias")).unwrap_err();
+    assert!(e.to_string().contains("3 rows of 4"), "{e}");
     // strided row copies, f32 and to bf16
     for (rows, cols, stride, offset) in
         [(1usize, 1usize, 1usize, 0usize), (7, 13, 29, 5), (300, 576, 576, 0), (5, 64, 576, 512)]

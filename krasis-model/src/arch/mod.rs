@@ -7,6 +7,7 @@
 //! operations of the two devices.
 
 mod deepseek;
+mod glm4_moe;
 mod mixtral;
 mod qwen3_moe;
 
@@ -214,6 +215,7 @@ fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
         "deepseek_v3" | "kimi_k2" => deepseek::parse(f, Arch::DeepseekV3),
         "qwen3_moe" => qwen3_moe::parse(f),
         "mixtral" => mixtral::parse(f),
+        "glm4_moe" => glm4_moe::parse(f),
         _ => return None,
     })
 }
@@ -267,14 +269,25 @@ struct Common {
     max_position_embeddings: usize,
 }
 
+/// The common fields of a family whose attention takes no biases: `attention_bias: true` is
+/// refused.
 fn parse_common(f: &Fields) -> Result<Common> {
+    if f.bool_or("attention_bias", false)? {
+        return Err(f.err(
+            "attention_bias",
+            "attention biases are not supported for this architecture (supported with them: glm4_moe)",
+        ));
+    }
+    parse_common_biased(f)
+}
+
+/// The common fields of a family whose attention op may take biases (the family reads
+/// `attention_bias` itself).
+fn parse_common_biased(f: &Fields) -> Result<Common> {
     if let Some(act) = f.str_opt("hidden_act")? {
         if act != "silu" {
             return Err(f.err("hidden_act", format!("`{act}` is not supported (only silu)")));
         }
-    }
-    if f.bool_or("attention_bias", false)? {
-        return Err(f.err("attention_bias", "attention biases are not supported"));
     }
     let eps = f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6);
     if !(eps > 0.0 && eps < 1.0) {

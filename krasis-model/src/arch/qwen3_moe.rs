@@ -84,7 +84,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
         bos_token_id: c.bos_token_id,
         eos_token_ids: c.eos_token_ids,
         max_position_embeddings: c.max_position_embeddings,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true },
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe,

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use krasis_core::spec::{MlaDims, RopePairing};
 use krasis_cpu::attention::causal_attention;
 use krasis_cpu::isa;
-use krasis_cpu::linear::{axpy, dot};
+use krasis_cpu::linear::{add_bias_rows, axpy, dot};
 use krasis_cpu::mla_prefill::{mla_prefill_attention, KvBWeights, MlaPrefillInputs};
 use krasis_cpu::norm::rms_norm_rows;
 use krasis_cpu::rope::rotate;
@@ -417,8 +417,9 @@ pub fn mla_phase_ns() -> [u64; 7] {
 
 static MLA_NS: krasis_cpu::phase_ns::PhaseNs<7> = krasis_cpu::phase_ns::PhaseNs::new();
 
-/// One GQA layer of the CPU engine: its weights (with Qwen3's per-head qk-norm when present) and
-/// the model's dimensions.
+/// One GQA layer of the CPU engine: its weights (with the per-head qk-norm and the projections'
+/// biases when present) and the model's dimensions. The rotary tables cover the first
+/// `rope.half · 2` dims of each head (all of it, or a prefix: partial rotary).
 pub struct GqaAttention<'w> {
     pub heads: usize,
     pub kv_heads: usize,
@@ -438,6 +439,11 @@ impl GqaAttention<'_> {
         let mut v = vec![0f32; t * kvh * hd];
         let ops = [self.w.q.as_ref(), self.w.k.as_ref(), self.w.v.as_ref()];
         forward_shared_input(&ops, x, t, &mut [&mut q, &mut k, &mut v]);
+        if let Some([qb, kb, vb]) = &self.w.qkv_bias {
+            add_bias_rows(&mut q, qb);
+            add_bias_rows(&mut k, kb);
+            add_bias_rows(&mut v, vb);
+        }
         if let Some((qn, kn)) = &self.w.qk_norm {
             rms_norm_rows(&mut q, qn, self.eps);
             rms_norm_rows(&mut k, kn, self.eps);
@@ -462,5 +468,8 @@ impl GqaAttention<'_> {
             );
         });
         self.w.o.forward(&o, t, out);
+        if let Some(ob) = &self.w.o_bias {
+            add_bias_rows(&mut out[..t * ob.len()], ob);
+        }
     }
 }

@@ -729,11 +729,17 @@ impl GpuGqa<'_> {
         self.w.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
         self.w.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
         self.w.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
+        if let Some([qb, kb, vb]) = &self.w.qkv_bias {
+            dev.add_bias_rows_f32(q, t, qb)?;
+            dev.add_bias_rows_f32(k, t, kb)?;
+            dev.add_bias_rows_f32(v, t, vb)?;
+        }
         if let Some((qn, kn)) = &self.w.qk_norm {
             dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh, hd), qn, c.eps)?;
             dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh, hd), kn, c.eps)?;
         }
         let pos = sc.positions.slice().slice(..t);
+        // The first `2 · rope_half` dims of each head (all of it, or partial rotary).
         dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
         dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
         let row = kvh * hd;
@@ -807,6 +813,9 @@ impl GpuGqa<'_> {
             t,
             &mut sc.y.slice_mut().slice_mut(..t * hidden),
         )?;
+        if let Some(ob) = &self.w.o_bias {
+            dev.add_bias_rows_f32(&mut sc.y.slice_mut().slice_mut(..t * hidden), t, ob)?;
+        }
         Ok(())
     }
 }

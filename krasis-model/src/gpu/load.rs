@@ -85,7 +85,7 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
                 Some(bits) => n * bits.bits() as u64 / 8 + n / 16,
                 None => 2 * n,
             },
-            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias => 2 * n,
+            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias | TensorRole::Bias => 2 * n,
         };
     }
     let (planes, row, group) = kv_geometry(spec);

@@ -86,14 +86,17 @@ pub struct MlaParts<L, V, K> {
     pub o: L,
 }
 
-/// GQA's weights as a backend holds them (`L`: a linear, `V`: a norm weight); `qk_norm` is the
-/// per-head RMSNorm of q and k (Qwen3).
+/// GQA's weights as a backend holds them (`L`: a linear, `V`: a norm weight or bias vector);
+/// `qk_norm` is the per-head RMSNorm of q and k (Qwen3, GLM-4.5), `qkv_bias` the biases added
+/// after the q, k and v projections (GLM-4.5), `o_bias` the one after `o_proj`.
 pub struct GqaParts<L, V> {
     pub q: L,
     pub k: L,
     pub v: L,
     pub o: L,
     pub qk_norm: Option<(V, V)>,
+    pub qkv_bias: Option<[V; 3]>,
+    pub o_bias: Option<V>,
 }
 
 pub enum AttentionWeights<K: WeightKinds> {
@@ -167,7 +170,7 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 o: b.linear(o, a)?,
             })
         }
-        AttentionTensors::Gqa { q, k, v, o, qk_norm } => AttentionWeights::Gqa(GqaParts {
+        AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => AttentionWeights::Gqa(GqaParts {
             q: b.linear(q, a)?,
             k: b.linear(k, a)?,
             v: b.linear(v, a)?,
@@ -176,6 +179,11 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 Some((qn, kn)) => Some((b.vector(qn)?, b.vector(kn)?)),
                 None => None,
             },
+            qkv_bias: match qkv_bias {
+                Some([qb, kb, vb]) => Some([b.vector(qb)?, b.vector(kb)?, b.vector(vb)?]),
+                None => None,
+            },
+            o_bias: o_bias.as_ref().map(|t| b.vector(t)).transpose()?,
         }),
     })
 }

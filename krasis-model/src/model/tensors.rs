@@ -10,11 +10,17 @@ pub enum TensorRole {
     LmHead,
     Norm,
     Attention,
+    /// The bias vector of a projection (`[out]`: attention q/k/v/o biases), added after the
+    /// matrix product; held unquantised.
+    Bias,
     Router,
     RouterBias,
     SharedExpert,
     DenseMlp,
-    RoutedExpert { layer: usize, expert: usize },
+    RoutedExpert {
+        layer: usize,
+        expert: usize,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -55,10 +61,28 @@ pub enum QueryTensors {
     LowRank { a: TensorSpec, norm: TensorSpec, b: TensorSpec },
 }
 
+// The GQA variant (with its optional biases) is the larger; one value per layer, built once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum AttentionTensors {
-    Mla { q: QueryTensors, kv_a: TensorSpec, kv_a_norm: TensorSpec, kv_b: TensorSpec, o: TensorSpec },
-    Gqa { q: TensorSpec, k: TensorSpec, v: TensorSpec, o: TensorSpec, qk_norm: Option<(TensorSpec, TensorSpec)> },
+    Mla {
+        q: QueryTensors,
+        kv_a: TensorSpec,
+        kv_a_norm: TensorSpec,
+        kv_b: TensorSpec,
+        o: TensorSpec,
+    },
+    Gqa {
+        q: TensorSpec,
+        k: TensorSpec,
+        v: TensorSpec,
+        o: TensorSpec,
+        qk_norm: Option<(TensorSpec, TensorSpec)>,
+        /// `q_proj.bias`, `k_proj.bias`, `v_proj.bias` ([`crate::spec::AttnBias::qkv`]).
+        qkv_bias: Option<[TensorSpec; 3]>,
+        /// `o_proj.bias` ([`crate::spec::AttnBias::o`]).
+        o_bias: Option<TensorSpec>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -133,6 +157,7 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
     let a = format!("{}.self_attn", layer_prefix(l));
     let t = |name: &str, shape: Vec<usize>, role: TensorRole| tensor(format!("{a}.{name}.weight"), shape, role);
     let proj = |name: &str, shape: Vec<usize>| t(name, shape, TensorRole::Attention);
+    let bias = |name: &str, out: usize| tensor(format!("{a}.{name}.bias"), vec![out], TensorRole::Bias);
     match spec.attention {
         AttentionSpec::Mla { heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim } => {
             let qk = qk_nope_head_dim + qk_rope_head_dim;
@@ -151,7 +176,7 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
                 o: proj("o_proj", vec![h, heads * v_head_dim]),
             }
         }
-        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm } => AttentionTensors::Gqa {
+        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias: b } => AttentionTensors::Gqa {
             q: proj("q_proj", vec![heads * head_dim, h]),
             k: proj("k_proj", vec![kv_heads * head_dim, h]),
             v: proj("v_proj", vec![kv_heads * head_dim, h]),
@@ -159,6 +184,14 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
             qk_norm: qk_norm.then(|| {
                 (t("q_norm", vec![head_dim], TensorRole::Norm), t("k_norm", vec![head_dim], TensorRole::Norm))
             }),
+            qkv_bias: b.qkv.then(|| {
+                [
+                    bias("q_proj", heads * head_dim),
+                    bias("k_proj", kv_heads * head_dim),
+                    bias("v_proj", kv_heads * head_dim),
+                ]
+            }),
+            o_bias: b.o.then(|| bias("o_proj", h)),
         },
     }
 }
@@ -234,8 +267,10 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
                 }
                 out.extend([kv_a, kv_a_norm, kv_b, o]);
             }
-            AttentionTensors::Gqa { q, k, v, o, qk_norm } => {
+            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
                 out.extend([q, k, v, o]);
+                out.extend(qkv_bias.into_iter().flatten());
+                out.extend(o_bias);
                 if let Some((qn, kn)) = qk_norm {
                     out.extend([qn, kn]);
                 }

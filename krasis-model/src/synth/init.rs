@@ -342,6 +342,8 @@ pub(crate) fn plan_tensors(spec: &ModelSpec, inventory: Vec<TensorSpec>, seed: u
             let uniform_for_input = |t: &TensorSpec| sqrt3 / (t.shape[1] as f32).sqrt();
             let (dtype, fill) = match t.role {
                 TensorRole::Norm => (Dtype::Bf16, Fill::Const(1.0)),
+                // Small against the projections' outputs, non-zero so that dropping one shows.
+                TensorRole::Bias => (Dtype::Bf16, Fill::Uniform { bound: 0.1, plus: None }),
                 TensorRole::RouterBias => {
                     let layer = layer_of(&t.name).expect("router bias lives in a layer");
                     let p = expert_preferences(seed, layer, t.shape[0], skew);

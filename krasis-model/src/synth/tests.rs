@@ -379,7 +379,7 @@ fn presets_have_the_real_shapes() {
     let q = spec_of(&preset_config(Preset::Qwen3_30bA3b, None));
     assert_eq!(q.arch, Arch::Qwen3Moe);
     assert_eq!(q.moe_layers().count(), 48);
-    assert!(matches!(q.attention, AttentionSpec::Gqa { heads: 32, kv_heads: 4, head_dim: 128, qk_norm: true }));
+    assert!(matches!(q.attention, AttentionSpec::Gqa { heads: 32, kv_heads: 4, head_dim: 128, qk_norm: true, .. }));
     assert_eq!(expected_tensors(&q).len(), 18867);
     let c = param_counts(&q);
     assert!((30.4e9..30.6e9).contains(&(c.total as f64)), "qwen3 total {}", c.total);
