@@ -57,6 +57,36 @@ pub fn render(template: &str, input: &ChatInput<'_>) -> Result<String, String> {
     tmpl.render(Value::from_serialize(&ctx)).map_err(|e| e.to_string())
 }
 
+/// Fits OpenAI-form messages to what `template` reads, as servers in front of transformers'
+/// templates do:
+/// - a tool call's `arguments` (a JSON string in OpenAI's API) become the object they encode,
+///   as transformers' tool-use templates expect (`arguments.items()`, `arguments | tojson`),
+///   unless the template joins them as a string (`['arguments'] +`, DeepSeek's);
+/// - a `null` content becomes `""`, unless the template tests for none (DeepSeek-V3 tells a
+///   tool-call turn by `content is none`); Qwen3's `'</think>' in content` fails on none.
+pub fn fit_messages(template: &str, messages: &mut [Json]) {
+    let string_args = template.contains("['arguments'] +") || template.contains(".arguments +");
+    let none_content = template.contains("content'] is none") || template.contains("content is none");
+    for m in messages.iter_mut() {
+        let Some(m) = m.as_object_mut() else { continue };
+        if !none_content && m.get("content").is_none_or(Json::is_null) {
+            m.insert("content".into(), Json::String(String::new()));
+        }
+        if string_args {
+            continue;
+        }
+        let Some(Json::Array(calls)) = m.get_mut("tool_calls") else { continue };
+        for call in calls {
+            let f = if call.get("function").is_some() { &mut call["function"] } else { call };
+            if let Some(args) = f.get_mut("arguments") {
+                if let Some(parsed) = args.as_str().and_then(|s| serde_json::from_str::<Json>(s).ok()) {
+                    *args = parsed;
+                }
+            }
+        }
+    }
+}
+
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent, separators=...,
 /// sort_keys=sort_keys)`.
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
