@@ -12,6 +12,8 @@ mod mixtral;
 mod qwen3_moe;
 
 #[cfg(test)]
+mod glm4_moe_tests;
+#[cfg(test)]
 mod kimi_tests;
 
 use std::path::Path;
