@@ -2,9 +2,11 @@
 //! there): the Kimi-K2-Instruct and Kimi-K2.5 configurations parse, and the tensors Krasis
 //! expects a checkpoint to store (`synth::stored_tensors`: names, shapes, dtypes) are exactly
 //! the published tensor inventories (Kimi-K2-Instruct, Kimi-K2.5's text model, DeepSeek-V3),
-//! apart from what each test names as left out. Every supported published configuration
-//! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5) synthesizes with its
-//! widths cut down by the test, two MoE layers deep, and generates on the CPU.
+//! apart from what each test names as left out. GLM-4.5's configuration (the part published
+//! here) parses and its inventory is the published one less the MTP layer. Every supported
+//! published configuration (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct,
+//! Kimi-K2.5, GLM-4.5) synthesizes with its widths cut down by the test, two MoE layers deep,
+//! and generates on the CPU.
 //!
 //! Skips visibly when the folder is absent (CI may not have `../shared`), unless
 //! `KRASIS_REQUIRE_REAL_CONFIGS=1`.
@@ -16,7 +18,9 @@ use krasis_core::DType;
 use krasis_model::arch::{load_checkpoint_config, parse_checkpoint_config, CheckpointConfig};
 use krasis_model::runtime::{open_engine, DevicePolicy, EngineConfig};
 use krasis_model::source::files::ModelFiles;
-use krasis_model::spec::{Arch, AttentionSpec, RopeScaling, ScoringFunc, SourceQuant, TopkMethod, WeightBits};
+use krasis_model::spec::{
+    Arch, AttentionSpec, AttnBias, FfnKind, RopePairing, RopeScaling, ScoringFunc, SourceQuant, TopkMethod, WeightBits,
+};
 use krasis_model::synth::{stored_tensors, synthesize, Preset, SynthOptions};
 use krasis_model::text::generate::{generate, GenerateRequest};
 use krasis_model::text::sampling::SamplingParams;
@@ -169,10 +173,25 @@ fn expand(pattern: &str) -> Vec<String> {
     vec![pattern.to_string()]
 }
 
+/// `cell` without its parenthesised notes (GLM-4.5's `(+scale [12288,1])`).
+fn without_notes(cell: &str) -> String {
+    let (mut out, mut depth) = (String::new(), 0usize);
+    for ch in cell.chars() {
+        match ch {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            c if depth == 0 => out.push(c),
+            _ => {}
+        }
+    }
+    out.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
 /// The rows of a `tensor_inventory_*.md` table whose name starts with one of `prefixes`,
 /// expanded. A row `P.a / b` lists `P.a` and `P` with its last segments replaced by `b`, with
 /// the shapes and dtypes in the same order (one for all when only one is given); `scale_inv`
-/// abbreviates `weight_scale_inv` (DeepSeek-V3's transcription).
+/// abbreviates `weight_scale_inv` (DeepSeek-V3's transcription). Parenthesised notes in a name
+/// are dropped (GLM-4.5's FP8 weight scales, which are not listed).
 fn published(path: &Path, prefixes: &[&str]) -> Inventory {
     let mut out = Inventory::new();
     for line in read(path).lines() {
@@ -180,7 +199,8 @@ fn published(path: &Path, prefixes: &[&str]) -> Inventory {
         if cells.len() < 5 || !prefixes.iter().any(|p| cells[1].starts_with(p)) {
             continue;
         }
-        let alts: Vec<&str> = cells[1].split(" / ").map(str::trim).collect();
+        let name = without_notes(cells[1]);
+        let alts: Vec<&str> = name.split(" / ").map(str::trim).collect();
         let shapes: Vec<&str> = cells[2].split(" / ").collect();
         let dtypes: Vec<&str> = cells[3].split(" / ").collect();
         let first: Vec<&str> = alts[0].split('.').collect();
@@ -271,6 +291,62 @@ fn deepseek_v3_inventory_is_the_published_one_less_the_mtp_layer() {
     // Krasis does not run it.
     let left = compare(&expected(&cfg), &published, |n| n.starts_with("model.layers.61."));
     assert!(left > 0);
+}
+
+/// GLM-4.5's configuration from the part published here (`config.json-GLM-4.5-FP8-PARTIAL.txt`,
+/// level D: the first 1.6 KB of GLM-4.5-FP8's, up to and into its `quantization_config`): the
+/// fields before `quantization_config`, closed. Without that block it is the BF16 GLM-4.5
+/// (same architecture fields; the FP8 checkpoint's compressed-tensors `float-quantized` scheme
+/// is not one Krasis reads).
+fn glm45_config(dir: &Path) -> String {
+    let raw = read(&dir.join("GLM-4.5/config.json-GLM-4.5-FP8-PARTIAL.txt"));
+    let body: String = raw.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n");
+    let cut = body.find("\"quantization_config\"").expect("the excerpt reaches quantization_config");
+    let text = format!("{}\n}}", body[..cut].trim_end().trim_end_matches(','));
+    let v: Value = serde_json::from_str(&text).expect("the excerpt's fields before quantization_config are JSON");
+    serde_json::to_string_pretty(&v).unwrap()
+}
+
+#[test]
+fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
+    let Some(dir) = real_configs() else { return };
+    let path = dir.join("GLM-4.5/config.json");
+    let s = parse_checkpoint_config(&glm45_config(&dir), &path).unwrap().spec;
+    assert_eq!(s.arch, Arch::Glm4Moe);
+    assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (151552, 5120, 92));
+    assert_eq!(s.eos_token_ids, vec![151329, 151336]);
+    let bias = AttnBias { qkv: true, o: false };
+    assert_eq!(s.attention, AttentionSpec::Gqa { heads: 96, kv_heads: 8, head_dim: 128, qk_norm: true, bias });
+    // partial_rotary_factor 0.5: the first 64 of 128 dims, half-split pairs.
+    assert_eq!((s.rope.dim, s.rope.pairing, s.rope.theta), (64, RopePairing::Halves, 1e6));
+    assert!(s.layers[..3].iter().all(|l| *l == FfnKind::Dense { intermediate_size: 12288 }));
+    assert_eq!(s.moe_layers().collect::<Vec<_>>(), (3..92).collect::<Vec<_>>());
+    let moe = s.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.shared_intermediate_size), (160, 1536, 1536));
+    assert_eq!((moe.routing.scoring, moe.routing.top_k), (ScoringFunc::Sigmoid, 8));
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    assert!(moe.routing.norm_topk_prob && moe.routing.routed_scaling_factor == 2.5);
+
+    // The published inventory is GLM-4.5-FP8's: 88,543 tensors, 43,852 of them FP8 weight
+    // scales (q/k/v/o of 93 layers, 3 dense MLPs, 90 MoE layers of 160 experts plus the shared
+    // one, the MTP head), which the table folds into notes. The BF16 GLM-4.5 stores the same
+    // names without the scales, its projections in BF16.
+    let mut published =
+        published(&dir.join("GLM-4.5/tensor_inventory_GLM-4.5-FP8_gogongxt.md"), &["model.", "lm_head."]);
+    assert_eq!(published.len(), 88_543 - 43_852, "the inventory's own count less the FP8 scales");
+    for (_, dtype) in published.values_mut() {
+        if *dtype == DType::F8E4M3 {
+            *dtype = DType::BF16;
+        }
+    }
+    // The multi-token-prediction block is stored as layer 92 (num_nextn_predict_layers 1): a
+    // whole decoder layer plus eh_proj, enorm/hnorm, shared_head and a copy of the embedding.
+    // Krasis does not load it.
+    let left =
+        compare(&expected(&CheckpointConfig { spec: s, tensor_prefix: "", notes: Vec::new() }), &published, |n| {
+            n.starts_with("model.layers.92.")
+        });
+    assert_eq!(left, 11 + 485 + 6, "layer 92: attention and norms, its MoE block, the MTP parts");
 }
 
 /// The published Kimi-K2-Instruct configuration with its dimensions cut down by this test
@@ -385,6 +461,7 @@ fn every_supported_published_config_synthesizes_at_reduced_size_and_generates() 
         ("Qwen3-30B-A3B", serde_json::from_str(&read(&dir.join("Qwen3-30B-A3B/config.json"))).unwrap()),
         ("Kimi-K2-Instruct", serde_json::from_str(&read(&dir.join("Kimi-K2-Instruct/config.json"))).unwrap()),
         ("Kimi-K2.5", serde_json::from_str(&kimi_k25_config(&dir)).unwrap()),
+        ("GLM-4.5", serde_json::from_str(&glm45_config(&dir)).unwrap()),
     ];
     let tmp = tempfile::tempdir().unwrap();
     for (name, mut config) in configs {
