@@ -50,6 +50,7 @@ fn run_streams(
             ignore_eos: true,
             events: tx,
             label: None,
+            keep_special: false,
         };
         if scheduler.submit(job).is_err() {
             bail!("the scheduler refused bench stream {i}");

@@ -305,6 +305,11 @@ pub struct Knobs {
     /// `KRASIS_STREAM_FROM=cpu|gpu`: overrides the hybrid's `stream_from` option, to measure
     /// both. Default (`None`; also for any other value): the option.
     pub stream_from: Option<StreamSource>,
+    /// `KRASIS_TEST_SCRIPT=file` (non-empty; test only): the batching scheduler makes each
+    /// request's reply the file's text (read when the request is admitted, encoded with no BOS,
+    /// special-token names as their ids; then the end-of-sequence token) instead of sampling, so that random
+    /// weights can exercise the tool-call parsers. Default (`None`): sampling.
+    pub test_script: Option<PathBuf>,
 
     // ---- Caches (krasis-cache) ----
     /// `KRASIS_CACHE_PAGE_CACHE=keep|drop`: whether loading a cache keeps the file's page-cache
@@ -372,6 +377,7 @@ impl Knobs {
         "KRASIS_GPU_STREAM_SPLIT",
         "KRASIS_GPU_STREAM_MIN_TOKENS",
         "KRASIS_STREAM_FROM",
+        "KRASIS_TEST_SCRIPT",
         "KRASIS_CACHE_PAGE_CACHE",
         "HOME",
         "XDG_CACHE_HOME",
@@ -485,6 +491,7 @@ impl Knobs {
                 Some("gpu") => Some(StreamSource::GpuCache),
                 _ => None,
             },
+            test_script: r.path("KRASIS_TEST_SCRIPT"),
 
             page_cache: match r.text("KRASIS_CACHE_PAGE_CACHE").as_deref() {
                 Some("keep") => Some(PageCache::Keep),

@@ -3,6 +3,7 @@
 //! many); a known field of the wrong type or out of range is a 400 naming it.
 
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use krasis_model::runtime::stop::{MAX_STOP_BYTES, MAX_STOP_STRINGS};
@@ -56,11 +57,15 @@ pub struct Common {
 }
 
 /// One chat message; `content` is a string or a list of `{"type": "text", "text": …}` parts.
+/// Its other fields (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`, …) go to the
+/// chat template as they are.
 #[derive(Deserialize, Debug)]
 pub struct Message {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    #[serde(flatten)]
+    pub rest: Map<String, Value>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -81,8 +86,42 @@ pub struct Part {
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
+    /// OpenAI's `tools`: `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
+    /// vLLM's: further chat-template variables, e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Map<String, Value>>,
     #[serde(flatten)]
     pub common: Common,
+}
+
+/// `tool_choice`, validated.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// Tool calls are not parsed: the reply is text (`none`; also when no tools are offered).
+    None,
+    Auto,
+    /// The model should call a tool (not enforced by constrained decoding: a reply without a
+    /// call ends as the model wrote it).
+    Required,
+    /// The model should call this function (only it is offered to the template).
+    Named(String),
+}
+
+/// What a chat request asks of tools and the template, validated.
+#[derive(Debug)]
+pub struct ToolRequest {
+    /// The tools offered to the template (the named one alone for a named `tool_choice`).
+    pub tools: Option<Value>,
+    pub choice: ToolChoice,
+    pub parallel: bool,
+    /// Variables for the template (`chat_template_kwargs`).
+    pub template_vars: Map<String, Value>,
 }
 
 /// `prompt`: a string, a list of one string, token ids, or a list of one list of ids.
@@ -193,6 +232,144 @@ impl Common {
 }
 
 impl ChatRequest {
+    /// `tools`, `tool_choice`, `parallel_tool_calls` and `chat_template_kwargs`, checked: each
+    /// tool is a function with a name and an object schema, a named choice names one of them.
+    pub fn tool_request(&self) -> Result<ToolRequest, ApiError> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let mut names = Vec::new();
+        for (i, t) in tools.iter().enumerate() {
+            let bad = |why: &str| ApiError::invalid_param("tools", format!("tools[{i}]: {why}"));
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad("`type` must be \"function\""));
+            }
+            let f = t.get("function").and_then(Value::as_object).ok_or_else(|| bad("no `function` object"))?;
+            let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+            let name = name.ok_or_else(|| bad("`function.name` must be a non-empty string"))?;
+            match f.get("parameters") {
+                None => {}
+                Some(Value::Object(schema)) => {
+                    if let Some(ty) = schema.get("type") {
+                        if !ty.is_string() && !ty.is_array() {
+                            return Err(bad("`function.parameters.type` is not a JSON Schema type"));
+                        }
+                    }
+                    if schema.get("properties").is_some_and(|p| !p.is_object()) {
+                        return Err(bad("`function.parameters.properties` must be an object"));
+                    }
+                }
+                Some(_) => return Err(bad("`function.parameters` must be a JSON Schema object")),
+            }
+            names.push(name.to_string());
+        }
+        let choice = match &self.tool_choice {
+            None if tools.is_empty() => ToolChoice::None,
+            None => ToolChoice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => ToolChoice::None,
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                other => {
+                    return Err(ApiError::invalid_param(
+                        "tool_choice",
+                        format!("tool_choice {other:?}: one of none, auto, required, or a named function"),
+                    ))
+                }
+            },
+            Some(v) => {
+                let name = v.pointer("/function/name").and_then(Value::as_str).filter(|_| v["type"] == "function");
+                let name = name.ok_or_else(|| {
+                    ApiError::invalid_param(
+                        "tool_choice",
+                        "tool_choice must be a string or {\"type\": \"function\", \"function\": {\"name\": …}}",
+                    )
+                })?;
+                if !names.iter().any(|n| n == name) {
+                    return Err(ApiError::invalid_param(
+                        "tool_choice",
+                        format!("tool_choice names {name:?}, which is not among the tools"),
+                    ));
+                }
+                ToolChoice::Named(name.to_string())
+            }
+        };
+        let choice = match choice {
+            ToolChoice::Required if tools.is_empty() => {
+                return Err(ApiError::invalid_param("tool_choice", "tool_choice \"required\" needs tools"))
+            }
+            ToolChoice::Auto if tools.is_empty() => ToolChoice::None,
+            c => c,
+        };
+        let offered: Vec<Value> = match &choice {
+            ToolChoice::Named(n) => tools.iter().filter(|t| t["function"]["name"] == n.as_str()).cloned().collect(),
+            _ => tools.to_vec(),
+        };
+        Ok(ToolRequest {
+            tools: (!offered.is_empty()).then_some(Value::Array(offered)),
+            choice,
+            parallel: self.parallel_tool_calls.unwrap_or(true),
+            template_vars: self.chat_template_kwargs.clone().unwrap_or_default(),
+        })
+    }
+
+    /// The messages in OpenAI's form as the chat template takes them (text parts joined, other
+    /// fields kept). A tool result must answer a call an earlier assistant message made.
+    pub fn template_messages(&self) -> Result<Vec<Value>, ApiError> {
+        let plain = self.conversation()?;
+        let mut calls: Vec<String> = Vec::new();
+        let mut out = Vec::with_capacity(plain.len());
+        for (i, (m, p)) in self.messages.iter().zip(plain).enumerate() {
+            let mut v = m.rest.clone();
+            v.insert("role".into(), Value::String(p.role));
+            let content = match &m.content {
+                None => Value::Null,
+                Some(_) => Value::String(p.content),
+            };
+            v.insert("content".into(), content);
+            if let Some(tc) = m.rest.get("tool_calls").filter(|t| !t.is_null()) {
+                let Value::Array(list) = tc else {
+                    return Err(ApiError::invalid_param(
+                        "messages",
+                        format!("messages[{i}].tool_calls must be an array"),
+                    ));
+                };
+                for (j, c) in list.iter().enumerate() {
+                    let name = c.pointer("/function/name").and_then(Value::as_str);
+                    let args = c.pointer("/function/arguments");
+                    if name.is_none() || !args.is_some_and(|a| a.is_string() || a.is_object()) {
+                        return Err(ApiError::invalid_param(
+                            "messages",
+                            format!("messages[{i}].tool_calls[{j}] needs function.name and function.arguments"),
+                        ));
+                    }
+                    if let Some(id) = c.get("id").and_then(Value::as_str) {
+                        calls.push(id.to_string());
+                    }
+                }
+            }
+            if m.role == "tool" {
+                match m.rest.get("tool_call_id").and_then(Value::as_str) {
+                    None => {
+                        return Err(ApiError::invalid_param(
+                            "messages",
+                            format!("messages[{i}] (role tool) has no tool_call_id"),
+                        ))
+                    }
+                    Some(id) if !calls.iter().any(|c| c == id) => {
+                        return Err(ApiError::invalid_param(
+                            "messages",
+                            format!(
+                                "messages[{i}] answers tool_call_id {id:?}, which no earlier assistant message called"
+                            ),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            out.push(Value::Object(v));
+        }
+        Ok(out)
+    }
+
     /// The conversation as the chat template takes it (text parts joined).
     pub fn conversation(&self) -> Result<Vec<krasis_model::text::tokenizer::ChatMessage>, ApiError> {
         if self.messages.is_empty() {
@@ -275,5 +452,59 @@ mod tests {
         assert_eq!(r.conversation().unwrap_err().param, Some("messages"));
         let r: ChatRequest = parse(br#"{"messages": []}"#).unwrap();
         assert!(r.conversation().is_err());
+    }
+
+    #[test]
+    fn tools_and_tool_choice_are_checked() {
+        let tool =
+            r#"{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}"#;
+        let req = |extra: &str| -> ChatRequest {
+            parse(format!(r#"{{"messages": [{{"role": "user", "content": "x"}}], {extra}}}"#).as_bytes()).unwrap()
+        };
+        let t = req(&format!(r#""tools": [{tool}]"#)).tool_request().unwrap();
+        assert_eq!((t.choice, t.parallel), (ToolChoice::Auto, true));
+        let t =
+            req(&format!(r#""tools": [{tool}], "tool_choice": {{"type": "function", "function": {{"name": "f"}}}}"#));
+        assert_eq!(t.tool_request().unwrap().choice, ToolChoice::Named("f".into()));
+        assert_eq!(req("\"tool_choice\": \"none\"").tool_request().unwrap().choice, ToolChoice::None);
+        let t = req(r#""chat_template_kwargs": {"enable_thinking": false}"#).tool_request().unwrap();
+        assert_eq!(t.template_vars["enable_thinking"], false);
+        for extra in [
+            r#""tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]"#.to_string(),
+            r#""tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]"#.to_string(),
+            r#""tools": [{"type": "code", "function": {"name": "f"}}]"#.to_string(),
+            format!(r#""tools": [{tool}], "tool_choice": {{"type": "function", "function": {{"name": "g"}}}}"#),
+            format!(r#""tools": [{tool}], "tool_choice": "sometimes""#),
+            r#""tool_choice": "required""#.to_string(),
+        ] {
+            let e = req(&extra).tool_request().unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{extra}");
+            assert!(matches!(e.param, Some("tools" | "tool_choice")), "{extra}: {:?}", e.param);
+        }
+    }
+
+    #[test]
+    fn tool_results_must_answer_a_call() {
+        let call = r#"{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}"#;
+        let ok: ChatRequest = parse(
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "x"}}, {call},
+                {{"role": "tool", "tool_call_id": "c1", "content": "42"}}]}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let m = ok.template_messages().unwrap();
+        assert_eq!((m[1]["content"].is_null(), m[1]["tool_calls"][0]["id"].as_str()), (true, Some("c1")));
+        assert_eq!(m[2]["tool_call_id"], "c1");
+        for tool in
+            [r#"{"role": "tool", "tool_call_id": "c9", "content": "42"}"#, r#"{"role": "tool", "content": "42"}"#]
+        {
+            let bad: ChatRequest =
+                parse(format!(r#"{{"messages": [{{"role": "user", "content": "x"}}, {call}, {tool}]}}"#).as_bytes())
+                    .unwrap();
+            assert_eq!(bad.template_messages().unwrap_err().param, Some("messages"), "{tool}");
+        }
     }
 }

@@ -122,6 +122,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // that a taken port is reported at once; connections made meanwhile wait in the backlog.
     let listener = bind(&a.host, a.port)?;
     let codec = files.text_codec()?;
+    let tool_format =
+        krasis_model::text::tool_calls::ToolFormat::choose(Some(files.spec().arch.model_type()), codec.chat_template());
+    match tool_format {
+        Some(f) => tracing::info!("tool calls and reasoning are read in the {} format", f.name()),
+        None => tracing::info!("no tool-call format known for this model: chat replies are plain text"),
+    }
     let t_load = Instant::now();
     let opened = open_engine(&files, &config)?;
     drop(files);
@@ -175,6 +181,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         started: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         shutting_down: AtomicBool::new(false),
         next_id: AtomicU64::new(0),
+        tool_format,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(HTTP_THREADS)

@@ -16,10 +16,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use krasis_model::text::tokenizer::TextCodec;
+use krasis_model::text::tool_calls::{Parsed, ParserOptions, StreamParser, ToolCall, ToolFormat};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::api::{parse, ChatRequest, CompletionRequest, Generation, Prompt};
+use super::api::{parse, ChatRequest, CompletionRequest, Generation, Prompt, ToolChoice};
 use super::error::ApiError;
 use krasis_model::runtime::metrics::Metrics;
 use krasis_model::runtime::scheduler::{Event, Finish, Job, Refused, Scheduler, SHUTDOWN};
@@ -41,6 +42,9 @@ pub struct AppState {
     pub shutting_down: AtomicBool,
     /// Numbers the response ids and request log lines.
     pub next_id: AtomicU64,
+    /// How the model writes tool calls and reasoning (by its chat template, else its family);
+    /// `None`: replies are plain text.
+    pub tool_format: Option<ToolFormat>,
 }
 
 type Shared = Arc<AppState>;
@@ -167,14 +171,112 @@ enum Kind {
 
 async fn chat(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req: ChatRequest = parse(&body(b)?)?;
-    let gen = req.common.validate(fresh_seed)?;
-    let conversation = req.conversation()?;
+    let mut gen = req.common.validate(fresh_seed)?;
+    let tools = req.tool_request()?;
+    let messages = req.template_messages()?;
     if !s.codec.has_chat_template() {
         return Err(ApiError::invalid("the model has no chat template (tokenizer_config.json); use /v1/completions"));
     }
-    let prompt =
-        s.codec.encode_messages(&conversation).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    generate(s, Kind::Chat, prompt, gen).await
+    let schemas = tools.tools.clone();
+    let rendered = s
+        .codec
+        .render_conversation(messages, tools.tools, tools.template_vars)
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let prompt = s.codec.encode_plain(&rendered).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let parse_calls = tools.choice != ToolChoice::None;
+    let reply = s.tool_format.map(|format| {
+        if parse_calls {
+            gen.stop.extend(format.stop_strings().iter().map(|s| s.to_string()));
+        }
+        ReplyPlan {
+            format,
+            opts: ParserOptions {
+                tools: parse_calls,
+                starts_in_reasoning: ParserOptions::prompt_opens_think(&rendered),
+                id_prefix: String::new(),
+                schemas,
+            },
+            choice: tools.choice.clone(),
+            parallel: tools.parallel,
+        }
+    });
+    generate(s, Kind::Chat, prompt, gen, reply).await
+}
+
+/// How a chat reply's text is read: the family's parser and what the request asked of tools.
+struct ReplyPlan {
+    format: ToolFormat,
+    opts: ParserOptions,
+    choice: ToolChoice,
+    parallel: bool,
+}
+
+/// One chat reply's parser and the calls it has returned.
+struct Reply {
+    parser: StreamParser,
+    choice: ToolChoice,
+    parallel: bool,
+    /// Calls kept (with `parallel_tool_calls: false`, the first only).
+    calls: usize,
+    label: String,
+}
+
+impl Reply {
+    fn new(plan: ReplyPlan, id: &str, label: String) -> Reply {
+        let mut opts = plan.opts;
+        opts.id_prefix = id.trim_start_matches("chatcmpl-").to_string();
+        Reply {
+            parser: StreamParser::new(plan.format, opts),
+            choice: plan.choice,
+            parallel: plan.parallel,
+            calls: 0,
+            label,
+        }
+    }
+
+    /// What the parser makes of `text` (`None`: the end), with notes logged and calls past the
+    /// first dropped when parallel calls are off.
+    fn feed(&mut self, text: Option<&str>) -> Vec<Parsed> {
+        let events = match text {
+            Some(t) => self.parser.push(t),
+            None => self.parser.finish(),
+        };
+        let mut out = Vec::with_capacity(events.len());
+        for e in events {
+            match e {
+                Parsed::Note(n) => tracing::warn!("{}: {n}", self.label),
+                Parsed::Call(c) if !self.parallel && self.calls > 0 => {
+                    tracing::warn!("{}: parallel_tool_calls is false: the call to {} is dropped", self.label, c.name)
+                }
+                Parsed::Call(mut c) => {
+                    c.index = self.calls;
+                    self.calls += 1;
+                    out.push(Parsed::Call(c));
+                }
+                e => out.push(e),
+            }
+        }
+        out
+    }
+
+    /// The `finish_reason` of a reply that ended for `reason`: `tool_calls` when it ended after
+    /// calls; a `required` or named choice that got no call is logged (the reply is the text).
+    fn finish_reason(&self, reason: &'static str) -> &'static str {
+        if self.calls > 0 && reason == "stop" {
+            return "tool_calls";
+        }
+        if self.calls == 0 && matches!(self.choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            tracing::warn!(
+                "{}: tool_choice asked for a call but the model wrote none; the reply is its text (finish_reason {reason})",
+                self.label
+            );
+        }
+        reason
+    }
+}
+
+fn tool_call_json(c: &ToolCall) -> Value {
+    json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}})
 }
 
 async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
@@ -202,7 +304,7 @@ async fn completions(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) 
             v.swap_remove(0)
         }
     };
-    generate(s, Kind::Text, prompt, gen).await
+    generate(s, Kind::Text, prompt, gen, None).await
 }
 
 /// Tokenising a prompt of up to `--max-body-bytes` takes a while: off the async workers.
@@ -224,7 +326,13 @@ fn fresh_seed() -> u64 {
 }
 
 /// Checks the prompt against the context, queues the job, and answers in the endpoint's shape.
-async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> Result<Response, ApiError> {
+async fn generate(
+    s: Shared,
+    kind: Kind,
+    prompt: Vec<u32>,
+    gen: Generation,
+    reply: Option<ReplyPlan>,
+) -> Result<Response, ApiError> {
     if s.shutting_down.load(Relaxed) {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
@@ -249,6 +357,8 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
         Kind::Text => format!("cmpl-{:x}{n:06x}", s.started),
     };
     let (tx, rx) = unbounded_channel();
+    let label = format!("request {n} ({})", if kind == Kind::Chat { "chat" } else { "completion" });
+    let reply = reply.map(|plan| Reply::new(plan, &id, label.clone()));
     let job = Job {
         prompt,
         max_tokens,
@@ -256,7 +366,8 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
         stop: gen.stop.clone(),
         ignore_eos: gen.ignore_eos,
         events: tx,
-        label: Some(format!("request {n} ({})", if kind == Kind::Chat { "chat" } else { "completion" })),
+        label: Some(label),
+        keep_special: reply.is_some(),
     };
     match s.scheduler.submit(job) {
         Ok(()) => {}
@@ -267,9 +378,9 @@ async fn generate(s: Shared, kind: Kind, prompt: Vec<u32>, gen: Generation) -> R
     }
     let shape = Shape { kind, id, created: now(), model: s.model_id.clone() };
     if gen.stream {
-        Ok(Sse::new(sse(shape, rx, gen.include_usage)).into_response())
+        Ok(Sse::new(sse(shape, rx, gen.include_usage, reply)).into_response())
     } else {
-        whole(shape, rx).await
+        whole(shape, rx, reply).await
     }
 }
 
@@ -324,6 +435,70 @@ impl Shape {
         v
     }
 
+    /// One chat chunk of a parsed reply: its delta object and, in the last, `finish_reason`.
+    fn delta_chunk(&self, delta: Value, finish: Option<&str>, include_usage: bool) -> Value {
+        let mut v = json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": null,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        });
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The chunks of parsed events: a text delta each, and a call as OpenAI streams one (its
+    /// id, type and name with empty arguments, then the arguments).
+    fn parsed_chunks(&self, events: Vec<Parsed>, include_usage: bool) -> Vec<Value> {
+        let mut out = Vec::new();
+        for e in events {
+            match e {
+                Parsed::Content(t) => out.push(self.delta_chunk(json!({"content": t}), None, include_usage)),
+                Parsed::Reasoning(t) => {
+                    out.push(self.delta_chunk(json!({"reasoning_content": t}), None, include_usage))
+                }
+                Parsed::Call(c) => {
+                    let head = json!({"tool_calls": [{"index": c.index, "id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": ""}}]});
+                    let args = json!({"tool_calls": [{"index": c.index, "function": {"arguments": c.arguments}}]});
+                    out.push(self.delta_chunk(head, None, include_usage));
+                    out.push(self.delta_chunk(args, None, include_usage));
+                }
+                Parsed::Note(_) => {}
+            }
+        }
+        out
+    }
+
+    /// A whole chat reply read by its parser.
+    fn whole_parsed(&self, events: Vec<Parsed>, finish: &'static str, f: &Finish) -> Value {
+        let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+        for e in events {
+            match e {
+                Parsed::Content(t) => content.push_str(&t),
+                Parsed::Reasoning(t) => reasoning.push_str(&t),
+                Parsed::Call(c) => calls.push(tool_call_json(&c)),
+                Parsed::Note(_) => {}
+            }
+        }
+        let mut message = json!({
+            "role": "assistant",
+            "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { content.into() },
+            "reasoning_content": if reasoning.is_empty() { Value::Null } else { reasoning.into() },
+            "refusal": null,
+        });
+        if !calls.is_empty() {
+            message["tool_calls"] = Value::Array(calls);
+        }
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
+            "system_fingerprint": null,
+            "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+            "usage": usage(f),
+        })
+    }
+
     /// The final chunk of `stream_options.include_usage`: no choices, the usage.
     fn usage_chunk(&self, f: &Finish) -> Value {
         json!({
@@ -351,16 +526,27 @@ impl Shape {
 
 /// Waits for the whole generation (dropping this future, as a closed connection does, cancels
 /// it). A request the shutdown ended before its first token gets 503.
-async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>) -> Result<Response, ApiError> {
+async fn whole(shape: Shape, mut rx: UnboundedReceiver<Event>, mut reply: Option<Reply>) -> Result<Response, ApiError> {
     let mut text = String::new();
+    let mut parsed = Vec::new();
     while let Some(e) = rx.recv().await {
         match e {
-            Event::Text(t) => text.push_str(&t),
+            Event::Text(t) => match &mut reply {
+                Some(r) => parsed.extend(r.feed(Some(&t))),
+                None => text.push_str(&t),
+            },
             Event::Done(f) if f.reason == SHUTDOWN && f.completion_tokens == 0 => {
                 return Err(ApiError::unavailable("the server shut down before this request started"))
             }
-            // Cut by the shutdown after some tokens: the partial text, `finish_reason` says so.
-            Event::Done(f) => return Ok(Json(shape.whole(text, &f)).into_response()),
+            Event::Done(f) => {
+                if let Some(r) = &mut reply {
+                    parsed.extend(r.feed(None));
+                    let finish = r.finish_reason(f.reason);
+                    return Ok(Json(shape.whole_parsed(parsed, finish, &f)).into_response());
+                }
+                // Cut by the shutdown after some tokens: the partial text, `finish_reason` says so.
+                return Ok(Json(shape.whole(text, &f)).into_response());
+            }
             Event::Failed(msg) => return Err(ApiError::internal(msg)),
         }
     }
@@ -374,31 +560,41 @@ fn sse(
     shape: Shape,
     rx: UnboundedReceiver<Event>,
     include_usage: bool,
+    reply: Option<Reply>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let data = |v: Value| SseEvent::default().data(v.to_string());
     // Chat streams open with the role; completions start with the first text.
     let opening = (shape.kind == Kind::Chat).then(|| data(shape.chunk(Some(""), true, None, include_usage)));
-    let body = stream::unfold((shape, rx, false), move |(shape, mut rx, done)| async move {
+    let body = stream::unfold((shape, rx, false, reply), move |(shape, mut rx, done, mut reply)| async move {
         if done {
             return None;
         }
         let events: Vec<SseEvent> = match rx.recv().await {
-            Some(Event::Text(t)) => vec![data(shape.chunk(Some(&t), false, None, include_usage))],
+            Some(Event::Text(t)) => match &mut reply {
+                Some(r) => shape.parsed_chunks(r.feed(Some(&t)), include_usage).into_iter().map(data).collect(),
+                None => vec![data(shape.chunk(Some(&t), false, None, include_usage))],
+            },
             Some(Event::Done(f)) => {
-                let mut v = vec![data(shape.chunk(None, false, Some(f.reason), include_usage))];
+                let mut v = Vec::new();
+                let mut reason = f.reason;
+                if let Some(r) = &mut reply {
+                    v.extend(shape.parsed_chunks(r.feed(None), include_usage).into_iter().map(data));
+                    reason = r.finish_reason(f.reason);
+                }
+                v.push(data(shape.chunk(None, false, Some(reason), include_usage)));
                 if include_usage {
                     v.push(data(shape.usage_chunk(&f)));
                 }
                 v.push(SseEvent::default().data("[DONE]"));
-                return Some((v, (shape, rx, true)));
+                return Some((v, (shape, rx, true, reply)));
             }
             Some(Event::Failed(msg)) => {
-                vec![data(ApiError::internal(msg).body()), SseEvent::default().data("[DONE]")]
+                let v = vec![data(ApiError::internal(msg).body()), SseEvent::default().data("[DONE]")];
+                return Some((v, (shape, rx, true, reply)));
             }
             None => return None,
         };
-        let last = events.len() > 1;
-        Some((events, (shape, rx, last)))
+        Some((events, (shape, rx, false, reply)))
     });
     stream::iter(opening).chain(body.flat_map(stream::iter)).map(Ok)
 }

@@ -30,9 +30,16 @@ impl Server {
     }
 
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::start_prepared(extra, env, |_| {})
+    }
+
+    /// As [`Server::start_with_env`], after `prepare` has changed the synthesized model's
+    /// directory (say its chat template).
+    pub fn start_prepared(extra: &[&str], env: &[(&str, &str)], prepare: impl FnOnce(&std::path::Path)) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("tiny");
         krasis_tests::tiny_model(&model);
+        prepare(&model);
         let mut child = Command::new(env!("CARGO_BIN_EXE_krasis"))
             .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--device", "cpu", "--threads", "1"])
             .args(extra)

@@ -35,6 +35,9 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// Names the request in the log lines (`None`: no per-request log lines, as in benchmarks).
     pub label: Option<String>,
+    /// Decode special tokens into the text too (a tool-call parser reads markers that are
+    /// special tokens); the end-of-sequence token that ends the reply is never text.
+    pub keep_special: bool,
 }
 
 /// The `finish_reason` of a request that the server's shutdown ended: not one of OpenAI's
@@ -145,6 +148,24 @@ struct Running {
     text: TextStream,
     stop: StopMatcher,
     started: Instant,
+    /// `KRASIS_TEST_SCRIPT`: the tokens the reply is made of instead of the sampled ones.
+    script: Option<VecDeque<u32>>,
+}
+
+/// The scripted reply of `KRASIS_TEST_SCRIPT` (test only): the file's text encoded with no BOS
+/// (special-token names become their ids). Read per request, so that a test may change it between requests.
+fn test_script(codec: &TextCodec) -> Option<VecDeque<u32>> {
+    let path = krasis_core::knobs::knobs().test_script.as_ref()?;
+    match std::fs::read_to_string(path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| codec.encode_plain(&t).map_err(|e| e.to_string()))
+    {
+        Ok(ids) => Some(ids.into()),
+        Err(e) => {
+            tracing::warn!("KRASIS_TEST_SCRIPT {}: {e}; sampling instead", path.display());
+            None
+        }
+    }
 }
 
 struct Worker {
@@ -238,14 +259,16 @@ impl Worker {
             match self.engine.new_session() {
                 Ok(session) => {
                     prefill += job.prompt.len();
+                    let text = if job.keep_special { TextStream::keeping_special() } else { TextStream::new() };
                     self.active.push(Running {
+                        script: test_script(&self.codec),
                         sampler: Sampler::new(job.sampling),
                         next: job.prompt.clone(),
                         stop: StopMatcher::new(job.stop.clone()),
                         job,
                         session,
                         generated: 0,
-                        text: TextStream::new(),
+                        text,
                         started: Instant::now(),
                     });
                 }
@@ -334,10 +357,17 @@ enum Outcome {
 
 /// Takes one sampled token for `r`: text out through the stop matcher, then the end checks.
 fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outcome {
+    // A scripted reply replaces the sampled token (then ends with the end-of-sequence token).
+    let token = match &mut r.script {
+        Some(script) => script.pop_front().or(eos.first().copied()).unwrap_or(token),
+        None => token,
+    };
     r.generated += 1;
     r.next.clear();
     r.next.push(token);
-    let delta = match r.text.push(codec, token) {
+    let is_eos = !r.job.ignore_eos && eos.contains(&token);
+    let pushed = if r.job.keep_special && is_eos { Ok(String::new()) } else { r.text.push(codec, token) };
+    let delta = match pushed {
         Ok(d) => d,
         Err(e) => {
             let _ = r.job.events.send(Event::Failed(format!("detokenisation failed: {e}")));
@@ -348,7 +378,7 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
     if !m.emit.is_empty() && r.job.events.send(Event::Text(m.emit)).is_err() {
         return Outcome::Gone;
     }
-    let reason = if m.stopped || (!r.job.ignore_eos && eos.contains(&token)) {
+    let reason = if m.stopped || is_eos {
         Some("stop")
     } else if r.generated >= r.job.max_tokens {
         Some("length")

@@ -172,12 +172,12 @@ impl Backend {
         }
     }
 
-    /// Decodes, dropping special tokens.
-    fn decode(&self, ids: &[u32]) -> Result<String> {
+    /// Decodes; `skip_special`: drops special tokens.
+    fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         match self {
-            Backend::Hf(t) => t.decode(ids, true).map_err(|e| ModelError::Tokenizer(e.to_string())),
-            Backend::Tiktoken(t) => t.decode(ids, true),
-            Backend::Spm(t) => t.decode(ids, true),
+            Backend::Hf(t) => t.decode(ids, skip_special).map_err(|e| ModelError::Tokenizer(e.to_string())),
+            Backend::Tiktoken(t) => t.decode(ids, skip_special),
+            Backend::Spm(t) => t.decode(ids, skip_special),
         }
     }
 
@@ -426,7 +426,46 @@ impl TextCodec {
 
     /// Decode ids to text, dropping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer.decode(ids)
+        self.tokenizer.decode(ids, true)
+    }
+
+    /// Decode ids to text, special tokens included (the tool-call parsers read markers such as
+    /// gpt-oss's `<|channel|>` or Kimi's `<|tool_call_begin|>`, which are special tokens).
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
+        self.tokenizer.decode(ids, false)
+    }
+
+    /// The chat template's text, if `tokenizer_config.json` (or the GGUF) has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// An OpenAI-form conversation through the chat template, ending with the generation prompt,
+    /// as transformers' `apply_chat_template(messages, tools=tools, **extra)`: `messages` keep
+    /// every field the template may read (`tool_calls`, `tool_call_id`, `name`,
+    /// `reasoning_content`, …), fitted by [`super::chat_template::fit_messages`]; `extra` holds
+    /// further variables such as `enable_thinking`.
+    pub fn render_conversation(
+        &self,
+        mut messages: Vec<serde_json::Value>,
+        tools: Option<serde_json::Value>,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| ModelError::Template(format!("{} has no chat_template", self.config_path.display())))?;
+        super::chat_template::fit_messages(template, &mut messages);
+        let input = super::chat_template::ChatInput {
+            messages: serde_json::Value::Array(messages),
+            tools,
+            add_generation_prompt: true,
+            bos_token: self.bos_token.as_deref().unwrap_or_default(),
+            eos_token: self.eos_token.as_deref().unwrap_or_default(),
+            extra,
+            today: None,
+        };
+        super::chat_template::render(template, &input).map_err(ModelError::Template)
     }
 }
 
@@ -452,18 +491,33 @@ pub struct TextStream {
     ids: Vec<u32>,
     /// `ids[..read]` has been emitted as text.
     read: usize,
+    /// Special tokens are decoded too ([`TextCodec::decode_with_special`]).
+    keep_special: bool,
 }
 
 impl TextStream {
     pub fn new() -> Self {
-        TextStream { ids: Vec::new(), read: 0 }
+        TextStream { ids: Vec::new(), read: 0, keep_special: false }
+    }
+
+    /// A stream that decodes special tokens too (for the tool-call parsers).
+    pub fn keeping_special() -> Self {
+        TextStream { ids: Vec::new(), read: 0, keep_special: true }
+    }
+
+    fn decode(&self, codec: &TextCodec, ids: &[u32]) -> Result<String> {
+        if self.keep_special {
+            codec.decode_with_special(ids)
+        } else {
+            codec.decode(ids)
+        }
     }
 
     /// Add one id; returns the newly completed text, if any.
     pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String> {
         self.ids.push(id);
-        let done = codec.decode(&self.ids[..self.read])?;
-        let text = codec.decode(&self.ids)?;
+        let done = self.decode(codec, &self.ids[..self.read])?;
+        let text = self.decode(codec, &self.ids)?;
         if text.len() <= done.len()
             || text.ends_with('\u{fffd}')
             || !text.is_char_boundary(done.len())
@@ -481,8 +535,8 @@ impl TextStream {
     /// The text still held back at the end of a generation (an incomplete character's bytes,
     /// decoded as U+FFFD), so that the deltas add up to the one-shot decode.
     pub fn finish(&mut self, codec: &TextCodec) -> Result<String> {
-        let done = codec.decode(&self.ids[..self.read])?;
-        let text = codec.decode(&self.ids)?;
+        let done = self.decode(codec, &self.ids[..self.read])?;
+        let text = self.decode(codec, &self.ids)?;
         self.ids.clear();
         self.read = 0;
         Ok(match text.strip_prefix(done.as_str()) {
