@@ -4,18 +4,18 @@
 //!
 //! Each family writes calls in the form its chat template renders them (the published templates
 //! in `real-configs`):
-//! - [`ToolFormat::Qwen3`]: `<tool_call>\n{"name": N, "arguments": {…}}\n</tool_call>`;
-//! - [`ToolFormat::DeepSeek`]: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n` +
+//! - Qwen3 ([`ToolFormat::Qwen3`]) - `<tool_call>\n{"name": N, "arguments": {…}}\n</tool_call>`;
+//! - DeepSeek ([`ToolFormat::DeepSeek`]) - `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n` +
 //!   `` ```json\n{…}\n``` `` + `<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>` (V3 and R1; the V3.1 form
 //!   `<｜tool▁call▁begin｜>N<｜tool▁sep｜>{…}<｜tool▁call▁end｜>` is read too);
-//! - [`ToolFormat::Kimi`]: `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:IDX` +
+//! - Kimi ([`ToolFormat::Kimi`]) - `<|tool_calls_section_begin|><|tool_call_begin|>functions.N:IDX` +
 //!   `<|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>`; the call's id
 //!   is the model's own `functions.N:IDX`;
-//! - [`ToolFormat::Glm45`]: `<tool_call>N\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>`;
+//! - GLM-4.5 ([`ToolFormat::Glm45`]) - `<tool_call>N\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>`;
 //! - [`ToolFormat::Harmony`] (gpt-oss): messages `<|channel|>C … <|message|>TEXT<|end|>`; the
 //!   `analysis` channel is reasoning, a message `to=functions.N` ending in `<|call|>` is a call,
 //!   the other channels (`final`, a `commentary` preamble) are content;
-//! - [`ToolFormat::MiniMaxM2`]: `<minimax:tool_call>\n<invoke name="N">\n<parameter name="K">V`
+//! - MiniMax-M2 ([`ToolFormat::MiniMaxM2`]) - `<minimax:tool_call>\n<invoke name="N">\n<parameter name="K">V`
 //!   `</parameter>\n…</invoke>\n</minimax:tool_call>` (several invokes in one block are parallel
 //!   calls).
 //!
