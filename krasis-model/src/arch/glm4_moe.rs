@@ -1,6 +1,6 @@
 //! GLM-4.5 / 4.6 / 4.7 `config.json` fields (`Glm4MoeForCausalLM`, `model_type` `glm4_moe`).
 
-use super::{parse_common_biased, parse_rope, parse_source_quant, Fields};
+use super::{parse_common_biased, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -18,16 +18,7 @@ use crate::spec::*;
 /// as `model.layers.{num_hidden_layers}.*`) are not loaded.
 pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let c = parse_common_biased(f)?;
-    let heads = f.dim("num_attention_heads")?;
-    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
-    }
-    let head_dim = match f.usize_opt("head_dim")? {
-        Some(d) if d > 0 => d,
-        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
-        None => c.hidden_size / heads,
-    };
+    let (heads, kv_heads, head_dim) = parse_gqa_heads(f, c.hidden_size)?;
     // transformers: `int(head_dim * partial_rotary_factor)` rotated dims (the top level, or
     // inside transformers-5 `rope_parameters`).
     let factor = match f.present("rope_parameters").and_then(|p| p.get("partial_rotary_factor")) {

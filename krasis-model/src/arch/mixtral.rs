@@ -1,6 +1,6 @@
 //! Mixtral `config.json` fields (`MixtralForCausalLM`).
 
-use super::{parse_common, parse_rope, parse_source_quant, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -9,19 +9,7 @@ use crate::spec::*;
 /// renormalises them (transformers' `MixtralSparseMoeBlock`), so `norm_topk_prob` is fixed.
 pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let c = parse_common(f)?;
-    let heads = f.dim("num_attention_heads")?;
-    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
-    }
-    let head_dim = match f.usize_opt("head_dim")? {
-        Some(d) if d > 0 => d,
-        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
-        None => c.hidden_size / heads,
-    };
-    if head_dim % 2 != 0 {
-        return Err(f.err("head_dim", "must be even"));
-    }
+    let (heads, kv_heads, head_dim) = parse_gqa_heads(f, c.hidden_size)?;
     // A window at least as long as the context never masks anything.
     if let Some(w) = f.usize_opt("sliding_window")? {
         if w < c.max_position_embeddings {

@@ -307,6 +307,26 @@ fn parse_common_biased(f: &Fields) -> Result<Common> {
     })
 }
 
+/// GQA's heads: `num_attention_heads`, `num_key_value_heads` (default: as many, MHA), which
+/// must divide it, and `head_dim` (default `hidden_size / num_attention_heads`), which must be
+/// even; `(heads, kv_heads, head_dim)`.
+fn parse_gqa_heads(f: &Fields, hidden_size: usize) -> Result<(usize, usize, usize)> {
+    let heads = f.dim("num_attention_heads")?;
+    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
+    }
+    let head_dim = match f.usize_opt("head_dim")? {
+        Some(d) if d > 0 => d,
+        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
+        None => hidden_size / heads,
+    };
+    if head_dim % 2 != 0 {
+        return Err(f.err("head_dim", format!("{head_dim} must be even")));
+    }
+    Ok((heads, kv_heads, head_dim))
+}
+
 /// The rope block: transformers-5 `rope_parameters` (with `rope_theta` inside) or the hub's
 /// top-level `rope_theta` + `rope_scaling`.
 fn parse_rope(f: &Fields, dim: usize, pairing: RopePairing, max_pos: usize) -> Result<RopeSpec> {

@@ -2,26 +2,14 @@
 
 use serde_json::Value;
 
-use super::{parse_common, parse_rope, parse_source_quant, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
 /// Qwen3-MoE: GQA attention with qk-norm, softmax routing.
 pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let c = parse_common(f)?;
-    let heads = f.dim("num_attention_heads")?;
-    let kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
-        return Err(f.err("num_key_value_heads", format!("{kv_heads} must divide num_attention_heads {heads}")));
-    }
-    let head_dim = match f.usize_opt("head_dim")? {
-        Some(d) if d > 0 => d,
-        Some(_) => return Err(f.err("head_dim", "must be greater than 0")),
-        None => c.hidden_size / heads,
-    };
-    if head_dim % 2 != 0 {
-        return Err(f.err("head_dim", "must be even"));
-    }
+    let (heads, kv_heads, head_dim) = parse_gqa_heads(f, c.hidden_size)?;
     if f.bool_or("use_sliding_window", false)? {
         return Err(f.err("use_sliding_window", "sliding-window attention is not supported"));
     }
