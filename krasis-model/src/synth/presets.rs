@@ -16,10 +16,18 @@ pub enum Preset {
     Qwen3_30bA3b,
     /// DeepSeek-V3 routing (noaux_tc, sigmoid, groups) and MLA with q_lora at reduced width.
     V3Mini,
+    /// Mixtral-8x7B exactly (46.7 B parameters, ~93 GB of BF16; the published config, with the
+    /// synthetic tokenizer's BOS 0 and EOS 1).
+    Mixtral8x7b,
+    /// GLM-4.5-Air's shapes (106 B parameters, ~213 GB of BF16): q/k/v biases, RoPE on half of
+    /// each 128-dim head, one dense layer, 128 experts top-8 plus a shared one; its MTP layer is
+    /// not written.
+    Glm45Air,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [Preset::Tiny, Preset::V2Lite, Preset::Qwen3_30bA3b, Preset::V3Mini];
+    pub const ALL: [Preset; 6] =
+        [Preset::Tiny, Preset::V2Lite, Preset::Qwen3_30bA3b, Preset::V3Mini, Preset::Mixtral8x7b, Preset::Glm45Air];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -27,6 +35,8 @@ impl Preset {
             Preset::V2Lite => "v2-lite",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
             Preset::V3Mini => "v3-mini",
+            Preset::Mixtral8x7b => "mixtral-8x7b",
+            Preset::Glm45Air => "glm-4.5-air",
         }
     }
 
@@ -37,6 +47,8 @@ impl Preset {
             Preset::V2Lite => 27,
             Preset::Qwen3_30bA3b => 48,
             Preset::V3Mini => 8,
+            Preset::Mixtral8x7b => 32,
+            Preset::Glm45Air => 46,
         }
     }
 
@@ -240,6 +252,67 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> Value {
             "hidden_act": "silu",
             "tie_word_embeddings": false,
             "attention_bias": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::Mixtral8x7b => json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": n,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "rope_theta": 1000000.0,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": null,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "router_aux_loss_coef": 0.02,
+            "output_router_logits": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::Glm45Air => json!({
+            "architectures": ["Glm4MoeForCausalLM"],
+            "model_type": "glm4_moe",
+            "vocab_size": 151552,
+            "hidden_size": 4096,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": n,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": true,
+            "use_qk_norm": false,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": true,
+            "routed_scaling_factor": 1.0,
+            "num_nextn_predict_layers": 0,
+            "rope_theta": 1000000,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
             "attention_dropout": 0.0,
             "bos_token_id": 0,
             "eos_token_id": 1,

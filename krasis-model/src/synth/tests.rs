@@ -355,7 +355,7 @@ fn preset_names_round_trip() {
     assert_eq!("qwen3-30b-a3b".parse::<Preset>().unwrap(), Preset::Qwen3_30bA3b);
     assert_eq!("V2-Lite".parse::<Preset>().unwrap(), Preset::V2Lite);
     let err = "v4".parse::<Preset>().unwrap_err();
-    assert!(err.contains("tiny, v2-lite, qwen3-30b-a3b, v3-mini"), "{err}");
+    assert!(err.contains("tiny, v2-lite, qwen3-30b-a3b, v3-mini, mixtral-8x7b, glm-4.5-air"), "{err}");
 }
 
 #[test]
@@ -395,6 +395,27 @@ fn presets_have_the_real_shapes() {
     // Dense layer 0: 2 norms + 7 attention (q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o) + 3;
     // MoE layers: 2 + 7 + router + bias + 64·3 + 3 shared.
     assert_eq!(expected_tensors(&v3).len(), 1 + 12 + 7 * 206 + 2);
+
+    let m = spec_of(&preset_config(Preset::Mixtral8x7b, None));
+    assert_eq!(m.arch, Arch::Mixtral);
+    assert_eq!((m.vocab_size, m.hidden_size, m.moe_layers().count()), (32000, 4096, 32));
+    assert!(matches!(m.attention, AttentionSpec::Gqa { heads: 32, kv_heads: 8, head_dim: 128, qk_norm: false, .. }));
+    let c = param_counts(&m);
+    assert!((46.6e9..46.8e9).contains(&(c.total as f64)), "mixtral total {}", c.total);
+    // The published 12.9 B active counts the embedding row lookup's matrix, as qwen3's above.
+    assert!((12.8e9..13.0e9).contains(&((c.active + 32000 * 4096) as f64)), "mixtral active {}", c.active);
+
+    let g = spec_of(&preset_config(Preset::Glm45Air, None));
+    assert_eq!(g.arch, Arch::Glm4Moe);
+    assert_eq!((g.num_layers, g.moe_layers().count(), g.rope.dim), (46, 45, 64));
+    let moe = g.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.shared_intermediate_size), (128, 1408, 1408));
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    let c = param_counts(&g);
+    // GLM-4.5-Air: 106 B in total, "12 B" active (published, rounded: 12.8 B counted here,
+    // the LM head included; the MTP layer not counted).
+    assert!((106.0e9..107.5e9).contains(&(c.total as f64)), "glm-4.5-air total {}", c.total);
+    assert!((12.0e9..13.0e9).contains(&(c.active as f64)), "glm-4.5-air active {}", c.active);
 
     for p in Preset::ALL {
         let spec = spec_of(&preset_config(p, None));
