@@ -1,6 +1,6 @@
 //! DeepSeek-V2 / V3 `config.json` fields.
 
-use super::{parse_common, parse_rope, parse_source_quant, yarn_get_mscale, Fields};
+use super::{parse_common, parse_rope, parse_source_quant, yarn_get_mscale, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -106,16 +106,8 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
     } else {
         None
     };
-    Ok(ModelSpec {
+    Ok(c.spec(FamilyParts {
         arch,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
         attention: AttentionSpec::Mla {
             heads,
             q_lora_rank,
@@ -129,6 +121,5 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
         moe,
         layers,
         source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
+    }))
 }

@@ -1,6 +1,6 @@
 //! GLM-4.5 / 4.6 / 4.7 `config.json` fields (`Glm4MoeForCausalLM`, `model_type` `glm4_moe`).
 
-use super::{parse_common_biased, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
+use super::{parse_common_biased, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -70,16 +70,8 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let layers = (0..c.num_layers)
         .map(|l| if l < first_dense { FfnKind::Dense { intermediate_size: intermediate } } else { FfnKind::Moe })
         .collect();
-    Ok(ModelSpec {
+    Ok(c.spec(FamilyParts {
         arch: Arch::Glm4Moe,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
         attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
@@ -98,6 +90,5 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
         }),
         layers,
         source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
+    }))
 }

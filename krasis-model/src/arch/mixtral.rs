@@ -1,6 +1,6 @@
 //! Mixtral `config.json` fields (`MixtralForCausalLM`).
 
-use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -31,16 +31,9 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     if top_k > n_experts {
         return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds num_local_experts {n_experts}")));
     }
-    Ok(ModelSpec {
+    let layers = vec![FfnKind::Moe; c.num_layers];
+    Ok(c.spec(FamilyParts {
         arch: Arch::Mixtral,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
         attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false, bias: AttnBias::NONE },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
@@ -57,8 +50,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
             },
             naming: ExpertNaming::BlockSparse,
         }),
-        layers: vec![FfnKind::Moe; c.num_layers],
+        layers,
         source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
+    }))
 }

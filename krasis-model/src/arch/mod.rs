@@ -271,6 +271,41 @@ struct Common {
     max_position_embeddings: usize,
 }
 
+/// What a family's own parser decides; [`Common::spec`] adds the fields every family reads alike.
+struct FamilyParts {
+    arch: Arch,
+    attention: AttentionSpec,
+    rope: RopeSpec,
+    softmax_scale: f32,
+    moe: Option<MoeSpec>,
+    layers: Vec<FfnKind>,
+    source_quant: SourceQuant,
+}
+
+impl Common {
+    /// The spec of a family: its own parts and the common fields.
+    fn spec(self, p: FamilyParts) -> ModelSpec {
+        ModelSpec {
+            arch: p.arch,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_layers: self.num_layers,
+            rms_norm_eps: self.rms_norm_eps,
+            tie_word_embeddings: self.tie_word_embeddings,
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_ids,
+            max_position_embeddings: self.max_position_embeddings,
+            attention: p.attention,
+            rope: p.rope,
+            softmax_scale: p.softmax_scale,
+            moe: p.moe,
+            layers: p.layers,
+            source_quant: p.source_quant,
+            expert_source_bits: Vec::new(),
+        }
+    }
+}
+
 /// The common fields of a family whose attention takes no biases: `attention_bias: true` is
 /// refused.
 fn parse_common(f: &Fields) -> Result<Common> {

@@ -2,7 +2,7 @@
 
 use serde_json::Value;
 
-use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -62,22 +62,13 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     } else {
         None
     };
-    Ok(ModelSpec {
+    Ok(c.spec(FamilyParts {
         arch: Arch::Qwen3Moe,
-        vocab_size: c.vocab_size,
-        hidden_size: c.hidden_size,
-        num_layers: c.num_layers,
-        rms_norm_eps: c.rms_norm_eps,
-        tie_word_embeddings: c.tie_word_embeddings,
-        bos_token_id: c.bos_token_id,
-        eos_token_ids: c.eos_token_ids,
-        max_position_embeddings: c.max_position_embeddings,
         attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe,
         layers,
         source_quant: parse_source_quant(f)?,
-        expert_source_bits: Vec::new(),
-    })
+    }))
 }
