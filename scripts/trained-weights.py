@@ -100,10 +100,54 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, out // heads // 2, 2, k).swapaxes(1, 2).reshape(out, k)
 
 
+# llama.cpp's tensor names of a LLaMA → transformers' (`blk.L.<part>.weight` per layer).
+GGUF_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+GGUF_PARTS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name):
+    if gguf_name in GGUF_NAMES:
+        return GGUF_NAMES[gguf_name]
+    _, l, part, _ = gguf_name.split(".")
+    return f"model.layers.{l}.{GGUF_PARTS[part]}.weight"
+
+
+def gguf_tensors(r, hp, dtype):
+    """(tensor info, values) of every tensor of the GGUF reader `r`, dequantised exactly to `dtype`
+    in transformers' [out, in] layout with llama.cpp's q/k row permutation undone; `.name` of the
+    info is replaced by the transformers name."""
+    from gguf.quants import dequantize
+
+    for t in r.tensors:
+        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=dtype).reshape([int(x) for x in reversed(t.shape)])
+        part = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if part == "attn_q":
+            a = unpermute(a, hp["heads"])
+        elif part == "attn_k":
+            a = unpermute(a, hp["kv_heads"])
+        yield GgufTensor(hf_name(t.name), t.tensor_type.name, t.data.nbytes), a
+
+
+class GgufTensor:
+    """A GGUF tensor's transformers name, its ggml type name and its stored bytes."""
+
+    def __init__(self, name, ty, nbytes):
+        self.name, self.ty, self.nbytes = name, ty, nbytes
+
+
 def load_dense(gguf_path: Path):
     """(hparams, {hf name: float32 array rounded to BF16}, tokenizer parts) of the GGUF."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     r = GGUFReader(str(gguf_path))
     f = lambda k: r.fields[k].contents()  # noqa: E731
@@ -120,35 +164,7 @@ def load_dense(gguf_path: Path):
         "bos": int(f("tokenizer.ggml.bos_token_id")),
         "eos": int(f("tokenizer.ggml.eos_token_id")),
     }
-    names = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-    }
-    per_layer = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }
-    w = {}
-    for t in r.tensors:
-        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        a = a.reshape([int(x) for x in reversed(t.shape)])
-        if t.name in names:
-            hf = names[t.name]
-        else:
-            _, l, part, _ = t.name.split(".")
-            hf = f"model.layers.{l}.{per_layer[part]}.weight"
-            if part == "attn_q":
-                a = unpermute(a, hp["heads"])
-            elif part == "attn_k":
-                a = unpermute(a, hp["kv_heads"])
-        w[hf] = bf16_round(a)
+    w = {t.name: bf16_round(a) for t, a in gguf_tensors(r, hp, np.float32)}
     tok = {
         "tokens": [str(x) for x in r.fields["tokenizer.ggml.tokens"].contents()],
         "types": [int(x) for x in r.fields["tokenizer.ggml.token_type"].contents()],
@@ -459,44 +475,24 @@ def q4km_study(hp, w, m, ids, path: Path):
     """Perplexities of llama.cpp's Q4_K_M of the model (see the module doc)."""
     import torch
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    r = GGUFReader(str(path))
     by_type, file_w, bits = {}, {}, {}
-    for t in r.tensors:
-        a = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape([int(x) for x in reversed(t.shape)])
-        if t.name.startswith("blk."):
-            _, l, part, _ = t.name.split(".")
-            if part == "attn_q":
-                a = unpermute(a, hp["heads"])
-            elif part == "attn_k":
-                a = unpermute(a, hp["kv_heads"])
+    for t, a in gguf_tensors(GGUFReader(str(path)), hp, np.float64):
         file_w[t.name] = a
-        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + 1
-        bits[t.name] = (t.tensor_type.name, 8 * t.data.nbytes / a.size)
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-    parts = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-
-    def hf(n):
-        if n in names:
-            return names[n]
-        _, l, part, _ = n.split(".")
-        return f"model.layers.{l}.{parts[part]}.weight"
-
-    ffn = [n for n in file_w if ".ffn_gate." in n or ".ffn_up." in n or ".ffn_down." in n]
+        by_type[t.ty] = by_type.get(t.ty, 0) + 1
+        bits[t.name] = (t.ty, 8 * t.nbytes / a.size)
+    ffn = [n for n in file_w if ".mlp." in n]
     ffn_bits = sum(bits[n][1] * file_w[n].size for n in ffn) / sum(file_w[n].size for n in ffn)
     log(f"{path.name}: tensor types {by_type}; MLP weights {ffn_bits:.3f} bits each")
 
     def run(sel):
         for n, a in sel.items():
             with torch.no_grad():
-                m.get_parameter(hf(n)).copy_(torch.from_numpy(np.ascontiguousarray(a)))
+                m.get_parameter(n).copy_(torch.from_numpy(np.ascontiguousarray(a)))
         out = ppl(nll(m, ids))
         for n in sel:
             with torch.no_grad():
-                m.get_parameter(hf(n)).copy_(torch.from_numpy(w[hf(n)].astype(np.float64)))
+                m.get_parameter(n).copy_(torch.from_numpy(w[n].astype(np.float64)))
         return out
 
     res = {"mlp_bits": ffn_bits, "types": {n: bits[n][0] for n in ffn}}

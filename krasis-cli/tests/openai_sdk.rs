@@ -11,21 +11,7 @@ use common::Server;
 
 #[test]
 fn the_openai_python_package_talks_to_the_server() {
-    let python = std::env::var("KRASIS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python).args(["-c", "import openai"]).output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        let why = match &probe {
-            Ok(o) => String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_string(),
-            Err(e) => e.to_string(),
-        };
-        if std::env::var("KRASIS_REQUIRE_OPENAI").as_deref() == Ok("1") {
-            panic!("KRASIS_REQUIRE_OPENAI=1 but `{python} -c 'import openai'` failed: {why}");
-        }
-        krasis_tests::report_skip(&format!(
-            "the openai Python package is not importable by {python} ({why}); `pip install openai` or set KRASIS_PYTHON"
-        ));
-        return;
-    }
+    let Some(python) = common::openai_python() else { return };
     let s = Server::start(&["--api-key", "test-key"]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let out = Command::new(&python)

@@ -9,42 +9,15 @@ mod common;
 use std::process::Command;
 
 use common::Server;
-use serde_json::{json, Value};
-
-/// The same Qwen3-style template as `serve_tools.rs`.
-const TEMPLATE: &str = r#"{%- if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}{% for t in tools %}{{ '\n' + (t | tojson) }}{% endfor %}{{ '\n</tools><|im_end|>\n' }}{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' + m.content }}{% for tc in m.tool_calls or [] %}{{ '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}
-{%- elif m.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
-{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"#;
 
 #[test]
 fn the_openai_python_package_reads_tool_calls_and_reasoning() {
-    let python = std::env::var("KRASIS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python).args(["-c", "import openai"]).output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        let why = match &probe {
-            Ok(o) => String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_string(),
-            Err(e) => e.to_string(),
-        };
-        if std::env::var("KRASIS_REQUIRE_OPENAI").as_deref() == Ok("1") {
-            panic!("KRASIS_REQUIRE_OPENAI=1 but `{python} -c 'import openai'` failed: {why}");
-        }
-        krasis_tests::report_skip(&format!(
-            "the openai Python package is not importable by {python} ({why}); `pip install openai` or set KRASIS_PYTHON"
-        ));
-        return;
-    }
+    let Some(python) = common::openai_python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let script = dir.path().join("reply.txt");
     std::fs::write(&script, "").unwrap();
     let s = Server::start_prepared(&[], &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
-        let path = model.join("tokenizer_config.json");
-        let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        cfg["chat_template"] = json!(TEMPLATE);
-        std::fs::write(&path, cfg.to_string()).unwrap();
+        common::set_chat_template(model, common::QWEN_STYLE)
     });
     let client = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_tools.py");
     let out = Command::new(&python)

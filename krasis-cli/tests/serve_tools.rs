@@ -8,21 +8,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use common::{sse_events, Server};
 use krasis_model::text::tokenizer::TextCodec;
 use serde_json::{json, Value};
-
-/// A Qwen3-style template: the tools in a system block, calls as `<tool_call>` JSON, results as
-/// `<tool_response>`, and Qwen3's `enable_thinking` switch.
-const QWEN_STYLE: &str = r#"{%- if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}{% for t in tools %}{{ '\n' + (t | tojson) }}{% endfor %}{{ '\n</tools><|im_end|>\n' }}{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' + m.content }}{% for tc in m.tool_calls or [] %}{{ '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}
-{%- elif m.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
-{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"#;
 
 /// A harmony-style template (gpt-oss's markers): the generation prompt is `<|start|>assistant`.
 const HARMONY_STYLE: &str = r#"{%- for m in messages %}{{ '<|start|>' + m.role + '<|channel|>final<|message|>' + m.content + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"#;
@@ -49,7 +39,7 @@ impl Scripted {
         std::fs::write(&script, "").unwrap();
         let mut codec = None;
         let server = Server::start_prepared(&[], &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
-            set_template(model, template);
+            common::set_chat_template(model, template);
             codec = Some(TextCodec::load(model).unwrap());
         });
         Scripted { server, script, codec: codec.unwrap(), _dir: dir }
@@ -64,13 +54,6 @@ impl Scripted {
     fn tokens(&self, text: &str) -> u64 {
         self.codec.encode_plain(text).unwrap().len() as u64
     }
-}
-
-fn set_template(model: &Path, template: &str) {
-    let path = model.join("tokenizer_config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    cfg["chat_template"] = json!(template);
-    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
 }
 
 fn tools() -> Value {
@@ -136,7 +119,7 @@ fn args(call: &Value) -> Value {
 
 #[test]
 fn tool_calls_and_reasoning_streamed_and_whole() {
-    let s = Scripted::start(QWEN_STYLE);
+    let s = Scripted::start(common::QWEN_STYLE);
     let (m, finish) = message(&s.chat(QWEN_REPLY, &body(json!({}))));
     assert_eq!(finish, "tool_calls");
     assert_eq!(
@@ -189,7 +172,7 @@ fn tool_calls_and_reasoning_streamed_and_whole() {
 
 #[test]
 fn tools_results_and_the_thinking_switch_reach_the_template() {
-    let s = Scripted::start(QWEN_STYLE);
+    let s = Scripted::start(common::QWEN_STYLE);
     let weather = serde_json::from_str::<Value>(WEATHER_TOOL).unwrap();
     let convo = json!({"model": "tiny", "tools": [weather], "max_tokens": 50, "messages": [
         {"role": "user", "content": "Weather in Paris?"},

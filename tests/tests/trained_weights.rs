@@ -79,10 +79,8 @@ fn engine(dir: &std::path::Path, experts: WeightBits, cache: &std::path::Path) -
     open_engine(&files, &c).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Perplexity over the reference's ids with experts at `experts`.
-fn krasis_perplexity(dir: &std::path::Path, r: &Value, experts: WeightBits) -> f64 {
-    let tmp = tempfile::tempdir().unwrap();
-    let opened = engine(dir, experts, tmp.path());
+/// Perplexity over the reference's ids on `engine`.
+fn krasis_perplexity(engine: &dyn krasis_model::runtime::Engine, r: &Value) -> f64 {
     let ids = ids(&r["ids"]);
     let req = GenerateRequest {
         prompt_ids: ids.clone(),
@@ -91,7 +89,7 @@ fn krasis_perplexity(dir: &std::path::Path, r: &Value, experts: WeightBits) -> f
         ignore_eos: true,
         record_logits: true,
     };
-    let o = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
+    let o = generate(engine, &req, |_| Ok(())).unwrap_or_else(|e| panic!("{e}"));
     let vocab = o.prefill_logits.len() / ids.len();
     perplexity(&o.prefill_logits, &ids, vocab)
 }
@@ -101,7 +99,9 @@ fn reference_path_matches_transformers_perplexity_and_greedy_text() {
     let Some(dir) = cache() else { return };
     let r = reference(&dir);
     let want = r["reference"]["ppl"].as_f64().unwrap();
-    let got = krasis_perplexity(&dir, &r, WeightBits::Bf16);
+    let tmp = tempfile::tempdir().unwrap();
+    let opened = engine(&dir, WeightBits::Bf16, tmp.path());
+    let got = krasis_perplexity(opened.engine.as_ref(), &r);
     let rel = (got / want - 1.0).abs();
     eprintln!("reference path: perplexity {got:.6} (transformers float64 {want:.6}), relative difference {rel:.2e}");
     assert!(rel <= 5e-5, "perplexity {got:.6} differs from transformers' {want:.6} by {rel:.2e} (> 5e-5)");
@@ -110,8 +110,6 @@ fn reference_path_matches_transformers_perplexity_and_greedy_text() {
     let g = &r["greedy"];
     let plen = g["prompt_len"].as_u64().unwrap() as usize;
     let want_ids = ids(&g["ids"]);
-    let tmp = tempfile::tempdir().unwrap();
-    let opened = engine(&dir, WeightBits::Bf16, tmp.path());
     let req = GenerateRequest {
         prompt_ids: ids(&r["ids"])[..plen].to_vec(),
         max_new_tokens: want_ids.len(),
@@ -130,7 +128,9 @@ fn check_quantised(experts: WeightBits, ideal: &str, bar: f64) {
     let r = reference(&dir);
     let base = r["reference"]["ppl"].as_f64().unwrap();
     let want = r["ideal_experts"][ideal].as_f64().unwrap_or_else(|| panic!("no ideal_experts.{ideal}"));
-    let got = krasis_perplexity(&dir, &r, experts);
+    let tmp = tempfile::tempdir().unwrap();
+    let opened = engine(&dir, experts, tmp.path());
+    let got = krasis_perplexity(opened.engine.as_ref(), &r);
     let rel = got / want - 1.0;
     eprintln!(
         "{} experts: perplexity {got:.4} (ideal {ideal} {want:.4}: {:+.3}%; reference {base:.4}: {:+.2}%)",

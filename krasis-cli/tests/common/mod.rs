@@ -5,11 +5,12 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// How long a test waits for the server to start or a condition to hold.
 pub const PATIENCE: Duration = Duration::from_secs(60);
@@ -302,4 +303,44 @@ pub fn collect_stream(events: &[String], chat: bool) -> (String, Option<String>,
         }
     }
     (text, finish, usage)
+}
+
+/// A Qwen3-style template: the tools in a system block, calls as `<tool_call>` JSON, results as
+/// `<tool_response>`, and Qwen3's `enable_thinking` switch.
+pub const QWEN_STYLE: &str = r#"{%- if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}{% for t in tools %}{{ '\n' + (t | tojson) }}{% endfor %}{{ '\n</tools><|im_end|>\n' }}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' + m.content }}{% for tc in m.tool_calls or [] %}{{ '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}{{ '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"#;
+
+/// Replaces the chat template in `model`'s tokenizer_config.json.
+pub fn set_chat_template(model: &Path, template: &str) {
+    let path = model.join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["chat_template"] = json!(template);
+    std::fs::write(&path, serde_json::to_string_pretty(&cfg).unwrap()).unwrap();
+}
+
+/// The Python that runs the official `openai` package: `KRASIS_PYTHON` (`.ci/run` points it at
+/// a venv with `openai`), else `python3`; `None` after a visible skip line when the package is
+/// not importable (`KRASIS_REQUIRE_OPENAI=1` makes that a failure).
+pub fn openai_python() -> Option<String> {
+    let python = std::env::var("KRASIS_PYTHON").unwrap_or_else(|_| "python3".into());
+    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        let why = match &probe {
+            Ok(o) => String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_string(),
+            Err(e) => e.to_string(),
+        };
+        if std::env::var("KRASIS_REQUIRE_OPENAI").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_OPENAI=1 but `{python} -c 'import openai'` failed: {why}");
+        }
+        krasis_tests::report_skip(&format!(
+            "the openai Python package is not importable by {python} ({why}); `pip install openai` or set KRASIS_PYTHON"
+        ));
+        return None;
+    }
+    Some(python)
 }
