@@ -59,6 +59,8 @@ pub struct Finish {
     pub reason: &'static str,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// The stop string that ended the job (`reason` `stop`): its index in [`Job::stop`].
+    pub stop_sequence: Option<usize>,
 }
 
 enum Msg {
@@ -214,7 +216,8 @@ impl Worker {
             end_with(&mut r, SHUTDOWN, &self.codec);
         }
         for job in self.waiting.drain(..) {
-            let finish = Finish { reason: SHUTDOWN, prompt_tokens: job.prompt.len(), completion_tokens: 0 };
+            let finish =
+                Finish { reason: SHUTDOWN, prompt_tokens: job.prompt.len(), completion_tokens: 0, stop_sequence: None };
             let _ = job.events.send(Event::Done(finish));
         }
         self.metrics.queued.fetch_sub(waiting as u64, Relaxed);
@@ -412,7 +415,8 @@ fn end_with(r: &mut Running, mut reason: &'static str, codec: &TextCodec) -> Out
 /// Sends `r`'s `Done` and logs it.
 fn done(r: &Running, reason: &'static str) -> Outcome {
     let prompt_tokens = r.job.prompt.len();
-    let finish = Finish { reason, prompt_tokens, completion_tokens: r.generated };
+    let stop_sequence = if reason == "stop" { r.stop.hit() } else { None };
+    let finish = Finish { reason, prompt_tokens, completion_tokens: r.generated, stop_sequence };
     if let Some(label) = &r.job.label {
         tracing::info!(
             "{label}: {} prompt + {} generated tokens in {:.2} s, finish_reason {reason}",

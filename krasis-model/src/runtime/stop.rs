@@ -13,6 +13,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text that may be the beginning of a stop string (emitted once ruled out).
     held: String,
+    /// The index in `stops` of the stop string that matched, once one has.
+    hit: Option<usize>,
 }
 
 /// What one delta produced: text to emit now and whether a stop string ended the generation.
@@ -25,7 +27,7 @@ pub struct Matched {
 impl StopMatcher {
     /// `stops` must be non-empty strings (the request checks; empty ones are ignored here).
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new() }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), hit: None }
     }
 
     /// Adds a delta. On a match, `emit` is the text before the earliest stop string and the
@@ -35,14 +37,24 @@ impl StopMatcher {
             return Matched { emit: delta.to_string(), stopped: false };
         }
         self.held.push_str(delta);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        let first =
+            self.stops.iter().enumerate().filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, i))).min();
+        if let Some((at, i)) = first {
             let emit = self.held[..at].to_string();
             self.held.clear();
+            self.hit = Some(i);
             return Matched { emit, stopped: true };
         }
         let keep = self.stops.iter().map(|s| partial_suffix(&self.held, s)).max().unwrap_or(0);
         let emit: String = self.held.drain(..self.held.len() - keep).collect();
         Matched { emit, stopped: false }
+    }
+
+    /// The stop string that ended the generation, if one has: its index among the non-empty
+    /// strings given to [`StopMatcher::new`] (the earliest in the text; of two starting at the
+    /// same place, the first given).
+    pub fn hit(&self) -> Option<usize> {
+        self.hit
     }
 
     /// The held-back text at the end of a generation that no stop string ended.
@@ -97,6 +109,18 @@ mod tests {
         // Multi-byte characters on both sides.
         assert_eq!(run(&["日本"], &["é日", "本語"]), ("é".into(), true));
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    #[test]
+    fn the_matched_stop_string_is_named() {
+        let mut m = StopMatcher::new(vec!["zz".into(), "b".into()]);
+        assert_eq!(m.push("a"), Matched { emit: "a".into(), stopped: false });
+        assert_eq!(m.hit(), None);
+        assert!(m.push("bzz").stopped);
+        assert_eq!(m.hit(), Some(1), "the earliest in the text, not the first given");
+        let mut m = StopMatcher::new(vec!["END".into(), "EN".into()]);
+        assert!(m.push("xEND").stopped);
+        assert_eq!(m.hit(), Some(0), "of two at the same place, the first given");
     }
 
     proptest! {
