@@ -26,9 +26,15 @@
 //! up must have equal shapes and a row count that is a multiple of 16 (no padding inside the
 //! fused form). Real models always satisfy this: `inter` is the K of w2, which must be a
 //! multiple of 32 anyway (1408, 768, 512, 128 …).
+//!
+//! **FP4 (MXFP4, NVFP4).** A layout with [`PackedLayout::fp4`] set holds E2M1 codes in the INT4
+//! chunk arrangement (the code's 4 bits in place of `q + 8`), groups of 32 (MXFP4) or 16
+//! (NVFP4), and a different header: 16 f32 row factors (64 bytes), then per group the 16 rows'
+//! one-byte scales as stored (E8M0 or E4M3), padded to 64. See [`crate::fp4`].
 
 use half::f16;
 
+use crate::fp4::{Fp4Kind, FP4_FACTOR_BYTES, FP4_LUT_OFFSET};
 use crate::group::{check_group_size, Bits, QuantError, QuantizedMatrix};
 
 /// Rows per row block.
@@ -47,13 +53,28 @@ pub struct PackedLayout {
     pub rows_padded: usize,
     pub k: usize,
     pub gs: usize,
+    /// `Int4` for the FP4 formats too (their codes are 4 bits wide, packed as INT4's).
     pub bits: Bits,
+    /// `Some` for the 4-bit float formats (E2M1 codes, one-byte scales, row factors; see
+    /// [`crate::fp4`]); `None` for the integer formats. A kernel that reads `bits` alone must
+    /// refuse a layout with this set.
+    pub fp4: Option<Fp4Kind>,
 }
 
 impl PackedLayout {
     pub fn new(rows: usize, k: usize, gs: usize, bits: Bits) -> Result<PackedLayout, QuantError> {
         check_group_size(k, gs)?;
-        Ok(PackedLayout { rows, rows_padded: rows.div_ceil(ROW_BLOCK) * ROW_BLOCK, k, gs, bits })
+        Ok(PackedLayout { rows, rows_padded: rows.div_ceil(ROW_BLOCK) * ROW_BLOCK, k, gs, bits, fp4: None })
+    }
+
+    /// The layout of a `[rows, k]` matrix in the FP4 format `kind` (its group: 32 or 16). `k`
+    /// must be a positive multiple of 32.
+    pub fn new_fp4(rows: usize, k: usize, kind: Fp4Kind) -> Result<PackedLayout, QuantError> {
+        if k == 0 || !k.is_multiple_of(32) {
+            return Err(QuantError::KNotMultipleOf32 { k });
+        }
+        let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
+        Ok(PackedLayout { rows, rows_padded, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind) })
     }
 
     /// The layout [`pack`] gives `m`.
@@ -77,20 +98,38 @@ impl PackedLayout {
         }
     }
 
-    /// Bytes of one group of one row block: its weights plus its 32 bytes of scales.
+    /// Bytes of one group of one row block: its weights plus its scales (32 bytes of f16; FP4:
+    /// 16 bytes).
     pub fn group_bytes(&self) -> usize {
-        self.group_weight_bytes() + GROUP_SCALE_BYTES
+        self.group_weight_bytes() + self.group_scale_bytes()
     }
 
-    /// Bytes of a row block's scale header (all groups' scales, padded to 64).
+    /// Bytes of one group's scales in the header: 16 f16, or 16 one-byte FP4 scales.
+    #[inline]
+    pub fn group_scale_bytes(&self) -> usize {
+        if self.fp4.is_some() {
+            ROW_BLOCK
+        } else {
+            GROUP_SCALE_BYTES
+        }
+    }
+
+    /// Bytes of a row block's header: all groups' scales, padded to 64 (FP4: after the 64 bytes
+    /// of row factors).
     pub fn header_bytes(&self) -> usize {
-        (self.groups() * GROUP_SCALE_BYTES).div_ceil(CHUNK) * CHUNK
+        let factors = if self.fp4.is_some() { FP4_FACTOR_BYTES } else { 0 };
+        factors + (self.groups() * self.group_scale_bytes()).div_ceil(CHUNK) * CHUNK
     }
 
-    /// Offset of group `g`'s 16 f16 scales inside a row block.
+    /// Offset of group `g`'s 16 scales inside a row block (f16; FP4: one byte each, after the
+    /// row factors).
     #[inline]
     pub fn scales_offset(&self, g: usize) -> usize {
-        g * GROUP_SCALE_BYTES
+        if self.fp4.is_some() {
+            FP4_FACTOR_BYTES + g * ROW_BLOCK
+        } else {
+            g * GROUP_SCALE_BYTES
+        }
     }
 
     /// Offset of group `g`'s weights inside a row block.
@@ -113,8 +152,12 @@ impl PackedLayout {
         rb * self.block_bytes()..(rb + 1) * self.block_bytes()
     }
 
-    /// The value a stored weight is offset by (128 for INT8, 8 for INT4).
+    /// The value a stored weight is offset by (128 for INT8, 8 for INT4; FP4: 12, the offset of
+    /// the kernels' code table [`crate::fp4::E2M1_X2_BIASED`]).
     pub fn offset(&self) -> i32 {
+        if self.fp4.is_some() {
+            return FP4_LUT_OFFSET;
+        }
         match self.bits {
             Bits::Int8 => 128,
             Bits::Int4 => 8,
