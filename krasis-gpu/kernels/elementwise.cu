@@ -1,6 +1,7 @@
 // Small glue kernels the engine needs between the big ops: positions, residual adds, a
-// projection's bias added to each row, strided row copies with an optional cast to BF16, and an
-// in-place RMSNorm over a prefix of strided rows (MLA's latent, Qwen3's per-head q/k norm).
+// projection's bias added to each row, strided row copies with an optional cast to BF16, an
+// in-place RMSNorm over a prefix of strided rows (MLA's latent, Qwen3's per-head q/k norm) and a
+// row scaled by the sigmoid of a one-logit gate (a shared expert's gate).
 #include "krasis_common.cuh"
 
 // ids[i] = map[ids[i]] for ids in [0, n_map); other values are left as they are (out of range
@@ -60,4 +61,22 @@ extern "C" __global__ void rmsnorm_strided_inplace(float* x, long long stride, c
     int r = blockIdx.x;
     if (r >= rows) return;
     rmsnorm_row_inplace(x + (long long)r * stride, n, w, eps, scratch);
+}
+
+// y[r, :n_out] *= sigmoid(dot(x[r, :n_in], w)) for y [rows, n_out] and x [rows, n_in] f32 and a
+// BF16 w [n_in]: each row scaled by the sigmoid of one logit of its input (the shared expert's
+// `shared_expert_gate` of Qwen2-MoE / Qwen3-Next). One block per row: the dot product summed over
+// the block in f32, then the row scaled. 1/(1+expf), not __expf: as the CPU's sigmoid.
+extern "C" __global__ void sigmoid_gate_rows_f32(float* y, const float* x, const bf16_t* w, int rows, int n_in,
+                                                int n_out) {
+    __shared__ float scratch[32];
+    int r = blockIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * n_in;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n_in; i += blockDim.x) s += xr[i] * bf16_to_f32(w[i]);
+    s = block_sum(s, scratch);
+    const float g = 1.0f / (1.0f + expf(-s));
+    float* yr = y + (long long)r * n_out;
+    for (int i = threadIdx.x; i < n_out; i += blockDim.x) yr[i] *= g;
 }

@@ -1,6 +1,6 @@
 //! Glue ops between the large kernels: positions, residual adds, a projection's bias added to its
-//! rows, strided row copies (with a cast to BF16 for the tensor-core kernels) and an in-place
-//! RMSNorm over a prefix of strided rows.
+//! rows, strided row copies (with a cast to BF16 for the tensor-core kernels), an in-place
+//! RMSNorm over a prefix of strided rows and rows scaled by a sigmoid gate of their input.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -20,6 +20,7 @@ pub const ELEMENTWISE: KernelSource = KernelSource {
         "copy_rows_f32",
         "copy_rows_f32_bf16",
         "rmsnorm_strided_inplace",
+        "sigmoid_gate_rows_f32",
     ],
 };
 
@@ -288,6 +289,39 @@ impl GpuDevice {
         b.arg(&xp).arg(&st).arg(&wp).arg(&r_i).arg(&n_i).arg(&eps);
         // SAFETY: matches the kernel's signature; extents checked.
         unsafe { b.launch(cfg_rows(rows.rows)) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// A one-logit sigmoid gate per row, in place: `y[r, ..] *= σ(x[r, ..] · w)` for the first
+    /// `rows` rows of `y` (`[rows, y_cols]` f32, contiguous) and of `x` (`[rows, w.len()]` f32,
+    /// contiguous) and a BF16 gate `w`, the dot product in f32: a shared expert's
+    /// `shared_expert_gate` (Qwen2-MoE, Qwen3-Next).
+    pub fn sigmoid_gate_rows_f32(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        y_cols: usize,
+        x: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<u16>,
+        rows: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "sigmoid_gate_rows";
+        let n_in = w.len();
+        check(OP, rows * y_cols <= y.len(), || format!("{rows} rows of {y_cols} into {} elements", y.len()))?;
+        check(OP, rows * n_in <= x.len(), || format!("{rows} input rows of {n_in} from {} elements", x.len()))?;
+        if rows == 0 || y_cols == 0 {
+            return Ok(());
+        }
+        let (r_i, i_i, o_i) = (to_i32(OP, "rows", rows)?, to_i32(OP, "input cols", n_in)?, to_i32(OP, "cols", y_cols)?);
+        let s = self.stream();
+        let (yp, _g1) = y.device_ptr_mut(s);
+        let (xp, _g2) = x.device_ptr(s);
+        let (wp, _g3) = w.device_ptr(s);
+        let f = self.function(&ELEMENTWISE, "sigmoid_gate_rows_f32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&yp).arg(&xp).arg(&wp).arg(&r_i).arg(&i_i).arg(&o_i);
+        // SAFETY: matches the kernel's signature; `rows` rows of each lie inside `y` and `x`
+        // (checked), `n_in` is the gate's length.
+        unsafe { b.launch(cfg_rows(rows)) }.map_err(launch_err(OP))?;
         Ok(())
     }
 }
