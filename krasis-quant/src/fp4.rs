@@ -584,7 +584,7 @@ mod tests {
         let mut weight = vec![0u8; k / 2];
         weight[..4].copy_from_slice(&[0x21, 0xce, 0xc2, 0xb1]);
         let scales = [0x77u8, 0x38];
-        let g = 7.99269910203293e-05f32;
+        let g = 7.99269910203293e-05_f64 as f32; // the stored float32
         let m = Fp4Matrix::from_modelopt_nvfp4(&weight, &scales, g, 1, k).unwrap();
         let codes: Vec<u8> = (0..8).map(|c| m.code(0, c)).collect();
         assert_eq!(codes, [1, 2, 14, 12, 2, 12, 1, 11]);

@@ -13,6 +13,12 @@
 //! software prefetch a little ahead (see [`Prefetch`]); for M > 1 every weight chunk is applied to
 //! all activation rows while it is in L1.
 //!
+//! **FP4** (MXFP4 / NVFP4, a layout with `fp4` set, see `krasis_quant::fp4`): the codes are
+//! looked up through a 16-entry table as INT8 (`2·value + 12`) and run on the same integer
+//! instructions (`fp4_scalar`, `fp4_avx2` with `vpshufb` + `maddubs`, `fp4_avx512` with
+//! `vpshufb` + VNNI `vpdpbusd`), per group `y = fma(d, (s · f) · s_x, y)`. They have no AMX
+//! form: an FP4 layout never takes the AMX tiles, whatever the row count.
+//!
 //! Threading is the caller's: [`matmul_packed`] computes any sub-range of row blocks into its own
 //! output, so workers can split a matrix by row blocks (and w13 by block pairs, see
 //! [`silu_mul_w13`]).
@@ -36,6 +42,13 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 pub mod bf16;
+#[cfg(target_arch = "x86_64")]
+mod fp4_avx2;
+#[cfg(target_arch = "x86_64")]
+mod fp4_avx512;
+mod fp4_scalar;
+#[cfg(test)]
+mod fp4_tests;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -307,7 +320,12 @@ fn matmul_groups_with(
     prefetch: Prefetch,
 ) {
     let l = layout;
-    if let Err(e) = check_group_size(l.k, l.gs) {
+    if let Some(kind) = l.fp4 {
+        assert!(
+            l.k > 0 && l.k.is_multiple_of(32) && l.gs == kind.group(),
+            "matmul_packed: inconsistent {kind} layout {l:?}"
+        );
+    } else if let Err(e) = check_group_size(l.k, l.gs) {
         panic!("matmul_packed: {e}");
     }
     assert!(
@@ -349,6 +367,20 @@ fn matmul_groups_with(
     if isa != Isa::Scalar && groups.start == 0 {
         let bb = l.block_bytes();
         prefetch_burst(&w[blocks.start * bb..blocks.end * bb], prefetch);
+    }
+    if l.fp4.is_some() {
+        // FP4 layouts have their own kernels (no AMX form).
+        match isa {
+            Isa::Scalar => fp4_scalar::matmul(w, l, acts, blocks, groups, out),
+            // SAFETY: the CPU has the features (checked above); shapes checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { fp4_avx2::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { fp4_avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => fp4_scalar::matmul(w, l, acts, blocks, groups, out),
+        }
+        return;
     }
     match isa {
         Isa::Scalar => scalar::matmul(w, l, acts, blocks, groups, out),

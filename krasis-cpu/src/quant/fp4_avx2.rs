@@ -1,0 +1,150 @@
+//! AVX2 twin of [`super::fp4_scalar`]. A 64-byte chunk is two ymm (rows 0–7, rows 8–15, each
+//! row's 4 bytes adjacent); its nibbles index the code table [`E2M1_X2_BIASED`] with `vpshufb`
+//! (`2·value + 12`, 0..=24), and `maddubs(u, x)` (u8 × s8 → pairwise i16: at most
+//! 2·24·127 = 6096, twice per chunk 12192 < 2¹⁵, no saturation) followed by `madd(·, 1)` gives
+//! each row's i32 sum per chunk. The +12 is removed per group with the activation sums, and the
+//! epilogue is the scalar's `fma(d, (s · f) · s_x, y)`; group scales are decoded from their bytes
+//! as in the AVX-512 twin.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::fp4::{Fp4Kind, E2M1_X2_BIASED};
+
+use super::{Prefetch, PrefetchHint, QuantizedActs};
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+/// The table entries of the low nibbles of `v`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn look(lut: __m256i, v: __m256i, mask: __m256i) -> __m256i {
+    _mm256_shuffle_epi8(lut, _mm256_and_si256(v, mask))
+}
+
+/// 8 scales (bytes at `p`) as f32 times the row factors `f`.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn scales8(p: *const u8, nv: bool, f: __m256) -> __m256 {
+    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let s = if nv {
+        let mag = _mm256_slli_epi32::<20>(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)));
+        let v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(_mm256_set1_epi32(0x7b80_0000)));
+        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(b, _mm256_set1_epi32(0x80)));
+        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign))
+    } else {
+        let bits = _mm256_slli_epi32::<23>(b);
+        let zero = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
+        _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x0040_0000), zero))
+    };
+    _mm256_mul_ps(s, f)
+}
+
+/// # Safety
+/// The CPU must have AVX2 and FMA; arguments checked by [`super::matmul_packed_with`] (an FP4
+/// layout).
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pf: Prefetch,
+) {
+    let nv = l.fp4.expect("an FP4 layout") == Fp4Kind::Nvfp4;
+    let pfd = if pf.hint == PrefetchHint::None { 0 } else { pf.distance };
+    let ncols = blocks.len() * ROW_BLOCK;
+    let bb = l.block_bytes();
+    let lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(E2M1_X2_BIASED.as_ptr() as *const __m128i));
+    for (bi, b) in blocks.enumerate() {
+        let blk = w.as_ptr().add(b * bb);
+        let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if groups.start == 0 {
+            for i in 0..acts.m {
+                _mm256_storeu_ps(y.add(i * ncols), _mm256_setzero_ps());
+                _mm256_storeu_ps(y.add(i * ncols + 8), _mm256_setzero_ps());
+            }
+        }
+        let (fa, fb) = (_mm256_loadu_ps(blk as *const f32), _mm256_loadu_ps(blk.add(32) as *const f32));
+        for g in groups.clone() {
+            let so = blk.add(l.scales_offset(g));
+            let sf = (scales8(so, nv, fa), scales8(so.add(8), nv, fb));
+            let mut i = 0;
+            let mut pfd_g = pfd;
+            while i < acts.m {
+                let left = acts.m - i;
+                i += if left >= 4 {
+                    group_tile::<4>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                } else if left >= 2 {
+                    group_tile::<2>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                } else {
+                    group_tile::<1>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                };
+                pfd_g = 0;
+            }
+        }
+    }
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+    lut: __m256i,
+    sf: (__m256, __m256),
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let wp = blk.add(l.weights_offset(g));
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    let mut aa = [_mm256_setzero_si256(); T];
+    let mut ab = [_mm256_setzero_si256(); T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pfd) as *const i8);
+        }
+        let va = _mm256_loadu_si256(p as *const __m256i);
+        let vb = _mm256_loadu_si256(p.add(32) as *const __m256i);
+        let (la, ha) = (look(lut, va, mask), look(lut, _mm256_srli_epi16::<4>(va), mask));
+        let (lb, hb) = (look(lut, vb, mask), look(lut, _mm256_srli_epi16::<4>(vb), mask));
+        for t in 0..T {
+            let (xl, xh) = (bcast4(xq[t].add(c * 8)), bcast4(xq[t].add(c * 8 + 4)));
+            let sa = _mm256_add_epi16(_mm256_maddubs_epi16(la, xl), _mm256_maddubs_epi16(ha, xh));
+            let sb = _mm256_add_epi16(_mm256_maddubs_epi16(lb, xl), _mm256_maddubs_epi16(hb, xh));
+            aa[t] = _mm256_add_epi32(aa[t], _mm256_madd_epi16(sa, ones));
+            ab[t] = _mm256_add_epi32(ab[t], _mm256_madd_epi16(sb, ones));
+        }
+    }
+    let off = l.offset();
+    for t in 0..T {
+        let i = i0 + t;
+        let corr = _mm256_set1_epi32(off * acts.sums[i * ng + g]);
+        let sx = _mm256_set1_ps(acts.scales[i * ng + g]);
+        let yp = y.add(i * ncols);
+        let da = _mm256_cvtepi32_ps(_mm256_sub_epi32(aa[t], corr));
+        let db = _mm256_cvtepi32_ps(_mm256_sub_epi32(ab[t], corr));
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(da, _mm256_mul_ps(sf.0, sx), _mm256_loadu_ps(yp)));
+        _mm256_storeu_ps(yp.add(8), _mm256_fmadd_ps(db, _mm256_mul_ps(sf.1, sx), _mm256_loadu_ps(yp.add(8))));
+    }
+    T
+}

@@ -1,0 +1,163 @@
+//! AVX-512 F/BW + VNNI twin of [`super::fp4_scalar`]. A 64-byte chunk holds 16 rows × 8 k of
+//! E2M1 codes in INT4's arrangement; its low and high nibbles (`and`, `srli`+`and`) index a
+//! 16-entry table with `vpshufb` (the table [`E2M1_X2_BIASED`] in every 128-bit lane), giving
+//! `2·value + 12` as unsigned bytes, which `vpdpbusd` multiplies with the broadcast INT8
+//! activations exactly as the INT4 kernel does; the +12 is removed per group with the activation
+//! sums. Group scales are decoded from their stored bytes in registers: E8M0 as `e << 23` (2⁻¹²⁷,
+//! e = 0, blended in), E4M3 as its 7 magnitude bits `<< 20` times 2¹²⁰ with the sign or-ed in.
+//!
+//! Activation rows go in tiles of up to 8 per group (the group's weights, ≤ 2 KiB, stay in L1
+//! between tiles), accumulating straight into `out`. There is no AMX form: FP4 layouts never
+//! take the AMX kernel (see [`super::matmul_packed`]).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::fp4::{Fp4Kind, E2M1_X2_BIASED};
+
+use super::{Prefetch, PrefetchHint, QuantizedActs};
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast4(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+/// The 16 scales of group `g` as f32 times the row factors `f` (the scalar's `s · f`).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: bool, f: __m512) -> __m512 {
+    let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
+    let s = if nv {
+        let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)));
+        let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_castsi512_ps(_mm512_set1_epi32(0x7b80_0000)));
+        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(b, _mm512_set1_epi32(0x80)));
+        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
+    } else {
+        let bits = _mm512_slli_epi32::<23>(b);
+        let zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
+        _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000)))
+    };
+    _mm512_mul_ps(s, f)
+}
+
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`]
+/// (an FP4 layout).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pf: Prefetch,
+) {
+    let nv = l.fp4.expect("an FP4 layout") == Fp4Kind::Nvfp4;
+    match pf.hint {
+        PrefetchHint::T1 => run::<_MM_HINT_T1>(w, l, acts, blocks, groups, out, pf.distance, nv),
+        PrefetchHint::Nta => run::<_MM_HINT_NTA>(w, l, acts, blocks, groups, out, pf.distance, nv),
+        PrefetchHint::T0 => run::<_MM_HINT_T0>(w, l, acts, blocks, groups, out, pf.distance, nv),
+        PrefetchHint::None => run::<_MM_HINT_T0>(w, l, acts, blocks, groups, out, 0, nv),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn run<const HINT: i32>(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pfd: usize,
+    nv: bool,
+) {
+    let ncols = blocks.len() * ROW_BLOCK;
+    let bb = l.block_bytes();
+    let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(E2M1_X2_BIASED.as_ptr() as *const __m128i));
+    for (bi, b) in blocks.enumerate() {
+        let blk = w.as_ptr().add(b * bb);
+        let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if groups.start == 0 {
+            for i in 0..acts.m {
+                _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+            }
+        }
+        if pfd != 0 {
+            _mm_prefetch::<HINT>(blk.wrapping_add(pfd) as *const i8);
+        }
+        let f = _mm512_loadu_ps(blk as *const f32);
+        for g in groups.clone() {
+            let sf = scales_times_factors(blk, l, g, nv, f);
+            let mut i = 0;
+            let mut pfd_g = pfd;
+            while i < acts.m {
+                let left = acts.m - i;
+                i += if left >= 8 {
+                    group_tile::<HINT, 8>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                } else if left >= 4 {
+                    group_tile::<HINT, 4>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                } else if left >= 2 {
+                    group_tile::<HINT, 2>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                } else {
+                    group_tile::<HINT, 1>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
+                };
+                pfd_g = 0; // the first tile brought the group in; later ones hit L1
+            }
+        }
+    }
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const HINT: i32, const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+    lut: __m512i,
+    sf: __m512,
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let wp = blk.add(l.weights_offset(g));
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    // Low and high nibbles in separate accumulators (two independent chains).
+    let mut alo = [_mm512_setzero_si512(); T];
+    let mut ahi = [_mm512_setzero_si512(); T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
+        }
+        let v = _mm512_loadu_si512(p as *const _);
+        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+        let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
+        for t in 0..T {
+            alo[t] = _mm512_dpbusd_epi32(alo[t], lo, bcast4(xq[t].add(c * 8)));
+            ahi[t] = _mm512_dpbusd_epi32(ahi[t], hi, bcast4(xq[t].add(c * 8 + 4)));
+        }
+    }
+    let off = l.offset();
+    for t in 0..T {
+        let i = i0 + t;
+        let acc = _mm512_add_epi32(alo[t], ahi[t]);
+        let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[i * ng + g])));
+        let yp = y.add(i * ncols);
+        let yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), _mm512_loadu_ps(yp));
+        _mm512_storeu_ps(yp, yv);
+    }
+    T
+}

@@ -1,0 +1,150 @@
+//! The FP4 (MXFP4 / NVFP4) kernels: every ISA this CPU runs against the scalar twin, bit for
+//! bit, on random ragged shapes; the scalar twin against the exact dequantised weights.
+
+use super::tests::normal;
+use super::*;
+use krasis_quant::fp4::{self, test_matrix, Fp4Kind, Fp4Matrix};
+use proptest::prelude::*;
+
+fn kind_of(nv: bool) -> Fp4Kind {
+    if nv {
+        Fp4Kind::Nvfp4
+    } else {
+        Fp4Kind::Mxfp4
+    }
+}
+
+fn acts_for(x: &[f32], m: usize, k: usize, gs: usize) -> QuantizedActs {
+    let mut a = QuantizedActs::new();
+    quantize_acts(x, m, k, gs, &mut a);
+    a
+}
+
+fn run(isa: Isa, w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: Range<usize>) -> Vec<f32> {
+    let mut out = vec![f32::NAN; acts.m * blocks.len() * ROW_BLOCK];
+    matmul_packed(isa, w, l, acts, blocks, &mut out);
+    out
+}
+
+/// `acts · Wᵀ` in f64 from the exact weights and the dequantised activations (what the kernels
+/// compute before their f32 rounding).
+fn reference(m: &Fp4Matrix, acts: &QuantizedActs) -> Vec<f64> {
+    let w = m.dequantize_f64();
+    let x = acts.dequantize();
+    let mut y = vec![0f64; acts.m * m.rows];
+    for i in 0..acts.m {
+        for r in 0..m.rows {
+            y[i * m.rows + r] = (0..m.k).map(|c| w[r * m.k + c] * x[i * m.k + c] as f64).sum();
+        }
+    }
+    y
+}
+
+/// A hand-made NVFP4 row: codes 1..=7 and their negatives, scale 240 (0x77), global 0.25: the
+/// kernel's sum is the plain dot product (activations exact in INT8: integers up to 127).
+#[test]
+fn tiny_exact_case() {
+    let k = 32;
+    let mut weight = vec![0u8; k / 2];
+    for (j, b) in weight.iter_mut().enumerate() {
+        *b = ((j % 8) as u8) | ((8 + (j % 8) as u8) << 4);
+    }
+    let m = Fp4Matrix::from_modelopt_nvfp4(&weight, &[0x77, 0x38], 0.25, 1, k).unwrap();
+    // Integers in [-127, 127] with 127 in every group of 16: INT8 holds them exactly.
+    let x: Vec<f32> = (0..k).map(|c| if c % 16 == 0 { 127.0 } else { ((c * 37) % 255) as f32 - 127.0 }).collect();
+    let want: f64 = m.dequantize_f64().iter().zip(&x).map(|(w, &v)| w * v as f64).sum();
+    let a = acts_for(&x, 1, k, 16);
+    assert_eq!(a.dequantize().iter().zip(&x).filter(|(a, b)| (**a - **b).abs() > 1e-5).count(), 0);
+    let (p, l) = (fp4::pack(&m), fp4::layout_of(&m));
+    for isa in Isa::available() {
+        let y = run(isa, &p, &l, &a, 0..1);
+        assert!((y[0] as f64 - want).abs() <= want.abs() * 1e-6, "{isa:?}: {} vs {want}", y[0]);
+        assert!(y[1..].iter().all(|&v| v == 0.0), "{isa:?}: padding rows give 0");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Every ISA equals the scalar twin bit for bit (ragged rows, K of any multiple of 32, M of
+    /// 1 to 11 activation rows, any sub-range of row blocks), and the scalar twin is within
+    /// f32 rounding of the exact product.
+    #[test]
+    fn every_isa_matches_the_scalar_twin(
+        rows in 1usize..70,
+        k32 in 1usize..9,
+        m in 1usize..12,
+        nv in any::<bool>(),
+        seed in any::<u64>(),
+        cut in 0usize..100,
+    ) {
+        let (kind, k) = (kind_of(nv), 32 * k32);
+        let w = test_matrix(kind, rows, k, seed);
+        let (p, l) = (fp4::pack(&w), fp4::layout_of(&w));
+        let x = normal(m * k, seed ^ 3);
+        let a = acts_for(&x, m, k, l.gs);
+        let nb = l.row_blocks();
+        let want = run(Isa::Scalar, &p, &l, &a, 0..nb);
+        let exact = reference(&w, &a);
+        for i in 0..m {
+            let scale: f64 = (0..rows).map(|r| exact[i * rows + r].abs()).fold(1e-30, f64::max);
+            for r in 0..rows {
+                let (g, e) = (want[i * nb * 16 + r] as f64, exact[i * rows + r]);
+                prop_assert!((g - e).abs() <= 1e-5 * scale, "row {r}: {g} vs {e}");
+            }
+        }
+        let b0 = cut % nb;
+        for isa in Isa::available() {
+            let got = run(isa, &p, &l, &a, 0..nb);
+            prop_assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?}", isa);
+            // A sub-range of row blocks gives those columns.
+            let sub = run(isa, &p, &l, &a, b0..nb);
+            for i in 0..m {
+                let cols = (nb - b0) * 16;
+                prop_assert_eq!(&sub[i * cols..(i + 1) * cols], &want[i * nb * 16 + b0 * 16..(i + 1) * nb * 16]);
+            }
+            // Two calls over consecutive group ranges continue the sums exactly.
+            let ng = l.groups();
+            let g1 = cut % (ng + 1);
+            let mut two = vec![f32::NAN; m * nb * 16];
+            matmul_packed_groups(isa, &p, &l, &a, 0..nb, 0..g1, &mut two);
+            if g1 == 0 {
+                two.fill(0.0);
+            }
+            matmul_packed_groups(isa, &p, &l, &a, 0..nb, g1..ng, &mut two);
+            prop_assert!(two.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", isa, g1);
+        }
+    }
+
+    /// A whole expert (fused FP4 w13, FP4 w2) on every ISA gives the scalar twin's bits.
+    #[test]
+    fn expert_forward_matches_across_isas(
+        blocks in 1usize..4,
+        h32 in 1usize..5,
+        m in 1usize..6,
+        nv in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let (kind, h, inter) = (kind_of(nv), 32 * h32, 32 * blocks);
+        let gate = test_matrix(kind, inter, h, seed);
+        let up = test_matrix(kind, inter, h, seed ^ 1);
+        let down = test_matrix(kind, h, inter, seed ^ 2);
+        let l13 = fp4::w13_layout(&gate, &up).unwrap();
+        let mut w13 = vec![0u8; l13.bytes()];
+        fp4::pack_w13_into(&gate, &up, &mut w13).unwrap();
+        let (w2, l2) = (fp4::pack(&down), fp4::layout_of(&down));
+        let x = normal(m * h, seed ^ 9);
+        let mut want = vec![0f32; m * h];
+        let mut scratch = ExpertScratch::default();
+        expert_forward(Isa::Scalar, &w13, &l13, &w2, &l2, &x, m, 0.5, &mut want, &mut scratch);
+        prop_assert!(want.iter().all(|v| v.is_finite()));
+        for isa in Isa::available() {
+            let mut got = vec![0f32; m * h];
+            expert_forward(isa, &w13, &l13, &w2, &l2, &x, m, 0.5, &mut got, &mut scratch);
+            // silu differs by a few ulp between ISAs (see silu_mul_w13); the rest is exact.
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= 1e-3 * b.abs().max(1e-3), "{:?}: {} vs {}", isa, a, b);
+            }
+        }
+    }
+}
