@@ -112,9 +112,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 q_lora_rank.map_or("none".to_string(), |r| r.to_string())
             )
         }
-        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias } => println!(
-            "attention    GQA: {heads} heads / {kv_heads} kv heads, head dim {head_dim}{}{}{}{}",
+        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias, output_gate } => println!(
+            "attention    GQA: {heads} heads / {kv_heads} kv heads, head dim {head_dim}{}{}{}{}{}",
             if qk_norm { ", qk-norm" } else { "" },
+            if output_gate { ", output gate" } else { "" },
             if bias.qkv { ", q/k/v biases" } else { "" },
             if bias.o { ", o bias" } else { "" },
             if spec.rope.dim < head_dim {

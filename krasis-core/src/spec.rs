@@ -17,12 +17,28 @@ pub enum Arch {
     /// optional qk-norm; dense first layers, then MoE with sigmoid routing, groups and a
     /// correction bias (DeepSeek-V3's rule) and shared experts.
     Glm4Moe,
+    /// Qwen3-Next (`Qwen3NextForCausalLM`: Qwen3-Next-80B-A3B, Qwen3-Coder-Next): gated-DeltaNet
+    /// linear-attention layers interleaved with gated full attention, every layer MoE with a
+    /// sigmoid-gated shared expert, zero-centred `(1 + w)` norms.
+    Qwen3Next,
+    /// Qwen3.5 / 3.6 MoE (`qwen3_5_moe`): Qwen3-Next's layers in a vision-language wrapper, with
+    /// the DeltaNet projections stored apart and the routed experts fused per layer.
+    Qwen35Moe,
 }
 
 impl Arch {
     /// The `model_type` values of `config.json` Krasis reads.
-    pub const SUPPORTED: &'static [&'static str] =
-        &["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe", "kimi_k2", "kimi_k25"];
+    pub const SUPPORTED: &'static [&'static str] = &[
+        "deepseek_v2",
+        "deepseek_v3",
+        "qwen3_moe",
+        "mixtral",
+        "glm4_moe",
+        "qwen3_next",
+        "qwen3_5_moe",
+        "kimi_k2",
+        "kimi_k25",
+    ];
 
     pub fn model_type(self) -> &'static str {
         match self {
@@ -31,6 +47,8 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3_moe",
             Arch::Mixtral => "mixtral",
             Arch::Glm4Moe => "glm4_moe",
+            Arch::Qwen3Next => "qwen3_next",
+            Arch::Qwen35Moe => "qwen3_5_moe",
         }
     }
 }
@@ -84,9 +102,50 @@ pub enum AttentionSpec {
         qk_rope_head_dim: usize,
         v_head_dim: usize,
     },
-    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3, GLM-4.5) and
-    /// with biases on its projections (GLM-4.5: q/k/v).
-    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool, bias: AttnBias },
+    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3, GLM-4.5),
+    /// with biases on its projections (GLM-4.5: q/k/v) and with an output gate (Qwen3-Next:
+    /// `q_proj` yields, per head, the query and then a gate of the same width; the attention
+    /// output is multiplied by σ(gate) before `o_proj`).
+    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool, bias: AttnBias, output_gate: bool },
+}
+
+/// What mixes tokens in a layer: attention (the model's [`AttentionSpec`]) or a gated-DeltaNet
+/// linear-attention layer ([`DeltaNetSpec`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixerKind {
+    Attention,
+    GatedDeltaNet,
+}
+
+/// A gated-DeltaNet layer's geometry (Qwen3-Next, Qwen3.5): `key_heads` heads of `key_dim` for q
+/// and k, `value_heads` heads of `value_dim` for v (a multiple of the key heads: each key head
+/// serves `value_heads / key_heads` consecutive value heads), and a depthwise causal convolution
+/// of `conv_kernel` taps over the q, k and v channels. The state is `[key_dim, value_dim]` per
+/// value head, whatever the context length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaNetSpec {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetSpec {
+    /// Width of the q and of the k channels (all key heads).
+    pub fn key_width(&self) -> usize {
+        self.key_heads * self.key_dim
+    }
+
+    /// Width of the v channels and of the output (all value heads).
+    pub fn value_width(&self) -> usize {
+        self.value_heads * self.value_dim
+    }
+
+    /// Channels of the convolution: q, k and v.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_width() + self.value_width()
+    }
 }
 
 /// Which projections of an attention layer add a bias after the matrix product (one option of
@@ -137,6 +196,16 @@ impl AttentionSpec {
     pub fn heads(&self) -> usize {
         match self {
             AttentionSpec::Mla { heads, .. } | AttentionSpec::Gqa { heads, .. } => *heads,
+        }
+    }
+
+    /// Width of `q_proj`'s output: the queries, and with an output gate as much again.
+    pub fn gqa_q_rows(&self) -> Option<usize> {
+        match *self {
+            AttentionSpec::Gqa { heads, head_dim, output_gate, .. } => {
+                Some(heads * head_dim * if output_gate { 2 } else { 1 })
+            }
+            AttentionSpec::Mla { .. } => None,
         }
     }
 }
@@ -242,6 +311,13 @@ pub struct ModelSpec {
     pub softmax_scale: f32,
     pub moe: Option<MoeSpec>,
     pub layers: Vec<FfnKind>,
+    /// Each layer's token mixer, `num_layers` long: attention everywhere except in hybrid
+    /// linear-attention models, whose DeltaNet layers are described by `delta_net`.
+    pub mixers: Vec<MixerKind>,
+    pub delta_net: Option<DeltaNetSpec>,
+    /// The model's RMSNorm weights are stored zero-centred: a norm scales by `1 + w` (Qwen3-Next,
+    /// Qwen3.5: the layer norms, the final norm and q/k norms; not the DeltaNet output norm).
+    pub norm_plus_one: bool,
     pub source_quant: SourceQuant,
     /// Per MoE layer, in `moe_layers()` order: the code bits of the stored routed-expert
     /// projections `[gate, up, down]` where the weights carry a type per tensor (a GGUF: 4 for
@@ -253,6 +329,11 @@ pub struct ModelSpec {
 impl ModelSpec {
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
         self.layers.iter().enumerate().filter(|(_, k)| matches!(k, FfnKind::Moe)).map(|(i, _)| i)
+    }
+
+    /// Whether layer `l` is a gated-DeltaNet layer.
+    pub fn is_delta_net(&self, l: usize) -> bool {
+        self.mixers.get(l) == Some(&MixerKind::GatedDeltaNet)
     }
 
     /// Routed experts per MoE layer (0 for a dense model).

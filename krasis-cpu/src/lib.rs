@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod aligned;
+pub mod delta_rule;
 pub mod attention;
 pub mod expf;
 pub mod gemm;

@@ -316,7 +316,7 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (151552, 5120, 92));
     assert_eq!(s.eos_token_ids, vec![151329, 151336]);
     let bias = AttnBias { qkv: true, o: false };
-    assert_eq!(s.attention, AttentionSpec::Gqa { heads: 96, kv_heads: 8, head_dim: 128, qk_norm: true, bias });
+    assert_eq!(s.attention, AttentionSpec::Gqa { heads: 96, kv_heads: 8, head_dim: 128, qk_norm: true, bias, output_gate: false });
     // partial_rotary_factor 0.5: the first 64 of 128 dims, half-split pairs.
     assert_eq!((s.rope.dim, s.rope.pairing, s.rope.theta), (64, RopePairing::Halves, 1e6));
     assert!(s.layers[..3].iter().all(|l| *l == FfnKind::Dense { intermediate_size: 12288 }));
@@ -343,7 +343,7 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     // whole decoder layer plus eh_proj, enorm/hnorm, shared_head and a copy of the embedding.
     // Krasis does not load it.
     let left =
-        compare(&expected(&CheckpointConfig { spec: s, tensor_prefix: "", notes: Vec::new() }), &published, |n| {
+        compare(&expected(&CheckpointConfig { spec: s, tensor_prefix: "", canonical_prefix: "", layout: Default::default(), notes: Vec::new() }), &published, |n| {
             n.starts_with("model.layers.92.")
         });
     assert_eq!(left, 11 + 485 + 6, "layer 92: attention and norms, its MoE block, the MTP parts");

@@ -72,7 +72,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
         .collect();
     Ok(c.spec(FamilyParts {
         arch: Arch::Glm4Moe,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias },
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias, output_gate: false },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe: Some(MoeSpec {

@@ -36,7 +36,8 @@ fn glm4_moe_reads_biases_partial_rotary_groups_and_dense_first_layers() {
             kv_heads: 2,
             head_dim: 48,
             qk_norm: false,
-            bias: AttnBias { qkv: true, o: false }
+            bias: AttnBias { qkv: true, o: false },
+            output_gate: false
         }
     );
     assert_eq!((s.rope.dim, s.rope.pairing, s.rope.theta), (24, RopePairing::Halves, 1e6));

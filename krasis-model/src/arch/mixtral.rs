@@ -34,7 +34,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let layers = vec![FfnKind::Moe; c.num_layers];
     Ok(c.spec(FamilyParts {
         arch: Arch::Mixtral,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false, bias: AttnBias::NONE },
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false, bias: AttnBias::NONE, output_gate: false },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe: Some(MoeSpec {

@@ -10,6 +10,7 @@ mod deepseek;
 mod glm4_moe;
 mod mixtral;
 mod qwen3_moe;
+mod qwen3_next;
 
 #[cfg(test)]
 mod glm4_moe_tests;
@@ -116,9 +117,30 @@ pub struct CheckpointConfig {
     /// for Kimi-K2.5, whose `config.json` nests the text model in `text_config`); the canonical
     /// name is what follows it. Empty when the stored names are the canonical ones.
     pub tensor_prefix: &'static str,
+    /// What replaces `tensor_prefix` in a canonical name (`model.` for Qwen3.5, whose text model
+    /// is stored under `model.language_model.`); empty when the prefix is only dropped.
+    pub canonical_prefix: &'static str,
+    /// How the checkpoint stores tensors the inventory names otherwise.
+    pub layout: StoredLayout,
     /// What Krasis leaves out of the checkpoint, one sentence each (the vision tower of a
     /// vision-language model), for the caller to show.
     pub notes: Vec<String>,
+}
+
+/// How a checkpoint stores tensors that the inventory ([`crate::model::tensors`]) names one
+/// way: what the weight source adapts when it opens the files
+/// ([`crate::source::adapt::AdaptedSource`]), so the engines see the canonical tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoredLayout {
+    /// The routed experts of a layer are two 3-D tensors without a `.weight` suffix:
+    /// `experts.gate_up_proj` `[E, 2I, H]` (each expert's gate rows, then its up rows) and
+    /// `experts.down_proj` `[E, H, I]` (Qwen3.5).
+    pub fused_experts: bool,
+    /// A DeltaNet layer's input projections are fused per key head: `in_proj_qkvz` holds, for
+    /// each key head, its q rows, k rows, then the v and z rows of the value heads it serves;
+    /// `in_proj_ba` holds, per key head, the b rows then the a rows of those value heads
+    /// (Qwen3-Next).
+    pub fused_delta_net_inputs: bool,
 }
 
 /// Read and parse `<dir>/config.json`. A path that is a file, or a directory without
@@ -202,12 +224,16 @@ pub fn parse_checkpoint_config(text: &str, path: &Path) -> Result<CheckpointConf
     if model_type == "kimi_k25" {
         return parse_kimi_k25(&f);
     }
+    if model_type == "qwen3_5_moe" {
+        return parse_qwen35_moe(&f);
+    }
     let spec = parse_text_model(&f, model_type).ok_or_else(|| ModelError::UnsupportedArch {
         path: path.to_path_buf(),
         found: model_type.to_string(),
         supported: Arch::SUPPORTED.join(", "),
     })??;
-    Ok(CheckpointConfig { spec, tensor_prefix: "", notes: Vec::new() })
+    let layout = StoredLayout { fused_delta_net_inputs: spec.arch == Arch::Qwen3Next, ..StoredLayout::default() };
+    Ok(CheckpointConfig { spec, tensor_prefix: "", canonical_prefix: "", layout, notes: Vec::new() })
 }
 
 /// The text model of a `model_type` (`None`: not a text family Krasis runs).
@@ -218,6 +244,7 @@ fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
         "qwen3_moe" => qwen3_moe::parse(f),
         "mixtral" => mixtral::parse(f),
         "glm4_moe" => glm4_moe::parse(f),
+        "qwen3_next" => qwen3_next::parse(f, Arch::Qwen3Next),
         _ => return None,
     })
 }
@@ -257,7 +284,69 @@ fn parse_kimi_k25(f: &Fields) -> Result<CheckpointConfig> {
             f.path.display()
         )],
     };
-    Ok(CheckpointConfig { spec, tensor_prefix: "language_model.", notes })
+    Ok(CheckpointConfig {
+        spec,
+        tensor_prefix: "language_model.",
+        canonical_prefix: "",
+        layout: StoredLayout::default(),
+        notes,
+    })
+}
+
+/// `text_config` of a vision-language wrapper as [`Fields`], and the mapping of its errors'
+/// fields to `text_config.<field>`.
+fn text_config<'a>(f: &Fields<'a>, wrapper: &str) -> Result<Fields<'a>> {
+    match f.present("text_config") {
+        Some(Value::Object(obj)) => Ok(Fields { path: f.path, obj }),
+        Some(v) => Err(f.err("text_config", format!("expected an object, found {v}"))),
+        None => Err(f.err("text_config", format!("missing ({wrapper} nests its text model there)"))),
+    }
+}
+
+fn nested_field(e: ModelError) -> ModelError {
+    match e {
+        ModelError::Config { path, field, msg } => {
+            ModelError::Config { path, field: format!("text_config.{field}"), msg }
+        }
+        e => e,
+    }
+}
+
+/// Qwen3.5 / 3.6 MoE: the text model is `text_config` (`model_type` `qwen3_5_moe_text`), its
+/// tensors are under `model.language_model.` (the LM head is `lm_head.weight`), the routed
+/// experts fused per layer; the vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are
+/// not loaded.
+fn parse_qwen35_moe(f: &Fields) -> Result<CheckpointConfig> {
+    let t = text_config(f, "qwen3_5_moe")?;
+    match t.str_opt("model_type").map_err(nested_field)? {
+        None | Some("qwen3_5_moe_text") => {}
+        Some(other) => {
+            return Err(f.err(
+                "text_config.model_type",
+                format!("`{other}` is not the text model of qwen3_5_moe (expected qwen3_5_moe_text)"),
+            ))
+        }
+    }
+    let mut spec = qwen3_next::parse(&t, Arch::Qwen35Moe).map_err(nested_field)?;
+    // The wrapper's own `tie_word_embeddings` is what transformers' model ties by.
+    if let Some(tie) = f.present("tie_word_embeddings").and_then(Value::as_bool) {
+        spec.tie_word_embeddings = tie;
+    }
+    let mut notes = Vec::new();
+    if f.present("vision_config").is_some() {
+        notes.push(format!(
+            "{}: qwen3_5_moe is a vision-language model; Krasis runs its text model (`text_config`) only: \
+             the vision tower (`vision_config`, tensors `model.visual.*`) is not loaded",
+            f.path.display()
+        ));
+    }
+    Ok(CheckpointConfig {
+        spec,
+        tensor_prefix: "model.language_model.",
+        canonical_prefix: "model.",
+        layout: StoredLayout { fused_experts: true, ..StoredLayout::default() },
+        notes,
+    })
 }
 
 struct Common {
@@ -299,6 +388,10 @@ impl Common {
             rope: p.rope,
             softmax_scale: p.softmax_scale,
             moe: p.moe,
+            // Attention in every layer; a hybrid family sets its own after.
+            mixers: vec![MixerKind::Attention; self.num_layers],
+            delta_net: None,
+            norm_plus_one: false,
             layers: p.layers,
             source_quant: p.source_quant,
             expert_source_bits: Vec::new(),

@@ -64,7 +64,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     };
     Ok(c.spec(FamilyParts {
         arch: Arch::Qwen3Moe,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE },
+        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE, output_gate: false },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe,

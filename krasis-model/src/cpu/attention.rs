@@ -426,6 +426,9 @@ pub struct GqaAttention<'w> {
     pub head_dim: usize,
     pub eps: f32,
     pub scale: f32,
+    /// `q_proj` yields per head the query and then an output gate of the same width; the
+    /// attention output is multiplied by σ(gate) before `o_proj` (Qwen3-Next).
+    pub output_gate: bool,
     pub w: &'w GqaParts<Box<dyn LinearOp>, Vec<f32>>,
 }
 
@@ -434,11 +437,23 @@ impl GqaAttention<'_> {
     pub fn forward(&self, x: &[f32], seqs: &mut [SeqKv<'_>], rope: &RopeBatch, out: &mut [f32]) {
         let (h, kvh, hd) = (self.heads, self.kv_heads, self.head_dim);
         let t: usize = seqs.iter().map(|s| s.rows).sum();
-        let mut q = vec![0f32; t * h * hd];
+        let gated = if self.output_gate { 2 } else { 1 };
+        let mut q = vec![0f32; t * h * hd * gated];
         let mut k = vec![0f32; t * kvh * hd];
         let mut v = vec![0f32; t * kvh * hd];
         let ops = [self.w.q.as_ref(), self.w.k.as_ref(), self.w.v.as_ref()];
         forward_shared_input(&ops, x, t, &mut [&mut q, &mut k, &mut v]);
+        // Per head [query | gate]: the queries go on, the gates wait for the output.
+        let gate = self.output_gate.then(|| {
+            let mut gate = Vec::with_capacity(t * h * hd);
+            let mut query = Vec::with_capacity(t * h * hd);
+            for head in q.chunks_exact(2 * hd) {
+                query.extend_from_slice(&head[..hd]);
+                gate.extend_from_slice(&head[hd..]);
+            }
+            q = query;
+            gate
+        });
         if let Some([qb, kb, vb]) = &self.w.qkv_bias {
             add_bias_rows(&mut q, qb);
             add_bias_rows(&mut k, kb);
@@ -467,6 +482,11 @@ impl GqaAttention<'_> {
                 &mut o[off * w..(off + n) * w],
             );
         });
+        if let Some(gate) = gate {
+            for (x, g) in o.iter_mut().zip(gate) {
+                *x /= 1.0 + (-g).exp();
+            }
+        }
         self.w.o.forward(&o, t, out);
         if let Some(ob) = &self.w.o_bias {
             add_bias_rows(&mut out[..t * ob.len()], ob);

@@ -224,7 +224,11 @@ pub fn cpu_estimate(
         let n = t.numel() as u64;
         match t.role {
             TensorRole::RoutedExpert { .. } => routed += held(&t),
-            TensorRole::Norm | TensorRole::RouterBias | TensorRole::Bias => est.dense_bytes += n * 4,
+            TensorRole::Norm
+            | TensorRole::CentredNorm
+            | TensorRole::MixerParam
+            | TensorRole::RouterBias
+            | TensorRole::Bias => est.dense_bytes += n * 4,
             TensorRole::Router => est.dense_bytes += held(&t),
             TensorRole::Attention if t.name.ends_with("kv_b_proj.weight") && !kv_b_packed => est.dense_bytes += n * 4,
             TensorRole::Embedding => {

@@ -5,6 +5,7 @@
 //! matrices through [`LinearOp`], routed experts through [`LayerExperts`].
 
 pub mod attention;
+pub mod deltanet;
 pub mod dense_cache;
 pub mod experts;
 pub mod ffn;
@@ -27,6 +28,7 @@ use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::Bits;
 
 use self::attention::{new_layer_cache, GqaAttention, KvB, MlaAttention, RopeBatch, SeqKv};
+use self::deltanet::{DeltaNetOp, DeltaState, SeqDelta};
 use self::experts::{ExecutorLayer, ExpertExecutor, LayerExperts, ReferenceExperts};
 use self::ffn::{CpuRouter, Mlp};
 use self::kv::LayerKv;
@@ -34,7 +36,9 @@ use crate::cpu::dense_cache::{kv_b_entry_name, w13_entry_name};
 use crate::cpu::packed_ops::{kv_b_layouts, w13_layout, PackedBytes, PackedKvB, PooledMlp};
 use crate::cpu::quantized::QuantLinear;
 use crate::error::{ModelError, Result};
-use crate::model::build::{build, GqaParts, LinearClass, MlaParts, MoeWeights, WeightBuilder, WeightKinds, Weights};
+use crate::model::build::{
+    build, DeltaNetParts, GqaParts, LinearClass, MlaParts, MoeWeights, WeightBuilder, WeightKinds, Weights,
+};
 use crate::model::linear::{DenseLinear, LinearOp};
 use crate::model::rope::RotaryTables;
 use crate::model::tensors::{MlpTensors, TensorRole, TensorSpec};
@@ -138,18 +142,22 @@ impl ForwardStats {
     }
 }
 
-/// One conversation's state: the KV cache of every layer.
+/// One conversation's state: the KV cache of every attention layer, the recurrent state of
+/// every DeltaNet layer, and how many tokens it holds.
 pub struct Session {
     kv: Vec<LayerKv>,
+    delta: Vec<DeltaState>,
+    pos: usize,
 }
 
 impl Session {
     pub fn position(&self) -> usize {
-        self.kv.first().map_or(0, |k| k.len())
+        self.pos
     }
 
+    /// Bytes of the KV caches and the DeltaNet states.
     pub fn kv_bytes(&self) -> usize {
-        self.kv.iter().map(|k| k.bytes()).sum()
+        self.kv.iter().map(|k| k.bytes()).sum::<usize>() + self.delta.iter().map(|d| d.bytes()).sum::<usize>()
     }
 }
 
@@ -461,7 +469,15 @@ impl Model {
     }
 
     pub fn new_session(&self) -> Session {
-        Session { kv: (0..self.spec.num_layers).map(|_| new_layer_cache(&self.spec.attention)).collect() }
+        let delta = |l| match self.spec.delta_net {
+            Some(d) if self.spec.is_delta_net(l) => DeltaState::new(&d),
+            _ => DeltaState::default(),
+        };
+        Session {
+            kv: (0..self.spec.num_layers).map(|_| new_layer_cache(&self.spec.attention)).collect(),
+            delta: (0..self.spec.num_layers).map(delta).collect(),
+            pos: 0,
+        }
     }
 
     /// Check token ids against the vocabulary.
@@ -554,6 +570,9 @@ impl Model {
         };
         crate::model::walk::forward(&self.weights, &mut step, 0..self.weights.layers.len())?;
         let x = step.xn;
+        for s in seqs.iter_mut() {
+            s.session.pos += s.tokens.len();
+        }
         // The rows that get logits, gathered so the LM head reads its weights once.
         let mut rows = Vec::new();
         let mut counts = Vec::with_capacity(seqs.len());
@@ -646,12 +665,32 @@ impl LayerOps<CpuKinds> for CpuStep<'_, '_, '_, '_, '_> {
 
     fn gqa(&mut self, l: usize, w: &GqaParts<Box<dyn LinearOp>, Vec<f32>>) -> Result<()> {
         let spec = &self.model.spec;
-        let AttentionSpec::Gqa { heads, kv_heads, head_dim, .. } = spec.attention else {
+        let AttentionSpec::Gqa { heads, kv_heads, head_dim, output_gate, .. } = spec.attention else {
             unreachable!("the walk gives GQA weights to a GQA model")
         };
-        let a = GqaAttention { heads, kv_heads, head_dim, eps: spec.rms_norm_eps, scale: spec.softmax_scale, w };
+        let a = GqaAttention {
+            heads,
+            kv_heads,
+            head_dim,
+            eps: spec.rms_norm_eps,
+            scale: spec.softmax_scale,
+            output_gate,
+            w,
+        };
         let started = std::time::Instant::now();
         a.forward(&self.xn, &mut layer_kv(self.seqs, l), &self.rope, &mut self.y);
+        self.model.attention_done(started);
+        Ok(())
+    }
+
+    fn gated_delta_net(&mut self, l: usize, w: &DeltaNetParts<Box<dyn LinearOp>, Vec<f32>>) -> Result<()> {
+        let spec = &self.model.spec;
+        let d = spec.delta_net.expect("the walk gives DeltaNet weights to a DeltaNet model");
+        let op = DeltaNetOp { spec: d, eps: spec.rms_norm_eps, w };
+        let started = std::time::Instant::now();
+        let mut seqs: Vec<SeqDelta<'_>> =
+            self.seqs.iter_mut().map(|s| SeqDelta { rows: s.tokens.len(), state: &mut s.session.delta[l] }).collect();
+        op.forward(&self.xn, &mut seqs, &mut self.y);
         self.model.attention_done(started);
         Ok(())
     }

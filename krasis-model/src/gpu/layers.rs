@@ -14,7 +14,7 @@ use super::profile::Part;
 use super::session::{grow, KvRows, StepIo};
 use crate::cpu::experts::LayerExperts;
 use crate::error::{ModelError, Result};
-use crate::model::build::{GqaParts, MlaParts, MoeWeights, WeightKinds};
+use crate::model::build::{DeltaNetParts, GqaParts, MlaParts, MoeWeights, WeightKinds};
 use crate::model::walk::{LayerOps, NextMoe, NormAt};
 use crate::spec::{AttentionSpec, MlaDims, ModelSpec};
 
@@ -210,6 +210,11 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
         let dims = c.spec.attention.mla_dims().expect("the walk gives MLA weights to an MLA model");
         GpuMla { dims, scale: c.spec.softmax_scale, w }.forward(c, l, self.s)?;
         self.s.mark(c.dev, Part::Attention)
+    }
+
+    fn gated_delta_net(&mut self, l: usize, _w: &DeltaNetParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {
+        // `check_gpu_layers` refuses such a model before it loads; kept as an error, not a panic.
+        Err(ModelError::Invalid(format!("layer {l}: gated-DeltaNet layers do not run on the GPU engine yet")))
     }
 
     fn gqa(&mut self, l: usize, w: &GqaParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {

@@ -57,6 +57,20 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
     out
 }
 
+/// Refuses, before anything is uploaded, a model with layers the GPU engine does not run yet:
+/// gated-DeltaNet layers and the attention output gate (Qwen3-Next, Qwen3.5), which the CPU
+/// engine runs.
+pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
+    let gated = matches!(spec.attention, crate::spec::AttentionSpec::Gqa { output_gate: true, .. });
+    if spec.delta_net.is_some() || gated {
+        return Err(ModelError::Invalid(format!(
+            "{}: gated-DeltaNet layers and gated attention do not run on the GPU engine yet; the CPU engine runs them",
+            spec.arch.model_type()
+        )));
+    }
+    Ok(())
+}
+
 /// Context the whole-model-on-the-GPU estimate keeps room for (below this, `--device auto` takes
 /// the hybrid path): a model that loads but holds a few hundred tokens of KV is of no use.
 pub const MIN_USEFUL_KV_TOKENS: usize = 4096;
@@ -85,7 +99,8 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
                 Some(bits) => n * bits.bits() as u64 / 8 + n / 16,
                 None => 2 * n,
             },
-            TensorRole::Embedding | TensorRole::Norm | TensorRole::RouterBias | TensorRole::Bias => 2 * n,
+            TensorRole::Embedding | TensorRole::Norm | TensorRole::CentredNorm | TensorRole::RouterBias | TensorRole::Bias => 2 * n,
+            TensorRole::MixerParam => 4 * n,
         };
     }
     let (planes, row, group) = kv_geometry(spec);
@@ -634,6 +649,7 @@ impl GpuModel {
         experts: ExpertPlacement,
         expert_cache: Option<&ExpertCache>,
     ) -> Result<GpuModel> {
+        check_gpu_layers(&spec)?;
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];

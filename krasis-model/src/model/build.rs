@@ -99,9 +99,25 @@ pub struct GqaParts<L, V> {
     pub o_bias: Option<V>,
 }
 
+/// A gated-DeltaNet layer's weights as a backend holds them (`L`: a linear, `V`: a vector);
+/// see [`crate::model::tensors::AttentionTensors::GatedDeltaNet`]. `conv` is `[channels, kernel]`
+/// row-major, `a_log` and `dt_bias` one value per value head, `norm` the output norm's gain.
+pub struct DeltaNetParts<L, V> {
+    pub qkv: L,
+    pub z: L,
+    pub b: L,
+    pub a: L,
+    pub conv: V,
+    pub a_log: V,
+    pub dt_bias: V,
+    pub norm: V,
+    pub out: L,
+}
+
 pub enum AttentionWeights<K: WeightKinds> {
     Mla(MlaParts<K::Linear, K::Vector, K::KvB>),
     Gqa(GqaParts<K::Linear, K::Vector>),
+    GatedDeltaNet(DeltaNetParts<K::Linear, K::Vector>),
 }
 
 /// A MoE feed-forward block: the router, the routed experts' backend and the optional shared
@@ -185,6 +201,19 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
             },
             o_bias: o_bias.as_ref().map(|t| b.vector(t)).transpose()?,
         }),
+        AttentionTensors::GatedDeltaNet { qkv, z, b: beta, a: alpha, conv, a_log, dt_bias, norm, out } => {
+            AttentionWeights::GatedDeltaNet(DeltaNetParts {
+                qkv: b.linear(qkv, a)?,
+                z: b.linear(z, a)?,
+                b: b.linear(beta, a)?,
+                a: b.linear(alpha, a)?,
+                conv: b.vector(conv)?,
+                a_log: b.vector(a_log)?,
+                dt_bias: b.vector(dt_bias)?,
+                norm: b.vector(norm)?,
+                out: b.linear(out, a)?,
+            })
+        }
     })
 }
 

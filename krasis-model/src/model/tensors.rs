@@ -9,7 +9,13 @@ pub enum TensorRole {
     Embedding,
     LmHead,
     Norm,
+    /// A norm weight stored zero-centred: the norm scales by `1 + w` (Qwen3-Next, Qwen3.5);
+    /// loaders add the 1 ([`crate::model::weights::WeightLoader::vector_of`]).
+    CentredNorm,
     Attention,
+    /// A small parameter of a linear-attention layer, held in f32: DeltaNet's convolution taps,
+    /// `A_log` and `dt_bias`.
+    MixerParam,
     /// The bias vector of a projection (`[out]`: attention q/k/v/o biases), added after the
     /// matrix product; held unquantised.
     Bias,
@@ -83,6 +89,22 @@ pub enum AttentionTensors {
         /// `o_proj.bias` ([`crate::spec::AttnBias::o`]).
         o_bias: Option<TensorSpec>,
     },
+    /// A gated-DeltaNet layer ([`crate::spec::DeltaNetSpec`]), under `linear_attn.`: the input
+    /// projections `in_proj_qkv` (q of all key heads, then k, then v of all value heads), `in_proj_z`
+    /// (the output gate), `in_proj_b` (β) and `in_proj_a` (the decay's input), the depthwise
+    /// `conv1d` over the q, k and v channels, `A_log`, `dt_bias`, the gated output `norm` (a
+    /// plain gain) and `out_proj`.
+    GatedDeltaNet {
+        qkv: TensorSpec,
+        z: TensorSpec,
+        b: TensorSpec,
+        a: TensorSpec,
+        conv: TensorSpec,
+        a_log: TensorSpec,
+        dt_bias: TensorSpec,
+        norm: TensorSpec,
+        out: TensorSpec,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -152,7 +174,38 @@ pub fn expert_tensors(spec: &ModelSpec, l: usize, e: usize) -> MlpTensors {
     }
 }
 
+/// The role of the model's norm weights ([`TensorRole::CentredNorm`] when stored zero-centred).
+fn norm_role(spec: &ModelSpec) -> TensorRole {
+    if spec.norm_plus_one {
+        TensorRole::CentredNorm
+    } else {
+        TensorRole::Norm
+    }
+}
+
+fn delta_net_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
+    let d = spec.delta_net.expect("a DeltaNet layer implies the DeltaNet spec");
+    let (h, kw, vw) = (spec.hidden_size, d.key_width(), d.value_width());
+    let p = format!("{}.linear_attn", layer_prefix(l));
+    let w = |name: &str, shape: Vec<usize>, role| tensor(format!("{p}.{name}.weight"), shape, role);
+    let param = |name: &str, n: usize| tensor(format!("{p}.{name}"), vec![n], TensorRole::MixerParam);
+    AttentionTensors::GatedDeltaNet {
+        qkv: w("in_proj_qkv", vec![2 * kw + vw, h], TensorRole::Attention),
+        z: w("in_proj_z", vec![vw, h], TensorRole::Attention),
+        b: w("in_proj_b", vec![d.value_heads, h], TensorRole::Attention),
+        a: w("in_proj_a", vec![d.value_heads, h], TensorRole::Attention),
+        conv: w("conv1d", vec![d.conv_channels(), 1, d.conv_kernel], TensorRole::MixerParam),
+        a_log: param("A_log", d.value_heads),
+        dt_bias: param("dt_bias", d.value_heads),
+        norm: w("norm", vec![d.value_dim], TensorRole::Norm),
+        out: w("out_proj", vec![h, vw], TensorRole::Attention),
+    }
+}
+
 fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
+    if spec.is_delta_net(l) {
+        return delta_net_tensors(spec, l);
+    }
     let h = spec.hidden_size;
     let a = format!("{}.self_attn", layer_prefix(l));
     let t = |name: &str, shape: Vec<usize>, role: TensorRole| tensor(format!("{a}.{name}.weight"), shape, role);
@@ -176,14 +229,13 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
                 o: proj("o_proj", vec![h, heads * v_head_dim]),
             }
         }
-        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias: b } => AttentionTensors::Gqa {
-            q: proj("q_proj", vec![heads * head_dim, h]),
+        AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias: b, output_gate } => AttentionTensors::Gqa {
+            q: proj("q_proj", vec![heads * head_dim * if output_gate { 2 } else { 1 }, h]),
             k: proj("k_proj", vec![kv_heads * head_dim, h]),
             v: proj("v_proj", vec![kv_heads * head_dim, h]),
             o: proj("o_proj", vec![h, heads * head_dim]),
-            qk_norm: qk_norm.then(|| {
-                (t("q_norm", vec![head_dim], TensorRole::Norm), t("k_norm", vec![head_dim], TensorRole::Norm))
-            }),
+            qk_norm: qk_norm
+                .then(|| (t("q_norm", vec![head_dim], norm_role(spec)), t("k_norm", vec![head_dim], norm_role(spec)))),
             qkv_bias: b.qkv.then(|| {
                 [
                     bias("q_proj", heads * head_dim),
@@ -225,12 +277,8 @@ pub fn model_tensors(spec: &ModelSpec) -> ModelTensors {
         .iter()
         .enumerate()
         .map(|(l, kind)| LayerTensors {
-            input_norm: tensor(format!("{}.input_layernorm.weight", layer_prefix(l)), vec![h], TensorRole::Norm),
-            post_norm: tensor(
-                format!("{}.post_attention_layernorm.weight", layer_prefix(l)),
-                vec![h],
-                TensorRole::Norm,
-            ),
+            input_norm: tensor(format!("{}.input_layernorm.weight", layer_prefix(l)), vec![h], norm_role(spec)),
+            post_norm: tensor(format!("{}.post_attention_layernorm.weight", layer_prefix(l)), vec![h], norm_role(spec)),
             attention: attention_tensors(spec, l),
             ffn: ffn_tensors(spec, l, kind),
         })
@@ -241,7 +289,7 @@ pub fn model_tensors(spec: &ModelSpec) -> ModelTensors {
         lm_head: tensor(lm_head_name, vec![spec.vocab_size, h], TensorRole::LmHead),
         embed,
         layers,
-        final_norm: tensor("model.norm.weight".into(), vec![h], TensorRole::Norm),
+        final_norm: tensor("model.norm.weight".into(), vec![h], norm_role(spec)),
         tied_lm_head: tied,
     }
 }
@@ -274,6 +322,9 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
                 if let Some((qn, kn)) = qk_norm {
                     out.extend([qn, kn]);
                 }
+            }
+            AttentionTensors::GatedDeltaNet { qkv, z, b, a, conv, a_log, dt_bias, norm, out: o } => {
+                out.extend([qkv, z, b, a, conv, a_log, dt_bias, norm, o]);
             }
         }
         match layer.ffn {

@@ -12,7 +12,9 @@
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::model::build::{AttentionWeights, FfnWeights, GqaParts, MlaParts, MoeWeights, WeightKinds, Weights};
+use crate::model::build::{
+    AttentionWeights, DeltaNetParts, FfnWeights, GqaParts, MlaParts, MoeWeights, WeightKinds, Weights,
+};
 
 /// Which norm of the walk a [`LayerOps::residual_norm`] call is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +44,8 @@ pub trait LayerOps<K: WeightKinds> {
     fn mla(&mut self, l: usize, w: &MlaParts<K::Linear, K::Vector, K::KvB>) -> Result<()>;
     /// GQA attention of layer `l` over `xn` into `y`, appending to the layer's KV cache.
     fn gqa(&mut self, l: usize, w: &GqaParts<K::Linear, K::Vector>) -> Result<()>;
+    /// A gated-DeltaNet layer `l` over `xn` into `y`, advancing the layer's recurrent state.
+    fn gated_delta_net(&mut self, l: usize, w: &DeltaNetParts<K::Linear, K::Vector>) -> Result<()>;
     /// A dense layer's MLP over `xn` into `y`.
     fn mlp(&mut self, l: usize, w: &K::Mlp) -> Result<()>;
     /// A MoE layer over `xn` into `y`: routed experts plus the shared expert.
@@ -66,6 +70,7 @@ pub fn forward<K: WeightKinds, O: LayerOps<K>>(weights: &Weights<K>, ops: &mut O
         match &w.attention {
             AttentionWeights::Mla(a) => ops.mla(l, a)?,
             AttentionWeights::Gqa(a) => ops.gqa(l, a)?,
+            AttentionWeights::GatedDeltaNet(a) => ops.gated_delta_net(l, a)?,
         }
         ops.residual_norm(&w.post_norm, true, NormAt::PostAttention(l))?;
         match &w.ffn {
@@ -104,6 +109,11 @@ pub fn for_each_dense_part<K: WeightKinds>(
         }
         AttentionWeights::Gqa(a) => {
             for l in [&a.q, &a.k, &a.v, &a.o] {
+                f(Part::Linear(l));
+            }
+        }
+        AttentionWeights::GatedDeltaNet(a) => {
+            for l in [&a.qkv, &a.z, &a.b, &a.a, &a.out] {
                 f(Part::Linear(l));
             }
         }
@@ -157,6 +167,10 @@ mod tests {
         }
         fn gqa(&mut self, l: usize, w: &GqaParts<&'static str, &'static str>) -> Result<()> {
             self.0.push(format!("gqa {l} {}", w.o));
+            Ok(())
+        }
+        fn gated_delta_net(&mut self, l: usize, w: &DeltaNetParts<&'static str, &'static str>) -> Result<()> {
+            self.0.push(format!("deltanet {l} {}", w.out));
             Ok(())
         }
         fn mlp(&mut self, l: usize, w: &&'static str) -> Result<()> {

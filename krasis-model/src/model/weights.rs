@@ -9,7 +9,7 @@ use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::error::{ModelError, Result};
 use crate::model::linear::{DenseLinear, MatrixData};
-use crate::model::tensors::TensorSpec;
+use crate::model::tensors::{TensorRole, TensorSpec};
 use crate::source::{StoredTensor, WeightSource};
 use crate::spec::SourceQuant;
 
@@ -53,9 +53,16 @@ impl<'a> WeightLoader<'a> {
         self.matrix(&t.name, t.shape[0], t.shape[1])
     }
 
-    /// A 1-D tensor of the inventory as f32.
+    /// A small tensor of the inventory as f32, flattened (norm weights, biases, DeltaNet's
+    /// convolution taps). A zero-centred norm ([`TensorRole::CentredNorm`]) comes back as the
+    /// `1 + w` it scales by.
     pub fn vector_of(&self, t: &TensorSpec) -> Result<Vec<f32>> {
-        self.vector(&t.name, t.shape[0])
+        let stored = self.checked(&t.name, &t.shape, FLOATS)?;
+        let mut v = stored.view().to_f32_vec().expect("float dtype converts");
+        if t.role == TensorRole::CentredNorm {
+            v.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(v)
     }
 
     /// A 1-D or small tensor as f32 (norm weights, biases).

@@ -7,8 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use crate::arch::load_checkpoint_config;
+use crate::arch::{load_checkpoint_config, StoredLayout};
 use crate::error::{ModelError, Result};
+use crate::source::adapt::AdaptedSource;
 use crate::source::gguf::{spec_from_gguf, GgufModel, GgufSource};
 use crate::source::{fnv1a, SafetensorsDir, WeightSource};
 use crate::spec::ModelSpec;
@@ -50,15 +51,20 @@ impl ModelFiles {
             return Self::open_gguf(path);
         }
         let cfg = load_checkpoint_config(path)?;
-        let weights = SafetensorsDir::open_with_prefix(path, cfg.tensor_prefix)?;
+        let weights = SafetensorsDir::open_with_prefix(path, cfg.tensor_prefix, cfg.canonical_prefix)?;
         let fingerprint = safetensors_fingerprint(path, &weights)?;
+        let source: Arc<dyn WeightSource> = if cfg.layout == StoredLayout::default() {
+            Arc::new(weights)
+        } else {
+            Arc::new(AdaptedSource::new(weights, &cfg.spec, cfg.layout)?)
+        };
         for note in &cfg.notes {
             tracing::info!("{note}");
         }
         Ok(ModelFiles {
             path: path.to_path_buf(),
             spec: cfg.spec,
-            source: Arc::new(weights),
+            source,
             fingerprint,
             codec: OnceLock::new(),
             gguf: None,

@@ -1,6 +1,7 @@
 //! Weight sources: canonical tensor names → typed views. Implemented by the safetensors
 //! directory and by GGUF files; the loader above never knows which one it talks to.
 
+pub mod adapt;
 pub mod files;
 pub mod gguf;
 mod safetensors;
@@ -66,6 +67,25 @@ impl SharedBytes {
         }
     }
 
+    /// Bytes held in memory of their own (4-byte aligned), as [`SharedBytes::copied`] keeps them.
+    pub fn from_bytes(src: &[u8]) -> Self {
+        let mut v = vec![0f32; src.len().div_ceil(4)];
+        bytemuck::cast_slice_mut::<f32, u8>(&mut v)[..src.len()].copy_from_slice(src);
+        SharedBytes { backing: Backing::Floats(v.into()), range: 0..src.len() }
+    }
+
+    /// Bytes `range` of these bytes, sharing the backing (a mapped range stays mapped).
+    ///
+    /// # Panics
+    /// If `range` runs past these bytes.
+    pub fn slice(&self, range: Range<usize>) -> SharedBytes {
+        assert!(range.start <= range.end && range.end <= self.range.len(), "SharedBytes::slice out of range");
+        SharedBytes {
+            backing: self.backing.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+        }
+    }
+
     /// Whether the bytes are a range of a file mapping (not copied or produced on read).
     pub fn is_mapped(&self) -> bool {
         matches!(self.backing, Backing::Map { .. })
@@ -78,12 +98,7 @@ impl SharedBytes {
     pub fn copied(&self) -> SharedBytes {
         match &self.backing {
             Backing::Floats(_) => self.clone(),
-            Backing::Map { .. } => {
-                let src = self.as_slice();
-                let mut v = vec![0f32; src.len().div_ceil(4)];
-                bytemuck::cast_slice_mut::<f32, u8>(&mut v)[..src.len()].copy_from_slice(src);
-                SharedBytes { backing: Backing::Floats(v.into()), range: 0..src.len() }
-            }
+            Backing::Map { .. } => Self::from_bytes(self.as_slice()),
         }
     }
 

@@ -171,14 +171,15 @@ pub struct SafetensorsDir {
 impl SafetensorsDir {
     /// Opens the directory's weights under their stored names.
     pub fn open(dir: &Path) -> Result<Self> {
-        Self::open_with_prefix(dir, "")
+        Self::open_with_prefix(dir, "", "")
     }
 
-    /// Opens the directory's weights; a tensor stored as `<prefix><name>` is served as `name`
-    /// (Kimi-K2.5 stores its text model under `language_model.`). Tensors without the prefix
-    /// keep their names (a vision tower beside the text model; nothing reads them), unless a
-    /// prefixed tensor of the same canonical name exists, which wins.
-    pub fn open_with_prefix(dir: &Path, prefix: &str) -> Result<Self> {
+    /// Opens the directory's weights; a tensor stored as `<prefix><name>` is served as
+    /// `<canonical><name>` (Kimi-K2.5 stores its text model under `language_model.`, with
+    /// `canonical` empty; Qwen3.5 under `model.language_model.` for `model.`). Tensors without
+    /// the prefix keep their names (a vision tower beside the text model; nothing reads them),
+    /// unless a prefixed tensor of the same canonical name exists, which wins.
+    pub fn open_with_prefix(dir: &Path, prefix: &str, canonical: &str) -> Result<Self> {
         if !dir.is_dir() {
             return Err(ModelError::MissingDir(dir.to_path_buf()));
         }
@@ -229,8 +230,8 @@ impl SafetensorsDir {
         for (i, f) in files.iter().enumerate() {
             for n in f.names() {
                 match n.strip_prefix(prefix).filter(|_| !prefix.is_empty()) {
-                    Some(canonical) => {
-                        index.insert(canonical.to_string(), (i, Some(n.to_string())));
+                    Some(rest) => {
+                        index.insert(format!("{canonical}{rest}"), (i, Some(n.to_string())));
                     }
                     None => {
                         if !index.get(n).is_some_and(|(_, stored)| stored.is_some()) {
@@ -420,7 +421,7 @@ mod tests {
         }
         std::fs::write(tmp.path().join("model.safetensors"), bytes).unwrap();
         let value = |d: &SafetensorsDir, n: &str| d.tensor(n).unwrap().view().to_f32_vec().unwrap()[0];
-        let dir = SafetensorsDir::open_with_prefix(tmp.path(), "language_model.").unwrap();
+        let dir = SafetensorsDir::open_with_prefix(tmp.path(), "language_model.", "").unwrap();
         assert_eq!(value(&dir, "model.norm.weight"), 1.0, "the prefixed tensor wins");
         assert_eq!(dir.stored_name("model.norm.weight"), Some("language_model.model.norm.weight"));
         assert_eq!(value(&dir, "vision_tower.w"), 3.0);

@@ -342,6 +342,10 @@ pub(crate) fn plan_tensors(spec: &ModelSpec, inventory: Vec<TensorSpec>, seed: u
             let uniform_for_input = |t: &TensorSpec| sqrt3 / (t.shape[1] as f32).sqrt();
             let (dtype, fill) = match t.role {
                 TensorRole::Norm => (Dtype::Bf16, Fill::Const(1.0)),
+                // Stored zero-centred: 0 is a gain of 1.
+                TensorRole::CentredNorm => (Dtype::Bf16, Fill::Const(0.0)),
+                // DeltaNet's convolution taps, A_log (decay rates e^A_log around 1) and dt_bias.
+                TensorRole::MixerParam => (Dtype::Bf16, Fill::Uniform { bound: 0.5, plus: None }),
                 // Small against the projections' outputs, non-zero so that dropping one shows.
                 TensorRole::Bias => (Dtype::Bf16, Fill::Uniform { bound: 0.1, plus: None }),
                 TensorRole::RouterBias => {

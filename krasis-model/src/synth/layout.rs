@@ -105,8 +105,12 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
         }
     }
     if !cfg.tensor_prefix.is_empty() {
+        // The canonical names under `canonical_prefix` (all of them when it is empty) are stored
+        // under `tensor_prefix` instead.
         for t in &mut out {
-            t.spec.name = format!("{}{}", cfg.tensor_prefix, t.spec.name);
+            if let Some(rest) = t.spec.name.strip_prefix(cfg.canonical_prefix) {
+                t.spec.name = format!("{}{rest}", cfg.tensor_prefix);
+            }
         }
     }
     Ok(out)

@@ -394,6 +394,8 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
                 }
                 x.whole(o, b("attn_output.weight"));
             }
+            // No GGUF architecture Krasis reads has DeltaNet layers yet (its spec never asks).
+            AttentionTensors::GatedDeltaNet { qkv, .. } => x.missing.push(format!("{} (gated DeltaNet)", qkv.name)),
             AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
                 x.whole(q, b("attn_q.weight"));
                 x.whole(k, b("attn_k.weight"));
