@@ -70,6 +70,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     SourceQuant::None => "BF16",
                     SourceQuant::Fp8Block { .. } => "block FP8 projections, the rest BF16",
                     SourceQuant::CompressedInt4 { .. } => "compressed-tensors INT4 routed experts, the rest BF16",
+                    SourceQuant::ModelOptNvfp4 => "ModelOpt NVFP4 linears, the rest BF16",
+                    SourceQuant::Mxfp4 => "MXFP4 routed experts, the rest BF16",
                 }
             );
             (&cfg.spec, cfg.notes.as_slice(), None)

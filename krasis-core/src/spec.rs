@@ -282,6 +282,15 @@ pub enum SourceQuant {
     CompressedInt4 {
         group_size: usize,
     },
+    /// NVIDIA ModelOpt NVFP4 (`quant_method` `modelopt`, `quant_algo` `NVFP4`): a quantised
+    /// linear `P` stores `P.weight` as uint8 `[out, in/2]` (two E2M1 codes per byte, element 2j in
+    /// the low nibble), `P.weight_scale` float8_e4m3fn `[out, in/16]`, `P.weight_scale_2` (f32
+    /// scalar) and `P.input_scale` (f32 scalar, unused): `w = E2M1 · weight_scale ·
+    /// weight_scale_2`. The other tensors keep their plain `weight` (see `krasis_quant::fp4`).
+    ModelOptNvfp4,
+    /// OpenAI MXFP4 (`quant_method` `mxfp4`, gpt-oss): E2M1 codes with an E8M0 scale per 32 in
+    /// `*_blocks` / `*_scales` tensors (see `krasis_quant::fp4`).
+    Mxfp4,
 }
 
 impl SourceQuant {
@@ -289,7 +298,9 @@ impl SourceQuant {
     pub fn stored_int4_group(&self) -> Option<usize> {
         match *self {
             SourceQuant::CompressedInt4 { group_size } => Some(group_size),
-            SourceQuant::None | SourceQuant::Fp8Block { .. } => None,
+            SourceQuant::None | SourceQuant::Fp8Block { .. } | SourceQuant::ModelOptNvfp4 | SourceQuant::Mxfp4 => {
+                None
+            }
         }
     }
 }

@@ -9,6 +9,7 @@
 mod deepseek;
 mod glm4_moe;
 mod mixtral;
+mod quant_fp4;
 mod qwen3_moe;
 mod qwen3_next;
 
@@ -555,9 +556,11 @@ fn parse_source_quant(f: &Fields) -> Result<SourceQuant> {
             Ok(SourceQuant::Fp8Block { block_rows: r, block_cols: c })
         }
         Some("compressed-tensors") => parse_compressed_tensors(f, &s),
+        Some("modelopt") => quant_fp4::parse_modelopt(f, &s),
+        Some("mxfp4") => quant_fp4::parse_mxfp4(f, &s),
         Some(other) => Err(f.err(
             "quantization_config.quant_method",
-            format!("`{other}` is not supported (supported: fp8, compressed-tensors)"),
+            format!("`{other}` is not supported (supported: fp8, compressed-tensors, modelopt, mxfp4)"),
         )),
         None => Err(f.err("quantization_config.quant_method", "missing")),
     }
