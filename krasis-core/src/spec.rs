@@ -298,9 +298,7 @@ impl SourceQuant {
     pub fn stored_int4_group(&self) -> Option<usize> {
         match *self {
             SourceQuant::CompressedInt4 { group_size } => Some(group_size),
-            SourceQuant::None | SourceQuant::Fp8Block { .. } | SourceQuant::ModelOptNvfp4 | SourceQuant::Mxfp4 => {
-                None
-            }
+            SourceQuant::None | SourceQuant::Fp8Block { .. } | SourceQuant::ModelOptNvfp4 | SourceQuant::Mxfp4 => None,
         }
     }
 }
