@@ -22,7 +22,7 @@ use super::init::{fnv1a, Dtype, Fill, SynthTensor};
 use crate::arch::CheckpointConfig;
 use crate::error::{ModelError, Result};
 use crate::model::tensors::{is_matrix, TensorRole, TensorSpec};
-use crate::spec::SourceQuant;
+use crate::spec::{MixerKind, SourceQuant};
 
 /// A tensor as a checkpoint stores it: name, shape and dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -133,7 +133,7 @@ pub(crate) fn config_from_file(path: &Path, layers: Option<usize>) -> Result<Val
     let mut config: Value =
         serde_json::from_str(&text).map_err(|e| ModelError::Json { path: path.to_path_buf(), msg: e.to_string() })?;
     // Validates the whole configuration first, so the edit below only meets known layouts.
-    crate::arch::parse_checkpoint_config(&text, path)?;
+    let full = crate::arch::parse_checkpoint_config(&text, path)?.spec;
     let Some(l) = layers else { return Ok(config) };
     let nested = config.get("text_config").is_some_and(Value::is_object);
     let text_model = if nested { &mut config["text_config"] } else { &mut config };
@@ -145,5 +145,31 @@ pub(crate) fn config_from_file(path: &Path, layers: Option<usize>) -> Result<Val
         )));
     }
     text_model["num_hidden_layers"] = Value::from(l);
+    if full.delta_net.is_some() {
+        text_model["layer_types"] = trimmed_layer_types(&full.mixers, l).into();
+    }
     Ok(config)
+}
+
+/// The first `n` layers' mixers as `layer_types`, with every kind of the whole model kept: when
+/// the cut leaves a kind out (the first two of Qwen3-Next's `[linear × 3, full]`), the last
+/// layers take the missing kinds, so a trimmed hybrid still runs both.
+pub(crate) fn trimmed_layer_types(all: &[MixerKind], n: usize) -> Vec<Value> {
+    let mut kept: Vec<MixerKind> = all[..n].to_vec();
+    let mut missing: Vec<MixerKind> = Vec::new();
+    for k in all {
+        if !kept.contains(k) && !missing.contains(k) {
+            missing.push(*k);
+        }
+    }
+    let start = n.saturating_sub(missing.len());
+    for (slot, k) in kept[start..].iter_mut().zip(missing) {
+        *slot = k;
+    }
+    kept.iter()
+        .map(|k| match k {
+            MixerKind::Attention => Value::from("full_attention"),
+            MixerKind::GatedDeltaNet => Value::from("linear_attention"),
+        })
+        .collect()
 }

@@ -23,11 +23,29 @@ pub enum Preset {
     /// each 128-dim head, one dense layer, 128 experts top-8 plus a shared one; its MTP layer is
     /// not written.
     Glm45Air,
+    /// Qwen3-Next-80B-A3B's shapes (the published config, with the synthetic tokenizer's BOS 0 and
+    /// EOS 1): 48 layers, three gated-DeltaNet layers to one gated full-attention layer, 512
+    /// experts top-10 plus a gated shared expert. `layer_types` is written out, so that a trimmed
+    /// model keeps both layer kinds.
+    Qwen3Next80b,
+    /// Qwen3.6-35B-A3B's text model in its published VL wrapper (`qwen3_5_moe`, `text_config`,
+    /// tensors under `model.language_model.`): 40 layers (30 DeltaNet, 10 attention), 256 experts
+    /// top-8 plus a gated shared expert. The experts are written per expert (the canonical
+    /// layout, which Krasis reads as it reads the published fused one); no vision tower or MTP.
+    Qwen36_35b,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 6] =
-        [Preset::Tiny, Preset::V2Lite, Preset::Qwen3_30bA3b, Preset::V3Mini, Preset::Mixtral8x7b, Preset::Glm45Air];
+    pub const ALL: [Preset; 8] = [
+        Preset::Tiny,
+        Preset::V2Lite,
+        Preset::Qwen3_30bA3b,
+        Preset::V3Mini,
+        Preset::Mixtral8x7b,
+        Preset::Glm45Air,
+        Preset::Qwen3Next80b,
+        Preset::Qwen36_35b,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -37,6 +55,8 @@ impl Preset {
             Preset::V3Mini => "v3-mini",
             Preset::Mixtral8x7b => "mixtral-8x7b",
             Preset::Glm45Air => "glm-4.5-air",
+            Preset::Qwen3Next80b => "qwen3-next-80b",
+            Preset::Qwen36_35b => "qwen3.6-35b",
         }
     }
 
@@ -49,6 +69,8 @@ impl Preset {
             Preset::V3Mini => 8,
             Preset::Mixtral8x7b => 32,
             Preset::Glm45Air => 46,
+            Preset::Qwen3Next80b => 48,
+            Preset::Qwen36_35b => 40,
         }
     }
 
@@ -94,6 +116,15 @@ fn deepseek_yarn() -> Value {
         "mscale": 0.707,
         "mscale_all_dim": 0.707
     })
+}
+
+/// The DeltaNet / full-attention pattern of `n` of a hybrid's `full` layers (every fourth full
+/// attention), both kinds kept when the cut would drop one ([`super::layout::trimmed_layer_types`]).
+fn hybrid_layer_types(full: usize, n: usize) -> Value {
+    use crate::spec::MixerKind;
+    let all: Vec<MixerKind> =
+        (0..full).map(|l| if (l + 1) % 4 == 0 { MixerKind::Attention } else { MixerKind::GatedDeltaNet }).collect();
+    Value::from(super::layout::trimmed_layer_types(&all, n))
 }
 
 /// The `config.json` of `preset`, with `num_hidden_layers` trimmed to `layers` when given.
@@ -319,6 +350,86 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> Value {
             "initializer_range": 0.02,
             "torch_dtype": "bfloat16",
             "use_cache": true
+        }),
+        Preset::Qwen3Next80b => json!({
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 5120,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "num_hidden_layers": n,
+            "layer_types": hybrid_layer_types(48, n),
+            "full_attention_interval": 4,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "partial_rotary_factor": 0.25,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "num_experts": 512,
+            "num_experts_per_tok": 10,
+            "norm_topk_prob": true,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_theta": 10000000,
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_bias": false,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::Qwen36_35b => json!({
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "model_type": "qwen3_5_moe",
+            "tie_word_embeddings": false,
+            "text_config": {
+                "model_type": "qwen3_5_moe_text",
+                "vocab_size": 248320,
+                "hidden_size": 2048,
+                "moe_intermediate_size": 512,
+                "shared_expert_intermediate_size": 512,
+                "num_hidden_layers": n,
+                "layer_types": hybrid_layer_types(40, n),
+                "full_attention_interval": 4,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "head_dim": 256,
+                "attn_output_gate": true,
+                "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32,
+                "num_experts": 256,
+                "num_experts_per_tok": 8,
+                "rope_parameters": {
+                    "mrope_interleaved": true,
+                    "mrope_section": [11, 11, 10],
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 10000000,
+                    "rope_type": "default"
+                },
+                "max_position_embeddings": 262144,
+                "rms_norm_eps": 1e-6,
+                "hidden_act": "silu",
+                "tie_word_embeddings": false,
+                "attention_bias": false,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+                "initializer_range": 0.02,
+                "dtype": "bfloat16",
+                "use_cache": true
+            }
         }),
     }
 }
