@@ -660,7 +660,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         out["load_s"] = json!(load_s);
         out["prefill"] = json!({ "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s,
                     "rep_seconds": timing.prefill_s,
-                    "experts_s": pp.experts, "attention_s": pp.attention, "shared_experts_s": pp.shared,
+                    "experts_s": pp.experts, "attention_s": pp.attention, "deltanet_s": pp.deltanet, "shared_experts_s": pp.shared,
                     "lm_head_s": pp.lm_head, "forward_s": pp.total });
         out["decode"] = json!({
             "tokens": a.decode_tokens, "tok_per_s": n / decode_s, "ms_per_token": ms,
@@ -670,7 +670,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "shared_expert_bytes_in_expert_dispatch_per_token": shared_inside,
             "expert_gb_per_s": expert_gbs, "expert_fraction_of_membw": expert_gbs / bw.gb_per_s,
             "total_gb_per_s": total_gbs, "total_fraction_of_membw": total_gbs / bw.gb_per_s,
-            "attention_ms_per_token": parts.attention * 1e3 / n, "shared_experts_ms_per_token": parts.shared * 1e3 / n,
+            "attention_ms_per_token": parts.attention * 1e3 / n, "deltanet_ms_per_token": parts.deltanet * 1e3 / n,
+            "shared_experts_ms_per_token": parts.shared * 1e3 / n,
             "lm_head_ms_per_token": parts.lm_head * 1e3 / n,
             "rep_total_gb_per_s": rep_gbs, "probe_gb_per_s_around_reps": timing.decode_probe_gbs,
             "rep_total_fraction_of_probe_around": bracketed,
@@ -705,12 +706,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 );
             }
             println!(
-                "prefill (last run): experts {:.3} s + attention {:.3} s + shared experts {:.3} s + LM head {:.3} s + other {:.3} s (norms, routers, dense-layer MLPs) + sampling and step overhead {:.3} s",
+                "prefill (last run): experts {:.3} s + attention {:.3} s{} + shared experts {:.3} s + LM head {:.3} s + other {:.3} s (norms, routers, dense-layer MLPs) + sampling and step overhead {:.3} s",
                 pp.experts,
                 pp.attention,
+                if pp.deltanet > 0.0 { format!(" + DeltaNet {:.3} s", pp.deltanet) } else { String::new() },
                 pp.shared,
                 pp.lm_head,
-                pp.total - pp.experts - pp.attention - pp.shared - pp.lm_head,
+                pp.total - pp.experts - pp.attention - pp.deltanet - pp.shared - pp.lm_head,
                 timing.prefill_s.last().copied().unwrap_or(prefill_s) - pp.total
             );
             let st = timing.prefill_stages;
@@ -753,10 +755,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     s(mla[0]), s(mla[1]), s(ex[1]), s(ex[3]), s(ex[0]), s(ex[6]), s(ex[7]), s(ex[2]), s(ex[4]), s(ex[5])
                 );
             }
-            let other = parts.total - parts.experts - parts.attention - parts.shared - parts.lm_head;
+            let other = parts.total - parts.experts - parts.attention - parts.deltanet - parts.shared - parts.lm_head;
             println!(
-                "rest per token: attention {:.2} ms + shared experts {:.2} ms + LM head {:.2} ms + other {:.2} ms (norms, routers, dense-layer MLPs) + sampling and step overhead {:.2} ms",
+                "rest per token: attention {:.2} ms{} + shared experts {:.2} ms + LM head {:.2} ms + other {:.2} ms (norms, routers, dense-layer MLPs) + sampling and step overhead {:.2} ms",
                 parts.attention * 1e3 / n,
+                if parts.deltanet > 0.0 { format!(" + DeltaNet {:.2} ms", parts.deltanet * 1e3 / n) } else { String::new() },
                 parts.shared * 1e3 / n,
                 parts.lm_head * 1e3 / n,
                 other * 1e3 / n,

@@ -89,6 +89,7 @@ pub struct ForwardStats {
     expert_ns: std::sync::atomic::AtomicU64,
     total_ns: std::sync::atomic::AtomicU64,
     attention_ns: std::sync::atomic::AtomicU64,
+    deltanet_ns: std::sync::atomic::AtomicU64,
     shared_ns: std::sync::atomic::AtomicU64,
     head_ns: std::sync::atomic::AtomicU64,
     shared_inside_bytes: std::sync::atomic::AtomicU64,
@@ -108,6 +109,7 @@ impl ForwardStats {
         ForwardBreakdown {
             experts: s(&self.expert_ns),
             attention: s(&self.attention_ns),
+            deltanet: s(&self.deltanet_ns),
             shared: s(&self.shared_ns),
             lm_head: s(&self.head_ns),
             total: s(&self.total_ns),
@@ -121,6 +123,7 @@ impl ForwardStats {
             &self.expert_ns,
             &self.total_ns,
             &self.attention_ns,
+            &self.deltanet_ns,
             &self.shared_ns,
             &self.head_ns,
             &self.shared_inside_bytes,
@@ -691,7 +694,8 @@ impl LayerOps<CpuKinds> for CpuStep<'_, '_, '_, '_, '_> {
         let mut seqs: Vec<SeqDelta<'_>> =
             self.seqs.iter_mut().map(|s| SeqDelta { rows: s.tokens.len(), state: &mut s.session.delta[l] }).collect();
         op.forward(&self.xn, &mut seqs, &mut self.y);
-        self.model.attention_done(started);
+        let ns = started.elapsed().as_nanos() as u64;
+        self.model.stats.deltanet_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

@@ -43,6 +43,9 @@ pub struct ForwardBreakdown {
     pub experts: f64,
     /// Attention layers: projections, RoPE, the attention core, MLA's absorption, o-proj.
     pub attention: f64,
+    /// Gated-DeltaNet layers (their projections, convolution, delta rule, gated norm and
+    /// `out_proj`), apart from `attention`; 0 for models without them.
+    pub deltanet: f64,
     /// Shared experts of the MoE layers.
     pub shared: f64,
     /// The LM head.
