@@ -11,6 +11,7 @@ use krasis_cpu::isa::{self, Isa};
 use krasis_cpu::moe::{ExpertJob, ExpertWeights, ExtraJobs, PoolExperts, PoolMatmul};
 use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
+use krasis_quant::fp4::{self, Fp4Kind, Fp4Matrix};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::{Bits, QuantizedMatrix};
 use rayon::prelude::*;
@@ -20,12 +21,48 @@ use crate::cpu::packed_ops::{PackedBytes, PooledMlp};
 use crate::error::{ModelError, Result};
 use crate::model::linear::{DenseLinear, LinearOp, PackedRef};
 use crate::model::weights::WeightLoader;
-use crate::placement::precision::{describe_layer_bits, ExpertWidthRule, LayerBits};
+use crate::placement::precision::{describe_layer_bits, native_fp4, ExpertWidthRule, LayerBits};
 use crate::source::files::ModelFiles;
 use crate::spec::{FfnKind, ModelSpec};
 
 /// Name of the packed layout stored in caches (bump when `krasis_quant::cpu_layout` changes).
 pub const CPU_LAYOUT_NAME: &str = "cpu-rb16-v1";
+
+/// Name of an expert cache whose records are the 4-bit float format `kind` as stored, in the FP4
+/// CPU layout of `krasis_quant::fp4` (bump when it changes). Its header says 4 bits per
+/// projection; this name says which format.
+pub fn cpu_fp4_layout_name(kind: Fp4Kind) -> &'static str {
+    match kind {
+        Fp4Kind::Mxfp4 => "cpu-rb16-mxfp4-v1",
+        Fp4Kind::Nvfp4 => "cpu-rb16-nvfp4-v1",
+    }
+}
+
+/// The 4-bit float format of an expert cache's records (from its layout name), `None` for the
+/// INT4/INT8 layout.
+pub fn cache_fp4(h: &CacheHeader) -> Option<Fp4Kind> {
+    [Fp4Kind::Mxfp4, Fp4Kind::Nvfp4].into_iter().find(|&k| h.layout == cpu_fp4_layout_name(k))
+}
+
+/// The expert cache header of `spec`'s routed experts kept in the 4-bit float format `kind`
+/// (every MoE layer; groups of `kind.group()` along both K).
+pub fn expected_fp4_cache_header(spec: &ModelSpec, config_hash: u64, kind: Fp4Kind) -> Result<CacheHeader> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    if !i.is_multiple_of(ROW_BLOCK) {
+        return Err(ModelError::Invalid(format!(
+            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
+        )));
+    }
+    let w13 = PackedLayout::new_fp4(2 * i, h, kind).map_err(|e| quant_err("hidden_size", e))?;
+    let w2 = PackedLayout::new_fp4(h, i, kind).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    let shape =
+        ExpertShape { hidden: h, inter: i, n_experts: moe.n_routed_experts, gs_h: kind.group(), gs_i: kind.group() };
+    let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
+    let part = LayerParts { w13_bits: 4, w2_bits: 4, w13_bytes: w13.bytes() as u64, w2_bytes: w2.bytes() as u64 };
+    let parts = vec![part; moe_layers.len()];
+    Ok(shape.header(cpu_fp4_layout_name(kind), config_hash, moe_layers, parts))
+}
 
 pub use krasis_core::spec::WeightBits;
 
@@ -253,6 +290,11 @@ pub(crate) fn parts_bits(h: &CacheHeader, li: usize) -> Result<LayerBits> {
 /// The packed layouts of MoE layer `li`'s w13 and w2.
 fn layouts(h: &CacheHeader, li: usize) -> Result<(PackedLayout, PackedLayout)> {
     let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    if let Some(kind) = cache_fp4(h) {
+        let l13 = PackedLayout::new_fp4(2 * i, hid, kind).map_err(|e| quant_err("w13", e))?;
+        let l2 = PackedLayout::new_fp4(hid, i, kind).map_err(|e| quant_err("w2", e))?;
+        return Ok((l13, l2));
+    }
     let b = parts_bits(h, li)?;
     let l13 = PackedLayout::new(2 * i, hid, h.group_size_hidden as usize, b.w13).map_err(|e| quant_err("w13", e))?;
     let l2 = PackedLayout::new(hid, i, h.group_size_intermediate as usize, b.w2).map_err(|e| quant_err("w2", e))?;
@@ -363,11 +405,50 @@ fn expert_record(
     e: usize,
     underflow: &crate::cpu::underflow::UnderflowLog,
 ) -> Result<Vec<u8>> {
+    if let Some(kind) = cache_fp4(h) {
+        return fp4_expert_record(loader, spec, h, li, layer, e, kind);
+    }
     let bits = parts_bits(h, li)?;
     let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
     let q = x.quantized(h, bits.w13, bits.w2)?;
     underflow.record_expert(li, e, &x.names, &q);
     cpu_record(h, li, &q, &x.what)
+}
+
+/// One expert of MoE layer `li` (model layer `layer`) kept in the 4-bit float format `kind` as
+/// stored: its gate, up and down blocks packed in the FP4 CPU layout (bytes reordered, never
+/// requantised). A projection not stored in that format is an error naming it.
+fn fp4_expert_record(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    h: &CacheHeader,
+    li: usize,
+    layer: usize,
+    e: usize,
+    kind: Fp4Kind,
+) -> Result<Vec<u8>> {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    let t = crate::model::tensors::expert_tensors(spec, layer, e);
+    let stored = |name: &str, rows: usize, cols: usize| -> Result<Fp4Matrix> {
+        let m = match kind {
+            Fp4Kind::Nvfp4 => loader.stored_fp4(name, rows, cols)?,
+            Fp4Kind::Mxfp4 => None,
+        };
+        m.filter(|m| m.kind == kind).ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "routed expert `{name}` is not stored as {kind}: the expert cache keeps {kind} experts as stored only \
+                 when every routed expert is (run the experts at width 4 or 8 to requantise, or bf16)"
+            ))
+        })
+    };
+    let (gate, up, down) = (stored(&t.gate.name, i, hid)?, stored(&t.up.name, i, hid)?, stored(&t.down.name, hid, i)?);
+    let what = format!("{}.{e}", crate::model::tensors::experts_prefix(spec, layer));
+    let parts = h.parts[li];
+    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
+    fp4::pack_w13_into(&gate, &up, a).map_err(|e| quant_err(&what, e))?;
+    fp4::pack_into(&down, b).map_err(|e| quant_err(&what, e))?;
+    Ok(rec)
 }
 
 /// Appended to errors that another cache directory would cure.
@@ -415,6 +496,11 @@ pub fn open_expert_cache(
     cache_dir: Option<&Path>,
     pool: &WorkerPool,
 ) -> Result<(ExpertCache, CacheOutcome)> {
+    if let (ExpertWidthRule::Auto, Some(kind)) = (bits, native_fp4(files.spec())) {
+        let header = expected_fp4_cache_header(files.spec(), files.fingerprint(), kind)?;
+        let name = format!("experts_cpu_{kind}_g{}.bin", kind.group());
+        return open_with_header(files, header, in_cache_dir(files, cache_dir, &name), pool);
+    }
     open_expert_cache_with(files, &bits.layer_bits(files.spec()), group, cache_dir, pool)
 }
 
@@ -426,9 +512,18 @@ pub fn open_expert_cache_with(
     cache_dir: Option<&Path>,
     pool: &WorkerPool,
 ) -> Result<(ExpertCache, CacheOutcome)> {
+    let header = expected_cache_header(files.spec(), files.fingerprint(), layer_bits, group)?;
+    open_with_header(files, header, cache_path(files, cache_dir, layer_bits, group), pool)
+}
+
+/// Open the expert cache at `path`, building it to `header` when missing, stale or damaged.
+fn open_with_header(
+    files: &ModelFiles,
+    header: CacheHeader,
+    path: PathBuf,
+    pool: &WorkerPool,
+) -> Result<(ExpertCache, CacheOutcome)> {
     let spec = files.spec();
-    let header = expected_cache_header(spec, files.fingerprint(), layer_bits, group)?;
-    let path = cache_path(files, cache_dir, layer_bits, group);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| {
             ModelError::Invalid(format!(
@@ -580,9 +675,15 @@ impl CpuQuantExperts {
         layouts(self.cache.header(), li)
     }
 
-    /// The widths of each MoE layer, in order.
+    /// The widths of each MoE layer, in order (4 for the 4-bit float formats, see
+    /// [`CpuQuantExperts::fp4`]).
     pub fn layer_bits(&self) -> &[LayerBits] {
         &self.bits
+    }
+
+    /// The 4-bit float format the records hold, if any (every MoE layer then holds it).
+    pub fn fp4(&self) -> Option<Fp4Kind> {
+        cache_fp4(self.cache.header())
     }
 }
 
@@ -644,9 +745,13 @@ impl ExpertExecutor for CpuQuantExperts {
     }
 
     fn describe(&self) -> String {
+        let widths = match self.fp4() {
+            Some(kind) => format!("{kind} (as stored)"),
+            None => describe_layer_bits(&self.bits),
+        };
         format!(
             "cpu {} g{}/{} {} on {}",
-            describe_layer_bits(&self.bits),
+            widths,
             self.cache.header().group_size_hidden,
             self.cache.header().group_size_intermediate,
             self.isa.name(),

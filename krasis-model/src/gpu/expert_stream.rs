@@ -179,6 +179,9 @@ fn cpu_record_geometry(
             return Err(bad(format!("MoE layer {li} differs from layer 0 in widths or record geometry")));
         }
     }
+    if let Some(kind) = w13.fp4.or(w2.fp4) {
+        return Err(bad(format!("its experts are {kind}, a format not yet on the GPU")));
+    }
     if (w13.bits, w2.bits) != (bits, bits) {
         return Err(bad(format!("its experts are {:?}/{:?}, the GPU's {bits:?}", w13.bits, w2.bits)));
     }

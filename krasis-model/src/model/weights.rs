@@ -13,6 +13,8 @@ use crate::model::tensors::{TensorRole, TensorSpec};
 use crate::source::{StoredTensor, WeightSource};
 use crate::spec::SourceQuant;
 
+mod fp4;
+
 const FLOATS: &[DType] = &[DType::F32, DType::BF16, DType::F16];
 const MATRIX_DTYPES: &[DType] = &[DType::F32, DType::BF16, DType::F16, DType::F8E4M3];
 
@@ -74,6 +76,10 @@ impl<'a> WeightLoader<'a> {
     /// A `[rows, cols]` matrix as a reference linear op. A compressed-tensors INT4 linear (its
     /// `weight_packed` stored in place of `name`) is dequantised exactly to f32.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseLinear> {
+        if let Some(m) = self.stored_fp4(name, rows, cols)? {
+            // NVFP4: exact up to one f32 rounding of the product with the global scale.
+            return Ok(DenseLinear::new(rows, cols, MatrixData::Owned(m.dequantize())));
+        }
         if let Some(base) = self.packed_base(name) {
             let values = self.int4_dequantized(base, rows, cols)?;
             return Ok(DenseLinear::new(rows, cols, MatrixData::Owned(values)));

@@ -11,11 +11,17 @@
 //! - **safetensors** (no per-tensor types): `auto` is INT4 everywhere, the fast path (the
 //!   reference experts over the source weights are the explicit `bf16`).
 //!
-//! Explicit `4`, `8` and `bf16` mean what they always did, whatever the source.
+//! - **4-bit float checkpoints** (ModelOpt NVFP4, OpenAI MXFP4; [`native_fp4`]): `auto` keeps the
+//!   stored format in the CPU expert cache (codes and scales as stored, no requantisation, see
+//!   `krasis_quant::fp4`); the cache's records are then that format, not INT4.
+//!
+//! Explicit `4`, `8` and `bf16` mean what they always did, whatever the source (on a 4-bit float
+//! checkpoint, `4` and `8` requantise from the exactly dequantised weights).
 //!
 //! The other defaults live here too: `--cpu-dense-bits auto` ([`resolve_dense_bits`]: INT8 on the
 //! CPU path) and the GPU experts' default width ([`default_gpu_expert_bits`]).
 
+use krasis_quant::fp4::Fp4Kind;
 use krasis_quant::Bits;
 
 use crate::spec::{ModelSpec, WeightBits};
@@ -100,12 +106,23 @@ pub fn has_source_types(spec: &ModelSpec) -> bool {
     spec.moe.is_some() && spec.expert_source_bits.len() == spec.moe_layers().count()
 }
 
+/// The 4-bit float format `spec`'s checkpoint stores its quantised linears in (ModelOpt NVFP4,
+/// OpenAI MXFP4), which `auto` keeps in the CPU expert cache.
+pub fn native_fp4(spec: &ModelSpec) -> Option<Fp4Kind> {
+    match spec.source_quant {
+        crate::spec::SourceQuant::ModelOptNvfp4 => Some(Fp4Kind::Nvfp4),
+        crate::spec::SourceQuant::Mxfp4 => Some(Fp4Kind::Mxfp4),
+        _ => None,
+    }
+}
+
 /// `--cpu-expert-bits` as an engine runs it on `spec`: `Auto` on weights without per-tensor
-/// types (safetensors) becomes `Int4`; on a GGUF it stays `Auto` (per projection). Every other
-/// value is kept.
+/// types (safetensors) becomes `Int4`, except on a 4-bit float checkpoint ([`native_fp4`]); on a
+/// GGUF or a 4-bit float checkpoint it stays `Auto` (per projection; the stored format). Every
+/// other value is kept.
 pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBits {
     match requested {
-        WeightBits::Auto if !has_source_types(spec) => WeightBits::Int4,
+        WeightBits::Auto if !has_source_types(spec) && native_fp4(spec).is_none() => WeightBits::Int4,
         w => w,
     }
 }
@@ -149,6 +166,9 @@ pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
 pub fn describe_expert_bits(spec: &ModelSpec, requested: WeightBits) -> String {
     match expert_width_rule(resolve_expert_bits(spec, requested)) {
         None => "reference (the source weights)".into(),
+        Some(ExpertWidthRule::Auto) if native_fp4(spec).is_some() => {
+            format!("{} (as stored)", native_fp4(spec).expect("checked"))
+        }
         Some(c) => describe_layer_bits(&c.layer_bits(spec)),
     }
 }
@@ -201,6 +221,26 @@ mod tests {
     fn tiny_spec() -> ModelSpec {
         let config = crate::synth::preset_config(crate::synth::Preset::Tiny, Some(4)).to_string();
         crate::arch::parse_config(&config, std::path::Path::new("config.json")).unwrap()
+    }
+
+    /// On a 4-bit float checkpoint `auto` stays `auto` (the CPU expert cache keeps the stored
+    /// format); explicit widths are kept (they requantise).
+    #[test]
+    fn auto_keeps_a_native_fp4_format() {
+        let mut spec = tiny_spec();
+        for (q, kind) in [
+            (crate::spec::SourceQuant::ModelOptNvfp4, Fp4Kind::Nvfp4),
+            (crate::spec::SourceQuant::Mxfp4, Fp4Kind::Mxfp4),
+        ] {
+            spec.source_quant = q;
+            assert_eq!(native_fp4(&spec), Some(kind));
+            assert_eq!(resolve_expert_bits(&spec, WeightBits::Auto), WeightBits::Auto);
+            assert_eq!(expert_width_rule(resolve_expert_bits(&spec, WeightBits::Auto)), Some(ExpertWidthRule::Auto));
+            for w in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4] {
+                assert_eq!(resolve_expert_bits(&spec, w), w, "explicit values are kept");
+            }
+            assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), format!("{kind} (as stored)"));
+        }
     }
 
     /// On safetensors `auto` is INT4; on a GGUF it is per layer and projection, and the RAM
