@@ -8,10 +8,7 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::{sse_events, Server};
-use krasis_model::text::tokenizer::TextCodec;
+use common::{sse_events, Scripted};
 use serde_json::{json, Value};
 
 /// A harmony-style template (gpt-oss's markers): the generation prompt is `<|start|>assistant`.
@@ -24,37 +21,6 @@ const TIME_TOOL: &str = r#"{"type": "function", "function": {"name": "get_time",
 
 /// A reply in Qwen3's form: a think block, a sentence, two parallel calls.
 const QWEN_REPLY: &str = "<think>\nI should look it up.\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"CET\"}}\n</tool_call>";
-
-struct Scripted {
-    server: Server,
-    script: PathBuf,
-    codec: TextCodec,
-    _dir: tempfile::TempDir,
-}
-
-impl Scripted {
-    fn start(template: &str) -> Scripted {
-        let dir = tempfile::tempdir().unwrap();
-        let script = dir.path().join("reply.txt");
-        std::fs::write(&script, "").unwrap();
-        let mut codec = None;
-        let server = Server::start_prepared(&[], &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
-            common::set_chat_template(model, template);
-            codec = Some(TextCodec::load(model).unwrap());
-        });
-        Scripted { server, script, codec: codec.unwrap(), _dir: dir }
-    }
-
-    /// A chat request whose reply is `reply`.
-    fn chat(&self, reply: &str, body: &Value) -> common::Response {
-        std::fs::write(&self.script, reply).unwrap();
-        self.server.post("/v1/chat/completions", body)
-    }
-
-    fn tokens(&self, text: &str) -> u64 {
-        self.codec.encode_plain(text).unwrap().len() as u64
-    }
-}
 
 fn tools() -> Value {
     json!([serde_json::from_str::<Value>(WEATHER_TOOL).unwrap(), serde_json::from_str::<Value>(TIME_TOOL).unwrap()])

@@ -1,10 +1,13 @@
-//! `krasis serve`: an OpenAI-compatible HTTP server over the Engine API.
+//! `krasis serve`: an OpenAI-compatible HTTP server over the Engine API, which also speaks
+//! Anthropic's Messages API.
 //!
 //! - `routes`: axum routes, the API-key check, body limits, OpenAI's response and SSE shapes;
+//! - `anthropic`: `/v1/messages` (Anthropic's request, response, SSE and error shapes);
 //! - `api`: request bodies and their validation; `error`: OpenAI's error JSON;
 //! - `scheduler`: the thread that batches every admitted request into one engine step;
 //! - `stop`: stop strings across token boundaries; `metrics`: the Prometheus counters.
 
+mod anthropic;
 mod api;
 mod error;
 mod routes;
@@ -225,7 +228,7 @@ async fn serve(a: &Args, listener: std::net::TcpListener, state: Arc<routes::App
     // Before the address is announced: from then on a signal means a graceful shutdown.
     let mut signals = ShutdownSignals::install()?;
     tracing::info!(
-        "serving `{}` at http://{bound}/v1 (OpenAI API{}); /health, /metrics",
+        "serving `{}` at http://{bound}/v1 (OpenAI API, Anthropic Messages API{}); /health, /metrics",
         state.model_id,
         if state.api_key.is_some() { ", API key required" } else { "" }
     );

@@ -1,4 +1,5 @@
-//! The HTTP side: routes, API-key check, request limits, and the OpenAI response and SSE shapes.
+//! The HTTP side: routes, API-key check, request limits, and the OpenAI response and SSE shapes
+//! (Anthropic's Messages API is mounted from [`super::anthropic`]).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -8,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -47,7 +48,7 @@ pub struct AppState {
     pub tool_format: Option<ToolFormat>,
 }
 
-type Shared = Arc<AppState>;
+pub(super) type Shared = Arc<AppState>;
 
 pub fn router(state: Shared, max_body_bytes: usize) -> Router {
     let v1 = Router::new()
@@ -58,6 +59,7 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
     Router::new()
         .merge(v1)
+        .merge(super::anthropic::router(state.clone()))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("no such route") })
@@ -69,7 +71,7 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .with_state(state)
 }
 
-fn now() -> u64 {
+pub(super) fn now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
@@ -85,26 +87,35 @@ async fn count_requests(State(s): State<Shared>, req: Request, next: Next) -> Re
 
 /// `Authorization: Bearer <key>` when the server has `--api-key`.
 async fn require_key(State(s): State<Shared>, req: Request, next: Next) -> Response {
-    if let Some(key) = &s.api_key {
-        let refusal = match req.headers().get(header::AUTHORIZATION) {
-            None => Some(ApiError::unauthorized("no API key: send it as `Authorization: Bearer <key>`", None)),
-            // The header's value is not repeated back: it may be the key itself.
-            Some(value) => match bearer(value.as_bytes()) {
-                None => Some(ApiError::unauthorized(
-                    "the Authorization header is malformed: its form is `Authorization: Bearer <key>`",
-                    None,
-                )),
-                Some(k) if !same_key(k, key.as_bytes()) => {
-                    Some(ApiError::unauthorized("incorrect API key", Some("invalid_api_key")))
-                }
-                Some(_) => None,
-            },
-        };
-        if let Some(e) = refusal {
-            return e.into_response();
-        }
+    if let Some(e) = key_refusal(&s, req.headers()) {
+        return e.into_response();
     }
     next.run(req).await
+}
+
+/// Why a request's key is refused when the server has `--api-key`: the key goes in
+/// `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key: <key>` (Anthropic's).
+pub(super) fn key_refusal(s: &AppState, headers: &HeaderMap) -> Option<ApiError> {
+    let key = s.api_key.as_ref()?;
+    let wrong = || Some(ApiError::unauthorized("incorrect API key", Some("invalid_api_key")));
+    // Header values are not repeated back: they may be the key itself.
+    if let Some(value) = headers.get("x-api-key") {
+        return if same_key(value.as_bytes().trim_ascii(), key.as_bytes()) { None } else { wrong() };
+    }
+    match headers.get(header::AUTHORIZATION) {
+        None => Some(ApiError::unauthorized(
+            "no API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`",
+            None,
+        )),
+        Some(value) => match bearer(value.as_bytes()) {
+            None => Some(ApiError::unauthorized(
+                "the Authorization header is malformed: its form is `Authorization: Bearer <key>`",
+                None,
+            )),
+            Some(k) if !same_key(k, key.as_bytes()) => wrong(),
+            Some(_) => None,
+        },
+    }
 }
 
 /// The key of an `Authorization: Bearer <key>` value (the scheme's name in any case, RFC 9110),
@@ -150,7 +161,7 @@ async fn model(State(s): State<Shared>, axum::extract::Path(id): axum::extract::
 }
 
 /// The body, or the OpenAI error for a body over the limit or unreadable.
-fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(super) fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     b.map_err(|r| {
         let status = r.status();
         let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -204,27 +215,29 @@ async fn chat(State(s): State<Shared>, b: Result<Bytes, BytesRejection>) -> Resu
 }
 
 /// How a chat reply's text is read: the family's parser and what the request asked of tools.
-struct ReplyPlan {
-    format: ToolFormat,
-    opts: ParserOptions,
-    choice: ToolChoice,
-    parallel: bool,
+pub(super) struct ReplyPlan {
+    pub(super) format: ToolFormat,
+    pub(super) opts: ParserOptions,
+    pub(super) choice: ToolChoice,
+    pub(super) parallel: bool,
 }
 
 /// One chat reply's parser and the calls it has returned.
-struct Reply {
+pub(super) struct Reply {
     parser: StreamParser,
     choice: ToolChoice,
     parallel: bool,
     /// Calls kept (with `parallel_tool_calls: false`, the first only).
-    calls: usize,
+    pub(super) calls: usize,
     label: String,
 }
 
 impl Reply {
-    fn new(plan: ReplyPlan, id: &str, label: String) -> Reply {
+    /// A reply to the response `id` (`chatcmpl-…` or Anthropic's `msg_…`): its calls' ids are
+    /// `call_{the id's unique part}_{index}`.
+    pub(super) fn new(plan: ReplyPlan, id: &str, label: String) -> Reply {
         let mut opts = plan.opts;
-        opts.id_prefix = id.trim_start_matches("chatcmpl-").to_string();
+        opts.id_prefix = id.trim_start_matches("chatcmpl-").trim_start_matches("msg_").to_string();
         Reply {
             parser: StreamParser::new(plan.format, opts),
             choice: plan.choice,
@@ -236,7 +249,7 @@ impl Reply {
 
     /// What the parser makes of `text` (`None`: the end), with notes logged and calls past the
     /// first dropped when parallel calls are off.
-    fn feed(&mut self, text: Option<&str>) -> Vec<Parsed> {
+    pub(super) fn feed(&mut self, text: Option<&str>) -> Vec<Parsed> {
         let events = match text {
             Some(t) => self.parser.push(t),
             None => self.parser.finish(),
@@ -261,7 +274,7 @@ impl Reply {
 
     /// The `finish_reason` of a reply that ended for `reason`: `tool_calls` when it ended after
     /// calls; a `required` or named choice that got no call is logged (the reply is the text).
-    fn finish_reason(&self, reason: &'static str) -> &'static str {
+    pub(super) fn finish_reason(&self, reason: &'static str) -> &'static str {
         if self.calls > 0 && reason == "stop" {
             return "tool_calls";
         }
@@ -318,7 +331,7 @@ async fn encode(s: &AppState, text: String) -> Result<Vec<u32>, ApiError> {
 }
 
 /// A seed for a request that names none.
-fn fresh_seed() -> u64 {
+pub(super) fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
@@ -333,24 +346,8 @@ async fn generate(
     gen: Generation,
     reply: Option<ReplyPlan>,
 ) -> Result<Response, ApiError> {
-    if s.shutting_down.load(Relaxed) {
-        return Err(ApiError::unavailable("the server is shutting down"));
-    }
     let param = if kind == Kind::Chat { "messages" } else { "prompt" };
-    if prompt.is_empty() {
-        return Err(ApiError::invalid_param(param, "the prompt encodes to no tokens"));
-    }
-    // Ids a client gave, or a tokenizer with more ids than the model's embedding: refused here,
-    // not in the engine step that would fail the whole batch.
-    if let Some((pos, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= s.vocab) {
-        return Err(ApiError::invalid_param(
-            param,
-            format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
-        ));
-    }
-    // The same check `krasis generate` makes (the library's).
-    let max_tokens = krasis_model::runtime::check_context(s.context, prompt.len(), gen.max_tokens)
-        .map_err(|e| ApiError::invalid_param(param, e.to_string()).with_code("context_length_exceeded"))?;
+    let max_tokens = admit(&s, param, &prompt, gen.max_tokens)?;
     let n = s.next_id.fetch_add(1, Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{:x}{n:06x}", s.started),
@@ -369,18 +366,51 @@ async fn generate(
         label: Some(label),
         keep_special: reply.is_some(),
     };
-    match s.scheduler.submit(job) {
-        Ok(()) => {}
-        Err(Refused::Busy(q)) => {
-            return Err(ApiError::busy(format!("{q} requests are already waiting; try again later (--max-queue)")))
-        }
-        Err(Refused::Stopped) => return Err(ApiError::unavailable("the server is shutting down")),
-    }
+    submit(&s, job)?;
     let shape = Shape { kind, id, created: now(), model: s.model_id.clone() };
     if gen.stream {
         Ok(Sse::new(sse(shape, rx, gen.include_usage, reply)).into_response())
     } else {
         whole(shape, rx, reply).await
+    }
+}
+
+/// The checks before a prompt is queued: the server is not shutting down, the prompt has
+/// tokens, each inside the vocabulary, and it fits the context with room for `max_tokens`
+/// (`None`: up to the context). Returns the tokens the reply may have; a refusal names `param`.
+pub(super) fn admit(
+    s: &AppState,
+    param: &'static str,
+    prompt: &[u32],
+    max_tokens: Option<usize>,
+) -> Result<usize, ApiError> {
+    if s.shutting_down.load(Relaxed) {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(param, "the prompt encodes to no tokens"));
+    }
+    // Ids a client gave, or a tokenizer with more ids than the model's embedding: refused here,
+    // not in the engine step that would fail the whole batch.
+    if let Some((pos, id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= s.vocab) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("token id {id} at position {pos} is outside the vocabulary of {}", s.vocab),
+        ));
+    }
+    // The same check `krasis generate` makes (the library's).
+    krasis_model::runtime::check_context(s.context, prompt.len(), max_tokens)
+        .map_err(|e| ApiError::invalid_param(param, e.to_string()).with_code("context_length_exceeded"))
+}
+
+/// Queues `job`: 429 when every slot and queue place is taken, 503 once the scheduler stopped.
+pub(super) fn submit(s: &AppState, job: Job) -> Result<(), ApiError> {
+    match s.scheduler.submit(job) {
+        Ok(()) => Ok(()),
+        Err(Refused::Busy(q)) => {
+            Err(ApiError::busy(format!("{q} requests are already waiting; try again later (--max-queue)")))
+        }
+        Err(Refused::Stopped) => Err(ApiError::unavailable("the server is shutting down")),
     }
 }
 

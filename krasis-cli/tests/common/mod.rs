@@ -327,20 +327,88 @@ pub fn set_chat_template(model: &Path, template: &str) {
 /// a venv with `openai`), else `python3`; `None` after a visible skip line when the package is
 /// not importable (`KRASIS_REQUIRE_OPENAI=1` makes that a failure).
 pub fn openai_python() -> Option<String> {
+    sdk_python("openai", "KRASIS_REQUIRE_OPENAI")
+}
+
+/// As [`openai_python`], for the `anthropic` package (`KRASIS_REQUIRE_ANTHROPIC=1` makes its
+/// absence a failure).
+pub fn anthropic_python() -> Option<String> {
+    sdk_python("anthropic", "KRASIS_REQUIRE_ANTHROPIC")
+}
+
+/// The Python (`KRASIS_PYTHON`, else `python3`) that imports `package`; `None` after a visible
+/// skip line when it cannot, or a panic when `require_var` is `1`.
+pub fn sdk_python(package: &str, require_var: &str) -> Option<String> {
     let python = std::env::var("KRASIS_PYTHON").unwrap_or_else(|_| "python3".into());
-    let probe = Command::new(&python).args(["-c", "import openai"]).output();
+    let probe = Command::new(&python).args(["-c", &format!("import {package}")]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         let why = match &probe {
             Ok(o) => String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("").to_string(),
             Err(e) => e.to_string(),
         };
-        if std::env::var("KRASIS_REQUIRE_OPENAI").as_deref() == Ok("1") {
-            panic!("KRASIS_REQUIRE_OPENAI=1 but `{python} -c 'import openai'` failed: {why}");
+        if std::env::var(require_var).as_deref() == Ok("1") {
+            panic!("{require_var}=1 but `{python} -c 'import {package}'` failed: {why}");
         }
         krasis_tests::report_skip(&format!(
-            "the openai Python package is not importable by {python} ({why}); `pip install openai` or set KRASIS_PYTHON"
+            "the {package} Python package is not importable by {python} ({why}); `pip install {package}` or set KRASIS_PYTHON"
         ));
         return None;
     }
     Some(python)
+}
+
+/// Runs a client script under `tests/` with `python` and `args`; its stdout, after checking it
+/// exited 0 and printed `passed` (on failure: its output and the server's log).
+pub fn run_client(python: &str, script: &str, args: &[&str], server: &Server) -> String {
+    let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(python).arg(&path).args(args).output().expect("run the client script");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{script} failed:\n{stdout}\n{stderr}\nserver log:\n{}", server.log());
+    assert!(stdout.contains("passed"), "{stdout}");
+    stdout.into_owned()
+}
+
+/// A server whose every reply is a scripted text (`KRASIS_TEST_SCRIPT`), with `template` as its
+/// chat template, so that random weights write a family's tool calls and think blocks.
+pub struct Scripted {
+    pub server: Server,
+    pub script: std::path::PathBuf,
+    /// The model's tokenizer, to count the tokens of an expected prompt.
+    pub codec: krasis_model::text::tokenizer::TextCodec,
+    _dir: tempfile::TempDir,
+}
+
+impl Scripted {
+    pub fn start(template: &str) -> Scripted {
+        Self::start_with(template, &[])
+    }
+
+    /// As [`Scripted::start`], with further `krasis serve` flags.
+    pub fn start_with(template: &str, extra: &[&str]) -> Scripted {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("reply.txt");
+        std::fs::write(&script, "").unwrap();
+        let mut codec = None;
+        let server = Server::start_prepared(extra, &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
+            set_chat_template(model, template);
+            codec = Some(krasis_model::text::tokenizer::TextCodec::load(model).unwrap());
+        });
+        Scripted { server, script, codec: codec.unwrap(), _dir: dir }
+    }
+
+    /// Sets the text of the following replies.
+    pub fn reply(&self, text: &str) {
+        std::fs::write(&self.script, text).unwrap();
+    }
+
+    /// A chat request whose reply is `reply`.
+    pub fn chat(&self, reply: &str, body: &Value) -> Response {
+        self.reply(reply);
+        self.server.post("/v1/chat/completions", body)
+    }
+
+    /// The tokens of `text` (no BOS).
+    pub fn tokens(&self, text: &str) -> u64 {
+        self.codec.encode_plain(text).unwrap().len() as u64
+    }
 }
