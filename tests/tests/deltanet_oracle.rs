@@ -170,3 +170,31 @@ macro_rules! deltanet_tests {
 
 deltanet_tests!(qwen3next, "qwen3next-tiny");
 deltanet_tests!(qwen35moe, "qwen35moe-tiny");
+
+/// One batched step over two sequences (a prompt's tail and a one-token decode, each after its
+/// own prefill) gives each the logits it gets alone: the DeltaNet states are per sequence.
+#[test]
+fn a_batched_step_keeps_each_sequences_deltanet_state() {
+    use krasis_model::cpu::{BatchSeq, Logits};
+    let Some(dir) = fixture_next("qwen3next-tiny") else { return };
+    let m = Model::load(&dir).unwrap();
+    let p = load_reference(&dir).prompt_ids;
+    let (a_head, a_tail, b_head, b_tail) = (&p[..40], &p[40..70], &p[3..23], &p[23..24]);
+    let alone = |head: &[u32], tail: &[u32]| {
+        let mut s = m.new_session();
+        m.forward(&mut s, head, Logits::Last, None).unwrap();
+        m.forward(&mut s, tail, Logits::All, None).unwrap()
+    };
+    let (want_a, want_b) = (alone(a_head, a_tail), alone(b_head, b_tail));
+    let (mut sa, mut sb) = (m.new_session(), m.new_session());
+    m.forward(&mut sa, a_head, Logits::Last, None).unwrap();
+    m.forward(&mut sb, b_head, Logits::Last, None).unwrap();
+    let mut batch = [
+        BatchSeq { session: &mut sa, tokens: a_tail, which: Logits::All },
+        BatchSeq { session: &mut sb, tokens: b_tail, which: Logits::All },
+    ];
+    let got = m.forward_batch(&mut batch).unwrap();
+    let (ea, eb) = (rel_l2(&got[0], &want_a), rel_l2(&got[1], &want_b));
+    eprintln!("batched vs alone: rel {ea:.2e} / {eb:.2e}");
+    assert!(ea <= 1e-5 && eb <= 1e-5, "batched logits differ: {ea:.3e} {eb:.3e}");
+}
