@@ -29,13 +29,16 @@
 //! `[16 f32 row factors][per group: 16 one-byte scales, padded to 64][group 0 weights]…`. The
 //! weights are the codes in INT4's chunk order (64-byte chunks, byte `4·j + b` holding (row j,
 //! k0 + b) in its low nibble and (row j, k0 + 4 + b) in its high nibble). The row factor of row
-//! j is `weight_scale_2 / 2` (NVFP4) or `1/2` (MXFP4): the ½ undoes the doubled code table.
-//! Padding rows have factor 0, scale byte 0 and code 0.
+//! j ([`row_factor`]) is `1/2` for MXFP4 (undoing the doubled code table) and `128 ·
+//! weight_scale_2` for NVFP4, whose scale bytes the kernels read as `E4M3 / 256` ([`kernel_scale`]:
+//! the byte's bits moved into an f16, exact, one `vcvtph2ps`), so `s · f = E4M3 · weight_scale_2 /
+//! 2` either way. Padding rows have factor 0, scale byte 0 and code 0.
 //!
 //! The matmul is then, per (row, group), `y += d · ((s · f) · s_x)` with `d` the exact integer
-//! `Σ (2·E2M1(c)) · q_x`, `s` the decoded group scale ([`scale_value`]), `f` the row factor and
-//! `s_x` the activations' group scale; `s · f` is exact for MXFP4 (a power of two times ½) and
-//! one f32 rounding for NVFP4 (E4M3 times `weight_scale_2 / 2`).
+//! `Σ (2·E2M1(c)) · q_x`, `s` the group scale as the kernels read it ([`kernel_scale`]), `f` the
+//! row factor and `s_x` the activations' group scale; `s · f` is exact for MXFP4 (a power of two
+//! times ½) and one f32 rounding for NVFP4 (E4M3 times `weight_scale_2 / 2`, scaled by powers of
+//! two).
 
 use bytemuck::{Pod, Zeroable};
 
@@ -148,14 +151,19 @@ pub fn e8m0(e: u8) -> f32 {
 }
 
 /// The value of an E4M3 (`float8_e4m3fn`) byte, exact in f32; NaN for 0x7f / 0xff. Computed as
-/// the kernels do: the 7 magnitude bits shifted into an f32's exponent and mantissa (an f32
-/// subnormal for E4M3's subnormals), times 2¹²⁰ (exact), with the sign bit.
+/// the kernels do: a normal byte's 7 magnitude bits shifted into an f32's exponent and mantissa
+/// with the exponent rebased by 120 (integer arithmetic), a subnormal's (exponent 0) as
+/// `m · 2⁻⁹`, then the sign bit.
 #[inline]
 pub fn e4m3(b: u8) -> f32 {
     if b & 0x7f == 0x7f {
         return f32::NAN;
     }
-    let mag = f32::from_bits(((b & 0x7f) as u32) << 20) * f32::from_bits(0x7b80_0000); // 2^120
+    let mag = if b & 0x78 == 0 {
+        (b & 7) as f32 * (1.0 / 512.0)
+    } else {
+        f32::from_bits((((b & 0x7f) as u32) << 20) + (120 << 23))
+    };
     f32::from_bits(mag.to_bits() | (((b & 0x80) as u32) << 24))
 }
 
@@ -165,6 +173,28 @@ pub fn scale_value(kind: Fp4Kind, s: u8) -> f32 {
     match kind {
         Fp4Kind::Mxfp4 => e8m0(s),
         Fp4Kind::Nvfp4 => e4m3(s),
+    }
+}
+
+/// A stored group scale byte of `kind` as the kernels read it: MXFP4's E8M0 value; for NVFP4
+/// the E4M3 value divided by 256 (exact), read as the f16 whose bits are the byte's magnitude
+/// shifted left by 7 and its sign moved to bit 15 (E4M3's exponent field lands in f16's, whose
+/// bias is 8 larger; E4M3's subnormals become f16 subnormals).
+#[inline]
+pub fn kernel_scale(kind: Fp4Kind, s: u8) -> f32 {
+    match kind {
+        Fp4Kind::Mxfp4 => e8m0(s),
+        Fp4Kind::Nvfp4 => half::f16::from_bits((((s & 0x7f) as u16) << 7) | (((s & 0x80) as u16) << 8)).to_f32(),
+    }
+}
+
+/// The row factor of the CPU layout for a matrix of `kind` with global scale `global` (see the
+/// module docs): `1/2` (MXFP4), `128 · global` (NVFP4).
+#[inline]
+pub fn row_factor(kind: Fp4Kind, global: f32) -> f32 {
+    match kind {
+        Fp4Kind::Mxfp4 => 0.5,
+        Fp4Kind::Nvfp4 => global * 128.0,
     }
 }
 
@@ -242,9 +272,9 @@ impl Fp4Matrix {
         self.block(r * self.groups() + g).0
     }
 
-    /// The row factor of the CPU layout: `global / 2` (exact for a normal `global`).
+    /// The row factor of the CPU layout ([`row_factor`]).
     pub fn row_factor(&self) -> f32 {
-        self.global * 0.5
+        row_factor(self.kind, self.global)
     }
 
     fn check_shape(kind: Fp4Kind, rows: usize, k: usize) -> Result<(), Fp4Error> {
@@ -448,7 +478,7 @@ pub fn unpack(src: &[u8], l: &PackedLayout) -> Result<Fp4Matrix, Fp4Error> {
         let blk = &src[l.block_range(r / ROW_BLOCK)];
         let j = r % ROW_BLOCK;
         if r == 0 && kind == Fp4Kind::Nvfp4 {
-            global = 2.0 * f32::from_le_bytes(blk[0..4].try_into().expect("4 bytes"));
+            global = f32::from_le_bytes(blk[0..4].try_into().expect("4 bytes")) / 128.0;
         }
         for g in 0..ng {
             let out = &mut blocks[(r * ng + g) * bb..(r * ng + g + 1) * bb];
@@ -572,6 +602,14 @@ mod tests {
             let got = e4m3(b) as f64;
             assert!(got == want || (got.is_nan() && want.is_nan()), "byte {b:#04x}: {got} vs {want}");
         }
+        for b in 0..=255u8 {
+            if b & 0x7f != 0x7f {
+                assert_eq!(kernel_scale(Fp4Kind::Nvfp4, b) * 256.0, e4m3(b), "byte {b:#04x}");
+            }
+            if b != 0xff {
+                assert_eq!(kernel_scale(Fp4Kind::Mxfp4, b), e8m0(b));
+            }
+        }
         assert_eq!(e4m3(0x77), 240.0);
         assert_eq!(e4m3(0x7e), 448.0);
         assert_eq!(e4m3(0x01), 2f32.powi(-9));
@@ -670,7 +708,7 @@ mod tests {
             let byte = p[l.block_range(rb)][l.weights_offset(g) + (i / 8) * 64 + 4 * j + i % 4];
             prop_assert_eq!(if i % 8 < 4 { byte & 0xf } else { byte >> 4 }, m.code(r, c));
             let f = f32::from_le_bytes(p[l.block_range(rb)][4 * j..4 * j + 4].try_into().unwrap());
-            prop_assert_eq!(f, m.global * 0.5);
+            prop_assert_eq!(f, row_factor(kind, m.global));
         }
 
         #[test]

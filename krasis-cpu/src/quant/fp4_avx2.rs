@@ -4,7 +4,7 @@
 //! 2·24·127 = 6096, twice per chunk 12192 < 2¹⁵, no saturation) followed by `madd(·, 1)` gives
 //! each row's i32 sum per chunk. The +12 is removed per group with the activation sums, and the
 //! epilogue is the scalar's `fma(d, (s · f) · s_x, y)`; group scales are decoded from their bytes
-//! as in the AVX-512 twin.
+//! as in the AVX-512 twin (E4M3 through F16C's `vcvtph2ps`).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -29,15 +29,16 @@ unsafe fn look(lut: __m256i, v: __m256i, mask: __m256i) -> __m256i {
 
 /// 8 scales (bytes at `p`) as f32 times the row factors `f`.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn scales8(p: *const u8, nv: bool, f: __m256) -> __m256 {
-    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
     let s = if nv {
-        let mag = _mm256_slli_epi32::<20>(_mm256_and_si256(b, _mm256_set1_epi32(0x7f)));
-        let v = _mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(_mm256_set1_epi32(0x7b80_0000)));
-        let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(b, _mm256_set1_epi32(0x80)));
-        _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign))
+        // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion.
+        let w = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+        let mag = _mm_slli_epi16::<7>(_mm_and_si128(w, _mm_set1_epi16(0x7f)));
+        let sign = _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80)));
+        _mm256_cvtph_ps(_mm_or_si128(mag, sign))
     } else {
+        let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
         let bits = _mm256_slli_epi32::<23>(b);
         let zero = _mm256_cmpeq_epi32(b, _mm256_setzero_si256());
         _mm256_castsi256_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi32(0x0040_0000), zero))
@@ -46,9 +47,9 @@ unsafe fn scales8(p: *const u8, nv: bool, f: __m256) -> __m256 {
 }
 
 /// # Safety
-/// The CPU must have AVX2 and FMA; arguments checked by [`super::matmul_packed_with`] (an FP4
+/// The CPU must have AVX2, FMA and F16C; arguments checked by [`super::matmul_packed_with`] (an FP4
 /// layout).
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn matmul(
     w: &[u8],
     l: &PackedLayout,

@@ -4,7 +4,8 @@
 //! `2·value + 12` as unsigned bytes, which `vpdpbusd` multiplies with the broadcast INT8
 //! activations exactly as the INT4 kernel does; the +12 is removed per group with the activation
 //! sums. Group scales are decoded from their stored bytes in registers: E8M0 as `e << 23` (2⁻¹²⁷,
-//! e = 0, blended in), E4M3 as its 7 magnitude bits `<< 20` times 2¹²⁰ with the sign or-ed in.
+//! e = 0, blended in), E4M3 as the f16 `E4M3 / 256` (bits moved, `vcvtph2ps`; the row factor
+//! holds the 256).
 //!
 //! Activation rows go in tiles of up to 8 per group (the group's weights, ≤ 2 KiB, stay in L1
 //! between tiles), accumulating straight into `out`. There is no AMX form: FP4 layouts never
@@ -28,13 +29,14 @@ unsafe fn bcast4(p: *const i8) -> __m512i {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: bool, f: __m512) -> __m512 {
-    let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
     let s = if nv {
-        let mag = _mm512_slli_epi32::<20>(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)));
-        let v = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_castsi512_ps(_mm512_set1_epi32(0x7b80_0000)));
-        let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(b, _mm512_set1_epi32(0x80)));
-        _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign))
+        // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion.
+        let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
+        let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)));
+        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));
+        _mm512_cvtph_ps(_mm256_or_si256(mag, sign))
     } else {
+        let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
         let bits = _mm512_slli_epi32::<23>(b);
         let zero = _mm512_cmpeq_epi32_mask(b, _mm512_setzero_si512());
         _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000)))
@@ -91,6 +93,10 @@ unsafe fn run<const HINT: i32>(
             _mm_prefetch::<HINT>(blk.wrapping_add(pfd) as *const i8);
         }
         let f = _mm512_loadu_ps(blk as *const f32);
+        if acts.m == 1 {
+            block_m1::<HINT>(blk, l, acts, y, groups.clone(), pfd, lut, nv, f);
+            continue;
+        }
         for g in groups.clone() {
             let sf = scales_times_factors(blk, l, g, nv, f);
             let mut i = 0;
@@ -110,6 +116,58 @@ unsafe fn run<const HINT: i32>(
             }
         }
     }
+}
+
+/// One row block at M = 1, groups `groups` in K order: the 16 outputs stay in a register
+/// (continuing what `y` holds, zeroed above when `groups` starts at 0), four independent
+/// accumulators per group (even / odd chunk × low / high nibble).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_m1<const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    groups: Range<usize>,
+    pfd: usize,
+    lut: __m512i,
+    nv: bool,
+    f: __m512,
+) {
+    let gs = l.gs;
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let off = l.offset();
+    let xq = acts.q.as_ptr();
+    let mut yv = _mm512_loadu_ps(y);
+    for g in groups {
+        let wp = blk.add(l.weights_offset(g));
+        let xg = xq.add(g * gs);
+        let mut a = [_mm512_setzero_si512(); 4];
+        // Chunks in pairs (a group has 2 or 4).
+        let mut c = 0;
+        while c < nchunks {
+            for u in 0..2 {
+                let p = wp.add((c + u) * CHUNK);
+                if pfd != 0 {
+                    _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
+                }
+                let v = _mm512_loadu_si512(p as *const _);
+                let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+                let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
+                let xk = xg.add((c + u) * 8);
+                a[2 * u] = _mm512_dpbusd_epi32(a[2 * u], lo, bcast4(xk));
+                a[2 * u + 1] = _mm512_dpbusd_epi32(a[2 * u + 1], hi, bcast4(xk.add(4)));
+            }
+            c += 2;
+        }
+        let acc = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+        let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[g])));
+        let sf = scales_times_factors(blk, l, g, nv, f);
+        yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[g])), yv);
+    }
+    _mm512_storeu_ps(y, yv);
 }
 
 /// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.

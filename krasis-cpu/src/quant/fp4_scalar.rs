@@ -1,14 +1,15 @@
 //! Scalar reference of the FP4 (MXFP4 / NVFP4) matmul on the CPU layout of
 //! `krasis_quant::fp4`: each E2M1 code is looked up as `2·value + 12` ([`E2M1_X2_BIASED`]), the
 //! group's integer sum `Σ u·q_x − 12·Σ q_x = Σ (2·value)·q_x` is exact, and the float epilogue is,
-//! per group in K order, `y = fma(d, (s · f) · s_x, y)` with `s` the decoded group scale and `f`
-//! the row factor (`weight_scale_2 / 2`, or `1/2`). The SIMD twins use the same operations in the
+//! per group in K order, `y = fma(d, (s · f) · s_x, y)` with `s` the group scale as
+//! `krasis_quant::fp4::kernel_scale` reads it and `f` the row factor (`128 · weight_scale_2`, or
+//! `1/2`). The SIMD twins use the same operations in the
 //! same order, so they agree bit for bit.
 
 use std::ops::Range;
 
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
-use krasis_quant::fp4::{scale_value, E2M1_X2_BIASED};
+use krasis_quant::fp4::{kernel_scale, E2M1_X2_BIASED};
 
 use super::QuantizedActs;
 
@@ -60,7 +61,7 @@ pub(super) fn matmul(
         let f = row_factors(blk);
         for g in groups.clone() {
             let so = l.scales_offset(g);
-            let sf: [f32; ROW_BLOCK] = std::array::from_fn(|j| scale_value(kind, blk[so + j]) * f[j]);
+            let sf: [f32; ROW_BLOCK] = std::array::from_fn(|j| kernel_scale(kind, blk[so + j]) * f[j]);
             let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
             for i in 0..m {
                 let xq = &acts.q[i * k + g * gs..i * k + (g + 1) * gs];
