@@ -95,6 +95,7 @@ pub const ALL: &[KernelSource] = &[
     crate::attn_decode::ATTN_DECODE_VARIANTS[7],
     crate::mla_decode::MLA_DECODE,
     crate::relayout::RELAYOUT,
+    crate::delta_rule::DELTA_RULE,
 ];
 
 /// Threads per block of the row-wise kernels.

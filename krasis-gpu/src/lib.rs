@@ -61,6 +61,7 @@ pub mod attn_decode;
 pub mod budget;
 pub mod cache;
 pub mod cublas;
+pub mod delta_rule;
 mod device;
 pub mod elementwise;
 mod error;

@@ -120,3 +120,31 @@ fn check(name: &str) {
 }
 
 krasis_tests::per_fixture_tests!(check);
+
+/// A gated-DeltaNet hybrid of `../shared/fixtures-next` (Qwen3-Next): each sequence's DeltaNet
+/// states (per layer, constant size) advance in the batch as they do alone.
+fn check_deltanet(name: &str) {
+    let Some(dir) = krasis_tests::fixture_next(name) else { return };
+    if !krasis_tests::gpu_available(name) {
+        return;
+    }
+    let r = krasis_tests::load_reference(&dir);
+    let gpu = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
+    let m = GpuModel::load(&dir, &gpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    check_model(name, "whole-GPU", &m, &r.prompt_ids);
+    drop(m);
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = EngineOptions {
+        expert_bits: WeightBits::Int4,
+        cache_dir: Some(tmp.path().to_path_buf()),
+        threads: Some(2),
+        ..EngineOptions::default()
+    };
+    let m = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    check_model(name, "hybrid int4", &m, &r.prompt_ids);
+}
+
+#[test]
+fn qwen3next_deltanet() {
+    check_deltanet("qwen3next-tiny");
+}

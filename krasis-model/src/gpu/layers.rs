@@ -166,6 +166,9 @@ struct GpuGqa<'w> {
     kv_heads: usize,
     head_dim: usize,
     scale: f32,
+    /// Gated attention (Qwen3-Next): `q_proj` yields per head the query and its gate; the output
+    /// is divided by `1 + e^−gate` before `o_proj` ([`super::deltanet::gated_query`]).
+    output_gate: bool,
     w: &'w GqaParts<GpuLinear, DeviceBuffer<u16>>,
 }
 
@@ -212,17 +215,21 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
         self.s.mark(c.dev, Part::Attention)
     }
 
-    fn gated_delta_net(&mut self, l: usize, _w: &DeltaNetParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {
-        // `check_gpu_layers` refuses such a model before it loads; kept as an error, not a panic.
-        Err(ModelError::Invalid(format!("layer {l}: gated-DeltaNet layers do not run on the GPU engine yet")))
+    fn gated_delta_net(&mut self, l: usize, w: &DeltaNetParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {
+        let c = self.c;
+        let spec = c.spec.delta_net.expect("the walk gives DeltaNet weights to a DeltaNet model");
+        super::deltanet::GpuDeltaNet { spec, eps: c.eps, w }.forward(c, l, self.s)?;
+        self.s.mark(c.dev, Part::Attention)
     }
 
     fn gqa(&mut self, l: usize, w: &GqaParts<GpuLinear, DeviceBuffer<u16>>) -> Result<()> {
         let c = self.c;
-        let AttentionSpec::Gqa { heads, kv_heads, head_dim, .. } = c.spec.attention else {
+        let AttentionSpec::Gqa { heads, kv_heads, head_dim, output_gate, .. } = c.spec.attention else {
             unreachable!("the walk gives GQA weights to a GQA model")
         };
-        GpuGqa { heads, kv_heads, head_dim, scale: c.spec.softmax_scale, w }.forward(c, l, self.s)?;
+        // The KV cache holds the attention layers only (`super::deltanet::kv_layer`).
+        let l = super::deltanet::kv_layer(c.spec, l);
+        GpuGqa { heads, kv_heads, head_dim, scale: c.spec.softmax_scale, output_gate, w }.forward(c, l, self.s)?;
         self.s.mark(c.dev, Part::Attention)
     }
 
@@ -726,12 +733,16 @@ impl GpuGqa<'_> {
         let hidden = self.w.o.rows();
         let dev = c.dev;
         let sc = &mut *s.scratch;
-        let [q_slot, k_slot, v_slot, out_slot, ..] = &mut sc.f;
+        let [q_slot, k_slot, v_slot, out_slot, gate_slot, ..] = &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
         let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
         let k = grow(dev, k_slot, t * kvh * hd, "gqa k")?;
         let v = grow(dev, v_slot, t * kvh * hd, "gqa v")?;
-        self.w.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
+        if self.output_gate {
+            super::deltanet::gated_query(c, &self.w.q, &xn, hh, hd, gate_slot, q)?;
+        } else {
+            self.w.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
+        }
         self.w.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
         self.w.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
         if let Some([qb, kb, vb]) = &self.w.qkv_bias {
@@ -810,6 +821,9 @@ impl GpuGqa<'_> {
                 &v16.slice().slice(..n_kv * row),
                 &mut o.slice_mut().slice_mut(..t * hh * hd),
             )?;
+        }
+        if self.output_gate {
+            super::deltanet::apply_output_gate(c, o, gate_slot, hh, hd)?;
         }
         self.w.o.forward(
             dev,

@@ -19,6 +19,7 @@ use krasis_gpu::router::GpuRouter;
 use krasis_gpu::sampling::GpuSampler;
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 
+use super::deltanet::{kv_layers, session_state_bytes};
 use super::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use super::expert_stream::{ExpertStreamer, StreamRecords};
 use super::host_experts::ExpertServer;
@@ -57,16 +58,22 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
     out
 }
 
-/// Refuses, before anything is uploaded, a model with layers the GPU engine does not run yet:
-/// gated-DeltaNet layers and the attention output gate (Qwen3-Next, Qwen3.5), which the CPU
-/// engine runs.
+/// Refuses, before anything is uploaded, a model with layers the GPU engine does not run: a
+/// gated-DeltaNet layer whose geometry the kernels do not take (key dim above
+/// [`krasis_gpu::delta_rule::MAX_KEY_DIM`], a conv kernel above
+/// [`krasis_gpu::delta_rule::MAX_CONV_KERNEL`]). Qwen3-Next's and Qwen3.5's DeltaNet layers and
+/// gated attention run.
 pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
-    let gated = matches!(spec.attention, crate::spec::AttentionSpec::Gqa { output_gate: true, .. });
-    if spec.delta_net.is_some() || gated {
-        return Err(ModelError::Invalid(format!(
-            "{}: gated-DeltaNet layers and gated attention do not run on the GPU engine yet; the CPU engine runs them",
-            spec.arch.model_type()
-        )));
+    use krasis_gpu::delta_rule::{MAX_CONV_KERNEL, MAX_KEY_DIM};
+    if let Some(d) = &spec.delta_net {
+        if d.key_dim > MAX_KEY_DIM || d.conv_kernel == 0 || d.conv_kernel > MAX_CONV_KERNEL {
+            return Err(ModelError::Invalid(format!(
+                "{}: gated-DeltaNet layers of key dim {} and conv kernel {} do not run on the GPU engine (at most {MAX_KEY_DIM} and {MAX_CONV_KERNEL}); the CPU engine runs them",
+                spec.arch.model_type(),
+                d.key_dim,
+                d.conv_kernel
+            )));
+        }
     }
     Ok(())
 }
@@ -99,15 +106,19 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
                 Some(bits) => n * bits.bits() as u64 / 8 + n / 16,
                 None => 2 * n,
             },
-            TensorRole::Embedding | TensorRole::Norm | TensorRole::CentredNorm | TensorRole::RouterBias | TensorRole::Bias => 2 * n,
+            TensorRole::Embedding
+            | TensorRole::Norm
+            | TensorRole::CentredNorm
+            | TensorRole::RouterBias
+            | TensorRole::Bias => 2 * n,
             TensorRole::MixerParam => 4 * n,
         };
     }
     let (planes, row, group) = kv_geometry(spec);
     let kv_per_token =
-        KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group).map_or(0, |l| l.bytes_per_token() as u64);
+        KvLayout::new(opts.kv_dtype, kv_layers(spec), planes, row, group).map_or(0, |l| l.bytes_per_token() as u64);
     let min_ctx = MIN_USEFUL_KV_TOKENS.min(spec.max_position_embeddings.max(1)) as u64;
-    bytes + kv_per_token * min_ctx + KV_RESERVE_BYTES
+    bytes + kv_per_token * min_ctx + session_state_bytes(spec) + KV_RESERVE_BYTES
 }
 
 /// Where a GPU build puts the routed experts.
@@ -536,7 +547,7 @@ impl GpuModel {
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
         let vram = plan.vram.unwrap_or_else(|| {
             let reserve = KV_RESERVE_BYTES.max(super::HOT_PREFILL_RESERVE_BYTES);
-            self.dev.budget().remaining().saturating_sub(reserve).saturating_sub(kv_keep)
+            self.plan_free().saturating_sub(reserve).saturating_sub(kv_keep)
         });
         let kept = if strategy == CacheStrategy::HotCachedStatic {
             let heat = heat.as_ref().expect("loaded above");
@@ -579,13 +590,19 @@ impl GpuModel {
         self.fit_prefill_chunk(kv_asked, &after, log)
     }
 
+    /// VRAM the plan shares out now: what the budget has left, less one session's gated-DeltaNet
+    /// states (allocated with its KV cache; a constant per sequence).
+    fn plan_free(&self) -> u64 {
+        self.dev.budget().remaining().saturating_sub(session_state_bytes(&self.spec))
+    }
+
     /// The VRAM plan over what the budget leaves now (after the stream slots), with pinned
     /// experts when `pins`: the KV cache shrinks to the plan's (with pins
     /// [`super::vram_plan::DEFAULT_KV_TOKENS`] unless more is asked or needed) and the bytes for
     /// the pins are returned.
     fn replan_vram(&mut self, opts: &GpuOptions, pins: bool, log: &mut Vec<String>) -> Result<u64> {
         let ask = super::vram_plan::VramAsk {
-            free: self.dev.budget().remaining(),
+            free: self.plan_free(),
             kv_bytes_per_token: self.kv_layout.bytes_per_token() as u64,
             scratch: self.scratch_cost,
             model_context: self.kv_tokens,
@@ -609,7 +626,7 @@ impl GpuModel {
     fn fit_prefill_chunk(&mut self, kv_asked: Option<usize>, what: &str, log: &mut Vec<String>) -> Result<()> {
         use super::vram_plan::{CHUNK_STEP, FIXED_RESERVE_BYTES, MIN_PREFILL_CHUNK};
         let (cost, kv_bpt) = (self.scratch_cost, self.kv_layout.bytes_per_token() as u64);
-        let free = self.dev.budget().remaining().saturating_sub(FIXED_RESERVE_BYTES);
+        let free = self.plan_free().saturating_sub(FIXED_RESERVE_BYTES);
         if cost.chunk_beside(free, kv_bpt, self.kv_tokens) < MIN_PREFILL_CHUNK {
             let fit = cost.kv_beside(free, kv_bpt, MIN_PREFILL_CHUNK);
             if kv_asked.is_some() || fit == 0 {
@@ -692,11 +709,12 @@ impl GpuModel {
 
         // KV capacity and the prompt chunk: the VRAM plan over what the weights leave.
         let (planes, row, group) = kv_geometry(&spec);
-        let kv_layout = KvLayout::new(opts.kv_dtype, spec.num_layers, planes, row, group)?;
+        // The attention layers only: a DeltaNet layer keeps a constant state instead.
+        let kv_layout = KvLayout::new(opts.kv_dtype, kv_layers(&spec), planes, row, group)?;
         let scratch_cost =
             super::vram_plan::ScratchCost::of(&spec, opts.kv_b_proj_quant != krasis_gpu::linear::LinearQuant::Bf16);
         let ask = super::vram_plan::VramAsk {
-            free: dev.budget().remaining(),
+            free: dev.budget().remaining().saturating_sub(session_state_bytes(&spec)),
             kv_bytes_per_token: kv_layout.bytes_per_token() as u64,
             scratch: scratch_cost,
             model_context: spec.max_position_embeddings.max(1),
@@ -721,6 +739,13 @@ impl GpuModel {
             opts.kv_dtype,
             format_bytes(kv_bytes)
         ));
+        if spec.delta_net.is_some() {
+            log.push(format!(
+                "KV cache over the {} attention layers; gated-DeltaNet states: {} per sequence, whatever its length",
+                kv_layers(&spec),
+                format_bytes(session_state_bytes(&spec))
+            ));
+        }
         let rope = RotaryTables::new(&spec.rope);
         let (cos, sin) = rope.table(0, kv_tokens);
         let cos = dev.upload(&cos, "rope cos table")?;

@@ -9,6 +9,7 @@
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
 //! absorbed form over the latent cache.
 
+mod deltanet;
 pub mod expert_cache;
 pub mod expert_pool;
 pub mod expert_stream;
@@ -27,10 +28,11 @@ use krasis_gpu::linear::{GemmContext, LinearQuant};
 use krasis_gpu::sampling::{GpuSampler, GpuSamplingParams};
 use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
+pub use self::deltanet::session_state_bytes;
 use self::layers::GpuKinds;
 pub use self::load::{whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
 pub use self::session::GpuSession;
-use self::session::{KvRows, StepIo};
+use self::session::{DeltaRows, KvRows, StepIo};
 use crate::error::{ModelError, Result};
 use crate::model::build::Weights;
 pub use crate::placement::{
@@ -179,11 +181,18 @@ struct BatchState {
     scratch: session::Scratch,
     ws: DecodeWorkspace,
     host: host_experts::HostStaging,
+    /// The batch's table of its sequences' DeltaNet state blocks (gated-DeltaNet models).
+    delta_table: session::Slot<u64>,
 }
 
 impl Default for BatchState {
     fn default() -> Self {
-        BatchState { scratch: Default::default(), ws: DecodeWorkspace::new(), host: Default::default() }
+        BatchState {
+            scratch: Default::default(),
+            ws: DecodeWorkspace::new(),
+            host: Default::default(),
+            delta_table: None,
+        }
     }
 }
 
@@ -241,10 +250,12 @@ impl GpuModel {
         Ok(())
     }
 
-    /// A session with its own KV cache of [`GpuModel::kv_capacity`] tokens.
+    /// A session with its own KV cache of [`GpuModel::kv_capacity`] tokens (and, for
+    /// gated-DeltaNet models, the zero states of its DeltaNet layers).
     pub fn new_session(&self) -> Result<GpuSession> {
         let cache = GpuKvCache::with_layout(&self.dev, self.kv_layout, KvCapacity::Tokens(self.kv_tokens))?;
-        Ok(GpuSession::new(cache, DecodeWorkspace::new()))
+        let delta = deltanet::SessionDelta::new(&self.dev, &self.spec)?;
+        Ok(GpuSession::new(cache, delta, DecodeWorkspace::new()))
     }
 
     /// A session holding `pos` tokens has room in its KV cache for `t` more.
@@ -322,8 +333,12 @@ impl GpuModel {
             p.mark(&self.dev, profile::Part::Start)?; // opens the call
         }
         self.dev.iota_i32(&mut *s.scratch.positions, pos, t)?;
-        let GpuSession { kv, ws, scratch, host, profile, .. } = s;
-        let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv) };
+        let GpuSession { kv, delta, ws, scratch, host, profile, .. } = s;
+        let delta = DeltaRows {
+            table: delta.as_ref().map(|d| &d.table),
+            seqs: krasis_gpu::delta_rule::DeltaSeqs { n_seqs: 1, rows_per_seq: t },
+        };
+        let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv), delta };
         let rows = if all { t } else { 1 };
         self.forward(&mut io, host, t, pos, rows, tail)?;
         // The CPU experts' prefill buffers of a long prompt go back (see `prefill_bf16::trim`).
@@ -434,8 +449,18 @@ impl GpuModel {
             positions.push(pos as i32);
         }
         let mut guard = self.batch.lock().unwrap_or_else(|p| p.into_inner());
-        let BatchState { scratch, ws, host } = &mut *guard;
+        let BatchState { scratch, ws, host, delta_table } = &mut *guard;
         scratch.ensure(&self.dev, b, h)?;
+        // The sequences' DeltaNet state blocks, one table entry per row.
+        let delta_table = match seqs.iter().map(|st| st.session.delta.as_ref()).collect::<Option<Vec<_>>>() {
+            Some(blocks) if !blocks.is_empty() => {
+                let addrs: Vec<u64> = blocks.iter().map(|d| d.address(&self.dev)).collect();
+                let table = session::grow(&self.dev, delta_table, b, "DeltaNet state table (batch)")?;
+                self.dev.copy_to_device(&addrs, table)?;
+                Some(&*table)
+            }
+            _ => None,
+        };
         scratch.ensure_next_ids(&self.dev, b)?;
         self.dev.copy_to_device(&ids, &mut scratch.ids)?;
         self.dev.copy_to_device(&positions, &mut scratch.positions)?;
@@ -452,7 +477,11 @@ impl GpuModel {
                 }
                 Ok(())
             };
-            let mut io = StepIo { scratch: &mut *scratch, ws, profile: None, kv: KvRows::PerRow(&rows) };
+            let delta = DeltaRows {
+                table: delta_table,
+                seqs: krasis_gpu::delta_rule::DeltaSeqs { n_seqs: b, rows_per_seq: 1 },
+            };
+            let mut io = StepIo { scratch: &mut *scratch, ws, profile: None, kv: KvRows::PerRow(&rows), delta };
             self.forward(&mut io, host, b, 0, b, &mut sample)?;
         }
         let logits = scratch.logits.slice().slice(..b * v);

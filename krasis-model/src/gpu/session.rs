@@ -118,6 +118,17 @@ pub(crate) struct StepIo<'a> {
     pub ws: &'a mut DecodeWorkspace,
     pub profile: Option<&'a mut StepProfile>,
     pub kv: KvRows<'a>,
+    /// The DeltaNet states of the call's sequences (gated-DeltaNet models).
+    pub delta: DeltaRows<'a>,
+}
+
+/// Where the sequences of a forward call keep their gated-DeltaNet states
+/// ([`super::deltanet`]): a device table of their state blocks' addresses, in row order, and
+/// how the call's rows split into sequences (one sequence of `t` rows, or one row each). No table
+/// for a model without DeltaNet layers.
+pub(crate) struct DeltaRows<'a> {
+    pub table: Option<&'a DeviceBuffer<u64>>,
+    pub seqs: krasis_gpu::delta_rule::DeltaSeqs,
 }
 
 impl StepIo<'_> {
@@ -166,6 +177,8 @@ impl KvRows<'_> {
 
 pub struct GpuSession {
     pub(crate) kv: GpuKvCache,
+    /// The gated-DeltaNet layers' states (constant size), for models that have them.
+    pub(crate) delta: Option<super::deltanet::SessionDelta>,
     pub(crate) ws: DecodeWorkspace,
     pub(crate) scratch: Scratch,
     /// Pinned hand-off buffers of the hybrid engine (empty when the experts are on the GPU).
@@ -178,9 +191,10 @@ pub struct GpuSession {
 }
 
 impl GpuSession {
-    pub(crate) fn new(kv: GpuKvCache, ws: DecodeWorkspace) -> Self {
+    pub(crate) fn new(kv: GpuKvCache, delta: Option<super::deltanet::SessionDelta>, ws: DecodeWorkspace) -> Self {
         GpuSession {
             kv,
+            delta,
             ws,
             scratch: Scratch::default(),
             host: Default::default(),
@@ -201,5 +215,11 @@ impl GpuSession {
 
     pub fn kv_bytes(&self) -> usize {
         self.kv.capacity() * self.kv.bytes_per_token()
+    }
+
+    /// Device bytes of the session's gated-DeltaNet states (0 without DeltaNet layers), beside
+    /// its KV cache.
+    pub fn delta_state_bytes(&self) -> u64 {
+        self.delta.as_ref().map_or(0, |d| d.bytes())
     }
 }

@@ -15,7 +15,9 @@
 //! of the largest layer part (a dense MLP's gate and up, MLA's query and latent rows) and the
 //! per-context buffers of attention's prefill form (MLA's expanded keys and values over the whole
 //! context). The routed experts' own pass scratch sizes itself from the budget
-//! (`krasis_gpu::moe`), within [`FIXED_RESERVE_BYTES`].
+//! (`krasis_gpu::moe`), within [`FIXED_RESERVE_BYTES`]. A gated-DeltaNet model's KV cache covers
+//! its attention layers only, and the states of its DeltaNet layers (a constant per sequence,
+//! [`super::session_state_bytes`]) are taken off the free VRAM before the plan shares it out.
 
 use crate::spec::{AttentionSpec, FfnKind, ModelSpec};
 
@@ -80,12 +82,23 @@ impl ScratchCost {
                     + if kv_b_f32 { 4 * kvb_cols } else { 0 };
                 (hh * qk + q_lora_rank.unwrap_or(0) as u64, row, hh * v_head_dim as u64, 2 * hh * qk, per_context)
             }
-            AttentionSpec::Gqa { heads, kv_heads, head_dim, .. } => {
+            AttentionSpec::Gqa { heads, kv_heads, head_dim, output_gate, .. } => {
                 let (q, kv) = ((heads * head_dim) as u64, (kv_heads * head_dim) as u64);
-                (q, 2 * kv, q, 2 * q, 4 * kv)
+                // Gated attention keeps q_proj's whole output (queries and gates) beside q.
+                let gates = if output_gate { 2 * q } else { 0 };
+                (q, 2 * kv, q + gates, 2 * q, 4 * kv)
             }
         };
         let f32s = 3 * h + (2 * inter).max(q) + inter.max(kv_row) + h + h + out;
+        // A gated-DeltaNet layer's per-token f32s: q/k/v before and after the convolution, z, b, a
+        // and the output (its states are per sequence, not per token: see `session_state_bytes`).
+        let f32s = match &spec.delta_net {
+            Some(d) => {
+                let (ch, vw, nv) = (d.conv_channels() as u64, d.value_width() as u64, d.value_heads as u64);
+                f32s.max(3 * h + 2 * ch + 2 * vw + 2 * nv)
+            }
+            None => f32s,
+        };
         let per_token = 4 * f32s + q16 + 12 * k;
         let margin = |b: u64| b + b * SCRATCH_MARGIN_PERCENT / 100;
         ScratchCost { per_token: margin(per_token), per_context: margin(per_context) }

@@ -1,0 +1,411 @@
+//! Gated-DeltaNet layers on the GPU (Qwen3-Next, Qwen3.5), the ops between a layer's input
+//! projections and its `out_proj`: the causal depthwise convolution with SiLU (and its state),
+//! the per-token preparation (q and k L2-normalised, β and g), the gated delta rule token by token,
+//! and the gated RMSNorm of the output; plus the output gate of gated attention. The kernels'
+//! layouts are in `kernels/delta_rule.cu`; their twins are `krasis_cpu::delta_rule` and the CPU
+//! DeltaNet op of krasis-model.
+//!
+//! **States.** A call covers `n_seqs` sequences of `rows_per_seq` rows each ([`DeltaSeqs`]: one
+//! prompt of `t` rows, or a batched decode step of one row per sequence). Each sequence's state
+//! lives in its own device block; the call gets a device table of the blocks' addresses
+//! (`u64`, one per sequence, in row order) and the layer's offset into them ([`DeltaStates`]).
+//! A layer's part of a block is its conv state `[conv_kernel − 1, channels]` then its rule state
+//! `[value_heads, dk, dv]` ([`DeltaDims::state_len`]), all f32.
+//!
+//! The rule runs the recurrence for prompts too (exact, sequential over the prompt's tokens);
+//! a chunked prefill form is not here yet.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use crate::kernels::{check, launch_err, to_i32, KernelSource, HEADERS};
+use crate::{GpuDevice, GpuError};
+
+pub const DELTA_RULE: KernelSource = KernelSource {
+    name: "delta_rule",
+    src: include_str!("../kernels/delta_rule.cu"),
+    headers: HEADERS,
+    options: &[],
+    functions: &[
+        "delta_conv_silu",
+        "delta_conv_state",
+        "delta_prep",
+        "delta_rule_dk64",
+        "delta_rule_dk128",
+        "delta_rule_dk256",
+        "delta_gated_norm",
+        "output_gate_rows_f32",
+    ],
+};
+
+/// Largest convolution kernel the conv kernels take (`CONV_MAX_K` there).
+pub const MAX_CONV_KERNEL: usize = 8;
+/// Largest key head dim the rule kernel takes.
+pub const MAX_KEY_DIM: usize = 256;
+/// The eps of q and k's L2 normalisation (transformers' `l2norm`), as the kernel has it.
+pub const L2_EPS: f32 = 1e-6;
+
+const CONV_THREADS: u32 = 128;
+const CONV_ROWS: usize = 16;
+const RULE_COLS: usize = 32;
+/// Grid y and z limit.
+const GRID_YZ_MAX: usize = 65_535;
+
+/// One gated-DeltaNet layer's geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    /// Key (and query) head dim.
+    pub dk: usize,
+    /// Value head dim.
+    pub dv: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaDims {
+    /// Channels of the convolution: `[q | k | v]`.
+    pub fn channels(&self) -> usize {
+        2 * self.key_heads * self.dk + self.value_heads * self.dv
+    }
+
+    /// Floats of the conv state `[conv_kernel − 1, channels]`.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.channels()
+    }
+
+    /// Floats of the rule state `[value_heads, dk, dv]`.
+    pub fn rule_state_len(&self) -> usize {
+        self.value_heads * self.dk * self.dv
+    }
+
+    /// Floats of one layer's state of one sequence: the conv state, then the rule state.
+    pub fn state_len(&self) -> usize {
+        self.conv_state_len() + self.rule_state_len()
+    }
+
+    fn check(&self, op: &'static str) -> Result<(), GpuError> {
+        let d = self;
+        check(op, d.key_heads > 0 && d.value_heads > 0 && d.dk > 0 && d.dv > 0, || format!("{d:?}: empty heads"))?;
+        check(op, d.value_heads.is_multiple_of(d.key_heads), || format!("{d:?}: value heads per key head"))?;
+        check(op, (1..=MAX_CONV_KERNEL).contains(&d.conv_kernel), || {
+            format!("{d:?}: conv kernel outside 1..={MAX_CONV_KERNEL}")
+        })?;
+        check(op, d.dk <= MAX_KEY_DIM, || format!("{d:?}: key dim above {MAX_KEY_DIM}"))?;
+        check(op, d.value_heads <= GRID_YZ_MAX, || format!("{d:?}: too many value heads"))?;
+        to_i32(op, "channels", d.channels())?;
+        Ok(())
+    }
+}
+
+/// The sequences of a call: `n_seqs` of `rows_per_seq` rows each, sequence `b`'s rows at
+/// `b · rows_per_seq ..` of every row-major tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeltaSeqs {
+    pub n_seqs: usize,
+    pub rows_per_seq: usize,
+}
+
+impl DeltaSeqs {
+    /// Rows of the call.
+    pub fn rows(&self) -> usize {
+        self.n_seqs * self.rows_per_seq
+    }
+
+    fn check(&self, op: &'static str) -> Result<(), GpuError> {
+        check(op, self.n_seqs <= GRID_YZ_MAX, || format!("{} sequences exceed the grid's limit", self.n_seqs))?;
+        to_i32(op, "rows per sequence", self.rows_per_seq)?;
+        to_i32(op, "rows", self.rows())?;
+        Ok(())
+    }
+}
+
+/// Where the sequences' states are: the device address of a table of `n_seqs` block addresses
+/// (`u64`) and the layer's offset, in floats, into every block.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaStates {
+    pub table: u64,
+    /// Entries of the table (at least the call's sequences).
+    pub entries: usize,
+    pub offset: usize,
+}
+
+impl DeltaStates {
+    /// The table `table` (its first entries the call's sequences in order) at `offset`.
+    pub fn new(dev: &GpuDevice, table: &impl DevicePtr<u64>, offset: usize) -> Self {
+        let (p, _g) = table.device_ptr(dev.stream());
+        DeltaStates { table: p, entries: table.len(), offset }
+    }
+}
+
+fn need(op: &'static str, what: &str, have: usize, want: usize) -> Result<(), GpuError> {
+    check(op, have >= want, || format!("{what} has {have} elements, needs {want}"))
+}
+
+impl GpuDevice {
+    /// The causal depthwise convolution of the rows `x` `[rows, channels]` with SiLU into `out`
+    /// (same shape), each sequence continuing from its conv state, which then keeps the last
+    /// `conv_kernel − 1` inputs of `[state; x]`. `taps` BF16 `[channels, conv_kernel]`.
+    ///
+    /// # Safety
+    /// Every one of the first `seqs.n_seqs` addresses of `states.table` must point to device
+    /// memory of at least `states.offset + d.conv_state_len()` f32 that nothing else touches
+    /// until this stream work is done, and the table itself must stay as it is until then.
+    pub unsafe fn delta_conv_silu(
+        &self,
+        x: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        taps: &impl DevicePtr<u16>,
+        d: &DeltaDims,
+        states: DeltaStates,
+        seqs: DeltaSeqs,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_conv_silu";
+        d.check(OP)?;
+        seqs.check(OP)?;
+        let ch = d.channels();
+        let rows = seqs.rows();
+        need(OP, "x", x.len(), rows * ch)?;
+        need(OP, "out", out.len(), rows * ch)?;
+        check(OP, taps.len() == ch * d.conv_kernel, || {
+            format!("taps have {} elements, not {ch} x {}", taps.len(), d.conv_kernel)
+        })?;
+        check(OP, states.entries >= seqs.n_seqs, || {
+            format!("a state table of {} entries for {} sequences", states.entries, seqs.n_seqs)
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (ch_i, k_i, r_i) =
+            (to_i32(OP, "channels", ch)?, to_i32(OP, "kernel", d.conv_kernel)?, seqs.rows_per_seq as i32);
+        let off = states.offset as i64;
+        let s = self.stream();
+        let (xp, _g1) = x.device_ptr(s);
+        let (op, _g2) = out.device_ptr_mut(s);
+        let (tp, _g3) = taps.device_ptr(s);
+        let gx = ch.div_ceil(CONV_THREADS as usize) as u32;
+        let gy = seqs.rows_per_seq.div_ceil(CONV_ROWS);
+        check(OP, gy <= GRID_YZ_MAX, || format!("{} rows per sequence exceed the grid's limit", seqs.rows_per_seq))?;
+        let f = self.function(&DELTA_RULE, "delta_conv_silu")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&xp).arg(&op).arg(&tp).arg(&states.table).arg(&off).arg(&ch_i).arg(&k_i).arg(&r_i);
+        let cfg = LaunchConfig {
+            grid_dim: (gx, gy as u32, seqs.n_seqs as u32),
+            block_dim: (CONV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches the kernel's signature; x, out and taps checked; the states are the
+        // caller's promise.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        if d.conv_kernel > 1 {
+            let f = self.function(&DELTA_RULE, "delta_conv_state")?;
+            let mut b = s.launch_builder(&f);
+            b.arg(&xp).arg(&states.table).arg(&off).arg(&ch_i).arg(&k_i).arg(&r_i);
+            let cfg = LaunchConfig {
+                grid_dim: (gx, seqs.n_seqs as u32, 1),
+                block_dim: (CONV_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as above; ordered after the convolution that read the old state.
+            unsafe { b.launch(cfg) }.map_err(launch_err("delta_conv_state"))?;
+        }
+        Ok(())
+    }
+
+    /// In place over `rows` rows: q and k of every key head of `qkv` `[rows, channels]`
+    /// L2-normalised (eps [`L2_EPS`]), q then scaled by `q_scale`; `b_beta` `[rows,
+    /// value_heads]` becomes σ(b) and `a_g` (same shape) `−exp(a_log) · softplus(a + dt_bias)`
+    /// (`a_log`, `dt_bias` BF16 `[value_heads]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_prep(
+        &self,
+        qkv: &mut impl DevicePtrMut<f32>,
+        b_beta: &mut impl DevicePtrMut<f32>,
+        a_g: &mut impl DevicePtrMut<f32>,
+        a_log: &impl DevicePtr<u16>,
+        dt_bias: &impl DevicePtr<u16>,
+        d: &DeltaDims,
+        rows: usize,
+        q_scale: f32,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_prep";
+        d.check(OP)?;
+        let (ch, nv) = (d.channels(), d.value_heads);
+        need(OP, "qkv", qkv.len(), rows * ch)?;
+        need(OP, "b", b_beta.len(), rows * nv)?;
+        need(OP, "a", a_g.len(), rows * nv)?;
+        check(OP, a_log.len() == nv && dt_bias.len() == nv, || {
+            format!("A_log has {}, dt_bias {} elements, not {nv}", a_log.len(), dt_bias.len())
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let r_i = to_i32(OP, "rows", rows)?;
+        let (ch_i, nk_i, dk_i, nv_i) = (ch as i32, d.key_heads as i32, d.dk as i32, nv as i32);
+        let s = self.stream();
+        let (qp, _g1) = qkv.device_ptr_mut(s);
+        let (bp, _g2) = b_beta.device_ptr_mut(s);
+        let (ap, _g3) = a_g.device_ptr_mut(s);
+        let (lp, _g4) = a_log.device_ptr(s);
+        let (dp, _g5) = dt_bias.device_ptr(s);
+        let f = self.function(&DELTA_RULE, "delta_prep")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&qp)
+            .arg(&bp)
+            .arg(&ap)
+            .arg(&lp)
+            .arg(&dp)
+            .arg(&r_i)
+            .arg(&ch_i)
+            .arg(&nk_i)
+            .arg(&dk_i)
+            .arg(&nv_i)
+            .arg(&q_scale);
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches the kernel's signature; every extent checked.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// The gated delta rule over the rows of `seqs`, each sequence continuing from its rule
+    /// state (updated): `qkv` `[rows, channels]` as [`GpuDevice::delta_prep`] left it, `beta`
+    /// and `g` `[rows, value_heads]`, the output `out` `[rows, value_heads · dv]`.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::delta_conv_silu`], each block holding at least `states.offset +
+    /// d.rule_state_len()` f32 (here `states.offset` is the rule state's own offset).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn delta_rule(
+        &self,
+        qkv: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        g: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        d: &DeltaDims,
+        states: DeltaStates,
+        seqs: DeltaSeqs,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_rule";
+        d.check(OP)?;
+        seqs.check(OP)?;
+        let (ch, nv) = (d.channels(), d.value_heads);
+        let rows = seqs.rows();
+        need(OP, "qkv", qkv.len(), rows * ch)?;
+        need(OP, "beta", beta.len(), rows * nv)?;
+        need(OP, "g", g.len(), rows * nv)?;
+        need(OP, "out", out.len(), rows * nv * d.dv)?;
+        check(OP, states.entries >= seqs.n_seqs, || {
+            format!("a state table of {} entries for {} sequences", states.entries, seqs.n_seqs)
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let name = match d.dk {
+            0..=64 => "delta_rule_dk64",
+            65..=128 => "delta_rule_dk128",
+            _ => "delta_rule_dk256",
+        };
+        let off = states.offset as i64;
+        let (ch_i, nk_i, nv_i, dk_i, dv_i) = (ch as i32, d.key_heads as i32, nv as i32, d.dk as i32, d.dv as i32);
+        let r_i = seqs.rows_per_seq as i32;
+        let s = self.stream();
+        let (qp, _g1) = qkv.device_ptr(s);
+        let (bp, _g2) = beta.device_ptr(s);
+        let (gp, _g3) = g.device_ptr(s);
+        let (op, _g4) = out.device_ptr_mut(s);
+        let f = self.function(&DELTA_RULE, name)?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&qp)
+            .arg(&bp)
+            .arg(&gp)
+            .arg(&op)
+            .arg(&states.table)
+            .arg(&off)
+            .arg(&ch_i)
+            .arg(&nk_i)
+            .arg(&nv_i)
+            .arg(&dk_i)
+            .arg(&dv_i)
+            .arg(&r_i);
+        let cfg = LaunchConfig {
+            grid_dim: (d.dv.div_ceil(RULE_COLS) as u32, nv as u32, seqs.n_seqs as u32),
+            block_dim: (RULE_COLS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches the kernel's signature (32 threads, the kernel's RULE_COLS); extents
+        // checked; the states are the caller's promise.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// In place over the `rows` rows of `o` `[rows, value_heads · dv]`: each value head's
+    /// `rmsnorm(o) · w · silu(z)`, `z` the same shape, `w` BF16 `[dv]`.
+    pub fn delta_gated_norm(
+        &self,
+        o: &mut impl DevicePtrMut<f32>,
+        z: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<u16>,
+        d: &DeltaDims,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_gated_norm";
+        d.check(OP)?;
+        let n_vec = rows * d.value_heads;
+        need(OP, "o", o.len(), n_vec * d.dv)?;
+        need(OP, "z", z.len(), n_vec * d.dv)?;
+        check(OP, w.len() == d.dv, || format!("norm weight has {} elements, not {}", w.len(), d.dv))?;
+        if n_vec == 0 {
+            return Ok(());
+        }
+        let blocks = n_vec.div_ceil(4);
+        to_i32(OP, "blocks", blocks)?;
+        let (n_i, dv_i) = (n_vec as i64, to_i32(OP, "dv", d.dv)?);
+        let s = self.stream();
+        let (op, _g1) = o.device_ptr_mut(s);
+        let (zp, _g2) = z.device_ptr(s);
+        let (wp, _g3) = w.device_ptr(s);
+        let f = self.function(&DELTA_RULE, "delta_gated_norm")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&op).arg(&zp).arg(&wp).arg(&n_i).arg(&dv_i).arg(&eps);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches the kernel's signature (4 warps per block); extents checked.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// Gated attention's output gate, in place: `y[r, c] /= 1 + exp(−gate[r · g_stride + g_offset
+    /// + c])` for `y` `[rows, cols]` contiguous (as the CPU op divides by `1 + e^−g`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn output_gate_rows_f32(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+        cols: usize,
+        gate: &impl DevicePtr<f32>,
+        g_stride: usize,
+        g_offset: usize,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "output_gate_rows";
+        let n = rows * cols;
+        need(OP, "y", y.len(), n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        need(OP, "gate", gate.len(), g_offset + (rows - 1) * g_stride + cols)?;
+        let c_i = to_i32(OP, "cols", cols)?;
+        let blocks = n.div_ceil(256);
+        to_i32(OP, "blocks", blocks)?;
+        let (st, r_i) = (g_stride as i64, rows as i64);
+        let s = self.stream();
+        let (yp, _g1) = y.device_ptr_mut(s);
+        let (gp, _g2) = gate.device_ptr(s);
+        let gp = gp + (g_offset * 4) as u64;
+        let f = self.function(&DELTA_RULE, "output_gate_rows_f32")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&yp).arg(&gp).arg(&st).arg(&r_i).arg(&c_i);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches the kernel's signature; the last gate element read is inside `gate`.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+}

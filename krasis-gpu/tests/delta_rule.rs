@@ -1,0 +1,278 @@
+//! The gated-DeltaNet kernels (`krasis_gpu::delta_rule`) against scalar f64 twins written here
+//! (the steps of `krasis_cpu::delta_rule::recurrent_f64` and krasis-model's CPU DeltaNet op), on
+//! ragged geometries: key and value dims not multiples of 32 (and key dims in each of the rule
+//! kernel's three register sizes), 1 to 3 value heads per key head, conv kernels of 2 to 5 taps.
+//! Three sequences with random starting states go through calls of every shape the engine
+//! makes: a 37-token prompt, two sequences' 5-token prompts at once, batched decode steps of all
+//! three (in two orders), single decode steps, and a 2-token call shorter than the conv state.
+//! Every stage is checked on the GPU's own input to it (so an error is pinned to its kernel),
+//! and the states the GPU kept are checked at the end, beside untouched memory before them.
+//! Plus gated attention's output gate on a strided gate.
+//!
+//! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails
+//! instead.
+
+mod common;
+
+use common::{assert_close, down, gpu, rand_bf16_bits, rand_f32, rng, up};
+use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
+use krasis_gpu::cudarc::driver::DevicePtr;
+use krasis_gpu::delta_rule::{DeltaDims, DeltaSeqs, DeltaStates};
+use krasis_gpu::{DeviceBuffer, GpuDevice};
+use rand::Rng;
+
+const EPS: f32 = 1e-6;
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// One sequence's state in the twin (f64).
+#[derive(Clone)]
+struct TwinState {
+    conv: Vec<f64>,
+    rule: Vec<f64>,
+}
+
+/// The layer's weights as the kernels take them (BF16) and as the twin reads them.
+struct Layer {
+    d: DeltaDims,
+    taps: Vec<u16>,
+    a_log: Vec<u16>,
+    dt_bias: Vec<u16>,
+    norm: Vec<u16>,
+}
+
+fn f(v: &[u16]) -> Vec<f64> {
+    v.iter().map(|&b| bf16_to_f32(b) as f64).collect()
+}
+
+fn twin_conv(layer: &Layer, x: &[f32], n: usize, st: &mut TwinState) -> Vec<f64> {
+    let d = &layer.d;
+    let (ch, k) = (d.channels(), d.conv_kernel);
+    let keep = k - 1;
+    let taps = f(&layer.taps);
+    let mut ext = st.conv.clone();
+    ext.extend(x[..n * ch].iter().map(|&v| v as f64));
+    let mut out = vec![0f64; n * ch];
+    for i in 0..n {
+        for c in 0..ch {
+            let acc: f64 = (0..k).map(|j| taps[c * k + j] * ext[(i + j) * ch + c]).sum();
+            out[i * ch + c] = silu(acc);
+        }
+    }
+    st.conv = ext[n * ch..].to_vec();
+    assert_eq!(st.conv.len(), keep * ch);
+    out
+}
+
+/// q/k normalised in place (from the GPU's conv output), β and g.
+fn twin_prep(layer: &Layer, qkv: &mut [f64], b: &[f32], a: &[f32], rows: usize, q_scale: f32) -> (Vec<f64>, Vec<f64>) {
+    let d = &layer.d;
+    let (ch, nk, dk, nv) = (d.channels(), d.key_heads, d.dk, d.value_heads);
+    for r in 0..rows {
+        for v in 0..2 * nk {
+            let x = &mut qkv[r * ch + v * dk..][..dk];
+            let ss: f64 = x.iter().map(|y| y * y).sum();
+            let s = if v < nk { q_scale as f64 } else { 1.0 } / (ss + EPS as f64).sqrt();
+            x.iter_mut().for_each(|y| *y *= s);
+        }
+    }
+    let (alog, dt) = (f(&layer.a_log), f(&layer.dt_bias));
+    let beta = b.iter().map(|&x| 1.0 / (1.0 + (-(x as f64)).exp())).collect();
+    let g = a
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| {
+            let x = x as f64 + dt[i % nv];
+            let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
+            -alog[i % nv].exp() * sp
+        })
+        .collect();
+    (beta, g)
+}
+
+/// The rule over one sequence's `n` rows starting at row `r0` of the call.
+#[allow(clippy::too_many_arguments)]
+fn twin_rule(d: &DeltaDims, qkv: &[f64], beta: &[f64], g: &[f64], r0: usize, n: usize, s: &mut [f64], out: &mut [f64]) {
+    let (ch, nk, nv, dk, dv) = (d.channels(), d.key_heads, d.value_heads, d.dk, d.dv);
+    for r in r0..r0 + n {
+        for h in 0..nv {
+            let kh = h / (nv / nk);
+            let q = &qkv[r * ch + kh * dk..][..dk];
+            let k = &qkv[r * ch + (nk + kh) * dk..][..dk];
+            let v = &qkv[r * ch + 2 * nk * dk + h * dv..][..dv];
+            let st = &mut s[h * dk * dv..][..dk * dv];
+            let decay = g[r * nv + h].exp();
+            st.iter_mut().for_each(|x| *x *= decay);
+            for j in 0..dv {
+                let kv: f64 = (0..dk).map(|a| st[a * dv + j] * k[a]).sum();
+                let delta = beta[r * nv + h] * (v[j] - kv);
+                for a in 0..dk {
+                    st[a * dv + j] += k[a] * delta;
+                }
+            }
+            for j in 0..dv {
+                out[(r * nv + h) * dv + j] = (0..dk).map(|a| st[a * dv + j] * q[a]).sum();
+            }
+        }
+    }
+}
+
+fn twin_norm(o: &[f32], z: &[f32], w: &[u16], dv: usize, eps: f32) -> Vec<f64> {
+    let w = f(w);
+    let mut out = vec![0f64; o.len()];
+    for ((ov, zv), dst) in o.chunks_exact(dv).zip(z.chunks_exact(dv)).zip(out.chunks_exact_mut(dv)) {
+        let ss: f64 = ov.iter().map(|&x| (x as f64).powi(2)).sum();
+        let inv = 1.0 / (ss / dv as f64 + eps as f64).sqrt();
+        for i in 0..dv {
+            dst[i] = ov[i] as f64 * inv * w[i] * silu(zv[i] as f64);
+        }
+    }
+    out
+}
+
+fn f32s(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+fn addr(d: &GpuDevice, b: &DeviceBuffer<f32>) -> u64 {
+    let (p, _g) = b.device_ptr(d.stream());
+    p
+}
+
+#[test]
+fn delta_net_kernels_match_the_f64_twin_over_prompts_and_batched_decode() {
+    let Some(dev) = gpu("delta_net_kernels_match_the_f64_twin_over_prompts_and_batched_decode") else { return };
+    let mut r = rng(39);
+    // (key heads, value heads, dk, dv, conv kernel)
+    for (nk, nv, dk, dv, k) in
+        [(2, 4, 32, 32, 4), (1, 3, 40, 24, 4), (2, 6, 72, 56, 3), (1, 2, 200, 40, 2), (3, 3, 17, 70, 5)]
+    {
+        let d = DeltaDims { key_heads: nk, value_heads: nv, dk, dv, conv_kernel: k };
+        let what = format!("{d:?}");
+        let ch = d.channels();
+        let layer = Layer {
+            d,
+            taps: rand_bf16_bits(&mut r, ch * k, 0.8),
+            a_log: (0..nv).map(|_| f32_to_bf16(r.random_range(0.02f32..2.0).ln())).collect(),
+            dt_bias: rand_bf16_bits(&mut r, nv, 0.5),
+            norm: (0..dv).map(|_| f32_to_bf16(1.0 + r.random_range(-0.3f32..0.3))).collect(),
+        };
+        let (taps, a_log, dt_bias, norm) = (
+            up(dev, &layer.taps, "taps"),
+            up(dev, &layer.a_log, "A_log"),
+            up(dev, &layer.dt_bias, "dt_bias"),
+            up(dev, &layer.norm, "norm"),
+        );
+        // Each sequence's block: another layer's part first (must stay as it is), then this one's.
+        let offset = d.state_len() + 7;
+        let sentinel: Vec<f32> = (0..offset).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut twins = Vec::new();
+        let mut blocks = Vec::new();
+        for _ in 0..3 {
+            let t = TwinState {
+                conv: rand_f32(&mut r, d.conv_state_len(), 1.0).iter().map(|&v| v as f64).collect(),
+                rule: rand_f32(&mut r, d.rule_state_len(), 0.3).iter().map(|&v| v as f64).collect(),
+            };
+            let mut host = sentinel.clone();
+            host.extend(t.conv.iter().map(|&v| v as f32));
+            host.extend(t.rule.iter().map(|&v| v as f32));
+            blocks.push(up(dev, &host, "delta state block"));
+            twins.push(t);
+        }
+        let q_scale = (dk as f32).powf(-0.5);
+        // (sequences of the call, rows each)
+        let calls: [(&[usize], usize); 6] =
+            [(&[0], 37), (&[1, 2], 5), (&[0, 1, 2], 1), (&[2, 0], 1), (&[0], 1), (&[1], 2)];
+        for (ci, &(which, n)) in calls.iter().enumerate() {
+            let what = format!("{what} call {ci} ({} x {n})", which.len());
+            let seqs = DeltaSeqs { n_seqs: which.len(), rows_per_seq: n };
+            let rows = seqs.rows();
+            let table_host: Vec<u64> = which.iter().map(|&s| addr(dev, &blocks[s])).collect();
+            let table = up(dev, &table_host, "state table");
+            let x = rand_f32(&mut r, rows * ch, 1.0);
+            let mut b_in = rand_f32(&mut r, rows * nv, 3.0);
+            let mut a_in = rand_f32(&mut r, rows * nv, 3.0);
+            a_in[0] = 25.0; // softplus past its threshold
+            b_in[rows * nv - 1] = -9.0;
+            let z = rand_f32(&mut r, rows * nv * dv, 2.0);
+
+            // Convolution.
+            let xb = up(dev, &x, "x");
+            let mut conv = up(dev, &vec![f32::NAN; rows * ch], "conv out");
+            // SAFETY: every table entry is a live block of offset + state_len floats.
+            unsafe { dev.delta_conv_silu(&xb, &mut conv, &taps, &d, DeltaStates::new(dev, &table, offset), seqs) }
+                .unwrap();
+            let conv_gpu = down(dev, &conv);
+            let mut want = Vec::new();
+            for (i, &s) in which.iter().enumerate() {
+                want.extend(twin_conv(&layer, &x[i * n * ch..(i + 1) * n * ch], n, &mut twins[s]));
+            }
+            assert_close(&format!("{what}: conv"), &conv_gpu, &f32s(&want), 1e-5, 1e-6);
+
+            // Prep, on the GPU's conv output.
+            let mut bb = up(dev, &b_in, "b");
+            let mut ab = up(dev, &a_in, "a");
+            dev.delta_prep(&mut conv, &mut bb, &mut ab, &a_log, &dt_bias, &d, rows, q_scale).unwrap();
+            let mut qkv_twin: Vec<f64> = conv_gpu.iter().map(|&v| v as f64).collect();
+            let (beta_t, g_t) = twin_prep(&layer, &mut qkv_twin, &b_in, &a_in, rows, q_scale);
+            let qkv_gpu = down(dev, &conv);
+            let (beta_gpu, g_gpu) = (down(dev, &bb), down(dev, &ab));
+            assert_close(&format!("{what}: prep q/k/v"), &qkv_gpu, &f32s(&qkv_twin), 1e-5, 1e-7);
+            assert_close(&format!("{what}: prep beta"), &beta_gpu, &f32s(&beta_t), 1e-6, 1e-7);
+            assert_close(&format!("{what}: prep g"), &g_gpu, &f32s(&g_t), 1e-5, 1e-7);
+
+            // The rule, on the GPU's prepared inputs.
+            let mut o = up(dev, &vec![f32::NAN; rows * nv * dv], "rule out");
+            let rule_states = DeltaStates::new(dev, &table, offset + d.conv_state_len());
+            // SAFETY: as above.
+            unsafe { dev.delta_rule(&conv, &bb, &ab, &mut o, &d, rule_states, seqs) }.unwrap();
+            let o_gpu = down(dev, &o);
+            let q64: Vec<f64> = qkv_gpu.iter().map(|&v| v as f64).collect();
+            let (b64, g64): (Vec<f64>, Vec<f64>) =
+                (beta_gpu.iter().map(|&v| v as f64).collect(), g_gpu.iter().map(|&v| v as f64).collect());
+            let mut o_want = vec![0f64; rows * nv * dv];
+            for (i, &s) in which.iter().enumerate() {
+                twin_rule(&d, &q64, &b64, &g64, i * n, n, &mut twins[s].rule, &mut o_want);
+            }
+            assert_close(&format!("{what}: rule output"), &o_gpu, &f32s(&o_want), 1e-4, 1e-5);
+
+            // The gated norm, on the GPU's rule output.
+            let zb = up(dev, &z, "z");
+            dev.delta_gated_norm(&mut o, &zb, &norm, &d, rows, EPS).unwrap();
+            let n_want = twin_norm(&o_gpu, &z, &layer.norm, dv, EPS);
+            assert_close(&format!("{what}: gated norm"), &down(dev, &o), &f32s(&n_want), 1e-5, 1e-6);
+        }
+        for (s, (block, t)) in blocks.iter().zip(&twins).enumerate() {
+            let got = down(dev, block);
+            assert_eq!(&got[..offset], &sentinel[..], "{what}: sequence {s}: memory before the layer's state");
+            let conv = &got[offset..offset + d.conv_state_len()];
+            assert_eq!(conv, &f32s(&t.conv)[..], "{what}: sequence {s}: conv state (copied inputs)");
+            let rule = &got[offset + d.conv_state_len()..];
+            assert_close(&format!("{what}: sequence {s}: rule state"), rule, &f32s(&t.rule), 1e-4, 1e-5);
+        }
+        eprintln!("{what}: 6 calls over 3 sequences match the twin");
+    }
+}
+
+#[test]
+fn output_gate_divides_by_one_plus_exp_of_minus_the_strided_gate() {
+    let Some(dev) = gpu("output_gate_divides_by_one_plus_exp_of_minus_the_strided_gate") else { return };
+    let mut r = rng(40);
+    for (rows, cols) in [(21, 20), (1, 130), (67, 64)] {
+        let y = rand_f32(&mut r, rows * cols, 2.0);
+        // Per row [query cols | gate cols], as q_proj's output of a gated head.
+        let q = rand_f32(&mut r, rows * 2 * cols, 6.0);
+        let mut yb = up(dev, &y, "y");
+        let qb = up(dev, &q, "q with gates");
+        dev.output_gate_rows_f32(&mut yb, rows, cols, &qb, 2 * cols, cols).unwrap();
+        let want: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let (rr, c) = (i / cols, i % cols);
+                (y[i] as f64 / (1.0 + (-(q[rr * 2 * cols + cols + c] as f64)).exp())) as f32
+            })
+            .collect();
+        assert_close(&format!("output gate {rows}x{cols}"), &down(dev, &yb), &want, 1e-6, 1e-7);
+    }
+}

@@ -1,0 +1,243 @@
+//! Gated-DeltaNet layers on the GPU engine (Qwen3-Next, Qwen3.5), mirroring the CPU op
+//! ([`crate::cpu::deltanet`]) step for step: the input projections, the causal convolution with
+//! SiLU, q and k L2-normalised (q scaled by `dk^-1/2`), β and g, the gated delta rule, the gated
+//! RMSNorm and `out_proj` (kernels: [`krasis_gpu::delta_rule`]). Also the output gate of gated
+//! attention, which the GQA op calls.
+//!
+//! **States.** Each session keeps one f32 block on the device with every DeltaNet layer's state
+//! (conv state `[conv_kernel − 1, channels]`, then the rule's `[value_heads, dk, dv]`, layer after
+//! layer): a constant per sequence, allocated with the session's KV cache and zero for a fresh
+//! sequence. A forward call hands the kernels a device table of its sequences' block addresses:
+//! the session's own one-entry table for a prompt or a decode step, the batch's table (rebuilt
+//! each step, one entry per sequence) for a batched decode step.
+//!
+//! **KV cache.** The KV cache holds the attention layers only ([`kv_layers`]); an attention
+//! layer's cache layer is its index among them ([`kv_layer`]).
+
+use krasis_gpu::cudarc::driver::DevicePtr;
+use krasis_gpu::delta_rule::{DeltaDims, DeltaStates};
+use krasis_gpu::linear::GpuLinear;
+use krasis_gpu::{DeviceBuffer, GpuDevice, RowsView};
+
+use super::layers::Ctx;
+use super::session::{grow, Slot, StepIo};
+use crate::error::{ModelError, Result};
+use crate::model::build::DeltaNetParts;
+use crate::spec::{DeltaNetSpec, ModelSpec};
+
+/// The kernels' geometry of a DeltaNet spec.
+pub(crate) fn dims(d: &DeltaNetSpec) -> DeltaDims {
+    DeltaDims {
+        key_heads: d.key_heads,
+        value_heads: d.value_heads,
+        dk: d.key_dim,
+        dv: d.value_dim,
+        conv_kernel: d.conv_kernel,
+    }
+}
+
+/// Layers before `l` that are DeltaNet layers.
+fn delta_layers_before(spec: &ModelSpec, l: usize) -> usize {
+    (0..l).filter(|&i| spec.is_delta_net(i)).count()
+}
+
+/// The KV cache layer of attention layer `l`: its index among the attention layers.
+pub(crate) fn kv_layer(spec: &ModelSpec, l: usize) -> usize {
+    l - delta_layers_before(spec, l)
+}
+
+/// Layers of the KV cache: the model's attention layers (at least one, so that a cache exists).
+pub(crate) fn kv_layers(spec: &ModelSpec) -> usize {
+    kv_layer(spec, spec.num_layers).max(1)
+}
+
+/// Floats of one sequence's state block: every DeltaNet layer's state.
+fn state_floats(spec: &ModelSpec) -> usize {
+    spec.delta_net.map_or(0, |d| dims(&d).state_len() * delta_layers_before(spec, spec.num_layers))
+}
+
+/// Device bytes of one sequence's DeltaNet states (0 without DeltaNet layers): what each session
+/// adds to the KV cache, whatever its context.
+pub fn session_state_bytes(spec: &ModelSpec) -> u64 {
+    4 * state_floats(spec) as u64
+}
+
+/// One session's DeltaNet states on the device: the block and a one-entry table of its address.
+pub(crate) struct SessionDelta {
+    state: DeviceBuffer<f32>,
+    pub table: DeviceBuffer<u64>,
+}
+
+impl SessionDelta {
+    /// The zero states of a fresh sequence, or `None` for a model without DeltaNet layers.
+    pub fn new(dev: &GpuDevice, spec: &ModelSpec) -> Result<Option<SessionDelta>> {
+        let n = state_floats(spec);
+        if n == 0 {
+            return Ok(None);
+        }
+        let state = dev.alloc_zeros::<f32>(n, "DeltaNet state")?;
+        let addr = {
+            let (addr, _g) = state.device_ptr(dev.stream());
+            addr
+        };
+        let table = dev.upload(&[addr], "DeltaNet state table")?;
+        Ok(Some(SessionDelta { state, table }))
+    }
+
+    /// The device address of the block (an entry of a batch's table).
+    pub fn address(&self, dev: &GpuDevice) -> u64 {
+        let (addr, _g) = self.state.device_ptr(dev.stream());
+        addr
+    }
+
+    pub fn bytes(&self) -> u64 {
+        4 * self.state.len() as u64
+    }
+}
+
+/// One gated-DeltaNet layer on the GPU.
+pub(crate) struct GpuDeltaNet<'w> {
+    pub spec: DeltaNetSpec,
+    pub eps: f32,
+    pub w: &'w DeltaNetParts<GpuLinear, DeviceBuffer<u16>>,
+}
+
+impl GpuDeltaNet<'_> {
+    /// Layer `l` over the call's `xn` into `y`, each sequence advancing its state. Scratch:
+    /// f32 slots 0 to 5.
+    pub fn forward(&self, c: &Ctx, l: usize, s: &mut StepIo) -> Result<()> {
+        let (dev, t) = (c.dev, c.t);
+        let d = dims(&self.spec);
+        let (ch, vw, nv) = (d.channels(), d.value_heads * d.dv, d.value_heads);
+        let hidden = self.w.out.rows();
+        let seqs = s.delta.seqs;
+        let table = match s.delta.table {
+            Some(table) if seqs.rows() == t => table,
+            _ => {
+                return Err(ModelError::Invalid(format!(
+                    "layer {l}: a DeltaNet layer without its sequences' states ({} rows in {seqs:?})",
+                    t
+                )))
+            }
+        };
+        let off = delta_layers_before(c.spec, l) * d.state_len();
+        let sc = &mut *s.scratch;
+        let [mixed_slot, conv_slot, z_slot, b_slot, a_slot, o_slot, ..] = &mut sc.f;
+        let xn = sc.xn.slice().slice(..t * hidden);
+        let mixed = grow(dev, mixed_slot, t * ch, "deltanet q/k/v")?;
+        let z = grow(dev, z_slot, t * vw, "deltanet z")?;
+        let b = grow(dev, b_slot, t * nv, "deltanet b")?;
+        let a = grow(dev, a_slot, t * nv, "deltanet a")?;
+        self.w.qkv.forward(dev, c.gemm, &xn, t, &mut mixed.slice_mut().slice_mut(..t * ch))?;
+        self.w.z.forward(dev, c.gemm, &xn, t, &mut z.slice_mut().slice_mut(..t * vw))?;
+        self.w.b.forward(dev, c.gemm, &xn, t, &mut b.slice_mut().slice_mut(..t * nv))?;
+        self.w.a.forward(dev, c.gemm, &xn, t, &mut a.slice_mut().slice_mut(..t * nv))?;
+        let conv = grow(dev, conv_slot, t * ch, "deltanet conv output")?;
+        // SAFETY: the table's entries are the call's sessions' state blocks (borrowed for the
+        // call), each holding every DeltaNet layer's state; `off` is this layer's.
+        unsafe {
+            dev.delta_conv_silu(
+                &mixed.slice().slice(..t * ch),
+                &mut conv.slice_mut().slice_mut(..t * ch),
+                &self.w.conv,
+                &d,
+                DeltaStates::new(dev, table, off),
+                seqs,
+            )
+        }?;
+        let q_scale = (self.spec.key_dim as f32).powf(-0.5);
+        dev.delta_prep(
+            &mut conv.slice_mut().slice_mut(..t * ch),
+            &mut b.slice_mut().slice_mut(..t * nv),
+            &mut a.slice_mut().slice_mut(..t * nv),
+            &self.w.a_log,
+            &self.w.dt_bias,
+            &d,
+            t,
+            q_scale,
+        )?;
+        let o = grow(dev, o_slot, t * vw, "deltanet output")?;
+        // SAFETY: as above; the rule state follows the layer's conv state.
+        unsafe {
+            dev.delta_rule(
+                &conv.slice().slice(..t * ch),
+                &b.slice().slice(..t * nv),
+                &a.slice().slice(..t * nv),
+                &mut o.slice_mut().slice_mut(..t * vw),
+                &d,
+                DeltaStates::new(dev, table, off + d.conv_state_len()),
+                seqs,
+            )
+        }?;
+        dev.delta_gated_norm(
+            &mut o.slice_mut().slice_mut(..t * vw),
+            &z.slice().slice(..t * vw),
+            &self.w.norm,
+            &d,
+            t,
+            self.eps,
+        )?;
+        self.w.out.forward(
+            dev,
+            c.gemm,
+            &o.slice().slice(..t * vw),
+            t,
+            &mut sc.y.slice_mut().slice_mut(..t * hidden),
+        )?;
+        Ok(())
+    }
+}
+
+/// Rows per copy of [`gated_query`] (the copy kernel's grid limit).
+const COPY_MAX_ROWS: usize = 65_535;
+
+/// Gated attention's query projection: `q_proj`'s output over `xn` into `full` `[t, heads, 2·hd]`
+/// (per head the query, then its gate), the queries copied into `q` `[t, heads·hd]`.
+pub(crate) fn gated_query(
+    c: &Ctx,
+    q_proj: &GpuLinear,
+    xn: &impl DevicePtr<f32>,
+    heads: usize,
+    hd: usize,
+    full: &mut Slot<f32>,
+    q: &mut DeviceBuffer<f32>,
+) -> Result<()> {
+    let (dev, t) = (c.dev, c.t);
+    let full = grow(dev, full, t * heads * 2 * hd, "gqa q and gates")?;
+    q_proj.forward(dev, c.gemm, xn, t, &mut full.slice_mut().slice_mut(..t * heads * 2 * hd))?;
+    let rows = t * heads;
+    let mut r0 = 0;
+    while r0 < rows {
+        let n = (rows - r0).min(COPY_MAX_ROWS);
+        dev.copy_rows_f32(
+            full,
+            RowsView { rows: n, cols: hd, stride: 2 * hd, offset: r0 * 2 * hd },
+            q,
+            RowsView { rows: n, cols: hd, stride: hd, offset: r0 * hd },
+        )?;
+        r0 += n;
+    }
+    Ok(())
+}
+
+/// The attention output `o` `[t, heads·hd]` divided by `1 + e^−gate`, the gates those
+/// [`gated_query`] left in `full`.
+pub(crate) fn apply_output_gate(
+    c: &Ctx,
+    o: &mut DeviceBuffer<f32>,
+    full: &Slot<f32>,
+    heads: usize,
+    hd: usize,
+) -> Result<()> {
+    let t = c.t;
+    let full = full.as_ref().ok_or_else(|| ModelError::Invalid("gated attention: no gates computed".into()))?;
+    c.dev.output_gate_rows_f32(
+        &mut o.slice_mut().slice_mut(..t * heads * hd),
+        t * heads,
+        hd,
+        &full.slice().slice(..t * heads * 2 * hd),
+        2 * hd,
+        hd,
+    )?;
+    Ok(())
+}
