@@ -14,7 +14,7 @@ use tokio::sync::mpsc::unbounded_channel;
 
 use crate::cmd_bench::{open_for_bench, random_prompt};
 use crate::serve::Metrics;
-use krasis_model::runtime::scheduler::{Config, Event, Job, Scheduler};
+use krasis_model::runtime::scheduler::{Config, Event, Job, PrefillChunk, Scheduler};
 
 /// Decode steps of the warm-up stream before the timed runs (first touches, pool spin-up).
 const WARMUP_TOKENS: usize = 4;
@@ -33,7 +33,7 @@ fn run_streams(
     let (scheduler, worker) = Scheduler::start(
         engine.clone(),
         codec.clone(),
-        Config { max_batch: n, max_queue: n, serial },
+        Config { max_batch: n, max_queue: n, serial, prefill_chunk: PrefillChunk::Measured },
         metrics.clone(),
     )?;
     let vocab = engine.spec().vocab_size;

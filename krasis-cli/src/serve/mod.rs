@@ -169,7 +169,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let (scheduler, worker) = scheduler::Scheduler::start(
         engine.clone(),
         codec.clone(),
-        scheduler::Config { max_batch: a.max_batch, max_queue: a.max_queue, serial: false },
+        scheduler::Config {
+            max_batch: a.max_batch,
+            max_queue: a.max_queue,
+            serial: false,
+            prefill_chunk: scheduler::PrefillChunk::Measured,
+        },
         metrics.clone(),
     )
     .context("starting the scheduler thread")?;

@@ -1,6 +1,6 @@
 //! Counters the scheduler and the routes keep, rendered as Prometheus text at `/metrics`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -27,6 +27,59 @@ pub struct Metrics {
     /// Steps that only decoded: tokens and wall time (aggregate over the batch).
     decode_tokens: AtomicU64,
     decode_ns: AtomicU64,
+    /// From a request's arrival to its first token, and between its tokens.
+    first_token: Latencies,
+    inter_token: Latencies,
+}
+
+/// The latest [`LATENCY_WINDOW`] latencies (for quantiles) and the count and sum of all.
+#[derive(Default)]
+struct Latencies {
+    recent: Mutex<VecDeque<f64>>,
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+/// Latencies the quantiles of `/metrics` are taken over: the most recent ones, so that the
+/// figures follow the load (4096 is minutes of tokens of a busy server).
+const LATENCY_WINDOW: usize = 4096;
+
+/// The quantiles `/metrics` reports.
+const QUANTILES: [f64; 3] = [0.5, 0.9, 0.99];
+
+impl Latencies {
+    fn record(&self, d: Duration) {
+        self.count.fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(d.as_nanos() as u64, Relaxed);
+        if let Ok(mut r) = self.recent.lock() {
+            if r.len() == LATENCY_WINDOW {
+                r.pop_front();
+            }
+            r.push_back(d.as_secs_f64());
+        }
+    }
+
+    /// The `q`-quantile of the recent latencies (nearest rank), `None` before any.
+    fn quantile(&self, q: f64) -> Option<f64> {
+        let mut v: Vec<f64> = self.recent.lock().ok()?.iter().copied().collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+        Some(v[rank - 1])
+    }
+
+    /// A Prometheus summary: quantile lines, `_sum` and `_count`.
+    fn render(&self, name: &str) -> String {
+        let mut lines: Vec<String> = QUANTILES
+            .iter()
+            .filter_map(|&q| self.quantile(q).map(|v| format!("{name}{{quantile=\"{q}\"}} {v:.6}")))
+            .collect();
+        lines.push(format!("{name}_sum {:.6}", self.sum_ns.load(Relaxed) as f64 * 1e-9));
+        lines.push(format!("{name}_count {}", self.count.load(Relaxed)));
+        lines.join("\n")
+    }
 }
 
 impl Metrics {
@@ -49,6 +102,27 @@ impl Metrics {
             self.decode_tokens.fetch_add(decoded as u64, Relaxed);
             self.decode_ns.fetch_add(ns, Relaxed);
         }
+    }
+
+    /// A request's first token, `d` after it arrived.
+    pub fn record_first_token(&self, d: Duration) {
+        self.first_token.record(d);
+    }
+
+    /// A token `d` after the same request's previous one.
+    pub fn record_inter_token(&self, d: Duration) {
+        self.inter_token.record(d);
+    }
+
+    /// The `q`-quantiles of the recent times to first token and inter-token latencies, in
+    /// seconds (`None` before any).
+    pub fn latency_quantiles(&self, q: f64) -> (Option<f64>, Option<f64>) {
+        (self.first_token.quantile(q), self.inter_token.quantile(q))
+    }
+
+    /// Prompt tokens per second of the steps that ran prompts so far (0 before any).
+    pub fn prefill_tok_s(&self) -> f64 {
+        rate(self.prefill_tokens.load(Relaxed), self.prefill_ns.load(Relaxed))
     }
 
     /// Tokens per second over all decode-only steps so far (every stream of the batch counted).
@@ -108,6 +182,18 @@ impl Metrics {
         ] {
             metric(name, kind, help, plain(name, v));
         }
+        metric(
+            "krasis_time_to_first_token_seconds",
+            "summary",
+            "From a request's arrival (queue wait included) to its first token; quantiles of the latest 4096.",
+            self.first_token.render("krasis_time_to_first_token_seconds"),
+        );
+        metric(
+            "krasis_inter_token_latency_seconds",
+            "summary",
+            "Between two tokens of one request; quantiles of the latest 4096.",
+            self.inter_token.render("krasis_inter_token_latency_seconds"),
+        );
         s
     }
 }

@@ -1,10 +1,19 @@
 //! The batching scheduler (what `krasis serve` and `krasis bench --streams` run, and any embedding
 //! front end can): one thread that owns the engine's sessions and advances every admitted request
 //! together, one batched [`Engine::step`] per token. Requests wait in a FIFO queue until a batch
-//! slot frees; a new request's prompt runs in the same step as the others' decode tokens. Each
-//! request gets its text back through its own channel; a closed channel (the client went away)
-//! cancels the request before the next step and frees its slot. At shutdown every request still
-//! running or waiting ends with `finish_reason` [`SHUTDOWN`].
+//! slot frees and are admitted at the start of any step.
+//!
+//! **Continuous batching with chunked prefill.** A prompt runs in chunks inside the same steps
+//! that decode the running streams: each step gives the prompts still prefilling at most
+//! [`PrefillChunk`] tokens in all (first come, first served), so no stream waits for another's
+//! whole prompt, only for one chunk. A sequence samples its first token in the step that runs
+//! its prompt's last chunk. The chunk is measured by default: the step's prompt tokens are sized
+//! so that the step takes about [`TARGET_STEP_SECONDS`] at the prefill rate the server has
+//! measured so far.
+//!
+//! Each request gets its text back through its own channel; a closed channel (the client went
+//! away) cancels the request before the next step and frees its slot. At shutdown every request
+//! still running or waiting ends with `finish_reason` [`SHUTDOWN`].
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -20,9 +29,27 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::Metrics;
 use super::stop::StopMatcher;
 
-/// Prompt tokens admitted into one step beyond the first new request: a burst of long prompts
-/// joins over several steps instead of stalling every running stream for all of them at once.
-const PREFILL_TOKENS_PER_STEP: usize = 2048;
+/// The wall time a step with prompt chunks aims at: long enough that a chunk uses the hardware
+/// well (a prefill of a few hundred tokens runs at full rate), short enough that the running
+/// streams' inter-token latency stays below what a reader notices.
+pub const TARGET_STEP_SECONDS: f64 = 0.25;
+
+/// Prompt tokens per step before any prefill has been measured.
+const FIRST_CHUNK_TOKENS: usize = 512;
+
+/// Bounds of a measured chunk: below 64 tokens a prefill step is mostly fixed cost; above 8192
+/// one chunk's activations grow large on every path.
+const CHUNK_BOUNDS: (usize, usize) = (64, 8192);
+
+/// How many prompt tokens one step runs in all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillChunk {
+    /// Sized from the measured prefill rate ([`TARGET_STEP_SECONDS`]; [`FIRST_CHUNK_TOKENS`]
+    /// until a prefill step has run).
+    Measured,
+    /// This many tokens (at least 1).
+    Fixed(usize),
+}
 
 /// One request for the scheduler.
 pub struct Job {
@@ -93,6 +120,8 @@ pub struct Config {
     /// Run the admitted sequences one `Engine::step` each instead of one step for all (what
     /// `step` did before it batched; `krasis bench --streams` measures both).
     pub serial: bool,
+    /// Prompt tokens per step (continuous batching; module docs).
+    pub prefill_chunk: PrefillChunk,
 }
 
 impl Scheduler {
@@ -110,6 +139,7 @@ impl Scheduler {
             codec,
             max_batch,
             serial: config.serial,
+            chunk: config.prefill_chunk,
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -144,12 +174,18 @@ struct Running {
     job: Box<Job>,
     session: Box<dyn EngineSession>,
     sampler: Sampler,
-    /// What the next step runs: the prompt, then the last sampled token.
+    /// What the next step runs: the prompt (from `prefilled` on, a chunk at a time), then the
+    /// last sampled token.
     next: Vec<u32>,
+    /// Prompt tokens already run (`next` holds the prompt while this is below its length).
+    prefilled: usize,
     generated: usize,
     text: TextStream,
     stop: StopMatcher,
+    /// When the job was submitted (time to first token counts from here).
     started: Instant,
+    /// When the last token was sampled (inter-token latency).
+    last_token: Option<Instant>,
     /// `KRASIS_TEST_SCRIPT`: the tokens the reply is made of instead of the sampled ones.
     script: Option<VecDeque<u32>>,
 }
@@ -175,8 +211,9 @@ struct Worker {
     codec: Arc<TextCodec>,
     max_batch: usize,
     serial: bool,
+    chunk: PrefillChunk,
     metrics: Arc<Metrics>,
-    waiting: VecDeque<Box<Job>>,
+    waiting: VecDeque<(Box<Job>, Instant)>,
     active: Vec<Running>,
 }
 
@@ -185,14 +222,14 @@ impl Worker {
         loop {
             if self.active.is_empty() && self.waiting.is_empty() {
                 match rx.recv() {
-                    Ok(Msg::Job(j)) => self.waiting.push_back(j),
+                    Ok(Msg::Job(j)) => self.waiting.push_back((j, Instant::now())),
                     Ok(Msg::Shutdown) | Err(_) => break,
                 }
             }
             let mut stop = false;
             while let Ok(m) = rx.try_recv() {
                 match m {
-                    Msg::Job(j) => self.waiting.push_back(j),
+                    Msg::Job(j) => self.waiting.push_back((j, Instant::now())),
                     Msg::Shutdown => stop = true,
                 }
             }
@@ -215,7 +252,7 @@ impl Worker {
         for mut r in self.active.drain(..) {
             end_with(&mut r, SHUTDOWN, &self.codec);
         }
-        for job in self.waiting.drain(..) {
+        for (job, _) in self.waiting.drain(..) {
             let finish =
                 Finish { reason: SHUTDOWN, prompt_tokens: job.prompt.len(), completion_tokens: 0, stop_sequence: None };
             let _ = job.events.send(Event::Done(finish));
@@ -233,7 +270,7 @@ impl Worker {
     /// Jobs whose client went away: cancelled before they cost another step.
     fn drop_abandoned(&mut self) {
         let before = self.waiting.len();
-        self.waiting.retain(|j| !j.events.is_closed());
+        self.waiting.retain(|(j, _)| !j.events.is_closed());
         let gone_waiting = before - self.waiting.len();
         self.metrics.queued.fetch_sub(gone_waiting as u64, Relaxed);
         let before = self.active.len();
@@ -249,19 +286,13 @@ impl Worker {
         self.metrics.active.store(self.active.len() as u64, Relaxed);
     }
 
-    /// Moves waiting jobs into free slots (FIFO), up to the step's prefill budget.
+    /// Moves waiting jobs into free slots (FIFO); their prompts run a chunk per step.
     fn admit(&mut self) {
-        let mut prefill = 0;
         while self.active.len() < self.max_batch {
-            let Some(job) = self.waiting.front() else { break };
-            if prefill > 0 && prefill + job.prompt.len() > PREFILL_TOKENS_PER_STEP {
-                break;
-            }
-            let job = self.waiting.pop_front().expect("front exists");
+            let Some((job, queued_at)) = self.waiting.pop_front() else { break };
             self.metrics.queued.fetch_sub(1, Relaxed);
             match self.engine.new_session() {
                 Ok(session) => {
-                    prefill += job.prompt.len();
                     let text = if job.keep_special { TextStream::keeping_special() } else { TextStream::new() };
                     self.active.push(Running {
                         script: test_script(&self.codec),
@@ -270,9 +301,11 @@ impl Worker {
                         stop: StopMatcher::new(job.stop.clone()),
                         job,
                         session,
+                        prefilled: 0,
                         generated: 0,
                         text,
-                        started: Instant::now(),
+                        started: queued_at,
+                        last_token: None,
                     });
                 }
                 Err(e) => {
@@ -284,20 +317,64 @@ impl Worker {
         self.metrics.active.store(self.active.len() as u64, Relaxed);
     }
 
-    /// One engine step over every running job, then each job's token.
+    /// The prompt tokens this step may run in all.
+    fn chunk_tokens(&self) -> usize {
+        match self.chunk {
+            PrefillChunk::Fixed(n) => n.max(1),
+            PrefillChunk::Measured => match self.metrics.prefill_tok_s() {
+                r if r > 0.0 => ((r * TARGET_STEP_SECONDS) as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
+                _ => FIRST_CHUNK_TOKENS,
+            },
+        }
+    }
+
+    /// One engine step over the running jobs: every decoding job's token, and prompt chunks up to
+    /// the step's budget (first come first); then each job's token.
     fn step(&mut self) {
-        let prompt_tokens: usize = self.active.iter().filter(|r| r.generated == 0).map(|r| r.next.len()).sum();
-        let sequences = self.active.len();
+        // Which tokens each job runs: `None` for a prefilling job that gets no share this step.
+        let mut budget = self.chunk_tokens();
+        let mut runs: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(self.active.len());
+        for r in &self.active {
+            if r.generated > 0 {
+                runs.push(Some(0..r.next.len()));
+            } else if budget > 0 {
+                let n = (r.next.len() - r.prefilled).min(budget);
+                budget -= n;
+                runs.push(Some(r.prefilled..r.prefilled + n));
+            } else {
+                runs.push(None);
+            }
+        }
+        let prompt_tokens: usize = self
+            .active
+            .iter()
+            .zip(&runs)
+            .filter(|(r, run)| r.generated == 0 && run.is_some())
+            .map(|(_, run)| run.as_ref().map_or(0, |x| x.len()))
+            .sum();
+        let decoding = self.active.iter().filter(|r| r.generated > 0).count();
+        let sequences = runs.iter().flatten().count();
+        // A chunk that does not end its prompt samples nothing: a throwaway greedy sampler takes
+        // the token (the job's own sampler and its random state are left alone).
+        let mut throwaway: Vec<Sampler> =
+            (0..self.active.len()).map(|_| Sampler::new(SamplingParams::default())).collect();
         let t0 = Instant::now();
         let result = {
             let mut batch: Vec<SequenceStep<'_>> = self
                 .active
                 .iter_mut()
-                .map(|r| SequenceStep {
-                    session: r.session.as_mut(),
-                    tokens: &r.next,
-                    sampler: &mut r.sampler,
-                    want_logits: false,
+                .zip(&runs)
+                .zip(throwaway.iter_mut())
+                .filter_map(|((r, run), spare)| {
+                    let run = run.clone()?;
+                    let ends_prompt = r.generated > 0 || run.end == r.next.len();
+                    let sampler = if ends_prompt { &mut r.sampler } else { spare };
+                    Some(SequenceStep {
+                        session: r.session.as_mut(),
+                        tokens: &r.next[run],
+                        sampler,
+                        want_logits: false,
+                    })
                 })
                 .collect();
             if self.serial {
@@ -319,13 +396,32 @@ impl Worker {
                 return;
             }
         };
-        self.metrics.record_step(sequences, prompt_tokens, sequences, took);
+        let now = Instant::now();
+        self.metrics.record_step(sequences, prompt_tokens, decoding, took);
         self.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
-        self.metrics.generated_tokens.fetch_add(sequences as u64, Relaxed);
         let eos = &self.engine.spec().eos_token_ids;
         let codec = &self.codec;
-        let mut outcomes = Vec::with_capacity(sequences);
-        for (r, out) in self.active.iter_mut().zip(outputs) {
+        let mut outcomes = Vec::with_capacity(self.active.len());
+        let mut outputs = outputs.into_iter();
+        let mut sampled = 0;
+        for (r, run) in self.active.iter_mut().zip(runs) {
+            let Some(run) = run else {
+                outcomes.push(Outcome::Running);
+                continue;
+            };
+            let out = outputs.next().expect("one output per sequence that ran");
+            if r.generated == 0 {
+                r.prefilled = run.end;
+                if run.end < r.next.len() {
+                    outcomes.push(Outcome::Running); // more of the prompt to go
+                    continue;
+                }
+                self.metrics.record_first_token(now.duration_since(r.started));
+            } else if let Some(last) = r.last_token {
+                self.metrics.record_inter_token(now.duration_since(last));
+            }
+            r.last_token = Some(now);
+            sampled += 1;
             let o = advance(r, out.token, codec, eos);
             if o == Outcome::Gone {
                 log_cancelled(r);
@@ -333,6 +429,7 @@ impl Worker {
             }
             outcomes.push(o);
         }
+        self.metrics.generated_tokens.fetch_add(sampled as u64, Relaxed);
         let mut i = 0;
         self.active.retain(|_| {
             i += 1;
@@ -430,3 +527,7 @@ fn done(r: &Running, reason: &'static str) -> Outcome {
         Err(_) => Outcome::Gone,
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;
