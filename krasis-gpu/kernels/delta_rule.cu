@@ -9,8 +9,8 @@
 //   output_gate_rows_f32  y /= 1 + exp(-gate): attention's output gate (Qwen3-Next).
 //
 // The twins are krasis_cpu::delta_rule::recurrent_f64 and krasis_model's cpu/deltanet.rs; the
-// operations are the same f32 steps in the same order (sums over a head in index order, except
-// the L2 and RMS norms' sums of squares, which are reduced across a warp).
+// operations are the same f32 steps, the sums in another order (the rule's over dk as four
+// partial sums, the L2 and RMS norms' sums of squares reduced across a warp).
 //
 // Sequences and their states. A call covers n_seqs sequences of rows_per_seq rows each (one
 // sequence of t rows: a prompt; n sequences of one row: a batched decode step); sequence b's rows
@@ -121,8 +121,9 @@ extern "C" __global__ void delta_prep(float* __restrict__ qkv, float* __restrict
 //   S <- S * exp(g);  kv = S^T k;  d = beta * (v - kv);  S <- S + k d^T;  o = S^T q.
 // Grid (ceil(dv / 32), nv, n_seqs), 32 threads: thread j holds column j of S (dk floats, in
 // registers; DKM >= dk, the rows past dk held at zero, which leaves every sum unchanged) and
-// writes o[j]; q and k of RULE_TT tokens at a time are staged in shared memory. qkv is the
-// prepared [rows, ch] (delta_prep), beta and g [rows, nv], out [rows, nv * dv].
+// writes o[j]; q, k and v of RULE_TT tokens at a time are staged in shared memory. qkv is the
+// prepared [rows, ch] (delta_prep), beta and g [rows, nv], out [rows, nv * dv]. The sums over
+// the dk rows run as four interleaved partial sums (rows a mod 4), then added pairwise.
 template <int DKM>
 __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, const float* __restrict__ beta,
                                                 const float* __restrict__ g, float* __restrict__ out,
@@ -130,6 +131,7 @@ __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, c
                                                 int nv, int dk, int dv, int rows_per_seq) {
     __shared__ float qs[RULE_TT][DKM];
     __shared__ float ks[RULE_TT][DKM];
+    __shared__ float vs[RULE_TT][RULE_COLS];
     __shared__ float eg[RULE_TT];
     __shared__ float bt[RULE_TT];
     const int b = blockIdx.z, h = blockIdx.y;
@@ -158,25 +160,27 @@ __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, c
             eg[tt] = expf(g[gi]);
             bt[tt] = beta[gi];
         }
+        for (int tt = 0; tt < nt; ++tt) vs[tt][threadIdx.x] = live ? vbase[(row0 + t0 + tt) * ch + j] : 0.0f;
         __syncthreads();
         for (int tt = 0; tt < nt; ++tt) {
             const long long r = row0 + t0 + tt;
             const float decay = eg[tt];
-            float kv = 0.0f;
+            // Four partial sums (rows a = i mod 4) shorten the dependent chains fourfold.
+            float kv4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int a = 0; a < DKM; ++a) {
                 s[a] *= decay;
-                kv += s[a] * ks[tt][a];
+                kv4[a & 3] += s[a] * ks[tt][a];
             }
-            const float vj = live ? vbase[r * ch + j] : 0.0f;
-            const float d = (vj - kv) * bt[tt];
-            float o = 0.0f;
+            const float kv = (kv4[0] + kv4[1]) + (kv4[2] + kv4[3]);
+            const float d = (vs[tt][threadIdx.x] - kv) * bt[tt];
+            float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int a = 0; a < DKM; ++a) {
                 s[a] += ks[tt][a] * d;
-                o += s[a] * qs[tt][a];
+                o4[a & 3] += s[a] * qs[tt][a];
             }
-            if (live) out[(r * nv + h) * dv + j] = o;
+            if (live) out[(r * nv + h) * dv + j] = (o4[0] + o4[1]) + (o4[2] + o4[3]);
         }
     }
     if (live) {

@@ -241,3 +241,41 @@ pub(crate) fn apply_output_gate(
     )?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_next() -> ModelSpec {
+        let config = crate::synth::preset_config(crate::synth::Preset::Qwen3Next80b, None).to_string();
+        crate::arch::parse_config(&config, std::path::Path::new("config.json")).unwrap()
+    }
+
+    /// Qwen3-Next-80B: 48 layers, every fourth one attention. The KV cache has the 12 attention
+    /// layers; the DeltaNet states of one sequence are 36 layers × (3 × 8192 conv floats +
+    /// 32 × 128 × 128 rule floats), whatever the context.
+    #[test]
+    fn the_kv_cache_holds_the_attention_layers_and_the_states_are_per_sequence() {
+        let spec = qwen3_next();
+        assert_eq!(kv_layers(&spec), 12);
+        assert_eq!((kv_layer(&spec, 3), kv_layer(&spec, 7), kv_layer(&spec, 47)), (0, 1, 11));
+        let d = dims(&spec.delta_net.unwrap());
+        assert_eq!((d.channels(), d.conv_state_len(), d.rule_state_len()), (8192, 3 * 8192, 32 * 128 * 128));
+        assert_eq!(session_state_bytes(&spec), 36 * 4 * (3 * 8192 + 32 * 128 * 128) as u64);
+        // Layer 4's state follows layers 0 to 2's (layer 3 is attention).
+        assert_eq!(delta_layers_before(&spec, 4) * d.state_len(), 3 * d.state_len());
+        // A model without DeltaNet layers: every layer in the cache, no states.
+        let v2 = crate::synth::preset_config(crate::synth::Preset::V2Lite, None).to_string();
+        let v2 = crate::arch::parse_config(&v2, std::path::Path::new("config.json")).unwrap();
+        assert_eq!((kv_layers(&v2), kv_layer(&v2, 5), session_state_bytes(&v2)), (v2.num_layers, 5, 0));
+    }
+
+    /// The VRAM plan's per-token scratch covers a DeltaNet layer's buffers (q/k/v twice, z, the
+    /// output: 2 × 8192 + 2 × 4096 f32 per token here) and gated attention's whole q projection.
+    #[test]
+    fn the_scratch_estimate_covers_deltanet_and_gated_attention() {
+        let spec = qwen3_next();
+        let c = super::super::vram_plan::ScratchCost::of(&spec, false);
+        assert!(c.per_token >= 4 * (3 * 2048 + 2 * 8192 + 2 * 4096), "{c:?}");
+    }
+}
