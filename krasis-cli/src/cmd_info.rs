@@ -9,7 +9,7 @@ use krasis_model::arch::{parse_checkpoint_config, CheckpointConfig};
 use krasis_model::cpu::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::model::tensors::{missing_tensors, param_counts};
 use krasis_model::source::files::ModelFiles;
-use krasis_model::spec::{AttentionSpec, FfnKind, RopeScaling, SourceQuant};
+use krasis_model::spec::{AttentionSpec, FfnKind, QkNorm, RopeScaling, SourceQuant};
 use krasis_model::synth::stored_tensors;
 
 #[derive(ClapArgs)]
@@ -116,7 +116,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm, bias, output_gate } => println!(
             "attention    GQA: {heads} heads / {kv_heads} kv heads, head dim {head_dim}{}{}{}{}{}",
-            if qk_norm { ", qk-norm" } else { "" },
+            match qk_norm {
+                QkNorm::None => "",
+                QkNorm::PerHead => ", qk-norm",
+                QkNorm::Whole => ", qk-norm over the whole projection",
+            },
             if output_gate { ", output gate" } else { "" },
             if bias.qkv { ", q/k/v biases" } else { "" },
             if bias.o { ", o bias" } else { "" },

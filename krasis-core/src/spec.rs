@@ -24,6 +24,13 @@ pub enum Arch {
     /// Qwen3.5 / 3.6 MoE (`qwen3_5_moe`): Qwen3-Next's layers in a vision-language wrapper, with
     /// the DeltaNet projections stored apart and the routed experts fused per layer.
     Qwen35Moe,
+    /// Qwen2-MoE (`Qwen2MoeForCausalLM`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): GQA with q/k/v
+    /// biases, softmax routing, a shared expert scaled by a sigmoid gate, optional dense layers.
+    Qwen2Moe,
+    /// MiniMax-M2 (`MiniMaxM2ForCausalLM`): GQA with a qk-norm over the whole q and k
+    /// projections and partial rotary; every layer MoE with sigmoid routing and a correction
+    /// bias (no groups), the `block_sparse_moe` tensor names.
+    MiniMaxM2,
 }
 
 impl Arch {
@@ -36,6 +43,8 @@ impl Arch {
         "glm4_moe",
         "qwen3_next",
         "qwen3_5_moe",
+        "qwen2_moe",
+        "minimax_m2",
         "kimi_k2",
         "kimi_k25",
     ];
@@ -49,6 +58,8 @@ impl Arch {
             Arch::Glm4Moe => "glm4_moe",
             Arch::Qwen3Next => "qwen3_next",
             Arch::Qwen35Moe => "qwen3_5_moe",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::MiniMaxM2 => "minimax_m2",
         }
     }
 }
@@ -102,11 +113,33 @@ pub enum AttentionSpec {
         qk_rope_head_dim: usize,
         v_head_dim: usize,
     },
-    /// Grouped-query attention, optionally with per-head RMSNorm on q and k (Qwen3, GLM-4.5),
-    /// with biases on its projections (GLM-4.5: q/k/v) and with an output gate (Qwen3-Next:
-    /// `q_proj` yields, per head, the query and then a gate of the same width; the attention
-    /// output is multiplied by σ(gate) before `o_proj`).
-    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: bool, bias: AttnBias, output_gate: bool },
+    /// Grouped-query attention, optionally with RMSNorm on q and k ([`QkNorm`]: per head as
+    /// Qwen3 and GLM-4.5, over the whole projection as MiniMax-M2), with biases on its
+    /// projections (GLM-4.5: q/k/v) and with an output gate (Qwen3-Next: `q_proj` yields, per
+    /// head, the query and then a gate of the same width; the attention output is multiplied by
+    /// σ(gate) before `o_proj`).
+    Gqa { heads: usize, kv_heads: usize, head_dim: usize, qk_norm: QkNorm, bias: AttnBias, output_gate: bool },
+}
+
+/// GQA's RMSNorm of q and k after their projections (and biases), before RoPE: one option of the
+/// one GQA op on each device. The norm's extent is its weight's length (the op normalises each
+/// run of that many values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    None,
+    /// Each head alone: `q_norm` and `k_norm` are `[head_dim]` (Qwen3, GLM-4.5, Qwen3-Next).
+    PerHead,
+    /// The whole projection of a token before the head split: `q_norm` is
+    /// `[heads · head_dim]`, `k_norm` `[kv_heads · head_dim]` (MiniMax-M2's `qk_norm_type`
+    /// `per_layer`).
+    Whole,
+}
+
+impl QkNorm {
+    /// Whether q and k are normalised.
+    pub fn on(self) -> bool {
+        self != QkNorm::None
+    }
 }
 
 /// What mixes tokens in a layer: attention (the model's [`AttentionSpec`]) or a gated-DeltaNet
@@ -242,6 +275,10 @@ pub struct MoeSpec {
     pub moe_intermediate_size: usize,
     /// Intermediate size of the fused shared expert (0 when there is none).
     pub shared_intermediate_size: usize,
+    /// The shared expert's output is scaled per token by σ(x · w) of a one-row gate
+    /// `shared_expert_gate` `[1, hidden]` over the block's input x (Qwen2-MoE, Qwen3-Next);
+    /// otherwise it is added as it is.
+    pub shared_gate: bool,
     pub routing: RoutingRule,
     /// How the checkpoint names the router and the routed experts.
     pub naming: ExpertNaming,
@@ -251,8 +288,12 @@ pub struct MoeSpec {
 /// weights are the same gated MLPs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExpertNaming {
-    /// `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight` (DeepSeek, Qwen).
+    /// `mlp.gate.weight`, `mlp.experts.E.{gate,up,down}_proj.weight`, the shared experts
+    /// `mlp.shared_experts.*` (DeepSeek, Qwen3, GLM).
     Mlp,
+    /// As [`ExpertNaming::Mlp`], with one shared expert `mlp.shared_expert.*` and its gate
+    /// `mlp.shared_expert_gate.weight` (Qwen2-MoE, Qwen3-Next).
+    MlpSharedExpert,
     /// `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.E.{w1,w3,w2}.weight`
     /// (gate, up, down: Mixtral, MiniMax).
     BlockSparse,

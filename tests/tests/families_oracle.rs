@@ -14,7 +14,11 @@
 //! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
 //! biases, RoPE on the first half of each 48-dim head with half-split pairs, a dense first
 //! layer, sigmoid routing with 4 groups and a correction bias, a shared expert) and
-//! `glm4moe-qknorm-tiny` (GLM-4.5/4.6/4.7: the same with per-head qk-norm, one group).
+//! `glm4moe-qknorm-tiny` (GLM-4.5/4.6/4.7: the same with per-head qk-norm, one group);
+//! `qwen2moe-tiny` (Qwen2-MoE: MHA with q/k/v biases, softmax top-4 not renormalised, a shared
+//! expert scaled by its sigmoid gate); `minimaxm2-tiny` (MiniMax-M2: qk-norm over the whole q and
+//! k projections, RoPE on the first 16 of 32 dims from `rotary_dim`, sigmoid routing with the
+//! correction bias beside the gate, no groups, `block_sparse_moe` names).
 
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::cpu::Model;
@@ -200,3 +204,5 @@ family_tests!(mixtral, "mixtral-tiny");
 gguf_twin_test!(mixtral_gguf, "mixtral-tiny");
 family_tests!(glm4moe, "glm4moe-tiny");
 family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");
+family_tests!(qwen2moe, "qwen2moe-tiny");
+family_tests!(minimaxm2, "minimaxm2-tiny");

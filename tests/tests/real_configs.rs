@@ -19,7 +19,8 @@ use krasis_model::arch::{load_checkpoint_config, parse_checkpoint_config, Checkp
 use krasis_model::runtime::{open_engine, DevicePolicy, EngineConfig};
 use krasis_model::source::files::ModelFiles;
 use krasis_model::spec::{
-    Arch, AttentionSpec, AttnBias, FfnKind, RopePairing, RopeScaling, ScoringFunc, SourceQuant, TopkMethod, WeightBits,
+    Arch, AttentionSpec, AttnBias, FfnKind, QkNorm, RopePairing, RopeScaling, ScoringFunc, SourceQuant, TopkMethod,
+    WeightBits,
 };
 use krasis_model::synth::{stored_tensors, synthesize, Preset, SynthOptions};
 use krasis_model::text::generate::{generate, GenerateRequest};
@@ -316,7 +317,17 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (151552, 5120, 92));
     assert_eq!(s.eos_token_ids, vec![151329, 151336]);
     let bias = AttnBias { qkv: true, o: false };
-    assert_eq!(s.attention, AttentionSpec::Gqa { heads: 96, kv_heads: 8, head_dim: 128, qk_norm: true, bias, output_gate: false });
+    assert_eq!(
+        s.attention,
+        AttentionSpec::Gqa {
+            heads: 96,
+            kv_heads: 8,
+            head_dim: 128,
+            qk_norm: QkNorm::PerHead,
+            bias,
+            output_gate: false
+        }
+    );
     // partial_rotary_factor 0.5: the first 64 of 128 dims, half-split pairs.
     assert_eq!((s.rope.dim, s.rope.pairing, s.rope.theta), (64, RopePairing::Halves, 1e6));
     assert!(s.layers[..3].iter().all(|l| *l == FfnKind::Dense { intermediate_size: 12288 }));
@@ -342,10 +353,17 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     // The multi-token-prediction block is stored as layer 92 (num_nextn_predict_layers 1): a
     // whole decoder layer plus eh_proj, enorm/hnorm, shared_head and a copy of the embedding.
     // Krasis does not load it.
-    let left =
-        compare(&expected(&CheckpointConfig { spec: s, tensor_prefix: "", canonical_prefix: "", layout: Default::default(), notes: Vec::new() }), &published, |n| {
-            n.starts_with("model.layers.92.")
-        });
+    let left = compare(
+        &expected(&CheckpointConfig {
+            spec: s,
+            tensor_prefix: "",
+            canonical_prefix: "",
+            layout: Default::default(),
+            notes: Vec::new(),
+        }),
+        &published,
+        |n| n.starts_with("model.layers.92."),
+    );
     assert_eq!(left, 11 + 485 + 6, "layer 92: attention and norms, its MoE block, the MTP parts");
 }
 

@@ -94,6 +94,7 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
             n_routed_experts: n_routed,
             moe_intermediate_size: moe_inter,
             shared_intermediate_size: moe_inter * n_shared,
+            shared_gate: false,
             routing: RoutingRule {
                 scoring,
                 topk,

@@ -39,7 +39,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     }
     let rope = parse_rope(f, rotary_dim, RopePairing::Halves, c.max_position_embeddings)?;
     let bias = AttnBias { qkv: f.bool_or("attention_bias", false)?, o: false };
-    let qk_norm = f.bool_or("use_qk_norm", false)?;
+    let qk_norm = if f.bool_or("use_qk_norm", false)? { QkNorm::PerHead } else { QkNorm::None };
 
     let n_routed = f.dim("n_routed_experts")?;
     let top_k = f.dim("num_experts_per_tok")?;
@@ -79,6 +79,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
             n_routed_experts: n_routed,
             moe_intermediate_size: moe_inter,
             shared_intermediate_size: moe_inter * n_shared,
+            shared_gate: false,
             routing: RoutingRule {
                 scoring: ScoringFunc::Sigmoid,
                 topk: TopkMethod::NoauxTc { n_group, topk_group },

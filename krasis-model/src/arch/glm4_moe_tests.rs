@@ -35,7 +35,7 @@ fn glm4_moe_reads_biases_partial_rotary_groups_and_dense_first_layers() {
             heads: 4,
             kv_heads: 2,
             head_dim: 48,
-            qk_norm: false,
+            qk_norm: QkNorm::None,
             bias: AttnBias { qkv: true, o: false },
             output_gate: false
         }
@@ -58,7 +58,7 @@ fn glm4_moe_reads_biases_partial_rotary_groups_and_dense_first_layers() {
     v["use_qk_norm"] = json!(true);
     v["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25});
     let s = parse(&v).unwrap();
-    assert!(matches!(s.attention, AttentionSpec::Gqa { qk_norm: true, .. }));
+    assert!(matches!(s.attention, AttentionSpec::Gqa { qk_norm: QkNorm::PerHead, .. }));
     assert_eq!(s.rope.dim, 12);
 }
 

@@ -34,13 +34,21 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     let layers = vec![FfnKind::Moe; c.num_layers];
     Ok(c.spec(FamilyParts {
         arch: Arch::Mixtral,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: false, bias: AttnBias::NONE, output_gate: false },
+        attention: AttentionSpec::Gqa {
+            heads,
+            kv_heads,
+            head_dim,
+            qk_norm: QkNorm::None,
+            bias: AttnBias::NONE,
+            output_gate: false,
+        },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe: Some(MoeSpec {
             n_routed_experts: n_experts,
             moe_intermediate_size: f.dim("intermediate_size")?,
             shared_intermediate_size: 0,
+            shared_gate: false,
             routing: RoutingRule {
                 scoring: ScoringFunc::Softmax,
                 topk: TopkMethod::Greedy,

@@ -8,8 +8,10 @@
 
 mod deepseek;
 mod glm4_moe;
+mod minimax_m2;
 mod mixtral;
 mod quant_fp4;
+mod qwen2_moe;
 mod qwen3_moe;
 mod qwen3_next;
 
@@ -17,6 +19,10 @@ mod qwen3_next;
 mod glm4_moe_tests;
 #[cfg(test)]
 mod kimi_tests;
+#[cfg(test)]
+mod minimax_m2_tests;
+#[cfg(test)]
+mod qwen2_moe_tests;
 
 use std::path::Path;
 
@@ -245,6 +251,8 @@ fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
         "qwen3_moe" => qwen3_moe::parse(f),
         "mixtral" => mixtral::parse(f),
         "glm4_moe" => glm4_moe::parse(f),
+        "qwen2_moe" => qwen2_moe::parse(f),
+        "minimax_m2" => minimax_m2::parse(f),
         "qwen3_next" => qwen3_next::parse(f, Arch::Qwen3Next),
         _ => return None,
     })
@@ -532,8 +540,9 @@ fn parse_source_quant(f: &Fields) -> Result<SourceQuant> {
     let s = Fields { path: f.path, obj };
     match s.str_opt("quant_method")? {
         Some("fp8") => {
+            // MiniMax-M2 names the format as torch does (`float8_e4m3fn`).
             if let Some(fmt) = s.str_opt("fmt")? {
-                if fmt != "e4m3" {
+                if fmt != "e4m3" && fmt != "float8_e4m3fn" {
                     return Err(f.err("quantization_config.fmt", format!("`{fmt}` is not supported (only e4m3)")));
                 }
             }

@@ -50,6 +50,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
             n_routed_experts: n_experts,
             moe_intermediate_size: f.dim("moe_intermediate_size")?,
             shared_intermediate_size: 0,
+            shared_gate: false,
             routing: RoutingRule {
                 scoring: ScoringFunc::Softmax,
                 topk: TopkMethod::Greedy,
@@ -64,7 +65,14 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     };
     Ok(c.spec(FamilyParts {
         arch: Arch::Qwen3Moe,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE, output_gate: false },
+        attention: AttentionSpec::Gqa {
+            heads,
+            kv_heads,
+            head_dim,
+            qk_norm: QkNorm::PerHead,
+            bias: AttnBias::NONE,
+            output_gate: false,
+        },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe,

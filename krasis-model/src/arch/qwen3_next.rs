@@ -155,13 +155,21 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
     };
     let mut spec = c.spec(FamilyParts {
         arch,
-        attention: AttentionSpec::Gqa { heads, kv_heads, head_dim, qk_norm: true, bias: AttnBias::NONE, output_gate },
+        attention: AttentionSpec::Gqa {
+            heads,
+            kv_heads,
+            head_dim,
+            qk_norm: QkNorm::PerHead,
+            bias: AttnBias::NONE,
+            output_gate,
+        },
         rope,
         softmax_scale: (head_dim as f64).powf(-0.5) as f32,
         moe: Some(MoeSpec {
             n_routed_experts: n_experts,
             moe_intermediate_size: f.dim("moe_intermediate_size")?,
             shared_intermediate_size: f.usize_opt("shared_expert_intermediate_size")?.unwrap_or(0),
+            shared_gate: true,
             routing: RoutingRule {
                 scoring: ScoringFunc::Softmax,
                 topk: TopkMethod::Greedy,
@@ -169,7 +177,7 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
                 norm_topk_prob,
                 routed_scaling_factor: 1.0,
             },
-            naming: ExpertNaming::Mlp,
+            naming: ExpertNaming::MlpSharedExpert,
         }),
         layers,
         source_quant: parse_source_quant(f)?,

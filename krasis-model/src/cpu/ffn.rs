@@ -97,9 +97,10 @@ impl MoeWeights<CpuKinds> {
         }
         super::OTHER_NS.lap(&mut clock, 3);
         let started = std::time::Instant::now();
-        // A pooled shared expert runs inside the routed experts' dispatch where the backend can.
-        let inside = match &self.shared {
-            Some(Mlp::Pooled(p)) => self.experts.run_with_shared(x, t, &routes, p, out),
+        // A pooled shared expert runs inside the routed experts' dispatch where the backend can
+        // (not a gated one: its output is scaled before it is added).
+        let inside = match (&self.shared, &self.shared_gate) {
+            (Some(Mlp::Pooled(p)), None) => self.experts.run_with_shared(x, t, &routes, p, out),
             _ => false,
         };
         if !inside {
@@ -110,8 +111,29 @@ impl MoeWeights<CpuKinds> {
             stats.add_shared_inside(self.shared.as_ref().map_or(0, Mlp::weight_bytes));
         } else if let Some(shared) = &self.shared {
             let started = std::time::Instant::now();
-            shared.forward_add(x, t, hidden, out);
+            match &self.shared_gate {
+                None => shared.forward_add(x, t, hidden, out),
+                Some(gate) => {
+                    let mut s = vec![0f32; t * hidden];
+                    shared.forward(x, t, &mut s);
+                    add_sigmoid_gated(gate, x, &s, hidden, out);
+                }
+            }
             stats.add_shared(started.elapsed());
+        }
+    }
+}
+
+/// `out[r] += σ(x[r] · gate) · s[r]` for each row `r` of `x` (`[t, gate.len()]`), `s` and `out`
+/// (`[t, hidden]`): a shared expert's output `s` through its one-logit sigmoid gate (Qwen2-MoE's
+/// `shared_expert_gate`; the dot product in f64).
+pub fn add_sigmoid_gated(gate: &[f32], x: &[f32], s: &[f32], hidden: usize, out: &mut [f32]) {
+    let rows = x.chunks_exact(gate.len()).zip(s.chunks_exact(hidden)).zip(out.chunks_exact_mut(hidden));
+    for ((xr, sr), or) in rows {
+        let logit: f64 = xr.iter().zip(gate).map(|(&a, &b)| a as f64 * b as f64).sum();
+        let g = (1.0 / (1.0 + (-logit).exp())) as f32;
+        for (o, &v) in or.iter_mut().zip(sr) {
+            *o += g * v;
         }
     }
 }

@@ -146,6 +146,33 @@ impl GpuMlp {
     }
 }
 
+/// A MoE layer's shared expert on the GPU, with its sigmoid gate when it has one.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedExpert<'w> {
+    pub mlp: &'w GpuMlp,
+    /// `shared_expert_gate` (BF16 `[hidden]`): the output is scaled per token by σ(xn · gate).
+    pub gate: Option<&'w DeviceBuffer<u16>>,
+}
+
+impl SharedExpert<'_> {
+    fn reserve(&self, c: &Ctx, s: &mut StepIo, t: usize) -> Result<()> {
+        self.mlp.reserve(c, s, t)
+    }
+
+    /// [`GpuMlp::forward`] into `y` (`to_y`) or f32 scratch slot 3, then the gate's scaling of
+    /// that output (on the same stream: inside [`GpuDevice::on_side_stream`] too).
+    fn forward(&self, c: &Ctx, s: &mut StepIo, to_y: bool) -> Result<()> {
+        self.mlp.forward(c, s, to_y)?;
+        let Some(gate) = self.gate else { return Ok(()) };
+        let (t, h) = (c.t, c.spec.hidden_size);
+        let sc = &mut *s.scratch;
+        let out = if to_y { &mut sc.y } else { sc.f[3].as_mut().expect("written by the shared expert") };
+        let xn = sc.xn.slice().slice(..t * h);
+        c.dev.sigmoid_gate_rows_f32(&mut out.slice_mut().slice_mut(..t * h), h, &xn, gate, t)?;
+        Ok(())
+    }
+}
+
 /// MLA's `kv_b_proj` on the GPU: as a linear (prefill's expansion of the latent,
 /// `--kv-b-proj-quant`) and in BF16 for the absorbed decode form.
 pub(crate) struct GpuKvB {
@@ -241,7 +268,8 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
     fn moe(&mut self, l: usize, w: &MoeWeights<GpuKinds>, next: Option<NextMoe<'_, GpuKinds>>) -> Result<()> {
         let (c, s, host) = (self.c, &mut *self.s, &mut *self.host);
         let n = c.t * c.spec.hidden_size;
-        let MoeWeights { router, experts, shared } = w;
+        let MoeWeights { router, experts, shared, shared_gate } = w;
+        let shared = shared.as_ref().map(|mlp| SharedExpert { mlp, gate: shared_gate.as_ref() });
         let (t, k) = (c.t, router.config().top_k);
         let site = c.placed.site(l, t)?;
         match site {
@@ -249,11 +277,11 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 let GpuExpertBackend::Resident(experts) = experts else {
                     return Err(ModelError::Invalid(format!("placement: layer {l}'s experts are not resident")));
                 };
-                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)?
+                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared, n)?
             }
-            Site::StreamedChunks(streamer) => gpu_moe_chunked(c, s, router, l, streamer, k, shared.as_ref(), n)?,
+            Site::StreamedChunks(streamer) => gpu_moe_chunked(c, s, router, l, streamer, k, shared, n)?,
             Site::Streamed(streamer) => streamer.run_layer(c.dev, l, router.n_experts(), |experts| {
-                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared.as_ref(), n)
+                gpu_moe(c, s, GpuRoutes::Router(router, l), experts, k, shared, n)
             })?,
             Site::Pool(pool) => {
                 let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, false)?;
@@ -264,7 +292,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 let map = pool.device_map(c.dev)?;
                 let experts = pool.experts();
                 let routes = GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
-                gpu_moe(c, s, routes, &experts, k, shared.as_ref(), n)?;
+                gpu_moe(c, s, routes, &experts, k, shared, n)?;
             }
             Site::Cpu | Site::Split(..) | Site::Pinned(_) => {
                 let shape = HandoffShape { t, hidden: c.spec.hidden_size, k };
@@ -278,14 +306,13 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 match site {
                     Site::Pinned(hl) => {
                         let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
-                        gpu_moe(c, s, routes, &hl.experts, k, shared.as_ref(), n)?;
+                        gpu_moe(c, s, routes, &hl.experts, k, shared, n)?;
                         cpu_skips = Some(hl.on_gpu.clone());
                     }
                     Site::Split(streamer, present) => {
                         let routes = GpuRoutes::Published { host: &*host, present, map: None };
-                        streamer.run_layer(c.dev, l, present, |experts| {
-                            gpu_moe(c, s, routes, experts, k, shared.as_ref(), n)
-                        })?;
+                        streamer
+                            .run_layer(c.dev, l, present, |experts| gpu_moe(c, s, routes, experts, k, shared, n))?;
                         cpu_from = present;
                     }
                     _ => {
@@ -335,7 +362,7 @@ fn gpu_moe(
     routes: GpuRoutes<'_>,
     experts: &GpuExperts,
     k: usize,
-    shared: Option<&GpuMlp>,
+    shared: Option<SharedExpert<'_>>,
     n: usize,
 ) -> Result<()> {
     let t = c.t;
@@ -446,7 +473,7 @@ fn gpu_moe_chunked(
     l: usize,
     streamer: &super::expert_stream::ExpertStreamer,
     k: usize,
-    shared: Option<&GpuMlp>,
+    shared: Option<SharedExpert<'_>>,
     n: usize,
 ) -> Result<()> {
     let t = c.t;
@@ -750,9 +777,12 @@ impl GpuGqa<'_> {
             dev.add_bias_rows_f32(k, t, kb)?;
             dev.add_bias_rows_f32(v, t, vb)?;
         }
+        // Each run of a norm weight's length: a head (per-head qk-norm) or a token's whole
+        // projection (MiniMax-M2's).
         if let Some((qn, kn)) = &self.w.qk_norm {
-            dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh, hd), qn, c.eps)?;
-            dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh, hd), kn, c.eps)?;
+            let (qw, kw) = (qn.len(), kn.len());
+            dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh * hd / qw, qw), qn, c.eps)?;
+            dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh * hd / kw, kw), kn, c.eps)?;
         }
         let pos = sc.positions.slice().slice(..t);
         // The first `2 · rope_half` dims of each head (all of it, or partial rotary).

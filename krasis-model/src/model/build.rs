@@ -121,11 +121,13 @@ pub enum AttentionWeights<K: WeightKinds> {
 }
 
 /// A MoE feed-forward block: the router, the routed experts' backend and the optional shared
-/// expert.
+/// expert, with its optional sigmoid gate (`shared_expert_gate` as a `[hidden]` vector: the
+/// shared expert's output is scaled per token by σ(x · gate)).
 pub struct MoeWeights<K: WeightKinds> {
     pub router: K::Router,
     pub experts: K::Experts,
     pub shared: Option<K::Mlp>,
+    pub shared_gate: Option<K::Vector>,
 }
 
 pub enum FfnWeights<K: WeightKinds> {
@@ -221,7 +223,7 @@ fn layer<B: WeightBuilder>(b: &mut B, spec: &ModelSpec, l: usize, t: &LayerTenso
     let attention = attention(b, &t.attention)?;
     let ffn = match &t.ffn {
         FfnTensors::Dense(m) => FfnWeights::Dense(mlp(b, m, LinearClass::DenseMlp)?),
-        FfnTensors::Moe { router, bias, experts, shared } => {
+        FfnTensors::Moe { router, bias, experts, shared, shared_gate } => {
             let rule = spec.moe.as_ref().expect("MoE layer implies a MoE spec").routing;
             FfnWeights::Moe(MoeWeights {
                 router: b.router(router, bias.as_ref(), &rule)?,
@@ -230,6 +232,7 @@ fn layer<B: WeightBuilder>(b: &mut B, spec: &ModelSpec, l: usize, t: &LayerTenso
                     Some(s) => Some(mlp(b, s, LinearClass::SharedExpert)?),
                     None => None,
                 },
+                shared_gate: shared_gate.as_ref().map(|g| b.vector(g)).transpose()?,
             })
         }
     };

@@ -2,7 +2,7 @@
 //! The loader validates against it, `krasis synth` writes it, `krasis info` counts it.
 
 use crate::source::WeightSource;
-use crate::spec::{AttentionSpec, ExpertNaming, FfnKind, ModelSpec, TopkMethod};
+use crate::spec::{AttentionSpec, ExpertNaming, FfnKind, ModelSpec, QkNorm, TopkMethod};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorRole {
@@ -19,6 +19,7 @@ pub enum TensorRole {
     /// The bias vector of a projection (`[out]`: attention q/k/v/o biases), added after the
     /// matrix product; held unquantised.
     Bias,
+    /// A router's gate matrix, or a shared expert's one-row sigmoid gate (held unquantised).
     Router,
     RouterBias,
     SharedExpert,
@@ -107,10 +108,20 @@ pub enum AttentionTensors {
     },
 }
 
+// The MoE variant (with its optional gate) is the larger; one value per layer, built once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum FfnTensors {
     Dense(MlpTensors),
-    Moe { router: TensorSpec, bias: Option<TensorSpec>, experts: Vec<MlpTensors>, shared: Option<MlpTensors> },
+    Moe {
+        router: TensorSpec,
+        bias: Option<TensorSpec>,
+        experts: Vec<MlpTensors>,
+        shared: Option<MlpTensors>,
+        /// The shared expert's one-row sigmoid gate `[1, hidden]`
+        /// ([`crate::spec::MoeSpec::shared_gate`]).
+        shared_gate: Option<TensorSpec>,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -149,7 +160,7 @@ fn mlp_tensors(prefix: &str, inter: usize, hidden: usize, role: TensorRole) -> M
 /// The MoE block's prefix in layer `l` (`…mlp` or `…block_sparse_moe`).
 pub fn moe_prefix(spec: &ModelSpec, l: usize) -> String {
     match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
-        ExpertNaming::Mlp => format!("{}.mlp", layer_prefix(l)),
+        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => format!("{}.mlp", layer_prefix(l)),
         ExpertNaming::BlockSparse => format!("{}.block_sparse_moe", layer_prefix(l)),
     }
 }
@@ -165,7 +176,7 @@ pub fn expert_tensors(spec: &ModelSpec, l: usize, e: usize) -> MlpTensors {
     let prefix = format!("{}.{e}", experts_prefix(spec, l));
     let role = TensorRole::RoutedExpert { layer: l, expert: e };
     match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
-        ExpertNaming::Mlp => mlp_tensors(&prefix, inter, spec.hidden_size, role),
+        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => mlp_tensors(&prefix, inter, spec.hidden_size, role),
         ExpertNaming::BlockSparse => MlpTensors {
             gate: tensor(format!("{prefix}.w1.weight"), vec![inter, spec.hidden_size], role),
             up: tensor(format!("{prefix}.w3.weight"), vec![inter, spec.hidden_size], role),
@@ -234,8 +245,13 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
             k: proj("k_proj", vec![kv_heads * head_dim, h]),
             v: proj("v_proj", vec![kv_heads * head_dim, h]),
             o: proj("o_proj", vec![h, heads * head_dim]),
-            qk_norm: qk_norm
-                .then(|| (t("q_norm", vec![head_dim], norm_role(spec)), t("k_norm", vec![head_dim], norm_role(spec)))),
+            qk_norm: {
+                let (qn, kn) = match qk_norm {
+                    QkNorm::Whole => (heads * head_dim, kv_heads * head_dim),
+                    _ => (head_dim, head_dim),
+                };
+                qk_norm.on().then(|| (t("q_norm", vec![qn], norm_role(spec)), t("k_norm", vec![kn], norm_role(spec))))
+            },
             qkv_bias: b.qkv.then(|| {
                 [
                     bias("q_proj", heads * head_dim),
@@ -258,12 +274,24 @@ fn ffn_tensors(spec: &ModelSpec, l: usize, kind: &FfnKind) -> FfnTensors {
             let e = moe.n_routed_experts;
             let s = moe.shared_intermediate_size;
             let b = moe_prefix(spec, l);
+            // MiniMax-M2 keeps the correction bias beside its `block_sparse_moe.gate`, DeepSeek
+            // and GLM inside their `mlp.gate`.
+            let bias_name = match moe.naming {
+                ExpertNaming::BlockSparse => format!("{b}.e_score_correction_bias"),
+                ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => format!("{b}.gate.e_score_correction_bias"),
+            };
+            let shared = match moe.naming {
+                ExpertNaming::MlpSharedExpert => format!("{m}.shared_expert"),
+                ExpertNaming::Mlp | ExpertNaming::BlockSparse => format!("{m}.shared_experts"),
+            };
             FfnTensors::Moe {
                 router: tensor(format!("{b}.gate.weight"), vec![e, h], TensorRole::Router),
                 bias: matches!(moe.routing.topk, TopkMethod::NoauxTc { .. })
-                    .then(|| tensor(format!("{b}.gate.e_score_correction_bias"), vec![e], TensorRole::RouterBias)),
+                    .then(|| tensor(bias_name, vec![e], TensorRole::RouterBias)),
                 experts: (0..e).map(|x| expert_tensors(spec, l, x)).collect(),
-                shared: (s > 0).then(|| mlp_tensors(&format!("{m}.shared_experts"), s, h, TensorRole::SharedExpert)),
+                shared: (s > 0).then(|| mlp_tensors(&shared, s, h, TensorRole::SharedExpert)),
+                shared_gate: (s > 0 && moe.shared_gate)
+                    .then(|| tensor(format!("{m}.shared_expert_gate.weight"), vec![1, h], TensorRole::Router)),
             }
         }
     }
@@ -329,7 +357,7 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
         }
         match layer.ffn {
             FfnTensors::Dense(mlp) => mlp.push_into(&mut out),
-            FfnTensors::Moe { router, bias, experts, shared } => {
+            FfnTensors::Moe { router, bias, experts, shared, shared_gate } => {
                 out.push(router);
                 out.extend(bias);
                 for e in &experts {
@@ -338,6 +366,7 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
                 if let Some(s) = shared {
                     s.push_into(&mut out);
                 }
+                out.extend(shared_gate);
             }
         }
     }

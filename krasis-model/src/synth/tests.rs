@@ -360,7 +360,7 @@ fn preset_names_round_trip() {
 
 #[test]
 fn presets_have_the_real_shapes() {
-    use crate::spec::{Arch, AttentionSpec, FfnKind, ScoringFunc, TopkMethod};
+    use crate::spec::{Arch, AttentionSpec, FfnKind, QkNorm, ScoringFunc, TopkMethod};
     // (preset, tensors, total parameters, active parameters) of the published checkpoints.
     let v2 = spec_of(&preset_config(Preset::V2Lite, None));
     assert_eq!(v2.arch, Arch::DeepseekV2);
@@ -379,7 +379,10 @@ fn presets_have_the_real_shapes() {
     let q = spec_of(&preset_config(Preset::Qwen3_30bA3b, None));
     assert_eq!(q.arch, Arch::Qwen3Moe);
     assert_eq!(q.moe_layers().count(), 48);
-    assert!(matches!(q.attention, AttentionSpec::Gqa { heads: 32, kv_heads: 4, head_dim: 128, qk_norm: true, .. }));
+    assert!(matches!(
+        q.attention,
+        AttentionSpec::Gqa { heads: 32, kv_heads: 4, head_dim: 128, qk_norm: QkNorm::PerHead, .. }
+    ));
     assert_eq!(expected_tensors(&q).len(), 18867);
     let c = param_counts(&q);
     assert!((30.4e9..30.6e9).contains(&(c.total as f64)), "qwen3 total {}", c.total);
@@ -399,7 +402,10 @@ fn presets_have_the_real_shapes() {
     let m = spec_of(&preset_config(Preset::Mixtral8x7b, None));
     assert_eq!(m.arch, Arch::Mixtral);
     assert_eq!((m.vocab_size, m.hidden_size, m.moe_layers().count()), (32000, 4096, 32));
-    assert!(matches!(m.attention, AttentionSpec::Gqa { heads: 32, kv_heads: 8, head_dim: 128, qk_norm: false, .. }));
+    assert!(matches!(
+        m.attention,
+        AttentionSpec::Gqa { heads: 32, kv_heads: 8, head_dim: 128, qk_norm: QkNorm::None, .. }
+    ));
     let c = param_counts(&m);
     assert!((46.6e9..46.8e9).contains(&(c.total as f64)), "mixtral total {}", c.total);
     // The published 12.9 B active counts the embedding row lookup's matrix, as qwen3's above.

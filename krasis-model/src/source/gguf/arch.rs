@@ -417,7 +417,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
         }
         match &layer.ffn {
             FfnTensors::Dense(d) => x.mlp(d, l, ""),
-            FfnTensors::Moe { router, bias, experts, shared } => {
+            FfnTensors::Moe { router, bias, experts, shared, shared_gate } => {
                 x.whole(router, b("ffn_gate_inp.weight"));
                 if let Some(bias) = bias {
                     x.whole(bias, b("exp_probs_b.bias"));
@@ -436,6 +436,9 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
                 }
                 if let Some(s) = shared {
                     x.mlp(s, l, "_shexp");
+                }
+                if let Some(g) = shared_gate {
+                    x.whole(g, b("ffn_gate_inp_shexp.weight"));
                 }
             }
         }
