@@ -132,3 +132,19 @@ fn the_hybrid_presets_have_the_published_shapes_and_survive_trimming() {
         }
     }
 }
+
+/// The CPU memory estimate counts KV for the attention layers only and one sequence's DeltaNet
+/// state once, whatever the context.
+#[test]
+fn the_memory_estimate_counts_kv_of_attention_layers_and_the_deltanet_state_once() {
+    use crate::cpu::memory::{estimate, WeightBits};
+    use crate::synth::{preset_config, Preset};
+    let v = preset_config(Preset::Qwen3Next80b, None);
+    let s = parse_checkpoint_config(&v.to_string(), Path::new("config.json")).unwrap().spec;
+    let e = estimate(&s, WeightBits::Int4);
+    // 12 attention layers of 2 KV heads × 256, K and V in f32.
+    assert_eq!(e.kv_bytes_per_token, 12 * 2 * 2 * 256 * 4);
+    // 36 DeltaNet layers: 32 value heads × 128 × 128, and 3 conv inputs of 2·2048 + 4096 channels.
+    assert_eq!(e.sequence_state_bytes, 36 * (32 * 128 * 128 + 3 * 8192) * 4);
+    assert_eq!(e.total(1000) - e.total(0), 1000 * e.kv_bytes_per_token);
+}

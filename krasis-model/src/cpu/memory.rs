@@ -45,8 +45,11 @@ pub struct MemoryEstimate {
     pub dense_bytes: u64,
     /// The routed experts: the expert cache's records (page-rounded), or the source weights.
     pub expert_bytes: u64,
-    /// KV cache per token of context (f32 reference cache).
+    /// KV cache per token of context (f32 reference cache), over the attention layers.
     pub kv_bytes_per_token: u64,
+    /// One sequence's recurrent state, whatever its length: every gated-DeltaNet layer's (f32
+    /// convolution inputs and `[dk, dv]` per value head); 0 without such layers.
+    pub sequence_state_bytes: u64,
     /// The process itself: code, libraries, tokenizer, allocator arenas, thread stacks.
     pub process_bytes: u64,
     /// Prefill on the BF16 tiles (`krasis_cpu::prefill_bf16`, quantised experts, prompts of at
@@ -107,6 +110,7 @@ impl MemoryEstimate {
         self.dense_bytes
             + self.expert_bytes
             + self.process_bytes
+            + self.sequence_state_bytes
             + self.kv_bytes_per_token * context_tokens
             + self.prefill_kept_bytes(longest_pass)
     }
@@ -256,7 +260,12 @@ pub fn cpu_estimate(
         crate::spec::AttentionSpec::Mla { kv_lora_rank, qk_rope_head_dim, .. } => kv_lora_rank + qk_rope_head_dim,
         crate::spec::AttentionSpec::Gqa { kv_heads, head_dim, .. } => 2 * kv_heads * head_dim,
     };
-    est.kv_bytes_per_token = (per_layer * spec.num_layers * 4) as u64;
+    let delta_layers = (0..spec.num_layers).filter(|&l| spec.is_delta_net(l)).count();
+    est.kv_bytes_per_token = (per_layer * (spec.num_layers - delta_layers) * 4) as u64;
+    if let Some(d) = spec.delta_net {
+        let per_layer = d.value_heads * d.key_dim * d.value_dim + d.conv_kernel.saturating_sub(1) * d.conv_channels();
+        est.sequence_state_bytes = (per_layer * delta_layers * 4) as u64;
+    }
     if let crate::spec::AttentionSpec::Mla {
         heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, ..
     } = spec.attention
