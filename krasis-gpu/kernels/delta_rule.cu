@@ -9,8 +9,8 @@
 //   output_gate_rows_f32  y /= 1 + exp(-gate): attention's output gate (Qwen3-Next).
 //
 // The twins are krasis_cpu::delta_rule::recurrent_f64 and krasis_model's cpu/deltanet.rs; the
-// operations are the same f32 steps, the sums in another order (the rule's over dk as four
-// partial sums, the L2 and RMS norms' sums of squares reduced across a warp).
+// operations are the same f32 steps, the sums in another order (the rule's over dk split over
+// four threads, the L2 and RMS norms' sums of squares reduced across a warp).
 //
 // Sequences and their states. A call covers n_seqs sequences of rows_per_seq rows each (one
 // sequence of t rows: a prompt; n sequences of one row: a batched decode step); sequence b's rows
@@ -28,8 +28,9 @@
 #define CONV_ROWS 16
 // Largest convolution kernel (Qwen3-Next and Qwen3.5: 4).
 #define CONV_MAX_K 8
-// Columns of S per block of delta_rule (one warp; a thread holds one column).
+// Columns of S per block of delta_rule, and threads per column (a block: 128 threads).
 #define RULE_COLS 32
+#define RULE_SPLIT 4
 // Tokens whose q and k a delta_rule block stages in shared memory at a time.
 #define RULE_TT 8
 
@@ -119,29 +120,36 @@ extern "C" __global__ void delta_prep(float* __restrict__ qkv, float* __restrict
 
 // The gated delta rule per value head h, for every row of its sequence in order:
 //   S <- S * exp(g);  kv = S^T k;  d = beta * (v - kv);  S <- S + k d^T;  o = S^T q.
-// Grid (ceil(dv / 32), nv, n_seqs), 32 threads: thread j holds column j of S (dk floats, in
-// registers; DKM >= dk, the rows past dk held at zero, which leaves every sum unchanged) and
-// writes o[j]; q, k and v of RULE_TT tokens at a time are staged in shared memory. qkv is the
-// prepared [rows, ch] (delta_prep), beta and g [rows, nv], out [rows, nv * dv]. The sums over
-// the dk rows run as four interleaved partial sums (rows a mod 4), then added pairwise.
+// Grid (ceil(dv / 32), nv, n_seqs), 128 threads: a block holds 32 columns of S, four threads
+// (consecutive lanes) per column j, thread `part` holding the rows a = part + 4 i (DKM / 4 floats,
+// in registers; DKM >= dk, the rows past dk held at zero, which leaves every sum unchanged). A
+// sum over the dk rows is each thread's own (two interleaved partial sums), then added across
+// the four lanes with two xor shuffles, which gives all four the same bits. q, k and v of
+// RULE_TT tokens at a time are staged in shared memory. qkv is the prepared [rows, ch]
+// (delta_prep), beta and g [rows, nv], out [rows, nv * dv].
 template <int DKM>
 __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, const float* __restrict__ beta,
                                                 const float* __restrict__ g, float* __restrict__ out,
                                                 const u64* __restrict__ states, long long off, int ch, int nk,
                                                 int nv, int dk, int dv, int rows_per_seq) {
+    constexpr int RPT = DKM / RULE_SPLIT;
     __shared__ float qs[RULE_TT][DKM];
     __shared__ float ks[RULE_TT][DKM];
     __shared__ float vs[RULE_TT][RULE_COLS];
     __shared__ float eg[RULE_TT];
     __shared__ float bt[RULE_TT];
     const int b = blockIdx.z, h = blockIdx.y;
-    const int j = blockIdx.x * RULE_COLS + threadIdx.x;
+    const int col = threadIdx.x / RULE_SPLIT, part = threadIdx.x % RULE_SPLIT;
+    const int j = blockIdx.x * RULE_COLS + col;
     const bool live = j < dv;
     const int kh = h / (nv / nk);
     float* S = state_of(states, b, off) + (long long)h * dk * dv;
-    float s[DKM];
+    float s[RPT];
 #pragma unroll
-    for (int a = 0; a < DKM; ++a) s[a] = (live && a < dk) ? S[(long long)a * dv + j] : 0.0f;
+    for (int i = 0; i < RPT; ++i) {
+        const int a = part + RULE_SPLIT * i;
+        s[i] = (live && a < dk) ? S[(long long)a * dv + j] : 0.0f;
+    }
     const long long row0 = (long long)b * rows_per_seq;
     const float* qbase = qkv + (long long)kh * dk;
     const float* kbase = qkv + (long long)(nk + kh) * dk;
@@ -160,33 +168,42 @@ __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, c
             eg[tt] = expf(g[gi]);
             bt[tt] = beta[gi];
         }
-        for (int tt = 0; tt < nt; ++tt) vs[tt][threadIdx.x] = live ? vbase[(row0 + t0 + tt) * ch + j] : 0.0f;
+        if (part == 0) {
+            for (int tt = 0; tt < nt; ++tt) vs[tt][col] = live ? vbase[(row0 + t0 + tt) * ch + j] : 0.0f;
+        }
         __syncthreads();
         for (int tt = 0; tt < nt; ++tt) {
             const long long r = row0 + t0 + tt;
             const float decay = eg[tt];
-            // Four partial sums (rows a = i mod 4) shorten the dependent chains fourfold.
-            float kv4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float kv2[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int a = 0; a < DKM; ++a) {
-                s[a] *= decay;
-                kv4[a & 3] += s[a] * ks[tt][a];
+            for (int i = 0; i < RPT; ++i) {
+                s[i] *= decay;
+                kv2[i & 1] += s[i] * ks[tt][part + RULE_SPLIT * i];
             }
-            const float kv = (kv4[0] + kv4[1]) + (kv4[2] + kv4[3]);
-            const float d = (vs[tt][threadIdx.x] - kv) * bt[tt];
-            float o4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            float kv = kv2[0] + kv2[1];
+            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+            const float d = (vs[tt][col] - kv) * bt[tt];
+            float o2[2] = {0.0f, 0.0f};
 #pragma unroll
-            for (int a = 0; a < DKM; ++a) {
-                s[a] += ks[tt][a] * d;
-                o4[a & 3] += s[a] * qs[tt][a];
+            for (int i = 0; i < RPT; ++i) {
+                const int a = part + RULE_SPLIT * i;
+                s[i] += ks[tt][a] * d;
+                o2[i & 1] += s[i] * qs[tt][a];
             }
-            if (live) out[(r * nv + h) * dv + j] = (o4[0] + o4[1]) + (o4[2] + o4[3]);
+            float o = o2[0] + o2[1];
+            o += __shfl_xor_sync(0xffffffffu, o, 1);
+            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            if (live && part == 0) out[(r * nv + h) * dv + j] = o;
         }
     }
     if (live) {
 #pragma unroll
-        for (int a = 0; a < DKM; ++a)
-            if (a < dk) S[(long long)a * dv + j] = s[a];
+        for (int i = 0; i < RPT; ++i) {
+            const int a = part + RULE_SPLIT * i;
+            if (a < dk) S[(long long)a * dv + j] = s[i];
+        }
     }
 }
 

@@ -46,7 +46,9 @@ pub const L2_EPS: f32 = 1e-6;
 
 const CONV_THREADS: u32 = 128;
 const CONV_ROWS: usize = 16;
+/// Columns of S per block of the rule kernel, and its threads (4 per column).
 const RULE_COLS: usize = 32;
+const RULE_THREADS: u32 = 128;
 /// Grid y and z limit.
 const GRID_YZ_MAX: usize = 65_535;
 
@@ -328,11 +330,11 @@ impl GpuDevice {
             .arg(&r_i);
         let cfg = LaunchConfig {
             grid_dim: (d.dv.div_ceil(RULE_COLS) as u32, nv as u32, seqs.n_seqs as u32),
-            block_dim: (RULE_COLS as u32, 1, 1),
+            block_dim: (RULE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches the kernel's signature (32 threads, the kernel's RULE_COLS); extents
-        // checked; the states are the caller's promise.
+        // SAFETY: matches the kernel's signature (128 threads: the kernel's RULE_COLS x
+        // RULE_SPLIT); extents checked; the states are the caller's promise.
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }
