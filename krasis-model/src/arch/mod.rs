@@ -23,6 +23,8 @@ mod kimi_tests;
 mod minimax_m2_tests;
 #[cfg(test)]
 mod qwen2_moe_tests;
+#[cfg(test)]
+mod qwen3_next_tests;
 
 use std::path::Path;
 
@@ -346,6 +348,13 @@ fn parse_qwen35_moe(f: &Fields) -> Result<CheckpointConfig> {
         notes.push(format!(
             "{}: qwen3_5_moe is a vision-language model; Krasis runs its text model (`text_config`) only: \
              the vision tower (`vision_config`, tensors `model.visual.*`) is not loaded",
+            f.path.display()
+        ));
+    }
+    if let Some(n) = t.usize_opt("mtp_num_hidden_layers").map_err(nested_field)?.filter(|&n| n > 0) {
+        notes.push(format!(
+            "{}: the multi-token-prediction head ({n} layer(s), tensors `mtp.*`) is not loaded: Krasis decodes one \
+             token per step",
             f.path.display()
         ));
     }
