@@ -224,6 +224,35 @@ fn a_conversation_reaches_the_template() {
     assert_eq!(count(&off), s.tokens(&format!("{base}<think>\n\n</think>\n\n")));
 }
 
+#[test]
+fn parallel_calls_and_harmony() {
+    let s = Scripted::start(common::QWEN_STYLE);
+    let two = format!(
+        "{CALL_REPLY}\n<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"Rome\"}}}}\n</tool_call>"
+    );
+    let m = post(&s, &two, &ask(json!({}))).json();
+    let inputs: Vec<&Value> =
+        m["content"].as_array().unwrap().iter().filter(|b| b["type"] == "tool_use").map(|b| &b["input"]).collect();
+    assert_eq!(inputs, [&json!({"city": "Paris"}), &json!({"city": "Rome"})], "{m}");
+    assert_ne!(m["content"][2]["id"], m["content"][3]["id"]);
+    let streamed = assemble(&events(&post(&s, &two, &ask(json!({"stream": true}))).text()));
+    assert_eq!(streamed["content"].as_array().unwrap().len(), 4, "{streamed}");
+    assert_eq!(streamed["content"][3]["input"], json!({"city": "Rome"}));
+    let one = ask(json!({"tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}));
+    let m = post(&s, &two, &one).json();
+    assert_eq!(m["content"].as_array().unwrap().iter().filter(|b| b["type"] == "tool_use").count(), 1, "{m}");
+    drop(s);
+
+    // gpt-oss's harmony form: `<|call|>` is a stop string of the format, after the request's
+    // stop_sequences; the reply that it ends is a tool_use, not a stop_sequence.
+    let s = Scripted::start(common::HARMONY_STYLE);
+    let reply = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+    let m = post(&s, reply, &ask(json!({"stop_sequences": ["never"]}))).json();
+    assert_eq!((m["stop_reason"].as_str(), &m["stop_sequence"]), (Some("tool_use"), &Value::Null), "{m}");
+    assert_eq!(m["content"][0], json!({"type": "thinking", "thinking": "Need the weather.", "signature": ""}));
+    assert_eq!(m["content"][1]["input"], json!({"city": "Paris"}));
+}
+
 /// The error body of a response, checked to be Anthropic's shape; (status, type, message).
 fn error(r: &common::Response) -> (u16, String, String) {
     let v = r.json();
@@ -267,6 +296,11 @@ fn errors_and_keys() {
     }
     let r = request(addr, "POST", "/v1/messages", &key, Some(b"{not json"));
     assert_eq!(error(&r).0, 400);
+    // Unknown routes and methods under /v1/messages answer in Anthropic's shape too.
+    let r = request(addr, "GET", "/v1/messages", &key, None);
+    assert_eq!(error(&r).0, 405);
+    let (status, kind, _) = error(&request(addr, "POST", "/v1/messages/batches", &key, Some(b"{}")));
+    assert_eq!((status, kind.as_str()), (404, "not_found_error"));
     // A prompt longer than the context.
     let big =
         json!({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "word ".repeat(20_000)}]});

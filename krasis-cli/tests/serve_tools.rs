@@ -11,9 +11,6 @@ mod common;
 use common::{sse_events, Scripted};
 use serde_json::{json, Value};
 
-/// A harmony-style template (gpt-oss's markers): the generation prompt is `<|start|>assistant`.
-const HARMONY_STYLE: &str = r#"{%- for m in messages %}{{ '<|start|>' + m.role + '<|channel|>final<|message|>' + m.content + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"#;
-
 /// The weather tool as Python's `json.dumps` writes it (what the template's `tojson` gives).
 const WEATHER_TOOL: &str = r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#;
 
@@ -180,7 +177,7 @@ fn tools_results_and_the_thinking_switch_reach_the_template() {
 
 #[test]
 fn harmony_channels_and_calls() {
-    let s = Scripted::start(HARMONY_STYLE);
+    let s = Scripted::start(common::HARMONY_STYLE);
     let reply = "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
     let (m, finish) = message(&s.chat(reply, &body(json!({}))));
     assert_eq!(finish, "tool_calls");

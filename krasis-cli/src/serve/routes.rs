@@ -9,7 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -62,13 +62,24 @@ pub fn router(state: Shared, max_body_bytes: usize) -> Router {
         .merge(super::anthropic::router(state.clone()))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::not_found("no such route") })
-        .method_not_allowed_fallback(|| async {
-            ApiError::invalid("method not allowed on this route").with_status(StatusCode::METHOD_NOT_ALLOWED)
+        .fallback(|uri: Uri| async move { refuse(&uri, ApiError::not_found("no such route")) })
+        .method_not_allowed_fallback(|uri: Uri| async move {
+            let e = ApiError::invalid("method not allowed on this route").with_status(StatusCode::METHOD_NOT_ALLOWED);
+            refuse(&uri, e)
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state)
+}
+
+/// A refusal in the shape of the API the path belongs to: Anthropic's under `/v1/messages`,
+/// else OpenAI's.
+fn refuse(uri: &Uri, e: ApiError) -> Response {
+    if uri.path().starts_with("/v1/messages") {
+        super::anthropic::AnthropicError(e).into_response()
+    } else {
+        e.into_response()
+    }
 }
 
 pub(super) fn now() -> u64 {

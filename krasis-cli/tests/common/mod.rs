@@ -315,6 +315,9 @@ pub const QWEN_STYLE: &str = r#"{%- if tools %}{{ '<|im_start|>system\n# Tools\n
 {%- endfor %}
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"#;
 
+/// A harmony-style template (gpt-oss's markers): the generation prompt is `<|start|>assistant`.
+pub const HARMONY_STYLE: &str = r#"{%- for m in messages %}{{ '<|start|>' + m.role + '<|channel|>final<|message|>' + m.content + '<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"#;
+
 /// Replaces the chat template in `model`'s tokenizer_config.json.
 pub fn set_chat_template(model: &Path, template: &str) {
     let path = model.join("tokenizer_config.json");
