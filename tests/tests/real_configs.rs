@@ -3,9 +3,10 @@
 //! expects a checkpoint to store (`synth::stored_tensors`: names, shapes, dtypes) are exactly
 //! the published tensor inventories (Kimi-K2-Instruct, Kimi-K2.5's text model, DeepSeek-V3),
 //! apart from what each test names as left out. GLM-4.5's configuration (the part published
-//! here) parses and its inventory is the published one less the MTP layer. Every supported
-//! published configuration (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct,
-//! Kimi-K2.5, GLM-4.5) synthesizes with its widths cut down by the test, two MoE layers deep,
+//! here) parses and its inventory is the published one less the MTP layer; so do MiniMax-M2.7's
+//! (its inventory exactly the published one). Every supported published configuration
+//! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5, GLM-4.5, MiniMax-M2.7)
+//! synthesizes with its widths cut down by the test, two MoE layers deep,
 //! and generates on the CPU.
 //!
 //! Skips visibly when the folder is absent (CI may not have `../shared`), unless
@@ -133,7 +134,7 @@ fn kimi_k25_reads_its_text_model_and_leaves_the_vision_tower_out() {
 type Inventory = BTreeMap<String, (Vec<usize>, DType)>;
 
 fn dtype_of(s: &str) -> DType {
-    match s.trim() {
+    match s.trim().trim_matches('*') {
         "bf16" => DType::BF16,
         "f32" | "float32" => DType::F32,
         "int32" => DType::I32,
@@ -367,6 +368,48 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     assert_eq!(left, 11 + 485 + 6, "layer 92: attention and norms, its MoE block, the MTP parts");
 }
 
+#[test]
+fn minimax_m2_7_parses_and_its_inventory_is_the_published_one() {
+    let Some(dir) = real_configs() else { return };
+    let path = dir.join("MiniMax-M2.7/config.json");
+    let cfg = parse_checkpoint_config(&read(&path), &path).unwrap();
+    let s = &cfg.spec;
+    assert_eq!(s.arch, Arch::MiniMaxM2);
+    assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (200064, 3072, 62));
+    assert_eq!(
+        s.attention,
+        AttentionSpec::Gqa {
+            heads: 48,
+            kv_heads: 8,
+            head_dim: 128,
+            qk_norm: QkNorm::Whole,
+            bias: AttnBias::NONE,
+            output_gate: false
+        }
+    );
+    // `rotary_dim` 64: the first half of each 128-dim head (half-split pairs).
+    assert_eq!((s.rope.dim, s.rope.pairing, s.rope.theta), (64, RopePairing::Halves, 5e6));
+    assert_eq!(s.moe_layers().count(), 62);
+    let moe = s.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.shared_intermediate_size), (256, 1536, 0));
+    assert_eq!((moe.routing.scoring, moe.routing.top_k), (ScoringFunc::Sigmoid, 8));
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    assert!(moe.routing.norm_topk_prob && moe.routing.routed_scaling_factor == 1.0);
+    assert_eq!(s.source_quant, SourceQuant::Fp8Block { block_rows: 128, block_cols: 128 });
+
+    // 96,103 tensors: the FP8 projections with their block scales, the router in float32, which
+    // Krasis reads as it reads a BF16 one (its synthesized checkpoints write BF16 routers).
+    let mut published = published(&dir.join("MiniMax-M2.7/tensor_inventory_gogongxt.md"), &["model.", "lm_head."]);
+    assert_eq!(published.len(), 96_103, "the inventory's own count");
+    for (name, (_, dtype)) in published.iter_mut() {
+        if name.ends_with("block_sparse_moe.gate.weight") {
+            assert_eq!(*dtype, DType::F32, "{name}");
+            *dtype = DType::BF16;
+        }
+    }
+    assert_eq!(compare(&expected(&cfg), &published, |_| false), 0);
+}
+
 /// The published Kimi-K2-Instruct configuration with its dimensions cut down by this test
 /// (the structure, routing, rope and FP8 blocks kept): at full shape even two layers are
 /// ~22 GB (the embedding and LM head are 2.3 GB each, one MoE layer of 384 FP8 experts of
@@ -449,6 +492,8 @@ fn shrink(text: &mut Value) {
         ("moe_intermediate_size", 128),
         ("n_routed_experts", 16),
         ("num_experts", 16),
+        ("num_local_experts", 16),
+        ("rotary_dim", 32),
         ("num_attention_heads", 4),
         ("num_key_value_heads", if mla { 4 } else { 2 }),
         ("head_dim", 64),
@@ -480,6 +525,7 @@ fn every_supported_published_config_synthesizes_at_reduced_size_and_generates() 
         ("Kimi-K2-Instruct", serde_json::from_str(&read(&dir.join("Kimi-K2-Instruct/config.json"))).unwrap()),
         ("Kimi-K2.5", serde_json::from_str(&kimi_k25_config(&dir)).unwrap()),
         ("GLM-4.5", serde_json::from_str(&glm45_config(&dir)).unwrap()),
+        ("MiniMax-M2.7", serde_json::from_str(&read(&dir.join("MiniMax-M2.7/config.json"))).unwrap()),
     ];
     let tmp = tempfile::tempdir().unwrap();
     for (name, mut config) in configs {
