@@ -9,7 +9,7 @@ use krasis_model::arch::{parse_checkpoint_config, CheckpointConfig};
 use krasis_model::cpu::memory::{estimate, format_name, stored_bytes, WeightBits};
 use krasis_model::model::tensors::{missing_tensors, param_counts};
 use krasis_model::source::files::ModelFiles;
-use krasis_model::spec::{AttentionSpec, FfnKind, QkNorm, RopeScaling, SourceQuant};
+use krasis_model::spec::{AttentionSpec, FfnKind, MixerKind, QkNorm, RopeScaling, SourceQuant};
 use krasis_model::synth::stored_tensors;
 
 #[derive(ClapArgs)]
@@ -130,6 +130,30 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 String::new()
             }
         ),
+    }
+    if let Some(d) = spec.delta_net {
+        let pattern: String = spec
+            .mixers
+            .iter()
+            .map(|m| match m {
+                MixerKind::Attention => 'A',
+                MixerKind::GatedDeltaNet => 'D',
+            })
+            .collect();
+        let n = spec.mixers.iter().filter(|m| **m == MixerKind::GatedDeltaNet).count();
+        let state =
+            n * 4 * (d.value_heads * d.key_dim * d.value_dim + d.conv_kernel.saturating_sub(1) * d.conv_channels());
+        println!(
+            "deltanet     {n} of {} layers: {} key heads × {}, {} value heads × {}, conv {} taps; state {} per sequence, whatever its length",
+            spec.num_layers,
+            d.key_heads,
+            d.key_dim,
+            d.value_heads,
+            d.value_dim,
+            d.conv_kernel,
+            format_bytes(state as u64)
+        );
+        println!("layers       {pattern} (D gated DeltaNet, A attention)");
     }
     let rope = match &spec.rope.scaling {
         RopeScaling::None => "none".to_string(),
