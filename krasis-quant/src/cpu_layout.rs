@@ -31,6 +31,11 @@
 //! chunk arrangement (the code's 4 bits in place of `q + 8`), groups of 32 (MXFP4) or 16
 //! (NVFP4), and a different header: 16 f32 row factors (64 bytes), then per group the 16 rows'
 //! one-byte scales as stored (E8M0 or E4M3), padded to 64. See [`crate::fp4`].
+//!
+//! **Asymmetric INT4 g32.** A layout with [`PackedLayout::asym`] set holds codes 0..=15 (no
+//! offset) in the INT4 chunk arrangement, groups of 32, and a header of 64 bytes per group: the
+//! 16 rows' f16 scales, then their 16 f16 minimums (`w = scale · q + min`). See
+//! [`crate::int4_asym`].
 
 use half::f16;
 
@@ -59,12 +64,24 @@ pub struct PackedLayout {
     /// [`crate::fp4`]); `None` for the integer formats. A kernel that reads `bits` alone must
     /// refuse a layout with this set.
     pub fp4: Option<Fp4Kind>,
+    /// Asymmetric INT4 in groups of 32 (codes 0..=15, an f16 scale and an f16 minimum per group;
+    /// see [`crate::int4_asym`]). A kernel that reads `bits` alone must refuse a layout with
+    /// this set.
+    pub asym: bool,
 }
 
 impl PackedLayout {
     pub fn new(rows: usize, k: usize, gs: usize, bits: Bits) -> Result<PackedLayout, QuantError> {
         check_group_size(k, gs)?;
-        Ok(PackedLayout { rows, rows_padded: rows.div_ceil(ROW_BLOCK) * ROW_BLOCK, k, gs, bits, fp4: None })
+        Ok(PackedLayout {
+            rows,
+            rows_padded: rows.div_ceil(ROW_BLOCK) * ROW_BLOCK,
+            k,
+            gs,
+            bits,
+            fp4: None,
+            asym: false,
+        })
     }
 
     /// The layout of a `[rows, k]` matrix in the FP4 format `kind` (its group: 32 or 16). `k`
@@ -74,7 +91,23 @@ impl PackedLayout {
             return Err(QuantError::KNotMultipleOf32 { k });
         }
         let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
-        Ok(PackedLayout { rows, rows_padded, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind) })
+        Ok(PackedLayout { rows, rows_padded, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind), asym: false })
+    }
+
+    /// The layout of a `[rows, k]` matrix in asymmetric INT4 g32 ([`crate::int4_asym`]). `k`
+    /// must be a positive multiple of 32.
+    pub fn new_int4_asym(rows: usize, k: usize) -> Result<PackedLayout, QuantError> {
+        if k == 0 || !k.is_multiple_of(32) {
+            return Err(QuantError::KNotMultipleOf32 { k });
+        }
+        let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
+        Ok(PackedLayout { rows, rows_padded, k, gs: 32, bits: Bits::Int4, fp4: None, asym: true })
+    }
+
+    /// Whether this is the plain symmetric INT4/INT8 layout (neither FP4 nor asymmetric): the
+    /// only one the AMX kernel, the BF16 prefill tiles and the GPU read.
+    pub fn is_symmetric_int(&self) -> bool {
+        self.fp4.is_none() && !self.asym
     }
 
     /// The layout [`pack`] gives `m`.
@@ -104,11 +137,14 @@ impl PackedLayout {
         self.group_weight_bytes() + self.group_scale_bytes()
     }
 
-    /// Bytes of one group's scales in the header: 16 f16, or 16 one-byte FP4 scales.
+    /// Bytes of one group's scales in the header: 16 f16, or 16 one-byte FP4 scales, or 16 f16
+    /// scales and 16 f16 minimums (asymmetric INT4).
     #[inline]
     pub fn group_scale_bytes(&self) -> usize {
         if self.fp4.is_some() {
             ROW_BLOCK
+        } else if self.asym {
+            4 * ROW_BLOCK
         } else {
             GROUP_SCALE_BYTES
         }
@@ -128,8 +164,15 @@ impl PackedLayout {
         if self.fp4.is_some() {
             FP4_FACTOR_BYTES + g * ROW_BLOCK
         } else {
-            g * GROUP_SCALE_BYTES
+            g * self.group_scale_bytes()
         }
+    }
+
+    /// Offset of group `g`'s 16 f16 minimums inside a row block (asymmetric INT4 only).
+    #[inline]
+    pub fn mins_offset(&self, g: usize) -> usize {
+        debug_assert!(self.asym, "mins_offset of a layout without minimums");
+        self.scales_offset(g) + GROUP_SCALE_BYTES
     }
 
     /// Offset of group `g`'s weights inside a row block.
@@ -153,10 +196,14 @@ impl PackedLayout {
     }
 
     /// The value a stored weight is offset by (128 for INT8, 8 for INT4; FP4: 12, the offset of
-    /// the kernels' code table [`crate::fp4::E2M1_X2_BIASED`]).
+    /// the kernels' code table [`crate::fp4::E2M1_X2_BIASED`]; asymmetric INT4: 0, its codes
+    /// are unsigned as they are).
     pub fn offset(&self) -> i32 {
         if self.fp4.is_some() {
             return FP4_LUT_OFFSET;
+        }
+        if self.asym {
+            return 0;
         }
         match self.bits {
             Bits::Int8 => 128,

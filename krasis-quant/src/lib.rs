@@ -3,7 +3,7 @@
 //! INT4/INT8 quantisation along K (`group`), its CPU packed layout (`cpu_layout`) and its GPU tile
 //! layout (`gpu_layout`); llama.cpp's
 //! GGUF tensor types and their dequantisers (`ggml`); the 4-bit float formats MXFP4 and NVFP4 kept
-//! as stored, and their CPU layout (`fp4`).
+//! as stored, and their CPU layout (`fp4`); asymmetric INT4 in groups of 32 (`int4_asym`).
 
 pub mod cpu_layout;
 pub mod fp4;
@@ -11,5 +11,6 @@ pub mod fp8_block;
 pub mod ggml;
 pub mod gpu_layout;
 pub mod group;
+pub mod int4_asym;
 
 pub use group::{Bits, QuantError, QuantizedMatrix};
