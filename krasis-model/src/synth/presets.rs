@@ -33,10 +33,17 @@ pub enum Preset {
     /// top-8 plus a gated shared expert. The experts are written per expert (the canonical
     /// layout, which Krasis reads as it reads the published fused one); no vision tower or MTP.
     Qwen36_35b,
+    /// MiniMax-M2's shapes (the published config, with the synthetic tokenizer's BOS 0 and EOS 1;
+    /// 229 B parameters, ~458 GB of BF16): 62 layers of GQA (48 / 8 heads of 128) with qk-norm
+    /// over the whole q and k projections and RoPE on 64 of each head's 128 dims, 256 experts
+    /// top-8 by sigmoid with a correction bias, no shared expert. Written in BF16 (the published
+    /// checkpoint stores FP8 128×128 blocks; `--config` with its config.json writes that form);
+    /// its MTP modules are not written.
+    MiniMaxM2,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 8] = [
+    pub const ALL: [Preset; 9] = [
         Preset::Tiny,
         Preset::V2Lite,
         Preset::Qwen3_30bA3b,
@@ -45,6 +52,7 @@ impl Preset {
         Preset::Glm45Air,
         Preset::Qwen3Next80b,
         Preset::Qwen36_35b,
+        Preset::MiniMaxM2,
     ];
 
     pub fn name(self) -> &'static str {
@@ -57,6 +65,7 @@ impl Preset {
             Preset::Glm45Air => "glm-4.5-air",
             Preset::Qwen3Next80b => "qwen3-next-80b",
             Preset::Qwen36_35b => "qwen3.6-35b",
+            Preset::MiniMaxM2 => "minimax-m2",
         }
     }
 
@@ -71,6 +80,7 @@ impl Preset {
             Preset::Glm45Air => 46,
             Preset::Qwen3Next80b => 48,
             Preset::Qwen36_35b => 40,
+            Preset::MiniMaxM2 => 62,
         }
     }
 
@@ -430,6 +440,36 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> Value {
                 "dtype": "bfloat16",
                 "use_cache": true
             }
+        }),
+        Preset::MiniMaxM2 => json!({
+            "architectures": ["MiniMaxM2ForCausalLM"],
+            "model_type": "minimax_m2",
+            "vocab_size": 200064,
+            "hidden_size": 3072,
+            "intermediate_size": 1536,
+            "num_hidden_layers": n,
+            "attn_type_list": vec![1; n],
+            "num_attention_heads": 48,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rotary_dim": 64,
+            "rope_theta": 5000000,
+            "qk_norm_type": "per_layer",
+            "use_qk_norm": true,
+            "num_local_experts": 256,
+            "num_experts_per_tok": 8,
+            "scoring_func": "sigmoid",
+            "use_routing_bias": true,
+            "shared_intermediate_size": 0,
+            "use_mtp": false,
+            "max_position_embeddings": 196608,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
         }),
     }
 }

@@ -434,6 +434,34 @@ fn presets_have_the_real_shapes() {
 }
 
 #[test]
+fn the_minimax_m2_preset_has_the_published_shapes() {
+    use crate::spec::{Arch, AttentionSpec, FfnKind, QkNorm, ScoringFunc, TopkMethod};
+    let m = spec_of(&preset_config(Preset::MiniMaxM2, None));
+    assert_eq!(m.arch, Arch::MiniMaxM2);
+    assert_eq!((m.vocab_size, m.hidden_size, m.num_layers, m.rope.dim), (200064, 3072, 62, 64));
+    assert!(m.layers.iter().all(|l| *l == FfnKind::Moe));
+    assert!(matches!(
+        m.attention,
+        AttentionSpec::Gqa { heads: 48, kv_heads: 8, head_dim: 128, qk_norm: QkNorm::Whole, .. }
+    ));
+    let moe = m.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.shared_intermediate_size), (256, 1536, 0));
+    assert_eq!((moe.routing.scoring, moe.routing.top_k), (ScoringFunc::Sigmoid, 8));
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    // 62 × (1 + 256 × 3 + 4 + 2 + 2 + 1) + 3 tensors: embedding, final norm, LM head.
+    assert_eq!(expected_tensors(&m).len(), 62 * 778 + 3);
+    let c = param_counts(&m);
+    // MiniMax-M2: "230 B total, 10 B active" (published, rounded; the LM head counted here).
+    assert!((228.0e9..230.0e9).contains(&(c.total as f64)), "minimax-m2 total {}", c.total);
+    assert!((10.0e9..11.0e9).contains(&(c.active as f64)), "minimax-m2 active {}", c.active);
+    // Trimmed, the attention-type list follows the depth.
+    let cfg = preset_config(Preset::MiniMaxM2, Some(3));
+    assert_eq!(cfg["attn_type_list"], serde_json::json!([1, 1, 1]));
+    assert_eq!(spec_of(&cfg).num_layers, 3);
+    assert_eq!("minimax-m2".parse::<Preset>().unwrap(), Preset::MiniMaxM2);
+}
+
+#[test]
 fn tokenizer_covers_the_vocabulary() {
     let tmp = tempfile::tempdir().unwrap();
     for vocab in [512usize, 32000, 102400, 151936] {
