@@ -14,6 +14,23 @@ ffn_{gate,up,down}_exps split per expert, *_shexp to shared_experts, exp_probs_b
 e_score_correction_bias, attn_k_b (transposed) + attn_v_b re-interleaved into kv_b_proj.
 The dequantised weights are written as an f32 checkpoint beside the fixture's config.json and
 loaded with from_pretrained, the path the fixture's own oracle took.
+
+llama.cpp's qwen3next and qwen35moe (the gated-DeltaNet fixtures, written in the fixture's own
+layout): every transformation of llama.cpp's converter (conversion/qwen.py) is undone:
+- the zero-centred norms (layer norms, final norm, q/k norms) were stored as 1 + w: w = stored - 1,
+  kept in float64 (transformers' norm computes 1 + w in float32, which gives the stored value back);
+- `ssm_a` is -exp(A_log): A_log = log(-ssm_a), kept in float64 (the model runs in float64);
+- `ssm_conv1d` [C, K] is conv1d.weight [C, 1, K];
+- qwen3next: `attn_qkv` (q of all key heads, k, v) and `attn_gate` (z) are regrouped per key head into
+  in_proj_qkvz, `ssm_ba` is in_proj_ba as stored;
+- qwen35moe: the value heads were reordered from grouped by key head to tiled
+  ([k0 v0, k1 v0, ..., k0 v1, ...]) in the v rows of attn_qkv, attn_gate, ssm_beta / ssm_alpha
+  (in_proj_b / in_proj_a), ssm_a, ssm_dt, the v channels of ssm_conv1d and the columns of ssm_out:
+  put back; the routed experts are fused again (gate_up_proj [E, 2I, H], down_proj [E, H, I]) under
+  model.language_model.
+The gated delta rule runs in float64 as in the fixtures' own oracle (transformers' torch fallback
+casts to float32; its two functions are re-created with float64, as tools/fixtures/make_fixtures.py
+does).
 """
 import json, os, re, shutil, sys, tempfile
 
@@ -58,8 +75,130 @@ LAYER = {
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
 
-def hub_state_dict(path):
+def gguf_arch(r):
+    f = r.fields["general.architecture"]
+    return bytes(f.parts[f.data[0]]).decode()
+
+def grouped_heads(w, dim, nk, r, head):
+    """Value heads from llama.cpp's tiled order back to grouped by key head, along `dim`."""
+    shape = list(w.shape)
+    t = w.reshape(shape[:dim] + [r, nk, head] + shape[dim + 1:])
+    perm = list(range(t.dim()))
+    perm[dim], perm[dim + 1] = perm[dim + 1], perm[dim]
+    return t.permute(*perm).contiguous().reshape(shape)
+
+def deltanet_state_dict(r, arch, fixture):
+    """The fixture's own checkpoint layout from a qwen3next / qwen35moe GGUF (module docs)."""
+    cfg = json.load(open(os.path.join(fixture, "config.json")))
+    c = cfg.get("text_config", cfg)
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    rr = nv // nk
+    q35 = arch == "qwen35moe"
+    base = "model.language_model" if q35 else "model"
+    sd, exps = {}, {}
+    def f64(w):
+        return w.to(torch.float64)
+    for t in r.tensors:
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        w = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape).copy())
+        if t.name == "token_embd.weight":
+            sd[f"{base}.embed_tokens.weight"] = w
+            continue
+        if t.name == "output_norm.weight":
+            sd[f"{base}.norm.weight"] = f64(w) - 1
+            continue
+        if t.name == "output.weight":
+            sd["lm_head.weight"] = w
+            continue
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if not m:
+            raise SystemExit(f"unmapped GGUF tensor {t.name}")
+        l, rest = int(m.group(1)), m.group(2)
+        p, la = f"{base}.layers.{l}", f"{base}.layers.{l}.linear_attn"
+        tiled = q35 and nk != nv
+        def v_rows(x, head):
+            return grouped_heads(x, 0, nk, rr, head) if tiled else x
+        simple = {
+            "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+            "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+            "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+            "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+            "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
+        }
+        centred = {
+            "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+        }
+        if rest in centred:
+            sd[f"{p}.{centred[rest]}"] = f64(w) - 1
+        elif rest == "ssm_out.weight" and tiled:
+            sd[f"{la}.out_proj.weight"] = grouped_heads(w, 1, nk, rr, dv)
+        elif rest in simple:
+            sd[f"{p}.{simple[rest]}"] = w
+        elif rest == "ssm_a":
+            sd[f"{la}.A_log"] = v_rows(torch.log(-f64(w)), 1)
+        elif rest == "ssm_dt.bias":
+            sd[f"{la}.dt_bias"] = v_rows(w, 1)
+        elif rest == "ssm_conv1d.weight":  # [C, K]
+            if tiled:
+                w = torch.cat([w[: 2 * nk * dk], grouped_heads(w[2 * nk * dk :], 0, nk, rr, dv)])
+            sd[f"{la}.conv1d.weight"] = w[:, None, :].contiguous()
+        elif rest == "attn_qkv.weight":
+            q, k, v = w[: nk * dk], w[nk * dk : 2 * nk * dk], w[2 * nk * dk :]
+            if q35:
+                sd[f"{la}.in_proj_qkv.weight"] = torch.cat([q, k, v_rows(v, dv)])
+            else:
+                exps[("qkv", l)] = (q, k, v)
+        elif rest == "attn_gate.weight":
+            if q35:
+                sd[f"{la}.in_proj_z.weight"] = v_rows(w, dv)
+            else:
+                exps[("z", l)] = w
+        elif rest == "ssm_ba.weight":
+            sd[f"{la}.in_proj_ba.weight"] = w
+        elif rest in ("ssm_beta.weight", "ssm_alpha.weight"):
+            sd[f"{la}.in_proj_{rest[4]}.weight"] = v_rows(w, 1)
+        elif (e := re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", rest)):
+            if q35:
+                exps[(e.group(1), l)] = w
+            else:
+                for x in range(w.shape[0]):
+                    sd[f"{p}.mlp.experts.{x}.{e.group(1)}_proj.weight"] = w[x].clone()
+        else:
+            raise SystemExit(f"unmapped GGUF tensor {t.name}")
+    for (kind, l), w in exps.items():
+        p, la = f"{base}.layers.{l}", f"{base}.layers.{l}.linear_attn"
+        if kind == "qkv":  # per key head: q, k, then the v and z rows of its value heads
+            q, k, v = w
+            z = exps[("z", l)]
+            h = q.shape[1]
+            parts = [q.reshape(nk, dk, h), k.reshape(nk, dk, h), v.reshape(nk, rr * dv, h), z.reshape(nk, rr * dv, h)]
+            sd[f"{la}.in_proj_qkvz.weight"] = torch.cat(parts, dim=1).reshape(-1, h).contiguous()
+        elif kind == "gate":
+            sd[f"{p}.mlp.experts.gate_up_proj"] = torch.cat([w, exps[("up", l)]], dim=1).contiguous()
+        elif kind == "down":
+            sd[f"{p}.mlp.experts.down_proj"] = w
+    return sd
+
+def float64_delta_rule():
+    """transformers' torch gated delta rule of Qwen3-Next / Qwen3.5 with float64 for float32."""
+    import inspect
+    import importlib
+    for mod_name in ("qwen3_next.modeling_qwen3_next", "qwen3_5_moe.modeling_qwen3_5_moe"):
+        mod = importlib.import_module(f"transformers.models.{mod_name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            src = inspect.getsource(getattr(mod, fn)).replace("torch.float32", "torch.float64")
+            exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+
+def hub_state_dict(path, fixture):
     r = GGUFReader(path)
+    arch = gguf_arch(r)
+    if arch in ("qwen3next", "qwen35moe"):
+        float64_delta_rule()
+        return deltanet_state_dict(r, arch, fixture)
     sd, kb, vb = {}, {}, {}
     for t in r.tensors:
         shape = [int(d) for d in reversed(t.shape.tolist())]  # ggml dims are innermost first
@@ -94,7 +233,7 @@ def main():
     ref = load_file(os.path.join(fixture, "reference.safetensors"))
     prompt = ref["prompt_ids"].to(torch.long)
     n_new = ref["greedy_ids"].numel()
-    sd = hub_state_dict(gguf_path)
+    sd = hub_state_dict(gguf_path, fixture)
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(os.path.join(fixture, "config.json"), tmp)
         save_file(sd, os.path.join(tmp, "model.safetensors"))

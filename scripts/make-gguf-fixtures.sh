@@ -10,7 +10,9 @@
 #   (builds llama-quantize with cmake, CPU only: slow on 2 cores; q4_0_mixed is Q4_0 with layer 1's
 #   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
-#   (scripts/gguf-dequant-reference.py). qwen3moe-tiny has a dense layer, which
+#   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
+#   mixtral-tiny's BF16 twin, qwen3next-tiny's and qwen35moe-tiny's BF16 and Q8_0 twins and their
+#   reference-q8_0.safetensors. qwen3moe-tiny has a dense layer, which
 #   llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
 set -euo pipefail
@@ -50,16 +52,28 @@ for f in "${FIXTURES[@]}"; do
     done
 done
 
-# fixtures-next families with a GGUF arch in Krasis: their BF16 twins (tests/families_oracle.rs).
+# fixtures-next families with a GGUF arch in Krasis: their BF16 twins (tests/families_oracle.rs);
+# the gated-DeltaNet fixtures also get a Q8_0 twin (tests/deltanet_gguf.rs). Those two convert with
+# `--no-mtp` (they have no MTP layers) through scripts/gguf-convert.py, which also reads the
+# tokenizer class the fixture declares (transformers would pick Qwen3.5's for qwen35moe-tiny,
+# whose extra <|endoftext|> stops the converter; the weights and config.json are untouched).
 FIXN=${KRASIS_FIXTURES_NEXT:-$(dirname "$FIX")/fixtures-next}
-for f in mixtral-tiny; do
+NEXT=(mixtral-tiny qwen3next-tiny qwen35moe-tiny)
+for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
-    mkdir -p "$OUT/$f"; dst=$OUT/$f/model-bf16.gguf
-    if [ ! -s "$dst" ] || [ "$dst" -ot "$FIXN/$f/model.safetensors" ]; then
-        "$PY" "$PEER/convert.py" "$LCPP" "$FIXN/$f" "$dst.tmp" bf16 >"$OUT/$f/convert-bf16.log" 2>&1 \
-            || { tail -20 "$OUT/$f/convert-bf16.log" >&2; exit 1; }
-        mv "$dst.tmp" "$dst"
-    fi
+    case $f in
+        qwen3next-tiny | qwen35moe-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--no-mtp) ;;
+        *) types=(bf16); conv=$PEER/convert.py; extra=() ;;
+    esac
+    mkdir -p "$OUT/$f"
+    for t in "${types[@]}"; do
+        dst=$OUT/$f/model-$t.gguf
+        if [ ! -s "$dst" ] || [ "$dst" -ot "$FIXN/$f/model.safetensors" ]; then
+            "$PY" "$conv" "$LCPP" "$FIXN/$f" "$dst.tmp" "$t" "${extra[@]}" >"$OUT/$f/convert-$t.log" 2>&1 \
+                || { tail -20 "$OUT/$f/convert-$t.log" >&2; exit 1; }
+            mv "$dst.tmp" "$dst"
+        fi
+    done
 done
 
 if [ "${KRASIS_GGUF_Q4KM:-0}" = 1 ]; then
@@ -101,4 +115,11 @@ for f in "${FIXTURES[@]}"; do
             >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
     done
 done
-echo "make-gguf-fixtures: ${FIXTURES[*]} -> $OUT ($((SECONDS - t0)) s)"
+for f in qwen3next-tiny qwen35moe-tiny; do
+    src=$OUT/$f/model-q8_0.gguf; dst=$OUT/$f/reference-q8_0.safetensors
+    [ -s "$src" ] || continue
+    [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue
+    GGUF_PY=$LCPP/gguf-py "$PY" "$ROOT/scripts/gguf-dequant-reference.py" "$FIXN/$f" "$src" "$dst" \
+        >"$OUT/$f/reference-q8_0.log" 2>&1 || { tail -20 "$OUT/$f/reference-q8_0.log" >&2; exit 1; }
+done
+echo "make-gguf-fixtures: ${FIXTURES[*]} ${NEXT[*]} -> $OUT ($((SECONDS - t0)) s)"

@@ -1,5 +1,6 @@
-//! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`, and `llama` with
-//! experts: Mixtral) → [`ModelSpec`],
+//! llama.cpp's architectures (`general.architecture` = `deepseek2`, `qwen3moe`, `llama` with
+//! experts: Mixtral, and the gated-DeltaNet hybrids `qwen3next` and `qwen35moe`: [`qwen3next`])
+//! → [`ModelSpec`],
 //! and llama.cpp's tensor names → the canonical (HF) names of [`crate::model::tensors`].
 //!
 //! The metadata is turned into the `config.json` object transformers would read and handed to
@@ -18,6 +19,12 @@
 //!   rows are read as stored with interleaved pairing (`rope_interleave`), which is the same
 //!   attention as transformers' half-split pairs on the unpermuted rows. A `llama` without
 //!   experts is a dense model and is refused.
+//! - Qwen2-MoE (`qwen2moe`): llama.cpp never renormalises its top-k weights and stores the shared
+//!   expert's gate as `ffn_gate_inp_shexp` (`[1, hidden]`, as the hub's `shared_expert_gate`).
+//! - Qwen3-Next / Qwen3.5 (`qwen3next`, `qwen35moe`): their norms are stored with the 1 of the
+//!   zero-centred `1 + w` added, so the spec has `norm_plus_one` false (the one field in which it
+//!   differs from the hub twin's); the DeltaNet tensors the converter reordered or mapped are
+//!   [`Rearranged`] back (the [`qwen3next`] module docs list each).
 
 use std::collections::HashMap;
 
@@ -31,6 +38,8 @@ use crate::error::{ModelError, Result};
 use crate::model::tensors::{model_tensors, AttentionTensors, FfnTensors, MlpTensors, QueryTensors, TensorSpec};
 use crate::spec::ModelSpec;
 
+pub mod qwen3next;
+
 /// Where a canonical tensor's values are in the GGUF.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GgufTensorRef {
@@ -40,6 +49,33 @@ pub enum GgufTensorRef {
     Expert { stacked: String, expert: usize },
     /// MLA's `kv_b_proj` rebuilt from llama.cpp's `attn_k_b` and `attn_v_b`.
     KvB { k_b: String, v_b: String },
+    /// Values of one GGUF tensor that llama.cpp's converter moved or mapped, put back.
+    Rearranged(Rearranged),
+}
+
+/// A canonical tensor made from one GGUF tensor: the stored tensor (of shape `stored`,
+/// row-major) read as rows of its last dimension; row `i` of the canonical tensor (of shape
+/// `shape`) is stored row `rows[i]` (every row in order when `None`), and its value `j` is that
+/// row's value `cols[j]` (every value in order when `None`), passed through `values`. Without
+/// rows, columns or a value map it is the stored tensor reshaped, served from the mapping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rearranged {
+    pub from: String,
+    pub stored: Vec<usize>,
+    pub shape: Vec<usize>,
+    pub rows: Option<Vec<usize>>,
+    pub cols: Option<Vec<usize>>,
+    pub values: StoredValues,
+}
+
+/// What a [`Rearranged`] tensor's stored values are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredValues {
+    /// The canonical values.
+    AsStored,
+    /// `−exp(x)` of the canonical values x (llama.cpp's `ssm_a` = −exp(`A_log`)), served as f32
+    /// by [`qwen3next::a_log_of`].
+    NegExp,
 }
 
 impl GgufTensorRef {
@@ -48,6 +84,7 @@ impl GgufTensorRef {
         match self {
             GgufTensorRef::Whole(n) | GgufTensorRef::Expert { stacked: n, .. } => n,
             GgufTensorRef::KvB { v_b, .. } => v_b,
+            GgufTensorRef::Rearranged(r) => &r.from,
         }
     }
 }
@@ -56,7 +93,7 @@ impl GgufTensorRef {
 pub type TensorMap = HashMap<String, GgufTensorRef>;
 
 /// Architectures this reader maps.
-pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)"];
+pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "qwen3next", "qwen35moe"];
 
 struct Meta<'a> {
     m: &'a GgufModel,
@@ -305,6 +342,30 @@ fn mixtral_config(meta: &Meta) -> Result<Map<String, Json>> {
     Ok(o)
 }
 
+/// Qwen2-MoE (`qwen2moe`): every layer MoE (llama.cpp's qwen2moe has no dense layers), q/k/v
+/// biases when the file stores them, a shared expert of `expert_shared_feed_forward_length`
+/// (else `feed_forward_length`, as llama.cpp) with its sigmoid gate `ffn_gate_inp_shexp`.
+/// llama.cpp's qwen2moe graph never renormalises the top-k weights, so `norm_topk_prob` is false
+/// unless `expert_weights_norm` says otherwise.
+fn qwen2moe_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "qwen2_moe");
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(&mut o, "head_dim", d);
+    }
+    let ff = meta.a("feed_forward_length")?;
+    put(&mut o, "intermediate_size", ff);
+    put(&mut o, "shared_expert_intermediate_size", meta.a_opt("expert_shared_feed_forward_length")?.unwrap_or(ff));
+    put(&mut o, "num_experts", meta.a("expert_count")?);
+    put(&mut o, "norm_topk_prob", meta.b_opt("expert_weights_norm")?.unwrap_or(false));
+    put(&mut o, "qkv_bias", meta.m.has_tensor("blk.0.attn_q.bias"));
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
 /// The spec of a GGUF model and where each canonical tensor lives in it.
 pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let arch = m
@@ -315,6 +376,9 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
         "deepseek2" => deepseek2_config(&meta)?,
         "qwen3moe" => qwen3moe_config(&meta)?,
         "llama" => mixtral_config(&meta)?,
+        "qwen2moe" => qwen2moe_config(&meta)?,
+        "qwen3next" => qwen3next::config(&meta, false)?,
+        "qwen35moe" => qwen3next::config(&meta, true)?,
         other => {
             return Err(ModelError::UnsupportedArch {
                 path: m.path().to_path_buf(),
@@ -324,7 +388,11 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
         }
     };
     let mut spec = parse_config(&Json::Object(config).to_string(), m.path())?;
-    let map = tensor_map(&spec, m)?;
+    if qwen3next::ARCHS.contains(&arch) {
+        // llama.cpp's converter stored the gains `1 + w` of the zero-centred norms.
+        spec.norm_plus_one = false;
+    }
+    let map = tensor_map(&spec, m, arch)?;
     let types = expert_source_types(m, &spec);
     // Every MoE layer's experts are stacked tensors (the mapping above checked they exist).
     if types.len() == spec.moe_layers().count() {
@@ -337,6 +405,8 @@ struct Mapper<'a> {
     m: &'a GgufModel,
     map: TensorMap,
     missing: Vec<String>,
+    /// Stored tensors whose shape is not the one the spec implies: `name [found], expected [..]`.
+    wrong: Vec<String>,
 }
 
 impl Mapper<'_> {
@@ -351,6 +421,18 @@ impl Mapper<'_> {
         self.map.insert(t.name.clone(), GgufTensorRef::Whole(g));
     }
 
+    /// `t` from a rearranged GGUF tensor, whose stored shape is checked here.
+    fn rearranged(&mut self, t: &TensorSpec, r: Rearranged) {
+        match self.m.tensor_info(&r.from) {
+            None => self.missing.push(r.from.clone()),
+            Some((_, info)) if info.shape() != r.stored => {
+                self.wrong.push(format!("`{}` {:?}, expected {:?}", r.from, info.shape(), r.stored))
+            }
+            Some(_) => {}
+        }
+        self.map.insert(t.name.clone(), GgufTensorRef::Rearranged(r));
+    }
+
     fn mlp(&mut self, t: &MlpTensors, l: usize, suffix: &str) {
         self.whole(&t.gate, format!("blk.{l}.ffn_gate{suffix}.weight"));
         self.whole(&t.up, format!("blk.{l}.ffn_up{suffix}.weight"));
@@ -360,9 +442,10 @@ impl Mapper<'_> {
 
 /// Canonical → GGUF names for every tensor of the spec's inventory; names the first few GGUF
 /// tensors that are missing.
-fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
+fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> {
     let inv = model_tensors(spec);
-    let mut x = Mapper { m, map: TensorMap::new(), missing: Vec::new() };
+    let mut x = Mapper { m, map: TensorMap::new(), missing: Vec::new(), wrong: Vec::new() };
+    let qwen3next = qwen3next::ARCHS.contains(&arch);
     x.whole(&inv.embed, "token_embd.weight".into());
     x.whole(&inv.final_norm, "output_norm.weight".into());
     if !inv.tied_lm_head {
@@ -371,7 +454,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
     for (l, layer) in inv.layers.iter().enumerate() {
         let b = |s: &str| format!("blk.{l}.{s}");
         x.whole(&layer.input_norm, b("attn_norm.weight"));
-        x.whole(&layer.post_norm, b("ffn_norm.weight"));
+        x.whole(&layer.post_norm, b(if qwen3next { "post_attention_norm.weight" } else { "ffn_norm.weight" }));
         match &layer.attention {
             AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
                 match q {
@@ -394,8 +477,10 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
                 }
                 x.whole(o, b("attn_output.weight"));
             }
-            // No GGUF architecture Krasis reads has DeltaNet layers yet (its spec never asks).
-            AttentionTensors::GatedDeltaNet { qkv, .. } => x.missing.push(format!("{} (gated DeltaNet)", qkv.name)),
+            AttentionTensors::GatedDeltaNet { qkv, z, b: beta, a, conv, a_log, dt_bias, norm, out } => {
+                let t = qwen3next::DeltaNetTensors { qkv, z, b: beta, a, conv, a_log, dt_bias, norm, out };
+                qwen3next::map_delta_net(&mut x, spec, l, t, arch == "qwen35moe");
+            }
             AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
                 x.whole(q, b("attn_q.weight"));
                 x.whole(k, b("attn_k.weight"));
@@ -443,7 +528,13 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel) -> Result<TensorMap> {
             }
         }
     }
-    let Mapper { map, missing, .. } = x;
+    let Mapper { map, missing, wrong, .. } = x;
+    if let Some(w) = wrong.first() {
+        return Err(gguf_err(
+            m.path(),
+            format!("{} tensor(s) have another shape than the metadata implies: tensor {w}", wrong.len()),
+        ));
+    }
     if !missing.is_empty() {
         let shown: Vec<&str> = missing.iter().take(5).map(String::as_str).collect();
         return Err(gguf_err(

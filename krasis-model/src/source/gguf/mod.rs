@@ -15,7 +15,7 @@ use krasis_core::DType;
 use krasis_quant::ggml::{self, GgmlType};
 use memmap2::Mmap;
 
-pub use self::arch::{expert_source_types, spec_from_gguf, GgufTensorRef, TensorMap};
+pub use self::arch::{expert_source_types, spec_from_gguf, GgufTensorRef, Rearranged, StoredValues, TensorMap};
 pub use self::header::{Header, TensorInfo, Value, ValueType};
 
 use super::{fnv1a, SharedBytes, StoredTensor, WeightSource};
@@ -267,6 +267,69 @@ impl GgufSource {
     }
 }
 
+impl GgufSource {
+    /// A [`Rearranged`] tensor: the stored values gathered (and mapped) into the canonical order,
+    /// in the stored float type (block types dequantised to f32; `ssm_a` served as f32 `A_log`).
+    fn rearranged(&self, r: &Rearranged) -> Result<StoredTensor> {
+        let (f, t) = self.whole(&r.from)?;
+        let name = header::shown(&t.name);
+        if t.shape() != r.stored {
+            return Err(gguf_err(
+                &f.path,
+                format!("tensor `{name}` has shape {:?}, expected {:?}", t.shape(), r.stored),
+            ));
+        }
+        let stored = self.slice(f, t, 0, t.shape())?;
+        if r.rows.is_none() && r.cols.is_none() && r.values == StoredValues::AsStored {
+            if stored.shape.iter().product::<usize>() != r.shape.iter().product::<usize>() {
+                return Err(gguf_err(
+                    &f.path,
+                    format!("tensor `{name}` {:?} cannot be read as {:?}", t.shape(), r.shape),
+                ));
+            }
+            return Ok(StoredTensor { shape: r.shape.clone(), ..stored });
+        }
+        let (dtype, bytes) = match r.values {
+            StoredValues::AsStored => (stored.dtype, stored.bytes),
+            StoredValues::NegExp => {
+                let v = stored.view().to_f32_vec().expect("served tensors are floats");
+                let a_log =
+                    v.iter().map(|&a| arch::qwen3next::a_log_of(a)).collect::<Option<Vec<f32>>>().ok_or_else(|| {
+                        gguf_err(
+                            &f.path,
+                            format!("tensor `{name}`: a value is not negative and finite (it is −exp(A_log))"),
+                        )
+                    })?;
+                (DType::F32, SharedBytes::from_f32(a_log))
+            }
+        };
+        let es = dtype.size_bytes();
+        let width = r.stored.last().copied().unwrap_or(1).max(1);
+        let src = bytes.as_slice();
+        let n_rows = src.len() / (width * es);
+        let rows: Vec<usize> = r.rows.clone().unwrap_or_else(|| (0..n_rows).collect());
+        let out_width = r.cols.as_ref().map_or(width, Vec::len);
+        if rows.iter().any(|&i| i >= n_rows)
+            || r.cols.as_ref().is_some_and(|c| c.iter().any(|&j| j >= width))
+            || rows.len() * out_width != r.shape.iter().product::<usize>()
+        {
+            return Err(gguf_err(
+                &f.path,
+                format!("tensor `{name}` {:?} cannot be rearranged into {:?}", t.shape(), r.shape),
+            ));
+        }
+        let mut out = Vec::with_capacity(rows.len() * out_width * es);
+        for &i in &rows {
+            let row = &src[i * width * es..(i + 1) * width * es];
+            match &r.cols {
+                None => out.extend_from_slice(row),
+                Some(cols) => cols.iter().for_each(|&j| out.extend_from_slice(&row[j * es..(j + 1) * es])),
+            }
+        }
+        Ok(StoredTensor { dtype, shape: r.shape.clone(), bytes: SharedBytes::from_bytes(&out), file: f.path.clone() })
+    }
+}
+
 impl WeightSource for GgufSource {
     fn location(&self) -> &Path {
         self.model.path()
@@ -294,13 +357,16 @@ impl WeightSource for GgufSource {
                 self.slice(f, t, expert * s[1] * s[2], vec![s[1], s[2]])
             }
             GgufTensorRef::KvB { k_b, v_b } => self.kv_b(k_b, v_b),
+            GgufTensorRef::Rearranged(r) => self.rearranged(r),
         }
     }
 
     fn stored_dtype(&self, name: &str) -> Option<DType> {
-        // Block types are served dequantised; kv_b (rebuilt from two tensors) is served as f32.
+        // Block types are served dequantised; kv_b (rebuilt from two tensors) and `A_log` (from
+        // `ssm_a`) are served as f32.
         Some(match self.map.get(name)? {
             GgufTensorRef::KvB { .. } => DType::F32,
+            GgufTensorRef::Rearranged(r) if r.values == StoredValues::NegExp => DType::F32,
             _ => match self.stored_type(name)? {
                 GgmlType::F16 => DType::F16,
                 GgmlType::BF16 => DType::BF16,

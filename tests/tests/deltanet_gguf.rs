@@ -1,0 +1,130 @@
+//! GGUF input of the gated-DeltaNet hybrids: llama.cpp's converter output of fixtures-next's
+//! `qwen3next-tiny` (GGUF arch `qwen3next`) and `qwen35moe-tiny` (`qwen35moe`), made by
+//! scripts/make-gguf-fixtures.sh (through scripts/gguf-convert.py, `--no-mtp`), on the CPU
+//! reference path.
+//!
+//! - BF16: the spec from the GGUF metadata is the one config.json gives, except `norm_plus_one`
+//!   (the GGUF stores the gains `1 + w`) and the eps (through f32); every canonical tensor the
+//!   GGUF serves equals the safetensors checkpoint's (the norms as `1 + w` in f32, `A_log` to
+//!   f32 rounding of its exponential); the model matches the fixture's float64 oracle to 1e-4
+//!   (hidden states, prefill and greedy logits; greedy ids identical). transformers run on the
+//!   BF16 file's dequantised weights (scripts/gguf-dequant-reference.py) gives that oracle bit
+//!   for bit, so this is also the file's own oracle.
+//! - Q8_0: against transformers in float64 on the Q8_0 file's dequantised weights
+//!   (`reference-q8_0.safetensors`, scripts/gguf-dequant-reference.py), the same bars.
+//!
+//! Without the GGUF fixtures the tests skip visibly; `KRASIS_REQUIRE_FIXTURES=1` makes that a
+//! failure.
+
+use std::path::PathBuf;
+
+use krasis_model::cpu::Model;
+use krasis_model::model::tensors::{expected_tensors, TensorRole};
+use krasis_model::source::files::ModelFiles;
+use krasis_tests::{
+    check_against_reference, fixture_next, gguf_fixtures_dir, load_reference, load_reference_file, report_skip,
+};
+
+/// The fixture's directory and its GGUF twin `model-<kind>.gguf` (with `reference-<kind>` when
+/// `own_reference`), or `None` after a visible skip.
+fn twin(name: &str, kind: &str, own_reference: bool) -> Option<(PathBuf, PathBuf)> {
+    let dir = fixture_next(name)?;
+    let root = gguf_fixtures_dir()?;
+    let gguf = root.join(name).join(format!("model-{kind}.gguf"));
+    let reference = gguf.with_file_name(format!("reference-{kind}.safetensors"));
+    let mut missing = vec![];
+    if !gguf.exists() {
+        missing.push(gguf.display().to_string());
+    }
+    if own_reference && !reference.exists() {
+        missing.push(reference.display().to_string());
+    }
+    if !missing.is_empty() {
+        let msg = format!("{} missing (scripts/make-gguf-fixtures.sh makes it)", missing.join(" and "));
+        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+        }
+        report_skip(&msg);
+        return None;
+    }
+    Some((dir, gguf))
+}
+
+/// The BF16 twin: its spec, its tensors against the checkpoint's, and the oracle.
+fn bf16_twin(name: &str) {
+    let Some((dir, gguf)) = twin(name, "bf16", false) else { return };
+    let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let hub = ModelFiles::open(&dir).unwrap();
+    let (mut a, b) = (files.spec().clone(), hub.spec().clone());
+    assert!(b.norm_plus_one && !a.norm_plus_one, "{name}: the GGUF stores the norms' gains 1 + w");
+    assert_eq!(a.expert_source_bits, vec![[16; 3]; a.moe_layers().count()], "{name}: expert source types");
+    assert!((a.rms_norm_eps - b.rms_norm_eps).abs() <= 1e-6 * b.rms_norm_eps, "{name}: eps");
+    a.norm_plus_one = b.norm_plus_one;
+    a.expert_source_bits = b.expert_source_bits.clone();
+    a.rms_norm_eps = b.rms_norm_eps;
+    assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
+
+    // Every canonical tensor, served by the GGUF, against the checkpoint's.
+    let mut a_logs = 0;
+    for t in expected_tensors(files.spec()) {
+        let g = files.source().tensor(&t.name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let h = hub.source().tensor(&t.name).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(g.shape, h.shape, "{name}: `{}` shape", t.name);
+        let (g, h) = (g.view().to_f32_vec().unwrap(), h.view().to_f32_vec().unwrap());
+        if t.name.ends_with(".A_log") {
+            // −exp(A_log) went through f32 and back: the decay e^A_log within 3 f32 ulps.
+            for (x, y) in g.iter().zip(&h) {
+                let (ex, ey) = (x.exp() as f64, y.exp() as f64);
+                assert!((ex - ey).abs() <= 3.0 * f32::EPSILON as f64 * ey, "{name}: `{}` {x} vs {y}", t.name);
+            }
+            a_logs += 1;
+            continue;
+        }
+        // The zero-centred norms (role in the hub spec) are stored as 1 + w, computed in f32.
+        let centred = hub_role(&b, &t.name) == Some(TensorRole::CentredNorm);
+        let want: Vec<f32> = if centred { h.iter().map(|w| w + 1.0).collect() } else { h };
+        assert!(g == want, "{name}: `{}` differs from the checkpoint's", t.name);
+    }
+    assert_eq!(a_logs, b.mixers.iter().filter(|m| **m == krasis_model::spec::MixerKind::GatedDeltaNet).count());
+
+    let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name}: load failed: {e}"));
+    for line in check_against_reference(name, &model, &load_reference(&dir)) {
+        eprintln!("gguf bf16 {line}");
+    }
+}
+
+/// The role of a tensor in the inventory of `spec`.
+fn hub_role(spec: &krasis_model::spec::ModelSpec, name: &str) -> Option<TensorRole> {
+    expected_tensors(spec).into_iter().find(|t| t.name == name).map(|t| t.role)
+}
+
+/// The Q8_0 twin, dequantised exactly, against transformers on its dequantised weights.
+fn q8_0_twin(name: &str) {
+    let Some((_, gguf)) = twin(name, "q8_0", true) else { return };
+    let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name} q8_0: load failed: {e}"));
+    let own = gguf.with_file_name("reference-q8_0.safetensors");
+    for line in check_against_reference(name, &model, &load_reference_file(&own)) {
+        eprintln!("gguf q8_0 (dequantised) vs float64 on its weights: {line}");
+    }
+}
+
+#[test]
+fn qwen3next_bf16_twin_matches_the_checkpoint_and_the_oracle() {
+    bf16_twin("qwen3next-tiny");
+}
+
+#[test]
+fn qwen35moe_bf16_twin_matches_the_checkpoint_and_the_oracle() {
+    bf16_twin("qwen35moe-tiny");
+}
+
+#[test]
+fn qwen3next_q8_0_twin_matches_float64_on_its_weights() {
+    q8_0_twin("qwen3next-tiny");
+}
+
+#[test]
+fn qwen35moe_q8_0_twin_matches_float64_on_its_weights() {
+    q8_0_twin("qwen35moe-tiny");
+}
