@@ -13,6 +13,7 @@
 //! - an explicit width 4 requantises from the exact values (no stored groups reused);
 //! - bad input: a scale tensor whose shape disagrees with the weight, a NaN scale, an unknown
 //!   `quant_algo`: errors naming the tensor or field;
+//! - ModelOpt's older `hf_quant_config.json` alone is read as `quantization_config`;
 //! - GPU (skipped visibly without one): the whole GPU and the hybrid run the experts requantised
 //!   to INT4 on the GPU (FP4 is not yet a GPU format; the CPU's FP4 records are never streamed to
 //!   it), within the BF16 bar.
@@ -298,6 +299,38 @@ fn unknown_quant_algo_is_refused_naming_the_field() {
         assert!(err.contains(field), "{field}: {err}");
     }
     assert_eq!(krasis_model::arch::parse_config(&text, path).unwrap().source_quant, SourceQuant::ModelOptNvfp4);
+}
+
+/// The fixture with its `quantization_config` only in `hf_quant_config.json` (ModelOpt's older
+/// form, all that early NVIDIA FP4 checkpoints carry) opens as NVFP4 and runs its experts as
+/// stored within the oracle's bar; an `FP8` there is refused naming the file and the field.
+#[test]
+fn hf_quant_config_alone_is_read() {
+    let Some(dir) = fixture_next(NAME) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    std::fs::create_dir(&m).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "model.safetensors", "hf_quant_config.json"] {
+        std::fs::copy(dir.join(f), m.join(f)).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(m.join("config.json"), cfg.to_string()).unwrap();
+    assert_eq!(ModelFiles::open(&m).unwrap().spec().source_quant, SourceQuant::ModelOptNvfp4);
+    let loaded = load_quantized(&m, WeightBits::Auto, WeightBits::Bf16, &tmp.path().join("cache"));
+    assert!(loaded.model.experts_description().contains("nvfp4 (as stored)"));
+    check_against_reference(&format!("{NAME} (hf_quant_config.json)"), &loaded.model, &load_reference(&dir));
+
+    let mut hq: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("hf_quant_config.json")).unwrap()).unwrap();
+    hq["quantization"]["quant_algo"] = "FP8".into();
+    std::fs::write(m.join("hf_quant_config.json"), hq.to_string()).unwrap();
+    let err = match ModelFiles::open(&m) {
+        Ok(_) => panic!("an FP8 hf_quant_config.json was accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("hf_quant_config.json") && err.contains("quantization.quant_algo"), "{err}");
 }
 
 /// The whole GPU and the hybrid on this checkpoint (device only): FP4 is not a GPU format yet,

@@ -186,6 +186,11 @@ pub fn load_checkpoint_config(dir: &Path) -> Result<CheckpointConfig> {
         Err(e) => return Err(ModelError::io(&path, e)),
     };
     let mut cfg = parse_checkpoint_config(&text, &path)?;
+    if cfg.spec.source_quant == SourceQuant::None {
+        if let Some(q) = quant_fp4::hf_quant_config(dir)? {
+            cfg.spec.source_quant = q;
+        }
+    }
     let gen_path = dir.join("generation_config.json");
     match std::fs::read_to_string(&gen_path) {
         Ok(gen) => {

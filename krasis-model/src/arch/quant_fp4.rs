@@ -13,19 +13,56 @@ use crate::spec::SourceQuant;
 
 const Q: &str = "quantization_config";
 
+/// ModelOpt's older form, `hf_quant_config.json` beside `config.json` (all that early NVIDIA FP4
+/// checkpoints carry): `{"producer": …, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+/// "kv_cache_quant_algo": null, "exclude_modules": […]}}`. Read only when `config.json` has no
+/// `quantization_config`; `None` when the file is absent or its `quant_algo` is null. Its fields
+/// are checked as [`parse_modelopt`] checks `quantization_config`'s, errors naming
+/// `quantization.<field>` in this file.
+pub(super) fn hf_quant_config(dir: &std::path::Path) -> Result<Option<SourceQuant>> {
+    let path = dir.join("hf_quant_config.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(crate::error::ModelError::io(&path, e)),
+    };
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| crate::error::ModelError::Json { path: path.clone(), msg: e.to_string() })?;
+    let top = value.as_object().ok_or_else(|| crate::error::ModelError::Json {
+        path: path.clone(),
+        msg: "top level is not a JSON object".into(),
+    })?;
+    let f = Fields { path: &path, obj: top };
+    let q = match f.present("quantization") {
+        None => return Ok(None),
+        Some(Value::Object(q)) => q,
+        Some(v) => return Err(f.err("quantization", format!("expected an object, found {v}"))),
+    };
+    let s = Fields { path: &path, obj: q };
+    if s.present("quant_algo").is_none() {
+        return Ok(None);
+    }
+    parse_modelopt_at(&f, &s, "quantization").map(Some)
+}
+
 /// ModelOpt: `quant_algo` must be `NVFP4` (weights E2M1 with an E4M3 scale per 16 and a global
 /// FP32 scale); `config_groups`, where present, must describe 4-bit float weights in groups of
 /// 16. Their `input_activations` (W4A4 kernels' activation scales, `input_scale` in the file) are
 /// accepted and not used: Krasis quantises activations itself (INT8 per group). A quantised KV
 /// cache (`kv_cache_quant_algo`, `kv_cache_scheme`) is refused.
 pub(super) fn parse_modelopt(f: &Fields, s: &Fields) -> Result<SourceQuant> {
+    parse_modelopt_at(f, s, Q)
+}
+
+/// [`parse_modelopt`] on the object `s` found at `q_name` in `f` (errors name `q_name.<field>`).
+fn parse_modelopt_at(f: &Fields, s: &Fields, q_name: &str) -> Result<SourceQuant> {
     let unsupported = |field: &str, found: String, want: &str| {
-        f.err(&format!("{Q}.{field}"), format!("{found} is not supported (Krasis reads {want})"))
+        f.err(&format!("{q_name}.{field}"), format!("{found} is not supported (Krasis reads {want})"))
     };
     match s.str_opt("quant_algo")? {
         Some("NVFP4") => {}
         Some(other) => return Err(unsupported("quant_algo", format!("`{other}`"), "`NVFP4`")),
-        None => return Err(f.err(&format!("{Q}.quant_algo"), "missing (expected `NVFP4`)")),
+        None => return Err(f.err(&format!("{q_name}.quant_algo"), "missing (expected `NVFP4`)")),
     }
     for kv in ["kv_cache_quant_algo", "kv_cache_scheme"] {
         if let Some(v) = s.present(kv) {
@@ -40,16 +77,16 @@ pub(super) fn parse_modelopt(f: &Fields, s: &Fields) -> Result<SourceQuant> {
     let groups = match s.present("config_groups") {
         None => return Ok(SourceQuant::ModelOptNvfp4),
         Some(Value::Object(g)) => g,
-        Some(v) => return Err(f.err(&format!("{Q}.config_groups"), format!("expected an object, found {v}"))),
+        Some(v) => return Err(f.err(&format!("{q_name}.config_groups"), format!("expected an object, found {v}"))),
     };
     for (name, g) in groups {
         let at = format!("config_groups.{name}");
         let Some(obj) = g.as_object() else {
-            return Err(f.err(&format!("{Q}.{at}"), format!("expected an object, found {g}")));
+            return Err(f.err(&format!("{q_name}.{at}"), format!("expected an object, found {g}")));
         };
         let grp = Fields { path: f.path, obj };
         let Some(Value::Object(w)) = grp.present("weights") else {
-            return Err(f.err(&format!("{Q}.{at}.weights"), "missing or not an object"));
+            return Err(f.err(&format!("{q_name}.{at}.weights"), "missing or not an object"));
         };
         let w = Fields { path: f.path, obj: w };
         let wf = |field: &str| format!("{at}.weights.{field}");
