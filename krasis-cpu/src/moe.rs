@@ -1042,9 +1042,11 @@ impl PoolExperts {
             }
         }
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
-        // The BF16 tiles dequantise INT4/INT8 records only: FP4 layouts keep the integer kernels.
-        let bf16_fits =
-            (0..n).all(|e| inter_of(e).is_multiple_of(32) && lay.of(e).0.fp4.is_none() && lay.of(e).1.fp4.is_none());
+        // The BF16 tiles dequantise symmetric INT4/INT8 records only: FP4 and asymmetric INT4
+        // layouts keep their integer kernels.
+        let bf16_fits = (0..n).all(|e| {
+            inter_of(e).is_multiple_of(32) && lay.of(e).0.is_symmetric_int() && lay.of(e).1.is_symmetric_int()
+        });
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
             // One set of layouts per BF16 dispatch: the extra jobs, then the runner's.

@@ -19,6 +19,12 @@
 //! `vpshufb` + VNNI `vpdpbusd`), per group `y = fma(d, (s · f) · s_x, y)`. They have no AMX
 //! form: an FP4 layout never takes the AMX tiles, whatever the row count.
 //!
+//! **Asymmetric INT4 g32** (a layout with `asym` set, see `krasis_quant::int4_asym`): codes
+//! 0..=15 as stored, an f16 scale `d` and minimum `m` per group; per group
+//! `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(Σ x_q, m · s_x, y)` with both integer sums exact
+//! (`int4a_scalar`, `int4a_avx2` with `maddubs`, `int4a_avx512` with VNNI `vpdpbusd`). No AMX
+//! form either: an asymmetric layout never takes the AMX tiles.
+//!
 //! Threading is the caller's: [`matmul_packed`] computes any sub-range of row blocks into its own
 //! output, so workers can split a matrix by row blocks (and w13 by block pairs, see
 //! [`silu_mul_w13`]).
@@ -49,6 +55,13 @@ mod fp4_avx512;
 mod fp4_scalar;
 #[cfg(test)]
 mod fp4_tests;
+#[cfg(target_arch = "x86_64")]
+mod int4a_avx2;
+#[cfg(target_arch = "x86_64")]
+mod int4a_avx512;
+mod int4a_scalar;
+#[cfg(test)]
+mod int4a_tests;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -325,6 +338,11 @@ fn matmul_groups_with(
             l.k > 0 && l.k.is_multiple_of(32) && l.gs == kind.group(),
             "matmul_packed: inconsistent {kind} layout {l:?}"
         );
+    } else if l.asym {
+        assert!(
+            l.k > 0 && l.k.is_multiple_of(32) && l.gs == 32 && l.bits == Bits::Int4,
+            "matmul_packed: inconsistent asymmetric INT4 layout {l:?}"
+        );
     } else if let Err(e) = check_group_size(l.k, l.gs) {
         panic!("matmul_packed: {e}");
     }
@@ -379,6 +397,20 @@ fn matmul_groups_with(
             Isa::Avx512 => unsafe { fp4_avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => fp4_scalar::matmul(w, l, acts, blocks, groups, out),
+        }
+        return;
+    }
+    if l.asym {
+        // Asymmetric INT4 has its own kernels (no AMX form).
+        match isa {
+            Isa::Scalar => int4a_scalar::matmul(w, l, acts, blocks, groups, out),
+            // SAFETY: the CPU has the features (checked above); shapes checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { int4a_avx2::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { int4a_avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => int4a_scalar::matmul(w, l, acts, blocks, groups, out),
         }
         return;
     }

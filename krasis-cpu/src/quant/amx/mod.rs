@@ -132,6 +132,7 @@ pub(crate) unsafe fn matmul<T: Tiles>(
     groups: Range<usize>,
     out: &mut [f32],
 ) {
+    assert!(l.is_symmetric_int(), "amx::matmul: layout {l:?} is not the symmetric INT4/INT8 one it reads");
     let (m, k, gs) = (acts.m, l.k, l.gs);
     let kt = if gs.is_multiple_of(64) { 64 } else { 32 };
     if groups.start == 0 {

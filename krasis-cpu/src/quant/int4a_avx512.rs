@@ -1,0 +1,199 @@
+//! AVX-512 F/BW + VNNI twin of [`super::int4a_scalar`] (asymmetric INT4 g32). A 64-byte chunk
+//! holds 16 rows × 8 k of codes 0..=15 in INT4's arrangement; its low and high nibbles (`and`,
+//! `srli`+`and`) are already the unsigned bytes `vpdpbusd` multiplies with the broadcast INT8
+//! activations, so there is no offset to remove. Per group the scale and minimum rows (one cache
+//! line of the header) give `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(Σ x_q, m · s_x, y)`.
+//!
+//! M = 1 keeps the row block's 16 outputs in a register with four independent accumulators per
+//! group (a group is four chunks); M > 1 applies each chunk to tiles of up to 8 activation rows
+//! (the group's 256 bytes stay in L1 between tiles), accumulating straight into `out`. There is
+//! no AMX form (see [`super::matmul_packed`]).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+
+use super::{Prefetch, PrefetchHint, QuantizedActs};
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn bcast4(p: *const i8) -> __m512i {
+    _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+/// The 16 f16 values at `p` as f32.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16x16(p: *const u8) -> __m512 {
+    _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+}
+
+/// The epilogue of one group: `y + acc · (d · s_x) + sum · (m · s_x)`, two fmas in that order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn epilogue(acc: __m512i, sum: i32, d: __m512, m: __m512, sx: f32, y: __m512) -> __m512 {
+    let sx = _mm512_set1_ps(sx);
+    let y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, sx), y);
+    _mm512_fmadd_ps(_mm512_set1_ps(sum as f32), _mm512_mul_ps(m, sx), y)
+}
+
+/// # Safety
+/// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`]
+/// (an asymmetric INT4 layout).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn matmul(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pf: Prefetch,
+) {
+    debug_assert!(l.asym);
+    match pf.hint {
+        PrefetchHint::T1 => run::<_MM_HINT_T1>(w, l, acts, blocks, groups, out, pf.distance),
+        PrefetchHint::Nta => run::<_MM_HINT_NTA>(w, l, acts, blocks, groups, out, pf.distance),
+        PrefetchHint::T0 => run::<_MM_HINT_T0>(w, l, acts, blocks, groups, out, pf.distance),
+        PrefetchHint::None => run::<_MM_HINT_T0>(w, l, acts, blocks, groups, out, 0),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn run<const HINT: i32>(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pfd: usize,
+) {
+    let ncols = blocks.len() * ROW_BLOCK;
+    let bb = l.block_bytes();
+    for (bi, b) in blocks.enumerate() {
+        let blk = w.as_ptr().add(b * bb);
+        let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if groups.start == 0 {
+            for i in 0..acts.m {
+                _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+            }
+        }
+        if acts.m == 1 {
+            block_m1::<HINT>(blk, l, acts, y, groups.clone(), pfd);
+            continue;
+        }
+        for g in groups.clone() {
+            let mut i = 0;
+            let mut pfd_g = pfd;
+            while i < acts.m {
+                let left = acts.m - i;
+                i += if left >= 8 {
+                    group_tile::<HINT, 8>(blk, l, acts, g, i, y, ncols, pfd_g)
+                } else if left >= 4 {
+                    group_tile::<HINT, 4>(blk, l, acts, g, i, y, ncols, pfd_g)
+                } else if left >= 2 {
+                    group_tile::<HINT, 2>(blk, l, acts, g, i, y, ncols, pfd_g)
+                } else {
+                    group_tile::<HINT, 1>(blk, l, acts, g, i, y, ncols, pfd_g)
+                };
+                pfd_g = 0; // the first tile brought the group in; later ones hit L1
+            }
+        }
+    }
+}
+
+/// One row block at M = 1, groups `groups` in K order: the 16 outputs stay in a register
+/// (continuing what `y` holds, zeroed by the caller when `groups` starts at 0).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_m1<const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    groups: Range<usize>,
+    pfd: usize,
+) {
+    let gs = l.gs;
+    let mask = _mm512_set1_epi8(0x0f);
+    let xq = acts.q.as_ptr();
+    let mut yv = _mm512_loadu_ps(y);
+    for g in groups {
+        let wp = blk.add(l.weights_offset(g));
+        let hp = blk.add(l.scales_offset(g));
+        if pfd != 0 {
+            // The group's header line (scales and minimums) and its four weight lines.
+            _mm_prefetch::<HINT>(hp.wrapping_add(pfd) as *const i8);
+            for u in 0..4 {
+                _mm_prefetch::<HINT>(wp.wrapping_add(pfd + u * CHUNK) as *const i8);
+            }
+        }
+        let xg = xq.add(g * gs);
+        let mut a = [_mm512_setzero_si512(); 4];
+        // A group of 32 is exactly four chunks.
+        for u in 0..4 {
+            let v = _mm512_loadu_si512(wp.add(u * CHUNK) as *const _);
+            let lo = _mm512_and_si512(v, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            let xk = xg.add(u * 8);
+            let e = 2 * (u % 2);
+            a[e] = _mm512_dpbusd_epi32(a[e], lo, bcast4(xk));
+            a[e + 1] = _mm512_dpbusd_epi32(a[e + 1], hi, bcast4(xk.add(4)));
+        }
+        let acc = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+        yv = epilogue(acc, acts.sums[g], f16x16(hp), f16x16(hp.add(32)), acts.scales[g], yv);
+    }
+    _mm512_storeu_ps(y, yv);
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const HINT: i32, const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let wp = blk.add(l.weights_offset(g));
+    let hp = blk.add(l.scales_offset(g));
+    if pfd != 0 {
+        _mm_prefetch::<HINT>(hp.wrapping_add(pfd) as *const i8);
+    }
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    let mut alo = [_mm512_setzero_si512(); T];
+    let mut ahi = [_mm512_setzero_si512(); T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
+        }
+        let v = _mm512_loadu_si512(p as *const _);
+        let lo = _mm512_and_si512(v, mask);
+        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+        for t in 0..T {
+            alo[t] = _mm512_dpbusd_epi32(alo[t], lo, bcast4(xq[t].add(c * 8)));
+            ahi[t] = _mm512_dpbusd_epi32(ahi[t], hi, bcast4(xq[t].add(c * 8 + 4)));
+        }
+    }
+    let (d, m) = (f16x16(hp), f16x16(hp.add(32)));
+    for t in 0..T {
+        let i = i0 + t;
+        let acc = _mm512_add_epi32(alo[t], ahi[t]);
+        let yp = y.add(i * ncols);
+        let yv = epilogue(acc, acts.sums[i * ng + g], d, m, acts.scales[i * ng + g], _mm512_loadu_ps(yp));
+        _mm512_storeu_ps(yp, yv);
+    }
+    T
+}
