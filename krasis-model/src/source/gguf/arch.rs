@@ -93,7 +93,8 @@ impl GgufTensorRef {
 pub type TensorMap = HashMap<String, GgufTensorRef>;
 
 /// Architectures this reader maps.
-pub const SUPPORTED: &[&str] = &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "qwen3next", "qwen35moe"];
+pub const SUPPORTED: &[&str] =
+    &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "qwen3next", "qwen35moe"];
 
 struct Meta<'a> {
     m: &'a GgufModel,
