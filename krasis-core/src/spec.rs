@@ -397,11 +397,14 @@ impl ModelSpec {
 /// or INT8 / INT4 group-quantised, or (routed experts only) `Auto`: the default width, chosen
 /// from the source (`krasis_model::precision` holds the rules: on the CPU per projection from the
 /// source's own types, on the GPU the source's width when it is 8-bit, else INT4).
+/// `Int4Asym` (routed experts on the CPU only) is asymmetric INT4 in groups of 32: a scale and a
+/// minimum per group (`krasis_quant::int4_asym`, 5.0 bits per weight).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightBits {
     Bf16,
     Int8,
     Int4,
+    Int4Asym,
     Auto,
 }
 
@@ -409,7 +412,7 @@ impl WeightBits {
     /// The values `--cpu-dense-bits` takes.
     pub const FLAG_VALUES: [&'static str; 3] = ["bf16", "8", "4"];
     /// The values `--cpu-expert-bits` and `--gpu-expert-bits` take.
-    pub const EXPERT_FLAG_VALUES: [&'static str; 4] = ["auto", "bf16", "8", "4"];
+    pub const EXPERT_FLAG_VALUES: [&'static str; 5] = ["auto", "bf16", "8", "4", "4a"];
 
     /// Integer bits per weight, `None` for the unquantised source weights and for `Auto`
     /// (decided per projection).
@@ -417,7 +420,7 @@ impl WeightBits {
         match self {
             WeightBits::Bf16 | WeightBits::Auto => None,
             WeightBits::Int8 => Some(8),
-            WeightBits::Int4 => Some(4),
+            WeightBits::Int4 | WeightBits::Int4Asym => Some(4),
         }
     }
 
@@ -426,6 +429,7 @@ impl WeightBits {
             WeightBits::Bf16 => "bf16",
             WeightBits::Int8 => "8",
             WeightBits::Int4 => "4",
+            WeightBits::Int4Asym => "4a",
             WeightBits::Auto => "auto",
         }
     }
@@ -438,8 +442,9 @@ impl std::str::FromStr for WeightBits {
             "bf16" => Ok(WeightBits::Bf16),
             "8" | "int8" => Ok(WeightBits::Int8),
             "4" | "int4" => Ok(WeightBits::Int4),
+            "4a" | "int4a" | "int4-asym" => Ok(WeightBits::Int4Asym),
             "auto" => Ok(WeightBits::Auto),
-            _ => Err(format!("unknown weight precision `{s}`: expected auto, bf16, 8 or 4")),
+            _ => Err(format!("unknown weight precision `{s}`: expected auto, bf16, 8, 4 or 4a")),
         }
     }
 }

@@ -20,6 +20,7 @@ pub fn format_name(w: WeightBits) -> &'static str {
         WeightBits::Bf16 => "bf16",
         WeightBits::Int8 => "int8 g128",
         WeightBits::Int4 => "int4 g128",
+        WeightBits::Int4Asym => "int4a g32",
         WeightBits::Auto => "auto g128",
     }
 }
@@ -33,6 +34,8 @@ pub fn stored_bytes(w: WeightBits, params: u64) -> u64 {
         WeightBits::Bf16 => params * 2,
         WeightBits::Int8 | WeightBits::Auto => params + scales,
         WeightBits::Int4 => params.div_ceil(2) + scales,
+        // A 2-byte scale and a 2-byte minimum per group of 32.
+        WeightBits::Int4Asym => params.div_ceil(2) + params.div_ceil(32) * 4,
     }
 }
 

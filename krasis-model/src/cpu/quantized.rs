@@ -13,6 +13,7 @@ use krasis_cpu::pool::WorkerPool;
 use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK};
 use krasis_quant::fp4::{self, Fp4Kind, Fp4Matrix};
 use krasis_quant::group::{group_size_for, quantize};
+use krasis_quant::int4_asym::{self, ASYM_GROUP};
 use krasis_quant::{Bits, QuantizedMatrix};
 use rayon::prelude::*;
 
@@ -64,6 +65,35 @@ pub fn expected_fp4_cache_header(spec: &ModelSpec, config_hash: u64, kind: Fp4Ki
     Ok(shape.header(cpu_fp4_layout_name(kind), config_hash, moe_layers, parts))
 }
 
+/// Name of an expert cache whose records are asymmetric INT4 g32 (`krasis_quant::int4_asym`) in
+/// its CPU layout (bump when it changes). Its header says 4 bits per projection and groups of 32;
+/// this name says the records hold minimums.
+pub const CPU_INT4_ASYM_LAYOUT_NAME: &str = "cpu-rb16-int4a-g32-v1";
+
+/// Whether an expert cache's records are asymmetric INT4 g32 (from its layout name).
+pub fn cache_int4_asym(h: &CacheHeader) -> bool {
+    h.layout == CPU_INT4_ASYM_LAYOUT_NAME
+}
+
+/// The expert cache header of `spec`'s routed experts in asymmetric INT4 g32 (every MoE layer).
+pub fn expected_int4_asym_cache_header(spec: &ModelSpec, config_hash: u64) -> Result<CacheHeader> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    if !i.is_multiple_of(ROW_BLOCK) {
+        return Err(ModelError::Invalid(format!(
+            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
+        )));
+    }
+    let w13 = PackedLayout::new_int4_asym(2 * i, h).map_err(|e| quant_err("hidden_size", e))?;
+    let w2 = PackedLayout::new_int4_asym(h, i).map_err(|e| quant_err("moe_intermediate_size", e))?;
+    let shape =
+        ExpertShape { hidden: h, inter: i, n_experts: moe.n_routed_experts, gs_h: ASYM_GROUP, gs_i: ASYM_GROUP };
+    let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
+    let part = LayerParts { w13_bits: 4, w2_bits: 4, w13_bytes: w13.bytes() as u64, w2_bytes: w2.bytes() as u64 };
+    let parts = vec![part; moe_layers.len()];
+    Ok(shape.header(CPU_INT4_ASYM_LAYOUT_NAME, config_hash, moe_layers, parts))
+}
+
 pub use krasis_core::spec::WeightBits;
 
 /// The packed-kernel format of a `--cpu-dense-bits` value (`None` for the unquantised source
@@ -73,6 +103,9 @@ pub fn dense_quant_bits(w: WeightBits) -> Result<Option<Bits>> {
         WeightBits::Bf16 => Ok(None),
         WeightBits::Int8 => Ok(Some(Bits::Int8)),
         WeightBits::Int4 => Ok(Some(Bits::Int4)),
+        WeightBits::Int4Asym => Err(ModelError::Invalid(
+            "dense weights take bf16, 8 or 4; asymmetric INT4 (`4a`) applies to routed experts only".into(),
+        )),
         WeightBits::Auto => {
             Err(ModelError::Invalid("dense weights take bf16, 8 or 4; `auto` applies to routed experts only".into()))
         }
@@ -295,6 +328,11 @@ fn layouts(h: &CacheHeader, li: usize) -> Result<(PackedLayout, PackedLayout)> {
         let l2 = PackedLayout::new_fp4(hid, i, kind).map_err(|e| quant_err("w2", e))?;
         return Ok((l13, l2));
     }
+    if cache_int4_asym(h) {
+        let l13 = PackedLayout::new_int4_asym(2 * i, hid).map_err(|e| quant_err("w13", e))?;
+        let l2 = PackedLayout::new_int4_asym(hid, i).map_err(|e| quant_err("w2", e))?;
+        return Ok((l13, l2));
+    }
     let b = parts_bits(h, li)?;
     let l13 = PackedLayout::new(2 * i, hid, h.group_size_hidden as usize, b.w13).map_err(|e| quant_err("w13", e))?;
     let l2 = PackedLayout::new(hid, i, h.group_size_intermediate as usize, b.w2).map_err(|e| quant_err("w2", e))?;
@@ -408,6 +446,9 @@ fn expert_record(
     if let Some(kind) = cache_fp4(h) {
         return fp4_expert_record(loader, spec, h, li, layer, e, kind);
     }
+    if cache_int4_asym(h) {
+        return int4_asym_expert_record(loader, spec, h, li, layer, e);
+    }
     let bits = parts_bits(h, li)?;
     let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
     let q = x.quantized(h, bits.w13, bits.w2)?;
@@ -448,6 +489,29 @@ fn fp4_expert_record(
     let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
     fp4::pack_w13_into(&gate, &up, a).map_err(|e| quant_err(&what, e))?;
     fp4::pack_into(&down, b).map_err(|e| quant_err(&what, e))?;
+    Ok(rec)
+}
+
+/// One expert of MoE layer `li` (model layer `layer`) quantised to asymmetric INT4 g32 from its
+/// f32 values (`krasis_quant::int4_asym::quantize`) and packed in its CPU layout.
+fn int4_asym_expert_record(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    h: &CacheHeader,
+    li: usize,
+    layer: usize,
+    e: usize,
+) -> Result<Vec<u8>> {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    let x = ExpertSource::read(loader, spec, layer, e, i)?;
+    let [gate, up, down] = x.f32()?;
+    let q = |w: &[f32], rows: usize, k: usize| int4_asym::quantize(w, rows, k).map_err(|err| quant_err(&x.what, err));
+    let (gate, up, down) = (q(gate, i, hid)?, q(up, i, hid)?, q(down, hid, i)?);
+    let parts = h.parts[li];
+    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
+    int4_asym::pack_w13_into(&gate, &up, a).map_err(|err| quant_err(&x.what, err))?;
+    int4_asym::pack_into(&down, b).map_err(|err| quant_err(&x.what, err))?;
     Ok(rec)
 }
 
@@ -499,6 +563,11 @@ pub fn open_expert_cache(
     if let (ExpertWidthRule::Auto, Some(kind)) = (bits, native_fp4(files.spec())) {
         let header = expected_fp4_cache_header(files.spec(), files.fingerprint(), kind)?;
         let name = format!("experts_cpu_{kind}_g{}.bin", kind.group());
+        return open_with_header(files, header, in_cache_dir(files, cache_dir, &name), pool);
+    }
+    if bits == ExpertWidthRule::Int4Asym {
+        let header = expected_int4_asym_cache_header(files.spec(), files.fingerprint())?;
+        let name = format!("experts_cpu_int4a_g{ASYM_GROUP}.bin");
         return open_with_header(files, header, in_cache_dir(files, cache_dir, &name), pool);
     }
     open_expert_cache_with(files, &bits.layer_bits(files.spec()), group, cache_dir, pool)
@@ -747,6 +816,7 @@ impl ExpertExecutor for CpuQuantExperts {
     fn describe(&self) -> String {
         let widths = match self.fp4() {
             Some(kind) => format!("{kind} (as stored)"),
+            None if cache_int4_asym(self.cache.header()) => "INT4 asymmetric".to_string(),
             None => describe_layer_bits(&self.bits),
         };
         format!(

@@ -182,6 +182,9 @@ fn cpu_record_geometry(
     if let Some(kind) = w13.fp4.or(w2.fp4) {
         return Err(bad(format!("its experts are {kind}, a format not yet on the GPU")));
     }
+    if w13.asym || w2.asym {
+        return Err(bad("its experts are asymmetric INT4 (`4a`), a format not yet on the GPU".into()));
+    }
     if (w13.bits, w2.bits) != (bits, bits) {
         return Err(bad(format!("its experts are {:?}/{:?}, the GPU's {bits:?}", w13.bits, w2.bits)));
     }

@@ -204,6 +204,7 @@ fn cpu_width_name(spec: &ModelSpec, bits: WeightBits) -> String {
         WeightBits::Auto => crate::placement::precision::describe_expert_bits(spec, WeightBits::Auto),
         WeightBits::Bf16 => "BF16 (reference)".to_string(),
         WeightBits::Int4 => "INT4".to_string(),
+        WeightBits::Int4Asym => "INT4 asymmetric g32".to_string(),
     }
 }
 

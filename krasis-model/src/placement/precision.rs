@@ -62,6 +62,8 @@ impl LayerBits {
 pub enum ExpertWidthRule {
     Uniform(Bits),
     Auto,
+    /// Asymmetric INT4 g32 in every projection (`krasis_quant::int4_asym`; its widths read as 4).
+    Int4Asym,
 }
 
 impl ExpertWidthRule {
@@ -70,6 +72,7 @@ impl ExpertWidthRule {
         let layers = spec.moe_layers().count();
         match self {
             ExpertWidthRule::Uniform(b) => vec![LayerBits::uniform(b); layers],
+            ExpertWidthRule::Int4Asym => vec![LayerBits::uniform(Bits::Int4); layers],
             ExpertWidthRule::Auto if spec.expert_source_bits.len() == layers => spec
                 .expert_source_bits
                 .iter()
@@ -87,17 +90,18 @@ pub fn expert_width_rule(w: WeightBits) -> Option<ExpertWidthRule> {
         WeightBits::Bf16 => None,
         WeightBits::Int8 => Some(ExpertWidthRule::Uniform(Bits::Int8)),
         WeightBits::Int4 => Some(ExpertWidthRule::Uniform(Bits::Int4)),
+        WeightBits::Int4Asym => Some(ExpertWidthRule::Int4Asym),
         WeightBits::Auto => Some(ExpertWidthRule::Auto),
     }
 }
 
 /// The integer width an explicit `8` or `4` names (`None` for `bf16` and `auto`, which name no
-/// single integer width).
+/// single integer width, and for `4a`, which is no symmetric width).
 pub fn quant_width(w: WeightBits) -> Option<Bits> {
     match w {
         WeightBits::Int8 => Some(Bits::Int8),
         WeightBits::Int4 => Some(Bits::Int4),
-        WeightBits::Bf16 | WeightBits::Auto => None,
+        WeightBits::Bf16 | WeightBits::Auto | WeightBits::Int4Asym => None,
     }
 }
 
@@ -156,6 +160,8 @@ pub fn default_gpu_expert_bits(spec: &ModelSpec) -> Bits {
 pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
     match cpu {
         WeightBits::Int4 => Some(Bits::Int4),
+        // The asymmetric records have no GPU form: the streamer refuses them, naming the format.
+        WeightBits::Int4Asym => Some(Bits::Int4),
         WeightBits::Int8 => Some(Bits::Int8),
         WeightBits::Auto => Some(default_gpu_expert_bits(spec)),
         WeightBits::Bf16 => None,

@@ -130,6 +130,11 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
     let mut resolved = config.clone();
     resolved.cpu.expert_bits = crate::placement::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
     // `auto` leaves the width to the device's defaults; `bf16` is `None` (BF16 experts).
+    if config.gpu_expert_width == WeightBits::Int4Asym {
+        return Err(ModelError::Invalid(
+            "the GPU experts take auto, bf16, 8 or 4: asymmetric INT4 (`4a`) runs on the CPU only".into(),
+        ));
+    }
     if config.gpu_expert_width != WeightBits::Auto {
         resolved.gpu.expert_bits = crate::placement::precision::quant_width(config.gpu_expert_width);
     }
