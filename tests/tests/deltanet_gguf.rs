@@ -13,16 +13,24 @@
 //! - Q8_0: against transformers in float64 on the Q8_0 file's dequantised weights
 //!   (`reference-q8_0.safetensors`, scripts/gguf-dequant-reference.py), the same bars.
 //!
+//! - BF16 on the GPU engine and the hybrid (routed experts on the CPU), BF16 experts: within
+//!   `quant_bounds.json`'s BF16 rule on the prefill and the greedy decode steps, the first greedy
+//!   token exact (as `deltanet_oracle` on the safetensors checkpoint). Skips visibly without a GPU.
+//!
 //! Without the GGUF fixtures the tests skip visibly; `KRASIS_REQUIRE_FIXTURES=1` makes that a
 //! failure.
 
 use std::path::PathBuf;
 
+use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::cpu::Model;
+use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
 use krasis_model::model::tensors::{expected_tensors, TensorRole};
 use krasis_model::source::files::ModelFiles;
+use krasis_model::text::sampling::argmax;
 use krasis_tests::{
-    check_against_reference, fixture_next, gguf_fixtures_dir, load_reference, load_reference_file, report_skip,
+    check_against_reference, fidelity, fixture_next, gguf_fixtures_dir, gpu_available, load_reference,
+    load_reference_file, quant_bound, report_skip,
 };
 
 /// The fixture's directory and its GGUF twin `model-<kind>.gguf` (with `reference-<kind>` when
@@ -107,6 +115,71 @@ fn q8_0_twin(name: &str) {
     for line in check_against_reference(name, &model, &load_reference_file(&own)) {
         eprintln!("gguf q8_0 (dequantised) vs float64 on its weights: {line}");
     }
+}
+
+/// The BF16 twin on the GPU engine and the hybrid, BF16 experts (module docs).
+fn gpu_bf16_twin(name: &str) {
+    if !gpu_available(name) {
+        return;
+    }
+    let Some((dir, gguf)) = twin(name, "bf16", false) else { return };
+    let r = load_reference(&dir);
+    let v = r.prefill_logits.len() / r.prompt_ids.len();
+    let b = quant_bound(dir.parent().unwrap(), name, "bf16");
+    let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
+    let tmp = tempfile::tempdir().unwrap();
+    let gpu = GpuOptions {
+        kv_tokens: Some(512),
+        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
+        ..GpuOptions::default()
+    };
+    let cpu = krasis_model::cpu::load::EngineOptions {
+        expert_bits: WeightBits::Bf16,
+        cache_dir: Some(tmp.path().to_path_buf()),
+        threads: Some(2),
+        ..Default::default()
+    };
+    for device in ["gpu", "hybrid"] {
+        let m = match device {
+            "gpu" => GpuModel::load(&gguf, &gpu),
+            _ => GpuModel::load_hybrid(&gguf, &gpu, &cpu),
+        }
+        .unwrap_or_else(|e| panic!("{name} gguf {device}: {e}"));
+        let mut s = m.new_session().unwrap();
+        let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        // greedy_logits[i + 1] chose greedy_ids[i + 1] after greedy_ids[i] was fed.
+        let n = r.greedy_ids.len();
+        let mut steps = Vec::with_capacity((n - 1) * v);
+        for &id in &r.greedy_ids[..n - 1] {
+            steps.extend(m.forward_logits(&mut s, &[id], false).unwrap());
+        }
+        for (what, got, want) in [("prefill", &l, &r.prefill_logits[..]), ("decode", &steps, &r.greedy_logits[v..])] {
+            let f = fidelity(got, want, v);
+            eprintln!(
+                "{name} gguf {device} bf16 {what}: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2} (bar {:.2})",
+                1.0 - f.mean_cos,
+                f.top1,
+                b.top1 - 0.1
+            );
+            assert!(
+                1.0 - f.mean_cos <= bar,
+                "{name} gguf {device} {what}: 1 - mean cos {:.3e} > {bar:.3e}",
+                1.0 - f.mean_cos
+            );
+            assert!(f.top1 >= b.top1 - 0.1, "{name} gguf {device} {what}: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
+        }
+        assert_eq!(argmax(&l[l.len() - v..]) as u32, r.greedy_ids[0], "{name} gguf {device}: first greedy token");
+    }
+}
+
+#[test]
+fn qwen3next_bf16_twin_on_the_gpu_and_hybrid_within_the_bf16_bounds() {
+    gpu_bf16_twin("qwen3next-tiny");
+}
+
+#[test]
+fn qwen35moe_bf16_twin_on_the_gpu_and_hybrid_within_the_bf16_bounds() {
+    gpu_bf16_twin("qwen35moe-tiny");
 }
 
 #[test]
