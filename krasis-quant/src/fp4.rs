@@ -414,7 +414,21 @@ pub fn openai_mxfp4_experts(
         .collect()
 }
 
-/// The CPU layout of `m`.
+/// The even and the odd rows of `m` (gpt-oss stores gate and up interleaved in one
+/// `gate_up_proj`: row 2j is gate j, row 2j + 1 up j). Blocks are moved, not changed.
+pub fn split_interleaved_rows(m: &Fp4Matrix) -> (Fp4Matrix, Fp4Matrix) {
+    let row_bytes = m.groups() * m.kind.block_bytes();
+    let mut parts = [Vec::new(), Vec::new()];
+    for (r, row) in m.blocks.chunks_exact(row_bytes).enumerate() {
+        parts[r % 2].extend_from_slice(row);
+    }
+    let [even, odd] = parts;
+    let half =
+        |blocks: Vec<u8>| Fp4Matrix { kind: m.kind, rows: blocks.len() / row_bytes, k: m.k, global: m.global, blocks };
+    (half(even), half(odd))
+}
+
+/// The CPU layout of `m`./// The CPU layout of `m`.
 pub fn layout_of(m: &Fp4Matrix) -> PackedLayout {
     PackedLayout::new_fp4(m.rows, m.k, m.kind).expect("Fp4Matrix with K a multiple of 32")
 }
@@ -670,6 +684,20 @@ mod tests {
             }
         }
         assert!(openai_mxfp4_experts(&blocks, &scales[1..], e, rows, k).is_err());
+    }
+
+    #[test]
+    fn interleaved_rows_split() {
+        let m = test_matrix(Fp4Kind::Mxfp4, 6, 64, 3);
+        let (even, odd) = split_interleaved_rows(&m);
+        assert_eq!((even.rows, odd.rows), (3, 3));
+        for r in 0..6 {
+            let h = if r % 2 == 0 { &even } else { &odd };
+            for c in 0..64 {
+                assert_eq!(h.code(r / 2, c), m.code(r, c));
+            }
+            assert_eq!(h.scale_byte(r / 2, 1), m.scale_byte(r, 1));
+        }
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //! - bad input: a scale tensor whose shape disagrees with the weight, a NaN scale, an unknown
 //!   `quant_algo`: errors naming the tensor or field;
 //! - ModelOpt's older `hf_quant_config.json` alone is read as `quantization_config`;
+//! - MXFP4: `gptoss-mxfp4-tiny`'s experts (OpenAI's layout) convert exactly and run on every
+//!   ISA's kernel within f32 rounding of the exact product (the gpt-oss family does not run yet);
 //! - GPU (skipped visibly without one): the whole GPU and the hybrid run the experts requantised
 //!   to INT4 on the GPU (FP4 is not yet a GPU format; the CPU's FP4 records are never streamed to
 //!   it), within the BF16 bar.
@@ -379,4 +381,84 @@ fn gpu_and_hybrid_requantise_for_the_gpu() {
         let last = &l[l.len() - v..];
         assert_eq!(krasis_model::text::sampling::argmax(last) as u32, r.greedy_ids[0], "{kind}: first greedy token");
     }
+}
+
+/// `gptoss-mxfp4-tiny`'s experts in OpenAI's published MXFP4 layout (the gpt-oss family itself
+/// does not run yet): every expert of every layer converts (bytes kept; gate and up split from
+/// the interleaved `gate_up_proj`), its values are the README's formula read independently here,
+/// and every ISA's kernel on the packed CPU layout gives the exact product within f32 rounding.
+#[test]
+fn mxfp4_fixture_experts_convert_and_run_on_the_kernels() {
+    let Some(dir) = fixture_next("gptoss-mxfp4-tiny") else { return };
+    use krasis_cpu::isa::Isa;
+    use krasis_cpu::quant::{matmul_packed, quantize_acts, QuantizedActs};
+    let st = SafetensorsFile::open(&dir.join("model.safetensors")).unwrap();
+    let (n_exp, h, i) = (8usize, 160usize, 64usize);
+    let mut matrices = 0;
+    for layer in 0..3 {
+        let p = format!("model.layers.{layer}.mlp.experts");
+        for (proj, rows, k) in [("gate_up_proj", 2 * i, h), ("down_proj", h, i)] {
+            let blocks = bytes(&st, &format!("{p}.{proj}_blocks"));
+            let scales = bytes(&st, &format!("{p}.{proj}_scales"));
+            let ms = fp4::openai_mxfp4_experts(&blocks, &scales, n_exp, rows, k).unwrap();
+            for (e, m) in ms.iter().enumerate() {
+                // w[r, 32g + i] = E2M1(code) · 2^(scales[r, g] − 127), low nibble = even input.
+                let v = m.dequantize_f64();
+                for r in 0..rows {
+                    for c in 0..k {
+                        let byte = blocks[((e * rows + r) * (k / 32) + c / 32) * 16 + (c % 32) / 2];
+                        let code = if c % 2 == 0 { byte & 0xf } else { byte >> 4 };
+                        let s = scales[(e * rows + r) * (k / 32) + c / 32] as i32;
+                        let want = fp4::e2m1(code) as f64 * 2f64.powi(s - 127);
+                        assert_eq!(v[r * k + c], want, "{p}.{proj} expert {e} [{r}, {c}]");
+                    }
+                }
+                let (w, l) = if proj == "gate_up_proj" {
+                    let (gate, up) = fp4::split_interleaved_rows(m);
+                    assert_eq!(gate.code(1, 3), m.code(2, 3));
+                    assert_eq!(up.code(1, 3), m.code(3, 3));
+                    let l = fp4::w13_layout(&gate, &up).unwrap();
+                    let mut w = vec![0u8; l.bytes()];
+                    fp4::pack_w13_into(&gate, &up, &mut w).unwrap();
+                    (w, l)
+                } else {
+                    (fp4::pack(m), fp4::layout_of(m))
+                };
+                let x: Vec<f32> = (0..3 * k).map(|j| ((j * 7919 + e * 31) % 201) as f32 / 50.0 - 2.0).collect();
+                let mut a = QuantizedActs::new();
+                quantize_acts(&x, 3, k, 32, &mut a);
+                let xd = a.dequantize();
+                // The exact product in the CPU layout's row order (w13: gate rows then up rows
+                // per block pair).
+                let ordered: Vec<f64> = if proj == "gate_up_proj" {
+                    let (gate, up) = fp4::split_interleaved_rows(m);
+                    let (g, u) = (gate.dequantize_f64(), up.dequantize_f64());
+                    (0..rows / 32)
+                        .flat_map(|b| [&g[b * 16 * k..(b + 1) * 16 * k], &u[b * 16 * k..(b + 1) * 16 * k]])
+                        .flatten()
+                        .copied()
+                        .collect()
+                } else {
+                    v.clone()
+                };
+                for isa in Isa::available() {
+                    let mut y = vec![0f32; 3 * l.rows_padded];
+                    matmul_packed(isa, &w, &l, &a, 0..l.row_blocks(), &mut y);
+                    for t in 0..3 {
+                        for r in 0..rows {
+                            let exact: f64 = (0..k).map(|c| ordered[r * k + c] * xd[t * k + c] as f64).sum();
+                            let mag: f64 = (0..k).map(|c| (ordered[r * k + c] * xd[t * k + c] as f64).abs()).sum();
+                            let got = y[t * l.rows_padded + r] as f64;
+                            assert!(
+                                (got - exact).abs() <= 1e-6 * mag.max(1e-30),
+                                "{isa:?} {p}.{proj} expert {e} row {r}: {got} vs {exact}"
+                            );
+                        }
+                    }
+                }
+                matrices += 1;
+            }
+        }
+    }
+    assert_eq!(matrices, 3 * 2 * n_exp);
 }
