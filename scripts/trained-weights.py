@@ -335,7 +335,7 @@ def asym(a, gs):
 
 
 # The formats tests/tests/trained_weights.rs checks Krasis against.
-TEST_VARIANTS = ("int8_g128", "int4_g128")
+TEST_VARIANTS = ("int8_g128", "int4_g128", "int4_asym_g32")
 VARIANTS = {
     "int8_g128": lambda a: rtn(a, 128, 127),
     "int4_g128": lambda a: rtn(a, 128, 7),

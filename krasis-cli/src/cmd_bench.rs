@@ -49,7 +49,8 @@ pub struct Args {
     pub(crate) decode_reps: u32,
     #[command(flatten)]
     pub(crate) engine: EngineArgs,
-    /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and bit width, cycling over
+    /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and format (INT4 g128, asymmetric
+    /// INT4 g32, INT8 g128), cycling over
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
     expert_gemv: bool,
@@ -100,7 +101,7 @@ fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
-fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
+fn packed_expert(bits: Bits, asym: bool) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
     let (h, i) = (2048usize, 1408usize);
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut rnd = |n: usize| -> Vec<f32> {
@@ -113,6 +114,13 @@ fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
             })
             .collect()
     };
+    if asym {
+        // Asymmetric INT4 g32 (`--cpu-expert-bits 4a`).
+        let q = |w: Vec<f32>, rows, k| krasis_quant::int4_asym::quantize(&w, rows, k).expect("K a multiple of 32");
+        let (gate, up, down) = (q(rnd(i * h), i, h), q(rnd(i * h), i, h), q(rnd(h * i), h, i));
+        let (w13, l13) = krasis_quant::int4_asym::pack_w13(&gate, &up).expect("shapes");
+        return (w13, l13, krasis_quant::int4_asym::pack(&down), krasis_quant::int4_asym::layout_of(&down));
+    }
     let gate = quantize(&rnd(i * h), i, h, bits, 128);
     let up = quantize(&rnd(i * h), i, h, bits, 128);
     let down = quantize(&rnd(h * i), h, i, bits, 128);
@@ -124,9 +132,10 @@ fn packed_expert(bits: Bits) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
 /// bytes of huge-page memory, so the timed loop streams from DRAM rather than cache.
 fn expert_copies(
     bits: Bits,
+    asym: bool,
     total: usize,
 ) -> anyhow::Result<(PageBuffer, usize, usize, usize, PackedLayout, PackedLayout)> {
-    let (w13, l13, w2, l2) = packed_expert(bits);
+    let (w13, l13, w2, l2) = packed_expert(bits, asym);
     let rec = w13.len() + w2.len();
     let n = (total / rec).max(8);
     let mut buf = PageBuffer::new(n * rec)?;
@@ -365,10 +374,11 @@ fn expert_gemv(
     pool: &WorkerPool,
     isa: Isa,
     bits: Bits,
+    asym: bool,
     total: usize,
     trace: bool,
 ) -> anyhow::Result<(f64, f64, usize, Option<[TraceSummary; 2]>)> {
-    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, total)?;
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, asym, total)?;
     let runner = PoolExperts::new(pool, l13, l2);
     // Room for every task of one traced pass (at most one per row block, pair or group).
     let traced =
@@ -427,7 +437,7 @@ fn expert_gemv_compare(
     total: usize,
     reps: usize,
 ) -> anyhow::Result<Vec<(&'static str, [f64; 4])>> {
-    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, total)?;
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, false, total)?;
     let runners: Vec<PoolExperts> = VARIANTS
         .iter()
         .map(|&(_, local, guided, tpw2, mode)| {
@@ -569,14 +579,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         let mut rows = Vec::new();
         for isa in isas {
-            for bits in [Bits::Int4, Bits::Int8] {
-                let (one, six, rec, traces) = expert_gemv(&pool, isa, bits, a.gemv_bytes, a.gemv_trace)?;
+            for (bits, asym) in [(Bits::Int4, false), (Bits::Int4, true), (Bits::Int8, false)] {
+                let (one, six, rec, traces) = expert_gemv(&pool, isa, bits, asym, a.gemv_bytes, a.gemv_trace)?;
+                let format = match (bits, asym) {
+                    (_, true) => "int4a",
+                    (Bits::Int4, _) => "int4",
+                    (Bits::Int8, _) => "int8",
+                };
                 let us = |gbps: f64, experts: usize| (rec * experts) as f64 / gbps / 1e3;
                 if !a.json {
                     println!(
-                        "expert GEMV M=1 {:<6} int{}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw, {:.1} µs), {six:6.1} GB/s top-6 per dispatch ({:.0}%, {:.1} µs)",
+                        "expert GEMV M=1 {:<6} {format:<5}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw, {:.1} µs), {six:6.1} GB/s top-6 per dispatch ({:.0}%, {:.1} µs)",
                         isa.name(),
-                        bits.bits(),
                         100.0 * one / bw.gb_per_s,
                         us(one, 1),
                         100.0 * six / bw.gb_per_s,
@@ -586,7 +600,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         print!("{t}");
                     }
                 }
-                if a.gemv_compare > 0 {
+                if a.gemv_compare > 0 && !asym {
                     let rows = expert_gemv_compare(&pool, isa, bits, a.gemv_bytes, a.gemv_compare)?;
                     println!(
                         "  variants, {} interleaved passes each: GB/s one expert best / median, top-6 best / median",
@@ -596,7 +610,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         println!("    {name:<40} {ob:6.1} / {om:6.1}   {sb:6.1} / {sm:6.1}");
                     }
                 }
-                rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "one_expert_gb_per_s": one,
+                rows.push(json!({ "isa": isa.name(), "bits": bits.bits(), "format": format, "one_expert_gb_per_s": one,
                                   "top6_gb_per_s": six, "one_fraction": one / bw.gb_per_s, "top6_fraction": six / bw.gb_per_s }));
             }
         }

@@ -11,6 +11,7 @@
 //!   tokens.
 //! - INT8 experts within 0.5 % of an ideal INT8 (the same codes and scales, exact arithmetic).
 //! - The INT4 default within 2 % of its own ideal.
+//! - Asymmetric INT4 g32 (`4a`, a scale and a minimum per group) within 2 % of its own ideal.
 //!
 //! Without `KRASIS_TRAINED_WEIGHTS` (or `target/trained-weights`) the tests skip visibly;
 //! `KRASIS_REQUIRE_TRAINED_WEIGHTS=1` (set by `.ci/run`) fails instead.
@@ -154,4 +155,9 @@ fn int8_experts_within_half_a_percent_of_an_ideal_int8() {
 #[test]
 fn int4_default_within_two_percent_of_its_ideal() {
     check_quantised(WeightBits::Int4, "int4_g128", 0.02);
+}
+
+#[test]
+fn int4_asym_g32_within_two_percent_of_its_ideal() {
+    check_quantised(WeightBits::Int4Asym, "int4_asym_g32", 0.02);
 }

@@ -8,7 +8,7 @@ use krasis_core::DType;
 use crate::cpu::dense_cache::{planned_entries, PlannedKind};
 use crate::cpu::quantized::{dense_quant_bits, expected_cache_header};
 use crate::model::tensors::{expected_tensors, is_matrix, TensorRole, TensorSpec};
-use crate::placement::precision::{expert_width_rule, resolve_expert_bits};
+use crate::placement::precision::{expert_width_rule, resolve_expert_bits, ExpertWidthRule};
 use crate::source::WeightSource;
 use crate::spec::{ModelSpec, SourceQuant};
 
@@ -253,9 +253,10 @@ pub fn cpu_estimate(
             _ => {}
         }
     }
-    est.expert_bytes = match expert_width_rule(experts)
-        .and_then(|b| expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok())
-    {
+    est.expert_bytes = match expert_width_rule(experts).and_then(|b| match b {
+        ExpertWidthRule::Int4Asym => crate::cpu::quantized::expected_int4_asym_cache_header(spec, 0).ok(),
+        _ => expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok(),
+    }) {
         Some(h) => krasis_cache::format::records_bytes(&h).unwrap_or(0),
         None => routed,
     };
