@@ -11,9 +11,9 @@
 #   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
 #   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
-#   mixtral-tiny's and qwen2moe-tiny's BF16 twins, qwen3next-tiny's and qwen35moe-tiny's BF16
-#   and Q8_0 twins and their reference-q8_0.safetensors. qwen3moe-tiny has a dense layer, which
-#   llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
+#   mixtral-tiny's, qwen2moe-tiny's and minimaxm2-tiny's BF16 twins, qwen3next-tiny's and
+#   qwen35moe-tiny's BF16 and Q8_0 twins and their reference-q8_0.safetensors. qwen3moe-tiny has a
+#   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -58,7 +58,7 @@ done
 # tokenizer class the fixture declares (transformers would pick Qwen3.5's for qwen35moe-tiny,
 # whose extra <|endoftext|> stops the converter; the weights and config.json are untouched).
 FIXN=${KRASIS_FIXTURES_NEXT:-$(dirname "$FIX")/fixtures-next}
-NEXT=(mixtral-tiny qwen2moe-tiny qwen3next-tiny qwen35moe-tiny)
+NEXT=(mixtral-tiny qwen2moe-tiny minimaxm2-tiny qwen3next-tiny qwen35moe-tiny)
 for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
     case $f in

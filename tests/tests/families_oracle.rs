@@ -207,3 +207,4 @@ family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");
 family_tests!(qwen2moe, "qwen2moe-tiny");
 gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny");
 family_tests!(minimaxm2, "minimaxm2-tiny");
+gguf_twin_test!(minimaxm2_gguf, "minimaxm2-tiny");

@@ -21,6 +21,9 @@
 //!   experts is a dense model and is refused.
 //! - Qwen2-MoE (`qwen2moe`): llama.cpp never renormalises its top-k weights and stores the shared
 //!   expert's gate as `ffn_gate_inp_shexp` (`[1, hidden]`, as the hub's `shared_expert_gate`).
+//! - MiniMax-M2 (`minimax-m2`): `rope.dimension_count` is the hub's `rotary_dim` (half-split pairs,
+//!   llama.cpp's NEOX rotation: the converter does not permute the rows); `attn_q_norm` /
+//!   `attn_k_norm` span the whole projections; the correction bias is `exp_probs_b`.
 //! - Qwen3-Next / Qwen3.5 (`qwen3next`, `qwen35moe`): their norms are stored with the 1 of the
 //!   zero-centred `1 + w` added, so the spec has `norm_plus_one` false (the one field in which it
 //!   differs from the hub twin's); the DeltaNet tensors the converter reordered or mapped are
@@ -94,7 +97,7 @@ pub type TensorMap = HashMap<String, GgufTensorRef>;
 
 /// Architectures this reader maps.
 pub const SUPPORTED: &[&str] =
-    &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "qwen3next", "qwen35moe"];
+    &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "minimax-m2", "qwen3next", "qwen35moe"];
 
 struct Meta<'a> {
     m: &'a GgufModel,
@@ -367,6 +370,38 @@ fn qwen2moe_config(meta: &Meta) -> Result<Map<String, Json>> {
     Ok(o)
 }
 
+/// MiniMax-M2 (`minimax-m2`): every layer MoE; the experts' width is
+/// `expert_feed_forward_length`, the rotated dims `rope.dimension_count` (the hub's
+/// `rotary_dim`); qk-norm over the whole q and k projections (`attn_q_norm` /
+/// `attn_k_norm`, as the hub's `qk_norm_type` per_layer) when the file stores it; sigmoid
+/// routing (`expert_gating_func` 2, the only kind MiniMax-M2 has) with the correction bias
+/// `exp_probs_b` when stored. llama.cpp renormalises the top-k weights, as the hub model does.
+fn minimax_m2_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let m = meta.m;
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "minimax_m2");
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(&mut o, "head_dim", d);
+    }
+    put(&mut o, "intermediate_size", meta.a("expert_feed_forward_length")?);
+    put(&mut o, "num_local_experts", meta.a("expert_count")?);
+    if let Some(r) = meta.a_opt("rope.dimension_count")? {
+        put(&mut o, "rotary_dim", r);
+    }
+    match meta.a_opt("expert_gating_func")? {
+        None | Some(2) => put(&mut o, "scoring_func", "sigmoid"),
+        Some(g) => return Err(meta.err(&meta.key("expert_gating_func"), format!("{g} is not supported (2: sigmoid)"))),
+    }
+    put(&mut o, "use_qk_norm", m.has_tensor("blk.0.attn_q_norm.weight"));
+    put(&mut o, "qk_norm_type", "per_layer");
+    put(&mut o, "use_routing_bias", m.has_tensor("blk.0.exp_probs_b.bias"));
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
 /// The spec of a GGUF model and where each canonical tensor lives in it.
 pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let arch = m
@@ -378,6 +413,7 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
         "qwen3moe" => qwen3moe_config(&meta)?,
         "llama" => mixtral_config(&meta)?,
         "qwen2moe" => qwen2moe_config(&meta)?,
+        "minimax-m2" => minimax_m2_config(&meta)?,
         "qwen3next" => qwen3next::config(&meta, false)?,
         "qwen35moe" => qwen3next::config(&meta, true)?,
         other => {
