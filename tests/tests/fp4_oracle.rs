@@ -77,6 +77,9 @@ fn auto_keeps_the_stored_nvfp4_exactly() {
     let h = cache.header();
     assert_eq!(cache_fp4(h), Some(Fp4Kind::Nvfp4));
     assert_eq!((h.group_size_hidden, h.group_size_intermediate), (16, 16), "cache groups");
+    // The RAM estimate at `auto` counts exactly these records.
+    let est = krasis_model::cpu::memory::estimate(&spec, WeightBits::Auto).expert_bytes;
+    assert_eq!(est, krasis_cache::format::records_bytes(h).unwrap(), "RAM estimate of the NVFP4 records");
     let (hid, inter) = (spec.hidden_size, spec.moe.as_ref().unwrap().moe_intermediate_size);
     let l13 = PackedLayout::new_fp4(2 * inter, hid, Fp4Kind::Nvfp4).unwrap();
     let l2 = PackedLayout::new_fp4(hid, inter, Fp4Kind::Nvfp4).unwrap();

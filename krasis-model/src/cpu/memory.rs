@@ -255,6 +255,11 @@ pub fn cpu_estimate(
     }
     est.expert_bytes = match expert_width_rule(experts).and_then(|b| match b {
         ExpertWidthRule::Int4Asym => crate::cpu::quantized::expected_int4_asym_cache_header(spec, 0).ok(),
+        // A 4-bit float checkpoint at `auto`: its experts as stored (FP4 layout).
+        ExpertWidthRule::Auto if crate::placement::precision::native_fp4(spec).is_some() => {
+            let kind = crate::placement::precision::native_fp4(spec).expect("checked");
+            crate::cpu::quantized::expected_fp4_cache_header(spec, 0, kind).ok()
+        }
         _ => expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok(),
     }) {
         Some(h) => krasis_cache::format::records_bytes(&h).unwrap_or(0),
