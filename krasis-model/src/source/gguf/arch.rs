@@ -43,6 +43,9 @@ use crate::spec::ModelSpec;
 
 pub mod qwen3next;
 
+#[cfg(test)]
+mod families_tests;
+
 /// Where a canonical tensor's values are in the GGUF.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GgufTensorRef {

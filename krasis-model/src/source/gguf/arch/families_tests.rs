@@ -1,0 +1,121 @@
+//! The `qwen2moe` and `minimax-m2` metadata → the hub twin's spec (the options llama.cpp leaves
+//! implicit inferred as it does), and bad metadata named by its key. The whole twins run in
+//! `tests/families_oracle` (`*_gguf`).
+
+use krasis_quant::ggml::GgmlType;
+
+use super::*;
+use crate::source::gguf::writer::{GgufWriter, MetaValue};
+use crate::source::gguf::{spec_from_gguf, GgufModel};
+use crate::spec::{AttentionSpec, AttnBias, ExpertNaming, QkNorm, ScoringFunc, TopkMethod};
+
+fn f32_bytes(n: usize) -> Vec<u8> {
+    vec![0u8; 4 * n]
+}
+
+/// A 2-layer `arch` file of hidden 16 (4 heads of 4, 2 KV heads), 4 experts top-2 of width 8:
+/// `kv` on top of the common metadata, `tensors` (name, ggml dims) beside the embedding.
+fn model(arch: &str, kv: &[(&str, MetaValue)], tensors: &[(&str, &[u64])]) -> GgufWriter {
+    let common = [
+        ("block_count", 2),
+        ("embedding_length", 16),
+        ("attention.head_count", 4),
+        ("attention.head_count_kv", 2),
+        ("attention.key_length", 4),
+        ("expert_count", 4),
+        ("expert_used_count", 2),
+        ("expert_feed_forward_length", 8),
+        ("context_length", 4096),
+    ];
+    let mut w = GgufWriter::default();
+    w.meta("general.architecture", MetaValue::Str(arch.into()));
+    for (k, v) in common {
+        w.meta(&format!("{arch}.{k}"), MetaValue::U32(v));
+    }
+    for (k, v) in kv {
+        w.meta(&format!("{arch}.{k}"), v.clone());
+    }
+    w.tensor("token_embd.weight", &[16, 32], GgmlType::F32, f32_bytes(16 * 32));
+    for (name, dims) in tensors {
+        w.tensor(name, dims, GgmlType::F32, f32_bytes(dims.iter().product::<u64>() as usize));
+    }
+    w
+}
+
+fn spec_of(w: &GgufWriter, arch: &str) -> Result<ModelSpec> {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("m.gguf");
+    std::fs::write(&p, w.to_bytes()).unwrap();
+    let m = GgufModel::open(&p).unwrap();
+    let meta = Meta { m: &m, arch };
+    let cfg = match arch {
+        "qwen2moe" => qwen2moe_config(&meta)?,
+        _ => minimax_m2_config(&meta)?,
+    };
+    parse_config(&Json::Object(cfg).to_string(), m.path())
+}
+
+#[test]
+fn qwen2moe_metadata_gives_biases_the_gated_shared_expert_and_no_renormalising() {
+    let kv = [("feed_forward_length", MetaValue::U32(24)), ("expert_shared_feed_forward_length", MetaValue::U32(12))];
+    let s = spec_of(&model("qwen2moe", &kv, &[("blk.0.attn_q.bias", &[16])]), "qwen2moe").unwrap();
+    assert!(matches!(
+        s.attention,
+        AttentionSpec::Gqa {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 4,
+            qk_norm: QkNorm::None,
+            bias: AttnBias { qkv: true, o: false },
+            ..
+        }
+    ));
+    let moe = s.moe.unwrap();
+    assert_eq!((moe.moe_intermediate_size, moe.shared_intermediate_size), (8, 12));
+    assert!(moe.shared_gate && !moe.routing.norm_topk_prob);
+    assert_eq!(moe.naming, ExpertNaming::MlpSharedExpert);
+    // Without a shared width the shared expert is `feed_forward_length` wide (llama.cpp's rule);
+    // without stored biases, none.
+    let s = spec_of(&model("qwen2moe", &kv[..1], &[]), "qwen2moe").unwrap();
+    assert_eq!(s.moe.unwrap().shared_intermediate_size, 24);
+    assert!(matches!(s.attention, AttentionSpec::Gqa { bias: AttnBias::NONE, .. }));
+    let e = spec_of(&model("qwen2moe", &[], &[]), "qwen2moe").unwrap_err().to_string();
+    assert!(e.contains("`qwen2moe.feed_forward_length`"), "{e}");
+}
+
+#[test]
+fn minimax_m2_metadata_gives_whole_qk_norm_rotary_dim_and_the_correction_bias() {
+    let kv = [("rope.dimension_count", MetaValue::U32(2)), ("expert_gating_func", MetaValue::U32(2))];
+    let t: [(&str, &[u64]); 2] = [("blk.0.attn_q_norm.weight", &[16]), ("blk.0.exp_probs_b.bias", &[4])];
+    let s = spec_of(&model("minimax-m2", &kv, &t), "minimax-m2").unwrap();
+    assert!(matches!(s.attention, AttentionSpec::Gqa { qk_norm: QkNorm::Whole, bias: AttnBias::NONE, .. }));
+    assert_eq!(s.rope.dim, 2);
+    let moe = s.moe.unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.routing.top_k), (4, 8, 2));
+    assert_eq!(moe.routing.scoring, ScoringFunc::Sigmoid);
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 1, topk_group: 1 });
+    assert_eq!(moe.naming, ExpertNaming::BlockSparse);
+    // Neither tensor stored: no qk-norm, routing without the bias.
+    let s = spec_of(&model("minimax-m2", &kv, &[]), "minimax-m2").unwrap();
+    assert!(matches!(s.attention, AttentionSpec::Gqa { qk_norm: QkNorm::None, .. }));
+    assert_eq!(s.moe.unwrap().routing.topk, TopkMethod::Greedy);
+    let e = spec_of(&model("minimax-m2", &[("expert_gating_func", MetaValue::U32(1))], &[]), "minimax-m2")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`minimax-m2.expert_gating_func`"), "{e}");
+    let e = spec_of(&model("minimax-m2", &[("rope.dimension_count", MetaValue::U32(3))], &[]), "minimax-m2")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`rotary_dim`") && e.contains('3'), "{e}");
+}
+
+#[test]
+fn the_whole_maps_need_their_tensors() {
+    // The metadata parses; the file lacks every layer tensor, which the map names.
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("m.gguf");
+    let kv = [("feed_forward_length", MetaValue::U32(24))];
+    std::fs::write(&p, model("qwen2moe", &kv, &[]).to_bytes()).unwrap();
+    let e = spec_from_gguf(&GgufModel::open(&p).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("missing") && e.contains("blk.0."), "{e}");
+}
