@@ -134,7 +134,7 @@ fn check_quantised(experts: WeightBits, ideal: &str, bar: f64) {
     let got = krasis_perplexity(opened.engine.as_ref(), &r);
     let rel = got / want - 1.0;
     eprintln!(
-        "{} experts: perplexity {got:.4} (ideal {ideal} {want:.4}: {:+.3}%; reference {base:.4}: {:+.2}%)",
+        "{} experts: perplexity {got:.6} (ideal {ideal} {want:.6}: {:+.4}%; reference {base:.4}: {:+.2}%)",
         experts.flag_value(),
         100.0 * rel,
         100.0 * (got / base - 1.0)
