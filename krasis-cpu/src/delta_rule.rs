@@ -38,8 +38,9 @@ impl DeltaHeads {
         self.value_heads * self.dk * self.dv
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn check(&self, t: usize, q: usize, k: usize, v: usize, g: usize, beta: usize, state: usize, out: usize) {
-        assert!(self.key_heads > 0 && self.value_heads % self.key_heads == 0, "value heads per key head");
+        assert!(self.key_heads > 0 && self.value_heads.is_multiple_of(self.key_heads), "value heads per key head");
         assert_eq!(q, t * self.key_heads * self.dk, "q is [t, key_heads, dk]");
         assert_eq!(k, q, "k is [t, key_heads, dk]");
         assert_eq!(v, t * self.value_heads * self.dv, "v is [t, value_heads, dv]");

@@ -2,7 +2,7 @@
 //! feed-forward (dense MLP, MoE with shared experts; a hybrid MoE layer handed to the CPU on the
 //! stream), each a sequence of krasis-gpu ops over the session's scratch buffers.
 
-use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout};
+use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout, MMA_MAX_QK, MMA_MAX_V};
 use krasis_gpu::linear::{GemmContext, GpuLinear};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
@@ -828,29 +828,64 @@ impl GpuGqa<'_> {
             dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
             let q16 = grow(dev, q16_slot, t * hh * hd, "gqa q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
-            let args = FlashPrefillArgs {
-                n_q: t,
-                n_kv,
-                q_start: c.pos,
-                heads: hh,
-                kv_heads: kvh,
-                scale: self.scale,
-                q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
-                q_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
-                k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
-                k_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
-                v: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
-                out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
-            };
-            dev.flash_prefill(
-                &args,
-                &q16.slice().slice(..t * hh * hd),
-                None,
-                &k16.slice().slice(..n_kv * row),
-                None,
-                &v16.slice().slice(..n_kv * row),
-                &mut o.slice_mut().slice_mut(..t * hh * hd),
-            )?;
+            let (q16, k16, v16) = (q16.slice(), k16.slice(), v16.slice());
+            let out = o.slice_mut();
+            if hd > MMA_MAX_V && hd <= MMA_MAX_QK && hd % 32 == 0 {
+                // Heads wider than the tensor-core kernel's output (Qwen3-Next's 256): the q·k
+                // product in two parts of half the head, and the values in two halves, one call
+                // each; both calls compute the same scores, each writes its half of the output.
+                let half = hd / 2;
+                for part in 0..2 {
+                    let args = FlashPrefillArgs {
+                        n_q: t,
+                        n_kv,
+                        q_start: c.pos,
+                        heads: hh,
+                        kv_heads: kvh,
+                        scale: self.scale,
+                        q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
+                        q_b: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
+                        k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
+                        k_b: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
+                        v: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
+                        out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
+                    };
+                    let at = part * half;
+                    dev.flash_prefill(
+                        &args,
+                        &q16.slice(..t * hh * hd),
+                        Some(&q16.slice(half..t * hh * hd)),
+                        &k16.slice(..n_kv * row),
+                        Some(&k16.slice(half..n_kv * row)),
+                        &v16.slice(at..n_kv * row),
+                        &mut out.slice_mut(at..t * hh * hd),
+                    )?;
+                }
+            } else {
+                let args = FlashPrefillArgs {
+                    n_q: t,
+                    n_kv,
+                    q_start: c.pos,
+                    heads: hh,
+                    kv_heads: kvh,
+                    scale: self.scale,
+                    q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
+                    q_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
+                    k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
+                    k_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
+                    v: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
+                    out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
+                };
+                dev.flash_prefill(
+                    &args,
+                    &q16.slice(..t * hh * hd),
+                    None,
+                    &k16.slice(..n_kv * row),
+                    None,
+                    &v16.slice(..n_kv * row),
+                    &mut out.slice_mut(..t * hh * hd),
+                )?;
+            }
         }
         if self.output_gate {
             super::deltanet::apply_output_gate(c, o, gate_slot, hh, hd)?;

@@ -44,8 +44,8 @@ const CHUNK_BOUNDS: (usize, usize) = (64, 8192);
 /// How many prompt tokens one step runs in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillChunk {
-    /// Sized from the measured prefill rate ([`TARGET_STEP_SECONDS`]; [`FIRST_CHUNK_TOKENS`]
-    /// until a prefill step has run).
+    /// Sized from the measured prefill rate ([`TARGET_STEP_SECONDS`]; 512 tokens until a
+    /// prefill step has run).
     Measured,
     /// This many tokens (at least 1).
     Fixed(usize),

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs ON the GPU box from the repository root, over device-bundle/ (bin/krasis, tests/, fixtures/,
+# fixtures-next/, peer/: the pruned llama.cpp source and a converter wrapper passing extra flags, as
+# ../shared/tools/peer-llama/README.md prepares it): #39's checks on Qwen3.6-35B-A3B's shapes.
+#   tests   the GPU suites of this build over the bundle's fixtures (deltanet_oracle, gpu_batch,
+#           families_oracle, fp4_oracle, int4ct_oracle, krasis-gpu's delta_rule kernels)
+#   prep    build llama.cpp (CUDA, in the background), synthesize `qwen3.6-35b --layers $LAYERS` in
+#           /tmp/q36, convert it to llama.cpp's Q8_0 GGUF, then Q4_K_M
+#   bench   llama.cpp on the Q4_K_M file (`-ot exps=CPU` with all cores; all layers on the GPU, 8K
+#           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode after 512 and
+#           after 32768 tokens (the second also the hybrid prefill of 32K at a 24 GiB budget), GPU
+#           INT4 prefill at 8K
+# SECTIONS picks them (default: all). Every step skips when its output exists, so a second call on
+# a still-warm machine resumes. Log: $OUT/next.log.
+set -uo pipefail
+B=device-bundle
+LOG="${OUT:-/tmp}/next.log"
+exec > >(tee -a "$LOG") 2>&1
+K=$B/bin/krasis
+L=$B/peer/llama.cpp
+LB=/tmp/lb
+M=/tmp/q36
+LAYERS="${LAYERS:-12}"
+SECTIONS="${SECTIONS:-tests prep bench}"
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }; left() { echo $(( 585 - $(date +%s) + t0 )); }
+T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores; disk $(df -h /tmp | tail -1 | awk '{print $4}') free"
+export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
+if has tests; then
+    export KRASIS_FIXTURES="$PWD/$B/fixtures" KRASIS_REQUIRE_FIXTURES=1 KRASIS_REQUIRE_GPU=1
+    export KRASIS_FIXTURES_NEXT="$PWD/$B/fixtures-next" KRASIS_REQUIRE_FIXTURES_NEXT=1
+    for t in $B/tests/*-bin; do
+        T "-- $t"
+        timeout "$(left)" "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|failures:|1-cos|rel |^    [a-z_0-9:]+$" | head -60
+    done
+fi
+if has prep; then
+    if [ ! -x $LB/bin/llama-bench ]; then
+        T "build llama.cpp (CUDA) in the background"
+        cmake -S $L -B $LB -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
+            -DLLAMA_OPENSSL=OFF > /tmp/cmake.log 2>&1 || { tail -5 /tmp/cmake.log; }
+        (ninja -C $LB -j 12 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
+    fi
+    [ -f $M/config.json ] || { T "synth qwen3.6-35b --layers $LAYERS"; timeout "$(left)" $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
+    if [ ! -f /tmp/q36-q8.done ]; then
+        T "convert to Q8_0 (llama.cpp's converter, no MTP)"
+        timeout "$(left)" python3 $B/peer/convert-next.py $L $M /tmp/q36-q8.gguf q8_0 --no-mtp > /tmp/convert.log 2>&1 \
+            && touch /tmp/q36-q8.done || tail -5 /tmp/convert.log
+    fi
+    [ -n "${BUILD:-}" ] && { wait $BUILD; T "llama.cpp build: $(tail -1 /tmp/ninja.log)"; }
+    if [ -f /tmp/q36-q8.done ] && [ ! -f /tmp/q36-q4km.gguf ] && [ -x $LB/bin/llama-quantize ]; then
+        T "quantize Q4_K_M"
+        timeout "$(left)" $LB/bin/llama-quantize --allow-requantize /tmp/q36-q8.gguf /tmp/q36-q4km.gguf Q4_K_M "$(nproc)" > /tmp/quantize.log 2>&1 \
+            && rm -f /tmp/q36-q8.gguf || tail -3 /tmp/quantize.log
+    fi
+    mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "Krasis caches: INT4 CPU and GPU experts"
+        timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done; }
+fi
+figures() { grep -E "prefill|decode|tok/s|device:|placement:|VRAM plan|DeltaNet|error|warning|^\|" | head -40; }
+if has bench; then
+    G=/tmp/q36-q4km.gguf
+    if [ -f $G ]; then
+        [ "$(left)" -gt 120 ] && { T "llama.cpp -ot exps=CPU, Q4_K_M, $(nproc) threads"
+            timeout 150 $LB/bin/llama-bench -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -p 512 -n 64 -r 2 -o md 2>&1 | figures; }
+        [ "$(left)" -gt 90 ] && { T "llama.cpp all layers on the GPU, Q4_K_M"
+            timeout 120 $LB/bin/llama-bench -m $G -ngl 99 -p 8192 -n 64 -r 2 -o md 2>&1 | figures; }
+    fi
+    [ "$(left)" -gt 60 ] && { T "Krasis hybrid decode after 512 tokens (INT4 experts)"
+        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --prompt-tokens 512 --decode-tokens 64 --decode-reps 2 2>&1 | figures; }
+    [ "$(left)" -gt 60 ] && { T "Krasis GPU INT4 prefill at 8K"
+        timeout 150 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 8192 --decode-tokens 16 --prefill-reps 3 2>&1 | figures; }
+    [ "$(left)" -gt 60 ] && { T "Krasis hybrid, 32K prompt at 24 GiB, then decode at 32K context"
+        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 2>&1 | figures; }
+fi
+T done
