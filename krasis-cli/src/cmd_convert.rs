@@ -11,7 +11,9 @@ use krasis_core::budget::format_bytes;
 use krasis_model::cpu::dense_cache::open_dense_cache;
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::model::tensors::param_counts;
-use krasis_model::placement::precision::{describe_layer_bits, expert_width_rule, quant_width};
+use krasis_model::placement::precision::{
+    describe_layer_bits, expert_width_rule, native_fp4, quant_width, ExpertWidthRule,
+};
 use krasis_model::runtime::expert_caches::{convert_expert_caches, CacheRequest};
 use krasis_model::source::files::ModelFiles;
 
@@ -33,8 +35,9 @@ pub struct Args {
     #[arg(long)]
     model: PathBuf,
     /// INT4 or INT8 routed experts, or auto: per projection from a GGUF's types (INT4 from 4-bit or
-    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model; none: no CPU expert
-    /// cache (with --gpu-expert-bits, the GPU one alone).
+    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model, except a 4-bit
+    /// float one (NVFP4, MXFP4), whose experts are kept as stored; none: no CPU expert cache (with
+    /// --gpu-expert-bits, the GPU one alone).
     // `::std::option::Option` keeps clap from treating the flag as optional: `none` is a value.
     #[arg(long, default_value = "auto", value_parser = cpu_expert_bits_parser())]
     cpu_expert_bits: ::std::option::Option<WeightBits>,
@@ -70,6 +73,27 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;
+    // A 4-bit float checkpoint at `auto`: its CPU expert cache holds the experts as stored, built
+    // on its own (no requantisation to share with the GPU cache).
+    let bits = match (bits, native_fp4(files.spec())) {
+        (Some(ExpertWidthRule::Auto), Some(kind)) if files.spec().moe.is_some() => {
+            eprintln!("routed experts on the CPU: {kind} (as stored)");
+            let mut log = Vec::new();
+            let opts = krasis_model::cpu::load::EngineOptions {
+                group_size: a.group_size,
+                cache_dir: a.cache_dir.clone(),
+                ..Default::default()
+            };
+            let pool = krasis_model::cpu::load::start_pool(None, &mut log)?;
+            let ex = krasis_model::cpu::load::open_cpu_experts(&files, ExpertWidthRule::Auto, &opts, &pool, &mut log)?;
+            drop(ex);
+            for line in log {
+                eprintln!("{line}");
+            }
+            None
+        }
+        (b, _) => b,
+    };
     let layer_bits = bits.map(|b| b.layer_bits(files.spec()));
     if let Some(lb) = &layer_bits {
         eprintln!("routed experts on the CPU: {}", describe_layer_bits(lb));
