@@ -8,7 +8,10 @@
 //!   wherever the ideal keeps it;
 //! - the whole GPU (BF16 and INT4 experts) and the hybrid (BF16 and INT4 CPU experts) against the
 //!   transformers-BF16 bar of `quant_bounds.json` (1 − mean cos ≤ 3 × its + 1e-4 for BF16, plus
-//!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU.
+//!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU;
+//! - for the families llama.cpp writes (Mixtral, Qwen2-MoE, MiniMax-M2), the BF16 GGUF twin made by
+//!   llama.cpp's converter: its spec is config.json's, its reference path matches the oracle, and
+//!   the whole GPU on it is within the BF16 bar.
 //!
 //! The fixture list grows with each family: `mixtral-tiny` (Mixtral: GQA without qk-norm,
 //! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
