@@ -13,7 +13,10 @@ GGUF names are mapped back to the hub's (the inverse of Krasis's mapping): stack
 ffn_{gate,up,down}_exps split per expert, *_shexp to shared_experts, exp_probs_b to
 e_score_correction_bias, attn_k_b (transposed) + attn_v_b re-interleaved into kv_b_proj.
 The dequantised weights are written as an f32 checkpoint beside the fixture's config.json and
-loaded with from_pretrained, the path the fixture's own oracle took.
+loaded with from_pretrained, the path the fixture's own oracle took. The families' own hub names
+(ARCH_LAYER): qwen2moe's one shared expert `mlp.shared_expert.*` with its gate
+`mlp.shared_expert_gate` and the q/k/v biases; minimax-m2's `block_sparse_moe` router, correction
+bias (beside the gate) and experts `w1` / `w3` / `w2`.
 
 llama.cpp's qwen3next and qwen35moe (the gated-DeltaNet fixtures, written in the fixture's own
 layout): every transformation of llama.cpp's converter (conversion/qwen.py) is undone:
@@ -73,6 +76,27 @@ LAYER = {
     "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+
+# Per architecture, the layer names that differ from LAYER's, and the routed experts' prefix and
+# projection names (gate, up, down).
+ARCH_LAYER = {
+    "qwen2moe": {
+        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+        "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+    },
+    "minimax-m2": {
+        "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+        "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias",
+    },
+}
+ARCH_EXPERTS = {
+    "minimax-m2": ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
 
 def gguf_arch(r):
@@ -200,6 +224,8 @@ def hub_state_dict(path, fixture):
         float64_delta_rule()
         return deltanet_state_dict(r, arch, fixture)
     sd, kb, vb = {}, {}, {}
+    layer_names = {**LAYER, **ARCH_LAYER.get(arch, {})}
+    exp_prefix, exp_names = ARCH_EXPERTS.get(arch, ("mlp.experts", {k: f"{k}_proj" for k in ("gate", "up", "down")}))
     for t in r.tensors:
         shape = [int(d) for d in reversed(t.shape.tolist())]  # ggml dims are innermost first
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
@@ -212,11 +238,11 @@ def hub_state_dict(path, fixture):
             raise SystemExit(f"unmapped GGUF tensor {t.name}")
         l, rest = int(m.group(1)), m.group(2)
         p = f"model.layers.{l}"
-        if rest in LAYER:
-            sd[f"{p}.{LAYER[rest]}"] = w
+        if rest in layer_names:
+            sd[f"{p}.{layer_names[rest]}"] = w
         elif (e := re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", rest)):
             for x in range(w.shape[0]):
-                sd[f"{p}.mlp.experts.{x}.{e.group(1)}_proj.weight"] = w[x].clone()
+                sd[f"{p}.{exp_prefix}.{x}.{exp_names[e.group(1)]}.weight"] = w[x].clone()
         elif rest == "attn_k_b.weight":
             kb[l] = w  # [heads, rank, nope]
         elif rest == "attn_v_b.weight":

@@ -11,9 +11,10 @@
 #   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
 #   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
-#   mixtral-tiny's, qwen2moe-tiny's and minimaxm2-tiny's BF16 twins, qwen3next-tiny's and
+#   mixtral-tiny's BF16 twin; qwen2moe-tiny's, minimaxm2-tiny's, qwen3next-tiny's and
 #   qwen35moe-tiny's BF16 and Q8_0 twins and their reference-q8_0.safetensors. qwen3moe-tiny has a
-#   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets a twin.
+#   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets
+#   a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -63,6 +64,7 @@ for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
     case $f in
         qwen3next-tiny | qwen35moe-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--no-mtp) ;;
+        qwen2moe-tiny | minimaxm2-tiny) types=(bf16 q8_0); conv=$PEER/convert.py; extra=() ;;
         *) types=(bf16); conv=$PEER/convert.py; extra=() ;;
     esac
     mkdir -p "$OUT/$f"
@@ -115,7 +117,7 @@ for f in "${FIXTURES[@]}"; do
             >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
     done
 done
-for f in qwen3next-tiny qwen35moe-tiny; do
+for f in qwen2moe-tiny minimaxm2-tiny qwen3next-tiny qwen35moe-tiny; do
     src=$OUT/$f/model-q8_0.gguf; dst=$OUT/$f/reference-q8_0.safetensors
     [ -s "$src" ] || continue
     [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue

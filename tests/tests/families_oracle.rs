@@ -11,7 +11,9 @@
 //!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU;
 //! - for the families llama.cpp writes (Mixtral, Qwen2-MoE, MiniMax-M2), the BF16 GGUF twin made by
 //!   llama.cpp's converter: its spec is config.json's, its reference path matches the oracle, and
-//!   the whole GPU on it is within the BF16 bar.
+//!   the whole GPU on it is within the BF16 bar; for Qwen2-MoE and MiniMax-M2 also the Q8_0
+//!   twin on the CPU reference path against transformers in float64 on that file's dequantised
+//!   weights (`reference-q8_0.safetensors`, `scripts/gguf-dequant-reference.py`), the same bar.
 //!
 //! The fixture list grows with each family: `mixtral-tiny` (Mixtral: GQA without qk-norm,
 //! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
@@ -30,8 +32,8 @@ use krasis_model::source::files::ModelFiles;
 use krasis_model::text::sampling::argmax;
 use krasis_quant::Bits;
 use krasis_tests::{
-    check_against_reference, fidelity, fixture_next, gguf_fixtures_dir, gpu_available, load_reference, prefill_logits,
-    quant_bound, Reference,
+    check_against_reference, fidelity, fixture_next, gguf_fixtures_dir, gpu_available, load_reference,
+    load_reference_file, prefill_logits, quant_bound, Reference,
 };
 
 fn vocab(r: &Reference) -> usize {
@@ -171,6 +173,34 @@ fn gguf_twin(name: &str) {
     assert!(f.top1 >= b.top1 - 0.1, "{name} gguf gpu: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
 }
 
+/// The Q8_0 GGUF twin (llama.cpp's converter) on the CPU reference path against transformers in
+/// float64 on the file's dequantised weights (`reference-q8_0.safetensors` beside it, made by
+/// `scripts/gguf-dequant-reference.py`): rel ≤ 1e-4, greedy ids identical.
+fn gguf_q8_0_twin(name: &str) {
+    let Some(dir) = fixture_next(name) else { return };
+    let Some(root) = gguf_fixtures_dir() else { return };
+    let gguf = root.join(name).join("model-q8_0.gguf");
+    let own = root.join(name).join("reference-q8_0.safetensors");
+    if !gguf.exists() || !own.exists() {
+        let msg = format!("{} or its reference missing (scripts/make-gguf-fixtures.sh makes them)", gguf.display());
+        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+            panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+        }
+        krasis_tests::report_skip(&msg);
+        return;
+    }
+    let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name} q8_0: {e}"));
+    assert_eq!(
+        files.spec().moe.as_ref().map(|m| m.routing),
+        ModelFiles::open(&dir).unwrap().spec().moe.as_ref().map(|m| m.routing),
+        "{name} q8_0: routing"
+    );
+    let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name} q8_0: load failed: {e}"));
+    for line in check_against_reference(name, &model, &load_reference_file(&own)) {
+        eprintln!("gguf q8_0 (dequantised) vs float64 on its weights: {line}");
+    }
+}
+
 /// Reference path, quantised CPU experts, GPU and hybrid for one fixture.
 macro_rules! family_tests {
     ($module:ident, $fixture:expr) => {
@@ -191,13 +221,26 @@ macro_rules! family_tests {
     };
 }
 
-/// The GGUF twin's test for a fixture whose family llama.cpp writes.
+/// The GGUF twin's test for a fixture whose family llama.cpp writes (with `q8_0`, its Q8_0 twin's
+/// too).
 macro_rules! gguf_twin_test {
     ($module:ident, $fixture:expr) => {
         mod $module {
             #[test]
             fn gguf_bf16_twin_matches_the_oracle() {
                 super::gguf_twin($fixture);
+            }
+        }
+    };
+    ($module:ident, $fixture:expr, q8_0) => {
+        mod $module {
+            #[test]
+            fn gguf_bf16_twin_matches_the_oracle() {
+                super::gguf_twin($fixture);
+            }
+            #[test]
+            fn gguf_q8_0_twin_matches_float64_on_its_weights() {
+                super::gguf_q8_0_twin($fixture);
             }
         }
     };
@@ -208,6 +251,6 @@ gguf_twin_test!(mixtral_gguf, "mixtral-tiny");
 family_tests!(glm4moe, "glm4moe-tiny");
 family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");
 family_tests!(qwen2moe, "qwen2moe-tiny");
-gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny");
+gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny", q8_0);
 family_tests!(minimaxm2, "minimaxm2-tiny");
-gguf_twin_test!(minimaxm2_gguf, "minimaxm2-tiny");
+gguf_twin_test!(minimaxm2_gguf, "minimaxm2-tiny", q8_0);
