@@ -2,7 +2,7 @@
 //! `krasis_quant::int4_asym`, 5.0 bits per weight) beside symmetric INT4 g128 (4.125) and g32
 //! (4.5) on the same shapes: GB/s of packed weight bytes (criterion `Throughput::Bytes`, one
 //! matrix per iteration) on DeepSeek-V2-Lite's expert shapes — w13 = 2×1408 rows × K 2048, w2 =
-//! 2048 rows × K 1408 — per ISA this CPU runs (passed explicitly), M = 1 and 8, on 1 thread and on
+//! 2048 rows × K 1408 — per ISA this CPU runs (passed explicitly), M = 1, 2 (a decode token: value and residual rows) and 8, on 1 thread and on
 //! all threads (row blocks split evenly, a spin barrier between matrices as a decode pool would
 //! have). `read/…` is a plain streaming read of the same bytes with the same threads: the
 //! bandwidth probe (issue #38 item 5 asks a new INT4 default to stream at ≥ 85 % of it in
@@ -181,7 +181,7 @@ fn bench(c: &mut Criterion) {
                 })
             });
             for &isa in &isas {
-                for m in [1usize, 8] {
+                for m in [1usize, 2, 8] {
                     let acts = acts_for(m, &l);
                     for (pool, tag) in [(&case.pool, ""), (&case.hot, "hot/")] {
                         let outs: Vec<std::sync::Mutex<Vec<f32>>> =

@@ -5,7 +5,8 @@
 //! line of the header) give `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(Σ x_q, m · s_x, y)`.
 //!
 //! M = 1 keeps the row block's 16 outputs in a register with four independent accumulators per
-//! group (a group is four chunks); M > 1 applies each chunk to tiles of up to 8 activation rows
+//! group (a group is four chunks), M = 2 (a decode token's value and residual rows) both rows'
+//! outputs; M > 2 applies each chunk to tiles of up to 8 activation rows
 //! (the group's 256 bytes stay in L1 between tiles), accumulating straight into `out`. There is
 //! no AMX form (see [`super::matmul_packed`]).
 
@@ -84,6 +85,10 @@ unsafe fn run<const HINT: i32>(
             block_m1::<HINT>(blk, l, acts, y, groups.clone(), pfd);
             continue;
         }
+        if acts.m == 2 {
+            block_m2::<HINT>(blk, l, acts, y, ncols, groups.clone(), pfd);
+            continue;
+        }
         for g in groups.clone() {
             let mut i = 0;
             let mut pfd_g = pfd;
@@ -146,6 +151,57 @@ unsafe fn block_m1<const HINT: i32>(
         yv = epilogue(acc, acts.sums[g], f16x16(hp), f16x16(hp.add(32)), acts.scales[g], yv);
     }
     _mm512_storeu_ps(y, yv);
+}
+
+/// One row block at M = 2 (a decode token as value + residual rows, see
+/// `moe::quantize_acts_split`): both rows' outputs stay in registers over the groups, so the
+/// weight stream is read once as at M = 1. Writes 16 outputs to `y` and 16 to `y + ncols`
+/// (continuing what they hold, zeroed by the caller when `groups` starts at 0).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn block_m2<const HINT: i32>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    y: *mut f32,
+    ncols: usize,
+    groups: Range<usize>,
+    pfd: usize,
+) {
+    let (gs, k, ng) = (l.gs, l.k, l.groups());
+    let mask = _mm512_set1_epi8(0x0f);
+    let (x0, x1) = (acts.q.as_ptr(), acts.q.as_ptr().add(k));
+    let (mut y0, mut y1) = (_mm512_loadu_ps(y), _mm512_loadu_ps(y.add(ncols)));
+    for g in groups {
+        let wp = blk.add(l.weights_offset(g));
+        let hp = blk.add(l.scales_offset(g));
+        if pfd != 0 {
+            _mm_prefetch::<HINT>(hp.wrapping_add(pfd) as *const i8);
+            for u in 0..4 {
+                _mm_prefetch::<HINT>(wp.wrapping_add(pfd + u * CHUNK) as *const i8);
+            }
+        }
+        let (x0g, x1g) = (x0.add(g * gs), x1.add(g * gs));
+        // Two chains per row and nibble half (even / odd chunk), as block_m1.
+        let mut a0 = [_mm512_setzero_si512(); 4];
+        let mut a1 = [_mm512_setzero_si512(); 4];
+        for u in 0..4 {
+            let v = _mm512_loadu_si512(wp.add(u * CHUNK) as *const _);
+            let lo = _mm512_and_si512(v, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask);
+            let (kk, e) = (u * 8, 2 * (u % 2));
+            a0[e] = _mm512_dpbusd_epi32(a0[e], lo, bcast4(x0g.add(kk)));
+            a0[e + 1] = _mm512_dpbusd_epi32(a0[e + 1], hi, bcast4(x0g.add(kk + 4)));
+            a1[e] = _mm512_dpbusd_epi32(a1[e], lo, bcast4(x1g.add(kk)));
+            a1[e + 1] = _mm512_dpbusd_epi32(a1[e + 1], hi, bcast4(x1g.add(kk + 4)));
+        }
+        let sum = |a: &[__m512i; 4]| _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
+        let (d, m) = (f16x16(hp), f16x16(hp.add(32)));
+        y0 = epilogue(sum(&a0), acts.sums[g], d, m, acts.scales[g], y0);
+        y1 = epilogue(sum(&a1), acts.sums[ng + g], d, m, acts.scales[ng + g], y1);
+    }
+    _mm512_storeu_ps(y, y0);
+    _mm512_storeu_ps(y.add(ncols), y1);
 }
 
 /// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.

@@ -33,13 +33,15 @@ fn weights(rows: usize, k: usize, amp: f32, seed: u64) -> AsymMatrix {
 /// magnitudes, `Σ_g |d · s_x · Σ q·x_q| + |m · s_x · Σ x_q|` (the scale of their rounding).
 fn reference(m: &AsymMatrix, acts: &QuantizedActs) -> (Vec<f64>, Vec<f64>) {
     let w = m.dequantize_f64();
-    let x = acts.dequantize();
     let (k, ng) = (m.k, m.groups());
+    // The activations exactly (q · s_x in f64; `QuantizedActs::dequantize` rounds them to f32).
+    let x: Vec<f64> =
+        (0..acts.m * k).map(|e| acts.q[e] as f64 * acts.scales[(e / k) * ng + (e % k) / 32] as f64).collect();
     let mut y = vec![0f64; acts.m * m.rows];
     let mut mag = vec![0f64; acts.m * m.rows];
     for i in 0..acts.m {
         for r in 0..m.rows {
-            y[i * m.rows + r] = (0..k).map(|c| w[r * k + c] * x[i * k + c] as f64).sum();
+            y[i * m.rows + r] = (0..k).map(|c| w[r * k + c] * x[i * k + c]).sum();
             mag[i * m.rows + r] = (0..ng)
                 .map(|g| {
                     let b = m.block(r, g);
