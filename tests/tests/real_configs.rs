@@ -5,9 +5,9 @@
 //! apart from what each test names as left out. GLM-4.5's configuration (the part published
 //! here) parses and its inventory is the published one less the MTP layer; so do MiniMax-M2.7's
 //! (its inventory exactly the published one). Every supported published configuration
-//! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5, GLM-4.5, MiniMax-M2.7)
-//! synthesizes with its widths cut down by the test, two MoE layers deep,
-//! and generates on the CPU.
+//! (DeepSeek-V3, R1, V2-Lite, Qwen3-30B-A3B, Kimi-K2-Instruct, Kimi-K2.5, GLM-4.5, MiniMax-M2.7,
+//! Qwen3-Next-80B-A3B, Qwen3.6-35B-A3B) synthesizes with its widths cut down by the test, two MoE
+//! layers deep (the hybrids keeping a DeltaNet and an attention layer), and generates on the CPU.
 //!
 //! Skips visibly when the folder is absent (CI may not have `../shared`), unless
 //! `KRASIS_REQUIRE_REAL_CONFIGS=1`.
@@ -429,6 +429,11 @@ fn reduced_kimi_k2(dir: &Path) -> Value {
         ("qk_nope_head_dim", 32),
         ("qk_rope_head_dim", 16),
         ("v_head_dim", 32),
+        ("shared_expert_intermediate_size", 128),
+        ("linear_num_key_heads", 2),
+        ("linear_num_value_heads", 4),
+        ("linear_key_head_dim", 32),
+        ("linear_value_head_dim", 32),
         ("bos_token_id", 0),
         ("eos_token_id", 1),
     ] {
@@ -526,6 +531,11 @@ fn every_supported_published_config_synthesizes_at_reduced_size_and_generates() 
         ("Kimi-K2.5", serde_json::from_str(&kimi_k25_config(&dir)).unwrap()),
         ("GLM-4.5", serde_json::from_str(&glm45_config(&dir)).unwrap()),
         ("MiniMax-M2.7", serde_json::from_str(&read(&dir.join("MiniMax-M2.7/config.json"))).unwrap()),
+        (
+            "Qwen3-Next-80B-A3B",
+            serde_json::from_str(&read(&dir.join("Qwen3-Next-80B-A3B-Instruct/config.json"))).unwrap(),
+        ),
+        ("Qwen3.6-35B-A3B", serde_json::from_str(&read(&dir.join("Qwen3.6-35B-A3B/config.json"))).unwrap()),
     ];
     let tmp = tempfile::tempdir().unwrap();
     for (name, mut config) in configs {
