@@ -4,8 +4,8 @@
 
 pub mod activation;
 pub mod aligned;
-pub mod delta_rule;
 pub mod attention;
+pub mod delta_rule;
 pub mod expf;
 pub mod gemm;
 pub mod group_attention;

@@ -72,7 +72,10 @@ fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, tokio::sync::mpsc::Unbounde
 
 /// Each job's text and finish, in submission order, after a run of `jobs` with `chunk`; and the
 /// steps the engine saw.
-fn run(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)]) -> (Vec<(String, Finish)>, Vec<Vec<usize>>, Arc<Metrics>) {
+/// A run's replies (text and finish per job), the steps the engine saw and the metrics.
+type RunResult = (Vec<(String, Finish)>, Vec<Vec<usize>>, Arc<Metrics>);
+
+fn run(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)]) -> RunResult {
     let tmp = tempfile::tempdir().unwrap();
     let (engine, codec) = engine(tmp.path());
     let metrics = Arc::new(Metrics::default());
