@@ -227,7 +227,7 @@ fn copy_with(src: &Path, out: &Path, edit: impl FnOnce(&mut serde_json::Value, &
     let mut data = bytes[8 + n..].to_vec();
     edit(&mut header, &mut data);
     let mut h = serde_json::to_vec(&header).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut file = (h.len() as u64).to_le_bytes().to_vec();
