@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod family_checks;
+
 use krasis_model::source::SafetensorsFile;
 use krasis_model::text::sampling::argmax;
 

@@ -25,15 +25,12 @@
 //! k projections, RoPE on the first 16 of 32 dims from `rotary_dim`, sigmoid routing with the
 //! correction bias beside the gate, no groups, `block_sparse_moe` names).
 
-use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::cpu::Model;
-use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
+use krasis_model::gpu::{GpuModel, GpuOptions};
 use krasis_model::source::files::ModelFiles;
-use krasis_model::text::sampling::argmax;
-use krasis_quant::Bits;
 use krasis_tests::{
     check_against_reference, fidelity, fixture_next, gguf_fixtures_dir, gpu_available, load_reference,
-    load_reference_file, prefill_logits, quant_bound, Reference,
+    load_reference_file, quant_bound, Reference,
 };
 
 fn vocab(r: &Reference) -> usize {
@@ -45,87 +42,6 @@ fn reference_path(name: &str) {
     let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: load failed: {e}"));
     for line in check_against_reference(name, &model, &load_reference(&dir)) {
         eprintln!("{line}");
-    }
-}
-
-fn quantised_cpu_experts(name: &str) {
-    let Some(dir) = fixture_next(name) else { return };
-    let root = dir.parent().unwrap();
-    let r = load_reference(&dir);
-    let v = vocab(&r);
-    let tmp = tempfile::tempdir().unwrap();
-    for (kind, bits) in [("int8", WeightBits::Int8), ("int4", WeightBits::Int4)] {
-        let ideal = quant_bound(root, name, kind);
-        let logits = prefill_logits(&dir, bits, WeightBits::Bf16, tmp.path(), &r.prompt_ids);
-        let f = fidelity(&logits, &r.prefill_logits, v);
-        let bar = 2.0 * (1.0 - ideal.mean_cos) + 1e-4;
-        eprintln!(
-            "{name} cpu experts {kind}: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2} (ideal {:.2})",
-            1.0 - f.mean_cos,
-            f.top1,
-            ideal.top1
-        );
-        assert!(1.0 - f.mean_cos <= bar, "{name} {kind}: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
-        assert!(f.top1 >= ideal.top1 - 0.1, "{name} {kind}: top-1 {:.2} < ideal {:.2} - 0.1", f.top1, ideal.top1);
-        if kind == "int8" && ideal.first_token_same == Some(true) {
-            assert_eq!(argmax(&logits[logits.len() - v..]) as u32, r.greedy_ids[0], "{name} int8: first token");
-        }
-    }
-}
-
-fn gpu_and_hybrid(name: &str) {
-    let Some(dir) = fixture_next(name) else { return };
-    if !gpu_available(name) {
-        return;
-    }
-    let root = dir.parent().unwrap();
-    let r = load_reference(&dir);
-    let v = vocab(&r);
-    let b = quant_bound(root, name, "bf16");
-    let i4 = quant_bound(root, name, "int4");
-    let tmp = tempfile::tempdir().unwrap();
-    let cache = GpuExpertCache::In(Some(tmp.path().to_path_buf()));
-    for (kind, bits) in [("bf16", None), ("int4", Some(Bits::Int4))] {
-        let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4 + if bits.is_some() { 2.0 * (1.0 - i4.mean_cos) } else { 0.0 };
-        let top1 = if bits.is_some() { i4.top1.min(b.top1) } else { b.top1 };
-        let gpu = GpuOptions {
-            kv_tokens: Some(512),
-            expert_bits: bits,
-            expert_cache: cache.clone(),
-            ..GpuOptions::default()
-        };
-        let cpu = krasis_model::cpu::load::EngineOptions {
-            expert_bits: if bits.is_some() { WeightBits::Int4 } else { WeightBits::Bf16 },
-            cache_dir: Some(tmp.path().to_path_buf()),
-            threads: Some(2),
-            ..Default::default()
-        };
-        for device in ["gpu", "hybrid"] {
-            let m = match device {
-                "gpu" => GpuModel::load(&dir, &gpu),
-                _ => GpuModel::load_hybrid(&dir, &gpu, &cpu),
-            }
-            .unwrap_or_else(|e| panic!("{name} {device} {kind}: {e}"));
-            let mut s = m.new_session().unwrap();
-            let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
-            let f = fidelity(&l, &r.prefill_logits, v);
-            eprintln!(
-                "{name} {device} experts {kind}: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2} (bar {:.2})",
-                1.0 - f.mean_cos,
-                f.top1,
-                top1 - 0.1
-            );
-            assert!(
-                1.0 - f.mean_cos <= bar,
-                "{name} {device} {kind}: 1 - mean cos {:.3e} > {bar:.3e}",
-                1.0 - f.mean_cos
-            );
-            assert!(f.top1 >= top1 - 0.1, "{name} {device} {kind}: top-1 {:.2} < {:.2} - 0.1", f.top1, top1);
-            if bits.is_none() {
-                let first = argmax(&l[l.len() - v..]) as u32;
-                assert_eq!(first, r.greedy_ids[0], "{name} {device} bf16: first greedy token");
-            }
-        }
     }
 }
 
@@ -211,11 +127,11 @@ macro_rules! family_tests {
             }
             #[test]
             fn quantised_cpu_experts_within_the_ideal_bounds() {
-                super::quantised_cpu_experts($fixture);
+                krasis_tests::family_checks::quantised_cpu_experts($fixture);
             }
             #[test]
             fn gpu_and_hybrid_within_the_bf16_bounds() {
-                super::gpu_and_hybrid($fixture);
+                krasis_tests::family_checks::gpu_and_hybrid($fixture, false);
             }
         }
     };
