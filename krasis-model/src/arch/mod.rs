@@ -458,6 +458,44 @@ fn parse_common_biased(f: &Fields) -> Result<Common> {
     })
 }
 
+/// Which layers are MoE, as Qwen2-MoE defines it (and Qwen3-MoE after it): layer `l` is MoE
+/// when it is not in `mlp_only_layers`, the model has experts (`n_experts > 0`) and `l + 1` is a
+/// multiple of `decoder_sparse_step` (default 1); every other layer is a dense MLP of
+/// `intermediate_size`, which must then be given.
+fn sparse_step_layers(f: &Fields, num_layers: usize, n_experts: usize) -> Result<Vec<FfnKind>> {
+    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+    if step == 0 {
+        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
+    }
+    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
+        None => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|x| x as usize)
+                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
+            })
+            .collect::<Result<_>>()?,
+        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
+    };
+    if let Some(&l) = mlp_only.iter().find(|&&l| l >= num_layers) {
+        return Err(f.err("mlp_only_layers", format!("layer {l} is past num_hidden_layers {num_layers}")));
+    }
+    let intermediate = f.usize_opt("intermediate_size")?.unwrap_or(0);
+    (0..num_layers)
+        .map(|l| {
+            if !mlp_only.contains(&l) && n_experts > 0 && (l + 1) % step == 0 {
+                Ok(FfnKind::Moe)
+            } else if intermediate == 0 {
+                Err(f.err("intermediate_size", format!("missing or 0 (layer {l} is a dense MLP)")))
+            } else {
+                Ok(FfnKind::Dense { intermediate_size: intermediate })
+            }
+        })
+        .collect()
+}
+
 /// GQA's heads: `num_attention_heads`, `num_key_value_heads` (default: as many, MHA), which
 /// must divide it, and `head_dim` (default `hidden_size / num_attention_heads`), which must be
 /// even; `(heads, kv_heads, head_dim)`.

@@ -1,49 +1,11 @@
 //! Qwen2-MoE `config.json` fields (`Qwen2MoeForCausalLM`, `model_type` `qwen2_moe`:
 //! Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B).
 
-use serde_json::Value;
-
-use super::{parse_common_biased, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
+use super::{
+    parse_common_biased, parse_gqa_heads, parse_rope, parse_source_quant, sparse_step_layers, FamilyParts, Fields,
+};
 use crate::error::Result;
 use crate::spec::*;
-
-/// Which layers are MoE, as Qwen2-MoE defines it (and Qwen3-MoE after it): layer `l` is MoE
-/// when it is not in `mlp_only_layers`, the model has experts (`n_experts > 0`) and `l + 1` is a
-/// multiple of `decoder_sparse_step` (default 1); every other layer is a dense MLP of
-/// `intermediate_size`, which must then be given.
-pub(super) fn sparse_step_layers(f: &Fields, num_layers: usize, n_experts: usize) -> Result<Vec<FfnKind>> {
-    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-    if step == 0 {
-        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
-    }
-    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
-        None => vec![],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
-            })
-            .collect::<Result<_>>()?,
-        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
-    };
-    if let Some(&l) = mlp_only.iter().find(|&&l| l >= num_layers) {
-        return Err(f.err("mlp_only_layers", format!("layer {l} is past num_hidden_layers {num_layers}")));
-    }
-    let intermediate = f.usize_opt("intermediate_size")?.unwrap_or(0);
-    (0..num_layers)
-        .map(|l| {
-            if !mlp_only.contains(&l) && n_experts > 0 && (l + 1) % step == 0 {
-                Ok(FfnKind::Moe)
-            } else if intermediate == 0 {
-                Err(f.err("intermediate_size", format!("missing or 0 (layer {l} is a dense MLP)")))
-            } else {
-                Ok(FfnKind::Dense { intermediate_size: intermediate })
-            }
-        })
-        .collect()
-}
 
 /// Qwen2-MoE: GQA (MHA in the published checkpoints) with q/k/v biases, which the published
 /// configs carry no flag for (transformers' `qkv_bias`, default true, is read when present) and

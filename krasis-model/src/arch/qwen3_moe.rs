@@ -1,8 +1,6 @@
 //! Qwen3-MoE `config.json` fields.
 
-use serde_json::Value;
-
-use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, sparse_step_layers, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -15,32 +13,7 @@ pub(super) fn parse(f: &Fields) -> Result<ModelSpec> {
     }
     let rope = parse_rope(f, head_dim, RopePairing::Halves, c.max_position_embeddings)?;
     let n_experts = f.usize_opt("num_experts")?.unwrap_or(0);
-    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-    if step == 0 {
-        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
-    }
-    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
-        None => vec![],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
-            })
-            .collect::<Result<_>>()?,
-        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
-    };
-    let intermediate = f.dim("intermediate_size")?;
-    let layers = (0..c.num_layers)
-        .map(|l| {
-            if !mlp_only.contains(&l) && n_experts > 0 && (l + 1) % step == 0 {
-                FfnKind::Moe
-            } else {
-                FfnKind::Dense { intermediate_size: intermediate }
-            }
-        })
-        .collect();
+    let layers = sparse_step_layers(f, c.num_layers, n_experts)?;
     let moe = if n_experts > 0 {
         let top_k = f.dim("num_experts_per_tok")?;
         if top_k > n_experts {

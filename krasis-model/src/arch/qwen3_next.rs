@@ -15,7 +15,7 @@
 
 use serde_json::Value;
 
-use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, FamilyParts, Fields};
+use super::{parse_common, parse_gqa_heads, parse_rope, parse_source_quant, sparse_step_layers, FamilyParts, Fields};
 use crate::error::Result;
 use crate::spec::*;
 
@@ -121,34 +121,7 @@ pub(super) fn parse(f: &Fields, arch: Arch) -> Result<ModelSpec> {
     if top_k > n_experts {
         return Err(f.err("num_experts_per_tok", format!("{top_k} exceeds num_experts {n_experts}")));
     }
-    let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
-    if step == 0 {
-        return Err(f.err("decoder_sparse_step", "must be greater than 0"));
-    }
-    let mlp_only: Vec<usize> = match f.present("mlp_only_layers") {
-        None => vec![],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_u64()
-                    .map(|x| x as usize)
-                    .ok_or_else(|| f.err("mlp_only_layers", format!("expected layer indices, found {v}")))
-            })
-            .collect::<Result<_>>()?,
-        Some(v) => return Err(f.err("mlp_only_layers", format!("expected a list, found {v}"))),
-    };
-    let dense_inter = f.usize_opt("intermediate_size")?.unwrap_or(0);
-    let layers = (0..c.num_layers)
-        .map(|l| {
-            if !mlp_only.contains(&l) && (l + 1) % step == 0 {
-                Ok(FfnKind::Moe)
-            } else if dense_inter == 0 {
-                Err(f.err("intermediate_size", format!("missing or 0 (layer {l} is a dense MLP)")))
-            } else {
-                Ok(FfnKind::Dense { intermediate_size: dense_inter })
-            }
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let layers = sparse_step_layers(f, c.num_layers, n_experts)?;
     let norm_topk_prob = match arch {
         Arch::Qwen35Moe => true,
         _ => f.bool_or("norm_topk_prob", true)?,
