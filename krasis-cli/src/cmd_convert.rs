@@ -60,12 +60,6 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    if [a.cpu_expert_bits, a.gpu_expert_bits].iter().flatten().any(|&w| w == WeightBits::Int4Asym) {
-        anyhow::bail!(
-            "convert does not build asymmetric INT4 (`4a`) expert caches yet: the first run with \
-             --cpu-expert-bits 4a builds its cache (the GPU has no 4a kernels)"
-        );
-    }
     let bits = a.cpu_expert_bits.and_then(expert_width_rule);
     let gpu = a.gpu_expert_bits.and_then(quant_width);
     if bits.is_none() && gpu.is_none() && a.cpu_dense_bits.is_none() {

@@ -67,13 +67,14 @@ pub struct EngineArgs {
     /// Precision of the routed experts on the CPU: bf16 = the source weights unquantised (the
     /// reference path); 8 or 4 = INT8/INT4 from the expert cache (built on first use); auto = per
     /// projection from a GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and
-    /// float), INT4 for a safetensors model.
+    /// float), INT4 for a safetensors model; 4a = asymmetric INT4 in groups of 32 (a scale and a
+    /// minimum per group, 5.0 bits per weight; CPU only).
     #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
     pub cpu_expert_bits: WeightBits,
     /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU
     /// (--device cpu): bf16 = as stored (the reference path); 8 or 4 = INT8/INT4 from the
     /// dense-weight cache (built on first use); auto = 8.
-    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
+    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::SYMMETRIC_FLAG_VALUES))]
     pub cpu_dense_bits: WeightBits,
     /// Quantisation group along K (halved while a dimension is not divisible, down to 32).
     #[arg(long, default_value_t = 128)]
@@ -195,7 +196,7 @@ pub struct GpuArgs {
     /// expert cache in --cache-dir, or the CPU's records, built on the first start or by `krasis
     /// convert`); bf16: BF16 resident experts, and a hybrid prefill keeps the experts on the CPU;
     /// auto: the source's width when it is 8-bit, else 4 (hybrid: the CPU experts' width).
-    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
+    #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::SYMMETRIC_FLAG_VALUES))]
     pub gpu_expert_bits: WeightBits,
     /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the
     /// GPU. cpu-cache: the CPU experts' own cache, laid out for the GPU on the device (one copy of

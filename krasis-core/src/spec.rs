@@ -411,8 +411,11 @@ pub enum WeightBits {
 impl WeightBits {
     /// The values `--cpu-dense-bits` takes.
     pub const FLAG_VALUES: [&'static str; 3] = ["bf16", "8", "4"];
-    /// The values `--cpu-expert-bits` and `--gpu-expert-bits` take.
+    /// The values `--cpu-expert-bits` takes.
     pub const EXPERT_FLAG_VALUES: [&'static str; 5] = ["auto", "bf16", "8", "4", "4a"];
+    /// The values `--gpu-expert-bits` and `--cpu-dense-bits` take (no `4a`: the GPU kernels and
+    /// the dense weights hold no minimums).
+    pub const SYMMETRIC_FLAG_VALUES: [&'static str; 4] = ["auto", "bf16", "8", "4"];
 
     /// Integer bits per weight, `None` for the unquantised source weights and for `Auto`
     /// (decided per projection).
@@ -458,6 +461,15 @@ impl std::fmt::Display for WeightBits {
 #[cfg(test)]
 mod tests {
     use super::WeightBits;
+
+    #[test]
+    fn int4_asym_is_a_cpu_expert_value_only() {
+        for v in ["4a", "int4a", "INT4-asym"] {
+            assert_eq!(v.parse::<WeightBits>().unwrap(), WeightBits::Int4Asym);
+        }
+        assert!(WeightBits::EXPERT_FLAG_VALUES.contains(&"4a"));
+        assert!(!WeightBits::SYMMETRIC_FLAG_VALUES.contains(&"4a") && !WeightBits::FLAG_VALUES.contains(&"4a"));
+    }
 
     #[test]
     fn weight_bits_flag_values_round_trip() {
