@@ -4,12 +4,13 @@
 # ../shared/tools/peer-llama/README.md prepares it): #39's checks on Qwen3.6-35B-A3B's shapes.
 #   tests   the GPU suites of this build over the bundle's fixtures (deltanet_oracle, gpu_batch,
 #           families_oracle, fp4_oracle, int4ct_oracle, krasis-gpu's delta_rule kernels)
-#   prep    build llama.cpp (CUDA, in the background), synthesize `qwen3.6-35b --layers $LAYERS` in
-#           /tmp/q36, convert it to llama.cpp's Q8_0 GGUF, then Q4_K_M
+#   prep    build llama.cpp (CUDA) and convert `qwen3.6-35b --layers $LAYERS` (synthesized in /tmp/q36)
+#           to llama.cpp's Q8_0 GGUF in the background while the tests run, then Q4_K_M and
+#           Krasis' INT4 caches
 #   bench   llama.cpp on the Q4_K_M file (`-ot exps=CPU` with all cores; all layers on the GPU, 8K
-#           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode after 512 and
-#           after 32768 tokens (the second also the hybrid prefill of 32K at a 24 GiB budget), GPU
-#           INT4 prefill at 8K
+#           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode (the CPU experts
+#           alone, `--cache-strategy none`) after 512 and after 32768 tokens (the second also the
+#           hybrid prefill of 32K at a 24 GiB budget), GPU INT4 prefill at 8K (profiled)
 # SECTIONS picks them (default: all). Every step skips when its output exists, so a second call on
 # a still-warm machine resumes. Log: $OUT/next.log.
 set -uo pipefail
@@ -21,11 +22,27 @@ L=$B/peer/llama.cpp
 LB=/tmp/lb
 M=/tmp/q36
 LAYERS="${LAYERS:-12}"
-SECTIONS="${SECTIONS:-tests prep bench}"
+SECTIONS="${SECTIONS:-prep tests bench}"
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }; left() { echo $(( 585 - $(date +%s) + t0 )); }
 T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores; disk $(df -h /tmp | tail -1 | awk '{print $4}') free"
 export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
+if has prep; then
+    # Everything slow starts first and runs in the background while the tests use the GPU.
+    if [ ! -x $LB/bin/llama-bench ]; then
+        T "build llama.cpp (CUDA) in the background"
+        cmake -S $L -B $LB -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
+            -DLLAMA_OPENSSL=OFF > /tmp/cmake.log 2>&1 || { tail -5 /tmp/cmake.log; }
+        (ninja -C $LB -j 10 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
+    fi
+    [ -f $M/config.json ] || { T "synth qwen3.6-35b --layers $LAYERS"; timeout "$(left)" $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
+    if [ ! -f /tmp/q36-q8.done ]; then
+        T "convert to Q8_0 in the background (llama.cpp's converter, no MTP)"
+        (timeout "$(left)" python3 $B/peer/convert-next.py $L $M /tmp/q36-q8.gguf q8_0 --no-mtp > /tmp/convert.log 2>&1 \
+            && touch /tmp/q36-q8.done) & CONVERT=$!
+    fi
+fi
 if has tests; then
     export KRASIS_FIXTURES="$PWD/$B/fixtures" KRASIS_REQUIRE_FIXTURES=1 KRASIS_REQUIRE_GPU=1
     export KRASIS_FIXTURES_NEXT="$PWD/$B/fixtures-next" KRASIS_REQUIRE_FIXTURES_NEXT=1
@@ -35,19 +52,7 @@ if has tests; then
     done
 fi
 if has prep; then
-    if [ ! -x $LB/bin/llama-bench ]; then
-        T "build llama.cpp (CUDA) in the background"
-        cmake -S $L -B $LB -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
-            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
-            -DLLAMA_OPENSSL=OFF > /tmp/cmake.log 2>&1 || { tail -5 /tmp/cmake.log; }
-        (ninja -C $LB -j 12 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
-    fi
-    [ -f $M/config.json ] || { T "synth qwen3.6-35b --layers $LAYERS"; timeout "$(left)" $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
-    if [ ! -f /tmp/q36-q8.done ]; then
-        T "convert to Q8_0 (llama.cpp's converter, no MTP)"
-        timeout "$(left)" python3 $B/peer/convert-next.py $L $M /tmp/q36-q8.gguf q8_0 --no-mtp > /tmp/convert.log 2>&1 \
-            && touch /tmp/q36-q8.done || tail -5 /tmp/convert.log
-    fi
+    [ -n "${CONVERT:-}" ] && { wait $CONVERT; T "converter: $(tail -1 /tmp/convert.log | cut -c1-120)"; }
     [ -n "${BUILD:-}" ] && { wait $BUILD; T "llama.cpp build: $(tail -1 /tmp/ninja.log)"; }
     if [ -f /tmp/q36-q8.done ] && [ ! -f /tmp/q36-q4km.gguf ] && [ -x $LB/bin/llama-quantize ]; then
         T "quantize Q4_K_M"
@@ -57,7 +62,7 @@ if has prep; then
     mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "Krasis caches: INT4 CPU and GPU experts"
         timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done; }
 fi
-figures() { grep -E "prefill|decode|tok/s|device:|placement:|VRAM plan|DeltaNet|error|warning|^\|" | head -40; }
+figures() { grep -E "prefill|decode|tok/s|probe|per token|device:|placement:|DeltaNet|error|warning|^\|" | grep -v "compiled kernel" | head -40; }
 if has bench; then
     G=/tmp/q36-q4km.gguf
     if [ -f $G ]; then
@@ -67,10 +72,10 @@ if has bench; then
             timeout 120 $LB/bin/llama-bench -m $G -ngl 99 -p 8192 -n 64 -r 2 -o md 2>&1 | figures; }
     fi
     [ "$(left)" -gt 60 ] && { T "Krasis hybrid decode after 512 tokens (INT4 experts)"
-        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --prompt-tokens 512 --decode-tokens 64 --decode-reps 2 2>&1 | figures; }
+        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
     [ "$(left)" -gt 60 ] && { T "Krasis GPU INT4 prefill at 8K"
-        timeout 150 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 8192 --decode-tokens 16 --prefill-reps 3 2>&1 | figures; }
+        KRASIS_GPU_PROFILE=1 timeout 150 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 8192 --decode-tokens 16 2>&1 | figures; }
     [ "$(left)" -gt 60 ] && { T "Krasis hybrid, 32K prompt at 24 GiB, then decode at 32K context"
-        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 2>&1 | figures; }
+        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 2>&1 | figures; }
 fi
 T done
