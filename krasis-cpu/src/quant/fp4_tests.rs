@@ -1,7 +1,7 @@
 //! The FP4 (MXFP4 / NVFP4) kernels: every ISA this CPU runs against the scalar twin, bit for
 //! bit, on random ragged shapes; the scalar twin against the exact dequantised weights.
 
-use super::tests::normal;
+use super::tests::{isas_match_the_twin, normal, run};
 use super::*;
 use krasis_quant::fp4::{self, test_matrix, Fp4Kind, Fp4Matrix};
 use proptest::prelude::*;
@@ -18,12 +18,6 @@ fn acts_for(x: &[f32], m: usize, k: usize, gs: usize) -> QuantizedActs {
     let mut a = QuantizedActs::new();
     quantize_acts(x, m, k, gs, &mut a);
     a
-}
-
-fn run(isa: Isa, w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: Range<usize>) -> Vec<f32> {
-    let mut out = vec![f32::NAN; acts.m * blocks.len() * ROW_BLOCK];
-    matmul_packed(isa, w, l, acts, blocks, &mut out);
-    out
 }
 
 /// `acts · Wᵀ` in f64 from the exact weights and the dequantised activations (what the kernels
@@ -93,27 +87,7 @@ proptest! {
                 prop_assert!((g - e).abs() <= 1e-5 * scale, "row {r}: {g} vs {e}");
             }
         }
-        let b0 = cut % nb;
-        for isa in Isa::available() {
-            let got = run(isa, &p, &l, &a, 0..nb);
-            prop_assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?}", isa);
-            // A sub-range of row blocks gives those columns.
-            let sub = run(isa, &p, &l, &a, b0..nb);
-            for i in 0..m {
-                let cols = (nb - b0) * 16;
-                prop_assert_eq!(&sub[i * cols..(i + 1) * cols], &want[i * nb * 16 + b0 * 16..(i + 1) * nb * 16]);
-            }
-            // Two calls over consecutive group ranges continue the sums exactly.
-            let ng = l.groups();
-            let g1 = cut % (ng + 1);
-            let mut two = vec![f32::NAN; m * nb * 16];
-            matmul_packed_groups(isa, &p, &l, &a, 0..nb, 0..g1, &mut two);
-            if g1 == 0 {
-                two.fill(0.0);
-            }
-            matmul_packed_groups(isa, &p, &l, &a, 0..nb, g1..ng, &mut two);
-            prop_assert!(two.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", isa, g1);
-        }
+        isas_match_the_twin(&p, &l, &a, nb, cut, &want)?;
     }
 
     /// A whole expert (fused FP4 w13, FP4 w2) on every ISA gives the scalar twin's bits.

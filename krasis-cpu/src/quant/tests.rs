@@ -23,10 +23,45 @@ fn bits_of(int8: bool) -> Bits {
     }
 }
 
-fn run(isa: Isa, w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: Range<usize>) -> Vec<f32> {
+pub(super) fn run(isa: Isa, w: &[u8], l: &PackedLayout, acts: &QuantizedActs, blocks: Range<usize>) -> Vec<f32> {
     let mut out = vec![f32::NAN; acts.m * blocks.len() * ROW_BLOCK];
     matmul_packed(isa, w, l, acts, blocks, &mut out);
     out
+}
+
+/// Every ISA this CPU runs gives `want` (the scalar twin's `[m, nb · 16]` over row blocks
+/// `0..nb`) bit for bit: whole; over the row blocks from `cut % nb` on (those columns); and as
+/// two calls over consecutive group ranges split at `cut % (groups + 1)`, which continue the sums
+/// exactly. For the proptests of the FP4 and asymmetric INT4 layouts.
+pub(super) fn isas_match_the_twin(
+    p: &[u8],
+    l: &PackedLayout,
+    a: &QuantizedActs,
+    nb: usize,
+    cut: usize,
+    want: &[f32],
+) -> Result<(), TestCaseError> {
+    let m = a.m;
+    let b0 = cut % nb;
+    for isa in Isa::available() {
+        let got = run(isa, p, l, a, 0..nb);
+        prop_assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?}", isa);
+        let sub = run(isa, p, l, a, b0..nb);
+        for i in 0..m {
+            let cols = (nb - b0) * 16;
+            prop_assert_eq!(&sub[i * cols..(i + 1) * cols], &want[i * nb * 16 + b0 * 16..(i + 1) * nb * 16]);
+        }
+        let ng = l.groups();
+        let g1 = cut % (ng + 1);
+        let mut two = vec![f32::NAN; m * nb * 16];
+        matmul_packed_groups(isa, p, l, a, 0..nb, 0..g1, &mut two);
+        if g1 == 0 {
+            two.fill(0.0);
+        }
+        matmul_packed_groups(isa, p, l, a, 0..nb, g1..ng, &mut two);
+        prop_assert!(two.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{:?} split at {}", isa, g1);
+    }
+    Ok(())
 }
 
 #[test]
