@@ -141,8 +141,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             })
             .collect();
         let n = spec.mixers.iter().filter(|m| **m == MixerKind::GatedDeltaNet).count();
-        let state =
-            n * 4 * (d.value_heads * d.key_dim * d.value_dim + d.conv_kernel.saturating_sub(1) * d.conv_channels());
+        let state = n * 4 * (d.rule_state_len() + d.conv_state_len());
         println!(
             "deltanet     {n} of {} layers: {} key heads × {}, {} value heads × {}, conv {} taps; state {} per sequence, whatever its length",
             spec.num_layers,

@@ -179,6 +179,17 @@ impl DeltaNetSpec {
     pub fn conv_channels(&self) -> usize {
         2 * self.key_width() + self.value_width()
     }
+
+    /// Floats of one sequence's convolution state in one layer: the last `conv_kernel − 1`
+    /// inputs of every channel.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.conv_channels()
+    }
+
+    /// Floats of one sequence's rule state in one layer: `[key_dim, value_dim]` per value head.
+    pub fn rule_state_len(&self) -> usize {
+        self.value_heads * self.key_dim * self.value_dim
+    }
 }
 
 /// Which projections of an attention layer add a bias after the matrix product (one option of
@@ -229,16 +240,6 @@ impl AttentionSpec {
     pub fn heads(&self) -> usize {
         match self {
             AttentionSpec::Mla { heads, .. } | AttentionSpec::Gqa { heads, .. } => *heads,
-        }
-    }
-
-    /// Width of `q_proj`'s output: the queries, and with an output gate as much again.
-    pub fn gqa_q_rows(&self) -> Option<usize> {
-        match *self {
-            AttentionSpec::Gqa { heads, head_dim, output_gate, .. } => {
-                Some(heads * head_dim * if output_gate { 2 } else { 1 })
-            }
-            AttentionSpec::Mla { .. } => None,
         }
     }
 }

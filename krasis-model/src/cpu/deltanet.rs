@@ -38,10 +38,7 @@ pub struct DeltaState {
 impl DeltaState {
     /// The zero state of a fresh sequence.
     pub fn new(d: &DeltaNetSpec) -> Self {
-        DeltaState {
-            conv: vec![0.0; d.conv_kernel.saturating_sub(1) * d.conv_channels()],
-            rule: vec![0.0; d.value_heads * d.key_dim * d.value_dim],
-        }
+        DeltaState { conv: vec![0.0; d.conv_state_len()], rule: vec![0.0; d.rule_state_len()] }
     }
 
     pub fn bytes(&self) -> usize {

@@ -272,7 +272,7 @@ pub fn cpu_estimate(
     let delta_layers = (0..spec.num_layers).filter(|&l| spec.is_delta_net(l)).count();
     est.kv_bytes_per_token = (per_layer * (spec.num_layers - delta_layers) * 4) as u64;
     if let Some(d) = spec.delta_net {
-        let per_layer = d.value_heads * d.key_dim * d.value_dim + d.conv_kernel.saturating_sub(1) * d.conv_channels();
+        let per_layer = d.rule_state_len() + d.conv_state_len();
         est.sequence_state_bytes = (per_layer * delta_layers * 4) as u64;
     }
     if let crate::spec::AttentionSpec::Mla {
