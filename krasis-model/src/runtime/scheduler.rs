@@ -355,20 +355,24 @@ impl Worker {
         let decoding = self.active.iter().filter(|r| r.generated > 0).count();
         let sequences = runs.iter().flatten().count();
         // A chunk that does not end its prompt samples nothing: a throwaway greedy sampler takes
-        // the token (the job's own sampler and its random state are left alone).
-        let mut throwaway: Vec<Sampler> =
-            (0..self.active.len()).map(|_| Sampler::new(SamplingParams::default())).collect();
+        // the token (the job's own sampler and its random state are left alone). One per such
+        // chunk, made only in steps that have one.
+        let mid_prompt = |r: &Running, run: &Option<std::ops::Range<usize>>| {
+            run.as_ref().is_some_and(|run| r.generated == 0 && run.end < r.next.len())
+        };
+        let spares = self.active.iter().zip(&runs).filter(|(r, run)| mid_prompt(r, run)).count();
+        let mut throwaway: Vec<Sampler> = (0..spares).map(|_| Sampler::new(SamplingParams::default())).collect();
+        let mut spare = throwaway.iter_mut();
         let t0 = Instant::now();
         let result = {
             let mut batch: Vec<SequenceStep<'_>> = self
                 .active
                 .iter_mut()
                 .zip(&runs)
-                .zip(throwaway.iter_mut())
-                .filter_map(|((r, run), spare)| {
+                .filter_map(|(r, run)| {
+                    let ends_prompt = !mid_prompt(r, run);
                     let run = run.clone()?;
-                    let ends_prompt = r.generated > 0 || run.end == r.next.len();
-                    let sampler = if ends_prompt { &mut r.sampler } else { spare };
+                    let sampler = if ends_prompt { &mut r.sampler } else { spare.next().expect("one spare per chunk") };
                     Some(SequenceStep {
                         session: r.session.as_mut(),
                         tokens: &r.next[run],
