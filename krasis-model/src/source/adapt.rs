@@ -64,16 +64,16 @@ fn shape_error(source: &dyn WeightSource, name: &str, found: &[usize], want: &[u
     ))
 }
 
-/// The stored tensor's shape, checked against `want`; `None` when it is not stored.
-fn stored_shape(source: &dyn WeightSource, name: &str, want: &[usize]) -> Result<Option<()>> {
+/// Whether `name` is stored; when it is, its shape must be `want`.
+fn stored_with_shape(source: &dyn WeightSource, name: &str, want: &[usize]) -> Result<bool> {
     if !source.contains(name) {
-        return Ok(None);
+        return Ok(false);
     }
     let t = source.tensor(name)?;
     if t.shape != want {
         return Err(shape_error(source, name, &t.shape, want));
     }
-    Ok(Some(()))
+    Ok(true)
 }
 
 fn fused_experts(source: &dyn WeightSource, spec: &ModelSpec, out: &mut HashMap<String, Derived>) -> Result<()> {
@@ -82,10 +82,10 @@ fn fused_experts(source: &dyn WeightSource, spec: &ModelSpec, out: &mut HashMap<
     for l in spec.moe_layers() {
         let p = experts_prefix(spec, l);
         let (gate_up, down) = (format!("{p}.gate_up_proj"), format!("{p}.down_proj"));
-        if stored_shape(source, &gate_up, &[e, 2 * i, h])?.is_none() {
+        if !stored_with_shape(source, &gate_up, &[e, 2 * i, h])? {
             continue;
         }
-        if stored_shape(source, &down, &[e, h, i])?.is_none() {
+        if !stored_with_shape(source, &down, &[e, h, i])? {
             return Err(ModelError::MissingTensor { name: down, dir: source.location().to_path_buf() });
         }
         for x in 0..e {
@@ -116,10 +116,10 @@ fn fused_delta_net_inputs(
     for l in (0..spec.num_layers).filter(|&l| spec.is_delta_net(l)) {
         let p = format!("{}.linear_attn", layer_prefix(l));
         let (qkvz, ba) = (format!("{p}.in_proj_qkvz.weight"), format!("{p}.in_proj_ba.weight"));
-        if stored_shape(source, &qkvz, &[nk * group, h])?.is_none() {
+        if !stored_with_shape(source, &qkvz, &[nk * group, h])? {
             continue;
         }
-        if stored_shape(source, &ba, &[nk * 2 * r, h])?.is_none() {
+        if !stored_with_shape(source, &ba, &[nk * 2 * r, h])? {
             return Err(ModelError::MissingTensor { name: ba, dir: source.location().to_path_buf() });
         }
         for name in [&qkvz, &ba] {
