@@ -48,6 +48,30 @@ pub struct KvCacheView<'a> {
     pub len: usize,
 }
 
+/// Options of [`causal_attention_with`], the attention variants of the one kernel (gpt-oss's).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnOptions<'a> {
+    /// A sliding window of `w` positions: the query at position `p` sees keys `j` with
+    /// `p − w < j ≤ p` (`None`: every key up to its own position).
+    pub window: Option<usize>,
+    /// One learned logit per query head (`[heads]`), an extra softmax column that takes its share
+    /// of the probability mass and is then dropped (gpt-oss's attention sinks). It is not
+    /// multiplied by the softmax scale.
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl AttnOptions<'_> {
+    /// The first cache position the query at absolute position `p` sees.
+    pub fn first_visible(&self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// Head `h`'s sink logit (`-inf`, no extra column, without sinks).
+    fn sink(&self, h: usize) -> f32 {
+        self.sinks.map_or(f32::NEG_INFINITY, |s| s[h])
+    }
+}
+
 /// `q`: `[tq, heads, k_dim]`; query `i` sits at absolute position `q_start + i` and sees cache
 /// positions `0..=q_start + i`. Writes `out`: `[tq, heads, v_dim]`.
 pub fn causal_attention(
@@ -59,13 +83,41 @@ pub fn causal_attention(
     scale: f32,
     out: &mut [f32],
 ) {
+    causal_attention_with(q, tq, heads, q_start, kv, scale, AttnOptions::default(), out)
+}
+
+/// [`causal_attention`] with a sliding window and attention sinks ([`AttnOptions`]); without
+/// either, the same bits as [`causal_attention`].
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_with(
+    q: &[f32],
+    tq: usize,
+    heads: usize,
+    q_start: usize,
+    kv: &KvCacheView<'_>,
+    scale: f32,
+    opts: AttnOptions<'_>,
+    out: &mut [f32],
+) {
     assert!(heads.is_multiple_of(kv.kv_heads), "heads {heads} not a multiple of kv_heads {}", kv.kv_heads);
     assert_eq!(q.len(), tq * heads * kv.k_dim);
     assert_eq!(out.len(), tq * heads * kv.v_dim);
     assert!(q_start + tq <= kv.len, "queries reach position {} but cache holds {}", q_start + tq, kv.len);
+    if let Some(s) = opts.sinks {
+        assert_eq!(s.len(), heads, "one sink logit per head");
+    }
+    assert!(opts.window != Some(0), "a sliding window of 0 positions");
     let group = heads / kv.kv_heads;
     if tq == 1 && group > 1 && shared_kv_split() {
-        return decode_shared_kv(q, heads, q_start, kv, scale, out);
+        // The window as a view of the cache that starts at its first visible position.
+        let first = opts.first_visible(q_start);
+        let view = KvCacheView {
+            k: &kv.k[first * kv.k_stride..],
+            v: &kv.v[first * kv.v_stride..],
+            len: kv.len - first,
+            ..*kv
+        };
+        return decode_shared_kv(q, heads, q_start - first, &view, scale, opts.sinks, out);
     }
     let isa = isa::active();
     let (k_dim, v_dim) = (kv.k_dim, kv.v_dim);
@@ -76,29 +128,34 @@ pub fn causal_attention(
     crate::par::for_each_chunk_mut(out, group * v_dim, &|idx, o| {
         SCORES.with_borrow_mut(|scores| {
             let (i, g) = (idx / kv.kv_heads, idx % kv.kv_heads);
-            let visible = q_start + i + 1;
+            let first = opts.first_visible(q_start + i);
+            let visible = q_start + i + 1 - first;
             let q0 = (i * heads + g * group) * k_dim;
             scores.clear();
             scores.resize(group * (visible + 1), 0.0);
             let (scores, denoms) = scores.split_at_mut(group * visible);
             for p in 0..visible {
-                let k0 = p * kv.k_stride + g * k_dim;
+                let k0 = (first + p) * kv.k_stride + g * k_dim;
                 let krow = &kv.k[k0..k0 + k_dim];
                 for h in 0..group {
                     scores[h * visible + p] = dot(isa, &q[q0 + h * k_dim..q0 + (h + 1) * k_dim], krow) * scale;
                 }
             }
-            for (s, denom) in scores.chunks_exact_mut(visible).zip(denoms.iter_mut()) {
-                let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for (h, (s, denom)) in scores.chunks_exact_mut(visible).zip(denoms.iter_mut()).enumerate() {
+                let sink = opts.sink(g * group + h);
+                let max = s.iter().fold(sink, |m, &v| m.max(v));
                 *denom = 0.0;
                 for v in s.iter_mut() {
                     *v = (*v - max).exp();
                     *denom += *v;
                 }
+                if sink != f32::NEG_INFINITY {
+                    *denom += (sink - max).exp();
+                }
             }
             o.fill(0.0);
             for p in 0..visible {
-                let v0 = p * kv.v_stride + g * v_dim;
+                let v0 = (first + p) * kv.v_stride + g * v_dim;
                 let vrow = &kv.v[v0..v0 + v_dim];
                 for (h, oh) in o.chunks_exact_mut(v_dim).enumerate() {
                     axpy(isa, scores[h * visible + p] / denoms[h], vrow, oh);
@@ -116,9 +173,18 @@ pub fn causal_attention(
 /// unnormalised output) that a second pass combines. The split depends only on the visible
 /// length and the pool's size ([`shared_kv_plan`]), so a sequence gets the same result alone or
 /// batched.
-fn decode_shared_kv(q: &[f32], heads: usize, q_start: usize, kv: &KvCacheView<'_>, scale: f32, out: &mut [f32]) {
+/// `sinks`: as [`AttnOptions::sinks`].
+fn decode_shared_kv(
+    q: &[f32],
+    heads: usize,
+    q_start: usize,
+    kv: &KvCacheView<'_>,
+    scale: f32,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
     let plan = shared_kv_plan(q_start + 1, heads / kv.kv_heads, kv.kv_heads, crate::par::threads());
-    decode_shared_kv_planned(isa::active(), q, heads, q_start, kv, scale, out, plan)
+    decode_shared_kv_sinks(isa::active(), q, heads, q_start, kv, scale, sinks, out, plan)
 }
 
 /// [`decode_shared_kv`] with its split given: `(rows per task, chunks, heads per task)` with
@@ -131,6 +197,22 @@ pub(crate) fn decode_shared_kv_planned(
     q_start: usize,
     kv: &KvCacheView<'_>,
     scale: f32,
+    out: &mut [f32],
+    plan: (usize, usize, usize),
+) {
+    decode_shared_kv_sinks(isa, q, heads, q_start, kv, scale, None, out, plan)
+}
+
+/// [`decode_shared_kv_planned`] with attention sinks ([`AttnOptions::sinks`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_shared_kv_sinks(
+    isa: isa::Isa,
+    q: &[f32],
+    heads: usize,
+    q_start: usize,
+    kv: &KvCacheView<'_>,
+    scale: f32,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
     (rows, chunks, hs): (usize, usize, usize),
 ) {
@@ -154,7 +236,9 @@ pub(crate) fn decode_shared_kv_planned(
     });
     crate::par::for_each_chunk_mut(out, v_dim, &|hh, o| {
         let gu = hh / hs;
-        shared_kv_combine(isa, &|c| &partials[(gu * chunks + c) * part..][..part], chunks, hh % hs, hs, o);
+        let sink = sinks.map_or(f32::NEG_INFINITY, |s| s[hh]);
+        let of_chunk = |c: usize| &partials[(gu * chunks + c) * part..][..part];
+        shared_kv_combine_sink(isa, &of_chunk, chunks, hh % hs, hs, sink, o);
     });
     PARTIALS.with_borrow_mut(|p| *p = partials);
 }
@@ -208,10 +292,24 @@ pub(crate) fn shared_kv_combine<'a>(
     hs: usize,
     o: &mut [f32],
 ) {
+    shared_kv_combine_sink(isa, part, chunks, h, hs, f32::NEG_INFINITY, o)
+}
+
+/// [`shared_kv_combine`] with the head's sink logit `sink` as one more softmax column that adds
+/// to the denominator only (`-inf`: none, the same bits as without).
+pub(crate) fn shared_kv_combine_sink<'a>(
+    isa: isa::Isa,
+    part: &dyn Fn(usize) -> &'a [f32],
+    chunks: usize,
+    h: usize,
+    hs: usize,
+    sink: f32,
+    o: &mut [f32],
+) {
     let v_dim = o.len();
-    let m = (0..chunks).map(|c| part(c)[2 * h]).fold(f32::NEG_INFINITY, f32::max);
+    let m = (0..chunks).map(|c| part(c)[2 * h]).fold(sink, f32::max);
     o.fill(0.0);
-    let mut denom = 0f32;
+    let mut denom = if sink == f32::NEG_INFINITY { 0f32 } else { (sink - m).exp() };
     for c in 0..chunks {
         let p = part(c);
         let w = (p[2 * h] - m).exp();
@@ -282,22 +380,39 @@ mod tests {
 
     /// Naive f64 twin.
     fn reference(q: &[f32], tq: usize, heads: usize, q_start: usize, kv: &KvCacheView, scale: f32) -> Vec<f32> {
+        reference_with(q, tq, heads, q_start, kv, scale, AttnOptions::default())
+    }
+
+    /// Naive f64 twin with a window and sinks: the scores of positions `first..=p` and, per head,
+    /// the sink logit as one more softmax column whose probability is dropped.
+    fn reference_with(
+        q: &[f32],
+        tq: usize,
+        heads: usize,
+        q_start: usize,
+        kv: &KvCacheView,
+        scale: f32,
+        opts: AttnOptions,
+    ) -> Vec<f32> {
         let group = heads / kv.kv_heads;
         let mut out = vec![0f32; tq * heads * kv.v_dim];
         for i in 0..tq {
             for h in 0..heads {
                 let kvh = h / group;
                 let qv = &q[(i * heads + h) * kv.k_dim..][..kv.k_dim];
-                let s: Vec<f64> = (0..=q_start + i)
+                let first = opts.window.map_or(0, |w| (q_start + i + 1).saturating_sub(w));
+                let s: Vec<f64> = (first..=q_start + i)
                     .map(|p| {
                         let k = &kv.k[p * kv.k_stride + kvh * kv.k_dim..][..kv.k_dim];
                         qv.iter().zip(k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
                     })
                     .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sink = opts.sinks.map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+                let m = s.iter().cloned().fold(sink, f64::max);
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for (p, w) in e.iter().enumerate() {
+                let z: f64 = e.iter().sum::<f64>() + (sink - m).exp();
+                for (j, w) in e.iter().enumerate() {
+                    let p = first + j;
                     let v = &kv.v[p * kv.v_stride + kvh * kv.v_dim..][..kv.v_dim];
                     for d in 0..kv.v_dim {
                         out[(i * heads + h) * kv.v_dim + d] += (w / z * v[d] as f64) as f32;
@@ -400,6 +515,50 @@ mod tests {
                 prop_assert!((a - b).abs() < 1e-5, "plan {:?} len {} heads {}: {} vs {}", plan, len, heads, a, b);
             }
         });
+    }
+
+    /// Sliding windows and attention sinks (gpt-oss) against the f64 twin: prefill rows and one
+    /// token (the position-split path), windows shorter and longer than the context, with and
+    /// without sinks; without either option the bits are those of [`causal_attention`].
+    #[test]
+    fn windows_and_sinks_match_reference() {
+        use proptest::prelude::*;
+        let cfg = ProptestConfig { cases: 64, ..ProptestConfig::default() };
+        proptest!(cfg, |(kvh in 1usize..3, group in 1usize..5, dk in 1usize..20, len in 1usize..60,
+                          tq_pick in 0usize..60, window in proptest::option::of(1usize..20),
+                          sinks_on in any::<bool>(), seed in any::<u32>())| {
+            let heads = kvh * group;
+            let tq = 1 + tq_pick % len;
+            let k = data(len * kvh * dk, seed);
+            let v = data(len * kvh * dk, seed ^ 3);
+            let kv = KvCacheView { k: &k, k_stride: kvh * dk, v: &v, v_stride: kvh * dk, kv_heads: kvh, k_dim: dk,
+                                   v_dim: dk, len };
+            let q = data(tq * heads * dk, seed ^ 5);
+            let sinks: Vec<f32> = data(heads, seed ^ 9).iter().map(|x| 2.0 * x).collect();
+            let opts = AttnOptions { window, sinks: sinks_on.then_some(&sinks[..]) };
+            let want = reference_with(&q, tq, heads, len - tq, &kv, 0.3, opts);
+            let mut out = vec![f32::NAN; tq * heads * dk];
+            causal_attention_with(&q, tq, heads, len - tq, &kv, 0.3, opts, &mut out);
+            for (a, b) in out.iter().zip(&want) {
+                prop_assert!((a - b).abs() < 1e-5, "tq {} len {} {:?}: {} vs {}", tq, len, window, a, b);
+            }
+            if window.is_none() && !sinks_on {
+                let mut plain = vec![f32::NAN; tq * heads * dk];
+                causal_attention(&q, tq, heads, len - tq, &kv, 0.3, &mut plain);
+                prop_assert_eq!(plain, out);
+            }
+        });
+    }
+
+    /// The sink takes probability mass: one key and a sink of the same logit give the value half.
+    #[test]
+    fn a_sink_equal_to_the_only_score_halves_the_output() {
+        let (k, v) = ([0.0f32; 2], [1.0f32, -2.0]);
+        let kv = KvCacheView { k: &k, k_stride: 2, v: &v, v_stride: 2, kv_heads: 1, k_dim: 2, v_dim: 2, len: 1 };
+        let mut out = [0f32; 2];
+        let opts = AttnOptions { window: None, sinks: Some(&[0.0]) };
+        causal_attention_with(&[1.0, 1.0], 1, 1, 0, &kv, 1.0, opts, &mut out);
+        assert_eq!(out, [0.5, -1.0]);
     }
 
     /// The default split is a valid one for every context, group and pool size (both regimes).
