@@ -93,6 +93,27 @@ impl SessionDelta {
     pub fn bytes(&self) -> u64 {
         4 * self.state.len() as u64
     }
+
+    /// A device copy of the states (a prefix-cache snapshot).
+    pub fn copy_state(&self, dev: &GpuDevice) -> Result<DeviceBuffer<f32>> {
+        // SAFETY: every element is written by the copy below before any read.
+        let mut out = unsafe { dev.alloc_uninit::<f32>(self.state.len(), "DeltaNet state snapshot")? };
+        dev.copy_device(&self.state, &mut out)?;
+        Ok(out)
+    }
+
+    /// Sets the states from a [`SessionDelta::copy_state`] of a session of the same model.
+    pub fn load_state(&mut self, dev: &GpuDevice, from: &DeviceBuffer<f32>) -> Result<()> {
+        if from.len() != self.state.len() {
+            return Err(crate::error::ModelError::Invalid(format!(
+                "a DeltaNet state snapshot of {} floats for a session of {}",
+                from.len(),
+                self.state.len()
+            )));
+        }
+        dev.copy_device(from, &mut self.state)?;
+        Ok(())
+    }
 }
 
 /// One gated-DeltaNet layer on the GPU.
