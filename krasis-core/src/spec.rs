@@ -31,6 +31,11 @@ pub enum Arch {
     /// projections and partial rotary; every layer MoE with sigmoid routing and a correction
     /// bias (no groups), the `block_sparse_moe` tensor names.
     MiniMaxM2,
+    /// gpt-oss (`GptOssForCausalLM`: gpt-oss-20b, gpt-oss-120b): GQA with biases on q/k/v/o,
+    /// attention sinks and sliding-window layers alternating with full ones; every layer MoE,
+    /// the router a linear with a bias whose top-k logits take a softmax, experts with biases
+    /// and a clamped SwiGLU, published with MXFP4 experts.
+    GptOss,
 }
 
 impl Arch {
@@ -45,6 +50,7 @@ impl Arch {
         "qwen3_5_moe",
         "qwen2_moe",
         "minimax_m2",
+        "gpt_oss",
         "kimi_k2",
         "kimi_k25",
     ];
@@ -60,6 +66,7 @@ impl Arch {
             Arch::Qwen35Moe => "qwen3_5_moe",
             Arch::Qwen2Moe => "qwen2_moe",
             Arch::MiniMaxM2 => "minimax_m2",
+            Arch::GptOss => "gpt_oss",
         }
     }
 }
@@ -298,6 +305,37 @@ pub enum ExpertNaming {
     /// `block_sparse_moe.gate.weight`, `block_sparse_moe.experts.E.{w1,w3,w2}.weight`
     /// (gate, up, down: Mixtral, MiniMax).
     BlockSparse,
+    /// `mlp.router.weight` with its logit bias `mlp.router.bias`, the routed experts
+    /// `mlp.experts.E.{gate,up,down}_proj` (gpt-oss, whose checkpoints fuse the experts per layer:
+    /// krasis-model's stored-layout adapter serves them by these names).
+    Router,
+}
+
+/// The activation of the routed experts' gated MLPs (an option of the expert kernels and their
+/// scalar twins).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up`.
+    #[default]
+    Silu,
+    /// gpt-oss's clamped SwiGLU: `g = min(gate, limit)`, `u = clamp(up, −limit, limit)`, the
+    /// output `(u + 1) · g · σ(alpha · g)` (no lower clamp on the gate).
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+impl ExpertActivation {
+    /// The activation of one gate and up value.
+    #[inline]
+    pub fn apply(self, gate: f32, up: f32) -> f32 {
+        match self {
+            ExpertActivation::Silu => gate / (1.0 + (-gate).exp()) * up,
+            ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                let g = gate.min(limit);
+                let u = up.clamp(-limit, limit);
+                (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -375,6 +413,18 @@ pub struct ModelSpec {
     /// Q4_K, 6 for Q6_K, 16 for BF16); empty for checkpoints without one (safetensors).
     /// `--cpu-expert-bits auto` chooses each projection's width from it.
     pub expert_source_bits: Vec<[u32; 3]>,
+    /// Each layer's attention window, `num_layers` long or empty (every layer full): `Some(w)`
+    /// lets the query at position `p` see the keys `p − w < j ≤ p` (gpt-oss's
+    /// `sliding_attention` layers), `None` every key up to its own position.
+    pub sliding_windows: Vec<Option<usize>>,
+    /// GQA layers hold one learned sink logit per query head (`self_attn.sinks`): an extra
+    /// softmax column that takes its share of the probability and is dropped (gpt-oss).
+    pub attention_sinks: bool,
+    /// The routed experts' activation ([`ExpertActivation::Silu`] but for gpt-oss).
+    pub expert_activation: ExpertActivation,
+    /// Each routed expert's gate, up and down projections add a bias (gpt-oss); a router of such
+    /// a model is a linear with a bias added to its logits.
+    pub expert_bias: bool,
 }
 
 impl ModelSpec {
@@ -385,6 +435,11 @@ impl ModelSpec {
     /// Whether layer `l` is a gated-DeltaNet layer.
     pub fn is_delta_net(&self, l: usize) -> bool {
         self.mixers.get(l) == Some(&MixerKind::GatedDeltaNet)
+    }
+
+    /// Layer `l`'s sliding attention window (`None`: full attention).
+    pub fn window(&self, l: usize) -> Option<usize> {
+        self.sliding_windows.get(l).copied().flatten()
     }
 
     /// Routed experts per MoE layer (0 for a dense model).

@@ -189,6 +189,7 @@ fn decode_shared_kv(
 
 /// [`decode_shared_kv`] with its split given: `(rows per task, chunks, heads per task)` with
 /// `rows · chunks ≥ visible` and the heads per task dividing the group.
+#[cfg(test)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn decode_shared_kv_planned(
     isa: isa::Isa,

@@ -8,6 +8,7 @@
 
 mod deepseek;
 mod glm4_moe;
+mod gpt_oss;
 mod minimax_m2;
 mod mixtral;
 mod quant_fp4;
@@ -150,6 +151,13 @@ pub struct StoredLayout {
     /// `in_proj_ba` holds, per key head, the b rows then the a rows of those value heads
     /// (Qwen3-Next).
     pub fused_delta_net_inputs: bool,
+    /// The routed experts of a layer are fused as gpt-oss publishes them, under
+    /// `mlp.experts.`: `gate_up_proj` `[E, H, 2I]` (x · W, the columns alternating gate j and up
+    /// j) with `gate_up_proj_bias` `[E, 2I]`, `down_proj` `[E, I, H]` with `down_proj_bias`
+    /// `[E, H]`; or in MXFP4, `gate_up_proj_blocks` `[E, 2I, H/32, 16]` and
+    /// `gate_up_proj_scales` `[E, 2I, H/32]` (rows are outputs, alternating gate and up),
+    /// `down_proj_blocks` / `down_proj_scales` likewise `[E, H, I/32, …]`.
+    pub gpt_oss_experts: bool,
 }
 
 /// Read and parse `<dir>/config.json`. A path that is a file, or a directory without
@@ -246,7 +254,11 @@ pub fn parse_checkpoint_config(text: &str, path: &Path) -> Result<CheckpointConf
         found: model_type.to_string(),
         supported: Arch::SUPPORTED.join(", "),
     })??;
-    let layout = StoredLayout { fused_delta_net_inputs: spec.arch == Arch::Qwen3Next, ..StoredLayout::default() };
+    let layout = StoredLayout {
+        fused_delta_net_inputs: spec.arch == Arch::Qwen3Next,
+        gpt_oss_experts: spec.arch == Arch::GptOss,
+        ..StoredLayout::default()
+    };
     Ok(CheckpointConfig { spec, tensor_prefix: "", canonical_prefix: "", layout, notes: Vec::new() })
 }
 
@@ -260,6 +272,7 @@ fn parse_text_model(f: &Fields, model_type: &str) -> Option<Result<ModelSpec>> {
         "glm4_moe" => glm4_moe::parse(f),
         "qwen2_moe" => qwen2_moe::parse(f),
         "minimax_m2" => minimax_m2::parse(f),
+        "gpt_oss" => gpt_oss::parse(f),
         "qwen3_next" => qwen3_next::parse(f, Arch::Qwen3Next),
         _ => return None,
     })
@@ -418,6 +431,10 @@ impl Common {
             layers: p.layers,
             source_quant: p.source_quant,
             expert_source_bits: Vec::new(),
+            sliding_windows: Vec::new(),
+            attention_sinks: false,
+            expert_activation: ExpertActivation::Silu,
+            expert_bias: false,
         }
     }
 }

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 
 use krasis_core::spec::{MlaDims, RopePairing};
-use krasis_cpu::attention::causal_attention;
+use krasis_cpu::attention::{causal_attention, causal_attention_with, AttnOptions};
 use krasis_cpu::isa;
 use krasis_cpu::linear::{add_bias_rows, axpy, dot};
 use krasis_cpu::mla_prefill::{mla_prefill_attention, KvBWeights, MlaPrefillInputs};
@@ -429,6 +429,9 @@ pub struct GqaAttention<'w> {
     /// `q_proj` yields per head the query and then an output gate of the same width; the
     /// attention output is multiplied by σ(gate) before `o_proj` (Qwen3-Next).
     pub output_gate: bool,
+    /// The layer's sliding window ([`crate::spec::ModelSpec::window`]; `None`: full attention).
+    /// The attention sinks, when the layer has them, are in `w`.
+    pub window: Option<usize>,
     pub w: &'w GqaParts<Box<dyn LinearOp>, Vec<f32>>,
 }
 
@@ -471,14 +474,16 @@ impl GqaAttention<'_> {
         }
         let mut o = vec![0f32; t * h * hd];
         let w = h * hd;
+        let opts = AttnOptions { window: self.window, sinks: self.w.sinks.as_deref() };
         append_each(seqs, &k, kvh * hd, Some((&v, kvh * hd)), |off, n, q_start, kv| {
-            causal_attention(
+            causal_attention_with(
                 &q[off * w..(off + n) * w],
                 n,
                 h,
                 q_start,
                 &kv.view(),
                 self.scale,
+                opts,
                 &mut o[off * w..(off + n) * w],
             );
         });

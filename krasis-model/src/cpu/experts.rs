@@ -7,8 +7,12 @@
 
 use std::sync::Arc;
 
+use krasis_cpu::linear::add_bias_rows;
+
 use super::ffn::Mlp;
 use crate::cpu::packed_ops::PooledMlp;
+use crate::model::linear::forward_shared_input;
+use crate::spec::ExpertActivation;
 
 /// Top-k routing of `t` tokens: `ids[t·k + j]`, `weights[t·k + j]`.
 /// The routes of `t` tokens, `k` per token: expert ids and weights, token-major. A route whose id
@@ -156,14 +160,20 @@ impl LayerExperts for ExecutorLayer {
     }
 }
 
-/// One layer's routed experts as gated MLPs over the source weights, tokens grouped per expert.
+/// One layer's routed experts as gated MLPs over the source weights, tokens grouped per expert:
+/// `down(act(gate(x) + b_gate, up(x) + b_up)) + b_down` (the biases where the experts have them,
+/// gpt-oss), `act` the model's [`ExpertActivation`].
 pub struct ReferenceExperts {
     pub hidden: usize,
     pub experts: Vec<Mlp>,
+    /// Per expert, the gate, up and down biases (empty: no biases).
+    pub biases: Vec<[Vec<f32>; 3]>,
+    pub activation: ExpertActivation,
 }
 
 impl ReferenceExperts {
-    /// One layer's experts over the source weights (zero-copy where the stored bytes allow).
+    /// One layer's experts over the source weights (zero-copy where the stored bytes allow), with
+    /// their biases when the inventory names them; SiLU until [`ReferenceExperts::with_activation`].
     pub fn load(
         w: &crate::model::weights::WeightLoader<'_>,
         hidden: usize,
@@ -176,7 +186,45 @@ impl ReferenceExperts {
                 down: Box::new(w.matrix_of(&m.down)?),
             })
         };
-        Ok(ReferenceExperts { hidden, experts: experts.iter().map(mlp).collect::<crate::Result<Vec<_>>>()? })
+        let biases = experts
+            .iter()
+            .filter_map(|m| m.bias.as_ref())
+            .map(|[g, u, d]| Ok([w.vector_of(g)?, w.vector_of(u)?, w.vector_of(d)?]))
+            .collect::<crate::Result<Vec<_>>>()?;
+        Ok(ReferenceExperts {
+            hidden,
+            experts: experts.iter().map(mlp).collect::<crate::Result<Vec<_>>>()?,
+            biases,
+            activation: ExpertActivation::Silu,
+        })
+    }
+
+    /// The experts with `activation` in place of SiLU.
+    pub fn with_activation(mut self, activation: ExpertActivation) -> Self {
+        self.activation = activation;
+        self
+    }
+
+    /// Expert `e` over `n` rows `xs` into `y` (`[n, hidden]`).
+    fn expert(&self, e: usize, xs: &[f32], n: usize, y: &mut [f32]) {
+        let bias = self.biases.get(e);
+        let (Mlp::Separate { gate, up, down }, false) =
+            (&self.experts[e], bias.is_none() && self.activation == ExpertActivation::Silu)
+        else {
+            return self.experts[e].forward(xs, n, y);
+        };
+        let i = gate.out_dim();
+        let (mut g, mut u) = (vec![0f32; n * i], vec![0f32; n * i]);
+        forward_shared_input(&[gate.as_ref(), up.as_ref()], xs, n, &mut [&mut g, &mut u]);
+        if let Some([bg, bu, _]) = bias {
+            add_bias_rows(&mut g, bg);
+            add_bias_rows(&mut u, bu);
+        }
+        let a: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| self.activation.apply(g, u)).collect();
+        down.forward(&a, n, y);
+        if let Some([_, _, bd]) = bias {
+            add_bias_rows(y, bd);
+        }
     }
 }
 
@@ -202,7 +250,7 @@ impl LayerExperts for ReferenceExperts {
                 xs.extend_from_slice(&x[tok * h..(tok + 1) * h]);
             }
             let mut y = vec![0f32; n * h];
-            self.experts[e].forward(&xs, n, &mut y);
+            self.expert(e, &xs, n, &mut y);
             for (r, &(tok, w)) in toks.iter().enumerate() {
                 for (o, v) in out[tok * h..(tok + 1) * h].iter_mut().zip(&y[r * h..(r + 1) * h]) {
                     *o += w * v;

@@ -60,11 +60,24 @@ impl Mlp {
     }
 }
 
-/// A router on the CPU: gate matrix, optional score-correction bias, rule.
+/// A router on the CPU: gate matrix, optional bias, rule. With a
+/// [`crate::spec::TopkMethod::NoauxTc`] rule the bias is the score-correction bias (it only
+/// chooses); with any other rule it is the router linear's own bias, added to its logits
+/// (gpt-oss's `mlp.router.bias`, [`crate::model::tensors::TensorRole::Bias`]).
 pub struct CpuRouter {
     pub gate: Box<dyn LinearOp>,
     pub bias: Option<Vec<f32>>,
     pub rule: RoutingRule,
+}
+
+impl CpuRouter {
+    /// The bias added to the logits, if the router has one.
+    fn logit_bias(&self) -> Option<&[f32]> {
+        match self.rule.topk {
+            crate::spec::TopkMethod::NoauxTc { .. } => None,
+            _ => self.bias.as_deref(),
+        }
+    }
 }
 
 impl MoeWeights<CpuKinds> {
@@ -84,6 +97,9 @@ impl MoeWeights<CpuKinds> {
         let e = self.router.gate.out_dim();
         let mut logits = vec![0f32; t * e];
         self.router.gate.forward(x, t, &mut logits);
+        if let Some(b) = self.router.logit_bias() {
+            krasis_cpu::linear::add_bias_rows(&mut logits, b);
+        }
         super::OTHER_NS.lap(&mut clock, 2);
         let routes = self.route_rows(&logits, t, e);
         if let Some(h) = heat {

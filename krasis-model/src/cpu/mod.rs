@@ -249,6 +249,7 @@ struct CpuBuilder<'a> {
     executor: Option<Arc<dyn ExpertExecutor>>,
     hidden: usize,
     mla: Option<MlaDims>,
+    activation: crate::spec::ExpertActivation,
 }
 
 /// A gated MLP's gate and up as the CPU builder got them.
@@ -335,7 +336,7 @@ impl WeightBuilder for CpuBuilder<'_> {
         if let Some(executor) = &self.executor {
             return Ok(Box::new(ExecutorLayer { executor: executor.clone(), layer }));
         }
-        Ok(Box::new(ReferenceExperts::load(&self.w, self.hidden, experts)?))
+        Ok(Box::new(ReferenceExperts::load(&self.w, self.hidden, experts)?.with_activation(self.activation)))
     }
 }
 
@@ -408,6 +409,7 @@ impl Model {
             executor: experts,
             hidden: spec.hidden_size,
             mla: spec.attention.mla_dims(),
+            activation: spec.expert_activation,
         };
         let weights = build(&spec, &mut builder)?;
         Ok(Model {
@@ -678,6 +680,7 @@ impl LayerOps<CpuKinds> for CpuStep<'_, '_, '_, '_, '_> {
             eps: spec.rms_norm_eps,
             scale: spec.softmax_scale,
             output_gate,
+            window: spec.window(l),
             w,
         };
         let started = std::time::Instant::now();

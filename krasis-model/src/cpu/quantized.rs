@@ -471,10 +471,7 @@ fn fp4_expert_record(
     let (hid, i) = (h.hidden as usize, h.intermediate as usize);
     let t = crate::model::tensors::expert_tensors(spec, layer, e);
     let stored = |name: &str, rows: usize, cols: usize| -> Result<Fp4Matrix> {
-        let m = match kind {
-            Fp4Kind::Nvfp4 => loader.stored_fp4(name, rows, cols)?,
-            Fp4Kind::Mxfp4 => None,
-        };
+        let m = loader.stored_fp4(name, rows, cols)?;
         m.filter(|m| m.kind == kind).ok_or_else(|| {
             ModelError::Invalid(format!(
                 "routed expert `{name}` is not stored as {kind}: the expert cache keeps {kind} experts as stored only \

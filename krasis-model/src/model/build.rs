@@ -88,7 +88,8 @@ pub struct MlaParts<L, V, K> {
 
 /// GQA's weights as a backend holds them (`L`: a linear, `V`: a norm weight or bias vector);
 /// `qk_norm` is the per-head RMSNorm of q and k (Qwen3, GLM-4.5), `qkv_bias` the biases added
-/// after the q, k and v projections (GLM-4.5), `o_bias` the one after `o_proj`.
+/// after the q, k and v projections (GLM-4.5), `o_bias` the one after `o_proj`, `sinks` one
+/// sink logit per query head (gpt-oss).
 pub struct GqaParts<L, V> {
     pub q: L,
     pub k: L,
@@ -97,6 +98,7 @@ pub struct GqaParts<L, V> {
     pub qk_norm: Option<(V, V)>,
     pub qkv_bias: Option<[V; 3]>,
     pub o_bias: Option<V>,
+    pub sinks: Option<V>,
 }
 
 /// A gated-DeltaNet layer's weights as a backend holds them (`L`: a linear, `V`: a vector);
@@ -188,7 +190,7 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 o: b.linear(o, a)?,
             })
         }
-        AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => AttentionWeights::Gqa(GqaParts {
+        AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias, sinks } => AttentionWeights::Gqa(GqaParts {
             q: b.linear(q, a)?,
             k: b.linear(k, a)?,
             v: b.linear(v, a)?,
@@ -202,6 +204,7 @@ fn attention<B: WeightBuilder>(b: &mut B, t: &AttentionTensors) -> Result<Attent
                 None => None,
             },
             o_bias: o_bias.as_ref().map(|t| b.vector(t)).transpose()?,
+            sinks: sinks.as_ref().map(|t| b.vector(t)).transpose()?,
         }),
         AttentionTensors::GatedDeltaNet { qkv, z, b: beta, a: alpha, conv, a_log, dt_bias, norm, out } => {
             AttentionWeights::GatedDeltaNet(DeltaNetParts {

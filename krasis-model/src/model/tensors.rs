@@ -16,8 +16,9 @@ pub enum TensorRole {
     /// A small parameter of a linear-attention layer, held in f32: DeltaNet's convolution taps,
     /// `A_log` and `dt_bias`.
     MixerParam,
-    /// The bias vector of a projection (`[out]`: attention q/k/v/o biases), added after the
-    /// matrix product; held unquantised.
+    /// The bias vector of a projection (`[out]`: attention q/k/v/o biases, a routed expert's
+    /// gate/up/down biases, a router's logit bias), added after the matrix product; held
+    /// unquantised. Attention sinks (one logit per head, gpt-oss) are held as one too.
     Bias,
     /// A router's gate matrix, or a shared expert's one-row sigmoid gate (held unquantised).
     Router,
@@ -59,6 +60,9 @@ pub struct MlpTensors {
     pub gate: TensorSpec,
     pub up: TensorSpec,
     pub down: TensorSpec,
+    /// The gate, up and down projections' biases (`P.bias`, [`TensorRole::Bias`]): a routed
+    /// expert's where [`ModelSpec::expert_bias`] (gpt-oss).
+    pub bias: Option<[TensorSpec; 3]>,
 }
 
 /// MLA's query path: one projection, or a low-rank pair with a norm between.
@@ -89,6 +93,8 @@ pub enum AttentionTensors {
         qkv_bias: Option<[TensorSpec; 3]>,
         /// `o_proj.bias` ([`crate::spec::AttnBias::o`]).
         o_bias: Option<TensorSpec>,
+        /// `sinks` `[heads]`: one sink logit per query head ([`ModelSpec::attention_sinks`]).
+        sinks: Option<TensorSpec>,
     },
     /// A gated-DeltaNet layer ([`crate::spec::DeltaNetSpec`]), under `linear_attn.`: the input
     /// projections `in_proj_qkv` (q of all key heads, then k, then v of all value heads), `in_proj_z`
@@ -154,13 +160,14 @@ fn mlp_tensors(prefix: &str, inter: usize, hidden: usize, role: TensorRole) -> M
         gate: tensor(format!("{prefix}.gate_proj.weight"), vec![inter, hidden], role),
         up: tensor(format!("{prefix}.up_proj.weight"), vec![inter, hidden], role),
         down: tensor(format!("{prefix}.down_proj.weight"), vec![hidden, inter], role),
+        bias: None,
     }
 }
 
 /// The MoE block's prefix in layer `l` (`…mlp` or `…block_sparse_moe`).
 pub fn moe_prefix(spec: &ModelSpec, l: usize) -> String {
     match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
-        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => format!("{}.mlp", layer_prefix(l)),
+        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert | ExpertNaming::Router => format!("{}.mlp", layer_prefix(l)),
         ExpertNaming::BlockSparse => format!("{}.block_sparse_moe", layer_prefix(l)),
     }
 }
@@ -175,14 +182,26 @@ pub fn expert_tensors(spec: &ModelSpec, l: usize, e: usize) -> MlpTensors {
     let inter = spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
     let prefix = format!("{}.{e}", experts_prefix(spec, l));
     let role = TensorRole::RoutedExpert { layer: l, expert: e };
-    match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
-        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => mlp_tensors(&prefix, inter, spec.hidden_size, role),
+    let mut t = match spec.moe.as_ref().map_or(ExpertNaming::Mlp, |m| m.naming) {
+        ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert | ExpertNaming::Router => {
+            mlp_tensors(&prefix, inter, spec.hidden_size, role)
+        }
         ExpertNaming::BlockSparse => MlpTensors {
             gate: tensor(format!("{prefix}.w1.weight"), vec![inter, spec.hidden_size], role),
             up: tensor(format!("{prefix}.w3.weight"), vec![inter, spec.hidden_size], role),
             down: tensor(format!("{prefix}.w2.weight"), vec![spec.hidden_size, inter], role),
+            bias: None,
         },
+    };
+    if spec.expert_bias {
+        let bias = |w: &TensorSpec| {
+            let name =
+                w.name.strip_suffix(".weight").map_or_else(|| format!("{}.bias", w.name), |p| format!("{p}.bias"));
+            tensor(name, vec![w.shape[0]], TensorRole::Bias)
+        };
+        t.bias = Some([bias(&t.gate), bias(&t.up), bias(&t.down)]);
     }
+    t
 }
 
 /// The role of the model's norm weights ([`TensorRole::CentredNorm`] when stored zero-centred).
@@ -260,6 +279,7 @@ fn attention_tensors(spec: &ModelSpec, l: usize) -> AttentionTensors {
                 ]
             }),
             o_bias: b.o.then(|| bias("o_proj", h)),
+            sinks: spec.attention_sinks.then(|| tensor(format!("{a}.sinks"), vec![heads], TensorRole::Bias)),
         },
     }
 }
@@ -278,16 +298,30 @@ fn ffn_tensors(spec: &ModelSpec, l: usize, kind: &FfnKind) -> FfnTensors {
             // and GLM inside their `mlp.gate`.
             let bias_name = match moe.naming {
                 ExpertNaming::BlockSparse => format!("{b}.e_score_correction_bias"),
-                ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert => format!("{b}.gate.e_score_correction_bias"),
+                ExpertNaming::Mlp | ExpertNaming::MlpSharedExpert | ExpertNaming::Router => {
+                    format!("{b}.gate.e_score_correction_bias")
+                }
             };
             let shared = match moe.naming {
                 ExpertNaming::MlpSharedExpert => format!("{m}.shared_expert"),
-                ExpertNaming::Mlp | ExpertNaming::BlockSparse => format!("{m}.shared_experts"),
+                ExpertNaming::Mlp | ExpertNaming::BlockSparse | ExpertNaming::Router => format!("{m}.shared_experts"),
+            };
+            // A router that is a linear with a bias (`mlp.router`): the bias adds to its logits
+            // ([`TensorRole::Bias`]); a correction bias only chooses ([`TensorRole::RouterBias`]).
+            let (router, bias) = match moe.naming {
+                ExpertNaming::Router => (
+                    tensor(format!("{m}.router.weight"), vec![e, h], TensorRole::Router),
+                    Some(tensor(format!("{m}.router.bias"), vec![e], TensorRole::Bias)),
+                ),
+                _ => (
+                    tensor(format!("{b}.gate.weight"), vec![e, h], TensorRole::Router),
+                    matches!(moe.routing.topk, TopkMethod::NoauxTc { .. })
+                        .then(|| tensor(bias_name, vec![e], TensorRole::RouterBias)),
+                ),
             };
             FfnTensors::Moe {
-                router: tensor(format!("{b}.gate.weight"), vec![e, h], TensorRole::Router),
-                bias: matches!(moe.routing.topk, TopkMethod::NoauxTc { .. })
-                    .then(|| tensor(bias_name, vec![e], TensorRole::RouterBias)),
+                router,
+                bias,
                 experts: (0..e).map(|x| expert_tensors(spec, l, x)).collect(),
                 shared: (s > 0).then(|| mlp_tensors(&shared, s, h, TensorRole::SharedExpert)),
                 shared_gate: (s > 0 && moe.shared_gate)
@@ -325,6 +359,7 @@ pub fn model_tensors(spec: &ModelSpec) -> ModelTensors {
 impl MlpTensors {
     fn push_into(&self, out: &mut Vec<TensorSpec>) {
         out.extend([self.gate.clone(), self.up.clone(), self.down.clone()]);
+        out.extend(self.bias.iter().flatten().cloned());
     }
 }
 
@@ -343,10 +378,11 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
                 }
                 out.extend([kv_a, kv_a_norm, kv_b, o]);
             }
-            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
+            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias, sinks } => {
                 out.extend([q, k, v, o]);
                 out.extend(qkv_bias.into_iter().flatten());
                 out.extend(o_bias);
+                out.extend(sinks);
                 if let Some((qn, kn)) = qk_norm {
                     out.extend([qn, kn]);
                 }
@@ -379,12 +415,19 @@ pub fn expected_tensors(spec: &ModelSpec) -> Vec<TensorSpec> {
 
 /// The names of the tensors `spec` needs that `source` lacks, in inventory order. On a
 /// compressed-tensors INT4 source a linear `P.weight` may be stored as `P.weight_packed` (with
-/// `P.weight_scale` and `P.weight_shape`, checked when read) instead.
+/// `P.weight_scale` and `P.weight_shape`, checked when read) instead; on an MXFP4 source as
+/// `P.weight_blocks` (with `P.weight_scales`).
 pub fn missing_tensors(spec: &ModelSpec, source: &dyn WeightSource) -> Vec<String> {
-    let packed = spec.source_quant.stored_int4_group().is_some();
+    let packed = match spec.source_quant {
+        _ if spec.source_quant.stored_int4_group().is_some() => Some("weight_packed"),
+        crate::spec::SourceQuant::Mxfp4 => Some("weight_blocks"),
+        _ => None,
+    };
     let stored = |n: &str| {
         source.contains(n)
-            || (packed && n.strip_suffix(".weight").is_some_and(|p| source.contains(&format!("{p}.weight_packed"))))
+            || packed.is_some_and(|suffix| {
+                n.strip_suffix(".weight").is_some_and(|p| source.contains(&format!("{p}.{suffix}")))
+            })
     };
     expected_tensors(spec).into_iter().map(|t| t.name).filter(|n| !stored(n)).collect()
 }

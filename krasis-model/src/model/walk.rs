@@ -186,7 +186,16 @@ mod tests {
 
     fn model() -> Weights<Names> {
         let gqa = |o| {
-            AttentionWeights::Gqa(GqaParts { q: "q", k: "k", v: "v", o, qk_norm: None, qkv_bias: None, o_bias: None })
+            AttentionWeights::Gqa(GqaParts {
+                q: "q",
+                k: "k",
+                v: "v",
+                o,
+                qk_norm: None,
+                qkv_bias: None,
+                o_bias: None,
+                sinks: None,
+            })
         };
         let moe = |r| FfnWeights::Moe(MoeWeights { router: r, experts: "e", shared: None, shared_gate: None });
         let layer = |attention, ffn| LayerWeights { input_norm: "in", post_norm: "post", attention, ffn };

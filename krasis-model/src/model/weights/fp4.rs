@@ -1,6 +1,8 @@
-//! ModelOpt NVFP4 linears (`SourceQuant::ModelOptNvfp4`): read as stored
+//! ModelOpt NVFP4 linears (`SourceQuant::ModelOptNvfp4`) and OpenAI MXFP4 linears
+//! (`SourceQuant::Mxfp4`: `P.weight_blocks` / `P.weight_scales` in place of `P.weight`, which
+//! the stored-layout adapter serves per expert from gpt-oss's fused tensors): read as stored
 //! ([`WeightLoader::stored_fp4`], for the expert caches that keep them) or dequantised exactly
-//! (through [`WeightLoader::matrix`]: every NVFP4 linear, experts or not).
+//! (through [`WeightLoader::matrix`]: every FP4 linear, experts or not).
 
 use krasis_core::DType;
 use krasis_quant::fp4::Fp4Matrix;
@@ -17,6 +19,9 @@ impl WeightLoader<'_> {
     /// left out). A scale tensor whose shape disagrees with the weight's, or a NaN scale, is an
     /// error naming the tensor.
     pub fn stored_fp4(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Fp4Matrix>> {
+        if *self.quant == SourceQuant::Mxfp4 {
+            return self.stored_mxfp4(name, rows, cols);
+        }
         if *self.quant != SourceQuant::ModelOptNvfp4 || !self.source.contains(name) {
             return Ok(None);
         }
@@ -52,5 +57,27 @@ impl WeightLoader<'_> {
         Fp4Matrix::from_modelopt_nvfp4(w.bytes.as_slice(), s.bytes.as_slice(), global, rows, cols)
             .map(Some)
             .map_err(|e| ModelError::Invalid(format!("NVFP4 linear `{base}` in {}: {e}", w.file.display())))
+    }
+
+    /// The MXFP4 linear stored for `name` (a `P.weight` of `[rows, cols]`) as `P.weight_blocks`
+    /// uint8 `[rows, cols/32, 16]` and `P.weight_scales` uint8 E8M0 `[rows, cols/32]`, the bytes
+    /// as stored; `None` when `name` is stored as plain floats. A shape that disagrees, or a NaN
+    /// scale, is an error naming the tensor.
+    fn stored_mxfp4(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Fp4Matrix>> {
+        let Some(base) = name.strip_suffix(".weight") else { return Ok(None) };
+        let blocks_name = format!("{base}.weight_blocks");
+        if self.source.contains(name) || !self.source.contains(&blocks_name) {
+            return Ok(None);
+        }
+        if !cols.is_multiple_of(32) {
+            return Err(ModelError::Invalid(format!(
+                "tensor `{blocks_name}`: MXFP4 with {cols} inputs, which must be a multiple of 32"
+            )));
+        }
+        let b = self.checked(&blocks_name, &[rows, cols / 32, 16], &[DType::U8])?;
+        let s = self.checked(&format!("{base}.weight_scales"), &[rows, cols / 32], &[DType::U8])?;
+        Fp4Matrix::from_openai_mxfp4(b.bytes.as_slice(), s.bytes.as_slice(), rows, cols)
+            .map(Some)
+            .map_err(|e| ModelError::Invalid(format!("MXFP4 linear `{base}` in {}: {e}", b.file.display())))
     }
 }

@@ -521,7 +521,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
                 let t = qwen3next::DeltaNetTensors { qkv, z, b: beta, a, conv, a_log, dt_bias, norm, out };
                 qwen3next::map_delta_net(&mut x, spec, l, t, arch == "qwen35moe");
             }
-            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias } => {
+            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias, .. } => {
                 x.whole(q, b("attn_q.weight"));
                 x.whole(k, b("attn_k.weight"));
                 x.whole(v, b("attn_v.weight"));
