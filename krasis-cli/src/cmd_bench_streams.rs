@@ -33,7 +33,7 @@ fn run_streams(
     let (scheduler, worker) = Scheduler::start(
         engine.clone(),
         codec.clone(),
-        Config { max_batch: n, max_queue: n, serial, prefill_chunk: PrefillChunk::Measured },
+        Config { max_batch: n, max_queue: n, serial, prefill_chunk: PrefillChunk::Measured, prefix_cache_bytes: 0 },
         metrics.clone(),
     )?;
     let vocab = engine.spec().vocab_size;

@@ -175,6 +175,25 @@ pub struct GpuKvCache {
     scales: Option<DeviceBuffer<f32>>,
 }
 
+/// Positions `0..tokens` of a [`GpuKvCache`], compact on the device ([`GpuKvCache::save_prefix`]).
+pub struct KvPrefix {
+    layout: KvLayout,
+    tokens: usize,
+    data: DeviceBuffer<u8>,
+    scales: Option<DeviceBuffer<f32>>,
+}
+
+impl KvPrefix {
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Device bytes charged for it.
+    pub fn charged_bytes(&self) -> u64 {
+        self.data.charged_bytes() + self.scales.as_ref().map_or(0, |s| s.charged_bytes())
+    }
+}
+
 impl GpuKvCache {
     /// A zeroed cache: `planes` per layer (1 for MLA, 2 for GQA), `row` elements per token per
     /// plane, FP8 scales per `scale_group` elements (ignored for BF16). Charged to the budget as
@@ -233,6 +252,63 @@ impl GpuKvCache {
 
     pub fn layout(&self) -> KvLayout {
         self.layout
+    }
+
+    /// A compact device copy of positions `0..n` of every layer and plane (codes and scales),
+    /// for a prefix cache: [`GpuKvCache::load_prefix`] puts it into another cache of this layout.
+    pub fn save_prefix(&self, dev: &GpuDevice, n: usize) -> Result<KvPrefix, GpuError> {
+        self.check_range("GpuKvCache::save_prefix", 0, n)?;
+        let planes = self.layout.layers * self.layout.planes;
+        let row_bytes = self.layout.row * self.layout.dtype.elem_bytes();
+        // SAFETY: every element is written by the copies below (n rows of every plane).
+        let mut data = unsafe { dev.alloc_uninit::<u8>((planes * n * row_bytes).max(1), "prefix cache (KV)")? };
+        let mut scales = match &self.scales {
+            // SAFETY: as above.
+            Some(_) => Some(unsafe {
+                dev.alloc_uninit::<f32>((planes * n * self.layout.groups_per_row()).max(1), "prefix cache (KV scales)")?
+            }),
+            None => None,
+        };
+        for p in 0..planes {
+            let (from, to) = (p * self.capacity * row_bytes, p * n * row_bytes);
+            let src = self.data.slice().slice(from..from + n * row_bytes);
+            dev.copy_device(&src, &mut data.slice_mut().slice_mut(to..to + n * row_bytes))?;
+            if let (Some(sc), Some(out)) = (&self.scales, scales.as_mut()) {
+                let g = self.layout.groups_per_row();
+                let (from, to) = (p * self.capacity * g, p * n * g);
+                let src = sc.slice().slice(from..from + n * g);
+                dev.copy_device(&src, &mut out.slice_mut().slice_mut(to..to + n * g))?;
+            }
+        }
+        Ok(KvPrefix { layout: self.layout, tokens: n, data, scales })
+    }
+
+    /// Writes a [`GpuKvCache::save_prefix`] copy into positions `0..prefix.tokens()`.
+    pub fn load_prefix(&mut self, dev: &GpuDevice, prefix: &KvPrefix) -> Result<(), GpuError> {
+        const OP: &str = "GpuKvCache::load_prefix";
+        if prefix.layout != self.layout {
+            return Err(GpuError::shape(
+                OP,
+                format!("a prefix of layout {:?} into a cache of {:?}", prefix.layout, self.layout),
+            ));
+        }
+        let n = prefix.tokens;
+        self.check_range(OP, 0, n)?;
+        let planes = self.layout.layers * self.layout.planes;
+        let row_bytes = self.layout.row * self.layout.dtype.elem_bytes();
+        let cap = self.capacity;
+        for p in 0..planes {
+            let (from, to) = (p * n * row_bytes, p * cap * row_bytes);
+            let src = prefix.data.slice().slice(from..from + n * row_bytes);
+            dev.copy_device(&src, &mut self.data.slice_mut().slice_mut(to..to + n * row_bytes))?;
+            if let (Some(out), Some(sc)) = (self.scales.as_mut(), &prefix.scales) {
+                let g = self.layout.groups_per_row();
+                let (from, to) = (p * n * g, p * cap * g);
+                let src = sc.slice().slice(from..from + n * g);
+                dev.copy_device(&src, &mut out.slice_mut().slice_mut(to..to + n * g))?;
+            }
+        }
+        Ok(())
     }
 
     /// Device bytes charged for the whole cache.

@@ -52,6 +52,13 @@ impl LayerKv {
         (self.k.len() + self.v.len()) * 4
     }
 
+    /// A copy holding positions `0..n` (`n` at most [`LayerKv::len`]).
+    pub fn prefix(&self, n: usize) -> LayerKv {
+        let n = n.min(self.len);
+        let v = if self.v.is_empty() { vec![] } else { self.v[..n * self.v_width].to_vec() };
+        LayerKv { k: self.k[..n * self.k_width].to_vec(), v, len: n, ..*self }
+    }
+
     pub fn view(&self) -> KvCacheView<'_> {
         let head_k = self.k_width / self.kv_heads;
         if self.shared() {

@@ -151,6 +151,9 @@ pub struct Session {
     kv: Vec<LayerKv>,
     delta: Vec<DeltaState>,
     pos: usize,
+    /// DeltaNet states kept at earlier positions for the prefix cache (oldest first, at most
+    /// [`crate::runtime::DELTA_SNAPSHOTS`]); empty for attention-only models.
+    snapshots: Vec<(usize, Vec<DeltaState>)>,
 }
 
 impl Session {
@@ -158,9 +161,90 @@ impl Session {
         self.pos
     }
 
+    fn has_recurrent_state(&self) -> bool {
+        self.delta.iter().any(|d| d.bytes() > 0)
+    }
+
+    /// Keeps the DeltaNet states at the current position (the oldest snapshot goes past
+    /// [`crate::runtime::DELTA_SNAPSHOTS`]); nothing for attention-only models.
+    pub fn snapshot(&mut self) {
+        if !self.has_recurrent_state() || self.snapshots.last().is_some_and(|(p, _)| *p == self.pos) {
+            return;
+        }
+        if self.snapshots.len() == crate::runtime::DELTA_SNAPSHOTS {
+            self.snapshots.remove(0);
+        }
+        self.snapshots.push((self.pos, self.delta.clone()));
+    }
+
+    /// This session as a saved prefix: its KV rows, and its DeltaNet states at its snapshots and
+    /// its end.
+    pub fn into_prefix(mut self) -> CpuPrefix {
+        self.snapshot();
+        let bytes = self.kv_bytes() + self.snapshots.iter().flat_map(|(_, d)| d).map(|d| d.bytes()).sum::<usize>();
+        let layers = self.delta.len();
+        CpuPrefix {
+            recurrent: self.has_recurrent_state(),
+            kv: self.kv,
+            points: self.snapshots,
+            len: self.pos,
+            bytes,
+            layers,
+        }
+    }
+
+    /// A session holding the first `n` tokens of `saved` (`n` must be [`CpuPrefix::resumable`]).
+    pub fn from_prefix(saved: &CpuPrefix, n: usize) -> Result<Session> {
+        use crate::runtime::SavedPrefix;
+        if n > saved.len || saved.resumable(n) != n {
+            return Err(ModelError::Invalid(format!(
+                "a saved prefix of {} tokens holds no state at {n} tokens",
+                saved.len
+            )));
+        }
+        let delta = match saved.points.iter().find(|(p, _)| *p == n) {
+            Some((_, d)) => d.clone(),
+            None => vec![DeltaState::default(); saved.layers], // attention-only: no state
+        };
+        Ok(Session {
+            kv: saved.kv.iter().map(|k| k.prefix(n)).collect(),
+            delta,
+            pos: n,
+            snapshots: saved.points.iter().filter(|(p, _)| *p == n).cloned().collect(),
+        })
+    }
+
     /// Bytes of the KV caches and the DeltaNet states.
     pub fn kv_bytes(&self) -> usize {
         self.kv.iter().map(|k| k.bytes()).sum::<usize>() + self.delta.iter().map(|d| d.bytes()).sum::<usize>()
+    }
+}
+
+/// A CPU session's state kept by the prefix cache ([`Session::into_prefix`]).
+pub struct CpuPrefix {
+    kv: Vec<LayerKv>,
+    /// DeltaNet states by position (ascending; the last at `len`); empty for attention-only models.
+    points: Vec<(usize, Vec<DeltaState>)>,
+    recurrent: bool,
+    len: usize,
+    bytes: usize,
+    layers: usize,
+}
+
+impl crate::runtime::SavedPrefix for CpuPrefix {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn resumable(&self, upto: usize) -> usize {
+        if !self.recurrent {
+            return upto.min(self.len);
+        }
+        self.points.iter().map(|(p, _)| *p).filter(|&p| p <= upto).max().unwrap_or(0)
     }
 }
 
@@ -482,6 +566,7 @@ impl Model {
             kv: (0..self.spec.num_layers).map(|_| new_layer_cache(&self.spec.attention)).collect(),
             delta: (0..self.spec.num_layers).map(delta).collect(),
             pos: 0,
+            snapshots: Vec::new(),
         }
     }
 

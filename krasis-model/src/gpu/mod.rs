@@ -18,6 +18,7 @@ pub mod hot_experts;
 mod layers;
 mod load;
 mod placed;
+pub mod prefix;
 mod profile;
 mod session;
 pub mod vram_plan;

@@ -188,6 +188,9 @@ pub struct GpuSession {
     pub(crate) last_sampled: Option<u32>,
     /// `KRASIS_GPU_PROFILE=1`: device time per part of each forward call.
     pub(crate) profile: Option<StepProfile>,
+    /// DeltaNet states kept at earlier positions for the prefix cache (oldest first, at most
+    /// [`crate::runtime::DELTA_SNAPSHOTS`]; [`super::prefix`]).
+    pub(crate) snapshots: Vec<(usize, DeviceBuffer<f32>)>,
 }
 
 impl GpuSession {
@@ -201,6 +204,7 @@ impl GpuSession {
             position: 0,
             last_sampled: None,
             profile: super::profile::StepProfile::from_env(),
+            snapshots: Vec::new(),
         }
     }
 

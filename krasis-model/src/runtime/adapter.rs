@@ -3,7 +3,7 @@
 
 use std::any::Any;
 
-use super::{DevicePath, Engine, EngineSession, EngineStats, SequenceStep, StepOutput};
+use super::{DevicePath, Engine, EngineSession, EngineStats, SavedPrefix, SequenceStep, StepOutput};
 use crate::error::{ModelError, Result};
 use crate::spec::ModelSpec;
 use crate::text::generate::{Decoder, DecoderStep};
@@ -28,6 +28,18 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     fn reset_stats(&self, _session: Option<&mut Self::Session>) {}
     /// [`Engine::expert_counts`].
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
+        Ok(None)
+    }
+    /// [`Engine::snapshot`] with the session already one of this decoder's.
+    fn snapshot(&self, _session: &mut Self::Session) -> Result<()> {
+        Ok(())
+    }
+    /// [`Engine::save_prefix`] with the session already one of this decoder's.
+    fn save_prefix(&self, _session: Self::Session) -> Result<Option<Box<dyn SavedPrefix>>> {
+        Ok(None)
+    }
+    /// [`Engine::resume_prefix`]; `None` when `saved` is not of this decoder's kind.
+    fn resume_prefix(&self, _saved: &dyn SavedPrefix, _len: usize) -> Result<Option<Self::Session>> {
         Ok(None)
     }
 }
@@ -142,6 +154,35 @@ where
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         self.decoder.expert_counts()
+    }
+
+    fn snapshot(&self, session: &mut dyn EngineSession) -> Result<()> {
+        let any: &mut dyn Any = session;
+        self.decoder.snapshot(any.downcast_mut::<D::Session>().ok_or_else(foreign_session)?)
+    }
+
+    fn save_prefix(&self, session: Box<dyn EngineSession>) -> Result<Option<Box<dyn SavedPrefix>>> {
+        let any: Box<dyn Any> = session;
+        match any.downcast::<D::Session>() {
+            Ok(own) => self.decoder.save_prefix(*own),
+            Err(_) => Err(foreign_session()),
+        }
+    }
+
+    fn resume_prefix(&self, saved: &dyn SavedPrefix, len: usize) -> Result<Box<dyn EngineSession>> {
+        if len > saved.resumable(len) || len > saved.len() {
+            return Err(ModelError::Invalid(format!(
+                "a saved prefix of {} tokens cannot resume at {len} tokens (latest point: {})",
+                saved.len(),
+                saved.resumable(len)
+            )));
+        }
+        match self.decoder.resume_prefix(saved, len)? {
+            Some(s) => Ok(Box::new(s)),
+            None => {
+                Err(ModelError::Invalid("a saved prefix of another kind of engine was passed to this engine".into()))
+            }
+        }
     }
 
     /// A session of another kind of engine counts as none: the per-session fields stay `None`.

@@ -27,6 +27,12 @@ pub struct Metrics {
     /// Steps that only decoded: tokens and wall time (aggregate over the batch).
     decode_tokens: AtomicU64,
     decode_ns: AtomicU64,
+    /// Prefix cache: requests looked up, requests that resumed a cached prefix, the prompt
+    /// tokens they did not prefill, and the bytes the cache holds.
+    pub prefix_lookups: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub prefix_reused_tokens: AtomicU64,
+    pub prefix_cached_bytes: AtomicU64,
     /// From a request's arrival to its first token, and between its tokens.
     first_token: Latencies,
     inter_token: Latencies,
@@ -157,6 +163,30 @@ impl Metrics {
                 "counter",
                 "Generations stopped because the client went away.",
                 c(&self.cancelled),
+            ),
+            (
+                "krasis_prefix_lookups_total",
+                "counter",
+                "Requests looked up in the prefix cache.",
+                c(&self.prefix_lookups),
+            ),
+            (
+                "krasis_prefix_hits_total",
+                "counter",
+                "Requests that resumed a cached prompt prefix.",
+                c(&self.prefix_hits),
+            ),
+            (
+                "krasis_prefix_reused_tokens_total",
+                "counter",
+                "Prompt tokens taken from the prefix cache instead of prefilled.",
+                c(&self.prefix_reused_tokens),
+            ),
+            (
+                "krasis_prefix_cache_bytes",
+                "gauge",
+                "Bytes of saved state the prefix cache holds.",
+                c(&self.prefix_cached_bytes),
             ),
             ("krasis_queue_depth", "gauge", "Requests waiting for a batch slot.", c(&self.queued)),
             ("krasis_active_sequences", "gauge", "Sequences in the running batch.", c(&self.active)),

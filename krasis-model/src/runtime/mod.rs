@@ -18,6 +18,7 @@ mod context;
 pub mod expert_caches;
 pub mod metrics;
 mod open;
+pub mod prefix_cache;
 pub mod scheduler;
 mod sessions;
 mod stats;
@@ -48,6 +49,30 @@ pub trait EngineSession: Any + Send {
     fn kv_capacity(&self) -> Option<usize>;
     /// Bytes the session's KV cache holds now.
     fn kv_bytes(&self) -> usize;
+}
+
+/// Recurrent-state snapshots one session keeps (each a few MiB per DeltaNet layer): the latest
+/// block boundaries before a prompt's end, where the next turn of a conversation most likely
+/// departs from this one's tokens.
+pub const DELTA_SNAPSHOTS: usize = 3;
+
+/// The state of a session's first [`SavedPrefix::len`] tokens, kept by the prefix cache
+/// ([`scheduler`]) for later requests that start with the same tokens. Made by
+/// [`Engine::save_prefix`], read (never changed) by [`Engine::resume_prefix`]: any number of
+/// requests resume from one saved prefix.
+pub trait SavedPrefix: Any + Send {
+    /// Tokens whose state it holds.
+    fn len(&self) -> usize;
+    /// Whether it holds no tokens.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Memory it holds (host or device, whichever the engine keeps it in).
+    fn bytes(&self) -> usize;
+    /// The longest prefix of at most `upto` tokens a session can resume from: `upto` itself
+    /// for attention-only models (a KV cache cuts anywhere), else the latest recurrent-state
+    /// snapshot at or below it (0: none).
+    fn resumable(&self, upto: usize) -> usize;
 }
 
 /// One sequence of a batch [`Engine::step`]: run `tokens` after what `session` holds and sample
@@ -123,6 +148,24 @@ pub trait Engine: Send + Sync {
     /// `None` otherwise. GPU engines read the counts back from the device (a synchronisation).
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(None)
+    }
+    /// Keeps `session`'s recurrent (gated-DeltaNet) state at its current position, so that the
+    /// prefix cache can later resume there ([`SavedPrefix::resumable`]). A session keeps the
+    /// latest [`DELTA_SNAPSHOTS`]. Nothing to do for a model without recurrent layers, whose KV
+    /// cache can be cut anywhere.
+    fn snapshot(&self, _session: &mut dyn EngineSession) -> Result<()> {
+        Ok(())
+    }
+    /// Takes a finished `session`'s state for the prefix cache (moved where the engine can, copied
+    /// into compact storage where the session's own buffers are sized for a whole context).
+    /// `None`: this engine keeps no prefixes.
+    fn save_prefix(&self, _session: Box<dyn EngineSession>) -> Result<Option<Box<dyn SavedPrefix>>> {
+        Ok(None)
+    }
+    /// A new session holding the first `len` tokens of `saved` (`len` must be
+    /// [`SavedPrefix::resumable`]); its next step runs the tokens after them.
+    fn resume_prefix(&self, _saved: &dyn SavedPrefix, _len: usize) -> Result<Box<dyn EngineSession>> {
+        Err(ModelError::Invalid("this engine keeps no prompt prefixes".into()))
     }
 }
 

@@ -11,6 +11,12 @@
 //! so that the step takes about [`TARGET_STEP_SECONDS`] at the prefill rate the server has
 //! measured so far.
 //!
+//! **Prefix reuse.** A finished request's state is kept in the [`PrefixCache`] (up to
+//! [`Config::prefix_cache_bytes`]); a new request whose prompt starts with a kept sequence resumes
+//! a copy of its state and prefills only the rest. Models with recurrent (gated-DeltaNet) layers
+//! resume at the snapshots taken at the prompt's end and the [`SNAPSHOT_BLOCK`] boundaries just
+//! before it ([`Engine::snapshot`]).
+//!
 //! Each request gets its text back through its own channel; a closed channel (the client went
 //! away) cancels the request before the next step and frees its slot. At shutdown every request
 //! still running or waiting ends with `finish_reason` [`SHUTDOWN`].
@@ -21,7 +27,8 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Engine, EngineSession, SequenceStep};
+use super::prefix_cache::PrefixCache;
+use super::{Engine, EngineSession, SequenceStep, DELTA_SNAPSHOTS};
 use crate::text::sampling::{Sampler, SamplingParams};
 use crate::text::tokenizer::{TextCodec, TextStream};
 use tokio::sync::mpsc::UnboundedSender;
@@ -40,6 +47,11 @@ const FIRST_CHUNK_TOKENS: usize = 512;
 /// Bounds of a measured chunk: below 64 tokens a prefill step is mostly fixed cost; above 8192
 /// one chunk's activations grow large on every path.
 const CHUNK_BOUNDS: (usize, usize) = (64, 8192);
+
+/// Recurrent models' snapshot spacing: a prompt's prefill stops at the last multiples of this
+/// below its end to keep the state there ([`Engine::snapshot`]), so that a later prompt
+/// that departs from this one less than a block before its end still resumes most of it.
+pub const SNAPSHOT_BLOCK: usize = 256;
 
 /// How many prompt tokens one step runs in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,6 +134,8 @@ pub struct Config {
     pub serial: bool,
     /// Prompt tokens per step (continuous batching; module docs).
     pub prefill_chunk: PrefillChunk,
+    /// Bytes of finished requests' state kept for prefix reuse (module docs); 0 keeps none.
+    pub prefix_cache_bytes: usize,
 }
 
 impl Scheduler {
@@ -140,6 +154,7 @@ impl Scheduler {
             max_batch,
             serial: config.serial,
             chunk: config.prefill_chunk,
+            prefix: PrefixCache::new(config.prefix_cache_bytes),
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -179,7 +194,12 @@ struct Running {
     next: Vec<u32>,
     /// Prompt tokens already run (`next` holds the prompt while this is below its length).
     prefilled: usize,
+    /// Positions where the prefill stops to snapshot the recurrent state (ascending; empty for
+    /// attention-only models).
+    snapshots: VecDeque<usize>,
     generated: usize,
+    /// The sampled tokens (the prefix cache keys a finished session by prompt + these).
+    reply: Vec<u32>,
     text: TextStream,
     stop: StopMatcher,
     /// When the job was submitted (time to first token counts from here).
@@ -212,6 +232,7 @@ struct Worker {
     max_batch: usize,
     serial: bool,
     chunk: PrefillChunk,
+    prefix: PrefixCache,
     metrics: Arc<Metrics>,
     waiting: VecDeque<(Box<Job>, Instant)>,
     active: Vec<Running>,
@@ -291,9 +312,14 @@ impl Worker {
         while self.active.len() < self.max_batch {
             let Some((job, queued_at)) = self.waiting.pop_front() else { break };
             self.metrics.queued.fetch_sub(1, Relaxed);
-            match self.engine.new_session() {
-                Ok(session) => {
+            match self.open_session(&job) {
+                Ok((session, reused)) => {
                     let text = if job.keep_special { TextStream::keeping_special() } else { TextStream::new() };
+                    let snapshots = if self.engine.spec().delta_net.is_some() {
+                        snapshot_points(job.prompt.len()).into_iter().filter(|&p| p > reused).collect()
+                    } else {
+                        VecDeque::new()
+                    };
                     self.active.push(Running {
                         script: test_script(&self.codec),
                         sampler: Sampler::new(job.sampling),
@@ -301,8 +327,10 @@ impl Worker {
                         stop: StopMatcher::new(job.stop.clone()),
                         job,
                         session,
-                        prefilled: 0,
+                        prefilled: reused,
+                        snapshots,
                         generated: 0,
+                        reply: Vec::new(),
                         text,
                         started: queued_at,
                         last_token: None,
@@ -315,6 +343,63 @@ impl Worker {
             }
         }
         self.metrics.active.store(self.active.len() as u64, Relaxed);
+    }
+
+    /// A session for `job`: a copy of the prefix cache's longest match to its prompt, else a
+    /// fresh one; with the number of prompt tokens it already holds. A fresh session that does
+    /// not fit (the GPU's VRAM budget) evicts cached prefixes until it does.
+    fn open_session(&mut self, job: &Job) -> crate::error::Result<(Box<dyn EngineSession>, usize)> {
+        let label = job.label.as_deref().unwrap_or("a request");
+        if self.prefix.enabled() {
+            self.metrics.prefix_lookups.fetch_add(1, Relaxed);
+            if let Some(hit) = self.prefix.lookup(&job.prompt) {
+                let n = hit.tokens;
+                match self.engine.resume_prefix(hit.saved, n) {
+                    Ok(session) => {
+                        self.metrics.prefix_hits.fetch_add(1, Relaxed);
+                        self.metrics.prefix_reused_tokens.fetch_add(n as u64, Relaxed);
+                        if job.label.is_some() {
+                            tracing::info!(
+                                "{label}: {n} of {} prompt tokens reused from the prefix cache; prefilling {}",
+                                job.prompt.len(),
+                                job.prompt.len() - n
+                            );
+                        }
+                        return Ok((session, n));
+                    }
+                    Err(e) => tracing::warn!(
+                        "{label}: the prefix cache's state could not be resumed ({e}); prefilling it all"
+                    ),
+                }
+            }
+        }
+        loop {
+            match self.engine.new_session() {
+                Ok(s) => return Ok((s, 0)),
+                Err(e) if self.prefix.evict_one() => {
+                    tracing::debug!("{label}: no session ({e}); dropped a cached prefix to make room")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Keeps a finished job's state in the prefix cache, keyed by the tokens it ran.
+    fn keep_prefix(&mut self, r: Running) {
+        if !self.prefix.enabled() || r.reply.is_empty() {
+            return;
+        }
+        let mut tokens = r.job.prompt;
+        tokens.extend_from_slice(&r.reply[..r.reply.len() - 1]); // the last one never ran
+        if r.session.position() != tokens.len() {
+            return;
+        }
+        match self.engine.save_prefix(r.session) {
+            Ok(Some(saved)) => self.prefix.insert(tokens, saved),
+            Ok(None) => {}
+            Err(e) => tracing::debug!("prefix cache: a finished request's state was not kept: {e}"),
+        }
+        self.metrics.prefix_cached_bytes.store(self.prefix.bytes() as u64, Relaxed);
     }
 
     /// The prompt tokens this step may run in all.
@@ -338,7 +423,10 @@ impl Worker {
             if r.generated > 0 {
                 runs.push(Some(0..r.next.len()));
             } else if budget > 0 {
-                let n = (r.next.len() - r.prefilled).min(budget);
+                let mut n = (r.next.len() - r.prefilled).min(budget);
+                if let Some(&p) = r.snapshots.front().filter(|&&p| p < r.prefilled + n) {
+                    n = p - r.prefilled; // stop at the snapshot point
+                }
                 budget -= n;
                 runs.push(Some(r.prefilled..r.prefilled + n));
             } else {
@@ -416,6 +504,12 @@ impl Worker {
             let out = outputs.next().expect("one output per sequence that ran");
             if r.generated == 0 {
                 r.prefilled = run.end;
+                if r.snapshots.front() == Some(&run.end) {
+                    r.snapshots.pop_front();
+                    if let Err(e) = self.engine.snapshot(r.session.as_mut()) {
+                        tracing::debug!("prefix cache: no snapshot at {}: {e}", run.end);
+                    }
+                }
                 if run.end < r.next.len() {
                     outcomes.push(Outcome::Running); // more of the prompt to go
                     continue;
@@ -434,13 +528,30 @@ impl Worker {
             outcomes.push(o);
         }
         self.metrics.generated_tokens.fetch_add(sampled as u64, Relaxed);
-        let mut i = 0;
-        self.active.retain(|_| {
-            i += 1;
-            outcomes[i - 1] == Outcome::Running
-        });
+        let mut kept = Vec::with_capacity(self.active.len());
+        for (r, o) in std::mem::take(&mut self.active).into_iter().zip(outcomes) {
+            match o {
+                Outcome::Running => kept.push(r),
+                Outcome::Finished => self.keep_prefix(r),
+                Outcome::Gone => {}
+            }
+        }
+        self.active = kept;
         self.metrics.active.store(self.active.len() as u64, Relaxed);
     }
+}
+
+/// Where a recurrent model's prefill of a `len`-token prompt snapshots its state: the last
+/// [`DELTA_SNAPSHOTS`] − 1 multiples of [`SNAPSHOT_BLOCK`] below the end, and the end.
+fn snapshot_points(len: usize) -> Vec<usize> {
+    let last_block = (len.saturating_sub(1) / SNAPSHOT_BLOCK) * SNAPSHOT_BLOCK;
+    let mut points: Vec<usize> = (0..DELTA_SNAPSHOTS.saturating_sub(1))
+        .filter_map(|i| last_block.checked_sub(i * SNAPSHOT_BLOCK))
+        .filter(|&p| p > 0)
+        .collect();
+    points.reverse();
+    points.push(len);
+    points
 }
 
 fn log_cancelled(r: &Running) {
@@ -467,6 +578,7 @@ fn advance(r: &mut Running, token: u32, codec: &TextCodec, eos: &[u32]) -> Outco
         None => token,
     };
     r.generated += 1;
+    r.reply.push(token);
     r.next.clear();
     r.next.push(token);
     let is_eos = !r.job.ignore_eos && eos.contains(&token);

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc::unbounded_channel;
 
 use super::*;
-use crate::runtime::{open_engine, DevicePath, DevicePolicy, EngineConfig, EngineStats, StepOutput};
+use crate::runtime::{open_engine, DevicePath, DevicePolicy, EngineConfig, EngineStats, SavedPrefix, StepOutput};
 use crate::source::files::ModelFiles;
 use crate::spec::{ModelSpec, WeightBits};
 use crate::synth::{synthesize, Preset, SynthOptions};
@@ -42,6 +42,15 @@ impl Engine for Recording {
     }
     fn reset_stats(&self, session: Option<&mut dyn EngineSession>) {
         self.inner.reset_stats(session)
+    }
+    fn snapshot(&self, session: &mut dyn EngineSession) -> crate::error::Result<()> {
+        self.inner.snapshot(session)
+    }
+    fn save_prefix(&self, s: Box<dyn EngineSession>) -> crate::error::Result<Option<Box<dyn SavedPrefix>>> {
+        self.inner.save_prefix(s)
+    }
+    fn resume_prefix(&self, saved: &dyn SavedPrefix, len: usize) -> crate::error::Result<Box<dyn EngineSession>> {
+        self.inner.resume_prefix(saved, len)
     }
 }
 
@@ -79,7 +88,7 @@ fn run(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)]) -> RunResult {
     let tmp = tempfile::tempdir().unwrap();
     let (engine, codec) = engine(tmp.path());
     let metrics = Arc::new(Metrics::default());
-    let config = Config { max_batch: 4, max_queue: 4, serial: false, prefill_chunk: chunk };
+    let config = Config { max_batch: 4, max_queue: 4, serial: false, prefill_chunk: chunk, prefix_cache_bytes: 0 };
     let (sched, handle) = Scheduler::start(engine.clone(), codec, config, metrics.clone()).unwrap();
     let mut rxs = Vec::new();
     for (prompt, max) in jobs {
@@ -87,24 +96,82 @@ fn run(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)]) -> RunResult {
         assert!(sched.submit(j).is_ok());
         rxs.push(rx);
     }
-    let mut out = Vec::new();
-    for mut rx in rxs {
-        let mut text = String::new();
-        loop {
-            match rx.blocking_recv().expect("the job ends with Done") {
-                Event::Text(t) => text.push_str(&t),
-                Event::Done(f) => {
-                    out.push((text, f));
-                    break;
-                }
-                Event::Failed(e) => panic!("job failed: {e}"),
-            }
+    let out = rxs.into_iter().map(reply).collect();
+    sched.shutdown();
+    handle.join().unwrap();
+    let steps = engine.steps.lock().unwrap().clone();
+    (out, steps, metrics)
+}
+
+/// A job's text and finish.
+fn reply(mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> (String, Finish) {
+    let mut text = String::new();
+    loop {
+        match rx.blocking_recv().expect("the job ends with Done") {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(f) => return (text, f),
+            Event::Failed(e) => panic!("job failed: {e}"),
         }
+    }
+}
+
+/// Runs `turns` one after another (each submitted when the one before has finished) with a
+/// prefix cache of `cache_bytes`: the replies, the engine's steps and the metrics.
+fn conversation(turns: &[Vec<u32>], cache_bytes: usize) -> RunResult {
+    let tmp = tempfile::tempdir().unwrap();
+    let (engine, codec) = engine(tmp.path());
+    let metrics = Arc::new(Metrics::default());
+    let config = Config {
+        max_batch: 2,
+        max_queue: 2,
+        serial: false,
+        prefill_chunk: PrefillChunk::Fixed(64),
+        prefix_cache_bytes: cache_bytes,
+    };
+    let (sched, handle) = Scheduler::start(engine.clone(), codec, config, metrics.clone()).unwrap();
+    let mut out = Vec::new();
+    for prompt in turns {
+        let (j, rx) = job(prompt.clone(), 6);
+        assert!(sched.submit(j).is_ok());
+        out.push(reply(rx));
     }
     sched.shutdown();
     handle.join().unwrap();
     let steps = engine.steps.lock().unwrap().clone();
     (out, steps, metrics)
+}
+
+/// Three turns, each prompt the one before plus its reply's tokens and 40 new ones, and a fourth
+/// that shares only the first 100 tokens: with the prefix cache every turn after the first runs
+/// only the tokens the cache does not hold, and every reply is the uncached run's.
+#[test]
+fn later_turns_prefill_only_their_new_tokens_with_the_same_replies() {
+    let base: Vec<u32> = (0..150).map(|i| 3 + (i * 11) % 500).collect();
+    let new_part = |k: u32| -> Vec<u32> { (0..40).map(|i| 5 + (i * 13 + k * 7) % 400).collect() };
+    // The replies are not known in advance: turn k + 1 extends turn k's prompt by made-up tokens
+    // standing for its reply (the cache keys by tokens, so it holds prompt + reply − 1 of them).
+    let mut turns = vec![base.clone()];
+    for k in 1..3 {
+        let mut t = turns[k - 1].clone();
+        t.extend(new_part(k as u32));
+        turns.push(t);
+    }
+    let mut other = base[..100].to_vec();
+    other.extend(new_part(9));
+    turns.push(other);
+    let (cached, steps, metrics) = conversation(&turns, 64 << 20);
+    let (plain, plain_steps, _) = conversation(&turns, 0);
+    assert_eq!(cached, plain, "the prefix cache changes no token");
+    let prompt_tokens = |steps: &[Vec<usize>]| steps.iter().filter(|s| s[0] > 1).map(|s| s[0]).sum::<usize>();
+    assert_eq!(prompt_tokens(&plain_steps), 150 + 190 + 230 + 140);
+    // Turn 2 resumes turn 1's 150 prompt tokens (its reply's tokens differ from the made-up ones),
+    // turn 3 turn 2's 190, turn 4 the first 100.
+    assert_eq!(prompt_tokens(&steps), 150 + 40 + 40 + 40, "{steps:?}");
+    let text = metrics.render();
+    assert!(text.contains("krasis_prefix_hits_total 3"), "{text}");
+    assert!(text.contains("krasis_prefix_lookups_total 4"), "{text}");
+    assert!(text.contains(&format!("krasis_prefix_reused_tokens_total {}", 150 + 190 + 100)), "{text}");
+    assert!(text.contains("krasis_prompt_tokens_total 270"), "{text}");
 }
 
 /// A 200-token prompt submitted with a 4-token one: with 16-token chunks the long prompt takes
@@ -149,6 +216,7 @@ fn the_measured_chunk_follows_the_prefill_rate() {
         max_batch: 1,
         serial: false,
         chunk: PrefillChunk::Measured,
+        prefix: PrefixCache::new(0),
         metrics: metrics.clone(),
         waiting: VecDeque::new(),
         active: Vec::new(),

@@ -1,8 +1,11 @@
 //! The CPU and GPU engines' decoders and sessions as seen by the Engine API.
 
-use super::{DevicePath, EngineDecoder, EngineSession, EngineStats};
-use crate::cpu::{Model, Session};
+use std::any::Any;
+
+use super::{DevicePath, EngineDecoder, EngineSession, EngineStats, SavedPrefix};
+use crate::cpu::{CpuPrefix, Model, Session};
 use crate::error::Result;
+use crate::gpu::prefix::GpuPrefix;
 use crate::gpu::{GpuModel, GpuSession};
 
 impl EngineSession for Session {
@@ -45,6 +48,20 @@ impl EngineDecoder for Model {
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(self.heatmap())
     }
+
+    fn snapshot(&self, session: &mut Session) -> Result<()> {
+        session.snapshot();
+        Ok(())
+    }
+
+    fn save_prefix(&self, session: Session) -> Result<Option<Box<dyn SavedPrefix>>> {
+        Ok(Some(Box::new(session.into_prefix())))
+    }
+
+    fn resume_prefix(&self, saved: &dyn SavedPrefix, len: usize) -> Result<Option<Session>> {
+        let any: &dyn Any = saved;
+        any.downcast_ref::<CpuPrefix>().map(|p| Session::from_prefix(p, len)).transpose()
+    }
 }
 
 impl EngineSession for GpuSession {
@@ -64,6 +81,19 @@ impl EngineSession for GpuSession {
 impl EngineDecoder for GpuModel {
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         GpuModel::expert_counts(self)
+    }
+
+    fn snapshot(&self, session: &mut GpuSession) -> Result<()> {
+        GpuModel::snapshot(self, session)
+    }
+
+    fn save_prefix(&self, session: GpuSession) -> Result<Option<Box<dyn SavedPrefix>>> {
+        Ok(Some(Box::new(GpuModel::save_prefix(self, session)?)))
+    }
+
+    fn resume_prefix(&self, saved: &dyn SavedPrefix, len: usize) -> Result<Option<GpuSession>> {
+        let any: &dyn Any = saved;
+        any.downcast_ref::<GpuPrefix>().map(|p| GpuModel::resume_prefix(self, p, len)).transpose()
     }
 
     fn device(&self) -> DevicePath {

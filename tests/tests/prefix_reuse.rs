@@ -1,0 +1,150 @@
+//! Prefix reuse (issue #41 item 1) through the Engine API on every device path: a session resumed
+//! from a saved prefix ([`Engine::save_prefix`] / [`Engine::resume_prefix`]) gives the logits a
+//! fresh session gives for the same prompt, position by position, with the same greedy token at
+//! every one of them.
+//!
+//! - The synthetic tiny model (MLA attention, a KV cache that cuts anywhere): resumed at a point
+//!   inside the saved tokens and at their end, CPU (BF16 and INT4 experts), GPU and hybrid.
+//! - `qwen3next-tiny` (gated-DeltaNet layers, `../shared/fixtures-next`): resumed only at a
+//!   recurrent-state snapshot ([`Engine::snapshot`]) or at the end; a point between snapshots is
+//!   refused, never resumed wrongly.
+//!
+//! Bounds ([`Bounds`]): against a fresh session that runs the prompt with the same split, rel
+//! ≤ 1e-5 on the CPU, 1e-3 on the GPU (the saved state round-trips exactly; a resume inside a saved call's rows reads rows
+//! that call computed in a larger block, a rounding's difference);
+//! against one call over the whole prompt, rel ≤ 1e-5 on the CPU with BF16 weights, and greedy
+//! ids identical everywhere. GPU and hybrid skip visibly without a GPU.
+
+use krasis_model::runtime::{open_engine, DevicePolicy, Engine, EngineConfig};
+use krasis_model::source::files::ModelFiles;
+use krasis_model::spec::WeightBits;
+use krasis_model::text::sampling::{argmax, Sampler, SamplingParams};
+use krasis_tests::{fixture_next, gpu_available, load_reference, rel_l2, tiny_model};
+
+/// Logits of every position of `tokens` run after what `session` holds.
+fn run(e: &dyn Engine, session: &mut dyn krasis_model::runtime::EngineSession, tokens: &[u32]) -> Vec<f32> {
+    let mut sampler = Sampler::new(SamplingParams::default());
+    e.step_one(session, tokens, &mut sampler, true).unwrap().logits.expect("logits were asked for")
+}
+
+/// How close a resumed session must come: to a fresh session run with the same split of the
+/// prompt (the same arithmetic: only the state's round trip differs), and to a fresh run of the
+/// whole prompt in one call (`None`: reported, not bounded; quantised experts take different
+/// kernels for different call sizes, so a split changes their rounding).
+struct Bounds {
+    same_split: f64,
+    whole: Option<f64>,
+}
+
+/// Saves a session that ran `prompt[..saved]` (with a snapshot at `snap`), then resumes at each
+/// of `resume_at` and compares the rest of the prompt's logits with fresh runs'.
+fn check(what: &str, e: &dyn Engine, prompt: &[u32], snap: usize, saved: usize, resume_at: &[usize], b: &Bounds) {
+    let v = e.spec().vocab_size;
+    let mut fresh = e.new_session().unwrap();
+    let want = run(e, fresh.as_mut(), prompt);
+    let mut s = e.new_session().unwrap();
+    run(e, s.as_mut(), &prompt[..snap]);
+    e.snapshot(s.as_mut()).unwrap();
+    run(e, s.as_mut(), &prompt[snap..saved]);
+    let kept = e.save_prefix(s).unwrap().unwrap_or_else(|| panic!("{what}: the engine keeps no prefixes"));
+    assert_eq!(kept.len(), saved, "{what}");
+    for &at in resume_at {
+        assert_eq!(kept.resumable(at), at, "{what}: resumable at {at}");
+        let mut r = e.resume_prefix(kept.as_ref(), at).unwrap();
+        assert_eq!(r.position(), at, "{what}");
+        let got = run(e, r.as_mut(), &prompt[at..]);
+        // The calls the saved session made up to `at`, then the rest.
+        let mut split = e.new_session().unwrap();
+        if at > snap {
+            run(e, split.as_mut(), &prompt[..snap]);
+            run(e, split.as_mut(), &prompt[snap..at]);
+        } else {
+            run(e, split.as_mut(), &prompt[..at]);
+        }
+        let split = run(e, split.as_mut(), &prompt[at..]);
+        let whole = &want[at * v..];
+        let (e_split, e_whole) = (rel_l2(&got, &split), rel_l2(&got, whole));
+        let same_ids = got.chunks(v).zip(whole.chunks(v)).all(|(a, b)| argmax(a) == argmax(b));
+        eprintln!(
+            "{what}: resumed at {at} of {saved} saved, {} more tokens: rel {e_split:.2e} to the same split, \
+             {e_whole:.2e} to the whole prompt; greedy ids identical {same_ids}",
+            prompt.len() - at
+        );
+        assert!(e_split <= b.same_split, "{what}: resumed at {at}: rel {e_split:.3e} to the same split");
+        if let Some(bound) = b.whole {
+            assert!(e_whole <= bound, "{what}: resumed at {at}: rel {e_whole:.3e} to the whole prompt");
+        }
+        assert!(same_ids, "{what}: resumed at {at}: a greedy id differs");
+    }
+}
+
+fn open(dir: &std::path::Path, device: DevicePolicy, experts: WeightBits, cache: &std::path::Path) -> Box<dyn Engine> {
+    let files = ModelFiles::open(dir).unwrap();
+    let mut c = EngineConfig { device, use_saved_tune: false, ..EngineConfig::default() };
+    (c.cpu.expert_bits, c.cpu.dense_bits) = (experts, WeightBits::Bf16);
+    c.cpu.cache_dir = Some(cache.to_path_buf());
+    c.cpu.threads = Some(2);
+    c.gpu.kv_tokens = Some(1024);
+    if device != DevicePolicy::Cpu {
+        c.gpu_expert_width = experts;
+    }
+    c.gpu.expert_cache = krasis_model::gpu::GpuExpertCache::In(Some(cache.to_path_buf()));
+    open_engine(&files, &c).unwrap_or_else(|e| panic!("{}: {device:?}: {e}", dir.display())).engine
+}
+
+fn tiny_prompt(v: usize) -> Vec<u32> {
+    (0..150u32).map(|i| 2 + (i * 37 + 11) % (v as u32 - 2)).collect()
+}
+
+#[test]
+fn a_resumed_cpu_session_gives_the_fresh_logits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny");
+    tiny_model(&dir);
+    for (bits, whole) in [(WeightBits::Bf16, Some(1e-5)), (WeightBits::Int4, None)] {
+        let e = open(&dir, DevicePolicy::Cpu, bits, tmp.path());
+        let p = tiny_prompt(e.spec().vocab_size);
+        check(&format!("tiny cpu {bits:?}"), e.as_ref(), &p, 64, 120, &[77, 120], &Bounds { same_split: 1e-5, whole });
+    }
+}
+
+#[test]
+fn a_resumed_deltanet_session_gives_the_fresh_logits_at_its_snapshots_only() {
+    let Some(dir) = fixture_next("qwen3next-tiny") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let e = open(&dir, DevicePolicy::Cpu, WeightBits::Bf16, tmp.path());
+    let p = load_reference(&dir).prompt_ids;
+    check("qwen3next-tiny cpu", e.as_ref(), &p, 40, 66, &[40, 66], &Bounds { same_split: 1e-5, whole: Some(1e-5) });
+    // A point between the snapshots holds no recurrent state: not resumable, and refused.
+    let mut s = e.new_session().unwrap();
+    run(e.as_ref(), s.as_mut(), &p[..50]);
+    let kept = e.save_prefix(s).unwrap().unwrap();
+    assert_eq!(kept.resumable(49), 0);
+    assert!(e.resume_prefix(kept.as_ref(), 30).is_err());
+}
+
+/// The GPU paths: BF16 activations between kernels, and kernels whose tiling follows the call's
+/// size, so rows computed in another block may differ by a few BF16 roundings.
+const GPU: Bounds = Bounds { same_split: 1e-3, whole: Some(2e-3) };
+
+#[test]
+fn a_resumed_gpu_or_hybrid_session_gives_the_fresh_logits() {
+    if !gpu_available("prefix reuse on the GPU") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny");
+    tiny_model(&dir);
+    for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
+        let e = open(&dir, device, WeightBits::Bf16, tmp.path());
+        let p = tiny_prompt(e.spec().vocab_size);
+        check(&format!("tiny {device:?}"), e.as_ref(), &p, 64, 120, &[77, 120], &GPU);
+    }
+    if let Some(dir) = fixture_next("qwen3next-tiny") {
+        let p = load_reference(&dir).prompt_ids;
+        for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
+            let e = open(&dir, device, WeightBits::Bf16, tmp.path());
+            check(&format!("qwen3next-tiny {device:?}"), e.as_ref(), &p, 40, 66, &[40, 66], &GPU);
+        }
+    }
+}
