@@ -5,6 +5,7 @@
 //   delta_prep        q and k L2-normalised per key head (q also scaled), beta = sigmoid(b) and
 //                     g = -exp(A_log) * softplus(a + dt_bias) per value head, in place;
 //   delta_rule_dkN    the gated delta rule, token by token, for key dims up to N;
+//   delta_chunk_prep, delta_chunk_rule_dkN  the same rule CHUNK tokens at a time (prompts);
 //   delta_gated_norm  rmsnorm(o) * w * silu(z) per value head, in place;
 //   output_gate_rows_f32  y /= 1 + exp(-gate): attention's output gate (Qwen3-Next).
 //
@@ -218,6 +219,374 @@ __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, c
 DELTA_RULE_KERNEL(64)
 DELTA_RULE_KERNEL(128)
 DELTA_RULE_KERNEL(256)
+
+// ---------------------------------------------------------------------------------------------
+// The chunked rule (the WY form of transformers' torch_chunk_gated_delta_rule and of
+// krasis_cpu::delta_rule::chunked), CHUNK tokens at a time, for prompts. Per value head h and
+// chunk of c <= CHUNK tokens, with G_i the cumulative log decay inside the chunk (G_i = g_0 + ...
+// + g_i), K, Q, V the chunk's rows and S the state at the chunk's start:
+//   L[i][j] = -beta_i (k_i . k_j) e^(G_i - G_j) for j < i (0 elsewhere);  M = (I - L)^-1;
+//   T = M diag(beta);  Aqk[i][j] = (q_i . k_j) e^(G_i - G_j) for j <= i (0 elsewhere);
+//   v_new = T (V - diag(e^G) K S);  out = diag(e^G) Q S + Aqk v_new;
+//   S <- e^(G_last) S + (diag(e^(G_last - G)) K)^T v_new.
+// (v_new = u - w S of the CPU form, with u = M diag(beta) V and w = M diag(beta) diag(e^G) K
+// factored.) Every exponent is <= 0. Rows past c are zeros in K, Q, V, beta and g, which leaves
+// every product of the real rows unchanged and v_new's padded rows zero.
+//
+// Two kernels, launched in order on one stream:
+//   delta_chunk_prep  per (chunk, key head, sequence), parallel over every chunk: T and Aqk of
+//                     each value head of the key head into the scratch;
+//   delta_chunk_rule  per (32 value columns, value head, sequence), the chunks in order: the
+//                     state tile [dk, 32] in shared memory, the output and the new state.
+// Scratch: [n_seqs, chunks, nv, 2, CHUNK, CHUNK] floats, T then Aqk.
+#define CHUNK 64
+// Key dims staged per pass, and the staged rows' stride (16-byte rows; float4 reads of 8
+// consecutive rows hit distinct banks).
+#define CK_SLICE 32
+#define CK_LD 36
+// Row stride of T or Aqk in delta_chunk_rule's shared memory.
+#define CT_LD 68
+// Value columns per block of delta_chunk_rule.
+#define CB_COLS 32
+#define CHUNK_THREADS 256
+// Floats of the staging area of delta_chunk_rule: two [CHUNK][CK_LD] slices, or T / Aqk
+// [CHUNK][CT_LD], or [16][DKM] key rows.
+#define CB_STAGE (2 * CHUNK * CK_LD)
+
+// Warp 0: the chunk's cumulative log decays G_i (rows past c: g = 0, so G stays at G_{c-1}),
+// lane l computing rows 2l and 2l + 1. Returns G_last (= G_63), to every lane.
+__device__ __forceinline__ float chunk_cumsum(const float* __restrict__ g, long long row, int nv, int h, int c,
+                                              float* gcs) {
+    const int lane = threadIdx.x & 31;
+    const int i0 = 2 * lane;
+    const float x0 = i0 < c ? g[(row + i0) * nv + h] : 0.0f;
+    const float x1 = i0 + 1 < c ? g[(row + i0 + 1) * nv + h] : 0.0f;
+    float p = x0 + x1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, p, o);
+        if (lane >= o) p += y;
+    }
+    float before = __shfl_up_sync(0xffffffffu, p, 1);
+    if (lane == 0) before = 0.0f;
+    gcs[i0] = before + x0;
+    gcs[i0 + 1] = p;
+    return __shfl_sync(0xffffffffu, p, 31);
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+
+__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+    acc = fmaf(a.z, b.z, acc);
+    return fmaf(a.w, b.w, acc);
+}
+
+// acc[0..3] += x * v
+__device__ __forceinline__ void axpy4(float* acc, float x, float4 v) {
+    acc[0] = fmaf(x, v.x, acc[0]);
+    acc[1] = fmaf(x, v.y, acc[1]);
+    acc[2] = fmaf(x, v.z, acc[2]);
+    acc[3] = fmaf(x, v.w, acc[3]);
+}
+
+// T and Aqk of one chunk for every value head of one key head. Grid (chunks, nk, n_seqs),
+// CHUNK_THREADS threads. The raw products K K^T and Q K^T (64 x 64, shared by the key head's
+// value heads) are a thread's 4 x 4 rows ty + 16 m, columns tx + 16 n, summed over key-dim slices
+// staged in shared memory. Then per value head: L into shared memory, Aqk straight to the scratch,
+// M = (I - L)^-1 by forward substitution a column per thread (column j of M depends only on
+// column j: M[i][j] = L[i][j] + sum_{j<m<i} L[i][m] M[m][j]), and T = M diag(beta) to the scratch.
+extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
+    delta_chunk_prep(const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
+                     float* __restrict__ scratch, int ch, int nk, int nv, int dk, int rows_per_seq) {
+    __shared__ __align__(16) float stage[2 * CHUNK * CK_LD];  // K and Q slices, then M [CHUNK][CHUNK]
+    __shared__ float ls[CHUNK * (CHUNK + 1)];
+    __shared__ float gcs[CHUNK];
+    __shared__ float bt[CHUNK];
+    const int chunk = blockIdx.x, kh = blockIdx.y, b = blockIdx.z;
+    const int nchunks = gridDim.x;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int c = min(CHUNK, rows_per_seq - chunk * CHUNK);
+    const long long row = (long long)b * rows_per_seq + (long long)chunk * CHUNK;
+    float* ks = stage;
+    float* qs = stage + CHUNK * CK_LD;
+    const float* kbase = qkv + (long long)(nk + kh) * dk;
+    const float* qbase = qkv + (long long)kh * dk;
+    float kk[4][4], qk[4][4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) kk[m][n] = qk[m][n] = 0.0f;
+    }
+    for (int a0 = 0; a0 < dk; a0 += CK_SLICE) {
+        __syncthreads();  // the previous slice's reads are done
+        for (int e = tid; e < CHUNK * CK_SLICE; e += CHUNK_THREADS) {
+            const int i = e / CK_SLICE, a = e % CK_SLICE;
+            const bool in = i < c && a0 + a < dk;
+            const long long o = (row + i) * ch + a0 + a;
+            ks[i * CK_LD + a] = in ? kbase[o] : 0.0f;
+            qs[i * CK_LD + a] = in ? qbase[o] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int a = 0; a < CK_SLICE; a += 4) {
+            float4 kr[4], qr[4], kc[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                kr[m] = ld4(&ks[(ty + 16 * m) * CK_LD + a]);
+                qr[m] = ld4(&qs[(ty + 16 * m) * CK_LD + a]);
+                kc[m] = ld4(&ks[(tx + 16 * m) * CK_LD + a]);
+            }
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+#pragma unroll
+                for (int n = 0; n < 4; ++n) {
+                    kk[m][n] = dot4(kr[m], kc[n], kk[m][n]);
+                    qk[m][n] = dot4(qr[m], kc[n], qk[m][n]);
+                }
+            }
+        }
+    }
+    const int per = nv / nk;
+    float* mr = stage;  // M, row-major [CHUNK][CHUNK]: thread j's reads of column j are conflict-free
+    for (int hh = 0; hh < per; ++hh) {
+        const int h = kh * per + hh;
+        __syncthreads();  // the slices (or the previous head's M, L, beta) are read
+        if (tid < 32) chunk_cumsum(g, row, nv, h, c, gcs);
+        if (tid < CHUNK) bt[tid] = tid < c ? beta[(row + tid) * nv + h] : 0.0f;
+        __syncthreads();
+        float* tg = scratch + (((long long)b * nchunks + chunk) * nv + h) * (2LL * CHUNK * CHUNK);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+#pragma unroll
+            for (int n = 0; n < 4; ++n) {
+                const int i = ty + 16 * m, j = tx + 16 * n;
+                const float dec = j <= i ? expf(gcs[i] - gcs[j]) : 0.0f;
+                ls[i * (CHUNK + 1) + j] = j < i ? -bt[i] * kk[m][n] * dec : 0.0f;
+                tg[CHUNK * CHUNK + i * CHUNK + j] = (j <= i && i < c) ? qk[m][n] * dec : 0.0f;
+            }
+        }
+        __syncthreads();
+        if (tid < CHUNK) {
+            const int j = tid;
+            for (int i = 0; i < CHUNK; ++i) {
+                float s;
+                if (i <= j || i >= c) {
+                    s = i == j ? 1.0f : 0.0f;
+                } else {
+                    const float* li = ls + i * (CHUNK + 1);
+                    float s0 = li[j], s1 = 0.0f;
+                    int m = j + 1;
+                    for (; m + 1 < i; m += 2) {
+                        s0 = fmaf(li[m], mr[m * CHUNK + j], s0);
+                        s1 = fmaf(li[m + 1], mr[(m + 1) * CHUNK + j], s1);
+                    }
+                    if (m < i) s0 = fmaf(li[m], mr[m * CHUNK + j], s0);
+                    s = s0 + s1;
+                }
+                mr[i * CHUNK + j] = s;
+            }
+        }
+        __syncthreads();
+        for (int e = tid; e < CHUNK * CHUNK; e += CHUNK_THREADS) tg[e] = mr[e] * bt[e % CHUNK];
+    }
+}
+
+// The chunks of one sequence in order for value head h, columns j0 .. j0 + 31 of S (a block of
+// CHUNK_THREADS threads; grid (ceil(dv / 32), nv, n_seqs)). Thread (tx = tid % 8, ty = tid / 8)
+// owns output rows ty and ty + 32, columns j0 + 4 tx .. + 3; in the state update, rows
+// ty + 32 m of S (DKM / 32 of them), the same columns. Dynamic shared memory
+// (DKM * 32 + CB_STAGE + CHUNK * 32 + 3 * CHUNK floats):
+//   S [DKM][32]; the staging area; R [CHUNK][32] (V - e^G K S, then v_new); G, e^G, e^(G_last - G).
+// scratch as delta_chunk_prep left it. qkv, g and out as delta_rule's.
+template <int DKM>
+__device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ qkv, const float* __restrict__ g,
+                                                      const float* __restrict__ scratch, float* __restrict__ out,
+                                                      const u64* __restrict__ states, long long off, int ch, int nk,
+                                                      int nv, int dk, int dv, int rows_per_seq) {
+    constexpr int RA = DKM / 32;
+    extern __shared__ __align__(16) float csm[];
+    float* S = csm;
+    float* stage = S + DKM * CB_COLS;
+    float* R = stage + CB_STAGE;
+    float* gcs = R + CHUNK * CB_COLS;
+    float* eg = gcs + CHUNK;
+    float* ed = eg + CHUNK;
+    const int b = blockIdx.z, h = blockIdx.y, j0 = blockIdx.x * CB_COLS;
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int kh = h / (nv / nk);
+    const int jt = 4 * tx;  // the thread's first column within the tile
+    float* Sg = state_of(states, b, off) + (long long)h * dk * dv;
+    for (int e = tid; e < DKM * CB_COLS; e += CHUNK_THREADS) {
+        const int a = e / CB_COLS, j = j0 + e % CB_COLS;
+        S[e] = (a < dk && j < dv) ? Sg[(long long)a * dv + j] : 0.0f;
+    }
+    const float* qbase = qkv + (long long)kh * dk;
+    const float* kbase = qkv + (long long)(nk + kh) * dk;
+    const float* vbase = qkv + 2LL * nk * dk + (long long)h * dv;
+    const int nchunks = (rows_per_seq + CHUNK - 1) / CHUNK;
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+        const int c = min(CHUNK, rows_per_seq - chunk * CHUNK);
+        const long long row = (long long)b * rows_per_seq + (long long)chunk * CHUNK;
+        const float* tg = scratch + (((long long)b * nchunks + chunk) * nv + h) * (2LL * CHUNK * CHUNK);
+        __syncthreads();  // the previous chunk's state update is done (S written; staging, R, ed read)
+        if (tid < 32) {
+            const float last = chunk_cumsum(g, row, nv, h, c, gcs);
+            __syncwarp();
+            for (int i = tid; i < CHUNK; i += 32) {
+                eg[i] = expf(gcs[i]);
+                ed[i] = expf(last - gcs[i]);
+            }
+        }
+        // 1. ak = K S and aq = Q S for the thread's rows and columns, over key-dim slices.
+        float ak[2][4], aq[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) ak[r][u] = aq[r][u] = 0.0f;
+        }
+        float* ks = stage;
+        float* qs = stage + CHUNK * CK_LD;
+        for (int a0 = 0; a0 < dk; a0 += CK_SLICE) {
+            __syncthreads();  // the previous slice's reads are done (first pass: the decays written)
+            for (int e = tid; e < CHUNK * CK_SLICE; e += CHUNK_THREADS) {
+                const int i = e / CK_SLICE, a = e % CK_SLICE;
+                const bool in = i < c && a0 + a < dk;
+                const long long o = (row + i) * ch + a0 + a;
+                ks[i * CK_LD + a] = in ? kbase[o] : 0.0f;
+                qs[i * CK_LD + a] = in ? qbase[o] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int a = 0; a < CK_SLICE; a += 4) {
+                const float4 k0 = ld4(&ks[ty * CK_LD + a]), k1 = ld4(&ks[(ty + 32) * CK_LD + a]);
+                const float4 q0 = ld4(&qs[ty * CK_LD + a]), q1 = ld4(&qs[(ty + 32) * CK_LD + a]);
+                const float kv0[4] = {k0.x, k0.y, k0.z, k0.w}, kv1[4] = {k1.x, k1.y, k1.z, k1.w};
+                const float qv0[4] = {q0.x, q0.y, q0.z, q0.w}, qv1[4] = {q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const float4 s = ld4(&S[(a0 + a + u) * CB_COLS + jt]);
+                    axpy4(ak[0], kv0[u], s);
+                    axpy4(ak[1], kv1[u], s);
+                    axpy4(aq[0], qv0[u], s);
+                    axpy4(aq[1], qv1[u], s);
+                }
+            }
+        }
+        __syncthreads();  // the slices are read: the staging area becomes T
+        // R = V - e^G K S (zero past c); o = e^G Q S.
+        float o[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = ty + 32 * r;
+            float rv[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int j = j0 + jt + u;
+                const float v = (i < c && j < dv) ? vbase[(row + i) * ch + j] : 0.0f;
+                rv[u] = i < c ? v - eg[i] * ak[r][u] : 0.0f;
+                o[r][u] = eg[i] * aq[r][u];
+            }
+            *reinterpret_cast<float4*>(&R[i * CB_COLS + jt]) = make_float4(rv[0], rv[1], rv[2], rv[3]);
+        }
+        for (int e = tid; e < CHUNK * CHUNK / 4; e += CHUNK_THREADS) {
+            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
+            *reinterpret_cast<float4*>(&stage[i * CT_LD + j]) = ld4(&tg[i * CHUNK + j]);
+        }
+        __syncthreads();
+        // 2. v_new = T R (T lower triangular: row i needs m <= i).
+        float vn[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) vn[r][u] = 0.0f;
+        }
+        for (int m = 0; m <= ty; ++m) {
+            const float4 rm = ld4(&R[m * CB_COLS + jt]);
+            axpy4(vn[0], stage[ty * CT_LD + m], rm);
+            axpy4(vn[1], stage[(ty + 32) * CT_LD + m], rm);
+        }
+        for (int m = ty + 1; m <= ty + 32; ++m) axpy4(vn[1], stage[(ty + 32) * CT_LD + m], ld4(&R[m * CB_COLS + jt]));
+        __syncthreads();  // R and T are read
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            *reinterpret_cast<float4*>(&R[(ty + 32 * r) * CB_COLS + jt]) =
+                make_float4(vn[r][0], vn[r][1], vn[r][2], vn[r][3]);
+        }
+        for (int e = tid; e < CHUNK * CHUNK / 4; e += CHUNK_THREADS) {
+            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
+            *reinterpret_cast<float4*>(&stage[i * CT_LD + j]) = ld4(&tg[CHUNK * CHUNK + i * CHUNK + j]);
+        }
+        __syncthreads();
+        // 3. out = o + Aqk v_new (Aqk lower triangular).
+        for (int m = 0; m <= ty; ++m) {
+            const float4 rm = ld4(&R[m * CB_COLS + jt]);
+            axpy4(o[0], stage[ty * CT_LD + m], rm);
+            axpy4(o[1], stage[(ty + 32) * CT_LD + m], rm);
+        }
+        for (int m = ty + 1; m <= ty + 32; ++m) axpy4(o[1], stage[(ty + 32) * CT_LD + m], ld4(&R[m * CB_COLS + jt]));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = ty + 32 * r;
+            if (i < c) {
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int j = j0 + jt + u;
+                    if (j < dv) out[((row + i) * nv + h) * dv + j] = o[r][u];
+                }
+            }
+        }
+        // 4. S = e^G_last S + (diag(e^(G_last - G)) K)^T v_new, 16 key rows staged at a time.
+        float acc[RA][4];
+#pragma unroll
+        for (int m = 0; m < RA; ++m) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc[m][u] = 0.0f;
+        }
+        for (int i0 = 0; i0 < c; i0 += 16) {
+            __syncthreads();  // Aqk (or the previous rows) read
+            for (int e = tid; e < 16 * DKM; e += CHUNK_THREADS) {
+                const int ii = e / DKM, a = e % DKM, i = i0 + ii;
+                stage[e] = (i < c && a < dk) ? kbase[(row + i) * ch + a] * ed[i] : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int ii = 0; ii < 16; ++ii) {
+                const float4 rm = ld4(&R[(i0 + ii) * CB_COLS + jt]);
+#pragma unroll
+                for (int m = 0; m < RA; ++m) axpy4(acc[m], stage[ii * DKM + ty + 32 * m], rm);
+            }
+        }
+        const float el = expf(gcs[CHUNK - 1]);
+#pragma unroll
+        for (int m = 0; m < RA; ++m) {
+            float* sp = &S[(ty + 32 * m) * CB_COLS + jt];
+            const float4 s = ld4(sp);
+            *reinterpret_cast<float4*>(sp) =
+                make_float4(fmaf(el, s.x, acc[m][0]), fmaf(el, s.y, acc[m][1]), fmaf(el, s.z, acc[m][2]),
+                            fmaf(el, s.w, acc[m][3]));
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < DKM * CB_COLS; e += CHUNK_THREADS) {
+        const int a = e / CB_COLS, j = j0 + e % CB_COLS;
+        if (a < dk && j < dv) Sg[(long long)a * dv + j] = S[e];
+    }
+}
+
+#define DELTA_CHUNK_RULE_KERNEL(N)                                                                                \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)                                                   \
+        delta_chunk_rule_dk##N(const float* __restrict__ qkv, const float* __restrict__ g,                        \
+                               const float* __restrict__ scratch, float* __restrict__ out,                        \
+                               const u64* __restrict__ states, long long off, int ch, int nk, int nv, int dk,     \
+                               int dv, int rows_per_seq) {                                                        \
+        delta_chunk_rule_body<N>(qkv, g, scratch, out, states, off, ch, nk, nv, dk, dv, rows_per_seq);            \
+    }
+
+DELTA_CHUNK_RULE_KERNEL(64)
+DELTA_CHUNK_RULE_KERNEL(128)
+DELTA_CHUNK_RULE_KERNEL(256)
 
 // In place per vector v of n_vec (o, z [n_vec, dv] contiguous; w BF16 [dv]):
 //   o = o / sqrt(mean(o^2) + eps) * w * silu(z)

@@ -12,9 +12,14 @@
 //! A layer's part of a block is its conv state `[conv_kernel − 1, channels]` then its rule state
 //! `[value_heads, dk, dv]` ([`DeltaDims::state_len`]), all f32.
 //!
-//! The rule runs the recurrence for prompts too (exact, sequential over the prompt's tokens);
-//! a chunked prefill form is not here yet.
+//! **Two forms of the rule.** [`GpuDevice::delta_rule`] runs the recurrence token by token
+//! (decode, short prompts); [`GpuDevice::delta_rule_chunked`] runs the chunked (WY) form,
+//! [`CHUNK`] tokens at a time as small matrix products, for prompts: one kernel computes every
+//! chunk's intra-chunk matrices in parallel into a scratch buffer, a second carries the state
+//! through the chunks in order, a block per 32 value columns of each value head. Both continue
+//! from the state in the block and leave it there, so either may follow the other.
 
+use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{check, launch_err, to_i32, KernelSource, HEADERS};
@@ -32,6 +37,10 @@ pub const DELTA_RULE: KernelSource = KernelSource {
         "delta_rule_dk64",
         "delta_rule_dk128",
         "delta_rule_dk256",
+        "delta_chunk_prep",
+        "delta_chunk_rule_dk64",
+        "delta_chunk_rule_dk128",
+        "delta_chunk_rule_dk256",
         "delta_gated_norm",
         "output_gate_rows_f32",
     ],
@@ -49,6 +58,16 @@ const CONV_ROWS: usize = 16;
 /// Columns of S per block of the rule kernel, and its threads (4 per column).
 const RULE_COLS: usize = 32;
 const RULE_THREADS: u32 = 128;
+/// Tokens per chunk of [`GpuDevice::delta_rule_chunked`] (`CHUNK` in the kernels): the chunk
+/// transformers' `torch_chunk_gated_delta_rule` and the CPU's chunked form use.
+pub const CHUNK: usize = 64;
+/// Threads of the chunked kernels, and value columns per block of the second one.
+const CHUNK_THREADS: u32 = 256;
+const CHUNK_COLS: usize = 32;
+/// Floats of the chunked rule kernel's staging area (`CB_STAGE`: two `[64][36]` slices).
+const CHUNK_STAGE: usize = 2 * CHUNK * 36;
+/// Shared memory a block may use without opting in.
+const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
 /// Grid y and z limit.
 const GRID_YZ_MAX: usize = 65_535;
 
@@ -83,6 +102,28 @@ impl DeltaDims {
     /// Floats of one layer's state of one sequence: the conv state, then the rule state.
     pub fn state_len(&self) -> usize {
         self.conv_state_len() + self.rule_state_len()
+    }
+
+    /// Floats of the scratch [`GpuDevice::delta_rule_chunked`] needs for `seqs`: per sequence,
+    /// chunk and value head two `[CHUNK, CHUNK]` matrices.
+    pub fn chunk_scratch_len(&self, seqs: DeltaSeqs) -> usize {
+        seqs.n_seqs * seqs.rows_per_seq.div_ceil(CHUNK) * self.value_heads * 2 * CHUNK * CHUNK
+    }
+
+    /// The chunked rule kernel's register size for `dk` (64, 128 or 256) and its name.
+    fn chunk_rule_kernel(&self) -> (usize, &'static str) {
+        match self.dk {
+            0..=64 => (64, "delta_chunk_rule_dk64"),
+            65..=128 => (128, "delta_chunk_rule_dk128"),
+            _ => (256, "delta_chunk_rule_dk256"),
+        }
+    }
+
+    /// Dynamic shared memory of the chunked rule kernel, in bytes: the state tile `[DKM, 32]`,
+    /// the staging area, `R` `[CHUNK, 32]` and three `[CHUNK]` decay vectors.
+    fn chunk_rule_smem(&self) -> usize {
+        let (dkm, _) = self.chunk_rule_kernel();
+        4 * (dkm * CHUNK_COLS + CHUNK_STAGE + CHUNK * CHUNK_COLS + 3 * CHUNK)
     }
 
     fn check(&self, op: &'static str) -> Result<(), GpuError> {
@@ -335,6 +376,111 @@ impl GpuDevice {
         };
         // SAFETY: matches the kernel's signature (128 threads: the kernel's RULE_COLS x
         // RULE_SPLIT); extents checked; the states are the caller's promise.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// Whether this device can run [`GpuDevice::delta_rule_chunked`] for `d`: the chunked rule
+    /// kernel's shared memory (up to 59 KiB, for key dims above 128) within the block limit.
+    pub fn delta_rule_chunked_fits(&self, d: &DeltaDims) -> Result<bool, GpuError> {
+        let optin = self
+            .context()
+            .attribute(CUdevice_attribute_enum::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| GpuError::driver("cuDeviceGetAttribute", e))?;
+        let optin = usize::try_from(optin).unwrap_or(0).max(DEFAULT_SMEM_LIMIT);
+        Ok(d.chunk_rule_smem() <= optin)
+    }
+
+    /// The gated delta rule in its chunked form: what [`GpuDevice::delta_rule`] computes (the
+    /// same arguments; the sums in another order), [`CHUNK`] tokens of each sequence at a time.
+    /// A sequence's rows need not be a multiple of the chunk. `scratch` holds at least
+    /// [`DeltaDims::chunk_scratch_len`] f32; its contents are overwritten.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::delta_rule`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn delta_rule_chunked(
+        &self,
+        qkv: &impl DevicePtr<f32>,
+        beta: &impl DevicePtr<f32>,
+        g: &impl DevicePtr<f32>,
+        scratch: &mut impl DevicePtrMut<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+        d: &DeltaDims,
+        states: DeltaStates,
+        seqs: DeltaSeqs,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_rule_chunked";
+        d.check(OP)?;
+        seqs.check(OP)?;
+        let (ch, nv) = (d.channels(), d.value_heads);
+        let rows = seqs.rows();
+        need(OP, "qkv", qkv.len(), rows * ch)?;
+        need(OP, "beta", beta.len(), rows * nv)?;
+        need(OP, "g", g.len(), rows * nv)?;
+        need(OP, "out", out.len(), rows * nv * d.dv)?;
+        need(OP, "scratch", scratch.len(), d.chunk_scratch_len(seqs))?;
+        check(OP, states.entries >= seqs.n_seqs, || {
+            format!("a state table of {} entries for {} sequences", states.entries, seqs.n_seqs)
+        })?;
+        check(OP, d.key_heads <= GRID_YZ_MAX, || format!("{d:?}: too many key heads"))?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let chunks = seqs.rows_per_seq.div_ceil(CHUNK);
+        to_i32(OP, "chunks", chunks)?;
+        let (dkm, name) = d.chunk_rule_kernel();
+        let smem = d.chunk_rule_smem();
+        check(OP, self.delta_rule_chunked_fits(d)?, || {
+            format!("{d:?}: the chunked rule needs {smem} bytes of shared memory per block (key dims up to {dkm})")
+        })?;
+        let off = states.offset as i64;
+        let (ch_i, nk_i, nv_i, dk_i, dv_i) = (ch as i32, d.key_heads as i32, nv as i32, d.dk as i32, d.dv as i32);
+        let r_i = seqs.rows_per_seq as i32;
+        let s = self.stream();
+        let (qp, _g1) = qkv.device_ptr(s);
+        let (bp, _g2) = beta.device_ptr(s);
+        let (gp, _g3) = g.device_ptr(s);
+        let (sp, _g4) = scratch.device_ptr_mut(s);
+        let (op, _g5) = out.device_ptr_mut(s);
+        check(OP, sp.is_multiple_of(16), || format!("scratch at {sp:#x} is not 16-byte aligned"))?;
+        let f = self.function(&DELTA_RULE, "delta_chunk_prep")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&qp).arg(&bp).arg(&gp).arg(&sp).arg(&ch_i).arg(&nk_i).arg(&nv_i).arg(&dk_i).arg(&r_i);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks as u32, d.key_heads as u32, seqs.n_seqs as u32),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches the kernel's signature (256 threads); qkv, beta and g checked; the
+        // scratch holds n_seqs x chunks x nv x 2 x 64 x 64 floats, 16-byte aligned.
+        unsafe { b.launch(cfg) }.map_err(launch_err("delta_chunk_prep"))?;
+        let f = self.function(&DELTA_RULE, name)?;
+        if smem > DEFAULT_SMEM_LIMIT {
+            f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| GpuError::driver("cuFuncSetAttribute", e))?;
+        }
+        let mut b = s.launch_builder(&f);
+        b.arg(&qp)
+            .arg(&gp)
+            .arg(&sp)
+            .arg(&op)
+            .arg(&states.table)
+            .arg(&off)
+            .arg(&ch_i)
+            .arg(&nk_i)
+            .arg(&nv_i)
+            .arg(&dk_i)
+            .arg(&dv_i)
+            .arg(&r_i);
+        let cfg = LaunchConfig {
+            grid_dim: (d.dv.div_ceil(CHUNK_COLS) as u32, nv as u32, seqs.n_seqs as u32),
+            block_dim: (CHUNK_THREADS, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: matches the kernel's signature (256 threads, `smem` bytes of dynamic shared
+        // memory as the kernel carves it for DKM >= dk); extents checked; ordered after the prep
+        // kernel on the stream; the states are the caller's promise.
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }

@@ -14,7 +14,7 @@
 
 mod common;
 
-use common::{assert_close, down, gpu, rand_bf16_bits, rand_f32, rng, up};
+use common::{assert_close, down, gpu, rand_bf16_bits, rand_f32, rng, time_us_per_call, up};
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::DevicePtr;
 use krasis_gpu::delta_rule::{DeltaDims, DeltaSeqs, DeltaStates};
@@ -274,5 +274,261 @@ fn output_gate_divides_by_one_plus_exp_of_minus_the_strided_gate() {
             })
             .collect();
         assert_close(&format!("output gate {rows}x{cols}"), &down(dev, &yb), &want, 1e-6, 1e-7);
+    }
+}
+
+// ---------------------------------------------------------------- the chunked rule
+
+/// The rule's inputs for `rows` rows as `delta_prep` leaves them: `qkv` `[rows, channels]` with q
+/// and k L2-normalised (q also scaled by dk^-1/2), v in (−1, 1); β in (0.02, 0.98); g ≤ 0, mostly
+/// in (−3, 0], with some exact zeros (no decay) and some −30 (the state wiped).
+fn rule_inputs(r: &mut impl Rng, d: &DeltaDims, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (ch, nk, dk, nv) = (d.channels(), d.key_heads, d.dk, d.value_heads);
+    let mut qkv: Vec<f32> = (0..rows * ch).map(|_| r.random_range(-1.0f32..1.0)).collect();
+    for row in qkv.chunks_exact_mut(ch) {
+        for v in 0..2 * nk {
+            let x = &mut row[v * dk..][..dk];
+            let norm = x.iter().map(|y| y * y).sum::<f32>().sqrt().max(1e-3);
+            let s = if v < nk { (dk as f32).powf(-0.5) } else { 1.0 } / norm;
+            x.iter_mut().for_each(|y| *y *= s);
+        }
+    }
+    let beta = (0..rows * nv).map(|_| r.random_range(0.02f32..0.98)).collect();
+    let g = (0..rows * nv)
+        .map(|_| match r.random_range(0..50) {
+            0 => -30.0,
+            1 | 2 => 0.0,
+            _ => -3.0 * r.random_range(0.0f32..1.0).powi(2),
+        })
+        .collect();
+    (qkv, beta, g)
+}
+
+fn f64s(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+/// `got` within `tol · scale` of `want` element by element, `scale` the largest |want| (at least
+/// 1e-3): a relative error of the whole tensor, as the chunked form's sums (over products of
+/// many terms) are not each close to their own value's size. Prints and returns the worst
+/// |got − want| / scale.
+fn assert_scaled(what: &str, got: &[f32], want: &[f64], tol: f64) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(1e-3f64, |m, x| m.max(x.abs()));
+    let mut worst = (0.0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = if g.is_finite() { (g as f64 - w).abs() / scale } else { f64::INFINITY };
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    let (err, i) = worst;
+    eprintln!("  {what}: max rel error {err:.2e} (at {i}; scale {scale:.3e}, tolerance {tol:.0e})");
+    assert!(
+        err <= tol,
+        "{what}[{i}]: got {}, want {} (error {err:.2e} of scale {scale:.3e} > {tol:.0e})",
+        got[i],
+        want[i]
+    );
+    err
+}
+
+/// Relative error bound (of the tensor's scale) for the chunked and recurrent GPU forms against
+/// the f64 twin: f32 sums over chunks of 64 and dk terms, and the chunk's triangular inverse.
+const RULE_TOL: f64 = 5e-4;
+
+/// One geometry through the chunked rule: `n_seqs` sequences (random starting states, in blocks
+/// behind another layer's part) through a prompt of `rows` rows (chunked), three batched decode
+/// steps (the recurrence, continuing from the chunked prefill), then a second prompt of `rows2`
+/// rows (chunked, continuing from the decode). Outputs after every call and the final states
+/// against the f64 twin; the memory before the layer's state untouched.
+fn chunked_case(dev: &GpuDevice, r: &mut impl Rng, d: DeltaDims, n_seqs: usize, rows: usize, rows2: usize) {
+    let what = format!("{d:?} x {n_seqs} sequences, {rows} then 3 decode then {rows2} rows");
+    eprintln!("{what}:");
+    let (nv, dv) = (d.value_heads, d.dv);
+    let offset = 5 + d.conv_state_len();
+    let sentinel: Vec<f32> = (0..offset).map(|i| i as f32 * 0.25 - 1.0).collect();
+    let mut twins = Vec::new();
+    let mut blocks = Vec::new();
+    for _ in 0..n_seqs {
+        let s: Vec<f32> = (0..d.rule_state_len()).map(|_| r.random_range(-0.3f32..0.3)).collect();
+        let mut host = sentinel.clone();
+        host.extend(&s);
+        blocks.push(up(dev, &host, "delta state block"));
+        twins.push(f64s(&s));
+    }
+    let table_host: Vec<u64> = blocks.iter().map(|b| addr(dev, b)).collect();
+    let table = up(dev, &table_host, "state table");
+    let states = DeltaStates::new(dev, &table, offset);
+    for (ci, (n, chunked)) in [(rows, true), (1, false), (1, false), (1, false), (rows2, true)].into_iter().enumerate()
+    {
+        let seqs = DeltaSeqs { n_seqs, rows_per_seq: n };
+        let rows = seqs.rows();
+        let (qkv, beta, g) = rule_inputs(r, &d, rows);
+        let (qb, bb, gb) = (up(dev, &qkv, "qkv"), up(dev, &beta, "beta"), up(dev, &g, "g"));
+        let mut o = up(dev, &vec![f32::NAN; rows * nv * dv], "rule out");
+        if chunked {
+            let mut scratch = up(dev, &vec![f32::NAN; d.chunk_scratch_len(seqs)], "chunk scratch");
+            // SAFETY: every table entry is a live block of offset + rule_state_len floats.
+            unsafe { dev.delta_rule_chunked(&qb, &bb, &gb, &mut scratch, &mut o, &d, states, seqs) }.unwrap();
+        } else {
+            // SAFETY: as above.
+            unsafe { dev.delta_rule(&qb, &bb, &gb, &mut o, &d, states, seqs) }.unwrap();
+        }
+        let (q64, b64, g64) = (f64s(&qkv), f64s(&beta), f64s(&g));
+        let mut want = vec![0f64; rows * nv * dv];
+        for (s, twin) in twins.iter_mut().enumerate() {
+            twin_rule(&d, &q64, &b64, &g64, s * n, n, twin, &mut want);
+        }
+        let form = if chunked { "chunked" } else { "recurrent" };
+        assert_scaled(&format!("call {ci} ({form}, {n} rows) output"), &down(dev, &o), &want, RULE_TOL);
+    }
+    for (s, (block, twin)) in blocks.iter().zip(&twins).enumerate() {
+        let got = down(dev, block);
+        assert_eq!(&got[..offset], &sentinel[..], "{what}: sequence {s}: memory before the layer's state");
+        assert_scaled(&format!("sequence {s}: final state"), &got[offset..], twin, RULE_TOL);
+    }
+}
+
+/// The chunked rule against the f64 twin on fixed ragged geometries: key dims in each of the
+/// state kernel's three sizes and not multiples of 32, value dims not multiples of the 32-column
+/// tile, 1 to 3 value heads per key head, prompts shorter than a chunk, exactly one, one plus a
+/// row, several plus a remainder, and several sequences at once.
+#[test]
+fn chunked_rule_matches_the_f64_twin_on_ragged_shapes() {
+    let Some(dev) = gpu("chunked_rule_matches_the_f64_twin_on_ragged_shapes") else { return };
+    let mut r = rng(391);
+    // (key heads, value heads, dk, dv, sequences, rows, second prompt's rows)
+    for (nk, nv, dk, dv, n_seqs, rows, rows2) in [
+        (1, 1, 16, 16, 1, 64, 1),
+        (2, 4, 32, 32, 1, 65, 63),
+        (1, 3, 40, 24, 2, 7, 128),
+        (2, 6, 72, 56, 1, 130, 64),
+        (1, 2, 200, 40, 1, 100, 3),
+        (3, 3, 17, 70, 3, 64, 65),
+        (2, 4, 128, 128, 1, 191, 129),
+        (1, 1, 256, 33, 2, 129, 1),
+        (2, 2, 64, 96, 1, 300, 2),
+        (1, 2, 128, 130, 1, 65, 200),
+        (1, 1, 1, 1, 1, 70, 5),
+    ] {
+        let d = DeltaDims { key_heads: nk, value_heads: nv, dk, dv, conv_kernel: 4 };
+        chunked_case(dev, &mut r, d, n_seqs, rows, rows2);
+    }
+}
+
+/// The same over seeded random geometries and lengths.
+#[test]
+fn chunked_rule_matches_the_f64_twin_on_random_shapes() {
+    let Some(dev) = gpu("chunked_rule_matches_the_f64_twin_on_random_shapes") else { return };
+    let mut r = rng(392);
+    for _ in 0..16 {
+        let nk = r.random_range(1..=3);
+        let nv = nk * r.random_range(1..=3);
+        let d = DeltaDims {
+            key_heads: nk,
+            value_heads: nv,
+            dk: r.random_range(1..=160),
+            dv: r.random_range(1..=100),
+            conv_kernel: 4,
+        };
+        let (n_seqs, rows, rows2) = (r.random_range(1..=3), r.random_range(1..=200), r.random_range(1..=140));
+        chunked_case(dev, &mut r, d, n_seqs, rows, rows2);
+    }
+}
+
+/// A scratch smaller than `chunk_scratch_len`, or a state table shorter than the call's
+/// sequences, is an error, not a launch.
+#[test]
+fn chunked_rule_rejects_a_short_scratch() {
+    let Some(dev) = gpu("chunked_rule_rejects_a_short_scratch") else { return };
+    let d = DeltaDims { key_heads: 1, value_heads: 2, dk: 32, dv: 32, conv_kernel: 4 };
+    let seqs = DeltaSeqs { n_seqs: 1, rows_per_seq: 65 };
+    assert_eq!(d.chunk_scratch_len(seqs), 2 * 2 * 2 * 64 * 64);
+    let rows = seqs.rows();
+    let block = up(dev, &vec![0f32; d.rule_state_len()], "state");
+    let table = up(dev, &[addr(dev, &block)], "table");
+    let qkv = up(dev, &vec![0f32; rows * d.channels()], "qkv");
+    let bg = up(dev, &vec![0f32; rows * d.value_heads], "beta and g");
+    let mut o = up(dev, &vec![0f32; rows * d.value_heads * d.dv], "out");
+    let mut short = up(dev, &vec![0f32; d.chunk_scratch_len(seqs) - 1], "scratch");
+    // SAFETY: the block holds the rule state; the calls are refused before any launch.
+    let e = unsafe {
+        dev.delta_rule_chunked(&qkv, &bg, &bg, &mut short, &mut o, &d, DeltaStates::new(dev, &table, 0), seqs)
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("scratch"), "{e}");
+    let mut scratch = up(dev, &vec![0f32; d.chunk_scratch_len(seqs)], "scratch");
+    let two = DeltaSeqs { n_seqs: 2, rows_per_seq: 1 };
+    let e = unsafe {
+        dev.delta_rule_chunked(&qkv, &bg, &bg, &mut scratch, &mut o, &d, DeltaStates::new(dev, &table, 0), two)
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("state table"), "{e}");
+}
+
+/// Qwen3.6-35B's DeltaNet shapes (16 key heads, 32 value heads, dims 128): the chunked rule
+/// against the GPU's recurrence (itself held to the twin above) over an 8192-token prompt from
+/// the same random state, output and state; then the two forms' times per layer call at several
+/// prompt lengths, printed for the lead (asserts only the agreement).
+#[test]
+fn chunked_rule_matches_the_recurrence_at_qwen36_shapes_and_timings() {
+    let Some(dev) = gpu("chunked_rule_matches_the_recurrence_at_qwen36_shapes_and_timings") else { return };
+    let mut r = rng(393);
+    let d = DeltaDims { key_heads: 16, value_heads: 32, dk: 128, dv: 128, conv_kernel: 4 };
+    let (nv, dv) = (d.value_heads, d.dv);
+    let start: Vec<f32> = (0..d.rule_state_len()).map(|_| r.random_range(-0.3f32..0.3)).collect();
+    let t = 8192;
+    let seqs = DeltaSeqs { n_seqs: 1, rows_per_seq: t };
+    let (qkv, beta, g) = rule_inputs(&mut r, &d, t);
+    let (qb, bb, gb) = (up(dev, &qkv, "qkv"), up(dev, &beta, "beta"), up(dev, &g, "g"));
+    let mut scratch = dev.alloc_zeros::<f32>(d.chunk_scratch_len(seqs), "chunk scratch").unwrap();
+    let mut results = Vec::new();
+    for chunked in [false, true] {
+        let block = up(dev, &start, "state");
+        let table = up(dev, &[addr(dev, &block)], "table");
+        let mut o = up(dev, &vec![f32::NAN; t * nv * dv], "out");
+        let st = DeltaStates::new(dev, &table, 0);
+        // SAFETY: the block holds the rule state.
+        unsafe {
+            if chunked {
+                dev.delta_rule_chunked(&qb, &bb, &gb, &mut scratch, &mut o, &d, st, seqs)
+            } else {
+                dev.delta_rule(&qb, &bb, &gb, &mut o, &d, st, seqs)
+            }
+        }
+        .unwrap();
+        results.push((down(dev, &o), down(dev, &block)));
+    }
+    let (rec_o, rec_s) = &results[0];
+    let (chk_o, chk_s) = &results[1];
+    eprintln!("Qwen3.6 shapes, {t} tokens, chunked against the GPU recurrence:");
+    assert_scaled("output", chk_o, &f64s(rec_o), RULE_TOL);
+    assert_scaled("state", chk_s, &f64s(rec_s), RULE_TOL);
+
+    for t in [64usize, 256, 1024, 4096, 8192] {
+        let seqs = DeltaSeqs { n_seqs: 1, rows_per_seq: t };
+        let block = up(dev, &start, "state");
+        let table = up(dev, &[addr(dev, &block)], "table");
+        let st = DeltaStates::new(dev, &table, 0);
+        let mut o = dev.alloc_zeros::<f32>(t * nv * dv, "out").unwrap();
+        let mut line = format!("delta rule, Qwen3.6 layer, {t} tokens:");
+        for chunked in [false, true] {
+            let mut call = || unsafe {
+                // SAFETY: as above.
+                if chunked {
+                    dev.delta_rule_chunked(&qb, &bb, &gb, &mut scratch, &mut o, &d, st, seqs)
+                } else {
+                    dev.delta_rule(&qb, &bb, &gb, &mut o, &d, st, seqs)
+                }
+                .unwrap()
+            };
+            call(); // warm-up: compiles
+            let reps = if t >= 4096 { 3 } else { 10 };
+            let us = time_us_per_call(dev, reps, &mut call);
+            let form = if chunked { "chunked" } else { "recurrent" };
+            line += &format!("  {form} {:.1} us ({:.0} tok/s)", us, t as f64 / (us * 1e-6));
+        }
+        eprintln!("{line}");
     }
 }

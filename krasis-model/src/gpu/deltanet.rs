@@ -11,11 +11,17 @@
 //! the session's own one-entry table for a prompt or a decode step, the batch's table (rebuilt
 //! each step, one entry per sequence) for a batched decode step.
 //!
+//! **Rule forms.** A call whose sequences have at least [`CHUNKED_MIN_ROWS`] rows each (a
+//! prompt) runs the chunked rule ([`GpuDevice::delta_rule_chunked`]), its scratch in the slot of
+//! the input projection's output, dead after the convolution (for the Qwen3-Next and Qwen3.5
+//! shapes, `channels ≥ 2 · value_heads · 128`, it already holds the scratch of any call of 64 rows
+//! or more); shorter ones (decode steps) run the recurrence.
+//!
 //! **KV cache.** The KV cache holds the attention layers only ([`kv_layers`]); an attention
 //! layer's cache layer is its index among them ([`kv_layer`]).
 
 use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::delta_rule::{DeltaDims, DeltaStates};
+use krasis_gpu::delta_rule::{DeltaDims, DeltaStates, CHUNK};
 use krasis_gpu::linear::GpuLinear;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RowsView};
 
@@ -35,6 +41,10 @@ pub(crate) fn dims(d: &DeltaNetSpec) -> DeltaDims {
         conv_kernel: d.conv_kernel,
     }
 }
+
+/// Rows per sequence from which a layer runs the chunked rule: below one chunk it would do a whole
+/// chunk's matrix work for fewer tokens, where the recurrence has few sequential steps.
+pub(crate) const CHUNKED_MIN_ROWS: usize = CHUNK;
 
 /// Layers before `l` that are DeltaNet layers.
 fn delta_layers_before(spec: &ModelSpec, l: usize) -> usize {
@@ -178,18 +188,38 @@ impl GpuDeltaNet<'_> {
             q_scale,
         )?;
         let o = grow(dev, o_slot, t * vw, "deltanet output")?;
-        // SAFETY: as above; the rule state follows the layer's conv state.
-        unsafe {
-            dev.delta_rule(
-                &conv.slice().slice(..t * ch),
-                &b.slice().slice(..t * nv),
-                &a.slice().slice(..t * nv),
-                &mut o.slice_mut().slice_mut(..t * vw),
-                &d,
-                DeltaStates::new(dev, table, off + d.conv_state_len()),
-                seqs,
-            )
-        }?;
+        let rule_states = DeltaStates::new(dev, table, off + d.conv_state_len());
+        if seqs.rows_per_seq >= CHUNKED_MIN_ROWS && dev.delta_rule_chunked_fits(&d)? {
+            // The projection's output was last read by the convolution, queued before.
+            let n = d.chunk_scratch_len(seqs);
+            let scratch = grow(dev, mixed_slot, n, "deltanet q/k/v")?;
+            // SAFETY: as above; the rule state follows the layer's conv state.
+            unsafe {
+                dev.delta_rule_chunked(
+                    &conv.slice().slice(..t * ch),
+                    &b.slice().slice(..t * nv),
+                    &a.slice().slice(..t * nv),
+                    &mut scratch.slice_mut().slice_mut(..n),
+                    &mut o.slice_mut().slice_mut(..t * vw),
+                    &d,
+                    rule_states,
+                    seqs,
+                )
+            }?;
+        } else {
+            // SAFETY: as above.
+            unsafe {
+                dev.delta_rule(
+                    &conv.slice().slice(..t * ch),
+                    &b.slice().slice(..t * nv),
+                    &a.slice().slice(..t * nv),
+                    &mut o.slice_mut().slice_mut(..t * vw),
+                    &d,
+                    rule_states,
+                    seqs,
+                )
+            }?;
+        }
         dev.delta_gated_norm(
             &mut o.slice_mut().slice_mut(..t * vw),
             &z.slice().slice(..t * vw),
