@@ -24,9 +24,10 @@ use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::prefill_bf16;
 use crate::quant::{
-    matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
+    act_mul_w13, matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
     silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
 };
+use krasis_core::spec::ExpertActivation;
 use krasis_quant::group::MAX_GROUP_SIZE;
 
 /// Tasks per worker each phase of a [`PoolExperts`] dispatch aims for. Measured on the 16-core
@@ -557,6 +558,8 @@ pub struct PoolExperts {
     affine: bool,
     /// The plan of [`PoolExperts::prefetch_first_tasks`] (kept apart from the calls' own).
     prefetch_step: Mutex<StepScratch>,
+    /// The activation of the runner's own jobs (SiLU unless [`PoolExperts::with_activation`]).
+    activation: ExpertActivation,
 }
 
 /// A worker's own quantisation of activation set `set` of call `serial`.
@@ -701,7 +704,16 @@ impl PoolExperts {
             w2_mode: W2Mode::from_env(),
             affine: krasis_core::knobs::knobs().moe_affine,
             prefetch_step: Mutex::new(StepScratch::default()),
+            activation: ExpertActivation::Silu,
         }
+    }
+
+    /// The runner's own jobs with `activation` in place of SiLU (gpt-oss's clamped SwiGLU); the
+    /// extra jobs of [`PoolExperts::run_with`] (a shared expert) keep SiLU. Not SiLU, the calls
+    /// keep the integer kernels (the BF16 prefill tiles apply SiLU only).
+    pub fn with_activation(mut self, activation: ExpertActivation) -> Self {
+        self.activation = activation;
+        self
     }
 
     /// Add the experts' weighted outputs inside the dispatch (default; each w2 task adds its
@@ -995,6 +1007,42 @@ impl PoolExperts {
         extra: Option<ExtraJobs<'_>>,
         out: &mut [f32],
     ) {
+        self.run_inner(pool, isa, x, hidden, jobs, extra, None, out)
+    }
+
+    /// [`PoolExperts::run`] with each job's gate and up biases added before the activation:
+    /// `bias13[j]` is job `j`'s `[gate biases | up biases]` (`2 · inter` floats). The down
+    /// projection's bias is the caller's to add (`Σ w · b_down` per token does not depend on
+    /// the kernel). Integer kernels only (never the BF16 prefill tiles).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_biased(
+        &self,
+        pool: &WorkerPool,
+        isa: Isa,
+        x: &[f32],
+        hidden: usize,
+        jobs: &[ExpertJob<'_>],
+        bias13: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        assert_eq!(bias13.len(), jobs.len(), "run_biased: one bias13 per job");
+        let inter = self.w13_layout.rows / 2;
+        assert!(bias13.iter().all(|b| b.len() == 2 * inter), "run_biased: each bias13 holds 2 × {inter} floats");
+        self.run_inner(pool, isa, x, hidden, jobs, None, Some(bias13), out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_inner(
+        &self,
+        pool: &WorkerPool,
+        isa: Isa,
+        x: &[f32],
+        hidden: usize,
+        jobs: &[ExpertJob<'_>],
+        extra: Option<ExtraJobs<'_>>,
+        bias13: Option<&[&[f32]]>,
+        out: &mut [f32],
+    ) {
         let t_call = self.trace.as_ref().map_or(0, Trace::now);
         let (l13, l2) = (&self.w13_layout, &self.w2_layout);
         assert_eq!(l13.k, hidden, "x width {hidden} differs from the experts' hidden size {}", l13.k);
@@ -1044,9 +1092,11 @@ impl PoolExperts {
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
         // The BF16 tiles dequantise symmetric INT4/INT8 records only: FP4 and asymmetric INT4
         // layouts keep their integer kernels.
-        let bf16_fits = (0..n).all(|e| {
-            inter_of(e).is_multiple_of(32) && lay.of(e).0.is_symmetric_int() && lay.of(e).1.is_symmetric_int()
-        });
+        let plain = bias13.is_none() && self.activation == ExpertActivation::Silu;
+        let bf16_fits = plain
+            && (0..n).all(|e| {
+                inter_of(e).is_multiple_of(32) && lay.of(e).0.is_symmetric_int() && lay.of(e).1.is_symmetric_int()
+            });
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
             // One set of layouts per BF16 dispatch: the extra jobs, then the runner's.
@@ -1211,7 +1261,12 @@ impl PoolExperts {
                         let (h13, act) = tmp.split_at_mut(split * m * cols13);
                         matmul_packed(isa, w13, l13, a, 2 * p0..2 * p1, h13);
                         sum_split_rows(h13, m, cols13);
-                        silu_mul_w13(isa, &h13[..m * cols13], m, act);
+                        if plain || e < lay.extra {
+                            silu_mul_w13(isa, &h13[..m * cols13], m, act);
+                        } else {
+                            let b = bias13.map(|b| b[e - lay.extra]);
+                            act_mul_w13(self.activation, b, p0, &h13[..m * cols13], m, act);
+                        }
                         for i in 0..m {
                             // SAFETY: this task owns columns [16·p0, 16·p1) of job e's mid rows.
                             unsafe { OutPtr(b.mid).write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
@@ -1675,6 +1730,64 @@ pub(crate) mod tests {
                 runner.run_with(&pool, isa, &x, h, main, extra, &mut got);
                 let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 proptest::prop_assert!(same, "differs from the phased composition");
+            }
+        }
+    }
+
+    /// The activation and bias options (gpt-oss's experts): the gate and up biases added before
+    /// the clamped SwiGLU, on 1 and 2 nodes and INT4 / INT8, against f32 math on the dequantised
+    /// weights; the clamp is hit (limit 1) and the biases change the result.
+    #[test]
+    fn biased_clamped_swiglu_matches_f32_on_dequantised_weights() {
+        let (h, inter, t) = (64, 96, 4);
+        let act = ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: 1.0 };
+        for bits in [Bits::Int4, Bits::Int8] {
+            let experts: Vec<Expert> = (0..3).map(|e| expert(h, inter, bits, 70 + 3 * e as u64)).collect();
+            let biases: Vec<Vec<f32>> =
+                (0..3).map(|e| data(2 * inter, 500 + e).iter().map(|v| 4.0 * v).collect()).collect();
+            let x: Vec<f32> = data(t * h, 17).iter().map(|v| 3.0 * v).collect();
+            let routes: Vec<Vec<(usize, f32)>> =
+                vec![vec![(0, 0.5), (3, 0.25)], vec![(1, 1.0), (2, 0.5)], vec![(0, 0.3)]];
+            let mut want = vec![0f32; t * h];
+            let mut clamped = 0;
+            for (e, toks) in routes.iter().enumerate() {
+                for &(tok, w) in toks {
+                    let xr = &x[tok * h..(tok + 1) * h];
+                    let g = matvec(&experts[e].f[0], xr);
+                    let u = matvec(&experts[e].f[1], xr);
+                    let a: Vec<f32> = (0..inter)
+                        .map(|j| {
+                            let (g, u) = (g[j] + biases[e][j], u[j] + biases[e][inter + j]);
+                            clamped += usize::from(g > 1.0 || u.abs() > 1.0);
+                            act.apply(g, u)
+                        })
+                        .collect();
+                    for (o, y) in want[tok * h..(tok + 1) * h].iter_mut().zip(matvec(&experts[e].f[2], &a)) {
+                        *o += w * y;
+                    }
+                }
+            }
+            assert!(clamped > 0, "the clamp is not exercised");
+            let isa = crate::isa::active();
+            for plan in [PoolPlan::simulated(1, 2), PoolPlan::simulated(2, 2)] {
+                let pool = WorkerPool::new(plan).unwrap();
+                let runner = PoolExperts::new(&pool, experts[0].l13, experts[0].l2).with_activation(act);
+                let jobs: Vec<ExpertJob> = routes
+                    .iter()
+                    .enumerate()
+                    .map(|(e, toks)| ExpertJob {
+                        weights: ExpertWeights { w13: &experts[e].w13, w2: &experts[e].w2, node: e % pool.nodes() },
+                        tokens: toks,
+                    })
+                    .collect();
+                let b: Vec<&[f32]> = biases.iter().map(|b| &b[..]).collect();
+                let mut got = vec![0f32; t * h];
+                runner.run_biased(&pool, isa, &x, h, &jobs, &b, &mut got);
+                let e = rel_l2(&got, &want);
+                assert!(e < 2e-2, "{bits:?}, {} nodes: relative error {e:.2e}", pool.nodes());
+                let mut unbiased = vec![0f32; t * h];
+                runner.run(&pool, isa, &x, h, &jobs, &mut unbiased);
+                assert!(rel_l2(&unbiased, &want) > 10.0 * e, "the biases change nothing");
             }
         }
     }

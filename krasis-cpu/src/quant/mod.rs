@@ -463,6 +463,40 @@ pub fn silu_mul_w13_scalar(h13: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`silu_mul_w13`] with another activation and with the gate and up biases added first (the
+/// option gpt-oss's experts take; scalar, it is its own twin): `h13` holds, per row of `m`, the
+/// block pairs `p0..` of a fused w13 (16 gate values, then the 16 up values of the same
+/// intermediate columns); `bias13` is `[gate biases | up biases]` over the whole intermediate
+/// (`2 · inter` floats), or `None`. Writes the intermediate columns `16·p0..` of each row into
+/// `out` (`m × 16·pairs`).
+pub fn act_mul_w13(
+    act: krasis_core::spec::ExpertActivation,
+    bias13: Option<&[f32]>,
+    p0: usize,
+    h13: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(h13.len() % (m.max(1) * 2 * ROW_BLOCK), 0, "act_mul_w13: h13 is not m × 32·pairs");
+    let pairs = h13.len() / (m.max(1) * 2 * ROW_BLOCK);
+    assert_eq!(out.len(), m * pairs * ROW_BLOCK, "act_mul_w13: out must be m × 16·pairs");
+    let inter = bias13.map_or(0, |b| b.len() / 2);
+    if let Some(b) = bias13 {
+        assert!(b.len() % 2 == 0 && (p0 + pairs) * ROW_BLOCK <= inter, "act_mul_w13: bias13 does not cover the pairs");
+    }
+    let row_out = pairs * ROW_BLOCK;
+    for (hr, or) in h13.chunks_exact(2 * row_out).zip(out.chunks_exact_mut(row_out.max(1))) {
+        for (p, (hp, op)) in hr.chunks_exact(2 * ROW_BLOCK).zip(or.chunks_exact_mut(ROW_BLOCK)).enumerate() {
+            let c0 = (p0 + p) * ROW_BLOCK;
+            let (gate, up) = hp.split_at(ROW_BLOCK);
+            for j in 0..ROW_BLOCK {
+                let (bg, bu) = bias13.map_or((0.0, 0.0), |b| (b[c0 + j], b[inter + c0 + j]));
+                op[j] = act.apply(gate[j] + bg, up[j] + bu);
+            }
+        }
+    }
+}
+
 /// [`silu_mul_w13`] 16 lanes (one row block) at a time: `g / (1 + e^−g) · u`.
 ///
 /// # Safety

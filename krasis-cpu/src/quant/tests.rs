@@ -433,3 +433,32 @@ fn round_clamp_127_matches_plain_rounding() {
         assert_eq!(round_clamp_127(c), reference(c), "c = {c:?}");
     }
 }
+
+/// `act_mul_w13` (the activation and bias option of the expert kernels): SiLU without biases is
+/// `silu_mul_w13_scalar` bit for bit; with biases and the clamped SwiGLU each element is the
+/// formula on the biased pair, the pairs offset by `p0`.
+#[test]
+fn act_mul_w13_options() {
+    use krasis_core::spec::ExpertActivation;
+    let m = 2;
+    let h13: Vec<f32> = normal(m * 64, 9).iter().map(|v| v * 8.0).collect();
+    let (mut want, mut got) = (vec![0f32; m * 32], vec![0f32; m * 32]);
+    silu_mul_w13_scalar(&h13, &mut want);
+    act_mul_w13(ExpertActivation::Silu, None, 0, &h13, m, &mut got);
+    assert_eq!(got, want);
+    let inter = 48;
+    let bias: Vec<f32> = normal(2 * inter, 10);
+    let act = ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: 7.0 };
+    act_mul_w13(act, Some(&bias), 1, &h13, m, &mut got);
+    for i in 0..m {
+        for p in 0..2 {
+            for j in 0..16 {
+                let c = (1 + p) * 16 + j;
+                let g = h13[i * 64 + p * 32 + j] + bias[c];
+                let u = h13[i * 64 + p * 32 + 16 + j] + bias[inter + c];
+                let (gc, uc) = (g.min(7.0), u.clamp(-7.0, 7.0));
+                assert_eq!(got[i * 32 + p * 16 + j], (uc + 1.0) * (gc / (1.0 + (-1.702 * gc).exp())));
+            }
+        }
+    }
+}
