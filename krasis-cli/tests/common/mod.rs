@@ -37,10 +37,18 @@ impl Server {
     /// As [`Server::start_with_env`], after `prepare` has changed the synthesized model's
     /// directory (say its chat template).
     pub fn start_prepared(extra: &[&str], env: &[(&str, &str)], prepare: impl FnOnce(&std::path::Path)) -> Server {
+        Self::start_built(extra, env, |model| {
+            krasis_tests::tiny_model(model);
+            prepare(model);
+        })
+    }
+
+    /// As [`Server::start_with_env`], on the model `build` writes into the directory it is given
+    /// (say a synthetic model of another family).
+    pub fn start_built(extra: &[&str], env: &[(&str, &str)], build: impl FnOnce(&std::path::Path)) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("tiny");
-        krasis_tests::tiny_model(&model);
-        prepare(&model);
+        build(&model);
         let mut child = Command::new(env!("CARGO_BIN_EXE_krasis"))
             .args(["serve", "--model", model.to_str().unwrap(), "--port", "0", "--device", "cpu", "--threads", "1"])
             .args(extra)
@@ -388,11 +396,17 @@ impl Scripted {
 
     /// As [`Scripted::start`], with further `krasis serve` flags.
     pub fn start_with(template: &str, extra: &[&str]) -> Scripted {
+        Self::start_built(template, extra, krasis_tests::tiny_model)
+    }
+
+    /// As [`Scripted::start_with`], on the model `build` writes into the directory it is given.
+    pub fn start_built(template: &str, extra: &[&str], build: impl FnOnce(&Path)) -> Scripted {
         let dir = tempfile::tempdir().unwrap();
         let script = dir.path().join("reply.txt");
         std::fs::write(&script, "").unwrap();
         let mut codec = None;
-        let server = Server::start_prepared(extra, &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
+        let server = Server::start_built(extra, &[("KRASIS_TEST_SCRIPT", script.to_str().unwrap())], |model| {
+            build(model);
             set_chat_template(model, template);
             codec = Some(krasis_model::text::tokenizer::TextCodec::load(model).unwrap());
         });
