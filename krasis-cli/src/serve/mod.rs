@@ -109,6 +109,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         gpu.kv_tokens = Some(a.context.unwrap_or(DEFAULT_CONTEXT_TOKENS as usize));
     }
     let mut config = a.run.engine.config(a.run.device, &gpu, context_estimate)?;
+    // The VRAM plan keeps room for every batch slot's cache and the prefix cache before it pins
+    // experts into what is left.
+    config.gpu.sessions = a.max_batch.max(1);
+    config.gpu.prefix_cache_bytes = (a.prefix_cache_mib as u64) << 20;
     let files = ModelFiles::open(&a.model)?;
     // Before the RAM estimate of `--context` × `--max-batch` tokens can refuse it as too large.
     let max_pos = files.spec().max_position_embeddings;

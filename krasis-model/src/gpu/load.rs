@@ -469,7 +469,8 @@ impl GpuModel {
                         if plan.strategy == super::CacheStrategy::HotCachedStatic && plan.vram.is_none() {
                             plan.vram = Some(model.replan_vram(gpu, true, &mut log)?);
                         }
-                        model.apply_cache_plan(&plan, gpu.kv_tokens, &mut log)?;
+                        let beside = model.kept_beside(gpu);
+                        model.apply_cache_plan(&plan, gpu.kv_tokens, beside, &mut log)?;
                     }
                     None => {
                         model.replan_vram(gpu, false, &mut log)?;
@@ -501,6 +502,7 @@ impl GpuModel {
         &mut self,
         plan: &super::CachePlan,
         kv_asked: Option<usize>,
+        beside: u64,
         log: &mut Vec<String>,
     ) -> Result<()> {
         use super::CacheStrategy;
@@ -547,7 +549,7 @@ impl GpuModel {
         let kv_keep = kv_asked.unwrap_or_else(|| self.kv_tokens.min(super::HOT_MIN_KV_TOKENS)) as u64 * per_token;
         let vram = plan.vram.unwrap_or_else(|| {
             let reserve = KV_RESERVE_BYTES.max(super::HOT_PREFILL_RESERVE_BYTES);
-            self.plan_free().saturating_sub(reserve).saturating_sub(kv_keep)
+            self.plan_free().saturating_sub(reserve).saturating_sub(kv_keep).saturating_sub(beside)
         });
         let kept = if strategy == CacheStrategy::HotCachedStatic {
             let heat = heat.as_ref().expect("loaded above");
@@ -600,6 +602,13 @@ impl GpuModel {
     /// experts when `pins`: the KV cache shrinks to the plan's (with pins
     /// [`super::vram_plan::DEFAULT_KV_TOKENS`] unless more is asked or needed) and the bytes for
     /// the pins are returned.
+    /// VRAM the plan leaves to what runs beside one session: the further sessions' KV caches
+    /// (when their size was asked) and the prefix cache.
+    fn kept_beside(&self, opts: &GpuOptions) -> u64 {
+        let per_session = opts.kv_tokens.map_or(0, |t| t as u64 * self.kv_layout.bytes_per_token() as u64);
+        opts.sessions.saturating_sub(1) as u64 * per_session + opts.prefix_cache_bytes
+    }
+
     fn replan_vram(&mut self, opts: &GpuOptions, pins: bool, log: &mut Vec<String>) -> Result<u64> {
         let ask = super::vram_plan::VramAsk {
             free: self.plan_free(),
@@ -609,6 +618,7 @@ impl GpuModel {
             kv_asked: opts.kv_tokens,
             context_needed: opts.context_tokens,
             pins,
+            beside: self.kept_beside(opts),
         };
         let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
             ModelError::Invalid(format!("the VRAM budget left after the weights and the stream slots: {}", e.0))
@@ -721,6 +731,9 @@ impl GpuModel {
             kv_asked: opts.kv_tokens,
             context_needed: opts.context_tokens,
             pins: false,
+            // Nothing is pinned from this plan; later sessions and the prefix cache take what
+            // the weights and this session leave.
+            beside: 0,
         };
         let plan = super::vram_plan::plan_vram(&ask).map_err(|e| {
             ModelError::Invalid(format!(

@@ -89,6 +89,11 @@ pub struct GpuOptions {
     pub stream_from: StreamFrom,
     /// Hybrid with `expert_bits`: `--cache-strategy` ([`CachePlan`]).
     pub cache: Option<CachePlan>,
+    /// Sessions that hold a KV cache at once (`krasis serve --max-batch`): with `kv_tokens`
+    /// given, the VRAM plan keeps room for this many caches before it pins experts.
+    pub sessions: usize,
+    /// VRAM the plan keeps for the prefix cache (`krasis serve --prefix-cache-mib`).
+    pub prefix_cache_bytes: u64,
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -121,6 +126,8 @@ impl Default for GpuOptions {
             stream_split: StreamSplit::Measured,
             stream_from: StreamFrom::CpuCache,
             cache: None,
+            sessions: 1,
+            prefix_cache_bytes: 0,
         }
     }
 }

@@ -139,6 +139,9 @@ pub struct VramAsk {
     pub context_needed: Option<usize>,
     /// Give what is left to pinned experts.
     pub pins: bool,
+    /// VRAM kept out of the plan for what runs beside the one session it sizes: the KV caches of
+    /// further sessions (a server's batch slots) and the prefix cache.
+    pub beside: u64,
 }
 
 /// The plan: KV tokens, the largest prompt chunk, and bytes for pinned experts.
@@ -179,7 +182,7 @@ pub struct NoRoom(pub String);
 
 /// Shares `ask.free` out (see the module documentation).
 pub fn plan_vram(ask: &VramAsk) -> Result<VramPlan, NoRoom> {
-    let free = ask.free.saturating_sub(FIXED_RESERVE_BYTES);
+    let free = ask.free.saturating_sub(FIXED_RESERVE_BYTES).saturating_sub(ask.beside);
     let (scratch, kv_bpt) = (&ask.scratch, ask.kv_bytes_per_token);
     let ctx = ask.model_context.max(1);
     let needed = ask.context_needed.unwrap_or(0).min(ctx);
@@ -224,6 +227,7 @@ mod tests {
             kv_asked: None,
             context_needed: None,
             pins: false,
+            beside: 0,
         }
     }
 
@@ -232,8 +236,20 @@ mod tests {
         let used = p.kv_tokens as u64 * (a.kv_bytes_per_token + a.scratch.per_context)
             + p.prefill_chunk as u64 * a.scratch.per_token
             + p.pin_bytes
+            + a.beside
             + FIXED_RESERVE_BYTES;
         used <= a.free
+    }
+
+    /// What is kept beside the plan (further sessions, the prefix cache) comes out of the pins.
+    #[test]
+    fn what_runs_beside_comes_out_of_the_pins() {
+        let a = VramAsk { pins: true, kv_asked: Some(8192), ..ask(40 * GIB) };
+        let b = VramAsk { beside: 5 * GIB, ..a };
+        let (pa, pb) = (plan_vram(&a).unwrap(), plan_vram(&b).unwrap());
+        assert_eq!(pa.pin_bytes - pb.pin_bytes, 5 * GIB);
+        assert_eq!((pa.kv_tokens, pa.prefill_chunk), (pb.kv_tokens, pb.prefill_chunk));
+        assert!(fits(&b, &pb));
     }
 
     #[test]

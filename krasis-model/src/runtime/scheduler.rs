@@ -155,6 +155,7 @@ impl Scheduler {
             serial: config.serial,
             chunk: config.prefill_chunk,
             prefix: PrefixCache::new(config.prefix_cache_bytes),
+            prefix_failed: false,
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -233,6 +234,8 @@ struct Worker {
     serial: bool,
     chunk: PrefillChunk,
     prefix: PrefixCache,
+    /// A save already failed (warned once, then logged at debug level).
+    prefix_failed: bool,
     metrics: Arc<Metrics>,
     waiting: VecDeque<(Box<Job>, Instant)>,
     active: Vec<Running>,
@@ -397,6 +400,10 @@ impl Worker {
         match self.engine.save_prefix(r.session) {
             Ok(Some(saved)) => self.prefix.insert(tokens, saved),
             Ok(None) => {}
+            Err(e) if !self.prefix_failed => {
+                self.prefix_failed = true;
+                tracing::warn!("prefix cache: a finished request's state was not kept: {e} (said once)");
+            }
             Err(e) => tracing::debug!("prefix cache: a finished request's state was not kept: {e}"),
         }
         self.metrics.prefix_cached_bytes.store(self.prefix.bytes() as u64, Relaxed);

@@ -217,6 +217,7 @@ fn the_measured_chunk_follows_the_prefill_rate() {
         serial: false,
         chunk: PrefillChunk::Measured,
         prefix: PrefixCache::new(0),
+        prefix_failed: false,
         metrics: metrics.clone(),
         waiting: VecDeque::new(),
         active: Vec::new(),
