@@ -5,7 +5,7 @@ the family with the family's chat template and KRASIS_TEST_SCRIPT=SCRIPT_FILE (s
 each reply is the text this script writes into SCRIPT_FILE before the request, written in the
 family's own tool-call and reasoning format. SPEC_JSON says which:
   format       the family's format (tool_calls.rs names: qwen3, deepseek, kimi, glm45, minimax-m2,
-               harmony), or null for a family whose template has no tool calls (plain text only);
+               harmony; qwen3-coder: Qwen3-Coder's XML calls, read by the qwen3 parser), or null for a family whose template has no tool calls (plain text only);
   thinking     whether the family writes reasoning (a think block, or harmony's analysis channel);
   opens_think  whether the template's generation prompt already opens the think block;
   parallel     whether a reply may hold several calls (harmony ends a turn at its first call);
@@ -68,6 +68,10 @@ def calls_text(calls):
     """`calls` [(name, arguments)] as the family writes them."""
     if fmt == "qwen3":
         return "\n".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in calls)
+    if fmt == "qwen3-coder":
+        return "\n".join(f"<tool_call>\n<function={n}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                                                                 for k, v in a.items()) + "</function>\n</tool_call>"
+                         for n, a in calls)
     if fmt == "deepseek":
         body = "".join(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{n}\n```json\n{json.dumps(a)}\n```<｜tool▁call▁end｜>"
                        for n, a in calls)

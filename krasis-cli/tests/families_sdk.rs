@@ -17,7 +17,7 @@
 //!   when it renders a tool result, which transformers' sandbox refuses and so does Krasis;
 //! - written here from memory of the published ones: Mixtral-8x7B-Instruct's and Qwen1.5-MoE's
 //!   (both without tools); written here in the family's call form, not the published text (which
-//!   is not in this repository): GLM-4.5's and MiniMax-M2's (calls and results as those families
+//!   is not in this repository): Qwen3-Coder's XML calls, GLM-4.5's and MiniMax-M2's (calls and results as those families
 //!   write them, MiniMax's generation prompt opening the think block as the published one does).
 //!
 //! gpt-oss's template runs on the DeepSeek-V2 tiny model until the gpt-oss architecture is in
@@ -96,6 +96,42 @@ const MINIMAX_M2: &str = r#"]~!b[]~b]system
 {%- endfor %}
 {%- if add_generation_prompt %}]~b]ai
 <think>
+{% endif %}"#;
+
+/// Qwen3-Coder's call form (`<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>…`), which
+/// Qwen3-Coder-Next writes (and, by vLLM's guidance to read them with its `qwen3_coder` parser,
+/// Qwen3.5), with Qwen3's ChatML turns.
+const QWEN3_CODER: &str = r#"{%- if tools %}<|im_start|>system
+# Tools
+
+<tools>
+{%- for t in tools %}
+<function>
+<name>{{ t.function.name }}</name>
+<parameters>{{ t.function.parameters | tojson }}</parameters>
+</function>
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}{% for tc in m.tool_calls or [] %}
+<tool_call>
+<function={{ tc.function.name }}>
+{% for k, v in tc.function.arguments | items %}<parameter={{ k }}>
+{{ v if v is string else v | tojson }}
+</parameter>
+{% endfor %}</function>
+</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"#;
 
 /// A configuration's widths cut down (each key present set to a small value; structure,
@@ -256,6 +292,12 @@ fn qwen3_next() {
 #[test]
 fn qwen3_6() {
     check_family(Family::tools("Qwen3.6", "qwen3"), published!("qwen3"), preset_model(Preset::Qwen36_35b, |_| {}));
+}
+
+#[test]
+fn qwen3_coder_next() {
+    let f = Family::tools("Qwen3-Coder-Next", "qwen3-coder");
+    check_family(f, QWEN3_CODER, preset_model(Preset::Qwen3Next80b, |_| {}));
 }
 
 #[test]

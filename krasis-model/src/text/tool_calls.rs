@@ -4,7 +4,9 @@
 //!
 //! Each family writes calls in the form its chat template renders them (the published templates
 //! in `real-configs`):
-//! - Qwen3 ([`ToolFormat::Qwen3`]) - `<tool_call>\n{"name": N, "arguments": {…}}\n</tool_call>`;
+//! - Qwen3 ([`ToolFormat::Qwen3`]) - `<tool_call>\n{"name": N, "arguments": {…}}\n</tool_call>`, or
+//!   in the same block Qwen3-Coder's XML form (Qwen3-Coder-Next, Qwen3.5):
+//!   `<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n…</function>\n</tool_call>`;
 //! - DeepSeek ([`ToolFormat::DeepSeek`]) - `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n` +
 //!   `` ```json\n{…}\n``` `` + `<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>` (V3 and R1; the V3.1 form
 //!   `<｜tool▁call▁begin｜>N<｜tool▁sep｜>{…}<｜tool▁call▁end｜>` is read too);
@@ -408,7 +410,7 @@ impl StreamParser {
     /// A complete call block of a `<think>` family: its calls, or its text kept as content.
     fn call_block(&mut self, open: &str, body: &str, close: &str) {
         let parsed = match self.format {
-            ToolFormat::Qwen3 => qwen3_call(body).map(|c| vec![c]),
+            ToolFormat::Qwen3 => qwen3_call(body, self.opts.schemas.as_ref()).map(|c| vec![c]),
             ToolFormat::DeepSeek => deepseek_call(body).map(|c| vec![c]),
             ToolFormat::Kimi => kimi_call(body).map(|c| vec![c]),
             ToolFormat::Glm45 => glm_call(body, self.opts.schemas.as_ref()).map(|c| vec![c]),
@@ -543,8 +545,12 @@ fn json_object(text: &str) -> Result<String, String> {
 
 type FoundCall = (String, String, Option<String>);
 
-/// Qwen3: `{"name": N, "arguments": {…}}` (arguments may also be a string of JSON).
-fn qwen3_call(body: &str) -> Result<FoundCall, String> {
+/// Qwen3: `{"name": N, "arguments": {…}}` (arguments may also be a string of JSON), or
+/// Qwen3-Coder's `<function=N><parameter=K>V</parameter>…</function>`.
+fn qwen3_call(body: &str, schemas: Option<&Json>) -> Result<FoundCall, String> {
+    if body.trim_start().starts_with("<function=") {
+        return qwen3_coder_call(body, schemas);
+    }
     let v: Json = serde_json::from_str(body.trim()).map_err(|e| format!("the call is not JSON: {e}"))?;
     let name = v.get("name").and_then(Json::as_str).ok_or("the call has no string `name`")?;
     let args = match v.get("arguments").or_else(|| v.get("parameters")) {
@@ -554,6 +560,38 @@ fn qwen3_call(body: &str) -> Result<FoundCall, String> {
         Some(other) => return Err(format!("the arguments of {name} are not a JSON object: {other}")),
     };
     Ok((name.to_string(), args, None))
+}
+
+/// Qwen3-Coder: `<function=N>\n<parameter=K>\nV\n</parameter>\n…</function>`; a value is the text
+/// between its tags less one newline at each end, typed by the tool's schema.
+fn qwen3_coder_call(body: &str, schemas: Option<&Json>) -> Result<FoundCall, String> {
+    let (name, after) = between(body, "<function=", ">").ok_or("<function= is not closed by >")?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Err("the call has no function name".into());
+    }
+    let rest = &body[after..];
+    let end = rest.find("</function>").ok_or_else(|| format!("<function={name}> is not closed"))?;
+    if !rest[end + "</function>".len()..].trim().is_empty() {
+        return Err(format!("text after </function>: {:?}", rest[end + "</function>".len()..].trim()));
+    }
+    let mut args = Map::new();
+    let mut p = &rest[..end];
+    while !p.trim().is_empty() {
+        let not_a_parameter = || format!("text that is not a parameter: {:?}", p.trim());
+        if !p[..p.find("<parameter=").ok_or_else(not_a_parameter)?].trim().is_empty() {
+            return Err(not_a_parameter());
+        }
+        let (key, a) = between(p, "<parameter=", ">").ok_or_else(not_a_parameter)?;
+        let key = key.trim();
+        let (value, b) =
+            between(&p[a..], "", "</parameter>").ok_or_else(|| format!("parameter {key:?} is not closed"))?;
+        let value = value.strip_prefix('\n').unwrap_or(value);
+        let value = value.strip_suffix('\n').unwrap_or(value);
+        args.insert(key.to_string(), typed_value(schemas, name, key, value));
+        p = &p[a + b..];
+    }
+    Ok((name.to_string(), Json::Object(args).to_string(), None))
 }
 
 /// DeepSeek-V3/R1: `function<｜tool▁sep｜>N\n```json\n{…}\n```` ; V3.1: `N<｜tool▁sep｜>{…}`.

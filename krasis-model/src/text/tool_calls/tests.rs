@@ -188,3 +188,46 @@ fn formats_are_chosen_by_template_markers_then_model_type() {
         assert_eq!(ToolFormat::from_name(f.name()), Some(f));
     }
 }
+
+#[test]
+fn qwen3_coder_xml_calls_are_read_in_the_qwen3_block() {
+    let schemas = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}}}]);
+    let o = ParserOptions { schemas: Some(schemas), ..opts() };
+    let text = concat!(
+        "<think>\nThe user wants weather.\n</think>\n\nLet me check.\n",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n</parameter>\n",
+        "<parameter=days>\n3\n</parameter>\n<parameter=zip>\n01000\n</parameter>\n</function>\n</tool_call>\n",
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n</function>\n</tool_call>"
+    );
+    let got = parse_all_splits(ToolFormat::Qwen3, &o, text);
+    let want = vec![
+        reasoning("The user wants weather."),
+        content("Let me check."),
+        // `zip` is a string by its schema; `tz` has no schema and is not JSON: a string.
+        call(0, "call_t_0", "get_weather", json!({"city": "São Paulo", "days": 3, "zip": "01000"})),
+        call(1, "call_t_1", "get_time", json!({"tz": "CET"})),
+    ];
+    assert_eq!(got, want);
+    // A value keeps its inner newlines; a function with no parameters has empty arguments.
+    let got = parse_all_splits(
+        ToolFormat::Qwen3,
+        &opts(),
+        "<tool_call>\n<function=write>\n<parameter=text>\na\n\nb\n</parameter>\n</function>\n</tool_call><tool_call>\n<function=now>\n</function>\n</tool_call>",
+    );
+    assert_eq!(
+        got,
+        vec![call(0, "call_t_0", "write", json!({"text": "a\n\nb"})), call(1, "call_t_1", "now", json!({}))]
+    );
+    // Malformed: kept as text with a note.
+    for bad in [
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>",
+        "<tool_call>\n<function=f>\nstray <parameter=a>\n1\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=>\n</function>\n</tool_call>",
+        "<tool_call>\n<function=f>\n</function>\nmore\n</tool_call>",
+    ] {
+        let got = parse_all_splits(ToolFormat::Qwen3, &opts(), bad);
+        assert!(got.iter().all(|e| !matches!(e, Parsed::Call(_))), "{bad:?}: {got:?}");
+        assert!(got.iter().any(|e| matches!(e, Parsed::Note(_))), "{bad:?}: {got:?}");
+    }
+}
