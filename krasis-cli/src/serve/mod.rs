@@ -31,6 +31,17 @@ use krasis_model::runtime::scheduler;
 /// 1.1 GiB in f32 on the CPU, half that in BF16 on the GPU).
 const DEFAULT_PREFIX_CACHE_MIB: usize = 4096;
 
+/// `--prefill-chunk auto|N` (N at least 1).
+fn parse_prefill_chunk(s: &str) -> Result<scheduler::PrefillChunk, String> {
+    match s.trim() {
+        "auto" => Ok(scheduler::PrefillChunk::Measured),
+        n => match n.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(scheduler::PrefillChunk::Fixed(n)),
+            _ => Err(format!("`{s}`: `auto` or a positive number of tokens")),
+        },
+    }
+}
+
 /// How long connections may take to send their last chunks once the grace period has ended
 /// every request: a client that reads nothing does not hold the server up.
 const DRAIN: Duration = Duration::from_secs(5);
@@ -69,6 +80,12 @@ pub struct Args {
     /// paths. 0 turns prefix reuse off.
     #[arg(long, default_value_t = DEFAULT_PREFIX_CACHE_MIB)]
     prefix_cache_mib: usize,
+    /// Prompt tokens one engine step runs beside the decoding streams (continuous batching):
+    /// `auto` sizes it so that a step takes about a quarter second at the prefill rate measured
+    /// so far; a number fixes it (smaller: steadier inter-token latency while long prompts
+    /// arrive; larger: faster prompts).
+    #[arg(long, default_value = "auto", value_parser = parse_prefill_chunk)]
+    prefill_chunk: scheduler::PrefillChunk,
     /// Context per request: prompt + generated tokens (default: the engine's KV capacity, else
     /// 4096, never above the model's max_position_embeddings).
     #[arg(long)]
@@ -187,7 +204,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             max_batch: a.max_batch,
             max_queue: a.max_queue,
             serial: false,
-            prefill_chunk: scheduler::PrefillChunk::Measured,
+            prefill_chunk: a.prefill_chunk,
             prefix_cache_bytes: a.prefix_cache_mib << 20,
         },
         metrics.clone(),
