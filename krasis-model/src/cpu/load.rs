@@ -98,7 +98,8 @@ pub fn open_cpu_experts(
         }
     }
     log.push(format!("{} ({:.2} s)", krasis_cache::describe(&cache), t.elapsed().as_secs_f64()));
-    let ex = CpuQuantExperts::new(cache, files.spec(), pool.clone())?;
+    let mut ex = CpuQuantExperts::new(cache, files.spec(), pool.clone())?;
+    ex.load_biases(files)?;
     Ok(CpuExperts { expert_bytes: ex.expert_bytes(), executor: Arc::new(ex) })
 }
 

@@ -632,6 +632,11 @@ pub struct CpuQuantExperts {
     /// A step's (token, weight) pairs grouped by expert (counting sort), reused across calls so a
     /// decode step allocates nothing but the job list.
     grouping: std::sync::Mutex<RouteGrouping>,
+    /// The model's experts carry biases ([`ModelSpec::expert_bias`]): calls need `biases`.
+    biased: bool,
+    /// Per MoE layer index, per expert: `[gate | up]` biases (`2 · inter`) and the down bias
+    /// (`hidden`), once [`CpuQuantExperts::load_biases`] has read them.
+    biases: Vec<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
 /// Counting-sort buffers: `pairs[offsets[e]..offsets[e + 1]]` are expert `e`'s (token, weight).
@@ -684,7 +689,7 @@ impl CpuQuantExperts {
                 Some(k) => k,
                 None => {
                     let (l13, l2) = layouts(&h, li)?;
-                    runners.push(PoolExperts::new(&pool, l13, l2));
+                    runners.push(PoolExperts::new(&pool, l13, l2).with_activation(spec.expert_activation));
                     kinds.push(b);
                     kinds.len() - 1
                 }
@@ -706,7 +711,37 @@ impl CpuQuantExperts {
             isa: isa::active(),
             bits,
             grouping: Default::default(),
+            biased: spec.expert_bias,
+            biases: Vec::new(),
         })
+    }
+
+    /// Reads every routed expert's gate, up and down biases from `files` (a model whose experts
+    /// have them, [`ModelSpec::expert_bias`]; the cache holds the weights only). Nothing for
+    /// other models.
+    pub fn load_biases(&mut self, files: &ModelFiles) -> Result<()> {
+        let spec = files.spec();
+        if !spec.expert_bias {
+            return Ok(());
+        }
+        let loader = WeightLoader::new(files.weights(), &spec.source_quant);
+        let tensors = crate::model::tensors::model_tensors(spec);
+        self.biases = spec
+            .moe_layers()
+            .map(|l| match &tensors.layers[l].ffn {
+                crate::model::tensors::FfnTensors::Moe { experts, .. } => experts
+                    .iter()
+                    .map(|m| {
+                        let [g, u, d] = m.bias.as_ref().expect("a model with expert biases names them");
+                        let mut gu = loader.vector_of(g)?;
+                        gu.extend(loader.vector_of(u)?);
+                        Ok((gu, loader.vector_of(d)?))
+                    })
+                    .collect::<Result<Vec<_>>>(),
+                crate::model::tensors::FfnTensors::Dense(_) => unreachable!("moe_layers are MoE"),
+            })
+            .collect::<Result<_>>()?;
+        Ok(())
     }
 
     pub fn cache(&self) -> &ExpertCache {
@@ -764,8 +799,31 @@ impl ExpertExecutor for CpuQuantExperts {
     fn run(&self, layer: usize, x: &[f32], t: usize, routes: &Routes, out: &mut [f32]) {
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
         let mut g = self.grouping.lock().unwrap_or_else(|p| p.into_inner());
-        let jobs = self.routed_jobs(li, t, routes, &mut g);
-        self.runners[self.runner_of[li]].run(&self.pool, self.isa, x, self.hidden, &jobs, out);
+        let runner = &self.runners[self.runner_of[li]];
+        if !self.biased {
+            let jobs = self.routed_jobs(li, t, routes, &mut g);
+            return runner.run(&self.pool, self.isa, x, self.hidden, &jobs, out);
+        }
+        assert!(!self.biases.is_empty(), "experts with biases run before CpuQuantExperts::load_biases");
+        // The jobs as `routed_jobs` makes them (the routed experts in order), with their ids.
+        g.group(self.cache.header().n_experts as usize, t, routes);
+        let g = &*g;
+        let ids: Vec<usize> = (0..g.offsets.len() - 1).filter(|&e| g.offsets[e + 1] > g.offsets[e]).collect();
+        let jobs: Vec<ExpertJob<'_>> = ids
+            .iter()
+            .map(|&e| ExpertJob { weights: self.weights(li, e), tokens: &g.pairs[g.offsets[e]..g.offsets[e + 1]] })
+            .collect();
+        let bias13: Vec<&[f32]> = ids.iter().map(|&e| &self.biases[li][e].0[..]).collect();
+        runner.run_biased(&self.pool, self.isa, x, self.hidden, &jobs, &bias13, out);
+        // Σ w · (y + b_down) = Σ w · y + Σ w · b_down, per token.
+        for (job, &e) in jobs.iter().zip(&ids) {
+            let bd = &self.biases[li][e].1;
+            for &(tok, w) in job.tokens {
+                for (o, &b) in out[tok * self.hidden..(tok + 1) * self.hidden].iter_mut().zip(bd) {
+                    *o += w * b;
+                }
+            }
+        }
     }
 
     /// `shared` over every token at weight 1 and the routed jobs in one dispatch
@@ -784,7 +842,7 @@ impl ExpertExecutor for CpuQuantExperts {
         // Calls the BF16 tiles take (a prefill's) keep their own dispatches: there each set's
         // mean tokens per matrix picks its kernel, and one dispatch would not save a barrier.
         let bf16 = krasis_cpu::prefill_bf16::applies(self.isa, t, self.hidden).is_some();
-        if bf16 || !shared_inside() || !shared.runs_on(&self.pool, self.isa) {
+        if bf16 || self.biased || !shared_inside() || !shared.runs_on(&self.pool, self.isa) {
             return false;
         }
         let li = self.moe_index[layer].expect("routed experts requested for a dense layer");
