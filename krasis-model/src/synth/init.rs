@@ -109,6 +109,8 @@ pub(crate) enum Dtype {
     F8E4M3,
     /// 32-bit integers (compressed-tensors' packed INT4 words and `weight_shape`).
     I32,
+    /// Bytes (MXFP4's E2M1 code pairs and E8M0 scales).
+    U8,
 }
 
 impl Dtype {
@@ -118,6 +120,7 @@ impl Dtype {
             Dtype::F32 => "F32",
             Dtype::F8E4M3 => "F8_E4M3",
             Dtype::I32 => "I32",
+            Dtype::U8 => "U8",
         }
     }
 
@@ -125,7 +128,7 @@ impl Dtype {
         match self {
             Dtype::Bf16 => 2,
             Dtype::F32 | Dtype::I32 => 4,
-            Dtype::F8E4M3 => 1,
+            Dtype::F8E4M3 | Dtype::U8 => 1,
         }
     }
 
@@ -136,6 +139,7 @@ impl Dtype {
             Dtype::F32 => krasis_core::DType::F32,
             Dtype::F8E4M3 => krasis_core::DType::F8E4M3,
             Dtype::I32 => krasis_core::DType::I32,
+            Dtype::U8 => krasis_core::DType::U8,
         }
     }
 }
@@ -158,8 +162,8 @@ pub(crate) enum Fill {
     Values(Arc<Vec<f32>>),
     /// Explicit integers (I32: compressed-tensors' `weight_shape`).
     Ints(Vec<i32>),
-    /// Uniformly random codes: every FP8 E4M3 code but the two NaNs (which become zero), or
-    /// every 32-bit word (eight uniform INT4 codes).
+    /// Uniformly random codes: every FP8 E4M3 code but the two NaNs (which become zero), every
+    /// 32-bit word (eight uniform INT4 codes), or every byte (two uniform E2M1 codes).
     Codes,
 }
 
@@ -213,7 +217,8 @@ impl SynthTensor {
                     d.copy_from_slice(&v.to_le_bytes());
                 }
             }
-            (Fill::Codes, Dtype::F8E4M3 | Dtype::I32) => {
+            (Fill::Const(v), Dtype::U8) => dst.fill(*v as u8),
+            (Fill::Codes, Dtype::F8E4M3 | Dtype::I32 | Dtype::U8) => {
                 let mut rng = Xoshiro256pp::from_keys(&[seed, self.key, c as u64]);
                 for d in dst.chunks_mut(8) {
                     let r = rng.next_u64().to_le_bytes();

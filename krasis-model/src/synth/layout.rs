@@ -8,6 +8,10 @@
 //! - compressed-tensors INT4 (Kimi-K2-Thinking, K2.5): each routed expert's projection is
 //!   `weight_packed` (I32, eight codes per word along the input), `weight_scale` (BF16, one
 //!   per group) and `weight_shape` (I32 `[out, in]`); everything else is BF16.
+//! - MXFP4 (`quant_method` `mxfp4`, gpt-oss): each routed expert's projection is
+//!   `weight_blocks` (U8 `[out, in/32, 16]`, two E2M1 codes a byte) and `weight_scales` (U8
+//!   E8M0 `[out, in/32]`), per expert: the names Krasis serves from gpt-oss's fused published
+//!   tensors, which it reads alike; the expert biases and everything else are BF16.
 //! - A configuration nesting its text model (Kimi-K2.5) stores it under its tensor prefix
 //!   (`language_model.`).
 //!
@@ -42,6 +46,11 @@ fn fp8_code_rms() -> f32 {
 /// The root-mean-square value of a uniform INT4 code in `[-8, 7]`: sqrt(344 / 16).
 fn int4_code_rms() -> f32 {
     (344.0f32 / 16.0).sqrt()
+}
+
+/// The root-mean-square value of a uniform E2M1 code: sqrt(68.5 / 8).
+fn e2m1_code_rms() -> f32 {
+    (68.5f32 / 8.0).sqrt()
 }
 
 /// The standard deviation of a tensor's BF16 draw (uniform on `(-b, b)`: `b / sqrt(3)`).
@@ -99,6 +108,27 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
                     vec![2],
                     Dtype::I32,
                     Fill::Ints(vec![rows as i32, cols as i32]),
+                ));
+            }
+            SourceQuant::Mxfp4 if matches!(t.spec.role, TensorRole::RoutedExpert { .. }) => {
+                let (rows, cols) = (t.spec.shape[0], t.spec.shape[1]);
+                let base = t.spec.name.strip_suffix(".weight").expect("a projection's name ends in .weight");
+                if !cols.is_multiple_of(32) {
+                    return Err(ModelError::Invalid(format!(
+                        "tensor `{}`: {cols} inputs are not a whole number of MXFP4 groups (32)",
+                        t.spec.name
+                    )));
+                }
+                // E8M0: a power of two, 2^(byte − 127).
+                let log2 = (draw_std(&t)? / e2m1_code_rms()).log2().round().clamp(-127.0, 127.0);
+                let g = cols / 32;
+                out.push(derived(&t, format!("{base}.weight_blocks"), vec![rows, g, 16], Dtype::U8, Fill::Codes));
+                out.push(derived(
+                    &t,
+                    format!("{base}.weight_scales"),
+                    vec![rows, g],
+                    Dtype::U8,
+                    Fill::Const(127.0 + log2),
                 ));
             }
             _ => out.push(t),

@@ -40,10 +40,17 @@ pub enum Preset {
     /// checkpoint stores FP8 128×128 blocks; `--config` with its config.json writes that form);
     /// its MTP modules are not written.
     MiniMaxM2,
+    /// gpt-oss-120b's shapes (the published config, with the synthetic tokenizer's BOS 0 and EOS
+    /// 1; 117 B parameters): 36 layers of GQA (64 / 8 heads of 64) with biases and sinks,
+    /// sliding-window (128) and full layers alternating, 128 experts top-4 with biases and the
+    /// clamped SwiGLU, the routed experts in MXFP4 (`quantization_config` `mxfp4`, written per
+    /// expert: `weight_blocks` / `weight_scales`), everything else BF16. `layer_types` is
+    /// written out, so a trimmed model keeps the alternation.
+    GptOss120b,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 9] = [
+    pub const ALL: [Preset; 10] = [
         Preset::Tiny,
         Preset::V2Lite,
         Preset::Qwen3_30bA3b,
@@ -53,6 +60,7 @@ impl Preset {
         Preset::Qwen3Next80b,
         Preset::Qwen36_35b,
         Preset::MiniMaxM2,
+        Preset::GptOss120b,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +74,7 @@ impl Preset {
             Preset::Qwen3Next80b => "qwen3-next-80b",
             Preset::Qwen36_35b => "qwen3.6-35b",
             Preset::MiniMaxM2 => "minimax-m2",
+            Preset::GptOss120b => "gpt-oss-120b",
         }
     }
 
@@ -81,6 +90,7 @@ impl Preset {
             Preset::Qwen3Next80b => 48,
             Preset::Qwen36_35b => 40,
             Preset::MiniMaxM2 => 62,
+            Preset::GptOss120b => 36,
         }
     }
 
@@ -468,6 +478,57 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> Value {
             "tie_word_embeddings": false,
             "bos_token_id": 0,
             "eos_token_id": 1,
+            "torch_dtype": "bfloat16",
+            "use_cache": true
+        }),
+        Preset::GptOss120b => json!({
+            "architectures": ["GptOssForCausalLM"],
+            "model_type": "gpt_oss",
+            "vocab_size": 201088,
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "num_hidden_layers": n,
+            "layer_types": (0..n)
+                .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                .collect::<Vec<_>>(),
+            "sliding_window": 128,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "head_dim": 64,
+            "attention_bias": true,
+            "num_local_experts": 128,
+            "num_experts_per_tok": 4,
+            "experts_per_token": 4,
+            "swiglu_limit": 7.0,
+            "rope_theta": 150000,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": false,
+                "original_max_position_embeddings": 4096
+            },
+            "initial_context_length": 4096,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "router_aux_loss_coef": 0.9,
+            "output_router_logits": false,
+            "quantization_config": {
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head"
+                ],
+                "quant_method": "mxfp4"
+            },
+            "hidden_act": "silu",
+            "tie_word_embeddings": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "initializer_range": 0.02,
             "torch_dtype": "bfloat16",
             "use_cache": true
         }),

@@ -437,6 +437,43 @@ fn presets_have_the_real_shapes() {
     }
 }
 
+/// gpt-oss-120b: the published config's shapes (117 B parameters, 5.1 B active as OpenAI counts
+/// them), MXFP4 experts written per expert as blocks and scales, the sliding / full alternation
+/// kept by `--layers`; a two-layer cut at reduced width is not needed: the one-layer tensors'
+/// stored forms are checked instead.
+#[test]
+fn the_gpt_oss_120b_preset_has_the_published_shapes() {
+    use crate::spec::{Arch, AttentionSpec, ExpertActivation, SourceQuant};
+    let g = spec_of(&preset_config(Preset::GptOss120b, None));
+    assert_eq!(g.arch, Arch::GptOss);
+    assert_eq!((g.vocab_size, g.hidden_size, g.num_layers, g.moe_layers().count()), (201088, 2880, 36, 36));
+    assert!(matches!(g.attention, AttentionSpec::Gqa { heads: 64, kv_heads: 8, head_dim: 64, .. }));
+    assert_eq!(g.source_quant, SourceQuant::Mxfp4);
+    assert!(g.attention_sinks && g.expert_bias);
+    assert_eq!(g.expert_activation, ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: 7.0 });
+    assert_eq!((g.window(0), g.window(1), g.window(34), g.window(35)), (Some(128), None, Some(128), None));
+    let c = param_counts(&g);
+    assert!((116.0e9..117.5e9).contains(&(c.total as f64)), "gpt-oss-120b total {}", c.total);
+    let t = spec_of(&preset_config(Preset::GptOss120b, Some(3)));
+    assert_eq!((t.window(0), t.window(1), t.window(2)), (Some(128), None, Some(128)));
+    let cfg = crate::arch::parse_checkpoint_config(
+        &preset_config(Preset::GptOss120b, Some(1)).to_string(),
+        std::path::Path::new("config.json"),
+    )
+    .unwrap();
+    let stored = super::layout::stored_tensors(&cfg).unwrap();
+    let find = |n: &str| stored.iter().find(|s| s.name == n).unwrap_or_else(|| panic!("{n} not written"));
+    let p = "model.layers.0.mlp.experts.5";
+    assert_eq!(find(&format!("{p}.gate_proj.weight_blocks")).shape, vec![2880, 90, 16]);
+    assert_eq!(find(&format!("{p}.down_proj.weight_scales")).shape, vec![2880, 90]);
+    assert_eq!(find(&format!("{p}.down_proj.weight_scales")).dtype, krasis_core::DType::U8);
+    assert_eq!(find(&format!("{p}.up_proj.bias")).shape, vec![2880]);
+    assert_eq!(find("model.layers.0.self_attn.sinks").shape, vec![64]);
+    assert_eq!(find("model.layers.0.mlp.router.bias").shape, vec![128]);
+    assert!(!stored.iter().any(|s| s.name == format!("{p}.gate_proj.weight")));
+    assert_eq!("gpt-oss-120b".parse::<Preset>().unwrap(), Preset::GptOss120b);
+}
+
 #[test]
 fn the_minimax_m2_preset_has_the_published_shapes() {
     use crate::spec::{Arch, AttentionSpec, FfnKind, QkNorm, ScoringFunc, TopkMethod};
