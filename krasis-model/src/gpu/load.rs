@@ -65,6 +65,21 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
 /// gated attention run.
 pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
     use krasis_gpu::delta_rule::{MAX_CONV_KERNEL, MAX_KEY_DIM};
+    // gpt-oss's options are options of the CPU ops only so far.
+    let cpu_only = [
+        (spec.attention_sinks, "attention sinks"),
+        (spec.sliding_windows.iter().any(Option::is_some), "sliding-window attention"),
+        (spec.expert_bias, "biased experts and router"),
+        (spec.expert_activation != crate::spec::ExpertActivation::Silu, "the clamped SwiGLU"),
+    ];
+    let missing: Vec<&str> = cpu_only.iter().filter(|(on, _)| *on).map(|(_, what)| *what).collect();
+    if !missing.is_empty() {
+        return Err(ModelError::Invalid(format!(
+            "{}: {} do not run on the GPU engine yet (neither whole-GPU nor hybrid); the CPU engine runs them",
+            spec.arch.model_type(),
+            missing.join(", ")
+        )));
+    }
     if let Some(d) = &spec.delta_net {
         if d.key_dim > MAX_KEY_DIM || d.conv_kernel == 0 || d.conv_kernel > MAX_CONV_KERNEL {
             return Err(ModelError::Invalid(format!(

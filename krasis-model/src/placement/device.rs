@@ -56,6 +56,14 @@ pub fn choose_device(
     let ordinal = config.gpu.ordinal;
     let choice =
         |path, config, why: String| DeviceChoice { path, config, why, hybrid_fallback: None, notes: Vec::new() };
+    // Layers the GPU engine does not run (gpt-oss's options): the CPU under `auto`, an error for
+    // an explicit GPU or hybrid.
+    if let (Err(e), false) = (crate::gpu::check_gpu_layers(spec), config.device == DevicePolicy::Cpu) {
+        if config.device != DevicePolicy::Auto {
+            return Err(e);
+        }
+        return Ok(choice(DevicePath::Cpu, config.clone(), format!("auto: {e}; running on the CPU")));
+    }
     match config.device {
         DevicePolicy::Cpu => Ok(choice(DevicePath::Cpu, config.clone(), "as asked".into())),
         DevicePolicy::Hybrid => {
@@ -239,6 +247,23 @@ mod tests {
         .unwrap();
         assert_eq!(c.path, DevicePath::Cpu);
         assert!(c.why.contains("no GPU in use: no driver"), "{}", c.why);
+    }
+
+    /// A model whose options only the CPU ops take (gpt-oss's sinks, windows, biased experts,
+    /// clamped SwiGLU): `auto` takes the CPU and says why; GPU and hybrid are refused.
+    #[test]
+    fn cpu_only_layers_take_the_cpu_under_auto() {
+        let text = preset_config(Preset::GptOss120b, Some(2)).to_string();
+        let s = crate::arch::parse_config(&text, std::path::Path::new("config.json")).unwrap();
+        let c = choose_device(&s, &config(DevicePolicy::Auto), false, false, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Cpu);
+        assert!(c.why.contains("attention sinks") && c.why.contains("clamped SwiGLU"), "{}", c.why);
+        for d in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
+            let e = choose_device(&s, &config(d), false, false, &BIG, None).unwrap_err().to_string();
+            assert!(e.contains("do not run on the GPU engine"), "{e}");
+        }
+        let c = choose_device(&s, &config(DevicePolicy::Cpu), false, false, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Cpu);
     }
 
     #[test]
