@@ -407,4 +407,5 @@ fn random_bodies_never_get_a_5xx() {
     }
     assert!(ok > 0 && refused > 0, "{ok} accepted, {refused} refused: the mutations should do both");
     assert_eq!(s.server.get("/health").status, 200, "the server still answers");
+    assert!(!s.server.log().contains("panicked"), "a handler panicked:\n{}", s.server.log());
 }

@@ -9,7 +9,8 @@ family's own tool-call and reasoning format. SPEC_JSON says which:
   thinking     whether the family writes reasoning (a think block, or harmony's analysis channel);
   opens_think  whether the template's generation prompt already opens the think block;
   parallel     whether a reply may hold several calls (harmony ends a turn at its first call);
-  system       whether the template accepts a system message.
+  system       whether the template accepts a system message;
+  bad_input    whether to check that bad input gets a 400 in each API's error shape.
 Through `openai`: a parallel call whole and streamed (arguments valid JSON, reasoning_content), the
 round trip with the results sent back, streamed plain text and reasoning. Through `anthropic`:
 the same calls as tool_use blocks whole and streamed, thinking blocks, the tool_result round trip.
@@ -204,5 +205,51 @@ if fmt:
     done = an.messages.create(model="m", max_tokens=400, messages=turn, tools=an_tools, **an_system)
     check([b.type for b in done.content] == ["text"] and done.content[0].text == "Sunny, and it is noon.", done)
     check(done.stop_reason == "end_turn" and done.usage.input_tokens > m.usage.input_tokens, done)
+
+if spec.get("bad_input"):
+    # Bad input gets a 400 in each API's error shape: a tool schema that is not JSON Schema, a tool
+    # result that answers no call, content blocks of the wrong type for their turn.
+    def refused(cls, fn, *words):
+        try:
+            fn()
+        except cls as e:
+            check(e.status_code == 400, e)
+            body = e.body if isinstance(e.body, dict) else {}
+            if cls is anthropic.BadRequestError:
+                check(body.get("type") == "error" and body["error"]["type"] == "invalid_request_error", body)
+                message = body["error"]["message"]
+            else:
+                message = body.get("message", "")
+            for w in words:
+                check(w in message, (w, message))
+            return body
+        raise AssertionError(f"{spec['family']}: accepted: {words}")
+
+    bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"city": {"type": "strnig"}}}}}]
+    body = refused(openai.BadRequestError,
+                   lambda: oa.chat.completions.create(model="m", messages=ask, tools=bad_tools),
+                   "tools[0].function.parameters.properties.city.type")
+    check(body.get("param") == "tools" and body.get("type") == "invalid_request_error", body)
+    refused(openai.BadRequestError, lambda: oa.chat.completions.create(
+        model="m", messages=ask + [{"role": "tool", "tool_call_id": "nope", "content": "x"}], tools=oa_tools),
+        "tool_call_id")
+    refused(anthropic.BadRequestError, lambda: an.messages.create(
+        model="m", max_tokens=10, messages=an_ask,
+        tools=[{"name": "f", "input_schema": {"type": "object", "required": "city"}}]),
+        "tools.0.input_schema.required")
+    refused(anthropic.BadRequestError, lambda: an.messages.create(
+        model="m", max_tokens=10, messages=an_ask + [
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nope", "content": "x"}]}]),
+        "tool_use_id", "toolu_nope")
+    refused(anthropic.BadRequestError, lambda: an.messages.create(
+        model="m", max_tokens=10, messages=[{"role": "user", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}]),
+        "messages.0.content.0")
+    refused(anthropic.BadRequestError, lambda: an.messages.create(
+        model="m", max_tokens=10, messages=an_ask + [{"role": "assistant", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]),
+        "messages.1.content.0")
 
 print(f"{spec['family']}: openai {openai.__version__}, anthropic {anthropic.__version__}: {checks} checks passed")

@@ -223,12 +223,22 @@ struct Family {
     opens_think: bool,
     parallel: bool,
     system: bool,
+    /// Also check that bad input gets a 400 in each API's error shape (one family does).
+    bad_input: bool,
 }
 
 impl Family {
     /// A family with tool calls in `format`, reasoning, parallel calls and system messages.
     fn tools(name: &'static str, format: &'static str) -> Family {
-        Family { name, format: Some(format), thinking: true, opens_think: false, parallel: true, system: true }
+        Family {
+            name,
+            format: Some(format),
+            thinking: true,
+            opens_think: false,
+            parallel: true,
+            system: true,
+            bad_input: false,
+        }
     }
 }
 
@@ -241,7 +251,8 @@ fn check_family(family: Family, template: &str, build: impl FnOnce(&Path)) {
     }
     let s = Scripted::start_built(template, &[], build);
     let spec = json!({"family": family.name, "format": family.format, "thinking": family.thinking,
-        "opens_think": family.opens_think, "parallel": family.parallel, "system": family.system});
+        "opens_think": family.opens_think, "parallel": family.parallel, "system": family.system,
+        "bad_input": family.bad_input});
     let base = format!("http://{}", s.server.addr);
     let out = common::run_client(
         &python,
@@ -281,7 +292,8 @@ fn kimi_k2() {
 
 #[test]
 fn qwen3_moe() {
-    check_family(Family::tools("Qwen3-MoE", "qwen3"), published!("qwen3"), preset_model(Preset::Qwen3_30bA3b, |_| {}));
+    let f = Family { bad_input: true, ..Family::tools("Qwen3-MoE", "qwen3") };
+    check_family(f, published!("qwen3"), preset_model(Preset::Qwen3_30bA3b, |_| {}));
 }
 
 #[test]
@@ -319,8 +331,15 @@ fn qwen2_moe() {
 
 #[test]
 fn mixtral() {
-    let f =
-        Family { name: "Mixtral", format: None, thinking: false, opens_think: false, parallel: false, system: false };
+    let f = Family {
+        name: "Mixtral",
+        format: None,
+        thinking: false,
+        opens_think: false,
+        parallel: false,
+        system: false,
+        bad_input: false,
+    };
     check_family(f, MIXTRAL, preset_model(Preset::Mixtral8x7b, |_| {}));
 }
 

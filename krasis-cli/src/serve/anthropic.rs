@@ -339,6 +339,7 @@ fn read_tools(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
         if schema.get("properties").is_some_and(|p| !p.is_object()) {
             return Err(bad(format!("{p}input_schema.properties"), "must be an object"));
         }
+        super::schema::check(&Value::Object(schema.clone()), &format!("{p}input_schema")).map_err(ApiError::invalid)?;
         let mut function = Map::new();
         function.insert("name".into(), name.into());
         if let Some(d) = description {
@@ -1102,6 +1103,11 @@ mod tests {
                 "tools.0.input_schema: must be a JSON Schema object",
             ),
             (with(&["tools", "0", "input_schema", "type"], json!("string")), "tools.0.input_schema.type"),
+            (
+                with(&["tools", "0", "input_schema", "properties", "city", "type"], json!("strnig")),
+                "tools.0.input_schema.properties.city.type: \"strnig\" is not a JSON Schema type",
+            ),
+            (with(&["tools", "0", "input_schema", "required"], json!("city")), "tools.0.input_schema.required"),
             (with(&["tools", "0", "name"], json!("has space")), "tools.0.name"),
             (
                 with(&["tools", "0", "type"], json!("web_search_20250305")),

@@ -256,6 +256,8 @@ impl ChatRequest {
                     if schema.get("properties").is_some_and(|p| !p.is_object()) {
                         return Err(bad("`function.parameters.properties` must be an object"));
                     }
+                    super::schema::check(&Value::Object(schema.clone()), &format!("tools[{i}].function.parameters"))
+                        .map_err(|e| ApiError::invalid_param("tools", e))?;
                 }
                 Some(_) => return Err(bad("`function.parameters` must be a JSON Schema object")),
             }
@@ -472,6 +474,8 @@ mod tests {
         for extra in [
             r#""tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]"#.to_string(),
             r#""tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]"#.to_string(),
+            r#""tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "strnig"}}}}}]"#.to_string(),
+            r#""tools": [{"type": "function", "function": {"name": "f", "parameters": {"required": "a"}}}]"#.to_string(),
             r#""tools": [{"type": "code", "function": {"name": "f"}}]"#.to_string(),
             format!(r#""tools": [{tool}], "tool_choice": {{"type": "function", "function": {{"name": "g"}}}}"#),
             format!(r#""tools": [{tool}], "tool_choice": "sometimes""#),

@@ -11,6 +11,7 @@ mod anthropic;
 mod api;
 mod error;
 mod routes;
+mod schema;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -82,7 +83,7 @@ pub struct Args {
     prefix_cache_mib: usize,
     /// Prompt tokens one engine step runs beside the decoding streams (continuous batching):
     /// `auto` sizes it so that a step takes about a quarter second at the prefill rate measured
-    /// so far; a number fixes it (smaller: steadier inter-token latency while long prompts
+    /// so far (2.5 × the recent decode step while streams decode, if shorter); a number fixes it (smaller: steadier inter-token latency while long prompts
     /// arrive; larger: faster prompts).
     #[arg(long, default_value = "auto", value_parser = parse_prefill_chunk)]
     prefill_chunk: scheduler::PrefillChunk,
