@@ -9,7 +9,9 @@
 //! whole prompt, only for one chunk. A sequence samples its first token in the step that runs
 //! its prompt's last chunk. The chunk is measured by default: the step's prompt tokens are sized
 //! so that the step takes about [`TARGET_STEP_SECONDS`] at the prefill rate the server has
-//! measured so far.
+//! measured so far, or, while streams decode, about [`DECODE_STEP_MULTIPLE`] times their recent
+//! decode step when that is shorter (their inter-token latency stays within that factor of its
+//! usual while prompts arrive).
 //!
 //! **Prefix reuse.** A finished request's state is kept in the [`PrefixCache`] (up to
 //! [`Config::prefix_cache_bytes`]); a new request whose prompt starts with a kept sequence resumes
@@ -40,6 +42,15 @@ use super::stop::StopMatcher;
 /// well (a prefill of a few hundred tokens runs at full rate), short enough that the running
 /// streams' inter-token latency stays below what a reader notices.
 pub const TARGET_STEP_SECONDS: f64 = 0.25;
+
+/// While streams decode, a step with prompt chunks aims at this many times their recent
+/// decode-only step (when under [`TARGET_STEP_SECONDS`]): a token gap during a long prompt is at
+/// most a few of the usual ones, and the prompt still gets most of each such step.
+pub const DECODE_STEP_MULTIPLE: f64 = 2.5;
+
+/// Weight of the newest decode-only step in the recent decode step time (an exponential
+/// average: follows batch-size changes within a few dozen steps).
+const DECODE_STEP_EMA: f64 = 0.1;
 
 /// Prompt tokens per step before any prefill has been measured.
 const FIRST_CHUNK_TOKENS: usize = 512;
@@ -156,6 +167,7 @@ impl Scheduler {
             chunk: config.prefill_chunk,
             prefix: PrefixCache::new(config.prefix_cache_bytes),
             prefix_failed: false,
+            decode_step: 0.0,
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -236,6 +248,8 @@ struct Worker {
     prefix: PrefixCache,
     /// A save already failed (warned once, then logged at debug level).
     prefix_failed: bool,
+    /// Recent decode-only step time, seconds (0 before any).
+    decode_step: f64,
     metrics: Arc<Metrics>,
     waiting: VecDeque<(Box<Job>, Instant)>,
     active: Vec<Running>,
@@ -410,11 +424,15 @@ impl Worker {
     }
 
     /// The prompt tokens this step may run in all.
-    fn chunk_tokens(&self) -> usize {
+    fn chunk_tokens(&self, decoding: bool) -> usize {
+        let target = match (decoding, self.decode_step) {
+            (true, d) if d > 0.0 => (DECODE_STEP_MULTIPLE * d).min(TARGET_STEP_SECONDS),
+            _ => TARGET_STEP_SECONDS,
+        };
         match self.chunk {
             PrefillChunk::Fixed(n) => n.max(1),
             PrefillChunk::Measured => match self.metrics.prefill_tok_s() {
-                r if r > 0.0 => ((r * TARGET_STEP_SECONDS) as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
+                r if r > 0.0 => ((r * target) as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
                 _ => FIRST_CHUNK_TOKENS,
             },
         }
@@ -424,7 +442,7 @@ impl Worker {
     /// the step's budget (first come first); then each job's token.
     fn step(&mut self) {
         // Which tokens each job runs: `None` for a prefilling job that gets no share this step.
-        let mut budget = self.chunk_tokens();
+        let mut budget = self.chunk_tokens(self.active.iter().any(|r| r.generated > 0));
         let mut runs: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(self.active.len());
         for r in &self.active {
             if r.generated > 0 {
@@ -497,6 +515,11 @@ impl Worker {
         };
         let now = Instant::now();
         self.metrics.record_step(sequences, prompt_tokens, decoding, took);
+        if prompt_tokens == 0 {
+            let t = took.as_secs_f64();
+            self.decode_step =
+                if self.decode_step > 0.0 { self.decode_step + DECODE_STEP_EMA * (t - self.decode_step) } else { t };
+        }
         self.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
         let eos = &self.engine.spec().eos_token_ids;
         let codec = &self.codec;

@@ -210,7 +210,7 @@ fn the_measured_chunk_follows_the_prefill_rate() {
     let tmp = tempfile::tempdir().unwrap();
     let (engine, codec) = engine(tmp.path());
     let metrics = Arc::new(Metrics::default());
-    let w = Worker {
+    let mut w = Worker {
         engine,
         codec,
         max_batch: 1,
@@ -218,14 +218,21 @@ fn the_measured_chunk_follows_the_prefill_rate() {
         chunk: PrefillChunk::Measured,
         prefix: PrefixCache::new(0),
         prefix_failed: false,
+        decode_step: 0.0,
         metrics: metrics.clone(),
         waiting: VecDeque::new(),
         active: Vec::new(),
     };
-    assert_eq!(w.chunk_tokens(), FIRST_CHUNK_TOKENS);
+    assert_eq!(w.chunk_tokens(false), FIRST_CHUNK_TOKENS);
     // 10,000 prompt tokens in one second: a quarter-second step runs 2,500.
     metrics.record_step(1, 10_000, 0, std::time::Duration::from_secs(1));
-    assert_eq!(w.chunk_tokens(), 2500);
+    assert_eq!(w.chunk_tokens(false), 2500);
+    // Streams decoding in 40 ms steps: a step with prompt tokens aims at 2.5 x 40 ms.
+    w.decode_step = 0.04;
+    assert_eq!(w.chunk_tokens(true), 1000);
+    assert_eq!(w.chunk_tokens(false), 2500, "no stream decoding: the quarter-second step");
+    w.decode_step = 0.5;
+    assert_eq!(w.chunk_tokens(true), 2500, "never above the quarter-second step");
     metrics.record_step(1, 1_000_000, 0, std::time::Duration::from_secs(1));
-    assert_eq!(w.chunk_tokens(), CHUNK_BOUNDS.1);
+    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
 }
