@@ -5,7 +5,7 @@
 #   tests   the GPU suites of this build over the bundle's fixtures (deltanet_oracle, gpu_batch,
 #           families_oracle, fp4_oracle, int4ct_oracle, krasis-gpu's delta_rule kernels)
 #   prep    build llama.cpp (CUDA) and convert `qwen3.6-35b --layers $LAYERS` (synthesized in /tmp/q36)
-#           to llama.cpp's Q8_0 GGUF in the background while the tests run, then Q4_K_M and
+#           to llama.cpp's BF16 GGUF in the background while the tests run, then Q4_K_M and
 #           Krasis' INT4 caches
 #   bench   llama.cpp on the Q4_K_M file (`-ot exps=CPU` with all cores; all layers on the GPU, 8K
 #           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode (the CPU experts
@@ -37,10 +37,12 @@ if has prep; then
         (ninja -C $LB -j 10 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
     fi
     [ -f $M/config.json ] || { T "synth qwen3.6-35b --layers $LAYERS"; timeout "$(left)" $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
-    if [ ! -f /tmp/q36-q8.done ]; then
-        T "convert to Q8_0 in the background (llama.cpp's converter, no MTP)"
-        (timeout "$(left)" python3 $B/peer/convert-next.py $L $M /tmp/q36-q8.gguf q8_0 --no-mtp > /tmp/convert.log 2>&1 \
-            && touch /tmp/q36-q8.done) & CONVERT=$!
+    if [ ! -f /tmp/q36-bf16.done ]; then
+        # BF16 out of the converter (it writes, it does not quantise: several times faster than
+        # its single-threaded Q8_0), then llama-quantize's 16 threads make Q4_K_M from it.
+        T "convert to BF16 GGUF in the background (llama.cpp's converter, no MTP)"
+        (timeout "$(left)" python3 $B/peer/convert-next.py $L $M /tmp/q36-bf16.gguf bf16 --no-mtp > /tmp/convert.log 2>&1 \
+            && touch /tmp/q36-bf16.done) & CONVERT=$!
     fi
 fi
 if has tests; then
@@ -54,10 +56,10 @@ fi
 if has prep; then
     [ -n "${CONVERT:-}" ] && { wait $CONVERT; T "converter: $(tail -1 /tmp/convert.log | cut -c1-120)"; }
     [ -n "${BUILD:-}" ] && { wait $BUILD; T "llama.cpp build: $(tail -1 /tmp/ninja.log)"; }
-    if [ -f /tmp/q36-q8.done ] && [ ! -f /tmp/q36-q4km.gguf ] && [ -x $LB/bin/llama-quantize ]; then
+    if [ -f /tmp/q36-bf16.done ] && [ ! -f /tmp/q36-q4km.gguf ] && [ -x $LB/bin/llama-quantize ]; then
         T "quantize Q4_K_M"
-        timeout "$(left)" $LB/bin/llama-quantize --allow-requantize /tmp/q36-q8.gguf /tmp/q36-q4km.gguf Q4_K_M "$(nproc)" > /tmp/quantize.log 2>&1 \
-            && rm -f /tmp/q36-q8.gguf || tail -3 /tmp/quantize.log
+        timeout "$(left)" $LB/bin/llama-quantize /tmp/q36-bf16.gguf /tmp/q36-q4km.gguf Q4_K_M "$(nproc)" > /tmp/quantize.log 2>&1 \
+            && rm -f /tmp/q36-bf16.gguf || tail -3 /tmp/quantize.log
     fi
     mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "Krasis caches: INT4 CPU and GPU experts"
         timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done; }
