@@ -12,6 +12,10 @@
 //! A layer's part of a block is its conv state `[conv_kernel − 1, channels]` then its rule state
 //! `[value_heads, dk, dv]` ([`DeltaDims::state_len`]), all f32.
 //!
+//! **Decode.** [`GpuDevice::delta_decode_step`] runs a whole layer's step for one row per
+//! sequence (the convolution and its state, the preparation, the rule and the gated norm) in one
+//! launch, where the ops above take five; the same f32 operations in the same order.
+//!
 //! **Two forms of the rule.** [`GpuDevice::delta_rule`] runs the recurrence token by token
 //! (decode, short prompts); [`GpuDevice::delta_rule_chunked`] runs the chunked (WY) form,
 //! [`CHUNK`] tokens at a time as small matrix products, for prompts: one kernel computes every
@@ -23,7 +27,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::kernels::{check, launch_err, to_i32, KernelSource, HEADERS};
-use crate::{GpuDevice, GpuError};
+use crate::{DeviceBuffer, GpuDevice, GpuError};
 
 pub const DELTA_RULE: KernelSource = KernelSource {
     name: "delta_rule",
@@ -41,6 +45,9 @@ pub const DELTA_RULE: KernelSource = KernelSource {
         "delta_chunk_rule_dk64",
         "delta_chunk_rule_dk128",
         "delta_chunk_rule_dk256",
+        "delta_decode_dk64",
+        "delta_decode_dk128",
+        "delta_decode_dk256",
         "delta_gated_norm",
         "output_gate_rows_f32",
     ],
@@ -68,6 +75,8 @@ const CHUNK_COLS: usize = 32;
 const CHUNK_STAGE: usize = 2 * CHUNK * 36;
 /// Shared memory a block may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
+/// Threads of the decode step kernel (`DEC_THREADS`).
+const DEC_THREADS: u32 = 256;
 /// Grid y and z limit.
 const GRID_YZ_MAX: usize = 65_535;
 
@@ -110,20 +119,35 @@ impl DeltaDims {
         seqs.n_seqs * seqs.rows_per_seq.div_ceil(CHUNK) * self.value_heads * 2 * CHUNK * CHUNK
     }
 
-    /// The chunked rule kernel's register size for `dk` (64, 128 or 256) and its name.
-    fn chunk_rule_kernel(&self) -> (usize, &'static str) {
+    /// The key dim the kernels are compiled for that holds `dk` (64, 128 or 256), and the
+    /// chunked rule's and the decode step's kernels of that size.
+    fn dk_kernels(&self) -> (usize, &'static str, &'static str) {
         match self.dk {
-            0..=64 => (64, "delta_chunk_rule_dk64"),
-            65..=128 => (128, "delta_chunk_rule_dk128"),
-            _ => (256, "delta_chunk_rule_dk256"),
+            0..=64 => (64, "delta_chunk_rule_dk64", "delta_decode_dk64"),
+            65..=128 => (128, "delta_chunk_rule_dk128", "delta_decode_dk128"),
+            _ => (256, "delta_chunk_rule_dk256", "delta_decode_dk256"),
         }
     }
 
     /// Dynamic shared memory of the chunked rule kernel, in bytes: the state tile `[DKM, 32]`,
     /// the staging area, `R` `[CHUNK, 32]` and three `[CHUNK]` decay vectors.
     fn chunk_rule_smem(&self) -> usize {
-        let (dkm, _) = self.chunk_rule_kernel();
+        let (dkm, ..) = self.dk_kernels();
         4 * (dkm * CHUNK_COLS + CHUNK_STAGE + CHUNK * CHUNK_COLS + 3 * CHUNK)
+    }
+
+    /// Dynamic shared memory of the decode step kernel, in bytes: q and k (padded to the
+    /// kernel's key dim), the key head's values, one head's output, β and e^g per value head.
+    fn decode_smem(&self) -> usize {
+        let (dkm, ..) = self.dk_kernels();
+        let per = self.value_heads / self.key_heads.max(1);
+        4 * (2 * dkm + (per + 1) * self.dv + 2 * per)
+    }
+
+    /// Whether [`GpuDevice::delta_decode_step`] takes this geometry: its shared memory (which
+    /// grows with a key head's value channels) within the default 48 KiB.
+    pub fn decode_step_fits(&self) -> bool {
+        self.decode_smem() <= DEFAULT_SMEM_LIMIT
     }
 
     fn check(&self, op: &'static str) -> Result<(), GpuError> {
@@ -160,6 +184,17 @@ impl DeltaSeqs {
         to_i32(op, "rows", self.rows())?;
         Ok(())
     }
+}
+
+/// A layer's weights as [`GpuDevice::delta_decode_step`] reads them (all BF16): the conv taps
+/// `[channels, conv_kernel]`, `A_log` and `dt_bias` `[value_heads]`, the gated norm's weight
+/// `[dv]`.
+#[derive(Clone, Copy)]
+pub struct DeltaLayerWeights<'a> {
+    pub taps: &'a DeviceBuffer<u16>,
+    pub a_log: &'a DeviceBuffer<u16>,
+    pub dt_bias: &'a DeviceBuffer<u16>,
+    pub norm: &'a DeviceBuffer<u16>,
 }
 
 /// Where the sequences' states are: the device address of a table of `n_seqs` block addresses
@@ -429,7 +464,7 @@ impl GpuDevice {
         }
         let chunks = seqs.rows_per_seq.div_ceil(CHUNK);
         to_i32(OP, "chunks", chunks)?;
-        let (dkm, name) = d.chunk_rule_kernel();
+        let (dkm, name, _) = d.dk_kernels();
         let smem = d.chunk_rule_smem();
         check(OP, self.delta_rule_chunked_fits(d)?, || {
             format!("{d:?}: the chunked rule needs {smem} bytes of shared memory per block (key dims up to {dkm})")
@@ -482,6 +517,107 @@ impl GpuDevice {
         // memory as the kernel carves it for DKM >= dk); extents checked; ordered after the prep
         // kernel on the stream; the states are the caller's promise.
         unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// One decode step of a layer for `seqs` (one row per sequence): from the input projections'
+    /// rows (`x` `[rows, channels]`, `z` `[rows, value_heads · dv]`, `b` and `a` `[rows,
+    /// value_heads]`, as they come out of the projections) to the gated norm's output `out`
+    /// `[rows, value_heads · dv]`, each sequence's conv state (at `states.offset`) and rule state
+    /// (after it) advanced: what [`GpuDevice::delta_conv_silu`], [`GpuDevice::delta_prep`],
+    /// [`GpuDevice::delta_rule`] and [`GpuDevice::delta_gated_norm`] do in turn, in one launch.
+    ///
+    /// # Safety
+    /// As [`GpuDevice::delta_conv_silu`], each block holding at least `states.offset +
+    /// d.state_len()` f32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn delta_decode_step(
+        &self,
+        x: &impl DevicePtr<f32>,
+        z: &impl DevicePtr<f32>,
+        b: &impl DevicePtr<f32>,
+        a: &impl DevicePtr<f32>,
+        w: DeltaLayerWeights<'_>,
+        out: &mut impl DevicePtrMut<f32>,
+        d: &DeltaDims,
+        states: DeltaStates,
+        seqs: DeltaSeqs,
+        q_scale: f32,
+        eps: f32,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "delta_decode_step";
+        d.check(OP)?;
+        seqs.check(OP)?;
+        check(OP, seqs.rows_per_seq == 1, || {
+            format!("{} rows per sequence: a decode step has one", seqs.rows_per_seq)
+        })?;
+        check(OP, d.decode_step_fits(), || {
+            format!("{d:?}: a key head's channels need {} bytes of shared memory", d.decode_smem())
+        })?;
+        check(OP, d.key_heads <= GRID_YZ_MAX, || format!("{d:?}: too many key heads"))?;
+        let (ch, nv, vw) = (d.channels(), d.value_heads, d.value_heads * d.dv);
+        let rows = seqs.rows();
+        need(OP, "x", x.len(), rows * ch)?;
+        need(OP, "z", z.len(), rows * vw)?;
+        need(OP, "b", b.len(), rows * nv)?;
+        need(OP, "a", a.len(), rows * nv)?;
+        need(OP, "out", out.len(), rows * vw)?;
+        check(OP, w.taps.len() == ch * d.conv_kernel, || {
+            format!("taps have {} elements, not {ch} x {}", w.taps.len(), d.conv_kernel)
+        })?;
+        check(OP, w.a_log.len() == nv && w.dt_bias.len() == nv, || {
+            format!("A_log has {}, dt_bias {} elements, not {nv}", w.a_log.len(), w.dt_bias.len())
+        })?;
+        check(OP, w.norm.len() == d.dv, || format!("norm weight has {} elements, not {}", w.norm.len(), d.dv))?;
+        check(OP, states.entries >= seqs.n_seqs, || {
+            format!("a state table of {} entries for {} sequences", states.entries, seqs.n_seqs)
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (.., name) = d.dk_kernels();
+        let (conv_off, rule_off) = (states.offset as i64, (states.offset + d.conv_state_len()) as i64);
+        let (nk_i, nv_i, dk_i, dv_i, k_i) =
+            (d.key_heads as i32, nv as i32, d.dk as i32, d.dv as i32, d.conv_kernel as i32);
+        let s = self.stream();
+        let (xp, _g1) = x.device_ptr(s);
+        let (zp, _g2) = z.device_ptr(s);
+        let (bp, _g3) = b.device_ptr(s);
+        let (ap, _g4) = a.device_ptr(s);
+        let (tp, _g5) = w.taps.device_ptr(s);
+        let (lp, _g6) = w.a_log.device_ptr(s);
+        let (dp, _g7) = w.dt_bias.device_ptr(s);
+        let (np, _g8) = w.norm.device_ptr(s);
+        let (op, _g9) = out.device_ptr_mut(s);
+        let f = self.function(&DELTA_RULE, name)?;
+        let mut l = s.launch_builder(&f);
+        l.arg(&xp)
+            .arg(&zp)
+            .arg(&bp)
+            .arg(&ap)
+            .arg(&tp)
+            .arg(&lp)
+            .arg(&dp)
+            .arg(&np)
+            .arg(&op)
+            .arg(&states.table)
+            .arg(&conv_off)
+            .arg(&rule_off)
+            .arg(&nk_i)
+            .arg(&nv_i)
+            .arg(&dk_i)
+            .arg(&dv_i)
+            .arg(&k_i)
+            .arg(&q_scale)
+            .arg(&eps);
+        let cfg = LaunchConfig {
+            grid_dim: (d.key_heads as u32, seqs.n_seqs as u32, 1),
+            block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: d.decode_smem() as u32,
+        };
+        // SAFETY: matches the kernel's signature (256 threads; the dynamic shared memory as the
+        // kernel carves it); every extent checked; the states are the caller's promise.
+        unsafe { l.launch(cfg) }.map_err(launch_err(OP))?;
         Ok(())
     }
 

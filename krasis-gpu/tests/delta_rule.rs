@@ -17,7 +17,7 @@ mod common;
 use common::{assert_close, down, gpu, rand_bf16_bits, rand_f32, rng, time_us_per_call, up};
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::delta_rule::{DeltaDims, DeltaSeqs, DeltaStates};
+use krasis_gpu::delta_rule::{DeltaDims, DeltaLayerWeights, DeltaSeqs, DeltaStates};
 use krasis_gpu::{DeviceBuffer, GpuDevice};
 use rand::Rng;
 
@@ -530,5 +530,217 @@ fn chunked_rule_matches_the_recurrence_at_qwen36_shapes_and_timings() {
             line += &format!("  {form} {:.1} us ({:.0} tok/s)", us, t as f64 / (us * 1e-6));
         }
         eprintln!("{line}");
+    }
+}
+
+// ---------------------------------------------------------------- the fused decode step
+
+/// The decode step kernel (conv, prep, rule and gated norm of one row per sequence in one launch)
+/// against the f64 twins chained (conv, prep, rule, norm) and against the separate kernels run
+/// on a copy of the states: three sequences with random states through batched steps (in two
+/// orders) and single steps. Geometries: ragged dims, value dims over one 128-column pass,
+/// conv kernels of 1 to 5 taps, and Qwen3.6's (16 key heads, 32 value heads, dims 128).
+#[test]
+fn decode_step_matches_the_chained_twins_and_the_separate_kernels() {
+    let Some(dev) = gpu("decode_step_matches_the_chained_twins_and_the_separate_kernels") else { return };
+    let mut r = rng(394);
+    for (nk, nv, dk, dv, k) in [
+        (2, 4, 32, 32, 4),
+        (1, 3, 40, 24, 4),
+        (2, 6, 72, 56, 3),
+        (1, 2, 200, 40, 2),
+        (3, 3, 17, 70, 5),
+        (1, 1, 16, 200, 1),
+        (2, 2, 256, 130, 4),
+        (16, 32, 128, 128, 4),
+    ] {
+        let d = DeltaDims { key_heads: nk, value_heads: nv, dk, dv, conv_kernel: k };
+        assert!(d.decode_step_fits(), "{d:?}");
+        eprintln!("{d:?}:");
+        let ch = d.channels();
+        let layer = Layer {
+            d,
+            taps: rand_bf16_bits(&mut r, ch * k, 0.8),
+            a_log: (0..nv).map(|_| f32_to_bf16(r.random_range(0.02f32..2.0).ln())).collect(),
+            dt_bias: rand_bf16_bits(&mut r, nv, 0.5),
+            norm: (0..dv).map(|_| f32_to_bf16(1.0 + r.random_range(-0.3f32..0.3))).collect(),
+        };
+        let (taps, a_log, dt_bias, norm) = (
+            up(dev, &layer.taps, "taps"),
+            up(dev, &layer.a_log, "A_log"),
+            up(dev, &layer.dt_bias, "dt_bias"),
+            up(dev, &layer.norm, "norm"),
+        );
+        let w = DeltaLayerWeights { taps: &taps, a_log: &a_log, dt_bias: &dt_bias, norm: &norm };
+        let offset = d.state_len() + 3;
+        let sentinel: Vec<f32> = (0..offset).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let (mut twins, mut fused, mut separate) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..3 {
+            let t = TwinState {
+                conv: rand_f32(&mut r, d.conv_state_len(), 1.0).iter().map(|&v| v as f64).collect(),
+                rule: rand_f32(&mut r, d.rule_state_len(), 0.3).iter().map(|&v| v as f64).collect(),
+            };
+            let mut host = sentinel.clone();
+            host.extend(t.conv.iter().map(|&v| v as f32));
+            host.extend(t.rule.iter().map(|&v| v as f32));
+            fused.push(up(dev, &host, "state block (fused)"));
+            separate.push(up(dev, &host, "state block (separate kernels)"));
+            twins.push(t);
+        }
+        let q_scale = (dk as f32).powf(-0.5);
+        let calls: [&[usize]; 5] = [&[0, 1, 2], &[2, 0, 1], &[1], &[0, 2], &[0, 1, 2]];
+        for (ci, which) in calls.into_iter().enumerate() {
+            let seqs = DeltaSeqs { n_seqs: which.len(), rows_per_seq: 1 };
+            let rows = seqs.rows();
+            let table_of = |blocks: &[DeviceBuffer<f32>]| {
+                let host: Vec<u64> = which.iter().map(|&s| addr(dev, &blocks[s])).collect();
+                up(dev, &host, "state table")
+            };
+            let (tf, ts) = (table_of(&fused), table_of(&separate));
+            let x = rand_f32(&mut r, rows * ch, 1.0);
+            let mut b_in = rand_f32(&mut r, rows * nv, 3.0);
+            let mut a_in = rand_f32(&mut r, rows * nv, 3.0);
+            a_in[0] = 25.0; // softplus past its threshold
+            b_in[rows * nv - 1] = -9.0;
+            let z = rand_f32(&mut r, rows * nv * dv, 2.0);
+            let (xb, zb, bb, ab) = (up(dev, &x, "x"), up(dev, &z, "z"), up(dev, &b_in, "b"), up(dev, &a_in, "a"));
+
+            // The fused step.
+            let mut o = up(dev, &vec![f32::NAN; rows * nv * dv], "decode out");
+            // SAFETY: every table entry is a live block of offset + state_len floats.
+            unsafe {
+                dev.delta_decode_step(
+                    &xb,
+                    &zb,
+                    &bb,
+                    &ab,
+                    w,
+                    &mut o,
+                    &d,
+                    DeltaStates::new(dev, &tf, offset),
+                    seqs,
+                    q_scale,
+                    EPS,
+                )
+            }
+            .unwrap();
+            let o_fused = down(dev, &o);
+
+            // The separate kernels, on the other copy of the states.
+            let mut conv = up(dev, &vec![f32::NAN; rows * ch], "conv out");
+            let (mut bs, mut as_) = (up(dev, &b_in, "b"), up(dev, &a_in, "a"));
+            let mut os = up(dev, &vec![f32::NAN; rows * nv * dv], "rule out");
+            // SAFETY: as above.
+            unsafe {
+                dev.delta_conv_silu(&xb, &mut conv, &taps, &d, DeltaStates::new(dev, &ts, offset), seqs).unwrap();
+                dev.delta_prep(&mut conv, &mut bs, &mut as_, &a_log, &dt_bias, &d, rows, q_scale).unwrap();
+                let rule_states = DeltaStates::new(dev, &ts, offset + d.conv_state_len());
+                dev.delta_rule(&conv, &bs, &as_, &mut os, &d, rule_states, seqs).unwrap();
+            }
+            dev.delta_gated_norm(&mut os, &zb, &norm, &d, rows, EPS).unwrap();
+            let o_separate = down(dev, &os);
+
+            // The twins chained, in f64 from the same inputs.
+            let mut qkv = Vec::new();
+            for (i, &s) in which.iter().enumerate() {
+                qkv.extend(twin_conv(&layer, &x[i * ch..(i + 1) * ch], 1, &mut twins[s]));
+            }
+            let (beta, g) = twin_prep(&layer, &mut qkv, &b_in, &a_in, rows, q_scale);
+            let mut rule_out = vec![0f64; rows * nv * dv];
+            for (i, &s) in which.iter().enumerate() {
+                twin_rule(&d, &qkv, &beta, &g, i, 1, &mut twins[s].rule, &mut rule_out);
+            }
+            let want = twin_norm(&f32s(&rule_out), &z, &layer.norm, dv, EPS);
+
+            let what = format!("call {ci} ({} sequences)", which.len());
+            assert_scaled(&format!("{what}: output against the twins"), &o_fused, &want, 1e-4);
+            assert_scaled(&format!("{what}: output against the separate kernels"), &o_fused, &f64s(&o_separate), 1e-5);
+        }
+        for (s, t) in twins.iter().enumerate() {
+            let (got, sep) = (down(dev, &fused[s]), down(dev, &separate[s]));
+            assert_eq!(&got[..offset], &sentinel[..], "{d:?}: sequence {s}: memory before the layer's state");
+            let cs = offset + d.conv_state_len();
+            assert_eq!(&got[offset..cs], &f32s(&t.conv)[..], "{d:?}: sequence {s}: conv state (copied inputs)");
+            assert_eq!(
+                &got[offset..cs],
+                &sep[offset..cs],
+                "{d:?}: sequence {s}: conv state against the separate kernels"
+            );
+            assert_scaled(&format!("sequence {s}: rule state against the twin"), &got[cs..], &t.rule, 1e-4);
+            assert_scaled(
+                &format!("sequence {s}: rule state against the separate kernels"),
+                &got[cs..],
+                &f64s(&sep[cs..]),
+                1e-5,
+            );
+        }
+    }
+}
+
+/// The decode step refuses a call of more than one row per sequence.
+#[test]
+fn decode_step_refuses_more_than_one_row() {
+    let Some(dev) = gpu("decode_step_refuses_more_than_one_row") else { return };
+    let d = DeltaDims { key_heads: 1, value_heads: 1, dk: 8, dv: 8, conv_kernel: 2 };
+    let seqs = DeltaSeqs { n_seqs: 1, rows_per_seq: 2 };
+    let w16 = |n: usize| up(dev, &vec![0u16; n], "weights");
+    let (taps, one, norm) = (w16(d.channels() * 2), w16(1), w16(8));
+    let w = DeltaLayerWeights { taps: &taps, a_log: &one, dt_bias: &one, norm: &norm };
+    let block = up(dev, &vec![0f32; d.state_len()], "state");
+    let table = up(dev, &[addr(dev, &block)], "table");
+    let f = |n: usize| up(dev, &vec![0f32; n], "input");
+    let (x, z, ba, mut o) = (f(2 * d.channels()), f(16), f(2), f(16));
+    // SAFETY: the block holds the layer's state; the call is refused before any launch.
+    let e = unsafe {
+        dev.delta_decode_step(&x, &z, &ba, &ba, w, &mut o, &d, DeltaStates::new(dev, &table, 0), seqs, 1.0, EPS)
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("rows per sequence"), "{e}");
+}
+
+/// Qwen3.6 shapes: one decode step's time (one sequence, and a batch of 16), the fused kernel
+/// against the five separate launches, printed for the lead (asserts only that the runs
+/// complete).
+#[test]
+fn decode_step_timings_at_qwen36_shapes() {
+    let Some(dev) = gpu("decode_step_timings_at_qwen36_shapes") else { return };
+    let mut r = rng(395);
+    let d = DeltaDims { key_heads: 16, value_heads: 32, dk: 128, dv: 128, conv_kernel: 4 };
+    let (ch, nv, vw) = (d.channels(), d.value_heads, d.value_heads * d.dv);
+    let taps = up(dev, &rand_bf16_bits(&mut r, ch * 4, 0.8), "taps");
+    let a_log = up(dev, &rand_bf16_bits(&mut r, nv, 0.5), "A_log");
+    let dt_bias = up(dev, &rand_bf16_bits(&mut r, nv, 0.5), "dt_bias");
+    let norm = up(dev, &rand_bf16_bits(&mut r, d.dv, 1.0), "norm");
+    let w = DeltaLayerWeights { taps: &taps, a_log: &a_log, dt_bias: &dt_bias, norm: &norm };
+    for n in [1usize, 16] {
+        let seqs = DeltaSeqs { n_seqs: n, rows_per_seq: 1 };
+        let blocks: Vec<_> = (0..n).map(|_| up(dev, &rand_f32(&mut r, d.state_len(), 0.3), "state")).collect();
+        let host: Vec<u64> = blocks.iter().map(|b| addr(dev, b)).collect();
+        let table = up(dev, &host, "table");
+        let st = DeltaStates::new(dev, &table, 0);
+        let rule_st = DeltaStates::new(dev, &table, d.conv_state_len());
+        let x = up(dev, &rand_f32(&mut r, n * ch, 1.0), "x");
+        let z = up(dev, &rand_f32(&mut r, n * vw, 1.0), "z");
+        let (b, a) = (up(dev, &rand_f32(&mut r, n * nv, 1.0), "b"), up(dev, &rand_f32(&mut r, n * nv, 1.0), "a"));
+        let mut o = dev.alloc_zeros::<f32>(n * vw, "out").unwrap();
+        let mut conv = dev.alloc_zeros::<f32>(n * ch, "conv").unwrap();
+        let (mut bs, mut as_) =
+            (dev.alloc_zeros::<f32>(n * nv, "b").unwrap(), dev.alloc_zeros::<f32>(n * nv, "a").unwrap());
+        let q_scale = 128f32.powf(-0.5);
+        // SAFETY: the blocks hold the layer's state.
+        let mut fused =
+            || unsafe { dev.delta_decode_step(&x, &z, &b, &a, w, &mut o, &d, st, seqs, q_scale, EPS).unwrap() };
+        fused();
+        let us_fused = time_us_per_call(dev, 200, &mut fused);
+        let mut separate = || unsafe {
+            // SAFETY: as above.
+            dev.delta_conv_silu(&x, &mut conv, &taps, &d, st, seqs).unwrap();
+            dev.delta_prep(&mut conv, &mut bs, &mut as_, &a_log, &dt_bias, &d, n, q_scale).unwrap();
+            dev.delta_rule(&conv, &bs, &as_, &mut o, &d, rule_st, seqs).unwrap();
+            dev.delta_gated_norm(&mut o, &z, &norm, &d, n, EPS).unwrap();
+        };
+        separate();
+        let us_sep = time_us_per_call(dev, 200, &mut separate);
+        eprintln!("DeltaNet decode step, Qwen3.6 layer, {n} sequences: fused {us_fused:.1} us, separate kernels {us_sep:.1} us");
     }
 }

@@ -11,7 +11,10 @@
 //! the session's own one-entry table for a prompt or a decode step, the batch's table (rebuilt
 //! each step, one entry per sequence) for a batched decode step.
 //!
-//! **Rule forms.** A call whose sequences have at least [`CHUNKED_MIN_ROWS`] rows each (a
+//! **Decode.** A call of one row per sequence (a decode step, alone or batched) runs the layer's
+//! convolution, preparation, rule and gated norm in one kernel ([`GpuDevice::delta_decode_step`]).
+//!
+//! **Rule forms.** Otherwise, a call whose sequences have at least [`CHUNKED_MIN_ROWS`] rows each (a
 //! prompt) runs the chunked rule ([`GpuDevice::delta_rule_chunked`]), its scratch in the slot of
 //! the input projection's output, dead after the convolution (for the Qwen3-Next and Qwen3.5
 //! shapes, `channels ≥ 2 · value_heads · 128`, it already holds the scratch of any call of 64 rows
@@ -21,7 +24,7 @@
 //! layer's cache layer is its index among them ([`kv_layer`]).
 
 use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::delta_rule::{DeltaDims, DeltaStates, CHUNK};
+use krasis_gpu::delta_rule::{DeltaDims, DeltaLayerWeights, DeltaStates, CHUNK};
 use krasis_gpu::linear::GpuLinear;
 use krasis_gpu::{DeviceBuffer, GpuDevice, RowsView};
 
@@ -163,6 +166,41 @@ impl GpuDeltaNet<'_> {
         self.w.z.forward(dev, c.gemm, &xn, t, &mut z.slice_mut().slice_mut(..t * vw))?;
         self.w.b.forward(dev, c.gemm, &xn, t, &mut b.slice_mut().slice_mut(..t * nv))?;
         self.w.a.forward(dev, c.gemm, &xn, t, &mut a.slice_mut().slice_mut(..t * nv))?;
+        let q_scale = (self.spec.key_dim as f32).powf(-0.5);
+        if seqs.rows_per_seq == 1 && d.decode_step_fits() {
+            let o = grow(dev, o_slot, t * vw, "deltanet output")?;
+            let w = DeltaLayerWeights {
+                taps: &self.w.conv,
+                a_log: &self.w.a_log,
+                dt_bias: &self.w.dt_bias,
+                norm: &self.w.norm,
+            };
+            // SAFETY: the table's entries are the call's sessions' state blocks (borrowed for the
+            // call), each holding every DeltaNet layer's state; `off` is this layer's.
+            unsafe {
+                dev.delta_decode_step(
+                    &mixed.slice().slice(..t * ch),
+                    &z.slice().slice(..t * vw),
+                    &b.slice().slice(..t * nv),
+                    &a.slice().slice(..t * nv),
+                    w,
+                    &mut o.slice_mut().slice_mut(..t * vw),
+                    &d,
+                    DeltaStates::new(dev, table, off),
+                    seqs,
+                    q_scale,
+                    self.eps,
+                )
+            }?;
+            self.w.out.forward(
+                dev,
+                c.gemm,
+                &o.slice().slice(..t * vw),
+                t,
+                &mut sc.y.slice_mut().slice_mut(..t * hidden),
+            )?;
+            return Ok(());
+        }
         let conv = grow(dev, conv_slot, t * ch, "deltanet conv output")?;
         // SAFETY: the table's entries are the call's sessions' state blocks (borrowed for the
         // call), each holding every DeltaNet layer's state; `off` is this layer's.
@@ -176,7 +214,6 @@ impl GpuDeltaNet<'_> {
                 seqs,
             )
         }?;
-        let q_scale = (self.spec.key_dim as f32).powf(-0.5);
         dev.delta_prep(
             &mut conv.slice_mut().slice_mut(..t * ch),
             &mut b.slice_mut().slice_mut(..t * nv),
