@@ -74,10 +74,10 @@ if has bench; then
             timeout 120 $LB/bin/llama-bench -m $G -ngl 99 -p 8192 -n 64 -r 2 -o md 2>&1 | figures; }
     fi
     [ "$(left)" -gt 60 ] && { T "Krasis hybrid decode after 512 tokens (INT4 experts)"
-        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
+        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
     [ "$(left)" -gt 60 ] && { T "Krasis GPU INT4 prefill at 8K"
         KRASIS_GPU_PROFILE=1 timeout 150 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 8192 --decode-tokens 16 2>&1 | figures; }
     [ "$(left)" -gt 60 ] && { T "Krasis hybrid, 32K prompt at 24 GiB, then decode at 32K context"
-        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 2>&1 | figures; }
+        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
 fi
 T done
