@@ -368,6 +368,39 @@ fn glm_4_5_parses_and_its_inventory_is_the_published_one_less_the_mtp_layer() {
     assert_eq!(left, 11 + 485 + 6, "layer 92: attention and norms, its MoE block, the MTP parts");
 }
 
+/// gpt-oss-120b's published config: GQA 64 / 8 heads of 64 with biases and sinks, sliding (128)
+/// and full layers alternating, 128 experts top-4 with biases and the clamped SwiGLU, MXFP4.
+#[test]
+fn gpt_oss_120b_parses_with_its_options() {
+    use krasis_model::spec::ExpertActivation;
+    let Some(dir) = real_configs() else { return };
+    let path = dir.join("gpt-oss-120b/config.json");
+    let cfg = parse_checkpoint_config(&read(&path), &path).unwrap();
+    let s = &cfg.spec;
+    assert_eq!(s.arch, Arch::GptOss);
+    assert_eq!((s.vocab_size, s.hidden_size, s.num_layers), (201088, 2880, 36));
+    assert_eq!(
+        s.attention,
+        AttentionSpec::Gqa {
+            heads: 64,
+            kv_heads: 8,
+            head_dim: 64,
+            qk_norm: QkNorm::None,
+            bias: AttnBias { qkv: true, o: true },
+            output_gate: false
+        }
+    );
+    assert_eq!(s.sliding_windows.len(), 36);
+    assert!(s.sliding_windows.iter().enumerate().all(|(l, w)| *w == (l % 2 == 0).then_some(128)));
+    assert!(s.attention_sinks && s.expert_bias);
+    assert_eq!(s.expert_activation, ExpertActivation::ClampedSwiglu { alpha: 1.702, limit: 7.0 });
+    let moe = s.moe.as_ref().unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.routing.top_k), (128, 2880, 4));
+    assert_eq!(s.source_quant, SourceQuant::Mxfp4);
+    assert!(cfg.layout.gpt_oss_experts);
+    assert_eq!(s.eos_token_ids, vec![200002]);
+}
+
 #[test]
 fn minimax_m2_7_parses_and_its_inventory_is_the_published_one() {
     let Some(dir) = real_configs() else { return };
@@ -536,6 +569,7 @@ fn every_supported_published_config_synthesizes_at_reduced_size_and_generates() 
             serde_json::from_str(&read(&dir.join("Qwen3-Next-80B-A3B-Instruct/config.json"))).unwrap(),
         ),
         ("Qwen3.6-35B-A3B", serde_json::from_str(&read(&dir.join("Qwen3.6-35B-A3B/config.json"))).unwrap()),
+        ("gpt-oss-120b", serde_json::from_str(&read(&dir.join("gpt-oss-120b/config.json"))).unwrap()),
     ];
     let tmp = tempfile::tempdir().unwrap();
     for (name, mut config) in configs {

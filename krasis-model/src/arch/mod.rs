@@ -19,6 +19,8 @@ mod qwen3_next;
 #[cfg(test)]
 mod glm4_moe_tests;
 #[cfg(test)]
+mod gpt_oss_tests;
+#[cfg(test)]
 mod kimi_tests;
 #[cfg(test)]
 mod minimax_m2_tests;

@@ -177,6 +177,9 @@ pub(crate) fn config_from_file(path: &Path, layers: Option<usize>) -> Result<Val
     text_model["num_hidden_layers"] = Value::from(l);
     if full.delta_net.is_some() {
         text_model["layer_types"] = trimmed_layer_types(&full.mixers, l).into();
+    } else if let Some(Value::Array(types)) = text_model.get_mut("layer_types") {
+        // Attention kinds per layer (gpt-oss's sliding / full): the first `l`, as the layers.
+        types.truncate(l);
     }
     Ok(config)
 }
