@@ -437,6 +437,27 @@ macro_rules! per_fixture_tests {
     };
 }
 
+/// A copy of the fixture `src` (config, tokenizer) into `out` with `model.safetensors` rewritten
+/// by `edit(header, data)`: for bad-input tests.
+pub fn copy_fixture_with(src: &Path, out: &Path, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<u8>)) {
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut data = bytes[8 + n..].to_vec();
+    edit(&mut header, &mut data);
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(&h);
+    file.extend_from_slice(&data);
+    std::fs::write(out.join("model.safetensors"), file).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

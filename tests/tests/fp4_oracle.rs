@@ -15,7 +15,7 @@
 //!   `quant_algo`: errors naming the tensor or field;
 //! - ModelOpt's older `hf_quant_config.json` alone is read as `quantization_config`;
 //! - MXFP4: `gptoss-mxfp4-tiny`'s experts (OpenAI's layout) convert exactly and run on every
-//!   ISA's kernel within f32 rounding of the exact product (the gpt-oss family does not run yet);
+//!   ISA's kernel within f32 rounding of the exact product (the gpt-oss family itself: gptoss_oracle);
 //! - GPU (skipped visibly without one): the whole GPU and the hybrid run the experts requantised
 //!   to INT4 on the GPU (FP4 is not yet a GPU format; the CPU's FP4 records are never streamed to
 //!   it), within the BF16 bar.
@@ -33,7 +33,8 @@ use krasis_quant::fp4::{self, Fp4Kind};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::Bits;
 use krasis_tests::{
-    check_against_reference, fidelity, fixture_next, gpu_available, load_quantized, load_reference, quant_bound, rel_l2,
+    check_against_reference, copy_fixture_with, fidelity, fixture_next, gpu_available, load_quantized, load_reference,
+    quant_bound, rel_l2,
 };
 
 const NAME: &str = "qwen3moe-nvfp4-tiny";
@@ -215,27 +216,6 @@ fn explicit_int4_requantises_from_the_exact_values() {
     assert!(1.0 - f.mean_cos <= 3.0 * (1.0 - b.mean_cos) + 1e-4, "1 - mean cos {:.3e}", 1.0 - f.mean_cos);
 }
 
-/// A copy of the fixture (config, tokenizer) into `out` with `model.safetensors` rewritten by
-/// `edit(header, data)`.
-fn copy_with(src: &Path, out: &Path, edit: impl FnOnce(&mut serde_json::Value, &mut Vec<u8>)) {
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), out.join(f)).unwrap();
-    }
-    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let mut data = bytes[8 + n..].to_vec();
-    edit(&mut header, &mut data);
-    let mut h = serde_json::to_vec(&header).unwrap();
-    while !h.len().is_multiple_of(8) {
-        h.push(b' ');
-    }
-    let mut file = (h.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(&h);
-    file.extend_from_slice(&data);
-    std::fs::write(out.join("model.safetensors"), file).unwrap();
-}
-
 /// Load `dir` with `auto` experts, expecting an error.
 fn auto_load_error(dir: &Path, cache: &Path) -> String {
     let files = ModelFiles::open(dir).unwrap();
@@ -262,7 +242,7 @@ fn bad_scales_are_errors_naming_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let shaped = tmp.path().join("shape");
     std::fs::create_dir(&shaped).unwrap();
-    copy_with(&dir, &shaped, |h, _| h[tensor]["shape"] = serde_json::json!([64, 24]));
+    copy_fixture_with(&dir, &shaped, |h, _| h[tensor]["shape"] = serde_json::json!([64, 24]));
     let err = auto_load_error(&shaped, &tmp.path().join("c1"));
     assert!(err.contains(tensor), "{err}");
     let err = match Model::load(&shaped) {
@@ -273,7 +253,7 @@ fn bad_scales_are_errors_naming_the_tensor() {
 
     let nan = tmp.path().join("nan");
     std::fs::create_dir(&nan).unwrap();
-    copy_with(&dir, &nan, |h, data| {
+    copy_fixture_with(&dir, &nan, |h, data| {
         let at = h[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
         data[at + 5] = 0x7f;
     });
@@ -387,7 +367,7 @@ fn gpu_and_hybrid_requantise_for_the_gpu() {
 }
 
 /// `gptoss-mxfp4-tiny`'s experts in OpenAI's published MXFP4 layout (the gpt-oss family itself
-/// does not run yet): every expert of every layer converts (bytes kept; gate and up split from
+/// runs in gptoss_oracle): every expert of every layer converts (bytes kept; gate and up split from
 /// the interleaved `gate_up_proj`), its values are the README's formula read independently here,
 /// and every ISA's kernel on the packed CPU layout gives the exact product within f32 rounding.
 #[test]

@@ -12,7 +12,9 @@
 //!   kernels with the biases and the clamped SwiGLU as options);
 //! - `gptoss-mxfp4-tiny` at `auto` (the default): the CPU expert cache keeps the MXFP4 codes and
 //!   scales as stored, and the run matches the oracle at rel ≤ 1e-4 with the same greedy ids
-//!   (the kernels quantise activations to INT8 per group of 32).
+//!   (the kernels quantise activations to INT8 per group of 32);
+//! - bad input: MXFP4 scales whose shape disagrees with the blocks, a NaN scale: errors naming
+//!   the tensor, on the reference path and the expert cache alike.
 
 use krasis_model::cpu::quantized::{cache_fp4, open_expert_cache, WeightBits};
 use krasis_model::cpu::Model;
@@ -21,7 +23,7 @@ use krasis_model::source::files::ModelFiles;
 use krasis_model::source::SafetensorsFile;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::fp4::{self, Fp4Kind};
-use krasis_tests::{check_against_reference, fixture_next, load_quantized, load_reference};
+use krasis_tests::{check_against_reference, copy_fixture_with, fixture_next, load_quantized, load_reference};
 
 fn reference_path(name: &str) {
     let Some(dir) = fixture_next(name) else { return };
@@ -161,4 +163,57 @@ fn auto_keeps_the_stored_mxfp4_and_matches_the_oracle() {
     for line in check_against_reference(&format!("{MXFP4} (mxfp4 experts as stored)"), &loaded.model, &r) {
         eprintln!("{line}");
     }
+}
+
+/// Opens and loads `dir` with `auto` experts (the MXFP4 expert cache), expecting an error (a
+/// layout error comes when the files open).
+fn auto_load_error(dir: &std::path::Path, cache: &std::path::Path) -> String {
+    let files = match ModelFiles::open(dir) {
+        Ok(f) => f,
+        Err(e) => return e.to_string(),
+    };
+    let opts = krasis_model::cpu::load::EngineOptions {
+        expert_bits: WeightBits::Auto,
+        dense_bits: WeightBits::Bf16,
+        cache_dir: Some(cache.to_path_buf()),
+        threads: Some(2),
+        ..Default::default()
+    };
+    match krasis_model::cpu::load::load_model(&files, &opts) {
+        Ok(_) => panic!("bad input was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// `gate_up_proj_scales` of the wrong shape (the same bytes as [8, 64, 10] for [8, 128, 5]) and
+/// a NaN scale byte (255): errors naming the tensor, on the reference path and the expert cache.
+#[test]
+fn bad_mxfp4_scales_are_errors_naming_the_tensor() {
+    let Some(dir) = fixture_next(MXFP4) else { return };
+    let tensor = "model.layers.1.mlp.experts.gate_up_proj_scales";
+    let tmp = tempfile::tempdir().unwrap();
+    let shaped = tmp.path().join("shape");
+    std::fs::create_dir(&shaped).unwrap();
+    copy_fixture_with(&dir, &shaped, |h, _| h[tensor]["shape"] = serde_json::json!([8, 64, 10]));
+    let err = match Model::load(&shaped) {
+        Ok(_) => panic!("the reference path accepted scales of the wrong shape"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains(tensor), "{err}");
+    let err = auto_load_error(&shaped, &tmp.path().join("c1"));
+    assert!(err.contains(tensor), "{err}");
+
+    let nan = tmp.path().join("nan");
+    std::fs::create_dir(&nan).unwrap();
+    copy_fixture_with(&dir, &nan, |h, data| {
+        let at = h[tensor]["data_offsets"][0].as_u64().unwrap() as usize;
+        data[at + 5 * 3] = 0xff; // expert 0, stored row 3 (up 1), group 0
+    });
+    let err = auto_load_error(&nan, &tmp.path().join("c2"));
+    assert!(err.contains("model.layers.1.mlp.experts.0.up_proj") && err.contains("NaN"), "{err}");
+    let err = match Model::load(&nan) {
+        Ok(_) => panic!("the reference path accepted a NaN scale"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("model.layers.1.mlp.experts.0.up_proj") && err.contains("NaN"), "{err}");
 }
