@@ -407,6 +407,11 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
                                                       const u64* __restrict__ states, long long off, int ch, int nk,
                                                       int nv, int dk, int dv, int rows_per_seq) {
     constexpr int RA = DKM / 32;
+    // Elements per thread of a staged [CHUNK][CK_SLICE] slice, of T or Aqk (float4s), and of
+    // 16 staged key rows [16][DKM].
+    constexpr int SL = CHUNK * CK_SLICE / CHUNK_THREADS;
+    constexpr int TL = CHUNK * CHUNK / 4 / CHUNK_THREADS;
+    constexpr int KL = 16 * DKM / CHUNK_THREADS;
     extern __shared__ __align__(16) float csm[];
     float* S = csm;
     float* stage = S + DKM * CB_COLS;
@@ -427,10 +432,44 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
     const float* kbase = qkv + (long long)(nk + kh) * dk;
     const float* vbase = qkv + 2LL * nk * dk + (long long)h * dv;
     const int nchunks = (rows_per_seq + CHUNK - 1) / CHUNK;
+    float* ks = stage;
+    float* qs = stage + CHUNK * CK_LD;
     for (int chunk = 0; chunk < nchunks; ++chunk) {
         const int c = min(CHUNK, rows_per_seq - chunk * CHUNK);
         const long long row = (long long)b * rows_per_seq + (long long)chunk * CHUNK;
         const float* tg = scratch + (((long long)b * nchunks + chunk) * nv + h) * (2LL * CHUNK * CHUNK);
+        // Loads issued early, into registers, to be in flight while the block computes: the
+        // chunk's T and Aqk, the thread's values, the first key-dim slice of K and Q.
+        float4 tr[TL], ar[TL];
+#pragma unroll
+        for (int u = 0; u < TL; ++u) {
+            const int e = tid + u * CHUNK_THREADS;
+            tr[u] = ld4(&tg[4 * e]);
+            ar[u] = ld4(&tg[CHUNK * CHUNK + 4 * e]);
+        }
+        float vr[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = ty + 32 * r;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int j = j0 + jt + u;
+                vr[r][u] = (i < c && j < dv) ? vbase[(row + i) * ch + j] : 0.0f;
+            }
+        }
+        float pk[SL], pq[SL];
+        auto load_slice = [&](int a0) {
+#pragma unroll
+            for (int u = 0; u < SL; ++u) {
+                const int e = tid + u * CHUNK_THREADS;
+                const int i = e / CK_SLICE, a = e % CK_SLICE;
+                const bool in = i < c && a0 + a < dk;
+                const long long o = (row + i) * ch + a0 + a;
+                pk[u] = in ? kbase[o] : 0.0f;
+                pq[u] = in ? qbase[o] : 0.0f;
+            }
+        };
+        load_slice(0);
         __syncthreads();  // the previous chunk's state update is done (S written; staging, R, ed read)
         if (tid < 32) {
             const float last = chunk_cumsum(g, row, nv, h, c, gcs);
@@ -440,25 +479,25 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
                 ed[i] = expf(last - gcs[i]);
             }
         }
-        // 1. ak = K S and aq = Q S for the thread's rows and columns, over key-dim slices.
+        // 1. ak = K S and aq = Q S for the thread's rows and columns, over key-dim slices (the
+        // next slice's loads in flight during a slice's products).
         float ak[2][4], aq[2][4];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) ak[r][u] = aq[r][u] = 0.0f;
         }
-        float* ks = stage;
-        float* qs = stage + CHUNK * CK_LD;
         for (int a0 = 0; a0 < dk; a0 += CK_SLICE) {
-            __syncthreads();  // the previous slice's reads are done (first pass: the decays written)
-            for (int e = tid; e < CHUNK * CK_SLICE; e += CHUNK_THREADS) {
+            if (a0 > 0) __syncthreads();  // the previous slice's reads are done
+#pragma unroll
+            for (int u = 0; u < SL; ++u) {
+                const int e = tid + u * CHUNK_THREADS;
                 const int i = e / CK_SLICE, a = e % CK_SLICE;
-                const bool in = i < c && a0 + a < dk;
-                const long long o = (row + i) * ch + a0 + a;
-                ks[i * CK_LD + a] = in ? kbase[o] : 0.0f;
-                qs[i * CK_LD + a] = in ? qbase[o] : 0.0f;
+                ks[i * CK_LD + a] = pk[u];
+                qs[i * CK_LD + a] = pq[u];
             }
-            __syncthreads();
+            __syncthreads();  // (first pass: also the decays written)
+            if (a0 + CK_SLICE < dk) load_slice(a0 + CK_SLICE);
 #pragma unroll
             for (int a = 0; a < CK_SLICE; a += 4) {
                 const float4 k0 = ld4(&ks[ty * CK_LD + a]), k1 = ld4(&ks[(ty + 32) * CK_LD + a]);
@@ -484,16 +523,15 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
             float rv[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                const int j = j0 + jt + u;
-                const float v = (i < c && j < dv) ? vbase[(row + i) * ch + j] : 0.0f;
-                rv[u] = i < c ? v - eg[i] * ak[r][u] : 0.0f;
+                rv[u] = i < c ? vr[r][u] - eg[i] * ak[r][u] : 0.0f;
                 o[r][u] = eg[i] * aq[r][u];
             }
             *reinterpret_cast<float4*>(&R[i * CB_COLS + jt]) = make_float4(rv[0], rv[1], rv[2], rv[3]);
         }
-        for (int e = tid; e < CHUNK * CHUNK / 4; e += CHUNK_THREADS) {
-            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
-            *reinterpret_cast<float4*>(&stage[i * CT_LD + j]) = ld4(&tg[i * CHUNK + j]);
+#pragma unroll
+        for (int u = 0; u < TL; ++u) {
+            const int e = tid + u * CHUNK_THREADS;
+            *reinterpret_cast<float4*>(&stage[(e / (CHUNK / 4)) * CT_LD + 4 * (e % (CHUNK / 4))]) = tr[u];
         }
         __syncthreads();
         // 2. v_new = T R (T lower triangular: row i needs m <= i).
@@ -515,10 +553,22 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
             *reinterpret_cast<float4*>(&R[(ty + 32 * r) * CB_COLS + jt]) =
                 make_float4(vn[r][0], vn[r][1], vn[r][2], vn[r][3]);
         }
-        for (int e = tid; e < CHUNK * CHUNK / 4; e += CHUNK_THREADS) {
-            const int i = e / (CHUNK / 4), j = 4 * (e % (CHUNK / 4));
-            *reinterpret_cast<float4*>(&stage[i * CT_LD + j]) = ld4(&tg[CHUNK * CHUNK + i * CHUNK + j]);
+#pragma unroll
+        for (int u = 0; u < TL; ++u) {
+            const int e = tid + u * CHUNK_THREADS;
+            *reinterpret_cast<float4*>(&stage[(e / (CHUNK / 4)) * CT_LD + 4 * (e % (CHUNK / 4))]) = ar[u];
         }
+        // The state update's first key rows, in flight during step 3.
+        float pr[KL];
+        auto load_rows = [&](int i0) {
+#pragma unroll
+            for (int u = 0; u < KL; ++u) {
+                const int e = tid + u * CHUNK_THREADS;
+                const int i = i0 + e / DKM, a = e % DKM;
+                pr[u] = (i < c && a < dk) ? kbase[(row + i) * ch + a] : 0.0f;
+            }
+        };
+        load_rows(0);
         __syncthreads();
         // 3. out = o + Aqk v_new (Aqk lower triangular).
         for (int m = 0; m <= ty; ++m) {
@@ -538,7 +588,8 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
                 }
             }
         }
-        // 4. S = e^G_last S + (diag(e^(G_last - G)) K)^T v_new, 16 key rows staged at a time.
+        // 4. S = e^G_last S + (diag(e^(G_last - G)) K)^T v_new, 16 key rows staged at a time (the
+        // next 16 rows' loads in flight during the products).
         float acc[RA][4];
 #pragma unroll
         for (int m = 0; m < RA; ++m) {
@@ -547,11 +598,13 @@ __device__ __forceinline__ void delta_chunk_rule_body(const float* __restrict__ 
         }
         for (int i0 = 0; i0 < c; i0 += 16) {
             __syncthreads();  // Aqk (or the previous rows) read
-            for (int e = tid; e < 16 * DKM; e += CHUNK_THREADS) {
-                const int ii = e / DKM, a = e % DKM, i = i0 + ii;
-                stage[e] = (i < c && a < dk) ? kbase[(row + i) * ch + a] * ed[i] : 0.0f;
+#pragma unroll
+            for (int u = 0; u < KL; ++u) {
+                const int e = tid + u * CHUNK_THREADS;
+                stage[e] = pr[u] * ed[i0 + e / DKM];
             }
             __syncthreads();
+            if (i0 + 16 < c) load_rows(i0 + 16);
 #pragma unroll 4
             for (int ii = 0; ii < 16; ++ii) {
                 const float4 rm = ld4(&R[(i0 + ii) * CB_COLS + jt]);
