@@ -11,7 +11,8 @@ family's own tool-call and reasoning format. SPEC_JSON says which:
   parallel     whether a reply may hold several calls (harmony ends a turn at its first call);
   system       whether the template accepts a system message;
   bad_input    whether to check that bad input gets a 400 in each API's error shape.
-Through `openai`: a parallel call whole and streamed (arguments valid JSON, reasoning_content), the
+Through `openai`: reasoning, a sentence and a parallel call, whole and streamed (arguments valid JSON,
+reasoning_content, content), the
 round trip with the results sent back, streamed plain text and reasoning. Through `anthropic`:
 the same calls as tool_use blocks whole and streamed, thinking blocks, the tool_result round trip.
 Exits non-zero on any mismatch; prints "<family>: openai <v>, anthropic <v>: N checks passed".
@@ -46,6 +47,7 @@ WEATHER = {"city": "São Paulo", "days": 3}
 TIME = {"tz": "CET"}
 CALLS = [("get_weather", WEATHER), ("get_time", TIME)] if spec["parallel"] else [("get_weather", WEATHER)]
 THOUGHT = "I should look it up."
+PREAMBLE = "Let me check."
 
 
 def think(text):
@@ -63,6 +65,13 @@ def final(text):
 def plain(text):
     """A reply of `text` alone (a template that opens the think block needs it closed first)."""
     return ("\n</think>\n\n" if opens_think else "") + final(text)
+
+
+def preamble(text):
+    """`text` as the family writes it before its calls."""
+    if fmt == "harmony":
+        return f"<|channel|>commentary<|message|>{text}<|end|><|start|>assistant"
+    return f"{text}\n"
 
 
 def calls_text(calls):
@@ -140,7 +149,7 @@ if thinking:
     check(got == [("thinking", "Paris is usually mild."), ("text", "Paris is sunny.")], got)
 
 if fmt:
-    calls_reply = (think(THOUGHT) if thinking else "") + calls_text(CALLS)
+    calls_reply = (think(THOUGHT) if thinking else "") + preamble(PREAMBLE) + calls_text(CALLS)
     reply(calls_reply)
     # OpenAI, whole.
     whole = oa.chat.completions.create(model="m", messages=ask, tools=oa_tools, max_tokens=400)
@@ -150,13 +159,15 @@ if fmt:
     check([c.function.name for c in calls] == names, calls)
     check([json.loads(c.function.arguments) for c in calls] == args, calls)
     check(all(c.type == "function" and c.id for c in calls) and len({c.id for c in calls}) == len(calls), calls)
+    check(choice.message.content == PREAMBLE, choice.message)
     if thinking:
         check(getattr(choice.message, "reasoning_content", None) == THOUGHT, choice.message)
     # OpenAI, streamed: the calls put together from their deltas.
-    acc, reasoning, finish = {}, "", None
+    acc, reasoning, content, finish = {}, "", "", None
     for chunk in oa.chat.completions.create(model="m", messages=ask, tools=oa_tools, max_tokens=400, stream=True):
         for c in chunk.choices:
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
             for tc in c.delta.tool_calls or []:
                 slot = acc.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
                 slot["id"] = tc.id or slot["id"]
@@ -170,6 +181,7 @@ if fmt:
     check([json.loads(acc[i]["arguments"]) for i in sorted(acc)] == args, acc)
     check(all(acc[i]["id"] for i in acc), acc)
     check(reasoning == (THOUGHT if thinking else ""), reasoning)
+    check(content == PREAMBLE, content)
     # The round trip: the calls and their results in the messages; the reply is text.
     reply(plain("Sunny, and it is noon."))
     follow = ask + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}] + [
@@ -182,19 +194,21 @@ if fmt:
     # Anthropic, whole and streamed: tool_use blocks (after a thinking block).
     reply(calls_reply)
     m = an.messages.create(model="m", max_tokens=400, messages=an_ask, tools=an_tools, **an_system)
-    kinds = (["thinking"] if thinking else []) + ["tool_use"] * len(CALLS)
+    kinds = (["thinking"] if thinking else []) + ["text"] + ["tool_use"] * len(CALLS)
     check([b.type for b in m.content] == kinds, m.content)
     uses = [b for b in m.content if b.type == "tool_use"]
     check([(u.name, u.input) for u in uses] == CALLS, uses)
     check(m.stop_reason == "tool_use", m.stop_reason)
     if thinking:
         check(m.content[0].thinking == THOUGHT, m.content[0])
+    check([b.text for b in m.content if b.type == "text"] == [PREAMBLE], m.content)
     with an.messages.stream(model="m", max_tokens=400, messages=an_ask, tools=an_tools, **an_system) as s:
         deltas = {e.delta.type for e in s if e.type == "content_block_delta"}
         streamed = s.get_final_message()
     check("input_json_delta" in deltas, deltas)
     check([b.type for b in streamed.content] == kinds and streamed.stop_reason == "tool_use", streamed)
     check([(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == CALLS, streamed.content)
+    check([b.text for b in streamed.content if b.type == "text"] == [PREAMBLE], streamed.content)
     # The results sent back as tool_result blocks.
     reply(plain("Sunny, and it is noon."))
     turn = an_ask + [
