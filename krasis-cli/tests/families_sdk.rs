@@ -20,9 +20,6 @@
 //!   is not in this repository): Qwen3-Coder's XML calls, GLM-4.5's and MiniMax-M2's (calls and results as those families
 //!   write them, MiniMax's generation prompt opening the think block as the published one does).
 //!
-//! gpt-oss's template runs on the DeepSeek-V2 tiny model until the gpt-oss architecture is in
-//! the tree (its harmony parser does not depend on the weights).
-//!
 //! Python comes from `KRASIS_PYTHON` (`.ci/run` points it at a venv with `openai` and
 //! `anthropic`), else `python3`; without either package each test says so on a `*** SKIPPED`
 //! line, and `KRASIS_REQUIRE_OPENAI=1` / `KRASIS_REQUIRE_ANTHROPIC=1` make that a failure.
@@ -278,6 +275,7 @@ fn deepseek_r1() {
     );
 }
 
+/// DeepSeek-V2-Lite-Chat's own template writes no tool calls: V3's template on V2's architecture.
 #[test]
 fn deepseek_v2_lite() {
     check_family(Family::tools("DeepSeek-V2-Lite", "deepseek"), published!("deepseek-v3"), krasis_tests::tiny_model);
@@ -344,7 +342,7 @@ fn mixtral() {
 }
 
 #[test]
-fn gpt_oss_harmony() {
+fn gpt_oss() {
     let f = Family { parallel: false, ..Family::tools("gpt-oss", "harmony") };
-    check_family(f, published!("gpt-oss"), krasis_tests::tiny_model);
+    check_family(f, published!("gpt-oss"), preset_model(Preset::GptOss120b, |_| {}));
 }
