@@ -131,6 +131,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         ),
     }
+    if spec.attention_sinks || spec.sliding_windows.iter().any(Option::is_some) {
+        let pattern: String = (0..spec.num_layers).map(|l| if spec.window(l).is_some() { 'S' } else { 'F' }).collect();
+        let window = spec.sliding_windows.iter().flatten().next().map_or(String::new(), |w| format!(" of {w}"));
+        let sinks = if spec.attention_sinks { "; a sink logit per head" } else { "" };
+        println!("layers       {pattern} (S sliding window{window}, F full attention){sinks}");
+    }
     if let Some(d) = spec.delta_net {
         let pattern: String = spec
             .mixers
@@ -177,6 +183,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             "routing      {:?} scores, {:?}, norm_topk_prob {}, scale {}",
             r.scoring, r.topk, r.norm_topk_prob, r.routed_scaling_factor
         );
+        let act = match spec.expert_activation {
+            krasis_model::spec::ExpertActivation::Silu => "SiLU".to_string(),
+            krasis_model::spec::ExpertActivation::ClampedSwiglu { alpha, limit } => {
+                format!("clamped SwiGLU (alpha {alpha}, limit {limit}, (up + 1) · gate · σ(alpha · gate))")
+            }
+        };
+        let bias = if spec.expert_bias { "; experts and router with biases" } else { "" };
+        println!("activation   {act}{bias}");
     }
     println!(
         "parameters   {} total, {} active per token, {} in routed experts",
