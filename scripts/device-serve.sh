@@ -5,7 +5,7 @@
 # issue #41's serving figures on `krasis synth --preset v2-lite`, the client being scripts/serve-load.py
 # (Python standard library only).
 #   prep     build llama.cpp (CUDA) with llama-server in the background, synthesize v2-lite (/tmp/serve-v2-lite), convert it
-#            to GGUF Q8_0 (llama.cpp's converter) in the background, Krasis' INT4 expert caches, then Q4_K_M
+#            to GGUF Q8_0 (llama.cpp's converter) in the background, then Q4_K_M, then Krasis' INT4 expert cache
 #   krasis   `krasis serve --device hybrid` (INT4 CPU experts, 32 batch slots): aggregate decode tok/s at 1, 8
 #            and 32 streams; 32 streaming clients of which 4 send 8K-token prompts while 28 decode (every stream's
 #            finish and usage checked, the decoders' inter-token latency p50/p99 while the long prompts run);
@@ -61,6 +61,8 @@ measure() {
 }
 
 if has prep; then
+    # llama.cpp's side needs llama-server's source (scripts/peer-llama-server.sh adds it to the pruned tree).
+    PEER=0; { [ -x $LB/bin/llama-server ] || [ -d $L/tools/server ]; } && PEER=1
     if [ ! -x $LB/bin/llama-server ]; then
         if [ ! -d $L/tools/server ]; then
             T "no $L/tools/server: the bundle's llama.cpp is pruned without it; run scripts/peer-llama-server.sh on it first"
@@ -74,19 +76,23 @@ if has prep; then
         fi
     fi
     [ -f $M/config.json ] || { T "synth $PRESET"; timeout "$(left)" $K synth --preset "$PRESET" --out $M 2>&1 | tail -1; }
-    if [ ! -f /tmp/serve-$PRESET-q8.done ] && [ ! -f $G ]; then
+    if [ $PEER = 1 ] && [ ! -f /tmp/serve-$PRESET-q8.done ] && [ ! -f $G ]; then
         T "convert to Q8_0 in the background (llama.cpp's converter)"
         (timeout "$(left)" python3 $B/peer/convert.py $L $M /tmp/serve-$PRESET-q8.gguf q8_0 > /tmp/convert.log 2>&1 \
             && touch /tmp/serve-$PRESET-q8.done) & CONVERT=$!
     fi
-    mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "Krasis caches: INT4 CPU and GPU experts"
-        timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done; }
     [ -n "${CONVERT:-}" ] && { wait $CONVERT; T "converter: $(tail -1 /tmp/convert.log | cut -c1-120)"; }
     [ -n "${BUILD:-}" ] && { wait $BUILD; T "llama.cpp build: $(tail -1 /tmp/ninja.log)"; }
     if [ -f /tmp/serve-$PRESET-q8.done ] && [ ! -f $G ] && [ -x $LB/bin/llama-quantize ]; then
         T "quantize Q4_K_M"
         timeout "$(left)" $LB/bin/llama-quantize --allow-requantize /tmp/serve-$PRESET-q8.gguf $G.tmp Q4_K_M "$(nproc)" > /tmp/quantize.log 2>&1 \
             && mv $G.tmp $G && rm -f /tmp/serve-$PRESET-q8.gguf || tail -3 /tmp/quantize.log
+    fi
+    # Disk (64 GB): v2-lite 31 GB + Q8_0 17 GB + Q4_K_M 10 GB, so Krasis' INT4 CPU expert cache (~8 GB; hybrid
+    # prefill streams the experts from it, no GPU expert cache) is built once the Q8_0 file is gone.
+    if [ ! -f $M/.krasis_cache/done ] && { [ $PEER = 0 ] || [ ! -f /tmp/serve-$PRESET-q8.gguf ]; }; then
+        T "Krasis cache: INT4 CPU experts"; mkdir -p $M/.krasis_cache
+        timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done
     fi
 fi
 
