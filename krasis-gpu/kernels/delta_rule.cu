@@ -247,6 +247,8 @@ DELTA_RULE_KERNEL(256)
 #define CK_LD 36
 // Row stride of T or Aqk in delta_chunk_rule's shared memory.
 #define CT_LD 68
+// Row stride of M in delta_chunk_prep's shared memory.
+#define MR_LD 65
 // Value columns per block of delta_chunk_rule.
 #define CB_COLS 32
 #define CHUNK_THREADS 256
@@ -296,8 +298,9 @@ __device__ __forceinline__ void axpy4(float* acc, float x, float4 v) {
 // CHUNK_THREADS threads. The raw products K K^T and Q K^T (64 x 64, shared by the key head's
 // value heads) are a thread's 4 x 4 rows ty + 16 m, columns tx + 16 n, summed over key-dim slices
 // staged in shared memory. Then per value head: L into shared memory, Aqk straight to the scratch,
-// M = (I - L)^-1 by forward substitution a column per thread (column j of M depends only on
-// column j: M[i][j] = L[i][j] + sum_{j<m<i} L[i][m] M[m][j]), and T = M diag(beta) to the scratch.
+// M = (I - L)^-1 by forward substitution a column per four threads (column j of M depends only
+// on column j: M[i][j] = L[i][j] + sum_{j<m<i} L[i][m] M[m][j]), and T = M diag(beta) to the
+// scratch.
 extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
     delta_chunk_prep(const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
                      float* __restrict__ scratch, int ch, int nk, int nv, int dk, int rows_per_seq) {
@@ -350,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
         }
     }
     const int per = nv / nk;
-    float* mr = stage;  // M, row-major [CHUNK][CHUNK]: thread j's reads of column j are conflict-free
+    float* mr = stage;  // M, row-major [CHUNK][MR_LD]
     for (int hh = 0; hh < per; ++hh) {
         const int h = kh * per + hh;
         __syncthreads();  // the slices (or the previous head's M, L, beta) are read
@@ -369,28 +372,30 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
             }
         }
         __syncthreads();
-        if (tid < CHUNK) {
-            const int j = tid;
-            for (int i = 0; i < CHUNK; ++i) {
-                float s;
-                if (i <= j || i >= c) {
-                    s = i == j ? 1.0f : 0.0f;
-                } else {
+        {
+            // Column j = tid / 4 of M by four lanes, lane p summing the terms m = j + 1 + p + 4 k,
+            // the parts added across the lanes; every lane runs every row, so the shuffles are
+            // uniform across the warp.
+            const int j = tid >> 2, p = tid & 3;
+            for (int i = p; i < CHUNK; i += 4) {
+                if (i <= j || i >= c) mr[i * MR_LD + j] = i == j ? 1.0f : 0.0f;
+            }
+            __syncwarp();
+            for (int i = 1; i < c; ++i) {
+                float part = 0.0f;
+                if (i > j) {
                     const float* li = ls + i * (CHUNK + 1);
-                    float s0 = li[j], s1 = 0.0f;
-                    int m = j + 1;
-                    for (; m + 1 < i; m += 2) {
-                        s0 = fmaf(li[m], mr[m * CHUNK + j], s0);
-                        s1 = fmaf(li[m + 1], mr[(m + 1) * CHUNK + j], s1);
-                    }
-                    if (m < i) s0 = fmaf(li[m], mr[m * CHUNK + j], s0);
-                    s = s0 + s1;
+                    if (p == 0) part = li[j];
+                    for (int m = j + 1 + p; m < i; m += 4) part = fmaf(li[m], mr[m * MR_LD + j], part);
                 }
-                mr[i * CHUNK + j] = s;
+                part += __shfl_xor_sync(0xffffffffu, part, 1);
+                part += __shfl_xor_sync(0xffffffffu, part, 2);
+                if (i > j && p == 0) mr[i * MR_LD + j] = part;
+                __syncwarp();
             }
         }
         __syncthreads();
-        for (int e = tid; e < CHUNK * CHUNK; e += CHUNK_THREADS) tg[e] = mr[e] * bt[e % CHUNK];
+        for (int e = tid; e < CHUNK * CHUNK; e += CHUNK_THREADS) tg[e] = mr[(e / CHUNK) * MR_LD + e % CHUNK] * bt[e % CHUNK];
     }
 }
 
