@@ -2,9 +2,9 @@
 # Adds llama.cpp's `llama-server` to a pruned llama.cpp tree made by ../shared/tools/peer-llama/prepare.sh (which
 # keeps only llama-bench and llama-quantize: it has no tools/server), from the same source distribution
 # (llama-cpp-python 0.3.36 on PyPI), so that scripts/device-serve.sh can build it on the GPU box. Run it HERE
-# (it downloads the sdist), before the tree is carried. Adds ~3 MB: tools/server (less its bench), tools/mtmd
+# (it downloads the sdist), before the tree is carried. Adds ~8 MB: tools/server (less its bench and tests), tools/mtmd
 # (the server links it), tools/ui's CMake files (the web UI is built empty: no npm and no download on the box;
-# the API does not need it), scripts/ui-assets.cmake, vendor/stb and vendor/miniaudio (mtmd includes them).
+# the API does not need it), scripts/ui-assets.cmake, vendor/stb and vendor/miniaudio (4 MB; mtmd includes them).
 # usage: peer-llama-server.sh LLAMA_DIR        (the folder prepare.sh wrote, e.g. peer/llama.cpp)
 # Then build with  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF  and target llama-server.
 set -e
@@ -18,7 +18,7 @@ tar xzf $T/llama_cpp_python-$VER.tar.gz -C $T; S=$T/llama_cpp_python-$VER/vendor
 mkdir -p $DEST/tools/ui $DEST/scripts
 rm -rf $DEST/tools/server $DEST/tools/mtmd
 cp -r $S/tools/server $S/tools/mtmd $DEST/tools/
-rm -rf $DEST/tools/server/bench
+rm -rf $DEST/tools/server/bench $DEST/tools/server/tests
 cp $S/tools/ui/CMakeLists.txt $S/tools/ui/sources.cmake $S/tools/ui/ui.cpp.in $S/tools/ui/ui.h.in $DEST/tools/ui/
 cp $S/scripts/ui-assets.cmake $DEST/scripts/
 cp -r $S/vendor/stb $S/vendor/miniaudio $DEST/vendor/
