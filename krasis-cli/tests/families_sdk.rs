@@ -2,9 +2,12 @@
 //! `krasis serve` on a synthetic model of each supported family, with the family's chat template,
 //! the reply forced into the family's own tool-call and reasoning text by `KRASIS_TEST_SCRIPT`
 //! (random weights would write nothing parseable). One server and one Python process
-//! (`families_client.py`) per family: a parallel call whole and streamed with arguments as valid
-//! JSON, reasoning split into `reasoning_content`, the round trip with the results sent back, and
-//! the same through `/v1/messages` (tool_use, thinking and tool_result blocks).
+//! (`families_client.py`) per family: reasoning, a sentence and a parallel call, whole and
+//! streamed, with arguments as valid JSON and the reasoning in `reasoning_content`; the round trip
+//! with the results sent back; the same through `/v1/messages` (thinking, text, tool_use and
+//! tool_result blocks). Qwen3-MoE's also checks that bad input (a schema that is not JSON Schema,
+//! a tool result that answers no call, content blocks of the wrong type) gets a 400 in each API's
+//! error shape.
 //!
 //! Each model is a preset's configuration with its widths cut down (as `tests/real_configs.rs`
 //! cuts the published ones) and two layers deep, so each family's own forward pass runs. The
@@ -16,9 +19,11 @@
 //!   from `../shared/real-configs`): the Kimi-K2-Instruct copy in `tests/data` appends to a list
 //!   when it renders a tool result, which transformers' sandbox refuses and so does Krasis;
 //! - written here from memory of the published ones: Mixtral-8x7B-Instruct's and Qwen1.5-MoE's
-//!   (both without tools); written here in the family's call form, not the published text (which
-//!   is not in this repository): Qwen3-Coder's XML calls, GLM-4.5's and MiniMax-M2's (calls and results as those families
-//!   write them, MiniMax's generation prompt opening the think block as the published one does).
+//!   (both without tools);
+//! - written here in the family's call form, not the published text (which is not in this
+//!   repository): Qwen3-Coder's XML calls, GLM-4.5's and MiniMax-M2's (calls and results as those
+//!   families write them, MiniMax's generation prompt opening the think block as the published
+//!   one does).
 //!
 //! Python comes from `KRASIS_PYTHON` (`.ci/run` points it at a venv with `openai` and
 //! `anthropic`), else `python3`; without either package each test says so on a `*** SKIPPED`
