@@ -104,7 +104,7 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
             --served-model-name "$PRESET" > /tmp/krasis-serve.log 2>&1 & KS=$!
         if wait_health 8101 "$(( $(left) - 60 ))"; then
             grep -E "device|placement|loaded|serving|prefix" /tmp/krasis-serve.log | head -8
-            measure 8101 krasis-scaling scaling --levels "1,8,$STREAMS" --prompt-tokens 128 --decode-tokens 128
+            measure 8101 krasis-scaling scaling --levels "1,8,$STREAMS" --prompt-tokens 128 --decode-tokens 256
             measure 8101 krasis-load load --streams "$STREAMS" --long 4 --long-tokens "$LONG" --short-tokens 128 --decode-tokens "$DECODE"
             measure 8101 krasis-prefix prefix --turns 10 --history-tokens "$LONG" --turn-tokens 64 --reply-tokens 32
             grep -E "prefix cache|reused" /tmp/krasis-serve.log | tail -12
@@ -128,7 +128,7 @@ if has llama && [ -f $G ] && [ -x $LB/bin/llama-server ]; then
         if wait_health 8102 120; then LOAD="$LOAD --lenient-usage" measure 8102 "$name" "$@"; else T "llama-server did not come up"; tail -20 "/tmp/$name-server.log"; fi
         stop $LS; cp "/tmp/$name-server.log" "$R/$name-server.log"
     }
-    for n in 1 8 "$STREAMS"; do llama "$n" 1024 "llama-scaling-$n" scaling --levels "$n" --prompt-tokens 128 --decode-tokens 128; done
+    for n in 1 8 "$STREAMS"; do llama "$n" 1024 "llama-scaling-$n" scaling --levels "$n" --prompt-tokens 128 --decode-tokens 256; done
     llama "$STREAMS" $((LONG + 1024)) llama-load load --streams "$STREAMS" --long 4 --long-tokens "$LONG" --short-tokens 128 --decode-tokens "$DECODE"
     llama 1 $((LONG + 2048)) llama-prefix prefix --turns 10 --history-tokens "$LONG" --turn-tokens 64 --reply-tokens 32
 fi

@@ -260,6 +260,9 @@ def mode_scaling(a, client, rng, lo, hi):
             lo_t, hi_t = max(firsts), min(lasts)
             tokens = sum(1 for s in streams for t in s.times if lo_t < t <= hi_t)
             agg = tokens / (hi_t - lo_t) if hi_t > lo_t else None
+            if agg is None:
+                problems.append(f"{n} streams: no time when all of them decoded (one ended before another "
+                                "began): raise --decode-tokens")
         per = [(len(s.times) - 1) / (s.times[-1] - s.first) for s in streams if len(s.times) > 1 and s.times[-1] > s.first]
         row = {"streams": n, "aggregate_decode_tok_s": agg, "mean_stream_tok_s": sum(per) / len(per) if per else None,
                "ttft_p50_s": percentile([s.first - s.sent for s in streams if s.first], 0.5)}
