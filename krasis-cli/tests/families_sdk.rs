@@ -101,8 +101,8 @@ const MINIMAX_M2: &str = r#"]~!b[]~b]system
 {% endif %}"#;
 
 /// Qwen3-Coder's call form (`<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>…`), which
-/// Qwen3-Coder-Next writes (and, by vLLM's guidance to read them with its `qwen3_coder` parser,
-/// Qwen3.5), with Qwen3's ChatML turns.
+/// Qwen3-Coder-Next writes (Qwen3.5/3.6 may too: their published templates are not in this
+/// repository), with Qwen3's ChatML turns.
 const QWEN3_CODER: &str = r#"{%- if tools %}<|im_start|>system
 # Tools
 

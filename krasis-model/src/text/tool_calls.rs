@@ -5,7 +5,7 @@
 //! Each family writes calls in the form its chat template renders them (the published templates
 //! in `real-configs`):
 //! - Qwen3 ([`ToolFormat::Qwen3`]) - `<tool_call>\n{"name": N, "arguments": {…}}\n</tool_call>`, or
-//!   in the same block Qwen3-Coder's XML form (Qwen3-Coder-Next, Qwen3.5):
+//!   in the same block Qwen3-Coder's XML form (Qwen3-Coder, Qwen3-Coder-Next):
 //!   `<tool_call>\n<function=N>\n<parameter=K>\nV\n</parameter>\n…</function>\n</tool_call>`;
 //! - DeepSeek ([`ToolFormat::DeepSeek`]) - `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>N\n` +
 //!   `` ```json\n{…}\n``` `` + `<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>` (V3 and R1; the V3.1 form
