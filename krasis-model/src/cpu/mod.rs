@@ -193,7 +193,8 @@ impl Session {
         }
     }
 
-    /// A session holding the first `n` tokens of `saved` (`n` must be [`CpuPrefix::resumable`]).
+    /// A session holding the first `n` tokens of `saved` (`n` must be
+    /// [`SavedPrefix::resumable`](crate::runtime::SavedPrefix::resumable)).
     pub fn from_prefix(saved: &CpuPrefix, n: usize) -> Result<Session> {
         use crate::runtime::SavedPrefix;
         if n > saved.len || saved.resumable(n) != n {
