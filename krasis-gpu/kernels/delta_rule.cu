@@ -395,7 +395,10 @@ extern "C" __global__ void __launch_bounds__(CHUNK_THREADS)
             }
         }
         __syncthreads();
-        for (int e = tid; e < CHUNK * CHUNK; e += CHUNK_THREADS) tg[e] = mr[(e / CHUNK) * MR_LD + e % CHUNK] * bt[e % CHUNK];
+        for (int e = tid; e < CHUNK * CHUNK; e += CHUNK_THREADS) {
+            const int i = e / CHUNK, j = e % CHUNK;
+            tg[e] = mr[i * MR_LD + j] * bt[j];
+        }
     }
 }
 
@@ -716,7 +719,9 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
             if (j < kernel) acc += w[j] * (j < keep ? cst[(long long)j * ch + c] : xc);
         }
         *dst = dn_silu(acc);
-        for (int r = 0; r < keep; ++r) cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
+        for (int r = 0; r < keep; ++r) {
+            cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
+        }
     }
     for (int a = dk + tid; a < DKM; a += DEC_THREADS) qs[a] = ks[a] = 0.0f;
     __syncthreads();
@@ -795,7 +800,9 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
         __syncthreads();
         const float inv = inv_s;
         const long long base = ((long long)b * nv + h) * dv;
-        for (int i = tid; i < dv; i += DEC_THREADS) out[base + i] = ob[i] * inv * bf16_to_f32(norm_w[i]) * dn_silu(z[base + i]);
+        for (int i = tid; i < dv; i += DEC_THREADS) {
+            out[base + i] = ob[i] * inv * bf16_to_f32(norm_w[i]) * dn_silu(z[base + i]);
+        }
         __syncthreads();  // ob and inv_s are read before the next head writes them
     }
 }

@@ -18,7 +18,7 @@
 //! prompt) runs the chunked rule ([`GpuDevice::delta_rule_chunked`]), its scratch in the slot of
 //! the input projection's output, dead after the convolution (for the Qwen3-Next and Qwen3.5
 //! shapes, `channels ≥ 2 · value_heads · 128`, it already holds the scratch of any call of 64 rows
-//! or more); shorter ones (decode steps) run the recurrence.
+//! or more); shorter ones run the recurrence.
 //!
 //! **KV cache.** The KV cache holds the attention layers only ([`kv_layers`]); an attention
 //! layer's cache layer is its index among them ([`kv_layer`]).
