@@ -358,6 +358,27 @@ mod tests {
         assert_eq!((kv_layers(&v2), kv_layer(&v2, 5), session_state_bytes(&v2)), (v2.num_layers, 5, 0));
     }
 
+    /// For the published Qwen3-Next and Qwen3.6 shapes the chunked rule's scratch fits in the
+    /// input projection's slot (`t · channels` floats) for every call that takes the chunked
+    /// form (at least [`CHUNKED_MIN_ROWS`] rows per sequence), so prompts allocate nothing more;
+    /// and the decode step kernel takes both geometries.
+    #[test]
+    fn the_chunked_scratch_fits_in_the_projection_slot_and_decode_fuses() {
+        for preset in [crate::synth::Preset::Qwen3Next80b, crate::synth::Preset::Qwen36_35b] {
+            let config = crate::synth::preset_config(preset, None).to_string();
+            let spec = crate::arch::parse_config(&config, std::path::Path::new("config.json")).unwrap();
+            let d = dims(&spec.delta_net.unwrap());
+            assert!(d.decode_step_fits(), "{preset:?}: {d:?}");
+            for n_seqs in 1..=3 {
+                for rows_per_seq in CHUNKED_MIN_ROWS..=4 * CHUNK + 1 {
+                    let seqs = krasis_gpu::delta_rule::DeltaSeqs { n_seqs, rows_per_seq };
+                    let (need, slot) = (d.chunk_scratch_len(seqs), seqs.rows() * d.channels());
+                    assert!(need <= slot, "{preset:?} {seqs:?}: scratch {need} > projection slot {slot}");
+                }
+            }
+        }
+    }
+
     /// The VRAM plan's per-token scratch covers a DeltaNet layer's buffers (q/k/v twice, z, the
     /// output: 2 × 8192 + 2 × 4096 f32 per token here) and gated attention's whole q projection.
     #[test]
