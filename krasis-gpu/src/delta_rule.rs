@@ -14,10 +14,11 @@
 //!
 //! **Decode.** [`GpuDevice::delta_decode_step`] runs a whole layer's step for one row per
 //! sequence (the convolution and its state, the preparation, the rule and the gated norm) in one
-//! launch, where the ops above take five; the same f32 operations in the same order.
+//! launch, where the ops above take five: the same f32 operations in the same order (up to the
+//! compiler's choice of fused multiply-adds).
 //!
 //! **Two forms of the rule.** [`GpuDevice::delta_rule`] runs the recurrence token by token
-//! (decode, short prompts); [`GpuDevice::delta_rule_chunked`] runs the chunked (WY) form,
+//! (prompts shorter than a chunk; the decode step kernel repeats its steps); [`GpuDevice::delta_rule_chunked`] runs the chunked (WY) form,
 //! [`CHUNK`] tokens at a time as small matrix products, for prompts: one kernel computes every
 //! chunk's intra-chunk matrices in parallel into a scratch buffer, a second carries the state
 //! through the chunks in order, a block per 32 value columns of each value head. Both continue
