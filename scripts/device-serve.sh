@@ -6,7 +6,8 @@
 # (Python standard library only).
 #   prep     build llama.cpp (CUDA) with llama-server in the background, synthesize v2-lite (/tmp/serve-v2-lite), convert it
 #            to GGUF Q8_0 (llama.cpp's converter) in the background, then Q4_K_M, then Krasis' INT4 expert cache
-#   krasis   `krasis serve --device hybrid` (INT4 CPU experts, 32 batch slots): aggregate decode tok/s at 1, 8
+#   krasis   `krasis serve --device hybrid` (INT4 CPU experts, none pinned in VRAM: the routed experts all run on
+#            the CPU, as llama-server's `-ot exps=CPU`; CACHE_STRATEGY overrides it; 32 batch slots): aggregate decode tok/s at 1, 8
 #            and 32 streams; 32 streaming clients of which 4 send 8K-token prompts while 28 decode (every stream's
 #            finish and usage checked, the decoders' inter-token latency p50/p99 while the long prompts run);
 #            a 10-turn conversation on an 8K-token history (TTFT per turn, /metrics' prefix hits and reused
@@ -72,7 +73,7 @@ if has prep; then
                 -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
                 -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF > /tmp/cmake.log 2>&1 \
                 || tail -5 /tmp/cmake.log
-            (ninja -C $LB -j 12 llama-server llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
+            (ninja -C $LB -j 12 llama-server llama-quantize llama-bench > /tmp/ninja.log 2>&1) & BUILD=$!
         fi
     fi
     [ -f $M/config.json ] || { T "synth $PRESET"; timeout "$(left)" $K synth --preset "$PRESET" --out $M 2>&1 | tail -1; }
@@ -100,7 +101,7 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
     todo=0; for f in krasis-scaling krasis-load krasis-prefix; do [ -f "$R/$f.json" ] || todo=1; done
     if [ $todo = 1 ] && [ "$(left)" -gt 120 ]; then
         T "krasis serve --device $DEVICE (INT4 CPU experts, $STREAMS batch slots)"
-        $K serve --model $M --device "$DEVICE" --cpu-expert-bits 4 --max-batch "$STREAMS" --kv-tokens $((LONG * 2)) --port 8101 \
+        $K serve --model $M --device "$DEVICE" --cpu-expert-bits 4 --cache-strategy "${CACHE_STRATEGY:-none}" --max-batch "$STREAMS" --kv-tokens $((LONG * 2)) --port 8101 \
             --served-model-name "$PRESET" > /tmp/krasis-serve.log 2>&1 & KS=$!
         if wait_health 8101 "$(( $(left) - 60 ))"; then
             grep -E "device|placement|loaded|serving|prefix" /tmp/krasis-serve.log | head -8
