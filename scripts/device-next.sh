@@ -50,7 +50,10 @@ if has tests; then
     export KRASIS_FIXTURES_NEXT="$PWD/$B/fixtures-next" KRASIS_REQUIRE_FIXTURES_NEXT=1
     for t in $B/tests/*-bin; do
         T "-- $t"
-        timeout "$(left)" "$t" --test-threads=1 2>&1 | grep -E "test result|FAILED|panicked|SKIPPED|failures:|1-cos|rel |^    [a-z_0-9:]+$" | head -60
+        # The whole output (every printed error and timing) beside the log; the summary lines here.
+        full="${OUT:-/tmp}/tests-$(basename "$t" -bin).log"
+        timeout "$(left)" "$t" --test-threads=1 --nocapture > "$full" 2>&1
+        grep -E "test result|FAILED|panicked|SKIPPED|failures:|^    [a-z_0-9:]+$" "$full" | head -40
     done
 fi
 if has prep; then
