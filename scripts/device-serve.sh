@@ -126,7 +126,7 @@ if has llama && [ -f $G ] && [ -x $LB/bin/llama-server ]; then
         T "llama-server -np $np -c $((np * ctx)) -ngl 99 -ot exps=CPU -t $(nproc)"
         $LB/bin/llama-server -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -np "$np" -c $((np * ctx)) --port 8102 \
             --metrics > "/tmp/$name-server.log" 2>&1 & LS=$!
-        if wait_health 8102 120; then LOAD="$LOAD --lenient-usage" measure 8102 "$name" "$@"; else T "llama-server did not come up"; tail -20 "/tmp/$name-server.log"; fi
+        if wait_health 8102 120; then measure 8102 "$name" "$@"; else T "llama-server did not come up"; tail -20 "/tmp/$name-server.log"; fi
         stop $LS; cp "/tmp/$name-server.log" "$R/$name-server.log"
     }
     for n in 1 8 "$STREAMS"; do llama "$n" 1024 "llama-scaling-$n" scaling --levels "$n" --prompt-tokens 128 --decode-tokens 256; done
