@@ -17,6 +17,13 @@
 # SECTIONS picks them (default: all). Each call stops itself before ~585 s; every step skips when its output
 # exists (a figures file under $OUT/serve/, a build, a model), so a second call on a still-warm machine resumes.
 # Log: $OUT/serve.log; figures: $OUT/serve/*.json.
+# The bundle, made here:  bash ../shared/tools/peer-llama/prepare.sh device-bundle/peer/llama.cpp &&
+#   bash scripts/peer-llama-server.sh device-bundle/peer/llama.cpp &&
+#   cp ../shared/tools/peer-llama/convert.py device-bundle/peer/ && cp target/release/krasis device-bundle/bin/
+# Disk: v2-lite 31 GB + Q8_0 17 GB + Q4_K_M 10 GB + Krasis' INT4 CPU cache ~8 GB do not fit 64 GB at once: the
+# Q8_0 file goes once Q4_K_M is written, and the Krasis cache is built after that.
+# Tried here (no GPU, 2 cores) at small scale: PRESET=tiny DEVICE=cpu STREAMS=8 LONG=1024 IDS=258:500, with
+# llama-server built on the CPU from the tree peer-llama-server.sh makes (every mode ran; figures meaningless).
 set -uo pipefail
 B=device-bundle
 OUTD="${OUT:-/tmp}"
