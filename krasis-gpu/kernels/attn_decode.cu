@@ -29,6 +29,12 @@
 //   4. O = O*alpha + P·V: warp w owns the value n-tiles w, w+8, ... (NTW of them) in registers.
 // With one split the block writes the normalised output; otherwise (m, l, unnormalised O) go to the
 // workspace and attn_decode_combine merges the splits.
+//
+// Options (gpt-oss): a sliding window (window > 0: query i sees rows q_start + i - window < j <=
+// q_start + i; the splits cover rows kv_lo .. q_start + t only, and a block starts at its first
+// query's first visible row) and attention sinks (sinks[h]: a logit that joins the softmax's
+// denominator, e^(sink - m), and adds nothing to the output; taken where the output is normalised:
+// here with one split, else in attn_decode_combine).
 #include "krasis_common.cuh"
 
 #define ATT_THREADS 256
@@ -50,6 +56,17 @@ __device__ __forceinline__ float att_e4m3_to_f32(u32 c) {
 
 __device__ __forceinline__ float att_neg_inf() { return __uint_as_float(0xff800000u); }
 
+// 1 / the softmax denominator of a query whose running max is m and whose sum (over its rows, in
+// base m) is l; with sinks, head h's sink logit s joins it: e^(m - m') / (l e^(m - m') + e^(s - m'))
+// with m' = max(m, s), so a sink far above every score neither overflows nor divides 0 by 0.
+__device__ __forceinline__ float att_inverse_sum(float m, float l, const bf16_t* sinks, int h) {
+    if (!sinks) return 1.0f / l;
+    const float s = bf16_to_f32(sinks[h]);
+    const float mm = fmaxf(m, s);
+    const float c = m == att_neg_inf() ? 0.0f : expf(m - mm);
+    return c / (l * c + expf(s - mm));
+}
+
 
 
 struct AttnArgs {
@@ -69,6 +86,9 @@ struct AttnArgs {
     int ldk, ldv;            // shared-memory row strides (BF16 elements) of K and (GQA) V
     int vec;                 // elements per staging unit: 16 bytes' worth, or 1 (unaligned shapes)
     float scale;
+    int window;              // > 0: query at position p sees rows p - window < j <= p (sliding window)
+    int kv_lo;               // first row any query of the call sees; the splits cover kv_lo .. q_start + t
+    const bf16_t* sinks;     // [heads] BF16 sink logits (one more softmax column per head), or null
 };
 
 // Staging unit u of a tile with n_r rows: K units first (pk per row), then GQA's V units.
@@ -160,10 +180,13 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
 
     const int last_i = (q0 + qn - 1) / group_heads;  // the block's last query sees the most rows
     const long long visible = (long long)a.q_start + a.t;
-    const long long s_begin = (long long)split * a.split_rows;
-    long long s_end = s_begin + a.split_rows;
+    const long long split_begin = (long long)a.kv_lo + (long long)split * a.split_rows;
+    long long s_end = split_begin + a.split_rows;
     if (s_end > visible) s_end = visible;
     const long long block_end = min(s_end, (long long)a.q_start + last_i + 1);
+    // A window hides the rows before the block's first query's first visible row.
+    const long long s_begin =
+        a.window > 0 ? max(split_begin, (long long)a.q_start + q0 / group_heads + 1 - a.window) : split_begin;
 
     const int pk = a.k_dim / a.vec, pv = a.shared_kv ? 0 : a.v_dim / a.vec;
     // The first tile's bytes are requested before the queries are staged, so the two overlap.
@@ -301,7 +324,8 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
         // 3. Online softmax, one warp per query; lane = row.
         for (int qq = warp; qq < ATT_Q; qq += ATT_WARPS) {
             const int j = q0 + qq;
-            const bool ok = qq < qn && lane < n_r && row0 + lane <= (long long)a.q_start + j / group_heads;
+            const long long qpos = (long long)a.q_start + j / group_heads;
+            const bool ok = qq < qn && lane < n_r && row0 + lane <= qpos && (a.window <= 0 || row0 + lane > qpos - a.window);
             const float raw = (sS[qq * ATT_SLD + lane] + sS[(ATT_Q + qq) * ATT_SLD + lane]) * a.scale;
             const float sc = ok ? raw : att_neg_inf();
             float mx = sc;
@@ -377,7 +401,7 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
                 if (col + e >= a.v_dim) continue;
                 const float v = acc[i][2 * half + e];
                 if (a.n_splits == 1) {
-                    a.out[gq * a.v_dim + col + e] = v * (1.0f / sL[qq]);
+                    a.out[gq * a.v_dim + col + e] = v * att_inverse_sum(sM[qq], sL[qq], a.sinks, h);
                 } else {
                     a.ws_o[((long long)split * nq_total + gq) * a.v_dim + col + e] = v;
                 }
@@ -402,7 +426,9 @@ __device__ __forceinline__ void attn_decode_body(const AttnArgs& a) {
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) ATT_NAME(AttnArgs a) { attn_decode_body<ATT_FP8, ATT_NTW>(a); }
 #else
 
-// Merges the splits of every query: out = Σ_s e^(m_s - M) O_s / Σ_s e^(m_s - M) l_s.
+// Merges the splits of every query: out = Σ_s e^(m_s - M) O_s / Σ_s e^(m_s - M) l_s; with sinks
+// (sinks[h] for query gq = token * heads + h) M also covers the sink and the denominator adds
+// e^(sink - M).
 // Grid: (t*heads, ceil(v_dim / COMB_COLS)), block: COMB_THREADS; shared memory: n_splits + 32
 // floats plus COMB_THREADS float4. Thread (column quad tid % 32, split lane tid / 32) sums the splits
 // s = lane, lane + 8, ... of 4 columns; the 8 partial sums are added in a fixed order, so the result
@@ -411,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) ATT_NAME(AttnArgs a) {
 #define COMB_COLS 128
 extern "C" __global__ void __launch_bounds__(COMB_THREADS)
     attn_decode_combine(const float* __restrict__ ws_o, const float* __restrict__ ws_ml, float* __restrict__ out,
-                        int nq_total, int v_dim, int n_splits) {
+                        int nq_total, int v_dim, int n_splits, const bf16_t* __restrict__ sinks, int heads) {
     extern __shared__ __align__(16) float sw[];
     KRASIS_GRID_WAIT();
     KRASIS_GRID_LAUNCH_DEPENDENTS();
@@ -428,6 +454,10 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
     mx = att_neg_inf();
     for (int w = 0; w < nwarps; w++) mx = fmaxf(mx, red[w]);
     __syncthreads();
+    // The sink (when given) is one more column of the softmax: it raises the max and the
+    // denominator, and adds nothing to the output.
+    const float sink = sinks ? bf16_to_f32(sinks[gq % heads]) : att_neg_inf();
+    mx = fmaxf(mx, sink);
     float den = 0.0f;
     for (int s = tid; s < n_splits; s += COMB_THREADS) {
         const float m = ws_ml[((long long)s * nq_total + gq) * 2];
@@ -436,6 +466,7 @@ extern "C" __global__ void __launch_bounds__(COMB_THREADS)
         den += w * ws_ml[((long long)s * nq_total + gq) * 2 + 1];
     }
     den = block_sum(den, red);  // ends with a barrier: sw is complete
+    if (sinks) den += expf(sink - mx);
     const int c = blockIdx.y * COMB_COLS + (tid & 31) * 4;
     const int sl = tid >> 5;
     const long long stride = (long long)nq_total * v_dim;

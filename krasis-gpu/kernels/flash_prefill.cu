@@ -28,6 +28,12 @@
 //     copy address is a shift and a multiply-add, not the runtime division the generic kernel pays
 //     per chunk. The mask, the online softmax and P V are the generic kernel's (shared helpers).
 //
+// Options (gpt-oss), the same in every kernel: `window` > 0 is a sliding window (query i sees keys
+// q_start + i - window < s <= q_start + i; keys below it are masked like those past the diagonal,
+// and a warp skips the products of a tile none of its rows sees, but the tiles are still staged),
+// `sinks` (BF16 [heads], or null) one sink logit per head: one more softmax column that joins the
+// denominator where the output is normalised, e^(sink - m), and adds nothing to the output.
+//
 // Two NVRTC programs share this file (flash_prefill.rs): the wgmma kernels (sm_90a, below;
 // -DFLASH_WGMMA) and the others (no macro), so they compile in parallel.
 #include "krasis_common.cuh"
@@ -70,7 +76,8 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
                        const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int q_start, int group,
                        float scale, int da, int db, int dv, long long qa_ts, long long qa_hs, long long qb_ts,
                        long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,
-                       long long v_ts, long long v_hs, long long o_ts, long long o_hs) {
+                       long long v_ts, long long v_hs, long long o_ts, long long o_hs, int window,
+                       const bf16_t* __restrict__ sinks) {
     const int lane = threadIdx.x & 31;
     const int i = blockIdx.x * SIMT_WARPS + (threadIdx.x >> 5);
     const int h = blockIdx.y;
@@ -90,7 +97,8 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
 
     float m = NEG_INF, l = 0.0f;
     const int last = q_start + i;
-    for (int s = 0; s <= last; ++s) {
+    const int first = window > 0 ? max(0, last - window + 1) : 0;
+    for (int s = first; s <= last; ++s) {
         float part = simt_partial_dot(qa, k_a, s * ka_ts + g * ka_hs, da, lane);
         if (db > 0) part += simt_partial_dot(qb, k_b, s * kb_ts + g * kb_hs, db, lane);
         const float x = warp_sum(part) * scale;  // identical in every lane
@@ -107,7 +115,13 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
         }
         m = m_new;
     }
-    const float inv = 1.0f / l;
+    float inv = 1.0f / l;
+    if (sinks) {  // the sink's column: e^(sink - m') joins the sum, m' = max(m, sink)
+        const float sk = bf16_to_f32(sinks[h]);
+        const float mm = fmaxf(m, sk);
+        const float c = expf(m - mm);
+        inv = c / (l * c + expf(sk - mm));
+    }
 #pragma unroll
     for (int j = 0; j < SIMT_PER_LANE; ++j) {
         const int d = lane + 32 * j;
@@ -199,18 +213,27 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // 2tq, 2tq+1; e 2/3: row gr+8), rows gr / gr+8 of its O accumulator, and their running max m
 // (scaled log2 domain) and partial sum l.
 
-// Sets scores of keys past each row's last visible key (lim0 for row gr, lim1 for row gr+8) to
-// -inf; kb is the tile's first key.
+// Sets scores of keys past each row's last visible key (lim0 for row gr, lim1 for row gr+8), and
+// of keys before its first (lo0, lo1: a sliding window; <= 0 without one), to -inf; kb is the
+// tile's first key.
 template <int NT>
-__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int kb, int tq, int lim0, int lim1) {
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int kb, int tq, int lim0, int lim1, int lo0, int lo1) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
         const int key = kb + n * 8 + 2 * tq;
-        if (key > lim0) s[n][0] = NEG_INF;
-        if (key + 1 > lim0) s[n][1] = NEG_INF;
-        if (key > lim1) s[n][2] = NEG_INF;
-        if (key + 1 > lim1) s[n][3] = NEG_INF;
+        if (key > lim0 || key < lo0) s[n][0] = NEG_INF;
+        if (key + 1 > lim0 || key + 1 < lo0) s[n][1] = NEG_INF;
+        if (key > lim1 || key < lo1) s[n][2] = NEG_INF;
+        if (key + 1 > lim1 || key + 1 < lo1) s[n][3] = NEG_INF;
     }
+}
+
+// The first visible key of a row whose last is `lim` (a sliding window of `window` > 0 keys), or 0.
+__device__ __forceinline__ int window_lo(int lim, int window) { return window > 0 ? lim - window + 1 : 0; }
+
+// The head's sink logit in the scaled log2 domain of the MMA kernels' row maxima, or -inf.
+__device__ __forceinline__ float sink_log2(const bf16_t* sinks, int h) {
+    return sinks ? bf16_to_f32(sinks[h]) * LOG2E : NEG_INF;
 }
 
 // Lazy rescaling: a row keeps its exponent base (its running max) until a tile's max exceeds it
@@ -279,14 +302,25 @@ __device__ __forceinline__ void p_fragment(const float (&s)[NT][4], int k2, u32 
     pa[3] = pack_bf16x2(s[2 * k2 + 1][2], s[2 * k2 + 1][3]);
 }
 
-// 1 / the row sums of rows gr and gr+8, from this thread's partial sums (summed over the quad).
-__device__ __forceinline__ void row_inverses(float l0, float l1, float& inv0, float& inv1) {
+// 1 / the softmax denominator of a row with base m (scaled log2 domain) and sum l, with the sink
+// column sk (same domain; -inf: none): 2^(m - m') / (l 2^(m - m') + 2^(sk - m')), m' = max(m, sk).
+__device__ __forceinline__ float row_inverse(float m, float l, float sk) {
+    if (sk == NEG_INF) return 1.0f / l;
+    const float mm = fmaxf(m, sk);
+    const float c = m == NEG_INF ? 0.0f : ex2_approx(m - mm);
+    return c / (l * c + ex2_approx(sk - mm));
+}
+
+// 1 / the row sums of rows gr and gr+8, from this thread's partial sums (summed over the quad) and
+// the rows' bases m0, m1, with the sink column sk (see row_inverse).
+__device__ __forceinline__ void row_inverses(float l0, float l1, float m0, float m1, float sk, float& inv0,
+                                             float& inv1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    inv0 = 1.0f / l0;
-    inv1 = 1.0f / l1;
+    inv0 = row_inverse(m0, l0, sk);
+    inv1 = row_inverse(m1, l1, sk);
 }
 
 // O += P V for one tile: p (from softmax_tile) rounded to BF16; the accumulators of n-tiles 2k,
@@ -324,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
                       int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs,
                       long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts,
                       long long kb_hs, long long v_ts, long long v_hs, long long o_ts, long long o_hs,
-                      int vec_mask) {
+                      int vec_mask, int window, const bf16_t* __restrict__ sinks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16_t* smem = (bf16_t*)smem_raw;
@@ -387,7 +421,10 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale_log2 = scale * LOG2E;
     const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;  // last visible key of each row
+    const int lo0 = window_lo(lim0, window), lo1 = window_lo(lim1, window);  // first visible key
     const int warp_lim = q_start + w0 + 15;               // last key any row of this warp sees
+    const int warp_lo = window_lo(q_start + w0, window);  // first key any row of this warp sees
+    const int warp_lo_max = window_lo(warp_lim, window);  // keys below it are hidden from some row
     const u32 v_lane = (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + ((lane >> 4) << 3)) * 2u;
 
     for (int t = 0; t < n_tiles; ++t) {
@@ -407,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
         const bf16_t* ks = (t & 1) ? kbuf1 : kbuf0;
         const bf16_t* vs = ks + MMA_BK * ldk;
 
-        if (kb <= warp_lim) {
+        if (kb <= warp_lim && kb + MMA_BK - 1 >= warp_lo) {
             // S = Q K^T for 16 rows x 64 keys: 8 n-tiles of 8 keys.
             float s[8][4];
 #pragma unroll
@@ -422,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
                     }
                 }
             }
-            if (kb + MMA_BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+            if (kb + MMA_BK - 1 > q_start + w0 || kb < warp_lo_max) mask_tile(s, kb, tq, lim0, lim1, lo0, lo1);
             softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
             pv_tile(o, s, smem_addr(vs), v_lane, ldv, v_tiles);
         }
@@ -431,7 +468,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     cp_async_wait<0>();
 
     float inv0, inv1;
-    row_inverses(l0, l1, inv0, inv1);
+    row_inverses(l0, l1, m0, m1, sink_log2(sinks, h), inv0, inv1);
     const int i0 = w0 + gr, i1 = i0 + 8;
 #pragma unroll
     for (int j = 0; j < MMA_V_TILES; ++j) {
@@ -465,10 +502,11 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
         const bf16_t *__restrict__ k_b, const bf16_t *__restrict__ v, float *__restrict__ out, int n_q,      \
         int n_kv, int q_start, int group, float scale, int da, int db, int dv, long long qa_ts,              \
         long long qa_hs, long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, \
-        long long kb_hs, long long v_ts, long long v_hs, long long o_ts, long long o_hs
+        long long kb_hs, long long v_ts, long long v_hs, long long o_ts, long long o_hs, int window,          \
+        const bf16_t *__restrict__ sinks
 #define FLASH_TILE_ARGS                                                                                       \
     q_a, q_b, k_a, k_b, v, out, n_q, n_kv, q_start, group, scale, da, db, dv, qa_ts, qa_hs, qb_ts, qb_hs,    \
-        ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts, o_hs
+        ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts, o_hs, window, sinks
 
 // 8 warps x 16 query rows per block; 64-key tiles; three K/V stages in flight.
 #define FIX_WARPS 8
@@ -520,14 +558,16 @@ __device__ __forceinline__ void st_global_f32x2(float* p, float a, float b) {
     asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
 }
 
-// O / l of rows i0 and i0 + 8 (this thread's columns 8j + 2tq, + 1 of each n-tile j) to the f32
+// O / l of rows i0 and i0 + 8 (with the sink column sk, see row_inverse; this thread's columns
+// 8j + 2tq, + 1 of each n-tile j) to the f32
 // output in 8-byte stores; rows past n_q and columns past dv (a multiple of 8, so d < dv implies
 // d + 1 < dv) are skipped.
 template <int V_TILES>
-__device__ __forceinline__ void store_rows(const float (&o)[V_TILES][4], float l0, float l1, float* __restrict__ out,
-                                           int i0, int n_q, int dv, int tq, int h, long long o_ts, long long o_hs) {
+__device__ __forceinline__ void store_rows(const float (&o)[V_TILES][4], float l0, float l1, float m0, float m1,
+                                           float sk, float* __restrict__ out, int i0, int n_q, int dv, int tq, int h,
+                                           long long o_ts, long long o_hs) {
     float inv0, inv1;
-    row_inverses(l0, l1, inv0, inv1);
+    row_inverses(l0, l1, m0, m1, sk, inv0, inv1);
     const int i1 = i0 + 8;
 #pragma unroll
     for (int j = 0; j < V_TILES; ++j) {
@@ -606,7 +646,10 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale_log2 = scale * LOG2E;
     const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;
+    const int lo0 = window_lo(lim0, window), lo1 = window_lo(lim1, window);  // first visible key
     const int warp_lim = w0 < n_q ? q_start + w0 + 15 : -1;  // a warp past the end computes nothing
+    const int warp_lo = window_lo(q_start + w0, window);     // first key any row of this warp sees
+    const int warp_lo_max = window_lo(q_start + w0 + 15, window);
     // ldmatrix row offsets: K (non-transposed) keys (l&7) + 8(l>>4), dims 8((l>>3)&1); V
     // (transposed) keys (l&7) + 8((l>>3)&1), dims 8(l>>4).
     const u32 k_lane = (u32)(((lane & 7) + ((lane >> 4) << 3)) * LDK + ((lane >> 3) & 1) * 8) * 2u;
@@ -625,7 +668,7 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
         const u32 ks = sk0 + (u32)(slot * STAGE_ELEMS) * 2u;
         const u32 vs = ks + K_ELEMS * 2;
         slot = slot == FIX_STAGES - 1 ? 0 : slot + 1;
-        if (kb > warp_lim) continue;
+        if (kb > warp_lim || kb + FIX_BK - 1 < warp_lo) continue;
 
         float s[8][4];
 #pragma unroll
@@ -640,13 +683,13 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
                 mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
             }
         }
-        if (kb + FIX_BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+        if (kb + FIX_BK - 1 > q_start + w0 || kb < warp_lo_max) mask_tile(s, kb, tq, lim0, lim1, lo0, lo1);
         softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
         pv_tile(o, s, vs, v_lane, LDV, V_TILES);
     }
     cp_async_wait<0>();
 
-    store_rows(o, l0, l1, out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
+    store_rows(o, l0, l1, m0, m1, sink_log2(sinks, h), out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
 #else
     __trap();
 #endif
@@ -936,6 +979,8 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale_log2 = scale * LOG2E;
     const int lim0 = q_start + w0 + gr, lim1 = lim0 + 8;
+    const int lo0 = window_lo(lim0, window), lo1 = window_lo(lim1, window);  // first visible key
+    const int warp_lo_max = window_lo(q_start + w0 + 15, window);
     // The warpgroup's last visible key (wgmma is collective: skip decisions are per warpgroup).
     const int group_lim = g0 < n_q ? q_start + g0 + 63 : -1;
 
@@ -988,7 +1033,7 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
     // writes it now), P's fragments in BF16.
     auto scores_to_p = [&](int t) {
         const int kb = t * BK;
-        if (kb + BK - 1 > q_start + w0) mask_tile(s, kb, tq, lim0, lim1);
+        if (kb + BK - 1 > q_start + w0 || kb < warp_lo_max) mask_tile(s, kb, tq, lim0, lim1, lo0, lo1);
         softmax_tile(s, o, m0, m1, l0, l1, scale_log2);
 #pragma unroll
         for (int k2 = 0; k2 < KT / 2; ++k2) p_fragment(s, k2, pa[k2]);
@@ -1028,7 +1073,7 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
     }
     cp_async_wait<0>();
 
-    store_rows(o, l0, l1, out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
+    store_rows(o, l0, l1, m0, m1, sink_log2(sinks, h), out, w0 + gr, n_q, dv, tq, h, o_ts, o_hs);
 #else
     __trap();
 #endif

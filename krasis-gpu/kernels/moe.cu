@@ -55,6 +55,31 @@ static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row en
 #define MOE_DEC_DN_ROWS 4     // hidden rows per warp in the down projection (4 loads in flight)
 #define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
+// The routed experts' activation, an argument of every gate/up kernel (krasis-core's
+// ExpertActivation and the experts' biases; gpt-oss): b13 f32 [n_experts, 2 * inter] holds expert
+// e's gate biases then its up biases (or is null: no biases), added to the gate and up sums before
+// the activation; clamped 0: silu(g) * u; 1: gpt-oss's clamped SwiGLU, g' = min(g, limit),
+// u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'). The down bias is moe_combine's.
+struct MoeAct {
+    const float* b13;
+    int inter;
+    int clamped;
+    float alpha, limit;
+};
+
+// The activation of expert e's intermediate column o (o < inter) from its gate and up sums.
+__device__ __forceinline__ float moe_act(const MoeAct& a, int e, int o, float g, float u) {
+    if (a.b13) {
+        const float* b = a.b13 + (long long)e * 2 * a.inter;
+        g += b[o];
+        u += b[a.inter + o];
+    }
+    if (!a.clamped) return g / (1.0f + expf(-g)) * u;
+    g = fminf(g, a.limit);
+    u = fminf(fmaxf(u, -a.limit), a.limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-a.alpha * g)));
+}
+
 // tm: pairs per tile (MOE_TM for the BF16 tiles; the quantised tiles' TM).
 #ifdef MOE_BASE
 extern "C" __global__ void moe_route(const int* __restrict__ ids, int n_pairs, int n_experts, int tm,
@@ -155,7 +180,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
                                          const bf16_t* __restrict__ a_lo, int lda, int a_div, float* __restrict__ ypair,
                                          bf16_t* __restrict__ out_hi, bf16_t* __restrict__ out_lo, int ldo,
                                          const int* __restrict__ sorted, const int* __restrict__ offsets,
-                                         const int* __restrict__ tile_offsets, int n_experts) {
+                                         const int* __restrict__ tile_offsets, int n_experts, const MoeAct& act) {
     constexpr int BN = GATED ? MOE_BN : MOE_BN_DOWN;  // output columns of the block
     constexpr int WR = GATED ? 2 * BN : BN;            // weight rows staged per chunk
     constexpr int NT = WR / 8;                        // n8 tiles of a warp's products
@@ -278,7 +303,7 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const float gv = acc[j][2 * r + c], uv = acc[j + NO][2 * r + c];
-                    const float v = o + c < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+                    const float v = o + c < n_out ? moe_act(act, e, o + c, gv, uv) : 0.0f;
                     bf16_split(v, h[c], l[c]);
                 }
                 *(u32*)(out_hi + (long long)p * ldo + o) = bf16x2_of(h[0], h[1]);
@@ -299,9 +324,9 @@ __device__ __forceinline__ void moe_tile(const bf16_t* __restrict__ w, long long
 extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const bf16_t* x_hi, const bf16_t* x_lo, int top_k,
                 bf16_t* act_hi, bf16_t* act_lo, int inter_pad, const int* sorted, const int* offsets,
-                const int* tile_offsets, int n_experts) {
+                const int* tile_offsets, int n_experts, MoeAct act) {
     moe_tile<true>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x_hi, x_lo, ldw, top_k,
-                               nullptr, act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts);
+                               nullptr, act_hi, act_lo, inter_pad, sorted, offsets, tile_offsets, n_experts, act);
 }
 #endif
 
@@ -311,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
     moe_down(const bf16_t* w2, int ldw, int inter, int hidden, const bf16_t* act_hi, const bf16_t* act_lo,
              float* ypair, const int* sorted, const int* offsets, const int* tile_offsets, int n_experts) {
     moe_tile<false>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act_hi, act_lo, ldw, 1, ypair,
-                                nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts);
+                                nullptr, nullptr, hidden, sorted, offsets, tile_offsets, n_experts, MoeAct{});
 }
 #endif
 
@@ -570,7 +595,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                                           const float2* __restrict__ a_scales, int a_ng, int lda, int a_div,
                                           float* __restrict__ out, int ldo, const int* __restrict__ sorted,
                                           const int* __restrict__ offsets, const int* __restrict__ tile_offsets,
-                                          int n_experts) {
+                                          int n_experts, const MoeAct& act) {
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
     static_assert((TM == 32 || TM == 64) && PB % 2 == 0, "slices of 8 pairs, 4 a warp; gate and up panels in pairs");
     constexpr int THREADS = 2 * TM * PB, G = PB / 2;
@@ -820,7 +845,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 #pragma unroll
                 for (int cc = 0; cc < 2; ++cc) {
                     const float gv = r[j][cc], uv = r[j + 2][cc];
-                    v[cc] = o + cc < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+                    v[cc] = o + cc < n_out ? moe_act(act, e, o + cc, gv, uv) : 0.0f;
                 }
                 *(float2*)(out + (long long)p * ldo + o) = make_float2(v[0], v[1]);
             }
@@ -848,10 +873,10 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int inter, const signed char* xq, const float2* xs, int x_ng, \
         int ldx, int top_k, float* act, int inter_pad, const int* sorted, const int* offsets,                      \
-        const int* tile_offsets, int n_experts) {                                                                   \
+        const int* tile_offsets, int n_experts, MoeAct fn) {                                                        \
         moe_qtile<true, BITS, TM, PB, S, CPS, YS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, inter,  \
                                      xq, xs, x_ng, ldx, top_k, act, inter_pad, sorted, offsets, tile_offsets,      \
-                                     n_experts);                                                                    \
+                                     n_experts, fn);                                                                \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_down_v##V(                            \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
@@ -860,7 +885,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         int n_experts) {                                                                                            \
         moe_qtile<false, BITS, TM, PB, S, CPS, YS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs, n_panels, hidden,  \
                                       aq, as, a_ng, inter_pad, 1, ypair, hidden, sorted, offsets, tile_offsets,    \
-                                      n_experts);                                                                   \
+                                      n_experts, MoeAct{});                                                         \
     }
 // All 32-pair tiles of 4 panels (8 warps), two blocks an SM. v0: 3 buffers of one chunk, results
 // in registers (spills a little at 128); v1: the same with the results in shared memory (the
@@ -899,7 +924,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                          long long expert_wbytes, long long expert_scales, int chunks, int groups,
                                          int gs, int n_panels, int n_out, const float* __restrict__ a, int k,
                                          int lda, int a_div, float* __restrict__ out, int ldo,
-                                         const int* __restrict__ ids, int n_experts) {
+                                         const int* __restrict__ ids, int n_experts, const MoeAct& act) {
     constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
     constexpr int NP = GATED ? 2 : 1;                                  // panels per block
     constexpr int WARPS = THREADS / 32;
@@ -1012,7 +1037,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     const int o = blockIdx.y * MOE_QPANEL + tid;
     if (GATED) {
         const float gv = r[0], uv = r[NP - 1];
-        out[(long long)pair * ldo + o] = o < n_out ? gv / (1.0f + expf(-gv)) * uv : 0.0f;
+        out[(long long)pair * ldo + o] = o < n_out ? moe_act(act, e, o, gv, uv) : 0.0f;
     } else if (o < n_out) {
         out[(long long)pair * ldo + o] = r[0];
     }
@@ -1025,10 +1050,10 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
-        float* act, int inter_pad, const int* ids, int n_experts) {                                  \
+        float* act, int inter_pad, const int* ids, int n_experts, MoeAct fn) {                       \
         moe_qdec<true, BITS, MOE_QDEC_GU_THREADS>(w13, s13, expert_wbytes, expert_scales, chunks, groups, gs,     \
                                                   n_panels, inter, x, hidden, hidden, top_k, act,          \
-                                                  inter_pad, ids, n_experts);                                    \
+                                                  inter_pad, ids, n_experts, fn);                                \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
@@ -1036,7 +1061,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
         float* ypair, const int* ids, int n_experts) {                                              \
         moe_qdec<false, BITS, MOE_QDEC_DN_THREADS>(w2, s2, expert_wbytes, expert_scales, chunks, groups, gs,     \
                                                    n_panels, hidden, act, inter, inter_pad, 1, ypair,     \
-                                                   hidden, ids, n_experts);                                     \
+                                                   hidden, ids, n_experts, MoeAct{});                           \
     }
 #ifdef MOE_QDEC
 MOE_QDEC_ENTRIES(4)
@@ -1050,7 +1075,7 @@ template <bool GATED, int NC>
 __device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long long expert_stride, int ldw,
                                              int n_out, int up_row0, int k, const float* __restrict__ a, int lda,
                                              int a_div, float* __restrict__ out, int ldo,
-                                             const int* __restrict__ ids, int n_experts) {
+                                             const int* __restrict__ ids, int n_experts, const MoeAct& act) {
     constexpr int R = GATED ? 2 * NC : NC;  // weight rows per warp
     __shared__ float4 xs4[MOE_DEC_KCH / 4];
     float* xs = (float*)xs4;
@@ -1114,7 +1139,7 @@ __device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long 
     for (int q = 0; q < NC; ++q) {
         if (!ok[q]) continue;
         float v = acc[q];
-        if (GATED) v = v / (1.0f + expf(-v)) * acc[NC + q];
+        if (GATED) v = moe_act(act, e, o0 + q, v, acc[NC + q]);
         out[(long long)pair * ldo + o0 + q] = v;
     }
 }
@@ -1122,9 +1147,9 @@ __device__ __forceinline__ void moe_dec_body(const bf16_t* __restrict__ w, long 
 // Decode path, act [n_pairs, inter] from x [tokens, hidden], ids [n_pairs], w13 [E, 2*inter, ldw].
 #ifdef MOE_BASE
 extern "C" __global__ void moe_dec_gate_up(const bf16_t* w13, int ldw, int inter, int hidden, const float* x,
-                                           int top_k, float* act, const int* ids, int n_experts) {
+                                           int top_k, float* act, const int* ids, int n_experts, MoeAct fn) {
     moe_dec_body<true, MOE_DEC_GU_COLS>(w13, (long long)2 * inter * ldw, ldw, inter, inter, hidden, x, hidden, top_k,
-                                        act, inter, ids, n_experts);
+                                        act, inter, ids, n_experts, fn);
 }
 #endif
 
@@ -1133,11 +1158,12 @@ extern "C" __global__ void moe_dec_gate_up(const bf16_t* w13, int ldw, int inter
 extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, int hidden, const float* act,
                                         float* ypair, const int* ids, int n_experts) {
     moe_dec_body<false, MOE_DEC_DN_ROWS>(w2, (long long)hidden * ldw, ldw, hidden, 0, inter, act, inter, 1, ypair,
-                                         hidden, ids, n_experts);
+                                         hidden, ids, n_experts, MoeAct{});
 }
 #endif
 
-// out [tokens, hidden] = sum over j ascending of weights[t, j] * ypair[t*top_k + j]; a token with
+// out [tokens, hidden] = sum over j ascending of weights[t, j] * (ypair[t*top_k + j] + b2[id]), b2
+// f32 [n_experts, hidden] the experts' down biases (or null: none, and nothing is added); a token with
 // any id outside [0, n_experts) gets a NaN row; pairs with an id in [n_present, n_experts) are
 // computed elsewhere (the CPU's share of a split layer) and left out of the sum (their ypair rows
 // are never written, never read). Launch: grid (tokens, ceil(hidden / blockDim.x)
@@ -1148,7 +1174,8 @@ extern "C" __global__ void moe_dec_down(const bf16_t* w2, int ldw, int inter, in
 #ifdef MOE_BASE
 extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const int* __restrict__ ids,
                                        const float* __restrict__ weights, float* __restrict__ out, int tokens,
-                                       int top_k, int hidden, int n_experts, int n_present) {
+                                       int top_k, int hidden, int n_experts, int n_present,
+                                       const float* __restrict__ b2) {
     KRASIS_GRID_WAIT();  // launched as a dependent launch on the decode path
     KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int t = blockIdx.x;
@@ -1162,7 +1189,11 @@ extern "C" __global__ void moe_combine(const float* __restrict__ ypair, const in
         float acc = 0.0f;
         for (int j = 0; j < top_k; ++j) {
             const long long p = (long long)t * top_k + j;
-            if (ids[p] < n_present) acc += weights[p] * ypair[p * hidden + h];
+            const int e = ids[p];
+            if (e < n_present) {
+                const float y = ypair[p * hidden + h];
+                acc += weights[p] * (b2 && e >= 0 ? y + b2[(long long)e * hidden + h] : y);
+            }
         }
         out[(long long)t * hidden + h] = valid ? acc : krasis_nan();
     }

@@ -14,6 +14,9 @@
 // router_topk: one block per token over the E (<= ROUTER_MAX_E) logits of that token; the block
 //   has E rounded up to a warp, 32..=256 threads (every loop strides by blockDim, so any such
 //   size computes the same ids; only the f64 softmax sum's tree shape depends on it):
+//   logits   x = logit, or (a router with a logit bias: any method but noaux_tc, bias given)
+//            x = logit + bias[e] in f32 (gpt-oss's `mlp.router.bias`; with softmax, greedy and norm
+//            this is its softmax over the top-k logits)
 //   scores   softmax: m = max (f32), e = exp((double)(x - m)), z = sum e (f64), s = (float)(e / z)
 //            sigmoid: s = 1 / (1 + expf(-x)) in f32, expf evaluated as (float)exp((double)-x),
 //                     i.e. correctly rounded, as glibc's expf (the CPU's) is to within its 0.5 ulp
@@ -182,7 +185,8 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
 // The routing rule for one token's logits `row` (any address space; E = n_experts values):
 // writes its top_k ids and weights to ids_out[0..top_k], w_out[0..top_k] (thread 0).
 // scoring: 0 softmax, 1 sigmoid. method: 0 greedy, 1 group-limited, 2 noaux_tc.
-// bias may be 0 (noaux_tc without a bias; ignored by the other methods).
+// bias may be 0; noaux_tc: the score-correction bias (it only chooses); the other methods: a logit
+// bias, added to every logit before the scores.
 // Every thread of the block calls it; blockDim a multiple of 32, at most 1024.
 __device__ void rt_topk_row(const float* row, const float* __restrict__ bias, int* ids_out, float* w_out,
                             int n_experts, int scoring, int method, int n_group, int topk_group, int top_k,
@@ -195,18 +199,20 @@ __device__ void rt_topk_row(const float* row, const float* __restrict__ bias, in
     __shared__ double scratch_d[32];
     __shared__ float scratch_f[32];
     const int E = n_experts;
+    const float* lbias = method != 2 ? bias : nullptr;  // a logit bias
+    auto logit = [&](int i) { return lbias ? row[i] + lbias[i] : row[i]; };
 
     if (scoring == 0) {
         float m = rt_neg_inf();
-        for (int i = threadIdx.x; i < E; i += blockDim.x) m = fmaxf(m, row[i]);
+        for (int i = threadIdx.x; i < E; i += blockDim.x) m = fmaxf(m, logit(i));
         m = rt_block_max(m, scratch_f);
         double part = 0.0;
-        for (int i = threadIdx.x; i < E; i += blockDim.x) part += exp((double)(row[i] - m));
+        for (int i = threadIdx.x; i < E; i += blockDim.x) part += exp((double)(logit(i) - m));
         const double z = rt_block_sum_d(part, scratch_d);
-        for (int i = threadIdx.x; i < E; i += blockDim.x) score[i] = (float)(exp((double)(row[i] - m)) / z);
+        for (int i = threadIdx.x; i < E; i += blockDim.x) score[i] = (float)(exp((double)(logit(i) - m)) / z);
     } else {
         for (int i = threadIdx.x; i < E; i += blockDim.x) {
-            const float ex = (float)exp(-(double)row[i]);
+            const float ex = (float)exp(-(double)logit(i));
             score[i] = 1.0f / (1.0f + ex);
         }
     }

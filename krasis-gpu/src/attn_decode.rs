@@ -280,10 +280,57 @@ struct AttnArgs {
     ldv: i32,
     vec: i32,
     scale: f32,
+    window: i32,
+    kv_lo: i32,
+    sinks: u64,
 }
 
 // SAFETY: plain-old-data with the C layout of the kernel's struct.
 unsafe impl DeviceRepr for AttnArgs {}
+
+/// Options of the GQA attention kernels, decode ([`GpuDevice::gqa_decode_attention_with`]) and
+/// prefill ([`GpuDevice::flash_prefill_opts`]): gpt-oss's sliding window and attention sinks.
+/// The default is plain causal attention.
+#[derive(Clone, Copy, Default)]
+pub struct AttnOptions<'a> {
+    /// `Some(w)`: the query at position `p` sees the keys `p − w < j ≤ p` (`w ≥ 1`).
+    pub window: Option<usize>,
+    /// One BF16 sink logit per query head: one more softmax column per head, in the units of
+    /// the scaled scores, that takes its share of the probability and adds nothing to the output.
+    pub sinks: Option<&'a DeviceBuffer<u16>>,
+}
+
+impl std::fmt::Debug for AttnOptions<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttnOptions")
+            .field("window", &self.window)
+            .field("sinks", &self.sinks.map(|s| s.len()))
+            .finish()
+    }
+}
+
+impl AttnOptions<'_> {
+    /// Checks the window and the sinks against `heads` query heads for `op`.
+    pub(crate) fn check(&self, op: &'static str, heads: usize) -> Result<(), GpuError> {
+        shape(op, self.window != Some(0), || "a sliding window of 0 positions".to_string())?;
+        shape(op, self.window.is_none_or(|w| i32::try_from(w).is_ok()), || {
+            format!("sliding window {:?} does not fit in i32", self.window)
+        })?;
+        shape(op, self.sinks.is_none_or(|s| s.len() == heads), || {
+            format!("{} sink logits for {heads} query heads", self.sinks.map_or(0, |s| s.len()))
+        })
+    }
+
+    /// The window as the kernels take it: 0 for none.
+    pub(crate) fn window_i32(&self) -> i32 {
+        self.window.map_or(0, |w| w as i32)
+    }
+
+    /// The first key position a query at position `q_start` sees.
+    pub(crate) fn first_visible(&self, q_start: usize) -> usize {
+        self.window.map_or(0, |w| (q_start + 1).saturating_sub(w))
+    }
+}
 
 /// Which attention a call computes.
 #[derive(Clone, Copy, Debug)]
@@ -344,7 +391,8 @@ impl GpuDevice {
         out: &mut impl DevicePtrMut<f32>,
         ws: &mut DecodeWorkspace,
     ) -> Result<(), GpuError> {
-        self.decode_attention(cache, layer, Kind::Mla { latent }, q, t, heads, q_start, scale, out, ws)
+        let opts = AttnOptions::default();
+        self.decode_attention(cache, layer, Kind::Mla { latent }, q, t, heads, q_start, scale, out, ws, &opts)
     }
 
     /// GQA decode attention: `q [t, heads, head_dim]` f32, K = plane 0 and V = plane 1 of `layer`
@@ -364,7 +412,31 @@ impl GpuDevice {
         out: &mut impl DevicePtrMut<f32>,
         ws: &mut DecodeWorkspace,
     ) -> Result<(), GpuError> {
-        self.decode_attention(cache, layer, Kind::Gqa { kv_heads, head_dim }, q, t, heads, q_start, scale, out, ws)
+        let opts = AttnOptions::default();
+        self.gqa_decode_attention_with(cache, layer, q, t, heads, kv_heads, head_dim, q_start, scale, out, ws, &opts)
+    }
+
+    /// [`GpuDevice::gqa_decode_attention`] with a sliding window and attention sinks
+    /// ([`AttnOptions`]): query `i` sees rows `max(0, q_start + i + 1 − w) ..= q_start + i`, and
+    /// head `h`'s sink logit joins its softmax's denominator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gqa_decode_attention_with(
+        &self,
+        cache: &GpuKvCache,
+        layer: usize,
+        q: &impl DevicePtr<f32>,
+        t: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        q_start: usize,
+        scale: f32,
+        out: &mut impl DevicePtrMut<f32>,
+        ws: &mut DecodeWorkspace,
+        opts: &AttnOptions<'_>,
+    ) -> Result<(), GpuError> {
+        let kind = Kind::Gqa { kv_heads, head_dim };
+        self.decode_attention(cache, layer, kind, q, t, heads, q_start, scale, out, ws, opts)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -380,8 +452,10 @@ impl GpuDevice {
         scale: f32,
         out: &mut impl DevicePtrMut<f32>,
         ws: &mut DecodeWorkspace,
+        opts: &AttnOptions<'_>,
     ) -> Result<(), GpuError> {
         const OP: &str = "decode attention";
+        opts.check(OP, heads)?;
         let lay = cache.layout();
         let row = lay.row;
         let (kv_heads, k_dim, v_dim, shared_kv) = match kind {
@@ -424,8 +498,9 @@ impl GpuDevice {
             return Ok(());
         }
         let visible = q_start + t;
+        let optioned = opts.window.is_some() || opts.sinks.is_some();
         if let Kind::Mla { latent } = kind {
-            if t == 1 && lay.dtype == KvDtype::Bf16 && ws.allows_t1() {
+            if t == 1 && lay.dtype == KvDtype::Bf16 && ws.allows_t1() && !optioned {
                 if let Some(fname) = crate::mla_decode::t1_kernel(row, latent, visible) {
                     return self.mla_decode_t1(fname, k_base, q, heads, row, latent, visible, scale, out, ws);
                 }
@@ -451,7 +526,11 @@ impl GpuDevice {
         // Splits.
         let base = kv_heads * qtiles;
         let sms = usize::try_from(self.info().multiprocessors).unwrap_or(1);
-        let (n_splits, split_rows) = ws.plan_splits(visible, decode_split_count(visible, base, sms), ATT_ROWS);
+        // The splits cover the rows some query of the call sees: with a window, from the first
+        // query's first visible row.
+        let kv_lo = opts.first_visible(q_start);
+        let rows = visible - kv_lo;
+        let (n_splits, split_rows) = ws.plan_splits(rows, decode_split_count(rows, base, sms), ATT_ROWS);
         if n_splits > 1 {
             // Size for the most splits the rule can pick for this configuration (or the forced count).
             let most = ws.force_splits.map_or(most_splits(t, heads, kv_heads, sms), |_| n_splits);
@@ -505,6 +584,9 @@ impl GpuDevice {
                 lay.scale_group,
             )),
             scale,
+            window: opts.window_i32(),
+            kv_lo: kv_lo as i32,
+            sinks: opts.sinks.map_or(0, |b| b.device_ptr(s).0),
         };
         let cfg = LaunchConfig {
             grid_dim: (n_splits as u32, kv_heads as u32, qtiles as u32),
@@ -518,13 +600,16 @@ impl GpuDevice {
         unsafe { b.launch(cfg) }.map_err(|e| GpuError::driver(OP, e))?;
 
         if n_splits > 1 {
-            self.combine_splits(ws_o, ws_ml, out_p, t * heads, v_dim, n_splits)?;
+            let sinks = opts.sinks.map_or(0, |b| b.device_ptr(s).0);
+            self.combine_splits(ws_o, ws_ml, out_p, t * heads, v_dim, n_splits, (sinks, heads))?;
         }
         Ok(())
     }
 
     /// Merges `n_splits` partial results of the workspace (`ws_o [n_splits, nq, v_dim]`,
-    /// `ws_ml [n_splits, nq, 2]`) into `out [nq, v_dim]` (attn_decode_combine).
+    /// `ws_ml [n_splits, nq, 2]`) into `out [nq, v_dim]` (attn_decode_combine); `sinks`: the
+    /// device address of `heads` BF16 sink logits (query `i` is head `i % heads`), or 0.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn combine_splits(
         &self,
         ws_o: u64,
@@ -533,12 +618,14 @@ impl GpuDevice {
         nq: usize,
         v_dim: usize,
         n_splits: usize,
+        (sinks, heads): (u64, usize),
     ) -> Result<(), GpuError> {
         const OP: &str = "decode attention combine";
         let f = self.function(&ATTN_DECODE, "attn_decode_combine")?;
         let (nq_total, v_i, n_i) =
             (to_i32(OP, "t*heads", nq)?, to_i32(OP, "v_dim", v_dim)?, to_i32(OP, "splits", n_splits)?);
-        let mut args = kernel_args![&ws_o, &ws_ml, &out_p, &nq_total, &v_i, &n_i];
+        let heads_i = to_i32(OP, "heads", heads.max(1))?;
+        let mut args = kernel_args![&ws_o, &ws_ml, &out_p, &nq_total, &v_i, &n_i, &sinks, &heads_i];
         let cfg = LaunchConfig {
             grid_dim: (nq as u32, v_dim.div_ceil(COMBINE_COLS) as u32, 1),
             block_dim: (COMBINE_THREADS, 1, 1),

@@ -34,10 +34,18 @@
 //! 1..=[`MAX_PART_DIM`]; the SIMT kernel covers all of them. `KRASIS_FLASH_KERNEL=simt|mma|fixed`
 //! caps the choice (measurements of the slower kernels inside a model; the kernel tests expect it
 //! unset).
+//!
+//! # Options
+//!
+//! [`GpuDevice::flash_prefill_opts`] takes [`AttnOptions`] (gpt-oss): a sliding window (keys
+//! before a query's window are masked like those past its diagonal; a warp skips the products of
+//! a tile none of its rows sees, though every tile up to the diagonal is still staged) and one
+//! sink logit per head (one more softmax column in the denominator). Every kernel takes them.
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use crate::attn_decode::AttnOptions;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::nvrtc::Target;
 use crate::{GpuDevice, GpuError};
@@ -463,6 +471,7 @@ unsafe fn launch_tiles(
     scale: f32,
     sc: &Scalars,
     vec_mask: Option<i32>,
+    (window, sinks): (i32, u64),
 ) -> Result<(), GpuError> {
     if smem > DEFAULT_SMEM_LIMIT {
         f.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -480,6 +489,7 @@ unsafe fn launch_tiles(
     if let Some(m) = &vec_mask {
         b.arg(m);
     }
+    b.arg(&window).arg(&sinks);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
     // SAFETY: the caller's contract.
     unsafe { b.launch(cfg) }.map(|_| ()).map_err(|e| GpuError::driver("flash_prefill launch", e))
@@ -527,6 +537,24 @@ impl GpuDevice {
         v: &impl DevicePtr<u16>,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
+        self.flash_prefill_opts(args, &AttnOptions::default(), q_a, q_b, k_a, k_b, v, out)
+    }
+
+    /// [`GpuDevice::flash_prefill`] with a sliding window and attention sinks ([`AttnOptions`]):
+    /// query `i` sees keys `max(0, q_start + i + 1 − w) ..= q_start + i`, and head `h`'s sink
+    /// logit joins its softmax's denominator.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill_opts(
+        &self,
+        args: &FlashPrefillArgs,
+        opts: &AttnOptions<'_>,
+        q_a: &impl DevicePtr<u16>,
+        q_b: Option<&dyn DevicePtr<u16>>,
+        k_a: &impl DevicePtr<u16>,
+        k_b: Option<&dyn DevicePtr<u16>>,
+        v: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
         validate_shapes(args, q_b.is_some(), k_b.is_some())?;
         let mut kernel = self.flash_prefill_kernel(args)?;
         if kernel >= FlashKernel::MmaFixed {
@@ -537,7 +565,7 @@ impl GpuDevice {
                 kernel = FlashKernel::Mma;
             }
         }
-        self.flash_prefill_with(kernel, args, q_a, q_b, k_a, k_b, v, out)
+        self.flash_prefill_with_opts(kernel, args, opts, q_a, q_b, k_a, k_b, v, out)
     }
 
     /// [`GpuDevice::flash_prefill`] with the kernel forced (tests, benchmarks). Forcing
@@ -554,8 +582,26 @@ impl GpuDevice {
         v: &impl DevicePtr<u16>,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
+        self.flash_prefill_with_opts(kernel, args, &AttnOptions::default(), q_a, q_b, k_a, k_b, v, out)
+    }
+
+    /// [`GpuDevice::flash_prefill_opts`] with the kernel forced (tests, benchmarks).
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill_with_opts(
+        &self,
+        kernel: FlashKernel,
+        args: &FlashPrefillArgs,
+        opts: &AttnOptions<'_>,
+        q_a: &impl DevicePtr<u16>,
+        q_b: Option<&dyn DevicePtr<u16>>,
+        k_a: &impl DevicePtr<u16>,
+        k_b: Option<&dyn DevicePtr<u16>>,
+        v: &impl DevicePtr<u16>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
         let a = args;
         validate_shapes(a, q_b.is_some(), k_b.is_some())?;
+        opts.check(OP, a.heads)?;
         check_extent("q_a", &a.q_a, a.n_q, a.heads, q_a.len())?;
         check_extent("k_a", &a.k_a, a.n_kv, a.kv_heads, k_a.len())?;
         check_extent("v", &a.v, a.n_kv, a.kv_heads, v.len())?;
@@ -603,6 +649,8 @@ impl GpuDevice {
             None => (0, None),
         };
         let launch_err = |e| GpuError::driver("flash_prefill launch", e);
+        let sinks_p = opts.sinks.map_or(0u64, |b| b.device_ptr(s).0);
+        let window = opts.window_i32();
         match kernel {
             FlashKernel::Simt => {
                 let f = self.function(&FLASH_PREFILL, "flash_prefill_simt")?;
@@ -612,6 +660,7 @@ impl GpuDevice {
                 for st in &sc.strides {
                     b.arg(st);
                 }
+                b.arg(&window).arg(&sinks_p);
                 let cfg = LaunchConfig {
                     grid_dim: (a.n_q.div_ceil(SIMT_WARPS) as u32, a.heads as u32, 1),
                     block_dim: (THREADS, 1, 1),
@@ -637,9 +686,10 @@ impl GpuDevice {
                 let f = self.function(&FLASH_PREFILL, "flash_prefill_mma")?;
                 let grid = (a.n_q.div_ceil(MMA_TILE) as u32, a.heads as u32, 1);
                 let ptrs = [qa_p, qb_p, ka_p, kb_p, v_p, o_p];
-                // SAFETY: flash_prefill_mma takes these arguments and the vector mask; every
-                // extent checked above, the shared memory against the opt-in limit.
-                unsafe { launch_tiles(s, &f, (grid, THREADS, mma_smem_bytes(a)), ptrs, a.scale, &sc, Some(vec_mask)) }?;
+                let cfg = (grid, THREADS, mma_smem_bytes(a));
+                // SAFETY: flash_prefill_mma takes these arguments, the vector mask and the
+                // options; every extent checked above, the shared memory against the opt-in limit.
+                unsafe { launch_tiles(s, &f, cfg, ptrs, a.scale, &sc, Some(vec_mask), (window, sinks_p)) }?;
             }
             FlashKernel::MmaFixed | FlashKernel::Wgmma => {
                 let misaligned = fixed_misaligned(a, [qa_p, qb_p, ka_p, kb_p, v_p, o_p], q_b.is_some());
@@ -665,7 +715,7 @@ impl GpuDevice {
                 let ptrs = [qa_p, qb_p, ka_p, kb_p, v_p, o_p];
                 // SAFETY: the fixed-dims and wgmma kernels take these arguments; every extent and
                 // alignment checked above, the shared memory against the opt-in limit.
-                unsafe { launch_tiles(s, &f, (grid, threads, smem), ptrs, a.scale, &sc, None) }?;
+                unsafe { launch_tiles(s, &f, (grid, threads, smem), ptrs, a.scale, &sc, None, (window, sinks_p)) }?;
             }
         }
         Ok(())

@@ -78,7 +78,9 @@ pub mod relayout;
 pub mod router;
 pub mod sampling;
 
-pub use attn_decode::{bench_mla_decode, bench_mla_decode_kernel, DecodeBench, DecodeTiming, DecodeWorkspace};
+pub use attn_decode::{
+    bench_mla_decode, bench_mla_decode_kernel, AttnOptions, DecodeBench, DecodeTiming, DecodeWorkspace,
+};
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
 pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice};
 pub use elementwise::RowsView;

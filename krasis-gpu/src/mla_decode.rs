@@ -145,7 +145,7 @@ impl GpuDevice {
         // n_splits x heads x (latent + 2) floats when n_splits > 1; the kernel waits first.
         unsafe { self.launch_dependent(OP, &f, cfg, &mut params, true) }?;
         if n_splits > 1 {
-            self.combine_splits(ws_o, ws_ml, out_p, heads, latent, n_splits)?;
+            self.combine_splits(ws_o, ws_ml, out_p, heads, latent, n_splits, (0, heads))?;
         }
         Ok(())
     }

@@ -31,7 +31,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use krasis_core::spec::ExpertActivation;
 
 use krasis_quant::gpu_layout::{self, GpuLayout};
 use krasis_quant::{Bits, QuantizedMatrix};
@@ -353,6 +354,20 @@ struct QuantExperts {
     s2: DeviceBuffer<u16>,
 }
 
+/// The gate/up kernels' activation argument (`MoeAct` in moe.cu; same field order and types).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MoeActArgs {
+    b13: u64,
+    inter: i32,
+    clamped: i32,
+    alpha: f32,
+    limit: f32,
+}
+
+// SAFETY: plain-old-data with the C layout of the kernel's struct.
+unsafe impl DeviceRepr for MoeActArgs {}
+
 /// The routed experts of one MoE layer (BF16, INT8 or INT4), resident on the GPU.
 pub struct GpuExperts {
     name: String,
@@ -372,6 +387,11 @@ pub struct GpuExperts {
     tile_smem_set: AtomicBool,
     /// Shape of the quantised tiles.
     qvariant: QTileVariant,
+    /// The activation of the gate and up sums ([`GpuExperts::set_activation`]).
+    activation: ExpertActivation,
+    /// Per expert the gate biases then the up biases, f32 `[n_experts, 2·inter]`, and the down
+    /// biases `[n_experts, hidden]` ([`GpuExperts::set_biases`]).
+    biases: Option<(DeviceBuffer<f32>, DeviceBuffer<f32>)>,
 }
 
 impl std::fmt::Debug for GpuExperts {
@@ -788,7 +808,45 @@ impl GpuExperts {
                 .moe_qtile
                 .filter(|&v| v < QTILE_VARIANTS.len())
                 .unwrap_or(DEFAULT_QTILE_VARIANT)],
+            activation: ExpertActivation::Silu,
+            biases: None,
         }
+    }
+
+    /// Sets the activation of the gate and up sums (the default is SiLU; gpt-oss's clamped
+    /// SwiGLU: see [`ExpertActivation`]). Every weight format and path takes it.
+    pub fn set_activation(&mut self, act: ExpertActivation) {
+        self.activation = act;
+    }
+
+    /// The activation of the gate and up sums.
+    pub fn activation(&self) -> ExpertActivation {
+        self.activation
+    }
+
+    /// Uploads the experts' biases (gpt-oss): `gate_up` f32 `[n_experts, 2·inter]`, per expert
+    /// its gate biases then its up biases, added to the gate and up sums before the activation;
+    /// `down` f32 `[n_experts, hidden]`, added to each routed expert's output before the routing
+    /// weight scales it. Every weight format and path takes them; they index experts by the
+    /// routed ids, so experts renumbered on the way in (a hybrid pool or streamed chunk) must not
+    /// carry them.
+    pub fn set_biases(&mut self, dev: &GpuDevice, gate_up: &[f32], down: &[f32]) -> Result<(), GpuError> {
+        const OP: &str = "GpuExperts::set_biases";
+        let (e, h, i, name) = (self.n_experts, self.hidden, self.inter, &self.name);
+        check(OP, gate_up.len() == e * 2 * i, || {
+            format!("{name}: gate/up biases have {} elements, not [{e}, 2·{i}]", gate_up.len())
+        })?;
+        check(OP, down.len() == e * h, || format!("{name}: down biases have {} elements, not [{e}, {h}]", down.len()))?;
+        self.biases = None;
+        let b13 = dev.upload(gate_up, &format!("{name} gate/up biases"))?;
+        let b2 = dev.upload(down, &format!("{name} down biases"))?;
+        self.biases = Some((b13, b2));
+        Ok(())
+    }
+
+    /// Whether the experts carry biases ([`GpuExperts::set_biases`]).
+    pub fn has_biases(&self) -> bool {
+        self.biases.is_some()
     }
 
     /// Picks the quantised tiles' shape (0: 4 panels per block, 3 shared-memory buffers; 1: 2 and
@@ -1147,6 +1205,16 @@ impl GpuExperts {
         let (dec_gate_up, dec_down) = (dev.function(&MOE, "moe_dec_gate_up")?, dev.function(&MOE, "moe_dec_down")?);
         let split = dev.function(&MOE, "moe_split_rows")?;
         let quant_rows = dev.function(&MOE, "moe_quant_rows")?;
+        // The activation and the biases: the gate/up kernels' argument, the combine's down biases.
+        let (b13_p, b2_p) = match &self.biases {
+            Some((b13, b2)) => (b13.device_ptr(s).0, b2.device_ptr(s).0),
+            None => (0, 0),
+        };
+        let (clamped, alpha, limit) = match self.activation {
+            ExpertActivation::Silu => (0, 0.0, 0.0),
+            ExpertActivation::ClampedSwiglu { alpha, limit } => (1, alpha, limit),
+        };
+        let act_args = MoeActArgs { b13: b13_p, inter: to_i32(OP, "inter", i)?, clamped, alpha, limit };
         // Quantised experts: the layouts' kernel arguments and the tile and decode kernels, once
         // per call.
         let quant = match self.quant_layouts() {
@@ -1196,7 +1264,7 @@ impl GpuExperts {
         let (ldw13, ldw2) = (hp as i32, ip as i32);
 
         let launch_combine = |ypair: &u64, ids_t: &u64, w_t: &u64, out_t: &u64, nt_i: i32| {
-            let mut args = kernel_args![ypair, ids_t, w_t, out_t, &nt_i, &k_i, &h_i, &all_i, &e_i];
+            let mut args = kernel_args![ypair, ids_t, w_t, out_t, &nt_i, &k_i, &h_i, &all_i, &e_i, &b2_p];
             // Tokens on x, column chunks of COMBINE_THREADS on y (capped; the kernel strides).
             let chunks = h.div_ceil(COMBINE_THREADS as usize).min(65535) as u32;
             let cfg = LaunchConfig {
@@ -1245,7 +1313,7 @@ impl GpuExperts {
                     block_dim: (threads, 1, 1),
                     shared_mem_bytes: qdec_smem(chunks, threads) as u32,
                 };
-                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &act, &ldw2, &ids_t, &e_i];
+                let rest = kernel_args![&i_i, &x_t, &h_i, &k_i, &act, &ldw2, &ids_t, &e_i, &act_args];
                 let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13], ids checked in [0, E) on the device; x [nt, hidden];
                 // act [pairs, ldw2] f32, every column written (grid.y = p13 / 2 = ldw2 / 64); the
@@ -1270,6 +1338,7 @@ impl GpuExperts {
                 };
                 let mut b = s.launch_builder(&dec_gate_up);
                 b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&x_t).arg(&k_i).arg(&act).arg(&ids_t).arg(&e_i);
+                b.arg(&act_args);
                 // SAFETY: w13 [E, 2·inter, ldw13] indexed only by ids checked in [0, E) on the
                 // device, x [nt, hidden], act [pairs, inter], ids [pairs] = grid.x.
                 unsafe { b.launch(grid(i, MOE_DEC_GU_BLOCK_COLS)) }.map_err(launch_err(OP))?;
@@ -1335,7 +1404,8 @@ impl GpuExperts {
                     &sorted,
                     &offsets,
                     &tile_offsets,
-                    &e_i
+                    &e_i,
+                    &act_args
                 ];
                 let mut args: Vec<_> = a13.params().into_iter().chain(rest).collect();
                 // SAFETY: w13/s13 [E, l13]; blocks read gate panels below p13 / 2 and the matching
@@ -1362,6 +1432,7 @@ impl GpuExperts {
             let mut b = s.launch_builder(&gate_up);
             b.arg(&w13_p).arg(&ldw13).arg(&i_i).arg(&h_i).arg(&xs_hi).arg(&xs_lo).arg(&k_i);
             b.arg(&act_hi).arg(&act_lo).arg(&ldw2).arg(&sorted).arg(&offsets).arg(&tile_offsets).arg(&e_i);
+            b.arg(&act_args);
             // SAFETY: w13 [E, 2·inter, ldw13]; xs halves [nt, ldw13]; act halves [pairs, ldw2],
             // every column of a pair's row written (the last column block ends at ldw2); rows of
             // A are pair / top_k < nt, and pairs with bad ids are never in `sorted`.

@@ -8,7 +8,9 @@
 //! per token and applies the routing rule: softmax (f64 sum) or sigmoid scores, the optional
 //! group limit (DeepSeek-V2 group max, DeepSeek-V3 `noaux_tc` top-2 sum of bias-corrected scores,
 //! others set to 0.0), the top-k by (value desc, index asc), then weights from the unbiased
-//! scores, optionally renormalised (`+1e-20` for sigmoid) and scaled. The kernel file's header
+//! scores, optionally renormalised (`+1e-20` for sigmoid) and scaled. A router with a bias and any
+//! method but `noaux_tc` adds it to its logits first (gpt-oss's `mlp.router.bias`: softmax over
+//! every biased logit, top-k, renormalised, which is its softmax over the top k). The kernel file's header
 //! says where results may differ from the CPU in the last bit. Up to one tile of tokens (decode)
 //! runs both in one launch, `router_publish` (the hybrid hand-off's kernel, with device outputs):
 //! the tile's last logits block applies the rule.
@@ -57,15 +59,16 @@ const LOGITS_GROUP_MIN_TILES: usize = 16;
 /// E rounded up to a warp (32..=256) threads, so a 64-expert router runs 2 warps, not 8 mostly idle.
 const TOPK_BLOCK: u32 = 256;
 
-/// A router's gate weight `[n_experts, hidden]` (f32) and optional `e_score_correction_bias`
-/// `[n_experts]` on the device, with its rule.
+/// A router's gate weight `[n_experts, hidden]` (f32) and optional bias `[n_experts]` on the
+/// device, with its rule: the `e_score_correction_bias` of a [`TopkMethod::NoauxTc`] rule (it only
+/// chooses), else a logit bias (added to the logits, as krasis-model's CPU router does).
 pub struct GpuRouter {
     name: String,
     n_experts: usize,
     hidden: usize,
     cfg: RoutingRule,
     weight: DeviceBuffer<f32>,
-    /// Uploaded only for `NoauxTc`: the other methods ignore a bias, as the CPU does.
+    /// `NoauxTc`: the score-correction bias; the other methods: the logit bias.
     bias: Option<DeviceBuffer<f32>>,
     /// `[t, n_experts]` logits, grown to the largest `t` seen. Reuse across calls is safe because
     /// every launch is on the device's compute stream (and a replaced buffer is freed
@@ -130,7 +133,7 @@ impl GpuRouter {
         }
         if let Some(b) = bias_len {
             if b != e {
-                return Err(bad(name, format!("e_score_correction_bias has {b} elements, not {e}")));
+                return Err(bad(name, format!("the router bias has {b} elements, not {e}")));
             }
         }
         let k = cfg.top_k;
@@ -171,9 +174,9 @@ impl GpuRouter {
         Ok(())
     }
 
-    /// Uploads the gate weight `[n_experts, hidden]` (f32, row-major) and the optional
-    /// `e_score_correction_bias` (kept only for [`TopkMethod::NoauxTc`]; ignored otherwise, as on
-    /// the CPU), charged to the budget under `name`.
+    /// Uploads the gate weight `[n_experts, hidden]` (f32, row-major) and the optional bias (the
+    /// `e_score_correction_bias` of a [`TopkMethod::NoauxTc`] rule, else a logit bias; see
+    /// [`GpuRouter`]), charged to the budget under `name`.
     pub fn new(
         dev: &GpuDevice,
         name: &str,
@@ -187,7 +190,8 @@ impl GpuRouter {
         let w = dev.upload(weight, &format!("router {name} gate weight"))?;
         let b = match (bias, cfg.topk) {
             (Some(b), TopkMethod::NoauxTc { .. }) => Some(dev.upload(b, &format!("router {name} score bias"))?),
-            _ => None,
+            (Some(b), _) => Some(dev.upload(b, &format!("router {name} logit bias"))?),
+            (None, _) => None,
         };
         Ok(GpuRouter {
             name: name.to_string(),

@@ -13,8 +13,8 @@ use std::io::Write;
 
 use common::{assert_close, down, gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, twin_kv_row, up};
 use krasis_gpu::{
-    bench_mla_decode, bench_mla_decode_kernel, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError, GpuKvCache,
-    KvCapacity, KvDtype,
+    bench_mla_decode, bench_mla_decode_kernel, AttnOptions, DecodeWorkspace, DeviceBuffer, GpuDevice, GpuError,
+    GpuKvCache, KvCapacity, KvDtype,
 };
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -35,23 +35,47 @@ fn twin_attention(
     q_start: usize,
     scale: f32,
 ) -> Vec<f32> {
+    twin_attention_opts(q, t, heads, kv_heads, kd, vd, k, k_stride, v, v_stride, q_start, scale, None, None)
+}
+
+/// [`twin_attention`] with a sliding window (query `i` sees rows `q_start + i − w < p ≤
+/// q_start + i`) and per-head sink logits (one more softmax column whose probability is dropped).
+fn twin_attention_opts(
+    q: &[f32],
+    t: usize,
+    heads: usize,
+    kv_heads: usize,
+    kd: usize,
+    vd: usize,
+    k: &[f32],
+    k_stride: usize,
+    v: &[f32],
+    v_stride: usize,
+    q_start: usize,
+    scale: f32,
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
+) -> Vec<f32> {
     let group = heads / kv_heads;
     let mut out = vec![0f32; t * heads * vd];
     for i in 0..t {
+        let first = window.map_or(0, |w| (q_start + i + 1).saturating_sub(w));
         for h in 0..heads {
             let g = h / group;
             let qv = &q[(i * heads + h) * kd..][..kd];
-            let s: Vec<f64> = (0..=q_start + i)
+            let s: Vec<f64> = (first..=q_start + i)
                 .map(|p| {
                     let kr = &k[p * k_stride + g * kd..][..kd];
                     qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
                 })
                 .collect();
-            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let sink = sinks.map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+            let m = s.iter().cloned().fold(sink, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-            let z: f64 = e.iter().sum();
+            let z: f64 = e.iter().sum::<f64>() + (sink - m).exp();
             for dd in 0..vd {
-                let acc: f64 = e.iter().enumerate().map(|(p, w)| w * v[p * v_stride + g * vd + dd] as f64).sum();
+                let acc: f64 =
+                    e.iter().enumerate().map(|(j, w)| w * v[(first + j) * v_stride + g * vd + dd] as f64).sum();
                 out[(i * heads + h) * vd + dd] = (acc / z) as f32;
             }
         }
@@ -230,6 +254,78 @@ fn gqa_decode_matches_twin() {
                 });
             }
         }
+    }
+}
+
+/// The twin's options on known answers (runs without a GPU): a window of 1 gives each query its
+/// own row's value; a sink equal to the only score halves the output.
+#[test]
+fn twin_options_have_known_answers() {
+    let (k, v) = ([1.0f32, 0.0, 1.0, 0.0], [3.0f32, 5.0]);
+    let q = [2.0f32, 4.0];
+    let own = twin_attention_opts(&q, 2, 1, 1, 1, 1, &k[..2], 1, &v, 1, 0, 1.0, Some(1), None);
+    assert_eq!(own, vec![3.0, 5.0]);
+    let half = twin_attention_opts(&q[..1], 1, 1, 1, 1, 1, &k[..1], 1, &v[..1], 1, 0, 1.0, None, Some(&[2.0]));
+    assert!((half[0] - 1.5).abs() < 1e-6, "{half:?}");
+}
+
+/// gpt-oss's options of the GQA decode kernel against the twin: sliding windows shorter and
+/// longer than the context (1 row, a part of a split, a whole tile, many tiles, all of it), with
+/// and without sink logits (one far above every score), BF16 and FP8 caches, ragged head shapes,
+/// automatic / 1 / many splits.
+#[test]
+fn gqa_decode_windows_and_sinks_match_twin() {
+    let Some(d) = gpu("gqa_decode_windows_and_sinks_match_twin") else { return };
+    let mut r = rng(25);
+    // (heads, kv_heads, head_dim): gpt-oss's 64 / 8 of 64, ragged ones.
+    for &(heads, kv_heads, hd) in &[(64, 8, 64), (4, 2, 24), (6, 3, 16), (3, 1, 7), (8, 1, 64)] {
+        let row = kv_heads * hd;
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+            let cap = *CONTEXTS.last().unwrap();
+            let c = GpuKvCache::new(d, dtype, 1, 2, row, hd, KvCapacity::Tokens(cap)).unwrap();
+            let k = fill(d, &c, 0, 0, cap, &mut r);
+            let v = fill(d, &c, 0, 1, cap, &mut r);
+            let mut ws = DecodeWorkspace::new();
+            let mut sinks = rand_bf16_f32(&mut r, heads, 3.0);
+            sinks[heads - 1] = 40.0; // far above every score: the output nearly vanishes
+            let sinks_d = up(d, &to_bf16(&sinks), "sinks");
+            for (s, t) in context_steps() {
+                for window in [Some(1usize), Some(5), Some(32), Some(100), Some(4096), Some(10_000), None] {
+                    for with_sinks in [false, true] {
+                        if window.is_none() && !with_sinks {
+                            continue; // gqa_decode_matches_twin
+                        }
+                        let q_start = s - t;
+                        let q = rand_bf16_f32(&mut r, t * heads * hd, 3.0);
+                        let scale = 1.0 / (hd as f32).sqrt();
+                        let sk = with_sinks.then_some(&sinks[..]);
+                        let want = twin_attention_opts(
+                            &q, t, heads, kv_heads, hd, hd, &k, row, &v, row, q_start, scale, window, sk,
+                        );
+                        let q_d = up(d, &q, "q");
+                        let opts = AttnOptions { window, sinks: with_sinks.then_some(&sinks_d) };
+                        let what = format!(
+                            "GQA {dtype} h{heads}/{kv_heads} hd{hd} S{s} t{t} window {window:?} sinks {with_sinks}"
+                        );
+                        check_split_counts(d, &mut ws, 50, t * heads * hd, &want, &what, |out, ws| {
+                            d.gqa_decode_attention_with(
+                                &c, 0, &q_d, t, heads, kv_heads, hd, q_start, scale, out, ws, &opts,
+                            )
+                        });
+                    }
+                }
+            }
+        }
+    }
+    // Bad options are shape errors.
+    let c = GpuKvCache::new(d, KvDtype::Bf16, 1, 2, 16, 0, KvCapacity::Tokens(8)).unwrap();
+    let mut ws = DecodeWorkspace::new();
+    let q = up(d, &[0f32; 2 * 16], "q");
+    let mut out = up(d, &[0f32; 2 * 16], "out");
+    let three = up(d, &[0u16; 3], "sinks");
+    for opts in [AttnOptions { window: Some(0), sinks: None }, AttnOptions { window: None, sinks: Some(&three) }] {
+        let e = d.gqa_decode_attention_with(&c, 0, &q, 1, 2, 1, 16, 0, 1.0, &mut out, &mut ws, &opts);
+        assert!(matches!(e, Err(GpuError::Shape { .. })), "{opts:?}: {e:?}");
     }
 }
 

@@ -21,7 +21,8 @@ mod common;
 use common::{gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, up};
 use krasis_gpu::cudarc::driver::DevicePtr;
 use krasis_gpu::{
-    bench_gqa_prefill, bench_mla_prefill, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice, GpuError, HeadsLayout,
+    bench_gqa_prefill, bench_mla_prefill, AttnOptions, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice,
+    GpuError, HeadsLayout,
 };
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -159,6 +160,12 @@ fn at(c: &Case, t: &Tensor, tok: usize, head: usize, d: usize) -> f64 {
 
 /// The f64 twin for query rows `rows`: `[rows.len(), heads, dv]`.
 fn twin(c: &Case, rows: &[usize]) -> Vec<f64> {
+    twin_opts(c, rows, None, None)
+}
+
+/// [`twin`] with a sliding window (query `i` sees keys `q_start + i − w < s ≤ q_start + i`) and
+/// per-head sink logits (one more softmax column whose probability is dropped).
+fn twin_opts(c: &Case, rows: &[usize], window: Option<usize>, sinks: Option<&[f32]>) -> Vec<f64> {
     let a = &c.args;
     let (dv, group) = (a.v.dim, a.heads / a.kv_heads);
     let mut out = vec![0.0f64; rows.len() * a.heads * dv];
@@ -167,7 +174,8 @@ fn twin(c: &Case, rows: &[usize]) -> Vec<f64> {
         for h in 0..a.heads {
             let g = h / group;
             scores.clear();
-            for s in 0..=a.q_start + i {
+            let first = window.map_or(0, |w| (a.q_start + i + 1).saturating_sub(w));
+            for s in first..=a.q_start + i {
                 let mut dot = 0.0f64;
                 for d in 0..a.q_a.dim {
                     dot += at(c, &c.q_a, i, h, d) * at(c, &c.k_a, s, g, d);
@@ -179,13 +187,14 @@ fn twin(c: &Case, rows: &[usize]) -> Vec<f64> {
                 }
                 scores.push(dot * a.scale as f64);
             }
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum();
+            let sink = sinks.map_or(f64::NEG_INFINITY, |s| s[h] as f64);
+            let m = scores.iter().cloned().fold(sink, f64::max);
+            let z: f64 = scores.iter().map(|x| (x - m).exp()).sum::<f64>() + (sink - m).exp();
             let o = &mut out[(ri * a.heads + h) * dv..][..dv];
-            for (s, x) in scores.iter().enumerate() {
+            for (j, x) in scores.iter().enumerate() {
                 let w = (x - m).exp() / z;
                 for d in 0..dv {
-                    o[d] += w * at(c, &c.v, s, g, d);
+                    o[d] += w * at(c, &c.v, first + j, g, d);
                 }
             }
         }
@@ -203,6 +212,17 @@ fn upload(d: &GpuDevice, c: &Case) -> Uploaded {
 
 /// Runs `kernel` (or the automatic choice) on a NaN-poisoned output and downloads it.
 fn run(d: &GpuDevice, c: &Case, u: &Uploaded, kernel: Option<FlashKernel>) -> Result<Vec<f32>, GpuError> {
+    run_opts(d, c, u, kernel, &AttnOptions::default())
+}
+
+/// [`run`] with the attention options.
+fn run_opts(
+    d: &GpuDevice,
+    c: &Case,
+    u: &Uploaded,
+    kernel: Option<FlashKernel>,
+    opts: &AttnOptions<'_>,
+) -> Result<Vec<f32>, GpuError> {
     let view = |t: &Tensor| u.bufs[t.buf].slice().slice(t.offset..);
     let (q_a, k_a, v) = (view(&c.q_a), view(&c.k_a), view(&c.v));
     let q_b = c.q_b.as_ref().map(view);
@@ -211,8 +231,8 @@ fn run(d: &GpuDevice, c: &Case, u: &Uploaded, kernel: Option<FlashKernel>) -> Re
     let kb = k_b.as_ref().map(|x| x as &dyn DevicePtr<u16>);
     let mut out = poisoned_f32(d, c.out_len);
     match kernel {
-        Some(k) => d.flash_prefill_with(k, &c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
-        None => d.flash_prefill(&c.args, &q_a, qb, &k_a, kb, &v, &mut out)?,
+        Some(k) => d.flash_prefill_with_opts(k, &c.args, opts, &q_a, qb, &k_a, kb, &v, &mut out)?,
+        None => d.flash_prefill_opts(&c.args, opts, &q_a, qb, &k_a, kb, &v, &mut out)?,
     }
     d.download(&out)
 }
@@ -278,6 +298,98 @@ fn check_case(d: &GpuDevice, c: &Case, rows: Option<&[usize]>) {
     let got = run(d, c, &u, None).unwrap_or_else(|e| panic!("{}: {e}", c.name));
     compare("auto", c, &got, rows, &want, if auto == FlashKernel::Simt { SIMT_TOL } else { MMA_TOL });
     eprintln!("{line}; auto = {auto}");
+}
+
+/// gpt-oss's options in every kernel (each where it supports the shapes) and the automatic
+/// choice, against the twin: sliding windows of 1 key, shorter than a key tile, across tiles and
+/// longer than the context, with and without sink logits (one far above every score), on ragged
+/// shapes, gpt-oss's heads (64 over 8 of 64), the fixed-dims and wgmma GQA shape, a continued
+/// prefix and MLA's two-part layout.
+#[test]
+fn flash_prefill_windows_and_sinks_match_twin() {
+    let Some(d) = gpu("flash_prefill_windows_and_sinks_match_twin") else { return };
+    let mut r = rng(44);
+    let cases = [
+        // (name, (T, q_start, extra keys), (heads, kv_heads), (da, db, dv))
+        ("gpt-oss heads", (200, 0, 0), (64, 8), (64, 0, 64)),
+        ("gpt-oss continued", (70, 150, 0), (16, 2), (64, 0, 64)),
+        ("fixed gqa", (300, 0, 0), (4, 2), (128, 0, 128)),
+        ("fixed gqa late", (1, 260, 0), (2, 1), (128, 0, 128)),
+        ("mla two parts", (150, 20, 3), (2, 2), (128, 64, 128)),
+        ("ragged", (67, 9, 2), (6, 3), (13, 0, 11)),
+        ("ragged two parts", (33, 0, 0), (3, 1), (20, 7, 9)),
+        ("one query", (1, 0, 0), (2, 2), (16, 0, 16)),
+    ];
+    for (name, tq, hh, dims) in cases {
+        let c = contiguous_case(&mut r, name, tq, hh, dims, 2.0);
+        let u = upload(d, &c);
+        let heads = c.args.heads;
+        let mut sinks = rand_bf16_f32(&mut r, heads, 3.0);
+        sinks[heads - 1] = 40.0; // far above every score
+        let sinks_d = up(d, &to_bf16(&sinks), "sinks");
+        let rows: Vec<usize> = (0..c.args.n_q).collect();
+        for window in [Some(1usize), Some(7), Some(64), Some(100), Some(129), Some(1000), None] {
+            for with_sinks in [false, true] {
+                if window.is_none() && !with_sinks {
+                    continue; // flash_prefill_matches_twin_on_ragged_shapes
+                }
+                let opts = AttnOptions { window, sinks: with_sinks.then_some(&sinks_d) };
+                let want = twin_opts(&c, &rows, window, with_sinks.then_some(&sinks[..]));
+                let what = |k: &str| format!("{k} window {window:?} sinks {with_sinks}");
+                let got = run_opts(d, &c, &u, Some(FlashKernel::Simt), &opts).unwrap();
+                compare(&what("simt"), &c, &got, &rows, &want, SIMT_TOL);
+                let mut ran = vec![FlashKernel::Simt];
+                for k in [FlashKernel::Mma, FlashKernel::MmaFixed, FlashKernel::Wgmma] {
+                    match run_opts(d, &c, &u, Some(k), &opts) {
+                        Ok(got) => {
+                            compare(&what(&k.to_string()), &c, &got, &rows, &want, MMA_TOL);
+                            ran.push(k);
+                        }
+                        Err(e) => assert!(matches!(e, GpuError::Shape { .. }), "{}: {k}: {e:?}", c.name),
+                    }
+                }
+                let got = run_opts(d, &c, &u, None, &opts).unwrap();
+                let auto = d.flash_prefill_kernel(&c.args).unwrap();
+                compare(
+                    &what("auto"),
+                    &c,
+                    &got,
+                    &rows,
+                    &want,
+                    if auto == FlashKernel::Simt { SIMT_TOL } else { MMA_TOL },
+                );
+                eprintln!("{}: window {window:?} sinks {with_sinks}: ran {ran:?}, auto {auto}", c.name);
+            }
+        }
+    }
+    // Bad options are shape errors.
+    let c = contiguous_case(&mut r, "bad options", (4, 0, 0), (2, 1), (16, 0, 16), 2.0);
+    let u = upload(d, &c);
+    let three = up(d, &[0u16; 3], "sinks");
+    for opts in [AttnOptions { window: Some(0), sinks: None }, AttnOptions { window: None, sinks: Some(&three) }] {
+        let e = run_opts(d, &c, &u, None, &opts);
+        assert!(matches!(e, Err(GpuError::Shape { .. })), "{opts:?}: {e:?}");
+    }
+}
+
+/// The options of the twin on known answers (runs without a GPU): a window of one key gives each
+/// row its own value; a sink equal to the row's only score halves it.
+#[test]
+fn twin_options_have_known_answers() {
+    let mut r = rng(45);
+    let c = contiguous_case(&mut r, "twin options", (3, 0, 0), (1, 1), (4, 0, 2), 1.0);
+    let own = twin_opts(&c, &[0, 1, 2], Some(1), None);
+    for i in 0..3 {
+        for dd in 0..2 {
+            assert!((own[i * 2 + dd] - c.bufs[2][i * 2 + dd] as f64).abs() < 1e-12);
+        }
+    }
+    let s0 = (0..4).map(|dd| c.bufs[0][dd] as f64 * c.bufs[1][dd] as f64).sum::<f64>() * c.args.scale as f64;
+    let half = twin_opts(&c, &[0], None, Some(&[s0 as f32]));
+    for dd in 0..2 {
+        let want = c.bufs[2][dd] as f64 / (1.0 + ((s0 as f32) as f64 - s0).exp());
+        assert!((half[dd] - want).abs() < 1e-9, "{} vs {want}", half[dd]);
+    }
 }
 
 /// The twin itself, on cases with known answers (runs without a GPU): one visible key gives that

@@ -46,8 +46,19 @@ fn rel_gap(a: f32, b: f32) -> f64 {
     (a - b).abs() / a.abs().max(b.abs()).max(1e-30)
 }
 
-/// krasis-model's `route`, plus the decision margin.
+/// krasis-model's `route`, plus the decision margin. `bias`: a `noaux_tc` rule's correction bias,
+/// or for the other methods a logit bias added to the logits first (krasis-model's CPU router:
+/// gpt-oss's `mlp.router.bias`).
 fn twin_route(cfg: &RoutingRule, logits: &[f32], bias: Option<&[f32]>) -> Routed {
+    let noaux_rule = matches!(cfg.topk, TopkMethod::NoauxTc { .. });
+    let biased: Vec<f32>;
+    let logits = match bias {
+        Some(b) if !noaux_rule => {
+            biased = logits.iter().zip(b).map(|(&l, &b)| l + b).collect();
+            &biased[..]
+        }
+        _ => logits,
+    };
     let e = logits.len();
     let scores: Vec<f32> = match cfg.scoring {
         ScoringFunc::Softmax => {
@@ -160,6 +171,13 @@ fn twin_reproduces_krasis_model_examples() {
     let r = twin_route(&c, &[0.0, 0.0, 1.0, 1.0], Some(&[1.0, 0.9, 0.0, 0.0]));
     assert_eq!(r.ids, vec![0, 1]);
     assert!((r.w[0] - 1.25).abs() < 1e-6 && (r.w[1] - 1.25).abs() < 1e-6);
+    // gpt-oss: a logit bias (greedy softmax, renormalised) moves expert 0 to the top; the weights
+    // are the softmax of the two biased logits.
+    let c = cfg(ScoringFunc::Softmax, TopkMethod::Greedy, 2, true, 1.0);
+    let r = twin_route(&c, &[0.0, 2.0, 1.0, -1.0], Some(&[3.0, 0.0, 0.0, 0.0]));
+    assert_eq!(r.ids, vec![0, 1]);
+    let e1 = (-1.0f32).exp();
+    assert!((r.w[0] - 1.0 / (1.0 + e1)).abs() < 1e-6 && (r.w[1] - e1 / (1.0 + e1)).abs() < 1e-6, "{:?}", r.w);
 }
 
 // ---------------------------------------------------------------- validation (no device)
@@ -181,7 +199,7 @@ fn validation_rejects_bad_configs() {
         (ok, ROUTER_MAX_EXPERTS + 8, 7, (ROUTER_MAX_EXPERTS + 8) * 7, None, "n_experts = 520"),
         (ok, 256, 0, 0, None, "hidden = 0"),
         (ok, 256, 7, 256 * 7 - 1, None, "gate weight has 1791"),
-        (ok, 256, 7, 256 * 7, Some(255), "e_score_correction_bias has 255"),
+        (ok, 256, 7, 256 * 7, Some(255), "the router bias has 255"),
         (
             RoutingRule { topk: TopkMethod::NoauxTc { n_group: 3, topk_group: 1 }, ..ok },
             256,
@@ -280,8 +298,9 @@ fn router_matches_cpu_twin() {
                     let s = ((h as f64).sqrt().log2().floor() as i32 - 2).max(0);
                     let w = exact_vals(&mut r, e * h, 64, 6 + s);
                     let x = exact_vals(&mut r, t * h, 64, 6);
-                    // A bias of either sign (a negative one makes the masked 0.0 win over kept experts).
-                    let bias: Option<Vec<f32>> = (method == 2 && r.random_bool(0.8)).then(|| {
+                    // A bias of either sign (a negative one makes the masked 0.0 win over kept
+                    // experts): noaux_tc's correction bias, or the other methods' logit bias.
+                    let bias: Option<Vec<f32>> = r.random_bool(if method == 2 { 0.8 } else { 0.5 }).then(|| {
                         let lo = if r.random_bool(0.5) { -128 } else { -16 };
                         (0..e).map(|_| r.random_range(lo..=16) as f32 / 256.0).collect()
                     });

@@ -43,6 +43,12 @@ pub fn quantised_cpu_experts(name: &str) {
 /// top-1 agreement ≥ the BF16 (and INT4) run's − 0.1, and at BF16 the first greedy token.
 /// Skipped visibly without a GPU.
 pub fn gpu_and_hybrid(name: &str, decode_steps: bool) {
+    gpu_and_hybrid_on(name, decode_steps, &["gpu", "hybrid"]);
+}
+
+/// [`gpu_and_hybrid`] on the engines `devices` only (`"gpu"`, `"hybrid"`): a family the hybrid
+/// engine refuses (gpt-oss's biased experts) checks the whole GPU.
+pub fn gpu_and_hybrid_on(name: &str, decode_steps: bool, devices: &[&str]) {
     let Some(dir) = fixture_next(name) else { return };
     if !gpu_available(name) {
         return;
@@ -69,7 +75,7 @@ pub fn gpu_and_hybrid(name: &str, decode_steps: bool) {
             threads: Some(2),
             ..Default::default()
         };
-        for device in ["gpu", "hybrid"] {
+        for &device in devices {
             let m = match device {
                 "gpu" => GpuModel::load(&dir, &gpu),
                 _ => GpuModel::load_hybrid(&dir, &gpu, &cpu),

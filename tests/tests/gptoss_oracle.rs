@@ -14,7 +14,12 @@
 //!   scales as stored, and the run matches the oracle at rel ≤ 1e-4 with the same greedy ids
 //!   (the kernels quantise activations to INT8 per group of 32);
 //! - bad input: MXFP4 scales whose shape disagrees with the blocks, a NaN scale: errors naming
-//!   the tensor, on the reference path and the expert cache alike.
+//!   the tensor, on the reference path and the expert cache alike;
+//! - the whole-GPU engine (every option an option of the GPU kernels; the MXFP4 experts
+//!   dequantised exactly to BF16, or requantised to INT4) within the transformers-BF16 bar on the
+//!   prefill and the teacher-forced greedy steps (`family_checks::gpu_and_hybrid_on`, skipped
+//!   visibly without a GPU); the hybrid engine refuses both fixtures with an error that says why
+//!   (its host and streamed experts take no biases), with or without a GPU.
 
 use krasis_model::cpu::quantized::{cache_fp4, open_expert_cache, WeightBits};
 use krasis_model::cpu::Model;
@@ -33,10 +38,28 @@ fn reference_path(name: &str) {
     }
 }
 
+/// The whole-GPU engine within the BF16 bar (prefill and decode steps: the sliding window of 8
+/// is shorter than the prompt), and the hybrid engine's refusal.
+fn gpu_and_hybrid_refused(name: &str) {
+    krasis_tests::family_checks::gpu_and_hybrid_on(name, true, &["gpu"]);
+    let Some(dir) = fixture_next(name) else { return };
+    let gpu = krasis_model::gpu::GpuOptions::default();
+    let cpu = krasis_model::cpu::load::EngineOptions { threads: Some(1), ..Default::default() };
+    let e = match krasis_model::gpu::GpuModel::load_hybrid(&dir, &gpu, &cpu) {
+        Ok(_) => panic!("{name}: the hybrid engine took biased experts"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("biased experts") && e.contains("do not run on the hybrid engine"), "{name}: {e}");
+}
+
 mod gptoss {
     #[test]
     fn reference_path_matches_the_oracle() {
         super::reference_path("gptoss-tiny");
+    }
+    #[test]
+    fn gpu_within_the_bf16_bounds_and_hybrid_refused() {
+        super::gpu_and_hybrid_refused("gptoss-tiny");
     }
     #[test]
     fn quantised_cpu_experts_within_the_ideal_bounds() {
@@ -48,6 +71,10 @@ mod gptoss_mxfp4 {
     #[test]
     fn reference_path_matches_the_oracle() {
         super::reference_path("gptoss-mxfp4-tiny");
+    }
+    #[test]
+    fn gpu_within_the_bf16_bounds_and_hybrid_refused() {
+        super::gpu_and_hybrid_refused("gptoss-mxfp4-tiny");
     }
     #[test]
     fn quantised_cpu_experts_within_the_ideal_bounds() {

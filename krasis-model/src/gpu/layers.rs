@@ -196,6 +196,9 @@ struct GpuGqa<'w> {
     /// Gated attention (Qwen3-Next): `q_proj` yields per head the query and its gate; the output
     /// is divided by `1 + e^−gate` before `o_proj` ([`super::deltanet::gated_query`]).
     output_gate: bool,
+    /// The layer's sliding window (gpt-oss's sliding layers), `None` for full attention; the
+    /// sinks are in `w`.
+    window: Option<usize>,
     w: &'w GqaParts<GpuLinear, DeviceBuffer<u16>>,
 }
 
@@ -254,9 +257,11 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
         let AttentionSpec::Gqa { heads, kv_heads, head_dim, output_gate, .. } = c.spec.attention else {
             unreachable!("the walk gives GQA weights to a GQA model")
         };
+        let window = c.spec.window(l);
         // The KV cache holds the attention layers only (`super::deltanet::kv_layer`).
         let l = super::deltanet::kv_layer(c.spec, l);
-        GpuGqa { heads, kv_heads, head_dim, scale: c.spec.softmax_scale, output_gate, w }.forward(c, l, self.s)?;
+        let scale = c.spec.softmax_scale;
+        GpuGqa { heads, kv_heads, head_dim, scale, output_gate, window, w }.forward(c, l, self.s)?;
         self.s.mark(c.dev, Part::Attention)
     }
 
@@ -794,11 +799,12 @@ impl GpuGqa<'_> {
             Ok(kv.write(dev, l, 1, pos, n, &v.slice().slice(r0 * row..(r0 + n) * row))?)
         })?;
         let o = grow(dev, out_slot, t * hh * hd, "gqa attention output")?;
+        let opts = krasis_gpu::AttnOptions { window: self.window, sinks: self.w.sinks.as_ref() };
         if c.decode {
             let ws = &mut *s.ws;
             let q_row = hh * hd;
             s.kv.for_each_seq(c, |kv, pos, r0, n| {
-                Ok(dev.gqa_decode_attention(
+                Ok(dev.gqa_decode_attention_with(
                     kv,
                     l,
                     &q.slice().slice(r0 * q_row..(r0 + n) * q_row),
@@ -810,6 +816,7 @@ impl GpuGqa<'_> {
                     self.scale,
                     &mut o.slice_mut().slice_mut(r0 * q_row..(r0 + n) * q_row),
                     ws,
+                    &opts,
                 )?)
             })?;
         } else {
@@ -851,8 +858,9 @@ impl GpuGqa<'_> {
                         out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
                     };
                     let at = part * half;
-                    dev.flash_prefill(
+                    dev.flash_prefill_opts(
                         &args,
+                        &opts,
                         &q16.slice(..t * hh * hd),
                         Some(&q16.slice(half..t * hh * hd)),
                         &k16.slice(..n_kv * row),
@@ -876,8 +884,9 @@ impl GpuGqa<'_> {
                     v: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
                     out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
                 };
-                dev.flash_prefill(
+                dev.flash_prefill_opts(
                     &args,
+                    &opts,
                     &q16.slice(..t * hh * hd),
                     None,
                     &k16.slice(..n_kv * row),

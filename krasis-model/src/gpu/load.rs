@@ -65,21 +65,9 @@ fn f32_values(l: &DenseLinear) -> Vec<f32> {
 /// gated attention run.
 pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
     use krasis_gpu::delta_rule::{MAX_CONV_KERNEL, MAX_KEY_DIM};
-    // gpt-oss's options are options of the CPU ops only so far.
-    let cpu_only = [
-        (spec.attention_sinks, "attention sinks"),
-        (spec.sliding_windows.iter().any(Option::is_some), "sliding-window attention"),
-        (spec.expert_bias, "biased experts and router"),
-        (spec.expert_activation != crate::spec::ExpertActivation::Silu, "the clamped SwiGLU"),
-    ];
-    let missing: Vec<&str> = cpu_only.iter().filter(|(on, _)| *on).map(|(_, what)| *what).collect();
-    if !missing.is_empty() {
-        return Err(ModelError::Invalid(format!(
-            "{}: {} do not run on the GPU engine yet (neither whole-GPU nor hybrid); the CPU engine runs them",
-            spec.arch.model_type(),
-            missing.join(", ")
-        )));
-    }
+    // gpt-oss's attention sinks and sliding windows, its router's logit bias, its experts' biases
+    // and clamped SwiGLU are options of the GPU ops; the hybrid engine's limits are
+    // [`check_hybrid_layers`]'s.
     if let Some(d) = &spec.delta_net {
         if d.key_dim > MAX_KEY_DIM || d.conv_kernel == 0 || d.conv_kernel > MAX_CONV_KERNEL {
             return Err(ModelError::Invalid(format!(
@@ -91,6 +79,29 @@ pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether the hybrid engine runs `spec`'s routed experts: its host experts are handed to the
+/// CPU expert backends and its long prefills stream experts to GPU slots, neither of which takes
+/// the experts' biases or an activation other than SiLU yet (gpt-oss), so those models run whole
+/// on the GPU or on the CPU.
+pub fn check_hybrid_layers(spec: &ModelSpec) -> Result<()> {
+    let missing: Vec<&str> = [
+        (spec.expert_bias, "biased experts"),
+        (spec.expert_activation != crate::spec::ExpertActivation::Silu, "the clamped SwiGLU"),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .map(|(_, what)| *what)
+    .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::Invalid(format!(
+        "{}: {} do not run on the hybrid engine yet (its host and streamed experts do not take them); the whole-GPU and CPU engines run them",
+        spec.arch.model_type(),
+        missing.join(" and ")
+    )))
 }
 
 /// Context the whole-model-on-the-GPU estimate keeps room for (below this, `--device auto` takes
@@ -338,20 +349,44 @@ impl WeightBuilder for GpuBuilder<'_> {
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
         let name = crate::model::tensors::experts_prefix(self.spec, layer);
-        if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
-            return Ok(GpuExpertBackend::Resident(Box::new(self.cached_experts(cache, &name, layer, h, inter, bits)?)));
-        }
-        if let Some(bits) = self.opts.expert_bits {
-            return Ok(GpuExpertBackend::Resident(Box::new(self.quantized_experts(&name, experts, h, inter, bits)?)));
-        }
-        let mut resident = GpuExperts::new(self.dev, &name, experts.len(), h, inter)?;
-        for (x, m) in experts.iter().enumerate() {
-            let g = self.w.matrix_of(&m.gate)?;
-            let u = self.w.matrix_of(&m.up)?;
-            let d = self.w.matrix_of(&m.down)?;
-            resident.upload_expert(self.dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
-        }
+        let mut resident = if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
+            self.cached_experts(cache, &name, layer, h, inter, bits)?
+        } else if let Some(bits) = self.opts.expert_bits {
+            self.quantized_experts(&name, experts, h, inter, bits)?
+        } else {
+            let mut resident = GpuExperts::new(self.dev, &name, experts.len(), h, inter)?;
+            for (x, m) in experts.iter().enumerate() {
+                let g = self.w.matrix_of(&m.gate)?;
+                let u = self.w.matrix_of(&m.up)?;
+                let d = self.w.matrix_of(&m.down)?;
+                resident.upload_expert(self.dev, x, &bf16_bits(&g), &bf16_bits(&u), &bf16_bits(&d))?;
+            }
+            resident
+        };
+        self.expert_options(&mut resident, &name, experts)?;
         Ok(GpuExpertBackend::Resident(Box::new(resident)))
+    }
+}
+
+impl GpuBuilder<'_> {
+    /// The model's expert activation and, where the inventory names them (gpt-oss), every
+    /// expert's gate, up and down biases, on a layer's resident experts.
+    fn expert_options(&self, resident: &mut GpuExperts, name: &str, experts: &[MlpTensors]) -> Result<()> {
+        resident.set_activation(self.spec.expert_activation);
+        if experts.iter().all(|m| m.bias.is_none()) {
+            return Ok(());
+        }
+        let (mut b13, mut b2) = (Vec::new(), Vec::new());
+        for (x, m) in experts.iter().enumerate() {
+            let Some([g, u, d]) = &m.bias else {
+                return Err(ModelError::Invalid(format!("{name}: expert {x} has no biases where others have")));
+            };
+            b13.extend(self.w.vector_of(g)?);
+            b13.extend(self.w.vector_of(u)?);
+            b2.extend(self.w.vector_of(d)?);
+        }
+        resident.set_biases(self.dev, &b13, &b2)?;
+        Ok(())
     }
 }
 
@@ -406,6 +441,7 @@ impl GpuModel {
     /// (the source mapping lives there).
     pub fn hybrid_from_files(files: &ModelFiles, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
         let spec = files.spec().clone();
+        check_hybrid_layers(&spec)?;
         let mut log = Vec::new();
         let mut expert_bytes = None;
         let mut m = match expert_width_rule(cpu.expert_bits) {
@@ -692,6 +728,9 @@ impl GpuModel {
         expert_cache: Option<&ExpertCache>,
     ) -> Result<GpuModel> {
         check_gpu_layers(&spec)?;
+        if !matches!(experts, ExpertPlacement::Gpu) {
+            check_hybrid_layers(&spec)?;
+        }
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];

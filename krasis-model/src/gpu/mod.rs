@@ -31,7 +31,9 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 
 pub use self::deltanet::session_state_bytes;
 use self::layers::GpuKinds;
-pub use self::load::{check_gpu_layers, whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS};
+pub use self::load::{
+    check_gpu_layers, check_hybrid_layers, whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS,
+};
 pub use self::session::GpuSession;
 use self::session::{DeltaRows, KvRows, StepIo};
 use crate::error::{ModelError, Result};

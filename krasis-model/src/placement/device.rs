@@ -64,11 +64,17 @@ pub fn choose_device(
         }
         return Ok(choice(DevicePath::Cpu, config.clone(), format!("auto: {e}; running on the CPU")));
     }
+    // Experts the hybrid engine does not run (gpt-oss's biased experts): whole on the GPU, else
+    // the CPU under `auto`; an error for an explicit hybrid.
+    let no_hybrid = crate::gpu::check_hybrid_layers(spec).err();
     match config.device {
         DevicePolicy::Cpu => Ok(choice(DevicePath::Cpu, config.clone(), "as asked".into())),
         DevicePolicy::Hybrid => {
             if let GpuFound::Absent(e) = gpu {
                 return Err(ModelError::Invalid(format!("`DevicePolicy::Hybrid`: {e}")));
+            }
+            if let Some(e) = no_hybrid {
+                return Err(e);
             }
             let why = format!("as asked: routed experts on the CPU, the rest on CUDA device {ordinal}");
             Ok(choice(DevicePath::Hybrid, hybrid_defaults(spec, config, heatmap), why))
@@ -105,6 +111,9 @@ pub fn choose_device(
                 GpuFound::Usable { budget } => *budget,
             };
             let hybrid = |reason: String| {
+                if let Some(e) = &no_hybrid {
+                    return choice(DevicePath::Cpu, config.clone(), format!("auto: {reason}; {e}; running on the CPU"));
+                }
                 let cfg = hybrid_defaults(spec, config, heatmap.clone());
                 let why = format!(
                     "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
@@ -131,7 +140,8 @@ pub fn choose_device(
                 format_bytes(budget)
             );
             let fallback = hybrid("the GPU could not take the whole model".into());
-            Ok(DeviceChoice { hybrid_fallback: Some(Box::new(fallback)), ..choice(DevicePath::Gpu, whole, why) })
+            let fallback = (fallback.path == DevicePath::Hybrid).then(|| Box::new(fallback));
+            Ok(DeviceChoice { hybrid_fallback: fallback, ..choice(DevicePath::Gpu, whole, why) })
         }
     }
 }
@@ -249,19 +259,25 @@ mod tests {
         assert!(c.why.contains("no GPU in use: no driver"), "{}", c.why);
     }
 
-    /// A model whose options only the CPU ops take (gpt-oss's sinks, windows, biased experts,
-    /// clamped SwiGLU): `auto` takes the CPU and says why; GPU and hybrid are refused.
+    /// gpt-oss (sinks, windows, a biased router, biased experts with the clamped SwiGLU): the
+    /// whole-GPU engine takes it (`auto` with room for it, with no hybrid fallback); the hybrid
+    /// engine does not (its host and streamed experts take no biases): an explicit hybrid is
+    /// refused, and `auto` without the room takes the CPU and says why.
     #[test]
-    fn cpu_only_layers_take_the_cpu_under_auto() {
+    fn gpt_oss_runs_whole_on_the_gpu_or_on_the_cpu() {
         let text = preset_config(Preset::GptOss120b, Some(2)).to_string();
         let s = crate::arch::parse_config(&text, std::path::Path::new("config.json")).unwrap();
         let c = choose_device(&s, &config(DevicePolicy::Auto), false, false, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Gpu, "{}", c.why);
+        assert!(c.hybrid_fallback.is_none());
+        let c = choose_device(&s, &config(DevicePolicy::Gpu), false, false, &BIG, None).unwrap();
+        assert_eq!(c.path, DevicePath::Gpu);
+        let e = choose_device(&s, &config(DevicePolicy::Hybrid), false, false, &BIG, None).unwrap_err().to_string();
+        assert!(e.contains("do not run on the hybrid engine") && e.contains("clamped SwiGLU"), "{e}");
+        let small = GpuFound::Usable { budget: 1 << 20 };
+        let c = choose_device(&s, &config(DevicePolicy::Auto), false, false, &small, None).unwrap();
         assert_eq!(c.path, DevicePath::Cpu);
-        assert!(c.why.contains("attention sinks") && c.why.contains("clamped SwiGLU"), "{}", c.why);
-        for d in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
-            let e = choose_device(&s, &config(d), false, false, &BIG, None).unwrap_err().to_string();
-            assert!(e.contains("do not run on the GPU engine"), "{e}");
-        }
+        assert!(c.why.contains("biased experts") && c.why.contains("running on the CPU"), "{}", c.why);
         let c = choose_device(&s, &config(DevicePolicy::Cpu), false, false, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Cpu);
     }
