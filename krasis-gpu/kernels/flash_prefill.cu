@@ -30,7 +30,8 @@
 //
 // Options (gpt-oss), the same in every kernel: `window` > 0 is a sliding window (query i sees keys
 // q_start + i - window < s <= q_start + i; keys below it are masked like those past the diagonal,
-// and a warp skips the products of a tile none of its rows sees, but the tiles are still staged),
+// a block starts at the key tile of its first query's first visible key (no earlier tile is
+// staged), and a warp skips the products of a later tile none of its rows sees),
 // `sinks` (BF16 [heads], or null) one sink logit per head: one more softmax column that joins the
 // denominator where the output is normalised, e^(sink - m), and adds nothing to the output.
 //
@@ -383,16 +384,19 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     const int q_last = min(q0 + MMA_BQ, n_q) - 1;
     const int key_end = min(q_start + q_last + 1, n_kv);
     const int n_tiles = (key_end + MMA_BK - 1) / MMA_BK;
+    // The first key tile any row of the block sees (0 without a window); buffers alternate from it.
+    const int t0 = window > 0 ? max(0, q_start + q0 - window + 1) / MMA_BK : 0;
 
     const bool vqa = vec_mask & VEC_QA, vqb = vec_mask & VEC_QB, vka = vec_mask & VEC_KA, vkb = vec_mask & VEC_KB,
                vvv = vec_mask & VEC_V;
 
-    // Q tile -> buffer 1 (K rows), key tile 0 -> buffer 0.
+    // Q tile -> buffer 1 (K rows), key tile t0 -> buffer 0.
     stage_part(kbuf1, ldk, 0, q_a, qa_ts, qa_hs, h, da, da_pad, q0, n_q, vqa);
     if (db > 0) stage_part(kbuf1, ldk, da_pad, q_b, qb_ts, qb_hs, h, db, db_pad, q0, n_q, vqb);
-    stage_part(kbuf0, ldk, 0, k_a, ka_ts, ka_hs, g, da, da_pad, 0, n_kv, vka);
-    if (db > 0) stage_part(kbuf0, ldk, da_pad, k_b, kb_ts, kb_hs, g, db, db_pad, 0, n_kv, vkb);
-    stage_part(kbuf0 + MMA_BK * ldk, ldv, 0, v, v_ts, v_hs, g, dv, dv_pad, 0, n_kv, vvv);
+    const int kb0 = t0 * MMA_BK;
+    stage_part(kbuf0, ldk, 0, k_a, ka_ts, ka_hs, g, da, da_pad, kb0, n_kv, vka);
+    if (db > 0) stage_part(kbuf0, ldk, da_pad, k_b, kb_ts, kb_hs, g, db, db_pad, kb0, n_kv, vkb);
+    stage_part(kbuf0 + MMA_BK * ldk, ldv, 0, v, v_ts, v_hs, g, dv, dv_pad, kb0, n_kv, vvv);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -427,10 +431,10 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
     const int warp_lo_max = window_lo(warp_lim, window);  // keys below it are hidden from some row
     const u32 v_lane = (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + ((lane >> 4) << 3)) * 2u;
 
-    for (int t = 0; t < n_tiles; ++t) {
+    for (int t = t0; t < n_tiles; ++t) {
         // Prefetch tile t+1 into the other buffer (freed by the barrier ending iteration t-1).
         if (t + 1 < n_tiles) {
-            bf16_t* nb = ((t + 1) & 1) ? kbuf1 : kbuf0;
+            bf16_t* nb = ((t + 1 - t0) & 1) ? kbuf1 : kbuf0;
             const int kb1 = (t + 1) * MMA_BK;
             stage_part(nb, ldk, 0, k_a, ka_ts, ka_hs, g, da, da_pad, kb1, n_kv, vka);
             if (db > 0) stage_part(nb, ldk, da_pad, k_b, kb_ts, kb_hs, g, db, db_pad, kb1, n_kv, vkb);
@@ -441,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
         __syncthreads();    // ... and for everyone's
 
         const int kb = t * MMA_BK;
-        const bf16_t* ks = (t & 1) ? kbuf1 : kbuf0;
+        const bf16_t* ks = ((t - t0) & 1) ? kbuf1 : kbuf0;
         const bf16_t* vs = ks + MMA_BK * ldk;
 
         if (kb <= warp_lim && kb + MMA_BK - 1 >= warp_lo) {
@@ -604,6 +608,8 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
     const int q_last = min(q0 + FIX_BQ, n_q) - 1;
     const int key_end = min(q_start + q_last + 1, n_kv);
     const int n_tiles = (key_end + FIX_BK - 1) / FIX_BK;
+    // The first key tile any row of the block sees (0 without a window); stages rotate from it.
+    const int t0 = window > 0 ? max(0, q_start + q0 - window + 1) / FIX_BK : 0;
 
     const long long qa_h = (long long)h * qa_hs, qb_h = (long long)h * qb_hs;
     const long long ka_h = (long long)g * ka_hs, kb_h = (long long)g * kb_hs, v_h = (long long)g * v_hs;
@@ -620,12 +626,12 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
         v_part.copy(base + K_ELEMS * 2, kb0, n_kv);
     };
 
-    // Group 0: Q and key tile 0; group 1: key tile 1 (maybe empty).
+    // Group 0: Q and key tile t0; group 1: key tile t0 + 1 (maybe empty).
     FixPart<FIX_BQ, DA, LDK>(q_a, qa_ts, qa_h, da).copy(sq, q0, n_q);
     FixPart<FIX_BQ, DB, LDK>(q_b, qb_ts, qb_h, db).copy(sq + DA * 2, q0, n_q);
-    stage_tile(0, 0);
+    stage_tile(t0, 0);
     cp_async_commit();
-    if (n_tiles > 1) stage_tile(1, 1);
+    if (n_tiles > t0 + 1) stage_tile(t0 + 1, 1);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
@@ -656,8 +662,8 @@ __device__ __forceinline__ void flash_prefill_fixed(FLASH_TILE_PARAMS) {
     const u32 v_lane = (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * LDV + ((lane >> 4) << 3)) * 2u;
 
     int slot = 0;
-    for (int t = 0; t < n_tiles; ++t) {
-        if (t > 0) {
+    for (int t = t0; t < n_tiles; ++t) {
+        if (t > t0) {
             cp_async_wait<1>();  // tile t has landed for this thread's copies ...
             __syncthreads();    // ... and everyone's; and everyone is done with tile t-1's stage
         }
@@ -937,6 +943,8 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
     const int q_last = min(q0 + WG_BQ, n_q) - 1;
     const int key_end = min(q_start + q_last + 1, n_kv);
     const int n_tiles = (key_end + BK - 1) / BK;
+    // The first key tile any row of the block sees (0 without a window).
+    const int t0 = window > 0 ? max(0, q_start + q0 - window + 1) / BK : 0;
 
     const long long qa_h = (long long)h * qa_hs, qb_h = (long long)h * qb_hs;
     const long long ka_h = (long long)g * ka_hs, kb_h = (long long)g * kb_hs, v_h = (long long)g * v_hs;
@@ -948,14 +956,14 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
         wg_copy_part<BK, DV, true>(base + K_BYTES, 0, v, v_ts, v_h, dv, kb0, n_kv);
     };
 
-    // Groups: Q with key tile 0, then tiles 1 .. AHEAD-1 (maybe empty).
+    // Groups: Q with key tile t0, then tiles t0 + 1 .. t0 + AHEAD-1 (maybe empty).
     wg_copy_part<WG_BQ, DA, Q_SMEM>(sq, 0, q_a, qa_ts, qa_h, da, q0, n_q);
     wg_copy_part<WG_BQ, DB, Q_SMEM>(sq, DA / 8, q_b, qb_ts, qb_h, db, q0, n_q);
-    stage_tile(0);
+    stage_tile(t0);
     cp_async_commit();
 #pragma unroll
-    for (int t = 1; t < AHEAD; ++t) {
-        if (t < n_tiles) stage_tile(t);
+    for (int i = 1; i < AHEAD; ++i) {
+        if (t0 + i < n_tiles) stage_tile(t0 + i);
         cp_async_commit();
     }
 
@@ -1045,7 +1053,7 @@ __device__ __forceinline__ void flash_prefill_wgmma(FLASH_TILE_PARAMS) {
     // overlaps warpgroup 1's product (and the other way round for P V). Every tile, warpgroup 0
     // arrives once and warpgroup 1 waits once, computing or not. (Issuing tile t's S together with
     // tile t - 1's P V and overlapping the softmax with the latter measured slower on the H200.)
-    int t = 0;
+    int t = t0;
     for (; t < my_tiles; ++t) {
         next_tile(t);
         if (wg == 1) wg_bar_sync();

@@ -38,9 +38,10 @@
 //! # Options
 //!
 //! [`GpuDevice::flash_prefill_opts`] takes [`AttnOptions`] (gpt-oss): a sliding window (keys
-//! before a query's window are masked like those past its diagonal; a warp skips the products of
-//! a tile none of its rows sees, though every tile up to the diagonal is still staged) and one
-//! sink logit per head (one more softmax column in the denominator). Every kernel takes them.
+//! before a query's window are masked like those past its diagonal; a block starts at the key
+//! tile of its first query's window, and a warp skips the products of a later tile none of its
+//! rows sees) and one sink logit per head (one more softmax column in the denominator). Every
+//! kernel takes them.
 
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
