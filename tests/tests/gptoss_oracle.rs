@@ -16,10 +16,11 @@
 //! - bad input: MXFP4 scales whose shape disagrees with the blocks, a NaN scale: errors naming
 //!   the tensor, on the reference path and the expert cache alike;
 //! - the whole-GPU engine (every option an option of the GPU kernels; the MXFP4 experts
-//!   dequantised exactly to BF16, or requantised to INT4) within the transformers-BF16 bar on the
-//!   prefill and the teacher-forced greedy steps (`family_checks::gpu_and_hybrid_on`, skipped
-//!   visibly without a GPU); the hybrid engine refuses both fixtures with an error that says why
-//!   (its host and streamed experts take no biases), with or without a GPU.
+//!   dequantised exactly to BF16, or requantised to INT4) and the hybrid (its routed experts on
+//!   the CPU, BF16 reference or INT4) within the transformers-BF16 bar on the prefill and the
+//!   teacher-forced greedy steps (`family_checks::gpu_and_hybrid`, skipped visibly without a
+//!   GPU); a hybrid asked to stream the experts to the GPU, whose experts take no biases there
+//!   yet, is refused with an error that says why (checked with or without a GPU).
 
 use krasis_model::cpu::quantized::{cache_fp4, open_expert_cache, WeightBits};
 use krasis_model::cpu::Model;
@@ -38,18 +39,19 @@ fn reference_path(name: &str) {
     }
 }
 
-/// The whole-GPU engine within the BF16 bar (prefill and decode steps: the sliding window of 8
-/// is shorter than the prompt), and the hybrid engine's refusal.
-fn gpu_and_hybrid_refused(name: &str) {
-    krasis_tests::family_checks::gpu_and_hybrid_on(name, true, &["gpu"]);
+/// The whole-GPU and hybrid engines within the BF16 bar (prefill and decode steps: the sliding
+/// window of 8 is shorter than the prompt; the hybrid keeps the experts on the CPU), and a hybrid
+/// asked to stream the experts to the GPU refused, naming why (checked without a GPU too).
+fn gpu_and_hybrid(name: &str) {
+    krasis_tests::family_checks::gpu_and_hybrid(name, true);
     let Some(dir) = fixture_next(name) else { return };
-    let gpu = krasis_model::gpu::GpuOptions::default();
+    let gpu = krasis_model::gpu::GpuOptions { expert_bits: Some(krasis_quant::Bits::Int4), ..Default::default() };
     let cpu = krasis_model::cpu::load::EngineOptions { threads: Some(1), ..Default::default() };
     let e = match krasis_model::gpu::GpuModel::load_hybrid(&dir, &gpu, &cpu) {
-        Ok(_) => panic!("{name}: the hybrid engine took biased experts"),
+        Ok(_) => panic!("{name}: the hybrid engine streamed biased experts to the GPU"),
         Err(e) => e.to_string(),
     };
-    assert!(e.contains("biased experts") && e.contains("do not run on the hybrid engine"), "{name}: {e}");
+    assert!(e.contains("biased experts") && e.contains("hybrid engine's GPU experts"), "{name}: {e}");
 }
 
 mod gptoss {
@@ -58,8 +60,8 @@ mod gptoss {
         super::reference_path("gptoss-tiny");
     }
     #[test]
-    fn gpu_within_the_bf16_bounds_and_hybrid_refused() {
-        super::gpu_and_hybrid_refused("gptoss-tiny");
+    fn gpu_and_hybrid_within_the_bf16_bounds() {
+        super::gpu_and_hybrid("gptoss-tiny");
     }
     #[test]
     fn quantised_cpu_experts_within_the_ideal_bounds() {
@@ -73,8 +75,8 @@ mod gptoss_mxfp4 {
         super::reference_path("gptoss-mxfp4-tiny");
     }
     #[test]
-    fn gpu_within_the_bf16_bounds_and_hybrid_refused() {
-        super::gpu_and_hybrid_refused("gptoss-mxfp4-tiny");
+    fn gpu_and_hybrid_within_the_bf16_bounds() {
+        super::gpu_and_hybrid("gptoss-mxfp4-tiny");
     }
     #[test]
     fn quantised_cpu_experts_within_the_ideal_bounds() {

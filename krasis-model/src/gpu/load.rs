@@ -67,7 +67,7 @@ pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
     use krasis_gpu::delta_rule::{MAX_CONV_KERNEL, MAX_KEY_DIM};
     // gpt-oss's attention sinks and sliding windows, its router's logit bias, its experts' biases
     // and clamped SwiGLU are options of the GPU ops; the hybrid engine's limits are
-    // [`check_hybrid_layers`]'s.
+    // [`check_hybrid_gpu_experts`]'.
     if let Some(d) = &spec.delta_net {
         if d.key_dim > MAX_KEY_DIM || d.conv_kernel == 0 || d.conv_kernel > MAX_CONV_KERNEL {
             return Err(ModelError::Invalid(format!(
@@ -81,11 +81,12 @@ pub fn check_gpu_layers(spec: &ModelSpec) -> Result<()> {
     Ok(())
 }
 
-/// Whether the hybrid engine runs `spec`'s routed experts: its host experts are handed to the
-/// CPU expert backends and its long prefills stream experts to GPU slots, neither of which takes
-/// the experts' biases or an activation other than SiLU yet (gpt-oss), so those models run whole
-/// on the GPU or on the CPU.
-pub fn check_hybrid_layers(spec: &ModelSpec) -> Result<()> {
+/// Whether the hybrid engine may put `spec`'s routed experts on the GPU: a long prefill's
+/// streamed experts, pinned or pooled experts, and a split layer's GPU share run renumbered
+/// experts that take neither the experts' biases nor an activation other than SiLU yet (gpt-oss).
+/// Such a model's hybrid engine keeps every routed expert on the CPU (whose expert backends take
+/// both): `GpuOptions::expert_bits` and `GpuOptions::cache` must be unset for it.
+pub fn check_hybrid_gpu_experts(spec: &ModelSpec) -> Result<()> {
     let missing: Vec<&str> = [
         (spec.expert_bias, "biased experts"),
         (spec.expert_activation != crate::spec::ExpertActivation::Silu, "the clamped SwiGLU"),
@@ -98,7 +99,7 @@ pub fn check_hybrid_layers(spec: &ModelSpec) -> Result<()> {
         return Ok(());
     }
     Err(ModelError::Invalid(format!(
-        "{}: {} do not run on the hybrid engine yet (its host and streamed experts do not take them); the whole-GPU and CPU engines run them",
+        "{}: {} do not run on the hybrid engine's GPU experts yet (streamed, pinned or pooled); its routed experts stay on the CPU, so `GpuOptions::expert_bits` and `GpuOptions::cache` must be unset",
         spec.arch.model_type(),
         missing.join(" and ")
     )))
@@ -343,7 +344,9 @@ impl WeightBuilder for GpuBuilder<'_> {
                 return Ok(GpuExpertBackend::Host(Arc::new(ExecutorLayer { executor: executor.clone(), layer })))
             }
             ExpertPlacement::HostReference => {
-                return Ok(GpuExpertBackend::Host(Arc::new(ReferenceExperts::load(&self.w, h, experts)?)))
+                let reference =
+                    ReferenceExperts::load(&self.w, h, experts)?.with_activation(self.spec.expert_activation);
+                return Ok(GpuExpertBackend::Host(Arc::new(reference)));
             }
             ExpertPlacement::Gpu => {}
         }
@@ -441,7 +444,9 @@ impl GpuModel {
     /// (the source mapping lives there).
     pub fn hybrid_from_files(files: &ModelFiles, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
         let spec = files.spec().clone();
-        check_hybrid_layers(&spec)?;
+        if gpu.expert_bits.is_some() || gpu.cache.is_some() {
+            check_hybrid_gpu_experts(&spec)?;
+        }
         let mut log = Vec::new();
         let mut expert_bytes = None;
         let mut m = match expert_width_rule(cpu.expert_bits) {
@@ -728,9 +733,6 @@ impl GpuModel {
         expert_cache: Option<&ExpertCache>,
     ) -> Result<GpuModel> {
         check_gpu_layers(&spec)?;
-        if !matches!(experts, ExpertPlacement::Gpu) {
-            check_hybrid_layers(&spec)?;
-        }
         let started = Instant::now();
         let dev = GpuDevice::open(opts.ordinal, opts.vram_budget)?;
         let mut log = vec![format!("GPU {}: {}; kernels {}", opts.ordinal, dev.info(), dev.target())];

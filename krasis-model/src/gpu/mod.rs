@@ -32,7 +32,7 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, VramBudgetSpec};
 pub use self::deltanet::session_state_bytes;
 use self::layers::GpuKinds;
 pub use self::load::{
-    check_gpu_layers, check_hybrid_layers, whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS,
+    check_gpu_layers, check_hybrid_gpu_experts, whole_model_vram_bytes, ExpertPlacement, MIN_USEFUL_KV_TOKENS,
 };
 pub use self::session::GpuSession;
 use self::session::{DeltaRows, KvRows, StepIo};

@@ -64,16 +64,18 @@ pub fn choose_device(
         }
         return Ok(choice(DevicePath::Cpu, config.clone(), format!("auto: {e}; running on the CPU")));
     }
-    // Experts the hybrid engine does not run (gpt-oss's biased experts): whole on the GPU, else
-    // the CPU under `auto`; an error for an explicit hybrid.
-    let no_hybrid = crate::gpu::check_hybrid_layers(spec).err();
     match config.device {
         DevicePolicy::Cpu => Ok(choice(DevicePath::Cpu, config.clone(), "as asked".into())),
         DevicePolicy::Hybrid => {
             if let GpuFound::Absent(e) = gpu {
                 return Err(ModelError::Invalid(format!("`DevicePolicy::Hybrid`: {e}")));
             }
-            if let Some(e) = no_hybrid {
+            // Experts the hybrid's GPU side does not run (gpt-oss's biased experts) stay on the
+            // CPU: asking to stream or pin them is an error.
+            let asks_gpu_experts = config.gpu.expert_bits.is_some()
+                || config.gpu_expert_width.int_bits().is_some()
+                || config.gpu.cache.is_some();
+            if let (Err(e), true) = (crate::gpu::check_hybrid_gpu_experts(spec), asks_gpu_experts) {
                 return Err(e);
             }
             let why = format!("as asked: routed experts on the CPU, the rest on CUDA device {ordinal}");
@@ -111,9 +113,6 @@ pub fn choose_device(
                 GpuFound::Usable { budget } => *budget,
             };
             let hybrid = |reason: String| {
-                if let Some(e) = &no_hybrid {
-                    return choice(DevicePath::Cpu, config.clone(), format!("auto: {reason}; {e}; running on the CPU"));
-                }
                 let cfg = hybrid_defaults(spec, config, heatmap.clone());
                 let why = format!(
                     "auto: {reason}; routed experts {} on the CPU, the rest on CUDA device {ordinal}",
@@ -140,8 +139,7 @@ pub fn choose_device(
                 format_bytes(budget)
             );
             let fallback = hybrid("the GPU could not take the whole model".into());
-            let fallback = (fallback.path == DevicePath::Hybrid).then(|| Box::new(fallback));
-            Ok(DeviceChoice { hybrid_fallback: fallback, ..choice(DevicePath::Gpu, whole, why) })
+            Ok(DeviceChoice { hybrid_fallback: Some(Box::new(fallback)), ..choice(DevicePath::Gpu, whole, why) })
         }
     }
 }
@@ -197,6 +195,14 @@ pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConf
 /// strategy was given or pinning is off.
 pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<PathBuf>) -> EngineConfig {
     let mut cfg = config.clone();
+    // Experts the hybrid's GPU side does not run (gpt-oss's biased experts): all on the CPU, none
+    // streamed or pinned.
+    if crate::gpu::check_hybrid_gpu_experts(spec).is_err() {
+        cfg.gpu.expert_bits = None;
+        cfg.gpu_expert_width = WeightBits::Auto;
+        cfg.gpu.cache = None;
+        return cfg;
+    }
     if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = crate::placement::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
     }
@@ -260,24 +266,31 @@ mod tests {
     }
 
     /// gpt-oss (sinks, windows, a biased router, biased experts with the clamped SwiGLU): the
-    /// whole-GPU engine takes it (`auto` with room for it, with no hybrid fallback); the hybrid
-    /// engine does not (its host and streamed experts take no biases): an explicit hybrid is
-    /// refused, and `auto` without the room takes the CPU and says why.
+    /// whole-GPU engine takes it (`auto` with room for it); the hybrid engine keeps its routed
+    /// experts on the CPU (its GPU experts take no biases): no streaming or pinning by default
+    /// (auto's fallback, `auto` without the room, an explicit hybrid), and asking for them is an
+    /// error.
     #[test]
-    fn gpt_oss_runs_whole_on_the_gpu_or_on_the_cpu() {
+    fn gpt_oss_runs_whole_on_the_gpu_or_hybrid_with_the_experts_on_the_cpu() {
         let text = preset_config(Preset::GptOss120b, Some(2)).to_string();
         let s = crate::arch::parse_config(&text, std::path::Path::new("config.json")).unwrap();
+        let no_gpu_experts = |c: &EngineConfig| c.gpu.expert_bits.is_none() && c.gpu.cache.is_none();
         let c = choose_device(&s, &config(DevicePolicy::Auto), false, false, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Gpu, "{}", c.why);
-        assert!(c.hybrid_fallback.is_none());
+        let fallback = c.hybrid_fallback.expect("a hybrid fallback");
+        assert!(fallback.path == DevicePath::Hybrid && no_gpu_experts(&fallback.config));
         let c = choose_device(&s, &config(DevicePolicy::Gpu), false, false, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Gpu);
-        let e = choose_device(&s, &config(DevicePolicy::Hybrid), false, false, &BIG, None).unwrap_err().to_string();
-        assert!(e.contains("do not run on the hybrid engine") && e.contains("clamped SwiGLU"), "{e}");
+        let c = choose_device(&s, &config(DevicePolicy::Hybrid), false, false, &BIG, None).unwrap();
+        assert!(c.path == DevicePath::Hybrid && no_gpu_experts(&c.config), "{:?}", c.config.gpu);
         let small = GpuFound::Usable { budget: 1 << 20 };
         let c = choose_device(&s, &config(DevicePolicy::Auto), false, false, &small, None).unwrap();
-        assert_eq!(c.path, DevicePath::Cpu);
-        assert!(c.why.contains("biased experts") && c.why.contains("running on the CPU"), "{}", c.why);
+        assert!(c.path == DevicePath::Hybrid && no_gpu_experts(&c.config), "{}", c.why);
+        let mut streams = config(DevicePolicy::Hybrid);
+        streams.gpu.expert_bits = Some(krasis_quant::Bits::Int4);
+        streams.cpu.expert_bits = WeightBits::Int4;
+        let e = choose_device(&s, &streams, true, false, &BIG, None).unwrap_err().to_string();
+        assert!(e.contains("hybrid engine's GPU experts") && e.contains("clamped SwiGLU"), "{e}");
         let c = choose_device(&s, &config(DevicePolicy::Cpu), false, false, &BIG, None).unwrap();
         assert_eq!(c.path, DevicePath::Cpu);
     }
