@@ -47,10 +47,12 @@ T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --form
 export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
 LOAD="python3 scripts/serve-load.py --ids $IDS"
 
-# Waits (up to $2 s) until the server at port $1 answers /health with 200; 1 if it does not.
+# Waits (up to $2 s) until the server at port $1 answers /health with 200; 1 if it does not or if the
+# process $3 (when given) has exited.
 wait_health() {
     local end=$(( $(date +%s) + $2 ))
     while [ "$(date +%s)" -lt $end ]; do
+        [ -n "${3:-}" ] && ! kill -0 "$3" 2>/dev/null && return 1 # the server exited
         [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$1/health")" = 200 ] && return 0
         sleep 1
     done
@@ -110,7 +112,7 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
         T "krasis serve --device $DEVICE (INT4 CPU experts, $STREAMS batch slots)"
         $K serve --model $M --device "$DEVICE" --cpu-expert-bits 4 --cache-strategy "${CACHE_STRATEGY:-none}" --max-batch "$STREAMS" --kv-tokens $((LONG * 2)) --port 8101 \
             --served-model-name "$PRESET" > /tmp/krasis-serve.log 2>&1 & KS=$!
-        if wait_health 8101 "$(( $(left) - 60 ))"; then
+        if wait_health 8101 "$(( $(left) - 60 ))" $KS; then
             grep -E "device|placement|loaded|serving|prefix" /tmp/krasis-serve.log | head -8
             measure 8101 krasis-scaling scaling --levels "1,8,$STREAMS" --prompt-tokens 128 --decode-tokens 256
             measure 8101 krasis-load load --streams "$STREAMS" --long 4 --long-tokens "$LONG" --short-tokens 128 --decode-tokens "$DECODE"
@@ -133,7 +135,7 @@ if has llama && [ -f $G ] && [ -x $LB/bin/llama-server ]; then
         T "llama-server -np $np -c $((np * ctx)) -ngl 99 -ot exps=CPU -t $(nproc)"
         $LB/bin/llama-server -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -np "$np" -c $((np * ctx)) --port 8102 \
             --metrics > "/tmp/$name-server.log" 2>&1 & LS=$!
-        if wait_health 8102 120; then measure 8102 "$name" "$@"; else T "llama-server did not come up"; tail -20 "/tmp/$name-server.log"; fi
+        if wait_health 8102 120 $LS; then measure 8102 "$name" "$@"; else T "llama-server did not come up"; tail -20 "/tmp/$name-server.log"; fi
         stop $LS; cp "/tmp/$name-server.log" "$R/$name-server.log"
     }
     for n in 1 8 "$STREAMS"; do llama "$n" 1024 "llama-scaling-$n" scaling --levels "$n" --prompt-tokens 128 --decode-tokens 256; done
