@@ -236,3 +236,51 @@ fn the_measured_chunk_follows_the_prefill_rate() {
     metrics.record_step(1, 1_000_000, 0, std::time::Duration::from_secs(1));
     assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
 }
+
+/// Prompts that arrive while a batch decodes (the mix that stalled the hybrid engine at 32
+/// streams on the GPU box, 2026-11-29) join with chunks beside the decoding streams, and every
+/// request finishes with all its tokens.
+#[test]
+fn prompts_arriving_while_a_batch_decodes_all_finish() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (engine, codec) = engine(tmp.path());
+    let metrics = Arc::new(Metrics::default());
+    let config = Config {
+        max_batch: 12,
+        max_queue: 4,
+        serial: false,
+        prefill_chunk: PrefillChunk::Fixed(48),
+        prefix_cache_bytes: 64 << 20,
+    };
+    let (sched, handle) = Scheduler::start(engine.clone(), codec, config, metrics.clone()).unwrap();
+    let prompt = |k: u32, n: u32| -> Vec<u32> { (0..n).map(|i| 3 + (i * 7 + k * 31) % 500).collect() };
+    let mut decoders = Vec::new();
+    for k in 0..8 {
+        let (j, rx) = job(prompt(k, 16), 30);
+        assert!(sched.submit(j).is_ok());
+        decoders.push(rx);
+    }
+    // Wait until the first stream has text, then send long prompts while the batch decodes.
+    let first = decoders[0].blocking_recv().expect("a first event");
+    assert!(matches!(first, Event::Text(_)), "{first:?}");
+    let mut late = Vec::new();
+    for k in 0..4 {
+        let (j, rx) = job(prompt(100 + k, 130), 5);
+        assert!(sched.submit(j).is_ok());
+        late.push(rx);
+    }
+    for rx in late {
+        let (_, f) = reply(rx);
+        assert_eq!((f.prompt_tokens, f.completion_tokens), (130, 5));
+    }
+    for rx in decoders.into_iter().skip(1) {
+        assert_eq!(reply(rx).1.completion_tokens, 30);
+    }
+    sched.shutdown();
+    handle.join().unwrap();
+    let steps = engine.steps.lock().unwrap().clone();
+    assert!(
+        steps.iter().any(|s| s.contains(&1) && s.iter().any(|&n| n > 1)),
+        "some step mixed decode tokens and a prompt chunk: {steps:?}"
+    );
+}
