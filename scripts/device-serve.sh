@@ -122,6 +122,12 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
         else
             T "krasis serve did not come up"; tail -20 /tmp/krasis-serve.log
         fi
+        # A stalled server (session 27: 32 streams stopped after 20 tokens) leaves its threads'
+        # stacks for the next session to read.
+        if grep -qs '"no \[DONE\]\|no \[DONE\]' "$R"/krasis-*.json && command -v gdb > /dev/null; then
+            T "a stream did not finish: the server's thread stacks to $R/krasis-threads.txt"
+            timeout 60 gdb -p "$KS" -batch -ex "thread apply all bt 30" > "$R/krasis-threads.txt" 2>&1
+        fi
         stop $KS; cp /tmp/krasis-serve.log "$R/krasis-serve.log"
     fi
 fi
