@@ -124,7 +124,7 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
         fi
         # A stalled server (session 27: 32 streams stopped after 20 tokens) leaves its threads'
         # stacks for the next session to read.
-        if grep -qs '"no \[DONE\]\|no \[DONE\]' "$R"/krasis-*.json && command -v gdb > /dev/null; then
+        if grep -qs 'no \[DONE\]' "$R"/krasis-*.json && command -v gdb > /dev/null; then
             T "a stream did not finish: the server's thread stacks to $R/krasis-threads.txt"
             timeout 60 gdb -p "$KS" -batch -ex "thread apply all bt 30" > "$R/krasis-threads.txt" 2>&1
         fi
