@@ -52,6 +52,12 @@ impl LayerKv {
         (self.k.len() + self.v.len()) * 4
     }
 
+    /// Gives back the rows' spare capacity (a kept prefix holds what it counts).
+    pub fn shrink(&mut self) {
+        self.k.shrink_to_fit();
+        self.v.shrink_to_fit();
+    }
+
     /// A copy holding positions `0..n` (`n` at most [`LayerKv::len`]).
     pub fn prefix(&self, n: usize) -> LayerKv {
         let n = n.min(self.len);

@@ -181,6 +181,7 @@ impl Session {
     /// its end.
     pub fn into_prefix(mut self) -> CpuPrefix {
         self.snapshot();
+        self.kv.iter_mut().for_each(LayerKv::shrink);
         let bytes = self.kv_bytes() + self.snapshots.iter().flat_map(|(_, d)| d).map(|d| d.bytes()).sum::<usize>();
         let layers = self.delta.len();
         CpuPrefix {
