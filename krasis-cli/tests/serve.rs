@@ -110,8 +110,19 @@ fn models_chat_and_completions_streamed_equal_whole() {
 fn eight_concurrent_streams_each_equal_its_solo_run() {
     // The reference path, whose rows do not depend on the batch: the quantised kernels choose
     // their form by a call's row count (BF16 tiles for a prefill from 32 tokens), so a batch of
-    // prompts can round differently from each alone.
-    let s = Server::start(&["--max-batch", "8", "--cpu-expert-bits", "bf16", "--cpu-dense-bits", "bf16"]);
+    // prompts can round differently from each alone. Each prompt runs whole in one step (no
+    // chunk limit), so that the sequence-steps below are exact; the together run resumes the solo
+    // runs' cached prefixes, which the reference path does exactly.
+    let s = Server::start(&[
+        "--max-batch",
+        "8",
+        "--cpu-expert-bits",
+        "bf16",
+        "--cpu-dense-bits",
+        "bf16",
+        "--prefill-chunk",
+        "100000",
+    ]);
     let bodies: Vec<Value> = (0..8u64)
         .map(|i| {
             let mut b = chat_body(&format!("Stream number {i} says"), 100 + i, 24 + i, true);
