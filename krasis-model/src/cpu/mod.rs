@@ -168,13 +168,11 @@ impl Session {
     /// Keeps the DeltaNet states at the current position (the oldest snapshot goes past
     /// [`crate::runtime::DELTA_SNAPSHOTS`]); nothing for attention-only models.
     pub fn snapshot(&mut self) {
-        if !self.has_recurrent_state() || self.snapshots.last().is_some_and(|(p, _)| *p == self.pos) {
-            return;
+        if self.has_recurrent_state() {
+            let delta = &self.delta;
+            let kept = crate::runtime::keep_snapshot(&mut self.snapshots, self.pos, || Ok(delta.clone()));
+            debug_assert!(kept.is_ok(), "a clone cannot fail");
         }
-        if self.snapshots.len() == crate::runtime::DELTA_SNAPSHOTS {
-            self.snapshots.remove(0);
-        }
-        self.snapshots.push((self.pos, self.delta.clone()));
     }
 
     /// This session as a saved prefix: its KV rows, and its DeltaNet states at its snapshots and
@@ -184,14 +182,7 @@ impl Session {
         self.kv.iter_mut().for_each(LayerKv::shrink);
         let bytes = self.kv_bytes() + self.snapshots.iter().flat_map(|(_, d)| d).map(|d| d.bytes()).sum::<usize>();
         let layers = self.delta.len();
-        CpuPrefix {
-            recurrent: self.has_recurrent_state(),
-            kv: self.kv,
-            points: self.snapshots,
-            len: self.pos,
-            bytes,
-            layers,
-        }
+        CpuPrefix { kv: self.kv, points: self.snapshots, len: self.pos, bytes, layers }
     }
 
     /// A session holding the first `n` tokens of `saved` (`n` must be
@@ -227,7 +218,6 @@ pub struct CpuPrefix {
     kv: Vec<LayerKv>,
     /// DeltaNet states by position (ascending; the last at `len`); empty for attention-only models.
     points: Vec<(usize, Vec<DeltaState>)>,
-    recurrent: bool,
     len: usize,
     bytes: usize,
     layers: usize,
@@ -243,10 +233,7 @@ impl crate::runtime::SavedPrefix for CpuPrefix {
     }
 
     fn resumable(&self, upto: usize) -> usize {
-        if !self.recurrent {
-            return upto.min(self.len);
-        }
-        self.points.iter().map(|(p, _)| *p).filter(|&p| p <= upto).max().unwrap_or(0)
+        crate::runtime::resumable_at(self.len, &self.points, upto)
     }
 }
 

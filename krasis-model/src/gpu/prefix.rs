@@ -9,14 +9,13 @@ use krasis_gpu::DeviceBuffer;
 
 use super::{GpuModel, GpuSession};
 use crate::error::{ModelError, Result};
-use crate::runtime::{SavedPrefix, DELTA_SNAPSHOTS};
+use crate::runtime::{keep_snapshot, SavedPrefix};
 
 /// A GPU session's state kept by the prefix cache.
 pub struct GpuPrefix {
     kv: KvPrefix,
     /// DeltaNet states by position (ascending; the last at `len`); empty without DeltaNet layers.
     points: Vec<(usize, DeviceBuffer<f32>)>,
-    recurrent: bool,
     len: usize,
 }
 
@@ -30,10 +29,7 @@ impl SavedPrefix for GpuPrefix {
     }
 
     fn resumable(&self, upto: usize) -> usize {
-        if !self.recurrent {
-            return upto.min(self.len);
-        }
-        self.points.iter().map(|(p, _)| *p).filter(|&p| p <= upto).max().unwrap_or(0)
+        crate::runtime::resumable_at(self.len, &self.points, upto)
     }
 }
 
@@ -41,22 +37,14 @@ impl GpuModel {
     /// Keeps `s`'s DeltaNet states at its position (nothing without DeltaNet layers).
     pub fn snapshot(&self, s: &mut GpuSession) -> Result<()> {
         let Some(delta) = s.delta.as_ref() else { return Ok(()) };
-        if s.snapshots.last().is_some_and(|(p, _)| *p == s.position) {
-            return Ok(());
-        }
-        let copy = delta.copy_state(&self.dev)?;
-        if s.snapshots.len() == DELTA_SNAPSHOTS {
-            s.snapshots.remove(0);
-        }
-        s.snapshots.push((s.position, copy));
-        Ok(())
+        keep_snapshot(&mut s.snapshots, s.position, || delta.copy_state(&self.dev))
     }
 
     /// `s`'s state as a saved prefix (its KV rows copied out, its snapshots moved).
     pub fn save_prefix(&self, mut s: GpuSession) -> Result<GpuPrefix> {
         self.snapshot(&mut s)?;
         let kv = s.kv.save_prefix(&self.dev, s.position)?;
-        Ok(GpuPrefix { kv, recurrent: s.delta.is_some(), points: std::mem::take(&mut s.snapshots), len: s.position })
+        Ok(GpuPrefix { kv, points: std::mem::take(&mut s.snapshots), len: s.position })
     }
 
     /// A new session holding the first `n` tokens of `saved` (`n` must be resumable).

@@ -56,6 +56,34 @@ pub trait EngineSession: Any + Send {
 /// departs from this one's tokens.
 pub const DELTA_SNAPSHOTS: usize = 3;
 
+/// [`SavedPrefix::resumable`] for a saved prefix of `len` tokens whose recurrent states were
+/// kept at `points` (ascending positions; none for an attention-only model, whose KV cache cuts
+/// anywhere): `upto` itself, or the latest snapshot at or below it (0: none).
+pub(crate) fn resumable_at<T>(len: usize, points: &[(usize, T)], upto: usize) -> usize {
+    if points.is_empty() {
+        return upto.min(len);
+    }
+    points.iter().map(|(p, _)| *p).filter(|&p| p <= upto).max().unwrap_or(0)
+}
+
+/// Keeps a snapshot `take()` of a session's recurrent state at `pos` in `snapshots` (once per
+/// position; the oldest goes past [`DELTA_SNAPSHOTS`]).
+pub(crate) fn keep_snapshot<T>(
+    snapshots: &mut Vec<(usize, T)>,
+    pos: usize,
+    take: impl FnOnce() -> Result<T>,
+) -> Result<()> {
+    if snapshots.last().is_some_and(|(p, _)| *p == pos) {
+        return Ok(());
+    }
+    let state = take()?;
+    if snapshots.len() == DELTA_SNAPSHOTS {
+        snapshots.remove(0);
+    }
+    snapshots.push((pos, state));
+    Ok(())
+}
+
 /// The state of a session's first [`SavedPrefix::len`] tokens, kept by the prefix cache
 /// ([`scheduler`]) for later requests that start with the same tokens. Made by
 /// [`Engine::save_prefix`], read (never changed) by [`Engine::resume_prefix`]: any number of
