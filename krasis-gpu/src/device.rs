@@ -400,6 +400,29 @@ impl GpuDevice {
         }
     }
 
+    /// What `stream` is doing now, for a stall report: `idle`, `busy` or the driver's error.
+    /// Safe from any thread (binds the context to it); enqueues nothing.
+    pub fn stream_state(&self, stream: &CudaStream) -> String {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            return format!("unknown ({e})");
+        }
+        // SAFETY: a query of a live stream.
+        match unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) } {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => "idle".into(),
+            cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => "busy".into(),
+            e => format!("error {e:?}"),
+        }
+    }
+
+    /// The state of the compute stream and of the side stream when made ([`GpuDevice::stream_state`]).
+    pub fn streams_state(&self) -> String {
+        let main = self.stream_state(&self.stream);
+        match self.side.get() {
+            Some(side) => format!("compute stream {main}, side stream {}", self.stream_state(&side.stream)),
+            None => format!("compute stream {main}"),
+        }
+    }
+
     /// The compute stream, also inside [`GpuDevice::on_side_stream`].
     pub(crate) fn main_stream(&self) -> &Arc<CudaStream> {
         &self.stream

@@ -566,6 +566,24 @@ impl ExpertStreamer {
         self.copied.load(Ordering::Relaxed)
     }
 
+    /// The copy stream's state and the slots' contents, for a stall report (the slots are
+    /// skipped while a call holds them).
+    pub fn describe_state(&self, dev: &GpuDevice) -> String {
+        let slots = match self.slots.try_lock() {
+            Ok(slots) => slots
+                .iter()
+                .enumerate()
+                .map(|(i, s)| match s.layer {
+                    Some(l) => format!("slot {i}: MoE layer {l}, experts {}..{}", s.first, s.first + s.present),
+                    None => format!("slot {i}: empty"),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
+            Err(_) => "slots held by the call".into(),
+        };
+        format!("expert stream: copy stream {}, {slots}", dev.stream_state(&self.copy))
+    }
+
     /// One line for the load log.
     pub fn describe(&self) -> String {
         let slots = if self.chunked() {

@@ -20,6 +20,7 @@
 //! output. Buffers grow to the largest call seen; decode steps allocate nothing on the device or
 //! in host memory.
 
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -302,6 +303,11 @@ impl HostStaging {
         Ok(seq)
     }
 
+    /// The flags (`ready`, `go`) and the last sequence number handed out, for a stall report.
+    pub fn progress(&self) -> Option<(Arc<HostFlag>, Arc<HostFlag>, u64)> {
+        self.flags.as_ref().map(|(r, g)| (r.clone(), g.clone(), self.seq))
+    }
+
     /// The device address of the published expert ids (mapped host memory), valid after `send`
     /// until the layer's hand-off is served.
     pub fn published_ids(&self) -> u64 {
@@ -424,6 +430,8 @@ unsafe impl Send for DevicePtrForThread {}
 /// a decode step allocates nothing and starts no thread.
 pub(crate) struct ExpertServer {
     tx: SyncSender<Msg>,
+    /// What the thread is doing (for a stall report).
+    state: Arc<ServerState>,
     /// The replies to `End`; locked for a whole call, which serialises the calls of different
     /// sessions (their messages must not interleave).
     replies: std::sync::Mutex<Receiver<Result<HandoffStats>>>,
@@ -436,6 +444,8 @@ impl ExpertServer {
     pub fn start(experts: Vec<Option<Arc<dyn LayerExperts>>>, pool: Option<Arc<WorkerPool>>) -> Result<Self> {
         let (tx, rx) = sync_channel(SERVER_QUEUE);
         let (reply_tx, replies) = sync_channel(1);
+        let state = Arc::new(ServerState::default());
+        let st = state.clone();
         let thread = std::thread::Builder::new()
             .name("krasis-experts".into())
             .spawn(move || {
@@ -443,12 +453,17 @@ impl ExpertServer {
                 // The expert backends hold the pool themselves; any dense op they run through
                 // `krasis_cpu::par` runs on it too.
                 match pool.as_deref() {
-                    Some(pool) => krasis_cpu::par::with_pool(pool, || serve(rx, reply_tx, &experts)),
-                    None => serve(rx, reply_tx, &experts),
+                    Some(pool) => krasis_cpu::par::with_pool(pool, || serve(rx, reply_tx, &experts, &st)),
+                    None => serve(rx, reply_tx, &experts, &st),
                 }
             })
             .map_err(|e| ModelError::Invalid(format!("starting the CPU expert thread: {e}")))?;
-        Ok(ExpertServer { tx, replies: std::sync::Mutex::new(replies), thread: Some(thread) })
+        Ok(ExpertServer { tx, state, replies: std::sync::Mutex::new(replies), thread: Some(thread) })
+    }
+
+    /// What the thread is doing now, in words (a stall report).
+    pub fn describe_state(&self) -> String {
+        self.state.describe()
     }
 
     fn send(&self, m: Msg) -> Result<()> {
@@ -464,6 +479,47 @@ impl Drop for ExpertServer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// What the expert thread is doing, stored as it goes (relaxed atomics: a stall report reads
+/// them from another thread; nothing depends on them).
+#[derive(Default)]
+struct ServerState {
+    phase: AtomicU8,
+    seq: AtomicU64,
+    layer: AtomicU64,
+    calls: AtomicU64,
+}
+
+/// [`ServerState::phase`] values.
+const PHASE_IDLE: u8 = 0;
+const PHASE_IN_CALL: u8 = 1;
+const PHASE_WAIT_READY: u8 = 2;
+const PHASE_EXPERTS: u8 = 3;
+const PHASE_PREFETCH: u8 = 4;
+
+impl ServerState {
+    fn set(&self, phase: u8, work: Option<&HostWork>) {
+        if let Some(w) = work {
+            self.seq.store(w.seq, Ordering::Relaxed);
+            self.layer.store(w.layer as u64, Ordering::Relaxed);
+        }
+        self.phase.store(phase, Ordering::Relaxed);
+    }
+
+    fn describe(&self) -> String {
+        let (seq, layer) = (self.seq.load(Ordering::Relaxed), self.layer.load(Ordering::Relaxed));
+        let calls = self.calls.load(Ordering::Relaxed);
+        let what = match self.phase.load(Ordering::Relaxed) {
+            PHASE_IDLE => "between calls".to_string(),
+            PHASE_IN_CALL => format!("in a call, waiting for its next message (last hand-off {seq}, layer {layer})"),
+            PHASE_WAIT_READY => format!("waiting for hand-off {seq}'s ready flag (layer {layer})"),
+            PHASE_EXPERTS => format!("running layer {layer}'s experts (hand-off {seq})"),
+            PHASE_PREFETCH => format!("prefetching after hand-off {seq} (layer {layer})"),
+            p => format!("phase {p}"),
+        };
+        format!("expert thread {what}; {calls} calls begun")
     }
 }
 
@@ -497,7 +553,12 @@ pub(crate) fn with_expert_server<R>(
 /// are on the host, run the layer's experts, release the stream. After an error the stream is
 /// still released (with every later hand-off of the call), so the launching thread's final
 /// synchronisation cannot hang; the error is the call's reply.
-fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: &[Option<Arc<dyn LayerExperts>>]) {
+fn serve(
+    rx: Receiver<Msg>,
+    replies: SyncSender<Result<HandoffStats>>,
+    experts: &[Option<Arc<dyn LayerExperts>>],
+    state: &ServerState,
+) {
     let mut routes = Routes::with_capacity(0, 0);
     let mut seen = Vec::new();
     let mut guess = Guess::default();
@@ -510,6 +571,8 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
         match m {
             Msg::Begin(c) => {
                 calls += 1;
+                state.calls.store(calls, Ordering::Relaxed);
+                state.set(PHASE_IN_CALL, None);
                 call = Some(c);
                 stats = HandoffStats::default();
                 failure = None;
@@ -525,7 +588,8 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                     // A panic in an expert backend must not kill the thread before `go` is stored:
                     // the stream would wait on it forever.
                     let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        serve_one(dev, &work, c.windows, &c.ready, experts, &mut routes, &mut seen, &guess, &mut stats)
+                        let ctx = ServeCtx { dev, w: c.windows, ready: &c.ready, experts, state };
+                        serve_one(&ctx, &work, &mut routes, &mut seen, &guess, &mut stats)
                     }));
                     match served {
                         Ok(Ok(())) => {}
@@ -545,6 +609,7 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                 let pull = !expert_prefetch_ab() || calls.is_multiple_of(2);
                 if failure.is_none() && pull {
                     if let (Some(slots), Some(flag)) = (c.windows.predicted, c.predicted.as_deref()) {
+                        state.set(PHASE_PREFETCH, None);
                         let t = Instant::now();
                         let pulled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                             prefetch_next(&work, slots, flag, &c.ready, experts, &mut guess)
@@ -555,9 +620,11 @@ fn serve(rx: Receiver<Msg>, replies: SyncSender<Result<HandoffStats>>, experts: 
                         stats.prefetch += t.elapsed();
                     }
                 }
+                state.set(PHASE_IN_CALL, None);
                 since = Instant::now();
             }
             Msg::End => {
+                state.set(PHASE_IDLE, None);
                 call = None;
                 let r = match failure.take() {
                     Some(e) => Err(e),
@@ -615,21 +682,29 @@ fn prefetch_next(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn serve_one(
-    dev: &GpuDevice,
-    work: &HostWork,
+/// What [`serve_one`] reads of the call it serves.
+struct ServeCtx<'a> {
+    dev: &'a GpuDevice,
     w: Windows,
-    ready: &HostFlag,
-    experts: &[Option<Arc<dyn LayerExperts>>],
+    ready: &'a HostFlag,
+    experts: &'a [Option<Arc<dyn LayerExperts>>],
+    state: &'a ServerState,
+}
+
+fn serve_one(
+    ctx: &ServeCtx<'_>,
+    work: &HostWork,
     routes: &mut Routes,
     seen: &mut Vec<bool>,
     guess: &Guess,
     stats: &mut HandoffStats,
 ) -> Result<()> {
+    let ServeCtx { dev, w, ready, experts, state } = *ctx;
     let HandoffShape { t, hidden, k } = work.shape;
     let t0 = Instant::now();
+    state.set(PHASE_WAIT_READY, Some(work));
     ready.spin_until_geq(dev, work.seq)?;
+    state.set(PHASE_EXPERTS, None);
     let t1 = Instant::now();
     // SAFETY: `ready(seq)` says the device's writes into the windows are complete and visible,
     // and the stream touches them again only after `go(seq)`.

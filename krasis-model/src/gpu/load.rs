@@ -847,6 +847,7 @@ impl GpuModel {
             placed,
             batch: Default::default(),
             heat: None,
+            watch: Default::default(),
         })
     }
 }

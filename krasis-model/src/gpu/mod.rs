@@ -22,6 +22,7 @@ pub mod prefix;
 mod profile;
 mod session;
 pub mod vram_plan;
+mod watch;
 
 use krasis_gpu::attn_decode::DecodeWorkspace;
 use krasis_gpu::kv_cache::{GpuKvCache, KvCapacity, KvDtype, KvLayout};
@@ -182,6 +183,8 @@ pub struct GpuModel {
     /// Heatmap counts `[layers × experts]` on the device, while recording
     /// ([`GpuModel::record_heatmap`]).
     heat: Option<DeviceBuffer<u64>>,
+    /// What the current forward call is doing ([`GpuModel::diagnose`]).
+    watch: watch::CallWatch,
 }
 
 /// What a batched decode step needs besides the sessions' KV caches: activations for one row per
@@ -371,6 +374,10 @@ impl GpuModel {
     ) -> Result<()> {
         let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
+        self.watch.begin(match io.kv {
+            KvRows::PerRow(_) => format!("a batched decode step of {t} sequences"),
+            KvRows::Seq(_) => format!("{t} token(s) of one sequence at position {pos}"),
+        });
         {
             let sc = &mut *io.scratch;
             let ids = sc.ids.slice().slice(..t);
@@ -403,6 +410,8 @@ impl GpuModel {
         // after it would put the thread's wake-up on the critical path of every token.
         let v = self.spec.vocab_size;
         let mut enqueue = |staging: &mut host_experts::HostStaging| -> Result<()> {
+            self.watch.flags(staging.progress());
+            self.watch.phase("enqueuing the layers");
             // Every layer and the final norm (adding the last FFN output), then the LM head over
             // the requested rows and the caller's tail (sampling), given the number of logit rows.
             let mut step = layers::GpuStep { c: &ctx, s: &mut *io, host: staging };
@@ -413,15 +422,33 @@ impl GpuModel {
             let xn = sc.xn.slice().slice(first * h..t * h);
             let mut logits = sc.logits.slice_mut().slice_mut(..logit_rows * v);
             self.weights.lm_head.forward(&self.dev, &self.gemm, &xn, logit_rows, &mut logits)?;
-            tail(sc, logit_rows)
+            tail(sc, logit_rows)?;
+            self.watch.phase("enqueued; waiting for the expert thread's end of the call");
+            Ok(())
         };
-        if let Some(server) = &self.expert_server {
+        let r = if let Some(server) = &self.expert_server {
             let k = self.spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
             let shape = host_experts::HandoffShape { t, hidden: h, k };
             host_experts::with_expert_server(&self.dev, staging, server, shape, enqueue)
         } else {
             enqueue(staging)
+        };
+        self.watch.phase("reading back the results (waits for the stream)");
+        r
+    }
+
+    /// What the engine is doing now, in words, for a stall report: the forward call and its
+    /// phase, the streams' states, the expert thread and the streamed-expert slots. Enqueues
+    /// nothing and waits for nothing; safe while a call runs on another thread.
+    pub fn diagnose(&self) -> String {
+        let mut parts = vec![self.watch.describe(), self.dev.streams_state()];
+        if let Some(server) = &self.expert_server {
+            parts.push(server.describe_state());
         }
+        if let Some(st) = self.placed.streamer() {
+            parts.push(st.describe_state(&self.dev));
+        }
+        parts.join("; ")
     }
 
     /// The sampling parameters and uniform draw of `sampler`'s next token.

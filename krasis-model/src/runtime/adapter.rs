@@ -26,6 +26,10 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     }
     /// [`Engine::reset_stats`], with `session` already one of this decoder's.
     fn reset_stats(&self, _session: Option<&mut Self::Session>) {}
+    /// [`Engine::diagnose`].
+    fn diagnose(&self) -> Option<String> {
+        None
+    }
     /// [`Engine::expert_counts`].
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(None)
@@ -154,6 +158,10 @@ where
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         self.decoder.expert_counts()
+    }
+
+    fn diagnose(&self) -> Option<String> {
+        self.decoder.diagnose()
     }
 
     fn snapshot(&self, session: &mut dyn EngineSession) -> Result<()> {

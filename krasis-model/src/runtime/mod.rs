@@ -21,6 +21,7 @@ mod open;
 pub mod prefix_cache;
 pub mod scheduler;
 mod sessions;
+mod stall;
 mod stats;
 pub mod stop;
 
@@ -176,6 +177,13 @@ pub trait Engine: Send + Sync {
     /// `None` otherwise. GPU engines read the counts back from the device (a synchronisation).
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {
         Ok(None)
+    }
+    /// What the engine is doing right now, in words, for the scheduler's report of a step that
+    /// runs far past its usual time (which call, which phase, what its streams and threads wait
+    /// for). Called from another thread while a step may be running: it must not wait for the
+    /// step. `None`: the engine has nothing to say.
+    fn diagnose(&self) -> Option<String> {
+        None
     }
     /// Keeps `session`'s recurrent (gated-DeltaNet) state at its current position, so that the
     /// prefix cache can later resume there ([`SavedPrefix::resumable`]). A session keeps the

@@ -159,7 +159,9 @@ impl Scheduler {
     ) -> std::io::Result<(Scheduler, std::thread::JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel();
         let (max_batch, max_queue) = (config.max_batch.max(1), config.max_queue);
+        let watch = super::stall::StepWatch::start(&engine);
         let worker = Worker {
+            watch,
             engine,
             codec,
             max_batch,
@@ -240,6 +242,8 @@ fn test_script(codec: &TextCodec) -> Option<VecDeque<u32>> {
 }
 
 struct Worker {
+    /// The step in flight, for the stall report.
+    watch: Arc<super::stall::StepWatch>,
     engine: Arc<dyn Engine>,
     codec: Arc<TextCodec>,
     max_batch: usize,
@@ -476,6 +480,14 @@ impl Worker {
         let spares = self.active.iter().zip(&runs).filter(|(r, run)| mid_prompt(r, run)).count();
         let mut throwaway: Vec<Sampler> = (0..spares).map(|_| Sampler::new(SamplingParams::default())).collect();
         let mut spare = throwaway.iter_mut();
+        let chunks: Vec<usize> = self
+            .active
+            .iter()
+            .zip(&runs)
+            .filter(|(r, _)| r.generated == 0)
+            .filter_map(|(_, run)| run.as_ref().map(|x| x.len()))
+            .collect();
+        self.watch.begin(format!("{decoding} decode row(s) and prompt chunks of {chunks:?} tokens"));
         let t0 = Instant::now();
         let result = {
             let mut batch: Vec<SequenceStep<'_>> = self
@@ -502,6 +514,7 @@ impl Worker {
             }
         };
         let took = t0.elapsed();
+        self.watch.end();
         let outputs = match result {
             Ok(o) => o,
             Err(e) => {

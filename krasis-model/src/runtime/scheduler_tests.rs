@@ -211,6 +211,7 @@ fn the_measured_chunk_follows_the_prefill_rate() {
     let (engine, codec) = engine(tmp.path());
     let metrics = Arc::new(Metrics::default());
     let mut w = Worker {
+        watch: Default::default(),
         engine,
         codec,
         max_batch: 1,

@@ -125,4 +125,8 @@ impl EngineDecoder for GpuModel {
     fn reset_stats(&self, session: Option<&mut GpuSession>) {
         GpuModel::reset_stats(self, session)
     }
+
+    fn diagnose(&self) -> Option<String> {
+        Some(GpuModel::diagnose(self))
+    }
 }

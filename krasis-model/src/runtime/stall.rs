@@ -1,0 +1,107 @@
+//! The scheduler's stall report: a thread that notices an engine step running far past any
+//! usual step and logs what the step runs and what the engine says it is doing
+//! ([`Engine::diagnose`]), so that a hang leaves its evidence in the server's log.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::Engine;
+
+/// A step running this long is reported: the longest normal step is a whole prompt of the
+/// largest measured chunk (8192 tokens, seconds on a CPU prefill), well under this.
+const STALL_REPORT_AFTER: Duration = Duration::from_secs(30);
+/// How often the watching thread looks (a report comes at most this late).
+const STALL_CHECK_EVERY: Duration = Duration::from_secs(5);
+/// A step still running is reported again after this long.
+const STALL_REPEAT_EVERY: Duration = Duration::from_secs(60);
+
+/// The step in flight, shared with the watching thread.
+#[derive(Default)]
+pub(crate) struct StepWatch {
+    cur: Mutex<Option<Step>>,
+}
+
+struct Step {
+    what: String,
+    started: Instant,
+    reported: Option<Instant>,
+}
+
+impl StepWatch {
+    /// A watch over `engine`'s steps and the thread that reports stalls; the thread ends once
+    /// both the watch and the engine are dropped.
+    pub fn start(engine: &Arc<dyn Engine>) -> Arc<StepWatch> {
+        let watch = Arc::new(StepWatch::default());
+        let (w, e) = (Arc::downgrade(&watch), Arc::downgrade(engine));
+        let spawned = std::thread::Builder::new().name("krasis-stall-watch".into()).spawn(move || watch_loop(w, e));
+        if let Err(err) = spawned {
+            tracing::warn!("no stall watch (a stalled step will not be reported): {err}");
+        }
+        watch
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Option<Step>) -> R) -> R {
+        f(&mut self.cur.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A step starts; `what` says what it runs.
+    pub fn begin(&self, what: String) {
+        self.with(|c| *c = Some(Step { what, started: Instant::now(), reported: None }));
+    }
+
+    /// The step returned.
+    pub fn end(&self) {
+        let late = self.with(|c| c.take().filter(|s| s.reported.is_some()));
+        if let Some(s) = late {
+            tracing::warn!("the stalled engine step returned after {:.1} s", s.started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// The report due now, if any (marks it made).
+    fn due(&self, now: Instant) -> Option<String> {
+        self.with(|c| {
+            let s = c.as_mut()?;
+            let ran = now.duration_since(s.started);
+            let again = s.reported.is_none_or(|r| now.duration_since(r) >= STALL_REPEAT_EVERY);
+            (ran >= STALL_REPORT_AFTER && again).then(|| {
+                s.reported = Some(now);
+                format!("an engine step has run for {:.0} s: {}", ran.as_secs_f64(), s.what)
+            })
+        })
+    }
+}
+
+fn watch_loop(watch: Weak<StepWatch>, engine: Weak<dyn Engine>) {
+    loop {
+        std::thread::sleep(STALL_CHECK_EVERY);
+        let Some(w) = watch.upgrade() else { return };
+        if let Some(msg) = w.due(Instant::now()) {
+            let state = engine.upgrade().and_then(|e| e.diagnose());
+            match state {
+                Some(state) => tracing::warn!("{msg}; the engine: {state}"),
+                None => tracing::warn!("{msg}"),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_is_reported_once_past_the_limit_then_again_after_the_repeat_time() {
+        let w = StepWatch::default();
+        let t0 = Instant::now();
+        assert!(w.due(t0).is_none(), "no step, no report");
+        w.begin("3 decode rows".into());
+        let started = w.with(|c| c.as_ref().unwrap().started);
+        assert!(w.due(started + STALL_REPORT_AFTER / 2).is_none());
+        let first = w.due(started + STALL_REPORT_AFTER).expect("reported at the limit");
+        assert!(first.contains("3 decode rows") && first.contains("30 s"), "{first}");
+        assert!(w.due(started + STALL_REPORT_AFTER + Duration::from_secs(1)).is_none(), "not twice in a row");
+        assert!(w.due(started + STALL_REPORT_AFTER + STALL_REPEAT_EVERY).is_some(), "again after the repeat time");
+        w.end();
+        assert!(w.due(started + STALL_REPORT_AFTER * 10).is_none(), "an ended step is not reported");
+    }
+}
