@@ -14,6 +14,9 @@
 #            tokens, the greedy reply with its prefix reused equal to the cold one)
 #   llama    the same on llama-server -ngl 99 -ot exps=CPU over the Q4_K_M file: decode at 1, 8, 32 streams
 #            (-np N each), the 32-client load (-np 32), the conversation (-np 1: its slot keeps the prompt)
+#   stall    (not in the default) the session-27 stall at 32 streams: Krasis' files only (synth + INT4 cache, no
+#            llama.cpp), then level 32 of the scaling mode, short, once per VARIANTS entry (name:ENV=VALUE; the
+#            server's stall watch logs what a stalled step waits for; cuda-gdb saves the thread stacks)
 # SECTIONS picks them (default: all). Each call stops itself before ~585 s; every step skips when its output
 # exists (a figures file under $OUT/serve/, a build, a model), so a second call on a still-warm machine resumes.
 # Log: $OUT/serve.log; figures: $OUT/serve/*.json.
@@ -42,7 +45,7 @@ G=/tmp/serve-$PRESET-q4km.gguf
 IDS="${IDS:-258:32000}" # prompt token ids: the synthetic tokenizer's merges and filler words
 SECTIONS="${SECTIONS:-prep krasis llama}"
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
-t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }; left() { echo $(( 585 - $(date +%s) + t0 )); }
+t0=$(date +%s); T() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }; left() { echo $(( ${BUDGET:-585} - $(date +%s) + t0 )); }
 T "machine $(date -u +%FT%TZ): $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores; disk $(df -h /tmp | tail -1 | awk '{print $4}') free"
 export KRASIS_NVRTC_CACHE=/tmp/krasis-nvrtc
 LOAD="python3 scripts/serve-load.py --ids $IDS"
@@ -104,6 +107,39 @@ if has prep; then
         T "Krasis cache: INT4 CPU experts"; mkdir -p $M/.krasis_cache
         timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done
     fi
+fi
+
+if has stall; then
+    [ -f $M/config.json ] || { T "synth $PRESET"; timeout "$(left)" $K synth --preset "$PRESET" --out $M 2>&1 | tail -1; }
+    if [ ! -f $M/.krasis_cache/done ]; then
+        T "Krasis cache: INT4 CPU experts"; mkdir -p $M/.krasis_cache
+        timeout "$(left)" $K convert --model $M --cpu-expert-bits 4 2>&1 | tail -2 && touch $M/.krasis_cache/done
+    fi
+    for v in ${VARIANTS:-default: nostream:KRASIS_GPU_STREAM_MIN_TOKENS=1000000 allstream:KRASIS_GPU_STREAM_SPLIT=1}; do
+        name=${v%%:*}; envs=${v#*:}
+        [ "$(left)" -lt 100 ] && { T "no time left for stall-$name"; break; }
+        T "stall-$name: krasis serve --device $DEVICE ${envs:-(defaults)}"
+        env $envs $K serve --model $M --device "$DEVICE" --cpu-expert-bits 4 --cache-strategy none --max-batch "$STREAMS" \
+            --kv-tokens 4096 --port 8101 --served-model-name "$PRESET" > /tmp/stall-$name.log 2>&1 & KS=$!
+        if wait_health 8101 60 $KS; then
+            timeout 100 $LOAD --url http://127.0.0.1:8101 --deadline 70 --timeout 60 --json "$R/stall-$name.json" \
+                scaling --levels "$STREAMS" --prompt-tokens 128 --decode-tokens 48 2>&1 | tail -4
+            if grep -qs 'no \[DONE\]\|TimeoutError' "$R/stall-$name.json"; then
+                T "stall-$name: stalled; the stall watch says:"; grep -E "the scheduler (has been|is no longer)" /tmp/stall-$name.log | tail -3
+                curl -s -m 5 http://127.0.0.1:8101/metrics | grep -E "^krasis_(active|queue|generated|time_to_first_token_seconds_count|inter_token_latency_seconds_count)" > "$R/stall-$name-metrics.txt"
+                cat "$R/stall-$name-metrics.txt"
+                if [ ! -f "$R/stall-threads.txt" ] && command -v cuda-gdb > /dev/null; then
+                    timeout 60 cuda-gdb -p "$KS" -batch -ex "thread apply all bt 25" > "$R/stall-threads.txt" 2>&1
+                    T "thread stacks: $(grep -c '^Thread' "$R/stall-threads.txt") threads"
+                fi
+            else
+                T "stall-$name: every stream finished"
+            fi
+        else
+            T "krasis serve did not come up"; tail -5 /tmp/stall-$name.log
+        fi
+        stop $KS; cp /tmp/stall-$name.log "$R/stall-$name-serve.log"
+    done
 fi
 
 if has krasis && [ -f $M/.krasis_cache/done ]; then

@@ -279,7 +279,13 @@ impl Worker {
                 break;
             }
             self.drop_abandoned();
+            self.watch.begin(format!(
+                "admitting {} waiting request(s) beside {} running",
+                self.waiting.len(),
+                self.active.len()
+            ));
             self.admit();
+            self.watch.end();
             if !self.active.is_empty() {
                 self.step();
             }
@@ -487,7 +493,9 @@ impl Worker {
             .filter(|(r, _)| r.generated == 0)
             .filter_map(|(_, run)| run.as_ref().map(|x| x.len()))
             .collect();
-        self.watch.begin(format!("{decoding} decode row(s) and prompt chunks of {chunks:?} tokens"));
+        self.watch.begin(format!(
+            "running an engine step of {decoding} decode row(s) and prompt chunks of {chunks:?} tokens"
+        ));
         let t0 = Instant::now();
         let result = {
             let mut batch: Vec<SequenceStep<'_>> = self
@@ -514,7 +522,7 @@ impl Worker {
             }
         };
         let took = t0.elapsed();
-        self.watch.end();
+        self.watch.begin(format!("after a step of {sequences} sequence(s): their tokens, finished requests' prefixes"));
         let outputs = match result {
             Ok(o) => o,
             Err(e) => {
@@ -523,6 +531,7 @@ impl Worker {
                     let _ = r.job.events.send(Event::Failed(format!("the engine failed: {e}")));
                 }
                 self.metrics.active.store(0, Relaxed);
+                self.watch.end();
                 return;
             }
         };
@@ -581,6 +590,7 @@ impl Worker {
         }
         self.active = kept;
         self.metrics.active.store(self.active.len() as u64, Relaxed);
+        self.watch.end();
     }
 }
 

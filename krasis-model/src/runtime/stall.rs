@@ -44,16 +44,22 @@ impl StepWatch {
         f(&mut self.cur.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// A step starts; `what` says what it runs.
+    /// The scheduler starts `what` (a phase of its loop: "running a step of …"); ends the
+    /// phase before it.
     pub fn begin(&self, what: String) {
-        self.with(|c| *c = Some(Step { what, started: Instant::now(), reported: None }));
+        let late = self.with(|c| c.replace(Step { what, started: Instant::now(), reported: None }));
+        Self::returned(late);
     }
 
-    /// The step returned.
+    /// The phase ended.
     pub fn end(&self) {
-        let late = self.with(|c| c.take().filter(|s| s.reported.is_some()));
-        if let Some(s) = late {
-            tracing::warn!("the stalled engine step returned after {:.1} s", s.started.elapsed().as_secs_f64());
+        let late = self.with(|c| c.take());
+        Self::returned(late);
+    }
+
+    fn returned(step: Option<Step>) {
+        if let Some(s) = step.filter(|s| s.reported.is_some()) {
+            tracing::warn!("the scheduler is no longer {} (after {:.1} s)", s.what, s.started.elapsed().as_secs_f64());
         }
     }
 
@@ -65,7 +71,7 @@ impl StepWatch {
             let again = s.reported.is_none_or(|r| now.duration_since(r) >= STALL_REPEAT_EVERY);
             (ran >= STALL_REPORT_AFTER && again).then(|| {
                 s.reported = Some(now);
-                format!("an engine step has run for {:.0} s: {}", ran.as_secs_f64(), s.what)
+                format!("the scheduler has been {} for {:.0} s", s.what, ran.as_secs_f64())
             })
         })
     }
@@ -98,7 +104,7 @@ mod tests {
         let started = w.with(|c| c.as_ref().unwrap().started);
         assert!(w.due(started + STALL_REPORT_AFTER / 2).is_none());
         let first = w.due(started + STALL_REPORT_AFTER).expect("reported at the limit");
-        assert!(first.contains("3 decode rows") && first.contains("30 s"), "{first}");
+        assert!(first.contains("3 decode rows") && first.contains("for 30 s"), "{first}");
         assert!(w.due(started + STALL_REPORT_AFTER + Duration::from_secs(1)).is_none(), "not twice in a row");
         assert!(w.due(started + STALL_REPORT_AFTER + STALL_REPEAT_EVERY).is_some(), "again after the repeat time");
         w.end();
