@@ -16,7 +16,7 @@
 #            (-np N each), the 32-client load (-np 32), the conversation (-np 1: its slot keeps the prompt)
 #   stall    (not in the default) the session-27 stall at 32 streams: Krasis' files only (synth + INT4 cache, no
 #            llama.cpp), then level 32 of the scaling mode, short, once per VARIANTS entry (name:ENV=VALUE; the
-#            server's stall watch logs what a stalled step waits for; cuda-gdb saves the thread stacks)
+#            server's stall watch logs what a stalled step waits for); a stall skips the krasis section
 # SECTIONS picks them (default: all). Each call stops itself before ~585 s; every step skips when its output
 # exists (a figures file under $OUT/serve/, a build, a model), so a second call on a still-warm machine resumes.
 # Log: $OUT/serve.log; figures: $OUT/serve/*.json.
@@ -123,15 +123,13 @@ if has stall; then
             --kv-tokens 4096 --port 8101 --served-model-name "$PRESET" > /tmp/stall-$name.log 2>&1 & KS=$!
         if wait_health 8101 60 $KS; then
             timeout 100 $LOAD --url http://127.0.0.1:8101 --deadline 70 --timeout 60 --json "$R/stall-$name.json" \
-                scaling --levels "$STREAMS" --prompt-tokens 128 --decode-tokens 48 2>&1 | tail -4
+                scaling --levels "$STREAMS,$STREAMS" --prompt-tokens 128 --decode-tokens 48 2>&1 | tail -4
             if grep -qs 'no \[DONE\]\|TimeoutError' "$R/stall-$name.json"; then
-                T "stall-$name: stalled; the stall watch says:"; grep -E "the scheduler (has been|is no longer)" /tmp/stall-$name.log | tail -3
+                STALLED=1
+                T "stall-$name: stalled; the stall watch says:"; sleep 5
+                grep -E "the scheduler (has been|is no longer)|the engine meanwhile" /tmp/stall-$name.log | tail -4 | cut -c1-2000
                 curl -s -m 5 http://127.0.0.1:8101/metrics | grep -E "^krasis_(active|queue|generated|time_to_first_token_seconds_count|inter_token_latency_seconds_count)" > "$R/stall-$name-metrics.txt"
                 cat "$R/stall-$name-metrics.txt"
-                if [ ! -f "$R/stall-threads.txt" ] && command -v cuda-gdb > /dev/null; then
-                    timeout 60 cuda-gdb -p "$KS" -batch -ex "thread apply all bt 25" > "$R/stall-threads.txt" 2>&1
-                    T "thread stacks: $(grep -c '^Thread' "$R/stall-threads.txt") threads"
-                fi
             else
                 T "stall-$name: every stream finished"
             fi
@@ -142,7 +140,7 @@ if has stall; then
     done
 fi
 
-if has krasis && [ -f $M/.krasis_cache/done ]; then
+if has krasis && [ -f $M/.krasis_cache/done ] && [ -z "${STALLED:-}" ]; then
     todo=0; for f in krasis-scaling krasis-load krasis-prefix; do [ -f "$R/$f.json" ] || todo=1; done
     if [ $todo = 1 ] && [ "$(left)" -gt 120 ]; then
         T "krasis serve --device $DEVICE (INT4 CPU experts, $STREAMS batch slots)"
@@ -158,12 +156,8 @@ if has krasis && [ -f $M/.krasis_cache/done ]; then
         else
             T "krasis serve did not come up"; tail -20 /tmp/krasis-serve.log
         fi
-        # A stalled server (session 27: 32 streams stopped after 20 tokens) leaves its threads'
-        # stacks for the next session to read.
-        if grep -qs 'no \[DONE\]' "$R"/krasis-*.json && command -v gdb > /dev/null; then
-            T "a stream did not finish: the server's thread stacks to $R/krasis-threads.txt"
-            timeout 60 gdb -p "$KS" -batch -ex "thread apply all bt 30" > "$R/krasis-threads.txt" 2>&1
-        fi
+        # A stalled server says what it waits for (the scheduler's stall watch).
+        grep -E "the scheduler (has been|is no longer)|the engine meanwhile" /tmp/krasis-serve.log | tail -4 | cut -c1-2000
         stop $KS; cp /tmp/krasis-serve.log "$R/krasis-serve.log"
     fi
 fi

@@ -72,6 +72,41 @@ impl HostFlag {
         })
     }
 
+    /// Spins until the counter is ≥ `v` or `give_up()` says to stop (checked every few thousand
+    /// spins; then `Ok(false)`), with no driver call at all: a thread that serves the stream
+    /// (stores what it waits for) must not block in the driver, where a synchronising call of
+    /// another thread can hold a lock until the stream passes that very wait. Fails after
+    /// `limit`. Counted as a host synchronisation in [`GpuDevice::sync_counters`].
+    pub fn spin_until_geq_or(
+        &self,
+        dev: &GpuDevice,
+        v: u64,
+        give_up: impl Fn() -> bool,
+        limit: Duration,
+    ) -> Result<bool, GpuError> {
+        dev.note_host_sync();
+        let started = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if self.load() >= v {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+            spins += 1;
+            if spins.is_multiple_of(SPINS_PER_STREAM_CHECK) {
+                if give_up() {
+                    return Ok(false);
+                }
+                if started.elapsed() > limit {
+                    return Err(GpuError::Driver {
+                        op: "host flag wait",
+                        detail: format!("no progress for {} s (flag {} < {v})", limit.as_secs(), self.load()),
+                    });
+                }
+            }
+        }
+    }
+
     /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes
     /// everything without writing `v`, or stays busy past a generous limit.
     /// Counted as a host synchronisation in [`GpuDevice::sync_counters`].

@@ -20,7 +20,7 @@
 //! output. Buffers grow to the largest call seen; decode steps allocate nothing on the device or
 //! in host memory.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -34,6 +34,15 @@ use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost};
 use crate::cpu::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
 use crate::runtime::HandoffStats;
+
+/// How long the expert thread waits for a hand-off's inputs before it fails the call, when the
+/// launching thread has not already stopped it: far beyond any layer's GPU work, so reached only
+/// by a stream that stopped without an error the launcher could see.
+const HANDOFF_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// How often the launching thread, waiting for a call's end, checks the compute stream for an
+/// error or for idling while the expert thread still waits on it.
+const STREAM_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Most tokens per call into the host expert backend (longer prompts go in chunks): bounds the
 /// backend's per-call scratch, which otherwise grows with the prompt (measured on the H100 box,
@@ -486,6 +495,10 @@ impl Drop for ExpertServer {
 /// them from another thread; nothing depends on them).
 #[derive(Default)]
 struct ServerState {
+    /// Set by the launching thread when the stream can no longer publish what the expert thread
+    /// waits for (a stream error, or an idle stream short of the flag); the expert thread then
+    /// fails the call. Cleared at each call's start.
+    abort: AtomicBool,
     phase: AtomicU8,
     seq: AtomicU64,
     layer: AtomicU64,
@@ -535,18 +548,50 @@ pub(crate) fn with_expert_server<R>(
 ) -> Result<R> {
     let replies = server.replies.lock().unwrap_or_else(|p| p.into_inner());
     let (ready, go) = staging.prepare(dev, shape.t, shape.hidden, shape.k)?;
+    server.state.abort.store(false, Ordering::Relaxed);
     let windows = staging.windows.expect("prepared");
     let predicted = windows.predicted.and(staging.predictor.as_ref()).map(|p| p.flag.clone());
-    server.send(Msg::Begin(Call { windows, ready, go, predicted, dev: DevicePtrForThread(dev) }))?;
+    let call = Call { windows, ready: ready.clone(), go, predicted, dev: DevicePtrForThread(dev) };
+    server.send(Msg::Begin(call))?;
     staging.work = Some(server.tx.clone());
     let result = enqueue(staging);
     staging.work = None;
     // Always close the call, also after an error: the thread must not keep the device pointer.
     server.send(Msg::End)?;
-    let stats =
-        replies.recv().map_err(|_| ModelError::Invalid("the CPU expert thread stopped during a call".into()))??;
+    let stats = await_call_end(dev, &replies, &server.state, &ready)??;
     staging.stats.add(&stats);
     result
+}
+
+/// Waits for the expert thread's reply to a call's `End`. This thread, not the expert thread,
+/// watches the stream meanwhile (the expert thread makes no driver call while it serves: see
+/// [`HostFlag::spin_until_geq_or`]): a stream error, or a stream gone idle while the expert
+/// thread still waits for a `ready` it will never publish, stops the expert thread's wait, so
+/// the call ends with an error instead of hanging.
+fn await_call_end(
+    dev: &GpuDevice,
+    replies: &Receiver<Result<HandoffStats>>,
+    state: &ServerState,
+    ready: &HostFlag,
+) -> Result<Result<HandoffStats>> {
+    use std::sync::mpsc::RecvTimeoutError;
+    loop {
+        match replies.recv_timeout(STREAM_CHECK_EVERY) {
+            Ok(r) => return Ok(r),
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(ModelError::Invalid("the CPU expert thread stopped during a call".into()))
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                let waiting = state.phase.load(Ordering::Relaxed) == PHASE_WAIT_READY;
+                let short = ready.load() < state.seq.load(Ordering::Relaxed);
+                match dev.stream_state(dev.stream()).as_str() {
+                    "busy" => {}
+                    "idle" if !(waiting && short) => {}
+                    _ => state.abort.store(true, Ordering::Relaxed),
+                }
+            }
+        }
+    }
 }
 
 /// The expert thread's loop: for each hand-off of a call, spin until the stream says its inputs
@@ -703,7 +748,13 @@ fn serve_one(
     let HandoffShape { t, hidden, k } = work.shape;
     let t0 = Instant::now();
     state.set(PHASE_WAIT_READY, Some(work));
-    ready.spin_until_geq(dev, work.seq)?;
+    let abort = || state.abort.load(Ordering::Relaxed);
+    if !ready.spin_until_geq_or(dev, work.seq, abort, HANDOFF_WAIT_LIMIT)? {
+        return Err(ModelError::Invalid(format!(
+            "the GPU stream stopped (an error, or idle) before hand-off {} of layer {} was ready",
+            work.seq, work.layer
+        )));
+    }
     state.set(PHASE_EXPERTS, None);
     let t1 = Instant::now();
     // SAFETY: `ready(seq)` says the device's writes into the windows are complete and visible,

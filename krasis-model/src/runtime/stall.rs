@@ -82,10 +82,10 @@ fn watch_loop(watch: Weak<StepWatch>, engine: Weak<dyn Engine>) {
         std::thread::sleep(STALL_CHECK_EVERY);
         let Some(w) = watch.upgrade() else { return };
         if let Some(msg) = w.due(Instant::now()) {
-            let state = engine.upgrade().and_then(|e| e.diagnose());
-            match state {
-                Some(state) => tracing::warn!("{msg}; the engine: {state}"),
-                None => tracing::warn!("{msg}"),
+            // Said before asking the engine: a driver call there could wait for the stalled one.
+            tracing::warn!("{msg}");
+            if let Some(state) = engine.upgrade().and_then(|e| e.diagnose()) {
+                tracing::warn!("the engine meanwhile: {state}");
             }
         }
     }
