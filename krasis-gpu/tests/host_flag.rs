@@ -60,3 +60,23 @@ fn a_wait_that_can_never_finish_is_an_error_not_a_hang() {
     let e = flag.spin_until_geq(dev, 1).unwrap_err();
     assert!(e.to_string().contains("idle"), "{e}");
 }
+
+/// The expert thread's wait: no driver call, a give-up check between spins, and the limit.
+#[test]
+fn a_serving_wait_sees_the_flag_or_gives_up_when_told() {
+    let Some(dev) = common::gpu("a_serving_wait_sees_the_flag_or_gives_up_when_told") else { return };
+    let flag = std::sync::Arc::new(HostFlag::new(dev).unwrap());
+    let setter = {
+        let flag = flag.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            flag.store(2);
+        })
+    };
+    let long = Duration::from_secs(30);
+    assert!(flag.spin_until_geq_or(dev, 2, || false, long).unwrap(), "saw the store");
+    setter.join().unwrap();
+    assert!(!flag.spin_until_geq_or(dev, 3, || true, long).unwrap(), "gave up when told");
+    let e = flag.spin_until_geq_or(dev, 3, || false, Duration::from_millis(50)).unwrap_err();
+    assert!(e.to_string().contains("no progress"), "{e}");
+}
