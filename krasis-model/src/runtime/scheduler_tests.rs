@@ -225,15 +225,19 @@ fn the_measured_chunk_follows_the_prefill_rate() {
         active: Vec::new(),
     };
     assert_eq!(w.chunk_tokens(false), FIRST_CHUNK_TOKENS);
-    // 10,000 prompt tokens in one second: a quarter-second step runs 2,500.
+    // 1,000 prompt tokens in one second: with no stream decoding, a two-second step runs 2,000.
+    metrics.record_step(1, 1_000, 0, std::time::Duration::from_secs(1));
+    assert_eq!(w.chunk_tokens(false), 2000);
+    // 10,000 in one more second (5,500 tok/s in all): the idle step is at the bound.
     metrics.record_step(1, 10_000, 0, std::time::Duration::from_secs(1));
-    assert_eq!(w.chunk_tokens(false), 2500);
+    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
+    assert_eq!(w.chunk_tokens(true), 1375, "streams decoding, none measured yet: the quarter-second step");
     // Streams decoding in 40 ms steps: a step with prompt tokens aims at 2.5 x 40 ms.
     w.decode_step = 0.04;
-    assert_eq!(w.chunk_tokens(true), 1000);
-    assert_eq!(w.chunk_tokens(false), 2500, "no stream decoding: the quarter-second step");
+    assert_eq!(w.chunk_tokens(true), 550);
+    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1, "no stream decoding: the idle step");
     w.decode_step = 0.5;
-    assert_eq!(w.chunk_tokens(true), 2500, "never above the quarter-second step");
+    assert_eq!(w.chunk_tokens(true), 1375, "never above the quarter-second step");
     metrics.record_step(1, 1_000_000, 0, std::time::Duration::from_secs(1));
     assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
 }
