@@ -458,6 +458,20 @@ pub fn copy_fixture_with(src: &Path, out: &Path, edit: impl FnOnce(&mut serde_js
     std::fs::write(out.join("model.safetensors"), file).unwrap();
 }
 
+/// The CPU engine options of the hybrid tests: routed experts at `bits`, their cache in `cache`,
+/// two worker threads (the dev box's cores).
+pub fn cpu_experts(
+    bits: krasis_model::cpu::quantized::WeightBits,
+    cache: &Path,
+) -> krasis_model::cpu::load::EngineOptions {
+    krasis_model::cpu::load::EngineOptions {
+        expert_bits: bits,
+        cache_dir: Some(cache.to_path_buf()),
+        threads: Some(2),
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

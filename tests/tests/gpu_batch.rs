@@ -11,7 +11,6 @@
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails
 //! instead.
 
-use krasis_model::cpu::load::EngineOptions;
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuModel, GpuOptions};
 use krasis_model::text::generate::{Decoder, DecoderStep};
@@ -109,12 +108,7 @@ fn check(name: &str) {
     check_model(name, "whole-GPU", &m, &r.prompt_ids);
     drop(m);
     let tmp = tempfile::tempdir().unwrap();
-    let cpu = EngineOptions {
-        expert_bits: WeightBits::Int4,
-        cache_dir: Some(tmp.path().to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    };
+    let cpu = krasis_tests::cpu_experts(WeightBits::Int4, tmp.path());
     let m = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     check_model(name, "hybrid int4", &m, &r.prompt_ids);
 }
@@ -134,12 +128,7 @@ fn check_deltanet(name: &str) {
     check_model(name, "whole-GPU", &m, &r.prompt_ids);
     drop(m);
     let tmp = tempfile::tempdir().unwrap();
-    let cpu = EngineOptions {
-        expert_bits: WeightBits::Int4,
-        cache_dir: Some(tmp.path().to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    };
+    let cpu = krasis_tests::cpu_experts(WeightBits::Int4, tmp.path());
     let m = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     check_model(name, "hybrid int4", &m, &r.prompt_ids);
 }

@@ -11,7 +11,6 @@
 
 use std::path::Path;
 
-use krasis_model::cpu::load::EngineOptions;
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, StreamSplit};
 use krasis_model::runtime::{HandoffStats, PinnedExperts, StreamSlots};
@@ -21,14 +20,7 @@ use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
 const TEST_KV_TOKENS: usize = 512;
 
 /// CPU expert options of the hybrid tests: `bits` experts cached under `cache`, two threads.
-fn cpu_experts(bits: WeightBits, cache: &Path) -> EngineOptions {
-    EngineOptions {
-        expert_bits: bits,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..EngineOptions::default()
-    }
-}
+use krasis_tests::cpu_experts;
 
 fn load(dir: &Path, bits: WeightBits, cache: &Path) -> GpuModel {
     let gpu = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
