@@ -1,8 +1,12 @@
 """llama.cpp's converter (shared/tools/peer-llama/convert.py's way) with extra converter arguments and the tokenizer
 class the model directory declares.
 
-usage: gguf-convert.py LLAMA_CPP_DIR MODEL_DIR OUT.gguf OUTTYPE [CONVERTER ARGS...]
+usage: gguf-convert.py LLAMA_CPP_DIR MODEL_DIR OUT.gguf OUTTYPE [--gpt2-vocab] [CONVERTER ARGS...]
   e.g. `--no-mtp` for the gated-DeltaNet fixtures (qwen3next-tiny, qwen35moe-tiny), which have no MTP layers.
+  `--gpt2-vocab` (ours, not passed on): read the vocabulary as a plain GPT-2 BPE where the converter reads a
+  family's own special tokens: GLM-4.x's `_set_vocab_glm` looks up `[gMASK]`, `<|user|>` and `<|observation|>`,
+  which glm4moe-tiny's synthetic 512-token vocabulary lacks (a KeyError). The weights and metadata are converted
+  as for a published checkpoint.
 
 Two things differ from running convert_hf_to_gguf.py directly, neither touching the weights or config.json:
 - The pre-tokenizer name is pinned to "gpt-2", as peer-llama's convert.py does (the fixtures' synthetic byte-level
@@ -20,6 +24,8 @@ import sys
 
 lcpp, model, out, outtype = sys.argv[1:5]
 extra = sys.argv[5:]
+gpt2_vocab = "--gpt2-vocab" in extra
+extra = [a for a in extra if a != "--gpt2-vocab"]
 sys.path.insert(0, lcpp)
 sys.path.insert(0, os.path.join(lcpp, "gguf-py"))
 
@@ -27,6 +33,8 @@ import conversion.base as base  # noqa: E402
 import transformers  # noqa: E402
 
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+if gpt2_vocab:
+    base.TextModel._set_vocab_glm = base.TextModel._set_vocab_gpt2
 
 _auto = transformers.AutoTokenizer.from_pretrained
 

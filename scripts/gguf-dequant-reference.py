@@ -16,7 +16,8 @@ The dequantised weights are written as an f32 checkpoint beside the fixture's co
 loaded with from_pretrained, the path the fixture's own oracle took. The families' own hub names
 (ARCH_LAYER): qwen2moe's one shared expert `mlp.shared_expert.*` with its gate
 `mlp.shared_expert_gate` and the q/k/v biases; minimax-m2's `block_sparse_moe` router, correction
-bias (beside the gate) and experts `w1` / `w3` / `w2`.
+bias (beside the gate) and experts `w1` / `w3` / `w2`; glm4moe's `post_attention_norm` and q/k/v
+biases.
 
 llama.cpp's qwen3next and qwen35moe (the gated-DeltaNet fixtures, written in the fixture's own
 layout): every transformation of llama.cpp's converter (conversion/qwen.py) is undone:
@@ -86,6 +87,12 @@ ARCH_LAYER = {
         "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
         "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+    },
+    "glm4moe": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
         "attn_q.bias": "self_attn.q_proj.bias",
         "attn_k.bias": "self_attn.k_proj.bias",
         "attn_v.bias": "self_attn.v_proj.bias",

@@ -11,8 +11,9 @@
 #   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
 #   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
-#   mixtral-tiny's BF16 twin; qwen2moe-tiny's, minimaxm2-tiny's, qwen3next-tiny's and
-#   qwen35moe-tiny's BF16 and Q8_0 twins and their reference-q8_0.safetensors. qwen3moe-tiny has a
+#   mixtral-tiny's BF16 twin; qwen2moe-tiny's, minimaxm2-tiny's, glm4moe-tiny's,
+#   glm4moe-qknorm-tiny's, qwen3next-tiny's and qwen35moe-tiny's BF16 and Q8_0 twins and their
+#   reference-q8_0.safetensors. qwen3moe-tiny has a
 #   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets
 #   a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
@@ -59,12 +60,14 @@ done
 # tokenizer class the fixture declares (transformers would pick Qwen3.5's for qwen35moe-tiny,
 # whose extra <|endoftext|> stops the converter; the weights and config.json are untouched).
 FIXN=${KRASIS_FIXTURES_NEXT:-$(dirname "$FIX")/fixtures-next}
-NEXT=(mixtral-tiny qwen2moe-tiny minimaxm2-tiny qwen3next-tiny qwen35moe-tiny)
+NEXT=(mixtral-tiny qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny qwen3next-tiny qwen35moe-tiny)
 for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
     case $f in
         qwen3next-tiny | qwen35moe-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--no-mtp) ;;
         qwen2moe-tiny | minimaxm2-tiny) types=(bf16 q8_0); conv=$PEER/convert.py; extra=() ;;
+        # GLM's converter looks up GLM's special tokens, which the synthetic vocabulary lacks.
+        glm4moe-tiny | glm4moe-qknorm-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--gpt2-vocab) ;;
         *) types=(bf16); conv=$PEER/convert.py; extra=() ;;
     esac
     mkdir -p "$OUT/$f"
@@ -117,7 +120,7 @@ for f in "${FIXTURES[@]}"; do
             >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
     done
 done
-for f in qwen2moe-tiny minimaxm2-tiny qwen3next-tiny qwen35moe-tiny; do
+for f in qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny qwen3next-tiny qwen35moe-tiny; do
     src=$OUT/$f/model-q8_0.gguf; dst=$OUT/$f/reference-q8_0.safetensors
     [ -s "$src" ] || continue
     [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue

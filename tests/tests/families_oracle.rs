@@ -165,7 +165,9 @@ macro_rules! gguf_twin_test {
 family_tests!(mixtral, "mixtral-tiny");
 gguf_twin_test!(mixtral_gguf, "mixtral-tiny");
 family_tests!(glm4moe, "glm4moe-tiny");
+gguf_twin_test!(glm4moe_gguf, "glm4moe-tiny", q8_0);
 family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");
+gguf_twin_test!(glm4moe_qknorm_gguf, "glm4moe-qknorm-tiny", q8_0);
 family_tests!(qwen2moe, "qwen2moe-tiny");
 gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny", q8_0);
 family_tests!(minimaxm2, "minimaxm2-tiny");

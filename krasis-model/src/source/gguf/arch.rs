@@ -99,8 +99,16 @@ impl GgufTensorRef {
 pub type TensorMap = HashMap<String, GgufTensorRef>;
 
 /// Architectures this reader maps.
-pub const SUPPORTED: &[&str] =
-    &["deepseek2", "qwen3moe", "llama (with experts: Mixtral)", "qwen2moe", "minimax-m2", "qwen3next", "qwen35moe"];
+pub const SUPPORTED: &[&str] = &[
+    "deepseek2",
+    "qwen3moe",
+    "llama (with experts: Mixtral)",
+    "qwen2moe",
+    "minimax-m2",
+    "glm4moe",
+    "qwen3next",
+    "qwen35moe",
+];
 
 struct Meta<'a> {
     m: &'a GgufModel,
@@ -405,6 +413,60 @@ fn minimax_m2_config(meta: &Meta) -> Result<Map<String, Json>> {
     Ok(o)
 }
 
+/// GLM-4.5/4.6/4.7 (`glm4moe`): the first `leading_dense_block_count` layers dense of
+/// `feed_forward_length`, the rest MoE of `expert_feed_forward_length` with
+/// `expert_shared_count` shared experts; DeepSeek-V3's sigmoid routing (`expert_gating_func` 2)
+/// in `expert_group_count` groups of which `expert_group_used_count` are kept, the correction
+/// bias `exp_probs_b`, `expert_weights_norm` and `expert_weights_scale`; q/k/v biases and per-head
+/// qk-norm when the file stores them; RoPE on the first `rope.dimension_count` dims of each head,
+/// in the hub's half-split pairing (llama.cpp's converter does not permute GLM's q/k). The
+/// multi-token-prediction blocks (`nextn_predict_layers`, after the last layer) are not loaded.
+fn glm4moe_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let m = meta.m;
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "glm4_moe");
+    let blocks = meta.a("block_count")?;
+    let nextn = meta.a_opt("nextn_predict_layers")?.unwrap_or(0);
+    if nextn >= blocks {
+        return Err(meta.err(&meta.key("nextn_predict_layers"), format!("{nextn} is not below block_count {blocks}")));
+    }
+    put(&mut o, "num_hidden_layers", blocks - nextn);
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    let hidden = meta.a("embedding_length")?;
+    let head_dim = match meta.a_opt("attention.key_length")? {
+        Some(d) => d,
+        None if heads > 0 => hidden / heads,
+        None => return Err(meta.err(&meta.key("attention.head_count"), "0 heads")),
+    };
+    put(&mut o, "head_dim", head_dim);
+    if let Some(r) = meta.a_opt("rope.dimension_count")? {
+        if r == 0 || r > head_dim {
+            return Err(
+                meta.err(&meta.key("rope.dimension_count"), format!("{r} is outside 1..={head_dim} (head_dim)"))
+            );
+        }
+        put(&mut o, "partial_rotary_factor", r as f64 / head_dim as f64);
+    }
+    put(&mut o, "intermediate_size", meta.a_opt("feed_forward_length")?.unwrap_or(0));
+    put(&mut o, "n_routed_experts", meta.a("expert_count")?);
+    put(&mut o, "n_shared_experts", meta.a_opt("expert_shared_count")?.unwrap_or(1));
+    put(&mut o, "first_k_dense_replace", meta.a_opt("leading_dense_block_count")?.unwrap_or(0));
+    put(&mut o, "n_group", meta.a_opt("expert_group_count")?.unwrap_or(1));
+    put(&mut o, "topk_group", meta.a_opt("expert_group_used_count")?.unwrap_or(1));
+    put(&mut o, "norm_topk_prob", meta.b_opt("expert_weights_norm")?.unwrap_or(true));
+    put(&mut o, "routed_scaling_factor", meta.f_opt("expert_weights_scale")?.unwrap_or(1.0));
+    match meta.a_opt("expert_gating_func")? {
+        None | Some(2) => {}
+        Some(g) => return Err(meta.err(&meta.key("expert_gating_func"), format!("{g} is not supported (2: sigmoid)"))),
+    }
+    put(&mut o, "attention_bias", m.has_tensor("blk.0.attn_q.bias"));
+    put(&mut o, "use_qk_norm", m.has_tensor("blk.0.attn_q_norm.weight"));
+    rope_scaling(meta, &mut o)?;
+    Ok(o)
+}
+
 /// The spec of a GGUF model and where each canonical tensor lives in it.
 pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let arch = m
@@ -417,6 +479,7 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
         "llama" => mixtral_config(&meta)?,
         "qwen2moe" => qwen2moe_config(&meta)?,
         "minimax-m2" => minimax_m2_config(&meta)?,
+        "glm4moe" => glm4moe_config(&meta)?,
         "qwen3next" => qwen3next::config(&meta, false)?,
         "qwen35moe" => qwen3next::config(&meta, true)?,
         other => {
@@ -494,7 +557,9 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
     for (l, layer) in inv.layers.iter().enumerate() {
         let b = |s: &str| format!("blk.{l}.{s}");
         x.whole(&layer.input_norm, b("attn_norm.weight"));
-        x.whole(&layer.post_norm, b(if qwen3next { "post_attention_norm.weight" } else { "ffn_norm.weight" }));
+        // llama.cpp names the post-attention norm by architecture.
+        let post_attention = qwen3next || arch == "glm4moe";
+        x.whole(&layer.post_norm, b(if post_attention { "post_attention_norm.weight" } else { "ffn_norm.weight" }));
         match &layer.attention {
             AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
                 match q {

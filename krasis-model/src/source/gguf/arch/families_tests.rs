@@ -1,4 +1,4 @@
-//! The `qwen2moe` and `minimax-m2` metadata → the hub twin's spec (the options llama.cpp leaves
+//! The `qwen2moe`, `minimax-m2` and `glm4moe` metadata → the hub twin's spec (the options llama.cpp leaves
 //! implicit inferred as it does), and bad metadata named by its key. The whole twins run in
 //! `tests/families_oracle` (`*_gguf`).
 
@@ -50,6 +50,7 @@ fn spec_of(w: &GgufWriter, arch: &str) -> Result<ModelSpec> {
     let meta = Meta { m: &m, arch };
     let cfg = match arch {
         "qwen2moe" => qwen2moe_config(&meta)?,
+        "glm4moe" => glm4moe_config(&meta)?,
         _ => minimax_m2_config(&meta)?,
     };
     parse_config(&Json::Object(cfg).to_string(), m.path())
@@ -107,6 +108,45 @@ fn minimax_m2_metadata_gives_whole_qk_norm_rotary_dim_and_the_correction_bias() 
         .unwrap_err()
         .to_string();
     assert!(e.contains("`rotary_dim`") && e.contains('3'), "{e}");
+}
+
+#[test]
+fn glm4moe_metadata_gives_groups_partial_rotary_dense_lead_and_drops_the_mtp_blocks() {
+    let kv = [
+        ("nextn_predict_layers", MetaValue::U32(1)),
+        ("feed_forward_length", MetaValue::U32(24)),
+        ("leading_dense_block_count", MetaValue::U32(0)),
+        ("expert_shared_count", MetaValue::U32(1)),
+        ("expert_group_count", MetaValue::U32(2)),
+        ("expert_group_used_count", MetaValue::U32(1)),
+        ("expert_gating_func", MetaValue::U32(2)),
+        ("expert_weights_scale", MetaValue::F32(2.5)),
+        ("expert_weights_norm", MetaValue::Bool(true)),
+        ("rope.dimension_count", MetaValue::U32(2)),
+    ];
+    let t: [(&str, &[u64]); 1] = [("blk.0.attn_q.bias", &[16])];
+    let s = spec_of(&model("glm4moe", &kv, &t), "glm4moe").unwrap();
+    assert_eq!(s.num_layers, 1, "the MTP block after the last layer is not a layer");
+    assert!(matches!(
+        s.attention,
+        AttentionSpec::Gqa { qk_norm: QkNorm::None, bias: AttnBias { qkv: true, o: false }, .. }
+    ));
+    assert_eq!(s.rope.dim, 2);
+    let moe = s.moe.unwrap();
+    assert_eq!((moe.shared_intermediate_size, moe.routing.routed_scaling_factor), (8, 2.5));
+    assert_eq!(moe.routing.topk, TopkMethod::NoauxTc { n_group: 2, topk_group: 1 });
+    let bad = |k: &'static str, v: u32| {
+        let mut kv: Vec<(&str, MetaValue)> = kv.to_vec();
+        kv.retain(|(n, _)| *n != k);
+        kv.push((k, MetaValue::U32(v)));
+        spec_of(&model("glm4moe", &kv, &t), "glm4moe").unwrap_err().to_string()
+    };
+    let e = bad("expert_gating_func", 1);
+    assert!(e.contains("`glm4moe.expert_gating_func`"), "{e}");
+    let e = bad("rope.dimension_count", 5);
+    assert!(e.contains("`glm4moe.rope.dimension_count`") && e.contains("head_dim"), "{e}");
+    let e = bad("nextn_predict_layers", 2);
+    assert!(e.contains("`glm4moe.nextn_predict_layers`"), "{e}");
 }
 
 #[test]
