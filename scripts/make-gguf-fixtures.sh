@@ -13,7 +13,7 @@
 #   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
 #   mixtral-tiny's BF16 twin; qwen2moe-tiny's, minimaxm2-tiny's, glm4moe-tiny's,
 #   glm4moe-qknorm-tiny's, qwen3next-tiny's and qwen35moe-tiny's BF16 and Q8_0 twins and their
-#   reference-q8_0.safetensors. qwen3moe-tiny has a
+#   reference-q8_0.safetensors; gptoss-tiny's and gptoss-mxfp4-tiny's BF16 twins. qwen3moe-tiny has a
 #   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets
 #   a twin.
 # Python: a venv in OUT/.venv with torch (CPU use only), transformers, safetensors, numpy, gguf.
@@ -60,7 +60,8 @@ done
 # tokenizer class the fixture declares (transformers would pick Qwen3.5's for qwen35moe-tiny,
 # whose extra <|endoftext|> stops the converter; the weights and config.json are untouched).
 FIXN=${KRASIS_FIXTURES_NEXT:-$(dirname "$FIX")/fixtures-next}
-NEXT=(mixtral-tiny qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny qwen3next-tiny qwen35moe-tiny)
+NEXT=(mixtral-tiny qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny gptoss-tiny gptoss-mxfp4-tiny
+    qwen3next-tiny qwen35moe-tiny)
 for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
     case $f in
@@ -68,6 +69,10 @@ for f in "${NEXT[@]}"; do
         qwen2moe-tiny | minimaxm2-tiny) types=(bf16 q8_0); conv=$PEER/convert.py; extra=() ;;
         # GLM's converter looks up GLM's special tokens, which the synthetic vocabulary lacks.
         glm4moe-tiny | glm4moe-qknorm-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--gpt2-vocab) ;;
+        # gpt-oss: gptoss-mxfp4-tiny's experts stay MXFP4 (the converter copies the hub's blocks). No
+        # Q8_0 twins: their float64 reference would need the hub's fused, transposed expert layout
+        # rebuilt by scripts/gguf-dequant-reference.py.
+        gptoss-tiny | gptoss-mxfp4-tiny) types=(bf16); conv=$ROOT/scripts/gguf-convert.py; extra=() ;;
         *) types=(bf16); conv=$PEER/convert.py; extra=() ;;
     esac
     mkdir -p "$OUT/$f"

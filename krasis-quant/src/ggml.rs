@@ -28,11 +28,13 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     BF16,
+    /// OCP MXFP4 as ggml stores it (gpt-oss): E2M1 codes with an E8M0 scale per 32.
+    Mxfp4,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum GgmlError {
-    #[error("ggml type id {0} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
+    #[error("ggml type id {0} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4)")]
     UnknownType(u32),
     #[error("{ty}: {elements} elements is not a whole number of {block}-element blocks")]
     RaggedBlocks { ty: GgmlType, elements: usize, block: usize },
@@ -63,6 +65,7 @@ impl GgmlType {
             13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             30 => GgmlType::BF16,
+            39 => GgmlType::Mxfp4,
             other => return Err(GgmlError::UnknownType(other)),
         })
     }
@@ -83,6 +86,7 @@ impl GgmlType {
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
+            GgmlType::Mxfp4 => 39,
         }
     }
 
@@ -102,10 +106,11 @@ impl GgmlType {
             GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
             GgmlType::BF16 => "BF16",
+            GgmlType::Mxfp4 => "MXFP4",
         }
     }
 
-    pub const ALL: [GgmlType; 13] = [
+    pub const ALL: [GgmlType; 14] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
@@ -119,13 +124,14 @@ impl GgmlType {
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
+        GgmlType::Mxfp4,
     ];
 
     /// Elements per block (1 for the float types).
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 | GgmlType::Mxfp4 => 32,
             GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
@@ -146,6 +152,7 @@ impl GgmlType {
             GgmlType::Q4K => size_of::<BlockQ4K>(),
             GgmlType::Q5K => size_of::<BlockQ5K>(),
             GgmlType::Q6K => size_of::<BlockQ6K>(),
+            GgmlType::Mxfp4 => size_of::<BlockMxfp4>(),
         }
     }
 
@@ -157,7 +164,7 @@ impl GgmlType {
             GgmlType::F16 | GgmlType::BF16 => 16,
             GgmlType::Q2K => 2,
             GgmlType::Q3K => 3,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K => 4,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Mxfp4 => 4,
             GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K => 5,
             GgmlType::Q6K => 6,
             GgmlType::Q8_0 => 8,
@@ -273,12 +280,23 @@ pub struct BlockQ6K {
     pub d: [u8; 2],
 }
 
+/// 32 weights: `E2M1(c) · 2^(e − 127)`, written as ggml does, `kvalues_mxfp4[c] · 2^(e − 128)`
+/// with the doubled table ([`crate::fp4::E2M1_X2`]); codes `j` and `j + 16` share byte `j` (low
+/// and high nibble), as Q4_0's.
+#[repr(C)]
+#[derive(Clone, Copy, Pod, Zeroable)]
+pub struct BlockMxfp4 {
+    pub e: u8,
+    pub qs: [u8; 16],
+}
+
 // ggml's sizes (ggml-common.h static_asserts): a layout slip is a compile error, not a wrong weight.
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
 const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
 const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(std::mem::size_of::<BlockMxfp4>() == 17);
 const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
 const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
@@ -295,6 +313,16 @@ fn q4_0(b: &BlockQ4_0, y: &mut [f32]) {
     for j in 0..16 {
         y[j] = ((b.qs[j] & 0x0f) as i32 - 8) as f32 * d;
         y[j + 16] = ((b.qs[j] >> 4) as i32 - 8) as f32 * d;
+    }
+}
+
+fn mxfp4(b: &BlockMxfp4, y: &mut [f32]) {
+    // 2^(e − 128), exact in f32 for every e (e = 0 and 1 are subnormal, as ggml's table has them).
+    let d = (2f64).powi(b.e as i32 - 128) as f32;
+    let k = crate::fp4::E2M1_X2;
+    for j in 0..16 {
+        y[j] = k[(b.qs[j] & 0x0f) as usize] as f32 * d;
+        y[j + 16] = k[(b.qs[j] >> 4) as usize] as f32 * d;
     }
 }
 
@@ -512,6 +540,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), Ggm
         GgmlType::Q4K => blocks::<BlockQ4K, QK_K>(bytes, out, q4_k),
         GgmlType::Q5K => blocks::<BlockQ5K, QK_K>(bytes, out, q5_k),
         GgmlType::Q6K => blocks::<BlockQ6K, QK_K>(bytes, out, q6_k),
+        GgmlType::Mxfp4 => blocks::<BlockMxfp4, 32>(bytes, out, mxfp4),
     }
     Ok(())
 }
@@ -534,7 +563,7 @@ mod tests {
         for ty in GgmlType::ALL {
             assert_eq!(GgmlType::from_id(ty.id()), Ok(ty));
         }
-        for id in [4, 5, 9, 15, 16, 29, 31, 1000, u32::MAX] {
+        for id in [4, 5, 9, 15, 16, 29, 31, 38, 40, 1000, u32::MAX] {
             assert_eq!(GgmlType::from_id(id), Err(GgmlError::UnknownType(id)));
         }
     }
@@ -547,6 +576,29 @@ mod tests {
         let mut out = vec![0f32; 33];
         assert!(matches!(dequantize(GgmlType::Q4_0, &[0u8; 36], &mut out), Err(GgmlError::RaggedBlocks { .. })));
         assert!(GgmlType::F32.bytes_for(usize::MAX / 2).is_err());
+    }
+
+    /// ggml's `dequantize_row_mxfp4`: `kvalues_mxfp4[c] · GGML_E8M0_TO_FP32_HALF(e)`, codes j and
+    /// j + 16 in byte j; checked against values written out by hand, subnormal scales included.
+    #[test]
+    fn mxfp4_is_the_doubled_e2m1_table_times_half_the_e8m0_scale() {
+        let mut b = BlockMxfp4::zeroed();
+        b.e = 127 + 2; // 2^2 / 2
+        for (j, q) in b.qs.iter_mut().enumerate() {
+            *q = (j as u8) | (((15 - j) as u8) << 4);
+        }
+        let y = dequantize_vec(GgmlType::Mxfp4, bytemuck::bytes_of(&b), 32).unwrap();
+        let e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+        for j in 0..16 {
+            assert_eq!(y[j], e2m1[j] * 4.0, "low nibble {j}");
+            assert_eq!(y[j + 16], e2m1[15 - j] * 4.0, "high nibble {j}");
+        }
+        b.e = 0;
+        let y = dequantize_vec(GgmlType::Mxfp4, bytemuck::bytes_of(&b), 32).unwrap();
+        assert_eq!(y[1], f32::from_bits(0x0020_0000), "1 · 2^-128 (ggml: 0x00200000 << 0)");
+        b.e = 1;
+        let y = dequantize_vec(GgmlType::Mxfp4, bytemuck::bytes_of(&b), 32).unwrap();
+        assert_eq!(y[1], f32::from_bits(0x0040_0000), "1 · 2^-127");
     }
 
     #[test]

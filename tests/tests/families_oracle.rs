@@ -50,6 +50,12 @@ fn reference_path(name: &str) {
 /// stores otherwise: the rotary pairing of llama.cpp's permuted q/k rows, eps through f32, the
 /// experts' stored types), and it matches the oracle as the safetensors checkpoint does.
 fn gguf_twin(name: &str) {
+    gguf_twin_stored(name, 16);
+}
+
+/// [`gguf_twin`] for a file whose routed experts are stored at `expert_bits` (4: the MXFP4 that
+/// llama.cpp's converter copies from a gpt-oss checkpoint, served dequantised exactly).
+fn gguf_twin_stored(name: &str, expert_bits: u32) {
     let Some(dir) = fixture_next(name) else { return };
     let Some(root) = gguf_fixtures_dir() else { return };
     let gguf = root.join(name).join("model-bf16.gguf");
@@ -63,8 +69,10 @@ fn gguf_twin(name: &str) {
     }
     let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
     let (mut a, b) = (files.spec().clone(), ModelFiles::open(&dir).unwrap().spec().clone());
-    assert_eq!(a.expert_source_bits, vec![[16; 3]; a.moe_layers().count()], "{name}: expert source types");
+    assert_eq!(a.expert_source_bits, vec![[expert_bits; 3]; a.moe_layers().count()], "{name}: expert source types");
     a.expert_source_bits = b.expert_source_bits.clone();
+    // A GGUF says how its experts are stored by their tensor types, not by a config field.
+    a.source_quant = b.source_quant.clone();
     a.rms_norm_eps = b.rms_norm_eps;
     a.rope.pairing = b.rope.pairing;
     assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
@@ -172,3 +180,11 @@ family_tests!(qwen2moe, "qwen2moe-tiny");
 gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny", q8_0);
 family_tests!(minimaxm2, "minimaxm2-tiny");
 gguf_twin_test!(minimaxm2_gguf, "minimaxm2-tiny", q8_0);
+// gpt-oss runs in tests/gptoss_oracle; its GGUF twin (llama.cpp's converter) here.
+gguf_twin_test!(gptoss_gguf, "gptoss-tiny");
+mod gptoss_mxfp4_gguf {
+    #[test]
+    fn gguf_bf16_twin_with_mxfp4_experts_matches_the_oracle() {
+        super::gguf_twin_stored("gptoss-mxfp4-tiny", 4);
+    }
+}

@@ -106,6 +106,7 @@ pub const SUPPORTED: &[&str] = &[
     "qwen2moe",
     "minimax-m2",
     "glm4moe",
+    "gpt-oss",
     "qwen3next",
     "qwen35moe",
 ];
@@ -467,6 +468,39 @@ fn glm4moe_config(meta: &Meta) -> Result<Map<String, Json>> {
     Ok(o)
 }
 
+/// gpt-oss (`gpt-oss`): every layer MoE of `expert_feed_forward_length`, the router a linear with a
+/// bias (`ffn_gate_inp.bias`), experts with biases (`ffn_{gate,up,down}_exps.bias`, one row per
+/// expert) and the clamped SwiGLU, attention with q/k/v/o biases and one sink logit per head
+/// (`attn_sinks`), sliding windows of `attention.sliding_window` on the even layers and full
+/// attention on the odd ones (llama.cpp's and transformers' pattern for gpt-oss; the file does not
+/// store it), YaRN without truncating its correction range (the hub's `truncate: false`, which the
+/// file does not store either). The SwiGLU's limit is the published 7.0 (llama.cpp hard-codes it).
+/// The experts are MXFP4 as the converter copies them from the hub's checkpoint.
+fn gpt_oss_config(meta: &Meta) -> Result<Map<String, Json>> {
+    let m = meta.m;
+    let mut o = Map::new();
+    common(meta, &mut o)?;
+    put(&mut o, "model_type", "gpt_oss");
+    let heads = meta.a("attention.head_count")?;
+    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(&mut o, "head_dim", d);
+    }
+    put(&mut o, "intermediate_size", meta.a("expert_feed_forward_length")?);
+    put(&mut o, "num_local_experts", meta.a("expert_count")?);
+    if let Some(w) = meta.a_opt("attention.sliding_window")? {
+        put(&mut o, "sliding_window", w);
+    }
+    put(&mut o, "attention_bias", m.has_tensor("blk.0.attn_q.bias"));
+    rope_scaling(meta, &mut o)?;
+    if let Some(Json::Object(s)) = o.get_mut("rope_scaling") {
+        if s.get("type").and_then(Json::as_str) == Some("yarn") {
+            s.insert("truncate".into(), Json::Bool(false));
+        }
+    }
+    Ok(o)
+}
+
 /// The spec of a GGUF model and where each canonical tensor lives in it.
 pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     let arch = m
@@ -480,6 +514,7 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
         "qwen2moe" => qwen2moe_config(&meta)?,
         "minimax-m2" => minimax_m2_config(&meta)?,
         "glm4moe" => glm4moe_config(&meta)?,
+        "gpt-oss" => gpt_oss_config(&meta)?,
         "qwen3next" => qwen3next::config(&meta, false)?,
         "qwen35moe" => qwen3next::config(&meta, true)?,
         other => {
@@ -558,7 +593,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
         let b = |s: &str| format!("blk.{l}.{s}");
         x.whole(&layer.input_norm, b("attn_norm.weight"));
         // llama.cpp names the post-attention norm by architecture.
-        let post_attention = qwen3next || arch == "glm4moe";
+        let post_attention = qwen3next || arch == "glm4moe" || arch == "gpt-oss";
         x.whole(&layer.post_norm, b(if post_attention { "post_attention_norm.weight" } else { "ffn_norm.weight" }));
         match &layer.attention {
             AttentionTensors::Mla { q, kv_a, kv_a_norm, kv_b, o } => {
@@ -586,7 +621,7 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
                 let t = qwen3next::DeltaNetTensors { qkv, z, b: beta, a, conv, a_log, dt_bias, norm, out };
                 qwen3next::map_delta_net(&mut x, spec, l, t, arch == "qwen35moe");
             }
-            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias, .. } => {
+            AttentionTensors::Gqa { q, k, v, o, qk_norm, qkv_bias, o_bias, sinks } => {
                 x.whole(q, b("attn_q.weight"));
                 x.whole(k, b("attn_k.weight"));
                 x.whole(v, b("attn_v.weight"));
@@ -603,6 +638,9 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
                     x.whole(qn, b("attn_q_norm.weight"));
                     x.whole(kn, b("attn_k_norm.weight"));
                 }
+                if let Some(sk) = sinks {
+                    x.whole(sk, b("attn_sinks.weight"));
+                }
             }
         }
         match &layer.ffn {
@@ -610,18 +648,29 @@ fn tensor_map(spec: &ModelSpec, m: &GgufModel, arch: &str) -> Result<TensorMap> 
             FfnTensors::Moe { router, bias, experts, shared, shared_gate } => {
                 x.whole(router, b("ffn_gate_inp.weight"));
                 if let Some(bias) = bias {
-                    x.whole(bias, b("exp_probs_b.bias"));
+                    // A router that is a linear with a bias (gpt-oss) stores it beside the router;
+                    // a correction bias (DeepSeek-V3's rule) is `exp_probs_b`.
+                    let name = if bias.role == crate::model::tensors::TensorRole::Bias {
+                        "ffn_gate_inp.bias"
+                    } else {
+                        "exp_probs_b.bias"
+                    };
+                    x.whole(bias, b(name));
                 }
-                for proj in ["gate", "up", "down"] {
+                for (i, proj) in ["gate", "up", "down"].into_iter().enumerate() {
                     let stacked = b(&format!("ffn_{proj}_exps.weight"));
                     x.need(&stacked);
+                    let biases = b(&format!("ffn_{proj}_exps.bias"));
+                    if experts.iter().any(|t| t.bias.is_some()) {
+                        x.need(&biases);
+                    }
                     for (e, t) in experts.iter().enumerate() {
-                        let t = match proj {
-                            "gate" => &t.gate,
-                            "up" => &t.up,
-                            _ => &t.down,
-                        };
-                        x.map.insert(t.name.clone(), GgufTensorRef::Expert { stacked: stacked.clone(), expert: e });
+                        let w = [&t.gate, &t.up, &t.down][i];
+                        x.map.insert(w.name.clone(), GgufTensorRef::Expert { stacked: stacked.clone(), expert: e });
+                        if let Some(bias) = &t.bias {
+                            let r = GgufTensorRef::Expert { stacked: biases.clone(), expert: e };
+                            x.map.insert(bias[i].name.clone(), r);
+                        }
                     }
                 }
                 if let Some(s) = shared {

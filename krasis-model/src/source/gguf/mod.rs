@@ -351,10 +351,12 @@ impl WeightSource for GgufSource {
             GgufTensorRef::Expert { stacked, expert } => {
                 let (f, t) = self.whole(stacked)?;
                 let s = t.shape();
-                if s.len() != 3 || *expert >= s[0] {
-                    return Err(gguf_err(&f.path, format!("`{stacked}` {s:?} has no expert {expert}")));
+                match *s.as_slice() {
+                    // A stacked weight [experts, rows, cols], or a stacked bias [experts, rows].
+                    [n, rows, cols] if *expert < n => self.slice(f, t, expert * rows * cols, vec![rows, cols]),
+                    [n, rows] if *expert < n => self.slice(f, t, expert * rows, vec![rows]),
+                    _ => Err(gguf_err(&f.path, format!("`{stacked}` {s:?} has no expert {expert}"))),
                 }
-                self.slice(f, t, expert * s[1] * s[2], vec![s[1], s[2]])
             }
             GgufTensorRef::KvB { k_b, v_b } => self.kv_b(k_b, v_b),
             GgufTensorRef::Rearranged(r) => self.rearranged(r),

@@ -1,4 +1,4 @@
-//! The `qwen2moe`, `minimax-m2` and `glm4moe` metadata → the hub twin's spec (the options llama.cpp leaves
+//! The `qwen2moe`, `minimax-m2`, `glm4moe` and `gpt-oss` metadata → the hub twin's spec (the options llama.cpp leaves
 //! implicit inferred as it does), and bad metadata named by its key. The whole twins run in
 //! `tests/families_oracle` (`*_gguf`).
 
@@ -51,6 +51,7 @@ fn spec_of(w: &GgufWriter, arch: &str) -> Result<ModelSpec> {
     let cfg = match arch {
         "qwen2moe" => qwen2moe_config(&meta)?,
         "glm4moe" => glm4moe_config(&meta)?,
+        "gpt-oss" => gpt_oss_config(&meta)?,
         _ => minimax_m2_config(&meta)?,
     };
     parse_config(&Json::Object(cfg).to_string(), m.path())
@@ -147,6 +148,24 @@ fn glm4moe_metadata_gives_groups_partial_rotary_dense_lead_and_drops_the_mtp_blo
     assert!(e.contains("`glm4moe.rope.dimension_count`") && e.contains("head_dim"), "{e}");
     let e = bad("nextn_predict_layers", 2);
     assert!(e.contains("`glm4moe.nextn_predict_layers`"), "{e}");
+}
+
+#[test]
+fn gpt_oss_metadata_gives_windows_on_even_layers_sinks_biases_and_untruncated_yarn() {
+    let kv = [
+        ("attention.sliding_window", MetaValue::U32(8)),
+        ("rope.scaling.type", MetaValue::Str("yarn".into())),
+        ("rope.scaling.factor", MetaValue::F32(32.0)),
+        ("rope.scaling.original_context_length", MetaValue::U32(64)),
+    ];
+    let t: [(&str, &[u64]); 1] = [("blk.0.attn_q.bias", &[16])];
+    let s = spec_of(&model("gpt-oss", &kv, &t), "gpt-oss").unwrap();
+    assert_eq!(s.sliding_windows, vec![Some(8), None], "even layers slide, odd ones attend fully");
+    assert!(s.attention_sinks && s.expert_bias);
+    assert!(matches!(s.attention, AttentionSpec::Gqa { bias: AttnBias { qkv: true, o: true }, .. }));
+    assert!(matches!(s.rope.scaling, crate::spec::RopeScaling::Yarn { truncate: false, .. }));
+    let moe = s.moe.unwrap();
+    assert_eq!((moe.n_routed_experts, moe.moe_intermediate_size, moe.naming), (4, 8, ExpertNaming::Router));
 }
 
 #[test]
