@@ -218,6 +218,17 @@ fn common(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
     Ok(())
 }
 
+/// A GQA model's KV heads (`attention.head_count_kv`, else every head) and `head_dim`
+/// (`attention.key_length`, when stored).
+fn gqa_heads(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
+    let heads = meta.a("attention.head_count")?;
+    put(o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
+    if let Some(d) = meta.a_opt("attention.key_length")? {
+        put(o, "head_dim", d);
+    }
+    Ok(())
+}
+
 fn rope_scaling(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
     let key = meta.key("rope.scaling.type");
     let kind = match meta.m.meta(&key) {
@@ -320,11 +331,7 @@ fn qwen3moe_config(meta: &Meta) -> Result<Map<String, Json>> {
     let mut o = Map::new();
     common(meta, &mut o)?;
     put(&mut o, "model_type", "qwen3_moe");
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
-        put(&mut o, "head_dim", d);
-    }
+    gqa_heads(meta, &mut o)?;
     let moe_inter = meta.a("expert_feed_forward_length")?;
     put(&mut o, "intermediate_size", meta.a_opt("feed_forward_length")?.filter(|&f| f > 0).unwrap_or(moe_inter));
     put(&mut o, "num_experts", meta.a("expert_count")?);
@@ -346,11 +353,7 @@ fn mixtral_config(meta: &Meta) -> Result<Map<String, Json>> {
     let mut o = Map::new();
     common(meta, &mut o)?;
     put(&mut o, "model_type", "mixtral");
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
-        put(&mut o, "head_dim", d);
-    }
+    gqa_heads(meta, &mut o)?;
     put(&mut o, "intermediate_size", meta.a("feed_forward_length")?);
     put(&mut o, "num_local_experts", experts);
     put(&mut o, "rope_interleave", true);
@@ -367,11 +370,7 @@ fn qwen2moe_config(meta: &Meta) -> Result<Map<String, Json>> {
     let mut o = Map::new();
     common(meta, &mut o)?;
     put(&mut o, "model_type", "qwen2_moe");
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
-        put(&mut o, "head_dim", d);
-    }
+    gqa_heads(meta, &mut o)?;
     let ff = meta.a("feed_forward_length")?;
     put(&mut o, "intermediate_size", ff);
     put(&mut o, "shared_expert_intermediate_size", meta.a_opt("expert_shared_feed_forward_length")?.unwrap_or(ff));
@@ -393,11 +392,7 @@ fn minimax_m2_config(meta: &Meta) -> Result<Map<String, Json>> {
     let mut o = Map::new();
     common(meta, &mut o)?;
     put(&mut o, "model_type", "minimax_m2");
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
-        put(&mut o, "head_dim", d);
-    }
+    gqa_heads(meta, &mut o)?;
     put(&mut o, "intermediate_size", meta.a("expert_feed_forward_length")?);
     put(&mut o, "num_local_experts", meta.a("expert_count")?);
     if let Some(r) = meta.a_opt("rope.dimension_count")? {
@@ -481,11 +476,7 @@ fn gpt_oss_config(meta: &Meta) -> Result<Map<String, Json>> {
     let mut o = Map::new();
     common(meta, &mut o)?;
     put(&mut o, "model_type", "gpt_oss");
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
-        put(&mut o, "head_dim", d);
-    }
+    gqa_heads(meta, &mut o)?;
     put(&mut o, "intermediate_size", meta.a("expert_feed_forward_length")?);
     put(&mut o, "num_local_experts", meta.a("expert_count")?);
     if let Some(w) = meta.a_opt("attention.sliding_window")? {
