@@ -2,6 +2,9 @@
 """Golden vectors for krasis-quant's ggml dequantisers, from the `gguf` PyPI package's reference
 (numpy) dequantisers: `pip install gguf numpy`, then `python3 scripts/ggml-golden.py`.
 
+MXFP4 comes last (so the other files keep their bytes) with its E8M0 scale bytes drawn from the
+subnormal ones (0, 1) and a normal range (100..160), where a code times the scale stays finite.
+
 Writes krasis-quant/tests/data/ggml/<TYPE>.bin: u32 LE block count, u32 LE element count, the raw
 blocks, then the expected f32 LE values. Blocks are random bytes (fixed seed) with every f16 scale
 field replaced by a random finite half, so each bit pattern of codes, scales and mins is exercised.
@@ -28,7 +31,7 @@ def main():
     rng = np.random.default_rng(20261124)
     out_dir = os.path.join(os.path.dirname(__file__), "..", "krasis-quant", "tests", "data", "ggml")
     os.makedirs(out_dir, exist_ok=True)
-    for name in ["F32", "F16", "BF16", *HALF_FIELDS]:
+    for name in ["F32", "F16", "BF16", *HALF_FIELDS, "MXFP4"]:
         ty = T[name]
         block_elems, block_bytes = GGML_QUANT_SIZES[ty]
         n_blocks = BLOCKS if block_elems > 1 else 96
@@ -38,6 +41,10 @@ def main():
             raw = finite_halves(rng, n_blocks).astype("<f2").tobytes()
         elif name == "BF16":
             raw = (rng.standard_normal(n_blocks).astype("<f4").view("<u4") >> 16).astype("<u2").tobytes()
+        elif name == "MXFP4":
+            blocks = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+            blocks[:, 0] = np.concatenate([[0, 1], rng.integers(100, 160, n_blocks - 2)]).astype(np.uint8)
+            raw = blocks.tobytes()
         else:
             blocks = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
             for off in HALF_FIELDS[name]:
