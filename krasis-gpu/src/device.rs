@@ -285,6 +285,27 @@ impl std::fmt::Debug for GpuDevice {
     }
 }
 
+/// What a stream is doing ([`GpuDevice::stream_state`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StreamState {
+    /// Everything enqueued on it is done.
+    Idle,
+    /// Work is still pending (or waiting on an event or a host flag).
+    Busy,
+    /// The driver reported an error.
+    Failed(String),
+}
+
+impl std::fmt::Display for StreamState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StreamState::Idle => f.write_str("idle"),
+            StreamState::Busy => f.write_str("busy"),
+            StreamState::Failed(e) => write!(f, "error {e}"),
+        }
+    }
+}
+
 impl GpuDevice {
     /// Opens device `ordinal` (`--gpu N`) with the VRAM budget `budget` (`--vram-budget`). Also
     /// loads NVRTC, since every op needs kernels; fails with one line if anything is missing.
@@ -400,17 +421,17 @@ impl GpuDevice {
         }
     }
 
-    /// What `stream` is doing now, for a stall report: `idle`, `busy` or the driver's error.
-    /// Safe from any thread (binds the context to it); enqueues nothing.
-    pub fn stream_state(&self, stream: &CudaStream) -> String {
+    /// What `stream` is doing now (`cuStreamQuery`). Safe from any thread (binds the context to
+    /// it); enqueues nothing.
+    pub fn stream_state(&self, stream: &CudaStream) -> StreamState {
         if let Err(e) = self.ctx.bind_to_thread() {
-            return format!("unknown ({e})");
+            return StreamState::Failed(format!("cuCtxSetCurrent: {e}"));
         }
         // SAFETY: a query of a live stream.
-        match unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) } {
-            cudarc::driver::sys::CUresult::CUDA_SUCCESS => "idle".into(),
-            cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => "busy".into(),
-            e => format!("error {e:?}"),
+        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS => StreamState::Idle,
+            sys::CUresult::CUDA_ERROR_NOT_READY => StreamState::Busy,
+            e => StreamState::Failed(format!("{e:?}")),
         }
     }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{self, CUdeviceptr};
 
 use crate::mapped::MappedHost;
-use crate::{GpuDevice, GpuError};
+use crate::{GpuDevice, GpuError, StreamState};
 
 /// Spins between checks of the stream's health while waiting (a dead stream never writes).
 const SPINS_PER_STREAM_CHECK: u32 = 4096;
@@ -84,6 +84,36 @@ impl HostFlag {
         give_up: impl Fn() -> bool,
         limit: Duration,
     ) -> Result<bool, GpuError> {
+        self.spin(dev, v, limit, || Ok(!give_up()))
+    }
+
+    /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes
+    /// everything without writing `v`, or stays busy past a generous limit.
+    /// Counted as a host synchronisation in [`GpuDevice::sync_counters`].
+    pub fn spin_until_geq(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
+        self.spin(dev, v, WAIT_LIMIT, || match dev.stream_state(dev.stream()) {
+            StreamState::Busy => Ok(true),
+            // The flag may have been written just before the stream went idle.
+            StreamState::Idle if self.load() >= v => Ok(true),
+            StreamState::Idle => Err(GpuError::Driver {
+                op: "host flag wait",
+                detail: format!("the stream is idle but the flag is {} < {v}", self.load()),
+            }),
+            StreamState::Failed(e) => Err(GpuError::Driver { op: "cuStreamQuery", detail: e }),
+        })
+        .map(|_| ())
+    }
+
+    /// The waits' loop: spins until the counter is ≥ `v` (`Ok(true)`); every
+    /// [`SPINS_PER_STREAM_CHECK`] spins asks `go_on` (`Ok(false)` ends the wait with `Ok(false)`,
+    /// an error with it) and fails once `limit` has passed.
+    fn spin(
+        &self,
+        dev: &GpuDevice,
+        v: u64,
+        limit: Duration,
+        mut go_on: impl FnMut() -> Result<bool, GpuError>,
+    ) -> Result<bool, GpuError> {
         dev.note_host_sync();
         let started = Instant::now();
         let mut spins = 0u32;
@@ -94,53 +124,13 @@ impl HostFlag {
             std::hint::spin_loop();
             spins += 1;
             if spins.is_multiple_of(SPINS_PER_STREAM_CHECK) {
-                if give_up() {
+                if !go_on()? {
                     return Ok(false);
                 }
                 if started.elapsed() > limit {
                     return Err(GpuError::Driver {
                         op: "host flag wait",
                         detail: format!("no progress for {} s (flag {} < {v})", limit.as_secs(), self.load()),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Spins until the counter is ≥ `v`. Fails if the stream reports an error, finishes
-    /// everything without writing `v`, or stays busy past a generous limit.
-    /// Counted as a host synchronisation in [`GpuDevice::sync_counters`].
-    pub fn spin_until_geq(&self, dev: &GpuDevice, v: u64) -> Result<(), GpuError> {
-        dev.note_host_sync();
-        let started = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if self.load() >= v {
-                return Ok(());
-            }
-            std::hint::spin_loop();
-            spins += 1;
-            if spins.is_multiple_of(SPINS_PER_STREAM_CHECK) {
-                dev.context().bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
-                // SAFETY: a query of a live stream.
-                let r = unsafe { sys::cuStreamQuery(dev.stream().cu_stream()) };
-                match r {
-                    sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                    sys::CUresult::CUDA_SUCCESS => {
-                        if self.load() >= v {
-                            return Ok(());
-                        }
-                        return Err(GpuError::Driver {
-                            op: "host flag wait",
-                            detail: format!("the stream is idle but the flag is {} < {v}", self.load()),
-                        });
-                    }
-                    e => return Err(GpuError::Driver { op: "cuStreamQuery", detail: format!("{e:?}") }),
-                }
-                if started.elapsed() > WAIT_LIMIT {
-                    return Err(GpuError::Driver {
-                        op: "host flag wait",
-                        detail: format!("no progress for {} s (flag {} < {v})", WAIT_LIMIT.as_secs(), self.load()),
                     });
                 }
             }

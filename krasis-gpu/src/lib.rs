@@ -82,7 +82,7 @@ pub use attn_decode::{
     bench_mla_decode, bench_mla_decode_kernel, AttnOptions, DecodeBench, DecodeTiming, DecodeWorkspace,
 };
 pub use budget::{VramBudget, VramBudgetSpec, VramCharge, AUTO_VRAM_SAFETY_MARGIN};
-pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice};
+pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceInfo, GpuDevice, StreamState};
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};

@@ -29,7 +29,7 @@ use std::time::Instant;
 use krasis_cpu::pool::WorkerPool;
 use krasis_gpu::cudarc::driver::{CudaView, DeviceRepr, ValidAsZeroBits};
 use krasis_gpu::router::{GpuRouter, PublishTarget};
-use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost};
+use krasis_gpu::{DeviceBuffer, GpuDevice, HostFlag, MappedHost, StreamState};
 
 use crate::cpu::experts::{LayerExperts, Routes};
 use crate::error::{ModelError, Result};
@@ -584,10 +584,10 @@ fn await_call_end(
             Err(RecvTimeoutError::Timeout) => {
                 let waiting = state.phase.load(Ordering::Relaxed) == PHASE_WAIT_READY;
                 let short = ready.load() < state.seq.load(Ordering::Relaxed);
-                match dev.stream_state(dev.stream()).as_str() {
-                    "busy" => {}
-                    "idle" if !(waiting && short) => {}
-                    _ => state.abort.store(true, Ordering::Relaxed),
+                match dev.stream_state(dev.stream()) {
+                    StreamState::Busy => {}
+                    StreamState::Idle if !(waiting && short) => {}
+                    StreamState::Idle | StreamState::Failed(_) => state.abort.store(true, Ordering::Relaxed),
                 }
             }
         }
