@@ -9,6 +9,8 @@
 use bytemuck::{Pod, Zeroable};
 use krasis_core::dtype::{bf16_to_f32, f16_to_f32};
 
+use crate::fp4::BlockMxfp4;
+
 /// Elements per super-block of the K-quants (ggml's `QK_K`).
 pub const QK_K: usize = 256;
 
@@ -280,23 +282,12 @@ pub struct BlockQ6K {
     pub d: [u8; 2],
 }
 
-/// 32 weights: `E2M1(c) · 2^(e − 127)`, written as ggml does, `kvalues_mxfp4[c] · 2^(e − 128)`
-/// with the doubled table ([`crate::fp4::E2M1_X2`]); codes `j` and `j + 16` share byte `j` (low
-/// and high nibble), as Q4_0's.
-#[repr(C)]
-#[derive(Clone, Copy, Pod, Zeroable)]
-pub struct BlockMxfp4 {
-    pub e: u8,
-    pub qs: [u8; 16],
-}
-
 // ggml's sizes (ggml-common.h static_asserts): a layout slip is a compile error, not a wrong weight.
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
 const _: () = assert!(std::mem::size_of::<BlockQ4_1>() == 20);
 const _: () = assert!(std::mem::size_of::<BlockQ5_0>() == 22);
 const _: () = assert!(std::mem::size_of::<BlockQ5_1>() == 24);
 const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
-const _: () = assert!(std::mem::size_of::<BlockMxfp4>() == 17);
 const _: () = assert!(std::mem::size_of::<BlockQ2K>() == 84);
 const _: () = assert!(std::mem::size_of::<BlockQ3K>() == 110);
 const _: () = assert!(std::mem::size_of::<BlockQ4K>() == 144);
@@ -316,6 +307,10 @@ fn q4_0(b: &BlockQ4_0, y: &mut [f32]) {
     }
 }
 
+/// ggml's MXFP4 block has the bytes of [`crate::fp4::BlockMxfp4`] (an E8M0 scale, 16 bytes of
+/// codes) but ggml's nibble order: codes `j` and `j + 16` share byte `j` (low and high nibble), as
+/// Q4_0's. 32 weights `E2M1(c) · 2^(e − 127)`, computed as ggml does, `kvalues_mxfp4[c] ·
+/// 2^(e − 128)` with the doubled table ([`crate::fp4::E2M1_X2`]).
 fn mxfp4(b: &BlockMxfp4, y: &mut [f32]) {
     // 2^(e − 128), exact in f32 for every e (e = 0 and 1 are subnormal, as ggml's table has them).
     let d = (2f64).powi(b.e as i32 - 128) as f32;
