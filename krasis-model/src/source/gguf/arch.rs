@@ -219,14 +219,15 @@ fn common(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
 }
 
 /// A GQA model's KV heads (`attention.head_count_kv`, else every head) and `head_dim`
-/// (`attention.key_length`, when stored).
-fn gqa_heads(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
+/// (`attention.key_length`, when stored; returned then).
+fn gqa_heads(meta: &Meta, o: &mut Map<String, Json>) -> Result<Option<usize>> {
     let heads = meta.a("attention.head_count")?;
     put(o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    if let Some(d) = meta.a_opt("attention.key_length")? {
+    let head_dim = meta.a_opt("attention.key_length")?;
+    if let Some(d) = head_dim {
         put(o, "head_dim", d);
     }
-    Ok(())
+    Ok(head_dim)
 }
 
 fn rope_scaling(meta: &Meta, o: &mut Map<String, Json>) -> Result<()> {
@@ -428,13 +429,12 @@ fn glm4moe_config(meta: &Meta) -> Result<Map<String, Json>> {
         return Err(meta.err(&meta.key("nextn_predict_layers"), format!("{nextn} is not below block_count {blocks}")));
     }
     put(&mut o, "num_hidden_layers", blocks - nextn);
-    let heads = meta.a("attention.head_count")?;
-    put(&mut o, "num_key_value_heads", meta.a_opt("attention.head_count_kv")?.unwrap_or(heads));
-    let hidden = meta.a("embedding_length")?;
-    let head_dim = match meta.a_opt("attention.key_length")? {
+    let head_dim = match gqa_heads(meta, &mut o)? {
         Some(d) => d,
-        None if heads > 0 => hidden / heads,
-        None => return Err(meta.err(&meta.key("attention.head_count"), "0 heads")),
+        None => match meta.a("attention.head_count")? {
+            0 => return Err(meta.err(&meta.key("attention.head_count"), "0 heads")),
+            heads => meta.a("embedding_length")? / heads,
+        },
     };
     put(&mut o, "head_dim", head_dim);
     if let Some(r) = meta.a_opt("rope.dimension_count")? {
