@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::prefix_cache::PrefixCache;
+use super::stall::Phase;
 use super::{Engine, EngineSession, SequenceStep, DELTA_SNAPSHOTS};
 use crate::text::sampling::{Sampler, SamplingParams};
 use crate::text::tokenizer::{TextCodec, TextStream};
@@ -285,11 +286,7 @@ impl Worker {
                 break;
             }
             self.drop_abandoned();
-            self.watch.begin(format!(
-                "admitting {} waiting request(s) beside {} running",
-                self.waiting.len(),
-                self.active.len()
-            ));
+            self.watch.begin(Phase::Admitting { waiting: self.waiting.len(), running: self.active.len() });
             self.admit();
             self.watch.end();
             if !self.active.is_empty() {
@@ -475,13 +472,15 @@ impl Worker {
                 runs.push(None);
             }
         }
-        let prompt_tokens: usize = self
+        // The prompt chunks this step runs, in job order.
+        let chunks: Vec<usize> = self
             .active
             .iter()
             .zip(&runs)
-            .filter(|(r, run)| r.generated == 0 && run.is_some())
-            .map(|(_, run)| run.as_ref().map_or(0, |x| x.len()))
-            .sum();
+            .filter(|(r, _)| r.generated == 0)
+            .filter_map(|(_, run)| run.as_ref().map(|x| x.len()))
+            .collect();
+        let prompt_tokens: usize = chunks.iter().sum();
         let decoding = self.active.iter().filter(|r| r.generated > 0).count();
         let sequences = runs.iter().flatten().count();
         // A chunk that does not end its prompt samples nothing: a throwaway greedy sampler takes
@@ -493,16 +492,7 @@ impl Worker {
         let spares = self.active.iter().zip(&runs).filter(|(r, run)| mid_prompt(r, run)).count();
         let mut throwaway: Vec<Sampler> = (0..spares).map(|_| Sampler::new(SamplingParams::default())).collect();
         let mut spare = throwaway.iter_mut();
-        let chunks: Vec<usize> = self
-            .active
-            .iter()
-            .zip(&runs)
-            .filter(|(r, _)| r.generated == 0)
-            .filter_map(|(_, run)| run.as_ref().map(|x| x.len()))
-            .collect();
-        self.watch.begin(format!(
-            "running an engine step of {decoding} decode row(s) and prompt chunks of {chunks:?} tokens"
-        ));
+        self.watch.begin(Phase::Step { decoding, chunks });
         let t0 = Instant::now();
         let result = {
             let mut batch: Vec<SequenceStep<'_>> = self
@@ -529,7 +519,7 @@ impl Worker {
             }
         };
         let took = t0.elapsed();
-        self.watch.begin(format!("after a step of {sequences} sequence(s): their tokens, finished requests' prefixes"));
+        self.watch.begin(Phase::AfterStep { sequences });
         let outputs = match result {
             Ok(o) => o,
             Err(e) => {

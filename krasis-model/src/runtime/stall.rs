@@ -21,8 +21,35 @@ pub(crate) struct StepWatch {
     cur: Mutex<Option<Step>>,
 }
 
+/// What the scheduler is doing, kept as numbers and put in words only for a report.
+#[derive(Debug)]
+pub(crate) enum Phase {
+    /// Opening sessions for waiting requests.
+    Admitting { waiting: usize, running: usize },
+    /// An engine step: the decoding rows and the prompt chunks' lengths.
+    Step { decoding: usize, chunks: Vec<usize> },
+    /// Taking a step's tokens (and keeping finished requests' prefixes).
+    AfterStep { sequences: usize },
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Phase::Admitting { waiting, running } => {
+                write!(f, "admitting {waiting} waiting request(s) beside {running} running")
+            }
+            Phase::Step { decoding, chunks } => {
+                write!(f, "running an engine step of {decoding} decode row(s) and prompt chunks of {chunks:?} tokens")
+            }
+            Phase::AfterStep { sequences } => {
+                write!(f, "after a step of {sequences} sequence(s): their tokens, finished requests' prefixes")
+            }
+        }
+    }
+}
+
 struct Step {
-    what: String,
+    what: Phase,
     started: Instant,
     reported: Option<Instant>,
 }
@@ -44,9 +71,9 @@ impl StepWatch {
         f(&mut self.cur.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// The scheduler starts `what` (a phase of its loop: "running a step of …"); ends the
+    /// The scheduler starts `what` (a phase of its loop); ends the
     /// phase before it.
-    pub fn begin(&self, what: String) {
+    pub fn begin(&self, what: Phase) {
         let late = self.with(|c| c.replace(Step { what, started: Instant::now(), reported: None }));
         Self::returned(late);
     }
@@ -100,11 +127,11 @@ mod tests {
         let w = StepWatch::default();
         let t0 = Instant::now();
         assert!(w.due(t0).is_none(), "no step, no report");
-        w.begin("3 decode rows".into());
+        w.begin(Phase::Step { decoding: 3, chunks: vec![] });
         let started = w.with(|c| c.as_ref().unwrap().started);
         assert!(w.due(started + STALL_REPORT_AFTER / 2).is_none());
         let first = w.due(started + STALL_REPORT_AFTER).expect("reported at the limit");
-        assert!(first.contains("3 decode rows") && first.contains("for 30 s"), "{first}");
+        assert!(first.contains("3 decode row(s)") && first.contains("for 30 s"), "{first}");
         assert!(w.due(started + STALL_REPORT_AFTER + Duration::from_secs(1)).is_none(), "not twice in a row");
         assert!(w.due(started + STALL_REPORT_AFTER + STALL_REPEAT_EVERY).is_some(), "again after the repeat time");
         w.end();
