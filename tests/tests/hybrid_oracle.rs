@@ -14,13 +14,10 @@ use std::path::Path;
 use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions, StreamFrom, StreamSplit};
 use krasis_model::runtime::{HandoffStats, PinnedExperts, StreamSlots};
-use krasis_tests::{fidelity, gpu_fixture, quant_bound, GpuFixture};
+use krasis_tests::{cpu_experts, fidelity, gpu_fixture, quant_bound, GpuFixture};
 
 /// KV tokens per session: the fixtures' prompts plus the decode steps fit easily.
 const TEST_KV_TOKENS: usize = 512;
-
-/// CPU expert options of the hybrid tests: `bits` experts cached under `cache`, two threads.
-use krasis_tests::cpu_experts;
 
 fn load(dir: &Path, bits: WeightBits, cache: &Path) -> GpuModel {
     let gpu = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
