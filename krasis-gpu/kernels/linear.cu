@@ -178,13 +178,20 @@ __device__ __forceinline__ void bf16_gemv_load_chunk(uint4 (&wv)[R][U], const bf
 // Ragged rows are predicated (no early exit: the staging has block barriers); ragged cols are
 // zero-filled in both x and W.
 //
-// Two matrices in one launch (MLA's q and kv_a projections of the same x): rows [0, split) are
-// W [split, cols] into y [m, split], rows [split, rows) are W2 [rows - split, cols] into
-// y2 [m, rows - split]; split is a multiple of R, so a warp's rows lie in one of them. A single
-// matrix passes W2 = W, y2 = y, split = rows.
+// Up to BF16_GEMV_PARTS matrices of the same x in one launch (a gated-DeltaNet layer's four input
+// projections, attention's q, k and v, MLA's q and kv_a): the launch's rows are the parts' rows
+// one after the other, part p's rows [end[p-1], end[p]) are W_p [end[p] - end[p-1], cols] into
+// y_p [m, end[p] - end[p-1]]. Every end but the last is a multiple of R, so a warp's rows lie in
+// one part. Unused parts repeat the last end (they hold no rows). A single matrix has one part.
+#define BF16_GEMV_PARTS 4
+struct GemvParts {
+    const bf16_t* w[BF16_GEMV_PARTS];
+    float* y[BF16_GEMV_PARTS];
+    int end[BF16_GEMV_PARTS];
+};
+
 template <int MT, int R>
-__device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w2, const float* __restrict__ x,
-                                               float* y1, float* y2, int m, int all_rows, int split, int cols,
+__device__ __forceinline__ void bf16_gemv_body(const GemvParts& parts, const float* __restrict__ x, int m, int cols,
                                                int tile, int w_vec, int x_vec4) {
     constexpr int U = BF16_GEMV_LOADS / R;
     constexpr int CHUNK = U * 32 * 8;
@@ -192,11 +199,22 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w
     bf16_t* xs = (bf16_t*)bf16_gemv_smem;  // [m, tile]
     const int lane = threadIdx.x & 31;
     const int g0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
-    const bool second = g0 >= split;  // warp-uniform
-    const bf16_t* __restrict__ w = second ? w2 : w1;
-    float* __restrict__ y = second ? y2 : y1;
-    const int r0 = second ? g0 - split : g0;
-    const int rows = second ? all_rows - split : split;
+    // The warp's part (warp-uniform; constant indices keep the parameters out of local memory).
+    const bf16_t* wp = parts.w[0];
+    float* yp = parts.y[0];
+    int start = 0, end = parts.end[0];
+#pragma unroll
+    for (int p = 1; p < BF16_GEMV_PARTS; ++p)
+        if (g0 >= parts.end[p - 1] && parts.end[p] > parts.end[p - 1]) {
+            wp = parts.w[p];
+            yp = parts.y[p];
+            start = parts.end[p - 1];
+            end = parts.end[p];
+        }
+    const bf16_t* __restrict__ w = wp;
+    float* __restrict__ y = yp;
+    const int r0 = g0 - start;
+    const int rows = end - start;
 
     uint4 wv[R][U];
     float acc[MT][R];
@@ -281,10 +299,9 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16_t* w1, const bf16_t* w
 }
 
 #define KRASIS_BF16_GEMV(MT, R)                                                                            \
-    extern "C" __global__ void bf16_gemv_m##MT##_r##R(const bf16_t* w, const bf16_t* w2, const float* x,  \
-                                                      float* y, float* y2, int m, int rows, int split,     \
-                                                      int cols, int tile, int w_vec, int x_vec4) {         \
-        bf16_gemv_body<MT, R>(w, w2, x, y, y2, m, rows, split, cols, tile, w_vec, x_vec4);                 \
+    extern "C" __global__ void bf16_gemv_m##MT##_r##R(const GemvParts parts, const float* x, int m, int cols, \
+                                                      int tile, int w_vec, int x_vec4) {                     \
+        bf16_gemv_body<MT, R>(parts, x, m, cols, tile, w_vec, x_vec4);                                       \
     }
 #if defined(LINEAR_BF16_GEMV) && LINEAR_BF16_GEMV == 1
 KRASIS_BF16_GEMV(1, 1)

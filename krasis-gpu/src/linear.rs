@@ -23,7 +23,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::cublas::{self, CublasHandle};
 use crate::device::kernel_args;
@@ -125,6 +125,24 @@ const SCRATCH_ALIGN: usize = 256;
 const EW_BLOCK: u32 = 256;
 /// Grid cap of the grid-stride elementwise kernels (enough blocks to fill any current GPU).
 const EW_MAX_BLOCKS: usize = 4096;
+
+/// Most matrices one grouped BF16 GEMV launch multiplies ([`GpuLinear::forward_group`];
+/// `BF16_GEMV_PARTS` in linear.cu): a gated-DeltaNet layer's four input projections.
+pub const GEMV_GROUP_MAX: usize = 4;
+
+/// The grouped GEMV's matrices (`GemvParts` in linear.cu; same field order and types): part
+/// `p`'s weight and output, and the running end of the parts' rows.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvParts {
+    w: [u64; GEMV_GROUP_MAX],
+    y: [u64; GEMV_GROUP_MAX],
+    end: [i32; GEMV_GROUP_MAX],
+}
+
+// SAFETY: plain old data of the kernel's parameter layout (pointers as u64, ints as i32).
+unsafe impl DeviceRepr for GemvParts {}
+const _: () = assert!(std::mem::size_of::<GemvParts>() == 80);
 
 /// How a [`GpuLinear`] stores its weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -569,7 +587,7 @@ impl GpuLinear {
         ctx: &GemmContext,
         x: &impl DevicePtr<f32>,
         m: usize,
-        y: &mut impl DevicePtrMut<f32>,
+        y: &mut (impl DevicePtrMut<f32> + ?Sized),
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward";
         let rows = self.rows;
@@ -610,59 +628,71 @@ impl GpuLinear {
         }
     }
 
-    /// `y = x·Wᵀ` and `y_other = x·W_otherᵀ` for the same `x` (MLA's q and kv_a projections): one
-    /// GEMV launch over both matrices when both are BF16 on the automatic path with the same
-    /// columns, `m <= BF16_GEMV_MAX_M` and this one's rows a multiple of 4; on cuBLAS's path, x
-    /// converted to BF16 once for both GEMMs; two [`forward`] calls otherwise. The values are
-    /// those of two `forward` calls either way (a GEMV lane sums its columns in the same order
-    /// whatever the rows per warp).
+    /// `y_p = x·W_pᵀ` for every `(W_p, y_p)` of `parts`, all of the same columns and the same `x`
+    /// (a gated-DeltaNet layer's four input projections, attention's q, k and v, MLA's q and
+    /// kv_a): one GEMV launch over all of them when every one is BF16 on the automatic path,
+    /// `m <= BF16_GEMV_MAX_M`, there are at most [`GEMV_GROUP_MAX`] of them and every part but the
+    /// last has a multiple of the launch's rows per warp; on cuBLAS's path, x converted to BF16
+    /// once for all the GEMMs; one [`forward`] per part otherwise. The values are those of one
+    /// `forward` per part either way (a GEMV lane sums its columns in the same order whatever the
+    /// rows per warp, and the parts' launch only picks each warp's matrix).
     ///
     /// [`forward`]: GpuLinear::forward
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_pair(
-        &self,
+    pub fn forward_group(
         dev: &GpuDevice,
         ctx: &GemmContext,
-        other: &GpuLinear,
         x: &impl DevicePtr<f32>,
         m: usize,
-        y: &mut impl DevicePtrMut<f32>,
-        y_other: &mut impl DevicePtrMut<f32>,
+        parts: &mut [(&GpuLinear, &mut dyn DevicePtrMut<f32>)],
     ) -> Result<(), GpuError> {
-        const OP: &str = "GpuLinear::forward_pair";
-        let fused = matches!((&self.w, &other.w), (Weights::Bf16(_), Weights::Bf16(_)))
-            && self.bf16_path == Bf16Path::Auto
-            && other.bf16_path == Bf16Path::Auto
-            && self.cols == other.cols
+        const OP: &str = "GpuLinear::forward_group";
+        let Some(first) = parts.first().map(|p| p.0) else { return Ok(()) };
+        let cols = first.cols;
+        let bf16 = |l: &GpuLinear| matches!(l.w, Weights::Bf16(_));
+        let same = parts.iter().all(|(l, _)| l.cols == cols && bf16(l));
+        let all_rows: usize = parts.iter().map(|(l, _)| l.rows).sum();
+        let sms = dev.info().multiprocessors.max(1) as usize;
+        let r = bf16_gemv_rows_per_warp(all_rows, m, sms);
+        let fused = same
+            && parts.len() <= GEMV_GROUP_MAX
+            && parts.iter().all(|(l, _)| l.bf16_path == Bf16Path::Auto)
             && (1..=BF16_GEMV_MAX_M).contains(&m)
-            && self.rows.is_multiple_of(4);
-        let cublas = self.cols == other.cols && self.writes_bf16(m) && other.writes_bf16(m);
-        if !fused && !cublas {
-            self.forward(dev, ctx, x, m, y)?;
-            return other.forward(dev, ctx, x, m, y_other);
+            && parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r));
+        let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(m));
+        if parts.len() == 1 || (!fused && !cublas) {
+            for (l, y) in parts.iter_mut() {
+                l.forward(dev, ctx, x, m, *y)?;
+            }
+            return Ok(());
         }
-        let cols = self.cols;
-        self.check_shapes(OP, x.len(), y.len(), m)?;
-        other.check_shapes(OP, x.len(), y_other.len(), m)?;
+        for (l, y) in parts.iter() {
+            l.check_shapes(OP, x.len(), y.len(), m)?;
+        }
         ctx.check_device(dev, OP)?;
-        let (Weights::Bf16(w), Weights::Bf16(w2)) = (&self.w, &other.w) else { unreachable!("checked above") };
+        let scratch = parts.iter().map(|(l, _)| l.gemm_scratch_bytes(m)).max().unwrap_or(0);
         let s = dev.stream();
         let (x_p, _gx) = x.device_ptr(s);
-        let (y_p, _gy) = y.device_ptr_mut(s);
-        let (y2_p, _gy2) = y_other.device_ptr_mut(s);
-        let (w_p, _gw) = w.device_ptr(s);
-        let (w2_p, _gw2) = w2.device_ptr(s);
+        let mut ptrs = Vec::with_capacity(parts.len());
+        let mut guards = Vec::with_capacity(2 * parts.len());
+        for (l, y) in parts.iter_mut() {
+            let Weights::Bf16(w) = &l.w else { unreachable!("checked above") };
+            let (w_p, gw) = w.device_ptr(s);
+            let (y_p, gy) = y.device_ptr_mut(s);
+            guards.push(gw);
+            guards.push(gy);
+            ptrs.push((w_p, y_p, l.rows));
+        }
         if fused {
-            let rows = self.rows + other.rows;
-            let r = bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize);
-            return self.bf16_gemv_launch(dev, w_p, x_p, m, y_p, r, Some((w2_p, y2_p, other.rows)));
+            return first.bf16_gemv_launch(dev, x_p, m, r, &ptrs);
         }
         let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
-        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
+        let g = ctx.lock(dev, OP, scratch)?;
         let xb = g.scratch_ptr();
         convert_x(dev, x_p, xb, m_i, cols, ldx)?;
-        gemm_bf16(g.handle(), w_p, self.rows, cols, cols, xb, ldx, m_i, y_p, self.rows)?;
-        gemm_bf16(g.handle(), w2_p, other.rows, cols, cols, xb, ldx, m_i, y2_p, other.rows)
+        for &(w_p, y_p, rows) in &ptrs {
+            gemm_bf16(g.handle(), w_p, rows, cols, cols, xb, ldx, m_i, y_p, rows)?;
+        }
+        Ok(())
     }
 
     /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows: a BF16 weight on the cuBLAS path.
@@ -722,21 +752,18 @@ impl GpuLinear {
 
     /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
     fn bf16_gemv(&self, dev: &GpuDevice, w: u64, x: u64, m: usize, y: u64, r: usize) -> Result<(), GpuError> {
-        self.bf16_gemv_launch(dev, w, x, m, y, r, None)
+        self.bf16_gemv_launch(dev, x, m, r, &[(w, y, self.rows)])
     }
 
-    /// [`GpuLinear::bf16_gemv`], with `second = (W2, y2, rows2)`: a second matrix of the same
-    /// columns computed by the same launch (its rows after this one's; `self.rows % r == 0`).
-    #[allow(clippy::too_many_arguments)]
+    /// The BF16 GEMV over `parts` (`(W, y, rows)`, this one's columns, at most
+    /// [`GEMV_GROUP_MAX`], every part's rows but the last a multiple of `r`), in one launch.
     fn bf16_gemv_launch(
         &self,
         dev: &GpuDevice,
-        w: u64,
         x: u64,
         m: usize,
-        y: u64,
         r: usize,
-        second: Option<(u64, u64, usize)>,
+        parts: &[(u64, u64, usize)],
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward (bf16 gemv)";
         let fname: &'static str = match (m.next_power_of_two(), r) {
@@ -750,11 +777,27 @@ impl GpuLinear {
             (8, 4) => "bf16_gemv_m8_r4",
             _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
         };
-        let (w2, y2, rows2) = second.unwrap_or((w, y, 0));
-        check(OP, self.rows.is_multiple_of(r) || rows2 == 0, || {
-            format!("{}: {} rows do not split at a multiple of {r}", self.name, self.rows)
+        check(OP, (1..=GEMV_GROUP_MAX).contains(&parts.len()), || {
+            format!("{}: {} matrices in one GEMV launch (1 to {GEMV_GROUP_MAX})", self.name, parts.len())
         })?;
-        let rows = self.rows + rows2;
+        check(OP, parts[..parts.len() - 1].iter().all(|p| p.2.is_multiple_of(r)), || {
+            format!(
+                "{}: parts of {:?} rows do not split at multiples of {r}",
+                self.name,
+                parts.iter().map(|p| p.2).collect::<Vec<_>>()
+            )
+        })?;
+        let mut args_parts =
+            GemvParts { w: [parts[0].0; GEMV_GROUP_MAX], y: [parts[0].1; GEMV_GROUP_MAX], end: [0; GEMV_GROUP_MAX] };
+        let mut rows = 0usize;
+        for i in 0..GEMV_GROUP_MAX {
+            if let Some(&(w, y, n)) = parts.get(i) {
+                args_parts.w[i] = w;
+                args_parts.y[i] = y;
+                rows += n;
+            }
+            args_parts.end[i] = to_i32(OP, "rows", rows)?;
+        }
         let sms = dev.info().multiprocessors.max(1) as usize;
         let warps = rows.div_ceil(r);
         let wpb = (warps / sms).clamp(1, BF16_GEMV_MAX_WARPS_PER_BLOCK);
@@ -767,15 +810,17 @@ impl GpuLinear {
             block_dim: (wpb as u32 * 32, 1, 1),
             shared_mem_bytes: (m * tile * 2) as u32,
         };
-        let (m_i, rows_i, split_i, cols_i) = (m as i32, to_i32(OP, "rows", rows)?, self.rows as i32, self.cols as i32);
+        let (m_i, cols_i) = (m as i32, self.cols as i32);
         let tile_i = to_i32(OP, "tile", tile)?;
-        let w_vec = i32::from(self.cols.is_multiple_of(8) && w.is_multiple_of(16) && w2.is_multiple_of(16));
+        let aligned = parts.iter().all(|p| p.0.is_multiple_of(16));
+        let w_vec = i32::from(self.cols.is_multiple_of(8) && aligned);
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
         let f = dev.function(if r == 1 { &LINEAR_BF16_GEMV_R1 } else { &LINEAR_BF16_GEMV_R4 }, fname)?;
-        let mut args = kernel_args![&w, &w2, &x, &y, &y2, &m_i, &rows_i, &split_i, &cols_i, &tile_i, &w_vec, &x_vec4];
-        // SAFETY: arguments match the kernel's signature; shapes checked by the callers; the
-        // dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at most 32 KiB, no opt-in);
-        // the kernel reads only the (static) weights before waiting for the previous kernel.
+        let mut args = kernel_args![&args_parts, &x, &m_i, &cols_i, &tile_i, &w_vec, &x_vec4];
+        // SAFETY: arguments match the kernel's signature (`GemvParts` its struct); shapes checked
+        // by the callers; the dynamic shared memory holds the kernel's [m, tile] BF16 x tile (at
+        // most 32 KiB, no opt-in); the kernel reads only the (static) weights before waiting for
+        // the previous kernel.
         unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 

@@ -16,8 +16,8 @@ use common::{
     round_bf16, time_us_per_call, to_bf16, up, U,
 };
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
-use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::linear::{bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, INT8_GEMV_MAX_M};
+use krasis_gpu::cudarc::driver::{DevicePtr, DevicePtrMut};
+use krasis_gpu::linear::{bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, GEMV_GROUP_MAX, INT8_GEMV_MAX_M};
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -241,49 +241,63 @@ fn bf16_gemv_v2_lite_shapes() {
     }
 }
 
-/// `forward_pair` (two matrices of the same columns: one GEMV launch for MLA's q and kv_a, or x
-/// converted once for two cuBLAS GEMMs) gives bit for bit what two `forward` calls give, on
-/// V2-Lite's shapes and ragged ones (second matrix of any row count; the first's a multiple of
-/// 4, else the GEMV falls back to two launches), m = 1 ..= BF16_GEMV_MAX_M and cuBLAS's m
-/// beyond, and matches the twin.
+/// `forward_group` (up to four matrices of the same columns: one GEMV launch for a gated-DeltaNet
+/// layer's input projections, attention's q/k/v or MLA's q and kv_a, or x converted once for the
+/// cuBLAS GEMMs) gives bit for bit what one `forward` per matrix gives, on V2-Lite's and Qwen3.6's
+/// shapes and ragged ones (parts of any row count; where a part but the last is not a multiple of
+/// the launch's rows per warp the GEMV falls back to one launch each), m = 1 ..= BF16_GEMV_MAX_M
+/// and cuBLAS's m beyond, and matches the twin.
 #[test]
-fn bf16_pair_equals_two_forwards() {
-    let Some((d, ctx)) = gpu_gemm("bf16_pair_equals_two_forwards") else { return };
+fn bf16_group_equals_one_forward_per_matrix() {
+    let Some((d, ctx)) = gpu_gemm("bf16_group_equals_one_forward_per_matrix") else { return };
     let mut r = rng(23);
-    let mut shapes = vec![(3072, 576, 2048), (4, 1, 8), (64, 33, 257), (300, 7, 700), (1536, 576, 2048), (6, 5, 31)];
+    let mut shapes: Vec<(Vec<usize>, usize)> = vec![
+        (vec![3072, 576], 2048),
+        (vec![8192, 4096, 32, 32], 2048),
+        (vec![8192, 512, 512], 2048),
+        (vec![4, 1], 8),
+        (vec![64, 33], 257),
+        (vec![300, 7, 5], 700),
+        (vec![6, 5, 3, 9], 31),
+        (vec![17], 40),
+    ];
     for _ in 0..6 {
-        shapes.push((4 * r.random_range(1..200), r.random_range(1..300), r.random_range(1..1200)));
+        let n = r.random_range(1..=GEMV_GROUP_MAX);
+        let rows = (0..n)
+            .map(|i| if i + 1 < n && r.random_bool(0.8) { 4 * r.random_range(1..200) } else { r.random_range(1..300) })
+            .collect();
+        shapes.push((rows, r.random_range(1..1200)));
     }
-    for &(rows_a, rows_b, cols) in &shapes {
-        let wa = rand_bf16_bits(&mut r, rows_a * cols, 0.5);
-        let wb = rand_bf16_bits(&mut r, rows_b * cols, 0.5);
-        let a = GpuLinear::new(d, "pair a", &wa, rows_a, cols, LinearQuant::Bf16).unwrap();
-        let b = GpuLinear::new(d, "pair b", &wb, rows_b, cols, LinearQuant::Bf16).unwrap();
-        let wbv = to_f64(&from_bf16(&wb));
+    for (rows, cols) in &shapes {
+        let cols = *cols;
+        let ws: Vec<Vec<u16>> = rows.iter().map(|&n| rand_bf16_bits(&mut r, n * cols, 0.5)).collect();
+        let lins: Vec<GpuLinear> = rows
+            .iter()
+            .zip(&ws)
+            .map(|(&n, w)| GpuLinear::new(d, "group part", w, n, cols, LinearQuant::Bf16).unwrap())
+            .collect();
         for m in (1..=BF16_GEMV_MAX_M).chain([BF16_GEMV_MAX_M + 1, 37]) {
             let x = rand_f32(&mut r, m * cols, 1.0);
             let x_d = up(d, &x, "x");
-            let mut ya = poisoned_f32(d, m * rows_a);
-            let mut yb = poisoned_f32(d, m * rows_b);
-            a.forward_pair(d, ctx, &b, &x_d, m, &mut ya, &mut yb).unwrap();
-            let mut ya1 = poisoned_f32(d, m * rows_a);
-            let mut yb1 = poisoned_f32(d, m * rows_b);
-            a.forward(d, ctx, &x_d, m, &mut ya1).unwrap();
-            b.forward(d, ctx, &x_d, m, &mut yb1).unwrap();
-            let what = format!("pair [{rows_a}+{rows_b}]x{cols} m={m}");
-            let (pa, pb) = (down(d, &ya), down(d, &yb));
-            assert_eq!(
-                pa.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                down(d, &ya1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{what}: first matrix differs from forward"
-            );
-            assert_eq!(
-                pb.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                down(d, &yb1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{what}: second matrix differs from forward"
-            );
-            let (want, tol) = twin_bf16(&x, m, &wbv, rows_b, cols);
-            assert_within(&what, &pb, &want, &tol);
+            let mut ys: Vec<_> = rows.iter().map(|&n| poisoned_f32(d, m * n)).collect();
+            {
+                let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
+                    lins.iter().zip(ys.iter_mut()).map(|(l, y)| (l, y as &mut dyn DevicePtrMut<f32>)).collect();
+                GpuLinear::forward_group(d, ctx, &x_d, m, &mut parts).unwrap();
+            }
+            let what = format!("group {rows:?}x{cols} m={m}");
+            for (i, ((l, y), &n)) in lins.iter().zip(&ys).zip(rows.iter()).enumerate() {
+                let mut y1 = poisoned_f32(d, m * n);
+                l.forward(d, ctx, &x_d, m, &mut y1).unwrap();
+                let got = down(d, y);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    down(d, &y1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{what}: part {i} differs from forward"
+                );
+                let (want, tol) = twin_bf16(&x, m, &to_f64(&from_bf16(&ws[i])), n, cols);
+                assert_within(&format!("{what} part {i}"), &got, &want, &tol);
+            }
         }
     }
 }

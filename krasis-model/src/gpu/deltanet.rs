@@ -164,10 +164,19 @@ impl GpuDeltaNet<'_> {
         let z = grow(dev, z_slot, t * vw, "deltanet z")?;
         let b = grow(dev, b_slot, t * nv, "deltanet b")?;
         let a = grow(dev, a_slot, t * nv, "deltanet a")?;
-        self.w.qkv.forward(dev, c.gemm, &xn, t, &mut mixed.slice_mut().slice_mut(..t * ch))?;
-        self.w.z.forward(dev, c.gemm, &xn, t, &mut z.slice_mut().slice_mut(..t * vw))?;
-        self.w.b.forward(dev, c.gemm, &xn, t, &mut b.slice_mut().slice_mut(..t * nv))?;
-        self.w.a.forward(dev, c.gemm, &xn, t, &mut a.slice_mut().slice_mut(..t * nv))?;
+        // One GEMV launch for the four projections in decode.
+        GpuLinear::forward_group(
+            dev,
+            c.gemm,
+            &xn,
+            t,
+            &mut [
+                (&self.w.qkv, &mut mixed.slice_mut().slice_mut(..t * ch)),
+                (&self.w.z, &mut z.slice_mut().slice_mut(..t * vw)),
+                (&self.w.b, &mut b.slice_mut().slice_mut(..t * nv)),
+                (&self.w.a, &mut a.slice_mut().slice_mut(..t * nv)),
+            ],
+        )?;
         let q_scale = (self.spec.key_dim as f32).powf(-0.5);
         if seqs.rows_per_seq == 1 && d.decode_step_fits() {
             let o = grow(dev, o_slot, t * vw, "deltanet output")?;
@@ -278,23 +287,19 @@ impl GpuDeltaNet<'_> {
     }
 }
 
-/// Rows per copy of [`gated_query`] (the copy kernel's grid limit).
+/// Rows per copy of [`split_gated_query`] (the copy kernel's grid limit).
 const COPY_MAX_ROWS: usize = 65_535;
 
-/// Gated attention's query projection: `q_proj`'s output over `xn` into `full` `[t, heads, 2·hd]`
-/// (per head the query, then its gate), the queries copied into `q` `[t, heads·hd]`.
-pub(crate) fn gated_query(
+/// Gated attention's queries: `full` `[t, heads, 2·hd]` (the query projection's output: per head
+/// the query, then its gate) has its queries copied into `q` `[t, heads·hd]`.
+pub(crate) fn split_gated_query(
     c: &Ctx,
-    q_proj: &GpuLinear,
-    xn: &impl DevicePtr<f32>,
+    full: &DeviceBuffer<f32>,
     heads: usize,
     hd: usize,
-    full: &mut Slot<f32>,
     q: &mut DeviceBuffer<f32>,
 ) -> Result<()> {
     let (dev, t) = (c.dev, c.t);
-    let full = grow(dev, full, t * heads * 2 * hd, "gqa q and gates")?;
-    q_proj.forward(dev, c.gemm, xn, t, &mut full.slice_mut().slice_mut(..t * heads * 2 * hd))?;
     let rows = t * heads;
     let mut r0 = 0;
     while r0 < rows {
@@ -311,7 +316,7 @@ pub(crate) fn gated_query(
 }
 
 /// The attention output `o` `[t, heads·hd]` divided by `1 + e^−gate`, the gates those
-/// [`gated_query`] left in `full`.
+/// query projection left in `full` beside the queries ([`split_gated_query`]).
 pub(crate) fn apply_output_gate(
     c: &Ctx,
     o: &mut DeviceBuffer<f32>,

@@ -588,14 +588,15 @@ impl GpuMla<'_> {
                     &mut q.slice_mut().slice_mut(..t * hh * qk),
                 )?;
             }
-            None => self.w.q_b.forward_pair(
+            None => GpuLinear::forward_group(
                 dev,
                 c.gemm,
-                &self.w.kv_a,
                 &xn,
                 t,
-                &mut q.slice_mut().slice_mut(..t * hh * qk),
-                &mut kva.slice_mut().slice_mut(..t * row),
+                &mut [
+                    (&self.w.q_b, &mut q.slice_mut().slice_mut(..t * hh * qk)),
+                    (&self.w.kv_a, &mut kva.slice_mut().slice_mut(..t * row)),
+                ],
             )?,
         }
         if self.w.q_a.is_some() {
@@ -770,13 +771,27 @@ impl GpuGqa<'_> {
         let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
         let k = grow(dev, k_slot, t * kvh * hd, "gqa k")?;
         let v = grow(dev, v_slot, t * kvh * hd, "gqa v")?;
+        // q (with its gates, when gated, into the gate slot), k and v: one GEMV launch in decode.
+        let q_rows = if self.output_gate { 2 * hh * hd } else { hh * hd };
+        let q_out = match self.output_gate {
+            true => grow(dev, gate_slot, t * q_rows, "gqa q and gates")?,
+            false => &mut *q,
+        };
+        GpuLinear::forward_group(
+            dev,
+            c.gemm,
+            &xn,
+            t,
+            &mut [
+                (&self.w.q, &mut q_out.slice_mut().slice_mut(..t * q_rows)),
+                (&self.w.k, &mut k.slice_mut().slice_mut(..t * kvh * hd)),
+                (&self.w.v, &mut v.slice_mut().slice_mut(..t * kvh * hd)),
+            ],
+        )?;
         if self.output_gate {
-            super::deltanet::gated_query(c, &self.w.q, &xn, hh, hd, gate_slot, q)?;
-        } else {
-            self.w.q.forward(dev, c.gemm, &xn, t, &mut q.slice_mut().slice_mut(..t * hh * hd))?;
+            let full = gate_slot.as_ref().expect("grown above");
+            super::deltanet::split_gated_query(c, full, hh, hd, q)?;
         }
-        self.w.k.forward(dev, c.gemm, &xn, t, &mut k.slice_mut().slice_mut(..t * kvh * hd))?;
-        self.w.v.forward(dev, c.gemm, &xn, t, &mut v.slice_mut().slice_mut(..t * kvh * hd))?;
         if let Some([qb, kb, vb]) = &self.w.qkv_bias {
             dev.add_bias_rows_f32(q, t, qb)?;
             dev.add_bias_rows_f32(k, t, kb)?;
