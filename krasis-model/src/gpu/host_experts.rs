@@ -49,6 +49,35 @@ const STREAM_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis
 /// v2-lite INT4: RSS 1.11× the expert copy after a 512-token prefill, 1.25× after 2 048).
 const HOST_EXPERT_CHUNK_TOKENS: usize = 512;
 
+/// How long the expert thread and the launching thread spin on their channel before they sleep
+/// on it: a decode step's messages (a call's start, its hand-offs, its end) come microseconds to
+/// a few hundred microseconds apart, and a sleeping thread needs the scheduler to wake it, which
+/// can take as long as a step when every core runs a spinning worker (the expert thread is pinned
+/// to a core the launcher may be running on). The pool's workers spin as long between jobs.
+const CHANNEL_SPIN: std::time::Duration = krasis_cpu::pool::SPIN_BEFORE_PARK;
+
+/// Spin iterations between clock reads while spinning on a channel.
+const SPINS_PER_CLOCK_CHECK: u32 = 64;
+
+/// The next message of `rx`: spinning for up to [`CHANNEL_SPIN`], then sleeping (`None` when
+/// every sender is gone).
+fn recv_spinning<T>(rx: &Receiver<T>) -> Option<T> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        match rx.try_recv() {
+            Ok(m) => return Some(m),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+        }
+        std::hint::spin_loop();
+        spins += 1;
+        if spins.is_multiple_of(SPINS_PER_CLOCK_CHECK) && start.elapsed() >= CHANNEL_SPIN {
+            return rx.recv().ok();
+        }
+    }
+}
+
 /// The shape of one hand-off: `t` tokens of `hidden`, `k` routes each.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct HandoffShape {
@@ -574,7 +603,22 @@ fn await_call_end(
     state: &ServerState,
     ready: &HostFlag,
 ) -> Result<Result<HandoffStats>> {
-    use std::sync::mpsc::RecvTimeoutError;
+    use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+    // The reply normally comes within the spin (the last hand-off is the end of the call's CPU
+    // work); a failed call's reply may need the stream checks below.
+    let start = Instant::now();
+    while start.elapsed() < CHANNEL_SPIN {
+        match replies.try_recv() {
+            Ok(r) => return Ok(r),
+            Err(TryRecvError::Disconnected) => {
+                return Err(ModelError::Invalid("the CPU expert thread stopped during a call".into()))
+            }
+            Err(TryRecvError::Empty) => {}
+        }
+        for _ in 0..SPINS_PER_CLOCK_CHECK {
+            std::hint::spin_loop();
+        }
+    }
     loop {
         match replies.recv_timeout(STREAM_CHECK_EVERY) {
             Ok(r) => return Ok(r),
@@ -612,7 +656,7 @@ fn serve(
     let mut failure: Option<ModelError> = None;
     let mut since = Instant::now();
     let mut calls = 0u64;
-    while let Ok(m) = rx.recv() {
+    while let Some(m) = recv_spinning(&rx) {
         match m {
             Msg::Begin(c) => {
                 calls += 1;
