@@ -9,8 +9,10 @@
 #           Krasis' INT4 caches
 #   bench   llama.cpp on the Q4_K_M file (`-ot exps=CPU` with all cores; all layers on the GPU, 8K
 #           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode (the CPU experts
-#           alone, `--cache-strategy none`) after 512 and after 32768 tokens (the second also the
-#           hybrid prefill of 32K at a 24 GiB budget), GPU INT4 prefill at 8K (profiled)
+#           alone, `--cache-strategy none`) after 512 tokens, alternated with llama.cpp's decode
+#           and, when device-bundle/bin/krasis-old exists, with that build's; the same with an INT8
+#           LM head; hybrid decode after 32768 tokens (also the hybrid prefill of 32K at a 24 GiB
+#           budget) beside one after 512; GPU INT4 prefill at 8K (profiled)
 # SECTIONS picks them (default: all). Every step skips when its output exists, so a second call on
 # a still-warm machine resumes. Log: $OUT/next.log.
 set -uo pipefail
@@ -34,7 +36,7 @@ if has prep; then
         cmake -S $L -B $LB -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
             -DLLAMA_OPENSSL=OFF > /tmp/cmake.log 2>&1 || { tail -5 /tmp/cmake.log; }
-        (ninja -C $LB -j 10 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
+        (ninja -C $LB -j 15 llama-bench llama-quantize > /tmp/ninja.log 2>&1) & BUILD=$!
     fi
     [ -f $M/config.json ] || { T "synth qwen3.6-35b --layers $LAYERS"; timeout "$(left)" $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
     if [ ! -f /tmp/q36-bf16.done ]; then
@@ -70,17 +72,34 @@ fi
 figures() { grep -E "prefill|decode|tok/s|probe|per token|device:|placement:|DeltaNet|error|warning|^\|" | grep -v "compiled kernel" | head -40; }
 if has bench; then
     G=/tmp/q36-q4km.gguf
+    H="--model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB"
+    llama_tg() { timeout 90 $LB/bin/llama-bench -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -p 0 -n 64 -r 3 -o md 2>&1 | figures; }
     if [ -f $G ]; then
         [ "$(left)" -gt 120 ] && { T "llama.cpp -ot exps=CPU, Q4_K_M, $(nproc) threads"
-            timeout 150 $LB/bin/llama-bench -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -p 512 -n 64 -r 2 -o md 2>&1 | figures; }
+            timeout 150 $LB/bin/llama-bench -m $G -ngl 99 -ot "exps=CPU" -t "$(nproc)" -p 512 -n 64 -r 3 -o md 2>&1 | figures; }
         [ "$(left)" -gt 90 ] && { T "llama.cpp all layers on the GPU, Q4_K_M"
             timeout 120 $LB/bin/llama-bench -m $G -ngl 99 -p 8192 -n 64 -r 2 -o md 2>&1 | figures; }
     fi
-    [ "$(left)" -gt 60 ] && { T "Krasis hybrid decode after 512 tokens (INT4 experts)"
-        timeout 150 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
+    # Decode alternated: Krasis (this build, then the previous one if bundled) and llama.cpp's
+    # -ot exps=CPU, three rounds, so the machine's drift touches all alike.
+    for round in 1 2 3; do
+        [ "$(left)" -gt 60 ] || break
+        T "round $round: Krasis hybrid decode after 512 tokens (INT4 experts, the CPU experts alone)"
+        timeout 100 $K bench $H --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures
+        [ -x $B/bin/krasis-old ] && { T "round $round: the previous build, the same"
+            timeout 100 $B/bin/krasis-old bench $H --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
+        T "round $round: the same with an INT8 LM head (--lm-head-quant int8)"
+        timeout 100 $K bench $H --lm-head-quant int8 --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures
+        [ -f $G ] && { T "round $round: llama.cpp -ot exps=CPU decode"; llama_tg; }
+    done
     [ "$(left)" -gt 60 ] && { T "Krasis GPU INT4 prefill at 8K"
         KRASIS_GPU_PROFILE=1 timeout 150 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 8192 --decode-tokens 16 2>&1 | figures; }
-    [ "$(left)" -gt 60 ] && { T "Krasis hybrid, 32K prompt at 24 GiB, then decode at 32K context"
-        timeout 240 $K bench --model $M --device hybrid --cpu-expert-bits 4 --cache-strategy none --vram-budget 24GiB --prompt-tokens 32768 --decode-tokens 64 --decode-reps 3 2>&1 | figures; }
+    for round in 1 2; do
+        [ "$(left)" -gt 60 ] || break
+        T "round $round: Krasis hybrid, 32K prompt at 24 GiB, then decode at 32K context"
+        timeout 150 $K bench $H --prompt-tokens 32768 --decode-tokens 64 --decode-reps 3 2>&1 | figures
+        T "round $round: Krasis hybrid decode after 512 tokens (beside it)"
+        timeout 100 $K bench $H --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures
+    done
 fi
 T done
