@@ -357,6 +357,34 @@ impl Fp4Matrix {
         Ok(m)
     }
 
+    /// From ggml's MXFP4 blocks of one `[rows, k]` matrix (GGUF type 39: row-major by (row,
+    /// group), each an E8M0 scale and 16 bytes in which codes `j` and `j + 16` share byte `j`, low
+    /// and high nibble). The scales are kept as they are and the codes moved to
+    /// [`BlockMxfp4`]'s order (`2b` and `2b + 1` in byte `b`): the same 32 values per group, since
+    /// ggml's `kvalues_mxfp4[c] · 2^(e − 128)` is `E2M1(c) · 2^(e − 127)`. A NaN scale (0xff) is an
+    /// error.
+    pub fn from_ggml_mxfp4(bytes: &[u8], rows: usize, k: usize) -> Result<Fp4Matrix, Fp4Error> {
+        let kind = Fp4Kind::Mxfp4;
+        Self::check_shape(kind, rows, k)?;
+        let n = rows * (k / 32);
+        let expected = n * kind.block_bytes();
+        if bytes.len() != expected {
+            return Err(Fp4Error::Len { kind, what: "ggml blocks", rows, k, found: bytes.len(), expected });
+        }
+        let mut out = Vec::with_capacity(expected);
+        for b in bytes.chunks_exact(kind.block_bytes()) {
+            let code = |j: usize| if j < 16 { b[1 + j] & 0x0f } else { b[1 + j - 16] >> 4 };
+            let mut qs = [0u8; 16];
+            for (i, q) in qs.iter_mut().enumerate() {
+                *q = code(2 * i) | (code(2 * i + 1) << 4);
+            }
+            out.extend_from_slice(bytemuck::bytes_of(&BlockMxfp4 { e: b[0], qs }));
+        }
+        let m = Fp4Matrix { kind, rows, k, global: 1.0, blocks: out };
+        m.check_scales()?;
+        Ok(m)
+    }
+
     /// The exact values `E2M1(c) · scale (· global)` as f64, row-major `[rows, k]` (every
     /// product is exact in f64).
     pub fn dequantize_f64(&self) -> Vec<f64> {

@@ -596,6 +596,35 @@ mod tests {
         assert_eq!(y[1], f32::from_bits(0x0040_0000), "1 · 2^-127");
     }
 
+    proptest::proptest! {
+        /// ggml's MXFP4 blocks read as an [`crate::fp4::Fp4Matrix`] (codes moved to its nibble
+        /// order, scales kept) hold the values ggml's dequantiser gives, bit for bit, over ragged
+        /// shapes and every scale but the NaN one (refused).
+        #[test]
+        fn ggml_mxfp4_blocks_read_as_an_fp4_matrix_keep_their_values(
+            rows in 1usize..5,
+            groups in 1usize..5,
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 16 * 17),
+            scales in proptest::collection::vec(0u8..0xff, 16),
+        ) {
+            let k = 32 * groups;
+            let mut bytes = raw[..rows * groups * 17].to_vec();
+            for (b, &e) in bytes.chunks_exact_mut(17).zip(&scales) {
+                b[0] = e;
+            }
+            let want = dequantize_vec(GgmlType::Mxfp4, &bytes, rows * k).unwrap();
+            let m = crate::fp4::Fp4Matrix::from_ggml_mxfp4(&bytes, rows, k).unwrap();
+            let got = m.dequantize();
+            proptest::prop_assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+            bytes[17 * (rows * groups - 1)] = 0xff;
+            proptest::prop_assert!(crate::fp4::Fp4Matrix::from_ggml_mxfp4(&bytes, rows, k).is_err());
+            proptest::prop_assert!(crate::fp4::Fp4Matrix::from_ggml_mxfp4(&bytes[1..], rows, k).is_err());
+        }
+    }
+
     #[test]
     fn q8_0_is_scale_times_code() {
         let mut b = BlockQ8_0::zeroed();

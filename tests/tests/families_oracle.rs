@@ -57,16 +57,7 @@ fn gguf_twin(name: &str) {
 /// llama.cpp's converter copies from a gpt-oss checkpoint, served dequantised exactly).
 fn gguf_twin_stored(name: &str, expert_bits: u32) {
     let Some(dir) = fixture_next(name) else { return };
-    let Some(root) = gguf_fixtures_dir() else { return };
-    let gguf = root.join(name).join("model-bf16.gguf");
-    if !gguf.exists() {
-        let msg = format!("{} missing (scripts/make-gguf-fixtures.sh makes it)", gguf.display());
-        if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
-            panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
-        }
-        krasis_tests::report_skip(&msg);
-        return;
-    }
+    let Some(gguf) = bf16_twin(name) else { return };
     let files = ModelFiles::open(&gguf).unwrap_or_else(|e| panic!("{name}: {e}"));
     let (mut a, b) = (files.spec().clone(), ModelFiles::open(&dir).unwrap().spec().clone());
     assert_eq!(a.expert_source_bits, vec![[expert_bits; 3]; a.moe_layers().count()], "{name}: expert source types");
@@ -95,6 +86,56 @@ fn gguf_twin_stored(name: &str, expert_bits: u32) {
     eprintln!("{name} gguf gpu bf16: 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2}", 1.0 - f.mean_cos, f.top1);
     assert!(1.0 - f.mean_cos <= bar, "{name} gguf gpu: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
     assert!(f.top1 >= b.top1 - 0.1, "{name} gguf gpu: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
+}
+
+/// The BF16 GGUF twin of fixture `name` (`scripts/make-gguf-fixtures.sh`), or a visible skip (a
+/// failure under `KRASIS_REQUIRE_FIXTURES=1`) when it is missing.
+fn bf16_twin(name: &str) -> Option<std::path::PathBuf> {
+    let gguf = gguf_fixtures_dir()?.join(name).join("model-bf16.gguf");
+    if gguf.exists() {
+        return Some(gguf);
+    }
+    let msg = format!("{} missing (scripts/make-gguf-fixtures.sh makes it)", gguf.display());
+    if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+    }
+    krasis_tests::report_skip(&msg);
+    None
+}
+
+/// `auto` on the GGUF twin of `gptoss-mxfp4-tiny` keeps its ggml MXFP4 experts as stored: the
+/// CPU expert cache's records are byte for byte those `auto` builds from the safetensors
+/// checkpoint (the same codes and E8M0 scales; ggml's nibble order moved to Krasis'), and the run
+/// on them matches the oracle at rel ≤ 1e-4, greedy ids identical.
+fn gguf_mxfp4_experts_kept_as_stored(name: &str) {
+    use krasis_model::cpu::quantized::{cache_fp4, open_expert_cache, WeightBits};
+    use krasis_model::placement::precision::ExpertWidthRule;
+    use krasis_quant::fp4::Fp4Kind;
+    let Some(dir) = fixture_next(name) else { return };
+    let Some(gguf) = bf16_twin(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let loaded = krasis_tests::load_quantized(&gguf, WeightBits::Auto, WeightBits::Bf16, tmp.path());
+    let described = loaded.model.experts_description();
+    assert!(described.contains("mxfp4 (as stored)"), "{name} gguf: {described}");
+    let pool = loaded.pool.as_ref().expect("a worker pool for the quantised experts");
+    let group = krasis_quant::group::DEFAULT_GROUP_SIZE;
+    let (g_files, s_files) = (ModelFiles::open(&gguf).unwrap(), ModelFiles::open(&dir).unwrap());
+    let (g_dir, s_dir) = (tmp.path().join("gguf"), tmp.path().join("safetensors"));
+    let (g, _) = open_expert_cache(&g_files, ExpertWidthRule::Auto, group, Some(&g_dir), pool).unwrap();
+    let (st, _) = open_expert_cache(&s_files, ExpertWidthRule::Auto, group, Some(&s_dir), pool).unwrap();
+    assert_eq!(cache_fp4(g.header()), Some(Fp4Kind::Mxfp4), "{name} gguf: the expert cache's format");
+    let spec = g_files.spec();
+    for li in 0..spec.moe_layers().count() {
+        for e in 0..spec.routed_experts() {
+            assert!(g.w13(li, e) == st.w13(li, e), "{name}: MoE layer {li} expert {e}: gate/up record differs");
+            assert!(g.w2(li, e) == st.w2(li, e), "{name}: MoE layer {li} expert {e}: down record differs");
+        }
+    }
+    for line in
+        check_against_reference(&format!("{name} gguf (mxfp4 experts as stored)"), &loaded.model, &load_reference(&dir))
+    {
+        eprintln!("{line}");
+    }
 }
 
 /// The Q8_0 GGUF twin (llama.cpp's converter) on the CPU reference path against transformers in
@@ -186,5 +227,9 @@ mod gptoss_mxfp4_gguf {
     #[test]
     fn gguf_bf16_twin_with_mxfp4_experts_matches_the_oracle() {
         super::gguf_twin_stored("gptoss-mxfp4-tiny", 4);
+    }
+    #[test]
+    fn auto_keeps_the_gguf_mxfp4_experts_as_stored() {
+        super::gguf_mxfp4_experts_kept_as_stored("gptoss-mxfp4-tiny");
     }
 }

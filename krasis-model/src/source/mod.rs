@@ -161,6 +161,14 @@ pub trait WeightSource: Send + Sync {
         let _ = name;
         false
     }
+    /// `name`'s stored ggml blocks and their type, when it is one block-typed tensor (or one
+    /// expert's slice of a stacked one) of a GGUF: what an expert cache that keeps a stored format
+    /// reads instead of [`WeightSource::tensor`]'s dequantised values. `None` for anything else
+    /// (float tensors, tensors rebuilt from others, every safetensors source).
+    fn ggml_blocks(&self, name: &str) -> Result<Option<(krasis_quant::ggml::GgmlType, SharedBytes)>> {
+        let _ = name;
+        Ok(None)
+    }
     /// Drops this process's resident copy of the mapped files ([`release_mapping`]), so weights
     /// an engine has copied or quantised stop counting in its RSS; bytes still in use fault back
     /// in from the page cache when next read. Default: nothing mapped.

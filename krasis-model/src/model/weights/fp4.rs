@@ -1,11 +1,13 @@
-//! ModelOpt NVFP4 linears (`SourceQuant::ModelOptNvfp4`) and OpenAI MXFP4 linears
+//! ModelOpt NVFP4 linears (`SourceQuant::ModelOptNvfp4`), OpenAI MXFP4 linears
 //! (`SourceQuant::Mxfp4`: `P.weight_blocks` / `P.weight_scales` in place of `P.weight`, which
-//! the stored-layout adapter serves per expert from gpt-oss's fused tensors): read as stored
+//! the stored-layout adapter serves per expert from gpt-oss's fused tensors) and a GGUF's MXFP4
+//! tensors (ggml type 39, per expert from the stacked tensors): read as stored
 //! ([`WeightLoader::stored_fp4`], for the expert caches that keep them) or dequantised exactly
 //! (through [`WeightLoader::matrix`]: every FP4 linear, experts or not).
 
 use krasis_core::DType;
 use krasis_quant::fp4::Fp4Matrix;
+use krasis_quant::ggml::GgmlType;
 
 use super::WeightLoader;
 use crate::error::{ModelError, Result};
@@ -19,6 +21,15 @@ impl WeightLoader<'_> {
     /// left out). A scale tensor whose shape disagrees with the weight's, or a NaN scale, is an
     /// error naming the tensor.
     pub fn stored_fp4(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Fp4Matrix>> {
+        // A GGUF's MXFP4 tensor (type 39; gpt-oss's experts, as llama.cpp's converter copies them).
+        if let Some((ty, bytes)) = self.source.ggml_blocks(name)? {
+            if ty != GgmlType::Mxfp4 {
+                return Ok(None);
+            }
+            return Fp4Matrix::from_ggml_mxfp4(bytes.as_slice(), rows, cols).map(Some).map_err(|e| {
+                ModelError::Invalid(format!("MXFP4 tensor `{name}` in {}: {e}", self.source.location().display()))
+            });
+        }
         if *self.quant == SourceQuant::Mxfp4 {
             return self.stored_mxfp4(name, rows, cols);
         }

@@ -195,9 +195,8 @@ impl GgufSource {
         self.model.tensor_info(r.primary()).map(|(_, t)| t.ty)
     }
 
-    /// `elements` values of `t` starting at element `first` (whole blocks), as a stored tensor.
-    fn slice(&self, file: &GgufFile, t: &TensorInfo, first: usize, shape: Vec<usize>) -> Result<StoredTensor> {
-        let elements: usize = shape.iter().product();
+    /// The file bytes of `elements` values of `t` from element `first` (whole blocks).
+    fn raw_range(file: &GgufFile, t: &TensorInfo, first: usize, elements: usize) -> Result<std::ops::Range<usize>> {
         let bs = t.ty.block_elems();
         if !first.is_multiple_of(bs) || !elements.is_multiple_of(bs) || first + elements > t.elements() {
             return Err(gguf_err(
@@ -206,8 +205,13 @@ impl GgufSource {
             ));
         }
         let start = t.data.start + first / bs * t.ty.block_bytes();
-        let len = elements / bs * t.ty.block_bytes();
-        let raw = start..start + len;
+        Ok(start..start + elements / bs * t.ty.block_bytes())
+    }
+
+    /// `elements` values of `t` starting at element `first` (whole blocks), as a stored tensor.
+    fn slice(&self, file: &GgufFile, t: &TensorInfo, first: usize, shape: Vec<usize>) -> Result<StoredTensor> {
+        let elements: usize = shape.iter().product();
+        let raw = Self::raw_range(file, t, first, elements)?;
         let mapped = |raw| SharedBytes::of_file(Arc::clone(&file.map), Arc::clone(&file.file), raw);
         let (dtype, bytes) = match t.ty {
             GgmlType::F32 => (DType::F32, mapped(raw)),
@@ -375,6 +379,28 @@ impl WeightSource for GgufSource {
                 _ => DType::F32,
             },
         })
+    }
+
+    fn ggml_blocks(&self, name: &str) -> Result<Option<(GgmlType, SharedBytes)>> {
+        let (f, t, first, elements) = match self.map.get(name) {
+            Some(GgufTensorRef::Whole(g)) => {
+                let (f, t) = self.whole(g)?;
+                (f, t, 0, t.elements())
+            }
+            Some(GgufTensorRef::Expert { stacked, expert }) => {
+                let (f, t) = self.whole(stacked)?;
+                match *t.shape().as_slice() {
+                    [n, rows, cols] if *expert < n => (f, t, expert * rows * cols, rows * cols),
+                    _ => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
+        if matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+            return Ok(None);
+        }
+        let raw = Self::raw_range(f, t, first, elements)?;
+        Ok(Some((t.ty, SharedBytes::of_file(Arc::clone(&f.map), Arc::clone(&f.file), raw))))
     }
 
     fn is_mapped(&self, name: &str) -> bool {
