@@ -17,7 +17,8 @@ loaded with from_pretrained, the path the fixture's own oracle took. The familie
 (ARCH_LAYER): qwen2moe's one shared expert `mlp.shared_expert.*` with its gate
 `mlp.shared_expert_gate` and the q/k/v biases; minimax-m2's `block_sparse_moe` router, correction
 bias (beside the gate) and experts `w1` / `w3` / `w2`; glm4moe's `post_attention_norm` and q/k/v
-biases.
+biases; gpt-oss's biases, sinks, router with its bias and fused, transposed experts (rebuilt from
+the split ones, gate and up interleaved again).
 
 llama.cpp's qwen3next and qwen35moe (the gated-DeltaNet fixtures, written in the fixture's own
 layout): every transformation of llama.cpp's converter (conversion/qwen.py) is undone:
@@ -100,6 +101,16 @@ ARCH_LAYER = {
     "minimax-m2": {
         "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
         "exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias",
+    },
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
     },
 }
 ARCH_EXPERTS = {
@@ -230,7 +241,7 @@ def hub_state_dict(path, fixture):
     if arch in ("qwen3next", "qwen35moe"):
         float64_delta_rule()
         return deltanet_state_dict(r, arch, fixture)
-    sd, kb, vb = {}, {}, {}
+    sd, kb, vb, fused = {}, {}, {}, {}
     layer_names = {**LAYER, **ARCH_LAYER.get(arch, {})}
     exp_prefix, exp_names = ARCH_EXPERTS.get(arch, ("mlp.experts", {k: f"{k}_proj" for k in ("gate", "up", "down")}))
     for t in r.tensors:
@@ -247,6 +258,8 @@ def hub_state_dict(path, fixture):
         p = f"model.layers.{l}"
         if rest in layer_names:
             sd[f"{p}.{layer_names[rest]}"] = w
+        elif arch == "gpt-oss" and (e := re.fullmatch(r"ffn_(gate|up|down)_exps\.(weight|bias)", rest)):
+            fused[(l, e.group(1), e.group(2))] = w
         elif (e := re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", rest)):
             for x in range(w.shape[0]):
                 sd[f"{p}.{exp_prefix}.{x}.{exp_names[e.group(1)]}.weight"] = w[x].clone()
@@ -256,6 +269,18 @@ def hub_state_dict(path, fixture):
             vb[l] = w  # [heads, v, rank]
         else:
             raise SystemExit(f"unmapped GGUF tensor {t.name}")
+    # gpt-oss's fused experts, as the hub stores them (x @ W): gate_up_proj [E, H, 2I] with gate j in
+    # column 2j and up j in 2j + 1 (llama.cpp's converter transposed and split them), gate_up_proj_bias
+    # [E, 2I] interleaved alike, down_proj [E, I, H] (stored transposed), down_proj_bias [E, H].
+    for l in sorted({k[0] for k in fused}):
+        g, u, d = (fused[(l, x, "weight")] for x in ("gate", "up", "down"))
+        gb, ub, db = (fused[(l, x, "bias")] for x in ("gate", "up", "down"))
+        e, i, h = g.shape
+        p = f"model.layers.{l}.mlp.experts"
+        sd[f"{p}.gate_up_proj"] = torch.stack([g, u], dim=2).reshape(e, 2 * i, h).transpose(1, 2).contiguous()
+        sd[f"{p}.gate_up_proj_bias"] = torch.stack([gb, ub], dim=2).reshape(e, 2 * i).contiguous()
+        sd[f"{p}.down_proj"] = d.transpose(1, 2).contiguous()
+        sd[f"{p}.down_proj_bias"] = db.contiguous()
     for l, k in kb.items():
         v = vb[l]
         kv = torch.cat([k.transpose(1, 2), v], dim=1)  # [heads, nope + v, rank]

@@ -9,11 +9,12 @@
 //! - the whole GPU (BF16 and INT4 experts) and the hybrid (BF16 and INT4 CPU experts) against the
 //!   transformers-BF16 bar of `quant_bounds.json` (1 − mean cos ≤ 3 × its + 1e-4 for BF16, plus
 //!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU;
-//! - for the families llama.cpp writes (Mixtral, Qwen2-MoE, MiniMax-M2), the BF16 GGUF twin made by
-//!   llama.cpp's converter: its spec is config.json's, its reference path matches the oracle, and
-//!   the whole GPU on it is within the BF16 bar; for Qwen2-MoE and MiniMax-M2 also the Q8_0
-//!   twin on the CPU reference path against transformers in float64 on that file's dequantised
-//!   weights (`reference-q8_0.safetensors`, `scripts/gguf-dequant-reference.py`), the same bar.
+//! - for the families llama.cpp writes (Mixtral, Qwen2-MoE, MiniMax-M2, GLM-4.x, gpt-oss), the BF16
+//!   GGUF twin made by llama.cpp's converter: its spec is config.json's, its reference path
+//!   matches the oracle, and the whole GPU on it is within the BF16 bar; for all but Mixtral also
+//!   the Q8_0 twin on the CPU reference path against transformers in float64 on that file's
+//!   dequantised weights (`reference-q8_0.safetensors`, `scripts/gguf-dequant-reference.py`), the
+//!   same bar; and the MXFP4 experts of gpt-oss's twin kept as stored at `auto`.
 //!
 //! The fixture list grows with each family: `mixtral-tiny` (Mixtral: GQA without qk-norm,
 //! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
@@ -222,7 +223,7 @@ gguf_twin_test!(qwen2moe_gguf, "qwen2moe-tiny", q8_0);
 family_tests!(minimaxm2, "minimaxm2-tiny");
 gguf_twin_test!(minimaxm2_gguf, "minimaxm2-tiny", q8_0);
 // gpt-oss runs in tests/gptoss_oracle; its GGUF twin (llama.cpp's converter) here.
-gguf_twin_test!(gptoss_gguf, "gptoss-tiny");
+gguf_twin_test!(gptoss_gguf, "gptoss-tiny", q8_0);
 mod gptoss_mxfp4_gguf {
     #[test]
     fn gguf_bf16_twin_with_mxfp4_experts_matches_the_oracle() {
