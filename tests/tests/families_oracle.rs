@@ -230,6 +230,10 @@ mod gptoss_mxfp4_gguf {
         super::gguf_twin_stored("gptoss-mxfp4-tiny", 4);
     }
     #[test]
+    fn gguf_q8_0_twin_matches_float64_on_its_weights() {
+        super::gguf_q8_0_twin("gptoss-mxfp4-tiny");
+    }
+    #[test]
     fn auto_keeps_the_gguf_mxfp4_experts_as_stored() {
         super::gguf_mxfp4_experts_kept_as_stored("gptoss-mxfp4-tiny");
     }
