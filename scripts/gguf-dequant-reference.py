@@ -18,7 +18,9 @@ loaded with from_pretrained, the path the fixture's own oracle took. The familie
 `mlp.shared_expert_gate` and the q/k/v biases; minimax-m2's `block_sparse_moe` router, correction
 bias (beside the gate) and experts `w1` / `w3` / `w2`; glm4moe's `post_attention_norm` and q/k/v
 biases; gpt-oss's biases, sinks, router with its bias and fused, transposed experts (rebuilt from
-the split ones, gate and up interleaved again).
+the split ones, gate and up interleaved again); Mixtral's (`llama`) `block_sparse_moe` router and
+experts `w1` / `w3` / `w2`, and its q and k rows, which llama.cpp's converter permuted for its
+rotary layout, put back.
 
 llama.cpp's qwen3next and qwen35moe (the gated-DeltaNet fixtures, written in the fixture's own
 layout): every transformation of llama.cpp's converter (conversion/qwen.py) is undone:
@@ -113,9 +115,16 @@ ARCH_LAYER = {
         "ffn_gate_inp.bias": "mlp.router.bias",
     },
 }
+ARCH_LAYER["llama"] = {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}  # Mixtral
 ARCH_EXPERTS = {
     "minimax-m2": ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "llama": ("block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
+
+def unpermute(w, n_head):
+    """The inverse of llama.cpp's LlamaModel.permute of q/k rows (each head's rotary halves
+    interleaved): rows [n_head, d/2, 2] back to [n_head, 2, d/2]."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 def gguf_arch(r):
     f = r.fields["general.architecture"]
@@ -281,6 +290,15 @@ def hub_state_dict(path, fixture):
         sd[f"{p}.gate_up_proj_bias"] = torch.stack([gb, ub], dim=2).reshape(e, 2 * i).contiguous()
         sd[f"{p}.down_proj"] = d.transpose(1, 2).contiguous()
         sd[f"{p}.down_proj_bias"] = db.contiguous()
+    if arch == "llama":
+        # llama.cpp's converter permuted q and k rows for its rotary layout (Mixtral: `llama`).
+        cfg = json.load(open(os.path.join(fixture, "config.json")))
+        nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        for name in list(sd):
+            if name.endswith("self_attn.q_proj.weight"):
+                sd[name] = unpermute(sd[name], nh).contiguous()
+            elif name.endswith("self_attn.k_proj.weight"):
+                sd[name] = unpermute(sd[name], nkv).contiguous()
     for l, k in kb.items():
         v = vb[l]
         kv = torch.cat([k.transpose(1, 2), v], dim=1)  # [heads, nope + v, rank]

@@ -11,7 +11,7 @@
 #   ffn_down_exps in Q8_0), and reference-{q8_0,q4_k_m,q4_0_mixed}.safetensors:
 #   transformers in float64 on each quantised GGUF's dequantised weights
 #   (scripts/gguf-dequant-reference.py). From ../shared/fixtures-next (KRASIS_FIXTURES_NEXT):
-#   mixtral-tiny's BF16 twin; qwen2moe-tiny's, minimaxm2-tiny's, glm4moe-tiny's,
+#   mixtral-tiny's, qwen2moe-tiny's, minimaxm2-tiny's, glm4moe-tiny's,
 #   glm4moe-qknorm-tiny's, gptoss-tiny's, gptoss-mxfp4-tiny's (its experts stay MXFP4), qwen3next-tiny's
 #   and qwen35moe-tiny's BF16 and Q8_0 twins and their reference-q8_0.safetensors. qwen3moe-tiny has a
 #   dense layer, which llama.cpp's qwen3moe cannot express, and dsv3-fp8-tiny is FP8: neither gets
@@ -66,7 +66,7 @@ for f in "${NEXT[@]}"; do
     [ -f "$FIXN/$f/config.json" ] || { echo "make-gguf-fixtures: $FIXN/$f missing: no twin"; continue; }
     case $f in
         qwen3next-tiny | qwen35moe-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--no-mtp) ;;
-        qwen2moe-tiny | minimaxm2-tiny) types=(bf16 q8_0); conv=$PEER/convert.py; extra=() ;;
+        mixtral-tiny | qwen2moe-tiny | minimaxm2-tiny) types=(bf16 q8_0); conv=$PEER/convert.py; extra=() ;;
         # GLM's converter looks up GLM's special tokens, which the synthetic vocabulary lacks.
         glm4moe-tiny | glm4moe-qknorm-tiny) types=(bf16 q8_0); conv=$ROOT/scripts/gguf-convert.py; extra=(--gpt2-vocab) ;;
         # gpt-oss: gptoss-mxfp4-tiny's experts stay MXFP4 in both twins (the converter copies the
@@ -125,8 +125,8 @@ for f in "${FIXTURES[@]}"; do
             >"$OUT/$f/reference-$t.log" 2>&1 || { tail -20 "$OUT/$f/reference-$t.log" >&2; exit 1; }
     done
 done
-for f in qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny gptoss-tiny gptoss-mxfp4-tiny qwen3next-tiny \
-    qwen35moe-tiny; do
+for f in mixtral-tiny qwen2moe-tiny minimaxm2-tiny glm4moe-tiny glm4moe-qknorm-tiny gptoss-tiny gptoss-mxfp4-tiny \
+    qwen3next-tiny qwen35moe-tiny; do
     src=$OUT/$f/model-q8_0.gguf; dst=$OUT/$f/reference-q8_0.safetensors
     [ -s "$src" ] || continue
     [ -s "$dst" ] && [ "$dst" -nt "$src" ] && continue

@@ -11,10 +11,10 @@
 //!   the INT4 ideal's error for INT4 experts; top-1 ≥ its − 0.1). Skipped visibly without a GPU;
 //! - for the families llama.cpp writes (Mixtral, Qwen2-MoE, MiniMax-M2, GLM-4.x, gpt-oss), the BF16
 //!   GGUF twin made by llama.cpp's converter: its spec is config.json's, its reference path
-//!   matches the oracle, and the whole GPU on it is within the BF16 bar; for all but Mixtral also
-//!   the Q8_0 twin on the CPU reference path against transformers in float64 on that file's
-//!   dequantised weights (`reference-q8_0.safetensors`, `scripts/gguf-dequant-reference.py`), the
-//!   same bar; and the MXFP4 experts of gpt-oss's twin kept as stored at `auto`.
+//!   matches the oracle, and the whole GPU on it is within the BF16 bar; the Q8_0 twin on the CPU
+//!   reference path against transformers in float64 on that file's dequantised weights
+//!   (`reference-q8_0.safetensors`, `scripts/gguf-dequant-reference.py`), the same bar; and the
+//!   MXFP4 experts of gpt-oss's twin kept as stored at `auto`.
 //!
 //! The fixture list grows with each family: `mixtral-tiny` (Mixtral: GQA without qk-norm,
 //! softmax top-2 renormalised, `block_sparse_moe` names); `glm4moe-tiny` (GLM-4.5-Air: q/k/v
@@ -213,7 +213,7 @@ macro_rules! gguf_twin_test {
 }
 
 family_tests!(mixtral, "mixtral-tiny");
-gguf_twin_test!(mixtral_gguf, "mixtral-tiny");
+gguf_twin_test!(mixtral_gguf, "mixtral-tiny", q8_0);
 family_tests!(glm4moe, "glm4moe-tiny");
 gguf_twin_test!(glm4moe_gguf, "glm4moe-tiny", q8_0);
 family_tests!(glm4moe_qknorm, "glm4moe-qknorm-tiny");
