@@ -139,6 +139,42 @@ fn gguf_mxfp4_experts_kept_as_stored(name: &str) {
     }
 }
 
+/// A GGUF MXFP4 expert with a NaN scale (E8M0 0xff) is refused when `auto` builds the expert
+/// cache, with an error naming the expert's tensor and the file; nothing is left in the cache
+/// directory that a later run would accept.
+fn gguf_mxfp4_nan_scale_is_an_error(name: &str) {
+    use krasis_model::cpu::quantized::WeightBits;
+    let Some(gguf) = bf16_twin(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = krasis_model::source::gguf::GgufModel::open(&gguf).unwrap();
+    let (_, t) = model.tensor_info("blk.1.ffn_up_exps.weight").expect("blk.1.ffn_up_exps.weight");
+    let at = t.data.start + 17 * 3; // the fourth block's scale byte (expert 0)
+    drop(model);
+    let mut bytes = std::fs::read(&gguf).unwrap();
+    bytes[at] = 0xff;
+    let bad = tmp.path().join("bad.gguf");
+    std::fs::write(&bad, &bytes).unwrap();
+    let cache = tmp.path().join("cache");
+    let opts = krasis_model::cpu::load::EngineOptions {
+        expert_bits: WeightBits::Auto,
+        dense_bits: WeightBits::Bf16,
+        cache_dir: Some(cache.clone()),
+        threads: Some(2),
+        ..Default::default()
+    };
+    let files = ModelFiles::open(&bad).unwrap();
+    let e = match krasis_model::cpu::load::load_model(&files, &opts) {
+        Ok(_) => panic!("{name}: a NaN MXFP4 scale was accepted"),
+        Err(e) => e.to_string(),
+    };
+    eprintln!("{name}: {e}");
+    assert!(e.contains("model.layers.1.mlp.experts.0.up_proj.weight") && e.contains("bad.gguf"), "{name}: {e}");
+    assert!(e.contains("NaN"), "{name}: {e}");
+    let left: Vec<_> =
+        std::fs::read_dir(&cache).map(|d| d.flatten().map(|f| f.file_name()).collect()).unwrap_or_default();
+    assert!(left.iter().all(|f| !f.to_string_lossy().ends_with(".bin")), "{name}: left in the cache: {left:?}");
+}
+
 /// The Q8_0 GGUF twin (llama.cpp's converter) on the CPU reference path against transformers in
 /// float64 on the file's dequantised weights (`reference-q8_0.safetensors` beside it, made by
 /// `scripts/gguf-dequant-reference.py`): rel ≤ 1e-4, greedy ids identical.
@@ -236,5 +272,9 @@ mod gptoss_mxfp4_gguf {
     #[test]
     fn auto_keeps_the_gguf_mxfp4_experts_as_stored() {
         super::gguf_mxfp4_experts_kept_as_stored("gptoss-mxfp4-tiny");
+    }
+    #[test]
+    fn a_nan_mxfp4_scale_in_the_gguf_is_an_error_naming_the_tensor() {
+        super::gguf_mxfp4_nan_scale_is_an_error("gptoss-mxfp4-tiny");
     }
 }
