@@ -655,12 +655,10 @@ fn serve(
     let mut stats = HandoffStats::default();
     let mut failure: Option<ModelError> = None;
     let mut since = Instant::now();
-    let mut calls = 0u64;
     while let Some(m) = recv_spinning(&rx) {
         match m {
             Msg::Begin(c) => {
-                calls += 1;
-                state.calls.store(calls, Ordering::Relaxed);
+                state.calls.fetch_add(1, Ordering::Relaxed);
                 state.set(PHASE_IN_CALL, None);
                 call = Some(c);
                 stats = HandoffStats::default();
@@ -695,7 +693,7 @@ fn serve(
                 c.go.store(work.seq);
                 guess.layer = None;
                 guess.pulled = false;
-                let pull = !expert_prefetch_ab() || calls.is_multiple_of(2);
+                let pull = !expert_prefetch_ab() || state.calls.load(Ordering::Relaxed).is_multiple_of(2);
                 if failure.is_none() && pull {
                     if let (Some(slots), Some(flag)) = (c.windows.predicted, c.predicted.as_deref()) {
                         state.set(PHASE_PREFETCH, None);
