@@ -13,7 +13,11 @@
 #           and, when device-bundle/bin/krasis-old exists, with that build's; the same with an INT8
 #           LM head; hybrid decode after 32768 tokens (also the hybrid prefill of 32K at a 24 GiB
 #           budget) beside one after 512; GPU INT4 prefill at 8K (profiled)
-# SECTIONS picks them (default: all). Every step skips when its output exists, so a second call on
+#   profile ncu (`--clock-control none`) sections of the hybrid decode's critical-path kernels in an
+#           all-GPU decode step (router_publish, delta_decode_dk128, the grouped BF16 GEMV), each
+#           report in $OUT/ncu-KERNEL.txt, its duration, throughput, grid, registers and occupancy
+#           in the log; then the GPU decode's own profile (KRASIS_GPU_PROFILE=1)
+# SECTIONS picks them (default: prep tests bench). Every step skips when its output exists, so a second call on
 # a still-warm machine resumes. Log: $OUT/next.log.
 set -uo pipefail
 B=device-bundle
@@ -101,5 +105,22 @@ if has bench; then
         T "round $round: Krasis hybrid decode after 512 tokens (beside it)"
         timeout 100 $K bench $H --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures
     done
+fi
+if has profile; then
+    [ -f $M/config.json ] || { T "profile: synth"; timeout 120 $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
+    mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "profile: Krasis caches"
+        timeout 120 $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -1 && touch $M/.krasis_cache/done; }
+    for k in router_publish delta_decode_dk128 bf16_gemv_m1_r4; do
+        [ "$(left)" -gt 60 ] || break
+        T "ncu: $k (launches 61-66)"
+        timeout 60 ncu --clock-control none -k regex:"^$k\$" --launch-skip 60 --launch-count 6 \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section MemoryWorkloadAnalysis $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 64 \
+            --decode-tokens 8 > "${OUT:-/tmp}/ncu-$k.txt" 2>&1
+        grep -E "Duration|DRAM Throughput|Grid Size|Registers Per|Achieved Occupancy|Local Memory Spilling Requests  " \
+            "${OUT:-/tmp}/ncu-$k.txt" | head -12
+    done
+    [ "$(left)" -gt 30 ] && { T "GPU decode, profiled"
+        KRASIS_GPU_PROFILE=1 timeout 60 $K bench --model $M --device gpu --gpu-expert-bits 4 --prompt-tokens 512 --decode-tokens 64 2>&1 | figures; }
 fi
 T done
