@@ -226,6 +226,29 @@ pub fn load_quantized(
     dense: krasis_model::cpu::quantized::WeightBits,
     cache: &Path,
 ) -> krasis_model::cpu::load::Loaded {
+    try_load_quantized(path, experts, dense, cache).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// [`load_quantized`] of bad input: the error of opening or loading `path`, as text (panics when
+/// it loads).
+pub fn load_error(
+    path: &Path,
+    experts: krasis_model::cpu::quantized::WeightBits,
+    dense: krasis_model::cpu::quantized::WeightBits,
+    cache: &Path,
+) -> String {
+    match try_load_quantized(path, experts, dense, cache) {
+        Ok(_) => panic!("{}: bad input was accepted", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn try_load_quantized(
+    path: &Path,
+    experts: krasis_model::cpu::quantized::WeightBits,
+    dense: krasis_model::cpu::quantized::WeightBits,
+    cache: &Path,
+) -> krasis_model::Result<krasis_model::cpu::load::Loaded> {
     use krasis_model::cpu::load::{load_model, EngineOptions};
     let opts = EngineOptions {
         expert_bits: experts,
@@ -234,9 +257,7 @@ pub fn load_quantized(
         threads: Some(2),
         ..EngineOptions::default()
     };
-    krasis_model::source::files::ModelFiles::open(path)
-        .and_then(|files| load_model(&files, &opts))
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    krasis_model::source::files::ModelFiles::open(path).and_then(|files| load_model(&files, &opts))
 }
 
 /// Prefill logits `[T, V]` of the model at `path` (a directory or a GGUF) on `prompt`, with

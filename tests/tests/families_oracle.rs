@@ -155,18 +155,7 @@ fn gguf_mxfp4_nan_scale_is_an_error(name: &str) {
     let bad = tmp.path().join("bad.gguf");
     std::fs::write(&bad, &bytes).unwrap();
     let cache = tmp.path().join("cache");
-    let opts = krasis_model::cpu::load::EngineOptions {
-        expert_bits: WeightBits::Auto,
-        dense_bits: WeightBits::Bf16,
-        cache_dir: Some(cache.clone()),
-        threads: Some(2),
-        ..Default::default()
-    };
-    let files = ModelFiles::open(&bad).unwrap();
-    let e = match krasis_model::cpu::load::load_model(&files, &opts) {
-        Ok(_) => panic!("{name}: a NaN MXFP4 scale was accepted"),
-        Err(e) => e.to_string(),
-    };
+    let e = krasis_tests::load_error(&bad, WeightBits::Auto, WeightBits::Bf16, &cache);
     eprintln!("{name}: {e}");
     assert!(e.contains("model.layers.1.mlp.experts.0.up_proj.weight") && e.contains("bad.gguf"), "{name}: {e}");
     assert!(e.contains("NaN"), "{name}: {e}");

@@ -216,20 +216,10 @@ fn explicit_int4_requantises_from_the_exact_values() {
     assert!(1.0 - f.mean_cos <= 3.0 * (1.0 - b.mean_cos) + 1e-4, "1 - mean cos {:.3e}", 1.0 - f.mean_cos);
 }
 
-/// Load `dir` with `auto` experts, expecting an error.
-fn auto_load_error(dir: &Path, cache: &Path) -> String {
-    let files = ModelFiles::open(dir).unwrap();
-    let opts = krasis_model::cpu::load::EngineOptions {
-        expert_bits: WeightBits::Auto,
-        dense_bits: WeightBits::Bf16,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..Default::default()
-    };
-    match krasis_model::cpu::load::load_model(&files, &opts) {
-        Ok(_) => panic!("bad input was accepted"),
-        Err(e) => e.to_string(),
-    }
+/// Opens and loads `dir` with `auto` experts (the FP4 expert cache) and BF16 dense weights,
+/// expecting an error (a layout error comes when the files open).
+fn auto_load_error(dir: &std::path::Path, cache: &std::path::Path) -> String {
+    krasis_tests::load_error(dir, WeightBits::Auto, WeightBits::Bf16, cache)
 }
 
 /// A `weight_scale` whose shape disagrees with its weight (same bytes, [64, 24] for [128, 12]),

@@ -194,24 +194,10 @@ fn auto_keeps_the_stored_mxfp4_and_matches_the_oracle() {
     }
 }
 
-/// Opens and loads `dir` with `auto` experts (the MXFP4 expert cache), expecting an error (a
-/// layout error comes when the files open).
+/// Opens and loads `dir` with `auto` experts (the FP4 expert cache) and BF16 dense weights,
+/// expecting an error (a layout error comes when the files open).
 fn auto_load_error(dir: &std::path::Path, cache: &std::path::Path) -> String {
-    let files = match ModelFiles::open(dir) {
-        Ok(f) => f,
-        Err(e) => return e.to_string(),
-    };
-    let opts = krasis_model::cpu::load::EngineOptions {
-        expert_bits: WeightBits::Auto,
-        dense_bits: WeightBits::Bf16,
-        cache_dir: Some(cache.to_path_buf()),
-        threads: Some(2),
-        ..Default::default()
-    };
-    match krasis_model::cpu::load::load_model(&files, &opts) {
-        Ok(_) => panic!("bad input was accepted"),
-        Err(e) => e.to_string(),
-    }
+    krasis_tests::load_error(dir, WeightBits::Auto, WeightBits::Bf16, cache)
 }
 
 /// `gate_up_proj_scales` of the wrong shape (the same bytes as [8, 64, 10] for [8, 128, 5]) and
