@@ -21,7 +21,7 @@
 //! in host memory.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvError, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -59,22 +59,32 @@ const CHANNEL_SPIN: std::time::Duration = krasis_cpu::pool::SPIN_BEFORE_PARK;
 /// Spin iterations between clock reads while spinning on a channel.
 const SPINS_PER_CLOCK_CHECK: u32 = 64;
 
-/// The next message of `rx`: spinning for up to [`CHANNEL_SPIN`], then sleeping (`None` when
-/// every sender is gone).
-fn recv_spinning<T>(rx: &Receiver<T>) -> Option<T> {
+/// The next message of `rx` within [`CHANNEL_SPIN`] of spinning (`Ok(None)`: none came;
+/// `Err`: every sender is gone).
+fn spin_recv<T>(rx: &Receiver<T>) -> std::result::Result<Option<T>, RecvError> {
     let start = Instant::now();
     let mut spins = 0u32;
     loop {
         match rx.try_recv() {
-            Ok(m) => return Some(m),
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
-            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            Ok(m) => return Ok(Some(m)),
+            Err(TryRecvError::Disconnected) => return Err(RecvError),
+            Err(TryRecvError::Empty) => {}
         }
         std::hint::spin_loop();
         spins += 1;
         if spins.is_multiple_of(SPINS_PER_CLOCK_CHECK) && start.elapsed() >= CHANNEL_SPIN {
-            return rx.recv().ok();
+            return Ok(None);
         }
+    }
+}
+
+/// The next message of `rx`: spinning for up to [`CHANNEL_SPIN`], then sleeping (`None` when
+/// every sender is gone).
+fn recv_spinning<T>(rx: &Receiver<T>) -> Option<T> {
+    match spin_recv(rx) {
+        Ok(Some(m)) => Some(m),
+        Ok(None) => rx.recv().ok(),
+        Err(RecvError) => None,
     }
 }
 
@@ -603,28 +613,19 @@ fn await_call_end(
     state: &ServerState,
     ready: &HostFlag,
 ) -> Result<Result<HandoffStats>> {
-    use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
+    use std::sync::mpsc::RecvTimeoutError;
+    let stopped = || ModelError::Invalid("the CPU expert thread stopped during a call".into());
     // The reply normally comes within the spin (the last hand-off is the end of the call's CPU
     // work); a failed call's reply may need the stream checks below.
-    let start = Instant::now();
-    while start.elapsed() < CHANNEL_SPIN {
-        match replies.try_recv() {
-            Ok(r) => return Ok(r),
-            Err(TryRecvError::Disconnected) => {
-                return Err(ModelError::Invalid("the CPU expert thread stopped during a call".into()))
-            }
-            Err(TryRecvError::Empty) => {}
-        }
-        for _ in 0..SPINS_PER_CLOCK_CHECK {
-            std::hint::spin_loop();
-        }
+    match spin_recv(replies) {
+        Ok(Some(r)) => return Ok(r),
+        Ok(None) => {}
+        Err(RecvError) => return Err(stopped()),
     }
     loop {
         match replies.recv_timeout(STREAM_CHECK_EVERY) {
             Ok(r) => return Ok(r),
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(ModelError::Invalid("the CPU expert thread stopped during a call".into()))
-            }
+            Err(RecvTimeoutError::Disconnected) => return Err(stopped()),
             Err(RecvTimeoutError::Timeout) => {
                 let waiting = state.phase.load(Ordering::Relaxed) == PHASE_WAIT_READY;
                 let short = ready.load() < state.seq.load(Ordering::Relaxed);
