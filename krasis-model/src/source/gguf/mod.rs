@@ -195,6 +195,29 @@ impl GgufSource {
         self.model.tensor_info(r.primary()).map(|(_, t)| t.ty)
     }
 
+    /// Where `r` lies when it is one stored tensor or one expert's slice of a stacked one (a weight
+    /// `[experts, rows, cols]` or a bias `[experts, rows]`): its file, tensor, first element and
+    /// shape. `None` for the tensors rebuilt from others; an expert past the stack is an error.
+    fn span(&self, r: &GgufTensorRef) -> Result<Option<Span<'_>>> {
+        let span = |file, info, first, shape| Ok(Some(Span { file, info, first, shape }));
+        match r {
+            GgufTensorRef::Whole(g) => {
+                let (f, t) = self.whole(g)?;
+                span(f, t, 0, t.shape())
+            }
+            GgufTensorRef::Expert { stacked, expert } => {
+                let (f, t) = self.whole(stacked)?;
+                let s = t.shape();
+                match *s.as_slice() {
+                    [n, rows, cols] if *expert < n => span(f, t, expert * rows * cols, vec![rows, cols]),
+                    [n, rows] if *expert < n => span(f, t, expert * rows, vec![rows]),
+                    _ => Err(gguf_err(&f.path, format!("`{stacked}` {s:?} has no expert {expert}"))),
+                }
+            }
+            GgufTensorRef::KvB { .. } | GgufTensorRef::Rearranged(_) => Ok(None),
+        }
+    }
+
     /// The file bytes of `elements` values of `t` from element `first` (whole blocks).
     fn raw_range(file: &GgufFile, t: &TensorInfo, first: usize, elements: usize) -> Result<std::ops::Range<usize>> {
         let bs = t.ty.block_elems();
@@ -334,6 +357,15 @@ impl GgufSource {
     }
 }
 
+/// Where a stored tensor (or one expert's slice of a stacked one) lies ([`GgufSource::span`]).
+struct Span<'a> {
+    file: &'a GgufFile,
+    info: &'a TensorInfo,
+    /// First element within `info`'s tensor, and the slice's shape.
+    first: usize,
+    shape: Vec<usize>,
+}
+
 impl WeightSource for GgufSource {
     fn location(&self) -> &Path {
         self.model.path()
@@ -347,23 +379,13 @@ impl WeightSource for GgufSource {
         let Some(r) = self.map.get(name) else {
             return Err(ModelError::MissingTensor { name: name.into(), dir: self.model.path().to_path_buf() });
         };
+        if let Some(s) = self.span(r)? {
+            return self.slice(s.file, s.info, s.first, s.shape);
+        }
         match r {
-            GgufTensorRef::Whole(g) => {
-                let (f, t) = self.whole(g)?;
-                self.slice(f, t, 0, t.shape())
-            }
-            GgufTensorRef::Expert { stacked, expert } => {
-                let (f, t) = self.whole(stacked)?;
-                let s = t.shape();
-                match *s.as_slice() {
-                    // A stacked weight [experts, rows, cols], or a stacked bias [experts, rows].
-                    [n, rows, cols] if *expert < n => self.slice(f, t, expert * rows * cols, vec![rows, cols]),
-                    [n, rows] if *expert < n => self.slice(f, t, expert * rows, vec![rows]),
-                    _ => Err(gguf_err(&f.path, format!("`{stacked}` {s:?} has no expert {expert}"))),
-                }
-            }
             GgufTensorRef::KvB { k_b, v_b } => self.kv_b(k_b, v_b),
             GgufTensorRef::Rearranged(r) => self.rearranged(r),
+            GgufTensorRef::Whole(_) | GgufTensorRef::Expert { .. } => unreachable!("spanned above"),
         }
     }
 
@@ -382,25 +404,13 @@ impl WeightSource for GgufSource {
     }
 
     fn ggml_blocks(&self, name: &str) -> Result<Option<(GgmlType, SharedBytes)>> {
-        let (f, t, first, elements) = match self.map.get(name) {
-            Some(GgufTensorRef::Whole(g)) => {
-                let (f, t) = self.whole(g)?;
-                (f, t, 0, t.elements())
-            }
-            Some(GgufTensorRef::Expert { stacked, expert }) => {
-                let (f, t) = self.whole(stacked)?;
-                match *t.shape().as_slice() {
-                    [n, rows, cols] if *expert < n => (f, t, expert * rows * cols, rows * cols),
-                    _ => return Ok(None),
-                }
-            }
-            _ => return Ok(None),
-        };
-        if matches!(t.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+        let Some(r) = self.map.get(name) else { return Ok(None) };
+        let Some(Span { file, info, first, shape }) = self.span(r)? else { return Ok(None) };
+        if matches!(info.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             return Ok(None);
         }
-        let raw = Self::raw_range(f, t, first, elements)?;
-        Ok(Some((t.ty, SharedBytes::of_file(Arc::clone(&f.map), Arc::clone(&f.file), raw))))
+        let raw = Self::raw_range(file, info, first, shape.iter().product())?;
+        Ok(Some((info.ty, SharedBytes::of_file(Arc::clone(&file.map), Arc::clone(&file.file), raw))))
     }
 
     fn is_mapped(&self, name: &str) -> bool {
