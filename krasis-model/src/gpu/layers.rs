@@ -773,10 +773,7 @@ impl GpuGqa<'_> {
         let v = grow(dev, v_slot, t * kvh * hd, "gqa v")?;
         // q (with its gates, when gated, into the gate slot), k and v: one GEMV launch in decode.
         let q_rows = if self.output_gate { 2 * hh * hd } else { hh * hd };
-        let q_out = match self.output_gate {
-            true => grow(dev, gate_slot, t * q_rows, "gqa q and gates")?,
-            false => &mut *q,
-        };
+        let q_out = if self.output_gate { grow(dev, gate_slot, t * q_rows, "gqa q and gates")? } else { &mut *q };
         GpuLinear::forward_group(
             dev,
             c.gemm,
