@@ -40,6 +40,15 @@ fn candidates_for(krasis_fixtures: Option<std::ffi::OsString>) -> Vec<PathBuf> {
     }
 }
 
+/// A fixture this check needs is missing (`msg` says which and what makes it): a failure under
+/// `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`), else a visible [`report_skip`].
+pub fn missing_fixture(msg: &str) {
+    if std::env::var("KRASIS_REQUIRE_FIXTURES").as_deref() == Ok("1") {
+        panic!("KRASIS_REQUIRE_FIXTURES=1 but {msg}");
+    }
+    report_skip(msg);
+}
+
 /// The first of [`fixture_candidates`] that holds the fixtures. `None` (after a visible
 /// [`report_skip`]) when none does — unless `KRASIS_REQUIRE_FIXTURES=1` (set by `.ci/run`),
 /// which panics.
