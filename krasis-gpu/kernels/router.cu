@@ -39,6 +39,8 @@
 #define ROUTER_MAX_K 16
 #define ROUTER_TOK_TILE 8
 #define ROUTER_EXP_GROUP 8  // most experts a router_logits block computes (must match router.rs)
+#define RT_RANK_UNROLL 32   // keys compared between two checks of a rank against top_k
+#define RT_PRE 2            // weight float4s a router_publish thread loads before its wait (hidden 2048: all)
 
 __device__ __forceinline__ float rt_neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -48,6 +50,16 @@ __device__ __forceinline__ float rt_rank_val(float v) { return v != v ? rt_neg_i
 // True when (a, ia) comes before (b, ib): larger value first, lower index on equal values.
 __device__ __forceinline__ bool rt_before(float a, int ia, float b, int ib) {
     return a > b || (a == b && ia < ib);
+}
+
+// A key whose unsigned order is rt_before's (NaN ranked as -inf): the value's bits made
+// order-preserving (-0 taken as +0, which compares equal to it), then the complemented index, so
+// that of equal values the lower index has the larger key. Distinct indices give distinct keys.
+__device__ __forceinline__ u64 rt_rank_key(float v, int i) {
+    u32 u = __float_as_uint(rt_rank_val(v));
+    if ((u << 1) == 0u) u = 0u;  // -0 -> +0
+    const u32 ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((u64)ord << 32) | (u64)(~(u32)i);
 }
 
 __device__ __forceinline__ float rt_block_max(float v, float* scratch) {
@@ -94,10 +106,14 @@ __device__ __forceinline__ float rt_fma4(float a, float4 w, float4 x) {
 // (decode, router_publish) loads x per weight group, two groups in flight; EG > 1 (prefill) holds
 // the tile's x groups in registers across its EG experts, so x crosses from L2 once per EG
 // experts (at EG = 1, once per expert: 4.3 GB at t = 8192, hidden 2048, E = 64).
-template <int EG>
+// DEP (EG = 1 only): the kernel is a dependent launch that has not yet waited for its
+// predecessor: the first RT_PRE weight groups of a thread are loaded (the weights are static),
+// then the wait, then everything else.
+template <int EG, bool DEP = false>
 __device__ __forceinline__ void rt_logits_tile(const float* __restrict__ w, const float* __restrict__ x,
                                                float* __restrict__ logits, int n_experts, int hidden, int e0, int ne,
                                                int t0, int nt) {
+    static_assert(!DEP || EG == 1, "the early weight loads serve the one-expert tile");
     __shared__ float red[ROUTER_TOK_TILE][EG][ROUTER_LOGITS_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const float* wr = w + (long long)e0 * hidden;
@@ -108,12 +124,33 @@ __device__ __forceinline__ void rt_logits_tile(const float* __restrict__ w, cons
 #pragma unroll
         for (int j = 0; j < EG; j++) acc[k][j] = 0.0f;
     const bool vec = (hidden & 3) == 0 && (((unsigned long long)w | (unsigned long long)x) & 15ull) == 0;
+    float4 pre[RT_PRE];
+    if constexpr (DEP) {
+        const float4* w4 = reinterpret_cast<const float4*>(wr);
+#pragma unroll
+        for (int q = 0; q < RT_PRE; q++) {
+            const int i = threadIdx.x + q * ROUTER_LOGITS_THREADS;
+            pre[q] = vec && i < (hidden >> 2) ? w4[i] : make_float4(0, 0, 0, 0);
+        }
+        KRASIS_GRID_WAIT();
+        KRASIS_GRID_LAUNCH_DEPENDENTS();
+    }
     if (vec) {
         const int h4 = hidden >> 2;
         const float4* w4 = reinterpret_cast<const float4*>(wr);
         const float4* x4 = reinterpret_cast<const float4*>(xt);
+        int i0 = threadIdx.x;  // the first group the loop below loads itself
+        if constexpr (DEP) {
+#pragma unroll
+            for (int q = 0; q < RT_PRE; q++, i0 += ROUTER_LOGITS_THREADS) {
+                if (i0 >= h4) break;
+#pragma unroll
+                for (int k = 0; k < ROUTER_TOK_TILE; k++)
+                    if (k < nt) acc[k][0] = rt_fma4(acc[k][0], pre[q], x4[(long long)k * h4 + i0]);
+            }
+        }
 #pragma unroll(EG == 1 ? 2 : 1)  // EG = 1, hidden 2048: both of a thread's groups loaded together
-        for (int i = threadIdx.x; i < h4; i += ROUTER_LOGITS_THREADS) {
+        for (int i = i0; i < h4; i += ROUTER_LOGITS_THREADS) {
             if constexpr (EG == 1) {
                 const float4 wv = w4[i];
 #pragma unroll
@@ -195,6 +232,8 @@ __device__ void rt_topk_row(const float* row, const float* __restrict__ bias, in
     __shared__ float choice[ROUTER_MAX_E];
     __shared__ float gscore[ROUTER_MAX_E];
     __shared__ int gkeep[ROUTER_MAX_E];
+    __shared__ u64 keys[ROUTER_MAX_E];
+    __shared__ double ex_d[ROUTER_MAX_E];
     __shared__ int sel[ROUTER_MAX_K];
     __shared__ double scratch_d[32];
     __shared__ float scratch_f[32];
@@ -206,10 +245,15 @@ __device__ void rt_topk_row(const float* row, const float* __restrict__ bias, in
         float m = rt_neg_inf();
         for (int i = threadIdx.x; i < E; i += blockDim.x) m = fmaxf(m, logit(i));
         m = rt_block_max(m, scratch_f);
+        // Each thread keeps its own e^(x - m) for the quotient (one f64 exp per logit).
         double part = 0.0;
-        for (int i = threadIdx.x; i < E; i += blockDim.x) part += exp((double)(logit(i) - m));
+        for (int i = threadIdx.x; i < E; i += blockDim.x) {
+            const double ex = exp((double)(logit(i) - m));
+            ex_d[i] = ex;
+            part += ex;
+        }
         const double z = rt_block_sum_d(part, scratch_d);
-        for (int i = threadIdx.x; i < E; i += blockDim.x) score[i] = (float)(exp((double)(logit(i) - m)) / z);
+        for (int i = threadIdx.x; i < E; i += blockDim.x) score[i] = (float)(ex_d[i] / z);
     } else {
         for (int i = threadIdx.x; i < E; i += blockDim.x) {
             const float ex = (float)exp(-(double)logit(i));
@@ -261,27 +305,44 @@ __device__ void rt_topk_row(const float* row, const float* __restrict__ bias, in
         __syncthreads();
     }
 
-    // Rank of every expert in (choice desc, index asc); those ranked below top_k are the ids.
+    // Rank of every expert in (choice desc, index asc); those ranked below top_k are the ids. The
+    // order is that of one 64-bit key per expert (see rt_rank_key), so a rank is a count of larger
+    // keys: every thread reads the same key at a time (a shared-memory broadcast), with no
+    // data-dependent branch inside a run of RT_RANK_UNROLL keys.
+    for (int i = threadIdx.x; i < E; i += blockDim.x) keys[i] = rt_rank_key(choice[i], i);
+    __syncthreads();
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
-        const float v = rt_rank_val(choice[i]);
+        const u64 ki = keys[i];
         int rank = 0;
-        for (int j = 0; j < E && rank < top_k; j++) rank += rt_before(rt_rank_val(choice[j]), j, v, i) ? 1 : 0;
+        int j = 0;
+        for (; j + RT_RANK_UNROLL <= E && rank < top_k; j += RT_RANK_UNROLL) {
+#pragma unroll
+            for (int u = 0; u < RT_RANK_UNROLL; u++) rank += keys[j + u] > ki ? 1 : 0;
+        }
+        for (; j < E && rank < top_k; j++) rank += keys[j] > ki ? 1 : 0;
         if (rank < top_k) sel[rank] = i;
     }
     __syncthreads();
 
-    if (threadIdx.x == 0) {
-        float w[ROUTER_MAX_K];
-        for (int r = 0; r < top_k; r++) w[r] = score[sel[r]];
+    // Warp 0: lane r holds route r; the normalising sum is taken in route order (as the CPU does),
+    // every lane adding the same broadcast values, so all hold the same bits.
+    if (threadIdx.x < 32) {
+        const int r = threadIdx.x;
+        const int id = r < top_k ? sel[r] : 0;
+        float w = r < top_k ? score[id] : 0.0f;
         if (norm_topk_prob) {
             float s = 0.0f;
-            for (int r = 0; r < top_k; r++) s = s + w[r];
+#pragma unroll
+            for (int q = 0; q < ROUTER_MAX_K; q++) {
+                const float v = __shfl_sync(0xffffffffu, w, q);
+                if (q < top_k) s = s + v;
+            }
             const float denom = scoring == 1 ? s + 1e-20f : s;
-            for (int r = 0; r < top_k; r++) w[r] = w[r] / denom;
+            w = w / denom;
         }
-        for (int r = 0; r < top_k; r++) {
-            ids_out[r] = sel[r];
-            w_out[r] = w[r] * routed_scaling_factor;
+        if (r < top_k) {
+            ids_out[r] = id;
+            w_out[r] = w * routed_scaling_factor;
         }
     }
     __syncthreads();  // the block's shared arrays may be reused by a following call
@@ -320,12 +381,10 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
                    volatile u64* flag, u64 seq) {
     __shared__ float row[ROUTER_MAX_E];
     __shared__ int last;
-    KRASIS_GRID_WAIT();
-    KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int e = blockIdx.x, y = blockIdx.y;
     const int t0 = y * ROUTER_TOK_TILE;
     const int nt = min(ROUTER_TOK_TILE, t - t0);
-    rt_logits_tile<1>(w, x, logits, n_experts, hidden, e, 1, t0, nt);
+    rt_logits_tile<1, true>(w, x, logits, n_experts, hidden, e, 1, t0, nt);  // waits inside
     if (threadIdx.x == 0) {
         __threadfence();
         last = atomicAdd(&tile_done[y], 1u) == (u32)(n_experts - 1);
@@ -334,13 +393,7 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
     if (!last) return;
     if (threadIdx.x == 0) tile_done[y] = 0;
     __threadfence();
-    for (int k = 0; k < nt; k++) {
-        const int tok = t0 + k;
-        for (int i = threadIdx.x; i < n_experts; i += blockDim.x) row[i] = __ldcg(logits + (long long)tok * n_experts + i);
-        __syncthreads();
-        rt_topk_row(row, bias, host_ids + (long long)tok * top_k, host_w + (long long)tok * top_k, n_experts, scoring,
-                    method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor);
-    }
+    // The activations first: their writes cross to the host while the tile is routed.
     if (host_x) {
         const long long n = (long long)nt * hidden;
         const float* src = x + (long long)t0 * hidden;
@@ -351,6 +404,13 @@ extern "C" __global__ void __launch_bounds__(ROUTER_LOGITS_THREADS)
         } else {
             for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
         }
+    }
+    for (int k = 0; k < nt; k++) {
+        const int tok = t0 + k;
+        for (int i = threadIdx.x; i < n_experts; i += blockDim.x) row[i] = __ldcg(logits + (long long)tok * n_experts + i);
+        __syncthreads();
+        rt_topk_row(row, bias, host_ids + (long long)tok * top_k, host_w + (long long)tok * top_k, n_experts, scoring,
+                    method, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor);
     }
     if (!flag) return;  // routing alone: the stream orders the readers
     __threadfence_system();
