@@ -13,9 +13,10 @@
 //! `[value_heads, dk, dv]` ([`DeltaDims::state_len`]), all f32.
 //!
 //! **Decode.** [`GpuDevice::delta_decode_step`] runs a whole layer's step for one row per
-//! sequence (the convolution and its state, the preparation, the rule and the gated norm) in one
-//! launch, where the ops above take five: the same f32 operations in the same order (up to the
-//! compiler's choice of fused multiply-adds).
+//! sequence (the convolution and its state, the preparation, the rule and the gated norm) in two
+//! launches, where the ops above take five: the same f32 operations in the same order (up to the
+//! compiler's choice of fused multiply-adds). The first owns a key head (the conv state's shift
+//! needs that), the second a value head, which spreads the rule state over twice the SMs.
 //!
 //! **Two forms of the rule.** [`GpuDevice::delta_rule`] runs the recurrence token by token
 //! (prompts shorter than a chunk; the decode step kernel repeats its steps); [`GpuDevice::delta_rule_chunked`] runs the chunked (WY) form,
@@ -27,6 +28,7 @@
 use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
+use crate::device::kernel_args;
 use crate::kernels::{check, launch_err, to_i32, KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
@@ -46,9 +48,12 @@ pub const DELTA_RULE: KernelSource = KernelSource {
         "delta_chunk_rule_dk64",
         "delta_chunk_rule_dk128",
         "delta_chunk_rule_dk256",
-        "delta_decode_dk64",
-        "delta_decode_dk128",
-        "delta_decode_dk256",
+        "delta_decode_prep_dk64",
+        "delta_decode_prep_dk128",
+        "delta_decode_prep_dk256",
+        "delta_decode_rule_dk64",
+        "delta_decode_rule_dk128",
+        "delta_decode_rule_dk256",
         "delta_gated_norm",
         "output_gate_rows_f32",
     ],
@@ -76,8 +81,12 @@ const CHUNK_COLS: usize = 32;
 const CHUNK_STAGE: usize = 2 * CHUNK * 36;
 /// Shared memory a block may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
-/// Threads of the decode step kernel (`DEC_THREADS`).
+/// Threads of the decode step's first kernel (`DEC_THREADS`).
 const DEC_THREADS: u32 = 256;
+/// Most value columns a block of the decode step's rule kernel computes at a time
+/// (`DEC_RULE_COLS`: 256 threads, whose registers hold two such passes' state: a 128-wide head's
+/// whole state in one load; 512 threads capped the registers at 128 and spilled).
+const DEC_RULE_COLS: usize = 64;
 /// Grid y and z limit.
 const GRID_YZ_MAX: usize = 65_535;
 
@@ -121,12 +130,12 @@ impl DeltaDims {
     }
 
     /// The key dim the kernels are compiled for that holds `dk` (64, 128 or 256), and the
-    /// chunked rule's and the decode step's kernels of that size.
-    fn dk_kernels(&self) -> (usize, &'static str, &'static str) {
+    /// chunked rule's and the decode step's two kernels of that size.
+    fn dk_kernels(&self) -> (usize, &'static str, [&'static str; 2]) {
         match self.dk {
-            0..=64 => (64, "delta_chunk_rule_dk64", "delta_decode_dk64"),
-            65..=128 => (128, "delta_chunk_rule_dk128", "delta_decode_dk128"),
-            _ => (256, "delta_chunk_rule_dk256", "delta_decode_dk256"),
+            0..=64 => (64, "delta_chunk_rule_dk64", ["delta_decode_prep_dk64", "delta_decode_rule_dk64"]),
+            65..=128 => (128, "delta_chunk_rule_dk128", ["delta_decode_prep_dk128", "delta_decode_rule_dk128"]),
+            _ => (256, "delta_chunk_rule_dk256", ["delta_decode_prep_dk256", "delta_decode_rule_dk256"]),
         }
     }
 
@@ -137,16 +146,21 @@ impl DeltaDims {
         4 * (dkm * CHUNK_COLS + CHUNK_STAGE + CHUNK * CHUNK_COLS + 3 * CHUNK)
     }
 
-    /// Dynamic shared memory of the decode step kernel, in bytes: q and k (padded to the
-    /// kernel's key dim), the key head's values, one head's output, β and e^g per value head.
+    /// Dynamic shared memory of the decode step's rule kernel, in bytes (its first kernel uses
+    /// less): q and k (padded to the kernel's key dim), then one head's output.
     fn decode_smem(&self) -> usize {
         let (dkm, ..) = self.dk_kernels();
-        let per = self.value_heads / self.key_heads.max(1);
-        4 * (2 * dkm + (per + 1) * self.dv + 2 * per)
+        4 * (2 * dkm + self.dv)
+    }
+
+    /// Columns a block of the decode step's rule kernel holds at once: the value dim rounded up
+    /// to whole warps of 4 threads per column, at most `DEC_RULE_COLS`.
+    fn decode_rule_cols(&self) -> usize {
+        self.dv.next_multiple_of(8).min(DEC_RULE_COLS)
     }
 
     /// Whether [`GpuDevice::delta_decode_step`] takes this geometry: its shared memory (which
-    /// grows with a key head's value channels) within the default 48 KiB.
+    /// grows with the value dim) within the default 48 KiB.
     pub fn decode_step_fits(&self) -> bool {
         self.decode_smem() <= DEFAULT_SMEM_LIMIT
     }
@@ -526,7 +540,9 @@ impl GpuDevice {
     /// value_heads]`, as they come out of the projections) to the gated norm's output `out`
     /// `[rows, value_heads · dv]`, each sequence's conv state (at `states.offset`) and rule state
     /// (after it) advanced: what [`GpuDevice::delta_conv_silu`], [`GpuDevice::delta_prep`],
-    /// [`GpuDevice::delta_rule`] and [`GpuDevice::delta_gated_norm`] do in turn, in one launch.
+    /// [`GpuDevice::delta_rule`] and [`GpuDevice::delta_gated_norm`] do in turn, in two launches
+    /// (the second a dependent launch). `x`, `b` and `a` are scratch: they are left holding the
+    /// prepared q/k/v, β and the decay `e^g`.
     ///
     /// # Safety
     /// As [`GpuDevice::delta_conv_silu`], each block holding at least `states.offset +
@@ -534,10 +550,10 @@ impl GpuDevice {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn delta_decode_step(
         &self,
-        x: &impl DevicePtr<f32>,
+        x: &mut impl DevicePtrMut<f32>,
         z: &impl DevicePtr<f32>,
-        b: &impl DevicePtr<f32>,
-        a: &impl DevicePtr<f32>,
+        b: &mut impl DevicePtrMut<f32>,
+        a: &mut impl DevicePtrMut<f32>,
         w: DeltaLayerWeights<'_>,
         out: &mut impl DevicePtrMut<f32>,
         d: &DeltaDims,
@@ -553,7 +569,7 @@ impl GpuDevice {
             format!("{} rows per sequence: a decode step has one", seqs.rows_per_seq)
         })?;
         check(OP, d.decode_step_fits(), || {
-            format!("{d:?}: a key head's channels need {} bytes of shared memory", d.decode_smem())
+            format!("{d:?}: the decode step needs {} bytes of shared memory", d.decode_smem())
         })?;
         check(OP, d.key_heads <= GRID_YZ_MAX, || format!("{d:?}: too many key heads"))?;
         let (ch, nv, vw) = (d.channels(), d.value_heads, d.value_heads * d.dv);
@@ -576,50 +592,44 @@ impl GpuDevice {
         if rows == 0 {
             return Ok(());
         }
-        let (.., name) = d.dk_kernels();
+        let (dkm, _, [prep_name, rule_name]) = d.dk_kernels();
         let (conv_off, rule_off) = (states.offset as i64, (states.offset + d.conv_state_len()) as i64);
         let (nk_i, nv_i, dk_i, dv_i, k_i) =
             (d.key_heads as i32, nv as i32, d.dk as i32, d.dv as i32, d.conv_kernel as i32);
         let s = self.stream();
-        let (xp, _g1) = x.device_ptr(s);
+        let (xp, _g1) = x.device_ptr_mut(s);
         let (zp, _g2) = z.device_ptr(s);
-        let (bp, _g3) = b.device_ptr(s);
-        let (ap, _g4) = a.device_ptr(s);
+        let (bp, _g3) = b.device_ptr_mut(s);
+        let (ap, _g4) = a.device_ptr_mut(s);
         let (tp, _g5) = w.taps.device_ptr(s);
         let (lp, _g6) = w.a_log.device_ptr(s);
         let (dp, _g7) = w.dt_bias.device_ptr(s);
         let (np, _g8) = w.norm.device_ptr(s);
         let (op, _g9) = out.device_ptr_mut(s);
-        let f = self.function(&DELTA_RULE, name)?;
-        let mut l = s.launch_builder(&f);
-        l.arg(&xp)
-            .arg(&zp)
-            .arg(&bp)
-            .arg(&ap)
-            .arg(&tp)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&np)
-            .arg(&op)
-            .arg(&states.table)
-            .arg(&conv_off)
-            .arg(&rule_off)
-            .arg(&nk_i)
-            .arg(&nv_i)
-            .arg(&dk_i)
-            .arg(&dv_i)
-            .arg(&k_i)
-            .arg(&q_scale)
-            .arg(&eps);
+        let table = states.table;
+        let prep = self.function(&DELTA_RULE, prep_name)?;
         let cfg = LaunchConfig {
             grid_dim: (d.key_heads as u32, seqs.n_seqs as u32, 1),
             block_dim: (DEC_THREADS, 1, 1),
+            shared_mem_bytes: (4 * 2 * dkm) as u32,
+        };
+        let mut args =
+            kernel_args![&xp, &bp, &ap, &tp, &lp, &dp, &table, &conv_off, &nk_i, &nv_i, &dk_i, &dv_i, &k_i, &q_scale];
+        // SAFETY: matches the kernel's signature (DEC_THREADS threads; q and k in the dynamic
+        // shared memory); every extent checked; the states are the caller's promise; the kernel
+        // touches stream memory only after its wait.
+        unsafe { self.launch_dependent(OP, &prep, cfg, &mut args, true) }?;
+        let rule = self.function(&DELTA_RULE, rule_name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (nv as u32, seqs.n_seqs as u32, 1),
+            block_dim: ((4 * d.decode_rule_cols()) as u32, 1, 1),
             shared_mem_bytes: d.decode_smem() as u32,
         };
-        // SAFETY: matches the kernel's signature (256 threads; the dynamic shared memory as the
-        // kernel carves it); every extent checked; the states are the caller's promise.
-        unsafe { l.launch(cfg) }.map_err(launch_err(OP))?;
-        Ok(())
+        let mut args = kernel_args![&xp, &zp, &bp, &ap, &np, &op, &table, &rule_off, &nk_i, &nv_i, &dk_i, &dv_i, &eps];
+        // SAFETY: matches the kernel's signature (4 threads per column, a multiple of 32, at most
+        // 256; q, k and one head's output in the dynamic shared memory); before its wait the
+        // kernel reads only the rule states, which only this kernel writes, in earlier steps.
+        unsafe { self.launch_dependent(OP, &rule, cfg, &mut args, true) }
     }
 
     /// In place over the `rows` rows of `o` `[rows, value_heads · dv]`: each value head's

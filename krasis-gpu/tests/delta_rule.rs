@@ -533,9 +533,9 @@ fn chunked_rule_matches_the_recurrence_at_qwen36_shapes_and_timings() {
     }
 }
 
-// ---------------------------------------------------------------- the fused decode step
+// ---------------------------------------------------------------- the decode step
 
-/// The decode step kernel (conv, prep, rule and gated norm of one row per sequence in one launch)
+/// The decode step kernel (conv, prep, rule and gated norm of one row per sequence in two launches)
 /// against the f64 twins chained (conv, prep, rule, norm) and against the separate kernels run
 /// on a copy of the states: three sequences with random states through batched steps (in two
 /// orders) and single steps. Geometries: ragged dims, value dims over one 128-column pass,
@@ -603,17 +603,19 @@ fn decode_step_matches_the_chained_twins_and_the_separate_kernels() {
             a_in[0] = 25.0; // softplus past its threshold
             b_in[rows * nv - 1] = -9.0;
             let z = rand_f32(&mut r, rows * nv * dv, 2.0);
-            let (xb, zb, bb, ab) = (up(dev, &x, "x"), up(dev, &z, "z"), up(dev, &b_in, "b"), up(dev, &a_in, "a"));
+            let (xb, zb) = (up(dev, &x, "x"), up(dev, &z, "z"));
+            // The decode step's inputs are its scratch: copies of x, b and a.
+            let (mut xd, mut bd, mut ad) = (up(dev, &x, "x"), up(dev, &b_in, "b"), up(dev, &a_in, "a"));
 
             // The fused step.
             let mut o = up(dev, &vec![f32::NAN; rows * nv * dv], "decode out");
             // SAFETY: every table entry is a live block of offset + state_len floats.
             unsafe {
                 dev.delta_decode_step(
-                    &xb,
+                    &mut xd,
                     &zb,
-                    &bb,
-                    &ab,
+                    &mut bd,
+                    &mut ad,
                     w,
                     &mut o,
                     &d,
@@ -689,17 +691,18 @@ fn decode_step_refuses_more_than_one_row() {
     let block = up(dev, &vec![0f32; d.state_len()], "state");
     let table = up(dev, &[addr(dev, &block)], "table");
     let f = |n: usize| up(dev, &vec![0f32; n], "input");
-    let (x, z, ba, mut o) = (f(2 * d.channels()), f(16), f(2), f(16));
+    let (mut x, z, mut b, mut a, mut o) = (f(2 * d.channels()), f(16), f(2), f(2), f(16));
     // SAFETY: the block holds the layer's state; the call is refused before any launch.
     let e = unsafe {
-        dev.delta_decode_step(&x, &z, &ba, &ba, w, &mut o, &d, DeltaStates::new(dev, &table, 0), seqs, 1.0, EPS)
+        let st = DeltaStates::new(dev, &table, 0);
+        dev.delta_decode_step(&mut x, &z, &mut b, &mut a, w, &mut o, &d, st, seqs, 1.0, EPS)
     }
     .unwrap_err();
     assert!(e.to_string().contains("rows per sequence"), "{e}");
 }
 
-/// Qwen3.6 shapes: one decode step's time (one sequence, and a batch of 16), the fused kernel
-/// against the five separate launches, printed for the lead (asserts only that the runs
+/// Qwen3.6 shapes: one decode step's time (one sequence, and a batch of 16), the decode step's two
+/// kernels against the five separate launches, printed for the lead (asserts only that the runs
 /// complete).
 #[test]
 fn decode_step_timings_at_qwen36_shapes() {
@@ -721,15 +724,21 @@ fn decode_step_timings_at_qwen36_shapes() {
         let rule_st = DeltaStates::new(dev, &table, d.conv_state_len());
         let x = up(dev, &rand_f32(&mut r, n * ch, 1.0), "x");
         let z = up(dev, &rand_f32(&mut r, n * vw, 1.0), "z");
-        let (b, a) = (up(dev, &rand_f32(&mut r, n * nv, 1.0), "b"), up(dev, &rand_f32(&mut r, n * nv, 1.0), "a"));
+        // The decode step's inputs are its scratch (left prepared: a timing needs no fresh ones).
+        let (mut xd, mut bd, mut ad) = (
+            up(dev, &rand_f32(&mut r, n * ch, 1.0), "x"),
+            up(dev, &rand_f32(&mut r, n * nv, 1.0), "b"),
+            up(dev, &rand_f32(&mut r, n * nv, 1.0), "a"),
+        );
         let mut o = dev.alloc_zeros::<f32>(n * vw, "out").unwrap();
         let mut conv = dev.alloc_zeros::<f32>(n * ch, "conv").unwrap();
         let (mut bs, mut as_) =
-            (dev.alloc_zeros::<f32>(n * nv, "b").unwrap(), dev.alloc_zeros::<f32>(n * nv, "a").unwrap());
+            (up(dev, &rand_f32(&mut r, n * nv, 1.0), "b"), up(dev, &rand_f32(&mut r, n * nv, 1.0), "a"));
         let q_scale = 128f32.powf(-0.5);
         // SAFETY: the blocks hold the layer's state.
-        let mut fused =
-            || unsafe { dev.delta_decode_step(&x, &z, &b, &a, w, &mut o, &d, st, seqs, q_scale, EPS).unwrap() };
+        let mut fused = || unsafe {
+            dev.delta_decode_step(&mut xd, &z, &mut bd, &mut ad, w, &mut o, &d, st, seqs, q_scale, EPS).unwrap()
+        };
         fused();
         let us_fused = time_us_per_call(dev, 200, &mut fused);
         let mut separate = || unsafe {
@@ -741,6 +750,6 @@ fn decode_step_timings_at_qwen36_shapes() {
         };
         separate();
         let us_sep = time_us_per_call(dev, 200, &mut separate);
-        eprintln!("DeltaNet decode step, Qwen3.6 layer, {n} sequences: fused {us_fused:.1} us, separate kernels {us_sep:.1} us");
+        eprintln!("DeltaNet decode step, Qwen3.6 layer, {n} sequences: two kernels {us_fused:.1} us, separate kernels {us_sep:.1} us");
     }
 }

@@ -12,7 +12,7 @@
 //! each step, one entry per sequence) for a batched decode step.
 //!
 //! **Decode.** A call of one row per sequence (a decode step, alone or batched) runs the layer's
-//! convolution, preparation, rule and gated norm in one kernel ([`GpuDevice::delta_decode_step`]).
+//! convolution, preparation, rule and gated norm in two kernels ([`GpuDevice::delta_decode_step`]).
 //!
 //! **Rule forms.** Otherwise, a call whose sequences have at least [`CHUNKED_MIN_ROWS`] rows each (a
 //! prompt) runs the chunked rule ([`GpuDevice::delta_rule_chunked`]), its scratch in the slot of
@@ -190,10 +190,10 @@ impl GpuDeltaNet<'_> {
             // call), each holding every DeltaNet layer's state; `off` is this layer's.
             unsafe {
                 dev.delta_decode_step(
-                    &mixed.slice().slice(..t * ch),
+                    &mut mixed.slice_mut().slice_mut(..t * ch),
                     &z.slice().slice(..t * vw),
-                    &b.slice().slice(..t * nv),
-                    &a.slice().slice(..t * nv),
+                    &mut b.slice_mut().slice_mut(..t * nv),
+                    &mut a.slice_mut().slice_mut(..t * nv),
                     w,
                     &mut o.slice_mut().slice_mut(..t * vw),
                     &d,
