@@ -10,11 +10,12 @@
 #   bench   llama.cpp on the Q4_K_M file (`-ot exps=CPU` with all cores; all layers on the GPU, 8K
 #           prompt) and Krasis on the safetensors with INT4 experts: hybrid decode (the CPU experts
 #           alone, `--cache-strategy none`) after 512 tokens, alternated with llama.cpp's decode
-#           and, when device-bundle/bin/krasis-old exists, with that build's; the same with an INT8
+#           and, when device-bundle/bin/krasis-old exists, with that build's ($ROUNDS rounds, default 3);
+#           the same with an INT8
 #           LM head; hybrid decode after 32768 tokens (also the hybrid prefill of 32K at a 24 GiB
 #           budget) beside one after 512; GPU INT4 prefill at 8K (profiled)
 #   profile ncu (`--clock-control none`) sections of the hybrid decode's critical-path kernels in an
-#           all-GPU decode step (router_publish, delta_decode_dk128, the grouped BF16 GEMV), each
+#           all-GPU decode step (router_publish, the DeltaNet decode step's two kernels, the grouped BF16 GEMV), each
 #           report in $OUT/ncu-KERNEL.txt, its duration, throughput, grid, registers and occupancy
 #           in the log; then the GPU decode's own profile (KRASIS_GPU_PROFILE=1)
 # SECTIONS picks them (default: prep tests bench). Every step skips when its output exists, so a second call on
@@ -85,8 +86,8 @@ if has bench; then
             timeout 120 $LB/bin/llama-bench -m $G -ngl 99 -p 8192 -n 64 -r 2 -o md 2>&1 | figures; }
     fi
     # Decode alternated: Krasis (this build, then the previous one if bundled) and llama.cpp's
-    # -ot exps=CPU, three rounds, so the machine's drift touches all alike.
-    for round in 1 2 3; do
+    # -ot exps=CPU, ROUNDS rounds, so the machine's drift touches all alike.
+    for round in $(seq "${ROUNDS:-3}"); do
         [ "$(left)" -gt 60 ] || break
         T "round $round: Krasis hybrid decode after 512 tokens (INT4 experts, the CPU experts alone)"
         timeout 100 $K bench $H --prompt-tokens 512 --decode-tokens 64 --decode-reps 3 2>&1 | figures
@@ -110,7 +111,7 @@ if has profile; then
     [ -f $M/config.json ] || { T "profile: synth"; timeout 120 $K synth --preset qwen3.6-35b --layers "$LAYERS" --out $M 2>&1 | tail -1; }
     mkdir -p $M/.krasis_cache; [ -f $M/.krasis_cache/done ] || { T "profile: Krasis caches"
         timeout 120 $K convert --model $M --cpu-expert-bits 4 --gpu-expert-bits 4 2>&1 | tail -1 && touch $M/.krasis_cache/done; }
-    for k in router_publish delta_decode_dk128 bf16_gemv_m1_r4; do
+    for k in router_publish delta_decode_prep_dk128 delta_decode_rule_dk128 bf16_gemv_m1_r4; do
         [ "$(left)" -gt 60 ] || break
         T "ncu: $k (launches 61-66)"
         timeout 60 ncu --clock-control none -k regex:"^$k\$" --launch-skip 60 --launch-count 6 \
