@@ -750,6 +750,6 @@ fn decode_step_timings_at_qwen36_shapes() {
         };
         separate();
         let us_sep = time_us_per_call(dev, 200, &mut separate);
-        eprintln!("DeltaNet decode step, Qwen3.6 layer, {n} sequences: two kernels {us_fused:.1} us, separate kernels {us_sep:.1} us");
+        eprintln!("DeltaNet decode step, Qwen3.6 layer, {n} sequences: the step {us_fused:.1} us, separate kernels {us_sep:.1} us");
     }
 }
