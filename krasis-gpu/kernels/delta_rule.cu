@@ -679,6 +679,108 @@ DELTA_CHUNK_RULE_KERNEL(256)
 #define DEC_THREADS 256
 #define DEC_RULE_COLS 64   // columns a rule block computes at a time: 256 threads, 4 per column
 
+// The decode steps' shared pieces (one sequence's two launches and a batch's one launch).
+
+// Channel e of key head kh's conv channels (e < dk: its q, < 2 dk: its k, else its value heads'
+// v): SiLU of the taps over [conv state; x row xr] into qs[e], ks[e - dk] or vs[e - 2 dk], and
+// the channel's conv state shifted by one row (oldest first).
+__device__ __forceinline__ void dec_conv_channel(int e, int kh, int nk, int per, int dk, int dv, int kernel,
+                                                 const bf16_t* taps, const float* xr, float* cst, float* qs,
+                                                 float* ks, float* vs) {
+    const int ch = 2 * nk * dk + nk * per * dv;
+    const int keep = kernel - 1;
+    int c;
+    float* dst;
+    if (e < dk) {
+        c = kh * dk + e;
+        dst = qs + e;
+    } else if (e < 2 * dk) {
+        c = (nk + kh) * dk + e - dk;
+        dst = ks + e - dk;
+    } else {
+        c = 2 * nk * dk + kh * per * dv + e - 2 * dk;
+        dst = vs + e - 2 * dk;
+    }
+    float w[CONV_MAX_K];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_K; ++j) w[j] = j < kernel ? bf16_to_f32(taps[(long long)c * kernel + j]) : 0.0f;
+    const float xc = xr[c];
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_K; ++j) {
+        if (j < kernel) acc += w[j] * (j < keep ? cst[(long long)j * ch + c] : xc);
+    }
+    *dst = dn_silu(acc);
+    for (int r = 0; r < keep; ++r) {
+        cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
+    }
+}
+
+// One warp: the dk-vector v L2-normalised (as delta_prep), times scale, into dst (may be v).
+__device__ __forceinline__ void dec_l2norm_warp(const float* v, float* dst, int dk, float scale, int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < dk; i += 32) ss += v[i] * v[i];
+    ss = warp_sum(ss);
+    const float inv = scale / sqrtf(ss + 1e-6f);
+    for (int i = lane; i < dk; i += 32) dst[i] = v[i] * inv;
+}
+
+// Value head h's beta = sigmoid(b) and decay e^g, g = -exp(A_log) * softplus(a + dt_bias) (torch's
+// softplus: x > 20 gives x).
+__device__ __forceinline__ float2 dec_gates(float b, float a, int h, const bf16_t* a_log, const bf16_t* dt_bias) {
+    const float beta = 1.0f / (1.0f + expf(-b));
+    const float xa = a + bf16_to_f32(dt_bias[h]);
+    const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+    return make_float2(beta, expf(-expf(bf16_to_f32(a_log[h])) * sp));
+}
+
+// One column of S through a step, by the RULE_SPLIT consecutive lanes that hold it (thread `part`
+// holds rows part + 4 i in s, zero past dk): S <- S e^g; kv = S^T k; d = beta (v - kv);
+// S <- S + k d^T; returns (S^T q) of the column, the same bits in all four lanes. vj: the
+// column's v (0 for a column past dv).
+template <int RPT>
+__device__ __forceinline__ float dec_rule_column(float (&s)[RPT], const float* ks, const float* qs, int part,
+                                                 float decay, float bt, float vj) {
+    float kv2[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        s[i] *= decay;
+        kv2[i & 1] += s[i] * ks[part + RULE_SPLIT * i];
+    }
+    float kv = kv2[0] + kv2[1];
+    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+    kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+    const float d = (vj - kv) * bt;
+    float o2[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int a = part + RULE_SPLIT * i;
+        s[i] += ks[a] * d;
+        o2[i & 1] += s[i] * qs[a];
+    }
+    float o = o2[0] + o2[1];
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    return o;
+}
+
+// The gated norm of one head's output ob [dv] into out [dv], z [dv] its gate (every thread of
+// the block calls it, after a barrier that published ob): warp 0 sums the squares (as
+// delta_gated_norm), then out[i] = ob[i] / rms * w[i] * silu(z[i]). inv_s: a shared float.
+__device__ __forceinline__ void dec_gated_norm(const float* ob, int dv, float eps, const bf16_t* norm_w,
+                                               const float* z, float* out, float* inv_s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (warp == 0) {
+        float ss = 0.0f;
+        for (int i = lane; i < dv; i += 32) ss += ob[i] * ob[i];
+        ss = warp_sum(ss);
+        if (lane == 0) *inv_s = 1.0f / sqrtf(ss / (float)dv + eps);
+    }
+    __syncthreads();
+    const float inv = *inv_s;
+    for (int i = tid; i < dv; i += blockDim.x) out[i] = ob[i] * inv * bf16_to_f32(norm_w[i]) * dn_silu(z[i]);
+}
+
 template <int DKM>
 __device__ __forceinline__ void delta_decode_prep_body(float* __restrict__ x, float* __restrict__ b_io,
                                                        float* __restrict__ a_io, const bf16_t* __restrict__ taps,
@@ -693,7 +795,6 @@ __device__ __forceinline__ void delta_decode_prep_body(float* __restrict__ x, fl
     const int kh = blockIdx.x, b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ch = 2 * nk * dk + nv * dv;
-    const int keep = kernel - 1;
     KRASIS_GRID_WAIT();
     KRASIS_GRID_LAUNCH_DEPENDENTS();
     float* cst = state_of(states, b, conv_off);
@@ -701,53 +802,21 @@ __device__ __forceinline__ void delta_decode_prep_body(float* __restrict__ x, fl
 
     // 1. Convolution and conv state (v's outputs straight back into x).
     const int nc = 2 * dk + per * dv;
-    for (int e = tid; e < nc; e += DEC_THREADS) {
-        int c;
-        float* dst;
-        if (e < dk) {
-            c = kh * dk + e;
-            dst = qs + e;
-        } else if (e < 2 * dk) {
-            c = (nk + kh) * dk + e - dk;
-            dst = ks + e - dk;
-        } else {
-            c = 2 * nk * dk + kh * per * dv + e - 2 * dk;
-            dst = xr + c;
-        }
-        float w[CONV_MAX_K];
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_K; ++j) w[j] = j < kernel ? bf16_to_f32(taps[(long long)c * kernel + j]) : 0.0f;
-        const float xc = xr[c];
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_K; ++j) {
-            if (j < kernel) acc += w[j] * (j < keep ? cst[(long long)j * ch + c] : xc);
-        }
-        *dst = dn_silu(acc);
-        for (int r = 0; r < keep; ++r) {
-            cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
-        }
-    }
+    for (int e = tid; e < nc; e += DEC_THREADS)
+        dec_conv_channel(e, kh, nk, per, dk, dv, kernel, taps, xr, cst, qs, ks, xr + 2 * nk * dk + kh * per * dv);
     __syncthreads();
 
     // 2. q and k normalised into x; beta and the decay of each value head into b and a.
-    if (warp < 2) {
-        float* v = warp == 0 ? qs : ks;
-        float* dst = xr + (warp == 0 ? kh * dk : (nk + kh) * dk);
-        float ss = 0.0f;
-        for (int i = lane; i < dk; i += 32) ss += v[i] * v[i];
-        ss = warp_sum(ss);
-        const float inv = (warp == 0 ? q_scale : 1.0f) / sqrtf(ss + 1e-6f);
-        for (int i = lane; i < dk; i += 32) dst[i] = v[i] * inv;
-    }
+    if (warp < 2)
+        dec_l2norm_warp(warp == 0 ? qs : ks, xr + (warp == 0 ? kh * dk : (nk + kh) * dk), dk,
+                        warp == 0 ? q_scale : 1.0f, lane);
     for (int hh = tid - 64; hh < per; hh += DEC_THREADS - 64) {
         if (hh < 0) break;
         const int h = kh * per + hh;
         const long long i = (long long)b * nv + h;
-        b_io[i] = 1.0f / (1.0f + expf(-b_io[i]));
-        const float xa = a_io[i] + bf16_to_f32(dt_bias[h]);
-        const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
-        a_io[i] = expf(-expf(bf16_to_f32(a_log[h])) * sp);
+        const float2 g = dec_gates(b_io[i], a_io[i], h, a_log, dt_bias);
+        b_io[i] = g.x;
+        a_io[i] = g.y;
     }
 }
 
@@ -768,7 +837,7 @@ __device__ __forceinline__ void delta_decode_rule_body(const float* __restrict__
     float* ob = ks + DKM;
     const int h = blockIdx.x, b = blockIdx.y;
     const int kh = h / (nv / nk);
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const int cols = blockDim.x / RULE_SPLIT;
     const int ch = 2 * nk * dk + nv * dv;
     const int col = tid / RULE_SPLIT, part = tid % RULE_SPLIT;
@@ -805,26 +874,7 @@ __device__ __forceinline__ void delta_decode_rule_body(const float* __restrict__
         for (int p = 0; p < NP; ++p) {
             const int j = g0 + p * cols + col;
             const bool live = j < dv;
-            float kv2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                s[p][i] *= decay;
-                kv2[i & 1] += s[p][i] * ks[part + RULE_SPLIT * i];
-            }
-            float kv = kv2[0] + kv2[1];
-            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-            const float d = ((live ? vr[j] : 0.0f) - kv) * bt;
-            float o2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                const int a = part + RULE_SPLIT * i;
-                s[p][i] += ks[a] * d;
-                o2[i & 1] += s[p][i] * qs[a];
-            }
-            float o = o2[0] + o2[1];
-            o += __shfl_xor_sync(0xffffffffu, o, 1);
-            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            const float o = dec_rule_column<RPT>(s[p], ks, qs, part, decay, bt, live ? vr[j] : 0.0f);
             if (live) {
                 if (part == 0) ob[j] = o;
 #pragma unroll
@@ -836,18 +886,8 @@ __device__ __forceinline__ void delta_decode_rule_body(const float* __restrict__
         }
     }
     __syncthreads();  // the head's output is in ob
-    if (warp == 0) {
-        float ss = 0.0f;
-        for (int i = lane; i < dv; i += 32) ss += ob[i] * ob[i];
-        ss = warp_sum(ss);
-        if (lane == 0) inv_s = 1.0f / sqrtf(ss / (float)dv + eps);
-    }
-    __syncthreads();
-    const float inv = inv_s;
     const long long base = ((long long)b * nv + h) * dv;
-    for (int i = tid; i < dv; i += blockDim.x) {
-        out[base + i] = ob[i] * inv * bf16_to_f32(norm_w[i]) * dn_silu(z[base + i]);
-    }
+    dec_gated_norm(ob, dv, eps, norm_w, z + base, out + base, &inv_s);
 }
 
 #define DELTA_DECODE_KERNELS(N)                                                                                  \
@@ -913,59 +953,24 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
     const int kh = blockIdx.x, b = blockIdx.y;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ch = 2 * nk * dk + nv * dv;
-    const int keep = kernel - 1;
     float* cst = state_of(states, b, conv_off);
     const float* xr = x + (long long)b * ch;
 
     // 1. Convolution and conv state.
     const int nc = 2 * dk + per * dv;
-    for (int e = tid; e < nc; e += DEC_THREADS) {
-        int c;
-        float* dst;
-        if (e < dk) {
-            c = kh * dk + e;
-            dst = qs + e;
-        } else if (e < 2 * dk) {
-            c = (nk + kh) * dk + e - dk;
-            dst = ks + e - dk;
-        } else {
-            c = 2 * nk * dk + kh * per * dv + e - 2 * dk;
-            dst = vs + e - 2 * dk;
-        }
-        float w[CONV_MAX_K];
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_K; ++j) w[j] = j < kernel ? bf16_to_f32(taps[(long long)c * kernel + j]) : 0.0f;
-        const float xc = xr[c];
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < CONV_MAX_K; ++j) {
-            if (j < kernel) acc += w[j] * (j < keep ? cst[(long long)j * ch + c] : xc);
-        }
-        *dst = dn_silu(acc);
-        for (int r = 0; r < keep; ++r) {
-            cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
-        }
-    }
+    for (int e = tid; e < nc; e += DEC_THREADS) dec_conv_channel(e, kh, nk, per, dk, dv, kernel, taps, xr, cst, qs, ks, vs);
     for (int a = dk + tid; a < DKM; a += DEC_THREADS) qs[a] = ks[a] = 0.0f;
     __syncthreads();
 
     // 2. q and k normalised; beta and the decay of each value head.
-    if (warp < 2) {
-        float* v = warp == 0 ? qs : ks;
-        float ss = 0.0f;
-        for (int i = lane; i < dk; i += 32) ss += v[i] * v[i];
-        ss = warp_sum(ss);
-        const float inv = (warp == 0 ? q_scale : 1.0f) / sqrtf(ss + 1e-6f);
-        for (int i = lane; i < dk; i += 32) v[i] *= inv;
-    }
+    if (warp < 2) dec_l2norm_warp(warp == 0 ? qs : ks, warp == 0 ? qs : ks, dk, warp == 0 ? q_scale : 1.0f, lane);
     for (int hh = tid - 64; hh < per; hh += DEC_THREADS - 64) {
         if (hh < 0) break;
         const int h = kh * per + hh;
         const long long i = (long long)b * nv + h;
-        hb[2 * hh] = 1.0f / (1.0f + expf(-b_in[i]));
-        const float xa = a_in[i] + bf16_to_f32(dt_bias[h]);
-        const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
-        hb[2 * hh + 1] = expf(-expf(bf16_to_f32(a_log[h])) * sp);
+        const float2 g = dec_gates(b_in[i], a_in[i], h, a_log, dt_bias);
+        hb[2 * hh] = g.x;
+        hb[2 * hh + 1] = g.y;
     }
     __syncthreads();
 
@@ -984,26 +989,7 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
                 const int a = part + RULE_SPLIT * i;
                 s[i] = (live && a < dk) ? S[(long long)a * dv + j] : 0.0f;
             }
-            float kv2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                s[i] *= decay;
-                kv2[i & 1] += s[i] * ks[part + RULE_SPLIT * i];
-            }
-            float kv = kv2[0] + kv2[1];
-            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-            const float d = ((live ? vs[hh * dv + j] : 0.0f) - kv) * bt;
-            float o2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                const int a = part + RULE_SPLIT * i;
-                s[i] += ks[a] * d;
-                o2[i & 1] += s[i] * qs[a];
-            }
-            float o = o2[0] + o2[1];
-            o += __shfl_xor_sync(0xffffffffu, o, 1);
-            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            const float o = dec_rule_column<RPT>(s, ks, qs, part, decay, bt, live ? vs[hh * dv + j] : 0.0f);
             if (live) {
                 if (part == 0) ob[j] = o;
 #pragma unroll
@@ -1014,18 +1000,8 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
             }
         }
         __syncthreads();  // the head's output is in ob
-        if (warp == 0) {
-            float ss = 0.0f;
-            for (int i = lane; i < dv; i += 32) ss += ob[i] * ob[i];
-            ss = warp_sum(ss);
-            if (lane == 0) inv_s = 1.0f / sqrtf(ss / (float)dv + eps);
-        }
-        __syncthreads();
-        const float inv = inv_s;
         const long long base = ((long long)b * nv + h) * dv;
-        for (int i = tid; i < dv; i += DEC_THREADS) {
-            out[base + i] = ob[i] * inv * bf16_to_f32(norm_w[i]) * dn_silu(z[base + i]);
-        }
+        dec_gated_norm(ob, dv, eps, norm_w, z + base, out + base, &inv_s);
         __syncthreads();  // ob and inv_s are read before the next head writes them
     }
 }
