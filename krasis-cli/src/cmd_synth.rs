@@ -8,11 +8,13 @@ use krasis_model::synth::{synthesize, Preset, SynthOptions};
 
 #[derive(ClapArgs)]
 pub struct Args {
-    /// tiny | v2-lite | qwen3-30b-a3b | v3-mini
+    /// tiny | v2-lite | qwen3-30b-a3b | v3-mini | mixtral-8x7b | glm-4.5-air | qwen3-next-80b |
+    /// qwen3.6-35b | minimax-m2 | gpt-oss-120b (MXFP4 experts, fused as OpenAI publishes them)
     #[arg(long, required_unless_present = "config", conflicts_with = "config")]
     preset: Option<Preset>,
     /// A config.json to synthesize instead of a preset (a published one: every dimension as
-    /// published, stored as its publisher stores it: BF16, block FP8 or compressed-tensors INT4).
+    /// published, stored as its publisher stores it: BF16, block FP8, compressed-tensors INT4 or
+    /// MXFP4; gpt-oss's experts fused).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Keep only the first N layers.

@@ -1,6 +1,7 @@
 //! `synthesize` from a `config.json` (`SynthOptions::config`): the publisher's storage format
 //! (block FP8 for a Kimi-K2-style config, compressed-tensors INT4 experts under
-//! `language_model.` for a Kimi-K2.5-style one), and the result loads and generates.
+//! `language_model.` for a Kimi-K2.5-style one, gpt-oss's fused experts in MXFP4 or BF16), and
+//! the result loads and generates.
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +59,32 @@ fn kimi_k25_like() -> Value {
         "text_config": text,
         "vision_config": {"vt_hidden_size": 32, "vt_num_hidden_layers": 1, "patch_size": 14},
     })
+}
+
+/// gpt-oss-120b's structure at small widths: hidden 128, 8 experts of 64 (top 2) with biases,
+/// GQA 4 / 2 heads of 32 with biases and sinks, sliding (8) and full layers alternating, the
+/// experts in MXFP4 as published (`quantization_config` `mxfp4`) or, without it, BF16.
+fn gpt_oss_like(mxfp4: bool) -> Value {
+    let mut c = preset_config(Preset::GptOss120b, Some(4));
+    let o = c.as_object_mut().unwrap();
+    for (k, v) in [
+        ("vocab_size", 512),
+        ("hidden_size", 128),
+        ("intermediate_size", 64),
+        ("num_attention_heads", 4),
+        ("num_key_value_heads", 2),
+        ("head_dim", 32),
+        ("num_local_experts", 8),
+        ("num_experts_per_tok", 2),
+        ("experts_per_token", 2),
+        ("sliding_window", 8),
+    ] {
+        o.insert(k.into(), json!(v));
+    }
+    if !mxfp4 {
+        o.remove("quantization_config");
+    }
+    c
 }
 
 fn synth_from(dir: &Path, config: &Value, layers: Option<usize>) -> Result<PathBuf> {
@@ -188,6 +215,81 @@ fn a_kimi_k25_config_is_written_with_int4_experts_under_language_model_and_gener
     drop(files);
     generates(&out, WeightBits::Bf16);
     generates(&out, WeightBits::Auto);
+}
+
+/// The standard deviation of the `[rows, cols]` linear `name` as the loader reads it (MXFP4
+/// dequantised exactly), against a projection's draw, `1/sqrt(cols)`.
+fn std_over_draw(files: &ModelFiles, name: &str, rows: usize, cols: usize) -> f32 {
+    let loader = crate::model::weights::WeightLoader::new(files.weights(), &files.spec().source_quant);
+    let w = loader.matrix(name, rows, cols).unwrap();
+    let mut row = vec![0f32; cols];
+    let mut sum = 0f64;
+    for r in 0..rows {
+        w.row_into(r, &mut row);
+        sum += row.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+    }
+    ((sum / (rows * cols) as f64).sqrt() * (cols as f64).sqrt()) as f32
+}
+
+/// gpt-oss in MXFP4 is written as OpenAI publishes it (llama.cpp's converter reads no other
+/// form): per layer `mlp.experts.gate_up_proj_blocks` / `_scales` / `_bias` and `down_proj_*`,
+/// nothing per expert. Krasis serves each expert's rows of them, the dequantised values keep a
+/// projection's scale (within the power of two an E8M0 scale rounds to), and the model
+/// generates with the experts kept as stored (`auto`) and at BF16.
+#[test]
+fn a_gpt_oss_config_is_written_fused_in_mxfp4_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = synth_from(tmp.path(), &gpt_oss_like(true), Some(2)).unwrap();
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let cfg = parse_checkpoint_config(&text, &out.join("config.json")).unwrap();
+    assert_eq!((cfg.spec.num_layers, &cfg.spec.source_quant), (2, &crate::spec::SourceQuant::Mxfp4));
+    let mut want = stored_tensors(&cfg).unwrap();
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    let stored = stored_in(&out);
+    assert_eq!(stored, want, "the files hold exactly the publisher's inventory");
+    let p = "model.layers.1.mlp.experts";
+    assert_eq!(dtype_of(&stored, &format!("{p}.gate_up_proj_blocks")), (DType::U8, vec![8, 128, 4, 16]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.gate_up_proj_scales")), (DType::U8, vec![8, 128, 4]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.gate_up_proj_bias")), (DType::BF16, vec![8, 128]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.down_proj_blocks")), (DType::U8, vec![8, 128, 2, 16]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.down_proj_scales")), (DType::U8, vec![8, 128, 2]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.down_proj_bias")), (DType::BF16, vec![8, 128]));
+    assert_eq!(stored.iter().filter(|t| t.name.contains(".mlp.experts.")).count(), 2 * 6);
+    assert_eq!(dtype_of(&stored, "model.layers.0.self_attn.sinks"), (DType::BF16, vec![4]));
+    let files = ModelFiles::open(&out).unwrap();
+    assert!(files.weights().contains(&format!("{p}.7.up_proj.weight_blocks")));
+    assert!(files.weights().contains(&format!("{p}.7.down_proj.bias")));
+    for (proj, rows, cols) in [("gate_proj", 64, 128), ("up_proj", 64, 128), ("down_proj", 128, 64)] {
+        let r = std_over_draw(&files, &format!("{p}.3.{proj}.weight"), rows, cols);
+        assert!((0.7..1.42).contains(&r), "{proj}: std {r} of the draw's");
+    }
+    drop(files);
+    generates(&out, WeightBits::Auto);
+    generates(&out, WeightBits::Bf16);
+}
+
+/// Without `quantization_config`, gpt-oss is written as transformers and the BF16 conversions
+/// store it: `gate_up_proj` `[E, H, 2I]` and `down_proj` `[E, I, H]` (x · W) with their biases,
+/// each projection with its own draw's scale.
+#[test]
+fn a_bf16_gpt_oss_config_is_written_fused_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = synth_from(tmp.path(), &gpt_oss_like(false), Some(2)).unwrap();
+    let stored = stored_in(&out);
+    let p = "model.layers.0.mlp.experts";
+    assert_eq!(dtype_of(&stored, &format!("{p}.gate_up_proj")), (DType::BF16, vec![8, 128, 128]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.down_proj")), (DType::BF16, vec![8, 64, 128]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.gate_up_proj_bias")), (DType::BF16, vec![8, 128]));
+    assert_eq!(dtype_of(&stored, &format!("{p}.down_proj_bias")), (DType::BF16, vec![8, 128]));
+    assert_eq!(stored.iter().filter(|t| t.name.contains(".mlp.experts.")).count(), 2 * 4);
+    let files = ModelFiles::open(&out).unwrap();
+    for (proj, rows, cols) in [("gate_proj", 64, 128), ("up_proj", 64, 128), ("down_proj", 128, 64)] {
+        let r = std_over_draw(&files, &format!("{p}.5.{proj}.weight"), rows, cols);
+        assert!((0.9..1.1).contains(&r), "{proj}: std {r} of the draw's");
+    }
+    drop(files);
+    generates(&out, WeightBits::Bf16);
+    generates(&out, WeightBits::Int4);
 }
 
 #[test]

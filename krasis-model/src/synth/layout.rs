@@ -8,10 +8,18 @@
 //! - compressed-tensors INT4 (Kimi-K2-Thinking, K2.5): each routed expert's projection is
 //!   `weight_packed` (I32, eight codes per word along the input), `weight_scale` (BF16, one
 //!   per group) and `weight_shape` (I32 `[out, in]`); everything else is BF16.
-//! - MXFP4 (`quant_method` `mxfp4`, gpt-oss): each routed expert's projection is
-//!   `weight_blocks` (U8 `[out, in/32, 16]`, two E2M1 codes a byte) and `weight_scales` (U8
-//!   E8M0 `[out, in/32]`), per expert: the names Krasis serves from gpt-oss's fused published
-//!   tensors, which it reads alike; the expert biases and everything else are BF16.
+//! - gpt-oss ([`StoredLayout::gpt_oss_experts`](crate::arch::StoredLayout)): each MoE layer's
+//!   routed experts fused as OpenAI publishes them, under `mlp.experts.`. In MXFP4
+//!   (`quant_method` `mxfp4`): `gate_up_proj_blocks` (U8 `[E, 2I, H/32, 16]`, two E2M1 codes a
+//!   byte; rows are outputs, gate j and up j alternating), `gate_up_proj_scales` (U8 E8M0
+//!   `[E, 2I, H/32]`), `down_proj_blocks` / `down_proj_scales` (`[E, H, I/32, …]`) and the
+//!   BF16 biases `gate_up_proj_bias` `[E, 2I]` and `down_proj_bias` `[E, H]`. Unquantised, as
+//!   transformers and the BF16 conversions store them: `gate_up_proj` `[E, H, 2I]` and
+//!   `down_proj` `[E, I, H]` (x · W) with the same biases. llama.cpp's converter reads only
+//!   these forms.
+//! - MXFP4 in another family: each routed expert's projection is `weight_blocks` (U8
+//!   `[out, in/32, 16]`) and `weight_scales` (U8 E8M0 `[out, in/32]`), per expert; everything
+//!   else is BF16.
 //! - A configuration nesting its text model (Kimi-K2.5) stores it under its tensor prefix
 //!   (`language_model.`).
 //!
@@ -22,11 +30,11 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::init::{fnv1a, Dtype, Fill, SynthTensor};
+use super::init::{fnv1a, layer_of, Dtype, Fill, SynthTensor};
 use crate::arch::CheckpointConfig;
 use crate::error::{ModelError, Result};
-use crate::model::tensors::{is_matrix, TensorRole, TensorSpec};
-use crate::spec::{MixerKind, SourceQuant};
+use crate::model::tensors::{experts_prefix, is_matrix, TensorRole, TensorSpec};
+use crate::spec::{MixerKind, ModelSpec, SourceQuant};
 
 /// A tensor as a checkpoint stores it: name, shape and dtype.
 #[derive(Clone, Debug, PartialEq)]
@@ -70,8 +78,24 @@ fn derived(t: &SynthTensor, name: String, shape: Vec<usize>, dtype: Dtype, fill:
 /// stores (see the module docs). A plan without quantisation or prefix is returned unchanged.
 pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) -> Result<Vec<SynthTensor>> {
     let quant = &cfg.spec.source_quant;
+    let fuse = cfg.layout.gpt_oss_experts && matches!(quant, SourceQuant::None | SourceQuant::Mxfp4);
     let mut out = Vec::with_capacity(tensors.len());
+    // With `fuse`, one MoE layer's routed-expert tensors (contiguous in the inventory) and their
+    // layer, written fused once the run ends.
+    let mut group: Vec<SynthTensor> = Vec::new();
+    let mut group_layer = None;
     for t in tensors {
+        let layer = if fuse { routed_expert_layer(&cfg.spec, &t) } else { None };
+        if layer != group_layer {
+            if let Some(l) = group_layer {
+                out.extend(gpt_oss_fused(&cfg.spec, l, &std::mem::take(&mut group))?);
+            }
+            group_layer = layer;
+        }
+        if layer.is_some() {
+            group.push(t);
+            continue;
+        }
         match *quant {
             SourceQuant::Fp8Block { block_rows, block_cols }
                 if is_matrix(&t.spec) && t.spec.role != TensorRole::LmHead =>
@@ -134,6 +158,9 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
             _ => out.push(t),
         }
     }
+    if let Some(l) = group_layer {
+        out.extend(gpt_oss_fused(&cfg.spec, l, &group)?);
+    }
     if !cfg.tensor_prefix.is_empty() {
         // The canonical names under `canonical_prefix` (all of them when it is empty) are stored
         // under `tensor_prefix` instead.
@@ -143,6 +170,65 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
             }
         }
     }
+    Ok(out)
+}
+
+/// The MoE layer whose routed experts `t` belongs to (a projection or its bias, canonical name).
+fn routed_expert_layer(spec: &ModelSpec, t: &SynthTensor) -> Option<usize> {
+    let l = layer_of(&t.spec.name)?;
+    t.spec.name.strip_prefix(&experts_prefix(spec, l))?.starts_with('.').then_some(l)
+}
+
+/// One MoE layer's routed experts as gpt-oss's published fused tensors (see the module docs).
+/// `group` is the layer's per-expert plan (every expert's gate, up and down projections and
+/// biases); expert 0's draws give the values' scales, which are the same for every expert: the
+/// fused BF16 tensors keep each projection's draw, the MXFP4 scales are the power of two that
+/// gives the dequantised values the standard deviation of that draw (as per expert).
+fn gpt_oss_fused(spec: &ModelSpec, l: usize, group: &[SynthTensor]) -> Result<Vec<SynthTensor>> {
+    let moe = spec.moe.as_ref().expect("routed experts imply a MoE spec");
+    let (e, i, h) = (moe.n_routed_experts, moe.moe_intermediate_size, spec.hidden_size);
+    let p = experts_prefix(spec, l);
+    let find = |proj: &str| {
+        let name = format!("{p}.0.{proj}");
+        group
+            .iter()
+            .find(|t| t.spec.name == name)
+            .ok_or_else(|| ModelError::Invalid(format!("layer {l}: `{name}` is not in the plan to fuse")))
+    };
+    let (gate, down, bias) = (find("gate_proj.weight")?, find("down_proj.weight")?, find("gate_proj.bias")?);
+    let weights = TensorRole::RoutedExpert { layer: l, expert: 0 };
+    let new = |name: &str, shape: Vec<usize>, dtype: Dtype, fill: Fill, role: TensorRole| {
+        let name = format!("{p}.{name}");
+        SynthTensor { key: fnv1a(&name), spec: TensorSpec { name, shape, role }, dtype, fill }
+    };
+    let biases = |out: &mut Vec<SynthTensor>| {
+        out.push(new("gate_up_proj_bias", vec![e, 2 * i], bias.dtype, bias.fill.clone(), TensorRole::Bias));
+        out.push(new("down_proj_bias", vec![e, h], bias.dtype, bias.fill.clone(), TensorRole::Bias));
+    };
+    let mut out = Vec::with_capacity(6);
+    if spec.source_quant != SourceQuant::Mxfp4 {
+        // x · W: `[E, in, out]`, gate_up's columns alternating gate j and up j.
+        out.push(new("gate_up_proj", vec![e, h, 2 * i], gate.dtype, gate.fill.clone(), weights));
+        out.push(new("down_proj", vec![e, i, h], down.dtype, down.fill.clone(), weights));
+        biases(&mut out);
+        return Ok(out);
+    }
+    for (dim, what) in [(h, "hidden_size"), (i, "intermediate_size")] {
+        if !dim.is_multiple_of(32) {
+            return Err(ModelError::Invalid(format!(
+                "layer {l}: MXFP4 experts need {what} ({dim}) to be a whole number of MXFP4 groups (32)"
+            )));
+        }
+    }
+    // E8M0: a power of two, 2^(byte − 127).
+    let scale = |t: &SynthTensor| -> Result<Fill> {
+        Ok(Fill::Const(127.0 + (draw_std(t)? / e2m1_code_rms()).log2().round().clamp(-127.0, 127.0)))
+    };
+    out.push(new("gate_up_proj_blocks", vec![e, 2 * i, h / 32, 16], Dtype::U8, Fill::Codes, weights));
+    out.push(new("gate_up_proj_scales", vec![e, 2 * i, h / 32], Dtype::U8, scale(gate)?, weights));
+    out.push(new("down_proj_blocks", vec![e, h, i / 32, 16], Dtype::U8, Fill::Codes, weights));
+    out.push(new("down_proj_scales", vec![e, h, i / 32], Dtype::U8, scale(down)?, weights));
+    biases(&mut out);
     Ok(out)
 }
 

@@ -43,9 +43,10 @@ pub enum Preset {
     /// gpt-oss-120b's shapes (the published config, with the synthetic tokenizer's BOS 0 and EOS
     /// 1; 117 B parameters): 36 layers of GQA (64 / 8 heads of 64) with biases and sinks,
     /// sliding-window (128) and full layers alternating, 128 experts top-4 with biases and the
-    /// clamped SwiGLU, the routed experts in MXFP4 (`quantization_config` `mxfp4`, written per
-    /// expert: `weight_blocks` / `weight_scales`), everything else BF16. `layer_types` is
-    /// written out, so a trimmed model keeps the alternation.
+    /// clamped SwiGLU, the routed experts in MXFP4 (`quantization_config` `mxfp4`, written fused
+    /// per layer as OpenAI publishes them: `mlp.experts.gate_up_proj_blocks` / `_scales` /
+    /// `_bias` and `down_proj_*`, which llama.cpp's converter reads), everything else BF16.
+    /// `layer_types` is written out, so a trimmed model keeps the alternation.
     GptOss120b,
 }
 

@@ -438,9 +438,10 @@ fn presets_have_the_real_shapes() {
 }
 
 /// gpt-oss-120b: the published config's shapes (117 B parameters, 5.1 B active as OpenAI counts
-/// them), MXFP4 experts written per expert as blocks and scales, the sliding / full alternation
-/// kept by `--layers`; a two-layer cut at reduced width is not needed: the one-layer tensors'
-/// stored forms are checked instead.
+/// them), MXFP4 experts written fused as OpenAI publishes them (blocks, scales and biases per
+/// layer), the sliding / full alternation kept by `--layers`; a two-layer cut at reduced width
+/// is `config_tests::a_gpt_oss_config_is_written_fused_in_mxfp4_and_generates`: here the
+/// one-layer tensors' stored forms are checked.
 #[test]
 fn the_gpt_oss_120b_preset_has_the_published_shapes() {
     use crate::spec::{Arch, AttentionSpec, ExpertActivation, SourceQuant};
@@ -463,14 +464,24 @@ fn the_gpt_oss_120b_preset_has_the_published_shapes() {
     .unwrap();
     let stored = super::layout::stored_tensors(&cfg).unwrap();
     let find = |n: &str| stored.iter().find(|s| s.name == n).unwrap_or_else(|| panic!("{n} not written"));
-    let p = "model.layers.0.mlp.experts.5";
-    assert_eq!(find(&format!("{p}.gate_proj.weight_blocks")).shape, vec![2880, 90, 16]);
-    assert_eq!(find(&format!("{p}.down_proj.weight_scales")).shape, vec![2880, 90]);
-    assert_eq!(find(&format!("{p}.down_proj.weight_scales")).dtype, krasis_core::DType::U8);
-    assert_eq!(find(&format!("{p}.up_proj.bias")).shape, vec![2880]);
+    let p = "model.layers.0.mlp.experts";
+    let (u8_, bf16) = (krasis_core::DType::U8, krasis_core::DType::BF16);
+    for (name, shape, dtype) in [
+        ("gate_up_proj_blocks", vec![128, 5760, 90, 16], u8_),
+        ("gate_up_proj_scales", vec![128, 5760, 90], u8_),
+        ("gate_up_proj_bias", vec![128, 5760], bf16),
+        ("down_proj_blocks", vec![128, 2880, 90, 16], u8_),
+        ("down_proj_scales", vec![128, 2880, 90], u8_),
+        ("down_proj_bias", vec![128, 2880], bf16),
+    ] {
+        let t = find(&format!("{p}.{name}"));
+        assert_eq!((&t.shape, t.dtype), (&shape, dtype), "{name}");
+    }
+    // Nothing per expert: the six fused tensors are the layer's experts.
+    assert!(!stored.iter().any(|s| s.name.starts_with(&format!("{p}.5."))));
+    assert_eq!(stored.iter().filter(|s| s.name.starts_with(&format!("{p}."))).count(), 6);
     assert_eq!(find("model.layers.0.self_attn.sinks").shape, vec![64]);
     assert_eq!(find("model.layers.0.mlp.router.bias").shape, vec![128]);
-    assert!(!stored.iter().any(|s| s.name == format!("{p}.gate_proj.weight")));
     assert_eq!("gpt-oss-120b".parse::<Preset>().unwrap(), Preset::GptOss120b);
 }
 
