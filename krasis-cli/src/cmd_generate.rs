@@ -196,7 +196,9 @@ pub struct GpuArgs {
     /// group of --group-size along K, dequantised inside the tensor-core tiles (read from the GPU
     /// expert cache in --cache-dir, or the CPU's records, built on the first start or by `krasis
     /// convert`); bf16: BF16 resident experts, and a hybrid prefill keeps the experts on the CPU;
-    /// auto: the source's width when it is 8-bit, else 4 (hybrid: the CPU experts' width).
+    /// auto: the source's width when it is 8-bit, else 4 (hybrid: the CPU experts' width); on a
+    /// 4-bit float checkpoint (NVFP4, MXFP4) auto keeps the experts as stored, where 4 and 8
+    /// requantise them.
     #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::SYMMETRIC_FLAG_VALUES))]
     pub gpu_expert_bits: WeightBits,
     /// `--device hybrid --gpu-expert-bits 4|8`: which copy of the experts prefill streams to the

@@ -28,10 +28,11 @@
 // chunk load is a full aligned 16-byte vector.
 #include "krasis_common.cuh"
 
-// Four NVRTC programs share this file (moe.rs): the routing, glue and BF16 kernels (no macro), the
-// INT4 and the INT8 tiles (-DMOE_QTILES=4, =8) and the quantised decode kernels (-DMOE_QDEC), so
-// they compile in parallel (as one program, 7.8–10.4 s of a fresh machine's cold start).
-#if !defined(MOE_QTILES) && !defined(MOE_QDEC)
+// Six NVRTC programs share this file (moe.rs): the routing, glue and BF16 kernels (no macro), the
+// INT4, INT8 and FP4 tiles (-DMOE_QTILES=4, =8, =5), the integer decode kernels (-DMOE_QDEC) and
+// the FP4 ones (-DMOE_QDEC_FP4), so they compile in parallel (as one program, 7.8–10.4 s of a
+// fresh machine's cold start).
+#if !defined(MOE_QTILES) && !defined(MOE_QDEC) && !defined(MOE_QDEC_FP4)
 #define MOE_BASE
 #endif
 
@@ -361,6 +362,13 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 #define MOE_QPANEL 64  // rows of a panel (gpu_layout::PANEL_ROWS)
 #define MOE_QCHUNK 64  // k of a chunk (gpu_layout::CHUNK_K)
 #define MOE_QUANT_WARPS 4  // moe_quant_rows: groups per block (must match moe.rs)
+// The weight format of the quantised kernels (their BITS template argument and the activation
+// quantisers' `bits`): 4 INT4, 8 INT8, or a 4-bit float in the FP4 tile layout (gpu_layout.rs):
+// MXFP4 (groups of 32) or NVFP4 (groups of 16), whose words are INT4's and whose activation rows
+// take INT4's k order; their bytes hold 2·E2M1 and their f32 scales the ½, so the activation
+// scales are not divided (INT4's bytes hold 16·q).
+#define MOE_FMT_MXFP4 5  // must match moe.rs
+#define MOE_FMT_NVFP4 6
 
 // The order of a quantised activation row for weights of `bits`: the k at position p (within its
 // 32-wide window). The stored weight fragments give lane (g, q) the k values {2q, 2q+1, 2q+8,
@@ -369,10 +377,12 @@ extern "C" __global__ void __launch_bounds__(MOE_THREADS)
 // not depend on the order of its terms, so the activations are stored permuted to the order in
 // which the weights' fragments are built (i = p & 3, q = (p >> 2) & 3, r1 = (p >> 4) & 1):
 //   INT8 (a word per half, as stored): k = 16·r1 + 8·(i >> 1) + 2q + (i & 1);
-//   INT4 (int4_frags: low nibbles to register 0, high to 1): k = 16·(i >> 1) + 8·r1 + 2q + (i & 1).
+//   INT4 (int4_frags: low nibbles to register 0, high to 1) and FP4 (fp4_frags): k = 16·(i >> 1) +
+//   8·r1 + 2q + (i & 1). So in either order bytes 0, 1 of a word are k < 16 of the 32-wide window
+//   and bytes 2, 3 are k ≥ 16: NVFP4's two groups of 16 are byte masks of the same words.
 __device__ __forceinline__ int moe_qk(int p, int bits) {
     const int i = p & 3, qq = (p >> 2) & 3, hi16 = (p >> 4) & 1;
-    return bits == 4 ? (p & ~31) + 16 * (i >> 1) + 8 * hi16 + 2 * qq + (i & 1)
+    return bits != 8 ? (p & ~31) + 16 * (i >> 1) + 8 * hi16 + 2 * qq + (i & 1)
                      : (p & ~31) + 16 * hi16 + 8 * (i >> 1) + 2 * qq + (i & 1);
 }
 
@@ -408,13 +418,15 @@ __device__ __forceinline__ float moe_quant_words(F value, int nw, int lane, u32*
 
 // The value of one word of 4 positions quantised as moe_quant_words does, given the group's
 // amax bits m (from the warp's reduction): the word of 4 bytes, with q (as floats) kept in qf.
-__device__ __forceinline__ u32 moe_quant_word(const float* v, u32 m, float* qf) {
-    const float amax = __uint_as_float(m);
-    const bool ok = m != 0 && m < 0x7f800000u;
-    const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
+// m1: the amax of positions 2 and 3 when they are another group's (NVFP4's groups of 16), else m.
+__device__ __forceinline__ u32 moe_quant_word(const float* v, u32 m, float* qf, u32 m1) {
     u32 word = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
+        const u32 mc = c < 2 ? m : m1;
+        const float amax = __uint_as_float(mc);
+        const bool ok = mc != 0 && mc < 0x7f800000u;
+        const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
         const float p = __fmul_rn(v[c], inv);
         const float cl = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
         const int q = ok ? __float2int_rn(cl) : 0;
@@ -424,11 +436,13 @@ __device__ __forceinline__ u32 moe_quant_word(const float* v, u32 m, float* qf) 
     return word;
 }
 
-// The largest |x| bit pattern of a word's 4 values over the warp (lanes past the group give 0).
-__device__ __forceinline__ u32 moe_quant_amax(const float* v, bool active) {
+// The largest |x| bit pattern of a word's values c0 .. c1 − 1 over the warp (lanes past the group
+// give 0).
+__device__ __forceinline__ u32 moe_quant_amax(const float* v, bool active, int c0 = 0, int c1 = 4) {
     u32 m = 0;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) m = max(m, __float_as_uint(v[c]) & 0x7fffffffu);
+    for (int c = 0; c < 4; ++c)
+        if (c >= c0 && c < c1) m = max(m, __float_as_uint(v[c]) & 0x7fffffffu);
     return __reduce_max_sync(0xffffffffu, active ? m : 0u);
 }
 
@@ -453,18 +467,45 @@ __device__ __forceinline__ float2 moe_quant_split_word(const float* __restrict__
         v[c] = active && k < kn ? xg[k] : 0.0f;
     }
     const u32 m_hi = moe_quant_amax(v, active);
-    const u32 w_hi = moe_quant_word(v, m_hi, qf);
+    const u32 w_hi = moe_quant_word(v, m_hi, qf, m_hi);
     const float s_hi = moe_quant_scale(m_hi);
 #pragma unroll
     for (int c = 0; c < 4; ++c) r[c] = __fsub_rn(v[c], __fmul_rn(qf[c], s_hi));
     const u32 m_lo = moe_quant_amax(r, active);
-    const u32 w_lo = moe_quant_word(r, m_lo, qf);
+    const u32 w_lo = moe_quant_word(r, m_lo, qf, m_lo);
     if (active) {
         ((u32*)hi)[lane] = w_hi;
         ((u32*)lo)[lane] = w_lo;
     }
     const float unit = bits == 4 ? 0.0625f : 1.0f;
     return make_float2(s_hi * unit, moe_quant_scale(m_lo) * unit);
+}
+
+// NVFP4's groups of 16 (the CPU's activation groups for it too): one warp quantises the 32-wide
+// window at xw (kn values, zero past them) as moe_quant_split_word does a group, each of its two
+// groups with its own amax, in the INT4 k order, where a word's bytes 0, 1 are the first group's
+// (k < 16) and bytes 2, 3 the second's. Returns (s_hi, s_lo) of the first group, then the second's.
+__device__ __forceinline__ float4 moe_quant_split16(const float* __restrict__ xw, int kn, int lane,
+                                                    signed char* __restrict__ hi, signed char* __restrict__ lo) {
+    const bool active = lane < 8;
+    float v[4], qf[4], r[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int k = moe_qk(4 * lane + c, 4);
+        v[c] = active && k < kn ? xw[k] : 0.0f;
+    }
+    const u32 ma = moe_quant_amax(v, active, 0, 2), mb = moe_quant_amax(v, active, 2, 4);
+    const u32 w_hi = moe_quant_word(v, ma, qf, mb);
+    const float sa = moe_quant_scale(ma), sb = moe_quant_scale(mb);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) r[c] = __fsub_rn(v[c], __fmul_rn(qf[c], c < 2 ? sa : sb));
+    const u32 la = moe_quant_amax(r, active, 0, 2), lb = moe_quant_amax(r, active, 2, 4);
+    const u32 w_lo = moe_quant_word(r, la, qf, lb);
+    if (active) {
+        ((u32*)hi)[lane] = w_hi;
+        ((u32*)lo)[lane] = w_lo;
+    }
+    return make_float4(sa, moe_quant_scale(la), sb, moe_quant_scale(lb));
 }
 
 // One group of an activation row as the CPU quantises it (krasis-cpu moe.rs quantize_acts_split):
@@ -493,14 +534,26 @@ __device__ __forceinline__ float2 moe_quant_split(const float* __restrict__ xg, 
 // row, each in the moe_qk order of weights of `bits`; ldq = ng · gs, a multiple of 32) and
 // scales [rows, ng] as (s_hi, s_lo) (for INT4 weights, whose bytes hold 16·q, divided by 16).
 // Launch: grid (rows, ceil(ng / MOE_QUANT_WARPS)), 32 · MOE_QUANT_WARPS threads; warp w quantises
-// group blockIdx.y · MOE_QUANT_WARPS + w.
+// group blockIdx.y · MOE_QUANT_WARPS + w; for gs = 16, grid (rows, ceil(ng / 2 / MOE_QUANT_WARPS))
+// and warp w the window of groups 2w, 2w + 1 (moe_quant_split16).
 #ifdef MOE_BASE
 extern "C" __global__ void moe_quant_rows(const float* __restrict__ x, int k, int ldx, int gs, int ng,
                                           signed char* __restrict__ q, int ldq, float2* __restrict__ scales,
                                           int bits) {
     const int grp = blockIdx.y * MOE_QUANT_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (grp >= ng) return;  // uniform over the warp
     const long long row = blockIdx.x;
+    if (gs == 16) {  // NVFP4: warp grp quantises window grp, groups 2·grp and 2·grp + 1
+        if (2 * grp >= ng) return;  // uniform over the warp
+        const int k0 = 32 * grp;
+        signed char* hi = q + row * 2 * ldq + k0;
+        const float4 s = moe_quant_split16(x + row * ldx + k0, min(32, max(k - k0, 0)), lane, hi, hi + ldq);
+        if (lane == 0) {
+            scales[row * ng + 2 * grp] = make_float2(s.x, s.y);
+            scales[row * ng + 2 * grp + 1] = make_float2(s.z, s.w);
+        }
+        return;
+    }
+    if (grp >= ng) return;  // uniform over the warp
     const int k0 = grp * gs;
     signed char* hi = q + row * 2 * ldq + k0;
     const float2 s = moe_quant_split(x + row * ldx + k0, min(gs, max(k - k0, 0)), gs, lane, hi, hi + ldq, bits);
@@ -541,6 +594,42 @@ __device__ __forceinline__ void int4_frags(u32 w0, u32 w1, u32 (&ft)[2], u32 (&f
     fu[0] = int4_hi16(u << 4);
     fu[1] = int4_hi16(u);
 }
+// FP4: the four E2M1 codes in the low 16 bits of c (code i in bits 4i..4i+3, sign in bit 3) as
+// the s8 bytes 2·E2M1 (0, ±1, ±2, ±3, ±4, ±6, ±8, ±12). prmt looks a selector nibble's low 3
+// bits up in the 8 table bytes; with bit 3 set it gives the byte's sign instead (0 here: the
+// table is non-negative). So p holds the positive codes' magnitudes (0 for negative codes) and n,
+// from the selectors with bit 3 flipped, the negative codes' magnitudes; then bytewise p − n with
+// no borrow between bytes (every byte of p | 0x80.. is ≥ 128, every byte of n ≤ 12).
+#define FP4_LUT_LO 0x03020100u  // 2·E2M1 of codes 0..3
+#define FP4_LUT_HI 0x0c080604u  // codes 4..7
+__device__ __forceinline__ u32 fp4_s8(u32 c) {
+    u32 p, n;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(p) : "r"(FP4_LUT_LO), "r"(FP4_LUT_HI), "r"(c));
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(n) : "r"(FP4_LUT_LO), "r"(FP4_LUT_HI), "r"(c ^ 0x8888u));
+    return ((p | 0x80808080u) - n) ^ 0x80808080u;
+}
+// The s8 fragments of FP4 tiles t (ft) and t + 1 (fu) for one k32 step, from the tile pair's two
+// words (gpu_layout.rs: w0 holds register 0 of tile t in bits 0..15 and of tile t + 1 in 16..31,
+// w1 their register 1), in the order int4_frags gives.
+__device__ __forceinline__ void fp4_frags(u32 w0, u32 w1, u32 (&ft)[2], u32 (&fu)[2]) {
+    ft[0] = fp4_s8(w0);
+    fu[0] = fp4_s8(w0 >> 16);
+    ft[1] = fp4_s8(w1);
+    fu[1] = fp4_s8(w1 >> 16);
+}
+// A weight format's s8 fragments of a tile pair (INT4 or FP4 words).
+template <int BITS>
+__device__ __forceinline__ void q4_frags(u32 w0, u32 w1, u32 (&ft)[2], u32 (&fu)[2]) {
+    if (BITS == 4)
+        int4_frags(w0, w1, ft, fu);
+    else
+        fp4_frags(w0, w1, ft, fu);
+}
+// The byte mask of NVFP4's group h (0: k < 16, 1: k ≥ 16) of a 32-wide window in a fragment
+// register (moe_qk's INT4 order).
+__device__ __forceinline__ u32 g16_mask(int h) { return h ? 0xffff0000u : 0x0000ffffu; }
+// Bits of one stored weight: 8 for INT8, else 4 (INT4, FP4).
+#define MOE_WBITS(BITS) ((BITS) == 8 ? 8 : 4)
 // An INT8 word's 4 bytes (stored u = q + 128) as s8 q: u − 128 is the sign bit flipped.
 __device__ __forceinline__ u32 int8_s8(u32 w) { return w ^ 0x80808080u; }
 #define MOE_MAGIC_I 0x4B400000   // bits of 1.5 · 2^23: an int acc started here holds 1.5·2^23 + s as
@@ -599,15 +688,19 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     static_assert(MOE_BN == MOE_QPANEL && MOE_BN_DOWN == 2 * MOE_QPANEL, "a block is two panels");
     static_assert((TM == 32 || TM == 64) && PB % 2 == 0, "slices of 8 pairs, 4 a warp; gate and up panels in pairs");
     constexpr int THREADS = 2 * TM * PB, G = PB / 2;
-    constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * BITS / 8;  // bytes of a (panel, chunk) block
+    constexpr bool FP4 = BITS == MOE_FMT_MXFP4 || BITS == MOE_FMT_NVFP4;
+    constexpr int GPS = BITS == MOE_FMT_NVFP4 ? 2 : 1;  // scale groups a k32 step covers
+    constexpr int SB = FP4 ? 4 : 2;                      // bytes of a weight scale (f32, f16)
+    constexpr int BLOCK = MOE_QPANEL * MOE_QCHUNK * MOE_WBITS(BITS) / 8;  // bytes of a (panel, chunk) block
     constexpr int PANEL_BYTES = CPS * BLOCK;                   // a panel's blocks of a stage
     constexpr int KS = CPS * MOE_QCHUNK, STEPS = KS / 32;       // k and k32 steps of a stage
     constexpr int QSK = KS + 16;  // byte stride of a staged A row: a warp's ldmatrix rows (8 x 16
                                   // bytes) hit 32 different banks
     constexpr int W_BYTES = PB * PANEL_BYTES;
-    constexpr int S_BYTES = PB * STEPS * MOE_QPANEL * 2;  // per panel and step the f16 scales of its group
-    constexpr int X_AT = W_BYTES + S_BYTES;              // per pair slot and step its (s_hi, s_lo)
-    constexpr int A_AT = X_AT + TM * STEPS * 8;
+    constexpr int S_PIECES = MOE_QPANEL * SB * GPS / 16;     // 16-byte scale copies per panel and step
+    constexpr int S_BYTES = PB * STEPS * S_PIECES * 16;      // per panel and step the scales of its group(s)
+    constexpr int X_AT = W_BYTES + S_BYTES;                  // per pair slot and step its (s_hi, s_lo) per group
+    constexpr int A_AT = X_AT + TM * STEPS * 8 * GPS;
     constexpr int A_ROWS = 2 * TM;
     constexpr int STAGE_BYTES = A_AT + A_ROWS * QSK;
     constexpr int W_COPIES = W_BYTES / 16 / THREADS;
@@ -634,11 +727,12 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         return pn < n_panels ? pn : -1;
     };
     const unsigned char* we = w + (long long)e * expert_wbytes;
-    const unsigned short* se = sc + (long long)e * expert_scales;
+    const unsigned char* se = (const unsigned char*)sc + (long long)e * expert_scales * SB;
     // This thread's copies, worked out once: weight piece (i · THREADS + tid) of the stage's PB
-    // panels (chunk w_chunk[i] of the stage); scale piece tid (< 8·STEPS·PB: panel tid / (8·STEPS),
-    // step (tid / 8) % STEPS, 8 scales tid % 8); A piece tid % PARTS of staged rows tid / PARTS +
-    // i · ROWS_PER_PASS. Sources advance by PANEL_BYTES (weights) or KS (A) per stage.
+    // panels (chunk w_chunk[i] of the stage); scale piece tid (< S_PIECES·STEPS·PB: panel tid /
+    // (S_PIECES·STEPS), step (tid / S_PIECES) % STEPS, 16 bytes tid % S_PIECES of the step's groups);
+    // A piece tid % PARTS of staged rows tid / PARTS + i · ROWS_PER_PASS. Sources advance by
+    // PANEL_BYTES (weights) or KS (A) per stage.
     const unsigned char* w_src[W_COPIES];
     int w_bytes[W_COPIES], w_chunk[W_COPIES];
 #pragma unroll
@@ -649,9 +743,10 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         w_bytes[i] = pn >= 0 ? 16 : 0;
         w_chunk[i] = off % PANEL_BYTES / BLOCK;
     }
-    const int s_panel = tid < S_BYTES / 16 ? panel_of(tid / (8 * STEPS)) : -1, s_step = (tid / 8) % STEPS;
+    const int s_panel = tid < S_BYTES / 16 ? panel_of(tid / (S_PIECES * STEPS)) : -1;
+    const int s_step = (tid / S_PIECES) % STEPS;
     const bool s_ok = s_panel >= 0;
-    const unsigned short* s_src = se + (long long)max(s_panel, 0) * groups * MOE_QPANEL + (tid % 8) * 8;
+    const unsigned char* s_src = se + (long long)max(s_panel, 0) * groups * MOE_QPANEL * SB + (tid % S_PIECES) * 16;
     const int part = tid % PARTS, row0 = tid / PARTS;
     long long a_off[A_SLOTS];
     int a_bytes[A_SLOTS];
@@ -671,7 +766,9 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
     // instructions each in the k loop).
     const int spg = gs >> 5;
     const u32 spg_magic = spg > 1 ? 0xffffffffu / (u32)spg + 1u : 0u;
-    auto group_of_step = [&](int step) { return spg > 1 ? (int)__umulhi((u32)step, spg_magic) : step; };
+    auto group_of_step = [&](int step) {
+        return GPS == 2 ? 2 * step : spg > 1 ? (int)__umulhi((u32)step, spg_magic) : step;
+    };
     // Stage c (chunks CPS·c ..) into buffer b; steps past K (an odd chunk count's last stage) are
     // zero-filled, weights, scales and activations alike, so they add nothing.
     const int steps = 2 * chunks;
@@ -680,9 +777,12 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         if (tid < STEPS * TM) {
             const int step = STEPS * c + tid % STEPS;
             const bool ok = x_pair >= 0 && step < steps;
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst + X_AT + tid * 8),
-                         "l"(ok ? x_src + group_of_step(step) : x_src), "r"(ok ? 8 : 0)
-                         : "memory");
+            if (GPS == 2)  // both groups' pairs: 16 bytes (a_ng even, so 16-byte aligned)
+                cp_async16_at(dst + X_AT + tid * 16, ok ? x_src + group_of_step(step) : x_src, ok ? 16 : 0);
+            else
+                asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst + X_AT + tid * 8),
+                             "l"(ok ? x_src + group_of_step(step) : x_src), "r"(ok ? 8 : 0)
+                             : "memory");
         }
 #pragma unroll
         for (int i = 0; i < W_COPIES; ++i) {
@@ -692,8 +792,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
         if (tid < S_BYTES / 16) {
             const int step = STEPS * c + s_step;
             const bool ok = s_ok && step < steps;
-            cp_async16_at(dst + W_BYTES + tid * 16, ok ? s_src + (long long)group_of_step(step) * MOE_QPANEL : se,
-                          ok ? 16 : 0);
+            cp_async16_at(dst + W_BYTES + tid * 16,
+                          ok ? s_src + (long long)group_of_step(step) * MOE_QPANEL * SB : se, ok ? 16 : 0);
         }
         const int k0 = c * KS;
 #pragma unroll
@@ -760,19 +860,19 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 #pragma unroll
         for (int kk = 0; kk < STEPS; ++kk) {
             // B fragments of the warp's 4 tiles (k16 steps 2(kk % 2) and 2(kk % 2) + 1 of chunk
-            // kk / 2), used for every slice; an INT4 word holds a tile pair (tiles j and j + 1 of
-            // the same panel: t even, t + 1).
+            // kk / 2), used for every slice; an INT4 or FP4 word holds a tile pair (tiles j and
+            // j + 1 of the same panel: t even, t + 1).
             u32 b[4][2];
             const int ks0 = 2 * (kk % 2);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const int pp = GATED ? tp0 + (j / 2) * G : tp0, t = GATED ? tt0 + j % 2 : tt0 + j;
                 const u32 wb = buf + pp * PANEL_BYTES + (kk / 2) * BLOCK;
-                if (BITS == 4) {
+                if (MOE_WBITS(BITS) == 4) {
                     if (j % 2 == 0) {
                         const u32 w0 = lds32(wb + ((ks0 * 4 + t / 2) * 32 + lane) * 4);
                         const u32 w1 = lds32(wb + (((ks0 + 1) * 4 + t / 2) * 32 + lane) * 4);
-                        int4_frags(w0, w1, b[j], b[j + 1]);
+                        q4_frags<BITS>(w0, w1, b[j], b[j + 1]);
                     }
                 } else {
 #pragma unroll
@@ -780,17 +880,10 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                         b[j][h] = int8_s8(lds32(wb + (((ks0 + h) * 8 + t) * 32 + lane) * 4));
                 }
             }
-            // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset);
-            // one branch a step, not one a slice.
             const u32 a_kk = buf + a_at + m0 * 16 * QSK + kk * 32;
-            if (ph == 0)
-                moe_qproducts<true, QSK>(acc, a_kk, b);
-            else
-                moe_qproducts<false, QSK>(acc, a_kk, b);
-            // The end of a group (gs divides the padded K, so the last step ends one): its sums
-            // into y, times s_w (this half's staged scales) and s_x (value row and residual row).
-            if (++ph == flush_steps) {
-                ph = 0;
+            // A group's sums into y, times s_w (its staged scales) and s_x (value row and residual
+            // row): group h of the step's GPS.
+            auto flush = [&](int h) {
                 float sw[4][2];
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -798,12 +891,15 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                     // Staged scale of panel row rr at (rr % 8) · 8 + rr / 8; rr = 8t + 2q + cc.
 #pragma unroll
                     for (int cc = 0; cc < 2; ++cc) {
-                        unsigned short h;
-                        asm volatile("ld.shared.u16 %0, [%1];\n"
-                                     : "=h"(h)
-                                     : "r"(buf + W_BYTES + ((pp * STEPS + kk) * MOE_QPANEL + (2 * q + cc) * 8 + t) * 2)
-                                     : "memory");
-                        asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[j][cc]) : "h"(h));
+                        const u32 at =
+                            buf + W_BYTES + (((pp * STEPS + kk) * GPS + h) * MOE_QPANEL + (2 * q + cc) * 8 + t) * SB;
+                        if (FP4) {
+                            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(sw[j][cc]) : "r"(at) : "memory");
+                        } else {
+                            unsigned short hb;
+                            asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(hb) : "r"(at) : "memory");
+                            asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[j][cc]) : "h"(hb));
+                        }
                     }
                 }
 #pragma unroll
@@ -811,7 +907,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                     float2 sx;
                     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
                                  : "=f"(sx.x), "=f"(sx.y)
-                                 : "r"(buf + X_AT + ((8 * (m0 + m) + g) * STEPS + kk) * 8)
+                                 : "r"(buf + X_AT + (((8 * (m0 + m) + g) * STEPS + kk) * GPS + h) * 8)
                                  : "memory");
                     float r[4][2];
                     y_load(m, r);
@@ -825,6 +921,30 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                         }
                     y_store(m, r);
                 }
+            };
+            if (GPS == 2) {
+                // NVFP4: each group of 16 is its own flush period, its products over the B bytes
+                // of its half of the window (the other half masked to zero).
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    u32 bm[4][2];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) bm[j][0] = b[j][0] & g16_mask(h), bm[j][1] = b[j][1] & g16_mask(h);
+                    moe_qproducts<true, QSK>(acc, a_kk, bm);
+                    flush(h);
+                }
+                continue;
+            }
+            // The first step of a flush period starts its sums at MOE_MAGIC (no separate reset);
+            // one branch a step, not one a slice.
+            if (ph == 0)
+                moe_qproducts<true, QSK>(acc, a_kk, b);
+            else
+                moe_qproducts<false, QSK>(acc, a_kk, b);
+            // The end of a group (gs divides the padded K, so the last step ends one).
+            if (++ph == flush_steps) {
+                ph = 0;
+                flush(0);
             }
         }
     }
@@ -868,8 +988,8 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // from act quantised (aq [n_pairs, 2, inter_pad], as [n_pairs, a_ng]) and w2 in the GPU tile
 // layout (rows hidden, K inter_pad). Entry points per width and (PB, S) variant V:
 // moe_q{BITS}_{gate_up,down}_v{V}.
-#define MOE_Q_ENTRIES(BITS, V, TM, PB, S, CPS, YS, MINB)                                                                             \
-    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_gate_up_v##V(                          \
+#define MOE_Q_ENTRIES(NAME, BITS, V, TM, PB, S, CPS, YS, MINB)                                                                       \
+    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##NAME##_gate_up_v##V(                          \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int inter, const signed char* xq, const float2* xs, int x_ng, \
         int ldx, int top_k, float* act, int inter_pad, const int* sorted, const int* offsets,                      \
@@ -878,7 +998,7 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
                                      xq, xs, x_ng, ldx, top_k, act, inter_pad, sorted, offsets, tile_offsets,      \
                                      n_experts, fn);                                                                \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##BITS##_down_v##V(                            \
+    extern "C" __global__ void __launch_bounds__(2 * TM * PB, MINB) moe_q##NAME##_down_v##V(                            \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,        \
         int chunks, int groups, int gs, int n_panels, int hidden, const signed char* aq, const float2* as, int a_ng, \
         int inter_pad, float* ypair, const int* sorted, const int* offsets, const int* tile_offsets,               \
@@ -891,13 +1011,18 @@ __device__ __forceinline__ void moe_qtile(const unsigned char* __restrict__ w, c
 // in registers (spills a little at 128); v1: the same with the results in shared memory (the
 // default, moe.rs: QTILE_VARIANTS); v2: 2 buffers of two chunks, results in shared memory.
 #if MOE_QTILES == 4
-MOE_Q_ENTRIES(4, 0, 32, 4, 3, 1, false, 2)
-MOE_Q_ENTRIES(4, 1, 32, 4, 3, 1, true, 2)
-MOE_Q_ENTRIES(4, 2, 32, 4, 2, 2, true, 2)
+MOE_Q_ENTRIES(4, 4, 0, 32, 4, 3, 1, false, 2)
+MOE_Q_ENTRIES(4, 4, 1, 32, 4, 3, 1, true, 2)
+MOE_Q_ENTRIES(4, 4, 2, 32, 4, 2, 2, true, 2)
 #elif MOE_QTILES == 8
-MOE_Q_ENTRIES(8, 0, 32, 4, 3, 1, false, 2)
-MOE_Q_ENTRIES(8, 1, 32, 4, 3, 1, true, 2)
-MOE_Q_ENTRIES(8, 2, 32, 4, 2, 2, true, 2)
+MOE_Q_ENTRIES(8, 8, 0, 32, 4, 3, 1, false, 2)
+MOE_Q_ENTRIES(8, 8, 1, 32, 4, 3, 1, true, 2)
+MOE_Q_ENTRIES(8, 8, 2, 32, 4, 2, 2, true, 2)
+#elif MOE_QTILES == 5
+// The FP4 formats: the default shape (v1) only; NVFP4's two groups a step fill its scale copies
+// (one 16-byte copy a thread), which a two-chunk stage (v2) would exceed.
+MOE_Q_ENTRIES(mx, MOE_FMT_MXFP4, 1, 32, 4, 3, 1, true, 2)
+MOE_Q_ENTRIES(nv, MOE_FMT_NVFP4, 1, 32, 4, 3, 1, true, 2)
 #endif
 
 // Decode path for quantised weights (few pairs): no grouping; block (pair, output panel) reads
@@ -925,18 +1050,22 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                          int gs, int n_panels, int n_out, const float* __restrict__ a, int k,
                                          int lda, int a_div, float* __restrict__ out, int ldo,
                                          const int* __restrict__ ids, int n_experts, const MoeAct& act) {
-    constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * BITS / 32;  // u32 words of a (panel, chunk) block
-    constexpr int NP = GATED ? 2 : 1;                                  // panels per block
+    constexpr int WB = MOE_WBITS(BITS);
+    constexpr bool FP4 = BITS == MOE_FMT_MXFP4 || BITS == MOE_FMT_NVFP4;
+    constexpr int GPS = BITS == MOE_FMT_NVFP4 ? 2 : 1;  // scale groups a k32 step covers
+    constexpr int SB = FP4 ? 4 : 2;                      // bytes of a weight scale (f32, f16)
+    constexpr int BLOCK_WORDS = MOE_QPANEL * MOE_QCHUNK * WB / 32;  // u32 words of a (panel, chunk) block
+    constexpr int NP = GATED ? 2 : 1;                                // panels per block
     constexpr int WARPS = THREADS / 32;
     constexpr int CW = WARPS / NP;  // warps per panel
-    constexpr int J = BITS;         // words per lane per k16 step: INT4 tile pairs, INT8 tiles
+    constexpr int J = WB;           // words per lane per k16 step: INT4 / FP4 tile pairs, INT8 tiles
     constexpr int WORDS = 4 * J;    // per lane per chunk
     static_assert(WARPS % NP == 0, "whole warps per panel");
     extern __shared__ __align__(16) unsigned char moe_smem[];
     const int kpad = chunks * MOE_QCHUNK;
     signed char* xq = (signed char*)moe_smem;                      // [2][kpad]: value row, residual row
-    float2* xsc = (float2*)(moe_smem + 2 * kpad);                  // [kpad / gs]
-    float* red = (float*)(moe_smem + 2 * kpad + (kpad / 32) * 8);  // [WARPS][64]
+    float2* xsc = (float2*)(moe_smem + 2 * kpad);                  // [kpad / gs], room for gs = 16
+    float* red = (float*)(moe_smem + 2 * kpad + (kpad / 16) * 8);  // [WARPS][64]
 
     KRASIS_GRID_WAIT();
     KRASIS_GRID_LAUNCH_DEPENDENTS();
@@ -948,8 +1077,9 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     const int panel = pp == 0 ? (int)blockIdx.y : n_panels / 2 + (int)blockIdx.y;
     const u32* __restrict__ wp =
         (const u32*)(w + (long long)e * expert_wbytes) + (long long)panel * chunks * BLOCK_WORDS + lane;
-    const unsigned short* __restrict__ sp =
-        sc + (long long)e * expert_scales + (long long)panel * groups * MOE_QPANEL + g * 8;
+    // This lane's 8 scales of a group (rows 8t + g of the panel) at sp + group · 64 · SB bytes.
+    const unsigned char* __restrict__ sp =
+        (const unsigned char*)sc + ((long long)e * expert_scales + (long long)panel * groups * MOE_QPANEL + g * 8) * SB;
     u32 v[2][WORDS];
     auto load = [&](u32(&d)[WORDS], int c) {
 #pragma unroll
@@ -959,10 +1089,19 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
     if (c < chunks) load(v[0], c);  // the weights' loads go out before the activation quantising
 
     const float* arow = a + (long long)(pair / a_div) * lda;
-    for (int grp = warp; grp < kpad / gs; grp += WARPS) {
-        const int k0 = grp * gs;
-        const float2 s = moe_quant_split(arow + k0, min(gs, max(k - k0, 0)), gs, lane, xq + k0, xq + kpad + k0, BITS);
-        if (lane == 0) xsc[grp] = s;
+    if (GPS == 2) {  // NVFP4: a warp a 32-wide window of two groups
+        for (int win = warp; win < kpad / 32; win += WARPS) {
+            const int k0 = 32 * win;
+            const float4 s = moe_quant_split16(arow + k0, min(32, max(k - k0, 0)), lane, xq + k0, xq + kpad + k0);
+            if (lane == 0) xsc[2 * win] = make_float2(s.x, s.y), xsc[2 * win + 1] = make_float2(s.z, s.w);
+        }
+    } else {
+        for (int grp = warp; grp < kpad / gs; grp += WARPS) {
+            const int k0 = grp * gs;
+            const float2 s =
+                moe_quant_split(arow + k0, min(gs, max(k - k0, 0)), gs, lane, xq + k0, xq + kpad + k0, BITS);
+            if (lane == 0) xsc[grp] = s;
+        }
     }
     __syncthreads();
 
@@ -974,22 +1113,35 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             const int k0 = c * MOE_QCHUNK + kk * 32;
-            const int grp = k0 / gs;
-            const uint4 raw = __ldg((const uint4*)(sp + (long long)grp * MOE_QPANEL));
-            const u32 sw2[4] = {raw.x, raw.y, raw.z, raw.w};
-            float sw[8];  // rows 8t + g of the panel
+            const int grp = GPS == 2 ? k0 / 16 : k0 / gs;  // the step's (first) group
+            float sw[GPS][8];  // rows 8t + g of the panel, per group of the step
+            float2 sx[GPS];
 #pragma unroll
-            for (int t = 0; t < 8; ++t)
-                asm("cvt.f32.f16 %0, %1;\n" : "=f"(sw[t]) : "h"((unsigned short)(sw2[t / 2] >> (16 * (t % 2)))));
-            const float2 sx = xsc[grp];
+            for (int h = 0; h < GPS; ++h) {
+                const unsigned char* sg = sp + (long long)(grp + h) * MOE_QPANEL * SB;
+                if (FP4) {
+                    const float4 lo4 = __ldg((const float4*)sg), hi4 = __ldg((const float4*)sg + 1);
+                    sw[h][0] = lo4.x, sw[h][1] = lo4.y, sw[h][2] = lo4.z, sw[h][3] = lo4.w;
+                    sw[h][4] = hi4.x, sw[h][5] = hi4.y, sw[h][6] = hi4.z, sw[h][7] = hi4.w;
+                } else {
+                    const uint4 raw = __ldg((const uint4*)sg);
+                    const u32 sw2[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+                    for (int t = 0; t < 8; ++t)
+                        asm("cvt.f32.f16 %0, %1;\n"
+                            : "=f"(sw[h][t])
+                            : "h"((unsigned short)(sw2[t / 2] >> (16 * (t % 2)))));
+                }
+                sx[h] = xsc[grp + h];
+            }
             const u32 b0 = g < 2 ? xrow[(k0 + 4 * q) / 4] : 0u, b1 = g < 2 ? xrow[(k0 + 16 + 4 * q) / 4] : 0u;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 // A of m16 tile j: tiles 2j (rows g) and 2j + 1 (rows g + 8), k16 steps 2kk, 2kk + 1.
                 u32 fa[4];
-                if (BITS == 4) {
+                if (WB == 4) {
                     u32 ft[2], fu[2];
-                    int4_frags(vv[(2 * kk) * J + j], vv[(2 * kk + 1) * J + j], ft, fu);
+                    q4_frags<BITS>(vv[(2 * kk) * J + j], vv[(2 * kk + 1) * J + j], ft, fu);
                     fa[0] = ft[0];
                     fa[1] = fu[0];
                     fa[2] = ft[1];
@@ -1000,13 +1152,18 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                     fa[2] = int8_s8(vv[(2 * kk + 1) * J + 2 * j]);
                     fa[3] = int8_s8(vv[(2 * kk + 1) * J + 2 * j + 1]);
                 }
-                int s[4];
-                mma_s8_from(s, fa, b0, b1, MOE_MAGIC_I);
+                // NVFP4: one product per group of 16, over B's bytes of that half of the window.
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const float dh = __int_as_float(s[2 * r]) - MOE_MAGIC_F;
-                    const float dl = __int_as_float(s[2 * r + 1]) - MOE_MAGIC_F;
-                    y[j][r] = fmaf(fmaf(dh, sx.x, dl * sx.y), sw[2 * j + r], y[j][r]);
+                for (int h = 0; h < GPS; ++h) {
+                    const u32 mask = GPS == 2 ? g16_mask(h) : 0xffffffffu;
+                    int s[4];
+                    mma_s8_from(s, fa, b0 & mask, b1 & mask, MOE_MAGIC_I);
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const float dh = __int_as_float(s[2 * r]) - MOE_MAGIC_F;
+                        const float dl = __int_as_float(s[2 * r + 1]) - MOE_MAGIC_F;
+                        y[j][r] = fmaf(fmaf(dh, sx[h].x, dl * sx[h].y), sw[h][2 * j + r], y[j][r]);
+                    }
                 }
             }
         }
@@ -1046,8 +1203,8 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
 // Decode path, quantised: act [n_pairs, inter_pad] (f32) from x [tokens, hidden] (f32); grid
 // (pairs, inter_pad / 64). Then moe_q*_dec_down: ypair [n_pairs, hidden] from act; grid (pairs,
 // panels of w2).
-#define MOE_QDEC_ENTRIES(BITS)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##BITS##_dec_gate_up(                     \
+#define MOE_QDEC_ENTRIES(NAME, BITS)                                                                               \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_GU_THREADS) moe_q##NAME##_dec_gate_up(                     \
         const unsigned char* w13, const unsigned short* s13, long long expert_wbytes, long long expert_scales,     \
         int chunks, int groups, int gs, int n_panels, int inter, const float* x, int hidden, int top_k,           \
         float* act, int inter_pad, const int* ids, int n_experts, MoeAct fn) {                       \
@@ -1055,7 +1212,7 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                                   n_panels, inter, x, hidden, hidden, top_k, act,          \
                                                   inter_pad, ids, n_experts, fn);                                \
     }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##BITS##_dec_down(                        \
+    extern "C" __global__ void __launch_bounds__(MOE_QDEC_DN_THREADS) moe_q##NAME##_dec_down(                        \
         const unsigned char* w2, const unsigned short* s2, long long expert_wbytes, long long expert_scales,      \
         int chunks, int groups, int gs, int n_panels, int hidden, const float* act, int inter, int inter_pad,    \
         float* ypair, const int* ids, int n_experts) {                                              \
@@ -1064,8 +1221,12 @@ __device__ __forceinline__ void moe_qdec(const unsigned char* __restrict__ w, co
                                                    hidden, ids, n_experts, MoeAct{});                           \
     }
 #ifdef MOE_QDEC
-MOE_QDEC_ENTRIES(4)
-MOE_QDEC_ENTRIES(8)
+MOE_QDEC_ENTRIES(4, 4)
+MOE_QDEC_ENTRIES(8, 8)
+#endif
+#ifdef MOE_QDEC_FP4  // the FP4 formats' decode kernels: a program of their own (moe.rs)
+MOE_QDEC_ENTRIES(mx, MOE_FMT_MXFP4)
+MOE_QDEC_ENTRIES(nv, MOE_FMT_NVFP4)
 #endif
 
 // Decode-path body: for pair = blockIdx.x with expert e = ids[pair], the warp's NC outputs

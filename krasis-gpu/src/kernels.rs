@@ -81,6 +81,8 @@ pub const ALL: &[KernelSource] = &[
     crate::moe::MOE_Q4_TILES,
     crate::moe::MOE_Q8_TILES,
     crate::moe::MOE_QDEC,
+    crate::moe::MOE_FP4_TILES,
+    crate::moe::MOE_QDEC_FP4,
     crate::flash_prefill::FLASH_PREFILL,
     crate::flash_prefill::FLASH_PREFILL_WGMMA,
     crate::kv_cache::KV_CACHE,

@@ -34,6 +34,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum as FnAttr;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use krasis_core::spec::ExpertActivation;
 
+use krasis_quant::fp4::{Fp4Kind, Fp4Matrix};
 use krasis_quant::gpu_layout::{self, GpuLayout};
 use krasis_quant::{Bits, QuantizedMatrix};
 
@@ -102,6 +103,65 @@ pub const MOE_QDEC: KernelSource = KernelSource {
     functions: &["moe_q4_dec_gate_up", "moe_q4_dec_down", "moe_q8_dec_gate_up", "moe_q8_dec_down"],
 };
 
+/// The FP4 tiles, MXFP4 and NVFP4 (the default tile shape only; see [`MOE_Q4_TILES`]).
+pub const MOE_FP4_TILES: KernelSource = KernelSource {
+    name: "moe_fp4_tiles",
+    src: include_str!("../kernels/moe.cu"),
+    headers: HEADERS,
+    options: &["-DMOE_QTILES=5"],
+    functions: &["moe_qmx_gate_up_v1", "moe_qmx_down_v1", "moe_qnv_gate_up_v1", "moe_qnv_down_v1"],
+};
+
+/// The FP4 decode kernels (see [`MOE_Q4_TILES`]).
+pub const MOE_QDEC_FP4: KernelSource = KernelSource {
+    name: "moe_qdec_fp4",
+    src: include_str!("../kernels/moe.cu"),
+    headers: HEADERS,
+    options: &["-DMOE_QDEC_FP4"],
+    functions: &["moe_qmx_dec_gate_up", "moe_qmx_dec_down", "moe_qnv_dec_gate_up", "moe_qnv_dec_down"],
+};
+
+/// Whether program `k` runs FP4 experts only (a loader whose experts are not FP4 need not compile
+/// it ahead of use).
+pub fn is_fp4_program(k: &KernelSource) -> bool {
+    k.name == MOE_FP4_TILES.name || k.name == MOE_QDEC_FP4.name
+}
+
+/// The kernels' weight format code (`BITS` / `bits` in moe.cu: 4, 8, `MOE_FMT_MXFP4`,
+/// `MOE_FMT_NVFP4`).
+fn format_code(l: &GpuLayout) -> i32 {
+    match (l.fp4, l.bits) {
+        (Some(Fp4Kind::Mxfp4), _) => 5,
+        (Some(Fp4Kind::Nvfp4), _) => 6,
+        (None, Bits::Int4) => 4,
+        (None, Bits::Int8) => 8,
+    }
+}
+
+/// The quantised kernels of a layout's format: (tiles program, tile entry points, decode
+/// program, decode entry points); FP4 has the default tile shape only ([`FP4_QTILE_VARIANT`]).
+fn quant_kernels(
+    l: &GpuLayout,
+    v: &QTileVariant,
+) -> (&'static KernelSource, [&'static str; 2], &'static KernelSource, [&'static str; 2]) {
+    match (l.fp4, l.bits) {
+        (Some(Fp4Kind::Mxfp4), _) => (
+            &MOE_FP4_TILES,
+            ["moe_qmx_gate_up_v1", "moe_qmx_down_v1"],
+            &MOE_QDEC_FP4,
+            ["moe_qmx_dec_gate_up", "moe_qmx_dec_down"],
+        ),
+        (Some(Fp4Kind::Nvfp4), _) => (
+            &MOE_FP4_TILES,
+            ["moe_qnv_gate_up_v1", "moe_qnv_down_v1"],
+            &MOE_QDEC_FP4,
+            ["moe_qnv_dec_gate_up", "moe_qnv_dec_down"],
+        ),
+        (None, Bits::Int4) => (&MOE_Q4_TILES, v.int4, &MOE_QDEC, ["moe_q4_dec_gate_up", "moe_q4_dec_down"]),
+        (None, Bits::Int8) => (&MOE_Q8_TILES, v.int8, &MOE_QDEC, ["moe_q8_dec_gate_up", "moe_q8_dec_down"]),
+    }
+}
+
 /// Pairs per tile (`MOE_TM` in moe.cu): 64 pairs (one 16-row MMA slice per warp) share each
 /// weight chunk in shared memory.
 const MOE_TM: usize = 64;
@@ -129,13 +189,15 @@ fn tile_smem(gated: bool) -> usize {
     MOE_STAGES * (weight_rows + 2 * MOE_TM) * MOE_SK * 2
 }
 
-/// Dynamic shared memory of a quantised tile block (`moe_qtile`): per buffer the variant's
-/// (panel, chunk) weight blocks of 64 × 64 elements, their scales (two halves of 64 f16 each), the
-/// pairs' activation scales (an f32 pair per half) and INT8 A rows (value and residual).
-fn qtile_smem(bits: Bits, v: QTileVariant) -> usize {
-    let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * bits.bits() as usize / 8;
+/// Dynamic shared memory of a quantised tile block (`moe_qtile`) for weights of layout `l`: per
+/// buffer the variant's (panel, chunk) weight blocks of 64 × 64 elements, their scales (per k32
+/// step 64 of each of its groups: one, or NVFP4's two; f16, or f32 for FP4), the pairs' activation
+/// scales (an f32 pair per step and group) and INT8 A rows (value and residual).
+fn qtile_smem(l: &GpuLayout, v: QTileVariant) -> usize {
+    let block = gpu_layout::PANEL_ROWS * gpu_layout::CHUNK_K * l.bits.bits() as usize / 8;
     let steps = v.chunks_per_stage * gpu_layout::CHUNK_K / 32;
-    let scales = v.panels * steps * gpu_layout::PANEL_ROWS * 2 + v.pairs * steps * 8;
+    let gps = if l.gs == 16 { 2 } else { 1 };
+    let scales = v.panels * steps * gpu_layout::PANEL_ROWS * l.scale_bytes() * gps + v.pairs * steps * 8 * gps;
     // A staged activation row: the stage's k plus 16 bytes (QSK in moe.cu).
     let a_row = v.chunks_per_stage * gpu_layout::CHUNK_K + 16;
     let stage = v.panels * v.chunks_per_stage * block + scales + 2 * v.pairs * a_row;
@@ -199,13 +261,15 @@ const QTILE_VARIANTS: [QTileVariant; 3] = [
 
 /// The variant the quantised tiles use unless a test or tuning run picks another.
 const DEFAULT_QTILE_VARIANT: usize = 1;
+/// The one variant the FP4 tiles have (`MOE_QTILES == 5` in moe.cu).
+const FP4_QTILE_VARIANT: usize = 1;
 
 /// Dynamic shared memory of a quantised decode-path block (`moe_qdec`) of `threads` threads: the
 /// activation row quantised (two INT8 rows over `chunks` chunks of 64, and the scale pairs of up
-/// to two groups a chunk), and every warp's partial sums of a panel.
+/// to four groups a chunk: NVFP4's groups of 16), and every warp's partial sums of a panel.
 fn qdec_smem(chunks: usize, threads: u32) -> usize {
     let k_pad = chunks * gpu_layout::CHUNK_K;
-    2 * k_pad + k_pad / 32 * 8 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
+    2 * k_pad + k_pad / 16 * 8 + (threads as usize / 32) * gpu_layout::PANEL_ROWS * 4
 }
 
 /// Threads of a quantised decode-path gate/up block (`MOE_QDEC_GU_THREADS` in moe.cu): 16 warps
@@ -437,7 +501,17 @@ fn scale_bits(bytes: &[u8]) -> Vec<u16> {
 /// Bytes of an expert's two record parts for these layouts: each part its codes, then its
 /// scales' bytes.
 fn record_parts(l13: &GpuLayout, l2: &GpuLayout) -> (usize, usize) {
-    (l13.weight_bytes() + 2 * l13.scale_count(), l2.weight_bytes() + 2 * l2.scale_count())
+    (l13.weight_bytes() + scale_buffer_bytes(l13), l2.weight_bytes() + scale_buffer_bytes(l2))
+}
+
+/// Bytes of a layout's scales (f16, or f32 for FP4).
+fn scale_buffer_bytes(l: &GpuLayout) -> usize {
+    l.scale_bytes() * l.scale_count()
+}
+
+/// A layout's scales as the u16 elements the device buffers hold (an f32 is two, low half first).
+fn scale_u16s(l: &GpuLayout) -> usize {
+    scale_buffer_bytes(l) / 2
 }
 
 /// The quantised arrays of `weights`, for the uploads only they take: records-layout experts are
@@ -500,10 +574,67 @@ impl QuantExpertLayout {
         })
     }
 
+    /// The layout of a layer's experts kept in a 4-bit float format (MXFP4 groups of 32, NVFP4
+    /// groups of 16 along both K), in the GPU FP4 tile layout ([`krasis_quant::gpu_layout`]).
+    pub fn new_fp4(name: &str, hidden: usize, inter: usize, kind: Fp4Kind) -> Result<Self, GpuError> {
+        const OP: &str = "QuantExpertLayout::new_fp4";
+        check(OP, hidden > 0 && inter > 0, || format!("{name}: empty shape (hidden {hidden}, inter {inter})"))?;
+        let layout = |rows, k| {
+            GpuLayout::new_fp4(rows, k, kind).map_err(|e| GpuError::shape(OP, format!("{name}: {kind}: {e}")))
+        };
+        Ok(QuantExpertLayout {
+            name: name.to_string(),
+            hidden,
+            inter,
+            l13: layout(2 * align_up(inter, MOE_PAD), hidden)?,
+            l2: layout(hidden, inter)?,
+        })
+    }
+
+    /// The 4-bit float format of these experts, if they are in one.
+    pub fn fp4(&self) -> Option<Fp4Kind> {
+        self.l2.fp4
+    }
+
+    /// The same layout under another name (the one allocations and errors carry).
+    pub fn named(&self, name: &str) -> Self {
+        QuantExpertLayout { name: name.to_string(), ..self.clone() }
+    }
+
     /// Bytes of one expert's record in the GPU expert cache: (gate+up part, down part), each the
-    /// packed codes followed by their f16 scales ([`PackedExpert::to_record`]).
+    /// packed codes followed by their scales' bytes ([`PackedExpert::to_record`]).
     pub fn record_parts(&self) -> (usize, usize) {
         record_parts(&self.l13, &self.l2)
+    }
+
+    /// Expert `e`'s FP4 `gate`, `up` `[inter, hidden]` and `down` `[hidden, inter]`, as stored,
+    /// in the GPU FP4 tile layout ([`QuantExpertLayout::new_fp4`] experts only).
+    pub fn pack_fp4(
+        &self,
+        e: usize,
+        gate: &Fp4Matrix,
+        up: &Fp4Matrix,
+        down: &Fp4Matrix,
+    ) -> Result<PackedExpert, GpuError> {
+        let (h, i, name, l13, l2) = (self.hidden, self.inter, &self.name, &self.l13, &self.l2);
+        let Some(kind) = l2.fp4 else {
+            return Err(GpuError::shape(OP_UPLOAD_Q, format!("{name}: these experts are integer, not FP4")));
+        };
+        for (what, m, rows, k) in [("gate", gate, i, h), ("up", up, i, h), ("down", down, h, i)] {
+            check(OP_UPLOAD_Q, (m.kind, m.rows, m.k) == (kind, rows, k), || {
+                format!("{name} expert {e}: {what} is {}x{} {}, not {rows}x{k} {kind}", m.rows, m.k, m.kind)
+            })?;
+        }
+        let pack = |parts: &[(&Fp4Matrix, usize)], l: &GpuLayout| {
+            let (mut w, mut s) = (vec![0u8; l.weight_bytes()], vec![0u32; l.scale_count()]);
+            gpu_layout::pack_fp4_rows_into(parts, l, &mut w, &mut s)
+                .map_err(|err| GpuError::shape(OP_UPLOAD_Q, format!("{name} expert {e}: {err}")))?;
+            Ok::<_, GpuError>((w, s.iter().flat_map(|v| [*v as u16, (*v >> 16) as u16]).collect::<Vec<u16>>()))
+        };
+        // Gate rows, then up rows from inter_pad (padding rows code 0, scale 0).
+        let (w13, s13) = pack(&[(gate, 0), (up, l13.rows / 2)], l13)?;
+        let (w2, s2) = pack(&[(down, 0)], l2)?;
+        Ok(PackedExpert { w13, s13, w2, s2 })
     }
 
     /// The inverse of [`QuantExpertLayout::pack`] then [`PackedExpert::to_record`]: the gate, up
@@ -511,6 +642,7 @@ impl QuantExpertLayout {
     pub fn unpack_record(&self, w13: &[u8], w2: &[u8]) -> Result<[QuantizedMatrix; 3], GpuError> {
         const OP: &str = "QuantExpertLayout::unpack_record";
         let (l13, l2, name) = (&self.l13, &self.l2, &self.name);
+        check(OP, l2.fp4.is_none(), || format!("{name}: FP4 records hold codes, not integer matrices"))?;
         check_record_parts(OP, || name.clone(), (w13.len(), w2.len()), self.record_parts())?;
         let unpack = |bytes: &[u8], l: &GpuLayout| {
             let b = l.weight_bytes();
@@ -618,18 +750,39 @@ impl GpuExperts {
         gs13: usize,
         gs2: usize,
     ) -> Result<Self, GpuError> {
+        let layout = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
+        Self::new_with_layout(dev, &layout, n_experts)
+    }
+
+    /// Allocates room for `n_experts` experts of a layer kept in the 4-bit float format `kind`
+    /// ([`QuantExpertLayout::new_fp4`]); fill it with [`GpuExperts::upload_packed_expert`] of
+    /// [`QuantExpertLayout::pack_fp4`] or with cache records.
+    pub fn new_fp4(
+        dev: &GpuDevice,
+        name: &str,
+        n_experts: usize,
+        hidden: usize,
+        inter: usize,
+        kind: Fp4Kind,
+    ) -> Result<Self, GpuError> {
+        Self::new_with_layout(dev, &QuantExpertLayout::new_fp4(name, hidden, inter, kind)?, n_experts)
+    }
+
+    /// Allocates room for `n_experts` experts of `layout` (zeroed, budget-charged).
+    pub fn new_with_layout(dev: &GpuDevice, layout: &QuantExpertLayout, n_experts: usize) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_quantized";
+        let QuantExpertLayout { name, hidden, inter, l13, l2 } = layout.clone();
+        let (name, bits) = (name.as_str(), l2.fp4.map_or(format!("{:?}", l2.bits), |k| k.to_string()));
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
-        let QuantExpertLayout { l13, l2, .. } = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
         let total = |per: usize| {
             n_experts
                 .checked_mul(per)
                 .ok_or_else(|| GpuError::shape(OP, format!("{name}: expert weights overflow usize")))
         };
-        let w13 = dev.alloc_zeros::<u8>(total(l13.weight_bytes())?, &format!("{name} w13 ({bits:?})"))?;
-        let s13 = dev.alloc_zeros::<u16>(total(l13.scale_count())?, &format!("{name} w13 scales"))?;
-        let w2 = dev.alloc_zeros::<u8>(total(l2.weight_bytes())?, &format!("{name} w2 ({bits:?})"))?;
-        let s2 = dev.alloc_zeros::<u16>(total(l2.scale_count())?, &format!("{name} w2 scales"))?;
+        let w13 = dev.alloc_zeros::<u8>(total(l13.weight_bytes())?, &format!("{name} w13 ({bits})"))?;
+        let s13 = dev.alloc_zeros::<u16>(total(scale_u16s(&l13))?, &format!("{name} w13 scales"))?;
+        let w2 = dev.alloc_zeros::<u8>(total(l2.weight_bytes())?, &format!("{name} w2 ({bits})"))?;
+        let s2 = dev.alloc_zeros::<u16>(total(scale_u16s(&l2))?, &format!("{name} w2 scales"))?;
         let q = QuantExperts { l13, l2, w13, s13, w2, s2 };
         Ok(Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Quant(Box::new(q))))
     }
@@ -667,12 +820,25 @@ impl GpuExperts {
         (gs13, gs2): (usize, usize),
         (stride, w2_offset): (usize, usize),
     ) -> Result<Self, GpuError> {
+        let layout = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
+        Self::new_records_with_layout(dev, &layout, n_experts, stored, (stride, w2_offset))
+    }
+
+    /// [`GpuExperts::new_records_first`] for experts of `layout` (integer or FP4).
+    pub fn new_records_with_layout(
+        dev: &GpuDevice,
+        layout: &QuantExpertLayout,
+        n_experts: usize,
+        stored: usize,
+        (stride, w2_offset): (usize, usize),
+    ) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_records";
+        let QuantExpertLayout { name, hidden, inter, l13, l2 } = layout.clone();
+        let (name, bits) = (name.as_str(), l2.fp4.map_or(format!("{:?}", l2.bits), |k| k.to_string()));
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
         check(OP, (1..=n_experts).contains(&stored), || {
             format!("{name}: storage for {stored} of {n_experts} experts")
         })?;
-        let QuantExpertLayout { l13, l2, .. } = QuantExpertLayout::new(name, hidden, inter, bits, gs13, gs2)?;
         let (p13, p2) = record_parts(&l13, &l2);
         let aligned = [stride, w2_offset, l13.weight_bytes(), l2.weight_bytes()].iter().all(|v| v % 16 == 0);
         check(OP, aligned && p13 <= w2_offset && w2_offset + p2 <= stride, || {
@@ -684,7 +850,7 @@ impl GpuExperts {
         let bytes = stored
             .checked_mul(stride)
             .ok_or_else(|| GpuError::shape(OP, format!("{name}: expert records overflow usize")))?;
-        let buf = dev.alloc_zeros::<u8>(bytes, &format!("{name} records ({bits:?})"))?;
+        let buf = dev.alloc_zeros::<u8>(bytes, &format!("{name} records ({bits})"))?;
         let r = RecordExperts { l13, l2, buf, stride, w2_offset };
         let mut e = Self::with_weights(name, n_experts, hidden, inter, ExpertWeights::Records(Box::new(r)));
         e.stored = stored;
@@ -722,6 +888,7 @@ impl GpuExperts {
             return Err(GpuError::shape(OP, format!("{name}: not records-layout experts")));
         };
         check(OP, experts.start <= experts.end && experts.end <= n, || format!("{name}: experts {experts:?} of {n}"))?;
+        check(OP, r.l2.fp4.is_none(), || format!("{name}: FP4 experts do not convert from CPU records"))?;
         let fits = (cpu.w13.rows, cpu.w13.k, cpu.w13.gs, cpu.w13.bits) == (2 * i, h, r.l13.gs, r.l13.bits)
             && (cpu.w2.rows, cpu.w2.k, cpu.w2.gs, cpu.w2.bits) == (h, i, r.l2.gs, r.l2.bits)
             && cpu.w13.bytes() <= cpu.w2_offset
@@ -870,6 +1037,11 @@ impl GpuExperts {
         }
     }
 
+    /// The experts' 4-bit float format, when they keep one (`quant_bits` is then `Int4`).
+    pub fn fp4(&self) -> Option<Fp4Kind> {
+        self.quant_layouts().and_then(|(_, l2)| l2.fp4)
+    }
+
     /// The quantised layouts (w13, w2); `None` for BF16 experts.
     fn quant_layouts(&self) -> Option<(&GpuLayout, &GpuLayout)> {
         match &self.weights {
@@ -958,7 +1130,7 @@ impl GpuExperts {
         check(OP_UPLOAD_Q, e < self.n_experts, || format!("{name}: expert {e} of {}", self.n_experts))?;
         let qw = quant_arrays(&mut self.weights, OP_UPLOAD_Q, name, "upload BF16 weights")?;
         let sizes = (p.w13.len(), p.s13.len(), p.w2.len(), p.s2.len());
-        let want = (qw.l13.weight_bytes(), qw.l13.scale_count(), qw.l2.weight_bytes(), qw.l2.scale_count());
+        let want = (qw.l13.weight_bytes(), scale_u16s(&qw.l13), qw.l2.weight_bytes(), scale_u16s(&qw.l2));
         check(OP_UPLOAD_Q, sizes == want, || format!("{name} expert {e}: packed for another layout"))?;
         copy_in(dev, &mut qw.w13, e, &p.w13)?;
         copy_in(dev, &mut qw.s13, e, &p.s13)?;
@@ -1220,15 +1392,13 @@ impl GpuExperts {
         let quant = match self.quant_layouts() {
             None => None,
             Some((l13, l2)) => {
-                let (tiles, [gu, dn], [dec_gu, dec_dn]) = match l2.bits {
-                    Bits::Int4 => (&MOE_Q4_TILES, self.qvariant.int4, ["moe_q4_dec_gate_up", "moe_q4_dec_down"]),
-                    Bits::Int8 => (&MOE_Q8_TILES, self.qvariant.int8, ["moe_q8_dec_gate_up", "moe_q8_dec_down"]),
-                };
+                let v = if l2.fp4.is_some() { QTILE_VARIANTS[FP4_QTILE_VARIANT] } else { self.qvariant };
+                let (tiles, [gu, dn], dec, [dec_gu, dec_dn]) = quant_kernels(l2, &v);
                 let (a13, a2) = match &self.weights {
-                    // Records: both parts one record stride apart (scales in u16 units).
+                    // Records: both parts one record stride apart (in scales: stride / scale bytes).
                     ExpertWeights::Records(r) => (
-                        QMatrixArgs::strided(OP, l13, w13_p, s13_p, r.stride, r.stride / 2)?,
-                        QMatrixArgs::strided(OP, l2, w2_p, s2_p, r.stride, r.stride / 2)?,
+                        QMatrixArgs::strided(OP, l13, w13_p, s13_p, r.stride, r.stride / l13.scale_bytes())?,
+                        QMatrixArgs::strided(OP, l2, w2_p, s2_p, r.stride, r.stride / l2.scale_bytes())?,
                     ),
                     _ => (QMatrixArgs::new(OP, l13, w13_p, s13_p)?, QMatrixArgs::new(OP, l2, w2_p, s2_p)?),
                 };
@@ -1237,7 +1407,8 @@ impl GpuExperts {
                     a13,
                     a2,
                     [dev.function(tiles, gu)?, dev.function(tiles, dn)?],
-                    [dev.function(&MOE_QDEC, dec_gu)?, dev.function(&MOE_QDEC, dec_dn)?],
+                    [dev.function(dec, dec_gu)?, dev.function(dec, dec_dn)?],
+                    v,
                 ))
             }
         };
@@ -1246,8 +1417,8 @@ impl GpuExperts {
         if !self.tile_smem_set.load(Ordering::Relaxed) {
             let sizes = match &quant {
                 None => vec![(&gate_up, tile_smem(true)), (&down, tile_smem(false))],
-                Some(((_, l2), _, _, [gu, dn], _)) => {
-                    let bytes = qtile_smem(l2.bits, self.qvariant);
+                Some(((_, l2), _, _, [gu, dn], _, v)) => {
+                    let bytes = qtile_smem(l2, *v);
                     vec![(gu, bytes), (dn, bytes)]
                 }
             };
@@ -1276,19 +1447,21 @@ impl GpuExperts {
             // the kernel waits for the previous kernel before touching memory.
             unsafe { dev.launch_dependent(OP, &combine, cfg, &mut args, true) }
         };
-        // The weights' width: it orders the quantised activation rows (moe_qk) and sizes their
+        // The weights' format: it orders the quantised activation rows (moe_qk) and sizes their
         // scales (an INT4 weight byte holds 16·q).
-        let bits_i: i32 = if quant.as_ref().is_some_and(|q| q.0 .1.bits == Bits::Int4) { 4 } else { 8 };
+        let bits_i: i32 = quant.as_ref().map_or(8, |q| format_code(q.0 .1));
         // Quantised experts: `rows` f32 rows (x, the intermediate) into two INT8 rows each and
         // their scales (`moe_quant_rows`, the CPU's activation quantiser), in the weights' groups.
         let launch_quant_rows =
             |src: &u64, rows: usize, k: usize, ldx: usize, ld: usize, gs: usize, q: &u64, sc: &u64| {
                 let ng = ld / gs;
+                // A warp a group, or (NVFP4's groups of 16) a window of two.
+                let warps = if gs == 16 { ng / 2 } else { ng };
                 let (k_i, ldx_i, ld_i, gs_i, ng_i) = (k as i32, ldx as i32, ld as i32, gs as i32, ng as i32);
                 let mut b = s.launch_builder(&quant_rows);
                 b.arg(src).arg(&k_i).arg(&ldx_i).arg(&gs_i).arg(&ng_i).arg(q).arg(&ld_i).arg(sc).arg(&bits_i);
                 let cfg = LaunchConfig {
-                    grid_dim: (rows as u32, ng.div_ceil(MOE_QUANT_WARPS) as u32, 1),
+                    grid_dim: (rows as u32, warps.div_ceil(MOE_QUANT_WARPS) as u32, 1),
                     block_dim: (32 * MOE_QUANT_WARPS as u32, 1, 1),
                     shared_mem_bytes: 0,
                 };
@@ -1307,7 +1480,7 @@ impl GpuExperts {
             let out_t = out_p + (t0 * h * 4) as u64;
 
             let decode = self.uses_decode_path(nt, top_k);
-            if let (true, Some((q, a13, a2, _, [dec_gu, dec_dn]))) = (decode, &quant) {
+            if let (true, Some((q, a13, a2, _, [dec_gu, dec_dn], _))) = (decode, &quant) {
                 let grid = |panels: usize, chunks: usize, threads: u32| LaunchConfig {
                     grid_dim: (pairs as u32, panels as u32, 1),
                     block_dim: (threads, 1, 1),
@@ -1368,7 +1541,7 @@ impl GpuExperts {
             }
 
             // Pairs per tile: the quantised variant's, else MOE_TM.
-            let tm = if quant.is_some() { self.qvariant.pairs } else { MOE_TM };
+            let tm = quant.as_ref().map_or(MOE_TM, |q| q.5.pairs);
             let tm_i = tm as i32;
             let mut b = s.launch_builder(&route);
             b.arg(&ids_t).arg(&pairs_i).arg(&e_i).arg(&tm_i).arg(&offsets).arg(&tile_offsets).arg(&sorted);
@@ -1384,12 +1557,12 @@ impl GpuExperts {
                 block_dim: (MOE_THREADS, 1, 1),
                 shared_mem_bytes: tile_smem(gated) as u32,
             };
-            if let Some((q, a13, a2, [q_gate_up, q_down], _)) = &quant {
-                let v = self.qvariant;
+            if let Some((q, a13, a2, [q_gate_up, q_down], _, v)) = &quant {
+                let v = *v;
                 let qgrid = |n_out: usize, cols: usize| LaunchConfig {
                     grid_dim: (max_tiles, n_out.div_ceil(cols) as u32, 1),
                     block_dim: (2 * (v.pairs * v.panels) as u32, 1, 1),
-                    shared_mem_bytes: qtile_smem(q.1.bits, v) as u32,
+                    shared_mem_bytes: qtile_smem(q.1, v) as u32,
                 };
                 let (ng13, ng2) = ((hp / gs13) as i32, (ip / gs2) as i32);
                 let rest = kernel_args![
@@ -1478,6 +1651,58 @@ mod record_tests {
             let (r13, r2) = rec.split_at(p13);
             assert_eq!(layout.unpack_record(r13, r2).unwrap(), [gate, up, down]);
             assert!(layout.unpack_record(&r13[1..], r2).is_err(), "a short part is refused");
+        }
+    }
+
+    /// An FP4 record holds the stored codes and the CPU's `s · f` scales of gate (rows from 0), up
+    /// (from `inter_pad`) and down, in the GPU FP4 layout; wrong formats and shapes are refused
+    /// naming the expert and the projection.
+    #[test]
+    fn fp4_records_hold_the_stored_codes() {
+        use krasis_quant::fp4::test_matrix;
+        for kind in [Fp4Kind::Mxfp4, Fp4Kind::Nvfp4] {
+            let (hidden, inter) = (160, 96);
+            let layout = QuantExpertLayout::new_fp4("t", hidden, inter, kind).unwrap();
+            assert_eq!(layout.fp4(), Some(kind));
+            let (gate, up, down) = (
+                test_matrix(kind, inter, hidden, 1),
+                test_matrix(kind, inter, hidden, 2),
+                test_matrix(kind, hidden, inter, 3),
+            );
+            let rec = layout.pack_fp4(3, &gate, &up, &down).unwrap().to_record();
+            let (p13, p2) = layout.record_parts();
+            assert_eq!(rec.len(), p13 + p2);
+            let words =
+                |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<u32>>();
+            let (l13, l2) = (&layout.l13, &layout.l2);
+            let (c13, s13) =
+                gpu_layout::unpack_fp4(&rec[..l13.weight_bytes()], &words(&rec[l13.weight_bytes()..p13]), l13).unwrap();
+            let (c2, s2) =
+                gpu_layout::unpack_fp4(&rec[p13..p13 + l2.weight_bytes()], &words(&rec[p13 + l2.weight_bytes()..]), l2)
+                    .unwrap();
+            let ip = l13.rows / 2;
+            for (m, codes, scales, row0) in [(&gate, &c13, &s13, 0), (&up, &c13, &s13, ip), (&down, &c2, &s2, 0)] {
+                let ng = m.groups();
+                for r in 0..m.rows {
+                    for c in 0..m.k {
+                        assert_eq!(codes[(row0 + r) * m.k + c], m.code(r, c), "{kind} row {r} col {c}");
+                    }
+                    for g in 0..ng {
+                        let want = krasis_quant::fp4::kernel_scale(kind, m.scale_byte(r, g)) * m.row_factor();
+                        assert_eq!(scales[(row0 + r) * ng + g].to_bits(), want.to_bits());
+                    }
+                }
+            }
+            let err = |r: Result<PackedExpert, GpuError>| r.err().expect("refused").to_string();
+            let e = err(layout.pack_fp4(3, &down, &up, &down));
+            assert!(e.contains("expert 3") && e.contains("gate is 160x96"), "{e}");
+            let other = if kind == Fp4Kind::Mxfp4 { Fp4Kind::Nvfp4 } else { Fp4Kind::Mxfp4 };
+            let e = err(layout.pack_fp4(0, &test_matrix(other, inter, hidden, 4), &up, &down));
+            assert!(e.contains("gate"), "{e}");
+            let e = layout.unpack_record(&rec[..p13], &rec[p13..]).unwrap_err().to_string();
+            assert!(e.contains("FP4"), "{e}");
+            let int = QuantExpertLayout::new("t", hidden, inter, Bits::Int4, 32, 32).unwrap();
+            assert!(err(int.pack_fp4(0, &gate, &up, &down)).contains("not FP4"));
         }
     }
 

@@ -9,7 +9,9 @@
 //! prefill, ragged shapes (rows and K not multiples of the 64-row panels or 64-k chunks, group
 //! sizes 32 / 64 / 128), the second down panel past the matrix, several passes, one expert for
 //! every token, out-of-range ids, and bitwise determinism; each through the default path, the
-//! tiles (every compiled shape) and the decode path.
+//! tiles (every compiled shape) and the decode path. The FP4 formats (MXFP4, NVFP4 kept as
+//! stored: E2M1 codes, groups of 32 / 16) go through the same cases against the same twin, whose
+//! weights are then the kernels' exact `2·E2M1 · (s · f)`.
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; with `KRASIS_REQUIRE_GPU=1` a
 //! missing GPU fails instead.
@@ -21,6 +23,7 @@ mod common;
 use common::{assert_within, bf16_round, down, gpu_gemm, poisoned_f32, rand_bf16_f32, rand_f32, rng, up, U};
 use krasis_gpu::moe::DECODE_MAX_PAIRS;
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuExperts};
+use krasis_quant::fp4::{self, Fp4Kind, Fp4Matrix};
 use krasis_quant::group::{group_size_for, quantize, DEFAULT_GROUP_SIZE};
 use krasis_quant::{Bits, QuantizedMatrix};
 use rand::Rng;
@@ -69,13 +72,31 @@ fn kernel_weights(m: &QuantizedMatrix) -> Vec<f64> {
     out
 }
 
+/// An FP4 matrix's weights as the kernels multiply them: `2·E2M1(code) · (s · f)` with the
+/// layout's f32 scale (exact in f64), row-major.
+fn fp4_kernel_weights(m: &Fp4Matrix) -> Vec<f64> {
+    let f = m.row_factor();
+    let mut out = Vec::with_capacity(m.rows * m.k);
+    for r in 0..m.rows {
+        for c in 0..m.k {
+            let s = fp4::kernel_scale(m.kind, m.scale_byte(r, c / m.kind.group())) * f;
+            out.push(fp4::E2M1_X2[m.code(r, c) as usize] as f64 * s as f64);
+        }
+    }
+    out
+}
+
 fn silu(g: f64) -> f64 {
     g / (1.0 + (-g).exp())
 }
 
-/// f64 twin: (out [t, hidden], tolerance per element); tokens with a bad id give NaN rows.
+/// f64 twin over the experts' exact kernel weights `ew` (gate, up, down) in groups of `gs13`
+/// along hidden and `gs2` along inter: (out [t, hidden], tolerance per element); tokens with a bad
+/// id give NaN rows.
+#[allow(clippy::too_many_arguments)]
 fn twin(
-    experts: &[Expert],
+    ew: &[[Vec<f64>; 3]],
+    (gs13, gs2): (usize, usize),
     hidden: usize,
     inter: usize,
     x: &[f32],
@@ -84,9 +105,6 @@ fn twin(
     top_k: usize,
 ) -> (Vec<f32>, Vec<f32>) {
     let t = x.len() / hidden;
-    let ew: Vec<[Vec<f64>; 3]> =
-        experts.iter().map(|e| [kernel_weights(&e.gate), kernel_weights(&e.up), kernel_weights(&e.down)]).collect();
-    let (gs13, gs2) = (experts[0].gate.gs, experts[0].down.gs);
     let (mut out, mut tol) = (vec![0f32; t * hidden], vec![0f32; t * hidden]);
     // f32 accumulation over n terms: at most n·u·Σ|terms| (a hard bound, loose on purpose).
     let acc_bound = |n: usize, abs: f64| (n as f64 + 4.0) * U * abs;
@@ -101,7 +119,7 @@ fn twin(
     for tok in 0..t {
         let xrow = &x[tok * hidden..(tok + 1) * hidden];
         let xt = quant_row(xrow, gs13).0;
-        if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= experts.len()) {
+        if ids[tok * top_k..(tok + 1) * top_k].iter().any(|&e| e < 0 || e as usize >= ew.len()) {
             out[tok * hidden..(tok + 1) * hidden].fill(f32::NAN);
             continue;
         }
@@ -193,22 +211,21 @@ fn quantized(r: &mut ChaCha8Rng, rows: usize, k: usize, bits: Bits) -> Quantized
     quantize(&w, rows, k, bits, group_size_for(k, DEFAULT_GROUP_SIZE).unwrap())
 }
 
-/// `experts` (those of `ge`) as GPU expert cache records in place: records laid out as the cache
-/// lays a layer (w2's part at a 64-byte boundary, records 4 KiB apart), copied in two runs.
-fn records_copy(d: &GpuDevice, ge: &GpuExperts, experts: &[Expert], gs13: usize, gs2: usize) -> GpuExperts {
+/// `n` experts of `ge`'s layout as GPU expert cache records in place (`record(e)`: expert e's
+/// record): laid out as the cache lays a layer (w2's part at a 64-byte boundary, records 4 KiB
+/// apart), copied in two runs.
+fn records_copy(d: &GpuDevice, ge: &GpuExperts, n: usize, record: &dyn Fn(usize) -> Vec<u8>) -> GpuExperts {
     let layout = ge.quant_layout().unwrap();
     let (p13, p2) = layout.record_parts();
     let w2_offset = p13.div_ceil(64) * 64;
     let stride = (w2_offset + p2).div_ceil(4096) * 4096;
-    let n = experts.len();
     let mut host = vec![0u8; n * stride];
-    for (e, ex) in experts.iter().enumerate() {
-        let rec = layout.pack(e, &ex.gate, &ex.up, &ex.down).unwrap().to_record();
+    for e in 0..n {
+        let rec = record(e);
         host[e * stride..][..p13].copy_from_slice(&rec[..p13]);
         host[e * stride + w2_offset..][..p2].copy_from_slice(&rec[p13..]);
     }
-    let (h, i, bits) = (ge.hidden(), ge.inter(), ge.quant_bits().unwrap());
-    let mut gr = GpuExperts::new_records(d, "records", n, h, i, bits, (gs13, gs2), (stride, w2_offset)).unwrap();
+    let mut gr = GpuExperts::new_records_with_layout(d, &layout, n, n, (stride, w2_offset)).unwrap();
     let mid = n / 2;
     for run in [0..mid, mid..n] {
         let src = &host[run.start * stride..run.end * stride];
@@ -236,23 +253,71 @@ fn run_case(d: &GpuDevice, ctx: &GemmContext, c: &Case, bits: Bits, seed: u64) {
         ge.upload_quantized_expert(d, e, &ex.gate, &ex.up, &ex.down).unwrap();
     }
     assert_eq!(ge.quant_bits(), Some(bits));
+    let layout = ge.quant_layout().unwrap();
+    let ex = &experts;
+    let gr = records_copy(d, &ge, c.n_experts, &|e| {
+        layout.pack(e, &ex[e].gate, &ex[e].up, &ex[e].down).unwrap().to_record()
+    });
+    let ew: Vec<[Vec<f64>; 3]> =
+        experts.iter().map(|e| [kernel_weights(&e.gate), kernel_weights(&e.up), kernel_weights(&e.down)]).collect();
+    check_paths(d, ctx, c, &format!("{bits:?}, g{gs13}/g{gs2}"), ge, gr, &ew, (gs13, gs2), &mut r);
+}
+
+/// [`run_case`] with experts kept in the 4-bit float format `kind` (codes and scales drawn at
+/// random: every code, every scale byte but NaN, a random NVFP4 global).
+fn run_case_fp4(d: &GpuDevice, ctx: &GemmContext, c: &Case, kind: Fp4Kind, seed: u64) {
+    let mut r = rng(seed);
+    let (h, i) = (c.hidden, c.inter);
+    let matrix = |r: &mut ChaCha8Rng, rows, k| fp4::test_matrix(kind, rows, k, r.random::<u64>());
+    let experts: Vec<[Fp4Matrix; 3]> =
+        (0..c.n_experts).map(|_| [matrix(&mut r, i, h), matrix(&mut r, i, h), matrix(&mut r, h, i)]).collect();
+    let mut ge = GpuExperts::new_fp4(d, c.name, c.n_experts, h, i, kind).unwrap();
+    let layout = ge.quant_layout().unwrap();
+    for (e, [g, u, dn]) in experts.iter().enumerate() {
+        ge.upload_packed_expert(d, e, &layout.pack_fp4(e, g, u, dn).unwrap()).unwrap();
+    }
+    assert_eq!((ge.quant_bits(), ge.fp4()), (Some(Bits::Int4), Some(kind)));
+    let ex = &experts;
+    let gr = records_copy(d, &ge, c.n_experts, &|e| {
+        layout.pack_fp4(e, &ex[e][0], &ex[e][1], &ex[e][2]).unwrap().to_record()
+    });
+    let ew: Vec<[Vec<f64>; 3]> = experts.iter().map(|m| m.each_ref().map(fp4_kernel_weights)).collect();
+    let gs = kind.group();
+    check_paths(d, ctx, c, &format!("{kind}"), ge, gr, &ew, (gs, gs), &mut r);
+}
+
+/// A case's experts `ge` (and the same as records in place, `gr`) against the twin over their
+/// exact weights `ew`, through every path.
+#[allow(clippy::too_many_arguments)]
+fn check_paths(
+    d: &GpuDevice,
+    ctx: &GemmContext,
+    c: &Case,
+    format: &str,
+    mut ge: GpuExperts,
+    mut gr: GpuExperts,
+    ew: &[[Vec<f64>; 3]],
+    gs: (usize, usize),
+    r: &mut ChaCha8Rng,
+) {
+    let (h, i) = (c.hidden, c.inter);
     ge.set_max_tokens_per_pass(c.pass_tokens);
-    let mut gr = records_copy(d, &ge, &experts, gs13, gs2);
     gr.set_max_tokens_per_pass(c.pass_tokens);
-    let x = rand_bf16_f32(&mut r, c.t * h, 1.5);
-    let ids = make_ids(&mut r, c);
+    let x = rand_bf16_f32(r, c.t * h, 1.5);
+    let ids = make_ids(r, c);
     let weights: Vec<f32> = (0..c.t * c.top_k).map(|_| bf16_round(r.random_range(0.0f32..1.0))).collect();
-    let (want, tol) = twin(&experts, h, i, &x, &ids, &weights, c.top_k);
+    let (want, tol) = twin(ew, gs, h, i, &x, &ids, &weights, c.top_k);
     let (x_d, ids_d, w_d) = (up(d, &x, "x"), up(d, &ids, "ids"), up(d, &weights, "weights"));
     // The default choice, then forced through the tiles (every compiled shape: panels per block,
-    // buffers) and the decode (GEMV-style) path: the same arithmetic, so one twin judges all.
+    // buffers; FP4 has the one) and the decode (GEMV-style) path: the same arithmetic, so one
+    // twin judges all.
     let mut paths = vec![("default".to_string(), DECODE_MAX_PAIRS, 0)];
     paths.extend((0..GpuExperts::TILE_VARIANTS).map(|v| (format!("tiles v{v}"), 0, v)));
     paths.push(("decode".to_string(), usize::MAX, 0));
     for (path, max_pairs, variant) in paths {
         ge.set_decode_path_max_pairs(max_pairs);
         ge.set_tile_variant(variant);
-        let name = format!("{} ({bits:?}, g{gs13}/g{gs2}, {path} path)", c.name);
+        let name = format!("{} ({format}, {path} path)", c.name);
         let mut out = poisoned_f32(d, c.t * h);
         ge.forward(d, ctx, &x_d, c.t, &ids_d, &w_d, c.top_k, &mut out).unwrap();
         let got = down(d, &out);
@@ -311,6 +376,12 @@ fn quantized_moe_matches_twin() {
     for bits in [Bits::Int4, Bits::Int8] {
         for (k, c) in cases.iter().enumerate() {
             run_case(d, ctx, c, bits, 300 + k as u64);
+        }
+    }
+    // The FP4 formats need K a multiple of 32 (every case's is).
+    for kind in [Fp4Kind::Mxfp4, Fp4Kind::Nvfp4] {
+        for (k, c) in cases.iter().enumerate() {
+            run_case_fp4(d, ctx, c, kind, 400 + k as u64);
         }
     }
 }

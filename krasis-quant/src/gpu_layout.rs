@@ -21,10 +21,24 @@
 //!   scales a lane needs for one group of one panel are 16 contiguous bytes. Groups run over the
 //!   padded K (`k_pad / gs` of them; padding groups have scale 0).
 //!
-//! [`pack`] and [`unpack`] are exact inverses (padding dropped).
+//! - **FP4** ([`GpuLayout::new_fp4`]: MXFP4, NVFP4): the blocks and words of INT4, holding E2M1
+//!   codes, arranged so a 16-bit half of a word is one fragment register's four codes (the kernels
+//!   look four codes up with one byte permute each way): of the two words of a tile pair at k16
+//!   steps `2s` and `2s + 1` (one k32 step `s`), the first holds register 0 of the even tile (bits
+//!   0–15) and of the odd tile (16–31), the second their register 1. Byte `i` of register `r` of
+//!   lane `(g, q)` is k `16 · (i / 2) + 8r + 2q + i % 2` of the k32 step (`moe_qk`'s INT4 order in
+//!   the kernels). Scales are f32 (4 bytes each, the same `[panel][group][g][t]` order): the
+//!   CPU's product `s · f` of the group scale as its kernels read it and the matrix's row factor
+//!   ([`crate::fp4::kernel_scale`], [`crate::fp4::row_factor`]), since the kernels hold the code
+//!   table's doubled values: exact for MXFP4 (a power of two), one f32 rounding for NVFP4 (its
+//!   E4M3 times the global scale), the same bits as the CPU's. Padding: code 0, scale 0.
+//!
+//! [`pack`] and [`unpack`] are exact inverses (padding dropped), as are [`pack_fp4_rows_into`] and
+//! [`unpack_fp4`].
 
 use half::f16;
 
+use crate::fp4::{self, Fp4Kind, Fp4Matrix};
 use crate::group::{check_group_size, Bits, QuantError, QuantizedMatrix};
 
 /// Rows of a panel (one tile block's share of output columns).
@@ -39,12 +53,32 @@ pub struct GpuLayout {
     pub k: usize,
     pub gs: usize,
     pub bits: Bits,
+    /// E2M1 codes of this 4-bit float format in the words of INT4 (`bits` is `Int4`), f32 scales.
+    pub fp4: Option<Fp4Kind>,
 }
 
 impl GpuLayout {
     pub fn new(rows: usize, k: usize, gs: usize, bits: Bits) -> Result<GpuLayout, QuantError> {
         check_group_size(k, gs)?;
-        Ok(GpuLayout { rows, k, gs, bits })
+        Ok(GpuLayout { rows, k, gs, bits, fp4: None })
+    }
+
+    /// The layout of a `[rows, k]` matrix of `kind` (groups of 32 or 16 along K; K a multiple of
+    /// 32, as [`Fp4Matrix`] holds).
+    pub fn new_fp4(rows: usize, k: usize, kind: Fp4Kind) -> Result<GpuLayout, QuantError> {
+        if k == 0 || !k.is_multiple_of(32) {
+            return Err(QuantError::BadGroupSize { k, gs: kind.group() });
+        }
+        Ok(GpuLayout { rows, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind) })
+    }
+
+    /// Bytes of one scale: 2 (f16), 4 for FP4 (f32).
+    pub fn scale_bytes(&self) -> usize {
+        if self.fp4.is_some() {
+            4
+        } else {
+            2
+        }
     }
 
     pub fn of(m: &QuantizedMatrix) -> GpuLayout {
@@ -64,7 +98,8 @@ impl GpuLayout {
     }
 
     /// Scale groups per row over the padded K (`gs` divides it: K is a multiple of `gs`, and a
-    /// `gs` of 64 or more divides K, which is then a multiple of 64 already).
+    /// `gs` of 64 or more divides K, which is then a multiple of 64 already; FP4's 16 and 32
+    /// divide 64).
     pub fn groups(&self) -> usize {
         self.k_pad() / self.gs
     }
@@ -78,7 +113,7 @@ impl GpuLayout {
         self.panels() * self.chunks() * self.block_bytes()
     }
 
-    /// Number of f16 scales (padding included).
+    /// Number of scales (padding included; f16, or f32 for FP4: [`GpuLayout::scale_bytes`]).
     pub fn scale_count(&self) -> usize {
         self.panels() * self.groups() * PANEL_ROWS
     }
@@ -94,6 +129,15 @@ impl GpuLayout {
         let (q, odd) = (kin / 2, kin % 2);
         let lane = g * 4 + q;
         let base = (p * self.chunks() + c) * self.block_bytes();
+        if self.fp4.is_some() {
+            // k32 step s, register r, byte i of it (see the module docs).
+            let (s, kw) = (kc / 32, kc % 32);
+            let (r, i) = ((kw / 8) % 2, 2 * (kw / 16) + kw % 2);
+            let lane = g * 4 + (kw % 8) / 2;
+            let word = ((2 * s + r) * 4 + t / 2) * 32 + lane;
+            let nibble = 4 * (t % 2) + i;
+            return (base + word * 4 + nibble / 2, 4 * (nibble as u32 % 2));
+        }
         match self.bits {
             Bits::Int4 => {
                 let word = (ks * 4 + t / 2) * 32 + lane;
@@ -191,6 +235,76 @@ pub fn unpack(w: &[u8], s: &[u16], l: &GpuLayout) -> Result<QuantizedMatrix, Qua
     Ok(QuantizedMatrix { rows: l.rows, k: l.k, gs: l.gs, bits: l.bits, q, scales })
 }
 
+/// Packs FP4 matrices into one GPU FP4 layout `l`: each `(m, row0)` fills rows `row0..row0 +
+/// m.rows` (every matrix of `l`'s format and K); rows no part covers are padding. `w` and `s` are
+/// exactly `weight_bytes()` and `scale_count()` long.
+pub fn pack_fp4_rows_into(
+    parts: &[(&Fp4Matrix, usize)],
+    l: &GpuLayout,
+    w: &mut [u8],
+    s: &mut [u32],
+) -> Result<(), QuantError> {
+    let Some(kind) = l.fp4 else { return Err(QuantError::BadGroupSize { k: l.k, gs: l.gs }) };
+    if w.len() != l.weight_bytes() {
+        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
+    }
+    if s.len() != l.scale_count() {
+        return Err(QuantError::BufferLen { found: s.len() * 4, expected: l.scale_count() * 4 });
+    }
+    for (m, row0) in parts {
+        if m.kind != kind || m.k != l.k || row0 + m.rows > l.rows {
+            return Err(QuantError::BadGroupSize { k: m.k, gs: m.kind.group() });
+        }
+    }
+    w.fill(0);
+    s.fill(0);
+    for (m, row0) in parts {
+        let (ng, f) = (m.groups(), m.row_factor());
+        for r in 0..m.rows {
+            for g in 0..ng {
+                s[l.scale_at(row0 + r, g)] = (fp4::kernel_scale(kind, m.scale_byte(r, g)) * f).to_bits();
+            }
+            for kk in 0..m.k {
+                let (at, shift) = l.weight_at(row0 + r, kk);
+                w[at] |= m.code(r, kk) << shift;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One FP4 matrix in its GPU layout: (codes, f32 scale bits).
+pub fn pack_fp4(m: &Fp4Matrix) -> Result<(GpuLayout, Vec<u8>, Vec<u32>), QuantError> {
+    let l = GpuLayout::new_fp4(m.rows, m.k, m.kind)?;
+    let (mut w, mut s) = (vec![0u8; l.weight_bytes()], vec![0u32; l.scale_count()]);
+    pack_fp4_rows_into(&[(m, 0)], &l, &mut w, &mut s)?;
+    Ok((l, w, s))
+}
+
+/// The codes (`[rows, k]`, one a byte) and f32 scales (`[rows, k / gs]`) of a GPU FP4 layout:
+/// the inverse of [`pack_fp4_rows_into`] over the whole layout (padding K dropped).
+pub fn unpack_fp4(w: &[u8], s: &[u32], l: &GpuLayout) -> Result<(Vec<u8>, Vec<f32>), QuantError> {
+    if w.len() < l.weight_bytes() {
+        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
+    }
+    if s.len() < l.scale_count() {
+        return Err(QuantError::BufferLen { found: s.len() * 4, expected: l.scale_count() * 4 });
+    }
+    let ng = l.k / l.gs;
+    let mut codes = vec![0u8; l.rows * l.k];
+    let mut scales = vec![0f32; l.rows * ng];
+    for r in 0..l.rows {
+        for g in 0..ng {
+            scales[r * ng + g] = f32::from_bits(s[l.scale_at(r, g)]);
+        }
+        for kk in 0..l.k {
+            let (at, shift) = l.weight_at(r, kk);
+            codes[r * l.k + kk] = (w[at] >> shift) & 0xf;
+        }
+    }
+    Ok((codes, scales))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,7 +378,86 @@ mod tests {
         assert!(pack_into(&m, &mut short, &mut vec![0u16; s.len()]).is_err());
     }
 
+    /// The four fragment registers a kernel lane builds from an FP4 tile pair's two words of k32
+    /// step `s` (`fp4_frags` in moe.cu: the 16-bit halves), each as 4 codes: [even tile r0, odd
+    /// tile r0, even tile r1, odd tile r1].
+    fn fp4_fragments(w: &[u8], l: &GpuLayout, p: usize, c: usize, s: usize, pair: usize, lane: usize) -> [[u8; 4]; 4] {
+        let base = (p * l.chunks() + c) * l.block_bytes();
+        let word = |ks: usize| {
+            let i = (ks * 4 + pair) * 32 + lane;
+            u32::from_le_bytes(w[base + 4 * i..base + 4 * i + 4].try_into().unwrap())
+        };
+        let (w0, w1) = (word(2 * s), word(2 * s + 1));
+        let codes = |half: u32| std::array::from_fn(|i| ((half >> (4 * i)) & 0xf) as u8);
+        [codes(w0 & 0xffff), codes(w0 >> 16), codes(w1 & 0xffff), codes(w1 >> 16)]
+    }
+
+    #[test]
+    fn fp4_fragments_are_the_int4_k_order() {
+        // Register r of tile t, byte i, for lane (g, q): row 8t + g, k 16(i / 2) + 8r + 2q + i % 2
+        // of the k32 step (moe_qk's INT4 order, which the activations follow).
+        for kind in [Fp4Kind::Mxfp4, Fp4Kind::Nvfp4] {
+            let m = fp4::test_matrix(kind, 128, 128, 3);
+            let (l, w, _) = pack_fp4(&m).unwrap();
+            for p in 0..2 {
+                for c in 0..2 {
+                    for s in 0..2 {
+                        for pair in 0..4 {
+                            for lane in 0..32 {
+                                let (g, q) = (lane / 4, lane % 4);
+                                let f = fp4_fragments(&w, &l, p, c, s, pair, lane);
+                                for (codes, (dt, r)) in f.iter().zip([(0, 0), (1, 0), (0, 1), (1, 1)]) {
+                                    let row = p * 64 + 8 * (2 * pair + dt) + g;
+                                    for (i, &code) in codes.iter().enumerate() {
+                                        let k = c * 64 + 32 * s + 16 * (i / 2) + 8 * r + 2 * q + i % 2;
+                                        assert_eq!(code, m.code(row, k), "{kind} p{p} c{c} s{s} pair{pair} l{lane}");
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     proptest! {
+        #[test]
+        fn fp4_pack_then_unpack_is_identity(
+            rows in 1usize..150,
+            kk in prop::sample::select(vec![32usize, 64, 96, 160, 2880]),
+            nv in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let kind = if nv { Fp4Kind::Nvfp4 } else { Fp4Kind::Mxfp4 };
+            let m = fp4::test_matrix(kind, rows, kk, seed);
+            let (l, w, s) = pack_fp4(&m).unwrap();
+            prop_assert_eq!(w.len(), l.weight_bytes());
+            prop_assert_eq!(s.len(), l.scale_count());
+            let (codes, scales) = unpack_fp4(&w, &s, &l).unwrap();
+            let ng = kk / kind.group();
+            for r in 0..rows {
+                for c in 0..kk {
+                    prop_assert_eq!(codes[r * kk + c], m.code(r, c));
+                }
+                for g in 0..ng {
+                    let want = fp4::kernel_scale(kind, m.scale_byte(r, g)) * m.row_factor();
+                    prop_assert_eq!(scales[r * ng + g].to_bits(), want.to_bits());
+                    // The kernels' code table doubles E2M1, the scale halves it: the value.
+                    prop_assert_eq!(
+                        (scales[r * ng + g] as f64) * 2.0,
+                        (fp4::scale_value(kind, m.scale_byte(r, g)) * if nv { m.global } else { 1.0 }) as f64,
+                    );
+                }
+            }
+            // Padding rows and columns: code 0, scale 0.
+            for r in rows..l.panels() * PANEL_ROWS {
+                let (at, sh) = l.weight_at(r, 0);
+                prop_assert_eq!((w[at] >> sh) & 0xf, 0);
+                prop_assert_eq!(s[l.scale_at(r, 0)], 0);
+            }
+        }
+
         #[test]
         fn pack_then_unpack_is_identity(
             rows in 1usize..150,

@@ -121,3 +121,105 @@ pub fn gpu_and_hybrid_on(name: &str, decode_steps: bool, devices: &[&str]) {
         }
     }
 }
+
+/// A 4-bit float checkpoint (fixture `name`, experts stored in `kind`) run as a user's first start
+/// runs it on the GPU and the hybrid: the device choice's defaults (`whole_gpu_defaults`,
+/// `hybrid_defaults` over `EngineConfig::default()`) keep the format on the GPU
+/// (`GpuOptions::expert_fp4`: codes and scales as stored, the GPU FP4 tile layout), and the CPU
+/// experts at `auto` keep it too. Each run's prefill logits and free-running greedy decode
+/// against the oracle (computed on the exactly dequantised weights):
+/// - the greedy ids identical to the oracle's, every step;
+/// - 1 − mean cos within the GPU's BF16 bar (3 × transformers' BF16 error + 1e-4): attention and
+///   its KV cache run in BF16 on the GPU whatever the experts' format;
+/// - the whole GPU with the format kept no further from the oracle (relative L2, + 1e-4) than the
+///   same GPU path with BF16 experts (the exact values rounded to BF16), so the FP4 kernels add
+///   nothing to the GPU path's own error.
+///
+/// Prints every relative L2 error. Skipped visibly without a GPU.
+pub fn fp4_native_gpu_and_hybrid(name: &str, kind: krasis_quant::fp4::Fp4Kind) {
+    use krasis_model::placement::device::{hybrid_defaults, whole_gpu_defaults};
+    use krasis_model::runtime::EngineConfig;
+    let Some(dir) = fixture_next(name) else { return };
+    if !gpu_available(name) {
+        return;
+    }
+    let root = dir.parent().unwrap();
+    let r = load_reference(&dir);
+    let v = r.prefill_logits.len() / r.prompt_ids.len();
+    let b = quant_bound(root, name, "bf16");
+    let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = krasis_model::source::files::ModelFiles::open(&dir).unwrap().spec().clone();
+    let mut config = EngineConfig::default();
+    config.cpu.expert_bits = krasis_model::placement::precision::resolve_expert_bits(&spec, WeightBits::Auto);
+    config.cpu.cache_dir = Some(tmp.path().to_path_buf());
+    config.cpu.threads = Some(2);
+    config.gpu.kv_tokens = Some(512);
+    config.gpu.expert_cache = GpuExpertCache::In(Some(tmp.path().to_path_buf()));
+    let whole = whole_gpu_defaults(&spec, &config);
+    assert_eq!((whole.gpu.expert_bits, whole.gpu.expert_fp4), (Some(Bits::Int4), Some(kind)), "{name}: GPU defaults");
+    let hybrid = hybrid_defaults(&spec, &config, None);
+    // The prefill logits and the free-running greedy steps: (prefill rel, worst step rel, ids).
+    let run = |m: &GpuModel, what: &str| -> (f64, f64, Vec<u32>) {
+        let mut s = m.new_session().unwrap();
+        let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
+        let f = fidelity(&l, &r.prefill_logits, v);
+        let rel = crate::rel_l2(&l, &r.prefill_logits);
+        assert!(1.0 - f.mean_cos <= bar, "{name} {what}: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
+        let (mut step, mut ids, mut worst) = (l[l.len() - v..].to_vec(), Vec::new(), 0f64);
+        for i in 0..r.greedy_ids.len() {
+            worst = worst.max(crate::rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]));
+            let id = argmax(&step) as u32;
+            ids.push(id);
+            if i + 1 < r.greedy_ids.len() {
+                step = m.forward_logits(&mut s, &[id], false).unwrap();
+            }
+        }
+        eprintln!(
+            "{name} {what}: prefill rel {rel:.3e}, 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2}; greedy steps worst rel {worst:.3e}",
+            1.0 - f.mean_cos,
+            f.top1
+        );
+        (rel, worst, ids)
+    };
+    let gpu = GpuModel::load(&dir, &whole.gpu).unwrap_or_else(|e| panic!("{name} gpu: {e}"));
+    // The GPU expert cache of the format kept (FP4 records), built on this first start.
+    let file = format!("experts_gpu_{kind}.bin");
+    let found = walkdir(tmp.path()).iter().any(|p| p.file_name().is_some_and(|n| n == file.as_str()));
+    assert!(found, "{name}: no {file} under {} ({:?})", tmp.path().display(), gpu.log);
+    let (native, native_steps, ids) = run(&gpu, &format!("gpu ({kind} kept)"));
+    assert_eq!(ids, r.greedy_ids, "{name} gpu: greedy ids");
+    drop(gpu);
+    let bf16 = GpuOptions { expert_bits: None, expert_fp4: None, ..whole.gpu.clone() };
+    let gpu = GpuModel::load(&dir, &bf16).unwrap_or_else(|e| panic!("{name} gpu bf16: {e}"));
+    let (rounded, rounded_steps, _) = run(&gpu, "gpu (experts rounded to BF16)");
+    drop(gpu);
+    assert!(
+        native <= rounded + 1e-4,
+        "{name}: the GPU with {kind} kept is at rel {native:.3e}, with BF16 experts {rounded:.3e}"
+    );
+    assert!(
+        native_steps <= rounded_steps + 1e-4,
+        "{name}: greedy steps {native_steps:.3e} against {rounded_steps:.3e}"
+    );
+    let m = GpuModel::load_hybrid(&dir, &hybrid.gpu, &hybrid.cpu).unwrap_or_else(|e| panic!("{name} hybrid: {e}"));
+    for line in &m.log {
+        eprintln!("{name} hybrid: {line}");
+    }
+    let (_, _, ids) = run(&m, &format!("hybrid ({kind} kept on both devices)"));
+    assert_eq!(ids, r.greedy_ids, "{name} hybrid: greedy ids");
+}
+
+/// Every file under `dir`, recursively.
+fn walkdir(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walkdir(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}

@@ -16,9 +16,8 @@
 //! - ModelOpt's older `hf_quant_config.json` alone is read as `quantization_config`;
 //! - MXFP4: `gptoss-mxfp4-tiny`'s experts (OpenAI's layout) convert exactly and run on every
 //!   ISA's kernel within f32 rounding of the exact product (the gpt-oss family itself: gptoss_oracle);
-//! - GPU (skipped visibly without one): the whole GPU and the hybrid run the experts requantised
-//!   to INT4 on the GPU (FP4 is not yet a GPU format; the CPU's FP4 records are never streamed to
-//!   it), within the BF16 bar.
+//! - GPU (skipped visibly without one): the whole GPU and the hybrid keep the NVFP4 experts as
+//!   stored on the GPU too (`family_checks::fp4_native_gpu_and_hybrid`).
 
 use std::path::Path;
 
@@ -33,8 +32,8 @@ use krasis_quant::fp4::{self, Fp4Kind};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::Bits;
 use krasis_tests::{
-    check_against_reference, copy_fixture_with, fidelity, fixture_next, gpu_available, load_quantized, load_reference,
-    quant_bound, rel_l2,
+    check_against_reference, copy_fixture_with, fidelity, fixture_next, load_quantized, load_reference, quant_bound,
+    rel_l2,
 };
 
 const NAME: &str = "qwen3moe-nvfp4-tiny";
@@ -308,59 +307,13 @@ fn hf_quant_config_alone_is_read() {
     assert!(err.contains("hf_quant_config.json") && err.contains("quantization.quant_algo"), "{err}");
 }
 
-/// The whole GPU and the hybrid on this checkpoint (device only): FP4 is not a GPU format yet,
-/// so the GPU's experts are INT4 requantised from the exact values (the GPU expert cache), and
-/// the hybrid's prefill stream refuses the CPU cache's NVFP4 records (the log says why) and
-/// streams the GPU expert cache instead; decode runs the CPU's NVFP4 experts. Bar: the prefill
-/// logits within `quant_bounds.json`'s transformers-BF16 run plus twice its ideal INT4 (1 − mean cos,
-/// top-1 ≥ the ideal INT4's − 0.1) and the first greedy token. Run on the H200 (2026-11-29).
+/// The whole GPU and the hybrid on this checkpoint as a first start runs them (device only): the
+/// NVFP4 experts kept as stored on the GPU (its FP4 tile layout, from the GPU expert cache: the
+/// CPU cache's NVFP4 records do not stream) and on the CPU; greedy ids exact, the GPU's BF16 bar,
+/// and no further from the oracle than the GPU with BF16 experts (`family_checks`).
 #[test]
-fn gpu_and_hybrid_requantise_for_the_gpu() {
-    let Some(dir) = fixture_next(NAME) else { return };
-    if !gpu_available(NAME) {
-        return;
-    }
-    use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
-    let r = load_reference(&dir);
-    let v = r.prefill_logits.len() / r.prompt_ids.len();
-    let b = quant_bound(dir.parent().unwrap(), NAME, "bf16");
-    // INT4 experts on the GPU: the BF16 bar plus twice an ideal INT4's error, as
-    // `family_checks::gpu_and_hybrid` (measured on the H200, 2026-11-29: the GPU at 1-cos 1.043e-3,
-    // the CPU's own INT4 requantisation 1.027e-3, the ideal INT4 1.208e-3).
-    let i4 = quant_bound(dir.parent().unwrap(), NAME, "int4");
-    let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4 + 2.0 * (1.0 - i4.mean_cos);
-    let tmp = tempfile::tempdir().unwrap();
-    let gpu = GpuOptions {
-        kv_tokens: Some(512),
-        expert_bits: Some(Bits::Int4),
-        expert_cache: GpuExpertCache::In(Some(tmp.path().to_path_buf())),
-        ..GpuOptions::default()
-    };
-    let cpu = krasis_model::cpu::load::EngineOptions {
-        expert_bits: WeightBits::Auto,
-        cache_dir: Some(tmp.path().to_path_buf()),
-        threads: Some(2),
-        ..Default::default()
-    };
-    for kind in ["gpu", "hybrid"] {
-        let m = match kind {
-            "gpu" => GpuModel::load(&dir, &gpu),
-            _ => GpuModel::load_hybrid(&dir, &gpu, &cpu),
-        }
-        .unwrap_or_else(|e| panic!("{NAME} {kind}: {e}"));
-        let mut s = m.new_session().unwrap();
-        let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap();
-        let f = fidelity(&l, &r.prefill_logits, v);
-        let rel = rel_l2(&l, &r.prefill_logits);
-        eprintln!("{NAME} {kind}: rel {rel:.3e}, 1-cos {:.3e} (bar {bar:.3e}), top1 {:.2}", 1.0 - f.mean_cos, f.top1);
-        assert!(1.0 - f.mean_cos <= bar, "{kind}: 1 - mean cos {:.3e} > {bar:.3e}", 1.0 - f.mean_cos);
-        // Top-1 as `family_checks::gpu_and_hybrid` with INT4 experts: the ideal INT4's agreement
-        // (0.85 here; the GPU measured 0.80 on the H200, 2026-11-29) less the same 0.1.
-        let top1 = i4.top1.min(b.top1);
-        assert!(f.top1 >= top1 - 0.1, "{kind}: top-1 {:.2} < {top1:.2} - 0.1", f.top1);
-        let last = &l[l.len() - v..];
-        assert_eq!(krasis_model::text::sampling::argmax(last) as u32, r.greedy_ids[0], "{kind}: first greedy token");
-    }
+fn gpu_and_hybrid_keep_nvfp4() {
+    krasis_tests::family_checks::fp4_native_gpu_and_hybrid(NAME, Fp4Kind::Nvfp4);
 }
 
 /// `gptoss-mxfp4-tiny`'s experts in OpenAI's published MXFP4 layout (the gpt-oss family itself

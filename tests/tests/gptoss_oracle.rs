@@ -16,10 +16,11 @@
 //! - bad input: MXFP4 scales whose shape disagrees with the blocks, a NaN scale: errors naming
 //!   the tensor, on the reference path and the expert cache alike;
 //! - the whole-GPU engine (every option an option of the GPU kernels; the MXFP4 experts
-//!   dequantised exactly to BF16, or requantised to INT4) and the hybrid (its routed experts on
+//!   dequantised exactly to BF16, or requantised to INT4 when asked for) and the hybrid (its routed experts on
 //!   the CPU, BF16 reference or INT4) within the transformers-BF16 bar on the prefill and the
 //!   teacher-forced greedy steps (`family_checks::gpu_and_hybrid`, skipped visibly without a
-//!   GPU); a hybrid asked to stream the experts to the GPU, whose experts take no biases there
+//!   GPU); `gptoss-mxfp4-tiny` as a first start runs it (`auto`: the MXFP4 experts kept as stored
+//!   on the GPU too, `family_checks::fp4_native_gpu_and_hybrid`); a hybrid asked to stream the experts to the GPU, whose experts take no biases there
 //!   yet, is refused with an error that says why (checked with or without a GPU).
 
 use krasis_model::cpu::quantized::{cache_fp4, open_expert_cache, WeightBits};
@@ -81,6 +82,10 @@ mod gptoss_mxfp4 {
     #[test]
     fn quantised_cpu_experts_within_the_ideal_bounds() {
         super::mxfp4_requantised();
+    }
+    #[test]
+    fn gpu_and_hybrid_keep_mxfp4() {
+        krasis_tests::family_checks::fp4_native_gpu_and_hybrid("gptoss-mxfp4-tiny", super::Fp4Kind::Mxfp4);
     }
 }
 

@@ -160,6 +160,7 @@ fn gpu_expert_cache_records_are_the_stored_int4() {
     let plan = krasis_model::gpu::expert_cache::GpuCachePlan::new(
         &files,
         Bits::Int4,
+        None,
         krasis_quant::group::DEFAULT_GROUP_SIZE,
         Some(tmp.path()),
     )

@@ -456,6 +456,31 @@ fn expert_record(
     cpu_record(h, li, &q, &x.what)
 }
 
+/// Expert `e` of model layer `layer` (`(hidden, inter)`) as stored in the 4-bit float format
+/// `kind`: its gate, up and down, and its tensor prefix (for messages). A projection not stored in
+/// that format is an error naming it.
+pub(crate) fn stored_fp4_expert(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    layer: usize,
+    e: usize,
+    (hid, i): (usize, usize),
+    kind: Fp4Kind,
+) -> Result<([Fp4Matrix; 3], String)> {
+    let t = crate::model::tensors::expert_tensors(spec, layer, e);
+    let stored = |name: &str, rows: usize, cols: usize| -> Result<Fp4Matrix> {
+        let m = loader.stored_fp4(name, rows, cols)?;
+        m.filter(|m| m.kind == kind).ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "routed expert `{name}` is not stored as {kind}: the expert cache keeps {kind} experts as stored only \
+                 when every routed expert is (run the experts at width 4 or 8 to requantise, or bf16)"
+            ))
+        })
+    };
+    let (gate, up, down) = (stored(&t.gate.name, i, hid)?, stored(&t.up.name, i, hid)?, stored(&t.down.name, hid, i)?);
+    Ok(([gate, up, down], format!("{}.{e}", crate::model::tensors::experts_prefix(spec, layer))))
+}
+
 /// One expert of MoE layer `li` (model layer `layer`) kept in the 4-bit float format `kind` as
 /// stored: its gate, up and down blocks packed in the FP4 CPU layout (bytes reordered, never
 /// requantised). A projection not stored in that format is an error naming it.
@@ -469,18 +494,7 @@ fn fp4_expert_record(
     kind: Fp4Kind,
 ) -> Result<Vec<u8>> {
     let (hid, i) = (h.hidden as usize, h.intermediate as usize);
-    let t = crate::model::tensors::expert_tensors(spec, layer, e);
-    let stored = |name: &str, rows: usize, cols: usize| -> Result<Fp4Matrix> {
-        let m = loader.stored_fp4(name, rows, cols)?;
-        m.filter(|m| m.kind == kind).ok_or_else(|| {
-            ModelError::Invalid(format!(
-                "routed expert `{name}` is not stored as {kind}: the expert cache keeps {kind} experts as stored only \
-                 when every routed expert is (run the experts at width 4 or 8 to requantise, or bf16)"
-            ))
-        })
-    };
-    let (gate, up, down) = (stored(&t.gate.name, i, hid)?, stored(&t.up.name, i, hid)?, stored(&t.down.name, hid, i)?);
-    let what = format!("{}.{e}", crate::model::tensors::experts_prefix(spec, layer));
+    let ([gate, up, down], what) = stored_fp4_expert(loader, spec, layer, e, (hid, i), kind)?;
     let parts = h.parts[li];
     let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
     let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);

@@ -41,7 +41,7 @@ fn one_pass_gpu_cache_holds_the_cpu_cache_numbers() {
         if cpu_bits != gpu_bits {
             continue;
         }
-        let plan = GpuCachePlan::new(&files, gpu_bits, 128, Some(&both)).unwrap();
+        let plan = GpuCachePlan::new(&files, gpu_bits, None, 128, Some(&both)).unwrap();
         let (gpu, outcome) = open_gpu_expert_cache(&files, &plan).unwrap();
         assert_eq!(outcome, CacheOutcome::Hit);
         let cpu_header =
@@ -67,7 +67,7 @@ fn one_pass_gpu_cache_holds_the_cpu_cache_numbers() {
 fn a_damaged_gpu_cache_is_rebuilt_not_uploaded() {
     let d = tempfile::tempdir().unwrap();
     let files = tiny(d.path());
-    let plan = GpuCachePlan::new(&files, Bits::Int4, 128, Some(d.path())).unwrap();
+    let plan = GpuCachePlan::new(&files, Bits::Int4, None, 128, Some(d.path())).unwrap();
     let (_, outcome) = open_gpu_expert_cache(&files, &plan).unwrap();
     assert!(matches!(outcome, CacheOutcome::Built { .. }), "{outcome:?}");
     let good = std::fs::read(&plan.path).unwrap();
@@ -82,7 +82,7 @@ fn a_damaged_gpu_cache_is_rebuilt_not_uploaded() {
     assert_eq!(cache.header().layout, GPU_LAYOUT_NAME);
     assert_eq!(std::fs::read(&plan.path).unwrap(), good);
     // Another width or group is another file, never a stale hit.
-    let other = GpuCachePlan::new(&files, Bits::Int8, 64, Some(d.path())).unwrap();
+    let other = GpuCachePlan::new(&files, Bits::Int8, None, 64, Some(d.path())).unwrap();
     assert_ne!(other.path, plan.path);
     assert!(other.path.ends_with("experts_gpu_int8_g64.bin"));
 }

@@ -180,7 +180,9 @@ fn cpu_record_geometry(
         }
     }
     if let Some(kind) = w13.fp4.or(w2.fp4) {
-        return Err(bad(format!("its experts are {kind}, a format not yet on the GPU")));
+        return Err(bad(format!(
+            "its experts are {kind} in the CPU's layout, which the GPU does not convert (the GPU expert cache holds {kind} in the GPU's)"
+        )));
     }
     if w13.asym || w2.asym {
         return Err(bad("its experts are asymmetric INT4 (`4a`), a format not yet on the GPU".into()));
@@ -202,8 +204,8 @@ pub struct ExpertStreamer {
     slots: Mutex<Vec<Slot>>,
     /// The slots' record geometry `(stride, w2 offset)`, when they hold records in place.
     slot_geometry: Option<(usize, usize)>,
-    /// The streamed experts' width.
-    bits: Bits,
+    /// The streamed experts' layout (width, groups, FP4 format).
+    layout: krasis_gpu::moe::QuantExpertLayout,
     min_tokens: usize,
     split: super::StreamSplit,
     copied: AtomicU64,
@@ -242,6 +244,12 @@ impl ExpertStreamer {
         };
         let (hidden, inter, n) = (h.hidden as usize, h.intermediate as usize, h.n_experts as usize);
         let (gs13, gs2) = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
+        let layout = match &records {
+            StreamRecords::GpuCache(c) => super::expert_cache::gpu_record_layout(c.header(), "streamed experts")?,
+            StreamRecords::CpuCache(_) => {
+                krasis_gpu::moe::QuantExpertLayout::new("streamed experts", hidden, inter, bits, gs13, gs2)?
+            }
+        };
         let pinned = HostRegistration::new(dev, cache.records()).map_err(|e| {
             ModelError::Invalid(format!(
                 "page-locking the streamed expert records ({} bytes): {e}",
@@ -260,8 +268,7 @@ impl ExpertStreamer {
             }
             StreamRecords::CpuCache(_) => {
                 use krasis_cache::format::{RECORD_ALIGN, W2_ALIGN};
-                let l = krasis_gpu::moe::QuantExpertLayout::new("streamed experts", hidden, inter, bits, gs13, gs2)?;
-                let (p13, p2) = l.record_parts();
+                let (p13, p2) = layout.record_parts();
                 let w2 = p13.next_multiple_of(W2_ALIGN as usize);
                 Some(((w2 + p2).next_multiple_of(RECORD_ALIGN as usize), w2))
             }
@@ -278,10 +285,8 @@ impl ExpertStreamer {
             for i in 0..SLOTS {
                 let name = format!("streamed experts slot {i}");
                 let experts = match slot_geometry {
-                    Some(g) => {
-                        GpuExperts::new_records_first(dev, &name, n, per_slot, hidden, inter, bits, (gs13, gs2), g)?
-                    }
-                    None => GpuExperts::new_quantized(dev, &name, n, hidden, inter, bits, gs13, gs2)?,
+                    Some(g) => GpuExperts::new_records_with_layout(dev, &layout.named(&name), n, per_slot, g)?,
+                    None => GpuExperts::new_with_layout(dev, &layout.named(&name), n)?,
                 };
                 slots.push(Slot {
                     experts,
@@ -358,7 +363,7 @@ impl ExpertStreamer {
             moe_index,
             slots: Mutex::new(slots),
             slot_geometry,
-            bits,
+            layout,
             min_tokens,
             split,
             copied: AtomicU64::new(0),
@@ -422,15 +427,12 @@ impl ExpertStreamer {
         n_experts: usize,
         stored: usize,
     ) -> Result<GpuExperts> {
-        let h = self.source.cache().header();
-        let (hidden, inter) = (h.hidden as usize, h.intermediate as usize);
-        let gs = (h.group_size_hidden as usize, h.group_size_intermediate as usize);
         let Some(geometry) = self.slot_geometry else {
             return Err(ModelError::Invalid(
                 "keeping experts one by one in VRAM needs one record geometry for every MoE layer of the GPU expert cache".into(),
             ));
         };
-        Ok(GpuExperts::new_records_first(dev, name, n_experts, stored, hidden, inter, self.bits, gs, geometry)?)
+        Ok(GpuExperts::new_records_with_layout(dev, &self.layout.named(name), n_experts, stored, geometry)?)
     }
 
     /// Routed experts per MoE layer.

@@ -128,10 +128,12 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
             TensorRole::DenseMlp => linear(opts.dense_mlp_quant),
             TensorRole::LmHead => linear(opts.lm_head_quant),
             TensorRole::Embedding if spec.tie_word_embeddings => 2 * n + linear(opts.lm_head_quant),
-            TensorRole::RoutedExpert { .. } => match opts.expert_bits {
+            TensorRole::RoutedExpert { .. } => match (opts.expert_bits, opts.expert_fp4) {
+                // FP4 codes plus one f32 scale per group of 32 or 16.
+                (Some(_), Some(kind)) => n / 2 + 4 * n / kind.group() as u64,
                 // Codes plus one f16 scale per group of at least 32.
-                Some(bits) => n * bits.bits() as u64 / 8 + n / 16,
-                None => 2 * n,
+                (Some(bits), None) => n * bits.bits() as u64 / 8 + n / 16,
+                (None, _) => 2 * n,
             },
             TensorRole::Embedding
             | TensorRole::Norm
@@ -251,23 +253,63 @@ impl GpuBuilder<'_> {
         Ok(resident)
     }
 
-    /// Model layer `layer`'s routed experts uploaded from the GPU expert cache's records.
-    fn cached_experts(
+    /// A layer's routed experts kept in the 4-bit float format `kind` as stored (no GPU expert
+    /// cache: [`GpuExpertCache::Off`]), packed on all cores in the GPU FP4 tile layout and uploaded.
+    fn fp4_experts(
         &self,
-        cache: &ExpertCache,
         name: &str,
         layer: usize,
+        n: usize,
         h: usize,
         inter: usize,
-        bits: krasis_quant::Bits,
+        kind: krasis_quant::fp4::Fp4Kind,
     ) -> Result<GpuExperts> {
+        let mut resident = GpuExperts::new_fp4(self.dev, name, n, h, inter, kind)?;
+        let layout = resident.quant_layout().expect("FP4 experts");
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n.max(1));
+        let per = n.div_ceil(threads).max(1);
+        let packed = std::thread::scope(|s| {
+            let jobs: Vec<_> = (0..n)
+                .collect::<Vec<_>>()
+                .chunks(per)
+                .map(|ids| {
+                    let (layout, ids) = (&layout, ids.to_vec());
+                    s.spawn(move || {
+                        ids.into_iter()
+                            .map(|e| {
+                                let (m, what) = crate::cpu::quantized::stored_fp4_expert(
+                                    &self.w,
+                                    self.spec,
+                                    layer,
+                                    e,
+                                    (h, inter),
+                                    kind,
+                                )?;
+                                layout
+                                    .pack_fp4(e, &m[0], &m[1], &m[2])
+                                    .map_err(|err| ModelError::Invalid(format!("{what}: packing for the GPU: {err}")))
+                            })
+                            .collect::<Vec<Result<_>>>()
+                    })
+                })
+                .collect();
+            jobs.into_iter().flat_map(|j| j.join().expect("FP4 expert packing panicked")).collect::<Vec<_>>()
+        });
+        for (x, p) in packed.into_iter().enumerate() {
+            resident.upload_packed_expert(self.dev, x, &p?)?;
+        }
+        Ok(resident)
+    }
+
+    /// Model layer `layer`'s routed experts uploaded from the GPU expert cache's records.
+    fn cached_experts(&self, cache: &ExpertCache, name: &str, layer: usize) -> Result<GpuExperts> {
         let head = cache.header();
         let li = head.moe_layers.iter().position(|&l| l as usize == layer).ok_or_else(|| {
             ModelError::Invalid(format!("{}: no records of model layer {layer}", cache.path().display()))
         })?;
-        let (gs13, gs2) = (head.group_size_hidden as usize, head.group_size_intermediate as usize);
         let n = head.n_experts as usize;
-        let mut resident = GpuExperts::new_quantized(self.dev, name, n, h, inter, bits, gs13, gs2)?;
+        let layout = super::expert_cache::gpu_record_layout(head, name)?;
+        let mut resident = GpuExperts::new_with_layout(self.dev, &layout, n)?;
         for e in 0..n {
             resident.upload_expert_record(self.dev, e, cache.w13(li, e), cache.w2(li, e))?;
         }
@@ -352,8 +394,10 @@ impl WeightBuilder for GpuBuilder<'_> {
         }
         let inter = self.spec.moe.as_ref().map_or(0, |m| m.moe_intermediate_size);
         let name = crate::model::tensors::experts_prefix(self.spec, layer);
-        let mut resident = if let (Some(bits), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
-            self.cached_experts(cache, &name, layer, h, inter, bits)?
+        let mut resident = if let (Some(_), Some(cache)) = (self.opts.expert_bits, self.expert_cache) {
+            self.cached_experts(cache, &name, layer)?
+        } else if let (Some(_), Some(kind)) = (self.opts.expert_bits, self.opts.expert_fp4) {
+            self.fp4_experts(&name, layer, experts.len(), h, inter, kind)?
         } else if let Some(bits) = self.opts.expert_bits {
             self.quantized_experts(&name, experts, h, inter, bits)?
         } else {
@@ -415,7 +459,7 @@ impl GpuModel {
         let spec = files.spec();
         let (cache, line) = match (opts.expert_bits, &opts.expert_cache, &spec.moe) {
             (Some(bits), GpuExpertCache::In(dir), Some(_)) => {
-                let plan = GpuCachePlan::new(files, bits, opts.expert_group_size, dir.as_deref())?;
+                let plan = GpuCachePlan::new(files, bits, opts.expert_fp4, opts.expert_group_size, dir.as_deref())?;
                 let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
                 let how = match outcome {
                     CacheOutcome::Hit => "read".to_string(),
@@ -479,7 +523,8 @@ impl GpuModel {
                     // `None`: the GPU expert cache is off (library use): nothing to stream from it.
                     let gpu_cache_records = |log: &mut Vec<String>| -> Result<Option<StreamRecords>> {
                         let GpuExpertCache::In(dir) = &gpu.expert_cache else { return Ok(None) };
-                        let plan = GpuCachePlan::new(files, bits, gpu.expert_group_size, dir.as_deref())?;
+                        let plan =
+                            GpuCachePlan::new(files, bits, gpu.expert_fp4, gpu.expert_group_size, dir.as_deref())?;
                         let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
                         if let CacheOutcome::Built { reason } = outcome {
                             log.push(format!("GPU expert cache built ({reason})"));
@@ -740,8 +785,11 @@ impl GpuModel {
         // compiled on other threads while the weights upload (a machine's first start compiles
         // them all with NVRTC: seconds that would otherwise come before the copies).
         let kv = opts.kv_dtype;
-        let keep =
-            |k: &krasis_gpu::kernels::KernelSource| !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv);
+        let fp4 = opts.expert_fp4.is_some();
+        let keep = |k: &krasis_gpu::kernels::KernelSource| {
+            !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv)
+                && (fp4 || !krasis_gpu::moe::is_fp4_program(k))
+        };
         let gemm = GemmContext::new(&dev)?;
         let quant = spec.source_quant.clone(); // the built tree's type borrows it, not `spec`
         let spec_ref = spec.clone();

@@ -77,6 +77,11 @@ pub struct GpuOptions {
     /// not the option a caller sets: that is [`crate::runtime::EngineConfig::gpu_expert_width`],
     /// which the device choice resolves into this field (a value set here is taken as asked).
     pub expert_bits: Option<krasis_quant::Bits>,
+    /// With `expert_bits` INT4 on a 4-bit float checkpoint: the routed experts keep this format
+    /// as stored (MXFP4, NVFP4: codes and scales never requantised, the GPU FP4 tile layout), as
+    /// the CPU expert cache does at `auto`; `None`: INT4 requantised from the exact values. The
+    /// device choice sets it with the default width ([`crate::placement::precision::native_fp4`]).
+    pub expert_fp4: Option<krasis_quant::fp4::Fp4Kind>,
     /// `--group-size`: the quantised experts' group along K (halved while a dimension is not
     /// divisible, down to 32).
     pub expert_group_size: usize,
@@ -123,6 +128,7 @@ impl Default for GpuOptions {
             kv_tokens: None,
             context_tokens: None,
             expert_bits: None,
+            expert_fp4: None,
             expert_group_size: krasis_quant::group::DEFAULT_GROUP_SIZE,
             expert_cache: GpuExpertCache::In(None),
             stream_min_tokens: expert_stream::GPU_STREAM_MIN_TOKENS,

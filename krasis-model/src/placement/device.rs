@@ -93,7 +93,7 @@ pub fn choose_device(
             let cfg = whole_gpu_defaults(spec, config);
             let why = format!(
                 "as asked: the whole model on CUDA device {ordinal}, routed experts {}",
-                gpu_width_name(cfg.gpu.expert_bits)
+                gpu_width_name(cfg.gpu.expert_bits, cfg.gpu.expert_fp4)
             );
             Ok(choice(DevicePath::Gpu, cfg, why))
         }
@@ -125,7 +125,7 @@ pub fn choose_device(
             }
             let whole = whole_gpu_defaults(spec, config);
             let need = crate::gpu::whole_model_vram_bytes(spec, &whole.gpu);
-            let experts = gpu_width_name(whole.gpu.expert_bits);
+            let experts = gpu_width_name(whole.gpu.expert_bits, whole.gpu.expert_fp4);
             if need > budget {
                 return Ok(hybrid(format!(
                     "the whole model with {experts} experts needs {} of VRAM, over the budget of {}",
@@ -180,11 +180,13 @@ fn check_options(config: &EngineConfig) -> Result<()> {
 }
 
 /// The whole-model GPU engine's defaults on top of `config`: the routed experts resident at
-/// [`crate::placement::precision::default_gpu_expert_bits`] unless a GPU width was given.
+/// [`crate::placement::precision::default_gpu_expert_bits`] unless a GPU width was given, a
+/// 4-bit float checkpoint's kept in its format ([`crate::placement::precision::native_fp4`]).
 pub fn whole_gpu_defaults(spec: &ModelSpec, config: &EngineConfig) -> EngineConfig {
     let mut cfg = config.clone();
     if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = Some(crate::placement::precision::default_gpu_expert_bits(spec));
+        cfg.gpu.expert_fp4 = crate::placement::precision::native_fp4(spec);
     }
     cfg
 }
@@ -205,6 +207,10 @@ pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<
     }
     if cfg.gpu_expert_width == WeightBits::Auto && cfg.gpu.expert_bits.is_none() {
         cfg.gpu.expert_bits = crate::placement::precision::default_stream_bits(spec, cfg.cpu.expert_bits);
+        // The CPU keeps a 4-bit float checkpoint's format at `auto`: so does the GPU's stream.
+        if cfg.cpu.expert_bits == WeightBits::Auto && cfg.gpu.expert_bits.is_some() {
+            cfg.gpu.expert_fp4 = crate::placement::precision::native_fp4(spec);
+        }
     }
     if cfg.pin_leftover_vram && cfg.gpu.cache.is_none() && cfg.gpu.expert_bits.is_some() && spec.moe.is_some() {
         cfg.gpu.cache = Some(super::CachePlan { strategy: super::CacheStrategy::HotCachedStatic, heatmap, vram: None });
@@ -212,12 +218,13 @@ pub fn hybrid_defaults(spec: &ModelSpec, config: &EngineConfig, heatmap: Option<
     cfg
 }
 
-/// How a GPU expert width reads in the start line.
-pub fn gpu_width_name(bits: Option<krasis_quant::Bits>) -> &'static str {
-    match bits {
-        Some(krasis_quant::Bits::Int4) => "INT4",
-        Some(krasis_quant::Bits::Int8) => "INT8",
-        None => "BF16",
+/// How a GPU expert width (and a 4-bit float format kept as stored) reads in the start line.
+pub fn gpu_width_name(bits: Option<krasis_quant::Bits>, fp4: Option<krasis_quant::fp4::Fp4Kind>) -> String {
+    match (bits, fp4) {
+        (Some(_), Some(kind)) => format!("{} (as stored)", kind.name().to_uppercase()),
+        (Some(krasis_quant::Bits::Int4), None) => "INT4".into(),
+        (Some(krasis_quant::Bits::Int8), None) => "INT8".into(),
+        (None, _) => "BF16".into(),
     }
 }
 

@@ -81,7 +81,7 @@ pub fn convert_expert_caches(files: &ModelFiles, req: &CacheRequest<'_>) -> Resu
         targets.push(("CPU", cache_path(files, req.cache_dir, bits, req.group), Target::Cpu(header)));
     }
     if let Some(bits) = req.gpu {
-        let plan = GpuCachePlan::new(files, bits, req.group, req.cache_dir)?;
+        let plan = GpuCachePlan::new(files, bits, None, req.group, req.cache_dir)?;
         targets.push(("GPU", plan.path.clone(), Target::Gpu(Box::new(plan))));
     }
     let check = LoadOptions { verify: true, placement: None, huge_pages: false };

@@ -254,11 +254,14 @@ pub(crate) fn open_hybrid(files: &ModelFiles, config: &EngineConfig, why: &str) 
     let mut host_bytes = estimate(files.spec(), config.cpu.expert_bits).expert_bytes;
     // Prefill streaming from the GPU expert cache keeps it in RAM beside the CPU one (streaming
     // the CPU cache's own records adds nothing).
-    if let Some(bits) = config.gpu.expert_bits.filter(|_| config.gpu.stream_from == crate::gpu::StreamFrom::GpuCache) {
+    // FP4 records do not stream from the CPU cache: the GPU expert cache serves them.
+    let gpu_cache = config.gpu.stream_from == crate::gpu::StreamFrom::GpuCache || config.gpu.expert_fp4.is_some();
+    if let Some(bits) = config.gpu.expert_bits.filter(|_| gpu_cache) {
         let (h, _) = crate::gpu::expert_cache::expected_gpu_cache_header(
             files.spec(),
             files.fingerprint(),
             bits,
+            config.gpu.expert_fp4,
             config.gpu.expert_group_size,
         )?;
         host_bytes += krasis_cache::format::records_bytes(&h).unwrap_or(0);
