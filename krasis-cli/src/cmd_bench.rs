@@ -50,7 +50,7 @@ pub struct Args {
     #[command(flatten)]
     pub(crate) engine: EngineArgs,
     /// Time expert GEMVs (M=1) on V2-Lite expert shapes per ISA and format (INT4 g128, asymmetric
-    /// INT4 g32, INT8 g128), cycling over
+    /// INT4 g32, INT8 g128, MXFP4, NVFP4), cycling over
     /// distinct copies far larger than the last-level cache, against the probe's bandwidth.
     #[arg(long)]
     expert_gemv: bool,
@@ -101,8 +101,19 @@ fn parse_size(s: &str) -> Result<usize, String> {
 }
 
 /// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
-fn packed_expert(bits: Bits, asym: bool) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
+fn packed_expert(format: GemvFormat) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
     let (h, i) = (2048usize, 1408usize);
+    if let Some(kind) = format.fp4() {
+        // The stored FP4 blocks (random codes and scales), packed in their CPU layout.
+        use krasis_quant::fp4;
+        let (gate, up, down) =
+            (fp4::test_matrix(kind, i, h, 1), fp4::test_matrix(kind, i, h, 2), fp4::test_matrix(kind, h, i, 3));
+        let l13 = fp4::w13_layout(&gate, &up).expect("shapes");
+        let mut w13 = vec![0u8; l13.bytes()];
+        fp4::pack_w13_into(&gate, &up, &mut w13).expect("shapes");
+        return (w13, l13, fp4::pack(&down), fp4::layout_of(&down));
+    }
+    let (bits, asym) = (format.bits(), format == GemvFormat::Int4a);
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut rnd = |n: usize| -> Vec<f32> {
         (0..n)
@@ -128,14 +139,55 @@ fn packed_expert(bits: Bits, asym: bool) -> (Vec<u8>, PackedLayout, Vec<u8>, Pac
     (w13, l13, pack(&down), PackedLayout::of(&down))
 }
 
+/// The expert formats `--expert-gemv` times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GemvFormat {
+    Int4,
+    Int4a,
+    Int8,
+    Mxfp4,
+    Nvfp4,
+}
+
+impl GemvFormat {
+    const ALL: [GemvFormat; 5] =
+        [GemvFormat::Int4, GemvFormat::Int4a, GemvFormat::Int8, GemvFormat::Mxfp4, GemvFormat::Nvfp4];
+
+    fn name(self) -> &'static str {
+        match self {
+            GemvFormat::Int4 => "int4",
+            GemvFormat::Int4a => "int4a",
+            GemvFormat::Int8 => "int8",
+            GemvFormat::Mxfp4 => "mxfp4",
+            GemvFormat::Nvfp4 => "nvfp4",
+        }
+    }
+
+    /// The integer width (FP4 codes are 4 bits).
+    fn bits(self) -> Bits {
+        if self == GemvFormat::Int8 {
+            Bits::Int8
+        } else {
+            Bits::Int4
+        }
+    }
+
+    fn fp4(self) -> Option<krasis_quant::fp4::Fp4Kind> {
+        match self {
+            GemvFormat::Mxfp4 => Some(krasis_quant::fp4::Fp4Kind::Mxfp4),
+            GemvFormat::Nvfp4 => Some(krasis_quant::fp4::Fp4Kind::Nvfp4),
+            _ => None,
+        }
+    }
+}
+
 /// `n ≥ 8` distinct copies of one packed expert (w13 then w2, `rec` bytes each) filling `total`
 /// bytes of huge-page memory, so the timed loop streams from DRAM rather than cache.
 fn expert_copies(
-    bits: Bits,
-    asym: bool,
+    format: GemvFormat,
     total: usize,
 ) -> anyhow::Result<(PageBuffer, usize, usize, usize, PackedLayout, PackedLayout)> {
-    let (w13, l13, w2, l2) = packed_expert(bits, asym);
+    let (w13, l13, w2, l2) = packed_expert(format);
     let rec = w13.len() + w2.len();
     let n = (total / rec).max(8);
     let mut buf = PageBuffer::new(n * rec)?;
@@ -373,12 +425,11 @@ fn probe_self_fractions(probes: &[f64]) -> Vec<f64> {
 fn expert_gemv(
     pool: &WorkerPool,
     isa: Isa,
-    bits: Bits,
-    asym: bool,
+    format: GemvFormat,
     total: usize,
     trace: bool,
 ) -> anyhow::Result<(f64, f64, usize, Option<[TraceSummary; 2]>)> {
-    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, asym, total)?;
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(format, total)?;
     let runner = PoolExperts::new(pool, l13, l2);
     // Room for every task of one traced pass (at most one per row block, pair or group).
     let traced =
@@ -437,7 +488,8 @@ fn expert_gemv_compare(
     total: usize,
     reps: usize,
 ) -> anyhow::Result<Vec<(&'static str, [f64; 4])>> {
-    let (buf, n, rec, w13_len, l13, l2) = expert_copies(bits, false, total)?;
+    let format = if bits == Bits::Int8 { GemvFormat::Int8 } else { GemvFormat::Int4 };
+    let (buf, n, rec, w13_len, l13, l2) = expert_copies(format, total)?;
     let runners: Vec<PoolExperts> = VARIANTS
         .iter()
         .map(|&(_, local, guided, tpw2, mode)| {
@@ -579,13 +631,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         let mut rows = Vec::new();
         for isa in isas {
-            for (bits, asym) in [(Bits::Int4, false), (Bits::Int4, true), (Bits::Int8, false)] {
-                let (one, six, rec, traces) = expert_gemv(&pool, isa, bits, asym, a.gemv_bytes, a.gemv_trace)?;
-                let format = match (bits, asym) {
-                    (_, true) => "int4a",
-                    (Bits::Int4, _) => "int4",
-                    (Bits::Int8, _) => "int8",
-                };
+            for fmt in GemvFormat::ALL {
+                let (one, six, rec, traces) = expert_gemv(&pool, isa, fmt, a.gemv_bytes, a.gemv_trace)?;
+                let (format, bits, asym) = (fmt.name(), fmt.bits(), fmt == GemvFormat::Int4a);
                 let us = |gbps: f64, experts: usize| (rec * experts) as f64 / gbps / 1e3;
                 if !a.json {
                     println!(
@@ -600,7 +648,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         print!("{t}");
                     }
                 }
-                if a.gemv_compare > 0 && !asym {
+                if a.gemv_compare > 0 && !asym && fmt.fp4().is_none() {
                     let rows = expert_gemv_compare(&pool, isa, bits, a.gemv_bytes, a.gemv_compare)?;
                     println!(
                         "  variants, {} interleaved passes each: GB/s one expert best / median, top-6 best / median",
