@@ -26,7 +26,7 @@
 # to /dev/shm when that has room (then GLM_LAYERS=5 fits too), and Krasis' caches are built early then, else
 # after the BF16 GGUF is gone. SECTIONS picks them (default: prep bench). Every step skips when its output
 # exists, so a second call on a still-warm machine resumes. Log: $OUT/fp4.log (the figures), $OUT/fp4-raw.log
-# (every line of every bench). B (the bundle), PY, LB (llama.cpp's build), W (the working folder) and
+# (every line of every bench); `gpu`: gpt-oss all on the GPU, MXFP4 kept (the FP4 tiles) against INT4. B (the bundle), PY, LB (llama.cpp's build), W (the working folder) and
 # GLM_SYNTH / OSS_SYNTH (the synth arguments) can be set for a dry run elsewhere.
 set -uo pipefail
 B="${B:-device-bundle}"
@@ -107,6 +107,9 @@ if has prep; then
 fi
 if has bench; then
     KH="bench --device hybrid --cache-strategy none --prompt-tokens 512 --decode-tokens 64"
+    # INT8_GPU=1: each round also runs Krasis with the GPU's linears in INT8 (llama.cpp's Q4_K_M
+    # file holds them in 4–6-bit types; gpt-oss's GGUF keeps them BF16, as Krasis' default).
+    Q8="--attention-quant int8 --shared-expert-quant int8 --dense-mlp-quant int8 --lm-head-quant int8"
     llama_tg() { timeout 120 $LB/bin/llama-bench -m "$1" -ngl 99 -ot "exps=CPU" -t "$(nproc)" -p 0 -n 64 -r 3 "${@:2}" -o md 2>&1 | figures; }
     # Alternated: each model's Krasis run beside llama.cpp's, ROUNDS rounds, so the machine's drift
     # touches both alike.
@@ -114,9 +117,13 @@ if has bench; then
         [ "$(left)" -gt 60 ] || break
         T "round $round: Krasis glm hybrid decode after 512 tokens (INT4 experts, the CPU experts alone)"
         timeout 150 $K $KH --model $GLM --cpu-expert-bits 4 2>&1 | figures
+        [ -n "${INT8_GPU:-}" ] && { T "round $round: the same with the GPU's linears INT8 ($Q8)"
+            timeout 150 $K $KH --model $GLM --cpu-expert-bits 4 $Q8 2>&1 | figures; }
         [ -f $GQ ] && { T "round $round: llama.cpp glm Q4_K_M, -ot exps=CPU decode"; llama_tg $GQ; }
         T "round $round: Krasis gpt-oss hybrid decode after 512 tokens (MXFP4 experts as stored, the CPU experts alone)"
         timeout 150 $K $KH --model $OSS 2>&1 | figures
+        [ -n "${INT8_GPU:-}" ] && { T "round $round: the same with the GPU's linears INT8 ($Q8)"
+            timeout 150 $K $KH --model $OSS $Q8 2>&1 | figures; }
         [ -f $OG ] && { T "round $round: llama.cpp gpt-oss MXFP4, -ot exps=CPU decode"; llama_tg $OG; }
     done
     [ "$(left)" -gt 60 ] && [ -f $GQ ] && { T "llama.cpp glm decode at 512 tokens of depth"; llama_tg $GQ -d 512; }
@@ -126,5 +133,15 @@ if has bench; then
         timeout 150 $K $KC --model $OSS 2>&1 | figures; }
     [ "$(left)" -gt 90 ] && { T "Krasis CPU engine, glm (INT4 experts): the same"
         timeout 150 $K $KC --model $GLM --cpu-expert-bits 4 2>&1 | figures; }
+fi
+if has gpu; then
+    # The whole model on the GPU: gpt-oss's MXFP4 experts kept as stored (`auto`, the FP4 tiles)
+    # against INT4 requantised, prefill of 2K and decode.
+    for w in auto 4; do
+        [ "$(left)" -gt 60 ] || break
+        T "Krasis gpt-oss all on the GPU, --gpu-expert-bits $w: prefill of 2048 tokens (3 reps), decode"
+        timeout 150 $K bench --model $OSS --device gpu --gpu-expert-bits $w --prompt-tokens 2048 --prefill-reps 3 \
+            --decode-tokens 64 2>&1 | grep -v "compiled kernel" | figures
+    done
 fi
 T done
