@@ -44,6 +44,58 @@ __device__ __forceinline__ float* state_of(const u64* states, int b, long long o
     return reinterpret_cast<float*>(states[b]) + off;
 }
 
+// The pieces the prefill kernels and the decode steps share (the same f32 operations in the same
+// order, so the same bits on either path).
+
+// One warp: the dk-vector v L2-normalised, times scale: x · (scale / sqrt(Σ x² + 1e-6)), into dst (may be v).
+__device__ __forceinline__ void dn_l2norm_warp(const float* v, float* dst, int dk, float scale, int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < dk; i += 32) ss += v[i] * v[i];
+    ss = warp_sum(ss);
+    const float inv = scale / sqrtf(ss + 1e-6f);
+    for (int i = lane; i < dk; i += 32) dst[i] = v[i] * inv;
+}
+
+// Value head h's gates from its raw b and a: (beta, g) with beta = sigmoid(b) and g = -exp(A_log)
+// * softplus(a + dt_bias) (torch's softplus: x > 20 gives x); the decay of S is e^g.
+__device__ __forceinline__ float2 dn_gates(float b, float a, int h, const bf16_t* a_log, const bf16_t* dt_bias) {
+    const float beta = 1.0f / (1.0f + expf(-b));
+    const float xa = a + bf16_to_f32(dt_bias[h]);
+    const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
+    return make_float2(beta, -expf(bf16_to_f32(a_log[h])) * sp);
+}
+
+// One column of S through a step, by the RULE_SPLIT consecutive lanes that hold it (thread `part`
+// holds rows part + 4 i in s, zero past dk): S <- S e^g; kv = S^T k; d = beta (v - kv);
+// S <- S + k d^T; returns (S^T q) of the column, the same bits in all four lanes. vj: the
+// column's v (0 for a column past dv).
+template <int RPT>
+__device__ __forceinline__ float dn_rule_column(float (&s)[RPT], const float* ks, const float* qs, int part,
+                                                 float decay, float bt, float vj) {
+    float kv2[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        s[i] *= decay;
+        kv2[i & 1] += s[i] * ks[part + RULE_SPLIT * i];
+    }
+    float kv = kv2[0] + kv2[1];
+    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
+    kv += __shfl_xor_sync(0xffffffffu, kv, 2);
+    const float d = (vj - kv) * bt;
+    float o2[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int a = part + RULE_SPLIT * i;
+        s[i] += ks[a] * d;
+        o2[i & 1] += s[i] * qs[a];
+    }
+    float o = o2[0] + o2[1];
+    o += __shfl_xor_sync(0xffffffffu, o, 1);
+    o += __shfl_xor_sync(0xffffffffu, o, 2);
+    return o;
+}
+
+
 // out[r, c] = silu(sum_j taps[c, j] * in(r - (kernel - 1) + j)), where in(i) is x row i of the
 // sequence for i >= 0 and conv state row kernel - 1 + i for i < 0. taps BF16 [ch, kernel].
 // Grid (ceil(ch / 128), ceil(rows_per_seq / CONV_ROWS), n_seqs), 128 threads: a thread is one
@@ -107,18 +159,13 @@ extern "C" __global__ void delta_prep(float* __restrict__ qkv, float* __restrict
     float* row = qkv + (long long)r * ch;
     for (int v = warp; v < 2 * nk; v += nwarps) {
         float* x = row + (long long)v * dk;  // q heads then k heads
-        float ss = 0.0f;
-        for (int i = lane; i < dk; i += 32) ss += x[i] * x[i];
-        ss = warp_sum(ss);
-        const float inv = (v < nk ? q_scale : 1.0f) / sqrtf(ss + 1e-6f);
-        for (int i = lane; i < dk; i += 32) x[i] *= inv;
+        dn_l2norm_warp(x, x, dk, v < nk ? q_scale : 1.0f, lane);
     }
     for (int h = threadIdx.x; h < nv; h += blockDim.x) {
         const long long i = (long long)r * nv + h;
-        b_beta[i] = 1.0f / (1.0f + expf(-b_beta[i]));
-        const float x = a_g[i] + bf16_to_f32(dt_bias[h]);
-        const float sp = x > 20.0f ? x : log1pf(expf(x));
-        a_g[i] = -expf(bf16_to_f32(a_log[h])) * sp;
+        const float2 gates = dn_gates(b_beta[i], a_g[i], h, a_log, dt_bias);
+        b_beta[i] = gates.x;
+        a_g[i] = gates.y;
     }
 }
 
@@ -178,27 +225,7 @@ __device__ __forceinline__ void delta_rule_body(const float* __restrict__ qkv, c
         __syncthreads();
         for (int tt = 0; tt < nt; ++tt) {
             const long long r = row0 + t0 + tt;
-            const float decay = eg[tt];
-            float kv2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                s[i] *= decay;
-                kv2[i & 1] += s[i] * ks[tt][part + RULE_SPLIT * i];
-            }
-            float kv = kv2[0] + kv2[1];
-            kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-            kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-            const float d = (vs[tt][col] - kv) * bt[tt];
-            float o2[2] = {0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < RPT; ++i) {
-                const int a = part + RULE_SPLIT * i;
-                s[i] += ks[tt][a] * d;
-                o2[i & 1] += s[i] * qs[tt][a];
-            }
-            float o = o2[0] + o2[1];
-            o += __shfl_xor_sync(0xffffffffu, o, 1);
-            o += __shfl_xor_sync(0xffffffffu, o, 2);
+            const float o = dn_rule_column<RPT>(s, ks[tt], qs[tt], part, eg[tt], bt[tt], vs[tt][col]);
             if (live && part == 0) out[(r * nv + h) * dv + j] = o;
         }
     }
@@ -679,7 +706,8 @@ DELTA_CHUNK_RULE_KERNEL(256)
 #define DEC_THREADS 256
 #define DEC_RULE_COLS 64   // columns a rule block computes at a time: 256 threads, 4 per column
 
-// The decode steps' shared pieces (one sequence's two launches and a batch's one launch).
+// The decode steps' own shared pieces (one sequence's two launches and a batch's one launch;
+// the L2 norm, the gates and the rule's column step, which prefill shares too, are at the top).
 
 // Channel e of key head kh's conv channels (e < dk: its q, < 2 dk: its k, else its value heads'
 // v): SiLU of the taps over [conv state; x row xr] into qs[e], ks[e - dk] or vs[e - 2 dk], and
@@ -714,54 +742,6 @@ __device__ __forceinline__ void dec_conv_channel(int e, int kh, int nk, int per,
     for (int r = 0; r < keep; ++r) {
         cst[(long long)r * ch + c] = r + 1 < keep ? cst[(long long)(r + 1) * ch + c] : xc;
     }
-}
-
-// One warp: the dk-vector v L2-normalised (as delta_prep), times scale, into dst (may be v).
-__device__ __forceinline__ void dec_l2norm_warp(const float* v, float* dst, int dk, float scale, int lane) {
-    float ss = 0.0f;
-    for (int i = lane; i < dk; i += 32) ss += v[i] * v[i];
-    ss = warp_sum(ss);
-    const float inv = scale / sqrtf(ss + 1e-6f);
-    for (int i = lane; i < dk; i += 32) dst[i] = v[i] * inv;
-}
-
-// Value head h's beta = sigmoid(b) and decay e^g, g = -exp(A_log) * softplus(a + dt_bias) (torch's
-// softplus: x > 20 gives x).
-__device__ __forceinline__ float2 dec_gates(float b, float a, int h, const bf16_t* a_log, const bf16_t* dt_bias) {
-    const float beta = 1.0f / (1.0f + expf(-b));
-    const float xa = a + bf16_to_f32(dt_bias[h]);
-    const float sp = xa > 20.0f ? xa : log1pf(expf(xa));
-    return make_float2(beta, expf(-expf(bf16_to_f32(a_log[h])) * sp));
-}
-
-// One column of S through a step, by the RULE_SPLIT consecutive lanes that hold it (thread `part`
-// holds rows part + 4 i in s, zero past dk): S <- S e^g; kv = S^T k; d = beta (v - kv);
-// S <- S + k d^T; returns (S^T q) of the column, the same bits in all four lanes. vj: the
-// column's v (0 for a column past dv).
-template <int RPT>
-__device__ __forceinline__ float dec_rule_column(float (&s)[RPT], const float* ks, const float* qs, int part,
-                                                 float decay, float bt, float vj) {
-    float kv2[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-        s[i] *= decay;
-        kv2[i & 1] += s[i] * ks[part + RULE_SPLIT * i];
-    }
-    float kv = kv2[0] + kv2[1];
-    kv += __shfl_xor_sync(0xffffffffu, kv, 1);
-    kv += __shfl_xor_sync(0xffffffffu, kv, 2);
-    const float d = (vj - kv) * bt;
-    float o2[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < RPT; ++i) {
-        const int a = part + RULE_SPLIT * i;
-        s[i] += ks[a] * d;
-        o2[i & 1] += s[i] * qs[a];
-    }
-    float o = o2[0] + o2[1];
-    o += __shfl_xor_sync(0xffffffffu, o, 1);
-    o += __shfl_xor_sync(0xffffffffu, o, 2);
-    return o;
 }
 
 // The gated norm of one head's output ob [dv] into out [dv], z [dv] its gate (every thread of
@@ -808,15 +788,15 @@ __device__ __forceinline__ void delta_decode_prep_body(float* __restrict__ x, fl
 
     // 2. q and k normalised into x; beta and the decay of each value head into b and a.
     if (warp < 2)
-        dec_l2norm_warp(warp == 0 ? qs : ks, xr + (warp == 0 ? kh * dk : (nk + kh) * dk), dk,
+        dn_l2norm_warp(warp == 0 ? qs : ks, xr + (warp == 0 ? kh * dk : (nk + kh) * dk), dk,
                         warp == 0 ? q_scale : 1.0f, lane);
     for (int hh = tid - 64; hh < per; hh += DEC_THREADS - 64) {
         if (hh < 0) break;
         const int h = kh * per + hh;
         const long long i = (long long)b * nv + h;
-        const float2 g = dec_gates(b_io[i], a_io[i], h, a_log, dt_bias);
+        const float2 g = dn_gates(b_io[i], a_io[i], h, a_log, dt_bias);
         b_io[i] = g.x;
-        a_io[i] = g.y;
+        a_io[i] = expf(g.y);
     }
 }
 
@@ -874,7 +854,7 @@ __device__ __forceinline__ void delta_decode_rule_body(const float* __restrict__
         for (int p = 0; p < NP; ++p) {
             const int j = g0 + p * cols + col;
             const bool live = j < dv;
-            const float o = dec_rule_column<RPT>(s[p], ks, qs, part, decay, bt, live ? vr[j] : 0.0f);
+            const float o = dn_rule_column<RPT>(s[p], ks, qs, part, decay, bt, live ? vr[j] : 0.0f);
             if (live) {
                 if (part == 0) ob[j] = o;
 #pragma unroll
@@ -963,14 +943,14 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
     __syncthreads();
 
     // 2. q and k normalised; beta and the decay of each value head.
-    if (warp < 2) dec_l2norm_warp(warp == 0 ? qs : ks, warp == 0 ? qs : ks, dk, warp == 0 ? q_scale : 1.0f, lane);
+    if (warp < 2) dn_l2norm_warp(warp == 0 ? qs : ks, warp == 0 ? qs : ks, dk, warp == 0 ? q_scale : 1.0f, lane);
     for (int hh = tid - 64; hh < per; hh += DEC_THREADS - 64) {
         if (hh < 0) break;
         const int h = kh * per + hh;
         const long long i = (long long)b * nv + h;
-        const float2 g = dec_gates(b_in[i], a_in[i], h, a_log, dt_bias);
+        const float2 g = dn_gates(b_in[i], a_in[i], h, a_log, dt_bias);
         hb[2 * hh] = g.x;
-        hb[2 * hh + 1] = g.y;
+        hb[2 * hh + 1] = expf(g.y);
     }
     __syncthreads();
 
@@ -989,7 +969,7 @@ __device__ __forceinline__ void delta_decode_body(const float* __restrict__ x, c
                 const int a = part + RULE_SPLIT * i;
                 s[i] = (live && a < dk) ? S[(long long)a * dv + j] : 0.0f;
             }
-            const float o = dec_rule_column<RPT>(s, ks, qs, part, decay, bt, live ? vs[hh * dv + j] : 0.0f);
+            const float o = dn_rule_column<RPT>(s, ks, qs, part, decay, bt, live ? vs[hh * dv + j] : 0.0f);
             if (live) {
                 if (part == 0) ob[j] = o;
 #pragma unroll
