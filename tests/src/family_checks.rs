@@ -6,7 +6,7 @@ use krasis_model::gpu::{GpuExpertCache, GpuModel, GpuOptions};
 use krasis_model::text::sampling::argmax;
 use krasis_quant::Bits;
 
-use crate::{fidelity, fixture_next, gpu_available, load_reference, prefill_logits, quant_bound};
+use crate::{fidelity, fixture_next, gpu_fixture_next, load_reference, prefill_logits, quant_bound, GpuFixture};
 
 /// The quantised CPU experts (INT8, INT4) of fixture `name` within `quant_bounds.json`'s rule:
 /// (1 − mean cos) ≤ 2 × an ideal quantisation's + 1e-4, top-1 ≥ its − 0.1, and at INT8 the first
@@ -50,13 +50,8 @@ pub fn gpu_and_hybrid(name: &str, decode_steps: bool) {
 
 /// [`gpu_and_hybrid`] on the engines `devices` only (`"gpu"`, `"hybrid"`).
 pub fn gpu_and_hybrid_on(name: &str, decode_steps: bool, devices: &[&str]) {
-    let Some(dir) = fixture_next(name) else { return };
-    if !gpu_available(name) {
-        return;
-    }
-    let root = dir.parent().unwrap();
-    let r = load_reference(&dir);
-    let v = r.prefill_logits.len() / r.prompt_ids.len();
+    let Some(GpuFixture { root, dir, reference: r, vocab: v }) = gpu_fixture_next(name) else { return };
+    let root = root.as_path();
     let b = quant_bound(root, name, "bf16");
     let i4 = quant_bound(root, name, "int4");
     let tmp = tempfile::tempdir().unwrap();
@@ -139,14 +134,8 @@ pub fn gpu_and_hybrid_on(name: &str, decode_steps: bool, devices: &[&str]) {
 pub fn fp4_native_gpu_and_hybrid(name: &str, kind: krasis_quant::fp4::Fp4Kind) {
     use krasis_model::placement::device::{hybrid_defaults, whole_gpu_defaults};
     use krasis_model::runtime::EngineConfig;
-    let Some(dir) = fixture_next(name) else { return };
-    if !gpu_available(name) {
-        return;
-    }
-    let root = dir.parent().unwrap();
-    let r = load_reference(&dir);
-    let v = r.prefill_logits.len() / r.prompt_ids.len();
-    let b = quant_bound(root, name, "bf16");
+    let Some(GpuFixture { root, dir, reference: r, vocab: v }) = gpu_fixture_next(name) else { return };
+    let b = quant_bound(&root, name, "bf16");
     let bar = 3.0 * (1.0 - b.mean_cos) + 1e-4;
     let tmp = tempfile::tempdir().unwrap();
     let spec = krasis_model::source::files::ModelFiles::open(&dir).unwrap().spec().clone();

@@ -416,6 +416,18 @@ pub fn gpu_fixture(name: &str) -> Option<GpuFixture> {
     Some(GpuFixture { root, dir, reference, vocab })
 }
 
+/// [`gpu_fixture`] for a fixture of `../shared/fixtures-next` ([`fixture_next`]).
+pub fn gpu_fixture_next(name: &str) -> Option<GpuFixture> {
+    let dir = fixture_next(name)?;
+    if !gpu_available(name) {
+        return None;
+    }
+    let root = dir.parent().expect("a fixture directory has a parent").to_path_buf();
+    let reference = load_reference(&dir);
+    let vocab = reference.prefill_logits.len() / reference.prompt_ids.len();
+    Some(GpuFixture { root, dir, reference, vocab })
+}
+
 /// Whether a GPU is usable; without one prints a visible skip line (or panics under
 /// `KRASIS_REQUIRE_GPU=1`, as on the GPU box).
 pub fn gpu_available(test: &str) -> bool {
