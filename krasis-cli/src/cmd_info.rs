@@ -94,12 +94,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 kinds.push((k, b));
             }
         }
+        // A 4-bit float format `auto` keeps as stored (every expert projection MXFP4).
+        let kept = krasis_model::placement::precision::native_fp4(spec);
         for ([g, u, d], b) in kinds {
             let layers = types.iter().filter(|(_, t)| *t == [g, u, d]).count();
+            let cached = match kept {
+                Some(kind) => format!("{kind} as stored"),
+                None => format!("w13 int{}, w2 int{}", b.w13.bits(), b.w2.bits()),
+            };
             println!(
-                "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): --cpu-expert-bits auto caches w13 int{}, w2 int{}",
-                b.w13.bits(),
-                b.w2.bits()
+                "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): --cpu-expert-bits auto caches {cached}"
             );
         }
     }
