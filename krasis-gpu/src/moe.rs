@@ -138,6 +138,11 @@ fn format_code(l: &GpuLayout) -> i32 {
     }
 }
 
+/// A layout's format for allocation names: `Int4`, `Int8`, `mxfp4`, `nvfp4`.
+fn format_name(l: &GpuLayout) -> String {
+    l.fp4.map_or(format!("{:?}", l.bits), |k| k.to_string())
+}
+
 /// The quantised kernels of a layout's format: (tiles program, tile entry points, decode
 /// program, decode entry points); FP4 has the default tile shape only ([`FP4_QTILE_VARIANT`]).
 fn quant_kernels(
@@ -772,7 +777,7 @@ impl GpuExperts {
     pub fn new_with_layout(dev: &GpuDevice, layout: &QuantExpertLayout, n_experts: usize) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_quantized";
         let QuantExpertLayout { name, hidden, inter, l13, l2 } = layout.clone();
-        let (name, bits) = (name.as_str(), l2.fp4.map_or(format!("{:?}", l2.bits), |k| k.to_string()));
+        let (name, bits) = (name.as_str(), format_name(&l2));
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
         let total = |per: usize| {
             n_experts
@@ -834,7 +839,7 @@ impl GpuExperts {
     ) -> Result<Self, GpuError> {
         const OP: &str = "GpuExperts::new_records";
         let QuantExpertLayout { name, hidden, inter, l13, l2 } = layout.clone();
-        let (name, bits) = (name.as_str(), l2.fp4.map_or(format!("{:?}", l2.bits), |k| k.to_string()));
+        let (name, bits) = (name.as_str(), format_name(&l2));
         check_layer_shape(OP, name, n_experts, hidden, inter)?;
         check(OP, (1..=n_experts).contains(&stored), || {
             format!("{name}: storage for {stored} of {n_experts} experts")

@@ -166,6 +166,20 @@ impl GpuLayout {
     }
 }
 
+/// Refuses code and scale buffers (`w` bytes, `s` scales) shorter than `l`'s, or with `exact` of
+/// any other length; the error counts bytes.
+fn check_lens(l: &GpuLayout, w: usize, s: usize, exact: bool) -> Result<(), QuantError> {
+    let bad = |have: usize, want: usize| if exact { have != want } else { have < want };
+    if bad(w, l.weight_bytes()) {
+        return Err(QuantError::BufferLen { found: w, expected: l.weight_bytes() });
+    }
+    if bad(s, l.scale_count()) {
+        let sb = l.scale_bytes();
+        return Err(QuantError::BufferLen { found: s * sb, expected: l.scale_count() * sb });
+    }
+    Ok(())
+}
+
 /// `m` in the GPU tile layout: (weights, f16 scale bits).
 pub fn pack(m: &QuantizedMatrix) -> (Vec<u8>, Vec<u16>) {
     let l = GpuLayout::of(m);
@@ -178,12 +192,7 @@ pub fn pack(m: &QuantizedMatrix) -> (Vec<u8>, Vec<u16>) {
 /// [`pack`] into caller buffers of exactly `weight_bytes()` and `scale_count()` elements.
 pub fn pack_into(m: &QuantizedMatrix, w: &mut [u8], s: &mut [u16]) -> Result<GpuLayout, QuantError> {
     let l = GpuLayout::new(m.rows, m.k, m.gs, m.bits)?;
-    if w.len() != l.weight_bytes() {
-        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
-    }
-    if s.len() != l.scale_count() {
-        return Err(QuantError::BufferLen { found: s.len() * 2, expected: l.scale_count() * 2 });
-    }
+    check_lens(&l, w.len(), s.len(), true)?;
     // Padding: unsigned code of q = 0 (8 or 128 per element), scale 0.
     let zero = l.offset() as u8;
     w.fill(match m.bits {
@@ -210,12 +219,7 @@ pub fn pack_into(m: &QuantizedMatrix, w: &mut [u8], s: &mut [u16]) -> Result<Gpu
 
 /// The exact inverse of [`pack`]: padding rows, columns and groups are dropped.
 pub fn unpack(w: &[u8], s: &[u16], l: &GpuLayout) -> Result<QuantizedMatrix, QuantError> {
-    if w.len() < l.weight_bytes() {
-        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
-    }
-    if s.len() < l.scale_count() {
-        return Err(QuantError::BufferLen { found: s.len() * 2, expected: l.scale_count() * 2 });
-    }
+    check_lens(l, w.len(), s.len(), false)?;
     let ng = l.k / l.gs;
     let mut q = vec![0i8; l.rows * l.k];
     let mut scales = vec![f16::ZERO; l.rows * ng];
@@ -244,16 +248,16 @@ pub fn pack_fp4_rows_into(
     w: &mut [u8],
     s: &mut [u32],
 ) -> Result<(), QuantError> {
-    let Some(kind) = l.fp4 else { return Err(QuantError::BadGroupSize { k: l.k, gs: l.gs }) };
-    if w.len() != l.weight_bytes() {
-        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
-    }
-    if s.len() != l.scale_count() {
-        return Err(QuantError::BufferLen { found: s.len() * 4, expected: l.scale_count() * 4 });
-    }
+    let Some(kind) = l.fp4 else {
+        return Err(QuantError::Fp4Pack(format!("the layout is {:?}, not a 4-bit float one", l.bits)));
+    };
+    check_lens(l, w.len(), s.len(), true)?;
     for (m, row0) in parts {
         if m.kind != kind || m.k != l.k || row0 + m.rows > l.rows {
-            return Err(QuantError::BadGroupSize { k: m.k, gs: m.kind.group() });
+            return Err(QuantError::Fp4Pack(format!(
+                "a {} matrix of {} × {} at row {row0} does not fit a {kind} layout of {} × {}",
+                m.kind, m.rows, m.k, l.rows, l.k
+            )));
         }
     }
     w.fill(0);
@@ -284,12 +288,7 @@ pub fn pack_fp4(m: &Fp4Matrix) -> Result<(GpuLayout, Vec<u8>, Vec<u32>), QuantEr
 /// The codes (`[rows, k]`, one a byte) and f32 scales (`[rows, k / gs]`) of a GPU FP4 layout:
 /// the inverse of [`pack_fp4_rows_into`] over the whole layout (padding K dropped).
 pub fn unpack_fp4(w: &[u8], s: &[u32], l: &GpuLayout) -> Result<(Vec<u8>, Vec<f32>), QuantError> {
-    if w.len() < l.weight_bytes() {
-        return Err(QuantError::BufferLen { found: w.len(), expected: l.weight_bytes() });
-    }
-    if s.len() < l.scale_count() {
-        return Err(QuantError::BufferLen { found: s.len() * 4, expected: l.scale_count() * 4 });
-    }
+    check_lens(l, w.len(), s.len(), false)?;
     let ng = l.k / l.gs;
     let mut codes = vec![0u8; l.rows * l.k];
     let mut scales = vec![0f32; l.rows * ng];
@@ -419,6 +418,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fp4_packing_refuses_what_does_not_fit() {
+        let m = fp4::test_matrix(Fp4Kind::Mxfp4, 64, 64, 1);
+        let l = GpuLayout::new_fp4(64, 64, Fp4Kind::Mxfp4).unwrap();
+        let (mut w, mut s) = (vec![0u8; l.weight_bytes()], vec![0u32; l.scale_count()]);
+        let nv = fp4::test_matrix(Fp4Kind::Nvfp4, 64, 64, 2);
+        let e = pack_fp4_rows_into(&[(&nv, 0)], &l, &mut w, &mut s).unwrap_err().to_string();
+        assert!(e.contains("nvfp4") && e.contains("mxfp4 layout"), "{e}");
+        let e = pack_fp4_rows_into(&[(&m, 1)], &l, &mut w, &mut s).unwrap_err().to_string();
+        assert!(e.contains("at row 1"), "{e}");
+        let int = GpuLayout::new(64, 64, 32, Bits::Int4).unwrap();
+        assert!(pack_fp4_rows_into(&[(&m, 0)], &int, &mut w, &mut s).unwrap_err().to_string().contains("not a 4-bit"));
+        let e = pack_fp4_rows_into(&[(&m, 0)], &l, &mut w, &mut s[1..]).unwrap_err();
+        assert_eq!(e, QuantError::BufferLen { found: (l.scale_count() - 1) * 4, expected: l.scale_count() * 4 });
+        assert!(unpack_fp4(&w[1..], &s, &l).is_err());
     }
 
     proptest! {

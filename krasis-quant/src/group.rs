@@ -91,6 +91,8 @@ pub enum QuantError {
     W13Rows { rows: usize },
     #[error("packed buffer is {found} bytes, the layout needs {expected}")]
     BufferLen { found: usize, expected: usize },
+    #[error("GPU FP4 packing: {0}")]
+    Fp4Pack(String),
 }
 
 /// The group size for a K dimension: `preferred` (a power of two in 32..=1024, usually
