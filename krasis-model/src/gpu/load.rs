@@ -220,37 +220,41 @@ impl GpuBuilder<'_> {
             .map(|m| Ok([source(&m.gate, gs13)?, source(&m.up, gs13)?, source(&m.down, gs2)?]))
             .collect::<Result<Vec<_>>>()?;
         let layout = resident.quant_layout().expect("quantised experts");
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(mats.len().max(1));
-        let per = mats.len().div_ceil(threads).max(1);
-        // Quantise and pack on all cores, expert by expert; upload on this thread.
+        let q = |p: &ExpertProj, gs| match p {
+            ExpertProj::Kept(q) => q.clone(),
+            ExpertProj::Values(l) => quantize(&f32_values(l), l.out_dim(), l.in_dim(), bits, gs),
+        };
+        self.pack_and_upload(&mut resident, mats.len(), |e| {
+            let [g, u, d] = &mats[e];
+            Ok(layout.pack(e, &q(g, gs13), &q(u, gs13), &q(d, gs2))?)
+        })?;
+        Ok(resident)
+    }
+
+    /// Packs experts `0..n` with `pack` on up to one thread per core (each thread a contiguous run
+    /// of experts) and uploads them into `resident` on this thread, in expert order.
+    fn pack_and_upload(
+        &self,
+        resident: &mut GpuExperts,
+        n: usize,
+        pack: impl Fn(usize) -> Result<krasis_gpu::moe::PackedExpert> + Sync,
+    ) -> Result<()> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n.max(1));
+        let per = n.div_ceil(threads).max(1);
         let packed = std::thread::scope(|s| {
-            let jobs: Vec<_> = mats
-                .chunks(per)
-                .enumerate()
-                .map(|(j, src)| {
-                    let layout = &layout;
-                    s.spawn(move || {
-                        src.iter()
-                            .enumerate()
-                            .map(|(x, [g, u, d])| {
-                                let q = |p: &ExpertProj, gs| match p {
-                                    ExpertProj::Kept(q) => q.clone(),
-                                    ExpertProj::Values(l) => {
-                                        quantize(&f32_values(l), l.out_dim(), l.in_dim(), bits, gs)
-                                    }
-                                };
-                                layout.pack(j * per + x, &q(g, gs13), &q(u, gs13), &q(d, gs2))
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
+            let pack = &pack;
+            let jobs: Vec<_> = (0..n)
+                .step_by(per)
+                .map(|e0| s.spawn(move || (e0..n.min(e0 + per)).map(pack).collect::<Vec<_>>()))
                 .collect();
-            jobs.into_iter().flat_map(|j| j.join().expect("expert quantisation panicked")).collect::<Vec<_>>()
+            jobs.into_iter()
+                .flat_map(|j| j.join().expect("packing the experts for the GPU panicked"))
+                .collect::<Vec<_>>()
         });
         for (x, p) in packed.into_iter().enumerate() {
             resident.upload_packed_expert(self.dev, x, &p?)?;
         }
-        Ok(resident)
+        Ok(())
     }
 
     /// A layer's routed experts kept in the 4-bit float format `kind` as stored (no GPU expert
@@ -266,38 +270,12 @@ impl GpuBuilder<'_> {
     ) -> Result<GpuExperts> {
         let mut resident = GpuExperts::new_fp4(self.dev, name, n, h, inter, kind)?;
         let layout = resident.quant_layout().expect("FP4 experts");
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(n.max(1));
-        let per = n.div_ceil(threads).max(1);
-        let packed = std::thread::scope(|s| {
-            let jobs: Vec<_> = (0..n)
-                .collect::<Vec<_>>()
-                .chunks(per)
-                .map(|ids| {
-                    let (layout, ids) = (&layout, ids.to_vec());
-                    s.spawn(move || {
-                        ids.into_iter()
-                            .map(|e| {
-                                let (m, what) = crate::cpu::quantized::stored_fp4_expert(
-                                    &self.w,
-                                    self.spec,
-                                    layer,
-                                    e,
-                                    (h, inter),
-                                    kind,
-                                )?;
-                                layout
-                                    .pack_fp4(e, &m[0], &m[1], &m[2])
-                                    .map_err(|err| ModelError::Invalid(format!("{what}: packing for the GPU: {err}")))
-                            })
-                            .collect::<Vec<Result<_>>>()
-                    })
-                })
-                .collect();
-            jobs.into_iter().flat_map(|j| j.join().expect("FP4 expert packing panicked")).collect::<Vec<_>>()
-        });
-        for (x, p) in packed.into_iter().enumerate() {
-            resident.upload_packed_expert(self.dev, x, &p?)?;
-        }
+        self.pack_and_upload(&mut resident, n, |e| {
+            let (m, what) = crate::cpu::quantized::stored_fp4_expert(&self.w, self.spec, layer, e, (h, inter), kind)?;
+            layout
+                .pack_fp4(e, &m[0], &m[1], &m[2])
+                .map_err(|err| ModelError::Invalid(format!("{what}: packing for the GPU: {err}")))
+        })?;
         Ok(resident)
     }
 
