@@ -420,14 +420,15 @@ __device__ __forceinline__ float moe_quant_words(F value, int nw, int lane, u32*
 // amax bits m (from the warp's reduction): the word of 4 bytes, with q (as floats) kept in qf.
 // m1: the amax of positions 2 and 3 when they are another group's (NVFP4's groups of 16), else m.
 __device__ __forceinline__ u32 moe_quant_word(const float* v, u32 m, float* qf, u32 m1) {
+    // The two groups' reciprocals once (one when m1 == m, the integer formats' case), not per position.
+    const bool ok0 = m != 0 && m < 0x7f800000u, ok1 = m1 != 0 && m1 < 0x7f800000u;
+    const float inv0 = ok0 ? __fdiv_rn(127.0f, __uint_as_float(m)) : 0.0f;
+    const float inv1 = m1 == m ? inv0 : ok1 ? __fdiv_rn(127.0f, __uint_as_float(m1)) : 0.0f;
     u32 word = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-        const u32 mc = c < 2 ? m : m1;
-        const float amax = __uint_as_float(mc);
-        const bool ok = mc != 0 && mc < 0x7f800000u;
-        const float inv = ok ? __fdiv_rn(127.0f, amax) : 0.0f;
-        const float p = __fmul_rn(v[c], inv);
+        const bool ok = c < 2 ? ok0 : ok1;
+        const float p = __fmul_rn(v[c], c < 2 ? inv0 : inv1);
         const float cl = p != p ? 0.0f : fminf(fmaxf(p, -127.0f), 127.0f);
         const int q = ok ? __float2int_rn(cl) : 0;
         qf[c] = (float)q;
