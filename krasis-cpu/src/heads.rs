@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use crate::isa::Isa;
 use crate::moe::{
     caller_quantises, quantize_rows_group, shape_acts, split_factor, sum_split_rows, units_per_task, wait_ready,
-    ActBufs, FailOnUnwind, OutPtr, WorkerScratch,
+    ActBufs, FailOnUnwind, OutPtr, WorkerScratch, KEEP_SCRATCH_MAX_ROWS,
 };
 use crate::pool::WorkerPool;
 use crate::quant::{matmul_packed, PackedLayout, QuantizedActs, ROW_BLOCK};
@@ -48,6 +48,13 @@ pub struct HeadMatmul {
 impl HeadMatmul {
     pub fn new(pool: &WorkerPool) -> Self {
         HeadMatmul { scratch: WorkerScratch::new(pool.threads()), step: Mutex::new(Step::default()) }
+    }
+
+    /// Bytes its reusable buffers hold between calls (kept only after calls of at most
+    /// [`KEEP_SCRATCH_MAX_ROWS`] tokens).
+    pub fn scratch_bytes(&self) -> usize {
+        let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+        self.scratch.bytes() + step.acts.iter().map(QuantizedActs::held_bytes).sum::<usize>()
     }
 
     /// For every head `h < heads` and token `i < m`:
@@ -155,6 +162,10 @@ impl HeadMatmul {
                 u += b1 - b0;
             }
         });
+        if m > KEEP_SCRATCH_MAX_ROWS {
+            *guard = Step::default();
+            self.scratch.release();
+        }
     }
 }
 

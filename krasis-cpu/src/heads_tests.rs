@@ -29,6 +29,23 @@ fn matrices(
     (w, layout.expect("at least one head"), f)
 }
 
+/// Calls of more than `KEEP_SCRATCH_MAX_ROWS` tokens leave no buffers behind; shorter ones keep
+/// theirs for the next call.
+#[test]
+fn calls_longer_than_the_keep_limit_leave_no_scratch() {
+    let (heads, rows, k) = (3, 20, 64);
+    let (w, layout, _) = matrices(heads, rows, k, 32, Bits::Int8, 7);
+    let pool = WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap();
+    let hm = HeadMatmul::new(&pool);
+    let keep = KEEP_SCRATCH_MAX_ROWS;
+    for (m, kept) in [(1, true), (keep, true), (keep + 1, false), (3, true)] {
+        let (xs, ys) = (HeadStrides { token: heads * k, head: k }, HeadStrides { token: heads * rows, head: rows });
+        let mut y = vec![0f32; m * ys.token];
+        hm.run(&pool, Isa::Scalar, &w, &layout, heads, &data(m * xs.token, 3), xs, m, &mut y, ys);
+        assert_eq!(hm.scratch_bytes() > 0, kept, "after {m} tokens: {} bytes", hm.scratch_bytes());
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 

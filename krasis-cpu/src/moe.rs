@@ -176,6 +176,13 @@ impl OutPtr {
     }
 }
 
+/// Calls of more rows (tokens) than this free their scratch when they end. Decode and batched
+/// decode (the server's up to 32 streams, with room) reuse theirs call after call; a prompt
+/// chunk's buffers grow with its length and would otherwise stay for the process's life in
+/// every matrix (measured, #38: the tiny preset after a 2048-token prompt on the INT8 kernels
+/// held 45 MiB more than its 23 MiB estimate, all of it these buffers).
+pub(crate) const KEEP_SCRATCH_MAX_ROWS: usize = 64;
+
 /// Per-worker scratch buffers, each touched only by its worker.
 pub(crate) struct WorkerScratch(Vec<Mutex<Vec<f32>>>);
 
@@ -191,6 +198,18 @@ impl WorkerScratch {
         }
         f(&mut v[..len])
     }
+
+    /// Bytes the workers' buffers hold.
+    pub(crate) fn bytes(&self) -> usize {
+        self.0.iter().map(|v| 4 * v.lock().unwrap_or_else(|e| e.into_inner()).capacity()).sum()
+    }
+
+    /// Frees every worker's buffer (see [`KEEP_SCRATCH_MAX_ROWS`]).
+    pub(crate) fn release(&self) {
+        for v in &self.0 {
+            *v.lock().unwrap_or_else(|e| e.into_inner()) = Vec::new();
+        }
+    }
 }
 
 /// A packed matrix computed over the pool: `y[m, rows] = x · Wᵀ` (padding rows dropped).
@@ -202,6 +221,12 @@ pub struct PoolMatmul {
 impl PoolMatmul {
     pub fn new(pool: &WorkerPool) -> Self {
         PoolMatmul { scratch: WorkerScratch::new(pool.threads()), acts: Mutex::new(QuantizedActs::new()) }
+    }
+
+    /// Bytes its reusable buffers hold between calls (kept only after calls of at most
+    /// [`KEEP_SCRATCH_MAX_ROWS`] rows).
+    pub fn scratch_bytes(&self) -> usize {
+        self.scratch.bytes() + self.acts.lock().unwrap_or_else(|e| e.into_inner()).held_bytes()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -300,6 +325,10 @@ impl PoolMatmul {
                 });
             }
         });
+        if m > KEEP_SCRATCH_MAX_ROWS {
+            *guard = QuantizedActs::new();
+            self.scratch.release();
+        }
     }
 }
 
@@ -1007,7 +1036,8 @@ impl PoolExperts {
         extra: Option<ExtraJobs<'_>>,
         out: &mut [f32],
     ) {
-        self.run_inner(pool, isa, x, hidden, jobs, extra, None, out)
+        self.run_inner(pool, isa, x, hidden, jobs, extra, None, out);
+        self.release_if_long(x.len() / hidden.max(1));
     }
 
     /// [`PoolExperts::run`] with each job's gate and up biases added before the activation:
@@ -1028,7 +1058,42 @@ impl PoolExperts {
         assert_eq!(bias13.len(), jobs.len(), "run_biased: one bias13 per job");
         let inter = self.w13_layout.rows / 2;
         assert!(bias13.iter().all(|b| b.len() == 2 * inter), "run_biased: each bias13 holds 2 × {inter} floats");
-        self.run_inner(pool, isa, x, hidden, jobs, None, Some(bias13), out)
+        self.run_inner(pool, isa, x, hidden, jobs, None, Some(bias13), out);
+        self.release_if_long(x.len() / hidden.max(1));
+    }
+
+    /// Bytes its reusable buffers hold between calls (kept only after calls of at most
+    /// [`KEEP_SCRATCH_MAX_ROWS`] tokens).
+    pub fn scratch_bytes(&self) -> usize {
+        let step = self.step.lock().unwrap_or_else(|e| e.into_inner());
+        let vecs = |v: &[Vec<f32>]| v.iter().map(|b| 4 * b.capacity()).sum::<usize>();
+        let acts = |v: &[QuantizedActs]| v.iter().map(QuantizedActs::held_bytes).sum::<usize>();
+        let w2 = self.w2_acts.iter().map(|a| a.lock().unwrap_or_else(|e| e.into_inner()).held_bytes()).sum::<usize>();
+        let local = self.local_acts.iter().map(|a| a.lock().unwrap_or_else(|e| e.into_inner()).acts.held_bytes());
+        self.scratch.bytes()
+            + vecs(&step.mid)
+            + vecs(&step.y)
+            + vecs(&step.part)
+            + acts(&step.acts)
+            + acts(&step.mid_acts)
+            + w2
+            + local.sum::<usize>()
+    }
+
+    /// After a call over `tokens` rows of x: frees the call's buffers when it was longer than
+    /// [`KEEP_SCRATCH_MAX_ROWS`] (the plan too, so the next call plans again).
+    fn release_if_long(&self, tokens: usize) {
+        if tokens <= KEEP_SCRATCH_MAX_ROWS {
+            return;
+        }
+        *self.step.lock().unwrap_or_else(|e| e.into_inner()) = StepScratch::default();
+        self.scratch.release();
+        for a in &self.w2_acts {
+            *a.lock().unwrap_or_else(|e| e.into_inner()) = QuantizedActs::new();
+        }
+        for a in &self.local_acts {
+            *a.lock().unwrap_or_else(|e| e.into_inner()) = LocalActs::default();
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1878,6 +1943,33 @@ pub(crate) mod tests {
             assert_eq!(&acts.sums[2 * i * ng..(2 * i + 1) * ng], &single.sums[i * ng..(i + 1) * ng]);
             assert_eq!(&acts.q[(2 * i + 1) * k..(2 * i + 2) * k], &lo.q[i * k..(i + 1) * k]);
             assert_eq!(&acts.scales[(2 * i + 1) * ng..(2 * i + 2) * ng], &lo.scales[i * ng..(i + 1) * ng]);
+        }
+    }
+
+    /// Calls of more than [`KEEP_SCRATCH_MAX_ROWS`] rows leave no buffers behind (a long prompt
+    /// used to leave its buffers in every matrix for the process's life, #38); shorter calls
+    /// keep theirs for the next. Scalar kernels, so no ISA takes the BF16 prefill tiles instead.
+    #[test]
+    fn calls_longer_than_the_keep_limit_leave_no_scratch() {
+        let (rows, k, h, inter) = (40, 64, 64, 32);
+        let q = quantize(&data(rows * k, 5), rows, k, Bits::Int8, 32);
+        let (w, l) = (pack(&q), PackedLayout::of(&q));
+        let ex = expert(h, inter, Bits::Int4, 3);
+        let pool = WorkerPool::new(PoolPlan::simulated(1, 2)).unwrap();
+        let pm = PoolMatmul::new(&pool);
+        let runner = PoolExperts::new(&pool, ex.l13, ex.l2);
+        let keep = KEEP_SCRATCH_MAX_ROWS;
+        for (m, kept) in [(1, true), (keep, true), (keep + 1, false), (2, true), (4 * keep, false)] {
+            let x = data(m * k, 6);
+            let mut y = vec![0f32; m * rows];
+            pm.run(&pool, Isa::Scalar, &w, &l, &x, m, &mut y);
+            assert_eq!(pm.scratch_bytes() > 0, kept, "PoolMatmul after {m} rows: {} bytes", pm.scratch_bytes());
+            let toks: Vec<(usize, f32)> = (0..m).map(|t| (t, 1.0)).collect();
+            let job = ExpertJob { weights: ExpertWeights { w13: &ex.w13, w2: &ex.w2, node: 0 }, tokens: &toks };
+            let mut out = vec![0f32; m * h];
+            runner.run(&pool, Isa::Scalar, &data(m * h, 7), h, &[job], &mut out);
+            let held = runner.scratch_bytes();
+            assert_eq!(held > 0, kept, "PoolExperts after {m} tokens: {held} bytes");
         }
     }
 

@@ -90,6 +90,11 @@ impl QuantizedActs {
         self.k.checked_div(self.gs).unwrap_or(0)
     }
 
+    /// Bytes its buffers hold (their capacity), for the runners' [`crate::moe::PoolMatmul::scratch_bytes`].
+    pub fn held_bytes(&self) -> usize {
+        self.q.capacity() + 4 * (self.scales.capacity() + self.sums.capacity())
+    }
+
     /// Dequantised row-major `[m, k]` (for tests and diagnostics).
     pub fn dequantize(&self) -> Vec<f32> {
         let ng = self.groups();
