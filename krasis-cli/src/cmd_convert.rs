@@ -10,17 +10,22 @@ use krasis_cache::CacheOutcome;
 use krasis_core::budget::format_bytes;
 use krasis_model::cpu::dense_cache::open_dense_cache;
 use krasis_model::cpu::quantized::WeightBits;
+use krasis_model::gpu::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use krasis_model::model::tensors::param_counts;
 use krasis_model::placement::precision::{
-    describe_layer_bits, expert_width_rule, native_fp4, quant_width, ExpertWidthRule,
+    default_gpu_expert_bits, describe_layer_bits, expert_width_rule, native_fp4, quant_width, ExpertWidthRule,
 };
 use krasis_model::runtime::expert_caches::{convert_expert_caches, CacheRequest};
 use krasis_model::source::files::ModelFiles;
+use krasis_quant::fp4::Fp4Kind;
 
 use crate::cmd_generate::{check_group_size_flag, weight_bits_parser};
 
-/// The values `--gpu-expert-bits` and `--cpu-dense-bits` take here: the widths a cache holds.
+/// The values `--cpu-dense-bits` takes here: the widths a cache holds.
 const CACHE_WIDTHS: [&str; 2] = ["4", "8"];
+
+/// The values `--gpu-expert-bits` takes here: a width a cache holds, or `auto`.
+const GPU_CACHE_WIDTHS: [&str; 3] = ["auto", "4", "8"];
 
 /// `--cpu-expert-bits`: a width a cache holds, `auto`, or `none` (no CPU expert cache: `None`;
 /// the bf16 reference experts read the model and need none, so `bf16` is not offered).
@@ -44,8 +49,9 @@ pub struct Args {
     /// Also build the GPU expert cache for `--gpu-expert-bits 4|8` (the experts in the GPU tile
     /// layout: resident with `--device gpu`, streamed for long prefills with `--device hybrid
     /// --stream-experts-from gpu-cache`), in the same pass over the source weights as the CPU
-    /// expert cache.
-    #[arg(long, value_parser = weight_bits_parser(&CACHE_WIDTHS))]
+    /// expert cache; auto: the one the GPU engine's defaults read (a 4-bit float checkpoint's
+    /// experts as stored, MXFP4 or NVFP4; else INT4, or INT8 from 8-bit sources).
+    #[arg(long, value_parser = weight_bits_parser(&GPU_CACHE_WIDTHS))]
     gpu_expert_bits: Option<WeightBits>,
     /// Also build the dense-weight cache for `--cpu-dense-bits 8|4` (attention, shared experts,
     /// dense MLPs, LM head), so a cached start quantises nothing.
@@ -61,12 +67,21 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let bits = a.cpu_expert_bits.and_then(expert_width_rule);
-    let gpu = a.gpu_expert_bits.and_then(quant_width);
-    if bits.is_none() && gpu.is_none() && a.cpu_dense_bits.is_none() {
+    if bits.is_none() && a.gpu_expert_bits.is_none() && a.cpu_dense_bits.is_none() {
         anyhow::bail!("--cpu-expert-bits none leaves nothing to build: add --gpu-expert-bits or --cpu-dense-bits");
     }
     check_group_size_flag(a.group_size)?;
     let files = ModelFiles::open(&a.model)?;
+    // `--gpu-expert-bits auto` on a 4-bit float checkpoint: the GPU cache of its experts as
+    // stored, built on its own (nothing to requantise); elsewhere the default GPU width.
+    let gpu = match (a.gpu_expert_bits, native_fp4(files.spec())) {
+        (Some(WeightBits::Auto), Some(kind)) if files.spec().moe.is_some() => {
+            build_gpu_fp4_cache(&files, kind, &a)?;
+            None
+        }
+        (Some(WeightBits::Auto), _) => Some(default_gpu_expert_bits(files.spec())),
+        (w, _) => w.and_then(quant_width),
+    };
     // A 4-bit float checkpoint at `auto`: its CPU expert cache holds the experts as stored, built
     // on its own (no requantisation to share with the GPU cache).
     let bits = match (bits, native_fp4(files.spec())) {
@@ -134,5 +149,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         eprintln!("{}", krasis_cache::describe_dense(&cache));
     }
+    Ok(())
+}
+
+/// The GPU expert cache of a 4-bit float checkpoint's experts as stored (what `--device gpu` and
+/// the hybrid's stream read at their defaults), built or checked.
+fn build_gpu_fp4_cache(files: &ModelFiles, kind: Fp4Kind, a: &Args) -> anyhow::Result<()> {
+    eprintln!("routed experts on the GPU: {kind} (as stored)");
+    let plan = GpuCachePlan::new(files, krasis_quant::Bits::Int4, Some(kind), a.group_size, a.cache_dir.as_deref())?;
+    let started = std::time::Instant::now();
+    let (cache, outcome) = open_gpu_expert_cache(files, &plan)?;
+    match outcome {
+        CacheOutcome::Hit => eprintln!("GPU expert cache up to date: {}", plan.path.display()),
+        CacheOutcome::Built { reason } => {
+            eprintln!("GPU expert cache built in {:.1} s (it was {reason})", started.elapsed().as_secs_f64())
+        }
+    }
+    eprintln!("{}", krasis_cache::describe(&cache));
     Ok(())
 }

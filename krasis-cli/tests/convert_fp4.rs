@@ -49,3 +49,30 @@ fn convert_and_generate_keep_nvfp4_experts_as_stored() {
     assert!(stderr(&o).contains("expert cache hit"), "{}", stderr(&o));
     assert_eq!(experts(), vec!["experts_cpu_nvfp4_g16.bin".to_string()]);
 }
+
+/// `--gpu-expert-bits auto` builds the GPU expert cache the GPU engine reads at its defaults: on
+/// the NVFP4 checkpoint the experts as stored in the GPU FP4 tile layout (`experts_gpu_nvfp4.bin`,
+/// no INT4 requantisation) beside the CPU one; a second convert finds both up to date. Host
+/// work only: no GPU needed.
+#[test]
+fn convert_gpu_auto_builds_the_fp4_gpu_cache() {
+    let Some(dir) = krasis_tests::fixture_next("qwen3moe-nvfp4-tiny") else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, c) = (dir.to_str().unwrap(), tmp.path().to_str().unwrap());
+    let o = krasis(&["convert", "--model", m, "--cache-dir", c, "--gpu-expert-bits", "auto"]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("routed experts on the GPU: nvfp4 (as stored)"), "{e}");
+    assert!(e.contains("GPU expert cache built"), "{e}");
+    let mut names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("experts_"))
+        .collect();
+    names.sort();
+    assert_eq!(names, vec!["experts_cpu_nvfp4_g16.bin".to_string(), "experts_gpu_nvfp4.bin".to_string()]);
+    let o = krasis(&["convert", "--model", m, "--cache-dir", c, "--gpu-expert-bits", "auto"]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("GPU expert cache up to date"), "{e}");
+}
