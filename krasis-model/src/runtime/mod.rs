@@ -23,6 +23,7 @@ pub mod scheduler;
 mod sessions;
 mod stall;
 mod stats;
+pub mod step_cost;
 pub mod stop;
 
 use std::any::Any;

@@ -7,11 +7,13 @@
 //! that decode the running streams: each step gives the prompts still prefilling at most
 //! [`PrefillChunk`] tokens in all (first come, first served), so no stream waits for another's
 //! whole prompt, only for one chunk. A sequence samples its first token in the step that runs
-//! its prompt's last chunk. The chunk is measured by default: the step's prompt tokens are sized
-//! so that the step takes about [`TARGET_STEP_SECONDS`] at the prefill rate the server has
-//! measured so far, or, while streams decode, about [`DECODE_STEP_MULTIPLE`] times their recent
-//! decode step when that is shorter (their inter-token latency stays within that factor of its
-//! usual while prompts arrive).
+//! its prompt's last chunk. The chunk is measured by default, from the prompt steps' cost as the
+//! server has seen it, a fixed part per step plus a part per token ([`StepCost`]): with no stream
+//! decoding a step aims at [`IDLE_STEP_SECONDS`]; while streams decode, at [`DECODE_STEP_MULTIPLE`]
+//! times their recent decode step (their inter-token latency stays within that factor of its
+//! usual while prompts arrive), but with at least as much time for prompt tokens as the step's
+//! fixed part, so that a chunk never costs mostly overhead (a streaming hybrid prefill's expert
+//! copy).
 //!
 //! **Prefix reuse.** A finished request's state is kept in the [`PrefixCache`] (up to
 //! [`Config::prefix_cache_bytes`]); a new request whose prompt starts with a kept sequence resumes
@@ -37,11 +39,13 @@ use crate::text::tokenizer::{TextCodec, TextStream};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
+use super::step_cost::StepCost;
 use super::stop::StopMatcher;
 
-/// The wall time a step with prompt chunks aims at: long enough that a chunk uses the hardware
-/// well (a prefill of a few hundred tokens runs at full rate), short enough that the running
-/// streams' inter-token latency stays below what a reader notices.
+/// The wall time a step with prompt chunks aims at while streams decode, before their decode step
+/// is measured: long enough that a chunk uses the hardware well (a prefill of a few hundred
+/// tokens runs at full rate), short enough that their inter-token latency stays below what a
+/// reader notices.
 pub const TARGET_STEP_SECONDS: f64 = 0.25;
 
 /// With no stream decoding, a step with prompt chunks aims at this: it delays only requests that
@@ -51,8 +55,11 @@ pub const TARGET_STEP_SECONDS: f64 = 0.25;
 pub const IDLE_STEP_SECONDS: f64 = 2.0;
 
 /// While streams decode, a step with prompt chunks aims at this many times their recent
-/// decode-only step (when under [`TARGET_STEP_SECONDS`]): a token gap during a long prompt is at
-/// most a few of the usual ones, and the prompt still gets most of each such step.
+/// decode-only step: a token gap during a long prompt is at most a few of the usual ones, and the
+/// prompt still gets most of each such step. When the prompt's fixed cost per step is larger than
+/// that leaves room for, the step gives the prompt twice that fixed cost instead (half of it
+/// useful): smaller chunks would pay the fixed cost for little (session 32: 8K-token prompts beside
+/// 28 decoding streams at the 64-token floor waited 19–76 s for their first token).
 pub const DECODE_STEP_MULTIPLE: f64 = 2.5;
 
 /// Weight of the newest decode-only step in the recent decode step time (an exponential
@@ -74,8 +81,8 @@ pub const SNAPSHOT_BLOCK: usize = 256;
 /// How many prompt tokens one step runs in all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillChunk {
-    /// Sized from the measured prefill rate ([`TARGET_STEP_SECONDS`]; 512 tokens until a
-    /// prefill step has run).
+    /// Sized from the prompt steps' measured cost (see the module's documentation; 512 tokens
+    /// until a prompt step has run).
     Measured,
     /// This many tokens (at least 1).
     Fixed(usize),
@@ -177,6 +184,7 @@ impl Scheduler {
             prefix: PrefixCache::new(config.prefix_cache_bytes),
             prefix_failed: false,
             decode_step: 0.0,
+            cost: StepCost::default(),
             metrics: metrics.clone(),
             waiting: VecDeque::new(),
             active: Vec::new(),
@@ -261,6 +269,8 @@ struct Worker {
     prefix_failed: bool,
     /// Recent decode-only step time, seconds (0 before any).
     decode_step: f64,
+    /// The prompt steps' cost, their decode rows' share taken out (what sizes a measured chunk).
+    cost: StepCost,
     metrics: Arc<Metrics>,
     waiting: VecDeque<(Box<Job>, Instant)>,
     active: Vec<Running>,
@@ -438,18 +448,20 @@ impl Worker {
 
     /// The prompt tokens this step may run in all.
     fn chunk_tokens(&self, decoding: bool) -> usize {
-        let target = match (decoding, self.decode_step) {
-            (true, d) if d > 0.0 => (DECODE_STEP_MULTIPLE * d).min(TARGET_STEP_SECONDS),
-            (true, _) => TARGET_STEP_SECONDS,
-            (false, _) => IDLE_STEP_SECONDS,
+        let PrefillChunk::Fixed(n) = self.chunk else {
+            // Seconds of the step for its prompt tokens (the decode rows take `decode_step`).
+            let fixed = self.cost.fixed_seconds();
+            let prompt_seconds = match (decoding, self.decode_step) {
+                (true, d) if d > 0.0 => ((DECODE_STEP_MULTIPLE - 1.0) * d).max(2.0 * fixed),
+                (true, _) => TARGET_STEP_SECONDS.max(2.0 * fixed),
+                (false, _) => IDLE_STEP_SECONDS,
+            };
+            return match self.cost.tokens_for(prompt_seconds) {
+                Some(n) => (n as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
+                None => FIRST_CHUNK_TOKENS,
+            };
         };
-        match self.chunk {
-            PrefillChunk::Fixed(n) => n.max(1),
-            PrefillChunk::Measured => match self.metrics.prefill_tok_s() {
-                r if r > 0.0 => ((r * target) as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
-                _ => FIRST_CHUNK_TOKENS,
-            },
-        }
+        n.max(1)
     }
 
     /// One engine step over the running jobs: every decoding job's token, and prompt chunks up to
@@ -534,10 +546,15 @@ impl Worker {
         };
         let now = Instant::now();
         self.metrics.record_step(sequences, prompt_tokens, decoding, took);
+        let t = took.as_secs_f64();
         if prompt_tokens == 0 {
-            let t = took.as_secs_f64();
             self.decode_step =
                 if self.decode_step > 0.0 { self.decode_step + DECODE_STEP_EMA * (t - self.decode_step) } else { t };
+        } else {
+            // The decode rows' share, as a decode-only step of this batch takes (none before one
+            // was measured: the prompt is charged the whole step, which only makes chunks smaller).
+            let rows = if decoding > 0 { self.decode_step } else { 0.0 };
+            self.cost.observe(prompt_tokens, (t - rows).max(0.05 * t));
         }
         self.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
         let eos = &self.engine.spec().eos_token_ids;

@@ -204,12 +204,12 @@ fn a_long_prompt_runs_in_chunks_inside_the_decoding_steps() {
     assert!(text.contains(&format!("krasis_inter_token_latency_seconds_count {}", 20 - 1 + 3 - 1)), "{text}");
 }
 
-/// The measured chunk starts at FIRST_CHUNK_TOKENS and then follows the prefill rate.
+/// The measured chunk starts at FIRST_CHUNK_TOKENS, then follows the prompt steps' cost: their
+/// rate while it cannot tell a fixed part per step, then their fixed part and rate.
 #[test]
-fn the_measured_chunk_follows_the_prefill_rate() {
+fn the_measured_chunk_follows_the_prompt_steps_cost() {
     let tmp = tempfile::tempdir().unwrap();
     let (engine, codec) = engine(tmp.path());
-    let metrics = Arc::new(Metrics::default());
     let mut w = Worker {
         watch: Default::default(),
         engine,
@@ -220,26 +220,38 @@ fn the_measured_chunk_follows_the_prefill_rate() {
         prefix: PrefixCache::new(0),
         prefix_failed: false,
         decode_step: 0.0,
-        metrics: metrics.clone(),
+        cost: StepCost::default(),
+        metrics: Arc::new(Metrics::default()),
         waiting: VecDeque::new(),
         active: Vec::new(),
     };
     assert_eq!(w.chunk_tokens(false), FIRST_CHUNK_TOKENS);
     // 1,000 prompt tokens in one second: with no stream decoding, a two-second step runs 2,000.
-    metrics.record_step(1, 1_000, 0, std::time::Duration::from_secs(1));
+    w.cost.observe(1_000, 1.0);
     assert_eq!(w.chunk_tokens(false), 2000);
-    // 10,000 in one more second (5,500 tok/s in all): the idle step is at the bound.
-    metrics.record_step(1, 10_000, 0, std::time::Duration::from_secs(1));
-    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
-    assert_eq!(w.chunk_tokens(true), 1375, "streams decoding, none measured yet: the quarter-second step");
-    // Streams decoding in 40 ms steps: a step with prompt tokens aims at 2.5 x 40 ms.
+    assert_eq!(w.chunk_tokens(true), 250, "streams decoding, none measured yet: the quarter-second step");
+    // Streams decoding in 40 ms steps: the prompt gets 1.5 x 40 ms of a 2.5 x 40 ms step.
     w.decode_step = 0.04;
-    assert_eq!(w.chunk_tokens(true), 550);
-    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1, "no stream decoding: the idle step");
-    w.decode_step = 0.5;
-    assert_eq!(w.chunk_tokens(true), 1375, "never above the quarter-second step");
-    metrics.record_step(1, 1_000_000, 0, std::time::Duration::from_secs(1));
-    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1);
+    assert_eq!(w.chunk_tokens(true), 64, "60 tokens, at the floor");
+    // Prompt steps of 0.14 s plus 50 us a token (a hybrid's expert copy, then 20,000 tok/s).
+    let mut cost = StepCost::default();
+    for n in [512usize, 4096, 1024, 8192] {
+        cost.observe(n, 0.14 + n as f64 * 5e-5);
+    }
+    w.cost = cost;
+    assert_eq!(w.chunk_tokens(false), CHUNK_BOUNDS.1, "the idle step: (2 - 0.14) / 50 us, at the bound");
+    // (The fit is a least-squares solution: a token either way of the exact figure.)
+    let near = |got: usize, want: usize| got.abs_diff(want) <= 1;
+    // 1.5 x 40 ms is less than the fixed part: the prompt gets twice the fixed part (0.28 s).
+    assert!(near(w.chunk_tokens(true), 2800), "{}", w.chunk_tokens(true));
+    // 140 ms decode steps (28 streams): 1.5 x 0.14 = 0.21 s, still under 0.28 s.
+    w.decode_step = 0.14;
+    assert!(near(w.chunk_tokens(true), 2800), "{}", w.chunk_tokens(true));
+    // 0.2 s decode steps: 0.3 s for the prompt, 0.16 s of it for tokens.
+    w.decode_step = 0.2;
+    assert!(near(w.chunk_tokens(true), 3200), "{}", w.chunk_tokens(true));
+    w.chunk = PrefillChunk::Fixed(100);
+    assert_eq!(w.chunk_tokens(true), 100);
 }
 
 /// Prompts that arrive while a batch decodes (the mix that stalled the hybrid engine at 32
