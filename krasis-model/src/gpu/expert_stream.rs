@@ -51,6 +51,13 @@ pub fn split_fraction(t: usize) -> f64 {
     }
 }
 
+/// The fewest prompt tokens whose calls stream every expert ([`split_fraction`] 1): shorter calls
+/// run a share of the experts on the CPU at its much higher cost per token, so a scheduler that
+/// sizes its chunks from the cost it sees should not go below this.
+pub fn all_streamed_from() -> usize {
+    (GPU_STREAM_MIN_TOKENS..SPLIT_MAX_TOKENS).find(|&t| split_fraction(t) >= 1.0).unwrap_or(SPLIT_MAX_TOKENS)
+}
+
 /// Whole-prefill time of the CPU experts on a short prompt, `base + per_token · t` (H200 box,
 /// V2-Lite INT4, 16 cores: 16 tokens 0.10–0.12 s, 32 0.16–0.21 s, 64 0.26 s, 128 0.39 s).
 const SPLIT_CPU_BASE_S: f64 = 0.08;
@@ -785,5 +792,7 @@ mod tests {
         assert!((0.6..=0.75).contains(&split_fraction(128)), "{}", split_fraction(128));
         assert_eq!(split_fraction(SPLIT_MAX_TOKENS), 1.0);
         assert_eq!(split_fraction(10_240), 1.0);
+        let all = all_streamed_from();
+        assert!(split_fraction(all) == 1.0 && split_fraction(all - 1) < 1.0, "{all}");
     }
 }

@@ -457,6 +457,15 @@ impl GpuModel {
         parts.join("; ")
     }
 
+    /// [`crate::runtime::Engine::prompt_chunk_floor`]: a hybrid that streams its experts for
+    /// prefill runs shorter calls' experts partly on the CPU; other paths have no threshold.
+    pub fn prompt_chunk_floor(&self) -> usize {
+        match self.placed.streamer() {
+            Some(_) if self.experts_on_host() => expert_stream::all_streamed_from(),
+            _ => 1,
+        }
+    }
+
     /// The sampling parameters and uniform draw of `sampler`'s next token.
     fn sampling_params(sampler: &mut Sampler) -> (GpuSamplingParams, f64) {
         let p = sampler.params();

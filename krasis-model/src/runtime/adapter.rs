@@ -19,6 +19,10 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     fn kv_capacity(&self) -> Option<usize> {
         None
     }
+    /// [`Engine::prompt_chunk_floor`].
+    fn prompt_chunk_floor(&self) -> usize {
+        1
+    }
     /// [`Engine::stats`], with `session` already one of this decoder's. The adapter fills
     /// [`EngineStats::expert_bytes`] where the decoder leaves it `None` and it was given one.
     fn stats(&self, _session: Option<&Self::Session>) -> EngineStats {
@@ -154,6 +158,10 @@ where
 
     fn kv_capacity(&self) -> Option<usize> {
         self.decoder.kv_capacity().or(self.kv_limit)
+    }
+
+    fn prompt_chunk_floor(&self) -> usize {
+        self.decoder.prompt_chunk_floor()
     }
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {

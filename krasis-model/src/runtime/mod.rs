@@ -164,6 +164,13 @@ pub trait Engine: Send + Sync {
     fn kv_capacity(&self) -> Option<usize> {
         None
     }
+    /// The fewest prompt tokens a step runs at the engine's full prefill rate: below it a call
+    /// takes a slower path (the hybrid runs a short call's experts partly on the CPU). A
+    /// scheduler that sizes its prompt chunks from measured step costs keeps them at least this
+    /// long, so that it measures the path long prompts take. 1: no such threshold.
+    fn prompt_chunk_floor(&self) -> usize {
+        1
+    }
     /// What the engine reports about itself ([`EngineStats`]): its counters and sizes and, with
     /// `session` (one of this engine's), that session's own counters. Cheap: no device
     /// synchronisation. A field is `None` where this path has no such notion.

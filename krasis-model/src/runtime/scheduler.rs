@@ -13,7 +13,7 @@
 //! times their recent decode step (their inter-token latency stays within that factor of its
 //! usual while prompts arrive), but with at least as much time for prompt tokens as the step's
 //! fixed part, so that a chunk never costs mostly overhead (a streaming hybrid prefill's expert
-//! copy).
+//! copy), and never shorter than the engine's full-rate length ([`Engine::prompt_chunk_floor`]).
 //!
 //! **Prefix reuse.** A finished request's state is kept in the [`PrefixCache`] (up to
 //! [`Config::prefix_cache_bytes`]); a new request whose prompt starts with a kept sequence resumes
@@ -456,9 +456,13 @@ impl Worker {
                 (true, _) => TARGET_STEP_SECONDS.max(2.0 * fixed),
                 (false, _) => IDLE_STEP_SECONDS,
             };
+            // Never below the engine's full-rate length: shorter chunks would both run slower and
+            // teach the cost model the slower path's rate (the hybrid's CPU share), which kept
+            // the chunks short.
+            let floor = self.engine.prompt_chunk_floor().clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1);
             return match self.cost.tokens_for(prompt_seconds) {
-                Some(n) => (n as usize).clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1),
-                None => FIRST_CHUNK_TOKENS,
+                Some(n) => (n as usize).clamp(floor, CHUNK_BOUNDS.1),
+                None => FIRST_CHUNK_TOKENS.max(floor),
             };
         };
         n.max(1)

@@ -118,6 +118,10 @@ impl EngineDecoder for GpuModel {
         Some(GpuModel::kv_capacity(self))
     }
 
+    fn prompt_chunk_floor(&self) -> usize {
+        GpuModel::prompt_chunk_floor(self)
+    }
+
     fn stats(&self, session: Option<&GpuSession>) -> EngineStats {
         GpuModel::stats(self, session)
     }
