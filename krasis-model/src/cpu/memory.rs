@@ -260,6 +260,11 @@ pub fn cpu_estimate(
             let kind = crate::placement::precision::native_fp4(spec).expect("checked");
             crate::cpu::quantized::expected_fp4_cache_header(spec, 0, kind).ok()
         }
+        // A GGUF whose expert blocks `auto` keeps as stored (Q4_K / Q6_K layouts, INT8 g32).
+        ExpertWidthRule::Auto if crate::placement::precision::ggml_kept(spec).is_some() => {
+            let kept = crate::placement::precision::ggml_kept(spec).expect("checked");
+            crate::cpu::quantized::expected_ggml_cache_header(spec, 0, &kept).ok()
+        }
         _ => expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok(),
     }) {
         Some(h) => krasis_cache::format::records_bytes(&h).unwrap_or(0),
