@@ -450,6 +450,31 @@ pub fn ggml_int8_g32(ty: GgmlType, bytes: &[u8], rows: usize, k: usize) -> Resul
     Ok(QuantizedMatrix { rows, k, gs: 32, bits: Bits::Int8, q, scales })
 }
 
+/// A `[rows, k]` matrix of `kind` with random codes, scales and minimums and finite f16 `d` /
+/// `dmin` of magnitude 2^-11 .. 2^-8 (benchmarks and tests; `seed` picks the bytes).
+pub fn test_matrix(kind: KQuant, rows: usize, k: usize, seed: u64) -> KQuantMatrix {
+    let mut s = seed | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    };
+    let bb = kind.block_bytes();
+    let mut bytes: Vec<u8> = (0..rows * (k / QK_K) * bb).map(|_| next() as u8).collect();
+    let scales: &[usize] = match kind {
+        KQuant::Q4K => &[0, 2],
+        KQuant::Q6K => &[208],
+    };
+    for b in bytes.chunks_exact_mut(bb) {
+        for &at in scales {
+            let v = f16::from_f32((1 + next() % 100) as f32 / 100.0 * 2f32.powi(-8 - (next() % 4) as i32));
+            b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+        }
+    }
+    KQuantMatrix::from_ggml(kind, &bytes, rows, k).expect("sized from the shape")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

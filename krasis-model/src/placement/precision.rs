@@ -427,6 +427,38 @@ mod tests {
         assert!(est(&spec, WeightBits::Auto) < est(&spec, WeightBits::Int8));
     }
 
+    /// `auto` keeps a Q4_K_M file's experts: Q4_K / Q6_K as stored, Q5_0 / Q8_0 as exact INT8 g32,
+    /// a w13 of two K-quants requantised; any other type (or Q8_0 alone) keeps the widths rule.
+    #[test]
+    fn auto_keeps_q4_k_m_types() {
+        use GgmlType::{Q4K, Q4_0, Q5_0, Q6K, Q8_0};
+        let mut spec = tiny_spec();
+        let set = |spec: &mut ModelSpec, t: [[GgmlType; 3]; 3]| {
+            spec.expert_source_types = t.iter().map(|l| l.map(GgmlType::id)).collect();
+            spec.expert_source_bits = t.iter().map(|l| l.map(GgmlType::code_bits)).collect();
+        };
+        set(&mut spec, [[Q4K, Q4K, Q6K], [Q5_0, Q5_0, Q4K], [Q4K, Q6K, Q8_0]]);
+        let kept = ggml_kept(&spec).expect("kept");
+        let (q4, q6) = (KeptPart::KQuant(KQuant::Q4K), KeptPart::KQuant(KQuant::Q6K));
+        let exact = KeptPart::Int8G32 { exact: true };
+        let got: Vec<_> = kept.iter().map(|l| (l.w13, l.w2)).collect();
+        assert_eq!(got, vec![(q4, q6), (exact, q4), (KeptPart::Int8G32 { exact: false }, exact)]);
+        assert_eq!(
+            describe_expert_bits(&spec, WeightBits::Auto),
+            "GGUF blocks as stored: w13 Q4_K / w2 Q6_K × 1 layer, w13 int8 g32 (exact) / w2 Q4_K × 1 layer, \
+             w13 int8 g32 (requantised) / w2 int8 g32 (exact) × 1 layer"
+        );
+        for p in [q4, q6, exact] {
+            assert_eq!(KeptPart::from_code(p.code()), Some(p));
+        }
+        set(&mut spec, [[Q4K, Q4K, Q6K], [Q4K, Q4K, Q4_0], [Q4K, Q4K, Q4K]]);
+        assert!(ggml_kept(&spec).is_none(), "Q4_0 is not kept");
+        set(&mut spec, [[Q8_0; 3]; 3]);
+        assert!(ggml_kept(&spec).is_none(), "all Q8_0 shares the INT8 cache");
+        spec.expert_source_types.clear();
+        assert!(ggml_kept(&spec).is_none(), "no types, nothing kept");
+    }
+
     #[test]
     fn describe_counts_runs_of_layers() {
         let (i4, i8) = (LayerBits::uniform(Bits::Int4), LayerBits { w13: Bits::Int4, w2: Bits::Int8 });
