@@ -71,12 +71,21 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
     let bb = l.block_bytes();
     let mask = _mm512_set1_epi8(0x0f);
     let m3 = _mm512_set1_epi8(0x30);
+    // A decode token (M ≤ 2: value and residual rows) keeps its outputs in registers across the
+    // groups: through memory, each group's fmas would wait on the last one's store.
+    let in_regs = acts.m <= 2;
     for (bi, b) in blocks.enumerate() {
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
         if groups.start == 0 {
             for i in 0..acts.m {
                 _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
+            }
+        }
+        let mut yr = [_mm512_setzero_ps(); 2];
+        if in_regs {
+            for (i, r) in yr.iter_mut().enumerate().take(acts.m) {
+                *r = _mm512_loadu_ps(y.add(i * ncols));
             }
         }
         for g in groups.clone() {
@@ -125,23 +134,35 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
             }
             for i in 0..acts.m {
                 let xg = acts.q.as_ptr().add(i * k + g * gs);
-                let (mut a0, mut a1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                // Four independent chains (integer sums: any order gives the same bits).
+                let mut a = [_mm512_setzero_si512(); 4];
                 for c in 0..chunks {
-                    a0 = _mm512_dpbusd_epi32(a0, planes[2 * c], bcast4(xg.add(8 * c)));
-                    a1 = _mm512_dpbusd_epi32(a1, planes[2 * c + 1], bcast4(xg.add(8 * c + 4)));
+                    let e = 2 * (c % 2);
+                    a[e] = _mm512_dpbusd_epi32(a[e], planes[2 * c], bcast4(xg.add(8 * c)));
+                    a[e + 1] = _mm512_dpbusd_epi32(a[e + 1], planes[2 * c + 1], bcast4(xg.add(8 * c + 4)));
                 }
-                let mut acc = _mm512_add_epi32(a0, a1);
+                let mut acc = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
                 let sum = acts.sums[i * ng + g];
                 if Q6 {
                     acc = _mm512_sub_epi32(acc, _mm512_set1_epi32(32 * sum));
                 }
                 let sx = _mm512_set1_ps(acts.scales[i * ng + g]);
                 let yp = y.add(i * ncols);
-                let mut yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(ds, sx), _mm512_loadu_ps(yp));
+                let y0 = if in_regs { yr[i] } else { _mm512_loadu_ps(yp) };
+                let mut yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(ds, sx), y0);
                 if !Q6 {
                     yv = _mm512_fnmadd_ps(_mm512_set1_ps(sum as f32), _mm512_mul_ps(mins, sx), yv);
                 }
-                _mm512_storeu_ps(yp, yv);
+                if in_regs {
+                    yr[i] = yv;
+                } else {
+                    _mm512_storeu_ps(yp, yv);
+                }
+            }
+        }
+        if in_regs {
+            for (i, r) in yr.iter().enumerate().take(acts.m) {
+                _mm512_storeu_ps(y.add(i * ncols), *r);
             }
         }
     }
