@@ -674,6 +674,12 @@ def main():
     ref_path = cache / "reference.json"
     model_dir = cache / "mixtral-smollm2"
     if q4km and not study:
+        done = cache / "q4km.json"
+        if done.is_file() and (cache / Q4KM_GGUF).is_file():
+            d = json.loads(done.read_text())
+            if d.get("version") == Q4KM_VERSION and d.get("source") == q4km.name:
+                log(f"{done}: complete (version {Q4KM_VERSION}), nothing to do")
+                return
         gguf = fetch(cache)
         hp, w, tok = load_dense(gguf)
         from tokenizers import Tokenizer

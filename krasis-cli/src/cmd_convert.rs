@@ -75,10 +75,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (Some(ExpertWidthRule::Auto), kind) if files.spec().moe.is_some() && (kind.is_some() || kept) => {
             eprintln!(
                 "routed experts on the CPU: {}",
-                krasis_model::placement::precision::describe_expert_bits(
-                    files.spec(),
-                    WeightBits::Auto
-                )
+                krasis_model::placement::precision::describe_expert_bits(files.spec(), WeightBits::Auto)
             );
             let mut log = Vec::new();
             let opts = krasis_model::cpu::load::EngineOptions {

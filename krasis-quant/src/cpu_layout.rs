@@ -101,7 +101,16 @@ impl PackedLayout {
             return Err(QuantError::KNotMultipleOf32 { k });
         }
         let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
-        Ok(PackedLayout { rows, rows_padded, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind), asym: false, kq: None })
+        Ok(PackedLayout {
+            rows,
+            rows_padded,
+            k,
+            gs: kind.group(),
+            bits: Bits::Int4,
+            fp4: Some(kind),
+            asym: false,
+            kq: None,
+        })
     }
 
     /// The layout of a `[rows, k]` matrix in asymmetric INT4 g32 ([`crate::int4_asym`]). `k`

@@ -87,7 +87,12 @@ fn write_model(path: &std::path::Path, types: &[[GgmlType; 3]]) {
         for (name, rows) in [("attn_q", h), ("attn_k", h / 2), ("attn_v", h / 2), ("attn_output", h)] {
             w.tensor(&format!("{p}.{name}.weight"), &[h, rows], GgmlType::F32, normal((h * rows) as usize, 0.05));
         }
-        w.tensor(&format!("{p}.ffn_gate_inp.weight"), &[h, EXPERTS as u64], GgmlType::F32, normal(HIDDEN * EXPERTS, 0.5));
+        w.tensor(
+            &format!("{p}.ffn_gate_inp.weight"),
+            &[h, EXPERTS as u64],
+            GgmlType::F32,
+            normal(HIDDEN * EXPERTS, 0.5),
+        );
         for (j, part) in ["gate", "up", "down"].iter().enumerate() {
             let n = HIDDEN * INTER * EXPERTS / t[j].block_elems();
             let dims = [h, INTER as u64, EXPERTS as u64];
@@ -160,7 +165,9 @@ fn auto_keeps_q4_k_m_expert_blocks_exactly() {
         assert!(err < bar, "layer {layer}: relative error {err:.3e} (bar {bar:e})");
     }
     // Explicit widths still requantise (their own cache).
-    let (c8, _) = open_expert_cache(&files, ExpertWidthRule::Uniform(krasis_quant::Bits::Int8), 128, Some(dir.path()), &pool).unwrap();
+    let (c8, _) =
+        open_expert_cache(&files, ExpertWidthRule::Uniform(krasis_quant::Bits::Int8), 128, Some(dir.path()), &pool)
+            .unwrap();
     assert!(c8.path().ends_with("experts_cpu_int8_g128.bin"), "{}", c8.path().display());
 }
 

@@ -209,6 +209,9 @@ fn q4_k_m_gguf_auto_keeps_the_files_perplexity() {
     eprintln!(
         "Q4_K_M GGUF, auto ({kept}): perplexity {got:.6} (the file's own {own:.6}: {rel_own:+.2e}; with INT8 activations ideally {ideal:.6}: {rel_ideal:+.2e})"
     );
-    assert!(rel_ideal.abs() <= 5e-5, "perplexity {got:.6} is {rel_ideal:+.2e} from its INT8-activation ideal {ideal:.6}");
+    assert!(
+        rel_ideal.abs() <= 5e-5,
+        "perplexity {got:.6} is {rel_ideal:+.2e} from its INT8-activation ideal {ideal:.6}"
+    );
     assert!(rel_own.abs() <= 5e-5, "perplexity {got:.6} is {rel_own:+.2e} from the file's own {own:.6}");
 }

@@ -128,7 +128,8 @@ pub(super) unsafe fn matmul(
                         acc = _mm256_sub_epi32(acc, _mm256_set1_epi32(32 * sum));
                     }
                     let yh = yp.add(8 * h);
-                    let mut yv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ds[h], sx), _mm256_loadu_ps(yh));
+                    let mut yv =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ds[h], sx), _mm256_loadu_ps(yh));
                     if !q6 {
                         yv = _mm256_fnmadd_ps(_mm256_set1_ps(sum as f32), _mm256_mul_ps(mins[h], sx), yv);
                     }

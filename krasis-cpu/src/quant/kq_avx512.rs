@@ -88,6 +88,8 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
                 *r = _mm512_loadu_ps(y.add(i * ncols));
             }
         }
+        // The super-block's f16 `d` and `dmin` as f32, read at its first group.
+        let (mut d, mut dmin) = (_mm512_setzero_ps(), _mm512_setzero_ps());
         for g in groups.clone() {
             let hdr = blk.add(l.scales_offset(g));
             let jg = g % gpsb;
@@ -102,18 +104,21 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
                     _mm_prefetch::<HINT>(wp.wrapping_add(pfd + u * CHUNK) as *const i8);
                 }
             }
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(hdr as *const __m256i));
+            if jg == 0 || g == groups.start {
+                d = _mm512_cvtph_ps(_mm256_loadu_si256(hdr as *const __m256i));
+                if !Q6 {
+                    dmin = _mm512_cvtph_ps(_mm256_loadu_si256(hdr.add(32) as *const __m256i));
+                }
+            }
             let ds = _mm512_mul_ps(d, bytes_f32::<Q6>(hdr.add(64 + 16 * jg)));
-            let mins = if Q6 {
-                _mm512_setzero_ps()
-            } else {
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(hdr.add(32) as *const __m256i));
-                _mm512_mul_ps(dmin, bytes_f32::<false>(hdr.add(192 + 16 * jg)))
-            };
+            let mins =
+                if Q6 { _mm512_setzero_ps() } else { _mm512_mul_ps(dmin, bytes_f32::<false>(hdr.add(192 + 16 * jg))) };
             // The group's code planes: plane 2c holds (row j, k0 + b) at byte 4j + b, plane
             // 2c + 1 (row j, k0 + 4 + b), k0 = 8c.
             let mut planes = [_mm512_setzero_si512(); 8];
-            let chunks = gs / 8;
+            // A compile-time count, so the planes stay in registers (Q4_K: 4 chunks, Q6_K: 2).
+            let chunks = if Q6 { 2 } else { 4 };
+            debug_assert_eq!(chunks, gs / 8);
             let hb = if Q6 { _mm512_loadu_si512(wp.add(2 * CHUNK) as *const _) } else { _mm512_setzero_si512() };
             for c in 0..chunks {
                 let v = _mm512_loadu_si512(wp.add(c * CHUNK) as *const _);

@@ -631,9 +631,9 @@ fn ggml_expert_record(
     e: usize,
 ) -> Result<Vec<u8>> {
     let (hid, i) = (h.hidden as usize, h.intermediate as usize);
-    let kept = ggml_kept(spec)
-        .and_then(|k| k.get(li).copied())
-        .ok_or_else(|| ModelError::Invalid(format!("expert cache {CPU_GGML_LAYOUT_NAME}: layer {layer} is not kept")))?;
+    let kept = ggml_kept(spec).and_then(|k| k.get(li).copied()).ok_or_else(|| {
+        ModelError::Invalid(format!("expert cache {CPU_GGML_LAYOUT_NAME}: layer {layer} is not kept"))
+    })?;
     let x = ExpertSource::read(loader, spec, layer, e, i)?;
     let shapes = [(i, hid), (i, hid), (hid, i)];
     let blocks = |j: usize| -> Result<(krasis_quant::ggml::GgmlType, crate::source::SharedBytes)> {
@@ -969,7 +969,8 @@ impl CpuQuantExperts {
     /// The kept parts per layer, as [`describe_kept`] words them.
     fn ggml_description(&self) -> String {
         let h = self.cache.header();
-        let parts: Vec<(KeptPart, KeptPart)> = (0..h.moe_layers.len()).filter_map(|li| ggml_parts(h, li).ok()).collect();
+        let parts: Vec<(KeptPart, KeptPart)> =
+            (0..h.moe_layers.len()).filter_map(|li| ggml_parts(h, li).ok()).collect();
         describe_kept(&parts)
     }
 
