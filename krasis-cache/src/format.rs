@@ -92,17 +92,21 @@ pub fn describe_widths(widths: &[(u8, u8)]) -> String {
             return format!("int{b}");
         }
     }
-    let mut runs: Vec<((u8, u8), usize)> = Vec::new();
-    for &w in widths {
+    describe_layer_runs(widths, |(a, b)| format!("w13 int{a} / w2 int{b}"))
+}
+
+/// Each distinct item of `layers` (one per layer) shown by `show` with its layer count, in order
+/// of first appearance: `"<shown> × 10 layers, <shown> × 1 layer"`.
+pub fn describe_layer_runs<K: PartialEq + Copy>(layers: &[K], show: impl Fn(K) -> String) -> String {
+    let mut runs: Vec<(K, usize)> = Vec::new();
+    for &w in layers {
         match runs.iter_mut().find(|(k, _)| *k == w) {
             Some((_, n)) => *n += 1,
             None => runs.push((w, 1)),
         }
     }
-    let shown: Vec<String> = runs
-        .iter()
-        .map(|((a, b), n)| format!("w13 int{a} / w2 int{b} × {n} layer{}", if *n == 1 { "" } else { "s" }))
-        .collect();
+    let shown: Vec<String> =
+        runs.iter().map(|&(k, n)| format!("{} × {n} layer{}", show(k), if n == 1 { "" } else { "s" })).collect();
     shown.join(", ")
 }
 

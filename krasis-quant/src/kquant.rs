@@ -143,10 +143,12 @@ impl KQuantMatrix {
         if k == 0 || !k.is_multiple_of(QK_K) {
             return Err(KQuantError::Ragged { ty, rows, k, block: QK_K });
         }
-        let expected = rows * (k / QK_K) * kind.block_bytes();
-        if bytes.len() != expected {
+        let expected = rows.checked_mul(k / QK_K).and_then(|n| n.checked_mul(kind.block_bytes()));
+        let Some(expected) = expected.filter(|&e| e == bytes.len()) else {
+            let expected = expected.unwrap_or(usize::MAX);
             return Err(KQuantError::BlockBytes { ty, rows, k, found: bytes.len(), expected });
-        }
+        };
+        debug_assert_eq!(bytes.len(), expected);
         Ok(KQuantMatrix { kind, rows, k, blocks: bytes.to_vec() })
     }
 
@@ -412,9 +414,9 @@ pub fn ggml_int8_g32(ty: GgmlType, bytes: &[u8], rows: usize, k: usize) -> Resul
     if !matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0) {
         return Err(KQuantError::NotInt8G32(ty));
     }
-    let n = rows * k / 32;
-    let expected = n * ty.block_bytes();
-    if bytes.len() != expected {
+    let n = rows.checked_mul(k / 32).unwrap_or(usize::MAX);
+    let expected = n.checked_mul(ty.block_bytes()).unwrap_or(usize::MAX);
+    if bytes.len() != expected || n == usize::MAX {
         return Err(KQuantError::BlockBytes { ty, rows, k, found: bytes.len(), expected });
     }
     let mut q = vec![0i8; rows * k];

@@ -14,32 +14,10 @@ fn acts_for(x: &[f32], m: usize, k: usize, kind: KQuant) -> QuantizedActs {
     a
 }
 
-/// Random blocks of `kind` for a `[rows, 256 · sbs]` matrix: any codes, scales and minimums,
-/// f16 `d` / `dmin` of magnitude `2^-e` for `e` in 3..=10 (finite, as llama.cpp writes them).
+/// Random blocks of `kind` for a `[rows, 256 · sbs]` matrix (`kquant::test_matrix`: any codes,
+/// scales and minimums, finite f16 `d` / `dmin`).
 fn blocks(kind: KQuant, rows: usize, sbs: usize, seed: u64) -> KQuantMatrix {
-    let bb = kind.ggml().block_bytes();
-    let mut s = seed | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        s
-    };
-    let mut bytes: Vec<u8> = (0..rows * sbs * bb).map(|_| next() as u8).collect();
-    for b in bytes.chunks_exact_mut(bb) {
-        let mut f16 = |x: &mut [u8]| {
-            let v = half::f16::from_f32((1 + next() % 1000) as f32 / 1000.0 * 2f32.powi(-((3 + next() % 8) as i32)));
-            x.copy_from_slice(&v.to_bits().to_le_bytes());
-        };
-        match kind {
-            KQuant::Q4K => {
-                f16(&mut b[0..2]);
-                f16(&mut b[2..4]);
-            }
-            KQuant::Q6K => f16(&mut b[208..210]),
-        }
-    }
-    KQuantMatrix::from_ggml(kind, &bytes, rows, 256 * sbs).unwrap()
+    kquant::test_matrix(kind, rows, 256 * sbs, seed)
 }
 
 /// `acts · Wᵀ` in f64 from ggml's dequantised weights and the exact activations, and per output

@@ -42,6 +42,19 @@ pub fn cpu_fp4_layout_name(kind: Fp4Kind) -> &'static str {
     }
 }
 
+/// `spec`'s routed experts, its hidden size and their width, which the fused gate+up layout needs
+/// to be a multiple of 16 (an error naming the field otherwise).
+fn routed_dims(spec: &ModelSpec) -> Result<(&crate::spec::MoeSpec, usize, usize)> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    if !i.is_multiple_of(ROW_BLOCK) {
+        return Err(ModelError::Invalid(format!(
+            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
+        )));
+    }
+    Ok((moe, h, i))
+}
+
 /// The 4-bit float format of an expert cache's records (from its layout name), `None` for the
 /// INT4/INT8 layout.
 pub fn cache_fp4(h: &CacheHeader) -> Option<Fp4Kind> {
@@ -51,13 +64,7 @@ pub fn cache_fp4(h: &CacheHeader) -> Option<Fp4Kind> {
 /// The expert cache header of `spec`'s routed experts kept in the 4-bit float format `kind`
 /// (every MoE layer; groups of `kind.group()` along both K).
 pub fn expected_fp4_cache_header(spec: &ModelSpec, config_hash: u64, kind: Fp4Kind) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
+    let (moe, h, i) = routed_dims(spec)?;
     let w13 = PackedLayout::new_fp4(2 * i, h, kind).map_err(|e| quant_err("hidden_size", e))?;
     let w2 = PackedLayout::new_fp4(h, i, kind).map_err(|e| quant_err("moe_intermediate_size", e))?;
     let shape =
@@ -80,13 +87,7 @@ pub fn cache_int4_asym(h: &CacheHeader) -> bool {
 
 /// The expert cache header of `spec`'s routed experts in asymmetric INT4 g32 (every MoE layer).
 pub fn expected_int4_asym_cache_header(spec: &ModelSpec, config_hash: u64) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
+    let (moe, h, i) = routed_dims(spec)?;
     let w13 = PackedLayout::new_int4_asym(2 * i, h).map_err(|e| quant_err("hidden_size", e))?;
     let w2 = PackedLayout::new_int4_asym(h, i).map_err(|e| quant_err("moe_intermediate_size", e))?;
     let shape =
@@ -126,13 +127,7 @@ fn ggml_part_layout(rows: usize, k: usize, part: KeptPart, what: &str) -> Result
 
 /// The expert cache header of `spec`'s routed experts kept as `kept` (one entry per MoE layer).
 pub fn expected_ggml_cache_header(spec: &ModelSpec, config_hash: u64, kept: &[LayerKept]) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
+    let (moe, h, i) = routed_dims(spec)?;
     let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
     if kept.len() != moe_layers.len() {
         return Err(ModelError::Invalid(format!("{} kept layers for {} MoE layers", kept.len(), moe_layers.len())));
@@ -313,13 +308,9 @@ pub fn expected_cache_header(
     bits: &[LayerBits],
     group: usize,
 ) -> Result<CacheHeader> {
+    routed_dims(spec)?;
     let shape = expert_shape(spec, group)?;
     let ExpertShape { hidden: h, inter: i, gs_h, gs_i, .. } = shape;
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
     let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
     if bits.len() != moe_layers.len() {
         return Err(ModelError::Invalid(format!("{} expert widths for {} MoE layers", bits.len(), moe_layers.len())));

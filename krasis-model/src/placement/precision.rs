@@ -238,18 +238,7 @@ pub fn ggml_kept(spec: &ModelSpec) -> Option<Vec<LayerKept>> {
 
 /// The kept layers for logs: `"ggml blocks as stored: w13 Q4_K / w2 Q6_K × 2 layers, …"`.
 pub fn describe_kept(kept: &[(KeptPart, KeptPart)]) -> String {
-    let mut runs: Vec<((KeptPart, KeptPart), usize)> = Vec::new();
-    for &k in kept {
-        match runs.iter_mut().find(|(r, _)| *r == k) {
-            Some((_, n)) => *n += 1,
-            None => runs.push((k, 1)),
-        }
-    }
-    let shown: Vec<String> = runs
-        .iter()
-        .map(|((a, b), n)| format!("w13 {a} / w2 {b} × {n} layer{}", if *n == 1 { "" } else { "s" }))
-        .collect();
-    format!("GGUF blocks as stored: {}", shown.join(", "))
+    format!("GGUF blocks as stored: {}", krasis_cache::describe_layer_runs(kept, |(a, b)| format!("w13 {a} / w2 {b}")))
 }
 
 /// `--cpu-expert-bits` as an engine runs it on `spec`: `Auto` on weights without per-tensor
