@@ -379,7 +379,7 @@ pub fn w13_layout(gate: &KQuantMatrix, up: &KQuantMatrix) -> Result<PackedLayout
     if !gate.rows.is_multiple_of(ROW_BLOCK) {
         return Err(QuantError::W13Rows { rows: gate.rows }.into());
     }
-    Ok(PackedLayout::new_kquant(2 * gate.rows, gate.k, gate.kind)?)
+    PackedLayout::new_kquant(2 * gate.rows, gate.k, gate.kind)
 }
 
 /// Fused gate+up (w13): the row blocks of `gate` and `up` interleaved, as
@@ -414,9 +414,9 @@ pub fn ggml_int8_g32(ty: GgmlType, bytes: &[u8], rows: usize, k: usize) -> Resul
     if !matches!(ty, GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0) {
         return Err(KQuantError::NotInt8G32(ty));
     }
-    let n = rows.checked_mul(k / 32).unwrap_or(usize::MAX);
-    let expected = n.checked_mul(ty.block_bytes()).unwrap_or(usize::MAX);
-    if bytes.len() != expected || n == usize::MAX {
+    let n = rows.saturating_mul(k / 32);
+    let expected = n.saturating_mul(ty.block_bytes());
+    if bytes.len() != expected || expected == usize::MAX {
         return Err(KQuantError::BlockBytes { ty, rows, k, found: bytes.len(), expected });
     }
     let mut q = vec![0i8; rows * k];

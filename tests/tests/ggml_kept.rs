@@ -147,7 +147,7 @@ fn auto_keeps_q4_k_m_expert_blocks_exactly() {
     for tok in 0..t {
         routes.push(&[tok % EXPERTS, (3 * tok + 1) % EXPERTS], &[0.6, 0.4]);
     }
-    for layer in 0..types.len() {
+    for (layer, ty) in types.iter().enumerate() {
         let mut got = vec![0f32; t * HIDDEN];
         ex.run(layer, &x, t, &routes, &mut got);
         let krasis_model::model::tensors::FfnTensors::Moe { experts, .. } = &tensors.layers[layer].ffn else {
@@ -157,7 +157,7 @@ fn auto_keeps_q4_k_m_expert_blocks_exactly() {
         let mut want = vec![0f32; t * HIDDEN];
         reference.run(&x, t, &routes, &mut want);
         let err = rel_l2(&got, &want);
-        eprintln!("layer {layer} {:?}: relative error {err:.3e} against the exact experts", types[layer]);
+        eprintln!("layer {layer} {ty:?}: relative error {err:.3e} against the exact experts");
         // Kept exactly: the activations' INT8 value + residual split alone (measured 5.6e-5 and
         // 4.0e-5). The requantised w13 of layer 2: INT8 g32's rounding of uniform random codes
         // (measured 7.6e-3).

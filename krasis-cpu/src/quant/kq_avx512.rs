@@ -153,15 +153,18 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
                 }
                 let sx = _mm512_set1_ps(acts.scales[i * ng + g]);
                 let yp = y.add(i * ncols);
-                let y0 = if in_regs { yr[i] } else { _mm512_loadu_ps(yp) };
+                let reg = if in_regs { yr.get_mut(i) } else { None };
+                let y0 = match &reg {
+                    Some(r) => **r,
+                    None => _mm512_loadu_ps(yp),
+                };
                 let mut yv = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(ds, sx), y0);
                 if !Q6 {
                     yv = _mm512_fnmadd_ps(_mm512_set1_ps(sum as f32), _mm512_mul_ps(mins, sx), yv);
                 }
-                if in_regs {
-                    yr[i] = yv;
-                } else {
-                    _mm512_storeu_ps(yp, yv);
+                match reg {
+                    Some(r) => *r = yv,
+                    None => _mm512_storeu_ps(yp, yv),
                 }
             }
         }
