@@ -40,9 +40,26 @@ pub(super) unsafe fn matmul(
     out: &mut [f32],
     pf: Prefetch,
 ) {
-    let kind = l.kq.expect("a K-quant layout");
-    let q6 = kind == KQuant::Q6K;
     let pfd = if pf.hint == PrefetchHint::None { 0 } else { pf.distance };
+    match l.kq.expect("a K-quant layout") {
+        KQuant::Q4K => run::<false>(w, l, acts, blocks, groups, out, pfd),
+        KQuant::Q6K => run::<true>(w, l, acts, blocks, groups, out, pfd),
+    }
+}
+
+/// The kernel for one format (`Q6` false: Q4_K, true: Q6_K): the chunk count a compile-time
+/// constant, so the planes stay in registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run<const Q6: bool>(
+    w: &[u8],
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    blocks: Range<usize>,
+    groups: Range<usize>,
+    out: &mut [f32],
+    pfd: usize,
+) {
+    let (kind, q6) = if Q6 { (KQuant::Q6K, true) } else { (KQuant::Q4K, false) };
     let (k, gs, ng, gpsb) = (l.k, l.gs, l.groups(), kind.groups_per_sb());
     let gwb = l.group_weight_bytes();
     let ncols = blocks.len() * ROW_BLOCK;
@@ -86,7 +103,8 @@ pub(super) unsafe fn matmul(
             }
             // planes[h][2c], planes[h][2c + 1]: as kq_avx512's, per half.
             let mut planes = [[_mm256_setzero_si256(); 8]; 2];
-            let chunks = gs / 8;
+            let chunks = if Q6 { 2 } else { 4 };
+            debug_assert_eq!(chunks, gs / 8);
             for (h, ph) in planes.iter_mut().enumerate() {
                 let hb = if q6 {
                     _mm256_loadu_si256(wp.add(2 * CHUNK + 32 * h) as *const __m256i)
