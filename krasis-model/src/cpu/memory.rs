@@ -21,7 +21,8 @@ pub fn format_name(w: WeightBits) -> &'static str {
         WeightBits::Int8 => "int8 g128",
         WeightBits::Int4 => "int4 g128",
         WeightBits::Int4Asym => "int4a g32",
-        WeightBits::Auto => "auto g128",
+        // Per projection from the source (on a Q4_K_M GGUF: its blocks as stored, groups of 32).
+        WeightBits::Auto => "auto",
     }
 }
 
