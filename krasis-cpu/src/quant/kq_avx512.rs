@@ -13,13 +13,8 @@ use std::ops::Range;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::kquant::KQuant;
 
+use super::avx512::bcast4;
 use super::{Prefetch, PrefetchHint, QuantizedActs};
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn bcast4(p: *const i8) -> __m512i {
-    _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
-}
 
 /// 16 bytes at `p` as f32 lanes: unsigned, or signed when `SIGNED`.
 #[inline]

@@ -113,6 +113,14 @@ impl QuantizedActs {
     }
 }
 
+/// Zero the 16 output columns of row block `bi` (of a call's `ncols`) in each of the `m` rows of
+/// `out`: where the scalar kernels start a call over groups from 0.
+pub(super) fn zero_block_columns(out: &mut [f32], m: usize, ncols: usize, bi: usize) {
+    for row in out.chunks_exact_mut(ncols).take(m) {
+        row[bi * ROW_BLOCK..(bi + 1) * ROW_BLOCK].fill(0.0);
+    }
+}
+
 /// 1.5 · 2²³: adding it to |v| < 2²² rounds `v` half to even (see [`round_clamp_127`]).
 const MAGIC: f32 = 12_582_912.0;
 /// Bit pattern of [`MAGIC`].
