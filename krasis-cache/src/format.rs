@@ -67,8 +67,8 @@ impl CacheHeader {
         self.parts.iter().all(|p| p.w13_bits == b && p.w2_bits == b).then_some(b)
     }
 
-    /// The records' format for logs: the 4-bit float or asymmetric INT4 format a layout name
-    /// carries (`cpu-rb16-mxfp4-v1`: `"mxfp4"`, whose widths say only 4 bits), else the
+    /// The records' format for logs: the 4-bit float, asymmetric INT4 or GGUF-blocks format a
+    /// layout name carries (`cpu-rb16-mxfp4-v1`: `"mxfp4"`, whose widths say only 4 bits), else the
     /// per-projection widths (see [`describe_widths`]).
     pub fn bits_summary(&self) -> String {
         if let Some(f) = LAYOUT_FORMATS.iter().find(|f| self.layout.split('-').any(|part| part == **f)) {
@@ -79,8 +79,9 @@ impl CacheHeader {
 }
 
 /// The formats a layout name names as a `-`-separated part beyond its widths (the CPU and GPU FP4
-/// layouts, asymmetric INT4).
-const LAYOUT_FORMATS: [&str; 3] = ["mxfp4", "nvfp4", "int4a"];
+/// layouts, asymmetric INT4, GGUF blocks kept as stored, whose widths 4 / 6 / 8 name Q4_K, Q6_K
+/// and INT8 g32).
+const LAYOUT_FORMATS: [&str; 4] = ["mxfp4", "nvfp4", "int4a", "ggml"];
 
 /// Per-layer `(w13, w2)` widths for logs: `"int4"` when every projection is INT4, else each
 /// distinct pair with its layer count: `"w13 int4 / w2 int8 × 10 layers, w13 int4 / w2 int4 × 16
@@ -91,17 +92,21 @@ pub fn describe_widths(widths: &[(u8, u8)]) -> String {
             return format!("int{b}");
         }
     }
-    let mut runs: Vec<((u8, u8), usize)> = Vec::new();
-    for &w in widths {
+    describe_layer_runs(widths, |(a, b)| format!("w13 int{a} / w2 int{b}"))
+}
+
+/// Each distinct item of `layers` (one per layer) shown by `show` with its layer count, in order
+/// of first appearance: `"<shown> × 10 layers, <shown> × 1 layer"`.
+pub fn describe_layer_runs<K: PartialEq + Copy>(layers: &[K], show: impl Fn(K) -> String) -> String {
+    let mut runs: Vec<(K, usize)> = Vec::new();
+    for &w in layers {
         match runs.iter_mut().find(|(k, _)| *k == w) {
             Some((_, n)) => *n += 1,
             None => runs.push((w, 1)),
         }
     }
-    let shown: Vec<String> = runs
-        .iter()
-        .map(|((a, b), n)| format!("w13 int{a} / w2 int{b} × {n} layer{}", if *n == 1 { "" } else { "s" }))
-        .collect();
+    let shown: Vec<String> =
+        runs.iter().map(|&(k, n)| format!("{} × {n} layer{}", show(k), if n == 1 { "" } else { "s" })).collect();
     shown.join(", ")
 }
 

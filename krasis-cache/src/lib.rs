@@ -42,7 +42,9 @@ pub use dense::{
     DenseHeader, DENSE_FORMAT_VERSION,
 };
 pub use error::CacheError;
-pub use format::{cache_file_name, describe_widths, CacheHeader, LayerParts, FORMAT_VERSION, MAGIC};
+pub use format::{
+    cache_file_name, describe_layer_runs, describe_widths, CacheHeader, LayerParts, FORMAT_VERSION, MAGIC,
+};
 pub use identity::{file_identity, files_identity};
 pub use load::{describe, open, ExpertCache, LoadOptions, LoadReport, Placement};
 pub use temp_files::{remove_temp_files_and_stop, temp_files_in_progress};

@@ -760,9 +760,12 @@ fn mixed_widths_round_trip_with_per_layer_strides() {
         "w13 int4 / w2 int8 × 1 layer, w13 int4 / w2 int4 × 1 layer, w13 int8 / w2 int8 × 1 layer"
     );
     assert_eq!(hdr(1).bits_summary(), "int4");
-    for (layout, want) in
-        [("cpu-rb16-mxfp4-v1", "mxfp4"), ("gpu-tile64-nvfp4-v1", "nvfp4"), ("cpu-rb16-int4a-g32-v1", "int4a")]
-    {
+    for (layout, want) in [
+        ("cpu-rb16-mxfp4-v1", "mxfp4"),
+        ("gpu-tile64-nvfp4-v1", "nvfp4"),
+        ("cpu-rb16-int4a-g32-v1", "int4a"),
+        ("cpu-rb16-ggml-v1", "ggml"),
+    ] {
         let h = CacheHeader { layout: layout.into(), ..hdr(1) };
         assert_eq!(h.bits_summary(), want, "{layout}");
     }

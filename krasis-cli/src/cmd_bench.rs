@@ -100,9 +100,19 @@ fn parse_size(s: &str) -> Result<usize, String> {
     usize::try_from(b).map_err(|_| "too large".to_string())
 }
 
-/// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`.
+/// One V2-Lite-shaped expert (w13 2×1408×2048, w2 2048×1408) packed at `bits`; the GGUF K-quant
+/// formats, whose K must be a multiple of 256, at hidden 2048 and width 1536.
 fn packed_expert(format: GemvFormat) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout) {
     let (h, i) = (2048usize, 1408usize);
+    if let Some((k13, k2)) = format.kquants() {
+        // Random Q4_K / Q6_K blocks kept as stored (`--cpu-expert-bits auto` on a Q4_K_M GGUF).
+        use krasis_quant::kquant;
+        let i = KQUANT_GEMV_INTER;
+        let (gate, up) = (kquant::test_matrix(k13, i, h, 1), kquant::test_matrix(k13, i, h, 2));
+        let down = kquant::test_matrix(k2, h, i, 3);
+        let (w13, l13) = kquant::pack_w13(&gate, &up).expect("shapes");
+        return (w13, l13, kquant::pack(&down), kquant::layout_of(&down));
+    }
     if let Some(kind) = format.fp4() {
         // The stored FP4 blocks (random codes and scales), packed in their CPU layout.
         use krasis_quant::fp4;
@@ -139,6 +149,10 @@ fn packed_expert(format: GemvFormat) -> (Vec<u8>, PackedLayout, Vec<u8>, PackedL
     (w13, l13, pack(&down), PackedLayout::of(&down))
 }
 
+/// The expert width of the K-quant formats in `--expert-gemv` (V2-Lite's 1408 is no multiple of
+/// Q6_K's 256; 1536 is the nearest that is).
+const KQUANT_GEMV_INTER: usize = 1536;
+
 /// The expert formats `--expert-gemv` times.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemvFormat {
@@ -147,11 +161,25 @@ enum GemvFormat {
     Int8,
     Mxfp4,
     Nvfp4,
+    /// w13 and w2 in Q4_K as stored.
+    Q4K,
+    /// w13 Q4_K, w2 Q6_K (Q4_K_M's layers whose down is Q6_K).
+    Q4KM,
+    /// w13 and w2 in Q6_K as stored.
+    Q6K,
 }
 
 impl GemvFormat {
-    const ALL: [GemvFormat; 5] =
-        [GemvFormat::Int4, GemvFormat::Int4a, GemvFormat::Int8, GemvFormat::Mxfp4, GemvFormat::Nvfp4];
+    const ALL: [GemvFormat; 8] = [
+        GemvFormat::Int4,
+        GemvFormat::Int4a,
+        GemvFormat::Int8,
+        GemvFormat::Mxfp4,
+        GemvFormat::Nvfp4,
+        GemvFormat::Q4K,
+        GemvFormat::Q4KM,
+        GemvFormat::Q6K,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -160,12 +188,26 @@ impl GemvFormat {
             GemvFormat::Int8 => "int8",
             GemvFormat::Mxfp4 => "mxfp4",
             GemvFormat::Nvfp4 => "nvfp4",
+            GemvFormat::Q4K => "q4_k",
+            GemvFormat::Q4KM => "q4_k/q6_k",
+            GemvFormat::Q6K => "q6_k",
         }
     }
 
-    /// The integer width (FP4 codes are 4 bits).
+    /// The K-quants of w13 and w2, for the GGUF formats kept as stored.
+    fn kquants(self) -> Option<(krasis_quant::kquant::KQuant, krasis_quant::kquant::KQuant)> {
+        use krasis_quant::kquant::KQuant;
+        match self {
+            GemvFormat::Q4K => Some((KQuant::Q4K, KQuant::Q4K)),
+            GemvFormat::Q4KM => Some((KQuant::Q4K, KQuant::Q6K)),
+            GemvFormat::Q6K => Some((KQuant::Q6K, KQuant::Q6K)),
+            _ => None,
+        }
+    }
+
+    /// The integer width (FP4 codes are 4 bits; Q6_K's 6 count as 8).
     fn bits(self) -> Bits {
-        if self == GemvFormat::Int8 {
+        if matches!(self, GemvFormat::Int8 | GemvFormat::Q6K) {
             Bits::Int8
         } else {
             Bits::Int4
@@ -633,11 +675,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         for isa in isas {
             for fmt in GemvFormat::ALL {
                 let (one, six, rec, traces) = expert_gemv(&pool, isa, fmt, a.gemv_bytes, a.gemv_trace)?;
-                let (format, bits, asym) = (fmt.name(), fmt.bits(), fmt == GemvFormat::Int4a);
+                let (format, bits) = (fmt.name(), fmt.bits());
+                let plain = matches!(fmt, GemvFormat::Int4 | GemvFormat::Int8);
                 let us = |gbps: f64, experts: usize| (rec * experts) as f64 / gbps / 1e3;
                 if !a.json {
                     println!(
-                        "expert GEMV M=1 {:<6} {format:<5}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw, {:.1} µs), {six:6.1} GB/s top-6 per dispatch ({:.0}%, {:.1} µs)",
+                        "expert GEMV M=1 {:<6} {format:<9}: {one:6.1} GB/s one expert per dispatch ({:.0}% of membw, {:.1} µs), {six:6.1} GB/s top-6 per dispatch ({:.0}%, {:.1} µs)",
                         isa.name(),
                         100.0 * one / bw.gb_per_s,
                         us(one, 1),
@@ -648,7 +691,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                         print!("{t}");
                     }
                 }
-                if a.gemv_compare > 0 && !asym && fmt.fp4().is_none() {
+                if a.gemv_compare > 0 && plain {
                     let rows = expert_gemv_compare(&pool, isa, bits, a.gemv_bytes, a.gemv_compare)?;
                     println!(
                         "  variants, {} interleaved passes each: GB/s one expert best / median, top-6 best / median",

@@ -40,8 +40,9 @@ pub struct Args {
     #[arg(long)]
     model: PathBuf,
     /// INT4 or INT8 routed experts, or auto: per projection from a GGUF's types (INT4 from 4-bit or
-    /// narrower, INT8 from 5/6/8-bit and float); INT4 for a safetensors model, except a 4-bit
-    /// float one (NVFP4, MXFP4), whose experts are kept as stored; none: no CPU expert cache (with
+    /// narrower, INT8 from 5/6/8-bit and float; a GGUF of Q4_K/Q6_K/Q5_0/Q8_0 experts is kept
+    /// exactly); INT4 for a safetensors model, except a 4-bit float one (NVFP4, MXFP4), whose
+    /// experts are kept as stored; none: no CPU expert cache (with
     /// --gpu-expert-bits, the GPU one alone).
     // `::std::option::Option` keeps clap from treating the flag as optional: `none` is a value.
     #[arg(long, default_value = "auto", value_parser = cpu_expert_bits_parser())]
@@ -82,11 +83,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (Some(WeightBits::Auto), _) => Some(default_gpu_expert_bits(files.spec())),
         (w, _) => w.and_then(quant_width),
     };
-    // A 4-bit float checkpoint at `auto`: its CPU expert cache holds the experts as stored, built
-    // on its own (no requantisation to share with the GPU cache).
+    // A 4-bit float checkpoint, or a GGUF of K-quant experts, at `auto`: its CPU expert cache holds
+    // the experts as stored, built on its own (no requantisation to share with the GPU cache).
+    let kept = krasis_model::placement::precision::ggml_kept(files.spec()).is_some();
     let bits = match (bits, native_fp4(files.spec())) {
-        (Some(ExpertWidthRule::Auto), Some(kind)) if files.spec().moe.is_some() => {
-            eprintln!("routed experts on the CPU: {kind} (as stored)");
+        (Some(ExpertWidthRule::Auto), kind) if files.spec().moe.is_some() && (kind.is_some() || kept) => {
+            eprintln!(
+                "routed experts on the CPU: {}",
+                krasis_model::placement::precision::describe_expert_bits(files.spec(), WeightBits::Auto)
+            );
             let mut log = Vec::new();
             let opts = krasis_model::cpu::load::EngineOptions {
                 group_size: a.group_size,

@@ -96,11 +96,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         // A 4-bit float format `auto` keeps as stored (every expert projection MXFP4).
         let kept = krasis_model::placement::precision::native_fp4(spec);
+        // GGUF blocks `auto` keeps as stored (Q4_K, Q6_K; Q5_0 / Q8_0 as INT8 g32 of their values).
+        let ggml = krasis_model::placement::precision::ggml_kept(spec);
         for ([g, u, d], b) in kinds {
             let layers = types.iter().filter(|(_, t)| *t == [g, u, d]).count();
-            let cached = match kept {
-                Some(kind) => format!("{kind} as stored"),
-                None => format!("w13 int{}, w2 int{}", b.w13.bits(), b.w2.bits()),
+            let as_kept = ggml.as_ref().and_then(|k| k.iter().find(|l| l.types == [g, u, d]));
+            let cached = match (kept, as_kept) {
+                (Some(kind), _) => format!("{kind} as stored"),
+                (None, Some(l)) => format!("as stored: w13 {}, w2 {}", l.w13, l.w2),
+                (None, None) => format!("w13 int{}, w2 int{}", b.w13.bits(), b.w2.bits()),
             };
             println!(
                 "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): --cpu-expert-bits auto caches {cached}"

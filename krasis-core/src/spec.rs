@@ -413,6 +413,10 @@ pub struct ModelSpec {
     /// Q4_K, 6 for Q6_K, 16 for BF16); empty for checkpoints without one (safetensors).
     /// `--cpu-expert-bits auto` chooses each projection's width from it.
     pub expert_source_bits: Vec<[u32; 3]>,
+    /// Beside [`ModelSpec::expert_source_bits`], the ggml type ids of those projections (a GGUF:
+    /// 12 for Q4_K, 14 for Q6_K, …), which tell `auto` which blocks it keeps as stored; empty
+    /// where the weights carry no type per tensor.
+    pub expert_source_types: Vec<[u32; 3]>,
     /// Each layer's attention window, `num_layers` long or empty (every layer full): `Some(w)`
     /// lets the query at position `p` see the keys `p − w < j ≤ p` (gpt-oss's
     /// `sliding_attention` layers), `None` every key up to its own position.

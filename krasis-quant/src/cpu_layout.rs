@@ -36,11 +36,16 @@
 //! offset) in the INT4 chunk arrangement, groups of 32, and a header of 64 bytes per group: the
 //! 16 rows' f16 scales, then their 16 f16 minimums (`w = scale · q + min`). See
 //! [`crate::int4_asym`].
+//!
+//! **Q4_K / Q6_K kept as stored.** A layout with [`PackedLayout::kq`] set holds llama.cpp's
+//! K-quant codes in row blocks of 16, a header per super-block of 256 and groups of 32 (Q4_K) or
+//! 16 (Q6_K). See [`crate::kquant`].
 
 use half::f16;
 
 use crate::fp4::{Fp4Kind, FP4_FACTOR_BYTES, FP4_LUT_OFFSET};
 use crate::group::{check_group_size, Bits, QuantError, QuantizedMatrix};
+use crate::kquant::KQuant;
 
 /// Rows per row block.
 pub const ROW_BLOCK: usize = 16;
@@ -68,6 +73,10 @@ pub struct PackedLayout {
     /// see [`crate::int4_asym`]). A kernel that reads `bits` alone must refuse a layout with
     /// this set.
     pub asym: bool,
+    /// llama.cpp's Q4_K or Q6_K kept as stored (super-blocks of 256, a group of 32 or 16 per
+    /// scale; see [`crate::kquant`]). `bits` is `Int4` for Q4_K and `Int8` for Q6_K (the width a
+    /// requantisation keeps); a kernel that reads `bits` alone must refuse a layout with this set.
+    pub kq: Option<KQuant>,
 }
 
 impl PackedLayout {
@@ -81,6 +90,7 @@ impl PackedLayout {
             bits,
             fp4: None,
             asym: false,
+            kq: None,
         })
     }
 
@@ -91,7 +101,16 @@ impl PackedLayout {
             return Err(QuantError::KNotMultipleOf32 { k });
         }
         let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
-        Ok(PackedLayout { rows, rows_padded, k, gs: kind.group(), bits: Bits::Int4, fp4: Some(kind), asym: false })
+        Ok(PackedLayout {
+            rows,
+            rows_padded,
+            k,
+            gs: kind.group(),
+            bits: Bits::Int4,
+            fp4: Some(kind),
+            asym: false,
+            kq: None,
+        })
     }
 
     /// The layout of a `[rows, k]` matrix in asymmetric INT4 g32 ([`crate::int4_asym`]). `k`
@@ -101,13 +120,13 @@ impl PackedLayout {
             return Err(QuantError::KNotMultipleOf32 { k });
         }
         let rows_padded = rows.div_ceil(ROW_BLOCK) * ROW_BLOCK;
-        Ok(PackedLayout { rows, rows_padded, k, gs: 32, bits: Bits::Int4, fp4: None, asym: true })
+        Ok(PackedLayout { rows, rows_padded, k, gs: 32, bits: Bits::Int4, fp4: None, asym: true, kq: None })
     }
 
     /// Whether this is the plain symmetric INT4/INT8 layout (neither FP4 nor asymmetric): the
     /// only one the AMX kernel, the BF16 prefill tiles and the GPU read.
     pub fn is_symmetric_int(&self) -> bool {
-        self.fp4.is_none() && !self.asym
+        self.fp4.is_none() && !self.asym && self.kq.is_none()
     }
 
     /// The layout [`pack`] gives `m`.
@@ -125,6 +144,9 @@ impl PackedLayout {
 
     /// Weight bytes of one group of one row block.
     pub fn group_weight_bytes(&self) -> usize {
+        if let Some(kind) = self.kq {
+            return kind.group_weight_bytes();
+        }
         match self.bits {
             Bits::Int8 => ROW_BLOCK * self.gs,
             Bits::Int4 => ROW_BLOCK * self.gs / 2,
@@ -153,14 +175,20 @@ impl PackedLayout {
     /// Bytes of a row block's header: all groups' scales, padded to 64 (FP4: after the 64 bytes
     /// of row factors).
     pub fn header_bytes(&self) -> usize {
+        if self.kq.is_some() {
+            return self.k / crate::ggml::QK_K * crate::kquant::SB_HEADER_BYTES;
+        }
         let factors = if self.fp4.is_some() { FP4_FACTOR_BYTES } else { 0 };
         factors + (self.groups() * self.group_scale_bytes()).div_ceil(CHUNK) * CHUNK
     }
 
     /// Offset of group `g`'s 16 scales inside a row block (f16; FP4: one byte each, after the
-    /// row factors).
+    /// row factors; K-quants: the header of the group's super-block).
     #[inline]
     pub fn scales_offset(&self, g: usize) -> usize {
+        if let Some(kind) = self.kq {
+            return crate::kquant::sb_header_offset(g / kind.groups_per_sb());
+        }
         if self.fp4.is_some() {
             FP4_FACTOR_BYTES + g * ROW_BLOCK
         } else {
@@ -197,13 +225,16 @@ impl PackedLayout {
 
     /// The value a stored weight is offset by (128 for INT8, 8 for INT4; FP4: 12, the offset of
     /// the kernels' code table [`crate::fp4::E2M1_X2_BIASED`]; asymmetric INT4: 0, its codes
-    /// are unsigned as they are).
+    /// are unsigned as they are; K-quants: [`KQuant::offset`]).
     pub fn offset(&self) -> i32 {
         if self.fp4.is_some() {
             return FP4_LUT_OFFSET;
         }
         if self.asym {
             return 0;
+        }
+        if let Some(kind) = self.kq {
+            return kind.offset();
         }
         match self.bits {
             Bits::Int8 => 128,

@@ -331,7 +331,7 @@ fn q4_1(b: &BlockQ4_1, y: &mut [f32]) {
 
 /// The fifth bits of element j and j + 16 of a Q5 block, already at bit 4.
 #[inline]
-fn q5_high(qh: u32, j: usize) -> (u8, u8) {
+pub(crate) fn q5_high(qh: u32, j: usize) -> (u8, u8) {
     ((((qh >> j) << 4) & 0x10) as u8, ((qh >> (j + 12)) & 0x10) as u8)
 }
 
@@ -431,7 +431,7 @@ fn q3_k(b: &BlockQ3K, y: &mut [f32]) {
 
 /// Scale and min of group `j` of a Q4_K / Q5_K block (ggml's `get_scale_min_k4`).
 #[inline]
-fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

@@ -66,6 +66,7 @@ fn bf16_twin(name: &str) {
     assert!((a.rms_norm_eps - b.rms_norm_eps).abs() <= 1e-6 * b.rms_norm_eps, "{name}: eps");
     a.norm_plus_one = b.norm_plus_one;
     a.expert_source_bits = b.expert_source_bits.clone();
+    a.expert_source_types = b.expert_source_types.clone();
     a.rms_norm_eps = b.rms_norm_eps;
     assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
 

@@ -63,6 +63,7 @@ fn gguf_twin_stored(name: &str, expert_bits: u32) {
     let (mut a, b) = (files.spec().clone(), ModelFiles::open(&dir).unwrap().spec().clone());
     assert_eq!(a.expert_source_bits, vec![[expert_bits; 3]; a.moe_layers().count()], "{name}: expert source types");
     a.expert_source_bits = b.expert_source_bits.clone();
+    a.expert_source_types = b.expert_source_types.clone();
     // A GGUF says how its experts are stored by their tensor types, not by a config field.
     a.source_quant = b.source_quant.clone();
     a.rms_norm_eps = b.rms_norm_eps;

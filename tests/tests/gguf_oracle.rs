@@ -47,6 +47,7 @@ fn check_bf16(name: &str) {
     // The GGUF says what each expert tensor is stored in (config.json does not): BF16 here.
     assert_eq!(a.expert_source_bits, vec![[16; 3]; a.moe_layers().count()], "{name}: expert source types");
     a.expert_source_bits = b.expert_source_bits.clone();
+    a.expert_source_types = b.expert_source_types.clone();
     assert_eq!(a, b, "{name}: spec from GGUF metadata differs from config.json's");
     let model = Model::from_files(&files).unwrap_or_else(|e| panic!("{name}: load failed: {e}"));
     for line in check_against_reference(name, &model, &load_reference(&hf)) {

@@ -12,6 +12,7 @@ const REASONS: &[(&str, &[&str])] = &[
     ("no NVRTC", &["libnvrtc"]),
     ("no AMX", &["AMX"]),
     ("no openai package", &["openai"]),
+    ("no Q4_K_M file (llama-quantize)", &["llama-quantize"]),
 ];
 
 /// Skip lines kept per reason for the details printed above the summary line.

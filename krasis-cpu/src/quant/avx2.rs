@@ -21,9 +21,11 @@ use krasis_quant::Bits;
 
 use super::{Prefetch, PrefetchHint, QuantizedActs};
 
+/// The four activation bytes at `p` in every 32-bit lane (the other operand of the weight chunks;
+/// every avx2 kernel's).
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn bcast4(p: *const i8) -> __m256i {
+pub(super) unsafe fn bcast4(p: *const i8) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 

@@ -18,9 +18,11 @@ use krasis_quant::Bits;
 
 use super::{Prefetch, PrefetchHint, QuantizedActs};
 
+/// The four activation bytes at `p` in every 32-bit lane (the other operand of the weight chunks;
+/// every avx512 kernel's).
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn bcast4(p: *const i8) -> __m512i {
+pub(super) unsafe fn bcast4(p: *const i8) -> __m512i {
     _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 

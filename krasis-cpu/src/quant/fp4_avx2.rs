@@ -12,13 +12,8 @@ use std::ops::Range;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::fp4::{Fp4Kind, E2M1_X2_BIASED};
 
+use super::avx2::bcast4;
 use super::{Prefetch, PrefetchHint, QuantizedActs};
-
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn bcast4(p: *const i8) -> __m256i {
-    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
-}
 
 /// The table entries of the low nibbles of `v`.
 #[inline]

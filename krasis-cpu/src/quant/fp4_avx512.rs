@@ -17,13 +17,8 @@ use std::ops::Range;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::fp4::{Fp4Kind, E2M1_X2_BIASED};
 
+use super::avx512::bcast4;
 use super::{Prefetch, PrefetchHint, QuantizedActs};
-
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn bcast4(p: *const i8) -> __m512i {
-    _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
-}
 
 /// The 16 scales of group `g` as f32 times the row factors `f` (the scalar's `s · f`).
 #[inline]

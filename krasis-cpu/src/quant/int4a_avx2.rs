@@ -9,13 +9,8 @@ use std::ops::Range;
 
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 
+use super::avx2::bcast4;
 use super::{Prefetch, PrefetchHint, QuantizedActs};
-
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn bcast4(p: *const i8) -> __m256i {
-    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
-}
 
 /// 8 f16 at `p` as f32.
 #[inline]

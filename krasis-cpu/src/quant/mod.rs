@@ -25,6 +25,13 @@
 //! (`int4a_scalar`, `int4a_avx2` with `maddubs`, `int4a_avx512` with VNNI `vpdpbusd`). No AMX
 //! form either: an asymmetric layout never takes the AMX tiles.
 //!
+//! **Q4_K / Q6_K kept as stored** (a layout with `kq` set, see `krasis_quant::kquant`): the codes
+//! as unsigned bytes (Q6_K's 6 bits rebuilt from its low-nibble and high-bit chunks), per group
+//! of 32 (Q4_K) or 16 (Q6_K) `y = fma(Σ q·x_q, (d · sc) · s_x, y)`, then for Q4_K
+//! `y = fma(−Σ x_q, (dmin · m) · s_x, y)` and for Q6_K the offset `32 · Σ x_q` taken from the
+//! exact integer sum first (`kq_scalar`, `kq_avx2` with `maddubs`, `kq_avx512` with VNNI
+//! `vpdpbusd`). No AMX form: a K-quant layout never takes the AMX tiles.
+//!
 //! Threading is the caller's: [`matmul_packed`] computes any sub-range of row blocks into its own
 //! output, so workers can split a matrix by row blocks (and w13 by block pairs, see
 //! [`silu_mul_w13`]).
@@ -62,6 +69,13 @@ mod int4a_avx512;
 mod int4a_scalar;
 #[cfg(test)]
 mod int4a_tests;
+#[cfg(target_arch = "x86_64")]
+mod kq_avx2;
+#[cfg(target_arch = "x86_64")]
+mod kq_avx512;
+mod kq_scalar;
+#[cfg(test)]
+mod kq_tests;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -101,6 +115,14 @@ impl QuantizedActs {
         (0..self.m * self.k)
             .map(|e| self.q[e] as f32 * self.scales[(e / self.k) * ng + (e % self.k) / self.gs])
             .collect()
+    }
+}
+
+/// Zero the 16 output columns of row block `bi` (of a call's `ncols`) in each of the `m` rows of
+/// `out`: where the scalar kernels start a call over groups from 0.
+pub(super) fn zero_block_columns(out: &mut [f32], m: usize, ncols: usize, bi: usize) {
+    for row in out.chunks_exact_mut(ncols).take(m) {
+        row[bi * ROW_BLOCK..(bi + 1) * ROW_BLOCK].fill(0.0);
     }
 }
 
@@ -343,6 +365,11 @@ fn matmul_groups_with(
             l.k > 0 && l.k.is_multiple_of(32) && l.gs == kind.group(),
             "matmul_packed: inconsistent {kind} layout {l:?}"
         );
+    } else if let Some(kind) = l.kq {
+        assert!(
+            l.k > 0 && l.k.is_multiple_of(256) && l.gs == kind.group(),
+            "matmul_packed: inconsistent {kind} layout {l:?}"
+        );
     } else if l.asym {
         assert!(
             l.k > 0 && l.k.is_multiple_of(32) && l.gs == 32 && l.bits == Bits::Int4,
@@ -402,6 +429,20 @@ fn matmul_groups_with(
             Isa::Avx512 => unsafe { fp4_avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => fp4_scalar::matmul(w, l, acts, blocks, groups, out),
+        }
+        return;
+    }
+    if l.kq.is_some() {
+        // Q4_K / Q6_K have their own kernels (no AMX form).
+        match isa {
+            Isa::Scalar => kq_scalar::matmul(w, l, acts, blocks, groups, out),
+            // SAFETY: the CPU has the features (checked above); shapes checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { kq_avx2::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { kq_avx512::matmul(w, l, acts, blocks, groups, out, prefetch) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => kq_scalar::matmul(w, l, acts, blocks, groups, out),
         }
         return;
     }

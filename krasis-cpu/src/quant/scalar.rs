@@ -57,9 +57,7 @@ pub(super) fn matmul(
     for (bi, b) in blocks.enumerate() {
         let blk = &w[l.block_range(b)];
         if groups.start == 0 {
-            for i in 0..m {
-                out[i * ncols + bi * ROW_BLOCK..i * ncols + (bi + 1) * ROW_BLOCK].fill(0.0);
-            }
+            super::zero_block_columns(out, m, ncols, bi);
         }
         for g in groups.clone() {
             let so = l.scales_offset(g);

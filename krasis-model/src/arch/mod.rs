@@ -433,6 +433,7 @@ impl Common {
             layers: p.layers,
             source_quant: p.source_quant,
             expert_source_bits: Vec::new(),
+            expert_source_types: Vec::new(),
             sliding_windows: Vec::new(),
             attention_sinks: false,
             expert_activation: ExpertActivation::Silu,

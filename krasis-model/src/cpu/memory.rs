@@ -21,7 +21,8 @@ pub fn format_name(w: WeightBits) -> &'static str {
         WeightBits::Int8 => "int8 g128",
         WeightBits::Int4 => "int4 g128",
         WeightBits::Int4Asym => "int4a g32",
-        WeightBits::Auto => "auto g128",
+        // Per projection from the source (on a Q4_K_M GGUF: its blocks as stored, groups of 32).
+        WeightBits::Auto => "auto",
     }
 }
 
@@ -259,6 +260,11 @@ pub fn cpu_estimate(
         ExpertWidthRule::Auto if crate::placement::precision::native_fp4(spec).is_some() => {
             let kind = crate::placement::precision::native_fp4(spec).expect("checked");
             crate::cpu::quantized::expected_fp4_cache_header(spec, 0, kind).ok()
+        }
+        // A GGUF whose expert blocks `auto` keeps as stored (Q4_K / Q6_K layouts, INT8 g32).
+        ExpertWidthRule::Auto if crate::placement::precision::ggml_kept(spec).is_some() => {
+            let kept = crate::placement::precision::ggml_kept(spec).expect("checked");
+            crate::cpu::quantized::expected_ggml_cache_header(spec, 0, &kept).ok()
         }
         _ => expected_cache_header(spec, 0, &b.layer_bits(spec), group).ok(),
     }) {

@@ -14,6 +14,7 @@ use krasis_quant::cpu_layout::{pack_into, pack_w13_into, PackedLayout, ROW_BLOCK
 use krasis_quant::fp4::{self, Fp4Kind, Fp4Matrix};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::int4_asym::{self, ASYM_GROUP};
+use krasis_quant::kquant::{self, KQuant, KQuantMatrix};
 use krasis_quant::{Bits, QuantizedMatrix};
 use rayon::prelude::*;
 
@@ -22,7 +23,9 @@ use crate::cpu::packed_ops::{PackedBytes, PooledMlp};
 use crate::error::{ModelError, Result};
 use crate::model::linear::{DenseLinear, LinearOp, PackedRef};
 use crate::model::weights::WeightLoader;
-use crate::placement::precision::{describe_layer_bits, native_fp4, ExpertWidthRule, LayerBits};
+use crate::placement::precision::{
+    describe_kept, describe_layer_bits, ggml_kept, native_fp4, ExpertWidthRule, KeptPart, LayerBits, LayerKept,
+};
 use crate::source::files::ModelFiles;
 use crate::spec::{FfnKind, ModelSpec};
 
@@ -39,6 +42,19 @@ pub fn cpu_fp4_layout_name(kind: Fp4Kind) -> &'static str {
     }
 }
 
+/// `spec`'s routed experts, its hidden size and their width, which the fused gate+up layout needs
+/// to be a multiple of 16 (an error naming the field otherwise).
+fn routed_dims(spec: &ModelSpec) -> Result<(&crate::spec::MoeSpec, usize, usize)> {
+    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
+    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
+    if !i.is_multiple_of(ROW_BLOCK) {
+        return Err(ModelError::Invalid(format!(
+            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
+        )));
+    }
+    Ok((moe, h, i))
+}
+
 /// The 4-bit float format of an expert cache's records (from its layout name), `None` for the
 /// INT4/INT8 layout.
 pub fn cache_fp4(h: &CacheHeader) -> Option<Fp4Kind> {
@@ -48,13 +64,7 @@ pub fn cache_fp4(h: &CacheHeader) -> Option<Fp4Kind> {
 /// The expert cache header of `spec`'s routed experts kept in the 4-bit float format `kind`
 /// (every MoE layer; groups of `kind.group()` along both K).
 pub fn expected_fp4_cache_header(spec: &ModelSpec, config_hash: u64, kind: Fp4Kind) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
+    let (moe, h, i) = routed_dims(spec)?;
     let w13 = PackedLayout::new_fp4(2 * i, h, kind).map_err(|e| quant_err("hidden_size", e))?;
     let w2 = PackedLayout::new_fp4(h, i, kind).map_err(|e| quant_err("moe_intermediate_size", e))?;
     let shape =
@@ -77,13 +87,7 @@ pub fn cache_int4_asym(h: &CacheHeader) -> bool {
 
 /// The expert cache header of `spec`'s routed experts in asymmetric INT4 g32 (every MoE layer).
 pub fn expected_int4_asym_cache_header(spec: &ModelSpec, config_hash: u64) -> Result<CacheHeader> {
-    let moe = spec.moe.as_ref().ok_or_else(|| ModelError::Invalid("the model has no routed experts".into()))?;
-    let (h, i) = (spec.hidden_size, moe.moe_intermediate_size);
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
+    let (moe, h, i) = routed_dims(spec)?;
     let w13 = PackedLayout::new_int4_asym(2 * i, h).map_err(|e| quant_err("hidden_size", e))?;
     let w2 = PackedLayout::new_int4_asym(h, i).map_err(|e| quant_err("moe_intermediate_size", e))?;
     let shape =
@@ -92,6 +96,77 @@ pub fn expected_int4_asym_cache_header(spec: &ModelSpec, config_hash: u64) -> Re
     let part = LayerParts { w13_bits: 4, w2_bits: 4, w13_bytes: w13.bytes() as u64, w2_bytes: w2.bytes() as u64 };
     let parts = vec![part; moe_layers.len()];
     Ok(shape.header(CPU_INT4_ASYM_LAYOUT_NAME, config_hash, moe_layers, parts))
+}
+
+/// Name of an expert cache whose records keep a GGUF's expert blocks as stored
+/// ([`crate::placement::precision::ggml_kept`]): per layer and projection Q4_K or Q6_K in the
+/// layout of `krasis_quant::kquant` (header width 4 or 6), or INT8 g32 in `cpu-rb16-v1`'s
+/// (width 8). Bump when either changes.
+pub const CPU_GGML_LAYOUT_NAME: &str = "cpu-rb16-ggml-v1";
+
+/// File name of that cache.
+pub const CPU_GGML_CACHE_FILE: &str = "experts_cpu_ggml.bin";
+
+/// Group of the INT8 parts of a [`CPU_GGML_LAYOUT_NAME`] cache (ggml's 32-element blocks).
+const GGML_INT8_GROUP: usize = 32;
+
+/// Whether an expert cache's records keep GGUF blocks as stored (from its layout name).
+pub fn cache_ggml(h: &CacheHeader) -> bool {
+    h.layout == CPU_GGML_LAYOUT_NAME
+}
+
+/// The packed layout of one part of a [`CPU_GGML_LAYOUT_NAME`] record: `[rows, k]` as `part`.
+fn ggml_part_layout(rows: usize, k: usize, part: KeptPart, what: &str) -> Result<PackedLayout> {
+    match part {
+        KeptPart::KQuant(kind) => PackedLayout::new_kquant(rows, k, kind).map_err(|e| quant_err(what, e)),
+        KeptPart::Int8G32 { .. } => {
+            PackedLayout::new(rows, k, GGML_INT8_GROUP, Bits::Int8).map_err(|e| quant_err(what, e))
+        }
+    }
+}
+
+/// The expert cache header of `spec`'s routed experts kept as `kept` (one entry per MoE layer).
+pub fn expected_ggml_cache_header(spec: &ModelSpec, config_hash: u64, kept: &[LayerKept]) -> Result<CacheHeader> {
+    let (moe, h, i) = routed_dims(spec)?;
+    let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
+    if kept.len() != moe_layers.len() {
+        return Err(ModelError::Invalid(format!("{} kept layers for {} MoE layers", kept.len(), moe_layers.len())));
+    }
+    let parts = kept
+        .iter()
+        .map(|k| {
+            let w13 = ggml_part_layout(2 * i, h, k.w13, "w13")?;
+            let w2 = ggml_part_layout(h, i, k.w2, "w2")?;
+            Ok(LayerParts {
+                w13_bits: k.w13.code(),
+                w2_bits: k.w2.code(),
+                w13_bytes: w13.bytes() as u64,
+                w2_bytes: w2.bytes() as u64,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let shape = ExpertShape {
+        hidden: h,
+        inter: i,
+        n_experts: moe.n_routed_experts,
+        gs_h: GGML_INT8_GROUP,
+        gs_i: GGML_INT8_GROUP,
+    };
+    Ok(shape.header(CPU_GGML_LAYOUT_NAME, config_hash, moe_layers, parts))
+}
+
+/// The kept parts of MoE layer `li` of a [`CPU_GGML_LAYOUT_NAME`] header.
+fn ggml_parts(h: &CacheHeader, li: usize) -> Result<(KeptPart, KeptPart)> {
+    let p = &h.parts[li];
+    let part = |code: u8| {
+        KeptPart::from_code(code).ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "expert cache ({}): width {code} at layer {} (4: Q4_K, 6: Q6_K or 8: INT8 g32 expected)",
+                h.layout, h.moe_layers[li]
+            ))
+        })
+    };
+    Ok((part(p.w13_bits)?, part(p.w2_bits)?))
 }
 
 pub use krasis_core::spec::WeightBits;
@@ -233,13 +308,9 @@ pub fn expected_cache_header(
     bits: &[LayerBits],
     group: usize,
 ) -> Result<CacheHeader> {
+    routed_dims(spec)?;
     let shape = expert_shape(spec, group)?;
     let ExpertShape { hidden: h, inter: i, gs_h, gs_i, .. } = shape;
-    if !i.is_multiple_of(ROW_BLOCK) {
-        return Err(ModelError::Invalid(format!(
-            "moe_intermediate_size {i} is not a multiple of {ROW_BLOCK}: the fused gate+up layout needs that"
-        )));
-    }
     let moe_layers: Vec<u32> = spec.moe_layers().map(|l| l as u32).collect();
     if bits.len() != moe_layers.len() {
         return Err(ModelError::Invalid(format!("{} expert widths for {} MoE layers", bits.len(), moe_layers.len())));
@@ -308,6 +379,10 @@ impl ExpertShape {
 
 /// The widths of MoE layer `li` of a cache header.
 pub(crate) fn parts_bits(h: &CacheHeader, li: usize) -> Result<LayerBits> {
+    if cache_ggml(h) {
+        let (a, b) = ggml_parts(h, li)?;
+        return Ok(LayerBits { w13: a.bits(), w2: b.bits() });
+    }
     let p = &h.parts[li];
     let bits = |b: u8| {
         Bits::from_bits(b as u32).ok_or_else(|| {
@@ -327,6 +402,10 @@ fn layouts(h: &CacheHeader, li: usize) -> Result<(PackedLayout, PackedLayout)> {
         let l13 = PackedLayout::new_fp4(2 * i, hid, kind).map_err(|e| quant_err("w13", e))?;
         let l2 = PackedLayout::new_fp4(hid, i, kind).map_err(|e| quant_err("w2", e))?;
         return Ok((l13, l2));
+    }
+    if cache_ggml(h) {
+        let (a, b) = ggml_parts(h, li)?;
+        return Ok((ggml_part_layout(2 * i, hid, a, "w13")?, ggml_part_layout(hid, i, b, "w2")?));
     }
     if cache_int4_asym(h) {
         let l13 = PackedLayout::new_int4_asym(2 * i, hid).map_err(|e| quant_err("w13", e))?;
@@ -449,6 +528,9 @@ fn expert_record(
     if cache_int4_asym(h) {
         return int4_asym_expert_record(loader, spec, h, li, layer, e);
     }
+    if cache_ggml(h) {
+        return ggml_expert_record(loader, spec, h, li, layer, e);
+    }
     let bits = parts_bits(h, li)?;
     let x = ExpertSource::read(loader, spec, layer, e, h.intermediate as usize)?;
     let q = x.quantized(h, bits.w13, bits.w2)?;
@@ -526,6 +608,76 @@ fn int4_asym_expert_record(
     Ok(rec)
 }
 
+/// One expert of MoE layer `li` (model layer `layer`) with its GGUF blocks kept
+/// ([`ggml_kept`]): Q4_K / Q6_K blocks packed as stored, Q5_0 / Q8_0 as INT8 g32 of the same
+/// values, a w13 of two different K-quants requantised to INT8 g32 from the exact values. A
+/// projection stored otherwise than the plan says, or whose blocks disagree with its shape, is an
+/// error naming the tensor.
+fn ggml_expert_record(
+    loader: &WeightLoader<'_>,
+    spec: &ModelSpec,
+    h: &CacheHeader,
+    li: usize,
+    layer: usize,
+    e: usize,
+) -> Result<Vec<u8>> {
+    let (hid, i) = (h.hidden as usize, h.intermediate as usize);
+    let kept = ggml_kept(spec).and_then(|k| k.get(li).copied()).ok_or_else(|| {
+        ModelError::Invalid(format!("expert cache {CPU_GGML_LAYOUT_NAME}: layer {layer} is not kept"))
+    })?;
+    let x = ExpertSource::read(loader, spec, layer, e, i)?;
+    let shapes = [(i, hid), (i, hid), (hid, i)];
+    let blocks = |j: usize| -> Result<(krasis_quant::ggml::GgmlType, crate::source::SharedBytes)> {
+        let name = &x.names[j];
+        let found = loader.source.ggml_blocks(name)?;
+        match found {
+            Some((ty, b)) if ty == kept.types[j] => Ok((ty, b)),
+            other => Err(ModelError::Invalid(format!(
+                "routed expert `{name}` in {}: stored as {}, the expert cache plan says {}",
+                loader.source.location().display(),
+                other.map_or("floats".to_string(), |(t, _)| t.to_string()),
+                kept.types[j]
+            ))),
+        }
+    };
+    let bad = |j: usize, err: &dyn std::fmt::Display| {
+        ModelError::Invalid(format!("routed expert `{}` in {}: {err}", x.names[j], loader.source.location().display()))
+    };
+    let kmatrix = |j: usize, kind: KQuant| -> Result<KQuantMatrix> {
+        let (_, b) = blocks(j)?;
+        let (rows, k) = shapes[j];
+        KQuantMatrix::from_ggml(kind, b.as_slice(), rows, k).map_err(|err| bad(j, &err))
+    };
+    let int8 = |j: usize, exact: bool| -> Result<QuantizedMatrix> {
+        let (rows, k) = shapes[j];
+        if !exact {
+            return Ok(quantize(&x.f32()?[j], rows, k, Bits::Int8, GGML_INT8_GROUP));
+        }
+        let (ty, b) = blocks(j)?;
+        kquant::ggml_int8_g32(ty, b.as_slice(), rows, k).map_err(|err| bad(j, &err))
+    };
+    let parts = h.parts[li];
+    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
+    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
+    match kept.w13 {
+        KeptPart::KQuant(kind) => {
+            kquant::pack_w13_into(&kmatrix(0, kind)?, &kmatrix(1, kind)?, a).map_err(|err| quant_err(&x.what, err))?;
+        }
+        KeptPart::Int8G32 { exact } => {
+            pack_w13_into(&int8(0, exact)?, &int8(1, exact)?, a).map_err(|err| quant_err(&x.what, err))?;
+        }
+    }
+    match kept.w2 {
+        KeptPart::KQuant(kind) => {
+            kquant::pack_into(&kmatrix(2, kind)?, b).map_err(|err| quant_err(&x.what, err))?;
+        }
+        KeptPart::Int8G32 { exact } => {
+            pack_into(&int8(2, exact)?, b).map_err(|err| quant_err(&x.what, err))?;
+        }
+    }
+    Ok(rec)
+}
+
 /// Appended to errors that another cache directory would cure.
 pub(crate) const CACHE_DIR_HINT: &str = "; choose a writable cache directory (`EngineOptions::cache_dir`)";
 
@@ -575,6 +727,10 @@ pub fn open_expert_cache(
         let header = expected_fp4_cache_header(files.spec(), files.fingerprint(), kind)?;
         let name = format!("experts_cpu_{kind}_g{}.bin", kind.group());
         return open_with_header(files, header, in_cache_dir(files, cache_dir, &name), pool);
+    }
+    if let (ExpertWidthRule::Auto, Some(kept)) = (bits, ggml_kept(files.spec())) {
+        let header = expected_ggml_cache_header(files.spec(), files.fingerprint(), &kept)?;
+        return open_with_header(files, header, in_cache_dir(files, cache_dir, CPU_GGML_CACHE_FILE), pool);
     }
     if bits == ExpertWidthRule::Int4Asym {
         let header = expected_int4_asym_cache_header(files.spec(), files.fingerprint())?;
@@ -634,7 +790,7 @@ fn open_with_header(
 pub struct CpuQuantExperts {
     cache: ExpertCache,
     pool: Arc<WorkerPool>,
-    /// One runner per distinct (w13, w2) width pair of the cache's layers (at most four).
+    /// One runner per distinct (w13, w2) layout pair of the cache's layers (a few).
     runners: Vec<PoolExperts>,
     /// Per MoE layer index: its runner in `runners`.
     runner_of: Vec<usize>,
@@ -695,16 +851,16 @@ impl CpuQuantExperts {
     pub fn new(cache: ExpertCache, spec: &ModelSpec, pool: Arc<WorkerPool>) -> Result<Self> {
         let h = cache.header().clone();
         let mut bits = Vec::with_capacity(h.moe_layers.len());
-        let (mut runners, mut runner_of, mut kinds) = (Vec::new(), Vec::new(), Vec::<LayerBits>::new());
+        let (mut runners, mut runner_of) = (Vec::new(), Vec::new());
+        let mut kinds = Vec::<(PackedLayout, PackedLayout)>::new();
         for li in 0..h.moe_layers.len() {
-            let b = parts_bits(&h, li)?;
-            bits.push(b);
-            let k = match kinds.iter().position(|k| *k == b) {
+            bits.push(parts_bits(&h, li)?);
+            let lay = layouts(&h, li)?;
+            let k = match kinds.iter().position(|k| *k == lay) {
                 Some(k) => k,
                 None => {
-                    let (l13, l2) = layouts(&h, li)?;
-                    runners.push(PoolExperts::new(&pool, l13, l2).with_activation(spec.expert_activation));
-                    kinds.push(b);
+                    runners.push(PoolExperts::new(&pool, lay.0, lay.1).with_activation(spec.expert_activation));
+                    kinds.push(lay);
                     kinds.len() - 1
                 }
             };
@@ -794,6 +950,19 @@ impl CpuQuantExperts {
     /// [`CpuQuantExperts::fp4`]).
     pub fn layer_bits(&self) -> &[LayerBits] {
         &self.bits
+    }
+
+    /// Whether the records keep a GGUF's blocks as stored ([`CPU_GGML_LAYOUT_NAME`]).
+    pub fn ggml_kept(&self) -> bool {
+        cache_ggml(self.cache.header())
+    }
+
+    /// The kept parts per layer, as [`describe_kept`] words them.
+    fn ggml_description(&self) -> String {
+        let h = self.cache.header();
+        let parts: Vec<(KeptPart, KeptPart)> =
+            (0..h.moe_layers.len()).filter_map(|li| ggml_parts(h, li).ok()).collect();
+        describe_kept(&parts)
     }
 
     /// The 4-bit float format the records hold, if any (every MoE layer then holds it).
@@ -886,6 +1055,7 @@ impl ExpertExecutor for CpuQuantExperts {
         let widths = match self.fp4() {
             Some(kind) => format!("{kind} (as stored)"),
             None if cache_int4_asym(self.cache.header()) => "INT4 asymmetric".to_string(),
+            None if cache_ggml(self.cache.header()) => self.ggml_description(),
             None => describe_layer_bits(&self.bits),
         };
         format!(

@@ -179,6 +179,12 @@ fn cpu_record_geometry(
 ) -> Result<krasis_gpu::relayout::CpuRecordGeometry> {
     let c = experts.cache();
     let bad = |why: String| ModelError::Invalid(format!("streaming the CPU expert cache: {why}"));
+    if experts.ggml_kept() {
+        return Err(bad(
+            "its experts are GGUF blocks kept as stored (Q4_K / Q6_K), which the GPU does not run: the GPU expert cache requantises them from their exact values"
+                .into(),
+        ));
+    }
     let (stride, w2_offset) = (c.stride(0), c.w2_offset(0));
     let (w13, w2) = experts.record_layouts(0)?;
     for li in 0..c.header().moe_layers.len() {

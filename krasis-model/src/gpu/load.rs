@@ -415,6 +415,15 @@ impl GpuBuilder<'_> {
     }
 }
 
+/// The log line of a GPU that runs a GGUF's Q4_K / Q6_K experts (which the CPU keeps as stored)
+/// at its own width `bits`.
+fn ggml_requantised_line(bits: krasis_quant::Bits) -> String {
+    format!(
+        "GGUF Q4_K / Q6_K experts on the GPU: requantised to int{} from their exact values (the GPU has no kernels for the blocks as stored)",
+        bits.bits()
+    )
+}
+
 /// `KRASIS_STREAM_FROM=cpu|gpu` overrides [`GpuOptions::stream_from`] (measurements of both).
 fn stream_from(opt: StreamFrom) -> StreamFrom {
     match krasis_core::knobs::knobs().stream_from {
@@ -451,6 +460,9 @@ impl GpuModel {
         let mut m =
             Self::from_source_cached(spec.clone(), files.weights(), opts, ExpertPlacement::Gpu, cache.as_ref())?;
         m.log.extend(line);
+        if let (Some(bits), Some(_)) = (opts.expert_bits, crate::placement::precision::ggml_kept(spec)) {
+            m.log.push(ggml_requantised_line(bits));
+        }
         Ok(m)
     }
 
@@ -521,6 +533,9 @@ impl GpuModel {
                             match ExpertStreamer::new(&model.dev, records, bits, layers, min, split, chunk) {
                                 Ok(s) => Ok(s),
                                 Err(e) => {
+                                    if ex.executor.ggml_kept() {
+                                        log.push(ggml_requantised_line(bits));
+                                    }
                                     log.push(format!("streaming the GPU expert cache instead of the CPU's: {e}"));
                                     from_gpu_cache(gpu_cache_records(&mut log)?)
                                 }

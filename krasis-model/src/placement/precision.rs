@@ -15,6 +15,12 @@
 //!   stored format in the CPU expert cache (codes and scales as stored, no requantisation, see
 //!   `krasis_quant::fp4`); the cache's records are then that format, not INT4.
 //!
+//! - **GGUF K-quants** ([`ggml_kept`]): when every routed expert tensor is Q4_K, Q6_K, Q5_0 or
+//!   Q8_0 (what llama.cpp's Q4_K_M writes: Q5_0 and Q8_0 where a row is no multiple of 256) and
+//!   one is Q4_K, Q6_K or Q5_0, `auto` keeps them exactly: Q4_K and Q6_K blocks as stored
+//!   (`krasis_quant::kquant`), Q5_0 and Q8_0 as the INT8 g32 of the same values; a fused w13
+//!   whose gate and up are different K-quants is requantised to INT8 g32 (and the log says so).
+//!
 //! Explicit `4`, `8` and `bf16` mean what they always did, whatever the source (on a 4-bit float
 //! checkpoint, `4` and `8` requantise from the exactly dequantised weights).
 //!
@@ -22,6 +28,8 @@
 //! CPU path) and the GPU experts' default width ([`default_gpu_expert_bits`]).
 
 use krasis_quant::fp4::Fp4Kind;
+use krasis_quant::ggml::GgmlType;
+use krasis_quant::kquant::KQuant;
 use krasis_quant::Bits;
 
 use crate::spec::{ModelSpec, WeightBits};
@@ -73,6 +81,11 @@ impl ExpertWidthRule {
         match self {
             ExpertWidthRule::Uniform(b) => vec![LayerBits::uniform(b); layers],
             ExpertWidthRule::Int4Asym => vec![LayerBits::uniform(Bits::Int4); layers],
+            ExpertWidthRule::Auto if ggml_kept(spec).is_some() => ggml_kept(spec)
+                .expect("checked")
+                .iter()
+                .map(|l| LayerBits { w13: l.w13.bits(), w2: l.w2.bits() })
+                .collect(),
             ExpertWidthRule::Auto if spec.expert_source_bits.len() == layers => spec
                 .expert_source_bits
                 .iter()
@@ -118,6 +131,114 @@ pub fn native_fp4(spec: &ModelSpec) -> Option<Fp4Kind> {
         crate::spec::SourceQuant::Mxfp4 => Some(Fp4Kind::Mxfp4),
         _ => None,
     }
+}
+
+/// How `auto` holds one projection of a GGUF whose experts it keeps as stored ([`ggml_kept`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KeptPart {
+    /// Q4_K or Q6_K blocks as stored.
+    KQuant(KQuant),
+    /// INT8 in groups of 32: exactly the stored values of Q5_0 / Q8_0 blocks (`exact`), or a
+    /// requantisation of the exact values (a fused w13 whose gate and up are different K-quants).
+    Int8G32 { exact: bool },
+}
+
+impl KeptPart {
+    /// The width the expert cache header records for it: 4 (Q4_K), 6 (Q6_K) or 8 (INT8 g32).
+    pub fn code(self) -> u8 {
+        match self {
+            KeptPart::KQuant(KQuant::Q4K) => 4,
+            KeptPart::KQuant(KQuant::Q6K) => 6,
+            KeptPart::Int8G32 { .. } => 8,
+        }
+    }
+
+    /// The part a header width [`KeptPart::code`] names (`exact` is not recorded: true).
+    pub fn from_code(code: u8) -> Option<KeptPart> {
+        match code {
+            4 => Some(KeptPart::KQuant(KQuant::Q4K)),
+            6 => Some(KeptPart::KQuant(KQuant::Q6K)),
+            8 => Some(KeptPart::Int8G32 { exact: true }),
+            _ => None,
+        }
+    }
+
+    /// The integer width a requantisation of it keeps (the runner and RAM bookkeeping).
+    pub fn bits(self) -> Bits {
+        match self {
+            KeptPart::KQuant(KQuant::Q4K) => Bits::Int4,
+            _ => Bits::Int8,
+        }
+    }
+}
+
+impl std::fmt::Display for KeptPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            KeptPart::KQuant(k) => write!(f, "{k}"),
+            KeptPart::Int8G32 { exact: true } => f.write_str("int8 g32 (exact)"),
+            KeptPart::Int8G32 { exact: false } => f.write_str("int8 g32 (requantised)"),
+        }
+    }
+}
+
+/// One MoE layer of a GGUF whose experts `auto` keeps ([`ggml_kept`]): its stored types and how
+/// its fused gate+up and its down are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerKept {
+    pub types: [GgmlType; 3],
+    pub w13: KeptPart,
+    pub w2: KeptPart,
+}
+
+/// The ggml types whose blocks `auto` keeps exactly (the rule of the module docs).
+const KEPT_TYPES: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q6K, GgmlType::Q5_0, GgmlType::Q8_0];
+
+/// How one stored type is kept.
+fn kept_part(ty: GgmlType) -> KeptPart {
+    match KQuant::of(ty) {
+        Some(k) => KeptPart::KQuant(k),
+        None => KeptPart::Int8G32 { exact: true },
+    }
+}
+
+/// Per MoE layer, how `auto` keeps a GGUF's expert blocks as stored: `Some` when every routed
+/// expert tensor is Q4_K, Q6_K, Q5_0 or Q8_0 and one is Q4_K, Q6_K or Q5_0 (see the module
+/// docs), else `None` (the widths of [`auto_bits`] then requantise).
+pub fn ggml_kept(spec: &ModelSpec) -> Option<Vec<LayerKept>> {
+    if !has_source_types(spec) || spec.expert_source_types.len() != spec.expert_source_bits.len() {
+        return None;
+    }
+    let types: Vec<[GgmlType; 3]> = spec
+        .expert_source_types
+        .iter()
+        .map(|t| {
+            let [g, u, d] = t.map(|id| GgmlType::from_id(id).ok());
+            Some([g?, u?, d?])
+        })
+        .collect::<Option<_>>()?;
+    let all = || types.iter().flatten();
+    if !all().all(|t| KEPT_TYPES.contains(t)) || !all().any(|t| *t != GgmlType::Q8_0) {
+        return None;
+    }
+    Some(
+        types
+            .into_iter()
+            .map(|[g, u, d]| {
+                let w13 = match (kept_part(g), kept_part(u)) {
+                    (a, b) if a == b => a,
+                    (KeptPart::Int8G32 { .. }, KeptPart::Int8G32 { .. }) => KeptPart::Int8G32 { exact: true },
+                    _ => KeptPart::Int8G32 { exact: false },
+                };
+                LayerKept { types: [g, u, d], w13, w2: kept_part(d) }
+            })
+            .collect(),
+    )
+}
+
+/// The kept layers for logs: `"ggml blocks as stored: w13 Q4_K / w2 Q6_K × 2 layers, …"`.
+pub fn describe_kept(kept: &[(KeptPart, KeptPart)]) -> String {
+    format!("GGUF blocks as stored: {}", krasis_cache::describe_layer_runs(kept, |(a, b)| format!("w13 {a} / w2 {b}")))
 }
 
 /// `--cpu-expert-bits` as an engine runs it on `spec`: `Auto` on weights without per-tensor
@@ -174,6 +295,10 @@ pub fn describe_expert_bits(spec: &ModelSpec, requested: WeightBits) -> String {
         None => "reference (the source weights)".into(),
         Some(ExpertWidthRule::Auto) if native_fp4(spec).is_some() => {
             format!("{} (as stored)", native_fp4(spec).expect("checked"))
+        }
+        Some(ExpertWidthRule::Auto) if ggml_kept(spec).is_some() => {
+            let kept = ggml_kept(spec).expect("checked");
+            describe_kept(&kept.iter().map(|l| (l.w13, l.w2)).collect::<Vec<_>>())
         }
         Some(c) => describe_layer_bits(&c.layer_bits(spec)),
     }
@@ -289,6 +414,38 @@ mod tests {
         assert_eq!(est(&spec, WeightBits::Auto), layer(4, 8) + layer(4, 4) + layer(8, 4));
         assert!(est(&spec, WeightBits::Int4) < est(&spec, WeightBits::Auto));
         assert!(est(&spec, WeightBits::Auto) < est(&spec, WeightBits::Int8));
+    }
+
+    /// `auto` keeps a Q4_K_M file's experts: Q4_K / Q6_K as stored, Q5_0 / Q8_0 as exact INT8 g32,
+    /// a w13 of two K-quants requantised; any other type (or Q8_0 alone) keeps the widths rule.
+    #[test]
+    fn auto_keeps_q4_k_m_types() {
+        use GgmlType::{Q4K, Q4_0, Q5_0, Q6K, Q8_0};
+        let mut spec = tiny_spec();
+        let set = |spec: &mut ModelSpec, t: [[GgmlType; 3]; 3]| {
+            spec.expert_source_types = t.iter().map(|l| l.map(GgmlType::id)).collect();
+            spec.expert_source_bits = t.iter().map(|l| l.map(GgmlType::code_bits)).collect();
+        };
+        set(&mut spec, [[Q4K, Q4K, Q6K], [Q5_0, Q5_0, Q4K], [Q4K, Q6K, Q8_0]]);
+        let kept = ggml_kept(&spec).expect("kept");
+        let (q4, q6) = (KeptPart::KQuant(KQuant::Q4K), KeptPart::KQuant(KQuant::Q6K));
+        let exact = KeptPart::Int8G32 { exact: true };
+        let got: Vec<_> = kept.iter().map(|l| (l.w13, l.w2)).collect();
+        assert_eq!(got, vec![(q4, q6), (exact, q4), (KeptPart::Int8G32 { exact: false }, exact)]);
+        assert_eq!(
+            describe_expert_bits(&spec, WeightBits::Auto),
+            "GGUF blocks as stored: w13 Q4_K / w2 Q6_K × 1 layer, w13 int8 g32 (exact) / w2 Q4_K × 1 layer, \
+             w13 int8 g32 (requantised) / w2 int8 g32 (exact) × 1 layer"
+        );
+        for p in [q4, q6, exact] {
+            assert_eq!(KeptPart::from_code(p.code()), Some(p));
+        }
+        set(&mut spec, [[Q4K, Q4K, Q6K], [Q4K, Q4K, Q4_0], [Q4K, Q4K, Q4K]]);
+        assert!(ggml_kept(&spec).is_none(), "Q4_0 is not kept");
+        set(&mut spec, [[Q8_0; 3]; 3]);
+        assert!(ggml_kept(&spec).is_none(), "all Q8_0 shares the INT8 cache");
+        spec.expert_source_types.clear();
+        assert!(ggml_kept(&spec).is_none(), "no types, nothing kept");
     }
 
     #[test]

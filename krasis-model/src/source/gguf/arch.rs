@@ -526,6 +526,7 @@ pub fn spec_from_gguf(m: &GgufModel) -> Result<(ModelSpec, TensorMap)> {
     // Every MoE layer's experts are stacked tensors (the mapping above checked they exist).
     if types.len() == spec.moe_layers().count() {
         spec.expert_source_bits = types.iter().map(|(_, t)| t.map(GgmlType::code_bits)).collect();
+        spec.expert_source_types = types.iter().map(|(_, t)| t.map(GgmlType::id)).collect();
         // Every routed expert in ggml's MXFP4 (gpt-oss's, as llama.cpp's converter copies them):
         // the same format as a gpt-oss checkpoint's, so `auto` keeps it as stored, as there.
         if !types.is_empty() && types.iter().all(|(_, t)| t.iter().all(|&ty| ty == GgmlType::Mxfp4)) {
