@@ -186,3 +186,45 @@ fn other_types_keep_the_requantising_rule() {
     let files = ModelFiles::open(&path).unwrap_or_else(|e| panic!("{e}"));
     assert!(ggml_kept(files.spec()).is_none());
 }
+
+/// The hybrid on a GGUF of K-quant experts: the CPU keeps the blocks, and a prompt long enough to
+/// stream every expert (300 tokens) streams the GPU expert cache, requantised from the exact
+/// values, since the GPU does not run the blocks (the load log says so). Its prefill logits stay
+/// within the requantisation's error of the CPU path's on the kept blocks. Skips visibly without
+/// a GPU (`KRASIS_REQUIRE_GPU=1` fails instead).
+#[test]
+fn hybrid_streams_a_gpu_cache_requantised_from_kept_blocks() {
+    use krasis_model::cpu::load::EngineOptions;
+    use krasis_model::gpu::{GpuModel, GpuOptions};
+    if !krasis_tests::gpu_available("ggml_kept hybrid") {
+        return;
+    }
+    use GgmlType::{Q4K, Q6K};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    write_model(&path, &[[Q4K, Q4K, Q6K]; 3]);
+    let ids: Vec<u32> = (0..300).map(|i| (i * 7 % 30 + 1) as u32).collect();
+    let cpu = krasis_tests::prefill_logits(&path, WeightBits::Auto, WeightBits::Bf16, dir.path(), &ids);
+    // The hybrid defaults' streaming width (`placement::device::hybrid_defaults`).
+    let gpu = GpuOptions { kv_tokens: Some(512), expert_bits: Some(krasis_quant::Bits::Int4), ..GpuOptions::default() };
+    let opts = EngineOptions {
+        expert_bits: WeightBits::Auto,
+        cache_dir: Some(dir.path().to_path_buf()),
+        threads: Some(2),
+        ..EngineOptions::default()
+    };
+    let m = GpuModel::load_hybrid(&path, &gpu, &opts).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let log = m.log.join("\n");
+    assert!(log.contains("requantised to int"), "{log}");
+    let mut s = m.new_session().unwrap();
+    let hybrid = m.forward_logits(&mut s, &ids, true).unwrap();
+    // The GPU's experts are INT4 g128 of the exact values: the CPU path at `4` holds the same.
+    let int4 = krasis_tests::prefill_logits(&path, WeightBits::Int4, WeightBits::Bf16, dir.path(), &ids);
+    let (f, g) = (krasis_tests::fidelity(&hybrid, &int4, 32), krasis_tests::fidelity(&hybrid, &cpu, 32));
+    eprintln!(
+        "ggml kept, hybrid (300-token prefill, GPU cache requantised): against the CPU path at INT4 g128 of the \
+         exact values mean cos {:.6}, min cos {:.6}, top1 {:.2}; against the CPU path on the kept blocks mean cos {:.6}",
+        f.mean_cos, f.min_cos, f.top1, g.mean_cos
+    );
+    assert!(f.mean_cos > 0.99, "mean cos {:.6}", f.mean_cos);
+}
