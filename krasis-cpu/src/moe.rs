@@ -181,7 +181,7 @@ impl OutPtr {
 /// chunk's buffers grow with its length and would otherwise stay for the process's life in
 /// every matrix (measured, #38: the tiny preset after a 2048-token prompt on the INT8 kernels
 /// held 45 MiB more than its 23 MiB estimate, all of it these buffers).
-pub(crate) const KEEP_SCRATCH_MAX_ROWS: usize = 64;
+pub const KEEP_SCRATCH_MAX_ROWS: usize = 64;
 
 /// Per-worker scratch buffers, each touched only by its worker.
 pub(crate) struct WorkerScratch(Vec<Mutex<Vec<f32>>>);
