@@ -276,9 +276,16 @@ pub fn default_gpu_expert_bits(spec: &ModelSpec) -> Bits {
 
 /// The width a hybrid prefill streams the experts at when none is asked for: the CPU experts'
 /// own (`cpu`, resolved), so the CPU cache's records stream as they are; on a GGUF's per-projection
-/// widths, [`default_gpu_expert_bits`]. `None` with the reference CPU experts (nothing to stream
+/// widths, [`default_gpu_expert_bits`]; on a GGUF whose K-quant blocks the CPU keeps
+/// ([`ggml_kept`]), INT8, which the GPU cache requantises them to: a prompt's experts then stay
+/// within INT8's rounding of the blocks the CPU decodes with (INT4 g128 of a trained model's
+/// Q4_K_M cost 2× its perplexity, docs/BENCHMARKS.md), as the streamed INT8 records of Q5_0 / Q6_K
+/// did before the blocks were kept. `None` with the reference CPU experts (nothing to stream
 /// from).
 pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
+    if cpu == WeightBits::Auto && ggml_kept(spec).is_some() {
+        return Some(Bits::Int8);
+    }
     match cpu {
         WeightBits::Int4 => Some(Bits::Int4),
         // The asymmetric records have no GPU form: the streamer refuses them, naming the format.
@@ -440,8 +447,12 @@ mod tests {
         for p in [q4, q6, exact] {
             assert_eq!(KeptPart::from_code(p.code()), Some(p));
         }
+        // The hybrid streams kept blocks' GPU cache at INT8 by default; explicit widths stream as themselves.
+        assert_eq!(default_stream_bits(&spec, WeightBits::Auto), Some(Bits::Int8));
+        assert_eq!(default_stream_bits(&spec, WeightBits::Int4), Some(Bits::Int4));
         set(&mut spec, [[Q4K, Q4K, Q6K], [Q4K, Q4K, Q4_0], [Q4K, Q4K, Q4K]]);
         assert!(ggml_kept(&spec).is_none(), "Q4_0 is not kept");
+        assert_eq!(default_stream_bits(&spec, WeightBits::Auto), Some(Bits::Int4), "a mixed GGUF not kept: INT4");
         set(&mut spec, [[Q8_0; 3]; 3]);
         assert!(ggml_kept(&spec).is_none(), "all Q8_0 shares the INT8 cache");
         spec.expert_source_types.clear();
