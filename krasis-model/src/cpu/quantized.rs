@@ -503,11 +503,24 @@ impl<'a> ExpertSource<'a> {
 /// A CPU expert cache record of MoE layer `li` (`w13` then `w2`, at the layer's widths) from the
 /// quantised gate, up and down.
 pub(crate) fn cpu_record(h: &CacheHeader, li: usize, q: &[QuantizedMatrix; 3], what: &str) -> Result<Vec<u8>> {
+    record_of_parts(h, li, |a, b| {
+        pack_w13_into(&q[0], &q[1], a).map_err(|e| quant_err(what, e))?;
+        pack_into(&q[2], b).map_err(|e| quant_err(what, e))
+    })
+}
+
+/// A record of MoE layer `li` of the cache `h`: zeroed to the layer's `w13` and `w2` part sizes,
+/// then each part filled by `fill(w13, w2)` (what it returns besides success is dropped: the
+/// packers return the layout they wrote).
+fn record_of_parts<T>(
+    h: &CacheHeader,
+    li: usize,
+    fill: impl FnOnce(&mut [u8], &mut [u8]) -> Result<T>,
+) -> Result<Vec<u8>> {
     let parts = h.parts[li];
     let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
     let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
-    pack_w13_into(&q[0], &q[1], a).map_err(|e| quant_err(what, e))?;
-    pack_into(&q[2], b).map_err(|e| quant_err(what, e))?;
+    fill(a, b)?;
     Ok(rec)
 }
 
@@ -577,12 +590,10 @@ fn fp4_expert_record(
 ) -> Result<Vec<u8>> {
     let (hid, i) = (h.hidden as usize, h.intermediate as usize);
     let ([gate, up, down], what) = stored_fp4_expert(loader, spec, layer, e, (hid, i), kind)?;
-    let parts = h.parts[li];
-    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
-    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
-    fp4::pack_w13_into(&gate, &up, a).map_err(|e| quant_err(&what, e))?;
-    fp4::pack_into(&down, b).map_err(|e| quant_err(&what, e))?;
-    Ok(rec)
+    record_of_parts(h, li, |a, b| {
+        fp4::pack_w13_into(&gate, &up, a).map_err(|e| quant_err(&what, e))?;
+        fp4::pack_into(&down, b).map_err(|e| quant_err(&what, e))
+    })
 }
 
 /// One expert of MoE layer `li` (model layer `layer`) quantised to asymmetric INT4 g32 from its
@@ -600,12 +611,10 @@ fn int4_asym_expert_record(
     let [gate, up, down] = x.f32()?;
     let q = |w: &[f32], rows: usize, k: usize| int4_asym::quantize(w, rows, k).map_err(|err| quant_err(&x.what, err));
     let (gate, up, down) = (q(gate, i, hid)?, q(up, i, hid)?, q(down, hid, i)?);
-    let parts = h.parts[li];
-    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
-    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
-    int4_asym::pack_w13_into(&gate, &up, a).map_err(|err| quant_err(&x.what, err))?;
-    int4_asym::pack_into(&down, b).map_err(|err| quant_err(&x.what, err))?;
-    Ok(rec)
+    record_of_parts(h, li, |a, b| {
+        int4_asym::pack_w13_into(&gate, &up, a).map_err(|err| quant_err(&x.what, err))?;
+        int4_asym::pack_into(&down, b).map_err(|err| quant_err(&x.what, err))
+    })
 }
 
 /// One expert of MoE layer `li` (model layer `layer`) with its GGUF blocks kept
@@ -656,26 +665,26 @@ fn ggml_expert_record(
         let (ty, b) = blocks(j)?;
         kquant::ggml_int8_g32(ty, b.as_slice(), rows, k).map_err(|err| bad(j, &err))
     };
-    let parts = h.parts[li];
-    let mut rec = vec![0u8; (parts.w13_bytes + parts.w2_bytes) as usize];
-    let (a, b) = rec.split_at_mut(parts.w13_bytes as usize);
-    match kept.w13 {
-        KeptPart::KQuant(kind) => {
-            kquant::pack_w13_into(&kmatrix(0, kind)?, &kmatrix(1, kind)?, a).map_err(|err| quant_err(&x.what, err))?;
+    record_of_parts(h, li, |a, b| {
+        match kept.w13 {
+            KeptPart::KQuant(kind) => {
+                kquant::pack_w13_into(&kmatrix(0, kind)?, &kmatrix(1, kind)?, a)
+                    .map_err(|err| quant_err(&x.what, err))?;
+            }
+            KeptPart::Int8G32 { exact } => {
+                pack_w13_into(&int8(0, exact)?, &int8(1, exact)?, a).map_err(|err| quant_err(&x.what, err))?;
+            }
         }
-        KeptPart::Int8G32 { exact } => {
-            pack_w13_into(&int8(0, exact)?, &int8(1, exact)?, a).map_err(|err| quant_err(&x.what, err))?;
+        match kept.w2 {
+            KeptPart::KQuant(kind) => {
+                kquant::pack_into(&kmatrix(2, kind)?, b).map_err(|err| quant_err(&x.what, err))?;
+            }
+            KeptPart::Int8G32 { exact } => {
+                pack_into(&int8(2, exact)?, b).map_err(|err| quant_err(&x.what, err))?;
+            }
         }
-    }
-    match kept.w2 {
-        KeptPart::KQuant(kind) => {
-            kquant::pack_into(&kmatrix(2, kind)?, b).map_err(|err| quant_err(&x.what, err))?;
-        }
-        KeptPart::Int8G32 { exact } => {
-            pack_into(&int8(2, exact)?, b).map_err(|err| quant_err(&x.what, err))?;
-        }
-    }
-    Ok(rec)
+        Ok(())
+    })
 }
 
 /// Appended to errors that another cache directory would cure.
