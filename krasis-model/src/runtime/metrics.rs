@@ -201,7 +201,7 @@ impl Metrics {
                 "krasis_prefill_tokens_per_second",
                 "gauge",
                 "Prompt tokens per second of the steps that ran prompts, since start.",
-                format!("{:.3}", rate(self.prefill_tokens.load(Relaxed), self.prefill_ns.load(Relaxed))),
+                format!("{:.3}", self.prefill_tok_s()),
             ),
             (
                 "krasis_decode_tokens_per_second",
