@@ -448,24 +448,30 @@ impl Worker {
 
     /// The prompt tokens this step may run in all.
     fn chunk_tokens(&self, decoding: bool) -> usize {
-        let PrefillChunk::Fixed(n) = self.chunk else {
-            // Seconds of the step for its prompt tokens (the decode rows take `decode_step`).
-            let fixed = self.cost.fixed_seconds();
-            let prompt_seconds = match (decoding, self.decode_step) {
-                (true, d) if d > 0.0 => ((DECODE_STEP_MULTIPLE - 1.0) * d).max(2.0 * fixed),
-                (true, _) => TARGET_STEP_SECONDS.max(2.0 * fixed),
-                (false, _) => IDLE_STEP_SECONDS,
-            };
-            // Never below the engine's full-rate length: shorter chunks would both run slower and
-            // teach the cost model the slower path's rate (the hybrid's CPU share), which kept
-            // the chunks short.
-            let floor = self.engine.prompt_chunk_floor().clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1);
-            return match self.cost.tokens_for(prompt_seconds) {
-                Some(n) => (n as usize).clamp(floor, CHUNK_BOUNDS.1),
-                None => FIRST_CHUNK_TOKENS.max(floor),
-            };
+        match self.chunk {
+            PrefillChunk::Fixed(n) => n.max(1),
+            PrefillChunk::Measured => self.measured_chunk(decoding),
+        }
+    }
+
+    /// [`PrefillChunk::Measured`]: the prompt tokens the step's prompt time has room for at the
+    /// prompt steps' cost (see the module's documentation).
+    fn measured_chunk(&self, decoding: bool) -> usize {
+        // Seconds of the step for its prompt tokens (the decode rows take `decode_step`).
+        let fixed = self.cost.fixed_seconds();
+        let prompt_seconds = match (decoding, self.decode_step) {
+            (true, d) if d > 0.0 => ((DECODE_STEP_MULTIPLE - 1.0) * d).max(2.0 * fixed),
+            (true, _) => TARGET_STEP_SECONDS.max(2.0 * fixed),
+            (false, _) => IDLE_STEP_SECONDS,
         };
-        n.max(1)
+        // Never below the engine's full-rate length: shorter chunks would both run slower and
+        // teach the cost model the slower path's rate (the hybrid's CPU share), which kept the
+        // chunks short.
+        let floor = self.engine.prompt_chunk_floor().clamp(CHUNK_BOUNDS.0, CHUNK_BOUNDS.1);
+        match self.cost.tokens_for(prompt_seconds) {
+            Some(n) => (n as usize).clamp(floor, CHUNK_BOUNDS.1),
+            None => FIRST_CHUNK_TOKENS.max(floor),
+        }
     }
 
     /// One engine step over the running jobs: every decoding job's token, and prompt chunks up to
