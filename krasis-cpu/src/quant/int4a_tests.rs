@@ -2,7 +2,7 @@
 //! bit, on random ragged shapes; the scalar twin against the exact product of the dequantised
 //! weights and activations.
 
-use super::tests::{isas_match_the_twin, normal, run};
+use super::tests::{isas_match_the_twin, normal, run, twin_within_term_ulps};
 use super::*;
 use krasis_quant::int4_asym::{self, AsymMatrix};
 use proptest::prelude::*;
@@ -92,13 +92,8 @@ proptest! {
         let nb = l.row_blocks();
         let want = run(Isa::Scalar, &p, &l, &a, 0..nb);
         let (exact, mag) = reference(&w, &a);
-        for i in 0..m {
-            for r in 0..rows {
-                let (g, e, s) = (want[i * nb * 16 + r] as f64, exact[i * rows + r], mag[i * rows + r]);
-                // Two roundings per term and the running sum: a few f32 ulps of the terms.
-                prop_assert!((g - e).abs() <= 4.0 * f32::EPSILON as f64 * s + 1e-30, "row {r}: {g} vs {e} (terms {s})");
-            }
-        }
+        // Two roundings per term and the running sum: a few f32 ulps of the terms.
+        twin_within_term_ulps(&want, &exact, &mag, (m, rows, nb), 4.0)?;
         isas_match_the_twin(&p, &l, &a, nb, cut, &want)?;
     }
 

@@ -2,7 +2,7 @@
 //! random ragged shapes; the scalar twin against the exact product of ggml's dequantised weights
 //! and the quantised activations.
 
-use super::tests::{isas_match_the_twin, normal, run};
+use super::tests::{isas_match_the_twin, normal, run, twin_within_term_ulps};
 use super::*;
 use krasis_quant::ggml::GgmlType;
 use krasis_quant::kquant::{self, KQuant, KQuantMatrix};
@@ -92,12 +92,7 @@ proptest! {
         let nb = l.row_blocks();
         let want = run(Isa::Scalar, &p, &l, &a, 0..nb);
         let (exact, mag) = reference(&w, &a);
-        for i in 0..m {
-            for r in 0..rows {
-                let (g, e, s) = (want[i * nb * 16 + r] as f64, exact[i * rows + r], mag[i * rows + r]);
-                prop_assert!((g - e).abs() <= 8.0 * f32::EPSILON as f64 * s + 1e-30, "row {r}: {g} vs {e} (terms {s})");
-            }
-        }
+        twin_within_term_ulps(&want, &exact, &mag, (m, rows, nb), 8.0)?;
         isas_match_the_twin(&p, &l, &a, nb, cut, &want)?;
     }
 

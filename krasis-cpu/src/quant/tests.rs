@@ -29,6 +29,26 @@ pub(super) fn run(isa: Isa, w: &[u8], l: &PackedLayout, acts: &QuantizedActs, bl
     out
 }
 
+/// The scalar twin's `want` (`[m, nb · 16]`) against float64 `exact` (`[m, rows]`), each row
+/// within `ulps` f32 ulps of the sum of its terms' magnitudes `mag`: what the twin's roundings
+/// (two per term and the running sum) allow. For the proptests of the asymmetric INT4 and
+/// K-quant layouts.
+pub(super) fn twin_within_term_ulps(
+    want: &[f32],
+    exact: &[f64],
+    mag: &[f64],
+    (m, rows, nb): (usize, usize, usize),
+    ulps: f64,
+) -> Result<(), TestCaseError> {
+    for i in 0..m {
+        for r in 0..rows {
+            let (g, e, s) = (want[i * nb * 16 + r] as f64, exact[i * rows + r], mag[i * rows + r]);
+            prop_assert!((g - e).abs() <= ulps * f32::EPSILON as f64 * s + 1e-30, "row {r}: {g} vs {e} (terms {s})");
+        }
+    }
+    Ok(())
+}
+
 /// Every ISA this CPU runs gives `want` (the scalar twin's `[m, nb · 16]` over row blocks
 /// `0..nb`) bit for bit: whole; over the row blocks from `cut % nb` on (those columns); and as
 /// two calls over consecutive group ranges split at `cut % (groups + 1)`, which continue the sums
