@@ -4,10 +4,13 @@
 //! `2·value + 12` as unsigned bytes, which `vpdpbusd` multiplies with the broadcast INT8
 //! activations exactly as the INT4 kernel does; the +12 is removed per group with the activation
 //! sums. Group scales are decoded from their stored bytes in registers: E8M0 as `e << 23` (2⁻¹²⁷,
-//! e = 0, blended in), E4M3 as the f16 `E4M3 / 256` (bits moved, `vcvtph2ps`; the row factor
-//! holds the 256).
+//! e = 0, blended in), E4M3 as the f16 `E4M3 / 256` (sign-extended, shifted and masked, then
+//! `vcvtph2ps`; the row factor holds the 256).
 //!
-//! Activation rows go in tiles of up to 8 per group (the group's weights, ≤ 2 KiB, stay in L1
+//! At M ≤ 2 (a decode token is two rows, value and residual) the outputs stay in registers over
+//! all groups ([`block_rows`]); NVFP4's groups of 16 are too short to reload and store them per
+//! group, as the general tiles do.
+//! More activation rows go in tiles of up to 8 per group (the group's weights, ≤ 2 KiB, stay in L1
 //! between tiles), accumulating straight into `out`. There is no AMX form: FP4 layouts never
 //! take the AMX kernel (see [`super::matmul_packed`]).
 
@@ -26,10 +29,10 @@ use super::{Prefetch, PrefetchHint, QuantizedActs};
 unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: bool, f: __m512) -> __m512 {
     let s = if nv {
         // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion.
-        let w = _mm256_cvtepu8_epi16(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
-        let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)));
-        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(w, _mm256_set1_epi16(0x80)));
-        _mm512_cvtph_ps(_mm256_or_si256(mag, sign))
+        // Sign-extended to 16 bits and shifted left by 7, the byte's magnitude lands in the f16's
+        // bits 7..=13 and its sign fills bits 14 and 15; clearing bit 14 leaves the f16.
+        let w = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
+        _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16::<7>(w), _mm256_set1_epi16(E4M3_AS_F16_BITS)))
     } else {
         let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(l.scales_offset(g)) as *const __m128i));
         let bits = _mm512_slli_epi32::<23>(b);
@@ -38,6 +41,9 @@ unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: b
     };
     _mm512_mul_ps(s, f)
 }
+
+/// The f16 bits an E4M3 scale shifted left by 7 keeps: magnitude (7..=13) and sign (15).
+const E4M3_AS_F16_BITS: i16 = 0xbf80u16 as i16;
 
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`]
@@ -79,7 +85,7 @@ unsafe fn run<const HINT: i32>(
     for (bi, b) in blocks.enumerate() {
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
-        if groups.start == 0 {
+        if groups.start == 0 && acts.m > 2 {
             for i in 0..acts.m {
                 _mm512_storeu_ps(y.add(i * ncols), _mm512_setzero_ps());
             }
@@ -89,7 +95,11 @@ unsafe fn run<const HINT: i32>(
         }
         let f = _mm512_loadu_ps(blk as *const f32);
         if acts.m == 1 {
-            block_m1::<HINT>(blk, l, acts, y, groups.clone(), pfd, lut, nv, f);
+            block_rows::<HINT, 1>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv, f);
+            continue;
+        }
+        if acts.m == 2 {
+            block_rows::<HINT, 2>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv, f);
             continue;
         }
         for g in groups.clone() {
@@ -113,56 +123,68 @@ unsafe fn run<const HINT: i32>(
     }
 }
 
-/// One row block at M = 1, groups `groups` in K order: the 16 outputs stay in a register
-/// (continuing what `y` holds, zeroed above when `groups` starts at 0), four independent
-/// accumulators per group (even / odd chunk × low / high nibble).
+/// One row block at M = `R` ≤ 2 (2: a decode token as value + residual rows, see
+/// `moe::quantize_acts_split`), groups `groups` in K order: the rows' 16 outputs stay in
+/// registers (continuing what `y` holds, or from zero when `groups` starts at 0), so each group
+/// reads its weights and decodes its scales once for both rows and touches no output memory.
+/// Two chains per row (low / high nibble) keep the `vpdpbusd` latency hidden.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block_m1<const HINT: i32>(
+unsafe fn block_rows<const HINT: i32, const R: usize>(
     blk: *const u8,
     l: &PackedLayout,
     acts: &QuantizedActs,
     y: *mut f32,
+    ncols: usize,
     groups: Range<usize>,
     pfd: usize,
     lut: __m512i,
     nv: bool,
     f: __m512,
 ) {
-    let gs = l.gs;
+    let (gs, k, ng) = (l.gs, l.k, l.groups());
     let nchunks = l.group_weight_bytes() / CHUNK;
     let mask = _mm512_set1_epi8(0x0f);
     let off = l.offset();
-    let xq = acts.q.as_ptr();
-    let mut yv = _mm512_loadu_ps(y);
+    let mut yv: [__m512; R] =
+        std::array::from_fn(
+            |i| {
+                if groups.start == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(y.add(i * ncols))
+                }
+            },
+        );
+    let x: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k));
     for g in groups {
         let wp = blk.add(l.weights_offset(g));
-        let xg = xq.add(g * gs);
-        let mut a = [_mm512_setzero_si512(); 4];
-        // Chunks in pairs (a group has 2 or 4).
-        let mut c = 0;
-        while c < nchunks {
-            for u in 0..2 {
-                let p = wp.add((c + u) * CHUNK);
-                if pfd != 0 {
-                    _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
-                }
-                let v = _mm512_loadu_si512(p as *const _);
-                let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
-                let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
-                let xk = xg.add((c + u) * 8);
-                a[2 * u] = _mm512_dpbusd_epi32(a[2 * u], lo, bcast4(xk));
-                a[2 * u + 1] = _mm512_dpbusd_epi32(a[2 * u + 1], hi, bcast4(xk.add(4)));
+        let mut a = [[_mm512_setzero_si512(); 2]; R];
+        for c in 0..nchunks {
+            let p = wp.add(c * CHUNK);
+            if pfd != 0 {
+                _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
             }
-            c += 2;
+            let v = _mm512_loadu_si512(p as *const _);
+            let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+            let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
+            for (i, acc) in a.iter_mut().enumerate() {
+                let xk = x[i].add(g * gs + c * 8);
+                acc[0] = _mm512_dpbusd_epi32(acc[0], lo, bcast4(xk));
+                acc[1] = _mm512_dpbusd_epi32(acc[1], hi, bcast4(xk.add(4)));
+            }
         }
-        let acc = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(a[2], a[3]));
-        let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[g])));
         let sf = scales_times_factors(blk, l, g, nv, f);
-        yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[g])), yv);
+        for (i, acc) in a.iter().enumerate() {
+            let corr = _mm512_set1_epi32(off * acts.sums[i * ng + g]);
+            let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(acc[0], acc[1]), corr));
+            yv[i] = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), yv[i]);
+        }
     }
-    _mm512_storeu_ps(y, yv);
+    for (i, v) in yv.iter().enumerate() {
+        _mm512_storeu_ps(y.add(i * ncols), *v);
+    }
 }
 
 /// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
