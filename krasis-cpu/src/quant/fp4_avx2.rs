@@ -4,7 +4,8 @@
 //! 2·24·127 = 6096, twice per chunk 12192 < 2¹⁵, no saturation) followed by `madd(·, 1)` gives
 //! each row's i32 sum per chunk. The +12 is removed per group with the activation sums, and the
 //! epilogue is the scalar's `fma(d, (s · f) · s_x, y)`; group scales are decoded from their bytes
-//! as in the AVX-512 twin (E4M3 through F16C's `vcvtph2ps`).
+//! as in the AVX-512 twin (E4M3 through F16C's `vcvtph2ps`). At M ≤ 2 (a decode token's two
+//! rows) the outputs stay in registers over all groups ([`block_rows`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -27,11 +28,10 @@ unsafe fn look(lut: __m256i, v: __m256i, mask: __m256i) -> __m256i {
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn scales8(p: *const u8, nv: bool, f: __m256) -> __m256 {
     let s = if nv {
-        // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion.
-        let w = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
-        let mag = _mm_slli_epi16::<7>(_mm_and_si128(w, _mm_set1_epi16(0x7f)));
-        let sign = _mm_slli_epi16::<8>(_mm_and_si128(w, _mm_set1_epi16(0x80)));
-        _mm256_cvtph_ps(_mm_or_si128(mag, sign))
+        // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion;
+        // sign-extended and shifted as in the AVX-512 twin.
+        let w = _mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16::<7>(w), _mm_set1_epi16(super::fp4_avx512::E4M3_AS_F16_BITS)))
     } else {
         let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
         let bits = _mm256_slli_epi32::<23>(b);
@@ -62,6 +62,14 @@ pub(super) unsafe fn matmul(
     for (bi, b) in blocks.enumerate() {
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
+        if acts.m <= 2 {
+            if acts.m == 1 {
+                block_rows::<1>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv);
+            } else {
+                block_rows::<2>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv);
+            }
+            continue;
+        }
         if groups.start == 0 {
             for i in 0..acts.m {
                 _mm256_storeu_ps(y.add(i * ncols), _mm256_setzero_ps());
@@ -89,29 +97,64 @@ pub(super) unsafe fn matmul(
     }
 }
 
-/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
-/// Returns `T`.
+/// One row block at M = `R` ≤ 2 (2: a decode token as value + residual rows), groups `groups`
+/// in K order: the rows' outputs stay in registers over all groups (continuing what `y` holds,
+/// or from zero when `groups` starts at 0), as in the AVX-512 twin's `block_rows`.
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn group_tile<const T: usize>(
+unsafe fn block_rows<const R: usize>(
     blk: *const u8,
     l: &PackedLayout,
     acts: &QuantizedActs,
-    g: usize,
-    i0: usize,
     y: *mut f32,
     ncols: usize,
+    groups: Range<usize>,
     pfd: usize,
     lut: __m256i,
-    sf: (__m256, __m256),
-) -> usize {
+    nv: bool,
+) {
     let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let off = l.offset();
+    let fresh = groups.start == 0;
+    let load = |p: *const f32| if fresh { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
+    let mut ya: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols)));
+    let mut yb: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols + 8)));
+    for g in groups {
+        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k + g * gs));
+        let (aa, ab) = group_sums::<R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
+        let so = blk.add(l.scales_offset(g));
+        let (fa, fb) = (_mm256_loadu_ps(blk as *const f32), _mm256_loadu_ps(blk.add(32) as *const f32));
+        let sf = (scales8(so, nv, fa), scales8(so.add(8), nv, fb));
+        for i in 0..R {
+            let corr = _mm256_set1_epi32(off * acts.sums[i * ng + g]);
+            let sx = _mm256_set1_ps(acts.scales[i * ng + g]);
+            let da = _mm256_cvtepi32_ps(_mm256_sub_epi32(aa[i], corr));
+            let db = _mm256_cvtepi32_ps(_mm256_sub_epi32(ab[i], corr));
+            ya[i] = _mm256_fmadd_ps(da, _mm256_mul_ps(sf.0, sx), ya[i]);
+            yb[i] = _mm256_fmadd_ps(db, _mm256_mul_ps(sf.1, sx), yb[i]);
+        }
+    }
+    for i in 0..R {
+        _mm256_storeu_ps(y.add(i * ncols), ya[i]);
+        _mm256_storeu_ps(y.add(i * ncols + 8), yb[i]);
+    }
+}
+
+/// One group's integer sums for activation rows `xq` (each at the group's first k): rows 0–7
+/// and 8–15 of the row block, the +12 bias not yet removed.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn group_sums<const T: usize>(
+    wp: *const u8,
+    l: &PackedLayout,
+    xq: [*const i8; T],
+    pfd: usize,
+    lut: __m256i,
+) -> ([__m256i; T], [__m256i; T]) {
     let nchunks = l.group_weight_bytes() / CHUNK;
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
-    let wp = blk.add(l.weights_offset(g));
-    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
     let mut aa = [_mm256_setzero_si256(); T];
     let mut ab = [_mm256_setzero_si256(); T];
     for c in 0..nchunks {
@@ -131,6 +174,29 @@ unsafe fn group_tile<const T: usize>(
             ab[t] = _mm256_add_epi32(ab[t], _mm256_madd_epi16(sb, ones));
         }
     }
+    (aa, ab)
+}
+
+/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
+/// Returns `T`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_tile<const T: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    g: usize,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    pfd: usize,
+    lut: __m256i,
+    sf: (__m256, __m256),
+) -> usize {
+    let (k, gs, ng) = (l.k, l.gs, l.groups());
+    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
+    let (aa, ab) = group_sums::<T>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
     let off = l.offset();
     for t in 0..T {
         let i = i0 + t;

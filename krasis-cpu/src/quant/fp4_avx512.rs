@@ -43,7 +43,7 @@ unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: b
 }
 
 /// The f16 bits an E4M3 scale shifted left by 7 keeps: magnitude (7..=13) and sign (15).
-const E4M3_AS_F16_BITS: i16 = 0xbf80u16 as i16;
+pub(super) const E4M3_AS_F16_BITS: i16 = 0xbf80u16 as i16;
 
 /// # Safety
 /// The CPU must have AVX-512 F/BW/VNNI; arguments checked by [`super::matmul_packed_with`]
