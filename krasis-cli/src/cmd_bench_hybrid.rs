@@ -154,6 +154,16 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             format_bytes(one_copy),
             rss_after.map_or(0.0, |r| r as f64 / one_copy.max(1) as f64)
         );
+        if krasis_core::knobs::knobs().gpu_profile {
+            // Device time per part over as many more (untimed) steps, the hand-off waits inside
+            // the FFN part: which GPU work a token's "waiting for the GPU" is.
+            m.reset_stats(Some(s.as_mut()));
+            for _ in 0..a.decode_tokens {
+                id = m.step_one(s.as_mut(), &[id], &mut sampler, false)?.token;
+            }
+            let profile = m.stats(Some(s.as_ref())).profile.unwrap_or_default();
+            println!("decode, {} more steps: {profile}", a.decode_tokens);
+        }
     }
     Ok(json!({
         "model": dir.display().to_string(), "device": m.device().name(), "load_s": load_s,
