@@ -144,8 +144,6 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
     f: __m512,
 ) {
     let (gs, k, ng) = (l.gs, l.k, l.groups());
-    let nchunks = l.group_weight_bytes() / CHUNK;
-    let mask = _mm512_set1_epi8(0x0f);
     let off = l.offset();
     let mut yv: [__m512; R] =
         std::array::from_fn(
@@ -157,24 +155,9 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
                 }
             },
         );
-    let x: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k));
     for g in groups {
-        let wp = blk.add(l.weights_offset(g));
-        let mut a = [[_mm512_setzero_si512(); 2]; R];
-        for c in 0..nchunks {
-            let p = wp.add(c * CHUNK);
-            if pfd != 0 {
-                _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
-            }
-            let v = _mm512_loadu_si512(p as *const _);
-            let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
-            let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
-            for (i, acc) in a.iter_mut().enumerate() {
-                let xk = x[i].add(g * gs + c * 8);
-                acc[0] = _mm512_dpbusd_epi32(acc[0], lo, bcast4(xk));
-                acc[1] = _mm512_dpbusd_epi32(acc[1], hi, bcast4(xk.add(4)));
-            }
-        }
+        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k + g * gs));
+        let a = group_sums::<HINT, R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
         let sf = scales_times_factors(blk, l, g, nv, f);
         for (i, acc) in a.iter().enumerate() {
             let corr = _mm512_set1_epi32(off * acts.sums[i * ng + g]);
@@ -185,6 +168,37 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
     for (i, v) in yv.iter().enumerate() {
         _mm512_storeu_ps(y.add(i * ncols), *v);
     }
+}
+
+/// One group's integer sums for activation rows `xq` (each at the group's first k), low and high
+/// nibbles in separate accumulators (two independent chains per row), the +12 bias not yet
+/// removed.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn group_sums<const HINT: i32, const T: usize>(
+    wp: *const u8,
+    l: &PackedLayout,
+    xq: [*const i8; T],
+    pfd: usize,
+    lut: __m512i,
+) -> [[__m512i; 2]; T] {
+    let nchunks = l.group_weight_bytes() / CHUNK;
+    let mask = _mm512_set1_epi8(0x0f);
+    let mut a = [[_mm512_setzero_si512(); 2]; T];
+    for c in 0..nchunks {
+        let p = wp.add(c * CHUNK);
+        if pfd != 0 {
+            _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
+        }
+        let v = _mm512_loadu_si512(p as *const _);
+        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
+        let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
+        for (acc, x) in a.iter_mut().zip(xq) {
+            acc[0] = _mm512_dpbusd_epi32(acc[0], lo, bcast4(x.add(c * 8)));
+            acc[1] = _mm512_dpbusd_epi32(acc[1], hi, bcast4(x.add(c * 8 + 4)));
+        }
+    }
+    a
 }
 
 /// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
@@ -205,30 +219,12 @@ unsafe fn group_tile<const HINT: i32, const T: usize>(
     sf: __m512,
 ) -> usize {
     let (k, gs, ng) = (l.k, l.gs, l.groups());
-    let nchunks = l.group_weight_bytes() / CHUNK;
-    let mask = _mm512_set1_epi8(0x0f);
-    let wp = blk.add(l.weights_offset(g));
     let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
-    // Low and high nibbles in separate accumulators (two independent chains).
-    let mut alo = [_mm512_setzero_si512(); T];
-    let mut ahi = [_mm512_setzero_si512(); T];
-    for c in 0..nchunks {
-        let p = wp.add(c * CHUNK);
-        if pfd != 0 {
-            _mm_prefetch::<HINT>(p.wrapping_add(pfd) as *const i8);
-        }
-        let v = _mm512_loadu_si512(p as *const _);
-        let lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, mask));
-        let hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), mask));
-        for t in 0..T {
-            alo[t] = _mm512_dpbusd_epi32(alo[t], lo, bcast4(xq[t].add(c * 8)));
-            ahi[t] = _mm512_dpbusd_epi32(ahi[t], hi, bcast4(xq[t].add(c * 8 + 4)));
-        }
-    }
+    let a = group_sums::<HINT, T>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
     let off = l.offset();
     for t in 0..T {
         let i = i0 + t;
-        let acc = _mm512_add_epi32(alo[t], ahi[t]);
+        let acc = _mm512_add_epi32(a[t][0], a[t][1]);
         let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[i * ng + g])));
         let yp = y.add(i * ncols);
         let yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), _mm512_loadu_ps(yp));
