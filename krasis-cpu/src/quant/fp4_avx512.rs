@@ -222,9 +222,9 @@ unsafe fn group_tile<const HINT: i32, const T: usize>(
     let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
     let a = group_sums::<HINT, T>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
     let off = l.offset();
-    for t in 0..T {
+    for (t, [lo, hi]) in a.into_iter().enumerate() {
         let i = i0 + t;
-        let acc = _mm512_add_epi32(a[t][0], a[t][1]);
+        let acc = _mm512_add_epi32(lo, hi);
         let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[i * ng + g])));
         let yp = y.add(i * ncols);
         let yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), _mm512_loadu_ps(yp));
