@@ -208,11 +208,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     );
     if counts.per_expert > 0 {
         println!(
-            "per expert   {} params: bf16 {}, int8 {}, int4 {}",
+            "per expert   {} params: bf16 {}, int8 {}, int4 {}, int4a {}",
             counts.per_expert,
             format_bytes(stored_bytes(WeightBits::Bf16, counts.per_expert)),
             format_bytes(stored_bytes(WeightBits::Int8, counts.per_expert)),
             format_bytes(stored_bytes(WeightBits::Int4, counts.per_expert)),
+            format_bytes(stored_bytes(WeightBits::Int4Asym, counts.per_expert)),
         );
     }
     let sys = krasis_core::hw::probe();
@@ -221,10 +222,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
     let auto = gguf.is_some().then_some(WeightBits::Auto);
-    for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(auto) {
+    // Asymmetric INT4 g32: the CPU engine's default on a checkpoint of float experts.
+    let int4a = krasis_model::placement::precision::int4a_by_default(spec);
+    let asym = int4a.then_some(WeightBits::Int4Asym);
+    for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(asym).chain(auto) {
         let e = estimate(spec, f);
+        let default = if f == WeightBits::Int4Asym { " (the CPU engine's default)" } else { "" };
         println!(
-            "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}",
+            "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}{default}",
             format_name(f),
             format_bytes(e.dense_bytes),
             format_bytes(e.expert_bytes),

@@ -252,6 +252,20 @@ pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBit
     }
 }
 
+/// Whether the CPU engine's `auto` runs `spec`'s routed experts in asymmetric INT4 g32 (`4a`,
+/// `krasis_quant::int4_asym`): a checkpoint of float experts (no GGUF types, no 4-bit format kept
+/// as stored) whose dimensions that format takes. On the trained-weights test it loses less
+/// perplexity than llama.cpp's Q4_K_M where INT4 g128 doubles it, and its kernels stream at the
+/// bandwidth probe in decode (docs/BENCHMARKS.md); the GPU has no kernel for it, so the hybrid
+/// and GPU engines keep INT4 g128, whose records the hybrid streams to the GPU as they are.
+pub fn int4a_by_default(spec: &ModelSpec) -> bool {
+    spec.moe.is_some()
+        && !has_source_types(spec)
+        && native_fp4(spec).is_none()
+        && spec.source_quant.stored_int4_group().is_none()
+        && crate::cpu::quantized::expected_int4_asym_cache_header(spec, 0).is_ok()
+}
+
 /// `--cpu-dense-bits` as the CPU engine runs it: `Auto` is INT8 (the dense weights' fast path;
 /// INT8 keeps them within the oracle bounds the INT8 experts meet). Every other value is kept.
 pub fn resolve_dense_bits(requested: WeightBits) -> WeightBits {
@@ -307,6 +321,7 @@ pub fn describe_expert_bits(spec: &ModelSpec, requested: WeightBits) -> String {
             let kept = ggml_kept(spec).expect("checked");
             describe_kept(&kept.iter().map(|l| (l.w13, l.w2)).collect::<Vec<_>>())
         }
+        Some(ExpertWidthRule::Int4Asym) => "int4a g32 (asymmetric)".into(),
         Some(c) => describe_layer_bits(&c.layer_bits(spec)),
     }
 }
@@ -379,6 +394,28 @@ mod tests {
             }
             assert_eq!(describe_expert_bits(&spec, WeightBits::Auto), format!("{kind} (as stored)"));
         }
+    }
+
+    /// The CPU engine's `auto` is asymmetric INT4 g32 on float experts only: not on a GGUF (its
+    /// types decide), a 4-bit float or compressed-tensors INT4 checkpoint (kept as stored), a
+    /// dense model, or widths the format's groups of 32 do not divide.
+    #[test]
+    fn int4a_is_the_cpu_default_on_float_experts_only() {
+        let spec = tiny_spec();
+        assert!(int4a_by_default(&spec));
+        let with = |f: &dyn Fn(&mut ModelSpec)| {
+            let mut s = tiny_spec();
+            f(&mut s);
+            int4a_by_default(&s)
+        };
+        assert!(!with(&|s| s.expert_source_bits = vec![[4, 4, 6]; 3]));
+        assert!(!with(&|s| s.source_quant = crate::spec::SourceQuant::Mxfp4));
+        assert!(!with(&|s| s.source_quant = crate::spec::SourceQuant::ModelOptNvfp4));
+        assert!(!with(&|s| s.source_quant = crate::spec::SourceQuant::CompressedInt4 { group_size: 32 }));
+        assert!(with(&|s| s.source_quant = crate::spec::SourceQuant::Fp8Block { block_rows: 128, block_cols: 128 }));
+        assert!(!with(&|s| s.moe = None));
+        assert!(!with(&|s| s.moe.as_mut().expect("MoE").moe_intermediate_size = 120));
+        assert_eq!(describe_expert_bits(&spec, WeightBits::Int4Asym), "int4a g32 (asymmetric)");
     }
 
     /// On safetensors `auto` is INT4; on a GGUF it is per layer and projection, and the RAM
