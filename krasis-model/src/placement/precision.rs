@@ -252,13 +252,10 @@ pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBit
     }
 }
 
-/// Whether the CPU engine's `auto` runs `spec`'s routed experts in asymmetric INT4 g32 (`4a`,
-/// `krasis_quant::int4_asym`): a checkpoint of float experts (no GGUF types, no 4-bit format kept
-/// as stored) whose dimensions that format takes. On the trained-weights test it loses less
-/// perplexity than llama.cpp's Q4_K_M where INT4 g128 doubles it, and its kernels stream at the
-/// bandwidth probe in decode (docs/BENCHMARKS.md); the GPU has no kernel for it, so the hybrid
-/// and GPU engines keep INT4 g128, whose records the hybrid streams to the GPU as they are.
-pub fn int4a_by_default(spec: &ModelSpec) -> bool {
+/// Whether asymmetric INT4 g32 (`4a`, `krasis_quant::int4_asym`) takes `spec`'s routed experts:
+/// a checkpoint of float experts (no GGUF types, no 4-bit format kept as stored) whose dimensions
+/// its groups of 32 divide. `krasis info` shows its memory then.
+pub fn int4a_applies(spec: &ModelSpec) -> bool {
     spec.moe.is_some()
         && !has_source_types(spec)
         && native_fp4(spec).is_none()
@@ -396,17 +393,17 @@ mod tests {
         }
     }
 
-    /// The CPU engine's `auto` is asymmetric INT4 g32 on float experts only: not on a GGUF (its
-    /// types decide), a 4-bit float or compressed-tensors INT4 checkpoint (kept as stored), a
-    /// dense model, or widths the format's groups of 32 do not divide.
+    /// Asymmetric INT4 g32 takes float experts only: not a GGUF's (its types decide), a 4-bit
+    /// float or compressed-tensors INT4 checkpoint's (kept as stored), a dense model, or widths
+    /// the format's groups of 32 do not divide.
     #[test]
-    fn int4a_is_the_cpu_default_on_float_experts_only() {
+    fn int4a_applies_to_float_experts_only() {
         let spec = tiny_spec();
-        assert!(int4a_by_default(&spec));
+        assert!(int4a_applies(&spec));
         let with = |f: &dyn Fn(&mut ModelSpec)| {
             let mut s = tiny_spec();
             f(&mut s);
-            int4a_by_default(&s)
+            int4a_applies(&s)
         };
         assert!(!with(&|s| s.expert_source_bits = vec![[4, 4, 6]; 3]));
         assert!(!with(&|s| s.source_quant = crate::spec::SourceQuant::Mxfp4));

@@ -155,34 +155,7 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
         choice.why = tune_note.take().unwrap_or_default();
     }
     choice.notes.extend(tune_note);
-    if choice.path == DevicePath::Cpu && !cpu_asked {
-        choice.notes.extend(cpu_expert_default(files, &mut choice.config));
-    }
     Ok(choice)
-}
-
-/// The CPU engine's routed experts at `auto` on a checkpoint of float experts: asymmetric INT4
-/// g32 ([`crate::placement::precision::int4a_by_default`]) when the engine's estimate at that
-/// width fits the RAM limit; otherwise INT4 g128 as resolved, and a note saying why.
-fn cpu_expert_default(files: &ModelFiles, config: &mut EngineConfig) -> Option<String> {
-    if config.cpu.expert_bits != WeightBits::Int4 || !crate::placement::precision::int4a_by_default(files.spec()) {
-        return None;
-    }
-    let mut trial = config.clone();
-    trial.cpu.expert_bits = WeightBits::Int4Asym;
-    trial.cpu.dense_bits = crate::placement::precision::resolve_dense_bits(trial.cpu.dense_bits);
-    let est = cpu_memory_estimate(files, &trial).total(trial.context_tokens);
-    match check_ram_budget(est, krasis_core::hw::probe().mem_total_bytes, false) {
-        Ok(_) => {
-            config.cpu.expert_bits = WeightBits::Int4Asym;
-            None
-        }
-        Err(_) => Some(format!(
-            "routed experts: INT4 g128, not the CPU engine's default asymmetric INT4 g32, whose estimated {} exceeds \
-             the RAM limit (`--cpu-expert-bits 4a` asks for it anyway)",
-            format_bytes(est)
-        )),
-    }
 }
 
 /// The heatmap beside the caches when there is one that fits the model; a damaged or foreign one

@@ -375,18 +375,16 @@ fn a_cpu_kv_token_limit_is_the_context_and_generation_refuses_what_exceeds_it() 
     assert_eq!(s.position(), 6);
 }
 
-/// Asking for nothing on the CPU gets the fast path: asymmetric INT4 g32 routed experts (on a
-/// checkpoint of float experts) and INT8 dense weights, built into the caches on first use; the
-/// reference path is an explicit `bf16`.
+/// Asking for nothing on the CPU gets the fast path: INT4 routed experts and INT8 dense weights,
+/// built into the caches on first use; the reference path is an explicit `bf16`.
 #[test]
-fn the_cpu_default_is_int4a_experts_and_int8_dense() {
+fn the_cpu_default_is_int4_experts_and_int8_dense() {
     let tmp = tempfile::tempdir().unwrap();
     let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
     let config = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
     let opened = open_engine(&files, &config).unwrap();
     let log = opened.log.join("\n");
-    assert!(log.contains("routed experts: cpu INT4 asymmetric g32"), "{log}");
-    assert!(log.contains("experts_cpu_int4a_g32.bin"), "{log}");
+    assert!(log.contains("routed experts: cpu int4"), "{log}");
     assert!(log.contains("dense-weight cache") && log.contains("dense_cpu_int8"), "{log}");
     let reference = open_engine(&files, &cpu_config()).unwrap();
     let log = reference.log.join("\n");
