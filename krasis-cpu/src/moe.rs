@@ -1155,12 +1155,12 @@ impl PoolExperts {
             }
         }
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
-        // The BF16 tiles dequantise symmetric INT4/INT8 records only: FP4 and asymmetric INT4
+        // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric: FP4 and K-quant
         // layouts keep their integer kernels.
         let plain = bias13.is_none() && self.activation == ExpertActivation::Silu;
         let bf16_fits = plain
             && (0..n).all(|e| {
-                inter_of(e).is_multiple_of(32) && lay.of(e).0.is_symmetric_int() && lay.of(e).1.is_symmetric_int()
+                inter_of(e).is_multiple_of(32) && lay.of(e).0.has_bf16_panel() && lay.of(e).1.has_bf16_panel()
             });
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);

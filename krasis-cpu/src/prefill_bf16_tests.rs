@@ -104,22 +104,30 @@ proptest! {
     fn experts_match_reference(
         tokens in 1usize..40,
         loads in proptest::collection::vec(0usize..40, 1..5),
-        int4 in any::<bool>(),
+        format in 0usize..3,
         seed in any::<u64>(),
     ) {
+        // INT8, INT4 (symmetric, groups of 32) or asymmetric INT4 g32.
         let (h, inter, gs) = (64usize, 96usize, 32);
-        let bits = if int4 { Bits::Int4 } else { Bits::Int8 };
         let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
         let x = data(tokens * h, seed);
         struct E { w13: Vec<u8>, w2: Vec<u8>, l13: PackedLayout, l2: PackedLayout, f: [Vec<f32>; 3], toks: Vec<(usize, f32)> }
         let experts: Vec<E> = loads.iter().enumerate().map(|(e, &load)| {
             let s = seed.wrapping_add(10 * e as u64 + 1);
+            let wts = data(load, s + 3);
+            let toks = (0..load.min(tokens)).map(|i| ((i * 7 + e) % tokens, wts[i])).collect();
+            if format == 2 {
+                use krasis_quant::int4_asym as a;
+                let q = |w: Vec<f32>, rows, k| a::quantize(&w, rows, k).unwrap();
+                let (gate, up, down) = (q(data(inter * h, s), inter, h), q(data(inter * h, s + 1), inter, h), q(data(h * inter, s + 2), h, inter));
+                let (w13, l13) = a::pack_w13(&gate, &up).unwrap();
+                return E { w13, w2: a::pack(&down), l13, l2: a::layout_of(&down), f: [gate.dequantize(), up.dequantize(), down.dequantize()], toks };
+            }
+            let bits = if format == 1 { Bits::Int4 } else { Bits::Int8 };
             let gate = quantize(&data(inter * h, s), inter, h, bits, gs);
             let up = quantize(&data(inter * h, s + 1), inter, h, bits, gs);
             let down = quantize(&data(h * inter, s + 2), h, inter, bits, gs);
             let (w13, l13) = pack_w13(&gate, &up).unwrap();
-            let wts = data(load, s + 3);
-            let toks = (0..load.min(tokens)).map(|i| ((i * 7 + e) % tokens, wts[i])).collect();
             E { w13, w2: pack(&down), l13, l2: PackedLayout::of(&down), f: [dequantize(&gate), dequantize(&up), dequantize(&down)], toks }
         }).collect();
         let jobs: Vec<ExpertJob> = experts.iter().map(|e| ExpertJob {

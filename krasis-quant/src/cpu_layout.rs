@@ -129,6 +129,12 @@ impl PackedLayout {
         self.fp4.is_none() && !self.asym && self.kq.is_none()
     }
 
+    /// Whether the CPU's BF16 prefill tiles dequantise this layout into their panels: integer
+    /// codes with f16 scales, symmetric or asymmetric (not FP4, not K-quant blocks).
+    pub fn has_bf16_panel(&self) -> bool {
+        self.fp4.is_none() && self.kq.is_none()
+    }
+
     /// The layout [`pack`] gives `m`.
     pub fn of(m: &QuantizedMatrix) -> PackedLayout {
         PackedLayout::new(m.rows, m.k, m.gs, m.bits).expect("QuantizedMatrix with a valid group size")

@@ -1,5 +1,6 @@
 //! BF16 operands of the AMX-BF16 prefill kernel (`quant::amx::bf16`): packed INT4/INT8 row
-//! blocks dequantised into B-tile panels, and f32 activation rows rounded to BF16.
+//! blocks (symmetric, or asymmetric INT4 g32 with its minimums) dequantised into B-tile panels,
+//! and f32 activation rows rounded to BF16.
 //!
 //! **Panel layout.** One row block (16 weight rows) over all of K is `K / 2` B-tile rows of 64
 //! bytes: row `r` holds, for each weight row `n` of the block, the pair `(w[n, 2r], w[n, 2r + 1])`
@@ -80,23 +81,40 @@ fn group_scales(blk: &[u8], l: &PackedLayout, g: usize) -> [f32; ROW_BLOCK] {
     std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[so + 2 * j], blk[so + 2 * j + 1]])).to_f32())
 }
 
-/// Scalar twin of [`block_panel`] for one row block's bytes `blk`.
+/// The group's 16 f32 minimums of an asymmetric row block (zeros for a symmetric one).
+fn group_mins(blk: &[u8], l: &PackedLayout, g: usize) -> [f32; ROW_BLOCK] {
+    if !l.asym {
+        return [0.0; ROW_BLOCK];
+    }
+    let mo = l.mins_offset(g);
+    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[mo + 2 * j], blk[mo + 2 * j + 1]])).to_f32())
+}
+
+/// Scalar twin of [`block_panel`] for one row block's bytes `blk`: symmetric codes as
+/// `(u − off) · s` (exact), asymmetric ones as `fma(q, d, m)` (one rounding to f32).
 pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let (gs, off) = (l.gs, l.offset());
     let gwb = l.group_weight_bytes();
     let mut put = |k: usize, j: usize, v: f32| dst[(k / 2) * 2 * ROW_BLOCK + 2 * j + k % 2] = bf16_bits(v);
     for g in 0..l.groups() {
-        let s = group_scales(blk, l, g);
+        let (s, mins) = (group_scales(blk, l, g), group_mins(blk, l, g));
+        let value = |u: i32, j: usize| {
+            if l.asym {
+                (u as f32).mul_add(s[j], mins[j])
+            } else {
+                (u - off) as f32 * s[j]
+            }
+        };
         let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
         for (c, chunk) in wg.chunks_exact(CHUNK).enumerate() {
             for j in 0..ROW_BLOCK {
                 for b in 0..4 {
                     let u = chunk[4 * j + b] as i32;
                     match l.bits {
-                        Bits::Int8 => put(g * gs + 4 * c + b, j, (u - off) as f32 * s[j]),
+                        Bits::Int8 => put(g * gs + 4 * c + b, j, value(u, j)),
                         Bits::Int4 => {
-                            put(g * gs + 8 * c + b, j, ((u & 0x0f) - off) as f32 * s[j]);
-                            put(g * gs + 8 * c + 4 + b, j, ((u >> 4) - off) as f32 * s[j]);
+                            put(g * gs + 8 * c + b, j, value(u & 0x0f, j));
+                            put(g * gs + 8 * c + 4 + b, j, value(u >> 4, j));
                         }
                     }
                 }
@@ -286,7 +304,15 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     for g in 0..l.groups() {
         let s = _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.scales_offset(g)) as *const __m256i));
         let sh: [__m512; 2] = std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], s));
-        let offs: [__m512; 2] = std::array::from_fn(|r| _mm512_mul_ps(sh[r], off));
+        // What `fmsub(u, s, ·)` takes away: `off · s` (exact), or an asymmetric group's negated
+        // minimum, so the value is the scalar's `fma(q, d, m)`.
+        let offs: [__m512; 2] = if l.asym {
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.mins_offset(g)) as *const __m256i));
+            let neg = _mm512_sub_ps(_mm512_setzero_ps(), m);
+            std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], neg))
+        } else {
+            std::array::from_fn(|r| _mm512_mul_ps(sh[r], off))
+        };
         let scaled = |u: __m512i, r: usize| _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), sh[r], offs[r]);
         // B row of the k pair starting at even k from its two halves' lanes.
         let row = |k: usize, a: __m512, b: __m512| {

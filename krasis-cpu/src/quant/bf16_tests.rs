@@ -58,6 +58,29 @@ proptest! {
         }
     }
 
+    /// The same for asymmetric INT4 g32 (`d · q + m`, rounded once to f32, then to BF16).
+    #[test]
+    fn asym_panel_is_the_dequantised_weights_in_bf16(rows in 1usize..50, kg in 1usize..9, seed in any::<u64>()) {
+        let k = 32 * kg;
+        let q = krasis_quant::int4_asym::quantize(&data(rows * k, seed), rows, k).unwrap();
+        let (w, l) = (krasis_quant::int4_asym::pack(&q), krasis_quant::int4_asym::layout_of(&q));
+        let deq = q.dequantize();
+        let mut simd = vec![0u16; panel_len(&l)];
+        let mut scalar = vec![0u16; panel_len(&l)];
+        for b in 0..l.row_blocks() {
+            block_panel(&w, &l, b, &mut simd);
+            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
+            prop_assert_eq!(&simd, &scalar, "block {}", b);
+            for n in 0..ROW_BLOCK {
+                let r = b * ROW_BLOCK + n;
+                for kk in 0..k {
+                    let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
+                    prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
+                }
+            }
+        }
+    }
+
     #[test]
     fn simd_conversion_equals_scalar(n in 0usize..200, seed in any::<u64>(), scale_exp in -130i32..130) {
         let mut x: Vec<f32> = data(n, seed).iter().map(|v| v * 2f32.powi(scale_exp)).collect();
