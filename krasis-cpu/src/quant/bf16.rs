@@ -15,9 +15,10 @@
 //! Each operation has a scalar twin and an AVX-512 BF16 one (chosen once at run time, the
 //! scalar one with `KRASIS_ISA` below `avx512`), equal bit for bit (property tests).
 
-use half::f16;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::Bits;
+
+use super::row_f16s;
 
 /// `x` rounded to BF16 as `vcvtneps2bf16` does (nearest even, denormals to signed zero).
 #[inline]
@@ -75,21 +76,6 @@ pub fn block_panel(w: &[u8], l: &PackedLayout, b: usize, dst: &mut [u16]) {
     block_panel_scalar(blk, l, dst);
 }
 
-/// The group's 16 f32 weight scales of a row block.
-fn group_scales(blk: &[u8], l: &PackedLayout, g: usize) -> [f32; ROW_BLOCK] {
-    let so = l.scales_offset(g);
-    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[so + 2 * j], blk[so + 2 * j + 1]])).to_f32())
-}
-
-/// The group's 16 f32 minimums of an asymmetric row block (zeros for a symmetric one).
-fn group_mins(blk: &[u8], l: &PackedLayout, g: usize) -> [f32; ROW_BLOCK] {
-    if !l.asym {
-        return [0.0; ROW_BLOCK];
-    }
-    let mo = l.mins_offset(g);
-    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[mo + 2 * j], blk[mo + 2 * j + 1]])).to_f32())
-}
-
 /// Scalar twin of [`block_panel`] for one row block's bytes `blk`: symmetric codes as
 /// `(u − off) · s` (exact), asymmetric ones as `fma(q, d, m)` (one rounding to f32).
 pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
@@ -97,7 +83,9 @@ pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let gwb = l.group_weight_bytes();
     let mut put = |k: usize, j: usize, v: f32| dst[(k / 2) * 2 * ROW_BLOCK + 2 * j + k % 2] = bf16_bits(v);
     for g in 0..l.groups() {
-        let (s, mins) = (group_scales(blk, l, g), group_mins(blk, l, g));
+        let s = row_f16s(blk, l.scales_offset(g));
+        // An asymmetric group's minimums (zeros for a symmetric one, which takes `off` instead).
+        let mins = if l.asym { row_f16s(blk, l.mins_offset(g)) } else { [0.0; ROW_BLOCK] };
         let value = |u: i32, j: usize| {
             if l.asym {
                 (u as f32).mul_add(s[j], mins[j])

@@ -7,10 +7,9 @@
 
 use std::ops::Range;
 
-use half::f16;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 
-use super::QuantizedActs;
+use super::{row_f16s, QuantizedActs};
 
 /// Integer sums `Σ_k q[j, k] · x[k]` of one group for the 16 rows of a row block.
 #[inline]
@@ -25,12 +24,6 @@ fn group_dots(wg: &[u8], xq: &[i8]) -> [i32; ROW_BLOCK] {
         }
     }
     acc
-}
-
-/// The 16 f16 values at `off` of a row block, as f32.
-#[inline]
-fn f16s(blk: &[u8], off: usize) -> [f32; ROW_BLOCK] {
-    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[off + 2 * j], blk[off + 2 * j + 1]])).to_f32())
 }
 
 /// Groups `groups` of row blocks `blocks` (see [`super::matmul_packed_groups`]) of an
@@ -54,7 +47,7 @@ pub(super) fn matmul(
             super::zero_block_columns(out, m, ncols, bi);
         }
         for g in groups.clone() {
-            let (sw, mw) = (f16s(blk, l.scales_offset(g)), f16s(blk, l.mins_offset(g)));
+            let (sw, mw) = (row_f16s(blk, l.scales_offset(g)), row_f16s(blk, l.mins_offset(g)));
             let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
             for i in 0..m {
                 let xq = &acts.q[i * k + g * gs..i * k + (g + 1) * gs];

@@ -8,25 +8,18 @@
 
 use std::ops::Range;
 
-use half::f16;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::kquant::KQuant;
 
-use super::QuantizedActs;
-
-/// The 16 f16 values at `off` of a row block, as f32.
-#[inline]
-fn f16s(blk: &[u8], off: usize) -> [f32; ROW_BLOCK] {
-    std::array::from_fn(|j| f16::from_bits(u16::from_le_bytes([blk[off + 2 * j], blk[off + 2 * j + 1]])).to_f32())
-}
+use super::{row_f16s, QuantizedActs};
 
 /// Per row of a row block, group `g`: (`d · sc`, `dmin · m`; 0 for Q6_K), exact in f32.
 #[inline]
 pub(super) fn group_scales(kind: KQuant, blk: &[u8], hdr: usize, jg: usize) -> ([f32; ROW_BLOCK], [f32; ROW_BLOCK]) {
-    let d = f16s(blk, hdr);
+    let d = row_f16s(blk, hdr);
     match kind {
         KQuant::Q4K => {
-            let dmin = f16s(blk, hdr + 32);
+            let dmin = row_f16s(blk, hdr + 32);
             (
                 std::array::from_fn(|j| d[j] * blk[hdr + 64 + 16 * jg + j] as f32),
                 std::array::from_fn(|j| dmin[j] * blk[hdr + 192 + 16 * jg + j] as f32),

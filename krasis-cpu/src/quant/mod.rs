@@ -126,6 +126,13 @@ pub(super) fn zero_block_columns(out: &mut [f32], m: usize, ncols: usize, bi: us
     }
 }
 
+/// The 16 little-endian f16 values at byte `off` of a row block (one per row: a group's scales,
+/// minimums or super-block factors), as f32.
+#[inline]
+pub(super) fn row_f16s(blk: &[u8], off: usize) -> [f32; ROW_BLOCK] {
+    std::array::from_fn(|j| half::f16::from_bits(u16::from_le_bytes([blk[off + 2 * j], blk[off + 2 * j + 1]])).to_f32())
+}
+
 /// 1.5 · 2²³: adding it to |v| < 2²² rounds `v` half to even (see [`round_clamp_127`]).
 const MAGIC: f32 = 12_582_912.0;
 /// Bit pattern of [`MAGIC`].

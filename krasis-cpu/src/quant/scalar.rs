@@ -4,11 +4,10 @@
 
 use std::ops::Range;
 
-use half::f16;
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
 use krasis_quant::Bits;
 
-use super::QuantizedActs;
+use super::{row_f16s, QuantizedActs};
 
 /// Integer sums `Σ_k u[j, k] · x[k]` of one group for the 16 rows of a row block, with `u` the
 /// stored (unsigned) weights.
@@ -60,10 +59,7 @@ pub(super) fn matmul(
             super::zero_block_columns(out, m, ncols, bi);
         }
         for g in groups.clone() {
-            let so = l.scales_offset(g);
-            let sw: [f32; ROW_BLOCK] = std::array::from_fn(|j| {
-                f16::from_bits(u16::from_le_bytes([blk[so + 2 * j], blk[so + 2 * j + 1]])).to_f32()
-            });
+            let sw = row_f16s(blk, l.scales_offset(g));
             let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
             for i in 0..m {
                 let xq = &acts.q[i * k + g * gs..i * k + (g + 1) * gs];
