@@ -120,11 +120,11 @@ unsafe fn block_rows<const R: usize>(
     let load = |p: *const f32| if fresh { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
     let mut ya: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols)));
     let mut yb: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols + 8)));
+    let (fa, fb) = (_mm256_loadu_ps(blk as *const f32), _mm256_loadu_ps(blk.add(32) as *const f32));
     for g in groups {
         let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k + g * gs));
         let (aa, ab) = group_sums::<R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
         let so = blk.add(l.scales_offset(g));
-        let (fa, fb) = (_mm256_loadu_ps(blk as *const f32), _mm256_loadu_ps(blk.add(32) as *const f32));
         let sf = (scales8(so, nv, fa), scales8(so.add(8), nv, fb));
         for i in 0..R {
             let corr = _mm256_set1_epi32(off * acts.sums[i * ng + g]);

@@ -145,16 +145,9 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
 ) {
     let (gs, k, ng) = (l.gs, l.k, l.groups());
     let off = l.offset();
+    let fresh = groups.start == 0;
     let mut yv: [__m512; R] =
-        std::array::from_fn(
-            |i| {
-                if groups.start == 0 {
-                    _mm512_setzero_ps()
-                } else {
-                    _mm512_loadu_ps(y.add(i * ncols))
-                }
-            },
-        );
+        std::array::from_fn(|i| if fresh { _mm512_setzero_ps() } else { _mm512_loadu_ps(y.add(i * ncols)) });
     for g in groups {
         let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k + g * gs));
         let a = group_sums::<HINT, R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
