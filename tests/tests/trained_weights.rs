@@ -135,9 +135,8 @@ fn reference_path_matches_transformers_perplexity_and_greedy_text() {
 }
 
 /// `experts` against the ideal of format `ideal` in reference.json: relative perplexity
-/// difference at most `bar`.
-/// The perplexity with `experts` within `bar` of its ideal; the perplexity and the reference
-/// (`None` when the data is missing and the test skipped).
+/// difference at most `bar`. Returns the perplexity and the reference (`None` when the data is
+/// missing and the test skipped).
 fn check_quantised(experts: WeightBits, ideal: &str, bar: f64) -> Option<(f64, Value)> {
     let dir = cache()?;
     let r = reference(&dir);
@@ -181,8 +180,7 @@ const Q4_K_M_MLP_PPL: f64 = 10.2332;
 /// Q4_K_M does (INT4 g128 doubles it).
 #[test]
 fn int4_asym_g32_within_two_percent_of_its_ideal_and_below_q4_k_m() {
-    let got = check_quantised(WeightBits::Int4Asym, "int4_asym_g32", 0.02);
-    let Some((got, r)) = got else { return };
+    let Some((got, r)) = check_quantised(WeightBits::Int4Asym, "int4_asym_g32", 0.02) else { return };
     let q4km = r["q4_k_m"]["mlp_only"].as_f64().unwrap_or(Q4_K_M_MLP_PPL);
     assert!(got <= q4km, "perplexity {got:.4} loses more than llama.cpp's Q4_K_M ({q4km:.4})");
 }

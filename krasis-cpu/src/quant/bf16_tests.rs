@@ -23,6 +23,27 @@ fn rounding_is_nearest_even_with_denormals_as_zero() {
     assert_eq!(bf16_value(bf16_bits(f32::MAX)), f32::INFINITY);
 }
 
+/// Every row block's panel of `w` (layout `l`, `rows` real rows), SIMD and scalar, equals the
+/// dequantised matrix `deq` rounded to BF16; padding rows are zero.
+fn panels_hold(w: &[u8], l: &PackedLayout, rows: usize, deq: &[f32]) -> Result<(), TestCaseError> {
+    let k = l.k;
+    let mut simd = vec![0u16; panel_len(l)];
+    let mut scalar = vec![0u16; panel_len(l)];
+    for b in 0..l.row_blocks() {
+        block_panel(w, l, b, &mut simd);
+        block_panel_scalar(&w[l.block_range(b)], l, &mut scalar);
+        prop_assert_eq!(&simd, &scalar, "block {}", b);
+        for n in 0..ROW_BLOCK {
+            let r = b * ROW_BLOCK + n;
+            for kk in 0..k {
+                let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
+                prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
+            }
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
@@ -42,20 +63,7 @@ proptest! {
         let q = quantize(&data(rows * k, seed), rows, k, bits, gs);
         let (w, l) = (pack(&q), PackedLayout::of(&q));
         let deq = dequantize(&q);
-        let mut simd = vec![0u16; panel_len(&l)];
-        let mut scalar = vec![0u16; panel_len(&l)];
-        for b in 0..l.row_blocks() {
-            block_panel(&w, &l, b, &mut simd);
-            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
-            prop_assert_eq!(&simd, &scalar, "block {}", b);
-            for n in 0..ROW_BLOCK {
-                let r = b * ROW_BLOCK + n;
-                for kk in 0..k {
-                    let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
-                    prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
-                }
-            }
-        }
+        panels_hold(&w, &l, rows, &deq)?;
     }
 
     /// The same for asymmetric INT4 g32 (`d · q + m`, rounded once to f32, then to BF16).
@@ -65,20 +73,7 @@ proptest! {
         let q = krasis_quant::int4_asym::quantize(&data(rows * k, seed), rows, k).unwrap();
         let (w, l) = (krasis_quant::int4_asym::pack(&q), krasis_quant::int4_asym::layout_of(&q));
         let deq = q.dequantize();
-        let mut simd = vec![0u16; panel_len(&l)];
-        let mut scalar = vec![0u16; panel_len(&l)];
-        for b in 0..l.row_blocks() {
-            block_panel(&w, &l, b, &mut simd);
-            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
-            prop_assert_eq!(&simd, &scalar, "block {}", b);
-            for n in 0..ROW_BLOCK {
-                let r = b * ROW_BLOCK + n;
-                for kk in 0..k {
-                    let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
-                    prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
-                }
-            }
-        }
+        panels_hold(&w, &l, rows, &deq)?;
     }
 
     #[test]
