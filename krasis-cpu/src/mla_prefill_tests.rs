@@ -64,9 +64,17 @@ impl Case {
 
     /// MLA attention in f64 straight from the definition: expand every key row, then softmax.
     fn reference(&self) -> Vec<f64> {
+        self.reference_and_magnitude().0
+    }
+
+    /// The f64 attention, and beside each output the size of the sum that made it,
+    /// `Σ_p w_p·|v_p|`: a rounding of the probabilities or the values errs in proportion to
+    /// that, not to the output, which cancellation can make much smaller.
+    fn reference_and_magnitude(&self) -> (Vec<f64>, Vec<f64>) {
         let MlaDims { heads: h, nope, rope, v_dim: vd, latent: lat } = self.d;
         let (qk, per_head, rows) = (nope + rope, nope + vd, self.q_start + self.t);
         let mut out = vec![0f64; self.t * h * vd];
+        let mut magnitude = vec![0f64; out.len()];
         for hh in 0..h {
             let expand = |r: usize, c: usize| -> f64 {
                 let w = &self.kv_b[(hh * per_head + c) * lat..][..lat];
@@ -90,20 +98,29 @@ impl Case {
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 let o = &mut out[(i * h + hh) * vd..][..vd];
+                let mag = &mut magnitude[(i * h + hh) * vd..][..vd];
                 for (p, w) in e.iter().enumerate() {
-                    for (x, vv) in o.iter_mut().zip(&v[p]) {
+                    for ((x, a), vv) in o.iter_mut().zip(mag.iter_mut()).zip(&v[p]) {
                         *x += w / z * vv;
+                        *a += w / z * vv.abs();
                     }
                 }
             }
         }
-        out
+        (out, magnitude)
     }
 }
 
 /// Largest |a − b| over the largest |b| (1 where b is all zero).
 fn rel_err(a: &[f32], b: &[f64]) -> f64 {
     let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
+}
+
+/// Largest |a − b| over the largest magnitude of the sums that made `b` (see
+/// [`Case::reference_and_magnitude`]).
+fn err_over_magnitude(a: &[f32], b: &[f64], magnitude: &[f64]) -> f64 {
+    let scale = magnitude.iter().fold(0f64, |m, x| m.max(*x)).max(1e-30);
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
 }
 
@@ -162,9 +179,12 @@ fn expansion_tiles() -> Vec<Bf16Tiles> {
     t
 }
 
-/// Largest error of the attention on the tiles against the f64 definition, relative to the
-/// largest output: queries, keys, probabilities and values each rounded once to BF16 (2^-9
-/// relative) on O(1) scores.
+/// Largest error of the attention on the tiles against the f64 definition: queries, keys,
+/// probabilities and values each rounded once to BF16 (2^-9 relative) on O(1) scores. Against
+/// random cases it is measured over the size of the sums ([`err_over_magnitude`]): over the
+/// largest output it grew without bound where the values cancel (one head, four value columns:
+/// outputs 12× smaller than their sums, an error of 0.0101 that is 8.5e-4 of the sums). Over
+/// 8,000 random cases of the proptest's shapes the worst was 4.6e-3 of the sums.
 const ATTEND_BF16_BOUND: f64 = 1e-2;
 
 proptest! {
@@ -183,13 +203,13 @@ proptest! {
                                  tile_blocks in 1usize..4, attend in any::<bool>(), seed in any::<u32>()) {
         let d = MlaDims { heads, nope, rope, v_dim, latent: 32 * lat_steps };
         let c = Case::new(d, t, q_start, 1, seed);
-        let want = c.reference();
+        let (want, magnitude) = c.reference_and_magnitude();
         let bound = if attend { ATTEND_BF16_BOUND } else { 2e-5 };
         for tiles in expansion_tiles() {
             let on = attend.then_some(tiles);
             let mut out = vec![f32::NAN; t * heads * v_dim];
             run(&c.inputs(), &mut out, tile_blocks * BLOCK_K, Some(tiles), on);
-            let err = rel_err(&out, &want);
+            let err = if attend { err_over_magnitude(&out, &want, &magnitude) } else { rel_err(&out, &want) };
             prop_assert!(err < bound, "{:?} {:?} t {} q_start {}: error {}", tiles, d, t, q_start, err);
             let cut = cut.min(t - 1);
             let per_row = heads * (nope + rope);
