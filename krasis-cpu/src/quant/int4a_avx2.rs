@@ -2,7 +2,7 @@
 //! 0–7, rows 8–15, each row's 4 bytes adjacent); its nibbles (codes 0..=15) go to
 //! `maddubs(q, x)` (u8 × s8 → pairwise i16: at most 2·15·127 = 3810, twice per chunk 7620 <
 //! 2¹⁵, no saturation) and `madd(·, 1)` gives each row's i32 sum per chunk. The epilogue is the
-//! scalar's: `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(Σ x_q, m · s_x, y)`.
+//! scalar's: `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(m, Σ x_q · s_x, y)`.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -111,13 +111,13 @@ unsafe fn group_tile<const T: usize>(
     }
     for t in 0..T {
         let i = i0 + t;
-        let sx = _mm256_set1_ps(acts.scales[i * ng + g]);
-        let sum = _mm256_set1_ps(acts.sums[i * ng + g] as f32);
+        let s = acts.scales[i * ng + g];
+        let (sx, offset) = (_mm256_set1_ps(s), _mm256_set1_ps(acts.sums[i * ng + g] as f32 * s));
         let yp = y.add(i * ncols);
         let ya = _mm256_fmadd_ps(_mm256_cvtepi32_ps(aa[t]), _mm256_mul_ps(dm.0, sx), _mm256_loadu_ps(yp));
         let yb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ab[t]), _mm256_mul_ps(dm.1, sx), _mm256_loadu_ps(yp.add(8)));
-        _mm256_storeu_ps(yp, _mm256_fmadd_ps(sum, _mm256_mul_ps(dm.2, sx), ya));
-        _mm256_storeu_ps(yp.add(8), _mm256_fmadd_ps(sum, _mm256_mul_ps(dm.3, sx), yb));
+        _mm256_storeu_ps(yp, _mm256_fmadd_ps(dm.2, offset, ya));
+        _mm256_storeu_ps(yp.add(8), _mm256_fmadd_ps(dm.3, offset, yb));
     }
     T
 }

@@ -1,9 +1,10 @@
 //! Scalar reference of the asymmetric INT4 g32 matmul (a layout with `asym` set, see
 //! `krasis_quant::int4_asym`): per (row, group) the exact integer sum `Σ q·x_q` of the stored
 //! codes (0..=15) with the INT8 activations, and the float epilogue, per group in K order,
-//! `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(Σ x_q, m · s_x, y)` (`d` the scale, `m` the
-//! minimum, `Σ x_q` the activations' group sum). The SIMD twins use the same operations in the
-//! same order, so they agree bit for bit.
+//! `y = fma(Σ q·x_q, d · s_x, y)` then `y = fma(m, Σ x_q · s_x, y)` (`d` the scale, `m` the
+//! minimum, `Σ x_q` the activations' group sum: its product with `s_x` is one f32 per activation
+//! row and group, shared by the 16 rows of a block). The SIMD twins use the same operations in
+//! the same order, so they agree bit for bit.
 
 use std::ops::Range;
 
@@ -52,12 +53,12 @@ pub(super) fn matmul(
             for i in 0..m {
                 let xq = &acts.q[i * k + g * gs..i * k + (g + 1) * gs];
                 let sx = acts.scales[i * ng + g];
-                let sum = acts.sums[i * ng + g] as f32;
+                let offset = acts.sums[i * ng + g] as f32 * sx;
                 let y = &mut out[i * ncols + bi * ROW_BLOCK..i * ncols + (bi + 1) * ROW_BLOCK];
                 let acc = group_dots(wg, xq);
                 for j in 0..ROW_BLOCK {
                     y[j] = (acc[j] as f32).mul_add(sw[j] * sx, y[j]);
-                    y[j] = sum.mul_add(mw[j] * sx, y[j]);
+                    y[j] = mw[j].mul_add(offset, y[j]);
                 }
             }
         }
