@@ -93,3 +93,43 @@ extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_h
         for (int j = threadIdx.x; j < kv_row; j += blockDim.x) dst[j] = f32_to_bf16(src[j]);
     }
 }
+
+// GQA's per-token preparation in one launch: the biases (qb, kb, vb, all or none) added to the
+// token's q, k and v rows (add_bias_rows_f32's f32 addition), RoPE on q's and k's heads
+// (rope_f32's operations: rot_dim elements from the start of each head of head_dim), and, with
+// k_out / v_out (row 0 of the call in a BF16 KV cache's key and value planes, rows of kv_row
+// elements), k's and v's finished rows written there, token t at row t (kv_write_bf16's
+// rounding): the same f32 operations per element as those launches, in the same order.
+// Launch: grid = n_tokens, any multiple of 32 threads (cfg_rows: 256).
+extern "C" __global__ void gqa_prep(float* q, float* k, float* v, const bf16_t* qb, const bf16_t* kb,
+                                    const bf16_t* vb, int q_heads, int kv_heads, int head_dim, const int* positions,
+                                    const float* cos_t, const float* sin_t, int n_tokens, int rot_dim, int interleaved,
+                                    int max_pos, bf16_t* k_out, bf16_t* v_out) {
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
+    const int t = blockIdx.x;
+    if (t >= n_tokens) return;
+    const int q_row = q_heads * head_dim, kv_row = kv_heads * head_dim;
+    float* qt = q + (long long)t * q_row;
+    float* kt = k + (long long)t * kv_row;
+    float* vt = v + (long long)t * kv_row;
+    if (qb) {  // the rotation pairs elements other threads add to: all additions first
+        for (int j = threadIdx.x; j < q_row; j += blockDim.x) qt[j] += bf16_to_f32(qb[j]);
+        for (int j = threadIdx.x; j < kv_row; j += blockDim.x) {
+            kt[j] += bf16_to_f32(kb[j]);
+            vt[j] += bf16_to_f32(vb[j]);
+        }
+        __syncthreads();
+    }
+    rope_token(q, t, positions, cos_t, sin_t, q_heads, q_row, head_dim, 0, rot_dim, interleaved, max_pos);
+    rope_token(k, t, positions, cos_t, sin_t, kv_heads, kv_row, head_dim, 0, rot_dim, interleaved, max_pos);
+    if (k_out) {  // the finished rows into the BF16 KV cache, token t at row t
+        __syncthreads();
+        bf16_t* kd = k_out + t * (long long)kv_row;
+        bf16_t* vd = v_out + t * (long long)kv_row;
+        for (int j = threadIdx.x; j < kv_row; j += blockDim.x) {
+            kd[j] = f32_to_bf16(kt[j]);
+            vd[j] = f32_to_bf16(vt[j]);
+        }
+    }
+}

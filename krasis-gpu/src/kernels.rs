@@ -53,7 +53,7 @@ pub const ROPE: KernelSource = KernelSource {
     src: include_str!("../kernels/rope.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["rope_f32", "rope_bf16", "mla_rope_norm"],
+    functions: &["rope_f32", "rope_bf16", "mla_rope_norm", "gqa_prep"],
 };
 
 pub const SILU_MUL: KernelSource = KernelSource {
@@ -124,6 +124,18 @@ pub(crate) fn launch_err(op: &'static str) -> impl FnOnce(cudarc::driver::Driver
 }
 
 pub use krasis_core::spec::RopePairing;
+
+/// The shape of [`GpuDevice::gqa_prep`]'s call: contiguous `[tokens, heads, head_dim]` q, k and v
+/// rows, RoPE on the first `rot_dim` elements of each head (all of it, or partial rotary).
+#[derive(Clone, Copy, Debug)]
+pub struct GqaShape {
+    pub n_tokens: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rot_dim: usize,
+    pub pairing: RopePairing,
+}
 
 /// Where RoPE applies inside a `[tokens, heads, head_dim]`-like tensor (strides in elements).
 #[derive(Clone, Copy, Debug)]
@@ -463,6 +475,85 @@ impl GpuDevice {
         // elements lie inside each kv row, before its rope slice; the cache rows pos..pos+t exist
         // and are kv rows long); the kernel waits first.
         unsafe { self.launch_dependent(OP, &f, cfg_rows(ql.n_tokens), &mut args, true) }?;
+        Ok(out.is_some())
+    }
+
+    /// GQA's per-token preparation in one launch: the biases `[q, k, v]` (when given) added to
+    /// the rows of `q [t, q_heads·head_dim]`, `k` and `v [t, kv_heads·head_dim]`, then
+    /// [`GpuDevice::rope_f32`] on q's and k's heads (`rot_dim` elements from each head's start),
+    /// and with `cache_out` = (cache, layer, pos) of a BF16 two-plane cache whose rows are k's,
+    /// k and v written to rows `pos..pos+t` of its key and value planes: the same f32 operations
+    /// per element as those launches (up to seven). Returns whether the rows went into the cache
+    /// (an FP8 cache, or none, is left to [`GpuKvCache::write`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gqa_prep<B: DevicePtr<u16>>(
+        &self,
+        q: &mut impl DevicePtrMut<f32>,
+        k: &mut impl DevicePtrMut<f32>,
+        v: &mut impl DevicePtrMut<f32>,
+        shape: GqaShape,
+        bias: Option<&[B; 3]>,
+        positions: &impl DevicePtr<i32>,
+        cos: &impl DevicePtr<f32>,
+        sin: &impl DevicePtr<f32>,
+        max_pos: usize,
+        cache_out: Option<(&GpuKvCache, usize, usize)>,
+    ) -> Result<bool, GpuError> {
+        const OP: &str = "gqa_prep";
+        let GqaShape { n_tokens: t, q_heads, kv_heads, head_dim, rot_dim, pairing } = shape;
+        let (q_row, kv_row) = (q_heads * head_dim, kv_heads * head_dim);
+        check(OP, rot_dim <= head_dim, || format!("rot_dim {rot_dim} exceeds head_dim {head_dim}"))?;
+        check(OP, v.len() >= t * kv_row, || format!("v has {} elements, not {t}x{kv_row}", v.len()))?;
+        let ql = RopeLayout {
+            n_tokens: t,
+            n_heads: q_heads,
+            token_stride: q_row,
+            head_stride: head_dim,
+            rot_offset: 0,
+            rot_dim,
+            pairing,
+        };
+        let kl = RopeLayout { n_heads: kv_heads, token_stride: kv_row, ..ql };
+        let q_ok = self.rope_check(q.len(), positions, cos, sin, max_pos, &ql)?;
+        let k_ok = self.rope_check(k.len(), positions, cos, sin, max_pos, &kl)?;
+        if let Some(b) = bias {
+            let lens = [b[0].len(), b[1].len(), b[2].len()];
+            check(OP, lens == [q_row, kv_row, kv_row], || {
+                format!("biases of {lens:?} elements for rows of {q_row}, {kv_row} and {kv_row}")
+            })?;
+        }
+        let (Some((n_i, qh_i)), Some((_, kh_i))) = (q_ok, k_ok) else { return Ok(false) };
+        // The cache writes ride along for a BF16 cache of two planes whose rows are k's.
+        let out = match cache_out {
+            Some((c, layer, pos)) if c.layout().planes == 2 && c.layout().row == kv_row => {
+                match (c.bf16_rows(OP, self, layer, 0, pos, t)?, c.bf16_rows(OP, self, layer, 1, pos, t)?) {
+                    (Some(kp), Some(vp)) => Some((kp, vp)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let (k_out, v_out) = out.unwrap_or((0, 0));
+        let s = self.stream();
+        let (q_p, _g0) = q.device_ptr_mut(s);
+        let (k_p, _g1) = k.device_ptr_mut(s);
+        let (v_p, _g2) = v.device_ptr_mut(s);
+        let guards = bias.map(|b| [b[0].device_ptr(s), b[1].device_ptr(s), b[2].device_ptr(s)]);
+        let [qb_p, kb_p, vb_p] = guards.as_ref().map_or([0; 3], |g| [g[0].0, g[1].0, g[2].0]);
+        let (pos_p, _g3) = positions.device_ptr(s);
+        let (cos_p, _g4) = cos.device_ptr(s);
+        let (sin_p, _g5) = sin.device_ptr(s);
+        let hd_i = to_i32(OP, "head_dim", head_dim)?;
+        let (rd, inter, mp) = (rot_dim as i32, (pairing == RopePairing::Interleaved) as i32, max_pos as i32);
+        let f = self.function(&ROPE, "gqa_prep")?;
+        let mut args = kernel_args![
+            &q_p, &k_p, &v_p, &qb_p, &kb_p, &vb_p, &qh_i, &kh_i, &hd_i, &pos_p, &cos_p, &sin_p, &n_i, &rd, &inter, &mp,
+            &k_out, &v_out
+        ];
+        // SAFETY: argument list matches the kernel's signature; extents checked above (q, k and v
+        // hold t rows, the biases one row each; the cache rows pos..pos+t of both planes exist
+        // and are k's rows long); the kernel waits first.
+        unsafe { self.launch_dependent(OP, &f, cfg_rows(t), &mut args, true) }?;
         Ok(out.is_some())
     }
 

@@ -86,7 +86,7 @@ pub use device::{probe, probe_ordinal, vram_budget_bytes, DeviceBuffer, DeviceIn
 pub use elementwise::RowsView;
 pub use error::GpuError;
 pub use flash_prefill::{bench_gqa_prefill, bench_mla_prefill, FlashBench, FlashKernel, FlashPrefillArgs, HeadsLayout};
-pub use kernels::{RopeLayout, RopePairing, SwiGluLayout};
+pub use kernels::{GqaShape, RopeLayout, RopePairing, SwiGluLayout};
 pub use kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 pub use linear::{GemmContext, GpuLinear, LinearQuant};
 pub use moe::GpuExperts;

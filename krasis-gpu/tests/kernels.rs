@@ -14,7 +14,7 @@ use common::{
 };
 use krasis_core::dtype::bf16_to_f32;
 use krasis_gpu::{
-    GpuDevice, GpuError, GpuKvCache, KvCapacity, KvDtype, RopeLayout, RopePairing, RowsView, SwiGluLayout,
+    GpuDevice, GpuError, GpuKvCache, GqaShape, KvCapacity, KvDtype, RopeLayout, RopePairing, RowsView, SwiGluLayout,
     VramBudgetSpec, AUTO_VRAM_SAFETY_MARGIN,
 };
 use rand::Rng;
@@ -400,6 +400,106 @@ fn mla_rope_norm_equals_the_three_launches() {
     };
     let e = d.mla_rope_norm(&mut q, &l, &mut kv, &kl, &w, 1e-6, &pos_d, &cos_d, &sin_d, 8, None).unwrap_err();
     assert!(matches!(e, GpuError::Shape { .. }), "{e}");
+}
+
+/// The fused GQA preparation equals the launches it replaces (three bias additions, q and k
+/// RoPE, the K and V cache writes), bit for bit: the same f32 operations per element. Ragged
+/// shapes, partial rotary, both pairings, with and without biases, an out-of-range position (NaN
+/// in the rotated slices), a BF16 cache (written by the launch) and an FP8 one (left to the
+/// separate write).
+#[test]
+fn gqa_prep_equals_the_separate_launches() {
+    let Some(d) = gpu("gqa_prep_equals_the_separate_launches") else { return };
+    let mut r = rng(37);
+    let max_pos = 300;
+    // (tokens, q heads, kv heads, head_dim, rot_dim)
+    for &(t, hh, kvh, hd, rd) in
+        &[(1usize, 96usize, 8usize, 128usize, 64usize), (3, 5, 1, 6, 6), (17, 4, 2, 10, 4), (2, 3, 3, 64, 64)]
+    {
+        for pairing in [RopePairing::Halves, RopePairing::Interleaved] {
+            for biased in [false, true] {
+                let (q_row, kv_row) = (hh * hd, kvh * hd);
+                let (cos, sin) = rope_tables(max_pos, rd, 1.1);
+                let mut positions: Vec<i32> = (0..t).map(|_| r.random_range(0..max_pos as i32)).collect();
+                if t > 2 {
+                    positions[1] = max_pos as i32;
+                }
+                let (q, k, v) = (
+                    rand_bf16_f32(&mut r, t * q_row, 3.0),
+                    rand_bf16_f32(&mut r, t * kv_row, 3.0),
+                    rand_bf16_f32(&mut r, t * kv_row, 3.0),
+                );
+                let bias: Vec<Vec<u16>> =
+                    [q_row, kv_row, kv_row].iter().map(|&n| to_bf16(&rand_bf16_f32(&mut r, n, 1.5))).collect();
+                let bias_d = [up(d, &bias[0], "qb"), up(d, &bias[1], "kb"), up(d, &bias[2], "vb")];
+                let (cos_d, sin_d, pos_d) = (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &positions, "pos"));
+                let layout = |heads: usize| RopeLayout {
+                    n_tokens: t,
+                    n_heads: heads,
+                    token_stride: heads * hd,
+                    head_stride: hd,
+                    rot_offset: 0,
+                    rot_dim: rd,
+                    pairing,
+                };
+                let (mut q1, mut k1, mut v1) = (up(d, &q, "q"), up(d, &k, "k"), up(d, &v, "v"));
+                if biased {
+                    d.add_bias_rows_f32(&mut q1, t, &bias_d[0]).unwrap();
+                    d.add_bias_rows_f32(&mut k1, t, &bias_d[1]).unwrap();
+                    d.add_bias_rows_f32(&mut v1, t, &bias_d[2]).unwrap();
+                }
+                d.rope_f32(&mut q1, &pos_d, &cos_d, &sin_d, max_pos, &layout(hh)).unwrap();
+                d.rope_f32(&mut k1, &pos_d, &cos_d, &sin_d, max_pos, &layout(kvh)).unwrap();
+                let what = format!("t{t} h{hh} kv{kvh} hd{hd} rot{rd} {pairing:?} bias {biased}");
+                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                let shape = GqaShape { n_tokens: t, q_heads: hh, kv_heads: kvh, head_dim: hd, rot_dim: rd, pairing };
+                let cache = |dtype| GpuKvCache::new(d, dtype, 2, 2, kv_row, kv_row, KvCapacity::Tokens(t + 8)).unwrap();
+                let (bf16_cache, fp8_cache) = (cache(KvDtype::Bf16), cache(KvDtype::Fp8));
+                for (c, writes) in [(None, false), (Some(&bf16_cache), true), (Some(&fp8_cache), false)] {
+                    let (mut q2, mut k2, mut v2) = (up(d, &q, "q"), up(d, &k, "k"), up(d, &v, "v"));
+                    let b = biased.then_some(&bias_d);
+                    let wrote = d
+                        .gqa_prep(
+                            &mut q2,
+                            &mut k2,
+                            &mut v2,
+                            shape,
+                            b,
+                            &pos_d,
+                            &cos_d,
+                            &sin_d,
+                            max_pos,
+                            c.map(|c| (c, 1, 5)),
+                        )
+                        .unwrap();
+                    assert_eq!(wrote, writes, "{what}");
+                    assert_eq!(bits(down(d, &q2)), bits(down(d, &q1)), "q, {what}");
+                    assert_eq!(bits(down(d, &k2)), bits(down(d, &k1)), "k, {what}");
+                    assert_eq!(bits(down(d, &v2)), bits(down(d, &v1)), "v, {what}");
+                    if writes {
+                        let twin = cache(KvDtype::Bf16);
+                        twin.write(d, 1, 0, 5, t, &k1).unwrap();
+                        twin.write(d, 1, 1, 5, t, &v1).unwrap();
+                        for plane in 0..2 {
+                            let (mut a, mut b) = (poisoned_f32(d, t * kv_row), poisoned_f32(d, t * kv_row));
+                            bf16_cache.read_f32(d, 1, plane, 5, t, &mut a).unwrap();
+                            twin.read_f32(d, 1, plane, 5, t, &mut b).unwrap();
+                            assert_eq!(bits(down(d, &a)), bits(down(d, &b)), "cache plane {plane}, {what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Biases of the wrong length are refused, naming them.
+    let (cos, sin) = rope_tables(8, 4, 1.0);
+    let (cos_d, sin_d, pos_d) = (up(d, &cos, "cos"), up(d, &sin, "sin"), up(d, &[0i32; 1], "pos"));
+    let (mut q, mut k, mut v) = (up(d, &[0f32; 8], "q"), up(d, &[0f32; 4], "k"), up(d, &[0f32; 4], "v"));
+    let short = [up(d, &[0u16; 8], "qb"), up(d, &[0u16; 3], "kb"), up(d, &[0u16; 4], "vb")];
+    let shape =
+        GqaShape { n_tokens: 1, q_heads: 2, kv_heads: 1, head_dim: 4, rot_dim: 4, pairing: RopePairing::Halves };
+    let e = d.gqa_prep(&mut q, &mut k, &mut v, shape, Some(&short), &pos_d, &cos_d, &sin_d, 8, None).unwrap_err();
+    assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("biases"), "{e}");
 }
 
 #[test]

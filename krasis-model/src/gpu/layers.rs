@@ -6,7 +6,7 @@ use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout, MMA_MAX_QK, MMA_M
 use krasis_gpu::linear::{GemmContext, GpuLinear};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
-use krasis_gpu::{DeviceBuffer, GpuDevice, RopeLayout, RopePairing, RowsView, SwiGluLayout};
+use krasis_gpu::{DeviceBuffer, GpuDevice, GqaShape, RopeLayout, RopePairing, RowsView, SwiGluLayout};
 
 use super::host_experts::{HandoffShape, HostStaging, HostWork};
 use super::placed::Site;
@@ -789,27 +789,49 @@ impl GpuGqa<'_> {
             let full = gate_slot.as_ref().expect("grown above");
             super::deltanet::split_gated_query(c, full, hh, hd, q)?;
         }
-        if let Some([qb, kb, vb]) = &self.w.qkv_bias {
-            dev.add_bias_rows_f32(q, t, qb)?;
-            dev.add_bias_rows_f32(k, t, kb)?;
-            dev.add_bias_rows_f32(v, t, vb)?;
-        }
-        // Each run of a norm weight's length: a head (per-head qk-norm) or a token's whole
-        // projection (MiniMax-M2's).
-        if let Some((qn, kn)) = &self.w.qk_norm {
-            let (qw, kw) = (qn.len(), kn.len());
-            dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh * hd / qw, qw), qn, c.eps)?;
-            dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh * hd / kw, kw), kn, c.eps)?;
-        }
         let pos = sc.positions.slice().slice(..t);
-        // The first `2 · rope_half` dims of each head (all of it, or partial rotary).
-        dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
-        dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
         let row = kvh * hd;
-        s.kv.for_each_seq(c, |kv, pos, r0, n| {
-            kv.write(dev, l, 0, pos, n, &k.slice().slice(r0 * row..(r0 + n) * row))?;
-            Ok(kv.write(dev, l, 1, pos, n, &v.slice().slice(r0 * row..(r0 + n) * row))?)
-        })?;
+        let written = match &self.w.qk_norm {
+            // Biases, RoPE on the first `2 · rope_half` dims of each head (all of it, or partial
+            // rotary) and, for one sequence in a BF16 cache, the K and V rows: one launch.
+            None => {
+                let shape = GqaShape {
+                    n_tokens: t,
+                    q_heads: hh,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                    rot_dim: 2 * c.rope_half,
+                    pairing: c.pairing,
+                };
+                let cache = match &s.kv {
+                    KvRows::Seq(kv) => Some((*kv, l, c.pos)),
+                    KvRows::PerRow(_) => None,
+                };
+                let bias = self.w.qkv_bias.as_ref();
+                dev.gqa_prep(q, k, v, shape, bias, &pos, c.cos, c.sin, c.max_pos, cache)?
+            }
+            // The norm comes between the biases and the rotation: each run of a norm weight's
+            // length, a head (per-head qk-norm) or a token's whole projection (MiniMax-M2's).
+            Some((qn, kn)) => {
+                if let Some([qb, kb, vb]) = &self.w.qkv_bias {
+                    dev.add_bias_rows_f32(q, t, qb)?;
+                    dev.add_bias_rows_f32(k, t, kb)?;
+                    dev.add_bias_rows_f32(v, t, vb)?;
+                }
+                let (qw, kw) = (qn.len(), kn.len());
+                dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh * hd / qw, qw), qn, c.eps)?;
+                dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh * hd / kw, kw), kn, c.eps)?;
+                dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
+                dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
+                false
+            }
+        };
+        if !written {
+            s.kv.for_each_seq(c, |kv, pos, r0, n| {
+                kv.write(dev, l, 0, pos, n, &k.slice().slice(r0 * row..(r0 + n) * row))?;
+                Ok(kv.write(dev, l, 1, pos, n, &v.slice().slice(r0 * row..(r0 + n) * row))?)
+            })?;
+        }
         let o = grow(dev, out_slot, t * hh * hd, "gqa attention output")?;
         let opts = krasis_gpu::AttnOptions { window: self.window, sinks: self.w.sinks.as_ref() };
         if c.decode {
