@@ -550,10 +550,15 @@ impl GpuDevice {
             &q_p, &k_p, &v_p, &qb_p, &kb_p, &vb_p, &qh_i, &kh_i, &hd_i, &pos_p, &cos_p, &sin_p, &n_i, &rd, &inter, &mp,
             &k_out, &v_out
         ];
+        // One block per (token, head), a thread per element of a head (at most 256).
+        let blocks_y = u32::try_from(q_heads + kv_heads)
+            .map_err(|_| GpuError::shape(OP, format!("{} heads", q_heads + kv_heads)))?;
+        let threads = head_dim.next_multiple_of(32).clamp(32, 256) as u32;
+        let cfg = LaunchConfig { grid_dim: (t as u32, blocks_y, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument list matches the kernel's signature; extents checked above (q, k and v
         // hold t rows, the biases one row each; the cache rows pos..pos+t of both planes exist
         // and are k's rows long); the kernel waits first.
-        unsafe { self.launch_dependent(OP, &f, cfg_rows(t), &mut args, true) }?;
+        unsafe { self.launch_dependent(OP, &f, cfg, &mut args, true) }?;
         Ok(out.is_some())
     }
 
