@@ -70,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                     SourceQuant::None => "BF16",
                     SourceQuant::Fp8Block { .. } => "block FP8 projections, the rest BF16",
                     SourceQuant::CompressedInt4 { .. } => "compressed-tensors INT4 routed experts, the rest BF16",
-                    SourceQuant::ModelOptNvfp4 => "ModelOpt NVFP4 linears, the rest BF16",
+                    SourceQuant::ModelOptNvfp4 => "ModelOpt NVFP4 routed experts, the rest BF16",
                     SourceQuant::Mxfp4 => "MXFP4 routed experts, the rest BF16",
                 }
             );
@@ -110,6 +110,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 "gguf experts gate {g}, up {u}, down {d} ({layers} MoE layers): --cpu-expert-bits auto caches {cached}"
             );
         }
+    }
+    // Safetensors routed experts in a 4-bit float format (ModelOpt NVFP4, OpenAI MXFP4): `auto`
+    // keeps them as stored rather than requantising, which the GGUF line above says for GGUFs.
+    let kept_fp4 = match (gguf, &spec.moe) {
+        (None, Some(_)) => krasis_model::placement::precision::native_fp4(spec),
+        _ => None,
+    };
+    if let Some(kind) = kept_fp4 {
+        println!("stored       routed experts in {kind}: --cpu-expert-bits auto caches them as {kind}, as stored");
     }
     println!(
         "shape        {} layers, hidden {}, vocab {}, max positions {}",
@@ -221,7 +230,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "memory (CPU reference path, 4K context; limit {} = 95% of RAM):",
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
-    let auto = gguf.is_some().then_some(WeightBits::Auto);
+    let auto = (gguf.is_some() || kept_fp4.is_some()).then_some(WeightBits::Auto);
     // Asymmetric INT4 g32 (`--cpu-expert-bits 4a`), where it takes the experts.
     let asym = krasis_model::placement::precision::int4a_applies(spec).then_some(WeightBits::Int4Asym);
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(asym).chain(auto) {

@@ -13,8 +13,8 @@ pub struct Args {
     #[arg(long, required_unless_present = "config", conflicts_with = "config")]
     preset: Option<Preset>,
     /// A config.json to synthesize instead of a preset (a published one: every dimension as
-    /// published, stored as its publisher stores it: BF16, block FP8, compressed-tensors INT4 or
-    /// MXFP4; gpt-oss's experts fused).
+    /// published, stored as its publisher stores it: BF16, block FP8, compressed-tensors INT4,
+    /// ModelOpt NVFP4 or MXFP4; gpt-oss's experts fused).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Keep only the first N layers.

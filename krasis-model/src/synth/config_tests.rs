@@ -1,7 +1,7 @@
 //! `synthesize` from a `config.json` (`SynthOptions::config`): the publisher's storage format
 //! (block FP8 for a Kimi-K2-style config, compressed-tensors INT4 experts under
-//! `language_model.` for a Kimi-K2.5-style one, gpt-oss's fused experts in MXFP4 or BF16), and
-//! the result loads and generates.
+//! `language_model.` for a Kimi-K2.5-style one, gpt-oss's fused experts in MXFP4 or BF16,
+//! ModelOpt NVFP4 experts for a Qwen3-MoE one), and the result loads and generates.
 
 use std::path::{Path, PathBuf};
 
@@ -122,6 +122,11 @@ fn dtype_of(stored: &[StoredSpec], name: &str) -> (DType, Vec<usize>) {
 
 /// Four greedy tokens through the CPU engine at the given widths; the logits are finite.
 fn generates(dir: &Path, bits: WeightBits) -> Vec<u32> {
+    generates_logged(dir, bits).0
+}
+
+/// [`generates`], with the engine's loading log (which says how the routed experts are held).
+fn generates_logged(dir: &Path, bits: WeightBits) -> (Vec<u32>, Vec<String>) {
     let files = ModelFiles::open(dir).unwrap();
     let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
     (c.cpu.expert_bits, c.cpu.dense_bits) = (bits, WeightBits::Bf16);
@@ -136,7 +141,7 @@ fn generates(dir: &Path, bits: WeightBits) -> Vec<u32> {
     let out = generate(opened.engine.as_ref(), &req, |_| Ok(())).unwrap();
     assert!(out.prefill_logits.iter().chain(&out.step_logits).all(|x| x.is_finite()));
     assert_eq!(out.generated.len(), 4);
-    out.generated
+    (out.generated, opened.log)
 }
 
 #[test]
@@ -290,6 +295,117 @@ fn a_bf16_gpt_oss_config_is_written_fused_and_generates() {
     drop(files);
     generates(&out, WeightBits::Bf16);
     generates(&out, WeightBits::Int4);
+}
+
+/// `../shared/fixtures-next/qwen3moe-nvfp4-tiny`'s configuration, written out: Qwen3-MoE, hidden
+/// 192, three layers (layer 0 dense), 8 experts of `moe_intermediate` (top 3), 8 / 2 heads of
+/// 32, with ModelOpt's NVFP4 `quantization_config` (the experts-only recipe's `ignore`).
+fn qwen3_moe_nvfp4_like(moe_intermediate: usize) -> Value {
+    json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 512, "hidden_size": 192, "intermediate_size": 384,
+        "moe_intermediate_size": moe_intermediate, "num_hidden_layers": 3,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+        "num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": true,
+        "decoder_sparse_step": 1, "mlp_only_layers": [0],
+        "rope_theta": 1000000.0, "rope_scaling": null, "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-06, "hidden_act": "silu", "tie_word_embeddings": false,
+        "attention_bias": false, "use_sliding_window": false, "sliding_window": null,
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+        "quantization_config": {
+            "config_groups": {"group_0": {
+                "input_activations": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+                "weights": {"dynamic": false, "num_bits": 4, "type": "float", "group_size": 16},
+                "targets": ["Linear"]}},
+            "ignore": ["lm_head", "model.layers.0*", "model.layers.1.mlp.gate", "model.layers.1.self_attn*",
+                       "model.layers.2.mlp.gate", "model.layers.2.self_attn*"],
+            "quant_algo": "NVFP4", "producer": {"name": "modelopt", "version": "0.47.0"},
+            "quant_method": "modelopt"
+        }
+    })
+}
+
+/// The F32 scalar `name` as stored (shape `[]`).
+fn f32_scalar(files: &ModelFiles, name: &str) -> f32 {
+    let t = files.weights().tensor(name).unwrap();
+    assert_eq!((t.dtype, t.shape.len()), (DType::F32, 0), "{name}");
+    f32::from_le_bytes(t.bytes.as_slice()[..4].try_into().unwrap())
+}
+
+/// A Qwen3-MoE config with ModelOpt's NVFP4 `quantization_config` is written as NVIDIA's
+/// *-NVFP4 checkpoints store it (the layout of `qwen3moe-nvfp4-tiny`): each routed expert's
+/// projection `P` as `P.weight` U8 `[out, in/2]`, `P.weight_scale` F8_E4M3 `[out, in/16]`,
+/// `P.weight_scale_2` and `P.input_scale` F32 scalars; attention, routers, the dense layer,
+/// embeddings and the LM head BF16. The dequantised values keep a projection's scale, the
+/// config comes through as given (it alone makes the loader read NVFP4), and the CPU engine
+/// at `auto` keeps the experts as stored and generates.
+#[test]
+fn a_qwen3_moe_config_is_written_with_nvfp4_experts_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = synth_from(tmp.path(), &qwen3_moe_nvfp4_like(128), Some(2)).unwrap();
+    assert!(!out.join("hf_quant_config.json").exists());
+    let text = std::fs::read_to_string(out.join("config.json")).unwrap();
+    let written: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(written["quantization_config"], qwen3_moe_nvfp4_like(128)["quantization_config"]);
+    let cfg = parse_checkpoint_config(&text, &out.join("config.json")).unwrap();
+    assert_eq!((cfg.spec.num_layers, &cfg.spec.source_quant), (2, &crate::spec::SourceQuant::ModelOptNvfp4));
+    let mut want = stored_tensors(&cfg).unwrap();
+    want.sort_by(|a, b| a.name.cmp(&b.name));
+    let stored = stored_in(&out);
+    assert_eq!(stored, want, "the files hold exactly the publisher's inventory");
+    let p = "model.layers.1.mlp.experts.5";
+    for (proj, rows, cols) in [("gate_proj", 128, 192), ("up_proj", 128, 192), ("down_proj", 192, 128)] {
+        let e = format!("{p}.{proj}");
+        assert_eq!(dtype_of(&stored, &format!("{e}.weight")), (DType::U8, vec![rows, cols / 2]));
+        assert_eq!(dtype_of(&stored, &format!("{e}.weight_scale")), (DType::F8E4M3, vec![rows, cols / 16]));
+        assert_eq!(dtype_of(&stored, &format!("{e}.weight_scale_2")), (DType::F32, vec![]));
+        assert_eq!(dtype_of(&stored, &format!("{e}.input_scale")), (DType::F32, vec![]));
+    }
+    // Four tensors for each of 8 experts × 3 projections, in the one MoE layer.
+    assert_eq!(stored.iter().filter(|t| t.name.contains(".mlp.experts.")).count(), 8 * 3 * 4);
+    assert_eq!(dtype_of(&stored, "model.layers.1.self_attn.q_proj.weight"), (DType::BF16, vec![256, 192]));
+    assert_eq!(dtype_of(&stored, "model.layers.1.mlp.gate.weight"), (DType::BF16, vec![8, 192]));
+    assert_eq!(dtype_of(&stored, "model.layers.0.mlp.down_proj.weight"), (DType::BF16, vec![192, 384]));
+    assert_eq!(dtype_of(&stored, "lm_head.weight").0, DType::BF16);
+    assert_eq!(dtype_of(&stored, "model.embed_tokens.weight").0, DType::BF16);
+
+    let files = ModelFiles::open(&out).unwrap();
+    assert_eq!(files.spec().source_quant, crate::spec::SourceQuant::ModelOptNvfp4);
+    assert!(crate::model::tensors::missing_tensors(files.spec(), files.weights()).is_empty());
+    for (proj, rows, cols) in [("gate_proj", 128, 192), ("down_proj", 192, 128)] {
+        let e = format!("{p}.{proj}");
+        // weight_scale_2 a power of two, every group scale one (non-NaN) E4M3 code.
+        let global = f32_scalar(&files, &format!("{e}.weight_scale_2"));
+        assert!(global > 0.0 && global.log2().fract() == 0.0, "{e}: weight_scale_2 {global}");
+        assert!(f32_scalar(&files, &format!("{e}.input_scale")) > 0.0);
+        let scales = files.weights().tensor(&format!("{e}.weight_scale")).unwrap();
+        let first = scales.bytes.as_slice()[0];
+        assert!(first & 0x7f != 0x7f && scales.bytes.as_slice().iter().all(|&b| b == first), "{e}");
+        // The loader reads them as NVFP4; the values have the draw's scale (E4M3 rounding of
+        // the group scale: within 1/16).
+        let loader = crate::model::weights::WeightLoader::new(files.weights(), &files.spec().source_quant);
+        let m = loader.stored_fp4(&format!("{e}.weight"), rows, cols).unwrap().expect("read as NVFP4");
+        assert_eq!(m.kind, krasis_quant::fp4::Fp4Kind::Nvfp4);
+        let r = std_over_draw(&files, &format!("{e}.weight"), rows, cols);
+        assert!((0.9..1.1).contains(&r), "{proj}: std {r} of the draw's");
+    }
+    drop(files);
+    let (_, log) = generates_logged(&out, WeightBits::Auto);
+    assert!(log.iter().any(|l| l.contains("nvfp4 (as stored)")), "{log:?}");
+    generates(&out, WeightBits::Int4);
+}
+
+/// NVFP4 groups 16 inputs: a routed expert whose input width is not a multiple of 16 (here
+/// down_proj's 72) is refused before anything is written, naming the tensor.
+#[test]
+fn nvfp4_experts_of_a_width_off_the_group_are_refused_naming_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = synth_from(tmp.path(), &qwen3_moe_nvfp4_like(72), Some(2)).unwrap_err().to_string();
+    assert!(
+        e.contains("`model.layers.1.mlp.experts.0.down_proj.weight`") && e.contains("72") && e.contains("NVFP4"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("model").exists());
 }
 
 #[test]

@@ -100,16 +100,29 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
     ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
+/// The FP8 E4M3 code whose value is nearest `x` (the NaN codes never; the first of a tie).
+pub(crate) fn fp8_e4m3_code(x: f32) -> u8 {
+    let table = krasis_core::dtype::fp8_e4m3_table();
+    let mut best = 0u8;
+    for b in 1..=255u8 {
+        let (v, w) = (table[b as usize], table[best as usize]);
+        if !v.is_nan() && (v - x).abs() < (w - x).abs() {
+            best = b;
+        }
+    }
+    best
+}
+
 /// Stored dtype of a synthetic tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Dtype {
     Bf16,
     F32,
-    /// FP8 E4M3 codes (block-FP8 checkpoints).
+    /// FP8 E4M3 codes (block-FP8 checkpoints' weights, NVFP4's group scales).
     F8E4M3,
     /// 32-bit integers (compressed-tensors' packed INT4 words and `weight_shape`).
     I32,
-    /// Bytes (MXFP4's E2M1 code pairs and E8M0 scales).
+    /// Bytes (MXFP4's and NVFP4's E2M1 code pairs, MXFP4's E8M0 scales).
     U8,
 }
 
@@ -154,7 +167,8 @@ pub(crate) struct RankOne {
 /// How a tensor's values are made.
 #[derive(Clone, Debug)]
 pub(crate) enum Fill {
-    /// Every element the same (RMSNorm weights).
+    /// Every element the same (RMSNorm weights, quantisation scales). U8 takes the byte `v`
+    /// (E8M0 exponents), F8_E4M3 the code nearest `v`.
     Const(f32),
     /// i.i.d. uniform on `(-bound, bound)`, optionally plus a rank-one term.
     Uniform { bound: f32, plus: Option<RankOne> },
@@ -218,6 +232,7 @@ impl SynthTensor {
                 }
             }
             (Fill::Const(v), Dtype::U8) => dst.fill(*v as u8),
+            (Fill::Const(v), Dtype::F8E4M3) => dst.fill(fp8_e4m3_code(*v)),
             (Fill::Codes, Dtype::F8E4M3 | Dtype::I32 | Dtype::U8) => {
                 let mut rng = Xoshiro256pp::from_keys(&[seed, self.key, c as u64]);
                 for d in dst.chunks_mut(8) {

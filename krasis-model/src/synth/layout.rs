@@ -20,6 +20,13 @@
 //! - MXFP4 in another family: each routed expert's projection is `weight_blocks` (U8
 //!   `[out, in/32, 16]`) and `weight_scales` (U8 E8M0 `[out, in/32]`), per expert; everything
 //!   else is BF16.
+//! - ModelOpt NVFP4 (`quant_method` `modelopt`, `quant_algo` `NVFP4`): each routed expert's
+//!   projection `P` is `P.weight` (U8 `[out, in/2]`, two E2M1 codes a byte, element 2j in the
+//!   low nibble), `P.weight_scale` (F8_E4M3 `[out, in/16]`), `P.weight_scale_2` and
+//!   `P.input_scale` (F32 scalars, shape `[]`); everything else is BF16, as ModelOpt's
+//!   experts-only recipe leaves it (attention, routers, shared experts, dense MLPs, embeddings,
+//!   LM head). The `quantization_config` is written as given (no `hf_quant_config.json`: the
+//!   loader reads `config.json`'s).
 //! - A configuration nesting its text model (Kimi-K2.5) stores it under its tensor prefix
 //!   (`language_model.`).
 //!
@@ -30,7 +37,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::init::{fnv1a, layer_of, Dtype, Fill, SynthTensor};
+use super::init::{fnv1a, fp8_e4m3_code, layer_of, Dtype, Fill, SynthTensor};
 use crate::arch::CheckpointConfig;
 use crate::error::{ModelError, Result};
 use crate::model::tensors::{experts_prefix, is_matrix, TensorRole, TensorSpec};
@@ -155,6 +162,9 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
                     Fill::Const(127.0 + log2),
                 ));
             }
+            SourceQuant::ModelOptNvfp4 if matches!(t.spec.role, TensorRole::RoutedExpert { .. }) => {
+                out.extend(nvfp4_linear(&t)?);
+            }
             _ => out.push(t),
         }
     }
@@ -171,6 +181,39 @@ pub(crate) fn store_layout(tensors: Vec<SynthTensor>, cfg: &CheckpointConfig) ->
         }
     }
     Ok(out)
+}
+
+/// A routed expert's projection `t` (`P.weight`, BF16 `[out, in]` in the plan) as ModelOpt's
+/// NVFP4 linear: `P.weight` (U8 `[out, in/2]`, uniformly random bytes: two E2M1 codes each),
+/// `P.weight_scale` (F8_E4M3 `[out, in/16]`, one constant), `P.weight_scale_2` and
+/// `P.input_scale` (F32 scalars, shape `[]` as ModelOpt writes them).
+fn nvfp4_linear(t: &SynthTensor) -> Result<Vec<SynthTensor>> {
+    let (rows, cols) = (t.spec.shape[0], t.spec.shape[1]);
+    let base = t.spec.name.strip_suffix(".weight").expect("a projection's name ends in .weight");
+    if !cols.is_multiple_of(16) {
+        return Err(ModelError::Invalid(format!(
+            "tensor `{}`: {cols} inputs are not a whole number of NVFP4 groups (16)",
+            t.spec.name
+        )));
+    }
+    // weight_scale · weight_scale_2 is the draw's standard deviation over the codes' RMS. ModelOpt
+    // sets weight_scale_2 = amax / (6 · 448), so its group scales run up to E4M3's 448; here the
+    // power of two that puts the one group scale near 256 (target / weight_scale_2 in [181, 362],
+    // E4M3 normals whatever the draw) keeps it in that range, and rounding it to E4M3 (3 mantissa
+    // bits) moves the product by at most 1/16.
+    let target = draw_std(t)? / e2m1_code_rms();
+    let global = 2f32.powi((target / 256.0).log2().round().clamp(-126.0, 127.0) as i32);
+    let table = krasis_core::dtype::fp8_e4m3_table();
+    let group_scale = table[usize::from(fp8_e4m3_code(target / global))];
+    // Not read by Krasis (it quantises activations itself); ModelOpt's value for an input amax
+    // of 6, about what a unit-RMS activation reaches: amax / (6 · 448).
+    let input_scale = 1.0 / 448.0;
+    Ok(vec![
+        derived(t, t.spec.name.clone(), vec![rows, cols / 2], Dtype::U8, Fill::Codes),
+        derived(t, format!("{base}.weight_scale"), vec![rows, cols / 16], Dtype::F8E4M3, Fill::Const(group_scale)),
+        derived(t, format!("{base}.weight_scale_2"), vec![], Dtype::F32, Fill::Const(global)),
+        derived(t, format!("{base}.input_scale"), vec![], Dtype::F32, Fill::Const(input_scale)),
+    ])
 }
 
 /// The MoE layer whose routed experts `t` belongs to (a projection or its bias, canonical name).

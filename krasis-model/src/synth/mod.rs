@@ -7,8 +7,8 @@
 //! - The tensor list is [`expected_tensors`] of the spec that [`parse_checkpoint_config`] makes of
 //!   the `config.json`, so the loader and the synthesiser cannot disagree, stored in the
 //!   publisher's format ([`stored_tensors`]): BF16 for the presets (gpt-oss-120b: MXFP4
-//!   experts, fused as published); block FP8, compressed-tensors INT4 or MXFP4 where the
-//!   configuration says so.
+//!   experts, fused as published); block FP8, compressed-tensors INT4, ModelOpt NVFP4 or MXFP4
+//!   where the configuration says so.
 //! - Weights are deterministic in the seed alone (see [`init`] for the random stream, the scales
 //!   and the router-skew scheme), independent of threads and shard layout.
 //! - Writing streams: chunks are generated in parallel and written in order, never the whole
@@ -47,8 +47,9 @@ pub struct SynthOptions {
     pub preset: Preset,
     /// A `config.json` to synthesize instead of the preset (`preset` is then not used): any
     /// configuration Krasis reads, written in its publisher's storage format (see
-    /// [`stored_tensors`]: BF16, block FP8, compressed-tensors INT4 or MXFP4, gpt-oss's fused
-    /// experts, and the tensor prefix of a nested text model), with every dimension as published.
+    /// [`stored_tensors`]: BF16, block FP8, compressed-tensors INT4, ModelOpt NVFP4 or MXFP4,
+    /// gpt-oss's fused experts, and the tensor prefix of a nested text model), with every
+    /// dimension as published.
     pub config: Option<PathBuf>,
     /// Trim `num_hidden_layers` to this many (1..= the preset's).
     pub layers: Option<usize>,
