@@ -1155,8 +1155,8 @@ impl PoolExperts {
             }
         }
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
-        // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric: FP4 and K-quant
-        // layouts keep their integer kernels.
+        // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric, and FP4 ones:
+        // K-quant layouts keep their integer kernels.
         let plain = bias13.is_none() && self.activation == ExpertActivation::Silu;
         let bf16_fits = plain
             && (0..n).all(|e| {

@@ -104,10 +104,10 @@ proptest! {
     fn experts_match_reference(
         tokens in 1usize..40,
         loads in proptest::collection::vec(0usize..40, 1..5),
-        format in 0usize..3,
+        format in 0usize..5,
         seed in any::<u64>(),
     ) {
-        // INT8, INT4 (symmetric, groups of 32) or asymmetric INT4 g32.
+        // INT8, INT4 (symmetric, groups of 32), asymmetric INT4 g32, MXFP4 or NVFP4.
         let (h, inter, gs) = (64usize, 96usize, 32);
         let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
         let x = data(tokens * h, seed);
@@ -116,6 +116,15 @@ proptest! {
             let s = seed.wrapping_add(10 * e as u64 + 1);
             let wts = data(load, s + 3);
             let toks = (0..load.min(tokens)).map(|i| ((i * 7 + e) % tokens, wts[i])).collect();
+            if format >= 3 {
+                use krasis_quant::fp4::{self, Fp4Kind};
+                let kind = if format == 3 { Fp4Kind::Mxfp4 } else { Fp4Kind::Nvfp4 };
+                let (gate, up, down) =
+                    (fp4::test_matrix(kind, inter, h, s), fp4::test_matrix(kind, inter, h, s + 1), fp4::test_matrix(kind, h, inter, s + 2));
+                let mut w13 = vec![0u8; fp4::w13_layout(&gate, &up).unwrap().bytes()];
+                let l13 = fp4::pack_w13_into(&gate, &up, &mut w13).unwrap();
+                return E { w13, w2: fp4::pack(&down), l13, l2: fp4::layout_of(&down), f: [gate.dequantize(), up.dequantize(), down.dequantize()], toks };
+            }
             if format == 2 {
                 use krasis_quant::int4_asym as a;
                 let q = |w: Vec<f32>, rows, k| a::quantize(&w, rows, k).unwrap();

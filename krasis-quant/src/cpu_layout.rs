@@ -130,9 +130,9 @@ impl PackedLayout {
     }
 
     /// Whether the CPU's BF16 prefill tiles dequantise this layout into their panels: integer
-    /// codes with f16 scales, symmetric or asymmetric (not FP4, not K-quant blocks).
+    /// codes with f16 scales, symmetric or asymmetric, and FP4 (not K-quant blocks).
     pub fn has_bf16_panel(&self) -> bool {
-        self.fp4.is_none() && self.kq.is_none()
+        self.kq.is_none()
     }
 
     /// The layout [`pack`] gives `m`.

@@ -144,13 +144,16 @@ fn nvfp4_experts_kept_as_stored_match_the_oracle() {
 }
 
 /// A long prefill (128 tokens: about 48 per expert, past the BF16 tiles' threshold) with the
-/// NVFP4 experts as stored gives the reference path's logits within 1e-4: calls that would take
-/// the BF16 prefill tiles (which dequantise INT4/INT8 records only) keep the FP4 kernels. The
-/// tiles run on AMX-BF16 hardware, or everywhere with `KRASIS_PREFILL_MATMUL=bf16-emulated`:
-/// with that set and the guard in `PoolExperts::run_with` removed this test fails (rel NaN,
-/// checked 2026-11-28); with the guard, rel 8.5e-6 either way.
+/// NVFP4 experts as stored. On the FP4 integer kernels (a CPU without AMX-BF16, the default here)
+/// it gives the reference path's logits within 1e-4. Where the BF16 prefill tiles run (AMX-BF16
+/// hardware, or `KRASIS_PREFILL_MATMUL=bf16-emulated` with `KRASIS_BF16_MIN_TOKENS=1`), they
+/// dequantise the FP4 codes into their panels (`quant::bf16`) and round weights and activations
+/// to BF16: then within the noise of transformers' own BF16 run of this fixture
+/// (`quant_bounds.json`'s `bf16.rel`), the bar of a path that reads the weights exactly and
+/// computes in BF16. Before the panels read FP4, a guard kept such calls on the integer kernels
+/// (without it they gave NaN).
 #[test]
-fn long_prefill_keeps_the_fp4_kernels() {
+fn long_prefill_on_the_fp4_kernels_or_the_bf16_tiles() {
     let Some(dir) = fixture_next(NAME) else { return };
     let r = load_reference(&dir);
     let ids: Vec<u32> =
@@ -164,12 +167,15 @@ fn long_prefill_keeps_the_fp4_kernels() {
     };
     let bf16_calls = krasis_cpu::prefill_bf16::calls();
     let (want, got) = (logits(&reference), logits(&loaded.model));
+    let tile_calls = krasis_cpu::prefill_bf16::calls() - bf16_calls;
     let rel = rel_l2(&got, &want);
-    eprintln!(
-        "{NAME}: 128-token prefill, nvfp4 experts vs the reference path: rel {rel:.3e} (BF16 tile calls {})",
-        krasis_cpu::prefill_bf16::calls() - bf16_calls
-    );
-    assert!(rel <= 1e-4, "rel {rel:.3e}");
+    let bounds: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("quant_bounds.json")).unwrap())
+            .unwrap();
+    let bf16_rel = bounds["fixtures"][NAME]["bf16"]["rel"].as_f64().expect("the fixture's bf16.rel");
+    let bar = if tile_calls > 0 { bf16_rel } else { 1e-4 };
+    eprintln!("{NAME}: 128-token prefill, nvfp4 experts vs the reference path: rel {rel:.3e} (BF16 tile calls {tile_calls}; bar {bar:.3e})");
+    assert!(rel <= bar, "rel {rel:.3e} over {bar:.3e} (BF16 tile calls {tile_calls})");
 }
 
 /// An explicit width 4 requantises every expert from its exact values (INT4 g64 here: the

@@ -1,13 +1,16 @@
 //! BF16 operands of the AMX-BF16 prefill kernel (`quant::amx::bf16`): packed INT4/INT8 row
-//! blocks (symmetric, or asymmetric INT4 g32 with its minimums) dequantised into B-tile panels,
-//! and f32 activation rows rounded to BF16.
+//! blocks (symmetric, or asymmetric INT4 g32 with its minimums) and FP4 ones (MXFP4, NVFP4)
+//! dequantised into B-tile panels, and f32 activation rows rounded to BF16.
 //!
 //! **Panel layout.** One row block (16 weight rows) over all of K is `K / 2` B-tile rows of 64
 //! bytes: row `r` holds, for each weight row `n` of the block, the pair `(w[n, 2r], w[n, 2r + 1])`
 //! as two BF16 (element `32·r + 2·n + i` is `w[n, 2r + i]`). K steps of 32 are then 16
 //! consecutive rows, one `tileloadd` with stride 64. The value is `bf16((u − off) · s)`: the
 //! product is exact in f32 (an 8-bit integer times an f16 scale), so the only rounding is the
-//! one to BF16, to nearest even, the same in both twins.
+//! one to BF16, to nearest even, the same in both twins. An FP4 value is `bf16(v · (s · f))`,
+//! `v` twice the E2M1 value and `s · f` the group scale times the row factor as the integer
+//! kernels form it (`fp4_scalar`): exact for MXFP4 (a power of two times a small integer); for
+//! NVFP4 `s · f` and the product each round to f32 first.
 //!
 //! **Rounding.** [`bf16_bits`] is `vcvtne2ps2bf16`'s: round to nearest even, denormal inputs
 //! as (signed) zero, NaN kept quiet.
@@ -16,9 +19,21 @@
 //! scalar one with `KRASIS_ISA` below `avx512`), equal bit for bit (property tests).
 
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
+use krasis_quant::fp4::{kernel_scale, Fp4Kind, E2M1_X2};
 use krasis_quant::Bits;
 
 use super::row_f16s;
+
+/// Twice the E2M1 value of each code, as f32 (the FP4 panels' lookup).
+const E2M1_X2_F32: [f32; 16] = {
+    let mut t = [0f32; 16];
+    let mut c = 0;
+    while c < 16 {
+        t[c] = E2M1_X2[c] as f32;
+        c += 1;
+    }
+    t
+};
 
 /// `x` rounded to BF16 as `vcvtneps2bf16` does (nearest even, denormals to signed zero).
 #[inline]
@@ -82,6 +97,25 @@ pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let (gs, off) = (l.gs, l.offset());
     let gwb = l.group_weight_bytes();
     let mut put = |k: usize, j: usize, v: f32| dst[(k / 2) * 2 * ROW_BLOCK + 2 * j + k % 2] = bf16_bits(v);
+    if let Some(kind) = l.fp4 {
+        // INT4's chunk arrangement of E2M1 codes: `v · (s · f)` per code.
+        let f = super::fp4_scalar::row_factors(blk);
+        for g in 0..l.groups() {
+            let so = l.scales_offset(g);
+            let sf: [f32; ROW_BLOCK] = std::array::from_fn(|j| kernel_scale(kind, blk[so + j]) * f[j]);
+            let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
+            for (c, chunk) in wg.chunks_exact(CHUNK).enumerate() {
+                for j in 0..ROW_BLOCK {
+                    for b in 0..4 {
+                        let u = chunk[4 * j + b] as usize;
+                        put(g * gs + 8 * c + b, j, E2M1_X2_F32[u & 0x0f] * sf[j]);
+                        put(g * gs + 8 * c + 4 + b, j, E2M1_X2_F32[u >> 4] * sf[j]);
+                    }
+                }
+            }
+        }
+        return;
+    }
     for g in 0..l.groups() {
         let s = row_f16s(blk, l.scales_offset(g));
         // An asymmetric group's minimums (zeros for a symmetric one, which takes `off` instead).
@@ -285,6 +319,9 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let gather: [[__m512i; 2]; 2] =
         std::array::from_fn(|p| std::array::from_fn(|r| _mm512_loadu_si512(PAIR_BYTES[p][r].as_ptr() as *const _)));
     let dup: [__m512i; 2] = std::array::from_fn(|r| _mm512_loadu_si512(PAIR_SCALES[r].as_ptr() as *const _));
+    if let Some(kind) = l.fp4 {
+        return fp4_panel_avx512(blk, l, kind, gather, dup, dst);
+    }
     let (gs, off) = (l.gs, _mm512_set1_ps(l.offset() as f32));
     let gwb = l.group_weight_bytes();
     let nib = _mm512_set1_epi32(0x0f);
@@ -323,6 +360,48 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
                         row(k0 + 4, scaled(_mm512_srli_epi32::<4>(a), 0), scaled(_mm512_srli_epi32::<4>(b), 1));
                     }
                 }
+            }
+        }
+    }
+}
+
+/// [`block_panel_avx512`] for an FP4 layout (the scalar's FP4 branch): the same byte gathers,
+/// each code looked up as `v` (`vpermps` over [`E2M1_X2_F32`] takes an index's low four bits, so
+/// a gathered byte is its low nibble's index as it is and its high nibble's after a shift), times
+/// the group's `s · f` in pair order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
+unsafe fn fp4_panel_avx512(
+    blk: &[u8],
+    l: &PackedLayout,
+    kind: Fp4Kind,
+    gather: [[std::arch::x86_64::__m512i; 2]; 2],
+    dup: [std::arch::x86_64::__m512i; 2],
+    dst: &mut [u16],
+) {
+    use std::arch::x86_64::*;
+    let (gs, gwb) = (l.gs, l.group_weight_bytes());
+    let lut = _mm512_loadu_ps(E2M1_X2_F32.as_ptr());
+    let f = _mm512_loadu_ps(blk.as_ptr() as *const f32);
+    let out = dst.as_mut_ptr();
+    for g in 0..l.groups() {
+        let sf = super::fp4_avx512::scales_times_factors(blk.as_ptr(), l, g, kind == Fp4Kind::Nvfp4, f);
+        let sh: [__m512; 2] = std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], sf));
+        let value = |idx: __m512i, r: usize| _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), sh[r]);
+        let row = |k: usize, a: __m512, b: __m512| {
+            let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+            _mm512_storeu_si512(out.add((k / 2) * 2 * ROW_BLOCK) as *mut _, h);
+        };
+        let wg = blk.as_ptr().add(l.weights_offset(g));
+        for c in 0..gwb / CHUNK {
+            _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(c * CHUNK + PANEL_PREFETCH) as *const i8);
+            let v = _mm512_loadu_si512(wg.add(c * CHUNK) as *const _);
+            for (p, halves) in gather.iter().enumerate() {
+                let a = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[0], v);
+                let b = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[1], v);
+                let k0 = g * gs + 8 * c + 2 * p;
+                row(k0, value(a, 0), value(b, 1));
+                row(k0 + 4, value(_mm512_srli_epi32::<4>(a), 0), value(_mm512_srli_epi32::<4>(b), 1));
             }
         }
     }

@@ -76,6 +76,46 @@ proptest! {
         panels_hold(&w, &l, rows, &deq)?;
     }
 
+    /// FP4 (MXFP4, NVFP4): SIMD equals scalar bit for bit; MXFP4's panel is its exact values in
+    /// BF16 (a small integer times a power of two), NVFP4's within one BF16 rounding of them (its
+    /// scale times the row factor rounds to f32 first); padding rows are zero. Ragged rows, K of
+    /// one group of 32 up to eight; every code and scale byte the test matrices draw.
+    #[test]
+    fn fp4_panel_is_the_dequantised_weights_in_bf16(rows in 1usize..50, kg in 1usize..9, nv in any::<bool>(),
+                                                    seed in any::<u64>()) {
+        use krasis_quant::fp4::{self, Fp4Kind};
+        let kind = if nv { Fp4Kind::Nvfp4 } else { Fp4Kind::Mxfp4 };
+        let k = 32 * kg;
+        let m = fp4::test_matrix(kind, rows, k, seed);
+        let (w, l) = (fp4::pack(&m), fp4::layout_of(&m));
+        let exact = m.dequantize_f64();
+        let mut simd = vec![0u16; panel_len(&l)];
+        let mut scalar = vec![0u16; panel_len(&l)];
+        for b in 0..l.row_blocks() {
+            block_panel(&w, &l, b, &mut simd);
+            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
+            prop_assert_eq!(&simd, &scalar, "{:?} block {}", kind, b);
+            for n in 0..ROW_BLOCK {
+                let r = b * ROW_BLOCK + n;
+                for kk in 0..k {
+                    let got = scalar[(kk / 2) * 32 + 2 * n + kk % 2];
+                    if r >= rows {
+                        prop_assert_eq!(got, 0, "padding row {} k {}", r, kk);
+                        continue;
+                    }
+                    let e = exact[r * k + kk];
+                    if kind == Fp4Kind::Mxfp4 {
+                        prop_assert_eq!(got, bf16_bits(e as f32), "{:?} row {} k {}: exact {}", kind, r, kk, e);
+                    } else {
+                        let err = (bf16_value(got) as f64 - e).abs();
+                        prop_assert!(err <= e.abs() * 2f64.powi(-8), "{:?} row {} k {}: {} against {}", kind, r, kk,
+                                     bf16_value(got), e);
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn simd_conversion_equals_scalar(n in 0usize..200, seed in any::<u64>(), scale_exp in -130i32..130) {
         let mut x: Vec<f32> = data(n, seed).iter().map(|v| v * 2f32.powi(scale_exp)).collect();

@@ -26,7 +26,7 @@ use super::{Prefetch, PrefetchHint, QuantizedActs};
 /// The 16 scales of group `g` as f32 times the row factors `f` (the scalar's `s · f`).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: bool, f: __m512) -> __m512 {
+pub(super) unsafe fn scales_times_factors(blk: *const u8, l: &PackedLayout, g: usize, nv: bool, f: __m512) -> __m512 {
     let s = if nv {
         // E4M3 / 256 as an f16 (see `krasis_quant::fp4::kernel_scale`): exact, one conversion.
         // Sign-extended to 16 bits and shifted left by 7, the byte's magnitude lands in the f16's
