@@ -306,12 +306,13 @@ fn panel_simd() -> bool {
     false
 }
 
-/// AVX-512 twin of [`block_panel_scalar`]. A 64-byte chunk holds 4 (INT8) or 8 (INT4) k of each
-/// of the 16 rows; one `vpermb` per (k pair, half of the rows) gathers a B row's bytes already
+/// AVX-512 twin of [`block_panel_scalar`]. A 64-byte chunk holds 4 (INT8) or 8 (INT4, FP4) k of
+/// each of the 16 rows; one `vpermb` per (k pair, half of the rows) gathers a B row's bytes already
 /// in pair order (lane `2j + i` = row `8r + j`, k `2p + i`), so the two halves, converted and
 /// scaled (`fmsub(u, s, off·s)`, exact), round straight into one B row (`vcvtne2ps2bf16`: the
 /// first half low) with no interleave after it. An INT4 byte's two nibbles are two k pairs 4
-/// apart, from the same gather.
+/// apart, from the same gather. An FP4 code is looked up instead (`vpermps` over
+/// [`E2M1_X2_F32`]) and multiplied by its row's `s · f`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
 unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
@@ -319,15 +320,19 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let gather: [[__m512i; 2]; 2] =
         std::array::from_fn(|p| std::array::from_fn(|r| _mm512_loadu_si512(PAIR_BYTES[p][r].as_ptr() as *const _)));
     let dup: [__m512i; 2] = std::array::from_fn(|r| _mm512_loadu_si512(PAIR_SCALES[r].as_ptr() as *const _));
-    if let Some(kind) = l.fp4 {
-        return fp4_panel_avx512(blk, l, kind, gather, dup, dst);
-    }
     let (gs, off) = (l.gs, _mm512_set1_ps(l.offset() as f32));
     let gwb = l.group_weight_bytes();
     let nib = _mm512_set1_epi32(0x0f);
     let out = dst.as_mut_ptr();
+    // FP4: the E2M1 lookup (`vpermps` takes an index's low four bits) and the row factors.
+    let lut = _mm512_loadu_ps(E2M1_X2_F32.as_ptr());
+    let factors = if l.fp4.is_some() { _mm512_loadu_ps(blk.as_ptr() as *const f32) } else { off };
     for g in 0..l.groups() {
-        let s = _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.scales_offset(g)) as *const __m256i));
+        // The 16 rows' multipliers: the f16 scales, or FP4's `s · f` as the integer kernels form it.
+        let s = match l.fp4 {
+            Some(kind) => super::fp4_avx512::scales_times_factors(blk.as_ptr(), l, g, kind == Fp4Kind::Nvfp4, factors),
+            None => _mm512_cvtph_ps(_mm256_loadu_si256(blk.as_ptr().add(l.scales_offset(g)) as *const __m256i)),
+        };
         let sh: [__m512; 2] = std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], s));
         // What `fmsub(u, s, ·)` takes away: `off · s` (exact), or an asymmetric group's negated
         // minimum, so the value is the scalar's `fma(q, d, m)`.
@@ -338,7 +343,10 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
         } else {
             std::array::from_fn(|r| _mm512_mul_ps(sh[r], off))
         };
-        let scaled = |u: __m512i, r: usize| _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), sh[r], offs[r]);
+        let scaled = |u: __m512i, r: usize| match l.fp4 {
+            Some(_) => _mm512_mul_ps(_mm512_permutexvar_ps(u, lut), sh[r]),
+            None => _mm512_fmsub_ps(_mm512_cvtepi32_ps(u), sh[r], offs[r]),
+        };
         // B row of the k pair starting at even k from its two halves' lanes.
         let row = |k: usize, a: __m512, b: __m512| {
             let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
@@ -360,48 +368,6 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
                         row(k0 + 4, scaled(_mm512_srli_epi32::<4>(a), 0), scaled(_mm512_srli_epi32::<4>(b), 1));
                     }
                 }
-            }
-        }
-    }
-}
-
-/// [`block_panel_avx512`] for an FP4 layout (the scalar's FP4 branch): the same byte gathers,
-/// each code looked up as `v` (`vpermps` over [`E2M1_X2_F32`] takes an index's low four bits, so
-/// a gathered byte is its low nibble's index as it is and its high nibble's after a shift), times
-/// the group's `s · f` in pair order.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vbmi")]
-unsafe fn fp4_panel_avx512(
-    blk: &[u8],
-    l: &PackedLayout,
-    kind: Fp4Kind,
-    gather: [[std::arch::x86_64::__m512i; 2]; 2],
-    dup: [std::arch::x86_64::__m512i; 2],
-    dst: &mut [u16],
-) {
-    use std::arch::x86_64::*;
-    let (gs, gwb) = (l.gs, l.group_weight_bytes());
-    let lut = _mm512_loadu_ps(E2M1_X2_F32.as_ptr());
-    let f = _mm512_loadu_ps(blk.as_ptr() as *const f32);
-    let out = dst.as_mut_ptr();
-    for g in 0..l.groups() {
-        let sf = super::fp4_avx512::scales_times_factors(blk.as_ptr(), l, g, kind == Fp4Kind::Nvfp4, f);
-        let sh: [__m512; 2] = std::array::from_fn(|r| _mm512_permutexvar_ps(dup[r], sf));
-        let value = |idx: __m512i, r: usize| _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), sh[r]);
-        let row = |k: usize, a: __m512, b: __m512| {
-            let h: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
-            _mm512_storeu_si512(out.add((k / 2) * 2 * ROW_BLOCK) as *mut _, h);
-        };
-        let wg = blk.as_ptr().add(l.weights_offset(g));
-        for c in 0..gwb / CHUNK {
-            _mm_prefetch::<_MM_HINT_T0>(wg.wrapping_add(c * CHUNK + PANEL_PREFETCH) as *const i8);
-            let v = _mm512_loadu_si512(wg.add(c * CHUNK) as *const _);
-            for (p, halves) in gather.iter().enumerate() {
-                let a = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[0], v);
-                let b = _mm512_maskz_permutexvar_epi8(LOW_BYTES, halves[1], v);
-                let k0 = g * gs + 8 * c + 2 * p;
-                row(k0, value(a, 0), value(b, 1));
-                row(k0 + 4, value(_mm512_srli_epi32::<4>(a), 0), value(_mm512_srli_epi32::<4>(b), 1));
             }
         }
     }
