@@ -78,6 +78,39 @@ pub fn fp8_e4m3_to_f32(bits: u8) -> f32 {
     }
 }
 
+/// Largest finite FP8 E4M3 value.
+pub const FP8_E4M3_MAX: f32 = 448.0;
+
+/// f32 → FP8 E4M3 code, round to nearest even, saturating to ±448 (infinities included); NaN →
+/// 0x7f. The GPU KV cache's kernels convert with the same steps (so the same bits).
+pub fn f32_to_fp8_e4m3(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abits = bits & 0x7fff_ffff;
+    if abits > 0x7f80_0000 {
+        return 0x7f;
+    }
+    let a = f32::from_bits(abits);
+    if a >= FP8_E4M3_MAX {
+        return sign | 0x7e;
+    }
+    if a < 0.015625 {
+        // Subnormal grid m · 2^-9 (m = 8 is the smallest normal, 2^-6: the same code).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let mut e = (abits >> 23) as i32 - 127;
+    let mut q = (abits >> 20) & 7;
+    let rem = abits & 0xf_ffff;
+    if rem > 0x8_0000 || (rem == 0x8_0000 && q & 1 == 1) {
+        q += 1;
+    }
+    if q == 8 {
+        q = 0;
+        e += 1;
+    }
+    sign | (((e + 7) as u8) << 3) | q as u8
+}
+
 /// Lookup table for all 256 FP8 E4M3 codes (built once; conversion is a table read).
 pub fn fp8_e4m3_table() -> &'static [f32; 256] {
     use std::sync::OnceLock;

@@ -40,8 +40,9 @@ pub const KV_CACHE: KernelSource = KernelSource {
 /// elements, so 256 threads cover one in a few strides).
 const ROW_THREADS: u32 = 256;
 
-/// Largest finite E4M3 value: a group's amax maps onto it.
-pub const FP8_E4M3_MAX: f32 = 448.0;
+/// Largest finite E4M3 value (a group's amax maps onto it), and the host twin of the kernels'
+/// f32 → E4M3 conversion: both live beside the E4M3 decoder in `krasis_core::dtype`.
+pub use krasis_core::dtype::{f32_to_fp8_e4m3, FP8_E4M3_MAX};
 
 /// Storage type of the KV cache (`--kv-dtype bf16|fp8`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -512,36 +513,6 @@ impl GpuKvCache {
         }
         Ok(())
     }
-}
-
-/// f32 → FP8 E4M3 code, round to nearest even, saturating to ±448 (infinities included); NaN →
-/// 0x7f. The host twin of the kernel's conversion (the same steps, so the same bits).
-pub fn f32_to_fp8_e4m3(x: f32) -> u8 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
-    let abits = bits & 0x7fff_ffff;
-    if abits > 0x7f80_0000 {
-        return 0x7f;
-    }
-    let a = f32::from_bits(abits);
-    if a >= FP8_E4M3_MAX {
-        return sign | 0x7e;
-    }
-    if a < 0.015625 {
-        // Subnormal grid m · 2^-9 (m = 8 is the smallest normal, 2^-6: the same code).
-        return sign | (a * 512.0).round_ties_even() as u8;
-    }
-    let mut e = (abits >> 23) as i32 - 127;
-    let mut q = (abits >> 20) & 7;
-    let rem = abits & 0xf_ffff;
-    if rem > 0x8_0000 || (rem == 0x8_0000 && q & 1 == 1) {
-        q += 1;
-    }
-    if q == 8 {
-        q = 0;
-        e += 1;
-    }
-    sign | (((e + 7) as u8) << 3) | q as u8
 }
 
 /// The FP8 scale of one group: `amax / 448` (NaNs ignored, as `fmaxf` does on the device).

@@ -100,19 +100,6 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
     ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
 }
 
-/// The FP8 E4M3 code whose value is nearest `x` (the NaN codes never; the first of a tie).
-pub(crate) fn fp8_e4m3_code(x: f32) -> u8 {
-    let table = krasis_core::dtype::fp8_e4m3_table();
-    let mut best = 0u8;
-    for b in 1..=255u8 {
-        let (v, w) = (table[b as usize], table[best as usize]);
-        if !v.is_nan() && (v - x).abs() < (w - x).abs() {
-            best = b;
-        }
-    }
-    best
-}
-
 /// Stored dtype of a synthetic tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Dtype {
@@ -168,7 +155,7 @@ pub(crate) struct RankOne {
 #[derive(Clone, Debug)]
 pub(crate) enum Fill {
     /// Every element the same (RMSNorm weights, quantisation scales). U8 takes the byte `v`
-    /// (E8M0 exponents), F8_E4M3 the code nearest `v`.
+    /// (E8M0 exponents), F8_E4M3 the code nearest `v` (ties to even).
     Const(f32),
     /// i.i.d. uniform on `(-bound, bound)`, optionally plus a rank-one term.
     Uniform { bound: f32, plus: Option<RankOne> },
@@ -232,7 +219,7 @@ impl SynthTensor {
                 }
             }
             (Fill::Const(v), Dtype::U8) => dst.fill(*v as u8),
-            (Fill::Const(v), Dtype::F8E4M3) => dst.fill(fp8_e4m3_code(*v)),
+            (Fill::Const(v), Dtype::F8E4M3) => dst.fill(krasis_core::dtype::f32_to_fp8_e4m3(*v)),
             (Fill::Codes, Dtype::F8E4M3 | Dtype::I32 | Dtype::U8) => {
                 let mut rng = Xoshiro256pp::from_keys(&[seed, self.key, c as u64]);
                 for d in dst.chunks_mut(8) {

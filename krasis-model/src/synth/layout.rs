@@ -35,9 +35,10 @@
 
 use std::path::Path;
 
+use krasis_core::dtype::{f32_to_fp8_e4m3, fp8_e4m3_to_f32};
 use serde_json::Value;
 
-use super::init::{fnv1a, fp8_e4m3_code, layer_of, Dtype, Fill, SynthTensor};
+use super::init::{fnv1a, layer_of, Dtype, Fill, SynthTensor};
 use crate::arch::CheckpointConfig;
 use crate::error::{ModelError, Result};
 use crate::model::tensors::{experts_prefix, is_matrix, TensorRole, TensorSpec};
@@ -203,8 +204,7 @@ fn nvfp4_linear(t: &SynthTensor) -> Result<Vec<SynthTensor>> {
     // bits) moves the product by at most 1/16.
     let target = draw_std(t)? / e2m1_code_rms();
     let global = 2f32.powi((target / 256.0).log2().round().clamp(-126.0, 127.0) as i32);
-    let table = krasis_core::dtype::fp8_e4m3_table();
-    let group_scale = table[usize::from(fp8_e4m3_code(target / global))];
+    let group_scale = fp8_e4m3_to_f32(f32_to_fp8_e4m3(target / global));
     // Not read by Krasis (it quantises activations itself); ModelOpt's value for an input amax
     // of 6, about what a unit-RMS activation reaches: amax / (6 · 448).
     let input_scale = 1.0 / 448.0;
