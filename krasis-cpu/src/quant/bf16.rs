@@ -19,7 +19,7 @@
 //! scalar one with `KRASIS_ISA` below `avx512`), equal bit for bit (property tests).
 
 use krasis_quant::cpu_layout::{PackedLayout, CHUNK, ROW_BLOCK};
-use krasis_quant::fp4::{kernel_scale, Fp4Kind, E2M1_X2};
+use krasis_quant::fp4::{Fp4Kind, E2M1_X2};
 use krasis_quant::Bits;
 
 use super::row_f16s;
@@ -92,36 +92,26 @@ pub fn block_panel(w: &[u8], l: &PackedLayout, b: usize, dst: &mut [u16]) {
 }
 
 /// Scalar twin of [`block_panel`] for one row block's bytes `blk`: symmetric codes as
-/// `(u − off) · s` (exact), asymmetric ones as `fma(q, d, m)` (one rounding to f32).
+/// `(u − off) · s` (exact), asymmetric ones as `fma(q, d, m)` (one rounding to f32), FP4 codes
+/// as `v · (s · f)` (INT4's chunk arrangement of E2M1 codes).
 pub fn block_panel_scalar(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let (gs, off) = (l.gs, l.offset());
     let gwb = l.group_weight_bytes();
     let mut put = |k: usize, j: usize, v: f32| dst[(k / 2) * 2 * ROW_BLOCK + 2 * j + k % 2] = bf16_bits(v);
-    if let Some(kind) = l.fp4 {
-        // INT4's chunk arrangement of E2M1 codes: `v · (s · f)` per code.
-        let f = super::fp4_scalar::row_factors(blk);
-        for g in 0..l.groups() {
-            let so = l.scales_offset(g);
-            let sf: [f32; ROW_BLOCK] = std::array::from_fn(|j| kernel_scale(kind, blk[so + j]) * f[j]);
-            let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
-            for (c, chunk) in wg.chunks_exact(CHUNK).enumerate() {
-                for j in 0..ROW_BLOCK {
-                    for b in 0..4 {
-                        let u = chunk[4 * j + b] as usize;
-                        put(g * gs + 8 * c + b, j, E2M1_X2_F32[u & 0x0f] * sf[j]);
-                        put(g * gs + 8 * c + 4 + b, j, E2M1_X2_F32[u >> 4] * sf[j]);
-                    }
-                }
-            }
-        }
-        return;
-    }
+    // FP4's row factors (zeros for the integer layouts, which do not read them).
+    let factors = if l.fp4.is_some() { super::fp4_scalar::row_factors(blk) } else { [0.0; ROW_BLOCK] };
     for g in 0..l.groups() {
-        let s = row_f16s(blk, l.scales_offset(g));
+        // The 16 rows' multipliers: the f16 scales, or FP4's `s · f` as the integer kernels form it.
+        let s = match l.fp4 {
+            Some(_) => super::fp4_scalar::scales_times_factors(blk, l, g, &factors),
+            None => row_f16s(blk, l.scales_offset(g)),
+        };
         // An asymmetric group's minimums (zeros for a symmetric one, which takes `off` instead).
         let mins = if l.asym { row_f16s(blk, l.mins_offset(g)) } else { [0.0; ROW_BLOCK] };
         let value = |u: i32, j: usize| {
-            if l.asym {
+            if l.fp4.is_some() {
+                E2M1_X2_F32[u as usize] * s[j]
+            } else if l.asym {
                 (u as f32).mul_add(s[j], mins[j])
             } else {
                 (u - off) as f32 * s[j]
@@ -326,7 +316,7 @@ unsafe fn block_panel_avx512(blk: &[u8], l: &PackedLayout, dst: &mut [u16]) {
     let out = dst.as_mut_ptr();
     // FP4: the E2M1 lookup (`vpermps` takes an index's low four bits) and the row factors.
     let lut = _mm512_loadu_ps(E2M1_X2_F32.as_ptr());
-    let factors = if l.fp4.is_some() { _mm512_loadu_ps(blk.as_ptr() as *const f32) } else { off };
+    let factors = if l.fp4.is_some() { _mm512_loadu_ps(blk.as_ptr() as *const f32) } else { _mm512_setzero_ps() };
     for g in 0..l.groups() {
         // The 16 rows' multipliers: the f16 scales, or FP4's `s · f` as the integer kernels form it.
         let s = match l.fp4 {

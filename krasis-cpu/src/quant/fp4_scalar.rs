@@ -36,6 +36,14 @@ pub(super) fn row_factors(blk: &[u8]) -> [f32; ROW_BLOCK] {
     std::array::from_fn(|j| f32::from_le_bytes(blk[4 * j..4 * j + 4].try_into().expect("4 bytes")))
 }
 
+/// The 16 rows' `s · f` of group `g`: each row's group scale as the kernels read it
+/// ([`kernel_scale`]) times its row factor (the twin of `fp4_avx512::scales_times_factors`).
+#[inline]
+pub(super) fn scales_times_factors(blk: &[u8], l: &PackedLayout, g: usize, f: &[f32; ROW_BLOCK]) -> [f32; ROW_BLOCK] {
+    let (kind, so) = (l.fp4.expect("an FP4 layout"), l.scales_offset(g));
+    std::array::from_fn(|j| kernel_scale(kind, blk[so + j]) * f[j])
+}
+
 /// Groups `groups` of row blocks `blocks` (see [`super::matmul_packed_groups`]) of an FP4 layout.
 pub(super) fn matmul(
     w: &[u8],
@@ -45,7 +53,7 @@ pub(super) fn matmul(
     groups: Range<usize>,
     out: &mut [f32],
 ) {
-    let kind = l.fp4.expect("an FP4 layout");
+    debug_assert!(l.fp4.is_some(), "an FP4 layout");
     let (m, k, gs) = (acts.m, l.k, l.gs);
     let ng = l.groups();
     let ncols = blocks.len() * ROW_BLOCK;
@@ -58,8 +66,7 @@ pub(super) fn matmul(
         }
         let f = row_factors(blk);
         for g in groups.clone() {
-            let so = l.scales_offset(g);
-            let sf: [f32; ROW_BLOCK] = std::array::from_fn(|j| kernel_scale(kind, blk[so + j]) * f[j]);
+            let sf = scales_times_factors(blk, l, g, &f);
             let wg = &blk[l.weights_offset(g)..l.weights_offset(g) + gwb];
             for i in 0..m {
                 let xq = &acts.q[i * k + g * gs..i * k + (g + 1) * gs];
