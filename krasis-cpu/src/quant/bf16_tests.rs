@@ -23,9 +23,14 @@ fn rounding_is_nearest_even_with_denormals_as_zero() {
     assert_eq!(bf16_value(bf16_bits(f32::MAX)), f32::INFINITY);
 }
 
-/// Every row block's panel of `w` (layout `l`, `rows` real rows), SIMD and scalar, equals the
-/// dequantised matrix `deq` rounded to BF16; padding rows are zero.
-fn panels_hold(w: &[u8], l: &PackedLayout, rows: usize, deq: &[f32]) -> Result<(), TestCaseError> {
+/// Every row block's panel of `w` (layout `l`, `rows` real rows), SIMD and scalar, is the same;
+/// each element of a real row passes `element(row, k, bf16 bits)`; padding rows are zero.
+fn panels_hold_with(
+    w: &[u8],
+    l: &PackedLayout,
+    rows: usize,
+    element: impl Fn(usize, usize, u16) -> Result<(), TestCaseError>,
+) -> Result<(), TestCaseError> {
     let k = l.k;
     let mut simd = vec![0u16; panel_len(l)];
     let mut scalar = vec![0u16; panel_len(l)];
@@ -36,12 +41,24 @@ fn panels_hold(w: &[u8], l: &PackedLayout, rows: usize, deq: &[f32]) -> Result<(
         for n in 0..ROW_BLOCK {
             let r = b * ROW_BLOCK + n;
             for kk in 0..k {
-                let want = if r < rows { bf16_bits(deq[r * k + kk]) } else { 0 };
-                prop_assert_eq!(scalar[(kk / 2) * 32 + 2 * n + kk % 2], want, "row {} k {}", r, kk);
+                let got = scalar[(kk / 2) * 32 + 2 * n + kk % 2];
+                if r < rows {
+                    element(r, kk, got)?;
+                } else {
+                    prop_assert_eq!(got, 0, "padding row {} k {}", r, kk);
+                }
             }
         }
     }
     Ok(())
+}
+
+/// [`panels_hold_with`]: each element is the dequantised matrix `deq` rounded to BF16.
+fn panels_hold(w: &[u8], l: &PackedLayout, rows: usize, deq: &[f32]) -> Result<(), TestCaseError> {
+    panels_hold_with(w, l, rows, |r, kk, got| {
+        prop_assert_eq!(got, bf16_bits(deq[r * l.k + kk]), "row {} k {}", r, kk);
+        Ok(())
+    })
 }
 
 proptest! {
@@ -89,31 +106,17 @@ proptest! {
         let m = fp4::test_matrix(kind, rows, k, seed);
         let (w, l) = (fp4::pack(&m), fp4::layout_of(&m));
         let exact = m.dequantize_f64();
-        let mut simd = vec![0u16; panel_len(&l)];
-        let mut scalar = vec![0u16; panel_len(&l)];
-        for b in 0..l.row_blocks() {
-            block_panel(&w, &l, b, &mut simd);
-            block_panel_scalar(&w[l.block_range(b)], &l, &mut scalar);
-            prop_assert_eq!(&simd, &scalar, "{:?} block {}", kind, b);
-            for n in 0..ROW_BLOCK {
-                let r = b * ROW_BLOCK + n;
-                for kk in 0..k {
-                    let got = scalar[(kk / 2) * 32 + 2 * n + kk % 2];
-                    if r >= rows {
-                        prop_assert_eq!(got, 0, "padding row {} k {}", r, kk);
-                        continue;
-                    }
-                    let e = exact[r * k + kk];
-                    if kind == Fp4Kind::Mxfp4 {
-                        prop_assert_eq!(got, bf16_bits(e as f32), "{:?} row {} k {}: exact {}", kind, r, kk, e);
-                    } else {
-                        let err = (bf16_value(got) as f64 - e).abs();
-                        prop_assert!(err <= e.abs() * 2f64.powi(-8), "{:?} row {} k {}: {} against {}", kind, r, kk,
-                                     bf16_value(got), e);
-                    }
-                }
+        panels_hold_with(&w, &l, rows, |r, kk, got| {
+            let e = exact[r * k + kk];
+            if kind == Fp4Kind::Mxfp4 {
+                prop_assert_eq!(got, bf16_bits(e as f32), "{:?} row {} k {}: exact {}", kind, r, kk, e);
+            } else {
+                let err = (bf16_value(got) as f64 - e).abs();
+                prop_assert!(err <= e.abs() * 2f64.powi(-8), "{:?} row {} k {}: {} against {}", kind, r, kk,
+                             bf16_value(got), e);
             }
-        }
+            Ok(())
+        })?;
     }
 
     #[test]
