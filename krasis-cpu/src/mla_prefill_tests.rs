@@ -113,14 +113,13 @@ impl Case {
 
 /// Largest |a − b| over the largest |b| (1 where b is all zero).
 fn rel_err(a: &[f32], b: &[f64]) -> f64 {
-    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
-    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
+    err_over_magnitude(a, b, b)
 }
 
-/// Largest |a − b| over the largest magnitude of the sums that made `b` (see
-/// [`Case::reference_and_magnitude`]).
+/// Largest |a − b| over the largest |magnitude| (the sums that made `b`, see
+/// [`Case::reference_and_magnitude`]; [`rel_err`] takes `b` itself).
 fn err_over_magnitude(a: &[f32], b: &[f64], magnitude: &[f64]) -> f64 {
-    let scale = magnitude.iter().fold(0f64, |m, x| m.max(*x)).max(1e-30);
+    let scale = magnitude.iter().fold(0f64, |m, x| m.max(x.abs())).max(1e-30);
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - y).abs())) / scale
 }
 
