@@ -219,6 +219,10 @@ pub struct Knobs {
     /// `KRASIS_MOE_W2=whole|groups|major`: how the CPU expert runner's w2 tasks meet the
     /// intermediate, for A/B runs. Default [`MoeW2::ByGroups`] (also for any other value).
     pub moe_w2: MoeW2,
+    /// `KRASIS_MOE_W2_RUN_K=N` (trimmed, positive): the fewest intermediate columns a w2 task
+    /// takes in one kernel call when it consumes the intermediate by groups, for tuning.
+    /// Default (`None`; also for 0 or a value that is not a count, silently): the runner's own.
+    pub moe_w2_run_k: Option<usize>,
     /// `KRASIS_MOE_XQ=local|local1`: who quantises small activation sets in the CPU expert
     /// runner, for A/B runs. Default [`MoeXq::Shared`] (also for any other value).
     pub moe_xq: MoeXq,
@@ -352,6 +356,7 @@ impl Knobs {
         "KRASIS_DENSE_XQ",
         "KRASIS_MOE_SUM",
         "KRASIS_MOE_W2",
+        "KRASIS_MOE_W2_RUN_K",
         "KRASIS_MOE_XQ",
         "KRASIS_MOE_TASKS",
         "KRASIS_TASKS_PER_WORKER",
@@ -436,6 +441,7 @@ impl Knobs {
                 Some("major") => MoeW2::GroupMajor,
                 _ => MoeW2::ByGroups,
             },
+            moe_w2_run_k: r.positive("KRASIS_MOE_W2_RUN_K"),
             moe_xq: match r.text("KRASIS_MOE_XQ").as_deref() {
                 Some("local") => MoeXq::Local,
                 Some("local1") => MoeXq::Local1,
@@ -618,6 +624,7 @@ mod tests {
         assert!(!k.moe_sum_serial && !k.require_amx && !k.mla_decode_general && !k.mlp_linears && !k.kv_b_f32);
         assert!(!k.shared_experts_beside && !k.gpu_profile && !k.expert_prefetch_ab);
         assert_eq!((k.moe_w2, k.moe_xq, k.moe_tasks), (MoeW2::ByGroups, MoeXq::Shared, None));
+        assert_eq!(k.moe_w2_run_k, None);
         assert_eq!(
             (k.flash_kernel, k.mla_prefill, k.cpu_mla_decode, k.stream_from, k.page_cache),
             (None, None, None, None, None)
@@ -729,6 +736,7 @@ mod tests {
             ("KRASIS_ATTN_MIN_ROWS", "x"),
             ("KRASIS_ATTN_TASK_HEADS", "0"),
             ("KRASIS_TASKS_PER_WORKER", " 3"),
+            ("KRASIS_MOE_W2_RUN_K", " 64 "),
             ("KRASIS_MOE_QTILE", "1"),
             ("KRASIS_EXPERT_PREFETCH_MB", " 0 "),
             ("KRASIS_GPU_STREAM_SPLIT", " 1.5"),
@@ -739,6 +747,7 @@ mod tests {
         assert_eq!((k.bf16_panel_kb, k.bf16_tasks), (None, Some(6)));
         assert_eq!((k.attn_max_tasks, k.attn_min_rows, k.attn_task_heads), (None, None, Some(0)));
         assert_eq!(k.tasks_per_worker, None, "not trimmed");
+        assert_eq!(k.moe_w2_run_k, Some(64));
         assert_eq!((k.moe_qtile, k.expert_prefetch_mb), (Some(1), Some(0)));
         assert_eq!((k.gpu_stream_split, k.gpu_stream_min_tokens), (Some(1.0), Some(64)));
         // Only the counts that warned before warn now.

@@ -2,10 +2,10 @@
 //! `krasis_quant::fp4`) beside INT4 g128 on the same shapes: GB/s of packed weight bytes
 //! (criterion `Throughput::Bytes`, one matrix per iteration) on gpt-oss-120b's expert shapes —
 //! w13 = 2×2880 rows × K 2880, w2 = 2880 rows × K 2880 — per ISA this CPU runs (passed
-//! explicitly), M = 1 and 8, on 1 thread and on all threads (row blocks split evenly, a spin
-//! barrier between matrices as a decode pool would have). `read/…` is a plain streaming read of
-//! the same bytes with the same threads: the ceiling (#40 asks FP4 to stream at ≥ 85 % of the
-//! bandwidth probe, as INT4 does).
+//! explicitly), M = 1, 2 (a decode token: value and residual rows) and 8, on 1 thread and on all
+//! threads (row blocks split evenly, a spin barrier between matrices as a decode pool would
+//! have). `read/…` is a plain streaming read of the same bytes with the same threads: the ceiling
+//! (#40 asks FP4 to stream at ≥ 85 % of the bandwidth probe, as INT4 does).
 //!
 //! Every iteration reads the next of enough distinct copies of the matrix
 //! (`KRASIS_BENCH_POOL_MB`, default 1024 MiB) that the last-level cache cannot hold them: DRAM
@@ -54,7 +54,7 @@ fn build_cases() -> Vec<Case> {
 }
 
 fn bench(c: &mut Criterion) {
-    bench_cases(c, "fp4_matmul", &build_cases(), &[1, 8]);
+    bench_cases(c, "fp4_matmul", &build_cases(), &[1, 2, 8]);
 }
 
 criterion_group!(benches, bench);

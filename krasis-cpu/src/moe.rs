@@ -581,6 +581,9 @@ pub struct PoolExperts {
     w2_acts: Vec<Mutex<QuantizedActs>>,
     /// How w2 tasks consume the intermediate ([`W2Mode`]).
     w2_mode: W2Mode,
+    /// By groups, the fewest intermediate columns a w2 kernel call takes ([`W2_RUN_MIN_K`];
+    /// `KRASIS_MOE_W2_RUN_K`).
+    w2_run_k: usize,
     /// Dispatch with each node's first round of w13 tasks owned by its workers
     /// ([`WorkerPool::run_on_nodes_affine`]; default), so [`PoolExperts::prefetch_first_tasks`]
     /// warms the caches the call reads first; `KRASIS_MOE_AFFINE=0`: plain dynamic claims.
@@ -606,6 +609,14 @@ struct LocalActs {
 /// stream started as late; one expert per dispatch INT4 109.4 GB/s median local against 112.0
 /// shared.
 const LOCAL_X_MAX_ROWS: usize = 2;
+
+/// By groups, a w2 task waits until at least this many intermediate columns are ready (or its
+/// range ends) before a kernel call: each call reads a run of every row block's groups, and a
+/// run of one NVFP4 group is 128 bytes per block. 128 columns (INT4 g128's one group, so INT4
+/// is unchanged) measured best on the H200 host's 16 cores (2026-11-30, `--expert-gemv`, four
+/// rounds against 1, 64 and 256: NVFP4 +8 % one expert per dispatch and +7 % top-6, MXFP4
+/// +4 % / +4 %; `bench/logs/2026-11-30/h200-w2-run-s35.log`).
+const W2_RUN_MIN_K: usize = 128;
 
 /// Bytes of its weights a w13 task pulls towards L2 before quantising its activations itself:
 /// a few lines in flight, not a long burst (prefetches beyond the L2 miss queue stall the core:
@@ -731,6 +742,7 @@ impl PoolExperts {
             local_x_max_jobs: local_x_env().1,
             w2_acts: (0..pool.threads()).map(|_| Mutex::new(QuantizedActs::new())).collect(),
             w2_mode: W2Mode::from_env(),
+            w2_run_k: krasis_core::knobs::knobs().moe_w2_run_k.unwrap_or(W2_RUN_MIN_K),
             affine: krasis_core::knobs::knobs().moe_affine,
             prefetch_step: Mutex::new(StepScratch::default()),
             activation: ExpertActivation::Silu,
@@ -765,6 +777,13 @@ impl PoolExperts {
     /// sets it for every runner); for comparison and tests.
     pub fn with_w2_mode(mut self, mode: W2Mode) -> Self {
         self.w2_mode = mode;
+        self
+    }
+
+    /// By groups, the fewest intermediate columns a w2 kernel call takes (default
+    /// [`W2_RUN_MIN_K`]; `KRASIS_MOE_W2_RUN_K` sets it for every runner); for tuning and tests.
+    pub fn with_w2_run_k(mut self, k: usize) -> Self {
+        self.w2_run_k = k;
         self
     }
 
@@ -1354,6 +1373,7 @@ impl PoolExperts {
                     let m = jobs[e].tokens.len();
                     let cols = (b1 - b0) * ROW_BLOCK;
                     let ok = &group_ok[lay.group_base(e)..lay.group_base(e) + ng2];
+                    let run_groups = self.w2_run_k.div_ceil(gs2).max(1);
                     let mut own = self.w2_acts[ctx.worker].lock().unwrap_or_else(|e| e.into_inner());
                     shape_acts(&mut own, split * m, inter, gs2);
                     // Pull groups g..gb of this task's blocks (and, for a range after the first,
@@ -1387,6 +1407,11 @@ impl PoolExperts {
                             wait_ready(&ok[g0], 1, &failed, pf);
                             let mut g1 = g0 + 1;
                             if w2_by_groups {
+                                let least = g0.saturating_add(run_groups).min(gb);
+                                for flag in &ok[g1.min(least)..least] {
+                                    wait_ready(flag, 1, &failed, &[]);
+                                }
+                                g1 = g1.max(least);
                                 while g1 < gb && ok[g1].load(Ordering::Acquire) != 0 {
                                     g1 += 1;
                                 }
@@ -1714,8 +1739,9 @@ pub(crate) mod tests {
         /// 1–5 workers per node, 1–7 tasks per worker, even or guided task sizes, the weighted
         /// sum inside the dispatch or after it, activations quantised per worker (≤ 2 tokens;
         /// in every dispatch or in one-job ones only) or in shared tasks, w2 tasks consuming the
-        /// intermediate whole, group by group, or in group-major tasks (1–7 group ranges)
-        /// continuing each other's partial sums; w13 and w2 each INT4 or INT8 (mixed widths);
+        /// intermediate whole, group by group (in kernel calls of at least 1, 48, 128 or all
+        /// columns), or in group-major tasks (1–7 group ranges) continuing each other's
+        /// partial sums; w13 and w2 each INT4 or INT8 (mixed widths);
         /// and 0–2 extra jobs of another layout ([`PoolExperts::run_with`]: another width,
         /// intermediate size and hidden group size) over every token, added before the rest.
         #[test]
@@ -1736,6 +1762,7 @@ pub(crate) mod tests {
             fused in proptest::prelude::any::<bool>(),
             local_x in 0usize..3,
             w2_mode in 0usize..3,
+            w2_run in 0usize..4,
             seed in 0u64..1000,
             n_extra in 0usize..3,
             inter_x16 in 1usize..13,
@@ -1778,7 +1805,8 @@ pub(crate) mod tests {
                 .with_fused_sum(fused)
                 .with_local_x_rows(if local_x > 0 { LOCAL_X_MAX_ROWS } else { 0 })
                 .with_local_x_max_jobs(if local_x == 2 { 1 } else { usize::MAX })
-                .with_w2_mode([W2Mode::Whole, W2Mode::ByGroups, W2Mode::GroupMajor][w2_mode]);
+                .with_w2_mode([W2Mode::Whole, W2Mode::ByGroups, W2Mode::GroupMajor][w2_mode])
+                .with_w2_run_k([1, 48, W2_RUN_MIN_K, usize::MAX][w2_run]);
             let jobs: Vec<ExpertJob> = routes
                 .iter()
                 .zip(&refs)
