@@ -616,7 +616,7 @@ const LOCAL_X_MAX_ROWS: usize = 2;
 /// is unchanged) measured best on the H200 host's 16 cores (2026-11-30, `--expert-gemv`, four
 /// rounds against 1, 64 and 256: NVFP4 +8 % one expert per dispatch and +7 % top-6, MXFP4
 /// +4 % / +4 %; `bench/logs/2026-11-30/h200-w2-run-s35.log`).
-const W2_RUN_MIN_K: usize = 128;
+pub const W2_RUN_MIN_K: usize = 128;
 
 /// Bytes of its weights a w13 task pulls towards L2 before quantising its activations itself:
 /// a few lines in flight, not a long burst (prefetches beyond the L2 miss queue stall the core:
