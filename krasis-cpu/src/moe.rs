@@ -448,7 +448,8 @@ pub enum W2Mode {
     /// quantised (the former runner; `KRASIS_MOE_W2=whole`).
     Whole,
     /// Each task (a row-block range over all groups) consumes the groups in K order as they are
-    /// quantised (the default; `KRASIS_MOE_W2=groups`).
+    /// quantised, in kernel calls of at least [`W2_RUN_MIN_K`] columns (the default;
+    /// `KRASIS_MOE_W2=groups`).
     ByGroups,
     /// Group-major tasks (`KRASIS_MOE_W2=major`): a job's w2 is cut into group ranges (as many
     /// as w2 tasks per worker, at most one per group) and each range into the same row-block
