@@ -1063,7 +1063,7 @@ impl PoolExperts {
     /// [`PoolExperts::run`] with each job's gate and up biases added before the activation:
     /// `bias13[j]` is job `j`'s `[gate biases | up biases]` (`2 · inter` floats). The down
     /// projection's bias is the caller's to add (`Σ w · b_down` per token does not depend on
-    /// the kernel). Integer kernels only (never the BF16 prefill tiles).
+    /// the kernel). A prefill that takes the BF16 tiles adds them there the same way.
     #[allow(clippy::too_many_arguments)]
     pub fn run_biased(
         &self,
@@ -1175,21 +1175,22 @@ impl PoolExperts {
             }
         }
         let per_expert = jobs.iter().map(|j| j.tokens.len()).sum::<usize>() / n.max(1);
-        // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric, and FP4 ones:
-        // K-quant layouts keep their integer kernels.
+        // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric, and FP4 ones,
+        // and take the activation and biases as options: K-quant layouts keep their integer
+        // kernels.
         let plain = bias13.is_none() && self.activation == ExpertActivation::Silu;
-        let bf16_fits = plain
-            && (0..n).all(|e| {
-                inter_of(e).is_multiple_of(32) && lay.of(e).0.has_bf16_panel() && lay.of(e).1.has_bf16_panel()
-            });
+        let bf16_fits = (0..n)
+            .all(|e| inter_of(e).is_multiple_of(32) && lay.of(e).0.has_bf16_panel() && lay.of(e).1.has_bf16_panel());
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
             drop(guard);
             // One set of layouts per BF16 dispatch: the extra jobs, then the runner's.
             let (first, rest) = jobs.split_at(lay.extra);
             if !first.is_empty() {
-                prefill_bf16::run_experts(tiles, pool, lay.extra_layouts.0, lay.extra_layouts.1, x, hidden, first, out);
+                let (l13x, l2x) = lay.extra_layouts;
+                prefill_bf16::run_experts(tiles, pool, l13x, l2x, x, hidden, first, prefill_bf16::ExpertAct::SILU, out);
             }
-            prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, rest, out);
+            let act = prefill_bf16::ExpertAct { activation: self.activation, bias13 };
+            prefill_bf16::run_experts(tiles, pool, l13, l2, x, hidden, rest, act, out);
             return;
         }
         // Activations: one set per distinct token list (in decode every expert of the token

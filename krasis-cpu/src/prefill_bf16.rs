@@ -29,6 +29,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
+use krasis_core::spec::ExpertActivation;
 use krasis_quant::cpu_layout::{PackedLayout, ROW_BLOCK};
 
 use crate::aligned::AlignedVec;
@@ -39,7 +40,7 @@ use crate::phase_ns::PhaseNs;
 use crate::pool::WorkerPool;
 use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
 use crate::quant::bf16::{block_panel, panel_len, to_bf16, to_bf16_runs};
-use crate::quant::silu_mul_w13;
+use crate::quant::{act_mul_w13, silu_mul_w13};
 
 /// Smallest number of tokens per matrix (a dense call's tokens; an expert call's mean tokens per
 /// expert) that takes the BF16 tiles: each call dequantises every weight it reads once, which
@@ -465,8 +466,22 @@ fn size_tasks(out: &mut Vec<(usize, usize, usize, usize)>, mtiles: &[usize], uni
     out.sort_by_key(|t| std::cmp::Reverse(t.3));
 }
 
+/// The experts' activation between w13 and w2, as [`crate::moe::PoolExperts`] runs it: SiLU, or
+/// another [`ExpertActivation`] after each job's gate and up biases (gpt-oss's clamped SwiGLU).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExpertAct<'a> {
+    pub activation: ExpertActivation,
+    /// Per job, `[gate biases | up biases]` (`2 · inter` floats); `None`: no biases.
+    pub bias13: Option<&'a [&'a [f32]]>,
+}
+
+impl ExpertAct<'_> {
+    /// SiLU(gate)·up with no biases (every family but gpt-oss; shared experts).
+    pub(crate) const SILU: ExpertAct<'static> = ExpertAct { activation: ExpertActivation::Silu, bias13: None };
+}
+
 /// [`crate::moe::PoolExperts::run`] on the BF16 tiles (same contract: `out += Σ_e w·expert_e(x)`
-/// per token, jobs added in order).
+/// per token, jobs added in order), with `act` between w13 and w2.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run_experts(
     tiles: Bf16Tiles,
@@ -476,9 +491,10 @@ pub(crate) fn run_experts(
     x: &[f32],
     hidden: usize,
     jobs: &[ExpertJob<'_>],
+    act: ExpertAct<'_>,
     out: &mut [f32],
 ) {
-    run_experts_as(fused_dispatch(), tiles, pool, l13, l2, x, hidden, jobs, out)
+    run_experts_as(fused_dispatch(), tiles, pool, l13, l2, x, hidden, jobs, act, out)
 }
 
 /// [`run_experts`] with the expert tasks in one dispatch (`fused`) or one per kind of task.
@@ -492,8 +508,13 @@ fn run_experts_as(
     x: &[f32],
     hidden: usize,
     jobs: &[ExpertJob<'_>],
+    act: ExpertAct<'_>,
     out: &mut [f32],
 ) {
+    if let Some(b) = act.bias13 {
+        assert_eq!(b.len(), jobs.len(), "run_experts: one bias13 per job");
+        assert!(b.iter().all(|b| b.len() == l13.rows), "run_experts: each bias13 holds 2 × {} floats", l13.rows / 2);
+    }
     CALLS.fetch_add(1, Ordering::Relaxed);
     let mut clock = std::time::Instant::now();
     let rows = x.len() / hidden;
@@ -593,7 +614,11 @@ fn run_experts_as(
                 // SAFETY: c holds pad(m) rows of cols13; xa is pad(m)·hidden, tiled, zero padding.
                 unsafe { matmul_blocks(tiles, w, l13, 2 * p0, 2 * p1, xa, m, s.c.as_mut_ptr(), cols13, &mut s.panel) };
                 s.act.grow(m * cols);
-                silu_mul_w13(isa, &s.c[..m * cols13], m, &mut s.act[..m * cols]);
+                let (h13, out) = (&s.c[..m * cols13], &mut s.act[..m * cols]);
+                match act {
+                    ExpertAct { activation: ExpertActivation::Silu, bias13: None } => silu_mul_w13(isa, h13, m, out),
+                    ExpertAct { activation, bias13 } => act_mul_w13(activation, bias13.map(|b| b[e]), p0, h13, m, out),
+                }
                 for i in 0..mp {
                     for c in (0..cols).step_by(ROW_BLOCK) {
                         let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);

@@ -105,9 +105,11 @@ proptest! {
         tokens in 1usize..40,
         loads in proptest::collection::vec(0usize..40, 1..5),
         format in 0usize..5,
+        biased in any::<bool>(),
         seed in any::<u64>(),
     ) {
-        // INT8, INT4 (symmetric, groups of 32), asymmetric INT4 g32, MXFP4 or NVFP4.
+        // INT8, INT4 (symmetric, groups of 32), asymmetric INT4 g32, MXFP4 or NVFP4; SiLU, or
+        // gpt-oss's clamped SwiGLU after gate and up biases (limit 1, so the clamp is hit).
         let (h, inter, gs) = (64usize, 96usize, 32);
         let pool = WorkerPool::new(PoolPlan::simulated(1, 3)).unwrap();
         let x = data(tokens * h, seed);
@@ -143,21 +145,43 @@ proptest! {
             weights: ExpertWeights { w13: &e.w13, w2: &e.w2, node: 0 },
             tokens: &e.toks,
         }).collect();
+        let (alpha, limit) = (1.702f32, 1.0f32);
+        let biases: Vec<Vec<f32>> =
+            (0..experts.len()).map(|e| data(2 * inter, seed ^ (77 + e as u64)).iter().map(|v| 4.0 * v).collect()).collect();
+        let bias_refs: Vec<&[f32]> = biases.iter().map(|b| b.as_slice()).collect();
+        let act = if biased {
+            ExpertAct { activation: ExpertActivation::ClampedSwiglu { alpha, limit }, bias13: Some(&bias_refs) }
+        } else {
+            ExpertAct::SILU
+        };
         let start = data(tokens * h, seed ^ 9);
         let mut out = start.clone();
-        run_experts_as(true, Bf16Tiles::Emulated, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, &mut out);
+        run_experts_as(true, Bf16Tiles::Emulated, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, act, &mut out);
         // The same tasks as three dispatches give the same bits (each task's arithmetic is
         // independent of which dispatch runs it).
         let mut split = start.clone();
-        run_experts_as(false, Bf16Tiles::Emulated, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, &mut split);
+        run_experts_as(false, Bf16Tiles::Emulated, &pool, &experts[0].l13, &experts[0].l2, &x, h, &jobs, act, &mut split);
         prop_assert!(out.iter().zip(&split).all(|(a, b)| a.to_bits() == b.to_bits()), "fused and split dispatches differ");
         let mut want: Vec<f64> = start.iter().map(|&v| v as f64).collect();
-        for e in &experts {
+        for (ei, e) in experts.iter().enumerate() {
             let rows: Vec<f32> = e.toks.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec()).collect();
             let m = e.toks.len();
             let (g, _) = reference(&e.f[0], &rows, m, h);
             let (u, _) = reference(&e.f[1], &rows, m, h);
-            let act: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu(g as f32) * u as f32).collect();
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .enumerate()
+                .map(|(i, (&g, &u))| {
+                    if !biased {
+                        return silu(g as f32) * u as f32;
+                    }
+                    let c = i % inter;
+                    let gc = (g as f32 + biases[ei][c]).min(limit);
+                    let uc = (u as f32 + biases[ei][inter + c]).clamp(-limit, limit);
+                    (uc + 1.0) * (gc / (1.0 + (-alpha * gc).exp()))
+                })
+                .collect();
             let (y, _) = reference(&e.f[2], &act, m, inter);
             for (i, &(t, w)) in e.toks.iter().enumerate() {
                 for j in 0..h {
@@ -305,8 +329,19 @@ fn bf16_rates() {
         let x = data(t * h, 11);
         let mut out = vec![0f32; t * h];
         let before = expert_phase_ns();
-        let s =
-            best(&mut || run_experts(Bf16Tiles::Hardware, &pool, &experts[0].1, &experts[0].3, &x, h, &jobs, &mut out));
+        let s = best(&mut || {
+            run_experts(
+                Bf16Tiles::Hardware,
+                &pool,
+                &experts[0].1,
+                &experts[0].3,
+                &x,
+                h,
+                &jobs,
+                ExpertAct::SILU,
+                &mut out,
+            )
+        });
         let ph: Vec<String> =
             expert_phase_ns().iter().zip(before).take(6).map(|(a, b)| format!("{:.2}", (a - b) as f64 / 6e6)).collect();
         eprintln!(

@@ -12,7 +12,9 @@
 //!   kernels with the biases and the clamped SwiGLU as options);
 //! - `gptoss-mxfp4-tiny` at `auto` (the default): the CPU expert cache keeps the MXFP4 codes and
 //!   scales as stored, and the run matches the oracle at rel ≤ 1e-4 with the same greedy ids
-//!   (the kernels quantise activations to INT8 per group of 32);
+//!   (the kernels quantise activations to INT8 per group of 32); a 128-token prefill on the
+//!   BF16 prefill tiles (biases and clamped SwiGLU as options of their w13 step) within the
+//!   fixture's transformers-BF16 noise, at 1e-4 where the integer kernels take it;
 //! - bad input: MXFP4 scales whose shape disagrees with the blocks, a NaN scale: errors naming
 //!   the tensor, on the reference path and the expert cache alike;
 //! - the whole-GPU engine (every option an option of the GPU kernels; the MXFP4 experts
@@ -30,7 +32,7 @@ use krasis_model::source::files::ModelFiles;
 use krasis_model::source::SafetensorsFile;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::fp4::{self, Fp4Kind};
-use krasis_tests::{check_against_reference, copy_fixture_with, fixture_next, load_quantized, load_reference};
+use krasis_tests::{check_against_reference, copy_fixture_with, fixture_next, load_quantized, load_reference, rel_l2};
 
 fn reference_path(name: &str) {
     let Some(dir) = fixture_next(name) else { return };
@@ -197,6 +199,37 @@ fn auto_keeps_the_stored_mxfp4_and_matches_the_oracle() {
     for line in check_against_reference(&format!("{MXFP4} (mxfp4 experts as stored)"), &loaded.model, &r) {
         eprintln!("{line}");
     }
+}
+
+/// A 128-token prefill of `gptoss-mxfp4-tiny` with the MXFP4 experts as stored, against the
+/// reference path: at rel ≤ 1e-4 on the integer kernels; on the BF16 prefill tiles (an AMX-BF16
+/// host, or `KRASIS_PREFILL_MATMUL=bf16-emulated`), which take the biases and the clamped SwiGLU
+/// as options of their w13 step, within the fixture's transformers-BF16 noise (`bf16.rel` of
+/// `quant_bounds.json`).
+#[test]
+fn long_prefill_on_the_mxfp4_kernels_or_the_bf16_tiles() {
+    let Some(dir) = fixture_next(MXFP4) else { return };
+    let r = load_reference(&dir);
+    let ids: Vec<u32> =
+        (0..128).map(|i| r.prompt_ids[i % r.prompt_ids.len()] ^ (i / r.prompt_ids.len()) as u32).collect();
+    let reference = Model::load(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let loaded = load_quantized(&dir, WeightBits::Auto, WeightBits::Bf16, tmp.path());
+    let logits = |m: &Model| {
+        let mut s = m.new_session();
+        m.forward(&mut s, &ids, krasis_model::cpu::Logits::All, None).unwrap()
+    };
+    let bf16_calls = krasis_cpu::prefill_bf16::calls();
+    let (want, got) = (logits(&reference), logits(&loaded.model));
+    let tile_calls = krasis_cpu::prefill_bf16::calls() - bf16_calls;
+    let rel = rel_l2(&got, &want);
+    let bounds: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("quant_bounds.json")).unwrap())
+            .unwrap();
+    let bf16_rel = bounds["fixtures"][MXFP4]["bf16"]["rel"].as_f64().expect("the fixture's bf16.rel");
+    let bar = if tile_calls > 0 { bf16_rel } else { 1e-4 };
+    eprintln!("{MXFP4}: 128-token prefill, mxfp4 experts vs the reference path: rel {rel:.3e} (BF16 tile calls {tile_calls}; bar {bar:.3e})");
+    assert!(rel <= bar, "rel {rel:.3e} over {bar:.3e} (BF16 tile calls {tile_calls})");
 }
 
 /// Opens and loads `dir` with `auto` experts (the FP4 expert cache) and BF16 dense weights,
