@@ -227,6 +227,39 @@ pub fn check_against_reference(name: &str, model: &krasis_model::cpu::Model, r: 
     report
 }
 
+/// A 128-token prefill of fixture `name` (in `dir`, a 4-bit-expert fixture of
+/// `../shared/fixtures-next`) with its experts at `auto` (kept as stored) and BF16 dense weights,
+/// against the reference path: rel ≤ 1e-4 on the integer expert kernels; on the BF16 prefill
+/// tiles (an AMX-BF16 host, or `KRASIS_PREFILL_MATMUL=bf16-emulated`), which round weights and
+/// activations to BF16, within the noise of transformers' own BF16 run of the fixture
+/// (`quant_bounds.json`'s `bf16.rel`). Prints and returns (rel, BF16 tile calls, bar).
+pub fn long_prefill_within_its_bar(dir: &Path, name: &str) -> (f64, usize, f64) {
+    use krasis_model::cpu::quantized::WeightBits;
+    use krasis_model::cpu::Model;
+    let r = load_reference(dir);
+    let ids: Vec<u32> =
+        (0..128).map(|i| r.prompt_ids[i % r.prompt_ids.len()] ^ (i / r.prompt_ids.len()) as u32).collect();
+    let reference = Model::load(dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let loaded = load_quantized(dir, WeightBits::Auto, WeightBits::Bf16, tmp.path());
+    let logits = |m: &Model| {
+        let mut s = m.new_session();
+        m.forward(&mut s, &ids, krasis_model::cpu::Logits::All, None).unwrap()
+    };
+    let bf16_calls = krasis_cpu::prefill_bf16::calls();
+    let (want, got) = (logits(&reference), logits(&loaded.model));
+    let tile_calls = krasis_cpu::prefill_bf16::calls() - bf16_calls;
+    let rel = rel_l2(&got, &want);
+    let bounds: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("quant_bounds.json")).unwrap())
+            .unwrap();
+    let bf16_rel = bounds["fixtures"][name]["bf16"]["rel"].as_f64().expect("the fixture's bf16.rel");
+    let bar = if tile_calls > 0 { bf16_rel } else { 1e-4 };
+    eprintln!("{name}: 128-token prefill, experts as stored vs the reference path: rel {rel:.3e} (BF16 tile calls {tile_calls}; bar {bar:.3e})");
+    assert!(rel <= bar, "{name}: rel {rel:.3e} over {bar:.3e} (BF16 tile calls {tile_calls})");
+    (rel, tile_calls, bar)
+}
+
 /// The model at `path` (a directory or a GGUF) with routed experts and dense weights at the given
 /// precisions (quantised experts from an expert cache in `cache`), on two worker threads.
 pub fn load_quantized(

@@ -32,8 +32,8 @@ use krasis_quant::fp4::{self, Fp4Kind};
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::Bits;
 use krasis_tests::{
-    check_against_reference, copy_fixture_with, fidelity, fixture_next, load_quantized, load_reference, quant_bound,
-    rel_l2,
+    check_against_reference, copy_fixture_with, fidelity, fixture_next, load_quantized, load_reference,
+    long_prefill_within_its_bar, quant_bound,
 };
 
 const NAME: &str = "qwen3moe-nvfp4-tiny";
@@ -155,27 +155,7 @@ fn nvfp4_experts_kept_as_stored_match_the_oracle() {
 #[test]
 fn long_prefill_on_the_fp4_kernels_or_the_bf16_tiles() {
     let Some(dir) = fixture_next(NAME) else { return };
-    let r = load_reference(&dir);
-    let ids: Vec<u32> =
-        (0..128).map(|i| r.prompt_ids[i % r.prompt_ids.len()] ^ (i / r.prompt_ids.len()) as u32).collect();
-    let reference = Model::load(&dir).unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let loaded = load_quantized(&dir, WeightBits::Auto, WeightBits::Bf16, tmp.path());
-    let logits = |m: &Model| {
-        let mut s = m.new_session();
-        m.forward(&mut s, &ids, krasis_model::cpu::Logits::All, None).unwrap()
-    };
-    let bf16_calls = krasis_cpu::prefill_bf16::calls();
-    let (want, got) = (logits(&reference), logits(&loaded.model));
-    let tile_calls = krasis_cpu::prefill_bf16::calls() - bf16_calls;
-    let rel = rel_l2(&got, &want);
-    let bounds: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("quant_bounds.json")).unwrap())
-            .unwrap();
-    let bf16_rel = bounds["fixtures"][NAME]["bf16"]["rel"].as_f64().expect("the fixture's bf16.rel");
-    let bar = if tile_calls > 0 { bf16_rel } else { 1e-4 };
-    eprintln!("{NAME}: 128-token prefill, nvfp4 experts vs the reference path: rel {rel:.3e} (BF16 tile calls {tile_calls}; bar {bar:.3e})");
-    assert!(rel <= bar, "rel {rel:.3e} over {bar:.3e} (BF16 tile calls {tile_calls})");
+    long_prefill_within_its_bar(&dir, NAME);
 }
 
 /// An explicit width 4 requantises every expert from its exact values (INT4 g64 here: the

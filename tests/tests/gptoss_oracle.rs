@@ -32,7 +32,10 @@ use krasis_model::source::files::ModelFiles;
 use krasis_model::source::SafetensorsFile;
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::fp4::{self, Fp4Kind};
-use krasis_tests::{check_against_reference, copy_fixture_with, fixture_next, load_quantized, load_reference, rel_l2};
+use krasis_tests::{
+    check_against_reference, copy_fixture_with, fixture_next, load_quantized, load_reference,
+    long_prefill_within_its_bar,
+};
 
 fn reference_path(name: &str) {
     let Some(dir) = fixture_next(name) else { return };
@@ -209,27 +212,7 @@ fn auto_keeps_the_stored_mxfp4_and_matches_the_oracle() {
 #[test]
 fn long_prefill_on_the_mxfp4_kernels_or_the_bf16_tiles() {
     let Some(dir) = fixture_next(MXFP4) else { return };
-    let r = load_reference(&dir);
-    let ids: Vec<u32> =
-        (0..128).map(|i| r.prompt_ids[i % r.prompt_ids.len()] ^ (i / r.prompt_ids.len()) as u32).collect();
-    let reference = Model::load(&dir).unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let loaded = load_quantized(&dir, WeightBits::Auto, WeightBits::Bf16, tmp.path());
-    let logits = |m: &Model| {
-        let mut s = m.new_session();
-        m.forward(&mut s, &ids, krasis_model::cpu::Logits::All, None).unwrap()
-    };
-    let bf16_calls = krasis_cpu::prefill_bf16::calls();
-    let (want, got) = (logits(&reference), logits(&loaded.model));
-    let tile_calls = krasis_cpu::prefill_bf16::calls() - bf16_calls;
-    let rel = rel_l2(&got, &want);
-    let bounds: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.parent().unwrap().join("quant_bounds.json")).unwrap())
-            .unwrap();
-    let bf16_rel = bounds["fixtures"][MXFP4]["bf16"]["rel"].as_f64().expect("the fixture's bf16.rel");
-    let bar = if tile_calls > 0 { bf16_rel } else { 1e-4 };
-    eprintln!("{MXFP4}: 128-token prefill, mxfp4 experts vs the reference path: rel {rel:.3e} (BF16 tile calls {tile_calls}; bar {bar:.3e})");
-    assert!(rel <= bar, "rel {rel:.3e} over {bar:.3e} (BF16 tile calls {tile_calls})");
+    long_prefill_within_its_bar(&dir, MXFP4);
 }
 
 /// Opens and loads `dir` with `auto` experts (the FP4 expert cache) and BF16 dense weights,
