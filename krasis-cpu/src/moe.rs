@@ -24,8 +24,8 @@ use crate::moe_trace::{DispatchSpan, TaskKind, TaskSpan, Trace, TraceSummary};
 use crate::pool::WorkerPool;
 use crate::prefill_bf16;
 use crate::quant::{
-    act_mul_w13, matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group, quantize_group_split,
-    silu_mul_w13, PackedLayout, QuantizedActs, ROW_BLOCK,
+    activate_w13, matmul_packed, matmul_packed_groups, prefetch_l2, quantize_acts, quantize_group,
+    quantize_group_split, PackedLayout, QuantizedActs, ROW_BLOCK,
 };
 use krasis_core::spec::ExpertActivation;
 use krasis_quant::group::MAX_GROUP_SIZE;
@@ -1178,7 +1178,6 @@ impl PoolExperts {
         // The BF16 tiles dequantise INT4/INT8 records, symmetric or asymmetric, and FP4 ones,
         // and take the activation and biases as options: K-quant layouts keep their integer
         // kernels.
-        let plain = bias13.is_none() && self.activation == ExpertActivation::Silu;
         let bf16_fits = (0..n)
             .all(|e| inter_of(e).is_multiple_of(32) && lay.of(e).0.has_bf16_panel() && lay.of(e).1.has_bf16_panel());
         if let Some(tiles) = prefill_bf16::applies(isa, per_expert, hidden).filter(|_| bf16_fits) {
@@ -1347,12 +1346,12 @@ impl PoolExperts {
                         let (h13, act) = tmp.split_at_mut(split * m * cols13);
                         matmul_packed(isa, w13, l13, a, 2 * p0..2 * p1, h13);
                         sum_split_rows(h13, m, cols13);
-                        if plain || e < lay.extra {
-                            silu_mul_w13(isa, &h13[..m * cols13], m, act);
-                        } else {
-                            let b = bias13.map(|b| b[e - lay.extra]);
-                            act_mul_w13(self.activation, b, p0, &h13[..m * cols13], m, act);
-                        }
+                        // Extra jobs (shared experts) are SiLU without biases.
+                        let (activation, bias) = match e.checked_sub(lay.extra) {
+                            Some(r) => (self.activation, bias13.map(|b| b[r])),
+                            None => (ExpertActivation::Silu, None),
+                        };
+                        activate_w13(isa, activation, bias, p0, &h13[..m * cols13], m, act);
                         for i in 0..m {
                             // SAFETY: this task owns columns [16·p0, 16·p1) of job e's mid rows.
                             unsafe { OutPtr(b.mid).write(i * inter + p0 * ROW_BLOCK, &act[i * cols..(i + 1) * cols]) };
@@ -1717,7 +1716,7 @@ pub(crate) mod tests {
             sum_split_rows(&mut h13, m, c13);
             let inter = c13 / 2;
             let mut mid = vec![f32::NAN; m * inter];
-            silu_mul_w13(isa, &h13[..m * c13], m, &mut mid);
+            crate::quant::silu_mul_w13(isa, &h13[..m * c13], m, &mut mid);
             quantize_acts_split(&mid, m, inter, ex.l2.gs, &mut tmp, &mut mid_acts);
             let c2 = ex.l2.row_blocks() * ROW_BLOCK;
             let mut y = vec![f32::NAN; split_factor() * m * c2];

@@ -38,9 +38,9 @@ use crate::moe::{block_runs, block_unit_starts, wait_ready, ExpertJob, FailOnUnw
 use crate::par::DisjointPtr;
 use crate::phase_ns::PhaseNs;
 use crate::pool::WorkerPool;
+use crate::quant::activate_w13;
 use crate::quant::amx::bf16::{tiled_index, TILE_K, TILE_ROWS};
 use crate::quant::bf16::{block_panel, panel_len, to_bf16, to_bf16_runs};
-use crate::quant::{act_mul_w13, silu_mul_w13};
 
 /// Smallest number of tokens per matrix (a dense call's tokens; an expert call's mean tokens per
 /// expert) that takes the BF16 tiles: each call dequantises every weight it reads once, which
@@ -614,11 +614,8 @@ fn run_experts_as(
                 // SAFETY: c holds pad(m) rows of cols13; xa is pad(m)·hidden, tiled, zero padding.
                 unsafe { matmul_blocks(tiles, w, l13, 2 * p0, 2 * p1, xa, m, s.c.as_mut_ptr(), cols13, &mut s.panel) };
                 s.act.grow(m * cols);
-                let (h13, out) = (&s.c[..m * cols13], &mut s.act[..m * cols]);
-                match act {
-                    ExpertAct { activation: ExpertActivation::Silu, bias13: None } => silu_mul_w13(isa, h13, m, out),
-                    ExpertAct { activation, bias13 } => act_mul_w13(activation, bias13.map(|b| b[e]), p0, h13, m, out),
-                }
+                let bias = act.bias13.map(|b| b[e]);
+                activate_w13(isa, act.activation, bias, p0, &s.c[..m * cols13], m, &mut s.act[..m * cols]);
                 for i in 0..mp {
                     for c in (0..cols).step_by(ROW_BLOCK) {
                         let at = tiled_index(i, p0 * ROW_BLOCK + c, ks2);

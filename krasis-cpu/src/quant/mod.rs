@@ -550,6 +550,25 @@ pub fn act_mul_w13(
     }
 }
 
+/// The experts' activation between w13 and w2 over block pairs `p0..` of `h13` (layouts as
+/// [`act_mul_w13`]'s): SiLU(gate)·up without biases on [`silu_mul_w13`]'s SIMD form, any other
+/// activation or biases on [`act_mul_w13`]. The one choice of both expert runners (the integer
+/// kernels' `moe::PoolExperts` and the BF16 tiles' `prefill_bf16`).
+pub fn activate_w13(
+    isa: Isa,
+    act: krasis_core::spec::ExpertActivation,
+    bias13: Option<&[f32]>,
+    p0: usize,
+    h13: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    match (act, bias13) {
+        (krasis_core::spec::ExpertActivation::Silu, None) => silu_mul_w13(isa, h13, m, out),
+        (act, bias13) => act_mul_w13(act, bias13, p0, h13, m, out),
+    }
+}
+
 /// [`silu_mul_w13`] 16 lanes (one row block) at a time: `g / (1 + e^−g) · u`.
 ///
 /// # Safety
