@@ -111,3 +111,90 @@ extern "C" __global__ void relayout_scales(const unsigned char* __restrict__ src
     }
     *(unsigned short*)(dst + (long long)blockIdx.y * dst_stride + 2LL * i) = v;
 }
+
+// f16 bits -> f32 (exact).
+__device__ __forceinline__ float relayout_f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// The smallest f16 >= t (t >= 0, finite), saturating at the largest finite f16 (0x7bff): round to
+// nearest, then one step up when that fell below t. Same as the host's int4_asym::f16_up.
+__device__ __forceinline__ unsigned short relayout_f16_up(float t) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(t));
+    if (h >= 0x7c00u) return 0x7bffu;
+    if (relayout_f16_to_f32(h) < t) h = h == 0x7bffu ? h : (unsigned short)(h + 1);
+    return h;
+}
+
+// Asymmetric INT4 g32 CPU records (cpu-rb16-int4a-g32-v1: header of 64 bytes a group, the 16 rows'
+// f16 scales d then their 16 f16 minimums m; codes 0..15 in INT4's chunk order) to the GPU tile
+// layout at INT8 g32, the GPU's form of them (krasis_quant::int4_asym::to_int8_g32, bit for bit):
+// per (row, group) w = fma(q, d, m) in f32, s = the smallest f16 >= amax / 127, codes
+// rint(w / s) clamped to +-127 and stored + 128. One thread per (GPU row, group), indexed as the
+// GPU scales [panel][group][g][t]; it writes its scale and the 8 whole words holding its group's
+// 32 codes (a word's 4 bytes are one row's k 2q, 2q + 1, 2q + 8, 2q + 9 of one k16 step). Rows
+// and groups past the matrix get code 128 (q = 0) and scale 0, as the host packer writes them.
+extern "C" __global__ void relayout_int4a_int8(const unsigned char* __restrict__ src, long long src_stride,
+                                               unsigned char* __restrict__ dst_codes,
+                                               unsigned char* __restrict__ dst_scales, long long dst_stride,
+                                               CpuPart p, int chunks, int groups, int count) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const unsigned char* s = src + (long long)blockIdx.y * src_stride;
+    const int t = i & 7, g = (i >> 3) & 7, rest = i >> 6;
+    const int grp = rest % groups, panel = rest / groups;
+    const int r = panel * 64 + 8 * t + g;
+    int j = 0;
+    const int rb = cpu_block_of(p, r, j);
+    float w[32];
+    float amax = 0.0f;
+    const bool present = rb >= 0 && grp < p.k / 32;
+    if (present) {
+        const unsigned char* blk = s + (long long)rb * p.block_bytes;
+        const unsigned char* h = blk + grp * 64 + 2 * j;
+        const float d = relayout_f16_to_f32((unsigned short)(h[0] | (h[1] << 8)));
+        const float m = relayout_f16_to_f32((unsigned short)(h[32] | (h[33] << 8)));
+        const unsigned char* c = blk + p.header_bytes + (long long)grp * p.group_weight_bytes;
+#pragma unroll
+        for (int kk = 0; kk < 32; ++kk) {
+            const int b8 = kk & 7;
+            const u32 byte = c[(kk >> 3) * 64 + 4 * j + (b8 & 3)];
+            w[kk] = fmaf((float)((byte >> (4 * (b8 >> 2))) & 0xfu), d, m);
+            amax = fmaxf(amax, fabsf(w[kk]));
+        }
+    }
+    unsigned short sh = 0;
+    float sf = 0.0f;
+    if (present && amax > 0.0f) {
+        sh = relayout_f16_up(__fdiv_rn(amax, 127.0f));
+        sf = relayout_f16_to_f32(sh);
+    }
+    unsigned char* dc = dst_codes + (long long)blockIdx.y * dst_stride;
+    const int tt = t, gg = g;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int k0 = grp * 32 + 16 * half;  // this k16 step's first k
+        const int chunk = k0 >> 6, ks = (k0 & 63) >> 4;
+        const long long blk_at = ((long long)panel * chunks + chunk) * 4096;
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+            u32 word = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int kk = 16 * half + 8 * (b >> 1) + 2 * qq + (b & 1);  // k within the group
+                u32 code = 128u;
+                if (sf > 0.0f) {
+                    const float v = fminf(fmaxf(rintf(__fdiv_rn(w[kk], sf)), -127.0f), 127.0f);
+                    code = (u32)((int)v + 128);
+                }
+                word |= code << (8 * b);
+            }
+            const int lane = 4 * gg + qq;
+            *(u32*)(dc + blk_at + 4LL * ((ks * 8 + tt) * 32 + lane)) = word;
+        }
+    }
+    *(unsigned short*)(dst_scales + (long long)blockIdx.y * dst_stride + 2LL * i) = sh;
+}

@@ -873,7 +873,8 @@ impl GpuExperts {
 
     /// Enqueues on `stream` the conversion of experts `experts` from CPU expert cache records at
     /// device address `src` (expert `experts.start`'s record; the others `cpu.stride` apart) into
-    /// these records-layout experts ([`crate::relayout`]). Returns the CPU bytes read.
+    /// these records-layout experts ([`crate::relayout`]; asymmetric INT4 g32 records into INT8 g32
+    /// ones, the GPU's form of them). Returns the CPU bytes read.
     ///
     /// # Safety
     /// `src` must hold those records on the device until the conversion is done (an event
@@ -894,8 +895,10 @@ impl GpuExperts {
         };
         check(OP, experts.start <= experts.end && experts.end <= n, || format!("{name}: experts {experts:?} of {n}"))?;
         check(OP, r.l2.fp4.is_none(), || format!("{name}: FP4 experts do not convert from CPU records"))?;
-        let fits = (cpu.w13.rows, cpu.w13.k, cpu.w13.gs, cpu.w13.bits) == (2 * i, h, r.l13.gs, r.l13.bits)
-            && (cpu.w2.rows, cpu.w2.k, cpu.w2.gs, cpu.w2.bits) == (h, i, r.l2.gs, r.l2.bits)
+        // A CPU part's codes become the GPU part's at its width, or (asymmetric INT4) INT8.
+        let width = |c: &krasis_quant::cpu_layout::PackedLayout| if c.asym { Bits::Int8 } else { c.bits };
+        let fits = (cpu.w13.rows, cpu.w13.k, cpu.w13.gs, width(&cpu.w13)) == (2 * i, h, r.l13.gs, r.l13.bits)
+            && (cpu.w2.rows, cpu.w2.k, cpu.w2.gs, width(&cpu.w2)) == (h, i, r.l2.gs, r.l2.bits)
             && cpu.w13.bytes() <= cpu.w2_offset
             && cpu.w2_offset + cpu.w2.bytes() <= cpu.stride;
         check(OP, fits, || format!("{name}: CPU records {cpu:?} do not hold these experts ({h} x {i}, {:?})", r.l2))?;

@@ -3,10 +3,16 @@
 //! copy of the experts the CPU uses and lay it out for the tensor-core tiles after the copy,
 //! instead of keeping a second copy in RAM. Same codes and scales; only the order changes. The
 //! result is byte for byte what the host packer writes (test `relayout`).
+//!
+//! Asymmetric INT4 g32 records (`cpu-rb16-int4a-g32-v1`, `--cpu-expert-bits 4a`) have no
+//! tensor-core kernel: they become the GPU's INT8 g32 (`relayout_int4a_int8`, each group
+//! requantised from its dequantised values exactly as `krasis_quant::int4_asym::to_int8_g32`
+//! does on the host), so those experts stream from their one copy too.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::gpu_layout::GpuLayout;
+use krasis_quant::int4_asym::ASYM_GROUP;
 
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{GpuDevice, GpuError};
@@ -16,7 +22,7 @@ pub const RELAYOUT: KernelSource = KernelSource {
     src: include_str!("../kernels/relayout.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["relayout_codes", "relayout_scales"],
+    functions: &["relayout_codes", "relayout_scales", "relayout_int4a_int8"],
 };
 
 /// Threads per block of both kernels.
@@ -99,16 +105,33 @@ pub(crate) unsafe fn convert_part(
     };
     let (ss, ds) = (src_stride as i64, dst_stride as i64);
     let y = u32::try_from(experts).map_err(|_| GpuError::shape(OP, format!("{experts} experts")))?;
-    let words = to_i32("words", g.weight_bytes() / 4)?;
     let chunks = to_i32("chunks", g.chunks())?;
-    let f = dev.function(&RELAYOUT, "relayout_codes")?;
-    let mut b = stream.launch_builder(&f);
-    b.arg(&job.src).arg(&ss).arg(&job.codes).arg(&ds).arg(&part).arg(&chunks).arg(&words);
     let cfg = |n: i32| LaunchConfig {
         grid_dim: ((n as u32).div_ceil(THREADS), y, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    if c.asym {
+        // 4a → INT8 g32: one thread per GPU scale (row, group) writes it and its group's codes.
+        let ok = g.bits == krasis_quant::Bits::Int8 && g.gs == ASYM_GROUP && c.gs == ASYM_GROUP && g.fp4.is_none();
+        if !ok {
+            return Err(GpuError::shape(OP, format!("asymmetric INT4 records convert to INT8 g32 only, not {g:?}")));
+        }
+        let count = to_i32("scales", g.scale_count())?;
+        let groups = to_i32("groups", g.groups())?;
+        let f = dev.function(&RELAYOUT, "relayout_int4a_int8")?;
+        let mut b = stream.launch_builder(&f);
+        b.arg(&job.src).arg(&ss).arg(&job.codes).arg(&job.scales).arg(&ds).arg(&part).arg(&chunks).arg(&groups);
+        b.arg(&count);
+        // SAFETY: the caller's contract; the kernel reads inside each CPU part and writes the
+        // codes and `count` scales of each expert.
+        unsafe { b.launch(cfg(count)) }.map_err(crate::kernels::launch_err(OP))?;
+        return Ok(());
+    }
+    let words = to_i32("words", g.weight_bytes() / 4)?;
+    let f = dev.function(&RELAYOUT, "relayout_codes")?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&job.src).arg(&ss).arg(&job.codes).arg(&ds).arg(&part).arg(&chunks).arg(&words);
     // SAFETY: the caller's contract; the kernel reads inside each CPU part and writes `words`
     // words of each expert's codes.
     unsafe { b.launch(cfg(words)) }.map_err(crate::kernels::launch_err(OP))?;

@@ -1,7 +1,8 @@
 //! Experts converted on the device from CPU expert cache records (`cpu-rb16-v1`) to GPU records
 //! (`gpu-tile64-v1`) must be byte for byte what the host packer writes, on ragged shapes (K and
 //! rows not multiples of the 64-element chunks and panels, padded groups), INT4 and INT8, group
-//! sizes 32 / 64 / 128, in runs of experts (a first expert alone, then the rest).
+//! sizes 32 / 64 / 128, in runs of experts (a first expert alone, then the rest); asymmetric INT4
+//! g32 records (`4a`) become the GPU's INT8 g32 records of `int4_asym::to_int8_g32`.
 //!
 //! Without a GPU the test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails instead.
 
@@ -88,5 +89,83 @@ fn cpu_records_convert_to_the_gpu_layout_on_the_device() {
     let bad = CpuRecordGeometry { w13: l, w2: l, w2_offset: 4096, stride: 8192 };
     // SAFETY: refused before any launch.
     let e = unsafe { ge.convert_cpu_records_async(d, d.stream(), 0..1, 0, &bad) }.unwrap_err();
+    assert!(e.to_string().contains("do not hold"), "{e}");
+}
+
+/// Asymmetric INT4 g32 CPU records (`--cpu-expert-bits 4a`) convert on the device to the INT8 g32
+/// GPU records of their host requantisation (`int4_asym::to_int8_g32`) byte for byte: ragged
+/// shapes, a zero group, tiny and large magnitudes (subnormal f16 scales), runs of experts.
+#[test]
+fn int4a_records_convert_to_int8_on_the_device() {
+    let Some(d) = gpu("int4a_records_convert_to_int8_on_the_device") else { return };
+    use krasis_quant::int4_asym::{self, AsymMatrix};
+    let mut r = rng(78);
+    // (hidden, inter, experts, amplitude)
+    for (h, i, n, amp) in [(128, 96, 3, 1.0f32), (96, 160, 2, 1e-5), (64, 32, 4, 300.0), (320, 64, 2, 0.02)] {
+        let q = |r: &mut _, rows: usize, k: usize, zero: bool| -> AsymMatrix {
+            let mut w = rand_f32(r, rows * k, amp);
+            if zero {
+                w[..32].fill(0.0);
+            }
+            int4_asym::quantize(&w, rows, k).unwrap()
+        };
+        let experts: Vec<[AsymMatrix; 3]> =
+            (0..n).map(|e| [q(&mut r, i, h, e == 0), q(&mut r, i, h, false), q(&mut r, h, i, e == 1)]).collect();
+        let (l13, l2) = (PackedLayout::new_int4_asym(2 * i, h).unwrap(), PackedLayout::new_int4_asym(h, i).unwrap());
+        let cpu_w2 = round_up(l13.bytes(), 64);
+        let cpu_stride = round_up(cpu_w2 + l2.bytes(), 4096);
+        let mut host = vec![0u8; n * cpu_stride];
+        for (e, [g, u, dn]) in experts.iter().enumerate() {
+            let (w13, _) = int4_asym::pack_w13(g, u).unwrap();
+            host[e * cpu_stride..][..w13.len()].copy_from_slice(&w13);
+            let w2 = int4_asym::pack(dn);
+            host[e * cpu_stride + cpu_w2..][..w2.len()].copy_from_slice(&w2);
+        }
+        let src = up(d, &host, "4a records");
+        let cpu = CpuRecordGeometry { w13: l13, w2: l2, w2_offset: cpu_w2, stride: cpu_stride };
+        let probe = GpuExperts::new_quantized(d, "probe", 1, h, i, Bits::Int8, 32, 32).unwrap();
+        let layout = probe.quant_layout().unwrap();
+        let (p13, p2) = layout.record_parts();
+        let gw2 = round_up(p13, 64);
+        let gstride = round_up(gw2 + p2, 4096);
+        let mut want = vec![0u8; n * gstride];
+        for (e, [g, u, dn]) in experts.iter().enumerate() {
+            let [g8, u8, d8] = [g, u, dn].map(int4_asym::to_int8_g32);
+            let rec = layout.pack(e, &g8, &u8, &d8).unwrap().to_record();
+            want[e * gstride..][..p13].copy_from_slice(&rec[..p13]);
+            want[e * gstride + gw2..][..p2].copy_from_slice(&rec[p13..]);
+        }
+        let mut ge = GpuExperts::new_records(d, "converted", n, h, i, Bits::Int8, (32, 32), (gstride, gw2)).unwrap();
+        let base = {
+            use krasis_gpu::cudarc::driver::DevicePtr;
+            src.device_ptr(d.stream()).0
+        };
+        for run in [0..1, 1..n] {
+            let at = base + (run.start * cpu_stride) as u64;
+            // SAFETY: `src` holds the records and lives past the synchronisation below.
+            unsafe { ge.convert_cpu_records_async(d, d.stream(), run, at, &cpu) }.unwrap();
+        }
+        d.stream().synchronize().unwrap();
+        let got = ge.download_records(d).unwrap().unwrap();
+        let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(
+            first_bad.is_none(),
+            "4a {h}x{i} amp {amp}: byte {} of {} differs (expert {}, offset {}): {} vs {}",
+            first_bad.unwrap(),
+            got.len(),
+            first_bad.unwrap() / gstride,
+            first_bad.unwrap() % gstride,
+            got[first_bad.unwrap()],
+            want[first_bad.unwrap()]
+        );
+        eprintln!("relayout 4a -> int8 g32 {h}x{i} amp {amp}, {n} experts: {} bytes equal the host's", got.len());
+    }
+    // 4a records into INT4 experts are refused, naming the widths.
+    let l = PackedLayout::new_int4_asym(64, 64).unwrap();
+    let l2 = PackedLayout::new_int4_asym(64, 32).unwrap();
+    let cpu = CpuRecordGeometry { w13: l, w2: l2, w2_offset: 8192, stride: 16384 };
+    let mut ge = GpuExperts::new_records(d, "int4", 1, 64, 32, Bits::Int4, (32, 32), (16384, 8192)).unwrap();
+    // SAFETY: refused before any launch.
+    let e = unsafe { ge.convert_cpu_records_async(d, d.stream(), 0..1, 0, &cpu) }.unwrap_err();
     assert!(e.to_string().contains("do not hold"), "{e}");
 }

@@ -289,6 +289,39 @@ pub fn unpack_w13(src: &[u8], l: &PackedLayout) -> Result<(AsymMatrix, AsymMatri
     Ok((unpack(&g, &half)?, unpack(&u, &half)?))
 }
 
+/// Largest magnitude of an INT8 code of [`to_int8_g32`] (symmetric, as `crate::group`'s INT8).
+const INT8_QMAX: f32 = 127.0;
+
+/// The GPU's form of asymmetric INT4 ("4a" has no tensor-core kernel): each group of 32
+/// requantised to symmetric INT8 with one f16 scale, the same group boundaries. Per (row, group):
+/// `w = fma(q, d, m)` in f32 (the dequantised weight, as the BF16 prefill tiles compute it),
+/// `s` = the smallest f16 ≥ `amax / 127` (f32 division; 0 for an all-zero group), `q8 =
+/// round_half_even(w / s)` (f32 division) clamped to ±127. The device conversion
+/// (`krasis-gpu/kernels/relayout.cu`, `relayout_int4a_int8`) computes exactly this, so its records
+/// equal the host packer's of this matrix byte for byte. Each weight moves by at most `s / 2`,
+/// ≈ `amax / 254`: an 8-bit rounding of the 4-bit grid, not a second 4-bit one.
+pub fn to_int8_g32(m: &AsymMatrix) -> crate::QuantizedMatrix {
+    let ng = m.groups();
+    let mut q = vec![0i8; m.rows * m.k];
+    let mut scales = vec![f16::ZERO; m.rows * ng];
+    for (bi, b) in m.blocks.iter().enumerate() {
+        let (d, mn) = (b.scale().to_f32(), b.min().to_f32());
+        let w: [f32; ASYM_GROUP] = std::array::from_fn(|i| (b.code(i) as f32).mul_add(d, mn));
+        let amax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        if amax == 0.0 || !amax.is_finite() {
+            continue;
+        }
+        let s = f16_up((amax / INT8_QMAX) as f64);
+        scales[bi] = s;
+        let sf = s.to_f32();
+        let (r, g) = (bi / ng, bi % ng);
+        for (i, &v) in w.iter().enumerate() {
+            q[r * m.k + g * ASYM_GROUP + i] = (v / sf).round_ties_even().clamp(-INT8_QMAX, INT8_QMAX) as i8;
+        }
+    }
+    crate::QuantizedMatrix { rows: m.rows, k: m.k, gs: ASYM_GROUP, bits: crate::Bits::Int8, q, scales }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,6 +403,51 @@ mod tests {
                 let (g2, u2) = unpack_w13(&p13, &l13).unwrap();
                 prop_assert_eq!(g2, m);
                 prop_assert_eq!(u2, u);
+            }
+        }
+
+        /// The GPU's INT8 g32 form of a 4a matrix: every weight within half its step of the
+        /// dequantised value, the step the smallest f16 ≥ amax / 127, codes within ±127, all-zero
+        /// groups scale 0.
+        #[test]
+        fn int8_form_within_half_an_int8_step(
+            rows in prop::sample::select(vec![1usize, 3, 17]),
+            k in prop::sample::select(vec![32usize, 96, 576]),
+            amp in prop::sample::select(vec![1e-6f32, 1e-3, 1.0, 300.0]),
+            zero_group in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let mut w = test_data(rows * k, seed, amp);
+            if zero_group {
+                w[..ASYM_GROUP].fill(0.0);
+            }
+            let m = quantize(&w, rows, k).unwrap();
+            let q8 = to_int8_g32(&m);
+            prop_assert_eq!((q8.rows, q8.k, q8.gs, q8.bits), (rows, k, ASYM_GROUP, crate::Bits::Int8));
+            let ng = m.groups();
+            for r in 0..rows {
+                for g in 0..ng {
+                    let b = m.block(r, g);
+                    let (d, mn) = (b.scale().to_f32(), b.min().to_f32());
+                    let deq: Vec<f32> = (0..ASYM_GROUP).map(|i| (b.code(i) as f32).mul_add(d, mn)).collect();
+                    let amax = deq.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    let s = q8.scale(r, g);
+                    if amax == 0.0 {
+                        prop_assert_eq!(s, 0.0);
+                    } else {
+                        // The smallest f16 at or above amax / 127.
+                        let t = amax / 127.0;
+                        prop_assert!(s >= t, "scale {s} below {t}");
+                        let below = f16::from_bits(f16::from_f32(s).to_bits() - 1).to_f32();
+                        prop_assert!(below < t, "scale {s} is not the smallest f16 ≥ {t}");
+                    }
+                    for (i, &v) in deq.iter().enumerate() {
+                        let c = q8.q[r * k + g * ASYM_GROUP + i];
+                        prop_assert!((-127..=127).contains(&c));
+                        let err = (v as f64 - c as f64 * s as f64).abs();
+                        prop_assert!(err <= 0.5 * s as f64 * (1.0 + 1e-6), "row {r} group {g}: {v} vs {c}·{s}");
+                    }
+                }
             }
         }
     }

@@ -344,6 +344,55 @@ fn streamed_prefill_experts_equal_resident_ones() {
     }
 }
 
+/// `--cpu-expert-bits 4a` on the hybrid: prefill streams the CPU expert cache's own asymmetric
+/// records (one copy in RAM: the GPU expert cache is off here, so nothing else could serve),
+/// requantised on the device to INT8 g32 (`krasis_gpu::relayout`), while decode runs the `4a`
+/// records on the CPU. The streamed prefill agrees with the same hybrid's prefill on the CPU's `4a`
+/// experts within rel 1e-2 and top-1 ≥ 0.9 (an 8-bit rounding of the 4-bit grid, and the devices'
+/// f32 orders; a misplaced code or scale misses by far more), and with the oracle within the
+/// hybrid rule at INT4's bounds, on every fixture.
+fn check_int4a_streamed(name: &str) {
+    let Some(GpuFixture { root, dir, reference: r, vocab }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = cpu_experts(WeightBits::Int4Asym, tmp.path());
+    let gpu = GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int8),
+        expert_cache: GpuExpertCache::Off,
+        stream_min_tokens: 2,
+        stream_split: StreamSplit::Share(1.0),
+        ..GpuOptions::default()
+    };
+    let hybrid = GpuModel::load_hybrid(&dir, &gpu, &cpu).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    assert!(hybrid.log.iter().any(|l| l.contains("from the CPU expert cache")), "{name}: {:?}", hybrid.log);
+    let plain = GpuOptions { kv_tokens: Some(TEST_KV_TOKENS), ..GpuOptions::default() };
+    let on_cpu = GpuModel::load_hybrid(&dir, &plain, &cpu).unwrap();
+    let p = &r.prompt_ids;
+    let mut s = hybrid.new_session().unwrap();
+    let streamed = hybrid.forward_logits(&mut s, p, true).unwrap();
+    assert_eq!(s.handoff_stats().calls, 0, "{name}: a streamed prefill hands nothing to the CPU");
+    let mut s2 = on_cpu.new_session().unwrap();
+    let want = on_cpu.forward_logits(&mut s2, p, true).unwrap();
+    let rel = krasis_tests::rel_l2(&streamed, &want);
+    let f = fidelity(&streamed, &want, vocab);
+    eprintln!("{name} 4a streamed as int8 g32 vs 4a on the CPU: rel {rel:.3e}, top-1 {:.3}", f.top1);
+    assert!(rel <= 1e-2 && f.top1 >= 0.9, "{name}: rel {rel:.3e}, top-1 {:.3}", f.top1);
+    let o = fidelity(&streamed, &r.prefill_logits, vocab);
+    let (ideal, bf16) = (quant_bound(&root, name, "int4"), quant_bound(&root, name, "bf16"));
+    let bar = 2.0 * (1.0 - ideal.mean_cos) + 3.0 * (1.0 - bf16.mean_cos) + 1e-4;
+    assert!(1.0 - o.mean_cos <= bar, "{name}: 1 - mean cos {:.3e} vs the oracle, bar {bar:.3e}", 1.0 - o.mean_cos);
+    // A decode step after it runs the CPU's 4a experts (one hand-off per MoE layer).
+    hybrid.forward_logits(&mut s, &[p[0]], false).unwrap();
+    assert_eq!(s.handoff_stats().calls, hybrid.spec.moe_layers().count() as u64);
+}
+
+#[test]
+fn int4a_prefill_streams_its_one_copy_as_int8() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_int4a_streamed(name);
+    }
+}
+
 /// Streaming from the CPU expert cache (the default) needs the CPU experts at the GPU's width:
 /// INT8 CPU experts with INT4 GPU experts stream the GPU expert cache instead, and say so, with
 /// the same logits as the resident INT4 experts.

@@ -291,16 +291,18 @@ pub fn default_gpu_expert_bits(spec: &ModelSpec) -> Bits {
 /// ([`ggml_kept`]), INT8, which the GPU cache requantises them to: a prompt's experts then stay
 /// within INT8's rounding of the blocks the CPU decodes with (INT4 g128 of a trained model's
 /// Q4_K_M cost 2× its perplexity, docs/BENCHMARKS.md), as the streamed INT8 records of Q5_0 / Q6_K
-/// did before the blocks were kept. `None` with the reference CPU experts (nothing to stream
-/// from).
+/// did before the blocks were kept; for asymmetric INT4 g32 (`4a`), INT8 g32, the form the device
+/// requantises its records to after each copy (`krasis_gpu::relayout`). `None` with the reference
+/// CPU experts (nothing to stream from).
 pub fn default_stream_bits(spec: &ModelSpec, cpu: WeightBits) -> Option<Bits> {
     if cpu == WeightBits::Auto && ggml_kept(spec).is_some() {
         return Some(Bits::Int8);
     }
     match cpu {
         WeightBits::Int4 => Some(Bits::Int4),
-        // The asymmetric records have no GPU form: the streamer refuses them, naming the format.
-        WeightBits::Int4Asym => Some(Bits::Int4),
+        // The asymmetric records' GPU form: INT8 g32, requantised on the device after each copy
+        // (`krasis_gpu::relayout`), so they stream from their one copy.
+        WeightBits::Int4Asym => Some(Bits::Int8),
         WeightBits::Int8 => Some(Bits::Int8),
         WeightBits::Auto => Some(default_gpu_expert_bits(spec)),
         WeightBits::Bf16 => None,
@@ -484,6 +486,8 @@ mod tests {
         // The hybrid streams kept blocks' GPU cache at INT8 by default; explicit widths stream as themselves.
         assert_eq!(default_stream_bits(&spec, WeightBits::Auto), Some(Bits::Int8));
         assert_eq!(default_stream_bits(&spec, WeightBits::Int4), Some(Bits::Int4));
+        assert_eq!(default_stream_bits(&spec, WeightBits::Int4Asym), Some(Bits::Int8), "4a streams as INT8 g32");
+        assert_eq!(default_stream_bits(&spec, WeightBits::Bf16), None);
         set(&mut spec, [[Q4K, Q4K, Q6K], [Q4K, Q4K, Q4_0], [Q4K, Q4K, Q4K]]);
         assert!(ggml_kept(&spec).is_none(), "Q4_0 is not kept");
         assert_eq!(default_stream_bits(&spec, WeightBits::Auto), Some(Bits::Int4), "a mixed GGUF not kept: INT4");
