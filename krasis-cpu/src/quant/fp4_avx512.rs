@@ -11,9 +11,10 @@
 //! all groups ([`block_rows`] at M = 1, [`block_m2`] at M = 2, whose one chain per row starts at
 //! the bias correction); NVFP4's groups of 16 are too short to reload and store them per group,
 //! as the general tiles do.
-//! More activation rows go in tiles of up to 8 per group (the group's weights, ≤ 2 KiB, stay in L1
-//! between tiles), accumulating straight into `out`. There is no AMX form: FP4 layouts never
-//! take the AMX kernel (see [`super::matmul_packed`]).
+//! More activation rows go in tiles of up to 8, each over all the groups with its outputs in
+//! registers ([`block_rows`] at R ≤ 8; the row block's bytes stay in cache for the next tile),
+//! where the first form loaded and stored every row's outputs around every group. There is no AMX
+//! form: FP4 layouts never take the AMX kernel (see [`super::matmul_packed`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -96,40 +97,41 @@ unsafe fn run<const HINT: i32>(
         }
         let f = _mm512_loadu_ps(blk as *const f32);
         if acts.m == 1 {
-            block_rows::<HINT, 1>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv, f);
+            block_rows::<HINT, 1>(blk, l, acts, 0, y, ncols, groups.clone(), pfd, lut, nv, f);
             continue;
         }
         if acts.m == 2 {
             block_m2::<HINT>(blk, l, acts, y, ncols, groups.clone(), pfd, lut, nv, f);
             continue;
         }
-        for g in groups.clone() {
-            let sf = scales_times_factors(blk, l, g, nv, f);
-            let mut i = 0;
-            let mut pfd_g = pfd;
-            while i < acts.m {
-                let left = acts.m - i;
-                i += if left >= 8 {
-                    group_tile::<HINT, 8>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
-                } else if left >= 4 {
-                    group_tile::<HINT, 4>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
-                } else if left >= 2 {
-                    group_tile::<HINT, 2>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
-                } else {
-                    group_tile::<HINT, 1>(blk, l, acts, g, i, y, ncols, pfd_g, lut, sf)
-                };
-                pfd_g = 0; // the first tile brought the group in; later ones hit L1
-            }
+        // Tiles of up to 8 activation rows, each over every group with its outputs in
+        // registers; the first tile brings the row block in, later ones read it from cache.
+        let mut i = 0;
+        let mut pfd_t = pfd;
+        while i < acts.m {
+            let left = acts.m - i;
+            let gr = groups.clone();
+            i += if left >= 8 {
+                block_rows::<HINT, 8>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+            } else if left >= 4 {
+                block_rows::<HINT, 4>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+            } else if left >= 2 {
+                block_rows::<HINT, 2>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+            } else {
+                block_rows::<HINT, 1>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+            };
+            pfd_t = 0;
         }
     }
 }
 
-/// One row block at M = `R` (run at M = 1; M = 2, a decode token as value + residual rows, takes
-/// [`block_m2`]), groups `groups` in K order: the rows' 16 outputs stay in registers
+/// Activation rows `i0 .. i0 + R` of one row block (M = 1; the tiles of up to 8 rows at M > 2;
+/// M = 2, a decode token as value + residual rows, takes [`block_m2`]), groups `groups` in K
+/// order: the rows' 16 outputs stay in registers
 /// (continuing what `y` holds, or from zero when `groups` starts at 0), so each group reads its
 /// weights and decodes its scales once for all rows and touches no output memory. Two chains per
 /// row (low / high nibble) keep the `vpdpbusd` latency hidden: with one row, one chain waits on
-/// its latency (measured 17 % slower on one Zen 4 core).
+/// its latency (measured 17 % slower on one Zen 4 core). Returns `R`.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
@@ -137,6 +139,7 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
     blk: *const u8,
     l: &PackedLayout,
     acts: &QuantizedActs,
+    i0: usize,
     y: *mut f32,
     ncols: usize,
     groups: Range<usize>,
@@ -144,25 +147,27 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
     lut: __m512i,
     nv: bool,
     f: __m512,
-) {
+) -> usize {
     let (gs, k, ng) = (l.gs, l.k, l.groups());
     let off = l.offset();
     let fresh = groups.start == 0;
     let mut yv: [__m512; R] =
-        std::array::from_fn(|i| if fresh { _mm512_setzero_ps() } else { _mm512_loadu_ps(y.add(i * ncols)) });
+        std::array::from_fn(|i| if fresh { _mm512_setzero_ps() } else { _mm512_loadu_ps(y.add((i0 + i) * ncols)) });
     for g in groups {
-        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add(i * k + g * gs));
+        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add((i0 + i) * k + g * gs));
         let a = group_sums::<HINT, R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
         let sf = scales_times_factors(blk, l, g, nv, f);
         for (i, acc) in a.iter().enumerate() {
-            let corr = _mm512_set1_epi32(off * acts.sums[i * ng + g]);
+            let r = i0 + i;
+            let corr = _mm512_set1_epi32(off * acts.sums[r * ng + g]);
             let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(acc[0], acc[1]), corr));
-            yv[i] = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), yv[i]);
+            yv[i] = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[r * ng + g])), yv[i]);
         }
     }
     for (i, v) in yv.iter().enumerate() {
-        _mm512_storeu_ps(y.add(i * ncols), *v);
+        _mm512_storeu_ps(y.add((i0 + i) * ncols), *v);
     }
+    R
 }
 
 /// [`block_rows`] at M = 2 (a decode token's value and residual rows), with one `vpdpbusd` chain
@@ -265,36 +270,4 @@ unsafe fn group_sums<const HINT: i32, const T: usize>(
         }
     }
     a
-}
-
-/// Group `g` of one row block for activation rows `i0 .. i0 + T`: accumulates into `out`.
-/// Returns `T`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn group_tile<const HINT: i32, const T: usize>(
-    blk: *const u8,
-    l: &PackedLayout,
-    acts: &QuantizedActs,
-    g: usize,
-    i0: usize,
-    y: *mut f32,
-    ncols: usize,
-    pfd: usize,
-    lut: __m512i,
-    sf: __m512,
-) -> usize {
-    let (k, gs, ng) = (l.k, l.gs, l.groups());
-    let xq: [*const i8; T] = std::array::from_fn(|t| acts.q.as_ptr().add((i0 + t) * k + g * gs));
-    let a = group_sums::<HINT, T>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
-    let off = l.offset();
-    for (t, [lo, hi]) in a.into_iter().enumerate() {
-        let i = i0 + t;
-        let acc = _mm512_add_epi32(lo, hi);
-        let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(off * acts.sums[i * ng + g])));
-        let yp = y.add(i * ncols);
-        let yv = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[i * ng + g])), _mm512_loadu_ps(yp));
-        _mm512_storeu_ps(yp, yv);
-    }
-    T
 }
