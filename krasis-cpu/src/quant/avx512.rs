@@ -260,7 +260,7 @@ unsafe fn block_m2<const INT4: bool, const HINT: i32>(
 /// Activation rows `i0 .. i0 + T` of one row block over groups `groups` in K order, their
 /// outputs in registers throughout (continuing what `y` holds): the same operations in the same
 /// order as the scalar twin. Returns `T`.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_tile<const INT4: bool, const HINT: i32, const T: usize>(

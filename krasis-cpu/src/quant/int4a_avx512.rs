@@ -209,7 +209,7 @@ unsafe fn block_m2<const HINT: i32>(
 /// one Zen 4 core, cache-resident, w13 at M = 8 went 18.6 → 20.2 GiB/s, and a 64-token CPU
 /// prefill of V2-Lite's shapes with `4a` experts 406–425 → 579–592 tok/s, its experts 0.112–0.119
 /// → 0.068–0.071 s.)
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_tile<const HINT: i32, const T: usize>(
