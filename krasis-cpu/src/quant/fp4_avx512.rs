@@ -112,13 +112,13 @@ unsafe fn run<const HINT: i32>(
             let left = acts.m - i;
             let gr = groups.clone();
             i += if left >= 8 {
-                block_rows::<HINT, 8>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+                rows_tile::<HINT, 8>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
             } else if left >= 4 {
-                block_rows::<HINT, 4>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+                rows_tile::<HINT, 4>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
             } else if left >= 2 {
-                block_rows::<HINT, 2>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+                rows_tile::<HINT, 2>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
             } else {
-                block_rows::<HINT, 1>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
+                rows_tile::<HINT, 1>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv, f)
             };
             pfd_t = 0;
         }
@@ -151,23 +151,53 @@ unsafe fn block_rows<const HINT: i32, const R: usize>(
     let (gs, k, ng) = (l.gs, l.k, l.groups());
     let off = l.offset();
     let fresh = groups.start == 0;
+    debug_assert!(i0 + R <= acts.m);
+    // Row i0's activations, sums, scales and outputs (rows i0 .. i0 + R are inside `acts`).
+    let (q, sums, scales, y) = (
+        acts.q.as_ptr().add(i0 * k),
+        acts.sums.as_ptr().add(i0 * ng),
+        acts.scales.as_ptr().add(i0 * ng),
+        y.add(i0 * ncols),
+    );
     let mut yv: [__m512; R] =
-        std::array::from_fn(|i| if fresh { _mm512_setzero_ps() } else { _mm512_loadu_ps(y.add((i0 + i) * ncols)) });
+        std::array::from_fn(|i| if fresh { _mm512_setzero_ps() } else { _mm512_loadu_ps(y.add(i * ncols)) });
     for g in groups {
-        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add((i0 + i) * k + g * gs));
+        let xq: [*const i8; R] = std::array::from_fn(|i| q.add(i * k + g * gs));
         let a = group_sums::<HINT, R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
         let sf = scales_times_factors(blk, l, g, nv, f);
         for (i, acc) in a.iter().enumerate() {
-            let r = i0 + i;
-            let corr = _mm512_set1_epi32(off * acts.sums[r * ng + g]);
+            let corr = _mm512_set1_epi32(off * *sums.add(i * ng + g));
             let d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(acc[0], acc[1]), corr));
-            yv[i] = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(acts.scales[r * ng + g])), yv[i]);
+            yv[i] = _mm512_fmadd_ps(d, _mm512_mul_ps(sf, _mm512_set1_ps(*scales.add(i * ng + g))), yv[i]);
         }
     }
     for (i, v) in yv.iter().enumerate() {
-        _mm512_storeu_ps(y.add((i0 + i) * ncols), *v);
+        _mm512_storeu_ps(y.add(i * ncols), *v);
     }
     R
+}
+
+/// [`block_rows`] for the tiles of M > 2, kept out of line: inlined beside the M = 1 and M = 2
+/// loops in [`run`], its four instantiations cost those loops 6–15 % (one Zen 4 core, hot;
+/// alternated with 5cda964 since: NVFP4 M = 1 / 2 within 1–2 %, M = 8 10.1 → 17.1 GiB/s; MXFP4
+/// M = 8 14.0–14.9 → 20.3–21.8).
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_tile<const HINT: i32, const R: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    groups: Range<usize>,
+    pfd: usize,
+    lut: __m512i,
+    nv: bool,
+    f: __m512,
+) -> usize {
+    block_rows::<HINT, R>(blk, l, acts, i0, y, ncols, groups, pfd, lut, nv, f)
 }
 
 /// [`block_rows`] at M = 2 (a decode token's value and residual rows), with one `vpdpbusd` chain
