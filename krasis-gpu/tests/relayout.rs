@@ -19,6 +19,68 @@ fn round_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
+/// One layer's experts as the CPU expert cache lays them out (`records`: each expert's packed w13
+/// and w2 at the cache's alignments) converted on the device in two runs (the first expert, then
+/// the rest) into GPU records of `bits` at groups `gs`, which must equal what the host packer
+/// writes for `want` (each expert's gate, up and down at that width) byte for byte.
+#[allow(clippy::too_many_arguments)]
+fn check_conversion(
+    d: &krasis_gpu::GpuDevice,
+    what: &str,
+    (h, i): (usize, usize),
+    (l13, l2): (PackedLayout, PackedLayout),
+    records: &[(Vec<u8>, Vec<u8>)],
+    bits: Bits,
+    gs: (usize, usize),
+    want: &[[QuantizedMatrix; 3]],
+) {
+    let n = records.len();
+    let cpu_w2 = round_up(l13.bytes(), 64);
+    let cpu_stride = round_up(cpu_w2 + l2.bytes(), 4096);
+    let mut host = vec![0u8; n * cpu_stride];
+    for (e, (w13, w2)) in records.iter().enumerate() {
+        host[e * cpu_stride..][..w13.len()].copy_from_slice(w13);
+        host[e * cpu_stride + cpu_w2..][..w2.len()].copy_from_slice(w2);
+    }
+    let src = up(d, &host, "cpu records");
+    let cpu = CpuRecordGeometry { w13: l13, w2: l2, w2_offset: cpu_w2, stride: cpu_stride };
+    // GPU records (the GPU expert cache's geometry), and what the host packer writes there.
+    let probe = GpuExperts::new_quantized(d, "probe", 1, h, i, bits, gs.0, gs.1).unwrap();
+    let layout = probe.quant_layout().unwrap();
+    let (p13, p2) = layout.record_parts();
+    let gw2 = round_up(p13, 64);
+    let gstride = round_up(gw2 + p2, 4096);
+    let mut expect = vec![0u8; n * gstride];
+    for (e, [g, u, dn]) in want.iter().enumerate() {
+        let rec = layout.pack(e, g, u, dn).unwrap().to_record();
+        expect[e * gstride..][..p13].copy_from_slice(&rec[..p13]);
+        expect[e * gstride + gw2..][..p2].copy_from_slice(&rec[p13..]);
+    }
+    let mut ge = GpuExperts::new_records(d, "converted", n, h, i, bits, gs, (gstride, gw2)).unwrap();
+    let base = {
+        use krasis_gpu::cudarc::driver::DevicePtr;
+        src.device_ptr(d.stream()).0
+    };
+    for run in [0..1, 1..n] {
+        let at = base + (run.start * cpu_stride) as u64;
+        // SAFETY: `src` holds the records and lives past the synchronisation below.
+        unsafe { ge.convert_cpu_records_async(d, d.stream(), run, at, &cpu) }.unwrap();
+    }
+    d.stream().synchronize().unwrap();
+    let got = ge.download_records(d).unwrap().unwrap();
+    if let Some(bad) = got.iter().zip(&expect).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: byte {bad} of {} differs (expert {}, offset {}): {} against {}",
+            got.len(),
+            bad / gstride,
+            bad % gstride,
+            got[bad],
+            expect[bad]
+        );
+    }
+    eprintln!("relayout {what}, {n} experts: {} bytes equal the host packer's", got.len());
+}
+
 #[test]
 fn cpu_records_convert_to_the_gpu_layout_on_the_device() {
     let Some(d) = gpu("cpu_records_convert_to_the_gpu_layout_on_the_device") else { return };
@@ -35,53 +97,11 @@ fn cpu_records_convert_to_the_gpu_layout_on_the_device() {
             |r: &mut _, rows, k, gs| -> QuantizedMatrix { quantize(&rand_f32(r, rows * k, 1.0), rows, k, bits, gs) };
         let experts: Vec<[QuantizedMatrix; 3]> =
             (0..n).map(|_| [q(&mut r, i, h, gs13), q(&mut r, i, h, gs13), q(&mut r, h, i, gs2)]).collect();
-        // CPU records as the CPU expert cache lays a layer out.
-        let (l13, l2) = (PackedLayout::new(2 * i, h, gs13, bits).unwrap(), PackedLayout::new(h, i, gs2, bits).unwrap());
-        let cpu_w2 = round_up(l13.bytes(), 64);
-        let cpu_stride = round_up(cpu_w2 + l2.bytes(), 4096);
-        let mut host = vec![0u8; n * cpu_stride];
-        for (e, [g, u, dn]) in experts.iter().enumerate() {
-            let (w13, _) = pack_w13(g, u).unwrap();
-            host[e * cpu_stride..][..w13.len()].copy_from_slice(&w13);
-            let w2 = pack(dn);
-            host[e * cpu_stride + cpu_w2..][..w2.len()].copy_from_slice(&w2);
-        }
-        let src = up(d, &host, "cpu records");
-        let cpu = CpuRecordGeometry { w13: l13, w2: l2, w2_offset: cpu_w2, stride: cpu_stride };
-        // GPU records (the GPU expert cache's geometry), and what the host packer writes there.
-        let probe = GpuExperts::new_quantized(d, "probe", 1, h, i, bits, gs13, gs2).unwrap();
-        let layout = probe.quant_layout().unwrap();
-        let (p13, p2) = layout.record_parts();
-        let gw2 = round_up(p13, 64);
-        let gstride = round_up(gw2 + p2, 4096);
-        let mut want = vec![0u8; n * gstride];
-        for (e, [g, u, dn]) in experts.iter().enumerate() {
-            let rec = layout.pack(e, g, u, dn).unwrap().to_record();
-            want[e * gstride..][..p13].copy_from_slice(&rec[..p13]);
-            want[e * gstride + gw2..][..p2].copy_from_slice(&rec[p13..]);
-        }
-        let mut ge = GpuExperts::new_records(d, "converted", n, h, i, bits, (gs13, gs2), (gstride, gw2)).unwrap();
-        let base = {
-            use krasis_gpu::cudarc::driver::DevicePtr;
-            src.device_ptr(d.stream()).0
-        };
-        for run in [0..1, 1..n] {
-            let at = base + (run.start * cpu_stride) as u64;
-            // SAFETY: `src` holds the records and lives past the synchronisation below.
-            unsafe { ge.convert_cpu_records_async(d, d.stream(), run, at, &cpu) }.unwrap();
-        }
-        d.stream().synchronize().unwrap();
-        let got = ge.download_records(d).unwrap().unwrap();
-        let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
-        assert!(
-            first_bad.is_none(),
-            "{h}x{i} {bits:?} g{gs13}/{gs2}: byte {} of {} differs (expert {}, offset {})",
-            first_bad.unwrap(),
-            got.len(),
-            first_bad.unwrap() / gstride,
-            first_bad.unwrap() % gstride
-        );
-        eprintln!("relayout {h}x{i} {bits:?} g{gs13}/{gs2}, {n} experts: {} bytes equal the host packer's", got.len());
+        let layouts = (PackedLayout::new(2 * i, h, gs13, bits).unwrap(), PackedLayout::new(h, i, gs2, bits).unwrap());
+        let records: Vec<(Vec<u8>, Vec<u8>)> =
+            experts.iter().map(|[g, u, dn]| (pack_w13(g, u).unwrap().0, pack(dn))).collect();
+        let what = format!("{h}x{i} {bits:?} g{gs13}/{gs2}");
+        check_conversion(d, &what, (h, i), layouts, &records, bits, (gs13, gs2), &experts);
     }
     // Geometry that does not hold the experts is refused.
     let mut ge = GpuExperts::new_records(d, "small", 1, 64, 32, Bits::Int4, (32, 32), (8192, 4608)).unwrap();
@@ -111,54 +131,13 @@ fn int4a_records_convert_to_int8_on_the_device() {
         };
         let experts: Vec<[AsymMatrix; 3]> =
             (0..n).map(|e| [q(&mut r, i, h, e == 0), q(&mut r, i, h, false), q(&mut r, h, i, e == 1)]).collect();
-        let (l13, l2) = (PackedLayout::new_int4_asym(2 * i, h).unwrap(), PackedLayout::new_int4_asym(h, i).unwrap());
-        let cpu_w2 = round_up(l13.bytes(), 64);
-        let cpu_stride = round_up(cpu_w2 + l2.bytes(), 4096);
-        let mut host = vec![0u8; n * cpu_stride];
-        for (e, [g, u, dn]) in experts.iter().enumerate() {
-            let (w13, _) = int4_asym::pack_w13(g, u).unwrap();
-            host[e * cpu_stride..][..w13.len()].copy_from_slice(&w13);
-            let w2 = int4_asym::pack(dn);
-            host[e * cpu_stride + cpu_w2..][..w2.len()].copy_from_slice(&w2);
-        }
-        let src = up(d, &host, "4a records");
-        let cpu = CpuRecordGeometry { w13: l13, w2: l2, w2_offset: cpu_w2, stride: cpu_stride };
-        let probe = GpuExperts::new_quantized(d, "probe", 1, h, i, Bits::Int8, 32, 32).unwrap();
-        let layout = probe.quant_layout().unwrap();
-        let (p13, p2) = layout.record_parts();
-        let gw2 = round_up(p13, 64);
-        let gstride = round_up(gw2 + p2, 4096);
-        let mut want = vec![0u8; n * gstride];
-        for (e, [g, u, dn]) in experts.iter().enumerate() {
-            let [g8, u8, d8] = [g, u, dn].map(int4_asym::to_int8_g32);
-            let rec = layout.pack(e, &g8, &u8, &d8).unwrap().to_record();
-            want[e * gstride..][..p13].copy_from_slice(&rec[..p13]);
-            want[e * gstride + gw2..][..p2].copy_from_slice(&rec[p13..]);
-        }
-        let mut ge = GpuExperts::new_records(d, "converted", n, h, i, Bits::Int8, (32, 32), (gstride, gw2)).unwrap();
-        let base = {
-            use krasis_gpu::cudarc::driver::DevicePtr;
-            src.device_ptr(d.stream()).0
-        };
-        for run in [0..1, 1..n] {
-            let at = base + (run.start * cpu_stride) as u64;
-            // SAFETY: `src` holds the records and lives past the synchronisation below.
-            unsafe { ge.convert_cpu_records_async(d, d.stream(), run, at, &cpu) }.unwrap();
-        }
-        d.stream().synchronize().unwrap();
-        let got = ge.download_records(d).unwrap().unwrap();
-        let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
-        assert!(
-            first_bad.is_none(),
-            "4a {h}x{i} amp {amp}: byte {} of {} differs (expert {}, offset {}): {} vs {}",
-            first_bad.unwrap(),
-            got.len(),
-            first_bad.unwrap() / gstride,
-            first_bad.unwrap() % gstride,
-            got[first_bad.unwrap()],
-            want[first_bad.unwrap()]
-        );
-        eprintln!("relayout 4a -> int8 g32 {h}x{i} amp {amp}, {n} experts: {} bytes equal the host's", got.len());
+        let layouts = (PackedLayout::new_int4_asym(2 * i, h).unwrap(), PackedLayout::new_int4_asym(h, i).unwrap());
+        let records: Vec<(Vec<u8>, Vec<u8>)> =
+            experts.iter().map(|[g, u, dn]| (int4_asym::pack_w13(g, u).unwrap().0, int4_asym::pack(dn))).collect();
+        let want: Vec<[QuantizedMatrix; 3]> =
+            experts.iter().map(|[g, u, dn]| [g, u, dn].map(int4_asym::to_int8_g32)).collect();
+        let what = format!("4a -> int8 g32 {h}x{i} amp {amp}");
+        check_conversion(d, &what, (h, i), layouts, &records, Bits::Int8, (32, 32), &want);
     }
     // 4a records into INT4 experts are refused, naming the widths.
     let l = PackedLayout::new_int4_asym(64, 64).unwrap();
