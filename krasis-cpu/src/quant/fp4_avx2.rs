@@ -4,8 +4,8 @@
 //! 2·24·127 = 6096, twice per chunk 12192 < 2¹⁵, no saturation) followed by `madd(·, 1)` gives
 //! each row's i32 sum per chunk. The +12 is removed per group with the activation sums, and the
 //! epilogue is the scalar's `fma(d, (s · f) · s_x, y)`; group scales are decoded from their bytes
-//! as in the AVX-512 twin (E4M3 through F16C's `vcvtph2ps`). Activation rows go in tiles of up to
-//! 4 (a decode token's two rows are one) whose outputs stay in registers over all groups
+//! as in the AVX-512 twin (E4M3 through F16C's `vcvtph2ps`). The outputs of one row (M = 1), of a
+//! decode token's two rows, or of each tile of up to 4 rows stay in registers over all groups
 //! ([`block_rows`]; at M > 2 this replaced a load and store of every row's outputs around every
 //! group: a 64-token NVFP4 prefill with `KRASIS_ISA=avx2`, one Zen 4 VM, 245–249 → 314–315 tok/s).
 
@@ -64,24 +64,51 @@ pub(super) unsafe fn matmul(
     for (bi, b) in blocks.enumerate() {
         let blk = w.as_ptr().add(b * bb);
         let y = out.as_mut_ptr().add(bi * ROW_BLOCK);
-        // Tiles of up to 4 activation rows (a decode token's 2 included), each over every group
-        // with its outputs in registers; the first tile brings the row block in, later ones read
-        // it from cache.
+        if acts.m <= 2 {
+            if acts.m == 1 {
+                block_rows::<1>(blk, l, acts, 0, y, ncols, groups.clone(), pfd, lut, nv);
+            } else {
+                block_rows::<2>(blk, l, acts, 0, y, ncols, groups.clone(), pfd, lut, nv);
+            }
+            continue;
+        }
+        // Tiles of up to 4 activation rows, each over every group with its outputs in
+        // registers; the first tile brings the row block in, later ones read it from cache.
         let mut i = 0;
         let mut pfd_t = pfd;
         while i < acts.m {
             let left = acts.m - i;
             let gr = groups.clone();
             i += if left >= 4 {
-                block_rows::<4>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
+                rows_tile::<4>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
             } else if left >= 2 {
-                block_rows::<2>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
+                rows_tile::<2>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
             } else {
-                block_rows::<1>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
+                rows_tile::<1>(blk, l, acts, i, y, ncols, gr, pfd_t, lut, nv)
             };
             pfd_t = 0;
         }
     }
+}
+
+/// [`block_rows`] for the tiles of M > 2, kept out of line beside the M = 1 / 2 calls (as the
+/// AVX-512 twin's, where inlining them moved those loops' code generation by 6–15 %).
+#[inline(never)]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_tile<const R: usize>(
+    blk: *const u8,
+    l: &PackedLayout,
+    acts: &QuantizedActs,
+    i0: usize,
+    y: *mut f32,
+    ncols: usize,
+    groups: Range<usize>,
+    pfd: usize,
+    lut: __m256i,
+    nv: bool,
+) -> usize {
+    block_rows::<R>(blk, l, acts, i0, y, ncols, groups, pfd, lut, nv)
 }
 
 /// Activation rows `i0 .. i0 + R` of one row block (R ≤ 4; 2: a decode token as value + residual
@@ -106,19 +133,26 @@ unsafe fn block_rows<const R: usize>(
     let (k, gs, ng) = (l.k, l.gs, l.groups());
     let off = l.offset();
     let fresh = groups.start == 0;
+    debug_assert!(i0 + R <= acts.m);
+    // Row i0's activations, sums, scales and outputs (rows i0 .. i0 + R are inside `acts`).
+    let (q, sums, scales, y) = (
+        acts.q.as_ptr().add(i0 * k),
+        acts.sums.as_ptr().add(i0 * ng),
+        acts.scales.as_ptr().add(i0 * ng),
+        y.add(i0 * ncols),
+    );
     let load = |p: *const f32| if fresh { _mm256_setzero_ps() } else { _mm256_loadu_ps(p) };
-    let mut ya: [__m256; R] = std::array::from_fn(|i| load(y.add((i0 + i) * ncols)));
-    let mut yb: [__m256; R] = std::array::from_fn(|i| load(y.add((i0 + i) * ncols + 8)));
+    let mut ya: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols)));
+    let mut yb: [__m256; R] = std::array::from_fn(|i| load(y.add(i * ncols + 8)));
     let (fa, fb) = (_mm256_loadu_ps(blk as *const f32), _mm256_loadu_ps(blk.add(32) as *const f32));
     for g in groups {
-        let xq: [*const i8; R] = std::array::from_fn(|i| acts.q.as_ptr().add((i0 + i) * k + g * gs));
+        let xq: [*const i8; R] = std::array::from_fn(|i| q.add(i * k + g * gs));
         let (aa, ab) = group_sums::<R>(blk.add(l.weights_offset(g)), l, xq, pfd, lut);
         let so = blk.add(l.scales_offset(g));
         let sf = (scales8(so, nv, fa), scales8(so.add(8), nv, fb));
         for i in 0..R {
-            let r = i0 + i;
-            let corr = _mm256_set1_epi32(off * acts.sums[r * ng + g]);
-            let sx = _mm256_set1_ps(acts.scales[r * ng + g]);
+            let corr = _mm256_set1_epi32(off * *sums.add(i * ng + g));
+            let sx = _mm256_set1_ps(*scales.add(i * ng + g));
             let da = _mm256_cvtepi32_ps(_mm256_sub_epi32(aa[i], corr));
             let db = _mm256_cvtepi32_ps(_mm256_sub_epi32(ab[i], corr));
             ya[i] = _mm256_fmadd_ps(da, _mm256_mul_ps(sf.0, sx), ya[i]);
@@ -126,8 +160,8 @@ unsafe fn block_rows<const R: usize>(
         }
     }
     for i in 0..R {
-        _mm256_storeu_ps(y.add((i0 + i) * ncols), ya[i]);
-        _mm256_storeu_ps(y.add((i0 + i) * ncols + 8), yb[i]);
+        _mm256_storeu_ps(y.add(i * ncols), ya[i]);
+        _mm256_storeu_ps(y.add(i * ncols + 8), yb[i]);
     }
     R
 }
