@@ -37,6 +37,14 @@ __device__ __forceinline__ int cpu_block_of(const CpuPart& p, int r, int& j) {
     return r >> 4;
 }
 
+// The 4-bit code of row j of a row block at k = kk of a group whose codes start at w: INT4's chunk
+// arrangement (byte 4j + b of chunk kk / 8 holds k 8c + b in its low nibble, 8c + 4 + b in its high).
+__device__ __forceinline__ u32 cpu_nibble(const unsigned char* __restrict__ w, int j, int kk) {
+    const int b8 = kk & 7;
+    const u32 byte = w[(kk >> 3) * 64 + 4 * j + (b8 & 3)];
+    return (byte >> (4 * (b8 >> 2))) & 0xfu;
+}
+
 // The unsigned code of (GPU row r, k) from the CPU part at src.
 __device__ __forceinline__ u32 cpu_code(const unsigned char* __restrict__ src, const CpuPart& p, int r, int k) {
     const u32 zero = p.bits == 4 ? 8u : 128u;
@@ -45,11 +53,7 @@ __device__ __forceinline__ u32 cpu_code(const unsigned char* __restrict__ src, c
     if (rb < 0 || k >= p.k) return zero;
     const int g = k / p.gs, kk = k - g * p.gs;
     const unsigned char* w = src + (long long)rb * p.block_bytes + p.header_bytes + (long long)g * p.group_weight_bytes;
-    if (p.bits == 4) {
-        const int b8 = kk & 7;
-        const u32 byte = w[(kk >> 3) * 64 + 4 * j + (b8 & 3)];
-        return (byte >> (4 * (b8 >> 2))) & 0xfu;
-    }
+    if (p.bits == 4) return cpu_nibble(w, j, kk);
     return w[(kk >> 2) * 64 + 4 * j + (kk & 3)];
 }
 
@@ -160,9 +164,7 @@ extern "C" __global__ void relayout_int4a_int8(const unsigned char* __restrict__
         const unsigned char* c = blk + p.header_bytes + (long long)grp * p.group_weight_bytes;
 #pragma unroll
         for (int kk = 0; kk < 32; ++kk) {
-            const int b8 = kk & 7;
-            const u32 byte = c[(kk >> 3) * 64 + 4 * j + (b8 & 3)];
-            w[kk] = fmaf((float)((byte >> (4 * (b8 >> 2))) & 0xfu), d, m);
+            w[kk] = fmaf((float)cpu_nibble(c, j, kk), d, m);
             amax = fmaxf(amax, fabsf(w[kk]));
         }
     }
@@ -173,7 +175,6 @@ extern "C" __global__ void relayout_int4a_int8(const unsigned char* __restrict__
         sf = relayout_f16_to_f32(sh);
     }
     unsigned char* dc = dst_codes + (long long)blockIdx.y * dst_stride;
-    const int tt = t, gg = g;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int k0 = grp * 32 + 16 * half;  // this k16 step's first k
@@ -192,8 +193,8 @@ extern "C" __global__ void relayout_int4a_int8(const unsigned char* __restrict__
                 }
                 word |= code << (8 * b);
             }
-            const int lane = 4 * gg + qq;
-            *(u32*)(dc + blk_at + 4LL * ((ks * 8 + tt) * 32 + lane)) = word;
+            const int lane = 4 * g + qq;
+            *(u32*)(dc + blk_at + 4LL * ((ks * 8 + t) * 32 + lane)) = word;
         }
     }
     *(unsigned short*)(dst_scales + (long long)blockIdx.y * dst_stride + 2LL * i) = sh;
