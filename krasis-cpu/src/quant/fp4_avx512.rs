@@ -7,14 +7,12 @@
 //! e = 0, blended in), E4M3 as the f16 `E4M3 / 256` (sign-extended, shifted and masked, then
 //! `vcvtph2ps`; the row factor holds the 256).
 //!
-//! At M ≤ 2 (a decode token is two rows, value and residual) the outputs stay in registers over
-//! all groups ([`block_rows`] at M = 1, [`block_m2`] at M = 2, whose one chain per row starts at
-//! the bias correction); NVFP4's groups of 16 are too short to reload and store them per group,
-//! as the general tiles do.
-//! More activation rows go in tiles of up to 8, each over all the groups with its outputs in
-//! registers ([`block_rows`] at R ≤ 8; the row block's bytes stay in cache for the next tile),
-//! where the first form loaded and stored every row's outputs around every group. There is no AMX
-//! form: FP4 layouts never take the AMX kernel (see [`super::matmul_packed`]).
+//! The outputs stay in registers over all groups: at M = 1 ([`block_rows`]), at M = 2 (a decode
+//! token's value and residual rows, [`block_m2`], whose one chain per row starts at the bias
+//! correction), and for more rows in tiles of up to 8 ([`block_rows`] out of line; the row block's
+//! bytes stay in cache for the next tile). NVFP4's groups of 16 are too short to reload and store
+//! them per group, as the first form of the tiles did. There is no AMX form: FP4 layouts never
+//! take the AMX kernel (see [`super::matmul_packed`]).
 
 use std::arch::x86_64::*;
 use std::ops::Range;

@@ -94,9 +94,9 @@ unsafe fn run<const HINT: i32, const Q6: bool>(
 /// Activation rows `i0 .. i0 + T` of one row block over groups `groups` in K order, their
 /// outputs in registers throughout (continuing what `y` holds): each group's code planes are
 /// decoded once for the tile's rows, the same operations per row and group as the scalar twin.
-/// Returns `T`. Out of line: its four instantiations inlined into [`run`] moved the M ≤ 2 loops'
-/// code generation (the old loop alone measured 58 or 80 GiB/s at Q4_K M = 1 depending on what
-/// else the file held). The first form kept rows in registers only at M ≤ 2 and otherwise loaded
+/// Returns `T`. Out of line, as the other kernels' tiles: inlined, the same loops' speed moved
+/// with code generation alone (the first form measured 58 or 80 GiB/s at Q4_K M = 1 depending on
+/// what else the file held). The first form kept rows in registers only at M ≤ 2 and otherwise loaded
 /// and stored every row's outputs around every group: alternated twice with it on one Zen 4 core,
 /// cache-resident, V2-Lite-sized matrices (Q6_K at K 1536), Q4_K w13 M = 1 / 2 / 8 58.1–58.8 /
 /// 48.3–48.8 / 15.7–15.8 → 69.6–70.0 / 50.4–53.5 / 18.5–19.0 GiB/s, Q6_K w2 66.0–66.3 / 51.8–52.5 /
