@@ -896,7 +896,7 @@ impl GpuExperts {
         check(OP, experts.start <= experts.end && experts.end <= n, || format!("{name}: experts {experts:?} of {n}"))?;
         check(OP, r.l2.fp4.is_none(), || format!("{name}: FP4 experts do not convert from CPU records"))?;
         // A CPU part's codes become the GPU part's at its width, or (asymmetric INT4) INT8.
-        let width = |c: &krasis_quant::cpu_layout::PackedLayout| if c.asym { Bits::Int8 } else { c.bits };
+        let width = crate::relayout::converted_bits;
         let fits = (cpu.w13.rows, cpu.w13.k, cpu.w13.gs, width(&cpu.w13)) == (2 * i, h, r.l13.gs, r.l13.bits)
             && (cpu.w2.rows, cpu.w2.k, cpu.w2.gs, width(&cpu.w2)) == (h, i, r.l2.gs, r.l2.bits)
             && cpu.w13.bytes() <= cpu.w2_offset

@@ -13,6 +13,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use krasis_quant::cpu_layout::PackedLayout;
 use krasis_quant::gpu_layout::GpuLayout;
 use krasis_quant::int4_asym::ASYM_GROUP;
+use krasis_quant::Bits;
 
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{GpuDevice, GpuError};
@@ -54,6 +55,16 @@ pub struct CpuRecordGeometry {
     pub w2: PackedLayout,
     pub w2_offset: usize,
     pub stride: usize,
+}
+
+/// The width of the GPU records a CPU part of layout `cpu` converts to: its own, or INT8 (same
+/// groups of 32) for asymmetric INT4, which has no tile kernel.
+pub fn converted_bits(cpu: &PackedLayout) -> Bits {
+    if cpu.asym {
+        Bits::Int8
+    } else {
+        cpu.bits
+    }
 }
 
 /// One matrix part to convert: the CPU part (`fused`: a w13) and the GPU layout it becomes.
@@ -113,10 +124,8 @@ pub(crate) unsafe fn convert_part(
     };
     if c.asym {
         // 4a → INT8 g32: one thread per GPU scale (row, group) writes it and its group's codes.
-        let ok = g.bits == krasis_quant::Bits::Int8 && g.gs == ASYM_GROUP && c.gs == ASYM_GROUP && g.fp4.is_none();
-        if !ok {
-            return Err(GpuError::shape(OP, format!("asymmetric INT4 records convert to INT8 g32 only, not {g:?}")));
-        }
+        // (The caller checked the GPU layout against `converted_bits` and the groups.)
+        debug_assert!(g.bits == converted_bits(c) && g.gs == ASYM_GROUP && c.gs == ASYM_GROUP && g.fp4.is_none());
         let count = to_i32("scales", g.scale_count())?;
         let groups = to_i32("groups", g.groups())?;
         let f = dev.function(&RELAYOUT, "relayout_int4a_int8")?;

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use krasis_cache::ExpertCache;
 use krasis_gpu::cudarc::driver::{CudaEvent, CudaStream};
 use krasis_gpu::moe::GpuExperts;
+use krasis_gpu::relayout::converted_bits;
 use krasis_gpu::{GpuDevice, GpuError};
 use krasis_quant::int4_asym::ASYM_GROUP;
 use krasis_quant::Bits;
@@ -198,14 +199,16 @@ fn cpu_record_geometry(
             "its experts are {kind} in the CPU's layout, which the GPU does not convert (the GPU expert cache holds {kind} in the GPU's)"
         )));
     }
-    if w13.asym || w2.asym {
-        // The GPU's form of `4a` is INT8 g32, requantised on the device after each copy.
-        if !(w13.asym && w2.asym) || bits != Bits::Int8 || (w13.gs, w2.gs) != (ASYM_GROUP, ASYM_GROUP) {
-            return Err(bad(format!(
-                "its experts are asymmetric INT4 (`4a`), which stream to the GPU as INT8 g32 only, not {bits:?}"
-            )));
-        }
-    } else if (w13.bits, w2.bits) != (bits, bits) {
+    // The GPU's form of `4a` is INT8 g32, requantised on the device after each copy.
+    let converted = (converted_bits(&w13), converted_bits(&w2));
+    if (w13.asym || w2.asym)
+        && (w13.asym != w2.asym || converted != (bits, bits) || (w13.gs, w2.gs) != (ASYM_GROUP, ASYM_GROUP))
+    {
+        return Err(bad(format!(
+            "its experts are asymmetric INT4 (`4a`), which stream to the GPU as INT8 g32 only, not {bits:?}"
+        )));
+    }
+    if converted != (bits, bits) {
         return Err(bad(format!("its experts are {:?}/{:?}, the GPU's {bits:?}", w13.bits, w2.bits)));
     }
     Ok(krasis_gpu::relayout::CpuRecordGeometry { w13, w2, w2_offset, stride })
