@@ -13,9 +13,11 @@ use krasis_model::cpu::quantized::WeightBits;
 use krasis_model::gpu::expert_cache::{open_gpu_expert_cache, GpuCachePlan};
 use krasis_model::model::tensors::param_counts;
 use krasis_model::placement::precision::{
-    default_gpu_expert_bits, describe_layer_bits, expert_width_rule, native_fp4, quant_width, ExpertWidthRule,
+    default_gpu_expert_bits, describe_layer_bits, expert_width_rule, int4a_by_default, native_fp4, quant_width,
+    ExpertWidthRule,
 };
 use krasis_model::runtime::expert_caches::{convert_expert_caches, CacheRequest};
+use krasis_model::runtime::{device_choice, EngineConfig};
 use krasis_model::source::files::ModelFiles;
 use krasis_quant::fp4::Fp4Kind;
 
@@ -39,11 +41,12 @@ pub struct Args {
     /// Model directory or GGUF file.
     #[arg(long)]
     model: PathBuf,
-    /// INT4, asymmetric INT4 g32 (4a) or INT8 routed experts, or auto: per projection from a
-    /// GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and float; a GGUF of
-    /// Q4_K/Q6_K/Q5_0/Q8_0 experts is kept exactly); INT4 for a safetensors model, except a 4-bit
-    /// float one (NVFP4, MXFP4), whose experts are kept as stored; none: no CPU expert cache (with
-    /// --gpu-expert-bits, the GPU one alone).
+    /// INT4, asymmetric INT4 g32 (4a) or INT8 routed experts, or auto: the width `krasis generate`
+    /// at its defaults runs: per projection from a GGUF's types (INT4 from 4-bit or narrower, INT8
+    /// from 5/6/8-bit and float; a GGUF of Q4_K/Q6_K/Q5_0/Q8_0 experts is kept exactly); a 4-bit
+    /// float checkpoint's (NVFP4, MXFP4) experts as stored; else asymmetric INT4 g32 when it fits
+    /// the RAM limit (INT4 g128 otherwise); none: no CPU expert cache (with --gpu-expert-bits, the
+    /// GPU one alone).
     // `::std::option::Option` keeps clap from treating the flag as optional: `none` is a value.
     #[arg(long, default_value = "auto", value_parser = cpu_expert_bits_parser())]
     cpu_expert_bits: ::std::option::Option<WeightBits>,
@@ -82,6 +85,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         (Some(WeightBits::Auto), _) => Some(default_gpu_expert_bits(files.spec())),
         (w, _) => w.and_then(quant_width),
+    };
+    // `auto` on a checkpoint of float experts: the width the first `generate` at its defaults
+    // runs the CPU experts at (asymmetric INT4 g32 when it fits the RAM limit).
+    let bits = match bits {
+        Some(ExpertWidthRule::Auto) if int4a_by_default(files.spec()) => Some(auto_cpu_width(&files, &a)?),
+        b => b,
     };
     // A 4-bit float checkpoint, or a GGUF of K-quant experts, at `auto`, or asymmetric INT4: its
     // CPU expert cache holds its own layout, built on its own (nothing to share with the GPU
@@ -176,4 +185,23 @@ fn build_gpu_fp4_cache(files: &ModelFiles, kind: Fp4Kind, a: &Args) -> anyhow::R
     }
     eprintln!("{}", krasis_cache::describe(&cache));
     Ok(())
+}
+
+/// `--cpu-expert-bits auto` on a checkpoint of float experts: what `krasis generate` at its
+/// defaults runs its CPU experts at here ([`device_choice`], on the CPU engine and the hybrid):
+/// asymmetric INT4 g32 when the CPU engine's estimate at that width fits the RAM limit, else
+/// INT4 g128 (with the note saying why).
+fn auto_cpu_width(files: &ModelFiles, a: &Args) -> anyhow::Result<ExpertWidthRule> {
+    let mut config = EngineConfig::default();
+    config.cpu.group_size = a.group_size;
+    config.cpu.cache_dir = a.cache_dir.clone();
+    let choice = device_choice(files, &config)?;
+    for note in &choice.notes {
+        eprintln!("{note}");
+    }
+    Ok(if choice.config.cpu.expert_bits == WeightBits::Int4Asym {
+        ExpertWidthRule::Int4Asym
+    } else {
+        ExpertWidthRule::Uniform(krasis_quant::Bits::Int4)
+    })
 }

@@ -68,9 +68,12 @@ pub struct EngineArgs {
     /// reference path); 8 or 4 = INT8/INT4 from the expert cache (built on first use); auto = per
     /// projection from a GGUF's types (INT4 from 4-bit or narrower, INT8 from 5/6/8-bit and
     /// float), except a GGUF whose experts are all Q4_K, Q6_K, Q5_0 or Q8_0 (Q4_K_M), kept
-    /// exactly (Q4_K/Q6_K blocks as stored, Q5_0/Q8_0 as INT8 g32); INT4 for a safetensors
-    /// model, except a 4-bit float one (NVFP4, MXFP4), whose experts are kept as stored; 4a = asymmetric INT4 in groups of 32 (a scale and a minimum
-    /// per group, 5.0 bits per weight; CPU only).
+    /// exactly (Q4_K/Q6_K blocks as stored, Q5_0/Q8_0 as INT8 g32); a 4-bit float checkpoint's
+    /// (NVFP4, MXFP4) and compressed-tensors INT4 experts as stored; 4a for other safetensors
+    /// models when it fits the RAM limit (else 4, with a note); 4a = asymmetric INT4 in groups of
+    /// 32 (a scale and a minimum per group, 5.0 bits per weight; the hybrid's prefill streams it
+    /// and the GPU requantises it to INT8 g32); 4 = INT4 g128 (4.125 bits per weight, the fastest
+    /// decode).
     #[arg(long, default_value = "auto", value_parser = weight_bits_parser(&WeightBits::EXPERT_FLAG_VALUES))]
     pub cpu_expert_bits: WeightBits,
     /// Precision of attention projections, shared experts, dense MLPs and the LM head on the CPU

@@ -231,12 +231,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         format_bytes(ram_limit_bytes(sys.mem_total_bytes))
     );
     let auto = (gguf.is_some() || kept_fp4.is_some()).then_some(WeightBits::Auto);
-    // Asymmetric INT4 g32 (`--cpu-expert-bits 4a`), where it takes the experts.
-    let asym = krasis_model::placement::precision::int4a_applies(spec).then_some(WeightBits::Int4Asym);
+    // Asymmetric INT4 g32: `auto`'s width for float experts on the CPU (engine and hybrid).
+    let asym = krasis_model::placement::precision::int4a_by_default(spec).then_some(WeightBits::Int4Asym);
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(asym).chain(auto) {
         let e = estimate(spec, f);
+        let default = if f == WeightBits::Int4Asym { " (the default on the CPU and hybrid)" } else { "" };
         println!(
-            "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}",
+            "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}{default}",
             format_name(f),
             format_bytes(e.dense_bytes),
             format_bytes(e.expert_bytes),

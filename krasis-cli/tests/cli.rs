@@ -436,30 +436,30 @@ fn convert_offers_only_what_it_accepts_and_threads_are_capped_aloud() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stderr(&o).matches("--threads 100000 is more than the").count(), 1, "{}", stderr(&o));
 
-    // `auto` (the default) on safetensors is INT4 for every command: generate built the INT4
-    // expert cache (and the INT8 dense one) on first use, and convert finds it there.
-    assert!(stderr(&o).contains("routed experts: cpu int4"), "{}", stderr(&o));
+    // `auto` (the default) on safetensors is asymmetric INT4 g32 on the CPU engine: generate built
+    // its expert cache (and the INT8 dense one) on first use, and convert, with no GPU in use,
+    // finds it there.
+    assert!(stderr(&o).contains("routed experts: cpu INT4 asymmetric g32"), "{}", stderr(&o));
     let experts =
         || names(&dir.join(".krasis_cache")).into_iter().filter(|n| n.starts_with("experts_")).collect::<Vec<_>>();
-    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string()]);
+    assert_eq!(experts(), vec!["experts_cpu_int4a_g32.bin".to_string()]);
     let o = krasis(&["convert", "--model", m]);
     assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("routed experts on the CPU: int4a g32 (asymmetric)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("expert cache hit"), "{}", stderr(&o));
+    assert_eq!(experts(), vec!["experts_cpu_int4a_g32.bin".to_string()]);
+    // `4`: INT4 g128 (the hybrid's) beside it.
+    let o = krasis(&["convert", "--model", m, "--cpu-expert-bits", "4"]);
+    assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("routed experts on the CPU: int4"), "{}", stderr(&o));
-    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string()]);
+    let both = ["experts_cpu_int4_g128.bin", "experts_cpu_int4a_g32.bin"].map(String::from).to_vec();
+    assert_eq!(experts(), both);
     // The GPU expert cache alone (no GPU needed to build it); nothing asked is an error.
     let o = krasis(&["convert", "--model", m, "--cpu-expert-bits", "none", "--gpu-expert-bits", "8"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("the GPU expert cache was missing"), "{}", stderr(&o));
-    assert_eq!(experts(), vec!["experts_cpu_int4_g128.bin".to_string(), "experts_gpu_int8_g128.bin".to_string()]);
+    assert_eq!(experts(), [both, vec!["experts_gpu_int8_g128.bin".to_string()]].concat());
     assert_clean_failure(&krasis(&["convert", "--model", m, "--cpu-expert-bits", "none"]), 1, "nothing to build");
-    // `4a`: asymmetric INT4 g32 in its own cache file, which `generate --cpu-expert-bits 4a` reads.
-    let o = krasis(&["convert", "--model", m, "--cpu-expert-bits", "4a"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("routed experts on the CPU: int4a g32 (asymmetric)"), "{}", stderr(&o));
-    assert!(experts().contains(&"experts_cpu_int4a_g32.bin".to_string()), "{:?}", experts());
-    let o =
-        krasis(&["generate", "--model", m, "--prompt-ids", "1", "--max-new-tokens", "1", "--cpu-expert-bits", "4a"]);
-    assert!(o.status.success() && stderr(&o).contains("expert cache hit"), "{}", stderr(&o));
 }
 
 #[test]

@@ -344,13 +344,19 @@ fn streamed_prefill_experts_equal_resident_ones() {
     }
 }
 
-/// `--cpu-expert-bits 4a` on the hybrid: prefill streams the CPU expert cache's own asymmetric
-/// records (one copy in RAM: the GPU expert cache is off here, so nothing else could serve),
-/// requantised on the device to INT8 g32 (`krasis_gpu::relayout`), while decode runs the `4a`
-/// records on the CPU. The streamed prefill agrees with the same hybrid's prefill on the CPU's `4a`
-/// experts within rel 1e-2 and top-1 ≥ 0.9 (an 8-bit rounding of the 4-bit grid, and the devices'
-/// f32 orders; a misplaced code or scale misses by far more), and with the oracle within the
-/// hybrid rule at INT4's bounds, on every fixture.
+/// `--cpu-expert-bits 4a` on the hybrid (the default on float experts): prefill streams the CPU
+/// expert cache's own asymmetric records (one copy in RAM: the GPU expert cache is off here, so
+/// nothing else could serve), requantised on the device to INT8 g32 (`krasis_gpu::relayout`),
+/// while decode runs the `4a` records on the CPU. Against the same hybrid's prefill on the CPU's
+/// `4a` experts, on every fixture:
+/// - each position's logits within twice the relative error an ideal INT8 rounding of the experts
+///   costs on that fixture (`√(2 (1 − cos))` of its quant_bounds entry) plus 5e-3 for the
+///   devices' f32 orders, except at most a tenth of the positions: a route on a near tie may flip
+///   (dsv3-tiny, on the H200: one position of 20 at 0.3, the others 5e-3 to 9e-3); a misplaced code
+///   or scale moves every position;
+/// - top-1 ≥ 0.9;
+/// - no further from the oracle than the CPU's `4a` prefill plus 5 % (measured: 0.1 % to 1.2 %
+///   further on five fixtures, closer on dsv3-tiny), and within the hybrid rule at INT4's bounds.
 fn check_int4a_streamed(name: &str) {
     let Some(GpuFixture { root, dir, reference: r, vocab }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
@@ -373,11 +379,33 @@ fn check_int4a_streamed(name: &str) {
     assert_eq!(s.handoff_stats().calls, 0, "{name}: a streamed prefill hands nothing to the CPU");
     let mut s2 = on_cpu.new_session().unwrap();
     let want = on_cpu.forward_logits(&mut s2, p, true).unwrap();
-    let rel = krasis_tests::rel_l2(&streamed, &want);
     let f = fidelity(&streamed, &want, vocab);
-    eprintln!("{name} 4a streamed as int8 g32 vs 4a on the CPU: rel {rel:.3e}, top-1 {:.3}", f.top1);
-    assert!(rel <= 1e-2 && f.top1 >= 0.9, "{name}: rel {rel:.3e}, top-1 {:.3}", f.top1);
-    let o = fidelity(&streamed, &r.prefill_logits, vocab);
+    let int8 = quant_bound(&root, name, "int8");
+    let rel_bar = 2.0 * (2.0 * (1.0 - int8.mean_cos)).sqrt() + 5e-3;
+    let rows: Vec<f64> =
+        streamed.chunks(vocab).zip(want.chunks(vocab)).map(|(a, b)| krasis_tests::rel_l2(a, b)).collect();
+    let over = rows.iter().filter(|&&x| x > rel_bar).count();
+    let worst = rows.iter().cloned().fold(0.0, f64::max);
+    let (o, oc) = (fidelity(&streamed, &r.prefill_logits, vocab), fidelity(&want, &r.prefill_logits, vocab));
+    eprintln!(
+        "{name} 4a streamed as int8 g32 vs 4a on the CPU: {over} of {} positions over rel {rel_bar:.2e} (worst {worst:.2e}), \
+         top-1 {:.3}; 1 - mean cos vs the oracle {:.3e} (the CPU's 4a {:.3e})",
+        rows.len(),
+        f.top1,
+        1.0 - o.mean_cos,
+        1.0 - oc.mean_cos
+    );
+    assert!(
+        10 * over <= rows.len() && f.top1 >= 0.9,
+        "{name}: {over} positions over rel {rel_bar:.2e}, top-1 {:.3}",
+        f.top1
+    );
+    assert!(
+        1.0 - o.mean_cos <= 1.05 * (1.0 - oc.mean_cos) + 1e-6,
+        "{name}: the streamed 4a is further from the oracle ({:.3e}) than the CPU's 4a ({:.3e}) by over 5 %",
+        1.0 - o.mean_cos,
+        1.0 - oc.mean_cos
+    );
     let (ideal, bf16) = (quant_bound(&root, name, "int4"), quant_bound(&root, name, "bf16"));
     let bar = 2.0 * (1.0 - ideal.mean_cos) + 3.0 * (1.0 - bf16.mean_cos) + 1e-4;
     assert!(1.0 - o.mean_cos <= bar, "{name}: 1 - mean cos {:.3e} vs the oracle, bar {bar:.3e}", 1.0 - o.mean_cos);

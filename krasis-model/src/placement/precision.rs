@@ -252,10 +252,14 @@ pub fn resolve_expert_bits(spec: &ModelSpec, requested: WeightBits) -> WeightBit
     }
 }
 
-/// Whether asymmetric INT4 g32 (`4a`, `krasis_quant::int4_asym`) takes `spec`'s routed experts:
-/// a checkpoint of float experts (no GGUF types, no 4-bit format kept as stored) whose dimensions
-/// its groups of 32 divide. `krasis info` shows its memory then.
-pub fn int4a_applies(spec: &ModelSpec) -> bool {
+/// Whether `auto` runs `spec`'s routed experts on the CPU (the CPU engine's and the hybrid's) in
+/// asymmetric INT4 g32 (`4a`, `krasis_quant::int4_asym`): a checkpoint of float experts (no GGUF
+/// types, no 4-bit format kept as stored) whose dimensions that format takes. On the
+/// trained-weights test it loses less perplexity than llama.cpp's Q4_K_M where INT4 g128 doubles
+/// it, and its kernels stream at the bandwidth probe in decode (docs/BENCHMARKS.md). The hybrid
+/// streams its records for prefill and the GPU requantises them to INT8 g32
+/// ([`default_stream_bits`]); the whole-model GPU engine keeps INT4 g128 ([`default_gpu_expert_bits`]).
+pub fn int4a_by_default(spec: &ModelSpec) -> bool {
     spec.moe.is_some()
         && !has_source_types(spec)
         && native_fp4(spec).is_none()
@@ -395,17 +399,17 @@ mod tests {
         }
     }
 
-    /// Asymmetric INT4 g32 takes float experts only: not a GGUF's (its types decide), a 4-bit
-    /// float or compressed-tensors INT4 checkpoint's (kept as stored), a dense model, or widths
-    /// the format's groups of 32 do not divide.
+    /// The CPU engine's `auto` is asymmetric INT4 g32 on float experts only: not on a GGUF (its
+    /// types decide), a 4-bit float or compressed-tensors INT4 checkpoint (kept as stored), a
+    /// dense model, or widths the format's groups of 32 do not divide.
     #[test]
-    fn int4a_applies_to_float_experts_only() {
+    fn int4a_is_the_cpu_default_on_float_experts_only() {
         let spec = tiny_spec();
-        assert!(int4a_applies(&spec));
+        assert!(int4a_by_default(&spec));
         let with = |f: &dyn Fn(&mut ModelSpec)| {
             let mut s = tiny_spec();
             f(&mut s);
-            int4a_applies(&s)
+            int4a_by_default(&s)
         };
         assert!(!with(&|s| s.expert_source_bits = vec![[4, 4, 6]; 3]));
         assert!(!with(&|s| s.source_quant = crate::spec::SourceQuant::Mxfp4));

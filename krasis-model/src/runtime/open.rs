@@ -129,6 +129,7 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
     let cpu_asked = config.cpu.expert_bits != WeightBits::Auto;
     let mut resolved = config.clone();
     resolved.cpu.expert_bits = crate::placement::precision::resolve_expert_bits(files.spec(), config.cpu.expert_bits);
+    let int4a_note = if cpu_asked { None } else { cpu_expert_default(files, &mut resolved) };
     // `auto` leaves the width to the device's defaults; `bf16` is `None` (BF16 experts).
     if config.gpu_expert_width == WeightBits::Int4Asym {
         return Err(ModelError::Invalid(
@@ -155,7 +156,42 @@ pub fn device_choice(files: &ModelFiles, config: &EngineConfig) -> Result<crate:
         choice.why = tune_note.take().unwrap_or_default();
     }
     choice.notes.extend(tune_note);
+    // The whole-model GPU engine keeps its own expert width: the CPU's is not its concern.
+    if choice.path != DevicePath::Gpu {
+        choice.notes.extend(int4a_note);
+    }
     Ok(choice)
+}
+
+/// The CPU experts at `auto` on a checkpoint of float experts, on the CPU engine and the hybrid
+/// alike: asymmetric INT4 g32 ([`crate::placement::precision::int4a_by_default`]) when the CPU
+/// engine's estimate at that width fits the RAM limit (the hybrid holds less: the dense weights
+/// live on the GPU); otherwise INT4 g128 as resolved, and a note saying why. The hybrid then
+/// streams the `4a` records for prefill and requantises them on the GPU to INT8 g32
+/// ([`crate::placement::precision::default_stream_bits`]); a GPU expert width of 4 asked for keeps
+/// INT4 g128 on the CPU, whose records stream as they are (one copy in RAM).
+pub(crate) fn cpu_expert_default(files: &ModelFiles, config: &mut EngineConfig) -> Option<String> {
+    if config.cpu.expert_bits != WeightBits::Int4
+        || !crate::placement::precision::int4a_by_default(files.spec())
+        || config.gpu_expert_width == WeightBits::Int4
+    {
+        return None;
+    }
+    let mut trial = config.clone();
+    trial.cpu.expert_bits = WeightBits::Int4Asym;
+    trial.cpu.dense_bits = crate::placement::precision::resolve_dense_bits(trial.cpu.dense_bits);
+    let est = cpu_memory_estimate(files, &trial).total(trial.context_tokens);
+    match check_ram_budget(est, krasis_core::hw::probe().mem_total_bytes, false) {
+        Ok(_) => {
+            config.cpu.expert_bits = WeightBits::Int4Asym;
+            None
+        }
+        Err(_) => Some(format!(
+            "routed experts: INT4 g128, not the default asymmetric INT4 g32, whose estimated {} on the CPU engine \
+             exceeds the RAM limit (`--cpu-expert-bits 4a` asks for it anyway)",
+            format_bytes(est)
+        )),
+    }
 }
 
 /// The heatmap beside the caches when there is one that fits the model; a damaged or foreign one

@@ -375,20 +375,44 @@ fn a_cpu_kv_token_limit_is_the_context_and_generation_refuses_what_exceeds_it() 
     assert_eq!(s.position(), 6);
 }
 
-/// Asking for nothing on the CPU gets the fast path: INT4 routed experts and INT8 dense weights,
-/// built into the caches on first use; the reference path is an explicit `bf16`.
+/// Asking for nothing on the CPU gets the fast path: asymmetric INT4 g32 routed experts (on a
+/// checkpoint of float experts) and INT8 dense weights, built into the caches on first use; the
+/// reference path is an explicit `bf16`.
 #[test]
-fn the_cpu_default_is_int4_experts_and_int8_dense() {
+fn the_cpu_default_is_int4a_experts_and_int8_dense() {
     let tmp = tempfile::tempdir().unwrap();
     let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
     let config = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
     let opened = open_engine(&files, &config).unwrap();
     let log = opened.log.join("\n");
-    assert!(log.contains("routed experts: cpu int4"), "{log}");
+    assert!(log.contains("routed experts: cpu INT4 asymmetric g32"), "{log}");
+    assert!(log.contains("experts_cpu_int4a_g32.bin"), "{log}");
     assert!(log.contains("dense-weight cache") && log.contains("dense_cpu_int8"), "{log}");
     let reference = open_engine(&files, &cpu_config()).unwrap();
     let log = reference.log.join("\n");
     assert!(log.contains("routed experts: reference"), "{log}");
+}
+
+/// `auto`'s CPU experts on float experts are asymmetric INT4 g32 for the hybrid too, whose prefill
+/// then streams them as INT8 g32; a GPU expert width of 4 asked for keeps INT4 g128 on the CPU (its
+/// records stream as they are), and 8 takes `4a` (it converts to INT8).
+#[test]
+fn auto_cpu_experts_are_int4a_unless_the_gpu_width_asked_is_int4() {
+    let tmp = tempfile::tempdir().unwrap();
+    let files = ModelFiles::open(&tiny(tmp.path())).unwrap();
+    let resolved = |gpu_width: WeightBits| {
+        let mut c =
+            EngineConfig { device: DevicePolicy::Hybrid, gpu_expert_width: gpu_width, ..EngineConfig::default() };
+        c.cpu.expert_bits = WeightBits::Int4;
+        assert_eq!(super::open::cpu_expert_default(&files, &mut c), None, "the tiny model fits");
+        c
+    };
+    let c = resolved(WeightBits::Auto);
+    assert_eq!(c.cpu.expert_bits, WeightBits::Int4Asym);
+    let hybrid = crate::placement::device::hybrid_defaults(files.spec(), &c, None);
+    assert_eq!(hybrid.gpu.expert_bits, Some(krasis_quant::Bits::Int8), "4a streams as INT8 g32");
+    assert_eq!(resolved(WeightBits::Int4).cpu.expert_bits, WeightBits::Int4);
+    assert_eq!(resolved(WeightBits::Int8).cpu.expert_bits, WeightBits::Int4Asym);
 }
 
 /// The hybrid defaults pin by the heatmap beside the caches when it fits the model, and pass over
