@@ -53,9 +53,9 @@ pub(super) fn twin_within_term_ulps(
 /// each element within `EXPERT_ISA_ROW_TOL` of its row's RMS. SiLU differs by a few ulp
 /// between ISAs (see `silu_mul_w13`) and w2 sums those differences into every output of the
 /// row, so an output near zero carries an error of the row's size, not its own: a bar per
-/// element failed one CI run at 1.7e-3 of an element but 2e-7 of its row. A wrong kernel misses
-/// by a fraction of the row's RMS. For the expert proptests of the K-quant, FP4 and asymmetric
-/// INT4 layouts.
+/// element failed one CI run at 1.7e-3 of an element but 2e-7 of its row; a flipped activation
+/// code costs up to ~4e-4 of the row (`EXPERT_ISA_ROW_TOL`). A wrong kernel misses by a fraction
+/// of the row's RMS. For the expert proptests of the K-quant, FP4 and asymmetric INT4 layouts.
 pub(super) fn expert_rows_agree(isa: Isa, got: &[f32], want: &[f32], h: usize) -> Result<(), TestCaseError> {
     for (i, (g, w)) in got.chunks_exact(h).zip(want.chunks_exact(h)).enumerate() {
         let rms = (w.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / h as f64).sqrt();
@@ -76,9 +76,14 @@ pub(super) fn expert_rows_agree(isa: Isa, got: &[f32], want: &[f32], h: usize) -
     Ok(())
 }
 
-/// The SIMD/scalar SiLU difference after w2, as a fraction of a row's RMS: the worst of 64
-/// random cases per layout measured 6.3e-7 (K-quant, M = 40); 20× headroom.
-const EXPERT_ISA_ROW_TOL: f64 = 1e-5;
+/// The SIMD/scalar SiLU difference after w2, as a fraction of a row's RMS. Usually it is a few
+/// ulp summed: over 9 006 random cases of the three layouts' expert proptests (dev VM, session
+/// 37) the median was 0, the 99.9th percentile 5.9e-7. But when a SiLU output sits on a rounding
+/// boundary of the w2 activations' INT8 quantisation, the ulp flips that code, and w2 carries one
+/// quantisation step into the row: 2 of those 9 006 cases, the worst 3.9e-4 (CI met one at
+/// 1.5e-4 and failed on the bar of 1e-5 this had before). A wrong kernel or wiring misses by a
+/// fraction of the RMS; every kernel alone is held bit for bit by `isas_match_the_twin`.
+const EXPERT_ISA_ROW_TOL: f64 = 2e-3;
 
 /// Every ISA this CPU runs gives `want` (the scalar twin's `[m, nb · 16]` over row blocks
 /// `0..nb`) bit for bit: whole; over the row blocks from `cut % nb` on (those columns); and as

@@ -188,7 +188,7 @@ pub(crate) fn cpu_expert_default(files: &ModelFiles, config: &mut EngineConfig) 
         }
         Err(_) => Some(format!(
             "routed experts: INT4 g128, not the default asymmetric INT4 g32, whose estimated {} on the CPU engine \
-             exceeds the RAM limit (`--cpu-expert-bits 4a` asks for it anyway)",
+             exceeds the RAM limit (`EngineOptions::expert_bits` 4a asks for it anyway)",
             format_bytes(est)
         )),
     }
