@@ -414,8 +414,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
     let t_load = Instant::now();
     let opened = open_engine(&files, &config)?;
-    // For the RSS check after the run, at the context it held.
-    let held_estimate = cpu_memory_estimate(&files, &config);
     // The engine holds what it needs; the source mapping goes, so weights uploaded to the GPU
     // are not kept in host memory.
     drop(files);
@@ -458,7 +456,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // read by now, so RSS should match the estimate.
     let held = (req.prompt_ids.len() + out.generated.len()) as u64;
     let report = match engine.device() {
-        DevicePath::Cpu => opened.rss_report_after(&held_estimate, held, req.prompt_ids.len() as u64),
+        DevicePath::Cpu => opened.rss_report_after(held, req.prompt_ids.len() as u64),
         _ => opened.rss_report(),
     };
     if let Some(line) = report {

@@ -38,8 +38,11 @@ pub struct Opened {
     /// The placement plan's start lines: who runs the routed experts, per call length, and why
     /// ([`crate::placement::PlacementPlan::describe`]).
     pub placement: Vec<String>,
-    /// The resident-memory estimate of the CPU path (`None` on the GPU).
+    /// The resident-memory estimate of the CPU path at the widths the engine runs (`auto`
+    /// resolved), at the context it was opened for (`None` on the GPU).
     pub memory_estimate: Option<u64>,
+    /// The same estimate by parts, for the RSS check at the context a run actually held.
+    pub resident_estimate: Option<MemoryEstimate>,
     /// Whether the estimate should match the resident set once the model has run (quantised
     /// experts are resident after loading the cache, dense weights after the first pass).
     pub check_rss: bool,
@@ -53,17 +56,17 @@ impl Opened {
         rss_line(est, "")
     }
 
-    /// [`Opened::rss_report`] against `estimate` at the context actually held (`tokens`), for
-    /// runs far shorter than the context the start-up estimate assumes.
-    pub fn rss_report_at(&self, estimate: &MemoryEstimate, tokens: u64) -> Option<String> {
-        self.rss_report_after(estimate, tokens, tokens)
+    /// [`Opened::rss_report`] at the context actually held (`tokens`), for runs far shorter than
+    /// the context the start-up estimate assumes.
+    pub fn rss_report_at(&self, tokens: u64) -> Option<String> {
+        self.rss_report_after(tokens, tokens)
     }
 
     /// [`Opened::rss_report_at`] where the longest forward pass (the prompt's prefill) was
     /// `longest_pass` tokens: the prefill scratch that stays depends on it
     /// ([`MemoryEstimate::total_after`]).
-    pub fn rss_report_after(&self, estimate: &MemoryEstimate, tokens: u64, longest_pass: u64) -> Option<String> {
-        self.memory_estimate.filter(|_| self.check_rss)?;
+    pub fn rss_report_after(&self, tokens: u64, longest_pass: u64) -> Option<String> {
+        let estimate = self.resident_estimate.filter(|_| self.check_rss)?;
         rss_line(estimate.total_after(tokens, longest_pass), &format!(" for {tokens} tokens of context"))
     }
 }
@@ -234,7 +237,8 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
     let mut resolved = config.clone();
     resolved.cpu.dense_bits = crate::placement::precision::resolve_dense_bits(config.cpu.dense_bits);
     let config = &resolved;
-    let est = cpu_memory_estimate(files, config).total(config.context_tokens);
+    let resident = cpu_memory_estimate(files, config);
+    let est = resident.total(config.context_tokens);
     let warnings = check_ram(est, config)?;
     let mut loaded = load_model(files, &config.cpu)?;
     krasis_core::memory::release_free_heap();
@@ -251,6 +255,7 @@ pub fn open_cpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
         why: device_line(DevicePath::Cpu, why),
         placement,
         memory_estimate: Some(est),
+        resident_estimate: Some(resident),
         check_rss: config.cpu.expert_bits != WeightBits::Bf16,
     })
 }
@@ -280,6 +285,7 @@ pub fn open_gpu(files: &ModelFiles, config: &EngineConfig, why: &str) -> Result<
         why: device_line(DevicePath::Gpu, why),
         placement,
         memory_estimate: None,
+        resident_estimate: None,
         check_rss: false,
     })
 }
@@ -322,6 +328,7 @@ pub(crate) fn open_hybrid(files: &ModelFiles, config: &EngineConfig, why: &str) 
         why: device_line(DevicePath::Hybrid, why),
         placement,
         memory_estimate: None,
+        resident_estimate: None,
         check_rss: false,
     })
 }

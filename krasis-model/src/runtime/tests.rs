@@ -387,6 +387,16 @@ fn the_cpu_default_is_int4a_experts_and_int8_dense() {
     let log = opened.log.join("\n");
     assert!(log.contains("routed experts: cpu INT4 asymmetric g32"), "{log}");
     assert!(log.contains("experts_cpu_int4a_g32.bin"), "{log}");
+    // The RSS check holds the engine to the estimate at the width it runs, not the one `auto`
+    // resolves to before the device choice (INT4 g128): a run read 15 % over that one.
+    let at = |bits| {
+        let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
+        c.cpu.expert_bits = bits;
+        super::open::cpu_memory_estimate(&files, &c).expert_bytes
+    };
+    let held = opened.resident_estimate.expect("the CPU engine's estimate").expert_bytes;
+    assert_eq!(held, at(WeightBits::Int4Asym));
+    assert!(held > at(WeightBits::Int4), "4a holds more than INT4 g128");
     assert!(log.contains("dense-weight cache") && log.contains("dense_cpu_int8"), "{log}");
     let reference = open_engine(&files, &cpu_config()).unwrap();
     let log = reference.log.join("\n");
