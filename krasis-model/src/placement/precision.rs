@@ -399,7 +399,7 @@ mod tests {
         }
     }
 
-    /// The CPU engine's `auto` is asymmetric INT4 g32 on float experts only: not on a GGUF (its
+    /// `auto`'s CPU experts are asymmetric INT4 g32 on float experts only: not on a GGUF (its
     /// types decide), a 4-bit float or compressed-tensors INT4 checkpoint (kept as stored), a
     /// dense model, or widths the format's groups of 32 do not divide.
     #[test]
