@@ -235,7 +235,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let asym = krasis_model::placement::precision::int4a_by_default(spec).then_some(WeightBits::Int4Asym);
     for f in [WeightBits::Bf16, WeightBits::Int8, WeightBits::Int4].into_iter().chain(asym).chain(auto) {
         let e = estimate(spec, f);
-        let default = if f == WeightBits::Int4Asym { " (the default on the CPU and hybrid)" } else { "" };
+        let default = if f == WeightBits::Int4Asym {
+            " (the default on the CPU and hybrid where it fits the RAM limit)"
+        } else {
+            ""
+        };
         println!(
             "  experts {:<10} dense {} + experts {} + process {} + KV {}/token → {}{default}",
             format_name(f),
