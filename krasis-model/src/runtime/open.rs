@@ -182,7 +182,6 @@ pub(crate) fn cpu_expert_default(files: &ModelFiles, config: &mut EngineConfig) 
     }
     let mut trial = config.clone();
     trial.cpu.expert_bits = WeightBits::Int4Asym;
-    trial.cpu.dense_bits = crate::placement::precision::resolve_dense_bits(trial.cpu.dense_bits);
     let est = cpu_memory_estimate(files, &trial).total(trial.context_tokens);
     match check_ram_budget(est, krasis_core::hw::probe().mem_total_bytes, false) {
         Ok(_) => {
