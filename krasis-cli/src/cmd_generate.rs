@@ -14,7 +14,7 @@ use krasis_gpu::linear::LinearQuant;
 use krasis_gpu::VramBudgetSpec;
 use krasis_model::cpu::load::EngineOptions;
 use krasis_model::cpu::quantized::WeightBits;
-use krasis_model::gpu::{CachePlan, CacheStrategy, GpuExpertCache, GpuOptions, StreamFrom};
+use krasis_model::gpu::{CachePlan, CacheStrategy, GpuExpertCache, GpuOptions, GpuPrecision, StreamFrom};
 use krasis_model::placement::heatmap::ExpertHeat;
 use krasis_model::runtime::{
     check_context, context_limit, cpu_memory_estimate, open_engine, spec_context_limit, DevicePath, DevicePolicy,
@@ -174,6 +174,12 @@ pub struct GpuArgs {
     /// KV cache precision on the GPU (fp8 holds twice the tokens).
     #[arg(long, default_value = "bf16", value_parser = one_of::<KvDtype>(&["bf16", "fp8"]))]
     pub kv_dtype: KvDtype,
+    /// How the GPU computes attention and the dense parts: bf16 (matrix inputs rounded to BF16,
+    /// as transformers' BF16 run does), or f32 (nothing rounded but the stored weights, an f32 KV
+    /// cache, attention on CUDA cores: several times slower, for checking against an f32
+    /// reference).
+    #[arg(long, default_value = "bf16", value_parser = one_of::<GpuPrecision>(&["bf16", "f32"]))]
+    pub gpu_precision: GpuPrecision,
     /// Tokens (prompt + generated) each session holds. GPU and hybrid: the KV cache allocated
     /// at load (default: what the VRAM budget leaves, capped at the model's
     /// max_position_embeddings). CPU: a limit the cache grows up to (default:
@@ -270,6 +276,7 @@ impl GpuArgs {
             ordinal: self.gpu,
             vram_budget: self.vram_budget,
             kv_dtype: self.kv_dtype,
+            precision: self.gpu_precision,
             attention_quant: self.attention_quant,
             shared_expert_quant: self.shared_expert_quant,
             dense_mlp_quant: self.dense_mlp_quant,

@@ -35,6 +35,8 @@ pub const OPTION_FLAGS: &[(&str, &str)] = &[
     ("VramBudgetSpec::Auto", "--vram-budget auto"),
     ("GpuOptions::kv_dtype", "--kv-dtype"),
     ("KvDtype::Fp8", "--kv-dtype fp8"),
+    ("GpuOptions::precision", "--gpu-precision"),
+    ("GpuPrecision::F32", "--gpu-precision f32"),
     ("GpuOptions::kv_tokens", "--kv-tokens"),
     ("GpuOptions::expert_bits", "--gpu-expert-bits"),
     ("GpuOptions::expert_group_size", "--group-size"),

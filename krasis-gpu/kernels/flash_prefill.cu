@@ -4,15 +4,16 @@
 //   score(i, s) = scale * (q_a[i,h] . k_a[s,g] + q_b[i,h] . k_b[s,g]),   g = h / (heads / kv_heads)
 //   out[i,h]    = sum_{s <= q_start + i} softmax_s(score(i, s)) * v[s,g]
 //
-// Every tensor is a strided BF16 view [tokens, heads, dim]: element d of head h of token t is at
+// Every tensor is a strided BF16 (flash_prefill_simt_f32: f32) view [tokens, heads, dim]: element d of head h of token t is at
 // p[t*token_stride + h*head_stride + d]; head_stride may be 0 (one vector shared by every head, e.g.
 // MLA's rope key). Part b is optional (dim 0, null pointer). The output is f32 with its own strides.
 // Inputs are assumed finite (a masked key's V row is still multiplied by a zero weight).
 //
-// Two kernels:
+// The kernels:
 //   flash_prefill_simt: the correctness fallback. One warp per (query, head); lanes split the dims
 //     (at most SIMT_MAX_DIM per part), one key at a time with a warp-reduced dot product and an
 //     exact online softmax in f32 (expf). Any dims, any strides, any architecture.
+//     flash_prefill_simt_f32 is the same kernel over f32 q, k and v (the precise GPU mode).
 //   flash_prefill_mma: FlashAttention-2 style on tensor cores (mma.sync m16n8k16 bf16 -> f32,
 //     sm_80+). One block of 4 warps per (64-query tile, head); each warp owns 16 query rows with Q
 //     fragments in registers. 64-key K/V tiles are double-buffered in shared memory (cp.async when
@@ -50,35 +51,38 @@
 // Warps (= queries of one head) per block.
 #define SIMT_WARPS 4
 
-__device__ __forceinline__ void simt_load_row(float (&r)[SIMT_PER_LANE], const bf16_t* p, long long off, int dim,
+template <typename T>
+__device__ __forceinline__ void simt_load_row(float (&r)[SIMT_PER_LANE], const T* p, long long off, int dim,
                                               int lane) {
 #pragma unroll
     for (int j = 0; j < SIMT_PER_LANE; ++j) {
         const int d = lane + 32 * j;
-        r[j] = d < dim ? bf16_to_f32(p[off + d]) : 0.0f;
+        r[j] = d < dim ? load_f(p, off + d) : 0.0f;
     }
 }
 
-__device__ __forceinline__ float simt_partial_dot(const float (&q)[SIMT_PER_LANE], const bf16_t* p, long long off,
+template <typename T>
+__device__ __forceinline__ float simt_partial_dot(const float (&q)[SIMT_PER_LANE], const T* p, long long off,
                                                   int dim, int lane) {
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < SIMT_PER_LANE; ++j) {
         const int d = lane + 32 * j;
-        if (d < dim) s += q[j] * bf16_to_f32(p[off + d]);
+        if (d < dim) s += q[j] * load_f(p, off + d);
     }
     return s;
 }
 
 #ifndef FLASH_WGMMA
-extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
-    flash_prefill_simt(const bf16_t* __restrict__ q_a, const bf16_t* __restrict__ q_b,
-                       const bf16_t* __restrict__ k_a, const bf16_t* __restrict__ k_b,
-                       const bf16_t* __restrict__ v, float* __restrict__ out, int n_q, int q_start, int group,
-                       float scale, int da, int db, int dv, long long qa_ts, long long qa_hs, long long qb_ts,
-                       long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs,
-                       long long v_ts, long long v_hs, long long o_ts, long long o_hs, int window,
-                       const bf16_t* __restrict__ sinks) {
+// T: the element type of q, k and v (BF16, or f32 for the precise GPU mode: the same kernel, no
+// rounding of its inputs).
+template <typename T>
+__device__ __forceinline__ void flash_prefill_simt_body(
+    const T* __restrict__ q_a, const T* __restrict__ q_b, const T* __restrict__ k_a, const T* __restrict__ k_b,
+    const T* __restrict__ v, float* __restrict__ out, int n_q, int q_start, int group, float scale, int da, int db,
+    int dv, long long qa_ts, long long qa_hs, long long qb_ts, long long qb_hs, long long ka_ts, long long ka_hs,
+    long long kb_ts, long long kb_hs, long long v_ts, long long v_hs, long long o_ts, long long o_hs, int window,
+    const bf16_t* __restrict__ sinks) {
     const int lane = threadIdx.x & 31;
     const int i = blockIdx.x * SIMT_WARPS + (threadIdx.x >> 5);
     const int h = blockIdx.y;
@@ -111,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < SIMT_PER_LANE; ++j) {
             const int d = lane + 32 * j;
-            const float vv = d < dv ? bf16_to_f32(v[vo + d]) : 0.0f;
+            const float vv = d < dv ? load_f(v, vo + d) : 0.0f;
             acc[j] = acc[j] * alpha + p * vv;
         }
         m = m_new;
@@ -129,6 +133,19 @@ extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)
         if (d < dv) out[i * o_ts + h * o_hs + d] = acc[j] * inv;
     }
 }
+
+#define KRASIS_FLASH_SIMT(NAME, T)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(SIMT_WARPS * 32)                                                  \
+        NAME(const T* q_a, const T* q_b, const T* k_a, const T* k_b, const T* v, float* out, int n_q, int q_start, \
+             int group, float scale, int da, int db, int dv, long long qa_ts, long long qa_hs, long long qb_ts,    \
+             long long qb_hs, long long ka_ts, long long ka_hs, long long kb_ts, long long kb_hs, long long v_ts,  \
+             long long v_hs, long long o_ts, long long o_hs, int window, const bf16_t* sinks) {                    \
+        flash_prefill_simt_body<T>(q_a, q_b, k_a, k_b, v, out, n_q, q_start, group, scale, da, db, dv, qa_ts,      \
+                                   qa_hs, qb_ts, qb_hs, ka_ts, ka_hs, kb_ts, kb_hs, v_ts, v_hs, o_ts, o_hs, window, \
+                                   sinks);                                                                         \
+    }
+KRASIS_FLASH_SIMT(flash_prefill_simt, bf16_t)
+KRASIS_FLASH_SIMT(flash_prefill_simt_f32, float)
 #endif
 
 // ------------------------------------------------------------------------------------------ MMA

@@ -1,7 +1,7 @@
-// The GPU KV cache: writing f32 rows into BF16 or FP8 E4M3 storage, and dequantised reads.
+// The GPU KV cache: writing f32 rows into f32, BF16 or FP8 E4M3 storage, and dequantised reads.
 //
 // Storage of one (layer, plane): `capacity` rows of `row` elements, row-major, rows back to back
-// (BF16: 2 bytes per element; FP8: 1 byte). FP8 also keeps one f32 scale per `group` consecutive
+// (f32: 4 bytes per element, stored as given; BF16: 2 bytes; FP8: 1 byte). FP8 also keeps one f32 scale per `group` consecutive
 // elements of a row: scales [capacity, row / group]. A stored FP8 element decodes as
 // e4m3(code) * scale, where scale = amax(|group|) / 448 (codes 0 where that scale is 0).
 #include "krasis_common.cuh"
@@ -52,6 +52,18 @@ extern "C" __global__ void kv_write_bf16(const float* __restrict__ src, bf16_t* 
     for (int j = threadIdx.x; j < row; j += blockDim.x) d[j] = f32_to_bf16(s[j]);
 }
 
+// src f32 [t, row] -> rows pos..pos+t of an f32 plane, as given. Grid: (t), any block size.
+extern "C" __global__ void kv_write_f32(const float* __restrict__ src, float* __restrict__ dst, int t, int row,
+                                        long long pos) {
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
+    const int i = blockIdx.x;
+    if (i >= t) return;
+    const float* s = src + (long long)i * row;
+    float* d = dst + (pos + i) * (long long)row;
+    for (int j = threadIdx.x; j < row; j += blockDim.x) d[j] = s[j];
+}
+
 // src f32 [t, row] -> rows pos..pos+t of an FP8 plane and its scales [cap, row/group].
 // Grid: (t), block: a multiple of 32; one warp per group at a time.
 extern "C" __global__ void kv_write_fp8(const float* __restrict__ src, unsigned char* __restrict__ dst,
@@ -79,14 +91,15 @@ extern "C" __global__ void kv_write_fp8(const float* __restrict__ src, unsigned 
     }
 }
 
-// Dequantised rows start..start+len of a plane into f32 or BF16 dst [len, row]. Grid: (len).
-template <typename Out>
-__device__ __forceinline__ void kv_read_bf16_body(const bf16_t* __restrict__ src, Out* __restrict__ dst, int len,
-                                                  int row, long long start) {
+// Rows start..start+len of an f32 or BF16 plane into f32 or BF16 dst [len, row] (converted as
+// load_f / store_f do). Grid: (len).
+template <typename In, typename Out>
+__device__ __forceinline__ void kv_read_plain_body(const In* __restrict__ src, Out* __restrict__ dst, int len,
+                                                   int row, long long start) {
     const int i = blockIdx.x;
     if (i >= len) return;
-    const bf16_t* s = src + (start + i) * (long long)row;
-    for (int j = threadIdx.x; j < row; j += blockDim.x) store_f(dst, (long long)i * row + j, bf16_to_f32(s[j]));
+    const In* s = src + (start + i) * (long long)row;
+    for (int j = threadIdx.x; j < row; j += blockDim.x) store_f(dst, (long long)i * row + j, load_f(s, j));
 }
 
 template <typename Out>
@@ -103,11 +116,19 @@ __device__ __forceinline__ void kv_read_fp8_body(const unsigned char* __restrict
 }
 
 extern "C" __global__ void kv_read_bf16_f32(const bf16_t* src, float* dst, int len, int row, long long start) {
-    kv_read_bf16_body(src, dst, len, row, start);
+    kv_read_plain_body(src, dst, len, row, start);
 }
 
 extern "C" __global__ void kv_read_bf16_bf16(const bf16_t* src, bf16_t* dst, int len, int row, long long start) {
-    kv_read_bf16_body(src, dst, len, row, start);
+    kv_read_plain_body(src, dst, len, row, start);
+}
+
+extern "C" __global__ void kv_read_f32_f32(const float* src, float* dst, int len, int row, long long start) {
+    kv_read_plain_body(src, dst, len, row, start);
+}
+
+extern "C" __global__ void kv_read_f32_bf16(const float* src, bf16_t* dst, int len, int row, long long start) {
+    kv_read_plain_body(src, dst, len, row, start);
 }
 
 extern "C" __global__ void kv_read_fp8_f32(const unsigned char* src, const float* scales, float* dst, int len,

@@ -22,6 +22,25 @@ extern "C" __global__ void f32_to_bf16_pad(const float* __restrict__ x, bf16_t* 
     convert_row(x + (long long)t * cols, out + (long long)t * ld, cols, ld, threadIdx.x, blockDim.x);
 }
 
+// x f32 [m, cols] -> its BF16 halves (bf16_split: x ~= hi + lo within 2^-18 |x|): hi into
+// out [m, ld], lo into out + m * ld [m, ld], columns cols..ld-1 zeroed in both. One block per row.
+// The precise GPU mode multiplies both halves (two GEMMs into one y), so x keeps about f32's
+// accuracy through cuBLAS's BF16 tensor cores.
+extern "C" __global__ void f32_to_bf16_split_pad(const float* __restrict__ x, bf16_t* __restrict__ out, int m,
+                                                 int cols, int ld) {
+    const int t = blockIdx.x;
+    if (t >= m) return;
+    const float* src = x + (long long)t * cols;
+    bf16_t* hi = out + (long long)t * ld;
+    bf16_t* lo = out + ((long long)m + t) * ld;
+    for (int c = threadIdx.x; c < ld; c += blockDim.x) {
+        bf16_t h = 0, l = 0;
+        if (c < cols) bf16_split(src[c], h, l);
+        hi[c] = h;
+        lo[c] = l;
+    }
+}
+
 // INT8 values -> BF16 (exact: |q| <= 128 fits BF16's 8-bit significand). No scale: it is applied
 // to the GEMM's f32 output by scale_rows_f32. `n16` = number of 16-byte groups.
 extern "C" __global__ void int8_dequant_bf16(const int4* __restrict__ w, uint4* __restrict__ out, long long n16) {

@@ -62,7 +62,8 @@ pub const ATTN_DECODE_VARIANTS: [KernelSource; 8] = [
 ];
 
 /// Whether `k` is one of the attention variants for another KV dtype than `kv`: a model with a
-/// `kv` cache never launches it, so its start need not compile it.
+/// `kv` cache never launches it, so its start need not compile it (every variant, for an f32
+/// cache: its attention runs in the prefill form).
 pub fn attention_variant_of_other_dtype(k: &KernelSource, kv: KvDtype) -> bool {
     ATTN_DECODE_VARIANTS.iter().any(|v| v.name == k.name) && !VALUE_TILES.iter().any(|&n| kernel_name(kv, n) == k.name)
 }
@@ -457,6 +458,10 @@ impl GpuDevice {
         const OP: &str = "decode attention";
         opts.check(OP, heads)?;
         let lay = cache.layout();
+        shape(OP, lay.dtype != KvDtype::F32, || {
+            "an f32 KV cache is read by the prefill form of attention only (flash_prefill_f32), not the decode kernels"
+                .to_string()
+        })?;
         let row = lay.row;
         let (kv_heads, k_dim, v_dim, shared_kv) = match kind {
             Kind::Mla { latent } => {
@@ -735,8 +740,11 @@ impl GpuDevice {
     }
 }
 
+/// The decode kernel of a `dtype` cache with `ntw` value tiles per warp ("" for an f32 cache,
+/// which [`GpuDevice::decode_attention`] refuses before it asks).
 fn kernel_name(dtype: KvDtype, ntw: usize) -> &'static str {
     match (dtype, ntw) {
+        (KvDtype::F32, _) => "",
         (KvDtype::Bf16, 2) => "attn_decode_bf16_n2",
         (KvDtype::Bf16, 4) => "attn_decode_bf16_n4",
         (KvDtype::Bf16, 8) => "attn_decode_bf16_n8",

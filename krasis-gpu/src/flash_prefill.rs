@@ -20,7 +20,8 @@
 //!   double-buffered (`cp.async` for 16-byte-aligned tensors, plain loads otherwise). P is rounded
 //!   to BF16 before the P·V product (hence its looser tolerance).
 //! - [`FlashKernel::Simt`]: plain f32 CUDA cores, one warp per (query, head); slow, exact up to
-//!   f32 rounding; the correctness fallback.
+//!   f32 rounding; the correctness fallback. It alone also takes f32 q, k and v
+//!   ([`GpuDevice::flash_prefill_f32`], the precise GPU mode: nothing rounded to BF16).
 //!
 //! Rule: **Wgmma** when the kernels target `sm_90a` and MmaFixed could run; else **MmaFixed** when
 //! `Mma` could run, the shapes fit one of [`FIXED_SHAPES`] (every dim a multiple of 8, part b
@@ -58,6 +59,7 @@ pub const FLASH_PREFILL: KernelSource = KernelSource {
     options: &[],
     functions: &[
         "flash_prefill_simt",
+        "flash_prefill_simt_f32",
         "flash_prefill_mma",
         "flash_prefill_fixed_128_64_128",
         "flash_prefill_fixed_128_0_128",
@@ -177,6 +179,31 @@ impl HeadsLayout {
             && self.token_stride.is_multiple_of(8)
             && self.head_stride.is_multiple_of(8)
     }
+}
+
+/// The element type of a prefill's q, k and v: BF16 bits (`u16`, every kernel) or f32 (the SIMT
+/// kernel only: the precise GPU mode).
+pub trait FlashInput: cudarc::driver::DeviceRepr + private::Sealed {
+    /// The SIMT kernel over this type.
+    const SIMT_KERNEL: &'static str;
+    /// Whether only the SIMT kernel takes it.
+    const SIMT_ONLY: bool;
+}
+
+impl FlashInput for u16 {
+    const SIMT_KERNEL: &'static str = "flash_prefill_simt";
+    const SIMT_ONLY: bool = false;
+}
+
+impl FlashInput for f32 {
+    const SIMT_KERNEL: &'static str = "flash_prefill_simt_f32";
+    const SIMT_ONLY: bool = true;
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for u16 {}
+    impl Sealed for f32 {}
 }
 
 /// Shapes of one [`GpuDevice::flash_prefill`] call.
@@ -543,24 +570,27 @@ impl GpuDevice {
 
     /// [`GpuDevice::flash_prefill`] with a sliding window and attention sinks ([`AttnOptions`]):
     /// query `i` sees keys `max(0, q_start + i + 1 − w) ..= q_start + i`, and head `h`'s sink
-    /// logit joins its softmax's denominator.
+    /// logit joins its softmax's denominator. f32 inputs ([`FlashInput`]) take the SIMT kernel.
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_prefill_opts(
+    pub fn flash_prefill_opts<T: FlashInput>(
         &self,
         args: &FlashPrefillArgs,
         opts: &AttnOptions<'_>,
-        q_a: &impl DevicePtr<u16>,
-        q_b: Option<&dyn DevicePtr<u16>>,
-        k_a: &impl DevicePtr<u16>,
-        k_b: Option<&dyn DevicePtr<u16>>,
-        v: &impl DevicePtr<u16>,
+        q_a: &impl DevicePtr<T>,
+        q_b: Option<&dyn DevicePtr<T>>,
+        k_a: &impl DevicePtr<T>,
+        k_b: Option<&dyn DevicePtr<T>>,
+        v: &impl DevicePtr<T>,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         validate_shapes(args, q_b.is_some(), k_b.is_some())?;
+        if T::SIMT_ONLY {
+            return self.flash_prefill_with_opts(FlashKernel::Simt, args, opts, q_a, q_b, k_a, k_b, v, out);
+        }
         let mut kernel = self.flash_prefill_kernel(args)?;
         if kernel >= FlashKernel::MmaFixed {
             let s = self.stream();
-            let ptr = |p: &dyn DevicePtr<u16>| p.device_ptr(s).0;
+            let ptr = |p: &dyn DevicePtr<T>| p.device_ptr(s).0;
             let ptrs = [ptr(q_a), q_b.map_or(0, ptr), ptr(k_a), k_b.map_or(0, ptr), ptr(v), out.device_ptr_mut(s).0];
             if !fixed_misaligned(args, ptrs, q_b.is_some()).is_empty() {
                 kernel = FlashKernel::Mma;
@@ -586,22 +616,43 @@ impl GpuDevice {
         self.flash_prefill_with_opts(kernel, args, &AttnOptions::default(), q_a, q_b, k_a, k_b, v, out)
     }
 
-    /// [`GpuDevice::flash_prefill_opts`] with the kernel forced (tests, benchmarks).
+    /// [`GpuDevice::flash_prefill_opts`] over f32 q, k and v (the precise GPU mode): the SIMT
+    /// kernel's mathematics with nothing rounded to BF16 (`flash_prefill_simt_f32`).
     #[allow(clippy::too_many_arguments)]
-    pub fn flash_prefill_with_opts(
+    pub fn flash_prefill_f32(
+        &self,
+        args: &FlashPrefillArgs,
+        opts: &AttnOptions<'_>,
+        q_a: &impl DevicePtr<f32>,
+        q_b: Option<&dyn DevicePtr<f32>>,
+        k_a: &impl DevicePtr<f32>,
+        k_b: Option<&dyn DevicePtr<f32>>,
+        v: &impl DevicePtr<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<(), GpuError> {
+        self.flash_prefill_with_opts(FlashKernel::Simt, args, opts, q_a, q_b, k_a, k_b, v, out)
+    }
+
+    /// [`GpuDevice::flash_prefill_opts`] with the kernel forced (tests, benchmarks). With f32
+    /// inputs ([`FlashInput`]) only [`FlashKernel::Simt`] runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn flash_prefill_with_opts<T: FlashInput>(
         &self,
         kernel: FlashKernel,
         args: &FlashPrefillArgs,
         opts: &AttnOptions<'_>,
-        q_a: &impl DevicePtr<u16>,
-        q_b: Option<&dyn DevicePtr<u16>>,
-        k_a: &impl DevicePtr<u16>,
-        k_b: Option<&dyn DevicePtr<u16>>,
-        v: &impl DevicePtr<u16>,
+        q_a: &impl DevicePtr<T>,
+        q_b: Option<&dyn DevicePtr<T>>,
+        k_a: &impl DevicePtr<T>,
+        k_b: Option<&dyn DevicePtr<T>>,
+        v: &impl DevicePtr<T>,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<(), GpuError> {
         let a = args;
         validate_shapes(a, q_b.is_some(), k_b.is_some())?;
+        if T::SIMT_ONLY && kernel != FlashKernel::Simt {
+            return Err(GpuError::shape(OP, format!("f32 inputs run on the SIMT kernel only, not {kernel:?}")));
+        }
         opts.check(OP, a.heads)?;
         check_extent("q_a", &a.q_a, a.n_q, a.heads, q_a.len())?;
         check_extent("k_a", &a.k_a, a.n_kv, a.kv_heads, k_a.len())?;
@@ -654,7 +705,7 @@ impl GpuDevice {
         let window = opts.window_i32();
         match kernel {
             FlashKernel::Simt => {
-                let f = self.function(&FLASH_PREFILL, "flash_prefill_simt")?;
+                let f = self.function(&FLASH_PREFILL, T::SIMT_KERNEL)?;
                 let mut b = s.launch_builder(&f);
                 b.arg(&qa_p).arg(&qb_p).arg(&ka_p).arg(&kb_p).arg(&v_p).arg(&o_p);
                 b.arg(&sc.n_q).arg(&sc.q_start).arg(&sc.group).arg(&a.scale).arg(&sc.da).arg(&sc.db).arg(&sc.dv);

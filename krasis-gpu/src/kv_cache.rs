@@ -1,5 +1,6 @@
 //! The GPU KV cache: per layer one (MLA: the latent ‖ rope-key row) or two (GQA: K and V) planes
-//! of `row` elements per token, stored as BF16 or as FP8 E4M3 with one f32 scale per
+//! of `row` elements per token, stored as BF16, as f32 (as written: the precise GPU mode's
+//! cache, whose attention reads it in the prefill form only) or as FP8 E4M3 with one f32 scale per
 //! `scale_group` consecutive elements of a row. All of it is one budget-charged allocation (two
 //! for FP8: codes and scales), sized at creation.
 //!
@@ -28,9 +29,12 @@ pub const KV_CACHE: KernelSource = KernelSource {
     options: &[],
     functions: &[
         "kv_write_bf16",
+        "kv_write_f32",
         "kv_write_fp8",
         "kv_read_bf16_f32",
         "kv_read_bf16_bf16",
+        "kv_read_f32_f32",
+        "kv_read_f32_bf16",
         "kv_read_fp8_f32",
         "kv_read_fp8_bf16",
     ],
@@ -44,10 +48,13 @@ const ROW_THREADS: u32 = 256;
 /// f32 → E4M3 conversion: both live beside the E4M3 decoder in `krasis_core::dtype`.
 pub use krasis_core::dtype::{f32_to_fp8_e4m3, FP8_E4M3_MAX};
 
-/// Storage type of the KV cache (`--kv-dtype bf16|fp8`).
+/// Storage type of the KV cache (`--kv-dtype bf16|fp8|f32`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KvDtype {
     Bf16,
+    /// The rows as written (the precise GPU mode's cache: the decode attention kernels read BF16
+    /// and FP8 only, so attention over it runs in the prefill form).
+    F32,
     /// FP8 E4M3 with one f32 scale per group of elements.
     Fp8,
 }
@@ -57,6 +64,7 @@ impl KvDtype {
     pub fn elem_bytes(self) -> usize {
         match self {
             KvDtype::Bf16 => 2,
+            KvDtype::F32 => 4,
             KvDtype::Fp8 => 1,
         }
     }
@@ -66,6 +74,7 @@ impl fmt::Display for KvDtype {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             KvDtype::Bf16 => "bf16",
+            KvDtype::F32 => "f32",
             KvDtype::Fp8 => "fp8",
         })
     }
@@ -78,7 +87,8 @@ impl FromStr for KvDtype {
         match s.trim().to_ascii_lowercase().as_str() {
             "bf16" => Ok(KvDtype::Bf16),
             "fp8" => Ok(KvDtype::Fp8),
-            _ => Err(GpuError::shape("kv dtype", format!("{s:?} is not a KV cache dtype (expected bf16 or fp8)"))),
+            "f32" => Ok(KvDtype::F32),
+            _ => Err(GpuError::shape("kv dtype", format!("{s:?} is not a KV cache dtype (expected bf16, fp8 or f32)"))),
         }
     }
 }
@@ -132,7 +142,7 @@ impl KvLayout {
     /// Scales per row (FP8; 0 for BF16).
     pub fn groups_per_row(&self) -> usize {
         match self.dtype {
-            KvDtype::Bf16 => 0,
+            KvDtype::Bf16 | KvDtype::F32 => 0,
             KvDtype::Fp8 => self.row / self.scale_group,
         }
     }
@@ -145,7 +155,7 @@ impl KvLayout {
     /// Number of separate allocations (each is rounded up to the budget's charge granule).
     fn allocations(&self) -> u64 {
         match self.dtype {
-            KvDtype::Bf16 => 1,
+            KvDtype::Bf16 | KvDtype::F32 => 1,
             KvDtype::Fp8 => 2,
         }
     }
@@ -229,7 +239,7 @@ impl GpuKvCache {
             .ok_or_else(|| GpuError::shape("GpuKvCache::new", format!("{cap} tokens overflow the cache size")))?;
         let data = dev.alloc_zeros::<u8>(elems * layout.dtype.elem_bytes(), "KV cache")?;
         let scales = match layout.dtype {
-            KvDtype::Bf16 => None,
+            KvDtype::Bf16 | KvDtype::F32 => None,
             KvDtype::Fp8 => {
                 let n = layout.layers * layout.planes * cap * layout.groups_per_row();
                 Some(dev.alloc_zeros::<f32>(n, "KV cache FP8 scales")?)
@@ -389,7 +399,7 @@ impl GpuKvCache {
     }
 
     /// Stores rows for positions `pos..pos+t` of (`layer`, `plane`) from f32 `src [t, row]`:
-    /// BF16 rounds to nearest even; FP8 quantises each group as the module docs say. Nothing is
+    /// f32 stores them as given; BF16 rounds to nearest even; FP8 quantises each group as the module docs say. Nothing is
     /// written if `pos + t > capacity` (an error).
     pub fn write(
         &self,
@@ -416,8 +426,9 @@ impl GpuKvCache {
         let (row_i, pos_l) = (row as i32, pos as i64);
         let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
         match self.layout.dtype {
-            KvDtype::Bf16 => {
-                let f = dev.function(&KV_CACHE, "kv_write_bf16")?;
+            KvDtype::Bf16 | KvDtype::F32 => {
+                let name = if self.layout.dtype == KvDtype::F32 { "kv_write_f32" } else { "kv_write_bf16" };
+                let f = dev.function(&KV_CACHE, name)?;
                 let mut args = kernel_args![&src_p, &data, &t_i, &row_i, &pos_l];
                 // SAFETY: arguments match the kernel; rows pos..pos+t lie inside the plane; the
                 // kernel waits for the previous one first.
@@ -436,7 +447,7 @@ impl GpuKvCache {
     }
 
     /// Dequantised copy of positions `start..start+len` of (`layer`, `plane`) into `dst [len, row]`
-    /// as BF16 bits (FP8: the f32 value `code · scale` rounded to nearest even).
+    /// as BF16 bits (FP8: the f32 value `code · scale` rounded to nearest even; f32: rounded likewise).
     pub fn read_bf16(
         &self,
         dev: &GpuDevice,
@@ -451,7 +462,7 @@ impl GpuKvCache {
         self.read_launch(dev, layer, plane, start, len, p, n, false)
     }
 
-    /// [`GpuKvCache::read_bf16`] into f32 (exact for both dtypes).
+    /// [`GpuKvCache::read_bf16`] into f32 (exact for every dtype).
     pub fn read_f32(
         &self,
         dev: &GpuDevice,
@@ -493,8 +504,13 @@ impl GpuKvCache {
         let (row_i, start_l) = (row as i32, start as i64);
         let cfg = LaunchConfig { grid_dim: (len as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 };
         match self.layout.dtype {
-            KvDtype::Bf16 => {
-                let name = if to_f32 { "kv_read_bf16_f32" } else { "kv_read_bf16_bf16" };
+            KvDtype::Bf16 | KvDtype::F32 => {
+                let name = match (self.layout.dtype, to_f32) {
+                    (KvDtype::F32, true) => "kv_read_f32_f32",
+                    (KvDtype::F32, false) => "kv_read_f32_bf16",
+                    (_, true) => "kv_read_bf16_f32",
+                    (_, false) => "kv_read_bf16_bf16",
+                };
                 let f = dev.function(&KV_CACHE, name)?;
                 let mut b = s.launch_builder(&f);
                 b.arg(&data).arg(&dst).arg(&len_i).arg(&row_i).arg(&start_l);

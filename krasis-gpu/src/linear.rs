@@ -16,6 +16,11 @@
 //!   of traffic per weight, small next to the `2·m` FLOPs per weight once `m` is in the tens.
 //!   The two INT8 paths therefore differ in one respect: the GEMV uses f32 `x`, the tiled path
 //!   BF16-rounded `x` (like the BF16 path).
+//! * **Exact input** ([`GpuLinear::set_exact_input`], the precise GPU mode): x is not rounded.
+//!   Every BF16 product goes through cuBLAS with x split into two BF16 halves (`hi + lo` within
+//!   2⁻¹⁸ |x|), two GEMMs summing into one f32 `y` (the second with β = 1); the tiled INT8 path
+//!   does the same, and the INT8 GEMV already reads f32 `x`. Twice the GEMM work for about f32's
+//!   accuracy: a verification mode, not a fast one.
 //!
 //! Nothing here synchronises; every launch goes on the device's compute stream.
 
@@ -36,7 +41,7 @@ pub const LINEAR: KernelSource = KernelSource {
     src: include_str!("../kernels/linear.cu"),
     headers: HEADERS,
     options: &[],
-    functions: &["f32_to_bf16_pad", "int8_dequant_bf16", "scale_rows_f32"],
+    functions: &["f32_to_bf16_pad", "f32_to_bf16_split_pad", "int8_dequant_bf16", "scale_rows_f32"],
 };
 
 /// The INT8 GEMVs: a program of their own (the same file), so that the GEMV families compile in
@@ -456,6 +461,8 @@ pub struct GpuLinear {
     cols: usize,
     w: Weights,
     bf16_path: Bf16Path,
+    /// x enters the products unrounded ([`GpuLinear::set_exact_input`]).
+    exact_input: bool,
 }
 
 impl fmt::Debug for GpuLinear {
@@ -513,7 +520,7 @@ impl GpuLinear {
                 Weights::Int8 { q, scale, ldw }
             }
         };
-        Ok(GpuLinear { name: name.to_string(), rows, cols, w, bf16_path: Bf16Path::Auto })
+        Ok(GpuLinear { name: name.to_string(), rows, cols, w, bf16_path: Bf16Path::Auto, exact_input: false })
     }
 
     pub fn name(&self) -> &str {
@@ -549,7 +556,7 @@ impl GpuLinear {
     /// scratch).
     pub fn runs_alone(&self, m: usize) -> bool {
         match &self.w {
-            Weights::Bf16(_) => m <= BF16_GEMV_MAX_M && self.bf16_path != Bf16Path::Cublas,
+            Weights::Bf16(_) => m <= BF16_GEMV_MAX_M && self.bf16_path != Bf16Path::Cublas && !self.exact_input,
             Weights::Int8 { .. } => m <= INT8_GEMV_MAX_M,
         }
     }
@@ -560,7 +567,8 @@ impl GpuLinear {
         if self.runs_alone(m) {
             return 0;
         }
-        let xb_bytes = m * align_up(self.cols, 8) * 2;
+        let halves = if self.exact_input { 2 } else { 1 };
+        let xb_bytes = halves * m * align_up(self.cols, 8) * 2;
         match &self.w {
             Weights::Bf16(_) => xb_bytes,
             Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, self.int8_tile_rows(*ldw) * ldw * 2]),
@@ -570,6 +578,18 @@ impl GpuLinear {
     /// Rows of the INT8 weight expanded to BF16 per GEMM of the tiled path.
     fn int8_tile_rows(&self, ldw: usize) -> usize {
         (INT8_DEQUANT_TILE_BYTES / (ldw * 2)).clamp(1, self.rows)
+    }
+
+    /// Whether x enters the products unrounded (the precise GPU mode): every BF16 product then
+    /// runs on cuBLAS with x as two BF16 halves, two GEMMs into one f32 `y` (module docs). Off by
+    /// default: x is rounded to BF16, as transformers' BF16 run does.
+    pub fn set_exact_input(&mut self, exact: bool) {
+        self.exact_input = exact;
+    }
+
+    /// [`GpuLinear::set_exact_input`]'s setting.
+    pub fn exact_input(&self) -> bool {
+        self.exact_input
     }
 
     /// Forces the kernel of a BF16 weight (no effect on INT8). For tests and tuning: every path
@@ -654,6 +674,7 @@ impl GpuLinear {
         let sms = dev.info().multiprocessors.max(1) as usize;
         let r = bf16_gemv_rows_per_warp(all_rows, m, sms);
         let fused = same
+            && parts.iter().all(|(l, _)| !l.exact_input)
             && parts.len() <= GEMV_GROUP_MAX
             && parts.iter().all(|(l, _)| l.bf16_path == Bf16Path::Auto)
             && (1..=BF16_GEMV_MAX_M).contains(&m)
@@ -697,7 +718,7 @@ impl GpuLinear {
 
     /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows: a BF16 weight on the cuBLAS path.
     pub fn writes_bf16(&self, m: usize) -> bool {
-        matches!(self.w, Weights::Bf16(_)) && !self.runs_alone(m)
+        matches!(self.w, Weights::Bf16(_)) && !self.runs_alone(m) && !self.exact_input
     }
 
     /// `y[m, rows] = x[m, cols] · Wᵀ` as [`GpuLinear::forward`] computes it, rounded to BF16 by
@@ -746,6 +767,10 @@ impl GpuLinear {
         let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
         let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
         let xb = g.scratch_ptr();
+        if self.exact_input {
+            convert_x_split(dev, x, xb, m_i, cols, ldx)?;
+            return gemm_bf16_halves(g.handle(), w, rows, cols, cols, xb, ldx, m_i, y.0, rows);
+        }
         convert_x(dev, x, xb, m_i, cols, ldx)?;
         gemm_bf16_to(g.handle(), w, rows, cols, cols, xb, ldx, m_i, y, rows)
     }
@@ -885,9 +910,14 @@ impl GpuLinear {
         let (tile_rows, xb_bytes) = (self.int8_tile_rows(ldw), m * ldx * 2);
         let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
         let mut carve = Carve::new(g.scratch_ptr());
-        let (xb, wb) = (carve.take(xb_bytes), carve.take(tile_rows * ldw * 2));
+        let halves = if self.exact_input { 2 } else { 1 };
+        let (xb, wb) = (carve.take(halves * xb_bytes), carve.take(tile_rows * ldw * 2));
         let m_i = to_i32(OP, "m", m)?;
-        convert_x(dev, x, xb, m_i, cols, ldx)?;
+        if self.exact_input {
+            convert_x_split(dev, x, xb, m_i, cols, ldx)?;
+        } else {
+            convert_x(dev, x, xb, m_i, cols, ldx)?;
+        }
         let s = dev.stream();
         let deq = dev.function(&LINEAR, "int8_dequant_bf16")?;
         let mut r0 = 0;
@@ -900,7 +930,12 @@ impl GpuLinear {
             // SAFETY: `src` covers `tr` padded rows, `wb` holds `tile_rows * ldw` BF16.
             unsafe { b.launch(ew_cfg(n16 as usize)) }.map_err(launch_err(OP))?;
             // Rows r0..r0+tr of y's column-major [rows, m] view: pointer offset r0, ldc = rows.
-            gemm_bf16(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y + (r0 * 4) as u64, rows)?;
+            let y_tile = y + (r0 * 4) as u64;
+            if self.exact_input {
+                gemm_bf16_halves(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y_tile, rows)?;
+            } else {
+                gemm_bf16(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y_tile, rows)?;
+            }
             r0 += tr;
         }
         let rows_i = to_i32(OP, "rows", rows)?;
@@ -925,6 +960,40 @@ fn convert_x(dev: &GpuDevice, x: u64, xb: u64, m: i32, cols: usize, ldx: usize) 
     // SAFETY: x is [m, cols] f32, xb [m, ldx] BF16 in the scratch.
     unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
     Ok(())
+}
+
+/// `x` as its BF16 halves: hi into `xb [m, ldx]`, lo into `xb + m·ldx` (padding zeroed).
+fn convert_x_split(dev: &GpuDevice, x: u64, xb: u64, m: i32, cols: usize, ldx: usize) -> Result<(), GpuError> {
+    const OP: &str = "f32_to_bf16_split_pad";
+    let (c_i, ld_i) = (to_i32(OP, "cols", cols)?, to_i32(OP, "ld", ldx)?);
+    let f = dev.function(&LINEAR, "f32_to_bf16_split_pad")?;
+    let s = dev.stream();
+    let mut b = s.launch_builder(&f);
+    b.arg(&x).arg(&xb).arg(&m).arg(&c_i).arg(&ld_i);
+    let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (EW_BLOCK, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: x is [m, cols] f32, xb [2·m, ldx] BF16 in the scratch.
+    unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+    Ok(())
+}
+
+/// [`gemm_bf16`] of x given as its two BF16 halves ([`convert_x_split`]'s `xb`): `y = hi·Wᵀ`, then
+/// `y += lo·Wᵀ` (β = 1), both with f32 sums.
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16_halves(
+    h: &CublasHandle,
+    w: u64,
+    n: usize,
+    k: usize,
+    ldw: usize,
+    xb: u64,
+    ldx: usize,
+    m: i32,
+    y: u64,
+    ldy: usize,
+) -> Result<(), GpuError> {
+    gemm_bf16(h, w, n, k, ldw, xb, ldx, m, y, ldy)?;
+    let lo = xb + (m as usize * ldx * 2) as u64;
+    gemm_bf16_beta(h, w, n, k, ldw, lo, ldx, m, (y, cublas::R_32F), ldy, 1.0)
 }
 
 /// Row-major `y[m, n] (ld ldy) = x[m, k] (ld ldx, BF16) · W[n, k]ᵀ (ld ldw, BF16)`, f32 output:
@@ -957,8 +1026,26 @@ fn gemm_bf16_to(
     xb: u64,
     ldx: usize,
     m: i32,
+    y: (u64, std::ffi::c_int),
+    ldy: usize,
+) -> Result<(), GpuError> {
+    gemm_bf16_beta(h, w, n, k, ldw, xb, ldx, m, y, ldy, 0.0)
+}
+
+/// [`gemm_bf16_to`] as `y = x·Wᵀ + beta·y`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_bf16_beta(
+    h: &CublasHandle,
+    w: u64,
+    n: usize,
+    k: usize,
+    ldw: usize,
+    xb: u64,
+    ldx: usize,
+    m: i32,
     (y, y_type): (u64, std::ffi::c_int),
     ldy: usize,
+    beta: f32,
 ) -> Result<(), GpuError> {
     const OP: &str = "cublasGemmEx";
     let (n, k, ldw, ldx, ldy) = (
@@ -976,7 +1063,7 @@ fn gemm_bf16_to(
             1.0,
             (w, cublas::R_16BF, ldw),
             (xb, cublas::R_16BF, ldx),
-            0.0,
+            beta,
             (y, y_type, ldy),
         )
     }

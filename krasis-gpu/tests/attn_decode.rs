@@ -382,6 +382,25 @@ fn shape_errors_are_errors() {
     }
 }
 
+/// An f32 cache (the precise mode's) is refused by both decode kernels, naming the prefill form.
+#[test]
+fn an_f32_cache_is_refused_by_the_decode_kernels() {
+    let Some(d) = gpu("an_f32_cache_is_refused_by_the_decode_kernels") else { return };
+    let c = GpuKvCache::new(d, KvDtype::F32, 1, 1, 40, 0, KvCapacity::Tokens(8)).unwrap();
+    let g = GpuKvCache::new(d, KvDtype::F32, 1, 2, 32, 0, KvCapacity::Tokens(8)).unwrap();
+    let mut ws = DecodeWorkspace::new();
+    let q = up(d, &vec![0f32; 2 * 40], "test input");
+    let mut out = up(d, &vec![0f32; 2 * 32], "test input");
+    let errs = [
+        d.mla_decode_attention(&c, 0, &q, 1, 2, 32, 0, 1.0, &mut out, &mut ws),
+        d.gqa_decode_attention(&g, 0, &up(d, &[0f32; 2 * 16], "q"), 1, 2, 2, 16, 0, 1.0, &mut out, &mut ws),
+    ];
+    for e in errs {
+        let e = e.unwrap_err();
+        assert!(matches!(e, GpuError::Shape { .. }) && e.to_string().contains("prefill form"), "{e}");
+    }
+}
+
 fn twin_absorb(
     kv_b: &[f32],
     q: &[f32],

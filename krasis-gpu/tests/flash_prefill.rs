@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{gpu, poisoned_f32, rand_bf16_f32, rng, to_bf16, up};
+use common::{gpu, poisoned_f32, rand_bf16_f32, rng, round_bf16, to_bf16, up};
 use krasis_gpu::cudarc::driver::DevicePtr;
 use krasis_gpu::{
     bench_gqa_prefill, bench_mla_prefill, AttnOptions, DeviceBuffer, FlashKernel, FlashPrefillArgs, GpuDevice,
@@ -370,6 +370,76 @@ fn flash_prefill_windows_and_sinks_match_twin() {
         let e = run_opts(d, &c, &u, None, &opts);
         assert!(matches!(e, Err(GpuError::Shape { .. })), "{opts:?}: {e:?}");
     }
+}
+
+/// Tolerance of the SIMT kernel over f32 inputs, as a fraction of max |v|: f32 products and an
+/// f32 online softmax (errors ~1e-6 at these context lengths). Rounding the inputs to BF16 moves
+/// outputs by ~2⁻⁹·vmax, far outside it (asserted below), so the test sees any rounding.
+const F32_TOL: f64 = 1e-5;
+
+/// The precise mode's attention: the SIMT kernel over f32 q, k and v
+/// (`GpuDevice::flash_prefill_f32`, and `flash_prefill_opts` over f32, which takes the same
+/// kernel) against the f64 twin on inputs that are not BF16-exact, on ragged shapes, MLA's two
+/// parts, GQA groups, a continued prefix, windows and sinks. A forced tensor-core kernel over f32
+/// is a shape error.
+#[test]
+fn flash_prefill_f32_matches_twin_without_rounding() {
+    let Some(d) = gpu("flash_prefill_f32_matches_twin_without_rounding") else { return };
+    let mut r = rng(47);
+    let cases = [
+        ("single query", (1, 0, 0), (2, 2), (16, 0, 16)),
+        ("decode-like", (1, 37, 5), (4, 1), (24, 8, 16)),
+        ("odd dims", (70, 0, 0), (3, 3), (13, 7, 11)),
+        ("gqa x4 continued", (130, 64, 3), (8, 2), (40, 0, 40)),
+        ("mla", (77, 10, 0), (2, 1), (128, 64, 128)),
+        ("wide heads", (40, 3, 0), (4, 2), (256, 0, 256)),
+        ("dim 1", (9, 2, 0), (2, 1), (1, 1, 1)),
+    ];
+    let mut rounding_moves = 0.0f64;
+    for (name, tq, hh, dims) in cases {
+        let mut c = contiguous_case(&mut r, name, tq, hh, dims, 2.0);
+        // Under BF16's last bit: a relative change in (2⁻¹², 2⁻⁸), so BF16 rounding loses it.
+        for b in c.bufs.iter_mut() {
+            for x in b.iter_mut() {
+                *x *= 1.0 + r.random_range(1.0f32..16.0) * (2.0f32).powi(-12);
+            }
+        }
+        let rows: Vec<usize> = (0..c.args.n_q).collect();
+        let bufs: Vec<DeviceBuffer<f32>> = c.bufs.iter().map(|b| up(d, b, "test input")).collect();
+        let view = |t: &Tensor| bufs[t.buf].slice().slice(t.offset..);
+        let (q_a, k_a, v) = (view(&c.q_a), view(&c.k_a), view(&c.v));
+        let (q_b, k_b) = (c.q_b.as_ref().map(view), c.k_b.as_ref().map(view));
+        let qb = q_b.as_ref().map(|x| x as &dyn DevicePtr<f32>);
+        let kb = k_b.as_ref().map(|x| x as &dyn DevicePtr<f32>);
+        let heads = c.args.heads;
+        let mut sinks = rand_bf16_f32(&mut r, heads, 3.0);
+        sinks[heads - 1] = 40.0;
+        let sinks_d = up(d, &to_bf16(&sinks), "sinks");
+        for (window, with_sinks) in [(None, false), (Some(7), false), (None, true), (Some(64), true)] {
+            let opts = AttnOptions { window, sinks: with_sinks.then_some(&sinks_d) };
+            let want = twin_opts(&c, &rows, window, with_sinks.then_some(&sinks[..]));
+            let mut out = poisoned_f32(d, c.out_len);
+            d.flash_prefill_f32(&c.args, &opts, &q_a, qb, &k_a, kb, &v, &mut out).unwrap();
+            let what = format!("f32 window {window:?} sinks {with_sinks}");
+            let w = compare(&what, &c, &d.download(&out).unwrap(), &rows, &want, F32_TOL);
+            let mut out = poisoned_f32(d, c.out_len);
+            d.flash_prefill_opts(&c.args, &opts, &q_a, qb, &k_a, kb, &v, &mut out).unwrap();
+            compare(&format!("{what} (opts)"), &c, &d.download(&out).unwrap(), &rows, &want, F32_TOL);
+            eprintln!("{}: {what}: err/tol {w:.3}", c.name);
+        }
+        // What BF16 rounding of the same inputs would have cost (the twin on rounded values).
+        let rounded = Case { name: c.name.clone(), bufs: c.bufs.iter().map(|b| round_bf16(b)).collect(), ..c };
+        let vmax = c.bufs[c.v.buf].iter().fold(0.0f64, |m, &x| m.max((x as f64).abs()));
+        let (exact, of_rounded) = (twin(&c, &rows), twin(&rounded, &rows));
+        let moved = exact.iter().zip(&of_rounded).fold(0.0f64, |m, (a, b)| m.max((a - b).abs())) / vmax;
+        rounding_moves = rounding_moves.max(moved);
+        for k in [FlashKernel::Mma, FlashKernel::MmaFixed, FlashKernel::Wgmma] {
+            let mut out = poisoned_f32(d, c.out_len);
+            let e = d.flash_prefill_with_opts(k, &c.args, &AttnOptions::default(), &q_a, qb, &k_a, kb, &v, &mut out);
+            assert!(matches!(e, Err(GpuError::Shape { .. })), "{}: {k} over f32: {e:?}", c.name);
+        }
+    }
+    assert!(rounding_moves > 10.0 * F32_TOL, "BF16 rounding moved outputs by only {rounding_moves:.2e} of vmax");
 }
 
 /// The options of the twin on known answers (runs without a GPU): a window of one key gives each

@@ -47,7 +47,7 @@ fn write_then_read_matches_twin() {
     for &(layers, planes, row, group) in
         &[(2, 1, 576, 64), (3, 2, 512, 128), (1, 1, 40, 8), (2, 2, 72, 24), (1, 2, 7, 7), (1, 1, 1, 1)]
     {
-        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::F32] {
             let cap = 37;
             let c = GpuKvCache::new(d, dtype, layers, planes, row, group, KvCapacity::Tokens(cap)).unwrap();
             assert_eq!(c.capacity(), cap);
@@ -150,7 +150,7 @@ fn rounding_saturation_and_nan() {
 #[test]
 fn out_of_range_is_an_error_and_writes_nothing() {
     let Some(d) = gpu("out_of_range_is_an_error_and_writes_nothing") else { return };
-    for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+    for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::F32] {
         let c = GpuKvCache::new(d, dtype, 2, 2, 16, 8, KvCapacity::Tokens(10)).unwrap();
         let src = up(d, &[1.5f32; 3 * 16], "test input");
         let e = c.write(d, 0, 0, 8, 3, &src).unwrap_err();
@@ -211,7 +211,7 @@ fn a_saved_prefix_loads_into_another_cache_exactly() {
     let Some(d) = gpu("a_saved_prefix_loads_into_another_cache_exactly") else { return };
     let mut r = rng(23);
     for &(layers, planes, row, group) in &[(2, 1, 576, 64), (3, 2, 72, 24), (1, 1, 7, 7)] {
-        for dtype in [KvDtype::Bf16, KvDtype::Fp8] {
+        for dtype in [KvDtype::Bf16, KvDtype::Fp8, KvDtype::F32] {
             let (cap, n) = (29, 17);
             let a = GpuKvCache::new(d, dtype, layers, planes, row, group, KvCapacity::Tokens(cap)).unwrap();
             for layer in 0..layers {

@@ -471,6 +471,68 @@ fn int8_linear_matches_twin() {
     }
 }
 
+/// The precise mode's exact input (`set_exact_input`): BF16 and INT8 weights, every path (the
+/// BF16 GEMV sizes now on cuBLAS, the INT8 GEMV and tiled path), x *not* BF16-exact, against the
+/// twin on the unrounded x. The tolerance adds the split's own bound (`|x − hi − lo| ≤ 2⁻¹⁸|x|`,
+/// so `2⁻¹⁸·Σ|x·w|` per output, doubled) to the summation-order model. Rounding x to BF16 would
+/// move outputs far past it (asserted: the BF16 twin fails the same tolerance somewhere). A group
+/// of exact parts equals one forward per part, bit for bit.
+#[test]
+fn exact_input_matches_the_unrounded_twin() {
+    let Some((d, ctx)) = gpu_gemm("exact_input_matches_the_unrounded_twin") else { return };
+    let mut r = rng(29);
+    let mut rounding_fails = 0usize;
+    for &(rows, cols) in SHAPES.iter().chain(&[(40_000, 40), (2048, 4096)]) {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let wv = to_f64(&from_bf16(&w));
+        let (q, sc) = twin_quant(&w, rows, cols);
+        let (qv, sv) = (to_f64(&q), to_f64(&sc));
+        for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
+            let mut lin = GpuLinear::new(d, "exact input", &w, rows, cols, quant).unwrap();
+            lin.set_exact_input(true);
+            assert!(lin.exact_input() && !lin.writes_bf16(129));
+            for &m in &[1usize, 2, 8, 9, 64] {
+                let x = rand_f32(&mut r, m * cols, 2.0);
+                let (wvals, scale) = match quant {
+                    LinearQuant::Bf16 => (&wv, vec![1.0; rows]),
+                    LinearQuant::Int8 => (&qv, sv.clone()),
+                };
+                let (want, mut tol) = twin_linear(&x, m, wvals, &scale, rows, cols);
+                for t in 0..m {
+                    for o in 0..rows {
+                        let abs: f64 = (0..cols).map(|c| (x[t * cols + c] as f64 * wvals[o * cols + c]).abs()).sum();
+                        tol[t * rows + o] += (2.0 * abs * scale[o].abs() * (2.0f64).powi(-18)) as f32;
+                    }
+                }
+                let what = format!("exact {quant} [{rows}x{cols}] m={m}");
+                let x_d = up(d, &x, "x");
+                let mut y = poisoned_f32(d, m * rows);
+                lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+                let got = down(d, &y);
+                assert_within(&what, &got, &want, &tol);
+                let (rounded, _) = twin_linear(&round_bf16(&x), m, wvals, &scale, rows, cols);
+                rounding_fails +=
+                    rounded.iter().zip(&want).zip(&tol).filter(|((a, b), t)| (*a - *b).abs() > **t).count();
+                // Exact parts in a group: one forward per part.
+                let mut twin_lin = GpuLinear::new(d, "exact part", &w, rows, cols, quant).unwrap();
+                twin_lin.set_exact_input(true);
+                let (mut y1, mut y2) = (poisoned_f32(d, m * rows), poisoned_f32(d, m * rows));
+                {
+                    let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
+                        vec![(&lin, &mut y1), (&twin_lin, &mut y2)];
+                    GpuLinear::forward_group(d, ctx, &x_d, m, &mut parts).unwrap();
+                }
+                for (i, yy) in [&y1, &y2].into_iter().enumerate() {
+                    let bits: Vec<u32> = down(d, yy).iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(bits, got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{what}: group part {i}");
+                }
+            }
+        }
+    }
+    assert!(rounding_fails > 0, "rounding x to BF16 stayed inside every exact tolerance: the test could not fail");
+    eprintln!("BF16-rounded x fell outside the exact tolerance at {rounding_fails} outputs");
+}
+
 /// x as a view one element into a buffer: not 16-byte aligned, so the GEMV must take its scalar
 /// x path even when cols % 4 == 0.
 #[test]

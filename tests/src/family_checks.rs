@@ -128,7 +128,9 @@ pub fn gpu_and_hybrid_on(name: &str, decode_steps: bool, devices: &[&str]) {
 ///   its KV cache run in BF16 on the GPU whatever the experts' format;
 /// - the whole GPU with the format kept no further from the oracle (relative L2, + 1e-4) than the
 ///   same GPU path with BF16 experts (the exact values rounded to BF16), so the FP4 kernels add
-///   nothing to the GPU path's own error.
+///   nothing to the GPU path's own error;
+/// - the GPU and the hybrid with `GpuPrecision::F32` (the format still kept): the reference
+///   path's bar ([`precise_run_matches`]).
 ///
 /// Prints every relative L2 error. Skipped visibly without a GPU.
 pub fn fp4_native_gpu_and_hybrid(name: &str, kind: krasis_quant::fp4::Fp4Kind) {
@@ -197,6 +199,15 @@ pub fn fp4_native_gpu_and_hybrid(name: &str, kind: krasis_quant::fp4::Fp4Kind) {
     }
     let (_, _, ids) = run(&m, &format!("hybrid ({kind} kept on both devices)"));
     assert_eq!(ids, r.greedy_ids, "{name} hybrid: greedy ids");
+    drop(m);
+    // The same runs in the precise mode: the reference path's bar.
+    let precise = |g: &GpuOptions| GpuOptions { precision: krasis_model::gpu::GpuPrecision::F32, ..g.clone() };
+    let gpu = GpuModel::load(&dir, &precise(&whole.gpu)).unwrap_or_else(|e| panic!("{name} gpu f32: {e}"));
+    precise_run_matches(&format!("{name} gpu ({kind} kept)"), &gpu, &r, v);
+    drop(gpu);
+    let m = GpuModel::load_hybrid(&dir, &precise(&hybrid.gpu), &hybrid.cpu)
+        .unwrap_or_else(|e| panic!("{name} hybrid f32: {e}"));
+    precise_run_matches(&format!("{name} hybrid ({kind} kept on both devices)"), &m, &r, v);
 }
 
 /// Every file under `dir`, recursively.
@@ -211,4 +222,34 @@ fn walkdir(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+/// The precise GPU mode's bar: relative L2 of the prefill logits and of every free-running greedy
+/// step's logits against the oracle (the reference path's own bar).
+pub const PRECISE_REL: f64 = 1e-4;
+
+/// `m` (a model loaded with `GpuPrecision::F32`) against the oracle `r` (`v` logits per row): the
+/// prefill logits and every free-running greedy step's logits within [`PRECISE_REL`], the greedy
+/// ids identical. Prints the errors; returns the worst relative L2 (prefill or step).
+pub fn precise_run_matches(what: &str, m: &GpuModel, r: &crate::Reference, v: usize) -> f64 {
+    let mut s = m.new_session().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let rel = crate::rel_l2(&l, &r.prefill_logits);
+    let (mut step, mut ids, mut worst) = (l[l.len() - v..].to_vec(), Vec::new(), 0f64);
+    for i in 0..r.greedy_ids.len() {
+        worst = worst.max(crate::rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]));
+        let id = argmax(&step) as u32;
+        ids.push(id);
+        if i + 1 < r.greedy_ids.len() {
+            step = m.forward_logits(&mut s, &[id], false).unwrap_or_else(|e| panic!("{what}: step {i}: {e}"));
+        }
+    }
+    eprintln!(
+        "{what} (GPU precision f32): prefill rel {rel:.3e}, greedy steps worst rel {worst:.3e} ({} steps)",
+        r.greedy_ids.len()
+    );
+    assert!(rel <= PRECISE_REL, "{what}: prefill rel {rel:.3e} > {PRECISE_REL:e}");
+    assert!(worst <= PRECISE_REL, "{what}: a greedy step's rel {worst:.3e} > {PRECISE_REL:e}");
+    assert_eq!(ids, r.greedy_ids, "{what}: greedy ids");
+    rel.max(worst)
 }

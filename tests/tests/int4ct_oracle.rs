@@ -181,12 +181,15 @@ fn gpu_expert_cache_records_are_the_stored_int4() {
 }
 
 /// The whole model on the GPU with the INT4 experts kept as stored (resident, from the GPU expert
-/// cache), and the hybrid (GPU layers, the CPU expert cache's stored INT4 on the host): the
-/// prefill logits against the oracle. The GPU runs the rest in BF16, so the bar is
-/// `quant_bounds.json`'s transformers-BF16 run (1 − mean cos ≤ 3 × its + 1e-4, top-1 ≥ its −
-/// 0.1), as `gpu_oracle` judges BF16 weights, not 1e-4; the first greedy token must agree.
-/// Measured on an H200 (2026-11-28): whole-GPU rel 7.57e-3, 1 − cos 2.86e-5 (bar 3.91e-4), top-1
-/// 1.00; hybrid rel 7.57e-3, 1 − cos 2.86e-5, top-1 1.00 (transformers' own BF16 run: rel 1.39e-2).
+/// cache), and the hybrid (GPU layers, the CPU expert cache's stored INT4 on the host):
+/// - at the default precision (BF16 matrix inputs and KV cache) the prefill logits within
+///   `quant_bounds.json`'s transformers-BF16 bar (1 − mean cos ≤ 3 × its + 1e-4, top-1 ≥ its −
+///   0.1), as `gpu_oracle` judges BF16 weights; the first greedy token must agree. Measured on an
+///   H200 (2026-11-28): whole-GPU and hybrid rel 7.57e-3, 1 − cos 2.86e-5 (bar 3.91e-4), top-1
+///   1.00 (transformers' own BF16 run: rel 1.39e-2);
+/// - with `GpuPrecision::F32` (nothing rounded to BF16 but the stored weights, which the fixture
+///   stores in BF16) the reference path's bar: prefill and every greedy step's logits within rel
+///   1e-4 of the oracle, greedy ids identical.
 #[test]
 fn gpu_and_hybrid_with_the_stored_int4() {
     let Some(dir) = fixture_next(NAME) else { return };
@@ -230,6 +233,15 @@ fn gpu_and_hybrid_with_the_stored_int4() {
         assert!(f.top1 >= b.top1 - 0.1, "{kind}: top-1 {:.2} < {:.2} - 0.1", f.top1, b.top1);
         let last = &l[l.len() - v..];
         assert_eq!(krasis_model::text::sampling::argmax(last) as u32, r.greedy_ids[0], "{kind}: first greedy token");
+    }
+    let precise = GpuOptions { precision: krasis_model::gpu::GpuPrecision::F32, ..gpu };
+    for kind in ["gpu", "hybrid"] {
+        let m = match kind {
+            "gpu" => GpuModel::load(&dir, &precise),
+            _ => GpuModel::load_hybrid(&dir, &precise, &cpu),
+        }
+        .unwrap_or_else(|e| panic!("{NAME} {kind} (f32): {e}"));
+        krasis_tests::family_checks::precise_run_matches(&format!("{NAME} {kind} (int4 as stored)"), &m, &r, v);
     }
 }
 

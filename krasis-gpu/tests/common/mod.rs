@@ -128,6 +128,7 @@ pub fn from_bf16(v: &[u16]) -> Vec<f32> {
 pub fn twin_kv_row(dtype: KvDtype, x: &[f32], group: usize) -> Vec<f32> {
     match dtype {
         KvDtype::Bf16 => round_bf16(x),
+        KvDtype::F32 => x.to_vec(),
         KvDtype::Fp8 => x
             .chunks(group)
             .flat_map(|g| {

@@ -2,7 +2,8 @@
 //! feed-forward (dense MLP, MoE with shared experts; a hybrid MoE layer handed to the CPU on the
 //! stream), each a sequence of krasis-gpu ops over the session's scratch buffers.
 
-use krasis_gpu::flash_prefill::{FlashPrefillArgs, HeadsLayout, MMA_MAX_QK, MMA_MAX_V};
+use krasis_gpu::cudarc::driver::{CudaView, CudaViewMut};
+use krasis_gpu::flash_prefill::{FlashInput, FlashPrefillArgs, HeadsLayout, MMA_MAX_QK, MMA_MAX_V};
 use krasis_gpu::linear::{GemmContext, GpuLinear};
 use krasis_gpu::moe::GpuExperts;
 use krasis_gpu::router::GpuRouter;
@@ -49,6 +50,9 @@ pub(crate) struct Ctx<'a> {
     pub pos: usize,
     /// Attention in the decode form (absorbed MLA / split-KV GQA).
     pub decode: bool,
+    /// The precise mode ([`super::GpuPrecision::F32`]): attention over f32 q, k and v (the
+    /// prefill form, every call).
+    pub precise: bool,
     /// The placement plan and its resources: who runs each MoE layer's routed experts in this
     /// call ([`super::placed::Placed::site`]).
     pub placed: &'a super::placed::Placed,
@@ -693,6 +697,46 @@ impl GpuMla<'_> {
                 cmat,
                 RowsView::contiguous(n_kv, lat),
             )?;
+            let kvb_cols = hh * (nope + vd);
+            let args = FlashPrefillArgs {
+                n_q: t,
+                n_kv,
+                q_start: c.pos,
+                heads: hh,
+                kv_heads: hh,
+                scale: self.scale,
+                q_a: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: nope },
+                q_b: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: rd },
+                k_a: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: nope },
+                k_b: HeadsLayout { token_stride: rd, head_stride: 0, dim: rd },
+                v: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: vd },
+                out: HeadsLayout { token_stride: hh * vd, head_stride: vd, dim: vd },
+            };
+            let latent = cmat.slice().slice(..n_kv * lat);
+            let kv_b = &self.w.kv_b.linear;
+            if c.precise {
+                // Everything in f32: the rope keys, the expanded K/V and q as they are.
+                let kpe = grow(dev, latent_out_slot, n_kv * rd, "mla rope keys")?;
+                dev.copy_rows_f32(
+                    lat_rows,
+                    RowsView { rows: n_kv, cols: rd, stride: row, offset: lat },
+                    kpe,
+                    RowsView::contiguous(n_kv, rd),
+                )?;
+                let kvb = grow(dev, absorbed_q_or_kv_slot, n_kv * kvb_cols, "mla expanded k/v")?;
+                kv_b.forward(dev, c.gemm, &latent, n_kv, &mut kvb.slice_mut().slice_mut(..n_kv * kvb_cols))?;
+                dev.flash_prefill_f32(
+                    &args,
+                    &krasis_gpu::AttnOptions::default(),
+                    &q.slice().slice(..t * hh * qk),
+                    Some(&q.slice().slice(nope..t * hh * qk)),
+                    &kvb.slice().slice(..n_kv * kvb_cols),
+                    Some(&kpe.slice().slice(..n_kv * rd)),
+                    &kvb.slice().slice(nope..n_kv * kvb_cols),
+                    &mut o.slice_mut().slice_mut(..t * hh * vd),
+                )?;
+                return self.project_out(c, &mut sc.y, o, t * hh * vd);
+            }
             let [rope_key_slot, kv16_slot, q16_slot, ..] = &mut sc.b;
             let kpe = grow(dev, rope_key_slot, n_kv * rd, "mla rope keys (bf16)")?;
             dev.copy_rows_to_bf16(
@@ -701,10 +745,7 @@ impl GpuMla<'_> {
                 kpe,
                 RowsView::contiguous(n_kv, rd),
             )?;
-            let kvb_cols = hh * (nope + vd);
             let kvb16 = grow(dev, kv16_slot, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
-            let latent = cmat.slice().slice(..n_kv * lat);
-            let kv_b = &self.w.kv_b.linear;
             if kv_b.writes_bf16(n_kv) {
                 // The GEMM rounds to BF16 itself: no f32 K/V round trip.
                 kv_b.forward_bf16(dev, c.gemm, &latent, n_kv, &mut kvb16.slice_mut().slice_mut(..n_kv * kvb_cols))?;
@@ -720,20 +761,6 @@ impl GpuMla<'_> {
             }
             let q16 = grow(dev, q16_slot, t * hh * qk, "mla q (bf16)")?;
             dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * qk), q16, RowsView::contiguous(t, hh * qk))?;
-            let args = FlashPrefillArgs {
-                n_q: t,
-                n_kv,
-                q_start: c.pos,
-                heads: hh,
-                kv_heads: hh,
-                scale: self.scale,
-                q_a: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: nope },
-                q_b: HeadsLayout { token_stride: hh * qk, head_stride: qk, dim: rd },
-                k_a: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: nope },
-                k_b: HeadsLayout { token_stride: rd, head_stride: 0, dim: rd },
-                v: HeadsLayout { token_stride: kvb_cols, head_stride: nope + vd, dim: vd },
-                out: HeadsLayout { token_stride: hh * vd, head_stride: vd, dim: vd },
-            };
             let q_a = q16.slice().slice(..t * hh * qk);
             let q_b = q16.slice().slice(nope..t * hh * qk);
             let k_a = kvb16.slice().slice(..n_kv * kvb_cols);
@@ -749,13 +776,14 @@ impl GpuMla<'_> {
                 &mut o.slice_mut().slice_mut(..t * hh * vd),
             )?;
         }
-        self.w.o.forward(
-            dev,
-            c.gemm,
-            &o.slice().slice(..t * hh * vd),
-            t,
-            &mut sc.y.slice_mut().slice_mut(..t * hidden),
-        )?;
+        self.project_out(c, &mut sc.y, o, t * hh * vd)
+    }
+
+    /// `y = o · W_oᵀ` over the first `n` elements of the attention output `o`.
+    fn project_out(&self, c: &Ctx, y: &mut DeviceBuffer<f32>, o: &DeviceBuffer<f32>, n: usize) -> Result<()> {
+        let t = c.t;
+        let hidden = self.w.o.rows();
+        self.w.o.forward(c.dev, c.gemm, &o.slice().slice(..n), t, &mut y.slice_mut().slice_mut(..t * hidden))?;
         Ok(())
     }
 }
@@ -766,7 +794,7 @@ impl GpuGqa<'_> {
         let hidden = self.w.o.rows();
         let dev = c.dev;
         let sc = &mut *s.scratch;
-        let [q_slot, k_slot, v_slot, out_slot, gate_slot, ..] = &mut sc.f;
+        let [q_slot, k_slot, v_slot, out_slot, gate_slot, k_all_slot, v_all_slot, _] = &mut sc.f;
         let xn = sc.xn.slice().slice(..t * hidden);
         let q = grow(dev, q_slot, t * hh * hd, "gqa q")?;
         let k = grow(dev, k_slot, t * kvh * hd, "gqa k")?;
@@ -856,77 +884,47 @@ impl GpuGqa<'_> {
         } else {
             let kv = s.kv.seq("GQA prefill attention")?;
             let n_kv = c.pos + t;
-            let [k16_slot, v16_slot, q16_slot, ..] = &mut sc.b;
-            let k16 = grow(dev, k16_slot, n_kv * row, "gqa keys (bf16)")?;
-            let v16 = grow(dev, v16_slot, n_kv * row, "gqa values (bf16)")?;
+            let shape =
+                FlashShape { t, n_kv, q_start: c.pos, heads: hh, kv_heads: kvh, head_dim: hd, scale: self.scale };
             // Past positions from the cache, this call's own from the fresh rows (as for MLA).
-            if c.pos > 0 {
-                kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
-                kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
-            }
             let fresh = RowsView { rows: t, cols: row, stride: row, offset: c.pos * row };
-            dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
-            dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
-            let q16 = grow(dev, q16_slot, t * hh * hd, "gqa q (bf16)")?;
-            dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
-            let (q16, k16, v16) = (q16.slice(), k16.slice(), v16.slice());
-            let out = o.slice_mut();
-            if hd > MMA_MAX_V && hd <= MMA_MAX_QK && hd % 32 == 0 {
-                // Heads wider than the tensor-core kernel's output (Qwen3-Next's 256): the q·k
-                // product in two parts of half the head, and the values in two halves, one call
-                // each; both calls compute the same scores, each writes its half of the output.
-                let half = hd / 2;
-                for part in 0..2 {
-                    let args = FlashPrefillArgs {
-                        n_q: t,
-                        n_kv,
-                        q_start: c.pos,
-                        heads: hh,
-                        kv_heads: kvh,
-                        scale: self.scale,
-                        q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
-                        q_b: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
-                        k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
-                        k_b: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
-                        v: HeadsLayout { token_stride: row, head_stride: hd, dim: half },
-                        out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: half },
-                    };
-                    let at = part * half;
-                    dev.flash_prefill_opts(
-                        &args,
-                        &opts,
-                        &q16.slice(..t * hh * hd),
-                        Some(&q16.slice(half..t * hh * hd)),
-                        &k16.slice(..n_kv * row),
-                        Some(&k16.slice(half..n_kv * row)),
-                        &v16.slice(at..n_kv * row),
-                        &mut out.slice_mut(at..t * hh * hd),
-                    )?;
+            if c.precise {
+                // f32 keys and values (the cache holds f32 rows) and q as it is.
+                let k_all = grow(dev, k_all_slot, n_kv * row, "gqa keys")?;
+                let v_all = grow(dev, v_all_slot, n_kv * row, "gqa values")?;
+                if c.pos > 0 {
+                    kv.read_f32(dev, l, 0, 0, c.pos, &mut k_all.slice_mut().slice_mut(..c.pos * row))?;
+                    kv.read_f32(dev, l, 1, 0, c.pos, &mut v_all.slice_mut().slice_mut(..c.pos * row))?;
                 }
-            } else {
-                let args = FlashPrefillArgs {
-                    n_q: t,
-                    n_kv,
-                    q_start: c.pos,
-                    heads: hh,
-                    kv_heads: kvh,
-                    scale: self.scale,
-                    q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
-                    q_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
-                    k_a: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
-                    k_b: HeadsLayout { token_stride: 0, head_stride: 0, dim: 0 },
-                    v: HeadsLayout { token_stride: row, head_stride: hd, dim: hd },
-                    out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim: hd },
-                };
-                dev.flash_prefill_opts(
-                    &args,
+                dev.copy_rows_f32(k, RowsView::contiguous(t, row), k_all, fresh)?;
+                dev.copy_rows_f32(v, RowsView::contiguous(t, row), v_all, fresh)?;
+                shape.run(
+                    dev,
                     &opts,
-                    &q16.slice(..t * hh * hd),
-                    None,
-                    &k16.slice(..n_kv * row),
-                    None,
-                    &v16.slice(..n_kv * row),
-                    &mut out.slice_mut(..t * hh * hd),
+                    &q.slice().slice(..),
+                    &k_all.slice().slice(..),
+                    &v_all.slice().slice(..),
+                    &mut o.slice_mut().slice_mut(..),
+                )?;
+            } else {
+                let [k16_slot, v16_slot, q16_slot, ..] = &mut sc.b;
+                let k16 = grow(dev, k16_slot, n_kv * row, "gqa keys (bf16)")?;
+                let v16 = grow(dev, v16_slot, n_kv * row, "gqa values (bf16)")?;
+                if c.pos > 0 {
+                    kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
+                    kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
+                }
+                dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
+                dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
+                let q16 = grow(dev, q16_slot, t * hh * hd, "gqa q (bf16)")?;
+                dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
+                shape.run(
+                    dev,
+                    &opts,
+                    &q16.slice().slice(..),
+                    &k16.slice().slice(..),
+                    &v16.slice().slice(..),
+                    &mut o.slice_mut().slice_mut(..),
                 )?;
             }
         }
@@ -942,6 +940,80 @@ impl GpuGqa<'_> {
         )?;
         if let Some(ob) = &self.w.o_bias {
             dev.add_bias_rows_f32(&mut sc.y.slice_mut().slice_mut(..t * hidden), t, ob)?;
+        }
+        Ok(())
+    }
+}
+
+/// One GQA prefill attention call's shapes (contiguous `[tokens, heads, head_dim]` q and output,
+/// `[tokens, kv_heads · head_dim]` keys and values), over BF16 or f32 inputs alike.
+struct FlashShape {
+    t: usize,
+    n_kv: usize,
+    q_start: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+}
+
+impl FlashShape {
+    /// The flash prefill over `q`, `k` and `v` into `out`. Heads wider than the tensor-core
+    /// kernel's output (Qwen3-Next's 256) run as two calls: the q·k product in two parts of half
+    /// the head, the values in two halves, one call each; both calls compute the same scores,
+    /// each writes its half of the output.
+    fn run<T: FlashInput>(
+        &self,
+        dev: &GpuDevice,
+        opts: &krasis_gpu::AttnOptions<'_>,
+        q: &CudaView<'_, T>,
+        k: &CudaView<'_, T>,
+        v: &CudaView<'_, T>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (t, n_kv, hh, kvh, hd) = (self.t, self.n_kv, self.heads, self.kv_heads, self.head_dim);
+        let row = kvh * hd;
+        let base = |dim: usize, with_b: bool| FlashPrefillArgs {
+            n_q: t,
+            n_kv,
+            q_start: self.q_start,
+            heads: hh,
+            kv_heads: kvh,
+            scale: self.scale,
+            q_a: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim },
+            q_b: if with_b { HeadsLayout { token_stride: hh * hd, head_stride: hd, dim } } else { HeadsLayout::none() },
+            k_a: HeadsLayout { token_stride: row, head_stride: hd, dim },
+            k_b: if with_b { HeadsLayout { token_stride: row, head_stride: hd, dim } } else { HeadsLayout::none() },
+            v: HeadsLayout { token_stride: row, head_stride: hd, dim },
+            out: HeadsLayout { token_stride: hh * hd, head_stride: hd, dim },
+        };
+        if hd > MMA_MAX_V && hd <= MMA_MAX_QK && hd % 32 == 0 {
+            let half = hd / 2;
+            let args = base(half, true);
+            for part in 0..2 {
+                let at = part * half;
+                dev.flash_prefill_opts(
+                    &args,
+                    opts,
+                    &q.slice(..t * hh * hd),
+                    Some(&q.slice(half..t * hh * hd)),
+                    &k.slice(..n_kv * row),
+                    Some(&k.slice(half..n_kv * row)),
+                    &v.slice(at..n_kv * row),
+                    &mut out.slice_mut(at..t * hh * hd),
+                )?;
+            }
+        } else {
+            dev.flash_prefill_opts(
+                &base(hd, false),
+                opts,
+                &q.slice(..t * hh * hd),
+                None,
+                &k.slice(..n_kv * row),
+                None,
+                &v.slice(..n_kv * row),
+                &mut out.slice_mut(..t * hh * hd),
+            )?;
         }
         Ok(())
     }

@@ -144,8 +144,8 @@ pub fn whole_model_vram_bytes(spec: &ModelSpec, opts: &GpuOptions) -> u64 {
         };
     }
     let (planes, row, group) = kv_geometry(spec);
-    let kv_per_token =
-        KvLayout::new(opts.kv_dtype, kv_layers(spec), planes, row, group).map_or(0, |l| l.bytes_per_token() as u64);
+    let kv_per_token = KvLayout::new(opts.kv_storage().unwrap_or(opts.kv_dtype), kv_layers(spec), planes, row, group)
+        .map_or(0, |l| l.bytes_per_token() as u64);
     let min_ctx = MIN_USEFUL_KV_TOKENS.min(spec.max_position_embeddings.max(1)) as u64;
     bytes + kv_per_token * min_ctx + session_state_bytes(spec) + KV_RESERVE_BYTES
 }
@@ -174,6 +174,12 @@ struct GpuBuilder<'a> {
 }
 
 impl GpuBuilder<'_> {
+    /// `l` with its input kept unrounded under [`super::GpuPrecision::F32`].
+    fn precise(&self, mut l: GpuLinear) -> GpuLinear {
+        l.set_exact_input(self.opts.precision == super::GpuPrecision::F32);
+        l
+    }
+
     fn quant_of(&self, class: LinearClass) -> LinearQuant {
         match class {
             LinearClass::Attention => self.opts.attention_quant,
@@ -320,7 +326,7 @@ impl WeightBuilder for GpuBuilder<'_> {
             t.name.clone()
         };
         let (m, rows, cols) = self.bf16_matrix(t)?;
-        Ok(GpuLinear::new(self.dev, &name, &bf16_bits(&m), rows, cols, q)?)
+        Ok(self.precise(GpuLinear::new(self.dev, &name, &bf16_bits(&m), rows, cols, q)?))
     }
 
     fn gate_up(&mut self, gate: &TensorSpec, up: &TensorSpec, class: LinearClass) -> Result<GpuLinear> {
@@ -329,7 +335,7 @@ impl WeightBuilder for GpuBuilder<'_> {
         let mut both = bf16_bits(&g).into_owned();
         both.extend_from_slice(&bf16_bits(&u));
         let name = format!("{} + up_proj", gate.name);
-        Ok(GpuLinear::new(self.dev, &name, &both, rows + up_rows, cols, self.quant_of(class))?)
+        Ok(self.precise(GpuLinear::new(self.dev, &name, &both, rows + up_rows, cols, self.quant_of(class))?))
     }
 
     fn mlp(&mut self, gate_up: GpuLinear, down: GpuLinear) -> Result<GpuMlp> {
@@ -345,7 +351,7 @@ impl WeightBuilder for GpuBuilder<'_> {
         let (m, rows, cols) = self.bf16_matrix(t)?;
         let bits = bf16_bits(&m);
         Ok(GpuKvB {
-            linear: GpuLinear::new(self.dev, &t.name, &bits, rows, cols, self.opts.kv_b_proj_quant)?,
+            linear: self.precise(GpuLinear::new(self.dev, &t.name, &bits, rows, cols, self.opts.kv_b_proj_quant)?),
             bf16: self.dev.upload(&bits, &format!("{} (absorbed, bf16)", t.name))?,
         })
     }
@@ -777,7 +783,7 @@ impl GpuModel {
         // Every program the model can launch (not the other KV dtype's attention variants),
         // compiled on other threads while the weights upload (a machine's first start compiles
         // them all with NVRTC: seconds that would otherwise come before the copies).
-        let kv = opts.kv_dtype;
+        let kv = opts.kv_storage()?;
         let fp4 = opts.expert_fp4.is_some();
         let keep = |k: &krasis_gpu::kernels::KernelSource| {
             !krasis_gpu::attn_decode::attention_variant_of_other_dtype(k, kv)
@@ -817,9 +823,11 @@ impl GpuModel {
         // KV capacity and the prompt chunk: the VRAM plan over what the weights leave.
         let (planes, row, group) = kv_geometry(&spec);
         // The attention layers only: a DeltaNet layer keeps a constant state instead.
-        let kv_layout = KvLayout::new(opts.kv_dtype, kv_layers(&spec), planes, row, group)?;
-        let scratch_cost =
-            super::vram_plan::ScratchCost::of(&spec, opts.kv_b_proj_quant != krasis_gpu::linear::LinearQuant::Bf16);
+        let kv_layout = KvLayout::new(kv, kv_layers(&spec), planes, row, group)?;
+        let scratch_cost = super::vram_plan::ScratchCost::of(
+            &spec,
+            opts.kv_b_proj_quant != krasis_gpu::linear::LinearQuant::Bf16 || opts.precision == super::GpuPrecision::F32,
+        );
         let ask = super::vram_plan::VramAsk {
             free: dev.budget().remaining().saturating_sub(session_state_bytes(&spec)),
             kv_bytes_per_token: kv_layout.bytes_per_token() as u64,
@@ -846,7 +854,7 @@ impl GpuModel {
         log.push(format!(
             "KV cache: {kv_tokens} tokens × {} per token ({}, {})",
             format_bytes(kv_layout.bytes_per_token() as u64),
-            opts.kv_dtype,
+            kv,
             format_bytes(kv_bytes)
         ));
         if spec.delta_net.is_some() {
@@ -889,6 +897,7 @@ impl GpuModel {
             batch: Default::default(),
             heat: None,
             watch: Default::default(),
+            precision: opts.precision,
         })
     }
 }

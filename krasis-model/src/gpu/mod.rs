@@ -8,6 +8,12 @@
 //! transformers' BF16 run does). MLA runs in two forms: prefill expands the latent cache into
 //! per-head K/V through `kv_b_proj` and runs the flash kernel; decode (one token) runs in the
 //! absorbed form over the latent cache.
+//!
+//! [`GpuPrecision::F32`] is the precise mode, for checking the GPU path against an f32 reference
+//! rather than for speed: no matrix input is rounded to BF16 (cuBLAS multiplies x as two BF16
+//! halves), the KV cache keeps f32 rows, and attention runs in the prefill form for every call
+//! (the SIMT flash kernel over f32 q, k and v; decode steps included). The routed experts were
+//! already computed at about f32 accuracy (see `krasis_gpu::moe`).
 
 mod deltanet;
 pub mod expert_cache;
@@ -102,6 +108,58 @@ pub struct GpuOptions {
     pub sessions: usize,
     /// VRAM the plan keeps for the prefix cache (`krasis serve --prefix-cache-mib`).
     pub prefix_cache_bytes: u64,
+    /// `--gpu-precision`: how the dense parts and attention compute ([`GpuPrecision`]).
+    pub precision: GpuPrecision,
+}
+
+/// How the GPU computes its dense parts and attention (`--gpu-precision bf16|f32`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GpuPrecision {
+    /// Matrix inputs rounded to BF16 at each GEMM, attention on the tensor cores over BF16 q, k
+    /// and v, the KV cache in [`GpuOptions::kv_dtype`]: as transformers' BF16 run computes.
+    #[default]
+    Bf16,
+    /// Nothing rounded to BF16 but the weights as stored: x multiplied as two BF16 halves, an f32
+    /// KV cache, attention in the prefill form over f32 (module docs). Several times slower;
+    /// for verification. One sequence per call (no batched decode steps).
+    F32,
+}
+
+impl std::str::FromStr for GpuPrecision {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" => Ok(GpuPrecision::Bf16),
+            "f32" => Ok(GpuPrecision::F32),
+            _ => Err(ModelError::Invalid(format!("{s:?} is not a GPU precision (expected bf16 or f32)"))),
+        }
+    }
+}
+
+impl std::fmt::Display for GpuPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GpuPrecision::Bf16 => "bf16",
+            GpuPrecision::F32 => "f32",
+        })
+    }
+}
+
+impl GpuOptions {
+    /// The KV cache's storage: [`GpuOptions::kv_dtype`], or f32 with [`GpuPrecision::F32`] (which
+    /// refuses an FP8 cache: it would round what the mode keeps).
+    pub fn kv_storage(&self) -> Result<KvDtype> {
+        match (self.precision, self.kv_dtype) {
+            (GpuPrecision::Bf16, kv) => Ok(kv),
+            (GpuPrecision::F32, KvDtype::Fp8) => Err(ModelError::Invalid(
+                "`GpuPrecision::F32` keeps the KV cache in f32; it cannot be combined with `KvDtype::Fp8` \
+                 (`GpuOptions::kv_dtype`)"
+                    .into(),
+            )),
+            (GpuPrecision::F32, _) => Ok(KvDtype::F32),
+        }
+    }
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -137,6 +195,7 @@ impl Default for GpuOptions {
             cache: None,
             sessions: 1,
             prefix_cache_bytes: 0,
+            precision: GpuPrecision::Bf16,
         }
     }
 }
@@ -191,6 +250,8 @@ pub struct GpuModel {
     heat: Option<DeviceBuffer<u64>>,
     /// What the current forward call is doing ([`GpuModel::diagnose`]).
     watch: watch::CallWatch,
+    /// [`GpuOptions::precision`].
+    precision: GpuPrecision,
 }
 
 /// What a batched decode step needs besides the sessions' KV caches: activations for one row per
@@ -403,7 +464,9 @@ impl GpuModel {
             eps,
             t,
             pos,
-            decode: t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_)),
+            decode: self.precision == GpuPrecision::Bf16
+                && (t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_))),
+            precise: self.precision == GpuPrecision::F32,
             placed: &self.placed,
             streams: self.placed.plan().streams(t),
             heat: self.heat.as_ref().map(|b| {
@@ -679,7 +742,8 @@ impl Decoder for GpuModel {
     /// two of them (`BATCH_MIN_SEQS`); prefill calls (more tokens) one by one before them.
     fn step_batch(&self, seqs: &mut [DecoderStep<'_, GpuSession>]) -> Result<Vec<(u32, Option<Vec<f32>>)>> {
         let decodes = seqs.iter().filter(|st| st.tokens.len() == 1).count();
-        if decodes < BATCH_MIN_SEQS {
+        // The precise mode's attention reads one sequence's cache per call (the prefill form).
+        if decodes < BATCH_MIN_SEQS || self.precision == GpuPrecision::F32 {
             return seqs.iter_mut().map(|st| self.step(st.session, st.tokens, st.sampler, st.record)).collect();
         }
         let mut out: Vec<Option<(u32, Option<Vec<f32>>)>> = (0..seqs.len()).map(|_| None).collect();

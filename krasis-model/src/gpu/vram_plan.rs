@@ -49,9 +49,10 @@ pub struct ScratchCost {
 }
 
 impl ScratchCost {
-    /// The estimate for `spec`; `kv_b_f32` when MLA's `kv_b` expands the context in f32 before
-    /// BF16 (an INT8 `kv_b`).
-    pub fn of(spec: &ModelSpec, kv_b_f32: bool) -> ScratchCost {
+    /// The estimate for `spec`; `f32_context` when attention's context is also held in f32: MLA's
+    /// `kv_b` expanding it in f32 before BF16 (an INT8 `kv_b`), or the precise mode's f32 keys and
+    /// values ([`super::GpuPrecision::F32`]).
+    pub fn of(spec: &ModelSpec, f32_context: bool) -> ScratchCost {
         let h = spec.hidden_size as u64;
         let dense_inter = spec
             .layers
@@ -79,14 +80,14 @@ impl ScratchCost {
                     + 4 * kv_lora_rank as u64
                     + 2 * qk_rope_head_dim as u64
                     + 2 * kvb_cols
-                    + if kv_b_f32 { 4 * kvb_cols } else { 0 };
+                    + if f32_context { 4 * kvb_cols + 4 * qk_rope_head_dim as u64 } else { 0 };
                 (hh * qk + q_lora_rank.unwrap_or(0) as u64, row, hh * v_head_dim as u64, 2 * hh * qk, per_context)
             }
             AttentionSpec::Gqa { heads, kv_heads, head_dim, output_gate, .. } => {
                 let (q, kv) = ((heads * head_dim) as u64, (kv_heads * head_dim) as u64);
                 // Gated attention keeps q_proj's whole output (queries and gates) beside q.
                 let gates = if output_gate { 2 * q } else { 0 };
-                (q, 2 * kv, q + gates, 2 * q, 4 * kv)
+                (q, 2 * kv, q + gates, 2 * q, if f32_context { 12 * kv } else { 4 * kv })
             }
         };
         let f32s = 3 * h + (2 * inter).max(q) + inter.max(kv_row) + h + h + out;
