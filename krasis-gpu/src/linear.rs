@@ -623,7 +623,7 @@ impl GpuLinear {
         match &self.w {
             Weights::Bf16(w) => {
                 let gemv_rows = match self.bf16_path {
-                    _ if m > BF16_GEMV_MAX_M => None,
+                    _ if !self.runs_alone(m) => None,
                     Bf16Path::Auto => {
                         Some(bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize))
                     }

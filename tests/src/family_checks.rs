@@ -236,13 +236,19 @@ pub fn precise_run_matches(what: &str, m: &GpuModel, r: &crate::Reference, v: us
     let l = m.forward_logits(&mut s, &r.prompt_ids, true).unwrap_or_else(|e| panic!("{what}: {e}"));
     let rel = crate::rel_l2(&l, &r.prefill_logits);
     let (mut step, mut ids, mut worst) = (l[l.len() - v..].to_vec(), Vec::new(), 0f64);
+    let mut steps = Vec::new();
     for i in 0..r.greedy_ids.len() {
-        worst = worst.max(crate::rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]));
+        let e = crate::rel_l2(&step, &r.greedy_logits[i * v..(i + 1) * v]);
+        steps.push(format!("{e:.1e}"));
+        worst = worst.max(e);
         let id = argmax(&step) as u32;
         ids.push(id);
         if i + 1 < r.greedy_ids.len() {
             step = m.forward_logits(&mut s, &[id], false).unwrap_or_else(|e| panic!("{what}: step {i}: {e}"));
         }
+    }
+    if worst > PRECISE_REL {
+        eprintln!("{what} (GPU precision f32): every step's rel: {}", steps.join(" "));
     }
     eprintln!(
         "{what} (GPU precision f32): prefill rel {rel:.3e}, greedy steps worst rel {worst:.3e} ({} steps)",

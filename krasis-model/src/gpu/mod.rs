@@ -768,3 +768,25 @@ impl Decoder for GpuModel {
         Ok(out.into_iter().map(|r| r.expect("every sequence ran")).collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The precise mode keeps an f32 KV cache, refuses an FP8 one naming both options, and
+    /// parses and prints as the CLI spells it.
+    #[test]
+    fn precision_decides_the_kv_storage() {
+        let opts = |precision, kv_dtype| GpuOptions { precision, kv_dtype, ..GpuOptions::default() };
+        assert_eq!(GpuOptions::default().precision, GpuPrecision::Bf16);
+        assert_eq!(opts(GpuPrecision::Bf16, KvDtype::Fp8).kv_storage().unwrap(), KvDtype::Fp8);
+        assert_eq!(opts(GpuPrecision::Bf16, KvDtype::Bf16).kv_storage().unwrap(), KvDtype::Bf16);
+        assert_eq!(opts(GpuPrecision::F32, KvDtype::Bf16).kv_storage().unwrap(), KvDtype::F32);
+        let e = opts(GpuPrecision::F32, KvDtype::Fp8).kv_storage().unwrap_err().to_string();
+        assert!(e.contains("GpuPrecision::F32") && e.contains("KvDtype::Fp8"), "{e}");
+        for p in [GpuPrecision::Bf16, GpuPrecision::F32] {
+            assert_eq!(p.to_string().parse::<GpuPrecision>().unwrap(), p);
+        }
+        assert!("fp16".parse::<GpuPrecision>().is_err());
+    }
+}
