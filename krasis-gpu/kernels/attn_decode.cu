@@ -13,10 +13,10 @@
 // position q_start + i) sees rows 0 ..= q_start + i.
 //
 // Exactness: every f32 operand x enters the MMA as two BF16 halves hi = bf16(x), lo = bf16(x - hi)
-// (|x - hi - lo| <= 2^-18 |x|); products of BF16 values are exact and accumulate in f32. Scores are
+// (|x - hi - lo| <= 2^-17 |x|); products of BF16 values are exact and accumulate in f32. Scores are
 // Qhi·K + Qlo·K (+ Qhi·Klo for FP8, whose dequantised code*scale is not a BF16 value; BF16 keys are
 // exact, so Klo = 0), the output P·V likewise with P = Phi + Plo. Dropped lo·lo terms are
-// <= 2^-18 relative, far inside the f32 accumulation error the tests allow.
+// <= 2^-17 relative, far inside the f32 accumulation error the tests allow.
 //
 // attn_decode_partial: grid (n_splits, kv_heads, query tiles), ATT_THREADS threads. Split s covers
 // rows [s*split_rows, min((s+1)*split_rows, q_start + t)), in tiles of ATT_ROWS rows:

@@ -18,7 +18,7 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-// x ~= hi + lo, both BF16: hi is x rounded, lo the remainder rounded, so |x - hi - lo| <= 2^-18 |x|
+// x ~= hi + lo, both BF16: hi is x rounded, lo the remainder rounded, so |x - hi - lo| <= 2^-17 |x|
 // (8 significant bits each). Two tensor-core products, one per half, keep an f32 operand to
 // about f32 accuracy.
 __device__ __forceinline__ void bf16_split(float x, bf16_t& hi, bf16_t& lo) {

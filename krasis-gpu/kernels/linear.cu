@@ -22,7 +22,7 @@ extern "C" __global__ void f32_to_bf16_pad(const float* __restrict__ x, bf16_t* 
     convert_row(x + (long long)t * cols, out + (long long)t * ld, cols, ld, threadIdx.x, blockDim.x);
 }
 
-// x f32 [m, cols] -> its BF16 halves (bf16_split: x ~= hi + lo within 2^-18 |x|): hi into
+// x f32 [m, cols] -> its BF16 halves (bf16_split: x ~= hi + lo within 2^-17 |x|): hi into
 // out [m, ld], lo into out + m * ld [m, ld], columns cols..ld-1 zeroed in both. One block per row.
 // The precise GPU mode multiplies both halves (two GEMMs into one y), so x keeps about f32's
 // accuracy through cuBLAS's BF16 tensor cores.

@@ -18,7 +18,7 @@
 //!   BF16-rounded `x` (like the BF16 path).
 //! * **Exact input** ([`GpuLinear::set_exact_input`], the precise GPU mode): x is not rounded.
 //!   Every BF16 product goes through cuBLAS with x split into two BF16 halves (`hi + lo` within
-//!   2⁻¹⁸ |x|), two GEMMs summing into one f32 `y` (the second with β = 1); the tiled INT8 path
+//!   2⁻¹⁷ |x|), two GEMMs summing into one f32 `y` (the second with β = 1); the tiled INT8 path
 //!   does the same, and the INT8 GEMV already reads f32 `x`. Twice the GEMM work for about f32's
 //!   accuracy: a verification mode, not a fast one.
 //!

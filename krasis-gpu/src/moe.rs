@@ -5,7 +5,7 @@
 //! expert's weights are read once per tile: once in total at decode (t = 1), once per 64 routed
 //! tokens in prefill.
 //! The tiles multiply on the tensor cores (`mma.sync`, BF16 operands, f32 accumulators); each f32
-//! activation enters as two BF16 halves (within 2^-18 of it, two products each), so the products
+//! activation enters as two BF16 halves (within 2^-17 of it, two products each), so the products
 //! keep about f32's accuracy; the SwiGLU intermediate is stored as its two halves too (f32 on the
 //! decode path below). The result is deterministic (see the kernel file): per pair, each output
 //! is one thread's accumulator in a fixed order, and the combine sums the top-k slots in
@@ -1229,7 +1229,7 @@ impl GpuExperts {
     /// Sets the largest pass (in pairs, `tokens · top_k`) that takes the decode path instead of
     /// the grouped one (default [`DECODE_MAX_PAIRS`]): 0 forces the grouped path, `usize::MAX`
     /// the decode path. For tests and tuning; both paths give the same result up to rounding
-    /// (f32 sums; the grouped path's activations split into two BF16 halves, within 2^-18).
+    /// (f32 sums; the grouped path's activations split into two BF16 halves, within 2^-17).
     #[doc(hidden)]
     pub fn set_decode_path_max_pairs(&mut self, pairs: usize) {
         self.decode_max_pairs = pairs;

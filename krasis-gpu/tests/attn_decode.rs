@@ -86,7 +86,7 @@ fn twin_attention_opts(
 /// Output tolerance: f32 scores/sums over up to 5000 rows against the f64 twin.
 const RTOL: f32 = 2e-4;
 const ATOL: f32 = 2e-5;
-/// One split vs many: the kernel's MMAs take f32 operands as BF16 hi + lo (2^-18 relative each)
+/// One split vs many: the kernel's MMAs take f32 operands as BF16 hi + lo (2^-17 relative each)
 /// and accumulate in f32 in an order that depends on the split, so two split counts differ by up
 /// to ~2^-17 of Σ p|v| / l <= max|v| = 1 (the test's values): 1e-5 absolute (the twin check above
 /// allows 2e-5).

@@ -473,9 +473,9 @@ fn int8_linear_matches_twin() {
 
 /// The precise mode's exact input (`set_exact_input`): BF16 and INT8 weights, every path (the
 /// BF16 GEMV sizes now on cuBLAS, the INT8 GEMV and tiled path), x *not* BF16-exact, against the
-/// twin on the unrounded x. The tolerance adds the split's own bound (`|x − hi − lo| ≤ 2⁻¹⁶|x|`:
-/// each half rounds at 2⁻⁸ of what it holds, so `2⁻¹⁶·Σ|x·w|` per output, doubled) to the
-/// summation-order model. Rounding x to BF16 would
+/// twin on the unrounded x. The tolerance adds four times the split's own bound to the
+/// summation-order model: `|x − hi − lo| ≤ 2⁻¹⁷|x|` (hi rounds x at 2⁻⁸ of its binade, lo the
+/// remainder, under 2⁻⁹ of it, likewise), so `2⁻¹⁷·Σ|x·w|` per output. Rounding x to BF16 would
 /// move outputs far past it (asserted: the BF16 twin fails the same tolerance somewhere). A group
 /// of exact parts equals one forward per part, bit for bit.
 #[test]

@@ -6,7 +6,7 @@
 //! Tolerance: a bound relative to the magnitude of every term that reaches an output (`scale` of
 //! [`twin`]: the gate and up sums' terms and biases through the activation's slope, then the down
 //! products and bias, then the routing weights): [`REL_BF16`] for BF16 weights (f32 sums, the
-//! grouped path's activations as two BF16 halves, 2^-18 each), [`REL_QUANT`] for INT4/INT8 (the
+//! grouped path's activations as two BF16 halves, 2^-17 each), [`REL_QUANT`] for INT4/INT8 (the
 //! activations quantised per group into a value and a residual INT8 row, ~2^-16 of a group's
 //! largest value, and the intermediate again). A dropped or misplaced bias, a bias of the wrong
 //! expert or the plain SiLU in place of the clamped SwiGLU moves outputs by a sizeable fraction of
