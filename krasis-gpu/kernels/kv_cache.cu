@@ -40,28 +40,26 @@ __device__ __forceinline__ float kv_e4m3_to_f32(u32 c) {
     return (c & 0x80u) ? -v : v;
 }
 
-// src f32 [t, row] -> rows pos..pos+t of a BF16 plane. Grid: (t), any block size.
-extern "C" __global__ void kv_write_bf16(const float* __restrict__ src, bf16_t* __restrict__ dst, int t, int row,
-                                         long long pos) {
+// src f32 [t, row] -> rows pos..pos+t of a BF16 (rounded to nearest even) or f32 (as given)
+// plane. Grid: (t), any block size.
+template <typename Out>
+__device__ __forceinline__ void kv_write_plain_body(const float* __restrict__ src, Out* __restrict__ dst, int t,
+                                                    int row, long long pos) {
     KRASIS_GRID_WAIT();
     KRASIS_GRID_LAUNCH_DEPENDENTS();
     const int i = blockIdx.x;
     if (i >= t) return;
     const float* s = src + (long long)i * row;
-    bf16_t* d = dst + (pos + i) * (long long)row;
-    for (int j = threadIdx.x; j < row; j += blockDim.x) d[j] = f32_to_bf16(s[j]);
+    Out* d = dst + (pos + i) * (long long)row;
+    for (int j = threadIdx.x; j < row; j += blockDim.x) store_f(d, j, s[j]);
 }
 
-// src f32 [t, row] -> rows pos..pos+t of an f32 plane, as given. Grid: (t), any block size.
-extern "C" __global__ void kv_write_f32(const float* __restrict__ src, float* __restrict__ dst, int t, int row,
-                                        long long pos) {
-    KRASIS_GRID_WAIT();
-    KRASIS_GRID_LAUNCH_DEPENDENTS();
-    const int i = blockIdx.x;
-    if (i >= t) return;
-    const float* s = src + (long long)i * row;
-    float* d = dst + (pos + i) * (long long)row;
-    for (int j = threadIdx.x; j < row; j += blockDim.x) d[j] = s[j];
+extern "C" __global__ void kv_write_bf16(const float* src, bf16_t* dst, int t, int row, long long pos) {
+    kv_write_plain_body(src, dst, t, row, pos);
+}
+
+extern "C" __global__ void kv_write_f32(const float* src, float* dst, int t, int row, long long pos) {
+    kv_write_plain_body(src, dst, t, row, pos);
 }
 
 // src f32 [t, row] -> rows pos..pos+t of an FP8 plane and its scales [cap, row/group].

@@ -711,7 +711,7 @@ impl GpuLinear {
         let xb = g.scratch_ptr();
         convert_x(dev, x_p, xb, m_i, cols, ldx)?;
         for &(w_p, y_p, rows) in &ptrs {
-            gemm_bf16(g.handle(), w_p, rows, cols, cols, xb, ldx, m_i, y_p, rows)?;
+            BfGemm { w: w_p, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run(g.handle(), y_p, rows)?;
         }
         Ok(())
     }
@@ -769,10 +769,10 @@ impl GpuLinear {
         let xb = g.scratch_ptr();
         if self.exact_input {
             convert_x_split(dev, x, xb, m_i, cols, ldx)?;
-            return gemm_bf16_halves(g.handle(), w, rows, cols, cols, xb, ldx, m_i, y.0, rows);
+            return BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run_halves(g.handle(), y.0, rows);
         }
         convert_x(dev, x, xb, m_i, cols, ldx)?;
-        gemm_bf16_to(g.handle(), w, rows, cols, cols, xb, ldx, m_i, y, rows)
+        BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run_to(g.handle(), y, rows)
     }
 
     /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
@@ -931,10 +931,11 @@ impl GpuLinear {
             unsafe { b.launch(ew_cfg(n16 as usize)) }.map_err(launch_err(OP))?;
             // Rows r0..r0+tr of y's column-major [rows, m] view: pointer offset r0, ldc = rows.
             let y_tile = y + (r0 * 4) as u64;
+            let gemm = BfGemm { w: wb, n: tr, k: cols, ldw, xb, ldx, m: m_i };
             if self.exact_input {
-                gemm_bf16_halves(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y_tile, rows)?;
+                gemm.run_halves(g.handle(), y_tile, rows)?;
             } else {
-                gemm_bf16(g.handle(), wb, tr, cols, ldw, xb, ldx, m_i, y_tile, rows)?;
+                gemm.run(g.handle(), y_tile, rows)?;
             }
             r0 += tr;
         }
@@ -950,37 +951,42 @@ impl GpuLinear {
 
 /// `xb[t, c] = bf16(x[t, c])` into `[m, ldx]` (padding zeroed).
 fn convert_x(dev: &GpuDevice, x: u64, xb: u64, m: i32, cols: usize, ldx: usize) -> Result<(), GpuError> {
-    const OP: &str = "f32_to_bf16_pad";
-    let (c_i, ld_i) = (to_i32(OP, "cols", cols)?, to_i32(OP, "ld", ldx)?);
-    let f = dev.function(&LINEAR, "f32_to_bf16_pad")?;
-    let s = dev.stream();
-    let mut b = s.launch_builder(&f);
-    b.arg(&x).arg(&xb).arg(&m).arg(&c_i).arg(&ld_i);
-    let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (EW_BLOCK, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: x is [m, cols] f32, xb [m, ldx] BF16 in the scratch.
-    unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
-    Ok(())
+    convert_x_with(dev, "f32_to_bf16_pad", x, xb, m, cols, ldx)
 }
 
 /// `x` as its BF16 halves: hi into `xb [m, ldx]`, lo into `xb + m·ldx` (padding zeroed).
 fn convert_x_split(dev: &GpuDevice, x: u64, xb: u64, m: i32, cols: usize, ldx: usize) -> Result<(), GpuError> {
-    const OP: &str = "f32_to_bf16_split_pad";
-    let (c_i, ld_i) = (to_i32(OP, "cols", cols)?, to_i32(OP, "ld", ldx)?);
-    let f = dev.function(&LINEAR, "f32_to_bf16_split_pad")?;
+    convert_x_with(dev, "f32_to_bf16_split_pad", x, xb, m, cols, ldx)
+}
+
+/// One block per row of `x [m, cols]` f32 through the conversion kernel `op` into `xb` (`[m, ldx]`
+/// BF16, or two of them for the split).
+fn convert_x_with(
+    dev: &GpuDevice,
+    op: &'static str,
+    x: u64,
+    xb: u64,
+    m: i32,
+    cols: usize,
+    ldx: usize,
+) -> Result<(), GpuError> {
+    let (c_i, ld_i) = (to_i32(op, "cols", cols)?, to_i32(op, "ld", ldx)?);
+    let f = dev.function(&LINEAR, op)?;
     let s = dev.stream();
     let mut b = s.launch_builder(&f);
     b.arg(&x).arg(&xb).arg(&m).arg(&c_i).arg(&ld_i);
     let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (EW_BLOCK, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: x is [m, cols] f32, xb [2·m, ldx] BF16 in the scratch.
-    unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+    // SAFETY: x is [m, cols] f32; xb holds what `op` writes ([m, ldx] BF16, twice for the split)
+    // in the scratch the caller locked.
+    unsafe { b.launch(cfg) }.map_err(launch_err(op))?;
     Ok(())
 }
 
-/// [`gemm_bf16`] of x given as its two BF16 halves ([`convert_x_split`]'s `xb`): `y = hi·Wᵀ`, then
-/// `y += lo·Wᵀ` (β = 1), both with f32 sums.
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16_halves(
-    h: &CublasHandle,
+/// One BF16 × BF16 product on cuBLAS: row-major `y[m, n] (ld ldy) = x[m, k] (ld ldx, BF16) ·
+/// W[n, k]ᵀ (ld ldw, BF16)` with f32 sums; in cuBLAS's column-major terms `Yᵀ[n, m] = op_T(W) ·
+/// Xᵀ`. The callers pass device buffers of these shapes on the handle's stream.
+#[derive(Clone, Copy)]
+struct BfGemm {
     w: u64,
     n: usize,
     k: usize,
@@ -988,84 +994,56 @@ fn gemm_bf16_halves(
     xb: u64,
     ldx: usize,
     m: i32,
-    y: u64,
-    ldy: usize,
-) -> Result<(), GpuError> {
-    gemm_bf16(h, w, n, k, ldw, xb, ldx, m, y, ldy)?;
-    let lo = xb + (m as usize * ldx * 2) as u64;
-    gemm_bf16_beta(h, w, n, k, ldw, lo, ldx, m, (y, cublas::R_32F), ldy, 1.0)
 }
 
-/// Row-major `y[m, n] (ld ldy) = x[m, k] (ld ldx, BF16) · W[n, k]ᵀ (ld ldw, BF16)`, f32 output:
-/// in cuBLAS's column-major terms `Yᵀ[n, m] = op_T(W) · Xᵀ`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16(
-    h: &CublasHandle,
-    w: u64,
-    n: usize,
-    k: usize,
-    ldw: usize,
-    xb: u64,
-    ldx: usize,
-    m: i32,
-    y: u64,
-    ldy: usize,
-) -> Result<(), GpuError> {
-    gemm_bf16_to(h, w, n, k, ldw, xb, ldx, m, (y, cublas::R_32F), ldy)
-}
+impl BfGemm {
+    /// `y = x·Wᵀ` into an f32 `y`.
+    fn run(&self, h: &CublasHandle, y: u64, ldy: usize) -> Result<(), GpuError> {
+        self.run_beta(h, (y, cublas::R_32F), ldy, 0.0)
+    }
 
-/// [`gemm_bf16`] with the output's type given: `R_32F`, or `R_16BF` (the f32 sums rounded by
-/// cuBLAS's epilogue).
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16_to(
-    h: &CublasHandle,
-    w: u64,
-    n: usize,
-    k: usize,
-    ldw: usize,
-    xb: u64,
-    ldx: usize,
-    m: i32,
-    y: (u64, std::ffi::c_int),
-    ldy: usize,
-) -> Result<(), GpuError> {
-    gemm_bf16_beta(h, w, n, k, ldw, xb, ldx, m, y, ldy, 0.0)
-}
+    /// [`BfGemm::run`] with the output's type given: `R_32F`, or `R_16BF` (the f32 sums rounded
+    /// by cuBLAS's epilogue).
+    fn run_to(&self, h: &CublasHandle, y: (u64, std::ffi::c_int), ldy: usize) -> Result<(), GpuError> {
+        self.run_beta(h, y, ldy, 0.0)
+    }
 
-/// [`gemm_bf16_to`] as `y = x·Wᵀ + beta·y`.
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16_beta(
-    h: &CublasHandle,
-    w: u64,
-    n: usize,
-    k: usize,
-    ldw: usize,
-    xb: u64,
-    ldx: usize,
-    m: i32,
-    (y, y_type): (u64, std::ffi::c_int),
-    ldy: usize,
-    beta: f32,
-) -> Result<(), GpuError> {
-    const OP: &str = "cublasGemmEx";
-    let (n, k, ldw, ldx, ldy) = (
-        to_i32(OP, "n", n)?,
-        to_i32(OP, "k", k)?,
-        to_i32(OP, "ldw", ldw)?,
-        to_i32(OP, "ldx", ldx)?,
-        to_i32(OP, "ldy", ldy)?,
-    );
-    // SAFETY: the callers pass device buffers of the stated shapes on the handle's stream.
-    unsafe {
-        h.gemm_ex_f32_compute(
-            (cublas::OP_T, cublas::OP_N),
-            (n, m, k),
-            1.0,
-            (w, cublas::R_16BF, ldw),
-            (xb, cublas::R_16BF, ldx),
-            beta,
-            (y, y_type, ldy),
-        )
+    /// With `xb` holding x's two BF16 halves ([`convert_x_split`]: hi, then lo `m·ldx` elements
+    /// on): `y = hi·Wᵀ`, then `y += lo·Wᵀ` (β = 1), both with f32 sums.
+    fn run_halves(&self, h: &CublasHandle, y: u64, ldy: usize) -> Result<(), GpuError> {
+        self.run(h, y, ldy)?;
+        let lo = BfGemm { xb: self.xb + (self.m as usize * self.ldx * 2) as u64, ..*self };
+        lo.run_beta(h, (y, cublas::R_32F), ldy, 1.0)
+    }
+
+    /// `y = x·Wᵀ + beta·y`.
+    fn run_beta(
+        &self,
+        h: &CublasHandle,
+        (y, y_type): (u64, std::ffi::c_int),
+        ldy: usize,
+        beta: f32,
+    ) -> Result<(), GpuError> {
+        const OP: &str = "cublasGemmEx";
+        let (n, k, ldw, ldx, ldy) = (
+            to_i32(OP, "n", self.n)?,
+            to_i32(OP, "k", self.k)?,
+            to_i32(OP, "ldw", self.ldw)?,
+            to_i32(OP, "ldx", self.ldx)?,
+            to_i32(OP, "ldy", ldy)?,
+        );
+        // SAFETY: the callers pass device buffers of the stated shapes on the handle's stream.
+        unsafe {
+            h.gemm_ex_f32_compute(
+                (cublas::OP_T, cublas::OP_N),
+                (n, self.m, k),
+                1.0,
+                (self.w, cublas::R_16BF, ldw),
+                (self.xb, cublas::R_16BF, ldx),
+                beta,
+                (y, y_type, ldy),
+            )
+        }
     }
 }
 
