@@ -121,7 +121,8 @@ pub enum GpuPrecision {
     Bf16,
     /// Nothing rounded to BF16 but the weights as stored: x multiplied as two BF16 halves, an f32
     /// KV cache, attention in the prefill form over f32 (module docs). Several times slower;
-    /// for verification. One sequence per call (no batched decode steps).
+    /// for verification. One sequence per call (no batched decode steps). Norm weights stay BF16
+    /// vectors, so a zero-centred norm's `1 + w` is rounded (the gated-DeltaNet families).
     F32,
 }
 
