@@ -53,14 +53,14 @@ extern "C" __global__ void copy_rows_f32_bf16(const float* src, long long src_st
     copy_rows(src, src_stride, dst, dst_stride, rows, cols);
 }
 
-// In place: for each row r, x[r*stride .. r*stride+n] = x / sqrt(mean(x^2) + eps) * (w + w_offset)
-// (w BF16 [n]; w_offset as rmsnorm_row_inplace). One block per row.
-extern "C" __global__ void rmsnorm_strided_inplace(float* x, long long stride, const bf16_t* w, float w_offset,
-                                                  int rows, int n, float eps) {
+// In place: for each row r, x[r*stride .. r*stride+n] = x / sqrt(mean(x^2) + eps) * w (w BF16 [n]).
+// One block per row.
+extern "C" __global__ void rmsnorm_strided_inplace(float* x, long long stride, const bf16_t* w, int rows, int n,
+                                                  float eps) {
     __shared__ float scratch[32];
     int r = blockIdx.x;
     if (r >= rows) return;
-    rmsnorm_row_inplace(x + (long long)r * stride, n, w, w_offset, eps, scratch);
+    rmsnorm_row_inplace(x + (long long)r * stride, n, w, eps, scratch);
 }
 
 // y[r, :n_out] *= sigmoid(dot(x[r, :n_in], w)) for y [rows, n_out] and x [rows, n_in] f32 and a

@@ -129,17 +129,15 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return t;
 }
 
-// In place: row[0..n] = row / sqrt(mean(row^2) + eps) * (w + w_offset) (w BF16 [n]; w_offset 1 for a
-// zero-centred norm's stored weight, so 1 + w is formed in f32, exactly, never rounded to BF16; 0
-// otherwise, which leaves w as it is), by the whole block (blockDim a multiple of 32; `scratch` 32
-// floats of shared memory). 1/sqrtf, not rsqrtf: correctly rounded without fast-math, as rmsnorm.cu.
-__device__ __forceinline__ void rmsnorm_row_inplace(float* row, int n, const bf16_t* w, float w_offset, float eps,
-                                                    float* scratch) {
+// In place: row[0..n] = row / sqrt(mean(row^2) + eps) * w (w BF16 [n]), by the whole block
+// (blockDim a multiple of 32; `scratch` 32 floats of shared memory). 1/sqrtf, not rsqrtf: correctly
+// rounded without fast-math, as rmsnorm.cu.
+__device__ __forceinline__ void rmsnorm_row_inplace(float* row, int n, const bf16_t* w, float eps, float* scratch) {
     float ss = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) ss += row[i] * row[i];
     ss = block_sum(ss, scratch);
     const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * inv * (bf16_to_f32(w[i]) + w_offset);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] = row[i] * inv * bf16_to_f32(w[i]);
 }
 
 // Programmatic dependent launch (GpuDevice::launch_dependent, sm_90+): a kernel launched that way

@@ -3,9 +3,7 @@
 //   if a host delta too:  x += delta_host       (f32 in mapped host memory, read over PCIe: the
 //                                                hybrid engine's CPU expert output, added after
 //                                                `delta`, so x = (x + shared) + routed)
-//   y = x / sqrt(mean(x^2) + eps) * (w + w_off)  (w: BF16 weight; w_off 1 for a zero-centred norm's
-//                                                stored weight, 1 + w formed in f32, else 0;
-//                                                y in f32 and/or BF16)
+//   y = x / sqrt(mean(x^2) + eps) * w           (w: BF16 weight; y in f32 and/or BF16)
 // Without a delta it is a plain RMSNorm of x (x unchanged), e.g. Qwen3's per-head qk-norm with
 // rows = tokens*heads and hidden = head_dim. Pointers that are unused are passed as 0.
 // Sum of squares and the scale in f32; 1/sqrtf (correctly rounded without fast-math), not rsqrtf.
@@ -30,7 +28,7 @@ __device__ __forceinline__ float4 rms_bf16x4(const bf16_t* p) {
 extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* __restrict__ delta_f32,
                                             const bf16_t* __restrict__ delta_bf16,
                                             const float* __restrict__ delta_host, const bf16_t* __restrict__ w,
-                                            float w_off, float* __restrict__ y_f32, bf16_t* __restrict__ y_bf16, int rows,
+                                            float* __restrict__ y_f32, bf16_t* __restrict__ y_bf16, int rows,
                                             int hidden, float eps) {
     __shared__ float scratch[32];
     KRASIS_GRID_WAIT();
@@ -78,10 +76,10 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
             const float4 v = x4[i];
             const float4 wv = rms_bf16x4(w + 4 * i);
             float4 y;
-            y.x = v.x * scale * (wv.x + w_off);
-            y.y = v.y * scale * (wv.y + w_off);
-            y.z = v.z * scale * (wv.z + w_off);
-            y.w = v.w * scale * (wv.w + w_off);
+            y.x = v.x * scale * wv.x;
+            y.y = v.y * scale * wv.y;
+            y.z = v.z * scale * wv.z;
+            y.w = v.w * scale * wv.w;
             if (y_f32) reinterpret_cast<float4*>(y_f32 + base)[i] = y;
             if (y_bf16) {
                 uint2 u;
@@ -104,7 +102,7 @@ extern "C" __global__ void rmsnorm_residual(float* __restrict__ x, const float* 
     const float scale = 1.0f / sqrtf(ss / (float)hidden + eps);
     // Each thread reads back only the elements it wrote above: no barrier needed.
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float y = xr[i] * scale * (bf16_to_f32(w[i]) + w_off);
+        const float y = xr[i] * scale * bf16_to_f32(w[i]);
         if (y_f32) y_f32[base + i] = y;
         if (y_bf16) y_bf16[base + i] = f32_to_bf16(y);
     }

@@ -85,7 +85,7 @@ extern "C" __global__ void mla_rope_norm(float* q, long long q_ts, long long q_h
     if (t >= n_tokens) return;
     rope_token(q, t, positions, cos_t, sin_t, q_heads, q_ts, q_hs, q_off, rot_dim, interleaved, max_pos);
     rope_token(kv, t, positions, cos_t, sin_t, 1, kv_ts, kv_ts, kv_off, rot_dim, interleaved, max_pos);
-    rmsnorm_row_inplace(kv + (long long)t * kv_ts, norm_n, w, 0.0f, eps, scratch);
+    rmsnorm_row_inplace(kv + (long long)t * kv_ts, norm_n, w, eps, scratch);
     if (kv_out) {  // the finished row into the BF16 KV cache, token t at row t
         __syncthreads();
         const float* src = kv + (long long)t * kv_ts;

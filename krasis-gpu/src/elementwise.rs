@@ -264,15 +264,12 @@ impl GpuDevice {
         self.copy_rows_launch("copy_rows_f32_bf16", 2, src, from, dp, len, to)
     }
 
-    /// In place, for each row of `rows`: `x = x / sqrt(mean(x²) + eps) · g` with the gain
-    /// `g = w` (`w` BF16, `cols` long), or `g = 1 + w` in f32 with `plus_one` (a zero-centred
-    /// norm's stored weight: never rounded to BF16 as `1 + w`).
+    /// In place, for each row of `rows`: `x = x / sqrt(mean(x²) + eps) · w` (`w` BF16, `cols` long).
     pub fn rmsnorm_rows_inplace(
         &self,
         x: &mut impl DevicePtrMut<f32>,
         rows: RowsView,
         w: &impl DevicePtr<u16>,
-        plus_one: bool,
         eps: f32,
     ) -> Result<(), GpuError> {
         const OP: &str = "rmsnorm_strided";
@@ -289,8 +286,7 @@ impl GpuDevice {
         let (wp, _g2) = w.device_ptr(s);
         let f = self.function(&ELEMENTWISE, "rmsnorm_strided_inplace")?;
         let mut b = s.launch_builder(&f);
-        let w_off = if plus_one { 1.0f32 } else { 0.0 };
-        b.arg(&xp).arg(&st).arg(&wp).arg(&w_off).arg(&r_i).arg(&n_i).arg(&eps);
+        b.arg(&xp).arg(&st).arg(&wp).arg(&r_i).arg(&n_i).arg(&eps);
         // SAFETY: matches the kernel's signature; extents checked.
         unsafe { b.launch(cfg_rows(rows.rows)) }.map_err(launch_err(OP))?;
         Ok(())

@@ -270,9 +270,8 @@ impl GpuDevice {
     /// RMSNorm fused with the residual add, over `rows` rows of `hidden`:
     /// `x += delta` (when a delta is given; f32 or BF16), then `x += delta_host` (f32 in mapped
     /// host memory, at least as long as `x`; the stream must be ordered after the host's writes),
-    /// then `y = x / sqrt(mean(x²) + eps) · g`, written to `y_f32` and/or `y_bf16`, with the gain
-    /// `g = w`, or `g = 1 + w` formed in f32 with `plus_one` (a zero-centred norm's stored weight,
-    /// never rounded to BF16 as `1 + w`). With no delta, `x` is left unchanged.
+    /// then `y = x / sqrt(mean(x²) + eps) · w`, written to `y_f32` and/or `y_bf16`. With no delta,
+    /// `x` is left unchanged.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_residual(
         &self,
@@ -281,7 +280,6 @@ impl GpuDevice {
         delta_bf16: Option<&dyn DevicePtr<u16>>,
         delta_host: Option<&MappedHost<f32>>,
         w: &impl DevicePtr<u16>,
-        plus_one: bool,
         y_f32: Option<&mut dyn DevicePtrMut<f32>>,
         y_bf16: Option<&mut dyn DevicePtrMut<u16>>,
         hidden: usize,
@@ -341,8 +339,7 @@ impl GpuDevice {
             None => (0, None),
         };
         let f = self.function(&RMSNORM, "rmsnorm_residual")?;
-        let w_off = if plus_one { 1.0f32 } else { 0.0 };
-        let mut args = kernel_args![&x_p, &df_p, &db_p, &dh_p, &w_p, &w_off, &yf_p, &yb_p, &rows_i, &h_i, &eps];
+        let mut args = kernel_args![&x_p, &df_p, &db_p, &dh_p, &w_p, &yf_p, &yb_p, &rows_i, &h_i, &eps];
         // SAFETY: argument list matches the kernel's signature; lengths checked above; the kernel
         // waits for the previous one first. After the host's output (a stream wait before this
         // launch), the ordinary launch.

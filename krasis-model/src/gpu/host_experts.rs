@@ -296,15 +296,14 @@ impl HostStaging {
     /// Device side, between `send` and `receive` of hand-off `seq` (one-token calls with
     /// prediction on; otherwise nothing): routes `h + y` (this layer's residual stream after
     /// attention, plus the shared expert's output when given) with the next MoE layer's
-    /// post-attention norm `norm` (its weight, and whether it is zero-centred) and `router`, and
-    /// publishes the ids for the expert thread's prefetch. Runs while the stream would wait for
-    /// the CPU experts anyway.
+    /// post-attention norm `norm` and `router`, and publishes the ids for the expert thread's
+    /// prefetch. Runs while the stream would wait for the CPU experts anyway.
     #[allow(clippy::too_many_arguments)]
     pub fn predict(
         &mut self,
         dev: &GpuDevice,
         router: &GpuRouter,
-        (norm, plus_one): (&DeviceBuffer<u16>, bool),
+        norm: &DeviceBuffer<u16>,
         h: &CudaView<'_, f32>,
         y: Option<&CudaView<'_, f32>>,
         eps: f32,
@@ -317,8 +316,7 @@ impl HostStaging {
         let hidden = p.h.len();
         dev.copy_device(h, p.h.slice_mut())?;
         let delta = y.map(|y| y as &dyn krasis_gpu::cudarc::driver::DevicePtr<f32>);
-        let hn = Some(p.hn.slice_mut() as &mut dyn krasis_gpu::cudarc::driver::DevicePtrMut<f32>);
-        dev.rmsnorm_residual(p.h.slice_mut(), delta, None, None, norm, plus_one, hn, None, hidden, eps)?;
+        dev.rmsnorm_residual(p.h.slice_mut(), delta, None, None, norm, Some(p.hn.slice_mut()), None, hidden, eps)?;
         let slot = &p.slots[(seq & 1) as usize];
         router.publish(
             dev,

@@ -239,7 +239,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
     fn residual_norm(&mut self, w: &DeviceBuffer<u16>, add: bool, _at: NormAt) -> Result<()> {
         let c = self.c;
         let h = c.spec.hidden_size;
-        residual_norm(c.dev, self.s, (w, c.spec.norm_plus_one), add, c.t * h, h, c.eps, self.host)
+        residual_norm(c.dev, self.s, w, add, c.t * h, h, c.eps, self.host)
     }
 
     fn mla(&mut self, l: usize, w: &MlaParts<GpuLinear, DeviceBuffer<u16>, GpuKvB>) -> Result<()> {
@@ -336,7 +336,6 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 if let Some(NextMoe { moe: MoeWeights { router, .. }, norm, .. }) = next_host {
                     let sc = &*s.scratch;
                     let y = y_counts.then(|| sc.y.slice().slice(..n));
-                    let norm = (norm, c.spec.norm_plus_one);
                     host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                 }
                 let next_skips = match next_host.map(|nx| c.placed.site(nx.layer, t)).transpose()? {
@@ -525,12 +524,12 @@ fn gpu_moe_chunked(
 
 /// The residual norm between layers: `x += y` (when `add`), plus the CPU experts' output when the
 /// last FFN was a host MoE layer (then `y` counts only if it holds the shared expert's part), then
-/// `xn = rmsnorm(x) · w` (`· (1 + w)`, formed in f32, for a zero-centred norm: `plus_one`).
+/// `xn = rmsnorm(x) · w`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn residual_norm(
     dev: &GpuDevice,
     s: &mut StepIo,
-    (w, plus_one): (&DeviceBuffer<u16>, bool),
+    w: &DeviceBuffer<u16>,
     add: bool,
     n: usize,
     hidden: usize,
@@ -546,7 +545,7 @@ pub(crate) fn residual_norm(
         None => (add, None),
     };
     let delta: Option<&dyn krasis_gpu::cudarc::driver::DevicePtr<f32>> = if use_y { Some(&y) } else { None };
-    dev.rmsnorm_residual(&mut x, delta, None, from_host, w, plus_one, Some(&mut xn), None, hidden, eps)?;
+    dev.rmsnorm_residual(&mut x, delta, None, from_host, w, Some(&mut xn), None, hidden, eps)?;
     Ok(())
 }
 
@@ -584,7 +583,7 @@ impl GpuMla<'_> {
                 let r = q_a.rows();
                 let qa = grow(dev, q_a_slot, t * r, "mla q_a")?;
                 q_a.forward(dev, c.gemm, &xn, t, &mut qa.slice_mut().slice_mut(..t * r))?;
-                dev.rmsnorm_rows_inplace(qa, RowsView::contiguous(t, r), norm, false, c.eps)?;
+                dev.rmsnorm_rows_inplace(qa, RowsView::contiguous(t, r), norm, c.eps)?;
                 self.w.q_b.forward(
                     dev,
                     c.gemm,
@@ -848,9 +847,8 @@ impl GpuGqa<'_> {
                     dev.add_bias_rows_f32(v, t, vb)?;
                 }
                 let (qw, kw) = (qn.len(), kn.len());
-                let plus_one = c.spec.norm_plus_one;
-                dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh * hd / qw, qw), qn, plus_one, c.eps)?;
-                dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh * hd / kw, kw), kn, plus_one, c.eps)?;
+                dev.rmsnorm_rows_inplace(q, RowsView::contiguous(t * hh * hd / qw, qw), qn, c.eps)?;
+                dev.rmsnorm_rows_inplace(k, RowsView::contiguous(t * kvh * hd / kw, kw), kn, c.eps)?;
                 dev.rope_f32(q, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, hh, hh * hd, hd, 0))?;
                 dev.rope_f32(k, &pos, c.cos, c.sin, c.max_pos, &rope_layout(c, kvh, kvh * hd, hd, 0))?;
                 false

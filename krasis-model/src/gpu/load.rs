@@ -342,14 +342,8 @@ impl WeightBuilder for GpuBuilder<'_> {
         Ok(GpuMlp { gate_up, down })
     }
 
-    /// A zero-centred norm ([`crate::model::tensors::TensorRole::CentredNorm`]) is uploaded as stored: its kernels form
-    /// `1 + w` in f32 (`ModelSpec::norm_plus_one`), which BF16 could not hold.
     fn vector(&mut self, t: &TensorSpec) -> Result<DeviceBuffer<u16>> {
-        let values = match t.role {
-            crate::model::tensors::TensorRole::CentredNorm => self.w.vector(&t.name, t.shape.iter().product())?,
-            _ => self.w.vector_of(t)?,
-        };
-        let v: Vec<u16> = values.iter().map(|&x| f32_to_bf16(x)).collect();
+        let v: Vec<u16> = self.w.vector_of(t)?.iter().map(|&x| f32_to_bf16(x)).collect();
         Ok(self.dev.upload(&v, &t.name)?)
     }
 
