@@ -72,7 +72,13 @@ fn check(what: &str, e: &dyn Engine, prompt: &[u32], snap: usize, saved: usize, 
         );
         assert!(e_split <= b.same_split, "{what}: resumed at {at}: rel {e_split:.3e} to the same split");
         if let Some(bound) = b.whole {
-            assert!(e_whole <= bound, "{what}: resumed at {at}: rel {e_whole:.3e} to the whole prompt");
+            let rows: Vec<String> =
+                got.chunks(v).zip(whole.chunks(v)).map(|(a, b)| format!("{:.1e}", rel_l2(a, b))).collect();
+            assert!(
+                e_whole <= bound,
+                "{what}: resumed at {at}: rel {e_whole:.3e} to the whole prompt (per position: {})",
+                rows.join(" ")
+            );
         }
         assert!(same_ids, "{what}: resumed at {at}: a greedy id differs");
     }
