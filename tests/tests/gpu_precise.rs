@@ -8,9 +8,10 @@
 //! `gptoss_oracle`.
 //!
 //! Not the gated-DeltaNet families (`qwen3next-tiny`, `qwen35moe-tiny`): there the mode measured
-//! prefill rel 2.1e-2 on the H200 (`bench/logs/2026-11-30/h200-precise-all-s38.log`), not yet
-//! traced. Their `(1 + w)` norm gains, which the GPU holds rounded to BF16 (every norm weight is
-//! a BF16 vector on the device), are the first suspect.
+//! prefill rel 2.1e-2 on the H200 (`bench/logs/2026-11-30/h200-precise-all-s38.log`). Their
+//! zero-centred `1 + w` norm gains are rounded to BF16 on the device (every norm weight is a BF16
+//! vector there); forming `1 + w` in f32 brought them to 1.7e-5, on a branch not yet merged
+//! (`bench/logs/2026-11-30/h200-centred-norms-s38.log`).
 //!
 //! Without a GPU every test prints "SKIPPED: no GPU" and passes; `KRASIS_REQUIRE_GPU=1` fails
 //! instead.
