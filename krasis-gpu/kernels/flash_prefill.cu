@@ -4,10 +4,11 @@
 //   score(i, s) = scale * (q_a[i,h] . k_a[s,g] + q_b[i,h] . k_b[s,g]),   g = h / (heads / kv_heads)
 //   out[i,h]    = sum_{s <= q_start + i} softmax_s(score(i, s)) * v[s,g]
 //
-// Every tensor is a strided BF16 (flash_prefill_simt_f32: f32) view [tokens, heads, dim]: element d of head h of token t is at
-// p[t*token_stride + h*head_stride + d]; head_stride may be 0 (one vector shared by every head, e.g.
-// MLA's rope key). Part b is optional (dim 0, null pointer). The output is f32 with its own strides.
-// Inputs are assumed finite (a masked key's V row is still multiplied by a zero weight).
+// Every tensor is a strided BF16 (flash_prefill_simt_f32: f32) view [tokens, heads, dim]: element d
+// of head h of token t is at p[t*token_stride + h*head_stride + d]; head_stride may be 0 (one
+// vector shared by every head, e.g. MLA's rope key). Part b is optional (dim 0, null pointer). The
+// output is f32 with its own strides. Inputs are assumed finite (a masked key's V row is still
+// multiplied by a zero weight).
 //
 // The kernels:
 //   flash_prefill_simt: the correctness fallback. One warp per (query, head); lanes split the dims

@@ -1,9 +1,10 @@
 // The GPU KV cache: writing f32 rows into f32, BF16 or FP8 E4M3 storage, and dequantised reads.
 //
 // Storage of one (layer, plane): `capacity` rows of `row` elements, row-major, rows back to back
-// (f32: 4 bytes per element, stored as given; BF16: 2 bytes; FP8: 1 byte). FP8 also keeps one f32 scale per `group` consecutive
-// elements of a row: scales [capacity, row / group]. A stored FP8 element decodes as
-// e4m3(code) * scale, where scale = amax(|group|) / 448 (codes 0 where that scale is 0).
+// (f32: 4 bytes per element, stored as given; BF16: 2 bytes; FP8: 1 byte). FP8 also keeps one f32
+// scale per `group` consecutive elements of a row: scales [capacity, row / group]. A stored FP8
+// element decodes as e4m3(code) * scale, where scale = amax(|group|) / 448 (codes 0 where that
+// scale is 0).
 #include "krasis_common.cuh"
 
 // Largest finite E4M3 ("fn" variant) value.

@@ -398,9 +398,9 @@ impl GpuKvCache {
         Ok(self.plane_ptrs(dev, idx))
     }
 
-    /// Stores rows for positions `pos..pos+t` of (`layer`, `plane`) from f32 `src [t, row]`:
-    /// f32 stores them as given; BF16 rounds to nearest even; FP8 quantises each group as the module docs say. Nothing is
-    /// written if `pos + t > capacity` (an error).
+    /// Stores rows for positions `pos..pos+t` of (`layer`, `plane`) from f32 `src [t, row]`: f32
+    /// stores them as given; BF16 rounds to nearest even; FP8 quantises each group as the module
+    /// docs say. Nothing is written if `pos + t > capacity` (an error).
     pub fn write(
         &self,
         dev: &GpuDevice,
@@ -447,7 +447,8 @@ impl GpuKvCache {
     }
 
     /// Dequantised copy of positions `start..start+len` of (`layer`, `plane`) into `dst [len, row]`
-    /// as BF16 bits (FP8: the f32 value `code · scale` rounded to nearest even; f32: rounded likewise).
+    /// as BF16 bits (FP8: the f32 value `code · scale` rounded to nearest even; f32: rounded
+    /// likewise).
     pub fn read_bf16(
         &self,
         dev: &GpuDevice,

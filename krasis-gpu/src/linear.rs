@@ -567,11 +567,37 @@ impl GpuLinear {
         if self.runs_alone(m) {
             return 0;
         }
-        let halves = if self.exact_input { 2 } else { 1 };
-        let xb_bytes = halves * m * align_up(self.cols, 8) * 2;
+        let xb_bytes = self.staged_x_bytes(m);
         match &self.w {
             Weights::Bf16(_) => xb_bytes,
             Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, self.int8_tile_rows(*ldw) * ldw * 2]),
+        }
+    }
+
+    /// Bytes of `m` rows of x staged as BF16 for cuBLAS ([`GpuLinear::stage_x`]): one copy, or
+    /// its two halves with exact input.
+    fn staged_x_bytes(&self, m: usize) -> usize {
+        let copies = if self.exact_input { 2 } else { 1 };
+        copies * m * align_up(self.cols, 8) * 2
+    }
+
+    /// `x [m, cols]` staged as BF16 at `xb` (row stride `align_up(cols, 8)`): rounded, or as its
+    /// two halves with exact input ([`convert_x_split`]).
+    fn stage_x(&self, dev: &GpuDevice, x: u64, xb: u64, m: i32) -> Result<(), GpuError> {
+        let (cols, ldx) = (self.cols, align_up(self.cols, 8));
+        if self.exact_input {
+            convert_x_split(dev, x, xb, m, cols, ldx)
+        } else {
+            convert_x(dev, x, xb, m, cols, ldx)
+        }
+    }
+
+    /// `gemm` over x as [`GpuLinear::stage_x`] staged it, into an f32 `y`.
+    fn gemm_staged(&self, gemm: BfGemm, h: &CublasHandle, y: u64, ldy: usize) -> Result<(), GpuError> {
+        if self.exact_input {
+            gemm.run_halves(h, y, ldy)
+        } else {
+            gemm.run(h, y, ldy)
         }
     }
 
@@ -767,12 +793,14 @@ impl GpuLinear {
         let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
         let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
         let xb = g.scratch_ptr();
-        if self.exact_input {
-            convert_x_split(dev, x, xb, m_i, cols, ldx)?;
-            return BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run_halves(g.handle(), y.0, rows);
+        self.stage_x(dev, x, xb, m_i)?;
+        let gemm = BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i };
+        if y.1 == cublas::R_32F {
+            self.gemm_staged(gemm, g.handle(), y.0, rows)
+        } else {
+            // A BF16 output: never with exact input (`writes_bf16`).
+            gemm.run_to(g.handle(), y, rows)
         }
-        convert_x(dev, x, xb, m_i, cols, ldx)?;
-        BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run_to(g.handle(), y, rows)
     }
 
     /// The BF16 GEMV (`m <= BF16_GEMV_MAX_M`) with `r` rows per warp (1 or 4).
@@ -907,17 +935,12 @@ impl GpuLinear {
         const OP: &str = "GpuLinear::forward (int8 tiled)";
         let (rows, cols) = (self.rows, self.cols);
         let ldx = align_up(cols, 8);
-        let (tile_rows, xb_bytes) = (self.int8_tile_rows(ldw), m * ldx * 2);
+        let tile_rows = self.int8_tile_rows(ldw);
         let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
         let mut carve = Carve::new(g.scratch_ptr());
-        let halves = if self.exact_input { 2 } else { 1 };
-        let (xb, wb) = (carve.take(halves * xb_bytes), carve.take(tile_rows * ldw * 2));
+        let (xb, wb) = (carve.take(self.staged_x_bytes(m)), carve.take(tile_rows * ldw * 2));
         let m_i = to_i32(OP, "m", m)?;
-        if self.exact_input {
-            convert_x_split(dev, x, xb, m_i, cols, ldx)?;
-        } else {
-            convert_x(dev, x, xb, m_i, cols, ldx)?;
-        }
+        self.stage_x(dev, x, xb, m_i)?;
         let s = dev.stream();
         let deq = dev.function(&LINEAR, "int8_dequant_bf16")?;
         let mut r0 = 0;
@@ -930,13 +953,8 @@ impl GpuLinear {
             // SAFETY: `src` covers `tr` padded rows, `wb` holds `tile_rows * ldw` BF16.
             unsafe { b.launch(ew_cfg(n16 as usize)) }.map_err(launch_err(OP))?;
             // Rows r0..r0+tr of y's column-major [rows, m] view: pointer offset r0, ldc = rows.
-            let y_tile = y + (r0 * 4) as u64;
             let gemm = BfGemm { w: wb, n: tr, k: cols, ldw, xb, ldx, m: m_i };
-            if self.exact_input {
-                gemm.run_halves(g.handle(), y_tile, rows)?;
-            } else {
-                gemm.run(g.handle(), y_tile, rows)?;
-            }
+            self.gemm_staged(gemm, g.handle(), y + (r0 * 4) as u64, rows)?;
             r0 += tr;
         }
         let rows_i = to_i32(OP, "rows", rows)?;
