@@ -180,6 +180,12 @@ pub struct GpuArgs {
     /// reference).
     #[arg(long, default_value = "bf16", value_parser = one_of::<GpuPrecision>(&["bf16", "f32"]))]
     pub gpu_precision: GpuPrecision,
+    /// Row-invariant prompts on the GPU and hybrid paths: every prompt call computes each token
+    /// independently of the call's other tokens (fixed-size GEMM calls, attention read through
+    /// the KV cache, a hybrid prompt's experts all on the GPU), so a prompt resumed from the
+    /// prefix cache or run in chunks gives the logits of one whole-prompt call, bit for bit.
+    #[arg(long)]
+    pub invariant_prefill: bool,
     /// Tokens (prompt + generated) each session holds. GPU and hybrid: the KV cache allocated
     /// at load (default: what the VRAM budget leaves, capped at the model's
     /// max_position_embeddings). CPU: a limit the cache grows up to (default:
@@ -277,6 +283,7 @@ impl GpuArgs {
             vram_budget: self.vram_budget,
             kv_dtype: self.kv_dtype,
             precision: self.gpu_precision,
+            invariant_prefill: self.invariant_prefill,
             attention_quant: self.attention_quant,
             shared_expert_quant: self.shared_expert_quant,
             dense_mlp_quant: self.dense_mlp_quant,

@@ -37,6 +37,7 @@ pub const OPTION_FLAGS: &[(&str, &str)] = &[
     ("KvDtype::Fp8", "--kv-dtype fp8"),
     ("GpuOptions::precision", "--gpu-precision"),
     ("GpuPrecision::F32", "--gpu-precision f32"),
+    ("GpuOptions::invariant_prefill", "--invariant-prefill"),
     ("GpuOptions::kv_tokens", "--kv-tokens"),
     ("GpuOptions::expert_bits", "--gpu-expert-bits"),
     ("GpuOptions::expert_group_size", "--group-size"),

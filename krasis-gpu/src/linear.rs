@@ -21,11 +21,19 @@
 //!   2⁻¹⁷ |x|), two GEMMs summing into one f32 `y` (the second with β = 1); the tiled INT8 path
 //!   does the same, and the INT8 GEMV already reads f32 `x`. Twice the GEMM work for about f32's
 //!   accuracy: a verification mode, not a fast one.
+//! * **Fixed rows** ([`GemmContext::set_fixed_rows`], the row-invariant prefill): every product
+//!   runs on cuBLAS in blocks of exactly [`FIXED_ROWS`] rows of x, whatever `m` (a last partial
+//!   block padded with zero rows into the scratch, its rows copied out). Each call then has one
+//!   shape, so cuBLAS runs one kernel with one summation order per output, and a row's outputs do
+//!   not depend on how many rows the call had or where the row sat: a prompt split into calls
+//!   differently gives the same bits. The GEMVs (whose order per row is fixed too, but is not
+//!   cuBLAS's) are not used then.
 //!
 //! Nothing here synchronises; every launch goes on the device's compute stream.
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -34,6 +42,11 @@ use crate::cublas::{self, CublasHandle};
 use crate::device::kernel_args;
 use crate::kernels::{KernelSource, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
+
+/// Rows of every cuBLAS call under [`GemmContext::set_fixed_rows`]: enough to keep the tensor
+/// cores busy on prefill-sized products (128 is a whole tile of cuBLAS's large kernels), few
+/// enough that a short call pays little for its padding.
+pub const FIXED_ROWS: usize = 128;
 
 /// The pieces around cuBLAS and the INT8 path's dequantisation.
 pub const LINEAR: KernelSource = KernelSource {
@@ -238,6 +251,8 @@ pub struct GemmContext {
     side: OnceLock<Mutex<Inner>>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
+    /// [`GemmContext::set_fixed_rows`]: the rows of every cuBLAS call, 0 when off.
+    fixed_rows: AtomicUsize,
 }
 
 pub(crate) struct Inner {
@@ -312,7 +327,28 @@ impl GemmContext {
         let ctx = Arc::clone(dev.context());
         ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
         let inner = Inner::new(dev, dev.main_stream())?;
-        Ok(GemmContext { inner: Mutex::new(inner), side: OnceLock::new(), stream: Arc::clone(dev.main_stream()), ctx })
+        Ok(GemmContext {
+            inner: Mutex::new(inner),
+            side: OnceLock::new(),
+            stream: Arc::clone(dev.main_stream()),
+            ctx,
+            fixed_rows: AtomicUsize::new(0),
+        })
+    }
+
+    /// Row-invariant products (module docs): with `Some(n)`, every linear run through this
+    /// context multiplies in cuBLAS calls of exactly `n` rows (the engine passes
+    /// [`FIXED_ROWS`]), so a row's outputs are the same bits whatever the call's other rows;
+    /// `None` (the default) picks the fastest kernel for each `m`. The engine sets it per forward
+    /// call (prefill calls on, decode steps off); the routed experts' kernels read it too
+    /// ([`crate::GpuExperts`]: the grouped path at every size).
+    pub fn set_fixed_rows(&self, rows: Option<usize>) {
+        self.fixed_rows.store(rows.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// [`GemmContext::set_fixed_rows`]'s setting.
+    pub fn fixed_rows(&self) -> Option<usize> {
+        Some(self.fixed_rows.load(Ordering::Relaxed)).filter(|&n| n > 0)
     }
 
     /// Where libcublas was loaded from.
@@ -552,39 +588,61 @@ impl GpuLinear {
         }
     }
 
-    /// Whether [`GpuLinear::forward`] of `m` rows runs a GEMV of its own (no cuBLAS, no GEMM
-    /// scratch).
-    pub fn runs_alone(&self, m: usize) -> bool {
+    /// Whether [`GpuLinear::forward`] of `m` rows through `ctx` runs a GEMV of its own (no
+    /// cuBLAS, no GEMM scratch): never with fixed rows.
+    pub fn runs_alone(&self, ctx: &GemmContext, m: usize) -> bool {
+        if ctx.fixed_rows().is_some() {
+            return false;
+        }
         match &self.w {
             Weights::Bf16(_) => m <= BF16_GEMV_MAX_M && self.bf16_path != Bf16Path::Cublas && !self.exact_input,
             Weights::Int8 { .. } => m <= INT8_GEMV_MAX_M,
         }
     }
 
-    /// GEMM scratch bytes [`GpuLinear::forward`] of `m` rows locks (0 for a GEMV): what
-    /// [`GemmContext::reserve_side`] must provide before it runs on the side stream.
-    pub fn gemm_scratch_bytes(&self, m: usize) -> usize {
-        if self.runs_alone(m) {
+    /// GEMM scratch bytes [`GpuLinear::forward`] of `m` rows through `ctx` locks (0 for a
+    /// GEMV): what [`GemmContext::reserve_side`] must provide before it runs on the side stream.
+    pub fn gemm_scratch_bytes(&self, ctx: &GemmContext, m: usize) -> usize {
+        if self.runs_alone(ctx, m) {
             return 0;
         }
-        let xb_bytes = self.staged_x_bytes(m);
+        let fixed = ctx.fixed_rows();
+        let xb_bytes = self.staged_x_bytes(fixed, m);
+        // Fixed rows: a padded last block's f32 outputs, [block, rows].
+        let pad = fixed.map_or(0, |b| if m.is_multiple_of(b) { 0 } else { b * self.rows * 4 });
         match &self.w {
-            Weights::Bf16(_) => xb_bytes,
-            Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, self.int8_tile_rows(*ldw) * ldw * 2]),
+            Weights::Bf16(_) => Carve::total(&[xb_bytes, pad]),
+            Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, pad, self.int8_tile_rows(*ldw) * ldw * 2]),
         }
     }
 
     /// Bytes of `m` rows of x staged as BF16 for cuBLAS ([`GpuLinear::stage_x`]): one copy, or
-    /// its two halves with exact input.
-    fn staged_x_bytes(&self, m: usize) -> usize {
+    /// its two halves with exact input; with fixed rows, padded to whole blocks.
+    fn staged_x_bytes(&self, fixed: Option<usize>, m: usize) -> usize {
         let copies = if self.exact_input { 2 } else { 1 };
+        let m = fixed.map_or(m, |b| m.next_multiple_of(b));
         copies * m * align_up(self.cols, 8) * 2
     }
 
     /// `x [m, cols]` staged as BF16 at `xb` (row stride `align_up(cols, 8)`): rounded, or as its
     /// two halves with exact input ([`convert_x_split`]).
-    fn stage_x(&self, dev: &GpuDevice, x: u64, xb: u64, m: i32) -> Result<(), GpuError> {
+    /// With fixed rows the rows past `m` up to the block are zeroed (their outputs are dropped;
+    /// zeros keep them finite).
+    fn stage_x(&self, dev: &GpuDevice, x: u64, xb: u64, m: i32, fixed: Option<usize>) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward (staging x)";
         let (cols, ldx) = (self.cols, align_up(self.cols, 8));
+        if let Some(block) = fixed {
+            check(OP, !self.exact_input, || {
+                format!("{}: fixed rows with exact input (the precise mode has no row-invariant form)", self.name)
+            })?;
+            let (m, padded) = (m as usize, (m as usize).next_multiple_of(block));
+            if padded > m {
+                let (at, bytes) = (xb + (m * ldx * 2) as u64, (padded - m) * ldx * 2);
+                // SAFETY: the scratch holds `padded` rows of `ldx` BF16 (`staged_x_bytes`).
+                let r = unsafe { cudarc::driver::sys::cuMemsetD8Async(at, 0, bytes, dev.stream().cu_stream()) };
+                r.result().map_err(|e| GpuError::driver("cuMemsetD8Async", e))?;
+            }
+        }
         if self.exact_input {
             convert_x_split(dev, x, xb, m, cols, ldx)
         } else {
@@ -592,12 +650,21 @@ impl GpuLinear {
         }
     }
 
-    /// `gemm` over x as [`GpuLinear::stage_x`] staged it, into an f32 `y`.
-    fn gemm_staged(&self, gemm: BfGemm, h: &CublasHandle, y: u64, ldy: usize) -> Result<(), GpuError> {
-        if self.exact_input {
-            gemm.run_halves(h, y, ldy)
-        } else {
-            gemm.run(h, y, ldy)
+    /// `gemm` over x as [`GpuLinear::stage_x`] staged it, into an f32 `y`; with `fixed`
+    /// (`Some((block, pad))`), in calls of `block` rows ([`BfGemm::run_fixed`]).
+    fn gemm_staged(
+        &self,
+        dev: &GpuDevice,
+        gemm: BfGemm,
+        h: &CublasHandle,
+        y: u64,
+        ldy: usize,
+        fixed: Option<(usize, u64)>,
+    ) -> Result<(), GpuError> {
+        match fixed {
+            Some((block, pad)) => gemm.run_fixed(dev, h, y, ldy, block, pad),
+            None if self.exact_input => gemm.run_halves(h, y, ldy),
+            None => gemm.run(h, y, ldy),
         }
     }
 
@@ -649,7 +716,7 @@ impl GpuLinear {
         match &self.w {
             Weights::Bf16(w) => {
                 let gemv_rows = match self.bf16_path {
-                    _ if !self.runs_alone(m) => None,
+                    _ if !self.runs_alone(ctx, m) => None,
                     Bf16Path::Auto => {
                         Some(bf16_gemv_rows_per_warp(rows, m, dev.info().multiprocessors.max(1) as usize))
                     }
@@ -665,7 +732,7 @@ impl GpuLinear {
             Weights::Int8 { q, scale, ldw } => {
                 let (q_p, _gq) = q.device_ptr(s);
                 let (s_p, _gs) = scale.device_ptr(s);
-                if m <= INT8_GEMV_MAX_M {
+                if self.runs_alone(ctx, m) {
                     self.int8_gemv(dev, q_p, s_p, *ldw, x_p, m, y_p)
                 } else {
                     self.int8_tiled(dev, ctx, q_p, s_p, *ldw, x_p, m, y_p)
@@ -704,8 +771,9 @@ impl GpuLinear {
             && parts.len() <= GEMV_GROUP_MAX
             && parts.iter().all(|(l, _)| l.bf16_path == Bf16Path::Auto)
             && (1..=BF16_GEMV_MAX_M).contains(&m)
+            && ctx.fixed_rows().is_none()
             && parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r));
-        let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(m));
+        let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(ctx, m)) && ctx.fixed_rows().is_none();
         if parts.len() == 1 || (!fused && !cublas) {
             for (l, y) in parts.iter_mut() {
                 l.forward(dev, ctx, x, m, *y)?;
@@ -716,7 +784,7 @@ impl GpuLinear {
             l.check_shapes(OP, x.len(), y.len(), m)?;
         }
         ctx.check_device(dev, OP)?;
-        let scratch = parts.iter().map(|(l, _)| l.gemm_scratch_bytes(m)).max().unwrap_or(0);
+        let scratch = parts.iter().map(|(l, _)| l.gemm_scratch_bytes(ctx, m)).max().unwrap_or(0);
         let s = dev.stream();
         let (x_p, _gx) = x.device_ptr(s);
         let mut ptrs = Vec::with_capacity(parts.len());
@@ -742,9 +810,13 @@ impl GpuLinear {
         Ok(())
     }
 
-    /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows: a BF16 weight on the cuBLAS path.
-    pub fn writes_bf16(&self, m: usize) -> bool {
-        matches!(self.w, Weights::Bf16(_)) && !self.runs_alone(m) && !self.exact_input
+    /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows through `ctx`: a BF16 weight on the
+    /// cuBLAS path, without fixed rows (whose padded block is copied out in f32).
+    pub fn writes_bf16(&self, ctx: &GemmContext, m: usize) -> bool {
+        matches!(self.w, Weights::Bf16(_))
+            && !self.runs_alone(ctx, m)
+            && !self.exact_input
+            && ctx.fixed_rows().is_none()
     }
 
     /// `y[m, rows] = x[m, cols] · Wᵀ` as [`GpuLinear::forward`] computes it, rounded to BF16 by
@@ -759,7 +831,9 @@ impl GpuLinear {
         y: &mut impl DevicePtrMut<u16>,
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward_bf16";
-        check(OP, self.writes_bf16(m), || format!("{}: no BF16 output for {m} rows ({:?})", self.name, self.quant()))?;
+        check(OP, self.writes_bf16(ctx, m), || {
+            format!("{}: no BF16 output for {m} rows ({:?})", self.name, self.quant())
+        })?;
         self.check_shapes(OP, x.len(), y.len(), m)?;
         ctx.check_device(dev, OP)?;
         let Weights::Bf16(w) = &self.w else { unreachable!("checked by writes_bf16") };
@@ -791,12 +865,15 @@ impl GpuLinear {
         const OP: &str = "GpuLinear::forward (cuBLAS)";
         let (rows, cols) = (self.rows, self.cols);
         let (m_i, ldx) = (to_i32(OP, "m", m)?, align_up(cols, 8));
-        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
-        let xb = g.scratch_ptr();
-        self.stage_x(dev, x, xb, m_i)?;
+        let fixed = ctx.fixed_rows();
+        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(ctx, m))?;
+        let mut carve = Carve::new(g.scratch_ptr());
+        let xb = carve.take(self.staged_x_bytes(fixed, m));
+        self.stage_x(dev, x, xb, m_i, fixed)?;
         let gemm = BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i };
         if y.1 == cublas::R_32F {
-            self.gemm_staged(gemm, g.handle(), y.0, rows)
+            let fixed = fixed.map(|b| (b, carve.take(b * rows * 4)));
+            self.gemm_staged(dev, gemm, g.handle(), y.0, rows, fixed)
         } else {
             // A BF16 output: never with exact input (`writes_bf16`).
             gemm.run_to(g.handle(), y, rows)
@@ -936,11 +1013,14 @@ impl GpuLinear {
         let (rows, cols) = (self.rows, self.cols);
         let ldx = align_up(cols, 8);
         let tile_rows = self.int8_tile_rows(ldw);
-        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(m))?;
+        let fixed = ctx.fixed_rows();
+        let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(ctx, m))?;
         let mut carve = Carve::new(g.scratch_ptr());
-        let (xb, wb) = (carve.take(self.staged_x_bytes(m)), carve.take(tile_rows * ldw * 2));
+        let xb = carve.take(self.staged_x_bytes(fixed, m));
+        let pad = fixed.map(|b| (b, carve.take(if m.is_multiple_of(b) { 0 } else { b * rows * 4 })));
+        let wb = carve.take(tile_rows * ldw * 2);
         let m_i = to_i32(OP, "m", m)?;
-        self.stage_x(dev, x, xb, m_i)?;
+        self.stage_x(dev, x, xb, m_i, fixed)?;
         let s = dev.stream();
         let deq = dev.function(&LINEAR, "int8_dequant_bf16")?;
         let mut r0 = 0;
@@ -954,7 +1034,9 @@ impl GpuLinear {
             unsafe { b.launch(ew_cfg(n16 as usize)) }.map_err(launch_err(OP))?;
             // Rows r0..r0+tr of y's column-major [rows, m] view: pointer offset r0, ldc = rows.
             let gemm = BfGemm { w: wb, n: tr, k: cols, ldw, xb, ldx, m: m_i };
-            self.gemm_staged(gemm, g.handle(), y + (r0 * 4) as u64, rows)?;
+            // The padded block's rows at the same column offset.
+            let pad = pad.map(|(b, p)| (b, p + (r0 * 4) as u64));
+            self.gemm_staged(dev, gemm, g.handle(), y + (r0 * 4) as u64, rows, pad)?;
             r0 += tr;
         }
         let rows_i = to_i32(OP, "rows", rows)?;
@@ -1032,6 +1114,60 @@ impl BfGemm {
         self.run(h, y, ldy)?;
         let lo = BfGemm { xb: self.xb + (self.m as usize * self.ldx * 2) as u64, ..*self };
         lo.run_beta(h, (y, cublas::R_32F), ldy, 1.0)
+    }
+
+    /// [`BfGemm::run`] in cuBLAS calls of exactly `block` rows (fixed rows, module docs): x
+    /// staged with its rows padded to whole blocks; the last partial block's `[block, ldy]` f32
+    /// outputs go to `pad` and its real rows are copied into `y` (same column offset, pitch
+    /// `ldy`).
+    fn run_fixed(
+        &self,
+        dev: &GpuDevice,
+        h: &CublasHandle,
+        y: u64,
+        ldy: usize,
+        block: usize,
+        pad: u64,
+    ) -> Result<(), GpuError> {
+        let m = self.m as usize;
+        let blk = to_i32("cublasGemmEx", "block", block)?;
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = block.min(m - r0);
+            let part = BfGemm { xb: self.xb + (r0 * self.ldx * 2) as u64, m: blk, ..*self };
+            let out = y + (r0 * ldy * 4) as u64;
+            if rows == block {
+                part.run(h, out, ldy)?;
+            } else {
+                part.run(h, pad, ldy)?;
+                use cudarc::driver::sys::{CUmemorytype, CUDA_MEMCPY2D};
+                let device = CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                let copy = CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: device,
+                    srcHost: std::ptr::null(),
+                    srcDevice: pad,
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: ldy * 4,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: device,
+                    dstHost: std::ptr::null_mut(),
+                    dstDevice: out,
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: ldy * 4,
+                    WidthInBytes: self.n * 4,
+                    Height: rows,
+                };
+                // SAFETY: `pad` holds `[block, ldy]` f32 and `y` `[m, ldy]` from the callers'
+                // offsets; the copy is stream-ordered after the GEMM that wrote `pad`.
+                let r = unsafe { cudarc::driver::sys::cuMemcpy2DAsync_v2(&copy, dev.stream().cu_stream()) };
+                r.result().map_err(|e| GpuError::driver("cuMemcpy2DAsync", e))?;
+            }
+            r0 += rows;
+        }
+        Ok(())
     }
 
     /// `y = x·Wᵀ + beta·y`.

@@ -1487,7 +1487,9 @@ impl GpuExperts {
             let x_t = x_p + (t0 * h * 4) as u64;
             let out_t = out_p + (t0 * h * 4) as u64;
 
-            let decode = self.uses_decode_path(nt, top_k);
+            // Fixed rows (the row-invariant prefill): the grouped path at every size, whose
+            // outputs per pair do not depend on the pass's other pairs.
+            let decode = self.uses_decode_path(nt, top_k) && ctx.fixed_rows().is_none();
             if let (true, Some((q, a13, a2, _, [dec_gu, dec_dn], _))) = (decode, &quant) {
                 let grid = |panels: usize, chunks: usize, threads: u32| LaunchConfig {
                     grid_dim: (pairs as u32, panels as u32, 1),

@@ -17,7 +17,9 @@ use common::{
 };
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::{DevicePtr, DevicePtrMut};
-use krasis_gpu::linear::{bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, GEMV_GROUP_MAX, INT8_GEMV_MAX_M};
+use krasis_gpu::linear::{
+    bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, FIXED_ROWS, GEMV_GROUP_MAX, INT8_GEMV_MAX_M,
+};
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -315,10 +317,10 @@ fn bf16_output_is_forward_rounded() {
         let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
         let lin = GpuLinear::new(d, "kv_b", &w, rows, cols, LinearQuant::Bf16).unwrap();
         let int8 = GpuLinear::new(d, "kv_b int8", &w, rows, cols, LinearQuant::Int8).unwrap();
-        assert!(!lin.writes_bf16(BF16_GEMV_MAX_M) && !int8.writes_bf16(64));
+        assert!(!lin.writes_bf16(ctx, BF16_GEMV_MAX_M) && !int8.writes_bf16(ctx, 64));
         for m in [BF16_GEMV_MAX_M + 1, 64, 301] {
             let what = format!("[{rows}x{cols}] m={m}");
-            assert!(lin.writes_bf16(m), "{what}");
+            assert!(lin.writes_bf16(ctx, m), "{what}");
             let x_d = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
             let mut y = poisoned_f32(d, m * rows);
             lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
@@ -386,8 +388,8 @@ fn side_stream_orders_and_runs_cublas_in_its_lane() {
     let m = 33;
     let x_d = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
     let mut y = poisoned_f32(d, m * rows);
-    assert!(!lin.runs_alone(m) && lin.runs_alone(1) && lin.gemm_scratch_bytes(1) == 0);
-    let need = lin.gemm_scratch_bytes(m);
+    assert!(!lin.runs_alone(ctx, m) && lin.runs_alone(ctx, 1) && lin.gemm_scratch_bytes(ctx, 1) == 0);
+    let need = lin.gemm_scratch_bytes(ctx, m);
     assert!(need >= m * cols * 2, "{need}");
     let own = GemmContext::new(d).unwrap(); // a context whose side lane does not exist yet
     let on_side = |ctx: &GemmContext| {
@@ -491,7 +493,7 @@ fn exact_input_matches_the_unrounded_twin() {
         for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
             let mut lin = GpuLinear::new(d, "exact input", &w, rows, cols, quant).unwrap();
             lin.set_exact_input(true);
-            assert!(lin.exact_input() && !lin.writes_bf16(129));
+            assert!(lin.exact_input() && !lin.writes_bf16(ctx, 129));
             for &m in &[1usize, 2, 8, 9, 64] {
                 let x = rand_f32(&mut r, m * cols, 2.0);
                 let (wvals, scale) = match quant {
@@ -536,6 +538,69 @@ fn exact_input_matches_the_unrounded_twin() {
 
 /// x as a view one element into a buffer: not 16-byte aligned, so the GEMV must take its scalar
 /// x path even when cols % 4 == 0.
+/// Fixed rows (`GemmContext::set_fixed_rows`, the row-invariant prefill): a row's outputs are the
+/// same bits whichever call computes it. BF16 and INT8 weights on ragged shapes (the LM head's
+/// width among them): one call over all `m` rows, then the same rows in calls of other sizes and
+/// offsets (single rows, GEMV sizes, a block and a half, a padded last block), and a group of
+/// parts, all equal bit for bit; every result within the twin's tolerance (x rounded to BF16, as
+/// the cuBLAS paths do). The same calls without fixed rows differ somewhere (the GEMVs' order is
+/// not cuBLAS's), so the equality is not a property the default already had.
+#[test]
+fn fixed_rows_give_each_row_the_same_bits_in_any_call() {
+    let Some((d, _)) = gpu_gemm("fixed_rows_give_each_row_the_same_bits_in_any_call") else { return };
+    // A context of its own: the setting would reach the other tests' shared one.
+    let own = GemmContext::new(d).unwrap();
+    let ctx = &own;
+    let mut r = rng(53);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let mut default_differs = false;
+    for &(rows, cols) in &[(300usize, 200usize), (576, 2048), (33, 257), (102_400, 64), (7, 1408)] {
+        let w = rand_bf16_bits(&mut r, rows * cols, 0.5);
+        let (q, sc) = twin_quant(&w, rows, cols);
+        for quant in [LinearQuant::Bf16, LinearQuant::Int8] {
+            let lin = GpuLinear::new(d, "fixed rows", &w, rows, cols, quant).unwrap();
+            let m = 2 * FIXED_ROWS + 37;
+            let x = rand_f32(&mut r, m * cols, 2.0);
+            let x_d = up(d, &x, "x");
+            ctx.set_fixed_rows(Some(FIXED_ROWS));
+            assert!(!lin.runs_alone(ctx, 1) && !lin.writes_bf16(ctx, m));
+            let mut y = poisoned_f32(d, m * rows);
+            lin.forward(d, ctx, &x_d, m, &mut y).unwrap();
+            let whole = down(d, &y);
+            let (wvals, scale) = match quant {
+                LinearQuant::Bf16 => (to_f64(&from_bf16(&w)), vec![1.0; rows]),
+                LinearQuant::Int8 => (to_f64(&q), to_f64(&sc)),
+            };
+            let what = format!("{quant:?} [{rows}x{cols}]");
+            let (want, tol) = twin_linear(&round_bf16(&x), m, &wvals, &scale, rows, cols);
+            assert_within(&what, &whole, &want, &tol);
+            for (a, b) in [(0, 1), (5, 7), (3, 11), (37, 37 + FIXED_ROWS + 64), (m - 1, m), (1, m)] {
+                let n = b - a;
+                let xs = up(d, &x[a * cols..b * cols], "x rows");
+                let mut ys = poisoned_f32(d, n * rows);
+                lin.forward(d, ctx, &xs, n, &mut ys).unwrap();
+                assert_eq!(bits(&down(d, &ys)), bits(&whole[a * rows..b * rows]), "{what}: rows {a}..{b}");
+                ctx.set_fixed_rows(None);
+                let mut yd = poisoned_f32(d, n * rows);
+                lin.forward(d, ctx, &xs, n, &mut yd).unwrap();
+                default_differs |= bits(&down(d, &yd)) != bits(&whole[a * rows..b * rows]);
+                ctx.set_fixed_rows(Some(FIXED_ROWS));
+            }
+            // A group of parts (the GEMV's fused launch is off) equals one forward each.
+            let other =
+                GpuLinear::new(d, "fixed rows part", &w[..cols * rows.min(9)], rows.min(9), cols, quant).unwrap();
+            for n in [1usize, 3, 9] {
+                let xs = up(d, &x[..n * cols], "x rows");
+                let (mut y1, mut y2) = (poisoned_f32(d, n * rows), poisoned_f32(d, n * rows.min(9)));
+                GpuLinear::forward_group(d, ctx, &xs, n, &mut [(&lin, &mut y1), (&other, &mut y2)]).unwrap();
+                assert_eq!(bits(&down(d, &y1)), bits(&whole[..n * rows]), "{what}: group, {n} rows");
+            }
+            ctx.set_fixed_rows(None);
+        }
+    }
+    assert!(default_differs, "without fixed rows every split gave the same bits: the test shows nothing");
+}
+
 #[test]
 fn int8_gemv_handles_unaligned_x() {
     let Some((d, ctx)) = gpu_gemm("int8_gemv_handles_unaligned_x") else { return };

@@ -158,3 +158,137 @@ fn a_resumed_gpu_or_hybrid_session_gives_the_fresh_logits() {
         }
     }
 }
+
+/// The row-invariant prefill (`GpuOptions::invariant_prefill`): a resumed session gives the
+/// whole prompt's logits bit for bit (rel 0) on the GPU and the hybrid (INT4 experts: the hybrid
+/// streams every prompt's experts to the GPU), at a point inside a saved call and at its end. A
+/// saved session resumes exactly only up to where its prompt calls reached (decode steps run
+/// other kernels). A gated-DeltaNet model refuses the option, naming it.
+#[test]
+fn an_invariant_prefill_resumes_to_the_same_bits() {
+    if !gpu_available("the row-invariant prefill") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny");
+    tiny_model(&dir);
+    let open_invariant = |dir: &std::path::Path, device| -> krasis_model::error::Result<Box<dyn Engine>> {
+        let files = ModelFiles::open(dir).unwrap();
+        let mut c = EngineConfig { device, use_saved_tune: false, ..EngineConfig::default() };
+        if device == DevicePolicy::Hybrid {
+            (c.cpu.expert_bits, c.cpu.dense_bits) = (WeightBits::Int4, WeightBits::Bf16);
+        }
+        c.cpu.cache_dir = Some(tmp.path().to_path_buf());
+        c.cpu.threads = Some(2);
+        c.gpu.kv_tokens = Some(1024);
+        c.gpu.invariant_prefill = true;
+        c.gpu_expert_width = WeightBits::Int4;
+        c.gpu.expert_cache = krasis_model::gpu::GpuExpertCache::In(Some(tmp.path().to_path_buf()));
+        open_engine(&files, &c).map(|o| o.engine)
+    };
+    for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
+        let e = open_invariant(&dir, device).unwrap_or_else(|err| panic!("{device:?}: {err}"));
+        assert_eq!(e.prefill_min_tokens(), 2);
+        let p = tiny_prompt(e.spec().vocab_size);
+        let exact = Bounds { same_split: 0.0, whole: Some(0.0) };
+        check(&format!("tiny {device:?} invariant"), e.as_ref(), &p, 64, 120, &[77, 119, 120], &exact);
+        // Three decode steps after a 100-token prompt: resumable up to the prompt only.
+        let mut s = e.new_session().unwrap();
+        let mut sampler = Sampler::new(SamplingParams::default());
+        let mut id = e.step_one(s.as_mut(), &p[..100], &mut sampler, false).unwrap().token;
+        for _ in 0..3 {
+            id = e.step_one(s.as_mut(), &[id], &mut sampler, false).unwrap().token;
+        }
+        let kept = e.save_prefix(s).unwrap().unwrap();
+        assert_eq!((kept.len(), kept.resumable(103), kept.resumable(64)), (103, 100, 64), "{device:?}");
+    }
+    if let Some(next) = fixture_next("qwen3next-tiny") {
+        let err = open_invariant(&next, DevicePolicy::Gpu).err().expect("a DeltaNet model refuses it").to_string();
+        assert!(err.contains("invariant_prefill") && err.contains("DeltaNet"), "{err}");
+    }
+}
+
+/// #41's conversation on a real shape, run by hand on the GPU box (ignored here): a model at
+/// `KRASIS_CONVERSATION_MODEL` (e.g. `krasis synth --preset v2-lite`) on the hybrid with the
+/// row-invariant prefill; a `KRASIS_CONVERSATION_HISTORY`-token history (default 8192), then 9
+/// turns of 64 new tokens, each resumed from the previous turn's saved state (prefilling only
+/// its new tokens, timed), and the last turn once more cold, one call over its whole prompt. The
+/// two must sample the same first token and give the same logits, bit for bit, at each of 16
+/// greedy decode steps (each step's logits read every KV row of every layer).
+#[test]
+#[ignore = "needs a GPU and a large model: run on the GPU box with KRASIS_CONVERSATION_MODEL"]
+fn a_ten_turn_conversation_resumes_to_the_cold_logits() {
+    let dir = std::path::PathBuf::from(std::env::var("KRASIS_CONVERSATION_MODEL").expect("KRASIS_CONVERSATION_MODEL"));
+    let history: usize = std::env::var("KRASIS_CONVERSATION_HISTORY").map_or(8192, |v| v.parse().unwrap());
+    let invariant = std::env::var("KRASIS_CONVERSATION_DEFAULT").is_err();
+    let files = ModelFiles::open(&dir).unwrap();
+    let mut c = EngineConfig { device: DevicePolicy::Hybrid, ..EngineConfig::default() };
+    c.gpu.invariant_prefill = invariant;
+    c.gpu.kv_tokens = Some(history + 1024);
+    let e = open_engine(&files, &c).unwrap().engine;
+    let v = e.spec().vocab_size as u32;
+    let mut rng = 7u64;
+    let mut ids = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                100 + ((rng >> 33) as u32) % (v - 200)
+            })
+            .collect()
+    };
+    let greedy = || Sampler::new(SamplingParams::default());
+    // Greedy steps after the prompt: the first token and every step's logits.
+    let decode = |s: &mut dyn krasis_model::runtime::EngineSession, first: u32| -> (Vec<u32>, Vec<Vec<f32>>) {
+        let (mut toks, mut logits, mut id) = (vec![first], Vec::new(), first);
+        let mut sm = greedy();
+        for _ in 0..16 {
+            let out = e.step_one(s, &[id], &mut sm, true).unwrap();
+            logits.push(out.logits.unwrap());
+            id = out.token;
+            toks.push(id);
+        }
+        (toks, logits)
+    };
+    let mut prompt = ids(history);
+    let mut s = e.new_session().unwrap();
+    let t = std::time::Instant::now();
+    e.step_one(s.as_mut(), &prompt, &mut greedy(), false).unwrap();
+    eprintln!("turn 1: {} tokens cold, {:.3} s", prompt.len(), t.elapsed().as_secs_f64());
+    let mut warm = None;
+    for turn in 2..=10 {
+        let saved = e.save_prefix(s).unwrap().expect("the engine keeps prefixes");
+        let at = prompt.len();
+        prompt.extend(ids(64));
+        let t = std::time::Instant::now();
+        s = e.resume_prefix(saved.as_ref(), at).unwrap();
+        let first = e.step_one(s.as_mut(), &prompt[at..], &mut greedy(), false).unwrap().token;
+        eprintln!(
+            "turn {turn}: {} tokens, {} prefilled, TTFT {:.1} ms",
+            prompt.len(),
+            prompt.len() - at,
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        if turn == 10 {
+            warm = Some(decode(s.as_mut(), first));
+        }
+    }
+    let mut cold = e.new_session().unwrap();
+    let t = std::time::Instant::now();
+    let cold_first = e.step_one(cold.as_mut(), &prompt, &mut greedy(), false).unwrap().token;
+    eprintln!("turn 10 cold: {} tokens in one call, {:.3} s", prompt.len(), t.elapsed().as_secs_f64());
+    let (cold_toks, cold_logits) = decode(cold.as_mut(), cold_first);
+    let (warm_toks, warm_logits) = warm.unwrap();
+    let worst = warm_logits.iter().zip(&cold_logits).map(|(a, b)| rel_l2(a, b)).fold(0.0f64, f64::max);
+    let same_bits = warm_logits
+        .iter()
+        .zip(&cold_logits)
+        .all(|(a, b)| a.iter().map(|f| f.to_bits()).eq(b.iter().map(|f| f.to_bits())));
+    eprintln!(
+        "invariant prefill {invariant}: greedy ids identical {}; 16 decode steps' logits bit for bit {same_bits}, worst rel {worst:.3e}",
+        warm_toks == cold_toks
+    );
+    assert_eq!(warm_toks, cold_toks);
+    if invariant {
+        assert!(same_bits, "worst rel {worst:.3e}");
+    }
+}

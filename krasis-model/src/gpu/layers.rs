@@ -53,6 +53,10 @@ pub(crate) struct Ctx<'a> {
     /// The precise mode ([`super::GpuPrecision::F32`]): attention over f32 q, k and v (the
     /// prefill form, every call).
     pub precise: bool,
+    /// A row-invariant call ([`super::GpuOptions::invariant_prefill`]): attention reads every
+    /// position's keys through the KV cache, this call's own too, so that a position reads the
+    /// same rounded rows whichever call wrote them (the GEMMs' fixed rows are set on `gemm`).
+    pub invariant: bool,
     /// The placement plan and its resources: who runs each MoE layer's routed experts in this
     /// call ([`super::placed::Placed::site`]).
     pub placed: &'a super::placed::Placed,
@@ -112,7 +116,7 @@ impl GpuMlp {
         grow(c.dev, gate_up_slot, t * 2 * inter, "mlp gate+up")?;
         grow(c.dev, act_slot, t * inter, "mlp activation")?;
         grow(c.dev, shared_out_slot, t * hidden, "shared expert output")?;
-        let gemm = self.gate_up.gemm_scratch_bytes(t).max(self.down.gemm_scratch_bytes(t));
+        let gemm = self.gate_up.gemm_scratch_bytes(c.gemm, t).max(self.down.gemm_scratch_bytes(c.gemm, t));
         if gemm > 0 {
             c.gemm.reserve_side(c.dev, gemm)?;
         }
@@ -681,15 +685,19 @@ impl GpuMla<'_> {
             let kv = s.kv.seq("MLA prefill attention")?;
             let n_kv = c.pos + t;
             let lat_rows = grow(dev, cached_rows_slot, n_kv * row, "mla cached latent rows")?;
-            if c.pos > 0 {
-                kv.read_f32(dev, l, 0, 0, c.pos, &mut lat_rows.slice_mut().slice_mut(..c.pos * row))?;
+            // A row-invariant call reads its own rows back through the cache as well.
+            let from_cache = if c.invariant { n_kv } else { c.pos };
+            if from_cache > 0 {
+                kv.read_f32(dev, l, 0, 0, from_cache, &mut lat_rows.slice_mut().slice_mut(..from_cache * row))?;
             }
-            dev.copy_rows_f32(
-                kva,
-                RowsView::contiguous(t, row),
-                lat_rows,
-                RowsView { rows: t, cols: row, stride: row, offset: c.pos * row },
-            )?;
+            if !c.invariant {
+                dev.copy_rows_f32(
+                    kva,
+                    RowsView::contiguous(t, row),
+                    lat_rows,
+                    RowsView { rows: t, cols: row, stride: row, offset: c.pos * row },
+                )?;
+            }
             let cmat = grow(dev, latent_slot, n_kv * lat, "mla latent")?;
             dev.copy_rows_f32(
                 lat_rows,
@@ -746,7 +754,7 @@ impl GpuMla<'_> {
                 RowsView::contiguous(n_kv, rd),
             )?;
             let kvb16 = grow(dev, kv16_slot, n_kv * kvb_cols, "mla expanded k/v (bf16)")?;
-            if kv_b.writes_bf16(n_kv) {
+            if kv_b.writes_bf16(c.gemm, n_kv) {
                 // The GEMM rounds to BF16 itself: no f32 K/V round trip.
                 kv_b.forward_bf16(dev, c.gemm, &latent, n_kv, &mut kvb16.slice_mut().slice_mut(..n_kv * kvb_cols))?;
             } else {
@@ -910,12 +918,16 @@ impl GpuGqa<'_> {
                 let [k16_slot, v16_slot, q16_slot, ..] = &mut sc.b;
                 let k16 = grow(dev, k16_slot, n_kv * row, "gqa keys (bf16)")?;
                 let v16 = grow(dev, v16_slot, n_kv * row, "gqa values (bf16)")?;
-                if c.pos > 0 {
-                    kv.read_bf16(dev, l, 0, 0, c.pos, &mut k16.slice_mut().slice_mut(..c.pos * row))?;
-                    kv.read_bf16(dev, l, 1, 0, c.pos, &mut v16.slice_mut().slice_mut(..c.pos * row))?;
+                // A row-invariant call reads its own rows back through the cache as well.
+                let from_cache = if c.invariant { n_kv } else { c.pos };
+                if from_cache > 0 {
+                    kv.read_bf16(dev, l, 0, 0, from_cache, &mut k16.slice_mut().slice_mut(..from_cache * row))?;
+                    kv.read_bf16(dev, l, 1, 0, from_cache, &mut v16.slice_mut().slice_mut(..from_cache * row))?;
                 }
-                dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
-                dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
+                if !c.invariant {
+                    dev.copy_rows_to_bf16(k, RowsView::contiguous(t, row), k16, fresh)?;
+                    dev.copy_rows_to_bf16(v, RowsView::contiguous(t, row), v16, fresh)?;
+                }
                 let q16 = grow(dev, q16_slot, t * hh * hd, "gqa q (bf16)")?;
                 dev.copy_rows_to_bf16(q, RowsView::contiguous(t, hh * hd), q16, RowsView::contiguous(t, hh * hd))?;
                 shape.run(

@@ -450,6 +450,7 @@ impl GpuModel {
     /// first start) or are quantised here ([`GpuExpertCache::Off`]).
     pub fn from_files(files: &ModelFiles, opts: &GpuOptions) -> Result<GpuModel> {
         let spec = files.spec();
+        opts.check_invariant(spec)?;
         let (cache, line) = match (opts.expert_bits, &opts.expert_cache, &spec.moe) {
             (Some(bits), GpuExpertCache::In(dir), Some(_)) => {
                 let plan = GpuCachePlan::new(files, bits, opts.expert_fp4, opts.expert_group_size, dir.as_deref())?;
@@ -484,6 +485,14 @@ impl GpuModel {
     /// (the source mapping lives there).
     pub fn hybrid_from_files(files: &ModelFiles, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
         let spec = files.spec().clone();
+        gpu.check_invariant(&spec)?;
+        if gpu.invariant_prefill && gpu.expert_bits.is_none() {
+            return Err(ModelError::Invalid(
+                "`GpuOptions::invariant_prefill` on the hybrid runs every prompt's experts on the GPU: it needs \
+                 `GpuOptions::expert_bits` (the experts streamed for prefill)"
+                    .into(),
+            ));
+        }
         if gpu.expert_bits.is_some() || gpu.cache.is_some() {
             check_hybrid_gpu_experts(&spec)?;
         }
@@ -509,7 +518,13 @@ impl GpuModel {
                 let mut model = model?;
                 // --gpu-expert-bits: long prefills stream the experts to the GPU.
                 if let Some(bits) = gpu.expert_bits {
-                    let (layers, min, split) = (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    let (layers, mut min, mut split) =
+                        (files.spec().num_layers, gpu.stream_min_tokens, gpu.stream_split);
+                    // Row-invariant prompts run every expert of every call on the GPU: a CPU share
+                    // computes other bits than the GPU kernels.
+                    if gpu.invariant_prefill {
+                        (min, split) = (super::INVARIANT_MIN_TOKENS, super::StreamSplit::Share(1.0));
+                    }
                     // `--cache-strategy chunked --pin-vram B`: two slots in B (whole layers when B
                     // holds them).
                     let chunk = match &gpu.cache {
@@ -898,6 +913,7 @@ impl GpuModel {
             heat: None,
             watch: Default::default(),
             precision: opts.precision,
+            invariant_prefill: opts.invariant_prefill,
         })
     }
 }

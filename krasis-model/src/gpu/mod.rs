@@ -110,7 +110,21 @@ pub struct GpuOptions {
     pub prefix_cache_bytes: u64,
     /// `--gpu-precision`: how the dense parts and attention compute ([`GpuPrecision`]).
     pub precision: GpuPrecision,
+    /// `--invariant-prefill`: every prompt call (of at least [`INVARIANT_MIN_TOKENS`] tokens)
+    /// computes each row independently of the call's other rows, so a prompt's logits and KV rows
+    /// are the same bits however it is split into calls: a prefix resumed from the prefix cache,
+    /// or a prompt run in chunks, gives the logits of one whole-prompt call. How: the GEMMs in
+    /// cuBLAS calls of a fixed row count ([`krasis_gpu::linear::FIXED_ROWS`]), the routed
+    /// experts' grouped kernels at every size, attention reading every key through the KV cache,
+    /// and a hybrid prompt's experts all on the GPU (no CPU share for short calls). Decode steps
+    /// keep their own kernels, so a saved prefix resumes exactly only up to where its prompt
+    /// calls reached. Refused with [`GpuPrecision::F32`] and for gated-DeltaNet layers.
+    pub invariant_prefill: bool,
 }
+
+/// The fewest tokens a row-invariant prompt call has: one token runs the decode form (its own
+/// kernels), so a resumed prefix or a prompt's last chunk always leaves at least this many.
+pub const INVARIANT_MIN_TOKENS: usize = 2;
 
 /// How the GPU computes its dense parts and attention (`--gpu-precision bf16|f32`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -161,6 +175,30 @@ impl GpuOptions {
             (GpuPrecision::F32, _) => Ok(KvDtype::F32),
         }
     }
+
+    /// Refuses [`GpuOptions::invariant_prefill`] where it cannot hold: with the precise mode
+    /// (whose products have no fixed-row form) and on `spec`s with gated-DeltaNet layers (their
+    /// prompt calls switch between the chunked and the recurrent rule by length).
+    pub fn check_invariant(&self, spec: &ModelSpec) -> Result<()> {
+        if !self.invariant_prefill {
+            return Ok(());
+        }
+        if self.precision == GpuPrecision::F32 {
+            return Err(ModelError::Invalid(
+                "`GpuOptions::invariant_prefill` cannot be combined with `GpuPrecision::F32` (the precise mode has no \
+                 fixed-row products)"
+                    .into(),
+            ));
+        }
+        if (0..spec.num_layers).any(|l| spec.is_delta_net(l)) {
+            return Err(ModelError::Invalid(format!(
+                "`GpuOptions::invariant_prefill` is not available for {}: its gated-DeltaNet layers run prompt calls \
+                 by a rule that depends on their length",
+                spec.arch.model_type()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// Where `--gpu-expert-bits 4|8` finds its experts.
@@ -197,6 +235,7 @@ impl Default for GpuOptions {
             sessions: 1,
             prefix_cache_bytes: 0,
             precision: GpuPrecision::Bf16,
+            invariant_prefill: false,
         }
     }
 }
@@ -253,6 +292,8 @@ pub struct GpuModel {
     watch: watch::CallWatch,
     /// [`GpuOptions::precision`].
     precision: GpuPrecision,
+    /// [`GpuOptions::invariant_prefill`].
+    invariant_prefill: bool,
 }
 
 /// What a batched decode step needs besides the sessions' KV caches: activations for one row per
@@ -375,7 +416,13 @@ impl GpuModel {
         }
         let pieces = ids.len().div_ceil(chunk);
         let size = ids.len().div_ceil(pieces);
-        let (head, last) = ids.split_at((pieces - 1) * size);
+        let mut cut = (pieces - 1) * size;
+        // A row-invariant prompt never ends in a piece shorter than a prompt call
+        // (`INVARIANT_MIN_TOKENS`): the piece before gives it a token.
+        if self.invariant_prefill && ids.len() - cut < INVARIANT_MIN_TOKENS && size > INVARIANT_MIN_TOKENS {
+            cut = ids.len() - INVARIANT_MIN_TOKENS;
+        }
+        let (head, last) = ids.split_at(cut);
         self.check_room(s.position, ids.len())?;
         for piece in head.chunks(size) {
             self.run_call(s, Some(piece), false, &mut |_, _| Ok(()))?;
@@ -422,6 +469,9 @@ impl GpuModel {
         let mut io = StepIo { scratch, ws, profile: profile.as_mut(), kv: KvRows::Seq(kv), delta };
         let rows = if all { t } else { 1 };
         self.forward(&mut io, host, t, pos, rows, tail)?;
+        if self.invariant_call(t, true) && s.invariant_len == pos {
+            s.invariant_len = pos + t;
+        }
         // The CPU experts' prefill buffers of a long prompt go back (see `prefill_bf16::trim`).
         krasis_cpu::prefill_bf16::trim_after_forward(t);
         s.position += t;
@@ -442,6 +492,8 @@ impl GpuModel {
     ) -> Result<()> {
         let h = self.spec.hidden_size;
         let eps = self.spec.rms_norm_eps;
+        let invariant = self.invariant_call(t, matches!(io.kv, KvRows::Seq(_)));
+        self.gemm.set_fixed_rows(invariant.then_some(krasis_gpu::linear::FIXED_ROWS));
         self.watch.begin(match io.kv {
             KvRows::PerRow(_) => format!("a batched decode step of {t} sequences"),
             KvRows::Seq(_) => format!("{t} token(s) of one sequence at position {pos}"),
@@ -468,6 +520,7 @@ impl GpuModel {
             decode: self.precision == GpuPrecision::Bf16
                 && (t <= DECODE_MAX_TOKENS || matches!(io.kv, KvRows::PerRow(_))),
             precise: self.precision == GpuPrecision::F32,
+            invariant,
             placed: &self.placed,
             streams: self.placed.plan().streams(t),
             heat: self.heat.as_ref().map(|b| {
@@ -519,6 +572,27 @@ impl GpuModel {
             parts.push(st.describe_state(&self.dev));
         }
         parts.join("; ")
+    }
+
+    /// Whether a call of `t` tokens (of one sequence: `seq`) runs row-invariant
+    /// ([`GpuOptions::invariant_prefill`]): prompt calls of at least [`INVARIANT_MIN_TOKENS`].
+    fn invariant_call(&self, t: usize, seq: bool) -> bool {
+        self.invariant_prefill && seq && t >= INVARIANT_MIN_TOKENS
+    }
+
+    /// [`GpuOptions::invariant_prefill`]'s setting.
+    pub fn invariant_prefill(&self) -> bool {
+        self.invariant_prefill
+    }
+
+    /// [`crate::runtime::Engine::prefill_min_tokens`]: [`INVARIANT_MIN_TOKENS`] with the
+    /// row-invariant prefill, else 1.
+    pub fn prefill_min_tokens(&self) -> usize {
+        if self.invariant_prefill {
+            INVARIANT_MIN_TOKENS
+        } else {
+            1
+        }
     }
 
     /// [`crate::runtime::Engine::prompt_chunk_floor`]: a hybrid that streams its experts for

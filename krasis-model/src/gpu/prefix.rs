@@ -17,6 +17,9 @@ pub struct GpuPrefix {
     /// DeltaNet states by position (ascending; the last at `len`); empty without DeltaNet layers.
     points: Vec<(usize, DeviceBuffer<f32>)>,
     len: usize,
+    /// With the row-invariant prefill: the leading positions its prompt calls computed (decode
+    /// steps' rows come from other kernels, so resuming past them would not be exact).
+    exact: Option<usize>,
 }
 
 impl SavedPrefix for GpuPrefix {
@@ -29,7 +32,7 @@ impl SavedPrefix for GpuPrefix {
     }
 
     fn resumable(&self, upto: usize) -> usize {
-        crate::runtime::resumable_at(self.len, &self.points, upto)
+        crate::runtime::resumable_at(self.len, &self.points, upto.min(self.exact.unwrap_or(usize::MAX)))
     }
 }
 
@@ -44,7 +47,8 @@ impl GpuModel {
     pub fn save_prefix(&self, mut s: GpuSession) -> Result<GpuPrefix> {
         self.snapshot(&mut s)?;
         let kv = s.kv.save_prefix(&self.dev, s.position)?;
-        Ok(GpuPrefix { kv, points: std::mem::take(&mut s.snapshots), len: s.position })
+        let exact = self.invariant_prefill().then_some(s.invariant_len);
+        Ok(GpuPrefix { kv, points: std::mem::take(&mut s.snapshots), len: s.position, exact })
     }
 
     /// A new session holding the first `n` tokens of `saved` (`n` must be resumable).
@@ -69,6 +73,7 @@ impl GpuModel {
             s.snapshots.push((n, delta.copy_state(&self.dev)?));
         }
         s.position = n;
+        s.invariant_len = n;
         Ok(s)
     }
 }

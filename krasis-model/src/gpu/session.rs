@@ -191,6 +191,9 @@ pub struct GpuSession {
     /// DeltaNet states kept at earlier positions for the prefix cache (oldest first, at most
     /// [`crate::runtime::DELTA_SNAPSHOTS`]; [`super::prefix`]).
     pub(crate) snapshots: Vec<(usize, DeviceBuffer<f32>)>,
+    /// Leading positions every one of whose rows a row-invariant prefill call computed
+    /// ([`super::GpuOptions::invariant_prefill`]): the prefix a saved state can resume exactly.
+    pub(crate) invariant_len: usize,
 }
 
 impl GpuSession {
@@ -205,6 +208,7 @@ impl GpuSession {
             last_sampled: None,
             profile: super::profile::StepProfile::from_env(),
             snapshots: Vec::new(),
+            invariant_len: 0,
         }
     }
 

@@ -23,6 +23,10 @@ pub trait EngineDecoder: Decoder + Send + Sync + 'static {
     fn prompt_chunk_floor(&self) -> usize {
         1
     }
+    /// [`Engine::prefill_min_tokens`].
+    fn prefill_min_tokens(&self) -> usize {
+        1
+    }
     /// [`Engine::stats`], with `session` already one of this decoder's. The adapter fills
     /// [`EngineStats::expert_bytes`] where the decoder leaves it `None` and it was given one.
     fn stats(&self, _session: Option<&Self::Session>) -> EngineStats {
@@ -162,6 +166,10 @@ where
 
     fn prompt_chunk_floor(&self) -> usize {
         self.decoder.prompt_chunk_floor()
+    }
+
+    fn prefill_min_tokens(&self) -> usize {
+        self.decoder.prefill_min_tokens()
     }
 
     fn expert_counts(&self) -> Result<Option<Vec<u64>>> {

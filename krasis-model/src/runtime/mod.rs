@@ -171,6 +171,14 @@ pub trait Engine: Send + Sync {
     fn prompt_chunk_floor(&self) -> usize {
         1
     }
+    /// The fewest tokens a prompt step must run for its rows to be computed as a prompt's: a
+    /// one-token step of a GPU engine with the row-invariant prefill
+    /// ([`crate::gpu::GpuOptions::invariant_prefill`]) runs the decode form, whose rows are other
+    /// bits. A scheduler resumes a saved prefix leaving at least this many prompt tokens to run,
+    /// and never ends a prompt with a shorter chunk. 1: any step will do.
+    fn prefill_min_tokens(&self) -> usize {
+        1
+    }
     /// What the engine reports about itself ([`EngineStats`]): its counters and sizes and, with
     /// `session` (one of this engine's), that session's own counters. Cheap: no device
     /// synchronisation. A field is `None` where this path has no such notion.

@@ -85,10 +85,12 @@ impl PrefixCache {
         self.entries.is_empty()
     }
 
-    /// The entry that resumes the most of `prompt`, leaving at least its last token to run (the
-    /// step that samples the reply needs one), and at least [`BLOCK_TOKENS`] tokens of reuse.
-    pub fn lookup(&mut self, prompt: &[u32]) -> Option<Hit<'_>> {
-        let limit = prompt.len().checked_sub(1)?;
+    /// The entry that resumes the most of `prompt`, leaving at least its last `keep` tokens to
+    /// run (at least one: the step that samples the reply needs one;
+    /// [`crate::runtime::Engine::prefill_min_tokens`]), and at least [`BLOCK_TOKENS`] tokens of
+    /// reuse.
+    pub fn lookup(&mut self, prompt: &[u32], keep: usize) -> Option<Hit<'_>> {
+        let limit = prompt.len().checked_sub(keep.max(1))?;
         let hashes = block_hashes(&prompt[..limit]);
         let mut best: Option<(u64, usize)> = None;
         for (k, h) in hashes.iter().enumerate().rev() {
@@ -224,18 +226,21 @@ mod tests {
         c.insert(turn1.clone(), fake(300));
         let mut turn2 = turn1.clone();
         turn2.extend(seq(50, 7));
-        assert_eq!(c.lookup(&turn2).map(|h| h.tokens), Some(300));
+        assert_eq!(c.lookup(&turn2, 1).map(|h| h.tokens), Some(300));
         // The same prompt again: everything but the last token.
-        assert_eq!(c.lookup(&turn1).map(|h| h.tokens), Some(299));
+        assert_eq!(c.lookup(&turn1, 1).map(|h| h.tokens), Some(299));
+        // An engine whose prompt steps take two tokens at least (the row-invariant prefill).
+        assert_eq!(c.lookup(&turn1, 2).map(|h| h.tokens), Some(298));
+        assert_eq!(c.lookup(&turn2, 2).map(|h| h.tokens), Some(300));
         // A prompt that departs at token 200 resumes 200 (not a block multiple).
         let mut other = turn1[..200].to_vec();
         other.extend(seq(100, 9));
-        assert_eq!(c.lookup(&other).map(|h| h.tokens), Some(200));
+        assert_eq!(c.lookup(&other, 1).map(|h| h.tokens), Some(200));
         // Sharing under one block is no hit.
         let mut short = turn1[..40].to_vec();
         short.extend(seq(100, 9));
-        assert!(c.lookup(&short).is_none());
-        assert!(c.lookup(&seq(500, 3)).is_none());
+        assert!(c.lookup(&short, 1).is_none());
+        assert!(c.lookup(&seq(500, 3), 1).is_none());
     }
 
     #[test]
@@ -245,10 +250,10 @@ mod tests {
         c.insert(t.clone(), Box::new(Fake { len: 600, bytes: 10, points: Some(vec![256, 512, 600]) }));
         let mut p = t[..550].to_vec();
         p.extend(seq(20, 5));
-        assert_eq!(c.lookup(&p).map(|h| h.tokens), Some(512));
+        assert_eq!(c.lookup(&p, 1).map(|h| h.tokens), Some(512));
         let mut p = t.clone();
         p.push(1);
-        assert_eq!(c.lookup(&p).map(|h| h.tokens), Some(600));
+        assert_eq!(c.lookup(&p, 1).map(|h| h.tokens), Some(600));
     }
 
     #[test]
@@ -266,7 +271,7 @@ mod tests {
         assert_eq!(c.len(), 1);
         let mut p = b.clone();
         p.extend(seq(10, 8));
-        assert_eq!(c.lookup(&p).map(|h| h.tokens), Some(400));
+        assert_eq!(c.lookup(&p, 1).map(|h| h.tokens), Some(400));
     }
 
     #[test]
@@ -277,14 +282,14 @@ mod tests {
         c.insert(b.clone(), fake(400));
         let mut pa = a.clone();
         pa.push(5);
-        assert!(c.lookup(&pa).is_some()); // a is now the most recent
+        assert!(c.lookup(&pa, 1).is_some()); // a is now the most recent
         c.insert(d.clone(), fake(400));
         assert_eq!(c.len(), 2);
         assert!(c.bytes() <= 1000);
         let mut pb = b.clone();
         pb.push(5);
-        assert!(c.lookup(&pb).is_none(), "b was the least recently used");
-        assert!(c.lookup(&pa).is_some());
+        assert!(c.lookup(&pb, 1).is_none(), "b was the least recently used");
+        assert!(c.lookup(&pa, 1).is_some());
         // Too big alone: not kept. Disabled: nothing kept.
         c.insert(seq(2000, 9), fake(2000));
         assert_eq!(c.len(), 2);

@@ -392,7 +392,7 @@ impl Worker {
         let label = job.label.as_deref().unwrap_or("a request");
         if self.prefix.enabled() {
             self.metrics.prefix_lookups.fetch_add(1, Relaxed);
-            if let Some(hit) = self.prefix.lookup(&job.prompt) {
+            if let Some(hit) = self.prefix.lookup(&job.prompt, self.engine.prefill_min_tokens()) {
                 let n = hit.tokens;
                 match self.engine.resume_prefix(hit.saved, n) {
                     Ok(session) => {
@@ -479,16 +479,22 @@ impl Worker {
     fn step(&mut self) {
         // Which tokens each job runs: `None` for a prefilling job that gets no share this step.
         let mut budget = self.chunk_tokens(self.active.iter().any(|r| r.generated > 0));
+        let min_prompt_step = self.engine.prefill_min_tokens();
         let mut runs: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(self.active.len());
         for r in &self.active {
             if r.generated > 0 {
                 runs.push(Some(0..r.next.len()));
             } else if budget > 0 {
-                let mut n = (r.next.len() - r.prefilled).min(budget);
+                let rest = r.next.len() - r.prefilled;
+                let mut n = rest.min(budget);
                 if let Some(&p) = r.snapshots.front().filter(|&&p| p < r.prefilled + n) {
                     n = p - r.prefilled; // stop at the snapshot point
                 }
-                budget -= n;
+                // A prompt never ends in a chunk shorter than a prompt step: this one takes it.
+                if n < rest && rest - n < min_prompt_step {
+                    n = rest;
+                }
+                budget = budget.saturating_sub(n);
                 runs.push(Some(r.prefilled..r.prefilled + n));
             } else {
                 runs.push(None);

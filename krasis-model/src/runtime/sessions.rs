@@ -118,6 +118,10 @@ impl EngineDecoder for GpuModel {
         Some(GpuModel::kv_capacity(self))
     }
 
+    fn prefill_min_tokens(&self) -> usize {
+        GpuModel::prefill_min_tokens(self)
+    }
+
     fn prompt_chunk_floor(&self) -> usize {
         GpuModel::prompt_chunk_floor(self)
     }
