@@ -9,6 +9,10 @@
 //!   recurrent-state snapshot ([`Engine::snapshot`]) or at the end; a point between snapshots is
 //!   refused, never resumed wrongly.
 //!
+//! - The row-invariant prefill (`GpuOptions::invariant_prefill`): resumed anywhere a prompt call
+//!   reached, the whole prompt's logits bit for bit (GPU and hybrid); an ignored test runs #41's
+//!   10-turn 8K conversation on a real shape (CONTRIBUTING.md).
+//!
 //! Bounds ([`Bounds`]): against a fresh session that runs the prompt with the same split, rel
 //! ≤ 1e-5 on the CPU, 1e-3 on the GPU (the saved state round-trips exactly; a resume inside a saved call's rows reads rows
 //! that call computed in a larger block, a rounding's difference);

@@ -168,13 +168,9 @@ impl Placed {
 
 /// The shortest call from which a layer with pins `hl` streams its split instead (the pinned
 /// experts leave the CPU more experts to read, [`super::hot_experts::pinned_beats_streaming`]);
-/// `usize::MAX` when the pins serve every call that does not stream every expert, and when they
-/// hold every expert of the layer (streaming would copy what VRAM already holds).
+/// `usize::MAX` when the pins serve every call that does not stream every expert.
 fn pinned_until(hl: &HotLayer, stream: Option<&crate::placement::StreamRule>, k: usize) -> usize {
     let Some(rule) = stream else { return usize::MAX };
-    if hl.present >= hl.on_gpu.len() {
-        return usize::MAX;
-    }
     (rule.min_tokens.max(1)..=PIN_SCAN_MAX_TOKENS)
         .find(|&t| {
             let present = rule.gpu_experts(t);

@@ -19,6 +19,8 @@ struct Recording {
     steps: Mutex<Vec<Vec<usize>>>,
     held: Mutex<bool>,
     released: std::sync::Condvar,
+    /// What it says for [`Engine::prefill_min_tokens`] (the engine's own: 1).
+    min_prefill: std::sync::atomic::AtomicUsize,
 }
 
 impl Recording {
@@ -52,6 +54,9 @@ impl Engine for Recording {
     fn stats(&self, session: Option<&dyn EngineSession>) -> EngineStats {
         self.inner.stats(session)
     }
+    fn prefill_min_tokens(&self) -> usize {
+        self.min_prefill.load(std::sync::atomic::Ordering::Relaxed)
+    }
     fn reset_stats(&self, session: Option<&mut dyn EngineSession>) {
         self.inner.reset_stats(session)
     }
@@ -73,8 +78,13 @@ fn engine(dir: &std::path::Path) -> (Arc<Recording>, Arc<TextCodec>) {
     let mut c = EngineConfig { device: DevicePolicy::Cpu, ..EngineConfig::default() };
     (c.cpu.expert_bits, c.cpu.dense_bits) = (WeightBits::Bf16, WeightBits::Bf16);
     let inner = open_engine(&files, &c).unwrap().engine;
-    let recording =
-        Recording { inner, steps: Mutex::new(Vec::new()), held: Mutex::new(false), released: Default::default() };
+    let recording = Recording {
+        inner,
+        steps: Mutex::new(Vec::new()),
+        held: Mutex::new(false),
+        released: Default::default(),
+        min_prefill: 1.into(),
+    };
     (Arc::new(recording), files.text_codec().unwrap())
 }
 
@@ -99,8 +109,14 @@ fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, tokio::sync::mpsc::Unbounde
 type RunResult = (Vec<(String, Finish)>, Vec<Vec<usize>>, Arc<Metrics>);
 
 fn run(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)]) -> RunResult {
+    run_with(chunk, jobs, 1)
+}
+
+/// [`run`] on an engine whose prompt steps take at least `min_prefill` tokens.
+fn run_with(chunk: PrefillChunk, jobs: &[(Vec<u32>, usize)], min_prefill: usize) -> RunResult {
     let tmp = tempfile::tempdir().unwrap();
     let (engine, codec) = engine(tmp.path());
+    engine.min_prefill.store(min_prefill, std::sync::atomic::Ordering::Relaxed);
     let metrics = Arc::new(Metrics::default());
     let config = Config { max_batch: 4, max_queue: 4, serial: false, prefill_chunk: chunk, prefix_cache_bytes: 0 };
     engine.hold(true);
@@ -233,6 +249,21 @@ fn a_long_prompt_runs_in_chunks_inside_the_decoding_steps() {
     assert!(text.contains("krasis_time_to_first_token_seconds_count 2"), "{text}");
     assert!(text.contains("krasis_inter_token_latency_seconds{quantile=\"0.9\"}"), "{text}");
     assert!(text.contains(&format!("krasis_inter_token_latency_seconds_count {}", 20 - 1 + 3 - 1)), "{text}");
+}
+
+/// An engine whose prompt steps take two tokens at least (the GPU's row-invariant prefill): a
+/// 33-token prompt in 16-token chunks ends in a 17-token chunk, not a 1-token one; with one token
+/// allowed the chunks are 16, 16 and 1. Both give the same reply.
+#[test]
+fn a_prompt_never_ends_in_a_chunk_shorter_than_the_engines_prompt_step() {
+    let prompt: Vec<u32> = (0..33).map(|i| 3 + (i * 7) % 500).collect();
+    let jobs = [(prompt, 3)];
+    let (two, two_steps, _) = run_with(PrefillChunk::Fixed(16), &jobs, 2);
+    let (one, one_steps, _) = run(PrefillChunk::Fixed(16), &jobs);
+    assert_eq!(two, one);
+    let firsts = |steps: &[Vec<usize>]| steps.iter().map(|s| s[0]).collect::<Vec<_>>();
+    assert_eq!(firsts(&two_steps), [16, 17, 1, 1], "{two_steps:?}");
+    assert_eq!(firsts(&one_steps), [16, 16, 1, 1, 1], "{one_steps:?}");
 }
 
 /// The measured chunk starts at FIRST_CHUNK_TOKENS, then follows the prompt steps' cost: their
