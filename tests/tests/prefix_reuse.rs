@@ -176,20 +176,21 @@ fn an_invariant_prefill_resumes_to_the_same_bits() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("tiny");
     tiny_model(&dir);
-    let open_invariant = |dir: &std::path::Path, device| -> krasis_model::error::Result<Box<dyn Engine>> {
+    let open_with = |dir: &std::path::Path, device, bits| -> krasis_model::error::Result<Box<dyn Engine>> {
         let files = ModelFiles::open(dir).unwrap();
         let mut c = EngineConfig { device, use_saved_tune: false, ..EngineConfig::default() };
         if device == DevicePolicy::Hybrid {
-            (c.cpu.expert_bits, c.cpu.dense_bits) = (WeightBits::Int4, WeightBits::Bf16);
+            (c.cpu.expert_bits, c.cpu.dense_bits) = (bits, WeightBits::Bf16);
         }
         c.cpu.cache_dir = Some(tmp.path().to_path_buf());
         c.cpu.threads = Some(2);
         c.gpu.kv_tokens = Some(1024);
         c.gpu.invariant_prefill = true;
-        c.gpu_expert_width = WeightBits::Int4;
+        c.gpu_expert_width = bits;
         c.gpu.expert_cache = krasis_model::gpu::GpuExpertCache::In(Some(tmp.path().to_path_buf()));
         open_engine(&files, &c).map(|o| o.engine)
     };
+    let open_invariant = |dir: &std::path::Path, device| open_with(dir, device, WeightBits::Int4);
     for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
         let e = open_invariant(&dir, device).unwrap_or_else(|err| panic!("{device:?}: {err}"));
         assert_eq!(e.prefill_min_tokens(), 2);
@@ -205,6 +206,20 @@ fn an_invariant_prefill_resumes_to_the_same_bits() {
         }
         let kept = e.save_prefix(s).unwrap().unwrap();
         assert_eq!((kept.len(), kept.resumable(103), kept.resumable(64)), (103, 100, 64), "{device:?}");
+    }
+    // GQA: gpt-oss (sinks, an 8-token sliding window on alternate layers, biases) and GLM-4.5 with
+    // qk-norm (partial rotary), BF16 experts resident on the GPU; GLM also on the hybrid.
+    for (name, devices) in [
+        ("gptoss-tiny", &[(DevicePolicy::Gpu, WeightBits::Bf16)][..]),
+        ("glm4moe-qknorm-tiny", &[(DevicePolicy::Gpu, WeightBits::Bf16), (DevicePolicy::Hybrid, WeightBits::Int4)][..]),
+    ] {
+        let Some(dir) = fixture_next(name) else { continue };
+        for &(device, bits) in devices {
+            let e = open_with(&dir, device, bits).unwrap_or_else(|err| panic!("{name} {device:?}: {err}"));
+            let p = tiny_prompt(e.spec().vocab_size);
+            let exact = Bounds { same_split: 0.0, whole: Some(0.0) };
+            check(&format!("{name} {device:?} invariant"), e.as_ref(), &p, 64, 120, &[77, 120], &exact);
+        }
     }
     if let Some(next) = fixture_next("qwen3next-tiny") {
         let err = open_invariant(&next, DevicePolicy::Gpu).err().expect("a DeltaNet model refuses it").to_string();
