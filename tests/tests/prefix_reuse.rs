@@ -88,18 +88,34 @@ fn check(what: &str, e: &dyn Engine, prompt: &[u32], snap: usize, saved: usize, 
     }
 }
 
-fn open(dir: &std::path::Path, device: DevicePolicy, experts: WeightBits, cache: &std::path::Path) -> Box<dyn Engine> {
+/// The engine the tests open: `experts` on the CPU (CPU and hybrid) and for the GPU's experts
+/// (GPU and hybrid), BF16 dense weights, caches in `cache`; with `invariant`, the row-invariant
+/// prefill.
+fn try_open(
+    dir: &std::path::Path,
+    device: DevicePolicy,
+    experts: WeightBits,
+    cache: &std::path::Path,
+    invariant: bool,
+) -> krasis_model::error::Result<Box<dyn Engine>> {
     let files = ModelFiles::open(dir).unwrap();
     let mut c = EngineConfig { device, use_saved_tune: false, ..EngineConfig::default() };
-    (c.cpu.expert_bits, c.cpu.dense_bits) = (experts, WeightBits::Bf16);
+    if device != DevicePolicy::Gpu {
+        (c.cpu.expert_bits, c.cpu.dense_bits) = (experts, WeightBits::Bf16);
+    }
     c.cpu.cache_dir = Some(cache.to_path_buf());
     c.cpu.threads = Some(2);
     c.gpu.kv_tokens = Some(1024);
+    c.gpu.invariant_prefill = invariant;
     if device != DevicePolicy::Cpu {
         c.gpu_expert_width = experts;
     }
     c.gpu.expert_cache = krasis_model::gpu::GpuExpertCache::In(Some(cache.to_path_buf()));
-    open_engine(&files, &c).unwrap_or_else(|e| panic!("{}: {device:?}: {e}", dir.display())).engine
+    open_engine(&files, &c).map(|o| o.engine)
+}
+
+fn open(dir: &std::path::Path, device: DevicePolicy, experts: WeightBits, cache: &std::path::Path) -> Box<dyn Engine> {
+    try_open(dir, device, experts, cache, false).unwrap_or_else(|e| panic!("{}: {device:?}: {e}", dir.display()))
 }
 
 fn tiny_prompt(v: usize) -> Vec<u32> {
@@ -176,20 +192,7 @@ fn an_invariant_prefill_resumes_to_the_same_bits() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("tiny");
     tiny_model(&dir);
-    let open_with = |dir: &std::path::Path, device, bits| -> krasis_model::error::Result<Box<dyn Engine>> {
-        let files = ModelFiles::open(dir).unwrap();
-        let mut c = EngineConfig { device, use_saved_tune: false, ..EngineConfig::default() };
-        if device == DevicePolicy::Hybrid {
-            (c.cpu.expert_bits, c.cpu.dense_bits) = (bits, WeightBits::Bf16);
-        }
-        c.cpu.cache_dir = Some(tmp.path().to_path_buf());
-        c.cpu.threads = Some(2);
-        c.gpu.kv_tokens = Some(1024);
-        c.gpu.invariant_prefill = true;
-        c.gpu_expert_width = bits;
-        c.gpu.expert_cache = krasis_model::gpu::GpuExpertCache::In(Some(tmp.path().to_path_buf()));
-        open_engine(&files, &c).map(|o| o.engine)
-    };
+    let open_with = |dir: &std::path::Path, device, bits| try_open(dir, device, bits, tmp.path(), true);
     let open_invariant = |dir: &std::path::Path, device| open_with(dir, device, WeightBits::Int4);
     for device in [DevicePolicy::Gpu, DevicePolicy::Hybrid] {
         let e = open_invariant(&dir, device).unwrap_or_else(|err| panic!("{device:?}: {err}"));
