@@ -879,6 +879,15 @@ impl GpuModel {
                 format_bytes(session_state_bytes(&spec))
             ));
         }
+        if opts.invariant_prefill {
+            log.push(format!(
+                "row-invariant prefill: prompt calls of {} tokens and more compute each token alone (GEMMs in cuBLAS \
+                 calls of {} rows, the experts' grouped kernels, attention through the KV cache): a resumed prefix \
+                 gives the cold request's logits bit for bit",
+                super::INVARIANT_MIN_TOKENS,
+                krasis_gpu::linear::FIXED_ROWS
+            ));
+        }
         let rope = RotaryTables::new(&spec.rope);
         let (cos, sin) = rope.table(0, kv_tokens);
         let cos = dev.upload(&cos, "rope cos table")?;
