@@ -183,7 +183,8 @@ fn a_resumed_gpu_or_hybrid_session_gives_the_fresh_logits() {
 /// whole prompt's logits bit for bit (rel 0) on the GPU and the hybrid (INT4 experts: the hybrid
 /// streams every prompt's experts to the GPU), at a point inside a saved call and at its end. A
 /// saved session resumes exactly only up to where its prompt calls reached (decode steps run
-/// other kernels). A gated-DeltaNet model refuses the option, naming it.
+/// other kernels). A gated-DeltaNet model (its recurrence at every length) resumes exactly at its
+/// snapshots.
 #[test]
 fn an_invariant_prefill_resumes_to_the_same_bits() {
     if !gpu_available("the row-invariant prefill") {
@@ -224,9 +225,16 @@ fn an_invariant_prefill_resumes_to_the_same_bits() {
             check(&format!("{name} {device:?} invariant"), e.as_ref(), &p, 64, 120, &[77, 120], &exact);
         }
     }
-    if let Some(next) = fixture_next("qwen3next-tiny") {
-        let err = open_invariant(&next, DevicePolicy::Gpu).err().expect("a DeltaNet model refuses it").to_string();
-        assert!(err.contains("invariant_prefill") && err.contains("DeltaNet"), "{err}");
+    // Gated DeltaNet (Qwen3-Next): every prompt call runs the recurrence, so the whole 150-token
+    // prompt (past `CHUNKED_MIN_ROWS`, chunked by default) and the resumed pieces agree; resumed at
+    // a snapshot and at the end.
+    if let Some(dir) = fixture_next("qwen3next-tiny") {
+        for (device, bits) in [(DevicePolicy::Gpu, WeightBits::Bf16), (DevicePolicy::Hybrid, WeightBits::Int4)] {
+            let e = open_with(&dir, device, bits).unwrap_or_else(|err| panic!("qwen3next-tiny {device:?}: {err}"));
+            let p = tiny_prompt(e.spec().vocab_size);
+            let exact = Bounds { same_split: 0.0, whole: Some(0.0) };
+            check(&format!("qwen3next-tiny {device:?} invariant"), e.as_ref(), &p, 64, 140, &[64, 140], &exact);
+        }
     }
 }
 

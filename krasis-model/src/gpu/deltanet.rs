@@ -18,7 +18,8 @@
 //! prompt) runs the chunked rule ([`GpuDevice::delta_rule_chunked`]), its scratch in the slot of
 //! the input projection's output, dead after the convolution (for the Qwen3-Next and Qwen3.5
 //! shapes, `channels ≥ 2 · value_heads · 128`, it already holds the scratch of any call of 64 rows
-//! or more); shorter ones run the recurrence.
+//! or more); shorter ones run the recurrence, as does every call of the row-invariant prefill
+//! ([`super::GpuOptions::invariant_prefill`]).
 //!
 //! **KV cache.** The KV cache holds the attention layers only ([`kv_layers`]); an attention
 //! layer's cache layer is its index among them ([`kv_layer`]).
@@ -237,7 +238,9 @@ impl GpuDeltaNet<'_> {
         )?;
         let o = grow(dev, o_slot, t * vw, "deltanet output")?;
         let rule_states = DeltaStates::new(dev, table, off + d.conv_state_len());
-        if seqs.rows_per_seq >= CHUNKED_MIN_ROWS && dev.delta_rule_chunked_fits(&d)? {
+        // A row-invariant call runs the recurrence at every length: the chunked form's sums follow
+        // the call's chunk boundaries, the recurrence's only the token order.
+        if !c.invariant && seqs.rows_per_seq >= CHUNKED_MIN_ROWS && dev.delta_rule_chunked_fits(&d)? {
             // The projection's output was last read by the convolution, queued before.
             let n = d.chunk_scratch_len(seqs);
             let scratch = grow(dev, mixed_slot, n, "deltanet q/k/v")?;

@@ -450,7 +450,7 @@ impl GpuModel {
     /// first start) or are quantised here ([`GpuExpertCache::Off`]).
     pub fn from_files(files: &ModelFiles, opts: &GpuOptions) -> Result<GpuModel> {
         let spec = files.spec();
-        opts.check_invariant(spec)?;
+        opts.check_invariant()?;
         let (cache, line) = match (opts.expert_bits, &opts.expert_cache, &spec.moe) {
             (Some(bits), GpuExpertCache::In(dir), Some(_)) => {
                 let plan = GpuCachePlan::new(files, bits, opts.expert_fp4, opts.expert_group_size, dir.as_deref())?;
@@ -485,7 +485,7 @@ impl GpuModel {
     /// (the source mapping lives there).
     pub fn hybrid_from_files(files: &ModelFiles, gpu: &GpuOptions, cpu: &EngineOptions) -> Result<GpuModel> {
         let spec = files.spec().clone();
-        gpu.check_invariant(&spec)?;
+        gpu.check_invariant()?;
         if gpu.invariant_prefill && gpu.expert_bits.is_none() {
             return Err(ModelError::Invalid(
                 "`GpuOptions::invariant_prefill` on the hybrid runs every prompt's experts on the GPU: it needs \

@@ -118,7 +118,8 @@ pub struct GpuOptions {
     /// experts' grouped kernels at every size, attention reading every key through the KV cache,
     /// and a hybrid prompt's experts all on the GPU (no CPU share for short calls). Decode steps
     /// keep their own kernels, so a saved prefix resumes exactly only up to where its prompt
-    /// calls reached. Refused with [`GpuPrecision::F32`] and for gated-DeltaNet layers.
+    /// calls reached. Gated-DeltaNet layers run the token-by-token recurrence at every length
+    /// (slower than the chunked form on long prompts). Refused with [`GpuPrecision::F32`].
     pub invariant_prefill: bool,
 }
 
@@ -177,25 +178,14 @@ impl GpuOptions {
     }
 
     /// Refuses [`GpuOptions::invariant_prefill`] where it cannot hold: with the precise mode
-    /// (whose products have no fixed-row form) and on `spec`s with gated-DeltaNet layers (their
-    /// prompt calls switch between the chunked and the recurrent rule by length).
-    pub fn check_invariant(&self, spec: &ModelSpec) -> Result<()> {
-        if !self.invariant_prefill {
-            return Ok(());
-        }
-        if self.precision == GpuPrecision::F32 {
+    /// (whose products have no fixed-row form).
+    pub fn check_invariant(&self) -> Result<()> {
+        if self.invariant_prefill && self.precision == GpuPrecision::F32 {
             return Err(ModelError::Invalid(
                 "`GpuOptions::invariant_prefill` cannot be combined with `GpuPrecision::F32` (the precise mode has no \
                  fixed-row products)"
                     .into(),
             ));
-        }
-        if (0..spec.num_layers).any(|l| spec.is_delta_net(l)) {
-            return Err(ModelError::Invalid(format!(
-                "`GpuOptions::invariant_prefill` is not available for {}: its gated-DeltaNet layers run prompt calls \
-                 by a rule that depends on their length",
-                spec.arch.model_type()
-            )));
         }
         Ok(())
     }
@@ -850,6 +840,15 @@ mod tests {
 
     /// The precise mode keeps an f32 KV cache, refuses an FP8 one naming both options, and
     /// parses and prints as the CLI spells it.
+    #[test]
+    fn the_invariant_prefill_refuses_the_precise_mode() {
+        let opts = GpuOptions { invariant_prefill: true, precision: GpuPrecision::F32, ..GpuOptions::default() };
+        let err = opts.check_invariant().unwrap_err().to_string();
+        assert!(err.contains("invariant_prefill") && err.contains("GpuPrecision::F32"), "{err}");
+        assert!(GpuOptions { invariant_prefill: true, ..GpuOptions::default() }.check_invariant().is_ok());
+        assert!(GpuOptions { precision: GpuPrecision::F32, ..GpuOptions::default() }.check_invariant().is_ok());
+    }
+
     #[test]
     fn precision_decides_the_kv_storage() {
         let opts = |precision, kv_dtype| GpuOptions { precision, kv_dtype, ..GpuOptions::default() };
