@@ -838,8 +838,8 @@ impl Decoder for GpuModel {
 mod tests {
     use super::*;
 
-    /// The precise mode keeps an f32 KV cache, refuses an FP8 one naming both options, and
-    /// parses and prints as the CLI spells it.
+    /// The row-invariant prefill refuses the precise mode, naming both options; each alone is
+    /// accepted.
     #[test]
     fn the_invariant_prefill_refuses_the_precise_mode() {
         let opts = GpuOptions { invariant_prefill: true, precision: GpuPrecision::F32, ..GpuOptions::default() };
@@ -849,6 +849,8 @@ mod tests {
         assert!(GpuOptions { precision: GpuPrecision::F32, ..GpuOptions::default() }.check_invariant().is_ok());
     }
 
+    /// The precise mode keeps an f32 KV cache, refuses an FP8 one naming both options, and
+    /// parses and prints as the CLI spells it.
     #[test]
     fn precision_decides_the_kv_storage() {
         let opts = |precision, kv_dtype| GpuOptions { precision, kv_dtype, ..GpuOptions::default() };
