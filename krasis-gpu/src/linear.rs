@@ -607,9 +607,7 @@ impl GpuLinear {
             return 0;
         }
         let fixed = ctx.fixed_rows();
-        let xb_bytes = self.staged_x_bytes(fixed, m);
-        // Fixed rows: a padded last block's f32 outputs, [block, rows].
-        let pad = fixed.map_or(0, |b| if m.is_multiple_of(b) { 0 } else { b * self.rows * 4 });
+        let (xb_bytes, pad) = (self.staged_x_bytes(fixed, m), self.pad_block_bytes(fixed, m));
         match &self.w {
             Weights::Bf16(_) => Carve::total(&[xb_bytes, pad]),
             Weights::Int8 { ldw, .. } => Carve::total(&[xb_bytes, pad, self.int8_tile_rows(*ldw) * ldw * 2]),
@@ -622,6 +620,12 @@ impl GpuLinear {
         let copies = if self.exact_input { 2 } else { 1 };
         let m = fixed.map_or(m, |b| m.next_multiple_of(b));
         copies * m * align_up(self.cols, 8) * 2
+    }
+
+    /// Bytes of the padded last block's f32 outputs (`[block, rows]`) with fixed rows when `m` is
+    /// not a whole number of blocks; 0 otherwise ([`BfGemm::run_fixed`]).
+    fn pad_block_bytes(&self, fixed: Option<usize>, m: usize) -> usize {
+        fixed.map_or(0, |b| if m.is_multiple_of(b) { 0 } else { b * self.rows * 4 })
     }
 
     /// `x [m, cols]` staged as BF16 at `xb` (row stride `align_up(cols, 8)`): rounded, or as its
@@ -773,7 +777,7 @@ impl GpuLinear {
             && (1..=BF16_GEMV_MAX_M).contains(&m)
             && ctx.fixed_rows().is_none()
             && parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r));
-        let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(ctx, m)) && ctx.fixed_rows().is_none();
+        let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(ctx, m));
         if parts.len() == 1 || (!fused && !cublas) {
             for (l, y) in parts.iter_mut() {
                 l.forward(dev, ctx, x, m, *y)?;
@@ -872,7 +876,7 @@ impl GpuLinear {
         self.stage_x(dev, x, xb, m_i, fixed)?;
         let gemm = BfGemm { w, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i };
         if y.1 == cublas::R_32F {
-            let fixed = fixed.map(|b| (b, carve.take(b * rows * 4)));
+            let fixed = fixed.map(|b| (b, carve.take(self.pad_block_bytes(fixed, m))));
             self.gemm_staged(dev, gemm, g.handle(), y.0, rows, fixed)
         } else {
             // A BF16 output: never with exact input (`writes_bf16`).
@@ -1017,7 +1021,7 @@ impl GpuLinear {
         let g = ctx.lock(dev, OP, self.gemm_scratch_bytes(ctx, m))?;
         let mut carve = Carve::new(g.scratch_ptr());
         let xb = carve.take(self.staged_x_bytes(fixed, m));
-        let pad = fixed.map(|b| (b, carve.take(if m.is_multiple_of(b) { 0 } else { b * rows * 4 })));
+        let pad = fixed.map(|b| (b, carve.take(self.pad_block_bytes(fixed, m))));
         let wb = carve.take(tile_rows * ldw * 2);
         let m_i = to_i32(OP, "m", m)?;
         self.stage_x(dev, x, xb, m_i, fixed)?;
