@@ -157,3 +157,28 @@ __device__ __forceinline__ void rmsnorm_row_inplace(float* row, int n, const bf1
     do {                                \
     } while (0)
 #endif
+
+// The routed experts' activation, an argument of every gate/up kernel (krasis-core's
+// ExpertActivation and the experts' biases; gpt-oss): b13 f32 [n_experts, 2 * inter] holds expert
+// e's gate biases then its up biases (or is null: no biases), added to the gate and up sums before
+// the activation; clamped 0: silu(g) * u; 1: gpt-oss's clamped SwiGLU, g' = min(g, limit),
+// u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'). The down bias is moe_combine's.
+struct MoeAct {
+    const float* b13;
+    int inter;
+    int clamped;
+    float alpha, limit;
+};
+
+// The activation of expert e's intermediate column o (o < inter) from its gate and up sums.
+__device__ __forceinline__ float moe_act(const MoeAct& a, int e, int o, float g, float u) {
+    if (a.b13) {
+        const float* b = a.b13 + (long long)e * 2 * a.inter;
+        g += b[o];
+        u += b[a.inter + o];
+    }
+    if (!a.clamped) return g / (1.0f + expf(-g)) * u;
+    g = fminf(g, a.limit);
+    u = fminf(fmaxf(u, -a.limit), a.limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-a.alpha * g)));
+}

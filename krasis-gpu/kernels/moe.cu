@@ -56,30 +56,7 @@ static_assert(MOE_PAD % MOE_KC == 0, "a k chunk must not cross the padded row en
 #define MOE_DEC_DN_ROWS 4     // hidden rows per warp in the down projection (4 loads in flight)
 #define MOE_DEC_KCH 4096      // k elements of the activation row staged in shared memory at once (16 KiB)
 
-// The routed experts' activation, an argument of every gate/up kernel (krasis-core's
-// ExpertActivation and the experts' biases; gpt-oss): b13 f32 [n_experts, 2 * inter] holds expert
-// e's gate biases then its up biases (or is null: no biases), added to the gate and up sums before
-// the activation; clamped 0: silu(g) * u; 1: gpt-oss's clamped SwiGLU, g' = min(g, limit),
-// u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'). The down bias is moe_combine's.
-struct MoeAct {
-    const float* b13;
-    int inter;
-    int clamped;
-    float alpha, limit;
-};
-
-// The activation of expert e's intermediate column o (o < inter) from its gate and up sums.
-__device__ __forceinline__ float moe_act(const MoeAct& a, int e, int o, float g, float u) {
-    if (a.b13) {
-        const float* b = a.b13 + (long long)e * 2 * a.inter;
-        g += b[o];
-        u += b[a.inter + o];
-    }
-    if (!a.clamped) return g / (1.0f + expf(-g)) * u;
-    g = fminf(g, a.limit);
-    u = fminf(fmaxf(u, -a.limit), a.limit);
-    return (u + 1.0f) * (g / (1.0f + expf(-a.alpha * g)));
-}
+// The routed experts' activation: `MoeAct` and `moe_act` in krasis_common.cuh (moe_pcie.cu uses them too).
 
 // tm: pairs per tile (MOE_TM for the BF16 tiles; the quantised tiles' TM).
 #ifdef MOE_BASE

@@ -97,6 +97,7 @@ pub const ALL: &[KernelSource] = &[
     crate::attn_decode::ATTN_DECODE_VARIANTS[7],
     crate::mla_decode::MLA_DECODE,
     crate::relayout::RELAYOUT,
+    crate::moe_pcie::MOE_PCIE,
     crate::delta_rule::DELTA_RULE,
 ];
 

@@ -73,6 +73,7 @@ pub mod linear;
 mod mapped;
 pub mod mla_decode;
 pub mod moe;
+pub mod moe_pcie;
 pub mod nvrtc;
 pub mod relayout;
 pub mod router;

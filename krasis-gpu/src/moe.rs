@@ -426,7 +426,7 @@ struct QuantExperts {
 /// The gate/up kernels' activation argument (`MoeAct` in moe.cu; same field order and types).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct MoeActArgs {
+pub(crate) struct MoeActArgs {
     b13: u64,
     inter: i32,
     clamped: i32,
@@ -436,6 +436,13 @@ struct MoeActArgs {
 
 // SAFETY: plain-old-data with the C layout of the kernel's struct.
 unsafe impl DeviceRepr for MoeActArgs {}
+
+impl MoeActArgs {
+    /// `silu(g) · u` without biases, for experts of `inter` intermediate columns.
+    pub(crate) fn silu(inter: usize) -> MoeActArgs {
+        MoeActArgs { inter: inter as i32, ..MoeActArgs::default() }
+    }
+}
 
 /// The routed experts of one MoE layer (BF16, INT8 or INT4), resident on the GPU.
 pub struct GpuExperts {

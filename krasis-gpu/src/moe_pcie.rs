@@ -1,0 +1,356 @@
+//! A decode step's share of the routed experts, read by the GPU straight from the CPU expert
+//! records in page-locked host memory (`kernels/moe_pcie.cu`): the SMs load each record over
+//! PCIe as they compute, so nothing is copied into VRAM and the host does nothing. The hybrid
+//! engine gives the GPU the last few routes of each decode token this way while the CPU reads the
+//! others' experts from RAM; the two reads overlap, so a token's experts take less time than on
+//! the CPU alone (measured on the H200 box: the CPU read 90–100 GB/s alone and ~68 GB/s beside
+//! a 54 GB/s PCIe read, 122 GB/s together; docs/BENCHMARKS.md).
+//!
+//! Symmetric INT4 and INT8 records (`cpu-rb16-v1`) with SiLU experts (no biases). The GPU
+//! computes in f32 on the exact codes and scales with unrounded activations;
+//! [`PcieExperts::reference`] is its scalar twin.
+
+use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
+use krasis_quant::{Bits, QuantizedMatrix};
+
+use crate::kernels::{check, launch_err, KernelSource, HEADERS};
+use crate::relayout::CpuRecordGeometry;
+use crate::{GpuDevice, GpuError};
+
+pub const MOE_PCIE: KernelSource = KernelSource {
+    name: "moe_pcie",
+    src: include_str!("../kernels/moe_pcie.cu"),
+    headers: HEADERS,
+    options: &[],
+    functions: &["pcie_w13", "pcie_w2"],
+};
+
+const OP: &str = "moe_pcie";
+
+/// Threads per block (`PCIE_THREADS` in the kernel).
+const THREADS: u32 = 256;
+/// Warps per block (`PCIE_WARPS`): the reduction's shared floats are 16 per warp.
+const WARPS: usize = THREADS as usize / 32;
+/// Dynamic shared memory a launch may take without opting in (48 KiB).
+const MAX_SHARED_BYTES: usize = 48 << 10;
+
+/// `PciePart` of the kernels (same field order and types).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct PciePart {
+    rows: i32,
+    k: i32,
+    gs: i32,
+    bits: i32,
+    block_bytes: i32,
+    header_bytes: i32,
+    group_bytes: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of the kernel's struct.
+unsafe impl DeviceRepr for PciePart {}
+
+fn part(p: &PackedLayout, rows: usize) -> Result<PciePart, GpuError> {
+    let i = |what: &str, v: usize| crate::kernels::to_i32(OP, what, v);
+    Ok(PciePart {
+        rows: i("rows", rows)?,
+        k: i("k", p.k)?,
+        gs: i("group size", p.gs)?,
+        bits: p.bits.bits() as i32,
+        block_bytes: i("block bytes", p.block_bytes())?,
+        header_bytes: i("header bytes", p.header_bytes())?,
+        group_bytes: i("group bytes", p.group_weight_bytes())?,
+    })
+}
+
+/// One MoE layer's expert records as the CPU expert cache lays them out, read over PCIe.
+#[derive(Clone, Copy, Debug)]
+pub struct PcieExperts {
+    geometry: CpuRecordGeometry,
+    inter: usize,
+    hidden: usize,
+}
+
+impl PcieExperts {
+    /// The reader of records of `geometry`, or why it cannot read them: symmetric INT4 or INT8
+    /// only, a fused w13 of whole row blocks whose halves are w2's K, and shared memory within
+    /// the default 48 KiB.
+    pub fn new(geometry: CpuRecordGeometry) -> Result<PcieExperts, GpuError> {
+        let (w13, w2) = (&geometry.w13, &geometry.w2);
+        let why = |d: String| Err(GpuError::shape(OP, d));
+        if !w13.is_symmetric_int() || !w2.is_symmetric_int() {
+            return why("the records are not symmetric INT4/INT8 (FP4, asymmetric INT4 or K-quants)".into());
+        }
+        let inter = w2.k;
+        if w13.rows != 2 * inter || !inter.is_multiple_of(16) || w13.k != w2.rows {
+            return why(format!("w13 [{}, {}] and w2 [{}, {}] are not one expert's parts", w13.rows, w13.k, w2.rows, w2.k));
+        }
+        let e = PcieExperts { geometry, inter, hidden: w2.rows };
+        let need = e.w13_shared_bytes().max(e.w2_shared_bytes());
+        if need > MAX_SHARED_BYTES {
+            return why(format!("{need} bytes of shared memory a block (at most {MAX_SHARED_BYTES})"));
+        }
+        Ok(e)
+    }
+
+    fn w13_shared_bytes(&self) -> usize {
+        let p = &self.geometry.w13;
+        4 * (p.k + 2 * p.groups() * 16 + WARPS * 16 + 32)
+    }
+
+    fn w2_shared_bytes(&self) -> usize {
+        let p = &self.geometry.w2;
+        4 * (p.k + p.groups() * 16 + WARPS * 16 + 16)
+    }
+
+    /// Scratch floats of the intermediate for `t` tokens and `g` routes each.
+    pub fn scratch_len(&self, t: usize, g: usize) -> usize {
+        t * g * self.inter
+    }
+
+    /// Bytes of one record read per route (w13 and w2).
+    pub fn bytes_per_route(&self) -> usize {
+        self.geometry.w13.bytes() + self.geometry.w2.bytes()
+    }
+
+    /// Enqueues on the current stream, for `t` tokens of `x` ([t, hidden]) and routes
+    /// `first..first + g` of each token's `top_k` in `ids` / `weights` ([t, top_k]; an id outside
+    /// `0..n_experts` is skipped): `y = (accumulate ? y : 0) + Σ weight · expert(x)`, with the
+    /// intermediate in `h` ([`PcieExperts::scratch_len`]).
+    ///
+    /// # Safety
+    /// `records` is the device address of the layer's expert 0 record, with `n_experts` records
+    /// `stride` apart readable by the device (page-locked, mapped) until the work has run; `ids`
+    /// and `weights` are device addresses of `t · top_k` values written before this work in
+    /// stream order.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        dev: &GpuDevice,
+        records: u64,
+        n_experts: usize,
+        x: &CudaView<'_, f32>,
+        t: usize,
+        (ids, weights): (u64, u64),
+        (top_k, first, g): (usize, usize, usize),
+        h: &mut CudaViewMut<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        check(OP, first + g <= top_k && g > 0, || format!("routes {first}..{} of {top_k}", first + g))?;
+        check(OP, x.len() >= t * self.hidden && y.len() >= t * self.hidden, || {
+            format!("x {} / y {} for {t} tokens of {}", x.len(), y.len(), self.hidden)
+        })?;
+        check(OP, h.len() >= self.scratch_len(t, g), || format!("scratch {} < {}", h.len(), self.scratch_len(t, g)))?;
+        if t == 0 {
+            return Ok(());
+        }
+        let i = |what: &str, v: usize| crate::kernels::to_i32(OP, what, v);
+        let (top_k, first, g, ne) = (i("top_k", top_k)?, i("first", first)?, i("g", g)?, i("experts", n_experts)?);
+        let (stride, w2_offset) = (self.geometry.stride as i64, self.geometry.w2_offset as i64);
+        let act = crate::moe::MoeActArgs::silu(self.inter);
+        let (p13, p2) = (part(&self.geometry.w13, self.inter)?, part(&self.geometry.w2, self.hidden)?);
+        let s = dev.stream();
+        let routes = u32::try_from(t * g as usize).map_err(|_| GpuError::shape(OP, format!("{t} tokens")))?;
+        let (xp, _gx) = x.device_ptr(s);
+        let (hp, _gh) = h.device_ptr_mut(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        let f = dev.function(&MOE_PCIE, "pcie_w13")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&records).arg(&stride).arg(&p13).arg(&act).arg(&xp).arg(&ids).arg(&top_k).arg(&first).arg(&g);
+        b.arg(&ne).arg(&hp);
+        let cfg = LaunchConfig {
+            grid_dim: ((self.inter / 16) as u32, routes, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.w13_shared_bytes() as u32,
+        };
+        // SAFETY: the caller's contract for the addresses; x, h sized above.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        let acc = accumulate as i32;
+        let f = dev.function(&MOE_PCIE, "pcie_w2")?;
+        let mut b = s.launch_builder(&f);
+        b.arg(&records).arg(&stride).arg(&w2_offset).arg(&p2).arg(&hp).arg(&ids).arg(&weights).arg(&top_k);
+        b.arg(&first).arg(&g).arg(&ne).arg(&yp).arg(&acc);
+        let cfg = LaunchConfig {
+            grid_dim: (self.geometry.w2.row_blocks() as u32, t as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: self.w2_shared_bytes() as u32,
+        };
+        // SAFETY: as above; y sized above.
+        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
+        Ok(())
+    }
+
+    /// The scalar twin of [`PcieExperts::run`] on host bytes: `records` holds `n_experts`
+    /// records `stride` apart, laid out as on the device; the other arguments as `run`'s.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reference(
+        &self,
+        records: &[u8],
+        n_experts: usize,
+        x: &[f32],
+        t: usize,
+        ids: &[i32],
+        weights: &[f32],
+        (top_k, first, g): (usize, usize, usize),
+        y: &mut [f32],
+        accumulate: bool,
+    ) {
+        let geo = &self.geometry;
+        for tok in 0..t {
+            let yt = &mut y[tok * self.hidden..(tok + 1) * self.hidden];
+            if !accumulate {
+                yt.fill(0.0);
+            }
+            let xt = &x[tok * self.hidden..(tok + 1) * self.hidden];
+            for slot in 0..g {
+                let r = tok * top_k + first + slot;
+                let Some(e) = usize::try_from(ids[r]).ok().filter(|&e| e < n_experts) else { continue };
+                let rec = &records[e * geo.stride..];
+                let hact: Vec<f32> = (0..self.inter)
+                    .map(|o| {
+                        let (rb, j) = (o / 16, o % 16);
+                        let gate = row_dot(&rec[2 * rb * geo.w13.block_bytes()..], &geo.w13, j, xt);
+                        let up = row_dot(&rec[(2 * rb + 1) * geo.w13.block_bytes()..], &geo.w13, j, xt);
+                        gate / (1.0 + (-gate).exp()) * up
+                    })
+                    .collect();
+                let hw: Vec<f32> = hact.iter().map(|v| weights[r] * v).collect();
+                let w2 = &rec[geo.w2_offset..];
+                for (row, yo) in yt.iter_mut().enumerate() {
+                    let blk = &w2[(row / 16) * geo.w2.block_bytes()..];
+                    *yo += row_dot(blk, &geo.w2, row % 16, &hw);
+                }
+            }
+        }
+    }
+}
+
+/// Experts `[gate, up, down]` laid out as the CPU expert cache lays out one layer's records
+/// (w13 fused at 0, w2 at the next 64-byte boundary, records on 4 KiB boundaries), with their
+/// geometry: test and tool input for [`PcieExperts`].
+pub fn records_of(experts: &[[QuantizedMatrix; 3]]) -> Result<(Vec<u8>, CpuRecordGeometry), GpuError> {
+    let bad = |e: krasis_quant::QuantError| GpuError::shape(OP, e.to_string());
+    let mut records = Vec::new();
+    let mut geometry = None;
+    for [gate, up, down] in experts {
+        let (w13, l13) = pack_w13(gate, up).map_err(bad)?;
+        let w2 = pack(down);
+        let w2_offset = w13.len().next_multiple_of(64);
+        let stride = (w2_offset + w2.len()).next_multiple_of(4096);
+        let start = records.len();
+        records.resize(start + stride, 0);
+        records[start..start + w13.len()].copy_from_slice(&w13);
+        records[start + w2_offset..start + w2_offset + w2.len()].copy_from_slice(&w2);
+        let g = CpuRecordGeometry { w13: l13, w2: PackedLayout::of(down), w2_offset, stride };
+        if geometry.is_some_and(|first| first != g) {
+            return Err(GpuError::shape(OP, "experts of different shapes in one layer"));
+        }
+        geometry = Some(g);
+    }
+    Ok((records, geometry.ok_or_else(|| GpuError::shape(OP, "no experts"))?))
+}
+
+/// Row `j` of the row block at `blk` (layout `p`) dotted with `x`: per group, the scale times the
+/// sum of its codes times x.
+fn row_dot(blk: &[u8], p: &PackedLayout, j: usize, x: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for g in 0..p.groups() {
+        let sc = &blk[g * 32 + 2 * j..];
+        let scale = half::f16::from_le_bytes([sc[0], sc[1]]).to_f32();
+        let w = &blk[p.header_bytes() + g * p.group_weight_bytes()..];
+        let mut d = 0.0f32;
+        for kk in 0..p.gs {
+            let q = match p.bits {
+                Bits::Int4 => {
+                    let byte = w[(kk / 8) * 64 + 4 * j + (kk % 4)];
+                    let nib = if kk % 8 < 4 { byte & 0xf } else { byte >> 4 };
+                    nib as i32 - 8
+                }
+                Bits::Int8 => w[(kk / 4) * 64 + 4 * j + kk % 4] as i32 - 128,
+            };
+            d += q as f32 * x[g * p.gs + kk];
+        }
+        acc += scale * d;
+    }
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use krasis_quant::group::{dequantize, group_size_for, quantize, test_data};
+
+    /// The twin reads the packed records as the quantised matrices say: against dequantised
+    /// weights in f64, on both widths and several group sizes (w2's from its own K, as the cache
+    /// picks it).
+    #[test]
+    fn the_twin_reads_the_records_it_is_given() {
+        for (bits, gs, hidden, inter) in
+            [(Bits::Int4, 128, 256, 96), (Bits::Int8, 32, 96, 32), (Bits::Int4, 32, 224, 64), (Bits::Int8, 64, 128, 64)]
+        {
+            let gs2 = group_size_for(inter, gs).unwrap();
+            let n = 3;
+            let experts: Vec<[QuantizedMatrix; 3]> = (0..n as u64)
+                .map(|e| {
+                    let seed = 7 + e * 3;
+                    [
+                        quantize(&test_data(inter * hidden, seed, 0.5), inter, hidden, bits, gs),
+                        quantize(&test_data(inter * hidden, seed + 1, 0.5), inter, hidden, bits, gs),
+                        quantize(&test_data(hidden * inter, seed + 2, 0.5), hidden, inter, bits, gs2),
+                    ]
+                })
+                .collect();
+            let dense: Vec<[Vec<f32>; 3]> = experts.iter().map(|m| m.each_ref().map(dequantize)).collect();
+            let (records, geometry) = records_of(&experts).unwrap();
+            let pe = PcieExperts::new(geometry).unwrap();
+            let (t, top_k, first, g) = (2, 4, 2, 2);
+            let x = test_data(t * hidden, 99, 1.0);
+            let ids = [0, 1, 2, 0, 1, -1, 2, 1];
+            let weights = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
+            let mut y = test_data(t * hidden, 5, 1.0);
+            let y0 = y.clone();
+            pe.reference(&records, n, &x, t, &ids, &weights, (top_k, first, g), &mut y, true);
+            for tok in 0..t {
+                let xt = &x[tok * hidden..(tok + 1) * hidden];
+                let mut want: Vec<f64> = y0[tok * hidden..(tok + 1) * hidden].iter().map(|&v| v as f64).collect();
+                for slot in 0..g {
+                    let r = tok * top_k + first + slot;
+                    let Ok(e) = usize::try_from(ids[r]) else { continue };
+                    let [gw, uw, dw] = &dense[e];
+                    let dot = |w: &[f32], row: usize, v: &[f64]| -> f64 {
+                        (0..v.len()).map(|i| w[row * v.len() + i] as f64 * v[i]).sum()
+                    };
+                    let xd: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
+                    let hd: Vec<f64> = (0..inter)
+                        .map(|o| {
+                            let (a, b) = (dot(gw, o, &xd), dot(uw, o, &xd));
+                            a / (1.0 + (-a).exp()) * b
+                        })
+                        .collect();
+                    for (row, w) in want.iter_mut().enumerate() {
+                        *w += weights[r] as f64 * dot(dw, row, &hd);
+                    }
+                }
+                let got = &y[tok * hidden..(tok + 1) * hidden];
+                let rms = (want.iter().map(|v| v * v).sum::<f64>() / hidden as f64).sqrt();
+                let worst = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+                assert!(worst <= 1e-5 * rms, "{bits:?} g{gs} token {tok}: worst {worst:e} of rms {rms:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn records_it_cannot_read_are_refused() {
+        let gate = quantize(&test_data(32 * 64, 1, 0.5), 32, 64, Bits::Int4, 32);
+        let down = quantize(&test_data(64 * 64, 2, 0.5), 64, 64, Bits::Int4, 32);
+        let (_, l13) = pack_w13(&gate, &gate).unwrap();
+        let geometry = CpuRecordGeometry { w13: l13, w2: PackedLayout::of(&down), w2_offset: 0, stride: 0 };
+        let e = PcieExperts::new(geometry).unwrap_err().to_string();
+        assert!(e.contains("not one expert's parts"), "{e}");
+        let asym = PackedLayout::new_int4_asym(64, 32).unwrap();
+        let e = PcieExperts::new(CpuRecordGeometry { w13: l13, w2: asym, w2_offset: 0, stride: 0 }).unwrap_err();
+        assert!(e.to_string().contains("not symmetric"), "{e}");
+    }
+}
