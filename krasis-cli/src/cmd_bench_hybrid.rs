@@ -119,10 +119,14 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             );
         } else {
             println!(
-            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}",
+            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}{}",
             bytes_per_token as f64 / 1e6,
             100.0 * expert_gbs / bw.gb_per_s,
-            wait_ms + prefetch_ms
+            wait_ms + prefetch_ms,
+            match (h1.pcie_routes - h0.pcie_routes) as f64 / n {
+                r if r > 0.0 => format!("; the GPU ran {r:.1} routes per token over PCIe"),
+                _ => String::new(),
+            }
         );
         }
         if h1.copied > h0.copied {

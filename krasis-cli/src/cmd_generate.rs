@@ -186,6 +186,11 @@ pub struct GpuArgs {
     /// prefix cache or run in chunks gives the logits of one whole-prompt call, bit for bit.
     #[arg(long)]
     pub invariant_prefill: bool,
+    /// Hybrid decode: routes of each token whose experts the GPU reads over PCIe from the CPU's
+    /// expert records (page-locked RAM) while the CPU reads the others' (default: 0.27 of the
+    /// top-k for SiLU experts without biases, none for others; 0: off).
+    #[arg(long)]
+    pub pcie_routes: Option<usize>,
     /// Tokens (prompt + generated) each session holds. GPU and hybrid: the KV cache allocated
     /// at load (default: what the VRAM budget leaves, capped at the model's
     /// max_position_embeddings). CPU: a limit the cache grows up to (default:
@@ -284,6 +289,7 @@ impl GpuArgs {
             kv_dtype: self.kv_dtype,
             precision: self.gpu_precision,
             invariant_prefill: self.invariant_prefill,
+            pcie_routes: self.pcie_routes,
             attention_quant: self.attention_quant,
             shared_expert_quant: self.shared_expert_quant,
             dense_mlp_quant: self.dense_mlp_quant,

@@ -38,6 +38,7 @@ pub const OPTION_FLAGS: &[(&str, &str)] = &[
     ("GpuOptions::precision", "--gpu-precision"),
     ("GpuPrecision::F32", "--gpu-precision f32"),
     ("GpuOptions::invariant_prefill", "--invariant-prefill"),
+    ("GpuOptions::pcie_routes", "--pcie-routes"),
     ("GpuOptions::kv_tokens", "--kv-tokens"),
     ("GpuOptions::expert_bits", "--gpu-expert-bits"),
     ("GpuOptions::expert_group_size", "--group-size"),

@@ -10,7 +10,7 @@
 //! computes in f32 on the exact codes and scales with unrounded activations;
 //! [`PcieExperts::reference`] is its scalar twin.
 
-use cudarc::driver::{CudaView, CudaViewMut, DeviceRepr, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
 use krasis_quant::{Bits, QuantizedMatrix};
 
@@ -84,7 +84,10 @@ impl PcieExperts {
         }
         let inter = w2.k;
         if w13.rows != 2 * inter || !inter.is_multiple_of(16) || w13.k != w2.rows {
-            return why(format!("w13 [{}, {}] and w2 [{}, {}] are not one expert's parts", w13.rows, w13.k, w2.rows, w2.k));
+            return why(format!(
+                "w13 [{}, {}] and w2 [{}, {}] are not one expert's parts",
+                w13.rows, w13.k, w2.rows, w2.k
+            ));
         }
         let e = PcieExperts { geometry, inter, hidden: w2.rows };
         let need = e.w13_shared_bytes().max(e.w2_shared_bytes());

@@ -9,8 +9,8 @@
 mod common;
 
 use common::{down, gpu, poisoned_f32, rand_f32, rng, up};
-use krasis_gpu::moe_pcie::{records_of, PcieExperts};
 use krasis_gpu::cudarc::driver::DevicePtr;
+use krasis_gpu::moe_pcie::{records_of, PcieExperts};
 use krasis_gpu::MappedHost;
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::{Bits, QuantizedMatrix};

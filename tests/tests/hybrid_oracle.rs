@@ -330,6 +330,56 @@ fn pinned_experts_agree_with_either_device() {
     }
 }
 
+/// Decode's PCIe share (`GpuOptions::pcie_routes`): the GPU runs the last routes of each decode
+/// token, reading those experts over PCIe from the CPU's page-locked INT4 records, while the CPU
+/// runs the others. Every route that way, and the default share, the prefill and three decode
+/// steps agree with the resident GPU experts and with the CPU experts (relative error ≤ 1e-3,
+/// top-1 ≥ 0.9, as a split prefill); the counters say the GPU ran exactly its routes of the
+/// decode steps and none of the prefill's; a share of 0 is the CPU experts' run.
+fn check_pcie(name: &str) {
+    let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cpu = cpu_experts(WeightBits::Int4, tmp.path());
+    let resident_opts = int4_gpu_experts(tmp.path());
+    let resident = prefill_and_three_steps(&GpuModel::load(&dir, &resident_opts).unwrap(), &r).0;
+    let opts =
+        |routes: Option<usize>| GpuOptions { pcie_routes: routes, stream_min_tokens: 1 << 20, ..resident_opts.clone() };
+    let off = GpuModel::load_hybrid(&dir, &opts(Some(0)), &cpu).unwrap();
+    let (cpu_only, h) = prefill_and_three_steps(&off, &r);
+    assert_eq!(h.pcie_routes, 0, "{name}: pcie_routes 0 gives the GPU no routes");
+    let k = off.spec.moe.as_ref().unwrap().routing.top_k;
+    let moe = off.spec.moe_layers().count() as u64;
+    drop(off);
+    let default = krasis_model::gpu::expert_stream::default_pcie_routes(k);
+    assert!(default < k, "{name}: the default share of {k} leaves the CPU routes");
+    for (routes, g) in [(Some(k), k), (None, default)] {
+        if g == 0 {
+            continue;
+        }
+        let m = GpuModel::load_hybrid(&dir, &opts(routes), &cpu).unwrap();
+        assert!(m.log.iter().any(|l| l.contains("over PCIe from those records")), "{name}: {:?}", m.log);
+        let (logits, h) = prefill_and_three_steps(&m, &r);
+        assert_eq!(h.pcie_routes, 3 * moe * g as u64, "{name} {g} routes: the GPU's routes of three decode steps");
+        for (what, other) in [("resident GPU experts", &resident), ("CPU experts", &cpu_only)] {
+            let f = fidelity(&logits, other, vocab);
+            let rel = krasis_tests::rel_l2(&logits, other);
+            eprintln!(
+                "{name} {g} of {k} routes over PCIe vs {what}: mean cos {:.6}, top1 {:.2}, relative error {rel:.2e}",
+                f.mean_cos, f.top1
+            );
+            assert!(f.mean_cos >= 0.999 && f.top1 >= 0.9, "{name} {g} routes over PCIe vs {what}: {f:?}");
+            assert!(rel <= 1e-3, "{name} {g} routes over PCIe vs {what}: relative error {rel:.2e}");
+        }
+    }
+}
+
+#[test]
+fn pcie_share_agrees_with_either_device() {
+    for name in krasis_tests::FIXTURE_NAMES {
+        check_pcie(name);
+    }
+}
+
 #[test]
 fn split_prefill_agrees_with_either_device() {
     for name in krasis_tests::FIXTURE_NAMES {

@@ -93,9 +93,12 @@ fn slot_room(left: u64) -> u64 {
 /// VRAM slots, each one MoE layer's experts: one computing, one filling.
 const SLOTS: usize = 2;
 
-/// Page-locked registration of a host buffer (`cuMemHostRegister`), undone on drop.
+/// Page-locked registration of a host buffer (`cuMemHostRegister`, mapped into the device's
+/// address space), undone on drop.
 struct HostRegistration {
     ptr: *mut std::ffi::c_void,
+    /// The buffer's address for kernels (decode's PCIe share reads the records there).
+    device: u64,
 }
 
 // SAFETY: the registration is a handle on memory owned elsewhere; registering and unregistering
@@ -112,9 +115,15 @@ impl HostRegistration {
         let ptr = bytes.as_ptr() as *mut std::ffi::c_void;
         // SAFETY: `bytes` is a live host allocation; it outlives the registration (the owner
         // holds both and drops the registration first).
-        let r = unsafe { sys::cuMemHostRegister_v2(ptr, bytes.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr, bytes.len(), flags) };
         r.result().map_err(|e| GpuError::Driver { op: "cuMemHostRegister", detail: e.to_string() })?;
-        Ok(HostRegistration { ptr })
+        // From here on, dropping `reg` (also on the error below) undoes the registration.
+        let mut reg = HostRegistration { ptr, device: 0 };
+        // SAFETY: `ptr` was registered with DEVICEMAP just above, in this context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut reg.device, ptr, 0) };
+        r.result().map_err(|e| GpuError::Driver { op: "cuMemHostGetDevicePointer", detail: e.to_string() })?;
+        Ok(reg)
     }
 }
 
@@ -217,7 +226,7 @@ fn cpu_record_geometry(
 /// The streamed experts of every MoE layer ([`ExpertStreamer::run_layer`]).
 pub struct ExpertStreamer {
     // Field order: the registration goes before the records it pins.
-    _pinned: HostRegistration,
+    pinned: HostRegistration,
     source: Source,
     copy: Arc<CudaStream>,
     /// Model layer → MoE layer index of the cache.
@@ -235,6 +244,29 @@ pub struct ExpertStreamer {
     /// Chunked slots: per chunk start `c`, the id map that renumbers expert `e` to `(e − c) mod n`
     /// (the chunk's experts first, as its slot stores them).
     rotations: Vec<krasis_gpu::DeviceBuffer<i32>>,
+    /// Decode's PCIe share: the GPU reads this many routes of each decode token from the CPU's
+    /// records in place (0: none), or why it cannot.
+    pcie: std::result::Result<PcieShare, String>,
+}
+
+/// The GPU's reader of the CPU records over PCIe, and how many routes of a decode token it takes.
+struct PcieShare {
+    experts: krasis_gpu::moe_pcie::PcieExperts,
+    routes: usize,
+}
+
+/// The share of a decode token's routes whose experts the GPU reads over PCIe while the CPU reads
+/// the rest, when the options do not say: the split that ends both reads at once, from their
+/// rates side by side. Measured on the H200 box (2026-11-30, glm-4.5-air at 4 layers, INT4 g128,
+/// 16 cores, bench/logs/2026-11-30/h200-pcie-share-s40.log): the CPU kept ~100–110 GB/s beside
+/// the PCIe kernel, which read ~40 GB/s, so 0.27 of the bytes; of top-8, 2 routes gave 368–381
+/// tok/s against 336–344 with none, 3 routes 328 and 4 routes 281 (the GPU's share the slower).
+const PCIE_SHARE: f64 = 0.27;
+
+/// Routes of a decode token of `top_k` the GPU reads over PCIe by default: [`PCIE_SHARE`] of them,
+/// rounded, and never all (the CPU's read is the faster one).
+pub fn default_pcie_routes(top_k: usize) -> usize {
+    ((PCIE_SHARE * top_k as f64).round() as usize).min(top_k.saturating_sub(1))
 }
 
 impl ExpertStreamer {
@@ -243,6 +275,9 @@ impl ExpertStreamer {
     /// `slot_vram` bytes, each a whole layer's experts or a chunk of them (`None`: whole layers,
     /// or when two do not fit the VRAM budget, chunks of what the budget leaves beside a prefill's
     /// activations).
+    /// Decode steps give the GPU the last `pcie_routes` routes of each token, read over PCIe
+    /// from CPU records in place (0, GPU-cache records or records the kernel cannot read: none).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &GpuDevice,
         records: StreamRecords,
@@ -251,6 +286,7 @@ impl ExpertStreamer {
         min_tokens: usize,
         split: super::StreamSplit,
         slot_vram: Option<u64>,
+        pcie_routes: usize,
     ) -> Result<Self> {
         let cache = match &records {
             StreamRecords::GpuCache(c) => c,
@@ -366,6 +402,13 @@ impl ExpertStreamer {
                 *slot = Some(li);
             }
         }
+        let pcie = match (&cpu_geometry, pcie_routes) {
+            (_, 0) => Err("off".to_string()),
+            (None, _) => Err("the stream reads the GPU expert cache, not the CPU's records".to_string()),
+            (Some(g), routes) => krasis_gpu::moe_pcie::PcieExperts::new(*g)
+                .map(|experts| PcieShare { experts, routes })
+                .map_err(|e| e.to_string()),
+        };
         let source = match records {
             StreamRecords::GpuCache(cache) => Source::Gpu { cache, in_place: slot_geometry.is_some() },
             StreamRecords::CpuCache(experts) => {
@@ -378,7 +421,7 @@ impl ExpertStreamer {
         };
         let min_tokens = krasis_core::knobs::knobs().gpu_stream_min_tokens.unwrap_or(min_tokens).max(2);
         Ok(ExpertStreamer {
-            _pinned: pinned,
+            pinned,
             source,
             copy: dev.new_stream()?,
             moe_index,
@@ -390,7 +433,67 @@ impl ExpertStreamer {
             copied: AtomicU64::new(0),
             slot_experts,
             rotations,
+            pcie,
         })
+    }
+
+    /// Routes of each decode token whose experts the GPU reads over PCIe (0: none).
+    pub fn pcie_routes(&self) -> usize {
+        self.pcie.as_ref().map_or(0, |p| p.routes)
+    }
+
+    /// Enqueues decode's PCIe share of model layer `l` on the current stream: for `t` tokens of
+    /// `xn`, the last `g` routes of each token's `top_k` in the
+    /// published `ids` / `weights` (device addresses), added into `y` (or written, without
+    /// `accumulate`), with `h` grown as the intermediate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_pcie_share(
+        &self,
+        dev: &GpuDevice,
+        l: usize,
+        xn: &krasis_gpu::cudarc::driver::CudaView<'_, f32>,
+        t: usize,
+        routes: (u64, u64),
+        (top_k, g): (usize, usize),
+        h: &mut Option<krasis_gpu::DeviceBuffer<f32>>,
+        y: &mut krasis_gpu::cudarc::driver::CudaViewMut<'_, f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let Ok(share) = &self.pcie else {
+            return Err(ModelError::Invalid("the plan gave a layer a PCIe share the stream cannot read".into()));
+        };
+        let li = self
+            .moe_index
+            .get(l)
+            .copied()
+            .flatten()
+            .ok_or_else(|| ModelError::Invalid(format!("layer {l} has no experts in the streamed records")))?;
+        let cache = self.source.cache();
+        let layer = cache.layer_records(li, 0..1).as_ptr() as usize - cache.records().as_ptr() as usize;
+        let n = share.experts.scratch_len(t, g);
+        let h = super::session::grow(dev, h, n, "PCIe share intermediate")?;
+        // SAFETY: the records stay registered (mapped) for the streamer's life, which outlives
+        // every call; the published routes are written by the router earlier on this stream.
+        unsafe {
+            share.experts.run(
+                dev,
+                self.pinned.device + layer as u64,
+                self.n_experts(),
+                xn,
+                t,
+                routes,
+                (top_k, top_k - g, g),
+                &mut h.slice_mut().slice_mut(..n),
+                y,
+                accumulate,
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Bytes the GPU reads over PCIe per route of its share.
+    pub fn pcie_bytes_per_route(&self) -> usize {
+        self.pcie.as_ref().map_or(0, |p| p.experts.bytes_per_route())
     }
 
     /// Experts a slot holds (a whole layer's unless [`ExpertStreamer::chunked`]).
@@ -410,6 +513,7 @@ impl ExpertStreamer {
             split: self.split,
             chunked: self.chunked(),
             n_experts: self.n_experts(),
+            pcie_routes: self.pcie_routes(),
         }
     }
 
@@ -626,7 +730,13 @@ impl ExpertStreamer {
                 Source::Gpu { in_place: false, .. } => "one copy per expert part",
             },
             krasis_cache::describe(self.source.cache())
-        )
+        ) + &match &self.pcie {
+            Ok(p) => format!(
+                "; decode: the GPU reads {} routes of each token's experts over PCIe from those records while the CPU reads the rest",
+                p.routes
+            ),
+            Err(why) => format!("; decode: the CPU reads every route's experts (PCIe share: {why})"),
+        }
     }
 
     /// Enqueues the records of MoE layer `li`'s first `present` experts into `slot` on the copy

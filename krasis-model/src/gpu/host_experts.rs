@@ -135,6 +135,9 @@ pub(crate) struct HostWork {
     /// The same for the next MoE layer in this call: its pinned experts are not prefetched
     /// for the CPU, which will not read them.
     pub next_skips: Option<Arc<[bool]>>,
+    /// The GPU runs the last `gpu_routes` routes of each token (decode's PCIe share), the CPU
+    /// the others.
+    pub gpu_routes: usize,
     pub shape: HandoffShape,
 }
 
@@ -360,6 +363,11 @@ impl HostStaging {
     /// until the layer's hand-off is served.
     pub fn published_ids(&self) -> u64 {
         self.ids.get().device_ptr()
+    }
+
+    /// The device address of the published routing weights, valid as [`HostStaging::published_ids`].
+    pub fn published_weights(&self) -> u64 {
+        self.weights.get().device_ptr()
     }
 
     /// Device side, after `send`: the first `n` published routes (ids and weights) into device
@@ -756,6 +764,9 @@ fn prefetch_next(
     let ids = unsafe { slot.slice_mut(slot.len) };
     guess.ids.clear();
     guess.ids.extend(ids.iter().filter_map(|&i| usize::try_from(i).ok()).filter(|&i| i < work.n_experts));
+    // The GPU reads the last routes' experts over PCIe (decode's PCIe share, the same in every
+    // layer of a call): the budget goes to the CPU's.
+    let cpu_k = guess.ids.len().saturating_sub(work.gpu_routes);
     guess.layer = Some(next);
     let backend = experts[next].as_deref().expect("found above");
     // The budget goes to the experts the CPU will read: not the next layer's pinned ones.
@@ -763,10 +774,10 @@ fn prefetch_next(
     match &work.next_skips {
         Some(skips) => {
             let pulled: Vec<usize> =
-                guess.ids.iter().copied().filter(|&e| !skips.get(e).copied().unwrap_or(false)).collect();
+                guess.ids[..cpu_k].iter().copied().filter(|&e| !skips.get(e).copied().unwrap_or(false)).collect();
             backend.prefetch(&pulled, expert_prefetch_budget(), &ready_for_next)
         }
-        None => backend.prefetch(&guess.ids, expert_prefetch_budget(), &ready_for_next),
+        None => backend.prefetch(&guess.ids[..cpu_k], expert_prefetch_budget(), &ready_for_next),
     }
 }
 
@@ -819,9 +830,10 @@ fn serve_one(
         let n = HOST_EXPERT_CHUNK_TOKENS.min(t - c0);
         routes.k = k;
         routes.ids.clear();
-        routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().map(|&id| {
+        let cpu_k = k - work.gpu_routes.min(k);
+        routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().enumerate().map(|(r, &id)| {
             let e = id as usize;
-            if e < work.cpu_from || work.cpu_skips.as_ref().is_some_and(|s| s[e]) {
+            if r % k >= cpu_k || e < work.cpu_from || work.cpu_skips.as_ref().is_some_and(|s| s[e]) {
                 Routes::ELSEWHERE
             } else {
                 e
@@ -835,13 +847,17 @@ fn serve_one(
     // Which experts the hand-off read (the ids were range-checked above).
     seen.clear();
     seen.resize(work.n_experts, false);
-    for &id in ids.iter() {
-        seen[id as usize] = id as usize >= work.cpu_from && !work.cpu_skips.as_ref().is_some_and(|s| s[id as usize]);
+    let cpu_k = k - work.gpu_routes.min(k);
+    for (r, &id) in ids.iter().enumerate() {
+        let on_cpu = r % k < cpu_k && id as usize >= work.cpu_from;
+        seen[id as usize] |= on_cpu && !work.cpu_skips.as_ref().is_some_and(|s| s[id as usize]);
     }
+    stats.pcie_routes += (t * (k - cpu_k)) as u64;
     stats.experts_read += seen.iter().filter(|&&s| s).count() as u64;
     if guess.layer == Some(work.layer) && t == 1 {
         stats.predicted += k as u64;
-        stats.predicted_hits += guess.ids.iter().filter(|&&g| seen[g]).count() as u64;
+        // Against every route the router chose (the GPU's PCIe share included).
+        stats.predicted_hits += guess.ids.iter().filter(|&&g| ids.iter().any(|&i| i as usize == g)).count() as u64;
     }
     stats.calls += 1;
     stats.wait += t1 - t0;

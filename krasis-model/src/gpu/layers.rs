@@ -307,7 +307,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 let routes = GpuRoutes::Published { host: &*host, present: experts.n_experts(), map: Some(&*map) };
                 gpu_moe(c, s, routes, &experts, k, shared, n)?;
             }
-            Site::Cpu | Site::Split(..) | Site::Pinned(_) => {
+            Site::Cpu | Site::Split(..) | Site::Pinned(_) | Site::CpuAndPcie(..) => {
                 let shape = HandoffShape { t, hidden: c.spec.hidden_size, k };
                 let seq = host.send(c.dev, router, &s.scratch.xn.slice().slice(..n), t, true)?;
                 c.count_routes(router, l, host.published_ids(), t * k)?;
@@ -315,7 +315,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 // shared expert go into y while the CPU computes the routed ones, whose
                 // sum is then added to y. The GPU's share: the layer's pinned experts, or the
                 // streamed first ones.
-                let (mut cpu_from, mut cpu_skips) = (0, None);
+                let (mut cpu_from, mut cpu_skips, mut gpu_routes) = (0, None, 0);
                 match site {
                     Site::Pinned(hl) => {
                         let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
@@ -328,13 +328,25 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                             .run_layer(c.dev, l, present, |experts| gpu_moe(c, s, routes, experts, k, shared, n))?;
                         cpu_from = present;
                     }
+                    Site::CpuAndPcie(streamer, g) => {
+                        if let Some(sh) = shared {
+                            sh.forward(c, s, true)?;
+                        }
+                        let routes = (host.published_ids(), host.published_weights());
+                        let sc = &mut *s.scratch;
+                        let xn = sc.xn.slice().slice(..n);
+                        let mut y = sc.y.slice_mut().slice_mut(..n);
+                        let h = &mut sc.pcie_h;
+                        streamer.run_pcie_share(c.dev, l, &xn, t, routes, (k, g), h, &mut y, shared.is_some())?;
+                        gpu_routes = g;
+                    }
                     _ => {
                         if let Some(sh) = shared {
                             sh.forward(c, s, true)?;
                         }
                     }
                 }
-                let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
+                let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some() || gpu_routes > 0;
                 // The next layer's routes, predicted for its CPU experts' prefetch.
                 let next_host = next.filter(|nx| nx.moe.experts.host().is_some());
                 if let Some(NextMoe { moe: MoeWeights { router, .. }, norm, .. }) = next_host {
@@ -347,7 +359,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                     _ => None,
                 };
                 let n_experts = router.n_experts();
-                let work = HostWork { seq, layer: l, n_experts, cpu_from, cpu_skips, next_skips, shape };
+                let work = HostWork { seq, layer: l, n_experts, cpu_from, cpu_skips, next_skips, gpu_routes, shape };
                 host.receive(c.dev, work, y_counts)?;
             }
         }

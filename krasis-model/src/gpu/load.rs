@@ -525,6 +525,7 @@ impl GpuModel {
                     if gpu.invariant_prefill {
                         (min, split) = (super::INVARIANT_MIN_TOKENS, super::StreamSplit::Share(1.0));
                     }
+                    let pcie = pcie_routes(files.spec(), gpu.pcie_routes)?;
                     // `--cache-strategy chunked --pin-vram B`: two slots in B (whole layers when B
                     // holds them).
                     let chunk = match &gpu.cache {
@@ -543,7 +544,7 @@ impl GpuModel {
                         Ok(Some(StreamRecords::GpuCache(Box::new(cache))))
                     };
                     let from_gpu_cache = |records: Option<StreamRecords>| match records {
-                        Some(r) => ExpertStreamer::new(&model.dev, r, bits, layers, min, split, chunk),
+                        Some(r) => ExpertStreamer::new(&model.dev, r, bits, layers, min, split, chunk, pcie),
                         None => Err(ModelError::Invalid("the GPU expert cache is off (GpuExpertCache::Off)".into())),
                     };
                     let streamer = match stream_from(gpu.stream_from) {
@@ -551,7 +552,7 @@ impl GpuModel {
                         // GPU expert cache serves, and the log says why.
                         StreamFrom::CpuCache => {
                             let records = StreamRecords::CpuCache(ex.executor.clone());
-                            match ExpertStreamer::new(&model.dev, records, bits, layers, min, split, chunk) {
+                            match ExpertStreamer::new(&model.dev, records, bits, layers, min, split, chunk, pcie) {
                                 Ok(s) => Ok(s),
                                 Err(e) => {
                                     if ex.executor.ggml_kept() {
@@ -924,5 +925,24 @@ impl GpuModel {
             precision: opts.precision,
             invariant_prefill: opts.invariant_prefill,
         })
+    }
+}
+
+/// Routes of each decode token whose experts the GPU reads over PCIe ([`GpuOptions::pcie_routes`]):
+/// the default share for SiLU experts without biases (the PCIe kernel's activation), none for
+/// others; an asked count is refused for those, or past the model's top-k.
+fn pcie_routes(spec: &ModelSpec, asked: Option<usize>) -> Result<usize> {
+    let plain = matches!(spec.expert_activation, krasis_core::spec::ExpertActivation::Silu) && !spec.expert_bias;
+    let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
+    match asked {
+        None if plain => Ok(super::expert_stream::default_pcie_routes(top_k)),
+        None | Some(0) => Ok(0),
+        Some(_) if !plain => Err(ModelError::Invalid(
+            "`GpuOptions::pcie_routes`: the GPU's PCIe share runs SiLU experts without biases; this model's experts have another activation or biases".into(),
+        )),
+        Some(g) if g > top_k => Err(ModelError::Invalid(format!(
+            "`GpuOptions::pcie_routes` = {g}: more than the model's {top_k} routes per token"
+        ))),
+        Some(g) => Ok(g),
     }
 }

@@ -121,6 +121,11 @@ pub struct GpuOptions {
     /// calls reached. Gated-DeltaNet layers run the token-by-token recurrence at every length
     /// (slower than the chunked form on long prompts). Refused with [`GpuPrecision::F32`].
     pub invariant_prefill: bool,
+    /// Hybrid decode: routes of each token whose experts the GPU reads over PCIe from the CPU
+    /// expert records in page-locked RAM, while the CPU reads the other routes' experts
+    /// ([`krasis_gpu::moe_pcie`]); `None`: [`expert_stream::default_pcie_routes`] for SiLU experts
+    /// without biases, none for others; `Some(0)`: off. Needs the stream from the CPU's records.
+    pub pcie_routes: Option<usize>,
 }
 
 /// The fewest tokens a row-invariant prompt call has: one token runs the decode form (its own
@@ -226,6 +231,7 @@ impl Default for GpuOptions {
             prefix_cache_bytes: 0,
             precision: GpuPrecision::Bf16,
             invariant_prefill: false,
+            pcie_routes: None,
         }
     }
 }

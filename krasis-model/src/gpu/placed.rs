@@ -51,6 +51,9 @@ pub(crate) enum Site<'a> {
     Pinned(&'a HotLayer),
     /// Every route on the GPU from the expert pool.
     Pool(&'a Arc<ExpertPool>),
+    /// The last `.1` routes of each token on the GPU, read over PCIe from the CPU's records; the
+    /// rest on the CPU.
+    CpuAndPcie(&'a ExpertStreamer, usize),
 }
 
 impl Placed {
@@ -162,6 +165,7 @@ impl Placed {
                     .ok_or_else(|| missing("pinned experts"))?,
             ),
             ExpertSite::Pool => Site::Pool(self.pool.as_ref().ok_or_else(|| missing("the expert pool"))?),
+            ExpertSite::CpuAndPcie { gpu } => Site::CpuAndPcie(streamer()?, gpu),
         })
     }
 }

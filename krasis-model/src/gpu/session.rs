@@ -51,6 +51,8 @@ pub(crate) struct Scratch {
     /// Chunked streaming: the routes renumbered for one chunk, and a chunk's part of the output.
     pub chunk_ids: Slot<i32>,
     pub chunk_out: Slot<f32>,
+    /// Decode's PCIe share: the intermediate of the GPU's routes.
+    pub pcie_h: Slot<f32>,
 }
 
 /// A device buffer that exists after the first [`Scratch::ensure`]. Deref panics before that,

@@ -26,6 +26,10 @@ pub enum ExpertSite {
     /// The experts the call routes to are copied into a VRAM pool (kept by the pool's strategy)
     /// and the GPU runs every route.
     Pool,
+    /// A decode step: the GPU runs the last `gpu` routes of each token, reading those experts
+    /// over PCIe from the CPU's page-locked records in place; the CPU runs the others' at the
+    /// same time, so the two reads of host memory overlap.
+    CpuAndPcie { gpu: usize },
 }
 
 impl ExpertSite {
@@ -33,6 +37,7 @@ impl ExpertSite {
     fn kind(self) -> ExpertSite {
         match self {
             ExpertSite::Split { .. } => ExpertSite::Split { gpu: 0 },
+            ExpertSite::CpuAndPcie { .. } => ExpertSite::CpuAndPcie { gpu: 0 },
             s => s,
         }
     }
@@ -54,9 +59,25 @@ pub struct StreamRule {
     pub chunked: bool,
     /// Routed experts per layer.
     pub n_experts: usize,
+    /// Routes of each decode token whose experts the GPU reads over PCIe from the CPU's records
+    /// (0: none): [`ExpertSite::CpuAndPcie`].
+    pub pcie_routes: usize,
 }
 
+/// Longest call that gives the GPU a PCIe share of its routes: a decode step. Longer calls read
+/// each expert once for many tokens on the CPU; per-token PCIe reads would multiply.
+pub const PCIE_MAX_TOKENS: usize = 1;
+
 impl StreamRule {
+    /// Routes of each token a call of `t` tokens gives the GPU over PCIe.
+    pub fn pcie_routes(&self, t: usize) -> usize {
+        if t <= PCIE_MAX_TOKENS {
+            self.pcie_routes
+        } else {
+            0
+        }
+    }
+
     /// How many of each layer's first experts a call of `t` tokens streams (0 below
     /// `min_tokens`; every one for long prompts).
     pub fn gpu_experts(&self, t: usize) -> usize {
@@ -182,7 +203,10 @@ impl PlacementPlan {
                         Beside::Pool(_) => ExpertSite::Pool,
                         Beside::Pinned { until } if t < until.get(layer).copied().unwrap_or(0) => ExpertSite::Pinned,
                         _ if present > 0 => ExpertSite::Split { gpu: present },
-                        _ => ExpertSite::Cpu,
+                        _ => match stream.as_ref().map_or(0, |s| s.pcie_routes(t)) {
+                            0 => ExpertSite::Cpu,
+                            gpu => ExpertSite::CpuAndPcie { gpu },
+                        },
                     }
                 }
             }
@@ -315,6 +339,13 @@ impl PlacementPlan {
             ExpertSite::GpuStreamedChunks => "every routed expert streamed to the GPU in chunks".into(),
             ExpertSite::Pinned => "pinned experts on the GPU, the rest on the CPU".into(),
             ExpertSite::Pool => "the routed experts copied into the GPU's expert pool and run there".into(),
+            ExpertSite::CpuAndPcie { .. } => {
+                let g = match &self.home {
+                    ExpertHome::Host { stream: Some(s), .. } => s.pcie_routes,
+                    _ => 0,
+                };
+                format!("routed experts on the CPU, but the last {g} routes of each token on the GPU, which reads their experts over PCIe from the CPU's records")
+            }
             ExpertSite::Split { .. } => {
                 let (n, rule) = match &self.home {
                     ExpertHome::Host { stream: Some(s), .. } => (s.n_experts, *s),
@@ -333,7 +364,7 @@ mod tests {
     use super::*;
 
     fn stream(min: usize, split: f64, chunked: bool) -> StreamRule {
-        StreamRule { min_tokens: min, split: StreamSplit::Share(split), chunked, n_experts: 64 }
+        StreamRule { min_tokens: min, split: StreamSplit::Share(split), chunked, n_experts: 64, pcie_routes: 0 }
     }
 
     /// Layer 0 dense, layers 1–3 MoE.
@@ -367,6 +398,29 @@ mod tests {
         let p = PlacementPlan::new(chunks, moe(), "hybrid");
         assert_eq!(p.site(2, 16), Some(ExpertSite::GpuStreamedChunks));
         assert_eq!(p.site(2, 8), Some(ExpertSite::Cpu));
+    }
+
+    /// A PCIe share serves decode steps only, where nothing in VRAM does: pins and pools first.
+    #[test]
+    fn decode_steps_give_the_gpu_its_pcie_share() {
+        let rule = StreamRule { pcie_routes: 3, ..stream(16, 0.5, false) };
+        let p = PlacementPlan::new(ExpertHome::Host { stream: Some(rule), beside: Beside::Nothing }, moe(), "hybrid");
+        assert_eq!(p.site(1, 1), Some(ExpertSite::CpuAndPcie { gpu: 3 }));
+        assert_eq!(p.site(1, PCIE_MAX_TOKENS + 1), Some(ExpertSite::Cpu));
+        assert_eq!(p.site(1, 16), Some(ExpertSite::Split { gpu: 32 }));
+        assert!(!p.streams(1), "a PCIe share copies nothing");
+        assert!(
+            p.describe().iter().any(|l| l.contains("last 3 routes of each token on the GPU")),
+            "{:?}",
+            p.describe()
+        );
+        let pinned = Beside::Pinned { until: vec![0, 8, 0, 0] };
+        let p = PlacementPlan::new(ExpertHome::Host { stream: Some(rule), beside: pinned }, moe(), "hybrid");
+        assert_eq!(p.site(1, 1), Some(ExpertSite::Pinned));
+        assert_eq!(p.site(2, 1), Some(ExpertSite::CpuAndPcie { gpu: 3 }));
+        let pool = Beside::Pool(crate::placement::CacheStrategy::Lru);
+        let p = PlacementPlan::new(ExpertHome::Host { stream: Some(rule), beside: pool }, moe(), "hybrid");
+        assert_eq!(p.site(1, 1), Some(ExpertSite::Pool));
     }
 
     #[test]

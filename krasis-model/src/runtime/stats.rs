@@ -94,6 +94,9 @@ pub struct HandoffStats {
     pub copied_bytes: u64,
     /// Of `calls`, the expert-pool layers.
     pub pool_calls: u64,
+    /// Routes the GPU ran by reading their experts over PCIe (decode's PCIe share); not in
+    /// `experts_read`.
+    pub pcie_routes: u64,
 }
 
 impl HandoffStats {
@@ -113,6 +116,7 @@ impl HandoffStats {
         self.copied += o.copied;
         self.copied_bytes += o.copied_bytes;
         self.pool_calls += o.pool_calls;
+        self.pcie_routes += o.pcie_routes;
     }
 }
 
