@@ -187,8 +187,8 @@ pub struct GpuArgs {
     #[arg(long)]
     pub invariant_prefill: bool,
     /// Hybrid decode: routes of each token whose experts the GPU reads over PCIe from the CPU's
-    /// expert records (page-locked RAM) while the CPU reads the others' (default: 0.27 of the
-    /// top-k for SiLU experts without biases, none for others; 0: off).
+    /// expert records (page-locked RAM) while the CPU reads the others' (default: the count that
+    /// ends both reads soonest for the experts' size, for SiLU experts without biases; 0: off).
     #[arg(long)]
     pub pcie_routes: Option<usize>,
     /// Tokens (prompt + generated) each session holds. GPU and hybrid: the KV cache allocated

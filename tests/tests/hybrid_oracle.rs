@@ -332,7 +332,7 @@ fn pinned_experts_agree_with_either_device() {
 
 /// Decode's PCIe share (`GpuOptions::pcie_routes`): the GPU runs the last routes of each decode
 /// token, reading those experts over PCIe from the CPU's page-locked INT4 records, while the CPU
-/// runs the others. Every route that way, and the default share, the prefill and three decode
+/// runs the others. Every route that way, and one route, the prefill and three decode
 /// steps agree with the resident GPU experts and with the CPU experts (relative error ≤ 1e-3,
 /// top-1 ≥ 0.9, as a split prefill); the counters say the GPU ran exactly its routes of the
 /// decode steps and none of the prefill's; a share of 0 is the CPU experts' run.
@@ -350,12 +350,19 @@ fn check_pcie(name: &str) {
     let k = off.spec.moe.as_ref().unwrap().routing.top_k;
     let moe = off.spec.moe_layers().count() as u64;
     drop(off);
-    let default = krasis_model::gpu::expert_stream::default_pcie_routes(k);
-    assert!(default < k, "{name}: the default share of {k} leaves the CPU routes");
-    for (routes, g) in [(Some(k), k), (None, default)] {
-        if g == 0 {
+    let default = GpuModel::load_hybrid(&dir, &opts(None), &cpu).unwrap();
+    assert!(
+        default.log.iter().any(|l| l.contains("PCIe share: the CPU alone is faster for experts this small")),
+        "{name}: the default share of tiny experts is none, and the log says why: {:?}",
+        default.log
+    );
+    drop(default);
+    // Every route, and one (the tiny experts are far below the size the default share starts at).
+    for g in [k, 1] {
+        if g == 1 && k == 1 {
             continue;
         }
+        let routes = Some(g);
         let m = GpuModel::load_hybrid(&dir, &opts(routes), &cpu).unwrap();
         assert!(m.log.iter().any(|l| l.contains("over PCIe from those records")), "{name}: {:?}", m.log);
         let (logits, h) = prefill_and_three_steps(&m, &r);

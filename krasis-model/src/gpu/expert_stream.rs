@@ -255,18 +255,44 @@ struct PcieShare {
     routes: usize,
 }
 
-/// The share of a decode token's routes whose experts the GPU reads over PCIe while the CPU reads
-/// the rest, when the options do not say: the split that ends both reads at once, from their
-/// rates side by side. Measured on the H200 box (2026-11-30, glm-4.5-air at 4 layers, INT4 g128,
-/// 16 cores, bench/logs/2026-11-30/h200-pcie-share-s40.log): the CPU kept ~100–110 GB/s beside
-/// the PCIe kernel, which read ~40 GB/s, so 0.27 of the bytes; of top-8, 2 routes gave 368–381
-/// tok/s against 336–344 with none, 3 routes 328 and 4 routes 281 (the GPU's share the slower).
-const PCIE_SHARE: f64 = 0.27;
+/// Rates of the two reads of a decode token's experts side by side, for the default PCIe share.
+/// Measured on the H200 box (2026-11-30, glm-4.5-air at 4 layers, INT4 g128, 16 cores;
+/// bench/logs/2026-11-30/h200-pcie-share-s40.log): the CPU kept ~100–110 GB/s beside the PCIe
+/// kernel, which read ~40 GB/s; of top-8, 2 routes gave 368–381 tok/s against 336–344 with none,
+/// 3 routes 328 and 4 routes 281 (the GPU's share the slower).
+const PCIE_READ_GBPS: f64 = 40.0;
+const CPU_READ_GBPS: f64 = 105.0;
+/// The PCIe share's cost beside its bytes: two launches and a few PCIe round trips in series
+/// (w2 waits for every w13 row; its routes run one after another). Fitted to V2-Lite (4.5 MB
+/// experts, top-6, bench/logs/2026-11-30/h200-pcie-suites-s40.log), where 2 routes over PCIe
+/// decoded 121–126 tok/s against 128–136 with none: the model puts 2 routes at 263 µs a layer
+/// against the CPU's 255 alone, 1 route at 212.
+const PCIE_FIXED_US: f64 = 40.0;
 
-/// Routes of a decode token of `top_k` the GPU reads over PCIe by default: [`PCIE_SHARE`] of them,
-/// rounded, and never all (the CPU's read is the faster one).
-pub fn default_pcie_routes(top_k: usize) -> usize {
-    ((PCIE_SHARE * top_k as f64).round() as usize).min(top_k.saturating_sub(1))
+/// Routes of a decode token of `top_k` the GPU reads over PCIe by default, for experts of
+/// `bytes` each: the count that ends the layer soonest, the GPU's `fixed + g · bytes / PCIe rate`
+/// against the CPU's `(top_k − g) · bytes / CPU rate` (0 when no share beats the CPU alone; never
+/// every route).
+pub fn default_pcie_routes(top_k: usize, bytes: usize) -> usize {
+    let b = bytes as f64 / 1e3; // KB: µs at GB/s
+    let layer_us = |g: usize| {
+        let cpu = (top_k - g) as f64 * b / CPU_READ_GBPS;
+        if g == 0 {
+            cpu
+        } else {
+            cpu.max(PCIE_FIXED_US + g as f64 * b / PCIE_READ_GBPS)
+        }
+    };
+    (0..top_k).min_by(|&a, &c| layer_us(a).total_cmp(&layer_us(c))).unwrap_or(0)
+}
+
+/// What decode's PCIe share is asked to be ([`ExpertStreamer::new`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PcieAsk {
+    /// The model's routes per token.
+    pub top_k: usize,
+    /// Routes per token the GPU takes; `None`: [`default_pcie_routes`]; `Some(0)`: none.
+    pub routes: Option<usize>,
 }
 
 impl ExpertStreamer {
@@ -275,8 +301,9 @@ impl ExpertStreamer {
     /// `slot_vram` bytes, each a whole layer's experts or a chunk of them (`None`: whole layers,
     /// or when two do not fit the VRAM budget, chunks of what the budget leaves beside a prefill's
     /// activations).
-    /// Decode steps give the GPU the last `pcie_routes` routes of each token, read over PCIe
-    /// from CPU records in place (0, GPU-cache records or records the kernel cannot read: none).
+    /// Decode steps give the GPU the last routes of each token that `pcie` asks for, read over
+    /// PCIe from CPU records in place (none for GPU-cache records or records the kernel cannot
+    /// read).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &GpuDevice,
@@ -286,7 +313,7 @@ impl ExpertStreamer {
         min_tokens: usize,
         split: super::StreamSplit,
         slot_vram: Option<u64>,
-        pcie_routes: usize,
+        pcie: PcieAsk,
     ) -> Result<Self> {
         let cache = match &records {
             StreamRecords::GpuCache(c) => c,
@@ -402,12 +429,18 @@ impl ExpertStreamer {
                 *slot = Some(li);
             }
         }
-        let pcie = match (&cpu_geometry, pcie_routes) {
-            (_, 0) => Err("off".to_string()),
+        let pcie = match (&cpu_geometry, pcie.routes) {
+            (_, Some(0)) => Err("off".to_string()),
             (None, _) => Err("the stream reads the GPU expert cache, not the CPU's records".to_string()),
-            (Some(g), routes) => krasis_gpu::moe_pcie::PcieExperts::new(*g)
-                .map(|experts| PcieShare { experts, routes })
-                .map_err(|e| e.to_string()),
+            (Some(g), asked) => match krasis_gpu::moe_pcie::PcieExperts::new(*g) {
+                Err(e) => Err(e.to_string()),
+                Ok(experts) => {
+                    match asked.unwrap_or_else(|| default_pcie_routes(pcie.top_k, experts.bytes_per_route())) {
+                        0 => Err("the CPU alone is faster for experts this small".to_string()),
+                        routes => Ok(PcieShare { experts, routes }),
+                    }
+                }
+            },
         };
         let source = match records {
             StreamRecords::GpuCache(cache) => Source::Gpu { cache, in_place: slot_geometry.is_some() },
@@ -876,6 +909,20 @@ impl Drop for ExpertStreamer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default share: glm-4.5-air's experts (8.9 MB INT4, top-8) 2 routes, V2-Lite's (4.5 MB,
+    /// top-6) 1, tiny ones none; never every route.
+    #[test]
+    fn the_default_pcie_share_follows_the_expert_size() {
+        assert_eq!(default_pcie_routes(8, 8_930_000), 2);
+        assert_eq!(default_pcie_routes(6, 4_460_000), 1);
+        assert_eq!(default_pcie_routes(6, 40_000), 0);
+        assert_eq!(default_pcie_routes(1, 100_000_000), 0);
+        assert_eq!(default_pcie_routes(0, 1), 0);
+        for k in 1..=16 {
+            assert!(default_pcie_routes(k, 1 << 30) < k);
+        }
+    }
 
     #[test]
     fn chunk_rotations_number_each_chunk_first_and_are_permutations() {

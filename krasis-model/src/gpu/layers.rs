@@ -315,7 +315,7 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                 // shared expert go into y while the CPU computes the routed ones, whose
                 // sum is then added to y. The GPU's share: the layer's pinned experts, or the
                 // streamed first ones.
-                let (mut cpu_from, mut cpu_skips, mut gpu_routes) = (0, None, 0);
+                let (mut cpu_from, mut cpu_skips) = (0, None);
                 match site {
                     Site::Pinned(hl) => {
                         let routes = GpuRoutes::Published { host: &*host, present: hl.present, map: Some(&hl.map) };
@@ -328,32 +328,38 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                             .run_layer(c.dev, l, present, |experts| gpu_moe(c, s, routes, experts, k, shared, n))?;
                         cpu_from = present;
                     }
-                    Site::CpuAndPcie(streamer, g) => {
-                        if let Some(sh) = shared {
-                            sh.forward(c, s, true)?;
-                        }
-                        let routes = (host.published_ids(), host.published_weights());
-                        let sc = &mut *s.scratch;
-                        let xn = sc.xn.slice().slice(..n);
-                        let mut y = sc.y.slice_mut().slice_mut(..n);
-                        let h = &mut sc.pcie_h;
-                        streamer.run_pcie_share(c.dev, l, &xn, t, routes, (k, g), h, &mut y, shared.is_some())?;
-                        gpu_routes = g;
-                    }
                     _ => {
                         if let Some(sh) = shared {
                             sh.forward(c, s, true)?;
                         }
                     }
                 }
-                let y_counts = shared.is_some() || cpu_from > 0 || cpu_skips.is_some() || gpu_routes > 0;
-                // The next layer's routes, predicted for its CPU experts' prefetch.
+                // y so far: the shared expert's part and a split layer's GPU share.
+                let y_ready = shared.is_some() || cpu_from > 0 || cpu_skips.is_some();
+                // The next layer's routes, predicted for its CPU experts' prefetch: enqueued
+                // before a PCIe share, whose long read would leave the prediction too late for
+                // the CPU to use.
                 let next_host = next.filter(|nx| nx.moe.experts.host().is_some());
                 if let Some(NextMoe { moe: MoeWeights { router, .. }, norm, .. }) = next_host {
                     let sc = &*s.scratch;
-                    let y = y_counts.then(|| sc.y.slice().slice(..n));
+                    let y = y_ready.then(|| sc.y.slice().slice(..n));
                     host.predict(c.dev, router, norm, &sc.x.slice().slice(..n), y.as_ref(), c.eps, seq)?;
                 }
+                // Decode's PCIe share: the GPU runs the last routes of each token, adding to y
+                // (or writing it, with no shared expert).
+                let gpu_routes = match site {
+                    Site::CpuAndPcie(streamer, g) => {
+                        let routes = (host.published_ids(), host.published_weights());
+                        let sc = &mut *s.scratch;
+                        let xn = sc.xn.slice().slice(..n);
+                        let mut y = sc.y.slice_mut().slice_mut(..n);
+                        let h = &mut sc.pcie_h;
+                        streamer.run_pcie_share(c.dev, l, &xn, t, routes, (k, g), h, &mut y, y_ready)?;
+                        g
+                    }
+                    _ => 0,
+                };
+                let y_counts = y_ready || gpu_routes > 0;
                 let next_skips = match next_host.map(|nx| c.placed.site(nx.layer, t)).transpose()? {
                     Some(Site::Pinned(hl)) => Some(hl.on_gpu.clone()),
                     _ => None,

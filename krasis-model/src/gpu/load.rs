@@ -928,21 +928,26 @@ impl GpuModel {
     }
 }
 
-/// Routes of each decode token whose experts the GPU reads over PCIe ([`GpuOptions::pcie_routes`]):
-/// the default share for SiLU experts without biases (the PCIe kernel's activation), none for
-/// others; an asked count is refused for those, or past the model's top-k.
-fn pcie_routes(spec: &ModelSpec, asked: Option<usize>) -> Result<usize> {
+/// What decode's PCIe share is asked to be ([`GpuOptions::pcie_routes`]): the default (sized from
+/// the experts by the streamer) for SiLU experts without biases (the PCIe kernel's activation),
+/// none for others; an asked count is refused for those, or past the model's top-k.
+fn pcie_routes(spec: &ModelSpec, asked: Option<usize>) -> Result<super::expert_stream::PcieAsk> {
     let plain = matches!(spec.expert_activation, krasis_core::spec::ExpertActivation::Silu) && !spec.expert_bias;
     let top_k = spec.moe.as_ref().map_or(0, |m| m.routing.top_k);
-    match asked {
-        None if plain => Ok(super::expert_stream::default_pcie_routes(top_k)),
-        None | Some(0) => Ok(0),
-        Some(_) if !plain => Err(ModelError::Invalid(
-            "`GpuOptions::pcie_routes`: the GPU's PCIe share runs SiLU experts without biases; this model's experts have another activation or biases".into(),
-        )),
-        Some(g) if g > top_k => Err(ModelError::Invalid(format!(
-            "`GpuOptions::pcie_routes` = {g}: more than the model's {top_k} routes per token"
-        ))),
-        Some(g) => Ok(g),
-    }
+    let routes = match asked {
+        None if plain => None,
+        None | Some(0) => Some(0),
+        Some(_) if !plain => {
+            return Err(ModelError::Invalid(
+                "`GpuOptions::pcie_routes`: the GPU's PCIe share runs SiLU experts without biases; this model's experts have another activation or biases".into(),
+            ))
+        }
+        Some(g) if g > top_k => {
+            return Err(ModelError::Invalid(format!(
+                "`GpuOptions::pcie_routes` = {g}: more than the model's {top_k} routes per token"
+            )))
+        }
+        Some(g) => Some(g),
+    };
+    Ok(super::expert_stream::PcieAsk { top_k, routes })
 }

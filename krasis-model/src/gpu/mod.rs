@@ -123,8 +123,9 @@ pub struct GpuOptions {
     pub invariant_prefill: bool,
     /// Hybrid decode: routes of each token whose experts the GPU reads over PCIe from the CPU
     /// expert records in page-locked RAM, while the CPU reads the other routes' experts
-    /// ([`krasis_gpu::moe_pcie`]); `None`: [`expert_stream::default_pcie_routes`] for SiLU experts
-    /// without biases, none for others; `Some(0)`: off. Needs the stream from the CPU's records.
+    /// ([`krasis_gpu::moe_pcie`]); `None`: [`expert_stream::default_pcie_routes`] (from the
+    /// experts' size) for SiLU experts without biases, none for others; `Some(0)`: off. Needs the
+    /// stream from the CPU's records.
     pub pcie_routes: Option<usize>,
 }
 
