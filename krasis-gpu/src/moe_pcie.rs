@@ -3,8 +3,9 @@
 //! PCIe as they compute, so nothing is copied into VRAM and the host does nothing. The hybrid
 //! engine gives the GPU the last few routes of each decode token this way while the CPU reads the
 //! others' experts from RAM; the two reads overlap, so a token's experts take less time than on
-//! the CPU alone (measured on the H200 box: the CPU read 90–100 GB/s alone and ~68 GB/s beside
-//! a 54 GB/s PCIe read, 122 GB/s together; docs/BENCHMARKS.md).
+//! the CPU alone (measured on the H200 box: the CPU read 90–110 GB/s alone, ~68 GB/s beside the
+//! copy engine's 54 GB/s, and 97–107 GB/s beside these kernels' ~40 GB/s; docs/BENCHMARKS.md,
+//! `pcie-share`).
 //!
 //! Symmetric INT4 and INT8 records (`cpu-rb16-v1`) with SiLU experts (no biases). The GPU
 //! computes in f32 on the exact codes and scales with unrounded activations;
