@@ -7,12 +7,14 @@
 //! copy engine's 54 GB/s, and 97–107 GB/s beside these kernels' ~40 GB/s; docs/BENCHMARKS.md,
 //! `pcie-share`).
 //!
-//! Symmetric INT4 and INT8 records (`cpu-rb16-v1`) with SiLU experts (no biases). The GPU
+//! Symmetric INT4 and INT8 records (`cpu-rb16-v1`) and asymmetric INT4 g32 (`4a`, the default
+//! for float checkpoints), with SiLU experts (no biases). The GPU
 //! computes in f32 on the exact codes and scales with unrounded activations;
 //! [`PcieExperts::reference`] is its scalar twin.
 
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
+use krasis_quant::int4_asym::{self, AsymMatrix};
 use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::kernels::{check, launch_err, KernelSource, HEADERS};
@@ -47,6 +49,7 @@ struct PciePart {
     block_bytes: i32,
     header_bytes: i32,
     group_bytes: i32,
+    asym: i32,
 }
 
 // SAFETY: plain-old-data with the C layout of the kernel's struct.
@@ -62,6 +65,7 @@ fn part(p: &PackedLayout, rows: usize) -> Result<PciePart, GpuError> {
         block_bytes: i("block bytes", p.block_bytes())?,
         header_bytes: i("header bytes", p.header_bytes())?,
         group_bytes: i("group bytes", p.group_weight_bytes())?,
+        asym: p.asym as i32,
     })
 }
 
@@ -74,14 +78,15 @@ pub struct PcieExperts {
 }
 
 impl PcieExperts {
-    /// The reader of records of `geometry`, or why it cannot read them: symmetric INT4 or INT8
-    /// only, a fused w13 of whole row blocks whose halves are w2's K, and shared memory within
-    /// the default 48 KiB.
+    /// The reader of records of `geometry`, or why it cannot read them: symmetric INT4 or INT8,
+    /// or asymmetric INT4 g32 (both parts alike), a fused w13 of whole row blocks whose halves are
+    /// w2's K, and shared memory within the default 48 KiB.
     pub fn new(geometry: CpuRecordGeometry) -> Result<PcieExperts, GpuError> {
         let (w13, w2) = (&geometry.w13, &geometry.w2);
         let why = |d: String| Err(GpuError::shape(OP, d));
-        if !w13.is_symmetric_int() || !w2.is_symmetric_int() {
-            return why("the records are not symmetric INT4/INT8 (FP4, asymmetric INT4 or K-quants)".into());
+        let readable = |p: &PackedLayout| p.is_symmetric_int() || (p.asym && p.bits == Bits::Int4);
+        if !readable(w13) || !readable(w2) || w13.asym != w2.asym {
+            return why("the records are not INT4/INT8 or `4a` alike in both parts (FP4 or K-quants)".into());
         }
         let inter = w2.k;
         if w13.rows != 2 * inter || !inter.is_multiple_of(16) || w13.k != w2.rows {
@@ -100,12 +105,12 @@ impl PcieExperts {
 
     fn w13_shared_bytes(&self) -> usize {
         let p = &self.geometry.w13;
-        4 * (p.k + 2 * p.groups() * 16 + WARPS * 16 + 32)
+        4 * (p.k + (1 + p.asym as usize) * p.groups() * 16 + WARPS * 16 + 32)
     }
 
     fn w2_shared_bytes(&self) -> usize {
         let p = &self.geometry.w2;
-        4 * (p.k + p.groups() * 16 + WARPS * 16 + 16)
+        4 * (p.k + (1 + p.asym as usize) * p.groups() * 16 + WARPS * 16 + 16)
     }
 
     /// Scratch floats of the intermediate for `t` tokens and `g` routes each.
@@ -235,19 +240,36 @@ impl PcieExperts {
 /// (w13 fused at 0, w2 at the next 64-byte boundary, records on 4 KiB boundaries), with their
 /// geometry: test and tool input for [`PcieExperts`].
 pub fn records_of(experts: &[[QuantizedMatrix; 3]]) -> Result<(Vec<u8>, CpuRecordGeometry), GpuError> {
-    let bad = |e: krasis_quant::QuantError| GpuError::shape(OP, e.to_string());
+    lay_out(experts.iter().map(|[gate, up, down]| {
+        let (w13, l13) = pack_w13(gate, up)?;
+        Ok((w13, l13, pack(down), PackedLayout::of(down)))
+    }))
+}
+
+/// [`records_of`] for asymmetric INT4 g32 (`4a`) experts.
+pub fn records_of_asym(experts: &[[AsymMatrix; 3]]) -> Result<(Vec<u8>, CpuRecordGeometry), GpuError> {
+    lay_out(experts.iter().map(|[gate, up, down]| {
+        let (w13, l13) = int4_asym::pack_w13(gate, up)?;
+        Ok((w13, l13, int4_asym::pack(down), int4_asym::layout_of(down)))
+    }))
+}
+
+type PackedExpert = (Vec<u8>, PackedLayout, Vec<u8>, PackedLayout);
+
+fn lay_out(
+    experts: impl Iterator<Item = Result<PackedExpert, krasis_quant::QuantError>>,
+) -> Result<(Vec<u8>, CpuRecordGeometry), GpuError> {
     let mut records = Vec::new();
     let mut geometry = None;
-    for [gate, up, down] in experts {
-        let (w13, l13) = pack_w13(gate, up).map_err(bad)?;
-        let w2 = pack(down);
+    for e in experts {
+        let (w13, l13, w2, l2) = e.map_err(|e| GpuError::shape(OP, e.to_string()))?;
         let w2_offset = w13.len().next_multiple_of(64);
         let stride = (w2_offset + w2.len()).next_multiple_of(4096);
         let start = records.len();
         records.resize(start + stride, 0);
         records[start..start + w13.len()].copy_from_slice(&w13);
         records[start + w2_offset..start + w2_offset + w2.len()].copy_from_slice(&w2);
-        let g = CpuRecordGeometry { w13: l13, w2: PackedLayout::of(down), w2_offset, stride };
+        let g = CpuRecordGeometry { w13: l13, w2: l2, w2_offset, stride };
         if geometry.is_some_and(|first| first != g) {
             return Err(GpuError::shape(OP, "experts of different shapes in one layer"));
         }
@@ -257,26 +279,30 @@ pub fn records_of(experts: &[[QuantizedMatrix; 3]]) -> Result<(Vec<u8>, CpuRecor
 }
 
 /// Row `j` of the row block at `blk` (layout `p`) dotted with `x`: per group, the scale times the
-/// sum of its codes times x.
+/// sum of its codes times x, plus for `4a` the minimum times the sum of x.
 fn row_dot(blk: &[u8], p: &PackedLayout, j: usize, x: &[f32]) -> f32 {
+    let f16_at = |o: usize| half::f16::from_le_bytes([blk[o], blk[o + 1]]).to_f32();
     let mut acc = 0.0f32;
     for g in 0..p.groups() {
-        let sc = &blk[g * 32 + 2 * j..];
-        let scale = half::f16::from_le_bytes([sc[0], sc[1]]).to_f32();
-        let w = &blk[p.header_bytes() + g * p.group_weight_bytes()..];
+        let scale = f16_at(p.scales_offset(g) + 2 * j);
+        let w = &blk[p.weights_offset(g)..];
+        let xg = &x[g * p.gs..(g + 1) * p.gs];
         let mut d = 0.0f32;
-        for kk in 0..p.gs {
+        for (kk, &xv) in xg.iter().enumerate() {
             let q = match p.bits {
                 Bits::Int4 => {
                     let byte = w[(kk / 8) * 64 + 4 * j + (kk % 4)];
                     let nib = if kk % 8 < 4 { byte & 0xf } else { byte >> 4 };
-                    nib as i32 - 8
+                    nib as i32 - if p.asym { 0 } else { 8 }
                 }
                 Bits::Int8 => w[(kk / 4) * 64 + 4 * j + kk % 4] as i32 - 128,
             };
-            d += q as f32 * x[g * p.gs + kk];
+            d += q as f32 * xv;
         }
         acc += scale * d;
+        if p.asym {
+            acc += f16_at(p.mins_offset(g) + 2 * j) * xg.iter().sum::<f32>();
+        }
     }
     acc
 }
@@ -286,17 +312,55 @@ mod tests {
     use super::*;
     use krasis_quant::group::{dequantize, group_size_for, quantize, test_data};
 
-    /// The twin reads the packed records as the quantised matrices say: against dequantised
-    /// weights in f64, on both widths and several group sizes (w2's from its own K, as the cache
-    /// picks it).
+    /// The twin on `records` (with `dense`, each expert's dequantised gate, up and down) against
+    /// an f64 forward of the dense weights: two tokens, routes 2..4 of 4, one route skipped, added
+    /// to y.
+    fn check_twin(what: &str, (records, geometry): (Vec<u8>, CpuRecordGeometry), dense: &[[Vec<f32>; 3]]) {
+        let pe = PcieExperts::new(geometry).unwrap();
+        let (n, hidden, inter) = (dense.len(), pe.hidden, pe.inter);
+        let (t, top_k, first, g) = (2, 4, 2, 2);
+        let x = test_data(t * hidden, 99, 1.0);
+        let ids = [0, 1, 2, 0, 1, -1, 2, 1];
+        let weights = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
+        let mut y = test_data(t * hidden, 5, 1.0);
+        let y0 = y.clone();
+        pe.reference(&records, n, &x, t, &ids, &weights, (top_k, first, g), &mut y, true);
+        let dot = |w: &[f32], row: usize, v: &[f64]| -> f64 {
+            (0..v.len()).map(|i| w[row * v.len() + i] as f64 * v[i]).sum()
+        };
+        for tok in 0..t {
+            let xd: Vec<f64> = x[tok * hidden..(tok + 1) * hidden].iter().map(|&v| v as f64).collect();
+            let mut want: Vec<f64> = y0[tok * hidden..(tok + 1) * hidden].iter().map(|&v| v as f64).collect();
+            for slot in 0..g {
+                let r = tok * top_k + first + slot;
+                let Ok(e) = usize::try_from(ids[r]) else { continue };
+                let [gw, uw, dw] = &dense[e];
+                let hd: Vec<f64> = (0..inter)
+                    .map(|o| {
+                        let (a, b) = (dot(gw, o, &xd), dot(uw, o, &xd));
+                        a / (1.0 + (-a).exp()) * b
+                    })
+                    .collect();
+                for (row, w) in want.iter_mut().enumerate() {
+                    *w += weights[r] as f64 * dot(dw, row, &hd);
+                }
+            }
+            let got = &y[tok * hidden..(tok + 1) * hidden];
+            let rms = (want.iter().map(|v| v * v).sum::<f64>() / hidden as f64).sqrt();
+            let worst = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
+            assert!(worst <= 1e-5 * rms, "{what} token {tok}: worst {worst:e} of rms {rms:e}");
+        }
+    }
+
+    /// The twin reads the packed records as the quantised matrices say, on both widths and several
+    /// group sizes (w2's from its own K, as the cache picks it).
     #[test]
     fn the_twin_reads_the_records_it_is_given() {
         for (bits, gs, hidden, inter) in
             [(Bits::Int4, 128, 256, 96), (Bits::Int8, 32, 96, 32), (Bits::Int4, 32, 224, 64), (Bits::Int8, 64, 128, 64)]
         {
             let gs2 = group_size_for(inter, gs).unwrap();
-            let n = 3;
-            let experts: Vec<[QuantizedMatrix; 3]> = (0..n as u64)
+            let experts: Vec<[QuantizedMatrix; 3]> = (0..3u64)
                 .map(|e| {
                     let seed = 7 + e * 3;
                     [
@@ -307,41 +371,29 @@ mod tests {
                 })
                 .collect();
             let dense: Vec<[Vec<f32>; 3]> = experts.iter().map(|m| m.each_ref().map(dequantize)).collect();
-            let (records, geometry) = records_of(&experts).unwrap();
-            let pe = PcieExperts::new(geometry).unwrap();
-            let (t, top_k, first, g) = (2, 4, 2, 2);
-            let x = test_data(t * hidden, 99, 1.0);
-            let ids = [0, 1, 2, 0, 1, -1, 2, 1];
-            let weights = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
-            let mut y = test_data(t * hidden, 5, 1.0);
-            let y0 = y.clone();
-            pe.reference(&records, n, &x, t, &ids, &weights, (top_k, first, g), &mut y, true);
-            for tok in 0..t {
-                let xt = &x[tok * hidden..(tok + 1) * hidden];
-                let mut want: Vec<f64> = y0[tok * hidden..(tok + 1) * hidden].iter().map(|&v| v as f64).collect();
-                for slot in 0..g {
-                    let r = tok * top_k + first + slot;
-                    let Ok(e) = usize::try_from(ids[r]) else { continue };
-                    let [gw, uw, dw] = &dense[e];
-                    let dot = |w: &[f32], row: usize, v: &[f64]| -> f64 {
-                        (0..v.len()).map(|i| w[row * v.len() + i] as f64 * v[i]).sum()
+            check_twin(&format!("{bits:?} g{gs}"), records_of(&experts).unwrap(), &dense);
+        }
+    }
+
+    /// The same for asymmetric INT4 g32 (`4a`): the minimums join each group's sum.
+    #[test]
+    fn the_twin_reads_int4a_records() {
+        for (hidden, inter) in [(256, 96), (96, 32)] {
+            let experts: Vec<[AsymMatrix; 3]> = (0..3u64)
+                .map(|e| {
+                    let q = |n: usize, seed: u64, rows: usize, k: usize| {
+                        int4_asym::quantize(&test_data(n, seed, 0.5), rows, k).unwrap()
                     };
-                    let xd: Vec<f64> = xt.iter().map(|&v| v as f64).collect();
-                    let hd: Vec<f64> = (0..inter)
-                        .map(|o| {
-                            let (a, b) = (dot(gw, o, &xd), dot(uw, o, &xd));
-                            a / (1.0 + (-a).exp()) * b
-                        })
-                        .collect();
-                    for (row, w) in want.iter_mut().enumerate() {
-                        *w += weights[r] as f64 * dot(dw, row, &hd);
-                    }
-                }
-                let got = &y[tok * hidden..(tok + 1) * hidden];
-                let rms = (want.iter().map(|v| v * v).sum::<f64>() / hidden as f64).sqrt();
-                let worst = got.iter().zip(&want).map(|(&a, &b)| (a as f64 - b).abs()).fold(0.0, f64::max);
-                assert!(worst <= 1e-5 * rms, "{bits:?} g{gs} token {tok}: worst {worst:e} of rms {rms:e}");
-            }
+                    let seed = 11 + e * 3;
+                    [
+                        q(inter * hidden, seed, inter, hidden),
+                        q(inter * hidden, seed + 1, inter, hidden),
+                        q(hidden * inter, seed + 2, hidden, inter),
+                    ]
+                })
+                .collect();
+            let dense: Vec<[Vec<f32>; 3]> = experts.iter().map(|m| m.each_ref().map(|a| a.dequantize())).collect();
+            check_twin(&format!("4a {hidden}x{inter}"), records_of_asym(&experts).unwrap(), &dense);
         }
     }
 
@@ -355,6 +407,6 @@ mod tests {
         assert!(e.contains("not one expert's parts"), "{e}");
         let asym = PackedLayout::new_int4_asym(64, 32).unwrap();
         let e = PcieExperts::new(CpuRecordGeometry { w13: l13, w2: asym, w2_offset: 0, stride: 0 }).unwrap_err();
-        assert!(e.to_string().contains("not symmetric"), "{e}");
+        assert!(e.to_string().contains("not INT4/INT8 or `4a` alike"), "{e}");
     }
 }

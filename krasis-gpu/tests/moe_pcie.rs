@@ -1,6 +1,7 @@
 //! The GPU's share of a decode step's routed experts, read over PCIe from CPU expert records in
 //! mapped page-locked host memory (`krasis_gpu::moe_pcie`), against its scalar twin
 //! (`PcieExperts::reference`) on random ragged shapes: INT4 and INT8, group sizes 32 / 64 / 128,
+//! asymmetric INT4 g32 (`4a`),
 //! 1 to 3 tokens, route ranges at either end of the top-k, a skipped route (id -1), and both
 //! output modes (added to y, or y replaced).
 //!
@@ -10,7 +11,7 @@ mod common;
 
 use common::{down, gpu, poisoned_f32, rand_f32, rng, up};
 use krasis_gpu::cudarc::driver::DevicePtr;
-use krasis_gpu::moe_pcie::{records_of, PcieExperts};
+use krasis_gpu::moe_pcie::{records_of, records_of_asym, PcieExperts};
 use krasis_gpu::MappedHost;
 use krasis_quant::group::{group_size_for, quantize};
 use krasis_quant::{Bits, QuantizedMatrix};
@@ -21,23 +22,33 @@ fn pcie_experts_match_the_twin() {
     let Some(d) = gpu("pcie_experts_match_the_twin") else { return };
     let mut r = rng(41);
     let mut cases = 0;
-    for case in 0..24 {
+    for case in 0..30 {
         let bits = if case % 2 == 0 { Bits::Int4 } else { Bits::Int8 };
-        let gs = [32, 64, 128][case % 3];
+        // Every fifth case `4a` (groups of 32).
+        let asym = case % 5 == 4;
+        let gs = if asym { 32 } else { [32, 64, 128][case % 3] };
         let hidden = gs * r.random_range(1..=6);
         let inter = 32 * r.random_range(1..=6);
         let gs2 = group_size_for(inter, gs).unwrap();
         let n = r.random_range(2..=6);
-        let experts: Vec<[QuantizedMatrix; 3]> = (0..n)
-            .map(|_| {
-                [
-                    quantize(&rand_f32(&mut r, inter * hidden, 0.5), inter, hidden, bits, gs),
-                    quantize(&rand_f32(&mut r, inter * hidden, 0.5), inter, hidden, bits, gs),
-                    quantize(&rand_f32(&mut r, hidden * inter, 0.5), hidden, inter, bits, gs2),
-                ]
-            })
-            .collect();
-        let (bytes, geometry) = records_of(&experts).unwrap();
+        let (bytes, geometry) = if asym {
+            let mut q = |rows: usize, k: usize| {
+                krasis_quant::int4_asym::quantize(&rand_f32(&mut r, rows * k, 0.5), rows, k).unwrap()
+            };
+            let experts: Vec<_> = (0..n).map(|_| [q(inter, hidden), q(inter, hidden), q(hidden, inter)]).collect();
+            records_of_asym(&experts).unwrap()
+        } else {
+            let experts: Vec<[QuantizedMatrix; 3]> = (0..n)
+                .map(|_| {
+                    [
+                        quantize(&rand_f32(&mut r, inter * hidden, 0.5), inter, hidden, bits, gs),
+                        quantize(&rand_f32(&mut r, inter * hidden, 0.5), inter, hidden, bits, gs),
+                        quantize(&rand_f32(&mut r, hidden * inter, 0.5), hidden, inter, bits, gs2),
+                    ]
+                })
+                .collect();
+            records_of(&experts).unwrap()
+        };
         let pe = PcieExperts::new(geometry).unwrap();
         let records = MappedHost::<u8>::new(d, bytes.len()).unwrap();
         // SAFETY: the allocation holds `bytes.len()` bytes; no kernel uses it yet.
@@ -86,7 +97,7 @@ fn pcie_experts_match_the_twin() {
             let worst = gt.iter().zip(wt).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max);
             assert!(
                 worst <= 1e-5 * rms.max(1e-3),
-                "case {case} ({bits:?} g{gs}, hidden {hidden}, inter {inter}, t {t}, routes {first}+{g} of {top_k}, accumulate {accumulate}) token {tok}: worst {worst:e}, rms {rms:e}"
+                "case {case} ({bits:?} g{gs}, 4a {asym}, hidden {hidden}, inter {inter}, t {t}, routes {first}+{g} of {top_k}, accumulate {accumulate}) token {tok}: worst {worst:e}, rms {rms:e}"
             );
         }
         cases += 1;

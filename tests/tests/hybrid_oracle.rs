@@ -330,7 +330,8 @@ fn pinned_experts_agree_with_either_device() {
 /// runs the others. Every route that way, and one route, the prefill and three decode
 /// steps agree with the resident GPU experts and with the CPU experts (relative error ≤ 1e-3,
 /// top-1 ≥ 0.9, as a split prefill); the counters say the GPU ran exactly its routes of the
-/// decode steps and none of the prefill's; a share of 0 is the CPU experts' run.
+/// decode steps and none of the prefill's; a share of 0 is the CPU experts' run. `4a` records
+/// the same, against the CPU's `4a` experts.
 fn check_pcie(name: &str) {
     let Some(GpuFixture { dir, reference: r, vocab, .. }) = gpu_fixture(name) else { return };
     let tmp = tempfile::tempdir().unwrap();
@@ -363,6 +364,31 @@ fn check_pcie(name: &str) {
         let (logits, h) = prefill_and_three_steps(&m, &r);
         assert_eq!(h.pcie_routes, 3 * moe * g as u64, "{name} {g} routes: the GPU's routes of three decode steps");
         agrees_with_either(&format!("{name} {g} of {k} routes over PCIe"), &logits, &resident, &cpu_only, vocab);
+    }
+    // `4a` records (asymmetric INT4 g32, the default for float checkpoints; prefill streams them
+    // as INT8): the same routes over PCIe against the same hybrid with its CPU `4a` experts alone.
+    let cpu4a = cpu_experts(WeightBits::Int4Asym, tmp.path());
+    let asym = |routes: Option<usize>| GpuOptions {
+        kv_tokens: Some(TEST_KV_TOKENS),
+        expert_bits: Some(krasis_quant::Bits::Int8),
+        expert_cache: GpuExpertCache::Off,
+        stream_min_tokens: 1 << 20,
+        pcie_routes: routes,
+        ..GpuOptions::default()
+    };
+    let base = prefill_and_three_steps(&GpuModel::load_hybrid(&dir, &asym(Some(0)), &cpu4a).unwrap(), &r).0;
+    for g in [k, 1] {
+        let m = GpuModel::load_hybrid(&dir, &asym(Some(g)), &cpu4a).unwrap();
+        assert!(m.log.iter().any(|l| l.contains("over PCIe from those records")), "{name} 4a: {:?}", m.log);
+        let (logits, h) = prefill_and_three_steps(&m, &r);
+        assert_eq!(h.pcie_routes, 3 * moe * g as u64, "{name} 4a {g} routes: the GPU's routes of three decode steps");
+        let f = fidelity(&logits, &base, vocab);
+        let rel = krasis_tests::rel_l2(&logits, &base);
+        eprintln!("{name} 4a {g} of {k} routes over PCIe vs the CPU's 4a: mean cos {:.6}, top1 {:.2}, relative error {rel:.2e}", f.mean_cos, f.top1);
+        assert!(
+            f.mean_cos >= 0.999 && f.top1 >= 0.9 && rel <= 1e-3,
+            "{name} 4a {g} routes over PCIe: {f:?}, rel {rel:.2e}"
+        );
     }
 }
 
