@@ -764,8 +764,9 @@ fn prefetch_next(
     let ids = unsafe { slot.slice_mut(slot.len) };
     guess.ids.clear();
     guess.ids.extend(ids.iter().filter_map(|&i| usize::try_from(i).ok()).filter(|&i| i < work.n_experts));
-    // The GPU reads the last routes' experts over PCIe (decode's PCIe share, the same in every
-    // layer of a call): the budget goes to the CPU's.
+    // The GPU reads the last routes' experts over PCIe (decode's PCIe share, taken as this
+    // layer's: every unpinned layer of a decode step has the same; a pinned next layer then
+    // pulls a few routes less than it could): the budget goes to the CPU's.
     let cpu_k = guess.ids.len().saturating_sub(work.gpu_routes);
     guess.layer = Some(next);
     let backend = experts[next].as_deref().expect("found above");
