@@ -13,7 +13,8 @@
 //! [`PcieExperts::reference`] is its scalar twin.
 
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
-use krasis_quant::cpu_layout::{pack, pack_w13, PackedLayout};
+use krasis_quant::cpu_layout::{pack, pack_w13, unpack, unpack_w13, PackedLayout};
+use krasis_quant::group::dequantize;
 use krasis_quant::int4_asym::{self, AsymMatrix};
 use krasis_quant::{Bits, QuantizedMatrix};
 
@@ -192,7 +193,8 @@ impl PcieExperts {
     }
 
     /// The scalar twin of [`PcieExperts::run`] on host bytes: `records` holds `n_experts`
-    /// records `stride` apart, laid out as on the device; the other arguments as `run`'s.
+    /// records `stride` apart, laid out as on the device; the other arguments as `run`'s. The
+    /// weights come through krasis-quant's own unpackers, dequantised.
     #[allow(clippy::too_many_arguments)]
     pub fn reference(
         &self,
@@ -205,34 +207,50 @@ impl PcieExperts {
         (top_k, first, g): (usize, usize, usize),
         y: &mut [f32],
         accumulate: bool,
-    ) {
-        let geo = &self.geometry;
+    ) -> Result<(), GpuError> {
+        let (hidden, inter) = (self.hidden, self.inter);
+        let dot = |w: &[f32], row: usize, v: &[f32]| -> f32 {
+            w[row * v.len()..][..v.len()].iter().zip(v).map(|(a, b)| a * b).sum()
+        };
         for tok in 0..t {
-            let yt = &mut y[tok * self.hidden..(tok + 1) * self.hidden];
+            let yt = &mut y[tok * hidden..(tok + 1) * hidden];
             if !accumulate {
                 yt.fill(0.0);
             }
-            let xt = &x[tok * self.hidden..(tok + 1) * self.hidden];
+            let xt = &x[tok * hidden..(tok + 1) * hidden];
             for slot in 0..g {
                 let r = tok * top_k + first + slot;
                 let Some(e) = usize::try_from(ids[r]).ok().filter(|&e| e < n_experts) else { continue };
-                let rec = &records[e * geo.stride..];
-                let hact: Vec<f32> = (0..self.inter)
+                let [gate, up, down] = self.dense_expert(&records[e * self.geometry.stride..])?;
+                let h: Vec<f32> = (0..inter)
                     .map(|o| {
-                        let (rb, j) = (o / 16, o % 16);
-                        let gate = row_dot(&rec[2 * rb * geo.w13.block_bytes()..], &geo.w13, j, xt);
-                        let up = row_dot(&rec[(2 * rb + 1) * geo.w13.block_bytes()..], &geo.w13, j, xt);
-                        gate / (1.0 + (-gate).exp()) * up
+                        let (a, b) = (dot(&gate, o, xt), dot(&up, o, xt));
+                        weights[r] * (a / (1.0 + (-a).exp()) * b)
                     })
                     .collect();
-                let hw: Vec<f32> = hact.iter().map(|v| weights[r] * v).collect();
-                let w2 = &rec[geo.w2_offset..];
                 for (row, yo) in yt.iter_mut().enumerate() {
-                    let blk = &w2[(row / 16) * geo.w2.block_bytes()..];
-                    *yo += row_dot(blk, &geo.w2, row % 16, &hw);
+                    *yo += dot(&down, row, &h);
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The gate, up (`[inter, hidden]`) and down (`[hidden, inter]`) weights of the record at
+    /// `rec`, unpacked and dequantised.
+    fn dense_expert(&self, rec: &[u8]) -> Result<[Vec<f32>; 3], GpuError> {
+        let geo = &self.geometry;
+        let bad = |e: krasis_quant::QuantError| GpuError::shape(OP, e.to_string());
+        let (w13, w2) = (&rec[..geo.w13.bytes()], &rec[geo.w2_offset..][..geo.w2.bytes()]);
+        Ok(if geo.w13.asym {
+            let (gate, up) = int4_asym::unpack_w13(w13, &geo.w13).map_err(bad)?;
+            let down = int4_asym::unpack(w2, &geo.w2).map_err(bad)?;
+            [gate.dequantize(), up.dequantize(), down.dequantize()]
+        } else {
+            let (gate, up) = unpack_w13(w13, &geo.w13).map_err(bad)?;
+            let down = unpack(w2, &geo.w2).map_err(bad)?;
+            [dequantize(&gate), dequantize(&up), dequantize(&down)]
+        })
     }
 }
 
@@ -278,39 +296,10 @@ fn lay_out(
     Ok((records, geometry.ok_or_else(|| GpuError::shape(OP, "no experts"))?))
 }
 
-/// Row `j` of the row block at `blk` (layout `p`) dotted with `x`: per group, the scale times the
-/// sum of its codes times x, plus for `4a` the minimum times the sum of x.
-fn row_dot(blk: &[u8], p: &PackedLayout, j: usize, x: &[f32]) -> f32 {
-    let f16_at = |o: usize| half::f16::from_le_bytes([blk[o], blk[o + 1]]).to_f32();
-    let mut acc = 0.0f32;
-    for g in 0..p.groups() {
-        let scale = f16_at(p.scales_offset(g) + 2 * j);
-        let w = &blk[p.weights_offset(g)..];
-        let xg = &x[g * p.gs..(g + 1) * p.gs];
-        let mut d = 0.0f32;
-        for (kk, &xv) in xg.iter().enumerate() {
-            let q = match p.bits {
-                Bits::Int4 => {
-                    let byte = w[(kk / 8) * 64 + 4 * j + (kk % 4)];
-                    let nib = if kk % 8 < 4 { byte & 0xf } else { byte >> 4 };
-                    nib as i32 - if p.asym { 0 } else { 8 }
-                }
-                Bits::Int8 => w[(kk / 4) * 64 + 4 * j + kk % 4] as i32 - 128,
-            };
-            d += q as f32 * xv;
-        }
-        acc += scale * d;
-        if p.asym {
-            acc += f16_at(p.mins_offset(g) + 2 * j) * xg.iter().sum::<f32>();
-        }
-    }
-    acc
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use krasis_quant::group::{dequantize, group_size_for, quantize, test_data};
+    use krasis_quant::group::{group_size_for, quantize, test_data};
 
     /// The twin on `records` (with `dense`, each expert's dequantised gate, up and down) against
     /// an f64 forward of the dense weights: two tokens, routes 2..4 of 4, one route skipped, added
@@ -324,7 +313,7 @@ mod tests {
         let weights = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8];
         let mut y = test_data(t * hidden, 5, 1.0);
         let y0 = y.clone();
-        pe.reference(&records, n, &x, t, &ids, &weights, (top_k, first, g), &mut y, true);
+        pe.reference(&records, n, &x, t, &ids, &weights, (top_k, first, g), &mut y, true).unwrap();
         let dot = |w: &[f32], row: usize, v: &[f64]| -> f64 {
             (0..v.len()).map(|i| w[row * v.len() + i] as f64 * v[i]).sum()
         };

@@ -90,7 +90,7 @@ fn pcie_experts_match_the_twin() {
         .unwrap();
         let got = down(d, &y_d);
         let mut want = y0.clone();
-        pe.reference(&bytes, n, &x, t, &ids, &weights, (top_k, first, g), &mut want, accumulate);
+        pe.reference(&bytes, n, &x, t, &ids, &weights, (top_k, first, g), &mut want, accumulate).unwrap();
         for tok in 0..t {
             let (gt, wt) = (&got[tok * hidden..][..hidden], &want[tok * hidden..][..hidden]);
             let rms = (wt.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / hidden as f64).sqrt();

@@ -476,9 +476,9 @@ impl ExpertStreamer {
     }
 
     /// Enqueues decode's PCIe share of model layer `l` on the current stream: for `t` tokens of
-    /// `xn`, the last `g` routes of each token's `top_k` in the
-    /// published `ids` / `weights` (device addresses), added into `y` (or written, without
-    /// `accumulate`), with `h` grown as the intermediate.
+    /// `xn`, the last `g` routes of each token's `top_k` in the published `ids` / `weights`
+    /// (device addresses), added into `y` (or written, without `accumulate`), with `h` grown as
+    /// the intermediate.
     #[allow(clippy::too_many_arguments)]
     pub fn run_pcie_share(
         &self,
@@ -522,11 +522,6 @@ impl ExpertStreamer {
             )
         }?;
         Ok(())
-    }
-
-    /// Bytes the GPU reads over PCIe per route of its share.
-    pub fn pcie_bytes_per_route(&self) -> usize {
-        self.pcie.as_ref().map_or(0, |p| p.experts.bytes_per_route())
     }
 
     /// Experts a slot holds (a whole layer's unless [`ExpertStreamer::chunked`]).

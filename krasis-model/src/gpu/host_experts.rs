@@ -825,13 +825,14 @@ fn serve_one(
     }
     let backend = experts[work.layer].as_deref().expect("hand-offs come from host MoE layers");
     out.fill(0.0);
+    // Routes at positions `cpu_k..k` of each token are the GPU's (decode's PCIe share).
+    let cpu_k = k - work.gpu_routes.min(k);
     // Long prompts in chunks: the backend's scratch grows with the tokens of a call, and a chunk
     // of this size still reads each expert once per ~100 routed tokens.
     for c0 in (0..t).step_by(HOST_EXPERT_CHUNK_TOKENS) {
         let n = HOST_EXPERT_CHUNK_TOKENS.min(t - c0);
         routes.k = k;
         routes.ids.clear();
-        let cpu_k = k - work.gpu_routes.min(k);
         routes.ids.extend(ids[c0 * k..(c0 + n) * k].iter().enumerate().map(|(r, &id)| {
             let e = id as usize;
             if r % k >= cpu_k || e < work.cpu_from || work.cpu_skips.as_ref().is_some_and(|s| s[e]) {
@@ -848,7 +849,6 @@ fn serve_one(
     // Which experts the hand-off read (the ids were range-checked above).
     seen.clear();
     seen.resize(work.n_experts, false);
-    let cpu_k = k - work.gpu_routes.min(k);
     for (r, &id) in ids.iter().enumerate() {
         let on_cpu = r % k < cpu_k && id as usize >= work.cpu_from;
         seen[id as usize] |= on_cpu && !work.cpu_skips.as_ref().is_some_and(|s| s[id as usize]);
