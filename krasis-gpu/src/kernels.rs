@@ -104,6 +104,24 @@ pub const ALL: &[KernelSource] = &[
 /// Threads per block of the row-wise kernels.
 const BLOCK: u32 = 256;
 
+/// Most threads of an RMSNorm block (the hardware's limit). A block normalises one row, and with
+/// one thread per 4 elements a decode step's single row of 4096 issues all its loads at once
+/// instead of in 4 dependent rounds (each a PCIe round trip when the residual comes from the CPU
+/// experts' mapped output).
+const NORM_MAX_THREADS: usize = 1024;
+
+/// One block of [`norm_threads`] per row of `hidden`.
+pub(crate) fn cfg_norm_rows(rows: usize, hidden: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (norm_threads(hidden), 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Threads of an RMSNorm block for rows of `hidden`: one per 4 elements, whole warps, from
+/// [`BLOCK`] to [`NORM_MAX_THREADS`]. It depends on the row length alone, so a row's sum is taken
+/// in the same order whatever the number of rows in the call.
+pub(crate) fn norm_threads(hidden: usize) -> u32 {
+    hidden.div_ceil(4).next_multiple_of(32).clamp(BLOCK as usize, NORM_MAX_THREADS) as u32
+}
+
 pub(crate) fn cfg_rows(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
@@ -344,7 +362,7 @@ impl GpuDevice {
         // SAFETY: argument list matches the kernel's signature; lengths checked above; the kernel
         // waits for the previous one first. After the host's output (a stream wait before this
         // launch), the ordinary launch.
-        unsafe { self.launch_dependent(OP, &f, cfg_rows(rows), &mut args, delta_host.is_none()) }
+        unsafe { self.launch_dependent(OP, &f, cfg_norm_rows(rows, hidden), &mut args, delta_host.is_none()) }
     }
 
     /// Checks a RoPE layout against its buffer and tables: `(tokens, heads)` as i32, or `None` when

@@ -120,7 +120,7 @@ const BF16_GEMV_STEP_COLS: usize = 256;
 /// whole V2-Lite hidden row in one tile), 16K columns of 1 token, and room for several blocks
 /// per SM on every target (sm_89 has 100 KiB); under the 48 KiB that needs no opt-in.
 const BF16_GEMV_X_SMEM_BYTES: usize = 32 << 10;
-/// Warps per SM the BF16 GEMV wants before it gives each warp 4 rows (for m < 4): every warp
+/// Warps per SM the BF16 GEMV wants before it gives each warp 4 rows (for m = 2, 3): every warp
 /// keeps 4 KiB of weight loads in flight, so 16 per SM is ~8 MiB on an H100 — several times
 /// HBM3's bandwidth-delay product (~2.5 MiB), leaving slack for the reductions and stores.
 const BF16_GEMV_WARPS_PER_SM: usize = 16;
@@ -478,12 +478,15 @@ pub enum Bf16Path {
     Gemv { rows_per_warp: usize },
 }
 
-/// Rows per warp of the BF16 GEMV for a `[rows, _]` weight, `m` tokens and `sms` SMs: 4 when
-/// that still leaves `BF16_GEMV_WARPS_PER_SM` warps per SM (or `BF16_GEMV_MIN_WARPS_PER_SM`
-/// for `m >= 4`, where re-using each staged x value for 4 rows pays most), else 1.
+/// Rows per warp of the BF16 GEMV for a `[rows, _]` weight, `m` tokens and `sms` SMs: 1 for one
+/// token (that kernel is held to 64 registers, so twice as many warps fit an SM as with 4 rows:
+/// on the H200, GLM-4.5-Air's q/k/v 30.5 against 36 µs, a 102400-row head 95 against 107); else
+/// 4 when that still leaves `BF16_GEMV_WARPS_PER_SM` warps per SM (or
+/// `BF16_GEMV_MIN_WARPS_PER_SM` for `m >= 4`, where re-using each staged x value for 4 rows pays
+/// most), else 1.
 pub fn bf16_gemv_rows_per_warp(rows: usize, m: usize, sms: usize) -> usize {
     let per_sm = if m >= 4 { BF16_GEMV_MIN_WARPS_PER_SM } else { BF16_GEMV_WARPS_PER_SM };
-    if rows / 4 >= per_sm * sms.max(1) {
+    if m > 1 && rows / 4 >= per_sm * sms.max(1) {
         4
     } else {
         1
@@ -1221,12 +1224,20 @@ mod tests {
 
     #[test]
     fn bf16_gemv_rows_per_warp_rule() {
-        // An H100 (132 SMs): 1 row per warp spreads V2-Lite's decode linears over enough warps;
-        // lm_head, or m >= 4 with rows to spare, takes 4.
+        // An H100 (132 SMs): one token always takes 1 row per warp (lm_head too); m = 2, 3 with
+        // rows for 16 warps per SM, or m >= 4 with rows to spare, takes 4.
         let sms = 132;
-        for (rows, m, want) in
-            [(3072, 1, 1), (576, 8, 1), (2048, 8, 1), (3072, 2, 1), (3072, 4, 4), (2816, 8, 4), (102400, 1, 4)]
-        {
+        for (rows, m, want) in [
+            (3072, 1, 1),
+            (576, 8, 1),
+            (2048, 8, 1),
+            (3072, 2, 1),
+            (3072, 4, 4),
+            (2816, 8, 4),
+            (102400, 1, 1),
+            (102400, 2, 4),
+            (14336, 3, 4),
+        ] {
             assert_eq!(bf16_gemv_rows_per_warp(rows, m, sms), want, "rows {rows}, m {m}");
         }
         assert_eq!(bf16_gemv_rows_per_warp(1, 1, 0), 1);

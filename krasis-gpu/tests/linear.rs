@@ -692,6 +692,10 @@ fn bf16_gemv_timings() {
         ("shared gate_up", 2816, 2048),
         ("shared down", 2048, 2816),
         ("lm_head", 102400, 2048),
+        // GLM-4.5-Air: q/k/v as one launch, o_proj (K = 96 heads x 128), the dense layer's down.
+        ("glm qkv", 14336, 4096),
+        ("glm o_proj", 4096, 12288),
+        ("glm dense down", 4096, 10944),
     ];
     for (name, rows, cols) in shapes {
         let w = rand_bf16_bits(&mut r, rows * cols, 0.1);
