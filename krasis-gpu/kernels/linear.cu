@@ -322,10 +322,11 @@ __device__ __forceinline__ void bf16_gemv_body(const GemvParts& parts, const flo
 // matrix's 512 blocks run in one wave; 3.3 against 2.8 TB/s on GLM-4.5-Air's o_proj on the H200,
 // with no spill). The others keep their registers: bounded, the four-row one spills.
 #define KRASIS_GEMV_MIN_BLOCKS(MT, R) ((MT) == 1 && (R) == 1 ? 4 : 1)
-#define KRASIS_BF16_GEMV(MT, R)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, KRASIS_GEMV_MIN_BLOCKS(MT, R)) bf16_gemv_m##MT##_r##R(const GemvParts parts, const float* x, int m, int cols, \
-                                                      int tile, int w_vec, int x_vec4) {                     \
-        bf16_gemv_body<MT, R>(parts, x, m, cols, tile, w_vec, x_vec4);                                       \
+#define KRASIS_BF16_GEMV(MT, R)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, KRASIS_GEMV_MIN_BLOCKS(MT, R))                           \
+        bf16_gemv_m##MT##_r##R(const GemvParts parts, const float* x, int m, int cols, int tile, int w_vec,    \
+                               int x_vec4) {                                                                   \
+        bf16_gemv_body<MT, R>(parts, x, m, cols, tile, w_vec, x_vec4);                                         \
     }
 #if defined(LINEAR_BF16_GEMV) && LINEAR_BF16_GEMV == 1
 KRASIS_BF16_GEMV(1, 1)
