@@ -138,6 +138,8 @@ pub(crate) struct HostWork {
     /// The GPU runs the last `gpu_routes` routes of each token (decode's PCIe share), the CPU
     /// the others.
     pub gpu_routes: usize,
+    /// The same for the next MoE layer in this call: those routes are not prefetched.
+    pub next_gpu_routes: usize,
     pub shape: HandoffShape,
 }
 
@@ -764,10 +766,9 @@ fn prefetch_next(
     let ids = unsafe { slot.slice_mut(slot.len) };
     guess.ids.clear();
     guess.ids.extend(ids.iter().filter_map(|&i| usize::try_from(i).ok()).filter(|&i| i < work.n_experts));
-    // The GPU reads the last routes' experts over PCIe (decode's PCIe share, taken as this
-    // layer's: every unpinned layer of a decode step has the same; a pinned next layer then
-    // pulls a few routes less than it could): the budget goes to the CPU's.
-    let cpu_k = guess.ids.len().saturating_sub(work.gpu_routes);
+    // The GPU reads the next layer's last routes over PCIe (its PCIe share): the budget goes
+    // to the CPU's.
+    let cpu_k = guess.ids.len().saturating_sub(work.next_gpu_routes);
     guess.layer = Some(next);
     let backend = experts[next].as_deref().expect("found above");
     // The budget goes to the experts the CPU will read: not the next layer's pinned ones.

@@ -360,12 +360,25 @@ impl LayerOps<GpuKinds> for GpuStep<'_, '_, '_, '_, '_> {
                     _ => 0,
                 };
                 let y_counts = y_ready || gpu_routes > 0;
-                let next_skips = match next_host.map(|nx| c.placed.site(nx.layer, t)).transpose()? {
-                    Some(Site::Pinned(hl)) => Some(hl.on_gpu.clone()),
-                    _ => None,
+                // What the CPU will read of the next layer, for its prefetch: not its pinned
+                // experts, nor its PCIe share's routes.
+                let (next_skips, next_gpu_routes) = match next_host.map(|nx| c.placed.site(nx.layer, t)).transpose()? {
+                    Some(Site::Pinned(hl)) => (Some(hl.on_gpu.clone()), 0),
+                    Some(Site::CpuAndPcie(_, g)) => (None, g),
+                    _ => (None, 0),
                 };
                 let n_experts = router.n_experts();
-                let work = HostWork { seq, layer: l, n_experts, cpu_from, cpu_skips, next_skips, gpu_routes, shape };
+                let work = HostWork {
+                    seq,
+                    layer: l,
+                    n_experts,
+                    cpu_from,
+                    cpu_skips,
+                    next_skips,
+                    gpu_routes,
+                    next_gpu_routes,
+                    shape,
+                };
                 host.receive(c.dev, work, y_counts)?;
             }
         }
