@@ -693,3 +693,22 @@ impl GpuDevice {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn norm_blocks_take_a_thread_per_four_elements_in_whole_warps() {
+        for (hidden, want) in [(1, 256), (7, 256), (1000, 256), (2048, 512), (4096, 1024), (4097, 1024), (7168, 1024)] {
+            assert_eq!(norm_threads(hidden), want, "hidden {hidden}");
+        }
+        // Any row length: whole warps, within one block's limit.
+        for hidden in 1..20_000 {
+            let n = norm_threads(hidden) as usize;
+            assert!(n.is_multiple_of(32) && (BLOCK as usize..=NORM_MAX_THREADS).contains(&n), "hidden {hidden}: {n}");
+        }
+        let cfg = cfg_norm_rows(3, 4096);
+        assert_eq!((cfg.grid_dim, cfg.block_dim), ((3, 1, 1), (1024, 1, 1)));
+    }
+}
