@@ -20,7 +20,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum as DevAttr, CUfunction_attribu
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::device::kernel_args;
-use crate::kernels::{to_i32, KernelSource, HEADERS};
+use crate::kernels::{to_i32, KernelSource, DEFAULT_SMEM_LIMIT, HEADERS};
 use crate::kv_cache::{GpuKvCache, KvCapacity, KvDtype};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
@@ -113,8 +113,6 @@ const ABSORB_COLS: usize = 64;
 const ABSORB_TOK_TILE: usize = 4;
 /// Threads of the W_UV kernel (one warp per output element).
 const UV_THREADS: u32 = 256;
-/// Kernel launches with more than this much dynamic shared memory must opt in.
-const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
 
 /// How many splits decode attention uses for `visible` rows when the rest of the grid has
 /// `base_blocks` blocks (kv heads × query tiles) on a device with `sms` multiprocessors: enough

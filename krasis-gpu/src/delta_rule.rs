@@ -30,7 +30,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::device::kernel_args;
-use crate::kernels::{check, launch_err, to_i32, KernelSource, HEADERS};
+use crate::kernels::{check, launch_err, to_i32, KernelSource, DEFAULT_SMEM_LIMIT, HEADERS};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
 pub const DELTA_RULE: KernelSource = KernelSource {
@@ -83,8 +83,6 @@ const CHUNK_THREADS: u32 = 256;
 const CHUNK_COLS: usize = 32;
 /// Floats of the chunked rule kernel's staging area (`CB_STAGE`: two `[64][36]` slices).
 const CHUNK_STAGE: usize = 2 * CHUNK * 36;
-/// Shared memory a block may use without opting in.
-const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
 /// Threads of the decode step's first kernel (`DEC_THREADS`).
 const DEC_THREADS: u32 = 256;
 /// Most value columns a block of the decode step's rule kernel computes at a time

@@ -48,7 +48,7 @@ use cudarc::driver::sys::{CUdevice_attribute_enum, CUfunction_attribute_enum};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use crate::attn_decode::AttnOptions;
-use crate::kernels::{KernelSource, HEADERS};
+use crate::kernels::{KernelSource, DEFAULT_SMEM_LIMIT, HEADERS};
 use crate::nvrtc::Target;
 use crate::{GpuDevice, GpuError};
 
@@ -119,8 +119,6 @@ const THREADS: u32 = 128;
 const SIMT_WARPS: usize = 4;
 /// Shared-memory row padding in elements (mirrors `MMA_ROW_PAD`; avoids bank conflicts).
 const MMA_ROW_PAD: usize = 8;
-/// Dynamic shared memory a kernel may use without opting in.
-const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
 /// CUDA's grid y limit (heads are the grid's y).
 const MAX_GRID_Y: usize = 65_535;
 

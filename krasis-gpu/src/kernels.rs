@@ -104,6 +104,10 @@ pub const ALL: &[KernelSource] = &[
 /// Threads per block of the row-wise kernels.
 const BLOCK: u32 = 256;
 
+/// Dynamic shared memory a kernel launch may take without opting in
+/// (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`): 48 KiB on every CUDA device.
+pub(crate) const DEFAULT_SMEM_LIMIT: usize = 48 << 10;
+
 /// Most threads of an RMSNorm block (the hardware's limit). A block normalises one row, and with
 /// one thread per 4 elements a decode step's single row of 4096 issues all its loads at once
 /// instead of in 4 dependent rounds (each a PCIe round trip when the residual comes from the CPU

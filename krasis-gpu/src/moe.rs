@@ -39,7 +39,7 @@ use krasis_quant::gpu_layout::{self, GpuLayout};
 use krasis_quant::{Bits, QuantizedMatrix};
 
 use crate::device::kernel_args;
-use crate::kernels::{KernelSource, HEADERS};
+use crate::kernels::{KernelSource, DEFAULT_SMEM_LIMIT, HEADERS};
 use crate::linear::{align_up, check, launch_err, to_i32, Carve, GemmContext};
 use crate::{DeviceBuffer, GpuDevice, GpuError};
 
@@ -282,10 +282,6 @@ fn qdec_smem(chunks: usize, threads: u32) -> usize {
 const MOE_QDEC_GU_THREADS: u32 = 512;
 /// The down block's (`MOE_QDEC_DN_THREADS`): 8 warps, so its 6 × 32 blocks run in one wave.
 const MOE_QDEC_DN_THREADS: u32 = 256;
-
-/// Largest dynamic shared memory a kernel gets without opting in; quantised experts whose
-/// activation rows need more take the tiles at decode too.
-const DEFAULT_SMEM_LIMIT: usize = 48 << 10;
 
 /// A quantised matrix's leading kernel arguments (`moe_qtile` / `moe_qdec`): its device weights
 /// and scales, bytes and scales per expert, chunks, groups, group size and panels.
@@ -1245,6 +1241,8 @@ impl GpuExperts {
     /// Whether a pass of `tokens` tokens at `top_k` takes the decode path (for tests).
     #[doc(hidden)]
     pub fn uses_decode_path(&self, tokens: usize, top_k: usize) -> bool {
+        // Quantised experts whose activation rows need more shared memory than a launch gets
+        // without opting in take the tiles at decode too.
         let fits = match self.quant_layouts() {
             None => true,
             Some((l13, l2)) => {

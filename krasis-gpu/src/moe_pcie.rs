@@ -18,7 +18,7 @@ use krasis_quant::group::dequantize;
 use krasis_quant::int4_asym::{self, AsymMatrix};
 use krasis_quant::{Bits, QuantizedMatrix};
 
-use crate::kernels::{check, launch_err, KernelSource, HEADERS};
+use crate::kernels::{check, launch_err, KernelSource, DEFAULT_SMEM_LIMIT, HEADERS};
 use crate::relayout::CpuRecordGeometry;
 use crate::{GpuDevice, GpuError};
 
@@ -36,8 +36,6 @@ const OP: &str = "moe_pcie";
 const THREADS: u32 = 256;
 /// Warps per block (`PCIE_WARPS`): the reduction's shared floats are 16 per warp.
 const WARPS: usize = THREADS as usize / 32;
-/// Dynamic shared memory a launch may take without opting in (48 KiB).
-const MAX_SHARED_BYTES: usize = 48 << 10;
 
 /// `PciePart` of the kernels (same field order and types).
 #[repr(C)]
@@ -98,8 +96,8 @@ impl PcieExperts {
         }
         let e = PcieExperts { geometry, inter, hidden: w2.rows };
         let need = e.w13_shared_bytes().max(e.w2_shared_bytes());
-        if need > MAX_SHARED_BYTES {
-            return why(format!("{need} bytes of shared memory a block (at most {MAX_SHARED_BYTES})"));
+        if need > DEFAULT_SMEM_LIMIT {
+            return why(format!("{need} bytes of shared memory a block (at most {DEFAULT_SMEM_LIMIT})"));
         }
         Ok(e)
     }
