@@ -103,7 +103,8 @@ impl ExpertCache {
         layer_idx * ne + expert
     }
 
-    fn record_start(&self, layer_idx: usize, expert: usize) -> usize {
+    /// Where the record of (MoE layer index, expert) starts in [`ExpertCache::records`].
+    pub fn record_start(&self, layer_idx: usize, expert: usize) -> usize {
         self.layout.record_start(self.index(layer_idx, expert)) as usize
     }
 

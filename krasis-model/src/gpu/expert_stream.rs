@@ -502,7 +502,7 @@ impl ExpertStreamer {
             .flatten()
             .ok_or_else(|| ModelError::Invalid(format!("layer {l} has no experts in the streamed records")))?;
         let cache = self.source.cache();
-        let layer = cache.layer_records(li, 0..1).as_ptr() as usize - cache.records().as_ptr() as usize;
+        let layer = cache.record_start(li, 0);
         let n = share.experts.scratch_len(t, g);
         let h = super::session::grow(dev, h, n, "PCIe share intermediate")?;
         // SAFETY: the records stay registered (mapped) for the streamer's life, which outlives
