@@ -71,70 +71,137 @@ extern "C" __global__ void scale_rows_f32(float* __restrict__ y, const float* __
 
 #endif
 
+// 16-byte weight loads each INT8 GEMV lane keeps in flight per chunk (R rows x U column steps,
+// U = 8 / R): 4 KiB per warp, as the BF16 GEMV keeps. The host mirrors it as INT8_GEMV_LOADS.
+#define INT8_GEMV_LOADS 8
+
+// Up to INT8_GEMV_PARTS INT8 matrices of the same x (and the same cols, so the same ldw) in one
+// launch (attention's q, k and v): the launch's rows are the parts' rows one after the other, part
+// p's rows [end[p-1], end[p]) are W_p [end[p] - end[p-1], ldw] with scales scale_p into y_p. Every
+// end but the last is a multiple of R. Unused parts repeat the last end. The host mirrors the
+// count as GEMV_GROUP_MAX.
+#define INT8_GEMV_PARTS 4
+struct Int8GemvParts {
+    const signed char* w[INT8_GEMV_PARTS];
+    const float* scale[INT8_GEMV_PARTS];
+    float* y[INT8_GEMV_PARTS];
+    int end[INT8_GEMV_PARTS];
+};
+
+// One chunk of INT8 weights, columns c0 .. c0 + U * 512 of rows r0 .. r0 + R, into wv (zeros
+// outside [rows, cols]); lane `lane` takes columns c0 + (u * 32 + lane) * 16 .. + 16 of step u.
+// Rows are padded to ldw (a multiple of 16), so a load that starts below cols stays in its row.
+template <int R, int U>
+__device__ __forceinline__ void int8_gemv_load_chunk(int4 (&wv)[R][U], const signed char* __restrict__ w, int r0,
+                                                     int rows, int cols, int ldw, int c0, int lane) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + (u * 32 + lane) * 16;
+            wv[r][u] = make_int4(0, 0, 0, 0);
+            if (r0 + r < rows && c < cols) wv[r][u] = __ldg((const int4*)(w + (long long)(r0 + r) * ldw + c));
+        }
+}
+
 // GEMV for small m (decode): one warp per R consecutive output rows; each lane reads 16 weights
 // (one 16-byte load) per row per step, the warp 512 consecutive columns (coalesced), so every
-// weight byte is read once for all m <= MT tokens. x is read as f32 (float4 when x_vec4, i.e.
-// cols % 4 == 0 and x 16-byte aligned), accumulation is f32, and the row scale is applied once at
-// the end.
+// weight byte is read once for all m <= MT tokens. A chunk is U = 8 / R steps, so every lane has
+// 8 independent loads in flight, and the first chunk's loads go out before the wait for the
+// previous kernel (the weights are static; a dependent launch overlaps that kernel's tail). x is
+// read as f32 (float4 when x_vec4, i.e. cols % 4 == 0 and x 16-byte aligned), accumulation is f32
+// per lane in column order (the same order whatever U or the parts), and the row scale is applied
+// once at the end.
 template <int MT, int R>
-__device__ __forceinline__ void int8_gemv_body(const signed char* __restrict__ w, const float* __restrict__ scale,
-                                               const float* __restrict__ x, float* __restrict__ y, int m, int rows,
+__device__ __forceinline__ void int8_gemv_body(const Int8GemvParts& parts, const float* __restrict__ x, int m,
                                                int cols, int ldw, int x_vec4) {
+    constexpr int U = INT8_GEMV_LOADS / R;
+    constexpr int CHUNK = U * 32 * 16;
     const int lane = threadIdx.x & 31;
-    const int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int r0 = warp * R;
+    const int g0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+    // The warp's part (warp-uniform; constant indices keep the parameters out of local memory).
+    const signed char* wp = parts.w[0];
+    const float* sp = parts.scale[0];
+    float* yp = parts.y[0];
+    int start = 0, end = parts.end[0];
+#pragma unroll
+    for (int p = 1; p < INT8_GEMV_PARTS; ++p)
+        if (g0 >= parts.end[p - 1] && parts.end[p] > parts.end[p - 1]) {
+            wp = parts.w[p];
+            sp = parts.scale[p];
+            yp = parts.y[p];
+            start = parts.end[p - 1];
+            end = parts.end[p];
+        }
+    const signed char* __restrict__ w = wp;
+    const int r0 = g0 - start;
+    const int rows = end - start;
     if (r0 >= rows) return;  // whole warps leave together: no block-level barrier below
+    int4 wv[R][U];
     float acc[MT][R];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[i][r] = 0.0f;
 
-    for (int c0 = lane * 16; c0 < cols; c0 += 32 * 16) {
-        int4 wv[R];
+    int8_gemv_load_chunk<R, U>(wv, w, r0, rows, cols, ldw, 0, lane);
+    KRASIS_GRID_WAIT();
+    KRASIS_GRID_LAUNCH_DEPENDENTS();
+    for (int c0 = 0; c0 < cols; c0 += CHUNK) {
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-            wv[r] = r0 + r < rows ? __ldg((const int4*)(w + (long long)(r0 + r) * ldw + c0)) : make_int4(0, 0, 0, 0);
-        const bool full = x_vec4 && c0 + 16 <= cols;
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + (u * 32 + lane) * 16;
+            if (c >= cols) continue;
+            const bool full = x_vec4 && c + 16 <= cols;
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            if (i >= m) break;
-            const float* xr = x + (long long)i * cols + c0;
-            float xv[16];
-            if (full) {
+            for (int i = 0; i < MT; ++i) {
+                if (i >= m) break;
+                const float* xr = x + (long long)i * cols + c;
+                float xv[16];
+                if (full) {
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float4 f = __ldg((const float4*)xr + q);
-                    xv[4 * q] = f.x;
-                    xv[4 * q + 1] = f.y;
-                    xv[4 * q + 2] = f.z;
-                    xv[4 * q + 3] = f.w;
+                    for (int q = 0; q < 4; ++q) {
+                        const float4 f = __ldg((const float4*)xr + q);
+                        xv[4 * q] = f.x;
+                        xv[4 * q + 1] = f.y;
+                        xv[4 * q + 2] = f.z;
+                        xv[4 * q + 3] = f.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) xv[j] = c + j < cols ? __ldg(xr + j) : 0.0f;
                 }
-            } else {
 #pragma unroll
-                for (int j = 0; j < 16; ++j) xv[j] = c0 + j < cols ? __ldg(xr + j) : 0.0f;
-            }
+                for (int r = 0; r < R; ++r) {
+                    const int words[4] = {wv[r][u].x, wv[r][u].y, wv[r][u].z, wv[r][u].w};
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const int words[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
-#pragma unroll
-                for (int j = 0; j < 16; ++j) acc[i][r] += i8_at(words[j >> 2], j & 3) * xv[j];
+                    for (int j = 0; j < 16; ++j) acc[i][r] += i8_at(words[j >> 2], j & 3) * xv[j];
+                }
             }
         }
+        if (c0 + CHUNK < cols) int8_gemv_load_chunk<R, U>(wv, w, r0, rows, cols, ldw, c0 + CHUNK, lane);
     }
+    const float* __restrict__ scale = sp;
+    float* __restrict__ y = yp;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float v = warp_sum(acc[i][r]);
-            if (lane == 0 && i < m && r0 + r < rows) y[(long long)i * rows + r0 + r] = v * scale[r0 + r];
+            // Spread the stores over the lanes; every lane holds the sum.
+            if (lane == ((i * R + r) & 31) && i < m && r0 + r < rows) y[(long long)i * rows + r0 + r] = v * scale[r0 + r];
         }
 }
 
-#define KRASIS_INT8_GEMV(MT, R)                                                                                  \
-    extern "C" __global__ void int8_gemv_m##MT##_r##R(const signed char* w, const float* scale, const float* x, \
-                                                      float* y, int m, int rows, int cols, int ldw, int x_vec4) { \
-        int8_gemv_body<MT, R>(w, scale, x, y, m, rows, cols, ldw, x_vec4);                                       \
+// Blocks of 256 threads each SM must hold at once (the BF16 GEMV's rule, KRASIS_GEMV_MIN_BLOCKS
+// below): 4 for the one-token, one-row-per-warp GEMV, so 32 warps fit an SM; the others keep
+// their registers.
+#define KRASIS_INT8_GEMV_MIN_BLOCKS(MT, R) ((MT) == 1 && (R) == 1 ? 4 : 1)
+#define KRASIS_INT8_GEMV(MT, R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, KRASIS_INT8_GEMV_MIN_BLOCKS(MT, R))                    \
+        int8_gemv_m##MT##_r##R(const Int8GemvParts parts, const float* x, int m, int cols, int ldw,          \
+                               int x_vec4) {                                                                 \
+        int8_gemv_body<MT, R>(parts, x, m, cols, ldw, x_vec4);                                               \
     }
 #ifdef LINEAR_INT8_GEMV
 KRASIS_INT8_GEMV(1, 1)

@@ -102,11 +102,14 @@ pub const INT8_GEMV_MAX_M: usize = 8;
 /// INT8 rows are padded to this many bytes so that every row starts 16-byte aligned (one vector
 /// load per lane per step).
 const INT8_ROW_ALIGN: usize = 16;
-/// Threads per GEMV block (8 warps, one output row or four per warp).
+/// Threads per INT8 GEMV block (8 warps, one output row or four per warp).
 const GEMV_BLOCK: u32 = 256;
-/// Target resident warps per SM for the GEMV before it gives each warp 4 rows (which re-uses each
-/// x load 4 times): enough loads in flight to saturate HBM on A100/H100.
-const GEMV_WARPS_PER_SM: usize = 32;
+/// Warps per SM the INT8 GEMV keeps when it gives each warp 4 rows (every lane keeps 8 loads in
+/// flight either way, `INT8_GEMV_LOADS` in linear.cu). Four rows re-use each lane's f32 x loads
+/// (64 bytes per 16-byte weight load) four times; with one row those loads held GLM-4.5-Air's
+/// o_proj to 1.5 TB/s on the H200 against 2.8 with four rows on its q/k/v (s42,
+/// `h200-int8-gemv-s42.log`), so four rows win down to 4 warps of 4 KiB in flight per SM.
+const INT8_GEMV_MIN_WARPS_PER_SM: usize = 4;
 /// Largest `m` served by the BF16 GEMV: up to 8 tokens its CUDA-core work (2 FLOPs per weight
 /// per token, plus BF16 unpacking) stays under the time to stream the weight bytes; beyond that
 /// cuBLAS's tensor cores win, and the conversion launch in front of them is amortised.
@@ -144,8 +147,9 @@ const EW_BLOCK: u32 = 256;
 /// Grid cap of the grid-stride elementwise kernels (enough blocks to fill any current GPU).
 const EW_MAX_BLOCKS: usize = 4096;
 
-/// Most matrices one grouped BF16 GEMV launch multiplies ([`GpuLinear::forward_group`];
-/// `BF16_GEMV_PARTS` in linear.cu): a gated-DeltaNet layer's four input projections.
+/// Most matrices one grouped GEMV launch multiplies ([`GpuLinear::forward_group`];
+/// `BF16_GEMV_PARTS` and `INT8_GEMV_PARTS` in linear.cu): a gated-DeltaNet layer's four input
+/// projections.
 pub const GEMV_GROUP_MAX: usize = 4;
 
 /// The grouped GEMV's matrices (`GemvParts` in linear.cu; same field order and types): part
@@ -161,6 +165,21 @@ struct GemvParts {
 // SAFETY: plain old data of the kernel's parameter layout (pointers as u64, ints as i32).
 unsafe impl DeviceRepr for GemvParts {}
 const _: () = assert!(std::mem::size_of::<GemvParts>() == 80);
+
+/// The grouped INT8 GEMV's matrices (`Int8GemvParts` in linear.cu; same field order and types):
+/// part `p`'s weight, row scales and output, and the running end of the parts' rows.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Int8GemvParts {
+    w: [u64; GEMV_GROUP_MAX],
+    scale: [u64; GEMV_GROUP_MAX],
+    y: [u64; GEMV_GROUP_MAX],
+    end: [i32; GEMV_GROUP_MAX],
+}
+
+// SAFETY: plain old data of the kernel's parameter layout (pointers as u64, ints as i32).
+unsafe impl DeviceRepr for Int8GemvParts {}
+const _: () = assert!(std::mem::size_of::<Int8GemvParts>() == 112);
 
 /// How a [`GpuLinear`] stores its weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -493,6 +512,17 @@ pub fn bf16_gemv_rows_per_warp(rows: usize, m: usize, sms: usize) -> usize {
     }
 }
 
+/// Rows per warp of the INT8 GEMV for `rows` output rows on `sms` SMs: 4 (each lane's x loads
+/// serve four rows) while that still leaves `INT8_GEMV_MIN_WARPS_PER_SM` warps per SM, else 1.
+/// Every lane sums its columns in the same order either way, so both give the same bits.
+pub fn int8_gemv_rows_per_warp(rows: usize, sms: usize) -> usize {
+    if rows / 4 >= INT8_GEMV_MIN_WARPS_PER_SM * sms.max(1) {
+        4
+    } else {
+        1
+    }
+}
+
 /// One dense linear layer resident on the GPU.
 pub struct GpuLinear {
     name: String,
@@ -740,7 +770,8 @@ impl GpuLinear {
                 let (q_p, _gq) = q.device_ptr(s);
                 let (s_p, _gs) = scale.device_ptr(s);
                 if self.runs_alone(ctx, m) {
-                    self.int8_gemv(dev, q_p, s_p, *ldw, x_p, m, y_p)
+                    let r = int8_gemv_rows_per_warp(rows, dev.info().multiprocessors.max(1) as usize);
+                    self.int8_gemv_launch(dev, x_p, m, r, *ldw, &[(q_p, s_p, y_p, rows)])
                 } else {
                     self.int8_tiled(dev, ctx, q_p, s_p, *ldw, x_p, m, y_p)
                 }
@@ -781,6 +812,13 @@ impl GpuLinear {
             && ctx.fixed_rows().is_none()
             && parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r));
         let cublas = same && parts.iter().all(|(l, _)| l.writes_bf16(ctx, m));
+        let int8 = |l: &GpuLinear| matches!(l.w, Weights::Int8 { .. });
+        let int8_fused = m >= 1
+            && parts.len() <= GEMV_GROUP_MAX
+            && parts.iter().all(|(l, _)| l.cols == cols && int8(l) && l.runs_alone(ctx, m));
+        if parts.len() > 1 && int8_fused {
+            return Self::int8_group(dev, ctx, x, m, parts);
+        }
         if parts.len() == 1 || (!fused && !cublas) {
             for (l, y) in parts.iter_mut() {
                 l.forward(dev, ctx, x, m, *y)?;
@@ -815,6 +853,41 @@ impl GpuLinear {
             BfGemm { w: w_p, n: rows, k: cols, ldw: cols, xb, ldx, m: m_i }.run(g.handle(), y_p, rows)?;
         }
         Ok(())
+    }
+
+    /// [`GpuLinear::forward_group`] of INT8 parts that each run their own GEMV (same columns): one
+    /// INT8 GEMV launch, four rows per warp where [`int8_gemv_rows_per_warp`] gives it for all the
+    /// rows and every part but the last splits there, else one.
+    fn int8_group(
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        parts: &mut [(&GpuLinear, &mut dyn DevicePtrMut<f32>)],
+    ) -> Result<(), GpuError> {
+        const OP: &str = "GpuLinear::forward_group (int8)";
+        for (l, y) in parts.iter() {
+            l.check_shapes(OP, x.len(), y.len(), m)?;
+        }
+        ctx.check_device(dev, OP)?;
+        to_i32(OP, "m", m)?;
+        let all_rows: usize = parts.iter().map(|(l, _)| l.rows).sum();
+        let r = int8_gemv_rows_per_warp(all_rows, dev.info().multiprocessors.max(1) as usize);
+        let r = if parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r)) { r } else { 1 };
+        let first: &GpuLinear = parts[0].0;
+        let s = dev.stream();
+        let (x_p, _gx) = x.device_ptr(s);
+        let (mut ptrs, mut guards, mut ldw0) = (Vec::with_capacity(parts.len()), Vec::new(), 0);
+        for (l, y) in parts.iter_mut() {
+            let Weights::Int8 { q, scale, ldw } = &l.w else { unreachable!("checked by forward_group") };
+            let (q_p, gq) = q.device_ptr(s);
+            let (s_p, gs) = scale.device_ptr(s);
+            let (y_p, gy) = y.device_ptr_mut(s);
+            guards.push((gq, gs, gy));
+            ptrs.push((q_p, s_p, y_p, l.rows));
+            ldw0 = *ldw; // the same for every part: one column count, one padding rule
+        }
+        first.int8_gemv_launch(dev, x_p, m, r, ldw0, &ptrs)
     }
 
     /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows through `ctx`: a BF16 weight on the
@@ -961,47 +1034,73 @@ impl GpuLinear {
         unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn int8_gemv(
+    /// The INT8 GEMV over `parts` (`(W, scale, y, rows)`, this one's columns and row stride `ldw`,
+    /// at most [`GEMV_GROUP_MAX`], every part's rows but the last a multiple of `r`), in one
+    /// dependent launch (the kernel reads only the static weights before it waits for the
+    /// previous kernel).
+    fn int8_gemv_launch(
         &self,
         dev: &GpuDevice,
-        q: u64,
-        scale: u64,
-        ldw: usize,
         x: u64,
         m: usize,
-        y: u64,
+        r: usize,
+        ldw: usize,
+        parts: &[(u64, u64, u64, usize)],
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward (int8 gemv)";
-        let mt = m.next_power_of_two();
-        let warps_wanted = GEMV_WARPS_PER_SM * dev.info().multiprocessors.max(1) as usize;
-        let r = if self.rows / 4 >= warps_wanted { 4 } else { 1 };
-        let fname: &'static str = match (mt, r) {
+        let fname: &'static str = match (m.next_power_of_two(), r) {
             (1, 1) => "int8_gemv_m1_r1",
             (2, 1) => "int8_gemv_m2_r1",
             (4, 1) => "int8_gemv_m4_r1",
             (8, 1) => "int8_gemv_m8_r1",
-            (1, _) => "int8_gemv_m1_r4",
-            (2, _) => "int8_gemv_m2_r4",
-            (4, _) => "int8_gemv_m4_r4",
-            _ => "int8_gemv_m8_r4",
+            (1, 4) => "int8_gemv_m1_r4",
+            (2, 4) => "int8_gemv_m2_r4",
+            (4, 4) => "int8_gemv_m4_r4",
+            (8, 4) => "int8_gemv_m8_r4",
+            _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
         };
-        let warps = self.rows.div_ceil(r);
+        check(OP, (1..=GEMV_GROUP_MAX).contains(&parts.len()), || {
+            format!("{}: {} matrices in one GEMV launch (1 to {GEMV_GROUP_MAX})", self.name, parts.len())
+        })?;
+        check(OP, parts[..parts.len() - 1].iter().all(|p| p.3.is_multiple_of(r)), || {
+            format!(
+                "{}: parts of {:?} rows do not split at multiples of {r}",
+                self.name,
+                parts.iter().map(|p| p.3).collect::<Vec<_>>()
+            )
+        })?;
+        let (w0, s0, y0, _) = parts[0];
+        let mut args_parts = Int8GemvParts {
+            w: [w0; GEMV_GROUP_MAX],
+            scale: [s0; GEMV_GROUP_MAX],
+            y: [y0; GEMV_GROUP_MAX],
+            end: [0; GEMV_GROUP_MAX],
+        };
+        let mut rows = 0usize;
+        for i in 0..GEMV_GROUP_MAX {
+            if let Some(&(w, sc, y, n)) = parts.get(i) {
+                args_parts.w[i] = w;
+                args_parts.scale[i] = sc;
+                args_parts.y[i] = y;
+                rows += n;
+            }
+            args_parts.end[i] = to_i32(OP, "rows", rows)?;
+        }
+        let warps = rows.div_ceil(r);
         let warps_per_block = GEMV_BLOCK as usize / 32;
         let cfg = LaunchConfig {
             grid_dim: (warps.div_ceil(warps_per_block) as u32, 1, 1),
             block_dim: (GEMV_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (m_i, rows_i, cols_i, ldw_i) = (m as i32, self.rows as i32, self.cols as i32, ldw as i32);
+        let (m_i, cols_i, ldw_i) = (m as i32, to_i32(OP, "cols", self.cols)?, to_i32(OP, "ldw", ldw)?);
         let x_vec4 = i32::from(self.cols.is_multiple_of(4) && x.is_multiple_of(16));
-        let s = dev.stream();
         let f = dev.function(&LINEAR_INT8_GEMV, fname)?;
-        let mut b = s.launch_builder(&f);
-        b.arg(&q).arg(&scale).arg(&x).arg(&y).arg(&m_i).arg(&rows_i).arg(&cols_i).arg(&ldw_i).arg(&x_vec4);
-        // SAFETY: arguments match the kernel's signature; shapes checked by `forward`.
-        unsafe { b.launch(cfg) }.map_err(launch_err(OP))?;
-        Ok(())
+        let mut args = kernel_args![&args_parts, &x, &m_i, &cols_i, &ldw_i, &x_vec4];
+        // SAFETY: arguments match the kernel's signature (`Int8GemvParts` its struct); shapes
+        // checked by the callers; no shared memory; the kernel reads only the (static) weights
+        // before waiting for the previous kernel.
+        unsafe { dev.launch_dependent(OP, &f, cfg, &mut args, true) }
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -18,7 +18,8 @@ use common::{
 use krasis_core::dtype::{bf16_to_f32, f32_to_bf16};
 use krasis_gpu::cudarc::driver::{DevicePtr, DevicePtrMut};
 use krasis_gpu::linear::{
-    bf16_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, FIXED_ROWS, GEMV_GROUP_MAX, INT8_GEMV_MAX_M,
+    bf16_gemv_rows_per_warp, int8_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, FIXED_ROWS, GEMV_GROUP_MAX,
+    INT8_GEMV_MAX_M,
 };
 use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
 use rand::Rng;
@@ -302,6 +303,73 @@ fn bf16_group_equals_one_forward_per_matrix() {
             }
         }
     }
+}
+
+/// `forward_group` of INT8 parts (attention's q, k and v under `--attention-quant int8`): one
+/// GEMV launch for the decode sizes, four rows per warp or one (by the rows of all the parts and
+/// whether they split at multiples of 4), the tiled path part by part above `INT8_GEMV_MAX_M`.
+/// Every part's output is bit for bit its own `forward` (whatever rows per warp either takes:
+/// a lane sums its columns in one order) and within the twin's tolerance.
+#[test]
+fn int8_group_equals_one_forward_per_matrix() {
+    let Some((d, ctx)) = gpu_gemm("int8_group_equals_one_forward_per_matrix") else { return };
+    let mut r = rng(29);
+    let sms = d.info().multiprocessors as usize;
+    let mut shapes: Vec<(Vec<usize>, usize)> = vec![
+        (vec![12288, 1024, 1024], 4096), // GLM-4.5-Air's q, k and v: four rows per warp
+        (vec![8192, 4096, 32, 32], 2048),
+        (vec![4096, 6, 4096], 512), // a part of 6 rows: one row per warp for the launch
+        (vec![4, 1], 8),
+        (vec![64, 33], 257),
+        (vec![300, 7, 5], 700),
+        (vec![6, 5, 3, 9], 31),
+    ];
+    for _ in 0..6 {
+        let n = r.random_range(2..=GEMV_GROUP_MAX);
+        let rows = (0..n)
+            .map(|i| if i + 1 < n && r.random_bool(0.8) { 4 * r.random_range(1..2000) } else { r.random_range(1..300) })
+            .collect();
+        shapes.push((rows, r.random_range(1..1200)));
+    }
+    let mut widths = [0usize; 2];
+    for (rows, cols) in &shapes {
+        let cols = *cols;
+        let all: usize = rows.iter().sum();
+        let r4 = int8_gemv_rows_per_warp(all, sms) == 4 && rows[..rows.len() - 1].iter().all(|n| n % 4 == 0);
+        widths[usize::from(r4)] += 1;
+        let ws: Vec<Vec<u16>> = rows.iter().map(|&n| rand_bf16_bits(&mut r, n * cols, 0.5)).collect();
+        let lins: Vec<GpuLinear> = rows
+            .iter()
+            .zip(&ws)
+            .map(|(&n, w)| GpuLinear::new(d, "int8 group part", w, n, cols, LinearQuant::Int8).unwrap())
+            .collect();
+        for m in [1, 2, 3, 5, INT8_GEMV_MAX_M, INT8_GEMV_MAX_M + 1] {
+            let x = rand_f32(&mut r, m * cols, 1.0);
+            let x_d = up(d, &x, "x");
+            let mut ys: Vec<_> = rows.iter().map(|&n| poisoned_f32(d, m * n)).collect();
+            {
+                let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
+                    lins.iter().zip(ys.iter_mut()).map(|(l, y)| (l, y as &mut dyn DevicePtrMut<f32>)).collect();
+                GpuLinear::forward_group(d, ctx, &x_d, m, &mut parts).unwrap();
+            }
+            let what = format!("int8 group {rows:?}x{cols} m={m} (r4 {r4})");
+            for (i, ((l, y), &n)) in lins.iter().zip(&ys).zip(rows.iter()).enumerate() {
+                let mut y1 = poisoned_f32(d, m * n);
+                l.forward(d, ctx, &x_d, m, &mut y1).unwrap();
+                let got = down(d, y);
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    down(d, &y1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{what}: part {i} differs from forward"
+                );
+                let (q, sc) = twin_quant(&ws[i], n, cols);
+                let x_twin = if m <= INT8_GEMV_MAX_M { x.clone() } else { round_bf16(&x) };
+                let (want, tol) = twin_linear(&x_twin, m, &to_f64(&q), &to_f64(&sc), n, cols);
+                assert_within(&format!("{what} part {i}"), &got, &want, &tol);
+            }
+        }
+    }
+    assert!(widths[0] > 0 && widths[1] > 0, "the shapes cover one and four rows per warp: {widths:?}");
 }
 
 /// `forward_bf16` (cuBLAS rounding the f32 sums to BF16 in its epilogue; MLA prefill's K/V) is
@@ -676,9 +744,10 @@ fn linear_over_budget_is_a_budget_error() {
     assert_eq!(down(&small, &y)[..4], [16.0f32; 4]);
 }
 
-/// BF16 decode timings for the lead on DeepSeek-V2-Lite's shapes: the GEMV (each variant, and
-/// `forward`'s own choice) against the old conversion + cuBLAS path, m = 1, 2, 4, 8. Printed as
-/// µs per call and weight GB/s; asserts only that the runs complete.
+/// BF16 decode timings for the lead on DeepSeek-V2-Lite's and GLM-4.5-Air's shapes: the GEMV
+/// (each variant, and `forward`'s own choice) against the old conversion + cuBLAS path, then the
+/// INT8 GEMV of the same weights, m = 1, 2, 4, 8. Printed as µs per call and weight GB/s; asserts
+/// only that the runs complete.
 #[test]
 fn bf16_gemv_timings() {
     let Some((d, ctx)) = gpu_gemm("bf16_gemv_timings") else { return };
@@ -718,6 +787,16 @@ fn bf16_gemv_timings() {
                 line += &format!("  {label} {us:.1} us {gbs:.0} GB/s");
             }
             eprintln!("{line}");
+        }
+        let lin = GpuLinear::new(d, name, &w, rows, cols, LinearQuant::Int8).unwrap();
+        for m in [1usize, 2, 4, 8] {
+            let x = up(d, &rand_f32(&mut r, m * cols, 1.0), "x");
+            let mut y = d.alloc_zeros::<f32>(m * rows, "y").unwrap();
+            lin.forward(d, ctx, &x, m, &mut y).unwrap(); // warm-up: compiles
+            let us = time_us_per_call(d, 50, || lin.forward(d, ctx, &x, m, &mut y).unwrap());
+            let gbs = lin.weight_bytes() as f64 / (us * 1e-6) / 1e9;
+            let auto = int8_gemv_rows_per_warp(rows, sms);
+            eprintln!("int8 {name:<14} [{rows}x{cols}] m={m} (r{auto}): {us:.1} us {gbs:.0} GB/s");
         }
     }
 }
