@@ -152,6 +152,9 @@ const EW_MAX_BLOCKS: usize = 4096;
 /// projections.
 pub const GEMV_GROUP_MAX: usize = 4;
 
+/// A GEMV family's kernel names: one row per warp, then four; m = 1, 2, 4, 8 in each.
+type GemvNames = [[&'static str; 4]; 2];
+
 /// The grouped GEMV's matrices (`GemvParts` in linear.cu; same field order and types): part
 /// `p`'s weight and output, and the running end of the parts' rows.
 #[repr(C)]
@@ -523,6 +526,41 @@ pub fn int8_gemv_rows_per_warp(rows: usize, sms: usize) -> usize {
     }
 }
 
+/// A grouped GEMV launch's kernel (of `names`, by rows per warp and `m` rounded up to a power of
+/// two) and its parts' running row ends (unused parts repeat the last), after checking that
+/// there are 1 to [`GEMV_GROUP_MAX`] parts and every part but the last splits at a multiple of
+/// `r`. `name` is the linear's, for the errors.
+fn gemv_launch_plan(
+    name: &str,
+    op: &'static str,
+    names: &GemvNames,
+    m: usize,
+    r: usize,
+    rows_of: &[usize],
+) -> Result<(&'static str, [i32; GEMV_GROUP_MAX]), GpuError> {
+    let by_r = match r {
+        1 => &names[0],
+        4 => &names[1],
+        _ => return Err(GpuError::shape(op, format!("{}: no GEMV for {r} rows per warp", name))),
+    };
+    let Some(&fname) = by_r.get(m.next_power_of_two().trailing_zeros() as usize).filter(|_| m >= 1) else {
+        return Err(GpuError::shape(op, format!("{}: no GEMV for m = {m}", name)));
+    };
+    check(op, (1..=GEMV_GROUP_MAX).contains(&rows_of.len()), || {
+        format!("{}: {} matrices in one GEMV launch (1 to {GEMV_GROUP_MAX})", name, rows_of.len())
+    })?;
+    check(op, rows_of[..rows_of.len() - 1].iter().all(|n| n.is_multiple_of(r)), || {
+        format!("{}: parts of {rows_of:?} rows do not split at multiples of {r}", name)
+    })?;
+    let mut end = [0i32; GEMV_GROUP_MAX];
+    let mut rows = 0usize;
+    for (i, e) in end.iter_mut().enumerate() {
+        rows += rows_of.get(i).copied().unwrap_or(0);
+        *e = to_i32(op, "rows", rows)?;
+    }
+    Ok((fname, end))
+}
+
 /// One dense linear layer resident on the GPU.
 pub struct GpuLinear {
     name: String,
@@ -783,7 +821,8 @@ impl GpuLinear {
     /// (a gated-DeltaNet layer's four input projections, attention's q, k and v, MLA's q and
     /// kv_a): one GEMV launch over all of them when every one is BF16 on the automatic path,
     /// `m <= BF16_GEMV_MAX_M`, there are at most [`GEMV_GROUP_MAX`] of them and every part but the
-    /// last has a multiple of the launch's rows per warp; on cuBLAS's path, x converted to BF16
+    /// last has a multiple of the launch's rows per warp; one INT8 GEMV launch when every one is
+    /// INT8 with `m <= INT8_GEMV_MAX_M` (`int8_group`); on cuBLAS's path, x converted to BF16
     /// once for all the GEMMs; one [`forward`] per part otherwise. The values are those of one
     /// `forward` per part either way (a GEMV lane sums its columns in the same order whatever the
     /// rows per warp, and the parts' launch only picks each warp's matrix).
@@ -976,38 +1015,18 @@ impl GpuLinear {
         parts: &[(u64, u64, usize)],
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward (bf16 gemv)";
-        let fname: &'static str = match (m.next_power_of_two(), r) {
-            (1, 1) => "bf16_gemv_m1_r1",
-            (2, 1) => "bf16_gemv_m2_r1",
-            (4, 1) => "bf16_gemv_m4_r1",
-            (8, 1) => "bf16_gemv_m8_r1",
-            (1, 4) => "bf16_gemv_m1_r4",
-            (2, 4) => "bf16_gemv_m2_r4",
-            (4, 4) => "bf16_gemv_m4_r4",
-            (8, 4) => "bf16_gemv_m8_r4",
-            _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
-        };
-        check(OP, (1..=GEMV_GROUP_MAX).contains(&parts.len()), || {
-            format!("{}: {} matrices in one GEMV launch (1 to {GEMV_GROUP_MAX})", self.name, parts.len())
-        })?;
-        check(OP, parts[..parts.len() - 1].iter().all(|p| p.2.is_multiple_of(r)), || {
-            format!(
-                "{}: parts of {:?} rows do not split at multiples of {r}",
-                self.name,
-                parts.iter().map(|p| p.2).collect::<Vec<_>>()
-            )
-        })?;
-        let mut args_parts =
-            GemvParts { w: [parts[0].0; GEMV_GROUP_MAX], y: [parts[0].1; GEMV_GROUP_MAX], end: [0; GEMV_GROUP_MAX] };
-        let mut rows = 0usize;
-        for i in 0..GEMV_GROUP_MAX {
-            if let Some(&(w, y, n)) = parts.get(i) {
-                args_parts.w[i] = w;
-                args_parts.y[i] = y;
-                rows += n;
-            }
-            args_parts.end[i] = to_i32(OP, "rows", rows)?;
+        const NAMES: GemvNames = [
+            ["bf16_gemv_m1_r1", "bf16_gemv_m2_r1", "bf16_gemv_m4_r1", "bf16_gemv_m8_r1"],
+            ["bf16_gemv_m1_r4", "bf16_gemv_m2_r4", "bf16_gemv_m4_r4", "bf16_gemv_m8_r4"],
+        ];
+        let rows_of: Vec<usize> = parts.iter().map(|p| p.2).collect();
+        let (fname, end) = gemv_launch_plan(&self.name, OP, &NAMES, m, r, &rows_of)?;
+        let mut args_parts = GemvParts { w: [parts[0].0; GEMV_GROUP_MAX], y: [parts[0].1; GEMV_GROUP_MAX], end };
+        for (i, &(w, y, _)) in parts.iter().enumerate() {
+            args_parts.w[i] = w;
+            args_parts.y[i] = y;
         }
+        let rows = rows_of.iter().sum::<usize>();
         let sms = dev.info().multiprocessors.max(1) as usize;
         let warps = rows.div_ceil(r);
         let wpb = (warps / sms).clamp(1, BF16_GEMV_MAX_WARPS_PER_BLOCK);
@@ -1048,44 +1067,21 @@ impl GpuLinear {
         parts: &[(u64, u64, u64, usize)],
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward (int8 gemv)";
-        let fname: &'static str = match (m.next_power_of_two(), r) {
-            (1, 1) => "int8_gemv_m1_r1",
-            (2, 1) => "int8_gemv_m2_r1",
-            (4, 1) => "int8_gemv_m4_r1",
-            (8, 1) => "int8_gemv_m8_r1",
-            (1, 4) => "int8_gemv_m1_r4",
-            (2, 4) => "int8_gemv_m2_r4",
-            (4, 4) => "int8_gemv_m4_r4",
-            (8, 4) => "int8_gemv_m8_r4",
-            _ => return Err(GpuError::shape(OP, format!("{}: no GEMV for m = {m}, {r} rows per warp", self.name))),
-        };
-        check(OP, (1..=GEMV_GROUP_MAX).contains(&parts.len()), || {
-            format!("{}: {} matrices in one GEMV launch (1 to {GEMV_GROUP_MAX})", self.name, parts.len())
-        })?;
-        check(OP, parts[..parts.len() - 1].iter().all(|p| p.3.is_multiple_of(r)), || {
-            format!(
-                "{}: parts of {:?} rows do not split at multiples of {r}",
-                self.name,
-                parts.iter().map(|p| p.3).collect::<Vec<_>>()
-            )
-        })?;
+        const NAMES: GemvNames = [
+            ["int8_gemv_m1_r1", "int8_gemv_m2_r1", "int8_gemv_m4_r1", "int8_gemv_m8_r1"],
+            ["int8_gemv_m1_r4", "int8_gemv_m2_r4", "int8_gemv_m4_r4", "int8_gemv_m8_r4"],
+        ];
+        let rows_of: Vec<usize> = parts.iter().map(|p| p.3).collect();
+        let (fname, end) = gemv_launch_plan(&self.name, OP, &NAMES, m, r, &rows_of)?;
         let (w0, s0, y0, _) = parts[0];
-        let mut args_parts = Int8GemvParts {
-            w: [w0; GEMV_GROUP_MAX],
-            scale: [s0; GEMV_GROUP_MAX],
-            y: [y0; GEMV_GROUP_MAX],
-            end: [0; GEMV_GROUP_MAX],
-        };
-        let mut rows = 0usize;
-        for i in 0..GEMV_GROUP_MAX {
-            if let Some(&(w, sc, y, n)) = parts.get(i) {
-                args_parts.w[i] = w;
-                args_parts.scale[i] = sc;
-                args_parts.y[i] = y;
-                rows += n;
-            }
-            args_parts.end[i] = to_i32(OP, "rows", rows)?;
+        let mut args_parts =
+            Int8GemvParts { w: [w0; GEMV_GROUP_MAX], scale: [s0; GEMV_GROUP_MAX], y: [y0; GEMV_GROUP_MAX], end };
+        for (i, &(w, sc, y, _)) in parts.iter().enumerate() {
+            args_parts.w[i] = w;
+            args_parts.scale[i] = sc;
+            args_parts.y[i] = y;
         }
+        let rows = rows_of.iter().sum::<usize>();
         let warps = rows.div_ceil(r);
         let warps_per_block = GEMV_BLOCK as usize / 32;
         let cfg = LaunchConfig {
@@ -1319,6 +1315,42 @@ mod tests {
         }
         assert_eq!("INT8".parse::<LinearQuant>().unwrap(), LinearQuant::Int8);
         assert!("int4".parse::<LinearQuant>().unwrap_err().contains("bf16 or int8"));
+    }
+
+    /// The INT8 rule on 132 SMs: four rows a warp from 4 · 4 · 132 = 2112 rows (GLM-4.5-Air's
+    /// o_proj, 4096 rows, among them), one below.
+    #[test]
+    fn int8_gemv_rows_per_warp_rule() {
+        for (rows, want) in [(1, 1), (2111, 1), (2112, 4), (4096, 4), (14336, 4), (102400, 4)] {
+            assert_eq!(int8_gemv_rows_per_warp(rows, 132), want, "{rows} rows");
+        }
+        assert_eq!((int8_gemv_rows_per_warp(15, 0), int8_gemv_rows_per_warp(16, 0)), (1, 4), "no SM count: one SM");
+    }
+
+    /// The grouped launch's plan: the kernel by `m` rounded up to a power of two and the rows per
+    /// warp, the running ends (unused parts repeat the last), and errors naming the linear for an
+    /// `m` past 8 or of 0, a rows-per-warp count without kernels, no parts or too many, and a
+    /// part that does not split at a multiple of the rows per warp.
+    #[test]
+    fn gemv_launch_plan_picks_the_kernel_and_the_ends() {
+        const N: GemvNames = [["a1", "a2", "a4", "a8"], ["b1", "b2", "b4", "b8"]];
+        let plan = |m, r, rows: &[usize]| gemv_launch_plan("lin", "op", &N, m, r, rows);
+        for (m, want) in [(1, "a1"), (2, "a2"), (3, "a4"), (4, "a4"), (5, "a8"), (8, "a8")] {
+            assert_eq!(plan(m, 1, &[7]).unwrap(), (want, [7, 7, 7, 7]), "m = {m}");
+        }
+        assert_eq!(plan(3, 4, &[12288, 1024, 1024]).unwrap(), ("b4", [12288, 13312, 14336, 14336]));
+        assert_eq!(plan(1, 4, &[8, 4, 12, 5]).unwrap(), ("b1", [8, 12, 24, 29]));
+        for (m, r, rows, needle) in [
+            (9, 1, &[4usize][..], "m = 9"),
+            (0, 1, &[4][..], "m = 0"),
+            (1, 2, &[4][..], "2 rows per warp"),
+            (1, 1, &[][..], "0 matrices"),
+            (1, 1, &[1, 1, 1, 1, 1][..], "5 matrices"),
+            (1, 4, &[6, 4][..], "multiples of 4"),
+        ] {
+            let e = plan(m, r, rows).unwrap_err().to_string();
+            assert!(e.contains("lin") && e.contains(needle), "{e}");
+        }
     }
 
     #[test]

@@ -21,7 +21,7 @@ use krasis_gpu::linear::{
     bf16_gemv_rows_per_warp, int8_gemv_rows_per_warp, Bf16Path, BF16_GEMV_MAX_M, FIXED_ROWS, GEMV_GROUP_MAX,
     INT8_GEMV_MAX_M,
 };
-use krasis_gpu::{GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
+use krasis_gpu::{DeviceBuffer, GemmContext, GpuDevice, GpuError, GpuLinear, LinearQuant, VramBudgetSpec};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 
@@ -281,28 +281,45 @@ fn bf16_group_equals_one_forward_per_matrix() {
             .collect();
         for m in (1..=BF16_GEMV_MAX_M).chain([BF16_GEMV_MAX_M + 1, 37]) {
             let x = rand_f32(&mut r, m * cols, 1.0);
-            let x_d = up(d, &x, "x");
-            let mut ys: Vec<_> = rows.iter().map(|&n| poisoned_f32(d, m * n)).collect();
-            {
-                let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
-                    lins.iter().zip(ys.iter_mut()).map(|(l, y)| (l, y as &mut dyn DevicePtrMut<f32>)).collect();
-                GpuLinear::forward_group(d, ctx, &x_d, m, &mut parts).unwrap();
-            }
             let what = format!("group {rows:?}x{cols} m={m}");
-            for (i, ((l, y), &n)) in lins.iter().zip(&ys).zip(rows.iter()).enumerate() {
-                let mut y1 = poisoned_f32(d, m * n);
-                l.forward(d, ctx, &x_d, m, &mut y1).unwrap();
-                let got = down(d, y);
-                assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    down(d, &y1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{what}: part {i} differs from forward"
-                );
+            let got = group_equals_each_forward(d, ctx, &lins, &up(d, &x, "x"), m, &what);
+            for (i, (got, &n)) in got.iter().zip(rows.iter()).enumerate() {
                 let (want, tol) = twin_bf16(&x, m, &to_f64(&from_bf16(&ws[i])), n, cols);
-                assert_within(&format!("{what} part {i}"), &got, &want, &tol);
+                assert_within(&format!("{what} part {i}"), got, &want, &tol);
             }
         }
     }
+}
+
+/// `forward_group` of `lins` on `x` (`m` rows; outputs poisoned first), each part's output
+/// asserted bit for bit equal to its own `forward`; returns the outputs.
+fn group_equals_each_forward(
+    d: &GpuDevice,
+    ctx: &GemmContext,
+    lins: &[GpuLinear],
+    x_d: &DeviceBuffer<f32>,
+    m: usize,
+    what: &str,
+) -> Vec<Vec<f32>> {
+    let mut ys: Vec<_> = lins.iter().map(|l| poisoned_f32(d, m * l.rows())).collect();
+    {
+        let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
+            lins.iter().zip(ys.iter_mut()).map(|(l, y)| (l, y as &mut dyn DevicePtrMut<f32>)).collect();
+        GpuLinear::forward_group(d, ctx, x_d, m, &mut parts).unwrap();
+    }
+    let mut out = Vec::with_capacity(lins.len());
+    for (i, (l, y)) in lins.iter().zip(&ys).enumerate() {
+        let mut y1 = poisoned_f32(d, m * l.rows());
+        l.forward(d, ctx, x_d, m, &mut y1).unwrap();
+        let got = down(d, y);
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            down(d, &y1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{what}: part {i} differs from forward"
+        );
+        out.push(got);
+    }
+    out
 }
 
 /// `forward_group` of INT8 parts (attention's q, k and v under `--attention-quant int8`): one
@@ -345,27 +362,13 @@ fn int8_group_equals_one_forward_per_matrix() {
             .collect();
         for m in [1, 2, 3, 5, INT8_GEMV_MAX_M, INT8_GEMV_MAX_M + 1] {
             let x = rand_f32(&mut r, m * cols, 1.0);
-            let x_d = up(d, &x, "x");
-            let mut ys: Vec<_> = rows.iter().map(|&n| poisoned_f32(d, m * n)).collect();
-            {
-                let mut parts: Vec<(&GpuLinear, &mut dyn DevicePtrMut<f32>)> =
-                    lins.iter().zip(ys.iter_mut()).map(|(l, y)| (l, y as &mut dyn DevicePtrMut<f32>)).collect();
-                GpuLinear::forward_group(d, ctx, &x_d, m, &mut parts).unwrap();
-            }
             let what = format!("int8 group {rows:?}x{cols} m={m} (r4 {r4})");
-            for (i, ((l, y), &n)) in lins.iter().zip(&ys).zip(rows.iter()).enumerate() {
-                let mut y1 = poisoned_f32(d, m * n);
-                l.forward(d, ctx, &x_d, m, &mut y1).unwrap();
-                let got = down(d, y);
-                assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    down(d, &y1).iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "{what}: part {i} differs from forward"
-                );
+            let got = group_equals_each_forward(d, ctx, &lins, &up(d, &x, "x"), m, &what);
+            let x_twin = if m <= INT8_GEMV_MAX_M { x.clone() } else { round_bf16(&x) };
+            for (i, (got, &n)) in got.iter().zip(rows.iter()).enumerate() {
                 let (q, sc) = twin_quant(&ws[i], n, cols);
-                let x_twin = if m <= INT8_GEMV_MAX_M { x.clone() } else { round_bf16(&x) };
                 let (want, tol) = twin_linear(&x_twin, m, &to_f64(&q), &to_f64(&sc), n, cols);
-                assert_within(&format!("{what} part {i}"), &got, &want, &tol);
+                assert_within(&format!("{what} part {i}"), got, &want, &tol);
             }
         }
     }
