@@ -54,7 +54,7 @@ pub(super) fn twin_within_term_ulps(
 /// between ISAs (see `silu_mul_w13`) and w2 sums those differences into every output of the
 /// row, so an output near zero carries an error of the row's size, not its own: a bar per
 /// element failed one CI run at 1.7e-3 of an element but 2e-7 of its row; a flipped activation
-/// code costs up to ~4e-4 of the row (`EXPERT_ISA_ROW_TOL`). A wrong kernel misses by a fraction
+/// code costs up to ~4e-3 of the row (`EXPERT_ISA_ROW_TOL`). A wrong kernel misses by a fraction
 /// of the row's RMS. For the expert proptests of the K-quant, FP4 and asymmetric INT4 layouts.
 pub(super) fn expert_rows_agree(isa: Isa, got: &[f32], want: &[f32], h: usize) -> Result<(), TestCaseError> {
     for (i, (g, w)) in got.chunks_exact(h).zip(want.chunks_exact(h)).enumerate() {
@@ -81,9 +81,13 @@ pub(super) fn expert_rows_agree(isa: Isa, got: &[f32], want: &[f32], h: usize) -
 /// 37) the median was 0, the 99.9th percentile 5.9e-7. But when a SiLU output sits on a rounding
 /// boundary of the w2 activations' INT8 quantisation, the ulp flips that code, and w2 carries one
 /// quantisation step into the row: 2 of those 9 006 cases, the worst 3.9e-4 (CI met one at
-/// 1.5e-4 and failed on the bar of 1e-5 this had before). A wrong kernel or wiring misses by a
-/// fraction of the RMS; every kernel alone is held bit for bit by `isas_match_the_twin`.
-const EXPERT_ISA_ROW_TOL: f64 = 2e-3;
+/// 1.5e-4 and failed on the bar of 1e-5 this had before). A flip weighs more the fewer
+/// intermediate columns share the row: with 64 of them (`blocks = 2`) one flipped code moved an
+/// output by 3.7e-3 of its row's RMS (session 42's CI, the seed in
+/// `proptest-regressions/quant/int4a_tests.txt`; AVX-512 with AMX on or off), past the 2e-3 this
+/// had before. A wrong kernel or wiring misses by a fraction of the RMS (one of 64 columns lost:
+/// ~1/8); every kernel alone is held bit for bit by `isas_match_the_twin`.
+const EXPERT_ISA_ROW_TOL: f64 = 1e-2;
 
 /// Every ISA this CPU runs gives `want` (the scalar twin's `[m, nb · 16]` over row blocks
 /// `0..nb`) bit for bit: whole; over the row blocks from `cut % nb` on (those columns); and as
