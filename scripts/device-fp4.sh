@@ -18,7 +18,8 @@
 #          Krasis' context) and the CPU engine's decode (`--device cpu`, probes before and after each run)
 # The bars: hybrid decode ≥ 2 × llama.cpp's on each model; the MXFP4 experts stream at ≥ 85 % of the in-run
 # bandwidth probe inside decode, as INT4 does: the hybrid bench's `host read bandwidth (in-run probe)` line
-# (taken before the load) and `per token: CPU experts … ms (… MB, … GB/s = N% of the probe)`; the CPU bench's
+# (taken before the load; its five repetitions and their median listed) and `per token: CPU experts … ms (… MB, … GB/s = N% of the probe,
+# M% of its median repetition)`; the CPU bench's
 # `bytes/token: experts … GB/s (N% of membw)` and its probes around each decode run.
 # Disk (the box has 64 GiB): glm is 3.3 GB + 4.7 GB per MoE layer of safetensors, as much BF16 GGUF until its
 # Q4_K_M (a third of it) is made, 1.15 GB of INT4 cache per MoE layer; gpt-oss is 2.3 GB + 1.75 GB per layer,
@@ -26,7 +27,8 @@
 # to /dev/shm when that has room (then GLM_LAYERS=5 fits too), and Krasis' caches are built early then, else
 # after the BF16 GGUF is gone. SECTIONS picks them (default: prep bench). Every step skips when its output
 # exists, so a second call on a still-warm machine resumes. Log: $OUT/fp4.log (the figures), $OUT/fp4-raw.log
-# (every line of every bench); `gpu`: gpt-oss all on the GPU, MXFP4 kept (the FP4 tiles) against INT4. B (the bundle), PY, LB (llama.cpp's build), W (the working folder) and
+# (every line of every bench); `gpu`: gpt-oss all on the GPU, MXFP4 kept (the FP4 tiles) against INT4. B (the bundle), PY, LB (llama.cpp's build), W (the working folder), OW (gpt-oss's folder, default W: eight layers of both
+# models need OW=/dev/shm, glm alone filling ~55 GB of the disk) and
 # GLM_SYNTH / OSS_SYNTH (the synth arguments) can be set for a dry run elsewhere.
 set -uo pipefail
 B="${B:-device-bundle}"
@@ -40,9 +42,10 @@ PY="${PY:-python3}"
 LB="${LB:-/tmp/lb}"
 W="${W:-/tmp}"
 GLM=$W/glm
-OSS=$W/oss
+OW="${OW:-$W}"   # gpt-oss's folder: /dev/shm when the disk cannot hold both models
+OSS=$OW/oss
 GQ=$W/glm-q4km.gguf
-OG=$W/oss-mxfp4.gguf
+OG=$OW/oss-mxfp4.gguf
 GLM_LAYERS="${GLM_LAYERS:-4}"
 OSS_LAYERS="${OSS_LAYERS:-4}"
 GLM_SYNTH="${GLM_SYNTH:---preset glm-4.5-air --layers $GLM_LAYERS}"

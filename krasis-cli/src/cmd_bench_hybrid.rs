@@ -16,7 +16,13 @@ use crate::cmd_bench::Args;
 pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow::Result<Value> {
     let bw = crate::cmd_bench::probe_bandwidth(a)?;
     if text {
-        println!("host read bandwidth (in-run probe): {:.1} GB/s on {} threads", bw.gb_per_s, bw.threads);
+        println!(
+            "host read bandwidth (in-run probe): {:.1} GB/s on {} threads (median repetition {:.1}: {})",
+            bw.gb_per_s,
+            bw.threads,
+            bw.median_gb_per_s,
+            bw.per_rep.iter().map(|g| format!("{g:.1}")).collect::<Vec<_>>().join(" ")
+        );
     }
     let (opened, load_s) = crate::cmd_bench::open_for_bench(dir, config, text)?;
     let rss_loaded = krasis_core::hw::current_rss_bytes();
@@ -119,9 +125,10 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
             );
         } else {
             println!(
-            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}{}",
+            "per token: CPU experts {experts_ms:.2} ms ({:.1} MB, {expert_gbs:.1} GB/s = {:.0}% of the probe, {:.0}% of its median repetition), waiting for the GPU {:.2} ms (of which prefetching {prefetch_ms:.2} ms, {prefetch_mb:.1} MB), for the launches {launch_ms:.2} ms, rest {rest_ms:.2} ms; host syncs per token {syncs:.2}{}",
             bytes_per_token as f64 / 1e6,
             100.0 * expert_gbs / bw.gb_per_s,
+            100.0 * expert_gbs / bw.median_gb_per_s.max(1e-9),
             wait_ms + prefetch_ms,
             match (h1.pcie_routes - h0.pcie_routes) as f64 / n {
                 r if r > 0.0 => format!("; the GPU ran {r:.1} routes per token over PCIe"),
@@ -172,6 +179,7 @@ pub fn model(dir: &Path, a: &Args, config: &EngineConfig, text: bool) -> anyhow:
     Ok(json!({
         "model": dir.display().to_string(), "device": m.device().name(), "load_s": load_s,
         "membw_gb_per_s": bw.gb_per_s,
+        "membw_median_gb_per_s": bw.median_gb_per_s,
         "prefill": { "tokens": a.prompt_tokens, "seconds": prefill_s, "tok_per_s": a.prompt_tokens as f64 / prefill_s,
                      "reps_s": prefill_reps_s,
                      "handoffs": prefill_handoffs.iter().map(|h| json!({ "calls": h.calls,
