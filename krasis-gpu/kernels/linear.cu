@@ -72,7 +72,8 @@ extern "C" __global__ void scale_rows_f32(float* __restrict__ y, const float* __
 #endif
 
 // 16-byte weight loads each INT8 GEMV lane keeps in flight per chunk (R rows x U column steps,
-// U = 8 / R): 4 KiB per warp, as the BF16 GEMV keeps. The host mirrors it as INT8_GEMV_LOADS.
+// U = 8 / R): 4 KiB per warp, as the BF16 GEMV keeps. The host's INT8_GEMV_MIN_WARPS_PER_SM
+// (linear.rs) counts on it; it has no copy of its own, needing no chunk size.
 #define INT8_GEMV_LOADS 8
 
 // Up to INT8_GEMV_PARTS INT8 matrices of the same x (and the same cols, so the same ldw) in one

@@ -864,10 +864,7 @@ impl GpuLinear {
             }
             return Ok(());
         }
-        for (l, y) in parts.iter() {
-            l.check_shapes(OP, x.len(), y.len(), m)?;
-        }
-        ctx.check_device(dev, OP)?;
+        Self::check_group(OP, dev, ctx, x.len(), m, parts)?;
         let scratch = parts.iter().map(|(l, _)| l.gemm_scratch_bytes(ctx, m)).max().unwrap_or(0);
         let s = dev.stream();
         let (x_p, _gx) = x.device_ptr(s);
@@ -905,28 +902,42 @@ impl GpuLinear {
         parts: &mut [(&GpuLinear, &mut dyn DevicePtrMut<f32>)],
     ) -> Result<(), GpuError> {
         const OP: &str = "GpuLinear::forward_group (int8)";
-        for (l, y) in parts.iter() {
-            l.check_shapes(OP, x.len(), y.len(), m)?;
-        }
-        ctx.check_device(dev, OP)?;
+        Self::check_group(OP, dev, ctx, x.len(), m, parts)?;
         to_i32(OP, "m", m)?;
         let all_rows: usize = parts.iter().map(|(l, _)| l.rows).sum();
         let r = int8_gemv_rows_per_warp(all_rows, dev.info().multiprocessors.max(1) as usize);
         let r = if parts[..parts.len() - 1].iter().all(|(l, _)| l.rows.is_multiple_of(r)) { r } else { 1 };
         let first: &GpuLinear = parts[0].0;
+        // The same for every part: one column count, one padding rule.
+        let Weights::Int8 { ldw, .. } = first.w else { unreachable!("checked by forward_group") };
         let s = dev.stream();
         let (x_p, _gx) = x.device_ptr(s);
-        let (mut ptrs, mut guards, mut ldw0) = (Vec::with_capacity(parts.len()), Vec::new(), 0);
+        let (mut ptrs, mut guards) = (Vec::with_capacity(parts.len()), Vec::with_capacity(parts.len()));
         for (l, y) in parts.iter_mut() {
-            let Weights::Int8 { q, scale, ldw } = &l.w else { unreachable!("checked by forward_group") };
+            let Weights::Int8 { q, scale, .. } = &l.w else { unreachable!("checked by forward_group") };
             let (q_p, gq) = q.device_ptr(s);
             let (s_p, gs) = scale.device_ptr(s);
             let (y_p, gy) = y.device_ptr_mut(s);
             guards.push((gq, gs, gy));
             ptrs.push((q_p, s_p, y_p, l.rows));
-            ldw0 = *ldw; // the same for every part: one column count, one padding rule
         }
-        first.int8_gemv_launch(dev, x_p, m, r, ldw0, &ptrs)
+        first.int8_gemv_launch(dev, x_p, m, r, ldw, &ptrs)
+    }
+
+    /// Every part of a [`GpuLinear::forward_group`] launch against `x`'s length and `m`, and the
+    /// context against the device.
+    fn check_group(
+        op: &'static str,
+        dev: &GpuDevice,
+        ctx: &GemmContext,
+        x_len: usize,
+        m: usize,
+        parts: &[(&GpuLinear, &mut dyn DevicePtrMut<f32>)],
+    ) -> Result<(), GpuError> {
+        for (l, y) in parts {
+            l.check_shapes(op, x_len, y.len(), m)?;
+        }
+        ctx.check_device(dev, op)
     }
 
     /// Whether [`GpuLinear::forward_bf16`] runs for `m` rows through `ctx`: a BF16 weight on the
